@@ -1,0 +1,94 @@
+"""Where the device and the communication backend are chosen, once.
+
+CPU runs use gloo, CUDA runs use NCCL; nothing else in the package calls ``torch.cuda`` to decide.
+Optional accelerators (Transformer Engine, flash-attn, NVIDIA apex) are detected here and reported
+in the startup log; none is ever required.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+
+_DEVICE: torch.device | None = None
+
+
+def choose_device(local_rank: int | None = None) -> torch.device:
+    """CUDA when available (one GPU per local rank) unless MEGATRON_LITE_DEVICE=cpu; else the CPU."""
+    global _DEVICE
+    want = os.environ.get("MEGATRON_LITE_DEVICE", "auto").lower()
+    if want not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"MEGATRON_LITE_DEVICE={want!r}: expected auto, cpu or cuda")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("MEGATRON_LITE_DEVICE=cuda but no CUDA device is visible")
+    if want != "cpu" and torch.cuda.is_available():
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        _DEVICE = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _DEVICE = torch.device("cpu")
+    return _DEVICE
+
+
+def get_device() -> torch.device:
+    """The device chosen by :func:`choose_device` (the CPU if it was never called)."""
+    return _DEVICE if _DEVICE is not None else torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
+    """Initialise torch.distributed from torchrun's environment (or not at all for one process).
+
+    Returns the chosen device. A plain ``python script.py`` (no WORLD_SIZE) runs as a single
+    process without a process group.
+    """
+    device = choose_device()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend_for(device),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_accelerators() -> dict[str, bool]:
+    """Which optional accelerators could be used here (a GPU is required for all of them).
+
+    NVIDIA apex is recognised by its compiled extension, never by the bare name ``apex``: the PyPI
+    package called ``apex`` is an unrelated web toolkit.
+    """
+    gpu = torch.cuda.is_available() and get_device().type == "cuda"
+    return {
+        "transformer_engine": gpu and _importable("transformer_engine"),
+        "flash_attn": gpu and _importable("flash_attn"),
+        "apex": gpu and _importable("fused_layer_norm_cuda"),
+    }
+
+
+def describe_backends() -> str:
+    """One startup-log line saying which device, backend and accelerators are active."""
+    device = get_device()
+    found = [name for name, ok in detect_accelerators().items() if ok]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (
+        f"device {device}, backend {backend_for(device) if world > 1 else 'none (1 process)'}, "
+        f"world size {world}, attention {'flash-attn' if 'flash_attn' in found else 'torch SDPA'}, "
+        f"optional accelerators: {', '.join(found) if found else 'none (pure PyTorch)'}"
+    )

@@ -1,0 +1,162 @@
+"""Model-parallel random number generation and activation checkpointing that restores it.
+
+Two streams matter (Megatron's scheme):
+
+* the *default* stream (``torch.manual_seed(seed + 100 * pp_rank)``) drives dropout outside
+  tensor-parallel regions. It is identical on every tensor- and data-parallel rank, so replicated
+  activations see identical masks;
+* the *tensor-parallel* stream (seed ``seed + 2718 + tp_rank``) lives in :class:`RNGStatesTracker`
+  and is forked around dropout inside TP regions (attention probabilities of a rank's heads), so
+  each TP rank draws its own, reproducible masks.
+
+The tracker swaps generator states of the active device: the CPU generator on CPU runs, the
+current CUDA generator on GPU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..device import get_device
+
+TP_RNG = "model-parallel-rng"
+EXPERT_RNG = "expert-parallel-rng"
+
+
+def _get_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be forked into for a block of code."""
+
+    def __init__(self):
+        self.states: dict[str, torch.Tensor] = {}
+
+    def reset(self):
+        self.states = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        device = get_device()
+        saved = _get_rng_state(device)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_rng_state(device)
+        _set_rng_state(saved, device)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP_RNG):
+        """Run the block with generator ``name``; its advanced state is kept for next time."""
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} was never added; call model_parallel_seed() first")
+        device = get_device()
+        outer = _get_rng_state(device)
+        _set_rng_state(self.states[name], device)
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng_state(device)
+            _set_rng_state(outer, device)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int, state) -> None:
+    """Seed the default stream and the tracker for this rank (Megatron's offsets).
+
+    default: ``seed + 100 * pp_rank`` (same on all TP and DP ranks of a stage);
+    tensor-parallel: ``seed + 2718 + tp_rank``; expert-parallel: ``seed + 2718 + 1024 + 100 * ep_rank + tp_rank``.
+    """
+    default_seed = seed + 100 * state.pp_rank
+    torch.manual_seed(default_seed)
+    if get_device().type == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    _TRACKER.reset()
+    _TRACKER.add(TP_RNG, default_seed + 2718 + state.tp_rank)
+    _TRACKER.add(EXPERT_RNG, default_seed + 2718 + 1024 + 100 * state.ep_rank + state.tp_rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing.
+
+
+def _capture():
+    device = get_device()
+    return torch.get_rng_state(), (_get_rng_state(device) if device.type == "cuda" else None), _TRACKER.get_states()
+
+
+def _restore(saved):
+    cpu, accel, tracker = saved
+    torch.set_rng_state(cpu)
+    if accel is not None:
+        _set_rng_state(accel, get_device())
+    _TRACKER.set_states(tracker)
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, *args):
+        ctx.run = run
+        ctx.rng = _capture()
+        with torch.no_grad():
+            outputs = run(*args)
+        ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
+        ctx.non_tensor = [None if torch.is_tensor(a) else a for a in args]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        args = []
+        for tensor, other in zip(saved, ctx.non_tensor):
+            if tensor is None:
+                args.append(other)
+            else:
+                detached = tensor.detach()
+                detached.requires_grad_(tensor.requires_grad)
+                args.append(detached)
+        now = _capture()
+        _restore(ctx.rng)  # replay the forward's random draws (dropout masks)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run(*args)
+        finally:
+            _restore(now)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
+def checkpoint(run, *args):
+    """Run ``run(*args)`` without keeping its activations; recompute them in backward.
+
+    The CPU, CUDA and tracker RNG states of the forward are restored for the recomputation, so
+    dropout masks are identical; the states after backward are what they were before it.
+    """
+    return _Checkpoint.apply(run, *args)

@@ -1,0 +1,231 @@
+"""The rank grid and every process group, built once from the parallel sizes.
+
+Ranks are laid out in Megatron's order ``tp-cp-ep-dp-pp`` with tensor parallelism innermost::
+
+    rank = tp_r + tp * (cp_r + cp * (ep_r + ep * (edp_r + edp * pp_r)))
+
+Expert parallelism is carved out of the data-parallel dimension: the full data-parallel rank is
+``dp_r = ep_r + ep * edp_r`` (``edp = dp / ep``), so dense weights are replicated over all ``dp``
+ranks while expert weights are sharded over ``ep`` and replicated over ``edp`` (and ``cp``).
+
+:class:`RankGrid` is pure Python (no processes) and answers "which ranks form each group";
+:class:`ParallelState` turns those lists into ``torch.distributed`` groups. A group of one rank is
+represented by ``None`` and every collective in :mod:`megatron_lite.parallel.comm` skips it, so a
+single process needs no ``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+
+# Outermost first; the rank is the mixed-radix number of its coordinates in this order.
+_DIMS = ("pp", "edp", "ep", "cp", "tp")
+
+# Each named group varies these dimensions (and fixes all the others).
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
+    "dp": ("edp", "ep"),
+    "dp_cp": ("edp", "ep", "cp"),
+    "mp": ("pp", "tp"),
+    "tp_cp": ("cp", "tp"),
+    "ep": ("ep",),
+    "expert_dp": ("edp", "cp"),
+}
+
+
+class ParallelConfigError(ValueError):
+    """Parallel sizes that cannot describe the world."""
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """The pure arithmetic of the rank grid: sizes, coordinates and the rank lists of every group."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int | None = None
+    vpp: int | None = None
+
+    def __post_init__(self):
+        for name in ("world_size", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        model = self.tp * self.pp * self.cp
+        if self.dp is None:
+            if self.world_size % model:
+                raise ParallelConfigError(
+                    f"world size {self.world_size} is not divisible by tensor-model-parallel-size {self.tp} "
+                    f"x pipeline-model-parallel-size {self.pp} x context-parallel-size {self.cp} = {model}; "
+                    "launch a multiple of that many processes or change the sizes"
+                )
+            object.__setattr__(self, "dp", self.world_size // model)
+        elif self.dp * model != self.world_size:
+            raise ParallelConfigError(
+                f"tensor-model-parallel-size {self.tp} x pipeline-model-parallel-size {self.pp} x "
+                f"context-parallel-size {self.cp} x data-parallel-size {self.dp} = {self.dp * model} "
+                f"does not equal the world size {self.world_size}"
+            )
+        if self.dp % self.ep:
+            raise ParallelConfigError(
+                f"expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
+                f"(world {self.world_size} / (tp {self.tp} x pp {self.pp} x cp {self.cp}))"
+            )
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ParallelConfigError(
+                "virtual pipeline stages need pipeline-model-parallel-size > 1; "
+                "drop --num-layers-per-virtual-pipeline-stage or raise the pipeline size"
+            )
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` along each dimension."""
+        out = {}
+        for dim in reversed(_DIMS):
+            size = self.sizes()[dim]
+            out[dim] = rank % size
+            rank //= size
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for dim in _DIMS:
+            rank = rank * self.sizes()[dim] + coords.get(dim, 0)
+        return rank
+
+    def groups(self, name: str) -> list[list[int]]:
+        """All rank lists of group ``name`` (every rank appears in exactly one), each sorted."""
+        varying = GROUP_DIMS[name]
+        fixed = [d for d in _DIMS if d not in varying]
+        grid = np.arange(self.world_size).reshape([self.sizes()[d] for d in _DIMS])
+        order = [_DIMS.index(d) for d in fixed] + [_DIMS.index(d) for d in _DIMS if d in varying]
+        rows = grid.transpose(order).reshape(-1, math.prod(self.sizes()[d] for d in varying))
+        return [sorted(row) for row in rows.tolist()]
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        for ranks in self.groups(name):
+            if rank in ranks:
+                return ranks
+        raise AssertionError("unreachable: every rank is in one group")
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline group (they share the tied embedding)."""
+        return [sorted({ranks[0], ranks[-1]}) for ranks in self.groups("pp")]
+
+
+def _flag(name: str) -> str:
+    return {
+        "tp": "tensor-model-parallel-size",
+        "pp": "pipeline-model-parallel-size",
+        "cp": "context-parallel-size",
+        "ep": "expert-model-parallel-size",
+        "world_size": "world size",
+    }[name]
+
+
+class ParallelState:
+    """Process groups and rank helpers for one rank of a :class:`RankGrid`.
+
+    Build it once after ``torch.distributed`` is initialised (or without it for a single process)
+    and hand it to the layers that communicate. Every rank must build the same states in the same
+    order, because group creation is collective.
+    """
+
+    def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None):
+        distributed = dist.is_available() and dist.is_initialized()
+        if world_size is None:
+            world_size = dist.get_world_size() if distributed else 1
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
+        self.grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp)
+        self.rank = rank
+        self.world_size = world_size
+        if world_size > 1 and not distributed:
+            raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
+        self._ranks: dict[str, list[int]] = {}
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        names = list(GROUP_DIMS) + ["embedding"]
+        for name in names:
+            all_lists = self.grid.embedding_groups() if name == "embedding" else self.grid.groups(name)
+            self._ranks[name] = next(r for r in all_lists if rank in r)
+            self._groups[name] = None
+            if len(all_lists[0]) == 1 and name != "embedding":
+                continue  # groups of one: no communicator needed
+            for ranks in all_lists:  # collective: every rank creates every group, in order
+                if len(ranks) == 1:
+                    continue
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    self._groups[name] = group
+        coords = self.grid.coords(rank)
+        self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
+        self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]
+        self.dp_rank = coords["ep"] + self.grid.ep * coords["edp"]
+
+    # sizes ---------------------------------------------------------------------------------
+    tp_size = property(lambda self: self.grid.tp)
+    pp_size = property(lambda self: self.grid.pp)
+    cp_size = property(lambda self: self.grid.cp)
+    ep_size = property(lambda self: self.grid.ep)
+    dp_size = property(lambda self: self.grid.dp)
+    vpp_size = property(lambda self: self.grid.vpp)
+    expert_dp_size = property(lambda self: self.grid.edp)
+
+    # groups (None = a group of one rank) ---------------------------------------------------
+    def group(self, name: str):
+        return self._groups[name]
+
+    def ranks(self, name: str) -> list[int]:
+        return self._ranks[name]
+
+    tp_group = property(lambda self: self._groups["tp"])
+    pp_group = property(lambda self: self._groups["pp"])
+    dp_group = property(lambda self: self._groups["dp"])
+    cp_group = property(lambda self: self._groups["cp"])
+    dp_cp_group = property(lambda self: self._groups["dp_cp"])
+    mp_group = property(lambda self: self._groups["mp"])
+    ep_group = property(lambda self: self._groups["ep"])
+    expert_dp_group = property(lambda self: self._groups["expert_dp"])
+    embedding_group = property(lambda self: self._groups["embedding"])
+
+    # pipeline helpers ----------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def in_embedding_group(self) -> bool:
+        return self.rank in self._ranks["embedding"] and len(self._ranks["embedding"]) > 1
+
+    @property
+    def next_pp_rank(self) -> int:
+        ranks = self._ranks["pp"]
+        return ranks[(self.pp_rank + 1) % len(ranks)]
+
+    @property
+    def prev_pp_rank(self) -> int:
+        ranks = self._ranks["pp"]
+        return ranks[(self.pp_rank - 1) % len(ranks)]
+
+    def describe(self) -> str:
+        g = self.grid
+        return (
+            f"world {g.world_size} = tp {g.tp} x cp {g.cp} x dp {g.dp} (ep {g.ep} x edp {g.edp}) x pp {g.pp}"
+            + (f", vpp {g.vpp}" if g.vpp else "")
+        )

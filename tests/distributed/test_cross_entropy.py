@@ -1,0 +1,65 @@
+"""vocab_parallel_cross_entropy against F.cross_entropy on the full, unpadded logits.
+
+Loss and logit gradients must match within rtol 1e-5 (fp32). The padded tail of the vocabulary
+is filled with large values to prove it never reaches the loss, and its gradient must be zero.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import padded_vocab_size
+from tests.harness import cached_state, run_ranks
+
+S, B = 6, 3
+
+
+def check_cross_entropy(tp, vocab, smoothing, count_collectives=False):
+    state = cached_state(tp=tp) if tp > 1 else ParallelState()
+    padded = padded_vocab_size(vocab, 4, tp)
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(S, B, padded, generator=gen) * 3
+    logits[..., vocab:] = 50.0  # padding: would dominate the softmax if it were not excluded
+    target = torch.randint(0, vocab, (S, B), generator=gen)
+    dloss = torch.rand(S, B, generator=gen)
+
+    ref_logits = logits[..., :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=smoothing)
+    ref.backward(dloss.reshape(-1))
+
+    part = logits.chunk(tp, dim=-1)[state.tp_rank].clone().requires_grad_()
+    calls = []
+    original = dist.all_reduce
+    if count_collectives:
+        dist.all_reduce = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    try:
+        loss = vocab_parallel_cross_entropy(part, target, state.tp_group, label_smoothing=smoothing, vocab_size=vocab)
+    finally:
+        dist.all_reduce = original
+    loss.backward(dloss)
+    torch.testing.assert_close(loss.reshape(-1), ref.detach(), rtol=1e-5, atol=1e-6)
+    full_grad = torch.cat([ref_logits.grad, torch.zeros(S, B, padded - vocab)], dim=-1)
+    torch.testing.assert_close(part.grad, full_grad.chunk(tp, dim=-1)[state.tp_rank], rtol=1e-5, atol=1e-6)
+    return len(calls)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("vocab", [32, 37])  # 37: not divisible by TP, padded to a multiple of 4 x TP
+def test_single_process(vocab, smoothing):
+    check_cross_entropy(1, vocab, smoothing)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel(tp):
+    for vocab in (32, 37, 5):  # 5 with TP 4 -> 16 padded: whole shards are padding
+        for smoothing in (0.0, 0.1):
+            run_ranks(tp, check_cross_entropy, tp, vocab, smoothing)
+
+
+def test_one_max_and_one_fused_sum():
+    # The max and the stacked sums: exactly two all-reduces per call, with or without smoothing.
+    assert run_ranks(2, check_cross_entropy, 2, 37, 0.1, True) == [2, 2]
+    assert run_ranks(2, check_cross_entropy, 2, 37, 0.0, True) == [2, 2]

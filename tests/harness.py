@@ -1,0 +1,151 @@
+"""Multi-rank test harness: real process groups, spawned once and reused across tests.
+
+``run_ranks(world_size, fn, *args)`` runs the module-level function ``fn(*args)`` on every rank
+of a pool of ``world_size`` worker processes with ``torch.distributed`` initialised (gloo on CPU,
+NCCL when enough GPUs exist) and returns the per-rank results in rank order. An exception on any
+rank fails the test with that rank's traceback; a hang kills the pool (a fresh one is started for
+the next test) and fails with a timeout. Pools for 2, 4 and 8 ranks live for the whole session.
+
+Inside workers, :func:`cached_state` returns a :class:`ParallelState` per shape, so the process
+groups of a shape are created once per pool rather than once per test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+
+TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", 300))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    if torch.cuda.device_count() < world_size:  # NCCL needs a GPU per rank; else test on CPU + gloo
+        os.environ["MEGATRON_LITE_DEVICE"] = "cpu"
+    from megatron_lite.device import init_distributed
+
+    try:
+        init_distributed(timeout_minutes=TIMEOUT_S / 60)
+    except Exception:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        path, module_name, fn_name, args, kwargs = task
+        for entry in path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs):
+        path = [p for p in sys.path if p]
+        task = (path, fn.__module__, fn.__name__, args, kwargs)
+        for q in self.tasks:
+            q.put(task)
+        out, errors = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self.results.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                self.close(kill=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks in {TIMEOUT_S:.0f} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(sorted(errors)))
+        return out
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_ranks(world_size: int, fn, *args, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _POOLS[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, **kwargs)
+    except TimeoutError:
+        _POOLS.pop(world_size, None)
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for code running inside a worker.
+
+_STATES: dict = {}
+
+
+def cached_state(**sizes):
+    """The ParallelState of this shape for this worker, created once (group creation is collective)."""
+    from megatron_lite.parallel.state import ParallelState
+
+    key = tuple(sorted(sizes.items()))
+    if key not in _STATES:
+        _STATES[key] = ParallelState(**sizes)
+    return _STATES[key]
