@@ -218,6 +218,7 @@ class GPTDataset:
             "seq_length": config.seq_length,
             "seed": config.seed,
         }
+        self.description = description
         if cache_dir is None:
             cache_dir = config.data_cache_path
         arrays, self.index_source = load_or_build(
