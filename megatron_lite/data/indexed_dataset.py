@@ -236,6 +236,20 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.extend(lengths)
         self.end_document()
 
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document) -> None:
+        """Append many documents at once (a preprocessing chunk): flat tokens of all of them, every
+        sequence's length, and how many sequences each document has (0 is allowed)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"add_documents: lengths sum to {int(lengths.sum())} but {arr.size} "
+                             f"tokens given")
+        self._bin.write(arr.tobytes(order="C"))
+        start = len(self.sequence_lengths)
+        self.sequence_lengths.extend(lengths.tolist())
+        ends = start + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64))
+        self.document_indices.extend(ends.tolist())
+
     def add_index(self, other_prefix: str) -> None:
         """Append every sequence and document of another dataset (same dtype), streaming its .bin."""
         other = IndexedDataset(other_prefix)

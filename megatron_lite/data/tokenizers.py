@@ -1,0 +1,271 @@
+"""Every tokenizer Megatron's ``--tokenizer-type`` names, behind one small interface.
+
+``build_tokenizer(type, ...)`` returns an object with:
+  ``vocab_size``; special ids ``eod pad cls sep mask bos eos`` (None where the type has none);
+  ``tokenize(text) -> list[int]``; ``detokenize(ids) -> str``; ``vocab`` / ``inv_vocab``
+  (token -> id / id -> token) where the type has a vocabulary.
+
+Types and their files (Megatron's flag names):
+  GPT2BPETokenizer            --vocab-file vocab.json --merge-file merges.txt (GPT-2 byte-level BPE)
+  SentencePieceTokenizer      --tokenizer-model x.model; adds <CLS> <SEP> <EOD> <MASK> (and pad/
+                              bos/eos pieces the model lacks) after the model's pieces, as Megatron does
+  GPTSentencePieceTokenizer   --tokenizer-model x.model; the model's pieces only, eod = </s> (eos)
+  HuggingFaceTokenizer        --tokenizer-model tokenizer.json (or a directory holding one); needs the
+                              optional ``tokenizers`` package
+  BertWordPieceLowerCase/Case --vocab-file vocab.txt
+  NullTokenizer               --vocab-size N; text is space-separated integers, eod = N - 1
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_lite.data.indexed_dataset import DataFileError
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "NullTokenizer",
+)
+
+
+class Tokenizer:
+    """Base: special ids default to None; subclasses set what their vocabulary defines."""
+
+    vocab_size: int
+    eod = pad = cls = sep = mask = bos = eos = None
+    vocab: dict | None = None
+    inv_vocab: dict | None = None
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids) -> str:
+        raise NotImplementedError
+
+
+def _need(value, flag: str, tokenizer_type: str):
+    if value is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if flag != "--vocab-size" and not os.path.exists(value):
+        raise DataFileError(f"{value}: file not found (given as {flag} for {tokenizer_type})")
+    return value
+
+
+class GPT2BPETokenizer(Tokenizer):
+    def __init__(self, vocab_file: str, merge_file: str):
+        from megatron_lite.data.gpt2_bpe import END_OF_TEXT, GPT2BPE
+
+        self.bpe = GPT2BPE.from_files(vocab_file, merge_file)
+        if END_OF_TEXT not in self.bpe.encoder:
+            raise DataFileError(f"{vocab_file}: no {END_OF_TEXT} token (GPT-2's end-of-document token)")
+        self.vocab, self.inv_vocab = self.bpe.encoder, self.bpe.decoder
+        self.vocab_size = len(self.vocab)
+        self.eod = self.vocab[END_OF_TEXT]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.bpe.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self.bpe.decode(ids)
+
+
+def _load_sentencepiece(model_file: str):
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (OSError, RuntimeError) as e:
+        raise DataFileError(f"{model_file}: not a readable SentencePiece model ({e})") from None
+
+
+def _optional_id(i: int):
+    return None if i is None or i < 0 else i
+
+
+class GPTSentencePieceTokenizer(Tokenizer):
+    """The model's own pieces; eod is its end-of-sentence id, pad/bos its pad/bos ids (if any)."""
+
+    def __init__(self, model_file: str):
+        self.sp = _load_sentencepiece(model_file)
+        self.vocab_size = self.sp.get_piece_size()
+        self.inv_vocab = {i: self.sp.id_to_piece(i) for i in range(self.vocab_size)}
+        self.vocab = {p: i for i, p in self.inv_vocab.items()}
+        self.bos = _optional_id(self.sp.bos_id())
+        self.eos = self.eod = _optional_id(self.sp.eos_id())
+        self.pad = _optional_id(self.sp.pad_id())
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode_as_ids(text)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.decode_ids([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron's SentencePieceTokenizer: special tokens appended after the model's pieces.
+
+    <CLS>, <SEP>, <EOD>, <MASK>, then the model's pad/bos/eos pieces (or <PAD>/<BOS>/<EOS> when the
+    model has none), then ``<extra_id_0..n-1>``; each gets a new id only if it is not already a
+    piece.  Special tokens written literally in the text are encoded as their ids.
+    """
+
+    def __init__(self, model_file: str, vocab_extra_ids: int = 0):
+        super().__init__(model_file)
+        self.special = {}
+
+        def add(token: str) -> int:
+            if token not in self.vocab:
+                self.vocab[token] = len(self.vocab)
+                self.inv_vocab[self.vocab[token]] = token
+            self.special[token] = self.vocab[token]
+            return self.vocab[token]
+
+        def model_piece(i: int, fallback: str) -> str:
+            return self.sp.id_to_piece(i) if i >= 0 else fallback
+
+        self.cls, self.sep, self.eod, self.mask = (add(t) for t in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"))
+        self.pad = add(model_piece(self.sp.pad_id(), "<PAD>"))
+        self.bos = add(model_piece(self.sp.bos_id(), "<BOS>"))
+        self.eos = add(model_piece(self.sp.eos_id(), "<EOS>"))
+        for i in range(vocab_extra_ids):
+            add(f"<extra_id_{i}>")
+        self.vocab_size = len(self.vocab)
+        self.inv_special = {i: t for t, i in self.special.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        ids, pos = [], 0
+        while True:
+            hits = [(text.find(t, pos), t) for t in self.special]
+            hits = [(at, -len(t), t) for at, t in hits if at >= 0]
+            if not hits:
+                break
+            at, _, token = min(hits)
+            ids.extend(self.sp.encode_as_ids(text[pos:at]))
+            ids.append(self.special[token])
+            pos = at + len(token)
+        ids.extend(self.sp.encode_as_ids(text[pos:]))
+        return ids
+
+    def detokenize(self, ids) -> str:
+        parts, run = [], []
+        for i in (int(i) for i in ids):
+            if i in self.inv_special:
+                parts.append(self.sp.decode_ids(run))
+                parts.append(self.inv_special[i])
+                run = []
+            else:
+                run.append(i)
+        parts.append(self.sp.decode_ids(run))
+        return "".join(parts)
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A local ``tokenizer.json`` through the ``tokenizers`` package (no hub, no transformers)."""
+
+    EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+    PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ImportError("HuggingFaceTokenizer needs the optional 'tokenizers' package: "
+                              "pip install tokenizers  (or pip install megatron_lite[hf])") from None
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        try:
+            self.hf = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:
+            raise DataFileError(f"{path}: not a readable Hugging Face tokenizer.json ({e})") from None
+        self.vocab = self.hf.get_vocab(with_added_tokens=True)
+        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        self.eod = self.eos = next((self.vocab[t] for t in self.EOD_CANDIDATES if t in self.vocab), None)
+        self.pad = next((self.vocab[t] for t in self.PAD_CANDIDATES if t in self.vocab), None)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.hf.encode(text).ids
+
+    def detokenize(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class BertWordPieceTokenizer(Tokenizer):
+    def __init__(self, vocab_file: str, lower_case: bool):
+        from megatron_lite.data.wordpiece import WordPieceTokenizer
+
+        self.wp = WordPieceTokenizer(vocab_file, lower_case)
+        self.vocab, self.inv_vocab = self.wp.vocab, self.wp.inv_vocab
+        self.vocab_size = len(self.inv_vocab)
+        self.cls, self.sep = self.vocab["[CLS]"], self.vocab["[SEP]"]
+        self.mask, self.pad = self.vocab["[MASK]"], self.vocab["[PAD]"]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.wp.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self.wp.decode(ids)
+
+
+class NullTokenizer(Tokenizer):
+    """Text is already token ids, separated by spaces; id ``vocab_size - 1`` is the end of document."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise ValueError("NullTokenizer expects space-separated integers") from None
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"NullTokenizer: a token id is outside [0, {self.vocab_size})")
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None,
+                    vocab_size=None, vocab_extra_ids: int = 0) -> Tokenizer:
+    """Build the tokenizer Megatron's ``--tokenizer-type`` names, from local files only."""
+    t = tokenizer_type
+    if t == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", t), _need(merge_file, "--merge-file", t))
+    if t == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", t), vocab_extra_ids)
+    if t == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", t))
+    if t == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(_need(tokenizer_model, "--tokenizer-model", t))
+    if t in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return BertWordPieceTokenizer(_need(vocab_file, "--vocab-file", t), t == "BertWordPieceLowerCase")
+    if t == "NullTokenizer":
+        return NullTokenizer(_need(vocab_size, "--vocab-size", t))
+    raise ValueError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def add_tokenizer_args(parser) -> None:
+    """Megatron's tokenizer flags, for tools that build a tokenizer."""
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2 BPE) or vocab.txt (WordPiece)")
+    group.add_argument("--merge-file", default=None, help="merges.txt (GPT-2 BPE)")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model, or tokenizer.json for HuggingFaceTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="number of <extra_id_N> tokens SentencePieceTokenizer appends")
+
+
+def tokenizer_kwargs(args) -> dict:
+    """The build_tokenizer keyword arguments held in parsed CLI args (picklable, for workers)."""
+    return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                vocab_size=args.vocab_size, vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))

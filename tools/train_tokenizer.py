@@ -1,0 +1,110 @@
+"""Train a tokenizer on local text: SentencePiece (.model) or GPT-2-style byte-level BPE (vocab/merges).
+
+    # SentencePiece BPE, 4096 pieces, from the "text" field of a JSONL file -> data/spm4k.model/.vocab
+    python tools/train_tokenizer.py --input data/sample.jsonl --output-prefix data/spm4k --vocab-size 4096
+
+    # GPT-2 byte-level BPE -> data/gpt2-vocab.json + data/gpt2-merges.txt (for GPT2BPETokenizer)
+    python tools/train_tokenizer.py --input data/sample.jsonl --output-prefix data/gpt2 \\
+        --model-type byte-level-bpe --vocab-size 8192
+
+Input is JSONL (``--json-keys`` fields, default "text") when the file name ends in .jsonl/.json
+(optionally .gz), else plain text (one training sentence per line).  The SentencePiece defaults
+suit a small corpus and make decoding exact: identity normalization, whitespace kept as is,
+byte fallback (unseen characters become byte pieces, never <unk>), digits split, ids
+unk=0 bos=1 eos=2 (eos is GPTSentencePieceTokenizer's EOD).
+"""
+
+import argparse
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def read_texts(path: str, json_keys=("text",), jsonl=None):
+    """Yield the training texts of a JSONL or plain-text file (see the module docstring)."""
+    if jsonl is None:
+        jsonl = path.removesuffix(".gz").endswith((".jsonl", ".json"))
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not jsonl:
+                yield line.rstrip("\n")
+                continue
+            try:
+                obj = json.loads(line)
+                texts = [obj[k] for k in json_keys]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON object with keys {list(json_keys)} ({e})") from None
+            yield from (t for t in texts if isinstance(t, str))
+
+
+def train_sentencepiece(texts, output_prefix: str, vocab_size: int = 4096, model_type: str = "bpe",
+                        verbose: bool = False) -> str:
+    """Train on ``texts`` (each split into lines); returns the .model path."""
+    import sentencepiece as spm
+
+    def lines():
+        for text in texts:
+            for line in text.split("\n"):
+                if line.strip():
+                    yield line
+
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(), model_prefix=output_prefix, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=1.0, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        max_sentence_length=1 << 16, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1, minloglevel=0 if verbose else 2,
+    )
+    return output_prefix + ".model"
+
+
+def train_byte_level_bpe(texts, output_prefix: str, vocab_size: int, min_frequency: int = 2):
+    """GPT-2 format files ``{prefix}-vocab.json`` and ``{prefix}-merges.txt``; returns their paths."""
+    from megatron_lite.data.gpt2_bpe import save_vocab_and_merges, train_gpt2_bpe
+
+    encoder, merges = train_gpt2_bpe(texts, vocab_size, min_frequency)
+    vocab_file, merge_file = f"{output_prefix}-vocab.json", f"{output_prefix}-merges.txt"
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    save_vocab_and_merges(encoder, merges, vocab_file, merge_file)
+    return vocab_file, merge_file
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to train on")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab (SentencePiece) "
+                        "or PREFIX-vocab.json/-merges.txt (byte-level-bpe)")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--model-type", choices=["bpe", "unigram", "byte-level-bpe"], default="bpe",
+                        help="SentencePiece bpe/unigram, or GPT-2-style byte-level BPE")
+    parser.add_argument("--min-frequency", type=int, default=2, help="byte-level-bpe: rarest pair to merge")
+    parser.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.input):
+        print(f"{args.input}: input file not found (--input)", file=sys.stderr)
+        return 2
+    texts = read_texts(args.input, args.json_keys)
+    try:
+        if args.model_type == "byte-level-bpe":
+            paths = train_byte_level_bpe(texts, args.output_prefix, args.vocab_size, args.min_frequency)
+            print(f"Wrote {paths[0]} and {paths[1]} (use --tokenizer-type GPT2BPETokenizer "
+                  f"--vocab-file {paths[0]} --merge-file {paths[1]})")
+        else:
+            model = train_sentencepiece(texts, args.output_prefix, args.vocab_size, args.model_type, args.verbose)
+            print(f"Wrote {model} (use --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model {model})")
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
