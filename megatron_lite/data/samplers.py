@@ -1,0 +1,170 @@
+"""Which sample indices each data-parallel rank reads, resumable to the exact sample.
+
+Megatron's pretraining layout: global step k of training reads the ``micro_batch_size * dp_size``
+consecutive indices after the ones already consumed; data-parallel rank r takes the r-th slice of
+``micro_batch_size`` of them.  So the ranks' micro-batches of a step are disjoint and together cover
+it, and a run resumed after C consumed samples (C saved in the checkpoint) reads exactly what the
+uninterrupted run would have read from that point on.  (With gradient accumulation a global batch
+is several such steps in a row; the sampler does not need to know.)
+
+``RandomPretrainingSampler`` is the "cyclic" variant for finetuning / multi-epoch loops: each
+epoch is a fresh permutation seeded by (seed, epoch), cut into the same per-step layout, repeated
+forever, also resumable from a consumed-sample count.
+
+``collate`` stacks a list of sample dicts into a dict of torch tensors;
+``build_pretraining_data_loader`` / ``build_data_iterators`` wire it all into torch DataLoaders.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+def _check(total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, size: int) -> None:
+    if total_samples <= 0:
+        raise ValueError(f"no samples to draw from (total_samples={total_samples})")
+    if micro_batch_size <= 0:
+        raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"data_parallel_rank {rank} not in [0, {size})")
+    if consumed_samples < 0:
+        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+
+
+class PretrainingSampler:
+    """Sequential, resumable sampler: yields this rank's micro-batch (list of indices) per step."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank = data_parallel_rank
+        self.step_size = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        remaining = max(0, self.total_samples - self.consumed_samples)
+        full, rest = divmod(remaining, self.step_size)
+        partial = rest > self.rank * self.micro_batch_size and not self.drop_last
+        return full + int(partial)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        begin = self.rank * self.micro_batch_size
+        for step_start in range(self.consumed_samples, self.total_samples, self.step_size):
+            step_end = step_start + self.step_size
+            if step_end > self.total_samples:  # a last, partial step
+                if self.drop_last:
+                    return
+                step_end = self.total_samples
+            lo, hi = step_start + begin, min(step_start + begin + self.micro_batch_size, step_end)
+            if lo < hi:
+                yield list(range(lo, hi))
+
+
+class RandomPretrainingSampler:
+    """Endless epochs of seeded permutations of [0, total_samples), same per-step layout, resumable.
+
+    An epoch has ``total_samples // (micro_batch_size * dp_size)`` full steps (the remainder is
+    skipped); ``consumed_samples`` must be a multiple of the step size.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, seed: int = 1234):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        self.step_size = micro_batch_size * data_parallel_size
+        if consumed_samples % self.step_size:
+            raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of micro-batch x "
+                             f"data-parallel size {self.step_size}")
+        self.steps_per_epoch = total_samples // self.step_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{total_samples} samples are fewer than one step of {self.step_size}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank = data_parallel_rank
+        self.seed = seed
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.total_samples)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.consumed_samples // self.step_size
+        begin = self.rank * self.micro_batch_size
+        for epoch in itertools.count(step // self.steps_per_epoch):
+            order = self.epoch_order(epoch)
+            first = step % self.steps_per_epoch if epoch == step // self.steps_per_epoch else 0
+            for k in range(first, self.steps_per_epoch):
+                lo = k * self.step_size + begin
+                yield order[lo:lo + self.micro_batch_size].tolist()
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack sample dicts (numpy arrays / scalars) into one dict of torch tensors, batch dim first."""
+    return {key: torch.from_numpy(np.stack([np.asarray(s[key]) for s in samples])) for key in samples[0]}
+
+
+def _one_thread(_worker_id: int) -> None:
+    torch.set_num_threads(1)
+
+
+def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
+                                  data_parallel_rank: int, data_parallel_size: int,
+                                  dataloader_type: str = "single", num_workers: int = 0,
+                                  seed: int = 1234) -> torch.utils.data.DataLoader | None:
+    """A DataLoader yielding collated micro-batches of this rank ("single" or "cyclic" order)."""
+    if dataset is None:
+        return None
+    if dataloader_type == "single":
+        sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                     data_parallel_rank, data_parallel_size)
+    elif dataloader_type == "cyclic":
+        sampler = RandomPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                           data_parallel_rank, data_parallel_size, seed=seed)
+    else:
+        raise ValueError(f"--dataloader-type {dataloader_type!r} is not one of 'single', 'cyclic'")
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       collate_fn=collate, worker_init_fn=_one_thread if num_workers else None)
+
+
+def cyclic_batches(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                   data_parallel_size: int, num_workers: int = 0) -> Iterator:
+    """Sequential micro-batches forever: from consumed_samples to the end, then again from 0."""
+    while True:
+        loader = build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
+                                               data_parallel_rank, data_parallel_size, "single", num_workers)
+        if consumed_samples == 0 and len(loader.batch_sampler) == 0:
+            raise ValueError(f"dataset of {len(dataset)} samples is smaller than one step of "
+                             f"{micro_batch_size * data_parallel_size} (micro-batch x data-parallel size)")
+        yield from loader
+        consumed_samples = 0
+
+
+def build_data_iterators(train_ds, valid_ds, test_ds, consumed_train_samples: int,
+                         consumed_valid_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                         data_parallel_size: int, dataloader_type: str = "single", num_workers: int = 0,
+                         seed: int = 1234) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
+    """(train, valid, test) iterators of collated micro-batches; None where a dataset is None.
+
+    Train resumes at ``consumed_train_samples`` and ends with the dataset ("single") or cycles
+    through seeded epochs ("cyclic"); valid resumes at ``consumed_valid_samples`` (wrapped to the
+    dataset) and, like test, cycles forever so evaluation never runs dry.
+    """
+    train = build_pretraining_data_loader(train_ds, consumed_train_samples, micro_batch_size,
+                                          data_parallel_rank, data_parallel_size, dataloader_type,
+                                          num_workers, seed)
+    iterators = [iter(train) if train is not None else None]
+    step = micro_batch_size * data_parallel_size
+    for ds, consumed in ((valid_ds, consumed_valid_samples), (test_ds, 0)):
+        if ds is None:
+            iterators.append(None)
+            continue
+        usable = len(ds) - len(ds) % step
+        iterators.append(cyclic_batches(ds, consumed % usable if usable else 0, micro_batch_size,
+                                        data_parallel_rank, data_parallel_size, num_workers))
+    return tuple(iterators)
