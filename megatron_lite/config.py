@@ -1,0 +1,459 @@
+"""Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
+
+Every field has a one-line help text (the string literal under it). ``parse_args`` builds the
+argparse parser from the dataclasses (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``),
+fills derived values, and validates the combination; a bad combination exits with code 2 and one
+line naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message names the flag and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Transformer hidden size."""
+    ffn_hidden_size: int | None = None
+    """MLP hidden size (default 4 x hidden-size)."""
+    num_attention_heads: int = 4
+    """Number of attention heads."""
+    group_query_attention: bool = False
+    """Use grouped-query attention (needs --num-query-groups)."""
+    num_query_groups: int | None = None
+    """Number of key/value head groups for GQA/MQA (default: one per head)."""
+    kv_channels: int | None = None
+    """Per-head dimension (default hidden-size / num-attention-heads)."""
+    seq_length: int = 128
+    """Sequence length of a training sample."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table (default seq-length)."""
+    position_embedding_type: str = "learned_absolute"
+    """Position embedding: learned_absolute or rope."""
+    rotary_base: int = 10000
+    """Base of the rotary embedding frequencies."""
+    normalization: str = "LayerNorm"
+    """Normalisation layer: LayerNorm or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    swiglu: bool = False
+    """SwiGLU MLP instead of GeLU."""
+    disable_bias_linear: bool = False
+    """No biases in the linear layers."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output-layer weight instead of reusing the input embedding."""
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+    hidden_dropout: float = 0.1
+    """Dropout on the attention and MLP outputs."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialisation."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+    vocab_size: int | None = None
+    """Vocabulary size for --mock-data / NullTokenizer (otherwise from the tokenizer)."""
+    padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
+    """Derived: vocabulary padded for the embedding and output layers."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (ranks sharing each layer)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size (stages)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual stage for the interleaved 1F1B schedule."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline stage (the rest split evenly)."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline stage (the rest split evenly)."""
+    sequence_parallel: bool = False
+    """Split norms and dropout along the sequence over the tensor-parallel group."""
+    context_parallel_size: int = 1
+    """Context-parallel size (only 1 is implemented)."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with backward."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with forward."""
+    ddp_bucket_size: int | None = None
+    """Gradient bucket size in elements (default max(40M, 1M x dp))."""
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 2
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks (default micro-batch-size x data-parallel size)."""
+    train_iters: int = 20
+    """Optimizer steps to train for."""
+    seed: int = 1234
+    """Random seed."""
+    eval_interval: int = 1000
+    """Evaluate on the validation split every this many steps."""
+    eval_iters: int = 10
+    """Validation micro-batches per rank per evaluation (0 disables evaluation)."""
+    recompute_granularity: str | None = None
+    """Activation recomputation: full or selective (core attention)."""
+    recompute_method: str | None = None
+    """For full recomputation: uniform or block."""
+    recompute_num_layers: int | None = None
+    """Layers per recomputed group (uniform) or recomputed layers per stage (block)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM save a checkpoint and exit 0."""
+    exit_duration_in_mins: float | None = None
+    """Save and exit after this many minutes of training."""
+    exit_interval: int | None = None
+    """Save and exit when the iteration is a multiple of this."""
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    """Optimizer: adam (AdamW) or sgd."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_decay_style: str = "cosine"
+    """Decay: constant, linear, cosine or WSD."""
+    lr_warmup_iters: int = 0
+    """Linear warmup steps."""
+    lr_decay_iters: int | None = None
+    """Steps over which to decay (default train-iters)."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD final decay shape: exponential, linear or cosine."""
+    lr_wsd_decay_iters: int | None = None
+    """Steps of the WSD final decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norms)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    """bf16 weights and compute, fp32 master weights and gradients."""
+    fp16: bool = False
+    """fp16 weights and compute with a dynamic loss scaler."""
+    loss_scale: float | None = None
+    """Static loss scale for fp16 (default: dynamic)."""
+    initial_loss_scale: float = 2.0**32
+    """Initial dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic loss scale doubles."""
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the loss scale halves."""
+    fp8_format: str | None = None
+    """FP8 format: e4m3 or hybrid."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe: delayed or tensorwise."""
+    fp8_margin: int = 0
+    """FP8 scaling margin."""
+    fp8_amax_history_len: int = 1
+    """FP8 amax history length."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """FP8 amax from the history: max or most_recent."""
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = None
+    """Dataset prefix, or weight prefix pairs: w1 p1 w2 p2 ..."""
+    split: str = "969,30,1"
+    """Train/valid/test split weights."""
+    data_cache_path: str | None = None
+    """Folder for cached index arrays (default: beside the data)."""
+    mock_data: bool = False
+    """Train on deterministic random tokens (needs --vocab-size)."""
+    tokenizer_type: str | None = None
+    """GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase."""
+    vocab_file: str | None = None
+    """Tokenizer vocabulary file."""
+    merge_file: str | None = None
+    """BPE merges file."""
+    tokenizer_model: str | None = None
+    """SentencePiece .model or tokenizer.json."""
+    eod_mask_loss: bool = False
+    """Do not train on end-of-document tokens."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Do not attend across end-of-document tokens."""
+    num_workers: int = 0
+    """Data loader worker processes."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    """Folder to save checkpoints to."""
+    load: str | None = None
+    """Folder to load a checkpoint from."""
+    save_interval: int | None = None
+    """Save every this many steps."""
+    no_load_optim: bool = False
+    """Do not load optimizer state."""
+    no_load_rng: bool = False
+    """Do not load RNG states."""
+    finetune: bool = False
+    """Load only the model weights and start at iteration 0."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    """Print a log line every this many steps."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here."""
+    log_throughput: bool = False
+    """Include TFLOP/s per device in the log line."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    world_size: int = 1
+    data_parallel_size: int = 1
+
+    def flat(self) -> dict:
+        """All fields of all sections in one dict (for logging and checkpoints)."""
+        out = {}
+        for section in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
+
+
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging")
+
+CHOICES = {
+    "position_embedding_type": ["learned_absolute", "rope"],
+    "normalization": ["LayerNorm", "RMSNorm"],
+    "recompute_granularity": ["full", "selective"],
+    "recompute_method": ["uniform", "block"],
+    "optimizer": ["adam", "sgd"],
+    "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
+    "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
+    "fp8_format": ["e4m3", "hybrid"],
+    "fp8_recipe": ["delayed", "tensorwise"],
+    "fp8_amax_compute_algo": ["max", "most_recent"],
+    "tokenizer_type": [
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+        "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+    ],
+}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The string literal under each field is its help text."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
+    """argparse parser with one flag per config field, grouped by section."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    sections = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
+    sections.update(extra_sections or {})
+    for section, cls in sections.items():
+        group = parser.add_argument_group(section)
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
+            if kind is bool:
+                group.add_argument(flag, action="store_true", **kwargs)
+                continue
+            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            base = base[0]
+            if typing.get_origin(base) is list:
+                kwargs["nargs"] = "+"
+                base = typing.get_args(base)[0]
+            kwargs["type"] = base
+            if f.name in CHOICES:
+                kwargs["choices"] = CHOICES[f.name]
+            group.add_argument(flag, **kwargs)
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: dict | None = None):
+    values: dict[str, dict] = {}
+    for key, value in vars(ns).items():
+        section, name = key.split(".", 1)
+        values.setdefault(section, {})[name] = value
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for section in SECTIONS:
+        kwargs[section] = hints[section](**values.get(section, {}))
+    config = cls(**kwargs)
+    for section, section_cls in (extra_sections or {}).items():
+        setattr(config, section, section_cls(**values.get(section, {})))
+    return config
+
+
+def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None) -> Config:
+    """Parse and validate flags; on a user error print one line and exit with code 2."""
+    parser = build_parser(description, extra_sections)
+    ns = parser.parse_args(argv)
+    config = config_from_namespace(ns, extra_sections=extra_sections)
+    try:
+        finalize(config, world_size)
+    except ConfigError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return config
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def finalize(config: Config, world_size: int | None = None) -> Config:
+    """Fill derived values and check the combination; raises ConfigError naming the flag."""
+    import os
+
+    from .parallel.state import ParallelConfigError, RankGrid
+
+    m, p, t, o, pr, d = config.model, config.parallel, config.training, config.optim, config.precision, config.data
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        grid = RankGrid(
+            world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+        )
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from None
+    config.world_size, config.data_parallel_size = world, grid.dp
+    tp = p.tensor_model_parallel_size
+
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive")
+    _require(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
+             f"hidden-size {m.hidden_size} is not divisible by num-attention-heads {m.num_attention_heads}; set --kv-channels")
+    _require(m.num_attention_heads % tp == 0,
+             f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
+    if m.kv_channels is None:
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    _require(m.ffn_hidden_size % tp == 0,
+             f"ffn-hidden-size {m.ffn_hidden_size} is not divisible by tensor-model-parallel-size {tp}")
+    if m.group_query_attention:
+        _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    _require(m.num_attention_heads % m.num_query_groups == 0,
+             f"num-attention-heads {m.num_attention_heads} is not divisible by num-query-groups {m.num_query_groups}")
+    _require(m.num_query_groups % tp == 0,
+             f"num-query-groups {m.num_query_groups} is not divisible by tensor-model-parallel-size {tp}")
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    _require(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
+             f"max-position-embeddings {m.max_position_embeddings} is smaller than seq-length {m.seq_length}")
+    _require(m.position_embedding_type != "rope" or m.kv_channels % 2 == 0, "rope needs an even --kv-channels")
+    for name in ("attention_dropout", "hidden_dropout"):
+        _require(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+
+    if p.sequence_parallel and tp == 1:
+        p.sequence_parallel = False  # nothing to split; Megatron does the same
+    if p.sequence_parallel:
+        _require(m.seq_length % tp == 0,
+                 f"--sequence-parallel needs seq-length {m.seq_length} divisible by tensor-model-parallel-size {tp}")
+    _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
+    _require(p.overlap_param_gather is False or p.use_distributed_optimizer,
+             "--overlap-param-gather needs --use-distributed-optimizer")
+    pp = p.pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        _require(pp > 2 or pp == 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        per = p.num_layers_per_virtual_pipeline_stage
+        _require(per > 0 and m.num_layers % (per * pp) == 0,
+                 f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per} "
+                 f"x pipeline-model-parallel-size {pp}")
+    elif p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+        _require(m.num_layers % pp == 0,
+                 f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}; "
+                 "change one or set --decoder-first/last-pipeline-num-layers")
+
+    _require(t.micro_batch_size > 0, "--micro-batch-size must be positive")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * grid.dp
+    _require(t.global_batch_size % (t.micro_batch_size * grid.dp) == 0,
+             f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
+             f"x data-parallel size {grid.dp}")
+    if t.recompute_granularity == "full":
+        _require(t.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
+        if t.recompute_num_layers is None:
+            t.recompute_num_layers = 1
+    _require(t.recompute_method is None or t.recompute_granularity == "full",
+             "--recompute-method only applies with --recompute-granularity full")
+
+    _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    _require(pr.fp8_format is None or pr.bf16 or pr.fp16, "--fp8-format needs --bf16 or --fp16")
+    if o.lr_decay_iters is None:
+        o.lr_decay_iters = t.train_iters
+    _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    if o.lr_decay_style == "WSD":
+        _require(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+
+    if d.mock_data or d.tokenizer_type == "NullTokenizer":
+        _require(m.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
+    else:
+        _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
+        _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
+    cp = config.checkpoint
+    _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
+    _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
+    return config
+
+
+def main_guard(fn):
+    """Run ``fn()`` turning ConfigError and other user errors into one line and exit code 2."""
+    try:
+        return fn()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
