@@ -1,0 +1,177 @@
+"""Train / valid / test datasets from Megatron-style data flags.
+
+    train, valid, test = build_train_valid_test_datasets(config, [n_train, n_valid, n_test], tokenizer)
+
+``config`` is a ``GPTDatasetConfig`` (or ``BertDatasetConfig``).  ``--data-path`` is one prefix or a
+weighted blend ``w1 p1 w2 p2 ...``; ``--split 949,50,1`` cuts each dataset's documents into three
+contiguous ranges (Megatron's rounding); ``--mock-data`` needs no files.  A split whose weight is 0
+(or whose requested sample count is 0) gives None.  User errors (missing file, bad weights, a split
+left without documents) raise ``DataConfigError`` / ``DataFileError`` with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import numpy as np
+
+from megatron_lite.data.blended import BlendedDataset, normalize_weights, samples_per_dataset
+from megatron_lite.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
+
+log = logging.getLogger(__name__)
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DataConfigError(ValueError):
+    """A data flag (--data-path, --split, ...) is malformed or does not fit the data."""
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1', or fewer numbers, padded with 0) -> 3 weights summing to 1."""
+    values = [float(v) for v in re.findall(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?", str(split))]
+    if not values or len(values) > 3 or sum(values) <= 0 or "-" in str(split).replace("e-", ""):
+        raise DataConfigError(f"--split {split!r}: expected up to 3 non-negative weights like 949,50,1")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Megatron's rounding: cumulative round(weight * n), then all bounds shifted so the last is n."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    return [(max(0, bounds[i]), max(0, bounds[i + 1])) for i in range(len(weights))]
+
+
+def parse_data_path(data_path) -> tuple[list[str], list[float] | None]:
+    """``prefix`` | ``w1 p1 w2 p2 ...`` | ``p1 p2 ...`` -> (prefixes, normalised weights or None)."""
+    items = data_path.split() if isinstance(data_path, str) else [s for x in data_path for s in str(x).split()]
+    if not items:
+        raise DataConfigError("--data-path is empty: give a dataset prefix, 'w1 prefix1 w2 prefix2 ...', "
+                              "or use --mock-data")
+    if len(items) == 1:
+        return items, None
+
+    def number(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    firsts = [number(s) for s in items[0::2]]
+    if len(items) % 2 == 1 or any(v is None for v in firsts):
+        if any(number(s) is not None for s in items):
+            raise DataConfigError(f"--data-path {' '.join(items)!r}: expected 'w1 prefix1 w2 prefix2 ...' "
+                                  f"(a weight before every prefix) or prefixes only")
+        return items, None
+    try:
+        weights = normalize_weights(firsts)
+    except ValueError as err:
+        raise DataConfigError(f"--data-path: {err}") from None
+    return items[1::2], [float(w) for w in weights]
+
+
+def default_cache_dir(config, prefix: str | None) -> str | None:
+    """--data-cache-path, else <folder of the data>/cache if writable, else None (build in memory)."""
+    if getattr(config, "data_cache_path", None):
+        return config.data_cache_path
+    if prefix is None:
+        return None
+    folder = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+    parent = os.path.dirname(folder)
+    if os.access(folder if os.path.isdir(folder) else parent, os.W_OK):
+        return folder
+    log.warning("data folder %s is not writable and no --data-cache-path given: building indices in memory",
+                parent)
+    return None
+
+
+def _is_bert(config) -> bool:
+    return type(config).__name__ == "BertDatasetConfig"
+
+
+def _open(prefix: str) -> IndexedDataset:
+    try:
+        return IndexedDataset(prefix)
+    except DataFileError as err:
+        raise DataFileError(f"--data-path: {err}") from None
+
+
+def _split_document_ids(config, indexed) -> list[np.ndarray | None]:
+    """Per split, the ids of its documents (sequences for GPT, documents for BERT); None if weight 0."""
+    weights = parse_split(config.split)
+    n = indexed.num_documents() if _is_bert(config) else len(indexed)
+    return [None if w == 0 else np.arange(lo, hi) for w, (lo, hi) in zip(weights, split_ranges(n, weights))]
+
+
+def _check_not_empty(config, ids: np.ndarray, indexed, prefix: str, name: str) -> None:
+    if ids.size == 0:
+        n = indexed.num_documents() if _is_bert(config) else len(indexed)
+        raise DataConfigError(f"--split {config.split}: the {name} split of {prefix} gets none of its {n} "
+                              f"documents; use more data or change --split")
+
+
+def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_dir):
+    if _is_bert(config):
+        from megatron_lite.data.bert_dataset import BertDataset
+
+        return BertDataset(indexed, doc_ids, num_samples, config, tokenizer, split_name, cache_dir)
+    return GPTDataset(indexed, doc_ids, num_samples, config, split_name, cache_dir)
+
+
+def _with_tokenizer(config, tokenizer):
+    """Fill the EOD id / vocab size from the tokenizer when the config leaves them unset."""
+    if tokenizer is not None and not _is_bert(config):
+        if config.eod is None and getattr(tokenizer, "eod", None) is not None:
+            config.eod = int(tokenizer.eod)
+        if getattr(tokenizer, "vocab_size", None):
+            config.vocab_size = int(tokenizer.vocab_size)
+    return config
+
+
+def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_num_samples,
+                                    tokenizer=None) -> tuple:
+    """(train, valid, test) datasets; None for a split with weight 0 or 0 requested samples.
+
+    ``train_valid_test_num_samples``: samples each split must provide (None = one epoch of a
+    single dataset).  Blended splits are exactly that size; each part is built for
+    ``ceil(weight * n * 1.005)`` samples, as in Megatron.
+    """
+    config = _with_tokenizer(config, tokenizer)
+    nums = list(train_valid_test_num_samples) + [None] * (3 - len(train_valid_test_num_samples))
+    if config.mock:
+        if _is_bert(config):
+            raise DataConfigError("--mock-data is only supported for GPT; give BERT a --data-path")
+        return tuple(None if not n else MockGPTDataset(n, config, name) for n, name in zip(nums, SPLIT_NAMES))
+    prefixes, weights = parse_data_path(config.data_path)
+    indexed = [_open(p) for p in prefixes]
+    if weights is None and len(prefixes) > 1:  # prefixes only: weight by size, as Megatron
+        weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
+        weights = [float(w) for w in normalize_weights(weights)]
+    split_ids = [_split_document_ids(config, d) for d in indexed]
+    out = []
+    for s, (name, n) in enumerate(zip(SPLIT_NAMES, nums)):
+        if split_ids[0][s] is None or n == 0:
+            out.append(None)
+            continue
+        for d, ids, p in zip(indexed, split_ids, prefixes):
+            _check_not_empty(config, ids[s], d, p, name)
+        if len(prefixes) == 1:
+            cache = default_cache_dir(config, prefixes[0])
+            out.append(_make(config, indexed[0], split_ids[0][s], n, name, tokenizer, cache))
+            continue
+        sizes = samples_per_dataset(weights, n) if n is not None else [None] * len(prefixes)
+        parts = [_make(config, d, ids[s], k, name, tokenizer, default_cache_dir(config, p))
+                 for d, ids, k, p in zip(indexed, split_ids, sizes, prefixes)]
+        if n is None:  # one epoch of each: as many samples as the blend can draw without running out
+            n = int(min(len(p) / w for p, w in zip(parts, weights) if w > 0))
+        out.append(BlendedDataset(parts, weights, n, default_cache_dir(config, prefixes[0]), name))
+    for name, ds in zip(SPLIT_NAMES, out):
+        if ds is not None:
+            log.info("%s dataset: %d samples (%s)", name, len(ds), type(ds).__name__)
+    return tuple(out)

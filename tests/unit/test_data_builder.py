@@ -1,0 +1,96 @@
+"""Split ranges, --data-path parsing and build_train_valid_test_datasets on real .bin/.idx files."""
+
+import numpy as np
+import pytest
+
+from megatron_lite.data.blended import BlendedDataset
+from megatron_lite.data.builder import (
+    DataConfigError,
+    build_train_valid_test_datasets,
+    parse_data_path,
+    parse_split,
+    split_ranges,
+)
+from megatron_lite.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder
+
+
+def test_split_ranges_follow_megatron_rounding():
+    w = parse_split("949,50,1")
+    assert np.allclose(w, [0.949, 0.05, 0.001])
+    assert split_ranges(1000, w) == [(0, 949), (949, 999), (999, 1000)]
+    # 10 docs: round(9.49)=9, round(0.5)=0, round(0.01)=0 -> bounds 0,9,9,9, shifted by +1 to end at 10
+    assert split_ranges(10, w) == [(0, 10), (10, 10), (10, 10)]
+    # 7 docs in thirds: round(2.33)=2 each -> 0,2,4,6, every bound after 0 shifted by +1
+    assert split_ranges(7, parse_split("1,1,1")) == [(0, 3), (3, 5), (5, 7)]
+    assert parse_split("98/2") == [0.98, 0.02, 0.0]
+    for n in range(1, 200, 7):  # contiguous, ordered, covering [0, n)
+        r = split_ranges(n, parse_split("90,7,3"))
+        assert r[0][0] == 0 and r[-1][1] == n and all(a[1] == b[0] for a, b in zip(r, r[1:]))
+    for bad in ("", "0,0,0", "1,2,3,4", "-1,2"):
+        with pytest.raises(DataConfigError, match="--split"):
+            parse_split(bad)
+
+
+def test_data_path_parsing():
+    assert parse_data_path(["data/a"]) == (["data/a"], None)
+    assert parse_data_path(["3", "a", "1", "b"]) == (["a", "b"], [0.75, 0.25])
+    assert parse_data_path("0.5 a 0.5 b") == (["a", "b"], [0.5, 0.5])
+    assert parse_data_path(["a", "b", "c"]) == (["a", "b", "c"], None)
+    for bad in (["1", "a", "b"], ["1", "a", "x", "b"], ["-1", "a", "2", "b"], ["0", "a", "0", "b"], []):
+        with pytest.raises(DataConfigError, match="--data-path"):
+            parse_data_path(bad)
+
+
+def write(prefix, n_docs, seed=0, eod=0):
+    rng = np.random.default_rng(seed)
+    b = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
+    for _ in range(n_docs):
+        doc = rng.integers(1, 500, int(rng.integers(5, 60))).astype(np.uint16)
+        doc[-1] = eod
+        b.add_item(doc)
+        b.end_document()
+    b.finalize()
+    return str(prefix)
+
+
+def test_single_prefix_splits_and_default_cache(tmp_path):
+    p = write(tmp_path / "a", 100)
+    cfg = GPTDatasetConfig(seq_length=16, split="80,10,10", data_path=[p])
+    train, valid, test = build_train_valid_test_datasets(cfg, [50, 10, 0])
+    assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
+    assert train.document_ids.tolist() == list(range(80)) and valid.document_ids.tolist() == list(range(80, 90))
+    assert len(train) >= 50 and train.index_source == "built"
+    assert (tmp_path / "cache").is_dir()  # default: <data dir>/cache
+    train[len(train) - 1]
+    again = build_train_valid_test_datasets(cfg, [50, 10, 0])[0]
+    assert again.index_source == "loaded"
+
+
+def test_blend_through_builder(tmp_path):
+    a, b = write(tmp_path / "a", 300, seed=1), write(tmp_path / "b", 300, seed=2)
+    cfg = GPTDatasetConfig(seq_length=8, data_path=["0.25", a, "0.75", b], split="98,2,0",
+                           data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, [1000, 20, 5])
+    assert isinstance(train, BlendedDataset) and len(train) == 1000 and test is None
+    assert [len(d) >= n for d, n in zip(train.datasets, (252, 754))] == [True, True]
+    share = np.bincount(np.asarray(train.dataset_index), minlength=2) / 1000
+    assert abs(share[0] - 0.25) < 0.01
+    item = train[999]
+    assert item["tokens"].shape == (8,) and int(item["dataset_id"]) in (0, 1)
+
+
+def test_mock_and_errors(tmp_path):
+    cfg = GPTDatasetConfig(seq_length=8, mock=True)
+    train, valid, test = build_train_valid_test_datasets(cfg, [10, 4, 0])
+    assert isinstance(train, MockGPTDataset) and len(valid) == 4 and test is None
+    with pytest.raises(DataFileError, match="--data-path.*missing.idx"):
+        build_train_valid_test_datasets(GPTDatasetConfig(seq_length=8, data_path=[str(tmp_path / "missing")]),
+                                        [10, 0, 0])
+    p = write(tmp_path / "small", 10)
+    with pytest.raises(DataConfigError, match="--split 949,50,1: the valid split"):
+        build_train_valid_test_datasets(GPTDatasetConfig(seq_length=8, split="949,50,1", data_path=[p]),
+                                        [10, 2, 0])
+    # the same tiny data is fine when no validation samples are requested
+    assert build_train_valid_test_datasets(GPTDatasetConfig(seq_length=8, split="949,50,1", data_path=[p]),
+                                           [10, 0, 0])[1] is None
