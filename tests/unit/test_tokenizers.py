@@ -1,0 +1,227 @@
+"""Tokenizers: hand-checked cases, exact round trips, and GPT-2 BPE against Hugging Face's
+independent ByteLevel BPE implementation (the same algorithm) on the same vocab/merges."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_lite.data.gpt2_bpe import (
+    BYTE_ENCODER,
+    GPT2_PATTERN,
+    apply_merges,
+    save_vocab_and_merges,
+    train_gpt2_bpe,
+)
+from megatron_lite.data.indexed_dataset import DataFileError
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.wordpiece import basic_tokenize
+
+
+def load_tool(name):
+    """Import tools/<name>.py (tools/ is a folder of scripts, not a package)."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
+TRICKY = [
+    "Hello world",
+    "I'm  here, 123 ok\n\n",
+    "  leading and trailing  ",
+    "tabs\t\tand\r\nCRLF\n\n\n   x",
+    "café naïve Ångström — “quotes” … 日本語 🙂🚀 ©® ∑∫",
+    "Contractions: I'm you're he's she'll we've they'd can't Y'ALL'RE 'S",
+    "numbers 0 12 123456 3.14159 -42 1e10 2,000",
+    "<|endoftext|> is ordinary text here",
+    "\x00\x01 control \x7f bytes",
+    "",
+    " ",
+]
+
+
+def corpus_texts():
+    with open(os.path.join(FIXTURES, "tiny_corpus.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt2")
+    encoder, merges = train_gpt2_bpe(corpus_texts() * 3 + TRICKY, vocab_size=700, min_frequency=2)
+    save_vocab_and_merges(encoder, merges, str(d / "vocab.json"), str(d / "merges.txt"))
+    return str(d / "vocab.json"), str(d / "merges.txt")
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    train = load_tool("train_tokenizer")
+    prefix = str(tmp_path_factory.mktemp("spm") / "tiny")
+    return train.train_sentencepiece(corpus_texts() * 2, prefix, vocab_size=600, model_type="bpe")
+
+
+# -- GPT-2 byte-level BPE ------------------------------------------------------------------------
+def test_bytes_to_unicode_is_gpt2s_map():
+    assert len(BYTE_ENCODER) == 256 and len(set(BYTE_ENCODER.values())) == 256
+    assert BYTE_ENCODER[ord(" ")] == "\u0120"  # "Ġ"
+    assert BYTE_ENCODER[ord("\n")] == "\u010a"  # "Ċ"
+    assert BYTE_ENCODER[0] == "\u0100"
+    assert BYTE_ENCODER[ord("A")] == "A" and BYTE_ENCODER[0xE9] == "\u00e9"
+    assert list(BYTE_ENCODER)[:3] == [ord("!"), ord('"'), ord("#")]  # vocab ids 0, 1, 2
+
+
+def test_gpt2_pretokenization_by_hand():
+    assert GPT2_PATTERN.findall("I'm  here, 123 ok\n\n") == ["I", "'m", " ", " here", ",", " 123", " ok", "\n\n"]
+    assert GPT2_PATTERN.findall("they'll DON'T") == ["they", "'ll", " DON", "'", "T"]  # case-sensitive
+    assert GPT2_PATTERN.findall("a  \tb") == ["a", "  ", "\t", "b"]
+    assert GPT2_PATTERN.findall("x   y") == ["x", "  ", " y"]
+
+
+def test_merge_order_by_hand(tmp_path):
+    b = BYTE_ENCODER
+    merges = [(b[ord(" ")], "t"), ("h", "e"), (b[ord(" ")] + "t", "he"), ("e", "r"), ("a", "a")]
+    encoder = {c: i for i, c in enumerate(BYTE_ENCODER.values())}
+    for x, y in merges:
+        encoder[x + y] = len(encoder)
+    encoder["<|endoftext|>"] = len(encoder)
+    save_vocab_and_merges(encoder, merges, str(tmp_path / "v.json"), str(tmp_path / "m.txt"))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"), merge_file=str(tmp_path / "m.txt"))
+    assert tok.vocab_size == 256 + 5 + 1 and tok.eod == 261
+    # " the" -> Ġt + he -> Ġthe (rank 2); "there": he (rank 1) wins over er (rank 3), leaving t|he|r|e.
+    assert tok.tokenize(" the") == [encoder["Ġthe"]]
+    assert tok.tokenize("there") == [encoder["t"], encoder["he"], encoder["r"], encoder["e"]]
+    # Every occurrence of the best pair merges, left to right: "aaa" -> aa|a.
+    assert apply_merges(list("aaa"), {("a", "a"): 0}) == ["aa", "a"]
+    assert tok.tokenize("aaaaa") == [encoder["aa"], encoder["aa"], encoder["a"]]
+    assert tok.detokenize(tok.tokenize("aaaaa there")) == "aaaaa there"
+
+
+def test_gpt2_round_trip(gpt2_files):
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
+    assert tok.vocab_size <= 700 and tok.eod == tok.vocab_size - 1
+    for text in corpus_texts() + TRICKY:
+        ids = tok.tokenize(text)
+        assert tok.detokenize(ids) == text
+        assert tok.tokenize(text) == ids  # second call goes through the word cache
+    assert len(tok.tokenize("the quick brown fox")) < len("the quick brown fox")  # merges were learned
+
+
+def test_trainer_picks_most_frequent_pair_first():
+    encoder, merges = train_gpt2_bpe(["abab abab xy"], vocab_size=256 + 3, min_frequency=1)
+    # Words: "abab" (1), " abab" (1), " xy" (1); pair (a, b) occurs 4 times, more than any other.
+    assert merges[0] == ("a", "b")
+    assert encoder["ab"] == 256 and len(encoder) == 259
+    assert train_gpt2_bpe(["abab abab xy"], 259, 1) == (encoder, merges)  # deterministic
+
+
+def test_gpt2_matches_huggingface_byte_level_bpe(gpt2_files):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.BPE.from_file(*gpt2_files))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
+    texts = corpus_texts() + TRICKY + ["".join(TRICKY), "The quick brown fox jumps over the lazy dog " * 5]
+    for text in texts:
+        assert ours.tokenize(text) == hf.encode(text).ids, text
+
+
+# -- SentencePiece ---------------------------------------------------------------------------------
+def test_sentencepiece_round_trip_and_specials(sp_model):
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
+    meg = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=2)
+    assert gpt.vocab_size == 600 and gpt.eod == 2 and gpt.bos == 1 and gpt.pad is None
+    # Megatron's variant appends <CLS> <SEP> <EOD> <MASK> <PAD> after the model's pieces (the model
+    # has bos/eos pieces already), then the extra ids.
+    assert (meg.cls, meg.sep, meg.eod, meg.mask, meg.pad) == (600, 601, 602, 603, 604)
+    assert (meg.bos, meg.eos) == (1, 2) and meg.vocab_size == 607
+    assert meg.vocab["<extra_id_1>"] == 606
+    for text in corpus_texts() + TRICKY:
+        assert gpt.detokenize(gpt.tokenize(text)) == text
+        assert meg.detokenize(meg.tokenize(text)) == text
+    ids = meg.tokenize("a<EOD>b<MASK>")
+    assert ids.count(meg.eod) == 1 and ids[-1] == meg.mask
+    assert meg.detokenize(ids) == "a<EOD>b<MASK>"
+
+
+# -- WordPiece -------------------------------------------------------------------------------------
+@pytest.fixture
+def bert_vocab(tmp_path):
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "un", "##aff", "##able", "hello", "world",
+              ",", "!", "Hello", "##s", "cafe", "日", "本"]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    return str(path), {t: i for i, t in enumerate(tokens)}
+
+
+def test_wordpiece_by_hand(bert_vocab):
+    path, v = bert_vocab
+    lower = build_tokenizer("BertWordPieceLowerCase", vocab_file=path)
+    assert (lower.pad, lower.cls, lower.sep, lower.mask, lower.eod) == (0, 2, 3, 4, None)
+    assert lower.vocab_size == 17
+    assert lower.tokenize("Hello, unaffable  WORLD!") == [v["hello"], v[","], v["un"], v["##aff"], v["##able"],
+                                                          v["world"], v["!"]]
+    assert lower.tokenize("Café worlds xyz") == [v["cafe"], v["world"], v["##s"], v["[UNK]"]]
+    assert lower.tokenize("日本") == [v["日"], v["本"]]
+    assert lower.detokenize(lower.tokenize("Hello, unaffable worlds!")) == "hello , unaffable worlds !"
+    case = build_tokenizer("BertWordPieceCase", vocab_file=path)
+    assert case.tokenize("Hello hello") == [v["Hello"], v["hello"]]
+    assert case.tokenize("Café") == [v["[UNK]"]]
+    assert basic_tokenize("a\x00b\u00a0c\td", lower_case=False) == ["ab", "c", "d"]
+
+
+# -- Null and Hugging Face -------------------------------------------------------------------------
+def test_null_tokenizer():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.eod == 99 and tok.vocab_size == 100
+    assert tok.tokenize(" 5 17\n 99 ") == [5, 17, 99]
+    assert tok.detokenize([5, 17, 99]) == "5 17 99"
+    with pytest.raises(ValueError, match="space-separated integers"):
+        tok.tokenize("5 x")
+    with pytest.raises(ValueError, match="outside"):
+        tok.tokenize("100")
+
+
+def test_huggingface_tokenizer(gpt2_files, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.BPE.from_file(*gpt2_files))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
+    assert tok.eod == gpt2.eod and tok.vocab_size == gpt2.vocab_size
+    for text in corpus_texts() + TRICKY:
+        assert tok.tokenize(text) == gpt2.tokenize(text)
+        assert tok.detokenize(tok.tokenize(text)) == text
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_bad_files_are_clear_errors(tmp_path, gpt2_files):
+    with pytest.raises(DataFileError, match="nope.json: file not found"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file=gpt2_files[1])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataFileError, match="bad.json: cannot read GPT-2 vocab.json"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "bad.json"), merge_file=gpt2_files[1])
+    (tmp_path / "m.txt").write_text("#version: 0.2\nzz qq\n")
+    with pytest.raises(DataFileError, match="do not belong together"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=str(tmp_path / "m.txt"))
+    (tmp_path / "bad.model").write_bytes(b"garbage")
+    with pytest.raises(DataFileError, match="bad.model: not a readable SentencePiece model"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "bad.model"))
+    (tmp_path / "vocab.txt").write_text("hello\nworld\n")
+    with pytest.raises(DataFileError, match=r"vocab.txt: WordPiece vocab lacks the special tokens \['\[UNK\]'"):
+        build_tokenizer("BertWordPieceCase", vocab_file=str(tmp_path / "vocab.txt"))
+    with pytest.raises(ValueError, match="needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0])
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        build_tokenizer("NullTokenizer")
+    with pytest.raises(ValueError, match="is not one of"):
+        build_tokenizer("GPT3Tokenizer")

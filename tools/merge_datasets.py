@@ -1,0 +1,75 @@
+"""Concatenate every .bin/.idx dataset in a directory (sorted by name) into one dataset.
+
+    python tools/merge_datasets.py --input data/shards --output-prefix data/merged_text_document
+
+The .bin files are streamed in 16 MiB blocks (memory stays bounded whatever their size); only the
+indexes are held in memory.  All inputs must share one token dtype.  The output is written under
+temporary names and renamed at the end, so a failed merge leaves nothing behind.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.data.indexed_dataset import (  # noqa: E402
+    DataFileError,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    index_file_path,
+)
+
+
+def find_datasets(directory: str) -> list[str]:
+    """Prefixes of the .idx files in ``directory`` that have a .bin beside them, sorted by name."""
+    if not os.path.isdir(directory):
+        raise DataFileError(f"{directory}: not a directory (--input)")
+    prefixes = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".idx") and not name.startswith("."):
+            prefix = os.path.join(directory, name[: -len(".idx")])
+            if not os.path.isfile(prefix + ".bin"):
+                raise DataFileError(f"{prefix}.bin: missing (its index {prefix}.idx exists)")
+            prefixes.append(prefix)
+    if not prefixes:
+        raise DataFileError(f"{directory}: no .bin/.idx datasets found (--input)")
+    return prefixes
+
+
+def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
+    """Write the concatenation of ``prefixes`` to ``output_prefix``; returns the merged dataset."""
+    first = IndexedDataset(prefixes[0])
+    for prefix in prefixes[1:]:
+        dtype = IndexedDataset(prefix).dtype
+        if dtype != first.dtype:
+            raise DataFileError(f"{index_file_path(prefix)}: token dtype {dtype} differs from {first.dtype} "
+                                f"of {index_file_path(prefixes[0])}; only datasets of one dtype (one "
+                                f"tokenizer) can be merged")
+    with IndexedDatasetBuilder(output_prefix, first.dtype) as builder:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+    return IndexedDataset(output_prefix)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="directory holding the .bin/.idx pairs to merge")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    args = parser.parse_args(argv)
+    try:
+        prefixes = find_datasets(args.input)
+        out = os.path.abspath(args.output_prefix)
+        if out in (os.path.abspath(p) for p in prefixes):
+            raise DataFileError(f"{args.output_prefix}: the output would overwrite one of the inputs")
+        merged = merge_datasets(prefixes, args.output_prefix)
+    except DataFileError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    print(f"Merged {len(prefixes)} datasets: {len(merged)} sequences, {merged.num_documents()} documents, "
+          f"{merged.num_tokens} tokens -> {args.output_prefix}.bin/.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
