@@ -1,0 +1,169 @@
+"""BERT samples: structure, segment order, masking proportions and whole words, mapping, caching."""
+
+import numpy as np
+import pytest
+
+from megatron_lite.data.bert_dataset import BertDataset, BertDatasetConfig, build_bert_mapping
+from megatron_lite.data.builder import build_train_valid_test_datasets
+from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+PAD, CLS, SEP, MASK = 0, 1, 2, 3
+FIRST_WORD_ID = 10  # data tokens start here so they never collide with special ids
+
+
+class Tokenizer:
+    """Stand-in WordPiece tokenizer: odd ids >= 11 are "##" continuation pieces."""
+
+    vocab_size = 100_000
+    pad, cls, sep, mask = PAD, CLS, SEP, MASK
+
+    def __init__(self, continuations=True):
+        self.continuations = continuations
+
+    @property
+    def inv_vocab(self):
+        if not self.continuations:
+            return None
+        return _Pieces()
+
+
+class _Pieces:
+    def get(self, i, default=""):
+        return f"##p{i}" if i >= 11 and i % 2 == 1 else f"w{i}"
+
+
+def write_sentences(prefix, n_docs, rng, unique=True):
+    """Documents of 1-8 sentences of 3-30 tokens; with unique=True tokens increase through the file."""
+    b = IndexedDatasetBuilder(str(prefix), dtype=np.int32)
+    next_token = FIRST_WORD_ID
+    for _ in range(n_docs):
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(3, 31))
+            if unique:
+                sent = np.arange(next_token, next_token + 2 * n, 2, dtype=np.int32)  # even: word starts
+                next_token += 2 * n
+            else:
+                sent = rng.integers(FIRST_WORD_ID, 60, n).astype(np.int32)
+            b.add_item(sent)
+        b.end_document()
+    b.finalize()
+    return IndexedDataset(str(prefix))
+
+
+def reference_mapping_epoch(sizes, doc_idx, doc_ids, targets, min_sent):
+    """Per document, close a sample when the target is reached and >= 2 sentences remain, or at the end."""
+    rows = []
+    for d in doc_ids:
+        lo, hi = int(doc_idx[d]), int(doc_idx[d + 1])
+        if hi - lo < min_sent or any(sizes[s] > 512 for s in range(lo, hi)):
+            continue
+        start, length, count = lo, 0, 0
+        for s in range(lo, hi):
+            length, count = length + int(sizes[s]), count + 1
+            remaining = hi - s - 1
+            if (length >= targets[start] and remaining > 1 and count >= min_sent) or remaining == 0:
+                rows.append((start, s + 1, int(targets[start])))
+                start, length, count = s + 1, 0, 0
+    return sorted(rows)
+
+
+def test_mapping_matches_reference_one_epoch(tmp_path):
+    rng = np.random.default_rng(0)
+    ds = write_sentences(tmp_path / "s", 80, rng)
+    ids = np.arange(5, 75)
+    for binary_head in (True, False):
+        mapping = build_bert_mapping(ds.sequence_lengths, ds.document_indices, ids, None, 64, 0.3, 7, binary_head)
+        # Recover the per-sentence targets the way build_bert_mapping draws them, then compare.
+        r = np.random.RandomState(7)
+        starts = ds.document_indices[ids]
+        ends = ds.document_indices[ids + 1]
+        lo, hi = int(starts.min()), int(ends.max())
+        targets = np.full(hi, 61)
+        short = r.random_sample(hi - lo) < 0.3
+        targets[lo:][short] = r.randint(2, 62, size=int(short.sum()))
+        ref = reference_mapping_epoch(ds.sequence_lengths, ds.document_indices, ids, targets, 2 if binary_head else 1)
+        assert sorted(map(tuple, mapping.tolist())) == ref
+        assert len({t for _, _, t in ref}) > 2  # short targets were drawn
+
+
+def test_sample_structure_segments_and_padding(tmp_path):
+    ds = write_sentences(tmp_path / "s", 60, np.random.default_rng(1))
+    cfg = BertDatasetConfig(seq_length=48, seed=3)
+    bert = BertDataset(ds, np.arange(60), 400, cfg, Tokenizer())
+    assert len(bert) >= 400
+    randoms = []
+    for i in range(400):
+        s = bert[i]
+        text, types, labels, pad = s["text"], s["types"], s["labels"], s["padding_mask"]
+        n = int(pad.sum())
+        assert text.shape == (48,) and np.all(pad[:n] == 1) and np.all(pad[n:] == 0)
+        assert np.all(text[n:] == PAD) and np.all(types[n:] == 0)
+        original = np.where(labels != -1, labels, text)
+        seps = np.flatnonzero(original[:n] == SEP)
+        assert original[0] == CLS and len(seps) == 2 and seps[1] == n - 1
+        assert np.all(types[:seps[0] + 1] == 0) and np.all(types[seps[0] + 1:n] == 1)
+        a, b = original[1:seps[0]], original[seps[0] + 1:n - 1]
+        assert len(a) and len(b)
+        # tokens increase through the file: A before B unless swapped (is_random)
+        randoms.append(int(s["is_random"]))
+        assert (a.max() > b.min()) == bool(s["is_random"])
+        assert np.all(np.diff(a) > 0) and np.all(np.diff(b) > 0)  # contiguous runs, only trimmed at ends
+        assert n <= 48
+        np.testing.assert_array_equal(s["loss_mask"], labels != -1)
+    assert abs(np.mean(randoms) - 0.5) < 0.1  # 400 draws: std 0.025
+    again = bert[17]
+    for k, v in bert[17].items():
+        np.testing.assert_array_equal(v, again[k])  # deterministic per (seed, index)
+
+
+def test_masking_proportions_and_whole_words(tmp_path):
+    ds = write_sentences(tmp_path / "s", 200, np.random.default_rng(2), unique=False)
+    cfg = BertDatasetConfig(seq_length=128, seed=5)
+    bert = BertDataset(ds, np.arange(200), 600, cfg, Tokenizer())
+    regular = predicted = 0
+    kinds = np.zeros(3)  # [MASK], random, unchanged
+    multi_word_spans = 0
+    for i in range(600):
+        s = bert[i]
+        n = int(s["padding_mask"].sum())
+        labels, text = s["labels"][:n], s["text"][:n]
+        original = np.where(labels != -1, labels, text)
+        special = (original == CLS) | (original == SEP)
+        regular += int((~special).sum())
+        pos = np.flatnonzero(labels != -1)
+        predicted += len(pos)
+        assert not special[pos].any()
+        kinds += [np.sum(text[pos] == MASK), np.sum((text[pos] != MASK) & (text[pos] != labels[pos])),
+                  np.sum(text[pos] == labels[pos])]
+        # whole words: a "##" piece (odd id) is predicted iff the token before it is
+        cont = np.flatnonzero((original % 2 == 1) & ~special)
+        cont = cont[cont > 0]
+        cont = cont[~special[cont - 1]]
+        np.testing.assert_array_equal(labels[cont] != -1, labels[cont - 1] != -1)
+        words_masked = np.flatnonzero((labels != -1) & (original % 2 == 0))
+        multi_word_spans += int(np.sum(np.diff(words_masked) == 1))
+    # 0.15 of non-special tokens, rounded per sample (and capped by whole-word fits): within 1%
+    assert abs(predicted / regular - 0.15) < 0.01
+    # of those: 80 / 10 / 10 within 2.5% (about 4 standard deviations for ~9,000 tokens)
+    share = kinds / kinds.sum()
+    assert np.all(np.abs(share - [0.8, 0.1, 0.1]) < 0.025), share
+    assert multi_word_spans > 0  # n-grams of several words occur
+
+
+def test_no_binary_head_and_builder_cache(tmp_path):
+    ds = write_sentences(tmp_path / "s", 40, np.random.default_rng(3))
+    cfg = BertDatasetConfig(seq_length=32, binary_head=False, data_path=[str(tmp_path / "s")],
+                            split="90,10,0", data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = build_train_valid_test_datasets(cfg, [100, 10, 0], Tokenizer(continuations=False))
+    assert isinstance(train, BertDataset) and test is None and train.index_source == "built"
+    assert train.document_ids.tolist() == list(range(36))
+    s = train[0]
+    n = int(s["padding_mask"].sum())
+    original = np.where(s["labels"] != -1, s["labels"], s["text"])[:n]
+    assert original[0] == CLS and original[-1] == SEP and np.sum(original == SEP) == 1
+    assert np.all(s["types"] == 0) and int(s["is_random"]) == 0
+    again = build_train_valid_test_datasets(cfg, [100, 10, 0], Tokenizer(continuations=False))[0]
+    assert again.index_source == "loaded"
+    np.testing.assert_array_equal(again.samples_mapping, train.samples_mapping)
+    with pytest.raises(ValueError, match="tokenizer"):
+        BertDataset(ds, np.arange(40), 10, cfg, None)
