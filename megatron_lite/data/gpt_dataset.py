@@ -14,9 +14,9 @@ same data, seed and flags, say where every sample lives:
 * ``shuffle_index`` (uint32/int64 [N]): a permutation of the samples, from the same generator
   (two ranges, shuffled separately, when the last epoch is separate).
 
-``build_sample_index`` is vectorised numpy (cumulative sums, ceil-divisions, ``np.repeat``), about
-as fast as Megatron's C++ helper and with no compile step.  Documents here are the sequences of
-the indexed dataset, as in Megatron-core's GPT dataset.
+``build_sample_index`` is vectorised numpy (cumulative sums, ceil-divisions, a bincount), a little
+faster than Megatron's C++ helper on this machine class and with no compile step.  Documents here
+are the sequences of the indexed dataset, as in Megatron-core's GPT dataset.
 """
 
 from __future__ import annotations
@@ -98,31 +98,33 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
 
     The stream is the concatenation of ``sizes[document_index]`` tokens; N = (total - 1) //
     seq_length full samples fit (the last one needs its extra label token), giving N + 1 rows.
-    Vectorised: document j covers stream positions [ends[j] - len[j], ends[j]); the sample starts
-    inside it are the multiples of seq_length in that range, ceil(ends[j]/s) - ceil(starts[j]/s)
-    of them, so ``np.repeat(j, count)`` lists each sample's document.  Row 0 is (0, 0) as in
-    Megatron even when the first documents are empty (reading skips empty documents anyway).
+    Vectorised: with ends[j] the stream position just after document j, the samples starting at
+    or after that end are those with i >= c[j] = ceil(ends[j] / s).  So sample i lies in document
+    #{j : c[j] <= i}: a bincount of c and a cumulative sum give every sample's document at once,
+    and its offset is i * s minus that document's start.  Row 0 is (0, 0) as in Megatron even
+    when the first documents are empty (reading skips empty documents anyway).
     """
     sizes = np.asarray(sizes)
-    if sizes.size and sizes.max(initial=0) < 65536 and sizes.min(initial=0) >= 0:
-        sizes = sizes.astype(np.uint16)  # half the bytes: the random gather below is cache-bound
+    if sizes.size and 0 <= sizes.min() and sizes.max() < 65536:
+        sizes = sizes.astype(np.uint16)  # half the bytes: the random gather below is memory-bound
     lengths = np.take(sizes, document_index)
     ends = np.cumsum(lengths, dtype=np.int64)
     total = int(ends[-1]) if ends.size else 0
     if total < 2:
         raise ValueError("a sample needs at least 2 tokens but the split has fewer")
     num_rows = (total - 1) // seq_length + 1
-    starts_before_end = ends + (seq_length - 1)
-    starts_before_end //= seq_length  # ceil(ends / s): sample starts strictly below ends[j]
-    counts = np.empty_like(starts_before_end)
-    counts[0] = starts_before_end[0]
-    np.subtract(starts_before_end[1:], starts_before_end[:-1], out=counts[1:])
-    pos_dtype = np.int32 if len(document_index) < 2**31 and total < 2**31 else np.int64
-    sample_index = np.empty((num_rows, 2), dtype=pos_dtype)
-    sample_index[:, 0] = np.repeat(np.arange(len(document_index), dtype=pos_dtype), counts)
+    first_after = ends + (seq_length - 1)
+    if seq_length & (seq_length - 1) == 0:
+        first_after >>= seq_length.bit_length() - 1  # ceil-divide by a power of two
+    else:
+        first_after //= seq_length
+    document = np.cumsum(np.bincount(first_after, minlength=num_rows + 1)[:num_rows])
     ends -= lengths  # now the start of every document in the stream
     offsets = np.arange(num_rows, dtype=np.int64) * seq_length
-    offsets -= np.repeat(ends, counts)
+    offsets -= ends[document]
+    dtype = np.int32 if len(document_index) < 2**31 and total < 2**31 else np.int64
+    sample_index = np.empty((num_rows, 2), dtype=dtype)
+    sample_index[:, 0] = document
     sample_index[:, 1] = offsets
     sample_index[0] = 0
     return sample_index

@@ -1,0 +1,67 @@
+"""Time the index builds of the data pipeline at Megatron scale.
+
+    python benchmarks/bench_sample_index.py [--documents 10000000] [--blend-samples 10000000]
+
+1. GPT sample index (vectorised numpy) for 10 M documents of 50-2000 tokens, seq 2048, 1 epoch:
+   the same work as megatron-core's C++ ``build_sample_idx`` (0.28 s on this machine class, see
+   /work/shared/BENCHMARKS.md), timed the same way: around the call, document index given.
+2. The whole GPT index (document shuffle + sample index + sample shuffle) for context.
+3. The blending index for 10 M samples over 3 datasets (pure Python loop of Megatron's rule).
+Best of --repeats runs; the ratio column is our time / the C++ helper's time (< 1 is faster).
+"""
+
+import argparse
+import os
+import platform
+import time
+
+import numpy as np
+
+from megatron_lite.data.blended import build_blending_indices
+from megatron_lite.data.gpt_dataset import build_gpt_indices, build_sample_index
+
+CPP_SAMPLE_INDEX_SECONDS = 0.28  # megatron-core 0.16 build_sample_idx, same sizes, this machine class
+
+
+def best_time(fn, repeats):
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--documents", type=int, default=10_000_000)
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--blend-samples", type=int, default=10_000_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    print(f"machine: {platform.machine()} {platform.processor() or ''} | {os.cpu_count()} CPUs | "
+          f"python {platform.python_version()} | numpy {np.__version__}")
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(50, 2001, args.documents).astype(np.int32)
+    document_index = np.random.RandomState(1234).permutation(args.documents).astype(np.int32)
+
+    t, sample_index = best_time(lambda: build_sample_index(sizes, document_index, args.seq_length), args.repeats)
+    n = sample_index.shape[0] - 1
+    assert n == (int(sizes.sum(dtype=np.int64)) - 1) // args.seq_length
+    assert sample_index[:, 1].min() >= 0 and np.all(sample_index[1:, 1] < sizes[document_index[sample_index[1:, 0]]])
+    print(f"GPT sample index, {args.documents:,} docs, seq {args.seq_length}, 1 epoch ({n:,} samples): "
+          f"{t:.3f} s | C++ helper {CPP_SAMPLE_INDEX_SECONDS:.2f} s | ratio {t / CPP_SAMPLE_INDEX_SECONDS:.2f}")
+
+    t_all, _ = best_time(lambda: build_gpt_indices(sizes, np.arange(args.documents), None, args.seq_length, 1234), 1)
+    print(f"GPT all three indices (incl. RandomState shuffles of documents and samples): {t_all:.3f} s")
+
+    weights = np.array([0.5, 0.3, 0.2])
+    t_blend, (which, _) = best_time(lambda: build_blending_indices(weights, args.blend_samples), 1)
+    share = np.bincount(which, minlength=3) / len(which)
+    print(f"blending index, {args.blend_samples:,} samples over 3 datasets: {t_blend:.2f} s "
+          f"({t_blend / args.blend_samples * 1e9:.0f} ns/sample), shares {np.round(share, 4).tolist()}")
+
+
+if __name__ == "__main__":
+    main()
