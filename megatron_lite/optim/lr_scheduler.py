@@ -1,0 +1,95 @@
+"""Learning-rate schedule, stepped once per successful optimizer step.
+
+With ``n`` the number of steps taken, ``W`` ``--lr-warmup-iters``, ``D`` ``--lr-decay-iters``
+(default ``--train-iters``), peak ``lr`` and floor ``min_lr`` (Megatron's formulas):
+
+* warmup (``W > 0`` and ``n <= W``): ``lr * n / W`` (starts from 0);
+* ``constant``: ``lr`` after warmup;
+* past the decay (``n > D``): ``min_lr``;
+* ``linear``: ``min_lr + (lr - min_lr) * (1 - r)`` with ``r = (n - W) / (D - W)``;
+* ``cosine``: ``min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * r))``;
+* ``WSD`` (warmup-stable-decay): ``lr`` until ``D - Dw`` (``Dw`` = ``--lr-wsd-decay-iters``),
+  then with ``q = (n - (D - Dw)) / Dw`` the factor ``1 - q`` (linear),
+  ``0.5 * (1 + cos(pi * q))`` (cosine) or ``2 * 0.5**q - 1`` (exponential) between min_lr and lr.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` on every param group of ``optimizer`` from the step count."""
+
+    def __init__(self, optimizer, config, train_iters: int):
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = float(config.lr), float(config.min_lr)
+        self.style = config.lr_decay_style
+        self.warmup_steps = int(config.lr_warmup_iters)
+        self.decay_steps = int(config.lr_decay_iters if config.lr_decay_iters is not None else train_iters)
+        self.wsd_style = config.lr_wsd_decay_style
+        self.wsd_decay_steps = config.lr_wsd_decay_iters
+        if self.style not in ("constant", "linear", "cosine", "WSD"):
+            raise ValueError(f"--lr-decay-style {self.style!r}: expected constant, linear, cosine or WSD")
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}")
+        if self.style in ("linear", "cosine") and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"--lr-decay-iters {self.decay_steps} must exceed --lr-warmup-iters {self.warmup_steps} "
+                f"for --lr-decay-style {self.style}"
+            )
+        if self.style == "WSD":
+            if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.decay_steps:
+                raise ValueError(
+                    f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {self.decay_steps}, "
+                    f"got {self.wsd_decay_steps}"
+                )
+            if self.wsd_style not in ("exponential", "linear", "cosine"):
+                raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear or cosine")
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n = self.num_steps
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.max_lr * n / self.warmup_steps
+        if self.style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.style == "WSD":
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if n <= anneal_start:
+                coeff = 1.0
+            else:
+                q = (n - anneal_start) / self.wsd_decay_steps
+                if self.wsd_style == "linear":
+                    coeff = 1.0 - q
+                elif self.wsd_style == "cosine":
+                    coeff = 0.5 * (math.cos(math.pi * q) + 1.0)
+                else:
+                    coeff = 2.0 * 0.5**q - 1.0
+        else:
+            r = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+            coeff = 1.0 - r if self.style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance ``increment`` steps and write the new lr into every param group."""
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style,
+            "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+            "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the step count; the schedule itself comes from the current flags."""
+        self.num_steps = int(sd["num_steps"])
+        self.step(0)

@@ -1,0 +1,73 @@
+"""The fp16 loss-scale schedule of SPECS.md: grow x2 after a window of clean steps, halve after
+``hysteresis`` overflowing steps, never below the floor; a static scale never moves."""
+
+import pytest
+
+from megatron_lite.config import PrecisionConfig
+from megatron_lite.precision.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
+
+
+def test_defaults_follow_flags():
+    s = build_loss_scaler(PrecisionConfig(fp16=True))
+    assert isinstance(s, DynamicLossScaler)
+    assert (s.scale, s.min_scale, s.growth_interval, s.hysteresis) == (2.0**32, 1.0, 1000, 2)
+    assert isinstance(build_loss_scaler(PrecisionConfig(fp16=True, loss_scale=128.0)), ConstantLossScaler)
+    assert build_loss_scaler(PrecisionConfig(bf16=True)) is None
+
+
+def test_grows_after_window_of_clean_steps():
+    s = DynamicLossScaler(initial_scale=8.0, growth_interval=3, hysteresis=2)
+    scales = []
+    for _ in range(7):
+        s.update(False)
+        scales.append(s.scale)
+    assert scales == [8, 8, 16, 16, 16, 32, 32]
+    s.update(True)  # an overflow resets the window
+    s.update(False)
+    s.update(False)
+    assert s.scale == 32
+    s.update(False)
+    assert s.scale == 64
+
+
+def test_backs_off_after_hysteresis_and_floors():
+    s = DynamicLossScaler(initial_scale=8.0, min_scale=2.0, growth_interval=100, hysteresis=2)
+    s.update(True)
+    assert s.scale == 8  # first overflow is tolerated
+    s.update(False)  # clean steps do not refill the hysteresis budget (only growth does)
+    s.update(True)
+    assert s.scale == 4
+    s.update(True)  # budget exhausted: every further overflow halves
+    assert s.scale == 2
+    s.update(True)
+    assert s.scale == 2  # floor
+
+
+def test_growth_refills_hysteresis():
+    s = DynamicLossScaler(initial_scale=8.0, growth_interval=2, hysteresis=2)
+    s.update(True)
+    s.update(False)
+    s.update(False)  # grows to 16 and refills the budget
+    assert s.scale == 16
+    s.update(True)
+    assert s.scale == 16
+    s.update(True)
+    assert s.scale == 8
+
+
+def test_state_dict_round_trip_and_static():
+    a = DynamicLossScaler(initial_scale=8.0, growth_interval=3, hysteresis=3)
+    for found in (True, False, False):
+        a.update(found)
+    b = DynamicLossScaler()
+    b.load_state_dict(a.state_dict())
+    b.growth_interval, b.hysteresis = 3, 3
+    for found in (False, True, True, True, False):
+        a.update(found)
+        b.update(found)
+        assert a.scale == b.scale
+    c = ConstantLossScaler(64.0)
+    c.update(True)
+    assert c.scale == 64.0
+    with pytest.raises(ValueError, match="--loss-scale"):
+        ConstantLossScaler(0)

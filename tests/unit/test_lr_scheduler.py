@@ -1,0 +1,87 @@
+"""OptimizerParamScheduler against the closed-form formulas, step by step (exact to 1e-12)."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_lite.config import OptimizerConfig
+from megatron_lite.optim.lr_scheduler import OptimizerParamScheduler
+
+LR, MIN_LR, W, D, DW = 1e-3, 1e-5, 10, 100, 20
+
+
+def _sched(style, **kw):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=123.0)
+    cfg = OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style=style, lr_warmup_iters=W, lr_decay_iters=D,
+                          lr_wsd_decay_iters=DW, **kw)
+    return opt, OptimizerParamScheduler(opt, cfg, train_iters=1000)
+
+
+def _expected(style, n, wsd_style="exponential"):
+    if n <= W:
+        return LR * n / W
+    if style == "constant":
+        return LR
+    if n > D:
+        return MIN_LR
+    if style == "WSD":
+        start = D - DW
+        if n <= start:
+            return LR
+        q = (n - start) / DW
+        coeff = {"linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q)), "exponential": 2 * 0.5**q - 1}[wsd_style]
+        return MIN_LR + coeff * (LR - MIN_LR)
+    r = (n - W) / (D - W)
+    coeff = 1 - r if style == "linear" else 0.5 * (1 + math.cos(math.pi * r))
+    return MIN_LR + coeff * (LR - MIN_LR)
+
+
+@pytest.mark.parametrize(
+    "style, wsd_style",
+    [("constant", None), ("linear", None), ("cosine", None), ("WSD", "exponential"), ("WSD", "linear"), ("WSD", "cosine")],
+)
+def test_schedule_matches_formula_at_every_step(style, wsd_style):
+    opt, sched = _sched(style, **({"lr_wsd_decay_style": wsd_style} if wsd_style else {}))
+    assert opt.param_groups[0]["lr"] == 0.0  # warmup starts from 0
+    for n in range(1, 130):
+        sched.step()
+        want = _expected(style, n, wsd_style)
+        assert sched.get_lr() == pytest.approx(want, rel=1e-12, abs=1e-15), n
+        assert all(g["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15) for g in opt.param_groups)
+
+
+def test_key_points():
+    _, cos = _sched("cosine")
+    cos.step(W)
+    assert cos.get_lr() == pytest.approx(LR)  # end of warmup: peak
+    cos.step((D - W) // 2)
+    assert cos.get_lr() == pytest.approx((LR + MIN_LR) / 2)  # half-way through cosine decay
+    cos.step((D - W) // 2)
+    assert cos.get_lr() == pytest.approx(MIN_LR)
+    _, wsd = _sched("WSD")
+    wsd.step(D - DW)
+    assert wsd.get_lr() == pytest.approx(LR)  # stable phase lasts until the final decay
+    wsd.step(DW)
+    assert wsd.get_lr() == pytest.approx(MIN_LR)  # exponential: 2 * 0.5 - 1 = 0
+
+
+def test_state_dict_round_trip():
+    _, a = _sched("cosine")
+    a.step(37)
+    opt, b = _sched("cosine")
+    b.load_state_dict(a.state_dict())
+    assert b.num_steps == 37 and b.get_lr() == a.get_lr() and opt.param_groups[0]["lr"] == a.get_lr()
+    a.step()
+    b.step()
+    assert a.get_lr() == b.get_lr()
+
+
+def test_bad_flags_are_clear_errors():
+    with pytest.raises(ValueError, match="lr-wsd-decay-iters"):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        OptimizerParamScheduler(opt, OptimizerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=None), 100)
+    with pytest.raises(ValueError, match="lr-decay-iters 5 must exceed --lr-warmup-iters 10"):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        OptimizerParamScheduler(opt, OptimizerConfig(lr_decay_style="linear", lr_warmup_iters=10, lr_decay_iters=5), 100)
