@@ -188,22 +188,41 @@ def test_cache_is_written_reloaded_and_rebuilt_identically(tmp_path):
     assert not np.array_equal(other_seed.shuffle_index, first.shuffle_index)
 
 
-def _build_in_process(args):
-    prefix, cache = args
+def _build_in_process(prefix, cache, barrier, results):
+    barrier.wait()  # all three reach the cache check at the same moment
     ds = GPTDataset(IndexedDataset(prefix), np.arange(200), 3000,
                     GPTDatasetConfig(seq_length=32, seed=7, data_cache_path=cache))
-    return ds.index_source, [np.asarray(getattr(ds, n)).tobytes() for n in
-                             ("document_index", "sample_index", "shuffle_index")]
+    results.put((ds.index_source, [np.asarray(getattr(ds, n)).tobytes() for n in
+                                   ("document_index", "sample_index", "shuffle_index")]))
 
 
-def test_concurrent_builders_make_one_cache(tmp_path):
+def test_concurrent_builders_make_one_cache(tmp_path, monkeypatch):
+    import megatron_lite.data.gpt_dataset as gpt_module
+
+    real_build = gpt_module.build_gpt_indices
+
+    def slow_build(*args, **kwargs):  # widen the race window: without the lock all three would build
+        import time
+
+        time.sleep(0.5)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "build_gpt_indices", slow_build)
     sizes = np.random.default_rng(0).integers(20, 200, 200)
     write_dataset(tmp_path / "d", sizes)
     cache = str(tmp_path / "cache")
-    with mp.get_context("fork").Pool(3) as pool:
-        results = pool.map(_build_in_process, [(str(tmp_path / "d"), cache)] * 3)
-    assert sorted(r[0] for r in results) == ["built", "loaded", "loaded"]
-    assert results[0][1] == results[1][1] == results[2][1]
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_build_in_process, args=(str(tmp_path / "d"), cache, barrier, results))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sorted(r[0] for r in got) == ["built", "loaded", "loaded"]
+    assert got[0][1] == got[1][1] == got[2][1]
     entries = os.listdir(cache)
     assert len([e for e in entries if not e.endswith(".lock")]) == 1
     assert not [e for e in entries if ".tmp-" in e]
