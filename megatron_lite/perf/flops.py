@@ -1,0 +1,127 @@
+"""Training FLOPs of a GPT per iteration, model FLOPs utilisation, and this machine's matmul peak.
+
+The count is Narayanan et al. (2021): only matrix multiplications are counted (norms, softmax,
+activations and the optimizer are noise at these sizes), a multiply-add is 2 FLOPs, and the
+backward pass costs twice the forward. For batch B, sequence s, hidden h, layers l, vocabulary V and
+a 4h GeLU MLP with multi-head attention, one layer's forward is
+
+    QKV projection 6·B·s·h²  +  scores Q·Kᵀ 2·B·s²·h  +  probabilities·V 2·B·s²·h
+    +  output projection 2·B·s·h²  +  MLP 2·2·B·s·h·4h  =  24·B·s·h² + 4·B·s²·h
+
+and the logits add 2·B·s·h·V. Three times that (forward + backward) gives the spec's
+
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)),
+
+and with full activation recomputation every layer's forward runs twice (the logits are not
+recomputed): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+
+Generalisation (each term computed from the actual shapes, so it reduces to the formula above):
+
+* attention with ``a`` heads of ``d`` channels (``kv_channels``) and ``g`` key/value groups (GQA/MQA):
+  Q projection 2·B·s·h·a·d, K and V projections 2·2·B·s·h·g·d, scores and values 2·2·B·s²·a·d,
+  output projection 2·B·s·a·d·h. The causal mask is not discounted (as in the paper and Megatron);
+* MLP with hidden ``f`` (``ffn_hidden_size``): up 2·B·s·h·f (twice that for SwiGLU's gate and up
+  halves) + down 2·B·s·f·h;
+* mixture of experts (when the config has ``num_experts``): each token runs ``moe_router_topk`` expert
+  MLPs of ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``) plus the router 2·B·s·h·E, on every
+  layer (``moe_layer_freq`` is ignored);
+* V is the padded vocabulary when known (the size actually multiplied), else ``vocab_size``.
+
+MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _get(config, name, default=None):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def forward_flops_per_layer(model_config, batch_size: int) -> float:
+    """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences."""
+    h = model_config.hidden_size
+    s = model_config.seq_length
+    heads = model_config.num_attention_heads
+    d = _get(model_config, "kv_channels", h // heads)
+    groups = _get(model_config, "num_query_groups", heads)
+    tokens = batch_size * s
+    attention = (
+        2 * tokens * h * heads * d  # Q projection
+        + 2 * 2 * tokens * h * groups * d  # K and V projections
+        + 2 * 2 * tokens * s * heads * d  # Q·Kᵀ and probabilities·V
+        + 2 * tokens * heads * d * h  # output projection
+    )
+    num_experts = _get(model_config, "num_experts", 0)
+    if num_experts:
+        ffn = _get(model_config, "moe_ffn_hidden_size", _get(model_config, "ffn_hidden_size", 4 * h))
+        active = _get(model_config, "moe_router_topk", 1)
+        router = 2 * tokens * h * num_experts
+    else:
+        ffn = _get(model_config, "ffn_hidden_size", 4 * h)
+        active, router = 1, 0
+    up = 2 if _get(model_config, "swiglu", False) else 1
+    mlp = active * (2 * tokens * h * ffn * up + 2 * tokens * ffn * h) + router
+    return float(attention + mlp)
+
+
+def logits_flops(model_config, batch_size: int) -> float:
+    """Forward FLOPs of the output layer (hidden -> vocabulary)."""
+    vocab = _get(model_config, "padded_vocab_size", _get(model_config, "vocab_size"))
+    if vocab is None:
+        raise ValueError("the model config has neither padded_vocab_size nor vocab_size; set --vocab-size")
+    return float(2 * batch_size * model_config.seq_length * model_config.hidden_size * vocab)
+
+
+def num_floating_point_operations(model_config, batch_size: int, recompute_full: bool = False) -> float:
+    """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
+
+    ``batch_size`` is the global batch (all micro-batches and data-parallel ranks); divide by the
+    number of devices for a per-device figure. ``recompute_full`` adds the recomputed forward of
+    every layer (hardware FLOPs of ``--recompute-granularity full``).
+    """
+    layer_passes = 4 if recompute_full else 3
+    layers = model_config.num_layers * forward_flops_per_layer(model_config, batch_size)
+    return layer_passes * layers + 3 * logits_flops(model_config, batch_size)
+
+
+def spec_formula(batch_size: int, seq: int, layers: int, hidden: int, vocab: int, recompute_full=False) -> float:
+    """The closed form of SPECS.md (MHA, 4h GeLU MLP), for checking the general count."""
+    B, s, l, h, V = batch_size, seq, layers, hidden, vocab
+    if recompute_full:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def mfu(flops_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s as a fraction of the device's peak."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak FLOP/s must be positive, got {peak_flops}")
+    return flops_per_s / peak_flops
+
+
+def measure_matmul_peak(n: int = 2048, dtype=torch.float32, device=None, warmup: int = 3, reps: int = 10) -> float:
+    """This machine's dense matmul FLOP/s: the best of ``reps`` timed ``a @ b`` of n x n matrices.
+
+    Uses the current torch thread count, so set it to what the benchmark uses. On CUDA the device
+    is synchronised around each product.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        a @ b
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best

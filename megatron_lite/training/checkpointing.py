@@ -1,0 +1,421 @@
+"""Save and resume training: model, optimizer, scheduler, loss scaler, RNG states, consumed samples.
+
+Layout (Megatron's, so the folders look familiar)::
+
+    <save>/latest_checkpointed_iteration.txt          iteration number, written last by rank 0
+    <save>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   one per TP x PP rank
+    <save>/iter_0000100/rng/rank_{global_rank:05d}.pt                  one per rank
+
+With expert parallelism the model folder is ``mp_rank_{tp:02d}_{pp:03d}_{ep:03d}`` (expert weights
+differ across EP ranks); with ``--use-distributed-optimizer`` every data-parallel rank also writes
+its optimizer shard to ``distrib_optim_dp{dp:03d}.pt`` beside the model file.
+
+Why it is safe to crash at any moment: every file is written under a temporary name and renamed
+into place, and the tracker file that says which iteration is "latest" is renamed into place by
+rank 0 only after a barrier that every rank reaches once its files are complete. A save that dies
+half-way leaves an incomplete ``iter_*`` folder that nothing points at; the previous checkpoint
+stays the latest.
+
+The model file is written by data-parallel rank 0 of each (TP, PP) position: weights and the
+(non-distributed) optimizer state are identical across data-parallel ranks. RNG states are saved
+by every rank, because dropout streams differ per rank.
+
+Files are read with ``torch.load(weights_only=True)``: only tensors and plain Python values, so a
+checkpoint cannot run code when it is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..device import get_device
+from ..parallel.random import get_rng_tracker
+from .logging import print_rank_0
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+
+# Config fields that decide parameter shapes: named in the message when shapes or names differ.
+_ARCH_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
+    "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable or does not fit this run; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths.
+
+
+def iteration_dir(root: str, iteration: int | str) -> str:
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    return os.path.join(root, name)
+
+
+def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
+    return os.path.join(iteration_dir(root, iteration), folder, MODEL_FILENAME)
+
+
+def rng_file(root: str, iteration, rank: int) -> str:
+    return os.path.join(iteration_dir(root, iteration), "rng", f"rank_{rank:05d}.pt")
+
+
+def distrib_optim_file(model_path: str, dp_rank: int) -> str:
+    return os.path.join(os.path.dirname(model_path), f"distrib_optim_dp{dp_rank:03d}.pt")
+
+
+def _model_file_for(root, iteration, state) -> str:
+    return model_file(root, iteration, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
+
+
+def read_tracker(root: str) -> int | str | None:
+    """The iteration in ``<root>/latest_checkpointed_iteration.txt`` (``"release"`` allowed), or None."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} should hold an iteration number but holds {text[:40]!r}; fix or delete it"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes and safe reads.
+
+
+def _atomic_save(obj, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _load_file(path: str, what: str = "checkpoint file") -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{what} {path} is missing; the checkpoint is incomplete (was the save interrupted?) "
+            "- point --load at a complete checkpoint"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, bad pickle, ... : one clear line
+        raise CheckpointError(
+            f"{what} {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "it is truncated or corrupt - point --load at another checkpoint"
+        ) from None
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG.
+
+
+def get_rng_states() -> dict:
+    """Every generator this rank draws from, in types that ``weights_only`` loading accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch_cpu": torch.get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+        "cuda": None,
+    }
+    if get_device().type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(states["torch_cpu"])
+    get_rng_tracker().set_states(states["tracker"])
+    if states.get("cuda") is not None and get_device().type == "cuda":
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Save.
+
+
+def _inner(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _param_meta(module) -> dict:
+    return {
+        name: {"partition_dim": int(p.partition_dim), "partition_stride": int(getattr(p, "partition_stride", 1))}
+        for name, p in module.named_parameters()
+        if getattr(p, "tensor_model_parallel", False)
+    }
+
+
+def _layer_range(module):
+    start, end = getattr(module, "layer_start", None), getattr(module, "layer_end", None)
+    return None if start is None else (int(start), None if end is None else int(end))
+
+
+def _uses_distributed_optimizer(config) -> bool:
+    return bool(getattr(config.parallel, "use_distributed_optimizer", False))
+
+
+def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
+                    loss_scaler_state=None) -> str:
+    """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
+
+    ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
+    and ``scheduler`` may be None. Returns the iteration folder.
+    """
+    root = config.checkpoint.save
+    if root is None:
+        raise CheckpointError("save_checkpoint needs --save (a folder to write checkpoints to)")
+    rank = _global_rank()
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
+
+    _atomic_save(get_rng_states(), rng_file(root, iteration, rank))
+
+    path = _model_file_for(root, iteration, state)
+    sharded_optim = _uses_distributed_optimizer(config)
+    if sharded_optim and optimizer is not None:
+        _atomic_save(optimizer.state_dict(), distrib_optim_file(path, state.dp_rank))
+    if state.expert_dp_rank == 0 and state.cp_rank == 0:
+        modules = [_inner(c) for c in chunks]
+        payload = {
+            "iteration": int(iteration),
+            "consumed_samples": int(consumed_samples),
+            "config": config.flat(),
+            "tp_size": state.tp_size,
+            "pp_size": state.pp_size,
+            "ep_size": state.ep_size,
+            "dp_size": state.dp_size,
+            "vpp_size": state.vpp_size,
+            "num_chunks": len(modules),
+            "world_size": state.world_size,
+            "model": [m.state_dict() for m in modules],
+            "param_meta": [_param_meta(m) for m in modules],
+            "layer_ranges": [_layer_range(m) for m in modules],
+            "optimizer": None if optimizer is None or sharded_optim else optimizer.state_dict(),
+            "optimizer_sharded": sharded_optim and optimizer is not None,
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "loss_scaler": loss_scaler_state,
+            "format_version": 1,
+        }
+        _atomic_save(payload, path)
+
+    _barrier()  # every rank's files are complete before anything points at them
+    if rank == 0:
+        _atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+    _barrier()
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    return iteration_dir(root, iteration)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load.
+
+
+def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; convert it or match {flag}"
+    )
+
+
+def _arch_differences(saved_config: dict, config) -> list[str]:
+    ours = config.flat()
+    out = []
+    for key in _ARCH_FIELDS:
+        if key in saved_config and key in ours and saved_config[key] != ours[key]:
+            out.append(f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})")
+    return out
+
+
+def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
+    """Raise one CheckpointError naming what differs between the checkpoint and this run."""
+    if ckpt["tp_size"] != state.tp_size:
+        raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
+                             "--tensor-model-parallel-size")
+    if ckpt["pp_size"] != state.pp_size:
+        raise _flag_mismatch(path, "pipeline-model-parallel-size", ckpt["pp_size"], state.pp_size,
+                             "--pipeline-model-parallel-size")
+    if ckpt.get("ep_size", 1) != state.ep_size:
+        raise _flag_mismatch(path, "expert-model-parallel-size", ckpt.get("ep_size", 1), state.ep_size,
+                             "--expert-model-parallel-size")
+    saved_chunks = ckpt.get("num_chunks", len(ckpt["model"]))
+    if saved_chunks != len(modules) or ckpt.get("vpp_size") != state.vpp_size:
+        raise _flag_mismatch(path, "virtual pipeline size", f"{ckpt.get('vpp_size')} ({saved_chunks} model chunks per rank)",
+                             f"{state.vpp_size} ({len(modules)} model chunks per rank)",
+                             "--num-layers-per-virtual-pipeline-stage")
+    ours_ranges = [_layer_range(m) for m in modules]
+    saved_ranges = [tuple(r) if r is not None else None for r in ckpt.get("layer_ranges", ours_ranges)]
+    if saved_ranges != ours_ranges:
+        raise _flag_mismatch(path, "layer ranges", saved_ranges, ours_ranges,
+                             "--num-layers and --decoder-first/last-pipeline-num-layers")
+    problems = []
+    for i, (module, saved) in enumerate(zip(modules, ckpt["model"])):
+        where = f"chunk {i} " if len(modules) > 1 else ""
+        mine = module.state_dict()
+        missing = [k for k in mine if k not in saved]
+        extra = [k for k in saved if k not in mine]
+        if missing:
+            problems.append(f"{where}missing in checkpoint: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
+        if extra:
+            problems.append(f"{where}not in this model: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""))
+        for key, tensor in mine.items():
+            if key in saved and torch.is_tensor(tensor) and tuple(saved[key].shape) != tuple(tensor.shape):
+                problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
+                                f"{tuple(tensor.shape)} in this model")
+    if problems:
+        shown = problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else [])
+        arch = _arch_differences(ckpt.get("config", {}), config)
+        hint = f"; the checkpoint was saved with {', '.join(arch)}" if arch else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: {'; '.join(shown)}{hint}; match the model flags"
+        )
+
+
+def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=None) -> tuple[int, int]:
+    """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
+
+    Without ``--load``, or when it holds no ``latest_checkpointed_iteration.txt``, nothing is loaded
+    and (0, 0) is returned. ``--no-load-optim`` skips the optimizer, scheduler and loss scaler;
+    ``--no-load-rng`` the RNG states; ``--finetune`` loads only the weights and returns (0, 0).
+    ``loss_scaler`` (anything with ``load_state_dict``) receives the saved ``loss_scaler_state``.
+    Raises :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit.
+    """
+    ck = config.checkpoint
+    root = ck.load
+    if root is None:
+        return 0, 0
+    iteration = read_tracker(root)
+    if iteration is None:
+        reason = "the folder does not exist" if not os.path.isdir(root) else f"it has no {TRACKER_FILENAME}"
+        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
+        return 0, 0
+    path = _model_file_for(root, iteration, state)
+    print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
+    ckpt = _load_file(path)
+    modules = [_inner(c) for c in chunks]
+    _check_compatible(path, ckpt, modules, config, state)
+    for module, saved in zip(modules, ckpt["model"]):
+        module.load_state_dict(saved, strict=True)
+
+    finetune = ck.finetune or iteration == "release"
+    if not finetune and not ck.no_load_optim:
+        if optimizer is not None:
+            if ckpt.get("optimizer_sharded"):
+                if ckpt.get("dp_size") != state.dp_size:
+                    raise _flag_mismatch(path, "data-parallel size (distributed optimizer)", ckpt.get("dp_size"),
+                                         state.dp_size, "the number of processes, or pass --no-load-optim")
+                optim_state = _load_file(distrib_optim_file(path, state.dp_rank), "optimizer shard file")
+            else:
+                optim_state = ckpt.get("optimizer")
+            if optim_state is None:
+                raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
+            optimizer.load_state_dict(optim_state)
+        if scheduler is not None and ckpt.get("scheduler") is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        if loss_scaler is not None and ckpt.get("loss_scaler") is not None:
+            loss_scaler.load_state_dict(ckpt["loss_scaler"])
+    if not finetune and not ck.no_load_rng:
+        rank = _global_rank()
+        rng_path = rng_file(root, iteration, rank)
+        if not os.path.isfile(rng_path):
+            raise CheckpointError(
+                f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
+                f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
+            )
+        set_rng_states(_load_file(rng_path, "RNG state file"))
+
+    _barrier()
+    if finetune:
+        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
+        return 0, 0
+    print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
+    return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints outside training (tools/generate.py, converters).
+
+
+def find_model_files(path: str) -> dict[tuple, str]:
+    """{(tp_rank, pp_rank[, ep_rank]): file} of a save folder (its latest iteration) or an ``iter_*`` folder."""
+    folder = path
+    if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):
+        folder = iteration_dir(path, read_tracker(path))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("mp_rank_") and os.path.isfile(os.path.join(folder, name, MODEL_FILENAME)):
+            files[tuple(int(x) for x in name[len("mp_rank_"):].split("_"))] = os.path.join(folder, name, MODEL_FILENAME)
+    if not files:
+        raise CheckpointError(f"no mp_rank_*/{MODEL_FILENAME} under {folder}; is it a megatron_lite checkpoint?")
+    return files
+
+
+def read_model_file(path: str) -> dict:
+    """The whole payload of one ``model_optim_rng.pt`` (CPU tensors); CheckpointError if missing/corrupt."""
+    return _load_file(path)
+
+
+def checkpoint_config(path: str) -> dict:
+    """The flat config dict a checkpoint was saved with.
+
+    ``path`` is a save folder (its latest iteration is used), an ``iter_*`` folder, or a model file.
+    The dict also holds ``iteration``, ``tp_size``, ``pp_size`` and ``vpp_size`` of the checkpoint.
+    """
+    if os.path.isfile(path):
+        file = path
+    else:
+        files = find_model_files(path)
+        file = files[min(files)]
+    ckpt = _load_file(file)
+    out = dict(ckpt["config"])
+    for key in ("iteration", "tp_size", "pp_size", "vpp_size"):
+        out.setdefault(key, ckpt.get(key))
+    return out

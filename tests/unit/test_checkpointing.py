@@ -1,0 +1,206 @@
+"""Checkpoints in one process: round trip, RNG continuation, the load flags, refusals with one clear
+message, and crash safety (a failed save never becomes "latest")."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.training import checkpointing as ckpt
+from megatron_lite.training.checkpointing import CheckpointError, checkpoint_config, load_checkpoint, save_checkpoint
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, hidden=8, ffn=16, tp_group=None):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden, ffn, tp_group)
+        self.fc2 = RowParallelLinear(ffn, hidden, tp_group)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        with get_rng_tracker().fork():
+            h = F.dropout(h, p=0.2)
+        return F.dropout(self.fc2(h), p=0.2)
+
+
+class StepCounter:
+    """A scheduler stand-in: anything with state_dict / load_state_dict."""
+
+    def __init__(self):
+        self.num_steps = 0
+
+    def step(self):
+        self.num_steps += 1
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, sd):
+        self.num_steps = sd["num_steps"]
+
+
+def _setup(tmp_path, hidden=8, seed=1):
+    cfg = Config()
+    cfg.checkpoint.save = cfg.checkpoint.load = str(tmp_path / "ckpt")
+    state = ParallelState()
+    torch.manual_seed(seed)
+    model = TinyMLP(hidden)
+    model_parallel_seed(1234, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return cfg, state, model, opt, StepCounter()
+
+
+def _train(model, opt, sched, steps):
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _draws():
+    with get_rng_tracker().fork():
+        tracked = torch.rand(3)
+    return random.random(), float(np.random.rand()), torch.rand(3), tracked
+
+
+def test_round_trip_continues_exactly(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 2)
+    save_checkpoint(2, [model], opt, sched, consumed_samples=8, config=cfg, state=state)
+    assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
+    assert (tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt").is_file()
+    assert (tmp_path / "ckpt" / "iter_0000002" / "rng" / "rank_00000.pt").is_file()
+    draws_after_save = _draws()
+    reference = _train(model, opt, sched, 3)
+
+    # A fresh process-like start: other weights, other RNG states, empty optimizer.
+    _, _, model2, opt2, sched2 = _setup(tmp_path, seed=99)
+    random.seed(5)
+    np.random.seed(5)
+    assert load_checkpoint([model2], opt2, sched2, cfg, state) == (2, 8)
+    assert sched2.num_steps == 2
+    draws = _draws()
+    assert draws[:2] == draws_after_save[:2]
+    assert torch.equal(draws[2], draws_after_save[2]) and torch.equal(draws[3], draws_after_save[3])
+    # Rewind the RNG by loading again, then the continued trajectory must be bit-identical.
+    load_checkpoint([model2], opt2, sched2, cfg, state)
+    _draws()
+    assert _train(model2, opt2, sched2, 3) == reference
+    assert checkpoint_config(cfg.checkpoint.save)["hidden_size"] == cfg.model.hidden_size
+
+
+def test_no_load_optim_no_load_rng_and_finetune(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 2)
+    save_checkpoint(2, [model], opt, sched, 8, cfg, state)
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    cfg.checkpoint.no_load_optim = True
+    cfg.checkpoint.no_load_rng = True
+    _, _, m2, o2, s2 = _setup(tmp_path, seed=7)
+    torch.manual_seed(42)
+    before = torch.get_rng_state()
+    assert load_checkpoint([m2], o2, s2, cfg, state) == (2, 8)
+    assert all(torch.equal(v, saved_weights[k]) for k, v in m2.state_dict().items())
+    assert len(o2.state) == 0 and s2.num_steps == 0, "optimizer and scheduler untouched"
+    assert torch.equal(torch.get_rng_state(), before), "RNG untouched"
+
+    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = False
+    cfg.checkpoint.finetune = True
+    _, _, m3, o3, s3 = _setup(tmp_path, seed=8)
+    assert load_checkpoint([m3], o3, s3, cfg, state) == (0, 0)
+    assert all(torch.equal(v, saved_weights[k]) for k, v in m3.state_dict().items())
+    assert len(o3.state) == 0 and s3.num_steps == 0
+
+
+def test_no_checkpoint_starts_from_scratch(tmp_path, capsys):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    assert load_checkpoint([model], opt, sched, cfg, state) == (0, 0)
+    assert "no checkpoint found" in capsys.readouterr().out
+    cfg.checkpoint.load = None
+    assert load_checkpoint([model], opt, sched, cfg, state) == (0, 0)
+
+
+def test_shape_mismatch_is_refused_naming_the_parameter(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    other = TinyMLP(hidden=12)
+    cfg.model.hidden_size = 12
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint([other], None, None, cfg, state)
+    msg = str(err.value)
+    assert "does not match the model" in msg and "model_optim_rng.pt" in msg
+    assert "fc1.weight has shape (16, 8) in the checkpoint, (16, 12) in this model" in msg
+    assert "hidden-size 64 (this run 12)" in msg  # what the config said at save time
+
+
+def test_renamed_parameter_is_refused(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    other = nn.Sequential()
+    other.add_module("fc1", model.fc1)
+    other.add_module("proj", model.fc2)
+    with pytest.raises(CheckpointError, match=r"missing in checkpoint: proj.weight.*not in this model: fc2.weight"):
+        load_checkpoint([other], None, None, cfg, state)
+
+
+def test_crash_during_save_keeps_previous_latest(tmp_path, monkeypatch):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, sched, 1)
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *a, **k):
+        if "mp_rank_" in str(path):
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 half a file")  # something partial is on disk when we die
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(2, [model], opt, sched, 8, cfg, state)
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+
+    root = tmp_path / "ckpt"
+    assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "1"
+    folder = root / "iter_0000002" / "mp_rank_00_000"
+    assert not (folder / "model_optim_rng.pt").exists(), "nothing half-written under the real name"
+    assert not [f for f in os.listdir(folder) if ".tmp." in f], "temporary file removed"
+    _, _, m2, o2, s2 = _setup(tmp_path, seed=3)
+    assert load_checkpoint([m2], o2, s2, cfg, state) == (1, 4)
+    assert all(torch.equal(v, good[k]) for k, v in m2.state_dict().items())
+
+
+def test_missing_and_corrupt_files_are_named(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(3, [model], opt, sched, 4, cfg, state)
+    path = tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model_optim_rng.pt is unreadable .*corrupt"):
+        load_checkpoint([model], opt, sched, cfg, state)
+    path.unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000003/mp_rank_00_000/model_optim_rng.pt is missing"):
+        load_checkpoint([model], opt, sched, cfg, state)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("banana\n")
+    with pytest.raises(CheckpointError, match="should hold an iteration number"):
+        load_checkpoint([model], opt, sched, cfg, state)
+    assert issubclass(CheckpointError, ValueError)

@@ -1,0 +1,101 @@
+"""FLOPs formula: equals the spec's closed form for the classic GPT, and for GQA / SwiGLU / any ffn
+size equals an independent count of every matmul (torch's FlopCounterMode on a reference model)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.perf.flops import (
+    measure_matmul_peak,
+    mfu,
+    num_floating_point_operations,
+    spec_formula,
+)
+
+
+@pytest.mark.parametrize("B,s,l,h,heads,V", [(4, 512, 6, 768, 12, 32768), (8, 2048, 24, 2048, 16, 51200),
+                                              (1, 128, 2, 64, 4, 1024)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_equals_spec_formula_for_classic_gpt(B, s, l, h, heads, V, recompute):
+    cfg = ModelConfig(num_layers=l, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=heads,
+                      seq_length=s, vocab_size=V, padded_vocab_size=V)
+    got = num_floating_point_operations(cfg, B, recompute_full=recompute)
+    want = spec_formula(B, s, l, h, V, recompute_full=recompute)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_unset_derived_fields_default_to_classic_gpt():
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000)
+    assert num_floating_point_operations(cfg, 3) == pytest.approx(spec_formula(3, 32, 2, 64, 1000), rel=1e-12)
+
+
+def _reference_train_step_flops(cfg, B):
+    """Matmul FLOPs of forward + backward of a plain-torch GPT of ``cfg``'s shapes, counted by torch."""
+    h, s, heads, d = cfg.hidden_size, cfg.seq_length, cfg.num_attention_heads, cfg.kv_channels
+    g, f, V = cfg.num_query_groups, cfg.ffn_hidden_size, cfg.padded_vocab_size
+    torch.manual_seed(0)
+
+    def w(*shape):
+        return (0.02 * torch.randn(*shape)).requires_grad_()
+
+    emb = w(V, h)
+    layers = [dict(q=w(heads * d, h), kv=w(2 * g * d, h), o=w(h, heads * d),
+                   up=w(f * (2 if cfg.swiglu else 1), h), down=w(h, f)) for _ in range(cfg.num_layers)]
+    out_w = w(V, h)
+    tokens = torch.randint(0, V, (B, s))
+    with FlopCounterMode(display=False) as counter:
+        x = emb[tokens]  # [B, s, h]
+        for p in layers:
+            q = F.linear(x, p["q"]).view(B, s, heads, d).transpose(1, 2)
+            k, v = F.linear(x, p["kv"]).view(B, s, 2, g, d).permute(2, 0, 3, 1, 4)
+            k, v = k.repeat_interleave(heads // g, dim=1), v.repeat_interleave(heads // g, dim=1)
+            probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
+            x = x + F.linear((probs @ v).transpose(1, 2).reshape(B, s, heads * d), p["o"])
+            up = F.linear(x, p["up"])
+            if cfg.swiglu:
+                a, b = up.chunk(2, dim=-1)
+                up = F.silu(a) * b
+            else:
+                up = F.gelu(up)
+            x = x + F.linear(up, p["down"])
+        loss = F.cross_entropy(F.linear(x, out_w).view(-1, V), tokens.view(-1))
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("heads,groups,kv,ffn,swiglu", [
+    (4, 4, 16, 256, False),   # classic MHA, 4h
+    (4, 2, 16, 256, False),   # GQA
+    (4, 1, 16, 96, True),     # MQA + SwiGLU, ffn != 4h
+    (4, 4, 8, 200, True),     # kv_channels * heads != hidden
+])
+def test_general_count_equals_independent_matmul_count(heads, groups, kv, ffn, swiglu):
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=heads, num_query_groups=groups,
+                      kv_channels=kv, ffn_hidden_size=ffn, swiglu=swiglu, seq_length=16, vocab_size=100,
+                      padded_vocab_size=128)
+    assert num_floating_point_operations(cfg, 3) == _reference_train_step_flops(cfg, 3)
+
+
+def test_moe_counts_topk_experts_and_router():
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, num_query_groups=4,
+                ffn_hidden_size=256, seq_length=16, padded_vocab_size=128, swiglu=False)
+    dense = SimpleNamespace(**base)
+    moe = SimpleNamespace(**base, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256)
+    tokens = 3 * 16
+    mlp_train = 3 * 2 * (2 * tokens * 64 * 256)  # fwd+bwd of up and down, one expert, one layer
+    router_train = 3 * 2 * tokens * 64 * 8
+    extra = 2 * (mlp_train + router_train)  # second expert + router, two layers
+    assert num_floating_point_operations(moe, 3) - num_floating_point_operations(dense, 3) == extra
+
+
+def test_mfu_and_peak():
+    assert mfu(50e9, 200e9) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        mfu(1.0, 0.0)
+    peak = measure_matmul_peak(n=128, warmup=1, reps=2)
+    assert math.isfinite(peak) and peak > 1e6  # any real CPU does > 1 MFLOP/s on a 128^3 matmul

@@ -1,0 +1,126 @@
+"""Console lines in Megatron's format, averaged over the interval, printed by the right rank only;
+TensorBoard event files carry Megatron's scalar names."""
+
+import glob
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training.logging import TrainLogger, is_logging_rank, print_rank_0
+
+NUM = r"[-+]?\d+\.\d+"
+SCI = r"[-+]?\d\.\d{6}E[-+]\d{2}"
+LINE = re.compile(
+    r"^ \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\]"
+    r" iteration +(?P<it>\d+)/ +(?P<total>\d+) \|"
+    r" consumed samples: +(?P<consumed>\d+) \|"
+    rf" elapsed time per iteration \(ms\): (?P<ms>{NUM}) \|"
+    rf" throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>{NUM}) \|"
+    rf" learning rate: (?P<lr>{SCI}) \|"
+    r" global batch size: +(?P<gbs>\d+) \|"
+    rf" lm loss: (?P<loss>{SCI}) \|"
+    rf" loss scale: (?P<scale>{NUM}) \|"
+    rf" grad norm: (?P<gnorm>\d+\.\d{{3}}) \|"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nan>\d+) \|"
+    rf" tokens per second per device: (?P<tps>{NUM}) \|"
+    rf" peak memory \(MB\): (?P<mem>{NUM}) \|$"
+)
+
+
+def _config(tmp_path=None, interval=2):
+    cfg = Config()
+    cfg.model.seq_length = 128
+    cfg.training.train_iters = 100
+    cfg.logging.log_interval = interval
+    cfg.logging.log_throughput = True
+    cfg.logging.tensorboard_dir = None if tmp_path is None else str(tmp_path / "tb")
+    return cfg
+
+
+def test_line_format_and_interval_averages(capsys):
+    log = TrainLogger(_config(), ParallelState(), flops_per_iteration=2e12)
+    common = dict(lr=3e-4, loss_scale=1.0, nan=False, batch_size=4)
+    assert log.log_iteration(1, {"lm loss": 2.0}, grad_norm=1.0, skipped=False, iter_time_s=0.1, **common) is None
+    line = log.log_iteration(2, {"lm loss": 4.0}, grad_norm=2.5, skipped=False, iter_time_s=0.3, **common)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [line], "exactly one line is printed, at the log interval"
+    m = LINE.match(line)
+    assert m, line
+    assert int(m["it"]) == 2 and int(m["total"]) == 100 and int(m["consumed"]) == 8
+    assert float(m["loss"]) == pytest.approx(3.0)  # mean of 2 and 4
+    assert float(m["ms"]) == pytest.approx(200.0)  # mean of 100 ms and 300 ms
+    assert float(m["lr"]) == pytest.approx(3e-4) and int(m["gbs"]) == 4
+    assert m["gnorm"] == "2.500"  # the last iteration's
+    assert float(m["tflops"]) == pytest.approx(10.0, abs=0.05)  # 2e12 FLOPs / 0.2 s / 1 device
+    assert float(m["tps"]) == pytest.approx(2 * 4 * 128 / 0.4)
+    assert float(m["mem"]) > 0
+    assert int(m["skipped"]) == 0 and int(m["nan"]) == 0
+
+    # Next interval: a skipped step does not enter the loss average; a nan step is counted.
+    log.log_iteration(3, {"lm loss": 100.0}, grad_norm=None, skipped=True, iter_time_s=0.2, **common)
+    line = log.log_iteration(4, {"lm loss": 5.0}, grad_norm=1.0, skipped=False, iter_time_s=0.2,
+                             **{**common, "nan": True})
+    m = LINE.match(line)
+    assert m, line
+    assert float(m["loss"]) == pytest.approx(5.0)
+    assert int(m["skipped"]) == 1 and int(m["nan"]) == 1 and int(m["consumed"]) == 16
+
+
+def test_throughput_field_follows_log_throughput_flag():
+    cfg = _config(interval=1)
+    cfg.logging.log_throughput = False
+    line = TrainLogger(cfg, ParallelState(), 1e9).log_iteration(
+        1, {"lm loss": 1.0}, 1e-3, 1.0, 1.0, False, False, 0.5, 2)
+    assert "throughput per GPU" not in line and "| learning rate: 1.000000E-03 |" in line
+
+
+def test_validation_line(capsys):
+    log = TrainLogger(_config(), ParallelState(), 1e9)
+    line = log.log_validation(10, {"lm loss": 2.0})
+    assert line == " validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |"
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == line and set(out[0]) == {"-"} and out[0] == out[2]
+
+
+def _fake_state(last, tp, dp):
+    return SimpleNamespace(is_last_stage=lambda: last, tp_rank=tp, dp_rank=dp, cp_rank=0, world_size=8)
+
+
+def test_only_last_stage_tp0_dp0_prints(capsys):
+    assert is_logging_rank(_fake_state(True, 0, 0))
+    for state in (_fake_state(False, 0, 0), _fake_state(True, 1, 0), _fake_state(True, 0, 1)):
+        assert not is_logging_rank(state)
+        log = TrainLogger(_config(interval=1), state, 1e9)
+        assert log.log_iteration(1, {"lm loss": 1.0}, 1e-3, 1.0, 1.0, False, False, 0.5, 2) is None
+        assert log.log_validation(1, {"lm loss": 1.0}) is None
+    assert capsys.readouterr().out == ""
+
+
+def test_print_rank_0_prints_without_distributed(capsys):
+    print_rank_0("hello")
+    assert capsys.readouterr().out == "hello\n"
+
+
+def test_tensorboard_scalar_names(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = TrainLogger(_config(tmp_path), ParallelState(), 1e9)
+    for it in (1, 2):
+        log.log_iteration(it, {"lm loss": 3.0 - it}, 1e-3, 0.5, 1.0, False, False, 0.1, 4, params_norm=10.0)
+    log.log_validation(2, {"lm loss": 1.5})
+    log.close()
+    files = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    assert len(files) == 1
+    acc = EventAccumulator(files[0])
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size", "iteration-time", "throughput",
+            "params-norm", "lm loss validation", "lm loss validation ppl", "tokens-per-second-per-device"}
+    assert want <= tags, want - tags
+    assert any(t.startswith("mem-max-") for t in tags)
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 2.0), (2, 1.0)]
+    assert [e.value for e in acc.Scalars("lm loss validation")] == [1.5]
