@@ -15,7 +15,12 @@ from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.training import checkpointing as ckpt
-from megatron_lite.training.checkpointing import CheckpointError, checkpoint_config, load_checkpoint, save_checkpoint
+from megatron_lite.training.checkpointing import (
+    CheckpointError,
+    checkpoint_config,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 class TinyMLP(nn.Module):
