@@ -1,0 +1,124 @@
+"""Self-attention: fused QKV projection, optional rotary embedding, core attention, output projection.
+
+Multi-head, grouped-query and multi-query attention share one layout. The fused QKV weight's full
+master is ``[groups, (heads_per_group + 2) * head_dim, hidden]`` flattened to 2-D: for each key/value
+group, its query heads, then its key head, then its value head. ColumnParallelLinear splits the
+rows evenly, so with ``groups % tp == 0`` every rank receives whole groups (its query heads with
+the keys/values they use) and attention needs no communication. The output projection is a
+RowParallelLinear whose partial sums are all-reduced (or reduce-scattered under SP).
+
+Core attention is ``F.scaled_dot_product_attention`` (causal, or an explicit boolean mask), or
+flash-attn's ``flash_attn_func`` when it is importable on a GPU and the dtype is 16-bit.
+Attention dropout runs inside the TP region (each rank owns different heads) under the tracker's
+tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..device import detect_accelerators
+from ..parallel.random import checkpoint, get_rng_tracker
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from .common import apply_rotary, seeded_init
+
+_FLASH = None
+
+
+def _flash_attn_func():
+    """flash-attn's function when usable here (GPU + package), else None; decided once."""
+    global _FLASH
+    if _FLASH is None:
+        _FLASH = False
+        if detect_accelerators()["flash_attn"]:
+            try:
+                from flash_attn import flash_attn_func
+
+                _FLASH = flash_attn_func
+            except ImportError:
+                pass
+    return _FLASH or None
+
+
+def core_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float):
+    """softmax(q k^T * scale [+ mask]) v with dropout on the probabilities.
+
+    ``q [s, b, nq, d]``, ``k, v [s, b, nkv, d]`` with ``nq % nkv == 0`` (each key/value head serves
+    ``nq / nkv`` consecutive query heads); ``attention_mask`` None or bool ``[b, 1, s, s]``, True =
+    masked out. Returns ``[s, b, nq * d]``. Dropout draws from the current generator (the caller
+    forks the tensor-parallel one).
+    """
+    s, b, nq, d = q.shape
+    flash = _flash_attn_func()
+    if flash is not None and attention_mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                    softmax_scale=scale, causal=causal)  # [b, s, nq, d], GQA handled natively
+        return out.transpose(0, 1).reshape(s, b, nq * d)
+    group = nq // k.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=causal and mask is None, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, state, layer_number: int, *, seed: int, sequence_parallel: bool = False,
+                 selective_recompute: bool = False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp = state.tp_size
+        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+        if heads % groups:
+            raise ValueError(f"num-attention-heads {heads} is not divisible by num-query-groups {groups}")
+        if groups % tp:
+            raise ValueError(f"num-query-groups {groups} is not divisible by tensor-model-parallel-size {tp}; "
+                             "every rank must hold whole key/value groups")
+        self.head_dim = config.kv_channels or config.hidden_size // heads
+        self.heads_per_group = heads // groups
+        self.local_groups = groups // tp
+        self.dropout_p = config.attention_dropout
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.selective_recompute = selective_recompute
+        bias = not config.disable_bias_linear
+        std, n = config.init_method_std, config.num_layers
+        qkv_size = (heads + 2 * groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, state.tp_group, bias=bias,
+            init_method=seeded_init(seed, layer_number, "self_attention.linear_qkv.weight", std),
+            sequence_parallel=sequence_parallel, dtype=params_dtype, device=device,
+        )
+        self.linear_proj = RowParallelLinear(
+            heads * self.head_dim, config.hidden_size, state.tp_group, bias=bias, input_is_parallel=True,
+            init_method=seeded_init(seed, layer_number, "self_attention.linear_proj.weight", std, n),
+            sequence_parallel=sequence_parallel, dtype=params_dtype, device=device,
+        )
+
+    def _attend(self, q, k, v, attention_mask, causal):
+        p = self.dropout_p if self.training else 0.0
+        if p > 0:
+            with get_rng_tracker().fork():
+                return core_attention(q, k, v, attention_mask, causal, p, self.scale)
+        return core_attention(q, k, v, attention_mask, causal, 0.0, self.scale)
+
+    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
+        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
+        qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rotary is not None:
+            cos, sin = (t.to(q.dtype) for t in rotary)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.selective_recompute and torch.is_grad_enabled():
+            context = checkpoint(self._attend, q, k, v, attention_mask, causal)
+        else:
+            context = self._attend(q, k, v, attention_mask, causal)
+        return self.linear_proj(context)

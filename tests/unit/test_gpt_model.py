@@ -1,0 +1,244 @@
+"""GPTModel in one process, against an independent plain-PyTorch GPT written here.
+
+The reference below uses only F.linear / F.scaled_dot_product_attention / F.layer_norm / complex
+rotations on the model's state dict, reading the documented weight layouts (fused QKV
+``[groups, (heads_per_group + 2) * head_dim, hidden]``, SwiGLU fc1 ``[gate; up]``), so a passing test
+means the model computes a GPT, not merely that it agrees with itself. Tolerances: fp32,
+rtol 1e-5 / atol 1e-6 for logits and losses (different summation order only), 1e-5 / 1e-7 for grads.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.models import GPTModel
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.parallel.state import ParallelState
+
+B, S, VOCAB = 2, 16, 100
+
+# Variant A: learned positions, LayerNorm, GeLU, biases, tied output layer, multi-head.
+# Variant B: rope, RMSNorm, SwiGLU, no biases, untied output layer, grouped-query (8 heads, 4 groups).
+VARIANTS = {
+    "A": dict(num_attention_heads=4, num_query_groups=4),
+    "B": dict(num_attention_heads=8, num_query_groups=4, position_embedding_type="rope", normalization="RMSNorm",
+              swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True),
+}
+
+
+def make_config(variant="A", tp=1, dropout=0.0, **over) -> ModelConfig:
+    kw = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, seq_length=S, vocab_size=VOCAB,
+              padded_vocab_size=128, attention_dropout=dropout, hidden_dropout=dropout)
+    kw.update(VARIANTS[variant])
+    kw.update(over)
+    cfg = ModelConfig(**kw)
+    if cfg.position_embedding_type == "learned_absolute":
+        cfg.max_position_embeddings = S
+    return cfg
+
+
+def make_batch(seed=0, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (B, S), generator=g)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
+    return tokens, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent reference.
+
+
+def _ref_norm(x, w, b, cfg):
+    if cfg.normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), w, b, cfg.norm_epsilon)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_epsilon) * w
+
+
+def _ref_rope(x, base):
+    """x [b, heads, s, d]: rotate each (x_i, x_{i + d/2}) pair by pos * base^(-2i/d), as complex numbers."""
+    d, s = x.shape[-1], x.shape[-2]
+    theta = torch.arange(s, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double()) * torch.polar(torch.ones_like(theta), theta)
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def reference_logits(sd, cfg, tokens):
+    """Logits [b, s, padded_vocab] of a plain GPT with the weights in state dict ``sd``."""
+    b, s = tokens.shape
+    nh, ng = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+    d, hpg = cfg.hidden_size // nh, nh // ng
+    x = sd["embedding.word_embeddings.weight"][tokens]
+    if cfg.position_embedding_type == "learned_absolute":
+        x = x + sd["embedding.position_embeddings.weight"][:s]
+    for i in range(cfg.num_layers):
+        p = lambda name, i=i: sd.get(f"decoder.layers.{i}.{name}")  # noqa: E731
+        y = _ref_norm(x, p("input_norm.weight"), p("input_norm.bias"), cfg)
+        qkv = F.linear(y, p("self_attention.linear_qkv.weight"), p("self_attention.linear_qkv.bias"))
+        qkv = qkv.view(b, s, ng, hpg + 2, d)
+        q = qkv[:, :, :, :hpg].reshape(b, s, nh, d).transpose(1, 2)
+        k, v = (qkv[:, :, :, hpg + j].transpose(1, 2) for j in (0, 1))  # [b, ng, s, d]
+        if cfg.position_embedding_type == "rope":
+            q, k = _ref_rope(q, cfg.rotary_base), _ref_rope(k, cfg.rotary_base)
+        group_of_head = torch.arange(nh) // hpg
+        a = F.scaled_dot_product_attention(q, k[:, group_of_head], v[:, group_of_head], is_causal=True)
+        a = a.transpose(1, 2).reshape(b, s, nh * d)
+        x = x + F.linear(a, p("self_attention.linear_proj.weight"), p("self_attention.linear_proj.bias"))
+        y = _ref_norm(x, p("pre_mlp_norm.weight"), p("pre_mlp_norm.bias"), cfg)
+        h = F.linear(y, p("mlp.linear_fc1.weight"), p("mlp.linear_fc1.bias"))
+        if cfg.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = gate * torch.sigmoid(gate) * up
+        else:
+            h = 0.5 * h * (1.0 + torch.erf(h / 2**0.5))
+        x = x + F.linear(h, p("mlp.linear_fc2.weight"), p("mlp.linear_fc2.bias"))
+    x = _ref_norm(x, sd["decoder.final_norm.weight"], sd.get("decoder.final_norm.bias"), cfg)
+    w_out = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
+    return x @ w_out.t()
+
+
+def _close(a, b, what, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant, groups", [("A", None), ("B", None), ("B", 1), ("A", 2)])
+def test_matches_independent_reference(variant, groups):
+    over = {} if groups is None else dict(num_query_groups=groups)
+    cfg = make_config(variant, **over)
+    model = GPTModel(cfg, ParallelState(), seed=7)
+    tokens, labels = make_batch()
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    ref = reference_logits(sd, cfg, tokens)
+    logits = model(tokens)
+    assert logits.shape == (B, S, 128)
+    _close(logits, ref, "logits")
+    loss = model(tokens, labels=labels)
+    ref_loss = F.cross_entropy(ref[..., :VOCAB].reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+    _close(loss, ref_loss.view(B, S), "per-token loss")
+    assert 3.0 < loss.mean().item() < 6.0  # near log(100) for a fresh model: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("heads, groups", [(8, 8), (8, 4), (8, 1)])
+def test_qkv_shapes_for_mha_gqa_mqa(heads, groups):
+    cfg = make_config("B", num_attention_heads=heads, num_query_groups=groups)
+    attn = GPTModel(cfg, ParallelState()).decoder.layers[0].self_attention
+    d = cfg.hidden_size // heads
+    assert attn.linear_qkv.weight.shape == ((heads + 2 * groups) * d, cfg.hidden_size)
+    assert attn.linear_proj.weight.shape == (cfg.hidden_size, heads * d)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_pipeline_split_equals_full_model(variant):
+    cfg = make_config(variant)
+    tokens, labels = make_batch(1)
+    full = GPTModel(cfg, ParallelState(), seed=3)
+    full(tokens, labels=labels).mean().backward()
+
+    first = GPTModel(cfg, ParallelState(), seed=3, post_process=False, layer_start=0, layer_end=1)
+    last = GPTModel(cfg, ParallelState(), seed=3, pre_process=False, layer_start=1, layer_end=2)
+    hidden = first(tokens)
+    received = hidden.detach().requires_grad_()  # what a pipeline's p2p receive hands over
+    last.set_input_tensor(received)
+    loss = last(tokens, labels=labels)
+    _close(loss, full(tokens, labels=labels), "loss")
+    loss.mean().backward()
+    hidden.backward(received.grad)
+
+    want = _grads(full)
+    got = {n: g for n, g in _grads(first).items()}
+    got.update({n.replace("decoder.layers.0.", "decoder.layers.1."): g for n, g in _grads(last).items()
+                if n.startswith("decoder.layers.")})
+    got["decoder.final_norm.weight"] = last.decoder.final_norm.weight.grad
+    if variant == "A":  # tied: the last stage owns an identical copy; the training code sums the two grads
+        assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
+        assert last.shared_embedding_or_output_weight().shared_embedding
+        got["embedding.word_embeddings.weight"] = got["embedding.word_embeddings.weight"] + last.output_layer.weight.grad
+        got["decoder.final_norm.bias"] = last.decoder.final_norm.bias.grad
+    else:
+        assert last.shared_embedding_or_output_weight() is None
+        got["output_layer.weight"] = last.output_layer.weight.grad
+    assert set(got) == set(want)
+    for name in want:
+        _close(got[name], want[name], name, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", ["A", "B"])
+@pytest.mark.parametrize("recompute", [("full", "uniform", 1), ("full", "uniform", 2), ("full", "block", 1),
+                                       ("selective", None, None)])
+def test_recompute_equals_no_recompute_with_dropout(variant, recompute):
+    cfg = make_config(variant, dropout=0.2)
+    tokens, labels = make_batch(2)
+
+    def run(granularity, method, n):
+        model_parallel_seed(11, ParallelState())  # same masks for both runs
+        model = GPTModel(cfg, ParallelState(), seed=5, recompute_granularity=granularity, recompute_method=method,
+                         recompute_num_layers=n)
+        loss = model(tokens, labels=labels)
+        loss.mean().backward()
+        return loss.detach(), _grads(model)
+
+    loss_ref, grads_ref = run(None, None, None)
+    loss, grads = run(*recompute)
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)  # forward is the very same computation
+    for name in grads_ref:
+        _close(grads[name], grads_ref[name], name, atol=1e-7)
+    model_parallel_seed(11, ParallelState())
+    no_dropout = GPTModel(dataclasses.replace(cfg, attention_dropout=0.0, hidden_dropout=0.0), ParallelState(), seed=5)
+    assert not torch.allclose(no_dropout(tokens, labels=labels), loss_ref)  # dropout really was on
+
+
+def test_padded_vocab_never_counts():
+    cfg = make_config("A")
+    model = GPTModel(cfg, ParallelState(), seed=1)
+    tokens, labels = make_batch(3)
+    loss = model(tokens, labels=labels)
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight[VOCAB:] = 50.0  # huge logits in the padded tail
+    loss_padded = model(tokens, labels=labels)
+    _close(loss_padded, loss, "loss with a perturbed padded tail")
+    loss_padded.sum().backward()
+    assert model.embedding.word_embeddings.weight.grad[VOCAB:].abs().max() == 0
+
+
+def test_eval_mode_disables_dropout_and_param_count():
+    cfg = make_config("A", dropout=0.5)
+    model = GPTModel(cfg, ParallelState()).eval()
+    tokens, _ = make_batch()
+    torch.testing.assert_close(model(tokens), model(tokens), rtol=0, atol=0)
+    h, f, v, L = 32, 64, 128, 2
+    per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+    assert model.num_parameters() == v * h + S * h + L * per_layer + 2 * h
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(num_attention_heads=8, num_query_groups=3), "num-attention-heads 8 is not divisible by num-query-groups 3"),
+    (dict(padded_vocab_size=None), "config.padded_vocab_size is not set"),
+    (dict(position_embedding_type="alibi"), "--position-embedding-type 'alibi'"),
+    (dict(normalization="BatchNorm"), "--normalization 'BatchNorm'"),
+    (dict(num_attention_heads=5), "hidden-size 32 is not divisible by num-attention-heads 5"),
+    (dict(num_layers=2), "layer range [0, 3) is outside the model's 2 layers"),
+])
+def test_bad_shapes_are_clear_errors(over, message):
+    cfg = make_config("A", **{k: v for k, v in over.items()})
+    if "num_query_groups" in over or over.get("num_attention_heads") == 5:
+        cfg.num_query_groups = over.get("num_query_groups")
+    with pytest.raises(ValueError) as err:
+        GPTModel(cfg, ParallelState(), layer_end=3 if "num_layers" in over else None)
+    assert message in str(err.value)
+
+
+def test_rope_odd_head_dim_and_long_positions_are_clear_errors():
+    with pytest.raises(ValueError, match="rope needs an even head dimension"):
+        GPTModel(make_config("B", kv_channels=5), ParallelState())
+    model = GPTModel(make_config("A"), ParallelState())
+    with pytest.raises(ValueError, match="raise --max-position-embeddings"):
+        model(torch.zeros(1, S + 1, dtype=torch.long))
