@@ -57,6 +57,8 @@ class GPTModel(nn.Module):
         self.use_rope = config.position_embedding_type == "rope"
         self.head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.input_tensor = None
+        self.layer_start = layer_start  # global layer range held here (saved in checkpoints' layer_ranges)
+        self.layer_end = config.num_layers if layer_end is None else layer_end
 
         self.embedding = None
         if pre_process:

@@ -111,3 +111,111 @@ def test_bad_tensor_parallel_shapes_are_clear_errors():
         "padded vocabulary size 130 is not divisible by tensor-model-parallel-size 4",
         "sequence parallelism needs the sequence length 6 divisible by tensor-model-parallel-size 4",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints saved in parallel load into one process (tools/generate.py).
+
+PROMPT, NEW_TOKENS = [5, 17, 42, 8, 61], 6
+
+
+def _save(root, state, model, cfg):
+    from megatron_lite.config import Config
+    from megatron_lite.training.checkpointing import save_checkpoint
+
+    config = Config(model=cfg)
+    config.checkpoint.save = root
+    save_checkpoint(3, [model], None, None, 0, config, state)
+
+
+def _full_logits(model, ids, group, tp):
+    shard = model(torch.tensor([ids]))[0, -1]
+    return torch.cat(_gather(shard, group, tp))[:100]
+
+
+def check_save_and_greedy(tp, variant, root):
+    """Save a TP checkpoint, then greedy-decode with the TP model itself (logits gathered over TP)."""
+    state = cached_state(tp=tp)
+    cfg = make_config(variant)
+    model = GPTModel(cfg, state, seed=21).eval()
+    _save(root, state, model, cfg)
+    ids, first_logits = list(PROMPT), None
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = _full_logits(model, ids, state.tp_group, tp)
+            first_logits = logits if first_logits is None else first_logits
+            ids.append(int(logits.argmax()))
+    return ids[len(PROMPT):], first_logits
+
+
+def _load_generate_tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", "generate.py")
+    spec = importlib.util.spec_from_file_location("tools_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_tp2_checkpoint_loads_at_tp1_and_generates_the_same(variant, tmp_path, capsys):
+    from megatron_lite.models.loading import load_gpt_checkpoint
+
+    root = str(tmp_path / "ckpt")
+    tokens_tp, logits_tp = run_ranks(2, check_save_and_greedy, 2, variant, root)[0]
+    model, _ = load_gpt_checkpoint(root)
+    serial = GPTModel(make_config(variant), ParallelState(), seed=21)
+    for name, tensor in serial.state_dict().items():  # merged weights == the single-process init, exactly
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    gen = _load_generate_tool()
+    torch.testing.assert_close(gen.next_token_logits(model, PROMPT, 100, 16), logits_tp, rtol=1e-5, atol=1e-6)
+    tokens = gen.generate(model, PROMPT, NEW_TOKENS, vocab_size=100, limit=16, temperature=0.0)
+    assert tokens == tokens_tp
+
+    # the command line, with the NullTokenizer (text = space-separated ids)
+    base = ["--load", root, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--prompt", " ".join(map(str, PROMPT)), "--max-new-tokens", str(NEW_TOKENS)]
+    assert gen.main(base + ["--greedy"]) == 0
+    out = capsys.readouterr().out.split()
+    assert [int(t) for t in out] == PROMPT + tokens[: len(out) - len(PROMPT)]  # stops early only at eod (99)
+    samples = []
+    for seed in (1, 1, 2):
+        assert gen.main(base + ["--temperature", "0.8", "--top-k", "5", "--seed", str(seed)]) == 0
+        samples.append(capsys.readouterr().out)
+    assert samples[0] == samples[1]  # same seed, same text
+
+
+def check_save_tp_pp(root):
+    state = cached_state(tp=2, pp=2)
+    cfg = make_config("A")
+    first = state.is_first_stage()
+    model = GPTModel(cfg, state, seed=21, pre_process=first, post_process=not first,
+                     layer_start=0 if first else 1, layer_end=1 if first else 2)
+    _save(root, state, model, cfg)
+
+
+def test_tp2_pp2_checkpoint_merges_into_the_single_process_model(tmp_path):
+    from megatron_lite.models.loading import load_gpt_checkpoint
+
+    root = str(tmp_path / "ckpt")
+    run_ranks(4, check_save_tp_pp, root)
+    model, _ = load_gpt_checkpoint(root)
+    serial = GPTModel(make_config("A"), ParallelState(), seed=21)
+    assert list(model.state_dict()) == list(serial.state_dict())
+    for name, tensor in serial.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_generate_refuses_missing_or_incomplete_checkpoints(tmp_path, capsys):
+    gen = _load_generate_tool()
+    assert gen.main(["--load", str(tmp_path / "nowhere"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "nowhere" in err
+    root = tmp_path / "ckpt"
+    run_ranks(4, check_save_tp_pp, str(root))
+    (root / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
+    assert gen.main(["--load", str(root), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "(1, 1)" in err and "incomplete" in err and err.count("\n") == 1

@@ -1,0 +1,111 @@
+"""Load a training checkpoint of any TP x PP layout into one single-process GPTModel.
+
+A checkpoint holds one ``mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` per tensor- and
+pipeline-parallel rank (see :mod:`megatron_lite.training.checkpointing`). Each file lists, per model
+chunk, the state dict, ``param_meta`` (partition dim and stride of every tensor-parallel parameter)
+and the chunk's global ``layer_ranges``. Merging is two steps:
+
+1. per pipeline rank and chunk, glue the TP shards of each tensor-parallel parameter back together
+   with :func:`~megatron_lite.parallel.tensor.unshard` (replicated tensors are taken from TP rank 0);
+2. renumber each chunk's local ``decoder.layers.{i}`` to the global layer ``start + i`` and take the
+   embedding from the first chunk and the final norm / output layer from the last. A tied model's
+   last-stage copy of the embedding (``output_layer.weight``) is dropped: the embedding is the weight.
+
+The model is rebuilt from the ``config`` dict saved in the checkpoint, with the saved padded
+vocabulary size (padding depends on the TP size the checkpoint was trained with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from ..config import ModelConfig
+from ..parallel.state import ParallelState
+from ..parallel.tensor import unshard
+from ..training.checkpointing import CheckpointError, find_model_files, read_model_file
+from .gpt import GPTModel
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def model_config_from_saved(saved: dict) -> ModelConfig:
+    """The ModelConfig fields of a checkpoint's flat ``config`` dict."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in names})
+    if cfg.padded_vocab_size is None:
+        raise CheckpointError("the checkpoint's config has no padded_vocab_size; it was not written by megatron_lite")
+    return cfg
+
+
+def _strip(sd: dict) -> dict:
+    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
+
+
+def merge_checkpoint(path: str) -> tuple[dict, dict]:
+    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder."""
+    files = find_model_files(path)
+    if any(len(key) != 2 for key in files):
+        raise CheckpointError(f"{path} is an expert-parallel (MoE) checkpoint; merging those is not supported here")
+    payloads = {key: read_model_file(file) for key, file in files.items()}
+    first = payloads[min(payloads)]
+    tp, pp = first["tp_size"], first["pp_size"]
+    want = {(t, p) for t in range(tp) for p in range(pp)}
+    if set(payloads) != want:
+        missing = sorted(want - set(payloads))
+        raise CheckpointError(f"{path}: saved with tp {tp} x pp {pp} but mp_rank files for (tp, pp) {missing} "
+                              "are missing; the checkpoint is incomplete")
+    saved_config = dict(first["config"])
+    tied = not saved_config.get("untie_embeddings_and_output_weights", False)
+
+    merged: dict = {}
+    chunks = []  # (layer_start, merged chunk state dict), in global layer order
+    for p in range(pp):
+        shards = [payloads[(t, p)] for t in range(tp)]
+        for c, (start, _end) in enumerate(shards[0]["layer_ranges"]):
+            sds = [_strip(s["model"][c]) for s in shards]
+            meta = _strip(shards[0]["param_meta"][c])
+            chunk = {}
+            for name, tensor in sds[0].items():
+                if name in meta:
+                    parts = [sd[name] for sd in sds]
+                    chunk[name] = unshard(parts, meta[name]["partition_dim"], meta[name]["partition_stride"])
+                else:
+                    chunk[name] = tensor
+            chunks.append((start, chunk))
+    chunks.sort(key=lambda item: item[0])
+    for start, chunk in chunks:
+        for name, tensor in chunk.items():
+            m = _LAYER.match(name)
+            if m:
+                name = f"decoder.layers.{start + int(m.group(1))}.{m.group(2)}"
+            elif name == "output_layer.weight" and tied:
+                continue  # the last stage's copy of the tied embedding
+            merged[name] = tensor
+    return merged, saved_config
+
+
+def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel, dict]:
+    """A single-process ``GPTModel`` (eval mode) holding the checkpoint's weights, and its saved config."""
+    state_dict, saved = merge_checkpoint(path)
+    cfg = model_config_from_saved(saved)
+    try:
+        model = GPTModel(cfg, ParallelState(world_size=1, rank=0), params_dtype=params_dtype)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: the saved model config is not usable ({err})") from None
+    ours = model.state_dict()
+    missing = sorted(set(ours) - set(state_dict))
+    extra = sorted(set(state_dict) - set(ours))
+    wrong = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in ours.items()
+             if k in state_dict and state_dict[k].shape != v.shape]
+    if missing or extra or wrong:
+        detail = "; ".join(x for x in (
+            f"missing {', '.join(missing[:3])}" if missing else "",
+            f"unexpected {', '.join(extra[:3])}" if extra else "",
+            f"shape {', '.join(wrong[:3])}" if wrong else "",
+        ) if x)
+        raise CheckpointError(f"{path}: the weights do not fit a GPT built from the saved config ({detail})")
+    model.load_state_dict(state_dict)
+    return model.eval(), saved
