@@ -98,6 +98,13 @@ class IndexedDataset:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
         self._check_pointers(bin_path, bin_size)
 
+    def __getstate__(self):
+        # Pickle by path (e.g. to DataLoader workers under "spawn"): the receiver maps the files again.
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state):
+        self.__init__(state["path_prefix"])
+
     # -- index parsing and validation ------------------------------------------------------------
     def _read_index(self, idx_path: str, bin_path: str) -> None:
         idx_size = os.path.getsize(idx_path)

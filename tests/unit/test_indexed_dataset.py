@@ -200,3 +200,13 @@ def test_bytes_match_megatron_core_when_installed(tmp_path):
         assert read_bytes(str(tmp_path / "m")) == read_bytes(str(tmp_path / "ours"))
         read_back = mcore.IndexedDataset(str(tmp_path / "ours"))
         assert [read_back[i].tolist() for i in range(len(read_back))] == [s.tolist() for d in docs for s in d]
+
+
+def test_pickles_by_path(tmp_path):
+    import pickle
+
+    prefix = str(tmp_path / "hand")
+    hand_made_pair(prefix)
+    ds = pickle.loads(pickle.dumps(IndexedDataset(prefix)))
+    assert len(pickle.dumps(IndexedDataset(prefix))) < 200 + len(prefix)
+    assert [ds[i].tolist() for i in range(3)] == SEQS
