@@ -66,10 +66,11 @@ class Embedding(nn.Module):
         hidden = self.word_embeddings(ids)  # all-reduced, or reduce-scattered under SP
         if self.position_embeddings is not None:
             if position_ids is None:
+                rows = self.position_embeddings.num_embeddings
+                if ids.shape[0] > rows:  # a shape check: no device sync
+                    raise ValueError(f"sequence length {ids.shape[0]} is longer than the learned position table "
+                                     f"({rows} rows); raise --max-position-embeddings")
                 position_ids = torch.arange(ids.shape[0], device=ids.device).unsqueeze(0).expand(ids.shape[1], -1)
-            if position_ids.max() >= self.position_embeddings.num_embeddings:
-                raise ValueError(f"position id {int(position_ids.max())} is outside the learned table of "
-                                 f"{self.position_embeddings.num_embeddings} rows; raise --max-position-embeddings")
             hidden = hidden + self.position_embeddings(self._my_shard(position_ids.t()))
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
