@@ -248,3 +248,27 @@ def test_sample_corpus_is_deterministic(tmp_path):
     docs = texts(str(tmp_path / "a.jsonl"))
     assert all(d.strip() for d in docs) and len(docs) == n1
     shutil.rmtree(tmp_path)
+
+
+def test_memory_is_bounded_by_chunks_in_flight(tmp_path, monkeypatch):
+    """The pool is fed at most 4 * workers chunks ahead of what has been written (streaming)."""
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i % 7} {i % 5}"}) + "\n" for i in range(300)))
+    monkeypatch.setattr(pp, "CHUNK_LINES", 1)
+    produced, leads = [0], []
+    real_read, real_add = pp.read_chunks, IndexedDatasetBuilder.add_documents
+
+    def counting_read(*args, **kwargs):
+        for chunk in real_read(*args, **kwargs):
+            produced[0] += 1
+            yield chunk
+
+    def recording_add(self, *args):
+        leads.append(produced[0] - len(leads))
+        return real_add(self, *args)
+
+    monkeypatch.setattr(pp, "read_chunks", counting_read)
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_documents", recording_add)
+    result = run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(path), workers=2)
+    assert result.documents == 300 and len(leads) == 300
+    assert max(leads) <= 4 * 2 + 1
