@@ -195,7 +195,9 @@ def _param_meta(module) -> dict:
 
 
 def _layer_range(module):
-    start, end = getattr(module, "layer_start", None), getattr(module, "layer_end", None)
+    """(layer_start, layer_end) of a chunk: GPTModel keeps them on its ``decoder``; None if unknown."""
+    holder = module if hasattr(module, "layer_start") else getattr(module, "decoder", None)
+    start, end = getattr(holder, "layer_start", None), getattr(holder, "layer_end", None)
     return None if start is None else (int(start), None if end is None else int(end))
 
 
