@@ -16,8 +16,7 @@ sentences gives back the text (minus leading whitespace), newlines included.
 from __future__ import annotations
 
 import functools
-
-import regex
+import re
 
 ABBREVIATIONS = frozenset("""
 mr mrs ms dr prof sr jr st mt vs cf al fig figs eq eqs approx dept est gen gov col lt sgt capt
@@ -25,7 +24,7 @@ rev hon inc ltd co corp jan feb mar apr jun jul aug sep sept oct nov dec e.g i.e
 ph.d vol vols pp ed eds ch sec no nos op
 """.split())
 
-_CANDIDATE = regex.compile(
+_CANDIDATE = re.compile(
     r"""(?:[.!?]+['"”’)\]]*(?=\s)|[。！？]+['"”’)\]」』]*)|\n[ \t\r\f\v]*\n"""
 )
 
