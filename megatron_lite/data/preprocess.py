@@ -13,6 +13,8 @@ How it stays fast and safe:
     bounded however large the input is: the file is streamed, never loaded.
   * Outputs are written under temporary names and renamed only when everything succeeded; an
     error or Ctrl-C leaves no partial ``.bin/.idx``.
+  * A value may be a string, or (as in Megatron) a list of strings taken as the document's
+    sentences, one sequence each.
   * A malformed line stops the run with ``file:line: reason`` (``MalformedLineError``), or, with
     ``skip_malformed``, is counted and skipped.  Blank lines are ignored.
   * ``partitions > 1`` processes the input as that many partitions (round-robin lines, or
@@ -116,14 +118,18 @@ def _parse(line: bytes, keys) -> list[str]:
     for key in keys:
         if key not in obj:
             raise ValueError(f"missing key {key!r} (--json-keys)")
-        if not isinstance(obj[key], str):
-            raise ValueError(f"value of {key!r} is {type(obj[key]).__name__}, not a string")
-        texts.append(obj[key])
+        value = obj[key]
+        if isinstance(value, list):  # pre-split sentences, as Megatron accepts
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError(f"value of {key!r} is a list that holds a non-string")
+        elif not isinstance(value, str):
+            raise ValueError(f"value of {key!r} is {type(value).__name__}, not a string")
+        texts.append(value)
     return texts
 
 
 def encode_chunk(chunk):
-    """(first line number, lines) -> per-key (tokens, sequence lengths, sequences per doc) + stats."""
+    """(first line number, line step, lines) -> per-key (tokens, sequence lengths, sequences per doc) + stats."""
     first_lineno, step, lines = chunk
     cfg, tok, splitter = _worker["cfg"], _worker["tokenizer"], _worker["splitter"]
     keys = cfg.json_keys
@@ -141,7 +147,11 @@ def encode_chunk(chunk):
             encoded = []
             for text in texts:
                 ids, lens = [], []
-                for piece in (splitter(text) if splitter else (text,)):
+                if isinstance(text, list):
+                    pieces = text
+                else:
+                    pieces = splitter(text) if splitter else (text,)
+                for piece in pieces:
                     piece_ids = tok.tokenize(piece)
                     if piece_ids:
                         ids.extend(piece_ids)

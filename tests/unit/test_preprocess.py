@@ -187,12 +187,12 @@ def test_malformed_lines(tmp_path, workers, capsys):
 
 def test_skip_counts_tokenizer_rejects_and_cli_report(tmp_path, capsys):
     path = tmp_path / "ints.jsonl"
-    path.write_text('{"text": "1 2"}\n{"text": "3 x"}\n{"text": 4}\n{"text": "5"}\n')
+    path.write_text('{"text": "1 2"}\n{"text": "3 x"}\n{"text": 4}\n{"text": "5"}\n{"text": ["6", 7]}\n')
     cli = load_tool("preprocess_data")
     code = cli.main(["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                      "NullTokenizer", "--vocab-size", "10", "--skip-malformed", "--append-eod"])
     out = capsys.readouterr().out
-    assert code == 0 and "Skipped 2 malformed lines" in out
+    assert code == 0 and "Skipped 3 malformed lines" in out
     ds = IndexedDataset(str(tmp_path / "o_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 9], [5, 9]]
 
@@ -272,3 +272,12 @@ def test_memory_is_bounded_by_chunks_in_flight(tmp_path, monkeypatch):
     result = run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(path), workers=2)
     assert result.documents == 300 and len(leads) == 300
     assert max(leads) <= 4 * 2 + 1
+
+
+def test_list_values_are_presplit_sentences(tmp_path):
+    path = tmp_path / "lists.jsonl"
+    path.write_text('{"text": ["1 2", "", "3"]}\n{"text": []}\n{"text": "4 5"}\n')
+    run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(path), append_eod=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    # Empty sentences are dropped; EOD goes on the last sentence; an empty list is an empty document.
+    assert [[s.tolist() for s in ds.get_document(d)] for d in range(3)] == [[[1, 2], [3, 9]], [], [[4, 5, 9]]]
