@@ -1,0 +1,174 @@
+"""Parallel efficiency on CPU: TP=2 and DP=2 (2 processes x 1 thread) vs 1 process x 2 threads.
+
+Every configuration trains the same GPT (default: the HF-comparison shape, 6 layers, hidden 768,
+12 heads, seq 512, vocab 32768) on the same global batch with the project's stack: GPTModel,
+DistributedDataParallel (contiguous fp32 grad buffer, overlapped bucket all-reduce),
+finalize_model_grads, then ``torch.optim.AdamW`` on the ``main_grad``s. Processes are spawned with
+torch.multiprocessing and talk over gloo. Dropout is 0 so the first-step loss of every
+configuration must agree (a printed sanity check that the parallel runs compute the same thing).
+
+    efficiency = t(1 process, 2 threads) / t(2 processes, 1 thread each)      (target >= 0.85)
+
+Each configuration runs in fresh processes: warm-up steps, then timed steps (rank 0's wall time
+between barriers). With ``--rounds 2`` the order is base, TP, DP, DP, TP, base so slow drift of a
+shared machine hits all alike; medians are reported.
+
+    python benchmarks/bench_parallel_efficiency.py [--steps 3] [--rounds 1] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from benchmarks.common import describe_machine  # noqa: E402
+
+SHAPES = {
+    "full": dict(num_layers=6, hidden_size=768, num_attention_heads=12, seq_length=512, vocab_size=32768),
+    "small": dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256, vocab_size=8192),
+}
+MODES = {  # name: (processes, threads per process, tensor-parallel size)
+    "base": (1, 2, 1),
+    "tp2": (2, 1, 2),
+    "dp2": (2, 1, 1),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, threads, tp, shape, global_batch, warmup, steps, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MEGATRON_LITE_DEVICE="cpu")
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.device import init_distributed
+    from megatron_lite.models.gpt import GPTModel
+    from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+    from megatron_lite.parallel.random import model_parallel_seed
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.parallel.tensor import padded_vocab_size
+
+    init_distributed()
+    state = ParallelState(tp=tp)
+    cfg = ModelConfig(**shape, attention_dropout=0.0, hidden_dropout=0.0)
+    cfg.ffn_hidden_size = 4 * cfg.hidden_size
+    cfg.max_position_embeddings = cfg.seq_length
+    cfg.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    model_parallel_seed(1234, state)
+    model = DistributedDataParallel(GPTModel(cfg, state), state, overlap_grad_reduce=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_length), generator=gen)
+    labels = torch.roll(tokens, -1, dims=1)
+    per_rank = global_batch // state.dp_size
+    rows = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
+    tokens, labels = tokens[rows], labels[rows]
+
+    def step():
+        model.zero_grad_buffer()
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        finalize_model_grads([model], state)
+        for p in params:
+            p.grad = p.main_grad
+        opt.step()
+        value = loss.detach()
+        if state.dp_size > 1:  # the global-batch mean, as the single process sees it
+            dist.all_reduce(value, group=state.dp_group)
+            value /= state.dp_size
+        return value.item()
+
+    def barrier():
+        if dist.is_initialized():
+            dist.barrier()
+
+    first_loss = step()
+    for _ in range(warmup - 1):
+        step()
+    times = []
+    for _ in range(steps):
+        barrier()
+        start = time.perf_counter()
+        step()
+        barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put((first_loss, times))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_mode(mode, shape, global_batch, warmup, steps):
+    procs, threads, tp = MODES[mode]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    workers = [ctx.Process(target=_worker, args=(r, procs, port, threads, tp, shape, global_batch, warmup, steps,
+                                                 results)) for r in range(procs)]
+    for w in workers:
+        w.start()
+    out = results.get(timeout=3600)
+    for w in workers:
+        w.join()
+        if w.exitcode != 0:
+            raise RuntimeError(f"{mode}: a worker exited with code {w.exitcode}")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration (order mirrored)")
+    p.add_argument("--global-batch-size", type=int, default=4)
+    p.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (quick check)")
+    args = p.parse_args(argv)
+    shape = SHAPES["small" if args.small else "full"]
+    print(describe_machine(threads=2))
+    print(f"model: {shape}, global batch {args.global_batch_size}, fp32, AdamW, dropout 0, "
+          "DDP with overlapped bucket all-reduce, gloo")
+
+    order = list(MODES)
+    times = {m: [] for m in MODES}
+    losses = {}
+    for r in range(args.rounds):
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            loss, t = run_mode(mode, shape, args.global_batch_size, max(1, args.warmup), args.steps)
+            losses[mode] = loss
+            times[mode] += t
+            procs, threads, tp = MODES[mode]
+            print(f"  {mode}: {procs} process(es) x {threads} thread(s), tp {tp}, dp {procs // tp}: "
+                  f"step times {', '.join(f'{x:.3f}' for x in t)} s, first-step loss {loss:.6f}", flush=True)
+
+    base = statistics.median(times["base"])
+    tokens = args.global_batch_size * shape["seq_length"]
+    print(f"\n{'config':28} {'s/step (median)':>16} {'tokens/s':>10} {'efficiency':>11}")
+    for mode, label in (("base", "1 process x 2 threads"), ("tp2", "TP=2, 2 processes x 1 thread"),
+                        ("dp2", "DP=2, 2 processes x 1 thread")):
+        t = statistics.median(times[mode])
+        eff = "" if mode == "base" else f"{base / t:11.3f}"
+        print(f"{label:28} {t:16.3f} {tokens / t:10.1f} {eff}")
+    print("\nparallel efficiency = t(1 proc x 2 threads) / t(2 procs x 1 thread); target >= 0.85")
+    spread = max(losses.values()) - min(losses.values())
+    print(f"first-step loss agreement across configurations: max difference {spread:.2e}")
+
+
+if __name__ == "__main__":
+    main()

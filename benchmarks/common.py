@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmarks: a description of the machine, timing, and table printing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_machine(threads: int | None = None) -> str:
+    """One paragraph: CPU model, cores, memory, torch version and threads, GPU if any."""
+    lines = [
+        f"cpu: {cpu_model()}, {os.cpu_count()} logical cores visible"
+        + (f", load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""),
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"threads {threads if threads is not None else torch.get_num_threads()}",
+    ]
+    try:
+        with open("/proc/meminfo") as f:
+            total_kib = int(f.readline().split()[1])
+        lines.append(f"memory: {total_kib / 2**20:.1f} GiB")
+    except (OSError, ValueError, IndexError):
+        pass
+    if torch.cuda.is_available():
+        lines.append(f"gpu: {torch.cuda.get_device_name()} (not used by CPU benchmarks)")
+    return "\n".join(lines)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summarize(times: list[float]) -> str:
+    """``median m s (min a, max b, n=k)``."""
+    return f"median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f}, n={len(times)})"
