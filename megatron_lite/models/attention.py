@@ -58,13 +58,12 @@ def core_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scal
         out = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                     softmax_scale=scale, causal=causal)  # [b, s, nq, d], GQA handled natively
         return out.transpose(0, 1).reshape(s, b, nq * d)
-    group = nq // k.shape[2]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+    # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=causal and mask is None, scale=scale)
+                                         is_causal=causal and mask is None, scale=scale,
+                                         enable_gqa=nq != k.shape[1])
     return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
 
