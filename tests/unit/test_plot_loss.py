@@ -1,0 +1,45 @@
+"""tools/plot_loss.py reads what TrainLogger writes (console lines and TensorBoard) and draws a PNG."""
+
+import os
+import sys
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training.logging import TrainLogger
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tools import plot_loss  # noqa: E402
+
+
+def _run(tmp_path, capsys):
+    cfg = Config()
+    cfg.logging.log_interval = 2
+    cfg.logging.tensorboard_dir = str(tmp_path / "tb")
+    log = TrainLogger(cfg, ParallelState(), 1e9)
+    for it in range(1, 7):
+        log.log_iteration(it, {"lm loss": 10.0 - it}, 1e-3, 1.0, 1.0, False, False, 0.1, 2)
+        if it == 4:
+            log.log_validation(it, {"lm loss": 5.5})
+    log.close()
+    (tmp_path / "run.log").write_text("some startup line\n" + capsys.readouterr().out)
+
+
+def test_reads_console_log_and_tensorboard(tmp_path, capsys):
+    _run(tmp_path, capsys)
+    train, valid = plot_loss.read_run(str(tmp_path / "run.log"))
+    assert train == [(2, 8.5), (4, 6.5), (6, 4.5)]  # interval means of 9,8 / 7,6 / 5,4
+    assert valid == [(4, 5.5)]
+    train, valid = plot_loss.read_run(str(tmp_path / "tb"))
+    assert train == [(i, 10.0 - i) for i in range(1, 7)]
+    assert valid == [(4, 5.5)]
+
+
+def test_writes_png_and_rejects_empty_input(tmp_path, capsys):
+    _run(tmp_path, capsys)
+    out = tmp_path / "loss.png"
+    assert plot_loss.main([str(tmp_path / "run.log"), str(tmp_path / "tb"), "-o", str(out),
+                           "--labels", "log", "tb"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty.log").write_text("nothing here\n")
+    assert plot_loss.main([str(tmp_path / "empty.log"), "-o", str(tmp_path / "x.png")]) == 2
+    assert "no 'lm loss' values" in capsys.readouterr().err
