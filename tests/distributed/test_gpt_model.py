@@ -91,6 +91,53 @@ def test_tensor_sequence_parallel_with_full_recompute():
     run_ranks(2, check_tp_equals_serial, 2, True, "A", ("selective", None, None))
 
 
+def check_recompute_with_dropout(tp, recompute):
+    """Under TP + SP with dropout on, recomputation replays the TP-stream and default-stream masks."""
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    state = cached_state(tp=tp)
+    cfg = make_config("B", dropout=0.2)
+    tokens, labels = make_batch(6)
+    runs = []
+    for rec in (None, recompute):
+        model_parallel_seed(13, state)
+        kw = dict(zip(("recompute_granularity", "recompute_method", "recompute_num_layers"), rec)) if rec else {}
+        model = GPTModel(cfg, state, seed=9, sequence_parallel=True, **kw)
+        loss = model(tokens, labels=labels)
+        loss.mean().backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_ref, grads_ref), (loss, grads) = runs
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    return loss_ref
+
+
+@pytest.mark.parametrize("recompute", [("full", "uniform", 2), ("full", "block", 1), ("selective", None, None)])
+def test_recompute_with_dropout_under_tensor_sequence_parallel(recompute):
+    losses = run_ranks(2, check_recompute_with_dropout, 2, recompute)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)  # every TP rank computes the same loss
+
+
+def check_pipeline_split_under_tp(tp):
+    """Two pipeline stages (run back to back on the same ranks) under TP + SP with rope: the second
+    stage receives the sequence shard and must rebuild the full-length rotary table."""
+    state = cached_state(tp=tp)
+    cfg = make_config("B")
+    tokens, labels = make_batch(7)
+    serial = GPTModel(cfg, ParallelState(world_size=1, rank=0), seed=9)
+    first = GPTModel(cfg, state, seed=9, sequence_parallel=True, post_process=False, layer_end=1)
+    last = GPTModel(cfg, state, seed=9, sequence_parallel=True, pre_process=False, layer_start=1)
+    hidden = first(tokens)
+    assert hidden.shape == (16 // tp, 2, 32)
+    last.set_input_tensor(hidden)
+    torch.testing.assert_close(last(tokens, labels=labels), serial(tokens, labels=labels), rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_split_under_tensor_sequence_parallel():
+    run_ranks(2, check_pipeline_split_under_tp, 2)
+
+
 def check_bad_tp_shapes(tp):
     state = cached_state(tp=tp)
     messages = []
