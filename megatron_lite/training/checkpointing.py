@@ -362,6 +362,10 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=Non
             scheduler.load_state_dict(ckpt["scheduler"])
         if loss_scaler is not None and ckpt.get("loss_scaler") is not None:
             loss_scaler.load_state_dict(ckpt["loss_scaler"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
+        # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
+        optimizer.reload_model_params()
     if not finetune and not ck.no_load_rng:
         rank = _global_rank()
         rng_path = rng_file(root, iteration, rank)

@@ -127,9 +127,12 @@ def test_no_load_optim_no_load_rng_and_finetune(tmp_path):
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = False
     cfg.checkpoint.finetune = True
     _, _, m3, o3, s3 = _setup(tmp_path, seed=8)
+    reloads = []
+    o3.reload_model_params = lambda: reloads.append(True)  # MegatronOptimizer's master-weight refresh
     assert load_checkpoint([m3], o3, s3, cfg, state) == (0, 0)
     assert all(torch.equal(v, saved_weights[k]) for k, v in m3.state_dict().items())
     assert len(o3.state) == 0 and s3.num_steps == 0
+    assert reloads == [True], "fp32 masters must be refreshed from the loaded weights"
 
 
 def test_no_checkpoint_starts_from_scratch(tmp_path, capsys):
