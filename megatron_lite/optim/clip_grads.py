@@ -1,0 +1,78 @@
+"""Global gradient norm over every model-parallel rank, and clipping by it.
+
+The norm must be the norm of the *whole* model's gradient, as if it lived in one process:
+
+* a tensor-parallel shard is a distinct piece of the model: every TP rank counts its own shard;
+* a replicated parameter (bias of a RowParallelLinear, norm weights) has the same gradient on
+  every TP rank: only TP rank 0 counts it (:func:`megatron_lite.parallel.tensor.is_tp_duplicate`);
+* with pipeline parallelism each stage holds different layers, except the tied word-embedding /
+  output weight (attribute ``shared_embedding=True``), present on the first and last stage with
+  the same (already summed) gradient: only the first stage counts it;
+* expert parameters (``allreduce=False``) are sharded over the expert-parallel group too.
+
+Squared norms are summed locally in fp32, expert ones over the expert-parallel group, then all
+over the model-parallel (TP x PP) group. Clipping scales every gradient (duplicates included) by
+``max_norm / (norm + 1e-6)`` when that is below 1, exactly like ``torch.nn.utils.clip_grad_norm_``.
+Gradients are read from ``param.main_grad`` when present (DistributedDataParallel), else ``.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import comm
+from ..parallel.tensor import is_tp_duplicate
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer uses: the fp32 ``main_grad`` if the param has one, else ``.grad``."""
+    g = getattr(param, "main_grad", None)
+    return g if g is not None else param.grad
+
+
+def counts_once(param: torch.Tensor, state) -> bool:
+    """Whether this rank's copy of ``param`` contributes to global sums (norms, counts)."""
+    if is_tp_duplicate(param, state.tp_rank):
+        return False
+    if getattr(param, "shared_embedding", False) and state.pp_size > 1 and not state.is_first_stage():
+        return False
+    return True
+
+
+def get_grad_norm(params, state) -> float:
+    """L2 norm of the gradient of the whole model (see the module docstring for what counts)."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    dense = torch.zeros((), dtype=torch.float32, device=device)
+    expert = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = grad_of(p)
+        if g is None or not counts_once(p, state):
+            continue
+        sq = g.detach().float().pow(2).sum()
+        if getattr(p, "allreduce", True):
+            dense += sq
+        else:
+            expert += sq
+    if comm.group_size(state.ep_group) > 1:
+        dist.all_reduce(expert, group=state.ep_group)
+    total = dense + expert
+    if comm.group_size(state.mp_group) > 1:
+        dist.all_reduce(total, group=state.mp_group)
+    return math.sqrt(total.item())
+
+
+def clip_grad_norm(params, max_norm: float, state) -> float:
+    """Scale all gradients so the global L2 norm is at most ``max_norm``; return the norm before clipping."""
+    params = list(params)
+    norm = get_grad_norm(params, state)
+    coeff = max_norm / (norm + 1e-6)
+    if coeff < 1.0:
+        for p in params:
+            g = grad_of(p)
+            if g is not None:
+                g.mul_(coeff)
+    return norm

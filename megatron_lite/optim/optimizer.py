@@ -1,0 +1,165 @@
+"""The optimizer wrapper: fp32 master weights, loss-scale bookkeeping, global-norm clipping.
+
+:class:`MegatronOptimizer` wraps a ``torch.optim.AdamW`` (or SGD). What it adds:
+
+* **Param groups.** Matrices get ``--weight-decay``; 1-D params (biases, norm weights) get 0.
+* **fp32 master weights.** For bf16/fp16 params the torch optimizer steps an fp32 copy ("master")
+  with the fp32 ``main_grad`` as its gradient, then the master is rounded back into the model
+  param. fp32 params are stepped directly with ``grad = main_grad``. Adam's moments are fp32.
+* **fp16 loss scaling.** :meth:`scale_loss` multiplies the loss before backward; :meth:`step`
+  divides the gradients by the scale, checks them for inf/NaN and agrees on the answer with a
+  MAX all-reduce over the model-parallel group (every TP/PP rank must skip together, or the
+  replicas would diverge). An overflowing step changes nothing (no param, no Adam state) and is
+  counted in ``num_skipped_steps``; the scaler then adapts (see precision/loss_scaler.py).
+* **Clipping** by the true global norm (optim/clip_grads.py); the returned norm is pre-clip.
+
+Gradients come from ``param.main_grad`` (set up by DistributedDataParallel), or ``.grad`` for a
+plain module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import comm
+from ..precision.loss_scaler import build_loss_scaler
+from .clip_grads import clip_grad_norm, get_grad_norm, grad_of
+
+
+def _unique_params(chunks) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class MegatronOptimizer:
+    """See the module docstring. Build it with :func:`build_optimizer`."""
+
+    def __init__(self, chunks, state, optim_config, precision_config=None):
+        oc = optim_config
+        self.chunks, self.state, self.config = list(chunks), state, oc
+        self.model_params = _unique_params(self.chunks)
+        self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
+        self.num_skipped_steps = 0
+        # Masters: fp32 copies of 16-bit params; the fp32 params themselves otherwise.
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
+        decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() > 1]
+        no_decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() <= 1]
+        groups = [g for g in ({"params": decay, "weight_decay": oc.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if oc.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
+        elif oc.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(groups, lr=oc.lr, momentum=0.9)
+        else:
+            raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    # loss scale ----------------------------------------------------------------------------
+    def get_loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (times the fp16 loss scale; unchanged otherwise)."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def _unscale_and_check(self) -> bool:
+        """Divide every gradient by the loss scale; True if any rank of the model has inf/NaN."""
+        inv = 1.0 / self.scaler.scale
+        grads = [g for g in map(grad_of, self.model_params) if g is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            g.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        for group in (self.state.mp_group, self.state.ep_group):
+            if comm.group_size(group) > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    # step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int]:
+        """One update: (update_successful, grad_norm before clipping or None if skipped, 0)."""
+        if self.scaler is not None:
+            found_inf = self._unscale_and_check()
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.num_skipped_steps += 1
+                return False, None, 0
+        if self.config.clip_grad > 0:
+            grad_norm = clip_grad_norm(self.model_params, self.config.clip_grad, self.state)
+        else:
+            grad_norm = get_grad_norm(self.model_params, self.state)
+        for p, m in zip(self.model_params, self.masters):
+            g = grad_of(p)
+            m.grad = None if g is None else g.to(m.dtype)
+        self.optimizer.step()
+        for p, m in zip(self.model_params, self.masters):
+            m.grad = None
+            if m is not p:
+                p.copy_(m)
+        return True, grad_norm, 0
+
+    def zero_grad(self) -> None:
+        """Zero the DDP grad buffers (``main_grad``) and drop any ``.grad``."""
+        for chunk in self.chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        for p, m in zip(self.model_params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 masters from the model params (after loading weights without optimizer state)."""
+        for p, m in zip(self.model_params, self.masters):
+            if m is not p:
+                m.copy_(p)
+
+    # checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Adam state, fp32 masters, loss scaler, skip count (tensors are references, as in torch)."""
+        separate = any(m is not p for p, m in zip(self.model_params, self.masters))
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "fp32_masters": [m.detach() for m in self.masters] if separate else None,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "num_skipped_steps": self.num_skipped_steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore everything; the masters (when saved) also overwrite the model params."""
+        self.optimizer.load_state_dict(sd["optimizer"])
+        masters = sd.get("fp32_masters")
+        if masters is not None:
+            if len(masters) != len(self.masters):
+                raise ValueError(
+                    f"optimizer checkpoint holds {len(masters)} master weights but the model has "
+                    f"{len(self.masters)} parameters; was it saved with a different model or parallel layout?"
+                )
+            for p, m, saved in zip(self.model_params, self.masters, masters):
+                m.copy_(saved)
+                if m is not p:
+                    p.copy_(m)
+        else:
+            self.reload_model_params()
+        if self.scaler is not None and sd.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(sd["loss_scaler"])
+        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
+
+
+def build_optimizer(config, chunks, state):
+    """The optimizer for ``config`` over the params of ``chunks`` (DistributedDataParallel wrappers)."""
+    if config.parallel.use_distributed_optimizer:
+        raise NotImplementedError("--use-distributed-optimizer is not implemented yet; drop the flag")
+    return MegatronOptimizer(chunks, state, config.optim, config.precision)
