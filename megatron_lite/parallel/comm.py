@@ -25,6 +25,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -61,7 +66,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
     out = torch.empty((size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
@@ -74,7 +79,7 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -64,8 +64,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax  # modified in place: the forward's buffer is not needed any more
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.arange(flat.shape[0], device=grad.device)
-        hit = in_range.view(-1).to(grad.dtype)
-        flat[rows, local_target.view(-1)] -= (1.0 - eps) * hit
+        hit = in_range.reshape(-1).to(grad.dtype)
+        flat[rows, local_target.reshape(-1)] -= (1.0 - eps) * hit
         if eps > 0:
             grad[..., : ctx.n_real] -= eps / ctx.vocab_size
         grad.mul_(grad_loss.unsqueeze(-1))
