@@ -63,3 +63,15 @@ def test_one_max_and_one_fused_sum():
     # The max and the stacked sums: exactly two all-reduces per call, with or without smoothing.
     assert run_ranks(2, check_cross_entropy, 2, 37, 0.1, True) == [2, 2]
     assert run_ranks(2, check_cross_entropy, 2, 37, 0.0, True) == [2, 2]
+
+
+def test_non_contiguous_target():
+    logits = torch.randn(3, 5, 11).transpose(0, 1).requires_grad_()  # [5, 3, 11], non-contiguous
+    target = torch.randint(0, 11, (3, 5)).t()
+    loss = vocab_parallel_cross_entropy(logits, target)
+    loss.sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, 11), target.reshape(-1), reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(loss.reshape(-1), ref)
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
