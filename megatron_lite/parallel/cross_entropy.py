@@ -26,7 +26,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_size = vocab_size if vocab_size is not None else part * size
         n_real = max(0, min(part, vocab_size - start))  # real (unpadded) entries in my shard
 
-        logits = logits.float()  # a fresh fp32 copy unless already fp32; work on it in place below
+        logits = logits.float().contiguous()  # the softmax buffer below must be viewable as rows
         if n_real < part:
             logits = logits.clone()
             logits[..., n_real:] = float("-inf")
