@@ -20,6 +20,12 @@ sharded over the expert-parallel ranks and replicated only over ``expert_dp_grou
 their own buckets, reduced over that group and also divided by the full data-parallel size (the
 expert already received the tokens of every expert-parallel rank through the all-to-all, so
 ``1/dp`` is the average over all data-parallel ranks).
+
+Each bucket is padded to a multiple of its group size. With the distributed optimizer the
+buckets are *reduce-scattered* instead (``bucket.reduce_scatter = True``): data-parallel rank i
+then holds the averaged gradient only in its chunk ``i`` of every bucket, which is the part of
+the parameters whose optimizer state it owns. A tied embedding/output weight (``shared_embedding``)
+gets a bucket of its own when pipelining, so the first and last stage shard it identically.
 """
 
 from __future__ import annotations
@@ -40,12 +46,22 @@ def default_bucket_size(dp_size: int) -> int:
     return max(40_000_000, 1_000_000 * dp_size)
 
 
-class _Bucket:
-    """A slice ``[start, end)`` of the grad buffer holding whole parameters, reduced as one tensor."""
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
 
-    def __init__(self, params: list[nn.Parameter], data: torch.Tensor, group, scale: float):
-        self.params, self.data, self.group, self.scale = params, data, group, scale
+
+class _Bucket:
+    """A slice of the grad buffer holding whole parameters, reduced as one tensor.
+
+    ``data`` is padded to a multiple of the group size so it can also be reduce-scattered
+    (distributed optimizer): rank i of the group then owns ``data.chunk(size)[i]``.
+    ``offsets[id(p)]`` is ``(start, end)`` of each param inside ``data``.
+    """
+
+    def __init__(self, params: list[nn.Parameter], data: torch.Tensor, group, scale: float, offsets: dict):
+        self.params, self.data, self.group, self.scale, self.offsets = params, data, group, scale, offsets
         self.ids = {id(p) for p in params}
+        self.reduce_scatter = False  # set by the distributed optimizer
         self.reset()
 
     def reset(self) -> None:
@@ -53,12 +69,23 @@ class _Bucket:
         self.handle = None
         self.launched = False
 
+    def shard(self) -> tuple[int, int]:
+        """``[start, end)`` of ``data`` owned by this rank of the group."""
+        n = self.data.numel() // comm.group_size(self.group)
+        rank = comm.group_rank(self.group)
+        return rank * n, (rank + 1) * n
+
     def launch(self, async_op: bool) -> None:
-        """Average this bucket over its group (divide, then sum)."""
+        """Average this bucket over its group (divide, then sum; or sum-and-scatter)."""
         self.launched = True
         if self.scale != 1.0:
             self.data.mul_(self.scale)
-        if comm.group_size(self.group) > 1:
+        if comm.group_size(self.group) == 1:
+            return
+        if self.reduce_scatter:  # in place: this rank's chunk of data receives the sum of the chunks
+            start, end = self.shard()
+            self.handle = dist.reduce_scatter_tensor(self.data[start:end], self.data, group=self.group, async_op=async_op)
+        else:
             self.handle = dist.all_reduce(self.data, group=self.group, async_op=async_op)
 
     def wait(self) -> None:
@@ -90,22 +117,42 @@ class DistributedDataParallel(nn.Module):
         expert = [p for p in reversed(params) if not getattr(p, "allreduce", True)]
         self.params = dense + expert
         device = params[0].device if params else torch.device("cpu")
-        self.grad_buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
+
+        # Plan the buckets: (params, group), each bucket padded to a multiple of its group size.
+        plan = []
+        for group_params, group in ((dense, state.dp_group), (expert, state.expert_dp_group)):
+            current, size = [], 0
+            for p in group_params:
+                if getattr(p, "shared_embedding", False) and state.pp_size > 1:
+                    # Alone in its bucket, so the first and last stage shard it identically
+                    # (the embedding all-reduce after a reduce-scatter then adds matching pieces).
+                    if current:
+                        plan.append((current, group))
+                    plan.append(([p], group))
+                    current, size = [], 0
+                    continue
+                current.append(p)
+                size += p.numel()
+                if size >= self.bucket_size:
+                    plan.append((current, group))
+                    current, size = [], 0
+            if current:
+                plan.append((current, group))
+        padded = [_round_up(sum(p.numel() for p in ps), comm.group_size(g)) for ps, g in plan]
+        self.grad_buffer = torch.zeros(sum(padded), dtype=torch.float32, device=device)
 
         scale = 1.0 / state.dp_size
         self.buckets: list[_Bucket] = []
-        offset = 0
-        for group_params, group in ((dense, state.dp_group), (expert, state.expert_dp_group)):
-            current, start = [], offset
-            for p in group_params:
-                p.main_grad = self.grad_buffer[offset : offset + p.numel()].view(p.shape)
+        start = 0
+        for (bucket_params, group), numel in zip(plan, padded):
+            data = self.grad_buffer[start : start + numel]
+            offsets, offset = {}, 0
+            for p in bucket_params:
+                p.main_grad = data[offset : offset + p.numel()].view(p.shape)
+                offsets[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
-                current.append(p)
-                if offset - start >= self.bucket_size:
-                    self.buckets.append(_Bucket(current, self.grad_buffer[start:offset], group, scale))
-                    current, start = [], offset
-            if current:
-                self.buckets.append(_Bucket(current, self.grad_buffer[start:offset], group, scale))
+            self.buckets.append(_Bucket(bucket_params, data, group, scale, offsets))
+            start += numel
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
 
@@ -170,6 +217,19 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+
+def no_sync_func(chunks: list[DistributedDataParallel]):
+    """A context-manager factory suppressing the gradient reduction of every chunk (for the schedules)."""
+
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for chunk in chunks:
+                stack.enter_context(chunk.no_sync())
+            yield
+
+    return no_sync
 
 
 def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
