@@ -1,0 +1,251 @@
+"""The training loop shared by pretrain_gpt.py and pretrain_bert.py.
+
+``pretrain(config, model_provider, forward_step_func, datasets_provider)`` does, in order:
+initialise distributed and the parallel state, seed the RNGs, build the model chunks (wrapped for
+data parallelism), the optimizer and the learning-rate schedule, load a checkpoint, build the data
+iterators at the consumed-samples position, then train: one ``train_step`` per iteration (all
+micro-batches through the pipeline schedule, gradient finalisation, one optimizer step), logging,
+evaluation, checkpointing and the exit conditions (SIGTERM, duration, interval).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..device import describe_backends, init_distributed
+from ..optim import OptimizerParamScheduler, build_optimizer
+from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from ..parallel.pipeline import get_forward_backward_func
+from ..parallel.random import model_parallel_seed
+from ..parallel.state import ParallelState
+from ..perf.flops import num_floating_point_operations
+from .checkpointing import load_checkpoint, save_checkpoint
+from .logging import TrainLogger, print_rank_0
+
+
+@dataclass
+class TrainResult:
+    """What ``pretrain`` returns: handy for tests and notebooks (losses only on the last stage)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    skipped_iterations: int = 0
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    exit_reason: str = "done"
+
+
+class _ExitSignal:
+    """Remembers a SIGTERM so the loop can save a checkpoint and exit cleanly at the step boundary."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+
+def _any_rank(flag: bool) -> bool:
+    """True when ``flag`` is true on any rank (so every rank takes the same exit)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def num_microbatches(config: Config) -> int:
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+
+
+def model_dtype(config: Config) -> torch.dtype:
+    if config.precision.bf16:
+        return torch.bfloat16
+    if config.precision.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def _no_sync_all(chunks):
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for c in chunks:
+                stack.enter_context(c.no_sync())
+            yield
+
+    return no_sync
+
+
+def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, float]:
+    """Mean of each reported loss over the micro-batches of this step and the data-parallel ranks."""
+    if not reported:
+        return {}
+    keys = sorted(reported[0])
+    values = torch.stack([torch.stack([r[k].detach().float() for r in reported]).mean() for k in keys])
+    if state.dp_group is not None:
+        dist.all_reduce(values, group=state.dp_group)
+        values /= state.dp_size
+    return dict(zip(keys, values.tolist()))
+
+
+def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, data_iterator):
+    """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm)."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func(state)
+    reported = forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=chunks,
+        num_microbatches=num_microbatches(config),
+        seq_length=config.model.seq_length,
+        micro_batch_size=config.training.micro_batch_size,
+        hidden_size=config.model.hidden_size,
+        dtype=model_dtype(config),
+        state=state,
+        sequence_parallel=config.parallel.sequence_parallel,
+        forward_only=False,
+        grad_scale_func=optimizer.scale_loss,
+        no_sync_func=_no_sync_all(chunks),
+    )
+    finalize_model_grads(chunks, state)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(1)
+    return _average_over_dp(reported, state), ok, grad_norm
+
+
+def evaluate(config, state, chunks, forward_step_func, data_iterator) -> dict[str, float]:
+    """Forward-only passes over ``eval_iters`` global batches; mean reported losses."""
+    for chunk in chunks:
+        chunk.eval()
+    forward_backward = get_forward_backward_func(state)
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(config.training.eval_iters):
+            reported = forward_backward(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
+                num_microbatches=num_microbatches(config), seq_length=config.model.seq_length,
+                micro_batch_size=config.training.micro_batch_size, hidden_size=config.model.hidden_size,
+                dtype=model_dtype(config), state=state, sequence_parallel=config.parallel.sequence_parallel,
+                forward_only=True,
+            )
+            for k, v in _average_over_dp(reported, state).items():
+                totals[k] = totals.get(k, 0.0) + v / config.training.eval_iters
+    for chunk in chunks:
+        chunk.train()
+    return totals
+
+
+def setup(config: Config) -> tuple[ParallelState, torch.device]:
+    """Distributed init, the parallel state and the seeds; prints the startup summary."""
+    device = init_distributed()
+    p = config.parallel
+    vpp = None
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        vpp = config.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+    state = ParallelState(
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size, vpp=vpp,
+    )
+    model_parallel_seed(config.training.seed, state)
+    print_rank_0(f"> {describe_backends()}")
+    print_rank_0(f"> parallel layout: {state.describe()}")
+    return state, device
+
+
+def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:
+    """Train ``model_provider(config, state)`` (a list of model chunks) as the flags say.
+
+    ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
+    ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
+    """
+    state, device = setup(config)
+    t, ck = config.training, config.checkpoint
+    chunks = [
+        DistributedDataParallel(
+            chunk.to(device), state, overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+            bucket_size=config.parallel.ddp_bucket_size,
+        )
+        for chunk in model_provider(config, state)
+    ]
+    optimizer = build_optimizer(config, chunks, state)
+    scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
+    iteration, consumed = 0, 0
+    if ck.load:
+        iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
+    consumed_valid = 0
+    train_iter, valid_iter = datasets_provider(config, state, consumed, consumed_valid)
+
+    flops = num_floating_point_operations(
+        config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
+    )
+    logger = TrainLogger(config, state, flops)
+    result = TrainResult(iteration=iteration, consumed_samples=consumed)
+    exit_signal = _ExitSignal(t.exit_signal_handler)
+    start = time.time()
+    saved_at = iteration if ck.load else None
+
+    def save(reason: str):
+        nonlocal saved_at
+        if ck.save and saved_at != iteration:
+            save_checkpoint(iteration, chunks, optimizer, scheduler, consumed, config, state)
+            saved_at = iteration
+            print_rank_0(f"> saved checkpoint at iteration {iteration} to {ck.save} ({reason})")
+
+    while iteration < t.train_iters:
+        step_start = time.time()
+        losses, ok, grad_norm = train_step(config, state, chunks, optimizer, scheduler, forward_step_func, train_iter)
+        iteration += 1
+        consumed += t.global_batch_size
+        loss_value = next(iter(losses.values()), float("nan"))
+        is_nan = bool(losses) and not math.isfinite(loss_value)
+        result.skipped_iterations += 0 if ok else 1
+        if losses:
+            result.losses.append(loss_value)
+        result.grad_norms.append(grad_norm)
+        logger.log_iteration(
+            iteration, losses, lr=scheduler.get_lr(), grad_norm=grad_norm, loss_scale=optimizer.get_loss_scale(),
+            skipped=not ok, nan=is_nan, iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
+        )
+        if t.eval_iters > 0 and valid_iter is not None and iteration % t.eval_interval == 0:
+            val = evaluate(config, state, chunks, forward_step_func, valid_iter)
+            logger.log_validation(iteration, val)
+            if val:
+                result.validation.append((iteration, next(iter(val.values()))))
+        if ck.save_interval and iteration % ck.save_interval == 0:
+            save("interval")
+        reason = None
+        if _any_rank(exit_signal.received):
+            reason = "signal"
+        elif t.exit_duration_in_mins is not None and _any_rank((time.time() - start) / 60 > t.exit_duration_in_mins):
+            reason = "duration"
+        elif t.exit_interval and iteration % t.exit_interval == 0:
+            reason = "interval"
+        if reason:
+            save(f"exit on {reason}")
+            result.exit_reason = reason
+            break
+    if result.exit_reason == "done":
+        save("end of training")
+        if t.eval_iters > 0 and valid_iter is not None and iteration % t.eval_interval != 0:
+            val = evaluate(config, state, chunks, forward_step_func, valid_iter)
+            logger.log_validation(iteration, val)
+    logger.close()
+    result.iteration, result.consumed_samples = iteration, consumed
+    result.chunks, result.state = chunks, state  # for callers that inspect the trained model
+    return result

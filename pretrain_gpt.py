@@ -1,0 +1,139 @@
+"""Pretrain a GPT model with tensor, sequence, pipeline and data parallelism.
+
+    python pretrain_gpt.py --mock-data --vocab-size 512 ...                     # one process
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --data-path my_text_document ...         # four
+
+Flags are Megatron-LM's (``--help`` lists them). This file only says what is GPT-specific: how
+to build the model chunks of this rank, how one micro-batch is fed and its loss computed, and
+which datasets to read; ``megatron_lite.training.pretrain`` does the rest.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from megatron_lite.config import Config, ConfigError, parse_args
+from megatron_lite.data.builder import DataConfigError, build_train_valid_test_datasets
+from megatron_lite.data.gpt_dataset import GPTDatasetConfig
+from megatron_lite.data.indexed_dataset import DataFileError
+from megatron_lite.data.samplers import build_data_iterators
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.device import get_device
+from megatron_lite.models.gpt import GPTModel
+from megatron_lite.parallel.pipeline import layer_ranges
+from megatron_lite.parallel.tensor import padded_vocab_size
+from megatron_lite.training.checkpointing import CheckpointError
+from megatron_lite.training.loop import model_dtype, pretrain
+
+
+def build_tokenizer_for(config: Config):
+    d = config.data
+    kind = d.tokenizer_type or "NullTokenizer"
+    return build_tokenizer(
+        kind, vocab_file=d.vocab_file, merge_file=d.merge_file, tokenizer_model=d.tokenizer_model,
+        vocab_size=config.model.vocab_size,
+    )
+
+
+def set_vocab(config: Config, tokenizer) -> None:
+    m = config.model
+    m.vocab_size = tokenizer.vocab_size
+    m.padded_vocab_size = padded_vocab_size(
+        m.vocab_size, m.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
+    )
+
+
+def my_layer_ranges(config: Config, state) -> list[tuple[int, int]]:
+    """(first, last + 1) global layer of each model chunk of this pipeline rank."""
+    p = config.parallel
+    return layer_ranges(
+        config.model.num_layers, state.pp_size, p.num_layers_per_virtual_pipeline_stage,
+        p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
+    )[state.pp_rank]
+
+
+def model_provider(config: Config, state) -> list[torch.nn.Module]:
+    """The model chunks this rank holds: one per virtual pipeline stage (one without interleaving)."""
+    p, t = config.parallel, config.training
+    ranges = my_layer_ranges(config, state)
+    chunks = []
+    for i, (start, end) in enumerate(ranges):
+        chunks.append(
+            GPTModel(
+                config.model, state, seed=t.seed, sequence_parallel=p.sequence_parallel,
+                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                recompute_num_layers=t.recompute_num_layers,
+                pre_process=state.is_first_stage() and i == 0,
+                post_process=state.is_last_stage() and i == len(ranges) - 1,
+                layer_start=start, layer_end=end, params_dtype=model_dtype(config),
+            )
+        )
+    return chunks
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    losses = output_tensor.float()
+    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    batch = {k: v.to(get_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    mask = batch.get("attention_mask")
+    if mask is not None:  # dataset: True = may attend; model: True = masked out, [b, 1, s, s]
+        mask = ~mask.bool().unsqueeze(1)
+    output = model(batch["tokens"], batch.get("position_ids"), mask, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"].float())
+
+
+def dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
+    d = config.data
+    return GPTDatasetConfig(
+        seq_length=config.model.seq_length, seed=config.training.seed, split=d.split,
+        data_path=d.data_path or [], data_cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod=tokenizer.eod, mock=d.mock_data, vocab_size=tokenizer.vocab_size,
+    )
+
+
+def make_datasets_provider(tokenizer):
+    def provider(config: Config, state, consumed_train, consumed_valid):
+        t = config.training
+        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
+        samples = [t.train_iters * t.global_batch_size, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(dataset_config(config, tokenizer), samples, tokenizer)
+        num_chunks = len(my_layer_ranges(config, state))
+
+        def iterators():
+            train, valid, _ = build_data_iterators(
+                train_ds, valid_ds, None, consumed_train, consumed_valid, t.micro_batch_size,
+                state.dp_rank, state.dp_size, num_workers=config.data.num_workers,
+            )
+            return train, valid
+
+        if num_chunks == 1:
+            return iterators()
+        pairs = [iterators() for _ in range(num_chunks)]  # interleaving: one iterator per chunk
+        return [p[0] for p in pairs], [p[1] for p in pairs] if valid_ds is not None else None
+
+    return provider
+
+
+def main(argv=None):
+    config = parse_args(argv, description=__doc__.split("\n\n")[0])
+    try:
+        tokenizer = build_tokenizer_for(config)
+        set_vocab(config, tokenizer)
+        return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))
+    except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
