@@ -224,7 +224,7 @@ class BertDataset:
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         if self.document_ids.size == 0:
             raise ValueError(f"{split_name} split has no documents (--split {config.split!r})")
-        if tokenizer is None or not all(hasattr(tokenizer, a) for a in ("cls", "sep", "mask", "pad")):
+        if tokenizer is None or any(getattr(tokenizer, a, None) is None for a in ("cls", "sep", "mask", "pad")):
             raise ValueError("BERT data needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]/[PAD] "
                              "(--tokenizer-type BertWordPieceLowerCase --vocab-file ...)")
         self.cls, self.sep, self.mask, self.pad = (int(tokenizer.cls), int(tokenizer.sep), int(tokenizer.mask),
