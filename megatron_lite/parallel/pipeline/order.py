@@ -1,0 +1,113 @@
+"""The order in which each pipeline rank runs its forward and backward passes (pure Python).
+
+The real schedules in :mod:`schedules` and the process-free simulator in :mod:`trace` both take
+their op order from here, so a drawn schedule is the schedule that runs. An op is a tuple
+``(kind, microbatch, chunk)`` with kind ``"F"`` or ``"B"``; ``chunk`` is the model chunk (virtual
+pipeline stage) on this rank, always 0 without interleaving.
+
+Notation: ``p`` pipeline ranks, ``r`` this rank, ``m`` micro-batches, ``v`` model chunks per rank.
+Micro-batch ``mb`` on chunk ``c`` of rank ``r`` is virtual stage ``c * p + r`` of ``v * p``.
+"""
+
+from __future__ import annotations
+
+Op = tuple[str, int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-interleaved 1F1B (PipeDream-Flush).
+
+
+def warmup_1f1b(p: int, r: int, m: int) -> int:
+    """Forwards rank ``r`` runs before its first backward: the later stages still have to fill.
+
+    The last rank starts its first backward right after its first forward (0 warmup); rank ``r``
+    must first push ``p - r - 1`` more micro-batches into the pipe so the stages after it are busy.
+    """
+    return min(p - r - 1, m)
+
+
+def order_1f1b(p: int, r: int, m: int) -> list[Op]:
+    """Warmup forwards, then alternate one forward / one backward, then the remaining backwards."""
+    warm = warmup_1f1b(p, r, m)
+    ops: list[Op] = [("F", i, 0) for i in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", warm + i, 0), ("B", i, 0)]
+    ops += [("B", i, 0) for i in range(m - warm, m)]
+    return ops
+
+
+def order_no_pipelining(m: int) -> list[Op]:
+    """One stage: forward and backward of each micro-batch in turn."""
+    ops: list[Op] = []
+    for i in range(m):
+        ops += [("F", i, 0), ("B", i, 0)]
+    return ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Interleaved 1F1B (Narayanan et al. 2021, Megatron's ordering).
+#
+# Every rank runs its forwards in the same order: micro-batches are taken in groups of p, and each
+# group passes through chunk 0, then chunk 1, ..., then chunk v-1 before the next group starts.
+# Backwards use the same grouping with the chunks reversed (v-1 first). The k-th forward (or
+# backward) of a rank is therefore a pure function of k, which is what keeps neighbouring ranks'
+# sends and receives in step.
+
+
+def interleaved_forward_op(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward on any rank."""
+    group, within = divmod(k, p * v)
+    return group * p + within % p, within // p
+
+
+def interleaved_backward_op(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th backward on any rank (chunks visited last to first)."""
+    mb, chunk = interleaved_forward_op(k, p, v)
+    return mb, v - 1 - chunk
+
+
+def check_interleaved_microbatches(m: int, p: int) -> None:
+    """The interleaved schedule needs m to be a multiple of p (Megatron's original constraint).
+
+    Forwards go through the chunks in groups of p micro-batches, so a partial group would leave
+    the ranks' send/receive sequences out of step.
+    """
+    if m < 1 or m % p:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs the number of micro-batches per step "
+            f"(--global-batch-size / (--micro-batch-size x data-parallel size)) = {m} to be a positive "
+            f"multiple of --pipeline-model-parallel-size {p}; change --global-batch-size or "
+            f"--micro-batch-size, or drop --num-layers-per-virtual-pipeline-stage"
+        )
+
+
+def warmup_interleaved(p: int, r: int, m: int, v: int) -> int:
+    """Forwards before the first backward on rank ``r`` (counted over all chunks).
+
+    Rank ``r`` must fill chunks 0..v-2 for one group of p micro-batches ((v-1)*p forwards) and then
+    stay 2*(p-r-1) forwards ahead of the last rank, which needs its inputs to travel down and its
+    gradients back up. With exactly p micro-batches there is no steady state: everything is warmup.
+    """
+    total = m * v
+    if m == p:
+        return total
+    return min((p - r - 1) * 2 + (v - 1) * p, total)
+
+
+def order_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+    check_interleaved_microbatches(m, p)
+    total, warm = m * v, warmup_interleaved(p, r, m, v)
+    ops: list[Op] = [("F", *interleaved_forward_op(k, p, v)) for k in range(warm)]
+    for k in range(total - warm):
+        ops.append(("F", *interleaved_forward_op(warm + k, p, v)))
+        ops.append(("B", *interleaved_backward_op(k, p, v)))
+    ops += [("B", *interleaved_backward_op(k, p, v)) for k in range(total - warm, total)]
+    return ops
+
+
+def rank_order(p: int, r: int, m: int, v: int = 1) -> list[Op]:
+    """The op order of rank ``r`` for the schedule get_forward_backward_func picks for (p, v)."""
+    if p == 1:
+        return order_no_pipelining(m)
+    return order_interleaved(p, r, m, v) if v > 1 else order_1f1b(p, r, m)

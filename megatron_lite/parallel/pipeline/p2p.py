@@ -1,0 +1,166 @@
+"""Point-to-point transfers between neighbouring pipeline stages.
+
+Activations travel to the next stage and their gradients back to the previous one. Every transfer
+is one ``torch.distributed.batch_isend_irecv`` over the pipeline group (peers are global ranks:
+``state.next_pp_rank`` / ``state.prev_pp_rank``, which wrap around, as the interleaved schedule
+needs), and the combined calls (``send_forward_recv_backward`` ...) post a send and a receive in
+the same batch so neither neighbour waits on the other's send. Within a batch the activation ops
+come first and the gradient ops second on every rank, and on gloo each kind has its own tag, so a
+pair of ranks that exchange both kinds (pipeline size 2 with interleaving) never mixes them up.
+
+Buffers have the shape ``[s/tp if sequence_parallel else s, b, h]`` and the model's dtype; with
+``variable_seq_lengths`` each transfer first sends the 3-element shape, so micro-batches may differ
+in sequence length.
+
+:func:`release_output` is Megatron's deallocation trick: once an activation has been sent, the
+stage only needs its autograd graph, not its values, so the tensor's storage is swapped for one
+element. The backward pass then runs autograd from the tensor's ``grad_fn`` directly
+(:func:`schedules.backward_from`), which never looks at the freed values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...device import get_device
+
+_ACT_TAG, _GRAD_TAG, _SHAPE_TAG = 0, 1, 2
+
+
+def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """Shape of the hidden states passed between stages: ``[s(/tp), b, h]``."""
+    if sequence_parallel:
+        if seq_length % tp_size:
+            raise ValueError(
+                f"--sequence-parallel needs --seq-length {seq_length} divisible by "
+                f"--tensor-model-parallel-size {tp_size}"
+            )
+        seq_length //= tp_size
+    return (seq_length, micro_batch_size, hidden_size)
+
+
+def release_output(out: torch.Tensor | None) -> None:
+    """Free an already-sent activation's values, keeping its autograd graph (see the module doc).
+
+    Views are left alone: their storage belongs to their base, so swapping it would free nothing.
+    """
+    if out is None or out._base is not None:
+        return
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+class PipeComm:
+    """Sends and receives of one pipeline rank for one shape and dtype."""
+
+    def __init__(self, state, shape, dtype, variable_seq_lengths: bool = False):
+        self.state, self.shape, self.dtype = state, tuple(shape), dtype
+        self.variable_seq_lengths = variable_seq_lengths
+        self.device = get_device()
+        self._tags = dist.is_initialized() and dist.get_backend(state.pp_group) == "gloo"
+
+    # -- core --------------------------------------------------------------------------------
+    def _op(self, fn, tensor, peer, tag):
+        return dist.P2POp(fn, tensor, peer, self.state.pp_group, tag if self._tags else 0)
+
+    @staticmethod
+    def _run(ops) -> None:
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
+        """Tell the neighbours the shapes of what follows; return the shapes to receive."""
+        s = self.state
+        ops, prev_shape, next_shape = [], None, None
+        if send_next is not None:
+            ops.append(self._op(dist.isend, self._shape_tensor(send_next), s.next_pp_rank, _SHAPE_TAG))
+        if recv_prev:
+            prev_shape = torch.empty(3, dtype=torch.int64, device=self.device)
+            ops.append(self._op(dist.irecv, prev_shape, s.prev_pp_rank, _SHAPE_TAG))
+        if send_prev is not None:
+            ops.append(self._op(dist.isend, self._shape_tensor(send_prev), s.prev_pp_rank, _SHAPE_TAG + 1))
+        if recv_next:
+            next_shape = torch.empty(3, dtype=torch.int64, device=self.device)
+            ops.append(self._op(dist.irecv, next_shape, s.next_pp_rank, _SHAPE_TAG + 1))
+        self._run(ops)
+        as_tuple = lambda t: tuple(t.tolist()) if t is not None else self.shape  # noqa: E731
+        return as_tuple(prev_shape), as_tuple(next_shape)
+
+    def _shape_tensor(self, x):
+        return torch.tensor(list(x.shape), dtype=torch.int64, device=self.device)
+
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """One batch: send an activation to the next stage and/or a gradient to the previous one,
+        receive an activation from the previous stage and/or a gradient from the next one.
+
+        Returns ``(from_prev, from_next)``; a received activation requires grad (the stage will
+        back-propagate into it), a received gradient does not.
+        """
+        s = self.state
+        if s.pp_size == 1:
+            return None, None
+        prev_shape = next_shape = self.shape
+        if self.variable_seq_lengths:
+            prev_shape, next_shape = self._exchange_shapes(send_next, send_prev, recv_prev, recv_next)
+        ops, from_prev, from_next = [], None, None
+        # activations (towards the next stage) first ...
+        if send_next is not None:
+            ops.append(self._op(dist.isend, self._check(send_next, "activation"), s.next_pp_rank, _ACT_TAG))
+        if recv_prev:
+            from_prev = torch.empty(prev_shape, dtype=self.dtype, device=self.device)
+            ops.append(self._op(dist.irecv, from_prev, s.prev_pp_rank, _ACT_TAG))
+        # ... then gradients (towards the previous stage)
+        if send_prev is not None:
+            ops.append(self._op(dist.isend, self._check(send_prev, "gradient"), s.prev_pp_rank, _GRAD_TAG))
+        if recv_next:
+            from_next = torch.empty(next_shape, dtype=self.dtype, device=self.device)
+            ops.append(self._op(dist.irecv, from_next, s.next_pp_rank, _GRAD_TAG))
+        self._run(ops)
+        if from_prev is not None:
+            from_prev.requires_grad_(True)
+        return from_prev, from_next
+
+    def _check(self, x, what):
+        if not self.variable_seq_lengths and tuple(x.shape) != self.shape:
+            raise ValueError(
+                f"pipeline {what} has shape {tuple(x.shape)} but the stages exchange {self.shape} "
+                "([seq_length(/tp with --sequence-parallel), micro_batch_size, hidden_size]); "
+                "pass variable_seq_lengths=True for micro-batches of different lengths"
+            )
+        if x.dtype != self.dtype:
+            raise ValueError(f"pipeline {what} has dtype {x.dtype} but the stages exchange {self.dtype}")
+        return x.detach().contiguous()
+
+    # -- the named calls of the schedules (Megatron's names) ---------------------------------
+    def recv_forward(self, recv=True):
+        """Input activation from the previous stage (None when ``recv`` is False)."""
+        return self.communicate(recv_prev=recv)[0]
+
+    def recv_backward(self, recv=True):
+        """Gradient of this stage's output from the next stage (None when ``recv`` is False)."""
+        return self.communicate(recv_next=recv)[1]
+
+    def send_forward(self, output):
+        self.communicate(send_next=output)
+
+    def send_backward(self, input_grad):
+        self.communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output, recv=True):
+        """Send this micro-batch's output on, get the gradient for the oldest one in flight."""
+        return self.communicate(send_next=output, recv_next=recv)[1]
+
+    def send_backward_recv_forward(self, input_grad, recv=True):
+        """Send an input gradient back, get the next micro-batch's input."""
+        return self.communicate(send_prev=input_grad, recv_prev=recv)[0]
+
+    def send_forward_recv_forward(self, output, recv_prev=True):
+        return self.communicate(send_next=output, recv_prev=recv_prev)[0]
+
+    def send_backward_recv_backward(self, input_grad, recv_next=True):
+        return self.communicate(send_prev=input_grad, recv_next=recv_next)[1]
+
+    def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev=True, recv_next=True):
+        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)

@@ -1,0 +1,242 @@
+"""Pipeline schedules on real gloo groups against the single-process run of the same model.
+
+The toy model is a stack of L tensor-parallel MLP layers ``h = tanh(Row(tanh(Col(h))))`` (hidden 8,
+every layer's full weights drawn from a generator seeded by its global layer number, so any
+TP/PP split holds slices of the same weights) with a mean-squared-error loss on the last stage.
+The reference runs the whole stack in this process over the same micro-batches, back-propagating
+``loss / m`` of each. Every rank must report the same per-micro-batch losses (last stage) and hold
+the same gradient for each of its parameters as the reference's slice, fp32 rtol 1e-5 atol 1e-6 (TP sums in a different order).
+The recorded schedule trace must equal the op order that :mod:`order` (and so the simulator)
+predicts, and its wall-clock times must respect the stage order across ranks.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_lite.parallel import comm
+from megatron_lite.parallel.pipeline import get_forward_backward_func, layer_ranges
+from megatron_lite.parallel.pipeline.order import rank_order
+from megatron_lite.parallel.pipeline.trace import Trace
+from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, normal_init, shard
+from tests.harness import cached_state, run_ranks
+
+H, S, B = 8, 4, 2
+
+
+class ToyChunk(nn.Module):
+    """Global layers [start, end) of the toy stack; reads data on the first stage."""
+
+    def __init__(self, start, end, tp_group=None, sp=False, pre=True, post=True):
+        super().__init__()
+        self.pre, self.post, self.sp, self.tp_group = pre, post, sp, tp_group
+        self.layers = nn.ModuleList()
+        for i in range(start, end):
+            col = ColumnParallelLinear(H, 2 * H, tp_group, init_method=normal_init(0.5, torch.Generator().manual_seed(100 + i)),
+                                       sequence_parallel=sp)
+            row = RowParallelLinear(2 * H, H, tp_group, init_method=normal_init(0.5, torch.Generator().manual_seed(200 + i)),
+                                    sequence_parallel=sp)
+            with torch.no_grad():
+                row.bias.copy_(torch.randn(H, generator=torch.Generator().manual_seed(300 + i)) * 0.1)
+            self.layers.append(nn.ModuleList([col, row]))
+        self.start = start
+        self.input_tensor = None
+        self.sent = []  # outputs this chunk produced (to check they were released after sending)
+
+    def set_input_tensor(self, x):
+        self.input_tensor = x
+
+    def forward(self, x):
+        if self.pre:
+            h = comm.scatter_to_sp(x, self.tp_group) if self.sp else x
+        else:
+            h = self.input_tensor
+        for col, row in self.layers:
+            h = torch.tanh(row(torch.tanh(col(h))))
+        if self.post and self.sp:
+            h = comm.gather_from_sp(h, self.tp_group, tensor_parallel_output_grad=False)
+        if not self.post:
+            self.sent.append(h)
+        return h
+
+
+def micro_batches(m, dp_rank=0, seq=None):
+    out = []
+    for i in range(m):
+        g = torch.Generator().manual_seed(1000 * dp_rank + i)
+        s = seq[i] if seq else S
+        out.append({"x": torch.randn(s, B, H, generator=g), "y": torch.randn(s, B, H, generator=g)})
+    return out
+
+
+def forward_step(data_iterator, chunk):
+    batch = next(data_iterator)
+    out = chunk(batch["x"] if chunk.pre else None)
+
+    def loss_func(h):
+        loss = ((h - batch["y"]) ** 2).mean()
+        return loss, {"loss": loss.detach()}
+
+    return out, loss_func
+
+
+def reference(num_layers, m, dp=1, seq=None):
+    """Single-process run: per-micro-batch losses of each data-parallel rank's micro-batches, and
+    the full gradient of each parameter for the global batch (all ranks' micro-batches, mean loss)."""
+    model = ToyChunk(0, num_layers)
+    losses = [[] for _ in range(dp)]
+    for d in range(dp):
+        for batch in micro_batches(m, d, seq):
+            loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+            (loss / (m * dp)).backward()
+            losses[d].append(loss.item())
+    return losses, {name: p.grad.clone() for name, p in _global_params(model)}
+
+
+def _global_params(chunk):
+    """(global name, parameter): 'layer{i}.{col|row}.{weight|bias}' with the global layer number."""
+    for j, (col, row) in enumerate(chunk.layers):
+        for part, mod in (("col", col), ("row", row)):
+            for pname, p in mod.named_parameters():
+                yield f"layer{chunk.start + j}.{part}.{pname}", p
+
+
+def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False, seq=None):
+    """Worker: build this rank's chunks, run the schedule, return losses, grads (as reference slices) and trace."""
+    v = 1 if vpp_layers is None else num_layers // (pp * vpp_layers)
+    state = cached_state(tp=tp, pp=pp, **({"vpp": v} if v > 1 else {}))
+    ranges = layer_ranges(num_layers, pp, vpp_layers)[state.pp_rank]
+    chunks = [
+        ToyChunk(a, b, state.tp_group, sp, pre=state.is_first_stage() and c == 0,
+                 post=state.is_last_stage() and c == len(ranges) - 1)
+        for c, (a, b) in enumerate(ranges)
+    ]
+    data = [iter(micro_batches(m, state.dp_rank, seq)) for _ in chunks]
+    trace = Trace()
+    exits = []
+
+    class NoSync:  # records how many ops had run when gradient sync was switched back on
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            exits.append(len(trace))
+
+    reported = get_forward_backward_func(state)(
+        forward_step_func=forward_step, data_iterator=data if v > 1 else data[0], model=chunks,
+        num_microbatches=m, seq_length=S, micro_batch_size=B, hidden_size=H, dtype=torch.float32, state=state,
+        sequence_parallel=sp, forward_only=forward_only, no_sync_func=NoSync, trace=trace,
+        variable_seq_lengths=seq is not None,
+    )
+    params = [(n, p) for c in chunks for n, p in _global_params(c)]
+    if sp:
+        from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads
+        all_reduce_sequence_parallel_grads([p for _, p in params], state.tp_group)
+    grads = {}
+    for name, p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        if state.dp_group is not None:  # average over data-parallel ranks, as DDP would
+            torch.distributed.all_reduce(g, group=state.dp_group)
+            g /= state.dp_size
+        grads[name] = (g, getattr(p, "partition_dim", None), state.tp_rank)
+    released = all(t.numel() == 1 for c in chunks for t in c.sent)
+    return {
+        "pp_rank": state.pp_rank, "dp_rank": state.dp_rank, "tp": tp, "losses": [r["loss"].item() for r in reported], "grads": grads,
+        "trace": list(trace), "times": list(trace.times), "sync_on_at": exits, "released": released, "v": v,
+    }
+
+
+def check_against_reference(results, num_layers, m, pp, dp=1, forward_only=False, seq=None):
+    ref_losses, ref_grads = reference(num_layers, m, dp, seq)
+    seen = set()
+    for res in results:
+        if res["pp_rank"] == pp - 1:
+            torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses[res["dp_rank"]]), rtol=1e-5, atol=1e-6)
+        else:
+            assert res["losses"] == []
+        if forward_only:
+            assert res["grads"] == {}
+            continue
+        for name, (g, dim, tp_rank) in res["grads"].items():
+            expected = ref_grads[name] if dim is None else shard(ref_grads[name], dim, tp_rank, res["tp"])
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6, msg=lambda s, n=name: f"{n}: {s}")
+            seen.add(name)
+        assert res["released"], "an activation sent to the next stage kept its storage"
+    if not forward_only:
+        assert seen == set(ref_grads), f"gradients missing for {set(ref_grads) - seen}"
+
+
+def check_trace(results, m, pp, forward_only=False):
+    """The recorded order is the predicted one; stage order holds across ranks in wall-clock time;
+    data-parallel sync came back on right before the rank's last backward."""
+    start, end = {}, {}
+    for res in results:
+        r, v = res["pp_rank"], res["v"]
+        ops = [(e.kind, e.microbatch, e.chunk) for e in res["trace"]]
+        expected = [op for op in rank_order(pp, r, m, v) if not forward_only or op[0] == "F"]
+        assert ops == expected
+        assert [e.step for e in res["trace"]] == list(range(len(ops)))
+        if not forward_only:
+            assert res["sync_on_at"] == [len(ops) - 1]
+        for (kind, mb, c), (t0, t1) in zip(ops, res["times"]):
+            start[(kind, mb, c * pp + r)], end[(kind, mb, c * pp + r)] = t0, t1
+    stages = max(k[2] for k in start) + 1
+    for (kind, mb, s), t0 in start.items():
+        if kind == "F" and s > 0:
+            assert end[("F", mb, s - 1)] <= t0, f"forward of micro-batch {mb} on stage {s} started before stage {s - 1}'s"
+        if kind == "B":
+            assert end[("F", mb, s)] <= t0
+            if s < stages - 1:
+                assert end[("B", mb, s + 1)] <= t0, f"backward of micro-batch {mb} on stage {s} ran before stage {s + 1}'s"
+
+
+@pytest.mark.parametrize("pp, m", [(2, 3), (4, 6), (4, 3)])
+def test_1f1b_matches_single_process(pp, m):
+    results = run_ranks(pp, run_pipeline, 4, m, 1, pp)
+    check_against_reference(results, 4, m, pp)
+    check_trace(results, m, pp)
+
+
+@pytest.mark.parametrize("pp, m, layers", [(2, 4, 4), (2, 2, 4), (2, 6, 6), (4, 8, 8), (4, 4, 8)])
+def test_interleaved_matches_single_process(pp, m, layers):
+    """One layer per virtual stage, so v = layers / pp chunks per rank; m = p runs all-warmup."""
+    results = run_ranks(pp, run_pipeline, layers, m, 1, pp, 1)
+    check_against_reference(results, layers, m, pp)
+    check_trace(results, m, pp)
+
+
+def test_pipeline_with_data_parallel():
+    """PP=2 x DP=2: each data-parallel rank runs its own micro-batches; averaged grads = global batch."""
+    results = run_ranks(4, run_pipeline, 4, 4, 1, 2)
+    assert sorted((r["pp_rank"], r["dp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    check_against_reference(results, 4, 4, 2, dp=2)
+    check_trace(results[:1] + results[2:3], 4, 2)  # one pipeline: global ranks 0 (stage 0) and 2 (stage 1)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_and_pipeline_parallel(sp):
+    results = run_ranks(4, run_pipeline, 4, 4, 2, 2, None, sp)
+    check_against_reference(results, 4, 4, 2)
+    check_trace(results, 4, 2)
+
+
+def test_tensor_pipeline_interleaved_sequence_parallel():
+    results = run_ranks(4, run_pipeline, 4, 4, 2, 2, 1, True)
+    check_against_reference(results, 4, 4, 2)
+
+
+@pytest.mark.parametrize("vpp_layers", [None, 1])
+def test_forward_only(vpp_layers):
+    with torch.no_grad():
+        results = run_ranks(2, run_pipeline, 4, 4, 1, 2, vpp_layers, False, True)
+    check_against_reference(results, 4, 4, 2, forward_only=True)
+    check_trace(results, 4, 2, forward_only=True)
+
+
+@pytest.mark.parametrize("vpp_layers", [None, 1])
+def test_variable_sequence_lengths(vpp_layers):
+    seq = [3, 5, 2, 4]
+    results = run_ranks(2, run_pipeline, 4, 4, 1, 2, vpp_layers, False, False, seq)
+    check_against_reference(results, 4, 4, 2, seq=seq)
