@@ -175,3 +175,38 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
         if ds is not None:
             log.info("%s dataset: %d samples (%s)", name, len(ds), type(ds).__name__)
     return tuple(out)
+
+
+def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
+                                 eval_iters: int, train_samples: int | None = None) -> list[int]:
+    """Samples each split must provide, as Megatron computes them: validation runs eval_iters
+    iterations every eval_interval iterations and once at the end; test runs eval_iters once."""
+    train = train_samples if train_samples is not None else train_iters * global_batch_size
+    evals = (train_iters // eval_interval + 1) * eval_iters if eval_interval else 0
+    return [train, evals * global_batch_size, eval_iters * global_batch_size]
+
+
+def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
+    """GPTDatasetConfig (or BertDatasetConfig) from an argparse namespace with Megatron's flag names.
+
+    Reads seq_length, seed, split, data_path, data_cache_path, mock_data, eod_mask_loss,
+    reset_position_ids, reset_attention_mask (GPT) or mask_prob, short_seq_prob,
+    bert_no_binary_head (BERT); missing attributes keep the dataclass defaults.
+    """
+    def get(name, default=None):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    common = dict(seq_length=int(args.seq_length), seed=int(get("seed", 1234)), split=str(get("split", "969,30,1")),
+                  data_path=list(get("data_path", [])), data_cache_path=get("data_cache_path"),
+                  mock=bool(get("mock_data", False)))
+    if bert:
+        from megatron_lite.data.bert_dataset import BertDatasetConfig
+
+        return BertDatasetConfig(**common, mask_prob=float(get("mask_prob", 0.15)),
+                                 short_seq_prob=float(get("short_seq_prob", 0.1)),
+                                 binary_head=not bool(get("bert_no_binary_head", False)))
+    config = GPTDatasetConfig(**common, eod_mask_loss=bool(get("eod_mask_loss", False)),
+                              reset_position_ids=bool(get("reset_position_ids", False)),
+                              reset_attention_mask=bool(get("reset_attention_mask", False)))
+    return _with_tokenizer(config, tokenizer)

@@ -7,9 +7,11 @@ from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.builder import (
     DataConfigError,
     build_train_valid_test_datasets,
+    dataset_config_from_args,
     parse_data_path,
     parse_split,
     split_ranges,
+    train_valid_test_num_samples,
 )
 from megatron_lite.data.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder
@@ -94,3 +96,27 @@ def test_mock_and_errors(tmp_path):
     # the same tiny data is fine when no validation samples are requested
     assert build_train_valid_test_datasets(GPTDatasetConfig(seq_length=8, split="949,50,1", data_path=[p]),
                                            [10, 0, 0])[1] is None
+
+
+def test_config_from_args_and_sample_counts(tmp_path):
+    import argparse
+
+    from megatron_lite.data.samplers import build_data_iterators
+    from megatron_lite.data.tokenizers import NullTokenizer
+
+    p = write(tmp_path / "a", 200, eod=499)
+    args = argparse.Namespace(seq_length=16, seed=9, split="90,5,5", data_path=[p], data_cache_path=None,
+                              mock_data=False, eod_mask_loss=True, reset_position_ids=False,
+                              reset_attention_mask=False)
+    tok = NullTokenizer(500)
+    cfg = dataset_config_from_args(args, tok)
+    assert cfg.eod == 499 and cfg.eod_mask_loss and cfg.seed == 9 and cfg.vocab_size == 500
+    # Megatron: valid = (train_iters // eval_interval + 1) * eval_iters * global batch
+    assert train_valid_test_num_samples(100, 8, 50, 2) == [800, 48, 16]
+    train, valid, test = build_train_valid_test_datasets(cfg, train_valid_test_num_samples(20, 4, 10, 2), tok)
+    it_train, it_valid, it_test = build_data_iterators(train, valid, test, 0, 0, micro_batch_size=2,
+                                                       data_parallel_rank=0, data_parallel_size=2)
+    batch = next(it_train)
+    assert batch["tokens"].shape == (2, 16) and batch["labels"].shape == (2, 16)
+    assert (batch["loss_mask"] == (batch["tokens"] != 499).float()).all()
+    assert next(it_valid)["tokens"].shape == (2, 16) and next(it_test)["tokens"].shape == (2, 16)
