@@ -139,6 +139,19 @@ def test_samples_overlap_by_one_token_and_cover_an_epoch(tmp_path):
     assert len(split_tokens) - len(used) < seq
 
 
+def test_sample_text_is_a_window_of_the_shuffled_stream_over_epochs(tmp_path):
+    sizes = [5, 0, 9, 2, 14, 1, 7]  # includes an empty document
+    ds_file = write_dataset(tmp_path / "d", sizes)
+    seq = 6
+    ds = GPTDataset(ds_file, np.arange(7), 25, GPTDatasetConfig(seq_length=seq, seed=11))  # several epochs
+    stream = np.concatenate([ds_file[int(d)] for d in ds.document_index])
+    assert len(ds) >= 25 and len(ds.document_index) > 7
+    for j in range(len(ds)):
+        i = int(ds.shuffle_index[j])
+        np.testing.assert_array_equal(ds.get_text(j), stream[i * seq:(i + 1) * seq + 1])
+    assert sorted(np.asarray(ds.shuffle_index).tolist()) == list(range(len(ds)))
+
+
 def test_eod_options_mask_loss_reset_positions_and_attention(tmp_path):
     eod = 1
     ds_file = write_dataset(tmp_path / "d", [3, 4, 6, 5], eod=eod)
