@@ -436,6 +436,9 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
+             f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
+             f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
         _require(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
 

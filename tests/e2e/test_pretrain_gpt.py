@@ -1,0 +1,162 @@
+"""pretrain_gpt.py through its command line: parallel runs reproduce the single-process run.
+
+Each parallel run calls ``pretrain_gpt.main(argv)`` on every rank of a reused gloo pool (the same
+code path as ``torchrun``, minus process start-up); the reference is ``main(argv)`` in this
+process. Same seed, same global batch, dropout 0, fp32: every step's loss must agree within a
+relative 1e-5, and the final weights, merged from the saved checkpoints, within rtol 1e-5.
+"""
+
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.models.loading import merge_checkpoint
+from tests.harness import run_ranks
+
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--vocab-size", "123", "--make-vocab-size-divisible-by", "8", "--mock-data",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "1e-2", "--lr-warmup-iters", "2",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0", "--seed", "7",
+]
+# rope + RMSNorm + SwiGLU + GQA + untied: the other branch of every model option.
+MODEL_B = [
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
+]
+
+
+def _argv(save, iters, extra):
+    return MODEL + ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
+                    "--save", save] + list(extra)
+
+
+def run_cli(argv):
+    """Inside a rank: train and return this rank's losses (non-empty on the last stage only)."""
+    result = pretrain_gpt.main(argv)
+    return result.losses
+
+
+def _single(tmp_path, name, iters, extra=()):
+    save = str(tmp_path / name)
+    return pretrain_gpt.main(_argv(save, iters, extra)).losses, save
+
+
+def _parallel(tmp_path, name, world, iters, extra):
+    save = str(tmp_path / name)
+    per_rank = run_ranks(world, run_cli, _argv(save, iters, extra))
+    losses = [r for r in per_rank if r]
+    assert losses, "no rank reported losses"
+    for other in losses[1:]:  # every last-stage rank reports the same (DP-averaged) numbers
+        assert other == losses[0]
+    return losses[0], save
+
+
+def _same_losses(actual, expected):
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected), 1):
+        assert abs(a - e) <= 1e-5 * abs(e), f"step {step}: {a} vs single-process {e}"
+
+
+def _same_weights(save_a, save_b):
+    """Final weights within rtol 1e-5, atol 1e-4.
+
+    The absolute floor is for the key part of the QKV bias: its gradient is zero in exact
+    arithmetic (a bias on every key shifts all scores of a query equally), so Adam normalises pure
+    rounding noise into updates of random sign; those entries agree only to ~1e-5 absolute.
+    """
+    a, _ = merge_checkpoint(save_a)
+    b, _ = merge_checkpoint(save_b)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    out = {}
+    for variant, extra in (("A", []), ("B", MODEL_B)):
+        out[variant] = _single(tmp, f"single{variant}", 20, extra)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, world, variant, extra",
+    [
+        ("tp2", 2, "A", ["--tensor-model-parallel-size", "2"]),
+        ("tp2_sp", 2, "B", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("dp2", 2, "A", ["--overlap-grad-reduce", "--ddp-bucket-size", "4000"]),
+        ("tp2_dp2_sp", 4, "B", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ],
+)
+def test_parallel_runs_reproduce_single_process(tmp_path, reference, name, world, variant, extra):
+    ref_losses, ref_save = reference[variant]
+    losses, save = _parallel(tmp_path, name, world, 20, (MODEL_B if variant == "B" else []) + extra)
+    _same_losses(losses, ref_losses)
+    _same_weights(save, ref_save)
+    assert ref_losses[-1] < ref_losses[0]  # it trained
+
+
+def test_recompute_gives_the_same_losses(tmp_path):
+    # Dropout on: recomputation must replay the masks exactly.
+    drop = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    base, _ = _single(tmp_path, "none", 4, drop)
+    full, _ = _single(tmp_path, "full", 4, drop + ["--recompute-granularity", "full", "--recompute-method", "uniform"])
+    block, _ = _single(tmp_path, "block", 4, drop + ["--recompute-granularity", "full", "--recompute-method", "block",
+                                                     "--recompute-num-layers", "2"])
+    sel, _ = _single(tmp_path, "sel", 4, drop + ["--recompute-granularity", "selective"])
+    for other in (full, block, sel):
+        _same_losses(other, base)
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, _ = _single(tmp_path, "straight", 12)
+    save = str(tmp_path / "resumed")
+    first = pretrain_gpt.main(_argv(save, 12, ["--exit-interval", "6"]))
+    assert first.exit_reason == "interval" and first.iteration == 6
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "6"
+    second = pretrain_gpt.main(_argv(save, 12, ["--load", save]))
+    assert second.iteration == 12
+    assert first.losses + second.losses == straight  # bit-identical continuation
+
+
+def _real_data(sample_dataset):
+    """MODEL's flags with the sample corpus instead of --mock-data (random tokens cannot be learned)."""
+    model = [a for a in MODEL if a != "--mock-data"]
+    i = model.index("--vocab-size")
+    del model[i : i + 2]
+    return model + ["--data-path", sample_dataset["prefix"], "--split", "95,5,0"] + sample_dataset["tokenizer"]
+
+
+def test_trains_on_preprocessed_data_in_bf16(tmp_path, sample_dataset):
+    argv = _real_data(sample_dataset) + ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30",
+                                         "--bf16", "--eval-interval", "30", "--eval-iters", "2",
+                                         "--data-cache-path", str(tmp_path / "cache")]
+    result = pretrain_gpt.main(argv)
+    losses = result.losses
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert result.validation and result.validation[-1][1] < losses[0]
+
+
+def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
+    bad = tmp_path / "bad_text_document"
+    (tmp_path / "bad_text_document.idx").write_bytes(open(sample_dataset["prefix"] + ".idx", "rb").read()[:40])
+    (tmp_path / "bad_text_document.bin").write_bytes(open(sample_dataset["prefix"] + ".bin", "rb").read())
+    argv = _real_data(sample_dataset) + ["--data-path", str(bad), "--train-iters", "4"]
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "bad_text_document.idx" in lines[0], lines
+
+
+def test_bad_flags_exit_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(MODEL + ["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err.strip().splitlines()
+    assert len(msg) == 1 and "tensor-model-parallel-size" in msg[0]
