@@ -245,3 +245,20 @@ def test_no_pipelining_accumulates_like_one_big_batch(forward_only):
     assert exits == [2 * m - 1]  # reduction allowed again right before the last backward
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_plot_schedule_writes_a_png(tmp_path, capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "plot_schedule.py"
+    spec = importlib.util.spec_from_file_location("plot_schedule", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "s.png"
+    assert tool.main(["-p", "2", "-m", "4", "-v", "2", "--compare", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "bubble 0.2500 (formula 0.2500)" in text and "bubble 0.1250 (formula 0.1250)" in text
+    with pytest.raises(SystemExit):
+        tool.main(["-p", "4", "-m", "6", "-v", "2", "--out", str(out)])

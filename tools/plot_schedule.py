@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Draw a pipeline schedule's timeline as a PNG (and print it as a text grid).
+
+The per-rank op order comes from megatron_lite.parallel.pipeline.order — the functions the real
+schedules run — laid out by the equal-cost simulator (forward 1 unit, backward --backward-cost
+units per stage; a chunk of the interleaved schedule costs 1/v of that; communication is free).
+The title gives the measured bubble fraction (idle / busy time over all ranks) beside the formula
+(p-1)/m, or (p-1)/(v*m) with interleaving.
+
+    python tools/plot_schedule.py -p 4 -m 8 --out 1f1b.png
+    python tools/plot_schedule.py -p 4 -m 8 -v 2 --compare --out interleaved.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.parallel.pipeline.order import check_interleaved_microbatches  # noqa: E402
+from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
+    bubble_fraction,
+    render_grid,
+    simulate,
+    simulated_orders,
+)
+
+
+def schedule(p: int, m: int, v: int, backward_cost: float):
+    """(timeline, bubble fraction, formula, name) of one schedule under equal costs."""
+    timeline = simulate(simulated_orders(p, m, v), p, v, 1.0 / v, backward_cost / v)
+    name = "no pipelining" if p == 1 else (f"interleaved 1F1B (v={v})" if v > 1 else "1F1B")
+    return timeline, bubble_fraction(timeline), (p - 1) / (v * m), name
+
+
+def draw(ax, timeline, p, m, title):
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab20")
+    for r, ops in timeline.items():
+        for (kind, mb, chunk), start, end in ops:
+            color = colors((2 * mb) % 20 if kind == "F" else (2 * mb + 1) % 20)
+            ax.barh(r, end - start, left=start, height=0.8, color=color, edgecolor="black", linewidth=0.5,
+                    hatch="//" if kind == "B" else None)
+            label = f"{kind}{mb}" + (chr(ord("a") + chunk) if any(op[2] for op, _, _ in ops) else "")
+            ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward of one full stage = 1)")
+    ax.set_title(title, fontsize=10)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-p", "--pipeline-model-parallel-size", type=int, required=True, dest="p")
+    ap.add_argument("-m", "--num-microbatches", type=int, required=True, dest="m")
+    ap.add_argument("-v", "--model-chunks", type=int, default=1, dest="v",
+                    help="model chunks per rank (num-layers / (pp x num-layers-per-virtual-pipeline-stage))")
+    ap.add_argument("--backward-cost", type=float, default=2.0, help="backward time / forward time (default 2)")
+    ap.add_argument("--compare", action="store_true", help="also draw plain 1F1B above the interleaved schedule")
+    ap.add_argument("--out", default="schedule.png", help="PNG to write")
+    args = ap.parse_args(argv)
+    if args.p < 1 or args.m < 1 or args.v < 1:
+        ap.error("-p, -m and -v must be positive")
+    if args.v > 1:
+        if args.p == 1:
+            ap.error("interleaving (-v > 1) needs --pipeline-model-parallel-size > 1")
+        try:
+            check_interleaved_microbatches(args.m, args.p)
+        except ValueError as err:
+            ap.error(str(err))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [1, args.v] if args.compare and args.v > 1 else [args.v]
+    fig, axes = plt.subplots(len(variants), 1, figsize=(max(8, args.m * args.p * 0.45), 1.2 + 0.6 * args.p * len(variants)),
+                             squeeze=False)
+    span = 0.0
+    for ax, v in zip(axes[:, 0], variants):
+        timeline, bubble, formula, name = schedule(args.p, args.m, v, args.backward_cost)
+        span = max(span, max(e for ops in timeline.values() for _, _, e in ops))
+        title = f"{name}: p={args.p}, m={args.m}; bubble {bubble:.4f} (formula {formula:.4f})"
+        print(title)
+        print(render_grid(timeline, unit=1.0 / v))
+        draw(ax, timeline, args.p, args.m, title)
+    for ax in axes[:, 0]:
+        ax.set_xlim(0, span)
+    fig.tight_layout()
+    tmp = args.out + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
