@@ -41,23 +41,29 @@ class MegatronOptimizer:
     """See the module docstring. Build it with :func:`build_optimizer`."""
 
     def __init__(self, chunks, state, optim_config, precision_config=None):
-        oc = optim_config
-        self.chunks, self.state, self.config = list(chunks), state, oc
+        self.chunks, self.state, self.config = list(chunks), state, optim_config
         self.model_params = _unique_params(self.chunks)
         self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
         self.num_skipped_steps = 0
         # Masters: fp32 copies of 16-bit params; the fp32 params themselves otherwise.
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
-        decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() > 1]
-        no_decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() <= 1]
-        groups = [g for g in ({"params": decay, "weight_decay": oc.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = self._groups([(p, m) for p, m in zip(self.model_params, self.masters)])
+        self.optimizer = self._make_torch_optimizer(groups)
+
+    def _groups(self, pairs) -> list[dict]:
+        """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, 1-D params do not."""
+        decay = [m for p, m in pairs if p.dim() > 1]
+        no_decay = [m for p, m in pairs if p.dim() <= 1]
+        wd = self.config.weight_decay
+        return [g for g in ({"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+    def _make_torch_optimizer(self, groups):
+        oc = self.config
         if oc.optimizer == "adam":
-            self.optimizer = torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
-        elif oc.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=oc.lr, momentum=0.9)
-        else:
-            raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
+            return torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
+        if oc.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=oc.lr, momentum=0.9)
+        raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
 
     @property
     def param_groups(self):
@@ -71,16 +77,15 @@ class MegatronOptimizer:
         """The loss to call backward on (times the fp16 loss scale; unchanged otherwise)."""
         return loss * self.scaler.scale if self.scaler is not None else loss
 
-    def _unscale_and_check(self) -> bool:
-        """Divide every gradient by the loss scale; True if any rank of the model has inf/NaN."""
+    def _unscale_and_check(self, grads, groups) -> bool:
+        """Divide ``grads`` by the loss scale; True if any rank (MAX over ``groups``) has inf/NaN."""
         inv = 1.0 / self.scaler.scale
-        grads = [g for g in map(grad_of, self.model_params) if g is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             g.mul_(inv)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        for group in (self.state.mp_group, self.state.ep_group):
+        for group in groups:
             if comm.group_size(group) > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())
@@ -90,7 +95,8 @@ class MegatronOptimizer:
     def step(self) -> tuple[bool, float | None, int]:
         """One update: (update_successful, grad_norm before clipping or None if skipped, 0)."""
         if self.scaler is not None:
-            found_inf = self._unscale_and_check()
+            grads = [g for g in map(grad_of, self.model_params) if g is not None]
+            found_inf = self._unscale_and_check(grads, (self.state.mp_group, self.state.ep_group))
             self.scaler.update(found_inf)
             if found_inf:
                 self.num_skipped_steps += 1
@@ -161,5 +167,7 @@ class MegatronOptimizer:
 def build_optimizer(config, chunks, state):
     """The optimizer for ``config`` over the params of ``chunks`` (DistributedDataParallel wrappers)."""
     if config.parallel.use_distributed_optimizer:
-        raise NotImplementedError("--use-distributed-optimizer is not implemented yet; drop the flag")
+        from .distrib_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(chunks, state, config.optim, config.precision)
     return MegatronOptimizer(chunks, state, config.optim, config.precision)

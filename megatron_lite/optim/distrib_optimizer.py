@@ -1,0 +1,253 @@
+"""Distributed optimizer (``--use-distributed-optimizer``): optimizer state sharded over DP ranks.
+
+Every data-parallel replica holds the full model, but only 1/dp of the fp32 master weights and
+Adam moments. The ownership follows the DDP grad buffer: each bucket (padded to a multiple of the
+group size) is cut into dp equal chunks and rank i owns chunk i. Per iteration:
+
+1. DDP **reduce-scatters** each bucket (instead of all-reducing it): rank i receives the averaged
+   gradient of its chunk only (``bucket.reduce_scatter = True``, set here).
+2. The torch optimizer steps this rank's *pieces*: for every parameter overlapping the owned
+   chunk, a flat fp32 master of the overlapping range, whose gradient is that range of
+   ``main_grad``. AdamW is elementwise, so stepping pieces equals stepping whole tensors.
+   Overflow check, grad norm and clipping work on the pieces, summed over the DP group too.
+3. Each rank writes its updated pieces (in the param dtype) into its chunk of a bucket-sized
+   buffer and the buffers are **all-gathered**, giving every rank every updated parameter.
+
+Memory per parameter with bf16 params over d ranks: 2 (param) + 4 (grad) + 12/d (master + Adam).
+Communication equals a plain all-reduce (reduce-scatter + all-gather).
+
+``state_dict()`` is collective over the data-parallel group (every DP rank must call it; the
+others' results can be discarded): it gathers the shards into the same format
+:class:`MegatronOptimizer` writes, so checkpoints move freely between optimizers and DP sizes.
+``load_state_dict`` needs no communication: each rank takes its slices from the full state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import comm
+from ..precision.loss_scaler import build_loss_scaler
+from .clip_grads import counts_once
+from .optimizer import MegatronOptimizer, _unique_params
+
+
+class _Piece:
+    """The part ``[lo, hi)`` (flat, in the param) of one parameter owned by this rank."""
+
+    def __init__(self, param, bucket, lo, hi):
+        self.param, self.bucket, self.lo, self.hi = param, bucket, lo, hi
+        self.master = param.detach().reshape(-1)[lo:hi].float().clone()
+        # where the piece sits inside this rank's chunk of the bucket
+        self.chunk_offset = bucket.offsets[id(param)][0] + lo - bucket.shard()[0]
+
+    def grad(self) -> torch.Tensor:
+        return self.param.main_grad.view(-1)[self.lo : self.hi]
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """:class:`MegatronOptimizer` with fp32 masters and optimizer state sharded over data parallel."""
+
+    def __init__(self, chunks, state, optim_config, precision_config=None):
+        self.chunks, self.state, self.config = list(chunks), state, optim_config
+        self.model_params = _unique_params(self.chunks)
+        self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
+        self.num_skipped_steps = 0
+        self.buckets = [b for chunk in self.chunks for b in chunk.buckets]
+        self.pieces: list[_Piece] = []
+        for bucket in self.buckets:
+            bucket.reduce_scatter = True
+            start, end = bucket.shard()
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                lo, hi = max(a, start), min(e, end)
+                if lo < hi:
+                    self.pieces.append(_Piece(p, bucket, lo - a, hi - a))
+        self.masters = [piece.master for piece in self.pieces]
+        groups = self._groups([(piece.param, piece.master) for piece in self.pieces])
+        if not groups:  # this rank owns only padding: keep an optimizer with an empty tensor
+            groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        self.optimizer = self._make_torch_optimizer(groups)
+
+    # step ----------------------------------------------------------------------------------
+    def _grad_norm(self) -> float:
+        device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
+        dense = torch.zeros((), dtype=torch.float32, device=device)
+        expert = torch.zeros((), dtype=torch.float32, device=device)
+        for piece in self.pieces:
+            if counts_once(piece.param, self.state):
+                sq = piece.master.grad.pow(2).sum()
+                if getattr(piece.param, "allreduce", True):
+                    dense += sq
+                else:
+                    expert += sq
+        for value, groups in ((dense, (self.state.dp_group,)), (expert, (self.state.expert_dp_group, self.state.ep_group))):
+            for group in groups:
+                if comm.group_size(group) > 1:
+                    dist.all_reduce(value, group=group)
+        total = dense + expert
+        if comm.group_size(self.state.mp_group) > 1:
+            dist.all_reduce(total, group=self.state.mp_group)
+        return total.sqrt().item()
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int]:
+        for piece in self.pieces:
+            piece.master.grad = piece.grad()
+        grads = [piece.master.grad for piece in self.pieces]
+        if self.scaler is not None:
+            groups = (self.state.dp_group, self.state.mp_group, self.state.ep_group)
+            found_inf = self._unscale_and_check(grads, groups)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.num_skipped_steps += 1
+                self._drop_grads()
+                return False, None, 0
+        grad_norm = self._grad_norm()
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (grad_norm + 1e-6)
+            if coeff < 1.0:
+                for g in grads:
+                    g.mul_(coeff)
+        self.optimizer.step()
+        self._drop_grads()
+        self._gather_params()
+        return True, grad_norm, 0
+
+    def _drop_grads(self) -> None:
+        for piece in self.pieces:
+            piece.master.grad = None
+
+    def _gather_params(self) -> None:
+        """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything."""
+        for bucket in self.buckets:
+            dtype = bucket.params[0].dtype
+            full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+            start, end = bucket.shard()
+            local = full[start:end].clone()
+            for piece in self.pieces:
+                if piece.bucket is bucket:
+                    local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = piece.master
+            if comm.group_size(bucket.group) > 1:
+                dist.all_gather_into_tensor(full, local, group=bucket.group)
+            else:
+                full = local
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                p.view(-1).copy_(full[a:e])
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self._drop_grads()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for piece in self.pieces:
+            piece.master.copy_(piece.param.reshape(-1)[piece.lo : piece.hi])
+
+    # checkpoint ----------------------------------------------------------------------------
+    def _full_order(self) -> list:
+        """Model params in the index order of MegatronOptimizer's torch state dict."""
+        ps = self.model_params
+        return [p for p in ps if p.dim() > 1] + [p for p in ps if p.dim() <= 1]
+
+    def _gather_full(self, value_of) -> dict[int, torch.Tensor]:
+        """{id(param): full fp32 tensor} from each rank's pieces (``value_of(piece)`` gives a piece's values)."""
+        out = {}
+        for bucket in self.buckets:
+            full = torch.zeros(bucket.data.numel(), dtype=torch.float32, device=bucket.data.device)
+            start, end = bucket.shard()
+            local = full[start:end].clone()
+            for piece in self.pieces:
+                if piece.bucket is bucket:
+                    local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
+            if comm.group_size(bucket.group) > 1:
+                dist.all_gather_into_tensor(full, local, group=bucket.group)
+            else:
+                full = local
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                out[id(p)] = full[a:e].view(p.shape).clone()
+        return out
+
+    def state_dict(self) -> dict:
+        """Collective over data parallel: the full state in MegatronOptimizer's format."""
+        order = self._full_order()
+        masters = self._gather_full(lambda piece: piece.master)
+        step = self._step_count()
+        has_state = torch.tensor(float(any(piece.master in self.optimizer.state for piece in self.pieces)))
+        if comm.group_size(self.state.dp_group) > 1:  # ranks owning only padding have no state
+            dist.all_reduce(has_state, op=dist.ReduceOp.MAX, group=self.state.dp_group)
+        torch_state = {}
+        if has_state.item():
+            keys = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}[self.config.optimizer]
+            full_state = {k: self._gather_full(lambda piece, k=k: self._state_of(piece, k)) for k in keys}
+            for index, p in enumerate(order):
+                entry = {k: full_state[k][id(p)] for k in keys}
+                if self.config.optimizer == "adam":
+                    entry["step"] = torch.tensor(float(step))
+                torch_state[index] = entry
+        decay = [i for i, p in enumerate(order) if p.dim() > 1]
+        no_decay = [i for i, p in enumerate(order) if p.dim() <= 1]
+        template = {k: v for k, v in self.optimizer.param_groups[0].items() if k not in ("params", "weight_decay")}
+        groups = [dict(template, weight_decay=wd, params=ids)
+                  for wd, ids in ((self.config.weight_decay, decay), (0.0, no_decay)) if ids]
+        return {
+            "optimizer": {"state": torch_state, "param_groups": groups},
+            "fp32_masters": [masters[id(p)] for p in self.model_params],
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "num_skipped_steps": self.num_skipped_steps,
+        }
+
+    def _state_of(self, piece, key) -> torch.Tensor:
+        value = self.optimizer.state.get(piece.master, {}).get(key)
+        return torch.zeros_like(piece.master) if value is None else value
+
+    def _step_count(self) -> int:
+        """Adam's step counter (the same on every piece and rank); agreed with a MAX over DP."""
+        steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        value = torch.tensor(max(steps, default=0.0))
+        if comm.group_size(self.state.dp_group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.state.dp_group)
+        return int(value.item())
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Take this rank's slices of a full (MegatronOptimizer-format) state; no communication."""
+        order = self._full_order()
+        index_of = {id(p): i for i, p in enumerate(order)}
+        saved_state = sd["optimizer"]["state"]
+        masters = sd.get("fp32_masters")
+        if masters is not None and len(masters) != len(self.model_params):
+            raise ValueError(
+                f"optimizer checkpoint holds {len(masters)} master weights but the model has "
+                f"{len(self.model_params)} parameters; was it saved with a different model or parallel layout?"
+            )
+        full_master = {id(p): m for p, m in zip(self.model_params, masters)} if masters is not None else None
+        for piece in self.pieces:
+            source = full_master[id(piece.param)] if full_master is not None else piece.param
+            piece.master.copy_(source.reshape(-1)[piece.lo : piece.hi])
+            entry = saved_state.get(index_of[id(piece.param)])
+            if entry is None:
+                self.optimizer.state.pop(piece.master, None)
+                continue
+            new = {}
+            for k, v in entry.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master).clone()
+                else:
+                    new[k] = v.clone() if torch.is_tensor(v) else v
+            self.optimizer.state[piece.master] = new
+        hyper = sd["optimizer"]["param_groups"][0]
+        for group in self.optimizer.param_groups:
+            for k, v in hyper.items():
+                if k not in ("params", "weight_decay"):
+                    group[k] = v
+        if full_master is not None:
+            for p in self.model_params:
+                p.copy_(full_master[id(p)])
+        if self.scaler is not None and sd.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(sd["loss_scaler"])
+        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
