@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""1F1B against interleaved 1F1B (v=2) at p=4 on CPU: measured bubble fraction and step time.
+
+Four gloo processes (one thread each) run the real schedules on a balanced toy MLP (8 layers of
+Linear(h, 4h) -> GELU -> Linear(4h, h), 2 per rank; interleaved: 2 chunks of 1 layer per rank) for
+m in {4, 8} micro-batches, side by side in the same processes. Each rank records the wall-clock
+time of every forward/backward (trace); the measured bubble fraction is the time each rank spends
+outside forward/backward during the step (waiting on neighbours, communication) over the time it
+spends inside, summed over ranks — the quantity the formulas (p-1)/m and (p-1)/(v*m) estimate.
+The equal-cost simulation of the same op order is printed beside them.
+
+Caveat: with fewer cores than processes, ranks compete for cores, so measured bubbles mix
+pipeline idling with scheduling noise; the machine line says how many cores there were and the
+load, and "compute ms/rank" (the same work in every row) shows how much the op times themselves
+were stretched.
+
+    python benchmarks/bench_pipeline.py [--hidden 256] [--tokens 512] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+P, LAYERS = 4, 8
+
+
+def _mlp_chunk(start, end, hidden, pre, post):
+    import torch
+    from torch import nn
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.post, self.input_tensor = pre, post, None
+            self.layers = nn.ModuleList()
+            for i in range(start, end):
+                torch.manual_seed(i)
+                self.layers.append(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)))
+
+        def set_input_tensor(self, x):
+            self.input_tensor = x
+
+        def forward(self, x):
+            h = x if self.pre else self.input_tensor
+            for layer in self.layers:
+                h = h + layer(h)
+            return h
+
+    return Chunk()
+
+
+def _worker(rank, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(P),
+                      OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from megatron_lite.device import init_distributed
+    from megatron_lite.parallel.pipeline import get_forward_backward_func, layer_ranges
+    from megatron_lite.parallel.pipeline.trace import Event, Trace
+    from megatron_lite.parallel.state import ParallelState
+
+    init_distributed()
+    seq, batch = args.tokens // 4, 4
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(seq, batch, args.hidden, generator=gen), torch.randn(seq, batch, args.hidden, generator=gen)
+
+    def forward_step(data_iterator, chunk):
+        out = chunk(x if chunk.pre else None)
+        return out, lambda h: (((h - y) ** 2).mean(), {})
+
+    from megatron_lite.parallel.pipeline.trace import measured_bubble_fraction
+
+    setups = {}
+    for v in (1, 2):
+        state = ParallelState(pp=P, vpp=v if v > 1 else None)
+        ranges = layer_ranges(LAYERS, P, LAYERS // (P * v) if v > 1 else None)[state.pp_rank]
+        chunks = [_mlp_chunk(a, b, args.hidden, state.is_first_stage() and c == 0,
+                             state.is_last_stage() and c == len(ranges) - 1) for c, (a, b) in enumerate(ranges)]
+        setups[v] = (state, chunks, get_forward_backward_func(state))
+    configs = [(v, m) for m in (4, 8) for v in (1, 2)]
+    steps = {c: [] for c in configs}
+    bubbles = {c: [] for c in configs}
+    busy = {c: [] for c in configs}  # mean time per rank inside forward/backward (same work in every config)
+    # alternate the configurations within each iteration so that load changes hit all of them
+    for it in range(args.warmup + args.iters):
+        for v, m in configs:
+            state, chunks, fb = setups[v]
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            trace = Trace()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fb(forward_step_func=forward_step, data_iterator=[None] * v if v > 1 else None, model=chunks,
+               num_microbatches=m, seq_length=seq, micro_batch_size=batch, hidden_size=args.hidden,
+               dtype=torch.float32, state=state, trace=trace)
+            t1 = time.perf_counter()
+            gathered = [None] * P
+            dist.all_gather_object(gathered, (list(trace), trace.times, t0, t1))
+            if it < args.warmup:
+                continue
+            full, spans = Trace(), {}
+            for events, times, a, b in gathered:
+                full.extend(Event(*e) for e in events)
+                full.times.extend(times)
+                spans[events[0][0]] = (a, b)
+            bubbles[(v, m)].append(measured_bubble_fraction(full, spans))
+            busy[(v, m)].append(sum(b - a for a, b in full.times) / P)
+            steps[(v, m)].append(max(b for _, _, _, b in gathered) - min(a for _, _, a, _ in gathered))
+    rows = [(v, m, statistics.median(steps[c]), statistics.median(bubbles[c]), statistics.median(busy[c]))
+            for c in configs for v, m in [c]]
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="1F1B vs interleaved 1F1B at p=4 on CPU")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (seq x 4)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
+    from benchmarks.common import describe_machine
+    from megatron_lite.parallel.pipeline.trace import bubble_fraction, simulate, simulated_orders
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(P)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+
+    print(describe_machine(threads=1))
+    print(f"p={P} gloo processes x 1 thread; toy MLP {LAYERS} layers, hidden {args.hidden}, "
+          f"{args.tokens} tokens per micro-batch; median of {args.iters} steps after {args.warmup} warmup")
+    print(f"{'schedule':<16}{'m':>3}{'step ms':>10}{'compute ms/rank':>17}{'bubble measured':>17}{'formula':>9}"
+          f"{'equal-cost sim':>16}")
+    by = {}
+    for v, m, step, bubble, work in rows:
+        formula = (P - 1) / (v * m)
+        sim = bubble_fraction(simulate(simulated_orders(P, m, v), P, v, 1.0 / v, 2.0 / v))
+        name = "1F1B" if v == 1 else f"interleaved v={v}"
+        print(f"{name:<16}{m:>3}{step * 1e3:>10.1f}{work * 1e3:>17.1f}{bubble:>17.3f}{formula:>9.3f}{sim:>16.3f}")
+        by[(v, m)] = (step, bubble)
+    for m in (4, 8):
+        (s1, b1), (s2, b2) = by[(1, m)], by[(2, m)]
+        print(f"m={m}: interleaved / 1F1B step time {s2 / s1:.2f} (formula bubble ratio "
+              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f}), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
