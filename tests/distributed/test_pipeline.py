@@ -262,3 +262,106 @@ def test_variable_sequence_lengths(vpp_layers):
     seq = [3, 5, 2, 4]
     results = run_ranks(2, run_pipeline, 4, 4, 1, 2, vpp_layers, False, False, seq)
     check_against_reference(results, 4, 4, 2, seq=seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real GPTModel split into pipeline chunks (as pretrain_gpt.py's model_provider builds them)
+# through the schedules, against the single-process GPTModel: per-micro-batch losses and every
+# parameter gradient (TP shards unsharded, sequence-parallel grads all-reduced over TP, the tied
+# embedding/output copies summed over the embedding group), fp32 rtol 1e-5 atol 1e-6 / 1e-7. The
+# hidden states a chunk sent on must have been released.
+
+GPT_LAYERS = 4
+
+
+def _gpt_batches(m):
+    from tests.unit.test_gpt_model import make_batch
+
+    return [make_batch(50 + i) for i in range(m)]
+
+
+_GPT_SENT = []  # hidden states the non-last chunks sent on (must be released after sending)
+
+
+def _gpt_forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    out = model(tokens, labels=labels)
+    if not model.post_process:
+        _GPT_SENT.append(out)
+    return out, lambda loss: (loss.mean(), {"lm loss": loss.mean().detach()})
+
+
+def gpt_reference(variant, m):
+    from megatron_lite.models import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+    from tests.unit.test_gpt_model import make_config
+
+    model = GPTModel(make_config(variant, num_layers=GPT_LAYERS), ParallelState(), seed=9)
+    losses = []
+    for tokens, labels in _gpt_batches(m):
+        loss = model(tokens, labels=labels).mean()
+        (loss / m).backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_gpt_pipeline(variant, m, tp, pp, sp=False, vpp_layers=None):
+    from megatron_lite.models import GPTModel
+    from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads
+    from tests.distributed.test_gpt_model import _full
+    from tests.unit.test_gpt_model import make_config
+
+    v = 1 if vpp_layers is None else GPT_LAYERS // (pp * vpp_layers)
+    state = cached_state(tp=tp, pp=pp, **({"vpp": v} if v > 1 else {}))
+    cfg = make_config(variant, num_layers=GPT_LAYERS)
+    ranges = layer_ranges(GPT_LAYERS, pp, vpp_layers)[state.pp_rank]
+    chunks = [
+        GPTModel(cfg, state, seed=9, sequence_parallel=sp, pre_process=state.is_first_stage() and c == 0,
+                 post_process=state.is_last_stage() and c == len(ranges) - 1, layer_start=a, layer_end=b)
+        for c, (a, b) in enumerate(ranges)
+    ]
+    data = [iter(_gpt_batches(m)) for _ in chunks]
+    _GPT_SENT.clear()
+    reported = get_forward_backward_func(state)(
+        forward_step_func=_gpt_forward_step, data_iterator=data if v > 1 else data[0], model=chunks,
+        num_microbatches=m, seq_length=cfg.seq_length, micro_batch_size=2, hidden_size=cfg.hidden_size,
+        dtype=torch.float32, state=state, sequence_parallel=sp,
+    )
+    grads = {}
+    for chunk, (start, _) in zip(chunks, ranges):
+        all_reduce_sequence_parallel_grads(chunk.parameters(), state.tp_group)
+        shared = chunk.shared_embedding_or_output_weight()
+        if shared is not None and state.in_embedding_group():  # what finalize_model_grads does
+            torch.distributed.all_reduce(shared.grad, group=state.embedding_group)
+        for name, p in chunk.named_parameters():
+            full = _full(p, p.grad, state.tp_group, tp) if tp > 1 else p.grad.clone()
+            if name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{start + int(local)}.{rest}"
+            if p is shared and not chunk.pre_process:
+                name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+            grads[name] = full
+    released = all(t.numel() == 1 for t in _GPT_SENT) and len(_GPT_SENT) == m * sum(not c.post_process for c in chunks)
+    _GPT_SENT.clear()
+    return {"losses": [r["lm loss"].item() for r in reported], "grads": grads, "last": state.is_last_stage(),
+            "released": released}
+
+
+@pytest.mark.parametrize("variant, m, tp, pp, sp, vpp_layers, world", [
+    ("A", 3, 1, 2, False, None, 2),   # 1F1B, tied embedding/output weights
+    ("B", 4, 1, 2, False, 1, 2),      # interleaved, 2 chunks of 1 layer per rank, untied
+    ("A", 4, 2, 2, True, None, 4),    # TP=2 x PP=2 with sequence parallelism
+    ("B", 2, 2, 2, True, 1, 4),       # TP=2 x PP=2, SP, interleaved (m = p: all warmup)
+])
+def test_gpt_through_the_schedules_matches_single_process(variant, m, tp, pp, sp, vpp_layers, world):
+    ref_losses, ref_grads = gpt_reference(variant, m)
+    results = run_ranks(world, run_gpt_pipeline, variant, m, tp, pp, sp, vpp_layers)
+    seen = set()
+    for res in results:
+        if res["last"]:
+            torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, g in res["grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda s, n=name: f"{n}: {s}")
+            seen.add(name)
+        assert res["released"], "a GPT chunk's sent hidden states kept their storage"
+    assert seen == set(ref_grads)
