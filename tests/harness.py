@@ -22,6 +22,7 @@ import sys
 import traceback
 
 TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", 300))
+ERROR_GRACE_S = 20.0
 
 
 def _free_port() -> int:
@@ -86,10 +87,14 @@ class RankPool:
             q.put(task)
         out, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
+            # once a rank has failed, the others are likely stuck in a collective: give them a moment
             try:
-                rank, ok, value = self.results.get(timeout=TIMEOUT_S)
+                rank, ok, value = self.results.get(timeout=ERROR_GRACE_S if errors else TIMEOUT_S)
             except queue.Empty:
                 self.close(kill=True)
+                if errors:
+                    raise AssertionError(f"{fn.__name__} failed on a rank (the others were stuck, pool restarted):\n"
+                                         + "\n".join(errors)) from None
                 raise TimeoutError(f"{fn.__name__} did not finish on {self.world_size} ranks in {TIMEOUT_S:.0f} s") from None
             if ok:
                 out[rank] = value
@@ -124,9 +129,9 @@ def run_ranks(world_size: int, fn, *args, **kwargs) -> list:
         pool = _POOLS[world_size] = RankPool(world_size)
     try:
         return pool.run(fn, *args, **kwargs)
-    except TimeoutError:
-        _POOLS.pop(world_size, None)
-        raise
+    finally:
+        if not pool.alive():
+            _POOLS.pop(world_size, None)
 
 
 @atexit.register

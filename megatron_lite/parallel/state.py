@@ -162,7 +162,8 @@ class ParallelState:
         names = list(GROUP_DIMS) + ["embedding"]
         for name in names:
             all_lists = self.grid.embedding_groups() if name == "embedding" else self.grid.groups(name)
-            self._ranks[name] = next(r for r in all_lists if rank in r)
+            # middle pipeline stages are in no embedding group: a group of one
+            self._ranks[name] = next((r for r in all_lists if rank in r), [rank])
             self._groups[name] = None
             if len(all_lists[0]) == 1 and name != "embedding":
                 continue  # groups of one: no communicator needed

@@ -100,6 +100,32 @@ def test_parallel_runs_reproduce_single_process(tmp_path, reference, name, world
     assert ref_losses[-1] < ref_losses[0]  # it trained
 
 
+@pytest.fixture(scope="module")
+def reference10(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref10")
+    return {variant: _single(tmp, f"single{variant}", 10, extra) for variant, extra in (("A", []), ("B", MODEL_B))}
+
+
+@pytest.mark.parametrize(
+    "name, world, variant, extra",
+    [
+        ("pp2", 2, "A", ["--pipeline-model-parallel-size", "2"]),
+        ("pp4", 4, "B", ["--pipeline-model-parallel-size", "4"]),
+        ("pp2_vpp2", 2, "A", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("pp2_first1", 2, "B", ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]),
+        ("tp2_pp2_sp", 4, "B", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                "--sequence-parallel"]),
+        ("tp2_pp2_dp2", 8, "A", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"]),
+    ],
+)
+def test_pipeline_runs_reproduce_single_process(tmp_path, reference10, name, world, variant, extra):
+    ref_losses, ref_save = reference10[variant]
+    losses, save = _parallel(tmp_path, name, world, 10, (MODEL_B if variant == "B" else []) + extra)
+    _same_losses(losses, ref_losses)
+    _same_weights(save, ref_save)
+
+
 def test_recompute_gives_the_same_losses(tmp_path):
     # Dropout on: recomputation must replay the masks exactly.
     drop = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
