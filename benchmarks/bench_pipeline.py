@@ -5,8 +5,10 @@ Four gloo processes (one thread each) run the real schedules on a balanced toy M
 Linear(h, 4h) -> GELU -> Linear(4h, h), 2 per rank; interleaved: 2 chunks of 1 layer per rank) for
 m in {4, 8} micro-batches, side by side in the same processes. Each rank records the wall-clock
 time of every forward/backward (trace); the measured bubble fraction is the time each rank spends
-outside forward/backward during the step (waiting on neighbours, communication) over the time it
-spends inside, summed over ranks — the quantity the formulas (p-1)/m and (p-1)/(v*m) estimate.
+outside forward/backward during the step (first rank's start to last rank's end: waiting on
+neighbours, communication) over the time it spends inside, summed over ranks — the quantity the
+formulas (p-1)/m and (p-1)/(v*m) estimate for free communication. Interleaving sends v times as
+many messages, so on a slow link its measured bubble sits further above its formula.
 The equal-cost simulation of the same op order is printed beside them.
 
 Caveat: with fewer cores than processes, ranks compete for cores, so measured bubbles mix
@@ -14,7 +16,11 @@ pipeline idling with scheduling noise; the machine line says how many cores ther
 load, and "compute ms/rank" (the same work in every row) shows how much the op times themselves
 were stretched.
 
-    python benchmarks/bench_pipeline.py [--hidden 256] [--tokens 512] [--iters 5]
+A second run replaces the MLP by fixed-time layers (sleep: forward 20 ms per stage, backward
+40 ms) so that stage costs are exactly equal and no rank competes for a core: that run measures
+the schedules and their communication against the formulas on any machine.
+
+    python benchmarks/bench_pipeline.py [--work compute|sleep|both] [--hidden 256] [--tokens 512] [--iters 5]
 """
 
 from __future__ import annotations
@@ -57,6 +63,41 @@ def _mlp_chunk(start, end, hidden, pre, post):
     return Chunk()
 
 
+def _sleep_chunk(start, end, forward_s, pre, post):
+    """Layers that take a fixed time (forward ``forward_s``, backward twice that) without using a
+    core: stage costs are exactly equal, whatever the number of cores."""
+    import torch
+    from torch import nn
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            time.sleep(forward_s)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * forward_s)
+            return grad, grad.sum().reshape(1)
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.post, self.input_tensor = pre, post, None
+            self.w = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(start, end)])
+
+        def set_input_tensor(self, x):
+            self.input_tensor = x
+
+        def forward(self, x):
+            h = x if self.pre else self.input_tensor
+            for w in self.w:
+                h = Sleep.apply(h, w)
+            return h
+
+    return Chunk()
+
+
 def _worker(rank, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(P),
                       OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu")
@@ -84,8 +125,13 @@ def _worker(rank, port, args, queue):
     for v in (1, 2):
         state = ParallelState(pp=P, vpp=v if v > 1 else None)
         ranges = layer_ranges(LAYERS, P, LAYERS // (P * v) if v > 1 else None)[state.pp_rank]
-        chunks = [_mlp_chunk(a, b, args.hidden, state.is_first_stage() and c == 0,
-                             state.is_last_stage() and c == len(ranges) - 1) for c, (a, b) in enumerate(ranges)]
+        flags = [(state.is_first_stage() and c == 0, state.is_last_stage() and c == len(ranges) - 1)
+                 for c in range(len(ranges))]
+        if args.work == "sleep":  # forward of a whole stage (LAYERS / P layers) = sleep_ms
+            per_layer = args.sleep_ms / 1e3 / (LAYERS // P)
+            chunks = [_sleep_chunk(a, b, per_layer, *f) for (a, b), f in zip(ranges, flags)]
+        else:
+            chunks = [_mlp_chunk(a, b, args.hidden, *f) for (a, b), f in zip(ranges, flags)]
         setups[v] = (state, chunks, get_forward_backward_func(state))
     configs = [(v, m) for m in (4, 8) for v in (1, 2)]
     steps = {c: [] for c in configs}
@@ -108,11 +154,13 @@ def _worker(rank, port, args, queue):
             dist.all_gather_object(gathered, (list(trace), trace.times, t0, t1))
             if it < args.warmup:
                 continue
+            # every rank is charged the whole step (first start to last end), as in the formulas
+            step_span = (min(g[2] for g in gathered), max(g[3] for g in gathered))
             full, spans = Trace(), {}
-            for events, times, a, b in gathered:
+            for events, times, _, _ in gathered:
                 full.extend(Event(*e) for e in events)
                 full.times.extend(times)
-                spans[events[0][0]] = (a, b)
+                spans[events[0][0]] = step_span
             bubbles[(v, m)].append(measured_bubble_fraction(full, spans))
             busy[(v, m)].append(sum(b - a for a, b in full.times) / P)
             steps[(v, m)].append(max(b for _, _, _, b in gathered) - min(a for _, _, a, _ in gathered))
@@ -124,16 +172,28 @@ def _worker(rank, port, args, queue):
 
 
 def main(argv=None) -> int:
+    from benchmarks.common import describe_machine
+
     ap = argparse.ArgumentParser(description="1F1B vs interleaved 1F1B at p=4 on CPU")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (seq x 4)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--work", choices=["compute", "sleep", "both"], default="both",
+                    help="compute: real MLP layers; sleep: fixed-time layers (equal stage costs on any core count)")
+    ap.add_argument("--sleep-ms", type=float, default=20.0, help="forward time of one stage in --work sleep")
     args = ap.parse_args(argv)
+    print(describe_machine(threads=1))
+    for work in (["compute", "sleep"] if args.work == "both" else [args.work]):
+        args.work = work
+        run(args)
+    return 0
+
+
+def run(args) -> None:
 
     import torch.multiprocessing as mp
 
-    from benchmarks.common import describe_machine
     from megatron_lite.parallel.pipeline.trace import bubble_fraction, simulate, simulated_orders
 
     with socket.socket() as s:
@@ -148,9 +208,10 @@ def main(argv=None) -> int:
     for p in procs:
         p.join()
 
-    print(describe_machine(threads=1))
-    print(f"p={P} gloo processes x 1 thread; toy MLP {LAYERS} layers, hidden {args.hidden}, "
-          f"{args.tokens} tokens per micro-batch; median of {args.iters} steps after {args.warmup} warmup")
+    what = (f"toy MLP {LAYERS} layers, hidden {args.hidden}" if args.work == "compute" else
+            f"fixed-time layers: stage forward {args.sleep_ms:g} ms, backward {2 * args.sleep_ms:g} ms (sleep)")
+    print(f"\n[{args.work}] p={P} gloo processes x 1 thread; {what}, {args.tokens} tokens per micro-batch; "
+          f"median of {args.iters} steps after {args.warmup} warmup")
     print(f"{'schedule':<16}{'m':>3}{'step ms':>10}{'compute ms/rank':>17}{'bubble measured':>17}{'formula':>9}"
           f"{'equal-cost sim':>16}")
     by = {}
@@ -163,8 +224,7 @@ def main(argv=None) -> int:
     for m in (4, 8):
         (s1, b1), (s2, b2) = by[(1, m)], by[(2, m)]
         print(f"m={m}: interleaved / 1F1B step time {s2 / s1:.2f} (formula bubble ratio "
-              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f}), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
-    return 0
+              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f} = (1 + (p-1)/(vm)) / (1 + (p-1)/m)), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
 
 
 if __name__ == "__main__":
