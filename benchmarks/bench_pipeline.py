@@ -223,8 +223,8 @@ def run(args) -> None:
         by[(v, m)] = (step, bubble)
     for m in (4, 8):
         (s1, b1), (s2, b2) = by[(1, m)], by[(2, m)]
-        print(f"m={m}: interleaved / 1F1B step time {s2 / s1:.2f} (formula bubble ratio "
-              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f} = (1 + (p-1)/(vm)) / (1 + (p-1)/m)), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
+        print(f"m={m}: interleaved / 1F1B step time {s2 / s1:.2f} (formula (1 + (p-1)/(vm)) / (1 + (p-1)/m) = "
+              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f}), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
 
 
 if __name__ == "__main__":
