@@ -408,7 +408,7 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
              "--overlap-param-gather needs --use-distributed-optimizer")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
-        _require(pp > 2 or pp == 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0 and m.num_layers % (per * pp) == 0,
                  f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per} "
@@ -424,6 +424,13 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
     _require(t.global_batch_size % (t.micro_batch_size * grid.dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {grid.dp}")
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        from .parallel.pipeline.order import check_interleaved_microbatches
+
+        try:
+            check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * grid.dp), pp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if t.recompute_granularity == "full":
         _require(t.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
         if t.recompute_num_layers is None:

@@ -180,9 +180,24 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
     assert len(lines) == 1 and "bad_text_document.idx" in lines[0], lines
 
 
-def test_bad_flags_exit_2_with_one_line(capsys):
+@pytest.mark.parametrize(
+    "flags, world, words",
+    [
+        (["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"], 4,
+         ["num-attention-heads 6", "tensor-model-parallel-size 4"]),
+        (["--tensor-model-parallel-size", "3"], 4, ["world size 4", "tensor-model-parallel-size 3"]),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--global-batch-size", "2"], 2, ["--global-batch-size", "multiple of --pipeline-model-parallel-size 2"]),
+        (["--pipeline-model-parallel-size", "3"], 3, ["num-layers 4", "pipeline-model-parallel-size 3"]),
+        (["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # validated before any process group is made
     with pytest.raises(SystemExit) as err:
-        pretrain_gpt.main(MODEL + ["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"])
+        pretrain_gpt.main(MODEL + ["--micro-batch-size", "2"] + flags)
     assert err.value.code == 2
     msg = capsys.readouterr().err.strip().splitlines()
-    assert len(msg) == 1 and "tensor-model-parallel-size" in msg[0]
+    assert len(msg) == 1, msg
+    for w in words:
+        assert w in msg[0], msg[0]
