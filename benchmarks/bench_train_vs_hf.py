@@ -95,7 +95,7 @@ def profile_step(name, step, tokens, labels, rows=25):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=4, help="timed A/B pairs after warm-up")
+    p.add_argument("--rounds", type=int, default=6, help="timed A/B pairs after warm-up")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each model first")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1, help="attention, hidden and embedding dropout (both)")
@@ -145,6 +145,8 @@ def main(argv=None):
         print(f"{label:6} {med[name]:16.3f} {min(t):8.3f} {max(t):8.3f} {BATCH * SEQ / med[name]:10.1f} "
               f"{flops / med[name] / 1e9:9.1f} {flops / med[name] / peak:8.1%}")
     print(f"\nthroughput ratio ours/HF (median step times): {med['hf'] / med['ours']:.3f}  (target >= 1.0)")
+    print(f"ratio of the best (minimum) step times, the least disturbed by other load: "
+          f"{min(times['hf']) / min(times['ours']):.3f}")
     paired = [h / o for o, h in zip(times["ours"], times["hf"])]
     print(f"per-round ratios: {', '.join(f'{x:.3f}' for x in paired)}")
 
