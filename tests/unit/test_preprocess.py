@@ -4,7 +4,6 @@ import gzip
 import importlib.util
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from megatron_lite.data.gpt2_bpe import save_vocab_and_merges, train_gpt2_bpe
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.data.sentence_split import split_sentences
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.wordpiece import basic_tokenize
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
 CORPUS = os.path.join(FIXTURES, "tiny_corpus.jsonl")
@@ -43,8 +43,7 @@ def tok_files(tmp_path_factory):
     encoder, merges = train_gpt2_bpe(texts() * 2, vocab_size=600)
     save_vocab_and_merges(encoder, merges, str(d / "vocab.json"), str(d / "merges.txt"))
     sp = load_tool("train_tokenizer").train_sentencepiece(texts() * 2, str(d / "sp"), vocab_size=600)
-    words = sorted({w for t in texts() for w in __import__("megatron_lite.data.wordpiece", fromlist=["x"])
-                    .basic_tokenize(t, lower_case=True)})
+    words = sorted({w for t in texts() for w in basic_tokenize(t, lower_case=True)})
     chars = sorted({c for w in words for c in w})
     wp = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + words[::2]
     (d / "vocab.txt").write_text("\n".join(dict.fromkeys(wp)) + "\n", encoding="utf-8")
@@ -247,7 +246,6 @@ def test_sample_corpus_is_deterministic(tmp_path):
     assert open(tmp_path / "a.jsonl", "rb").read() == open(tmp_path / "b.jsonl", "rb").read()
     docs = texts(str(tmp_path / "a.jsonl"))
     assert all(d.strip() for d in docs) and len(docs) == n1
-    shutil.rmtree(tmp_path)
 
 
 def test_memory_is_bounded_by_chunks_in_flight(tmp_path, monkeypatch):
