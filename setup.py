@@ -7,9 +7,9 @@ setup(
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.10",
     # torch==2.13.0 is the pinned CPU build used in CI; any later 2.x works too.
-    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tensorboard", "tqdm"],
+    install_requires=["torch>=2.4", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm"],
     extras_require={
-        "test": ["pytest", "ruff", "matplotlib"],
+        "test": ["pytest", "ruff", "matplotlib", "tokenizers"],
         "hf": ["tokenizers"],
         "plot": ["matplotlib"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).

@@ -181,27 +181,6 @@ def test_missing_file(tmp_path):
         IndexedDataset(str(tmp_path / "nothere"))
 
 
-def test_bytes_match_megatron_core_when_installed(tmp_path):
-    """Cross-check with megatron-core's own builder/reader (optional: pip install megatron-core)."""
-    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(0)
-    docs = [[rng.integers(0, 60000, rng.integers(0, 30)) for _ in range(rng.integers(1, 4))] for _ in range(20)]
-    for dtype in (np.uint16, np.int32):
-        theirs = mcore.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=dtype)
-        with IndexedDatasetBuilder(str(tmp_path / "ours"), dtype=dtype) as b:
-            for doc in docs:
-                for seq in doc:
-                    theirs.add_item(torch.tensor(seq.astype(np.int64)))
-                    b.add_item(seq)
-                theirs.end_document()
-                b.end_document()
-        theirs.finalize(str(tmp_path / "m.idx"))
-        assert read_bytes(str(tmp_path / "m")) == read_bytes(str(tmp_path / "ours"))
-        read_back = mcore.IndexedDataset(str(tmp_path / "ours"))
-        assert [read_back[i].tolist() for i in range(len(read_back))] == [s.tolist() for d in docs for s in d]
-
-
 def test_pickles_by_path(tmp_path):
     import pickle
 
