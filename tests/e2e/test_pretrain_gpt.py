@@ -90,6 +90,7 @@ def reference(tmp_path_factory):
         ("tp2_sp", 2, "B", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dp2", 2, "A", ["--overlap-grad-reduce", "--ddp-bucket-size", "4000"]),
         ("tp2_dp2_sp", 4, "B", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("dp4_distopt", 4, "B", ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"]),
     ],
 )
 def test_parallel_runs_reproduce_single_process(tmp_path, reference, name, world, variant, extra):
