@@ -84,10 +84,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     batch = {k: v.to(get_device(), non_blocking=True) for k, v in next(data_iterator).items()}
-    mask = batch.get("attention_mask")
-    if mask is not None:  # dataset: True = may attend; model: True = masked out, [b, 1, s, s]
-        mask = ~mask.bool().unsqueeze(1)
-    output = model(batch["tokens"], batch.get("position_ids"), mask, labels=batch["labels"])
+    # attention_mask (only with --reset-attention-mask): bool [b, 1, s, s], True = masked out
+    output = model(batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"].float())
 
 

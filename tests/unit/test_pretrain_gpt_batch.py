@@ -1,0 +1,52 @@
+"""pretrain_gpt.forward_step feeds the dataset's fields to the model with the right conventions."""
+
+import numpy as np
+import torch
+
+import pretrain_gpt
+from megatron_lite.config import ModelConfig
+from megatron_lite.data.gpt_dataset import ltor_fields
+from megatron_lite.data.samplers import collate
+from megatron_lite.models.gpt import GPTModel
+from megatron_lite.parallel.state import ParallelState
+
+EOD = 0
+
+
+def _model():
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, ffn_hidden_size=64,
+                      kv_channels=8, max_position_embeddings=12, num_query_groups=4, vocab_size=50,
+                      padded_vocab_size=56, attention_dropout=0.0, hidden_dropout=0.0)
+    return GPTModel(cfg, ParallelState(), seed=3)
+
+
+def _batch(text, reset):
+    tokens = np.asarray(text[:-1])
+    fields = ltor_fields(tokens, EOD, eod_mask_loss=True, reset_position_ids=reset, reset_attention_mask=reset)
+    sample = dict(tokens=tokens, labels=np.asarray(text[1:]), **fields)
+    return collate([sample, sample])
+
+
+def _loss(model, batch):
+    out, loss_func = pretrain_gpt.forward_step(iter([batch]), model)
+    return loss_func(out)[0]
+
+
+def test_dataset_attention_mask_without_eod_equals_causal():
+    model = _model()
+    text = list(range(1, 14))  # no EOD: the reset mask is exactly the causal mask
+    with_mask, plain = _batch(text, True), _batch(text, False)
+    assert "attention_mask" in with_mask and "attention_mask" not in plain
+    torch.testing.assert_close(_loss(model, with_mask), _loss(model, plain), rtol=1e-6, atol=1e-6)
+
+
+def test_documents_after_eod_do_not_see_earlier_ones():
+    model = _model()
+    doc2 = [7, 8, 9, 10, 11]
+    a = [3, 4, 5, 6, 2, 1, 9, EOD] + doc2
+    b = [30, 31, 32, 33, 34, 35, 36, EOD] + doc2
+    out_a, _ = pretrain_gpt.forward_step(iter([_batch(a, True)]), model)
+    out_b, _ = pretrain_gpt.forward_step(iter([_batch(b, True)]), model)
+    # per-token losses of the second document are independent of what came before the EOD
+    torch.testing.assert_close(out_a[:, 8:], out_b[:, 8:], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(out_a[:, :7], out_b[:, :7])
