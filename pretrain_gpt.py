@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
 from megatron_lite.config import Config, ConfigError, parse_args
-from megatron_lite.data.builder import DataConfigError, build_train_valid_test_datasets
-from megatron_lite.data.gpt_dataset import GPTDatasetConfig
+from megatron_lite.data.builder import (
+    DataConfigError,
+    build_train_valid_test_datasets,
+    dataset_config_from_args,
+    train_valid_test_num_samples,
+)
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import build_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
@@ -89,22 +94,12 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"].float())
 
 
-def dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
-    d = config.data
-    return GPTDatasetConfig(
-        seq_length=config.model.seq_length, seed=config.training.seed, split=d.split,
-        data_path=d.data_path or [], data_cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
-        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod=tokenizer.eod, mock=d.mock_data, vocab_size=tokenizer.vocab_size,
-    )
-
-
 def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
-        evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
-        samples = [t.train_iters * t.global_batch_size, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(dataset_config(config, tokenizer), samples, tokenizer)
+        samples = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+        data_config = dataset_config_from_args(SimpleNamespace(**config.flat()), tokenizer)
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
         num_chunks = len(my_layer_ranges(config, state))
 
         def iterators():
