@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_lite.config import Config, ConfigError, parse_args
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.builder import (
     DataConfigError,
     build_train_valid_test_datasets,

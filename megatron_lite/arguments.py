@@ -1,0 +1,101 @@
+"""The command line: argparse flags generated from the config dataclasses, then validated.
+
+``parse_args(argv)`` returns a validated :class:`~megatron_lite.config.Config`; a bad flag
+combination prints one line naming the flag and the fix and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import typing
+
+from .config import SECTIONS, Config, ConfigError, finalize
+
+CHOICES = {
+    "position_embedding_type": ["learned_absolute", "rope"],
+    "normalization": ["LayerNorm", "RMSNorm"],
+    "recompute_granularity": ["full", "selective"],
+    "recompute_method": ["uniform", "block"],
+    "optimizer": ["adam", "sgd"],
+    "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
+    "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
+    "fp8_format": ["e4m3", "hybrid"],
+    "fp8_recipe": ["delayed", "tensorwise"],
+    "fp8_amax_compute_algo": ["max", "most_recent"],
+    "tokenizer_type": [
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+        "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+    ],
+}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The string literal under each field is its help text."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
+    """argparse parser with one flag per config field, grouped by section."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    sections = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
+    sections.update(extra_sections or {})
+    for section, cls in sections.items():
+        group = parser.add_argument_group(section)
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
+            if kind is bool:
+                group.add_argument(flag, action="store_true", **kwargs)
+                continue
+            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            base = base[0]
+            if typing.get_origin(base) is list:
+                kwargs["nargs"] = "+"
+                base = typing.get_args(base)[0]
+            kwargs["type"] = base
+            if f.name in CHOICES:
+                kwargs["choices"] = CHOICES[f.name]
+            group.add_argument(flag, **kwargs)
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: dict | None = None):
+    values: dict[str, dict] = {}
+    for key, value in vars(ns).items():
+        section, name = key.split(".", 1)
+        values.setdefault(section, {})[name] = value
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for section in SECTIONS:
+        kwargs[section] = hints[section](**values.get(section, {}))
+    config = cls(**kwargs)
+    for section, section_cls in (extra_sections or {}).items():
+        setattr(config, section, section_cls(**values.get(section, {})))
+    return config
+
+
+def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None) -> Config:
+    """Parse and validate flags; on a user error print one line and exit with code 2."""
+    parser = build_parser(description, extra_sections)
+    ns = parser.parse_args(argv)
+    config = config_from_namespace(ns, extra_sections=extra_sections)
+    try:
+        finalize(config, world_size)
+    except ConfigError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return config
