@@ -219,19 +219,6 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
 
-def no_sync_func(chunks: list[DistributedDataParallel]):
-    """A context-manager factory suppressing the gradient reduction of every chunk (for the schedules)."""
-
-    @contextlib.contextmanager
-    def no_sync():
-        with contextlib.ExitStack() as stack:
-            for chunk in chunks:
-                stack.enter_context(chunk.no_sync())
-            yield
-
-    return no_sync
-
-
 def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
     """Finish every gradient reduction of one iteration before the optimizer step.
 

@@ -10,7 +10,6 @@ evaluation, checkpointing and the exit conditions (SIGTERM, duration, interval).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
@@ -78,17 +77,6 @@ def model_dtype(config: Config) -> torch.dtype:
     return torch.float32
 
 
-def _no_sync_all(chunks):
-    @contextlib.contextmanager
-    def no_sync():
-        with contextlib.ExitStack() as stack:
-            for c in chunks:
-                stack.enter_context(c.no_sync())
-            yield
-
-    return no_sync
-
-
 def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, float]:
     """Mean of each reported loss over the micro-batches of this step and the data-parallel ranks."""
     if not reported:
@@ -120,7 +108,7 @@ def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, d
         sequence_parallel=config.parallel.sequence_parallel,
         forward_only=False,
         grad_scale_func=optimizer.scale_loss,
-        no_sync_func=_no_sync_all(chunks),
+        no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
     )
     finalize_model_grads(chunks, state)
     ok, grad_norm, _ = optimizer.step()
