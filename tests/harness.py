@@ -1,8 +1,8 @@
 """Multi-rank test harness: real process groups, spawned once and reused across tests.
 
 ``run_ranks(world_size, fn, *args)`` runs the module-level function ``fn(*args)`` on every rank
-of a pool of ``world_size`` worker processes with ``torch.distributed`` initialised (gloo on CPU,
-NCCL when enough GPUs exist) and returns the per-rank results in rank order. An exception on any
+of a pool of ``world_size`` worker processes with ``torch.distributed`` initialised (gloo on CPU;
+NCCL with ``MEGATRON_LITE_TEST_DEVICE=cuda`` and a GPU per rank) and returns the per-rank results in rank order. An exception on any
 rank fails the test with that rank's traceback; a hang kills the pool (a fresh one is started for
 the next test) and fails with a timeout. Pools for 2, 4 and 8 ranks live for the whole session.
 
@@ -39,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if torch.cuda.device_count() < world_size:  # NCCL needs a GPU per rank; else test on CPU + gloo
+    # gloo on CPU by default. MEGATRON_LITE_TEST_DEVICE=cuda runs the pool on NCCL (a GPU per rank);
+    # the test bodies build CPU tensors, so that mode is for tests written device-aware.
+    if os.environ.get("MEGATRON_LITE_TEST_DEVICE", "cpu") != "cuda" or torch.cuda.device_count() < world_size:
         os.environ["MEGATRON_LITE_DEVICE"] = "cpu"
     from megatron_lite.device import init_distributed
 
