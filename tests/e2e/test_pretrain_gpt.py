@@ -202,3 +202,20 @@ def test_bad_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words
     assert len(msg) == 1, msg
     for w in words:
         assert w in msg[0], msg[0]
+
+
+def test_exit_duration_saves_and_stops(tmp_path):
+    save = str(tmp_path / "dur")
+    result = pretrain_gpt.main(_argv(save, 50, ["--exit-duration-in-mins", "0"]))
+    assert result.exit_reason == "duration" and result.iteration == 1
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+
+
+def test_checkpoint_of_another_pipeline_layout_is_refused(tmp_path, capsys):
+    save = str(tmp_path / "pp2")
+    run_ranks(2, run_cli, _argv(save, 3, ["--pipeline-model-parallel-size", "2"]))
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(_argv(str(tmp_path / "other"), 4, ["--load", save]))
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pipeline-model-parallel-size 2" in lines[0], lines
