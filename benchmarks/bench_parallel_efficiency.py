@@ -85,14 +85,23 @@ def _worker(rank, world, port, threads, tp, shape, global_batch, warmup, steps, 
     rows = slice(state.dp_rank * per_rank, (state.dp_rank + 1) * per_rank)
     tokens, labels = tokens[rows], labels[rows]
 
+    phases = {"forward": 0.0, "backward": 0.0, "grad sync": 0.0, "optimizer": 0.0}
+
     def step():
+        t0 = time.perf_counter()
         model.zero_grad_buffer()
         loss = model(tokens, labels=labels).mean()
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         finalize_model_grads([model], state)
+        t3 = time.perf_counter()
         for p in params:
             p.grad = p.main_grad
         opt.step()
+        t4 = time.perf_counter()
+        for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[name] += dt
         value = loss.detach()
         if state.dp_size > 1:  # the global-batch mean, as the single process sees it
             dist.all_reduce(value, group=state.dp_group)
@@ -107,6 +116,7 @@ def _worker(rank, world, port, threads, tp, shape, global_batch, warmup, steps, 
     for _ in range(warmup - 1):
         step()
     times = []
+    phases.update({name: 0.0 for name in phases})
     for _ in range(steps):
         barrier()
         start = time.perf_counter()
@@ -114,7 +124,7 @@ def _worker(rank, world, port, threads, tp, shape, global_batch, warmup, steps, 
         barrier()
         times.append(time.perf_counter() - start)
     if rank == 0:
-        results.put((first_loss, times))
+        results.put((first_loss, times, {k: v / steps for k, v in phases.items()}))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -154,12 +164,13 @@ def main(argv=None):
     losses = {}
     for r in range(args.rounds):
         for mode in (order if r % 2 == 0 else order[::-1]):
-            loss, t = run_mode(mode, shape, args.global_batch_size, max(1, args.warmup), args.steps)
+            loss, t, ph = run_mode(mode, shape, args.global_batch_size, max(1, args.warmup), args.steps)
             losses[mode] = loss
             times[mode] += t
             procs, threads, tp = MODES[mode]
             print(f"  {mode}: {procs} process(es) x {threads} thread(s), tp {tp}, dp {procs // tp}: "
-                  f"step times {', '.join(f'{x:.3f}' for x in t)} s, first-step loss {loss:.6f}", flush=True)
+                  f"step times {', '.join(f'{x:.3f}' for x in t)} s, first-step loss {loss:.6f}\n"
+                  f"    rank 0 mean per step: {', '.join(f'{k} {v:.3f} s' for k, v in ph.items())}", flush=True)
 
     base = statistics.median(times["base"])
     base1 = statistics.median(times["base1"])
