@@ -275,8 +275,7 @@ def _arch_differences(saved_config: dict, config) -> list[str]:
     return out
 
 
-def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
-    """Raise one CheckpointError naming what differs between the checkpoint and this run."""
+def _check_sizes(path: str, ckpt: dict, state) -> None:
     if ckpt["tp_size"] != state.tp_size:
         raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
                              "--tensor-model-parallel-size")
@@ -286,6 +285,11 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
     if ckpt.get("ep_size", 1) != state.ep_size:
         raise _flag_mismatch(path, "expert-model-parallel-size", ckpt.get("ep_size", 1), state.ep_size,
                              "--expert-model-parallel-size")
+
+
+def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
+    """Raise one CheckpointError naming what differs between the checkpoint and this run."""
+    _check_sizes(path, ckpt, state)
     saved_chunks = ckpt.get("num_chunks", len(ckpt["model"]))
     if saved_chunks != len(modules) or ckpt.get("vpp_size") != state.vpp_size:
         raise _flag_mismatch(path, "virtual pipeline size", f"{ckpt.get('vpp_size')} ({saved_chunks} model chunks per rank)",
@@ -319,6 +323,16 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
         )
 
 
+def _explain_missing(path: str, folder: str, state) -> None:
+    """This rank's file is absent: if the folder holds files of another TP/PP layout, say so."""
+    try:
+        others = find_model_files(folder)
+    except CheckpointError:
+        return  # nothing there at all: _load_file reports the missing file
+    other = others[min(others)]
+    _check_sizes(other, _load_file(other), state)
+
+
 def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=None) -> tuple[int, int]:
     """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
 
@@ -339,6 +353,8 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=Non
         return 0, 0
     path = _model_file_for(root, iteration, state)
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
+    if not os.path.isfile(path):
+        _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = _load_file(path)
     modules = [_inner(c) for c in chunks]
     _check_compatible(path, ckpt, modules, config, state)

@@ -111,12 +111,28 @@ def refuse_other_tp_size(root):
     else:
         message = None
     dist.barrier()
-    return message
+
+    # The other way round: TP rank 1 finds no mp_rank_01_000 file and must still name the TP size.
+    other_root = root + "_tp1"
+    opt1 = torch.optim.AdamW(model1.parameters())
+    cfg.checkpoint.save = other_root
+    save_checkpoint(6, [model1], opt1, None, 24, cfg, state1)
+    cfg2 = _config(other_root)
+    try:
+        load_checkpoint([model], opt, sched, cfg2, state2)
+    except CheckpointError as err:
+        reverse = str(err)
+    else:
+        reverse = None
+    dist.barrier()
+    return message, reverse
 
 
 def test_tp_size_mismatch_is_refused(tmp_path):
     root = str(tmp_path / "ckpt")
-    messages = run_ranks(2, refuse_other_tp_size, root)
-    for msg in messages:
+    results = run_ranks(2, refuse_other_tp_size, root)
+    for msg, reverse in results:
         assert msg == (f"checkpoint {root}/iter_0000005/mp_rank_00_000/model_optim_rng.pt was saved with "
                        "tensor-model-parallel-size 2, this run uses 1; convert it or match --tensor-model-parallel-size")
+        assert reverse == (f"checkpoint {root}_tp1/iter_0000006/mp_rank_00_000/model_optim_rng.pt was saved with "
+                           "tensor-model-parallel-size 1, this run uses 2; convert it or match --tensor-model-parallel-size")
