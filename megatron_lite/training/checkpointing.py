@@ -315,12 +315,13 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
                 problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
                                 f"{tuple(tensor.shape)} in this model")
     if problems:
-        shown = problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else [])
         arch = _arch_differences(ckpt.get("config", {}), config)
-        hint = f"; the checkpoint was saved with {', '.join(arch)}" if arch else ""
-        raise CheckpointError(
-            f"checkpoint {path} does not match the model: {'; '.join(shown)}{hint}; match the model flags"
-        )
+        if arch:  # the flags explain it: name them first, one example of the consequence
+            what = (f"it was saved with {', '.join(arch)}; {len(problems)} parameter(s) differ, "
+                    f"e.g. {problems[0]}")
+        else:
+            what = "; ".join(problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else []))
+        raise CheckpointError(f"checkpoint {path} does not match the model: {what}; match the model flags")
 
 
 def _explain_missing(path: str, folder: str, state) -> None:
