@@ -182,18 +182,17 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     flops = num_floating_point_operations(
         config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
     )
-    logger = TrainLogger(config, state, flops)
+    logger = TrainLogger(config, state, flops, start_consumed_samples=consumed)
     result = TrainResult(iteration=iteration, consumed_samples=consumed)
     exit_signal = _ExitSignal(t.exit_signal_handler)
     start = time.time()
     saved_at = iteration if ck.load else None
 
-    def save(reason: str):
+    def save():
         nonlocal saved_at
         if ck.save and saved_at != iteration:
             save_checkpoint(iteration, chunks, optimizer, scheduler, consumed, config, state)
             saved_at = iteration
-            print_rank_0(f"> saved checkpoint at iteration {iteration} to {ck.save} ({reason})")
 
     while iteration < t.train_iters:
         step_start = time.time()
@@ -216,7 +215,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
             if val:
                 result.validation.append((iteration, next(iter(val.values()))))
         if ck.save_interval and iteration % ck.save_interval == 0:
-            save("interval")
+            save()
         reason = None
         if _any_rank(exit_signal.received):
             reason = "signal"
@@ -225,11 +224,12 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
         elif t.exit_interval and iteration % t.exit_interval == 0:
             reason = "interval"
         if reason:
-            save(f"exit on {reason}")
+            print_rank_0(f"> exit on {reason}")
+            save()
             result.exit_reason = reason
             break
     if result.exit_reason == "done":
-        save("end of training")
+        save()
         if t.eval_iters > 0 and valid_iter is not None and iteration % t.eval_interval != 0:
             val = evaluate(config, state, chunks, forward_step_func, valid_iter)
             logger.log_validation(iteration, val)

@@ -139,15 +139,18 @@ def test_recompute_gives_the_same_losses(tmp_path):
         _same_losses(other, base)
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_continues_exactly(tmp_path, capsys):
     straight, _ = _single(tmp_path, "straight", 12)
     save = str(tmp_path / "resumed")
     first = pretrain_gpt.main(_argv(save, 12, ["--exit-interval", "6"]))
     assert first.exit_reason == "interval" and first.iteration == 6
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "6"
+    capsys.readouterr()
     second = pretrain_gpt.main(_argv(save, 12, ["--load", save]))
     assert second.iteration == 12
+    log = capsys.readouterr().out
+    assert "iteration        7/      12 | consumed samples:           56 |" in log  # counted from the checkpoint
     assert first.losses + second.losses == straight  # bit-identical continuation
 
 
@@ -219,3 +222,12 @@ def test_checkpoint_of_another_pipeline_layout_is_refused(tmp_path, capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "pipeline-model-parallel-size 2" in lines[0], lines
+
+
+def test_resume_with_distributed_optimizer_and_tp_continues_exactly(tmp_path):
+    extra = ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]
+    straight, _ = _parallel(tmp_path, "straight", 4, 8, extra)
+    save = str(tmp_path / "resumed")
+    first = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--exit-interval", "4"])) if r][0]
+    second = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--load", save])) if r][0]
+    assert first + second == straight
