@@ -12,6 +12,7 @@ setup(
         "test": ["pytest", "ruff", "matplotlib", "tokenizers"],
         "hf": ["tokenizers"],
         "plot": ["matplotlib"],
+        "bench": ["transformers", "matplotlib"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).
         # NVIDIA apex is source-only; the PyPI package named "apex" is unrelated: never install it.
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],

@@ -40,3 +40,7 @@ echo "== 5. generate from the checkpoint (loaded at TP=1 in one process)"
 python3 tools/generate.py --load "$OUT/checkpoints" \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUT/spm.model" \
     --prompt "The for statement is used to" --max-new-tokens 40 --temperature 0.8 --top-k 20 --seed 1
+
+echo "== 6. loss curve"
+python3 tools/plot_loss.py "$OUT/tensorboard" --output "$OUT/loss.png"
+echo "done: checkpoints in $OUT/checkpoints, TensorBoard logs in $OUT/tensorboard, loss curve $OUT/loss.png"
