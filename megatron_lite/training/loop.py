@@ -41,6 +41,8 @@ class TrainResult:
     skipped_iterations: int = 0
     validation: list[tuple[int, float]] = field(default_factory=list)
     exit_reason: str = "done"
+    chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
+    state: ParallelState | None = field(default=None, repr=False)
 
 
 class _ExitSignal:
@@ -235,5 +237,5 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
             logger.log_validation(iteration, val)
     logger.close()
     result.iteration, result.consumed_samples = iteration, consumed
-    result.chunks, result.state = chunks, state  # for callers that inspect the trained model
+    result.chunks, result.state = chunks, state
     return result
