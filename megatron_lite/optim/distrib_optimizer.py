@@ -122,20 +122,23 @@ class DistributedOptimizer(MegatronOptimizer):
     def _gather_params(self) -> None:
         """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything."""
         for bucket in self.buckets:
-            dtype = bucket.params[0].dtype
-            full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
-            start, end = bucket.shard()
-            local = full[start:end].clone()
-            for piece in self.pieces:
-                if piece.bucket is bucket:
-                    local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = piece.master
-            if comm.group_size(bucket.group) > 1:
-                dist.all_gather_into_tensor(full, local, group=bucket.group)
-            else:
-                full = local
+            full = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.master)
             for p in bucket.params:
                 a, e = bucket.offsets[id(p)]
                 p.view(-1).copy_(full[a:e])
+
+    def _all_gather_bucket(self, bucket, dtype, value_of) -> torch.Tensor:
+        """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces."""
+        full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+        start, end = bucket.shard()
+        local = full[start:end].clone()
+        for piece in self.pieces:
+            if piece.bucket is bucket:
+                local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
+        if comm.group_size(bucket.group) == 1:
+            return local
+        comm.all_gather_single(full, local, group=bucket.group)
+        return full
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -157,16 +160,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """{id(param): full fp32 tensor} from each rank's pieces (``value_of(piece)`` gives a piece's values)."""
         out = {}
         for bucket in self.buckets:
-            full = torch.zeros(bucket.data.numel(), dtype=torch.float32, device=bucket.data.device)
-            start, end = bucket.shard()
-            local = full[start:end].clone()
-            for piece in self.pieces:
-                if piece.bucket is bucket:
-                    local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
-            if comm.group_size(bucket.group) > 1:
-                dist.all_gather_into_tensor(full, local, group=bucket.group)
-            else:
-                full = local
+            full = self._all_gather_bucket(bucket, torch.float32, value_of)
             for p in bucket.params:
                 a, e = bucket.offsets[id(p)]
                 out[id(p)] = full[a:e].view(p.shape).clone()

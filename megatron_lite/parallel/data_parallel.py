@@ -84,7 +84,7 @@ class _Bucket:
             return
         if self.reduce_scatter:  # in place: this rank's chunk of data receives the sum of the chunks
             start, end = self.shard()
-            self.handle = dist.reduce_scatter_tensor(self.data[start:end], self.data, group=self.group, async_op=async_op)
+            self.handle = comm.reduce_scatter_single(self.data[start:end], self.data, group=self.group, async_op=async_op)
         else:
             self.handle = dist.all_reduce(self.data, group=self.group, async_op=async_op)
 

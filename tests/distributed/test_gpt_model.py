@@ -196,14 +196,9 @@ def check_save_and_greedy(tp, variant, root):
 
 
 def _load_generate_tool():
-    import importlib.util
-    import os
+    from tests.tools import load_tool
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", "generate.py")
-    spec = importlib.util.spec_from_file_location("tools_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("generate")
 
 
 @pytest.mark.parametrize("variant", ["A", "B"])

@@ -1,7 +1,6 @@
 """preprocess_data / merge_datasets / make_sample_corpus, run in-process on small fixtures."""
 
 import gzip
-import importlib.util
 import json
 import os
 
@@ -14,17 +13,12 @@ from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset, In
 from megatron_lite.data.sentence_split import split_sentences
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.data.wordpiece import basic_tokenize
+from tests.tools import load_tool
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
 CORPUS = os.path.join(FIXTURES, "tiny_corpus.jsonl")
 
 
-def load_tool(name):
-    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def texts(path=CORPUS, key="text"):

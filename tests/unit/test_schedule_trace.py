@@ -248,13 +248,9 @@ def test_no_pipelining_accumulates_like_one_big_batch(forward_only):
 
 
 def test_plot_schedule_writes_a_png(tmp_path, capsys):
-    import importlib.util
-    import pathlib
+    from tests.tools import load_tool
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "plot_schedule.py"
-    spec = importlib.util.spec_from_file_location("plot_schedule", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("plot_schedule")
     out = tmp_path / "s.png"
     assert tool.main(["-p", "2", "-m", "4", "-v", "2", "--compare", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,6 @@
 """Tokenizers: hand-checked cases, exact round trips, and GPT-2 BPE against Hugging Face's
 independent ByteLevel BPE implementation (the same algorithm) on the same vocab/merges."""
 
-import importlib.util
 import json
 import os
 
@@ -17,16 +16,7 @@ from megatron_lite.data.gpt2_bpe import (
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.data.wordpiece import basic_tokenize
-
-
-def load_tool(name):
-    """Import tools/<name>.py (tools/ is a folder of scripts, not a package)."""
-    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.tools import load_tool
 
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
 TRICKY = [
