@@ -213,19 +213,23 @@ class BertWordPieceTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Text is already token ids, separated by spaces; id ``vocab_size - 1`` is the end of document."""
+    """Text is already token ids, separated by spaces (Megatron's ``NullTokenizer``).
+
+    ``--vocab-size N`` means ids ``0..N-1`` are text and ``N`` is the end of document, so the
+    tokenizer's ``vocab_size`` is ``N + 1`` and ``eod = vocab_size - 1`` (as in Megatron-LM).
+    """
 
     def __init__(self, vocab_size: int):
-        self.vocab_size = int(vocab_size)
-        self.eod = self.vocab_size - 1
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         try:
             ids = [int(t) for t in text.split()]
         except ValueError:
             raise ValueError("NullTokenizer expects space-separated integers") from None
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise ValueError(f"NullTokenizer: a token id is outside [0, {self.vocab_size})")
+        if any(not 0 <= i < self.eod for i in ids):
+            raise ValueError(f"NullTokenizer: a token id is outside [0, {self.eod}) (--vocab-size {self.eod})")
         return ids
 
     def detokenize(self, ids) -> str:

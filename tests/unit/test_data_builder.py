@@ -104,13 +104,13 @@ def test_config_from_args_and_sample_counts(tmp_path):
     from megatron_lite.data.samplers import build_data_iterators
     from megatron_lite.data.tokenizers import NullTokenizer
 
-    p = write(tmp_path / "a", 200, eod=499)
+    p = write(tmp_path / "a", 200, eod=500)
     args = argparse.Namespace(seq_length=16, seed=9, split="90,5,5", data_path=[p], data_cache_path=None,
                               mock_data=False, eod_mask_loss=True, reset_position_ids=False,
                               reset_attention_mask=False)
     tok = NullTokenizer(500)
     cfg = dataset_config_from_args(args, tok)
-    assert cfg.eod == 499 and cfg.eod_mask_loss and cfg.seed == 9 and cfg.vocab_size == 500
+    assert cfg.eod == 500 and cfg.eod_mask_loss and cfg.seed == 9 and cfg.vocab_size == 501
     # Megatron: valid = (train_iters // eval_interval + 1) * eval_iters * global batch
     assert train_valid_test_num_samples(100, 8, 50, 2) == [800, 48, 16]
     train, valid, test = build_train_valid_test_datasets(cfg, train_valid_test_num_samples(20, 4, 10, 2), tok)
@@ -118,5 +118,5 @@ def test_config_from_args_and_sample_counts(tmp_path):
                                                        data_parallel_rank=0, data_parallel_size=2)
     batch = next(it_train)
     assert batch["tokens"].shape == (2, 16) and batch["labels"].shape == (2, 16)
-    assert (batch["loss_mask"] == (batch["tokens"] != 499).float()).all()
+    assert (batch["loss_mask"] == (batch["tokens"] != 500).float()).all()
     assert next(it_valid)["tokens"].shape == (2, 16) and next(it_test)["tokens"].shape == (2, 16)

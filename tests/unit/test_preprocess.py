@@ -87,7 +87,7 @@ def test_null_and_huggingface_round_trip(tmp_path, tok_files):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=100), input=str(path), append_eod=True)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert [ds[i].tolist() for i in range(len(ds))] == [list(range(n, n + 7)) + [99] for n in range(0, 90, 9)]
+    assert [ds[i].tolist() for i in range(len(ds))] == [list(range(n, n + 7)) + [100] for n in range(0, 90, 9)]
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers
 
@@ -187,7 +187,7 @@ def test_skip_counts_tokenizer_rejects_and_cli_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "Skipped 3 malformed lines" in out
     ds = IndexedDataset(str(tmp_path / "o_text_document"))
-    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 9], [5, 9]]
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 10], [5, 10]]
 
 
 def test_interrupted_run_leaves_nothing(tmp_path, tok_files, monkeypatch):
@@ -272,4 +272,4 @@ def test_list_values_are_presplit_sentences(tmp_path):
     run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(path), append_eod=True)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     # Empty sentences are dropped; EOD goes on the last sentence; an empty list is an empty document.
-    assert [[s.tolist() for s in ds.get_document(d)] for d in range(3)] == [[[1, 2], [3, 9]], [], [[4, 5, 9]]]
+    assert [[s.tolist() for s in ds.get_document(d)] for d in range(3)] == [[[1, 2], [3, 10]], [], [[4, 5, 10]]]

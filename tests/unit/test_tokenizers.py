@@ -168,7 +168,7 @@ def test_wordpiece_by_hand(bert_vocab):
 # -- Null and Hugging Face -------------------------------------------------------------------------
 def test_null_tokenizer():
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tok.eod == 99 and tok.vocab_size == 100
+    assert tok.eod == 100 and tok.vocab_size == 101  # Megatron: ids 0..N-1 are text, N is EOD
     assert tok.tokenize(" 5 17\n 99 ") == [5, 17, 99]
     assert tok.detokenize([5, 17, 99]) == "5 17 99"
     with pytest.raises(ValueError, match="space-separated integers"):
