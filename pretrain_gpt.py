@@ -98,7 +98,10 @@ def forward_step(data_iterator, model):
 def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
-        samples = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+        train_samples, valid_samples, _ = train_valid_test_num_samples(
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters
+        )
+        samples = [train_samples, valid_samples, 0]  # the loop does not run a test pass: build no test split
         data_config = dataset_config_from_args(SimpleNamespace(**config.flat()), tokenizer)
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
         num_chunks = len(my_layer_ranges(config, state))
@@ -106,7 +109,8 @@ def make_datasets_provider(tokenizer):
         def iterators():
             train, valid, _ = build_data_iterators(
                 train_ds, valid_ds, None, consumed_train, consumed_valid, t.micro_batch_size,
-                state.dp_rank, state.dp_size, num_workers=config.data.num_workers,
+                state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
+                num_workers=config.data.num_workers, seed=t.seed,
             )
             return train, valid
 

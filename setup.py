@@ -6,13 +6,12 @@ setup(
     description="A small, readable Megatron-style model-parallel transformer codebase in plain PyTorch",
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.10",
-    # torch==2.13.0 is the pinned CPU build used in CI; any later 2.x works too.
-    install_requires=["torch>=2.4", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm"],
+    # CI pins torch==2.13.0 (installed first by .ci/run); the code needs 2.5+ (SDPA with enable_gqa).
+    install_requires=["torch>=2.5", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "ruff", "matplotlib", "tokenizers"],
+        "test": ["pytest", "ruff==0.17.6", "tokenizers"],
         "hf": ["tokenizers"],
-        "plot": ["matplotlib"],
-        "bench": ["transformers", "matplotlib"],
+        "bench": ["transformers"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).
         # NVIDIA apex is source-only; the PyPI package named "apex" is unrelated: never install it.
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],

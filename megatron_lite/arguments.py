@@ -20,6 +20,7 @@ CHOICES = {
     "recompute_granularity": ["full", "selective"],
     "recompute_method": ["uniform", "block"],
     "optimizer": ["adam", "sgd"],
+    "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
     "fp8_format": ["e4m3", "hybrid"],

@@ -205,6 +205,8 @@ class DataConfig:
     """Do not attend across end-of-document tokens."""
     num_workers: int = 0
     """Data loader worker processes."""
+    dataloader_type: str = "single"
+    """Sample order: single (one pass in the dataset's order) or cyclic (reshuffled every epoch)."""
 
 
 @dataclass

@@ -150,7 +150,7 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
         return tuple(None if not n else MockGPTDataset(n, config, name) for n, name in zip(nums, SPLIT_NAMES))
     prefixes, weights = parse_data_path(config.data_path)
     indexed = [_open(p) for p in prefixes]
-    if weights is None and len(prefixes) > 1:  # prefixes only: weight by size, as Megatron
+    if weights is None and len(prefixes) > 1:  # prefixes only: weight by token count (Megatron-LM concatenates each once instead)
         weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
         weights = [float(w) for w in normalize_weights(weights)]
     split_ids = [_split_document_ids(config, d) for d in indexed]

@@ -231,3 +231,14 @@ def test_resume_with_distributed_optimizer_and_tp_continues_exactly(tmp_path):
     first = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--exit-interval", "4"])) if r][0]
     second = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--load", save])) if r][0]
     assert first + second == straight
+
+
+def test_default_split_and_cyclic_order_on_a_small_corpus(tmp_path, sample_dataset):
+    # 461 documents: --split 969,30,1 leaves the test split empty, which must not matter
+    argv = _real_data(sample_dataset)
+    i = argv.index("--split")
+    del argv[i : i + 2]
+    argv += ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--dataloader-type", "cyclic",
+             "--eval-interval", "4", "--eval-iters", "1", "--data-cache-path", str(tmp_path / "cache")]
+    result = pretrain_gpt.main(argv)
+    assert result.iteration == 4 and len(result.validation) == 1
