@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_lite.data.index_cache import load_or_build
+from megatron_lite.data.index_cache import lengths_fingerprint, load_or_build
 
 LONG_SENTENCE_LEN = 512  # Megatron skips documents holding a longer sentence
 
@@ -236,6 +236,7 @@ class BertDataset:
             "class": type(self).__name__,
             "path_prefix": os.path.abspath(prefix) if prefix else None,
             "num_sequences": int(len(indexed_dataset.sequence_lengths)),
+            "sequence_lengths_sha1": lengths_fingerprint(indexed_dataset.sequence_lengths),
             "split": split_name,
             "document_range": [int(self.document_ids[0]), int(self.document_ids[-1]) + 1],
             "num_samples": num_samples,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_lite.data.index_cache import load_or_build
+from megatron_lite.data.index_cache import lengths_fingerprint, load_or_build
 
 LAST_EPOCH_THRESHOLD = 0.80  # Megatron: a last epoch below 80% of an epoch is shuffled separately
 
@@ -213,6 +213,7 @@ class GPTDataset:
             "class": type(self).__name__,
             "path_prefix": os.path.abspath(prefix) if prefix else None,
             "num_sequences": int(len(sizes)),
+            "sequence_lengths_sha1": lengths_fingerprint(sizes),
             "split": split_name,
             "document_range": [int(self.document_ids[0]), int(self.document_ids[-1]) + 1,
                                int(self.document_ids.size)],

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron_lite.data.indexed_dataset import DataFileError
+
 DESCRIPTION_FILE = "description.json"
 
 
@@ -87,8 +89,8 @@ def load_or_build(cache_dir: str | None, description: dict, names: list[str],
         os.makedirs(cache_dir, exist_ok=True)
         lock_file = open(folder + ".lock", "a")
     except OSError as err:
-        raise OSError(f"--data-cache-path {cache_dir}: cannot write the index cache there ({err}); "
-                      f"pass a writable --data-cache-path") from err
+        raise DataFileError(f"--data-cache-path {cache_dir}: cannot write the index cache there ({err}); "
+                            f"pass a writable --data-cache-path") from err
     with lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # blocks while another process builds
         try:
@@ -104,3 +106,9 @@ def load_or_build(cache_dir: str | None, description: dict, names: list[str],
             fcntl.flock(lock_file, fcntl.LOCK_UN)
     loaded = _load(folder, names)
     return (loaded if loaded is not None else arrays), "built"
+
+
+def lengths_fingerprint(sequence_lengths) -> str:
+    """A digest of a dataset's sequence lengths, for cache keys: a dataset rewritten under the
+    same name (re-preprocessed) then gets a new cache instead of a stale one."""
+    return hashlib.sha1(np.ascontiguousarray(sequence_lengths).view(np.uint8)).hexdigest()

@@ -201,6 +201,16 @@ def test_cache_is_written_reloaded_and_rebuilt_identically(tmp_path):
     assert not np.array_equal(other_seed.shuffle_index, first.shuffle_index)
 
 
+
+def test_rewritten_dataset_gets_a_new_cache(tmp_path):
+    cfg = GPTDatasetConfig(seq_length=8, seed=3, data_cache_path=str(tmp_path / "cache"))
+    first = GPTDataset(write_dataset(tmp_path / "d", [40] * 30), np.arange(30), 50, cfg)
+    # the same prefix re-preprocessed with shorter documents: the old indices would run off their ends
+    second = GPTDataset(write_dataset(tmp_path / "d", [9] * 30), np.arange(30), 50, cfg)
+    assert (first.index_source, second.index_source) == ("built", "built")
+    assert all(len(second[i]["tokens"]) == 8 for i in range(len(second)))
+
+
 def _build_in_process(prefix, cache, barrier, results):
     barrier.wait()  # all three reach the cache check at the same moment
     ds = GPTDataset(IndexedDataset(prefix), np.arange(200), 3000,
