@@ -95,6 +95,20 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"].float())
 
 
+def checked_token_ids(batches, vocab_size: int, data_path):
+    """Pass batches through, refusing token ids the tokenizer cannot have produced (checked on the
+    CPU before the batch moves to the device, so it costs no device synchronisation)."""
+    for batch in batches:
+        top = int(batch["tokens"].max())
+        if top >= vocab_size:
+            raise DataConfigError(
+                f"--data-path {' '.join(data_path or [])}: token id {top} is outside the tokenizer's vocabulary "
+                f"of {vocab_size}; the data was preprocessed with another tokenizer (check --tokenizer-type "
+                f"and its files)"
+            )
+        yield batch
+
+
 def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
@@ -112,7 +126,10 @@ def make_datasets_provider(tokenizer):
                 state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
                 num_workers=config.data.num_workers, seed=t.seed,
             )
-            return train, valid
+            return tuple(
+                None if it is None else checked_token_ids(it, tokenizer.vocab_size, config.data.data_path)
+                for it in (train, valid)
+            )
 
         if num_chunks == 1:
             return iterators()

@@ -143,6 +143,12 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
     ``ceil(weight * n * 1.005)`` samples, as in Megatron.
     """
     config = _with_tokenizer(config, tokenizer)
+    eod_flags = [f for f, on in (("--eod-mask-loss", getattr(config, "eod_mask_loss", False)),
+                                 ("--reset-position-ids", getattr(config, "reset_position_ids", False)),
+                                 ("--reset-attention-mask", getattr(config, "reset_attention_mask", False))) if on]
+    if eod_flags and getattr(config, "eod", 0) is None:
+        raise DataConfigError(f"{', '.join(eod_flags)} need an end-of-document token, and this tokenizer has none; "
+                              "drop the flag(s) or use a tokenizer with an EOD")
     nums = list(train_valid_test_num_samples) + [None] * (3 - len(train_valid_test_num_samples))
     if config.mock:
         if _is_bert(config):

@@ -242,3 +242,25 @@ def test_default_split_and_cyclic_order_on_a_small_corpus(tmp_path, sample_datas
              "--eval-interval", "4", "--eval-iters", "1", "--data-cache-path", str(tmp_path / "cache")]
     result = pretrain_gpt.main(argv)
     assert result.iteration == 4 and len(result.validation) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], ["token id", "outside the tokenizer's vocabulary of 101"]),
+        (["--eod-mask-loss", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "VOCAB"],
+         ["--eod-mask-loss need an end-of-document token"]),
+    ],
+)
+def test_data_that_does_not_fit_the_tokenizer_is_one_line(tmp_path, sample_dataset, capsys, flags, words):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")
+    argv = _real_data(sample_dataset) + ["--train-iters", "4", "--data-cache-path", str(tmp_path / "c")]
+    argv += [str(vocab) if f == "VOCAB" else f for f in flags]
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
