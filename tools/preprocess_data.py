@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     )
     try:
         result = preprocess(cfg)
-    except (DataFileError, ValueError, ImportError) as e:
+    except (DataFileError, ValueError, ImportError, OSError, EOFError) as e:  # OSError: unreadable/bad .gz input
         print(f"error: {e}" if not isinstance(e, DataFileError) else str(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

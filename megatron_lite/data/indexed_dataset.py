@@ -21,7 +21,6 @@ leaves a half-written dataset behind.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import tempfile
 from array import array
@@ -266,9 +265,18 @@ class IndexedDatasetBuilder:
         offset = len(self.sequence_lengths)
         self.sequence_lengths.extend(other.sequence_lengths.astype(np.int64).tolist())
         self.document_indices.extend((other.document_indices[1:] + offset).tolist())
+        # copy exactly the bytes the index describes (a .bin may carry trailing bytes the reader ignores)
+        start = int(other.sequence_pointers[0]) if len(other) else 0
+        remaining = int(other.sequence_lengths.astype(np.int64).sum()) * np.dtype(other.dtype).itemsize
         del other  # drop the memory maps before streaming the file
         with open(data_file_path(other_prefix), "rb") as src:
-            shutil.copyfileobj(src, self._bin, _COPY_CHUNK)
+            src.seek(start)
+            while remaining:
+                chunk = src.read(min(_COPY_CHUNK, remaining))
+                if not chunk:
+                    raise DataFileError(f"{data_file_path(other_prefix)}: shorter than its index says")
+                self._bin.write(chunk)
+                remaining -= len(chunk)
 
     def finalize(self) -> None:
         """Write the .idx and rename both temporary files to ``prefix.bin`` / ``prefix.idx``."""
