@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import counts_once
@@ -171,7 +172,8 @@ class DistributedOptimizer(MegatronOptimizer):
         order = self._full_order()
         masters = self._gather_full(lambda piece: piece.master)
         step = self._step_count()
-        has_state = torch.tensor(float(any(piece.master in self.optimizer.state for piece in self.pieces)))
+        has_state = torch.tensor(float(any(piece.master in self.optimizer.state for piece in self.pieces)),
+                                 device=get_device())
         if comm.group_size(self.state.dp_group) > 1:  # ranks owning only padding have no state
             dist.all_reduce(has_state, op=dist.ReduceOp.MAX, group=self.state.dp_group)
         torch_state = {}
@@ -202,7 +204,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _step_count(self) -> int:
         """Adam's step counter (the same on every piece and rank); agreed with a MAX over DP."""
         steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-        value = torch.tensor(max(steps, default=0.0))
+        value = torch.tensor(max(steps, default=0.0), device=get_device())
         if comm.group_size(self.state.dp_group) > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.state.dp_group)
         return int(value.item())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import clip_grad_norm, get_grad_norm, grad_of
@@ -80,7 +81,7 @@ class MegatronOptimizer:
     def _unscale_and_check(self, grads, groups) -> bool:
         """Divide ``grads`` by the loss scale; True if any rank (MAX over ``groups``) has inf/NaN."""
         inv = 1.0 / self.scaler.scale
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0].device if grads else get_device()  # a rank may own no gradient (padding only)
         found = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             g.mul_(inv)

@@ -7,8 +7,10 @@ Layout (Megatron's, so the folders look familiar)::
     <save>/iter_0000100/rng/rank_{global_rank:05d}.pt                  one per rank
 
 With expert parallelism the model folder is ``mp_rank_{tp:02d}_{pp:03d}_{ep:03d}`` (expert weights
-differ across EP ranks); with ``--use-distributed-optimizer`` every data-parallel rank also writes
-its optimizer shard to ``distrib_optim_dp{dp:03d}.pt`` beside the model file.
+differ across EP ranks). With ``--use-distributed-optimizer`` the optimizer's ``state_dict`` is
+collective (it gathers the shards over data parallelism into the plain optimizer's format), so every
+rank calls it and the model file stores it like the plain optimizer's: one copy, loadable at any
+data-parallel size and by either optimizer.
 
 Why it is safe to crash at any moment: every file is written under a temporary name and renamed
 into place, and the tracker file that says which iteration is "latest" is renamed into place by
@@ -68,10 +70,6 @@ def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | 
 
 def rng_file(root: str, iteration, rank: int) -> str:
     return os.path.join(iteration_dir(root, iteration), "rng", f"rank_{rank:05d}.pt")
-
-
-def distrib_optim_file(model_path: str, dp_rank: int) -> str:
-    return os.path.join(os.path.dirname(model_path), f"distrib_optim_dp{dp_rank:03d}.pt")
 
 
 def _model_file_for(root, iteration, state) -> str:
@@ -164,7 +162,7 @@ def get_rng_states() -> dict:
         "cuda": None,
     }
     if get_device().type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = torch.cuda.get_rng_state(get_device())  # this rank's GPU only (GPU counts may change)
     return states
 
 
@@ -175,7 +173,7 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch_cpu"])
     get_rng_tracker().set_states(states["tracker"])
     if states.get("cuda") is not None and get_device().type == "cuda":
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state(states["cuda"], get_device())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,12 +199,7 @@ def _layer_range(module):
     return None if start is None else (int(start), None if end is None else int(end))
 
 
-def _uses_distributed_optimizer(config) -> bool:
-    return bool(getattr(config.parallel, "use_distributed_optimizer", False))
-
-
-def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
-                    loss_scaler_state=None) -> str:
+def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state) -> str:
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
     ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
@@ -221,9 +214,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     _atomic_save(get_rng_states(), rng_file(root, iteration, rank))
 
     path = _model_file_for(root, iteration, state)
-    sharded_optim = _uses_distributed_optimizer(config)
-    if sharded_optim and optimizer is not None:
-        _atomic_save(optimizer.state_dict(), distrib_optim_file(path, state.dp_rank))
+    # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
+    optim_state = None if optimizer is None else optimizer.state_dict()
     if state.expert_dp_rank == 0 and state.cp_rank == 0:
         modules = [_inner(c) for c in chunks]
         payload = {
@@ -240,10 +232,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
             "model": [m.state_dict() for m in modules],
             "param_meta": [_param_meta(m) for m in modules],
             "layer_ranges": [_layer_range(m) for m in modules],
-            "optimizer": None if optimizer is None or sharded_optim else optimizer.state_dict(),
-            "optimizer_sharded": sharded_optim and optimizer is not None,
+            "optimizer": optim_state,
             "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "loss_scaler": loss_scaler_state,
             "format_version": 1,
         }
         _atomic_save(payload, path)
@@ -334,13 +324,12 @@ def _explain_missing(path: str, folder: str, state) -> None:
     _check_sizes(other, _load_file(other), state)
 
 
-def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=None) -> tuple[int, int]:
+def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
 
     Without ``--load``, or when it holds no ``latest_checkpointed_iteration.txt``, nothing is loaded
-    and (0, 0) is returned. ``--no-load-optim`` skips the optimizer, scheduler and loss scaler;
+    and (0, 0) is returned. ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler;
     ``--no-load-rng`` the RNG states; ``--finetune`` loads only the weights and returns (0, 0).
-    ``loss_scaler`` (anything with ``load_state_dict``) receives the saved ``loss_scaler_state``.
     Raises :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit.
     """
     ck = config.checkpoint
@@ -365,20 +354,12 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state, loss_scaler=Non
     finetune = ck.finetune or iteration == "release"
     if not finetune and not ck.no_load_optim:
         if optimizer is not None:
-            if ckpt.get("optimizer_sharded"):
-                if ckpt.get("dp_size") != state.dp_size:
-                    raise _flag_mismatch(path, "data-parallel size (distributed optimizer)", ckpt.get("dp_size"),
-                                         state.dp_size, "the number of processes, or pass --no-load-optim")
-                optim_state = _load_file(distrib_optim_file(path, state.dp_rank), "optimizer shard file")
-            else:
-                optim_state = ckpt.get("optimizer")
+            optim_state = ckpt.get("optimizer")
             if optim_state is None:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
             scheduler.load_state_dict(ckpt["scheduler"])
-        if loss_scaler is not None and ckpt.get("loss_scaler") is not None:
-            loss_scaler.load_state_dict(ckpt["loss_scaler"])
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.

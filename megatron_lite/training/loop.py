@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..device import describe_backends, init_distributed
+from ..device import describe_backends, get_device, init_distributed
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import get_forward_backward_func
@@ -57,13 +57,13 @@ class _ExitSignal:
         self.received = True
 
 
-def _any_rank(flag: bool) -> bool:
-    """True when ``flag`` is true on any rank (so every rank takes the same exit)."""
+def _any_rank(*flags: bool) -> list[bool]:
+    """Each flag, true when it is true on any rank (so every rank takes the same exit)."""
     if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=get_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def num_microbatches(config: Config) -> int:
@@ -93,9 +93,7 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
 
 def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, data_iterator):
     """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm)."""
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     forward_backward = get_forward_backward_func(state)
     reported = forward_backward(
         forward_step_func=forward_step_func,
@@ -219,11 +217,13 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
         if ck.save_interval and iteration % ck.save_interval == 0:
             save()
         reason = None
-        if _any_rank(exit_signal.received):
-            reason = "signal"
-        elif t.exit_duration_in_mins is not None and _any_rank((time.time() - start) / 60 > t.exit_duration_in_mins):
-            reason = "duration"
-        elif t.exit_interval and iteration % t.exit_interval == 0:
+        if t.exit_signal_handler or t.exit_duration_in_mins is not None:  # one small all-reduce, only when asked
+            signalled, out_of_time = _any_rank(
+                exit_signal.received,
+                t.exit_duration_in_mins is not None and (time.time() - start) / 60 > t.exit_duration_in_mins,
+            )
+            reason = "signal" if signalled else "duration" if out_of_time else None
+        if reason is None and t.exit_interval and iteration % t.exit_interval == 0:
             reason = "interval"
         if reason:
             print_rank_0(f"> exit on {reason}")

@@ -264,3 +264,12 @@ def test_data_that_does_not_fit_the_tokenizer_is_one_line(tmp_path, sample_datas
     assert len(lines) == 1, lines
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_distributed_optimizer_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    extra = ["--use-distributed-optimizer"]
+    straight, _ = _single(tmp_path, "straight", 8, extra)
+    save = str(tmp_path / "dp2")
+    first = [r for r in run_ranks(2, run_cli, _argv(save, 8, extra + ["--exit-interval", "4"])) if r][0]
+    second = pretrain_gpt.main(_argv(save, 8, extra + ["--load", save])).losses  # one process, DP 1
+    _same_losses(first + second, straight)
