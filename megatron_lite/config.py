@@ -106,7 +106,7 @@ class TrainingConfig:
     eval_interval: int = 1000
     """Evaluate on the validation split every this many steps."""
     eval_iters: int = 10
-    """Validation micro-batches per rank per evaluation (0 disables evaluation)."""
+    """Validation steps (global batches) per evaluation (0 disables evaluation)."""
     recompute_granularity: str | None = None
     """Activation recomputation: full or selective (core attention)."""
     recompute_method: str | None = None
@@ -314,9 +314,14 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
     if p.sequence_parallel:
         _require(m.seq_length % tp == 0,
                  f"--sequence-parallel needs seq-length {m.seq_length} divisible by tensor-model-parallel-size {tp}")
+    # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
-    _require(p.overlap_param_gather is False or p.use_distributed_optimizer,
-             "--overlap-param-gather needs --use-distributed-optimizer")
+    _require(p.expert_model_parallel_size == 1,
+             "--expert-model-parallel-size > 1 needs mixture-of-experts layers, which are not implemented yet; use 1")
+    _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
+    _require(pr.fp8_format is None, "--fp8-format: FP8 training is not implemented yet; use --bf16")
+    _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
+    _require(m.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
@@ -328,6 +333,13 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
         _require(m.num_layers % pp == 0,
                  f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}; "
                  "change one or set --decoder-first/last-pipeline-num-layers")
+    from .parallel.pipeline.partition import layer_ranges
+
+    try:  # the partition itself names the flags when uneven first/last stages do not work out
+        layer_ranges(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
     _require(t.micro_batch_size > 0, "--micro-batch-size must be positive")
     if t.global_batch_size is None:
@@ -350,7 +362,14 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
              "--recompute-method only applies with --recompute-granularity full")
 
     _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
-    _require(pr.fp8_format is None or pr.bf16 or pr.fp16, "--fp8-format needs --bf16 or --fp16")
+    if pr.fp16:
+        _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
+        _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
+                 "--initial-loss-scale and --min-loss-scale must be positive")
+        _require(pr.loss_scale_window >= 1 and pr.hysteresis >= 1, "--loss-scale-window and --hysteresis must be at least 1")
+    for name in ("log_interval", "eval_interval"):
+        value = getattr(config.logging if name == "log_interval" else t, name)
+        _require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
@@ -358,7 +377,9 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
-        _require(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
+                 f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
+                 f"(default --train-iters), got {o.lr_wsd_decay_iters}")
 
     if d.mock_data or d.tokenizer_type == "NullTokenizer":
         _require(m.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
@@ -367,5 +388,6 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
         _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
     cp = config.checkpoint
     _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
+    _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     return config

@@ -194,6 +194,16 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
           "--global-batch-size", "2"], 2, ["--global-batch-size", "multiple of --pipeline-model-parallel-size 2"]),
         (["--pipeline-model-parallel-size", "3"], 3, ["num-layers 4", "pipeline-model-parallel-size 3"]),
         (["--bf16", "--fp16"], 1, ["--bf16 and --fp16"]),
+        (["--log-interval", "0"], 1, ["--log-interval must be at least 1"]),
+        (["--make-vocab-size-divisible-by", "0"], 1, ["--make-vocab-size-divisible-by"]),
+        (["--fp16", "--hysteresis", "0"], 1, ["--hysteresis must be at least 1"]),
+        (["--fp16", "--loss-scale", "-1"], 1, ["--loss-scale must be positive"]),
+        (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size"]),
+        (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "100", "--train-iters", "10"], 1, ["--lr-wsd-decay-iters"]),
+        (["--decoder-first-pipeline-num-layers", "1"], 1, ["--decoder-first-pipeline-num-layers"]),
+        (["--fp8-format", "e4m3", "--bf16"], 1, ["FP8 training is not implemented"]),
+        (["--overlap-param-gather", "--use-distributed-optimizer"], 1, ["--overlap-param-gather is not implemented"]),
+        (["--expert-model-parallel-size", "2"], 2, ["mixture-of-experts"]),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
