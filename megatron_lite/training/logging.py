@@ -46,13 +46,6 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def print_rank_last(message: str) -> None:
-    """Print on the last global rank only (it belongs to the last pipeline stage)."""
-    rank, world = _rank_and_world()
-    if rank == world - 1:
-        print(message, flush=True)
-
-
 def peak_memory_bytes() -> tuple[str, int]:
     """(TensorBoard name, bytes) of this process's peak memory on the active device."""
     if get_device().type == "cuda":

@@ -22,7 +22,7 @@ from ..config import Config
 from ..device import describe_backends, get_device, init_distributed
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
-from ..parallel.pipeline import get_forward_backward_func
+from ..parallel.pipeline import get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
@@ -143,9 +143,8 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     """Distributed init, the parallel state and the seeds; prints the startup summary."""
     device = init_distributed()
     p = config.parallel
-    vpp = None
-    if p.num_layers_per_virtual_pipeline_stage is not None:
-        vpp = config.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+    chunks = num_chunks(config.model.num_layers, p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
+    vpp = chunks if chunks > 1 else None
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
         ep=p.expert_model_parallel_size, vpp=vpp,

@@ -1,7 +1,6 @@
 """Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B.
 
-``get_forward_backward_func(state)`` picks one; all share the signature of :func:`forward_backward_no_pipelining`
-(see /work/notes/interfaces.md):
+``get_forward_backward_func(state)`` picks one; all share the signature of :func:`forward_backward_no_pipelining`:
 
 - ``forward_step_func(data_iterator, model_chunk) -> (output_tensor, loss_func)``; a chunk gets its
   input from the previous stage through ``set_input_tensor`` before the call (None on the first stage).
@@ -85,7 +84,7 @@ class _Run:
         self.grad_scale_func, self.forward_only = grad_scale_func, forward_only
         self.reported: list[dict] = []
         self.rec = _Recorder(trace, state.pp_rank)
-        # data-parallel reduction off until the last backward (see GradSync doc in the module doc)
+        # data-parallel reduction off until the last backward (of each chunk, given a list)
         if isinstance(no_sync_func, (list, tuple)):
             factories = list(no_sync_func)
         else:
