@@ -3,7 +3,7 @@
 # train a tokenizer, preprocess, train a tiny GPT with tensor (2) x pipeline (2) parallelism on
 # 4 CPU processes (gloo), then generate a sample from the checkpoint.
 #
-#   bash examples/quickstart_cpu.sh            # ~5 minutes on 2 cores
+#   bash examples/quickstart_cpu.sh            # ~3 minutes on 2 cores
 #   ITERS=50 bash examples/quickstart_cpu.sh   # shorter
 set -euo pipefail
 cd "$(dirname "$0")/.."
