@@ -56,6 +56,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
         self.num_skipped_steps = 0
         self.buckets = [b for chunk in self.chunks for b in chunk.buckets]
+        for bucket in self.buckets:  # parameters are all-gathered one bucket at a time, in one dtype
+            dtypes = {p.dtype for p in bucket.params}
+            if len(dtypes) > 1:
+                raise ValueError(f"--use-distributed-optimizer needs one parameter dtype per gradient bucket, got {dtypes}")
         self.pieces: list[_Piece] = []
         for bucket in self.buckets:
             bucket.reduce_scatter = True

@@ -113,6 +113,9 @@ class DistributedDataParallel(nn.Module):
         self._sync_enabled = True
 
         params = [p for p in module.parameters() if p.requires_grad]
+        if any(hasattr(p, "main_grad") for p in params):
+            raise ValueError("DistributedDataParallel: this module is already wrapped (its parameters have "
+                             "main_grad); wrap each model chunk once")
         dense = [p for p in reversed(params) if getattr(p, "allreduce", True)]
         expert = [p for p in reversed(params) if not getattr(p, "allreduce", True)]
         self.params = dense + expert
