@@ -167,3 +167,12 @@ def test_single_process_ddp_is_plain_accumulation():
     finalize_model_grads([model], state)
     for p, q in zip(model.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_wrapping_a_module_twice_is_refused():
+    from megatron_lite.parallel.state import ParallelState
+
+    module = torch.nn.Linear(3, 2)
+    DistributedDataParallel(module, ParallelState())
+    with pytest.raises(ValueError, match="already wrapped"):
+        DistributedDataParallel(module, ParallelState())
