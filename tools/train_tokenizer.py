@@ -91,8 +91,10 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.input):
         print(f"{args.input}: input file not found (--input)", file=sys.stderr)
         return 2
-    texts = read_texts(args.input, args.json_keys)
     try:
+        # read everything first (SentencePiece holds its input in memory anyway), so a malformed
+        # line is reported as file:line here rather than wrapped in SentencePiece's own error
+        texts = list(read_texts(args.input, args.json_keys))
         if args.model_type == "byte-level-bpe":
             paths = train_byte_level_bpe(texts, args.output_prefix, args.vocab_size, args.min_frequency)
             print(f"Wrote {paths[0]} and {paths[1]} (use --tokenizer-type GPT2BPETokenizer "

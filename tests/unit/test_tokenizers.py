@@ -215,3 +215,12 @@ def test_bad_files_are_clear_errors(tmp_path, gpt2_files):
         build_tokenizer("NullTokenizer")
     with pytest.raises(ValueError, match="is not one of"):
         build_tokenizer("GPT3Tokenizer")
+
+
+def test_train_tokenizer_names_a_malformed_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello world"}\nnot json\n')
+    assert load_tool("train_tokenizer").main(["--input", str(bad), "--output-prefix", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad}:2:" in err[0]
+    assert not list(tmp_path.glob("m*"))
