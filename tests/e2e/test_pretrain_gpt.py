@@ -44,14 +44,29 @@ def _single(tmp_path, name, iters, extra=()):
     return pretrain_gpt.main(_argv(save, iters, extra)).losses, save
 
 
-def _parallel(tmp_path, name, world, iters, extra):
-    save = str(tmp_path / name)
-    per_rank = run_ranks(world, run_cli, _argv(save, iters, extra))
-    losses = [r for r in per_rank if r]
+def _ranks_losses(world, argv):
+    """Train on ``world`` ranks; the losses the last-stage ranks report (checked to agree)."""
+    losses = [r for r in run_ranks(world, run_cli, argv) if r]
     assert losses, "no rank reported losses"
     for other in losses[1:]:  # every last-stage rank reports the same (DP-averaged) numbers
         assert other == losses[0]
-    return losses[0], save
+    return losses[0]
+
+
+def _parallel(tmp_path, name, world, iters, extra):
+    save = str(tmp_path / name)
+    return _ranks_losses(world, _argv(save, iters, extra)), save
+
+
+def _one_line_exit_2(capsys, argv, *words):
+    """``pretrain_gpt.main(argv)`` must exit 2 with one stderr line containing every word."""
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
 
 
 def _same_losses(actual, expected):
@@ -177,11 +192,7 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
     (tmp_path / "bad_text_document.idx").write_bytes(open(sample_dataset["prefix"] + ".idx", "rb").read()[:40])
     (tmp_path / "bad_text_document.bin").write_bytes(open(sample_dataset["prefix"] + ".bin", "rb").read())
     argv = _real_data(sample_dataset) + ["--data-path", str(bad), "--train-iters", "4"]
-    with pytest.raises(SystemExit) as err:
-        pretrain_gpt.main(argv)
-    assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "bad_text_document.idx" in lines[0], lines
+    _one_line_exit_2(capsys, argv, "bad_text_document.idx")
 
 
 @pytest.mark.parametrize(
@@ -208,13 +219,7 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
 )
 def test_bad_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
     monkeypatch.setenv("WORLD_SIZE", str(world))  # validated before any process group is made
-    with pytest.raises(SystemExit) as err:
-        pretrain_gpt.main(MODEL + ["--micro-batch-size", "2"] + flags)
-    assert err.value.code == 2
-    msg = capsys.readouterr().err.strip().splitlines()
-    assert len(msg) == 1, msg
-    for w in words:
-        assert w in msg[0], msg[0]
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
 
 
 def test_exit_duration_saves_and_stops(tmp_path):
@@ -227,19 +232,15 @@ def test_exit_duration_saves_and_stops(tmp_path):
 def test_checkpoint_of_another_pipeline_layout_is_refused(tmp_path, capsys):
     save = str(tmp_path / "pp2")
     run_ranks(2, run_cli, _argv(save, 3, ["--pipeline-model-parallel-size", "2"]))
-    with pytest.raises(SystemExit) as err:
-        pretrain_gpt.main(_argv(str(tmp_path / "other"), 4, ["--load", save]))
-    assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "pipeline-model-parallel-size 2" in lines[0], lines
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "other"), 4, ["--load", save]), "pipeline-model-parallel-size 2")
 
 
 def test_resume_with_distributed_optimizer_and_tp_continues_exactly(tmp_path):
     extra = ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]
     straight, _ = _parallel(tmp_path, "straight", 4, 8, extra)
     save = str(tmp_path / "resumed")
-    first = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--exit-interval", "4"])) if r][0]
-    second = [r for r in run_ranks(4, run_cli, _argv(save, 8, extra + ["--load", save])) if r][0]
+    first = _ranks_losses(4, _argv(save, 8, extra + ["--exit-interval", "4"]))
+    second = _ranks_losses(4, _argv(save, 8, extra + ["--load", save]))
     assert first + second == straight
 
 
@@ -267,19 +268,13 @@ def test_data_that_does_not_fit_the_tokenizer_is_one_line(tmp_path, sample_datas
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")
     argv = _real_data(sample_dataset) + ["--train-iters", "4", "--data-cache-path", str(tmp_path / "c")]
     argv += [str(vocab) if f == "VOCAB" else f for f in flags]
-    with pytest.raises(SystemExit) as err:
-        pretrain_gpt.main(argv)
-    assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    for w in words:
-        assert w in lines[0], lines[0]
+    _one_line_exit_2(capsys, argv, *words)
 
 
 def test_distributed_optimizer_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
     extra = ["--use-distributed-optimizer"]
     straight, _ = _single(tmp_path, "straight", 8, extra)
     save = str(tmp_path / "dp2")
-    first = [r for r in run_ranks(2, run_cli, _argv(save, 8, extra + ["--exit-interval", "4"])) if r][0]
+    first = _ranks_losses(2, _argv(save, 8, extra + ["--exit-interval", "4"]))
     second = pretrain_gpt.main(_argv(save, 8, extra + ["--load", save])).losses  # one process, DP 1
     _same_losses(first + second, straight)
