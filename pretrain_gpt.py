@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.builder import (
     DataConfigError,
@@ -32,7 +33,6 @@ from megatron_lite.device import get_device
 from megatron_lite.models.gpt import GPTModel
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.parallel.tensor import padded_vocab_size
-from megatron_lite.training.checkpointing import CheckpointError
 from megatron_lite.training.loop import model_dtype, pretrain
 
 
