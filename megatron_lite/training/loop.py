@@ -72,10 +72,6 @@ def num_microbatches(config: Config) -> int:
     return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
 
 
-def model_dtype(config: Config) -> torch.dtype:
-    return config.precision.params_dtype
-
-
 def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype.
 
@@ -83,7 +79,7 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     """
     return PipeComm.for_activations(
         state, seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size,
-        hidden_size=config.model.hidden_size, dtype=model_dtype(config),
+        hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
         sequence_parallel=config.parallel.sequence_parallel,
     )
 
