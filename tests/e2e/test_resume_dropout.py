@@ -1,0 +1,80 @@
+"""Resuming with dropout on continues bit for bit: stopped cleanly, or killed with SIGKILL at any moment.
+
+The uninterrupted 8-iteration run is the reference; a run stopped (or killed) part-way and resumed
+with ``--load`` must report exactly the same losses for every iteration after the checkpoint.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from tests.e2e.conftest import ROOT
+from tests.harness import run_ranks
+
+DROPOUT = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--vocab-size", "123", "--mock-data", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+    "--lr", "1e-2", "--log-interval", "1", "--eval-iters", "0", "--seed", "11",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8",
+]
+
+
+def _run(argv):
+    return pretrain_gpt.main(argv).losses
+
+
+def _losses(world, argv):
+    if world == 1:
+        return _run(argv)
+    losses = [r for r in run_ranks(world, _run, argv) if r]
+    return losses[0]
+
+
+@pytest.mark.parametrize("world, extra", [(1, []), (2, ["--tensor-model-parallel-size", "2"])])
+def test_resume_with_dropout_is_bit_identical(tmp_path, world, extra):
+    straight = _losses(world, DROPOUT + extra + ["--save", str(tmp_path / "straight")])
+    save = str(tmp_path / "resumed")
+    first = _losses(world, DROPOUT + extra + ["--save", save, "--save-interval", "4", "--exit-interval", "4"])
+    second = _losses(world, DROPOUT + extra + ["--save", save, "--load", save])
+    assert len(first) == 4 and len(second) == 4
+    assert first + second == straight
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
+
+
+def _kill_run(world, moment, iteration, argv):
+    """Run ``argv`` in fresh processes (torchrun for 2 ranks) killed with SIGKILL at ``moment``."""
+    script = ["tests/e2e/kill_at.py", moment, str(iteration)] + argv
+    launch = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", "29547"]
+    out = subprocess.run(launch + script, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, "the run was not killed"
+    if world == 1:
+        assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize(
+    "world, moment, resumes_at",
+    [(1, "step", 5), (1, "save", 4), (1, "tracker", 5), (2, "save", 4)],
+)
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, moment, resumes_at):
+    """Save every iteration; kill in iteration 6's step, in the middle of iteration 5's save, or right
+    after the tracker names 5. The resumed run continues from the newest complete checkpoint."""
+    extra = [] if world == 1 else ["--tensor-model-parallel-size", "2"]
+    argv = DROPOUT + extra + ["--save-interval", "1"]
+    straight = _losses(world, argv + ["--save", str(tmp_path / "straight")])
+    save = str(tmp_path / "killed")
+    stdout = _kill_run(world, moment, 6 if moment == "step" else 5, argv + ["--save", save])
+    assert re.search(r"iteration +5/", stdout)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == resumes_at
+    resumed = _losses(world, argv + ["--save", save, "--load", save])
+    assert resumed == straight[resumes_at:]
