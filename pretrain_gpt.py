@@ -11,6 +11,7 @@ which datasets to read; ``megatron_lite.training.pretrain`` does the rest.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -135,7 +136,8 @@ def main(argv=None):
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank exits 2; the message once, not once per rank
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -51,9 +51,18 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser that prints (usage, errors, help) only on rank 0 of a torchrun launch:
+    every rank still exits with code 2 on a bad flag, but the message appears once."""
+
+    def _print_message(self, message, file=None):
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+
 def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
     """argparse parser with one flag per config field, grouped by section."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = RankZeroParser(description=description, allow_abbrev=False)
     sections = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
     sections.update(extra_sections or {})
     for section, cls in sections.items():

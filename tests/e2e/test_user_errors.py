@@ -1,0 +1,84 @@
+"""User errors through pretrain_gpt.py: exit code 2 on every rank, one line printed once (by rank 0),
+no traceback, nothing half-written, and before any training step where the error is knowable then."""
+
+import contextlib
+import io
+
+import pytest
+
+import pretrain_gpt
+from tests.harness import run_ranks
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--vocab-size", "123", "--mock-data", "--lr", "1e-2", "--log-interval", "1", "--eval-iters", "0",
+    "--micro-batch-size", "2", "--global-batch-size", "4",
+]
+
+
+def exit_code_and_stderr(argv):
+    """Inside a rank: run main; (exit code, stderr text)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            pretrain_gpt.main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    return code, err.getvalue()
+
+
+def _every_rank_exits_2_rank_0_prints(world, argv, *words):
+    results = run_ranks(world, exit_code_and_stderr, argv)
+    assert [code for code, _ in results] == [2] * world, results
+    lines = results[0][1].strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in results[0][1], results[0][1]
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert all(text == "" for _, text in results[1:]), results
+
+
+def test_checkpoint_refused_by_one_rank_stops_every_rank_cleanly(tmp_path):
+    save = str(tmp_path / "ckpt")
+    tp2 = TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "2", "--save", save]
+    assert [code for code, _ in run_ranks(2, exit_code_and_stderr, tp2)] == [0, 0]
+    bad = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_01_000" / "model_optim_rng.pt"  # rank 1's file only
+    bad.write_bytes(bad.read_bytes()[:100])
+    _every_rank_exits_2_rank_0_prints(2, tp2 + ["--train-iters", "4", "--load", save], "mp_rank_01_000", "unreadable")
+
+
+def test_bad_flag_combination_is_printed_once(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _every_rank_exits_2_rank_0_prints(2, TINY + ["--tensor-model-parallel-size", "3", "--train-iters", "2"],
+                                      "tensor-model-parallel-size 3")
+
+
+def test_unknown_flag_is_printed_once():
+    results = run_ranks(2, exit_code_and_stderr, TINY + ["--no-such-flag"])
+    assert [code for code, _ in results] == [2, 2]
+    assert "--no-such-flag" in results[0][1] and results[1][1] == ""
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tokenizer-type", "GPTSentencePieceTokenizer"], ["GPTSentencePieceTokenizer needs --tokenizer-model"]),
+    (["--tokenizer-type", "GPT2BPETokenizer"], ["GPT2BPETokenizer needs --vocab-file"]),
+    (["--tokenizer-type", "BertWordPieceCase"], ["BertWordPieceCase needs --vocab-file"]),
+])
+def test_tokenizer_without_its_file(capsys, flags, words):
+    argv = [a for a in TINY if a != "--mock-data"] + ["--data-path", "x", "--train-iters", "2"] + flags
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_what_cannot_work_at_all_comes_before_what_needs_another_launch(capsys):
+    # one process: TP 2 would also need 2 processes, but no launch makes --overlap-param-gather work
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--tensor-model-parallel-size", "2", "--overlap-param-gather",
+                                  "--use-distributed-optimizer", "--train-iters", "2"])
+    assert err.value.code == 2
+    assert "--overlap-param-gather is not implemented" in capsys.readouterr().err
