@@ -32,7 +32,7 @@ from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.training.loop import pretrain
+from megatron_lite.training.loop import NonFiniteError, pretrain
 
 
 def build_tokenizer_for(config: Config):
@@ -139,6 +139,10 @@ def main(argv=None):
         if int(os.environ.get("RANK", "0")) == 0:  # every rank exits 2; the message once, not once per rank
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

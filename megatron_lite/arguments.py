@@ -76,8 +76,8 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
-            if kind is bool:
-                group.add_argument(flag, action="store_true", **kwargs)
+            if kind is bool:  # on by default: --no-<flag> turns it off
+                group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
             base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             base = base[0]

@@ -121,6 +121,8 @@ class TrainingConfig:
     """Save and exit after this many minutes of training."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 the loss scaler skips such steps instead)."""
 
 
 @dataclass

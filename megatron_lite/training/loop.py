@@ -58,6 +58,28 @@ class _ExitSignal:
         self.received = True
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/inf (``--check-for-nan-in-loss-and-grad``); the message
+    names the iteration and rank. Raised before that iteration is saved."""
+
+
+def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
+    """Raise :class:`NonFiniteError` when this step's gradient norm (global: every rank sees the same)
+    or, without pipeline stages, its loss (DP-averaged: every rank sees the same) is not finite; every
+    rank raises together. With --fp16 the loss scaler already skips such steps."""
+    if not config.training.check_for_nan_in_loss_and_grad or config.precision.fp16:
+        return
+    bad = []
+    if loss is not None and state.pp_size == 1 and not math.isfinite(loss):
+        bad.append(f"loss {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        bad.append(f"gradient norm {grad_norm}")
+    if bad:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise NonFiniteError(f"iteration {iteration}, rank {rank}: {' and '.join(bad)}; stopping without saving "
+                             "this iteration (--no-check-for-nan-in-loss-and-grad trains on)")
+
+
 def _any_rank(*flags: bool) -> list[bool]:
     """Each flag, true when it is true on any rank (so every rank takes the same exit)."""
     if not dist.is_initialized():
@@ -230,6 +252,7 @@ class _Training:
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
             iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
         )
+        check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
 
     def validate(self, record: bool = True) -> None:
         """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""

@@ -82,3 +82,38 @@ def test_what_cannot_work_at_all_comes_before_what_needs_another_launch(capsys):
                                   "--use-distributed-optimizer", "--train-iters", "2"])
     assert err.value.code == 2
     assert "--overlap-param-gather is not implemented" in capsys.readouterr().err
+
+
+def _nan_at_iteration(target):
+    """A forward_step whose loss becomes NaN from the ``target``-th micro-batch on."""
+    real, calls = pretrain_gpt.forward_step, {"n": 0}
+
+    def forward_step(data_iterator, model):
+        output, loss_func = real(data_iterator, model)
+        calls["n"] += 1
+        if calls["n"] < target:
+            return output, loss_func
+
+        def nan_loss(output_tensor):
+            loss, reported = loss_func(output_tensor * float("nan"))
+            return loss, {k: v * float("nan") for k, v in reported.items()}
+        return output, nan_loss
+    return forward_step
+
+
+def test_nan_loss_stops_the_run_naming_iteration_and_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))  # 2 micro-batches a step
+    save = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+                                  "--save", str(save), "--save-interval", "1"])
+    assert err.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "iteration 3, rank 0: loss nan and gradient norm nan" in lines[0], lines
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # the NaN step is not saved
+
+
+def test_no_check_for_nan_trains_on(monkeypatch):
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))
+    result = pretrain_gpt.main(TINY + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad"])
+    assert result.iteration == 4
