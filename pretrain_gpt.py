@@ -89,7 +89,12 @@ def checked_token_ids(batches, vocab_size: int, data_path):
     """Pass batches through, refusing token ids the tokenizer cannot have produced (checked on the
     CPU before the batch moves to the device, so it costs no device synchronisation)."""
     for batch in batches:
-        top = int(batch["tokens"].max())
+        top, low = int(batch["tokens"].max()), int(batch["tokens"].min())
+        if low < 0:
+            raise DataConfigError(
+                f"--data-path {' '.join(data_path or [])}: negative token id {low}; the data is corrupt or was "
+                f"written with a signed dtype by another tool"
+            )
         if top >= vocab_size:
             raise DataConfigError(
                 f"--data-path {' '.join(data_path or [])}: token id {top} is outside the tokenizer's vocabulary "

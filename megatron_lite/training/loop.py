@@ -29,6 +29,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
 from .logging import TrainLogger, print_rank_0
+from .outputs import check_output_locations
 
 
 @dataclass
@@ -211,7 +212,8 @@ class _Training:
     logger, the result being filled in, and the steps of one iteration (train, validate, save, exit
     check)."""
 
-    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter):
+    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
+                 exit_signal: _ExitSignal | None = None):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
         self.train_iter, self.valid_iter = train_iter, valid_iter
@@ -222,7 +224,7 @@ class _Training:
         )
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
-        self.exit_signal = _ExitSignal(t.exit_signal_handler)
+        self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
 
@@ -307,8 +309,10 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
     """
+    exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
+    check_output_locations(config)  # before any step, not at the first save
     state, device = setup(config)
     built = _build(config, state, device, model_provider)
     consumed_valid = 0
     train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
-    return _Training(config, state, built, forward_step_func, train_iter, valid_iter).run()
+    return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()

@@ -78,3 +78,26 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, mom
         assert int(f.read()) == resumes_at
     resumed = _losses(world, argv + ["--save", save, "--load", save])
     assert resumed == straight[resumes_at:]
+
+
+def test_sigterm_during_start_up_is_honoured_at_the_first_step(tmp_path):
+    """The handler is installed before anything else: a SIGTERM while the checkpoint loads saves
+    at the first step boundary and exits 0 (not killed with -15)."""
+    save = str(tmp_path / "ckpt")
+    _run(DROPOUT + ["--save", save, "--train-iters", "2"])
+    cmd = [sys.executable, "pretrain_gpt.py"] + DROPOUT + [
+        "--train-iters", "100000", "--save", save, "--load", save, "--exit-signal-handler"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "parallel layout" in line:  # start-up is under way: nothing built or loaded yet
+                proc.send_signal(signal.SIGTERM)
+                break
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "exit on signal" in stdout
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == 3

@@ -117,3 +117,39 @@ def test_no_check_for_nan_trains_on(monkeypatch):
     monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))
     result = pretrain_gpt.main(TINY + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad"])
     assert result.iteration == 4
+
+
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir", "--data-cache-path"])
+@pytest.mark.parametrize("problem", ["under a file", "is a file"])
+def test_unwritable_output_is_refused_before_the_first_step(tmp_path, capsys, flag, problem):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    path = blocker / "out" if problem == "under a file" else blocker
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--train-iters", "2", flag, str(path)])
+    assert err.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} {path}" in lines[0], lines
+    assert "iteration" not in captured.out  # refused before training, not at the first save
+
+
+def test_negative_token_ids_are_one_line(tmp_path, capsys):
+    import numpy as np
+
+    from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "neg")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, dtype=np.int32) as b:
+        for _ in range(40):
+            b.add_item(rng.integers(-3, 50, 40))
+            b.end_document()
+    argv = [a for a in TINY if a != "--mock-data"] + [
+        "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0", "--train-iters", "2",
+        "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "negative token id" in lines[0] and prefix in lines[0], lines
