@@ -40,6 +40,19 @@ CHOICES = {
 }
 
 
+METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _help(doc: str, default, kind) -> str:
+    """The field's help text with its default, as ``--help`` shows it (switches show none)."""
+    if kind is bool:
+        return f"{doc} (default: on)" if default else doc
+    if default is None:
+        return doc
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    return f"{doc} (default: {shown})".replace("%", "%%")
+
+
 def _field_docs(cls) -> dict[str, str]:
     """The string literal under each field is its help text."""
     tree = ast.parse(inspect.getsource(cls))
@@ -75,7 +88,7 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
+            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
             if kind is bool:  # on by default: --no-<flag> turns it off
                 group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
@@ -87,6 +100,8 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             kwargs["type"] = base
             if f.name in CHOICES:
                 kwargs["choices"] = CHOICES[f.name]
+            else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
+                kwargs["metavar"] = METAVARS.get(base, "VALUE")
             group.add_argument(flag, **kwargs)
     return parser
 

@@ -133,7 +133,7 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     """Decay: constant, linear, cosine or WSD."""
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
@@ -236,7 +236,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
+    log_interval: int = 100
     """Print a log line every this many steps."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here."""
