@@ -381,6 +381,8 @@ def _check_schedule(config: Config) -> None:
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
+        _require(o.lr_wsd_decay_iters is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of the final decay)")
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
-from ..training.logging import print_rank_0
+from ..training.logging import is_logging_rank, print_rank_0
 from .format import (
     ARCH_FIELDS,
     FORMAT_VERSION,
@@ -150,7 +150,9 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     if root is None:
         raise CheckpointError("save_checkpoint needs --save (a folder to write checkpoints to)")
     rank = _global_rank()
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
+    # printed by the rank that prints the iteration lines, so it comes after this iteration's line
+    say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
+    say(f"saving checkpoint at iteration {iteration:7d} to {root}", flush=True)
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
 
@@ -186,7 +188,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
     on_every_rank(_writing(write_files, root, iteration))
     on_every_rank(_writing(update_tracker, root, iteration))
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
-from ..device import describe_backends, get_device, init_distributed
+from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
@@ -164,6 +164,16 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
     return totals
 
 
+def half_precision_warning(config: Config, device: torch.device) -> str | None:
+    """A startup warning when --bf16/--fp16 runs on a CPU that emulates that dtype (slower than fp32)."""
+    dtype = config.precision.params_dtype
+    if device.type != "cpu" or dtype == torch.float32 or cpu_has_native(dtype):
+        return None
+    flag = "--bf16" if dtype == torch.bfloat16 else "--fp16"
+    return (f"WARNING: {flag} on a CPU without native {flag[2:]} instructions: 16-bit math is emulated and runs "
+            "several times slower than fp32 here (it saves memory only); drop the flag for speed")
+
+
 def setup(config: Config) -> tuple[ParallelState, torch.device]:
     """Distributed init, the parallel state and the seeds; prints the startup summary."""
     device = init_distributed()
@@ -177,6 +187,9 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
+    warning = half_precision_warning(config, device)
+    if warning:
+        print_rank_0(warning)
     return state, device
 
 

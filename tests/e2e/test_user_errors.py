@@ -153,3 +153,22 @@ def test_negative_token_ids_are_one_line(tmp_path, capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "negative token id" in lines[0] and prefix in lines[0], lines
+
+
+def stdout_of_run(argv):
+    """Inside a rank: this rank's stdout of a run."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain_gpt.main(argv)
+    return out.getvalue()
+
+
+def test_saving_line_comes_after_its_iteration_line(tmp_path):
+    # two pipeline stages: rank 1 prints the iteration lines, so it also prints the saving lines
+    argv = TINY + ["--pipeline-model-parallel-size", "2", "--train-iters", "2", "--save", str(tmp_path / "c"),
+                   "--save-interval", "1", "--log-interval", "1"]
+    first, last = run_ranks(2, stdout_of_run, argv)
+    assert "saving checkpoint" not in first
+    lines = [line for line in last.splitlines() if "iteration" in line]
+    assert "iteration        1/" in lines[0] and "saving checkpoint at iteration       1" in lines[1], lines
+    assert "iteration        2/" in lines[3] and "saving checkpoint at iteration       2" in lines[4], lines
