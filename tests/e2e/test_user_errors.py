@@ -172,3 +172,20 @@ def test_saving_line_comes_after_its_iteration_line(tmp_path):
     lines = [line for line in last.splitlines() if "iteration" in line]
     assert "iteration        1/" in lines[0] and "saving checkpoint at iteration       1" in lines[1], lines
     assert "iteration        2/" in lines[3] and "saving checkpoint at iteration       2" in lines[4], lines
+
+
+def test_bad_flag_under_torchrun_is_printed_once():
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29549",
+           "pretrain_gpt.py", "--tensor-model-parallel-size", "3"] + TINY
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert text.count("tensor-model-parallel-size 3") == 1, text[-3000:]
+    assert "exitcode  : 2" in text  # torchrun's summary: the workers exited with the user-error code
