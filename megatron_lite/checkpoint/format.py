@@ -84,11 +84,18 @@ def read_tracker(root: str) -> int | str | None:
 
 
 def iteration_folders(root: str) -> list[str]:
-    """The ``iter_*`` and ``release`` folders under ``root`` (sorted; empty if ``root`` is not a folder)."""
+    """The ``iter_*`` and ``release`` folders under ``root`` holding at least one model file (sorted;
+    empty if ``root`` is not a folder). A folder without one is the leftover of a save killed before
+    any model file was complete, not a checkpoint."""
     if not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(root) if (n.startswith("iter_") or n == "release")
-                  and os.path.isdir(os.path.join(root, n)))
+    out = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if (name.startswith("iter_") or name == "release") and os.path.isdir(folder) and any(
+                os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder)):
+            out.append(name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -277,7 +277,8 @@ def _no_tracker(root: str) -> None:
     if folders:
         raise CheckpointError(
             f"--load {root} holds {len(folders)} checkpoint folder(s) (newest {folders[-1]}) but no "
-            f"{TRACKER_FILENAME}; write the iteration to load into it, or point --load at an empty folder"
+            f"{TRACKER_FILENAME}; write the iteration to load into it (or delete the folders), or point --load "
+            "at an empty folder"
         )
     reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
     print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")

@@ -62,20 +62,26 @@ def _kill_run(world, moment, iteration, argv):
 
 
 @pytest.mark.parametrize(
-    "world, moment, resumes_at",
-    [(1, "step", 5), (1, "save", 4), (1, "tracker", 5), (2, "save", 4)],
+    "world, moment, kill_at, resumes_at",
+    [(1, "step", 6, 5), (1, "save", 5, 4), (1, "tracker", 5, 5), (1, "save", 1, 0), (2, "save", 5, 4)],
 )
-def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, moment, resumes_at):
-    """Save every iteration; kill in iteration 6's step, in the middle of iteration 5's save, or right
-    after the tracker names 5. The resumed run continues from the newest complete checkpoint."""
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, moment, kill_at, resumes_at):
+    """Save every iteration; kill in an iteration's step (after its gradients, before the optimizer
+    step), in the middle of its save, or right after the tracker names it. The resumed run continues
+    from the newest complete checkpoint (from scratch when the very first save was cut short)."""
     extra = [] if world == 1 else ["--tensor-model-parallel-size", "2"]
     argv = DROPOUT + extra + ["--save-interval", "1"]
     straight = _losses(world, argv + ["--save", str(tmp_path / "straight")])
     save = str(tmp_path / "killed")
-    stdout = _kill_run(world, moment, 6 if moment == "step" else 5, argv + ["--save", save])
-    assert re.search(r"iteration +5/", stdout)
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-        assert int(f.read()) == resumes_at
+    stdout = _kill_run(world, moment, kill_at, argv + ["--save", save])
+    last_logged = kill_at - 1 if moment == "step" else kill_at  # a step killed before its log line
+    assert re.search(rf"iteration +{last_logged}/", stdout)
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if resumes_at:
+        with open(tracker) as f:
+            assert int(f.read()) == resumes_at
+    else:
+        assert not os.path.exists(tracker)
     resumed = _losses(world, argv + ["--save", save, "--load", save])
     assert resumed == straight[resumes_at:]
 

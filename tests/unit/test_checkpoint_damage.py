@@ -79,6 +79,11 @@ def test_absent_or_empty_load_folder_starts_from_scratch(tmp_path):
     assert load_checkpoint([model], opt, sched, cfg, state) == (0, 0)  # absent
     os.makedirs(cfg.checkpoint.load)
     assert load_checkpoint([model], opt, sched, cfg, state) == (0, 0)  # empty
+    # the leftover of a first save killed before any model file was complete is not a checkpoint
+    os.makedirs(os.path.join(cfg.checkpoint.load, "iter_0000001", "rng"))
+    open(os.path.join(cfg.checkpoint.load, "iter_0000001", "rng", "rank_00000.pt"), "wb").close()
+    os.makedirs(os.path.join(cfg.checkpoint.load, "iter_0000001", "mp_rank_00_000"))
+    assert load_checkpoint([model], opt, sched, cfg, state) == (0, 0)
 
 
 def test_flipped_byte_inside_a_tensor_fails_its_checksum(tmp_path):
