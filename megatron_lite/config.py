@@ -282,9 +282,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
     except ParallelConfigError as err:
-        # what cannot work at all (an unimplemented feature, layers that do not split) is said
-        # before what only needs another launch (a world size the layout does not divide)
-        _check_parallel(config)
+        _check_parallel(config)  # what cannot work at all first, then what needs another launch
         _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
