@@ -75,6 +75,8 @@ class ParallelConfig:
     """Pipeline-parallel size (stages)."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per virtual stage for the interleaved 1F1B schedule."""
+    pipeline_schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b (interleaved with virtual stages) or zb-h1 (zero bubble, 1F1B's memory)."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -319,6 +321,8 @@ def _check_parallel(config: Config) -> None:
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
+    _require(p.pipeline_schedule != "zb-h1" or p.num_layers_per_virtual_pipeline_stage is None,
+             "--pipeline-schedule zb-h1 runs one model chunk per rank; drop --num-layers-per-virtual-pipeline-stage")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage

@@ -126,7 +126,7 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     """
     state = comm.state
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
-    forward_backward = get_forward_backward_func(state)
+    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     reported = forward_backward(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -149,7 +149,7 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
     state = comm.state
     for chunk in chunks:
         chunk.eval()
-    forward_backward = get_forward_backward_func(state)
+    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     totals: dict[str, float] = {}
     with torch.no_grad():
         for _ in range(config.training.eval_iters):

@@ -2,8 +2,10 @@
 
 The real schedules in :mod:`schedules` and the process-free simulator in :mod:`trace` both take
 their op order from here, so a drawn schedule is the schedule that runs. An op is a tuple
-``(kind, microbatch, chunk)`` with kind ``"F"`` or ``"B"``; ``chunk`` is the model chunk (virtual
-pipeline stage) on this rank, always 0 without interleaving.
+``(kind, microbatch, chunk)`` with kind ``"F"`` (forward), ``"B"`` (backward; with the zero-bubble
+schedule only the input-gradient half) or ``"W"`` (the deferred weight-gradient half, zero-bubble
+only); ``chunk`` is the model chunk (virtual pipeline stage) on this rank, always 0 without
+interleaving.
 
 Notation: ``p`` pipeline ranks, ``r`` this rank, ``m`` micro-batches, ``v`` model chunks per rank.
 Micro-batch ``mb`` on chunk ``c`` of rank ``r`` is virtual stage ``c * p + r`` of ``v * p``.
@@ -42,6 +44,39 @@ def order_no_pipelining(m: int) -> list[Op]:
     ops: list[Op] = []
     for i in range(m):
         ops += [("F", i, 0), ("B", i, 0)]
+    return ops
+
+
+# ---------------------------------------------------------------------------------------------
+# ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", the variant with 1F1B's memory).
+#
+# Each backward is split into B (gradient of the stage input: the previous stage waits for it) and
+# W (weight gradients: nobody waits for them). The F/B skeleton is exactly 1F1B's; rank r holds
+# back its last r W passes and runs them where 1F1B idles waiting for gradients in the cooldown.
+# A micro-batch stays in flight from its F until its W (W needs the stashed GEMM inputs and output
+# gradients), so rank r holds at most (p - r - 1) + 1 + r = p of them: the peak of 1F1B's rank 0.
+
+
+def zb_h1_deferred(p: int, r: int) -> int:
+    """W passes rank ``r`` keeps pending after each B: ``r`` (the later the rank, the longer its
+    1F1B cooldown wait, and the fewer micro-batches 1F1B keeps in flight there)."""
+    return r
+
+
+def order_zb_h1(p: int, r: int, m: int) -> list[Op]:
+    """1F1B's F/B order; after each B, the oldest W runs while more than ``r`` are pending; the
+    pending ones run after the last B."""
+    ops: list[Op] = []
+    pending = 0
+    keep = zb_h1_deferred(p, r)
+    for op in order_1f1b(p, r, m):
+        ops.append(op)
+        if op[0] == "B":
+            pending += 1
+            if pending > keep:
+                ops.append(("W", op[1] - keep, 0))
+                pending -= 1
+    ops += [("W", i, 0) for i in range(m - pending, m)]
     return ops
 
 
@@ -106,8 +141,18 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
     return ops
 
 
-def rank_order(p: int, r: int, m: int, v: int = 1) -> list[Op]:
-    """The op order of rank ``r`` for the schedule get_forward_backward_func picks for (p, v)."""
+SCHEDULES = ("1f1b", "zb-h1")
+"""Values of --pipeline-schedule: "1f1b" (1F1B, interleaved with virtual stages) or "zb-h1"."""
+
+
+def rank_order(p: int, r: int, m: int, v: int = 1, schedule: str = "1f1b") -> list[Op]:
+    """The op order of rank ``r`` for the schedule get_forward_backward_func picks for (p, v, schedule)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if p == 1:
         return order_no_pipelining(m)
+    if schedule == "zb-h1":
+        if v > 1:
+            raise ValueError("the zb-h1 pipeline schedule runs one model chunk per rank (no virtual stages)")
+        return order_zb_h1(p, r, m)
     return order_interleaved(p, r, m, v) if v > 1 else order_1f1b(p, r, m)

@@ -15,7 +15,7 @@ for every micro-batch of a run, so one :class:`PipeComm` is built per run
 :func:`release_output` is Megatron's deallocation trick: once an activation has been sent, the
 stage only needs its autograd graph, not its values, so the tensor's storage is swapped for one
 element. The backward pass then runs autograd from the tensor's ``grad_fn`` directly
-(:func:`schedules.backward_from`), which never looks at the freed values.
+(:func:`microbatch.backward_from`), which never looks at the freed values.
 """
 
 from __future__ import annotations

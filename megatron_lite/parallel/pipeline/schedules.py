@@ -1,6 +1,6 @@
-"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B.
+"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B, ZB-H1.
 
-``get_forward_backward_func(state)`` picks one; all share one keyword-only signature
+``get_forward_backward_func(state, schedule)`` picks one; all share one keyword-only signature
 ``(forward_step_func, data_iterator, model, num_microbatches, comm, forward_only=False,
 grad_scale_func=None, no_sync_func=None, trace=None)``:
 
@@ -15,7 +15,8 @@ grad_scale_func=None, no_sync_func=None, trace=None)``:
   ``comm.state`` is the ParallelState the schedule follows. The no-pipelining schedule sends nothing
   but takes it too, so the three are interchangeable.
 - ``forward_only=True`` runs forwards only (evaluation); ``trace`` (a list) receives one
-  :class:`trace.Event` per forward/backward, in execution order.
+  :class:`trace.Event` per forward/backward (and, zero-bubble, per weight-gradient pass), in
+  execution order.
 
 The op order of each rank comes from :mod:`order` — the simulator in :mod:`trace` uses the same
 functions — and the communication is :class:`p2p.PipeComm`.
@@ -24,129 +25,42 @@ functions — and the communication is :class:`p2p.PipeComm`.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import nullcontext
 
-import torch
-from torch.autograd.variable import Variable
-
+from .microbatch import _Run, _setup, backward_from, set_input
 from .order import (
+    SCHEDULES,
     check_interleaved_microbatches,
     interleaved_backward_op,
     interleaved_forward_op,
     warmup_1f1b,
     warmup_interleaved,
+    zb_h1_deferred,
 )
 from .p2p import PipeComm, release_output
-from .trace import _Recorder
+from .wgrad import WeightGradStore
+
+__all__ = [
+    "backward_from", "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_zero_bubble",
+    "get_forward_backward_func", "set_input",
+]
 
 
-def get_forward_backward_func(state):
+def get_forward_backward_func(state, schedule: str = "1f1b"):
     """No pipelining for one stage; interleaved 1F1B when ``state.vpp_size`` (model chunks per
-    rank) is above 1; plain 1F1B otherwise."""
+    rank) is above 1; plain 1F1B otherwise, or ZB-H1 with ``schedule="zb-h1"`` (one chunk per rank)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if state.pp_size == 1:
         return forward_backward_no_pipelining
     if (state.vpp_size or 1) > 1:
+        if schedule == "zb-h1":
+            raise ValueError("the zb-h1 pipeline schedule runs one model chunk per rank; drop "
+                             "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         return forward_backward_pipelining_with_interleaving
+    if schedule == "zb-h1":
+        return forward_backward_pipelining_zero_bubble
     return forward_backward_pipelining_without_interleaving
-
-
-# ---------------------------------------------------------------------------------------------
-# One forward / one backward of one micro-batch on one model chunk.
-
-
-def set_input(chunk, x) -> None:
-    """Hand a chunk its input activation, looking through wrappers such as DDP (``.module``)."""
-    target = chunk
-    while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
-        target = target.module
-    if hasattr(target, "set_input_tensor"):
-        target.set_input_tensor(x)
-    elif x is not None:
-        raise TypeError(f"pipeline model chunk {type(chunk).__name__} needs a set_input_tensor(x) method")
-
-
-def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Back-propagate ``grad`` from ``output`` into the graph, even if ``output``'s values were freed.
-
-    ``torch.autograd.backward`` would compare ``grad`` with the (released, 1-element) ``output``;
-    the autograd engine itself only checks ``grad`` against the shape ``output.grad_fn`` recorded.
-    """
-    if grad is None:  # the loss on the last stage: d loss / d loss = 1
-        grad = torch.ones_like(output)
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True,
-    )
-
-
-class _Run:
-    """What every step of one schedule call shares: the user's functions, the reported losses,
-    the trace recorder and the gradient-sync switch."""
-
-    def __init__(self, forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, state,
-                 no_sync_func, num_chunks):
-        self.forward_step_func, self.m = forward_step_func, num_microbatches
-        self.grad_scale_func, self.forward_only = grad_scale_func, forward_only
-        self.reported: list[dict] = []
-        self.rec = _Recorder(trace, state.pp_rank)
-        # data-parallel reduction off until the last backward (of each chunk, given a list)
-        if isinstance(no_sync_func, (list, tuple)):
-            factories = list(no_sync_func)
-        else:
-            factories = [no_sync_func] + [None] * (num_chunks - 1)
-        self.contexts = [f() if f is not None else nullcontext() for f in factories]
-        self.per_chunk = isinstance(no_sync_func, (list, tuple))
-        for ctx in self.contexts:
-            ctx.__enter__()
-        self.open = [True] * len(self.contexts)
-
-    def enable_sync(self, index: int) -> None:
-        if self.open[index]:
-            self.open[index] = False
-            self.contexts[index].__exit__(None, None, None)
-
-    def finish(self) -> list[dict]:
-        for i in range(len(self.contexts)):
-            self.enable_sync(i)
-        return self.reported
-
-    def forward(self, chunk_model, chunk, data_iterator, x, microbatch, is_last_stage):
-        with self.rec.op("F", microbatch, chunk):
-            set_input(chunk_model, x)
-            output, loss_func = self.forward_step_func(data_iterator, chunk_model)
-            if is_last_stage:
-                loss, reported = loss_func(output)
-                output = loss / self.m
-                self.reported.append(reported)
-        return output
-
-    def backward(self, x, y, dy, microbatch, chunk):
-        """Backward of one micro-batch; returns the gradient of its input (None on the first stage)."""
-        if microbatch == self.m - 1 and (self.per_chunk or chunk == 0):
-            # the last backward of this chunk (per-chunk factories) or of this rank (one factory):
-            # let its gradient reduction happen
-            self.enable_sync(chunk if self.per_chunk else 0)
-        with self.rec.op("B", microbatch, chunk):
-            if dy is None and self.grad_scale_func is not None:
-                y = self.grad_scale_func(y)
-            backward_from(y, dy)
-        return None if x is None else x.grad
-
-
-def _iterators(data_iterator, num_chunks):
-    if isinstance(data_iterator, (list, tuple)):
-        if len(data_iterator) != num_chunks:
-            raise ValueError(f"got {len(data_iterator)} data iterators for {num_chunks} model chunks; give one per chunk")
-        return list(data_iterator)
-    if num_chunks > 1:
-        raise ValueError("the interleaved schedule needs data_iterator as a list with one iterator per model chunk")
-    return [data_iterator]
-
-
-def _setup(model, data_iterator, num_microbatches):
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
-    return _iterators(data_iterator, len(model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,21 +91,51 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
                                                      comm: PipeComm, forward_only=False, grad_scale_func=None,
                                                      no_sync_func=None, trace=None):
     """One model chunk per rank; warmup forwards, steady one-forward-one-backward, cooldown backwards."""
+    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, comm.state, no_sync_func, 1)
+    _one_f_one_b(run, model, data_iterator, comm)
+    return run.finish()
+
+
+def forward_backward_pipelining_zero_bubble(*, forward_step_func, data_iterator, model, num_microbatches,
+                                            comm: PipeComm, forward_only=False, grad_scale_func=None,
+                                            no_sync_func=None, trace=None):
+    """ZB-H1 (:func:`order.order_zb_h1`): 1F1B's forwards, sends and receives, with each backward
+    split into B (input gradient, sent on at once) and a deferred W (weight gradients, see
+    :mod:`wgrad`). Rank r keeps r W passes pending and runs them in the cooldown, where 1F1B waits;
+    at most p micro-batches are in flight on any rank, as on 1F1B's first rank.
+    """
+    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, comm.state, no_sync_func, 1)
+    if forward_only:  # nothing to split
+        _one_f_one_b(run, model, data_iterator, comm)
+        return run.finish()
+    run.store = WeightGradStore()
+    with run.store.installed(model[0]):
+        _one_f_one_b(run, model, data_iterator, comm, keep=zb_h1_deferred(comm.state.pp_size, comm.state.pp_rank))
+        run.weight_pass(0)  # the W passes rank r held back
+    return run.finish()
+
+
+def _one_f_one_b(run: _Run, model, data_iterator, comm: PipeComm, keep: int = 0) -> None:
+    """The 1F1B phases. With ``run.store`` (zero bubble) each B is followed, once its input gradient
+    is on its way, by the W passes beyond the ``keep`` this rank holds back."""
     if len(model) != 1:
         raise ValueError(
             f"the non-interleaved pipeline schedule runs one model chunk per rank, got {len(model)}; build "
             "the ParallelState with vpp=<chunks per rank> (--num-layers-per-virtual-pipeline-stage) to interleave"
         )
-    [data] = _setup(model, data_iterator, num_microbatches)
-    state = comm.state
-    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, state, no_sync_func, 1)
-    first, last, m, chunk = state.is_first_stage(), state.is_last_stage(), num_microbatches, model[0]
+    [data] = _setup(model, data_iterator, run.m)
+    state, forward_only = comm.state, run.forward_only
+    first, last, m, chunk = state.is_first_stage(), state.is_last_stage(), run.m, model[0]
     warm = m if forward_only else warmup_1f1b(state.pp_size, state.pp_rank, m)
     steady = m - warm
     held: deque = deque()  # (input, output) of micro-batches whose backward is still to come, oldest first
 
     def outgoing(y):
         return None if last else y  # the last stage's output is the loss: nothing to send
+
+    def weights():
+        if run.store is not None:
+            run.weight_pass(keep)
 
     # Phase 1, warmup: forwards only, so that every later stage has work when it starts.
     for i in range(warm):
@@ -217,6 +161,7 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
             comm.send_backward(None if first else dx)
         else:
             x = comm.send_backward_recv_forward(None if first else dx, recv=not first)
+        weights()
 
     # Phase 3, cooldown: the backwards of the warmup micro-batches, as their gradients arrive.
     if not forward_only:
@@ -225,7 +170,7 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
             x_old, y_old = held.popleft()
             dx = run.backward(x_old, y_old, dy, i, 0)
             comm.send_backward(None if first else dx)
-    return run.finish()
+            weights()
 
 
 # ---------------------------------------------------------------------------------------------

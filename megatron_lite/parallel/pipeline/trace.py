@@ -1,14 +1,14 @@
 """Schedule traces: what each pipeline rank ran, in order, and what that costs under equal stage times.
 
 A trace is a list of :class:`Event` ``(rank, step, kind, microbatch, chunk)`` — ``rank`` is the
-pipeline rank, ``step`` the position of the op in that rank's execution order, ``kind`` ``"F"`` or
-``"B"``. The schedules append to a list passed as ``trace=``; pass a :class:`Trace` to also record
+pipeline rank, ``step`` the position of the op in that rank's execution order, ``kind`` ``"F"``,
+``"B"`` or ``"W"`` (zero-bubble schedule: B is then only the input gradient, W the weight gradients). The schedules append to a list passed as ``trace=``; pass a :class:`Trace` to also record
 wall-clock (start, end) times of each op.
 
 :func:`simulate` lays per-rank op orders on a timeline under equal stage costs, without processes:
 an op starts when its rank is free and its input is ready (forward of micro-batch i on virtual
 stage s needs the forward of i on stage s-1; its backward needs the backward of i on stage s+1),
-communication is free. From a timeline, :func:`bubble_fraction` is idle time over busy time summed
+a W needs the B of the same micro-batch and stage; communication is free. From a timeline, :func:`bubble_fraction` is idle time over busy time summed
 over ranks — the definition behind the formulas (p-1)/m (1F1B) and (p-1)/(v*m) (interleaved,
 chunk costs 1/v of a stage) — and :func:`render_grid` prints rows = ranks, columns = time slots.
 """
@@ -24,7 +24,7 @@ from .order import rank_order
 class Event(NamedTuple):
     rank: int
     step: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W" (the deferred weight gradients of the zero-bubble schedule)
     microbatch: int
     chunk: int
 
@@ -72,17 +72,30 @@ def orders_from_trace(events) -> dict[int, list[tuple[str, int, int]]]:
     return out
 
 
-def simulated_orders(p: int, m: int, v: int = 1) -> dict[int, list[tuple[str, int, int]]]:
+def simulated_orders(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> dict[int, list[tuple[str, int, int]]]:
     """The op order of every rank, from the same functions the schedules use."""
-    return {r: rank_order(p, r, m, v) for r in range(p)}
+    return {r: rank_order(p, r, m, v, schedule) for r in range(p)}
 
 
-def simulate(orders: dict[int, list], p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 1.0):
+def _dependency(kind: str, mb: int, stage: int, stages: int):
+    """The op that must finish before ``kind`` of ``mb`` on virtual ``stage`` can start."""
+    if kind == "F":
+        return ("F", mb, stage - 1) if stage > 0 else None
+    if kind == "W":  # the weight gradients need this stage's output gradient, i.e. its own B
+        return ("B", mb, stage)
+    return ("B", mb, stage + 1) if stage < stages - 1 else ("F", mb, stage)
+
+
+def simulate(orders: dict[int, list], p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 1.0,
+             w_cost: float = 0.0):
     """Start/end time of every op under equal stage costs; returns ``{rank: [(op, start, end)]}``.
 
+    ``b_cost`` is the cost of a B op: the whole backward for orders without W ops, only the
+    input-gradient half for zero-bubble orders, whose W ops cost ``w_cost``.
     Raises ValueError if the orders deadlock (some rank waits for an op that never comes first).
     """
     stages = p * v
+    cost = {"F": f_cost, "B": b_cost, "W": w_cost}
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> end time
     clock = {r: 0.0 for r in orders}
     nxt = {r: 0 for r in orders}
@@ -94,14 +107,11 @@ def simulate(orders: dict[int, list], p: int, v: int = 1, f_cost: float = 1.0, b
             while nxt[r] < len(ops):
                 kind, mb, chunk = ops[nxt[r]]
                 stage = chunk * p + r
-                if kind == "F":
-                    dep = ("F", mb, stage - 1) if stage > 0 else None
-                else:
-                    dep = ("B", mb, stage + 1) if stage < stages - 1 else ("F", mb, stage)
+                dep = _dependency(kind, mb, stage, stages)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r], done[dep] if dep is not None else 0.0)
-                end = start + (f_cost if kind == "F" else b_cost)
+                end = start + cost[kind]
                 done[(kind, mb, stage)] = clock[r] = end
                 out[r].append(((kind, mb, chunk), start, end))
                 nxt[r] += 1
@@ -143,10 +153,15 @@ def measured_bubble_fraction(trace: Trace, ranks_span: dict[int, tuple[float, fl
 
 
 def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
-    """Most micro-batch activations a rank holds at once: forwards done minus backwards done."""
+    """Most micro-batch activations a rank holds at once: forwards done minus backwards finished.
+
+    A micro-batch's backward finishes with its B op, or with its W op when the order has W ops
+    (until then its GEMM inputs and output gradients stay stashed for the weight gradients).
+    """
+    last = "W" if any(kind == "W" for kind, _, _ in ops) else "B"
     live = peak = 0
     for kind, _, _ in ops:
-        live += 1 if kind == "F" else -1
+        live += 1 if kind == "F" else -1 if kind == last else 0
         peak = max(peak, live)
     return peak
 
@@ -154,7 +169,7 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
 def render_grid(timeline: dict[int, list], unit: float = 1.0, show_chunk: bool | None = None) -> str:
     """Text grid: one row per rank, one column per time slot of ``unit``; '.' is idle.
 
-    A cell reads ``F3`` (forward of micro-batch 3) or ``B3``; with several chunks ``F3b`` names the
+    A cell reads ``F3`` (forward of micro-batch 3), ``B3`` or ``W3``; with several chunks ``F3b`` names the
     chunk by letter (a = chunk 0). An op longer than one slot fills each of its slots.
     """
     if show_chunk is None:

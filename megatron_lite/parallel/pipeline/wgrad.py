@@ -1,0 +1,132 @@
+"""Splitting a backward pass into B (input gradient) and W (weight gradients) for zero-bubble pipelining.
+
+What is deferred, exactly: the weight gradient (and, for a GEMM that adds its bias itself, the bias
+gradient) of every :class:`~megatron_lite.parallel.tensor.ColumnParallelLinear` and
+:class:`~megatron_lite.parallel.tensor.RowParallelLinear` whose GEMM is the default
+:func:`~megatron_lite.parallel.tensor.linear_gemm` and whose weight is a leaf parameter. These are
+the QKV, attention-output, both MLP projections and the output layer: nearly all the weight-gradient
+FLOPs of a transformer. Everything else computes its weight gradients during B, as autograd
+always does: norms, embeddings, the row-parallel bias (added after the reduction), layers whose GEMM
+is a precision recipe's (it owns its backward) and weights that are not leaves.
+
+How: :meth:`WeightGradStore.installed` swaps those layers' ``gemm`` for :meth:`WeightGradStore.gemm`
+(the seam the layers already have), an autograd function whose backward returns only the input
+gradient and stashes ``(input, output gradient)``; the stashed tensors are what ``dW = dY^T X``
+needs, so they stay alive until W runs. A W pass (:meth:`WeightGradStore.flush`) computes the
+stashed products of one micro-batch and hands them to autograd on the parameters themselves
+(``torch.autograd.backward(weight, dW)``), so gradient accumulation and every gradient hook (the
+data-parallel buffer, bucket readiness) behave as if the gradient came from the ordinary backward.
+
+Without :meth:`WeightGradStore.collect` active, the function computes the weight gradients at once
+(nothing is deferred): forward-only passes and any backward outside the schedule stay correct.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from ..tensor import ColumnParallelLinear, RowParallelLinear, linear_gemm
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``x @ weight^T + bias`` whose weight/bias gradients go to ``store`` while it collects."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.bias = store, bias
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        want_w, want_b = ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]
+        if not (want_w or want_b):
+            return dx, None, None, None
+        if ctx.store.collecting:
+            ctx.store.stash(x, dy, weight if want_w else None, ctx.bias if want_b else None)
+            return dx, None, None, None
+        dw, db = weight_grads(x, dy, want_w, want_b)
+        return dx, dw, db, None
+
+
+def weight_grads(x, dy, want_w: bool, want_b: bool):
+    """``(dW, db)`` of ``y = x W^T + b``: ``dW = dY^T X`` and ``db = sum(dY)`` over all tokens."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])) if want_w else None
+    db = dy2.sum(0) if want_b else None
+    return dw, db
+
+
+class WeightGradStore:
+    """The deferred weight-gradient work of one rank: one list of GEMMs per micro-batch, oldest first.
+
+    The schedule wraps each B in :meth:`collect` (what it stashes becomes one W entry) and later
+    calls :meth:`flush` once per micro-batch in the same order.
+    """
+
+    def __init__(self):
+        self.collecting = False
+        self._current: list | None = None
+        self._pending: deque[list] = deque()
+
+    def gemm(self, x, weight, bias=None):
+        """Drop-in for ``linear_gemm``: same result, deferrable weight gradient (leaf parameters only:
+        a computed weight's graph would be gone by the time W runs)."""
+        if weight.grad_fn is not None or (bias is not None and bias.grad_fn is not None):
+            return linear_gemm(x, weight, bias)
+        return _DeferrableLinear.apply(x, weight, bias, self)
+
+    def stash(self, x, dy, weight, bias) -> None:
+        self._current.append((x, dy, weight, bias))
+
+    @contextmanager
+    def collect(self):
+        """During the block, deferrable weight gradients are stashed as one new W entry."""
+        self.collecting, self._current = True, []
+        try:
+            yield
+        finally:
+            self._pending.append(self._current)
+            self.collecting, self._current = False, None
+
+    @property
+    def num_pending(self) -> int:
+        """W entries stashed and not yet run."""
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Run the oldest W entry: compute its weight gradients and accumulate them through autograd."""
+        grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
+        for x, dy, weight, bias in self._pending.popleft():
+            dw, db = weight_grads(x, dy, weight is not None, bias is not None)
+            for t, g in ((weight, dw), (bias, db)):
+                if t is None:
+                    continue
+                if id(t) in grads:  # one weight in several GEMMs (tied embedding and output layer)
+                    grads[id(t)][1] = grads[id(t)][1] + g
+                else:
+                    grads[id(t)] = [t, g]
+        if grads:
+            params, values = zip(*grads.values())
+            torch.autograd.backward(list(params), list(values))
+
+    @contextmanager
+    def installed(self, module: torch.nn.Module):
+        """Route the deferrable parallel linear layers of ``module`` through :meth:`gemm` for the block."""
+        swapped = [m for m in module.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm is linear_gemm]
+        for m in swapped:
+            m.gemm = self.gemm
+        try:
+            yield
+            if self._pending:
+                raise RuntimeError(f"{len(self._pending)} deferred weight-gradient passes never ran")
+        finally:
+            for m in swapped:
+                m.gemm = linear_gemm
+            self._pending.clear()
