@@ -103,7 +103,7 @@ def _global_params(chunk):
                 yield f"layer{chunk.start + j}.{part}.{pname}", p
 
 
-def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False):
+def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False, schedule="1f1b"):
     """Worker: build this rank's chunks, run the schedule, return losses, grads (as reference slices) and trace."""
     v = 1 if vpp_layers is None else num_layers // (pp * vpp_layers)
     state = cached_state(tp=tp, pp=pp, **({"vpp": v} if v > 1 else {}))
@@ -126,7 +126,7 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
 
     pipe_comm = PipeComm.for_activations(state, seq_length=S, micro_batch_size=B, hidden_size=H, dtype=torch.float32,
                                          sequence_parallel=sp)
-    reported = get_forward_backward_func(state)(
+    reported = get_forward_backward_func(state, schedule)(
         forward_step_func=forward_step, data_iterator=data if v > 1 else data[0], model=chunks,
         num_microbatches=m, comm=pipe_comm, forward_only=forward_only, grad_scale_func=lambda loss: loss * SCALE,
         no_sync_func=NoSync, trace=trace,
@@ -148,6 +148,7 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
     return {
         "pp_rank": state.pp_rank, "dp_rank": state.dp_rank, "tp": tp, "losses": [r["loss"].item() for r in reported], "grads": grads,
         "trace": list(trace), "times": list(trace.times), "sync_on_at": exits, "released": released, "v": v,
+        "schedule": schedule,
     }
 
 
@@ -178,7 +179,7 @@ def check_trace(results, m, pp, forward_only=False):
     for res in results:
         r, v = res["pp_rank"], res["v"]
         ops = [(e.kind, e.microbatch, e.chunk) for e in res["trace"]]
-        expected = [op for op in rank_order(pp, r, m, v) if not forward_only or op[0] == "F"]
+        expected = [op for op in rank_order(pp, r, m, v, res["schedule"]) if not forward_only or op[0] == "F"]
         assert ops == expected
         assert [e.step for e in res["trace"]] == list(range(len(ops)))
         if not forward_only:
@@ -193,6 +194,8 @@ def check_trace(results, m, pp, forward_only=False):
             assert end[("F", mb, s)] <= t0
             if s < stages - 1:
                 assert end[("B", mb, s + 1)] <= t0, f"backward of micro-batch {mb} on stage {s} ran before stage {s + 1}'s"
+        if kind == "W":
+            assert end[("B", mb, s)] <= t0, f"weight gradients of micro-batch {mb} on stage {s} ran before its B"
 
 
 @pytest.mark.parametrize("pp, m", [(2, 3), (4, 6), (4, 3)])

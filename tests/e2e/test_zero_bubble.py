@@ -10,7 +10,15 @@ and the distributed optimizer (reduce-scatter of the same buckets), at pipeline 
 
 import pytest
 
-from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _one_line_exit_2, _parallel, _same_losses, _same_weights, _single
+from tests.e2e.test_pretrain_gpt import (
+    MODEL,
+    MODEL_B,
+    _one_line_exit_2,
+    _parallel,
+    _same_losses,
+    _same_weights,
+    _single,
+)
 
 ZB = ["--pipeline-schedule", "zb-h1"]
 

@@ -16,6 +16,8 @@ needs, so they stay alive until W runs. A W pass (:meth:`WeightGradStore.flush`)
 stashed products of one micro-batch and hands them to autograd on the parameters themselves
 (``torch.autograd.backward(weight, dW)``), so gradient accumulation and every gradient hook (the
 data-parallel buffer, bucket readiness) behave as if the gradient came from the ordinary backward.
+(During B autograd still calls a deferred weight's post-accumulate hook, with ``weight.grad`` None;
+the data-parallel hook ignores such calls, so a weight is marked ready only by its W.)
 
 Without :meth:`WeightGradStore.collect` active, the function computes the weight gradients at once
 (nothing is deferred): forward-only passes and any backward outside the schedule stay correct.
