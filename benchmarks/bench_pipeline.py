@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""1F1B against interleaved 1F1B (v=2) at p=4 on CPU: measured bubble fraction and step time.
+"""1F1B, interleaved 1F1B (v=2) and ZB-H1 at p=4 on CPU: measured bubble fraction and step time.
 
 Four gloo processes (one thread each) run the real schedules on a balanced toy MLP (8 layers of
-Linear(h, 4h) -> GELU -> Linear(4h, h), 2 per rank; interleaved: 2 chunks of 1 layer per rank) for
-m in {4, 8} micro-batches, side by side in the same processes. Each rank records the wall-clock
+ColumnParallelLinear(h, 4h) -> GELU -> RowParallelLinear(4h, h) at TP 1, 2 per rank; interleaved:
+2 chunks of 1 layer per rank; ZB-H1 defers both GEMMs' weight gradients) for m in {4, 8}
+micro-batches, side by side in the same processes. Each rank records the wall-clock
 time of every forward/backward (trace); the measured bubble fraction is the time each rank spends
 outside forward/backward during the step (first rank's start to last rank's end: waiting on
 neighbours, communication) over the time it spends inside, summed over ranks — the quantity the
-formulas (p-1)/m and (p-1)/(v*m) estimate for free communication. Interleaving sends v times as
+formulas (p-1)/m, (p-1)/(v*m) and, with T_F = T_B = T_W, (p-1)/(3m) (ZB-H1) estimate for free
+communication. Interleaving sends v times as
 many messages, so on a slow link its measured bubble sits further above its formula.
 The equal-cost simulation of the same op order is printed beside them.
 
@@ -17,8 +19,9 @@ load, and "compute ms/rank" (the same work in every row) shows how much the op t
 were stretched.
 
 A second run replaces the MLP by fixed-time layers (sleep: forward 20 ms per stage, backward
-40 ms) so that stage costs are exactly equal and no rank competes for a core: that run measures
-the schedules and their communication against the formulas on any machine.
+40 ms; under ZB-H1 the backward is B 20 ms + a deferred W 20 ms) so that stage costs are exactly
+equal and no rank competes for a core: that run measures the schedules and their communication
+against the formulas on any machine.
 
     python benchmarks/bench_pipeline.py [--work compute|sleep|both] [--hidden 256] [--tokens 512] [--iters 5]
 """
@@ -36,11 +39,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 P, LAYERS = 4, 8
+SCHEDULES = [("1F1B", 1, "1f1b"), ("interleaved v=2", 2, "1f1b"), ("ZB-H1", 1, "zb-h1")]  # name, v, --pipeline-schedule
 
 
 def _mlp_chunk(start, end, hidden, pre, post):
     import torch
     from torch import nn
+
+    from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     class Chunk(nn.Module):
         def __init__(self):
@@ -49,7 +55,8 @@ def _mlp_chunk(start, end, hidden, pre, post):
             self.layers = nn.ModuleList()
             for i in range(start, end):
                 torch.manual_seed(i)
-                self.layers.append(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)))
+                self.layers.append(nn.Sequential(ColumnParallelLinear(hidden, 4 * hidden), nn.GELU(),
+                                                 RowParallelLinear(4 * hidden, hidden)))
 
         def set_input_tensor(self, x):
             self.input_tensor = x
@@ -65,26 +72,44 @@ def _mlp_chunk(start, end, hidden, pre, post):
 
 def _sleep_chunk(start, end, forward_s, pre, post):
     """Layers that take a fixed time (forward ``forward_s``, backward twice that) without using a
-    core: stage costs are exactly equal, whatever the number of cores."""
+    core: stage costs are exactly equal, whatever the number of cores. Under the zero-bubble
+    schedule (a weight-gradient store installed) the backward is B = ``forward_s`` plus a deferred
+    W = ``forward_s``."""
     import torch
     from torch import nn
 
     class Sleep(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, w):
+        def forward(ctx, x, w, holder):
+            ctx.w, ctx.holder = w, holder
             time.sleep(forward_s)
             return x * w
 
         @staticmethod
         def backward(ctx, grad):
+            store, w = ctx.holder.store, ctx.w
+            dw = grad.sum().reshape(1)
+            if store is not None and store.collecting:
+                time.sleep(forward_s)
+
+                def weight_pass():
+                    time.sleep(forward_s)
+                    return [(w, dw)]
+
+                store.defer(weight_pass)
+                return grad, None, None
             time.sleep(2 * forward_s)
-            return grad, grad.sum().reshape(1)
+            return grad, dw, None
 
     class Chunk(nn.Module):
         def __init__(self):
             super().__init__()
             self.pre, self.post, self.input_tensor = pre, post, None
             self.w = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(start, end)])
+            self.store = None
+
+        def set_weight_grad_store(self, store):
+            self.store = store
 
         def set_input_tensor(self, x):
             self.input_tensor = x
@@ -92,7 +117,7 @@ def _sleep_chunk(start, end, forward_s, pre, post):
         def forward(self, x):
             h = x if self.pre else self.input_tensor
             for w in self.w:
-                h = Sleep.apply(h, w)
+                h = Sleep.apply(h, w, self)
             return h
 
     return Chunk()
@@ -122,7 +147,7 @@ def _worker(rank, port, args, queue):
     from megatron_lite.parallel.pipeline.trace import measured_bubble_fraction
 
     setups = {}
-    for v in (1, 2):
+    for name, v, schedule in SCHEDULES:
         state = ParallelState(pp=P, vpp=v if v > 1 else None)
         ranges = layer_ranges(LAYERS, P, LAYERS // (P * v) if v > 1 else None)[state.pp_rank]
         flags = [(state.is_first_stage() and c == 0, state.is_last_stage() and c == len(ranges) - 1)
@@ -134,15 +159,15 @@ def _worker(rank, port, args, queue):
             chunks = [_mlp_chunk(a, b, args.hidden, *f) for (a, b), f in zip(ranges, flags)]
         comm = PipeComm.for_activations(state, seq_length=seq, micro_batch_size=batch, hidden_size=args.hidden,
                                         dtype=torch.float32)
-        setups[v] = (comm, chunks, get_forward_backward_func(state))
-    configs = [(v, m) for m in (4, 8) for v in (1, 2)]
+        setups[name] = (v, comm, chunks, get_forward_backward_func(state, schedule))
+    configs = [(name, m) for m in (4, 8) for name, _, _ in SCHEDULES]
     steps = {c: [] for c in configs}
     bubbles = {c: [] for c in configs}
     busy = {c: [] for c in configs}  # mean time per rank inside forward/backward (same work in every config)
     # alternate the configurations within each iteration so that load changes hit all of them
     for it in range(args.warmup + args.iters):
-        for v, m in configs:
-            comm, chunks, fb = setups[v]
+        for name, m in configs:
+            v, comm, chunks, fb = setups[name]
             for c in chunks:
                 c.zero_grad(set_to_none=True)
             trace = Trace()
@@ -162,11 +187,11 @@ def _worker(rank, port, args, queue):
                 full.extend(Event(*e) for e in events)
                 full.times.extend(times)
                 spans[events[0][0]] = step_span
-            bubbles[(v, m)].append(measured_bubble_fraction(full, spans))
-            busy[(v, m)].append(sum(b - a for a, b in full.times) / P)
-            steps[(v, m)].append(max(b for _, _, _, b in gathered) - min(a for _, _, a, _ in gathered))
-    rows = [(v, m, statistics.median(steps[c]), statistics.median(bubbles[c]), statistics.median(busy[c]))
-            for c in configs for v, m in [c]]
+            bubbles[(name, m)].append(measured_bubble_fraction(full, spans))
+            busy[(name, m)].append(sum(b - a for a, b in full.times) / P)
+            steps[(name, m)].append(max(b for _, _, _, b in gathered) - min(a for _, _, a, _ in gathered))
+    rows = [(name, m, statistics.median(steps[c]), statistics.median(bubbles[c]), statistics.median(busy[c]))
+            for c in configs for name, m in [c]]
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -175,7 +200,7 @@ def _worker(rank, port, args, queue):
 def main(argv=None) -> int:
     from benchmarks.common import describe_machine
 
-    ap = argparse.ArgumentParser(description="1F1B vs interleaved 1F1B at p=4 on CPU")
+    ap = argparse.ArgumentParser(description="1F1B vs interleaved 1F1B vs ZB-H1 at p=4 on CPU")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (seq x 4)")
     ap.add_argument("--iters", type=int, default=5)
@@ -195,8 +220,6 @@ def run(args) -> None:
 
     import torch.multiprocessing as mp
 
-    from megatron_lite.parallel.pipeline.trace import bubble_fraction, simulate, simulated_orders
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -210,22 +233,31 @@ def run(args) -> None:
         p.join()
 
     what = (f"toy MLP {LAYERS} layers, hidden {args.hidden}" if args.work == "compute" else
-            f"fixed-time layers: stage forward {args.sleep_ms:g} ms, backward {2 * args.sleep_ms:g} ms (sleep)")
+            f"fixed-time layers: stage forward {args.sleep_ms:g} ms, backward {2 * args.sleep_ms:g} ms (sleep; "
+            f"ZB-H1: B {args.sleep_ms:g} + W {args.sleep_ms:g})")
     print(f"\n[{args.work}] p={P} gloo processes x 1 thread; {what}, {args.tokens} tokens per micro-batch; "
           f"median of {args.iters} steps after {args.warmup} warmup")
     print(f"{'schedule':<16}{'m':>3}{'step ms':>10}{'compute ms/rank':>17}{'bubble measured':>17}{'formula':>9}"
           f"{'equal-cost sim':>16}")
     by = {}
-    for v, m, step, bubble, work in rows:
-        formula = (P - 1) / (v * m)
-        sim = bubble_fraction(simulate(simulated_orders(P, m, v), P, v, 1.0 / v, 2.0 / v))
-        name = "1F1B" if v == 1 else f"interleaved v={v}"
+    for name, m, step, bubble, work in rows:
+        formula, sim = _formula_and_sim(name, m)
         print(f"{name:<16}{m:>3}{step * 1e3:>10.1f}{work * 1e3:>17.1f}{bubble:>17.3f}{formula:>9.3f}{sim:>16.3f}")
-        by[(v, m)] = (step, bubble)
+        by[(name, m)] = (step, bubble)
     for m in (4, 8):
-        (s1, b1), (s2, b2) = by[(1, m)], by[(2, m)]
-        print(f"m={m}: interleaved / 1F1B step time {s2 / s1:.2f} (formula (1 + (p-1)/(vm)) / (1 + (p-1)/m) = "
-              f"{(1 + (P - 1) / (2 * m)) / (1 + (P - 1) / m):.2f}), measured bubble ratio {b2 / b1:.2f} (formula 0.50)")
+        (s1, b1), (s2, b2), (s3, b3) = (by[(name, m)] for name, _, _ in SCHEDULES)
+        print(f"m={m}: step time / 1F1B: interleaved {s2 / s1:.2f}, ZB-H1 {s3 / s1:.2f}; measured bubble / 1F1B: "
+              f"interleaved {b2 / b1:.2f} (formula 0.50), ZB-H1 {b3 / b1:.2f} (formula 0.33, target <= 0.50)")
+
+
+def _formula_and_sim(name, m):
+    """Bubble formula and the equal-cost simulation of the same op order (F = B = W = 1 per stage)."""
+    from megatron_lite.parallel.pipeline.trace import bubble_fraction, simulate, simulated_orders
+
+    v = dict((n, vv) for n, vv, _ in SCHEDULES)[name]
+    if name == "ZB-H1":
+        return (P - 1) / (3 * m), bubble_fraction(simulate(simulated_orders(P, m, 1, "zb-h1"), P, 1, 1.0, 1.0, 1.0))
+    return (P - 1) / (v * m), bubble_fraction(simulate(simulated_orders(P, m, v), P, v, 1.0 / v, 2.0 / v))
 
 
 if __name__ == "__main__":

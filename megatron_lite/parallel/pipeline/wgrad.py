@@ -21,6 +21,11 @@ the data-parallel hook ignores such calls, so a weight is marked ready only by i
 
 Without :meth:`WeightGradStore.collect` active, the function computes the weight gradients at once
 (nothing is deferred): forward-only passes and any backward outside the schedule stay correct.
+
+A layer of another kind can defer its own weight gradients: give it a method
+``set_weight_grad_store(store)`` (called with the store when the schedule installs it, with None
+after) and, in its backward while ``store.collecting``, call ``store.defer(fn)`` with a function
+returning ``[(parameter, gradient), ...]``; W calls it.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class _DeferrableLinear(torch.autograd.Function):
         if not (want_w or want_b):
             return dx, None, None, None
         if ctx.store.collecting:
-            ctx.store.stash(x, dy, weight if want_w else None, ctx.bias if want_b else None)
+            bias = ctx.bias if want_b else None
+            ctx.store.defer(lambda: list(zip((weight, bias), weight_grads(x, dy, want_w, want_b))))
             return dx, None, None, None
         dw, db = weight_grads(x, dy, want_w, want_b)
         return dx, dw, db, None
@@ -83,8 +89,10 @@ class WeightGradStore:
             return linear_gemm(x, weight, bias)
         return _DeferrableLinear.apply(x, weight, bias, self)
 
-    def stash(self, x, dy, weight, bias) -> None:
-        self._current.append((x, dy, weight, bias))
+    def defer(self, fn) -> None:
+        """Add ``fn() -> [(parameter, gradient or None), ...]`` to the W entry being collected; what
+        ``fn`` refers to (the GEMM input and output gradient) stays alive until the W runs."""
+        self._current.append(fn)
 
     @contextmanager
     def collect(self):
@@ -104,10 +112,9 @@ class WeightGradStore:
     def flush(self) -> None:
         """Run the oldest W entry: compute its weight gradients and accumulate them through autograd."""
         grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
-        for x, dy, weight, bias in self._pending.popleft():
-            dw, db = weight_grads(x, dy, weight is not None, bias is not None)
-            for t, g in ((weight, dw), (bias, db)):
-                if t is None:
+        for fn in self._pending.popleft():
+            for t, g in fn():
+                if t is None or g is None:
                     continue
                 if id(t) in grads:  # one weight in several GEMMs (tied embedding and output layer)
                     grads[id(t)][1] = grads[id(t)][1] + g
@@ -122,8 +129,11 @@ class WeightGradStore:
         """Route the deferrable parallel linear layers of ``module`` through :meth:`gemm` for the block."""
         swapped = [m for m in module.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm is linear_gemm]
+        own = [m for m in module.modules() if hasattr(m, "set_weight_grad_store")]
         for m in swapped:
             m.gemm = self.gemm
+        for m in own:
+            m.set_weight_grad_store(self)
         try:
             yield
             if self._pending:
@@ -131,4 +141,6 @@ class WeightGradStore:
         finally:
             for m in swapped:
                 m.gemm = linear_gemm
+            for m in own:
+                m.set_weight_grad_store(None)
             self._pending.clear()
