@@ -4,11 +4,14 @@
 The per-rank op order comes from megatron_lite.parallel.pipeline.order — the functions the real
 schedules run — laid out by the equal-cost simulator (forward 1 unit, backward --backward-cost
 units per stage; a chunk of the interleaved schedule costs 1/v of that; communication is free).
-The title gives the measured bubble fraction (idle / busy time over all ranks) beside the formula
-(p-1)/m, or (p-1)/(v*m) with interleaving.
+With ``--schedule zb-h1`` the backward is split into B (input gradient, hatched) and W (weight
+gradients, dotted), --weight-cost of the backward's units going to W. The title gives the measured
+bubble fraction (idle / busy time over all ranks) beside the formula: (p-1)/m, (p-1)/(v*m) with
+interleaving, (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) for ZB-H1 ((p-1)/(3m) at equal costs).
 
     python tools/plot_schedule.py -p 4 -m 8 --out 1f1b.png
     python tools/plot_schedule.py -p 4 -m 8 -v 2 --compare --out interleaved.png
+    python tools/plot_schedule.py -p 4 -m 8 --schedule zb-h1 --compare --out zb.png
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
 )
 
 
-def schedule(p: int, m: int, v: int, backward_cost: float):
+def schedule(p: int, m: int, v: int, backward_cost: float, kind: str = "1f1b", weight_cost: float = 0.5):
     """(timeline, bubble fraction, formula, name) of one schedule under equal costs."""
+    if kind == "zb-h1" and p > 1:
+        t_b, t_w = backward_cost - weight_cost, weight_cost
+        timeline = simulate(simulated_orders(p, m, 1, kind), p, 1, 1.0, t_b, t_w)
+        formula = (p - 1) * (1.0 + t_b - t_w) / (m * (1.0 + t_b + t_w))
+        return timeline, bubble_fraction(timeline), formula, "ZB-H1"
     timeline = simulate(simulated_orders(p, m, v), p, v, 1.0 / v, backward_cost / v)
     name = "no pipelining" if p == 1 else (f"interleaved 1F1B (v={v})" if v > 1 else "1F1B")
     return timeline, bubble_fraction(timeline), (p - 1) / (v * m), name
@@ -43,7 +51,7 @@ def draw(ax, timeline, p, m, title):
         for (kind, mb, chunk), start, end in ops:
             color = colors((2 * mb) % 20 if kind == "F" else (2 * mb + 1) % 20)
             ax.barh(r, end - start, left=start, height=0.8, color=color, edgecolor="black", linewidth=0.5,
-                    hatch="//" if kind == "B" else None)
+                    hatch={"B": "//", "W": ".."}.get(kind))
             label = f"{kind}{mb}" + (chr(ord("a") + chunk) if any(op[2] for op, _, _ in ops) else "")
             ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
@@ -59,11 +67,21 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--model-chunks", type=int, default=1, dest="v",
                     help="model chunks per rank (num-layers / (pp x num-layers-per-virtual-pipeline-stage))")
     ap.add_argument("--backward-cost", type=float, default=2.0, help="backward time / forward time (default 2)")
-    ap.add_argument("--compare", action="store_true", help="also draw plain 1F1B above the interleaved schedule")
+    ap.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b",
+                    help="1f1b (interleaved with -v > 1) or zb-h1 (backward split into B and W)")
+    ap.add_argument("--weight-cost", type=float, default=None,
+                    help="zb-h1: the part of --backward-cost spent in W (default half of it)")
+    ap.add_argument("--compare", action="store_true",
+                    help="also draw plain 1F1B above the interleaved or zb-h1 schedule")
     ap.add_argument("--out", default="schedule.png", help="PNG to write")
     args = ap.parse_args(argv)
     if args.p < 1 or args.m < 1 or args.v < 1:
         ap.error("-p, -m and -v must be positive")
+    if args.schedule == "zb-h1" and args.v > 1:
+        ap.error("--schedule zb-h1 runs one model chunk per rank; drop -v")
+    weight_cost = args.backward_cost / 2 if args.weight_cost is None else args.weight_cost
+    if not 0 <= weight_cost <= args.backward_cost:
+        ap.error("--weight-cost must lie between 0 and --backward-cost")
     if args.v > 1:
         if args.p == 1:
             ap.error("interleaving (-v > 1) needs --pipeline-model-parallel-size > 1")
@@ -77,12 +95,14 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = [1, args.v] if args.compare and args.v > 1 else [args.v]
+    variants = [(args.v, args.schedule)]
+    if args.compare and (args.v > 1 or args.schedule == "zb-h1"):
+        variants.insert(0, (1, "1f1b"))
     fig, axes = plt.subplots(len(variants), 1, figsize=(max(8, args.m * args.p * 0.45), 1.2 + 0.6 * args.p * len(variants)),
                              squeeze=False)
     span = 0.0
-    for ax, v in zip(axes[:, 0], variants):
-        timeline, bubble, formula, name = schedule(args.p, args.m, v, args.backward_cost)
+    for ax, (v, kind) in zip(axes[:, 0], variants):
+        timeline, bubble, formula, name = schedule(args.p, args.m, v, args.backward_cost, kind, weight_cost)
         span = max(span, max(e for ops in timeline.values() for _, _, e in ops))
         title = f"{name}: p={args.p}, m={args.m}; bubble {bubble:.4f} (formula {formula:.4f})"
         print(title)

@@ -131,3 +131,18 @@ def test_store_outside_collect_computes_weight_grads_at_once_and_checks_leftover
         with store.installed(model):
             with store.collect():
                 model(torch.randn(3, 8)).sum().backward()
+
+
+def test_plot_schedule_draws_zb_h1_with_w_ops(tmp_path, capsys):
+    from tests.tools import load_tool
+
+    tool = load_tool("plot_schedule")
+    out = tmp_path / "zb.png"
+    assert tool.main(["-p", "4", "-m", "8", "--schedule", "zb-h1", "--compare", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "1F1B: p=4, m=8; bubble 0.3750 (formula 0.3750)" in text
+    assert "ZB-H1: p=4, m=8; bubble 0.1250 (formula 0.1250)" in text
+    assert "B7  W7" in text
+    with pytest.raises(SystemExit):
+        tool.main(["-p", "4", "-m", "8", "-v", "2", "--schedule", "zb-h1", "--out", str(out)])
