@@ -244,6 +244,8 @@ class LoggingConfig:
     """Write TensorBoard scalars here."""
     log_throughput: bool = False
     """Include TFLOP/s per device in the log line."""
+    log_comm_volume: bool = False
+    """Count the bytes each rank sends per step, per group kind (tp, sp, cp, ep, dp, pp), and log rank 0's."""
 
 
 @dataclass

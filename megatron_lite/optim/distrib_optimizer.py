@@ -124,6 +124,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
         if comm.group_size(bucket.group) == 1:
             return local
+        comm.record("dp", "all_gather", comm.tensor_bytes(full), comm.group_size(bucket.group))
         comm.all_gather_single(full, local, group=bucket.group)
         return full
 

@@ -17,12 +17,18 @@ when the consumer is not tensor-parallel), ``reduce_scatter_to_sp`` (reduce-scat
 ``all_to_all`` exchanges uneven chunks along dim 0 for expert parallelism.
 
 A ``group`` of ``None`` means a group of one rank: every function is then the identity.
+
+Every primitive reports the bytes it sends to :func:`megatron_lite.perf.comm_volume.record`
+(kind ``tp`` for the tensor-parallel operators, ``sp`` for the sequence-parallel ones, ``ep`` for
+the all-to-all); that is free unless a counter is active (``--log-comm-volume``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from ..perf.comm_volume import record, tensor_bytes
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,10 +47,11 @@ def group_rank(group) -> int:
 # Plain (non-autograd) primitives.
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, kind: str = "tp") -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
+    record(kind, "all_reduce", tensor_bytes(x), group_size(group))
     dist.all_reduce(x, group=group)
     return x
 
@@ -58,18 +65,19 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group, kind: str = "tp") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (gathered along dim 0, the contiguous case)."""
     size = group_size(group)
     if size == 1:
         return x
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
     out = torch.empty((size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    record(kind, "all_gather", tensor_bytes(out), size)
     all_gather_single(out, moved, group=group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
-def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group, kind: str = "sp") -> torch.Tensor:
     """Sum over the group, each rank keeping its chunk of dim 0."""
     size = group_size(group)
     if size == 1:
@@ -78,6 +86,7 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {size}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    record(kind, "reduce_scatter", tensor_bytes(x), size)
     reduce_scatter_single(out, x, group=group)
     return out
 
@@ -161,14 +170,14 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 0, ctx.group), None
+        return _all_gather(grad, 0, ctx.group, "sp"), None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tp_output_grad):
         ctx.group, ctx.tp_output_grad = group, tp_output_grad
-        return _all_gather(x, 0, group)
+        return _all_gather(x, 0, group, "sp")
 
     @staticmethod
     def backward(ctx, grad):
@@ -185,7 +194,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 0, ctx.group), None
+        return _all_gather(grad, 0, ctx.group, "sp"), None
 
 
 def scatter_to_sp(x, group):
@@ -217,6 +226,8 @@ def _all_to_all_raw(x, output_splits, input_splits, group):
     x = x.contiguous()
     rows = sum(output_splits) if output_splits is not None else x.shape[0]
     out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    mine = (input_splits[group_rank(group)] if input_splits is not None else x.shape[0] // group_size(group))
+    record("ep", "all_to_all", (x.shape[0] - mine) * tensor_bytes(x[:1]) if x.shape[0] else 0, group_size(group))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
     return out
 

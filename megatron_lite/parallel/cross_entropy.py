@@ -32,6 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits[..., n_real:] = float("-inf")
         local_max = logits.max(dim=-1).values
         if size > 1:
+            comm.record("tp", "all_reduce", comm.tensor_bytes(local_max), size)
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
 
@@ -44,6 +45,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             stats.append(shifted[..., :n_real].sum(dim=-1))
         stats = torch.stack(stats)
         if size > 1:
+            comm.record("tp", "all_reduce", comm.tensor_bytes(stats), size)
             dist.all_reduce(stats, group=group)  # the two (or three) sums in one collective
         sum_exp = stats[0]
         log_z = sum_exp.log()

@@ -82,6 +82,8 @@ class _Bucket:
             self.data.mul_(self.scale)
         if comm.group_size(self.group) == 1:
             return
+        comm.record("dp", "reduce_scatter" if self.reduce_scatter else "all_reduce", comm.tensor_bytes(self.data),
+                    comm.group_size(self.group))
         if self.reduce_scatter:  # in place: this rank's chunk of data receives the sum of the chunks
             start, end = self.shard()
             self.handle = comm.reduce_scatter_single(self.data[start:end], self.data, group=self.group, async_op=async_op)
@@ -243,4 +245,5 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
         if len(shared) > 1:
             raise RuntimeError(f"expected at most one shared embedding weight per rank, found {len(shared)}")
         if shared:
+            comm.record("pp", "all_reduce", comm.tensor_bytes(shared[0].main_grad), comm.group_size(state.embedding_group))
             dist.all_reduce(shared[0].main_grad, group=state.embedding_group)

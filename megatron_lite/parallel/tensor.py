@@ -259,6 +259,7 @@ def all_reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], tp_group)
     if not grads or comm.group_size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.record("sp", "all_reduce", comm.tensor_bytes(flat), comm.group_size(tp_group))
     torch.distributed.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:

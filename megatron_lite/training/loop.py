@@ -10,6 +10,7 @@ evaluation, checkpointing and the exit conditions (SIGTERM, duration, interval).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -27,6 +28,7 @@ from ..parallel.data_parallel import DistributedDataParallel, finalize_model_gra
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
+from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
@@ -44,6 +46,7 @@ class TrainResult:
     validation: list[tuple[int, float]] = field(default_factory=list)
     exit_reason: str = "done"
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
+    comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
     state: ParallelState | None = field(default=None, repr=False)
 
 
@@ -240,6 +243,7 @@ class _Training:
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
+        self.volume = CommVolume() if config.logging.log_comm_volume else None
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
@@ -252,9 +256,14 @@ class _Training:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
         t, result = self.config.training, self.result
         step_start = time.time()
-        losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                           self.forward_step_func, self.train_iter)
+        with self.volume.counting() if self.volume is not None else contextlib.nullcontext():
+            losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
+                                               self.forward_step_func, self.train_iter)
         self.iteration += 1
+        if self.volume is not None:
+            result.comm_volume.append(self.volume.end_step())
+            if self.iteration % self.config.logging.log_interval == 0:
+                print_rank_0(f" rank 0 {CommVolume.format(result.comm_volume[-1])} in iteration {self.iteration}")
         self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
         is_nan = bool(losses) and not math.isfinite(loss_value)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...device import get_device
+from ...perf.comm_volume import record, tensor_bytes
 
 _ACT_TAG, _GRAD_TAG = 0, 1
 
@@ -72,6 +73,8 @@ class PipeComm:
 
     # -- core --------------------------------------------------------------------------------
     def _op(self, fn, tensor, peer, tag):
+        if fn is dist.isend:
+            record("pp", "send", tensor_bytes(tensor), 2)
         return dist.P2POp(fn, tensor, peer, self.state.pp_group, tag if self._tags else 0)
 
     @staticmethod
