@@ -1,0 +1,72 @@
+"""Activation bytes saved for backward per transformer layer, counted with saved-tensor hooks,
+against Korthikanti et al.'s formulas (bf16 activations, dropout on, CPU), with every difference
+stated and checked exactly:
+
+- ``masks``: CPU dropout keeps its mask in the activation dtype (2 bytes), not 1 byte:
+  +1 sbh per dropout outside core attention (2 per layer).
+- ``norm stats``: each LayerNorm keeps its mean and reciprocal std (2 values per token, bf16),
+  which the formula leaves out: +2 norms x 2 x sb x 2 bytes.
+- ``core attention`` (no recomputation): CPU scaled-dot-product attention with dropout takes the
+  math path in fp32: Q, K, V at 4 bytes (12 sbh instead of 6) and the softmax output, its dropout
+  mask and the dropout output at 4 bytes each (12 as^2 b instead of 2 + 1 + 2 = 5).
+- ``gathered GEMM inputs`` (sequence parallelism): the all-gathered input of the QKV and fc1
+  GEMMs is kept at full sequence length (Megatron keeps the shard and all-gathers again in
+  backward): +2 x 2sbh (1 - 1/t).
+- full recomputation keeps exactly the layer input, 2 sbh/t (per-layer difference of 2- and
+  1-layer stacks, so the final norm drops out).
+"""
+
+import pytest
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.perf.activation_memory import korthikanti_layer_bytes, saved_activation_bytes
+from tests.harness import cached_state, run_ranks
+from tests.model_helpers import build_gpt
+
+S, B, H, A = 32, 2, 64, 4
+SBH = S * B * H
+
+
+def _measure(tp, recompute, layers=1):
+    state = cached_state(tp=tp) if tp > 1 else None
+    if state is None:
+        from megatron_lite.parallel.state import ParallelState
+        state = ParallelState()
+    model_parallel_seed(1, state)
+    cfg = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=A, seq_length=S, max_position_embeddings=S,
+                      vocab_size=128, attention_dropout=0.1, hidden_dropout=0.1)
+    kw = {"recompute_granularity": recompute} if recompute else {}
+    if recompute == "full":
+        kw.update(recompute_method="uniform", recompute_num_layers=1)
+    model = build_gpt(cfg, state, seed=1, params_dtype=torch.bfloat16, sequence_parallel=tp > 1, **kw)
+    x = torch.randn(S // tp, B, H, dtype=torch.bfloat16, requires_grad=True)
+    module = model.decoder if recompute == "full" else model.decoder.layers[0]
+    return saved_activation_bytes(module, x)[0]
+
+
+def _explained(t, recompute):
+    sp = t > 1
+    extra = 2 * SBH / t + 2 * 2 * (S // t) * B * 2  # masks, norm statistics
+    if sp:
+        extra += 2 * 2 * SBH * (1 - 1 / t)  # gathered GEMM inputs
+    if recompute is None:
+        extra += (6 * SBH + 7 * A * S * S * B) / t  # fp32 math-path core attention
+    return korthikanti_layer_bytes(S, B, H, A, t, sp, recompute) + extra
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_one_layer_matches_formula_with_explained_differences(recompute):
+    assert _measure(1, recompute) == _explained(1, recompute)
+
+
+def test_full_recompute_keeps_only_the_layer_input():
+    per_layer = _measure(1, "full", layers=2) - _measure(1, "full", layers=1)
+    assert per_layer == korthikanti_layer_bytes(S, B, H, A, recompute="full") == 2 * SBH
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_tensor_and_sequence_parallel_divides_by_t(recompute):
+    for measured in run_ranks(2, _measure, 2, recompute):
+        assert measured == _explained(2, recompute)
