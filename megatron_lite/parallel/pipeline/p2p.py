@@ -77,22 +77,18 @@ class PipeComm:
             record("pp", "send", tensor_bytes(tensor), 2)
         return dist.P2POp(fn, tensor, peer, self.state.pp_group, tag if self._tags else 0)
 
-    @staticmethod
-    def _run(ops) -> None:
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-
-    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait=True):
         """One batch: send an activation to the next stage and/or a gradient to the previous one,
         receive an activation from the previous stage and/or a gradient from the next one.
 
         Returns ``(from_prev, from_next)``; a received activation requires grad (the stage will
-        back-propagate into it), a received gradient does not.
+        back-propagate into it), a received gradient does not. With ``wait=False`` the batch is only
+        posted and a function is returned that waits for it and then returns the pair (the caller
+        computes meanwhile, e.g. the zero-bubble schedule's weight gradients).
         """
         s = self.state
         if s.pp_size == 1:
-            return None, None
+            return (None, None) if wait else (lambda: (None, None))
         ops, from_prev, from_next = [], None, None
         # activations (towards the next stage) first ...
         if send_next is not None:
@@ -106,10 +102,16 @@ class PipeComm:
         if recv_next:
             from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(self._op(dist.irecv, from_next, s.next_pp_rank, _GRAD_TAG))
-        self._run(ops)
-        if from_prev is not None:
-            from_prev.requires_grad_(True)
-        return from_prev, from_next
+        requests = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish():
+            for req in requests:
+                req.wait()
+            if from_prev is not None:
+                from_prev.requires_grad_(True)
+            return from_prev, from_next
+
+        return finish() if wait else finish
 
     def _check(self, x, what):
         if tuple(x.shape) != self.shape:
@@ -143,6 +145,11 @@ class PipeComm:
     def send_backward_recv_forward(self, input_grad, recv=True):
         """Send an input gradient back, get the next micro-batch's input."""
         return self.communicate(send_prev=input_grad, recv_prev=recv)[0]
+
+    def start_send_backward_recv_forward(self, input_grad, recv=True):
+        """Post :meth:`send_backward_recv_forward`; returns a function that waits and gives the input."""
+        finish = self.communicate(send_prev=input_grad, recv_prev=recv, wait=False)
+        return lambda: finish()[0]
 
     def send_forward_recv_forward(self, output, recv_prev=True):
         return self.communicate(send_next=output, recv_prev=recv_prev)[0]

@@ -159,9 +159,13 @@ def _one_f_one_b(run: _Run, model, data_iterator, comm: PipeComm, keep: int = 0)
         dx = run.backward(x_old, y_old, dy, i, 0)
         if i == steady - 1:
             comm.send_backward(None if first else dx)
-        else:
+            weights()
+        elif run.store is None:
             x = comm.send_backward_recv_forward(None if first else dx, recv=not first)
-        weights()
+        else:  # zero bubble: the W passes run while the next input is on its way
+            next_input = comm.start_send_backward_recv_forward(None if first else dx, recv=not first)
+            weights()
+            x = next_input()
 
     # Phase 3, cooldown: the backwards of the warmup micro-batches, as their gradients arrive.
     if not forward_only:
