@@ -5,7 +5,9 @@ per data-parallel rank); every step's loss within a relative 1e-5 of the single-
 the final merged weights within rtol 1e-5. The layouts cover the deferred weight gradients under
 tensor and sequence parallelism (sharded GEMM inputs and weights), data parallelism with the
 gradient reduction overlapped in small buckets (the grad-ready hooks must fire after the W passes)
-and the distributed optimizer (reduce-scatter of the same buckets), at pipeline sizes 2 and 4.
+the distributed optimizer (reduce-scatter of the same buckets) and activation recomputation (the
+recomputed forward runs inside B, so its GEMMs' weight gradients are deferred too), at pipeline
+sizes 2 and 4.
 """
 
 import pytest
@@ -40,6 +42,10 @@ def reference(tmp_path_factory):
                                      "--ddp-bucket-size", "2000"]),
         ("pp2_dp2_distopt", 4, "B", ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--ddp-bucket-size", "3000"]),
+        ("pp2_recompute_full", 2, "A", ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                                        "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+        ("pp2_recompute_selective", 2, "B", ["--pipeline-model-parallel-size", "2",
+                                             "--recompute-granularity", "selective"]),
     ],
 )
 def test_zb_h1_reproduces_single_process(tmp_path, reference, name, world, variant, extra):
