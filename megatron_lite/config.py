@@ -1,16 +1,14 @@
 """Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
 
-Every field has a one-line help text (the string literal under it);
-:mod:`megatron_lite.arguments` turns the fields into argparse flags
-(``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``). :func:`finalize` fills derived
-values and validates the combination, raising :class:`ConfigError` with one line naming the flag
-and the fix.
+Every field has a one-line help text (the string literal under it); :mod:`megatron_lite.arguments` turns
+the fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``).
+:func:`finalize` fills derived values and validates the combination, raising :class:`ConfigError` with one
+line naming the flag and the fix.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -265,7 +263,7 @@ class Config:
         """All fields of all sections in one dict (for logging and checkpoints)."""
         out = {}
         for section in SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, section)))
+            out.update(asdict(getattr(self, section)))
         return out
 
 
@@ -323,8 +321,6 @@ def _check_parallel(config: Config) -> None:
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
-    _require(p.pipeline_schedule != "zb-h1" or p.num_layers_per_virtual_pipeline_stage is None,
-             "--pipeline-schedule zb-h1 runs one model chunk per rank; drop --num-layers-per-virtual-pipeline-stage")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
@@ -353,11 +349,10 @@ def _check_batch(config: Config) -> None:
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
-        from .parallel.pipeline.order import check_interleaved_microbatches
-
-        try:
+        try:  # also refuses --pipeline-schedule zb-h1 (one chunk per rank)
+            from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
-                                           p.pipeline_model_parallel_size)
+                                           p.pipeline_model_parallel_size, p.pipeline_schedule)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 

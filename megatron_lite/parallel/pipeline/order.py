@@ -102,12 +102,16 @@ def interleaved_backward_op(k: int, p: int, v: int) -> tuple[int, int]:
     return mb, v - 1 - chunk
 
 
-def check_interleaved_microbatches(m: int, p: int) -> None:
-    """The interleaved schedule needs m to be a multiple of p (Megatron's original constraint).
+def check_interleaved_microbatches(m: int, p: int, schedule: str = "1f1b") -> None:
+    """The interleaved schedule needs m to be a multiple of p (Megatron's original constraint),
+    and is a 1F1B schedule (``schedule`` is --pipeline-schedule; zb-h1 runs one chunk per rank).
 
     Forwards go through the chunks in groups of p micro-batches, so a partial group would leave
     the ranks' send/receive sequences out of step.
     """
+    if schedule == "zb-h1":
+        raise ValueError("--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
+                         "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
     if m < 1 or m % p:
         raise ValueError(
             f"the interleaved pipeline schedule needs the number of micro-batches per step "
