@@ -34,21 +34,54 @@ def activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return F.gelu(h)
 
 
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` (with autograd) serves this input: CUDA bf16 only."""
-    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` serves these operands: present in this torch, on CPU (any float
+    dtype) or CUDA (bf16), with rows a multiple of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cuda":
+        ok_device = x.dtype == torch.bfloat16
+    else:
+        ok_device = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    align = 16 // x.element_size()
+    return ok_device and x.shape[-1] % align == 0 and weight.shape[-1] % align == 0
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with its backward as two more grouped GEMMs on views (no copies):
+    ``dx = dy @ w^T`` per group and ``dw_j = x_j^T @ dy_j`` (the 2-D x 2-D form, groups along rows).
+    The incoming gradient is made contiguous first (a broadcast gradient has zero strides, which
+    the kernel rejects)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(x, weight, offsets)
+        return torch._grouped_mm(x, weight, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, weight.transpose(1, 2), offs=offsets) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(x.t(), dy, offs=offsets) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
     """``x [N, K]`` grouped by expert times ``weight [E, K, M]``: rows of expert j use ``weight[j]``.
 
-    ``torch._grouped_mm`` where the device supports it, else one padded batched matmul: the rows
+    ``torch._grouped_mm`` where it serves the operands, else one padded batched matmul: the rows
     are scattered into ``[E, max_rows, K]`` (zero padding), multiplied by ``torch.bmm`` and gathered
-    back. Both are a single kernel launch for all experts and exact under autograd.
+    back. Both are one kernel for all experts and exact under autograd.
     """
-    if grouped_mm_available(x):
+    if grouped_mm_available(x, weight) and len(tokens_per_expert) > 0:
         offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight, offs=offsets)
+        return _GroupedMM.apply(x.contiguous(), weight.contiguous(), offsets)
+    return padded_batched_matmul(x, weight, tokens_per_expert)
+
+
+def padded_batched_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    """The fallback of :func:`grouped_matmul`: rows scattered into ``[E, max_rows, K]``, one ``bmm``."""
     experts, max_rows = weight.shape[0], max(tokens_per_expert, default=0)
     rows = _padded_rows(tokens_per_expert, max_rows, x.device)
     padded = x.new_zeros(experts * max_rows, x.shape[1]).index_copy(0, rows, x)

@@ -50,7 +50,7 @@ def check_ddp(ep, tp):
     x, dy = (t.chunk(tp, dim=0)[state.tp_rank] for t in data[state.dp_rank])
     (ddp(x) * dy).sum().backward()
     finalize_model_grads([ddp], state)
-    first, local = layer.experts.first_expert, layer.experts.num_local_experts
+    first = layer.experts.first_expert
     for name, p in layer.named_parameters():
         if name.startswith("experts.local_experts."):
             j, rest = name[len("experts.local_experts."):].split(".", 1)

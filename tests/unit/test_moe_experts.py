@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.moe.experts import GroupedExperts, SequentialExperts, grouped_matmul
+from megatron_lite.moe.experts import (
+    GroupedExperts,
+    SequentialExperts,
+    grouped_matmul,
+    grouped_mm_available,
+    padded_batched_matmul,
+)
 from megatron_lite.parallel.state import ParallelState
 from tests.moe_helpers import moe_config
 
@@ -30,7 +36,7 @@ def test_grouped_equals_sequential(swiglu, bias):
                 expert.linear_fc2.bias.normal_()
                 grp.bias1[j].copy_(expert.linear_fc1.bias)
                 grp.bias2[j].copy_(expert.linear_fc2.bias)
-    tokens = [3, 0, 5, 1, 0, 2, 4, 1]  # empty experts included
+    tokens = [3, 0, 5, 1, 0, 2, 4, 2]  # empty experts included; 17 rows (not a multiple of 4)
     torch.manual_seed(0)
     x = torch.randn(sum(tokens), config.hidden_size)
     probs = torch.rand(sum(tokens))
@@ -73,9 +79,21 @@ def test_expert_parameters_are_marked():
             assert p.is_expert and p.allreduce  # EP == 1: reduced like dense weights
 
 
-def test_padded_batched_matmul_equals_per_expert_matmul():
+@pytest.mark.parametrize("shape", [(6, 8), (8, 12), (5, 7)])
+def test_grouped_matmul_paths_equal_per_expert_matmul(shape):
+    """Both kernels (``torch._grouped_mm`` when the shapes are 16-byte aligned, else the padded
+    bmm) give the per-expert products and their gradients."""
     torch.manual_seed(1)
-    tokens = [0, 4, 1]
-    x, w = torch.randn(5, 6), torch.randn(3, 6, 7)
-    expected = torch.cat([x[:0] @ w[0], x[0:4] @ w[1], x[4:5] @ w[2]])
-    _close(grouped_matmul(x, w, tokens), expected)
+    k, m = shape
+    tokens = [0, 4, 1, 2]
+    x, w, dy = torch.randn(7, k), torch.randn(4, k, m), torch.randn(7, m)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cat([a @ wr[j] for j, a in enumerate(xr.split(tokens))]).backward(dy)
+    for fn in (grouped_matmul, padded_batched_matmul):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, tokens)
+        y.backward(dy)
+        _close(y, torch.cat([a @ w[j] for j, a in enumerate(x.split(tokens))]))
+        _close(xi.grad, xr.grad)
+        _close(wi.grad, wr.grad)
+    assert grouped_mm_available(x, w) == (hasattr(torch, "_grouped_mm") and k % 4 == 0 and m % 4 == 0)
