@@ -22,7 +22,6 @@ import socket
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,17 +29,13 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.common import describe_machine  # noqa: E402
-from megatron_lite.models.common import seeded_init  # noqa: E402
+from megatron_lite.models.transformer_config import TransformerConfig  # noqa: E402
 
 
-def _config(num_experts, hidden, ffn, topk=2):
-    config = SimpleNamespace(
-        num_experts=num_experts, moe_ffn_hidden_size=ffn, hidden_size=hidden, swiglu=True, add_bias_linear=False,
-        params_dtype=torch.float32, moe_router_topk=topk, moe_token_dispatcher_type="alltoall", num_layers=2,
-        seed=1234, init_method_std=0.02)
-    config.init_method = lambda layer, name, scaled=False: seeded_init(
-        config.seed, layer, name, config.init_method_std, config.num_layers if scaled else None)
-    return config
+def _config(num_experts, hidden, ffn, topk=2, ep=1):
+    return TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=1, num_experts=num_experts,
+                             moe_ffn_hidden_size=ffn, swiglu=True, add_bias_linear=False, moe_router_topk=topk,
+                             moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
 
 
 def _time(fn, reps):
@@ -102,7 +97,7 @@ def _a2a_worker(rank, world, port, tokens, hidden, rounds, results):
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     state = ParallelState(ep=world)
-    dispatcher = AllToAllDispatcher(_config(8, hidden, hidden), state)
+    dispatcher = AllToAllDispatcher(_config(8, hidden, hidden, ep=world), state)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=gen)
     probs, rmap = topk_routing(torch.randn(tokens, 8, generator=gen), 2)

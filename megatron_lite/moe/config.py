@@ -1,14 +1,20 @@
 """The mixture-of-experts flags (Megatron-LM's names and defaults) and their validation.
 
-:class:`MoEConfig` is one section of the run's Config. :func:`moe_config_problem` returns the
-first bad combination as one line naming the flag and the fix (the config module raises it as a
-ConfigError); this module imports nothing of the config module, so there is no import cycle.
+:class:`MoEConfig` is one section of the run's Config, and TransformerConfig derives from it, so
+every layer sees the same fields. :func:`check_moe_fields` (called by TransformerConfig) fills the
+defaults and raises ConfigError with one line naming the flag and the fix;
+:func:`moe_config_problem` returns that line.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
 
 LOAD_BALANCING_TYPES = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
 MOE_CHOICES = {
@@ -95,6 +101,8 @@ class MoEConfig:
     """FFN hidden size of the shared experts (all of them together)."""
     moe_shared_expert_overlap: bool = False
     """Overlap shared experts with the dispatcher (refused)."""
+    moe_shared_expert_gate: bool = field(default=False, metadata={"cli": False})
+    """Scale the shared experts' output per token by a learned sigmoid gate (set in code)."""
     moe_per_layer_logging: bool = False
     """Write the router losses of every MoE layer to TensorBoard."""
     expert_tensor_parallel_size: int | None = None
@@ -222,3 +230,29 @@ def _parallel_problem(moe: MoEConfig, *, num_layers, tp, ep, sequence_parallel, 
     except (ValueError, SyntaxError) as err:
         return str(err) if str(err).startswith("--moe") else f"--moe-layer-freq {moe.moe_layer_freq!r}: {err}"
     return None
+
+
+def check_moe_fields(config) -> None:
+    """Normalise and validate the MoE fields of a TransformerConfig (ConfigError with one line)."""
+    normalize(config, config.ffn_hidden_size)
+    problem = moe_config_problem(
+        config, num_layers=config.num_layers, tp=config.tensor_model_parallel_size,
+        ep=config.expert_model_parallel_size, sequence_parallel=config.sequence_parallel,
+        fp16=config.params_dtype == torch.float16)
+    if problem:
+        raise ConfigError(problem)
+
+
+def moe_fields(moe: MoEConfig) -> dict:
+    """The MoEConfig section as keyword arguments of TransformerConfig (the legacy grouped-GEMM flag
+    selects the same grouped experts)."""
+    values = dataclasses.asdict(moe)
+    values["moe_grouped_gemm"] = moe.moe_grouped_gemm or moe.moe_use_legacy_grouped_gemm
+    return values
+
+
+def moe_layer_pattern(config) -> list[bool]:
+    """Per layer (0-based), whether it is an MoE layer (all False for a dense model)."""
+    if not config.num_experts:
+        return [False] * config.num_layers
+    return parse_moe_layer_freq(config.moe_layer_freq, config.num_layers)

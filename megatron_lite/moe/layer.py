@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..parallel import comm
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts, SequentialExperts

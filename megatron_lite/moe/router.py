@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.common import init_replicated
 from ..parallel import comm
 from .aux_loss import LOSS_NAMES, attach_loss, switch_loss, z_loss
 from .routing import aux_loss_scores, drop_to_capacity, expert_capacity, sinkhorn_routing, topk_routing
@@ -33,6 +32,14 @@ def balancing_types(config) -> list[tuple[str, float]]:
     types = [types] if isinstance(types, str) else list(types)
     coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
     return list(zip(types, coeffs))
+
+
+def init_replicated(param: nn.Parameter, init_method) -> None:
+    """Fill a replicated parameter from its full fp32 master weight (drawn by ``init_method``)."""
+    master = torch.empty(param.shape, dtype=torch.float32)
+    init_method(master)
+    with torch.no_grad():
+        param.copy_(master)
 
 
 def _sum_over(x: torch.Tensor, *groups) -> torch.Tensor:

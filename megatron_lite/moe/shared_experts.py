@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.common import init_replicated
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from .experts import activation
+from .router import init_replicated
 
 
 class SharedExperts(nn.Module):
@@ -26,11 +26,12 @@ class SharedExperts(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(
             h, 2 * ffn if self.swiglu else ffn, state.tp_group, bias=bias,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc1.weight"),
-            sequence_parallel=sp, stride=2 if self.swiglu else 1, dtype=dtype)
+            sequence_parallel=sp, stride=2 if self.swiglu else 1, dtype=dtype,
+            gemm=config.make_gemm(layer_number, state.tp_group))
         self.linear_fc2 = RowParallelLinear(
             ffn, h, state.tp_group, bias=bias, input_is_parallel=True,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc2.weight", scaled=True),
-            sequence_parallel=sp, dtype=dtype)
+            sequence_parallel=sp, dtype=dtype, gemm=config.make_gemm(layer_number, state.tp_group))
         self.gate_weight = None
         if getattr(config, "moe_shared_expert_gate", False):
             self.gate_weight = nn.Parameter(torch.empty(1, h, dtype=dtype))

@@ -42,7 +42,8 @@ def _routing(seed, capacity_factor, pad):
 
 def check_dispatch(kind, ep, tp, capacity_factor, pad):
     state = cached_state(ep=ep, tp=tp)
-    config = moe_config(num_experts=EXPERTS, moe_token_dispatcher_type=kind, sequence_parallel=tp > 1)
+    config = moe_config(num_experts=EXPERTS, moe_token_dispatcher_type=kind, sequence_parallel=tp > 1,
+                        tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     dispatcher = (AllToAllDispatcher if kind == "alltoall" else AllGatherDispatcher)(config, state)
     seed = 100 + state.rank
     gen = torch.Generator().manual_seed(seed)

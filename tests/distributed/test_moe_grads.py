@@ -44,7 +44,8 @@ def check_ddp(ep, tp):
     data = _data(state.dp_size)
     ref = _reference(data)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    layer = MoELayer(moe_config(sequence_parallel=tp > 1, **OVERRIDES), state, 1)
+    layer = MoELayer(moe_config(sequence_parallel=tp > 1, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                **OVERRIDES), state, 1)
     layer.train()
     ddp = DistributedDataParallel(layer, state)
     x, dy = (t.chunk(tp, dim=0)[state.tp_rank] for t in data[state.dp_rank])
