@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from ..device import get_device
 from ..parallel import comm
 from .aux_loss import LOSS_NAMES
+from .config import parse_moe_layer_freq
 from .router import TopKRouter, balancing_types
 
 
@@ -44,14 +46,14 @@ def _sum(x: torch.Tensor, *groups) -> torch.Tensor:
     return x
 
 
-def reduce_moe_losses(chunks, state, config, num_microbatches: int) -> dict[str, torch.Tensor]:
+def reduce_moe_losses(chunks, state, names: list[str], num_layers: int, num_microbatches: int) -> dict[str, torch.Tensor]:
     """``{name: [num_layers] tensor}`` of the iteration's logged losses (collective; see module doc).
     Resets the routers' accumulators."""
     found = routers(chunks)
-    device = next((r.weight.device for r in found), torch.device("cpu"))
+    device = next((r.weight.device for r in found), get_device())
     out = {}
-    for name in tracked_loss_names(config):
-        values = torch.zeros(config.num_layers, dtype=torch.float32, device=device)
+    for name in names:
+        values = torch.zeros(num_layers, dtype=torch.float32, device=device)
         for router in found:
             if name in router.metrics:
                 values[router.layer_number - 1] += router.metrics[name].to(device)
@@ -73,12 +75,28 @@ def moe_log_values(per_layer: dict[str, torch.Tensor], num_moe_layers: int) -> d
 def dropped_tokens(chunks, state) -> int:
     """Token slots dropped by the capacity limit since the last call, over all layers and ranks."""
     found = routers(chunks)
-    local = torch.tensor(float(sum(r.num_dropped_tokens for r in found)))
+    local = torch.tensor(float(sum(r.num_dropped_tokens for r in found)), device=get_device())
     for router in found:
         router.num_dropped_tokens = 0
     with torch.no_grad():
         total = _sum(local, state.pp_group, state.tp_group, state.dp_cp_group)
     return int(total.item())
+
+
+def moe_step_values(chunks, state, config, num_microbatches: int) -> tuple[dict[str, float], dict[str, float]]:
+    """For the training loop (collective, every rank, every iteration): the console values
+    ``{name: mean over MoE layers}`` and TensorBoard-only scalars (``moe/<name>_layer_<i>`` with
+    --moe-per-layer-logging, ``moe/dropped_tokens`` with a capacity factor). ``config`` is the run's Config."""
+    moe, num_layers = config.moe, config.model.num_layers
+    pattern = parse_moe_layer_freq(moe.moe_layer_freq, num_layers)
+    per_layer = reduce_moe_losses(chunks, state, tracked_loss_names(moe), num_layers, num_microbatches)
+    scalars = {}
+    if moe.moe_per_layer_logging:
+        for name, values in per_layer.items():
+            scalars.update({f"moe/{name}_layer_{i}": float(values[i]) for i in range(num_layers) if pattern[i]})
+    if moe.moe_expert_capacity_factor is not None:
+        scalars["moe/dropped_tokens"] = float(dropped_tokens(chunks, state))
+    return moe_log_values(per_layer, sum(pattern)), scalars
 
 
 def finish_moe_step(chunks) -> None:

@@ -1,0 +1,65 @@
+"""pretrain_gpt.py with mixture-of-experts layers: expert-parallel runs reproduce the single-process run.
+
+Same pattern as test_pretrain_gpt.py: ``pretrain_gpt.main(argv)`` on every rank of a gloo pool vs in
+this process; same seed and global batch, dropout 0, fp32; every step's loss (and so the router
+losses' gradients, which enter every later loss) within a relative 1e-5. A Mixtral-like model:
+SwiGLU experts, RMSNorm, rope, GQA, top-2 of 4 experts with load-balancing and z-losses.
+"""
+
+import pytest
+
+from tests.e2e.test_pretrain_gpt import MODEL, _one_line_exit_2, _parallel, _same_losses, _single
+
+MOE = [
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--group-query-attention", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+]
+# every other layer dense, capacity dropping, shared experts, grouped GEMM, sigmoid router with expert bias
+MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
+         "--moe-shared-expert-intermediate-size", "32", "--moe-grouped-gemm", "--moe-router-score-function",
+         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
+ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_ref")
+    return {variant: _single(tmp, f"single{variant}", ITERS, MOE + extra)[0]
+            for variant, extra in (("A", []), ("B", MOE_B))}
+
+
+@pytest.mark.parametrize(
+    "name, world, variant, extra",
+    [
+        ("ep2", 2, "A", ["--expert-model-parallel-size", "2"]),
+        ("ep2_allgather", 2, "A", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+        ("ep4", 4, "A", ["--expert-model-parallel-size", "4"]),
+        ("ep2_tp2_sp", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"]),
+        ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
+    ],
+)
+def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
+    ref = moe_reference[variant]
+    losses, _ = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
+    _same_losses(losses, ref)
+    assert ref[-1] < ref[0]  # it trained
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--num-experts", "3", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+     ("--num-experts 3", "--moe-router-num-groups")),
+    (["--num-experts", "4", "--moe-router-topk", "5"], ("--moe-router-topk",)),
+    (["--num-experts", "4", "--moe-router-topk", "1"], ("--moe-router-pre-softmax",)),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-expert-capacity-factor", "1"],
+     ("--moe-expert-capacity-factor",)),
+    (["--num-experts", "4", "--moe-permute-fusion"], ("--moe-permute-fusion",)),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], ("expert-model-parallel-size 2",)),  # world 1
+    (["--num-experts", "4", "--tensor-model-parallel-size", "1", "--moe-token-dispatcher-type", "flex"], ("flex",)),
+])
+def test_bad_moe_combinations_exit_2(tmp_path, capsys, extra, words):
+    argv = MODEL + ["--micro-batch-size", "2", "--train-iters", "1", "--save", str(tmp_path)] + extra
+    _one_line_exit_2(capsys, argv, *words)
