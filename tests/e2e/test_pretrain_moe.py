@@ -6,9 +6,14 @@ losses' gradients, which enter every later loss) within a relative 1e-5. A Mixtr
 SwiGLU experts, RMSNorm, rope, GQA, top-2 of 4 experts with load-balancing and z-losses.
 """
 
+import glob
+import math
+import os
+
 import pytest
 
-from tests.e2e.test_pretrain_gpt import MODEL, _one_line_exit_2, _parallel, _same_losses, _single
+from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_losses, _single
+from tests.harness import run_ranks
 
 MOE = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -40,6 +45,10 @@ def moe_reference(tmp_path_factory):
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
+        ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform"]),
+        ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--num-layers-per-virtual-pipeline-stage", "1"]),
     ],
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
@@ -63,3 +72,31 @@ def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world,
 def test_bad_moe_combinations_exit_2(tmp_path, capsys, extra, words):
     argv = MODEL + ["--micro-batch-size", "2", "--train-iters", "1", "--save", str(tmp_path)] + extra
     _one_line_exit_2(capsys, argv, *words)
+
+
+def _run_cli_result(argv):
+    """Inside a rank: (losses, iteration, exit reason)."""
+    import pretrain_gpt
+
+    result = pretrain_gpt.main(argv)
+    return result.losses, result.iteration, result.exit_reason
+
+
+def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
+    """Expert weights are saved per EP rank (its own folder) with the expert bias; a resumed EP2 run
+    continues the single-process trajectory."""
+    save = str(tmp_path / "resumed")
+    flags = MOE + MOE_B + ["--expert-model-parallel-size", "2"]
+    first = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--exit-interval", "4"]))
+    assert all(r[1] == 4 and r[2] == "interval" for r in first)
+    folders = sorted(os.path.basename(os.path.dirname(f)) for f in glob.glob(os.path.join(save, "iter_0000004", "mp_rank_*", "*.pt")))
+    assert folders == ["mp_rank_00_000_000", "mp_rank_00_000_001"], folders
+    second = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--load", save]))
+    assert all(r[1] == ITERS for r in second)
+    _same_losses(first[0][0] + second[0][0], moe_reference["B"])
+
+
+def test_ep2_bf16_trains(tmp_path):
+    argv = _argv(str(tmp_path / "bf16"), 6, MOE + ["--expert-model-parallel-size", "2", "--bf16", "--moe-grouped-gemm"])
+    losses = [r for r in run_ranks(2, _run_cli_result, argv)][0][0]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
