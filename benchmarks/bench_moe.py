@@ -8,10 +8,12 @@
    activations sent per step counted by the dispatcher vs the formula from the routing map
    ``2 (there and back) x hidden x 4 bytes x routed slots whose expert is on the other rank``,
    and the dispatch + identity experts + combine time at EP=2 vs EP=1 (one process, one thread).
+3. ``gpt``: tokens/s of an MoE GPT (8 experts of FFN f, top-2, grouped GEMM, alltoall) vs a dense
+   GPT with FFN 2f (the same active parameters per token), forward + backward, one process.
 
 Rounds alternate the compared variants in one process; medians are reported.
 
-    python benchmarks/bench_moe.py [--part grouped|alltoall|all] [--rounds 5]
+    python benchmarks/bench_moe.py [--part grouped|alltoall|gpt|all] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -147,9 +149,44 @@ def bench_alltoall(rounds: int, tokens: int, hidden: int) -> None:
     print(f"  time per step: EP=1 {t1 * 1e3:.2f} ms, EP=2 {t2 * 1e3:.2f} ms (EP=2 / EP=1 = {t2 / t1:.2f})")
 
 
+def bench_gpt(rounds: int, hidden: int, ffn: int) -> None:
+    from megatron_lite.models.gpt import GPTModel
+    from megatron_lite.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    batch, seq = 4, 128
+    shape = dict(num_layers=4, hidden_size=hidden, num_attention_heads=4, seq_length=seq, vocab_size=4096,
+                 swiglu=True, add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+                 position_embedding_type="rope", normalization="RMSNorm")
+    models = {
+        "dense": GPTModel(TransformerConfig(ffn_hidden_size=2 * ffn, **shape), ParallelState()),
+        "moe": GPTModel(TransformerConfig(num_experts=8, moe_ffn_hidden_size=ffn, moe_router_topk=2,
+                                          moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall", **shape),
+                        ParallelState()),
+    }
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 4096, (batch, seq), generator=gen)
+    labels = torch.randint(0, 4096, (batch, seq), generator=gen)
+
+    def step(model):
+        return lambda: model(tokens, labels=labels).mean().backward()
+
+    times = {name: [] for name in models}
+    for model in models.values():
+        step(model)()
+    for r in range(rounds):
+        for name in (list(models) if r % 2 == 0 else list(reversed(models))):
+            times[name].append(_time(step(models[name]), 2))
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    tps = {name: batch * seq / statistics.median(t) for name, t in times.items()}
+    print(f"MoE GPT vs dense GPT of the same active parameters: 4 layers, hidden {hidden}, seq {seq}, batch {batch}, "
+          f"1 thread; MoE 8 x ffn {ffn} top-2 ({params['moe']:,} params), dense ffn {2 * ffn} ({params['dense']:,})")
+    print(f"  tokens/s: dense {tps['dense']:.0f}, MoE {tps['moe']:.0f}, MoE / dense = {tps['moe'] / tps['dense']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["grouped", "alltoall", "all"], default="all")
+    parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)
@@ -162,6 +199,8 @@ def main() -> None:
             bench_grouped(args.rounds, 128, 64, 128)
     if args.part in ("alltoall", "all"):
         bench_alltoall(args.rounds, args.tokens, args.hidden)
+    if args.part in ("gpt", "all"):
+        bench_gpt(args.rounds, args.hidden, args.ffn)
 
 
 if __name__ == "__main__":
