@@ -103,7 +103,8 @@ class TopKRouter(nn.Module):
             probs, routing_map, dropped = drop_to_capacity(
                 probs, routing_map, capacity, policy=c.moe_token_drop_policy,
                 pad_to_capacity=c.moe_pad_expert_input_to_capacity)
-            self.num_dropped_tokens += dropped
+            if grad:  # once per training forward (not in evaluation, nor twice under recomputation)
+                self.num_dropped_tokens += dropped
         if grad:
             probs = self._attach_balancing_losses(logits, probs, hidden.shape[0])
             if self.expert_bias is not None:

@@ -76,3 +76,42 @@ def check_ddp(ep, tp):
 @pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
 def test_expert_grads_reduced_over_expert_dp_and_counted_once(ep, tp):
     assert all(run_ranks(4, check_ddp, ep, tp))
+
+
+METRIC_OVERRIDES = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.01, 0.02],
+                        moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.0)
+
+
+def check_logged_losses(ep, tp):
+    """The logged router losses after the reduction (sum over TP, mean over DP) equal the mean over
+    the data ranks of the single-process layer's values; dropped tokens are summed over all ranks."""
+    from megatron_lite.moe.metrics import dropped_tokens, reduce_moe_losses, tracked_loss_names
+
+    state = cached_state(ep=ep, tp=tp)
+    data = _data(state.dp_size)
+    config = moe_config(sequence_parallel=tp > 1, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                        **METRIC_OVERRIDES)
+    layer = MoELayer(config, state, 2)
+    layer.train()
+    x, dy = (t.chunk(tp, dim=0)[state.tp_rank] for t in data[state.dp_rank])
+    (layer(x) * dy).sum().backward()
+    names = tracked_loss_names(config)
+    logged = reduce_moe_losses([layer], state, names, config.num_layers, num_microbatches=1)
+    dropped = dropped_tokens([layer], state)
+    ref = MoELayer(moe_config(**METRIC_OVERRIDES), ParallelState(world_size=1, rank=0), 2)
+    ref.train()
+    for xd, dyd in data:
+        (ref(xd) * dyd).sum().backward()
+    assert sorted(names) == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
+    for name in names:
+        assert logged[name][0] == 0  # layer 1 is not this layer
+        expected = ref.router.metrics[name] / len(data)
+        torch.testing.assert_close(logged[name][1], expected, rtol=1e-5, atol=1e-6)
+    if tp == 1:  # capacity depends on the tokens per rank, which SP changes
+        assert dropped == ref.router.num_dropped_tokens > 0
+    return True
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
+def test_logged_router_losses_match_single_process(ep, tp):
+    assert all(run_ranks(4, check_logged_losses, ep, tp))

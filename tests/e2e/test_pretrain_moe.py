@@ -84,7 +84,7 @@ def _run_cli_result(argv):
 
 def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
     """Expert weights are saved per EP rank (its own folder) with the expert bias; a resumed EP2 run
-    continues the single-process trajectory."""
+    gives bit-identically the losses of an uninterrupted EP2 run (which follow the single process)."""
     save = str(tmp_path / "resumed")
     flags = MOE + MOE_B + ["--expert-model-parallel-size", "2"]
     first = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--exit-interval", "4"]))
@@ -93,7 +93,9 @@ def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
     assert folders == ["mp_rank_00_000_000", "mp_rank_00_000_001"], folders
     second = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--load", save]))
     assert all(r[1] == ITERS for r in second)
-    _same_losses(first[0][0] + second[0][0], moe_reference["B"])
+    straight = run_ranks(2, _run_cli_result, _argv(str(tmp_path / "straight"), ITERS, flags))
+    assert first[0][0] + second[0][0] == straight[0][0]  # bit-identical continuation
+    _same_losses(straight[0][0], moe_reference["B"])
 
 
 def test_ep2_bf16_trains(tmp_path):
