@@ -106,7 +106,7 @@ class MoEConfig:
     moe_per_layer_logging: bool = False
     """Write the router losses of every MoE layer to TensorBoard."""
     expert_tensor_parallel_size: int | None = None
-    """Tensor-parallel size of the experts (default and only supported value: --tensor-model-parallel-size)."""
+    """Tensor-parallel size of the experts: --tensor-model-parallel-size (default) or 1 (whole experts)."""
     overlap_moe_expert_parallel_comm: bool = False
     """Overlap the expert-parallel all-to-all across micro-batches (refused)."""
     moe_layer_recompute: bool = False
@@ -215,10 +215,11 @@ def _parallel_problem(moe: MoEConfig, *, num_layers, tp, ep, sequence_parallel, 
         return f"--num-experts {e} must be divisible by --expert-model-parallel-size {ep}"
     if tp > 1 and not sequence_parallel:
         return "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel"
-    if moe.expert_tensor_parallel_size not in (None, tp):
-        return (f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size} differs from "
-                f"--tensor-model-parallel-size {tp}; only equal sizes are supported (drop the flag)")
-    if moe.moe_ffn_hidden_size % tp:
+    etp = moe.expert_tensor_parallel_size
+    if etp not in (None, 1, tp):
+        return (f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} "
+                "(other sizes need a folded expert grid, not implemented)")
+    if etp != 1 and moe.moe_ffn_hidden_size % tp:
         return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None and (shared < 1 or shared % tp):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import comm
+from .experts import expert_tp_group
 
 DISPATCHER_TYPES = ("allgather", "alltoall")
 
@@ -86,9 +87,9 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) ->
 class AllToAllDispatcher:
     def __init__(self, config, state):
         self.num_experts = config.num_experts
-        self.ep_group, self.etp_group = state.ep_group, state.tp_group
-        self.ep_size, self.etp_size = state.ep_size, comm.group_size(state.tp_group)
-        self.etp_rank = comm.group_rank(state.tp_group)
+        self.ep_group, self.etp_group = state.ep_group, expert_tp_group(config, state)
+        self.ep_size, self.etp_size = state.ep_size, comm.group_size(self.etp_group)
+        self.etp_rank = comm.group_rank(self.etp_group)
         self.num_local = config.num_experts // state.ep_size
         self.first = state.ep_rank * self.num_local
         self.bytes_sent = 0  # token-activation bytes this rank sent in the EP all-to-all (dispatch + combine)
@@ -127,7 +128,7 @@ class AllToAllDispatcher:
 
 class AllGatherDispatcher:
     def __init__(self, config, state):
-        self.groups = tuple(g for g in (state.tp_group, state.ep_group) if comm.group_size(g) > 1)
+        self.groups = tuple(g for g in (expert_tp_group(config, state), state.ep_group) if comm.group_size(g) > 1)
         self.num_local = config.num_experts // state.ep_size
         self.first = state.ep_rank * self.num_local
 

@@ -98,11 +98,19 @@ def _padded_rows(tokens_per_expert: list[int], max_rows: int, device) -> torch.T
     return (torch.repeat_interleave(starts, counts) + within).to(device)
 
 
-def _mark(param: nn.Parameter, ep_size: int, partition_dim: int | None = None) -> None:
+def expert_tp_group(config, state):
+    """The group the experts are split over: the tensor-parallel group, or none (whole experts on
+    every TP rank) with ``--expert-tensor-parallel-size 1``."""
+    return None if config.expert_tensor_parallel_size == 1 else state.tp_group
+
+
+def _mark(param: nn.Parameter, ep_size: int, partition_dim: int | None, replicated_over_tp: bool) -> None:
     param.is_expert = True
     param.allreduce = ep_size == 1
     if partition_dim is not None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
+    # whole experts on every TP rank, each fed its own sequence shard's tokens: sum the grads over TP
+    param.sequence_parallel = replicated_over_tp
 
 
 class _ExpertWeights:
@@ -127,22 +135,23 @@ class _ExpertsBase(nn.Module):
         self.bias = bool(config.add_bias_linear)
         self.num_local_experts = config.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local_experts
-        self.etp_group = state.tp_group
+        self.etp_group = expert_tp_group(config, state)
         self.etp_rank, self.etp_size = comm.group_rank(self.etp_group), comm.group_size(self.etp_group)
+        self.replicated_over_tp = self.etp_group is None and state.tp_size > 1
         self.ep_size = state.ep_size
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
         self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
         param = nn.Parameter(data.to(self.dtype).contiguous())
-        _mark(param, self.ep_size, partition_dim)
+        _mark(param, self.ep_size, partition_dim if self.etp_size > 1 else None, self.replicated_over_tp)
         return param
 
     def _bias2(self, shape) -> nn.Parameter:
         """fc2's bias is whole on every expert-tensor rank; only rank 0 adds it, and the gradient is
         summed over the group like a sequence-parallel weight's."""
         param = self._param(torch.zeros(shape), None)
-        param.sequence_parallel = self.etp_size > 1
+        param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
         return param
 
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,10 @@ def check_layer_config(config, state) -> None:
                           f"--expert-model-parallel-size {state.ep_size}")
     if state.tp_size > 1 and not config.sequence_parallel:
         raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel")
-    etp = getattr(config, "expert_tensor_parallel_size", None)
-    if etp is not None and etp != state.tp_size:
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                          f"{state.tp_size}; only equal sizes are supported (drop the flag)")
+    etp = config.expert_tensor_parallel_size
+    if etp not in (None, 1, state.tp_size):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size "
+                          f"{state.tp_size}")
 
 
 class MoELayer(nn.Module):

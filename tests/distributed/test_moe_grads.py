@@ -39,13 +39,13 @@ def _reference(data):
     return ref
 
 
-def check_ddp(ep, tp):
+def check_ddp(ep, tp, etp=None):
     state = cached_state(ep=ep, tp=tp)
     data = _data(state.dp_size)
     ref = _reference(data)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     layer = MoELayer(moe_config(sequence_parallel=tp > 1, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                **OVERRIDES), state, 1)
+                                expert_tensor_parallel_size=etp, **OVERRIDES), state, 1)
     layer.train()
     ddp = DistributedDataParallel(layer, state)
     x, dy = (t.chunk(tp, dim=0)[state.tp_rank] for t in data[state.dp_rank])
@@ -73,9 +73,9 @@ def check_ddp(ep, tp):
     return True
 
 
-@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
-def test_expert_grads_reduced_over_expert_dp_and_counted_once(ep, tp):
-    assert all(run_ranks(4, check_ddp, ep, tp))
+@pytest.mark.parametrize("ep,tp,etp", [(2, 1, None), (4, 1, None), (2, 2, None), (2, 2, 1)])
+def test_expert_grads_reduced_over_expert_dp_and_counted_once(ep, tp, etp):
+    assert all(run_ranks(4, check_ddp, ep, tp, etp))
 
 
 METRIC_OVERRIDES = dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.01, 0.02],

@@ -42,6 +42,8 @@ def moe_reference(tmp_path_factory):
         ("ep4", 4, "A", ["--expert-model-parallel-size", "4"]),
         ("ep2_tp2_sp", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
+        ("ep2_tp2_sp_etp1", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
