@@ -11,7 +11,9 @@ import math
 import os
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import pretrain_gpt
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_losses, _single
 from tests.harness import run_ranks
 
@@ -78,8 +80,6 @@ def test_bad_moe_combinations_exit_2(tmp_path, capsys, extra, words):
 
 def _run_cli_result(argv):
     """Inside a rank: (losses, iteration, exit reason)."""
-    import pretrain_gpt
-
     result = pretrain_gpt.main(argv)
     return result.losses, result.iteration, result.exit_reason
 
@@ -104,3 +104,25 @@ def test_ep2_bf16_trains(tmp_path):
     argv = _argv(str(tmp_path / "bf16"), 6, MOE + ["--expert-model-parallel-size", "2", "--bf16", "--moe-grouped-gemm"])
     losses = [r for r in run_ranks(2, _run_cli_result, argv)][0][0]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_router_losses_in_console_and_tensorboard(tmp_path, capsys):
+    """The console line carries the router losses right after lm loss; TensorBoard gets them, per
+    layer with --moe-per-layer-logging, and the dropped-token count with a capacity factor."""
+    tb = tmp_path / "tb"
+    argv = _argv(str(tmp_path / "ckpt"), 3, MOE + ["--moe-layer-freq", "([0,1]*2)", "--moe-per-layer-logging",
+                                                  "--moe-expert-capacity-factor", "0.5", "--tensorboard-dir", str(tb)])
+    pretrain_gpt.main(argv)
+    line = [x for x in capsys.readouterr().out.splitlines() if "iteration        2/" in x][0]
+    assert " lm loss: " in line and line.index(" lm loss: ") < line.index(" load_balancing_loss: ") \
+        < line.index(" z_loss: ") < line.index(" loss scale: "), line
+    balance = float(line.split(" load_balancing_loss: ")[1].split(" |")[0])
+    assert 0.9 < balance < 2.0, balance
+    files = glob.glob(str(tb / "events.*"))
+    acc = EventAccumulator(files[0], size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"load_balancing_loss", "z_loss", "moe/load_balancing_loss_layer_1", "moe/load_balancing_loss_layer_3",
+                "moe/z_loss_layer_1", "moe/z_loss_layer_3", "moe/dropped_tokens"}
+    assert expected <= tags and "moe/z_loss_layer_0" not in tags, tags
+    assert acc.Scalars("moe/dropped_tokens")[0].value > 0  # capacity 0.5 must drop
