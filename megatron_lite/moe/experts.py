@@ -74,7 +74,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: lis
     are scattered into ``[E, max_rows, K]`` (zero padding), multiplied by ``torch.bmm`` and gathered
     back. Both are one kernel for all experts and exact under autograd.
     """
-    if grouped_mm_available(x, weight) and len(tokens_per_expert) > 0:
+    if grouped_mm_available(x, weight) and x.shape[0] > 0:  # (the kernel rejects an empty gradient)
         offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
         return _GroupedMM.apply(x.contiguous(), weight.contiguous(), offsets)
     return padded_batched_matmul(x, weight, tokens_per_expert)
@@ -85,8 +85,8 @@ def padded_batched_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expe
     experts, max_rows = weight.shape[0], max(tokens_per_expert, default=0)
     rows = _padded_rows(tokens_per_expert, max_rows, x.device)
     padded = x.new_zeros(experts * max_rows, x.shape[1]).index_copy(0, rows, x)
-    out = torch.bmm(padded.view(experts, max_rows, -1), weight)
-    return out.view(experts * max_rows, -1).index_select(0, rows)
+    out = torch.bmm(padded.view(experts, max_rows, x.shape[1]), weight)
+    return out.view(experts * max_rows, weight.shape[-1]).index_select(0, rows)
 
 
 def _padded_rows(tokens_per_expert: list[int], max_rows: int, device) -> torch.Tensor:

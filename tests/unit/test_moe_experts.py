@@ -97,3 +97,13 @@ def test_grouped_matmul_paths_equal_per_expert_matmul(shape):
         _close(xi.grad, xr.grad)
         _close(wi.grad, wr.grad)
     assert grouped_mm_available(x, w) == (hasattr(torch, "_grouped_mm") and k % 4 == 0 and m % 4 == 0)
+
+
+def test_grouped_matmul_with_no_rows():
+    """A rank whose local experts received no token: empty output, zero weight gradient."""
+    x = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(2, 8, 16, requires_grad=True)
+    y = grouped_matmul(x, w, [0, 0])
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() == 0
