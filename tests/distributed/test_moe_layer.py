@@ -115,6 +115,7 @@ CASES = {
                                             moe_shared_expert_intermediate_size=16, **LOSSES)),
     "ep2-tp2-sp-etp1-allgather-grouped": (2, 2, dict(expert_tensor_parallel_size=1, moe_grouped_gemm=True,
                                                      moe_token_dispatcher_type="allgather", **LOSSES)),
+    "ep2-sinkhorn-top1": (2, 1, dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1)),
     "ep2-sigmoid-groups-bias": (2, 1, dict(num_experts=8, moe_router_score_function="sigmoid",
                                            moe_router_enable_expert_bias=True, moe_router_num_groups=4,
                                            moe_router_group_topk=2, moe_router_topk_scaling_factor=2.0,
@@ -126,3 +127,32 @@ CASES = {
 def test_moe_layer_matches_single_process(case):
     ep, tp, overrides = CASES[case]
     assert all(run_ranks(ep * tp, check_layer, ep, tp, overrides))
+
+
+def check_bf16(ep, tp):
+    """bf16 weights and activations at EP x TP against the fp32 single-process layer: output and input
+    gradient within 3e-2 of the reference's scale (bf16 keeps 8 bits of mantissa)."""
+    state = cached_state(ep=ep, tp=tp)
+    overrides = dict(swiglu=True, moe_grouped_gemm=True, moe_shared_expert_intermediate_size=16, **LOSSES)
+    xs = [torch.randn(S, B, 16, generator=torch.Generator().manual_seed(10 + d)) for d in range(state.dp_size)]
+    dys = [torch.randn(S, B, 16, generator=torch.Generator().manual_seed(50 + d)) for d in range(state.dp_size)]
+    runs = _reference(overrides, xs, dys)
+    config = moe_config(sequence_parallel=tp > 1, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                        params_dtype=torch.bfloat16, moe_router_dtype="fp32", **overrides)
+    layer = MoELayer(config, state, 1)
+    layer.train()
+    mine = state.dp_rank
+    x = xs[mine].chunk(tp, dim=0)[state.tp_rank].bfloat16().requires_grad_()
+    y = layer(x)
+    y.backward(dys[mine].chunk(tp, dim=0)[state.tp_rank].bfloat16())
+    assert y.dtype == torch.bfloat16
+    for actual, expected in ((y, runs[mine][0]), (x.grad, runs[mine][1])):
+        expected = expected.chunk(tp, dim=0)[state.tp_rank]
+        err = (actual.float() - expected).abs().max().item()
+        assert err <= 3e-2 * expected.abs().max().item(), err
+    return True
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
+def test_bf16_moe_layer_close_to_fp32(ep, tp):
+    assert all(run_ranks(ep * tp, check_bf16, ep, tp))
