@@ -14,7 +14,16 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_losses, _single
+from megatron_lite.checkpoint import load_gpt_checkpoint
+from tests.e2e.test_pretrain_gpt import (
+    MODEL,
+    _argv,
+    _one_line_exit_2,
+    _parallel,
+    _same_losses,
+    _same_weights,
+    _single,
+)
 from tests.harness import run_ranks
 
 MOE = [
@@ -32,7 +41,7 @@ ITERS = 8
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ref")
-    return {variant: _single(tmp, f"single{variant}", ITERS, MOE + extra)[0]
+    return {variant: _single(tmp, f"single{variant}", ITERS, MOE + extra)
             for variant, extra in (("A", []), ("B", MOE_B))}
 
 
@@ -56,10 +65,11 @@ def moe_reference(tmp_path_factory):
     ],
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
-    ref = moe_reference[variant]
-    losses, _ = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
+    ref, ref_save = moe_reference[variant]
+    losses, save = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
     _same_losses(losses, ref)
     assert ref[-1] < ref[0]  # it trained
+    _same_weights(save, ref_save)  # experts of every EP rank merged back into one process
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -97,7 +107,7 @@ def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
     assert all(r[1] == ITERS for r in second)
     straight = run_ranks(2, _run_cli_result, _argv(str(tmp_path / "straight"), ITERS, flags))
     assert first[0][0] + second[0][0] == straight[0][0]  # bit-identical continuation
-    _same_losses(straight[0][0], moe_reference["B"])
+    _same_losses(straight[0][0], moe_reference["B"][0])
 
 
 def test_ep2_bf16_trains(tmp_path):
@@ -126,3 +136,13 @@ def test_router_losses_in_console_and_tensorboard(tmp_path, capsys):
                 "moe/z_loss_layer_1", "moe/z_loss_layer_3", "moe/dropped_tokens"}
     assert expected <= tags and "moe/z_loss_layer_0" not in tags, tags
     assert acc.Scalars("moe/dropped_tokens")[0].value > 0  # capacity 0.5 must drop
+
+
+def test_ep_checkpoint_loads_into_one_process(moe_reference, tmp_path):
+    """An EP2 x TP2 checkpoint merges into a single-process MoE GPT (what tools/generate.py loads)."""
+    save = _parallel(tmp_path, "ep2tp2", 4, 3, MOE + MOE_B + ["--expert-model-parallel-size", "2",
+                                                             "--tensor-model-parallel-size", "2", "--sequence-parallel"])[1]
+    model, saved = load_gpt_checkpoint(save)
+    assert saved["num_experts"] == 4 and model.config.num_experts == 4
+    experts = model.decoder.layers[0].mlp.experts
+    assert experts.weight1.shape[0] == 4 and experts.num_local_experts == 4
