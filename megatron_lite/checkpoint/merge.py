@@ -91,9 +91,10 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
     tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     if set(payloads) != want:
-        missing = sorted(want - set(payloads))
-        raise CheckpointError(f"{path}: saved with tp {tp} x pp {pp} x ep {ep} but mp_rank files for (tp, pp, ep) "
-                              f"{missing} are missing; the checkpoint is incomplete")
+        missing = sorted(key[: 3 if ep > 1 else 2] for key in want - set(payloads))
+        layout, ranks = (f"tp {tp} x pp {pp} x ep {ep}", "(tp, pp, ep)") if ep > 1 else (f"tp {tp} x pp {pp}", "(tp, pp)")
+        raise CheckpointError(f"{path}: saved with {layout} but mp_rank files for {ranks} {missing} are missing; "
+                              "the checkpoint is incomplete")
     return payloads, tp, pp, ep
 
 
