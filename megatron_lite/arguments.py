@@ -20,8 +20,10 @@ from .models.transformer_config import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
 )
+from .moe.config import MOE_CHOICES
 
 CHOICES = {
+    **MOE_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+from .moe.config import MoEConfig
 
 __all__ = ["Config", "ConfigError", "finalize"]
 
@@ -254,6 +255,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     world_size: int = 1
     data_parallel_size: int = 1
 
@@ -265,7 +267,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -308,14 +310,14 @@ def _check_model(config: Config) -> None:
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers
+    for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
+        setattr(config.moe, f.name, getattr(model, f.name))
 
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
-    _require(p.expert_model_parallel_size == 1,
-             "--expert-model-parallel-size > 1 needs mixture-of-experts layers, which are not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size

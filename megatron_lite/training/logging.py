@@ -106,8 +106,9 @@ class TrainLogger:
     def log_iteration(self, iteration: int, losses: dict, lr: float, grad_norm, loss_scale: float,
                       skipped: bool, nan: bool, iter_time_s: float, batch_size: int, *,
                       consumed_samples: int | None = None, params_norm: float | None = None,
-                      num_zeros: int | None = None) -> str | None:
-        """Record one iteration; on a multiple of ``--log-interval`` print and return the line."""
+                      num_zeros: int | None = None, extra_scalars: dict | None = None) -> str | None:
+        """Record one iteration; on a multiple of ``--log-interval`` print and return the line.
+        ``extra_scalars`` go to TensorBoard only (e.g. ``moe/load_balancing_loss_layer_1``)."""
         losses = {k: float(v) for k, v in losses.items()}
         if consumed_samples is None:
             self.consumed_samples += int(batch_size)
@@ -138,6 +139,8 @@ class TrainLogger:
                 w.add_scalar("num-zeros", num_zeros, iteration)
             if params_norm is not None:
                 w.add_scalar("params-norm", params_norm, iteration)
+            for key, value in (extra_scalars or {}).items():
+                w.add_scalar(key, value, iteration)
 
         if iteration % self.log_interval != 0:
             return None

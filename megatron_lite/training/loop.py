@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
@@ -126,6 +127,9 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     """
     state = comm.state
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
+    moe = bool(config.moe.num_experts)
+    if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
+        set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state)
     reported = forward_backward(
         forward_step_func=forward_step_func,
@@ -138,6 +142,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
         no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
     )
     finalize_model_grads(chunks, state)
+    if moe:
+        finish_moe_step(chunks)  # expert-bias update from this step's token counts
     ok, grad_norm = optimizer.step()
     if ok:
         scheduler.step(1)
@@ -233,7 +239,8 @@ class _Training:
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
         flops = num_floating_point_operations(
-            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
+            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full",
+            moe_config=config.moe,
         )
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
@@ -257,15 +264,18 @@ class _Training:
         self.iteration += 1
         self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
+        moe_losses, moe_scalars = {}, {}
+        if self.config.moe.num_experts:  # collective: the routers' losses of this step
+            moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, num_microbatches(self.config))
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         self.logger.log_iteration(
-            self.iteration, losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
+            self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
-            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
+            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
         )
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
 
