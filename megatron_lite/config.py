@@ -240,6 +240,12 @@ class LoggingConfig:
     """Write TensorBoard scalars here."""
     log_throughput: bool = False
     """Include TFLOP/s per device in the log line."""
+    wandb_project: str = ""
+    """Weights & Biases project: log the TensorBoard scalars there too (optional wandb; WANDB_MODE=offline)."""
+    wandb_exp_name: str = ""
+    """Weights & Biases run name."""
+    wandb_save_dir: str = ""
+    """Folder for W&B's local files (default: <save>/wandb, else ./wandb)."""
 
 
 @dataclass

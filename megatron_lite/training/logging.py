@@ -19,7 +19,8 @@ TensorBoard (``--tensorboard-dir``, logging rank only) gets Megatron's scalar na
 ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``, ``params-norm``, ``num-zeros`` every
 iteration; ``iteration-time``, ``throughput``, ``tokens-per-second-per-device`` and the memory figure
 (``mem-max-allocated-bytes`` on GPU, ``mem-max-rss-bytes`` on CPU) every log interval;
-``lm loss validation`` and ``lm loss validation ppl`` at each evaluation.
+``lm loss validation`` and ``lm loss validation ppl`` at each evaluation. With ``--wandb-project``
+the same scalars also go to Weights & Biases (see :mod:`megatron_lite.training.writers`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from .writers import build_writer, check_wandb_available
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -87,10 +89,9 @@ class TrainLogger:
         self.consumed_samples = int(start_consumed_samples)
         self.enabled = is_logging_rank(state)
         self.writer = writer
-        if self.writer is None and self.enabled and config.logging.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        check_wandb_available(config)
+        if self.writer is None and self.enabled:  # TensorBoard and/or W&B, the same scalars to each
+            self.writer = build_writer(config)
         self._reset_interval()
 
     def _reset_interval(self) -> None:
