@@ -9,6 +9,12 @@ split than ``(x, y)`` and that split can arise while encoding; on GPT-2's vocabu
 tiktoken as GPT-2's encoder, and the tests compare both encoders on the sample corpus and on
 adversarial text. Any other vocabulary (a locally trained one) keeps the reference encoder.
 
+The two encoders also classify characters with different Unicode tables (the ``regex`` module's
+versus the Rust regex crate's), so a letter added in a recent Unicode version can be a letter to
+one and unassigned to the other, which changes the pre-tokenization. Documents holding a code
+point that this Python's ``unicodedata`` does not assign (newer than its Unicode version, which
+both libraries cover) therefore go to the reference encoder; everything else goes to tiktoken.
+
 ``MEGATRON_LITE_GPT2_BPE=python`` forces the reference encoder (benchmarks compare the two that way).
 """
 
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import unicodedata
 from collections.abc import Callable
 
 from megatron_lite.data.gpt2_bpe import BYTE_ENCODER, END_OF_TEXT, GPT2_PATTERN, GPT2BPE, symbols_to_bytes
@@ -41,6 +49,34 @@ def is_gpt2_vocabulary(bpe: GPT2BPE) -> bool:
     return all(enc.get(a + b) == 256 + rank for (a, b), rank in bpe.ranks.items())
 
 
+class UnassignedCharacters:
+    """Whether a text holds a code point this Python's ``unicodedata`` leaves unassigned (Cn).
+
+    ASCII text is answered at once; the Basic Multilingual Plane is one ``re`` class (compiled to a
+    bitmap, so a C-speed scan); the rarer characters above it (emoji, historic scripts) are looked
+    up one by one. Surrogates count as assigned: both encoders replace lone ones alike.
+    """
+
+    def __init__(self):
+        ranges, start = [], None
+        for cp in range(0x10001):
+            unassigned = cp < 0x10000 and unicodedata.category(chr(cp)) == "Cn"
+            if unassigned and start is None:
+                start = cp
+            elif not unassigned and start is not None:
+                ranges.append(f"\\u{start:04x}-\\u{cp - 1:04x}")
+                start = None
+        self.bmp = re.compile("[" + "".join(ranges) + "]")
+        self.astral = re.compile("[\\U00010000-\\U0010ffff]")
+
+    def __call__(self, text: str) -> bool:
+        if text.isascii():
+            return False
+        if self.bmp.search(text) is not None:
+            return True
+        return any(unicodedata.category(c) == "Cn" for c in self.astral.findall(text))
+
+
 def tiktoken_encoder(bpe: GPT2BPE) -> Callable[[str], list[int]] | None:
     """``text -> ids`` through tiktoken, or None (not installed, switched off, or not GPT-2's vocabulary)."""
     if os.environ.get(BACKEND_ENV, "auto") == "python":
@@ -54,4 +90,10 @@ def tiktoken_encoder(bpe: GPT2BPE) -> Callable[[str], list[int]] | None:
     ranks = {symbols_to_bytes(symbol): i for symbol, i in bpe.encoder.items() if symbol != END_OF_TEXT}
     encoding = tiktoken.Encoding("megatron_lite_gpt2", pat_str=GPT2_PATTERN.pattern, mergeable_ranks=ranks,
                                  special_tokens={})
-    return encoding.encode_ordinary  # "<|endoftext|>" in the text is ordinary text, as in the reference
+    fast, reference, newer = encoding.encode_ordinary, bpe.encode, UnassignedCharacters()
+
+    def encode(text: str) -> list[int]:
+        # "<|endoftext|>" in the text is ordinary text in both, as in GPT-2's encoder
+        return reference(text) if newer(text) else fast(text)
+
+    return encode
