@@ -16,7 +16,7 @@ launch() {
     local entry=$1
     shift
     if [ "${MEGATRON_LITE_CHECK_ARGS:-0}" != 0 ]; then
-        WORLD_SIZE=$((NUM_NODES * GPUS_PER_NODE)) exec python "$REPO/$entry" "$@"
+        WORLD_SIZE=$((NUM_NODES * GPUS_PER_NODE)) exec "${PYTHON:-python3}" "$REPO/$entry" "$@"
     fi
     export CUDA_DEVICE_MAX_CONNECTIONS=1  # keep communication kernels ordered with compute
     exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" --node-rank "$NODE_RANK" \

@@ -36,7 +36,8 @@ def _missing_feature(script: str) -> str | None:
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               PYTHON=sys.executable)
     env.pop("WORLD_SIZE", None)
     env.update(extra)
     return env
