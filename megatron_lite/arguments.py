@@ -27,6 +27,7 @@ CHOICES = {
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
     "optimizer": ["adam", "sgd"],
+    "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],

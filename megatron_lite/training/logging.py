@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from .timers import format_timers
 from .writers import build_writer, check_wandb_available
 
 
@@ -183,6 +184,17 @@ class TrainLogger:
         parts.append(f" tokens per second per device: {tokens_per_s:.1f} |")
         parts.append(f" peak memory (MB): {mem_bytes / 2**20:.1f} |")
         line = "".join(parts)
+        print(line, flush=True)
+        return line
+
+    def log_timers(self, iteration: int, times: dict[str, float]) -> str | None:
+        """Print the per-phase timers (ms per iteration) and, with --log-timers-to-tensorboard, write them."""
+        if not self.enabled:
+            return None
+        if self.writer is not None and self.config.logging.log_timers_to_tensorboard:
+            for name, ms in times.items():
+                self.writer.add_scalar(f"{name}-time", ms, iteration)
+        line = format_timers(times)
         print(line, flush=True)
         return line
 
