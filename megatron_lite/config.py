@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+from .logging_config import LoggingConfig
 from .moe.config import MoEConfig
 
 __all__ = ["Config", "ConfigError", "finalize"]
@@ -233,16 +234,6 @@ class CheckpointConfig:
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
-
-
-@dataclass
-class LoggingConfig:
-    log_interval: int = 100
-    """Print a log line every this many steps."""
-    tensorboard_dir: str | None = None
-    """Write TensorBoard scalars here."""
-    log_throughput: bool = False
-    """Include TFLOP/s per device in the log line."""
 
 
 @dataclass

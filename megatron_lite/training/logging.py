@@ -19,7 +19,8 @@ TensorBoard (``--tensorboard-dir``, logging rank only) gets Megatron's scalar na
 ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``, ``params-norm``, ``num-zeros`` every
 iteration; ``iteration-time``, ``throughput``, ``tokens-per-second-per-device`` and the memory figure
 (``mem-max-allocated-bytes`` on GPU, ``mem-max-rss-bytes`` on CPU) every log interval;
-``lm loss validation`` and ``lm loss validation ppl`` at each evaluation.
+``lm loss validation`` and ``lm loss validation ppl`` at each evaluation. With ``--wandb-project``
+the same scalars also go to Weights & Biases (see :mod:`megatron_lite.training.writers`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from .timers import format_timers
+from .writers import build_writer, check_wandb_available
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -87,10 +90,9 @@ class TrainLogger:
         self.consumed_samples = int(start_consumed_samples)
         self.enabled = is_logging_rank(state)
         self.writer = writer
-        if self.writer is None and self.enabled and config.logging.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        check_wandb_available(config)
+        if self.writer is None and self.enabled:  # TensorBoard and/or W&B, the same scalars to each
+            self.writer = build_writer(config)
         self._reset_interval()
 
     def _reset_interval(self) -> None:
@@ -185,6 +187,17 @@ class TrainLogger:
         parts.append(f" tokens per second per device: {tokens_per_s:.1f} |")
         parts.append(f" peak memory (MB): {mem_bytes / 2**20:.1f} |")
         line = "".join(parts)
+        print(line, flush=True)
+        return line
+
+    def log_timers(self, iteration: int, times: dict[str, float]) -> str | None:
+        """Print the per-phase timers (ms per iteration) and, with --log-timers-to-tensorboard, write them."""
+        if not self.enabled:
+            return None
+        if self.writer is not None and self.config.logging.log_timers_to_tensorboard:
+            for name, ms in times.items():
+                self.writer.add_scalar(f"{name}-time", ms, iteration)
+        line = format_timers(times)
         print(line, flush=True)
         return line
 

@@ -31,6 +31,7 @@ from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
+from .timers import Timers
 
 
 @dataclass
@@ -120,33 +121,40 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
     return dict(zip(keys, values.tolist()))
 
 
-def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator):
+def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None):
     """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm).
 
-    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState.
+    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
+    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
     """
     state = comm.state
+    timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     moe = bool(config.moe.num_experts)
     if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
         set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state)
-    reported = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=chunks,
-        num_microbatches=num_microbatches(config),
-        comm=comm,
-        forward_only=False,
-        grad_scale_func=optimizer.scale_loss,
-        no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-    )
-    finalize_model_grads(chunks, state)
+    with timers.phase("forward-backward"):
+        reported = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=chunks,
+            num_microbatches=num_microbatches(config),
+            comm=comm,
+            forward_only=False,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+        )
+    with timers.phase("all-grads-sync"):
+        finalize_model_grads(chunks, state)
     if moe:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
-    ok, grad_norm = optimizer.step()
-    if ok:
-        scheduler.step(1)
+    with timers.phase("optimizer"):
+        ok, grad_norm = optimizer.step()
+    with timers.phase("lr-scheduler"):
+        if ok:
+            scheduler.step(1)
+    timers.iterations += 1
     return _average_over_dp(reported, state), ok, grad_norm
 
 
@@ -235,7 +243,10 @@ class _Training:
                  exit_signal: _ExitSignal | None = None):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
-        self.train_iter, self.valid_iter = train_iter, valid_iter
+        self.timers = Timers(config.logging.timing_log_level, get_device())
+        self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
+                           else self.timers.timed_iterator(train_iter))
+        self.valid_iter = valid_iter
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
         flops = num_floating_point_operations(
@@ -260,7 +271,7 @@ class _Training:
         t, result = self.config.training, self.result
         step_start = time.time()
         losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                           self.forward_step_func, self.train_iter)
+                                           self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
         self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
@@ -277,6 +288,8 @@ class _Training:
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
             iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
         )
+        if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
+            self.logger.log_timers(self.iteration, self.timers.take())
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
 
     def validate(self, record: bool = True) -> None:
