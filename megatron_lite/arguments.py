@@ -20,14 +20,17 @@ from .models.transformer_config import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
 )
+from .moe.config import MOE_CHOICES
 
 CHOICES = {
+    **MOE_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
     "optimizer": ["adam", "sgd"],
     "pipeline_schedule": ["1f1b", "zb-h1"],
+    "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
@@ -134,4 +137,25 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         finalize(config, world_size)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    if os.environ.get(CHECK_ARGS_ENV, "0") not in ("", "0"):
+        print(args_summary(config))
+        parser.exit(0)
     return config
+
+
+CHECK_ARGS_ENV = "MEGATRON_LITE_CHECK_ARGS"
+"""Set to 1 to only validate the flags: any training script exits 0 after parsing and validating
+them for WORLD_SIZE processes (no process group, no data, no model), e.g. for a 1024-GPU script:
+``MEGATRON_LITE_CHECK_ARGS=1 WORLD_SIZE=1024 python pretrain_gpt.py <its flags>``."""
+
+
+def args_summary(config: Config) -> str:
+    """One line: the layout and batch the flags give for this world size."""
+    p, t = config.parallel, config.training
+    micro_batches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+    return (
+        f"arguments valid for world size {config.world_size}: TP {p.tensor_model_parallel_size} x "
+        f"PP {p.pipeline_model_parallel_size} x DP {config.data_parallel_size}, global batch "
+        f"{t.global_batch_size} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
+        f"DP {config.data_parallel_size}"
+    )

@@ -1,18 +1,22 @@
 """Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
 
-Every field has a one-line help text (the string literal under it); :mod:`megatron_lite.arguments` turns
-the fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``).
-:func:`finalize` fills derived values and validates the combination, raising :class:`ConfigError` with one
-line naming the flag and the fix.
+Every field has a one-line help text (the string literal under it);
+:mod:`megatron_lite.arguments` turns the fields into argparse flags
+(``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``). :func:`finalize` fills derived
+values and validates the combination, raising :class:`ConfigError` with one line naming the flag
+and the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import ConfigError
+from .logging_config import LoggingConfig
+from .moe.config import MoEConfig
 
 __all__ = ["Config", "ConfigError", "finalize"]
 
@@ -235,18 +239,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    log_interval: int = 100
-    """Print a log line every this many steps."""
-    tensorboard_dir: str | None = None
-    """Write TensorBoard scalars here."""
-    log_throughput: bool = False
-    """Include TFLOP/s per device in the log line."""
-    log_comm_volume: bool = False
-    """Count the bytes each rank sends per step, per group kind (tp, sp, cp, ep, dp, pp), and log rank 0's."""
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -256,6 +248,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     world_size: int = 1
     data_parallel_size: int = 1
 
@@ -263,11 +256,11 @@ class Config:
         """All fields of all sections in one dict (for logging and checkpoints)."""
         out = {}
         for section in SECTIONS:
-            out.update(asdict(getattr(self, section)))
+            out.update(dataclasses.asdict(getattr(self, section)))
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -310,14 +303,14 @@ def _check_model(config: Config) -> None:
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers
+    for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
+        setattr(config.moe, f.name, getattr(model, f.name))
 
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
-    _require(p.expert_model_parallel_size == 1,
-             "--expert-model-parallel-size > 1 needs mixture-of-experts layers, which are not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size

@@ -32,6 +32,7 @@ ARCH_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
     "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
 )
 
 

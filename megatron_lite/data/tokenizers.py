@@ -60,6 +60,7 @@ def _need(value, flag: str, tokenizer_type: str):
 class GPT2BPETokenizer(Tokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
         from megatron_lite.data.gpt2_bpe import END_OF_TEXT, GPT2BPE
+        from megatron_lite.data.gpt2_fast import tiktoken_encoder
 
         self.bpe = GPT2BPE.from_files(vocab_file, merge_file)
         if END_OF_TEXT not in self.bpe.encoder:
@@ -67,9 +68,17 @@ class GPT2BPETokenizer(Tokenizer):
         self.vocab, self.inv_vocab = self.bpe.encoder, self.bpe.decoder
         self.vocab_size = len(self.vocab)
         self.eod = self.vocab[END_OF_TEXT]
+        # tiktoken for GPT-2's own vocabulary when installed (same ids, compiled); else the reference
+        self.backend = "tiktoken" if (fast := tiktoken_encoder(self.bpe)) else "python"
+        self._encode = fast or self.bpe.encode
 
     def tokenize(self, text: str) -> list[int]:
-        return self.bpe.encode(text)
+        try:
+            return self._encode(text)
+        except UnicodeEncodeError:  # surrogate code points: UTF-8 cannot encode them as they are
+            from megatron_lite.data.gpt2_bpe import utf8_encodable
+
+            return self._encode(utf8_encodable(text))
 
     def detokenize(self, ids) -> str:
         return self.bpe.decode(ids)

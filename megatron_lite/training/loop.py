@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
@@ -32,6 +33,7 @@ from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
+from .timers import Timers
 
 
 @dataclass
@@ -122,28 +124,40 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
     return dict(zip(keys, values.tolist()))
 
 
-def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator):
+def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None):
     """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm).
 
-    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState.
+    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
+    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
     """
     state = comm.state
+    timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
+    moe = bool(config.moe.num_experts)
+    if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
+        set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-    reported = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=chunks,
-        num_microbatches=num_microbatches(config),
-        comm=comm,
-        forward_only=False,
-        grad_scale_func=optimizer.scale_loss,
-        no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-    )
-    finalize_model_grads(chunks, state)
-    ok, grad_norm = optimizer.step()
-    if ok:
-        scheduler.step(1)
+    with timers.phase("forward-backward"):
+        reported = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=chunks,
+            num_microbatches=num_microbatches(config),
+            comm=comm,
+            forward_only=False,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+        )
+    with timers.phase("all-grads-sync"):
+        finalize_model_grads(chunks, state)
+    if moe:
+        finish_moe_step(chunks)  # expert-bias update from this step's token counts
+    with timers.phase("optimizer"):
+        ok, grad_norm = optimizer.step()
+    with timers.phase("lr-scheduler"):
+        if ok:
+            scheduler.step(1)
+    timers.iterations += 1
     return _average_over_dp(reported, state), ok, grad_norm
 
 
@@ -232,11 +246,15 @@ class _Training:
                  exit_signal: _ExitSignal | None = None):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
-        self.train_iter, self.valid_iter = train_iter, valid_iter
+        self.timers = Timers(config.logging.timing_log_level, get_device())
+        self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
+                           else self.timers.timed_iterator(train_iter))
+        self.valid_iter = valid_iter
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
         flops = num_floating_point_operations(
-            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
+            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full",
+            moe_config=config.moe,
         )
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
@@ -258,7 +276,7 @@ class _Training:
         step_start = time.time()
         with self.volume.counting() if self.volume is not None else contextlib.nullcontext():
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                               self.forward_step_func, self.train_iter)
+                                               self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
         if self.volume is not None:
             result.comm_volume.append(self.volume.end_step())
@@ -266,16 +284,21 @@ class _Training:
                 print_rank_0(f" rank 0 {CommVolume.format(result.comm_volume[-1])} in iteration {self.iteration}")
         self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
+        moe_losses, moe_scalars = {}, {}
+        if self.config.moe.num_experts:  # collective: the routers' losses of this step
+            moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, num_microbatches(self.config))
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         self.logger.log_iteration(
-            self.iteration, losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
+            self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
-            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
+            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
         )
+        if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
+            self.logger.log_timers(self.iteration, self.timers.take())
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
 
     def validate(self, record: bool = True) -> None:
