@@ -9,8 +9,9 @@ setup(
     # CI pins torch==2.13.0 (installed first by .ci/run); the code needs 2.5+ (SDPA with enable_gqa).
     install_requires=["torch>=2.5", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "ruff==0.17.6", "tokenizers"],
-        "hf": ["tokenizers"],
+        "test": ["pytest", "ruff==0.17.6", "tokenizers", "transformers", "safetensors"],
+        # Hugging Face tokenizers, and checkpoint export/import (tools/checkpoint/convert.py --loader/--saver hf)
+        "hf": ["tokenizers", "safetensors", "transformers"],
         "bench": ["transformers"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).
         # NVIDIA apex is source-only; the PyPI package named "apex" is unrelated: never install it.

@@ -45,7 +45,9 @@ def _strip(sd: dict) -> dict:
 
 
 def merge_checkpoint(path: str) -> tuple[dict, dict]:
-    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder."""
+    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
+
+    The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``."""
     files = find_model_files(path)
     if any(len(key) != 2 for key in files):
         raise CheckpointError(f"{path} is an expert-parallel (MoE) checkpoint; merging those is not supported here")
@@ -58,6 +60,8 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
         raise CheckpointError(f"{path}: saved with tp {tp} x pp {pp} but mp_rank files for (tp, pp) {missing} "
                               "are missing; the checkpoint is incomplete")
     saved_config = dict(first["config"])
+    for key in ("iteration", "consumed_samples"):
+        saved_config.setdefault(key, first.get(key))
     tied = not saved_config.get("untie_embeddings_and_output_weights", False)
 
     merged: dict = {}
