@@ -33,6 +33,7 @@ CHOICES = {
     "fp8_format": ["e4m3", "hybrid"],
     "fp8_recipe": ["delayed", "tensorwise"],
     "fp8_amax_compute_algo": ["max", "most_recent"],
+    "ckpt_format": ["torch", "torch_dist"],
     "tokenizer_type": [
         "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
         "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
