@@ -49,6 +49,8 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     swiglu: bool = False
     """SwiGLU MLP instead of GeLU."""
+    openai_gelu: bool = False
+    """GeLU with the tanh approximation (GPT-2's) instead of the exact erf form."""
     disable_bias_linear: bool = False
     """No biases in the linear layers."""
     untie_embeddings_and_output_weights: bool = False

@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
 from .hf_io import (
+    TOKENIZER_DIR,
     copy_tokenizer_files,
     parse_size,
     read_json,
@@ -31,8 +32,6 @@ from .hf_io import (
     write_safetensors,
 )
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
-
-TOKENIZER_DIR = "tokenizer"  # where an import puts the Hugging Face tokenizer files, inside --save-dir
 
 
 class Plugin(NamedTuple):
@@ -147,10 +146,9 @@ def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
 
 
 def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    """The megatron saver also keeps a Hugging Face source's tokenizer files (in ``<save>/tokenizer``)."""
+    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``)."""
     out = _save_megatron(bundle, args, progress)
-    if args.loader == "hf":
-        copy_tokenizer_files(bundle.tokenizer_files, os.path.join(args.save_dir, TOKENIZER_DIR))
+    copy_tokenizer_files(bundle.tokenizer_files, os.path.join(args.save_dir, TOKENIZER_DIR))
     return out
 
 

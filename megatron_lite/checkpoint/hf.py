@@ -5,8 +5,9 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
 * ``gpt2`` (``GPT2LMHeadModel``): learned absolute positions, LayerNorm, GeLU MLP, biases, multi-head
   attention. HF's Conv1D stores matrices ``[in, out]``, so every matrix is transposed, and its fused
   ``c_attn`` is ``[Q; K; V]`` (all heads of Q, then K, then V) while ours is per head
-  ``[q_h; k_h; v_h]``. Our MLP uses the exact (erf) GeLU, which is HF's ``activation_function:
-  "gelu"``; checkpoints using the tanh approximation (``gelu_new``, original GPT-2) are refused.
+  ``[q_h; k_h; v_h]``. GeLU: our exact (erf) form is HF's ``activation_function: "gelu"``, the tanh
+  approximation (``--openai-gelu``) is ``"gelu_new"`` (``"gelu_pytorch_tanh"`` is the same formula);
+  other activations are refused.
 * ``llama`` (``LlamaForCausalLM``): rotary embeddings (``rope_theta``), RMSNorm, SwiGLU, grouped-query
   attention, no biases (or biases on every linear: ``attention_bias`` + ``mlp_bias``), tied or untied.
   Our fused QKV ``[groups, (heads_per_group + 2) * head_dim, hidden]`` is split into q/k/v_proj per
@@ -24,6 +25,8 @@ from ..config import Config
 from ..errors import ConfigError
 
 STYLES = ("auto", "gpt2", "llama")
+# HF GPT-2 activation_function -> our --openai-gelu
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
 QKV, PROJ = "self_attention.linear_qkv.", "self_attention.linear_proj."
 FC1, FC2 = "mlp.linear_fc1.", "mlp.linear_fc2."
@@ -152,7 +155,8 @@ def to_hf(cfg: dict, sd: dict, style: str) -> tuple[dict, dict]:
     max_pos = cfg.get("max_position_embeddings") or cfg.get("seq_length")
     if style == "gpt2":
         hf = {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": layers, "n_embd": hidden,
-              "n_head": heads, "n_inner": ffn, "n_positions": max_pos, "activation_function": "gelu",
+              "n_head": heads, "n_inner": ffn, "n_positions": max_pos,
+              "activation_function": "gelu_new" if cfg.get("openai_gelu") else "gelu",
               "layer_norm_epsilon": cfg.get("norm_epsilon", 1e-5), "attn_pdrop": cfg.get("attention_dropout", 0.1),
               "resid_pdrop": cfg.get("hidden_dropout", 0.1), "embd_pdrop": cfg.get("hidden_dropout", 0.1),
               "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
@@ -183,8 +187,8 @@ def _base_config(**model) -> dict:
 
 def _gpt2_config(hf: dict) -> dict:
     act = hf.get("activation_function", "gelu_new")
-    _require(act == "gelu", f"activation_function {act!r} (tanh-approximated GeLU) cannot be expressed: megatron_lite's "
-             "MLP uses the exact GeLU (activation_function 'gelu')")
+    _require(act in GPT2_ACTIVATIONS, f"activation_function {act!r} cannot be expressed: the MLP's GeLU is exact "
+             "('gelu') or tanh-approximated ('gelu_new', --openai-gelu)")
     _require(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
              "scale_attn_by_inverse_layer_idx / scale_attn_weights false cannot be expressed: attention is scaled "
              "by 1/sqrt(head size)")
@@ -195,6 +199,7 @@ def _gpt2_config(hf: dict) -> dict:
         kv_channels=hidden // heads, ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
         max_position_embeddings=hf["n_positions"], position_embedding_type="learned_absolute",
         normalization="LayerNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), swiglu=False,
+        openai_gelu=GPT2_ACTIVATIONS[act],
         disable_bias_linear=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
         attention_dropout=hf.get("attn_pdrop", 0.1), hidden_dropout=hf.get("resid_pdrop", 0.1),
         init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"],

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from .format import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"  # a converted megatron checkpoint keeps Hugging Face tokenizer files here
 INDEX_FILE = "model.safetensors.index.json"
 # Tokenizer files copied between a Hugging Face folder and a converted checkpoint when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",

@@ -48,6 +48,7 @@ from .format import (
     param_meta,
     read_tracker,
 )
+from .hf_io import TOKENIZER_DIR, tokenizer_files_in
 from .merge import merge_checkpoint, model_config_from_saved
 
 # Tensors whose rows are the (padded) vocabulary.
@@ -96,7 +97,10 @@ def pad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
-    """The bundle of a megatron_lite checkpoint (save folder's latest iteration, or an ``iter_*`` folder)."""
+    """The bundle of a megatron_lite checkpoint (save folder's latest iteration, or an ``iter_*`` folder).
+
+    Tokenizer files to carry along: those in ``<load_dir>/tokenizer/`` and the files the saved
+    config's ``--vocab-file`` / ``--merge-file`` / ``--tokenizer-model`` name, when they exist."""
     state_dict, config = merge_checkpoint(load_dir)
     iteration = config.pop("iteration", None)
     consumed = config.pop("consumed_samples", 0) or 0
@@ -104,7 +108,7 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
         iteration = read_tracker(load_dir) or "release"
     vocab = config.get("vocab_size") or config["padded_vocab_size"]
     config["vocab_size"], config["padded_vocab_size"] = vocab, None
-    files = {}
+    files = tokenizer_files_in(os.path.join(load_dir, TOKENIZER_DIR))  # kept by an earlier conversion
     for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
         if config.get(key) and os.path.isfile(config[key]):
             files[name] = config[key]

@@ -30,6 +30,7 @@ VARIANTS = {
                   untie_embeddings_and_output_weights=True, norm_epsilon=1e-6),
 }
 VPP = {"gpt2": None, "llama": 1}  # layers per virtual stage
+HF_ACT = {"gpt2": "gelu", "gpt2_tanh": "gelu_new"}
 
 
 def model_config(variant, tp=1) -> ModelConfig:
@@ -198,9 +199,9 @@ def test_megatron_hf_megatron_round_trip_is_bit_exact(variant, sources, tmp_path
 
 def _random_hf_model(variant, transformers):
     torch.manual_seed(3)
-    if variant == "gpt2":
+    if variant in HF_ACT:
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=4, n_inner=48,
-                                      activation_function="gelu", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+                                      activation_function=HF_ACT[variant], resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -213,7 +214,7 @@ def _random_hf_model(variant, transformers):
     return model.eval()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["gpt2", "gpt2_tanh", "llama"])
 def test_hf_import_to_tp2_pp2_gives_the_same_logits(variant, tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _random_hf_model(variant, transformers)
@@ -227,8 +228,18 @@ def test_hf_import_to_tp2_pp2_gives_the_same_logits(variant, tmp_path):
     assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}"
     ours, saved = load_gpt_checkpoint(str(out))
     assert saved["padded_vocab_size"] == padded_vocab_size(VOCAB, 8, 2)
+    assert saved["openai_gelu"] == (variant == "gpt2_tanh")
     with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], model(TOKENS).logits, rtol=1e-5, atol=1e-5)
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+    # and back to Hugging Face from TP2 x PP2: the same model again, tokenizer file included
+    assert convert("--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "again") == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == "{}"
+    assert again.config.to_dict()["activation_function" if variant != "llama" else "hidden_act"] == \
+        model.config.to_dict()["activation_function" if variant != "llama" else "hidden_act"]
+    with torch.no_grad():
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_refusals_name_the_option(sources, tmp_path, capsys):
@@ -249,13 +260,14 @@ def test_hf_refusals_name_the_option(sources, tmp_path, capsys):
     assert not any(os.listdir(tmp_path / f"out{i}") for i in range(len(cases)) if (tmp_path / f"out{i}").exists())
 
 
-def test_hf_import_refuses_tanh_gelu(tmp_path, capsys):
+def test_hf_import_refuses_an_activation_it_cannot_express(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4)  # gelu_new
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=4,
+                                  activation_function="relu")
     transformers.GPT2LMHeadModel(cfg).save_pretrained(str(tmp_path / "hf"))
     capsys.readouterr()  # transformers' own progress output
     assert convert("--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "activation_function 'gelu_new'" in err, err
+    assert err.count("\n") == 1 and "activation_function 'relu'" in err, err
     assert not (tmp_path / "out").exists()
 
