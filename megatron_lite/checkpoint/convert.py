@@ -14,10 +14,12 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
@@ -31,7 +33,7 @@ from .hf_io import (
     write_json,
     write_safetensors,
 )
-from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
+from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
 
 class Plugin(NamedTuple):
@@ -91,8 +93,29 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     return TargetLayout(tp, pp, *split)
 
 
+def pretrain_flags(config: dict, release: bool) -> list[str]:
+    """The pretrain_gpt.py flags that load a converted checkpoint with this flat ``config``: the
+    model options that differ from their defaults, the parallel layout, and how to resume."""
+    flags = []
+    for cls in (ModelConfig, ParallelConfig):
+        for f in dataclasses.fields(cls):
+            value = config.get(f.name)
+            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == f.default:
+                continue
+            if cls is ParallelConfig and not f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers")):
+                continue  # the layout only, not how this run was optimised
+            flag = "--" + f.name.replace("_", "-")
+            flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+    return flags + ([] if release else ["--no-load-optim", "--no-load-rng"])
+
+
 def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    return save_megatron(bundle, args.save_dir, target_layout(bundle, args), progress)
+    """Write the checkpoint; returns what to tell the user (where, and the flags that load it)."""
+    layout = target_layout(bundle, args)
+    out = save_megatron(bundle, args.save_dir, layout, progress)
+    config = target_config(bundle, layout)
+    flags = pretrain_flags(config, bundle.iteration == "release")
+    return f"{out}\nload it with: --load {args.save_dir} {' '.join(flags)} (and the tokenizer flags)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,3 +271,22 @@ def test_hf_import_refuses_an_activation_it_cannot_express(tmp_path, capsys):
     assert err.count("\n") == 1 and "activation_function 'relu'" in err, err
     assert not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_printed_flags_describe_the_converted_model(variant, sources, tmp_path, capsys):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.format import ARCH_FIELDS
+
+    out = tmp_path / "tp4"
+    assert convert("--load-dir", sources[variant], "--save-dir", out, "--target-tensor-parallel-size", 4,
+                   "--target-pipeline-parallel-size", 1) == 0
+    line = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
+    flags = line.split()
+    assert flags[:2] == ["--load", str(out)] and flags[-2:] == ["--no-load-optim", "--no-load-rng"]
+    run = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4).flat()
+    saved = merge_checkpoint(str(out))[1]
+    for key in ARCH_FIELDS:  # (None: a default the run derives; this test's sources were saved unfinalized)
+        if key != "padded_vocab_size" and saved[key] is not None:
+            assert run[key] == saved[key], key
+    assert run["tensor_model_parallel_size"] == 4
