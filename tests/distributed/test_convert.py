@@ -290,3 +290,37 @@ def test_printed_flags_describe_the_converted_model(variant, sources, tmp_path, 
         if key != "padded_vocab_size" and saved[key] is not None:
             assert run[key] == saved[key], key
     assert run["tensor_model_parallel_size"] == 4
+
+
+def _payload(root, iteration, t, p):
+    return torch.load(os.path.join(root, iteration, f"mp_rank_{t:02d}_{p:03d}", "model_optim_rng.pt"), weights_only=True)
+
+
+def test_interleaved_and_uneven_layouts_are_written_as_training_writes_them(sources, tmp_path):
+    """llama was saved by training at TP2 x PP2 with two virtual chunks per rank. Converting it with no
+    target options keeps that layout; TP1 and back to it with --target-num-layers-per-virtual-pipeline-stage
+    gives files equal to training's own (chunk layer ranges, partition meta, every real weight)."""
+    same, tp1, back, uneven = (tmp_path / n for n in ("same", "tp1", "back", "uneven"))
+    assert convert("--load-dir", sources["llama"], "--save-dir", same) == 0
+    assert convert("--load-dir", sources["llama"], "--save-dir", tp1, "--target-tensor-parallel-size", 1,
+                   "--target-pipeline-parallel-size", 1) == 0
+    assert convert("--load-dir", tp1, "--save-dir", back, "--target-tensor-parallel-size", 2,
+                   "--target-pipeline-parallel-size", 2, "--target-num-layers-per-virtual-pipeline-stage", 1) == 0
+    for out in (same, back):
+        for t in range(2):
+            for p in range(2):
+                want, got = _payload(sources["llama"], "iter_0000007", t, p), _payload(str(out), "iter_0000007", t, p)
+                for key in ("tp_size", "pp_size", "vpp_size", "num_chunks", "param_meta"):
+                    assert got[key] == want[key], key
+                assert [tuple(r) for r in got["layer_ranges"]] == [tuple(r) for r in want["layer_ranges"]]
+                for chunk_got, chunk_want in zip(got["model"], want["model"], strict=True):
+                    assert chunk_got.keys() == chunk_want.keys()
+                    for k, v in chunk_want.items():
+                        rows = None  # vocabulary shards: this TP rank's real rows only
+                        if "word_embeddings" in k or "output_layer" in k:
+                            rows = max(0, min(v.shape[0], VOCAB - t * v.shape[0]))
+                        assert torch.equal(chunk_got[k][:rows], v[:rows]), k
+    assert convert("--load-dir", tp1, "--save-dir", uneven, "--target-pipeline-parallel-size", 2,
+                   "--target-decoder-first-pipeline-num-layers", 1) == 0
+    assert [tuple(r) for r in _payload(str(uneven), "iter_0000007", 0, 1)["layer_ranges"]] == [(1, 4)]
+    assert_same_weights(merge_checkpoint(str(uneven))[0], merge_checkpoint(sources["llama"])[0])
