@@ -93,7 +93,7 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     return TargetLayout(tp, pp, *split)
 
 
-def pretrain_flags(config: dict, release: bool) -> list[str]:
+def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list[str]:
     """The pretrain_gpt.py flags that load a converted checkpoint with this flat ``config``: the
     model options that differ from their defaults, the parallel layout, and how to resume."""
     flags = []
@@ -106,7 +106,7 @@ def pretrain_flags(config: dict, release: bool) -> list[str]:
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
             flags += [flag] if value is True else [] if value is False else [flag, str(value)]
-    return flags + ([] if release else ["--no-load-optim", "--no-load-rng"])
+    return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
 
 
 def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
@@ -114,7 +114,7 @@ def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
     layout = target_layout(bundle, args)
     out = save_megatron(bundle, args.save_dir, layout, progress)
     config = target_config(bundle, layout)
-    flags = pretrain_flags(config, bundle.iteration == "release")
+    flags = pretrain_flags(config, bundle.iteration == "release", bundle.optimizer is not None)
     return f"{out}\nload it with: --load {args.save_dir} {' '.join(flags)} (and the tokenizer flags)"
 
 

@@ -18,9 +18,11 @@ hidden]`` with whole key/value groups per rank, so a contiguous split is exact f
 the number of groups. A tied model's last pipeline stage gets its copy of the word embedding as
 ``output_layer.weight``, as in training.
 
-Optimizer state, learning-rate schedule and RNG states are not written: the model files record the
-source's iteration and consumed samples, with ``optimizer`` None. Resume with
-``--no-load-optim --no-load-rng`` (keeps the iteration count), or ``--finetune`` (starts at 0).
+The optimizer state (Adam moments, fp32 masters, loss scaler) is resharded the same way
+(:mod:`~megatron_lite.checkpoint.reshard_optim`) and the learning-rate schedule copied, with the
+source's iteration and consumed samples: resume with ``--no-load-rng`` (RNG states are per rank and
+do not carry over to another layout). A source without optimizer state gives model files with
+``optimizer`` None: resume with ``--no-load-optim --no-load-rng``, or ``--finetune``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .format import (
 )
 from .hf_io import TOKENIZER_DIR, tokenizer_files_in
 from .merge import merge_checkpoint, model_config_from_saved
+from .reshard_optim import merge_optimizer, split_optimizer
 
 # Tensors whose rows are the (padded) vocabulary.
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -73,6 +76,7 @@ class ModelBundle:
     iteration: int | str = "release"
     consumed_samples: int = 0
     tokenizer_files: dict = field(default_factory=dict)
+    optimizer: dict | None = None  # layout-free optimizer state (see reshard_optim.merge_optimizer), or None
 
     @property
     def tied(self) -> bool:
@@ -115,7 +119,21 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
-    return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files)
+    optimizer = merge_optimizer(load_dir, lambda p, payload: _source_chunks(payload, p),
+                                not config.get("untie_embeddings_and_output_weights", False))
+    if optimizer is not None:
+        optimizer["state"] = {k: unpad_vocab(table, vocab) for k, table in optimizer["state"].items()}
+        if optimizer["masters"] is not None:
+            optimizer["masters"] = unpad_vocab(optimizer["masters"], vocab)
+    return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, optimizer)
+
+
+def _source_chunks(payload: dict, pp_rank: int) -> list:
+    """(meta model, layer_start) of each chunk of one source model file."""
+    ranges = [tuple(r) for r in payload["layer_ranges"]]
+    last = payload["pp_size"] - 1
+    return [(_chunk_model(payload["config"], pp_rank == 0 and c == 0, pp_rank == last and c == len(ranges) - 1, s, e), s)
+            for c, (s, e) in enumerate(ranges)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,23 +179,24 @@ def _chunk_model(cfg: dict, pre: bool, post: bool, start: int, end: int) -> GPTM
                         pre_process=pre, post_process=post, layer_start=start, layer_end=end)
 
 
-def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int) -> torch.Tensor:
-    """The bundle's full tensor for chunk-local ``name`` (layer numbers are chunk-local)."""
+def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int, table: dict | None = None) -> torch.Tensor:
+    """The full tensor for chunk-local ``name`` (layer numbers are chunk-local) from ``table``
+    (default: the bundle's weights; an optimizer state table has the same names)."""
+    table = bundle.state_dict if table is None else table
     key = name
     if name.startswith("decoder.layers."):
         local, rest = name[len("decoder.layers."):].split(".", 1)
         key = f"decoder.layers.{start + int(local)}.{rest}"
     elif name == "output_layer.weight" and bundle.tied:
         key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
-    if key not in bundle.state_dict:
+    if key not in table:
         raise CheckpointError(f"the source has no tensor {key}; it does not fit the model its config describes")
-    tensor = bundle.state_dict[key]
+    tensor = table[key]
     return pad_vocab(tensor, padded) if name in VOCAB_TENSORS else tensor
 
 
-def _chunk_shards(bundle, cfg, pre, post, start, end, tp) -> tuple[list[dict], dict, set]:
-    """(per-TP-rank state dicts, param_meta, source keys used) of one chunk."""
-    chunk = _chunk_model(cfg, pre, post, start, end)
+def _chunk_shards(bundle, cfg, chunk, start, tp) -> tuple[list[dict], dict, set]:
+    """(per-TP-rank state dicts, param_meta, source keys used) of one chunk (a meta model)."""
     meta = param_meta(chunk)
     shards, used = [{} for _ in range(tp)], set()
     for name, expected in chunk.state_dict().items():
@@ -207,16 +226,16 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder."""
     cfg = target_config(bundle, layout)
     ranges = cfg.pop("_ranges")
+    padded = cfg["padded_vocab_size"]
     _check_all_used(bundle, cfg)
     iteration = bundle.iteration
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
     chunks_per_rank = len(ranges[0])
     for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
-        per_chunk = [
-            _chunk_shards(bundle, cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, layout.tp)
-            for c, (s, e) in enumerate(ranges[p])
-        ]
+        models = [(_chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e), s)
+                  for c, (s, e) in enumerate(ranges[p])]
+        per_chunk = [_chunk_shards(bundle, cfg, model, s, layout.tp) for model, s in models]
         for t in range(layout.tp):
             payload = {
                 "iteration": 0 if iteration == "release" else int(iteration),
@@ -229,8 +248,9 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
                 "model": [shards[t] for shards, _, _ in per_chunk],
                 "param_meta": [meta for _, meta, _ in per_chunk],
                 "layer_ranges": [tuple(r) for r in ranges[p]],
-                "optimizer": None,
-                "scheduler": None,
+                "optimizer": None if bundle.optimizer is None else split_optimizer(
+                    bundle.optimizer, models, t, layout.tp, lambda name, table: _full_tensor(bundle, name, 0, padded, table)),
+                "scheduler": None if bundle.optimizer is None else bundle.optimizer["scheduler"],
                 "format_version": FORMAT_VERSION,
             }
             atomic_save(payload, model_file(save_dir, iteration, t, p))
