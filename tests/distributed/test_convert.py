@@ -252,6 +252,7 @@ def test_hf_refusals_name_the_option(sources, tmp_path, capsys):
         (["--load-dir", sources["llama"], "--target-tensor-parallel-size", "8"], "num-query-groups 4"),
         (["--load-dir", sources["gpt2"], "--target-expert-parallel-size", "2"], "--target-expert-parallel-size"),
         (["--load-dir", sources["gpt2"], "--hf-style", "gpt2"], "--hf-style"),
+        (["--load-dir", sources["gpt2"], "--model-type", "BERT"], "--model-type BERT"),
     ]
     for i, (argv, words) in enumerate(cases):
         assert convert(*argv, "--save-dir", tmp_path / f"out{i}") == 2, argv
