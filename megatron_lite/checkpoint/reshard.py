@@ -195,20 +195,19 @@ def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int, table:
     return pad_vocab(tensor, padded) if name in VOCAB_TENSORS else tensor
 
 
-def _chunk_shards(bundle, cfg, chunk, start, tp) -> tuple[list[dict], dict, set]:
-    """(per-TP-rank state dicts, param_meta, source keys used) of one chunk (a meta model)."""
+def _chunk_shards(bundle, cfg, chunk, start, tp) -> tuple[list[dict], dict]:
+    """(per-TP-rank state dicts, param_meta) of one chunk (a meta model)."""
     meta = param_meta(chunk)
-    shards, used = [{} for _ in range(tp)], set()
+    shards = [{} for _ in range(tp)]
     for name, expected in chunk.state_dict().items():
         full = _full_tensor(bundle, name, start, cfg["padded_vocab_size"])
         if tuple(full.shape) != tuple(expected.shape):
             raise CheckpointError(f"source tensor for {name} has shape {tuple(full.shape)}, the model needs "
                                   f"{tuple(expected.shape)}; the weights do not fit the config")
-        used.add(name)
         for t in range(tp):
             part = shard(full, meta[name]["partition_dim"], t, tp, meta[name]["partition_stride"]) if name in meta else full
             shards[t][name] = part.clone()
-    return shards, meta, used
+    return shards, meta
 
 
 def _check_all_used(bundle: ModelBundle, cfg: dict) -> None:
@@ -245,8 +244,8 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
                 "vpp_size": chunks_per_rank if chunks_per_rank > 1 else None,
                 "num_chunks": chunks_per_rank,
                 "world_size": layout.tp * layout.pp,
-                "model": [shards[t] for shards, _, _ in per_chunk],
-                "param_meta": [meta for _, meta, _ in per_chunk],
+                "model": [shards[t] for shards, _ in per_chunk],
+                "param_meta": [meta for _, meta in per_chunk],
                 "layer_ranges": [tuple(r) for r in ranges[p]],
                 "optimizer": None if bundle.optimizer is None else split_optimizer(
                     bundle.optimizer, models, t, layout.tp, lambda name, table: _full_tensor(bundle, name, 0, padded, table)),
