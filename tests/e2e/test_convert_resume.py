@@ -64,3 +64,37 @@ def _same_optimizer(got, want, rows):
 ])
 def test_sharded_checkpoint_flags_are_refused(capsys, flags, words):
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
+
+
+def _flags_printed(capsys) -> list[str]:
+    out = capsys.readouterr().out
+    return out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+
+
+def test_hf_import_continues_pretraining_with_the_printed_flags(tmp_path, capsys):
+    """A Llama-style model imported at TP2 trains in pretrain_gpt.py from the converter's flags, with
+    the same losses as the same import at TP1 (a release checkpoint: weights only, from iteration 0)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=123, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convert = load_tool("checkpoint/convert").main
+    run = ["--mock-data", "--vocab-size", "123", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]
+    losses = []
+    for tp, world in ((2, 2), (1, 1)):
+        capsys.readouterr()
+        out = str(tmp_path / f"tp{tp}")
+        assert convert(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", out,
+                        "--target-tensor-parallel-size", str(tp)]) == 0
+        argv = _flags_printed(capsys) + run
+        if world > 1:
+            losses.append(_ranks_losses(world, argv))
+        else:
+            result = pretrain_gpt.main(argv)
+            assert result.iteration == 3
+            losses.append(result.losses)
+    assert len(losses[0]) == 3  # started at iteration 0
+    _same_losses(losses[0], losses[1])
