@@ -41,6 +41,19 @@ CHOICES = {
 }
 
 
+METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _help(doc: str, default, kind) -> str:
+    """The field's help text with its default, as ``--help`` shows it (switches show none)."""
+    if kind is bool:
+        return f"{doc} (default: on)" if default else doc
+    if default is None:
+        return doc
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    return f"{doc} (default: {shown})".replace("%", "%%")
+
+
 def _field_docs(cls) -> dict[str, str]:
     """The string literal under each field is its help text."""
     tree = ast.parse(inspect.getsource(cls))
@@ -52,9 +65,18 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser that prints (usage, errors, help) only on rank 0 of a torchrun launch:
+    every rank still exits with code 2 on a bad flag, but the message appears once."""
+
+    def _print_message(self, message, file=None):
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+
 def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
     """argparse parser with one flag per config field, grouped by section."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = RankZeroParser(description=description, allow_abbrev=False)
     sections = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
     sections.update(extra_sections or {})
     for section, cls in sections.items():
@@ -67,9 +89,9 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
-            if kind is bool:
-                group.add_argument(flag, action="store_true", **kwargs)
+            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
+            if kind is bool:  # on by default: --no-<flag> turns it off
+                group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
             base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             base = base[0]
@@ -79,6 +101,8 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             kwargs["type"] = base
             if f.name in CHOICES:
                 kwargs["choices"] = CHOICES[f.name]
+            else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
+                kwargs["metavar"] = METAVARS.get(base, "VALUE")
             group.add_argument(flag, **kwargs)
     return parser
 

@@ -123,6 +123,8 @@ class TrainingConfig:
     """Save and exit after this many minutes of training."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 the loss scaler skips such steps instead)."""
 
 
 @dataclass
@@ -133,7 +135,7 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     """Decay: constant, linear, cosine or WSD."""
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
@@ -242,7 +244,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
+    log_interval: int = 100
     """Print a log line every this many steps."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here."""
@@ -288,6 +290,8 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
     except ParallelConfigError as err:
+        _check_parallel(config)  # what cannot work at all first, then what needs another launch
+        _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_model(config)
@@ -383,6 +387,8 @@ def _check_schedule(config: Config) -> None:
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
+        _require(o.lr_wsd_decay_iters is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of the final decay)")
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")

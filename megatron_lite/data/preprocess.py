@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,6 +113,8 @@ def _parse(line: bytes, keys) -> list[str]:
         obj = json.loads(line)
     except ValueError as e:
         raise ValueError(f"invalid JSON ({e})") from None
+    except RecursionError:  # e.g. 50,000 nested brackets: a malformed line, not a crash
+        raise ValueError("invalid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     texts = []
@@ -183,9 +186,19 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb", buffering=1 << 20)
 
 
+@contextlib.contextmanager
+def _input_errors(path: str):
+    """A damaged .gz (bad deflate data, CRC mismatch, cut short) as one DataFileError naming the file."""
+    try:
+        yield
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        what = "truncated" if isinstance(e, EOFError) else "corrupt"
+        raise DataFileError(f"{path}: compressed input is {what} ({e}); re-create or re-download it") from None
+
+
 def count_lines(path: str) -> int:
     n, last = 0, b"\n"
-    with _open(path) as f:
+    with _input_errors(path), _open(path) as f:
         while block := f.read(1 << 24):
             n += block.count(b"\n")
             last = block[-1:]
@@ -196,7 +209,7 @@ def read_chunks(path: str, start: int = 0, stop: int | None = None, step: int = 
     """Yield chunks ``(first line number, step, [lines])`` of the lines whose 0-based index is in
     ``range(start, stop, step)``; line numbers are 1-based, as in error messages."""
     lines, first, size = [], None, 0
-    with _open(path) as f:
+    with _input_errors(path), _open(path) as f:
         for i, line in enumerate(f):
             if stop is not None and i >= stop:
                 break

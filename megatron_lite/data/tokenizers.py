@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 from megatron_lite.data.indexed_dataset import DataFileError
+from megatron_lite.errors import ConfigError
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -49,8 +50,8 @@ class Tokenizer:
 
 
 def _need(value, flag: str, tokenizer_type: str):
-    if value is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if value is None:  # a user error (exit 2 in the scripts), not a crash
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if flag != "--vocab-size" and not os.path.exists(value):
         raise DataFileError(f"{value}: file not found (given as {flag} for {tokenizer_type})")
     return value
@@ -252,7 +253,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
         return BertWordPieceTokenizer(_need(vocab_file, "--vocab-file", t), t == "BertWordPieceLowerCase")
     if t == "NullTokenizer":
         return NullTokenizer(_need(vocab_size, "--vocab-size", t))
-    raise ValueError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    raise ConfigError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def add_tokenizer_args(parser) -> None:
