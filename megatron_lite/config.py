@@ -1,10 +1,9 @@
 """Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
 
-Every field has a one-line help text (the string literal under it);
-:mod:`megatron_lite.arguments` turns the fields into argparse flags
-(``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``). :func:`finalize` fills derived
-values and validates the combination, raising :class:`ConfigError` with one line naming the flag
-and the fix.
+Every field has a one-line help text (the string literal under it); :mod:`megatron_lite.arguments` turns
+the fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``).
+:func:`finalize` fills derived values and validates the combination, raising :class:`ConfigError` with
+one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -234,12 +233,6 @@ class CheckpointConfig:
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
-    ckpt_format: str = "torch"
-    """Checkpoint format: torch (per-rank files, resharded offline by tools/checkpoint/convert.py); torch_dist is not implemented."""
-    auto_detect_ckpt_format: bool = False
-    """Pick the checkpoint format from the --load folder (not implemented: only torch exists)."""
-    async_save: bool = False
-    """Write checkpoints in the background (torch_dist only; not implemented)."""
 
 
 @dataclass
@@ -404,8 +397,3 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
-    _require(cp.ckpt_format == "torch", f"--ckpt-format {cp.ckpt_format} is not implemented; use --ckpt-format torch "
-             "(change layouts with tools/checkpoint/convert.py)")
-    _require(not cp.async_save, "--async-save needs --ckpt-format torch_dist, which is not implemented; drop it")
-    _require(not cp.auto_detect_ckpt_format, "--auto-detect-ckpt-format is not implemented (only the torch format "
-             "exists); drop it")

@@ -49,6 +49,7 @@ from .format import (
     model_file,
     param_meta,
     read_tracker,
+    with_checksums,
 )
 from .hf_io import TOKENIZER_DIR, tokenizer_files_in
 from .merge import merge_checkpoint, model_config_from_saved
@@ -252,7 +253,7 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
                 "scheduler": None if bundle.optimizer is None else bundle.optimizer["scheduler"],
                 "format_version": FORMAT_VERSION,
             }
-            atomic_save(payload, model_file(save_dir, iteration, t, p))
+            atomic_save(with_checksums(payload), model_file(save_dir, iteration, t, p))
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place
     return iteration_dir(save_dir, iteration)

@@ -58,12 +58,16 @@ def _same_optimizer(got, want, rows):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--ckpt-format", "torch_dist"], ["--ckpt-format torch_dist is not implemented"]),
-    (["--async-save"], ["--async-save"]),
-    (["--auto-detect-ckpt-format"], ["--auto-detect-ckpt-format"]),
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist is not implemented"),
+    (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
+    (["--auto-detect-ckpt-format"], "--auto-detect-ckpt-format is not implemented"),
 ])
 def test_sharded_checkpoint_flags_are_refused(capsys, flags, words):
-    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
+
+
+def test_torch_checkpoint_format_is_accepted(tmp_path):
+    assert pretrain_gpt.main(_argv(str(tmp_path / "s"), 3, ["--ckpt-format", "torch"])).iteration == 3
 
 
 def _flags_printed(capsys) -> list[str]:
