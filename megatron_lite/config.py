@@ -1,10 +1,9 @@
 """Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
 
-Every field has a one-line help text (the string literal under it);
-:mod:`megatron_lite.arguments` turns the fields into argparse flags
-(``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``). :func:`finalize` fills derived
-values and validates the combination, raising :class:`ConfigError` with one line naming the flag
-and the fix.
+Every field has a one-line help text (the string literal under it); :mod:`megatron_lite.arguments` turns
+the fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``).
+:func:`finalize` fills derived values and validates the combination, raising :class:`ConfigError` with
+one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -51,6 +50,8 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     swiglu: bool = False
     """SwiGLU MLP instead of GeLU."""
+    openai_gelu: bool = False
+    """GeLU with the tanh approximation (GPT-2's) instead of the exact erf form."""
     disable_bias_linear: bool = False
     """No biases in the linear layers."""
     untie_embeddings_and_output_weights: bool = False

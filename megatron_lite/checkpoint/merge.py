@@ -99,9 +99,14 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
 
 
 def merge_checkpoint(path: str) -> tuple[dict, dict]:
-    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder."""
+    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
+
+    The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``."""
     payloads, tp, pp, ep = _load_payloads(path)
-    saved_config = dict(payloads[min(payloads)]["config"])
+    first = payloads[min(payloads)]
+    saved_config = dict(first["config"])
+    for key in ("iteration", "consumed_samples"):
+        saved_config.setdefault(key, first.get(key))
     tied = not saved_config.get("untie_embeddings_and_output_weights", False)
 
     merged: dict = {}

@@ -51,6 +51,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximated GeLU (GPT-2's); the exact erf form otherwise
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
