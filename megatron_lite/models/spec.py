@@ -48,3 +48,9 @@ def resolve_spec(spec, layer_number: int) -> LayerSpec:
 def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP."""
     return LayerSpec()
+
+
+def bert_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
+    """BERT's layers (Megatron's BERT is pre-LayerNorm like GPT): the same parts as GPT; the
+    bidirectional padding mask is the block's ``attn_mask_type``, not a different module."""
+    return LayerSpec()
