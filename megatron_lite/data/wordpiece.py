@@ -152,8 +152,9 @@ def train_wordpiece(texts, vocab_size: int, lower_case: bool = True, min_frequen
     Words come from :func:`basic_tokenize` (so training sees exactly what tokenization will), each
     spelled as its first character followed by ``##``-prefixed continuation characters. Starting
     from the special tokens and every character seen, the most frequent adjacent pair of pieces is
-    merged into a new piece (``un`` + ``##able`` -> ``unable``) until ``vocab_size`` tokens or no pair
-    occurs ``min_frequency`` times; ties go to the smaller pair, so training is deterministic. The
+    merged into a new piece (``un`` + ``##able`` -> ``unable``) until ``vocab_size`` tokens (more if
+    the characters alone exceed it: every character seen stays coverable) or no pair occurs
+    ``min_frequency`` times; ties go to the smaller pair, so training is deterministic. The
     tokenizer then covers words greedily by longest match, as BERT does. Pair counts are updated
     incrementally: each merge revisits only the words containing the pair.
     """

@@ -98,6 +98,16 @@ def test_parallel_runs_reproduce_single_process(tmp_path, data, reference, name,
     assert ref[-1]["lm loss"] < ref[0]["lm loss"]  # it trained
 
 
+def test_interleaved_pipeline_with_recompute_reproduces_single_process(tmp_path, data):
+    four = ["--num-layers", "4"]
+    ref = pretrain_bert.main(_argv(data, str(tmp_path / "single4"), extra=four)).reported
+    extra = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                    "--recompute-granularity", "full", "--recompute-method", "uniform"]
+    per_rank = [r for r in run_ranks(2, run_cli, _argv(data, str(tmp_path / "vpp"), extra=extra)) if r]
+    assert len(per_rank) == 1
+    _same(per_rank[0], ref)
+
+
 def test_no_binary_head_trains_without_sop_loss(tmp_path, data):
     save = str(tmp_path / "nohead")
     reported = pretrain_bert.main(_argv(data, save, extra=["--bert-no-binary-head"])).reported
