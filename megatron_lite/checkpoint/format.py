@@ -29,6 +29,7 @@ ARCH_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
     "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+    "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
 )
 
 
