@@ -171,3 +171,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
     assert len(lines) == 1, lines
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_loading_with_the_other_head_setting_names_the_flag(tmp_path, data, reference, capsys):
+    argv = _argv(data, str(tmp_path / "other"), extra=["--load", reference[1], "--bert-no-binary-head"])
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "bert-no-binary-head False (this run True)" in lines[0], lines
