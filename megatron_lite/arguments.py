@@ -151,6 +151,7 @@ def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: di
     config = cls(**kwargs)
     for section, section_cls in (extra_sections or {}).items():
         setattr(config, section, section_cls(**values.get(section, {})))
+    config.extra_sections = tuple(extra_sections or {})  # included in config.flat() (saved with checkpoints)
     return config
 
 

@@ -250,11 +250,12 @@ class Config:
     moe: MoEConfig = field(default_factory=MoEConfig)
     world_size: int = 1
     data_parallel_size: int = 1
+    extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
 
     def flat(self) -> dict:
         """All fields of all sections in one dict (for logging and checkpoints)."""
         out = {}
-        for section in SECTIONS:
+        for section in SECTIONS + tuple(self.extra_sections):
             out.update(dataclasses.asdict(getattr(self, section)))
         return out
 

@@ -17,14 +17,15 @@ from .format import (
     read_tracker,
     rng_file,
 )
-from .merge import load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
+from .merge import load_bert_checkpoint, load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
 from .training import get_rng_states, load_checkpoint, save_checkpoint, set_rng_states
 
 __all__ = [
     "FORMAT_VERSION", "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "ModelBundle", "TargetLayout",
     "checkpoint_config", "load_hf", "load_megatron", "save_hf", "save_megatron",
-    "find_model_files", "get_rng_states", "iteration_dir", "load_checkpoint", "load_gpt_checkpoint",
+    "find_model_files", "get_rng_states", "iteration_dir", "load_bert_checkpoint", "load_checkpoint",
+    "load_gpt_checkpoint",
     "merge_checkpoint", "model_config_from_saved", "model_file", "param_meta", "read_model_file",
     "read_tracker", "rng_file", "save_checkpoint", "set_rng_states",
 ]

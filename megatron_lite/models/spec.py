@@ -55,3 +55,9 @@ def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     pattern = moe_layer_pattern(config)
     dense, moe = LayerSpec(), LayerSpec(mlp=MoELayer)
     return lambda layer_number: moe if pattern[layer_number - 1] else dense
+
+
+def bert_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
+    """BERT's layers (Megatron's BERT is pre-LayerNorm like GPT): the same parts as GPT's, experts
+    included; the bidirectional padding mask is the block's ``attn_mask_type``, not a different module."""
+    return gpt_layer_spec(config)

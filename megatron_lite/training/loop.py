@@ -41,6 +41,7 @@ class TrainResult:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list[float] = field(default_factory=list)
+    reported: list[dict[str, float]] = field(default_factory=list)  # every reported loss per step (e.g. lm + sop)
     grad_norms: list[float | None] = field(default_factory=list)
     skipped_iterations: int = 0
     validation: list[tuple[int, float]] = field(default_factory=list)
@@ -282,6 +283,7 @@ class _Training:
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
+            result.reported.append(losses)
         result.grad_norms.append(grad_norm)
         self.logger.log_iteration(
             self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
