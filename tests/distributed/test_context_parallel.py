@@ -78,3 +78,60 @@ def check_a2a_refuses_uneven_heads(cp, nq, nkv):
 def test_a2a_refuses_heads_not_divisible_by_cp():
     assert all(run_ranks(2, check_a2a_refuses_uneven_heads, 2, 3, 3))
     assert all(run_ranks(2, check_a2a_refuses_uneven_heads, 2, 4, 1))  # MQA: one group cannot be split
+
+
+def check_ring_dropout_gradient(cp):
+    """With dropout the ring's backward must be the derivative of its forward (same masks replayed):
+    the directional derivative from the gradients equals a central finite difference (fp64)."""
+    import torch.distributed as dist
+
+    from megatron_lite.parallel.ring_attention import ring_attention
+
+    state = cached_state(cp=cp)
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(B, n, 8 * cp, D, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4, 4, 2, 2)]
+    q, k, v, dout, dq_dir, dk_dir, dv_dir = (split_for_cp(t, 2, state.cp_rank, cp) for t in full)
+    seed = 11 + 1000003 * state.cp_rank  # per-rank seeds, as the module draws them
+
+    def total(eps):
+        out = ring_attention(q + eps * dq_dir, k + eps * dk_dir, v + eps * dv_dir, state.cp_group, True, 0.35, 0.25, seed)
+        value = (out * dout).sum()
+        dist.all_reduce(value, group=state.cp_group)
+        return value
+
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    (ring_attention(qr, kr, vr, state.cp_group, True, 0.35, 0.25, seed) * dout).sum().backward()
+    analytic = (qr.grad * dq_dir).sum() + (kr.grad * dk_dir).sum() + (vr.grad * dv_dir).sum()
+    dist.all_reduce(analytic, group=state.cp_group)
+    eps = 1e-6
+    numeric = (total(eps) - total(-eps)) / (2 * eps)
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-8)
+    # and dropout really dropped something: the result differs from the dropout-free one
+    no_drop = ring_attention(q, k, v, state.cp_group, True, 0.35, 0.0)
+    assert not torch.allclose(ring_attention(q, k, v, state.cp_group, True, 0.35, 0.25, seed), no_drop)
+    return True
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_dropout_backward_is_the_derivative_of_forward(cp):
+    assert all(run_ranks(cp, check_ring_dropout_gradient, cp))
+
+
+def check_bf16_ring(cp):
+    """bf16 inputs (the fused CPU kernel in bf16, fp32 merge) stay close to the fp32 reference."""
+    state = cached_state(cp=cp)
+    (q, k, v, dout), expected = _reference(16, 4, 2, True)
+    mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp)  # noqa: E731
+    config = SimpleNamespace(cp_comm_type="p2p", attention_dropout=0.0, num_attention_heads=4, num_query_groups=2)
+    attn = ContextParallelAttention(config, state, layer_number=1)
+    ql, kl, vl = (mine(t).bfloat16().requires_grad_() for t in (q, k, v))
+    out = attn(ql, kl, vl, None, True)
+    out.backward(mine(dout).bfloat16())
+    assert out.dtype == ql.grad.dtype == kl.grad.dtype == torch.bfloat16
+    for got, want in zip((out, ql.grad, kl.grad, vl.grad), expected):
+        torch.testing.assert_close(got.float(), mine(want), rtol=2e-2, atol=2e-2)
+    return True
+
+
+def test_bf16_ring_is_close_to_fp32_attention():
+    assert all(run_ranks(2, check_bf16_ring, 2))
