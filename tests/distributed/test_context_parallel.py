@@ -135,3 +135,28 @@ def check_bf16_ring(cp):
 
 def test_bf16_ring_is_close_to_fp32_attention():
     assert all(run_ranks(2, check_bf16_ring, 2))
+
+
+def check_cp_with_tp(comm_type, nq, nkv):
+    """tp 2 x cp 2 on 4 ranks: the CP groups are {0, 2} and {1, 3} (not contiguous), each TP rank
+    attends its own heads (whole key/value groups) over its CP share of the sequence."""
+    state = cached_state(tp=2, cp=2)
+    assert state.ranks("cp") == [state.tp_rank, state.tp_rank + 2]
+    (q, k, v, dout), expected = _reference(16, nq, nkv, True)
+    heads = lambda t, n: t.view(16, B, n, D).chunk(2, 2)[state.tp_rank]  # noqa: E731
+    mine = lambda t: split_for_cp(t, 0, state.cp_rank, 2)  # noqa: E731
+    config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq, num_query_groups=nkv)
+    attn = ContextParallelAttention(config, state, layer_number=1)
+    ql, kl, vl = (mine(heads(t, n)).clone().requires_grad_() for t, n in ((q, nq), (k, nkv), (v, nkv)))
+    out = attn(ql, kl, vl, None, True)
+    out.backward(mine(heads(dout, nq)).reshape(8, B, -1))
+    want_out, dq, dk, dv = expected
+    torch.testing.assert_close(out, mine(heads(want_out, nq)).reshape(8, B, -1), rtol=1e-5, atol=1e-6)
+    for got, want, n in ((ql.grad, dq, nq), (kl.grad, dk, nkv), (vl.grad, dv, nkv)):
+        torch.testing.assert_close(got, mine(heads(want, n)), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("comm_type,nq,nkv", [("p2p", 4, 2), ("a2a", 8, 4), ("allgather", 4, 2)])
+def test_cp2_with_tp2_equals_full_attention(comm_type, nq, nkv):
+    assert all(run_ranks(4, check_cp_with_tp, comm_type, nq, nkv))
