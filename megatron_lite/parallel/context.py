@@ -201,7 +201,7 @@ class ContextParallelAttention(nn.Module):
         with self._rng():
             if self.comm_type == "p2p":
                 # one draw per call from the tracker: the blocks' dropout seeds (replayed in backward)
-                seed = int(torch.randint(0, 2**62, (1,)).item()) + 1000003 * self.cp_rank if p > 0 else 0
+                seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
                 qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
                 out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed).permute(2, 0, 1, 3)
             elif self.comm_type == "a2a":
