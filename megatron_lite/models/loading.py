@@ -27,6 +27,7 @@ from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from ..training.checkpointing import CheckpointError, find_model_files, read_model_file
 from .gpt import GPTModel
+from .transformer_config import TransformerConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -92,7 +93,7 @@ def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel
     state_dict, saved = merge_checkpoint(path)
     cfg = model_config_from_saved(saved)
     try:
-        model = GPTModel(cfg, ParallelState(world_size=1, rank=0), params_dtype=params_dtype)
+        model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype), ParallelState(world_size=1, rank=0))
     except ValueError as err:
         raise CheckpointError(f"{path}: the saved model config is not usable ({err})") from None
     ours = model.state_dict()

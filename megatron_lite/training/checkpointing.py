@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
-from ..parallel.random import get_rng_tracker
 from .logging import print_rank_0
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -151,14 +150,14 @@ def _global_rank() -> int:
 # RNG.
 
 
-def get_rng_states() -> dict:
+def get_rng_states(tracker) -> dict:
     """Every generator this rank draws from, in types that ``weights_only`` loading accepts."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     states = {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch_cpu": torch.get_rng_state(),
-        "tracker": get_rng_tracker().get_states(),
+        "tracker": tracker.get_states(),
         "cuda": None,
     }
     if get_device().type == "cuda":
@@ -166,12 +165,12 @@ def get_rng_states() -> dict:
     return states
 
 
-def set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict, tracker) -> None:
     random.setstate(states["python"])
     name, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(states["torch_cpu"])
-    get_rng_tracker().set_states(states["tracker"])
+    tracker.set_states(states["tracker"])
     if states.get("cuda") is not None and get_device().type == "cuda":
         torch.cuda.set_rng_state(states["cuda"], get_device())
 
@@ -211,7 +210,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     rank = _global_rank()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
 
-    _atomic_save(get_rng_states(), rng_file(root, iteration, rank))
+    _atomic_save(get_rng_states(state.rng_tracker), rng_file(root, iteration, rank))
 
     path = _model_file_for(root, iteration, state)
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
@@ -372,7 +371,7 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
                 f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
                 f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
             )
-        set_rng_states(_load_file(rng_path, "RNG state file"))
+        set_rng_states(_load_file(rng_path, "RNG state file"), state.rng_tracker)
 
     _barrier()
     if finetune:

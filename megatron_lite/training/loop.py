@@ -72,11 +72,7 @@ def num_microbatches(config: Config) -> int:
 
 
 def model_dtype(config: Config) -> torch.dtype:
-    if config.precision.bf16:
-        return torch.bfloat16
-    if config.precision.fp16:
-        return torch.float16
-    return torch.float32
+    return config.precision.params_dtype
 
 
 def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, float]:

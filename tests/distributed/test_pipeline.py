@@ -273,11 +273,11 @@ def _gpt_forward_step(data_iterator, model):
 
 
 def gpt_reference(variant, m):
-    from megatron_lite.models import GPTModel
     from megatron_lite.parallel.state import ParallelState
+    from tests.model_helpers import build_gpt
     from tests.unit.test_gpt_model import make_config
 
-    model = GPTModel(make_config(variant, num_layers=GPT_LAYERS), ParallelState(), seed=9)
+    model = build_gpt(make_config(variant, num_layers=GPT_LAYERS), ParallelState(), seed=9)
     losses = []
     for tokens, labels in _gpt_batches(m):
         loss = model(tokens, labels=labels).mean()
@@ -287,9 +287,9 @@ def gpt_reference(variant, m):
 
 
 def run_gpt_pipeline(variant, m, tp, pp, sp=False, vpp_layers=None):
-    from megatron_lite.models import GPTModel
     from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads
     from tests.distributed.test_gpt_model import _full
+    from tests.model_helpers import build_gpt
     from tests.unit.test_gpt_model import make_config
 
     v = 1 if vpp_layers is None else GPT_LAYERS // (pp * vpp_layers)
@@ -297,7 +297,7 @@ def run_gpt_pipeline(variant, m, tp, pp, sp=False, vpp_layers=None):
     cfg = make_config(variant, num_layers=GPT_LAYERS)
     ranges = layer_ranges(GPT_LAYERS, pp, vpp_layers)[state.pp_rank]
     chunks = [
-        GPTModel(cfg, state, seed=9, sequence_parallel=sp, pre_process=state.is_first_stage() and c == 0,
+        build_gpt(cfg, state, seed=9, sequence_parallel=sp, pre_process=state.is_first_stage() and c == 0,
                  post_process=state.is_last_stage() and c == len(ranges) - 1, layer_start=a, layer_end=b)
         for c, (a, b) in enumerate(ranges)
     ]
