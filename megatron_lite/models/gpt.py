@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.context import cp_positions
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.tensor import ColumnParallelLinear
 from .common import rotary_cos_sin
@@ -90,6 +91,11 @@ class GPTModel(nn.Module):
         """Parameters held by this rank (tensor-parallel shards counted at their local size)."""
         return sum(p.numel() for p in self.parameters())
 
+    def _cp_position_ids(self, batch: int, local_len: int, device) -> torch.Tensor:
+        """Global positions ``[b, s/cp]`` of this context-parallel rank's tokens (its two chunks)."""
+        cp = self.state.cp_size
+        return cp_positions(local_len * cp, self.state.cp_rank, cp, device).unsqueeze(0).expand(batch, -1)
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, tokens, position_ids=None, attention_mask=None, labels=None):
         """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool ``[b, 1, s, s]``.
@@ -104,6 +110,8 @@ class GPTModel(nn.Module):
             if self.sequence_parallel and tokens.shape[1] % tp:
                 raise ValueError(f"sequence parallelism needs the sequence length {tokens.shape[1]} "
                                  f"divisible by tensor-model-parallel-size {tp}")
+            if position_ids is None and self.state.cp_size > 1:
+                position_ids = self._cp_position_ids(tokens.shape[0], tokens.shape[1], tokens.device)
             hidden = self.embedding(tokens, None if self.use_rope else position_ids)
         else:
             if self.input_tensor is None:
@@ -112,7 +120,9 @@ class GPTModel(nn.Module):
         rotary = None
         if self.use_rope:
             s = hidden.shape[0] * (tp if self.sequence_parallel else 1)
-            if position_ids is None:
+            if position_ids is None and self.state.cp_size > 1:
+                position_ids = self._cp_position_ids(hidden.shape[1], s, hidden.device)
+            elif position_ids is None:
                 position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(hidden.shape[1], -1)
             rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
         hidden = self.decoder(hidden, attention_mask, rotary)

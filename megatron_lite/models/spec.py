@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .common import Norm
 from .mlp import MLP
@@ -46,5 +47,8 @@ def resolve_spec(spec, layer_number: int) -> LayerSpec:
 
 
 def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
-    """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP."""
+    """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP;
+    under context parallelism the core attention is the context-parallel one (ring / a2a / allgather)."""
+    if getattr(config, "context_parallel_size", 1) > 1:
+        return LayerSpec(core_attention=ContextParallelAttention)
     return LayerSpec()

@@ -167,7 +167,10 @@ class ContextParallelAttention(nn.Module):
 
     def __init__(self, config, state, layer_number: int):
         super().__init__()
-        self.comm_type = getattr(config, "cp_comm_type", None) or "p2p"
+        if hasattr(config, "cp_comm_type_of"):  # a TransformerConfig: one type, or one per layer
+            self.comm_type = config.cp_comm_type_of(layer_number)
+        else:
+            self.comm_type = getattr(config, "cp_comm_type", None) or "p2p"
         if self.comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type {self.comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
         self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank

@@ -71,6 +71,11 @@ def num_microbatches(config: Config) -> int:
     return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
 
 
+def local_seq_length(config: Config) -> int:
+    """Tokens of each sample held by one rank: the sequence split over context parallelism."""
+    return config.model.seq_length // config.parallel.context_parallel_size
+
+
 def model_dtype(config: Config) -> torch.dtype:
     return config.precision.params_dtype
 
@@ -96,7 +101,7 @@ def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, d
         data_iterator=data_iterator,
         model=chunks,
         num_microbatches=num_microbatches(config),
-        seq_length=config.model.seq_length,
+        seq_length=local_seq_length(config),
         micro_batch_size=config.training.micro_batch_size,
         hidden_size=config.model.hidden_size,
         dtype=model_dtype(config),
@@ -123,7 +128,7 @@ def evaluate(config, state, chunks, forward_step_func, data_iterator) -> dict[st
         for _ in range(config.training.eval_iters):
             reported = forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
-                num_microbatches=num_microbatches(config), seq_length=config.model.seq_length,
+                num_microbatches=num_microbatches(config), seq_length=local_seq_length(config),
                 micro_batch_size=config.training.micro_batch_size, hidden_size=config.model.hidden_size,
                 dtype=model_dtype(config), state=state, sequence_parallel=config.parallel.sequence_parallel,
                 forward_only=True,

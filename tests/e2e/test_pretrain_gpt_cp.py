@@ -1,0 +1,102 @@
+"""pretrain_gpt.py with context parallelism reproduces the single-process run.
+
+Same pattern as test_pretrain_gpt.py: every parallel run calls ``pretrain_gpt.main(argv)`` on each
+rank of a gloo pool; the reference is the same command in this process. Same seed, same global
+batch, dropout 0, fp32: every step's loss within a relative 1e-5 of the single-process loss, and
+the final weights (merged from the checkpoints) within rtol 1e-5. Covered: p2p (ring), a2a and
+allgather; learned positions (variant A) and RoPE + GQA (variant B); CP composed with TP+SP, DP
+(+ distributed optimizer) and PP; a CP2 checkpoint resumed at CP1; the one-line flag errors.
+"""
+
+import pytest
+
+import pretrain_gpt
+from tests.e2e.test_pretrain_gpt import (
+    MODEL,
+    MODEL_B,
+    _argv,
+    _one_line_exit_2,
+    _parallel,
+    _ranks_losses,
+    _same_losses,
+    _same_weights,
+    _single,
+)
+
+ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpref")
+    return {variant: _single(tmp, f"single{variant}", ITERS, extra) for variant, extra in (("A", []), ("B", MODEL_B))}
+
+
+CP2 = ["--context-parallel-size", "2"]
+
+
+@pytest.mark.parametrize(
+    "name, world, variant, extra",
+    [
+        ("cp2", 2, "A", CP2),
+        ("cp2_rope_gqa", 2, "B", CP2),
+        ("cp4", 4, "B", ["--context-parallel-size", "4"]),
+        ("cp2_a2a", 2, "A", CP2 + ["--cp-comm-type", "a2a"]),
+        ("cp2_allgather", 2, "B", CP2 + ["--cp-comm-type", "allgather"]),
+        ("cp2_tp2_sp", 4, "B", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("cp2_tp2_sp_a2a", 4, "A", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                          "--cp-comm-type", "a2a"]),
+        ("cp2_dp2_distopt", 4, "B", CP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+        ("cp2_pp2", 4, "A", CP2 + ["--pipeline-model-parallel-size", "2"]),
+        ("cp2_per_layer_types", 2, "A", CP2 + ["--cp-comm-type", "p2p", "a2a", "allgather", "p2p"]),
+    ],
+)
+def test_context_parallel_runs_reproduce_single_process(tmp_path, reference, name, world, variant, extra):
+    ref_losses, ref_save = reference[variant]
+    losses, save = _parallel(tmp_path, name, world, ITERS, (MODEL_B if variant == "B" else []) + extra)
+    _same_losses(losses, ref_losses)
+    _same_weights(save, ref_save)
+
+
+def test_cp2_checkpoint_resumes_at_cp1(tmp_path, reference):
+    """Checkpoints do not depend on the CP size: half a run at CP2, the rest in one process."""
+    ref_losses, _ = reference["B"]
+    save = str(tmp_path / "cp2")
+    first = _ranks_losses(2, _argv(save, ITERS, MODEL_B + CP2 + ["--exit-interval", str(ITERS // 2)]))
+    second = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + ["--load", save])).losses
+    _same_losses(first + second, ref_losses)
+
+
+def test_cp2_resume_continues_exactly(tmp_path):
+    extra = MODEL_B + CP2 + ["--use-distributed-optimizer"]
+    straight, _ = _parallel(tmp_path, "straight", 2, 6, extra)
+    save = str(tmp_path / "resumed")
+    first = _ranks_losses(2, _argv(save, 6, extra + ["--exit-interval", "3"]))
+    second = _ranks_losses(2, _argv(save, 6, extra + ["--load", save]))
+    assert first + second == straight
+
+
+@pytest.mark.parametrize(
+    "flags, world, words",
+    [
+        (["--context-parallel-size", "2", "--seq-length", "18"], 2, ["seq-length 18", "divisible by 2 x cp"]),
+        (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--seq-length", "20"], 4, ["seq-length 20", "sequence parallel", "= 8"]),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "6", "--hidden-size", "36"],
+         4, ["--cp-comm-type a2a", "num-attention-heads 6", "context-parallel-size 4"]),
+        (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
+         2, ["--cp-comm-type a2a", "num-query-groups 1"]),
+        (["--context-parallel-size", "2", "--reset-attention-mask"], 2, ["--reset-attention-mask", "--context-parallel-size"]),
+        (["--cp-comm-type", "p2p", "a2a"], 1, ["--cp-comm-type takes one value or one per layer"]),
+    ],
+)
+def test_bad_context_parallel_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
+
+
+def test_hierarchical_cp_is_refused(capsys):
+    with pytest.raises(SystemExit) as err:  # argparse: not among the choices
+        pretrain_gpt.main(MODEL + ["--cp-comm-type", "a2a+p2p"])
+    assert err.value.code == 2
+    assert "a2a+p2p" in capsys.readouterr().err
