@@ -150,3 +150,26 @@ def test_module_on_one_rank_is_plain_attention(comm_type):
     q, k, v = (torch.randn(8, 2, n, 4) for n in (4, 2, 2))
     ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True)
     torch.testing.assert_close(attn(q, k, v, None, True), ref.permute(2, 0, 1, 3).reshape(8, 2, 16))
+
+
+def test_transformer_config_checks_context_parallel():
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.models.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
+    TransformerConfig(**base, context_parallel_size=4)  # 16 = 2 x 4 chunks of 2
+    with pytest.raises(ConfigError, match="seq-length 12 divisible by 2 x cp = 8"):
+        TransformerConfig(**dict(base, seq_length=12), context_parallel_size=4)
+    with pytest.raises(ConfigError, match="seq-length 12 divisible by .*sequence parallel.* = 8"):
+        TransformerConfig(**dict(base, seq_length=12), context_parallel_size=2, tensor_model_parallel_size=2,
+                          sequence_parallel=True)
+    with pytest.raises(ConfigError, match="a2a needs num-query-groups 2 divisible by tensor-model-parallel-size 1 "
+                                          "x context-parallel-size 4"):
+        TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a")
+    with pytest.raises(ConfigError, match="'ring' is not supported"):
+        TransformerConfig(**base, cp_comm_type=["ring"])
+    with pytest.raises(ConfigError, match="one value or one per layer \\(2\\), got 3"):
+        TransformerConfig(**base, cp_comm_type=["p2p"] * 3)
+    per_layer = TransformerConfig(**base, context_parallel_size=2, cp_comm_type=["allgather", "a2a"])
+    assert [per_layer.cp_comm_type_of(n) for n in (1, 2)] == ["allgather", "a2a"]
+    assert TransformerConfig(**base).cp_comm_type_of(2) == "p2p"
