@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.builder import (
     DataConfigError,
@@ -31,7 +32,6 @@ from megatron_lite.device import get_device
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.training.checkpointing import CheckpointError
 from megatron_lite.training.loop import pretrain
 
 

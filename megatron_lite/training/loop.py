@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import describe_backends, get_device, init_distributed
 from ..optim import OptimizerParamScheduler, build_optimizer
@@ -26,7 +27,6 @@ from ..parallel.pipeline import get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
-from .checkpointing import load_checkpoint, save_checkpoint
 from .logging import TrainLogger, print_rank_0
 
 
@@ -112,7 +112,7 @@ def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, d
         no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
     )
     finalize_model_grads(chunks, state)
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm = optimizer.step()
     if ok:
         scheduler.step(1)
     return _average_over_dp(reported, state), ok, grad_norm

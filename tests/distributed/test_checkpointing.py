@@ -8,10 +8,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_lite.config import Config
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from tests.harness import cached_state, run_ranks
 
 

@@ -167,8 +167,8 @@ PROMPT, NEW_TOKENS = [5, 17, 42, 8, 61], 6
 
 
 def _save(root, state, model, cfg):
+    from megatron_lite.checkpoint import save_checkpoint
     from megatron_lite.config import Config
-    from megatron_lite.training.checkpointing import save_checkpoint
 
     config = Config(model=cfg)
     config.checkpoint.save = root
@@ -203,7 +203,7 @@ def _load_generate_tool():
 
 @pytest.mark.parametrize("variant", ["A", "B"])
 def test_tp2_checkpoint_loads_at_tp1_and_generates_the_same(variant, tmp_path, capsys):
-    from megatron_lite.models.loading import load_gpt_checkpoint
+    from megatron_lite.checkpoint import load_gpt_checkpoint
 
     root = str(tmp_path / "ckpt")
     tokens_tp, logits_tp = run_ranks(2, check_save_and_greedy, 2, variant, root)[0]
@@ -239,7 +239,7 @@ def check_save_tp_pp(root):
 
 
 def test_tp2_pp2_checkpoint_merges_into_the_single_process_model(tmp_path):
-    from megatron_lite.models.loading import load_gpt_checkpoint
+    from megatron_lite.checkpoint import load_gpt_checkpoint
 
     root = str(tmp_path / "ckpt")
     run_ranks(4, check_save_tp_pp, root)

@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.config import Config
-from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.parallel.state import ParallelState
-from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.training import checkpointing as ckpt
-from megatron_lite.training.checkpointing import (
+from megatron_lite.checkpoint import (
     CheckpointError,
     checkpoint_config,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_lite.checkpoint import training as ckpt
+from megatron_lite.config import Config
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 class TinyMLP(nn.Module):
