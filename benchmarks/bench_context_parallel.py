@@ -76,22 +76,21 @@ class _ByteCounter:
             self.total += out.numel() * out.element_size() * (n - 1) // n
             return _orig(out, inp, *args, **kw)
 
-        def gather(out, inp, *args, _orig=d.all_gather_into_tensor, **kw):
+        from megatron_lite.parallel import comm
+
+        def gather(out, inp, *args, _orig=comm.all_gather_single, **kw):
             self.total += (out.numel() - inp.numel()) * out.element_size()
             return _orig(out, inp, *args, **kw)
 
-        def scatter(out, inp, *args, _orig=d.reduce_scatter_tensor, **kw):
+        def scatter(out, inp, *args, _orig=comm.reduce_scatter_single, **kw):
             self.total += (inp.numel() - out.numel()) * inp.element_size()
             return _orig(out, inp, *args, **kw)
 
-        for name, fn in (("batch_isend_irecv", batch), ("all_to_all_single", a2a),
-                         ("all_gather_into_tensor", gather), ("reduce_scatter_tensor", scatter)):
+        for name, fn in (("batch_isend_irecv", batch), ("all_to_all_single", a2a)):
             self._saved[name] = getattr(d, name)
             setattr(d, name, fn)
-        from megatron_lite.parallel import comm
-
         self._comm = (comm.all_gather_single, comm.reduce_scatter_single)
-        comm.all_gather_single, comm.reduce_scatter_single = d.all_gather_into_tensor, d.reduce_scatter_tensor
+        comm.all_gather_single, comm.reduce_scatter_single = gather, scatter
         return self
 
     def __exit__(self, *exc):

@@ -178,7 +178,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        b, nq, s, d = q.shape
+        # laid out as [s, b, nq, d] so the caller's [s, b, nq * d] view of it needs no copy
+        out = torch.zeros((s, b, nq, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # one buffer: [2, b, nkv, s, d]
         for step in range(ring.size):
