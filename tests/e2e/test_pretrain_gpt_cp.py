@@ -100,3 +100,19 @@ def test_hierarchical_cp_is_refused(capsys):
         pretrain_gpt.main(MODEL + ["--cp-comm-type", "a2a+p2p"])
     assert err.value.code == 2
     assert "a2a+p2p" in capsys.readouterr().err
+
+
+def test_cp2_recompute_gives_the_same_losses(tmp_path, reference):
+    """Selective (core attention) and full recomputation re-run the ring in backward: same
+    trajectory without dropout; with dropout on, recomputation replays the ring's masks exactly."""
+    ref_losses, _ = reference["A"]
+    selective = ["--recompute-granularity", "selective"]
+    losses, _ = _parallel(tmp_path, "sel", 2, ITERS, CP2 + selective)
+    _same_losses(losses, ref_losses)
+    drop = CP2 + ["--attention-dropout", "0.2", "--hidden-dropout", "0.1"]
+    base, _ = _parallel(tmp_path, "drop", 2, 4, drop)
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    for extra in (selective, full):
+        again, _ = _parallel(tmp_path, extra[1], 2, 4, drop + extra)
+        _same_losses(again, base)
+    assert base[0] != pytest.approx(losses[0], rel=1e-6)  # the dropout run really differs
