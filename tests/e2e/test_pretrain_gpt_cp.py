@@ -4,8 +4,9 @@ Same pattern as test_pretrain_gpt.py: every parallel run calls ``pretrain_gpt.ma
 rank of a gloo pool; the reference is the same command in this process. Same seed, same global
 batch, dropout 0, fp32: every step's loss within a relative 1e-5 of the single-process loss, and
 the final weights (merged from the checkpoints) within rtol 1e-5. Covered: p2p (ring), a2a and
-allgather; learned positions (variant A) and RoPE + GQA (variant B); CP composed with TP+SP, DP
-(+ distributed optimizer) and PP; a CP2 checkpoint resumed at CP1; the one-line flag errors.
+allgather; learned positions (variant A) and RoPE + GQA (variant B); EOD-masked losses and reset
+positions; recomputation; CP composed with TP+SP, DP (+ distributed optimizer) and PP; exact resume;
+a CP2 checkpoint resumed at CP1; the one-line flag errors.
 """
 
 import pytest
@@ -116,3 +117,15 @@ def test_cp2_recompute_gives_the_same_losses(tmp_path, reference):
         again, _ = _parallel(tmp_path, extra[1], 2, 4, drop + extra)
         _same_losses(again, base)
     assert base[0] != pytest.approx(losses[0], rel=1e-6)  # the dropout run really differs
+
+
+def test_cp2_with_eod_loss_mask_and_reset_positions(tmp_path):
+    """Mock samples carry one EOD at a random position: with --eod-mask-loss the CP ranks hold
+    different numbers of counted tokens (the loss must still be the global token mean), and
+    --reset-position-ids gives positions that restart mid-sequence (split with the tokens)."""
+    extra = ["--eod-mask-loss", "--reset-position-ids"]
+    ref_losses, ref_save = _single(tmp_path, "single", 6, extra)
+    for name, flags in (("p2p", []), ("a2a", ["--cp-comm-type", "a2a"])):
+        losses, save = _parallel(tmp_path, name, 2, 6, extra + CP2 + flags)
+        _same_losses(losses, ref_losses)
+        _same_weights(save, ref_save)
