@@ -68,6 +68,15 @@ def test_cp2_checkpoint_resumes_at_cp1(tmp_path, reference):
     _same_losses(first + second, ref_losses)
 
 
+def test_cp1_checkpoint_resumes_at_cp2(tmp_path, reference):
+    ref_losses, _ = reference["A"]
+    save = str(tmp_path / "cp1")
+    first = pretrain_gpt.main(_argv(save, ITERS, ["--exit-interval", str(ITERS // 2)])).losses
+    # the checkpoint holds one RNG state per saving rank: more ranks than that need --no-load-rng
+    second = _ranks_losses(2, _argv(save, ITERS, CP2 + ["--load", save, "--no-load-rng"]))
+    _same_losses(first + second, ref_losses)
+
+
 def test_cp2_resume_continues_exactly(tmp_path):
     extra = MODEL_B + CP2 + ["--use-distributed-optimizer"]
     straight, _ = _parallel(tmp_path, "straight", 2, 6, extra)
