@@ -175,8 +175,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"--cp-comm-type {self.comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
         self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank
         self.dropout_p = config.attention_dropout
-        self.layer_number = layer_number
-        self._tracker = getattr(state, "rng_tracker", None)
+        self.tracker = state.rng_tracker
         tp, cp = state.tp_size, state.cp_size
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
@@ -185,14 +184,10 @@ class ContextParallelAttention(nn.Module):
                              f"divisible by tensor-model-parallel-size {tp} x context-parallel-size {cp}")
 
     def _rng(self):
+        """The tensor-parallel generator around dropout (each TP rank owns different heads)."""
         if self.dropout_p == 0.0 or not self.training:
             return contextlib.nullcontext()
-        tracker = self._tracker
-        if tracker is None:  # older states keep the tracker module-level
-            from .random import get_rng_tracker
-
-            tracker = get_rng_tracker()
-        return tracker.fork()
+        return self.tracker.fork()
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         if attention_mask is not None:
