@@ -49,6 +49,8 @@ CP2 = ["--context-parallel-size", "2"]
                                           "--cp-comm-type", "a2a"]),
         ("cp2_dp2_distopt", 4, "B", CP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         ("cp2_pp2", 4, "A", CP2 + ["--pipeline-model-parallel-size", "2"]),
+        ("cp2_tp2_pp2_sp", 8, "B", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                          "--pipeline-model-parallel-size", "2"]),
         ("cp2_per_layer_types", 2, "A", CP2 + ["--cp-comm-type", "p2p", "a2a", "allgather", "p2p"]),
     ],
 )
