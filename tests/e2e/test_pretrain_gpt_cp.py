@@ -23,6 +23,7 @@ from tests.e2e.test_pretrain_gpt import (
     _same_weights,
     _single,
 )
+from tests.harness import run_ranks
 
 ITERS = 8
 
@@ -140,3 +141,19 @@ def test_cp2_with_eod_loss_mask_and_reset_positions(tmp_path):
         losses, save = _parallel(tmp_path, name, 2, 6, extra + CP2 + flags)
         _same_losses(losses, ref_losses)
         _same_weights(save, ref_save)
+
+
+def run_cli_validation(argv):
+    """Inside a rank: train and return this rank's (iteration, validation loss) records."""
+    return pretrain_gpt.main(argv).validation
+
+
+def test_cp2_validation_loss_equals_single_process(tmp_path):
+    evaluation = ["--eval-interval", "2", "--eval-iters", "2"]  # overrides MODEL's --eval-iters 0
+    single = pretrain_gpt.main(_argv(str(tmp_path / "single"), 4, evaluation)).validation
+    ranks = run_ranks(2, run_cli_validation, _argv(str(tmp_path / "cp2"), 4, evaluation + CP2))
+    records = [r for r in ranks if r]
+    assert all(r == records[0] for r in records)  # both CP ranks hold the CP-wide mean
+    assert len(records[0]) == len(single) == 2  # after steps 2 and 4
+    for (it, value), (it_ref, ref) in zip(records[0], single):
+        assert it == it_ref and abs(value - ref) <= 1e-5 * abs(ref), (it, value, ref)
