@@ -23,8 +23,9 @@ Backward. The same blocks are replayed with the same key/value ring. Each block'
 from the *final* output and log-sum-exp (the probabilities are recomputed as ``exp(s - lse)``),
 so they are exact pieces of the full gradient. ``dQ`` accumulates locally; a ``dK/dV`` buffer
 travels with the keys/values it belongs to and each rank adds its contribution; one last hop
-delivers the complete ``dK/dV`` to its owner. The next key/value transfer overlaps the block's
-gradient computation; the ``dK/dV`` hop overlaps nothing (it depends on the previous rank's block).
+delivers the complete ``dK/dV`` to its owner. Both transfers overlap computation: the next
+key/value buffer travels while the current block's gradients are computed, and the incoming
+``dK/dV`` buffer is waited for only after them, just before this rank adds its share.
 
 Block kernels (:func:`block_forward`, :func:`block_backward`) return/consume the log-sum-exp: on
 CPU PyTorch's fused flash-attention kernels (no score matrix is materialised), elsewhere or with
