@@ -160,9 +160,9 @@ class ContextParallelAttention(nn.Module):
     attention_mask, causal) -> [s, b, nq * d]`` with ``s`` = this rank's share of the sequence.
 
     ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. Explicit
-    attention masks are refused (the causal mask is implicit); attention dropout draws from the
-    model-parallel RNG tracker's generator, seeded per layer call so the ring's backward can
-    replay the masks.
+    attention masks are refused (the causal mask is implicit). Attention dropout: each call draws
+    one seed from the model-parallel RNG tracker (so recomputation replays it), offset by the CP
+    rank; the ring seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
     """
 
     def __init__(self, config, state, layer_number: int):
@@ -197,13 +197,22 @@ class ContextParallelAttention(nn.Module):
         scale = 1.0 / math.sqrt(d)
         p = self.dropout_p if self.training else 0.0
         with self._rng():
-            if self.comm_type == "p2p":
-                # one draw per call from the tracker: the blocks' dropout seeds (replayed in backward)
-                seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
-                qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-                out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed).permute(2, 0, 1, 3)
-            elif self.comm_type == "a2a":
-                out = ulysses_attention(q, k, v, self.group, causal, scale, p)
-            else:
-                out = allgather_attention(q, k, v, self.group, causal, scale, p)
+            # One draw per call from the tracker, offset by the CP rank: the tracker's generator is
+            # the same on every CP rank, but their queries (or heads) differ, so must their masks.
+            seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
+        if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
+            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed).permute(2, 0, 1, 3)
+        else:
+            attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
+            with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
+                out = attend(q, k, v, self.group, causal, scale, p)
         return out.reshape(s, b, nq * d)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    """Run the block with the device's default generator seeded by ``seed``, restoring it after."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # CPU state always forked
+        torch.manual_seed(seed)
+        yield

@@ -196,3 +196,37 @@ def check_gpt_model_with_cp(cp, comm_type, variant):
                                                    (2, "a2a", "B"), (2, "allgather", "A")])
 def test_gpt_model_with_cp_equals_single_process(cp, comm_type, variant):
     assert all(run_ranks(cp, check_gpt_model_with_cp, cp, comm_type, variant))
+
+
+def check_dropout_differs_across_cp_ranks(comm_type):
+    """Identical inputs on both CP ranks, not causal, dropout 0.5: the tracker's generator is the
+    same on both ranks, so only the CP-rank offset of the seed makes their masks differ; the same
+    call repeated from the same tracker state repeats exactly."""
+    import torch.distributed as dist
+
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    state = cached_state(cp=2)
+    model_parallel_seed(21, state)  # the same tracker seed on both CP ranks (it depends on the TP rank only)
+    config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.5, num_attention_heads=4, num_query_groups=4)
+    attn = ContextParallelAttention(config, state, layer_number=1)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 1, 4, D, generator=gen)
+    if comm_type == "a2a":  # the same values in both head groups, so only the masks can differ
+        q = q[:, :, :2].repeat(1, 1, 2, 1)
+    saved = state.rng_tracker.get_states()
+    outs = []
+    for _ in range(2):
+        state.rng_tracker.set_states(saved)
+        outs.append(attn(q, q, q, None, False))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    other = torch.empty_like(outs[0])
+    dist.all_gather([torch.empty_like(other), other] if state.cp_rank == 0 else [other, torch.empty_like(other)],
+                    outs[0], group=state.cp_group)
+    return bool(torch.equal(outs[0].reshape(8, 1, 2, -1)[:, :, 0], outs[0].reshape(8, 1, 2, -1)[:, :, 1])
+                if comm_type == "a2a" else torch.equal(other, outs[0]))
+
+
+@pytest.mark.parametrize("comm_type", ["allgather", "a2a", "p2p"])
+def test_attention_dropout_masks_differ_across_cp_ranks(comm_type):
+    assert not any(run_ranks(2, check_dropout_differs_across_cp_ranks, comm_type))
