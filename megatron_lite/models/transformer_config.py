@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from .common import param_generator
 
@@ -36,7 +37,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from MoEConfig
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -69,6 +70,7 @@ class TransformerConfig:
     recompute_granularity: str | None = None  # None, full (whole layers) or selective (core attention)
     recompute_method: str | None = None  # with full: uniform or block
     recompute_num_layers: int | None = None  # with full: layers per group (uniform) / per chunk (block); default 1
+    expert_model_parallel_size: int = 1  # experts are split over this many data-parallel ranks
 
     def __post_init__(self):
         self._check_shape()
@@ -76,6 +78,7 @@ class TransformerConfig:
         self._check_parallel()
         self._check_context_parallel()
         self._check_recompute()
+        check_moe_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:
@@ -217,4 +220,5 @@ class TransformerConfig:
             context_parallel_size=p.context_parallel_size, cp_comm_type=list(p.cp_comm_type or ["p2p"]),
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers,
+            expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
         )
