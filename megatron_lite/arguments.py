@@ -15,6 +15,7 @@ import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
 from .models.transformer_config import (
+    CP_COMM_TYPES,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_GRANULARITIES,
@@ -28,6 +29,7 @@ CHOICES = {
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
+    "cp_comm_type": list(CP_COMM_TYPES),
     "optimizer": ["adam", "sgd"],
     "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],

@@ -85,7 +85,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split norms and dropout along the sequence over the tensor-parallel group."""
     context_parallel_size: int = 1
-    """Context-parallel size (only 1 is implemented)."""
+    """Context-parallel size: ranks splitting every sequence (load-balanced chunks)."""
+    cp_comm_type: list[str] | None = field(default_factory=lambda: ["p2p"])
+    """Context-parallel attention: p2p (ring), a2a (Ulysses) or allgather; one value or one per layer."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size."""
     use_distributed_optimizer: bool = False
@@ -309,8 +311,10 @@ def _check_model(config: Config) -> None:
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
+    _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
+             "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
+             "attention uses the implicit causal mask); drop one of them")
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
-    _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size

@@ -37,6 +37,8 @@ class GPTModel(LanguageModel):
 
         Returns the per-token loss ``[b, s]`` (last stage with labels), the logits shard
         ``[b, s, padded_vocab/tp]`` (last stage without labels) or the hidden states for the next stage.
+        Under context parallelism ``s`` is this rank's two load-balanced chunks of the sequence and
+        missing ``position_ids`` default to their global positions (not ``0..s-1``).
         """
         hidden = self._input_hidden(tokens, position_ids)
         hidden = self.decoder(hidden, attention_mask, self._rotary(hidden, position_ids))

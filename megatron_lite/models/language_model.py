@@ -18,7 +18,10 @@ pieces that do not depend on the block's attention mask or on the heads:
   identical); both copies carry ``shared_embedding = True`` and their gradients are summed over the
   embedding group by the training code;
 * the pipeline hooks ``set_input_tensor`` and ``shared_embedding_or_output_weight``, and the rotary
-  tables when ``--position-embedding-type rope``.
+  tables when ``--position-embedding-type rope``;
+* under context parallelism a rank holds two load-balanced chunks of the sequence: missing
+  ``position_ids`` default to their global positions (not ``0..s-1``), for learned and rotary
+  positions alike.
 
 Subclasses build their block (after calling ``__init__``, so parameters keep the order embedding,
 block, heads) and their heads with :meth:`_build_output_layer`.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.context import cp_positions
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.tensor import ColumnParallelLinear
 from .common import rotary_cos_sin
@@ -93,6 +97,11 @@ class LanguageModel(nn.Module):
         """Parameters held by this rank (tensor-parallel shards counted at their local size)."""
         return sum(p.numel() for p in self.parameters())
 
+    def _cp_position_ids(self, batch: int, local_len: int, device) -> torch.Tensor:
+        """Global positions ``[b, s/cp]`` of this context-parallel rank's tokens (its two chunks)."""
+        cp = self.state.cp_size
+        return cp_positions(local_len * cp, self.state.cp_rank, cp, device).unsqueeze(0).expand(batch, -1)
+
     # -- forward pieces ------------------------------------------------------------------------
     def _input_hidden(self, tokens, position_ids=None, tokentype_ids=None) -> torch.Tensor:
         """The embedded ``tokens [b, s]`` on the first stage, else the previous stage's hidden states."""
@@ -106,6 +115,8 @@ class LanguageModel(nn.Module):
         if self.sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence parallelism needs the sequence length {tokens.shape[1]} "
                              f"divisible by tensor-model-parallel-size {tp}")
+        if position_ids is None and self.state.cp_size > 1:  # this CP rank's chunks sit at global positions
+            position_ids = self._cp_position_ids(tokens.shape[0], tokens.shape[1], tokens.device)
         return self.embedding(tokens, None if self.use_rope else position_ids, tokentype_ids)
 
     def _rotary(self, hidden, position_ids=None):
@@ -113,7 +124,9 @@ class LanguageModel(nn.Module):
         if not self.use_rope:
             return None
         s = hidden.shape[0] * (self.state.tp_size if self.sequence_parallel else 1)
-        if position_ids is None:
+        if position_ids is None and self.state.cp_size > 1:
+            position_ids = self._cp_position_ids(hidden.shape[1], s, hidden.device)
+        elif position_ids is None:
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(hidden.shape[1], -1)
         return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
 

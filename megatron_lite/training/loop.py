@@ -99,12 +99,14 @@ def num_microbatches(config: Config) -> int:
 
 
 def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
-    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype.
+    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype,
+    ``s`` being the tokens of a sample held by one rank (the sequence split over context parallelism).
 
     Built once per run; every schedule call (training and evaluation) takes it.
     """
+    local_seq_length = config.model.seq_length // config.parallel.context_parallel_size
     return PipeComm.for_activations(
-        state, seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size,
+        state, seq_length=local_seq_length, micro_batch_size=config.training.micro_batch_size,
         hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
         sequence_parallel=config.parallel.sequence_parallel,
     )
