@@ -1,4 +1,4 @@
-"""Pretrain a GPT model with tensor, sequence, pipeline and data parallelism.
+"""Pretrain a GPT model with tensor, sequence, context, pipeline and data parallelism.
 
     python pretrain_gpt.py --mock-data --vocab-size 512 ...                     # one process
     torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
@@ -31,6 +31,7 @@ from megatron_lite.data.samplers import build_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.training.loop import NonFiniteError, pretrain
 
@@ -71,18 +72,34 @@ def model_provider(config: Config, state) -> list[torch.nn.Module]:
     ]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+    """Mean per-token loss over the unmasked tokens of the micro-batch.
+
+    Under context parallelism each rank holds part of every sample's tokens: the token sum and
+    count are all-reduced over the CP group, so the reported loss is the mean over all tokens, and
+    the loss this rank backpropagates is ``cp x local sum / global count`` - the data-parallel
+    gradient average over DP x CP divides by cp again, giving exactly the global token mean.
+    """
     losses = output_tensor.float()
-    loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    loss_sum, count = (losses * loss_mask).sum(), loss_mask.sum()
+    if cp_group is None:
+        loss = loss_sum / count.clamp(min=1)
+        return loss, {"lm loss": loss.detach()}
+    totals = torch.stack([loss_sum.detach(), count.detach()])
+    torch.distributed.all_reduce(totals, group=cp_group)
+    total_count = totals[1].clamp(min=1)
+    loss = loss_sum * torch.distributed.get_world_size(cp_group) / total_count
+    return loss, {"lm loss": totals[0] / total_count}
 
 
 def forward_step(data_iterator, model):
-    batch = {k: v.to(get_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    state = model.state
+    # context parallelism: this rank's two load-balanced chunks of every sequence (with their positions)
+    batch = get_batch_on_this_cp_rank(next(data_iterator), state.cp_rank, state.cp_size)
+    batch = {k: v.to(get_device(), non_blocking=True) for k, v in batch.items()}
     # attention_mask (only with --reset-attention-mask): bool [b, 1, s, s], True = masked out
     output = model(batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"].float())
+    return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group)
 
 
 def checked_token_ids(batches, vocab_size: int, data_path):

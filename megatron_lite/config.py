@@ -1,10 +1,9 @@
 """Typed configuration: dataclasses whose fields become Megatron-LM's command-line flags.
 
-Every field has a one-line help text (the string literal under it);
-:mod:`megatron_lite.arguments` turns the fields into argparse flags
-(``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``). :func:`finalize` fills derived
-values and validates the combination, raising :class:`ConfigError` with one line naming the flag
-and the fix.
+Every field has a one-line help text (the string literal under it); :mod:`megatron_lite.arguments` turns
+the fields into argparse flags (``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``).
+:func:`finalize` fills derived values and validates the combination, raising :class:`ConfigError` with
+one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -51,6 +50,8 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     swiglu: bool = False
     """SwiGLU MLP instead of GeLU."""
+    openai_gelu: bool = False
+    """GeLU with the tanh approximation (GPT-2's) instead of the exact erf form."""
     disable_bias_linear: bool = False
     """No biases in the linear layers."""
     untie_embeddings_and_output_weights: bool = False
@@ -86,7 +87,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split norms and dropout along the sequence over the tensor-parallel group."""
     context_parallel_size: int = 1
-    """Context-parallel size (only 1 is implemented)."""
+    """Context-parallel size: ranks splitting every sequence (load-balanced chunks)."""
+    cp_comm_type: list[str] | None = field(default_factory=lambda: ["p2p"])
+    """Context-parallel attention: p2p (ring), a2a (Ulysses) or allgather; one value or one per layer."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size."""
     use_distributed_optimizer: bool = False
@@ -251,11 +254,12 @@ class Config:
     moe: MoEConfig = field(default_factory=MoEConfig)
     world_size: int = 1
     data_parallel_size: int = 1
+    extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
 
     def flat(self) -> dict:
         """All fields of all sections in one dict (for logging and checkpoints)."""
         out = {}
-        for section in SECTIONS:
+        for section in SECTIONS + tuple(self.extra_sections):
             out.update(dataclasses.asdict(getattr(self, section)))
         return out
 
@@ -309,8 +313,10 @@ def _check_model(config: Config) -> None:
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
+    _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
+             "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
+             "attention uses the implicit causal mask); drop one of them")
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
-    _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size

@@ -1,4 +1,5 @@
-"""Train a tokenizer on local text: SentencePiece (.model) or GPT-2-style byte-level BPE (vocab/merges).
+"""Train a tokenizer on local text: SentencePiece (.model), GPT-2-style byte-level BPE (vocab/merges)
+or a BERT WordPiece vocab.txt.
 
     # SentencePiece BPE, 4096 pieces, from the "text" field of a JSONL file -> data/spm4k.model/.vocab
     python tools/train_tokenizer.py --input data/sample.jsonl --output-prefix data/spm4k --vocab-size 4096
@@ -6,6 +7,10 @@
     # GPT-2 byte-level BPE -> data/gpt2-vocab.json + data/gpt2-merges.txt (for GPT2BPETokenizer)
     python tools/train_tokenizer.py --input data/sample.jsonl --output-prefix data/gpt2 \\
         --model-type byte-level-bpe --vocab-size 8192
+
+    # BERT WordPiece -> data/bert-vocab.txt ([PAD] [UNK] [CLS] [SEP] [MASK] first; for BertWordPieceLowerCase)
+    python tools/train_tokenizer.py --input data/sample.jsonl --output-prefix data/bert \\
+        --model-type wordpiece --vocab-size 4096
 
 Input is JSONL (``--json-keys`` fields, default "text") when the file name ends in .jsonl/.json
 (optionally .gz), else plain text (one training sentence per line).  The SentencePiece defaults
@@ -85,16 +90,30 @@ def train_byte_level_bpe(texts, output_prefix: str, vocab_size: int, min_frequen
     return vocab_file, merge_file
 
 
+def train_wordpiece_vocab(texts, output_prefix: str, vocab_size: int, lower_case: bool, min_frequency: int = 2):
+    """BERT's ``{prefix}-vocab.txt``; returns its path."""
+    from megatron_lite.data.wordpiece import save_vocab, train_wordpiece
+
+    vocab = train_wordpiece(texts, vocab_size, lower_case, min_frequency)
+    path = f"{output_prefix}-vocab.txt"
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    save_vocab(vocab, path)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to train on")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab (SentencePiece) "
-                        "or PREFIX-vocab.json/-merges.txt (byte-level-bpe)")
+                        "PREFIX-vocab.json/-merges.txt (byte-level-bpe) or PREFIX-vocab.txt (wordpiece)")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--model-type", choices=["bpe", "unigram", "byte-level-bpe"], default="bpe",
-                        help="SentencePiece bpe/unigram, or GPT-2-style byte-level BPE")
-    parser.add_argument("--min-frequency", type=int, default=2, help="byte-level-bpe: rarest pair to merge")
+    parser.add_argument("--model-type", choices=["bpe", "unigram", "byte-level-bpe", "wordpiece"], default="bpe",
+                        help="SentencePiece bpe/unigram, GPT-2-style byte-level BPE, or BERT WordPiece")
+    parser.add_argument("--min-frequency", type=int, default=2,
+                        help="byte-level-bpe, wordpiece: rarest pair to merge")
+    parser.add_argument("--cased", action="store_true",
+                        help="wordpiece: keep case and accents (for BertWordPieceCase; default lower-cases)")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.input):
@@ -108,6 +127,10 @@ def main(argv=None) -> int:
             paths = train_byte_level_bpe(texts, args.output_prefix, args.vocab_size, args.min_frequency)
             print(f"Wrote {paths[0]} and {paths[1]} (use --tokenizer-type GPT2BPETokenizer "
                   f"--vocab-file {paths[0]} --merge-file {paths[1]})")
+        elif args.model_type == "wordpiece":
+            path = train_wordpiece_vocab(texts, args.output_prefix, args.vocab_size, not args.cased, args.min_frequency)
+            kind = "BertWordPieceCase" if args.cased else "BertWordPieceLowerCase"
+            print(f"Wrote {path} (use --tokenizer-type {kind} --vocab-file {path})")
         else:
             model = train_sentencepiece(texts, args.output_prefix, args.vocab_size, args.model_type, args.verbose)
             print(f"Wrote {model} (use --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model {model})")

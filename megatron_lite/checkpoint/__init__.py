@@ -1,6 +1,8 @@
-"""Checkpoints: the on-disk format (format.py), training save/resume (training.py), and merging any
-TP x PP layout into one single-process model for tools (merge.py)."""
+"""Checkpoints: the on-disk format (format.py), training save/resume (training.py), merging any
+TP x PP layout into one single-process model for tools (merge.py), writing any layout (reshard.py),
+Hugging Face formats (hf.py, hf_io.py) and the converter's loader/saver plugins (convert.py)."""
 
+from .convert import load_hf, save_hf
 from .format import (
     FORMAT_VERSION,
     MODEL_FILENAME,
@@ -15,12 +17,15 @@ from .format import (
     read_tracker,
     rng_file,
 )
-from .merge import load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
+from .merge import load_bert_checkpoint, load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
+from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
 from .training import get_rng_states, load_checkpoint, save_checkpoint, set_rng_states
 
 __all__ = [
-    "FORMAT_VERSION", "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "checkpoint_config",
-    "find_model_files", "get_rng_states", "iteration_dir", "load_checkpoint", "load_gpt_checkpoint",
+    "FORMAT_VERSION", "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "ModelBundle", "TargetLayout",
+    "checkpoint_config", "load_hf", "load_megatron", "save_hf", "save_megatron",
+    "find_model_files", "get_rng_states", "iteration_dir", "load_bert_checkpoint", "load_checkpoint",
+    "load_gpt_checkpoint",
     "merge_checkpoint", "model_config_from_saved", "model_file", "param_meta", "read_model_file",
     "read_tracker", "rng_file", "save_checkpoint", "set_rng_states",
 ]

@@ -33,6 +33,7 @@ ARCH_FIELDS = (
     "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
     "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
+    "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
 )
 
 

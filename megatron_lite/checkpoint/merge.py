@@ -1,4 +1,4 @@
-"""Load a training checkpoint of any TP x PP (x EP) layout into one single-process GPTModel.
+"""Load a training checkpoint of any TP x PP (x EP) layout into one single-process GPTModel or BertModel.
 
 A checkpoint holds one ``mp_rank_{tp:02d}_{pp:03d}[_{ep:03d}]/model_optim_rng.pt`` per tensor-,
 pipeline- (and expert-) parallel rank (see :mod:`megatron_lite.checkpoint.format`). Each file lists,
@@ -12,7 +12,8 @@ parameter) and the chunk's global ``layer_ranges``. Merging is three steps:
    expert ``e * E_local + j`` (``mlp.experts.local_experts.{j}``), and the stacked grouped-GEMM
    weights (``mlp.experts.weight1`` ...) are concatenated over the EP ranks; everything else (dense
    layers, router, shared experts) is taken from EP rank 0;
-3. renumber each chunk's local ``decoder.layers.{i}`` to the global layer ``start + i`` and take the
+3. renumber each chunk's local ``decoder.layers.{i}`` (BERT: ``encoder.layers.{i}``) to the global
+   layer ``start + i`` and take the
    embedding from the first chunk and the final norm / output layer from the last. A tied model's
    last-stage copy of the embedding (``output_layer.weight``) is dropped: the embedding is the weight.
 
@@ -28,13 +29,13 @@ import re
 import torch
 
 from ..config import ModelConfig
-from ..models import GPTModel, TransformerConfig
+from ..models import BertModel, GPTModel, TransformerConfig
 from ..moe.config import MoEConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from .format import CheckpointError, find_model_files, read_model_file
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
@@ -99,9 +100,14 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
 
 
 def merge_checkpoint(path: str) -> tuple[dict, dict]:
-    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder."""
+    """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
+
+    The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``."""
     payloads, tp, pp, ep = _load_payloads(path)
-    saved_config = dict(payloads[min(payloads)]["config"])
+    first = payloads[min(payloads)]
+    saved_config = dict(first["config"])
+    for key in ("iteration", "consumed_samples"):
+        saved_config.setdefault(key, first.get(key))
     tied = not saved_config.get("untie_embeddings_and_output_weights", False)
 
     merged: dict = {}
@@ -116,22 +122,24 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
         for name, tensor in chunk.items():
             m = _LAYER.match(name)
             if m:
-                name = f"decoder.layers.{start + int(m.group(1))}.{m.group(2)}"
+                name = f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
             elif name == "output_layer.weight" and tied:
                 continue  # the last stage's copy of the tied embedding
             merged[name] = tensor
     return merged, saved_config
 
 
-def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel, dict]:
-    """A single-process ``GPTModel`` (eval mode) holding the checkpoint's weights, and its saved config."""
+def _load_into(path: str, build, kind: str, params_dtype=torch.float32) -> tuple[torch.nn.Module, dict]:
+    """Merge the checkpoint and load it into ``build(transformer_config, state, saved_config)``."""
     state_dict, saved = merge_checkpoint(path)
     cfg = model_config_from_saved(saved)
     moe = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts
     try:
-        model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe),
-                         ParallelState(world_size=1, rank=0))
+        model = build(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe),
+                      ParallelState(world_size=1, rank=0), saved)
+    except CheckpointError:
+        raise
     except ValueError as err:
         raise CheckpointError(f"{path}: the saved model config is not usable ({err})") from None
     ours = model.state_dict()
@@ -145,6 +153,24 @@ def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel
             f"unexpected {', '.join(extra[:3])}" if extra else "",
             f"shape {', '.join(wrong[:3])}" if wrong else "",
         ) if x)
-        raise CheckpointError(f"{path}: the weights do not fit a GPT built from the saved config ({detail})")
+        raise CheckpointError(f"{path}: the weights do not fit a {kind} built from the saved config ({detail})")
     model.load_state_dict(state_dict)
     return model.eval(), saved
+
+
+def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel, dict]:
+    """A single-process ``GPTModel`` (eval mode) holding the checkpoint's weights, and its saved config."""
+    return _load_into(path, lambda config, state, saved: GPTModel(config, state), "GPT", params_dtype)
+
+
+def load_bert_checkpoint(path: str) -> tuple[BertModel, dict]:
+    """A single-process ``BertModel`` (eval mode, fp32) holding the checkpoint's weights, and its saved
+    config (``bert_no_binary_head`` decides the binary head and token types, as in pretrain_bert.py)."""
+
+    def build(config, state, saved):
+        if "bert_no_binary_head" not in saved:
+            raise CheckpointError(f"{path} was not saved by pretrain_bert.py (its config has no BERT flags)")
+        head = not saved["bert_no_binary_head"]
+        return BertModel(config, state, num_tokentypes=2 if head else 0, add_binary_head=head)
+
+    return _load_into(path, build, "BERT")

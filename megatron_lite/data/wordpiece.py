@@ -12,7 +12,10 @@ characters, becomes ``[UNK]``.
 
 from __future__ import annotations
 
+import heapq
+import os
 import unicodedata
+from collections import Counter, defaultdict
 
 MAX_WORD_CHARS = 100
 
@@ -122,3 +125,86 @@ class WordPieceTokenizer:
         """Tokens joined by spaces, with ``##`` continuations glued back onto their word."""
         text = " ".join(self.inv_vocab[int(i)] for i in ids)
         return text.replace(" ##", "").strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training a vocab.txt (tools/train_tokenizer.py --model-type wordpiece).
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _merge_word(symbols: list[str], first: str, second: str) -> list[str]:
+    """Every non-overlapping (first, second) pair, left to right, joined (the continuation's ## dropped)."""
+    out, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and symbols[i] == first and symbols[i + 1] == second:
+            out.append(first + second[2:])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return out
+
+
+def train_wordpiece(texts, vocab_size: int, lower_case: bool = True, min_frequency: int = 2) -> list[str]:
+    """A WordPiece vocabulary (token list, id = position) learned from an iterable of strings.
+
+    Words come from :func:`basic_tokenize` (so training sees exactly what tokenization will), each
+    spelled as its first character followed by ``##``-prefixed continuation characters. Starting
+    from the special tokens and every character seen, the most frequent adjacent pair of pieces is
+    merged into a new piece (``un`` + ``##able`` -> ``unable``) until ``vocab_size`` tokens (more if
+    the characters alone exceed it: every character seen stays coverable) or no pair occurs
+    ``min_frequency`` times; ties go to the smaller pair, so training is deterministic. The
+    tokenizer then covers words greedily by longest match, as BERT does. Pair counts are updated
+    incrementally: each merge revisits only the words containing the pair.
+    """
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(w for w in basic_tokenize(text, lower_case) if len(w) <= MAX_WORD_CHARS)
+    words = [[w[0]] + ["##" + c for c in w[1:]] for w in counts]
+    freqs = list(counts.values())
+    vocab = list(SPECIAL_TOKENS) + sorted({s for w in words for s in w} - set(SPECIAL_TOKENS))
+    known = set(vocab)
+    pair_counts: dict[tuple[str, str], int] = defaultdict(int)
+    where: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for wi, syms in enumerate(words):
+        for pair in zip(syms, syms[1:]):
+            pair_counts[pair] += freqs[wi]
+            where[pair].add(wi)
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+    while heap and len(vocab) < vocab_size:
+        neg_count, pair = heapq.heappop(heap)
+        count = pair_counts.get(pair, 0)
+        if count != -neg_count:  # stale entry: re-queue with the current count
+            if count > 0:
+                heapq.heappush(heap, (-count, pair))
+            continue
+        if count < min_frequency:
+            break
+        merged = pair[0] + pair[1][2:]
+        if merged not in known:
+            known.add(merged)
+            vocab.append(merged)
+        for wi in sorted(where.pop(pair, ())):
+            old, f = words[wi], freqs[wi]
+            new = _merge_word(old, *pair)
+            for p in zip(old, old[1:]):
+                pair_counts[p] -= f
+            for p in set(zip(new, new[1:])):
+                where[p].add(wi)
+            for p in zip(new, new[1:]):
+                pair_counts[p] += f
+            for p in set(zip(new, new[1:])):
+                heapq.heappush(heap, (-pair_counts[p], p))
+            words[wi] = new
+        pair_counts.pop(pair, None)
+    return vocab
+
+
+def save_vocab(vocab: list[str], path: str) -> None:
+    """vocab.txt, one token per line (written under a temporary name, then renamed)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(f"{t}\n" for t in vocab))
+    os.replace(tmp, path)

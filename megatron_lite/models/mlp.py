@@ -1,5 +1,7 @@
 """The MLP: fc1 (ColumnParallelLinear) -> GeLU or SwiGLU -> fc2 (RowParallelLinear).
 
+GeLU is the exact (erf) form, or with ``--openai-gelu`` the tanh approximation GPT-2 was trained with.
+
 SwiGLU fuses the gate and up projections into one fc1 of ``2 * ffn`` rows, master layout
 ``[gate; up]``. The weight is split with partition stride 2, so each TP rank holds its slice of
 the gate *and* its matching slice of up, and ``silu(gate) * up`` stays local to the rank.
@@ -20,6 +22,7 @@ class MLP(nn.Module):
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         ffn = config.ffn_hidden_size
         self.linear_fc1 = column_linear(config, state, layer_number, 2 * ffn if self.swiglu else ffn, "mlp.linear_fc1",
                                         stride=2 if self.swiglu else 1)
@@ -31,5 +34,5 @@ class MLP(nn.Module):
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
         else:
-            x = F.gelu(x)
+            x = F.gelu(x, approximate=self.gelu_approximate)
         return self.linear_fc2(x)

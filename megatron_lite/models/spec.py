@@ -26,6 +26,7 @@ from torch import nn
 
 from ..moe.config import moe_layer_pattern
 from ..moe.layer import MoELayer
+from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .common import Norm
 from .mlp import MLP
@@ -49,9 +50,17 @@ def resolve_spec(spec, layer_number: int) -> LayerSpec:
 
 def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP, or
-    the MoE layer in the layers ``--moe-layer-freq`` selects when the model has experts."""
+    the MoE layer in the layers ``--moe-layer-freq`` selects when the model has experts. Under
+    context parallelism the core attention is the context-parallel one (ring / a2a / allgather)."""
+    attention = {"core_attention": ContextParallelAttention} if getattr(config, "context_parallel_size", 1) > 1 else {}
     if not config.num_experts:
-        return LayerSpec()
+        return LayerSpec(**attention)
     pattern = moe_layer_pattern(config)
-    dense, moe = LayerSpec(), LayerSpec(mlp=MoELayer)
+    dense, moe = LayerSpec(**attention), LayerSpec(mlp=MoELayer, **attention)
     return lambda layer_number: moe if pattern[layer_number - 1] else dense
+
+
+def bert_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
+    """BERT's layers (Megatron's BERT is pre-LayerNorm like GPT): the same parts as GPT's, experts
+    included; the bidirectional padding mask is the block's ``attn_mask_type``, not a different module."""
+    return gpt_layer_spec(config)

@@ -28,6 +28,7 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # a2a+p2p (hierarchical) is not built
 
 
 def _require(cond: bool, message: str) -> None:
@@ -51,6 +52,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximated GeLU (GPT-2's); the exact erf form otherwise
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
@@ -62,6 +64,8 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     # parallelism and run ----------------------------------------------------------------------
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # the effective value: always False when TP is 1
+    context_parallel_size: int = 1  # ranks splitting every sequence (load-balanced chunks)
+    cp_comm_type: str | list[str] = "p2p"  # core attention under CP: one type, or one per layer
     seed: int = 1234
     params_dtype: torch.dtype = torch.float32
     recompute_granularity: str | None = None  # None, full (whole layers) or selective (core attention)
@@ -73,6 +77,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         self._check_shape()
         self._derive()
         self._check_parallel()
+        self._check_context_parallel()
         self._check_recompute()
         check_moe_fields(self)
 
@@ -134,6 +139,36 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             _require(self.vocab_size is None or self.vocab_size <= self.padded_vocab_size,
                      f"vocab size {self.vocab_size} is larger than the padded vocab size {self.padded_vocab_size}")
 
+    def _check_context_parallel(self) -> None:
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        _require(cp >= 1, "--context-parallel-size must be at least 1")
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        _require(len(types) in (1, self.num_layers),
+                 f"--cp-comm-type takes one value or one per layer ({self.num_layers}), got {len(types)}")
+        for kind in types:
+            _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind!r} is not supported; use one of "
+                     f"{', '.join(CP_COMM_TYPES)} (a2a+p2p is not implemented)")
+        if cp == 1:
+            return
+        split = 2 * cp * (tp if self.sequence_parallel else 1)
+        _require(self.seq_length % split == 0,
+                 f"--context-parallel-size {cp} needs seq-length {self.seq_length} divisible by 2 x cp"
+                 + (f" x tensor-model-parallel-size {tp} (sequence parallel)" if self.sequence_parallel else "")
+                 + f" = {split}")
+        if "a2a" in types:
+            for flag, value in (("num-attention-heads", self.num_attention_heads),
+                                ("num-query-groups", self.num_query_groups)):
+                _require(value % (tp * cp) == 0,
+                         f"--cp-comm-type a2a needs {flag} {value} divisible by tensor-model-parallel-size {tp} "
+                         f"x context-parallel-size {cp}; use p2p or allgather")
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """The context-parallel core attention of global layer ``layer_number`` (1-based)."""
+        if isinstance(self.cp_comm_type, str):
+            return self.cp_comm_type
+        types = list(self.cp_comm_type)
+        return types[0] if len(types) == 1 else types[layer_number - 1]
+
     def _check_recompute(self) -> None:
         g, method = self.recompute_granularity, self.recompute_method
         _require(g is None or g in RECOMPUTE_GRANULARITIES,
@@ -183,6 +218,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         return cls.from_model(
             config.model, tensor_model_parallel_size=p.tensor_model_parallel_size,
             sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
+            context_parallel_size=p.context_parallel_size, cp_comm_type=list(p.cp_comm_type or ["p2p"]),
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),

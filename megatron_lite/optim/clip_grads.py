@@ -50,7 +50,7 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     whether it is an expert parameter (``allreduce=False``); ``grad`` (None = skip) is what is
     squared, e.g. a slice of the gradient when the optimizer state is sharded. With
     ``data_parallel`` each rank holds only part of the gradient, so the sums run over the
-    data-parallel group too (the expert-data-parallel group for expert parameters).
+    data-parallel (x context-parallel) group too (the expert-data-parallel group for expert parameters).
     """
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
@@ -62,7 +62,7 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
             dense += sq
         else:
             expert += sq
-    dense_groups = (state.dp_group,) if data_parallel else ()
+    dense_groups = (state.dp_cp_group,) if data_parallel else ()  # sharded over data x context parallel
     expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
         for group in groups:

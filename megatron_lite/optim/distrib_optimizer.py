@@ -1,5 +1,8 @@
 """Distributed optimizer (``--use-distributed-optimizer``): optimizer state sharded over DP ranks.
 
+"DP" here is the group the dense gradients are reduced over: data x context parallel (the
+buckets' group), so with context parallelism the state is sharded over dp x cp ranks.
+
 Every data-parallel replica holds the full model, but only 1/dp of the fp32 master weights and
 Adam moments. The ownership follows the DDP grad buffer: each bucket (padded to a multiple of the
 group size) is cut into dp equal chunks and rank i owns chunk i. Per iteration:
@@ -84,7 +87,7 @@ class DistributedOptimizer(MegatronOptimizer):
             piece.master.grad = piece.grad()
         grads = [piece.master.grad for piece in self.pieces]
         if self.scaler is not None:
-            groups = (self.state.dp_group, self.state.mp_group, self.state.ep_group)
+            groups = (self.state.dp_cp_group, self.state.mp_group, self.state.ep_group)
             found_inf = self._unscale_and_check(grads, groups)
             self.scaler.update(found_inf)
             if found_inf:
@@ -161,8 +164,8 @@ class DistributedOptimizer(MegatronOptimizer):
         step = self._step_count()
         has_state = torch.tensor(float(any(piece.master in self.optimizer.state for piece in self.pieces)),
                                  device=get_device())
-        if comm.group_size(self.state.dp_group) > 1:  # ranks owning only padding have no state
-            dist.all_reduce(has_state, op=dist.ReduceOp.MAX, group=self.state.dp_group)
+        if comm.group_size(self.state.dp_cp_group) > 1:  # ranks owning only padding have no state
+            dist.all_reduce(has_state, op=dist.ReduceOp.MAX, group=self.state.dp_cp_group)
         torch_state = {}
         if has_state.item():
             keys = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}[self.config.optimizer]
@@ -192,8 +195,8 @@ class DistributedOptimizer(MegatronOptimizer):
         """Adam's step counter (the same on every piece and rank); agreed with a MAX over DP."""
         steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
         value = torch.tensor(max(steps, default=0.0), device=get_device())
-        if comm.group_size(self.state.dp_group) > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.state.dp_group)
+        if comm.group_size(self.state.dp_cp_group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.state.dp_cp_group)
         return int(value.item())
 
     @torch.no_grad()

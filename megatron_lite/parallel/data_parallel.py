@@ -15,9 +15,12 @@ bucket's all-reduce is launched asynchronously as soon as all its parameters hav
 :meth:`finish_grad_sync`.
 
 Gradients are *averaged* over data-parallel ranks: each bucket is divided by the data-parallel
-size, then summed by the all-reduce. Expert parameters (attribute ``allreduce=False``) are
-sharded over the expert-parallel ranks and replicated only over ``expert_dp_group``; they live in
-their own buckets, reduced over that group and also divided by the full data-parallel size (the
+size, then summed by the all-reduce. With context parallelism (CP) the ranks of a CP group hold
+different tokens of the same samples and identical weights, so dense gradients are averaged over
+the DP x CP group (divide by dp x cp; the GPT loss is scaled by cp so this is the global token mean).
+Expert parameters (attribute ``allreduce=False``) are
+sharded over the expert-parallel ranks and replicated only over ``expert_dp_group`` (which spans
+CP too); they live in their own buckets, reduced over that group and also divided by dp x cp (the
 expert already received the tokens of every expert-parallel rank through the all-to-all, so
 ``1/dp`` is the average over all data-parallel ranks).
 
@@ -125,7 +128,9 @@ class DistributedDataParallel(nn.Module):
 
         # Plan the buckets: (params, group), each bucket padded to a multiple of its group size.
         plan = []
-        for group_params, group in ((dense, state.dp_group), (expert, state.expert_dp_group)):
+        # Dense weights are replicated over data AND context parallel ranks (CP ranks see different
+        # tokens of the same samples), so their gradients are averaged over the DP x CP group.
+        for group_params, group in ((dense, state.dp_cp_group), (expert, state.expert_dp_group)):
             current, size = [], 0
             for p in group_params:
                 if getattr(p, "shared_embedding", False) and state.pp_size > 1:
@@ -146,7 +151,7 @@ class DistributedDataParallel(nn.Module):
         padded = [_round_up(sum(p.numel() for p in ps), comm.group_size(g)) for ps, g in plan]
         self.grad_buffer = torch.zeros(sum(padded), dtype=torch.float32, device=device)
 
-        scale = 1.0 / state.dp_size
+        scale = 1.0 / (state.dp_size * state.cp_size)
         self.buckets: list[_Bucket] = []
         start = 0
         for (bucket_params, group), numel in zip(plan, padded):

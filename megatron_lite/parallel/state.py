@@ -177,6 +177,8 @@ class ParallelState:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     self._groups[name] = group
+        if self.grid.cp == 1:  # the same ranks: one group object, so "reduce over DP x CP" is the DP group
+            self._groups["dp_cp"] = self._groups["dp"]
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
         self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]

@@ -43,6 +43,7 @@ class TrainResult:
     iteration: int = 0
     consumed_samples: int = 0
     losses: list[float] = field(default_factory=list)
+    reported: list[dict[str, float]] = field(default_factory=list)  # every reported loss per step (e.g. lm + sop)
     grad_norms: list[float | None] = field(default_factory=list)
     skipped_iterations: int = 0
     validation: list[tuple[int, float]] = field(default_factory=list)
@@ -101,12 +102,14 @@ def num_microbatches(config: Config) -> int:
 
 
 def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
-    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype.
+    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype,
+    ``s`` being the tokens of a sample held by one rank (the sequence split over context parallelism).
 
     Built once per run; every schedule call (training and evaluation) takes it.
     """
+    local_seq_length = config.model.seq_length // config.parallel.context_parallel_size
     return PipeComm.for_activations(
-        state, seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size,
+        state, seq_length=local_seq_length, micro_batch_size=config.training.micro_batch_size,
         hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
         sequence_parallel=config.parallel.sequence_parallel,
     )
@@ -291,6 +294,7 @@ class _Training:
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
+            result.reported.append(losses)
         result.grad_norms.append(grad_norm)
         self.logger.log_iteration(
             self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,

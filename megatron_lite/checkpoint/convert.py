@@ -1,0 +1,224 @@
+"""Checkpoint conversion: loader and saver plugins behind ``tools/checkpoint/convert.py``.
+
+A loader reads a checkpoint into a layout-free :class:`~megatron_lite.checkpoint.reshard.ModelBundle`;
+a saver writes a bundle. Each plugin is a :class:`Plugin`: ``add_arguments(parser)`` for its own
+options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, args, progress) -> str``).
+
+==============  ===============================================================================
+``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
+                layout; the saver writes ``--target-*`` sizes (default: the source's)
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2 and llama styles
+==============  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ..config import ModelConfig, ParallelConfig
+from ..errors import ConfigError
+from .format import CheckpointError
+from .hf import STYLES, from_hf, pick_style, to_hf
+from .hf_io import (
+    TOKENIZER_DIR,
+    copy_tokenizer_files,
+    parse_size,
+    read_json,
+    read_safetensors,
+    tokenizer_files_in,
+    write_json,
+    write_safetensors,
+)
+from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
+
+
+class Plugin(NamedTuple):
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable
+
+
+def _no_progress(iterable, **_kw):
+    return iterable
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron
+
+
+def _megatron_loader_args(parser) -> None:
+    del parser  # the source layout is read from the checkpoint itself
+
+
+def _load_megatron(args, progress=_no_progress) -> ModelBundle:
+    return load_megatron(args.load_dir, progress)
+
+
+def _megatron_saver_args(parser) -> None:
+    group = parser.add_argument_group("megatron saver")
+    group.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                       help="Tensor-parallel size to write (default: the source's, 1 for Hugging Face).")
+    group.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                       help="Pipeline-parallel size to write (default: the source's, 1 for Hugging Face).")
+    group.add_argument("--target-expert-parallel-size", type=int, default=None,
+                       help="Expert-parallel size to write (only 1: no mixture-of-experts conversion yet).")
+    group.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Interleaved pipeline: layers per virtual stage (as --num-layers-per-virtual-pipeline-stage).")
+    group.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the first pipeline stage (as --decoder-first-pipeline-num-layers).")
+    group.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the last pipeline stage (as --decoder-last-pipeline-num-layers).")
+
+
+def target_layout(bundle: ModelBundle, args) -> TargetLayout:
+    """The ``--target-*`` options, defaulting to the source's layout (a PP change resets the stage split)."""
+    src = bundle.config
+    if args.target_expert_parallel_size not in (None, 1):
+        raise ConfigError(f"--target-expert-parallel-size {args.target_expert_parallel_size}: expert (MoE) checkpoints "
+                          "cannot be converted yet; use 1")
+    tp = args.target_tensor_parallel_size or src.get("tensor_model_parallel_size") or 1
+    pp = args.target_pipeline_parallel_size or src.get("pipeline_model_parallel_size") or 1
+    same_pp = args.target_pipeline_parallel_size is None
+    split = (args.target_num_layers_per_virtual_pipeline_stage, args.target_decoder_first_pipeline_num_layers,
+             args.target_decoder_last_pipeline_num_layers)
+    if same_pp and split == (None, None, None):
+        split = (src.get("num_layers_per_virtual_pipeline_stage"), src.get("decoder_first_pipeline_num_layers"),
+                 src.get("decoder_last_pipeline_num_layers"))
+    for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    return TargetLayout(tp, pp, *split)
+
+
+def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list[str]:
+    """The pretrain_gpt.py flags that load a converted checkpoint with this flat ``config``: the
+    model options that differ from their defaults, the parallel layout, and how to resume."""
+    flags = []
+    for cls in (ModelConfig, ParallelConfig):
+        for f in dataclasses.fields(cls):
+            value = config.get(f.name)
+            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == f.default:
+                continue
+            if cls is ParallelConfig and not f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers")):
+                continue  # the layout only, not how this run was optimised
+            flag = "--" + f.name.replace("_", "-")
+            flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+    return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
+
+
+def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
+    """Write the checkpoint; returns what to tell the user (where, and the flags that load it)."""
+    layout = target_layout(bundle, args)
+    out = save_megatron(bundle, args.save_dir, layout, progress)
+    config = target_config(bundle, layout)
+    flags = pretrain_flags(config, bundle.iteration == "release", bundle.optimizer is not None)
+    return f"{out}\nload it with: --load {args.save_dir} {' '.join(flags)} (and the tokenizer flags)"
+
+
+# ---------------------------------------------------------------------------------------------
+# hf
+
+
+def _hf_loader_args(parser) -> None:
+    group = parser.add_argument_group("hf loader")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                       help="Vocabulary padding of the imported model, as in training (default 128).")
+
+
+def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128) -> ModelBundle:
+    """The bundle of a Hugging Face folder; its tokenizer files are carried along for the saver."""
+    hf_config = read_json(os.path.join(load_dir, "config.json"))
+    config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
+    config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    return ModelBundle(config, state_dict, "release", 0, tokenizer_files_in(load_dir))
+
+
+def _load_hf(args, progress=_no_progress) -> ModelBundle:
+    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128)
+
+
+def _hf_saver_args(parser) -> None:
+    group = parser.add_argument_group("hf saver")
+    group.add_argument("--hf-style", choices=STYLES, default=None,
+                       help="gpt2 (learned positions, LayerNorm, GeLU) or llama (RoPE, RMSNorm, SwiGLU); "
+                            "auto: llama for rope models, else gpt2.")
+    group.add_argument("--max-shard-size", default=None,
+                       help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
+
+
+def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_size: str | int = "5GB",
+            progress=_no_progress) -> str:
+    """Write ``bundle`` as a Hugging Face folder (config.json, safetensors, tokenizer files); returns it."""
+    style = pick_style(bundle.config, style)
+    hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
+    limit = parse_size(max_shard_size)
+    if os.path.isfile(os.path.join(save_dir, "config.json")):
+        raise CheckpointError(f"{save_dir} already holds a config.json; choose an empty --save-dir")
+    os.makedirs(save_dir, exist_ok=True)
+    write_safetensors(tensors, save_dir, limit)
+    write_json(os.path.join(save_dir, "config.json"), hf_config)
+    copy_tokenizer_files(bundle.tokenizer_files, save_dir)
+    return save_dir
+
+
+def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
+    return save_hf(bundle, args.save_dir, args.hf_style or "auto", args.max_shard_size or "5GB", progress)
+
+
+def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:
+    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``)."""
+    out = _save_megatron(bundle, args, progress)
+    copy_tokenizer_files(bundle.tokenizer_files, os.path.join(args.save_dir, TOKENIZER_DIR))
+    return out
+
+
+LOADERS = {"megatron": Plugin(_megatron_loader_args, _load_megatron), "hf": Plugin(_hf_loader_args, _load_hf)}
+SAVERS = {"megatron": Plugin(_megatron_saver_args, _save_megatron_with_tokenizer),
+          "hf": Plugin(_hf_saver_args, _save_hf)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Convert checkpoints between layouts and formats.", allow_abbrev=False)
+    parser.add_argument("--model-type", required=True, choices=["GPT", "BERT"], help="Model family.")
+    parser.add_argument("--loader", default="megatron", choices=sorted(LOADERS), help="Format of --load-dir.")
+    parser.add_argument("--saver", default="megatron", choices=sorted(SAVERS), help="Format to write.")
+    parser.add_argument("--load-dir", required=True, help="Checkpoint to read (save folder or Hugging Face folder).")
+    parser.add_argument("--save-dir", required=True, help="Folder to write to (new or empty).")
+    for plugins in (LOADERS, SAVERS):
+        for plugin in plugins.values():
+            plugin.add_arguments(parser)
+    return parser
+
+
+# Options that only one plugin reads: given to another, they are refused rather than ignored.
+PLUGIN_OPTIONS = {
+    ("saver", "megatron"): ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
+                            "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
+                            "target_decoder_last_pipeline_num_layers"),
+    ("saver", "hf"): ("hf_style", "max_shard_size"),
+    ("loader", "hf"): ("make_vocab_size_divisible_by",),
+}
+
+
+def check_options(args) -> None:
+    """Refuse an option the chosen loader/saver does not read, naming it."""
+    if args.model_type != "GPT":
+        raise ConfigError(f"--model-type {args.model_type}: only GPT checkpoints can be converted; use GPT")
+    if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
+        raise ConfigError("--save-dir must differ from --load-dir")
+    for (role, name), options in PLUGIN_OPTIONS.items():
+        if getattr(args, role) == name:
+            continue
+        for option in options:
+            if getattr(args, option, None) is not None:
+                raise ConfigError(f"--{option.replace('_', '-')} applies to --{role} {name} only; drop it")
+
+
+def convert(args, progress=_no_progress) -> str:
+    """Run the loader then the saver named in ``args``; returns what the saver wrote."""
+    check_options(args)
+    bundle = LOADERS[args.loader].run(args, progress)
+    return SAVERS[args.saver].run(bundle, args, progress)

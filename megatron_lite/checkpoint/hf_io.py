@@ -1,0 +1,115 @@
+"""Files of a Hugging Face model folder: ``config.json``, safetensors weights (one file, or shards
+with ``model.safetensors.index.json``), and tokenizer files.
+
+Only ``safetensors`` is needed here (not ``transformers``); it is an optional dependency, imported
+when a Hugging Face folder is read or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from ..errors import ConfigError
+from .format import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"  # a converted megatron checkpoint keeps Hugging Face tokenizer files here
+INDEX_FILE = "model.safetensors.index.json"
+# Tokenizer files copied between a Hugging Face folder and a converted checkpoint when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ConfigError("Hugging Face conversion needs the safetensors package; pip install safetensors") from None
+    return safetensors.torch
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of ``5GB`` / ``200MB`` / ``1000`` (decimal units, as Hugging Face uses)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None])
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing; is {os.path.dirname(path)} a Hugging Face model folder?")
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[str]:
+    """Write ``tensors`` as ``model.safetensors``, or as shards plus the index when larger than
+    ``max_shard_bytes``; returns the file names written."""
+    st = _safetensors()
+    os.makedirs(folder, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor.detach().contiguous().clone()  # own storage: safetensors refuses shared views
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        st.save_file(shards[0], os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        st.save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(os.path.join(folder, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names + [INDEX_FILE]
+
+
+def read_safetensors(folder: str) -> dict:
+    """All tensors of a Hugging Face folder (single file or shards listed in the index)."""
+    st = _safetensors()
+    single, index = os.path.join(folder, SINGLE_FILE), os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(single):
+        return st.load_file(single)
+    if os.path.isfile(index):
+        files = sorted(set(read_json(index)["weight_map"].values()))
+        out = {}
+        for name in files:
+            out.update(st.load_file(os.path.join(folder, name)))
+        return out
+    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors weights "
+                          "are read (convert pytorch_model.bin with transformers first)")
+
+
+def copy_tokenizer_files(files: dict, folder: str) -> list[str]:
+    """Copy ``{target name: source path}`` into ``folder``; returns the names copied."""
+    copied = []
+    for name, src in files.items():
+        if src and os.path.isfile(src):
+            os.makedirs(folder, exist_ok=True)
+            shutil.copyfile(src, os.path.join(folder, name))
+            copied.append(name)
+    return copied
+
+
+def tokenizer_files_in(folder: str) -> dict:
+    """``{name: path}`` of the tokenizer files present in a Hugging Face folder."""
+    return {name: os.path.join(folder, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))}

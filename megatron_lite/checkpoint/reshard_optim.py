@@ -1,0 +1,119 @@
+"""Resharding the optimizer state with the weights, so a converted checkpoint resumes exactly.
+
+Every model file stores the optimizer in one format (the distributed optimizer gathers into it):
+``{"optimizer": torch state dict, "fp32_masters": [...] or None, "loss_scaler", "num_skipped_steps"}``.
+The torch state dict numbers this rank's parameters in a fixed order: the model parameters of all
+its chunks (``chunk.parameters()`` order), matrices first, then 1-D tensors (the weight-decay group,
+then the no-decay group); ``fp32_masters`` follows the plain parameter order. Each state tensor
+(Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's ``momentum_buffer``, the fp32 master) has its
+parameter's shape and is split over TP exactly like it.
+
+So the layout-free form is ``{global parameter name: full tensor}`` per state key, obtained with the
+same ``param_meta`` and :func:`~megatron_lite.parallel.tensor.unshard` as the weights, and written
+back per target rank with :func:`~megatron_lite.parallel.tensor.shard`, in the target's order.
+Parameter names and order come from the chunk models built on the ``meta`` device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel.tensor import shard, unshard
+from .format import find_model_files, param_meta, read_model_file
+
+
+def global_name(name: str, start: int) -> str:
+    """Chunk-local ``decoder.layers.{i}.x`` -> global layer ``start + i``; other names unchanged."""
+    if name.startswith("decoder.layers."):
+        local, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{start + int(local)}.{rest}"
+    return name
+
+
+def param_order(chunks: list) -> tuple[list[str], list[str], dict]:
+    """(names in ``parameters()`` order, names in the torch state's index order, chunk-local param_meta
+    by global name) of one rank's chunk models (``(model, layer_start)`` pairs)."""
+    plain, dims, meta = [], {}, {}
+    for model, start in chunks:
+        local_meta = param_meta(model)
+        for name, p in model.named_parameters():
+            g = global_name(name, start)
+            plain.append(g)
+            dims[g] = p.dim()
+            if name in local_meta:
+                meta[g] = local_meta[name]
+    indexed = [n for n in plain if dims[n] > 1] + [n for n in plain if dims[n] <= 1]
+    return plain, indexed, meta
+
+
+def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
+    """The layout-free optimizer state of a checkpoint, or None when a file has none.
+
+    ``chunk_models_of(pp_rank, payload)`` gives that rank's ``(meta model, layer_start)`` pairs.
+    Returns ``{"state": {key: {name: tensor}}, "scalars": {key: value}, "masters": {name: tensor} or
+    None, "group": hyper-parameters, "weight_decay", "extra": loss scaler and skip count, "scheduler": ...}``
+    (vocabulary tensors still padded as in the checkpoint).
+    """
+    files = find_model_files(path)
+    payloads = {key: read_model_file(file) for key, file in files.items()}
+    if any(p.get("optimizer") is None for p in payloads.values()):
+        return None
+    first = payloads[min(payloads)]
+    tp, pp = first["tp_size"], first["pp_size"]
+    state: dict = {}
+    scalars: dict = {}
+    masters: dict | None = {} if first["optimizer"].get("fp32_masters") is not None else None
+    for p in range(pp):
+        plain, indexed, meta = param_order(chunk_models_of(p, payloads[(0, p)]))
+        opts = [payloads[(t, p)]["optimizer"] for t in range(tp)]
+
+        def full(parts, name, meta=meta):
+            m = meta.get(name)
+            return parts[0] if m is None else unshard(parts, m["partition_dim"], m["partition_stride"])
+
+        for index, name in enumerate(indexed):
+            if name == "output_layer.weight" and tied:
+                continue  # the last stage's copy of the tied embedding: same state as the embedding
+            entries = [o["optimizer"]["state"].get(index) for o in opts]
+            if entries[0] is None:
+                continue  # not stepped yet
+            for key, value in entries[0].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state.setdefault(key, {})[name] = full([e[key] for e in entries], name)
+                else:
+                    scalars[key] = value
+        if masters is not None:
+            for i, name in enumerate(plain):
+                if not (name == "output_layer.weight" and tied):
+                    masters[name] = full([o["fp32_masters"][i] for o in opts], name)
+    groups = first["optimizer"]["optimizer"]["param_groups"]
+    group = {k: v for k, v in groups[0].items() if k not in ("params", "weight_decay")}
+    extra = {k: first["optimizer"].get(k) for k in ("loss_scaler", "num_skipped_steps")}
+    return {"state": state, "scalars": scalars, "masters": masters, "group": group, "extra": extra,
+            "weight_decay": groups[0]["weight_decay"],  # the matrices' group comes first
+            "scheduler": first.get("scheduler")}
+
+
+def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of) -> dict:
+    """One target rank's optimizer payload. ``chunks``: its ``(meta model, layer_start)`` pairs;
+    ``full_of(name, tensor)`` maps a chunk's global name and a full layout-free tensor to the full
+    tensor this layout needs (the tied copy, re-padded vocabulary)."""
+    plain, indexed, meta = param_order(chunks)
+
+    def part(name, table):
+        full = full_of(name, table)
+        m = meta.get(name)
+        return (full if m is None else shard(full, m["partition_dim"], tp_rank, tp, m["partition_stride"])).clone()
+
+    torch_state = {}
+    for index, name in enumerate(indexed):
+        if optim["state"]:
+            entry = {key: part(name, table) for key, table in optim["state"].items()}
+            entry.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in optim["scalars"].items()})
+            torch_state[index] = entry
+    matrices = sum(p.dim() > 1 for model, _ in chunks for p in model.parameters())
+    groups = [dict(optim["group"], weight_decay=wd, params=ids)
+              for wd, ids in ((optim["weight_decay"], list(range(matrices))), (0.0, list(range(matrices, len(indexed)))))
+              if ids]
+    masters = None if optim["masters"] is None else [part(name, optim["masters"]) for name in plain]
+    return {"optimizer": {"state": torch_state, "param_groups": groups}, "fp32_masters": masters, **optim["extra"]}

@@ -1,0 +1,218 @@
+"""Context parallelism (CP): the sequence of every sample is split over the CP group.
+
+Load-balanced split. The sequence is cut into ``2 * cp`` equal chunks and CP rank ``r`` keeps
+chunks ``r`` and ``2cp-1-r``, in that order (e.g. S=24, cp=3: rank 0 holds positions 0-3 and
+20-23, rank 1 4-7 and 16-19, rank 2 8-15). Under a causal mask an early chunk has little to attend
+to and a late one a lot; pairing them gives every rank the same attention work. Tokens, labels,
+loss mask and position ids are split the same way (:func:`get_batch_on_this_cp_rank`), so
+position embeddings and RoPE use each token's global position.
+
+Core attention over the split sequence (``cp_comm_type``):
+
+* ``p2p`` - ring attention (:mod:`megatron_lite.parallel.ring_attention`): keys/values travel
+  around the ring, overlapped with the block computations; memory per rank O(S/cp).
+* ``a2a`` - DeepSpeed-Ulysses: an all-to-all turns sequence-sharded q/k/v ``[S/cp, b, n, d]`` into
+  head-sharded ``[S, b, n/cp, d]``, attention runs on the full sequence for ``n/cp`` heads, and an
+  all-to-all turns the output back. Needs the (TP-local) query heads and key/value groups
+  divisible by cp.
+* ``allgather`` - keys and values are all-gathered over CP and each rank attends its own queries
+  to them under a mask built from global positions (simplest; O(S) keys per rank).
+
+All three equal single-process attention up to summation order. Gradient reductions over CP
+(each CP rank holds different tokens of the same replica) happen in the data-parallel gradient
+reduction over the DP x CP group, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .ring_attention import ring_attention
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+# ---------------------------------------------------------------------------------------------
+# The load-balanced split.
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens CP rank ``cp_rank`` holds, in its local order (LongTensor)."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel-size {cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def split_for_cp(t: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This rank's two chunks of ``t`` along ``dim`` (the sequence), concatenated; cp 1 = ``t``."""
+    if cp_size == 1:
+        return t
+    index = cp_positions(t.shape[dim], cp_rank, cp_size, device=t.device)
+    return t.index_select(dim, index)
+
+
+def unsplit_from_cp(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of :func:`split_for_cp`: the full tensor from every CP rank's part, in rank order."""
+    cp = len(parts)
+    local = parts[0].shape[dim]
+    order = torch.cat([cp_positions(local * cp, r, cp) for r in range(cp)])
+    gathered = torch.cat(parts, dim=dim)
+    return gathered.index_select(dim, torch.argsort(order).to(gathered.device))
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
+    """Split a micro-batch dict along the sequence for this CP rank.
+
+    ``tokens, labels, loss_mask, position_ids`` ``[b, s]`` are split on dim 1; ``attention_mask``
+    ``[b, 1, s, s]`` on dim 2 (its query rows). Missing ``position_ids`` are created (``0..s-1``)
+    first, so the split keeps each token's global position. Other entries are left alone.
+    """
+    if cp_size == 1:
+        return batch
+    out = dict(batch)
+    tokens = batch.get("tokens")
+    if batch.get("position_ids") is None and tokens is not None:
+        out["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        if out.get(key) is not None:
+            out[key] = split_for_cp(out[key], 1, cp_rank, cp_size)
+    if out.get("attention_mask") is not None:
+        out["attention_mask"] = split_for_cp(out["attention_mask"], 2, cp_rank, cp_size)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses (a2a) and all-gather attention. Tensors are [s, b, heads, d] (the core-attention layout).
+
+
+def _gathered_positions(local_len: int, cp: int, device) -> torch.Tensor:
+    """Global position of each row of a tensor gathered over CP in rank order."""
+    return torch.cat([cp_positions(local_len * cp, r, cp, device=device) for r in range(cp)])
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/cp, b, n, d]`` (this rank's chunks) -> ``[s, b, n/cp, d]`` (global order, head group r)."""
+    cp = comm.group_size(group)
+    s, b, n, d = x.shape
+    x = x.reshape(s, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).reshape(cp * s, b, n // cp, d)
+    x = comm.all_to_all(x, group)  # row block p: rank p's tokens of my head group
+    return x.index_select(0, torch.argsort(_gathered_positions(s, cp, x.device)))
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: ``[s, b, n/cp, d]`` -> ``[s/cp, b, n, d]``."""
+    cp = comm.group_size(group)
+    full, b, n_local, d = x.shape
+    s = full // cp
+    x = x.index_select(0, _gathered_positions(s, cp, x.device))
+    x = comm.all_to_all(x, group)  # row block p: my tokens of head group p
+    return x.reshape(cp, s, b, n_local, d).permute(1, 2, 0, 3, 4).reshape(s, b, cp * n_local, d)
+
+
+def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float):
+    """SDPA on ``[s, b, heads, d]`` tensors (``mask`` True = may attend); returns ``[sq, b, nq, d]``."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=causal and mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.permute(2, 0, 1, 3)
+
+
+def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0):
+    """All-to-all (DeepSpeed-Ulysses) attention; ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out."""
+    cp = comm.group_size(group)
+    for name, t in (("query heads", q), ("key/value groups", k)):
+        if t.shape[2] % cp:
+            raise ValueError(f"a2a context parallelism needs the {t.shape[2]} local {name} divisible by "
+                             f"context-parallel-size {cp}")
+    q, k, v = (seq_to_heads(t, group) for t in (q, k, v))
+    return heads_to_seq(_sdpa(q, k, v, None, causal, dropout_p, scale), group)
+
+
+def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0):
+    """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
+    cp, rank = comm.group_size(group), comm.group_rank(group)
+    s = q.shape[0]
+    kv = comm.gather_from_sp(torch.stack([k, v], dim=1), group, tensor_parallel_output_grad=True)
+    mask = None
+    if causal:
+        q_pos = cp_positions(s * cp, rank, cp, device=q.device)
+        k_pos = _gathered_positions(s, cp, q.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s * cp]; True = may attend
+    return _sdpa(q, kv[:, 0], kv[:, 1], mask, False, dropout_p, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The core-attention module.
+
+
+class ContextParallelAttention(nn.Module):
+    """Core attention over a CP-split sequence: ``forward(q [s, b, nq, d], k, v [s, b, nkv, d],
+    attention_mask, causal) -> [s, b, nq * d]`` with ``s`` = this rank's share of the sequence.
+
+    ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. Explicit
+    attention masks are refused (the causal mask is implicit). Attention dropout: each call draws
+    one seed from the model-parallel RNG tracker (so recomputation replays it), offset by the CP
+    rank; the ring seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
+    """
+
+    def __init__(self, config, state, layer_number: int):
+        super().__init__()
+        if hasattr(config, "cp_comm_type_of"):  # a TransformerConfig: one type, or one per layer
+            self.comm_type = config.cp_comm_type_of(layer_number)
+        else:
+            self.comm_type = getattr(config, "cp_comm_type", None) or "p2p"
+        if self.comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {self.comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
+        self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank
+        self.dropout_p = config.attention_dropout
+        self.tracker = state.rng_tracker
+        tp, cp = state.tp_size, state.cp_size
+        heads = config.num_attention_heads
+        groups = getattr(config, "num_query_groups", None) or heads
+        if self.comm_type == "a2a" and (heads % (tp * cp) or groups % (tp * cp)):
+            raise ValueError(f"--cp-comm-type a2a needs num-attention-heads {heads} and num-query-groups {groups} "
+                             f"divisible by tensor-model-parallel-size {tp} x context-parallel-size {cp}")
+
+    def _rng(self):
+        """The tensor-parallel generator around dropout (each TP rank owns different heads)."""
+        if self.dropout_p == 0.0 or not self.training:
+            return contextlib.nullcontext()
+        return self.tracker.fork()
+
+    def forward(self, q, k, v, attention_mask=None, causal: bool = True):
+        if attention_mask is not None:
+            raise ValueError("context parallelism supports the implicit causal mask only, not an explicit "
+                             "attention mask (drop --reset-attention-mask)")
+        s, b, nq, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        p = self.dropout_p if self.training else 0.0
+        with self._rng():
+            # One draw per call from the tracker, offset by the CP rank: the tracker's generator is
+            # the same on every CP rank, but their queries (or heads) differ, so must their masks.
+            seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
+        if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
+            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed).permute(2, 0, 1, 3)
+        else:
+            attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
+            with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
+                out = attend(q, k, v, self.group, causal, scale, p)
+        return out.reshape(s, b, nq * d)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    """Run the block with the device's default generator seeded by ``seed``, restoring it after."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # CPU state always forked
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,260 @@
+"""Ring attention: exact attention over a sequence split across the context-parallel (CP) group.
+
+Each CP rank holds the queries, keys and values of its two load-balanced chunks (see
+:mod:`megatron_lite.parallel.context`): rank ``r`` of ``cp`` holds chunks ``r`` and ``2cp-1-r`` of
+the ``2cp`` equal chunks of the sequence, so its local sequence is ``[chunk r ; chunk 2cp-1-r]``.
+
+Forward. The keys and values travel around the ring (send to ``r+1``, receive from ``r-1``) in one
+buffer, with batched isend/irecv. At step ``i`` a rank holds the keys/values of rank
+``j = (r - i) mod cp`` and starts the transfer for step ``i+1`` before computing step ``i``, so the
+transfer overlaps the block's attention. With a causal mask the block at step ``i`` is one of:
+
+* ``i == 0`` (own keys): causal attention over the local two-chunk sequence;
+* ``j < r``: every local query against the first remote chunk only (chunk ``j`` lies entirely before
+  both local chunks, chunk ``2cp-1-j`` entirely after them) - no mask;
+* ``j > r``: only the second local chunk (``2cp-1-r``) against both remote chunks - no mask.
+
+Every block is two chunk-by-chunk products (each rank does the same work; masked-out blocks are
+never computed). Without a causal mask every step is all-against-all. Partial results merge by
+their log-sum-exp: ``lse = logaddexp(lse, lse_i)``, ``out = out * exp(lse_old - lse) + o_i *
+exp(lse_i - lse)`` (fp32 accumulators).
+
+Backward. The same blocks are replayed with the same key/value ring. Each block's gradients come
+from the *final* output and log-sum-exp (the probabilities are recomputed as ``exp(s - lse)``),
+so they are exact pieces of the full gradient. ``dQ`` accumulates locally; a ``dK/dV`` buffer
+travels with the keys/values it belongs to and each rank adds its contribution; one last hop
+delivers the complete ``dK/dV`` to its owner. Both transfers overlap computation: the next
+key/value buffer travels while the current block's gradients are computed, and the incoming
+``dK/dV`` buffer is waited for only after them, just before this rank adds its share.
+
+Block kernels (:func:`block_forward`, :func:`block_backward`) return/consume the log-sum-exp: on
+CPU PyTorch's fused flash-attention kernels (no score matrix is materialised), elsewhere or with
+dropout a plain fp32 implementation. Dropout masks are drawn from a per-block seed, so backward
+regenerates them exactly. GQA/MQA: key/value head ``j`` serves query heads ``[j*g, (j+1)*g)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------------------------
+# Block kernels: tensors are [batch, heads, seq, head_dim]; lse is [batch, q_heads, seq].
+
+
+def _use_cpu_flash(q: torch.Tensor, dropout_p: float) -> bool:
+    return q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _keep_mask(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
+    """The dropout keep-mask of one block, a pure function of ``seed`` (replayed in backward)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+
+
+def _plain_probs(q, k, causal: bool, scale: float, lse=None):
+    """Grouped scores -> (probabilities ``[b, nkv, g, sq, sk]``, lse ``[b, nkv, g, sq]``).
+
+    With ``lse`` given (backward) the probabilities are normalised by it instead of their own sum.
+    """
+    b, nq, sq, d = q.shape
+    nkv = k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    qg = q.reshape(b, nkv, nq // nkv, sq, d).to(acc)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
+    if causal:
+        upper = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        lse = lse.reshape(b, nkv, nq // nkv, sq)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
+def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    """Attention of one block: ``(out [b, nq, sq, d] in fp32 (fp64 for fp64), lse [b, nq, sq])``.
+
+    ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i).
+    """
+    acc = _acc_dtype(q.dtype)
+    if _use_cpu_flash(q, dropout_p):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out.to(acc), lse.to(acc)
+    b, nq, sq, d = q.shape
+    probs, lse = _plain_probs(q, k, causal, scale)
+    if dropout_p > 0:
+        probs = probs * (_keep_mask(probs.shape, dropout_p, seed, q.device).to(acc) / (1.0 - dropout_p))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(acc))
+    return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    """Gradients ``(dq, dk, dv)`` of one block, given the FINAL output and log-sum-exp of these queries.
+
+    ``out`` is in ``q``'s dtype, ``lse`` in the accumulation dtype. Returns accumulation-dtype tensors.
+    """
+    acc = _acc_dtype(q.dtype)
+    if _use_cpu_flash(q, dropout_p):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale)
+        return tuple(g.to(acc) for g in grads)
+    b, nq, sq, d = q.shape
+    nkv = k.shape[1]
+    g = nq // nkv
+    probs, _ = _plain_probs(q, k, causal, scale, lse)
+    dout_g = dout.reshape(b, nkv, g, sq, d).to(acc)
+    dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout_g, v.to(acc))
+    dropped = probs
+    if dropout_p > 0:
+        keep = _keep_mask(probs.shape, dropout_p, seed, q.device).to(acc) / (1.0 - dropout_p)
+        dropped, dprobs = probs * keep, dprobs * keep
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", dropped, dout_g)
+    row_dot = (dout.to(acc) * out.to(acc)).sum(-1).reshape(b, nkv, g, sq, 1)  # = sum_k P * dP
+    dscores = probs * (dprobs - row_dot) * scale
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k.to(acc)).reshape(b, nq, sq, d)
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, q.reshape(b, nkv, g, sq, d).to(acc))
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring.
+
+
+class Ring:
+    """Neighbours of this rank in the CP group; ``shift(t)`` starts sending ``t`` to the next rank
+    and receiving the previous rank's tensor of the same shape, returning a handle whose ``wait()``
+    gives the received tensor."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def shift(self, t: torch.Tensor) -> _Pending:
+        recv = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return _Pending(dist.batch_isend_irecv(ops), recv)
+
+
+class _Pending:
+    def __init__(self, requests, recv):
+        self.requests, self.recv = requests, recv
+
+    def wait(self) -> torch.Tensor:
+        for req in self.requests:
+            req.wait()
+        return self.recv
+
+
+def block_plan(step: int, rank: int, size: int, causal: bool, half: int):
+    """``(query slice, key/value slice, block is causal)`` over the local sequence at ``step``."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    source = (rank - step) % size
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def _merge(out, lse, block_out, block_lse) -> None:
+    """Fold one block's (output, lse) into the running accumulators (views, updated in place)."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring):
+        acc = _acc_dtype(q.dtype)
+        half = q.shape[2] // 2
+        b, nq, s, d = q.shape
+        # laid out as [s, b, nq, d] so the caller's [s, b, nq * d] view of it needs no copy
+        out = torch.zeros((s, b, nq, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])  # one buffer: [2, b, nkv, s, d]
+        for step in range(ring.size):
+            pending = ring.shift(kv) if step < ring.size - 1 else None  # overlaps this step's block
+            qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
+            block_out, block_lse = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], block_causal,
+                                                 scale, dropout_p, seed + step)
+            _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            if pending is not None:
+                kv = pending.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed, ctx.ring = causal, scale, dropout_p, seed, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, dout = ctx.ring, dout.contiguous()
+        acc = lse.dtype
+        half = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_pending = None
+        for step in range(ring.size):
+            kv_pending = ring.shift(kv) if step < ring.size - 1 else None
+            qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
+            dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                              out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
+                                              ctx.dropout_p, ctx.seed + step)
+            dq[:, :, qs] += dq_i
+            # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
+            dkv = torch.zeros((2,) + k.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()
+            dkv[0][:, :, ks] += dk_i
+            dkv[1][:, :, ks] += dv_i
+            dkv_pending = ring.shift(dkv)
+            if kv_pending is not None:
+                kv = kv_pending.wait()
+        dkv = dkv_pending.wait()  # after size hops: this rank's own dK/dV, summed over every rank
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
+
+    ``q [b, nq, s, d]``, ``k, v [b, nkv, s, d]`` with ``s`` this rank's two chunks; returns
+    ``[b, nq, s, d]``. ``group`` None (one rank) is plain attention over the local sequence.
+    ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
+    """
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention needs an even local sequence length (two chunks), got {q.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not divisible by {k.shape[1]} key/value heads")
+    if group is None or dist.get_world_size(group) == 1:
+        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed)
+        return out
+    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group))
+
+
+class _LocalAttention(torch.autograd.Function):
+    """The one-rank case through the same kernels (so cp == 1 and cp > 1 share numerics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed):
+        out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, dropout_p, seed)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

@@ -1,0 +1,178 @@
+"""Pretrain a BERT model (masked LM + sentence-order prediction) with tensor, sequence, pipeline and data parallelism.
+
+    python pretrain_bert.py --data-path data/sample_text_sentence --tokenizer-type BertWordPieceLowerCase \
+        --vocab-file data/bert-vocab.txt ...                                        # one process
+    torchrun --nproc-per-node 4 pretrain_bert.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 ...                                         # four
+
+Flags are Megatron-LM's (``--help`` lists them), plus BERT's own: ``--bert-no-binary-head`` (no
+sentence-order head and no token-type embeddings: Megatron builds 2 token types with the head, 0
+without; there is no separate flag), ``--mask-prob``, ``--short-seq-prob``. The data must be
+sentence-split (``tools/preprocess_data.py --split-sentences``) and tokenized with a WordPiece
+vocabulary holding [CLS], [SEP], [MASK] and [PAD].
+
+The loss of a micro-batch is the MLM loss averaged over its masked tokens plus the sentence-order
+cross-entropy (unweighted); both are reported (``lm loss``, ``sop loss``) on the console, in
+TensorBoard and in validation. The model, data and loop are the shared ones; this file says what is
+BERT-specific: the model chunks, one micro-batch's forward and loss, and the datasets.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import CheckpointError
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.data.builder import (
+    DataConfigError,
+    build_train_valid_test_datasets,
+    dataset_config_from_args,
+    parse_data_path,
+    train_valid_test_num_samples,
+)
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
+from megatron_lite.data.samplers import build_data_iterators
+from megatron_lite.device import get_device
+from megatron_lite.models import BertModel, TransformerConfig
+from megatron_lite.training.loop import pretrain
+from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
+
+MIN_SEQ_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in each segment
+
+
+@dataclass
+class BertConfig:
+    bert_no_binary_head: bool = False
+    """Train without the sentence-order (binary) head and without token-type embeddings."""
+    mask_prob: float = 0.15
+    """Fraction of the (non-special) tokens to predict in the masked-LM task."""
+    short_seq_prob: float = 0.1
+    """Probability of a sample with a shorter, random target length."""
+    bert_load: str | None = None
+    """Megatron: a BERT checkpoint for retrieval models (ICT/REALM); not supported here, use --load."""
+
+
+def check_bert_config(config: Config) -> None:
+    """BERT's own flag rules (one ConfigError line naming the flag)."""
+    b, seq = config.bert, config.model.seq_length
+    if b.bert_load is not None:
+        raise ConfigError("--bert-load feeds retrieval models (ICT/REALM), which are not implemented; "
+                          "to continue BERT pretraining use --load")
+    if not 0.0 <= b.mask_prob < 1.0:
+        raise ConfigError(f"--mask-prob must be in [0, 1), got {b.mask_prob}")
+    if not 0.0 <= b.short_seq_prob <= 1.0:
+        raise ConfigError(f"--short-seq-prob must be in [0, 1], got {b.short_seq_prob}")
+    if seq < MIN_SEQ_LENGTH:
+        raise ConfigError(f"--seq-length {seq} is too short for BERT: [CLS] A [SEP] B [SEP] needs at least "
+                          f"{MIN_SEQ_LENGTH}")
+    if config.data.mock_data:
+        raise ConfigError("--mock-data is GPT-only; give BERT a sentence-split --data-path")
+
+
+def check_tokenizer(config: Config, tokenizer) -> None:
+    """BERT samples need [CLS], [SEP], [MASK] and [PAD] (WordPiece vocabularies have them)."""
+    missing = [name for name in ("cls", "sep", "mask", "pad") if getattr(tokenizer, name, None) is None]
+    if missing:
+        raise ConfigError(f"--tokenizer-type {config.data.tokenizer_type} has no {'/'.join(missing)} token; "
+                          "BERT needs --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file")
+
+
+def check_sentence_level(data_path) -> None:
+    """Refuse document-level data (every document a single sequence): BERT packs sentences."""
+    prefixes, _ = parse_data_path(data_path)
+    for prefix in prefixes:
+        try:
+            ds = IndexedDataset(prefix)
+        except DataFileError as err:
+            raise DataFileError(f"--data-path: {err}") from None
+        if ds.num_documents() > 0 and (np.diff(np.asarray(ds.document_indices)) <= 1).all():
+            raise DataConfigError(f"--data-path {prefix} is document-level (one sequence per document); BERT needs "
+                                  "sentences: preprocess with tools/preprocess_data.py --split-sentences")
+
+
+def binary_head(config: Config) -> bool:
+    return not config.bert.bert_no_binary_head
+
+
+def model_provider(config: Config, state) -> list[torch.nn.Module]:
+    """The model chunks this rank holds: one per virtual pipeline stage (one without interleaving)."""
+    model_config = TransformerConfig.from_config(config)
+    ranges = my_layer_ranges(config, state)
+    head = binary_head(config)
+    return [
+        BertModel(model_config, state, num_tokentypes=2 if head else 0, add_binary_head=head,
+                  pre_process=state.is_first_stage() and i == 0,
+                  post_process=state.is_last_stage() and i == len(ranges) - 1, layer_start=start, layer_end=end)
+        for i, (start, end) in enumerate(ranges)
+    ]
+
+
+def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output):
+    """MLM loss averaged over the masked tokens, plus the sentence-order loss with the binary head."""
+    lm_losses, binary_logits = output
+    lm_loss = (lm_losses.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    if binary_logits is None:
+        return lm_loss, {"lm loss": lm_loss.detach()}
+    sop_loss = F.cross_entropy(binary_logits.view(-1, 2).float(), sentence_order.view(-1), ignore_index=-1)
+    return lm_loss + sop_loss, {"lm loss": lm_loss.detach(), "sop loss": sop_loss.detach()}
+
+
+def forward_step(with_binary_head: bool, data_iterator, model):
+    batch = {k: v.to(get_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    types = batch["types"] if with_binary_head else None
+    output = model(batch["text"], batch["padding_mask"], types, lm_labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"].float(), batch["is_random"])
+
+
+def make_datasets_provider(tokenizer):
+    def provider(config: Config, state, consumed_train, consumed_valid):
+        t = config.training
+        train_samples, valid_samples, _ = train_valid_test_num_samples(
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters
+        )
+        # config.flat() holds the "bert" section too: --mask-prob, --short-seq-prob, --bert-no-binary-head
+        data_config = dataset_config_from_args(config.flat(), tokenizer, bert=True)
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, [train_samples, valid_samples, 0],
+                                                                tokenizer)
+
+        def iterators():
+            train, valid, _ = build_data_iterators(
+                train_ds, valid_ds, None, consumed_train, consumed_valid, t.micro_batch_size,
+                state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
+                num_workers=config.data.num_workers, seed=t.seed,
+            )
+            return train, valid
+
+        num_chunks = len(my_layer_ranges(config, state))
+        if num_chunks == 1:
+            return iterators()
+        pairs = [iterators() for _ in range(num_chunks)]  # interleaving: one iterator per chunk
+        return [p[0] for p in pairs], [p[1] for p in pairs] if valid_ds is not None else None
+
+    return provider
+
+
+def main(argv=None):
+    config = parse_args(argv, description=__doc__.split("\n\n")[0], extra_sections={"bert": BertConfig})
+    try:
+        check_bert_config(config)
+        tokenizer = build_tokenizer_for(config)
+        check_tokenizer(config, tokenizer)
+        check_sentence_level(config.data.data_path)
+        set_vocab(config, tokenizer)
+        return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
+                        make_datasets_provider(tokenizer))
+    except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

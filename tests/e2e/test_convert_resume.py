@@ -1,0 +1,104 @@
+"""A checkpoint trained at TP2 x PP2, converted with tools/checkpoint/convert.py, resumes in
+pretrain_gpt.py at another layout and trains on exactly as it would have at the original one.
+
+The converter reshards the optimizer state (here the distributed optimizer's, saved at TP2 x PP2,
+loaded by the plain optimizer at TP1) and copies the schedule; RNG states are per rank and are not
+carried, so both continuations run with ``--no-load-rng`` (dropout is 0). Every continued step's loss
+must agree within rel 1e-5.
+"""
+
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _ranks_losses, _same_losses
+from tests.tools import load_tool
+
+RESUME = ["--no-load-rng"]
+
+
+def test_converted_checkpoint_resumes_at_a_new_layout_like_the_original(tmp_path):
+    src, tp1 = str(tmp_path / "tp2pp2"), str(tmp_path / "tp1")
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    _ranks_losses(4, _argv(src, 4, MODEL_B + layout + ["--use-distributed-optimizer"]))
+    convert = load_tool("checkpoint/convert").main
+    assert convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", src,
+                    "--save-dir", tp1, "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]) == 0
+
+    original = _ranks_losses(4, _argv(str(tmp_path / "a"), 8, MODEL_B + layout + ["--load", src, "--use-distributed-optimizer"]
+                                      + RESUME))
+    converted = pretrain_gpt.main(_argv(str(tmp_path / "b"), 8, MODEL_B + ["--load", tp1] + RESUME))
+    assert converted.iteration == 8 and len(converted.losses) == 4  # resumed at iteration 4
+    _same_losses(converted.losses, original)
+
+    # back to TP2 x PP2: the optimizer state (moments, masters, groups, scaler) equals training's own
+    back = str(tmp_path / "back")
+    assert convert(["--model-type", "GPT", "--load-dir", tp1, "--save-dir", back, "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2"]) == 0
+    for rank_dir in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
+        want, got = (torch.load(os.path.join(root, "iter_0000004", rank_dir, "model_optim_rng.pt"), weights_only=True)
+                     for root in (src, back))
+        assert got["scheduler"] == want["scheduler"]
+        _same_optimizer(got["optimizer"], want["optimizer"], rows=123 - 64 * int(rank_dir[9]))
+
+
+def _same_optimizer(got, want, rows):
+    """Equal bit for bit; vocabulary-sized tensors (64 rows per TP rank here) on their real rows only."""
+    assert got["loss_scaler"] == want["loss_scaler"] and got["num_skipped_steps"] == want["num_skipped_steps"]
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    pairs = [(got["fp32_masters"], want["fp32_masters"])]
+    pairs += [(got["optimizer"]["state"][i], want["optimizer"]["state"][i]) for i in want["optimizer"]["state"]]
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+    for a, b in pairs:
+        for x, y in (zip(a, b, strict=True) if isinstance(a, list) else ((a[k], b[k]) for k in b)):
+            n = min(rows, 64) if x.dim() == 2 and x.shape[0] == 64 else None
+            assert torch.equal(x[:n], y[:n]) if x.dim() else torch.equal(x, y)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist is not implemented"),
+    (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
+    (["--auto-detect-ckpt-format"], "--auto-detect-ckpt-format is not implemented"),
+])
+def test_sharded_checkpoint_flags_are_refused(capsys, flags, words):
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
+
+
+def test_torch_checkpoint_format_is_accepted(tmp_path):
+    assert pretrain_gpt.main(_argv(str(tmp_path / "s"), 3, ["--ckpt-format", "torch"])).iteration == 3
+
+
+def _flags_printed(capsys) -> list[str]:
+    out = capsys.readouterr().out
+    return out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+
+
+def test_hf_import_continues_pretraining_with_the_printed_flags(tmp_path, capsys):
+    """A Llama-style model imported at TP2 trains in pretrain_gpt.py from the converter's flags, with
+    the same losses as the same import at TP1 (a release checkpoint: weights only, from iteration 0)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=123, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    convert = load_tool("checkpoint/convert").main
+    run = ["--mock-data", "--vocab-size", "123", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]
+    losses = []
+    for tp, world in ((2, 2), (1, 1)):
+        capsys.readouterr()
+        out = str(tmp_path / f"tp{tp}")
+        assert convert(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", out,
+                        "--target-tensor-parallel-size", str(tp)]) == 0
+        argv = _flags_printed(capsys) + run
+        if world > 1:
+            losses.append(_ranks_losses(world, argv))
+        else:
+            result = pretrain_gpt.main(argv)
+            assert result.iteration == 3
+            losses.append(result.losses)
+    assert len(losses[0]) == 3  # started at iteration 0
+    _same_losses(losses[0], losses[1])

@@ -1,0 +1,182 @@
+"""pretrain_bert.py through its command line, on a WordPiece --split-sentences dataset built here.
+
+The data is made the README's way from tests/fixtures/tiny_corpus.jsonl: train_tokenizer.py
+--model-type wordpiece, then preprocess_data.py --split-sentences. Parallel runs call
+``pretrain_bert.main(argv)`` on every rank of a reused gloo pool; the reference is ``main(argv)`` in
+this process. Same seed, same global batch, dropout 0, fp32: both reported losses (``lm loss``,
+``sop loss``) of every step must agree within a relative 1e-5, and the final weights, merged from
+the saved checkpoints, within rtol 1e-5 (atol 1e-4, see test_pretrain_gpt.py for why).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pretrain_bert
+from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
+from tests.harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORPUS = os.path.join(ROOT, "tests", "fixtures", "tiny_corpus.jsonl")
+ITERS = 8
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.bias")
+
+
+def _tool(*argv):
+    subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bert_data")
+    _tool("tools/train_tokenizer.py", "--input", CORPUS, "--output-prefix", str(d / "wp"), "--model-type", "wordpiece",
+          "--vocab-size", "300")
+    tok = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(d / "wp-vocab.txt")]
+    _tool("tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", str(d / "tiny"), "--split-sentences", *tok)
+    _tool("tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", str(d / "tiny"), *tok)
+    return {"sentence": str(d / "tiny_text_sentence"), "document": str(d / "tiny_text_document"), "tok": tok,
+            "dir": d}
+
+
+def _argv(data, save, iters=ITERS, extra=()):
+    return [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--make-vocab-size-divisible-by", "8", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--lr", "5e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--seed", "7",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--split", "100,0,0",
+        "--data-path", data["sentence"], *data["tok"], "--data-cache-path", str(data["dir"] / "cache"),
+        "--save", save, *extra,
+    ]
+
+
+def run_cli(argv):
+    """Inside a rank: train and return this rank's reported losses per step (last stage only)."""
+    return pretrain_bert.main(argv).reported
+
+
+def _same(actual, expected):
+    assert len(actual) == len(expected) == ITERS
+    for step, (a, e) in enumerate(zip(actual, expected), 1):
+        assert a.keys() == e.keys() == {"lm loss", "sop loss"}
+        for key in e:
+            assert abs(a[key] - e[key]) <= 1e-5 * abs(e[key]), f"step {step} {key}: {a[key]} vs single {e[key]}"
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("bert_ref") / "single")
+    return pretrain_bert.main(_argv(data, save)).reported, save
+
+
+@pytest.mark.parametrize(
+    "name, world, extra",
+    [
+        ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+        ("dp2", 2, ["--use-distributed-optimizer"]),
+        ("tp2_pp2_sp", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--sequence-parallel"]),
+    ],
+)
+def test_parallel_runs_reproduce_single_process(tmp_path, data, reference, name, world, extra):
+    ref, ref_save = reference
+    save = str(tmp_path / name)
+    per_rank = [r for r in run_ranks(world, run_cli, _argv(data, save, extra=extra)) if r]
+    assert per_rank and all(r == per_rank[0] for r in per_rank)
+    _same(per_rank[0], ref)
+    a, _ = merge_checkpoint(save)
+    b, saved = merge_checkpoint(ref_save)
+    assert a.keys() == b.keys()
+    vocab = saved["vocab_size"]  # the padded tail depends on the TP size: compare the real rows
+    for k in a:
+        x, y = (a[k][:vocab], b[k][:vocab]) if k in VOCAB_ROWS else (a[k], b[k])
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert ref[-1]["lm loss"] < ref[0]["lm loss"]  # it trained
+
+
+def test_interleaved_pipeline_with_recompute_reproduces_single_process(tmp_path, data):
+    four = ["--num-layers", "4"]
+    ref = pretrain_bert.main(_argv(data, str(tmp_path / "single4"), extra=four)).reported
+    extra = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                    "--recompute-granularity", "full", "--recompute-method", "uniform"]
+    per_rank = [r for r in run_ranks(2, run_cli, _argv(data, str(tmp_path / "vpp"), extra=extra)) if r]
+    assert len(per_rank) == 1
+    _same(per_rank[0], ref)
+
+
+def test_no_binary_head_trains_without_sop_loss(tmp_path, data):
+    save = str(tmp_path / "nohead")
+    reported = pretrain_bert.main(_argv(data, save, extra=["--bert-no-binary-head"])).reported
+    assert all(r.keys() == {"lm loss"} for r in reported)
+    assert reported[-1]["lm loss"] < reported[0]["lm loss"]
+    model, saved = load_bert_checkpoint(save)
+    assert saved["bert_no_binary_head"] and model.binary_head is None and model.embedding.tokentype_embeddings is None
+
+
+def test_resume_continues_exactly(tmp_path, data, reference):
+    save = str(tmp_path / "resumed")
+    first = pretrain_bert.main(_argv(data, save, extra=["--exit-interval", "4"]))
+    assert first.exit_reason == "interval" and first.iteration == 4
+    second = pretrain_bert.main(_argv(data, save, extra=["--load", save]))
+    assert second.iteration == ITERS
+    assert first.reported + second.reported == reference[0]  # bit-identical continuation
+
+
+def test_fill_mask_reads_the_checkpoint(data, reference):
+    out = subprocess.run([sys.executable, "tools/fill_mask.py", "--load", reference[1], "--text",
+                          "the quick [MASK] fox", "--top-k", "3"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and re.fullmatch(r"\[MASK\] at \d+: \S+ [01]\.\d{3}( \| \S+ [01]\.\d{3}){2}", lines[0]), lines
+    assert lines[1].startswith("the quick ") and lines[1].endswith(" fox")
+
+
+def _bad_vocab(data):
+    path = data["dir"] / "no-cls-vocab.txt"
+    words = [w for w in open(data["tok"][-1]).read().splitlines() if w != "[CLS]"]
+    path.write_text("\n".join(words) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("document", ["document-level", "--split-sentences"]),
+        ("vocab", ["[CLS]"]),
+        ("seq", ["--seq-length 4", "at least 5"]),
+        ("bert_load", ["--bert-load", "--load"]),
+        ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
+    argv = _argv(data, str(tmp_path / "bad"), iters=4)
+    if case == "document":
+        argv += ["--data-path", data["document"]]
+    elif case == "vocab":
+        argv += ["--vocab-file", _bad_vocab(data)]
+    elif case == "seq":
+        argv += ["--seq-length", "4"]
+    elif case == "bert_load":
+        argv += ["--bert-load", str(tmp_path)]
+    else:
+        argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_loading_with_the_other_head_setting_names_the_flag(tmp_path, data, reference, capsys):
+    argv = _argv(data, str(tmp_path / "other"), extra=["--load", reference[1], "--bert-no-binary-head"])
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "bert-no-binary-head False (this run True)" in lines[0], lines

@@ -1,0 +1,49 @@
+"""Convert checkpoints: change the tensor/pipeline layout, export to or import from Hugging Face.
+
+Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lite.checkpoint.convert`.
+
+    # TP2 x PP2 training checkpoint -> TP4 x PP1
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \
+        --load-dir ckpt/gpt --save-dir ckpt/gpt_tp4 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
+    # export for evaluation harnesses (transformers / safetensors)
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir ckpt/gpt --save-dir hf/gpt
+    # import a Llama-style model to continue pretraining at TP2
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir hf/llama \
+        --save-dir ckpt/llama --target-tensor-parallel-size 2
+
+Exit code 2 with one line on stderr for a bad option or a checkpoint that cannot be converted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_lite.checkpoint.convert import build_parser, convert  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
+
+
+def _progress(iterable, **kw):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, **kw)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = convert(args, progress=_progress)
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
