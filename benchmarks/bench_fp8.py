@@ -1,0 +1,174 @@
+"""FP8 vs bf16: GEMM-only throughput and a GEMM-bound layer stack's training step, in one run.
+
+Runs on the GPU when one is visible (else the CPU) and prints the device, so the same command
+measures a laptop, this CPU or an H100:
+
+* GEMM only: the three GEMMs of a linear layer (forward ``X W^T``, dgrad ``dY W``, wgrad ``dY^T X``)
+  for each linear shape of a transformer layer, bf16 ``torch.matmul`` vs ``torch._scaled_mm`` on
+  operands already in FP8 (the kernel alone), and vs the full :class:`Fp8Gemm` call (quantisation
+  included). TFLOP/s counts 2*M*N*K per GEMM.
+* Training step: ``--layers`` blocks of the transformer's GEMM-bound part (LayerNorm, QKV, a
+  stand-in for attention that is a cheap elementwise op, projection, LayerNorm, fc1, GELU, fc2,
+  residuals) in bf16, forward + backward + SGD update, with every linear through the same GEMM
+  seam: plain ``F.linear`` vs ``Fp8Gemm`` (recipe from the flags; the delayed recipe's scale update
+  runs once per step as in training).
+
+    python benchmarks/bench_fp8.py [--hidden 1024] [--seq 256] [--batch 1] [--layers 2]
+                                   [--steps 5] [--fp8-format hybrid] [--fp8-recipe delayed]
+
+Ratios > 1 mean FP8 is faster. On a shared CPU the numbers are noisy: the median of ``--steps``
+timed repetitions is reported, after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import describe_machine  # noqa: E402
+from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, update_fp8_scales  # noqa: E402
+from megatron_lite.precision.fp8_ops import E4M3, E5M2, column_major, quantize  # noqa: E402
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, steps, warmup=2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _gemm_shapes(hidden, ffn, tokens):
+    """(name, M, K, N) of a transformer layer's linears: Y[M, N] = X[M, K] W[N, K]^T."""
+    return [("qkv", tokens, hidden, 3 * hidden), ("proj", tokens, hidden, hidden),
+            ("fc1", tokens, hidden, ffn), ("fc2", tokens, ffn, hidden)]
+
+
+def bench_gemms(args, device):
+    print("\n== GEMM only: forward + dgrad + wgrad of each linear (median of steps) ==")
+    print(f"{'gemm':6s} {'M x K x N':>18s} {'bf16 TFLOP/s':>13s} {'fp8 kernel':>11s} {'ratio':>6s} "
+          f"{'Fp8Gemm':>9s} {'ratio':>6s}")
+    one = torch.ones((), device=device)
+    totals = {"bf16": 0.0, "kernel": 0.0, "module": 0.0}
+    flops_all = 0
+    recipe = Fp8Recipe(format=args.fp8_format, recipe=args.fp8_recipe)
+    for name, m, k, n in _gemm_shapes(args.hidden, 4 * args.hidden, args.seq * args.batch):
+        x, w, dy = (torch.randn(s, device=device) for s in ((m, k), (n, k), (m, n)))
+        xb, wb, dyb = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+        x8, w8, dy8 = quantize(x, one, E4M3), quantize(w, one, E4M3), quantize(dy, one, E5M2)
+        w8_cm, x8_cm, dy8_t = column_major(w8), column_major(x8), dy8.t().contiguous()
+
+        def bf16():
+            xb @ wb.t(), dyb @ wb, dyb.t() @ xb
+
+        def kernel():
+            for a, b in ((x8, w8.t()), (dy8, w8_cm), (dy8_t, x8_cm)):
+                torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        gemm = Fp8Gemm(recipe).to(device)
+        xr, wr = xb.clone().requires_grad_(), wb.clone().requires_grad_()
+
+        def module():
+            gemm(xr, wr).backward(dyb)
+
+        flops = 3 * 2 * m * n * k
+        t = {"bf16": _median_time(bf16, device, args.steps), "kernel": _median_time(kernel, device, args.steps),
+             "module": _median_time(module, device, args.steps)}
+        for key in totals:
+            totals[key] += t[key]
+        flops_all += flops
+        tf = {key: flops / v / 1e12 for key, v in t.items()}
+        print(f"{name:6s} {f'{m}x{k}x{n}':>18s} {tf['bf16']:13.3f} {tf['kernel']:11.3f} "
+              f"{t['bf16'] / t['kernel']:6.2f} {tf['module']:9.3f} {t['bf16'] / t['module']:6.2f}")
+    print(f"{'all':6s} {'':>18s} {flops_all / totals['bf16'] / 1e12:13.3f} {flops_all / totals['kernel'] / 1e12:11.3f} "
+          f"{totals['bf16'] / totals['kernel']:6.2f} {flops_all / totals['module'] / 1e12:9.3f} "
+          f"{totals['bf16'] / totals['module']:6.2f}")
+    return totals["bf16"] / totals["kernel"], totals["bf16"] / totals["module"]
+
+
+class Block(nn.Module):
+    """The GEMM-bound part of a transformer layer; every linear goes through ``gemm``."""
+
+    def __init__(self, hidden, make_gemm):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        shapes = {"qkv": (3 * hidden, hidden), "proj": (hidden, hidden), "fc1": (4 * hidden, hidden),
+                  "fc2": (hidden, 4 * hidden)}
+        self.weights = nn.ParameterDict({k: nn.Parameter(torch.randn(s) * 0.02) for k, s in shapes.items()})
+        self.gemms = nn.ModuleDict({k: g for k in shapes if (g := make_gemm()) is not None})
+
+    def _linear(self, name, x):
+        gemm = self.gemms[name] if name in self.gemms else F.linear
+        return gemm(x, self.weights[name])
+
+    def forward(self, x):
+        q, k, v = self._linear("qkv", self.norm1(x)).chunk(3, dim=-1)
+        x = x + self._linear("proj", torch.tanh(q) * k + v)  # cheap stand-in for attention
+        return x + self._linear("fc2", F.gelu(self._linear("fc1", self.norm2(x))))
+
+
+def bench_step(args, device):
+    print(f"\n== training step: {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, "
+          "bf16, forward + backward + SGD (median of steps) ==")
+    recipe = Fp8Recipe(format=args.fp8_format, recipe=args.fp8_recipe)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=torch.bfloat16)
+    times = {}
+    for label, make_gemm in (("bf16", lambda: None), ("fp8", lambda: Fp8Gemm(recipe))):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block(args.hidden, make_gemm) for _ in range(args.layers)]).to(device, torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(x).float().square().mean().backward()
+            update_fp8_scales(model)
+            opt.step()
+
+        times[label] = _median_time(step, device, args.steps)
+        print(f"{label:5s} {times[label] * 1e3:9.1f} ms/step")
+    ratio = times["bf16"] / times["fp8"]
+    print(f"step speed-up fp8 vs bf16: {ratio:.2f}x")
+    return ratio
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"])
+    p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(describe_machine())
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
+          f"fp8 {args.fp8_format}/{args.fp8_recipe}")
+    kernel_ratio, module_ratio = bench_gemms(args, device)
+    step_ratio = bench_step(args, device)
+    print(f"\nsummary: GEMM-only fp8/bf16 speed-up {kernel_ratio:.2f}x (kernel), {module_ratio:.2f}x "
+          f"(Fp8Gemm incl. quantisation); training step {step_ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
