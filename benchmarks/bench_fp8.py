@@ -63,36 +63,40 @@ def _gemm_shapes(hidden, ffn, tokens):
             ("fc1", tokens, hidden, ffn), ("fc2", tokens, ffn, hidden)]
 
 
+def _time_shape(m, k, n, recipe, device, steps) -> dict[str, float]:
+    """Seconds for forward + dgrad + wgrad of one linear: bf16, FP8 kernel only, Fp8Gemm call."""
+    one = torch.ones((), device=device)
+    x, w, dy = (torch.randn(s, device=device) for s in ((m, k), (n, k), (m, n)))
+    xb, wb, dyb = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+    x8, w8, dy8 = quantize(x, one, E4M3), quantize(w, one, E4M3), quantize(dy, one, E5M2)
+    pairs = ((x8, w8.t()), (dy8, column_major(w8)), (dy8.t().contiguous(), column_major(x8)))
+    gemm = Fp8Gemm(recipe).to(device)
+    xr, wr = xb.clone().requires_grad_(), wb.clone().requires_grad_()
+
+    def bf16():
+        xb @ wb.t(), dyb @ wb, dyb.t() @ xb
+
+    def kernel():
+        for a, b in pairs:
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    def module():
+        gemm(xr, wr).backward(dyb)
+
+    return {"bf16": _median_time(bf16, device, steps), "kernel": _median_time(kernel, device, steps),
+            "module": _median_time(module, device, steps)}
+
+
 def bench_gemms(args, device):
     print("\n== GEMM only: forward + dgrad + wgrad of each linear (median of steps) ==")
     print(f"{'gemm':6s} {'M x K x N':>18s} {'bf16 TFLOP/s':>13s} {'fp8 kernel':>11s} {'ratio':>6s} "
           f"{'Fp8Gemm':>9s} {'ratio':>6s}")
-    one = torch.ones((), device=device)
     totals = {"bf16": 0.0, "kernel": 0.0, "module": 0.0}
     flops_all = 0
     recipe = Fp8Recipe(format=args.fp8_format, recipe=args.fp8_recipe)
     for name, m, k, n in _gemm_shapes(args.hidden, 4 * args.hidden, args.seq * args.batch):
-        x, w, dy = (torch.randn(s, device=device) for s in ((m, k), (n, k), (m, n)))
-        xb, wb, dyb = x.bfloat16(), w.bfloat16(), dy.bfloat16()
-        x8, w8, dy8 = quantize(x, one, E4M3), quantize(w, one, E4M3), quantize(dy, one, E5M2)
-        w8_cm, x8_cm, dy8_t = column_major(w8), column_major(x8), dy8.t().contiguous()
-
-        def bf16():
-            xb @ wb.t(), dyb @ wb, dyb.t() @ xb
-
-        def kernel():
-            for a, b in ((x8, w8.t()), (dy8, w8_cm), (dy8_t, x8_cm)):
-                torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-        gemm = Fp8Gemm(recipe).to(device)
-        xr, wr = xb.clone().requires_grad_(), wb.clone().requires_grad_()
-
-        def module():
-            gemm(xr, wr).backward(dyb)
-
+        t = _time_shape(m, k, n, recipe, device, args.steps)
         flops = 3 * 2 * m * n * k
-        t = {"bf16": _median_time(bf16, device, args.steps), "kernel": _median_time(kernel, device, args.steps),
-             "module": _median_time(module, device, args.steps)}
         for key in totals:
             totals[key] += t[key]
         flops_all += flops
@@ -126,25 +130,28 @@ class Block(nn.Module):
         return x + self._linear("fc2", F.gelu(self._linear("fc1", self.norm2(x))))
 
 
+def _time_step(args, device, make_gemm) -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(args.hidden, make_gemm) for _ in range(args.layers)]).to(device, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=torch.bfloat16)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        update_fp8_scales(model)  # the once-per-step delayed-scaling update (no-op for bf16)
+        opt.step()
+
+    return _median_time(step, device, args.steps)
+
+
 def bench_step(args, device):
     print(f"\n== training step: {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, "
           "bf16, forward + backward + SGD (median of steps) ==")
     recipe = Fp8Recipe(format=args.fp8_format, recipe=args.fp8_recipe)
-    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=torch.bfloat16)
-    times = {}
-    for label, make_gemm in (("bf16", lambda: None), ("fp8", lambda: Fp8Gemm(recipe))):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[Block(args.hidden, make_gemm) for _ in range(args.layers)]).to(device, torch.bfloat16)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            model(x).float().square().mean().backward()
-            update_fp8_scales(model)
-            opt.step()
-
-        times[label] = _median_time(step, device, args.steps)
-        print(f"{label:5s} {times[label] * 1e3:9.1f} ms/step")
+    times = {"bf16": _time_step(args, device, lambda: None), "fp8": _time_step(args, device, lambda: Fp8Gemm(recipe))}
+    for label, t in times.items():
+        print(f"{label:5s} {t * 1e3:9.1f} ms/step")
     ratio = times["bf16"] / times["fp8"]
     print(f"step speed-up fp8 vs bf16: {ratio:.2f}x")
     return ratio
