@@ -103,9 +103,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """``x @ weight.T + bias`` with the three GEMMs in FP8 (``torch._scaled_mm`` has no autograd)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gemm):
+    def forward(ctx, x, weight, bias, gemm, record):
         x2 = x.reshape(-1, x.shape[-1])
-        scale = gemm._forward_scales(x2, weight)
+        scale = gemm._forward_scales(x2, weight, record)
         scale_inv = 1.0 / scale
         x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3)
         out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
@@ -137,7 +137,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class Fp8Gemm(nn.Module):
@@ -160,7 +160,8 @@ class Fp8Gemm(nn.Module):
         self.fallbacks: dict[str, str] = {}
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _Fp8LinearFunction.apply(x, weight, bias, self)
+        # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
+        return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return self.recipe.describe()
@@ -179,12 +180,13 @@ class Fp8Gemm(nn.Module):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.amax_group)
         return amaxes
 
-    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor, record: bool) -> torch.Tensor:
         """Scales for (input, weight) of this call; records their amaxes for delayed scaling."""
         amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(amaxes), self.fp8_max[:2])
-        self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
+        if record:
+            self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
         return self.scale[:2].clone()
 
     def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:

@@ -261,3 +261,13 @@ def test_state_stays_fp32_when_model_is_cast():
 def test_recipe_validation(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         Fp8Recipe(**kwargs)
+
+
+def test_evaluation_passes_leave_delayed_state_alone():
+    gemm = Fp8Gemm(Fp8Recipe())
+    x, w, b, _ = _inputs()
+    with torch.no_grad():
+        gemm(x, w, b)
+    assert not gemm.amax_history.any()
+    gemm(x, w, b)
+    assert gemm.amax_history[0, 0] == x.abs().max() and gemm.amax_history[0, 1] == w.abs().max()
