@@ -48,6 +48,7 @@ from .fp8_ops import (
     fp8_matmul,
     quantize,
     roll_amax_history,
+    scaled_mm_blocker,
 )
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -230,25 +231,43 @@ def fp8_gemms(modules: nn.Module | Iterable[nn.Module]) -> list[Fp8Gemm]:
 
 
 @torch.no_grad()
-def update_fp8_scales(modules: nn.Module | Iterable[nn.Module]) -> int:
+def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_group=None) -> int:
     """The once-per-step delayed-scaling update of every FP8 gemm in ``modules``.
 
-    Amaxes recorded this step are MAX-reduced with one all-reduce per ``amax_group`` (all ranks of a
-    group hold the same gemms in the same order), then each gemm updates its scales and history.
-    Call after the last backward of the step on every rank. Returns the number of gemms updated.
+    The amaxes recorded this step are MAX-reduced with one all-reduce per ``amax_group`` (all ranks
+    of a group hold the same gemms in the same order) and then, when ``data_parallel_group`` is
+    given, once more over it, so every data-parallel replica derives the same scales from the whole
+    global batch. Then each gemm updates its scales and history. Call on every rank after the last
+    backward of the step. Returns the number of gemms updated.
     """
     delayed = [g for g in fp8_gemms(modules) if g.recipe.recipe == "delayed"]
-    by_group: dict[int, list[Fp8Gemm]] = {}
-    for g in delayed:
-        by_group.setdefault(id(g.amax_group), []).append(g)
-    for gemms in by_group.values():
-        group = gemms[0].amax_group
-        if group is None or dist.get_world_size(group) == 1:
-            for g in gemms:
-                g.update_scales()
-            continue
-        latest = torch.stack([g.amax_history[0] for g in gemms])
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
-        for g, row in zip(gemms, latest):
-            g.update_scales(row)
+    if not delayed:
+        return 0
+    latest = torch.stack([g.amax_history[0] for g in delayed])
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(delayed):
+        by_group.setdefault(id(g.amax_group), []).append(i)
+    for rows in by_group.values():
+        group = delayed[rows[0]].amax_group
+        if group is not None and dist.get_world_size(group) > 1:
+            part = latest[rows]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            latest[rows] = part
+    if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=data_parallel_group)
+    for g, row in zip(delayed, latest):
+        g.update_scales(row)
     return len(delayed)
+
+
+def is_fp8_state_key(name: str) -> bool:
+    """True for a state-dict entry that is FP8 bookkeeping (amax history, scale), not a weight."""
+    return name.endswith((".gemm.amax_history", ".gemm.scale"))
+
+
+def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
+    """One line for the startup log: the recipe and which GEMM kernel runs it on ``device``."""
+    probe = torch.zeros(16, 16, dtype=E4M3, device=device)
+    reason = scaled_mm_blocker(probe, probe.t())
+    kernel = ("torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})")
+    return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"

@@ -94,3 +94,22 @@ def test_tp2_fp8_linear_equals_single_process(kind, recipe, sp):
 def test_without_amax_reduction_shards_disagree(kind):
     worst = run_ranks(2, check_tp_fp8_linear, kind, "delayed", False, False)
     assert max(worst) > 1e-3, "control: per-shard scales should quantise differently"
+
+
+def check_dp_amax_reduction():
+    state = cached_state(tp=1)  # two data-parallel replicas
+    gemm = Fp8Gemm(Fp8Recipe(format="hybrid"))
+    x = _rand((S, B, IN), 30 + state.dp_rank, 1.0 + 3 * state.dp_rank)  # rank 1 sees larger inputs
+    w = _rand((OUT, IN), 1, 0.05)
+    gemm(x, w).backward(_rand((S, B, OUT), 40 + state.dp_rank, 1e-3))
+    local = gemm.amax_history[0].clone()
+    update_fp8_scales(gemm, data_parallel_group=state.dp_group)
+    return local, gemm.scale.clone()
+
+
+def test_delayed_scales_agree_over_data_parallel_replicas():
+    (amax0, scale0), (amax1, scale1) = run_ranks(2, check_dp_amax_reduction)
+    assert not torch.equal(amax0, amax1)  # the replicas saw different data
+    torch.testing.assert_close(scale0, scale1, rtol=0, atol=0)
+    want = torch.tensor([448.0, 448.0, 57344.0]) / torch.maximum(amax0, amax1)
+    torch.testing.assert_close(scale0, want, rtol=1e-6, atol=0)
