@@ -100,7 +100,7 @@ def check_dp_amax_reduction():
     state = cached_state(tp=1)  # two data-parallel replicas
     gemm = Fp8Gemm(Fp8Recipe(format="hybrid"))
     x = _rand((S, B, IN), 30 + state.dp_rank, 1.0 + 3 * state.dp_rank)  # rank 1 sees larger inputs
-    w = _rand((OUT, IN), 1, 0.05)
+    w = _rand((OUT, IN), 1, 0.05).requires_grad_()
     gemm(x, w).backward(_rand((S, B, OUT), 40 + state.dp_rank, 1e-3))
     local = gemm.amax_history[0].clone()
     update_fp8_scales(gemm, data_parallel_group=state.dp_group)
