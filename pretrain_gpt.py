@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 
 from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.builder import (
     DataConfigError,
@@ -29,11 +29,9 @@ from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import build_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
-from megatron_lite.models.gpt import GPTModel
+from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.parallel.tensor import padded_vocab_size
-from megatron_lite.training.checkpointing import CheckpointError
-from megatron_lite.training.loop import model_dtype, pretrain
+from megatron_lite.training.loop import pretrain
 
 
 def build_tokenizer_for(config: Config):
@@ -46,11 +44,10 @@ def build_tokenizer_for(config: Config):
 
 
 def set_vocab(config: Config, tokenizer) -> None:
+    """The tokenizer's vocabulary size, and the padded size the model derives from it (saved with checkpoints)."""
     m = config.model
-    m.vocab_size = tokenizer.vocab_size
-    m.padded_vocab_size = padded_vocab_size(
-        m.vocab_size, m.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
-    )
+    m.vocab_size, m.padded_vocab_size = tokenizer.vocab_size, None
+    m.padded_vocab_size = TransformerConfig.from_config(config).padded_vocab_size
 
 
 def my_layer_ranges(config: Config, state) -> list[tuple[int, int]]:
@@ -64,21 +61,13 @@ def my_layer_ranges(config: Config, state) -> list[tuple[int, int]]:
 
 def model_provider(config: Config, state) -> list[torch.nn.Module]:
     """The model chunks this rank holds: one per virtual pipeline stage (one without interleaving)."""
-    p, t = config.parallel, config.training
+    model_config = TransformerConfig.from_config(config)
     ranges = my_layer_ranges(config, state)
-    chunks = []
-    for i, (start, end) in enumerate(ranges):
-        chunks.append(
-            GPTModel(
-                config.model, state, seed=t.seed, sequence_parallel=p.sequence_parallel,
-                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                recompute_num_layers=t.recompute_num_layers,
-                pre_process=state.is_first_stage() and i == 0,
-                post_process=state.is_last_stage() and i == len(ranges) - 1,
-                layer_start=start, layer_end=end, params_dtype=model_dtype(config),
-            )
-        )
-    return chunks
+    return [
+        GPTModel(model_config, state, pre_process=state.is_first_stage() and i == 0,
+                 post_process=state.is_last_stage() and i == len(ranges) - 1, layer_start=start, layer_end=end)
+        for i, (start, end) in enumerate(ranges)
+    ]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -116,7 +105,7 @@ def make_datasets_provider(tokenizer):
             t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters
         )
         samples = [train_samples, valid_samples, 0]  # the loop does not run a test pass: build no test split
-        data_config = dataset_config_from_args(SimpleNamespace(**config.flat()), tokenizer)
+        data_config = dataset_config_from_args(config.flat(), tokenizer)
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
         num_chunks = len(my_layer_ranges(config, state))
 

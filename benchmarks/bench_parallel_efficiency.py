@@ -59,20 +59,15 @@ def _worker(rank, world, port, threads, tp, shape, global_batch, warmup, steps, 
     torch.set_num_threads(threads)
     import torch.distributed as dist
 
-    from megatron_lite.config import ModelConfig
     from megatron_lite.device import init_distributed
-    from megatron_lite.models.gpt import GPTModel
+    from megatron_lite.models import GPTModel, TransformerConfig
     from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
     from megatron_lite.parallel.random import model_parallel_seed
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.parallel.tensor import padded_vocab_size
 
     init_distributed()
     state = ParallelState(tp=tp)
-    cfg = ModelConfig(**shape, attention_dropout=0.0, hidden_dropout=0.0)
-    cfg.ffn_hidden_size = 4 * cfg.hidden_size
-    cfg.max_position_embeddings = cfg.seq_length
-    cfg.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    cfg = TransformerConfig(**shape, attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=tp)
     model_parallel_seed(1234, state)
     model = DistributedDataParallel(GPTModel(cfg, state), state, overlap_grad_reduce=True)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -106,7 +106,7 @@ def _worker(rank, port, args, queue):
 
     torch.set_num_threads(1)
     from megatron_lite.device import init_distributed
-    from megatron_lite.parallel.pipeline import get_forward_backward_func, layer_ranges
+    from megatron_lite.parallel.pipeline import PipeComm, get_forward_backward_func, layer_ranges
     from megatron_lite.parallel.pipeline.trace import Event, Trace
     from megatron_lite.parallel.state import ParallelState
 
@@ -132,7 +132,9 @@ def _worker(rank, port, args, queue):
             chunks = [_sleep_chunk(a, b, per_layer, *f) for (a, b), f in zip(ranges, flags)]
         else:
             chunks = [_mlp_chunk(a, b, args.hidden, *f) for (a, b), f in zip(ranges, flags)]
-        setups[v] = (state, chunks, get_forward_backward_func(state))
+        comm = PipeComm.for_activations(state, seq_length=seq, micro_batch_size=batch, hidden_size=args.hidden,
+                                        dtype=torch.float32)
+        setups[v] = (comm, chunks, get_forward_backward_func(state))
     configs = [(v, m) for m in (4, 8) for v in (1, 2)]
     steps = {c: [] for c in configs}
     bubbles = {c: [] for c in configs}
@@ -140,15 +142,14 @@ def _worker(rank, port, args, queue):
     # alternate the configurations within each iteration so that load changes hit all of them
     for it in range(args.warmup + args.iters):
         for v, m in configs:
-            state, chunks, fb = setups[v]
+            comm, chunks, fb = setups[v]
             for c in chunks:
                 c.zero_grad(set_to_none=True)
             trace = Trace()
             dist.barrier()
             t0 = time.perf_counter()
             fb(forward_step_func=forward_step, data_iterator=[None] * v if v > 1 else None, model=chunks,
-               num_microbatches=m, seq_length=seq, micro_batch_size=batch, hidden_size=args.hidden,
-               dtype=torch.float32, state=state, trace=trace)
+               num_microbatches=m, comm=comm, trace=trace)
             t1 = time.perf_counter()
             gathered = [None] * P
             dist.all_gather_object(gathered, (list(trace), trace.times, t0, t1))

@@ -3,8 +3,11 @@
     python benchmarks/bench_sample_index.py [--documents 10000000] [--blend-samples 10000000]
 
 1. GPT sample index (vectorised numpy) for 10 M documents of 50-2000 tokens, seq 2048, 1 epoch:
-   the same work as megatron-core's C++ ``build_sample_idx`` (0.28 s on this machine class, see
-   /work/shared/BENCHMARKS.md), timed the same way: around the call, document index given.
+   the same work as megatron-core's C++ ``build_sample_idx``, timed the same way: around the call,
+   document index given. Peer figure (not measured here, megatron-core is not a dependency):
+   megatron-core 0.16's pybind11 ``build_sample_idx`` took 0.28 s for these sizes, timed around the
+   call on the project's CPU machine class (2 cores, 24 GiB, PyTorch 2.13.0 CPU); figure recorded
+   for the project by 2026-11-21, exact measurement date not recorded.
 2. The whole GPT index (document shuffle + sample index + sample shuffle) for context.
 3. The blending index for 10 M samples over 3 datasets (pure Python loop of Megatron's rule).
 Best of --repeats runs; the ratio column is our time / the C++ helper's time (< 1 is faster).

@@ -31,18 +31,14 @@ LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 6, 768, 12, 512, 32768, 4
 
 
 def build_ours(dropout: float):
-    from megatron_lite.config import ModelConfig
-    from megatron_lite.models.gpt import GPTModel
+    from megatron_lite.models import GPTModel, TransformerConfig
     from megatron_lite.parallel.random import model_parallel_seed
     from megatron_lite.parallel.state import ParallelState
-    from megatron_lite.parallel.tensor import padded_vocab_size
 
-    cfg = ModelConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
-        kv_channels=HIDDEN // HEADS, num_query_groups=HEADS, seq_length=SEQ, max_position_embeddings=SEQ,
+    cfg = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
         vocab_size=VOCAB, attention_dropout=dropout, hidden_dropout=dropout,
     )
-    cfg.padded_vocab_size = padded_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, 1)
     state = ParallelState()
     model_parallel_seed(1234, state)
     model = GPTModel(cfg, state).train()

@@ -10,15 +10,22 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
+from .models.transformer_config import (
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+)
 
 CHOICES = {
-    "position_embedding_type": ["learned_absolute", "rope"],
-    "normalization": ["LayerNorm", "RMSNorm"],
-    "recompute_granularity": ["full", "selective"],
-    "recompute_method": ["uniform", "block"],
+    "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
+    "normalization": list(NORMALIZATIONS),
+    "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
+    "recompute_method": list(RECOMPUTE_METHODS),
     "optimizer": ["adam", "sgd"],
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
@@ -91,10 +98,13 @@ def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: di
 
 
 def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None) -> Config:
-    """Parse and validate flags; on a user error print one line and exit with code 2."""
+    """Parse and validate flags for ``world_size`` processes (default: torchrun's WORLD_SIZE, else 1);
+    on a user error print one line and exit with code 2."""
     parser = build_parser(description, extra_sections)
     ns = parser.parse_args(argv)
     config = config_from_namespace(ns, extra_sections=extra_sections)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
         finalize(config, world_size)
     except ConfigError as err:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 
-class ConfigError(ValueError):
-    """A bad flag or flag combination; the message names the flag and the fix."""
+from .errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "finalize"]
 
 
 @dataclass
@@ -178,6 +180,11 @@ class PrecisionConfig:
     fp8_amax_compute_algo: str = "most_recent"
     """FP8 amax from the history: max or most_recent."""
 
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype of the model's weights and activations."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
 
 @dataclass
 class DataConfig:
@@ -263,65 +270,50 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def finalize(config: Config, world_size: int | None = None) -> Config:
-    """Fill derived values and check the combination; raises ConfigError naming the flag."""
-    import os
-
+def finalize(config: Config, world_size: int = 1) -> Config:
+    """Fill derived values and check the combination for ``world_size`` processes; raises
+    ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``."""
     from .parallel.state import ParallelConfigError, RankGrid
 
-    m, p, t, o, pr, d = config.model, config.parallel, config.training, config.optim, config.precision, config.data
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    p = config.parallel
     try:
-        grid = RankGrid(
-            world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-        )
+        grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from None
-    config.world_size, config.data_parallel_size = world, grid.dp
-    tp = p.tensor_model_parallel_size
+    config.world_size, config.data_parallel_size = world_size, grid.dp
+    _check_model(config)
+    _check_parallel(config)
+    _check_batch(config)
+    _check_precision(config.precision)
+    _check_schedule(config)
+    _check_data_and_checkpoint(config)
+    return config
 
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        _require(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive")
-    _require(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
-             f"hidden-size {m.hidden_size} is not divisible by num-attention-heads {m.num_attention_heads}; set --kv-channels")
-    _require(m.num_attention_heads % tp == 0,
-             f"num-attention-heads {m.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
-    if m.kv_channels is None:
-        m.kv_channels = m.hidden_size // m.num_attention_heads
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
-    _require(m.ffn_hidden_size % tp == 0,
-             f"ffn-hidden-size {m.ffn_hidden_size} is not divisible by tensor-model-parallel-size {tp}")
+
+def _check_model(config: Config) -> None:
+    """Validate the model through the TransformerConfig it becomes, and keep its derived sizes in
+    the flags (they are saved with checkpoints and read by the FLOPs count)."""
+    from .models.transformer_config import TransformerConfig
+
+    m = config.model
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
-    if m.num_query_groups is None:
-        m.num_query_groups = m.num_attention_heads
-    _require(m.num_attention_heads % m.num_query_groups == 0,
-             f"num-attention-heads {m.num_attention_heads} is not divisible by num-query-groups {m.num_query_groups}")
-    _require(m.num_query_groups % tp == 0,
-             f"num-query-groups {m.num_query_groups} is not divisible by tensor-model-parallel-size {tp}")
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    _require(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
-             f"max-position-embeddings {m.max_position_embeddings} is smaller than seq-length {m.seq_length}")
-    _require(m.position_embedding_type != "rope" or m.kv_channels % 2 == 0, "rope needs an even --kv-channels")
-    for name in ("attention_dropout", "hidden_dropout"):
-        _require(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+    model = TransformerConfig.from_config(config)
+    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings"):
+        setattr(m, name, getattr(model, name))
+    config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
+    config.training.recompute_num_layers = model.recompute_num_layers
 
-    if p.sequence_parallel and tp == 1:
-        p.sequence_parallel = False  # nothing to split; Megatron does the same
-    if p.sequence_parallel:
-        _require(m.seq_length % tp == 0,
-                 f"--sequence-parallel needs seq-length {m.seq_length} divisible by tensor-model-parallel-size {tp}")
+
+def _check_parallel(config: Config) -> None:
+    m, p = config.model, config.parallel
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
     _require(p.expert_model_parallel_size == 1,
              "--expert-model-parallel-size > 1 needs mixture-of-experts layers, which are not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
-    _require(pr.fp8_format is None, "--fp8-format: FP8 training is not implemented yet; use --bf16")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
-    _require(m.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
@@ -341,32 +333,38 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
+
+def _check_batch(config: Config) -> None:
+    t, p, dp = config.training, config.parallel, config.data_parallel_size
     _require(t.micro_batch_size > 0, "--micro-batch-size must be positive")
     if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * grid.dp
-    _require(t.global_batch_size % (t.micro_batch_size * grid.dp) == 0,
+        t.global_batch_size = t.micro_batch_size * dp
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
-             f"x data-parallel size {grid.dp}")
+             f"x data-parallel size {dp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         from .parallel.pipeline.order import check_interleaved_microbatches
 
         try:
-            check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * grid.dp), pp)
+            check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
+                                           p.pipeline_model_parallel_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    if t.recompute_granularity == "full":
-        _require(t.recompute_method is not None, "--recompute-granularity full needs --recompute-method uniform or block")
-        if t.recompute_num_layers is None:
-            t.recompute_num_layers = 1
-    _require(t.recompute_method is None or t.recompute_granularity == "full",
-             "--recompute-method only applies with --recompute-granularity full")
 
+
+def _check_precision(pr: PrecisionConfig) -> None:
+    _require(pr.fp8_format is None, "--fp8-format: FP8 training is not implemented yet; use --bf16")
     _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
     if pr.fp16:
         _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
         _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
                  "--initial-loss-scale and --min-loss-scale must be positive")
         _require(pr.loss_scale_window >= 1 and pr.hysteresis >= 1, "--loss-scale-window and --hysteresis must be at least 1")
+
+
+def _check_schedule(config: Config) -> None:
+    """Logging/evaluation intervals and the learning-rate schedule."""
+    t, o = config.training, config.optim
     for name in ("log_interval", "eval_interval"):
         value = getattr(config.logging if name == "log_interval" else t, name)
         _require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -381,13 +379,14 @@ def finalize(config: Config, world_size: int | None = None) -> Config:
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")
 
+
+def _check_data_and_checkpoint(config: Config) -> None:
+    d, t, cp = config.data, config.training, config.checkpoint
     if d.mock_data or d.tokenizer_type == "NullTokenizer":
-        _require(m.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
+        _require(config.model.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
     else:
         _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
-    cp = config.checkpoint
     _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
-    return config

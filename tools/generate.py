@@ -1,7 +1,7 @@
 """Sample text from a megatron_lite GPT checkpoint in one process.
 
 The checkpoint may have been saved at any tensor- and pipeline-parallel size: its shards are
-merged into a single-process GPTModel (:mod:`megatron_lite.models.loading`). The model shape comes
+merged into a single-process GPTModel (:mod:`megatron_lite.checkpoint.merge`). The model shape comes
 from the config saved in the checkpoint; the tokenizer flags default to the saved ones too.
 
     python tools/generate.py --load checkpoints/gpt --prompt "The quick brown" --max-new-tokens 40 --greedy
@@ -23,10 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.checkpoint import CheckpointError, load_gpt_checkpoint  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron_lite.models.loading import load_gpt_checkpoint  # noqa: E402
-from megatron_lite.training.checkpointing import CheckpointError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

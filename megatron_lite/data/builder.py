@@ -193,17 +193,20 @@ def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_
 
 
 def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
-    """GPTDatasetConfig (or BertDatasetConfig) from an argparse namespace with Megatron's flag names.
+    """GPTDatasetConfig (or BertDatasetConfig) from flag values with Megatron's names: an argparse
+    namespace or a flat dict such as ``Config.flat()``.
 
     Reads seq_length, seed, split, data_path, data_cache_path, mock_data, eod_mask_loss,
     reset_position_ids, reset_attention_mask (GPT) or mask_prob, short_seq_prob,
-    bert_no_binary_head (BERT); missing attributes keep the dataclass defaults.
+    bert_no_binary_head (BERT); missing ones keep the dataclass defaults.
     """
+    values = args if isinstance(args, dict) else vars(args)
+
     def get(name, default=None):
-        value = getattr(args, name, None)
+        value = values.get(name)
         return default if value is None else value
 
-    common = dict(seq_length=int(args.seq_length), seed=int(get("seed", 1234)), split=str(get("split", "969,30,1")),
+    common = dict(seq_length=int(values["seq_length"]), seed=int(get("seed", 1234)), split=str(get("split", "969,30,1")),
                   data_path=list(get("data_path", [])), data_cache_path=get("data_cache_path"),
                   mock=bool(get("mock_data", False)))
     if bert:

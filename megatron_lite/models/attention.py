@@ -7,10 +7,12 @@ rows evenly, so with ``groups % tp == 0`` every rank receives whole groups (its 
 the keys/values they use) and attention needs no communication. The output projection is a
 RowParallelLinear whose partial sums are all-reduced (or reduce-scattered under SP).
 
-Core attention is ``F.scaled_dot_product_attention`` (causal, or an explicit boolean mask), or
-flash-attn's ``flash_attn_func`` when it is importable on a GPU and the dtype is 16-bit.
-Attention dropout runs inside the TP region (each rank owns different heads) under the tracker's
-tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
+Core attention (softmax(q k^T) v) is its own module, named by the layer spec, so a variant (ring
+attention over a context-parallel group, a fused kernel) replaces it without touching the
+projections. :class:`DotProductAttention` is ``F.scaled_dot_product_attention`` (causal, or an
+explicit boolean mask), or flash-attn's ``flash_attn_func`` when it is importable on a GPU and the
+dtype is 16-bit. Attention dropout runs inside the TP region (each rank owns different heads) under
+the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
 """
 
 from __future__ import annotations
@@ -22,88 +24,78 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
-from ..parallel.random import checkpoint, get_rng_tracker
-from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from .common import apply_rotary, seeded_init
-
-_FLASH = None
+from ..parallel.random import checkpoint
+from .common import apply_rotary, column_linear, row_linear
 
 
 def _flash_attn_func():
-    """flash-attn's function when usable here (GPU + package), else None; decided once."""
-    global _FLASH
-    if _FLASH is None:
-        _FLASH = False
-        if detect_accelerators()["flash_attn"]:
-            try:
-                from flash_attn import flash_attn_func
-
-                _FLASH = flash_attn_func
-            except ImportError:
-                pass
-    return _FLASH or None
+    """flash-attn's function when usable here (GPU + package), else None."""
+    if not detect_accelerators()["flash_attn"]:
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
 
 
-def core_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float):
-    """softmax(q k^T * scale [+ mask]) v with dropout on the probabilities.
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) [+ mask]) v with dropout on the probabilities (the core-attention seam).
 
-    ``q [s, b, nq, d]``, ``k, v [s, b, nkv, d]`` with ``nq % nkv == 0`` (each key/value head serves
-    ``nq / nkv`` consecutive query heads); ``attention_mask`` None or bool ``[b, 1, s, s]``, True =
-    masked out. Returns ``[s, b, nq * d]``. Dropout draws from the current generator (the caller
-    forks the tensor-parallel one).
+    ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
+    ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
+    ``attention_mask`` None or bool ``[b, 1, s, s]``, True = masked out.
     """
-    s, b, nq, d = q.shape
-    flash = _flash_attn_func()
-    if flash is not None and attention_mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
-                    softmax_scale=scale, causal=causal)  # [b, s, nq, d], GQA handled natively
-        return out.transpose(0, 1).reshape(s, b, nq * d)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-    mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
-    # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=causal and mask is None, scale=scale,
-                                         enable_gqa=nq != k.shape[1])
-    return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+    def __init__(self, config, state, layer_number: int):
+        super().__init__()
+        self.tracker = state.rng_tracker
+        self.dropout_p = config.attention_dropout
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.flash = _flash_attn_func()  # decided once per layer, at construction
+
+    def forward(self, q, k, v, attention_mask=None, causal: bool = True):
+        p = self.dropout_p if self.training else 0.0
+        if p > 0:
+            with self.tracker.fork():
+                return self._attend(q, k, v, attention_mask, causal, p)
+        return self._attend(q, k, v, attention_mask, causal, 0.0)
+
+    def _attend(self, q, k, v, attention_mask, causal, dropout_p):
+        s, b, nq, d = q.shape
+        if (self.flash is not None and attention_mask is None and q.is_cuda
+                and q.dtype in (torch.float16, torch.bfloat16)):
+            out = self.flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                             softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
+            return out.transpose(0, 1).reshape(s, b, nq * d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+        # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                             is_causal=causal and mask is None, scale=self.scale,
+                                             enable_gqa=nq != k.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, state, layer_number: int, *, seed: int, sequence_parallel: bool = False,
-                 selective_recompute: bool = False, params_dtype=torch.float32, device=None):
+    """QKV projection -> (rotary) -> core attention -> output projection.
+
+    ``core_attention`` is the spec's factory ``(config, state, layer_number) -> module``.
+    """
+
+    def __init__(self, config, state, layer_number: int, *, core_attention=DotProductAttention):
         super().__init__()
         tp = state.tp_size
-        heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
-        if heads % groups:
-            raise ValueError(f"num-attention-heads {heads} is not divisible by num-query-groups {groups}")
-        if groups % tp:
-            raise ValueError(f"num-query-groups {groups} is not divisible by tensor-model-parallel-size {tp}; "
-                             "every rank must hold whole key/value groups")
-        self.head_dim = config.kv_channels or config.hidden_size // heads
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        self.head_dim = config.head_dim
         self.heads_per_group = heads // groups
         self.local_groups = groups // tp
-        self.dropout_p = config.attention_dropout
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.selective_recompute = selective_recompute
-        bias = not config.disable_bias_linear
-        std, n = config.init_method_std, config.num_layers
+        self.selective_recompute = config.recompute_granularity == "selective"
+        self.tracker = state.rng_tracker
         qkv_size = (heads + 2 * groups) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, state.tp_group, bias=bias,
-            init_method=seeded_init(seed, layer_number, "self_attention.linear_qkv.weight", std),
-            sequence_parallel=sequence_parallel, dtype=params_dtype, device=device,
-        )
-        self.linear_proj = RowParallelLinear(
-            heads * self.head_dim, config.hidden_size, state.tp_group, bias=bias, input_is_parallel=True,
-            init_method=seeded_init(seed, layer_number, "self_attention.linear_proj.weight", std, n),
-            sequence_parallel=sequence_parallel, dtype=params_dtype, device=device,
-        )
-
-    def _attend(self, q, k, v, attention_mask, causal):
-        p = self.dropout_p if self.training else 0.0
-        if p > 0:
-            with get_rng_tracker().fork():
-                return core_attention(q, k, v, attention_mask, causal, p, self.scale)
-        return core_attention(q, k, v, attention_mask, causal, 0.0, self.scale)
+        self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
+        self.core_attention = core_attention(config, state, layer_number)
+        self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj")
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
         """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
@@ -117,7 +109,8 @@ class SelfAttention(nn.Module):
             cos, sin = (t.to(q.dtype) for t in rotary)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.selective_recompute and torch.is_grad_enabled():
-            context = checkpoint(self._attend, q, k, v, attention_mask, causal)
+            context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:
-            context = self._attend(q, k, v, attention_mask, causal)
+            context = self.core_attention(q, k, v, attention_mask, causal)
         return self.linear_proj(context)
+

@@ -1,9 +1,10 @@
 """Small pieces shared by the transformer models: seeded init, normalisation, rotary embeddings.
 
 Seeded init: every parameter's full ("master") weight is drawn from its own generator, seeded by
-``(seed, global layer number, parameter name)``. Layer 0 is the embedding, layers 1..L are the
-transformer layers, L + 1 the output layer. A model split over any tensor-parallel size or any
-pipeline layer range therefore holds exactly the slices of the single-process weights.
+``(seed, global layer number, parameter name)`` (see ``TransformerConfig.init_method``). Layer 0 is
+the embedding, layers 1..L are the transformer layers, L + 1 the output layer. A model split over
+any tensor-parallel size or any pipeline layer range therefore holds exactly the slices of the
+single-process weights.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor import normal_init, scaled_normal_init
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 def param_seed(seed: int, layer_number: int, name: str) -> int:
@@ -25,13 +24,29 @@ def param_seed(seed: int, layer_number: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def seeded_init(seed: int, layer_number: int, name: str, std: float, num_layers: int | None = None):
-    """``init_method`` for one parameter: N(0, std^2), or Megatron's scaled std / sqrt(2 L) when
-    ``num_layers`` is given (the output projections of attention and MLP)."""
-    gen = torch.Generator().manual_seed(param_seed(seed, layer_number, name))
-    if num_layers is not None:
-        return scaled_normal_init(std, num_layers, gen)
-    return normal_init(std, gen)
+def param_generator(seed: int, layer_number: int, name: str) -> torch.Generator:
+    """The CPU generator that draws one parameter's full master weight."""
+    return torch.Generator().manual_seed(param_seed(seed, layer_number, name))
+
+
+def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1):
+    """The hidden -> ``output_size`` ColumnParallelLinear called ``name`` in global layer ``layer_number``:
+    seeded init, the config's bias, sequence parallelism, dtype and GEMM."""
+    return ColumnParallelLinear(
+        config.hidden_size, output_size, state.tp_group, bias=config.add_bias_linear,
+        init_method=config.init_method(layer_number, f"{name}.weight"), sequence_parallel=config.sequence_parallel,
+        stride=stride, gemm=config.make_gemm(layer_number, state.tp_group), dtype=config.params_dtype,
+    )
+
+
+def row_linear(config, state, layer_number: int, input_size: int, name: str):
+    """The ``input_size`` -> hidden RowParallelLinear (an output projection: Megatron's scaled init)."""
+    return RowParallelLinear(
+        input_size, config.hidden_size, state.tp_group, bias=config.add_bias_linear, input_is_parallel=True,
+        init_method=config.init_method(layer_number, f"{name}.weight", scaled=True),
+        sequence_parallel=config.sequence_parallel, gemm=config.make_gemm(layer_number, state.tp_group),
+        dtype=config.params_dtype,
+    )
 
 
 def init_replicated(param: nn.Parameter, init_method) -> None:
@@ -53,8 +68,6 @@ class Norm(nn.Module):
     def __init__(self, hidden_size: int, kind: str = "LayerNorm", eps: float = 1e-5, *,
                  sequence_parallel: bool = False, dtype=torch.float32, device=None):
         super().__init__()
-        if kind not in NORMALIZATIONS:
-            raise ValueError(f"--normalization {kind!r} is not one of {', '.join(NORMALIZATIONS)}")
         self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel
@@ -63,6 +76,13 @@ class Norm(nn.Module):
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+
+    @classmethod
+    def from_config(cls, config, state=None, layer_number: int | None = None) -> Norm:
+        """The model's norm (``--normalization``, ``--norm-epsilon``) over the hidden size: the layer
+        spec's norm factory (``state`` and ``layer_number`` are not needed)."""
+        return cls(config.hidden_size, config.normalization, config.norm_epsilon,
+                   sequence_parallel=config.sequence_parallel, dtype=config.params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":

@@ -17,39 +17,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import comm
-from ..parallel.random import get_rng_tracker
 from ..parallel.tensor import VocabParallelEmbedding
-from .common import init_replicated, seeded_init
+from .common import init_replicated
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"  # seed name, shared with a tied output layer
 
 
 class Embedding(nn.Module):
-    def __init__(self, config, state, *, seed: int, sequence_parallel: bool = False, num_tokentypes: int = 0,
-                 params_dtype=torch.float32, device=None):
+    def __init__(self, config, state, *, num_tokentypes: int = 0):
         super().__init__()
         self.tp_group = state.tp_group
-        self.sequence_parallel = sequence_parallel and state.tp_size > 1
+        self.sequence_parallel = config.sequence_parallel
         self.dropout_p = config.hidden_dropout
-        std = config.init_method_std
+        self.tracker = state.rng_tracker
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, config.hidden_size, self.tp_group,
-            init_method=seeded_init(seed, 0, WORD_EMBEDDING, std),
-            sequence_parallel=self.sequence_parallel, dtype=params_dtype, device=device,
+            config.padded_vocab_size, config.hidden_size, self.tp_group, init_method=config.init_method(0, WORD_EMBEDDING),
+            sequence_parallel=self.sequence_parallel, dtype=config.params_dtype,
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            rows = config.max_position_embeddings or config.seq_length
-            self.position_embeddings = self._replicated(rows, config.hidden_size, seed, "embedding.position_embeddings.weight",
-                                                        std, params_dtype, device)
+            self.position_embeddings = self._replicated(config, config.max_position_embeddings,
+                                                        "embedding.position_embeddings.weight")
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
-            self.tokentype_embeddings = self._replicated(num_tokentypes, config.hidden_size, seed,
-                                                         "embedding.tokentype_embeddings.weight", std, params_dtype, device)
+            self.tokentype_embeddings = self._replicated(config, num_tokentypes, "embedding.tokentype_embeddings.weight")
 
-    def _replicated(self, rows, cols, seed, name, std, dtype, device):
-        table = nn.Embedding(rows, cols, dtype=dtype, device=device)
-        init_replicated(table.weight, seeded_init(seed, 0, name, std))
+    def _replicated(self, config, rows, name):
+        table = nn.Embedding(rows, config.hidden_size, dtype=config.params_dtype)
+        init_replicated(table.weight, config.init_method(0, name))
         table.weight.sequence_parallel = self.sequence_parallel
         return table
 
@@ -78,7 +73,7 @@ class Embedding(nn.Module):
             hidden = hidden + self.tokentype_embeddings(self._my_shard(tokentype_ids.t()))
         if self.dropout_p > 0 and self.training:
             if self.sequence_parallel:  # every rank holds a different chunk: draw distinct masks per TP rank
-                with get_rng_tracker().fork():
+                with self.tracker.fork():
                     hidden = F.dropout(hidden, self.dropout_p, True)
             else:
                 hidden = F.dropout(hidden, self.dropout_p, True)

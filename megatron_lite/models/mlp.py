@@ -11,28 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from .common import seeded_init
+from .common import column_linear, row_linear
 
 
 class MLP(nn.Module):
-    def __init__(self, config, state, layer_number: int, *, seed: int, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, device=None):
+    """``forward(hidden [s(/tp), b, h]) -> [s(/tp), b, h]`` (the layer spec's ``mlp`` contract)."""
+
+    def __init__(self, config, state, layer_number: int):
         super().__init__()
         self.swiglu = config.swiglu
-        ffn = config.ffn_hidden_size or 4 * config.hidden_size
-        bias = not config.disable_bias_linear
-        std = config.init_method_std
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, 2 * ffn if self.swiglu else ffn, state.tp_group, bias=bias,
-            init_method=seeded_init(seed, layer_number, "mlp.linear_fc1.weight", std),
-            sequence_parallel=sequence_parallel, stride=2 if self.swiglu else 1, dtype=params_dtype, device=device,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            ffn, config.hidden_size, state.tp_group, bias=bias, input_is_parallel=True,
-            init_method=seeded_init(seed, layer_number, "mlp.linear_fc2.weight", std, config.num_layers),
-            sequence_parallel=sequence_parallel, dtype=params_dtype, device=device,
-        )
+        ffn = config.ffn_hidden_size
+        self.linear_fc1 = column_linear(config, state, layer_number, 2 * ffn if self.swiglu else ffn, "mlp.linear_fc1",
+                                        stride=2 if self.swiglu else 1)
+        self.linear_fc2 = row_linear(config, state, layer_number, ffn, "mlp.linear_fc2")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.linear_fc1(hidden)

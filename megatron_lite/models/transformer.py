@@ -1,12 +1,13 @@
-"""Pre-norm transformer layer and the stack of layers (shared by GPT and, later, BERT).
+"""Pre-norm transformer layer and the stack of layers (shared by GPT and BERT).
 
-A layer is ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``. Activations between
-layers are ``[s, b, h]``, or the sequence shard ``[s/tp, b, h]`` under sequence parallelism: the
-norms, dropout and residual adds then run on the shard; the QKV / fc1 ColumnParallelLinear
-all-gathers the sequence and the proj / fc2 RowParallelLinear reduce-scatters it back.
+A layer is ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, its parts built from a
+:class:`~megatron_lite.models.spec.LayerSpec`. Activations between layers are ``[s, b, h]``, or the
+sequence shard ``[s/tp, b, h]`` under sequence parallelism: the norms, dropout and residual adds
+then run on the shard; the QKV / fc1 ColumnParallelLinear all-gathers the sequence and the
+proj / fc2 RowParallelLinear reduce-scatters it back.
 
 ``TransformerBlock`` holds the global layers ``[layer_start, layer_end)`` of one pipeline chunk,
-the final norm when it is the last chunk, and activation recomputation:
+the final norm when it is the last chunk, and activation recomputation (``config.recompute_*``):
 
 * ``full`` + ``uniform``: checkpoint consecutive groups of ``recompute_num_layers`` layers;
 * ``full`` + ``block``: checkpoint each of the first ``recompute_num_layers`` layers of this chunk;
@@ -21,56 +22,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.random import checkpoint, get_rng_tracker
-from .attention import SelfAttention
+from ..parallel.random import checkpoint
 from .common import Norm
-from .mlp import MLP
+from .spec import resolve_spec
 
 ATTN_MASK_TYPES = ("causal", "padding")
 
 
-def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
-    """Dropout on the residual branch: the default stream, or the TP stream under sequence
-    parallelism, where each TP rank holds a different chunk and must not repeat its neighbours' mask."""
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, tracker=None) -> torch.Tensor:
+    """Dropout on the residual branch: the default stream, or the ``tracker``'s TP stream under
+    sequence parallelism, where each TP rank holds a different chunk and must not repeat its
+    neighbours' mask."""
     if p == 0 or not training:
         return x
-    if sequence_parallel:
-        with get_rng_tracker().fork():
+    if tracker is not None:
+        with tracker.fork():
             return F.dropout(x, p, True)
     return F.dropout(x, p, True)
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, state, layer_number: int, *, seed: int, sequence_parallel: bool = False,
-                 selective_recompute: bool = False, params_dtype=torch.float32, device=None):
+    def __init__(self, config, state, layer_number: int, spec):
         """``layer_number`` is global and 1-based (it seeds the weights and scales nothing else)."""
         super().__init__()
         self.layer_number = layer_number
-        self.sequence_parallel = sequence_parallel and state.tp_size > 1
-        norm = dict(kind=config.normalization, eps=config.norm_epsilon, sequence_parallel=self.sequence_parallel,
-                    dtype=params_dtype, device=device)
-        common = dict(seed=seed, sequence_parallel=self.sequence_parallel, params_dtype=params_dtype, device=device)
-        self.input_norm = Norm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, state, layer_number, selective_recompute=selective_recompute,
-                                            **common)
-        self.pre_mlp_norm = Norm(config.hidden_size, **norm)
-        self.mlp = MLP(config, state, layer_number, **common)
+        self.input_norm = spec.input_norm(config, state, layer_number)
+        self.self_attention = spec.self_attention(config, state, layer_number, core_attention=spec.core_attention)
+        self.pre_mlp_norm = spec.pre_mlp_norm(config, state, layer_number)
+        self.mlp = spec.mlp(config, state, layer_number)
         self.dropout_p = config.hidden_dropout
+        self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        drop = dict(p=self.dropout_p, training=self.training, sequence_parallel=self.sequence_parallel)
+        drop = dict(p=self.dropout_p, training=self.training, tracker=self.dropout_tracker)
         attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
         hidden = hidden + hidden_dropout(attn, **drop)
         return hidden + hidden_dropout(self.mlp(self.pre_mlp_norm(hidden)), **drop)
 
 
 class TransformerBlock(nn.Module):
-    """Global layers ``[layer_start, layer_end)``; the final norm when ``post_process``."""
+    """Global layers ``[layer_start, layer_end)`` built from ``spec``; the final norm when ``post_process``."""
 
-    def __init__(self, config, state, *, seed: int, layer_start: int = 0, layer_end: int | None = None,
-                 post_process: bool = True, attn_mask_type: str = "causal", sequence_parallel: bool = False,
-                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                 params_dtype=torch.float32, device=None):
+    def __init__(self, config, state, spec, *, layer_start: int = 0, layer_end: int | None = None,
+                 post_process: bool = True, attn_mask_type: str = "causal"):
         super().__init__()
         layer_end = config.num_layers if layer_end is None else layer_end
         if not 0 <= layer_start <= layer_end <= config.num_layers:
@@ -78,28 +72,15 @@ class TransformerBlock(nn.Module):
                              f"{config.num_layers} layers (--num-layers)")
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type {attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        if recompute_granularity not in (None, "full", "selective"):
-            raise ValueError(f"--recompute-granularity {recompute_granularity!r}: expected full or selective")
-        if recompute_granularity == "full":
-            if recompute_method not in ("uniform", "block"):
-                raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
-            if recompute_num_layers is None or recompute_num_layers < 1:
-                raise ValueError("--recompute-num-layers must be a positive integer with --recompute-granularity full")
         self.layer_start, self.layer_end = layer_start, layer_end
         self.causal = attn_mask_type == "causal"
-        self.recompute_granularity, self.recompute_method = recompute_granularity, recompute_method
-        self.recompute_num_layers = recompute_num_layers
+        self.full_recompute = config.recompute_granularity == "full"
+        self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
+        self.tracker = state.rng_tracker
         self.layers = nn.ModuleList(
-            TransformerLayer(config, state, i + 1, seed=seed, sequence_parallel=sequence_parallel,
-                             selective_recompute=recompute_granularity == "selective",
-                             params_dtype=params_dtype, device=device)
-            for i in range(layer_start, layer_end)
+            TransformerLayer(config, state, i + 1, resolve_spec(spec, i + 1)) for i in range(layer_start, layer_end)
         )
-        self.final_norm = None
-        if post_process:
-            self.final_norm = Norm(config.hidden_size, config.normalization, config.norm_epsilon,
-                                   sequence_parallel=sequence_parallel and state.tp_size > 1,
-                                   dtype=params_dtype, device=device)
+        self.final_norm = Norm.from_config(config) if post_process else None
 
     def _run(self, start: int, end: int):
         """A function running local layers [start, end), for checkpoint (tensors as arguments)."""
@@ -115,18 +96,18 @@ class TransformerBlock(nn.Module):
     def forward(self, hidden, attention_mask=None, rotary=None):
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
-        full = self.recompute_granularity == "full" and torch.is_grad_enabled()
+        full = self.full_recompute and torch.is_grad_enabled()
         if full and not hidden.requires_grad:  # checkpoint's output needs a grad-requiring input,
             hidden = hidden.detach().requires_grad_()  # else the weights inside would get no gradient
         if full and self.recompute_method == "uniform":
             for start in range(0, n, self.recompute_num_layers):
                 end = min(start + self.recompute_num_layers, n)
-                hidden = checkpoint(self._run(start, end), hidden, attention_mask, cos, sin)
+                hidden = checkpoint(self._run(start, end), hidden, attention_mask, cos, sin, tracker=self.tracker)
         else:
             for i in range(n):
                 run = self._run(i, i + 1)
                 if full and i < self.recompute_num_layers:  # block: the first N layers of this chunk
-                    hidden = checkpoint(run, hidden, attention_mask, cos, sin)
+                    hidden = checkpoint(run, hidden, attention_mask, cos, sin, tracker=self.tracker)
                 else:
                     hidden = run(hidden, attention_mask, cos, sin)
         if self.final_norm is not None:

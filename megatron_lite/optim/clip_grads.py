@@ -11,7 +11,8 @@ The norm must be the norm of the *whole* model's gradient, as if it lived in one
 * expert parameters (``allreduce=False``) are sharded over the expert-parallel group too.
 
 Squared norms are summed locally in fp32, expert ones over the expert-parallel group, then all
-over the model-parallel (TP x PP) group. Clipping scales every gradient (duplicates included) by
+over the model-parallel (TP x PP) group (:func:`grad_norm_squared`, shared with the distributed
+optimizer, which also sums over data parallelism). Clipping scales every gradient (duplicates included) by
 ``max_norm / (norm + 1e-6)`` when that is below 1, exactly like ``torch.nn.utils.clip_grad_norm_``.
 Gradients are read from ``param.main_grad`` when present (DistributedDataParallel), else ``.grad``.
 """
@@ -42,14 +43,18 @@ def counts_once(param: torch.Tensor, state) -> bool:
     return True
 
 
-def get_grad_norm(params, state) -> float:
-    """L2 norm of the gradient of the whole model (see the module docstring for what counts)."""
-    params = list(params)
-    device = params[0].device if params else torch.device("cpu")
+def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torch.Tensor:
+    """Squared L2 norm (fp32 scalar tensor on ``device``) of the whole model's gradient.
+
+    ``pairs`` are ``(param, grad)``: ``param`` decides whether it counts (:func:`counts_once`) and
+    whether it is an expert parameter (``allreduce=False``); ``grad`` (None = skip) is what is
+    squared, e.g. a slice of the gradient when the optimizer state is sharded. With
+    ``data_parallel`` each rank holds only part of the gradient, so the sums run over the
+    data-parallel group too (the expert-data-parallel group for expert parameters).
+    """
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        g = grad_of(p)
+    for p, g in pairs:
         if g is None or not counts_once(p, state):
             continue
         sq = g.detach().float().pow(2).sum()
@@ -57,12 +62,23 @@ def get_grad_norm(params, state) -> float:
             dense += sq
         else:
             expert += sq
-    if comm.group_size(state.ep_group) > 1:
-        dist.all_reduce(expert, group=state.ep_group)
+    dense_groups = (state.dp_group,) if data_parallel else ()
+    expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
+    for value, groups in ((dense, dense_groups), (expert, expert_groups)):
+        for group in groups:
+            if comm.group_size(group) > 1:
+                dist.all_reduce(value, group=group)
     total = dense + expert
     if comm.group_size(state.mp_group) > 1:
         dist.all_reduce(total, group=state.mp_group)
-    return math.sqrt(total.item())
+    return total
+
+
+def get_grad_norm(params, state) -> float:
+    """L2 norm of the gradient of the whole model (see the module docstring for what counts)."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    return math.sqrt(grad_norm_squared([(p, grad_of(p)) for p in params], state, device).item())
 
 
 def clip_grad_norm(params, max_norm: float, state) -> float:

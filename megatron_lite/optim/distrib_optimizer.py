@@ -29,9 +29,8 @@ import torch.distributed as dist
 
 from ..device import get_device
 from ..parallel import comm
-from ..precision.loss_scaler import build_loss_scaler
-from .clip_grads import counts_once
-from .optimizer import MegatronOptimizer, _unique_params
+from .clip_grads import grad_norm_squared
+from .optimizer import MegatronOptimizer
 
 
 class _Piece:
@@ -50,11 +49,8 @@ class _Piece:
 class DistributedOptimizer(MegatronOptimizer):
     """:class:`MegatronOptimizer` with fp32 masters and optimizer state sharded over data parallel."""
 
-    def __init__(self, chunks, state, optim_config, precision_config=None):
-        self.chunks, self.state, self.config = list(chunks), state, optim_config
-        self.model_params = _unique_params(self.chunks)
-        self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
-        self.num_skipped_steps = 0
+    def _make_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """This rank's pieces (called by the base ``__init__``): (param, flat fp32 master of the owned range)."""
         self.buckets = [b for chunk in self.chunks for b in chunk.buckets]
         for bucket in self.buckets:  # parameters are all-gathered one bucket at a time, in one dtype
             dtypes = {p.dtype for p in bucket.params}
@@ -69,35 +65,21 @@ class DistributedOptimizer(MegatronOptimizer):
                 lo, hi = max(a, start), min(e, end)
                 if lo < hi:
                     self.pieces.append(_Piece(p, bucket, lo - a, hi - a))
-        self.masters = [piece.master for piece in self.pieces]
-        groups = self._groups([(piece.param, piece.master) for piece in self.pieces])
+        return [(piece.param, piece.master) for piece in self.pieces]
+
+    def _make_torch_optimizer(self, groups):
         if not groups:  # this rank owns only padding: keep an optimizer with an empty tensor
             groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
-        self.optimizer = self._make_torch_optimizer(groups)
+        return super()._make_torch_optimizer(groups)
 
     # step ----------------------------------------------------------------------------------
     def _grad_norm(self) -> float:
         device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
-        dense = torch.zeros((), dtype=torch.float32, device=device)
-        expert = torch.zeros((), dtype=torch.float32, device=device)
-        for piece in self.pieces:
-            if counts_once(piece.param, self.state):
-                sq = piece.master.grad.pow(2).sum()
-                if getattr(piece.param, "allreduce", True):
-                    dense += sq
-                else:
-                    expert += sq
-        for value, groups in ((dense, (self.state.dp_group,)), (expert, (self.state.expert_dp_group, self.state.ep_group))):
-            for group in groups:
-                if comm.group_size(group) > 1:
-                    dist.all_reduce(value, group=group)
-        total = dense + expert
-        if comm.group_size(self.state.mp_group) > 1:
-            dist.all_reduce(total, group=self.state.mp_group)
-        return total.sqrt().item()
+        pairs = [(piece.param, piece.master.grad) for piece in self.pieces]
+        return grad_norm_squared(pairs, self.state, device, data_parallel=True).sqrt().item()
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int]:
+    def step(self) -> tuple[bool, float | None]:
         for piece in self.pieces:
             piece.master.grad = piece.grad()
         grads = [piece.master.grad for piece in self.pieces]
@@ -108,7 +90,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if found_inf:
                 self.num_skipped_steps += 1
                 self._drop_grads()
-                return False, None, 0
+                return False, None
         grad_norm = self._grad_norm()
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (grad_norm + 1e-6)
@@ -118,7 +100,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.optimizer.step()
         self._drop_grads()
         self._gather_params()
-        return True, grad_norm, 0
+        return True, grad_norm
 
     def _drop_grads(self) -> None:
         for piece in self.pieces:

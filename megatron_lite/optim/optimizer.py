@@ -39,17 +39,21 @@ def _unique_params(chunks) -> list[torch.nn.Parameter]:
 
 
 class MegatronOptimizer:
-    """See the module docstring. Build it with :func:`build_optimizer`."""
+    """See the module docstring. Build it with :func:`megatron_lite.optim.build_optimizer`."""
 
     def __init__(self, chunks, state, optim_config, precision_config=None):
         self.chunks, self.state, self.config = list(chunks), state, optim_config
         self.model_params = _unique_params(self.chunks)
         self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
         self.num_skipped_steps = 0
-        # Masters: fp32 copies of 16-bit params; the fp32 params themselves otherwise.
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
-        groups = self._groups([(p, m) for p, m in zip(self.model_params, self.masters)])
-        self.optimizer = self._make_torch_optimizer(groups)
+        pairs = self._make_masters()
+        self.masters = [m for _, m in pairs]
+        self.optimizer = self._make_torch_optimizer(self._groups(pairs))
+
+    def _make_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(model param, tensor the torch optimizer steps) pairs: an fp32 copy of a 16-bit param,
+        the fp32 param itself otherwise. The distributed optimizer overrides this with its shards."""
+        return [(p, p if p.dtype == torch.float32 else p.detach().float().clone()) for p in self.model_params]
 
     def _groups(self, pairs) -> list[dict]:
         """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, 1-D params do not."""
@@ -93,15 +97,15 @@ class MegatronOptimizer:
 
     # step ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int]:
-        """One update: (update_successful, grad_norm before clipping or None if skipped, 0)."""
+    def step(self) -> tuple[bool, float | None]:
+        """One update: (update_successful, grad_norm before clipping or None if skipped)."""
         if self.scaler is not None:
             grads = [g for g in map(grad_of, self.model_params) if g is not None]
             found_inf = self._unscale_and_check(grads, (self.state.mp_group, self.state.ep_group))
             self.scaler.update(found_inf)
             if found_inf:
                 self.num_skipped_steps += 1
-                return False, None, 0
+                return False, None
         if self.config.clip_grad > 0:
             grad_norm = clip_grad_norm(self.model_params, self.config.clip_grad, self.state)
         else:
@@ -114,7 +118,7 @@ class MegatronOptimizer:
             m.grad = None
             if m is not p:
                 p.copy_(m)
-        return True, grad_norm, 0
+        return True, grad_norm
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers (``main_grad``) and drop any ``.grad``."""
@@ -164,11 +168,3 @@ class MegatronOptimizer:
             self.scaler.load_state_dict(sd["loss_scaler"])
         self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
 
-
-def build_optimizer(config, chunks, state):
-    """The optimizer for ``config`` over the params of ``chunks`` (DistributedDataParallel wrappers)."""
-    if config.parallel.use_distributed_optimizer:
-        from .distrib_optimizer import DistributedOptimizer
-
-        return DistributedOptimizer(chunks, state, config.optim, config.precision)
-    return MegatronOptimizer(chunks, state, config.optim, config.precision)

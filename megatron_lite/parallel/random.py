@@ -9,6 +9,10 @@ Two streams matter (Megatron's scheme):
   and is forked around dropout inside TP regions (attention probabilities of a rank's heads), so
   each TP rank draws its own, reproducible masks.
 
+The tracker belongs to the :class:`~megatron_lite.parallel.state.ParallelState`
+(``state.rng_tracker``); :func:`model_parallel_seed` seeds it. Layers fork it through the state they
+were built with, so several states (tests build many in one process) never share streams.
+
 The tracker swaps generator states of the active device: the CPU generator on CPU runs, the
 current CUDA generator on GPU runs.
 """
@@ -78,13 +82,6 @@ class RNGStatesTracker:
             _set_rng_state(outer, device)
 
 
-_TRACKER = RNGStatesTracker()
-
-
-def get_rng_tracker() -> RNGStatesTracker:
-    return _TRACKER
-
-
 def model_parallel_seed(seed: int, state) -> None:
     """Seed the default stream and the tracker for this rank (Megatron's offsets).
 
@@ -95,33 +92,34 @@ def model_parallel_seed(seed: int, state) -> None:
     torch.manual_seed(default_seed)
     if get_device().type == "cuda":
         torch.cuda.manual_seed(default_seed)
-    _TRACKER.reset()
-    _TRACKER.add(TP_RNG, default_seed + 2718 + state.tp_rank)
-    _TRACKER.add(EXPERT_RNG, default_seed + 2718 + 1024 + 100 * state.ep_rank + state.tp_rank)
+    tracker = state.rng_tracker
+    tracker.reset()
+    tracker.add(TP_RNG, default_seed + 2718 + state.tp_rank)
+    tracker.add(EXPERT_RNG, default_seed + 2718 + 1024 + 100 * state.ep_rank + state.tp_rank)
 
 
 # ---------------------------------------------------------------------------------------------
 # Activation checkpointing.
 
 
-def _capture():
+def _capture(tracker: RNGStatesTracker):
     device = get_device()
-    return torch.get_rng_state(), (_get_rng_state(device) if device.type == "cuda" else None), _TRACKER.get_states()
+    return torch.get_rng_state(), (_get_rng_state(device) if device.type == "cuda" else None), tracker.get_states()
 
 
-def _restore(saved):
-    cpu, accel, tracker = saved
+def _restore(saved, tracker: RNGStatesTracker):
+    cpu, accel, states = saved
     torch.set_rng_state(cpu)
     if accel is not None:
         _set_rng_state(accel, get_device())
-    _TRACKER.set_states(tracker)
+    tracker.set_states(states)
 
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, *args):
-        ctx.run = run
-        ctx.rng = _capture()
+    def forward(ctx, run, tracker, *args):
+        ctx.run, ctx.tracker = run, tracker
+        ctx.rng = _capture(tracker)
         with torch.no_grad():
             outputs = run(*args)
         ctx.save_for_backward(*[a if torch.is_tensor(a) else None for a in args])
@@ -139,24 +137,24 @@ class _Checkpoint(torch.autograd.Function):
                 detached = tensor.detach()
                 detached.requires_grad_(tensor.requires_grad)
                 args.append(detached)
-        now = _capture()
-        _restore(ctx.rng)  # replay the forward's random draws (dropout masks)
+        now = _capture(ctx.tracker)
+        _restore(ctx.rng, ctx.tracker)  # replay the forward's random draws (dropout masks)
         try:
             with torch.enable_grad():
                 outputs = ctx.run(*args)
         finally:
-            _restore(now)
+            _restore(now, ctx.tracker)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+        return (None, None) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
 
 
-def checkpoint(run, *args):
+def checkpoint(run, *args, tracker: RNGStatesTracker):
     """Run ``run(*args)`` without keeping its activations; recompute them in backward.
 
-    The CPU, CUDA and tracker RNG states of the forward are restored for the recomputation, so
+    The CPU, CUDA and ``tracker`` RNG states of the forward are restored for the recomputation, so
     dropout masks are identical; the states after backward are what they were before it.
     """
-    return _Checkpoint.apply(run, *args)
+    return _Checkpoint.apply(run, tracker, *args)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
+from .random import RNGStatesTracker
+
 # Outermost first; the rank is the mixed-radix number of its coordinates in this order.
 _DIMS = ("pp", "edp", "ep", "cp", "tp")
 
@@ -143,7 +145,8 @@ class ParallelState:
 
     Build it once after ``torch.distributed`` is initialised (or without it for a single process)
     and hand it to the layers that communicate. Every rank must build the same states in the same
-    order, because group creation is collective.
+    order, because group creation is collective. It also owns this rank's model-parallel RNG
+    tracker (``rng_tracker``, seeded by :func:`megatron_lite.parallel.random.model_parallel_seed`).
     """
 
     def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None):
@@ -155,6 +158,7 @@ class ParallelState:
         self.grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp)
         self.rank = rank
         self.world_size = world_size
+        self.rng_tracker = RNGStatesTracker()
         if world_size > 1 and not distributed:
             raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
         self._ranks: dict[str, list[int]] = {}

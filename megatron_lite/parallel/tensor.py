@@ -6,6 +6,12 @@ any tensor-parallel size. Sharded parameters carry ``tensor_model_parallel = Tru
 ``partition_dim`` and ``partition_stride``; replicated parameters that only see a sequence shard
 under sequence parallelism carry ``sequence_parallel = True``, and their gradients must be
 all-reduced over the TP group (:func:`all_reduce_sequence_parallel_grads`).
+
+The GEMM seam: both linear layers compute their local product with ``self.gemm(x, weight, bias)``,
+:func:`linear_gemm` (``F.linear``) unless a precision recipe passes another function with the same
+signature (e.g. an FP8 GEMM). It runs on this rank's shard: after the input's all-gather / copy
+into the TP region, before the partial sums are reduced. A ``gemm`` that is an ``nn.Module`` is a
+submodule, so its state (scaling history) is saved with the layer.
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ from torch import nn
 from . import comm
 
 InitMethod = Callable[[torch.Tensor], None]
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def linear_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The default GEMM of the parallel linear layers: ``x @ weight^T + bias``."""
+    return F.linear(x, weight, bias)
 
 
 def normal_init(std: float, generator: torch.Generator | None = None) -> InitMethod:
@@ -87,6 +99,8 @@ class ColumnParallelLinear(nn.Module):
     Input is replicated over TP (with sequence parallelism: this rank's sequence chunk, which is
     all-gathered first). Output is this rank's slice of the features, or the full output with
     ``gather_output``. ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the add.
+    With ``skip_weight_param_allocation`` the layer owns no weight and ``forward`` takes it as
+    ``weight=`` (a tied output layer computing with the word embedding's shard).
     """
 
     def __init__(
@@ -101,6 +115,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         skip_bias_add: bool = False,
         stride: int = 1,
+        skip_weight_param_allocation: bool = False,
+        gemm: Gemm | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -113,8 +129,12 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and size > 1
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output cannot be combined with sequence parallelism")
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, device=device, dtype=dtype))
-        _init_shard(self.weight, (output_size, input_size), init_method, 0, rank, size, stride)
+        self.gemm = gemm if gemm is not None else linear_gemm
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, device=device, dtype=dtype))
+            _init_shard(self.weight, (output_size, input_size), init_method, 0, rank, size, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=dtype))
             self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
@@ -122,13 +142,17 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("this ColumnParallelLinear owns no weight (skip_weight_param_allocation); pass weight=")
+            weight = self.weight
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, self.tp_group, tensor_parallel_output_grad=True)
         else:
             x = comm.copy_to_tp(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)
+        out = self.gemm(x, weight, bias)
         if self.gather_output:
             out = comm.gather_from_tp(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -153,6 +177,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod = DEFAULT_INIT,
         sequence_parallel: bool = False,
         skip_bias_add: bool = False,
+        gemm: Gemm | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -165,6 +190,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and size > 1
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        self.gemm = gemm if gemm is not None else linear_gemm
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, device=device, dtype=dtype))
         _init_shard(self.weight, (output_size, input_size), init_method, 1, rank, size, 1)
         if bias:
@@ -176,7 +202,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = self.gemm(x, self.weight, None)
         if self.sequence_parallel:
             out = comm.reduce_scatter_to_sp(partial, self.tp_group)
         else:

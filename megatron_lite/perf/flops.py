@@ -8,7 +8,7 @@ a 4h GeLU MLP with multi-head attention, one layer's forward is
     QKV projection 6·B·s·h²  +  scores Q·Kᵀ 2·B·s²·h  +  probabilities·V 2·B·s²·h
     +  output projection 2·B·s·h²  +  MLP 2·2·B·s·h·4h  =  24·B·s·h² + 4·B·s²·h
 
-and the logits add 2·B·s·h·V. Three times that (forward + backward) gives the spec's
+and the logits add 2·B·s·h·V. Three times that (forward + backward) gives the paper's closed form
 
     72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)),
 
@@ -22,9 +22,6 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
   output projection 2·B·s·a·d·h. The causal mask is not discounted (as in the paper and Megatron);
 * MLP with hidden ``f`` (``ffn_hidden_size``): up 2·B·s·h·f (twice that for SwiGLU's gate and up
   halves) + down 2·B·s·f·h;
-* mixture of experts (when the config has ``num_experts``): each token runs ``moe_router_topk`` expert
-  MLPs of ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``) plus the router 2·B·s·h·E, on every
-  layer (``moe_layer_freq`` is ignored);
 * V is the padded vocabulary when known (the size actually multiplied), else ``vocab_size``.
 
 MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
@@ -56,16 +53,9 @@ def forward_flops_per_layer(model_config, batch_size: int) -> float:
         + 2 * 2 * tokens * s * heads * d  # Q·Kᵀ and probabilities·V
         + 2 * tokens * heads * d * h  # output projection
     )
-    num_experts = _get(model_config, "num_experts", 0)
-    if num_experts:
-        ffn = _get(model_config, "moe_ffn_hidden_size", _get(model_config, "ffn_hidden_size", 4 * h))
-        active = _get(model_config, "moe_router_topk", 1)
-        router = 2 * tokens * h * num_experts
-    else:
-        ffn = _get(model_config, "ffn_hidden_size", 4 * h)
-        active, router = 1, 0
+    ffn = _get(model_config, "ffn_hidden_size", 4 * h)
     up = 2 if _get(model_config, "swiglu", False) else 1
-    mlp = active * (2 * tokens * h * ffn * up + 2 * tokens * ffn * h) + router
+    mlp = 2 * tokens * h * ffn * up + 2 * tokens * ffn * h
     return float(attention + mlp)
 
 
@@ -90,7 +80,8 @@ def num_floating_point_operations(model_config, batch_size: int, recompute_full:
 
 
 def spec_formula(batch_size: int, seq: int, layers: int, hidden: int, vocab: int, recompute_full=False) -> float:
-    """The closed form of SPECS.md (MHA, 4h GeLU MLP), for checking the general count."""
+    """The closed form of the module docstring, 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (96 and V/(16·l·h)
+    with full recomputation), valid for MHA and a 4h GeLU MLP; for checking the general count."""
     B, s, l, h, V = batch_size, seq, layers, hidden, vocab
     if recompute_full:
         return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

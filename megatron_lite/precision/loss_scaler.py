@@ -2,7 +2,7 @@
 
 fp16 has a narrow exponent range, so small gradients underflow to zero. The loss is multiplied by
 a scale before backward and the gradients are divided by it before the optimizer step. The
-dynamic scaler follows Megatron's rule (SPECS.md): start at ``--initial-loss-scale`` (2^32); a
+dynamic scaler follows Megatron-LM's rule: start at ``--initial-loss-scale`` (2^32); a
 step whose gradients contain inf/NaN is skipped; after ``--hysteresis`` overflowing steps (not
 necessarily consecutive) the scale halves, never below ``--min-loss-scale``; after
 ``--loss-scale-window`` clean steps in a row it doubles and the hysteresis budget is refilled.

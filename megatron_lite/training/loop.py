@@ -1,4 +1,4 @@
-"""The training loop shared by pretrain_gpt.py and pretrain_bert.py.
+"""The training loop shared by the pretrain scripts.
 
 ``pretrain(config, model_provider, forward_step_func, datasets_provider)`` does, in order:
 initialise distributed and the parallel state, seed the RNGs, build the model chunks (wrapped for
@@ -14,19 +14,20 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import describe_backends, get_device, init_distributed
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
-from ..parallel.pipeline import get_forward_backward_func, num_chunks
+from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
-from .checkpointing import load_checkpoint, save_checkpoint
 from .logging import TrainLogger, print_rank_0
 
 
@@ -71,12 +72,16 @@ def num_microbatches(config: Config) -> int:
     return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
 
 
-def model_dtype(config: Config) -> torch.dtype:
-    if config.precision.bf16:
-        return torch.bfloat16
-    if config.precision.fp16:
-        return torch.float16
-    return torch.float32
+def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
+    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype.
+
+    Built once per run; every schedule call (training and evaluation) takes it.
+    """
+    return PipeComm.for_activations(
+        state, seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size,
+        hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
+        sequence_parallel=config.parallel.sequence_parallel,
+    )
 
 
 def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, float]:
@@ -91,8 +96,12 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
     return dict(zip(keys, values.tolist()))
 
 
-def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, data_iterator):
-    """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm)."""
+def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator):
+    """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm).
+
+    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState.
+    """
+    state = comm.state
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     forward_backward = get_forward_backward_func(state)
     reported = forward_backward(
@@ -100,25 +109,21 @@ def train_step(config, state, chunks, optimizer, scheduler, forward_step_func, d
         data_iterator=data_iterator,
         model=chunks,
         num_microbatches=num_microbatches(config),
-        seq_length=config.model.seq_length,
-        micro_batch_size=config.training.micro_batch_size,
-        hidden_size=config.model.hidden_size,
-        dtype=model_dtype(config),
-        state=state,
-        sequence_parallel=config.parallel.sequence_parallel,
+        comm=comm,
         forward_only=False,
         grad_scale_func=optimizer.scale_loss,
         no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
     )
     finalize_model_grads(chunks, state)
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm = optimizer.step()
     if ok:
         scheduler.step(1)
     return _average_over_dp(reported, state), ok, grad_norm
 
 
-def evaluate(config, state, chunks, forward_step_func, data_iterator) -> dict[str, float]:
+def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str, float]:
     """Forward-only passes over ``eval_iters`` global batches; mean reported losses."""
+    state = comm.state
     for chunk in chunks:
         chunk.eval()
     forward_backward = get_forward_backward_func(state)
@@ -127,10 +132,7 @@ def evaluate(config, state, chunks, forward_step_func, data_iterator) -> dict[st
         for _ in range(config.training.eval_iters):
             reported = forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
-                num_microbatches=num_microbatches(config), seq_length=config.model.seq_length,
-                micro_batch_size=config.training.micro_batch_size, hidden_size=config.model.hidden_size,
-                dtype=model_dtype(config), state=state, sequence_parallel=config.parallel.sequence_parallel,
-                forward_only=True,
+                num_microbatches=num_microbatches(config), comm=comm, forward_only=True,
             )
             for k, v in _average_over_dp(reported, state).items():
                 totals[k] = totals.get(k, 0.0) + v / config.training.eval_iters
@@ -155,13 +157,17 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     return state, device
 
 
-def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:
-    """Train ``model_provider(config, state)`` (a list of model chunks) as the flags say.
+class _Built(NamedTuple):
+    chunks: list
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    iteration: int
+    consumed_samples: int
 
-    ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
-    ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
-    """
-    state, device = setup(config)
+
+def _build(config: Config, state: ParallelState, device, model_provider) -> _Built:
+    """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
+    restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
     chunks = [
         DistributedDataParallel(
@@ -175,66 +181,111 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     iteration, consumed = 0, 0
     if ck.load:
         iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
-    consumed_valid = 0
-    train_iter, valid_iter = datasets_provider(config, state, consumed, consumed_valid)
+    return _Built(chunks, optimizer, scheduler, iteration, consumed)
 
-    flops = num_floating_point_operations(
-        config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
-    )
-    logger = TrainLogger(config, state, flops, start_consumed_samples=consumed)
-    result = TrainResult(iteration=iteration, consumed_samples=consumed)
-    exit_signal = _ExitSignal(t.exit_signal_handler)
-    start = time.time()
-    saved_at = iteration if ck.load else None
 
-    def save():
-        nonlocal saved_at
-        if ck.save and saved_at != iteration:
-            save_checkpoint(iteration, chunks, optimizer, scheduler, consumed, config, state)
-            saved_at = iteration
+class _Training:
+    """The loop of one ``pretrain`` run once everything is built: the iteration counters, the
+    logger, the result being filled in, and the steps of one iteration (train, validate, save, exit
+    check)."""
 
-    while iteration < t.train_iters:
+    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter):
+        self.config, self.state, self.forward_step_func = config, state, forward_step_func
+        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
+        self.train_iter, self.valid_iter = train_iter, valid_iter
+        t = config.training
+        self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
+        flops = num_floating_point_operations(
+            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
+        )
+        self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
+        self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
+        self.exit_signal = _ExitSignal(t.exit_signal_handler)
+        self.start = time.time()
+        self.saved_at = self.iteration if config.checkpoint.load else None
+
+    def save(self) -> None:
+        """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
+        if self.config.checkpoint.save and self.saved_at != self.iteration:
+            save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
+                            self.config, self.state)
+            self.saved_at = self.iteration
+
+    def train_iteration(self) -> None:
+        """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
+        t, result = self.config.training, self.result
         step_start = time.time()
-        losses, ok, grad_norm = train_step(config, state, chunks, optimizer, scheduler, forward_step_func, train_iter)
-        iteration += 1
-        consumed += t.global_batch_size
+        losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
+                                           self.forward_step_func, self.train_iter)
+        self.iteration += 1
+        self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
-        logger.log_iteration(
-            iteration, losses, lr=scheduler.get_lr(), grad_norm=grad_norm, loss_scale=optimizer.get_loss_scale(),
-            skipped=not ok, nan=is_nan, iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
+        self.logger.log_iteration(
+            self.iteration, losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
+            loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
+            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
         )
-        if t.eval_iters > 0 and valid_iter is not None and iteration % t.eval_interval == 0:
-            val = evaluate(config, state, chunks, forward_step_func, valid_iter)
-            logger.log_validation(iteration, val)
-            if val:
-                result.validation.append((iteration, next(iter(val.values()))))
-        if ck.save_interval and iteration % ck.save_interval == 0:
-            save()
+
+    def validate(self, record: bool = True) -> None:
+        """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""
+        val = evaluate(self.config, self.comm, self.chunks, self.forward_step_func, self.valid_iter)
+        self.logger.log_validation(self.iteration, val)
+        if record and val:
+            self.result.validation.append((self.iteration, next(iter(val.values()))))
+
+    def exit_reason(self) -> str | None:
+        """Why the run stops after this iteration ("signal", "duration", "interval"), or None."""
+        t = self.config.training
         reason = None
         if t.exit_signal_handler or t.exit_duration_in_mins is not None:  # one small all-reduce, only when asked
             signalled, out_of_time = _any_rank(
-                exit_signal.received,
-                t.exit_duration_in_mins is not None and (time.time() - start) / 60 > t.exit_duration_in_mins,
+                self.exit_signal.received,
+                t.exit_duration_in_mins is not None and (time.time() - self.start) / 60 > t.exit_duration_in_mins,
             )
             reason = "signal" if signalled else "duration" if out_of_time else None
-        if reason is None and t.exit_interval and iteration % t.exit_interval == 0:
+        if reason is None and t.exit_interval and self.iteration % t.exit_interval == 0:
             reason = "interval"
-        if reason:
-            print_rank_0(f"> exit on {reason}")
-            save()
-            result.exit_reason = reason
-            break
-    if result.exit_reason == "done":
-        save()
-        if t.eval_iters > 0 and valid_iter is not None and iteration % t.eval_interval != 0:
-            val = evaluate(config, state, chunks, forward_step_func, valid_iter)
-            logger.log_validation(iteration, val)
-    logger.close()
-    result.iteration, result.consumed_samples = iteration, consumed
-    result.chunks, result.state = chunks, state
-    return result
+        return reason
+
+    def run(self) -> TrainResult:
+        """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
+        t, ck = self.config.training, self.config.checkpoint
+        evaluating = t.eval_iters > 0 and self.valid_iter is not None
+        while self.iteration < t.train_iters:
+            self.train_iteration()
+            if evaluating and self.iteration % t.eval_interval == 0:
+                self.validate()
+            if ck.save_interval and self.iteration % ck.save_interval == 0:
+                self.save()
+            reason = self.exit_reason()
+            if reason:
+                print_rank_0(f"> exit on {reason}")
+                self.save()
+                self.result.exit_reason = reason
+                break
+        if self.result.exit_reason == "done":
+            self.save()
+            if evaluating and self.iteration % t.eval_interval != 0:
+                self.validate(record=False)
+        self.logger.close()
+        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
+        self.result.chunks, self.result.state = self.chunks, self.state
+        return self.result
+
+
+def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:
+    """Train ``model_provider(config, state)`` (a list of model chunks) as the flags say.
+
+    ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
+    ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
+    """
+    state, device = setup(config)
+    built = _build(config, state, device, model_provider)
+    consumed_valid = 0
+    train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
+    return _Training(config, state, built, forward_step_func, train_iter, valid_iter).run()

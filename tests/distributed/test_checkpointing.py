@@ -8,22 +8,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_lite.config import Config
-from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
+from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from tests.harness import cached_state, run_ranks
 
 
 class TPBlock(nn.Module):
     def __init__(self, state, hidden=8, ffn=16):
         super().__init__()
+        self.tracker = state.rng_tracker
         self.fc1 = ColumnParallelLinear(hidden, ffn, state.tp_group)
         self.fc2 = RowParallelLinear(ffn, hidden, state.tp_group)
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
-        with get_rng_tracker().fork():  # per-TP-rank dropout stream
+        with self.tracker.fork():  # per-TP-rank dropout stream
             h = F.dropout(h, p=0.3)
         return F.dropout(self.fc2(h), p=0.3)  # default stream
 

@@ -69,8 +69,8 @@ def check_equal_to_plain(tp, dtype):
     owned = sum(m.numel() for m in dist_opt.masters)
     assert owned < sum(p.numel() for p in plain_model.parameters())  # state really is sharded
     for step in range(4):
-        ok_a, norm_a, _ = _step(plain_model, plain, state, step)
-        ok_b, norm_b, _ = _step(dist_model, dist_opt, state, step)
+        ok_a, norm_a = _step(plain_model, plain, state, step)
+        ok_b, norm_b = _step(dist_model, dist_opt, state, step)
         assert ok_a and ok_b and norm_b == pytest.approx(norm_a, rel=1e-5)
         _close_params(plain_model, dist_model, dtype)
     sd_plain, sd_dist = plain.state_dict(), dist_opt.state_dict()
@@ -87,8 +87,8 @@ def check_equal_to_plain(tp, dtype):
     resumed_model.load_state_dict(plain_model.state_dict())
     resumed.load_state_dict(plain.state_dict())
     for step in range(4, 6):
-        ok_a, norm_a, _ = _step(plain_model, plain, state, step)
-        ok_b, norm_b, _ = _step(resumed_model, resumed, state, step)
+        ok_a, norm_a = _step(plain_model, plain, state, step)
+        ok_b, norm_b = _step(resumed_model, resumed, state, step)
         assert norm_b == pytest.approx(norm_a, rel=1e-5)
     _close_params(plain_model, resumed_model, dtype)
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite.models import GPTModel
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads, unshard
 from tests.harness import cached_state, run_ranks
+from tests.model_helpers import build_gpt
 from tests.unit.test_gpt_model import make_batch, make_config
 
 
@@ -39,13 +39,13 @@ def check_tp_equals_serial(tp, sp, variant, recompute=None):
     cfg = make_config(variant)
     tokens, labels = make_batch(4)
 
-    serial = GPTModel(cfg, ParallelState(world_size=1, rank=0), seed=9)
+    serial = build_gpt(cfg, ParallelState(world_size=1, rank=0), seed=9)
     loss_ref = serial(tokens, labels=labels)
     loss_ref.mean().backward()
 
     rec = dict(recompute_granularity=recompute[0], recompute_method=recompute[1], recompute_num_layers=recompute[2]) \
         if recompute else {}
-    model = GPTModel(cfg, state, seed=9, sequence_parallel=sp, **rec)
+    model = build_gpt(cfg, state, seed=9, sequence_parallel=sp, **rec)
     loss = model(tokens, labels=labels)
     loss.mean().backward()
     all_reduce_sequence_parallel_grads(model.parameters(), g)
@@ -102,7 +102,7 @@ def check_recompute_with_dropout(tp, recompute):
     for rec in (None, recompute):
         model_parallel_seed(13, state)
         kw = dict(zip(("recompute_granularity", "recompute_method", "recompute_num_layers"), rec)) if rec else {}
-        model = GPTModel(cfg, state, seed=9, sequence_parallel=True, **kw)
+        model = build_gpt(cfg, state, seed=9, sequence_parallel=True, **kw)
         loss = model(tokens, labels=labels)
         loss.mean().backward()
         runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -125,9 +125,9 @@ def check_pipeline_split_under_tp(tp):
     state = cached_state(tp=tp)
     cfg = make_config("B")
     tokens, labels = make_batch(7)
-    serial = GPTModel(cfg, ParallelState(world_size=1, rank=0), seed=9)
-    first = GPTModel(cfg, state, seed=9, sequence_parallel=True, post_process=False, layer_end=1)
-    last = GPTModel(cfg, state, seed=9, sequence_parallel=True, pre_process=False, layer_start=1)
+    serial = build_gpt(cfg, ParallelState(world_size=1, rank=0), seed=9)
+    first = build_gpt(cfg, state, seed=9, sequence_parallel=True, post_process=False, layer_end=1)
+    last = build_gpt(cfg, state, seed=9, sequence_parallel=True, pre_process=False, layer_start=1)
     hidden = first(tokens)
     assert hidden.shape == (16 // tp, 2, 32)
     last.set_input_tensor(hidden)
@@ -143,9 +143,9 @@ def check_bad_tp_shapes(tp):
     messages = []
     for over in (dict(num_attention_heads=8, num_query_groups=2), dict(padded_vocab_size=130)):
         with pytest.raises(ValueError) as err:
-            GPTModel(make_config("B", **over), state)
+            build_gpt(make_config("B", **over), state)
         messages.append(str(err.value))
-    model = GPTModel(make_config("A"), state, sequence_parallel=True)
+    model = build_gpt(make_config("A"), state, sequence_parallel=True)
     with pytest.raises(ValueError) as err:
         model(torch.zeros(2, 6, dtype=torch.long))
     messages.append(str(err.value))
@@ -167,8 +167,8 @@ PROMPT, NEW_TOKENS = [5, 17, 42, 8, 61], 6
 
 
 def _save(root, state, model, cfg):
+    from megatron_lite.checkpoint import save_checkpoint
     from megatron_lite.config import Config
-    from megatron_lite.training.checkpointing import save_checkpoint
 
     config = Config(model=cfg)
     config.checkpoint.save = root
@@ -184,7 +184,7 @@ def check_save_and_greedy(tp, variant, root):
     """Save a TP checkpoint, then greedy-decode with the TP model itself (logits gathered over TP)."""
     state = cached_state(tp=tp)
     cfg = make_config(variant)
-    model = GPTModel(cfg, state, seed=21).eval()
+    model = build_gpt(cfg, state, seed=21).eval()
     _save(root, state, model, cfg)
     ids, first_logits = list(PROMPT), None
     with torch.no_grad():
@@ -203,12 +203,12 @@ def _load_generate_tool():
 
 @pytest.mark.parametrize("variant", ["A", "B"])
 def test_tp2_checkpoint_loads_at_tp1_and_generates_the_same(variant, tmp_path, capsys):
-    from megatron_lite.models.loading import load_gpt_checkpoint
+    from megatron_lite.checkpoint import load_gpt_checkpoint
 
     root = str(tmp_path / "ckpt")
     tokens_tp, logits_tp = run_ranks(2, check_save_and_greedy, 2, variant, root)[0]
     model, _ = load_gpt_checkpoint(root)
-    serial = GPTModel(make_config(variant), ParallelState(), seed=21)
+    serial = build_gpt(make_config(variant), ParallelState(), seed=21)
     for name, tensor in serial.state_dict().items():  # merged weights == the single-process init, exactly
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     gen = _load_generate_tool()
@@ -233,18 +233,18 @@ def check_save_tp_pp(root):
     state = cached_state(tp=2, pp=2)
     cfg = make_config("A")
     first = state.is_first_stage()
-    model = GPTModel(cfg, state, seed=21, pre_process=first, post_process=not first,
+    model = build_gpt(cfg, state, seed=21, pre_process=first, post_process=not first,
                      layer_start=0 if first else 1, layer_end=1 if first else 2)
     _save(root, state, model, cfg)
 
 
 def test_tp2_pp2_checkpoint_merges_into_the_single_process_model(tmp_path):
-    from megatron_lite.models.loading import load_gpt_checkpoint
+    from megatron_lite.checkpoint import load_gpt_checkpoint
 
     root = str(tmp_path / "ckpt")
     run_ranks(4, check_save_tp_pp, root)
     model, _ = load_gpt_checkpoint(root)
-    serial = GPTModel(make_config("A"), ParallelState(), seed=21)
+    serial = build_gpt(make_config("A"), ParallelState(), seed=21)
     assert list(model.state_dict()) == list(serial.state_dict())
     for name, tensor in serial.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -191,14 +191,14 @@ def check_fp16_skip():
 
     backward(0, False)
     ref_norm = torch.nn.utils.get_total_norm(torch.autograd.grad(_loss(ref, *_data(0)), list(ref.parameters()))).item()
-    ok, norm, _ = opt.step()
+    ok, norm = opt.step()
     assert ok and norm == pytest.approx(ref_norm, rel=2e-3)
     assert all(m.dtype == torch.float32 for m in opt.masters)
     scales, skipped = [], []
     for step, inject in [(1, True), (2, True), (3, False)]:
         before = _snapshot(opt, model)
         backward(step, inject)
-        ok, norm, _ = opt.step()
+        ok, norm = opt.step()
         assert ok is not inject and (norm is None) == inject
         assert _same(before, _snapshot(opt, model)) == inject  # skipped: nothing moved; else params moved
         scales.append(opt.get_loss_scale())
@@ -262,7 +262,7 @@ def _train(model, opt, sched, state, steps, start):
         x, y = _data(step)
         opt.scale_loss(_loss(model, x, y)).backward()
         finalize_model_grads([model], state)
-        ok, _, _ = opt.step()
+        ok, _ = opt.step()
         if ok:
             sched.step()
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megatron_lite.parallel import comm
-from megatron_lite.parallel.pipeline import get_forward_backward_func, layer_ranges
+from megatron_lite.parallel.pipeline import PipeComm, get_forward_backward_func, layer_ranges
 from megatron_lite.parallel.pipeline.order import rank_order
 from megatron_lite.parallel.pipeline.trace import Trace
 from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, normal_init, shard
@@ -63,12 +63,11 @@ class ToyChunk(nn.Module):
         return h
 
 
-def micro_batches(m, dp_rank=0, seq=None):
+def micro_batches(m, dp_rank=0):
     out = []
     for i in range(m):
         g = torch.Generator().manual_seed(1000 * dp_rank + i)
-        s = seq[i] if seq else S
-        out.append({"x": torch.randn(s, B, H, generator=g), "y": torch.randn(s, B, H, generator=g)})
+        out.append({"x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)})
     return out
 
 
@@ -83,13 +82,13 @@ def forward_step(data_iterator, chunk):
     return out, loss_func
 
 
-def reference(num_layers, m, dp=1, seq=None):
+def reference(num_layers, m, dp=1):
     """Single-process run: per-micro-batch losses of each data-parallel rank's micro-batches, and
     the full gradient of each parameter for the global batch (all ranks' micro-batches, mean loss)."""
     model = ToyChunk(0, num_layers)
     losses = [[] for _ in range(dp)]
     for d in range(dp):
-        for batch in micro_batches(m, d, seq):
+        for batch in micro_batches(m, d):
             loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
             (loss * SCALE / (m * dp)).backward()
             losses[d].append(loss.item())
@@ -104,7 +103,7 @@ def _global_params(chunk):
                 yield f"layer{chunk.start + j}.{part}.{pname}", p
 
 
-def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False, seq=None):
+def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False):
     """Worker: build this rank's chunks, run the schedule, return losses, grads (as reference slices) and trace."""
     v = 1 if vpp_layers is None else num_layers // (pp * vpp_layers)
     state = cached_state(tp=tp, pp=pp, **({"vpp": v} if v > 1 else {}))
@@ -114,7 +113,7 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
                  post=state.is_last_stage() and c == len(ranges) - 1)
         for c, (a, b) in enumerate(ranges)
     ]
-    data = [iter(micro_batches(m, state.dp_rank, seq)) for _ in chunks]
+    data = [iter(micro_batches(m, state.dp_rank)) for _ in chunks]
     trace = Trace()
     exits = []
 
@@ -125,11 +124,12 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
         def __exit__(self, *exc):
             exits.append(len(trace))
 
+    pipe_comm = PipeComm.for_activations(state, seq_length=S, micro_batch_size=B, hidden_size=H, dtype=torch.float32,
+                                         sequence_parallel=sp)
     reported = get_forward_backward_func(state)(
         forward_step_func=forward_step, data_iterator=data if v > 1 else data[0], model=chunks,
-        num_microbatches=m, seq_length=S, micro_batch_size=B, hidden_size=H, dtype=torch.float32, state=state,
-        sequence_parallel=sp, forward_only=forward_only, grad_scale_func=lambda loss: loss * SCALE, no_sync_func=NoSync, trace=trace,
-        variable_seq_lengths=seq is not None,
+        num_microbatches=m, comm=pipe_comm, forward_only=forward_only, grad_scale_func=lambda loss: loss * SCALE,
+        no_sync_func=NoSync, trace=trace,
     )
     params = [(n, p) for c in chunks for n, p in _global_params(c)]
     if sp:
@@ -151,8 +151,8 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
     }
 
 
-def check_against_reference(results, num_layers, m, pp, dp=1, forward_only=False, seq=None):
-    ref_losses, ref_grads = reference(num_layers, m, dp, seq)
+def check_against_reference(results, num_layers, m, pp, dp=1, forward_only=False):
+    ref_losses, ref_grads = reference(num_layers, m, dp)
     seen = set()
     for res in results:
         if res["pp_rank"] == pp - 1:
@@ -238,13 +238,6 @@ def test_forward_only(vpp_layers):
     check_trace(results, 4, 2, forward_only=True)
 
 
-@pytest.mark.parametrize("vpp_layers", [None, 1])
-def test_variable_sequence_lengths(vpp_layers):
-    seq = [3, 5, 2, 4]
-    results = run_ranks(2, run_pipeline, 4, 4, 1, 2, vpp_layers, False, False, seq)
-    check_against_reference(results, 4, 4, 2, seq=seq)
-
-
 # ---------------------------------------------------------------------------------------------
 # The real GPTModel split into pipeline chunks (as pretrain_gpt.py's model_provider builds them)
 # through the schedules, against the single-process GPTModel: per-micro-batch losses and every
@@ -273,11 +266,11 @@ def _gpt_forward_step(data_iterator, model):
 
 
 def gpt_reference(variant, m):
-    from megatron_lite.models import GPTModel
     from megatron_lite.parallel.state import ParallelState
+    from tests.model_helpers import build_gpt
     from tests.unit.test_gpt_model import make_config
 
-    model = GPTModel(make_config(variant, num_layers=GPT_LAYERS), ParallelState(), seed=9)
+    model = build_gpt(make_config(variant, num_layers=GPT_LAYERS), ParallelState(), seed=9)
     losses = []
     for tokens, labels in _gpt_batches(m):
         loss = model(tokens, labels=labels).mean()
@@ -287,9 +280,9 @@ def gpt_reference(variant, m):
 
 
 def run_gpt_pipeline(variant, m, tp, pp, sp=False, vpp_layers=None):
-    from megatron_lite.models import GPTModel
     from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads
     from tests.distributed.test_gpt_model import _full
+    from tests.model_helpers import build_gpt
     from tests.unit.test_gpt_model import make_config
 
     v = 1 if vpp_layers is None else GPT_LAYERS // (pp * vpp_layers)
@@ -297,16 +290,17 @@ def run_gpt_pipeline(variant, m, tp, pp, sp=False, vpp_layers=None):
     cfg = make_config(variant, num_layers=GPT_LAYERS)
     ranges = layer_ranges(GPT_LAYERS, pp, vpp_layers)[state.pp_rank]
     chunks = [
-        GPTModel(cfg, state, seed=9, sequence_parallel=sp, pre_process=state.is_first_stage() and c == 0,
+        build_gpt(cfg, state, seed=9, sequence_parallel=sp, pre_process=state.is_first_stage() and c == 0,
                  post_process=state.is_last_stage() and c == len(ranges) - 1, layer_start=a, layer_end=b)
         for c, (a, b) in enumerate(ranges)
     ]
     data = [iter(_gpt_batches(m)) for _ in chunks]
     _GPT_SENT.clear()
+    pipe_comm = PipeComm.for_activations(state, seq_length=cfg.seq_length, micro_batch_size=2,
+                                         hidden_size=cfg.hidden_size, dtype=torch.float32, sequence_parallel=sp)
     reported = get_forward_backward_func(state)(
         forward_step_func=_gpt_forward_step, data_iterator=data if v > 1 else data[0], model=chunks,
-        num_microbatches=m, seq_length=cfg.seq_length, micro_batch_size=2, hidden_size=cfg.hidden_size,
-        dtype=torch.float32, state=state, sequence_parallel=sp,
+        num_microbatches=m, comm=pipe_comm,
     )
     grads = {}
     for chunk, (start, _) in zip(chunks, ranges):

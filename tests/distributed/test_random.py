@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.parallel.random import checkpoint, get_rng_tracker, model_parallel_seed
+from megatron_lite.parallel.random import checkpoint, model_parallel_seed
 from megatron_lite.parallel.state import ParallelState
 from tests.harness import cached_state, run_ranks
 
@@ -13,7 +13,7 @@ from tests.harness import cached_state, run_ranks
 def _masks(state, seed):
     model_parallel_seed(seed, state)
     default = F.dropout(torch.ones(64), p=0.5) > 0
-    with get_rng_tracker().fork():
+    with state.rng_tracker.fork():
         tp_region = F.dropout(torch.ones(64), p=0.5) > 0
     return default, tp_region
 
@@ -41,11 +41,14 @@ def test_masks_across_tp_and_dp_ranks():
     run_ranks(4, check_masks, 2)
 
 
-def _block(x, w):
-    h = F.dropout(x @ w, p=0.3)
-    with get_rng_tracker().fork():
-        h = F.dropout(torch.tanh(h), p=0.3)
-    return h.sin().sum(dim=-1)
+def _block(tracker):
+    def block(x, w):
+        h = F.dropout(x @ w, p=0.3)
+        with tracker.fork():
+            h = F.dropout(torch.tanh(h), p=0.3)
+        return h.sin().sum(dim=-1)
+
+    return block
 
 
 def test_checkpoint_replays_dropout_and_restores_rng():
@@ -53,11 +56,13 @@ def test_checkpoint_replays_dropout_and_restores_rng():
     x0, w0 = torch.randn(5, 8), torch.randn(8, 8)
 
     def run(use_checkpoint):
-        model_parallel_seed(7, ParallelState())
+        state = ParallelState()
+        model_parallel_seed(7, state)
+        block = _block(state.rng_tracker)
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = checkpoint(_block, x, w) if use_checkpoint else _block(x, w)
+        y = checkpoint(block, x, w, tracker=state.rng_tracker) if use_checkpoint else block(x, w)
         y.sum().backward()
-        after = (torch.get_rng_state(), get_rng_tracker().get_states())
+        after = (torch.get_rng_state(), state.rng_tracker.get_states())
         return y.detach(), x.grad, w.grad, after
 
     y_ref, dx_ref, dw_ref, after_ref = run(False)

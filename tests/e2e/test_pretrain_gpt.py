@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.models.loading import merge_checkpoint
+from megatron_lite.checkpoint import merge_checkpoint
 from tests.harness import run_ranks
 
 MODEL = [

@@ -10,28 +10,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.config import Config
-from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
-from megatron_lite.parallel.state import ParallelState
-from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.training import checkpointing as ckpt
-from megatron_lite.training.checkpointing import (
+from megatron_lite.checkpoint import (
     CheckpointError,
     checkpoint_config,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_lite.checkpoint import training as ckpt
+from megatron_lite.config import Config
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 class TinyMLP(nn.Module):
-    def __init__(self, hidden=8, ffn=16, tp_group=None):
+    def __init__(self, state, hidden=8, ffn=16):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden, ffn, tp_group)
-        self.fc2 = RowParallelLinear(ffn, hidden, tp_group)
+        self.tracker = state.rng_tracker
+        self.fc1 = ColumnParallelLinear(hidden, ffn, state.tp_group)
+        self.fc2 = RowParallelLinear(ffn, hidden, state.tp_group)
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
-        with get_rng_tracker().fork():
+        with self.tracker.fork():
             h = F.dropout(h, p=0.2)
         return F.dropout(self.fc2(h), p=0.2)
 
@@ -57,7 +58,7 @@ def _setup(tmp_path, hidden=8, seed=1):
     cfg.checkpoint.save = cfg.checkpoint.load = str(tmp_path / "ckpt")
     state = ParallelState()
     torch.manual_seed(seed)
-    model = TinyMLP(hidden)
+    model = TinyMLP(state, hidden)
     model_parallel_seed(1234, state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return cfg, state, model, opt, StepCounter()
@@ -76,8 +77,8 @@ def _train(model, opt, sched, steps):
     return losses
 
 
-def _draws():
-    with get_rng_tracker().fork():
+def _draws(state):
+    with state.rng_tracker.fork():
         tracked = torch.rand(3)
     return random.random(), float(np.random.rand()), torch.rand(3), tracked
 
@@ -89,21 +90,21 @@ def test_round_trip_continues_exactly(tmp_path):
     assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
     assert (tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt").is_file()
     assert (tmp_path / "ckpt" / "iter_0000002" / "rng" / "rank_00000.pt").is_file()
-    draws_after_save = _draws()
+    draws_after_save = _draws(state)
     reference = _train(model, opt, sched, 3)
 
     # A fresh process-like start: other weights, other RNG states, empty optimizer.
-    _, _, model2, opt2, sched2 = _setup(tmp_path, seed=99)
+    _, state2, model2, opt2, sched2 = _setup(tmp_path, seed=99)
     random.seed(5)
     np.random.seed(5)
-    assert load_checkpoint([model2], opt2, sched2, cfg, state) == (2, 8)
+    assert load_checkpoint([model2], opt2, sched2, cfg, state2) == (2, 8)
     assert sched2.num_steps == 2
-    draws = _draws()
+    draws = _draws(state2)
     assert draws[:2] == draws_after_save[:2]
     assert torch.equal(draws[2], draws_after_save[2]) and torch.equal(draws[3], draws_after_save[3])
     # Rewind the RNG by loading again, then the continued trajectory must be bit-identical.
-    load_checkpoint([model2], opt2, sched2, cfg, state)
-    _draws()
+    load_checkpoint([model2], opt2, sched2, cfg, state2)
+    _draws(state2)
     assert _train(model2, opt2, sched2, 3) == reference
     assert checkpoint_config(cfg.checkpoint.save)["hidden_size"] == cfg.model.hidden_size
 
@@ -146,7 +147,7 @@ def test_no_checkpoint_starts_from_scratch(tmp_path, capsys):
 def test_shape_mismatch_is_refused_naming_the_parameter(tmp_path):
     cfg, state, model, opt, sched = _setup(tmp_path)
     save_checkpoint(1, [model], opt, sched, 4, cfg, state)
-    other = TinyMLP(hidden=12)
+    other = TinyMLP(state, hidden=12)
     cfg.model.hidden_size = 12
     with pytest.raises(CheckpointError) as err:
         load_checkpoint([other], None, None, cfg, state)

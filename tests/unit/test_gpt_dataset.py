@@ -16,7 +16,7 @@ from megatron_lite.data.gpt_dataset import (
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
-# -- independent references (loops, following the description in SPECS.md) --------------------------
+# -- independent references (plain loops over Megatron's index definitions) ------------------------
 def reference_sample_index(sizes, document_index, seq_length):
     """Walk the shuffled stream sample by sample: each takes seq_length + 1 tokens, sharing the last."""
     total = sum(int(sizes[d]) for d in document_index)

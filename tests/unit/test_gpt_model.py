@@ -17,6 +17,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.models import GPTModel
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.state import ParallelState
+from tests.model_helpers import build_gpt, transformer_config
 
 B, S, VOCAB = 2, 16, 100
 
@@ -110,7 +111,7 @@ def _close(a, b, what, rtol=1e-5, atol=1e-6):
 def test_matches_independent_reference(variant, groups):
     over = {} if groups is None else dict(num_query_groups=groups)
     cfg = make_config(variant, **over)
-    model = GPTModel(cfg, ParallelState(), seed=7)
+    model = build_gpt(cfg, ParallelState(), seed=7)
     tokens, labels = make_batch()
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     ref = reference_logits(sd, cfg, tokens)
@@ -126,7 +127,7 @@ def test_matches_independent_reference(variant, groups):
 @pytest.mark.parametrize("heads, groups", [(8, 8), (8, 4), (8, 1)])
 def test_qkv_shapes_for_mha_gqa_mqa(heads, groups):
     cfg = make_config("B", num_attention_heads=heads, num_query_groups=groups)
-    attn = GPTModel(cfg, ParallelState()).decoder.layers[0].self_attention
+    attn = build_gpt(cfg, ParallelState()).decoder.layers[0].self_attention
     d = cfg.hidden_size // heads
     assert attn.linear_qkv.weight.shape == ((heads + 2 * groups) * d, cfg.hidden_size)
     assert attn.linear_proj.weight.shape == (cfg.hidden_size, heads * d)
@@ -140,11 +141,11 @@ def _grads(model):
 def test_pipeline_split_equals_full_model(variant):
     cfg = make_config(variant)
     tokens, labels = make_batch(1)
-    full = GPTModel(cfg, ParallelState(), seed=3)
+    full = build_gpt(cfg, ParallelState(), seed=3)
     full(tokens, labels=labels).mean().backward()
 
-    first = GPTModel(cfg, ParallelState(), seed=3, post_process=False, layer_start=0, layer_end=1)
-    last = GPTModel(cfg, ParallelState(), seed=3, pre_process=False, layer_start=1, layer_end=2)
+    first = build_gpt(cfg, ParallelState(), seed=3, post_process=False, layer_start=0, layer_end=1)
+    last = build_gpt(cfg, ParallelState(), seed=3, pre_process=False, layer_start=1, layer_end=2)
     hidden = first(tokens)
     received = hidden.detach().requires_grad_()  # what a pipeline's p2p receive hands over
     last.set_input_tensor(received)
@@ -179,9 +180,10 @@ def test_recompute_equals_no_recompute_with_dropout(variant, recompute):
     tokens, labels = make_batch(2)
 
     def run(granularity, method, n):
-        model_parallel_seed(11, ParallelState())  # same masks for both runs
-        model = GPTModel(cfg, ParallelState(), seed=5, recompute_granularity=granularity, recompute_method=method,
-                         recompute_num_layers=n)
+        state = ParallelState()
+        model_parallel_seed(11, state)  # same masks for both runs
+        model = build_gpt(cfg, state, seed=5, recompute_granularity=granularity, recompute_method=method,
+                          recompute_num_layers=n)
         loss = model(tokens, labels=labels)
         loss.mean().backward()
         return loss.detach(), _grads(model)
@@ -191,14 +193,15 @@ def test_recompute_equals_no_recompute_with_dropout(variant, recompute):
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)  # forward is the very same computation
     for name in grads_ref:
         _close(grads[name], grads_ref[name], name, atol=1e-7)
-    model_parallel_seed(11, ParallelState())
-    no_dropout = GPTModel(dataclasses.replace(cfg, attention_dropout=0.0, hidden_dropout=0.0), ParallelState(), seed=5)
+    state = ParallelState()
+    model_parallel_seed(11, state)
+    no_dropout = build_gpt(dataclasses.replace(cfg, attention_dropout=0.0, hidden_dropout=0.0), state, seed=5)
     assert not torch.allclose(no_dropout(tokens, labels=labels), loss_ref)  # dropout really was on
 
 
 def test_padded_vocab_never_counts():
     cfg = make_config("A")
-    model = GPTModel(cfg, ParallelState(), seed=1)
+    model = build_gpt(cfg, ParallelState(), seed=1)
     tokens, labels = make_batch(3)
     loss = model(tokens, labels=labels)
     with torch.no_grad():
@@ -211,7 +214,7 @@ def test_padded_vocab_never_counts():
 
 def test_eval_mode_disables_dropout_and_param_count():
     cfg = make_config("A", dropout=0.5)
-    model = GPTModel(cfg, ParallelState()).eval()
+    model = build_gpt(cfg, ParallelState()).eval()
     tokens, _ = make_batch()
     torch.testing.assert_close(model(tokens), model(tokens), rtol=0, atol=0)
     h, f, v, L = 32, 64, 128, 2
@@ -221,7 +224,7 @@ def test_eval_mode_disables_dropout_and_param_count():
 
 @pytest.mark.parametrize("over, message", [
     (dict(num_attention_heads=8, num_query_groups=3), "num-attention-heads 8 is not divisible by num-query-groups 3"),
-    (dict(padded_vocab_size=None), "config.padded_vocab_size is not set"),
+    (dict(vocab_size=None, padded_vocab_size=None), "the model config has no vocabulary size"),
     (dict(position_embedding_type="alibi"), "--position-embedding-type 'alibi'"),
     (dict(normalization="BatchNorm"), "--normalization 'BatchNorm'"),
     (dict(num_attention_heads=5), "hidden-size 32 is not divisible by num-attention-heads 5"),
@@ -230,14 +233,14 @@ def test_eval_mode_disables_dropout_and_param_count():
 def test_bad_shapes_are_clear_errors(over, message):
     cfg = make_config("A", **over)
     with pytest.raises(ValueError) as err:
-        GPTModel(cfg, ParallelState(), layer_end=3 if "num_layers" in over else None)
+        build_gpt(cfg, ParallelState(), layer_end=3 if "num_layers" in over else None)
     assert message in str(err.value)
 
 
 def test_rope_odd_head_dim_and_long_positions_are_clear_errors():
     with pytest.raises(ValueError, match="rope needs an even head dimension"):
-        GPTModel(make_config("B", kv_channels=5), ParallelState())
-    model = GPTModel(make_config("A"), ParallelState())
+        build_gpt(make_config("B", kv_channels=5), ParallelState())
+    model = build_gpt(make_config("A"), ParallelState())
     with pytest.raises(ValueError, match="raise --max-position-embeddings"):
         model(torch.zeros(1, S + 1, dtype=torch.long))
 
@@ -246,7 +249,7 @@ def test_explicit_masks():
     """A causal bool mask equals the implicit causal path; a block-diagonal (reset-attention-mask) one
     makes the second document independent of the first."""
     cfg = make_config("B")
-    model = GPTModel(cfg, ParallelState(), seed=2)
+    model = build_gpt(cfg, ParallelState(), seed=2)
     tokens, _ = make_batch(5)
     causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1).expand(B, 1, S, S)
     _close(model(tokens, attention_mask=causal), model(tokens), "explicit causal mask")
@@ -264,13 +267,14 @@ def test_explicit_masks():
 
 def test_bidirectional_block_for_bert():
     """attn_mask_type='padding' without a mask attends both ways: a late token changes early outputs."""
-    from megatron_lite.models import TransformerBlock
+    from megatron_lite.models import LayerSpec, TransformerBlock
 
     cfg = make_config("A")
     hidden = torch.randn(S, B, cfg.hidden_size)
     outs = {}
     for kind in ("causal", "padding"):
-        block = TransformerBlock(cfg, ParallelState(), seed=1, attn_mask_type=kind)
+        block = TransformerBlock(transformer_config(cfg, ParallelState(), seed=1), ParallelState(), LayerSpec(),
+                                 attn_mask_type=kind)
         changed = hidden.clone()
         changed[-1] += torch.randn(B, cfg.hidden_size)  # (a constant shift would vanish in LayerNorm)
         outs[kind] = (block(hidden)[0] - block(changed)[0]).abs().max().item()
@@ -280,10 +284,98 @@ def test_bidirectional_block_for_bert():
 def test_bf16_close_to_fp32():
     cfg = make_config("B")
     tokens, labels = make_batch(6)
-    loss32 = GPTModel(cfg, ParallelState(), seed=4)(tokens, labels=labels)
-    model16 = GPTModel(cfg, ParallelState(), seed=4, params_dtype=torch.bfloat16)
+    loss32 = build_gpt(cfg, ParallelState(), seed=4)(tokens, labels=labels)
+    model16 = build_gpt(cfg, ParallelState(), seed=4, params_dtype=torch.bfloat16)
     assert model16.decoder.layers[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
     loss16 = model16(tokens, labels=labels)
     assert loss16.dtype == torch.float32  # the loss is computed in fp32
     loss16.mean().backward()
     assert (loss16 - loss32).abs().max() < 0.05  # bf16 keeps ~3 significant digits
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer spec: a custom core attention and a custom MLP go in through the spec alone.
+
+
+class PlainSoftmaxAttention(torch.nn.Module):
+    """Core attention written out (no SDPA), counting its calls; causal only, no dropout."""
+
+    calls = 0
+
+    def __init__(self, config, state, layer_number):
+        super().__init__()
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, q, k, v, attention_mask=None, causal=True):
+        PlainSoftmaxAttention.calls += 1
+        s, b, nq, d = q.shape
+        group = nq // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("sbhd,tbhd->bhst", q, k) * self.scale
+        scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf"))
+        return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(s, b, nq * d)
+
+
+class ZeroMLP(torch.nn.Module):
+    """An MLP that adds nothing (and has no parameters)."""
+
+    def __init__(self, config, state, layer_number):
+        super().__init__()
+
+    def forward(self, hidden):
+        return torch.zeros_like(hidden)
+
+
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_spec_swaps_core_attention(variant):
+    from megatron_lite.models import LayerSpec
+
+    cfg = make_config(variant)
+    tokens, _ = make_batch(7)
+    default = build_gpt(cfg, ParallelState(), seed=8)
+    PlainSoftmaxAttention.calls = 0
+    custom = build_gpt(cfg, ParallelState(), seed=8, spec=LayerSpec(core_attention=PlainSoftmaxAttention))
+    assert isinstance(custom.decoder.layers[0].self_attention.core_attention, PlainSoftmaxAttention)
+    _close(custom(tokens), default(tokens), "logits with a hand-written core attention")
+    assert PlainSoftmaxAttention.calls == cfg.num_layers
+
+
+def test_spec_swaps_mlp_per_layer():
+    """A per-layer spec: layer 2's MLP replaced by one that adds nothing equals the default model
+    with layer 2's fc2 zeroed (fc2's output is the MLP's output)."""
+    from megatron_lite.models import LayerSpec
+
+    cfg = make_config("A")
+    tokens, _ = make_batch(8)
+    custom = build_gpt(cfg, ParallelState(), seed=6,
+                       spec=lambda n: LayerSpec(mlp=ZeroMLP) if n == 2 else LayerSpec())
+    assert isinstance(custom.decoder.layers[1].mlp, ZeroMLP)
+    assert not any(name.startswith("decoder.layers.1.mlp") for name, _ in custom.named_parameters())
+    default = build_gpt(cfg, ParallelState(), seed=6)
+    with torch.no_grad():
+        default.decoder.layers[1].mlp.linear_fc2.weight.zero_()
+        default.decoder.layers[1].mlp.linear_fc2.bias.zero_()
+    _close(custom(tokens), default(tokens), "logits with layer 2's MLP replaced")
+    default.decoder.layers[1].mlp.linear_fc2.bias.data.fill_(0.1)
+    assert not torch.allclose(custom(tokens), default(tokens))  # the MLP really is in the path
+
+
+def test_gemm_seam_carries_every_linear():
+    """Every parallel linear, including the tied output layer, computes through its ``gemm``."""
+    from megatron_lite.models import TransformerConfig
+
+    calls = []
+
+    class Counting(TransformerConfig):
+        def make_gemm(self, layer_number, tp_group=None):
+            def gemm(x, weight, bias=None):
+                calls.append(layer_number)
+                return F.linear(x, weight, bias)
+            return gemm
+
+    cfg = Counting.from_model(make_config("A"), seed=2)
+    model = GPTModel(cfg, ParallelState())
+    reference = GPTModel(TransformerConfig.from_model(make_config("A"), seed=2), ParallelState())
+    tokens, _ = make_batch(9)
+    _close(model(tokens), reference(tokens), "logits through counting GEMMs")
+    assert sorted(calls) == [1] * 4 + [2] * 4 + [3]  # qkv, proj, fc1, fc2 per layer; the tied output layer

@@ -1,4 +1,8 @@
-"""The .bin/.idx reader and writer against a pair built by hand from SPECS.md's byte layout."""
+"""The .bin/.idx reader and writer against a pair built by hand from Megatron's byte layout.
+
+.idx (little-endian): magic ``MMIDIDX\\x00\\x00``, u64 version 1, u8 dtype code, u64 sequence count,
+u64 document-index length, int32 sequence lengths, int64 byte pointers into .bin, int64 document
+indices (sequence numbers where documents start, first 0, last = sequence count). .bin: the tokens."""
 
 import os
 import struct
@@ -19,7 +23,7 @@ DOC_INDICES = [0, 2, 3]
 
 
 def hand_made_pair(prefix, seqs=SEQS, doc_indices=DOC_INDICES, code=8, itemsize=2, fmt="<H"):
-    """Write prefix.bin/.idx with struct only, field by field, as SPECS.md lays them out."""
+    """Write prefix.bin/.idx with struct only, field by field, in the layout of the module docstring."""
     with open(prefix + ".bin", "wb") as f:
         for seq in seqs:
             for tok in seq:

@@ -1,4 +1,4 @@
-"""The fp16 loss-scale schedule of SPECS.md: grow x2 after a window of clean steps, halve after
+"""The fp16 loss-scale schedule (Megatron-LM's dynamic rule): grow x2 after a window of clean steps, halve after
 ``hysteresis`` overflowing steps, never below the floor; a static scale never moves."""
 
 import pytest

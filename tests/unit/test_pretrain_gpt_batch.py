@@ -7,8 +7,8 @@ import pretrain_gpt
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.gpt_dataset import ltor_fields
 from megatron_lite.data.samplers import collate
-from megatron_lite.models.gpt import GPTModel
 from megatron_lite.parallel.state import ParallelState
+from tests.model_helpers import build_gpt
 
 EOD = 0
 
@@ -17,7 +17,7 @@ def _model():
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, ffn_hidden_size=64,
                       kv_channels=8, max_position_embeddings=12, num_query_groups=4, vocab_size=50,
                       padded_vocab_size=56, attention_dropout=0.0, hidden_dropout=0.0)
-    return GPTModel(cfg, ParallelState(), seed=3)
+    return build_gpt(cfg, ParallelState(), seed=3)
 
 
 def _batch(text, reset):

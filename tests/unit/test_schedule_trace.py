@@ -22,7 +22,7 @@ from megatron_lite.parallel.pipeline.order import (
     rank_order,
     warmup_interleaved,
 )
-from megatron_lite.parallel.pipeline.p2p import release_output
+from megatron_lite.parallel.pipeline.p2p import PipeComm, release_output
 from megatron_lite.parallel.pipeline.schedules import (
     backward_from,
     forward_backward_no_pipelining,
@@ -143,8 +143,8 @@ def test_choice_of_schedule():
 
 
 def _call(fn, state, m, model, data=None):
-    return fn(forward_step_func=None, data_iterator=data, model=model, num_microbatches=m, seq_length=4,
-              micro_batch_size=1, hidden_size=8, dtype=torch.float32, state=state)
+    return fn(forward_step_func=None, data_iterator=data, model=model, num_microbatches=m,
+              comm=PipeComm(state, (4, 1, 8), torch.float32))
 
 
 @pytest.mark.parametrize("m", [6, 3, 0])
@@ -231,8 +231,8 @@ def test_no_pipelining_accumulates_like_one_big_batch(forward_only):
             exits.append(len(trace))
 
     reported = forward_backward_no_pipelining(
-        forward_step_func=_step, data_iterator=iter(_batches(m)), model=[model], num_microbatches=m, seq_length=4,
-        micro_batch_size=2, hidden_size=8, dtype=torch.float32, state=ParallelState(), forward_only=forward_only,
+        forward_step_func=_step, data_iterator=iter(_batches(m)), model=[model], num_microbatches=m,
+        comm=PipeComm(ParallelState(), (4, 2, 8), torch.float32), forward_only=forward_only,
         grad_scale_func=lambda loss: loss * 4.0, no_sync_func=NoSync, trace=trace,
     )
     torch.testing.assert_close(torch.tensor([r["loss"].item() for r in reported]), torch.tensor(ref_losses))

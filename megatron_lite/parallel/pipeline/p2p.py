@@ -8,9 +8,9 @@ the same batch so neither neighbour waits on the other's send. Within a batch th
 come first and the gradient ops second on every rank, and on gloo each kind has its own tag, so a
 pair of ranks that exchange both kinds (pipeline size 2 with interleaving) never mixes them up.
 
-Buffers have the shape ``[s/tp if sequence_parallel else s, b, h]`` and the model's dtype; with
-``variable_seq_lengths`` each transfer first sends the 3-element shape, so micro-batches may differ
-in sequence length.
+Buffers have the shape ``[s/tp if sequence_parallel else s, b, h]`` and the model's dtype, the same
+for every micro-batch of a run, so one :class:`PipeComm` is built per run
+(:meth:`PipeComm.for_activations`) and handed to every schedule call.
 
 :func:`release_output` is Megatron's deallocation trick: once an activation has been sent, the
 stage only needs its autograd graph, not its values, so the tensor's storage is swapped for one
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...device import get_device
 
-_ACT_TAG, _GRAD_TAG, _SHAPE_TAG = 0, 1, 2
+_ACT_TAG, _GRAD_TAG = 0, 1
 
 
 def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int = 1,
@@ -52,13 +52,23 @@ def release_output(out: torch.Tensor | None) -> None:
 
 
 class PipeComm:
-    """Sends and receives of one pipeline rank for one shape and dtype."""
+    """Sends and receives of one pipeline rank for one activation shape and dtype.
 
-    def __init__(self, state, shape, dtype, variable_seq_lengths: bool = False):
+    ``state`` (the ParallelState) travels with it: the schedules read the pipeline layout from
+    ``comm.state``.
+    """
+
+    def __init__(self, state, shape, dtype):
         self.state, self.shape, self.dtype = state, tuple(shape), dtype
-        self.variable_seq_lengths = variable_seq_lengths
         self.device = get_device()
         self._tags = dist.is_initialized() and dist.get_backend(state.pp_group) == "gloo"
+
+    @classmethod
+    def for_activations(cls, state, *, seq_length: int, micro_batch_size: int, hidden_size: int,
+                        dtype: torch.dtype, sequence_parallel: bool = False) -> PipeComm:
+        """The communicator for hidden states ``[s(/tp), b, h]`` (see :func:`activation_shape`)."""
+        shape = activation_shape(seq_length, micro_batch_size, hidden_size, state.tp_size, sequence_parallel)
+        return cls(state, shape, dtype)
 
     # -- core --------------------------------------------------------------------------------
     def _op(self, fn, tensor, peer, tag):
@@ -70,27 +80,6 @@ class PipeComm:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
 
-    def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
-        """Tell the neighbours the shapes of what follows; return the shapes to receive."""
-        s = self.state
-        ops, prev_shape, next_shape = [], None, None
-        if send_next is not None:
-            ops.append(self._op(dist.isend, self._shape_tensor(send_next), s.next_pp_rank, _SHAPE_TAG))
-        if recv_prev:
-            prev_shape = torch.empty(3, dtype=torch.int64, device=self.device)
-            ops.append(self._op(dist.irecv, prev_shape, s.prev_pp_rank, _SHAPE_TAG))
-        if send_prev is not None:
-            ops.append(self._op(dist.isend, self._shape_tensor(send_prev), s.prev_pp_rank, _SHAPE_TAG + 1))
-        if recv_next:
-            next_shape = torch.empty(3, dtype=torch.int64, device=self.device)
-            ops.append(self._op(dist.irecv, next_shape, s.next_pp_rank, _SHAPE_TAG + 1))
-        self._run(ops)
-        as_tuple = lambda t: tuple(t.tolist()) if t is not None else self.shape  # noqa: E731
-        return as_tuple(prev_shape), as_tuple(next_shape)
-
-    def _shape_tensor(self, x):
-        return torch.tensor(list(x.shape), dtype=torch.int64, device=self.device)
-
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
         """One batch: send an activation to the next stage and/or a gradient to the previous one,
         receive an activation from the previous stage and/or a gradient from the next one.
@@ -101,21 +90,18 @@ class PipeComm:
         s = self.state
         if s.pp_size == 1:
             return None, None
-        prev_shape = next_shape = self.shape
-        if self.variable_seq_lengths:
-            prev_shape, next_shape = self._exchange_shapes(send_next, send_prev, recv_prev, recv_next)
         ops, from_prev, from_next = [], None, None
         # activations (towards the next stage) first ...
         if send_next is not None:
             ops.append(self._op(dist.isend, self._check(send_next, "activation"), s.next_pp_rank, _ACT_TAG))
         if recv_prev:
-            from_prev = torch.empty(prev_shape, dtype=self.dtype, device=self.device)
+            from_prev = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(self._op(dist.irecv, from_prev, s.prev_pp_rank, _ACT_TAG))
         # ... then gradients (towards the previous stage)
         if send_prev is not None:
             ops.append(self._op(dist.isend, self._check(send_prev, "gradient"), s.prev_pp_rank, _GRAD_TAG))
         if recv_next:
-            from_next = torch.empty(next_shape, dtype=self.dtype, device=self.device)
+            from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(self._op(dist.irecv, from_next, s.next_pp_rank, _GRAD_TAG))
         self._run(ops)
         if from_prev is not None:
@@ -123,11 +109,10 @@ class PipeComm:
         return from_prev, from_next
 
     def _check(self, x, what):
-        if not self.variable_seq_lengths and tuple(x.shape) != self.shape:
+        if tuple(x.shape) != self.shape:
             raise ValueError(
                 f"pipeline {what} has shape {tuple(x.shape)} but the stages exchange {self.shape} "
-                "([seq_length(/tp with --sequence-parallel), micro_batch_size, hidden_size]); "
-                "pass variable_seq_lengths=True for micro-batches of different lengths"
+                "([seq_length(/tp with --sequence-parallel), micro_batch_size, hidden_size])"
             )
         if x.dtype != self.dtype:
             raise ValueError(f"pipeline {what} has dtype {x.dtype} but the stages exchange {self.dtype}")

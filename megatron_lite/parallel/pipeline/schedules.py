@@ -1,6 +1,8 @@
 """Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B.
 
-``get_forward_backward_func(state)`` picks one; all share the signature of :func:`forward_backward_no_pipelining`:
+``get_forward_backward_func(state)`` picks one; all share one keyword-only signature
+``(forward_step_func, data_iterator, model, num_microbatches, comm, forward_only=False,
+grad_scale_func=None, no_sync_func=None, trace=None)``:
 
 - ``forward_step_func(data_iterator, model_chunk) -> (output_tensor, loss_func)``; a chunk gets its
   input from the previous stage through ``set_input_tensor`` before the call (None on the first stage).
@@ -9,6 +11,9 @@
   dicts (last stage only; ``[]`` elsewhere).
 - ``no_sync_func()`` (or a list, one per chunk) is a context-manager factory that suppresses
   data-parallel gradient reduction; it stays entered until the last backward (of that chunk).
+- ``comm`` is the run's :class:`p2p.PipeComm` (activation shape and dtype, built once per run); its
+  ``comm.state`` is the ParallelState the schedule follows. The no-pipelining schedule sends nothing
+  but takes it too, so the three are interchangeable.
 - ``forward_only=True`` runs forwards only (evaluation); ``trace`` (a list) receives one
   :class:`trace.Event` per forward/backward, in execution order.
 
@@ -31,7 +36,7 @@ from .order import (
     warmup_1f1b,
     warmup_interleaved,
 )
-from .p2p import PipeComm, activation_shape, release_output
+from .p2p import PipeComm, release_output
 from .trace import _Recorder
 
 
@@ -138,29 +143,25 @@ def _iterators(data_iterator, num_chunks):
     return [data_iterator]
 
 
-def _setup(model, data_iterator, num_microbatches, seq_length, micro_batch_size, hidden_size, dtype, state,
-           sequence_parallel, variable_seq_lengths):
+def _setup(model, data_iterator, num_microbatches):
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
-    shape = activation_shape(seq_length, micro_batch_size, hidden_size, state.tp_size, sequence_parallel)
-    return _iterators(data_iterator, len(model)), PipeComm(state, shape, dtype, variable_seq_lengths)
+    return _iterators(data_iterator, len(model))
 
 
 # ---------------------------------------------------------------------------------------------
 # No pipelining: gradient accumulation over micro-batches.
 
 
-def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                                   micro_batch_size, hidden_size, dtype, state, sequence_parallel=False,
-                                   forward_only=False, grad_scale_func=None, no_sync_func=None, trace=None,
-                                   variable_seq_lengths=False):
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, comm: PipeComm,
+                                   forward_only=False, grad_scale_func=None, no_sync_func=None, trace=None):
     """Forward and backward of each micro-batch in turn on one stage; gradients accumulate, and the
-    data-parallel reduction is left on only for the last micro-batch."""
+    data-parallel reduction is left on only for the last micro-batch. ``comm`` is unused (one stage)."""
     if len(model) != 1:
         raise ValueError(f"without pipeline parallelism the model is one chunk, got {len(model)}")
-    [data], _ = _setup(model, data_iterator, num_microbatches, seq_length, micro_batch_size, hidden_size,
-                       dtype, state, sequence_parallel, variable_seq_lengths)
-    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, state, no_sync_func, 1)
+    [data] = _setup(model, data_iterator, num_microbatches)
+    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, comm.state,
+               no_sync_func, 1)
     for i in range(num_microbatches):
         loss = run.forward(model[0], 0, data, None, i, True)
         if not forward_only:
@@ -172,19 +173,17 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
 # 1F1B (PipeDream-Flush): at most p - r micro-batches' activations alive on rank r.
 
 
-def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator, model,
-                                                     num_microbatches, seq_length, micro_batch_size, hidden_size,
-                                                     dtype, state, sequence_parallel=False, forward_only=False,
-                                                     grad_scale_func=None, no_sync_func=None, trace=None,
-                                                     variable_seq_lengths=False):
+def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator, model, num_microbatches,
+                                                     comm: PipeComm, forward_only=False, grad_scale_func=None,
+                                                     no_sync_func=None, trace=None):
     """One model chunk per rank; warmup forwards, steady one-forward-one-backward, cooldown backwards."""
     if len(model) != 1:
         raise ValueError(
             f"the non-interleaved pipeline schedule runs one model chunk per rank, got {len(model)}; build "
             "the ParallelState with vpp=<chunks per rank> (--num-layers-per-virtual-pipeline-stage) to interleave"
         )
-    [data], comm = _setup(model, data_iterator, num_microbatches, seq_length, micro_batch_size, hidden_size,
-                          dtype, state, sequence_parallel, variable_seq_lengths)
+    [data] = _setup(model, data_iterator, num_microbatches)
+    state = comm.state
     run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, state, no_sync_func, 1)
     first, last, m, chunk = state.is_first_stage(), state.is_last_stage(), num_microbatches, model[0]
     warm = m if forward_only else warmup_1f1b(state.pp_size, state.pp_rank, m)
@@ -234,9 +233,8 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
 
 
 def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_iterator, model, num_microbatches,
-                                                  seq_length, micro_batch_size, hidden_size, dtype, state,
-                                                  sequence_parallel=False, forward_only=False, grad_scale_func=None,
-                                                  no_sync_func=None, trace=None, variable_seq_lengths=False):
+                                                  comm: PipeComm, forward_only=False, grad_scale_func=None,
+                                                  no_sync_func=None, trace=None):
     """Each rank runs its v chunks in the order of :func:`order.order_interleaved`.
 
     The k-th forward and k-th backward on every rank are the same (micro-batch, chunk) pair
@@ -244,83 +242,102 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
     sends at a given step: every step makes one combined exchange — send what it produced, receive
     the input of its next forward and the output gradient of its next backward. Received tensors
     are consumed in order (first in, first out); chunk 0 of the first rank reads data instead, the
-    last chunk of the last rank computes the loss instead.
+    last chunk of the last rank computes the loss instead. The phases are :class:`_Interleaved`'s.
     """
-    p, r, v, m = state.pp_size, state.pp_rank, len(model), num_microbatches
-    check_interleaved_microbatches(m, p)
-    iters, comm = _setup(model, data_iterator, m, seq_length, micro_batch_size, hidden_size, dtype, state,
-                         sequence_parallel, variable_seq_lengths)
-    run = _Run(forward_step_func, m, grad_scale_func, forward_only, trace, state, no_sync_func, v)
-    first, last = state.is_first_stage(), state.is_last_stage()
-    total = m * v
-    all_warmup = forward_only or m == p
-    warm = total if forward_only else warmup_interleaved(p, r, m, v)
+    check_interleaved_microbatches(num_microbatches, comm.state.pp_size)
+    iters = _setup(model, data_iterator, num_microbatches)
+    run = _Run(forward_step_func, num_microbatches, grad_scale_func, forward_only, trace, comm.state,
+               no_sync_func, len(model))
+    steps = _Interleaved(model, iters, comm, run)
+    steps.warmup()
+    steps.steady()
+    if not forward_only:
+        steps.cooldown()
+    return run.finish()
 
-    def fwd(s):
-        return interleaved_forward_op(s, p, v)
 
-    def bwd(b):
-        return interleaved_backward_op(b, p, v)
+class _Interleaved:
+    """One rank's interleaved schedule: forward step s and backward step b (0 .. m*v - 1) map to a
+    (micro-batch, chunk) pair, and the three phases run them with their exchanges."""
 
-    def act_coming(s):  # does the previous rank send the input of my forward s + 1?
-        return s + 1 < total and not (first and fwd(s + 1)[1] == 0)
+    def __init__(self, model, iters, comm: PipeComm, run: _Run):
+        state = comm.state
+        self.model, self.iters, self.comm, self.run = model, iters, comm, run
+        self.p, self.v, m = state.pp_size, len(model), run.m
+        self.first, self.last = state.is_first_stage(), state.is_last_stage()
+        self.total = m * self.v
+        self.all_warmup = run.forward_only or m == self.p
+        self.warm = self.total if run.forward_only else warmup_interleaved(self.p, state.pp_rank, m, self.v)
+        self.act_in: deque = deque()   # received inputs, in forward order
+        self.grad_in: deque = deque()  # received output gradients, in backward order
+        self.held = [deque() for _ in range(self.v)]  # per chunk: (input, output) awaiting backward
 
-    def grad_coming(b):  # does the next rank send the output gradient of my backward b + 1?
-        return not forward_only and b + 1 < total and not (last and bwd(b + 1)[1] == v - 1)
+    def fwd(self, s):
+        return interleaved_forward_op(s, self.p, self.v)
 
-    act_in: deque = deque()   # received inputs, in forward order
-    grad_in: deque = deque()  # received output gradients, in backward order
-    held = [deque() for _ in range(v)]  # per chunk: (input, output) awaiting backward
+    def bwd(self, b):
+        return interleaved_backward_op(b, self.p, self.v)
 
+    def act_coming(self, s):  # does the previous rank send the input of my forward s + 1?
+        return s + 1 < self.total and not (self.first and self.fwd(s + 1)[1] == 0)
+
+    def grad_coming(self, b):  # does the next rank send the output gradient of my backward b + 1?
+        return (not self.run.forward_only and b + 1 < self.total
+                and not (self.last and self.bwd(b + 1)[1] == self.v - 1))
+
+    @staticmethod
     def push(queue, t):
         if t is not None:
             queue.append(t)
 
-    def forward(s):
-        mb, c = fwd(s)
-        x = None if (first and c == 0) else act_in.popleft()
-        y = run.forward(model[c], c, iters[c], x, mb, last and c == v - 1)
-        if not forward_only:
-            held[c].append((x, y))
-        return None if (last and c == v - 1) else y  # what goes to the next virtual stage
+    def forward(self, s):
+        mb, c = self.fwd(s)
+        x = None if (self.first and c == 0) else self.act_in.popleft()
+        is_loss = self.last and c == self.v - 1
+        y = self.run.forward(self.model[c], c, self.iters[c], x, mb, is_loss)
+        if not self.run.forward_only:
+            self.held[c].append((x, y))
+        return None if is_loss else y  # what goes to the next virtual stage
 
-    def backward(b):
-        mb, c = bwd(b)
-        x, y = held[c].popleft()
-        dy = None if (last and c == v - 1) else grad_in.popleft()
-        dx = run.backward(x, y, dy, mb, c)
-        return None if (first and c == 0) else dx
+    def backward(self, b):
+        mb, c = self.bwd(b)
+        x, y = self.held[c].popleft()
+        dy = None if (self.last and c == self.v - 1) else self.grad_in.popleft()
+        dx = self.run.backward(x, y, dy, mb, c)
+        return None if (self.first and c == 0) else dx
 
-    # Warmup: forwards only. Each step sends its output on and receives the next forward's input;
-    # the last warmup step also receives the gradient the first backward will need.
-    push(act_in, comm.recv_forward(recv=not first))
-    for s in range(warm):
-        out = forward(s)
-        if s == warm - 1 and not all_warmup:
-            x_next, dy = comm.send_forward_backward_recv_forward_backward(
-                out, None, recv_prev=act_coming(s), recv_next=grad_coming(-1))
-            push(grad_in, dy)
-        else:
-            x_next = comm.send_forward_recv_forward(out, recv_prev=act_coming(s))
-        push(act_in, x_next)
-        release_output(out)
+    def warmup(self):
+        """Forwards only. Each step sends its output on and receives the next forward's input;
+        the last warmup step also receives the gradient the first backward will need."""
+        comm = self.comm
+        self.push(self.act_in, comm.recv_forward(recv=not self.first))
+        for s in range(self.warm):
+            out = self.forward(s)
+            if s == self.warm - 1 and not self.all_warmup:
+                x_next, dy = comm.send_forward_backward_recv_forward_backward(
+                    out, None, recv_prev=self.act_coming(s), recv_next=self.grad_coming(-1))
+                self.push(self.grad_in, dy)
+            else:
+                x_next = comm.send_forward_recv_forward(out, recv_prev=self.act_coming(s))
+            self.push(self.act_in, x_next)
+            release_output(out)
 
-    # Steady state: forward s = warm + k and backward k, then one exchange in both directions.
-    for k in range(total - warm):
-        s = warm + k
-        out = forward(s)
-        dx = backward(k)
-        x_next, dy = comm.send_forward_backward_recv_forward_backward(
-            out, dx, recv_prev=act_coming(s), recv_next=grad_coming(k))
-        release_output(out)
-        push(act_in, x_next)
-        push(grad_in, dy)
+    def steady(self):
+        """Forward s = warm + k and backward k, then one exchange in both directions."""
+        for k in range(self.total - self.warm):
+            s = self.warm + k
+            out = self.forward(s)
+            dx = self.backward(k)
+            x_next, dy = self.comm.send_forward_backward_recv_forward_backward(
+                out, dx, recv_prev=self.act_coming(s), recv_next=self.grad_coming(k))
+            release_output(out)
+            self.push(self.act_in, x_next)
+            self.push(self.grad_in, dy)
 
-    # Cooldown: the remaining backwards, each receiving the gradient for the next one.
-    if not forward_only:
-        if all_warmup:
-            push(grad_in, comm.recv_backward(recv=grad_coming(-1)))
-        for b in range(total - warm, total):
-            dx = backward(b)
-            push(grad_in, comm.send_backward_recv_backward(dx, recv_next=grad_coming(b)))
-    return run.finish()
+    def cooldown(self):
+        """The remaining backwards, each receiving the gradient for the next one."""
+        if self.all_warmup:
+            self.push(self.grad_in, self.comm.recv_backward(recv=self.grad_coming(-1)))
+        for b in range(self.total - self.warm, self.total):
+            dx = self.backward(b)
+            self.push(self.grad_in, self.comm.send_backward_recv_backward(dx, recv_next=self.grad_coming(b)))

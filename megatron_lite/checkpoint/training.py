@@ -1,29 +1,18 @@
 """Save and resume training: model, optimizer, scheduler, loss scaler, RNG states, consumed samples.
 
-Layout (Megatron's, so the folders look familiar)::
+The folder layout is in :mod:`megatron_lite.checkpoint.format`. With ``--use-distributed-optimizer``
+the optimizer's ``state_dict`` is collective (it gathers the shards over data parallelism into the
+plain optimizer's format), so every rank calls it and the model file stores it like the plain
+optimizer's: one copy, loadable at any data-parallel size and by either optimizer.
 
-    <save>/latest_checkpointed_iteration.txt          iteration number, written last by rank 0
-    <save>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   one per TP x PP rank
-    <save>/iter_0000100/rng/rank_{global_rank:05d}.pt                  one per rank
-
-With expert parallelism the model folder is ``mp_rank_{tp:02d}_{pp:03d}_{ep:03d}`` (expert weights
-differ across EP ranks). With ``--use-distributed-optimizer`` the optimizer's ``state_dict`` is
-collective (it gathers the shards over data parallelism into the plain optimizer's format), so every
-rank calls it and the model file stores it like the plain optimizer's: one copy, loadable at any
-data-parallel size and by either optimizer.
-
-Why it is safe to crash at any moment: every file is written under a temporary name and renamed
-into place, and the tracker file that says which iteration is "latest" is renamed into place by
-rank 0 only after a barrier that every rank reaches once its files are complete. A save that dies
-half-way leaves an incomplete ``iter_*`` folder that nothing points at; the previous checkpoint
-stays the latest.
+Why it is safe to crash at any moment: every file is written atomically, and the tracker file that
+says which iteration is "latest" is renamed into place by rank 0 only after a barrier that every
+rank reaches once its files are complete. A save that dies half-way leaves an incomplete ``iter_*``
+folder that nothing points at; the previous checkpoint stays the latest.
 
 The model file is written by data-parallel rank 0 of each (TP, PP) position: weights and the
 (non-distributed) optimizer state are identical across data-parallel ranks. RNG states are saved
 by every rank, because dropout streams differ per rank.
-
-Files are read with ``torch.load(weights_only=True)``: only tensors and plain Python values, so a
-checkpoint cannot run code when it is loaded.
 """
 
 from __future__ import annotations
@@ -36,106 +25,26 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
-from ..parallel.random import get_rng_tracker
-from .logging import print_rank_0
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-MODEL_FILENAME = "model_optim_rng.pt"
-
-# Config fields that decide parameter shapes: named in the message when shapes or names differ.
-_ARCH_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
-    "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size",
+from ..training.logging import print_rank_0
+from .format import (
+    ARCH_FIELDS,
+    FORMAT_VERSION,
+    TRACKER_FILENAME,
+    CheckpointError,
+    atomic_save,
+    atomic_write_text,
+    find_model_files,
+    iteration_dir,
+    load_file,
+    model_file,
+    param_meta,
+    read_tracker,
+    rng_file,
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable or does not fit this run; the message says which and why."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Paths.
-
-
-def iteration_dir(root: str, iteration: int | str) -> str:
-    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    return os.path.join(root, name)
-
-
-def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
-    folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
-    return os.path.join(iteration_dir(root, iteration), folder, MODEL_FILENAME)
-
-
-def rng_file(root: str, iteration, rank: int) -> str:
-    return os.path.join(iteration_dir(root, iteration), "rng", f"rank_{rank:05d}.pt")
 
 
 def _model_file_for(root, iteration, state) -> str:
     return model_file(root, iteration, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
-
-
-def read_tracker(root: str) -> int | str | None:
-    """The iteration in ``<root>/latest_checkpointed_iteration.txt`` (``"release"`` allowed), or None."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if text == "release":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(
-            f"{path} should hold an iteration number but holds {text[:40]!r}; fix or delete it"
-        ) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic writes and safe reads.
-
-
-def _atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _load_file(path: str, what: str = "checkpoint file") -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(
-            f"{what} {path} is missing; the checkpoint is incomplete (was the save interrupted?) "
-            "- point --load at a complete checkpoint"
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, bad pickle, ... : one clear line
-        raise CheckpointError(
-            f"{what} {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-            "it is truncated or corrupt - point --load at another checkpoint"
-        ) from None
 
 
 def _barrier() -> None:
@@ -151,14 +60,15 @@ def _global_rank() -> int:
 # RNG.
 
 
-def get_rng_states() -> dict:
-    """Every generator this rank draws from, in types that ``weights_only`` loading accepts."""
+def get_rng_states(tracker) -> dict:
+    """Every generator this rank draws from (``tracker``: the model-parallel RNG tracker), in types
+    that ``weights_only`` loading accepts."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     states = {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch_cpu": torch.get_rng_state(),
-        "tracker": get_rng_tracker().get_states(),
+        "tracker": tracker.get_states(),
         "cuda": None,
     }
     if get_device().type == "cuda":
@@ -166,12 +76,13 @@ def get_rng_states() -> dict:
     return states
 
 
-def set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict, tracker) -> None:
+    """Restore what :func:`get_rng_states` returned, into these generators and ``tracker``."""
     random.setstate(states["python"])
     name, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(states["torch_cpu"])
-    get_rng_tracker().set_states(states["tracker"])
+    tracker.set_states(states["tracker"])
     if states.get("cuda") is not None and get_device().type == "cuda":
         torch.cuda.set_rng_state(states["cuda"], get_device())
 
@@ -182,14 +93,6 @@ def set_rng_states(states: dict) -> None:
 
 def _inner(chunk):
     return getattr(chunk, "module", chunk)
-
-
-def _param_meta(module) -> dict:
-    return {
-        name: {"partition_dim": int(p.partition_dim), "partition_stride": int(getattr(p, "partition_stride", 1))}
-        for name, p in module.named_parameters()
-        if getattr(p, "tensor_model_parallel", False)
-    }
 
 
 def _layer_range(module):
@@ -211,7 +114,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     rank = _global_rank()
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
 
-    _atomic_save(get_rng_states(), rng_file(root, iteration, rank))
+    atomic_save(get_rng_states(state.rng_tracker), rng_file(root, iteration, rank))
 
     path = _model_file_for(root, iteration, state)
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
@@ -230,17 +133,17 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
             "num_chunks": len(modules),
             "world_size": state.world_size,
             "model": [m.state_dict() for m in modules],
-            "param_meta": [_param_meta(m) for m in modules],
+            "param_meta": [param_meta(m) for m in modules],
             "layer_ranges": [_layer_range(m) for m in modules],
             "optimizer": optim_state,
             "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "format_version": 1,
+            "format_version": FORMAT_VERSION,
         }
-        _atomic_save(payload, path)
+        atomic_save(payload, path)
 
     _barrier()  # every rank's files are complete before anything points at them
     if rank == 0:
-        _atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+        atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
     _barrier()
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
     return iteration_dir(root, iteration)
@@ -259,7 +162,7 @@ def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
 def _arch_differences(saved_config: dict, config) -> list[str]:
     ours = config.flat()
     out = []
-    for key in _ARCH_FIELDS:
+    for key in ARCH_FIELDS:
         if key in saved_config and key in ours and saved_config[key] != ours[key]:
             out.append(f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})")
     return out
@@ -321,7 +224,7 @@ def _explain_missing(path: str, folder: str, state) -> None:
     except CheckpointError:
         return  # nothing there at all: _load_file reports the missing file
     other = others[min(others)]
-    _check_sizes(other, _load_file(other), state)
+    _check_sizes(other, load_file(other), state)
 
 
 def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
@@ -345,7 +248,7 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
-    ckpt = _load_file(path)
+    ckpt = load_file(path)
     modules = [_inner(c) for c in chunks]
     _check_compatible(path, ckpt, modules, config, state)
     for module, saved in zip(modules, ckpt["model"]):
@@ -372,7 +275,7 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
                 f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
                 f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
             )
-        set_rng_states(_load_file(rng_path, "RNG state file"))
+        set_rng_states(load_file(rng_path, "RNG state file"), state.rng_tracker)
 
     _barrier()
     if finetune:
@@ -380,46 +283,3 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
         return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading checkpoints outside training (tools/generate.py, converters).
-
-
-def find_model_files(path: str) -> dict[tuple, str]:
-    """{(tp_rank, pp_rank[, ep_rank]): file} of a save folder (its latest iteration) or an ``iter_*`` folder."""
-    folder = path
-    if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):
-        folder = iteration_dir(path, read_tracker(path))
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    files = {}
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("mp_rank_") and os.path.isfile(os.path.join(folder, name, MODEL_FILENAME)):
-            files[tuple(int(x) for x in name[len("mp_rank_"):].split("_"))] = os.path.join(folder, name, MODEL_FILENAME)
-    if not files:
-        raise CheckpointError(f"no mp_rank_*/{MODEL_FILENAME} under {folder}; is it a megatron_lite checkpoint?")
-    return files
-
-
-def read_model_file(path: str) -> dict:
-    """The whole payload of one ``model_optim_rng.pt`` (CPU tensors); CheckpointError if missing/corrupt."""
-    return _load_file(path)
-
-
-def checkpoint_config(path: str) -> dict:
-    """The flat config dict a checkpoint was saved with.
-
-    ``path`` is a save folder (its latest iteration is used), an ``iter_*`` folder, or a model file.
-    The dict also holds ``iteration``, ``tp_size``, ``pp_size`` and ``vpp_size`` of the checkpoint.
-    """
-    if os.path.isfile(path):
-        file = path
-    else:
-        files = find_model_files(path)
-        file = files[min(files)]
-    ckpt = _load_file(file)
-    out = dict(ckpt["config"])
-    for key in ("iteration", "tp_size", "pp_size", "vpp_size"):
-        out.setdefault(key, ckpt.get(key))
-    return out

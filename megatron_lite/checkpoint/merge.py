@@ -1,7 +1,7 @@
 """Load a training checkpoint of any TP x PP layout into one single-process GPTModel.
 
 A checkpoint holds one ``mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` per tensor- and
-pipeline-parallel rank (see :mod:`megatron_lite.training.checkpointing`). Each file lists, per model
+pipeline-parallel rank (see :mod:`megatron_lite.checkpoint.format`). Each file lists, per model
 chunk, the state dict, ``param_meta`` (partition dim and stride of every tensor-parallel parameter)
 and the chunk's global ``layer_ranges``. Merging is two steps:
 
@@ -23,10 +23,10 @@ import re
 import torch
 
 from ..config import ModelConfig
+from ..models import GPTModel, TransformerConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
-from ..training.checkpointing import CheckpointError, find_model_files, read_model_file
-from .gpt import GPTModel
+from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -92,7 +92,7 @@ def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel
     state_dict, saved = merge_checkpoint(path)
     cfg = model_config_from_saved(saved)
     try:
-        model = GPTModel(cfg, ParallelState(world_size=1, rank=0), params_dtype=params_dtype)
+        model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype), ParallelState(world_size=1, rank=0))
     except ValueError as err:
         raise CheckpointError(f"{path}: the saved model config is not usable ({err})") from None
     ours = model.state_dict()

@@ -1,0 +1,50 @@
+"""Layer specs: which module fills each part of a transformer layer.
+
+A transformer layer is ``x + drop(self_attention(input_norm(x)))`` then
+``x + drop(mlp(pre_mlp_norm(x)))``. :class:`LayerSpec` names the module behind each part as a
+factory ``(config, state, layer_number) -> nn.Module`` (``layer_number`` global, 1-based), so a
+variant is a different spec, not a change to the layer:
+
+* a new attention variant (ring attention over a context-parallel group, a fused kernel):
+  ``core_attention`` - gets ``q, k, v [s, b, heads, d]``, returns ``[s, b, heads * d]``;
+* a new MLP or a mixture of experts: ``mlp`` - gets and returns ``[s(/tp), b, h]``;
+* a different attention block altogether (cross-attention, latent attention): ``self_attention``,
+  called as ``factory(config, state, layer_number, core_attention=spec.core_attention)``;
+* norms: ``input_norm`` / ``pre_mlp_norm``.
+
+A model passes either one spec for every layer or a function ``layer_number -> LayerSpec`` (for
+example a mixture of experts in every other layer). GEMM precision is not part of the spec: every
+parallel linear asks ``config.make_gemm`` (see :class:`~megatron_lite.models.transformer_config.TransformerConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from .attention import DotProductAttention, SelfAttention
+from .common import Norm
+from .mlp import MLP
+
+Factory = Callable[..., nn.Module]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    input_norm: Factory = Norm.from_config
+    self_attention: Factory = SelfAttention
+    core_attention: Factory = DotProductAttention
+    pre_mlp_norm: Factory = Norm.from_config
+    mlp: Factory = MLP
+
+
+def resolve_spec(spec, layer_number: int) -> LayerSpec:
+    """The spec of global layer ``layer_number`` from one spec or a per-layer function."""
+    return spec if isinstance(spec, LayerSpec) else spec(layer_number)
+
+
+def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
+    """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP."""
+    return LayerSpec()

@@ -1,0 +1,185 @@
+"""TransformerConfig: everything the model layers need, derived and validated in one place.
+
+The run's :class:`~megatron_lite.config.Config` holds the flags as the user gave them.
+:meth:`TransformerConfig.from_config` turns them into the one object every layer receives (with the
+:class:`~megatron_lite.parallel.state.ParallelState` and its global layer number): defaults filled
+(ffn size, key/value groups, head size, position-table rows, padded vocabulary), the *effective*
+sequence parallelism (off when TP is 1), the parameter dtype, the seed and the recompute plan. No
+layer recomputes any of these. Every shape rule lives in :meth:`__post_init__`, which raises
+:class:`~megatron_lite.errors.ConfigError` with one line naming the flag and the fix.
+
+The allowed values of the model's string options are listed here once (the CLI's choices are
+taken from these tuples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
+from .common import param_generator
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class TransformerConfig:
+    # shape ------------------------------------------------------------------------------------
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4 x hidden_size
+    num_query_groups: int | None = None  # default: one per head (multi-head attention)
+    kv_channels: int | None = None  # head size; default hidden_size / num_attention_heads
+    seq_length: int = 128
+    max_position_embeddings: int | None = None  # rows of the learned position table; default seq_length
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    init_method_std: float = 0.02
+    vocab_size: int | None = None  # the tokenizer's; the loss never counts padded rows
+    padded_vocab_size: int | None = None  # default: vocab_size rounded up to make_vocab_size_divisible_by x TP
+    make_vocab_size_divisible_by: int = 128
+    # parallelism and run ----------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # the effective value: always False when TP is 1
+    seed: int = 1234
+    params_dtype: torch.dtype = torch.float32
+    recompute_granularity: str | None = None  # None, full (whole layers) or selective (core attention)
+    recompute_method: str | None = None  # with full: uniform or block
+    recompute_num_layers: int | None = None  # with full: layers per group (uniform) / per chunk (block); default 1
+
+    def __post_init__(self):
+        self._check_shape()
+        self._derive()
+        self._check_parallel()
+        self._check_recompute()
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_shape(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
+        _require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+                 f"--position-embedding-type {self.position_embedding_type!r} is not one of "
+                 f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        _require(self.normalization in NORMALIZATIONS,
+                 f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden-size {self.hidden_size} is not divisible by num-attention-heads "
+                 f"{self.num_attention_heads}; set --kv-channels")
+        groups = self.num_query_groups or self.num_attention_heads
+        _require(groups > 0 and self.num_attention_heads % groups == 0,
+                 f"num-attention-heads {self.num_attention_heads} is not divisible by num-query-groups {groups}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+        _require(self.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be at least 1")
+
+    def _derive(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = padded_vocab_size(
+                self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False  # nothing to split
+        if self.recompute_granularity == "full" and self.recompute_num_layers is None:
+            self.recompute_num_layers = 1
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_model_parallel_size
+        _require(tp >= 1, "--tensor-model-parallel-size must be at least 1")
+        _require(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
+                 f"max-position-embeddings {self.max_position_embeddings} is smaller than seq-length {self.seq_length}")
+        _require(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
+                 f"rope needs an even head dimension, got {self.kv_channels} (--kv-channels)")
+        for flag, value in (("num-attention-heads", self.num_attention_heads), ("ffn-hidden-size", self.ffn_hidden_size),
+                            ("num-query-groups", self.num_query_groups)):
+            _require(value % tp == 0, f"{flag} {value} is not divisible by tensor-model-parallel-size {tp}"
+                     + ("; every rank must hold whole key/value groups" if flag == "num-query-groups" else ""))
+        if self.sequence_parallel:
+            _require(self.seq_length % tp == 0,
+                     f"--sequence-parallel needs seq-length {self.seq_length} divisible by "
+                     f"tensor-model-parallel-size {tp}")
+        if self.padded_vocab_size is not None:
+            _require(self.padded_vocab_size % tp == 0,
+                     f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
+                     f"tensor-model-parallel-size {tp}")
+            _require(self.vocab_size is None or self.vocab_size <= self.padded_vocab_size,
+                     f"vocab size {self.vocab_size} is larger than the padded vocab size {self.padded_vocab_size}")
+
+    def _check_recompute(self) -> None:
+        g, method = self.recompute_granularity, self.recompute_method
+        _require(g is None or g in RECOMPUTE_GRANULARITIES,
+                 f"--recompute-granularity {g!r}: expected {' or '.join(RECOMPUTE_GRANULARITIES)}")
+        if g == "full":
+            _require(method in RECOMPUTE_METHODS, "--recompute-granularity full needs --recompute-method uniform or block")
+            _require(self.recompute_num_layers >= 1, "--recompute-num-layers must be at least 1")
+        _require(method is None or g == "full", "--recompute-method only applies with --recompute-granularity full")
+
+    # -- what layers ask for ---------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    def init_method(self, layer_number: int, name: str, scaled: bool = False):
+        """``init_method`` of one parameter: fills its full master weight from a generator seeded by
+        (seed, global layer number, name). N(0, std^2), or std / sqrt(2 x num_layers) when ``scaled``
+        (Megatron's init of the attention and MLP output projections). Layer 0 is the embedding,
+        1..num_layers the transformer layers, num_layers + 1 the output layer."""
+        gen = param_generator(self.seed, layer_number, name)
+        if scaled:
+            return scaled_normal_init(self.init_method_std, self.num_layers, gen)
+        return normal_init(self.init_method_std, gen)
+
+    def make_gemm(self, layer_number: int, tp_group=None):
+        """The GEMM of one linear layer of global layer ``layer_number`` (None: the plain
+        ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``num_layers + 1`` is the
+        output layer. Called once per linear layer, so a precision recipe can return a fresh
+        stateful object here; ``tp_group`` is the group a shard's scaling statistics are reduced over."""
+        return None
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model, **run) -> TransformerConfig:
+        """From a :class:`~megatron_lite.config.ModelConfig` (its fields by name) plus the run-level
+        fields in ``run`` (tensor_model_parallel_size, sequence_parallel, seed, params_dtype, recompute_*)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in dataclasses.asdict(model).items() if k in names}
+        values["add_bias_linear"] = not model.disable_bias_linear
+        values.update(run)
+        return cls(**values)
+
+    @classmethod
+    def from_config(cls, config) -> TransformerConfig:
+        """The model's view of a run's :class:`~megatron_lite.config.Config`."""
+        p, t = config.parallel, config.training
+        return cls.from_model(
+            config.model, tensor_model_parallel_size=p.tensor_model_parallel_size,
+            sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
+            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+            recompute_num_layers=t.recompute_num_layers,
+        )
