@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .fp8_ops import (
     E4M3,
     E5M2,

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, fp8_gemms, update_fp8_scales
 from megatron_lite.precision.fp8_ops import (
     E4M3,
