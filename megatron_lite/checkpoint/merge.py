@@ -26,6 +26,7 @@ from ..config import ModelConfig
 from ..models import GPTModel, TransformerConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
+from ..precision.fp8 import is_fp8_state_key
 from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -90,6 +91,8 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
 def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel, dict]:
     """A single-process ``GPTModel`` (eval mode) holding the checkpoint's weights, and its saved config."""
     state_dict, saved = merge_checkpoint(path)
+    # FP8 bookkeeping (amax histories, scales) of an FP8-trained run: the model built here has none
+    state_dict = {k: v for k, v in state_dict.items() if not is_fp8_state_key(k)}
     cfg = model_config_from_saved(saved)
     try:
         model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype), ParallelState(world_size=1, rank=0))

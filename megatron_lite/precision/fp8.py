@@ -53,6 +53,7 @@ from .fp8_ops import (
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
+FP8_RECIPES_NOT_BUILT = ("blockwise", "mxfp8")  # Megatron's block-scaled recipes: refused
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 # columns of the amax history / entries of the scale buffer
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -72,6 +73,9 @@ class Fp8Recipe:
     def __post_init__(self):
         if self.format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.format}: expected one of {', '.join(FP8_FORMATS)}")
+        if self.recipe in FP8_RECIPES_NOT_BUILT:
+            raise ConfigError(f"--fp8-recipe {self.recipe} is not implemented (it needs block-scaled FP8 GEMMs); "
+                              "use delayed or tensorwise")
         if self.recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.recipe}: expected one of {', '.join(FP8_RECIPES)}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:

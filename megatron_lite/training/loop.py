@@ -22,12 +22,14 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import describe_backends, get_device, init_distributed
+from ..models.transformer_config import TransformerConfig
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
+from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
 
 
@@ -114,6 +116,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
         grad_scale_func=optimizer.scale_loss,
         no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
     )
+    if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
+        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group)
     finalize_model_grads(chunks, state)
     ok, grad_norm = optimizer.step()
     if ok:
@@ -154,6 +158,9 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
+    if config.precision.fp8_format is not None:
+        model = TransformerConfig.from_config(config)
+        print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
     return state, device
 
 
