@@ -7,13 +7,14 @@ measures a laptop, this CPU or an H100:
   for each linear shape of a transformer layer, bf16 ``torch.matmul`` vs ``torch._scaled_mm`` on
   operands already in FP8 (the kernel alone), and vs the full :class:`Fp8Gemm` call (quantisation
   included). TFLOP/s counts 2*M*N*K per GEMM.
-* Training step: ``--layers`` blocks of the transformer's GEMM-bound part (LayerNorm, QKV, a
-  stand-in for attention that is a cheap elementwise op, projection, LayerNorm, fc1, GELU, fc2,
-  residuals) in bf16, forward + backward + SGD update, with every linear through the same GEMM
-  seam: plain ``F.linear`` vs ``Fp8Gemm`` (recipe from the flags; the delayed recipe's scale update
-  runs once per step as in training).
+* Training step, forward + backward + SGD update with bf16 weights, plain GEMMs vs FP8 (recipe
+  from the flags; the delayed recipe's scale update runs once per step as in training): the
+  project's ``GPTModel`` (``--layers`` layers, a small ``--vocab`` so the step stays GEMM-bound;
+  FP8 in QKV/projection/fc1/fc2 as in training), and a stack of the transformer's GEMM-bound part
+  alone (LayerNorm, QKV, a cheap elementwise stand-in for attention, projection, LayerNorm, fc1,
+  GELU, fc2, residuals) with every linear through the same GEMM seam.
 
-    python benchmarks/bench_fp8.py [--hidden 1024] [--seq 256] [--batch 1] [--layers 2]
+    python benchmarks/bench_fp8.py [--hidden 1024] [--seq 256] [--batch 1] [--layers 2] [--vocab 1024]
                                    [--steps 5] [--fp8-format hybrid] [--fp8-recipe delayed]
 
 Ratios > 1 mean FP8 is faster. On a shared CPU the numbers are noisy: the median of ``--steps``
@@ -35,6 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import describe_machine  # noqa: E402
+from megatron_lite.models import GPTModel, TransformerConfig  # noqa: E402
+from megatron_lite.parallel.state import ParallelState  # noqa: E402
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, update_fp8_scales  # noqa: E402
 from megatron_lite.precision.fp8_ops import E4M3, E5M2, column_major, quantize  # noqa: E402
 
@@ -145,16 +148,39 @@ def _time_step(args, device, make_gemm) -> float:
     return _median_time(step, device, args.steps)
 
 
-def bench_step(args, device):
-    print(f"\n== training step: {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, "
-          "bf16, forward + backward + SGD (median of steps) ==")
+def _time_gpt_step(args, device, fp8: bool) -> float:
+    """Forward + backward + SGD of the project's GPTModel (bf16), FP8 linears when ``fp8``."""
+    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=max(1, args.hidden // 64),
+                            seq_length=args.seq, vocab_size=args.vocab, attention_dropout=0.0, hidden_dropout=0.0,
+                            params_dtype=torch.bfloat16, fp8=args.fp8_format if fp8 else None,
+                            fp8_recipe=args.fp8_recipe)
+    model = GPTModel(cfg, ParallelState()).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(2))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(tokens, labels=labels).float().mean().backward()
+        update_fp8_scales(model)
+        opt.step()
+
+    return _median_time(step, device, args.steps)
+
+
+def bench_step(args, device) -> dict[str, float]:
     recipe = Fp8Recipe(format=args.fp8_format, recipe=args.fp8_recipe)
-    times = {"bf16": _time_step(args, device, lambda: None), "fp8": _time_step(args, device, lambda: Fp8Gemm(recipe))}
-    for label, t in times.items():
-        print(f"{label:5s} {t * 1e3:9.1f} ms/step")
-    ratio = times["bf16"] / times["fp8"]
-    print(f"step speed-up fp8 vs bf16: {ratio:.2f}x")
-    return ratio
+    print(f"\n== training step (median of steps): {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"batch {args.batch}, bf16 weights ==")
+    print(f"{'model':40s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speed-up':>9s}")
+    rows = {
+        f"GPTModel (vocab {args.vocab})": (_time_gpt_step(args, device, False), _time_gpt_step(args, device, True)),
+        "GEMM-bound block stack (no attention)": (_time_step(args, device, lambda: None),
+                                                  _time_step(args, device, lambda: Fp8Gemm(recipe))),
+    }
+    for name, (bf16, fp8) in rows.items():
+        print(f"{name:40s} {bf16 * 1e3:9.1f} {fp8 * 1e3:9.1f} {bf16 / fp8:8.2f}x")
+    return {name: bf16 / fp8 for name, (bf16, fp8) in rows.items()}
 
 
 def main(argv=None):
@@ -164,6 +190,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=1024, help="GPT vocabulary (small, so the step stays GEMM-bound)")
     p.add_argument("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"])
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     args = p.parse_args(argv)
@@ -172,9 +199,9 @@ def main(argv=None):
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
           f"fp8 {args.fp8_format}/{args.fp8_recipe}")
     kernel_ratio, module_ratio = bench_gemms(args, device)
-    step_ratio = bench_step(args, device)
+    steps = ", ".join(f"{name} {r:.2f}x" for name, r in bench_step(args, device).items())
     print(f"\nsummary: GEMM-only fp8/bf16 speed-up {kernel_ratio:.2f}x (kernel), {module_ratio:.2f}x "
-          f"(Fp8Gemm incl. quantisation); training step {step_ratio:.2f}x")
+          f"(Fp8Gemm incl. quantisation); training step: {steps}")
 
 
 if __name__ == "__main__":
