@@ -6,6 +6,7 @@
   (relative 1e-3 per step; the amaxes are reduced over TP so both quantise with the same scales,
   and what remains is bf16 rounding in a different summation order); after one step every TP
   rank holds exactly the weight scales of the unsharded run.
+* Pipeline (PP2) and data parallelism (DP2) with FP8 follow the one-process FP8 run (relative 1e-3).
 * Resume: stop after 6 of 12 steps and resume: bit-identical losses (the amax histories and scales
   are in the checkpoint; without them the resumed steps would quantise with scale 1).
 * Bad FP8 flags exit with code 2 and one line.
@@ -62,6 +63,19 @@ def test_tp2_sp_fp8_follows_tp1_fp8(tmp_path):
     assert len(tp1) == len(tp2) == 10
     for step, (a, e) in enumerate(zip(tp2, tp1), 1):
         assert abs(a - e) <= 1e-3 * abs(e), f"step {step}: TP2+SP FP8 {a} vs TP1 FP8 {e}"
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("dp2", ["--overlap-grad-reduce"]),
+])
+def test_pp2_and_dp2_fp8_follow_one_process(tmp_path, name, extra):
+    """Pipeline stages update their own layers' scales; data-parallel replicas agree on theirs
+    (amaxes reduced over DP, so both see the whole global batch as one process does)."""
+    ref = pretrain_gpt.main(_argv(str(tmp_path / "one"), 6, FP8)).losses
+    losses = _ranks_losses(2, _argv(str(tmp_path / name), 6, FP8 + extra))
+    for step, (a, e) in enumerate(zip(losses, ref), 1):
+        assert abs(a - e) <= 1e-3 * abs(e), f"step {step}: {name} FP8 {a} vs one process {e}"
 
 
 def test_tp2_sp_fp8_shards_share_the_unsharded_scales(tmp_path):
