@@ -11,6 +11,7 @@ which datasets to read; ``megatron_lite.training.pretrain`` does the rest.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -31,7 +32,7 @@ from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.training.loop import pretrain
+from megatron_lite.training.loop import NonFiniteError, pretrain
 
 
 def build_tokenizer_for(config: Config):
@@ -88,7 +89,12 @@ def checked_token_ids(batches, vocab_size: int, data_path):
     """Pass batches through, refusing token ids the tokenizer cannot have produced (checked on the
     CPU before the batch moves to the device, so it costs no device synchronisation)."""
     for batch in batches:
-        top = int(batch["tokens"].max())
+        top, low = int(batch["tokens"].max()), int(batch["tokens"].min())
+        if low < 0:
+            raise DataConfigError(
+                f"--data-path {' '.join(data_path or [])}: negative token id {low}; the data is corrupt or was "
+                f"written with a signed dtype by another tool"
+            )
         if top >= vocab_size:
             raise DataConfigError(
                 f"--data-path {' '.join(data_path or [])}: token id {top} is outside the tokenizer's vocabulary "
@@ -135,8 +141,13 @@ def main(argv=None):
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank exits 2; the message once, not once per rank
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

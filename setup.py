@@ -9,8 +9,15 @@ setup(
     # CI pins torch==2.13.0 (installed first by .ci/run); the code needs 2.5+ (SDPA with enable_gqa).
     install_requires=["torch>=2.5", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "ruff==0.17.6", "tokenizers"],
+        "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb"],
         "hf": ["tokenizers"],
+        # Compiled GPT-2 BPE for GPT-2's own vocabulary (megatron_lite/data/gpt2_fast.py); the
+        # pure-Python encoder is used without it.
+        "fast": ["tiktoken"],
+        # Parquet corpora as preprocessing input (megatron_lite/data/parquet_input.py).
+        "parquet": ["pyarrow"],
+        # --wandb-project (megatron_lite/training/writers.py); WANDB_MODE=offline needs no network.
+        "wandb": ["wandb"],
         "bench": ["transformers"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).
         # NVIDIA apex is source-only; the PyPI package named "apex" is unrelated: never install it.

@@ -20,15 +20,18 @@ from .models.transformer_config import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
 )
+from .moe.config import MOE_CHOICES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_RECIPES_NOT_BUILT
 
 CHOICES = {
+    **MOE_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
     "optimizer": ["adam", "sgd"],
+    "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
@@ -43,6 +46,19 @@ CHOICES = {
 }
 
 
+METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _help(doc: str, default, kind) -> str:
+    """The field's help text with its default, as ``--help`` shows it (switches show none)."""
+    if kind is bool:
+        return f"{doc} (default: on)" if default else doc
+    if default is None:
+        return doc
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    return f"{doc} (default: {shown})".replace("%", "%%")
+
+
 def _field_docs(cls) -> dict[str, str]:
     """The string literal under each field is its help text."""
     tree = ast.parse(inspect.getsource(cls))
@@ -54,9 +70,18 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser that prints (usage, errors, help) only on rank 0 of a torchrun launch:
+    every rank still exits with code 2 on a bad flag, but the message appears once."""
+
+    def _print_message(self, message, file=None):
+        if int(os.environ.get("RANK", "0")) == 0:
+            super()._print_message(message, file)
+
+
 def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
     """argparse parser with one flag per config field, grouped by section."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = RankZeroParser(description=description, allow_abbrev=False)
     sections = {name: typing.get_type_hints(Config)[name] for name in SECTIONS}
     sections.update(extra_sections or {})
     for section, cls in sections.items():
@@ -69,9 +94,9 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=docs.get(f.name, ""))
-            if kind is bool:
-                group.add_argument(flag, action="store_true", **kwargs)
+            kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
+            if kind is bool:  # on by default: --no-<flag> turns it off
+                group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
             base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             base = base[0]
@@ -81,6 +106,8 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             kwargs["type"] = base
             if f.name in CHOICES:
                 kwargs["choices"] = CHOICES[f.name]
+            else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
+                kwargs["metavar"] = METAVARS.get(base, "VALUE")
             group.add_argument(flag, **kwargs)
     return parser
 
@@ -112,4 +139,25 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         finalize(config, world_size)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    if os.environ.get(CHECK_ARGS_ENV, "0") not in ("", "0"):
+        print(args_summary(config))
+        parser.exit(0)
     return config
+
+
+CHECK_ARGS_ENV = "MEGATRON_LITE_CHECK_ARGS"
+"""Set to 1 to only validate the flags: any training script exits 0 after parsing and validating
+them for WORLD_SIZE processes (no process group, no data, no model), e.g. for a 1024-GPU script:
+``MEGATRON_LITE_CHECK_ARGS=1 WORLD_SIZE=1024 python pretrain_gpt.py <its flags>``."""
+
+
+def args_summary(config: Config) -> str:
+    """One line: the layout and batch the flags give for this world size."""
+    p, t = config.parallel, config.training
+    micro_batches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+    return (
+        f"arguments valid for world size {config.world_size}: TP {p.tensor_model_parallel_size} x "
+        f"PP {p.pipeline_model_parallel_size} x DP {config.data_parallel_size}, global batch "
+        f"{t.global_batch_size} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
+        f"DP {config.data_parallel_size}"
+    )

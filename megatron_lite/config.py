@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ConfigError
+from .logging_config import LoggingConfig
+from .moe.config import MoEConfig
 
 __all__ = ["Config", "ConfigError", "finalize"]
 
@@ -121,6 +123,8 @@ class TrainingConfig:
     """Save and exit after this many minutes of training."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 the loss scaler skips such steps instead)."""
 
 
 @dataclass
@@ -131,7 +135,7 @@ class OptimizerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     """Decay: constant, linear, cosine or WSD."""
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
@@ -243,16 +247,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    log_interval: int = 10
-    """Print a log line every this many steps."""
-    tensorboard_dir: str | None = None
-    """Write TensorBoard scalars here."""
-    log_throughput: bool = False
-    """Include TFLOP/s per device in the log line."""
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -262,6 +256,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     world_size: int = 1
     data_parallel_size: int = 1
 
@@ -273,7 +268,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -290,6 +285,8 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
     except ParallelConfigError as err:
+        _check_parallel(config)  # what cannot work at all first, then what needs another launch
+        _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_model(config)
@@ -314,14 +311,14 @@ def _check_model(config: Config) -> None:
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers
+    for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
+        setattr(config.moe, f.name, getattr(model, f.name))
 
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(p.context_parallel_size == 1, "--context-parallel-size > 1 is not implemented yet; use 1")
-    _require(p.expert_model_parallel_size == 1,
-             "--expert-model-parallel-size > 1 needs mixture-of-experts layers, which are not implemented yet; use 1")
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
@@ -381,6 +378,8 @@ def _check_schedule(config: Config) -> None:
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
+        _require(o.lr_wsd_decay_iters is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of the final decay)")
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")

@@ -92,3 +92,16 @@ def describe_backends() -> str:
         f"world size {world}, attention {'flash-attn' if 'flash_attn' in found else 'torch SDPA'}, "
         f"optional accelerators: {', '.join(found) if found else 'none (pure PyTorch)'}"
     )
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` (bf16/fp16) in hardware (AVX512-BF16/FP16 or AMX); when
+    it does not, 16-bit matmuls are emulated and run several times slower than fp32. Read from the
+    Linux CPU flags; False where they cannot be read."""
+    wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}.get(dtype, ())
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(w in flags for w in wanted)

@@ -92,7 +92,10 @@ def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", 
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(output, dpi=120)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = output + ".tmp.png"  # written whole, then renamed: no half-written image
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, output)
     plt.close(fig)
 
 

@@ -21,7 +21,8 @@ from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="JSONL file (one JSON object per line), optionally .gz")
+    group.add_argument("--input", required=True, help="JSONL file (one JSON object per line), optionally .gz; or a .parquet file or a "
+                            "directory of them (needs pyarrow), --json-keys naming the columns")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
     group.add_argument("--keep-newlines", action="store_true",

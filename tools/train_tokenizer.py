@@ -29,18 +29,27 @@ def read_texts(path: str, json_keys=("text",), jsonl=None):
         jsonl = path.removesuffix(".gz").endswith((".jsonl", ".json"))
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if not jsonl:
-                yield line.rstrip("\n")
-                continue
-            try:
-                obj = json.loads(line)
-                texts = [obj[k] for k in json_keys]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON object with keys {list(json_keys)} ({e})") from None
-            yield from (t for t in texts if isinstance(t, str))
+        try:
+            yield from _texts_of(f, path, json_keys, jsonl)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); "
+                             "convert it to UTF-8") from None
+
+
+def _texts_of(f, path, json_keys, jsonl):
+    """The texts of an open text file, line by line (JSONL fields or whole lines)."""
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            yield line.rstrip("\n")
+            continue
+        try:
+            obj = json.loads(line)
+            texts = [obj[k] for k in json_keys]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: not a JSON object with keys {list(json_keys)} ({e})") from None
+        yield from (t for t in texts if isinstance(t, str))
 
 
 def train_sentencepiece(texts, output_prefix: str, vocab_size: int = 4096, model_type: str = "bpe",

@@ -11,12 +11,15 @@ differ across EP ranks).
 
 Every file is written under a temporary name and renamed into place, so a reader never sees half a
 file. Files are read with ``torch.load(weights_only=True)``: only tensors and plain Python values,
-so a checkpoint cannot run code when it is loaded.
+so a checkpoint cannot run code when it is loaded. Each file stores a CRC-32 of every tensor it
+holds, checked on every load, so damaged bytes are an error naming the file and tensor instead of a
+run that trains on garbage.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 
@@ -29,6 +32,7 @@ ARCH_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
     "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
 )
 
 
@@ -55,12 +59,21 @@ def rng_file(root: str, iteration, rank: int) -> str:
 
 
 def read_tracker(root: str) -> int | str | None:
-    """The iteration in ``<root>/latest_checkpointed_iteration.txt`` (``"release"`` allowed), or None."""
+    """The iteration in ``<root>/latest_checkpointed_iteration.txt`` (``"release"`` allowed), or None
+    when there is no such file. Anything else there (a folder, binary bytes, not a number) is a
+    CheckpointError: it is never mistaken for "no checkpoint"."""
     path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is not a file (a folder or a broken link); remove it or write the "
+                              "iteration number into it")
+    try:
+        with open(path, "rb") as f:
+            text = f.read(256).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable ({type(err).__name__}); write the iteration number into it "
+                              "or delete it") from None
     if text == "release":
         return text
     try:
@@ -69,6 +82,21 @@ def read_tracker(root: str) -> int | str | None:
         raise CheckpointError(
             f"{path} should hold an iteration number but holds {text[:40]!r}; fix or delete it"
         ) from None
+
+
+def iteration_folders(root: str) -> list[str]:
+    """The ``iter_*`` and ``release`` folders under ``root`` holding at least one model file (sorted;
+    empty if ``root`` is not a folder). A folder without one is the leftover of a save killed before
+    any model file was complete, not a checkpoint."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if (name.startswith("iter_") or name == "release") and os.path.isdir(folder) and any(
+                os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder)):
+            out.append(name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,20 +131,68 @@ def atomic_write_text(path: str, text: str) -> None:
         raise
 
 
-def load_file(path: str, what: str = "checkpoint file") -> dict:
-    """``torch.load(weights_only=True)`` to CPU; one-line CheckpointError if missing or corrupt."""
+def load_file(path: str, what: str = "checkpoint file", keys: tuple[str, ...] = ()) -> dict:
+    """``torch.load(weights_only=True)`` to CPU; one-line CheckpointError if missing or corrupt, if it
+    is not a dict holding ``keys``, or if a tensor fails the checksum it was saved with."""
     if not os.path.isfile(path):
         raise CheckpointError(
             f"{what} {path} is missing; the checkpoint is incomplete (was the save interrupted?) "
             "- point --load at a complete checkpoint"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, ... : one clear line
         raise CheckpointError(
             f"{what} {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "it is truncated or corrupt - point --load at another checkpoint"
         ) from None
+    missing = [k for k in keys if k not in obj] if isinstance(obj, dict) else list(keys)
+    if not isinstance(obj, dict) or missing:
+        held = f"a dict without {', '.join(missing)}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
+        raise CheckpointError(f"{what} {path} is not a megatron_lite checkpoint file (it holds {held}); "
+                              "point --load at another checkpoint")
+    verify_checksums(obj, path, what)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums: one CRC-32 per tensor, stored in the file beside the tensors, checked on every load.
+
+CHECKSUMS_KEY = "tensor_checksums"
+
+
+def _tensors(obj, prefix=""):
+    """(path, tensor) of every tensor in nested dicts/lists/tuples, in a deterministic order."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            if key != CHECKSUMS_KEY:
+                yield from _tensors(obj[key], f"{prefix}/{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _tensors(item, f"{prefix}/{i}" if prefix else str(i))
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data))
+
+
+def with_checksums(payload: dict) -> dict:
+    """``payload`` plus ``{path: crc32}`` of each of its tensors (what :func:`load_file` verifies)."""
+    return dict(payload, **{CHECKSUMS_KEY: {path: _crc(t) for path, t in _tensors(payload)}})
+
+
+def verify_checksums(obj: dict, path: str, what: str = "checkpoint file") -> None:
+    """CheckpointError naming the first tensor whose bytes differ from when it was saved."""
+    saved = obj.get(CHECKSUMS_KEY)
+    if saved is None:  # written before checksums existed
+        return
+    for name, tensor in _tensors(obj):
+        if saved.get(name) != _crc(tensor):
+            raise CheckpointError(f"{what} {path}: tensor {name} fails its checksum (the file is damaged); "
+                                  "point --load at another checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,9 +229,19 @@ def find_model_files(path: str) -> dict[tuple, str]:
     return files
 
 
+MODEL_KEYS = ("iteration", "consumed_samples", "config", "tp_size", "pp_size", "model")
+RNG_KEYS = ("python", "numpy", "torch_cpu", "tracker")
+
+
 def read_model_file(path: str) -> dict:
-    """The whole payload of one ``model_optim_rng.pt`` (CPU tensors); CheckpointError if missing/corrupt."""
-    return load_file(path)
+    """The whole payload of one ``model_optim_rng.pt`` (CPU tensors); CheckpointError if missing,
+    corrupt, or not a model file (its ``model`` must be a list of state dicts, one per chunk)."""
+    ckpt = load_file(path, keys=MODEL_KEYS)
+    chunks = ckpt["model"]
+    if not isinstance(chunks, list) or not chunks or not all(isinstance(c, dict) for c in chunks):
+        raise CheckpointError(f"checkpoint file {path} is not a megatron_lite checkpoint file (its 'model' is "
+                              f"a {type(chunks).__name__}, not a list of state dicts); point --load at another checkpoint")
+    return ckpt
 
 
 def checkpoint_config(path: str) -> dict:
@@ -169,7 +255,7 @@ def checkpoint_config(path: str) -> dict:
     else:
         files = find_model_files(path)
         file = files[min(files)]
-    ckpt = load_file(file)
+    ckpt = read_model_file(file)
     out = dict(ckpt["config"])
     for key in ("iteration", "tp_size", "pp_size", "vpp_size"):
         out.setdefault(key, ckpt.get(key))

@@ -1,13 +1,18 @@
-"""Load a training checkpoint of any TP x PP layout into one single-process GPTModel.
+"""Load a training checkpoint of any TP x PP (x EP) layout into one single-process GPTModel.
 
-A checkpoint holds one ``mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` per tensor- and
-pipeline-parallel rank (see :mod:`megatron_lite.checkpoint.format`). Each file lists, per model
-chunk, the state dict, ``param_meta`` (partition dim and stride of every tensor-parallel parameter)
-and the chunk's global ``layer_ranges``. Merging is two steps:
+A checkpoint holds one ``mp_rank_{tp:02d}_{pp:03d}[_{ep:03d}]/model_optim_rng.pt`` per tensor-,
+pipeline- (and expert-) parallel rank (see :mod:`megatron_lite.checkpoint.format`). Each file lists,
+per model chunk, the state dict, ``param_meta`` (partition dim and stride of every tensor-parallel
+parameter) and the chunk's global ``layer_ranges``. Merging is three steps:
 
-1. per pipeline rank and chunk, glue the TP shards of each tensor-parallel parameter back together
-   with :func:`~megatron_lite.parallel.tensor.unshard` (replicated tensors are taken from TP rank 0);
-2. renumber each chunk's local ``decoder.layers.{i}`` to the global layer ``start + i`` and take the
+1. per pipeline rank, expert rank and chunk, glue the TP shards of each tensor-parallel parameter
+   back together with :func:`~megatron_lite.parallel.tensor.unshard` (replicated tensors are taken
+   from TP rank 0);
+2. with expert parallelism, give the experts of EP rank e their global numbers: local expert j is
+   expert ``e * E_local + j`` (``mlp.experts.local_experts.{j}``), and the stacked grouped-GEMM
+   weights (``mlp.experts.weight1`` ...) are concatenated over the EP ranks; everything else (dense
+   layers, router, shared experts) is taken from EP rank 0;
+3. renumber each chunk's local ``decoder.layers.{i}`` to the global layer ``start + i`` and take the
    embedding from the first chunk and the final norm / output layer from the last. A tied model's
    last-stage copy of the embedding (``output_layer.weight``) is dropped: the embedding is the weight.
 
@@ -24,12 +29,14 @@ import torch
 
 from ..config import ModelConfig
 from ..models import GPTModel, TransformerConfig
+from ..moe.config import MoEConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from ..precision.fp8 import is_fp8_state_key
 from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def model_config_from_saved(saved: dict) -> ModelConfig:
@@ -45,37 +52,66 @@ def _strip(sd: dict) -> dict:
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
 
 
+def _merge_tp(shards: list[dict], c: int) -> dict:
+    """Chunk ``c`` of one (pipeline, expert) rank with its TP shards glued together."""
+    sds = [_strip(s["model"][c]) for s in shards]
+    meta = _strip(shards[0]["param_meta"][c])
+    chunk = {}
+    for name, tensor in sds[0].items():
+        if name in meta:
+            parts = [sd[name] for sd in sds]
+            chunk[name] = unshard(parts, meta[name]["partition_dim"], meta[name]["partition_stride"])
+        else:
+            chunk[name] = tensor
+    return chunk
+
+
+def _merge_ep(chunks: list[dict]) -> dict:
+    """One chunk from its EP ranks' chunks: experts renumbered / concatenated, the rest from rank 0."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = {}
+    for name, tensor in chunks[0].items():
+        m = _LOCAL_EXPERT.match(name)
+        if m:
+            local = {int(_LOCAL_EXPERT.match(n).group(2)) for n in chunks[0] if n.startswith(m.group(1))}
+            for e, chunk in enumerate(chunks):
+                merged[f"{m.group(1)}{e * len(local) + int(m.group(2))}{m.group(3)}"] = chunk[name]
+        elif ".mlp.experts." in name:  # grouped GEMM: [local experts, ...] stacked
+            merged[name] = torch.cat([chunk[name] for chunk in chunks])
+        else:
+            merged[name] = tensor
+    return merged
+
+
+def _load_payloads(path: str) -> tuple[dict, int, int, int]:
+    """{(tp, pp, ep): payload} of a checkpoint, checked complete, and its tp, pp, ep sizes."""
+    files = find_model_files(path)
+    payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
+    first = payloads[min(payloads)]
+    tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
+    want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    if set(payloads) != want:
+        missing = sorted(key[: 3 if ep > 1 else 2] for key in want - set(payloads))
+        layout, ranks = (f"tp {tp} x pp {pp} x ep {ep}", "(tp, pp, ep)") if ep > 1 else (f"tp {tp} x pp {pp}", "(tp, pp)")
+        raise CheckpointError(f"{path}: saved with {layout} but mp_rank files for {ranks} {missing} are missing; "
+                              "the checkpoint is incomplete")
+    return payloads, tp, pp, ep
+
+
 def merge_checkpoint(path: str) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder."""
-    files = find_model_files(path)
-    if any(len(key) != 2 for key in files):
-        raise CheckpointError(f"{path} is an expert-parallel (MoE) checkpoint; merging those is not supported here")
-    payloads = {key: read_model_file(file) for key, file in files.items()}
-    first = payloads[min(payloads)]
-    tp, pp = first["tp_size"], first["pp_size"]
-    want = {(t, p) for t in range(tp) for p in range(pp)}
-    if set(payloads) != want:
-        missing = sorted(want - set(payloads))
-        raise CheckpointError(f"{path}: saved with tp {tp} x pp {pp} but mp_rank files for (tp, pp) {missing} "
-                              "are missing; the checkpoint is incomplete")
-    saved_config = dict(first["config"])
+    payloads, tp, pp, ep = _load_payloads(path)
+    saved_config = dict(payloads[min(payloads)]["config"])
     tied = not saved_config.get("untie_embeddings_and_output_weights", False)
 
     merged: dict = {}
     chunks = []  # (layer_start, merged chunk state dict), in global layer order
     for p in range(pp):
-        shards = [payloads[(t, p)] for t in range(tp)]
-        for c, (start, _end) in enumerate(shards[0]["layer_ranges"]):
-            sds = [_strip(s["model"][c]) for s in shards]
-            meta = _strip(shards[0]["param_meta"][c])
-            chunk = {}
-            for name, tensor in sds[0].items():
-                if name in meta:
-                    parts = [sd[name] for sd in sds]
-                    chunk[name] = unshard(parts, meta[name]["partition_dim"], meta[name]["partition_stride"])
-                else:
-                    chunk[name] = tensor
-            chunks.append((start, chunk))
+        ranges = payloads[(0, p, 0)]["layer_ranges"]
+        for c, (start, _end) in enumerate(ranges):
+            per_ep = [_merge_tp([payloads[(t, p, e)] for t in range(tp)], c) for e in range(ep)]
+            chunks.append((start, _merge_ep(per_ep)))
     chunks.sort(key=lambda item: item[0])
     for start, chunk in chunks:
         for name, tensor in chunk.items():
@@ -94,8 +130,11 @@ def load_gpt_checkpoint(path: str, params_dtype=torch.float32) -> tuple[GPTModel
     # FP8 bookkeeping (amax histories, scales) of an FP8-trained run: the model built here has none
     state_dict = {k: v for k, v in state_dict.items() if not is_fp8_state_key(k)}
     cfg = model_config_from_saved(saved)
+    moe = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
+    moe["expert_tensor_parallel_size"] = None  # one process: whole experts
     try:
-        model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype), ParallelState(world_size=1, rank=0))
+        model = GPTModel(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe),
+                         ParallelState(world_size=1, rank=0))
     except ValueError as err:
         raise CheckpointError(f"{path}: the saved model config is not usable ({err})") from None
     ours = model.state_dict()

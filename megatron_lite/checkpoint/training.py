@@ -25,21 +25,25 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
-from ..training.logging import print_rank_0
+from ..training.logging import is_logging_rank, print_rank_0
 from .format import (
     ARCH_FIELDS,
     FORMAT_VERSION,
+    RNG_KEYS,
     TRACKER_FILENAME,
     CheckpointError,
     atomic_save,
     atomic_write_text,
     find_model_files,
     iteration_dir,
+    iteration_folders,
     load_file,
     model_file,
     param_meta,
+    read_model_file,
     read_tracker,
     rng_file,
+    with_checksums,
 )
 
 
@@ -54,6 +58,27 @@ def _barrier() -> None:
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def on_every_rank(step):
+    """Run ``step()`` (local work, no collectives inside) on every rank; if it raises CheckpointError on
+    any rank, raise the same error (the lowest failing rank's message) on every rank.
+
+    So a checkpoint one rank refuses stops every rank cleanly with one message, instead of the other
+    ranks dying in their next collective.
+    """
+    error, result = None, None
+    try:
+        result = step()
+    except CheckpointError as err:
+        error = str(err)
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +127,19 @@ def _layer_range(module):
     return None if start is None else (int(start), None if end is None else int(end))
 
 
+def _writing(write, root, iteration):
+    """``write`` with an OSError (disk full, no permission, a folder in the way) as one CheckpointError."""
+    def step():
+        try:
+            write()
+        except OSError as err:
+            raise CheckpointError(
+                f"could not save checkpoint iteration {iteration} to --save {root}: {err.strerror or err} "
+                f"({err.filename}); the previous checkpoint stays the latest"
+            ) from None
+    return step
+
+
 def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state) -> str:
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
@@ -112,40 +150,45 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     if root is None:
         raise CheckpointError("save_checkpoint needs --save (a folder to write checkpoints to)")
     rank = _global_rank()
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {root}")
-
-    atomic_save(get_rng_states(state.rng_tracker), rng_file(root, iteration, rank))
-
-    path = _model_file_for(root, iteration, state)
+    # printed by the rank that prints the iteration lines, so it comes after this iteration's line
+    say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
+    say(f"saving checkpoint at iteration {iteration:7d} to {root}", flush=True)
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
-    if state.expert_dp_rank == 0 and state.cp_rank == 0:
-        modules = [_inner(c) for c in chunks]
-        payload = {
-            "iteration": int(iteration),
-            "consumed_samples": int(consumed_samples),
-            "config": config.flat(),
-            "tp_size": state.tp_size,
-            "pp_size": state.pp_size,
-            "ep_size": state.ep_size,
-            "dp_size": state.dp_size,
-            "vpp_size": state.vpp_size,
-            "num_chunks": len(modules),
-            "world_size": state.world_size,
-            "model": [m.state_dict() for m in modules],
-            "param_meta": [param_meta(m) for m in modules],
-            "layer_ranges": [_layer_range(m) for m in modules],
-            "optimizer": optim_state,
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "format_version": FORMAT_VERSION,
-        }
-        atomic_save(payload, path)
 
-    _barrier()  # every rank's files are complete before anything points at them
-    if rank == 0:
-        atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
-    _barrier()
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}")
+    def write_files():
+        atomic_save(with_checksums(get_rng_states(state.rng_tracker)), rng_file(root, iteration, rank))
+        if state.expert_dp_rank == 0 and state.cp_rank == 0:
+            modules = [_inner(c) for c in chunks]
+            payload = {
+                "iteration": int(iteration),
+                "consumed_samples": int(consumed_samples),
+                "config": config.flat(),
+                "tp_size": state.tp_size,
+                "pp_size": state.pp_size,
+                "ep_size": state.ep_size,
+                "dp_size": state.dp_size,
+                "vpp_size": state.vpp_size,
+                "num_chunks": len(modules),
+                "world_size": state.world_size,
+                "model": [m.state_dict() for m in modules],
+                "param_meta": [param_meta(m) for m in modules],
+                "layer_ranges": [_layer_range(m) for m in modules],
+                "optimizer": optim_state,
+                "scheduler": None if scheduler is None else scheduler.state_dict(),
+                "format_version": FORMAT_VERSION,
+            }
+            atomic_save(with_checksums(payload), _model_file_for(root, iteration, state))
+
+    def update_tracker():
+        if rank == 0:
+            atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+
+    # every rank's files are complete before anything points at them; a failed write (disk full,
+    # permissions) stops every rank with one line and leaves the previous checkpoint the latest
+    on_every_rank(_writing(write_files, root, iteration))
+    on_every_rank(_writing(update_tracker, root, iteration))
+    say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
 
 
@@ -222,33 +265,55 @@ def _explain_missing(path: str, folder: str, state) -> None:
     try:
         others = find_model_files(folder)
     except CheckpointError:
-        return  # nothing there at all: _load_file reports the missing file
+        return  # nothing there at all: load_file reports the missing file
     other = others[min(others)]
-    _check_sizes(other, load_file(other), state)
+    _check_sizes(other, read_model_file(other), state)
 
 
-def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
-    """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
+def _no_tracker(root: str) -> None:
+    """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
+    --load and --save the same folder), refused when it does - never silently restart over them."""
+    folders = iteration_folders(root)
+    if folders:
+        raise CheckpointError(
+            f"--load {root} holds {len(folders)} checkpoint folder(s) (newest {folders[-1]}) but no "
+            f"{TRACKER_FILENAME}; write the iteration to load into it (or delete the folders), or point --load "
+            "at an empty folder"
+        )
+    reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
+    print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
-    Without ``--load``, or when it holds no ``latest_checkpointed_iteration.txt``, nothing is loaded
-    and (0, 0) is returned. ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler;
-    ``--no-load-rng`` the RNG states; ``--finetune`` loads only the weights and returns (0, 0).
-    Raises :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit.
-    """
+
+def _restore_rng(root, iteration, ckpt, state) -> None:
+    rank = _global_rank()
+    rng_path = rng_file(root, iteration, rank)
+    if not os.path.isfile(rng_path):
+        raise CheckpointError(
+            f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
+            f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
+        )
+    try:
+        set_rng_states(load_file(rng_path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"RNG state file {rng_path} holds states of the wrong kind ({type(err).__name__}); "
+                              "pass --no-load-rng or point --load at another checkpoint") from None
+
+
+def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
+    """This rank's part of :func:`load_checkpoint`: reads, checks and restores, no collectives."""
     ck = config.checkpoint
     root = ck.load
-    if root is None:
-        return 0, 0
     iteration = read_tracker(root)
     if iteration is None:
-        reason = "the folder does not exist" if not os.path.isdir(root) else f"it has no {TRACKER_FILENAME}"
-        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
+        _no_tracker(root)
         return 0, 0
     path = _model_file_for(root, iteration, state)
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
-    ckpt = load_file(path)
+    ckpt = read_model_file(path)
     modules = [_inner(c) for c in chunks]
     _check_compatible(path, ckpt, modules, config, state)
     for module, saved in zip(modules, ckpt["model"]):
@@ -268,18 +333,24 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
         optimizer.reload_model_params()
     if not finetune and not ck.no_load_rng:
-        rank = _global_rank()
-        rng_path = rng_file(root, iteration, rank)
-        if not os.path.isfile(rng_path):
-            raise CheckpointError(
-                f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
-                f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
-            )
-        set_rng_states(load_file(rng_path, "RNG state file"), state.rng_tracker)
-
-    _barrier()
+        _restore_rng(root, iteration, ckpt, state)
     if finetune:
         print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
         return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
+    """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
+
+    Without ``--load``, or when it names an absent or empty folder, nothing is loaded and (0, 0) is
+    returned; a folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
+    ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
+    the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
+    :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
+    rank alike when any rank finds a problem.
+    """
+    if config.checkpoint.load is None:
+        return 0, 0
+    return on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))

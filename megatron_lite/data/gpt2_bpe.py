@@ -67,6 +67,13 @@ def symbols_to_bytes(symbols: str) -> bytes:
     return symbols.translate(_FROM_SYMBOLS).encode("latin-1")
 
 
+def utf8_encodable(text: str) -> str:
+    """The text with surrogate code points made encodable: a high+low pair written as two code points
+    becomes its character, a lone surrogate (e.g. from a JSON ``"\\ud800"`` escape) becomes U+FFFD.
+    Both GPT-2 encoders apply this (tiktoken does the same internally) instead of failing on them."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def apply_merges(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     """Merge the lowest-ranked adjacent pair (every occurrence, left to right) until none is ranked."""
     while len(symbols) > 1:

@@ -12,8 +12,9 @@ owns sequences ``document_indices[d] : document_indices[d + 1]``; they start wit
 finished dataset) end with S.
 
 ``IndexedDataset`` reads a pair without loading it (np.memmap), after checking every header field
-and every pointer against the file sizes, so a truncated or foreign file is one clear
-``DataFileError`` instead of garbage tokens later.  ``IndexedDatasetBuilder`` writes a pair under
+and that the fields agree (each pointer is the previous one plus that sequence's length times the
+token size, the last sequence ends exactly at the end of the .bin), so a truncated, foreign or
+byte-flipped file is one clear ``DataFileError`` instead of misaligned tokens later.  ``IndexedDatasetBuilder`` writes a pair under
 temporary names and renames both into place only in ``finalize()``: an interrupted write never
 leaves a half-written dataset behind.
 """
@@ -146,21 +147,47 @@ class IndexedDataset:
                                 f"{num_seq} sequences; the index is corrupt")
 
     def _check_pointers(self, bin_path: str, bin_size: int) -> None:
+        """The index's fields must agree with each other and with the .bin, checked vectorised at open:
+        sequences are packed back to back from byte 0 (each pointer is the previous one plus that
+        sequence's length times the token size: one cumulative sum), they fit in the .bin, the .bin
+        size fits the dtype code, and not every sequence is empty. A byte flip in any field of the
+        index fails one of these, instead of training on misaligned tokens."""
+        idx_path = index_file_path(self.path_prefix)
         lengths = self.sequence_lengths
         if len(lengths) == 0:
             return
         pointers = self.sequence_pointers
-        ends = pointers + lengths.astype(np.int64) * self.dtype.itemsize
         if lengths.min() < 0 or pointers.min() < 0:
-            raise DataFileError(f"{index_file_path(self.path_prefix)}: negative sequence length or "
-                                f"pointer; the index is corrupt")
-        if ends.max() > bin_size:
+            raise DataFileError(f"{idx_path}: negative sequence length or pointer; the index is corrupt")
+        sizes = lengths.astype(np.int64) * self.dtype.itemsize
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        wrong = np.flatnonzero(pointers != starts)
+        if wrong.size:
+            lengths64 = lengths.astype(np.int64)
+            for size in sorted({np.dtype(t).itemsize for t in DTYPE_CODES.values()} - {self.dtype.itemsize}):
+                if np.array_equal(np.cumsum(lengths64 * size) - lengths64 * size, pointers):
+                    raise DataFileError(f"{idx_path}: dtype code says {self.dtype.name} ({self.dtype.itemsize} "
+                                        f"bytes per token), but the pointers step by {size} bytes per token; "
+                                        f"the index is corrupt")
+            bad = int(wrong[0])
+            raise DataFileError(f"{idx_path}: sequence {bad} starts at byte {int(pointers[bad])}, but the sequence "
+                                f"lengths put it at byte {int(starts[bad])}; the index is corrupt")
+        end = int(ends[-1])
+        if end == 0:
+            raise DataFileError(f"{idx_path}: all {len(lengths)} sequences have length 0; the index is corrupt")
+        if bin_size < end:
             bad = int(np.argmax(ends > bin_size))
             raise DataFileError(f"{bin_path}: {bin_size} bytes, but sequence {bad} of the index ends at "
                                 f"byte {int(ends[bad])}; the .bin is truncated or belongs to another .idx")
-        if np.any(pointers % self.dtype.itemsize):
-            raise DataFileError(f"{index_file_path(self.path_prefix)}: pointer not aligned to the "
-                                f"{self.dtype.itemsize}-byte token size; the index is corrupt")
+        if bin_size > end:
+            tokens = end // self.dtype.itemsize
+            if any(tokens * np.dtype(t).itemsize == bin_size for t in DTYPE_CODES.values()):
+                raise DataFileError(f"{idx_path}: dtype code says {self.dtype.name}, but the .bin size "
+                                    f"{bin_size} fits {tokens} tokens of {bin_size // tokens} bytes; the index "
+                                    f"is corrupt")
+            raise DataFileError(f"{bin_path}: {bin_size} bytes, but the index describes {end}; the .bin "
+                                f"belongs to another .idx or the index's lengths are damaged")
 
     # -- access ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -265,8 +292,7 @@ class IndexedDatasetBuilder:
         offset = len(self.sequence_lengths)
         self.sequence_lengths.extend(other.sequence_lengths.astype(np.int64).tolist())
         self.document_indices.extend((other.document_indices[1:] + offset).tolist())
-        # copy exactly the bytes the index describes (a .bin may carry trailing bytes the reader ignores)
-        start = int(other.sequence_pointers[0]) if len(other) else 0
+        start = 0  # an open dataset's sequences are packed from byte 0 to the end of its .bin
         remaining = int(other.sequence_lengths.astype(np.int64).sum()) * np.dtype(other.dtype).itemsize
         del other  # drop the memory maps before streaming the file
         with open(data_file_path(other_prefix), "rb") as src:

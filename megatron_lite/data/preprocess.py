@@ -35,11 +35,13 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.parquet_input import count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
 from megatron_lite.data.tokenizers import build_tokenizer
 
@@ -112,6 +114,8 @@ def _parse(line: bytes, keys) -> list[str]:
         obj = json.loads(line)
     except ValueError as e:
         raise ValueError(f"invalid JSON ({e})") from None
+    except RecursionError:  # e.g. 50,000 nested brackets: a malformed line, not a crash
+        raise ValueError("invalid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     texts = []
@@ -183,20 +187,36 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb", buffering=1 << 20)
 
 
-def count_lines(path: str) -> int:
+@contextlib.contextmanager
+def _input_errors(path: str):
+    """A damaged .gz (bad deflate data, CRC mismatch, cut short) as one DataFileError naming the file."""
+    try:
+        yield
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        what = "truncated" if isinstance(e, EOFError) else "corrupt"
+        raise DataFileError(f"{path}: compressed input is {what} ({e}); re-create or re-download it") from None
+
+
+def count_lines(path: str, keys=("text",)) -> int:
+    if is_parquet_input(path):
+        return count_rows(path, keys)
     n, last = 0, b"\n"
-    with _open(path) as f:
+    with _input_errors(path), _open(path) as f:
         while block := f.read(1 << 24):
             n += block.count(b"\n")
             last = block[-1:]
     return n + (last != b"\n")
 
 
-def read_chunks(path: str, start: int = 0, stop: int | None = None, step: int = 1):
+def read_chunks(path: str, start: int = 0, stop: int | None = None, step: int = 1, keys=("text",)):
     """Yield chunks ``(first line number, step, [lines])`` of the lines whose 0-based index is in
-    ``range(start, stop, step)``; line numbers are 1-based, as in error messages."""
+    ``range(start, stop, step)``; line numbers are 1-based, as in error messages. Parquet input
+    (a file or a directory of them) is read row by row as the equivalent JSON lines."""
+    if is_parquet_input(path):
+        yield from read_parquet_chunks(path, keys, start, stop, step)
+        return
     lines, first, size = [], None, 0
-    with _open(path) as f:
+    with _input_errors(path), _open(path) as f:
         for i, line in enumerate(f):
             if stop is not None and i >= stop:
                 break
@@ -306,7 +326,8 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     """Run the whole conversion; see the module docstring.  Raises DataFileError for bad input."""
     if cfg.workers < 1 or cfg.partitions < 1:
         raise ValueError("--workers and --partitions must be at least 1")
-    if not os.path.isfile(cfg.input):
+    parquet = is_parquet_input(cfg.input)
+    if not (parquet or os.path.isfile(cfg.input)):
         raise DataFileError(f"{cfg.input}: input file not found (--input)")
     init_worker(cfg)  # in this process too: validates the tokenizer files before any work
     if cfg.append_eod and _worker["tokenizer"].eod is None:
@@ -315,7 +336,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     prefixes = output_prefixes(cfg)
     result = PreprocessResult(outputs=prefixes)
     start = time.time()
-    total = None if cfg.input.endswith(".gz") else os.path.getsize(cfg.input)
+    total = None if parquet or cfg.input.endswith(".gz") else os.path.getsize(cfg.input)
     progress = _Progress(cfg, total)
     pool = None
     try:
@@ -324,7 +345,8 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                                                       initargs=(cfg,))
         in_flight = 4 * cfg.workers
         if cfg.partitions == 1:
-            _run_pass(cfg, pool, read_chunks(cfg.input), prefixes, dtype, result, progress, in_flight)
+            _run_pass(cfg, pool, read_chunks(cfg.input, keys=cfg.json_keys), prefixes, dtype, result, progress,
+                      in_flight)
         else:
             out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
             os.makedirs(out_dir, exist_ok=True)
@@ -333,7 +355,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                 part_prefixes = []
                 for p, line_range in enumerate(partition_ranges(cfg)):
                     names = [os.path.join(tmp_dir, f"part{p}_{os.path.basename(x)}") for x in prefixes]
-                    _run_pass(cfg, pool, read_chunks(cfg.input, *line_range), names, dtype, result,
+                    _run_pass(cfg, pool, read_chunks(cfg.input, *line_range, keys=cfg.json_keys), names, dtype, result,
                               progress, in_flight)
                     part_prefixes.append(names)
                 with contextlib.ExitStack() as stack:
@@ -359,5 +381,5 @@ def partition_ranges(cfg: PreprocessConfig) -> list[tuple]:
     n_parts = cfg.partitions
     if not cfg.keep_sequential_samples:
         return [(p, None, n_parts) for p in range(n_parts)]
-    per = -(-count_lines(cfg.input) // n_parts)
+    per = -(-count_lines(cfg.input, cfg.json_keys) // n_parts)
     return [(p * per, (p + 1) * per, 1) for p in range(n_parts)]

@@ -128,8 +128,12 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
                                            data_parallel_rank, data_parallel_size, seed=seed)
     else:
         raise ValueError(f"--dataloader-type {dataloader_type!r} is not one of 'single', 'cyclic'")
+    # Its own generator: creating an iterator draws a worker base seed, and from the default CPU
+    # generator that draw would shift the dropout stream, so a resumed run would not repeat the masks.
+    generator = torch.Generator().manual_seed(seed + consumed_samples)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       collate_fn=collate, worker_init_fn=_one_thread if num_workers else None)
+                                       collate_fn=collate, worker_init_fn=_one_thread if num_workers else None,
+                                       generator=generator)
 
 
 def cyclic_batches(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,

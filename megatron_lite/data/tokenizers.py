@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 from megatron_lite.data.indexed_dataset import DataFileError
+from megatron_lite.errors import ConfigError
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -49,8 +50,8 @@ class Tokenizer:
 
 
 def _need(value, flag: str, tokenizer_type: str):
-    if value is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if value is None:  # a user error (exit 2 in the scripts), not a crash
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if flag != "--vocab-size" and not os.path.exists(value):
         raise DataFileError(f"{value}: file not found (given as {flag} for {tokenizer_type})")
     return value
@@ -59,6 +60,7 @@ def _need(value, flag: str, tokenizer_type: str):
 class GPT2BPETokenizer(Tokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
         from megatron_lite.data.gpt2_bpe import END_OF_TEXT, GPT2BPE
+        from megatron_lite.data.gpt2_fast import tiktoken_encoder
 
         self.bpe = GPT2BPE.from_files(vocab_file, merge_file)
         if END_OF_TEXT not in self.bpe.encoder:
@@ -66,9 +68,17 @@ class GPT2BPETokenizer(Tokenizer):
         self.vocab, self.inv_vocab = self.bpe.encoder, self.bpe.decoder
         self.vocab_size = len(self.vocab)
         self.eod = self.vocab[END_OF_TEXT]
+        # tiktoken for GPT-2's own vocabulary when installed (same ids, compiled); else the reference
+        self.backend = "tiktoken" if (fast := tiktoken_encoder(self.bpe)) else "python"
+        self._encode = fast or self.bpe.encode
 
     def tokenize(self, text: str) -> list[int]:
-        return self.bpe.encode(text)
+        try:
+            return self._encode(text)
+        except UnicodeEncodeError:  # surrogate code points: UTF-8 cannot encode them as they are
+            from megatron_lite.data.gpt2_bpe import utf8_encodable
+
+            return self._encode(utf8_encodable(text))
 
     def detokenize(self, ids) -> str:
         return self.bpe.decode(ids)
@@ -252,7 +262,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
         return BertWordPieceTokenizer(_need(vocab_file, "--vocab-file", t), t == "BertWordPieceLowerCase")
     if t == "NullTokenizer":
         return NullTokenizer(_need(vocab_size, "--vocab-size", t))
-    raise ValueError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    raise ConfigError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def add_tokenizer_args(parser) -> None:

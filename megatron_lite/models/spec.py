@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..moe.config import moe_layer_pattern
+from ..moe.layer import MoELayer
 from .attention import DotProductAttention, SelfAttention
 from .common import Norm
 from .mlp import MLP
@@ -46,5 +48,10 @@ def resolve_spec(spec, layer_number: int) -> LayerSpec:
 
 
 def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
-    """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP."""
-    return LayerSpec()
+    """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP, or
+    the MoE layer in the layers ``--moe-layer-freq`` selects when the model has experts."""
+    if not config.num_experts:
+        return LayerSpec()
+    pattern = moe_layer_pattern(config)
+    dense, moe = LayerSpec(), LayerSpec(mlp=MoELayer)
+    return lambda layer_number: moe if pattern[layer_number - 1] else dense

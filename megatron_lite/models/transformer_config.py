@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from .common import param_generator
@@ -36,7 +37,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from MoEConfig
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -67,6 +68,7 @@ class TransformerConfig:
     recompute_granularity: str | None = None  # None, full (whole layers) or selective (core attention)
     recompute_method: str | None = None  # with full: uniform or block
     recompute_num_layers: int | None = None  # with full: layers per group (uniform) / per chunk (block); default 1
+    expert_model_parallel_size: int = 1  # experts are split over this many data-parallel ranks
     # FP8 (fp8 = None: every GEMM in params_dtype) ----------------------------------------------
     fp8: str | None = None  # format: e4m3, or hybrid (E4M3 forward, E5M2 gradients)
     fp8_recipe: str = "delayed"  # delayed or tensorwise scaling
@@ -84,6 +86,7 @@ class TransformerConfig:
         self._check_parallel()
         self._check_recompute()
         self._check_fp8()
+        check_moe_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:
@@ -234,7 +237,9 @@ class TransformerConfig:
             config.model, tensor_model_parallel_size=p.tensor_model_parallel_size,
             sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-            recompute_num_layers=t.recompute_num_layers, **_fp8_fields(config.precision),
+            recompute_num_layers=t.recompute_num_layers,
+            expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
+            **_fp8_fields(config.precision),
         )
 
 

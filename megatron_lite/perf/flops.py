@@ -22,7 +22,11 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
   output projection 2·B·s·a·d·h. The causal mask is not discounted (as in the paper and Megatron);
 * MLP with hidden ``f`` (``ffn_hidden_size``): up 2·B·s·h·f (twice that for SwiGLU's gate and up
   halves) + down 2·B·s·f·h;
-* V is the padded vocabulary when known (the size actually multiplied), else ``vocab_size``.
+* V is the padded vocabulary when known (the size actually multiplied), else ``vocab_size``;
+* mixture of experts (``moe_config`` with ``num_experts``): in the layers ``moe_layer_freq`` selects
+  the MLP is replaced by the router 2·B·s·h·E, the ``moe_router_topk`` experts each token visits
+  (the MLP formula with ``moe_ffn_hidden_size``, k times) and the shared experts (the MLP formula
+  with ``moe_shared_expert_intermediate_size``): only the *active* parameters count.
 
 MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
 """
@@ -33,14 +37,32 @@ import time
 
 import torch
 
+from ..moe.config import parse_moe_layer_freq
+
 
 def _get(config, name, default=None):
     value = getattr(config, name, None)
     return default if value is None else value
 
 
-def forward_flops_per_layer(model_config, batch_size: int) -> float:
-    """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences."""
+def mlp_flops(tokens: int, hidden: int, ffn: int, swiglu: bool) -> float:
+    """Forward FLOPs of one MLP: up (twice for SwiGLU's gate and up halves) and down projections."""
+    return float(2 * tokens * hidden * ffn * (2 if swiglu else 1) + 2 * tokens * ffn * hidden)
+
+
+def moe_mlp_flops(model_config, moe_config, batch_size: int) -> float:
+    """Forward FLOPs of an MoE layer's MLP part: router, the top-k routed experts, shared experts."""
+    h, tokens = model_config.hidden_size, batch_size * model_config.seq_length
+    swiglu = _get(model_config, "swiglu", False)
+    ffn = _get(moe_config, "moe_ffn_hidden_size", _get(model_config, "ffn_hidden_size", 4 * h))
+    flops = 2 * tokens * h * moe_config.num_experts + moe_config.moe_router_topk * mlp_flops(tokens, h, ffn, swiglu)
+    shared = _get(moe_config, "moe_shared_expert_intermediate_size")
+    return flops + (mlp_flops(tokens, h, shared, swiglu) if shared else 0.0)
+
+
+def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> float:
+    """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences (an MoE layer when
+    ``moe_config`` is given)."""
     h = model_config.hidden_size
     s = model_config.seq_length
     heads = model_config.num_attention_heads
@@ -53,10 +75,10 @@ def forward_flops_per_layer(model_config, batch_size: int) -> float:
         + 2 * 2 * tokens * s * heads * d  # Q·Kᵀ and probabilities·V
         + 2 * tokens * heads * d * h  # output projection
     )
+    if moe_config is not None:
+        return float(attention) + moe_mlp_flops(model_config, moe_config, batch_size)
     ffn = _get(model_config, "ffn_hidden_size", 4 * h)
-    up = 2 if _get(model_config, "swiglu", False) else 1
-    mlp = 2 * tokens * h * ffn * up + 2 * tokens * ffn * h
-    return float(attention + mlp)
+    return float(attention) + mlp_flops(tokens, h, ffn, _get(model_config, "swiglu", False))
 
 
 def logits_flops(model_config, batch_size: int) -> float:
@@ -67,15 +89,21 @@ def logits_flops(model_config, batch_size: int) -> float:
     return float(2 * batch_size * model_config.seq_length * model_config.hidden_size * vocab)
 
 
-def num_floating_point_operations(model_config, batch_size: int, recompute_full: bool = False) -> float:
+def num_floating_point_operations(model_config, batch_size: int, recompute_full: bool = False,
+                                  moe_config=None) -> float:
     """Training FLOPs (forward + backward) of one iteration over ``batch_size`` sequences.
 
     ``batch_size`` is the global batch (all micro-batches and data-parallel ranks); divide by the
     number of devices for a per-device figure. ``recompute_full`` adds the recomputed forward of
-    every layer (hardware FLOPs of ``--recompute-granularity full``).
+    every layer (hardware FLOPs of ``--recompute-granularity full``). ``moe_config`` (the MoE flags)
+    makes the layers ``moe_layer_freq`` selects MoE layers.
     """
     layer_passes = 4 if recompute_full else 3
     layers = model_config.num_layers * forward_flops_per_layer(model_config, batch_size)
+    if moe_config is not None and _get(moe_config, "num_experts"):
+        pattern = parse_moe_layer_freq(moe_config.moe_layer_freq, model_config.num_layers)
+        layers = sum(forward_flops_per_layer(model_config, batch_size, moe_config if is_moe else None)
+                     for is_moe in pattern)
     return layer_passes * layers + 3 * logits_flops(model_config, batch_size)
 
 

@@ -19,7 +19,8 @@ TensorBoard (``--tensorboard-dir``, logging rank only) gets Megatron's scalar na
 ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``, ``params-norm``, ``num-zeros`` every
 iteration; ``iteration-time``, ``throughput``, ``tokens-per-second-per-device`` and the memory figure
 (``mem-max-allocated-bytes`` on GPU, ``mem-max-rss-bytes`` on CPU) every log interval;
-``lm loss validation`` and ``lm loss validation ppl`` at each evaluation.
+``lm loss validation`` and ``lm loss validation ppl`` at each evaluation. With ``--wandb-project``
+the same scalars also go to Weights & Biases (see :mod:`megatron_lite.training.writers`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from .timers import format_timers
+from .writers import build_writer, check_wandb_available
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -87,10 +90,9 @@ class TrainLogger:
         self.consumed_samples = int(start_consumed_samples)
         self.enabled = is_logging_rank(state)
         self.writer = writer
-        if self.writer is None and self.enabled and config.logging.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        check_wandb_available(config)
+        if self.writer is None and self.enabled:  # TensorBoard and/or W&B, the same scalars to each
+            self.writer = build_writer(config)
         self._reset_interval()
 
     def _reset_interval(self) -> None:
@@ -106,8 +108,9 @@ class TrainLogger:
     def log_iteration(self, iteration: int, losses: dict, lr: float, grad_norm, loss_scale: float,
                       skipped: bool, nan: bool, iter_time_s: float, batch_size: int, *,
                       consumed_samples: int | None = None, params_norm: float | None = None,
-                      num_zeros: int | None = None) -> str | None:
-        """Record one iteration; on a multiple of ``--log-interval`` print and return the line."""
+                      num_zeros: int | None = None, extra_scalars: dict | None = None) -> str | None:
+        """Record one iteration; on a multiple of ``--log-interval`` print and return the line.
+        ``extra_scalars`` go to TensorBoard only (e.g. ``moe/load_balancing_loss_layer_1``)."""
         losses = {k: float(v) for k, v in losses.items()}
         if consumed_samples is None:
             self.consumed_samples += int(batch_size)
@@ -138,6 +141,8 @@ class TrainLogger:
                 w.add_scalar("num-zeros", num_zeros, iteration)
             if params_norm is not None:
                 w.add_scalar("params-norm", params_norm, iteration)
+            for key, value in (extra_scalars or {}).items():
+                w.add_scalar(key, value, iteration)
 
         if iteration % self.log_interval != 0:
             return None
@@ -182,6 +187,17 @@ class TrainLogger:
         parts.append(f" tokens per second per device: {tokens_per_s:.1f} |")
         parts.append(f" peak memory (MB): {mem_bytes / 2**20:.1f} |")
         line = "".join(parts)
+        print(line, flush=True)
+        return line
+
+    def log_timers(self, iteration: int, times: dict[str, float]) -> str | None:
+        """Print the per-phase timers (ms per iteration) and, with --log-timers-to-tensorboard, write them."""
+        if not self.enabled:
+            return None
+        if self.writer is not None and self.config.logging.log_timers_to_tensorboard:
+            for name, ms in times.items():
+                self.writer.add_scalar(f"{name}-time", ms, iteration)
+        line = format_timers(times)
         print(line, flush=True)
         return line
 

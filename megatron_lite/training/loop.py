@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
-from ..device import describe_backends, get_device, init_distributed
+from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..models.transformer_config import TransformerConfig
+from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
@@ -31,6 +32,8 @@ from ..parallel.state import ParallelState
 from ..perf.flops import num_floating_point_operations
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
+from .outputs import check_output_locations
+from .timers import Timers
 
 
 @dataclass
@@ -58,6 +61,28 @@ class _ExitSignal:
 
     def _handle(self, signum, frame):
         self.received = True
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/inf (``--check-for-nan-in-loss-and-grad``); the message
+    names the iteration and rank. Raised before that iteration is saved."""
+
+
+def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
+    """Raise :class:`NonFiniteError` when this step's gradient norm (global: every rank sees the same)
+    or, without pipeline stages, its loss (DP-averaged: every rank sees the same) is not finite; every
+    rank raises together. With --fp16 the loss scaler already skips such steps."""
+    if not config.training.check_for_nan_in_loss_and_grad or config.precision.fp16:
+        return
+    bad = []
+    if loss is not None and state.pp_size == 1 and not math.isfinite(loss):
+        bad.append(f"loss {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        bad.append(f"gradient norm {grad_norm}")
+    if bad:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise NonFiniteError(f"iteration {iteration}, rank {rank}: {' and '.join(bad)}; stopping without saving "
+                             "this iteration (--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 def _any_rank(*flags: bool) -> list[bool]:
@@ -98,30 +123,42 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
     return dict(zip(keys, values.tolist()))
 
 
-def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator):
+def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None):
     """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm).
 
-    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState.
+    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
+    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
     """
     state = comm.state
+    timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
+    moe = bool(config.moe.num_experts)
+    if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
+        set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state)
-    reported = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=chunks,
-        num_microbatches=num_microbatches(config),
-        comm=comm,
-        forward_only=False,
-        grad_scale_func=optimizer.scale_loss,
-        no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-    )
+    with timers.phase("forward-backward"):
+        reported = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=chunks,
+            num_microbatches=num_microbatches(config),
+            comm=comm,
+            forward_only=False,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+        )
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
         update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group)
-    finalize_model_grads(chunks, state)
-    ok, grad_norm = optimizer.step()
-    if ok:
-        scheduler.step(1)
+    with timers.phase("all-grads-sync"):
+        finalize_model_grads(chunks, state)
+    if moe:
+        finish_moe_step(chunks)  # expert-bias update from this step's token counts
+    with timers.phase("optimizer"):
+        ok, grad_norm = optimizer.step()
+    with timers.phase("lr-scheduler"):
+        if ok:
+            scheduler.step(1)
+    timers.iterations += 1
     return _average_over_dp(reported, state), ok, grad_norm
 
 
@@ -145,6 +182,16 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
     return totals
 
 
+def half_precision_warning(config: Config, device: torch.device) -> str | None:
+    """A startup warning when --bf16/--fp16 runs on a CPU that emulates that dtype (slower than fp32)."""
+    dtype = config.precision.params_dtype
+    if device.type != "cpu" or dtype == torch.float32 or cpu_has_native(dtype):
+        return None
+    flag = "--bf16" if dtype == torch.bfloat16 else "--fp16"
+    return (f"WARNING: {flag} on a CPU without native {flag[2:]} instructions: 16-bit math is emulated and runs "
+            "several times slower than fp32 here (it saves memory only); drop the flag for speed")
+
+
 def setup(config: Config) -> tuple[ParallelState, torch.device]:
     """Distributed init, the parallel state and the seeds; prints the startup summary."""
     device = init_distributed()
@@ -161,6 +208,9 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     if config.precision.fp8_format is not None:
         model = TransformerConfig.from_config(config)
         print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
+    warning = half_precision_warning(config, device)
+    if warning:
+        print_rank_0(warning)
     return state, device
 
 
@@ -196,18 +246,23 @@ class _Training:
     logger, the result being filled in, and the steps of one iteration (train, validate, save, exit
     check)."""
 
-    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter):
+    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
+                 exit_signal: _ExitSignal | None = None):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
-        self.train_iter, self.valid_iter = train_iter, valid_iter
+        self.timers = Timers(config.logging.timing_log_level, get_device())
+        self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
+                           else self.timers.timed_iterator(train_iter))
+        self.valid_iter = valid_iter
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
         flops = num_floating_point_operations(
-            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full"
+            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full",
+            moe_config=config.moe,
         )
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
-        self.exit_signal = _ExitSignal(t.exit_signal_handler)
+        self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
 
@@ -223,20 +278,26 @@ class _Training:
         t, result = self.config.training, self.result
         step_start = time.time()
         losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                           self.forward_step_func, self.train_iter)
+                                           self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
         self.consumed += t.global_batch_size
         loss_value = next(iter(losses.values()), float("nan"))
+        moe_losses, moe_scalars = {}, {}
+        if self.config.moe.num_experts:  # collective: the routers' losses of this step
+            moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, num_microbatches(self.config))
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:
             result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         self.logger.log_iteration(
-            self.iteration, losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
+            self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
-            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size,
+            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
         )
+        if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
+            self.logger.log_timers(self.iteration, self.timers.take())
+        check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
 
     def validate(self, record: bool = True) -> None:
         """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""
@@ -291,8 +352,10 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
     """
+    exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
+    check_output_locations(config)  # before any step, not at the first save
     state, device = setup(config)
     built = _build(config, state, device, model_provider)
     consumed_valid = 0
     train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
-    return _Training(config, state, built, forward_step_func, train_iter, valid_iter).run()
+    return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()

@@ -123,8 +123,6 @@ def test_add_index_equals_single_build(tmp_path):
     build(str(tmp_path / "all"), docs)
     build(str(tmp_path / "a"), docs[:7])
     build(str(tmp_path / "b"), docs[7:])
-    with open(tmp_path / "a.bin", "ab") as f:
-        f.write(b"XY")  # trailing bytes the reader ignores must not shift the next dataset
     with IndexedDatasetBuilder(str(tmp_path / "merged"), dtype=np.uint16) as b:
         b.add_index(str(tmp_path / "a"))
         b.add_index(str(tmp_path / "b"))
@@ -170,7 +168,9 @@ def _set(offset, value):
     (lambda d: d[:-8], None, ".idx", "does not match"),
     (_set(18, struct.pack("<Q", 4)), None, ".idx", "does not match"),
     (None, lambda d: d[:-2], ".bin", "truncated"),
-    (_set(34 + 3 * 4 + 2 * 8, struct.pack("<q", 10)), None, ".bin", "ends at byte"),
+    (_set(34 + 3 * 4 + 2 * 8, struct.pack("<q", 10)), None, ".idx", "starts at byte 10"),
+    (None, lambda d: d + b"XY", ".bin", "the index describes"),
+    (_set(17, b"\x01"), None, ".idx", "pointers step by 2 bytes per token"),
     (_set(34 + 3 * 4 + 3 * 8, struct.pack("<q", 1)), None, ".idx", "document indices"),
 ])
 def test_corrupt_files_name_the_file(tmp_path, idx_edit, bin_edit, bad_file, message):
@@ -195,3 +195,59 @@ def test_pickles_by_path(tmp_path):
     ds = pickle.loads(pickle.dumps(IndexedDataset(prefix)))
     assert len(pickle.dumps(IndexedDataset(prefix))) < 200 + len(prefix)
     assert [ds[i].tolist() for i in range(3)] == SEQS
+
+
+def test_every_byte_flip_and_truncation_of_the_index_is_caught(tmp_path):
+    """Corruption corpus: each byte of the .idx flipped three ways, each truncation of either file.
+    Every damaged header, length or pointer is a DataFileError naming the file; a flipped document
+    index is either refused or still describes the same token sequences (no misaligned tokens)."""
+    prefix = str(tmp_path / "data")
+    hand_made_pair(prefix)
+    good_bin, good_idx = read_bytes(prefix)
+    doc_region = len(good_idx) - len(DOC_INDICES) * 8
+    silent = []
+    for pos in range(len(good_idx)):
+        for mask in (0x01, 0x80, 0xFF):
+            damaged = bytearray(good_idx)
+            damaged[pos] ^= mask
+            open(prefix + ".idx", "wb").write(bytes(damaged))
+            try:
+                ds = IndexedDataset(prefix)
+            except DataFileError as err:
+                assert str(err).startswith(prefix), err
+                continue
+            silent.append(pos)
+            assert [ds[i].tolist() for i in range(len(ds))] == SEQS, (pos, mask)
+    assert all(pos >= doc_region for pos in silent), silent
+    for name, good in ((".idx", good_idx), (".bin", good_bin)):
+        for cut in range(len(good)):
+            open(prefix + ".idx", "wb").write(good_idx if name == ".bin" else good[:cut])
+            open(prefix + ".bin", "wb").write(good_bin if name == ".idx" else good[:cut])
+            with pytest.raises(DataFileError) as err:
+                IndexedDataset(prefix)
+            assert str(err.value).startswith(prefix), err.value
+        open(prefix + name, "wb").write(good)
+
+
+@pytest.mark.parametrize("pointer", [2**63 - 1, 2**62, 2**40])
+def test_huge_pointer_is_one_line_not_a_numpy_error(tmp_path, pointer):
+    prefix = str(tmp_path / "data")
+    hand_made_pair(prefix)
+    _corrupt(prefix, _set(34 + 3 * 4 + 8, struct.pack("<q", pointer)))
+    with pytest.raises(DataFileError, match="starts at byte"):
+        IndexedDataset(prefix)
+
+
+def test_dtype_code_against_the_bin_size_of_one_sequence(tmp_path):
+    prefix = str(tmp_path / "data")
+    hand_made_pair(prefix, seqs=[[1, 2, 3]], doc_indices=[0, 1])
+    _corrupt(prefix, _set(17, b"\x01"))
+    with pytest.raises(DataFileError, match="fits 3 tokens of 2 bytes"):
+        IndexedDataset(prefix)
+
+
+def test_all_empty_sequences_are_refused(tmp_path):
+    prefix = str(tmp_path / "data")
+    hand_made_pair(prefix, seqs=[[], []], doc_indices=[0, 2])
+    with pytest.raises(DataFileError, match="all 2 sequences have length 0"):
+        IndexedDataset(prefix)

@@ -43,3 +43,11 @@ def test_writes_png_and_rejects_empty_input(tmp_path, capsys):
     (tmp_path / "empty.log").write_text("nothing here\n")
     assert plot_loss.main([str(tmp_path / "empty.log"), "-o", str(tmp_path / "x.png")]) == 2
     assert "no 'lm loss' values" in capsys.readouterr().err
+
+
+def test_creates_the_output_folder(tmp_path, capsys):
+    _run(tmp_path, capsys)
+    out = tmp_path / "missing" / "dir" / "loss.png"
+    assert plot_loss.main([str(tmp_path / "run.log"), "-o", str(out)]) in (0, None)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(out.parent) == ["loss.png"]

@@ -273,3 +273,44 @@ def test_list_values_are_presplit_sentences(tmp_path):
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     # Empty sentences are dropped; EOD goes on the last sentence; an empty list is an empty document.
     assert [[s.tolist() for s in ds.get_document(d)] for d in range(3)] == [[[1, 2], [3, 10]], [], [[4, 5, 10]]]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_deeply_nested_json_is_a_malformed_line(tmp_path, workers, capsys):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "1 2"}\n{"text": ' + "[" * 50000 + "]" * 50000 + '}\n{"text": "3"}\n')
+    cli = load_tool("preprocess_data")
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "10", "--workers", str(workers)]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"{path}:2: invalid JSON (nested too deeply)\n"
+    assert os.listdir(tmp_path) == ["deep.jsonl"]
+    assert cli.main(argv + ["--skip-malformed"]) == 0
+    assert "Skipped 1 malformed lines" in capsys.readouterr().out
+
+
+def _gz_corpus(path):
+    import random
+
+    rng = random.Random(0)
+    texts = (" ".join(str(rng.randrange(10)) for _ in range(50)) for _ in range(400))
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    with gzip.open(path, "wb") as f:
+        f.write(lines.encode())
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("damage, word", [
+    (lambda d: d[: len(d) // 2], "truncated"),
+    (lambda d: d[:60] + bytes(b ^ 0x5A for b in d[60:200]) + d[200:], "corrupt"),
+    (lambda d: d[:-8] + bytes(b ^ 0xFF for b in d[-8:-4]) + d[-4:], "corrupt"),  # CRC mismatch
+])
+def test_damaged_gz_names_the_file(tmp_path, capsys, damage, word):
+    path = tmp_path / "in.jsonl.gz"
+    path.write_bytes(damage(_gz_corpus(path)))
+    cli = load_tool("preprocess_data")
+    code = cli.main(["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                     "NullTokenizer", "--vocab-size", "10"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"{path}: compressed input is {word}") and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == ["in.jsonl.gz"]  # nothing half-written

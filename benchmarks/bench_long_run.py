@@ -1,0 +1,70 @@
+"""Long-run stability: 1,000 tiny training steps with a checkpoint every 50 keep memory and open files flat.
+
+    python benchmarks/bench_long_run.py [--iters 1000] [--save-interval 50]
+
+Runs ``pretrain_gpt.py`` (one process, CPU, dropout on, mock data) and, at every log line (every 50
+steps), reads the process's current resident memory (VmRSS) and its number of open file descriptors
+from /proc (Linux only). Passes when the RSS at the last step is within 5% of the RSS at step 100
+and the open-file count at the end is no higher than at step 100.
+"""
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--eval-iters", "0", "--lr", "1e-3"]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--save-interval", type=int, default=50)
+    args = p.parse_args(argv)
+    samples = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", str(args.iters), "--save",
+               os.path.join(tmp, "ckpt"), "--save-interval", str(args.save_interval), "--log-interval", "50"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            m = re.search(r"iteration +(\d+)/", line)
+            if m:
+                samples.append((int(m.group(1)), rss_mb(proc.pid), open_files(proc.pid)))
+        if proc.wait() != 0:
+            print(f"pretrain_gpt.py exited with {proc.returncode}")
+            return 1
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}")
+    print(f"{'iteration':>9} {'RSS (MB)':>9} {'open fds':>8}")
+    for it, rss, fds in samples:
+        print(f"{it:>9} {rss:>9.1f} {fds:>8}")
+    at100 = next(s for s in samples if s[0] >= 100)
+    last = samples[-1]
+    growth = (last[1] - at100[1]) / at100[1]
+    ok = abs(growth) <= 0.05 and last[2] <= at100[2]
+    print(f"RSS step {last[0]} vs step {at100[0]}: {growth:+.1%}; open files {at100[2]} -> {last[2]}: "
+          f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

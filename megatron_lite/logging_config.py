@@ -1,0 +1,26 @@
+"""The ``logging`` section of :class:`~megatron_lite.config.Config`: console lines, TensorBoard and
+Weights & Biases (kept apart from config.py, which holds the other sections, to keep files small)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    """Print a log line every this many steps."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here."""
+    log_throughput: bool = False
+    """Include TFLOP/s per device in the log line."""
+    wandb_project: str = ""
+    """Weights & Biases project: log the TensorBoard scalars there too (optional wandb; WANDB_MODE=offline)."""
+    wandb_exp_name: str = ""
+    """Weights & Biases run name."""
+    wandb_save_dir: str = ""
+    """Folder for W&B's local files (default: <save>/wandb, else ./wandb)."""
+    timing_log_level: int = 0
+    """Per-phase timers in the log: 0 none, 1 forward-backward/data/grad sync/optimizer, 2 also finer phases."""
+    log_timers_to_tensorboard: bool = False
+    """Also write the timers as <name>-time scalars (ms) to TensorBoard and W&B."""

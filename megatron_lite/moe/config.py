@@ -1,0 +1,259 @@
+"""The mixture-of-experts flags (Megatron-LM's names and defaults) and their validation.
+
+:class:`MoEConfig` is one section of the run's Config, and TransformerConfig derives from it, so
+every layer sees the same fields. :func:`check_moe_fields` (called by TransformerConfig) fills the
+defaults and raises ConfigError with one line naming the flag and the fix;
+:func:`moe_config_problem` returns that line.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+
+LOAD_BALANCING_TYPES = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+MOE_CHOICES = {
+    "moe_router_load_balancing_type": LOAD_BALANCING_TYPES,
+    "moe_router_score_function": ["softmax", "sigmoid"],
+    "moe_router_dtype": ["fp32", "fp64"],
+    "moe_token_dispatcher_type": ["allgather", "alltoall", "flex"],
+    "moe_token_drop_policy": ["probs", "position"],
+}
+# Flags for GPU-only fused kernels or features not built here: refused rather than ignored.
+REFUSED = {
+    "moe_router_fusion": "fused router kernels need Transformer Engine on a GPU",
+    "moe_permute_fusion": "fused permute kernels need Transformer Engine on a GPU",
+    "moe_enable_deepep": "DeepEP (flex dispatcher) needs its GPU kernels",
+    "moe_router_padding_for_fp8": "FP8 MoE padding needs FP8 grouped GEMMs",
+    "moe_router_force_load_balancing": "benchmark-only random routing is not implemented",
+    "moe_apply_probs_on_input": "weights are applied after the activation only",
+    "moe_shared_expert_overlap": "overlapping shared experts with the dispatcher is not implemented",
+    "overlap_moe_expert_parallel_comm": "batch-level all-to-all overlap is not implemented",
+    "moe_layer_recompute": "deprecated in Megatron-LM; use --recompute-granularity",
+    "moe_extended_tp": "deprecated in Megatron-LM; use --expert-tensor-parallel-size",
+}
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int | None = None
+    """Number of experts per MoE layer (None or 0: a dense model)."""
+    moe_ffn_hidden_size: int | None = None
+    """FFN hidden size of each expert (default --ffn-hidden-size)."""
+    moe_layer_freq: str = "1"
+    """MoE layer pattern: N (every N-th layer from layer 0) or a list expression like "([0]+[1]*3)"."""
+    moe_router_topk: int = 2
+    """Number of experts each token is routed to."""
+    moe_router_load_balancing_type: list[str] = field(default_factory=lambda: ["aux_loss"])
+    """Load balancing: aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (several allowed)."""
+    moe_aux_loss_coeff: list[float] = field(default_factory=lambda: [0.0])
+    """Load-balancing loss coefficient (one per --moe-router-load-balancing-type); 1e-2 is a good start."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss coefficient (1e-3 is a good start)."""
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router input by U(1-eps, 1+eps) noise in training."""
+    moe_router_score_function: str = "softmax"
+    """Router score function: softmax or sigmoid."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (default: softmax over the k selected)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the selected routing weights by this factor."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may route into (group-limited routing)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias on the selection, updated every step (sigmoid router)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step size of the expert-bias update."""
+    moe_router_dtype: str | None = None
+    """Router GEMM, weights and weighted sum in fp32 or fp64 (default: the model dtype)."""
+    moe_router_fusion: bool = False
+    """Fused router kernels (refused: GPU-only)."""
+    moe_router_padding_for_fp8: bool = False
+    """Pad expert token counts for FP8 (refused)."""
+    moe_router_force_load_balancing: bool = False
+    """Random router logits for benchmarking (refused)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """Token dispatcher: allgather or alltoall (flex is refused)."""
+    moe_enable_deepep: bool = False
+    """DeepEP for the flex dispatcher (refused)."""
+    moe_permute_fusion: bool = False
+    """Fused permute/unpermute (refused: GPU-only)."""
+    moe_expert_capacity_factor: float | None = None
+    """Capacity per expert as a multiple of the even share (default: no dropping)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to exactly the capacity (needs --moe-expert-capacity-factor)."""
+    moe_token_drop_policy: str = "probs"
+    """Which tokens an expert over capacity drops: probs (lowest weights) or position (latest)."""
+    moe_apply_probs_on_input: bool = False
+    """Weight the expert input instead of its activation (refused)."""
+    moe_grouped_gemm: bool = False
+    """Run the local experts as one grouped GEMM instead of a loop."""
+    moe_use_legacy_grouped_gemm: bool = False
+    """Same as --moe-grouped-gemm here."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """FFN hidden size of the shared experts (all of them together)."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap shared experts with the dispatcher (refused)."""
+    moe_shared_expert_gate: bool = field(default=False, metadata={"cli": False})
+    """Scale the shared experts' output per token by a learned sigmoid gate (set in code)."""
+    moe_per_layer_logging: bool = False
+    """Write the router losses of every MoE layer to TensorBoard."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size of the experts: --tensor-model-parallel-size (default) or 1 (whole experts)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Overlap the expert-parallel all-to-all across micro-batches (refused)."""
+    moe_layer_recompute: bool = False
+    """Deprecated (refused)."""
+    moe_extended_tp: bool = False
+    """Deprecated (refused)."""
+
+
+def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
+    """Which layers (0-based) are MoE: ``N`` -> every layer with ``i % N == 0``; a list expression of
+    0/1 of length num_layers (``"([0]+[1]*3)"``). Raises ValueError with the reason."""
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+        n = int(value)
+        if n < 1:
+            raise ValueError(f"--moe-layer-freq {value} must be a positive integer or a list expression")
+        return [i % n == 0 for i in range(num_layers)]
+    pattern = _eval_list(ast.parse(str(value).strip(), mode="eval").body)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"--moe-layer-freq {value!r} must be a list of {num_layers} zeros and ones (one per layer)")
+    return [bool(v) for v in pattern]
+
+
+def _eval_list(node):
+    """Evaluate a list expression made only of int lists, ``+`` and ``*`` (no names, no calls)."""
+    if isinstance(node, ast.List):
+        return [_eval_list(e) for e in node.elts]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _eval_list(node.left), _eval_list(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("--moe-layer-freq: only int lists, + and * are allowed, e.g. \"([0]+[1]*3)\"")
+
+
+def normalize(moe: MoEConfig, ffn_hidden_size: int) -> None:
+    """Megatron's normalisations: 0 experts is dense, a negative capacity factor means none, the
+    expert FFN width defaults to the dense one, a coefficient list of one applies to every type."""
+    if moe.num_experts == 0:
+        moe.num_experts = None
+    if moe.moe_expert_capacity_factor is not None and moe.moe_expert_capacity_factor < 0:
+        moe.moe_expert_capacity_factor = None
+    if moe.num_experts and moe.moe_ffn_hidden_size is None:
+        moe.moe_ffn_hidden_size = ffn_hidden_size
+    if isinstance(moe.moe_router_load_balancing_type, str):
+        moe.moe_router_load_balancing_type = [moe.moe_router_load_balancing_type]
+    if isinstance(moe.moe_aux_loss_coeff, (int, float)):
+        moe.moe_aux_loss_coeff = [float(moe.moe_aux_loss_coeff)]
+    if len(moe.moe_aux_loss_coeff) == 1:
+        moe.moe_aux_loss_coeff = moe.moe_aux_loss_coeff * len(moe.moe_router_load_balancing_type)
+
+
+def moe_config_problem(moe: MoEConfig, *, num_layers: int, tp: int, ep: int, sequence_parallel: bool,
+                       fp16: bool = False) -> str | None:
+    """The first bad MoE flag combination as one line naming the flag and the fix, or None.
+
+    Call after :func:`normalize`. ``sequence_parallel`` is the value the user asked for.
+    """
+    for name, why in REFUSED.items():
+        if getattr(moe, name):
+            return f"--{name.replace('_', '-')} is not supported: {why}; drop it"
+    if not moe.num_experts:
+        if ep > 1:
+            return "--expert-model-parallel-size > 1 needs mixture-of-experts layers; set --num-experts"
+        return None
+    return _routing_problem(moe) or _parallel_problem(moe, num_layers=num_layers, tp=tp, ep=ep,
+                                                      sequence_parallel=sequence_parallel, fp16=fp16)
+
+
+def _routing_problem(moe: MoEConfig) -> str | None:
+    e, k = moe.num_experts, moe.moe_router_topk
+    types, coeffs = moe.moe_router_load_balancing_type, moe.moe_aux_loss_coeff
+    if e < 1:
+        return f"--num-experts {e} must be positive"
+    if not 1 <= k <= e:
+        return f"--moe-router-topk {k} must be between 1 and --num-experts {e}"
+    if len(coeffs) != len(types):
+        return (f"--moe-aux-loss-coeff has {len(coeffs)} values for {len(types)} "
+                "--moe-router-load-balancing-type values; give one each (or a single coefficient)")
+    if "sinkhorn" in types and any(c for t, c in zip(types, coeffs) if t == "sinkhorn"):
+        return "--moe-router-load-balancing-type sinkhorn needs --moe-aux-loss-coeff 0"
+    if k == 1 and moe.moe_router_score_function == "softmax" and not moe.moe_router_pre_softmax \
+            and "sinkhorn" not in types:
+        return "--moe-router-topk 1 with a post-top-k softmax gives every weight 1; add --moe-router-pre-softmax"
+    if moe.moe_expert_capacity_factor is not None and "sinkhorn" in types:
+        return "--moe-expert-capacity-factor does not work with sinkhorn load balancing; drop one of them"
+    if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
+        return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
+    groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        return "group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk"
+    if groups is not None:
+        if groups < 1 or e % groups:
+            return f"--num-experts {e} must be divisible by --moe-router-num-groups {groups}"
+        if not 1 <= group_topk <= min(groups, k):
+            return f"--moe-router-group-topk {group_topk} must be between 1 and min(--moe-router-num-groups, --moe-router-topk)"
+    if moe.moe_router_enable_expert_bias and moe.moe_router_score_function != "sigmoid":
+        return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
+    if moe.moe_token_dispatcher_type == "flex":
+        return "--moe-token-dispatcher-type flex needs DeepEP GPU kernels; use alltoall or allgather"
+    return None
+
+
+def _parallel_problem(moe: MoEConfig, *, num_layers, tp, ep, sequence_parallel, fp16) -> str | None:
+    e = moe.num_experts
+    if e % ep:
+        return f"--num-experts {e} must be divisible by --expert-model-parallel-size {ep}"
+    if tp > 1 and not sequence_parallel:
+        return "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel"
+    etp = moe.expert_tensor_parallel_size
+    if etp not in (None, 1, tp):
+        return (f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} "
+                "(other sizes need a folded expert grid, not implemented)")
+    if etp != 1 and moe.moe_ffn_hidden_size % tp:
+        return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None and (shared < 1 or shared % tp):
+        return f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by TP {tp}"
+    if fp16 and ep > 1:
+        return "--expert-model-parallel-size > 1 does not support --fp16; use --bf16"
+    try:
+        parse_moe_layer_freq(moe.moe_layer_freq, num_layers)
+    except (ValueError, SyntaxError) as err:
+        return str(err) if str(err).startswith("--moe") else f"--moe-layer-freq {moe.moe_layer_freq!r}: {err}"
+    return None
+
+
+def check_moe_fields(config) -> None:
+    """Normalise and validate the MoE fields of a TransformerConfig (ConfigError with one line)."""
+    normalize(config, config.ffn_hidden_size)
+    problem = moe_config_problem(
+        config, num_layers=config.num_layers, tp=config.tensor_model_parallel_size,
+        ep=config.expert_model_parallel_size, sequence_parallel=config.sequence_parallel,
+        fp16=config.params_dtype == torch.float16)
+    if problem:
+        raise ConfigError(problem)
+
+
+def moe_fields(moe: MoEConfig) -> dict:
+    """The MoEConfig section as keyword arguments of TransformerConfig (the legacy grouped-GEMM flag
+    selects the same grouped experts)."""
+    values = dataclasses.asdict(moe)
+    values["moe_grouped_gemm"] = moe.moe_grouped_gemm or moe.moe_use_legacy_grouped_gemm
+    return values
+
+
+def moe_layer_pattern(config) -> list[bool]:
+    """Per layer (0-based), whether it is an MoE layer (all False for a dense model)."""
+    if not config.num_experts:
+        return [False] * config.num_layers
+    return parse_moe_layer_freq(config.moe_layer_freq, config.num_layers)

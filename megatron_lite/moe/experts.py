@@ -1,0 +1,220 @@
+"""The local experts of an MoE layer: a sequential loop or one grouped GEMM over all of them.
+
+Both take the tokens this rank computes, already grouped by local expert:
+``forward(x [N, h], probs [N], tokens_per_expert: list[int]) -> [N, h]`` where expert j owns rows
+``[sum(tokens_per_expert[:j]), sum(tokens_per_expert[:j+1]))``. Each expert is an MLP
+``fc2(act(fc1(x)) * p)``: the routing weight multiplies the activation (before fc2), and fc2's bias
+is weighted by ``p`` too, so a token's output is exactly ``p * expert(x)``.
+
+Weights: expert ``e`` (global index) draws its full fc1 ``[ffn (x2 for SwiGLU), h]`` and fc2
+``[h, ffn]`` master weights from generators seeded by its own name, and this rank keeps the
+expert-tensor-parallel slice (fc1 by rows with stride 2 for SwiGLU's gate/up halves, fc2 by
+columns). Any expert-parallel or expert-tensor-parallel layout therefore holds exactly the
+single-process weights. With expert tensor parallelism the output is this rank's partial sum;
+the dispatcher reduces it (fc2's bias is added on expert-tensor rank 0 only).
+
+Expert parameters carry ``is_expert = True`` and ``allreduce = False`` when expert parallelism is
+on (EP > 1): their gradients are then reduced over the expert-data-parallel group only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import comm
+from ..parallel.tensor import shard
+
+
+def activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` serves these operands: present in this torch, on CPU (any float
+    dtype) or CUDA (bf16), with rows a multiple of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cuda":
+        ok_device = x.dtype == torch.bfloat16
+    else:
+        ok_device = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    align = 16 // x.element_size()
+    return ok_device and x.shape[-1] % align == 0 and weight.shape[-1] % align == 0
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with its backward as two more grouped GEMMs on views (no copies):
+    ``dx = dy @ w^T`` per group and ``dw_j = x_j^T @ dy_j`` (the 2-D x 2-D form, groups along rows).
+    The incoming gradient is made contiguous first (a broadcast gradient has zero strides, which
+    the kernel rejects)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(x, weight, offsets)
+        return torch._grouped_mm(x, weight, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, weight.transpose(1, 2), offs=offsets) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(x.t(), dy, offs=offsets) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    """``x [N, K]`` grouped by expert times ``weight [E, K, M]``: rows of expert j use ``weight[j]``.
+
+    ``torch._grouped_mm`` where it serves the operands, else one padded batched matmul: the rows
+    are scattered into ``[E, max_rows, K]`` (zero padding), multiplied by ``torch.bmm`` and gathered
+    back. Both are one kernel for all experts and exact under autograd.
+    """
+    if grouped_mm_available(x, weight) and x.shape[0] > 0:  # (the kernel rejects an empty gradient)
+        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+        return _GroupedMM.apply(x.contiguous(), weight.contiguous(), offsets)
+    return padded_batched_matmul(x, weight, tokens_per_expert)
+
+
+def padded_batched_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    """The fallback of :func:`grouped_matmul`: rows scattered into ``[E, max_rows, K]``, one ``bmm``."""
+    experts, max_rows = weight.shape[0], max(tokens_per_expert, default=0)
+    rows = _padded_rows(tokens_per_expert, max_rows, x.device)
+    padded = x.new_zeros(experts * max_rows, x.shape[1]).index_copy(0, rows, x)
+    out = torch.bmm(padded.view(experts, max_rows, x.shape[1]), weight)
+    return out.view(experts * max_rows, weight.shape[-1]).index_select(0, rows)
+
+
+def _padded_rows(tokens_per_expert: list[int], max_rows: int, device) -> torch.Tensor:
+    """Row of each token in the padded ``[E * max_rows]`` layout."""
+    counts = torch.tensor(tokens_per_expert, dtype=torch.long)
+    starts = torch.arange(len(tokens_per_expert), dtype=torch.long) * max_rows
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets, counts)
+    return (torch.repeat_interleave(starts, counts) + within).to(device)
+
+
+def expert_tp_group(config, state):
+    """The group the experts are split over: the tensor-parallel group, or none (whole experts on
+    every TP rank) with ``--expert-tensor-parallel-size 1``."""
+    return None if config.expert_tensor_parallel_size == 1 else state.tp_group
+
+
+def _mark(param: nn.Parameter, ep_size: int, partition_dim: int | None, replicated_over_tp: bool) -> None:
+    param.is_expert = True
+    param.allreduce = ep_size == 1
+    if partition_dim is not None:
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
+    # whole experts on every TP rank, each fed its own sequence shard's tokens: sum the grads over TP
+    param.sequence_parallel = replicated_over_tp
+
+
+class _ExpertWeights:
+    """Master weights of one expert, sliced for this expert-tensor-parallel rank."""
+
+    def __init__(self, config, layer_number: int, expert: int, etp_rank: int, etp_size: int):
+        ffn, h = config.moe_ffn_hidden_size, config.hidden_size
+        fc1_rows = 2 * ffn if config.swiglu else ffn
+        fc1 = torch.empty(fc1_rows, h)
+        config.init_method(layer_number, f"mlp.experts.{expert}.linear_fc1.weight")(fc1)
+        fc2 = torch.empty(h, ffn)
+        config.init_method(layer_number, f"mlp.experts.{expert}.linear_fc2.weight", scaled=True)(fc2)
+        self.stride = 2 if config.swiglu else 1
+        self.fc1 = shard(fc1, 0, etp_rank, etp_size, self.stride)
+        self.fc2 = shard(fc2, 1, etp_rank, etp_size)
+
+
+class _ExpertsBase(nn.Module):
+    def __init__(self, config, state):
+        super().__init__()
+        self.swiglu, self.dtype = config.swiglu, config.params_dtype
+        self.bias = bool(config.add_bias_linear)
+        self.num_local_experts = config.num_experts // state.ep_size
+        self.first_expert = state.ep_rank * self.num_local_experts
+        self.etp_group = expert_tp_group(config, state)
+        self.etp_rank, self.etp_size = comm.group_rank(self.etp_group), comm.group_size(self.etp_group)
+        self.replicated_over_tp = self.etp_group is None and state.tp_size > 1
+        self.ep_size = state.ep_size
+        self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
+        self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
+
+    def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
+        param = nn.Parameter(data.to(self.dtype).contiguous())
+        _mark(param, self.ep_size, partition_dim if self.etp_size > 1 else None, self.replicated_over_tp)
+        return param
+
+    def _bias2(self, shape) -> nn.Parameter:
+        """fc2's bias is whole on every expert-tensor rank; only rank 0 adds it, and the gradient is
+        summed over the group like a sequence-parallel weight's."""
+        param = self._param(torch.zeros(shape), None)
+        param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
+        return param
+
+    def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return (activation(h, self.swiglu) * probs.unsqueeze(-1)).to(h.dtype)
+
+
+class SequentialExperts(_ExpertsBase):
+    """One MLP per local expert, run one after another (``local_experts.{j}.linear_fc{1,2}``)."""
+
+    def __init__(self, config, state, layer_number: int):
+        super().__init__(config, state)
+        self.local_experts = nn.ModuleList()
+        for j in range(self.num_local_experts):
+            w = _ExpertWeights(config, layer_number, self.first_expert + j, self.etp_rank, self.etp_size)
+            expert = nn.Module()
+            expert.linear_fc1, expert.linear_fc2 = nn.Module(), nn.Module()
+            expert.linear_fc1.weight = self._param(w.fc1, 0)
+            expert.linear_fc1.weight.partition_stride = w.stride
+            expert.linear_fc2.weight = self._param(w.fc2, 1)
+            if self.bias:
+                expert.linear_fc1.bias = self._param(torch.zeros(self.fc1_local), 0)
+                expert.linear_fc1.bias.partition_stride = w.stride
+                expert.linear_fc2.bias = self._bias2(config.hidden_size)
+            self.local_experts.append(expert)
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        outputs = []
+        for expert, rows, p in zip(self.local_experts, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            h = self._weighted(F.linear(rows, fc1.weight, getattr(fc1, "bias", None)), p)
+            y = F.linear(h, fc2.weight)
+            if self.bias and self.etp_rank == 0:
+                y = y + fc2.bias * p.unsqueeze(-1).to(y.dtype)
+            outputs.append(y)
+        if not outputs:
+            return x.new_zeros(0, x.shape[-1])
+        return torch.cat(outputs)
+
+
+class GroupedExperts(_ExpertsBase):
+    """All local experts in two stacked weights ``weight1 [E_l, h, fc1]`` and ``weight2 [E_l, ffn, h]``
+    (fc1/fc2 transposed), computed with one grouped GEMM each."""
+
+    def __init__(self, config, state, layer_number: int):
+        super().__init__(config, state)
+        ws = [_ExpertWeights(config, layer_number, self.first_expert + j, self.etp_rank, self.etp_size)
+              for j in range(self.num_local_experts)]
+        self.weight1 = self._param(torch.stack([w.fc1.t() for w in ws]), 2)
+        self.weight2 = self._param(torch.stack([w.fc2.t() for w in ws]), 1)
+        self.weight1.partition_stride = ws[0].stride if ws else 1
+        if self.bias:
+            self.bias1 = self._param(torch.zeros(self.num_local_experts, self.fc1_local), 1)
+            self.bias1.partition_stride = self.weight1.partition_stride
+            self.bias2 = self._bias2((self.num_local_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        h = grouped_matmul(x, self.weight1, tokens_per_expert)
+        if self.bias:
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(self.num_local_experts, device=x.device),
+                torch.tensor(tokens_per_expert, device=x.device))
+            h = h + self.bias1[expert_of_row]
+        y = grouped_matmul(self._weighted(h, probs), self.weight2, tokens_per_expert)
+        if self.bias and self.etp_rank == 0:
+            y = y + self.bias2[expert_of_row] * probs.unsqueeze(-1).to(y.dtype)
+        return y

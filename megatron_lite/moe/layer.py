@@ -1,0 +1,59 @@
+"""The MoE layer: router, token dispatcher, local experts and optional shared experts.
+
+``MoELayer(config, state, layer_number)`` replaces the MLP of a transformer layer:
+``forward(hidden [s, b, h]) -> [s, b, h]`` where ``s`` is this rank's sequence shard under sequence
+parallelism. Expert parallelism (EP) is carved out of data parallelism: each EP rank holds
+``num_experts / EP`` experts and receives the tokens routed to them from the other EP ranks (which
+hold other data). Expert tensor parallelism uses the tensor-parallel group, which requires
+sequence parallelism when it is larger than one (each rank then routes its own sequence shard).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..parallel import comm
+from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from .experts import GroupedExperts, SequentialExperts
+from .router import TopKRouter
+from .shared_experts import SharedExperts
+
+
+def check_layer_config(config, state) -> None:
+    """The combinations a layer cannot run (the config validation reports them earlier, with flags)."""
+    if config.num_experts % state.ep_size:
+        raise ConfigError(f"--num-experts {config.num_experts} must be divisible by "
+                          f"--expert-model-parallel-size {state.ep_size}")
+    if state.tp_size > 1 and not config.sequence_parallel:
+        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel")
+    etp = config.expert_tensor_parallel_size
+    if etp not in (None, 1, state.tp_size):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size "
+                          f"{state.tp_size}")
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config, state, layer_number: int):
+        super().__init__()
+        check_layer_config(config, state)
+        self.layer_number = layer_number
+        self.router = TopKRouter(config, state, layer_number)
+        experts = GroupedExperts if config.moe_grouped_gemm else SequentialExperts
+        self.experts = experts(config, state, layer_number)
+        dispatcher = AllToAllDispatcher if config.moe_token_dispatcher_type == "alltoall" else AllGatherDispatcher
+        self.token_dispatcher = dispatcher(config, state)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExperts(config, state, layer_number)
+        self.tp_size = comm.group_size(state.tp_group)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s, b, h = hidden.shape
+        probs, routing_map = self.router(hidden)
+        out = self.token_dispatcher.run(hidden.reshape(s * b, h), probs, routing_map, self.experts)
+        out = out.view(s, b, h).to(hidden.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out

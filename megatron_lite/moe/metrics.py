@@ -1,0 +1,105 @@
+"""Training-loop hooks of the MoE routers: aux-loss gradient scale, logged losses, per-step updates.
+
+Routers keep their state on themselves (no globals); these functions find every
+:class:`~megatron_lite.moe.router.TopKRouter` in the model chunks of this rank.
+
+Logged values follow Megatron's reduction: per loss name a vector over the global layers, each
+micro-batch adding ``loss / coeff`` at its layer; at log time it is summed over pipeline stages,
+summed over the ranks holding partial losses of one micro-batch (tensor x context parallel; for
+the global loss also data parallel), averaged over data x context parallel, divided by the number
+of micro-batches. The console value is the mean over the MoE layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import get_device
+from ..parallel import comm
+from .aux_loss import LOSS_NAMES
+from .config import parse_moe_layer_freq
+from .router import TopKRouter, balancing_types
+
+
+def routers(chunks) -> list[TopKRouter]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def set_aux_loss_backward_scale(chunks, scale: float) -> None:
+    """The gradient the router losses receive: what the main loss is multiplied by before backward
+    (loss scale / number of micro-batches, times the context-parallel size)."""
+    for router in routers(chunks):
+        router.aux_loss_backward_scale = scale
+
+
+def tracked_loss_names(config) -> list[str]:
+    """The loss names the routers of ``config`` log (the same on every rank, MoE layers or not)."""
+    names = [LOSS_NAMES[kind] for kind, coeff in balancing_types(config) if kind in LOSS_NAMES and coeff]
+    if config.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def _sum(x: torch.Tensor, *groups) -> torch.Tensor:
+    for group in groups:
+        x = comm.reduce_from_tp(x, group)
+    return x
+
+
+def reduce_moe_losses(chunks, state, names: list[str], num_layers: int, num_microbatches: int) -> dict[str, torch.Tensor]:
+    """``{name: [num_layers] tensor}`` of the iteration's logged losses (collective; see module doc).
+    Resets the routers' accumulators."""
+    found = routers(chunks)
+    device = next((r.weight.device for r in found), get_device())
+    out = {}
+    for name in names:
+        values = torch.zeros(num_layers, dtype=torch.float32, device=device)
+        for router in found:
+            if name in router.metrics:
+                values[router.layer_number - 1] += router.metrics[name].to(device)
+        partial_groups = (state.tp_group, state.dp_cp_group) if name.startswith("global") else (state.group("tp_cp"),)
+        with torch.no_grad():
+            values = _sum(values, state.pp_group, *partial_groups)
+            values = _sum(values, state.dp_cp_group) / comm.group_size(state.dp_cp_group)
+        out[name] = values / num_microbatches
+    for router in found:
+        router.metrics = {}
+    return out
+
+
+def moe_log_values(per_layer: dict[str, torch.Tensor], num_moe_layers: int) -> dict[str, float]:
+    """The console scalars: each loss averaged over the MoE layers."""
+    return {name: float(values.sum()) / max(num_moe_layers, 1) for name, values in per_layer.items()}
+
+
+def dropped_tokens(chunks, state) -> int:
+    """Token slots dropped by the capacity limit since the last call, over all layers and ranks."""
+    found = routers(chunks)
+    local = torch.tensor(float(sum(r.num_dropped_tokens for r in found)), device=get_device())
+    for router in found:
+        router.num_dropped_tokens = 0
+    with torch.no_grad():
+        total = _sum(local, state.pp_group, state.tp_group, state.dp_cp_group)
+    return int(total.item())
+
+
+def moe_step_values(chunks, state, config, num_microbatches: int) -> tuple[dict[str, float], dict[str, float]]:
+    """For the training loop (collective, every rank, every iteration): the console values
+    ``{name: mean over MoE layers}`` and TensorBoard-only scalars (``moe/<name>_layer_<i>`` with
+    --moe-per-layer-logging, ``moe/dropped_tokens`` with a capacity factor). ``config`` is the run's Config."""
+    moe, num_layers = config.moe, config.model.num_layers
+    pattern = parse_moe_layer_freq(moe.moe_layer_freq, num_layers)
+    per_layer = reduce_moe_losses(chunks, state, tracked_loss_names(moe), num_layers, num_microbatches)
+    scalars = {}
+    if moe.moe_per_layer_logging:
+        for name, values in per_layer.items():
+            scalars.update({f"moe/{name}_layer_{i}": float(values[i]) for i in range(num_layers) if pattern[i]})
+    if moe.moe_expert_capacity_factor is not None:
+        scalars["moe/dropped_tokens"] = float(dropped_tokens(chunks, state))
+    return moe_log_values(per_layer, sum(pattern)), scalars
+
+
+def finish_moe_step(chunks) -> None:
+    """After the optimizer step: expert-bias updates and per-step counters (collective over TP x DP x CP)."""
+    for router in routers(chunks):
+        router.finish_step()

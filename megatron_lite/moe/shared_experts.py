@@ -1,0 +1,45 @@
+"""Shared experts: a dense MLP every token goes through, added to the routed experts' output.
+
+Its width is ``--moe-shared-expert-intermediate-size`` (the total of all shared experts). It is
+replicated over expert-parallel ranks and tensor-parallel like the dense MLP (fc1 column-parallel,
+fc2 row-parallel; under sequence parallelism fc1 all-gathers the sequence and fc2 reduce-scatters
+it). With ``moe_shared_expert_gate`` its output is scaled per token by ``sigmoid(x . w_gate)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from .experts import activation
+from .router import init_replicated
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, config, state, layer_number: int):
+        super().__init__()
+        ffn, h = config.moe_shared_expert_intermediate_size, config.hidden_size
+        self.swiglu = config.swiglu
+        sp, bias, dtype = bool(config.sequence_parallel), bool(config.add_bias_linear), config.params_dtype
+        self.linear_fc1 = ColumnParallelLinear(
+            h, 2 * ffn if self.swiglu else ffn, state.tp_group, bias=bias,
+            init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc1.weight"),
+            sequence_parallel=sp, stride=2 if self.swiglu else 1, dtype=dtype,
+            gemm=config.make_gemm(layer_number, state.tp_group))
+        self.linear_fc2 = RowParallelLinear(
+            ffn, h, state.tp_group, bias=bias, input_is_parallel=True,
+            init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc2.weight", scaled=True),
+            sequence_parallel=sp, dtype=dtype, gemm=config.make_gemm(layer_number, state.tp_group))
+        self.gate_weight = None
+        if getattr(config, "moe_shared_expert_gate", False):
+            self.gate_weight = nn.Parameter(torch.empty(1, h, dtype=dtype))
+            init_replicated(self.gate_weight, config.init_method(layer_number, "mlp.shared_experts.gate_weight"))
+            self.gate_weight.sequence_parallel = sp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.linear_fc2(activation(self.linear_fc1(hidden), self.swiglu))
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
+        return out

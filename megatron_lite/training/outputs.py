@@ -1,0 +1,45 @@
+"""Check, before any training step, that every folder the run will write to can be written.
+
+An unwritable ``--save`` would otherwise be discovered at the first save, after the training it was
+meant to protect; a ``--tensorboard-dir`` that names a file would crash the logger. Each location is
+created if missing and probed with a temporary file (removed again), on every rank, before the
+process group exists, so a bad location is one ConfigError (exit 2) naming the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from ..config import Config, ConfigError
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # the checkpoint tracker (checkpoint/format.py)
+
+
+def output_locations(config: Config) -> list[tuple[str, str]]:
+    """(flag, folder) of every output folder the flags name."""
+    named = [("--save", config.checkpoint.save), ("--tensorboard-dir", config.logging.tensorboard_dir),
+             ("--data-cache-path", config.data.data_cache_path)]
+    return [(flag, path) for flag, path in named if path]
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Create ``path`` if needed and write (then remove) a probe file there; ConfigError if impossible."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a folder; pick a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe."):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag} {path} is not writable ({err.strerror or err}); pick a folder you can "
+                          "write to") from None
+
+
+def check_output_locations(config: Config) -> None:
+    """Every output folder of the run is writable (and --save's tracker is not a folder)."""
+    for flag, path in output_locations(config):
+        check_writable(flag, path)
+    save = config.checkpoint.save
+    if save and os.path.isdir(os.path.join(save, TRACKER_FILENAME)):
+        raise ConfigError(f"--save {save}: {TRACKER_FILENAME} there is a folder; remove it")

@@ -1,0 +1,67 @@
+"""Run pretrain_gpt.py and SIGKILL this process at a chosen moment (for the kill tests).
+
+    python tests/e2e/kill_at.py MOMENT ITERATION pretrain flags...
+
+MOMENT is ``step`` (iteration ITERATION's gradients are computed, the optimizer has not stepped),
+``save`` (the save of ITERATION has written its RNG file and half of the model file), or
+``tracker`` (the tracker file already names ITERATION, the save has not returned). Every rank
+that reaches the moment kills itself, as a power cut would.
+"""
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import megatron_lite.checkpoint.training as ckpt_training  # noqa: E402
+import megatron_lite.training.loop as loop  # noqa: E402
+import pretrain_gpt  # noqa: E402
+
+
+def _die():
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    moment, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    calls = {"n": 0}
+    if moment == "step":
+        finalize = loop.finalize_model_grads
+
+        def finalize_then_die(*args, **kwargs):
+            calls["n"] += 1
+            finalize(*args, **kwargs)
+            if calls["n"] == target:
+                _die()
+
+        loop.finalize_model_grads = finalize_then_die
+    elif moment == "save":
+        save = ckpt_training.atomic_save
+
+        def half_save(obj, path):
+            if f"iter_{target:07d}" in path and path.endswith("model_optim_rng.pt"):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(f"{path}.tmp.{os.getpid()}", "wb") as f:
+                    f.write(b"PK\x03\x04 half a file")
+                _die()
+            save(obj, path)
+
+        ckpt_training.atomic_save = half_save
+    elif moment == "tracker":
+        write = ckpt_training.atomic_write_text
+
+        def write_then_die(path, text):
+            write(path, text)
+            if text.strip() == str(target):
+                _die()
+
+        ckpt_training.atomic_write_text = write_then_die
+    else:
+        raise SystemExit(f"unknown moment {moment}")
+    pretrain_gpt.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A real two-node job on one machine: two torchrun launchers, ``--nnodes 2``, one c10d rendezvous.
+
+Each launcher stands for one node and starts 2 processes; the 4 ranks form TP2 x DP2 across the two
+"nodes" exactly as on a cluster (the rendezvous assigns node ranks, ranks 0-1 live on one launcher
+and 2-3 on the other). Everything binds to 127.0.0.1 only. The per-iteration losses the job prints
+(``lm loss: %.6E``, 7 significant digits) must equal the single-process run's within a relative 1e-5.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pretrain_gpt
+from tests.e2e.conftest import ROOT
+
+ITERS = 3
+ARGV = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", str(ITERS), "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--log-interval", "1", "--eval-iters", "0", "--seed", "11",
+]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*\| lm loss: ([0-9.E+-]+) \|")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher(port: int) -> list[str]:
+    """What one node runs (the same command on both, as ``srun`` would start it)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-test",
+        "--local-addr", "127.0.0.1", "pretrain_gpt.py", "--tensor-model-parallel-size", "2",
+    ] + ARGV
+
+
+def _printed_losses(stdout: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(stdout)}
+
+
+def test_two_node_rendezvous_matches_single_process():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = _launcher(_free_port())
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    printed = [_printed_losses(out) for out, _ in outputs]
+    assert sorted(len(p) for p in printed) == [0, ITERS]  # one logging rank, on one of the two nodes
+    losses = printed[0] or printed[1]
+
+    reference = pretrain_gpt.main(ARGV).losses
+    assert len(reference) == ITERS
+    for step, expected in enumerate(reference, 1):
+        assert abs(losses[step] - expected) <= 1e-5 * abs(expected), f"step {step}: {losses[step]} vs {expected}"
+    assert reference[-1] < reference[0]  # it trained

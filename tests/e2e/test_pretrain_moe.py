@@ -1,0 +1,148 @@
+"""pretrain_gpt.py with mixture-of-experts layers: expert-parallel runs reproduce the single-process run.
+
+Same pattern as test_pretrain_gpt.py: ``pretrain_gpt.main(argv)`` on every rank of a gloo pool vs in
+this process; same seed and global batch, dropout 0, fp32; every step's loss (and so the router
+losses' gradients, which enter every later loss) within a relative 1e-5. A Mixtral-like model:
+SwiGLU experts, RMSNorm, rope, GQA, top-2 of 4 experts with load-balancing and z-losses.
+"""
+
+import glob
+import math
+import os
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import pretrain_gpt
+from megatron_lite.checkpoint import load_gpt_checkpoint
+from tests.e2e.test_pretrain_gpt import (
+    MODEL,
+    _argv,
+    _one_line_exit_2,
+    _parallel,
+    _same_losses,
+    _same_weights,
+    _single,
+)
+from tests.harness import run_ranks
+
+MOE = [
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--group-query-attention", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+]
+# every other layer dense, capacity dropping, shared experts, grouped GEMM, sigmoid router with expert bias
+MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
+         "--moe-shared-expert-intermediate-size", "32", "--moe-grouped-gemm", "--moe-router-score-function",
+         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
+ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_ref")
+    return {variant: _single(tmp, f"single{variant}", ITERS, MOE + extra)
+            for variant, extra in (("A", []), ("B", MOE_B))}
+
+
+@pytest.mark.parametrize(
+    "name, world, variant, extra",
+    [
+        ("ep2", 2, "A", ["--expert-model-parallel-size", "2"]),
+        ("ep2_allgather", 2, "A", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+        ("ep4", 4, "A", ["--expert-model-parallel-size", "4"]),
+        ("ep2_tp2_sp", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"]),
+        ("ep2_tp2_sp_etp1", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+        ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
+        ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform"]),
+        ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ],
+)
+def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
+    ref, ref_save = moe_reference[variant]
+    losses, save = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
+    _same_losses(losses, ref)
+    assert ref[-1] < ref[0]  # it trained
+    _same_weights(save, ref_save)  # experts of every EP rank merged back into one process
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--num-experts", "3", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+     ("--num-experts 3", "--moe-router-num-groups")),
+    (["--num-experts", "4", "--moe-router-topk", "5"], ("--moe-router-topk",)),
+    (["--num-experts", "4", "--moe-router-topk", "1"], ("--moe-router-pre-softmax",)),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-expert-capacity-factor", "1"],
+     ("--moe-expert-capacity-factor",)),
+    (["--num-experts", "4", "--moe-permute-fusion"], ("--moe-permute-fusion",)),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], ("expert-model-parallel-size 2",)),  # world 1
+    (["--num-experts", "4", "--tensor-model-parallel-size", "1", "--moe-token-dispatcher-type", "flex"], ("flex",)),
+])
+def test_bad_moe_combinations_exit_2(tmp_path, capsys, extra, words):
+    argv = MODEL + ["--micro-batch-size", "2", "--train-iters", "1", "--save", str(tmp_path)] + extra
+    _one_line_exit_2(capsys, argv, *words)
+
+
+def _run_cli_result(argv):
+    """Inside a rank: (losses, iteration, exit reason)."""
+    result = pretrain_gpt.main(argv)
+    return result.losses, result.iteration, result.exit_reason
+
+
+def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
+    """Expert weights are saved per EP rank (its own folder) with the expert bias; a resumed EP2 run
+    gives bit-identically the losses of an uninterrupted EP2 run (which follow the single process)."""
+    save = str(tmp_path / "resumed")
+    flags = MOE + MOE_B + ["--expert-model-parallel-size", "2"]
+    first = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--exit-interval", "4"]))
+    assert all(r[1] == 4 and r[2] == "interval" for r in first)
+    folders = sorted(os.path.basename(os.path.dirname(f)) for f in glob.glob(os.path.join(save, "iter_0000004", "mp_rank_*", "*.pt")))
+    assert folders == ["mp_rank_00_000_000", "mp_rank_00_000_001"], folders
+    second = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--load", save]))
+    assert all(r[1] == ITERS for r in second)
+    straight = run_ranks(2, _run_cli_result, _argv(str(tmp_path / "straight"), ITERS, flags))
+    assert first[0][0] + second[0][0] == straight[0][0]  # bit-identical continuation
+    _same_losses(straight[0][0], moe_reference["B"][0])
+
+
+def test_ep2_bf16_trains(tmp_path):
+    argv = _argv(str(tmp_path / "bf16"), 6, MOE + ["--expert-model-parallel-size", "2", "--bf16", "--moe-grouped-gemm"])
+    losses = [r for r in run_ranks(2, _run_cli_result, argv)][0][0]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_router_losses_in_console_and_tensorboard(tmp_path, capsys):
+    """The console line carries the router losses right after lm loss; TensorBoard gets them, per
+    layer with --moe-per-layer-logging, and the dropped-token count with a capacity factor."""
+    tb = tmp_path / "tb"
+    argv = _argv(str(tmp_path / "ckpt"), 3, MOE + ["--moe-layer-freq", "([0,1]*2)", "--moe-per-layer-logging",
+                                                  "--moe-expert-capacity-factor", "0.5", "--tensorboard-dir", str(tb)])
+    pretrain_gpt.main(argv)
+    line = [x for x in capsys.readouterr().out.splitlines() if "iteration        2/" in x][0]
+    assert " lm loss: " in line and line.index(" lm loss: ") < line.index(" load_balancing_loss: ") \
+        < line.index(" z_loss: ") < line.index(" loss scale: "), line
+    balance = float(line.split(" load_balancing_loss: ")[1].split(" |")[0])
+    assert 0.9 < balance < 2.0, balance
+    files = glob.glob(str(tb / "events.*"))
+    acc = EventAccumulator(files[0], size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {"load_balancing_loss", "z_loss", "moe/load_balancing_loss_layer_1", "moe/load_balancing_loss_layer_3",
+                "moe/z_loss_layer_1", "moe/z_loss_layer_3", "moe/dropped_tokens"}
+    assert expected <= tags and "moe/z_loss_layer_0" not in tags, tags
+    assert acc.Scalars("moe/dropped_tokens")[0].value > 0  # capacity 0.5 must drop
+
+
+def test_ep_checkpoint_loads_into_one_process(moe_reference, tmp_path):
+    """An EP2 x TP2 checkpoint merges into a single-process MoE GPT (what tools/generate.py loads)."""
+    save = _parallel(tmp_path, "ep2tp2", 4, 3, MOE + MOE_B + ["--expert-model-parallel-size", "2",
+                                                             "--tensor-model-parallel-size", "2", "--sequence-parallel"])[1]
+    model, saved = load_gpt_checkpoint(save)
+    assert saved["num_experts"] == 4 and model.config.num_experts == 4
+    experts = model.decoder.layers[0].mlp.experts
+    assert experts.weight1.shape[0] == 4 and experts.num_local_experts == 4

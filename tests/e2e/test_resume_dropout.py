@@ -1,0 +1,109 @@
+"""Resuming with dropout on continues bit for bit: stopped cleanly, or killed with SIGKILL at any moment.
+
+The uninterrupted 8-iteration run is the reference; a run stopped (or killed) part-way and resumed
+with ``--load`` must report exactly the same losses for every iteration after the checkpoint.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from tests.e2e.conftest import ROOT
+from tests.harness import run_ranks
+
+DROPOUT = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--vocab-size", "123", "--mock-data", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+    "--lr", "1e-2", "--log-interval", "1", "--eval-iters", "0", "--seed", "11",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8",
+]
+
+
+def _run(argv):
+    return pretrain_gpt.main(argv).losses
+
+
+def _losses(world, argv):
+    if world == 1:
+        return _run(argv)
+    losses = [r for r in run_ranks(world, _run, argv) if r]
+    return losses[0]
+
+
+@pytest.mark.parametrize("world, extra", [(1, []), (2, ["--tensor-model-parallel-size", "2"])])
+def test_resume_with_dropout_is_bit_identical(tmp_path, world, extra):
+    straight = _losses(world, DROPOUT + extra + ["--save", str(tmp_path / "straight")])
+    save = str(tmp_path / "resumed")
+    first = _losses(world, DROPOUT + extra + ["--save", save, "--save-interval", "4", "--exit-interval", "4"])
+    second = _losses(world, DROPOUT + extra + ["--save", save, "--load", save])
+    assert len(first) == 4 and len(second) == 4
+    assert first + second == straight
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
+
+
+def _kill_run(world, moment, iteration, argv):
+    """Run ``argv`` in fresh processes (torchrun for 2 ranks) killed with SIGKILL at ``moment``."""
+    script = ["tests/e2e/kill_at.py", moment, str(iteration)] + argv
+    launch = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", "29547"]
+    out = subprocess.run(launch + script, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, "the run was not killed"
+    if world == 1:
+        assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize(
+    "world, moment, kill_at, resumes_at",
+    [(1, "step", 6, 5), (1, "save", 5, 4), (1, "tracker", 5, 5), (1, "save", 1, 0), (2, "save", 5, 4)],
+)
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, moment, kill_at, resumes_at):
+    """Save every iteration; kill in an iteration's step (after its gradients, before the optimizer
+    step), in the middle of its save, or right after the tracker names it. The resumed run continues
+    from the newest complete checkpoint (from scratch when the very first save was cut short)."""
+    extra = [] if world == 1 else ["--tensor-model-parallel-size", "2"]
+    argv = DROPOUT + extra + ["--save-interval", "1"]
+    straight = _losses(world, argv + ["--save", str(tmp_path / "straight")])
+    save = str(tmp_path / "killed")
+    stdout = _kill_run(world, moment, kill_at, argv + ["--save", save])
+    last_logged = kill_at - 1 if moment == "step" else kill_at  # a step killed before its log line
+    assert re.search(rf"iteration +{last_logged}/", stdout)
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if resumes_at:
+        with open(tracker) as f:
+            assert int(f.read()) == resumes_at
+    else:
+        assert not os.path.exists(tracker)
+    resumed = _losses(world, argv + ["--save", save, "--load", save])
+    assert resumed == straight[resumes_at:]
+
+
+def test_sigterm_during_start_up_is_honoured_at_the_first_step(tmp_path):
+    """The handler is installed before anything else: a SIGTERM while the checkpoint loads saves
+    at the first step boundary and exits 0 (not killed with -15)."""
+    save = str(tmp_path / "ckpt")
+    _run(DROPOUT + ["--save", save, "--train-iters", "2"])
+    cmd = [sys.executable, "pretrain_gpt.py"] + DROPOUT + [
+        "--train-iters", "100000", "--save", save, "--load", save, "--exit-signal-handler"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "parallel layout" in line:  # start-up is under way: nothing built or loaded yet
+                proc.send_signal(signal.SIGTERM)
+                break
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "exit on signal" in stdout
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == 3

@@ -1,0 +1,68 @@
+"""MoE flag validation: every refused combination gives one line naming the flag; valid ones pass."""
+
+import pytest
+
+from megatron_lite.moe.config import MoEConfig, moe_config_problem, normalize, parse_moe_layer_freq
+
+
+def _problem(tp=1, ep=1, sp=False, fp16=False, num_layers=4, **fields):
+    moe = MoEConfig(**fields)
+    normalize(moe, ffn_hidden_size=64)
+    return moe_config_problem(moe, num_layers=num_layers, tp=tp, ep=ep, sequence_parallel=sp, fp16=fp16)
+
+
+def test_layer_freq_patterns():
+    assert parse_moe_layer_freq(1, 3) == [True, True, True]
+    assert parse_moe_layer_freq("2", 4) == [True, False, True, False]
+    assert parse_moe_layer_freq("([0]+[1]*3)", 4) == [False, True, True, True]
+    assert parse_moe_layer_freq("[1,0,1,0]", 4) == [True, False, True, False]
+    with pytest.raises(ValueError, match="list of 4"):
+        parse_moe_layer_freq("[1]*3", 4)
+    with pytest.raises(ValueError, match="only int lists"):
+        parse_moe_layer_freq("__import__('os')", 4)
+
+
+def test_valid_combinations_pass():
+    assert _problem() is None  # dense
+    assert _problem(num_experts=8, moe_router_topk=2, ep=2) is None
+    assert _problem(num_experts=8, tp=2, sp=True, ep=2, moe_shared_expert_intermediate_size=32) is None
+    assert _problem(num_experts=8, moe_router_topk=1, moe_router_pre_softmax=True) is None
+    assert _problem(num_experts=8, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                    moe_aux_loss_coeff=[0.01, 0.001]) is None
+
+
+def test_normalize_defaults():
+    moe = MoEConfig(num_experts=0, moe_expert_capacity_factor=-1.0)
+    normalize(moe, ffn_hidden_size=64)
+    assert moe.num_experts is None and moe.moe_expert_capacity_factor is None
+    moe = MoEConfig(num_experts=4, moe_router_load_balancing_type=["aux_loss", "z"], moe_aux_loss_coeff=[0.1])
+    normalize(moe, ffn_hidden_size=64)
+    assert moe.moe_ffn_hidden_size == 64 and moe.moe_aux_loss_coeff == [0.1, 0.1]
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(num_experts=6, ep=4), "--expert-model-parallel-size"),
+    (dict(num_experts=4, moe_router_topk=5), "--moe-router-topk"),
+    (dict(num_experts=4, moe_router_topk=1), "--moe-router-pre-softmax"),
+    (dict(num_experts=4, tp=2), "--sequence-parallel"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_expert_capacity_factor=1.0),
+     "--moe-expert-capacity-factor"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_aux_loss_coeff=[0.01]), "sinkhorn"),
+    (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "--moe-expert-capacity-factor"),
+    (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
+    (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
+    (dict(num_experts=8, moe_router_enable_expert_bias=True), "--moe-router-score-function sigmoid"),
+    (dict(num_experts=4, moe_token_dispatcher_type="flex"), "flex"),
+    (dict(num_experts=4, moe_permute_fusion=True), "--moe-permute-fusion"),
+    (dict(num_experts=4, moe_router_fusion=True), "--moe-router-fusion"),
+    (dict(num_experts=4, moe_enable_deepep=True), "--moe-enable-deepep"),
+    (dict(num_experts=4, expert_tensor_parallel_size=2, tp=4, sp=True), "--expert-tensor-parallel-size"),
+    (dict(num_experts=4, ep=2, fp16=True), "--fp16"),
+    (dict(num_experts=4, moe_layer_freq="[1]*3"), "--moe-layer-freq"),
+    (dict(ep=2), "--num-experts"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["aux_loss", "z_loss"], moe_aux_loss_coeff=[0.1, 0.2, 0.3]),
+     "--moe-aux-loss-coeff"),
+])
+def test_bad_combinations_are_one_line_naming_the_flag(kwargs, flag):
+    message = _problem(**kwargs)
+    assert message is not None and flag in message and "\n" not in message, message

@@ -1,0 +1,40 @@
+"""Smaller user-facing messages: WSD without its decay length, a non-UTF-8 tokenizer corpus, the
+16-bit-on-CPU warning."""
+
+import pytest
+import torch
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import Config
+from megatron_lite.training import loop
+from tests.tools import load_tool
+
+
+def test_wsd_without_decay_iters_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as err:
+        parse_args(["--mock-data", "--vocab-size", "64", "--lr-decay-style", "WSD"], world_size=1)
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "needs --lr-wsd-decay-iters" in line and "None" not in line
+
+
+def test_train_tokenizer_names_a_non_utf8_file(tmp_path, capsys):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 3)
+    code = load_tool("train_tokenizer").main(["--input", str(path), "--output-prefix", str(tmp_path / "spm")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"{path}: not UTF-8 text" in err, err
+
+
+@pytest.mark.parametrize("flag, native, warned", [("bf16", False, True), ("bf16", True, False), ("fp16", False, True),
+                                                  (None, False, False)])
+def test_half_precision_on_an_emulating_cpu_warns(monkeypatch, flag, native, warned):
+    monkeypatch.setattr(loop, "cpu_has_native", lambda dtype: native)
+    config = Config()
+    if flag:
+        setattr(config.precision, flag, True)
+    message = loop.half_precision_warning(config, torch.device("cpu"))
+    assert (message is not None) == warned
+    if warned:
+        assert f"--{flag}" in message and "slower than fp32" in message
+    assert loop.half_precision_warning(config, torch.device("cuda")) is None
