@@ -22,6 +22,8 @@ from .models.transformer_config import (
     RECOMPUTE_METHODS,
 )
 from .moe.config import MOE_CHOICES
+from .precision.flags import TRANSFORMER_IMPLS
+from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_RECIPES_NOT_BUILT
 
 CHOICES = {
     **MOE_CHOICES,
@@ -36,9 +38,10 @@ CHOICES = {
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
-    "fp8_format": ["e4m3", "hybrid"],
-    "fp8_recipe": ["delayed", "tensorwise"],
-    "fp8_amax_compute_algo": ["max", "most_recent"],
+    "fp8_format": list(FP8_FORMATS),
+    "fp8_recipe": list(FP8_RECIPES + FP8_RECIPES_NOT_BUILT),  # the latter refused in one line, not by argparse
+    "fp8_amax_compute_algo": list(AMAX_COMPUTE_ALGOS),
+    "transformer_impl": list(TRANSFORMER_IMPLS),
     "tokenizer_type": [
         "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
         "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",

@@ -188,6 +188,16 @@ class PrecisionConfig:
     """FP8 amax history length."""
     fp8_amax_compute_algo: str = "most_recent"
     """FP8 amax from the history: max or most_recent."""
+    no_fp8_wgrad: bool = False
+    """Run the FP8 layers' weight-gradient GEMM in bf16 instead of FP8."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last transformer layers in bf16 (counts: --num-layers-at-start/end-in-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Transformer layers at the start kept in bf16 with --first-last-layers-bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Transformer layers at the end kept in bf16 with --first-last-layers-bf16."""
+    transformer_impl: str = "local"
+    """Linear layers: local (native FP8 GEMMs) or transformer_engine (needs Transformer Engine and a GPU)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -357,13 +367,9 @@ def _check_batch(config: Config) -> None:
 
 
 def _check_precision(pr: PrecisionConfig) -> None:
-    _require(pr.fp8_format is None, "--fp8-format: FP8 training is not implemented yet; use --bf16")
-    _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
-    if pr.fp16:
-        _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
-        _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
-                 "--initial-loss-scale and --min-loss-scale must be positive")
-        _require(pr.loss_scale_window >= 1 and pr.hysteresis >= 1, "--loss-scale-window and --hysteresis must be at least 1")
+    from .precision.flags import check_precision_flags
+
+    check_precision_flags(pr)
 
 
 def _check_schedule(config: Config) -> None:

@@ -33,6 +33,7 @@ from ..models import BertModel, GPTModel, TransformerConfig
 from ..moe.config import MoEConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
+from ..precision.fp8 import is_fp8_state_key
 from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
@@ -132,6 +133,8 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
 def _load_into(path: str, build, kind: str, params_dtype=torch.float32) -> tuple[torch.nn.Module, dict]:
     """Merge the checkpoint and load it into ``build(transformer_config, state, saved_config)``."""
     state_dict, saved = merge_checkpoint(path)
+    # FP8 bookkeeping (amax histories, scales) of an FP8-trained run: the model built here has none
+    state_dict = {k: v for k, v in state_dict.items() if not is_fp8_state_key(k)}
     cfg = model_config_from_saved(saved)
     moe = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts

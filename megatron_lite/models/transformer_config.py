@@ -22,6 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
+from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from .common import param_generator
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -72,6 +73,16 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     recompute_method: str | None = None  # with full: uniform or block
     recompute_num_layers: int | None = None  # with full: layers per group (uniform) / per chunk (block); default 1
     expert_model_parallel_size: int = 1  # experts are split over this many data-parallel ranks
+    # FP8 (fp8 = None: every GEMM in params_dtype) ----------------------------------------------
+    fp8: str | None = None  # format: e4m3, or hybrid (E4M3 forward, E5M2 gradients)
+    fp8_recipe: str = "delayed"  # delayed or tensorwise scaling
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True  # False: weight-gradient GEMMs in params_dtype
+    first_last_layers_bf16: bool = False  # keep the first/last layers below out of FP8
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
         self._check_shape()
@@ -79,6 +90,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         self._check_parallel()
         self._check_context_parallel()
         self._check_recompute()
+        self._check_fp8()
         check_moe_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
@@ -178,7 +190,19 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             _require(self.recompute_num_layers >= 1, "--recompute-num-layers must be at least 1")
         _require(method is None or g == "full", "--recompute-method only applies with --recompute-granularity full")
 
-    # -- what layers ask for ---------------------------------------------------------------------
+    def _check_fp8(self) -> None:
+        if self.fp8 is None:
+            return
+        self.fp8_scaling_recipe()  # validates format, recipe, amax algorithm and history length
+        if self.first_last_layers_bf16:
+            start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+            _require(start >= 0 and end >= 0,
+                     "--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be at least 0")
+            _require(start + end <= self.num_layers,
+                     f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} exceed "
+                     f"num-layers {self.num_layers}; lower them")
+
+        # -- what layers ask for ---------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.kv_channels
@@ -197,8 +221,37 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         """The GEMM of one linear layer of global layer ``layer_number`` (None: the plain
         ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``num_layers + 1`` is the
         output layer. Called once per linear layer, so a precision recipe can return a fresh
-        stateful object here; ``tp_group`` is the group a shard's scaling statistics are reduced over."""
-        return None
+        stateful object here; ``tp_group`` is the group a shard's scaling statistics are reduced over.
+
+        With FP8 on, the linears of FP8 layers (QKV, attention projection, fc1, fc2) get their own
+        :class:`~megatron_lite.precision.fp8.Fp8Gemm` whose amaxes are MAX-reduced over ``tp_group``;
+        the embedding (layer 0) and the output layer stay in ``params_dtype``."""
+        if not self.is_fp8_layer(layer_number):
+            return None
+        return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=tp_group)
+
+    def is_fp8_layer(self, layer_number: int) -> bool:
+        """Whether transformer layer ``layer_number`` (global, 1-based) runs its GEMMs in FP8."""
+        if self.fp8 is None or not 1 <= layer_number <= self.num_layers:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16
+
+    def fp8_scaling_recipe(self) -> Fp8Recipe:
+        """The FP8 recipe of this model's FP8 layers (validated on construction)."""
+        return Fp8Recipe(format=self.fp8, recipe=self.fp8_recipe, margin=self.fp8_margin,
+                         amax_history_len=self.fp8_amax_history_len, amax_compute_algo=self.fp8_amax_compute_algo,
+                         wgrad=self.fp8_wgrad)
+
+    def describe_fp8(self) -> str:
+        """Which layers run in FP8 and with what recipe (for the startup log); '' without FP8."""
+        if self.fp8 is None:
+            return ""
+        layers = [n for n in range(1, self.num_layers + 1) if self.is_fp8_layer(n)]
+        span = f"layers {layers[0]}-{layers[-1]} of {self.num_layers}" if layers else f"no layer of {self.num_layers}"
+        return (f"FP8 {span} (QKV, attention projection, fc1, fc2; embedding and output layer in "
+                f"{str(self.params_dtype).replace('torch.', '')})")
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -222,4 +275,14 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
+            **_fp8_fields(config.precision),
         )
+
+
+def _fp8_fields(pr) -> dict:
+    """TransformerConfig's FP8 fields from the precision flags (Megatron's names on both sides)."""
+    return dict(fp8=pr.fp8_format, fp8_recipe=pr.fp8_recipe, fp8_margin=pr.fp8_margin,
+                fp8_amax_history_len=pr.fp8_amax_history_len, fp8_amax_compute_algo=pr.fp8_amax_compute_algo,
+                fp8_wgrad=not pr.no_fp8_wgrad, first_last_layers_bf16=pr.first_last_layers_bf16,
+                num_layers_at_start_in_bf16=pr.num_layers_at_start_in_bf16,
+                num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
@@ -31,6 +32,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
 from .timers import Timers
@@ -151,6 +153,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
             grad_scale_func=optimizer.scale_loss,
             no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
         )
+    if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
+        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
     if moe:
@@ -207,6 +211,9 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
+    if config.precision.fp8_format is not None:
+        model = TransformerConfig.from_config(config)
+        print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
     warning = half_precision_warning(config, device)
     if warning:
         print_rank_0(warning)

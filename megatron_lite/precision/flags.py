@@ -1,0 +1,57 @@
+"""Validation of the precision flags (bf16/fp16, loss scaling, FP8, the linear-layer implementation).
+
+The FP8 recipe's own values (format, recipe, amax algorithm, history length, bf16 layers) are
+checked where they are used, by :class:`~megatron_lite.precision.fp8.Fp8Recipe` and
+:class:`~megatron_lite.models.transformer_config.TransformerConfig`; here are the rules that tie
+the precision flags to each other and to the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..errors import ConfigError
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def transformer_engine_missing() -> list[str]:
+    """What ``--transformer-impl transformer_engine`` lacks here (empty when TE and a GPU are present)."""
+    missing = []
+    try:
+        installed = importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        missing.append("Transformer Engine is not installed")
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU is visible")
+    return missing
+
+
+def check_precision_flags(pr) -> None:
+    """Raise ConfigError (one line naming the flag and the fix) for a bad precision combination."""
+    _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    if pr.fp16:
+        _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
+        _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
+                 "--initial-loss-scale and --min-loss-scale must be positive")
+        _require(pr.loss_scale_window >= 1 and pr.hysteresis >= 1, "--loss-scale-window and --hysteresis must be at least 1")
+    _require(pr.transformer_impl in TRANSFORMER_IMPLS,
+             f"--transformer-impl {pr.transformer_impl}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
+    if pr.transformer_impl == "transformer_engine":
+        missing = transformer_engine_missing()
+        _require(not missing, f"--transformer-impl transformer_engine: {' and '.join(missing)}; "
+                              "use --transformer-impl local (native FP8 GEMMs)")
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine's layers are not wired in "
+                          "yet; use --transformer-impl local (native FP8 GEMMs)")
+    if pr.fp8_format is not None:
+        _require(pr.bf16, f"--fp8-format {pr.fp8_format} needs --bf16 (the FP8 GEMMs take and return bf16 "
+                          "tensors and the rest of the model runs in bf16); add --bf16")

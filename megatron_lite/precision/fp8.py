@@ -1,0 +1,277 @@
+"""FP8 training in plain PyTorch: the recipe, an FP8 linear GEMM and its per-step scale update.
+
+:class:`Fp8Gemm` plugs into the GEMM seam of the tensor-parallel linears (``gemm(x, weight, bias)``
+computes ``x @ weight.T + bias`` on this rank's shard). Each call quantises
+
+* forward: input and weight to E4M3 and runs ``torch._scaled_mm``;
+* backward: the output gradient to E5M2 (``hybrid``) or E4M3 (``e4m3``), then dgrad ``dY @ W`` in
+  FP8, and wgrad ``dY^T @ X`` in FP8 too unless ``wgrad=False`` (then in the input's precision).
+
+Outputs, the bias add and everything outside the GEMM stay in high precision.
+
+Recipes:
+
+* ``delayed``: each tensor slot (input, weight, output gradient) uses the scale computed at the
+  previous step's update; calls only record their amax (max over the micro-batches of a step).
+  :func:`update_fp8_scales`, called once per optimizer step, MAX-reduces the recorded amaxes over
+  each gemm's ``amax_group``, then per slot computes the amax from an ``amax_history_len`` long
+  history (``most_recent`` or ``max``), ``scale = (fp8_max / amax) / 2^margin`` and rolls the
+  history. The histories and scales are buffers, so they are saved in checkpoints and a resumed
+  run continues with the same scales.
+* ``tensorwise``: each call scales by ``fp8_max / amax`` of the tensor it casts, the amaxes
+  MAX-reduced over ``amax_group`` first.
+
+With ``amax_group`` set to the tensor-parallel group, every shard of a tensor gets the same scale,
+so the sharded GEMMs compute exactly what the unsharded FP8 GEMM would (up to summation order).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from .fp8_ops import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    amax,
+    amax_from_history,
+    column_major,
+    current_scale,
+    delayed_scale,
+    fp8_matmul,
+    quantize,
+    roll_amax_history,
+    scaled_mm_blocker,
+)
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise")
+FP8_RECIPES_NOT_BUILT = ("blockwise", "mxfp8")  # Megatron's block-scaled recipes: refused
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+# columns of the amax history / entries of the scale buffer
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """What to quantise how. Field defaults are Megatron's flag defaults (format aside)."""
+
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+
+    def __post_init__(self):
+        if self.format not in FP8_FORMATS:
+            raise ConfigError(f"--fp8-format {self.format}: expected one of {', '.join(FP8_FORMATS)}")
+        if self.recipe in FP8_RECIPES_NOT_BUILT:
+            raise ConfigError(f"--fp8-recipe {self.recipe} is not implemented (it needs block-scaled FP8 GEMMs); "
+                              "use delayed or tensorwise")
+        if self.recipe not in FP8_RECIPES:
+            raise ConfigError(f"--fp8-recipe {self.recipe}: expected one of {', '.join(FP8_RECIPES)}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ConfigError(f"--fp8-amax-compute-algo {self.amax_compute_algo}: "
+                              f"expected one of {', '.join(AMAX_COMPUTE_ALGOS)}")
+        if self.amax_history_len < 1:
+            raise ConfigError(f"--fp8-amax-history-len {self.amax_history_len} must be at least 1")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """FP8 dtype of the output gradient: E5M2 (more range) in hybrid, E4M3 in e4m3."""
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    def fp8_max(self) -> torch.Tensor:
+        """Largest finite value per slot (input, weight, output gradient)."""
+        return torch.tensor([FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.grad_dtype]])
+
+    def describe(self) -> str:
+        grads = "E5M2" if self.format == "hybrid" else "E4M3"
+        if self.recipe == "delayed":
+            how = (f"delayed scaling (amax history {self.amax_history_len}, {self.amax_compute_algo}, "
+                   f"margin {self.margin})")
+        else:
+            how = "tensorwise (current) scaling"
+        wgrad = "FP8 wgrad" if self.wgrad else "bf16 wgrad"
+        return f"{self.format} (E4M3 forward, {grads} gradients), {how}, {wgrad}"
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``x @ weight.T + bias`` with the three GEMMs in FP8 (``torch._scaled_mm`` has no autograd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemm, record):
+        x2 = x.reshape(-1, x.shape[-1])
+        scale = gemm._forward_scales(x2, weight, record)
+        scale_inv = 1.0 / scale
+        x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3)
+        out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
+        if bias is not None:
+            out = out + bias
+        # FP8 copies are what the backward GEMMs need (and 1 byte per element to keep)
+        ctx.save_for_backward(x8 if gemm.recipe.wgrad else x2.detach(), w8, scale_inv)
+        ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
+        ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w8, scale_inv = ctx.saved_tensors
+        gemm = ctx.gemm
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g_scale = gemm._grad_scale(dy2)
+        g_inv = 1.0 / g_scale
+        dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm._matmul("dgrad", dy8, column_major(w8), g_inv, scale_inv[WEIGHT], ctx.x_dtype)
+            dx = dx.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if gemm.recipe.wgrad:
+                dw = gemm._matmul("wgrad", dy8.t().contiguous(), column_major(x_saved), g_inv,
+                                  scale_inv[INPUT], ctx.w_dtype)
+            else:  # high-precision wgrad from the unquantised gradient and input
+                dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+class Fp8Gemm(nn.Module):
+    """The FP8 GEMM of one linear layer: ``gemm(x, weight, bias=None) -> x @ weight.T + bias``.
+
+    Holds the FP8 state of that layer as buffers (so it is checkpointed): ``amax_history``
+    ``[amax_history_len, 3]`` and ``scale [3]``, columns (input, weight, output gradient).
+    ``amax_group``: process group over which amaxes are MAX-reduced (None: this process only).
+    ``fallbacks`` maps a GEMM (``fprop``/``dgrad``/``wgrad``) that could not use the FP8 kernel to
+    the reason; it then ran as a dequantised matmul on the same FP8 values.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, amax_group=None):
+        super().__init__()
+        self.recipe = recipe
+        self.amax_group = amax_group
+        self.register_buffer("amax_history", torch.zeros(recipe.amax_history_len, 3))
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("fp8_max", recipe.fp8_max(), persistent=False)
+        self.fallbacks: dict[str, str] = {}
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
+        return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
+
+    def extra_repr(self) -> str:
+        return self.recipe.describe()
+
+    def _apply(self, fn, recurse=True):
+        # FP8 bookkeeping stays fp32 when the model is cast (e.g. to bf16): scales need the range
+        super()._apply(fn, recurse)
+        for name in ("amax_history", "scale", "fp8_max"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return self
+
+    def _reduce(self, amaxes: torch.Tensor) -> torch.Tensor:
+        if self.amax_group is not None and dist.get_world_size(self.amax_group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.amax_group)
+        return amaxes
+
+    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor, record: bool) -> torch.Tensor:
+        """Scales for (input, weight) of this call; records their amaxes for delayed scaling."""
+        amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
+        if self.recipe.recipe == "tensorwise":
+            return current_scale(self._reduce(amaxes), self.fp8_max[:2])
+        if record:
+            self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
+        return self.scale[:2].clone()
+
+    def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:
+        """Scale for the output gradient of this call; records its amax for delayed scaling."""
+        g = amax(dy).to(self.scale.device).reshape(1)
+        if self.recipe.recipe == "tensorwise":
+            return current_scale(self._reduce(g), self.fp8_max[GRAD_OUTPUT:])[0]
+        self.amax_history[0, GRAD_OUTPUT:] = torch.maximum(self.amax_history[0, GRAD_OUTPUT:], g)
+        return self.scale[GRAD_OUTPUT].clone()
+
+    def _matmul(self, kind, a, b, a_scale_inv, b_scale_inv, out_dtype):
+        out, reason = fp8_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype)
+        if reason is not None and kind not in self.fallbacks:
+            self.fallbacks[kind] = reason
+            warnings.warn(f"FP8 {kind} GEMM {tuple(a.shape)} x {tuple(b.shape)} runs as a dequantised "
+                          f"matmul: {reason}", stacklevel=2)
+        return out
+
+    @torch.no_grad()
+    def update_scales(self, reduced_amax: torch.Tensor | None = None) -> None:
+        """Delayed scaling's once-per-step update (a no-op for tensorwise scaling).
+
+        ``reduced_amax`` replaces the latest history row (the amaxes recorded this step) when it
+        has already been MAX-reduced over ``amax_group``; :func:`update_fp8_scales` does that for
+        all gemms of a model with one collective per group.
+        """
+        if self.recipe.recipe != "delayed":
+            return
+        if reduced_amax is not None:
+            self.amax_history[0] = reduced_amax
+        latest = amax_from_history(self.amax_history, self.recipe.amax_compute_algo)
+        self.scale.copy_(delayed_scale(latest, self.scale, self.fp8_max, self.recipe.margin))
+        self.amax_history.copy_(roll_amax_history(self.amax_history))
+
+
+def fp8_gemms(modules: nn.Module | Iterable[nn.Module]) -> list[Fp8Gemm]:
+    """Every :class:`Fp8Gemm` inside ``modules`` (a model or a list of model chunks), in order."""
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    return [m for module in modules for m in module.modules() if isinstance(m, Fp8Gemm)]
+
+
+@torch.no_grad()
+def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_group=None) -> int:
+    """The once-per-step delayed-scaling update of every FP8 gemm in ``modules``.
+
+    The amaxes recorded this step are MAX-reduced with one all-reduce per ``amax_group`` (all ranks
+    of a group hold the same gemms in the same order) and then, when ``data_parallel_group`` is
+    given, once more over it, so every data-parallel replica derives the same scales from the whole
+    global batch. Then each gemm updates its scales and history. Call on every rank after the last
+    backward of the step. Returns the number of gemms updated.
+    """
+    delayed = [g for g in fp8_gemms(modules) if g.recipe.recipe == "delayed"]
+    if not delayed:
+        return 0
+    latest = torch.stack([g.amax_history[0] for g in delayed])
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(delayed):
+        by_group.setdefault(id(g.amax_group), []).append(i)
+    for rows in by_group.values():
+        group = delayed[rows[0]].amax_group
+        if group is not None and dist.get_world_size(group) > 1:
+            part = latest[rows]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            latest[rows] = part
+    if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=data_parallel_group)
+    for g, row in zip(delayed, latest):
+        g.update_scales(row)
+    return len(delayed)
+
+
+def is_fp8_state_key(name: str) -> bool:
+    """True for a state-dict entry that is FP8 bookkeeping (amax history, scale), not a weight."""
+    return name.endswith((".gemm.amax_history", ".gemm.scale"))
+
+
+def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
+    """One line for the startup log: the recipe and which GEMM kernel runs it on ``device``."""
+    probe = torch.zeros(16, 16, dtype=E4M3, device=device)
+    reason = scaled_mm_blocker(probe, probe.t())
+    kernel = ("torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})")
+    return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
