@@ -24,7 +24,10 @@ def check_wandb_available(config) -> None:
 
 
 class WandbWriter:
-    """TensorBoard's writer interface over one W&B run: each scalar goes to ``run.log`` at its step."""
+    """TensorBoard's writer interface over one W&B run: the scalars of one step are collected and
+    sent as one ``run.log(..., step=step, commit=True)`` when a later step starts and on close (not
+    on flush: W&B drops anything logged to a step once it is committed, and the validation scalars
+    of a step come after the training scalars have been flushed)."""
 
     def __init__(self, config):
         import wandb
@@ -35,14 +38,24 @@ class WandbWriter:
         os.makedirs(save_dir, exist_ok=True)
         self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name or None, dir=save_dir,
                               config=config.flat())
+        self.step, self.pending = None, {}
 
     def add_scalar(self, name: str, value, step: int) -> None:
-        self.run.log({name: value}, step=int(step))
+        if self.step is not None and int(step) != self.step:
+            self._send()
+        self.step = int(step)
+        self.pending[name] = float(value)
+
+    def _send(self) -> None:
+        if self.pending:
+            self.run.log(self.pending, step=self.step, commit=True)
+            self.pending = {}
 
     def flush(self) -> None:
-        pass  # run.log hands records to W&B's own service process, which writes them
+        pass  # see the class docstring; W&B's service process writes what it has been sent
 
     def close(self) -> None:
+        self._send()
         self.run.finish()
 
 

@@ -4,11 +4,15 @@ and values that TensorBoard receives; without the optional package the flag is r
 import glob
 import importlib.util
 import math
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
 import pretrain_gpt
+from tests.e2e.conftest import ROOT
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -65,12 +69,16 @@ def _tensorboard_scalars(tb_dir):
     return {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
 
 
-def test_wandb_offline_gets_the_tensorboard_scalars(tmp_path, monkeypatch):
+def test_wandb_offline_gets_the_tensorboard_scalars(tmp_path):
+    """Run as users run it, in its own process (W&B starts a service process of its own)."""
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    pretrain_gpt.main(TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megatron-lite-test",
-                              "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb")])
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    argv = TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megatron-lite-test",
+                   "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb")]
+    out = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     tb, wb = _tensorboard_scalars(tmp_path / "tb"), _wandb_scalars(tmp_path / "wb")
     assert {("lm loss", 4), ("learning-rate", 1), ("lm loss validation", 2), ("iteration-time", 4)} <= set(tb)
     assert set(wb) == set(tb)
