@@ -1,0 +1,54 @@
+"""The precision flags (``--bf16``, ``--fp16`` and loss scaling, FP8): one section of the run's Config.
+
+Every field becomes a flag (``fp8_format`` -> ``--fp8-format``) with the string under it as its help;
+the rules that tie them together are in :mod:`megatron_lite.precision.flags`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    """bf16 weights and compute, fp32 master weights and gradients."""
+    fp16: bool = False
+    """fp16 weights and compute with a dynamic loss scaler."""
+    loss_scale: float | None = None
+    """Static loss scale for fp16 (default: dynamic)."""
+    initial_loss_scale: float = 2.0**32
+    """Initial dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic loss scale doubles."""
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the loss scale halves."""
+    fp8_format: str | None = None
+    """FP8 format: e4m3 or hybrid."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe: delayed or tensorwise."""
+    fp8_margin: int = 0
+    """FP8 scaling margin."""
+    fp8_amax_history_len: int = 1
+    """FP8 amax history length."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """FP8 amax from the history: max or most_recent."""
+    no_fp8_wgrad: bool = False
+    """Run the FP8 layers' weight-gradient GEMM in bf16 instead of FP8."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last transformer layers in bf16 (counts: --num-layers-at-start/end-in-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Transformer layers at the start kept in bf16 with --first-last-layers-bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Transformer layers at the end kept in bf16 with --first-last-layers-bf16."""
+    transformer_impl: str = "local"
+    """Linear layers: local (native FP8 GEMMs) or transformer_engine (needs Transformer Engine and a GPU)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype of the model's weights and activations."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
