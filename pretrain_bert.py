@@ -38,7 +38,7 @@ from megatron_lite.data.builder import (
     train_valid_test_num_samples,
 )
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
-from megatron_lite.data.samplers import build_data_iterators
+from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
@@ -142,19 +142,8 @@ def make_datasets_provider(tokenizer):
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, [train_samples, valid_samples, 0],
                                                                 tokenizer)
 
-        def iterators():
-            train, valid, _ = build_data_iterators(
-                train_ds, valid_ds, None, consumed_train, consumed_valid, t.micro_batch_size,
-                state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
-                num_workers=config.data.num_workers, seed=t.seed,
-            )
-            return train, valid
-
-        num_chunks = len(my_layer_ranges(config, state))
-        if num_chunks == 1:
-            return iterators()
-        pairs = [iterators() for _ in range(num_chunks)]  # interleaving: one iterator per chunk
-        return [p[0] for p in pairs], [p[1] for p in pairs] if valid_ds is not None else None
+        return chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train, consumed_valid,
+                                    len(my_layer_ranges(config, state)))
 
     return provider
 

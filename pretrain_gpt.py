@@ -27,7 +27,7 @@ from megatron_lite.data.builder import (
     train_valid_test_num_samples,
 )
 from megatron_lite.data.indexed_dataset import DataFileError
-from megatron_lite.data.samplers import build_data_iterators
+from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.models import GPTModel, TransformerConfig
@@ -132,21 +132,10 @@ def make_datasets_provider(tokenizer):
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
         num_chunks = len(my_layer_ranges(config, state))
 
-        def iterators():
-            train, valid, _ = build_data_iterators(
-                train_ds, valid_ds, None, consumed_train, consumed_valid, t.micro_batch_size,
-                state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
-                num_workers=config.data.num_workers, seed=t.seed,
-            )
-            return tuple(
-                None if it is None else checked_token_ids(it, tokenizer.vocab_size, config.data.data_path)
-                for it in (train, valid)
-            )
-
-        if num_chunks == 1:
-            return iterators()
-        pairs = [iterators() for _ in range(num_chunks)]  # interleaving: one iterator per chunk
-        return [p[0] for p in pairs], [p[1] for p in pairs] if valid_ds is not None else None
+        return chunk_data_iterators(
+            config, state, train_ds, valid_ds, consumed_train, consumed_valid, num_chunks,
+            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, config.data.data_path),
+        )
 
     return provider
 

@@ -172,3 +172,24 @@ def build_data_iterators(train_ds, valid_ds, test_ds, consumed_train_samples: in
         iterators.append(cyclic_batches(ds, consumed % usable if usable else 0, micro_batch_size,
                                         data_parallel_rank, data_parallel_size, num_workers))
     return tuple(iterators)
+
+
+def chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train_samples: int,
+                         consumed_valid_samples: int, num_chunks: int, wrap=None):
+    """(train, valid) iterators for a pretrain script's ``datasets_provider``, from the run's config
+    and ParallelState: one pair, or with interleaved pipelining (``num_chunks > 1``) a list per
+    split with one iterator per model chunk. ``wrap(iterator)`` (optional) filters each batch stream."""
+
+    def pair():
+        t = config.training
+        train, valid, _ = build_data_iterators(
+            train_ds, valid_ds, None, consumed_train_samples, consumed_valid_samples, t.micro_batch_size,
+            state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
+            num_workers=config.data.num_workers, seed=t.seed,
+        )
+        return tuple(it if it is None or wrap is None else wrap(it) for it in (train, valid))
+
+    if num_chunks == 1:
+        return pair()
+    pairs = [pair() for _ in range(num_chunks)]
+    return [p[0] for p in pairs], ([p[1] for p in pairs] if valid_ds is not None else None)
