@@ -33,6 +33,7 @@ CHOICES = {
     "recompute_method": list(RECOMPUTE_METHODS),
     "cp_comm_type": list(CP_COMM_TYPES),
     "optimizer": ["adam", "sgd"],
+    "ckpt_format": ["torch", "torch_dist"],
     "pipeline_schedule": ["1f1b", "zb-h1"],
     "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],
@@ -112,37 +113,7 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
                 kwargs["metavar"] = METAVARS.get(base, "VALUE")
             group.add_argument(flag, **kwargs)
-    _add_unimplemented(parser)
     return parser
-
-
-# Megatron's sharded-checkpoint flags: parsed only to refuse them in one line (a bare argparse
-# "unrecognized arguments" prints the whole usage). Their values live outside the config sections.
-UNIMPLEMENTED = {
-    "ckpt_format": "--ckpt-format torch_dist is not implemented; use --ckpt-format torch "
-                   "(change layouts with tools/checkpoint/convert.py)",
-    "auto_detect_ckpt_format": "--auto-detect-ckpt-format is not implemented (only the torch format exists); drop it",
-    "async_save": "--async-save needs --ckpt-format torch_dist, which is not implemented; drop it",
-}
-
-
-def _add_unimplemented(parser) -> None:
-    group = parser.add_argument_group("checkpoint format")
-    group.add_argument("--ckpt-format", dest="unimplemented.ckpt_format", choices=["torch", "torch_dist"],
-                       default="torch", help="Checkpoint format: torch (per-rank files); torch_dist is not implemented.")
-    group.add_argument("--auto-detect-ckpt-format", dest="unimplemented.auto_detect_ckpt_format", action="store_true",
-                       help="Not implemented (only the torch format exists).")
-    group.add_argument("--async-save", dest="unimplemented.async_save", action="store_true",
-                       help="Not implemented (needs --ckpt-format torch_dist).")
-
-
-def _unimplemented(ns: argparse.Namespace) -> str | None:
-    """The refusal for an unimplemented flag that was given, else None."""
-    for name, message in UNIMPLEMENTED.items():
-        value = getattr(ns, f"unimplemented.{name}")
-        if value not in (False, "torch"):
-            return message
-    return None
 
 
 def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: dict | None = None):
@@ -166,9 +137,6 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
     on a user error print one line and exit with code 2."""
     parser = build_parser(description, extra_sections)
     ns = parser.parse_args(argv)
-    refused = _unimplemented(ns)
-    if refused:
-        parser.exit(2, f"{parser.prog}: error: {refused}\n")
     config = config_from_namespace(ns, extra_sections=extra_sections)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -205,6 +205,12 @@ class CheckpointConfig:
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
+    ckpt_format: str = "torch"
+    """Format to save in: torch (one file per TP x PP rank) or torch_dist (sharded, loads at any layout)."""
+    auto_detect_ckpt_format: bool = False
+    """Load the checkpoint at --load in whichever format it is."""
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background while training goes on."""
 
 
 @dataclass
@@ -358,3 +364,6 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
+    _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+    _require(cp.ckpt_format == "torch" or config.parallel.expert_model_parallel_size == 1,
+             "--ckpt-format torch_dist does not support --expert-model-parallel-size > 1 yet; use --ckpt-format torch")

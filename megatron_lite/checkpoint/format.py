@@ -25,6 +25,7 @@ import torch
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
+DIST_COMMON_FILENAME = "common.pt"  # a torch_dist iteration folder's rank-0 file (see checkpoint/dist_read.py)
 FORMAT_VERSION = 1
 
 # Config fields that decide parameter shapes: named in the message when shapes or names differ.
@@ -86,7 +87,8 @@ def read_tracker(root: str) -> int | str | None:
 
 
 def iteration_folders(root: str) -> list[str]:
-    """The ``iter_*`` and ``release`` folders under ``root`` holding at least one model file (sorted;
+    """The ``iter_*`` and ``release`` folders under ``root`` holding at least one model file or a
+    torch_dist checkpoint (sorted;
     empty if ``root`` is not a folder). A folder without one is the leftover of a save killed before
     any model file was complete, not a checkpoint."""
     if not os.path.isdir(root):
@@ -94,8 +96,9 @@ def iteration_folders(root: str) -> list[str]:
     out = []
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
-        if (name.startswith("iter_") or name == "release") and os.path.isdir(folder) and any(
-                os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder)):
+        if (name.startswith("iter_") or name == "release") and os.path.isdir(folder) and (
+                os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME)) or any(
+                    os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder))):
             out.append(name)
     return out
 

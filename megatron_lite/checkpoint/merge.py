@@ -34,6 +34,7 @@ from ..moe.config import MoEConfig
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from ..precision.fp8 import is_fp8_state_key
+from .dist_read import is_dist_folder, merge_dist, resolve_folder
 from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
@@ -103,7 +104,10 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
 def merge_checkpoint(path: str) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
 
-    The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``."""
+    The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``. A torch_dist
+    checkpoint (:mod:`~megatron_lite.checkpoint.dist_read`) is merged from its saved boxes."""
+    if is_dist_folder(resolve_folder(path)):
+        return merge_dist(path)
     payloads, tp, pp, ep = _load_payloads(path)
     first = payloads[min(payloads)]
     saved_config = dict(first["config"])

@@ -38,6 +38,7 @@ from ..models import GPTModel, TransformerConfig
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.state import ParallelState
 from ..parallel.tensor import padded_vocab_size, shard
+from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .format import (
     FORMAT_VERSION,
     TRACKER_FILENAME,
@@ -120,8 +121,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
-    optimizer = merge_optimizer(load_dir, lambda p, payload: _source_chunks(payload, p),
-                                not config.get("untie_embeddings_and_output_weights", False))
+    optimizer = merge_dist_optimizer(load_dir) if is_dist_folder(resolve_folder(load_dir)) else merge_optimizer(
+        load_dir, lambda p, payload: _source_chunks(payload, p), not config.get("untie_embeddings_and_output_weights", False))
     if optimizer is not None:
         optimizer["state"] = {k: unpad_vocab(table, vocab) for k, table in optimizer["state"].items()}
         if optimizer["masters"] is not None:

@@ -26,6 +26,9 @@ import torch.distributed as dist
 
 from ..device import get_device
 from ..training.logging import is_logging_rank, print_rank_0
+from .dist import is_fresh_layout, layout_of, load_dist
+from .dist_read import is_dist_folder, read_common
+from .dist_save import save_dist
 from .format import (
     ARCH_FIELDS,
     FORMAT_VERSION,
@@ -140,11 +143,13 @@ def _writing(write, root, iteration):
     return step
 
 
-def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state) -> str:
+def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, async_saves=None) -> str:
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
     ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
-    and ``scheduler`` may be None. Returns the iteration folder.
+    and ``scheduler`` may be None. ``--ckpt-format torch_dist`` writes the sharded format
+    (:mod:`~megatron_lite.checkpoint.dist_save`); ``async_saves`` (an AsyncSaves, with
+    ``--async-save``) writes it in the background. Returns the iteration folder.
     """
     root = config.checkpoint.save
     if root is None:
@@ -152,7 +157,11 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     rank = _global_rank()
     # printed by the rank that prints the iteration lines, so it comes after this iteration's line
     say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
-    say(f"saving checkpoint at iteration {iteration:7d} to {root}", flush=True)
+    say(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (async)" if async_saves else ""), flush=True)
+    if config.checkpoint.ckpt_format == "torch_dist":
+        return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
+                         get_rng_states(state.rng_tracker), async_saves,
+                         lambda step: on_every_rank(_writing(step, root, iteration)))
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
 
@@ -311,6 +320,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     path = _model_file_for(root, iteration, state)
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
+    if _format_of(root, iteration, ck) == "torch_dist":
+        return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
@@ -339,6 +350,37 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+def _format_of(root, iteration, ck) -> str:
+    """The format of the checkpoint at ``--load``; it must be ``--ckpt-format`` unless auto-detected."""
+    found = "torch_dist" if is_dist_folder(iteration_dir(root, iteration)) else "torch"
+    if found != ck.ckpt_format and not ck.auto_detect_ckpt_format:
+        raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} is in the {found} format but this run has "
+                              f"--ckpt-format {ck.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format")
+    return found
+
+
+def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
+    """:func:`_load_here` for a torch_dist checkpoint: it loads at any TP x PP x DP layout."""
+    ck, folder = config.checkpoint, iteration_dir(root, iteration)
+    common = read_common(folder)
+    arch = _arch_differences(common["config"], config)
+    if arch:
+        raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(arch)}; match the model flags")
+    finetune = ck.finetune or iteration == "release"
+    load_dist(folder, common, chunks, optimizer, scheduler, state, not finetune and not ck.no_load_optim)
+    if not finetune and not ck.no_load_rng:
+        if is_fresh_layout(common, state):
+            raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
+                                  f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
+        path = os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt")
+        set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
+    if finetune:
+        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
+        return 0, 0
+    print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
+    return int(common["iteration"]), int(common["consumed_samples"])
 
 
 def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:

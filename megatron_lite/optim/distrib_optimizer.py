@@ -142,6 +142,10 @@ class DistributedOptimizer(MegatronOptimizer):
             piece.master.copy_(piece.param.reshape(-1)[piece.lo : piece.hi])
 
     # checkpoint ----------------------------------------------------------------------------
+    def shard_slots(self) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
+        """This rank's pieces as ``(model param, flat fp32 master, lo, hi)``."""
+        return [(piece.param, piece.master, piece.lo, piece.hi) for piece in self.pieces]
+
     def _full_order(self) -> list:
         """Model params in the index order of MegatronOptimizer's torch state dict."""
         ps = self.model_params

@@ -137,6 +137,12 @@ class MegatronOptimizer:
                 m.copy_(p)
 
     # checkpoint ----------------------------------------------------------------------------
+    def shard_slots(self) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
+        """``(model param, tensor the torch optimizer steps, lo, hi)``: the flat range ``[lo, hi)`` of
+        each model param whose optimizer state this rank holds (all of it here). The sharded
+        checkpoint format saves and loads the state slot by slot, without gathering it."""
+        return [(p, m, 0, p.numel()) for p, m in zip(self.model_params, self.masters)]
+
     def state_dict(self) -> dict:
         """Adam state, fp32 masters, loss scaler, skip count (tensors are references, as in torch)."""
         separate = any(m is not p for p, m in zip(self.model_params, self.masters))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..models.transformer_config import TransformerConfig
@@ -272,12 +273,13 @@ class _Training:
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
+        self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
         if self.config.checkpoint.save and self.saved_at != self.iteration:
             save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
-                            self.config, self.state)
+                            self.config, self.state, self.async_saves)
             self.saved_at = self.iteration
 
     def train_iteration(self) -> None:
@@ -288,6 +290,8 @@ class _Training:
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
                                                self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
+        if self.async_saves is not None:  # a background save that is done gets its tracker now
+            self.async_saves.poll()
         if self.volume is not None:
             result.comm_volume.append(self.volume.end_step())
             if self.iteration % self.config.logging.log_interval == 0:
@@ -353,6 +357,8 @@ class _Training:
             self.save()
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
+        if self.async_saves is not None:
+            self.async_saves.wait()
         self.logger.close()
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
         self.result.chunks, self.result.state = self.chunks, self.state

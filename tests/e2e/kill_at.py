@@ -4,7 +4,8 @@
 
 MOMENT is ``step`` (iteration ITERATION's gradients are computed, the optimizer has not stepped),
 ``save`` (the save of ITERATION has written its RNG file and half of the model file), or
-``tracker`` (the tracker file already names ITERATION, the save has not returned). Every rank
+``tracker`` (the tracker file already names ITERATION, the save has not returned), or ``async``
+(the ``--async-save`` of ITERATION has written every file and is about to be finalized). Every rank
 that reaches the moment kills itself, as a power cut would.
 """
 
@@ -14,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import megatron_lite.checkpoint.dist_save as dist_save  # noqa: E402
 import megatron_lite.checkpoint.training as ckpt_training  # noqa: E402
 import megatron_lite.training.loop as loop  # noqa: E402
 import pretrain_gpt  # noqa: E402
@@ -58,6 +60,15 @@ def main():
                 _die()
 
         ckpt_training.atomic_write_text = write_then_die
+    elif moment == "async":
+        finalize = dist_save.finalize_save
+
+        def die_before_finalize(root, iteration):
+            if iteration == target:
+                _die()
+            finalize(root, iteration)
+
+        dist_save.finalize_save = die_before_finalize
     else:
         raise SystemExit(f"unknown moment {moment}")
     pretrain_gpt.main(argv)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _ranks_losses, _same_losses
+from tests.e2e.test_pretrain_gpt import MODEL_B, _argv, _ranks_losses, _same_losses
 from tests.tools import load_tool
 
 RESUME = ["--no-load-rng"]
@@ -55,15 +55,6 @@ def _same_optimizer(got, want, rows):
         for x, y in (zip(a, b, strict=True) if isinstance(a, list) else ((a[k], b[k]) for k in b)):
             n = min(rows, 64) if x.dim() == 2 and x.shape[0] == 64 else None
             assert torch.equal(x[:n], y[:n]) if x.dim() else torch.equal(x, y)
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist is not implemented"),
-    (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
-    (["--auto-detect-ckpt-format"], "--auto-detect-ckpt-format is not implemented"),
-])
-def test_sharded_checkpoint_flags_are_refused(capsys, flags, words):
-    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
 
 
 def test_torch_checkpoint_format_is_accepted(tmp_path):

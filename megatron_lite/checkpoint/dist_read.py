@@ -1,0 +1,176 @@
+"""Reading the sharded (``torch_dist``) format: the index of saved boxes, filling any rank's tensors
+from it, and merging whole tensors for the tools.
+
+A ``torch_dist`` iteration folder holds ``common.pt`` (iteration, config, layout, schedule, the
+optimizer's scalars; written by rank 0), ``rng/rank_*.pt`` (one per rank) and a
+``torch.distributed.checkpoint`` (DCP) checkpoint: ``.metadata`` plus one ``__<rank>_0.distcp`` per
+rank. Every DCP key is ``<kind>/<global tensor name>/<offset>``: a box (see
+:mod:`~megatron_lite.checkpoint.boxes`) of the canonical form of one global tensor, where kind is
+``weight``, ``master`` (fp32 master weights) or an optimizer state (``exp_avg``, ``exp_avg_sq``,
+``momentum_buffer``). Boxes of one tensor never overlap, so a reader sums their sizes to check the
+tensor is complete, and loads only the keys overlapping what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .boxes import extent, full_shape, intersect, region
+from .format import (
+    DIST_COMMON_FILENAME,
+    TRACKER_FILENAME,
+    CheckpointError,
+    iteration_dir,
+    load_file,
+    read_tracker,
+)
+
+DIST_METADATA = ".metadata"  # DCP writes it once every rank's data is on disk
+COMMON_KEYS = ("format", "iteration", "consumed_samples", "config", "layout", "optimizer", "scheduler", "partition")
+
+
+def is_dist_folder(folder: str) -> bool:
+    """True when ``folder`` (an iteration folder) holds a torch_dist checkpoint."""
+    return os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME))
+
+
+def resolve_folder(path: str) -> str:
+    """The iteration folder of ``path``: a save folder (its latest iteration) or an iteration folder."""
+    if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):
+        return iteration_dir(path, read_tracker(path))
+    return path
+
+
+def key_of(kind: str, name: str, offset) -> str:
+    return f"{kind}/{name}/{'_'.join(str(int(o)) for o in offset)}"
+
+
+def read_common(folder: str) -> dict:
+    return load_file(os.path.join(folder, DIST_COMMON_FILENAME), "torch_dist checkpoint file", keys=COMMON_KEYS)
+
+
+def read_index(folder: str) -> dict:
+    """``{(kind, name): [(offset, size, dtype, key)]}`` of every box saved under ``folder``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(folder, DIST_METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"torch_dist checkpoint {folder} has no {DIST_METADATA} (the save did not complete); "
+                              "point --load at a complete checkpoint")
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as err:  # truncated or foreign pickle: one clear line
+        raise CheckpointError(f"torch_dist checkpoint {folder}: {DIST_METADATA} is unreadable ({type(err).__name__}); "
+                              "it is corrupt - point --load at another checkpoint") from None
+    index: dict = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        parts = key.split("/")
+        if not isinstance(meta, TensorStorageMetadata) or len(parts) != 3:
+            raise CheckpointError(f"torch_dist checkpoint {folder} holds {key!r}, not a megatron_lite box; "
+                                  "point --load at a megatron_lite checkpoint")
+        offset = tuple(int(x) for x in parts[2].split("_")) if parts[2] else ()
+        index.setdefault((parts[0], parts[1]), []).append((offset, tuple(meta.size), meta.properties.dtype, key))
+    return index
+
+
+def load_keys(folder: str, wanted: dict) -> dict:
+    """``{key: tensor}`` read from the DCP files (``wanted``: ``{key: (size, dtype)}``); local, no collectives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    buffers = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in wanted.items()}
+    if buffers:
+        try:
+            dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
+            raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(err).__name__}: {first}); "
+                                  "it is truncated or corrupt - point --load at another checkpoint") from None
+    return buffers
+
+
+def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> None:
+    """Fill each request ``(kind, name, dest, offset, global_shape)`` (``dest`` a tensor placed at
+    ``offset`` in the canonical tensor of ``global_shape``) from the saved boxes overlapping it.
+
+    The saved tensor must have ``global_shape``, except along ``loose_axes[name]`` (the padded
+    vocabulary, whose padding depends on the TP size): parts of ``dest`` beyond what was saved there
+    are zero, saved parts beyond ``global_shape`` are not read."""
+    loose_axes = loose_axes or {}
+    plan, wanted = [], {}
+    for kind, name, dest, offset, global_shape in requests:
+        saved = index.get((kind, name))
+        if not saved:
+            raise CheckpointError(f"torch_dist checkpoint {folder} has no {kind} for {name}; it was saved from another "
+                                  "model - match the model flags")
+        have = extent((o, s) for o, s, _, _ in saved)
+        loose = loose_axes.get(name)
+        if any(h != g for axis, (h, g) in enumerate(zip(have, global_shape)) if axis != loose) or len(have) != len(global_shape):
+            raise CheckpointError(f"torch_dist checkpoint {folder}: {kind} of {name} has shape "
+                                  f"{full_shape(have, None)} (canonical), this model needs {tuple(global_shape)}; "
+                                  "match the model flags")
+        inside = intersect(offset, dest.shape, (0,) * len(have), have)
+        covered = 0
+        for s_off, s_size, dtype, key in saved:
+            part = intersect(offset, dest.shape, s_off, s_size)
+            if part is not None:
+                plan.append((dest, offset, key, s_off, part))
+                wanted[key] = (s_size, dtype)
+                covered += math.prod(part[1])
+        if covered != (0 if inside is None else math.prod(inside[1])):
+            raise CheckpointError(f"torch_dist checkpoint {folder} is incomplete: pieces of {kind} {name} are missing; "
+                                  "point --load at a complete checkpoint")
+        if inside is None or math.prod(inside[1]) < dest.numel():
+            dest.zero_()  # padded vocabulary rows this checkpoint did not have
+    buffers = load_keys(folder, wanted)
+    with torch.no_grad():
+        for dest, offset, key, s_off, (i_off, i_size) in plan:
+            region(dest, offset, i_off, i_size).copy_(region(buffers[key], s_off, i_off, i_size))
+
+
+def merge_kind(folder: str, index: dict, kind: str, partition: dict) -> dict:
+    """``{name: full tensor}`` of one kind (``partition[name]``: the partition dim, or absent)."""
+    out = {}
+    for (k, name), saved in sorted(index.items()):
+        if k != kind:
+            continue
+        shape = extent((o, s) for o, s, _, _ in saved)
+        full = torch.zeros(shape, dtype=saved[0][2])
+        fill(folder, index, [(kind, name, full, (0,) * len(shape), shape)])
+        out[name] = full.reshape(full_shape(shape, partition.get(name)))
+    return out
+
+
+def merge_dist(path: str) -> tuple[dict, dict]:
+    """(single-process state dict, saved flat config with ``iteration`` and ``consumed_samples``) of a
+    torch_dist checkpoint: what :func:`~megatron_lite.checkpoint.merge.merge_checkpoint` gives for torch."""
+    folder = resolve_folder(path)
+    common = read_common(folder)
+    index = read_index(folder)
+    config = dict(common["config"])
+    config.setdefault("iteration", common["iteration"])
+    config.setdefault("consumed_samples", common["consumed_samples"])
+    return merge_kind(folder, index, "weight", common["partition"]), config
+
+
+def merge_dist_optimizer(path: str) -> dict | None:
+    """The layout-free optimizer state of a torch_dist checkpoint in the form
+    :func:`~megatron_lite.checkpoint.reshard_optim.merge_optimizer` returns (vocabulary still padded)."""
+    folder = resolve_folder(path)
+    common = read_common(folder)
+    opt = common["optimizer"]
+    if opt is None:
+        return None
+    index = read_index(folder)
+    kinds = {k for k, _ in index}
+    partition = common["partition"]
+    state = {key: merge_kind(folder, index, key, partition) for key in opt["state_keys"] if key in kinds}
+    scalars = {"step": torch.tensor(float(opt["step"]))} if opt["name"] == "adam" and state else {}
+    masters = merge_kind(folder, index, "master", partition) if "master" in kinds else None
+    return {"state": state, "scalars": scalars, "masters": masters, "group": opt["hyper"],
+            "extra": {"loss_scaler": opt["loss_scaler"], "num_skipped_steps": opt["num_skipped_steps"]},
+            "weight_decay": opt["weight_decay"], "scheduler": common["scheduler"]}

@@ -1,0 +1,152 @@
+"""Writing a torch_dist checkpoint, synchronously or in the background (``--async-save``).
+
+Every save goes to a temporary folder ``<save>/.tmp_iter_XXXXXXX``: each rank writes its RNG file,
+rank 0 ``common.pt``, and every rank its pieces through ``torch.distributed.checkpoint`` (whose
+``.metadata`` is written once all ranks' data is on disk). Then rank 0 *finalizes*: renames the
+folder to ``iter_XXXXXXX`` and writes the tracker file. Until then nothing points at the new
+checkpoint, so a crash at any moment leaves the previous one the latest.
+
+With ``--async-save`` the pieces are copied to CPU memory at save time (this rank's shards only,
+never the whole model) and written by a background thread, over a gloo group of its own, while
+training goes on; :class:`AsyncSaves` polls the thread every iteration and finalizes when it is
+done, and waits for it before the next save and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import torch.distributed as dist
+
+from ..training.logging import is_logging_rank
+from .dist import common_payload, rank_pieces
+from .dist_read import DIST_COMMON_FILENAME
+from .format import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    atomic_save,
+    atomic_write_text,
+    iteration_dir,
+    with_checksums,
+)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def temp_dir(root: str, iteration) -> str:
+    return os.path.join(root, ".tmp_" + os.path.basename(iteration_dir(root, iteration)))
+
+
+def write_pieces(pieces: dict, folder: str, group=None) -> None:
+    """``torch.distributed.checkpoint.save`` of this rank's pieces (collective over ``group``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        text = str(err).strip().splitlines()
+        raise CheckpointError(f"could not write torch_dist checkpoint {folder}: {type(err).__name__}"
+                              f"{': ' + text[-1][:200] if text else ''}; the previous checkpoint stays the latest") from None
+
+
+def finalize_save(root: str, iteration) -> None:
+    """Rank 0, once every rank's files are complete: the folder takes its name, the tracker names it."""
+    final = iteration_dir(root, iteration)
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(temp_dir(root, iteration), final)
+    atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+
+
+def write_small_files(root, iteration, common, rng, rank, rng_name) -> None:
+    """This rank's RNG file (and rank 0's ``common.pt``) in the temporary folder."""
+    tmp = temp_dir(root, iteration)
+    atomic_save(with_checksums(rng), os.path.join(tmp, "rng", rng_name))
+    if rank == 0:
+        atomic_save(with_checksums(common), os.path.join(tmp, DIST_COMMON_FILENAME))
+
+
+class _Pending:
+    """One background write: its thread and, when it failed, why."""
+
+    def __init__(self, root, iteration, pieces, group, say):
+        self.root, self.iteration, self.say, self.error = root, iteration, say, None
+        self.thread = threading.Thread(target=self._run, args=(pieces, group), daemon=True,
+                                       name=f"async-save-{iteration}")
+        self.thread.start()
+
+    def _run(self, pieces, group) -> None:
+        try:
+            write_pieces(pieces, temp_dir(self.root, self.iteration), group)
+        except CheckpointError as err:
+            self.error = str(err)
+
+
+class AsyncSaves:
+    """The ``--async-save`` writes of one run (at most one in flight); owned by the training loop."""
+
+    def __init__(self):
+        self.pending: _Pending | None = None
+        self.group = None  # a gloo group for the writer threads' collectives, made at the first save
+
+    def start(self, root, iteration, pieces, say) -> None:
+        """Write ``pieces`` (CPU copies) in the background; finalize later in :meth:`poll` / :meth:`wait`."""
+        self.wait()
+        if _distributed() and self.group is None:
+            self.group = dist.new_group(backend="gloo")  # collective: every rank saves together
+        self.pending = _Pending(root, iteration, {k: v.to("cpu", copy=True) for k, v in pieces.items()},
+                                self.group, say)
+
+    def poll(self) -> None:
+        """Finalize the write in flight if it has completed (every iteration; no collectives)."""
+        if self.pending is not None and not self.pending.thread.is_alive():
+            self._finish()
+
+    def wait(self) -> None:
+        """Block until the write in flight is complete, and finalize it."""
+        if self.pending is not None:
+            self.pending.thread.join()
+            self._finish()
+
+    def _finish(self) -> None:
+        pending, self.pending = self.pending, None
+        pending.thread.join()
+        if pending.error is not None:  # the previous checkpoint stays the latest
+            print(f"WARNING: async save of iteration {pending.iteration} failed: {pending.error}", flush=True)
+            return
+        if (dist.get_rank() if _distributed() else 0) == 0:
+            finalize_save(pending.root, pending.iteration)
+        pending.say(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
+                    "(async)", flush=True)
+
+
+def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, saves, steps) -> str:
+    """Write checkpoint ``iteration`` in the torch_dist format (collective). ``rng``: this rank's
+    RNG states; ``saves``: an :class:`AsyncSaves` for ``--async-save``, else None; ``steps(fn)``
+    runs a local step on every rank and raises its CheckpointError everywhere."""
+    root = config.checkpoint.save
+    rank = dist.get_rank() if _distributed() else 0
+    say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
+    if saves is not None:
+        saves.wait()  # one save in flight at a time: its tracker comes before this one's
+    tmp = temp_dir(root, iteration)
+
+    def clear():  # a folder left by a save that died
+        if rank == 0 and os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+    steps(clear)
+    common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state)
+    steps(lambda: write_small_files(root, iteration, common, rng, rank, f"rank_{rank:05d}.pt"))
+    pieces = rank_pieces(chunks, optimizer, state)
+    if saves is not None:
+        saves.start(root, iteration, pieces, say)
+        return iteration_dir(root, iteration)
+    steps(lambda: write_pieces(pieces, tmp))
+    steps(lambda: finalize_save(root, iteration) if rank == 0 else None)
+    say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+    return iteration_dir(root, iteration)

@@ -1,0 +1,187 @@
+"""The sharded checkpoint format (--ckpt-format torch_dist): a checkpoint saved at TP2 x DP2 with the
+distributed optimizer resumes at TP1 x DP4 and at PP2 exactly as at its own layout, with its optimizer
+state resharded bit for bit; each rank writes only its own pieces; --auto-detect-ckpt-format;
+--async-save overlaps training, writes what a synchronous save writes, and a run killed before the
+save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_lite.checkpoint.dist_save as dist_save
+import megatron_lite.training.loop as loop
+import pretrain_gpt
+from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint import merge_checkpoint, read_tracker, save_checkpoint
+from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses
+from tests.harness import run_ranks
+from tests.tools import load_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DIST = ["--ckpt-format", "torch_dist"]
+TP2 = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+TP1 = ["--use-distributed-optimizer", "--no-load-rng"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--no-load-rng"]
+
+
+def resave_then_continue(resave_argv, resave_dir, continue_argv):
+    """In a rank: load the checkpoint at this layout and save it again at once (no step), then train on."""
+    config = parse_args(resave_argv, world_size=dist.get_world_size())
+    pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
+    state, device = loop.setup(config)
+    built = loop._build(config, state, device, pretrain_gpt.model_provider)
+    config.checkpoint.save = resave_dir
+    save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed, config, state)
+    return pretrain_gpt.main(continue_argv).losses
+
+
+def _continue(tmp_path, src, name, layout):
+    argv = _argv(str(tmp_path / name), 8, MODEL_B + DIST + layout + ["--load", src])
+    out = run_ranks(4, resave_then_continue, argv, str(tmp_path / f"{name}_resaved"), argv)
+    return [r for r in out if r][0], str(tmp_path / f"{name}_resaved")
+
+
+def _same_tables(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _check_ownership(src):
+    """Every element of every tensor is stored once; weights only by DP rank 0 (ranks 0 and 1: TP is
+    innermost), each TP shard by its own TP rank; the optimizer's moments spread over all four ranks."""
+    folder = os.path.join(src, "iter_0000004")
+    index = read_index(folder)
+    from torch.distributed.checkpoint import FileSystemReader
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    file_of = {meta.fqn: info.relative_path for meta, info in storage.items()}
+    moments = {}
+    for (kind, name), boxes in index.items():
+        ext = [max(o[i] + s[i] for o, s, _, _ in boxes) for i in range(len(boxes[0][0]))]
+        assert sum(torch.Size(s).numel() for _, s, _, _ in boxes) == torch.Size(ext).numel(), (kind, name)
+        for offset, size, _, key in boxes:
+            rank = int(file_of[key].split("_")[2])
+            if kind == "weight":
+                assert rank in (0, 1), key
+                split = [i for i, (s, e) in enumerate(zip(size, ext)) if s != e]
+                assert (not split and rank == 0) or (split and offset[split[0]] // size[split[0]] == rank), key
+            if kind == "exp_avg":
+                moments[rank] = moments.get(rank, 0) + torch.Size(size).numel()
+    total = sum(moments.values())
+    assert sorted(moments) == [0, 1, 2, 3] and all(0.2 < n / total < 0.3 for n in moments.values()), moments
+
+
+def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path):
+    src = str(tmp_path / "src")
+    first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + DIST + TP2 + ["--exit-interval", "4"]))
+    assert len([r for r in first if r][0]) == 4
+    _check_ownership(src)
+    same, same_resaved = _continue(tmp_path, src, "same", TP2)
+    for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
+        losses, resaved = _continue(tmp_path, src, name, layout)
+        _same_losses(losses, same)
+        want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
+        for key in ("masters",):
+            _same_tables(got[key], want[key])
+        for key in want["state"]:
+            _same_tables(got["state"][key], want["state"][key])
+        assert got["scalars"] == want["scalars"] and got["group"] == want["group"] and got["scheduler"] == want["scheduler"]
+        _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0])
+    # the converter reads torch_dist too: to a torch checkpoint at TP1 with the same weights
+    out = str(tmp_path / "converted")
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
+                                                 "--target-tensor-parallel-size", "1"]) == 0
+    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0])
+
+
+def loop_losses(argv):
+    return pretrain_gpt.main(argv).losses
+
+
+def test_auto_detect_ckpt_format(tmp_path, capsys):
+    torch_ckpt = str(tmp_path / "torch")
+    pretrain_gpt.main(_argv(torch_ckpt, 6, ["--exit-interval", "2"]))
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, DIST + ["--load", torch_ckpt]),
+                     "is in the torch format", "--auto-detect-ckpt-format")
+    resumed = pretrain_gpt.main(_argv(str(tmp_path / "d"), 6, DIST + ["--load", torch_ckpt, "--auto-detect-ckpt-format",
+                                                                     "--exit-interval", "3"]))
+    assert resumed.iteration == 3 and len(resumed.losses) == 1
+    back = pretrain_gpt.main(_argv(str(tmp_path / "t"), 6, ["--load", str(tmp_path / "d"), "--auto-detect-ckpt-format",
+                                                           "--exit-interval", "4"]))
+    assert back.iteration == 4 and len(back.losses) == 1
+
+
+def test_async_save_overlaps_training_and_writes_what_a_sync_save_writes(tmp_path, monkeypatch):
+    sync, asyn = str(tmp_path / "sync"), str(tmp_path / "async")
+    run = MODEL + ["--save-interval", "2"] + DIST
+    pretrain_gpt.main(_argv(sync, 4, run + ["--exit-interval", "2"]))
+    steps, trackers = {"n": 0}, []
+    finalize_grads, write = loop.finalize_model_grads, dist_save.write_pieces
+    released = __import__("threading").Event()
+
+    def counting(*args, **kwargs):
+        finalize_grads(*args, **kwargs)
+        steps["n"] += 1
+        trackers.append(read_tracker(asyn))
+        if steps["n"] == 4:
+            released.set()
+
+    def late_write(pieces, folder, group=None):
+        assert released.wait(60)  # iterations 3 and 4 run while the save of iteration 2 is in flight
+        write(pieces, folder, group)
+
+    monkeypatch.setattr(loop, "finalize_model_grads", counting)
+    monkeypatch.setattr(dist_save, "write_pieces", late_write)
+    pretrain_gpt.main(_argv(asyn, 4, run + ["--async-save"]))
+    assert trackers[2:4] == [None, None]  # not finalized while being written
+    assert read_tracker(asyn) == 4
+    a, b = (os.path.join(root, "iter_0000002") for root in (sync, asyn))
+    _same_tables(merge_checkpoint(b)[0], merge_checkpoint(a)[0])
+    want, got = merge_dist_optimizer(a), merge_dist_optimizer(b)
+    for key in want["state"]:
+        _same_tables(got["state"][key], want["state"][key])
+    assert got["scheduler"] == want["scheduler"]
+
+
+def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
+    save = str(tmp_path / "killed")
+    argv = _argv(save, 6, MODEL + DIST + ["--save-interval", "2", "--async-save"])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "tests/e2e/kill_at.py", "async", "4"] + argv, cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert read_tracker(save) == 2 and not os.path.isdir(os.path.join(save, "iter_0000004"))
+    straight = pretrain_gpt.main(_argv(str(tmp_path / "straight"), 6, MODEL + DIST)).losses
+    resumed = pretrain_gpt.main(argv + ["--load", save])
+    assert resumed.iteration == 6 and len(resumed.losses) == 4
+    assert resumed.losses == straight[2:]
+
+
+def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path, capsys):
+    save = str(tmp_path / "s")
+    pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--exit-interval", "2"]))
+    folder = os.path.join(save, "iter_0000002")
+    load = _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save])
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save, "--hidden-size", "64"]),
+                     "hidden-size 32", "match the model flags")
+    data = os.path.join(folder, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    _one_line_exit_2(capsys, load, folder, "corrupt")
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        f.write(b"not a pickle")
+    _one_line_exit_2(capsys, load, ".metadata", "corrupt")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
+    (DIST + ["--expert-model-parallel-size", "2", "--num-experts", "2"], "--ckpt-format torch_dist"),
+])
+def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # flags checked for 2 ranks (expert parallelism needs them)
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
