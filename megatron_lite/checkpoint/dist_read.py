@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -85,7 +86,9 @@ def load_keys(folder: str, wanted: dict) -> dict:
     buffers = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in wanted.items()}
     if buffers:
         try:
-            dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
             raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(err).__name__}: {first}); "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 
 import torch.distributed as dist
 
@@ -47,7 +48,9 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())
+        with warnings.catch_warnings():  # a single process without torch.distributed is no surprise here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         text = str(err).strip().splitlines()
         raise CheckpointError(f"could not write torch_dist checkpoint {folder}: {type(err).__name__}"

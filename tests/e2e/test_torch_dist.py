@@ -30,26 +30,32 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--
 
 
 def resave_then_continue(resave_argv, resave_dir, continue_argv):
-    """In a rank: load the checkpoint at this layout and save it again at once (no step), then train on."""
+    """In a rank: load the checkpoint at this layout and save it again at once (no step; skipped
+    when ``resave_dir`` is None), then train on."""
+    if resave_dir is None:
+        return pretrain_gpt.main(continue_argv).losses
     config = parse_args(resave_argv, world_size=dist.get_world_size())
     pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
     state, device = loop.setup(config)
     built = loop._build(config, state, device, pretrain_gpt.model_provider)
     config.checkpoint.save = resave_dir
-    save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed, config, state)
+    save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed_samples, config, state)
     return pretrain_gpt.main(continue_argv).losses
 
 
-def _continue(tmp_path, src, name, layout):
+def _continue(tmp_path, src, name, layout, resave=True):
     argv = _argv(str(tmp_path / name), 8, MODEL_B + DIST + layout + ["--load", src])
-    out = run_ranks(4, resave_then_continue, argv, str(tmp_path / f"{name}_resaved"), argv)
-    return [r for r in out if r][0], str(tmp_path / f"{name}_resaved")
+    resaved = str(tmp_path / f"{name}_resaved") if resave else None
+    out = run_ranks(4, resave_then_continue, argv, resaved, argv)
+    return [r for r in out if r][0], resaved
 
 
-def _same_tables(a, b):
+def _same_tables(a, b, rows=None):
+    """Equal bit for bit (vocabulary tensors on their first ``rows`` rows when given)."""
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        n = rows if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        assert torch.equal(a[name][:n], b[name][:n]), name
 
 
 def _check_ownership(src):
@@ -81,7 +87,7 @@ def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path)
     first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + DIST + TP2 + ["--exit-interval", "4"]))
     assert len([r for r in first if r][0]) == 4
     _check_ownership(src)
-    same, same_resaved = _continue(tmp_path, src, "same", TP2)
+    same, _ = _continue(tmp_path, src, "same", TP2, resave=False)
     for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
         losses, resaved = _continue(tmp_path, src, name, layout)
         _same_losses(losses, same)
@@ -96,7 +102,7 @@ def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path)
     out = str(tmp_path / "converted")
     assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
                                                  "--target-tensor-parallel-size", "1"]) == 0
-    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0])
+    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=123)  # padding rows: zero there
 
 
 def loop_losses(argv):
