@@ -38,6 +38,16 @@ def is_dist_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME))
 
 
+def checkpoint_format(root: str, iteration, ck) -> str:
+    """The format of checkpoint ``iteration`` under ``root``; it must be ``ck.ckpt_format`` (the
+    run's CheckpointConfig) unless ``--auto-detect-ckpt-format``."""
+    found = "torch_dist" if is_dist_folder(iteration_dir(root, iteration)) else "torch"
+    if found != ck.ckpt_format and not ck.auto_detect_ckpt_format:
+        raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} is in the {found} format but this run has "
+                              f"--ckpt-format {ck.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format")
+    return found
+
+
 def resolve_folder(path: str) -> str:
     """The iteration folder of ``path``: a save folder (its latest iteration) or an iteration folder."""
     if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):

@@ -1,5 +1,7 @@
 """Save and resume training: model, optimizer, scheduler, loss scaler, RNG states, consumed samples.
 
+This module writes and reads the ``torch`` format (``--ckpt-format torch_dist`` is delegated to
+:mod:`~megatron_lite.checkpoint.dist_save` and :mod:`~megatron_lite.checkpoint.dist`).
 The folder layout is in :mod:`megatron_lite.checkpoint.format`. With ``--use-distributed-optimizer``
 the optimizer's ``state_dict`` is collective (it gathers the shards over data parallelism into the
 plain optimizer's format), so every rank calls it and the model file stores it like the plain
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from ..device import get_device
 from ..training.logging import is_logging_rank, print_rank_0
 from .dist import is_fresh_layout, layout_of, load_dist
-from .dist_read import is_dist_folder, read_common
+from .dist_read import checkpoint_format, read_common
 from .dist_save import save_dist
 from .format import (
     ARCH_FIELDS,
@@ -318,10 +320,10 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     if iteration is None:
         _no_tracker(root)
         return 0, 0
-    path = _model_file_for(root, iteration, state)
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
-    if _format_of(root, iteration, ck) == "torch_dist":
+    if checkpoint_format(root, iteration, ck) == "torch_dist":
         return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
+    path = _model_file_for(root, iteration, state)
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
@@ -350,15 +352,6 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
-
-
-def _format_of(root, iteration, ck) -> str:
-    """The format of the checkpoint at ``--load``; it must be ``--ckpt-format`` unless auto-detected."""
-    found = "torch_dist" if is_dist_folder(iteration_dir(root, iteration)) else "torch"
-    if found != ck.ckpt_format and not ck.auto_detect_ckpt_format:
-        raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} is in the {found} format but this run has "
-                              f"--ckpt-format {ck.ckpt_format}; pass --ckpt-format {found} or --auto-detect-ckpt-format")
-    return found
 
 
 def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state) -> tuple[int, int]:

@@ -105,6 +105,17 @@ def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path)
     _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=123)  # padding rows: zero there
 
 
+def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):
+    """The last stage's copy of a tied embedding (never saved) and its optimizer state come from the
+    embedding's pieces."""
+    src = str(tmp_path / "src")
+    pretrain_gpt.main(_argv(src, 6, MODEL + DIST + ["--exit-interval", "2"]))
+    same = pretrain_gpt.main(_argv(str(tmp_path / "same"), 6, MODEL + DIST + ["--load", src])).losses
+    pp2 = run_ranks(2, loop_losses, _argv(str(tmp_path / "pp2"), 6, MODEL + DIST + [
+        "--load", src, "--pipeline-model-parallel-size", "2", "--no-load-rng"]))
+    _same_losses([r for r in pp2 if r][0], same)
+
+
 def loop_losses(argv):
     return pretrain_gpt.main(argv).losses
 
