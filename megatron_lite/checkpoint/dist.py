@@ -192,6 +192,9 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
     """Each slot of ``optimizer`` from the saved boxes: masters (from the weights when none were
     saved), moments, step, hyper-parameters, loss scaler, skip count."""
     opt = common["optimizer"]
+    if opt["name"] != optimizer.config.optimizer:
+        raise CheckpointError(f"checkpoint {folder} holds {opt['name']} state, this run uses --optimizer "
+                              f"{optimizer.config.optimizer}; match --optimizer or pass --no-load-optim")
     kinds = {k for k, _ in index}
     keys = [k for k in opt["state_keys"] if k in kinds]
     slots = optimizer.shard_slots()

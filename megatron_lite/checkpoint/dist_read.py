@@ -35,7 +35,7 @@ COMMON_KEYS = ("format", "iteration", "consumed_samples", "config", "layout", "o
 
 def is_dist_folder(folder: str) -> bool:
     """True when ``folder`` (an iteration folder) holds a torch_dist checkpoint."""
-    return os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME))
+    return any(os.path.isfile(os.path.join(folder, name)) for name in (DIST_COMMON_FILENAME, DIST_METADATA))
 
 
 def checkpoint_format(root: str, iteration, ck) -> str:
