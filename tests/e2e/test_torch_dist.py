@@ -16,7 +16,7 @@ import megatron_lite.checkpoint.dist_save as dist_save
 import megatron_lite.training.loop as loop
 import pretrain_gpt
 from megatron_lite.arguments import parse_args
-from megatron_lite.checkpoint import merge_checkpoint, read_tracker, save_checkpoint
+from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, read_tracker, save_checkpoint
 from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
 from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses
 from tests.harness import run_ranks
@@ -128,6 +128,7 @@ def test_auto_detect_ckpt_format(tmp_path, capsys):
     resumed = pretrain_gpt.main(_argv(str(tmp_path / "d"), 6, DIST + ["--load", torch_ckpt, "--auto-detect-ckpt-format",
                                                                      "--exit-interval", "3"]))
     assert resumed.iteration == 3 and len(resumed.losses) == 1
+    assert load_gpt_checkpoint(str(tmp_path / "d"))[1]["iteration"] == 3  # tools/generate.py's reader
     back = pretrain_gpt.main(_argv(str(tmp_path / "t"), 6, ["--load", str(tmp_path / "d"), "--auto-detect-ckpt-format",
                                                            "--exit-interval", "4"]))
     assert back.iteration == 4 and len(back.losses) == 1
