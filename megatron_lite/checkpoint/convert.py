@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError
+from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
 from .hf_io import (
@@ -33,6 +34,7 @@ from .hf_io import (
     write_json,
     write_safetensors,
 )
+from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
 
@@ -64,7 +66,8 @@ def _megatron_saver_args(parser) -> None:
     group.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                        help="Pipeline-parallel size to write (default: the source's, 1 for Hugging Face).")
     group.add_argument("--target-expert-parallel-size", type=int, default=None,
-                       help="Expert-parallel size to write (only 1: no mixture-of-experts conversion yet).")
+                       help="Expert-parallel size to write (default: the source's, 1 for Hugging Face); "
+                            "must divide --num-experts.")
     group.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Interleaved pipeline: layers per virtual stage (as --num-layers-per-virtual-pipeline-stage).")
     group.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
@@ -76,9 +79,7 @@ def _megatron_saver_args(parser) -> None:
 def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     """The ``--target-*`` options, defaulting to the source's layout (a PP change resets the stage split)."""
     src = bundle.config
-    if args.target_expert_parallel_size not in (None, 1):
-        raise ConfigError(f"--target-expert-parallel-size {args.target_expert_parallel_size}: expert (MoE) checkpoints "
-                          "cannot be converted yet; use 1")
+    ep = args.target_expert_parallel_size or src.get("expert_model_parallel_size") or 1
     tp = args.target_tensor_parallel_size or src.get("tensor_model_parallel_size") or 1
     pp = args.target_pipeline_parallel_size or src.get("pipeline_model_parallel_size") or 1
     same_pp = args.target_pipeline_parallel_size is None
@@ -90,22 +91,31 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    return TargetLayout(tp, pp, *split)
+    check_expert_size(src, ep)
+    return TargetLayout(tp, pp, *split, ep=ep)
+
+
+def _default(f):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list[str]:
-    """The pretrain_gpt.py flags that load a converted checkpoint with this flat ``config``: the
-    model options that differ from their defaults, the parallel layout, and how to resume."""
+    """The pretrain_gpt.py (pretrain_bert.py) flags that load a converted checkpoint with this flat
+    ``config``: the model and MoE options that differ from their defaults, the parallel layout, and how to resume."""
     flags = []
-    for cls in (ModelConfig, ParallelConfig):
+    for cls in (ModelConfig, ParallelConfig, MoEConfig):
         for f in dataclasses.fields(cls):
             value = config.get(f.name)
-            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == f.default:
+            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == _default(f):
                 continue
-            if cls is ParallelConfig and not f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers")):
+            if cls is ParallelConfig and not (f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers"))
+                                              or f.name == "sequence_parallel"):
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
-            flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+            values = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+            flags += [flag] if value is True else [] if value is False else [flag, *values]
+    if config.get("bert_no_binary_head"):
+        flags.append("--bert-no-binary-head")
     return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
 
 
@@ -205,8 +215,9 @@ PLUGIN_OPTIONS = {
 
 def check_options(args) -> None:
     """Refuse an option the chosen loader/saver does not read, naming it."""
-    if args.model_type != "GPT":
-        raise ConfigError(f"--model-type {args.model_type}: only GPT checkpoints can be converted; use GPT")
+    if args.model_type == "BERT" and "hf" in (args.loader, args.saver):
+        raise ConfigError("--model-type BERT: Hugging Face conversion is for GPT models only; "
+                          "use --loader megatron --saver megatron")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConfigError("--save-dir must differ from --load-dir")
     for (role, name), options in PLUGIN_OPTIONS.items():
@@ -221,4 +232,5 @@ def convert(args, progress=_no_progress) -> str:
     """Run the loader then the saver named in ``args``; returns what the saver wrote."""
     check_options(args)
     bundle = LOADERS[args.loader].run(args, progress)
+    check_model_type(bundle.config, args.model_type, args.load_dir)
     return SAVERS[args.saver].run(bundle, args, progress)

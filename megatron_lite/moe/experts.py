@@ -139,12 +139,15 @@ class _ExpertsBase(nn.Module):
         self.etp_rank, self.etp_size = comm.group_rank(self.etp_group), comm.group_size(self.etp_group)
         self.replicated_over_tp = self.etp_group is None and state.tp_size > 1
         self.ep_size = state.ep_size
+        # split like the dense layers (over the TP group) unless --expert-tensor-parallel-size 1; marked
+        # as such even at TP 1, so a checkpoint records how to reshard the experts to another TP size
+        self.expert_tp = config.expert_tensor_parallel_size != 1
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
         self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
         param = nn.Parameter(data.to(self.dtype).contiguous())
-        _mark(param, self.ep_size, partition_dim if self.etp_size > 1 else None, self.replicated_over_tp)
+        _mark(param, self.ep_size, partition_dim if self.expert_tp else None, self.replicated_over_tp)
         return param
 
     def _bias2(self, shape) -> nn.Parameter:
