@@ -6,8 +6,9 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 
 ==============  ===============================================================================
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
-                layout; the saver writes ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2 and llama styles
+                layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
+                ``--target-*`` sizes (default: the source's)
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama and mixtral styles
 ==============  ===============================================================================
 """
 
@@ -34,6 +35,7 @@ from .hf_io import (
     write_json,
     write_safetensors,
 )
+from .hf_mixtral import from_mixtral, to_mixtral
 from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
@@ -136,25 +138,33 @@ def _hf_loader_args(parser) -> None:
     group = parser.add_argument_group("hf loader")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="Vocabulary padding of the imported model, as in training (default 128).")
+    group.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                       help="Mixtral import: write the experts stacked for --moe-grouped-gemm (default: one MLP each).")
 
 
-def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128) -> ModelBundle:
+def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False) -> ModelBundle:
     """The bundle of a Hugging Face folder; its tokenizer files are carried along for the saver."""
     hf_config = read_json(os.path.join(load_dir, "config.json"))
-    config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
+    if hf_config.get("model_type") == "mixtral":
+        config, state_dict = from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    elif moe_grouped_gemm:
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral model only; {load_dir} holds "
+                          f"{hf_config.get('model_type')!r}: drop it")
+    else:
+        config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
     config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     return ModelBundle(config, state_dict, "release", 0, tokenizer_files_in(load_dir))
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:
-    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128)
+    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128, bool(args.moe_grouped_gemm))
 
 
 def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
-                       help="gpt2 (learned positions, LayerNorm, GeLU) or llama (RoPE, RMSNorm, SwiGLU); "
-                            "auto: llama for rope models, else gpt2.")
+                       help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU) or mixtral "
+                            "(llama with MoE layers); auto: mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
 
@@ -163,7 +173,10 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
             progress=_no_progress) -> str:
     """Write ``bundle`` as a Hugging Face folder (config.json, safetensors, tokenizer files); returns it."""
     style = pick_style(bundle.config, style)
-    hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
+    if style == "mixtral":
+        hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
+    else:
+        hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)
     if os.path.isfile(os.path.join(save_dir, "config.json")):
         raise CheckpointError(f"{save_dir} already holds a config.json; choose an empty --save-dir")
@@ -209,7 +222,7 @@ PLUGIN_OPTIONS = {
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
     ("saver", "hf"): ("hf_style", "max_shard_size"),
-    ("loader", "hf"): ("make_vocab_size_divisible_by",),
+    ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm"),
 }
 
 
