@@ -1,0 +1,129 @@
+"""tools/checkpoint/convert.py --model-type BERT on a checkpoint saved by a real TP2 x PP2 run (four
+gloo ranks): LM head with its own (vocabulary-split) bias, pooler, binary head, token types, padded
+vocabulary. Every parameter is random (norms and biases too), so a misplaced tensor changes the
+outputs. Weights move bit-exactly; outputs at another TP size agree within fp32 rounding (TP sums)."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_lite.checkpoint import load_bert_checkpoint, load_checkpoint, merge_checkpoint, save_checkpoint
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.models import BertModel, TransformerConfig
+from megatron_lite.parallel.pipeline import layer_ranges
+from megatron_lite.parallel.tensor import padded_vocab_size
+from pretrain_bert import BertConfig
+from tests.convert_helpers import assert_same_weights, convert, randomize
+from tests.harness import cached_state, run_ranks
+
+VOCAB = 100
+
+
+def model_config(tp=1) -> ModelConfig:
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
+                      max_position_embeddings=16, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
+                      attention_dropout=0.0, hidden_dropout=0.0)
+    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, tp)
+    return cfg
+
+
+def run_config(tp, pp, root) -> Config:
+    config = Config(model=model_config(tp), extra_sections=("bert",))
+    config.bert = BertConfig()
+    config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size = tp, pp
+    config.checkpoint.save = config.checkpoint.load = root
+    config.checkpoint.no_load_optim = config.checkpoint.no_load_rng = True
+    return config
+
+
+def build_chunks(state):
+    (start, end), = layer_ranges(4, state.pp_size)[state.pp_rank]
+    config = TransformerConfig.from_model(model_config(state.tp_size), tensor_model_parallel_size=state.tp_size)
+    return [BertModel(config, state, pre_process=state.is_first_stage(), post_process=state.is_last_stage(),
+                      layer_start=start, layer_end=end).eval()]
+
+
+def save_source(root):
+    state = cached_state(tp=2, pp=2)
+    chunks = build_chunks(state)
+    randomize(chunks[0], state)
+    save_checkpoint(7, chunks, None, None, 56, run_config(2, 2, root), state)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("bert") / "tp2pp2")
+    run_ranks(4, save_source, root)
+    return root
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    tokens, labels = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
+    types = torch.zeros(2, 16, dtype=torch.long)
+    types[:, 9:] = 1
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, 12:] = 0
+    return tokens, padding, types, labels
+
+
+def tp2_outputs(root):
+    """Load a TP2 checkpoint as training does (strict, at its layout): per-token MLM loss, binary logits."""
+    state = cached_state(tp=2)
+    chunks = build_chunks(state)
+    assert load_checkpoint(chunks, None, None, run_config(2, 1, root), state) == (7, 56)
+    with torch.no_grad():
+        return chunks[0](*batch())
+
+
+def test_tp2pp2_to_tp1_and_back_keeps_every_weight_and_file(source, tmp_path):
+    tp1, back = tmp_path / "tp1", tmp_path / "back"
+    assert convert("BERT", "--load-dir", source, "--save-dir", tp1, "--target-tensor-parallel-size", 1,
+                   "--target-pipeline-parallel-size", 1) == 0
+    assert convert("BERT", "--load-dir", tp1, "--save-dir", back, "--target-tensor-parallel-size", 2,
+                   "--target-pipeline-parallel-size", 2) == 0
+    original, _ = merge_checkpoint(source)
+    assert "output_layer.bias" in original and "binary_head.weight" in original
+    for out, tp in ((tp1, 1), (back, 2)):
+        got, cfg = merge_checkpoint(str(out))
+        assert cfg["padded_vocab_size"] == padded_vocab_size(VOCAB, 8, tp) and "bert_no_binary_head" in cfg
+        assert_same_weights(got, original, VOCAB)
+    for t in range(2):  # back at TP2 x PP2: the very tensors training wrote, param_meta and layer ranges too
+        for p in range(2):
+            name = os.path.join("iter_0000007", f"mp_rank_{t:02d}_{p:03d}", "model_optim_rng.pt")
+            want, got = (torch.load(os.path.join(root, name), weights_only=True) for root in (source, str(back)))
+            assert got["param_meta"] == want["param_meta"] and got["layer_ranges"] == want["layer_ranges"]
+            assert got["model"][0].keys() == want["model"][0].keys()
+            for k, v in want["model"][0].items():
+                rows = max(0, min(v.shape[0], VOCAB - t * v.shape[0])) if "word_emb" in k or "output_layer" in k else None
+                assert torch.equal(got["model"][0][k][:rows], v[:rows]), k
+
+
+def test_converted_bert_gives_the_same_losses_and_binary_logits(source, tmp_path):
+    tp1, tp2 = str(tmp_path / "tp1"), str(tmp_path / "tp2")
+    assert convert("BERT", "--load-dir", source, "--save-dir", tp1, "--target-tensor-parallel-size", 1,
+                   "--target-pipeline-parallel-size", 1) == 0
+    assert convert("BERT", "--load-dir", source, "--save-dir", tp2, "--target-pipeline-parallel-size", 1) == 0
+    reference, _ = load_bert_checkpoint(source)
+    converted, _ = load_bert_checkpoint(tp1)
+    with torch.no_grad():
+        want_loss, want_binary = reference(*batch())
+        got_loss, got_binary = converted(*batch())
+    assert torch.equal(got_loss, want_loss) and torch.equal(got_binary, want_binary)
+    for loss, binary in run_ranks(2, tp2_outputs, tp2):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(binary, want_binary, rtol=1e-5, atol=1e-5)
+
+
+def test_model_type_and_hf_refusals_name_the_option(source, tmp_path, capsys):
+    cases = [
+        (["GPT", "--load-dir", source], "--model-type GPT"),
+        (["BERT", "--saver", "hf", "--load-dir", source], "--model-type BERT"),
+        (["BERT", "--load-dir", source, "--target-expert-parallel-size", 2], "--target-expert-parallel-size 2"),
+    ]
+    for i, (argv, words) in enumerate(cases):
+        assert convert(*argv, "--save-dir", tmp_path / f"out{i}") == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+        assert not (tmp_path / f"out{i}").exists()
