@@ -2,7 +2,7 @@
 gloo ranks, sequence parallel, one file per TP x EP rank), and the Hugging Face Mixtral style.
 
 Two models: ``mixtral`` (sequential experts, RoPE, RMSNorm, SwiGLU, no biases, GQA, untied, every
-layer MoE: what Mixtral expresses) and ``grouped`` (grouped-GEMM expert weights, biases, shared
+layer MoE: what Mixtral expresses), saved with the state of one Adam step and ``grouped`` (grouped-GEMM expert weights, biases, shared
 experts, a sigmoid router with expert bias, every other layer dense). Every tensor, expert bias
 included, is random. Weights move bit-exactly; logits at another layout or in transformers agree
 within fp32 rounding (rtol/atol 1e-5), with deterministic routing (fp32, eval: no jitter, no capacity).
@@ -21,6 +21,8 @@ from megatron_lite.config import Config, ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.moe.config import MoEConfig, moe_fields
+from megatron_lite.optim import build_optimizer
+from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megatron_lite.parallel.tensor import padded_vocab_size
 from tests.convert_helpers import assert_same_weights, convert, randomize
 from tests.harness import cached_state, run_ranks
@@ -60,13 +62,27 @@ def build(variant, state):
     return GPTModel(tc, state).eval(), config
 
 
+def trained_optimizer(model, config, state):
+    """One Adam step on this rank's own data (gradients reduced as in training): real moments and masters."""
+    config.optim.lr = 1e-2
+    ddp = DistributedDataParallel(model.train(), state)
+    optimizer = build_optimizer(config, [ddp], state)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(state.dp_rank))
+    optimizer.scale_loss(ddp(tokens, labels=tokens.roll(-1, dims=1)).mean()).backward()
+    finalize_model_grads([ddp], state)
+    assert optimizer.step()[0]
+    model.eval()
+    return optimizer
+
+
 def save_sources(root):
     state = cached_state(tp=2, ep=2)
     for variant in MODELS:
         model, config = build(variant, state)
         randomize(model, state)
+        optimizer = trained_optimizer(model, config, state)
         config.checkpoint.save = os.path.join(root, variant)
-        save_checkpoint(7, [model], None, None, 56, config, state)
+        save_checkpoint(7, [model], optimizer, None, 56, config, state)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +106,7 @@ def ep4_logits(variant, root):
     state = cached_state(ep=4)
     model, config = build(variant, state)
     config.checkpoint.load = root
-    assert load_checkpoint([model], None, None, config, state) == (7, 56)
+    assert load_checkpoint([model], None, None, config, state) == (7, 56)  # (--no-load-optim)
     with torch.no_grad():
         return model(TOKENS)[..., :VOCAB]
 
@@ -122,9 +138,23 @@ def test_ep2_tp2_to_ep1_to_ep4_and_back_keeps_every_weight(variant, sources, tmp
         t = int(name[len("mp_rank_"):][:2])
         assert got[name]["param_meta"] == payload["param_meta"] and got[name]["ep_size"] == 2
         assert got[name]["model"][0].keys() == payload["model"][0].keys()
+        real = max(0, min(56, VOCAB - t * 56))  # vocabulary shards (56 rows at TP2): this rank's real rows
         for k, v in payload["model"][0].items():
-            rows = max(0, min(v.shape[0], VOCAB - t * v.shape[0])) if "word_emb" in k or "output_layer" in k else None
+            rows = real if "word_emb" in k or "output_layer" in k else None
             assert torch.equal(got[name]["model"][0][k][:rows], v[:rows]), (name, k)
+        same_optimizer(got[name]["optimizer"], payload["optimizer"], real)
+
+
+def same_optimizer(got, want, real_rows):
+    """Adam moments and fp32 masters bit for bit, in training's order and groups (vocabulary: real rows)."""
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys() and want["optimizer"]["state"]
+    pairs = list(zip(got["fp32_masters"] or [], want["fp32_masters"] or [], strict=True))
+    for i, entry in want["optimizer"]["state"].items():
+        pairs += [(got["optimizer"]["state"][i][k], v) for k, v in entry.items()]
+    for a, b in pairs:
+        rows = real_rows if a.dim() > 0 and a.shape[0] == 56 else None
+        assert a.shape == b.shape and (torch.equal(a[:rows], b[:rows]) if a.dim() else torch.equal(a, b))
 
 
 @pytest.mark.parametrize("variant", list(MODELS))
