@@ -27,9 +27,10 @@ def global_name(model, name: str, first_expert: int = 0) -> str:
     return name
 
 
-def randomize(model, state, seed: int = 99) -> None:
+def randomize(model, state, seed: int = 99, grad: bool = False) -> None:
     """Replace every parameter (and the router's expert bias) by random values drawn for its *full*
-    single-process tensor, seeded by its global name; this rank keeps its TP shard and EP part."""
+    single-process tensor, seeded by its global name; this rank keeps its TP shard and EP part.
+    ``grad``: set the parameters' ``.grad`` instead (a tied embedding's two copies get the same)."""
     experts = model.config.num_experts or 0
     first = state.ep_rank * (experts // state.ep_size) if experts else 0
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]
@@ -47,6 +48,9 @@ def randomize(model, state, seed: int = 99) -> None:
             full = full.chunk(state.ep_size)[state.ep_rank]
         if tp_split:
             full = shard(full, p.partition_dim, state.tp_rank, state.tp_size, getattr(p, "partition_stride", 1))
+        if grad:
+            p.grad = full.to(p.dtype) if isinstance(p, torch.nn.Parameter) else None
+            continue
         with torch.no_grad():
             p.copy_(full)
 
@@ -65,3 +69,16 @@ def assert_same_weights(got: dict, want: dict, vocab_rows: int) -> None:
             assert not got[k][vocab_rows:].any(), k
         else:
             assert torch.equal(got[k], v), k
+
+
+def same_optimizer(got: dict, want: dict, shard_rows: int, real_rows: int) -> None:
+    """Adam moments and fp32 masters bit for bit, in training's order and groups; vocabulary shards
+    (``shard_rows`` rows) on their ``real_rows`` real rows only."""
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys() and want["optimizer"]["state"]
+    pairs = list(zip(got["fp32_masters"] or [], want["fp32_masters"] or [], strict=True))
+    for i, entry in want["optimizer"]["state"].items():
+        pairs += [(got["optimizer"]["state"][i][k], v) for k, v in entry.items()]
+    for a, b in pairs:
+        rows = real_rows if a.dim() > 0 and a.shape[0] == shard_rows else None
+        assert a.shape == b.shape and (torch.equal(a[:rows], b[:rows]) if a.dim() else torch.equal(a, b))

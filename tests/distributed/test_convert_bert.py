@@ -11,10 +11,11 @@ import torch
 from megatron_lite.checkpoint import load_bert_checkpoint, load_checkpoint, merge_checkpoint, save_checkpoint
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.models import BertModel, TransformerConfig
+from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.parallel.tensor import padded_vocab_size
 from pretrain_bert import BertConfig
-from tests.convert_helpers import assert_same_weights, convert, randomize
+from tests.convert_helpers import assert_same_weights, convert, randomize, same_optimizer
 from tests.harness import cached_state, run_ranks
 
 VOCAB = 100
@@ -45,10 +46,15 @@ def build_chunks(state):
 
 
 def save_source(root):
+    """Random weights and the state of one Adam step on random (layout-independent) gradients."""
     state = cached_state(tp=2, pp=2)
     chunks = build_chunks(state)
     randomize(chunks[0], state)
-    save_checkpoint(7, chunks, None, None, 56, run_config(2, 2, root), state)
+    config = run_config(2, 2, root)
+    optimizer = build_optimizer(config, chunks, state)
+    randomize(chunks[0], state, seed=5, grad=True)
+    assert optimizer.step()[0]
+    save_checkpoint(7, chunks, optimizer, None, 56, config, state)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def tp2_outputs(root):
         return chunks[0](*batch())
 
 
-def test_tp2pp2_to_tp1_and_back_keeps_every_weight_and_file(source, tmp_path):
+def test_tp2pp2_to_tp1_and_back_keeps_every_weight_file_and_optimizer_state(source, tmp_path):
     tp1, back = tmp_path / "tp1", tmp_path / "back"
     assert convert("BERT", "--load-dir", source, "--save-dir", tp1, "--target-tensor-parallel-size", 1,
                    "--target-pipeline-parallel-size", 1) == 0
@@ -89,15 +95,17 @@ def test_tp2pp2_to_tp1_and_back_keeps_every_weight_and_file(source, tmp_path):
         got, cfg = merge_checkpoint(str(out))
         assert cfg["padded_vocab_size"] == padded_vocab_size(VOCAB, 8, tp) and "bert_no_binary_head" in cfg
         assert_same_weights(got, original, VOCAB)
-    for t in range(2):  # back at TP2 x PP2: the very tensors training wrote, param_meta and layer ranges too
+    for t in range(2):  # back at TP2 x PP2: the tensors (weights, Adam state) training wrote, param_meta, ranges
         for p in range(2):
             name = os.path.join("iter_0000007", f"mp_rank_{t:02d}_{p:03d}", "model_optim_rng.pt")
             want, got = (torch.load(os.path.join(root, name), weights_only=True) for root in (source, str(back)))
             assert got["param_meta"] == want["param_meta"] and got["layer_ranges"] == want["layer_ranges"]
             assert got["model"][0].keys() == want["model"][0].keys()
+            real = max(0, min(56, VOCAB - t * 56))  # vocabulary shards (56 rows at TP2): the real rows
             for k, v in want["model"][0].items():
-                rows = max(0, min(v.shape[0], VOCAB - t * v.shape[0])) if "word_emb" in k or "output_layer" in k else None
+                rows = real if "word_emb" in k or "output_layer" in k else None
                 assert torch.equal(got["model"][0][k][:rows], v[:rows]), k
+            same_optimizer(got["optimizer"], want["optimizer"], 56, real)
 
 
 def test_converted_bert_gives_the_same_losses_and_binary_logits(source, tmp_path):

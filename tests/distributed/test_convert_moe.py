@@ -24,7 +24,7 @@ from megatron_lite.moe.config import MoEConfig, moe_fields
 from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
 from megatron_lite.parallel.tensor import padded_vocab_size
-from tests.convert_helpers import assert_same_weights, convert, randomize
+from tests.convert_helpers import assert_same_weights, convert, randomize, same_optimizer
 from tests.harness import cached_state, run_ranks
 
 VOCAB = 100
@@ -142,19 +142,7 @@ def test_ep2_tp2_to_ep1_to_ep4_and_back_keeps_every_weight(variant, sources, tmp
         for k, v in payload["model"][0].items():
             rows = real if "word_emb" in k or "output_layer" in k else None
             assert torch.equal(got[name]["model"][0][k][:rows], v[:rows]), (name, k)
-        same_optimizer(got[name]["optimizer"], payload["optimizer"], real)
-
-
-def same_optimizer(got, want, real_rows):
-    """Adam moments and fp32 masters bit for bit, in training's order and groups (vocabulary: real rows)."""
-    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
-    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys() and want["optimizer"]["state"]
-    pairs = list(zip(got["fp32_masters"] or [], want["fp32_masters"] or [], strict=True))
-    for i, entry in want["optimizer"]["state"].items():
-        pairs += [(got["optimizer"]["state"][i][k], v) for k, v in entry.items()]
-    for a, b in pairs:
-        rows = real_rows if a.dim() > 0 and a.shape[0] == 56 else None
-        assert a.shape == b.shape and (torch.equal(a[:rows], b[:rows]) if a.dim() else torch.equal(a, b))
+        same_optimizer(got[name]["optimizer"], payload["optimizer"], 56, real)
 
 
 @pytest.mark.parametrize("variant", list(MODELS))
