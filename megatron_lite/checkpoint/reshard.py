@@ -1,22 +1,25 @@
 """Offline resharding: read a checkpoint of any layout into one layout-free :class:`ModelBundle`, and
-write a bundle as a training checkpoint of any tensor x pipeline (x virtual pipeline) layout.
+write a bundle as a training checkpoint of any tensor x pipeline (x virtual pipeline) x expert layout.
 
 A :class:`ModelBundle` is what travels between a checkpoint loader and a saver (the Megatron and the
 Hugging Face plugins of ``tools/checkpoint/convert.py``): the weights of a single-process
-:class:`~megatron_lite.models.GPTModel` and the flat config that describes it. Its vocabulary rows
-are *unpadded* (exactly ``vocab_size`` rows), because the padding depends on the tensor-parallel
-size: a saver pads again for its target size, with zero rows (padded rows never reach the loss,
-which only counts the real vocabulary).
+:class:`~megatron_lite.models.GPTModel` or :class:`~megatron_lite.models.BertModel` (every expert
+under its global number) and the flat config that describes it. Its vocabulary rows are *unpadded*
+(exactly ``vocab_size`` rows; BERT's output bias too), because the padding depends on the
+tensor-parallel size: a saver pads again for its target size, with zero rows (padded rows never
+reach the loss, which only counts the real vocabulary).
 
 Writing a layout does not re-derive any sharding rule: for each target pipeline chunk the saver
-builds the chunk's model on the ``meta`` device (no memory, no init cost), takes its state-dict
-names and full shapes, and its ``param_meta`` (partition dim and stride of each tensor-parallel
-parameter, e.g. stride 2 for SwiGLU's ``[gate; up]`` fc1), then cuts every full tensor with
-:func:`~megatron_lite.parallel.tensor.shard`, the function the layers themselves use to take their
-slice of the initial weights. The fused QKV weight is ``[groups, (heads_per_group + 2) * head_dim,
-hidden]`` with whole key/value groups per rank, so a contiguous split is exact for any TP dividing
-the number of groups. A tied model's last pipeline stage gets its copy of the word embedding as
-``output_layer.weight``, as in training.
+builds the chunk's model on the ``meta`` device (:func:`~megatron_lite.checkpoint.layout.chunk_model`:
+no memory, no init cost), takes its state-dict names and full shapes, and its ``param_meta``
+(partition dim and stride of each tensor-parallel parameter, e.g. stride 2 for SwiGLU's
+``[gate; up]`` fc1), then cuts every full tensor with :func:`~megatron_lite.parallel.tensor.shard`,
+the function the layers themselves use to take their slice of the initial weights. The fused QKV
+weight is ``[groups, (heads_per_group + 2) * head_dim, hidden]`` with whole key/value groups per
+rank, so a contiguous split is exact for any TP dividing the number of groups. A tied model's last
+pipeline stage gets its copy of the word embedding as ``output_layer.weight``, as in training.
+Each expert-parallel rank gets its experts (:mod:`~megatron_lite.checkpoint.layout`) in its own
+``mp_rank_TT_PPP_EEE`` file.
 
 The optimizer state (Adam moments, fp32 masters, loss scaler) is resharded the same way
 (:mod:`~megatron_lite.checkpoint.reshard_optim`) and the learning-rate schedule copied, with the
@@ -105,7 +108,7 @@ def pad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loader: a megatron_lite checkpoint of any TP x PP (x VPP) layout.
+# Loader: a megatron_lite checkpoint of any TP x PP (x VPP) x EP layout.
 
 
 def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:

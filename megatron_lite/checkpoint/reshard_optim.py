@@ -11,7 +11,10 @@ parameter's shape and is split over TP exactly like it.
 So the layout-free form is ``{global parameter name: full tensor}`` per state key, obtained with the
 same ``param_meta`` and :func:`~megatron_lite.parallel.tensor.unshard` as the weights, and written
 back per target rank with :func:`~megatron_lite.parallel.tensor.shard`, in the target's order.
-Parameter names and order come from the chunk models built on the ``meta`` device.
+Parameter names and order come from the chunk models built on the ``meta`` device at EP 1. An
+expert-parallel rank's file holds the state of its own experts only, at the positions its model
+puts them: its order is the EP-1 order without the other ranks' experts, and stacked grouped-GEMM
+expert state is its slice of the ``[E, ...]`` tensor (joined back by concatenation when merging).
 """
 
 from __future__ import annotations
