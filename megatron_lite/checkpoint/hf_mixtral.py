@@ -44,6 +44,8 @@ def check_mixtral(cfg: dict) -> None:
              "use --hf-style llama")
     for name, ok, words in _UNEXPRESSIBLE:
         value = cfg.get(name, ok)
+        if name == "moe_expert_capacity_factor" and value is not None and value < 0:
+            value = None  # a negative factor means no capacity limit
         _require(value == ok or (ok is None and not value), f"{words} cannot be expressed in the mixtral format")
     _require("sinkhorn" not in (cfg.get("moe_router_load_balancing_type") or []),
              "--moe-router-load-balancing-type sinkhorn cannot be expressed in the mixtral format")

@@ -1,11 +1,13 @@
 """tools/checkpoint/convert.py on mixture-of-experts checkpoints saved by real EP2 x TP2 runs (four
-gloo ranks, sequence parallel, one file per TP x EP rank), and the Hugging Face Mixtral style.
+gloo ranks, sequence parallel, one file per TP x EP rank, with the state of one Adam step), and the
+Hugging Face Mixtral style.
 
-Two models: ``mixtral`` (sequential experts, RoPE, RMSNorm, SwiGLU, no biases, GQA, untied, every
-layer MoE: what Mixtral expresses), saved with the state of one Adam step and ``grouped`` (grouped-GEMM expert weights, biases, shared
-experts, a sigmoid router with expert bias, every other layer dense). Every tensor, expert bias
-included, is random. Weights move bit-exactly; logits at another layout or in transformers agree
-within fp32 rounding (rtol/atol 1e-5), with deterministic routing (fp32, eval: no jitter, no capacity).
+Two models: ``mixtral`` (sequential experts split over TP, RoPE, RMSNorm, SwiGLU, no biases, GQA,
+untied, every layer MoE: what Mixtral expresses) and ``grouped`` (grouped-GEMM expert weights whole
+on every TP rank with ``--expert-tensor-parallel-size 1``, biases, shared experts, a sigmoid router
+with expert bias, every other layer dense). Every tensor, expert bias included, is random. Weights
+and optimizer state move bit-exactly; logits at another layout or in transformers agree within fp32
+rounding (rtol/atol 1e-5), with deterministic routing (fp32, eval: no jitter, no capacity).
 """
 
 import dataclasses
@@ -37,7 +39,7 @@ MODELS = {
                 dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_grouped_gemm=True,
                      moe_layer_freq="([1,0]*2)", moe_shared_expert_intermediate_size=32,
                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                     moe_token_dispatcher_type="alltoall")),
+                     moe_token_dispatcher_type="alltoall", expert_tensor_parallel_size=1)),
 }
 TOKENS = torch.tensor([[5, 17, 42, 8, 61, 3, 99, 0, 12, 77, 31, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
 
@@ -156,6 +158,24 @@ def test_ep4_conversion_gives_the_same_logits_and_loss(variant, sources, tmp_pat
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(F.cross_entropy(logits.flatten(0, 1), labels.flatten()),
                                    F.cross_entropy(want.flatten(0, 1), labels.flatten()), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("variant", list(MODELS))
+def test_printed_flags_describe_the_converted_moe_model(variant, sources, tmp_path, capsys):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.format import ARCH_FIELDS
+
+    out = tmp_path / "ep4"
+    assert convert("GPT", "--load-dir", sources[variant], "--save-dir", out, "--target-tensor-parallel-size", 2,
+                   "--target-expert-parallel-size", 4) == 0
+    flags = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+    assert flags[-1] == "--no-load-rng" and "--no-load-optim" not in flags  # the optimizer state is there
+    run = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=8).flat()
+    saved = merge_checkpoint(str(out))[1]
+    moe = [f.name for f in dataclasses.fields(MoEConfig)]
+    for key in ARCH_FIELDS + tuple(moe) + ("expert_model_parallel_size", "sequence_parallel"):
+        if key != "padded_vocab_size" and saved.get(key) is not None:
+            assert run[key] == saved[key], key
 
 
 # ---------------------------------------------------------------------------------------------
