@@ -127,8 +127,11 @@ def test_ep2_tp2_to_ep1_to_ep4_and_back_keeps_every_weight(variant, sources, tmp
     assert convert("GPT", "--load-dir", ep1, "--save-dir", ep4, "--target-expert-parallel-size", 4) == 0
     assert convert("GPT", "--load-dir", ep1, "--save-dir", back, "--target-tensor-parallel-size", 2,
                    "--target-expert-parallel-size", 2) == 0
+    pp2 = tmp_path / "ep2pp2"  # experts with pipeline stages: chunk-local layers, EP-local experts
+    assert convert("GPT", "--load-dir", ep1, "--save-dir", pp2, "--target-pipeline-parallel-size", 2,
+                   "--target-expert-parallel-size", 2) == 0
     original, _ = merge_checkpoint(sources[variant])
-    for out, (tp, ep) in ((ep1, (1, 1)), (ep4, (1, 4)), (back, (2, 2))):
+    for out, (tp, ep) in ((ep1, (1, 1)), (ep4, (1, 4)), (back, (2, 2)), (pp2, (1, 2))):
         got, cfg = merge_checkpoint(str(out))
         assert (cfg["tensor_model_parallel_size"], cfg["expert_model_parallel_size"]) == (tp, ep)
         assert cfg["sequence_parallel"] == (tp > 1)
