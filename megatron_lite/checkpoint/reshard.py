@@ -126,7 +126,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     files = tokenizer_files_in(os.path.join(load_dir, TOKENIZER_DIR))  # kept by an earlier conversion
     for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
         if config.get(key) and os.path.isfile(config[key]):
-            files[name] = config[key]
+            # a WordPiece vocabulary (BERT) is a vocab.txt, as Hugging Face names it
+            files["vocab.txt" if key == "vocab_file" and config[key].endswith(".txt") else name] = config[key]
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model

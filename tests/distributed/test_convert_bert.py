@@ -45,12 +45,13 @@ def build_chunks(state):
                       layer_start=start, layer_end=end).eval()]
 
 
-def save_source(root):
+def save_source(root, vocab_txt):
     """Random weights and the state of one Adam step on random (layout-independent) gradients."""
     state = cached_state(tp=2, pp=2)
     chunks = build_chunks(state)
     randomize(chunks[0], state)
     config = run_config(2, 2, root)
+    config.data.vocab_file = vocab_txt  # a WordPiece vocabulary: carried along as tokenizer/vocab.txt
     optimizer = build_optimizer(config, chunks, state)
     randomize(chunks[0], state, seed=5, grad=True)
     assert optimizer.step()[0]
@@ -59,8 +60,10 @@ def save_source(root):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("bert") / "tp2pp2")
-    run_ranks(4, save_source, root)
+    folder = tmp_path_factory.mktemp("bert")
+    (folder / "bert-vocab.txt").write_text("[PAD]\n[CLS]\n")
+    root = str(folder / "tp2pp2")
+    run_ranks(4, save_source, root, str(folder / "bert-vocab.txt"))
     return root
 
 
@@ -89,6 +92,7 @@ def test_tp2pp2_to_tp1_and_back_keeps_every_weight_file_and_optimizer_state(sour
                    "--target-pipeline-parallel-size", 1) == 0
     assert convert("BERT", "--load-dir", tp1, "--save-dir", back, "--target-tensor-parallel-size", 2,
                    "--target-pipeline-parallel-size", 2) == 0
+    assert (tp1 / "tokenizer" / "vocab.txt").read_text() == "[PAD]\n[CLS]\n"
     original, _ = merge_checkpoint(source)
     assert "output_layer.bias" in original and "binary_head.weight" in original
     for out, tp in ((tp1, 1), (back, 2)):
