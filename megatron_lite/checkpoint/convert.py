@@ -8,7 +8,8 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
                 layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
                 ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama and mixtral styles
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, mixtral and
+                megatron-bert styles
 ==============  ===============================================================================
 """
 
@@ -25,6 +26,7 @@ from ..errors import ConfigError
 from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
+from .hf_bert import from_bert, to_bert
 from .hf_io import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -147,6 +149,8 @@ def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_
     hf_config = read_json(os.path.join(load_dir, "config.json"))
     if hf_config.get("model_type") == "mixtral":
         config, state_dict = from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    elif hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
+        config, state_dict = from_bert(hf_config, read_safetensors(load_dir))
     elif moe_grouped_gemm:
         raise ConfigError(f"--moe-grouped-gemm applies to a mixtral model only; {load_dir} holds "
                           f"{hf_config.get('model_type')!r}: drop it")
@@ -163,8 +167,9 @@ def _load_hf(args, progress=_no_progress) -> ModelBundle:
 def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
-                       help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU) or mixtral "
-                            "(llama with MoE layers); auto: mixtral for MoE models, llama for rope models, else gpt2.")
+                       help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
+                            "(llama with MoE layers) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
+                            "mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
 
@@ -175,6 +180,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     style = pick_style(bundle.config, style)
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
+    elif style == "bert":
+        hf_config, tensors = to_bert(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)
@@ -228,9 +235,6 @@ PLUGIN_OPTIONS = {
 
 def check_options(args) -> None:
     """Refuse an option the chosen loader/saver does not read, naming it."""
-    if args.model_type == "BERT" and "hf" in (args.loader, args.saver):
-        raise ConfigError("--model-type BERT: Hugging Face conversion is for GPT models only; "
-                          "use --loader megatron --saver megatron")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConfigError("--save-dir must differ from --load-dir")
     for (role, name), options in PLUGIN_OPTIONS.items():

@@ -24,7 +24,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 
-STYLES = ("auto", "gpt2", "llama", "mixtral")  # mixtral: in hf_mixtral.py
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert")  # mixtral: in hf_mixtral.py, bert: in hf_bert.py
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -38,6 +38,11 @@ def _require(cond, message: str) -> None:
 
 
 def pick_style(cfg: dict, style: str = "auto") -> str:
+    bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py
+    if bert or style == "bert":
+        _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "
+                 f"exported with --hf-style {'bert' if bert else 'auto'}")
+        return "bert"
     if style == "auto":
         if cfg.get("num_experts"):
             return "mixtral"
@@ -285,7 +290,8 @@ def _llama_state(hf_sd: dict, cfg: dict) -> dict:
 def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
     kind = hf.get("model_type")
-    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, mixtral")
+    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, mixtral, "
+             "megatron-bert")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

@@ -1,7 +1,9 @@
 """tools/checkpoint/convert.py --model-type BERT on a checkpoint saved by a real TP2 x PP2 run (four
-gloo ranks): LM head with its own (vocabulary-split) bias, pooler, binary head, token types, padded
-vocabulary. Every parameter is random (norms and biases too), so a misplaced tensor changes the
-outputs. Weights move bit-exactly; outputs at another TP size agree within fp32 rounding (TP sums)."""
+gloo ranks, with the state of one Adam step): LM head with its own (vocabulary-split) bias, pooler,
+binary head, token types, padded vocabulary; and the Hugging Face ``MegatronBertForPreTraining`` /
+``MegatronBertForMaskedLM`` style. Every parameter is random (norms and biases too), so a misplaced
+tensor changes the outputs. Weights and optimizer state move bit-exactly; outputs at another TP size
+or in transformers agree within fp32 rounding (rtol/atol 1e-5)."""
 
 import os
 
@@ -128,10 +130,88 @@ def test_converted_bert_gives_the_same_losses_and_binary_logits(source, tmp_path
         torch.testing.assert_close(binary, want_binary, rtol=1e-5, atol=1e-5)
 
 
+def test_hf_export_gives_the_same_outputs_in_transformers(source, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert convert("BERT", "--saver", "hf", "--load-dir", source, "--save-dir", out) == 0
+    assert (out / "vocab.txt").read_text() == "[PAD]\n[CLS]\n"
+    hf = transformers.AutoModelForPreTraining.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "MegatronBertForPreTraining"
+    tokens, padding, types, _ = batch()
+    reference, _ = load_bert_checkpoint(source)
+    with torch.no_grad():
+        logits, binary = reference(tokens, padding, types)
+        theirs = hf(input_ids=tokens, attention_mask=padding, token_type_ids=types)
+    torch.testing.assert_close(theirs.prediction_logits, logits[..., :VOCAB], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs.seq_relationship_logits, binary, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_hf_megatron_round_trip_is_bit_exact(source, tmp_path):
+    pytest.importorskip("safetensors")
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    assert convert("BERT", "--saver", "hf", "--load-dir", source, "--save-dir", hf) == 0
+    assert convert("BERT", "--loader", "hf", "--load-dir", hf, "--save-dir", back, "--target-tensor-parallel-size", 2,
+                   "--target-pipeline-parallel-size", 2, "--make-vocab-size-divisible-by", 8) == 0
+    got, cfg = merge_checkpoint(str(back))
+    assert cfg["bert_no_binary_head"] is False and cfg["padded_vocab_size"] == padded_vocab_size(VOCAB, 8, 2)
+    assert_same_weights(got, merge_checkpoint(source)[0], VOCAB)
+
+
+def test_hf_import_of_a_transformers_megatron_bert_gives_the_same_outputs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    cfg = transformers.MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=48, max_position_embeddings=16, layer_norm_eps=1e-5,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.MegatronBertForPreTraining(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "mega"
+    assert convert("BERT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--target-tensor-parallel-size", 2, "--make-vocab-size-divisible-by", 8) == 0
+    ours, _ = load_bert_checkpoint(str(out))
+    tokens, padding, types, _ = batch()
+    with torch.no_grad():
+        logits, binary = ours(tokens, padding, types)
+        theirs = model(input_ids=tokens, attention_mask=padding, token_type_ids=types)
+    torch.testing.assert_close(logits[..., :VOCAB], theirs.prediction_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(binary, theirs.seq_relationship_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bert_without_binary_head_exports_as_masked_lm_and_comes_back(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from megatron_lite.parallel.state import ParallelState
+
+    state = ParallelState()
+    config = TransformerConfig.from_model(model_config())
+    model = BertModel(config, state, num_tokentypes=0, add_binary_head=False).eval()
+    randomize(model, state, seed=11)
+    run = run_config(1, 1, str(tmp_path / "src"))
+    run.bert = BertConfig(bert_no_binary_head=True)
+    save_checkpoint(7, [model], None, None, 56, run, state)
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    assert convert("BERT", "--saver", "hf", "--load-dir", tmp_path / "src", "--save-dir", hf) == 0
+    theirs = transformers.AutoModelForMaskedLM.from_pretrained(str(hf)).eval()
+    assert type(theirs).__name__ == "MegatronBertForMaskedLM"
+    tokens, padding, _, _ = batch()
+    with torch.no_grad():
+        logits, binary = model(tokens, padding)
+        torch.testing.assert_close(theirs(input_ids=tokens, attention_mask=padding).logits, logits[..., :VOCAB],
+                                   rtol=1e-5, atol=1e-5)
+    assert binary is None
+    assert convert("BERT", "--loader", "hf", "--load-dir", hf, "--save-dir", back,
+                   "--make-vocab-size-divisible-by", 8) == 0
+    got, cfg = merge_checkpoint(str(back))
+    assert cfg["bert_no_binary_head"] is True
+    assert_same_weights(got, merge_checkpoint(str(tmp_path / "src"))[0], VOCAB)
+
+
 def test_model_type_and_hf_refusals_name_the_option(source, tmp_path, capsys):
     cases = [
         (["GPT", "--load-dir", source], "--model-type GPT"),
-        (["BERT", "--saver", "hf", "--load-dir", source], "--model-type BERT"),
+        (["BERT", "--saver", "hf", "--hf-style", "llama", "--load-dir", source], "--hf-style llama"),
         (["BERT", "--load-dir", source, "--target-expert-parallel-size", 2], "--target-expert-parallel-size 2"),
     ]
     for i, (argv, words) in enumerate(cases):

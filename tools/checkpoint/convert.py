@@ -1,5 +1,5 @@
 """Convert checkpoints (GPT, BERT, MoE): change the tensor/pipeline/expert layout, export to or import
-from Hugging Face (GPT-2, Llama, Mixtral).
+from Hugging Face (GPT-2, Llama, Mixtral, Megatron-BERT).
 
 Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lite.checkpoint.convert`.
 
