@@ -13,6 +13,8 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
   Our fused QKV ``[groups, (heads_per_group + 2) * head_dim, hidden]`` is split into q/k/v_proj per
   group, and fc1 ``[gate; up]`` into gate_proj/up_proj. HF's rotary uses the same rotate-half layout.
 
+Two more styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
+picked for mixture-of-experts models) and ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT).
 A model the target style cannot express is refused with one line naming the option that differs.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
