@@ -1,6 +1,7 @@
 """Checkpoints: the on-disk format (format.py), training save/resume (training.py), merging any
-TP x PP layout into one single-process model for tools (merge.py), writing any layout (reshard.py),
-Hugging Face formats (hf.py, hf_io.py) and the converter's loader/saver plugins (convert.py)."""
+TP x PP x EP layout into one single-process model for tools (merge.py), writing any layout
+(reshard.py, reshard_optim.py, layout.py), Hugging Face formats (hf.py, hf_mixtral.py, hf_bert.py,
+hf_io.py) and the converter's loader/saver plugins (convert.py)."""
 
 from .convert import load_hf, save_hf
 from .format import (
