@@ -61,7 +61,7 @@ def _build(calls: list):
                                                   device=device))
 
         def forward(self, inp, is_first_microbatch=None):
-            calls.append(dict(active[-1] if active else {}, shape=tuple(self.weight.shape)))
+            calls.append(dict(active[-1] if active else {}, shape=tuple(self.weight.shape), rows=inp.shape[0]))
             return F.linear(inp.float(), self.weight.float()).to(inp.dtype)
 
     root = types.ModuleType("transformer_engine")

@@ -15,7 +15,9 @@ With an FP8 recipe the call runs under ``fp8_autocast`` with a TE recipe built f
 * ``--fp8-recipe delayed`` -> ``DelayedScaling(margin, fp8_format, amax_history_len,
   amax_compute_algo)``; ``--no-fp8-wgrad`` adds ``override_linear_precision=(False, False, True)``;
 * ``--fp8-recipe tensorwise`` -> ``Float8CurrentScaling(fp8_format)``;
-* amaxes are reduced by TE over ``fp8_group`` = the gemm's tensor-parallel group.
+* amaxes are reduced by TE over ``fp8_group`` = the gemm's tensor-parallel group;
+* the input is flattened to 2-D and, under FP8, padded with zero rows to a multiple of 16 rows (an
+  MoE expert receives any number of tokens; TE's FP8 GEMMs need aligned dimensions).
 
 TE then keeps its own scaling state (amax history, scales) inside its module: it is not in our
 checkpoints, and our per-step :func:`~megatron_lite.precision.fp8.update_fp8_scales` does not see
@@ -30,6 +32,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from .flags import transformer_engine_missing
+from .fp8_ops import pad_rows
+
+ROW_ALIGNMENT = 16
 
 
 def import_transformer_engine():
@@ -90,9 +95,13 @@ class TeGemm(nn.Module):
 
     def forward(self, x, weight, bias=None):
         linear = self._te_linear(weight)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.te_recipe is not None:  # TE's FP8 GEMMs want the token count aligned too (an expert's is
+            rows = pad_rows(rows, ROW_ALIGNMENT)  # arbitrary); zero rows change no amax and no wgrad
         with self.te.fp8_autocast(enabled=self.te_recipe is not None, fp8_recipe=self.te_recipe,
                                   fp8_group=self.amax_group):
-            out = linear(x)
+            out = linear(rows)
+        out = out[: x.shape[:-1].numel()].reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ Linear call with the active ``fp8_autocast`` settings, computes in fp32). They p
   and fc2) goes through TE, under an autocast enabled exactly for the FP8 layers, with the TP group
   as TE's amax group; the embedding and output layer do not;
 * TE runs on our weights: the fp32 model through the fake equals the local model (the fake's own
-  weights are NaN);
+  weights are NaN), also where an expert's token count was padded to 16 rows for FP8;
 * without TE (or without a GPU) the request is one ConfigError line naming what is missing and the fix.
 
 They do not show that the real Transformer Engine accepts these calls: that path has not run on TE.
@@ -74,7 +74,8 @@ def test_every_transformer_layer_gemm_goes_through_te_on_our_weights(monkeypatch
     assert len(recipes) == per_layer  # one recipe object per gemm, all with our fields
     for c in calls:
         assert c["group"] is None  # one process: no TP group
-        if c["enabled"]:
+        if c["enabled"]:  # FP8 GEMMs get 16-aligned token counts (experts' are padded with zero rows)
+            assert c["rows"] % 16 == 0, c
             assert c["recipe"] == fake.DelayedScaling(margin=1, fp8_format=fake.Format.HYBRID, amax_history_len=4,
                                                       amax_compute_algo="max")
 
