@@ -2,8 +2,8 @@
 
 * Learning: on the sample corpus an FP8 MoE run (experts' fc1/fc2 in FP8 too) ends 20 steps within
   5% of the bf16 MoE run's loss, and learned.
-* Expert parallelism: EP2 FP8 follows the one-process (EP1) FP8 run step by step within bf16
-  tolerance (relative 1e-3). The experts' amaxes are reduced over expert-data-parallel ranks and
+* Expert parallelism: EP2 FP8, and TP2+SP with whole experts on each TP rank (expert TP 1), follow
+  the one-process FP8 run step by step within bf16 tolerance (relative 1e-3). The experts' amaxes are reduced over expert-data-parallel ranks and
   never over expert parallelism; after one step every expert's weight scale equals the one-process
   run's. Losses alone do not tell: reducing the experts' amaxes over EP (checked by hand) still
   follows within 1e-3, but gives each expert the largest weight amax of its counterpart on the
@@ -12,6 +12,7 @@
   losses bit for bit (each EP rank's file holds its experts' amax histories and scales).
 """
 
+import pytest
 import torch
 
 import pretrain_gpt
@@ -37,12 +38,21 @@ def _expert_scales(save) -> dict:
     return {k: v for k, v in state.items() if ".mlp.experts." in k and k.endswith(".gemm.scale")}
 
 
-def test_ep2_fp8_follows_ep1_fp8(tmp_path):
-    ep1 = pretrain_gpt.main(_argv(str(tmp_path / "ep1"), 6, FP8 + MOE)).losses
-    ep2 = _ranks_losses(2, _argv(str(tmp_path / "ep2"), 6, FP8 + MOE + EP2))
-    assert len(ep1) == len(ep2) == 6
-    for step, (a, e) in enumerate(zip(ep2, ep1), 1):
-        assert abs(a - e) <= 1e-3 * abs(e), f"step {step}: EP2 FP8 {a} vs EP1 FP8 {e}"
+@pytest.fixture(scope="module")
+def one_process_fp8(tmp_path_factory):
+    return pretrain_gpt.main(_argv(str(tmp_path_factory.mktemp("ep1") / "ep1"), 6, FP8 + MOE)).losses
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("ep2", EP2),
+    # whole experts on both TP ranks, each fed its own sequence shard: amaxes reduced over TP
+    ("tp2_sp_etp1", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+])
+def test_parallel_fp8_moe_follows_one_process(tmp_path, one_process_fp8, name, extra):
+    losses = _ranks_losses(2, _argv(str(tmp_path / name), 6, FP8 + MOE + extra))
+    assert len(losses) == len(one_process_fp8) == 6
+    for step, (a, e) in enumerate(zip(losses, one_process_fp8), 1):
+        assert abs(a - e) <= 1e-3 * abs(e), f"step {step}: {name} FP8 {a} vs one-process FP8 {e}"
 
 
 def test_ep2_fp8_experts_have_the_one_process_weight_scales(tmp_path):
