@@ -134,6 +134,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sc
     an fp32 matmul (the same numbers up to accumulation order). Returns ``(out, reason)`` where
     ``reason`` is None for the FP8 kernel and says why it was not used otherwise.
     """
+    if a.numel() == 0 or b.numel() == 0:  # an MoE expert without tokens: the exact (empty or zero) product,
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device), None  # no kernel asked
     reason = scaled_mm_blocker(a, b)
     if reason is None:
         out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(()),

@@ -121,3 +121,17 @@ def test_expert_fp8_state_names_are_checkpoint_keys():
         keys = [k for k in cls(_config(), ParallelState(), 1).state_dict() if is_fp8_state_key(k)]
         assert sorted(keys) == sorted(f"local_experts.{j}.linear_fc{i}.gemm.{n}" for j in range(4)
                                       for i in (1, 2) for n in ("amax_history", "scale"))
+
+
+def test_empty_and_padded_gemm_pieces():
+    from megatron_lite.precision.fp8_ops import E4M3, fp8_matmul, pad_rows
+    one = torch.tensor(1.0)
+    a = torch.randn(0, 32).to(E4M3)
+    out, reason = fp8_matmul(a, torch.randn(16, 32).to(E4M3).t(), one, one, torch.float32)
+    assert out.shape == (0, 16) and reason is None
+    out, reason = fp8_matmul(torch.randn(16, 0).to(E4M3), a, one, one, torch.float32)  # an empty expert's wgrad
+    assert torch.equal(out, torch.zeros(16, 32)) and reason is None
+    x = torch.randn(5, 32).to(E4M3)
+    padded = pad_rows(x, 16)
+    assert padded.shape == (16, 32) and torch.equal(padded[:5].float(), x.float()) and not padded[5:].float().any()
+    assert pad_rows(padded, 16) is padded
