@@ -154,7 +154,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
             no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
         )
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
-        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group)
+        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
+                          expert_data_parallel_group=state.expert_dp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
     if moe:
@@ -211,7 +212,9 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
-    if config.precision.fp8_format is not None:
+    if config.precision.transformer_impl == "transformer_engine":
+        print_rank_0("> transformer layers' GEMMs through Transformer Engine (linear layers only)")
+    elif config.precision.fp8_format is not None:
         model = TransformerConfig.from_config(config)
         print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
     warning = half_precision_warning(config, device)
