@@ -76,7 +76,7 @@ class Estimate:
     comm_s: dict  # per group kind: tp, cp, ep, pp, dp
     bubble: float
     step_s: float
-    tflops_per_gpu: float  # hardware FLOP/s (the recomputed forward counted), as Megatron logs it
+    tflops_per_gpu: float  # hardware FLOP/s per GPU (recomputation counted), as Narayanan et al. report it
     mfu: float  # model FLOPs (no recomputation) over the peak
 
     def row(self) -> dict:
