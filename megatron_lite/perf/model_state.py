@@ -21,13 +21,40 @@ from fractions import Fraction
 import torch
 
 
+def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool) -> tuple[int, int, int]:
+    """``(weight, gradient, optimizer)`` bytes per parameter before any sharding."""
+    param = torch.empty((), dtype=params_dtype).element_size()
+    separate_master = sharded_optimizer or params_dtype != torch.float32
+    return param, 4, 8 + (4 if separate_master else 0)  # moments (+ fp32 master)
+
+
 def model_state_bytes_per_param(params_dtype: torch.dtype, distributed_optimizer: bool = False,
                                 dp: int = 1) -> Fraction:
     """Bytes per parameter on one rank (module docstring)."""
-    param = torch.empty((), dtype=params_dtype).element_size()
-    separate_master = distributed_optimizer or params_dtype != torch.float32
-    optimizer = 8 + (4 if separate_master else 0)  # moments (+ fp32 master)
-    return param + 4 + Fraction(optimizer, dp if distributed_optimizer else 1)
+    param, grad, optimizer = _state_parts(params_dtype, distributed_optimizer)
+    return param + grad + Fraction(optimizer, dp if distributed_optimizer else 1)
+
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharded_state_bytes_per_param(strategy: str, shard_size: int, params_dtype: torch.dtype = torch.bfloat16) -> Fraction:
+    """Bytes per parameter on one rank when ``strategy`` shards over ``shard_size`` data-parallel ranks.
+
+    ZeRO's stages, named as Megatron-FSDP's ``--data-parallel-sharding-strategy``: ``no_shard``
+    (everything replicated), ``optim`` (master + moments sharded: ZeRO-1, the distributed
+    optimizer), ``optim_grads`` (gradients too: ZeRO-2), ``optim_grads_params`` (weights too:
+    ZeRO-3). For bf16: 18, 6 + 12/N, 2 + 16/N, 18/N. Only ``no_shard`` and ``optim`` are built
+    here; the other two are for planning (transient gathered weights are not included).
+    """
+    if strategy in ("no_shard", "optim"):
+        return model_state_bytes_per_param(params_dtype, strategy == "optim", shard_size)
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"sharding strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {strategy!r}")
+    param, grad, optimizer = _state_parts(params_dtype, True)
+    if strategy == "optim_grads":
+        return param + Fraction(grad + optimizer, shard_size)
+    return Fraction(param + grad + optimizer, shard_size)
 
 
 def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
