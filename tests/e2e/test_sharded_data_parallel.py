@@ -66,6 +66,15 @@ def test_hybrid_sharding_dp4_two_instances(tmp_path, reference):
     assert device == 8 + 6  # 4 param + 4 grad + 12 / (4 / 2) master and moments
 
 
+def test_hybrid_sharding_with_context_parallelism(tmp_path, reference):
+    # DP 2 x CP 2, two instances: each shard block is one CP group, the replicas are the DP ranks.
+    extra = DISTOPT + ["--num-distributed-optimizer-instances", "2", "--context-parallel-size", "2"]
+    results, save = _run(tmp_path, "hybrid_cp", 4, extra)
+    _same_losses(results[0][0], reference["fp32"][0])
+    _same_weights(save, reference["fp32"][1])
+    _bytes_match_formula(results, torch.float32, 4, instances=2)
+
+
 def test_cpu_offload_all_of_the_shard(tmp_path, reference, capsys):
     extra = DISTOPT + ["--optimizer-cpu-offload"]
     results, save = _run(tmp_path, "offload_all", 1, extra)
