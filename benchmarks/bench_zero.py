@@ -5,7 +5,8 @@ about 60M parameters, fp32, dropout 0) through ``pretrain_gpt.main`` on 4 freshl
 processes (gloo, one thread each), global batch 4 (micro-batch 1 per rank). Per strategy it reports:
 
 * the peak resident memory of each rank during the timed steps (the high-water mark is reset
-  after the warm-up step through ``/proc/self/clear_refs``, so model building does not count;
+  after the warm-up step through ``/proc/self/clear_refs``, after ``malloc_trim`` gave freed heap
+  back, so model building and memory the allocator merely keeps do not count;
   ``ru_maxrss`` of the whole run where that file is not writable): weights, gradients, optimizer
   state, activations, communication buffers and the Python/torch baseline, which is printed too
   (the resident memory just before ``pretrain_gpt.main``). On a CPU-only machine "device" and host
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import io
 import os
 import resource
@@ -57,8 +59,8 @@ STRATEGIES = {  # name: flags
 }
 
 
-def _argv(shape: str, flags: list[str], steps: int) -> list[str]:
-    return SHAPES[shape] + [
+def _argv(shape: str, flags: list[str], steps: int, bucket: int | None = None) -> list[str]:
+    return SHAPES[shape] + (["--ddp-bucket-size", str(bucket)] if bucket else []) + [
         "--mock-data", "--make-vocab-size-divisible-by", "128", "--micro-batch-size", "1", "--global-batch-size",
         str(WORLD), "--train-iters", str(steps + 1), "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-iters", "0",
         "--log-interval", "1000", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1",
@@ -128,6 +130,11 @@ def _status_kib(key: str) -> float:
 
 
 def _reset_peak() -> None:
+    """Return freed heap to the OS (glibc keeps it otherwise), then restart the high-water mark."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -159,17 +166,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per strategy (after 1 warm-up)")
     parser.add_argument("--small", action="store_true", help="a tiny model (a smoke test of the script)")
+    parser.add_argument("--ddp-bucket-size", type=int, default=None,
+                        help="gradient bucket size in elements (default: the training default, max(40M, 1M x dp))")
     parser.add_argument("--only", default=None, help="comma-separated prefixes of the strategy names to run")
     args = parser.parse_args()
     shape = "small" if args.small else "mid"
     print(describe_machine(threads=1))
     print(f"DP {WORLD} CPU processes (gloo, 1 thread each), shape {shape}: {' '.join(SHAPES[shape])}, fp32, "
-          f"global batch {WORLD}, {args.steps} timed steps after 1 warm-up\n")
+          f"global batch {WORLD}, {args.steps} timed steps after 1 warm-up, ddp bucket size "
+          f"{args.ddp_bucket_size or 'default'}\n")
     rows, base = [], None
     for name, flags in STRATEGIES.items():
         if args.only and not any(name.startswith(p) for p in args.only.split(",")):
             continue
-        argv = _argv(shape, flags, args.steps)
+        argv = _argv(shape, flags, args.steps, args.ddp_bucket_size)
         refused = _refusal(argv)
         if refused is not None:
             rows.append(f"| {name} | not available ({refused}) | | | | |")
