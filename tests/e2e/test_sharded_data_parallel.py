@@ -101,12 +101,12 @@ def test_cpu_offload_half_at_dp2_and_resume_is_exact(tmp_path, reference):
 
 def test_cpu_offload_in_bf16(tmp_path, reference):
     # bf16 params: the host half steps the same fp32 masters, so only the DP2 summation order differs
-    # from the single process; losses agree within a relative 1e-3.
+    # from the single process; losses agree within a relative 1e-4 (measured: 1e-7).
     results, _ = _run(tmp_path, "offload_bf16", 2, OFFLOAD_HALF + ["--bf16"])
     ref_losses = reference["bf16"][0]
     assert len(results[0][0]) == len(ref_losses)
     for step, (a, e) in enumerate(zip(results[0][0], ref_losses), 1):
-        assert abs(a - e) <= 1e-3 * abs(e), f"step {step}: {a} vs {e}"
+        assert abs(a - e) <= 1e-4 * abs(e), f"step {step}: {a} vs {e}"
     assert _bytes_match_formula(results, torch.bfloat16, 2, fraction=0.5) == (6 + 3, 4)
 
 
