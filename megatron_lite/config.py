@@ -93,6 +93,8 @@ class ParallelConfig:
     """Expert-parallel size."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
+    num_distributed_optimizer_instances: int = 1
+    """Hybrid sharding: the distributed optimizer shards within DP/N ranks and replicates across N."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
     overlap_param_gather: bool = False
@@ -159,6 +161,12 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    optimizer_cpu_offload: bool = False
+    """Keep fp32 masters and optimizer state of part of this rank's shard on the CPU, stepped there."""
+    optimizer_offload_fraction: float = 1.0
+    """With --optimizer-cpu-offload: the fraction of this rank's optimizer shard kept on the CPU."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With --optimizer-cpu-offload on a GPU: copy gradients and params on a side stream."""
 
 
 @dataclass
@@ -245,7 +253,8 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     p = config.parallel
     try:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
+                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                        dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
     except ParallelConfigError as err:
         _check_parallel(config)  # what cannot work at all first, then what needs another launch
         _check_precision(config.precision)
@@ -285,6 +294,9 @@ def _check_parallel(config: Config) -> None:
     # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
     _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
+    from .optim.sharding_flags import check_sharding_flags
+
+    check_sharding_flags(config)  # hybrid sharding and optimizer CPU offload
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")

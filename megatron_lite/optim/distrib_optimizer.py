@@ -23,6 +23,11 @@ Communication equals a plain all-reduce (reduce-scatter + all-gather).
 others' results can be discarded): it gathers the shards into the same format
 :class:`MegatronOptimizer` writes, so checkpoints move freely between optimizers and DP sizes.
 ``load_state_dict`` needs no communication: each rank takes its slices from the full state.
+
+Hybrid sharding (``--num-distributed-optimizer-instances``) needs nothing here: the buckets' group
+is then the shard group, so pieces, all-gathers and the grad norm follow it. With
+``--optimizer-cpu-offload`` part of the pieces move to the host (optim/cpu_offload.py); the
+checkpoint format does not change.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
+from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
 from .optimizer import MegatronOptimizer
 
 
@@ -44,9 +50,21 @@ class _Piece:
         self.master = param.detach().reshape(-1)[lo:hi].float().clone()
         # where the piece sits inside this rank's chunk of the bucket
         self.chunk_offset = bucket.offsets[id(param)][0] + lo - bucket.shard()[0]
+        self.offloaded = False  # True: the master lives on the host (optimizer CPU offload)
 
     def grad(self) -> torch.Tensor:
         return self.param.main_grad.view(-1)[self.lo : self.hi]
+
+    def param_slice(self) -> torch.Tensor:
+        return self.param.view(-1)[self.lo : self.hi]
+
+    def updated(self) -> torch.Tensor:
+        """The stepped values to all-gather: an offloaded master was already copied into the param."""
+        return self.param_slice() if self.offloaded else self.master
+
+    def split(self, n: int) -> list[_Piece]:
+        """This piece as two: its first ``n`` elements and the rest."""
+        return [_Piece(self.param, self.bucket, self.lo, self.lo + n), _Piece(self.param, self.bucket, self.lo + n, self.hi)]
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -68,24 +86,47 @@ class DistributedOptimizer(MegatronOptimizer):
                 lo, hi = max(a, start), min(e, end)
                 if lo < hi:
                     self.pieces.append(_Piece(p, bucket, lo - a, hi - a))
+        self.host_masters = None
+        if getattr(self.config, "optimizer_cpu_offload", False):
+            self._offload(self.config.optimizer_offload_fraction)
         return [(piece.param, piece.master) for piece in self.pieces]
+
+    def _offload(self, fraction: float) -> None:
+        """Move the first ``fraction`` of the owned elements (rounded to an element) to the host."""
+        budget = round(fraction * sum(piece.hi - piece.lo for piece in self.pieces))
+        pieces = []
+        for piece in self.pieces:
+            n = piece.hi - piece.lo
+            if 0 < budget < n:  # cut: the head goes to the host, the rest stays
+                head, piece = piece.split(budget)
+                head.offloaded, budget = True, 0
+                pieces.append(head)
+            elif budget >= n:
+                piece.offloaded, budget = True, budget - n
+            pieces.append(piece)
+        self.pieces = pieces
+        self.host_masters = move_masters_to_host([piece for piece in pieces if piece.offloaded])
 
     def _make_torch_optimizer(self, groups):
         if not groups:  # this rank owns only padding: keep an optimizer with an empty tensor
             groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        elif self.host_masters is not None:  # optimizer CPU offload: a device half and a host half
+            return HybridDeviceOptimizer(groups, self.pieces, super()._make_torch_optimizer, self.host_masters,
+                                         overlap=self.config.overlap_cpu_optimizer_d2h_h2d)
         return super()._make_torch_optimizer(groups)
 
     # step ----------------------------------------------------------------------------------
     def _grad_norm(self) -> float:
         device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
-        pairs = [(piece.param, piece.master.grad) for piece in self.pieces]
+        pairs = [(piece.param, piece.grad()) for piece in self.pieces]
         return grad_norm_squared(pairs, self.state, device, data_parallel=True).sqrt().item()
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
-        for piece in self.pieces:
-            piece.master.grad = piece.grad()
-        grads = [piece.master.grad for piece in self.pieces]
+        grads = [piece.grad() for piece in self.pieces]
+        for piece, grad in zip(self.pieces, grads):
+            if not piece.offloaded:  # the host half copies its gradients itself
+                piece.master.grad = grad
         if self.scaler is not None:
             groups = (self.state.dp_cp_group, self.state.mp_group, self.state.ep_group)
             found_inf = self._unscale_and_check(grads, groups)
@@ -112,7 +153,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _gather_params(self) -> None:
         """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything."""
         for bucket in self.buckets:
-            full = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.master)
+            full = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated())
             for p in bucket.params:
                 a, e = bucket.offsets[id(p)]
                 p.view(-1).copy_(full[a:e])

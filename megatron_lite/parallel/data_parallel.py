@@ -29,6 +29,12 @@ buckets are *reduce-scattered* instead (``bucket.reduce_scatter = True``): data-
 then holds the averaged gradient only in its chunk ``i`` of every bucket, which is the part of
 the parameters whose optimizer state it owns. A tied embedding/output weight (``shared_embedding``)
 gets a bucket of its own when pipelining, so the first and last stage shard it identically.
+
+Hybrid sharding (``--num-distributed-optimizer-instances N``): dense buckets belong to the
+``dp_shard`` group (DP x CP / N ranks) and carry ``replicate_group`` (the N ranks holding the same
+shard). A bucket is reduce-scattered inside its shard group, then its shard is all-reduced over the
+replicate group, which together sum over all DP x CP ranks. The second collective needs the first's
+result, so an overlapped bucket issues it when waited on.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ class _Bucket:
     ``offsets[id(p)]`` is ``(start, end)`` of each param inside ``data``.
     """
 
-    def __init__(self, params: list[nn.Parameter], data: torch.Tensor, group, scale: float, offsets: dict):
+    def __init__(self, params: list[nn.Parameter], data: torch.Tensor, group, scale: float, offsets: dict,
+                 replicate_group=None):
         self.params, self.data, self.group, self.scale, self.offsets = params, data, group, scale, offsets
+        self.replicate_group = replicate_group  # hybrid sharding: the same shard on the other instances
         self.ids = {id(p) for p in params}
         self.reduce_scatter = False  # set by the distributed optimizer
         self.reset()
@@ -84,6 +92,7 @@ class _Bucket:
         if self.scale != 1.0:
             self.data.mul_(self.scale)
         if comm.group_size(self.group) == 1:
+            self._reduce_over_replicas()
             return
         comm.record("dp", "reduce_scatter" if self.reduce_scatter else "all_reduce", comm.tensor_bytes(self.data),
                     comm.group_size(self.group))
@@ -92,11 +101,22 @@ class _Bucket:
             self.handle = comm.reduce_scatter_single(self.data[start:end], self.data, group=self.group, async_op=async_op)
         else:
             self.handle = dist.all_reduce(self.data, group=self.group, async_op=async_op)
+        if not async_op:
+            self._reduce_over_replicas()
+
+    def _reduce_over_replicas(self) -> None:
+        """Hybrid sharding: sum this rank's shard (or the whole bucket) over the replicate group."""
+        if comm.group_size(self.replicate_group) == 1:
+            return
+        start, end = self.shard() if self.reduce_scatter else (0, self.data.numel())
+        comm.record("dp", "all_reduce", comm.tensor_bytes(self.data[start:end]), comm.group_size(self.replicate_group))
+        dist.all_reduce(self.data[start:end], group=self.replicate_group)
 
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+            self._reduce_over_replicas()  # an overlapped launch left the second stage for now
 
 
 class DistributedDataParallel(nn.Module):
@@ -130,7 +150,8 @@ class DistributedDataParallel(nn.Module):
         plan = []
         # Dense weights are replicated over data AND context parallel ranks (CP ranks see different
         # tokens of the same samples), so their gradients are averaged over the DP x CP group.
-        for group_params, group in ((dense, state.dp_cp_group), (expert, state.expert_dp_group)):
+        # With hybrid sharding the dense buckets are sharded over dp_shard only (see the module docstring).
+        for group_params, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_group)):
             current, size = [], 0
             for p in group_params:
                 if getattr(p, "shared_embedding", False) and state.pp_size > 1:
@@ -161,7 +182,8 @@ class DistributedDataParallel(nn.Module):
                 p.main_grad = data[offset : offset + p.numel()].view(p.shape)
                 offsets[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
-            self.buckets.append(_Bucket(bucket_params, data, group, scale, offsets))
+            replicate = state.dp_replicate_group if getattr(bucket_params[0], "allreduce", True) else None
+            self.buckets.append(_Bucket(bucket_params, data, group, scale, offsets, replicate))
             start += numel
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]

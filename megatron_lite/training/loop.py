@@ -32,6 +32,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
@@ -53,6 +54,7 @@ class TrainResult:
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
     state: ParallelState | None = field(default=None, repr=False)
+    optimizer: object = field(default=None, repr=False)
 
 
 class _ExitSignal:
@@ -207,7 +209,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     vpp = chunks if chunks > 1 else None
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-        ep=p.expert_model_parallel_size, vpp=vpp,
+        ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
     )
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
@@ -291,6 +293,8 @@ class _Training:
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
                                                self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
+        if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on
+            print_rank_0(f"> {model_state_report(self.config, self.chunks, self.optimizer, self.state.dp_size * self.state.cp_size)}")
         if self.volume is not None:
             result.comm_volume.append(self.volume.end_step())
             if self.iteration % self.config.logging.log_interval == 0:
@@ -358,7 +362,7 @@ class _Training:
                 self.validate(record=False)
         self.logger.close()
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
-        self.result.chunks, self.result.state = self.chunks, self.state
+        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
         return self.result
 
 
