@@ -62,6 +62,9 @@ def moe_reference(tmp_path_factory):
                                    "--recompute-method", "uniform"]),
         ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                  "--num-layers-per-virtual-pipeline-stage", "1"]),
+        # ZeRO-3: expert parameters sharded over the expert-data-parallel group, dense over all 4 ranks
+        ("ep2_dp2_zero3", 4, "B", ["--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy",
+                                   "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]),
     ],
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):

@@ -13,8 +13,10 @@ not stopped.
 import pytest
 
 from tests.e2e.test_pretrain_gpt import (
+    MODEL,
     MODEL_B,
     _argv,
+    _one_line_exit_2,
     _parallel,
     _ranks_losses,
     _same_losses,
@@ -74,3 +76,16 @@ def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, first, s
     a = _ranks_losses(2, _argv(save, ITERS, first + ["--exit-interval", "3"]))
     b = _ranks_losses(2, _argv(save, ITERS, second + ["--load", save]))
     _same_losses(a + b, reference["A"][0])
+
+
+@pytest.mark.parametrize(
+    "flags, world, words",
+    [
+        (OVERLAP, 1, ["--overlap-param-gather needs --use-distributed-optimizer"]),
+        (ZERO2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2, ["zb-h1", "optim_grads"]),
+        (ZERO3 + ["--bf16", "--fp8-format", "hybrid"], 1, ["--fp8-format", "optim_grads_params"]),
+    ],
+)
+def test_combinations_not_built_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # validated before any process group is made
+    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
