@@ -4,6 +4,7 @@ pre-hooks that wait for in-flight parameter all-gathers (``--overlap-param-gathe
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def on_backward(outputs, fn) -> None:
@@ -25,15 +26,26 @@ def _waiting_for(buckets):
     return hook
 
 
+def _called(module_names: dict, name: str) -> str:
+    """``name`` or its nearest ancestor that has a forward of its own: a plain container (``nn.Module()``,
+    ``nn.ModuleList``) holding weights is never called, its parent's forward reads them."""
+    while name and type(module_names[name]).forward is nn.Module.forward:
+        name = name.rpartition(".")[0]
+    return name
+
+
 def wait_for_params_before_use(module, bucket_of: dict) -> None:
     """--overlap-param-gather with full params: the optimizer's post-step all-gathers run in the
-    background; each submodule waits for the buckets of its own parameters (``bucket_of[id(p)]``)
-    just before its forward, in the order the forward reaches them."""
-    for m in module.modules():
-        own = []
+    background; the module whose forward reads a parameter (its owner, or the owner's nearest
+    ancestor with a forward) waits for that parameter's bucket just before its forward."""
+    modules = dict(module.named_modules())
+    waits: dict[str, list] = {}
+    for name, m in modules.items():
         for p in m.parameters(recurse=False):
             bucket = bucket_of.get(id(p))
+            own = waits.setdefault(_called(modules, name), [])
             if bucket is not None and all(bucket is not b for b in own):
                 own.append(bucket)
-        if own:
-            m.register_forward_pre_hook(_waiting_for(own))
+    for name, buckets in waits.items():
+        if buckets:
+            modules[name].register_forward_pre_hook(_waiting_for(buckets))

@@ -349,6 +349,8 @@ class _Training:
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
         self.logger.close()
+        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
+            chunk.finish_param_gather()
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
         self.result.chunks, self.result.state = self.chunks, self.state
         return self.result
