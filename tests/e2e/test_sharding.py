@@ -59,13 +59,13 @@ def test_sharded_runs_reproduce_single_process(tmp_path, reference, name, world,
 def test_zero3_bf16_tp2_dp2_follows_single_process(tmp_path):
     """bf16 params, fp32 masters and grads: TP2 x DP2 ZeRO-3 with prefetching against one process.
     Only the summation order differs (bf16 matmuls split over TP, fp32 grads summed per
-    micro-batch): losses within a relative 2e-3 every step."""
+    micro-batch): losses within a relative 2e-4 every step (seen: up to 3e-5)."""
     bf16 = ["--bf16"]
     ref, _ = _single(tmp_path, "single_bf16", ITERS, bf16)
     losses, _ = _parallel(tmp_path, "zero3_bf16", 4, ITERS, bf16 + ZERO3 + OVERLAP + ["--tensor-model-parallel-size", "2"])
     assert len(losses) == len(ref)
     for step, (a, e) in enumerate(zip(losses, ref), 1):
-        assert abs(a - e) <= 2e-3 * abs(e), f"step {step}: {a} vs single-process {e}"
+        assert abs(a - e) <= 2e-4 * abs(e), f"step {step}: {a} vs single-process {e}"
 
 
 @pytest.mark.parametrize("first, second", [(["--use-distributed-optimizer"], ZERO3), (ZERO3 + OVERLAP, [])])
