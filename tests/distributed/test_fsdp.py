@@ -137,3 +137,24 @@ def test_gpt_units_and_a_layer_without_its_gather():
     # tied: the embedding's weight is read by the output layer too, so it stays in the root
     assert names[False] == ["decoder.layers.0", "decoder.layers.1", "root"]
     assert names[True] == ["embedding", "decoder.layers.0", "decoder.layers.1", "output_layer", "root"]
+
+
+def _prefetch_seen(overlap):
+    state = cached_state(dp=2)
+    cfg = Config()
+    cfg.parallel.data_parallel_sharding_strategy = "optim_grads_params"
+    cfg.parallel.overlap_grad_reduce = cfg.parallel.overlap_param_gather = overlap
+    model = wrap_for_data_parallel(_Toy(torch.float32), state, cfg.parallel)
+    seen = []
+    model.units[0].module.register_forward_pre_hook(lambda m, a: seen.append(bool(model.units[1].pending)))
+    model(torch.randn(2, 8)).sum().backward()
+    model.finish_grad_sync()
+    return seen, _freed(model)
+
+
+def test_overlap_param_gather_starts_the_next_units_gather_early():
+    """With --overlap-param-gather the second unit's all-gather is in flight while the first unit's
+    forward starts; without it nothing is started ahead."""
+    for overlap in (True, False):
+        for seen, freed in run_ranks(2, _prefetch_seen, overlap):
+            assert seen == [overlap] and freed
