@@ -98,7 +98,11 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather with forward."""
+    """Overlap the parameter all-gathers with forward (post-step with optim/optim_grads; the next unit's with optim_grads_params)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """What is sharded over data parallel: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3)."""
+    use_megatron_fsdp: bool = False
+    """Accepted for Megatron-FSDP scripts: the sharding strategies above are built in."""
     ddp_bucket_size: int | None = None
     """Gradient bucket size in elements (default max(40M, 1M x dp))."""
 
@@ -291,12 +295,10 @@ def _check_parallel(config: Config) -> None:
     _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
              "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
              "attention uses the implicit causal mask); drop one of them")
-    # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
-    _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
-    _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
-    from .optim.sharding_flags import check_sharding_flags
+    from .parallel.sharding import check_sharding
 
-    check_sharding_flags(config)  # hybrid sharding and optimizer CPU offload
+    check_sharding(config)
+    _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from ..parallel.fsdp import full_params
 from ..training.logging import is_logging_rank, print_rank_0
 from .format import (
     ARCH_FIELDS,
@@ -186,7 +187,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 
     # every rank's files are complete before anything points at them; a failed write (disk full,
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
-    on_every_rank(_writing(write_files, root, iteration))
+    with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
+        on_every_rank(_writing(write_files, root, iteration))
     on_every_rank(_writing(update_tracker, root, iteration))
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
@@ -315,9 +317,10 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
     modules = [_inner(c) for c in chunks]
-    _check_compatible(path, ckpt, modules, config, state)
-    for module, saved in zip(modules, ckpt["model"]):
-        module.load_state_dict(saved, strict=True)
+    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+        _check_compatible(path, ckpt, modules, config, state)
+        for module, saved in zip(modules, ckpt["model"]):
+            module.load_state_dict(saved, strict=True)
 
     finetune = ck.finetune or iteration == "release"
     if not finetune and not ck.no_load_optim:

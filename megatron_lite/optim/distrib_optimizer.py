@@ -28,6 +28,12 @@ Hybrid sharding (``--num-distributed-optimizer-instances``) needs nothing here: 
 is then the shard group, so pieces, all-gathers and the grad norm follow it. With
 ``--optimizer-cpu-offload`` part of the pieces move to the host (optim/cpu_offload.py); the
 checkpoint format does not change.
+The same class serves the sharded-gradient strategies (``optim_grads``, ``optim_grads_params``):
+a piece's gradient is read from the bucket's ``owned_grad()`` (this rank's chunk, whether the full
+buffer is kept or only the shard), and with sharded parameters (``bucket.param_shard``) the
+updated pieces are written into that shard instead of being all-gathered. With
+``--overlap-param-gather`` the post-step all-gathers are left in flight; each module waits for its
+buckets just before its next forward (``bucket.finish_param_gather``).
 """
 
 from __future__ import annotations
@@ -47,13 +53,22 @@ class _Piece:
 
     def __init__(self, param, bucket, lo, hi):
         self.param, self.bucket, self.lo, self.hi = param, bucket, lo, hi
-        self.master = param.detach().reshape(-1)[lo:hi].float().clone()
         # where the piece sits inside this rank's chunk of the bucket
         self.chunk_offset = bucket.offsets[id(param)][0] + lo - bucket.shard()[0]
+        self.master = self.current().float().clone()
         self.offloaded = False  # True: the master lives on the host (optimizer CPU offload)
 
+    def _in_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
+        return chunk[self.chunk_offset : self.chunk_offset + self.hi - self.lo]
+
+    def current(self) -> torch.Tensor:
+        """The model's value of the piece (from the param shard when the params are sharded)."""
+        if self.bucket.param_shard is not None:
+            return self._in_chunk(self.bucket.param_shard)
+        return self.param.detach().reshape(-1)[self.lo : self.hi]
+
     def grad(self) -> torch.Tensor:
-        return self.param.main_grad.view(-1)[self.lo : self.hi]
+        return self._in_chunk(self.bucket.owned_grad())
 
     def param_slice(self) -> torch.Tensor:
         return self.param.view(-1)[self.lo : self.hi]
@@ -78,6 +93,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if len(dtypes) > 1:
                 raise ValueError(f"--use-distributed-optimizer needs one parameter dtype per gradient bucket, got {dtypes}")
         self.pieces: list[_Piece] = []
+        self._bucket_of_param = {id(p): b for b in self.buckets for p in b.params}
         for bucket in self.buckets:
             bucket.reduce_scatter = True
             start, end = bucket.shard()
@@ -117,7 +133,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # step ----------------------------------------------------------------------------------
     def _grad_norm(self) -> float:
-        device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
         pairs = [(piece.param, piece.grad()) for piece in self.pieces]
         return grad_norm_squared(pairs, self.state, device, data_parallel=True).sqrt().item()
 
@@ -151,26 +167,34 @@ class DistributedOptimizer(MegatronOptimizer):
             piece.master.grad = None
 
     def _gather_params(self) -> None:
-        """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything."""
+        """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything
+        (left in flight with --overlap-param-gather). Sharded params: the pieces go into the shard."""
+        for piece in self.pieces:
+            if piece.bucket.param_shard is not None:
+                piece.current().copy_(piece.master)
         for bucket in self.buckets:
-            full = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated())
-            for p in bucket.params:
-                a, e = bucket.offsets[id(p)]
-                p.view(-1).copy_(full[a:e])
+            if bucket.param_shard is not None:
+                continue
+            overlap = getattr(self.chunks[0], "overlap_param_gather", False)
+            bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated(),
+                                                          async_op=overlap)
+            if not overlap:
+                bucket.finish_param_gather()
 
-    def _all_gather_bucket(self, bucket, dtype, value_of) -> torch.Tensor:
-        """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces."""
-        full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+    def _all_gather_bucket(self, bucket, dtype, value_of, async_op: bool | None = None):
+        """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces.
+        With ``async_op`` given: (handle or None, buffer) for :meth:`Bucket.finish_param_gather`."""
+        full = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
         start, end = bucket.shard()
         local = full[start:end].clone()
         for piece in self.pieces:
             if piece.bucket is bucket:
                 local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
         if comm.group_size(bucket.group) == 1:
-            return local
+            return local if async_op is None else (None, local)
         comm.record("dp", "all_gather", comm.tensor_bytes(full), comm.group_size(bucket.group))
-        comm.all_gather_single(full, local, group=bucket.group)
-        return full
+        handle = comm.all_gather_single(full, local, group=bucket.group, async_op=bool(async_op))
+        return full if async_op is None else (handle, full)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -180,7 +204,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         for piece in self.pieces:
-            piece.master.copy_(piece.param.reshape(-1)[piece.lo : piece.hi])
+            piece.master.copy_(piece.current())
 
     # checkpoint ----------------------------------------------------------------------------
     def _full_order(self) -> list:
@@ -274,7 +298,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     group[k] = v
         if full_master is not None:
             for p in self.model_params:
-                p.copy_(full_master[id(p)])
+                if self._bucket_of_param[id(p)].param_shard is None:
+                    p.copy_(full_master[id(p)])
+            for piece in self.pieces:
+                if piece.bucket.param_shard is not None:
+                    piece.current().copy_(piece.master)
         if self.scaler is not None and sd.get("loss_scaler") is not None:
             self.scaler.load_state_dict(sd["loss_scaler"])
         self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))

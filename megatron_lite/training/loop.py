@@ -26,7 +26,8 @@ from ..device import cpu_has_native, describe_backends, get_device, init_distrib
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
-from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from ..parallel.data_parallel import finalize_model_grads
+from ..parallel.fsdp import wrap_for_data_parallel
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
@@ -237,13 +238,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [
-        DistributedDataParallel(
-            chunk.to(device), state, overlap_grad_reduce=config.parallel.overlap_grad_reduce,
-            bucket_size=config.parallel.ddp_bucket_size,
-        )
-        for chunk in model_provider(config, state)
-    ]
+    chunks = [wrap_for_data_parallel(chunk.to(device), state, config.parallel) for chunk in model_provider(config, state)]
     optimizer = build_optimizer(config, chunks, state)
     scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
     iteration, consumed = 0, 0
@@ -361,6 +356,8 @@ class _Training:
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
         self.logger.close()
+        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
+            chunk.finish_param_gather()
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
         self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
         return self.result

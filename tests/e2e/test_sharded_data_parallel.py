@@ -38,7 +38,7 @@ def _run(tmp_path, name, world, extra, iters=ITERS):
 
 
 def _bytes_match_formula(results, dtype, d, instances=1, fraction=0.0):
-    device, cpu = model_state_bytes_split(dtype, True, d, instances=instances, offload_fraction=fraction)
+    device, cpu = model_state_bytes_split(dtype, "optim", d, instances=instances, offload_fraction=fraction)
     for _, n, got in results:
         assert got["params"] + got["grads"] + got["optimizer"] == device * n, got
         assert got["optimizer_cpu"] == cpu * n, got

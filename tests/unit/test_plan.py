@@ -12,7 +12,7 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.perf.activation_memory import korthikanti_layer_bytes
-from megatron_lite.perf.model_state import model_state_bytes_per_param, sharded_state_bytes_per_param
+from megatron_lite.perf.model_state import model_state_bytes_per_param
 from megatron_lite.perf.plan import (
     MODEL_PRESETS,
     RESERVED_BYTES,
@@ -60,12 +60,12 @@ def test_presets_have_their_published_sizes():
 
 
 def test_sharding_strategies_bytes_per_param():
-    assert sharded_state_bytes_per_param("no_shard", 8) == 18 == model_state_bytes_per_param(torch.bfloat16)
-    assert sharded_state_bytes_per_param("optim", 8) == 6 + Fraction(12, 8)
-    assert sharded_state_bytes_per_param("optim_grads", 8) == 2 + Fraction(16, 8)
-    assert sharded_state_bytes_per_param("optim_grads_params", 8) == Fraction(18, 8)
+    assert model_state_bytes_per_param(torch.bfloat16, "no_shard", 8) == 18 == model_state_bytes_per_param(torch.bfloat16)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim", 8) == 6 + Fraction(12, 8)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim_grads", 8) == 2 + Fraction(16, 8)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim_grads_params", 8) == Fraction(18, 8)
     with pytest.raises(ValueError, match="sharding strategy"):
-        sharded_state_bytes_per_param("zero4", 8)
+        model_state_bytes_per_param(torch.bfloat16, "zero4", 8)
 
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=32000)

@@ -3,7 +3,7 @@
 Memory (bytes, the fullest pipeline stage - the first, or the last which also keeps the logits):
 
 * model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
-  of the sharding strategy (:func:`~megatron_lite.perf.model_state.sharded_state_bytes_per_param`,
+  of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
   bf16 weights, fp32 gradients and Adam state), dense weights sharded over DP x CP, expert
   weights over the expert-data-parallel ranks DP x CP / EP;
 * activations: Korthikanti et al.'s bytes per layer
@@ -29,10 +29,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+import torch
+
 from ...errors import ConfigError
 from ..activation_memory import korthikanti_layer_bytes
 from ..flops import core_attention_flops, num_floating_point_operations
-from ..model_state import SHARDING_STRATEGIES, sharded_state_bytes_per_param
+from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
 from . import volumes
 from .model import ClusterSpec, ModelSpec, stage_params
 
@@ -124,8 +126,8 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     logits = 4 * lay.micro_batch * s * spec.padded_vocab(t) / t
     layers = spec.num_layers // p
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    dense_bpp = float(sharded_state_bytes_per_param(lay.zero, lay.dp * lay.cp))
-    expert_bpp = float(sharded_state_bytes_per_param(lay.zero, lay.dp * lay.cp // lay.ep))
+    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp))
+    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep))
 
     def states(first, last):
         dense, expert = stage_params(spec, t, p, lay.ep, first, last)
