@@ -40,6 +40,7 @@ CHOICES = {
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
     "fp8_format": list(FP8_FORMATS),
+    "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "fp8_recipe": list(FP8_RECIPES + FP8_RECIPES_NOT_BUILT),  # the latter refused in one line, not by argparse
     "fp8_amax_compute_algo": list(AMAX_COMPUTE_ALGOS),
     "transformer_impl": list(TRANSFORMER_IMPLS),

@@ -93,10 +93,16 @@ class ParallelConfig:
     """Expert-parallel size."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
+    num_distributed_optimizer_instances: int = 1
+    """Hybrid sharding: the distributed optimizer shards within DP/N ranks and replicates across N."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather with forward."""
+    """Overlap the parameter all-gathers with forward (post-step with optim/optim_grads; the next unit's with optim_grads_params)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """What is sharded over data parallel: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3)."""
+    use_megatron_fsdp: bool = False
+    """Accepted for Megatron-FSDP scripts: the sharding strategies above are built in."""
     ddp_bucket_size: int | None = None
     """Gradient bucket size in elements (default max(40M, 1M x dp))."""
 
@@ -159,6 +165,12 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    optimizer_cpu_offload: bool = False
+    """Keep fp32 masters and optimizer state of part of this rank's shard on the CPU, stepped there."""
+    optimizer_offload_fraction: float = 1.0
+    """With --optimizer-cpu-offload: the fraction of this rank's optimizer shard kept on the CPU."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With --optimizer-cpu-offload on a GPU: copy gradients and params on a side stream."""
 
 
 @dataclass
@@ -251,7 +263,8 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     p = config.parallel
     try:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size)
+                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                        dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
     except ParallelConfigError as err:
         _check_parallel(config)  # what cannot work at all first, then what needs another launch
         _check_precision(config.precision)
@@ -288,8 +301,9 @@ def _check_parallel(config: Config) -> None:
     _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
              "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
              "attention uses the implicit causal mask); drop one of them")
-    # accepted for script compatibility, but there is nothing behind them yet: refuse rather than ignore
-    _require(not p.overlap_param_gather, "--overlap-param-gather is not implemented yet; drop it")
+    from .parallel.sharding import check_sharding
+
+    check_sharding(config)
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:

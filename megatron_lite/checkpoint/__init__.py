@@ -1,7 +1,8 @@
 """Checkpoints: the on-disk format (format.py), training save/resume (training.py), merging any
-TP x PP layout into one single-process model for tools (merge.py), writing any layout (reshard.py),
-Hugging Face formats (hf.py, hf_io.py), the converter's loader/saver plugins (convert.py), and the
-sharded ``torch_dist`` format that loads at any layout (boxes.py, dist.py, dist_read.py, dist_save.py)."""
+TP x PP x EP layout into one single-process model for tools (merge.py), writing any layout
+(reshard.py, reshard_optim.py, layout.py), Hugging Face formats (hf.py, hf_mixtral.py, hf_bert.py,
+hf_io.py), the converter's loader/saver plugins (convert.py), and the sharded ``torch_dist`` format
+that loads at any layout (boxes.py, dist.py, dist_read.py, dist_save.py)."""
 
 from .convert import load_hf, save_hf
 from .format import (

@@ -6,8 +6,10 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 
 ==============  ===============================================================================
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
-                layout; the saver writes ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2 and llama styles
+                layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
+                ``--target-*`` sizes (default: the source's)
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, mixtral and
+                megatron-bert styles
 ==============  ===============================================================================
 """
 
@@ -21,8 +23,10 @@ from typing import NamedTuple
 
 from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError
+from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
+from .hf_bert import from_bert, to_bert
 from .hf_io import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -33,6 +37,8 @@ from .hf_io import (
     write_json,
     write_safetensors,
 )
+from .hf_mixtral import from_mixtral, to_mixtral
+from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
 
@@ -64,7 +70,8 @@ def _megatron_saver_args(parser) -> None:
     group.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                        help="Pipeline-parallel size to write (default: the source's, 1 for Hugging Face).")
     group.add_argument("--target-expert-parallel-size", type=int, default=None,
-                       help="Expert-parallel size to write (only 1: no mixture-of-experts conversion yet).")
+                       help="Expert-parallel size to write (default: the source's, 1 for Hugging Face); "
+                            "must divide --num-experts.")
     group.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Interleaved pipeline: layers per virtual stage (as --num-layers-per-virtual-pipeline-stage).")
     group.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
@@ -76,9 +83,7 @@ def _megatron_saver_args(parser) -> None:
 def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     """The ``--target-*`` options, defaulting to the source's layout (a PP change resets the stage split)."""
     src = bundle.config
-    if args.target_expert_parallel_size not in (None, 1):
-        raise ConfigError(f"--target-expert-parallel-size {args.target_expert_parallel_size}: expert (MoE) checkpoints "
-                          "cannot be converted yet; use 1")
+    ep = args.target_expert_parallel_size or src.get("expert_model_parallel_size") or 1
     tp = args.target_tensor_parallel_size or src.get("tensor_model_parallel_size") or 1
     pp = args.target_pipeline_parallel_size or src.get("pipeline_model_parallel_size") or 1
     same_pp = args.target_pipeline_parallel_size is None
@@ -90,22 +95,31 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    return TargetLayout(tp, pp, *split)
+    check_expert_size(src, ep)
+    return TargetLayout(tp, pp, *split, ep=ep)
+
+
+def _default(f):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list[str]:
-    """The pretrain_gpt.py flags that load a converted checkpoint with this flat ``config``: the
-    model options that differ from their defaults, the parallel layout, and how to resume."""
+    """The pretrain_gpt.py (pretrain_bert.py) flags that load a converted checkpoint with this flat
+    ``config``: the model and MoE options that differ from their defaults, the parallel layout, and how to resume."""
     flags = []
-    for cls in (ModelConfig, ParallelConfig):
+    for cls in (ModelConfig, ParallelConfig, MoEConfig):
         for f in dataclasses.fields(cls):
             value = config.get(f.name)
-            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == f.default:
+            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == _default(f):
                 continue
-            if cls is ParallelConfig and not f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers")):
+            if cls is ParallelConfig and not (f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers"))
+                                              or f.name == "sequence_parallel"):
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
-            flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+            values = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+            flags += [flag] if value is True else [] if value is False else [flag, *values]
+    if config.get("bert_no_binary_head"):
+        flags.append("--bert-no-binary-head")
     return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
 
 
@@ -126,25 +140,36 @@ def _hf_loader_args(parser) -> None:
     group = parser.add_argument_group("hf loader")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="Vocabulary padding of the imported model, as in training (default 128).")
+    group.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                       help="Mixtral import: write the experts stacked for --moe-grouped-gemm (default: one MLP each).")
 
 
-def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128) -> ModelBundle:
+def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False) -> ModelBundle:
     """The bundle of a Hugging Face folder; its tokenizer files are carried along for the saver."""
     hf_config = read_json(os.path.join(load_dir, "config.json"))
-    config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
+    if hf_config.get("model_type") == "mixtral":
+        config, state_dict = from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    elif hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
+        config, state_dict = from_bert(hf_config, read_safetensors(load_dir))
+    elif moe_grouped_gemm:
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral model only; {load_dir} holds "
+                          f"{hf_config.get('model_type')!r}: drop it")
+    else:
+        config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
     config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     return ModelBundle(config, state_dict, "release", 0, tokenizer_files_in(load_dir))
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:
-    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128)
+    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128, bool(args.moe_grouped_gemm))
 
 
 def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
-                       help="gpt2 (learned positions, LayerNorm, GeLU) or llama (RoPE, RMSNorm, SwiGLU); "
-                            "auto: llama for rope models, else gpt2.")
+                       help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
+                            "(llama with MoE layers) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
+                            "mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
 
@@ -153,7 +178,12 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
             progress=_no_progress) -> str:
     """Write ``bundle`` as a Hugging Face folder (config.json, safetensors, tokenizer files); returns it."""
     style = pick_style(bundle.config, style)
-    hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
+    if style == "mixtral":
+        hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
+    elif style == "bert":
+        hf_config, tensors = to_bert(bundle.config, bundle.state_dict)
+    else:
+        hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)
     if os.path.isfile(os.path.join(save_dir, "config.json")):
         raise CheckpointError(f"{save_dir} already holds a config.json; choose an empty --save-dir")
@@ -199,14 +229,12 @@ PLUGIN_OPTIONS = {
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
     ("saver", "hf"): ("hf_style", "max_shard_size"),
-    ("loader", "hf"): ("make_vocab_size_divisible_by",),
+    ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm"),
 }
 
 
 def check_options(args) -> None:
     """Refuse an option the chosen loader/saver does not read, naming it."""
-    if args.model_type != "GPT":
-        raise ConfigError(f"--model-type {args.model_type}: only GPT checkpoints can be converted; use GPT")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConfigError("--save-dir must differ from --load-dir")
     for (role, name), options in PLUGIN_OPTIONS.items():
@@ -221,4 +249,5 @@ def convert(args, progress=_no_progress) -> str:
     """Run the loader then the saver named in ``args``; returns what the saver wrote."""
     check_options(args)
     bundle = LOADERS[args.loader].run(args, progress)
+    check_model_type(bundle.config, args.model_type, args.load_dir)
     return SAVERS[args.saver].run(bundle, args, progress)

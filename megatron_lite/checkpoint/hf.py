@@ -13,6 +13,8 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
   Our fused QKV ``[groups, (heads_per_group + 2) * head_dim, hidden]`` is split into q/k/v_proj per
   group, and fc1 ``[gate; up]`` into gate_proj/up_proj. HF's rotary uses the same rotate-half layout.
 
+Two more styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
+picked for mixture-of-experts models) and ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT).
 A model the target style cannot express is refused with one line naming the option that differs.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
@@ -24,7 +26,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 
-STYLES = ("auto", "gpt2", "llama")
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert")  # mixtral: in hf_mixtral.py, bert: in hf_bert.py
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -38,7 +40,14 @@ def _require(cond, message: str) -> None:
 
 
 def pick_style(cfg: dict, style: str = "auto") -> str:
+    bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py
+    if bert or style == "bert":
+        _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "
+                 f"exported with --hf-style {'bert' if bert else 'auto'}")
+        return "bert"
     if style == "auto":
+        if cfg.get("num_experts"):
+            return "mixtral"
         return "llama" if cfg.get("position_embedding_type") == "rope" else "gpt2"
     _require(style in STYLES, f"--hf-style {style!r} is not one of {', '.join(STYLES)}")
     return style
@@ -54,6 +63,8 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int]:
 def check_exportable(cfg: dict, style: str) -> None:
     """Raise one ConfigError naming the option the ``style`` format cannot express."""
     _, hidden, heads, groups, head_dim = _dims(cfg)
+    _require(not cfg.get("num_experts"), f"--num-experts {cfg.get('num_experts')} (mixture of experts) cannot be "
+             f"expressed in the {style} format; use --hf-style mixtral")
     if style == "gpt2":
         _require(cfg.get("position_embedding_type", "learned_absolute") == "learned_absolute",
                  "--position-embedding-type rope cannot be expressed in the gpt2 format; use --hf-style llama")
@@ -281,7 +292,8 @@ def _llama_state(hf_sd: dict, cfg: dict) -> dict:
 def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
     kind = hf.get("model_type")
-    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama")
+    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, mixtral, "
+             "megatron-bert")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

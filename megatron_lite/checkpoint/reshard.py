@@ -1,22 +1,25 @@
 """Offline resharding: read a checkpoint of any layout into one layout-free :class:`ModelBundle`, and
-write a bundle as a training checkpoint of any tensor x pipeline (x virtual pipeline) layout.
+write a bundle as a training checkpoint of any tensor x pipeline (x virtual pipeline) x expert layout.
 
 A :class:`ModelBundle` is what travels between a checkpoint loader and a saver (the Megatron and the
 Hugging Face plugins of ``tools/checkpoint/convert.py``): the weights of a single-process
-:class:`~megatron_lite.models.GPTModel` and the flat config that describes it. Its vocabulary rows
-are *unpadded* (exactly ``vocab_size`` rows), because the padding depends on the tensor-parallel
-size: a saver pads again for its target size, with zero rows (padded rows never reach the loss,
-which only counts the real vocabulary).
+:class:`~megatron_lite.models.GPTModel` or :class:`~megatron_lite.models.BertModel` (every expert
+under its global number) and the flat config that describes it. Its vocabulary rows are *unpadded*
+(exactly ``vocab_size`` rows; BERT's output bias too), because the padding depends on the
+tensor-parallel size: a saver pads again for its target size, with zero rows (padded rows never
+reach the loss, which only counts the real vocabulary).
 
 Writing a layout does not re-derive any sharding rule: for each target pipeline chunk the saver
-builds the chunk's model on the ``meta`` device (no memory, no init cost), takes its state-dict
-names and full shapes, and its ``param_meta`` (partition dim and stride of each tensor-parallel
-parameter, e.g. stride 2 for SwiGLU's ``[gate; up]`` fc1), then cuts every full tensor with
-:func:`~megatron_lite.parallel.tensor.shard`, the function the layers themselves use to take their
-slice of the initial weights. The fused QKV weight is ``[groups, (heads_per_group + 2) * head_dim,
-hidden]`` with whole key/value groups per rank, so a contiguous split is exact for any TP dividing
-the number of groups. A tied model's last pipeline stage gets its copy of the word embedding as
-``output_layer.weight``, as in training.
+builds the chunk's model on the ``meta`` device (:func:`~megatron_lite.checkpoint.layout.chunk_model`:
+no memory, no init cost), takes its state-dict names and full shapes, and its ``param_meta``
+(partition dim and stride of each tensor-parallel parameter, e.g. stride 2 for SwiGLU's
+``[gate; up]`` fc1), then cuts every full tensor with :func:`~megatron_lite.parallel.tensor.shard`,
+the function the layers themselves use to take their slice of the initial weights. The fused QKV
+weight is ``[groups, (heads_per_group + 2) * head_dim, hidden]`` with whole key/value groups per
+rank, so a contiguous split is exact for any TP dividing the number of groups. A tied model's last
+pipeline stage gets its copy of the word embedding as ``output_layer.weight``, as in training.
+Each expert-parallel rank gets its experts (:mod:`~megatron_lite.checkpoint.layout`) in its own
+``mp_rank_TT_PPP_EEE`` file.
 
 The optimizer state (Adam moments, fp32 masters, loss scaler) is resharded the same way
 (:mod:`~megatron_lite.checkpoint.reshard_optim`) and the learning-rate schedule copied, with the
@@ -27,16 +30,13 @@ do not carry over to another layout). A source without optimizer state gives mod
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
-from ..models import GPTModel, TransformerConfig
 from ..parallel.pipeline.partition import layer_ranges
-from ..parallel.state import ParallelState
 from ..parallel.tensor import padded_vocab_size, shard
 from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .format import (
@@ -53,11 +53,21 @@ from .format import (
     with_checksums,
 )
 from .hf_io import TOKENIZER_DIR, tokenizer_files_in
+from .layout import (
+    check_expert_size,
+    check_names,
+    chunk_model,
+    ep_name,
+    ep_slice,
+    global_name,
+    num_experts,
+    transformer_config,
+)
 from .merge import merge_checkpoint, model_config_from_saved
 from .reshard_optim import merge_optimizer, split_optimizer
 
 # Tensors whose rows are the (padded) vocabulary.
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
 
 
 def _no_progress(iterable, **_kw):
@@ -99,7 +109,7 @@ def pad_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loader: a megatron_lite checkpoint of any TP x PP (x VPP) layout.
+# Loader: a megatron_lite checkpoint of any TP x PP (x VPP) x EP layout.
 
 
 def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
@@ -117,7 +127,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     files = tokenizer_files_in(os.path.join(load_dir, TOKENIZER_DIR))  # kept by an earlier conversion
     for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
         if config.get(key) and os.path.isfile(config[key]):
-            files[name] = config[key]
+            # a WordPiece vocabulary (BERT) is a vocab.txt, as Hugging Face names it
+            files["vocab.txt" if key == "vocab_file" and config[key].endswith(".txt") else name] = config[key]
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
@@ -134,7 +145,7 @@ def _source_chunks(payload: dict, pp_rank: int) -> list:
     """(meta model, layer_start) of each chunk of one source model file."""
     ranges = [tuple(r) for r in payload["layer_ranges"]]
     last = payload["pp_size"] - 1
-    return [(_chunk_model(payload["config"], pp_rank == 0 and c == 0, pp_rank == last and c == len(ranges) - 1, s, e), s)
+    return [(chunk_model(payload["config"], pp_rank == 0 and c == 0, pp_rank == last and c == len(ranges) - 1, s, e), s)
             for c, (s, e) in enumerate(ranges)]
 
 
@@ -151,45 +162,37 @@ class TargetLayout:
     vpp_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage
     first: int | None = None  # --decoder-first-pipeline-num-layers
     last: int | None = None  # --decoder-last-pipeline-num-layers
+    ep: int = 1  # --expert-model-parallel-size
 
 
 def target_config(bundle: ModelBundle, layout: TargetLayout) -> dict:
-    """The flat config the target checkpoint records: the bundle's, with the new layout and padding."""
+    """The flat config the target checkpoint records: the bundle's, with the new layout and padding.
+    MoE at TP > 1 records ``sequence_parallel`` (its layers need it)."""
     cfg = dict(bundle.config)
     model = model_config_from_saved({**cfg, "padded_vocab_size": 0})
     padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
-    try:  # the model's own shape rules, at the target TP size
-        TransformerConfig.from_model(dataclasses.replace(model, padded_vocab_size=padded),
-                                     tensor_model_parallel_size=layout.tp)
+    check_expert_size(cfg, layout.ep)
+    try:  # the model's own shape rules, at the target TP and EP sizes
+        transformer_config({**cfg, "padded_vocab_size": padded}, layout.tp, layout.ep)
         ranges = layer_ranges(model.num_layers, layout.pp, layout.vpp_layers, layout.first, layout.last)
     except (ConfigError, ValueError) as err:
-        raise ConfigError(f"target layout tp {layout.tp} x pp {layout.pp}: {err}") from None
+        raise ConfigError(f"target layout tp {layout.tp} x pp {layout.pp} x ep {layout.ep}: {err}") from None
+    sp = (bool(cfg.get("sequence_parallel")) or bool(num_experts(cfg))) and layout.tp > 1
     cfg.update(
         padded_vocab_size=padded, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         num_layers_per_virtual_pipeline_stage=layout.vpp_layers, decoder_first_pipeline_num_layers=layout.first,
-        decoder_last_pipeline_num_layers=layout.last, sequence_parallel=bool(cfg.get("sequence_parallel")) and layout.tp > 1,
+        decoder_last_pipeline_num_layers=layout.last, sequence_parallel=sp, expert_model_parallel_size=layout.ep,
     )
     cfg["_ranges"] = ranges
     return cfg
-
-
-def _chunk_model(cfg: dict, pre: bool, post: bool, start: int, end: int) -> GPTModel:
-    """One pipeline chunk at TP 1 on the meta device: its names, full shapes and param_meta, no memory."""
-    model = model_config_from_saved(cfg)
-    with torch.device("meta"):
-        return GPTModel(TransformerConfig.from_model(model, tensor_model_parallel_size=1), ParallelState(world_size=1, rank=0),
-                        pre_process=pre, post_process=post, layer_start=start, layer_end=end)
 
 
 def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int, table: dict | None = None) -> torch.Tensor:
     """The full tensor for chunk-local ``name`` (layer numbers are chunk-local) from ``table``
     (default: the bundle's weights; an optimizer state table has the same names)."""
     table = bundle.state_dict if table is None else table
-    key = name
-    if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
-        key = f"decoder.layers.{start + int(local)}.{rest}"
-    elif name == "output_layer.weight" and bundle.tied:
+    key = global_name(name, start)
+    if name == "output_layer.weight" and bundle.tied:
         key = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     if key not in table:
         raise CheckpointError(f"the source has no tensor {key}; it does not fit the model its config describes")
@@ -197,64 +200,67 @@ def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int, table:
     return pad_vocab(tensor, padded) if name in VOCAB_TENSORS else tensor
 
 
-def _chunk_shards(bundle, cfg, chunk, start, tp) -> tuple[list[dict], dict]:
-    """(per-TP-rank state dicts, param_meta) of one chunk (a meta model)."""
-    meta = param_meta(chunk)
-    shards = [{} for _ in range(tp)]
+def _chunk_shards(bundle, cfg, chunk, start, layout, ep_rank) -> tuple[list[dict], dict]:
+    """(per-TP-rank state dicts, param_meta) of one chunk (an EP-1 meta model) on expert rank ``ep_rank``."""
+    meta, tp, experts = param_meta(chunk), layout.tp, num_experts(cfg)
+    shards, local_meta = [{} for _ in range(tp)], {}
     for name, expected in chunk.state_dict().items():
+        local = ep_name(name, ep_rank, layout.ep, experts)
+        if local is None:
+            continue  # an expert of another EP rank
         full = _full_tensor(bundle, name, start, cfg["padded_vocab_size"])
         if tuple(full.shape) != tuple(expected.shape):
             raise CheckpointError(f"source tensor for {name} has shape {tuple(full.shape)}, the model needs "
                                   f"{tuple(expected.shape)}; the weights do not fit the config")
+        full = ep_slice(name, full, ep_rank, layout.ep)
+        if name in meta:
+            local_meta[local] = meta[name]
         for t in range(tp):
             part = shard(full, meta[name]["partition_dim"], t, tp, meta[name]["partition_stride"]) if name in meta else full
-            shards[t][name] = part.clone()
-    return shards, meta
+            shards[t][local] = part.clone()
+    return shards, local_meta
 
 
-def _check_all_used(bundle: ModelBundle, cfg: dict) -> None:
-    """Every tensor of the bundle must have a place in the model (e.g. no expert weights left behind)."""
-    with torch.device("meta"):
-        names = set(GPTModel(TransformerConfig.from_model(model_config_from_saved(cfg), tensor_model_parallel_size=1),
-                             ParallelState(world_size=1, rank=0)).state_dict())
-    extra = sorted(set(bundle.state_dict) - names)
-    if extra:
-        raise CheckpointError(f"the source has tensors the model has no place for: {', '.join(extra[:3])}"
-                              + (" ..." if len(extra) > 3 else ""))
+def _payload(bundle, cfg, layout, models, ranges, t, e) -> dict:
+    """The model file of TP rank ``t``, EP rank ``e`` of one pipeline stage (``models``: its chunks)."""
+    per_chunk = [_chunk_shards(bundle, cfg, model, s, layout, e) for model, s in models]
+    padded, iteration = cfg["padded_vocab_size"], bundle.iteration
+    return {
+        "iteration": 0 if iteration == "release" else int(iteration),
+        "consumed_samples": int(bundle.consumed_samples),
+        "config": cfg,
+        "tp_size": layout.tp, "pp_size": layout.pp, "ep_size": layout.ep, "dp_size": layout.ep,
+        "vpp_size": len(ranges) if len(ranges) > 1 else None,
+        "num_chunks": len(ranges),
+        "world_size": layout.tp * layout.pp * layout.ep,
+        "model": [shards[t] for shards, _ in per_chunk],
+        "param_meta": [meta for _, meta in per_chunk],
+        "layer_ranges": [tuple(r) for r in ranges],
+        "optimizer": None if bundle.optimizer is None else split_optimizer(
+            bundle.optimizer, models, t, layout.tp, lambda name, table: _full_tensor(bundle, name, 0, padded, table),
+            ep_rank=e, ep_size=layout.ep, experts=num_experts(cfg)),
+        "scheduler": None if bundle.optimizer is None else bundle.optimizer["scheduler"],
+        "format_version": FORMAT_VERSION,
+    }
 
 
 def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, progress=_no_progress) -> str:
     """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder."""
     cfg = target_config(bundle, layout)
     ranges = cfg.pop("_ranges")
-    padded = cfg["padded_vocab_size"]
-    _check_all_used(bundle, cfg)
+    check_names(cfg, bundle.state_dict)
     iteration = bundle.iteration
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
     chunks_per_rank = len(ranges[0])
     for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
-        models = [(_chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e), s)
+        models = [(chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e), s)
                   for c, (s, e) in enumerate(ranges[p])]
-        per_chunk = [_chunk_shards(bundle, cfg, model, s, layout.tp) for model, s in models]
-        for t in range(layout.tp):
-            payload = {
-                "iteration": 0 if iteration == "release" else int(iteration),
-                "consumed_samples": int(bundle.consumed_samples),
-                "config": cfg,
-                "tp_size": layout.tp, "pp_size": layout.pp, "ep_size": 1, "dp_size": 1,
-                "vpp_size": chunks_per_rank if chunks_per_rank > 1 else None,
-                "num_chunks": chunks_per_rank,
-                "world_size": layout.tp * layout.pp,
-                "model": [shards[t] for shards, _ in per_chunk],
-                "param_meta": [meta for _, meta in per_chunk],
-                "layer_ranges": [tuple(r) for r in ranges[p]],
-                "optimizer": None if bundle.optimizer is None else split_optimizer(
-                    bundle.optimizer, models, t, layout.tp, lambda name, table: _full_tensor(bundle, name, 0, padded, table)),
-                "scheduler": None if bundle.optimizer is None else bundle.optimizer["scheduler"],
-                "format_version": FORMAT_VERSION,
-            }
-            atomic_save(with_checksums(payload), model_file(save_dir, iteration, t, p))
+        for e in range(layout.ep):
+            for t in range(layout.tp):
+                payload = _payload(bundle, cfg, layout, models, ranges[p], t, e)
+                path = model_file(save_dir, iteration, t, p, e if layout.ep > 1 else None)
+                atomic_save(with_checksums(payload), path)
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place
     return iteration_dir(save_dir, iteration)

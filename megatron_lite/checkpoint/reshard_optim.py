@@ -11,7 +11,10 @@ parameter's shape and is split over TP exactly like it.
 So the layout-free form is ``{global parameter name: full tensor}`` per state key, obtained with the
 same ``param_meta`` and :func:`~megatron_lite.parallel.tensor.unshard` as the weights, and written
 back per target rank with :func:`~megatron_lite.parallel.tensor.shard`, in the target's order.
-Parameter names and order come from the chunk models built on the ``meta`` device.
+Parameter names and order come from the chunk models built on the ``meta`` device at EP 1. An
+expert-parallel rank's file holds the state of its own experts only, at the positions its model
+puts them: its order is the EP-1 order without the other ranks' experts, and stacked grouped-GEMM
+expert state is its slice of the ``[E, ...]`` tensor (joined back by concatenation when merging).
 """
 
 from __future__ import annotations
@@ -20,88 +23,101 @@ import torch
 
 from ..parallel.tensor import shard, unshard
 from .format import find_model_files, param_meta, read_model_file
+from .layout import ep_name, ep_slice, global_name, is_grouped_expert
 
 
-def global_name(name: str, start: int) -> str:
-    """Chunk-local ``decoder.layers.{i}.x`` -> global layer ``start + i``; other names unchanged."""
-    if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{start + int(local)}.{rest}"
-    return name
-
-
-def param_order(chunks: list) -> tuple[list[str], list[str], dict]:
+def param_order(chunks: list, ep_rank: int = 0, ep_size: int = 1, experts: int = 0) -> tuple[list, list, dict, int]:
     """(names in ``parameters()`` order, names in the torch state's index order, chunk-local param_meta
-    by global name) of one rank's chunk models (``(model, layer_start)`` pairs)."""
+    by global name, number of matrices: the weight-decay group) of one rank's chunk models (``(EP-1 meta model, layer_start)`` pairs), keeping the
+    experts of EP rank ``ep_rank`` only (names stay global: expert numbers too)."""
     plain, dims, meta = [], {}, {}
     for model, start in chunks:
         local_meta = param_meta(model)
         for name, p in model.named_parameters():
+            if ep_name(name, ep_rank, ep_size, experts) is None:
+                continue
             g = global_name(name, start)
             plain.append(g)
             dims[g] = p.dim()
             if name in local_meta:
                 meta[g] = local_meta[name]
     indexed = [n for n in plain if dims[n] > 1] + [n for n in plain if dims[n] <= 1]
-    return plain, indexed, meta
+    return plain, indexed, meta, sum(d > 1 for d in dims.values())
+
+
+def _join_ep(parts: dict) -> dict:
+    """{name: [tensor of each EP rank that holds it]} -> {name: full tensor}: grouped expert weights
+    are concatenated over the EP ranks, everything else is the first (only, or identical) copy."""
+    return {name: torch.cat(ts) if is_grouped_expert(name) and len(ts) > 1 else ts[0] for name, ts in parts.items()}
+
+
+def _merge_rank(opts: list, plain, indexed, meta, tied, state, scalars, masters) -> None:
+    """Add one (pipeline, expert) rank's optimizer state, glued over its TP ranks ``opts``, to the
+    per-name lists ``state[key][name]`` / ``masters[name]``."""
+
+    def full(parts, name):
+        m = meta.get(name)
+        return parts[0] if m is None else unshard(parts, m["partition_dim"], m["partition_stride"])
+
+    for index, name in enumerate(indexed):
+        if name == "output_layer.weight" and tied:
+            continue  # the last stage's copy of the tied embedding: same state as the embedding
+        entries = [o["optimizer"]["state"].get(index) for o in opts]
+        if entries[0] is None:
+            continue  # not stepped yet
+        for key, value in entries[0].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state.setdefault(key, {}).setdefault(name, []).append(full([e[key] for e in entries], name))
+            else:
+                scalars[key] = value
+    if masters is not None:
+        for i, name in enumerate(plain):
+            if not (name == "output_layer.weight" and tied):
+                masters.setdefault(name, []).append(full([o["fp32_masters"][i] for o in opts], name))
 
 
 def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
     """The layout-free optimizer state of a checkpoint, or None when a file has none.
 
-    ``chunk_models_of(pp_rank, payload)`` gives that rank's ``(meta model, layer_start)`` pairs.
+    ``chunk_models_of(pp_rank, payload)`` gives that rank's ``(EP-1 meta model, layer_start)`` pairs.
     Returns ``{"state": {key: {name: tensor}}, "scalars": {key: value}, "masters": {name: tensor} or
     None, "group": hyper-parameters, "weight_decay", "extra": loss scaler and skip count, "scheduler": ...}``
-    (vocabulary tensors still padded as in the checkpoint).
+    (vocabulary tensors still padded as in the checkpoint). Expert ranks are joined like the weights.
     """
     files = find_model_files(path)
-    payloads = {key: read_model_file(file) for key, file in files.items()}
+    payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
     if any(p.get("optimizer") is None for p in payloads.values()):
         return None
     first = payloads[min(payloads)]
-    tp, pp = first["tp_size"], first["pp_size"]
+    tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
+    experts = int(first["config"].get("num_experts") or 0)
     state: dict = {}
     scalars: dict = {}
     masters: dict | None = {} if first["optimizer"].get("fp32_masters") is not None else None
     for p in range(pp):
-        plain, indexed, meta = param_order(chunk_models_of(p, payloads[(0, p)]))
-        opts = [payloads[(t, p)]["optimizer"] for t in range(tp)]
-
-        def full(parts, name, meta=meta):
-            m = meta.get(name)
-            return parts[0] if m is None else unshard(parts, m["partition_dim"], m["partition_stride"])
-
-        for index, name in enumerate(indexed):
-            if name == "output_layer.weight" and tied:
-                continue  # the last stage's copy of the tied embedding: same state as the embedding
-            entries = [o["optimizer"]["state"].get(index) for o in opts]
-            if entries[0] is None:
-                continue  # not stepped yet
-            for key, value in entries[0].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    state.setdefault(key, {})[name] = full([e[key] for e in entries], name)
-                else:
-                    scalars[key] = value
-        if masters is not None:
-            for i, name in enumerate(plain):
-                if not (name == "output_layer.weight" and tied):
-                    masters[name] = full([o["fp32_masters"][i] for o in opts], name)
+        chunks = chunk_models_of(p, payloads[(0, p, 0)])
+        for e in range(ep):
+            plain, indexed, meta, _ = param_order(chunks, e, ep, experts)
+            opts = [payloads[(t, p, e)]["optimizer"] for t in range(tp)]
+            _merge_rank(opts, plain, indexed, meta, tied, state, scalars, masters)
     groups = first["optimizer"]["optimizer"]["param_groups"]
     group = {k: v for k, v in groups[0].items() if k not in ("params", "weight_decay")}
     extra = {k: first["optimizer"].get(k) for k in ("loss_scaler", "num_skipped_steps")}
-    return {"state": state, "scalars": scalars, "masters": masters, "group": group, "extra": extra,
+    return {"state": {key: _join_ep(table) for key, table in state.items()}, "scalars": scalars,
+            "masters": None if masters is None else _join_ep(masters), "group": group, "extra": extra,
             "weight_decay": groups[0]["weight_decay"],  # the matrices' group comes first
             "scheduler": first.get("scheduler")}
 
 
-def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of) -> dict:
-    """One target rank's optimizer payload. ``chunks``: its ``(meta model, layer_start)`` pairs;
+def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of, *, ep_rank: int = 0, ep_size: int = 1,
+                    experts: int = 0) -> dict:
+    """One target rank's optimizer payload. ``chunks``: its ``(EP-1 meta model, layer_start)`` pairs;
     ``full_of(name, tensor)`` maps a chunk's global name and a full layout-free tensor to the full
-    tensor this layout needs (the tied copy, re-padded vocabulary)."""
-    plain, indexed, meta = param_order(chunks)
+    tensor this layout needs (the tied copy, re-padded vocabulary); EP rank ``ep_rank`` keeps its experts."""
+    plain, indexed, meta, matrices = param_order(chunks, ep_rank, ep_size, experts)
 
     def part(name, table):
-        full = full_of(name, table)
+        full = ep_slice(name, full_of(name, table), ep_rank, ep_size)
         m = meta.get(name)
         return (full if m is None else shard(full, m["partition_dim"], tp_rank, tp, m["partition_stride"])).clone()
 
@@ -111,7 +127,6 @@ def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of) -
             entry = {key: part(name, table) for key, table in optim["state"].items()}
             entry.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in optim["scalars"].items()})
             torch_state[index] = entry
-    matrices = sum(p.dim() > 1 for model, _ in chunks for p in model.parameters())
     groups = [dict(optim["group"], weight_decay=wd, params=ids)
               for wd, ids in ((optim["weight_decay"], list(range(matrices))), (0.0, list(range(matrices, len(indexed)))))
               if ids]

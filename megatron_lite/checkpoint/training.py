@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from ..parallel.fsdp import full_params
 from ..training.logging import is_logging_rank, print_rank_0
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
@@ -161,9 +162,10 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
     say(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (async)" if async_saves else ""), flush=True)
     if config.checkpoint.ckpt_format == "torch_dist":
-        return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
-                         get_rng_states(state.rng_tracker), async_saves,
-                         lambda step: on_every_rank(_writing(step, root, iteration)))
+        with full_params(chunks):  # ZeRO-3 / --overlap-param-gather: full weights to cut pieces from
+            return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
+                             get_rng_states(state.rng_tracker), async_saves,
+                             lambda step: on_every_rank(_writing(step, root, iteration)))
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
 
@@ -197,7 +199,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 
     # every rank's files are complete before anything points at them; a failed write (disk full,
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
-    on_every_rank(_writing(write_files, root, iteration))
+    with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
+        on_every_rank(_writing(write_files, root, iteration))
     on_every_rank(_writing(update_tracker, root, iteration))
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
@@ -322,15 +325,17 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if checkpoint_format(root, iteration, ck) == "torch_dist":
-        return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
+        with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+            return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
     path = _model_file_for(root, iteration, state)
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
     modules = [_inner(c) for c in chunks]
-    _check_compatible(path, ckpt, modules, config, state)
-    for module, saved in zip(modules, ckpt["model"]):
-        module.load_state_dict(saved, strict=True)
+    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+        _check_compatible(path, ckpt, modules, config, state)
+        for module, saved in zip(modules, ckpt["model"]):
+            module.load_state_dict(saved, strict=True)
 
     finetune = ck.finetune or iteration == "release"
     if not finetune and not ck.no_load_optim:

@@ -24,6 +24,8 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"  # seed name, shared with a 
 
 
 class Embedding(nn.Module):
+    sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py), unless the output layer reads its weight
+
     def __init__(self, config, state, *, num_tokentypes: int = 0):
         super().__init__()
         self.tp_group = state.tp_group

@@ -72,6 +72,7 @@ class LanguageModel(nn.Module):
             skip_weight_param_allocation=self.tied and self.pre_process,
             gemm=config.make_gemm(config.num_layers + 1, self.tp_group), dtype=config.params_dtype,
         )
+        self.output_layer.sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py)
 
     def _mark_shared_weight(self) -> None:
         shared = self.shared_embedding_or_output_weight()

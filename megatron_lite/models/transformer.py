@@ -42,6 +42,8 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, tracker=None) -> t
 
 
 class TransformerLayer(nn.Module):
+    sharding_unit = True  # ZeRO-3 gathers and frees each layer's parameters as one unit (parallel/fsdp.py)
+
     def __init__(self, config, state, layer_number: int, spec):
         """``layer_number`` is global and 1-based (it seeds the weights and scales nothing else)."""
         super().__init__()

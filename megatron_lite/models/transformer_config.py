@@ -22,7 +22,9 @@ import torch
 from ..errors import ConfigError
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
+from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
+from ..precision.te import TeGemm
 from .common import param_generator
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -83,6 +85,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     first_last_layers_bf16: bool = False  # keep the first/last layers below out of FP8
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    transformer_impl: str = "local"  # transformer_engine: the transformer layers' GEMMs through TE
 
     def __post_init__(self):
         self._check_shape()
@@ -191,6 +194,8 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         _require(method is None or g == "full", "--recompute-method only applies with --recompute-granularity full")
 
     def _check_fp8(self) -> None:
+        _require(self.transformer_impl in TRANSFORMER_IMPLS,
+                 f"--transformer-impl {self.transformer_impl}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
         if self.fp8 is None:
             return
         self.fp8_scaling_recipe()  # validates format, recipe, amax algorithm and history length
@@ -217,7 +222,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             return scaled_normal_init(self.init_method_std, self.num_layers, gen)
         return normal_init(self.init_method_std, gen)
 
-    def make_gemm(self, layer_number: int, tp_group=None):
+    def make_gemm(self, layer_number: int, tp_group=None, expert: bool = False):
         """The GEMM of one linear layer of global layer ``layer_number`` (None: the plain
         ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``num_layers + 1`` is the
         output layer. Called once per linear layer, so a precision recipe can return a fresh
@@ -225,10 +230,16 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
 
         With FP8 on, the linears of FP8 layers (QKV, attention projection, fc1, fc2) get their own
         :class:`~megatron_lite.precision.fp8.Fp8Gemm` whose amaxes are MAX-reduced over ``tp_group``;
-        the embedding (layer 0) and the output layer stay in ``params_dtype``."""
+        the embedding (layer 0) and the output layer stay in ``params_dtype``. ``expert=True`` for an
+        MoE expert's fc1/fc2 (one gemm each): its amaxes are reduced over the expert-data-parallel
+        group in the per-step update. With ``transformer_impl == "transformer_engine"`` every
+        transformer-layer GEMM is a :class:`~megatron_lite.precision.te.TeGemm` instead (FP8 or not)."""
+        if self.transformer_impl == "transformer_engine" and 1 <= layer_number <= self.num_layers:
+            recipe = self.fp8_scaling_recipe() if self.is_fp8_layer(layer_number) else None
+            return TeGemm(recipe, amax_group=tp_group)
         if not self.is_fp8_layer(layer_number):
             return None
-        return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=tp_group)
+        return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=tp_group, expert=expert)
 
     def is_fp8_layer(self, layer_number: int) -> bool:
         """Whether transformer layer ``layer_number`` (global, 1-based) runs its GEMMs in FP8."""
@@ -250,7 +261,8 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             return ""
         layers = [n for n in range(1, self.num_layers + 1) if self.is_fp8_layer(n)]
         span = f"layers {layers[0]}-{layers[-1]} of {self.num_layers}" if layers else f"no layer of {self.num_layers}"
-        return (f"FP8 {span} (QKV, attention projection, fc1, fc2; embedding and output layer in "
+        experts = ", experts' fc1/fc2" if self.num_experts else ""
+        return (f"FP8 {span} (QKV, attention projection, fc1, fc2{experts}; embedding and output layer in "
                 f"{str(self.params_dtype).replace('torch.', '')})")
 
     # -- construction ------------------------------------------------------------------------------
@@ -285,4 +297,4 @@ def _fp8_fields(pr) -> dict:
                 fp8_amax_history_len=pr.fp8_amax_history_len, fp8_amax_compute_algo=pr.fp8_amax_compute_algo,
                 fp8_wgrad=not pr.no_fp8_wgrad, first_last_layers_bf16=pr.first_last_layers_bf16,
                 num_layers_at_start_in_bf16=pr.num_layers_at_start_in_bf16,
-                num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16)
+                num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16, transformer_impl=pr.transformer_impl)

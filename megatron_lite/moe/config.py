@@ -29,7 +29,7 @@ REFUSED = {
     "moe_router_fusion": "fused router kernels need Transformer Engine on a GPU",
     "moe_permute_fusion": "fused permute kernels need Transformer Engine on a GPU",
     "moe_enable_deepep": "DeepEP (flex dispatcher) needs its GPU kernels",
-    "moe_router_padding_for_fp8": "FP8 MoE padding needs FP8 grouped GEMMs",
+    "moe_router_padding_for_fp8": "routing padding is not built (FP8 experts pad their GEMMs' token dimension themselves)",
     "moe_router_force_load_balancing": "benchmark-only random routing is not implemented",
     "moe_apply_probs_on_input": "weights are applied after the activation only",
     "moe_shared_expert_overlap": "overlapping shared experts with the dispatcher is not implemented",

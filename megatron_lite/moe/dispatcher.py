@@ -36,7 +36,7 @@ def all_gather_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
     if n == 1:
         return x
     copies = x.repeat(n, *([1] * (x.dim() - 1)))
-    return comm.all_to_all(copies, group, output_splits=sizes, input_splits=[x.shape[0]] * n)
+    return comm.all_to_all(copies, group, output_splits=sizes, input_splits=[x.shape[0]] * n, kind="ep")
 
 
 def reduce_scatter_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
@@ -45,7 +45,7 @@ def reduce_scatter_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
     if n == 1:
         return x
     mine = sizes[comm.group_rank(group)]
-    received = comm.all_to_all(x, group, output_splits=[mine] * n, input_splits=sizes)
+    received = comm.all_to_all(x, group, output_splits=[mine] * n, input_splits=sizes, kind="ep")
     return received.view(n, mine, *x.shape[1:]).sum(dim=0)
 
 
@@ -55,7 +55,7 @@ def _gather_counts(counts: torch.Tensor, *groups) -> torch.Tensor:
     rows = counts.unsqueeze(0)
     with torch.no_grad():
         for group in groups:
-            rows = comm.gather_from_sp(rows, group)
+            rows = comm.gather_from_sp(rows, group, kind="ep")
     return rows
 
 
@@ -107,8 +107,8 @@ class AllToAllDispatcher:
         received = everyone[:, :, self.first:self.first + self.num_local].cpu()
         input_splits = counts.view(self.ep_size, self.num_local).sum(dim=1).tolist()
         output_splits = received[self.etp_rank].sum(dim=1).tolist()
-        rows = comm.all_to_all(rows, self.ep_group, output_splits, input_splits)
-        weights = comm.all_to_all(weights, self.ep_group, output_splits, input_splits)
+        rows = comm.all_to_all(rows, self.ep_group, output_splits, input_splits, kind="ep")
+        weights = comm.all_to_all(weights, self.ep_group, output_splits, input_splits, kind="ep")
         sent = sum(input_splits) - input_splits[comm.group_rank(self.ep_group)]
         self.bytes_sent += 2 * rows.element_size() * rows.shape[-1] * sent
         etp_sizes = received.sum(dim=(1, 2)).tolist()
@@ -122,7 +122,7 @@ class AllToAllDispatcher:
     def combine(self, rows, ctx):
         token_index, num_tokens, input_splits, output_splits, etp_sizes, inverse = ctx
         rows = reduce_scatter_v(rows.index_select(0, inverse), self.etp_group, etp_sizes)
-        rows = comm.all_to_all(rows, self.ep_group, input_splits, output_splits)
+        rows = comm.all_to_all(rows, self.ep_group, input_splits, output_splits, kind="ep")
         return unpermute(rows, token_index, num_tokens)
 
 
@@ -138,10 +138,10 @@ class AllGatherDispatcher:
 
     def dispatch(self, hidden, probs, routing_map):
         for group in self.groups:  # TP innermost: the gathered order is (ep rank, tp rank, token)
-            hidden = comm.gather_from_sp(hidden, group, tensor_parallel_output_grad=True)
-            probs = comm.gather_from_sp(probs, group, tensor_parallel_output_grad=True)
+            hidden = comm.gather_from_sp(hidden, group, tensor_parallel_output_grad=True, kind="ep")
+            probs = comm.gather_from_sp(probs, group, tensor_parallel_output_grad=True, kind="ep")
             with torch.no_grad():
-                routing_map = comm.gather_from_sp(routing_map.to(torch.uint8), group).bool()
+                routing_map = comm.gather_from_sp(routing_map.to(torch.uint8), group, kind="ep").bool()
         local = slice(self.first, self.first + self.num_local)
         local_map = routing_map[:, local]
         rows, weights, token_index = permute(hidden, probs[:, local], local_map)
@@ -151,5 +151,5 @@ class AllGatherDispatcher:
         token_index, num_tokens = ctx
         out = unpermute(rows, token_index, num_tokens)
         for group in reversed(self.groups):
-            out = comm.reduce_scatter_to_sp(out, group)
+            out = comm.reduce_scatter_to_sp(out, group, kind="ep")
         return out

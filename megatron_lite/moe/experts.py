@@ -13,6 +13,15 @@ columns). Any expert-parallel or expert-tensor-parallel layout therefore holds e
 single-process weights. With expert tensor parallelism the output is this rank's partial sum;
 the dispatcher reduces it (fc2's bias is added on expert-tensor rank 0 only).
 
+FP8 (and any other GEMM recipe): every expert's fc1 and fc2 get their own gemm from
+``config.make_gemm(layer_number, tp_group, expert=True)`` (None: plain ``F.linear``), so each
+expert's weight, input and gradient has its own scale. The grouped experts then run one GEMM per
+expert (``torch._scaled_grouped_mm`` has no CPU kernel), on views of the stacked weights. The
+amaxes are reduced over the tensor-parallel group (the experts are sharded over it, or replicated
+with each rank feeding its own tokens) and, once per step, over the expert-data-parallel group;
+never over expert parallelism, which holds different experts. An expert that gets no token still
+runs its (empty) GEMM, so collective calls match across ranks; its amax of 0 keeps the old scale.
+
 Expert parameters carry ``is_expert = True`` and ``allreduce = False`` when expert parallelism is
 on (EP > 1): their gradients are then reduced over the expert-data-parallel group only.
 """
@@ -139,12 +148,15 @@ class _ExpertsBase(nn.Module):
         self.etp_rank, self.etp_size = comm.group_rank(self.etp_group), comm.group_size(self.etp_group)
         self.replicated_over_tp = self.etp_group is None and state.tp_size > 1
         self.ep_size = state.ep_size
+        # split like the dense layers (over the TP group) unless --expert-tensor-parallel-size 1; marked
+        # as such even at TP 1, so a checkpoint records how to reshard the experts to another TP size
+        self.expert_tp = config.expert_tensor_parallel_size != 1
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
         self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
         param = nn.Parameter(data.to(self.dtype).contiguous())
-        _mark(param, self.ep_size, partition_dim if self.etp_size > 1 else None, self.replicated_over_tp)
+        _mark(param, self.ep_size, partition_dim if self.expert_tp else None, self.replicated_over_tp)
         return param
 
     def _bias2(self, shape) -> nn.Parameter:
@@ -157,6 +169,22 @@ class _ExpertsBase(nn.Module):
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return (activation(h, self.swiglu) * probs.unsqueeze(-1)).to(h.dtype)
 
+    @staticmethod
+    def _linear_pair(config, state, layer_number: int) -> nn.Module:
+        """``linear_fc1`` and ``linear_fc2`` of one expert, each holding its gemm (None: F.linear)."""
+        expert = nn.Module()
+        expert.linear_fc1, expert.linear_fc2 = nn.Module(), nn.Module()
+        for fc in (expert.linear_fc1, expert.linear_fc2):
+            fc.gemm = config.make_gemm(layer_number, state.tp_group, expert=True)
+        return expert
+
+
+def _linear(fc: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``x @ weight.T + bias`` through ``fc``'s gemm (an FP8 gemm) or F.linear."""
+    if fc.gemm is None:
+        return F.linear(x, weight, bias)
+    return fc.gemm(x, weight, bias)
+
 
 class SequentialExperts(_ExpertsBase):
     """One MLP per local expert, run one after another (``local_experts.{j}.linear_fc{1,2}``)."""
@@ -166,8 +194,7 @@ class SequentialExperts(_ExpertsBase):
         self.local_experts = nn.ModuleList()
         for j in range(self.num_local_experts):
             w = _ExpertWeights(config, layer_number, self.first_expert + j, self.etp_rank, self.etp_size)
-            expert = nn.Module()
-            expert.linear_fc1, expert.linear_fc2 = nn.Module(), nn.Module()
+            expert = self._linear_pair(config, state, layer_number)
             expert.linear_fc1.weight = self._param(w.fc1, 0)
             expert.linear_fc1.weight.partition_stride = w.stride
             expert.linear_fc2.weight = self._param(w.fc2, 1)
@@ -181,8 +208,8 @@ class SequentialExperts(_ExpertsBase):
         outputs = []
         for expert, rows, p in zip(self.local_experts, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            h = self._weighted(F.linear(rows, fc1.weight, getattr(fc1, "bias", None)), p)
-            y = F.linear(h, fc2.weight)
+            h = self._weighted(_linear(fc1, rows, fc1.weight, getattr(fc1, "bias", None)), p)
+            y = _linear(fc2, h, fc2.weight)
             if self.bias and self.etp_rank == 0:
                 y = y + fc2.bias * p.unsqueeze(-1).to(y.dtype)
             outputs.append(y)
@@ -193,10 +220,14 @@ class SequentialExperts(_ExpertsBase):
 
 class GroupedExperts(_ExpertsBase):
     """All local experts in two stacked weights ``weight1 [E_l, h, fc1]`` and ``weight2 [E_l, ffn, h]``
-    (fc1/fc2 transposed), computed with one grouped GEMM each."""
+    (fc1/fc2 transposed), computed with one grouped GEMM each. With a GEMM recipe (FP8) the
+    per-expert gemms live in ``local_experts.{j}.linear_fc{1,2}.gemm`` (the sequential experts'
+    names, so checkpoints merge the same way) and each expert runs its own GEMM."""
 
     def __init__(self, config, state, layer_number: int):
         super().__init__(config, state)
+        pairs = [self._linear_pair(config, state, layer_number) for _ in range(self.num_local_experts)]
+        self.local_experts = nn.ModuleList(pairs) if pairs and pairs[0].linear_fc1.gemm is not None else None
         ws = [_ExpertWeights(config, layer_number, self.first_expert + j, self.etp_rank, self.etp_size)
               for j in range(self.num_local_experts)]
         self.weight1 = self._param(torch.stack([w.fc1.t() for w in ws]), 2)
@@ -208,13 +239,21 @@ class GroupedExperts(_ExpertsBase):
             self.bias2 = self._bias2((self.num_local_experts, config.hidden_size))
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        h = grouped_matmul(x, self.weight1, tokens_per_expert)
+        h = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert)
         if self.bias:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=x.device),
                 torch.tensor(tokens_per_expert, device=x.device))
             h = h + self.bias1[expert_of_row]
-        y = grouped_matmul(self._weighted(h, probs), self.weight2, tokens_per_expert)
+        y = self._matmul(self._weighted(h, probs), self.weight2, "linear_fc2", tokens_per_expert)
         if self.bias and self.etp_rank == 0:
             y = y + self.bias2[expert_of_row] * probs.unsqueeze(-1).to(y.dtype)
         return y
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, fc: str, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Rows of expert j times ``weight[j]``: one grouped GEMM, or each expert's own gemm."""
+        if self.local_experts is None:
+            return grouped_matmul(x, weight, tokens_per_expert)
+        parts = [_linear(getattr(expert, fc), rows, w.t())
+                 for expert, rows, w in zip(self.local_experts, x.split(tokens_per_expert), weight.unbind(0))]
+        return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])

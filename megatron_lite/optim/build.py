@@ -8,6 +8,7 @@ from .optimizer import MegatronOptimizer
 
 def build_optimizer(config, chunks, state) -> MegatronOptimizer:
     """The optimizer for ``config`` over the params of ``chunks`` (DistributedDataParallel wrappers)."""
-    if config.parallel.use_distributed_optimizer:
+    p = config.parallel  # every sharding strategy but no_shard shards the optimizer state
+    if p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard":
         return DistributedOptimizer(chunks, state, config.optim, config.precision)
     return MegatronOptimizer(chunks, state, config.optim, config.precision)

@@ -12,7 +12,8 @@ The norm must be the norm of the *whole* model's gradient, as if it lived in one
 
 Squared norms are summed locally in fp32, expert ones over the expert-parallel group, then all
 over the model-parallel (TP x PP) group (:func:`grad_norm_squared`, shared with the distributed
-optimizer, which also sums over data parallelism). Clipping scales every gradient (duplicates included) by
+optimizer, which also sums over its shard group: data x context parallel, or one instance of it
+with hybrid sharding). Clipping scales every gradient (duplicates included) by
 ``max_norm / (norm + 1e-6)`` when that is below 1, exactly like ``torch.nn.utils.clip_grad_norm_``.
 Gradients are read from ``param.main_grad`` when present (DistributedDataParallel), else ``.grad``.
 """
@@ -62,7 +63,7 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
             dense += sq
         else:
             expert += sq
-    dense_groups = (state.dp_cp_group,) if data_parallel else ()  # sharded over data x context parallel
+    dense_groups = (state.dp_shard_group,) if data_parallel else ()  # sharded over DP x CP (/ instances)
     expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
         for group in groups:

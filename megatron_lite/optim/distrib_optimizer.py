@@ -23,6 +23,17 @@ Communication equals a plain all-reduce (reduce-scatter + all-gather).
 others' results can be discarded): it gathers the shards into the same format
 :class:`MegatronOptimizer` writes, so checkpoints move freely between optimizers and DP sizes.
 ``load_state_dict`` needs no communication: each rank takes its slices from the full state.
+
+Hybrid sharding (``--num-distributed-optimizer-instances``) needs nothing here: the buckets' group
+is then the shard group, so pieces, all-gathers and the grad norm follow it. With
+``--optimizer-cpu-offload`` part of the pieces move to the host (optim/cpu_offload.py); the
+checkpoint format does not change.
+The same class serves the sharded-gradient strategies (``optim_grads``, ``optim_grads_params``):
+a piece's gradient is read from the bucket's ``owned_grad()`` (this rank's chunk, whether the full
+buffer is kept or only the shard), and with sharded parameters (``bucket.param_shard``) the
+updated pieces are written into that shard instead of being all-gathered. With
+``--overlap-param-gather`` the post-step all-gathers are left in flight; each module waits for its
+buckets just before its next forward (``bucket.finish_param_gather``).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch.distributed as dist
 from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
+from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
 from .optimizer import MegatronOptimizer
 
 
@@ -41,12 +53,33 @@ class _Piece:
 
     def __init__(self, param, bucket, lo, hi):
         self.param, self.bucket, self.lo, self.hi = param, bucket, lo, hi
-        self.master = param.detach().reshape(-1)[lo:hi].float().clone()
         # where the piece sits inside this rank's chunk of the bucket
         self.chunk_offset = bucket.offsets[id(param)][0] + lo - bucket.shard()[0]
+        self.master = self.current().float().clone()
+        self.offloaded = False  # True: the master lives on the host (optimizer CPU offload)
+
+    def _in_chunk(self, chunk: torch.Tensor) -> torch.Tensor:
+        return chunk[self.chunk_offset : self.chunk_offset + self.hi - self.lo]
+
+    def current(self) -> torch.Tensor:
+        """The model's value of the piece (from the param shard when the params are sharded)."""
+        if self.bucket.param_shard is not None:
+            return self._in_chunk(self.bucket.param_shard)
+        return self.param.detach().reshape(-1)[self.lo : self.hi]
 
     def grad(self) -> torch.Tensor:
-        return self.param.main_grad.view(-1)[self.lo : self.hi]
+        return self._in_chunk(self.bucket.owned_grad())
+
+    def param_slice(self) -> torch.Tensor:
+        return self.param.view(-1)[self.lo : self.hi]
+
+    def updated(self) -> torch.Tensor:
+        """The stepped values to all-gather: an offloaded master was already copied into the param."""
+        return self.param_slice() if self.offloaded else self.master
+
+    def split(self, n: int) -> list[_Piece]:
+        """This piece as two: its first ``n`` elements and the rest."""
+        return [_Piece(self.param, self.bucket, self.lo, self.lo + n), _Piece(self.param, self.bucket, self.lo + n, self.hi)]
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -60,6 +93,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if len(dtypes) > 1:
                 raise ValueError(f"--use-distributed-optimizer needs one parameter dtype per gradient bucket, got {dtypes}")
         self.pieces: list[_Piece] = []
+        self._bucket_of_param = {id(p): b for b in self.buckets for p in b.params}
         for bucket in self.buckets:
             bucket.reduce_scatter = True
             start, end = bucket.shard()
@@ -68,24 +102,47 @@ class DistributedOptimizer(MegatronOptimizer):
                 lo, hi = max(a, start), min(e, end)
                 if lo < hi:
                     self.pieces.append(_Piece(p, bucket, lo - a, hi - a))
+        self.host_masters = None
+        if getattr(self.config, "optimizer_cpu_offload", False):
+            self._offload(self.config.optimizer_offload_fraction)
         return [(piece.param, piece.master) for piece in self.pieces]
+
+    def _offload(self, fraction: float) -> None:
+        """Move the first ``fraction`` of the owned elements (rounded to an element) to the host."""
+        budget = round(fraction * sum(piece.hi - piece.lo for piece in self.pieces))
+        pieces = []
+        for piece in self.pieces:
+            n = piece.hi - piece.lo
+            if 0 < budget < n:  # cut: the head goes to the host, the rest stays
+                head, piece = piece.split(budget)
+                head.offloaded, budget = True, 0
+                pieces.append(head)
+            elif budget >= n:
+                piece.offloaded, budget = True, budget - n
+            pieces.append(piece)
+        self.pieces = pieces
+        self.host_masters = move_masters_to_host([piece for piece in pieces if piece.offloaded])
 
     def _make_torch_optimizer(self, groups):
         if not groups:  # this rank owns only padding: keep an optimizer with an empty tensor
             groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        elif self.host_masters is not None:  # optimizer CPU offload: a device half and a host half
+            return HybridDeviceOptimizer(groups, self.pieces, super()._make_torch_optimizer, self.host_masters,
+                                         overlap=self.config.overlap_cpu_optimizer_d2h_h2d)
         return super()._make_torch_optimizer(groups)
 
     # step ----------------------------------------------------------------------------------
     def _grad_norm(self) -> float:
-        device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
-        pairs = [(piece.param, piece.master.grad) for piece in self.pieces]
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        pairs = [(piece.param, piece.grad()) for piece in self.pieces]
         return grad_norm_squared(pairs, self.state, device, data_parallel=True).sqrt().item()
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
-        for piece in self.pieces:
-            piece.master.grad = piece.grad()
-        grads = [piece.master.grad for piece in self.pieces]
+        grads = [piece.grad() for piece in self.pieces]
+        for piece, grad in zip(self.pieces, grads):
+            if not piece.offloaded:  # the host half copies its gradients itself
+                piece.master.grad = grad
         if self.scaler is not None:
             groups = (self.state.dp_cp_group, self.state.mp_group, self.state.ep_group)
             found_inf = self._unscale_and_check(grads, groups)
@@ -110,26 +167,34 @@ class DistributedOptimizer(MegatronOptimizer):
             piece.master.grad = None
 
     def _gather_params(self) -> None:
-        """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything."""
+        """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything
+        (left in flight with --overlap-param-gather). Sharded params: the pieces go into the shard."""
+        for piece in self.pieces:
+            if piece.bucket.param_shard is not None:
+                piece.current().copy_(piece.master)
         for bucket in self.buckets:
-            full = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.master)
-            for p in bucket.params:
-                a, e = bucket.offsets[id(p)]
-                p.view(-1).copy_(full[a:e])
+            if bucket.param_shard is not None:
+                continue
+            overlap = getattr(self.chunks[0], "overlap_param_gather", False)
+            bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated(),
+                                                          async_op=overlap)
+            if not overlap:
+                bucket.finish_param_gather()
 
-    def _all_gather_bucket(self, bucket, dtype, value_of) -> torch.Tensor:
-        """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces."""
-        full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+    def _all_gather_bucket(self, bucket, dtype, value_of, async_op: bool | None = None):
+        """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces.
+        With ``async_op`` given: (handle or None, buffer) for :meth:`Bucket.finish_param_gather`."""
+        full = torch.zeros(bucket.numel, dtype=dtype, device=bucket.device)
         start, end = bucket.shard()
         local = full[start:end].clone()
         for piece in self.pieces:
             if piece.bucket is bucket:
                 local[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo] = value_of(piece)
         if comm.group_size(bucket.group) == 1:
-            return local
+            return local if async_op is None else (None, local)
         comm.record("dp", "all_gather", comm.tensor_bytes(full), comm.group_size(bucket.group))
-        comm.all_gather_single(full, local, group=bucket.group)
-        return full
+        handle = comm.all_gather_single(full, local, group=bucket.group, async_op=bool(async_op))
+        return full if async_op is None else (handle, full)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -139,7 +204,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         for piece in self.pieces:
-            piece.master.copy_(piece.param.reshape(-1)[piece.lo : piece.hi])
+            piece.master.copy_(piece.current())
 
     # checkpoint ----------------------------------------------------------------------------
     def shard_slots(self) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
@@ -237,7 +302,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     group[k] = v
         if full_master is not None:
             for p in self.model_params:
-                p.copy_(full_master[id(p)])
+                if self._bucket_of_param[id(p)].param_shard is None:
+                    p.copy_(full_master[id(p)])
+            for piece in self.pieces:
+                if piece.bucket.param_shard is not None:
+                    piece.current().copy_(piece.master)
         if self.scaler is not None and sd.get("loss_scaler") is not None:
             self.scaler.load_state_dict(sd["loss_scaler"])
         self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))

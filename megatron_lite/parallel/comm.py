@@ -20,7 +20,9 @@ A ``group`` of ``None`` means a group of one rank: every function is then the id
 
 Every primitive reports the bytes it sends to :func:`megatron_lite.perf.comm_volume.record`
 (kind ``tp`` for the tensor-parallel operators, ``sp`` for the sequence-parallel ones, ``ep`` for
-the all-to-all); that is free unless a counter is active (``--log-comm-volume``).
+the all-to-all; the sequence and all-to-all operators take a ``kind`` argument, so context
+parallelism counts its traffic as ``cp`` and the MoE dispatchers theirs as ``ep``); that is free
+unless a counter is active (``--log-comm-volume``).
 """
 
 from __future__ import annotations
@@ -175,26 +177,26 @@ class _ScatterToSP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, tp_output_grad):
-        ctx.group, ctx.tp_output_grad = group, tp_output_grad
-        return _all_gather(x, 0, group, "sp")
+    def forward(ctx, x, group, tp_output_grad, kind):
+        ctx.group, ctx.tp_output_grad, ctx.kind = group, tp_output_grad, kind
+        return _all_gather(x, 0, group, kind)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.tp_output_grad:  # each rank holds a partial gradient of the full sequence: sum + split
-            return _reduce_scatter(grad, ctx.group), None, None
-        return _split(grad, 0, ctx.group), None, None
+            return _reduce_scatter(grad, ctx.group, ctx.kind), None, None, None
+        return _split(grad, 0, ctx.group), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
+    def forward(ctx, x, group, kind):
+        ctx.group, ctx.kind = group, kind
+        return _reduce_scatter(x, group, kind)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 0, ctx.group, "sp"), None
+        return _all_gather(grad, 0, ctx.group, ctx.kind), None, None
 
 
 def scatter_to_sp(x, group):
@@ -202,50 +204,52 @@ def scatter_to_sp(x, group):
     return x if group is None else _ScatterToSP.apply(x, group)
 
 
-def gather_from_sp(x, group, tensor_parallel_output_grad: bool = True):
+def gather_from_sp(x, group, tensor_parallel_output_grad: bool = True, kind: str = "sp"):
     """All-gather the sequence (dim 0).
 
     Backward reduce-scatters when the gathered tensor feeds tensor-parallel compute (each rank then
-    holds a partial gradient of the whole sequence), else just keeps this rank's chunk.
+    holds a partial gradient of the whole sequence), else just keeps this rank's chunk. ``kind``
+    is the group kind the bytes are counted under (the same operator serves CP and EP).
     """
-    return x if group is None else _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+    return x if group is None else _GatherFromSP.apply(x, group, tensor_parallel_output_grad, kind)
 
 
-def reduce_scatter_to_sp(x, group):
+def reduce_scatter_to_sp(x, group, kind: str = "sp"):
     """Sum partial results over TP and keep this rank's chunk of the sequence; backward all-gathers."""
-    return x if group is None else _ReduceScatterToSP.apply(x, group)
+    return x if group is None else _ReduceScatterToSP.apply(x, group, kind)
 
 
 # ---------------------------------------------------------------------------------------------
 # All-to-all for expert parallelism.
 
 
-def _all_to_all_raw(x, output_splits, input_splits, group):
+def _all_to_all_raw(x, output_splits, input_splits, group, kind):
     if group_size(group) == 1:
         return x
     x = x.contiguous()
     rows = sum(output_splits) if output_splits is not None else x.shape[0]
     out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     mine = (input_splits[group_rank(group)] if input_splits is not None else x.shape[0] // group_size(group))
-    record("ep", "all_to_all", (x.shape[0] - mine) * tensor_bytes(x[:1]) if x.shape[0] else 0, group_size(group))
+    record(kind, "all_to_all", (x.shape[0] - mine) * tensor_bytes(x[:1]) if x.shape[0] else 0, group_size(group))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        return _all_to_all_raw(x, output_splits, input_splits, group)
+    def forward(ctx, x, output_splits, input_splits, group, kind):
+        ctx.group, ctx.output_splits, ctx.input_splits, ctx.kind = group, output_splits, input_splits, kind
+        return _all_to_all_raw(x, output_splits, input_splits, group, kind)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all_raw(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+        return _all_to_all_raw(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.kind), None, None, None, None
 
 
-def all_to_all(x, group, output_splits=None, input_splits=None):
+def all_to_all(x, group, output_splits=None, input_splits=None, kind: str = "ep"):
     """Send ``input_splits[i]`` rows of ``x`` (dim 0) to rank i, receive ``output_splits[i]`` from it.
 
-    Splits are lists of ints (``None``: equal chunks). Backward runs the reverse exchange.
+    Splits are lists of ints (``None``: equal chunks). Backward runs the reverse exchange. ``kind``:
+    the group kind its bytes are counted under (``ep`` for MoE tokens, ``cp`` for Ulysses attention).
     """
-    return x if group is None else _AllToAll.apply(x, output_splits, input_splits, group)
+    return x if group is None else _AllToAll.apply(x, output_splits, input_splits, group, kind)

@@ -104,7 +104,7 @@ def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     cp = comm.group_size(group)
     s, b, n, d = x.shape
     x = x.reshape(s, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).reshape(cp * s, b, n // cp, d)
-    x = comm.all_to_all(x, group)  # row block p: rank p's tokens of my head group
+    x = comm.all_to_all(x, group, kind="cp")  # row block p: rank p's tokens of my head group
     return x.index_select(0, torch.argsort(_gathered_positions(s, cp, x.device)))
 
 
@@ -114,7 +114,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     full, b, n_local, d = x.shape
     s = full // cp
     x = x.index_select(0, _gathered_positions(s, cp, x.device))
-    x = comm.all_to_all(x, group)  # row block p: my tokens of head group p
+    x = comm.all_to_all(x, group, kind="cp")  # row block p: my tokens of head group p
     return x.reshape(cp, s, b, n_local, d).permute(1, 2, 0, 3, 4).reshape(s, b, cp * n_local, d)
 
 
@@ -142,7 +142,7 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
     """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
     cp, rank = comm.group_size(group), comm.group_rank(group)
     s = q.shape[0]
-    kv = comm.gather_from_sp(torch.stack([k, v], dim=1), group, tensor_parallel_output_grad=True)
+    kv = comm.gather_from_sp(torch.stack([k, v], dim=1), group, tensor_parallel_output_grad=True, kind="cp")
     mask = None
     if causal:
         q_pos = cp_positions(s * cp, rank, cp, device=q.device)

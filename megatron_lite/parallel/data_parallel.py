@@ -29,6 +29,21 @@ buckets are *reduce-scattered* instead (``bucket.reduce_scatter = True``): data-
 then holds the averaged gradient only in its chunk ``i`` of every bucket, which is the part of
 the parameters whose optimizer state it owns. A tied embedding/output weight (``shared_embedding``)
 gets a bucket of its own when pipelining, so the first and last stage shard it identically.
+
+Hybrid sharding (``--num-distributed-optimizer-instances N``): dense buckets belong to the
+``dp_shard`` group (DP x CP / N ranks) and carry ``replicate_group`` (the N ranks holding the same
+shard). A bucket is reduce-scattered inside its shard group, then its shard is all-reduced over the
+replicate group, which together sum over all DP x CP ranks. The second collective needs the first's
+result, so an overlapped bucket issues it when waited on.
+
+Sharding strategies (``strategy``, the ``--data-parallel-sharding-strategy`` names): ``no_shard`` and
+``optim`` keep the full buffer above. ``optim_grads`` (ZeRO-2) keeps only this rank's shard of each
+bucket (``bucket.grad_shard``, one persistent fp32 tensor for all buckets): a bucket's full-size
+buffer is allocated when its first gradient of a backward pass arrives, reduce-scattered once all
+its parameters have reported (or at the end of that backward pass), added into the shard and
+dropped. Every micro-batch's backward is therefore reduced (``no_sync`` has no effect): the
+gradient cannot wait in a full buffer. ``optim_grads_params`` (ZeRO-3) also shards the parameters
+(:mod:`megatron_lite.parallel.fsdp`).
 """
 
 from __future__ import annotations
@@ -41,7 +56,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
+from .dp_hooks import on_backward, wait_for_params_before_use
+from .grad_bucket import Bucket
 from .tensor import all_reduce_sequence_parallel_grads
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 
 def default_bucket_size(dp_size: int) -> int:
@@ -53,52 +73,6 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-class _Bucket:
-    """A slice of the grad buffer holding whole parameters, reduced as one tensor.
-
-    ``data`` is padded to a multiple of the group size so it can also be reduce-scattered
-    (distributed optimizer): rank i of the group then owns ``data.chunk(size)[i]``.
-    ``offsets[id(p)]`` is ``(start, end)`` of each param inside ``data``.
-    """
-
-    def __init__(self, params: list[nn.Parameter], data: torch.Tensor, group, scale: float, offsets: dict):
-        self.params, self.data, self.group, self.scale, self.offsets = params, data, group, scale, offsets
-        self.ids = {id(p) for p in params}
-        self.reduce_scatter = False  # set by the distributed optimizer
-        self.reset()
-
-    def reset(self) -> None:
-        self.ready: set[int] = set()
-        self.handle = None
-        self.launched = False
-
-    def shard(self) -> tuple[int, int]:
-        """``[start, end)`` of ``data`` owned by this rank of the group."""
-        n = self.data.numel() // comm.group_size(self.group)
-        rank = comm.group_rank(self.group)
-        return rank * n, (rank + 1) * n
-
-    def launch(self, async_op: bool) -> None:
-        """Average this bucket over its group (divide, then sum; or sum-and-scatter)."""
-        self.launched = True
-        if self.scale != 1.0:
-            self.data.mul_(self.scale)
-        if comm.group_size(self.group) == 1:
-            return
-        comm.record("dp", "reduce_scatter" if self.reduce_scatter else "all_reduce", comm.tensor_bytes(self.data),
-                    comm.group_size(self.group))
-        if self.reduce_scatter:  # in place: this rank's chunk of data receives the sum of the chunks
-            start, end = self.shard()
-            self.handle = comm.reduce_scatter_single(self.data[start:end], self.data, group=self.group, async_op=async_op)
-        else:
-            self.handle = dist.all_reduce(self.data, group=self.group, async_op=async_op)
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-
-
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so its gradients accumulate in an fp32 buffer and are averaged over DP.
 
@@ -107,15 +81,21 @@ class DistributedDataParallel(nn.Module):
     then :meth:`finish_grad_sync` (or :func:`finalize_model_grads` for all chunks).
     """
 
-    def __init__(self, module: nn.Module, state, *, overlap_grad_reduce: bool = False, bucket_size: int | None = None):
+    def __init__(self, module: nn.Module, state, *, overlap_grad_reduce: bool = False, bucket_size: int | None = None,
+                 strategy: str = "no_shard", overlap_param_gather: bool = False):
         super().__init__()
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data-parallel sharding strategy {strategy!r}: expected one of {SHARDING_STRATEGIES}")
         self.module = module
         self.state = state
+        self.strategy, self.shard_grads = strategy, strategy in SHARDED_GRADS
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.bucket_size = bucket_size if bucket_size is not None else default_bucket_size(state.dp_size)
         if self.bucket_size < 1:
             raise ValueError(f"ddp-bucket-size must be positive, got {self.bucket_size}")
         self._sync_enabled = True
+        self._flush_queued = False
 
         params = [p for p in module.parameters() if p.requires_grad]
         if any(hasattr(p, "main_grad") for p in params):
@@ -125,12 +105,20 @@ class DistributedDataParallel(nn.Module):
         expert = [p for p in reversed(params) if not getattr(p, "allreduce", True)]
         self.params = dense + expert
         device = params[0].device if params else torch.device("cpu")
+        plan = self._plan(dense, expert)
+        self._make_buckets(plan, device)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
+        if overlap_param_gather and strategy in ("optim", "optim_grads"):
+            wait_for_params_before_use(self.module, self._bucket_of)
 
-        # Plan the buckets: (params, group), each bucket padded to a multiple of its group size.
-        plan = []
+    def _plan(self, dense: list, expert: list) -> list[tuple[list, object]]:
+        """The buckets as (params, group), in buffer order."""
+        state, plan = self.state, []
         # Dense weights are replicated over data AND context parallel ranks (CP ranks see different
         # tokens of the same samples), so their gradients are averaged over the DP x CP group.
-        for group_params, group in ((dense, state.dp_cp_group), (expert, state.expert_dp_group)):
+        # With hybrid sharding the dense buckets are sharded over dp_shard only (see the module docstring).
+        for group_params, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_group)):
             current, size = [], 0
             for p in group_params:
                 if getattr(p, "shared_embedding", False) and state.pp_size > 1:
@@ -148,28 +136,44 @@ class DistributedDataParallel(nn.Module):
                     current, size = [], 0
             if current:
                 plan.append((current, group))
-        padded = [_round_up(sum(p.numel() for p in ps), comm.group_size(g)) for ps, g in plan]
-        self.grad_buffer = torch.zeros(sum(padded), dtype=torch.float32, device=device)
+        return plan
 
-        scale = 1.0 / (state.dp_size * state.cp_size)
-        self.buckets: list[_Bucket] = []
-        start = 0
-        for (bucket_params, group), numel in zip(plan, padded):
-            data = self.grad_buffer[start : start + numel]
+    def _make_buckets(self, plan, device) -> None:
+        """Each bucket padded to a multiple of its group size; one flat fp32 gradient buffer (or, with
+        sharded grads, one flat buffer of this rank's shards)."""
+        padded = [_round_up(sum(p.numel() for p in ps), comm.group_size(g)) for ps, g in plan]
+        shard_sizes = [n // comm.group_size(g) for n, (_, g) in zip(padded, plan)]
+        self.grad_buffer = None if self.shard_grads else torch.zeros(sum(padded), dtype=torch.float32, device=device)
+        self.grad_shards = torch.zeros(sum(shard_sizes), dtype=torch.float32, device=device) if self.shard_grads else None
+        scale = 1.0 / (self.state.dp_size * self.state.cp_size)
+        self.buckets: list[Bucket] = []
+        start, shard_start = 0, 0
+        for (bucket_params, group), numel, shard_size in zip(plan, padded, shard_sizes):
+            data = None if self.shard_grads else self.grad_buffer[start : start + numel]
             offsets, offset = {}, 0
             for p in bucket_params:
-                p.main_grad = data[offset : offset + p.numel()].view(p.shape)
+                p.main_grad = None if data is None else data[offset : offset + p.numel()].view(p.shape)
                 offsets[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
-            self.buckets.append(_Bucket(bucket_params, data, group, scale, offsets))
-            start += numel
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
+            replicate = self.state.dp_replicate_group if getattr(bucket_params[0], "allreduce", True) else None
+            bucket = Bucket(bucket_params, data, group, scale, offsets, numel, device, replicate)
+            if self.shard_grads:
+                bucket.grad_shard = self.grad_shards[shard_start : shard_start + shard_size]
+            self.buckets.append(bucket)
+            start, shard_start = start + numel, shard_start + shard_size
+
+    def finish_param_gather(self) -> None:
+        """Complete every in-flight parameter all-gather (before reading the weights outside forward)."""
+        for bucket in self.buckets:
+            bucket.finish_param_gather()
 
     # ------------------------------------------------------------------------------------------
     def _make_hook(self):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
+                return
+            if self.shard_grads:
+                self._accumulate_sharded(param)
                 return
             param.main_grad.add_(param.grad)  # fp32 accumulate, whatever the param dtype
             param.grad = None
@@ -178,7 +182,16 @@ class DistributedDataParallel(nn.Module):
 
         return hook
 
-    def _mark_ready(self, param) -> None:
+    def _accumulate_sharded(self, param) -> None:
+        """Sharded grads: into the bucket's per-backward buffer; reduce it once every param reported."""
+        bucket = self._bucket_of[id(param)]
+        if bucket.data is None:
+            bucket.allocate()
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self._mark_ready(param, always=True)
+
+    def _mark_ready(self, param, always: bool = False) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.launched:
             raise RuntimeError(
@@ -187,11 +200,40 @@ class DistributedDataParallel(nn.Module):
                 "before the next iteration"
             )
         bucket.ready.add(id(param))
-        if self.overlap_grad_reduce and len(bucket.ready) == len(bucket.ids):
-            bucket.launch(async_op=True)
+        if len(bucket.ready) == len(bucket.ids) and (always or self.overlap_grad_reduce):
+            bucket.launch(async_op=self.overlap_grad_reduce)
+            if self.shard_grads and not self.overlap_grad_reduce:
+                bucket.keep_shard()
+            if self.shard_grads:
+                self._bucket_reduced(bucket)
+
+    def _bucket_reduced(self, bucket) -> None:
+        """Called once a bucket's reduction is launched in a backward pass (sharded grads); fsdp.py frees
+        the unit's gathered parameters here."""
+
+    def _before_backward(self) -> None:
+        """Sharded grads: at the start of a backward pass through this chunk, schedule :meth:`_flush`
+        for its end (reduces buckets some of whose params got no gradient; drops the full buffers)."""
+        if not self._flush_queued:
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_queued = False
+        for bucket in self.buckets:
+            if bucket.data is not None and not bucket.launched:
+                bucket.launch(async_op=self.overlap_grad_reduce)
+                self._bucket_reduced(bucket)
+        for bucket in self.buckets:
+            if bucket.data is not None:
+                bucket.keep_shard()
+            bucket.reset()
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.shard_grads and torch.is_grad_enabled():
+            on_backward(out, self._before_backward)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -204,6 +246,9 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Reduce the buckets not yet launched, then wait for every outstanding reduction."""
+        if self.shard_grads:  # reduced at the end of every backward pass already
+            self._flush()
+            return
         for bucket in self.buckets:
             if not bucket.launched:
                 bucket.launch(async_op=self.overlap_grad_reduce)
@@ -217,9 +262,24 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.wait()
             bucket.reset()
-        self.grad_buffer.zero_()
+            if self.shard_grads and bucket.data is not None:
+                bucket.data = None
+                for p in bucket.params:
+                    p.main_grad = None
+        (self.grad_shards if self.shard_grads else self.grad_buffer).zero_()
         for p in self.params:
             p.grad = None
+
+    def owned_grad(self, param) -> torch.Tensor:
+        """The part of ``param``'s gradient this rank holds, flat: all of ``main_grad``, or (sharded
+        grads) the overlap of the param with this rank's chunk of its bucket (possibly empty)."""
+        if not self.shard_grads:
+            return param.main_grad.view(-1)
+        bucket = self._bucket_of[id(param)]
+        a, e = bucket.offsets[id(param)]
+        start, end = bucket.shard()
+        lo, hi = max(a, start), min(e, end)
+        return bucket.grad_shard[lo - start : hi - start] if lo < hi else bucket.grad_shard[:0]
 
     # Checkpoints hold the wrapped module's weights under their plain names.
     def state_dict(self, *args, **kwargs):
@@ -241,14 +301,15 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
     """
     for chunk in chunks:
         chunk.finish_grad_sync()
-    params = [p for chunk in chunks for p in chunk.params]
-    # all_reduce_sequence_parallel_grads reads ``.grad``: hand it views of main_grad instead.
-    views = [SimpleNamespace(sequence_parallel=True, grad=p.main_grad) for p in params if getattr(p, "sequence_parallel", False)]
+    # all_reduce_sequence_parallel_grads reads ``.grad``: hand it the gradient this rank holds instead
+    # (the whole main_grad, or with sharded grads its slice: the same slice on every TP rank).
+    held = [(p, chunk.owned_grad(p)) for chunk in chunks for p in chunk.params]
+    views = [SimpleNamespace(sequence_parallel=True, grad=g) for p, g in held if getattr(p, "sequence_parallel", False)]
     all_reduce_sequence_parallel_grads(views, state.tp_group)
     if state.pp_size > 1 and state.in_embedding_group():
-        shared = [p for p in params if getattr(p, "shared_embedding", False)]
+        shared = [g for p, g in held if getattr(p, "shared_embedding", False)]
         if len(shared) > 1:
             raise RuntimeError(f"expected at most one shared embedding weight per rank, found {len(shared)}")
         if shared:
-            comm.record("pp", "all_reduce", comm.tensor_bytes(shared[0].main_grad), comm.group_size(state.embedding_group))
-            dist.all_reduce(shared[0].main_grad, group=state.embedding_group)
+            comm.record("pp", "all_reduce", comm.tensor_bytes(shared[0]), comm.group_size(state.embedding_group))
+            dist.all_reduce(shared[0], group=state.embedding_group)

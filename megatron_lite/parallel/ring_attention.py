@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..perf.comm_volume import record, tensor_bytes
+
 # ---------------------------------------------------------------------------------------------
 # Block kernels: tensors are [batch, heads, seq, head_dim]; lse is [batch, q_heads, seq].
 
@@ -140,6 +142,7 @@ class Ring:
 
     def shift(self, t: torch.Tensor) -> _Pending:
         recv = torch.empty_like(t)
+        record("cp", "send", tensor_bytes(t), self.size)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         return _Pending(dist.batch_isend_irecv(ops), recv)
 

@@ -12,6 +12,11 @@ ranks while expert weights are sharded over ``ep`` and replicated over ``edp`` (
 :class:`ParallelState` turns those lists into ``torch.distributed`` groups. A group of one rank is
 represented by ``None`` and every collective in :mod:`megatron_lite.parallel.comm` skips it, so a
 single process needs no ``torch.distributed`` at all.
+
+Hybrid sharding (``--num-distributed-optimizer-instances N``) splits each DP x CP group into N
+consecutive blocks of ``dp x cp / N`` ranks: ``dp_shard`` (one block: the distributed optimizer
+shards over it) and ``dp_replicate`` (the ranks at the same position of every block: they hold the
+same shard). Because CP is innermost, a block always holds whole CP groups when N divides dp.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class RankGrid:
     ep: int = 1
     dp: int | None = None
     vpp: int | None = None
+    dist_opt_instances: int = 1
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp", "ep"):
@@ -81,6 +87,12 @@ class RankGrid:
             raise ParallelConfigError(
                 f"expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
                 f"(world {self.world_size} / (tp {self.tp} x pp {self.pp} x cp {self.cp}))"
+            )
+        if not isinstance(self.dist_opt_instances, int) or self.dist_opt_instances < 1 \
+                or self.dp % self.dist_opt_instances:
+            raise ParallelConfigError(
+                f"num-distributed-optimizer-instances {self.dist_opt_instances} must be a positive divisor "
+                f"of the data-parallel size {self.dp}"
             )
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ParallelConfigError(
@@ -112,12 +124,24 @@ class RankGrid:
 
     def groups(self, name: str) -> list[list[int]]:
         """All rank lists of group ``name`` (every rank appears in exactly one), each sorted."""
+        if name in ("dp_shard", "dp_replicate"):
+            return self._hybrid_groups(name)
         varying = GROUP_DIMS[name]
         fixed = [d for d in _DIMS if d not in varying]
         grid = np.arange(self.world_size).reshape([self.sizes()[d] for d in _DIMS])
         order = [_DIMS.index(d) for d in fixed] + [_DIMS.index(d) for d in _DIMS if d in varying]
         rows = grid.transpose(order).reshape(-1, math.prod(self.sizes()[d] for d in varying))
         return [sorted(row) for row in rows.tolist()]
+
+    def _hybrid_groups(self, name: str) -> list[list[int]]:
+        """Each DP x CP group cut into ``dist_opt_instances`` consecutive blocks (``dp_shard``), or
+        the ranks at one position of every block (``dp_replicate``)."""
+        n = self.dist_opt_instances
+        out = []
+        for ranks in self.groups("dp_cp"):
+            blocks = [ranks[i : i + len(ranks) // n] for i in range(0, len(ranks), len(ranks) // n)]
+            out += blocks if name == "dp_shard" else [list(column) for column in zip(*blocks)]
+        return out
 
     def group_of(self, name: str, rank: int) -> list[int]:
         for ranks in self.groups(name):
@@ -149,13 +173,14 @@ class ParallelState:
     tracker (``rng_tracker``, seeded by :func:`megatron_lite.parallel.random.model_parallel_seed`).
     """
 
-    def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None):
+    def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None, dist_opt_instances=1):
         distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if distributed else 1
         if rank is None:
             rank = dist.get_rank() if distributed else 0
-        self.grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp)
+        self.grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp,
+                             dist_opt_instances=dist_opt_instances)
         self.rank = rank
         self.world_size = world_size
         self.rng_tracker = RNGStatesTracker()
@@ -163,8 +188,11 @@ class ParallelState:
             raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, dist.ProcessGroup | None] = {}
-        names = list(GROUP_DIMS) + ["embedding"]
+        names = list(GROUP_DIMS) + ["embedding", "dp_shard", "dp_replicate"]
         for name in names:
+            if name == "dp_shard" and dist_opt_instances == 1:
+                self._ranks[name] = self._ranks["dp_cp"]
+                continue  # the DP x CP group itself (aliased below)
             all_lists = self.grid.embedding_groups() if name == "embedding" else self.grid.groups(name)
             # middle pipeline stages are in no embedding group: a group of one
             self._ranks[name] = next((r for r in all_lists if rank in r), [rank])
@@ -179,6 +207,8 @@ class ParallelState:
                     self._groups[name] = group
         if self.grid.cp == 1:  # the same ranks: one group object, so "reduce over DP x CP" is the DP group
             self._groups["dp_cp"] = self._groups["dp"]
+        if dist_opt_instances == 1:  # no hybrid sharding: shard over the whole DP x CP group
+            self._groups["dp_shard"] = self._groups["dp_cp"]
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
         self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]
@@ -209,6 +239,9 @@ class ParallelState:
     ep_group = property(lambda self: self._groups["ep"])
     expert_dp_group = property(lambda self: self._groups["expert_dp"])
     embedding_group = property(lambda self: self._groups["embedding"])
+    dp_shard_group = property(lambda self: self._groups["dp_shard"])  # distributed-optimizer shards
+    dp_replicate_group = property(lambda self: self._groups["dp_replicate"])  # same shard, other instances
+    dist_opt_instances = property(lambda self: self.grid.dist_opt_instances)
 
     # pipeline helpers ----------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -235,4 +268,6 @@ class ParallelState:
         return (
             f"world {g.world_size} = tp {g.tp} x cp {g.cp} x dp {g.dp} (ep {g.ep} x edp {g.edp}) x pp {g.pp}"
             + (f", vpp {g.vpp}" if g.vpp else "")
+            + (f", optimizer sharded over {g.dp * g.cp // g.dist_opt_instances} ranks x {g.dist_opt_instances} "
+               "instances" if g.dist_opt_instances > 1 else "")
         )

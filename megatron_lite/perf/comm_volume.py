@@ -14,7 +14,9 @@ kept as exact fractions so tests can compare them with closed forms exactly.
 
 Kinds: ``tp`` (tensor-parallel all-reduces / gathers of the hidden dim, including the
 vocab-parallel cross-entropy's), ``sp`` (sequence-parallel gathers and reduce-scatters, and the
-all-reduce of the sequence-parallel parameters' gradients), ``cp``, ``ep`` (expert all-to-all),
+all-reduce of the sequence-parallel parameters' gradients), ``cp`` (context-parallel attention: the
+ring's key/value and dK/dV sends, the Ulysses all-to-alls, the key/value all-gathers), ``ep`` (MoE
+token dispatch: the all-to-all or all-gather of tokens, routing weights and routing metadata),
 ``dp`` (gradient all-reduce / reduce-scatter and the distributed optimizer's parameter
 all-gather), ``pp`` (stage-to-stage activations and gradients, and the tied-embedding gradient
 all-reduce between the first and last stage).

@@ -60,6 +60,14 @@ def moe_mlp_flops(model_config, moe_config, batch_size: int) -> float:
     return flops + (mlp_flops(tokens, h, shared, swiglu) if shared else 0.0)
 
 
+def core_attention_flops(model_config, batch_size: int) -> float:
+    """Forward FLOPs of one layer's Q·Kᵀ and probabilities·V (what selective recomputation repeats)."""
+    h, s = model_config.hidden_size, model_config.seq_length
+    heads = model_config.num_attention_heads
+    d = _get(model_config, "kv_channels", h // heads)
+    return float(2 * 2 * batch_size * s * s * heads * d)
+
+
 def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> float:
     """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences (an MoE layer when
     ``moe_config`` is given)."""
@@ -72,7 +80,7 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> f
     attention = (
         2 * tokens * h * heads * d  # Q projection
         + 2 * 2 * tokens * h * groups * d  # K and V projections
-        + 2 * 2 * tokens * s * heads * d  # Q·Kᵀ and probabilities·V
+        + core_attention_flops(model_config, batch_size)  # Q·Kᵀ and probabilities·V
         + 2 * tokens * heads * d * h  # output projection
     )
     if moe_config is not None:

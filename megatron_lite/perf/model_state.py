@@ -1,14 +1,32 @@
 """Model-state bytes per parameter per rank: weights, gradient buffer, optimizer state.
 
-This codebase keeps, per parameter: the weight in the params dtype; an fp32 gradient buffer
-(``main_grad``, whatever the params dtype); AdamW's two fp32 moments; and an fp32 master copy
-when the params are 16-bit (fp32 params are their own master). The distributed optimizer shards
-the master and the moments over the d data-parallel ranks (the gradient buffer stays full-size:
-ZeRO-1); it steps flat fp32 copies of its shard, so it keeps an fp32 master shard even for fp32
-params. Bytes per parameter: bf16 or fp16 18, distributed ``6 + 12/d``; fp32 16, distributed
-``8 + 12/d``. (Megatron's table differs in two rows: fp16 20 / ``4 + 16/d``, because its fp16 runs
-keep fp16 gradients plus an fp32 copy, while here gradients are fp32 from the start; fp32
-distributed ``8 + 8/d``, because Megatron's distributed optimizer steps fp32 params in place.)
+This codebase keeps, per parameter: the weight in the params dtype (P bytes: 2 for bf16/fp16, 4
+for fp32); an fp32 gradient buffer (``main_grad``, whatever the params dtype); AdamW's two fp32
+moments; and an fp32 master copy when the params are 16-bit (fp32 params are their own master).
+Every strategy but ``no_shard`` uses the distributed optimizer, which steps flat fp32 copies of its
+shard, so it keeps an fp32 master shard even for fp32 params. Over d data-parallel ranks
+(``--data-parallel-sharding-strategy``):
+
+==================== ================= ========== ===========
+strategy             formula           bf16/fp16  fp32
+==================== ================= ========== ===========
+no_shard             P + 4 + 8 (+4)    18         16
+optim (ZeRO-1)       P + 4 + 12/d      6 + 12/d   8 + 12/d
+optim_grads (ZeRO-2) P + 16/d          2 + 16/d   4 + 16/d
+optim_grads_params   (P + 16)/d        18/d       20/d
+==================== ================= ========== ===========
+
+(The ``(+4)`` is the master of 16-bit params. Megatron's table differs in two rows: fp16 20 /
+``4 + 16/d``, because its fp16 runs keep fp16 gradients plus an fp32 copy, while here gradients
+are fp32 from the start; fp32 distributed ``8 + 8/d``, because Megatron's distributed optimizer
+steps fp32 params in place.) Buckets are padded to a multiple of d; the formula is exact when
+they need no padding. ZeRO-3's transiently gathered units and ZeRO-2/3's per-backward full
+gradient buffers are activation-like and left out.
+
+With the distributed optimizer, hybrid sharding over N instances (``--num-distributed-optimizer-
+instances``) shards over d/N ranks only, and CPU offload of a fraction f of the shard
+(``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
+host gradient copy per offloaded element: bf16 ``optim`` device ``6 + (1-f) 12N/d``, host ``16fN/d``.
 
 :func:`measured_model_state_bytes` counts what a built model and optimizer actually hold, for a
 test to compare with the formula.
@@ -20,34 +38,104 @@ from fractions import Fraction
 
 import torch
 
+from ..parallel.data_parallel import SHARDING_STRATEGIES
 
-def model_state_bytes_per_param(params_dtype: torch.dtype, distributed_optimizer: bool = False,
-                                dp: int = 1) -> Fraction:
-    """Bytes per parameter on one rank (module docstring)."""
+
+def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool) -> tuple[int, int, int]:
+    """``(weight, gradient, optimizer)`` bytes per parameter before any sharding."""
     param = torch.empty((), dtype=params_dtype).element_size()
-    separate_master = distributed_optimizer or params_dtype != torch.float32
-    optimizer = 8 + (4 if separate_master else 0)  # moments (+ fp32 master)
-    return param + 4 + Fraction(optimizer, dp if distributed_optimizer else 1)
+    separate_master = sharded_optimizer or params_dtype != torch.float32
+    return param, 4, 8 + (4 if separate_master else 0)  # moments (+ fp32 master)
+
+
+def model_state_bytes_split(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
+                            instances: int = 1, offload_fraction: float = 0.0) -> tuple[Fraction, Fraction]:
+    """(device, host) bytes per parameter on one rank for ``strategy`` (module docstring).
+
+    ``dp`` is the size of the group the sharded strategies shard over without hybrid sharding
+    (data x context parallel); with ``instances`` they shard over ``dp / instances`` ranks only.
+    ``offload_fraction`` of the optimizer shard keeps master and moments on the host, plus a host
+    copy of its gradient.
+    """
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"sharding strategy {strategy!r}: expected one of {SHARDING_STRATEGIES}")
+    param, grad, optimizer = _state_parts(params_dtype, strategy != "no_shard")
+    if strategy == "no_shard":
+        return Fraction(param + grad + optimizer), Fraction(0)
+    shard = Fraction(dp, instances)
+    offloaded = Fraction(str(offload_fraction))
+    weights = param / shard if strategy == "optim_grads_params" else Fraction(param)
+    grads = grad / shard if strategy != "optim" else Fraction(grad)
+    return weights + grads + optimizer * (1 - offloaded) / shard, (optimizer + grad) * offloaded / shard
+
+
+def model_state_bytes_per_param(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
+                                instances: int = 1, offload_fraction: float = 0.0) -> Fraction:
+    """Bytes per parameter on one rank, device and host together (module docstring)."""
+    device, host = model_state_bytes_split(params_dtype, strategy, dp, instances=instances,
+                                           offload_fraction=offload_fraction)
+    return device + host
+
+
+def _storage_bytes(tensors, skip=frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once; a
+    freed storage counts 0; storages in ``skip`` are left out)."""
+    sizes = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in skip:
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
 def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
-    """``{"params", "grads", "optimizer"}`` bytes held by this rank.
+    """``{"params", "grads", "optimizer", "optimizer_cpu"}`` bytes held by this rank, from storages.
 
-    ``chunks``: the DistributedDataParallel-wrapped model chunks (their ``grad_buffer`` is the
-    gradient memory); ``optimizer``: the Megatron optimizer; its torch optimizer's parameters
-    that are not model weights are the fp32 masters, and its state tensors the moments (the
-    0-dim step counters are left out).
+    ``chunks``: the data-parallel wrapped model chunks. Params: the parameters' storages (a ZeRO-3
+    parameter between uses has a freed, empty storage) plus each bucket's ``param_shard``. Grads:
+    the full ``grad_buffer``, or the sharded ``grad_shards`` (plus any full bucket buffer alive at
+    the time). ``optimizer``: the Megatron optimizer; its torch optimizer's parameters that are not
+    model weights are the fp32 masters, and its state tensors the moments (the 0-dim step counters
+    are left out). With optimizer CPU offload the host half's masters, moments and gradient copy
+    are ``optimizer_cpu``; everything else is on the device.
     """
-    model = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-    params = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-    grads = sum(c.grad_buffer.numel() * c.grad_buffer.element_size() for c in chunks)
+    buckets = [b for c in chunks for b in getattr(c, "buckets", [])]
+    model = [p for c in chunks for p in c.parameters()]
+    model_storages = {p.untyped_storage().data_ptr() for p in model}
     inner = optimizer.optimizer
-    opt = 0
+    host = list(inner.host_tensors()) if hasattr(inner, "host_tensors") else []
+    host_storages = {t.untyped_storage().data_ptr() for t in host}
+    tensors = []
     for group in inner.param_groups:
         for p in group["params"]:
-            if p.untyped_storage().data_ptr() not in model:
-                opt += p.numel() * p.element_size()
-            for value in inner.state.get(p, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    opt += value.numel() * value.element_size()
-    return {"params": params, "grads": grads, "optimizer": opt}
+            tensors.append(p)
+            tensors += [v for v in inner.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+    grads = ([getattr(c, "grad_buffer", None) for c in chunks] + [getattr(c, "grad_shards", None) for c in chunks]
+             + [b.data for b in buckets])
+    return {
+        "params": _storage_bytes(model + [b.param_shard for b in buckets]),
+        "grads": _storage_bytes(grads),
+        "optimizer": _storage_bytes(tensors, model_storages | host_storages),
+        "optimizer_cpu": _storage_bytes(host),
+    }
+
+
+def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
+    """One line: the bytes per parameter this rank holds (measured) next to the formula for the
+    run's data-parallel sharding strategy; ``dp_cp`` is the size of the
+    group the optimizer shards over without hybrid sharding (data x context parallel)."""
+    p, o = config.parallel, config.optim
+    strategy = p.data_parallel_sharding_strategy
+    instances = p.num_distributed_optimizer_instances
+    fraction = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+    n = sum(q.numel() for c in chunks for q in c.parameters())
+    per = {k: v / max(n, 1) for k, v in measured_model_state_bytes(chunks, optimizer).items()}
+    line = (f"model state on this rank, bytes per parameter ({n:,} params): params {per['params']:.2f} + grads "
+            f"{per['grads']:.2f} + optimizer {per['optimizer']:.2f} = device "
+            f"{per['params'] + per['grads'] + per['optimizer']:.2f}; optimizer on CPU {per['optimizer_cpu']:.2f}")
+    device, host = model_state_bytes_split(config.precision.params_dtype, strategy, dp_cp,
+                                           instances=instances, offload_fraction=fraction)
+    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}): "
+            f"device {float(device):.2f}, CPU {float(host):.2f}")

@@ -8,7 +8,7 @@ the precision flags to each other and to the machine.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import torch
 
@@ -22,16 +22,19 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def gpu_visible() -> bool:
+    """Whether a CUDA GPU is visible (Transformer Engine's kernels need one)."""
+    return torch.cuda.is_available()
+
+
 def transformer_engine_missing() -> list[str]:
     """What ``--transformer-impl transformer_engine`` lacks here (empty when TE and a GPU are present)."""
     missing = []
     try:
-        installed = importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
-        missing.append("Transformer Engine is not installed")
-    if not torch.cuda.is_available():
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # not installed, or installed without a usable build (e.g. no CUDA libraries)
+        missing.append("Transformer Engine is not installed (or does not import)")
+    if not gpu_visible():
         missing.append("no CUDA GPU is visible")
     return missing
 
@@ -50,8 +53,6 @@ def check_precision_flags(pr) -> None:
         missing = transformer_engine_missing()
         _require(not missing, f"--transformer-impl transformer_engine: {' and '.join(missing)}; "
                               "use --transformer-impl local (native FP8 GEMMs)")
-        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine's layers are not wired in "
-                          "yet; use --transformer-impl local (native FP8 GEMMs)")
     if pr.fp8_format is not None:
         _require(pr.bf16, f"--fp8-format {pr.fp8_format} needs --bf16 (the FP8 GEMMs take and return bf16 "
                           "tensors and the rest of the model runs in bf16); add --bf16")

@@ -40,12 +40,14 @@ from .fp8_ops import (
     E4M3,
     E5M2,
     FP8_MAX,
+    GEMM_ALIGNMENT,
     amax,
     amax_from_history,
     column_major,
     current_scale,
     delayed_scale,
     fp8_matmul,
+    pad_rows,
     quantize,
     roll_amax_history,
     scaled_mm_blocker,
@@ -112,7 +114,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         scale = gemm._forward_scales(x2, weight, record)
         scale_inv = 1.0 / scale
-        x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3)
+        # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
+        x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3).contiguous()
         out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
         if bias is not None:
             out = out + bias
@@ -136,8 +139,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
-                dw = gemm._matmul("wgrad", dy8.t().contiguous(), column_major(x_saved), g_inv,
-                                  scale_inv[INPUT], ctx.w_dtype)
+                # (the token dimension is the inner one here: zero rows pad it to the kernel's alignment)
+                dw = gemm._matmul("wgrad", pad_rows(dy8, GEMM_ALIGNMENT).t().contiguous(),
+                                  column_major(pad_rows(x_saved, GEMM_ALIGNMENT)), g_inv, scale_inv[INPUT], ctx.w_dtype)
             else:  # high-precision wgrad from the unquantised gradient and input
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
@@ -151,14 +155,18 @@ class Fp8Gemm(nn.Module):
     Holds the FP8 state of that layer as buffers (so it is checkpointed): ``amax_history``
     ``[amax_history_len, 3]`` and ``scale [3]``, columns (input, weight, output gradient).
     ``amax_group``: process group over which amaxes are MAX-reduced (None: this process only).
+    ``expert``: the gemm of an MoE expert, whose weight exists on one expert-parallel rank only;
+    the per-step update reduces its amaxes over the expert-data-parallel group instead of the
+    data-parallel group (reducing over expert parallelism would mix different experts' amaxes).
     ``fallbacks`` maps a GEMM (``fprop``/``dgrad``/``wgrad``) that could not use the FP8 kernel to
     the reason; it then ran as a dequantised matmul on the same FP8 values.
     """
 
-    def __init__(self, recipe: Fp8Recipe, amax_group=None):
+    def __init__(self, recipe: Fp8Recipe, amax_group=None, expert: bool = False):
         super().__init__()
         self.recipe = recipe
         self.amax_group = amax_group
+        self.expert = expert
         self.register_buffer("amax_history", torch.zeros(recipe.amax_history_len, 3))
         self.register_buffer("scale", torch.ones(3))
         self.register_buffer("fp8_max", recipe.fp8_max(), persistent=False)
@@ -235,14 +243,18 @@ def fp8_gemms(modules: nn.Module | Iterable[nn.Module]) -> list[Fp8Gemm]:
 
 
 @torch.no_grad()
-def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_group=None) -> int:
+def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_group=None,
+                      expert_data_parallel_group=None) -> int:
     """The once-per-step delayed-scaling update of every FP8 gemm in ``modules``.
 
     The amaxes recorded this step are MAX-reduced with one all-reduce per ``amax_group`` (all ranks
-    of a group hold the same gemms in the same order) and then, when ``data_parallel_group`` is
-    given, once more over it, so every data-parallel replica derives the same scales from the whole
-    global batch. Then each gemm updates its scales and history. Call on every rank after the last
-    backward of the step. Returns the number of gemms updated.
+    of a group hold the same gemms in the same order) and then once more over the replicas: the
+    dense gemms over ``data_parallel_group``, the experts' gemms (``expert=True``) over
+    ``expert_data_parallel_group`` (the ranks holding the same experts), so every replica derives
+    the same scales from the whole global batch. An expert that received no token anywhere
+    records an input/gradient amax of 0, which keeps its previous scale. Then each gemm updates
+    its scales and history. Call on every rank after the last backward of the step. Returns the
+    number of gemms updated.
     """
     delayed = [g for g in fp8_gemms(modules) if g.recipe.recipe == "delayed"]
     if not delayed:
@@ -252,16 +264,22 @@ def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_gr
     for i, g in enumerate(delayed):
         by_group.setdefault(id(g.amax_group), []).append(i)
     for rows in by_group.values():
-        group = delayed[rows[0]].amax_group
-        if group is not None and dist.get_world_size(group) > 1:
-            part = latest[rows]
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-            latest[rows] = part
-    if data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=data_parallel_group)
+        _all_reduce_max_rows(latest, rows, delayed[rows[0]].amax_group)
+    dense = [i for i, g in enumerate(delayed) if not g.expert]
+    experts = [i for i, g in enumerate(delayed) if g.expert]
+    _all_reduce_max_rows(latest, dense, data_parallel_group)
+    _all_reduce_max_rows(latest, experts, expert_data_parallel_group)
     for g, row in zip(delayed, latest):
         g.update_scales(row)
     return len(delayed)
+
+
+def _all_reduce_max_rows(table: torch.Tensor, rows: list[int], group) -> None:
+    """MAX-reduce ``table[rows]`` over ``group`` in place (nothing for no rows or a one-rank group)."""
+    if rows and group is not None and dist.get_world_size(group) > 1:
+        part = table[rows]
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        table[rows] = part
 
 
 def is_fp8_state_key(name: str) -> bool:

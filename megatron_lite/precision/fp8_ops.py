@@ -95,6 +95,15 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t [M, K]`` with zero rows appended up to a multiple of ``multiple`` rows (``t`` itself if none
+    are needed). A GEMM that sums over rows (a weight gradient ``dY^T X``) is unchanged by them."""
+    pad = -t.shape[0] % multiple
+    if pad == 0:
+        return t
+    return torch.cat([t, torch.zeros(pad, *t.shape[1:], dtype=t.dtype, device=t.device)])
+
+
 def scaled_mm_blocker(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why ``torch._scaled_mm(a, b, ...)`` cannot take these operands, or None if it can."""
     if not hasattr(torch, "_scaled_mm"):
@@ -125,6 +134,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sc
     an fp32 matmul (the same numbers up to accumulation order). Returns ``(out, reason)`` where
     ``reason`` is None for the FP8 kernel and says why it was not used otherwise.
     """
+    if a.numel() == 0 or b.numel() == 0:  # an MoE expert without tokens: the exact (empty or zero) product,
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device), None  # no kernel asked
     reason = scaled_mm_blocker(a, b)
     if reason is None:
         out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(()),

@@ -27,12 +27,14 @@ from ..device import cpu_has_native, describe_backends, get_device, init_distrib
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
-from ..parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from ..parallel.data_parallel import finalize_model_grads
+from ..parallel.fsdp import wrap_for_data_parallel
 from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
@@ -54,6 +56,7 @@ class TrainResult:
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
     state: ParallelState | None = field(default=None, repr=False)
+    optimizer: object = field(default=None, repr=False)
 
 
 class _ExitSignal:
@@ -155,7 +158,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
             no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
         )
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
-        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group)
+        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
+                          expert_data_parallel_group=state.expert_dp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
     if moe:
@@ -207,12 +211,14 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     vpp = chunks if chunks > 1 else None
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-        ep=p.expert_model_parallel_size, vpp=vpp,
+        ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
     )
     model_parallel_seed(config.training.seed, state)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
-    if config.precision.fp8_format is not None:
+    if config.precision.transformer_impl == "transformer_engine":
+        print_rank_0("> transformer layers' GEMMs through Transformer Engine (linear layers only)")
+    elif config.precision.fp8_format is not None:
         model = TransformerConfig.from_config(config)
         print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
     warning = half_precision_warning(config, device)
@@ -233,13 +239,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [
-        DistributedDataParallel(
-            chunk.to(device), state, overlap_grad_reduce=config.parallel.overlap_grad_reduce,
-            bucket_size=config.parallel.ddp_bucket_size,
-        )
-        for chunk in model_provider(config, state)
-    ]
+    chunks = [wrap_for_data_parallel(chunk.to(device), state, config.parallel) for chunk in model_provider(config, state)]
     optimizer = build_optimizer(config, chunks, state)
     scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
     iteration, consumed = 0, 0
@@ -292,6 +292,8 @@ class _Training:
         self.iteration += 1
         if self.async_saves is not None:  # a background save that is done gets its tracker now
             self.async_saves.poll()
+        if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on
+            print_rank_0(f"> {model_state_report(self.config, self.chunks, self.optimizer, self.state.dp_size * self.state.cp_size)}")
         if self.volume is not None:
             result.comm_volume.append(self.volume.end_step())
             if self.iteration % self.config.logging.log_interval == 0:
@@ -360,8 +362,10 @@ class _Training:
         if self.async_saves is not None:
             self.async_saves.wait()
         self.logger.close()
+        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
+            chunk.finish_param_gather()
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
-        self.result.chunks, self.result.state = self.chunks, self.state
+        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
         return self.result
 
 

@@ -34,7 +34,7 @@ def test_single_rank_bytes_per_parameter(dtype):
 def test_distributed_optimizer_shards_the_optimizer_state(dtype):
     results = run_ranks(2, _measure, 2, dtype, True)
     n = results[0][0]
-    per_param = model_state_bytes_per_param(dtype, True, 2)
+    per_param = model_state_bytes_per_param(dtype, "optim", 2)
     assert per_param == (6 + 6 if dtype == torch.bfloat16 else 8 + 6)
     optimizer_total = 0
     for _, padded, got in results:

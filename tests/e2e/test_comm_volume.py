@@ -24,6 +24,9 @@ Per micro-batch, with A = s*b*h*4 bytes (one [s, b, h] fp32 activation):
   forward from the first stage, backward from the last; interleaved with v=2 chunks at p=2: three);
   once per step the tied word-embedding gradient (V*h fp32) is all-reduced between the first and
   last stage (pp).
+- CP (c = 2, ring attention): per layer and micro-batch the K/V buffer KV = 2·b·a·(s/c)·(h/a)·4
+  bytes travels c-1 hops forward, c-1 in backward, and its gradient c hops: (3c-2)·KV (cp); the
+  gradients are all-reduced over the DP x CP group (dp).
 """
 
 from fractions import Fraction
@@ -91,6 +94,8 @@ def _pp(m, sends_per_microbatch):
         ("pp2_zb", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], lambda rank: _pp(4, 1)),
         ("pp2_interleaved", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
          lambda rank: _pp(4, 3)),
+        ("cp2", 2, ["--context-parallel-size", "2"],
+         lambda rank: {"cp": Fraction(4 * L * (3 * 2 - 2) * 2 * B * (S // 2) * H * 4), **_dp(2, False)}),
         ("tp2_dp2_sp", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
          lambda rank: {**_tp(2, 2, sp=True), **_dp(2, False, _params(2))}),
     ],

@@ -10,6 +10,9 @@
 * Resume: stop after 6 of 12 steps and resume: bit-identical losses (the amax histories and scales
   are in the checkpoint; without them the resumed steps would quantise with scale 1).
 * Bad FP8 flags exit with code 2 and one line.
+* ``--transformer-impl transformer_engine`` through the CLI, with the stand-in TE package (no real
+  TE here): the run trains, the flags reach TE's recipe, and the losses follow the local bf16 run
+  (the stand-in computes in fp32 and never quantises, so within bf16 rounding: relative 2e-2).
 """
 
 import pytest
@@ -19,6 +22,7 @@ import pretrain_gpt
 from megatron_lite.checkpoint.format import find_model_files, read_model_file
 from megatron_lite.checkpoint.merge import merge_checkpoint
 from megatron_lite.precision.flags import transformer_engine_missing
+from tests import fake_transformer_engine as fake_te
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _ranks_losses, _real_data
 
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
@@ -129,3 +133,19 @@ def test_startup_log_names_the_fp8_path(tmp_path, capsys):
 ])
 def test_bad_fp8_flags_exit_2_with_one_line(capsys, flags, words):
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
+
+
+def test_transformer_engine_impl_through_the_cli(tmp_path, monkeypatch, capsys):
+    calls = fake_te.install(monkeypatch)
+    ref = pretrain_gpt.main(_argv(str(tmp_path / "local"), 4, ["--bf16"])).losses
+    te = ["--transformer-impl", "transformer_engine", "--fp8-margin", "2", "--fp8-amax-history-len", "8",
+          "--fp8-amax-compute-algo", "max", "--first-last-layers-bf16"]
+    losses = pretrain_gpt.main(_argv(str(tmp_path / "te"), 4, FP8 + te)).losses
+    assert "GEMMs through Transformer Engine" in capsys.readouterr().out
+    for step, (a, e) in enumerate(zip(losses, ref), 1):
+        assert abs(a - e) <= 2e-2 * abs(e), f"step {step}: TE stand-in {a} vs local bf16 {e}"
+    # 4 steps x 4 micro-batches x 4 layers x (qkv, proj, fc1, fc2); layers 2-3 in FP8
+    assert len(calls) == 4 * 4 * 4 * 4 and sum(c["enabled"] for c in calls) == len(calls) // 2
+    want = fake_te.DelayedScaling(margin=2, fp8_format=fake_te.Format.HYBRID, amax_history_len=8,
+                                  amax_compute_algo="max")
+    assert all(c["recipe"] == want for c in calls if c["enabled"])

@@ -78,6 +78,8 @@ def reference(data, tmp_path_factory):
         ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
         ("dp2", 2, ["--use-distributed-optimizer"]),
+        ("dp2_zero3", 2, ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
+                          "--overlap-param-gather"]),
         ("tp2_pp2_sp", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                            "--sequence-parallel"]),
     ],

@@ -213,7 +213,7 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
         (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "100", "--train-iters", "10"], 1, ["--lr-wsd-decay-iters"]),
         (["--decoder-first-pipeline-num-layers", "1"], 1, ["--decoder-first-pipeline-num-layers"]),
         (["--fp8-format", "e4m3"], 1, ["--fp8-format e4m3 needs --bf16"]),
-        (["--overlap-param-gather", "--use-distributed-optimizer"], 1, ["--overlap-param-gather is not implemented"]),
+        (["--overlap-param-gather", "--use-distributed-optimizer"], 1, ["--overlap-param-gather needs --overlap-grad-reduce"]),
         (["--expert-model-parallel-size", "2"], 2, ["mixture-of-experts"]),
     ],
 )

@@ -49,6 +49,7 @@ CP2 = ["--context-parallel-size", "2"]
         ("cp2_tp2_sp_a2a", 4, "A", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--cp-comm-type", "a2a"]),
         ("cp2_dp2_distopt", 4, "B", CP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+        ("cp2_dp2_zero3", 4, "A", CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"]),
         ("cp2_pp2", 4, "A", CP2 + ["--pipeline-model-parallel-size", "2"]),
         ("cp2_tp2_pp2_sp", 8, "B", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--pipeline-model-parallel-size", "2"]),

@@ -55,13 +55,17 @@ def moe_reference(tmp_path_factory):
                                 "--sequence-parallel"]),
         ("ep2_tp2_sp_etp1", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
-        ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                     "--overlap-grad-reduce", "--overlap-param-gather"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform"]),
         ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                  "--num-layers-per-virtual-pipeline-stage", "1"]),
+        # ZeRO-3: expert parameters sharded over the expert-data-parallel group, dense over all 4 ranks
+        ("ep2_dp2_zero3", 4, "B", ["--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy",
+                                   "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]),
     ],
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):

@@ -203,3 +203,15 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
 def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
     monkeypatch.setenv("WORLD_SIZE", "2")  # flags checked for 2 ranks (expert parallelism needs them)
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
+
+
+def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path):
+    """ZeRO-3 holds only a shard of each weight between uses: a torch_dist save from such a run (with
+    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1."""
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
+    src = str(tmp_path / "src")
+    first = run_ranks(2, loop_losses, _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
+    second = run_ranks(2, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + ["--use-distributed-optimizer",
+                                                                                          "--load", src]))
+    whole = run_ranks(2, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + ["--use-distributed-optimizer"]))
+    _same_losses(first[0] + second[0], whole[0])

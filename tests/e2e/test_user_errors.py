@@ -77,11 +77,12 @@ def test_tokenizer_without_its_file(capsys, flags, words):
 
 def test_what_cannot_work_at_all_comes_before_what_needs_another_launch(capsys):
     # one process: TP 2 would also need 2 processes, but no launch makes --overlap-param-gather work
+    # without --overlap-grad-reduce
     with pytest.raises(SystemExit) as err:
         pretrain_gpt.main(TINY + ["--tensor-model-parallel-size", "2", "--overlap-param-gather",
                                   "--use-distributed-optimizer", "--train-iters", "2"])
     assert err.value.code == 2
-    assert "--overlap-param-gather is not implemented" in capsys.readouterr().err
+    assert "--overlap-param-gather needs --overlap-grad-reduce" in capsys.readouterr().err
 
 
 def _nan_at_iteration(target):

@@ -1,11 +1,15 @@
-"""Convert checkpoints: change the tensor/pipeline layout, export to or import from Hugging Face.
+"""Convert checkpoints (GPT, BERT, MoE): change the tensor/pipeline/expert layout, export to or import
+from Hugging Face (GPT-2, Llama, Mixtral, Megatron-BERT).
 
 Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lite.checkpoint.convert`.
 
     # TP2 x PP2 training checkpoint -> TP4 x PP1
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \
         --load-dir ckpt/gpt --save-dir ckpt/gpt_tp4 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
-    # export for evaluation harnesses (transformers / safetensors)
+    # mixture of experts: EP2 x TP2 -> EP4 x TP1 (experts, router, shared experts, optimizer state)
+    python tools/checkpoint/convert.py --model-type GPT --load-dir ckpt/moe --save-dir ckpt/moe_ep4 \
+        --target-expert-parallel-size 4 --target-tensor-parallel-size 1
+    # export for evaluation harnesses (transformers / safetensors; MoE models as Mixtral)
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir ckpt/gpt --save-dir hf/gpt
     # import a Llama-style model to continue pretraining at TP2
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir hf/llama \

@@ -1,0 +1,67 @@
+"""Validation of the data-parallel sharding flags (kept out of config.py, which only calls it).
+
+``--data-parallel-sharding-strategy`` (Megatron-FSDP's names) says what is sharded over the data
+(x context) parallel ranks: ``no_shard`` nothing, ``optim`` the optimizer state (ZeRO-1, what
+``--use-distributed-optimizer`` means), ``optim_grads`` also the gradients (ZeRO-2),
+``optim_grads_params`` also the parameters (ZeRO-3). ``--use-megatron-fsdp`` is accepted and
+changes nothing. Every strategy but ``no_shard`` uses the distributed optimizer.
+
+Hybrid sharding (``--num-distributed-optimizer-instances``) chooses the group the distributed
+optimizer shards over, and CPU offload (``--optimizer-cpu-offload``) moves part of its shard to the
+host: both need the distributed optimizer, and both are built for ``optim`` only. Whether N divides
+the data-parallel size is checked by the rank grid, which knows that size.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def check_sharding(config) -> None:
+    """Resolve the strategy (``--use-distributed-optimizer`` alone means ``optim``) and refuse what
+    does not compose; raises ConfigError with one line."""
+    p = config.parallel
+    strategy = p.data_parallel_sharding_strategy
+    if strategy == "no_shard" and p.use_distributed_optimizer:
+        strategy = p.data_parallel_sharding_strategy = "optim"
+    p.use_distributed_optimizer = strategy != "no_shard"
+    if p.overlap_param_gather:
+        if strategy == "no_shard":
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer or a "
+                              "--data-parallel-sharding-strategy other than no_shard")
+        if not p.overlap_grad_reduce:
+            raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce")
+    if strategy in ("optim_grads", "optim_grads_params") and p.pipeline_schedule == "zb-h1":
+        raise ConfigError(f"--pipeline-schedule zb-h1 defers weight gradients, which --data-parallel-sharding-strategy "
+                          f"{strategy} reduces in every backward pass; use --pipeline-schedule 1f1b or strategy optim")
+    if strategy == "optim_grads_params" and config.precision.fp8_format is not None:
+        raise ConfigError("--fp8-format is not supported with --data-parallel-sharding-strategy optim_grads_params; "
+                          "use strategy optim_grads or drop --fp8-format")
+    _check_hybrid_and_offload(config, strategy)
+
+
+def _check_hybrid_and_offload(config, strategy: str) -> None:
+    p, o = config.parallel, config.optim
+    instances = p.num_distributed_optimizer_instances
+    if instances < 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances must be at least 1, got {instances}")
+    if instances > 1 and not p.use_distributed_optimizer:
+        raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                          "(hybrid sharding splits the distributed optimizer's shard group)")
+    if instances > 1 and config.moe.num_experts:
+        raise ConfigError("--num-distributed-optimizer-instances > 1 is not supported with --num-experts "
+                          "(expert parameters shard over their own group); use 1 instance")
+    for flag, on in (("--num-distributed-optimizer-instances > 1", instances > 1),
+                     ("--optimizer-cpu-offload", o.optimizer_cpu_offload)):
+        if on and strategy in ("optim_grads", "optim_grads_params"):
+            raise ConfigError(f"{flag} is built for --data-parallel-sharding-strategy optim (the distributed "
+                              f"optimizer) only, not {strategy}; use strategy optim or drop {flag.split()[0]}")
+    if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
+        raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1, got {o.optimizer_offload_fraction}")
+    if o.optimizer_cpu_offload and not p.use_distributed_optimizer:
+        raise ConfigError("--optimizer-cpu-offload needs --use-distributed-optimizer (it offloads that "
+                          "optimizer's shard); add it")
+    if o.overlap_cpu_optimizer_d2h_h2d and not o.optimizer_cpu_offload:
+        raise ConfigError("--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload; add it or drop this flag")
+    if o.optimizer_offload_fraction != 1.0 and not o.optimizer_cpu_offload:
+        raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload; add it or drop this flag")

@@ -1,0 +1,185 @@
+"""Memory per GPU and step time of one parallel layout, from the formulas of :mod:`megatron_lite.perf`.
+
+Memory (bytes, the fullest pipeline stage - the first, or the last which also keeps the logits):
+
+* model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
+  of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
+  bf16 weights, fp32 gradients and Adam state), dense weights sharded over DP x CP, expert
+  weights over the expert-data-parallel ranks DP x CP / EP;
+* activations: Korthikanti et al.'s bytes per layer
+  (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, sequence parallelism on
+  whenever TP > 1, the sequence split over CP) times the layers of a stage times the micro-batches
+  in flight on the first stage under 1F1B (``min(p, m)``; interleaving adds ``(p-1)/(p v)``).
+  Full recomputation adds one layer's un-recomputed activations (the layer being recomputed). The
+  last stage adds its fp32 logits, ``4 b (s/cp) V / t``. The formula is that of a 4h GeLU
+  multi-head layer; other shapes (GQA, SwiGLU, experts) are approximated by it;
+* plus :data:`RESERVED_BYTES` (CUDA context, communication buffers, allocator slack).
+
+Step time: the hardware FLOPs of the step (:func:`~megatron_lite.perf.flops.num_floating_point_operations`,
+with the recomputed forward under full recomputation, the recomputed Q·Kᵀ and probabilities·V
+under selective recomputation) over the GPUs at :data:`MATMUL_EFFICIENCY`
+of peak; plus the tensor-, context-, expert- and pipeline-parallel traffic of one GPU
+(:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
+order TP, CP, DP, PP); that sum stretched by the pipeline bubble ``(p-1)/(v m)``; plus the
+data-parallel gradient and weight traffic. No communication is assumed hidden behind compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+from ...errors import ConfigError
+from ..activation_memory import korthikanti_layer_bytes
+from ..flops import core_attention_flops, num_floating_point_operations
+from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
+from . import volumes
+from .model import ClusterSpec, ModelSpec, stage_params
+
+MATMUL_EFFICIENCY = 0.55
+"""Fraction of the peak matmul FLOP/s that a transformer layer's GEMMs reach on a large model (one
+number for every layout and model; calibrated against published Megatron runs, see the tests)."""
+
+RESERVED_BYTES = 4 * 2**30
+"""Memory per GPU not available to model state and activations."""
+
+RECOMPUTE = ("none", "selective", "full")
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    zero: str = "no_shard"
+    recompute: str = "none"
+    micro_batch: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    num_microbatches: int
+    model_state_gb: float
+    activation_gb: float
+    memory_gb: float
+    fits: bool
+    compute_s: float
+    comm_s: dict  # per group kind: tp, cp, ep, pp, dp
+    bubble: float
+    step_s: float
+    tflops_per_gpu: float  # hardware FLOP/s per GPU (recomputation counted), as Narayanan et al. report it
+    mfu: float  # model FLOPs (no recomputation) over the peak
+
+    def row(self) -> dict:
+        out = asdict(self.layout)
+        out.update(mem_gb=self.memory_gb, step_s=self.step_s, tflops=self.tflops_per_gpu, mfu=self.mfu)
+        return out
+
+
+def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layout) -> None:
+    """Raise ConfigError (one line) when ``lay`` cannot run ``spec`` on ``cluster``."""
+    if lay.gpus != cluster.gpus:
+        raise ConfigError(f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp} x CP {lay.cp} = {lay.gpus} must equal --gpus {cluster.gpus}")
+    if lay.tp > cluster.gpus_per_node or cluster.gpus_per_node % lay.tp:
+        raise ConfigError(f"TP {lay.tp} must divide --gpus-per-node {cluster.gpus_per_node} (TP stays inside a node)")
+    if spec.num_attention_heads % lay.tp or spec.num_query_groups % lay.tp or spec.ffn_hidden_size % lay.tp:
+        raise ConfigError(f"TP {lay.tp} must divide the heads, query groups and ffn size")
+    if spec.num_layers % (lay.pp * lay.vpp):
+        raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
+    if spec.seq_length % (2 * lay.cp):
+        raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by 2 x CP {lay.cp}")
+    if global_batch % (lay.dp * lay.micro_batch):
+        raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
+    if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
+        raise ConfigError(f"VPP {lay.vpp} needs PP > 1 and the micro-batches per step divisible by PP {lay.pp}")
+    if lay.ep > 1 and (not spec.is_moe or spec.num_experts % lay.ep or (lay.dp * lay.cp) % lay.ep):
+        raise ConfigError(f"EP {lay.ep} needs experts divisible by it and DP x CP {lay.dp * lay.cp} divisible by it")
+    if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
+        raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
+                          f"{', '.join(SHARDING_STRATEGIES)} / {', '.join(RECOMPUTE)}")
+
+
+def _bandwidth(cluster: ClusterSpec, stride: int, size: int) -> float:
+    """Bytes/s per GPU of a group of ``size`` ranks ``stride`` apart: NVLink when it fits in one node."""
+    gbps = cluster.intra_node_gbps if stride * size <= cluster.gpus_per_node else cluster.inter_node_gbps
+    return gbps * 1e9
+
+
+def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
+    """``(model state, activations)`` bytes on the fullest pipeline stage (module docstring)."""
+    t, p, v = lay.tp, lay.pp, lay.vpp
+    recompute = None if lay.recompute == "none" else lay.recompute
+    s, h, a = spec.seq_length // lay.cp, spec.hidden_size, spec.num_attention_heads
+    per_layer = korthikanti_layer_bytes(s, lay.micro_batch, h, a, t, t > 1, recompute)
+    work = korthikanti_layer_bytes(s, lay.micro_batch, h, a, t, t > 1) if recompute == "full" else 0.0
+    logits = 4 * lay.micro_batch * s * spec.padded_vocab(t) / t
+    layers = spec.num_layers // p
+    in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp))
+    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep))
+
+    def states(first, last):
+        dense, expert = stage_params(spec, t, p, lay.ep, first, last)
+        return dense * dense_bpp + expert * expert_bpp
+
+    if p == 1:
+        return states(True, True), layers * per_layer + work + logits
+    first = (states(True, False), layers * per_layer * in_flight + work)
+    last = (states(False, True), layers * per_layer + work + logits)
+    return max(first, last, key=sum)
+
+
+def comm_seconds(spec: ModelSpec, cluster: ClusterSpec, lay: Layout, m: int) -> dict:
+    """Seconds per step one GPU spends sending, per group kind (:mod:`.volumes` over the group's bandwidth)."""
+    t, cp, dp = lay.tp, lay.cp, lay.dp
+    dense, expert = stage_params(spec, t, lay.pp, lay.ep, True, lay.pp == 1)
+    return {
+        "tp": volumes.tp_bytes(spec, lay, m) / _bandwidth(cluster, 1, t),
+        "cp": volumes.cp_bytes(spec, lay, m) / _bandwidth(cluster, t, cp),
+        "ep": volumes.ep_bytes(spec, lay, m) / _bandwidth(cluster, t, lay.ep),
+        "pp": volumes.pp_bytes(spec, lay, m) / _bandwidth(cluster, t * cp * dp, lay.pp),
+        "dp": (volumes.dp_bytes(dense, lay.zero, dp * cp, m) + volumes.dp_bytes(expert, lay.zero, dp * cp // lay.ep, m))
+        / _bandwidth(cluster, t, cp * dp),
+    }
+
+
+@lru_cache(maxsize=256)
+def step_flops(spec: ModelSpec, tp: int, global_batch: int, recompute: str) -> tuple[float, float]:
+    """``(hardware, model)`` FLOPs of one step: the hardware count includes what ``recompute`` repeats."""
+    padded = spec.with_vocab(tp)
+    moe = padded if spec.is_moe else None
+    hardware = num_floating_point_operations(padded, global_batch, recompute == "full", moe_config=moe)
+    if recompute == "selective":
+        hardware += spec.num_layers * core_attention_flops(padded, global_batch)
+    return hardware, num_floating_point_operations(padded, global_batch, False, moe_config=moe)
+
+
+def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layout) -> Estimate:
+    """Memory and step time of ``lay`` (checked first by :func:`check_layout`)."""
+    check_layout(spec, cluster, global_batch, lay)
+    m = global_batch // (lay.dp * lay.micro_batch)
+    hardware, model = step_flops(spec, lay.tp, global_batch, lay.recompute)
+    peak = cluster.peak_tflops * 1e12
+    compute = hardware / cluster.gpus / (peak * MATMUL_EFFICIENCY)
+    comm = comm_seconds(spec, cluster, lay, m)
+    bubble = (lay.pp - 1) / (lay.vpp * m)
+    step = (compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]) * (1 + bubble) + comm["dp"]
+    states, activations = memory_bytes(spec, lay, m)
+    total = states + activations + RESERVED_BYTES
+    return Estimate(
+        layout=lay, num_microbatches=m, model_state_gb=states / GB, activation_gb=activations / GB,
+        memory_gb=total / GB, fits=total <= cluster.gpu_memory_gb * GB, compute_s=compute, comm_s=comm,
+        bubble=bubble, step_s=step, tflops_per_gpu=hardware / cluster.gpus / step / 1e12,
+        mfu=model / cluster.gpus / step / peak,
+    )

@@ -1,0 +1,63 @@
+"""Every layout of a model on a cluster, estimated, fitting ones first, fastest first."""
+
+from __future__ import annotations
+
+from itertools import product
+
+from ...errors import ConfigError
+from ..model_state import SHARDING_STRATEGIES
+from .estimate import RECOMPUTE, Estimate, Layout, check_layout, estimate
+from .model import ClusterSpec, ModelSpec
+
+MICRO_BATCHES = (1, 2, 4, 8)
+VPP_CHOICES = (1, 2, 4)
+CP_CHOICES = (1, 2, 4, 8, 16)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None):
+    """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP of the
+    layer count, CP a power of two, EP a divisor of the experts, the rest from the choices above.
+    ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) keeps only the layouts with those values."""
+    fixed = fixed or {}
+    tps = _divisors(min(cluster.gpus_per_node, cluster.gpus))
+    eps = _divisors(spec.num_experts) if spec.is_moe else [1]
+    for t, p, cp in product(tps, _divisors(spec.num_layers), CP_CHOICES):
+        if cluster.gpus % (t * p * cp):
+            continue
+        dp = cluster.gpus // (t * p * cp)
+        for v, ep, b, zero, rc in product(VPP_CHOICES, eps, MICRO_BATCHES, SHARDING_STRATEGIES, RECOMPUTE):
+            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b)
+            if any(getattr(lay, k) != value for k, value in fixed.items()):
+                continue
+            try:
+                check_layout(spec, cluster, global_batch, lay)
+            except ConfigError:
+                continue
+            yield lay
+
+
+def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None) -> list[Estimate]:
+    """Estimates of every candidate layout: those that fit in memory first, each group by step time
+    (then memory)."""
+    layouts = candidate_layouts(spec, cluster, global_batch, fixed)
+    estimates = [estimate(spec, cluster, global_batch, lay) for lay in layouts]
+    return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory_gb))
+
+
+COLUMNS = (("TP", "tp", "{}"), ("PP", "pp", "{}"), ("VPP", "vpp", "{}"), ("DP", "dp", "{}"), ("CP", "cp", "{}"),
+           ("EP", "ep", "{}"), ("ZeRO", "zero", "{}"), ("recompute", "recompute", "{}"), ("mbs", "micro_batch", "{}"),
+           ("mem GB", "mem_gb", "{:.1f}"), ("step s", "step_s", "{:.3f}"), ("TFLOP/s/GPU", "tflops", "{:.1f}"),
+           ("MFU", "mfu", "{:.1%}"))
+
+
+def format_table(estimates: list[Estimate]) -> str:
+    """A fixed-width text table, one row per estimate."""
+    rows = [[fmt.format(e.row()[key]) for _, key, fmt in COLUMNS] for e in estimates]
+    widths = [max([len(name)] + [len(r[i]) for r in rows]) for i, (name, _, _) in enumerate(COLUMNS)]
+    lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(COLUMNS, widths))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)

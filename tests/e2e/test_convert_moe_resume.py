@@ -1,0 +1,48 @@
+"""A mixture-of-experts checkpoint trained at EP2 x TP2 (sequence parallel, distributed optimizer),
+converted with tools/checkpoint/convert.py to EP4 x TP1 after 3 of 6 iterations, resumes there and trains on as the
+uninterrupted single-process run does: the expert weights, their Adam moments and fp32 masters, the
+router's expert bias and the schedule all move with the experts. Grouped-GEMM experts, shared
+experts, a sigmoid router with expert bias, every other layer dense. RNG states are per rank and not
+carried (``--no-load-rng``; dropout is 0). Every continued step's loss agrees within rel 1e-5.
+"""
+
+import os
+
+import torch
+
+import pretrain_gpt
+from tests.e2e.test_convert_resume import _same_optimizer
+from tests.e2e.test_pretrain_gpt import _argv, _ranks_losses, _same_losses
+from tests.e2e.test_pretrain_moe import MOE, MOE_B
+from tests.tools import load_tool
+
+_CAPACITY = MOE_B.index("--moe-expert-capacity-factor")
+# without capacity dropping: under TP2 x SP each rank routes (and drops within) its own sequence shard
+FLAGS = MOE + MOE_B[:_CAPACITY] + MOE_B[_CAPACITY + 2:]
+
+
+def test_ep2_tp2_checkpoint_resumes_at_ep4_like_the_single_process_run(tmp_path):
+    src, ep4, back = (str(tmp_path / n) for n in ("ep2tp2", "ep4", "back"))
+    layout = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--use-distributed-optimizer"]
+    _ranks_losses(4, _argv(src, 6, FLAGS + layout + ["--exit-interval", "3"]))
+    convert = load_tool("checkpoint/convert").main
+    assert convert(["--model-type", "GPT", "--load-dir", src, "--save-dir", ep4, "--target-tensor-parallel-size", "1",
+                    "--target-expert-parallel-size", "4"]) == 0
+
+    resumed = _ranks_losses(4, _argv(str(tmp_path / "a"), 6, FLAGS + ["--expert-model-parallel-size", "4",
+                                                                      "--load", ep4, "--no-load-rng"]))
+    straight = pretrain_gpt.main(_argv(str(tmp_path / "b"), 6, FLAGS))
+    assert len(resumed) == 3  # resumed at iteration 3
+    _same_losses(resumed, straight.losses[3:])
+
+    # back to EP2 x TP2: the optimizer state (moments, masters, groups, scaler) equals training's own
+    assert convert(["--model-type", "GPT", "--load-dir", ep4, "--save-dir", back, "--target-tensor-parallel-size", "2",
+                    "--target-expert-parallel-size", "2"]) == 0
+    for t in range(2):
+        for e in range(2):
+            rank_dir = f"mp_rank_{t:02d}_000_{e:03d}"
+            want, got = (torch.load(os.path.join(root, "iter_0000003", rank_dir, "model_optim_rng.pt"), weights_only=True)
+                         for root in (src, back))
+            assert got["scheduler"] == want["scheduler"]
+            _same_optimizer(got["optimizer"], want["optimizer"], rows=123 - 64 * t)

@@ -1,0 +1,157 @@
+"""The layout planner: parameter counts equal built models', estimates compose the perf formulas,
+the search keeps only runnable layouts in order, and tools/plan.py prints, draws and refuses."""
+
+import os
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+
+from megatron_lite.errors import ConfigError
+from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.perf.activation_memory import korthikanti_layer_bytes
+from megatron_lite.perf.model_state import model_state_bytes_per_param
+from megatron_lite.perf.plan import (
+    MODEL_PRESETS,
+    RESERVED_BYTES,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    check_layout,
+    estimate,
+    plan,
+    stage_params,
+    volumes,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tools import plan as plan_tool  # noqa: E402
+
+GB = 2**30
+SHAPES = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
+VARIANTS = [  # (ModelSpec fields, TransformerConfig fields)
+    ({}, {}),
+    (dict(num_query_groups=2, swiglu=True, add_bias_linear=False, learned_positions=False, ffn_hidden_size=48,
+          untie_embeddings_and_output_weights=True),
+     dict(num_query_groups=2, swiglu=True, add_bias_linear=False, position_embedding_type="rope", ffn_hidden_size=48,
+          untie_embeddings_and_output_weights=True)),
+    (dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False),
+     dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False)),
+]
+
+
+@pytest.mark.parametrize("spec_fields,config_fields", VARIANTS, ids=["gpt", "llama", "moe"])
+def test_stage_parameters_equal_a_built_model(spec_fields, config_fields):
+    spec = ModelSpec(**SHAPES, **spec_fields)
+    config = TransformerConfig(max_position_embeddings=16, **SHAPES, **config_fields)
+    for pre, post, lo, hi, pp in [(True, True, 0, 4, 1), (True, False, 0, 2, 2), (False, True, 2, 4, 2)]:
+        model = GPTModel(config, ParallelState(), pre_process=pre, post_process=post, layer_start=lo, layer_end=hi)
+        dense, expert = stage_params(spec, 1, pp, 1, pre, post)
+        assert dense + expert == model.num_parameters(), (pre, post)
+
+
+def test_presets_have_their_published_sizes():
+    billions = {name: sum(stage_params(spec, 1, 1, 1, True, True)) / 1e9 for name, spec in MODEL_PRESETS.items()}
+    assert round(billions["gpt3-175b"]) == 175 and round(billions["gpt-1t"]) == 1008
+    assert round(billions["llama3-8b"], 1) == 8.0 and round(billions["llama3-70b"], 1) == 70.6
+    assert round(billions["mixtral-8x7b"], 1) == 46.7
+
+
+def test_sharding_strategies_bytes_per_param():
+    assert model_state_bytes_per_param(torch.bfloat16, "no_shard", 8) == 18 == model_state_bytes_per_param(torch.bfloat16)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim", 8) == 6 + Fraction(12, 8)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim_grads", 8) == 2 + Fraction(16, 8)
+    assert model_state_bytes_per_param(torch.bfloat16, "optim_grads_params", 8) == Fraction(18, 8)
+    with pytest.raises(ValueError, match="sharding strategy"):
+        model_state_bytes_per_param(torch.bfloat16, "zero4", 8)
+
+
+SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=32000)
+CLUSTER = ClusterSpec(gpus=16, gpus_per_node=8, gpu_memory_gb=80, peak_tflops=100, intra_node_gbps=100,
+                      inter_node_gbps=10)
+
+
+def test_memory_composes_state_and_korthikanti():
+    """One stage, no TP: 18 bytes per parameter, L layers of one micro-batch's activations, fp32 logits."""
+    lay = Layout(dp=16, micro_batch=2)
+    est = estimate(SPEC, CLUSTER, 64, lay)
+    params = sum(stage_params(SPEC, 1, 1, 1, True, True))
+    assert est.model_state_gb * GB == pytest.approx(18 * params)
+    acts = 8 * korthikanti_layer_bytes(2048, 2, 1024, 16) + 4 * 2 * 2048 * 32000
+    assert est.activation_gb * GB == pytest.approx(acts)
+    assert est.memory_gb * GB == pytest.approx(18 * params + acts + RESERVED_BYTES)
+    full = estimate(SPEC, CLUSTER, 64, Layout(dp=16, micro_batch=2, recompute="full"))
+    assert full.activation_gb * GB == pytest.approx(8 * 2 * 2048 * 2 * 1024 + korthikanti_layer_bytes(2048, 2, 1024, 16)
+                                                    + 4 * 2 * 2048 * 32000)
+    sharded = [estimate(SPEC, CLUSTER, 64, Layout(dp=16, zero=z)).model_state_gb
+               for z in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
+    assert sharded == sorted(sharded, reverse=True) and sharded[-1] * 16 == pytest.approx(sharded[0])
+
+
+def test_pipeline_first_stage_holds_p_microbatches_and_bubble():
+    lay = Layout(pp=4, dp=4, vpp=2, recompute="selective")
+    est = estimate(SPEC, CLUSTER, 32, lay)
+    assert est.num_microbatches == 8 and est.bubble == pytest.approx(3 / (2 * 8))
+    per_layer = korthikanti_layer_bytes(2048, 1, 1024, 16, recompute="selective")
+    first_state = sum(stage_params(SPEC, 1, 4, 1, True, False)) * 18
+    assert est.activation_gb * GB == pytest.approx(2 * per_layer * 4 * (1 + 3 / 8))
+    assert est.model_state_gb * GB == pytest.approx(first_state)
+    compute_part = est.compute_s + est.comm_s["pp"]
+    assert est.step_s == pytest.approx(compute_part * (1 + est.bubble) + est.comm_s["dp"])
+
+
+def test_volumes_use_the_ring_formulas():
+    lay = Layout(tp=2, cp=2, dp=4, micro_batch=1)
+    n = 1024 * 1024 * 2  # b (s/cp) h, bf16
+    assert volumes.tp_bytes(SPEC, lay, 3) == 8 * 3 * 4 * (2 * 1 / 2 * n)  # 4 all-reduces per layer, L layers, m
+    kv = 2 * (16 // 2) * 1024 * 64 * 2
+    assert volumes.cp_bytes(SPEC, lay, 3) == 8 * 3 * (3 * 2 - 2) * kv  # the ring the counter measures
+    assert volumes.dp_bytes(1000, "no_shard", 4, 3) == 2 * 3 / 4 * 4000
+    assert volumes.dp_bytes(1000, "optim", 4, 3) == 3 / 4 * 4000 + 3 / 4 * 2000
+    moe = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=64, num_experts=4)
+    assert volumes.ep_bytes(moe, Layout(ep=4, dp=4), 1) == 2 * 2 * (2 * 32 * 64 * 2 * 3 / 4) * 2
+
+
+def test_check_layout_refuses_with_one_line():
+    for lay, match in [(Layout(tp=16, dp=1), "TP 16 must divide"), (Layout(pp=3, dp=16), "must equal --gpus"),
+                       (Layout(dp=16, vpp=2), "VPP 2 needs PP > 1"), (Layout(dp=16, ep=2), "EP 2 needs"),
+                       (Layout(dp=16, micro_batch=3), "--global-batch-size 64 must be divisible")]:
+        with pytest.raises(ConfigError, match=match):
+            check_layout(SPEC, CLUSTER, 64, lay)
+
+
+def test_plan_lists_runnable_layouts_fitting_and_fastest_first():
+    estimates = plan(SPEC, CLUSTER, 64)
+    assert estimates and all(check_layout(SPEC, CLUSTER, 64, e.layout) is None for e in estimates)
+    fits = [e.fits for e in estimates]
+    assert fits == sorted(fits, reverse=True)
+    fitting = [e.step_s for e in estimates if e.fits]
+    assert fitting == sorted(fitting)
+    assert {e.layout.tp for e in plan(SPEC, CLUSTER, 64, {"tp": 2})} == {2}
+
+
+def test_tool_prints_table_and_best(capsys, tmp_path):
+    argv = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--vocab-size", "32000", "--gpus", "16", "--global-batch-size", "64", "--top", "3",
+            "--png", str(tmp_path / "plan.png")]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TP  PP  VPP  DP  CP  EP" in out and "best: TP" in out and "MFU" in out
+    assert os.path.getsize(tmp_path / "plan.png") > 0
+    assert plan_tool.main(["--preset", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16", "--global-batch-size", "32",
+                           "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--top", "1"]) == 0
+    assert "EP 8" in capsys.readouterr().out
+
+
+def test_tool_png_without_matplotlib_says_so(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert "matplotlib is not installed" in plan_tool.draw([], str(tmp_path / "x.png"), 80)
+
+
+def test_tool_refuses_bad_input_with_exit_2(capsys):
+    assert plan_tool.main(["--gpus", "8", "--global-batch-size", "8"]) == 2
+    assert "give --preset or the model flags" in capsys.readouterr().err
+    assert plan_tool.main(["--preset", "llama3-8b", "--gpus", "12", "--global-batch-size", "8"]) == 2
+    assert "--gpus 12 must be a multiple of --gpus-per-node 8" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Plan a parallel layout: memory per GPU and estimated step time of every layout of a model on a cluster.
+
+Every TP x PP x VPP x DP x CP x EP split, ZeRO sharding strategy, recomputation and micro-batch size
+that can run the model is estimated from closed forms (model state bytes per parameter, Korthikanti
+et al.'s activation bytes, Narayanan et al.'s FLOPs at a fixed matmul efficiency, ring
+communication volumes over NVLink / network bandwidth, the (p-1)/(v m) pipeline bubble); the
+layouts that fit in GPU memory are printed fastest first, with the best one broken down.
+
+    python tools/plan.py --preset gpt3-175b --cluster a100 --gpus 1024 --global-batch-size 1536
+    python tools/plan.py --preset llama3-70b --cluster h100 --gpus 64 --global-batch-size 512 --png plan.png
+    python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 4096 \\
+        --vocab-size 50257 --gpus 16 --peak-tflops 312 --global-batch-size 256 --tensor-model-parallel-size 2
+
+Model flags (Megatron names) override a preset's values; cluster flags override --cluster's.
+Layout flags (--tensor-model-parallel-size, ...) keep only the layouts with that value.
+Exit code 2 with one line on stderr for a bad option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.perf.plan import (  # noqa: E402
+    CLUSTER_PRESETS,
+    MATMUL_EFFICIENCY,
+    MODEL_PRESETS,
+    ClusterSpec,
+    ModelSpec,
+    format_table,
+    plan,
+    stage_params,
+)
+
+MODEL_FLAGS = {  # flag -> (ModelSpec field, type)
+    "--num-layers": ("num_layers", int), "--hidden-size": ("hidden_size", int),
+    "--num-attention-heads": ("num_attention_heads", int), "--seq-length": ("seq_length", int),
+    "--ffn-hidden-size": ("ffn_hidden_size", int), "--num-query-groups": ("num_query_groups", int),
+    "--vocab-size": ("vocab_size", int), "--num-experts": ("num_experts", int),
+    "--moe-router-topk": ("moe_router_topk", int), "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", int),
+}
+CLUSTER_FLAGS = {"--gpus-per-node": int, "--gpu-memory-gb": float, "--peak-tflops": float,
+                 "--intra-node-gbps": float, "--inter-node-gbps": float}
+LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
+    "--tensor-model-parallel-size": ("tp", int, None), "--pipeline-model-parallel-size": ("pp", int, None),
+    "--virtual-pipeline-model-parallel-size": ("vpp", int, None), "--context-parallel-size": ("cp", int, None),
+    "--expert-model-parallel-size": ("ep", int, None), "--micro-batch-size": ("micro_batch", int, None),
+    "--data-parallel-sharding-strategy": ("zero", str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
+    "--recompute-granularity": ("recompute", str, ["none", "selective", "full"]),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="a published model's shapes")
+    for flag, (_, kind) in MODEL_FLAGS.items():
+        ap.add_argument(flag, type=kind)
+    ap.add_argument("--swiglu", action="store_true", default=None)
+    ap.add_argument("--disable-bias-linear", action="store_true", default=None)
+    ap.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    ap.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
+    ap.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), default="a100",
+                    help="GPU preset (a100: DGX A100 80GB, h100: DGX H100); default a100")
+    ap.add_argument("--gpus", type=int, required=True)
+    for flag, kind in CLUSTER_FLAGS.items():
+        ap.add_argument(flag, type=kind, help="bandwidths in GB/s (gigabytes) per GPU per direction"
+                        if flag.endswith("gbps") else None)
+    ap.add_argument("--global-batch-size", type=int, required=True)
+    for flag, (_, kind, choices) in LAYOUT_FLAGS.items():
+        ap.add_argument(flag, type=kind, choices=choices)
+    ap.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    ap.add_argument("--png", help="draw memory and step time of the printed layouts to this PNG")
+    return ap
+
+
+def model_from_args(args) -> ModelSpec:
+    """The preset (if any) with every given model flag applied."""
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in MODEL_FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    for name, field, value in (("swiglu", "swiglu", True), ("disable_bias_linear", "add_bias_linear", False),
+                               ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", True)):
+        if getattr(args, name):
+            given[field] = value
+    if args.position_embedding_type:
+        given["learned_positions"] = args.position_embedding_type == "learned_absolute"
+    if args.preset:
+        return dataclasses.replace(MODEL_PRESETS[args.preset], **given)
+    missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
+               if MODEL_FLAGS[f][0] not in given]
+    if missing:
+        raise ConfigError(f"give --preset or the model flags {' '.join(missing)}")
+    return ModelSpec(**given)
+
+
+def cluster_from_args(args) -> ClusterSpec:
+    values = dict(CLUSTER_PRESETS[args.cluster])
+    for flag in CLUSTER_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            values[flag[2:].replace("-", "_")] = value
+    return ClusterSpec(gpus=args.gpus, **values)
+
+
+def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
+    """The best layout, its memory and its time broken down."""
+    lay = best.layout
+    comm = " + ".join(f"{k} {v:.3f}" for k, v in best.comm_s.items() if v)
+    return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}, "
+            f"ZeRO {lay.zero}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
+            f"({best.num_microbatches} micro-batches per step)\n"
+            f"  memory per GPU {best.memory_gb:.1f} of {cluster.gpu_memory_gb:g} GB: model state "
+            f"{best.model_state_gb:.1f}, activations {best.activation_gb:.1f}, reserved "
+            f"{best.memory_gb - best.model_state_gb - best.activation_gb:.1f}\n"
+            f"  step {best.step_s:.3f} s: compute {best.compute_s:.3f} s at {MATMUL_EFFICIENCY:.0%} of peak, "
+            f"communication {comm or 'none'} s, pipeline bubble {best.bubble:.1%}\n"
+            f"  {best.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {best.mfu:.1%}")
+
+
+def draw(estimates, path: str, memory_gb: float) -> str:
+    """Memory and step time of each layout as two bar charts; returns the line to print."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: --png skipped (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"t{e.layout.tp} p{e.layout.pp}v{e.layout.vpp} d{e.layout.dp} c{e.layout.cp} e{e.layout.ep}\n"
+              f"{e.layout.zero} {e.layout.recompute} b{e.layout.micro_batch}" for e in estimates]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(labels)), 7), sharex=True)
+    x = range(len(labels))
+    top.bar(x, [e.memory_gb for e in estimates], color=["tab:blue" if e.fits else "tab:red" for e in estimates])
+    top.axhline(memory_gb, color="black", linestyle="--", linewidth=1, label=f"GPU memory {memory_gb:g} GB")
+    top.set_ylabel("memory per GPU (GB)")
+    top.legend(loc="lower right", fontsize=8)
+    bottom.bar(x, [e.step_s for e in estimates], color="tab:green")
+    bottom.set_ylabel("step time (s)")
+    bottom.set_xticks(list(x), labels, rotation=90, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec, cluster = model_from_args(args), cluster_from_args(args)
+        fixed = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in LAYOUT_FLAGS.items()}
+        estimates = plan(spec, cluster, args.global_batch_size, {k: v for k, v in fixed.items() if v is not None})
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    dense, expert = stage_params(spec, 1, 1, 1, True, True)
+    fitting = [e for e in estimates if e.fits]
+    print(f"model: {(dense + expert) / 1e9:.2f} B parameters, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+          f"seq {spec.seq_length}; cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node, "
+          f"{cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s); global batch {args.global_batch_size}")
+    print(f"{len(estimates)} layouts, {len(fitting)} fit in memory")
+    if not estimates:
+        print("no layout can run this model on this cluster (check the divisibility of the sizes)")
+        return 1
+    shown = (fitting or sorted(estimates, key=lambda e: e.memory_gb))[:args.top]
+    print(format_table(shown))
+    if not fitting:
+        print(f"no layout fits in {cluster.gpu_memory_gb:g} GB; the smallest needs {shown[0].memory_gb:.1f} GB")
+    else:
+        print(describe(fitting[0], spec, cluster))
+    if args.png:
+        print(draw(shown, args.png, cluster.gpu_memory_gb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
