@@ -207,11 +207,28 @@ def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
 
 def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path):
     """ZeRO-3 holds only a shard of each weight between uses: a torch_dist save from such a run (with
-    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1."""
+    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1 and ZeRO-3."""
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
     src = str(tmp_path / "src")
     first = run_ranks(2, loop_losses, _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
     second = run_ranks(2, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + ["--use-distributed-optimizer",
                                                                                           "--load", src]))
+    again = run_ranks(2, loop_losses, _argv(str(tmp_path / "again"), 6, MODEL + DIST + zero3 + ["--load", src]))
     whole = run_ranks(2, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + ["--use-distributed-optimizer"]))
+    _same_losses(first[0] + second[0], whole[0])
+    _same_losses(first[0] + again[0], whole[0])  # and back into ZeRO-3's shards
+
+
+@pytest.mark.parametrize("world, flags", [
+    (4, ["--num-distributed-optimizer-instances", "2"]),
+    (2, ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]),
+], ids=["hybrid_dp4x2", "offload_half"])
+def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, world, flags):
+    """Hybrid sharding (the same optimizer slice on every instance) and CPU offload (part of the slice
+    on the host) write the same pieces as the plain distributed optimizer."""
+    src = str(tmp_path / "src")
+    distopt = ["--use-distributed-optimizer"]
+    first = run_ranks(world, loop_losses, _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
+    second = run_ranks(world, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
+    whole = run_ranks(world, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + distopt))
     _same_losses(first[0] + second[0], whole[0])
