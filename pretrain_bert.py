@@ -19,7 +19,6 @@ BERT-specific: the model chunks, one micro-batch's forward and loss, and the dat
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,6 +39,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
+from megatron_lite.errors import exit_with_message
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
 from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
@@ -159,8 +159,7 @@ def main(argv=None):
         return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
                         make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_message(f"error: {err}", 2)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ which datasets to read; ``megatron_lite.training.pretrain`` does the rest.
 
 from __future__ import annotations
 
-import os
-import sys
 from functools import partial
 
 import torch
@@ -30,6 +28,7 @@ from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
+from megatron_lite.errors import exit_with_message
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
@@ -147,13 +146,9 @@ def main(argv=None):
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank exits 2; the message once, not once per rank
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_message(f"error: {err}", 2)  # every rank exits 2; the message once, not once per rank
     except NonFiniteError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        exit_with_message(f"error: {err}", 1)
 
 
 if __name__ == "__main__":

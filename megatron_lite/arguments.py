@@ -11,9 +11,11 @@ import ast
 import dataclasses
 import inspect
 import os
+import time
 import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
+from .errors import PEER_EXIT_GRACE_S
 from .models.transformer_config import (
     CP_COMM_TYPES,
     NORMALIZATIONS,
@@ -82,6 +84,11 @@ class RankZeroParser(argparse.ArgumentParser):
     def _print_message(self, message, file=None):
         if int(os.environ.get("RANK", "0")) == 0:
             super()._print_message(message, file)
+
+    def exit(self, status=0, message=None):
+        if status and int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(PEER_EXIT_GRACE_S)  # let rank 0 print before torchrun stops the workers
+        super().exit(status, message)
 
 
 def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:
