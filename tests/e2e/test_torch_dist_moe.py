@@ -2,7 +2,7 @@
 (stacked grouped-GEMM weights along the global expert axis), each by expert-data-parallel rank 0 of
 its expert-parallel rank, and the distributed optimizer's expert slices by every expert-DP rank. A
 checkpoint saved at EP2 resumes at EP1, EP4 and TP2 with the losses of an uninterrupted
-single-process run (relative 1e-5), optimizer state included."""
+single-process run (relative 1e-5), optimizer state included; FP8 experts resume too."""
 
 import pytest
 
@@ -43,3 +43,16 @@ def test_ep2_torch_dist_checkpoint_resumes_at_ep1_ep4_and_tp2(tmp_path, model, s
         again = _run(world, _argv(str(tmp_path / f"r{i}"), ITERS, model + DIST + flags + ["--load", src, "--no-load-rng"]))
         assert len(first + again) == len(whole), flags
         _same_losses(first + again, whole)
+
+
+def test_ep2_fp8_grouped_torch_dist_resumes_exactly_and_at_ep1(tmp_path):
+    """FP8 experts' amax histories and scales are saved per global expert: resuming at EP2 continues
+    bit for bit, and the checkpoint loads at EP1 (FP8 tolerance, relative 1e-3)."""
+    extra = ["--bf16", "--fp8-format", "hybrid"] + MOE + ["--moe-grouped-gemm"] + DIST
+    straight = _run(2, _argv(str(tmp_path / "straight"), 4, extra + [EP, "2"]))
+    src = str(tmp_path / "src")
+    first = _run(2, _argv(src, 4, extra + [EP, "2", "--exit-interval", "2"]))
+    same = _run(2, _argv(str(tmp_path / "same"), 4, extra + [EP, "2", "--load", src]))
+    assert first + same == straight
+    ep1 = _run(2, _argv(str(tmp_path / "ep1"), 4, extra + ["--load", src, "--no-load-rng"]))
+    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(first + ep1, straight))
