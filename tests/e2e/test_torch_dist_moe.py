@@ -7,7 +7,7 @@ single-process run (relative 1e-5), optimizer state included; FP8 experts resume
 import pytest
 
 import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import _argv, _same_losses
+from tests.e2e.test_pretrain_gpt import _argv, _same_losses, _same_weights
 from tests.e2e.test_pretrain_moe import MOE
 from tests.harness import run_ranks
 
@@ -56,3 +56,12 @@ def test_ep2_fp8_grouped_torch_dist_resumes_exactly_and_at_ep1(tmp_path):
     assert first + same == straight
     ep1 = _run(2, _argv(str(tmp_path / "ep1"), 4, extra + ["--load", src, "--no-load-rng"]))
     assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(first + ep1, straight))
+
+
+@pytest.mark.parametrize("grouped", [[], ["--moe-grouped-gemm"]], ids=["sequential", "grouped"])
+def test_ep2_torch_dist_checkpoint_merges_into_the_one_process_model(tmp_path, grouped):
+    """The offline merge (tools, --loader megatron) reads an EP2 torch_dist checkpoint as the full model."""
+    extra = MOE + grouped + DIST
+    _run(2, _argv(str(tmp_path / "ep2"), 3, extra + [EP, "2"]))
+    _losses(_argv(str(tmp_path / "one"), 3, extra))
+    _same_weights(str(tmp_path / "ep2"), str(tmp_path / "one"))
