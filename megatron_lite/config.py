@@ -379,5 +379,3 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
-    _require(cp.ckpt_format == "torch" or config.parallel.expert_model_parallel_size == 1,
-             "--ckpt-format torch_dist does not support --expert-model-parallel-size > 1 yet; use --ckpt-format torch")

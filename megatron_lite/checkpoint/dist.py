@@ -10,6 +10,12 @@ What each rank owns (nothing is gathered, nothing written twice):
   optimizer steps (cut into boxes, :func:`~megatron_lite.checkpoint.boxes.flat_boxes`); with the plain
   optimizer data-parallel rank 0 writes whole shards.
 
+Experts (expert parallelism) are keyed by their global number, so the keys are the same at every EP
+size: a sequential expert's local ``local_experts.{j}`` is saved as ``local_experts.{first + j}``,
+the stacked grouped-GEMM weights as rows ``[first, first + E_local)`` of a global ``[E, ...]``
+tensor. An expert tensor is written by expert-data-parallel rank 0 of its (TP, EP) position, its
+distributed-optimizer slices by every expert-data-parallel rank.
+
 The tied output-layer copy of the embedding on the last stage is not written (it equals the
 embedding, state included); on load it is read from the embedding. Loading (:func:`load_dist`) works
 out, for every tensor this rank needs, which saved boxes overlap it and reads only those
@@ -30,6 +36,7 @@ from ..optim.distrib_optimizer import DistributedOptimizer
 from .boxes import canonical_shape, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
 from .format import CheckpointError
+from .layout import expert_place
 
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -48,6 +55,7 @@ class RankTensor:
     offset: tuple  # global canonical offset
     global_shape: tuple
     owned: bool  # this rank's TP position writes it (TP rank 0 for replicated tensors; never the tied copy)
+    expert: bool = False  # an expert's tensor: replicated over expert-DP (not DP), one per expert-parallel rank
 
 
 def _inner(chunk):
@@ -59,8 +67,16 @@ def _global(name: str, start: int) -> str:
     return f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}" if m else name
 
 
+def _first_experts(module) -> dict[str, int]:
+    """{name prefix of an experts module: global index of its first local expert}."""
+    return {f"{name}.": int(m.first_expert) for name, m in module.named_modules()
+            if hasattr(m, "first_expert") and hasattr(m, "num_local_experts")}
+
+
 def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]]:
-    """This rank's tensors, and the same by ``id`` of each parameter (for the optimizer's slots)."""
+    """This rank's tensors, and the same by ``id`` of each parameter (for the optimizer's slots).
+    Experts are named and placed by their global index (:func:`~megatron_lite.checkpoint.layout.expert_place`),
+    so the same expert has the same key at every expert-parallel size."""
     out, by_param = [], {}
     for chunk in chunks:
         module = _inner(chunk)
@@ -68,6 +84,7 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
         start = int(getattr(holder, "layer_start", 0) or 0)
         params = {id(p) for p in module.parameters()}
         tied_copy = getattr(module, "tied", False) and not getattr(module, "pre_process", True)
+        firsts = _first_experts(module)
         for name, value in module.state_dict(keep_vars=True).items():
             if not torch.is_tensor(value):
                 continue
@@ -77,9 +94,13 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
             local = canonical_shape(value.shape, dim, stride)
             offset = shard_offset(local, dim, state.tp_rank)
             global_shape = tuple(x * state.tp_size if dim is not None and i == dim + 1 else x for i, x in enumerate(local))
+            name, row, expert = expert_place(name, firsts, state.ep_size)
+            if row is not None:  # stacked grouped-expert tensor: dim 0 is the global expert axis
+                offset = (offset[0] + row,) + offset[1:]
+                global_shape = (global_shape[0] * state.ep_size,) + global_shape[1:]
             alias = tied_copy and name == "output_layer.weight"
             tensor = RankTensor(WORD_EMBEDDING if alias else _global(name, start), value, dim, local, offset,
-                                global_shape, not alias and (dim is not None or state.tp_rank == 0))
+                                global_shape, not alias and (dim is not None or state.tp_rank == 0), expert)
             out.append(tensor)
             by_param[id(value)] = tensor
     return out, by_param
@@ -104,16 +125,18 @@ def _slot_sources(optimizer, param, master) -> dict:
 def rank_pieces(chunks, optimizer, state) -> dict[str, torch.Tensor]:
     """``{DCP key: tensor}`` of everything this rank writes (views of the live tensors)."""
     tensors, by_param = rank_tensors(chunks, state)
-    replica_zero = state.dp_rank == 0 and state.cp_rank == 0
+    dense_writer = state.dp_rank == 0 and state.cp_rank == 0
+    expert_writer = state.expert_dp_rank == 0 and state.cp_rank == 0  # each EP rank writes its own experts
+    sharded = isinstance(optimizer, DistributedOptimizer)  # every (expert-)DP rank writes its own slice
     pieces = {}
     for t in tensors:
-        if t.owned and replica_zero:
+        if t.owned and (expert_writer if t.expert else dense_writer):
             pieces[key_of("weight", t.name, t.offset)] = t.value.detach().view(t.local)
-    if optimizer is None or not (replica_zero or isinstance(optimizer, DistributedOptimizer)):
+    if optimizer is None:
         return pieces
     for param, master, lo, hi in optimizer.shard_slots():
         t = by_param[id(param)]
-        if not t.owned:
+        if not t.owned or not (sharded or (expert_writer if t.expert else dense_writer)):
             continue
         for kind, value in _slot_sources(optimizer, param, master).items():
             flat = value.detach().reshape(-1)

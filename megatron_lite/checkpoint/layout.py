@@ -101,6 +101,21 @@ def ep_slice(name: str, tensor: torch.Tensor, ep_rank: int, ep_size: int) -> tor
     return tensor.chunk(ep_size, dim=0)[ep_rank]
 
 
+def expert_place(name: str, first_experts: dict[str, int], ep_size: int) -> tuple[str, int | None, bool]:
+    """Where a tensor of an EP rank sits among every expert (the inverse of :func:`ep_name` and
+    :func:`ep_slice`): ``(name with sequential expert j renamed to its global number, first row of a
+    stacked grouped-expert tensor along the global expert axis or None, whether it is an expert's)``.
+    ``first_experts`` maps each experts module's name prefix (``...mlp.experts.``) to the global
+    number of its first local expert."""
+    m = SEQUENTIAL_EXPERT.match(name)
+    if m:
+        first = first_experts.get(m.group(1)[:-len("local_experts.")], 0) if ep_size > 1 else 0
+        return f"{m.group(1)}{first + int(m.group(2))}{m.group(3)}", None, True
+    if GROUPED_EXPERT.match(name):
+        return name, first_experts.get(name.rsplit(".", 1)[0] + ".", 0) if ep_size > 1 else 0, True
+    return name, None, False
+
+
 def is_grouped_expert(name: str) -> bool:
     return bool(GROUPED_EXPERT.match(name))
 

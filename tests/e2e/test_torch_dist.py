@@ -198,10 +198,9 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
 
 @pytest.mark.parametrize("flags, words", [
     (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
-    (DIST + ["--expert-model-parallel-size", "2", "--num-experts", "2"], "--ckpt-format torch_dist"),
 ])
 def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # flags checked for 2 ranks (expert parallelism needs them)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # flags checked for 2 ranks
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
 
 
