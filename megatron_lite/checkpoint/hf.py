@@ -217,14 +217,20 @@ def _gpt2_config(hf: dict) -> dict:
     )
 
 
-def _llama_config(hf: dict) -> dict:
+def _silu_rope_theta(hf: dict, default_theta: float) -> float:
+    """Check a SwiGLU + plain RoPE config (llama and mixtral styles) and return its RoPE theta."""
     _require(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} cannot be expressed "
              "(SwiGLU uses silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     _require(rope.get("rope_type", rope.get("type", "default")) == "default",
              f"rope_type {rope.get('rope_type', rope.get('type'))!r} (RoPE scaling) cannot be expressed; only plain RoPE")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
     _require(theta == int(theta), f"rope_theta {theta} cannot be expressed (--rotary-base is an integer)")
+    return theta
+
+
+def _llama_config(hf: dict) -> dict:
+    theta = _silu_rope_theta(hf, 10000.0)
     _require(hf.get("pretraining_tp", 1) == 1, "pretraining_tp > 1 cannot be expressed; re-save the model with 1")
     bias = bool(hf.get("attention_bias", False))
     _require(bool(hf.get("mlp_bias", False)) == bias, "attention_bias and mlp_bias differ; cannot be expressed "

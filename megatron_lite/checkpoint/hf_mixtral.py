@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
-from .hf import _base_config, _dims, _require, qkv_to_separate, separate_to_qkv
+from .hf import _base_config, _dims, _require, _silu_rope_theta, qkv_to_separate, separate_to_qkv
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
 SEQ = "mlp.experts.local_experts.{j}."
@@ -115,15 +115,9 @@ def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
 
 
 def _mixtral_config(hf: dict) -> dict:
-    _require(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} cannot be expressed "
-             "(SwiGLU experts use silu)")
     _require(hf.get("sliding_window") is None, f"sliding_window {hf.get('sliding_window')} cannot be expressed "
              "(attention is over the whole sequence)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    _require(rope.get("rope_type", rope.get("type", "default")) == "default",
-             f"rope_type {rope.get('rope_type', rope.get('type'))!r} (RoPE scaling) cannot be expressed; only plain RoPE")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 1e6)))
-    _require(theta == int(theta), f"rope_theta {theta} cannot be expressed (--rotary-base is an integer)")
+    theta = _silu_rope_theta(hf, 1e6)
     hidden, heads, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["intermediate_size"]
     groups = hf.get("num_key_value_heads") or heads
     jitter = hf.get("router_jitter_noise") or None
