@@ -163,6 +163,20 @@ class GPT2BPE:
         return symbols_to_bytes(symbols).decode("utf-8", errors="replace")
 
 
+def pair_index(words: list[list[str]], freqs: list[int]):
+    """For BPE-style training: the frequency of every adjacent symbol pair, the words holding each
+    pair, and a max-heap (negated counts) of the pairs, to be updated as merges are applied."""
+    pair_counts: dict[tuple[str, str], int] = defaultdict(int)
+    where: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for wi, syms in enumerate(words):
+        for pair in zip(syms, syms[1:]):
+            pair_counts[pair] += freqs[wi]
+            where[pair].add(wi)
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+    return pair_counts, where, heap
+
+
 def train_gpt2_bpe(texts, vocab_size: int, min_frequency: int = 2):
     """Learn GPT-2-style byte-level merges from an iterable of strings.
 
@@ -177,14 +191,7 @@ def train_gpt2_bpe(texts, vocab_size: int, min_frequency: int = 2):
         word_counts.update(GPT2_PATTERN.findall(text))
     words = [list(word_to_symbols(w)) for w in word_counts]
     freqs = list(word_counts.values())
-    pair_counts: dict[tuple[str, str], int] = defaultdict(int)
-    where: dict[tuple[str, str], set[int]] = defaultdict(set)
-    for wi, syms in enumerate(words):
-        for pair in zip(syms, syms[1:]):
-            pair_counts[pair] += freqs[wi]
-            where[pair].add(wi)
-    heap = [(-count, pair) for pair, count in pair_counts.items()]
-    heapq.heapify(heap)
+    pair_counts, where, heap = pair_index(words, freqs)
     merges: list[tuple[str, str]] = []
     num_merges = vocab_size - 256 - 1
     while heap and len(merges) < num_merges:

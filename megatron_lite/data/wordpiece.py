@@ -15,7 +15,9 @@ from __future__ import annotations
 import heapq
 import os
 import unicodedata
-from collections import Counter, defaultdict
+from collections import Counter
+
+from .gpt2_bpe import pair_index
 
 MAX_WORD_CHARS = 100
 
@@ -165,14 +167,7 @@ def train_wordpiece(texts, vocab_size: int, lower_case: bool = True, min_frequen
     freqs = list(counts.values())
     vocab = list(SPECIAL_TOKENS) + sorted({s for w in words for s in w} - set(SPECIAL_TOKENS))
     known = set(vocab)
-    pair_counts: dict[tuple[str, str], int] = defaultdict(int)
-    where: dict[tuple[str, str], set[int]] = defaultdict(set)
-    for wi, syms in enumerate(words):
-        for pair in zip(syms, syms[1:]):
-            pair_counts[pair] += freqs[wi]
-            where[pair].add(wi)
-    heap = [(-count, pair) for pair, count in pair_counts.items()]
-    heapq.heapify(heap)
+    pair_counts, where, heap = pair_index(words, freqs)
     while heap and len(vocab) < vocab_size:
         neg_count, pair = heapq.heappop(heap)
         count = pair_counts.get(pair, 0)
