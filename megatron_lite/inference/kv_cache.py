@@ -1,0 +1,67 @@
+"""The key/value cache: what attention keeps of the tokens already seen, so decoding one more token
+costs one token's work instead of the whole prefix's.
+
+An attention module that receives ``inference_context`` (a :class:`KVCache`) stores the tensors it
+needs from the new tokens - standard attention its keys and values ``[s_new, b, kv_heads, d]`` (the
+key/value heads only, so grouped-query attention caches fewer heads); multi-latent attention its
+compressed latent and its shared rotary key - by calling :meth:`KVCache.append` with its global
+layer number, and attends over the full tensors it gets back. The memory of each layer is
+allocated at the first call, for ``max_batch_size`` x ``max_sequence_length`` tokens, with each
+tensor's own trailing shape and dtype.
+
+``sequence_offset`` is the number of tokens already cached, i.e. the position of the first new
+token; the engine advances it after every forward pass (:meth:`advance`), once for all layers.
+With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
+positions ``< sequence_offset`` and new positions ``<= i``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, max_batch_size: int, max_sequence_length: int):
+        if max_batch_size < 1 or max_sequence_length < 1:
+            raise ValueError(f"a key/value cache needs a positive batch size and length, got "
+                             f"{max_batch_size} x {max_sequence_length}")
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self.sequence_offset = 0
+        self.memory: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def append(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store the new tokens' ``tensors`` (each ``[s_new, b, ...]``) of layer ``layer_number`` at
+        positions ``[sequence_offset, sequence_offset + s_new)``; return views ``[sequence_offset +
+        s_new, b, ...]`` of everything cached for this layer, in the same order."""
+        s_new, b = tensors[0].shape[:2]
+        end = self.sequence_offset + s_new
+        if end > self.max_sequence_length or b > self.max_batch_size:
+            raise ValueError(f"the key/value cache holds {self.max_batch_size} sequences of "
+                             f"{self.max_sequence_length} tokens; asked for {b} x {end}")
+        if layer_number not in self.memory:
+            self.memory[layer_number] = tuple(
+                torch.empty(self.max_sequence_length, self.max_batch_size, *t.shape[2:], dtype=t.dtype, device=t.device)
+                for t in tensors
+            )
+        stored = self.memory[layer_number]
+        if len(stored) != len(tensors):
+            raise ValueError(f"layer {layer_number} cached {len(stored)} tensors, now appends {len(tensors)}")
+        out = []
+        for cache, new in zip(stored, tensors):
+            cache[self.sequence_offset:end, :b] = new
+            out.append(cache[:end, :b])
+        return tuple(out)
+
+    def advance(self, num_tokens: int) -> None:
+        """Count ``num_tokens`` new tokens as cached (after a forward pass over them)."""
+        self.sequence_offset += num_tokens
+
+    def reset(self) -> None:
+        """Forget every cached token (the memory stays allocated for the next batch)."""
+        self.sequence_offset = 0
+
+
+def causal_mask_with_offset(q_len: int, k_len: int, device) -> torch.Tensor:
+    """Bool ``[q_len, k_len]``, True = masked out: query ``i`` (at position ``k_len - q_len + i``)
+    sees keys ``<= k_len - q_len + i`` (bottom-right aligned causal mask)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(k_len - q_len + 1)

@@ -1,0 +1,86 @@
+"""Training trajectories, and the one comparison every parallel-vs-single-process test uses.
+
+A :class:`Trajectory` is what a run reports per step: the loss, every reported loss by name (``lm
+loss``, ``sop loss``, ``mtp_1 loss``, ...) and the gradient norm. :func:`assert_same_trajectory`
+compares two of them step by step - losses *and* gradient norms, with one relative tolerance - and
+fails when either is shorter than expected. Gradient norms catch what losses hide: with Adam and
+gradient clipping a constant factor on every gradient barely moves the update, so a 2x gradient
+bug shows in the loss only steps later, but in the gradient norm at step 1.
+
+Inside a rank of :func:`tests.harness.run_ranks`, :func:`run_script` trains through a script's
+``main(argv)`` and returns its (picklable) trajectory; :func:`ranks_trajectory` runs that on every
+rank and returns the one trajectory the last-stage ranks agree on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+
+from tests.harness import run_ranks
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    losses: list[float]
+    grad_norms: list[float | None]
+    reported: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, result) -> Trajectory:
+        """The trajectory of a :class:`~megatron_lite.training.loop.TrainResult`."""
+        norms = [None if g is None else float(g) for g in result.grad_norms]
+        return cls(list(result.losses), norms, [dict(r) for r in result.reported])
+
+    def __len__(self) -> int:
+        return len(self.grad_norms)
+
+
+def run_script(script: str, argv: list[str]) -> Trajectory:
+    """Inside a rank (or in this process): ``<script>.main(argv)``'s trajectory (``script`` is a
+    module name such as ``"pretrain_gpt"``; losses are empty on ranks that are not a last stage)."""
+    return Trajectory.of(importlib.import_module(script).main(argv))
+
+
+def ranks_trajectory(world: int, script: str, argv: list[str]) -> Trajectory:
+    """Train on ``world`` ranks; the trajectory of the last-stage ranks, which must all agree
+    (losses are averaged over data parallelism, gradient norms are global)."""
+    results = run_ranks(world, run_script, script, argv)
+    last = [r for r in results if r.losses]
+    assert last, "no rank reported losses"
+    for other in last[1:]:
+        assert other == last[0], "last-stage ranks disagree"
+    for other in results:  # the gradient norm is global: every rank, first stages included, has the same
+        assert other.grad_norms == last[0].grad_norms, "ranks disagree on the gradient norm"
+    return last[0]
+
+
+def _close(a, e, rtol: float) -> bool:
+    if a is None or e is None:
+        return a is None and e is None
+    if not (math.isfinite(a) and math.isfinite(e)):
+        return a == e or (math.isnan(a) and math.isnan(e))
+    return abs(a - e) <= rtol * abs(e)
+
+
+def assert_same_trajectory(actual: Trajectory, expected: Trajectory, *, rtol: float = 1e-5,
+                           steps: int | None = None, grad_rtol: float | None = None, what: str = "") -> None:
+    """Every step's loss (and every reported loss) and gradient norm of ``actual`` within ``rtol``
+    (relative) of ``expected``'s. ``steps``: how many steps both must have (default: as many as
+    ``expected``); ``grad_rtol``: the gradient norms' tolerance when it must differ from the loss's."""
+    steps = len(expected) if steps is None else steps
+    label = f"{what}: " if what else ""
+    assert len(expected) == steps, f"{label}the reference ran {len(expected)} steps, expected {steps}"
+    assert len(actual) == steps, f"{label}ran {len(actual)} steps, the reference {steps}"
+    assert len(actual.losses) == len(expected.losses), f"{label}{len(actual.losses)} losses vs {len(expected.losses)}"
+    grad_rtol = rtol if grad_rtol is None else grad_rtol
+    for step, (a, e) in enumerate(zip(actual.grad_norms, expected.grad_norms, strict=True), 1):
+        assert _close(a, e, grad_rtol), f"{label}step {step}: grad norm {a} vs single-process {e}"
+    for step, (a, e) in enumerate(zip(actual.losses, expected.losses, strict=True), 1):
+        assert _close(a, e, rtol), f"{label}step {step}: loss {a} vs single-process {e}"
+    if actual.reported and expected.reported:
+        for step, (a, e) in enumerate(zip(actual.reported, expected.reported, strict=True), 1):
+            assert a.keys() == e.keys(), f"{label}step {step}: reported {sorted(a)} vs {sorted(e)}"
+            for key in e:
+                assert _close(a[key], e[key], rtol), f"{label}step {step}: {key} {a[key]} vs single-process {e[key]}"
