@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
+from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
 
@@ -44,7 +45,9 @@ class DotProductAttention(nn.Module):
 
     ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
     ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
-    ``attention_mask`` None or bool ``[b, 1, s, s]``, True = masked out.
+    ``attention_mask`` None or bool ``[b, 1, s, s]``, True = masked out. Keys and values may be
+    longer than the queries (decoding with a key/value cache): causal attention is then bottom-right
+    aligned, the queries being the last ``s`` positions.
     """
 
     def __init__(self, config, state, layer_number: int):
@@ -70,6 +73,8 @@ class DotProductAttention(nn.Module):
             return out.transpose(0, 1).reshape(s, b, nq * d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+        if causal and mask is None and k.shape[2] != s:  # SDPA's is_causal is top-left aligned
+            mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
@@ -92,13 +97,18 @@ class SelfAttention(nn.Module):
         self.local_groups = groups // tp
         self.selective_recompute = config.recompute_granularity == "selective"
         self.tracker = state.rng_tracker
+        self.layer_number = layer_number
         qkv_size = (heads + 2 * groups) * self.head_dim
         self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
         self.core_attention = core_attention(config, state, layer_number)
         self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj")
 
-    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
+    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
+        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None.
+
+        With ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`) the new tokens' keys
+        and values (this rank's key/value heads only) are appended to the cache and the queries
+        attend over everything cached."""
         qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -108,6 +118,8 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if inference_context is not None:
+            k, v = inference_context.append(self.layer_number, k, v)
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:

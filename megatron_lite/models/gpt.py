@@ -32,16 +32,23 @@ class GPTModel(LanguageModel):
             self._build_output_layer(bias=False)
         self._mark_shared_weight()
 
-    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None):
+    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, inference_context=None):
         """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool ``[b, 1, s, s]``.
 
         Returns the per-token loss ``[b, s]`` (last stage with labels), the logits shard
         ``[b, s, padded_vocab/tp]`` (last stage without labels) or the hidden states for the next stage.
         Under context parallelism ``s`` is this rank's two load-balanced chunks of the sequence and
         missing ``position_ids`` default to their global positions (not ``0..s-1``).
+
+        ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`): ``tokens`` are the next
+        tokens after the ``inference_context.sequence_offset`` cached ones; missing ``position_ids``
+        continue from there. The caller advances the cache after the forward pass.
         """
+        if inference_context is not None and position_ids is None:
+            position_ids = self._cached_positions(tokens, inference_context)
         hidden = self._input_hidden(tokens, position_ids)
-        hidden = self.decoder(hidden, attention_mask, self._rotary(hidden, position_ids))
+        hidden = self.decoder(hidden, attention_mask, self._rotary(hidden, position_ids),
+                              inference_context=inference_context)
         if not self.post_process:
             return hidden
         return self._lm_output(self._logits(hidden), labels)

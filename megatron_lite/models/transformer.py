@@ -55,9 +55,10 @@ class TransformerLayer(nn.Module):
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
 
-    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
+    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         drop = dict(p=self.dropout_p, training=self.training, tracker=self.dropout_tracker)
-        attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
+        attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal,
+                                   inference_context=inference_context)
         hidden = hidden + hidden_dropout(attn, **drop)
         return hidden + hidden_dropout(self.mlp(self.pre_mlp_norm(hidden)), **drop)
 
@@ -84,18 +85,23 @@ class TransformerBlock(nn.Module):
         )
         self.final_norm = Norm.from_config(config) if post_process else None
 
-    def _run(self, start: int, end: int):
+    def _run(self, start: int, end: int, inference_context=None):
         """A function running local layers [start, end), for checkpoint (tensors as arguments)."""
 
         def run(hidden, attention_mask, cos, sin):
             rotary = None if cos is None else (cos, sin)
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, attention_mask, rotary, self.causal)
+                hidden = layer(hidden, attention_mask, rotary, self.causal, inference_context=inference_context)
             return hidden
 
         return run
 
-    def forward(self, hidden, attention_mask=None, rotary=None):
+    def forward(self, hidden, attention_mask=None, rotary=None, inference_context=None):
+        """``inference_context``: the key/value cache of incremental decoding (passed to every
+        layer's attention), or None."""
+        if inference_context is not None:
+            hidden = self._run(0, len(self.layers), inference_context)(hidden, attention_mask, *(rotary or (None, None)))
+            return hidden if self.final_norm is None else self.final_norm(hidden)
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
         full = self.full_recompute and torch.is_grad_enabled()

@@ -1,0 +1,94 @@
+"""Shared pieces of the inference tests: tiny GPT variants with random weights, saved as checkpoints.
+
+Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head), ``rope_gqa``
+(rotary, RMSNorm, SwiGLU, no biases, untied, 8 query heads over 4 key/value groups) and ``moe``
+(rotary, 4 experts top-2 in every layer). Every parameter, norms and biases included, is random
+(:func:`randomize`), so a misplaced tensor changes the logits.
+"""
+
+import torch
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.moe.config import MoEConfig, moe_fields
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import padded_vocab_size
+
+VOCAB = 100  # NullTokenizer --vocab-size 99: ids 0..98 are text, 99 is the end of document
+MAX_LEN = 96
+VARIANTS = {
+    "gpt": dict(num_attention_heads=4),
+    "rope_gqa": dict(num_attention_heads=8, group_query_attention=True, num_query_groups=4,
+                     position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                     untie_embeddings_and_output_weights=True),
+    "moe": dict(num_attention_heads=4, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                disable_bias_linear=True),
+}
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",
+           moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference
+
+
+def model_config(variant: str) -> ModelConfig:
+    cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
+                      max_position_embeddings=MAX_LEN, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
+                      attention_dropout=0.0, hidden_dropout=0.0, **VARIANTS[variant])
+    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, 1)
+    return cfg
+
+
+def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch") -> Config:
+    config = Config(model=model_config(variant))
+    if variant == "moe":
+        config.moe = MoEConfig(**MOE)
+    config.data.tokenizer_type = "NullTokenizer"
+    config.checkpoint.save = root
+    config.checkpoint.ckpt_format = ckpt_format
+    return config
+
+
+def randomize(model, seed: int) -> None:
+    """Random weights at unit activation scale (std 1/sqrt(fan-in)); norm weights 1 + N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+            elif p.dim() == 1 or "word_embeddings" in name or "position_embeddings" in name:
+                p.copy_(0.5 * noise if p.dim() > 1 else 0.1 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def build_model(variant: str, seed: int = 11) -> GPTModel:
+    """A single-process model of ``variant`` with random weights (eval mode)."""
+    config = run_config(variant)
+    moe = moe_fields(config.moe) if variant == "moe" else {}
+    state = ParallelState(world_size=1, rank=0)
+    model = GPTModel(TransformerConfig.from_model(config.model, **moe), state)
+    randomize(model, seed)
+    return model.eval()
+
+
+def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11) -> GPTModel:
+    """Save :func:`build_model` as a one-process checkpoint under ``root``; returns the model."""
+    from megatron_lite.checkpoint import save_checkpoint
+
+    model = build_model(variant, seed)
+    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format),
+                    ParallelState(world_size=1, rank=0))
+    return model
+
+
+def prompts(batch: int = 3, seed: int = 0, lengths=(5, 9, 7)) -> list[list[int]]:
+    """Prompts of different lengths, ids in the text range (never the end of document)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(batch)]
+
+
+def assert_close(actual, expected, rtol: float = 1e-5, what: str = "") -> None:
+    """Within ``rtol`` of the largest magnitude in ``expected`` (fp32 logits and log-probs whose
+    sums differ only in order)."""
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale,
+                               msg=(lambda m: f"{what}: {m}") if what else None)
