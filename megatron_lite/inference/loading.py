@@ -124,8 +124,11 @@ def load_model(path: str, state=None, params_dtype=torch.float32, device=None) -
 
 def load_tokenizer(saved: dict, **overrides):
     """The tokenizer the checkpoint was trained with; each of ``overrides`` (tokenizer_type,
-    vocab_file, merge_file, tokenizer_model, vocab_size) that is not None replaces the saved one."""
+    vocab_file, merge_file, tokenizer_model, vocab_size: NullTokenizer's ``--vocab-size``) that is
+    not None replaces the saved one."""
     pick = {k: overrides.get(k) if overrides.get(k) is not None else saved.get(k) for k in TOKENIZER_FIELDS}
+    if pick["tokenizer_type"] == "NullTokenizer" and overrides.get("vocab_size") is None and saved.get("vocab_size"):
+        pick["vocab_size"] = saved["vocab_size"] - 1  # the model's vocabulary is --vocab-size + 1 (the eod)
     if pick["tokenizer_type"] is None:
         raise ConfigError("the checkpoint names no tokenizer; pass --tokenizer-type and its files")
     tokenizer = build_tokenizer(pick.pop("tokenizer_type"), **pick)
