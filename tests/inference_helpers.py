@@ -6,6 +6,8 @@ Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head)
 (:func:`randomize`), so a misplaced tensor changes the logits.
 """
 
+import os
+
 import torch
 
 from megatron_lite.config import Config, ModelConfig
@@ -28,19 +30,28 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_d
            moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference
 
 
-def model_config(variant: str) -> ModelConfig:
+GPT2_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gpt2")
+GPT2_TOKENIZER = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.join(GPT2_FILES, "vocab.json"),
+                      merge_file=os.path.join(GPT2_FILES, "merges.txt"))
+GPT2_VOCAB = 50257
+
+
+def model_config(variant: str, vocab: int = VOCAB) -> ModelConfig:
     cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
-                      max_position_embeddings=MAX_LEN, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
+                      max_position_embeddings=MAX_LEN, vocab_size=vocab, make_vocab_size_divisible_by=8,
                       attention_dropout=0.0, hidden_dropout=0.0, **VARIANTS[variant])
-    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, 1)
+    cfg.padded_vocab_size = padded_vocab_size(vocab, 8, 1)
     return cfg
 
 
-def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch") -> Config:
-    config = Config(model=model_config(variant))
+def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch", tokenizer: dict | None = None) -> Config:
+    """The run's config; ``tokenizer``: DataConfig tokenizer fields (default NullTokenizer over VOCAB ids)."""
+    tokenizer = tokenizer or {"tokenizer_type": "NullTokenizer"}
+    config = Config(model=model_config(variant, GPT2_VOCAB if tokenizer["tokenizer_type"] == "GPT2BPETokenizer" else VOCAB))
     if variant == "moe":
         config.moe = MoEConfig(**MOE)
-    config.data.tokenizer_type = "NullTokenizer"
+    for key, value in tokenizer.items():
+        setattr(config.data, key, value)
     config.checkpoint.save = root
     config.checkpoint.ckpt_format = ckpt_format
     return config
@@ -60,9 +71,9 @@ def randomize(model, seed: int) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def build_model(variant: str, seed: int = 11) -> GPTModel:
+def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None) -> GPTModel:
     """A single-process model of ``variant`` with random weights (eval mode)."""
-    config = run_config(variant)
+    config = run_config(variant, tokenizer=tokenizer)
     moe = moe_fields(config.moe) if variant == "moe" else {}
     state = ParallelState(world_size=1, rank=0)
     model = GPTModel(TransformerConfig.from_model(config.model, **moe), state)
@@ -70,12 +81,13 @@ def build_model(variant: str, seed: int = 11) -> GPTModel:
     return model.eval()
 
 
-def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11) -> GPTModel:
+def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11,
+               tokenizer: dict | None = None) -> GPTModel:
     """Save :func:`build_model` as a one-process checkpoint under ``root``; returns the model."""
     from megatron_lite.checkpoint import save_checkpoint
 
-    model = build_model(variant, seed)
-    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format),
+    model = build_model(variant, seed, tokenizer)
+    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format, tokenizer),
                     ParallelState(world_size=1, rank=0))
     return model
 

@@ -111,14 +111,15 @@ class InferenceEngine:
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, sequences: list[list[int]], top_n: int = 0) -> list[Generation]:
         """Log-probs (and greedy flags, and the ``top_n`` best tokens) of every token of each sequence
-        given the ones before it: one forward pass, no generation."""
-        _check_prompts(sequences, self.max_sequence_length)
+        given the ones before it: one forward pass over all but the last token, no generation (so a
+        sequence may be one token longer than ``max_sequence_length``)."""
+        _check_prompts(sequences, self.max_sequence_length + 1)
         b, total = len(sequences), max(len(t) for t in sequences)
         tokens = _pad(sequences, total, self.device)
-        logits = self.forward(tokens)
         values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
+        logits = self.forward(tokens[:, :-1]) if total > 1 else None
         if logits is not None:
-            values = _position_stats(logits[:, :-1], tokens[:, 1:], top_n)
+            values = _position_stats(logits, tokens[:, 1:], top_n)
         values = self._broadcast(values.contiguous()).cpu()
         return [_result(seq, len(seq), values[i, :len(seq) - 1], top_n, "length", greedy=True)
                 for i, seq in enumerate(sequences)]
