@@ -1,7 +1,7 @@
 """An lm-evaluation-harness model backend on the engine: ``--model megatron_lite``.
 
 Importing this module registers the backend with lm-eval (lm-eval has no plugin discovery for
-models, so the import is the registration): ``python tools/lm_eval.py --model megatron_lite
+models, so the import is the registration): ``python tools/run_lm_eval.py --model megatron_lite
 --model_args load=CKPT --tasks ...`` (lm-eval's own command line after that import), or in Python
 ``import megatron_lite.inference.lm_eval_backend`` then ``lm_eval.simple_evaluate(model="megatron_lite",
 model_args="load=CKPT")``.

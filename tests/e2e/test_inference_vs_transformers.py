@@ -85,8 +85,8 @@ def _sample_values(samples):
 
 
 def test_lm_eval_backend_matches_the_hf_backend(tmp_path, monkeypatch):
-    lm_eval = pytest.importorskip("lm_eval")
-    assert lm_eval
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")  # lm-eval's hf backend (lm-eval[hf])
     monkeypatch.chdir(FIXTURES)  # the tasks' data_files are relative to their folder
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -117,3 +117,18 @@ def _numbers(resps):
             for y in (x if isinstance(x, (list, tuple)) else [x]):
                 out.append(float(y))
     return out
+
+
+def test_run_lm_eval_runs_lm_eval_with_the_backend_registered(monkeypatch):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    import lm_eval.__main__
+    from lm_eval.api.registry import get_model
+
+    from tests.tools import load_tool
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append((get_model("megatron_lite"),
+                                                                                get_model("hf"))))
+    load_tool("run_lm_eval").main()
+    assert [cls.__name__ for cls in seen[0]] == ["MegatronLiteLM", "HFLM"]

@@ -108,6 +108,25 @@ def test_bad_api_requests_get_400_with_one_line_and_the_server_keeps_serving(ser
     assert httpx.put(f"{url}/api", json={"prompts": ["1 2"], "tokens_to_generate": 1}).status_code == 200
 
 
+def test_add_bos_prepends_the_end_of_document_token(server):
+    body = httpx.put(f"{server[0]}/api", json={"prompts": ["", "5 17"], "add_BOS": True, "tokens_to_generate": 2,
+                                               "top_k": 1}).json()
+    assert [t[:len(p)] for t, p in zip(body["tokens"], ([99], [99, 5, 17]))] == [[99], [99, 5, 17]]
+
+
+def test_stop_on_eol_stops_at_tokens_holding_a_newline():
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.api_megatron import newline_token_ids, parse_api
+    from tests.inference_helpers import GPT2_TOKENIZER
+
+    tok = build_tokenizer(**GPT2_TOKENIZER)
+    ids = newline_token_ids(tok)
+    assert {tok.tokenize("\n")[0], tok.tokenize("\n\n")[0], tok.tokenize(".\n")[-1]} <= set(ids)
+    assert tok.tokenize("a")[0] not in ids and tok.tokenize(" the")[0] not in ids
+    job = parse_api({"prompts": ["Hi"], "stop_on_eol": True}, tok)
+    assert set(job.params.stop_token_ids) == set(ids)
+
+
 def test_a_non_json_body_gets_400(server):
     r = httpx.put(f"{server[0]}/api", content=b"prompts=1", headers={"Content-Type": "text/plain"})
     assert r.status_code == 400 and r.json() == {"message": "the request body must be JSON"}

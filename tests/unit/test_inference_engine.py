@@ -151,3 +151,24 @@ def test_prompts_too_long_or_empty_are_refused(checkpoints):
         engine.generate([[1], [2] * 90], SamplingParams(tokens_to_generate=10))
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         engine.generate([[]], SamplingParams())
+
+
+def test_generate_tool_batches_prompts_and_prints_log_probs(checkpoints, capsys):
+    from tests.tools import load_tool
+
+    gen = load_tool("generate")
+    batch = prompts(2, lengths=(4, 6))
+    argv = ["--load", checkpoints["gpt"], "--greedy", "--max-new-tokens", "5", "--log-probs"]
+    for p in batch:
+        argv += ["--prompt", " ".join(map(str, p))]
+    assert gen.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    want = engine_for(checkpoints["gpt"]).generate(batch, SamplingParams(tokens_to_generate=5, top_k=1))
+    texts = [line for line in lines if not line.startswith("  ")]
+    assert texts == [" ".join(map(str, g.tokens)) for g in want]
+    first = lines[1:len(want[0].tokens)]  # the first sequence's tokens after its first, with log-probs
+    assert [int(line.split()[0]) for line in first] == want[0].tokens[1:]
+    assert_close(torch.tensor([float(line.split()[1]) for line in first]), torch.tensor(want[0].log_probs), rtol=1e-4)
+    assert gen.main(["--load", checkpoints["gpt"], "--prompt", " ".join(["1"] * 90), "--max-new-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt 0 has 90 tokens + 10 tokens to generate") and err.count("\n") == 1

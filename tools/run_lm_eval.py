@@ -2,10 +2,11 @@
 
 lm-eval finds models by name in its registry and has no plugin discovery, so this wrapper imports
 the backend (:mod:`megatron_lite.inference.lm_eval_backend`) and then runs ``lm_eval`` with the same
-arguments. See docs/inference.md.
+arguments. (Not named lm_eval.py: a script of that name would shadow the lm_eval package.) See
+docs/inference.md.
 
-    python tools/lm_eval.py --model megatron_lite --model_args load=checkpoints/gpt --tasks lambada_openai
-    python tools/lm_eval.py --model megatron_lite --model_args load=ckpt,batch_size=32 \
+    python tools/run_lm_eval.py --model megatron_lite --model_args load=checkpoints/gpt --tasks lambada_openai
+    python tools/run_lm_eval.py --model megatron_lite --model_args load=ckpt,batch_size=32 \
         --tasks my_task --include_path my_tasks/
 """
 
