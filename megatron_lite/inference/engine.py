@@ -162,11 +162,12 @@ class InferenceEngine:
             stop_here = ~finished & (cur >= lengths) & torch.isin(new, stops)
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
+            done = bool((cur + 1 >= ends).all())  # (waits for the device: the timings below are complete)
             if prev == 0:
                 self.timings["prefill_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
             prev = cur
-            if bool((cur + 1 >= ends).all()):
+            if done:
                 break
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=cur - int(lengths.min()))
         values = self._broadcast(values.contiguous()).cpu()
