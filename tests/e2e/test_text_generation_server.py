@@ -192,11 +192,11 @@ def test_chat_needs_a_template(checkpoint, tmp_path):
     assert load_renderer(None, {}, checkpoint) is None
     with pytest.raises(RequestError, match="no chat template; start the server with --chat-template FILE"):
         parse_chat({"messages": [{"role": "user", "content": "1"}]}, None, None)
-    # a tokenizer_config.json beside the checkpoint's tokenizer files provides one
-    os.makedirs(os.path.join(checkpoint, "tokenizer"), exist_ok=True)
-    with open(os.path.join(checkpoint, "tokenizer", "tokenizer_config.json"), "w") as f:
-        f.write('{"chat_template": "{{ bos_token }}{{ messages[0][\'content\'] }}", "bos_token": "9 "}')
-    assert load_renderer(None, {}, checkpoint)([{"role": "user", "content": "1 2"}]) == "9 1 2"
+    # a tokenizer_config.json in <checkpoint>/tokenizer/ (where conversions keep tokenizer files) provides one
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(
+        '{"chat_template": "{{ bos_token }}{{ messages[0][\'content\'] }}", "bos_token": "9 "}')
+    assert load_renderer(None, {}, str(tmp_path))([{"role": "user", "content": "1 2"}]) == "9 1 2"
 
 
 def test_text_generation_cli_talks_to_the_server(server, capsys):
