@@ -96,8 +96,8 @@ def forward_step(data_iterator, model):
     # context parallelism: this rank's two load-balanced chunks of every sequence (with their positions)
     batch = get_batch_on_this_cp_rank(next(data_iterator), state.cp_rank, state.cp_size)
     batch = {k: v.to(get_device(), non_blocking=True) for k, v in batch.items()}
-    # attention_mask (only with --reset-attention-mask): bool [b, 1, s, s], True = masked out
-    output = model(batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"])
+    # document ids [b, s] (--reset-attention-mask, --sft-pack-sequences): attention stays inside each document
+    output = model(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group)
 
 

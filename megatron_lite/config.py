@@ -298,9 +298,6 @@ def _check_model(config: Config) -> None:
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
-    _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
-             "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
-             "attention uses the implicit causal mask); drop one of them")
     from .parallel.sharding import check_sharding
 
     check_sharding(config)
