@@ -28,14 +28,19 @@ def sft_files(tmp_path_factory):
             "data": write_conversations(root / "chats.jsonl", 64, seed=2, max_turns=2, max_words=3)}
 
 
+def sft_run_argv(files, data=None, iters=ITERS, pack=True):
+    """The SFT data and run flags (no model flags)."""
+    return ["--sft"] + (["--sft-pack-sequences"] if pack else []) + [
+        "--data-path", data or files["data"], "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", files["tokenizer"], "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
+        "--split", "100,0,0", "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "7"]
+
+
 def sft_argv(files, save=None, extra=(), data=None, iters=ITERS, pack=True):
-    argv = ["--sft"] + (["--sft-pack-sequences"] if pack else []) + ["--data-path", data or files["data"],
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", files["tokenizer"],
-            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-            "--make-vocab-size-divisible-by", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0", "--split", "100,0,0",
-            "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "7"]
-    return argv + (["--save", save] if save else []) + list(extra)
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--make-vocab-size-divisible-by",
+             "16"]
+    return model + sft_run_argv(files, data, iters, pack) + (["--save", save] if save else []) + list(extra)
 
 
 @pytest.fixture(scope="module")
