@@ -138,3 +138,25 @@ def test_bad_pretrained_checkpoint_is_one_line(tmp_path, capsys, sft_files, base
     path = {"missing": str(tmp_path / "nothing"), "empty": str(tmp_path), "mismatch": bases["torch"]}[which]
     extra = ["--pretrained-checkpoint", path] + (["--hidden-size", "64"] if which == "mismatch" else [])
     _one_line_exit_2(capsys, sft_argv(sft_files, iters=1, extra=extra), *words)
+
+
+def run_cli(argv):
+    return pretrain_gpt.main(argv).iteration
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_expert_weights_load_at_another_expert_parallel_size(tmp_path, grouped):
+    """A torch-format MoE checkpoint saved at EP2 loads at EP1 x TP2 (+ SP): with lr 0 the
+    fine-tune's checkpoint merges back to the base's weights bit for bit, experts included."""
+    from tests.e2e.test_pretrain_gpt import _argv
+    from tests.e2e.test_pretrain_moe import MOE
+
+    model = MOE + (["--moe-grouped-gemm"] if grouped else [])
+    base, ft = str(tmp_path / "base"), str(tmp_path / "ft")
+    assert run_ranks(2, run_cli, _argv(base, 3, model + ["--expert-model-parallel-size", "2"])) == [3, 3]
+    argv = _argv(ft, 1, model + ["--lr-warmup-iters", "0", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--pretrained-checkpoint", base, "--lr", "0"])
+    assert run_ranks(2, run_cli, argv) == [1, 1]
+    got, want = merge_checkpoint(ft)[0], merge_checkpoint(base)[0]
+    assert got.keys() == want.keys() and any(".experts." in k for k in want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
