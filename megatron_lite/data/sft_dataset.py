@@ -70,6 +70,8 @@ def check_sft_flags(config) -> None:
             if on:
                 raise ConfigError(f"{flag} needs --sft")
         return
+    if "bert" in config.extra_sections:
+        raise ConfigError("--sft is for pretrain_gpt.py (chat data for a GPT model), not pretrain_bert.py")
     if d.mock_data or d.tokenizer_type in (None, "NullTokenizer"):
         raise ConfigError("--sft reads chat conversations from --data-path and needs a text tokenizer "
                           "(--tokenizer-type and its files), not --mock-data or NullTokenizer")

@@ -125,3 +125,14 @@ def test_sft_flag_errors(capsys, flags, words):
     if "--sft" not in flags:
         base += ["--mock-data", "--vocab-size", "64"]
     _one_line_exit_2(capsys, base + flags, *words)
+
+
+def test_sft_is_refused_by_pretrain_bert(capsys):
+    import pretrain_bert
+
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(["--sft", "--data-path", "x.jsonl", "--tokenizer-type", "BertWordPieceLowerCase",
+                            "--vocab-file", "v.txt"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--sft is for pretrain_gpt.py" in lines[0]
