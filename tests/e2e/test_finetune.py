@@ -55,13 +55,12 @@ def test_bases_are_the_same_weights_in_two_formats(bases):
 @pytest.mark.parametrize("name, world, fmt, extra", [
     ("tp2_sp_from_torch", 2, "torch", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2_from_torch_dist", 2, "torch_dist", ["--pipeline-model-parallel-size", "2"]),
-    ("single_from_torch_dist", 1, "torch_dist", []),
     ("dp2_distopt_from_torch_dist", 2, "torch_dist", ["--use-distributed-optimizer"]),
     ("dp2_zero3_from_torch", 2, "torch", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
 ])
 def test_pretrained_checkpoint_at_another_layout_and_format(sft_files, bases, reference, name, world, fmt, extra):  # noqa: F811
     argv = sft_argv(sft_files, extra=["--pretrained-checkpoint", bases[fmt]] + extra)
-    got = ranks_trajectory(world, "pretrain_gpt", argv) if world > 1 else run_script("pretrain_gpt", argv)
+    got = ranks_trajectory(world, "pretrain_gpt", argv)
     assert_same_trajectory(got, reference, what=name)
 
 
