@@ -287,8 +287,7 @@ def _explain_missing(path: str, folder: str, state) -> None:
 
 def _no_tracker(root: str, quiet: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
-    --load and --save the same folder), refused when it does - never silently restart over them.
-    ``quiet``: no "training from scratch" warning (the weights come from --pretrained-checkpoint)."""
+    --load and --save the same folder), refused when it does - never silently restart over them."""
     folders = iteration_folders(root)
     if folders:
         raise CheckpointError(
@@ -389,10 +388,8 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
 
     Without ``--load``, or when it names an absent or empty folder, nothing is loaded and (0, 0) is
-    returned - unless ``--pretrained-checkpoint`` is given: then its model weights are loaded
-    (:mod:`~megatron_lite.checkpoint.pretrained`: any format and layout) and the run starts at
-    iteration 0, so a fine-tuning run restarted with the same flags resumes from ``--load``. A
-    folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
+    returned - or, with ``--pretrained-checkpoint``, only its weights (:mod:`.pretrained`), from
+    iteration 0. A folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
     ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
     the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
     :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
