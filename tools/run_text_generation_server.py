@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.inference.chat import load_renderer  # noqa: E402
+from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve  # noqa: E402
 
@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="port to listen on (0: any free port, printed)")
     p.add_argument("--chat-template", default=None,
-                   help="Jinja2 chat template file for /v1/chat/completions (default: the tokenizer config's)")
+                   help="Jinja2 chat template file for /v1/chat/completions (default: the tokenizer's, else SFT's default)")
     p.add_argument("--model-name", default="megatron_lite", help="the model name the OpenAI responses report")
     add_inference_args(p)
     return p.parse_args(argv)
@@ -39,12 +39,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         session = build_session(args)
-        renderer = load_renderer(args.chat_template, session.saved, args.load)
+        chat_template = read_chat_template(args.chat_template)
         runner = Runner(session.engine)
         if not session.is_rank0:
             runner.follow()
             return 0
-        app = create_app(runner, session.tokenizer, chat_renderer=renderer, model_name=args.model_name)
+        app = create_app(runner, session.tokenizer, chat_template=chat_template, model_name=args.model_name)
         server = make_server(app, args.host, args.port)
     except (*USER_ERRORS, OSError) as err:
         return fail(err)

@@ -6,7 +6,7 @@ filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: th
 log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
 and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted. Chat completions
-take ``messages`` (rendered with the tokenizer's chat template) instead of ``prompt``, and
+take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name.
 A field that would change the result but is not implemented (penalties, ``logit_bias``,
 ``n > 1``, ``stream``) is refused with HTTP 400, never ignored.
@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .api_megatron import continuation_text
+from .chat import chat_prompt
 from .engine import Generation
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
 from .sampling import SamplingParams
@@ -111,19 +112,11 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     return OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
 
 
-def parse_chat(body, tokenizer, render) -> OpenAIJob:
-    """``render(messages) -> str`` applies the chat template (None: the model has none)."""
+def parse_chat(body, tokenizer, template: str | None = None) -> OpenAIJob:
+    """``template``: the server's ``--chat-template`` (None: the tokenizer's, see inference/chat.py)."""
     check_fields(body, CHAT_FIELDS, UNSUPPORTED)
-    if render is None:
-        raise RequestError("this model's tokenizer has no chat template; start the server with --chat-template FILE")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
-    text = render(messages)
-    prompt = tokenizer.tokenize(text)
-    if not prompt:
-        raise RequestError("the chat template rendered the messages as an empty prompt")
+    prompt = chat_prompt(tokenizer, body.get("messages"), template)
+    text = tokenizer.detokenize(prompt)
     limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = get_int(body, limit, 256, low=1)
     top = get_int(body, "top_logprobs", 0, low=0, high=20)

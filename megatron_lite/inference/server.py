@@ -59,8 +59,8 @@ class Runner:
                     pass  # rank 0 raised the same error before any collective and answered 400
 
 
-def create_app(runner: Runner, tokenizer, *, chat_renderer=None, model_name: str = "megatron_lite"):
-    """The Flask app; ``runner.run(prompts, params)`` generates."""
+def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
+    """The Flask app; ``runner.run(prompts, params)`` generates; ``chat_template``: ``--chat-template``'s text."""
     try:
         from flask import Flask, jsonify, request
     except ImportError:
@@ -92,7 +92,7 @@ def create_app(runner: Runner, tokenizer, *, chat_renderer=None, model_name: str
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions():
-        return openai(lambda body: parse_chat(body, tokenizer, chat_renderer))
+        return openai(lambda body: parse_chat(body, tokenizer, chat_template))
 
     @app.route("/health", methods=["GET"])
     def health():

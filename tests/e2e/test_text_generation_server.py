@@ -42,14 +42,13 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """(base url, engine, tokenizer) of a one-process server in a thread."""
-    from megatron_lite.inference.chat import make_renderer
     from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
 
     model, saved = load_model(checkpoint)
     tokenizer = load_tokenizer(saved)
     engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
     runner = Runner(engine)
-    app = create_app(runner, tokenizer, chat_renderer=make_renderer(TEMPLATE))
+    app = create_app(runner, tokenizer, chat_template=TEMPLATE)
     http = make_server(app, "127.0.0.1", 0)
     stop = StopFlag()
     thread = threading.Thread(target=serve, args=(http, runner, stop), daemon=True)
@@ -160,10 +159,11 @@ def test_completions_with_echo_logprobs_and_a_stop_string(server):
 
 def test_chat_completions_render_the_template(server):
     url, engine, _ = server
-    messages = [{"role": "user", "content": "5 17"}, {"role": "assistant", "content": "42"}]
+    messages = [{"role": "user", "content": "5 17"}, {"role": "assistant", "content": "42"},
+                {"role": "user", "content": "8"}]
     body = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 5,
                                                           "temperature": 0}).json()
-    want = engine.generate([[5, 17, 42, 7]], SamplingParams(tokens_to_generate=5, top_k=1))[0]
+    want = engine.generate([[5, 17, 42, 8, 7]], SamplingParams(tokens_to_generate=5, top_k=1))[0]
     assert body["object"] == "chat.completion"
     content = "".join(f" {t}" for t in want.generated)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
@@ -177,26 +177,39 @@ def test_chat_completions_render_the_template(server):
     ("/v1/completions", {"prompt": "1", "max_tokens": -2}, "max_tokens must be at least 0"),
     ("/v1/completions", {"prompt": "1", "presence_penalty": 0.5}, "presence_penalty is not supported"),
     ("/v1/completions", {"prompt": [[1, 200]]}, "a prompt token id is outside the vocabulary [0, 100)"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]},
+     "a generation prompt must end with a user turn"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, "message 0 has unknown role 'robot'"),
 ])
 def test_bad_openai_requests_get_400(server, path, body, message):
     r = httpx.post(f"{server[0]}{path}", json=body)
     assert r.status_code == 400 and r.json()["message"].startswith(message)
 
 
-def test_chat_needs_a_template(checkpoint, tmp_path):
-    from megatron_lite.inference.api_openai import parse_chat
-    from megatron_lite.inference.chat import load_renderer
-    from megatron_lite.inference.fields import RequestError
+def test_chat_prompts_are_the_sft_generation_prompts(tmp_path):
+    """The tokenizer's own template, else SFT's default, else --chat-template: as the model was trained."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.inference.chat import chat_prompt, read_chat_template
+    from tests.sft_helpers import CHATML, write_tokenizer
 
-    assert load_renderer(None, {}, checkpoint) is None
-    with pytest.raises(RequestError, match="no chat template; start the server with --chat-template FILE"):
-        parse_chat({"messages": [{"role": "user", "content": "1"}]}, None, None)
-    # a tokenizer_config.json in <checkpoint>/tokenizer/ (where conversions keep tokenizer files) provides one
-    (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(
-        '{"chat_template": "{{ bos_token }}{{ messages[0][\'content\'] }}", "bos_token": "9 "}')
-    assert load_renderer(None, {}, str(tmp_path))([{"role": "user", "content": "1 2"}]) == "9 1 2"
+    pytest.importorskip("tokenizers")
+    messages = [{"role": "system", "content": "red"}, {"role": "user", "content": "two cat"}]
+    chatml = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "chatml", CHATML))
+    plain = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "plain"))
+    encode = lambda tok, text: tok.hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert chat_prompt(chatml, messages) == encode(chatml, "<|im_start|>system\nred<|im_end|>\n<|im_start|>user\n"
+                                                            "two cat<|im_end|>\n<|im_start|>assistant\n")
+    assert chat_prompt(plain, messages) == encode(plain, "System: red\n\nUser: two cat\n\nAssistant: ")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}{{ eos_token }}")
+    assert chat_prompt(chatml, messages, read_chat_template(str(template))) == encode(chatml, "red two cat <|endoftext|>")
+    with pytest.raises(ConfigError, match="^--chat-template .*missing.jinja does not exist$"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="^--chat-template .*t.jinja: the chat template does not parse: "):
+        read_chat_template(str(template))
 
 
 def test_text_generation_cli_talks_to_the_server(server, capsys):
