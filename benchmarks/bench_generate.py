@@ -114,10 +114,12 @@ def main(argv=None) -> int:
     results = {"cached": [], "uncached": [], "hf": []}
     for r in range(args.rounds):
         order = [("cached", cached), ("hf", hf)] if r % 2 == 0 else [("hf", hf), ("cached", cached)]
-        for name, runner in order:
-            results[name].append(run_hf(runner, prompt, args.new) if name == "hf" else run_ours(runner, prompt, args.new))
         if not args.skip_uncached:
-            results["uncached"].append(run_ours(full, prompt, args.new))
+            order.append(("uncached", full))
+        for name, runner in order:
+            run = run_hf(runner, prompt, args.new) if name == "hf" else run_ours(runner, prompt, args.new)
+            results[name].append(run)
+            print(f"round {r + 1}/{args.rounds} {name}: {run['total_s']:.2f} s", flush=True)
     same = results["cached"][0]["tokens"] == results["hf"][0]["tokens"]
     med = lambda name, key: statistics.median(x[key] for x in results[name])  # noqa: E731
     decode_tps = lambda name: statistics.median(x["decode_steps"] / x["decode_s"] for x in results[name])  # noqa: E731
