@@ -39,19 +39,27 @@ def _flash_attn_func():
     return flash_attn_func
 
 
-class DotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) [+ mask]) v with dropout on the probabilities (the core-attention seam).
+def softmax_scale(config) -> float:
+    """The scale of the attention logits: the config's (MLA's differs), else 1 / sqrt(head size)."""
+    scale = getattr(config, "softmax_scale", None)
+    return scale if scale is not None else 1.0 / math.sqrt(config.head_dim)
 
-    ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
-    ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
-    ``attention_mask`` None or bool ``[b, 1, s, s]``, True = masked out.
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T * scale [+ mask]) v with dropout on the probabilities (the core-attention seam).
+
+    ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv], attention_mask, causal) -> [s, b, nq * dv]``
+    with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
+    value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
+    None or bool ``[b, 1, sq, sk]``, True = masked out. ``scale`` is ``1 / sqrt(dk)``, or the
+    config's ``softmax_scale`` (MLA's YaRN-corrected one).
     """
 
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         self.tracker = state.rng_tracker
         self.dropout_p = config.attention_dropout
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = softmax_scale(config)
         self.flash = _flash_attn_func()  # decided once per layer, at construction
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
@@ -62,19 +70,22 @@ class DotProductAttention(nn.Module):
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
-        s, b, nq, d = q.shape
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
         if (self.flash is not None and attention_mask is None and q.is_cuda
                 and q.dtype in (torch.float16, torch.bfloat16)):
+            if dv < q.shape[-1]:  # flash-attn wants one head size: zero value channels add zero outputs
+                v = F.pad(v, (0, q.shape[-1] - dv))
             out = self.flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                              softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
-            return out.transpose(0, 1).reshape(s, b, nq * d)
+            return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
                                              enable_gqa=nq != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
 
 class SelfAttention(nn.Module):
