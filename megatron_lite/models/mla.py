@@ -99,7 +99,8 @@ class MLASelfAttention(nn.Module):
         self.selective_recompute = config.recompute_granularity == "selective"
         self.tracker = state.rng_tracker
         q_size, prefix = n * (self.dn + self.dr), "self_attention."
-        if config.q_lora_rank is None:
+        self.q_compressed = config.q_lora_rank is not None
+        if not self.q_compressed:
             self.linear_q_proj = column_linear(config, state, layer_number, q_size, prefix + "linear_q_proj", bias=False)
         else:
             self.linear_q_down_proj = DuplicatedLinear(config, state, layer_number, config.hidden_size,
@@ -124,7 +125,7 @@ class MLASelfAttention(nn.Module):
 
     def _queries(self, hidden):
         """``[s, b, local heads, dn + dr]`` (the full sequence: the column-parallel input is gathered)."""
-        if hasattr(self, "linear_q_proj"):
+        if not self.q_compressed:
             q = self.linear_q_proj(hidden)
         else:
             latent = self.linear_q_down_proj(hidden)

@@ -58,7 +58,7 @@ RECOMPUTE = [  # one process
     ("full_recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
     ("selective_recompute", ["--recompute-granularity", "selective"]),
 ]
-GROUP = 3  # runs per pool call (each call must finish within the harness's timeout)
+GROUP = 2  # runs per pool call (each call must finish within the harness's timeout, 300 s)
 
 
 def _flags(variant, extra, save, iters=ITERS):
