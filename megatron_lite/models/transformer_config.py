@@ -15,6 +15,7 @@ taken from these tuples).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -219,7 +220,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
     @property
     def softmax_scale(self) -> float:
         """The attention logits' scale: 1 / sqrt(head size), or MLA's (with YaRN's mscale)."""
-        return mla_softmax_scale(self) if self.multi_latent_attention else self.kv_channels ** -0.5
+        return mla_softmax_scale(self) if self.multi_latent_attention else 1.0 / math.sqrt(self.kv_channels)
 
     def init_method(self, layer_number: int, name: str, scaled: bool = False):
         """``init_method`` of one parameter: fills its full master weight from a generator seeded by

@@ -158,7 +158,7 @@ def test_yarn_against_its_closed_form_with_deepseek_v3_numbers():
     torch.testing.assert_close(cos.pow(2) + sin.pow(2), torch.full_like(cos, factor ** 2), rtol=1e-6, atol=0)
     # factor 1 is plain RoPE, and a non-MLA model's scale is 1/sqrt(head size)
     assert yarn_inv_freq(64, 10000, 1.0, 4096, 32, 1).tolist() == pytest.approx(extra.tolist(), rel=1e-6)
-    assert TransformerConfig(hidden_size=H, num_attention_heads=4).softmax_scale == 8 ** -0.5
+    assert TransformerConfig(hidden_size=H, num_attention_heads=4).softmax_scale == 1 / math.sqrt(8)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
