@@ -69,13 +69,17 @@ class DotProductAttention(nn.Module):
                 return self._attend(q, k, v, attention_mask, causal, p)
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
+    def _flash_applies(self, q, attention_mask) -> bool:
+        return (self.flash is not None and attention_mask is None and q.is_cuda
+                and q.dtype in (torch.float16, torch.bfloat16))
+
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
         s, b, nq = q.shape[:3]
         dv = v.shape[-1]
-        if (self.flash is not None and attention_mask is None and q.is_cuda
-                and q.dtype in (torch.float16, torch.bfloat16)):
-            if dv < q.shape[-1]:  # flash-attn wants one head size: zero value channels add zero outputs
-                v = F.pad(v, (0, q.shape[-1] - dv))
+        if self._flash_applies(q, attention_mask):
+            # flash-attn wants one head size: zero channels change neither the scores nor the kept outputs
+            d = max(q.shape[-1], dv)
+            q, k, v = (t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
             out = self.flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                              softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
             return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)

@@ -9,9 +9,12 @@
   DeepSeek-V3's numbers (correction range 10..23, softmax scale 0.135234).
 * A key/value cache: a prompt, then one token at a time, gives the full forward's outputs.
 * MTP: GPTModel's stacked per-token losses against the depth-1 formula composed by hand.
+* Core attention's flash-attn path with a value head size of its own (a stand-in kernel that, like
+  flash-attn, takes one head size) equals its SDPA path.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.inference.kv_cache import KVCache
 from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.models.attention import DotProductAttention
 from megatron_lite.models.mla import MLASelfAttention
 from megatron_lite.models.mtp import mtp_targets, roll_left
 from megatron_lite.models.yarn import (
@@ -203,6 +207,29 @@ def test_mtp_losses_equal_the_depth_one_formula():
                                reduction="none").view(B, S)
     torch.testing.assert_close(losses[1], expected, rtol=1e-5, atol=1e-5)
     assert model.mtp.layers[1].transformer_layer.layer_number == 4  # depth k is global layer num_layers + k
+
+
+def _one_head_size_flash(q, k, v, dropout_p, softmax_scale, causal):
+    """flash_attn_func's contract ``[b, s, n, d]`` with one head size d for q, k and v."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and dropout_p == 0.0, (q.shape, k.shape, v.shape)
+    _one_head_size_flash.calls += 1
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
+                                          enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dv", [6, 12])
+def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv):
+    config = SimpleNamespace(attention_dropout=0.0, softmax_scale=0.3)
+    attn = DotProductAttention(config, ParallelState(world_size=1, rank=0), 1)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(S, B, 4, 8, generator=g), torch.randn(S, B, 2, 8, generator=g), torch.randn(S, B, 2, dv, generator=g)
+    attn.flash = None
+    expected = attn(q, k, v)
+    attn.flash, attn._flash_applies, _one_head_size_flash.calls = _one_head_size_flash, lambda q, m: True, 0
+    got = attn(q, k, v)
+    assert _one_head_size_flash.calls == 1 and got.shape == (S, B, 4 * dv)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("over, words", [
