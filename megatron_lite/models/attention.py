@@ -11,7 +11,9 @@ Core attention (softmax(q k^T) v) is its own module, named by the layer spec, so
 attention over a context-parallel group, a fused kernel) replaces it without touching the
 projections. :class:`DotProductAttention` is ``F.scaled_dot_product_attention`` (causal, or an
 explicit boolean mask), or flash-attn's ``flash_attn_func`` when it is importable on a GPU and the
-dtype is 16-bit. Attention dropout runs inside the TP region (each rank owns different heads) under
+dtype is 16-bit. Packed documents (integer document ids as the mask,
+:mod:`~megatron_lite.parallel.document_mask`) become a block-causal boolean mask for SDPA, or the
+``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
 """
 
@@ -24,19 +26,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
+from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
 
 
-def _flash_attn_func():
-    """flash-attn's function when usable here (GPU + package), else None."""
+def _flash_attn_funcs():
+    """flash-attn's (dense, variable-length) functions when usable here (GPU + package), else None."""
     if not detect_accelerators()["flash_attn"]:
         return None
     try:
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError:
         return None
-    return flash_attn_func
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def _one_head_size(q, k, v):
+    """q, k, v zero-padded to one head size (flash-attn's kernels want one): zero channels change
+    neither the scores nor the kept output channels."""
+    d = max(q.shape[-1], v.shape[-1])
+    return tuple(t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
 
 
 def softmax_scale(config) -> float:
@@ -51,8 +61,8 @@ class DotProductAttention(nn.Module):
     ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv], attention_mask, causal) -> [s, b, nq * dv]``
     with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
     value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
-    None or bool ``[b, 1, sq, sk]``, True = masked out. ``scale`` is ``1 / sqrt(dk)``, or the
-    config's ``softmax_scale`` (MLA's YaRN-corrected one).
+    None, bool ``[b, 1, sq, sk]`` (True = masked out) or int document ids ``[b, s]``. ``scale`` is
+    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one).
     """
 
     def __init__(self, config, state, layer_number: int):
@@ -60,7 +70,7 @@ class DotProductAttention(nn.Module):
         self.tracker = state.rng_tracker
         self.dropout_p = config.attention_dropout
         self.scale = softmax_scale(config)
-        self.flash = _flash_attn_func()  # decided once per layer, at construction
+        self.flash = _flash_attn_funcs()  # decided once per layer, at construction
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -70,26 +80,43 @@ class DotProductAttention(nn.Module):
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
     def _flash_applies(self, q, attention_mask) -> bool:
-        return (self.flash is not None and attention_mask is None and q.is_cuda
-                and q.dtype in (torch.float16, torch.bfloat16))
+        return (self.flash is not None and (attention_mask is None or is_document_ids(attention_mask))
+                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
 
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
         s, b, nq = q.shape[:3]
         dv = v.shape[-1]
+        documents = is_document_ids(attention_mask)
         if self._flash_applies(q, attention_mask):
-            # flash-attn wants one head size: zero channels change neither the scores nor the kept outputs
-            d = max(q.shape[-1], dv)
-            q, k, v = (t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
-            out = self.flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
-                             softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
+            if documents:
+                return self._flash_documents(q, k, v, attention_mask, causal, dropout_p)
+            q, k, v = _one_head_size(q, k, v)
+            out = self.flash[0](q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                                softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
             return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+        if documents:  # SDPA: True = may attend
+            ids = attention_mask
+            mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
+        else:
+            mask = None if attention_mask is None else ~attention_mask
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
                                              enable_gqa=nq != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
+
+    def _flash_documents(self, q, k, v, ids, causal, dropout_p):
+        """flash-attn's variable-length kernel: the batch as one token stream cut at the documents."""
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
+        q, k, v = _one_head_size(q, k, v)
+        d = q.shape[-1]
+        bounds, longest = cu_seqlens(ids)
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))  # [b * s, heads, d]
+        out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
+                            softmax_scale=self.scale, causal=causal)
+        return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
 
 
 class SelfAttention(nn.Module):

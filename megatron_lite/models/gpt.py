@@ -41,7 +41,8 @@ class GPTModel(LanguageModel):
 
     def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, *, mtp_tokens=None,
                 mtp_labels=None):
-        """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool ``[b, 1, s, s]``.
+        """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool
+        ``[b, 1, s, s]`` or int document ids ``[b, s]``.
 
         Returns the per-token loss ``[b, s]`` (last stage with labels), the logits shard
         ``[b, s, padded_vocab/tp]`` (last stage without labels) or the hidden states for the next stage.

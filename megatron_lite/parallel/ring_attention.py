@@ -33,6 +33,12 @@ dropout a plain fp32 implementation. Dropout masks are drawn from a per-block se
 regenerates them exactly. GQA/MQA: key/value head ``j`` serves query heads ``[j*g, (j+1)*g)``.
 Values may have another head size than queries and keys (MLA): the ring buffer is ``[k | v]``
 along the channels, and the CPU flash kernels, which want one head size, see zero-padded tensors.
+
+Packed documents (:mod:`~megatron_lite.parallel.document_mask`): with document ids ``[b, s]`` for
+the local tokens, the key ids travel around the ring with the keys and values, and every block is
+further confined to query/key pairs of the same document. A block row whose query sees none of the
+block's keys contributes nothing (its log-sum-exp is -inf); the query's own key, seen at step 0,
+keeps every final row finite.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..perf.comm_volume import record, tensor_bytes
+from .document_mask import document_allowed
 
 # ---------------------------------------------------------------------------------------------
 # Block kernels: tensors are [batch, heads, seq, head_dim]; lse is [batch, q_heads, seq].
@@ -62,10 +69,24 @@ def _keep_mask(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device) >= dropout_p
 
 
-def _plain_probs(q, k, causal: bool, scale: float, lse=None):
+def _with_causal(allowed, causal: bool, sq: int, sk: int):
+    """``allowed`` (bool ``[b, 1, sq, sk]``, True = may attend) with the top-left causal mask folded in."""
+    if not causal:
+        return allowed
+    return allowed & torch.ones(sq, sk, dtype=torch.bool, device=allowed.device).tril()
+
+
+def _additive(allowed, dtype):
+    """The CPU flash kernels' form of a mask: 0 where allowed, -inf elsewhere, in the query's dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _plain_probs(q, k, causal: bool, scale: float, lse=None, allowed=None):
     """Grouped scores -> (probabilities ``[b, nkv, g, sq, sk]``, lse ``[b, nkv, g, sq]``).
 
     With ``lse`` given (backward) the probabilities are normalised by it instead of their own sum.
+    ``allowed`` (bool ``[b, 1, sq, sk]``) confines the block further; a row it empties has lse -inf
+    and probabilities 0.
     """
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
@@ -75,11 +96,14 @@ def _plain_probs(q, k, causal: bool, scale: float, lse=None):
     if causal:
         upper = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(upper, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
         lse = lse.reshape(b, nkv, nq // nkv, sq)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf - 0) = 0, not NaN
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
 def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -87,27 +111,35 @@ def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0, allowed=None):
     """Attention of one block: ``(out [b, nq, sq, dv] in fp32 (fp64 for fp64), lse [b, nq, sq])``.
 
-    ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i).
+    ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i); ``allowed``
+    (bool ``[b, 1, sq, sk]`` or None) confines it further (packed documents).
     """
     acc = _acc_dtype(q.dtype)
     dv = v.shape[-1]
     if _use_cpu_flash(q, dropout_p):
         d = max(q.shape[-1], dv)  # zero channels change neither the scores nor the kept outputs
+        q, k, v = _pad(q, d), _pad(k, d), _pad(v, d)
+        if allowed is None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out[..., :dv].to(acc), lse.to(acc)
+        allowed = _with_causal(allowed, causal, q.shape[2], k.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _pad(q, d), _pad(k, d), _pad(v, d), 0.0, causal, scale=scale)
-        return out[..., :dv].to(acc), lse.to(acc)
+            q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
+        lse = lse.to(acc).masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for an empty row
+        return out[..., :dv].to(acc), lse
     b, nq, sq, _ = q.shape
-    probs, lse = _plain_probs(q, k, causal, scale)
+    probs, lse = _plain_probs(q, k, causal, scale, allowed=allowed)
     if dropout_p > 0:
         probs = probs * (_keep_mask(probs.shape, dropout_p, seed, q.device).to(acc) / (1.0 - dropout_p))
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(acc))
     return out.reshape(b, nq, sq, dv), lse.reshape(b, nq, sq)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
+                   allowed=None):
     """Gradients ``(dq, dk, dv)`` of one block, given the FINAL output and log-sum-exp of these queries.
 
     ``out`` is in ``q``'s dtype, ``lse`` in the accumulation dtype. Returns accumulation-dtype tensors.
@@ -116,15 +148,19 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_
     dk_size, dv_size = q.shape[-1], v.shape[-1]
     if _use_cpu_flash(q, dropout_p):
         d = max(dk_size, dv_size)
+        mask = {}
+        if allowed is not None:
+            mask = {"attn_mask": _additive(_with_causal(allowed, causal, q.shape[2], k.shape[2]), q.dtype)}
+            causal = False
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _pad(dout, d), _pad(q, d), _pad(k, d), _pad(v, d), _pad(out, d),
-            lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale)
+            lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale, **mask)
         dq, dk, dv = (g.to(acc) for g in grads)
         return dq[..., :dk_size], dk[..., :dk_size], dv[..., :dv_size]
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
-    probs, _ = _plain_probs(q, k, causal, scale, lse)
+    probs, _ = _plain_probs(q, k, causal, scale, lse, allowed)
     dout_g = dout.reshape(b, nkv, g, sq, dv_size).to(acc)
     dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout_g, v.to(acc))
     dropped = probs
@@ -144,9 +180,9 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_
 
 
 class Ring:
-    """Neighbours of this rank in the CP group; ``shift(t)`` starts sending ``t`` to the next rank
-    and receiving the previous rank's tensor of the same shape, returning a handle whose ``wait()``
-    gives the received tensor."""
+    """Neighbours of this rank in the CP group; ``shift(*tensors)`` starts sending the tensors to the
+    next rank and receiving the previous rank's tensors of the same shapes, returning a handle whose
+    ``wait()`` gives the received tensors (a tuple)."""
 
     def __init__(self, group):
         self.group = group
@@ -155,21 +191,24 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, t: torch.Tensor) -> _Pending:
-        recv = torch.empty_like(t)
-        record("cp", "send", tensor_bytes(t), self.size)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        return _Pending(dist.batch_isend_irecv(ops), recv)
+    def shift(self, *tensors: torch.Tensor) -> _Pending:
+        recvs, ops = [], []
+        for t in tensors:
+            recv = torch.empty_like(t)
+            record("cp", "send", tensor_bytes(t), self.size)
+            ops += [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+            recvs.append(recv)
+        return _Pending(dist.batch_isend_irecv(ops), tuple(recvs))
 
 
 class _Pending:
-    def __init__(self, requests, recv):
-        self.requests, self.recv = requests, recv
+    def __init__(self, requests, recvs):
+        self.requests, self.recvs = requests, recvs
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple:
         for req in self.requests:
             req.wait()
-        return self.recv
+        return self.recvs
 
 
 def block_plan(step: int, rank: int, size: int, causal: bool, half: int):
@@ -192,87 +231,97 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
+def _allowed(q_ids, kv_ids, qs, ks):
+    """The document mask of one block (None without document ids)."""
+    return None if q_ids is None else document_allowed(q_ids[:, qs], kv_ids[:, ks])
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring):
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
         b, nq, s, dk = q.shape
         # laid out as [s, b, nq, dv] so the caller's [s, b, nq * dv] view of it needs no copy
         out = torch.zeros((s, b, nq, v.shape[-1]), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.cat([k, v], dim=-1)  # one buffer: [b, nkv, s, dk + dv]
+        travel = (torch.cat([k, v], dim=-1),) + ((ids,) if ids is not None else ())  # kv: [b, nkv, s, dk + dv]
         for step in range(ring.size):
-            pending = ring.shift(kv) if step < ring.size - 1 else None  # overlaps this step's block
+            pending = ring.shift(*travel) if step < ring.size - 1 else None  # overlaps this step's block
+            kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
             block_out, block_lse = block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], block_causal,
-                                                 scale, dropout_p, seed + step)
+                                                 scale, dropout_p, seed + step, _allowed(ids, kv_ids, qs, ks))
             _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
-                kv = pending.wait()
+                travel = pending.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, ids)
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed, ctx.ring = causal, scale, dropout_p, seed, ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, ids = ctx.saved_tensors
         ring, dout = ctx.ring, dout.contiguous()
         acc = lse.dtype
         half, dk = q.shape[2] // 2, k.shape[-1]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.cat([k, v], dim=-1)
+        travel = (torch.cat([k, v], dim=-1),) + ((ids,) if ids is not None else ())
         dkv_pending = None
         for step in range(ring.size):
-            kv_pending = ring.shift(kv) if step < ring.size - 1 else None
+            kv_pending = ring.shift(*travel) if step < ring.size - 1 else None
+            kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
             dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:],
                                               out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
-                                              ctx.dropout_p, ctx.seed + step)
+                                              ctx.dropout_p, ctx.seed + step, _allowed(ids, kv_ids, qs, ks))
             dq[:, :, qs] += dq_i
             # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
-            dkv = torch.zeros(kv.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()
+            dkv = torch.zeros(kv.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
             dkv[:, :, ks, :dk] += dk_i
             dkv[:, :, ks, dk:] += dv_i
             dkv_pending = ring.shift(dkv)
             if kv_pending is not None:
-                kv = kv_pending.wait()
-        dkv = dkv_pending.wait()  # after size hops: this rank's own dK/dV, summed over every rank
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None
+                travel = kv_pending.wait()
+        dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
+                   document_ids=None):
     """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
 
     ``q, k [b, n, s, dk]``, ``v [b, nkv, s, dv]`` with ``s`` this rank's two chunks; returns
     ``[b, nq, s, dv]``. ``group`` None (one rank) is plain attention over the local sequence.
     ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
+    ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document.
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence length (two chunks), got {q.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not divisible by {k.shape[1]} key/value heads")
     if group is None or dist.get_world_size(group) == 1:
-        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed)
+        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, document_ids)
         return out
-    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group))
+    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids)
 
 
 class _LocalAttention(torch.autograd.Function):
     """The one-rank case through the same kernels (so cp == 1 and cp > 1 share numerics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed):
-        out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed)
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ids):
+        allowed = None if ids is None else document_allowed(ids, ids)
+        out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed, allowed)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, allowed)
         ctx.args = (causal, scale, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        q, k, v, out, lse, allowed = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, allowed)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -22,26 +22,44 @@ from tests.harness import cached_state, run_ranks
 B, D = 2, 8
 
 
-def _reference(seq, nq, nkv, causal, seed=0, dv=D, scale=None):
+def packed_document_ids(seq):
+    """Document ids ``[B, seq]`` of packed sequences whose boundaries fall inside the CP chunks."""
+    rows = []
+    for lengths in ([3, 6, 1, 4], [7, 2]):
+        ids = [d for d, n in enumerate(lengths) for _ in range(n)]
+        rows.append(ids + [len(lengths)] * (seq - len(ids)))  # the rest: one more document (padding)
+    return torch.tensor(rows)
+
+
+def _reference(seq, nq, nkv, causal, seed=0, ids=None, dv=D, scale=None):
+    """Full attention (SDPA) and its gradients; with ``ids`` confined to each document (the mask
+    written out here: same id, and key position <= query position when causal)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(seq, B, n, d, generator=gen) for n, d in ((nq, D), (nkv, D), (nkv, dv)))
     dout = torch.randn(seq, B, nq * dv, generator=gen)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), is_causal=causal,
-                                         enable_gqa=nq != nkv, scale=scale).permute(2, 0, 1, 3).reshape(seq, B, nq * dv)
+    mask = None
+    if ids is not None:
+        mask = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)
+        if causal:
+            mask = mask & torch.ones(seq, seq, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), attn_mask=mask,
+                                         is_causal=causal and mask is None, enable_gqa=nq != nkv,
+                                         scale=scale).permute(2, 0, 1, 3).reshape(seq, B, nq * dv)
     out.backward(dout)
     return (q, k, v, dout), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, dv=D, scale=None):
+def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False, dv=D, scale=None):
     state = cached_state(cp=cp)
-    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, dv=dv, scale=scale)
+    ids = packed_document_ids(seq) if documents else None
+    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, ids=ids, dv=dv, scale=scale)
     mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp)  # noqa: E731
     config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq,
                              num_query_groups=nkv, softmax_scale=scale)
     attn = ContextParallelAttention(config, state, layer_number=1)
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
-    out = attn(ql, kl, vl, None, causal)
+    out = attn(ql, kl, vl, None if ids is None else split_for_cp(ids, 1, state.cp_rank, cp), causal)
     out.backward(mine(dout))
     for got, want, name in zip((out, ql.grad, kl.grad, vl.grad), expected, ("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got, mine(want), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -60,10 +78,14 @@ def test_cp2_equals_full_attention(comm_type, causal, nq, nkv):
     assert all(run_ranks(2, check_cp_attention, 2, comm_type, causal, nq, nkv, 16))
 
 
-@pytest.mark.parametrize("comm_type,dv", [("p2p", 6), ("p2p", 12), ("a2a", 6), ("allgather", 6)])
-def test_cp2_value_head_size_of_its_own(comm_type, dv):
-    """MLA's layout: values narrower (or wider) than queries/keys, and the config's softmax scale."""
-    assert all(run_ranks(2, check_cp_attention, 2, comm_type, True, 4, 4, 16, dv, 0.3))
+@pytest.mark.parametrize("comm_type,dv,documents", [
+    ("p2p", 6, False), ("p2p", 12, False), ("a2a", 6, False), ("allgather", 6, False), ("p2p", 6, True),
+    ("allgather", 12, True),
+])
+def test_cp2_value_head_size_of_its_own(comm_type, dv, documents):
+    """MLA's layout: values narrower (or wider) than queries/keys, and the config's softmax scale
+    (also with packed documents: the ring's padded CPU kernels take the document mask too)."""
+    assert all(run_ranks(2, check_cp_attention, 2, comm_type, True, 4, 4, 16, documents=documents, dv=dv, scale=0.3))
 
 
 @pytest.mark.parametrize("comm_type,causal,nq,nkv", [
@@ -71,6 +93,16 @@ def test_cp2_value_head_size_of_its_own(comm_type, dv):
 ])
 def test_cp4_equals_full_attention(comm_type, causal, nq, nkv):
     assert all(run_ranks(4, check_cp_attention, 4, comm_type, causal, nq, nkv, 32))
+
+
+@pytest.mark.parametrize("cp,comm_type,causal,nq,nkv", [
+    (2, "p2p", True, 4, 2), (2, "p2p", False, 4, 4), (2, "a2a", True, 4, 2), (2, "allgather", True, 4, 1),
+    (2, "allgather", False, 4, 4), (4, "p2p", True, 4, 2), (4, "a2a", True, 8, 4), (4, "allgather", True, 4, 2),
+])
+def test_packed_documents_equal_full_attention_under_cp(cp, comm_type, causal, nq, nkv):
+    """Document ids as the mask (packed sequences): every CP kind confines attention to each
+    document exactly as full attention under the written-out block mask, forward and backward."""
+    assert all(run_ranks(cp, check_cp_attention, cp, comm_type, causal, nq, nkv, 8 * cp, True))
 
 
 def check_a2a_refuses_uneven_heads(cp, nq, nkv):

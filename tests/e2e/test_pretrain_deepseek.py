@@ -161,6 +161,8 @@ def test_mtp_losses_in_console_and_tensorboard_evaluation_without_them(tmp_path,
     (["--rope-type", "yarn"], ("--rope-type yarn needs --multi-latent-attention",)),
     (["--multi-latent-attention"], ("--position-embedding-type rope",)),
     (["--mtp-num-layers", "1"], ("--mtp-num-layers needs --position-embedding-type rope",)),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
+     ("--mtp-num-layers with --reset-attention-mask is not built",)),
 ])
 def test_combinations_not_built_exit_2_with_one_line(tmp_path, capsys, extra, words):
     _one_line_exit_2(capsys, _argv(str(tmp_path), 1, extra), *words)

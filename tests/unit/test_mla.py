@@ -9,8 +9,8 @@
   DeepSeek-V3's numbers (correction range 10..23, softmax scale 0.135234).
 * A key/value cache: a prompt, then one token at a time, gives the full forward's outputs.
 * MTP: GPTModel's stacked per-token losses against the depth-1 formula composed by hand.
-* Core attention's flash-attn path with a value head size of its own (a stand-in kernel that, like
-  flash-attn, takes one head size) equals its SDPA path.
+* Core attention's flash-attn path (dense and variable-length) with a value head size of its own
+  (stand-in kernels that, like flash-attn's, take one head size) equals its SDPA path.
 """
 
 import math
@@ -212,23 +212,37 @@ def test_mtp_losses_equal_the_depth_one_formula():
 def _one_head_size_flash(q, k, v, dropout_p, softmax_scale, causal):
     """flash_attn_func's contract ``[b, s, n, d]`` with one head size d for q, k and v."""
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] and dropout_p == 0.0, (q.shape, k.shape, v.shape)
-    _one_head_size_flash.calls += 1
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                           enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
 
 
+def _one_head_size_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal):
+    """flash_attn_varlen_func's contract: ``[tokens, n, d]`` cut at ``cu_seqlens``, one head size."""
+    assert torch.equal(cu_q, cu_k) and int((cu_q[1:] - cu_q[:-1]).max()) == max_q == max_k
+    bounds = cu_q.tolist()
+    return torch.cat([_one_head_size_flash(q[None, a:e], k[None, a:e], v[None, a:e], dropout_p, softmax_scale,
+                                           causal)[0] for a, e in zip(bounds[:-1], bounds[1:])])
+
+
 @pytest.mark.parametrize("dv", [6, 12])
-def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv):
+@pytest.mark.parametrize("documents", [False, True])
+def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
+    """The flash-attn branch (dense, or variable-length for packed documents) with stand-in kernels
+    that take one head size, as flash-attn's do: values narrower or wider than queries/keys."""
     config = SimpleNamespace(attention_dropout=0.0, softmax_scale=0.3)
     attn = DotProductAttention(config, ParallelState(world_size=1, rank=0), 1)
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(S, B, 4, 8, generator=g), torch.randn(S, B, 2, 8, generator=g), torch.randn(S, B, 2, dv, generator=g)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 2 + [2] * 7]) if documents else None
     attn.flash = None
-    expected = attn(q, k, v)
-    attn.flash, attn._flash_applies, _one_head_size_flash.calls = _one_head_size_flash, lambda q, m: True, 0
-    got = attn(q, k, v)
-    assert _one_head_size_flash.calls == 1 and got.shape == (S, B, 4 * dv)
+    expected = attn(q, k, v, ids)
+    calls = []
+    record = lambda kernel: lambda *a, **kw: calls.append(kernel) or kernel(*a, **kw)  # noqa: E731
+    attn.flash = (record(_one_head_size_flash), record(_one_head_size_varlen))
+    attn._flash_applies = lambda q, m: True
+    got = attn(q, k, v, ids)
+    assert calls == [_one_head_size_varlen if documents else _one_head_size_flash] and got.shape == (S, B, 4 * dv)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
