@@ -165,4 +165,4 @@ def test_mtp_losses_in_console_and_tensorboard_evaluation_without_them(tmp_path,
      ("--mtp-num-layers with --reset-attention-mask is not built",)),
 ])
 def test_combinations_not_built_exit_2_with_one_line(tmp_path, capsys, extra, words):
-    _one_line_exit_2(capsys, _argv(str(tmp_path), 1, extra), *words)
+    _one_line_exit_2(capsys, _argv(str(tmp_path), 3, extra), *words)
