@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .fusions.config import FusionConfig, check_fusion_flags
 from .logging_config import LoggingConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
@@ -236,6 +237,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
     world_size: int = 1
     data_parallel_size: int = 1
     extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
@@ -248,7 +250,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -270,6 +272,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
+    check_fusion_flags(config.fusion, config.model.disable_bias_linear)
     _check_model(config)
     _check_parallel(config)
     _check_batch(config)

@@ -29,23 +29,26 @@ def param_generator(seed: int, layer_number: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(param_seed(seed, layer_number, name))
 
 
-def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1):
+def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1,
+                  skip_bias_add: bool = False):
     """The hidden -> ``output_size`` ColumnParallelLinear called ``name`` in global layer ``layer_number``:
-    seeded init, the config's bias, sequence parallelism, dtype and GEMM."""
+    seeded init, the config's bias, sequence parallelism, dtype, GEMM and gradient-accumulation fusion."""
     return ColumnParallelLinear(
         config.hidden_size, output_size, state.tp_group, bias=config.add_bias_linear,
         init_method=config.init_method(layer_number, f"{name}.weight"), sequence_parallel=config.sequence_parallel,
         stride=stride, gemm=config.make_gemm(layer_number, state.tp_group), dtype=config.params_dtype,
+        skip_bias_add=skip_bias_add, gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )
 
 
-def row_linear(config, state, layer_number: int, input_size: int, name: str):
+def row_linear(config, state, layer_number: int, input_size: int, name: str, skip_bias_add: bool = False):
     """The ``input_size`` -> hidden RowParallelLinear (an output projection: Megatron's scaled init)."""
     return RowParallelLinear(
         input_size, config.hidden_size, state.tp_group, bias=config.add_bias_linear, input_is_parallel=True,
         init_method=config.init_method(layer_number, f"{name}.weight", scaled=True),
         sequence_parallel=config.sequence_parallel, gemm=config.make_gemm(layer_number, state.tp_group),
-        dtype=config.params_dtype,
+        dtype=config.params_dtype, skip_bias_add=skip_bias_add,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fusions.residual import bias_dropout_add
 from ..parallel.random import checkpoint
 from .common import Norm
 from .spec import resolve_spec
@@ -54,12 +55,24 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp(config, state, layer_number)
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
+        self.bias_dropout_fusion = config.bias_dropout_fusion
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        drop = dict(p=self.dropout_p, training=self.training, tracker=self.dropout_tracker)
         attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
-        hidden = hidden + hidden_dropout(attn, **drop)
-        return hidden + hidden_dropout(self.mlp(self.pre_mlp_norm(hidden)), **drop)
+        hidden = self._residual(attn, hidden)
+        return self._residual(self.mlp(self.pre_mlp_norm(hidden)), hidden)
+
+    def _residual(self, out, residual):
+        """``residual + dropout(out)``; ``out`` may be ``(output, bias)`` from a sub-module that left its
+        bias to be fused here (``--bias-dropout-fusion``)."""
+        x, bias = out if isinstance(out, tuple) else (out, None)
+        if not self.bias_dropout_fusion:
+            x = x if bias is None else x + bias
+            return residual + hidden_dropout(x, self.dropout_p, self.training, self.dropout_tracker)
+        if self.training and self.dropout_p > 0 and self.dropout_tracker is not None:
+            with self.dropout_tracker.fork():
+                return bias_dropout_add(x, bias, residual, self.dropout_p, True)
+        return bias_dropout_add(x, bias, residual, self.dropout_p, self.training)
 
 
 class TransformerBlock(nn.Module):

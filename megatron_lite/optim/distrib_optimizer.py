@@ -45,7 +45,7 @@ from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
 from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
-from .optimizer import MegatronOptimizer
+from .optimizer import KERNEL_CHOICES, MegatronOptimizer
 
 
 class _Piece:
@@ -152,12 +152,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._drop_grads()
                 return False, None
         grad_norm = self._grad_norm()
-        if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (grad_norm + 1e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
-        self.optimizer.step()
+        self._step_clipped(grad_norm, grads)
         self._drop_grads()
         self._gather_params()
         return True, grad_norm
@@ -281,6 +276,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"{len(self.model_params)} parameters; was it saved with a different model or parallel layout?"
             )
         full_master = {id(p): m for p, m in zip(self.model_params, masters)} if masters is not None else None
+        fused = bool(self.optimizer.param_groups[0].get("fused"))
         for piece in self.pieces:
             source = full_master[id(piece.param)] if full_master is not None else piece.param
             piece.master.copy_(source.reshape(-1)[piece.lo : piece.hi])
@@ -292,13 +288,15 @@ class DistributedOptimizer(MegatronOptimizer):
             for k, v in entry.items():
                 if torch.is_tensor(v) and v.dim() > 0:
                     new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master).clone()
+                elif torch.is_tensor(v):  # Adam's step: fused kernels want it beside the param, in fp32
+                    new[k] = v.to(piece.master.device, torch.float32) if fused else v.clone()
                 else:
-                    new[k] = v.clone() if torch.is_tensor(v) else v
+                    new[k] = v
             self.optimizer.state[piece.master] = new
         hyper = sd["optimizer"]["param_groups"][0]
         for group in self.optimizer.param_groups:
             for k, v in hyper.items():
-                if k not in ("params", "weight_decay"):
+                if k not in ("params", "weight_decay") + KERNEL_CHOICES:
                     group[k] = v
         if full_master is not None:
             for p in self.model_params:

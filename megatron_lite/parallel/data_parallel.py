@@ -4,7 +4,9 @@
 ``main_grad`` attribute: an fp32 view into a single flat buffer. A hook on each parameter's
 gradient accumulation adds the freshly computed ``param.grad`` (any dtype: bf16/fp16 params too)
 into ``main_grad`` in fp32 and frees ``param.grad``, so gradients accumulate over micro-batches in
-fp32 without a second copy.
+fp32 without a second copy. A GEMM with gradient-accumulation fusion skips ``param.grad`` altogether:
+it calls ``param.accumulate_main_grad(add)`` (set here), which runs ``add(main_grad)`` and the same
+bookkeeping as the hook (parallel/grad_accumulation.py).
 
 The buffer is laid out in *reverse* registration order, because backward produces gradients
 roughly from the last layer to the first: consecutive slices of the buffer ("buckets" of about
@@ -109,6 +111,8 @@ class DistributedDataParallel(nn.Module):
         self._make_buckets(plan, device)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
+        for p in self.params:
+            p.accumulate_main_grad = self._accumulator(p)
         if overlap_param_gather and strategy in ("optim", "optim_grads"):
             wait_for_params_before_use(self.module, self._bucket_of)
 
@@ -172,24 +176,28 @@ class DistributedDataParallel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            if self.shard_grads:
-                self._accumulate_sharded(param)
-                return
-            param.main_grad.add_(param.grad)  # fp32 accumulate, whatever the param dtype
-            param.grad = None
-            if self._sync_enabled:
-                self._mark_ready(param)
+            grad, param.grad = param.grad, None
+            self._accumulate(param, lambda main_grad: main_grad.add_(grad))  # fp32 accumulate, any param dtype
 
         return hook
 
-    def _accumulate_sharded(self, param) -> None:
-        """Sharded grads: into the bucket's per-backward buffer; reduce it once every param reported."""
-        bucket = self._bucket_of[id(param)]
-        if bucket.data is None:
-            bucket.allocate()
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        self._mark_ready(param, always=True)
+    def _accumulator(self, param):
+        """``param.accumulate_main_grad``: gradient-accumulation fusion hands its GEMM here."""
+        return lambda add: self._accumulate(param, add)
+
+    def _accumulate(self, param, add) -> None:
+        """``add(main_grad)`` adds this backward's gradient of ``param``, then the bucket bookkeeping.
+        Sharded grads: into the bucket's per-backward buffer, reduced once every param reported."""
+        if self.shard_grads:
+            bucket = self._bucket_of[id(param)]
+            if bucket.data is None:
+                bucket.allocate()
+            add(param.main_grad)
+            self._mark_ready(param, always=True)
+            return
+        add(param.main_grad)
+        if self._sync_enabled:
+            self._mark_ready(param)
 
     def _mark_ready(self, param, always: bool = False) -> None:
         bucket = self._bucket_of[id(param)]
