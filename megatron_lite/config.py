@@ -278,6 +278,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     _check_batch(config)
     _check_precision(config.precision)
     _check_schedule(config)
+    _check_profile(config)
     _check_data_and_checkpoint(config)
     return config
 
@@ -369,6 +370,13 @@ def _check_schedule(config: Config) -> None:
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")
+
+
+def _check_profile(config: Config) -> None:
+    from .precision.flags import gpu_visible
+    from .training.profiler import check_profile_flags
+
+    check_profile_flags(config.logging, config.world_size, gpu_visible())
 
 
 def _check_data_and_checkpoint(config: Config) -> None:

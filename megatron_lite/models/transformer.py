@@ -56,8 +56,14 @@ class TransformerLayer(nn.Module):
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
         self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.compiled_forward = None  # set by compile_layers
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
+        if self.compiled_forward is not None:  # --torch-compile: one compiled function for every layer
+            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)
+        return self._forward(hidden, attention_mask, rotary, causal)
+
+    def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
         attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
         hidden = self._residual(attn, hidden)
         return self._residual(self.mlp(self.pre_mlp_norm(hidden)), hidden)
@@ -128,3 +134,24 @@ class TransformerBlock(nn.Module):
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden
+
+
+def compile_layers(module: nn.Module, backend: str = "inductor") -> int:
+    """Regional ``torch.compile`` (``--torch-compile``, see :mod:`megatron_lite.fusions.compile`): every
+    :class:`TransformerLayer` in ``module`` runs one shared compiled forward; the parts that must stay
+    eager become graph breaks. Returns the number of layers compiled."""
+    from ..fusions.compile import compiled_layer_forward, run_eagerly
+    from ..parallel.tensor import DEFAULT_GEMMS, ColumnParallelLinear, RowParallelLinear
+
+    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compiled_forward = compiled_layer_forward(TransformerLayer._forward, backend)
+        for m in layer.modules():
+            if getattr(type(m), "compile_eagerly", False):  # CP attention, MoE
+                run_eagerly(m)
+            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm not in DEFAULT_GEMMS:
+                if isinstance(m.gemm, nn.Module):  # a precision recipe's GEMM (FP8, TE): eager, keeps its state
+                    run_eagerly(m.gemm)
+                else:
+                    m.gemm = torch.compiler.disable(m.gemm)
+    return len(layers)

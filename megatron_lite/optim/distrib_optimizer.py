@@ -105,7 +105,22 @@ class DistributedOptimizer(MegatronOptimizer):
         self.host_masters = None
         if getattr(self.config, "optimizer_cpu_offload", False):
             self._offload(self.config.optimizer_offload_fraction)
+        else:
+            self._flat_masters()
         return [(piece.param, piece.master) for piece in self.pieces]
+
+    def _flat_masters(self) -> None:
+        """Buckets whose params live in flat storage (``bucket.param_data``): this rank's chunk of it
+        in fp32 (``bucket.master_data``) holds the masters of its pieces (views), so after the step the
+        chunk is written and all-gathered straight into the params' storage in one go."""
+        for bucket in self.buckets:
+            if bucket.param_data is None or bucket.param_shard is not None:
+                continue
+            start, end = bucket.shard()
+            bucket.master_data = bucket.param_data[start:end].float()
+        for piece in self.pieces:
+            if piece.bucket.master_data is not None:
+                piece.master = piece.bucket.master_data[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo]
 
     def _offload(self, fraction: float) -> None:
         """Move the first ``fraction`` of the owned elements (rounded to an element) to the host."""
@@ -167,14 +182,27 @@ class DistributedOptimizer(MegatronOptimizer):
         for piece in self.pieces:
             if piece.bucket.param_shard is not None:
                 piece.current().copy_(piece.master)
+        overlap = getattr(self.chunks[0], "overlap_param_gather", False)
         for bucket in self.buckets:
             if bucket.param_shard is not None:
                 continue
-            overlap = getattr(self.chunks[0], "overlap_param_gather", False)
-            bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated(),
-                                                          async_op=overlap)
+            if bucket.master_data is not None:
+                bucket.param_gather = self._gather_flat(bucket, overlap)
+            else:
+                bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype,
+                                                              lambda piece: piece.updated(), async_op=overlap)
             if not overlap:
                 bucket.finish_param_gather()
+
+    def _gather_flat(self, bucket, async_op: bool):
+        """This rank's updated chunk, in the params' dtype, all-gathered into the params' flat storage."""
+        local = bucket.master_data.to(bucket.param_data.dtype)
+        if comm.group_size(bucket.group) == 1:
+            bucket.param_data.copy_(local)
+            return None, None
+        comm.record("dp", "all_gather", comm.tensor_bytes(bucket.param_data), comm.group_size(bucket.group))
+        bucket.gather_input = local  # alive until the (possibly asynchronous) all-gather is done
+        return comm.all_gather_single(bucket.param_data, local, group=bucket.group, async_op=async_op), None
 
     def _all_gather_bucket(self, bucket, dtype, value_of, async_op: bool | None = None):
         """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces.

@@ -62,8 +62,23 @@ class MegatronOptimizer:
 
     def _make_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(model param, tensor the torch optimizer steps) pairs: an fp32 copy of a 16-bit param,
-        the fp32 param itself otherwise. The distributed optimizer overrides this with its shards."""
-        return [(p, p if p.dtype == torch.float32 else p.detach().float().clone()) for p in self.model_params]
+        the fp32 param itself otherwise. The distributed optimizer overrides this with its shards.
+
+        16-bit params that live in a data-parallel bucket's flat storage (``bucket.param_data``) get
+        masters that are views of one fp32 copy of it (``bucket.master_data``): after the step the
+        whole bucket is rounded back with one copy."""
+        views, self.flat_buckets = {}, []
+        for bucket in (b for chunk in self.chunks for b in getattr(chunk, "buckets", [])):
+            if bucket.param_data is None or bucket.param_data.dtype == torch.float32:
+                continue
+            bucket.master_data = bucket.param_data.float()
+            self.flat_buckets.append(bucket)
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                views[id(p)] = bucket.master_data[a:e].view(p.shape)
+        self._flat = set(views)
+        return [(p, p if p.dtype == torch.float32 else views[id(p)] if id(p) in views else p.detach().float().clone())
+                for p in self.model_params]
 
     def _groups(self, pairs) -> list[dict]:
         """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, 1-D params do not."""
@@ -124,8 +139,10 @@ class MegatronOptimizer:
         self._step_clipped(grad_norm, [m.grad for m in self.masters if m.grad is not None])
         for p, m in zip(self.model_params, self.masters):
             m.grad = None
-            if m is not p:
+            if m is not p and id(p) not in self._flat:
                 p.copy_(m)
+        for bucket in self.flat_buckets:  # the rest: one fp32 -> 16-bit copy per bucket
+            bucket.param_data.copy_(bucket.master_data)
         return True, grad_norm
 
     def _step_clipped(self, grad_norm: float, grads) -> None:

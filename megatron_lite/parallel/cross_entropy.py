@@ -66,6 +66,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * part
         vocab_size = vocab_size if vocab_size is not None else part * size
         n_real = max(0, min(part, vocab_size - start))  # real (unpadded) entries in my shard
+        logits = logits.contiguous()  # rows of the softmax and its gradient are viewed flat below
 
         in_range = (target >= start) & (target < start + part)
         local_target = (target - start).masked_fill(~in_range, 0)

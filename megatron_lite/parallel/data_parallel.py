@@ -26,7 +26,9 @@ CP too); they live in their own buckets, reduced over that group and also divide
 expert already received the tokens of every expert-parallel rank through the all-to-all, so
 ``1/dp`` is the average over all data-parallel ranks).
 
-Each bucket is padded to a multiple of its group size. With the distributed optimizer the
+The parameters live in flat buffers with the same layout (``bucket.param_data``, one per bucket,
+in the params' dtype; every parameter is a view into it), so the optimizer can write a whole bucket
+of updated parameters with one copy or all-gather. Each bucket is padded to a multiple of its group size. With the distributed optimizer the
 buckets are *reduce-scattered* instead (``bucket.reduce_scatter = True``): data-parallel rank i
 then holds the averaged gradient only in its chunk ``i`` of every bucket, which is the part of
 the parameters whose optimizer state it owns. A tied embedding/output weight (``shared_embedding``)
@@ -109,6 +111,8 @@ class DistributedDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         plan = self._plan(dense, expert)
         self._make_buckets(plan, device)
+        if strategy != "optim_grads_params":  # ZeRO-3 (fsdp.py) keeps its own flat, sharded storage
+            self._flatten_params()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
         for p in self.params:
@@ -165,6 +169,22 @@ class DistributedDataParallel(nn.Module):
                 bucket.grad_shard = self.grad_shards[shard_start : shard_start + shard_size]
             self.buckets.append(bucket)
             start, shard_start = start + numel, shard_start + shard_size
+
+    @torch.no_grad()
+    def _flatten_params(self) -> None:
+        """The params of each single-dtype bucket become views of one flat buffer laid out like the
+        bucket's gradients (``bucket.param_data``): the optimizer then writes updated 16-bit params
+        with one copy per bucket, and the distributed optimizer all-gathers straight into it."""
+        for bucket in self.buckets:
+            dtypes = {p.dtype for p in bucket.params}
+            if len(dtypes) != 1:
+                continue
+            flat = torch.zeros(bucket.numel, dtype=dtypes.pop(), device=bucket.device)
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                flat[a:e].copy_(p.detach().reshape(-1))
+                p.data = flat[a:e].view(p.shape)
+            bucket.param_data = flat
 
     def finish_param_gather(self) -> None:
         """Complete every in-flight parameter all-gather (before reading the weights outside forward)."""
