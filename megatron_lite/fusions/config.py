@@ -78,3 +78,11 @@ def fusion_fields(fusion: FusionConfig | dict | None, swiglu: bool) -> dict:
     if loss is not None:
         out["cross_entropy_loss_fusion"] = bool(loss) or bool(get("torch_compile"))  # --torch-compile compiles the loss
     return out
+
+
+def tanh_gelu(cfg: dict) -> bool:
+    """Whether the MLP of a saved flat config computes the tanh GeLU: ``--openai-gelu``, or the fused
+    bias + GeLU (Megatron's default; a checkpoint written before the flag existed lacks it: exact)."""
+    if cfg.get("swiglu"):
+        return False
+    return bool(cfg.get("openai_gelu")) or (bool(cfg.get("bias_gelu_fusion")) and not cfg.get("disable_bias_linear"))

@@ -317,7 +317,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 if torch.is_tensor(v) and v.dim() > 0:
                     new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master).clone()
                 elif torch.is_tensor(v):  # Adam's step: fused kernels want it beside the param, in fp32
-                    new[k] = v.to(piece.master.device, torch.float32) if fused else v.clone()
+                    new[k] = v.to(piece.master.device, torch.float32, copy=True) if fused else v.clone()
                 else:
                     new[k] = v
             self.optimizer.state[piece.master] = new

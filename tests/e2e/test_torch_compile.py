@@ -60,3 +60,12 @@ def test_parallel_compiled_runs_reproduce_eager(eager, name, model, extra):
     for trajectory in last:
         assert_same_trajectory(trajectory, eager[model], what=name)
     assert [c for _, c in results] == [1, 1], f"{name}: layer compiles per rank"
+
+
+def test_recompute_with_compiled_layers(eager):
+    """Full recomputation runs the compiled forward without grad (forward) and with it (recomputed
+    in backward): one graph each, and the same trajectory."""
+    argv = MODEL + ["--recompute-granularity", "full", "--recompute-method", "uniform"] + COMPILE + ["aot_eager"]
+    trajectory, compiles = compiled_rank(argv)
+    assert_same_trajectory(trajectory, eager["dense"], what="recompute")
+    assert compiles == 2
