@@ -117,7 +117,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if bucket.param_data is None or bucket.param_shard is not None:
                 continue
             start, end = bucket.shard()
-            bucket.master_data = bucket.param_data[start:end].float()
+            bucket.master_data = bucket.param_data[start:end].to(torch.float32, copy=True)  # fp32 params too
         for piece in self.pieces:
             if piece.bucket.master_data is not None:
                 piece.master = piece.bucket.master_data[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo]
