@@ -34,5 +34,5 @@ class LoggingConfig:
     """Iterations completed when profiling starts."""
     profile_step_end: int = 12
     """Iterations completed when profiling stops."""
-    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_ranks: list[int] | None = field(default_factory=lambda: [0])
     """Global ranks to profile."""

@@ -13,6 +13,9 @@ and expert-parallel collective of :mod:`megatron_lite.parallel.comm` (they are a
 around ``torch.distributed`` calls), the context-parallel core attention (ring p2p), the MoE layer
 (data-dependent token counts) and any GEMM of a precision recipe (the FP8 / Transformer Engine
 GEMM seam: scaling state updated in Python). With tensor parallelism 1 a dense layer is one graph.
+Gradient-accumulation fusion is off inside compiled layers: its backward calls the data-parallel
+wrapper's bookkeeping, which Dynamo cannot put in a graph, so those weights' gradients reach
+``main_grad`` through the wrapper's hook as without the fusion.
 
 Dropout: Inductor is told to draw random numbers with PyTorch's own generator
 (``fallback_random``), so a compiled run draws the same masks as an eager one and reproduces its

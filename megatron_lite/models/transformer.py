@@ -141,7 +141,7 @@ def compile_layers(module: nn.Module, backend: str = "inductor") -> int:
     :class:`TransformerLayer` in ``module`` runs one shared compiled forward; the parts that must stay
     eager become graph breaks. Returns the number of layers compiled."""
     from ..fusions.compile import compiled_layer_forward, run_eagerly
-    from ..parallel.tensor import DEFAULT_GEMMS, ColumnParallelLinear, RowParallelLinear
+    from ..parallel.tensor import DEFAULT_GEMMS, ColumnParallelLinear, RowParallelLinear, linear_gemm
 
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
@@ -149,7 +149,9 @@ def compile_layers(module: nn.Module, backend: str = "inductor") -> int:
         for m in layer.modules():
             if getattr(type(m), "compile_eagerly", False):  # CP attention, MoE
                 run_eagerly(m)
-            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm not in DEFAULT_GEMMS:
+            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm in DEFAULT_GEMMS:
+                m.gemm = linear_gemm  # the accumulating GEMM's backward does data-parallel bookkeeping Dynamo cannot trace
+            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 if isinstance(m.gemm, nn.Module):  # a precision recipe's GEMM (FP8, TE): eager, keeps its state
                     run_eagerly(m.gemm)
                 else:

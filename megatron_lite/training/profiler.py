@@ -33,7 +33,7 @@ def check_profile_flags(logging, world_size: int, gpu: bool) -> None:
     if not 0 <= logging.profile_step_start < logging.profile_step_end:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start ({logging.profile_step_start}) < "
                           f"--profile-step-end ({logging.profile_step_end})")
-    bad = [r for r in logging.profile_ranks if not 0 <= r < world_size]
+    bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a rank of this run (world size {world_size})")
     if not logging.use_pytorch_profiler and not gpu:
@@ -46,7 +46,7 @@ class StepProfiler:
     :meth:`after` around every training iteration, :meth:`close` at the end of the run)."""
 
     def __init__(self, logging, rank: int, device: torch.device):
-        self.enabled = logging.profile and rank in logging.profile_ranks
+        self.enabled = logging.profile and rank in (logging.profile_ranks or [0])
         self.start, self.end = logging.profile_step_start, logging.profile_step_end
         self.pytorch = logging.use_pytorch_profiler
         self.folder = logging.tensorboard_dir or DEFAULT_PROFILE_DIR

@@ -29,10 +29,12 @@ COMPILE = ["--torch-compile", "--torch-compile-backend"]
 
 
 def compiled_rank(argv):
-    """Inside a rank: a fresh Dynamo, train, and report (trajectory, layer compiles)."""
+    """Inside a rank: a fresh Dynamo, train, and report (trajectory, layer compiles, graph breaks)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     trajectory = run_script("pretrain_gpt", argv)
-    return trajectory, layer_cache_entries(TransformerLayer._forward)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return trajectory, layer_cache_entries(TransformerLayer._forward), breaks
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,9 @@ def eager():
 
 
 def test_inductor_single_process_reproduces_eager(eager):
-    trajectory, compiles = compiled_rank(MODEL + COMPILE + ["inductor"])
+    trajectory, compiles, breaks = compiled_rank(MODEL + COMPILE + ["inductor"])
     assert_same_trajectory(trajectory, eager["dense"], what="inductor")
-    assert compiles == 1  # four layers, one shape: one compile
+    assert compiles == 1 and breaks == 0  # four layers, one shape: one compile, each layer one graph
 
 
 @pytest.mark.parametrize("name, model, extra", [
@@ -55,17 +57,19 @@ def test_inductor_single_process_reproduces_eager(eager):
 def test_parallel_compiled_runs_reproduce_eager(eager, name, model, extra):
     argv = MODEL + (MOE if model == "moe" else []) + extra + COMPILE + ["aot_eager"]
     results = run_ranks(2, compiled_rank, argv)
-    last = [t for t, _ in results if t.losses]
+    last = [t for t, _, _ in results if t.losses]
     assert last, "no rank reported losses"
     for trajectory in last:
         assert_same_trajectory(trajectory, eager[model], what=name)
-    assert [c for _, c in results] == [1, 1], f"{name}: layer compiles per rank"
+    assert [c for _, c, _ in results] == [1, 1], f"{name}: layer compiles per rank"
+    if name == "pp2":  # no collective inside a layer: whole-layer graphs
+        assert [b for _, _, b in results] == [0, 0]
 
 
 def test_recompute_with_compiled_layers(eager):
     """Full recomputation runs the compiled forward without grad (forward) and with it (recomputed
     in backward): one graph each, and the same trajectory."""
     argv = MODEL + ["--recompute-granularity", "full", "--recompute-method", "uniform"] + COMPILE + ["aot_eager"]
-    trajectory, compiles = compiled_rank(argv)
+    trajectory, compiles, breaks = compiled_rank(argv)
     assert_same_trajectory(trajectory, eager["dense"], what="recompute")
-    assert compiles == 2
+    assert compiles == 2 and breaks == 0
