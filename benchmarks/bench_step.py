@@ -102,7 +102,7 @@ def gemm_peaks(threads: int) -> dict[str, float]:
 
 def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
     """(name, dtype, builder) of every run, in the order of the first round."""
-    dtypes = args.dtypes or (["fp32", "bf16"] if args.quick or peaks["bf16"] > peaks["fp32"] else ["fp32"])
+    dtypes = args.dtypes or (["fp32", "bf16"] if peaks["bf16"] > peaks["fp32"] else ["fp32"])
     runs = []
     for dtype in dtypes:
         bf16 = dtype == "bf16"

@@ -1,9 +1,10 @@
 """Fused bias + activation of the MLP (``--bias-gelu-fusion``, ``--bias-swiglu-fusion``, on by default).
 
 The fc1 GEMM leaves its bias out (``skip_bias_add``); one function adds it and applies the
-activation, and the backward is written out by hand so only fc1's output (and the bias) is saved,
-not the intermediate tensors autograd would keep. Forward and backward are separate ``jit_fuser``
-functions, so each becomes a single kernel when compiled.
+activation, and the backward is written out by hand so only one tensor per call is saved (the
+activation's input), not the intermediate tensors autograd would keep. Forward and backward are separate ``jit_fuser``
+functions, so each becomes a single kernel when compiled; eager, they call PyTorch's own GeLU / SiLU
+kernels (one vectorised pass each), which compute the same formulas.
 
 GeLU is the tanh approximation, as in Megatron's fused kernel (the unfused MLP uses the exact erf
 form unless ``--openai-gelu``): with x = y + b and t = tanh(0.79788456 x (1 + 0.044715 x^2)),
@@ -23,36 +24,31 @@ import torch.nn.functional as F
 
 from .jit import jit_fuser
 
-SQRT_2_OVER_PI = 0.79788456
-GELU_CUBIC = 0.044715
-GELU_BACK_CUBIC = 0.1070322243  # 3 * GELU_CUBIC * SQRT_2_OVER_PI
+
+@jit_fuser
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, gelu(x))`` for ``x = y + bias`` (x is what the backward needs: saved, not recomputed)."""
+    x = y + bias
+    return x, F.gelu(x, approximate="tanh")  # PyTorch's tanh GeLU: the formula above, one kernel eager
 
 
 @jit_fuser
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    x = y + bias
-    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_CUBIC * x * x)))
-
-
-@jit_fuser
-def bias_gelu_back(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    x = y + bias
-    t = torch.tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_CUBIC * x * x))
-    slope = 0.5 * x * (1.0 - t * t) * (SQRT_2_OVER_PI + GELU_BACK_CUBIC * x * x) + 0.5 * (1.0 + t)
-    return slope * grad
+def bias_gelu_back(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")  # gelu'(x) * grad
 
 
 class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias):
-        ctx.save_for_backward(y, bias)
-        return bias_gelu(y, bias)
+        x, out = bias_gelu(y, bias)
+        ctx.save_for_backward(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        y, bias = ctx.saved_tensors
-        dy = bias_gelu_back(grad, y, bias)
-        return dy, dy  # autograd sums the bias's share over the broadcast (token) dimensions
+        (x,) = ctx.saved_tensors
+        dx = bias_gelu_back(grad, x)
+        return dx, dx  # autograd sums the bias's share over the broadcast (token) dimensions
 
 
 def bias_gelu_impl(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -68,9 +64,8 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
 
 @jit_fuser
 def swiglu_back(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    gate, up = torch.chunk(y, 2, -1)
-    sig = torch.sigmoid(gate)
-    return torch.cat((grad * sig * (1.0 + gate * (1.0 - sig)) * up, grad * gate * sig), -1)
+    gate, up = torch.chunk(y, 2, -1)  # silu'(gate) = sigmoid(gate) (1 + gate (1 - sigmoid(gate)))
+    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), -1)
 
 
 @jit_fuser
