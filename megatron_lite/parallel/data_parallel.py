@@ -203,20 +203,22 @@ class DistributedDataParallel(nn.Module):
 
     def _accumulator(self, param):
         """``param.accumulate_main_grad``: gradient-accumulation fusion hands its GEMM here."""
-        return lambda add: self._accumulate(param, add)
+        return lambda add, ready=True: self._accumulate(param, add, ready)
 
-    def _accumulate(self, param, add) -> None:
-        """``add(main_grad)`` adds this backward's gradient of ``param``, then the bucket bookkeeping.
-        Sharded grads: into the bucket's per-backward buffer, reduced once every param reported."""
+    def _accumulate(self, param, add, ready: bool = True) -> None:
+        """``add(main_grad)`` adds this backward's gradient of ``param``, then (``ready``: no other
+        gradient of it follows in this backward) the bucket bookkeeping. Sharded grads: into the
+        bucket's per-backward buffer, reduced once every param reported."""
         if self.shard_grads:
             bucket = self._bucket_of[id(param)]
             if bucket.data is None:
                 bucket.allocate()
             add(param.main_grad)
-            self._mark_ready(param, always=True)
+            if ready:
+                self._mark_ready(param, always=True)
             return
         add(param.main_grad)
-        if self._sync_enabled:
+        if ready and self._sync_enabled:
             self._mark_ready(param)
 
     def _mark_ready(self, param, always: bool = False) -> None:

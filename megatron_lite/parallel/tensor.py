@@ -14,8 +14,8 @@ into the TP region, before the partial sums are reduced. A ``gemm`` that is an `
 submodule, so its state (scaling history) is saved with the layer. With
 ``gradient_accumulation_fusion`` and no other GEMM, the layer uses
 :func:`~megatron_lite.parallel.grad_accumulation.accumulating_linear_gemm`, whose backward adds the
-weight gradient straight into ``main_grad`` (a weight passed in with ``weight=``, i.e. a tied
-embedding that also gets a gradient elsewhere, keeps the ordinary path).
+weight gradient straight into ``main_grad`` (a weight passed in with ``weight=``, a tied embedding,
+is not marked ready there: its lookup's gradient, which comes later, does that).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .grad_accumulation import accumulating_linear_gemm
+from .grad_accumulation import accumulating_linear_gemm, accumulating_linear_gemm_not_last
 
 InitMethod = Callable[[torch.Tensor], None]
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -162,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
             weight = self.weight
         gemm = self.gemm
         if weight is not self.weight and gemm is accumulating_linear_gemm:
-            gemm = linear_gemm  # a tied weight gets gradient elsewhere too: let autograd sum the two
+            gemm = accumulating_linear_gemm_not_last  # a tied embedding: its lookup's gradient comes later
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, self.tp_group, tensor_parallel_output_grad=True)
         else:

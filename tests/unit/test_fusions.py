@@ -209,8 +209,9 @@ FUSED = dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_f
 def _loss_and_grads(config, wrap: bool):
     state = ParallelState()
     model = build_gpt_from(config, state)
-    if wrap:
-        model = DistributedDataParallel(model, state)
+    if wrap:  # one bucket per parameter, reduced as soon as it is ready: a weight marked ready before
+        # its last gradient (the tied embedding, read by the output layer) raises
+        model = DistributedDataParallel(model, state, overlap_grad_reduce=True, bucket_size=1)
     g = torch.Generator().manual_seed(0)
     tokens, labels = torch.randint(0, 100, (2, 16), generator=g), torch.randint(0, 100, (2, 16), generator=g)
     loss = model(tokens, labels=labels).mean()
@@ -227,8 +228,9 @@ def build_gpt_from(config, state):
 
 @pytest.mark.parametrize("variant", ["gelu", "swiglu_rope"])
 def test_fused_gpt_equals_unfused_gpt(variant):
-    """Every fusion on (run through DDP, so gradient accumulation is fused too) against the unfused
-    model with the same math (the tanh GeLU): loss and every gradient within fp32 rounding."""
+    """Every fusion on (run through DDP, so gradient accumulation is fused too, the tied output
+    layer's included) against the unfused model with the same math (the tanh GeLU): loss and every
+    gradient within fp32 rounding."""
     extra = dict(swiglu=True, position_embedding_type="rope", add_bias_linear=False) if variant != "gelu" else {}
     unfused = TransformerConfig(**MODEL, **extra, openai_gelu=True)
     fused = dataclasses.replace(unfused, openai_gelu=False, masked_softmax_fusion=False, **FUSED)
