@@ -134,6 +134,23 @@ def test_unfused_attention_equals_sdpa(mask):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_no_masked_softmax_fusion_with_packed_documents(causal):
+    """Document ids as the mask (packed sequences): the explicit softmax path attends exactly as SDPA."""
+    from megatron_lite.models.attention import DotProductAttention
+
+    s, b, n, d = 10, 2, 4, 8
+    q, k, v = (torch.randn(s, b, n, d) for _ in range(3))
+    ids = torch.tensor([[0] * 3 + [1] * 4 + [2] * 3, [0] * 6 + [1] * 4])
+    out = {}
+    for fused in (True, False):
+        attention = DotProductAttention(TransformerConfig(**{**MODEL, "masked_softmax_fusion": fused}), ParallelState(), 1)
+        out[fused] = _grads(lambda q, k, v, attention=attention: attention(q, k, v, ids, causal), q, k, v)
+    torch.testing.assert_close(out[False][0], out[True][0], rtol=1e-6, atol=1e-6)
+    for g, r in zip(out[False][1], out[True][1]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
 def test_jit_fuser_auto_runs_eagerly_on_cpu_and_falls_back_without_a_compiler(monkeypatch):
     calls = []
 
