@@ -5,7 +5,8 @@ of CPU, so it is the only one here), then the parallel layouts with the ``aot_ea
 and AOTAutograd trace exactly as for Inductor; only the C++ code generation is skipped): TP 2 with
 sequence parallelism, PP 2, EP 2 (MoE) and CP 2. Every run's losses and gradient norms equal the
 single-process eager run's (fp32, rtol 1e-5), and Dynamo compiled the layer forward once per
-distinct layer shape (its cache entries are counted on every rank).
+distinct layer shape (its cache entries are counted on every rank). Full recomputation and the
+FP8 GEMM seam run under compiled layers too.
 """
 
 import pytest
@@ -73,3 +74,14 @@ def test_recompute_with_compiled_layers(eager):
     trajectory, compiles, breaks = compiled_rank(argv)
     assert_same_trajectory(trajectory, eager["dense"], what="recompute")
     assert compiles == 2 and breaks == 0
+
+
+def test_fp8_gemms_run_eagerly_inside_compiled_layers():
+    """The FP8 GEMM seam (scaling state updated in Python) stays eager between compiled pieces: the
+    compiled FP8 run follows the eager FP8 run (the same GEMMs on the same inputs: equal to fp32
+    rounding, in practice bit for bit), one layer compile; FP8 GEMMs are slow on CPU, so 2 layers, 3 steps."""
+    argv = MODEL + ["--num-layers", "2", "--bf16", "--fp8-format", "hybrid", "--train-iters", "3"]
+    eager_fp8 = run_script("pretrain_gpt", argv)
+    trajectory, compiles, breaks = compiled_rank(argv + COMPILE + ["aot_eager"])
+    assert_same_trajectory(trajectory, eager_fp8, what="fp8")
+    assert compiles == 1 and breaks > 0  # the GEMMs are graph breaks
