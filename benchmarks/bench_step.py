@@ -5,7 +5,8 @@ The config of issue 21: 6 layers, hidden 768, 12 heads, seq 512, vocab 32768, ba
 real training step of pretrain_gpt.py (``train_step``: the data-parallel gradient buffer, the
 fused AdamW with fp32 masters, clipping, Megatron's default fusion flags) built from its command
 line; Hugging Face is ``GPT2LMHeadModel`` (SDPA attention, tanh GeLU like ours, tied embeddings,
-dropout as ours) with ``torch.optim.AdamW``, and ``torch.autocast("cpu", bfloat16)`` for its bf16
+dropout as ours) with ``torch.optim.AdamW`` at its defaults (a per-tensor loop on CPU;
+``--hf-fused-adamw`` gives it the fused kernel ours uses), and ``torch.autocast("cpu", bfloat16)`` for its bf16
 row. All runs live in this one process and alternate round by round (A B C D, D C B A, ...), so
 machine drift hits them alike. MFU is model FLOPs (Narayanan's formula) per second over the GEMM
 peak of that dtype measured in the same run (n x n products, best of several): both peaks are
@@ -14,7 +15,9 @@ there, which the report says; the full-size bf16 rows are then skipped unless ``
 
     python benchmarks/bench_step.py [--quick] [--rounds 5] [--threads 2] [--compile] [--profile]
 
-``--profile`` adds torch.profiler's breakdown of one step of each run by category (GEMM, attention,
+Each step's process CPU time is reported next to its wall time: on a loaded machine the wall time
+mostly measures waiting for a core, and the CPU-time ratio is the steadier figure (the lead reruns on
+a quiet machine). ``--profile`` adds torch.profiler's breakdown of one step of each run by category (GEMM, attention,
 elementwise, optimizer, copies, communication). Needs ``pip install transformers``.
 """
 
@@ -24,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,14 +74,14 @@ def build_ours(shape: dict, dropout: float, extra=()):
     return step, config
 
 
-def build_hf(shape: dict, dropout: float, bf16: bool):
+def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=shape["vocab"], n_positions=shape["seq"], n_embd=shape["hidden"], n_layer=shape["layers"],
                      n_head=shape["heads"], n_inner=4 * shape["hidden"], resid_pdrop=dropout, embd_pdrop=dropout,
                      attn_pdrop=dropout, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
     tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0))
 
     def step():
@@ -110,34 +114,46 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
         runs.append((f"ours {dtype}", dtype, lambda f=flags: build_ours(shape, args.dropout, f)[0]))
         if not args.no_hf:
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
-                         lambda b=bf16: build_hf(shape, args.dropout, b)))
+                         lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw)))
         if args.compile:
             runs.append((f"ours {dtype} --torch-compile", dtype,
                          lambda f=flags: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
     return runs
 
 
-def time_runs(steps: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+def time_runs(steps: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process CPU seconds of every step, per run."""
     names = list(steps)
     for name in names:
         for _ in range(warmup):
             steps[name]()
-    times = {name: [] for name in names}
+    times, cpu = {name: [] for name in names}, {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
+            start = time.process_time()
             times[name].append(timed(steps[name]))
+            cpu[name].append(time.process_time() - start)
         print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
-    return times
+    return times, cpu
 
 
-def report(times, dtypes, flops, peaks) -> None:
-    print("\n| run | step (median) | vs HF same dtype | MFU vs that dtype's GEMM peak |\n|---|---|---|---|")
+def _hf_median(values: dict, dtypes: dict, dtype: str):
+    return next((statistics.median(v) for n, v in values.items() if n.startswith("HF") and dtypes[n] == dtype), None)
+
+
+def report(times, cpu, dtypes, flops, peaks) -> None:
+    """The table. CPU seconds per step (all threads) is the figure to read on a loaded machine, where
+    wall time mostly measures waiting for a core."""
+    print("\n| run | step (median) | vs HF same dtype | CPU s per step (median) | vs HF, CPU time | "
+          "MFU vs that dtype's GEMM peak |\n|---|---|---|---|---|---|")
     for name, t in times.items():
-        med = statistics.median(t)
-        dtype = dtypes[name]
-        hf = next((statistics.median(v) for n, v in times.items() if n.startswith("HF") and dtypes[n] == dtype), None)
-        ratio = f"{hf / med:.2f}x" if hf and not name.startswith("HF") else "-"
-        print(f"| {name} | {med * 1e3:.0f} ms (min {min(t) * 1e3:.0f}) | {ratio} | {flops / med / peaks[dtype]:.0%} |")
+        med, cpu_med = statistics.median(t), statistics.median(cpu[name])
+        hf, hf_cpu = _hf_median(times, dtypes, dtypes[name]), _hf_median(cpu, dtypes, dtypes[name])
+        ours = not name.startswith("HF")
+        ratio = f"{hf / med:.2f}x" if hf and ours else "-"
+        cpu_ratio = f"{hf_cpu / cpu_med:.2f}x" if hf_cpu and ours else "-"
+        print(f"| {name} | {med * 1e3:.0f} ms (min {min(t) * 1e3:.0f}) | {ratio} | {cpu_med:.2f} | {cpu_ratio} | "
+              f"{flops / med / peaks[dtypes[name]]:.0%} |")
 
 
 def profile_runs(steps: dict) -> None:
@@ -161,6 +177,8 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], help="default: fp32, and bf16 where it is fast")
     p.add_argument("--compile", action="store_true", help="also ours with --torch-compile (Inductor)")
     p.add_argument("--no-hf", action="store_true", help="only our runs")
+    p.add_argument("--hf-fused-adamw", action="store_true",
+                   help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
     p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
     args = p.parse_args(argv)
 
@@ -180,8 +198,8 @@ def main(argv=None):
                               seq_length=shape["seq"], vocab_size=shape["vocab"])
     flops = num_floating_point_operations(model, shape["batch"])
     print(f"model FLOPs per step: {flops / 1e9:.1f} GFLOP")
-    times = time_runs(steps, args.rounds, args.warmup)
-    report(times, dtypes, flops, peaks)
+    times, cpu = time_runs(steps, args.rounds, args.warmup)
+    report(times, cpu, dtypes, flops, peaks)
     if args.profile:
         profile_runs(steps)
 

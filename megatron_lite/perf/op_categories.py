@@ -5,7 +5,8 @@ Each profiler event's *self* time (time not spent in its children) is counted on
 of the event or of its nearest categorised ancestor scope: everything under ``Optimizer.step`` (or
 the training loop's ``optimizer_step`` scope) is optimizer work whatever the op, an op inside
 ``scaled_dot_product_attention`` is attention, a collective is communication wherever it runs.
-Otherwise the op's own name decides.
+Otherwise the op's own name decides. The own time of a graph Inductor compiled (``--torch-compile``:
+its generated, fused kernels) counts as elementwise; the GEMMs it calls out to are GEMM.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _NAMES = (  # (substrings of an op's name, category), first match wins
       "aten::fill_", "aten::zero_", "aten::zeros", "aten::ones", "aten::full", "aten::index_put", "aten::scatter",
       "aten::gather", "aten::index", "aten::embedding", "aten::masked_fill", "aten::split", "aten::chunk",
       "aten::narrow", "aten::slice", "aten::empty", "aten::resize_"), "copies"),
-    (("aten::",), "elementwise"),  # every other ATen kernel: pointwise math, norms, softmax, dropout, reductions
+    (("aten::", "CompiledFxGraph"), "elementwise"),  # every other ATen kernel (pointwise math, norms, softmax,
+    # dropout, reductions) and Inductor's fused kernels
 )
 
 
