@@ -2,7 +2,9 @@
 
 Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head), ``rope_gqa``
 (rotary, RMSNorm, SwiGLU, no biases, untied, 8 query heads over 4 key/value groups) and ``moe``
-(rotary, 4 experts top-2 in every layer). Every parameter, norms and biases included, is random
+(rotary, 4 experts top-2 in every layer) and ``mla_mtp`` (DeepSeek-V3-shaped: multi-latent attention
+with q compression, latent norms and YaRN, plus one multi-token prediction layer that generation
+leaves unused: it decodes from the main head). Every parameter, norms and biases included, is random
 (:func:`randomize`), so a misplaced tensor changes the logits.
 """
 
@@ -25,6 +27,11 @@ VARIANTS = {
                      untie_embeddings_and_output_weights=True),
     "moe": dict(num_attention_heads=4, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                 disable_bias_linear=True),
+    "mla_mtp": dict(num_attention_heads=4, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+                    qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True,
+                    position_embedding_type="rope", rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.8,
+                    mscale_all_dim=0.5, original_max_position_embeddings=24, normalization="RMSNorm", swiglu=True,
+                    disable_bias_linear=True, untie_embeddings_and_output_weights=True, mtp_num_layers=1),
 }
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",
            moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference

@@ -24,6 +24,7 @@ from ..checkpoint.merge import merge_checkpoint, model_config_from_saved
 from ..checkpoint.reshard import VOCAB_TENSORS, pad_vocab
 from ..data.tokenizers import build_tokenizer
 from ..errors import ConfigError
+from ..fusions.config import fusion_fields
 from ..models import GPTModel, TransformerConfig
 from ..moe.config import MoEConfig, moe_fields
 from ..parallel.pipeline.partition import layer_ranges
@@ -53,8 +54,10 @@ def inference_config(saved: dict, tp: int, params_dtype=torch.float32) -> Transf
                           "their layers need sequence parallelism at TP > 1; use pipeline parallelism instead")
     moe.moe_expert_capacity_factor, moe.moe_pad_expert_input_to_capacity = None, False  # drop no token
     moe.expert_tensor_parallel_size = None
+    fusions = fusion_fields(saved, model.swiglu)  # the fused bias + GeLU is the tanh GeLU: as trained
+    fusions.pop("gradient_accumulation_fusion", None)  # training only
     return TransformerConfig.from_model(model, tensor_model_parallel_size=tp, sequence_parallel=False,
-                                        params_dtype=params_dtype, **moe_fields(moe))
+                                        params_dtype=params_dtype, **moe_fields(moe), **fusions)
 
 
 def check_layout(state, saved: dict) -> None:

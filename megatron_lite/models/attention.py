@@ -15,6 +15,11 @@ dtype is 16-bit. Packed documents (integer document ids as the mask,
 :mod:`~megatron_lite.parallel.document_mask`) become a block-causal boolean mask for SDPA, or the
 ``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
+
+Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusion``, on by default);
+``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
+product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
+``--rope-fusion``. With bias + dropout fusion the output projection returns ``(output, bias)``.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
+from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
+
+fused_apply_rotary = jit_fuser(apply_rotary)
 
 
 def _flash_attn_funcs():
@@ -43,22 +51,38 @@ def _flash_attn_funcs():
     return flash_attn_func, flash_attn_varlen_func
 
 
-class DotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) [+ mask]) v with dropout on the probabilities (the core-attention seam).
+def _one_head_size(q, k, v):
+    """q, k, v zero-padded to one head size (flash-attn's kernels want one): zero channels change
+    neither the scores nor the kept output channels."""
+    d = max(q.shape[-1], v.shape[-1])
+    return tuple(t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
 
-    ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
-    ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
-    ``attention_mask`` None, bool ``[b, 1, s, s]`` (True = masked out) or int document ids ``[b, s]``.
-    Keys and values may be longer than the queries (decoding with a key/value cache): causal
-    attention is then bottom-right aligned, the queries being the last ``s`` positions.
+
+def softmax_scale(config) -> float:
+    """The scale of the attention logits: the config's (MLA's differs), else 1 / sqrt(head size)."""
+    scale = getattr(config, "softmax_scale", None)
+    return scale if scale is not None else 1.0 / math.sqrt(config.head_dim)
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T * scale [+ mask]) v with dropout on the probabilities (the core-attention seam).
+
+    ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv], attention_mask, causal) -> [s, b, nq * dv]``
+    with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
+    value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
+    None, bool ``[b, 1, sq, sk]`` (True = masked out) or int document ids ``[b, s]``. ``scale`` is
+    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one). Keys and values
+    may be longer than the queries (decoding with a key/value cache): causal attention is then
+    bottom-right aligned, the queries being the last ``s`` positions.
     """
 
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         self.tracker = state.rng_tracker
         self.dropout_p = config.attention_dropout
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
+        self.fused_softmax = config.masked_softmax_fusion
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -67,16 +91,21 @@ class DotProductAttention(nn.Module):
                 return self._attend(q, k, v, attention_mask, causal, p)
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
+    def _flash_applies(self, q, attention_mask) -> bool:
+        return (self.flash is not None and (attention_mask is None or is_document_ids(attention_mask))
+                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
+
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
-        s, b, nq, d = q.shape
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
         documents = is_document_ids(attention_mask)
-        if (self.flash is not None and (attention_mask is None or documents) and q.is_cuda
-                and q.dtype in (torch.float16, torch.bfloat16)):
+        if self._flash_applies(q, attention_mask):
             if documents:
                 return self._flash_documents(q, k, v, attention_mask, causal, dropout_p)
+            q, k, v = _one_head_size(q, k, v)
             out = self.flash[0](q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                                 softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
-            return out.transpose(0, 1).reshape(s, b, nq * d)
+            return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if documents:  # SDPA: True = may attend
             ids = attention_mask
@@ -85,20 +114,41 @@ class DotProductAttention(nn.Module):
             mask = None if attention_mask is None else ~attention_mask
         if causal and mask is None and k.shape[2] != s:  # SDPA's is_causal is top-left aligned
             mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
+        if not self.fused_softmax:
+            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
                                              enable_gqa=nq != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
     def _flash_documents(self, q, k, v, ids, causal, dropout_p):
         """flash-attn's variable-length kernel: the batch as one token stream cut at the documents."""
-        s, b, nq, d = q.shape
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
+        q, k, v = _one_head_size(q, k, v)
+        d = q.shape[-1]
         bounds, longest = cu_seqlens(ids)
         q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))  # [b * s, heads, d]
         out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
                             softmax_scale=self.scale, causal=causal)
-        return out.reshape(b, s, nq * d).transpose(0, 1).contiguous()
+        return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
+
+
+def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+    """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
+    ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``."""
+    b, nq, s, dv = *q.shape[:3], v.shape[-1]
+    if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
+        k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if attention_mask is not None:
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+    elif causal:
+        above = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
 
 class SelfAttention(nn.Module):
@@ -120,10 +170,13 @@ class SelfAttention(nn.Module):
         qkv_size = (heads + 2 * groups) * self.head_dim
         self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
         self.core_attention = core_attention(config, state, layer_number)
-        self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj")
+        self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj",
+                                      skip_bias_add=config.bias_dropout_fusion)
+        self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
-        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None.
+        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the
+        bias left to the layer); ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None.
 
         With ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`) the new tokens' keys
         and values (this rank's key/value heads only) are appended to the cache and the queries
@@ -136,7 +189,7 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if inference_context is not None:
             k, v = inference_context.append(self.layer_number, k, v)
         if self.selective_recompute and torch.is_grad_enabled():

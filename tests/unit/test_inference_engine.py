@@ -49,7 +49,7 @@ def test_cached_decoding_equals_full_recompute_at_every_step(variant, checkpoint
     assert cache.sequence_offset == 8 + NEW
 
 
-@pytest.mark.parametrize("variant, top_k", [("gpt", 1), ("rope_gqa", 5), ("moe", 0)])
+@pytest.mark.parametrize("variant, top_k", [("gpt", 1), ("rope_gqa", 5), ("moe", 0), ("mla_mtp", 5)])
 def test_engine_with_cache_equals_engine_without(variant, top_k, checkpoints):
     batch = prompts(3)
     params = SamplingParams(tokens_to_generate=NEW, top_k=top_k, random_seed=7, stop_on_eod=False)
