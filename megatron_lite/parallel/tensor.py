@@ -155,13 +155,16 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, *, last_use: bool = True):
+        """``last_use=False``: the weight is used again in this forward by a call whose gradient backward
+        reaches later (the main output head read again by multi-token prediction heads); only the last
+        gradient marks the weight ready for gradient-accumulation fusion."""
         if weight is None:
             if self.weight is None:
                 raise ValueError("this ColumnParallelLinear owns no weight (skip_weight_param_allocation); pass weight=")
             weight = self.weight
         gemm = self.gemm
-        if weight is not self.weight and gemm is accumulating_linear_gemm:
+        if (weight is not self.weight or not last_use) and gemm is accumulating_linear_gemm:
             gemm = accumulating_linear_gemm_not_last  # a tied embedding: its lookup's gradient comes later
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, self.tp_group, tensor_parallel_output_grad=True)
