@@ -9,6 +9,9 @@ Two references:
   Frobenius error bounds: 0.08 where both operands are E4M3 (3 mantissa bits, unit roundoff 2^-4),
   0.15 where the gradient is E5M2 (2 mantissa bits, unit roundoff 2^-3).
 
+The main test runs both GEMM paths: this CPU's (exact dequantised GEMMs) and the GPU's
+(``torch._scaled_mm`` with its operand layouts and wgrad padding, forced onto the CPU).
+
 The delayed-scaling test replays the recipe step by step in plain Python (history roll, most_recent
 or max, margin, zero amax keeps the old scale) and compares every scale and history entry.
 """
