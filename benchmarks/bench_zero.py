@@ -158,17 +158,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_strategy(argv: list[str]) -> list[tuple]:
+def _guarded_worker(rank, port, argv, results):
+    try:
+        _worker(rank, port, argv, results)
+    except BaseException as err:  # the parent restarts a run whose port was taken meanwhile
+        results.put((rank, "failed", f"{type(err).__name__}: {err}"))
+        raise
+
+
+def run_strategy(argv: list[str], attempts: int = 3) -> list[tuple]:
+    """Every rank's result, in rank order; a run whose free port was taken before rank 0 bound it is
+    restarted on another port."""
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, argv, results)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = [results.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return sorted(out)
+    for attempt in range(attempts):
+        results = ctx.SimpleQueue()
+        port = _free_port()
+        procs = [ctx.Process(target=_guarded_worker, args=(rank, port, argv, results)) for rank in range(WORLD)]
+        for p in procs:
+            p.start()
+        out = []
+        while len(out) < WORLD and not any(r[1] == "failed" for r in out):
+            out.append(results.get())
+        failed = [r for r in out if r[1] == "failed"]
+        for p in procs:
+            if failed:
+                p.terminate()
+            p.join()
+        if not failed:
+            return sorted(out)
+        if "EADDRINUSE" not in failed[0][2] or attempt == attempts - 1:
+            raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][2]}")
+    raise AssertionError("unreachable")
 
 
 def main() -> None:
