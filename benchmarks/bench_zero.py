@@ -228,7 +228,7 @@ def main() -> None:
                     f"{measured['optimizer_cpu'] / 2**20:.0f} | {device / n:.2f} + {measured['optimizer_cpu'] / n:.2f} "
                     f"| {step:.2f} | {ratio} |")
         print(rows[-1] + f"   ({n:,} params per rank, last loss {loss:.4f}, rank 0 baseline RSS {baseline:.0f} MiB, "
-              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+              f"load average {os.getloadavg()[0]:.1f})\n" + live_rows[-1], flush=True)
     print("\n| strategy | peak RSS per rank in the timed steps, MiB (max, min) | model state rank 0, MiB (device + CPU) "
           "| bytes/param (device + CPU) | step s (median) | step / no_shard |")
     print("|---|---|---|---|---|---|")
