@@ -14,10 +14,16 @@ communication buffers; an all-gather's input and output are communication buffer
 import torch
 import torch.distributed as dist
 
+from megatron_lite.config import ModelConfig
+from megatron_lite.models import GPTModel
+from megatron_lite.parallel.fsdp import FullyShardedDataParallel
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.parallel.state import ParallelState
 from megatron_lite.perf.memory_tracker import MemoryTracker
 from megatron_lite.perf.model_state import measured_model_state_bytes, model_state_bytes_per_param
 from tests.distributed.test_fsdp import STRATEGIES, _build, _step
 from tests.harness import cached_state, run_ranks
+from tests.model_helpers import transformer_config
 
 CPU = torch.device("cpu")
 N = 180  # parameters of the toy model
@@ -70,3 +76,21 @@ def test_zero3_units_and_collective_buffers_are_communication():
     for seen, collective in run_ranks(2, _gathered_during_forward):
         assert seen == [(72 + 36) * 4]  # block 0 and the root, fp32; block 1 not yet gathered
         assert collective == (256 + 512) * 4
+
+
+def test_zero3_root_gradients_do_not_wait_for_the_tied_embedding():
+    state = ParallelState()
+    model_parallel_seed(3, state)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
+    gpt = GPTModel(transformer_config(cfg, state), state, pre_process=True, post_process=True)
+    model = FullyShardedDataParallel(gpt, state)
+    assert [len(b.params) for b in model.root.buckets] == [1] * len(model.root.buckets) and len(model.root.buckets) > 1
+    root_bytes = 4 * sum(b.numel for b in model.root.buckets)  # fp32, gathered: embedding and final norm
+    tracker = MemoryTracker([model])
+    seen = []
+    for layer in gpt.decoder.layers:
+        layer.register_full_backward_pre_hook(lambda *_: seen.append(tracker.live()[CPU].bytes["communication"]))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with tracker:
+        model(tokens, labels=tokens).sum().backward()
+    assert seen == [root_bytes, root_bytes]
