@@ -96,7 +96,7 @@ class MemoryTracker(TorchDispatchMode):
         self.current: dict[torch.device, Snapshot] = {}
         self.peak: dict[torch.device, Snapshot] = {}
         self._where = "start"
-        self._in_optimizer = False
+        self._in_optimizer = 0  # depth of optimizer steps being run
         self._stack: contextlib.ExitStack | None = None
 
     # labels -------------------------------------------------------------------------------------
@@ -233,9 +233,30 @@ class MemoryTracker(TorchDispatchMode):
 
     def _optimizer_step(self, entering: bool):
         def hook(*_):
-            self._in_optimizer = entering
+            self._in_optimizer += 1 if entering else -1
 
         return hook
+
+    def _wrap_optimizer_step(self) -> None:
+        """Count the whole ``self.optimizer.step`` as the optimizer step: a wrapper's work around its torch
+        optimizer's step (gradient clipping, the distributed optimizer's parameter all-gather) too."""
+        optimizer = self.optimizer
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return  # a torch optimizer's step is seen by the global step hooks
+        step, own = optimizer.step, "step" in vars(optimizer)
+
+        def tracked_step(*args, **kwargs):
+            self._in_optimizer += 1
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._in_optimizer -= 1
+
+        optimizer.step = tracked_step
+        if own:
+            self._stack.callback(setattr, optimizer, "step", step)
+        else:
+            self._stack.callback(delattr, optimizer, "step")
 
     def _pack(self, t: torch.Tensor):
         key = self._track(t, "temporaries")
@@ -276,6 +297,7 @@ class MemoryTracker(TorchDispatchMode):
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         for register, entering in ((register_optimizer_step_pre_hook, True), (register_optimizer_step_post_hook, False)):
             self._stack.callback(register(self._optimizer_step(entering)).remove)
+        self._wrap_optimizer_step()
         self.refresh()
         self._check_peak()
         return super().__enter__()

@@ -86,6 +86,30 @@ def test_model_state_of_a_module_and_a_torch_optimizer():
     assert live["activations"] == live["communication"] == 0
 
 
+class _Wrapper:
+    """A Megatron-style optimizer: work around its torch optimizer's step (an all-gather buffer after it)."""
+
+    def __init__(self, inner):
+        self.optimizer = inner
+
+    def step(self):
+        self.optimizer.step()
+        torch.zeros(10_000)  # 40000 bytes, the step's peak
+
+
+def test_a_wrapper_optimizers_whole_step_is_the_optimizer_step():
+    model = torch.nn.Linear(4, 4)
+    opt = _Wrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    tracker = MemoryTracker([model], opt)
+    with tracker:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        torch.ones(10).sum()
+        assert tracker._phase() == "forward"
+    assert tracker.peak[CPU].where == "aten.zeros.default in the optimizer step"
+    assert "step" not in vars(opt)  # unwrapped on exit
+
+
 def test_register_labels_and_refuses_unknown_categories():
     tracker = MemoryTracker()
     kept = torch.zeros(250)
