@@ -4,7 +4,7 @@ A *unit* is a module marked ``sharding_unit = True`` (a transformer layer, the e
 output layer) holding parameters; what no unit holds (final norm, and a tied word embedding that
 the output layer of the same chunk reads) forms the chunk's *root* unit. Each unit's parameters
 form one or more buckets of :class:`~megatron_lite.parallel.data_parallel.DistributedDataParallel`
-(dense, expert, and a pipelined tied embedding alone), each flattened into one padded buffer
+(dense, expert, and a pipelined tied embedding alone; the root: one per parameter), each flattened into one padded buffer
 ``full`` of the params dtype. Every parameter is a view of its bucket's ``full`` for the whole
 run, so the layers keep reading ``weight`` as a plain tensor; between uses the storage of ``full``
 is resized to zero bytes (reading a freed parameter raises), and only ``bucket.param_shard``, this
@@ -105,7 +105,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 unit.module.register_forward_hook(self._post_forward(i))
 
     def _plan(self, dense, expert):
-        """One bucket group per unit (bucket_size does not split a unit), the root last."""
+        """One bucket group per unit (bucket_size does not split a unit), the root last, one bucket per
+        root parameter: the root's parameters get their gradients at different times of backward (the
+        final norm's first, a tied word embedding's last), and a bucket's full fp32 gradient buffer
+        lives from its first gradient to its reduce-scatter, so one root bucket would keep an
+        embedding-sized buffer alive through the whole backward pass."""
         ids = {id(p) for p in dense + expert}
         self._unit_params = []
         claimed = set()
@@ -118,7 +122,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         plan, self._unit_of_bucket = [], []
         for i, (_, _, ps) in enumerate(self._unit_params):
             keep = {id(p) for p in ps}
-            saved, self.bucket_size = self.bucket_size, float("inf")
+            root_unit = i == len(self._unit_params) - 1
+            saved, self.bucket_size = self.bucket_size, 1 if root_unit else float("inf")
             unit_plan = super()._plan([p for p in dense if id(p) in keep], [p for p in expert if id(p) in keep])
             self.bucket_size = saved
             plan += unit_plan

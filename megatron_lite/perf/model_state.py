@@ -77,36 +77,34 @@ def model_state_bytes_per_param(params_dtype: torch.dtype, strategy: str = "no_s
     return device + host
 
 
-def _storage_bytes(tensors, skip=frozenset()) -> int:
+def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once; a
-    freed storage counts 0; storages in ``skip`` are left out)."""
+    freed storage counts 0)."""
     sizes = {}
     for t in tensors:
-        if t is None:
-            continue
         storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in skip:
+        if storage.nbytes():
             sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
 
-def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
-    """``{"params", "grads", "optimizer", "optimizer_cpu"}`` bytes held by this rank, from storages.
+def model_state_tensors(chunks, optimizer) -> dict[str, list[torch.Tensor]]:
+    """The tensors behind each part of the model state, ``{"params", "grads", "optimizer", "optimizer_cpu"}``.
 
-    ``chunks``: the data-parallel wrapped model chunks. Params: the parameters' storages (a ZeRO-3
-    parameter between uses has a freed, empty storage) plus each bucket's ``param_shard``. Grads:
-    the full ``grad_buffer``, or the sharded ``grad_shards`` (plus any full bucket buffer alive at
-    the time). ``optimizer``: the Megatron optimizer; its torch optimizer's parameters that are not
-    model weights are the fp32 masters, and its state tensors the moments (the 0-dim step counters
-    are left out). With optimizer CPU offload the host half's masters, moments and gradient copy
-    are ``optimizer_cpu``; everything else is on the device.
+    ``chunks``: the data-parallel wrapped model chunks (or plain modules). Params: the parameters (a ZeRO-3 parameter
+    is a view of its bucket's gathered buffer, freed between uses) plus each bucket's
+    ``param_shard``. Grads: the full ``grad_buffer``, or the sharded ``grad_shards`` (plus any full
+    bucket buffer alive at the time). ``optimizer``: the Megatron optimizer (or a torch one); its torch optimizer's
+    parameters that are not model weights are the fp32 masters, and its state tensors the moments
+    (the 0-dim step counters are left out); with optimizer CPU offload the host half's masters,
+    moments and gradient copy are ``optimizer_cpu``. A tensor sharing a model weight's or a host
+    tensor's storage is not repeated under ``optimizer``.
     """
     buckets = [b for c in chunks for b in getattr(c, "buckets", [])]
     model = [p for c in chunks for p in c.parameters()]
-    model_storages = {p.untyped_storage().data_ptr() for p in model}
-    inner = optimizer.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)
     host = list(inner.host_tensors()) if hasattr(inner, "host_tensors") else []
-    host_storages = {t.untyped_storage().data_ptr() for t in host}
+    skip = {t.untyped_storage().data_ptr() for t in model + host}
     tensors = []
     for group in inner.param_groups:
         for p in group["params"]:
@@ -115,11 +113,17 @@ def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
     grads = ([getattr(c, "grad_buffer", None) for c in chunks] + [getattr(c, "grad_shards", None) for c in chunks]
              + [b.data for b in buckets])
     return {
-        "params": _storage_bytes(model + [b.param_shard for b in buckets]),
-        "grads": _storage_bytes(grads),
-        "optimizer": _storage_bytes(tensors, model_storages | host_storages),
-        "optimizer_cpu": _storage_bytes(host),
+        "params": model + [b.param_shard for b in buckets if b.param_shard is not None],
+        "grads": [g for g in grads if g is not None],
+        "optimizer": [t for t in tensors if t.untyped_storage().data_ptr() not in skip],
+        "optimizer_cpu": host,
     }
+
+
+def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
+    """``{"params", "grads", "optimizer", "optimizer_cpu"}`` bytes held by this rank, from the storages of
+    :func:`model_state_tensors` (a view counts its whole storage once, a freed storage 0)."""
+    return {part: _storage_bytes(tensors) for part, tensors in model_state_tensors(chunks, optimizer).items()}
 
 
 def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:

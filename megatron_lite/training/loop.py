@@ -36,6 +36,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger, print_rank_0
@@ -58,6 +59,7 @@ class TrainResult:
     exit_reason: str = "done"
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
+    memory: list = field(default_factory=list, repr=False)  # --memory-report: this rank's MemoryReport.steps_seen
     state: ParallelState | None = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
 
@@ -282,6 +284,8 @@ class _Training:
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
+        self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
+        self.result.memory = self.memory.steps_seen if self.memory is not None else []
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
 
@@ -297,11 +301,18 @@ class _Training:
         t, result = self.config.training, self.result
         step_start = time.time()
         self.profiler.before(self.iteration)
-        with self.volume.counting() if self.volume is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as tracking:
+            if self.volume is not None:
+                tracking.enter_context(self.volume.counting())
+            if self.memory is not None:
+                tracking.enter_context(self.memory.tracking())
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
                                                self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
         self.profiler.after(self.iteration)
+        if self.memory is not None:
+            for line in self.memory.after_step(self.iteration):
+                print_rank_0(f"> {line}")
         if self.async_saves is not None:  # a background save that is done gets its tracker now
             self.async_saves.poll()
         if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on

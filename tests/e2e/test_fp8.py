@@ -119,6 +119,8 @@ def test_startup_log_names_the_fp8_path(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FP8 hybrid (E4M3 forward, E5M2 gradients), delayed scaling" in out
     assert "FP8 layers 2-3 of 4" in out
+    assert "GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) as exact" in out
+    assert "dequantised GEMMs with fp32 accumulation" in out and "chosen by a one-time probe" in out
 
 
 @pytest.mark.parametrize("flags, words", [
