@@ -2,7 +2,7 @@
 
     python pretrain_bert.py --data-path data/sample_text_sentence --tokenizer-type BertWordPieceLowerCase \
         --vocab-file data/bert-vocab.txt ...                                        # one process
-    torchrun --nproc-per-node 4 pretrain_bert.py --tensor-model-parallel-size 2 \
+    torchrun --standalone --nproc-per-node 4 pretrain_bert.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 ...                                         # four
 
 Flags are Megatron-LM's (``--help`` lists them), plus BERT's own: ``--bert-no-binary-head`` (no

@@ -1,7 +1,7 @@
 """Pretrain a GPT model with tensor, sequence, context, pipeline and data parallelism.
 
     python pretrain_gpt.py --mock-data --vocab-size 512 ...                     # one process
-    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+    torchrun --standalone --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --data-path my_text_document ...         # four
 
 Flags are Megatron-LM's (``--help`` lists them). This file only says what is GPT-specific: how

@@ -18,7 +18,7 @@ def _env():
 
 
 def test_torchrun_tensor_and_pipeline_parallel(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--global-batch-size", "8", "--train-iters", "3", "--save", str(tmp_path / "ckpt")] + TINY
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

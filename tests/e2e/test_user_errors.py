@@ -182,7 +182,7 @@ def test_bad_flag_under_torchrun_is_printed_once():
 
     from tests.e2e.conftest import ROOT
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29549",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "pretrain_gpt.py", "--tensor-model-parallel-size", "3"] + TINY
     out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300)
