@@ -39,7 +39,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
-from megatron_lite.errors import exit_with_message
+from megatron_lite.errors import exit_with_message, run_script
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
 from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
@@ -163,4 +163,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # then the process groups are ended cleanly, and the exit code is main's

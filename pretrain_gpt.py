@@ -28,7 +28,7 @@ from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
-from megatron_lite.errors import exit_with_message
+from megatron_lite.errors import exit_with_message, run_script
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
@@ -152,4 +152,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # then the process groups are ended cleanly, and the exit code is main's
