@@ -39,7 +39,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
-from megatron_lite.errors import exit_with_message, run_script
+from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
 from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
@@ -159,7 +159,10 @@ def main(argv=None):
         return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
                         make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        exit_with_message(f"error: {err}", 2)
+        exit_with_message(f"error: {err}", 2, rank_local=is_rank_local(err))
+    except RuntimeError:  # a failed collective: did another rank stop on its own error? then exit as it did
+        exit_if_a_peer_stopped()
+        raise
 
 
 if __name__ == "__main__":

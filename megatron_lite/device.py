@@ -76,6 +76,11 @@ def _import_dynamo_first() -> None:
         pass
 
 
+def owns_process_group() -> bool:
+    """Whether :func:`init_distributed` made the default group (not so in a test's process pool)."""
+    return _OWNS_PROCESS_GROUP and dist.is_initialized()
+
+
 def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """End the process groups :func:`init_distributed` made (nothing if it found one already, as in a
     test's process pool): a barrier (``wait_for_peers``: every rank is past its last collective), then
@@ -88,7 +93,7 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
     aborts ("terminate called without an active exception", exit -6) or hangs after a finished run.
     """
     global _OWNS_PROCESS_GROUP
-    if not (_OWNS_PROCESS_GROUP and dist.is_initialized()):
+    if not owns_process_group():
         return
     if wait_for_peers:
         dist.barrier()

@@ -1,14 +1,22 @@
-"""How a run ends: a user error in one line (exit 2), and a clean exit after success.
+"""How a run ends: a user error in one line (exit 2) on every rank, and a clean exit after success.
 
 * An error every rank raises together (a bad flag, a checkpoint every rank refuses: the checkpoint
   code agrees on refusals across ranks first) is printed by global rank 0 only, and every rank
   exits with its code (:func:`exit_with_message`).
+* An error one rank may see alone: inside the training loop the ranks are not in step (one rank's
+  batch holds a bad token id while the others wait for it in a collective). The loop marks such
+  errors (:func:`rank_local_errors`); the rank posts its message to the job's key-value store (the
+  one torchrun / ``init_process_group`` already run; the first message posted wins), prints it and
+  ends at once. Its closed connections fail the collectives the others wait in; each of them finds
+  the message there (:func:`exit_if_a_peer_stopped`) and exits with the same code without printing.
+  No collective is added to the steps: the store is read only after a collective has failed.
 * A script's ``__main__`` is :func:`run_script`: after ``main()`` it ends the process groups while
   the interpreter is whole (:func:`~megatron_lite.device.shutdown_distributed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -18,19 +26,67 @@ class ConfigError(ValueError):
     """A bad flag or flag combination; the message names the flag and the fix."""
 
 
-# torchrun stops every worker as soon as one exits with an error. The message is printed by rank 0
-# only (once, not once per rank), so the other ranks wait this long before exiting: otherwise a
-# fast rank 1 can get rank 0 killed before it has printed anything.
+# torchrun stops every worker as soon as one exits with an error. The message of an error every
+# rank raises is printed by rank 0 only (once, not once per rank), so the other ranks wait this long
+# before exiting: otherwise a fast rank 1 can get rank 0 killed before it has printed anything.
 PEER_EXIT_GRACE_S = 5.0
+_STORE_KEY = "megatron_lite/rank_error"  # "<exit code> <message>" of the first rank that stopped alone
 
 
-def exit_with_message(message: str, code: int) -> None:
-    """Exit with ``code``; ``message`` printed to stderr by global rank 0 only (see above)."""
+def exit_with_message(message: str, code: int, rank_local: bool = False) -> None:
+    """Exit with ``code``, ``message`` printed to stderr once.
+
+    ``rank_local`` False (every rank raised the error): global rank 0 prints it, the others wait
+    :data:`PEER_EXIT_GRACE_S` first. True (this rank may be alone, see the module docstring): the
+    message goes to the job's store and this rank ends at once (``os._exit``: an interpreter exit
+    would wait for the collectives in flight, which wait for the ranks that wait for this one).
+    """
+    store = _store() if rank_local else None
+    if store is not None:
+        first = _post(store, f"{code} {message}")
+        _end_now(code, message if first else None)  # a second rank's error: the first message stands
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(PEER_EXIT_GRACE_S)
     sys.exit(code)
+
+
+def exit_if_a_peer_stopped() -> None:
+    """After a failed collective: if another rank stopped on its own error (posted to the store), exit
+    with its code at once and silently (that rank printed the message); otherwise return."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        if not store.check([_STORE_KEY]):
+            return
+        code, _ = store.get(_STORE_KEY).decode().split(" ", 1)
+    except Exception:  # noqa: BLE001 - the store is gone too: report the failure itself
+        return
+    _end_now(int(code), None)
+
+
+@contextlib.contextmanager
+def rank_local_errors():
+    """Inside, the ranks are not in step: an error escaping (a rank's bad batch) may be this rank's
+    alone; it is marked so (unless :func:`raised_on_every_rank` marked it) for :func:`exit_with_message`."""
+    try:
+        yield
+    except Exception as err:
+        if not getattr(err, "on_every_rank", False):
+            err.rank_local = True
+        raise
+
+
+def raised_on_every_rank(err: Exception) -> Exception:
+    """Mark ``err`` as raised by every rank together (agreed), so it takes the ordinary exit."""
+    err.on_every_rank = True
+    return err
+
+
+def is_rank_local(err: BaseException) -> bool:
+    return getattr(err, "rank_local", False)
 
 
 def run_script(main) -> None:
@@ -51,3 +107,34 @@ def run_script(main) -> None:
     # after success: an error exit may be one rank's (its peers must not wait for it there)
     shutdown_distributed(wait_for_peers=code == 0)
     sys.exit(code)
+
+
+def _store():
+    """The job's key-value store when more than one process runs and the run made the process group
+    (a test's process pool owns its group, and its workers must not end at once), else None."""
+    try:
+        import torch.distributed as dist
+
+        from .device import owns_process_group
+
+        if not (owns_process_group() and dist.get_world_size() > 1):
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the caller falls back to the plain exit
+        return None
+
+
+def _post(store, value: str) -> bool:
+    """Post ``value`` unless a value is there already; whether this one is the one posted."""
+    try:
+        return store.compare_set(_STORE_KEY, "", value).decode() == value
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _end_now(code: int, message: str | None) -> None:
+    if message is not None:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
