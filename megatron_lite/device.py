@@ -92,12 +92,15 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
     finalisation; freeing it takes the GIL, which a finalising interpreter refuses, and the process
     aborts ("terminate called without an active exception", exit -6) or hangs after a finished run.
     """
+    from .parallel.state import forget_groups
+
     global _OWNS_PROCESS_GROUP
     if not owns_process_group():
         return
     if wait_for_peers:
         dist.barrier()
     dist.destroy_process_group()
+    forget_groups()  # the per-process group cache (a pool worker's, whose harness owns the group, is kept)
     _OWNS_PROCESS_GROUP = False
     gc.collect()  # the subgroups' last references (in reference cycles): their destructors join the threads
 
