@@ -9,7 +9,10 @@
   one torchrun / ``init_process_group`` already run; the first message posted wins), prints it and
   ends at once. Its closed connections fail the collectives the others wait in; each of them finds
   the message there (:func:`exit_if_a_peer_stopped`) and exits with the same code without printing.
-  No collective is added to the steps: the store is read only after a collective has failed.
+  No collective is added to the steps: the store is read only after a collective has failed. Where
+  rank 0's process hosts the store (a launch without torchrun's agent, e.g. srun with MASTER_ADDR),
+  rank 0 closes its connections first and stays until every rank has read the store (at most
+  :data:`STORE_HOST_WAIT_S`).
 * A script's ``__main__`` is :func:`run_script`: after ``main()`` it ends the process groups while
   the interpreter is whole (:func:`~megatron_lite.device.shutdown_distributed`).
 """
@@ -31,6 +34,8 @@ class ConfigError(ValueError):
 # before exiting: otherwise a fast rank 1 can get rank 0 killed before it has printed anything.
 PEER_EXIT_GRACE_S = 5.0
 _STORE_KEY = "megatron_lite/rank_error"  # "<exit code> <message>" of the first rank that stopped alone
+_SEEN_KEY = "megatron_lite/rank_error_seen"  # how many ranks have ended on it
+STORE_HOST_WAIT_S = 30.0
 
 
 def exit_with_message(message: str, code: int, rank_local: bool = False) -> None:
@@ -44,7 +49,7 @@ def exit_with_message(message: str, code: int, rank_local: bool = False) -> None
     store = _store() if rank_local else None
     if store is not None:
         first = _post(store, f"{code} {message}")
-        _end_now(code, message if first else None)  # a second rank's error: the first message stands
+        _end_now(store, code, message if first else None)  # a second rank's error: the first message stands
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
     else:
@@ -64,7 +69,7 @@ def exit_if_a_peer_stopped() -> None:
         code, _ = store.get(_STORE_KEY).decode().split(" ", 1)
     except Exception:  # noqa: BLE001 - the store is gone too: report the failure itself
         return
-    _end_now(int(code), None)
+    _end_now(store, int(code), None)
 
 
 @contextlib.contextmanager
@@ -132,9 +137,55 @@ def _post(store, value: str) -> bool:
         return True
 
 
-def _end_now(code: int, message: str | None) -> None:
+def _end_now(store, code: int, message: str | None) -> None:
+    """Print ``message`` (if any) and end this process at once, counted out in the store. The process
+    hosting the store first lets the others fail and read it (see the module docstring)."""
     if message is not None:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        seen = store.add(_SEEN_KEY, 1)
+        if _hosts_store():
+            import torch.distributed as dist
+
+            world = dist.get_world_size()
+            _close_connections()
+            deadline = time.monotonic() + STORE_HOST_WAIT_S
+            while seen < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                seen = store.add(_SEEN_KEY, 0)
+    except Exception:  # noqa: BLE001 - a store that fails now: end anyway
+        pass
     os._exit(code)
+
+
+def _hosts_store() -> bool:
+    """Whether this process serves the job's store: rank 0, unless torchrun's agent serves it."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _close_connections() -> None:
+    """Let this process's groups go (in a daemon thread: a group whose destructor waits for a
+    collective that never completes must not hold the exit up), so that its peers' collectives fail
+    now: the run's objects are dropped with the frames of the exception being handled."""
+    import gc
+    import threading
+    import traceback
+
+    import torch.distributed as dist
+
+    from .parallel.state import forget_groups
+
+    error = sys.exc_info()[1]
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+
+    def release():
+        dist.destroy_process_group()
+        forget_groups()
+        gc.collect()
+
+    threading.Thread(target=release, daemon=True).start()

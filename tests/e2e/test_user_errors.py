@@ -207,9 +207,11 @@ def _one_message_no_traceback(text, launcher_tracebacks=0):
     assert "gloo/" not in text and "Connection closed" not in text and "RuntimeError" not in text, text[-3000:]
 
 
-def test_a_bad_batch_on_one_rank_stops_every_rank_with_one_line_exit_2(tmp_path):
-    """Rank 1 alone meets the bad token while rank 0 waits for it in the gradient all-reduce: both
-    processes (launched one by one, as srun would) exit 2, the message is printed once."""
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_one_line_exit_2(bad_rank):
+    """One rank alone meets the bad token while the other waits for it in the gradient all-reduce:
+    both processes (launched one by one, as srun would: rank 0's process serves the store) exit 2,
+    the message is printed once."""
     import os
     import socket
     import subprocess
@@ -220,7 +222,7 @@ def test_a_bad_batch_on_one_rank_stops_every_rank_with_one_line_exit_2(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable] + _bad_batch_argv(1), cwd=ROOT, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable] + _bad_batch_argv(bad_rank), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"))
