@@ -180,14 +180,15 @@ def _tensors(obj, prefix=""):
             yield from _tensors(item, f"{prefix}/{i}" if prefix else str(i))
 
 
-def _crc(tensor: torch.Tensor) -> int:
+def tensor_crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of the bytes of ``tensor``."""
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(memoryview(data))
 
 
 def with_checksums(payload: dict) -> dict:
     """``payload`` plus ``{path: crc32}`` of each of its tensors (what :func:`load_file` verifies)."""
-    return dict(payload, **{CHECKSUMS_KEY: {path: _crc(t) for path, t in _tensors(payload)}})
+    return dict(payload, **{CHECKSUMS_KEY: {path: tensor_crc(t) for path, t in _tensors(payload)}})
 
 
 def verify_checksums(obj: dict, path: str, what: str = "checkpoint file") -> None:
@@ -196,7 +197,7 @@ def verify_checksums(obj: dict, path: str, what: str = "checkpoint file") -> Non
     if saved is None:  # written before checksums existed
         return
     for name, tensor in _tensors(obj):
-        if saved.get(name) != _crc(tensor):
+        if saved.get(name) != tensor_crc(tensor):
             raise CheckpointError(f"{what} {path}: tensor {name} fails its checksum (the file is damaged); "
                                   "point --load at another checkpoint")
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import get_device
+from ..errors import raised_on_every_rank
 from ..parallel.fsdp import full_params
 from ..training.logging import is_logging_rank, print_rank_0
 from .dist import is_fresh_layout, layout_of, load_dist
@@ -84,7 +85,7 @@ def on_every_rank(step):
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise CheckpointError(error)
+        raise raised_on_every_rank(CheckpointError(error))
     return result
 
 

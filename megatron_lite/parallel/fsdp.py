@@ -7,8 +7,11 @@ form one or more buckets of :class:`~megatron_lite.parallel.data_parallel.Distri
 (dense, expert, and a pipelined tied embedding alone; the root: one per parameter), each flattened into one padded buffer
 ``full`` of the params dtype. Every parameter is a view of its bucket's ``full`` for the whole
 run, so the layers keep reading ``weight`` as a plain tensor; between uses the storage of ``full``
-is resized to zero bytes (reading a freed parameter raises), and only ``bucket.param_shard``, this
-rank's chunk, stays. Per forward and per backward:
+is resized to zero bytes, and only ``bucket.param_shard``, this rank's chunk, stays. A freed
+parameter must not be read (a layer's read raises, but an element-wise read of memory that is gone
+crashes inside PyTorch): read the values inside :func:`full_params`. The parameters are
+:class:`ShardedParameter`, so printing one (or the model) never reads freed memory.
+Per forward and per backward:
 
 * forward: a pre-hook all-gathers the unit (and, with ``--overlap-param-gather``, starts the next
   unit's all-gather); a hook frees it after its forward and hooks the unit's outputs;
@@ -32,6 +35,28 @@ import torch
 from . import comm
 from .data_parallel import DistributedDataParallel
 from .dp_hooks import on_backward
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A ZeRO-3 parameter: a view of its bucket's ``full`` buffer, whose storage is gone between uses.
+
+    Only ``repr`` differs from ``nn.Parameter``: PyTorch's printer would read the freed memory (and
+    crash the process); this one prints the shape and dtype, and the values only while gathered.
+    """
+
+    def __repr__(self) -> str:
+        if is_gathered(self):
+            return f"Parameter containing:\n{self.detach()!r}"
+        return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
+                "sharded by ZeRO-3 and not gathered now; read it inside full_params(chunks))")
+
+
+def is_gathered(tensor: torch.Tensor) -> bool:
+    """Whether the storage behind ``tensor`` holds all its elements (False for a freed ZeRO-3 view)."""
+    if tensor.numel() == 0:
+        return True
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return tensor.untyped_storage().nbytes() >= (last + 1) * tensor.element_size()
 
 
 def _in_backward() -> bool:
@@ -143,6 +168,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 a, e = bucket.offsets[id(p)]
                 bucket.full[a:e].copy_(p.detach().reshape(-1))
                 p.data = bucket.full[a:e].view(p.shape)
+                p.__class__ = ShardedParameter
             start, end = bucket.shard()
             bucket.param_shard = bucket.full[start:end].clone()
             bucket.full.untyped_storage().resize_(0)

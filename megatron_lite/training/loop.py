@@ -24,6 +24,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
 from ..models.transformer import compile_layers
 from ..models.transformer_config import TransformerConfig
@@ -78,7 +79,9 @@ class _ExitSignal:
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm became NaN/inf (``--check-for-nan-in-loss-and-grad``); the message
-    names the iteration and rank. Raised before that iteration is saved."""
+    names the iteration and rank. Raised before that iteration is saved, by every rank together."""
+
+    on_every_rank = True  # see megatron_lite.errors
 
 
 def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
@@ -364,6 +367,19 @@ class _Training:
 
     def run(self) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
+        with rank_local_errors():  # e.g. a bad batch: read by one rank while the others wait in a collective
+            self._iterate()
+        if self.async_saves is not None:
+            self.async_saves.wait()
+        self.profiler.close()  # the run ended inside the profiling window
+        self.logger.close()
+        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
+            chunk.finish_param_gather()
+        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
+        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
+        return self.result
+
+    def _iterate(self) -> None:
         t, ck = self.config.training, self.config.checkpoint
         evaluating = t.eval_iters > 0 and self.valid_iter is not None
         while self.iteration < t.train_iters:
@@ -382,15 +398,6 @@ class _Training:
             self.save()
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
-        if self.async_saves is not None:
-            self.async_saves.wait()
-        self.profiler.close()  # the run ended inside the profiling window
-        self.logger.close()
-        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
-            chunk.finish_param_gather()
-        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
-        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
-        return self.result
 
 
 def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:

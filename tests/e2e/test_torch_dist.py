@@ -196,6 +196,25 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
     _one_line_exit_2(capsys, load, ".metadata", "corrupt")
 
 
+def test_a_tensor_with_damaged_bytes_is_refused_naming_its_file_and_tensor(tmp_path, capsys):
+    """One byte of one saved tensor flipped (the file still reads): its CRC-32 no longer matches."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save = str(tmp_path / "s")
+    pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--exit-interval", "2"]))
+    folder = os.path.join(save, "iter_0000002")
+    key = "weight/embedding.word_embeddings.weight/0_0_0"
+    [(index, info)] = [(i, f) for i, f in FileSystemReader(folder).read_metadata().storage_data.items() if i.fqn == key]
+    data = os.path.join(folder, info.relative_path)
+    with open(data, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save]),
+                     data, f"tensor {key} fails its checksum")
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
 ])

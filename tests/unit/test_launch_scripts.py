@@ -142,3 +142,36 @@ def test_sbatch_requeues_only_after_a_clean_early_exit(tmp_path, latest, srun_rc
     assert sum(line.startswith("srun --ntasks-per-node=1") for line in recorded) == 1
     assert ("scontrol requeue 4242" in recorded) == requeued
     assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def test_single_node_launches_pick_a_free_port():
+    """No test, example or README command launches torchrun on a fixed port (it collides with any other
+    job on the machine): one node uses ``--standalone``; a multi-node port comes from the environment."""
+    import re
+
+    # a number, or a default other than the multi-node MASTER_PORT's (which every node must agree on)
+    fixed = re.compile(r"""master[-_]port["'\s,=]+["']?(\$\{(?!MASTER_PORT)\w+:-)?\d""", re.IGNORECASE)
+    found = []
+    for top in ("tests", "examples", "README.md", "pretrain_gpt.py", "pretrain_bert.py"):
+        path = os.path.join(ROOT, top)
+        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for name in files:
+            if name.endswith((".py", ".sh", ".md", ".sbatch")) and name != __file__:
+                with open(name, encoding="utf-8") as f:
+                    found += [f"{os.path.relpath(name, ROOT)}: {line.strip()}" for line in f if fixed.search(line)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("script, nodes, expected", [
+    ("llama/train_llama3_8b.sh", "1", "torchrun --standalone --nproc-per-node 8 "),
+    ("llama/train_llama3_8b.sh", "2", "torchrun --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr localhost "
+                                      "--master-port 6000 "),
+])
+def test_launch_uses_a_free_port_on_one_node(tmp_path, script, nodes, expected):
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\necho "torchrun $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "NUM_NODES": nodes}
+    out = _bash(os.path.join(EXAMPLES, script), **env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(expected), out.stdout[:300]
