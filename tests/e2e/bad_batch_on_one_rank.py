@@ -5,7 +5,9 @@ fine), as when one data-parallel rank reads a corrupt sample. The real check ref
 import os
 import sys
 
-import pretrain_gpt
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+
+import pretrain_gpt  # noqa: E402
 from megatron_lite.errors import run_script
 
 
