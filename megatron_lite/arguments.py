@@ -15,7 +15,7 @@ import time
 import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
-from .errors import PEER_EXIT_GRACE_S
+from .errors import PEER_EXIT_GRACE_S, OneLineParser
 from .models.transformer_config import (
     CP_COMM_TYPES,
     NORMALIZATIONS,
@@ -33,7 +33,7 @@ CHOICES = {
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
-    "cp_comm_type": list(CP_COMM_TYPES),
+    "cp_comm_type": list(CP_COMM_TYPES) + ["a2a+p2p"],  # the latter refused in one line (not built)
     "optimizer": ["adam", "sgd"],
     "ckpt_format": ["torch", "torch_dist"],
     "pipeline_schedule": ["1f1b", "zb-h1"],
@@ -77,9 +77,9 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser that prints (usage, errors, help) only on rank 0 of a torchrun launch:
-    every rank still exits with code 2 on a bad flag, but the message appears once."""
+class RankZeroParser(OneLineParser):
+    """A OneLineParser that prints (errors, help) only on rank 0 of a torchrun launch: every rank
+    still exits with code 2 on a bad flag, but the message appears once."""
 
     def _print_message(self, message, file=None):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -110,9 +110,10 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             if kind is bool:  # on by default: --no-<flag> turns it off
                 group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
-            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            base = base[0]
-            if typing.get_origin(base) is list:
+            if typing.get_origin(kind) is not list:  # ``X | None`` -> X; a plain ``list[X]`` stays whole
+                kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+            base = kind
+            if typing.get_origin(base) is list:  # every list field takes several values, as in Megatron
                 kwargs["nargs"] = "+"
                 base = typing.get_args(base)[0]
             kwargs["type"] = base

@@ -26,7 +26,7 @@ class ModelConfig:
     hidden_size: int = 64
     """Transformer hidden size."""
     ffn_hidden_size: int | None = None
-    """MLP hidden size (default 4 x hidden-size)."""
+    """MLP hidden size (default 4 x hidden-size; with --swiglu int(4 x hidden-size x 2/3 / 64) x 64, as Megatron-LM)."""
     num_attention_heads: int = 4
     """Number of attention heads."""
     group_query_attention: bool = False
@@ -67,6 +67,19 @@ class ModelConfig:
     """Vocabulary size for --mock-data / NullTokenizer (otherwise from the tokenizer)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
     """Derived: vocabulary padded for the embedding and output layers."""
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
+    projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
+    the 4h GeLU layer's. Raises ConfigError where that rounds to 0 (hidden sizes below 24)."""
+    if not swiglu:
+        return 4 * hidden_size
+    ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
+    if ffn < 1:
+        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
+                          "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
+    return ffn
 
 
 @dataclass
@@ -261,19 +274,20 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     from .parallel.state import ParallelConfigError, RankGrid
 
     p = config.parallel
+    # What no launch can run comes first (a feature not built, a shape that does not split), then
+    # what needs another number of processes: one process must not be told to launch more for a
+    # combination that would be refused anyway.
+    _check_precision(config.precision)
+    _check_model(config)
+    _check_parallel(config)
     try:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                         dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
     except ParallelConfigError as err:
-        _check_parallel(config)  # what cannot work at all first, then what needs another launch
-        _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
-    _check_model(config)
-    _check_parallel(config)
     _check_batch(config)
-    _check_precision(config.precision)
     _check_schedule(config)
     _check_data_and_checkpoint(config)
     return config
@@ -307,6 +321,8 @@ def _check_parallel(config: Config) -> None:
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
+        _require(p.pipeline_schedule != "zb-h1", "--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
+                 "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0 and m.num_layers % (per * pp) == 0,
@@ -334,7 +350,7 @@ def _check_batch(config: Config) -> None:
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
-        try:  # also refuses --pipeline-schedule zb-h1 (one chunk per rank)
+        try:
             from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
                                            p.pipeline_model_parallel_size, p.pipeline_schedule)

@@ -1,5 +1,7 @@
 """The error a user's bad flag or flag combination raises (the CLI prints it in one line, exit 2)."""
 
+import argparse
+
 
 class ConfigError(ValueError):
     """A bad flag or flag combination; the message names the flag and the fix."""
@@ -22,3 +24,11 @@ def exit_with_message(message: str, code: int) -> None:
     else:
         time.sleep(PEER_EXIT_GRACE_S)
     sys.exit(code)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (unknown flag, invalid choice, bad value, missing value) are
+    one line and exit code 2, without the usage block (``--help`` shows that)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")

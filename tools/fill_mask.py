@@ -25,12 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.checkpoint import CheckpointError, load_bert_checkpoint  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 MASK = "[MASK]"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save folder (latest iteration) or an iter_* folder")
     p.add_argument("--text", required=True, help=f"text with one or more {MASK} markers")
     p.add_argument("--top-k", type=int, default=5, help="predictions shown per mask")

@@ -26,10 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.checkpoint import CheckpointError, load_gpt_checkpoint  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save folder (latest iteration) or an iter_* folder")
     p.add_argument("--prompt", default="", help="text to continue (empty: start from the end-of-document token)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")

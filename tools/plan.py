@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
 from megatron_lite.perf.plan import (  # noqa: E402
     CLUSTER_PRESETS,
     MATMUL_EFFICIENCY,
@@ -58,7 +58,7 @@ LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="a published model's shapes")
     for flag, (_, kind) in MODEL_FLAGS.items():
         ap.add_argument(flag, type=kind)

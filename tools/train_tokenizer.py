@@ -27,6 +27,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.errors import OneLineParser  # noqa: E402
+
 
 def read_texts(path: str, json_keys=("text",), jsonl=None):
     """Yield the training texts of a JSONL or plain-text file (see the module docstring)."""
@@ -102,7 +104,7 @@ def train_wordpiece_vocab(texts, output_prefix: str, vocab_size: int, lower_case
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to train on")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab (SentencePiece) "

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ..config import ModelConfig, ParallelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, OneLineParser
 from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
@@ -211,7 +211,7 @@ SAVERS = {"megatron": Plugin(_megatron_saver_args, _save_megatron_with_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Convert checkpoints between layouts and formats.", allow_abbrev=False)
+    parser = OneLineParser(description="Convert checkpoints between layouts and formats.", allow_abbrev=False)
     parser.add_argument("--model-type", required=True, choices=["GPT", "BERT"], help="Model family.")
     parser.add_argument("--loader", default="megatron", choices=sorted(LOADERS), help="Format of --load-dir.")
     parser.add_argument("--saver", default="megatron", choices=sorted(SAVERS), help="Format to write.")

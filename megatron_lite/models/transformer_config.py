@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import default_ffn_hidden_size
 from ..errors import ConfigError
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
@@ -45,7 +46,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 x hidden_size
+    ffn_hidden_size: int | None = None  # default 4 x hidden_size (SwiGLU: see default_ffn_hidden_size)
     num_query_groups: int | None = None  # default: one per head (multi-head attention)
     kv_channels: int | None = None  # head size; default hidden_size / num_attention_heads
     seq_length: int = 128
@@ -117,7 +118,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
 
     def _derive(self) -> None:
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
