@@ -103,7 +103,7 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli", True):
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))  # a few Megatron flags keep an underscore
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
@@ -150,6 +150,8 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
+        if config.checkpoint.use_checkpoint_args:
+            _take_checkpoint_args(config)
         finalize(config, world_size)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
@@ -157,6 +159,19 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         print(args_summary(config))
         parser.exit(0)
     return config
+
+
+def _take_checkpoint_args(config: Config) -> None:
+    """--use-checkpoint-args: the architecture flags from the checkpoint at --load (said on rank 0)."""
+    from .checkpoint.arch import apply_checkpoint_args
+    from .checkpoint.format import CheckpointError
+
+    try:
+        changed = apply_checkpoint_args(config)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    if changed and int(os.environ.get("RANK", "0")) == 0:
+        print(f"> --use-checkpoint-args: model flags from {config.checkpoint.load}: {', '.join(changed)}", flush=True)
 
 
 CHECK_ARGS_ENV = "MEGATRON_LITE_CHECK_ARGS"

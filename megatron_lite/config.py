@@ -69,6 +69,24 @@ class ModelConfig:
     """Derived: vocabulary padded for the embedding and output layers."""
 
 
+ARCHITECTURE_FLAGS = (
+    # parameter shapes
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
+    "moe_router_enable_expert_bias",
+    "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
+    # same shapes, another function
+    "openai_gelu", "rotary_base", "norm_epsilon",
+    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk",
+)
+"""The flags (config field names, any section) that define the model a checkpoint holds. A resume
+(not --finetune) refuses a checkpoint saved with another value of any of them, naming the flag and
+both values; ``--use-checkpoint-args`` takes them from the checkpoint. A new model flag goes here."""
+
+
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
     projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
@@ -184,6 +202,11 @@ class OptimizerConfig:
     """With --optimizer-cpu-offload: the fraction of this rank's optimizer shard kept on the CPU."""
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """With --optimizer-cpu-offload on a GPU: copy gradients and params on a side stream."""
+    override_opt_param_scheduler: bool = field(default=False, metadata={"flag": "--override-opt_param-scheduler"})
+    """On resume, use this run's learning-rate flags even where the checkpoint's schedule differs."""
+    use_checkpoint_opt_param_scheduler: bool = field(default=False,
+                                                     metadata={"flag": "--use-checkpoint-opt_param-scheduler"})
+    """On resume, continue the checkpoint's learning-rate schedule whatever this run's flags say."""
 
 
 @dataclass
@@ -236,6 +259,8 @@ class CheckpointConfig:
     """Load the checkpoint at --load in whichever format it is."""
     async_save: bool = False
     """Write torch_dist checkpoints in the background while training goes on."""
+    use_checkpoint_args: bool = False
+    """Take the model flags (architecture, see ARCHITECTURE_FLAGS) from the checkpoint at --load."""
 
 
 @dataclass
@@ -373,6 +398,8 @@ def _check_schedule(config: Config) -> None:
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
     _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
