@@ -30,12 +30,14 @@ def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str
             for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]]
 
 
-def check_architecture(where: str, saved_config: dict, config) -> None:
+def check_architecture(where: str, saved_config: dict, config, release: bool = False) -> None:
     """Refuse (CheckpointError, one line) a resume whose model flags differ from the checkpoint's;
-    nothing with --finetune. The padded vocabulary may differ (loading re-pads it)."""
+    nothing with --finetune. The padded vocabulary may differ (loading re-pads it); the vocabulary
+    itself too for a ``release`` checkpoint (a converted model a new run starts from, e.g. with
+    --mock-data, whose NullTokenizer adds an end-of-document id)."""
     if config.checkpoint.finetune:
         return
-    arch = arch_differences(saved_config, config, RESUME_FIELDS)
+    arch = arch_differences(saved_config, config, ARCHITECTURE_FLAGS if release else RESUME_FIELDS)
     if arch:
         raise CheckpointError(
             f"checkpoint {where} was saved with {', '.join(arch)}; match the model flags, pass --use-checkpoint-args "

@@ -211,7 +211,8 @@ def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progre
     copy_tokenizer_files(bundle.tokenizer_files, folder)
     found = tokenizer_in_folder(folder)
     if found and not bundle.config.get("tokenizer_type"):  # say which tokenizer flags load the kept files
-        out = out.replace("(and the tokenizer flags)", " ".join(tokenizer_flags(found)))
+        load = f"load it with: --load {args.save_dir} "
+        out = out.replace(" (and the tokenizer flags)", "").replace(load, load + " ".join(tokenizer_flags(found)) + " ")
     return out
 
 

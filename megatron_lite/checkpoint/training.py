@@ -326,7 +326,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     modules = [_inner(c) for c in chunks]
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
-        check_architecture(path, ckpt.get("config", {}), config)
+        check_architecture(path, ckpt.get("config", {}), config, release=iteration == "release")
         for module, saved in zip(modules, ckpt["model"]):
             module.load_state_dict(saved, strict=True)
 
@@ -356,7 +356,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     """:func:`_load_here` for a torch_dist checkpoint: it loads at any TP x PP x DP layout."""
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
-    check_architecture(folder, common["config"], config)
+    check_architecture(folder, common["config"], config, release=iteration == "release")
     finetune = ck.finetune or iteration == "release"
     try:  # the vocabulary may be padded for another TP size: load_dist re-pads it
         load_dist(folder, common, chunks, optimizer, scheduler, state, not finetune and not ck.no_load_optim)

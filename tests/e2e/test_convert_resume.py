@@ -22,7 +22,7 @@ RESUME = ["--no-load-rng"]
 def test_converted_checkpoint_resumes_at_a_new_layout_like_the_original(tmp_path):
     src, tp1 = str(tmp_path / "tp2pp2"), str(tmp_path / "tp1")
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    _ranks_losses(4, _argv(src, 4, MODEL_B + layout + ["--use-distributed-optimizer"]))
+    _ranks_losses(4, _argv(src, 8, MODEL_B + layout + ["--use-distributed-optimizer", "--exit-interval", "4"]))
     convert = load_tool("checkpoint/convert").main
     assert convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", src,
                     "--save-dir", tp1, "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]) == 0
