@@ -73,31 +73,16 @@ ARCHITECTURE_FLAGS = (
     # parameter shapes
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
-    "untie_embeddings_and_output_weights",
-    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
-    "moe_router_enable_expert_bias",
+    "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "moe_router_enable_expert_bias",
     "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
     # same shapes, another function
-    "openai_gelu", "rotary_base", "norm_epsilon",
-    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-    "moe_router_num_groups", "moe_router_group_topk",
+    "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 (not --finetune) refuses a checkpoint saved with another value of any of them, naming the flag and
 both values; ``--use-checkpoint-args`` takes them from the checkpoint. A new model flag goes here."""
-
-
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
-    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
-    projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
-    the 4h GeLU layer's. Raises ConfigError where that rounds to 0 (hidden sizes below 24)."""
-    if not swiglu:
-        return 4 * hidden_size
-    ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
-    if ffn < 1:
-        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
-                          "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
-    return ffn
 
 
 @dataclass

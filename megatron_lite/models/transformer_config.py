@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import default_ffn_hidden_size
 from ..errors import ConfigError
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
@@ -38,6 +37,19 @@ CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # a2a+p2p (hierarchical) is not bui
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
+    projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
+    the 4h GeLU layer's. Raises ConfigError where that rounds to 0 (hidden sizes below 24)."""
+    if not swiglu:
+        return 4 * hidden_size
+    ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
+    if ffn < 1:
+        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
+                          "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
+    return ffn
 
 
 @dataclass

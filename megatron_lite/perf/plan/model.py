@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from ...config import default_ffn_hidden_size
 from ...errors import ConfigError
+from ...models.transformer_config import default_ffn_hidden_size
 from ...moe.config import parse_moe_layer_freq
 
 
