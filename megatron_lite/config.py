@@ -69,20 +69,24 @@ class ModelConfig:
     """Derived: vocabulary padded for the embedding and output layers."""
 
 
-ARCHITECTURE_FLAGS = (
-    # parameter shapes
+SHAPE_FLAGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
     "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "moe_router_enable_expert_bias",
     "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
-    # same shapes, another function
+)
+"""The model flags that decide parameter shapes (a weights-only load checks these too)."""
+
+ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but change the function
     "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
-(not --finetune) refuses a checkpoint saved with another value of any of them, naming the flag and
-both values; ``--use-checkpoint-args`` takes them from the checkpoint. A new model flag goes here."""
+refuses a checkpoint saved with another value of any of them, naming the flag and both values;
+--finetune and --pretrained-checkpoint only those of SHAPE_FLAGS (a change of the others can be
+deliberate); ``--use-checkpoint-args`` takes them all from the checkpoint. A new model flag goes
+here (or in SHAPE_FLAGS when it decides a shape)."""
 
 
 @dataclass
@@ -222,6 +226,12 @@ class DataConfig:
     """Data loader worker processes."""
     dataloader_type: str = "single"
     """Sample order: single (one pass in the dataset's order) or cyclic (reshuffled every epoch)."""
+    sft: bool = False
+    """Supervised fine-tuning: --data-path holds chat conversations (JSONL or tools/preprocess_sft.py output)."""
+    sft_pack_sequences: bool = False
+    """With --sft: pack several conversations per sample (positions and attention reset per conversation)."""
+    sft_skip_bad_conversations: bool = False
+    """With --sft: skip (and count) bad conversations instead of stopping at the first one."""
 
 
 @dataclass
@@ -238,6 +248,8 @@ class CheckpointConfig:
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
+    pretrained_checkpoint: str | None = None
+    """While --load has no checkpoint: load the model weights from here (any format and layout) and start at iteration 0."""
     ckpt_format: str = "torch"
     """Format to save in: torch (one file per TP x PP rank) or torch_dist (sharded, loads at any layout)."""
     auto_detect_ckpt_format: bool = False
@@ -322,9 +334,6 @@ def _check_model(config: Config) -> None:
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
-    _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
-             "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
-             "attention uses the implicit causal mask); drop one of them")
     from .parallel.sharding import check_sharding
 
     check_sharding(config)
@@ -407,3 +416,6 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+    from .data.sft_dataset import check_sft_flags
+
+    check_sft_flags(config)

@@ -4,13 +4,14 @@
 The flags are listed once, in :data:`megatron_lite.config.ARCHITECTURE_FLAGS`. Those that decide
 parameter shapes would fail the load anyway (the message names them); the others (``--openai-gelu``,
 ``--rotary-base``, ``--norm-epsilon``, the router's top-k, ...) keep every shape, so without this
-check a resumed run would silently go on as another model. ``--finetune`` skips the check: there a
-change can be deliberate.
+check a resumed run would silently go on as another model. A weights-only load (``--finetune``,
+``--pretrained-checkpoint``) checks only :data:`~megatron_lite.config.SHAPE_FLAGS`: there a change
+of the others can be deliberate.
 """
 
 from __future__ import annotations
 
-from ..config import ARCHITECTURE_FLAGS, SECTIONS
+from ..config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS
 from .format import (
     ARCH_FIELDS,
     TRACKER_FILENAME,
@@ -20,8 +21,6 @@ from .format import (
     read_tracker,
 )
 
-RESUME_FIELDS = ARCHITECTURE_FLAGS + ("vocab_size",)  # the padded vocabulary may differ: it is re-padded
-
 
 def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str]:
     """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's."""
@@ -30,18 +29,23 @@ def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str
             for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]]
 
 
-def check_architecture(where: str, saved_config: dict, config, release: bool = False) -> None:
-    """Refuse (CheckpointError, one line) a resume whose model flags differ from the checkpoint's;
-    nothing with --finetune. The padded vocabulary may differ (loading re-pads it); the vocabulary
-    itself too for a ``release`` checkpoint (a converted model a new run starts from, e.g. with
-    --mock-data, whose NullTokenizer adds an end-of-document id)."""
-    if config.checkpoint.finetune:
-        return
-    arch = arch_differences(saved_config, config, ARCHITECTURE_FLAGS if release else RESUME_FIELDS)
+# What each kind of load compares: a resume every model flag and the vocabulary; a converted
+# ``release`` checkpoint loaded by --load every model flag (a new run starts from it, e.g. with
+# --mock-data, whose NullTokenizer adds an end-of-document id); a weights-only load (--finetune,
+# --pretrained-checkpoint) the flags that decide shapes. The padded vocabulary always may differ
+# (loading re-pads it for this run's TP size), and so may the real one where it is not compared
+# (its rows are fitted: a tokenizer with added tokens gets zero rows for them).
+CHECKED = {"resume": ARCHITECTURE_FLAGS + ("vocab_size",), "release": ARCHITECTURE_FLAGS, "weights": SHAPE_FLAGS}
+
+
+def check_architecture(where: str, saved_config: dict, config, load: str = "resume") -> None:
+    """Refuse (CheckpointError, one line) a checkpoint whose model flags differ from this run's:
+    those of ``CHECKED[load]``, each named with both values."""
+    arch = arch_differences(saved_config, config, CHECKED[load])
     if arch:
-        raise CheckpointError(
-            f"checkpoint {where} was saved with {', '.join(arch)}; match the model flags, pass --use-checkpoint-args "
-            "to take them from the checkpoint, or --finetune to change them on purpose")
+        fix = ("match the model flags" if load == "weights" else "match the model flags, pass --use-checkpoint-args "
+               "to take them from the checkpoint, or --finetune to change them on purpose")
+        raise CheckpointError(f"checkpoint {where} was saved with {', '.join(arch)}; {fix}")
 
 
 def saved_config(root: str) -> tuple[str, dict]:

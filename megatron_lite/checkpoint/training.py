@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..device import get_device
 from ..parallel.fsdp import full_params
 from ..training.logging import is_logging_rank, print_rank_0
-from .arch import RESUME_FIELDS, arch_differences, check_architecture
+from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import save_dist
@@ -52,6 +52,7 @@ from .format import (
     rng_file,
     with_checksums,
 )
+from .pretrained import load_model_weights_here
 
 
 def _model_file_for(root, iteration, state) -> str:
@@ -276,7 +277,7 @@ def _explain_missing(path: str, folder: str, state) -> None:
     _check_sizes(other, read_model_file(other), state)
 
 
-def _no_tracker(root: str) -> None:
+def _no_tracker(root: str, quiet: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
     --load and --save the same folder), refused when it does - never silently restart over them."""
     folders = iteration_folders(root)
@@ -287,7 +288,8 @@ def _no_tracker(root: str) -> None:
             "at an empty folder"
         )
     reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
-    print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
+    if not quiet:
+        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
 
 def _restore_rng(root, iteration, ckpt, state) -> None:
@@ -311,11 +313,20 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     """This rank's part of :func:`load_checkpoint`: reads, checks and restores, no collectives."""
     ck = config.checkpoint
     root = ck.load
-    iteration = read_tracker(root)
+    iteration = read_tracker(root) if root else None
     if iteration is None:
-        _no_tracker(root)
+        if ck.pretrained_checkpoint:  # --load has nothing yet: start from the pretrained weights
+            if root:
+                _no_tracker(root, quiet=True)
+            print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
+            load_model_weights_here(chunks, optimizer, ck.pretrained_checkpoint, config, state)
+        else:
+            _no_tracker(root)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
+    if ck.finetune or iteration == "release":  # weights only, from any format and layout
+        load_model_weights_here(chunks, optimizer, root, config, state, flag="--load", every_flag=not ck.finetune)
+        return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
             return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
@@ -326,12 +337,11 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     modules = [_inner(c) for c in chunks]
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
-        check_architecture(path, ckpt.get("config", {}), config, release=iteration == "release")
+        check_architecture(path, ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
             module.load_state_dict(saved, strict=True)
 
-    finetune = ck.finetune or iteration == "release"
-    if not finetune and not ck.no_load_optim:
+    if not ck.no_load_optim:
         if optimizer is not None:
             optim_state = ckpt.get("optimizer")
             if optim_state is None:
@@ -343,11 +353,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
         optimizer.reload_model_params()
-    if not finetune and not ck.no_load_rng:
+    if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
-    if finetune:
-        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
-        return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
 
@@ -356,25 +363,14 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     """:func:`_load_here` for a torch_dist checkpoint: it loads at any TP x PP x DP layout."""
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
-    check_architecture(folder, common["config"], config, release=iteration == "release")
-    finetune = ck.finetune or iteration == "release"
-    try:  # the vocabulary may be padded for another TP size: load_dist re-pads it
-        load_dist(folder, common, chunks, optimizer, scheduler, state, not finetune and not ck.no_load_optim)
-    except CheckpointError:
-        arch = arch_differences(common["config"], config, RESUME_FIELDS)
-        if arch:  # --finetune with other model flags: name them rather than one tensor
-            raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(arch)}; its tensors do not fit "
-                                  "this model: match the model flags") from None
-        raise
-    if not finetune and not ck.no_load_rng:
+    check_architecture(folder, common["config"], config)
+    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
+    if not ck.no_load_rng:
         if is_fresh_layout(common, state):
             raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
         path = os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt")
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
-    if finetune:
-        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
-        return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
 
@@ -383,12 +379,13 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
 
     Without ``--load``, or when it names an absent or empty folder, nothing is loaded and (0, 0) is
-    returned; a folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
+    returned - or, with ``--pretrained-checkpoint``, only its weights (:mod:`.pretrained`), from
+    iteration 0. A folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
     ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
     the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
     :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
     rank alike when any rank finds a problem.
     """
-    if config.checkpoint.load is None:
+    if config.checkpoint.load is None and config.checkpoint.pretrained_checkpoint is None:
         return 0, 0
     return on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))

@@ -11,7 +11,7 @@ import pytest
 import pretrain_gpt
 from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.checkpoint.arch import check_architecture
-from megatron_lite.config import ARCHITECTURE_FLAGS, SECTIONS, Config
+from megatron_lite.config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS, Config
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2
 from tests.trajectory import Trajectory, assert_same_trajectory
 
@@ -81,17 +81,35 @@ def _other(value):
 
 @pytest.mark.parametrize("key", [k for k in ARCHITECTURE_FLAGS if k != "bert_no_binary_head"])
 def test_every_architecture_flag_is_checked(key):
-    """Data-driven: any flag in ARCHITECTURE_FLAGS (those added later too) is refused when it differs,
-    named with both values, and let through with --finetune."""
+    """Data-driven: any flag in ARCHITECTURE_FLAGS (those added later too) is refused on resume when
+    it differs, named with both values; a weights-only load (--finetune, --pretrained-checkpoint)
+    refuses only the flags of SHAPE_FLAGS (the others can change on purpose)."""
     config = Config()
     values = _field_values()
     assert key in values, f"{key} is in ARCHITECTURE_FLAGS but is no config field"
     saved = dict(config.flat(), **{key: _other(values[key])})
-    with pytest.raises(CheckpointError, match=f"{key.replace('_', '-')} {_other(values[key])} "
-                                              rf"\(this run {values[key]}\)"):
+    said = f"{key.replace('_', '-')} {_other(values[key])} " + rf"\(this run {values[key]}\)"
+    for load in ("resume", "release"):  # a release checkpoint (converted) loaded by --load without --finetune
+        with pytest.raises(CheckpointError, match=said + ".*--use-checkpoint-args"):
+            check_architecture("ckpt", saved, config, load)
+    if key in SHAPE_FLAGS:
+        with pytest.raises(CheckpointError, match=said):
+            check_architecture("ckpt", saved, config, "weights")
+    else:
+        check_architecture("ckpt", saved, config, "weights")
+
+
+def test_the_vocabulary_is_compared_on_resume_only():
+    """A resume refuses another vocabulary; a converted or weights-only load fits its rows (a
+    tokenizer with added tokens, a NullTokenizer's end-of-document id); the padding never counts."""
+    config = Config()
+    config.model.vocab_size, config.model.padded_vocab_size = 124, 128
+    saved = dict(config.flat(), vocab_size=123, padded_vocab_size=256)
+    with pytest.raises(CheckpointError, match=r"vocab-size 123 \(this run 124\)"):
         check_architecture("ckpt", saved, config)
-    config.checkpoint.finetune = True
-    check_architecture("ckpt", saved, config)
+    check_architecture("ckpt", saved, config, "release")
+    check_architecture("ckpt", saved, config, "weights")
+    check_architecture("ckpt", dict(saved, vocab_size=124), config)
 
 
 # ---------------------------------------------------------------------------------------------
