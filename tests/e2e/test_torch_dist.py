@@ -124,6 +124,26 @@ def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path)
     assert_same_trajectory(Trajectory.of(converted), same, steps=4, what="converted to TP1")
 
 
+def test_torch_dist_saved_in_one_process_resumes_at_tp2_with_more_padding(tmp_path):
+    """The other direction: saved in one process (130 vocabulary rows), resumed at TP2 (140): the
+    added rows are zero in the weights and the optimizer state, the trajectory is the one-process one."""
+    src = str(tmp_path / "src")
+    one = MODEL_B + REPAD + DIST + ["--use-distributed-optimizer"]
+    pretrain_gpt.main(_argv(src, 8, one + ["--exit-interval", "4"]))
+    same = Trajectory.of(pretrain_gpt.main(_argv(str(tmp_path / "same"), 8, one + ["--load", src])))
+    argv = _argv(str(tmp_path / "tp2"), 8, one + ["--load", src, "--tensor-model-parallel-size", "2", "--no-load-rng"])
+    resaved = str(tmp_path / "resaved")
+    tp2 = [r for r in run_ranks(2, resave_then_continue, argv, resaved, argv) if r.losses][0]
+    assert_same_trajectory(tp2, same, steps=4, what="tp2")
+    want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
+    for key in want["state"]:
+        _same_tables(got["state"][key], want["state"][key], rows=REAL_ROWS)
+        _repadded(got["state"][key], 140)
+    _same_tables(got["masters"], want["masters"], rows=REAL_ROWS)
+    _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+    _repadded(merge_checkpoint(resaved)[0], 140)
+
+
 def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):
     """The last stage's copy of a tied embedding (never saved) and its optimizer state come from the
     embedding's pieces."""
