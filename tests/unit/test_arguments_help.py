@@ -1,9 +1,15 @@
 """--help shows Megatron's usual form: ``--num-layers N`` with ``(default: ...)``, not internal names;
 the defaults are Megatron-LM's where it has one."""
 
+import glob
+import os
+
 import pytest
 
 from megatron_lite.arguments import build_parser, parse_args
+from tests.tools import load_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_help_shows_metavars_and_defaults():
@@ -80,6 +86,22 @@ def _one_line_exit_2(capsys, argv, *words, world_size=1):
 def test_argparse_errors_are_one_line(capsys, argv, words):
     line = _one_line_exit_2(capsys, argv, *words)
     assert "usage:" not in line
+
+
+TOOLS = sorted(os.path.relpath(p, ROOT)[len("tools/"):-3] for p in glob.glob(os.path.join(ROOT, "tools", "**", "*.py"),
+                                                                          recursive=True))
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_says_a_bad_flag_in_one_line(capsys, tool):
+    """Every script under tools/ (those added later too): a flag it does not have is one line, exit 2."""
+    module = load_tool(tool)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        module.main(["--no-such-flag", "1"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "usage:" not in lines[0], lines
 
 
 @pytest.mark.parametrize("argv, words", [
