@@ -110,3 +110,32 @@ def test_without_a_tokenizer_the_end_of_document_is_the_last_id(tmp_path):
                                                                                           "tokenizer_config.json")},
                                      str(tmp_path / "out"))
     assert special == {} and (tmp_path / "out" / "tokenizer_config.json").is_file()  # a Hugging Face source: kept
+
+
+@pytest.mark.parametrize("case", ["gpt2", "GPTSentencePieceTokenizer-bpe", "SentencePieceTokenizer-unigram",
+                                  "tokenizer.json"])
+def test_a_trained_checkpoint_exports_a_tokenizer_auto_tokenizer_reads_back(tokenizer_files, case, tmp_path, capsys):
+    """End to end, as the issue's user did: pretrain_gpt.py with a tokenizer, convert.py --saver hf;
+    AutoTokenizer on the export gives the training ids and config.json / generation_config.json
+    carry our end-of-document id (transformers' default 50256 lies outside these vocabularies)."""
+    import pretrain_gpt
+    from tests.convert_helpers import convert
+
+    kind, files = tokenizer_files[case]
+    ours = _ours(kind, files)
+    flags = {"tokenizer.model": "--tokenizer-model", "tokenizer.json": "--tokenizer-model", "vocab.json": "--vocab-file",
+             "merges.txt": "--merge-file"}
+    tokenizer = ["--tokenizer-type", kind, "--vocab-size", str(ours.vocab_size)] + [x for name, path in files.items() for x in (flags[name], path)]
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    pretrain_gpt.main(["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                       "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                       "--eval-iters", "0", "--lr", "1e-3", "--save", ckpt] + tokenizer)
+    assert convert("GPT", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf) == 0
+    assert "AutoTokenizer gives the training ids" in capsys.readouterr().out
+    auto = transformers.AutoTokenizer.from_pretrained(hf)
+    for text in corpus_texts()[:20]:
+        assert auto.encode(text) == ours.tokenize(text), text
+    config = transformers.AutoConfig.from_pretrained(hf)
+    generation = transformers.GenerationConfig.from_pretrained(hf)
+    assert config.eos_token_id == generation.eos_token_id == ours.eod < ours.vocab_size
+    assert config.bos_token_id == (ours.bos if ours.bos is not None else ours.eod)
