@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .logging_config import LoggingConfig
+from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
 
@@ -20,7 +21,7 @@ __all__ = ["Config", "ConfigError", "finalize"]
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models/mla_config.py
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -75,12 +76,16 @@ SHAPE_FLAGS = (
     "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "moe_router_enable_expert_bias",
     "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "qk_layernorm", "mtp_num_layers",
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 
 ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but change the function
     "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+    "beta_slow",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;
@@ -324,7 +329,7 @@ def _check_model(config: Config) -> None:
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     model = TransformerConfig.from_config(config)
-    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings"):
+    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type"):
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers
