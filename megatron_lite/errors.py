@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -189,3 +190,11 @@ def _close_connections() -> None:
         gc.collect()
 
     threading.Thread(target=release, daemon=True).start()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (unknown flag, invalid choice, bad value, missing value) are
+    one line and exit code 2, without the usage block (``--help`` shows that)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")

@@ -146,9 +146,10 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
     """Fill each request ``(kind, name, dest, offset, global_shape)`` (``dest`` a tensor placed at
     ``offset`` in the canonical tensor of ``global_shape``) from the saved boxes overlapping it.
 
-    The saved tensor must have ``global_shape``, except along ``loose_axes[name]`` (the padded
-    vocabulary, whose padding depends on the TP size): parts of ``dest`` beyond what was saved there
-    are zero, saved parts beyond ``global_shape`` are not read."""
+    The saved tensor must have ``global_shape``, except along the axis of ``loose_axes[name] = (axis,
+    rows)`` (the padded vocabulary, whose padding depends on the TP size): where the saved size there
+    differs, only its first ``rows`` (the real vocabulary) are read and the rest of ``dest`` is zero,
+    as the converter re-pads."""
     loose_axes = loose_axes or {}
     plan, wanted = [], {}
     for kind, name, dest, offset, global_shape in requests:
@@ -157,15 +158,18 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
             raise CheckpointError(f"torch_dist checkpoint {folder} has no {kind} for {name}; it was saved from another "
                                   "model - match the model flags")
         have = extent((o, s) for o, s, _, _ in saved)
-        loose = loose_axes.get(name)
+        loose, rows = loose_axes.get(name, (None, None))
         if any(h != g for axis, (h, g) in enumerate(zip(have, global_shape)) if axis != loose) or len(have) != len(global_shape):
             raise CheckpointError(f"torch_dist checkpoint {folder}: {kind} of {name} has shape "
                                   f"{full_shape(have, None)} (canonical), this model needs {tuple(global_shape)}; "
                                   "match the model flags")
+        if loose is not None and have[loose] != global_shape[loose]:  # re-pad: the real rows only
+            have = have[:loose] + (min(rows or have[loose], have[loose]),) + have[loose + 1:]
         inside = intersect(offset, dest.shape, (0,) * len(have), have)
         covered = 0
         for s_off, s_size, dtype, key in saved:
             part = intersect(offset, dest.shape, s_off, s_size)
+            part = part and intersect(*part, (0,) * len(have), have)
             if part is not None:
                 plan.append((dest, offset, key, s_off, part))
                 wanted[key] = (s_size, dtype)

@@ -43,6 +43,7 @@ from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .format import (
     FORMAT_VERSION,
     TRACKER_FILENAME,
+    VOCAB_TENSORS,
     CheckpointError,
     atomic_save,
     atomic_write_text,
@@ -66,9 +67,6 @@ from .layout import (
 )
 from .merge import merge_checkpoint, model_config_from_saved
 from .reshard_optim import merge_optimizer, split_optimizer
-
-# Tensors whose rows are the (padded) vocabulary.
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
 
 
 def _no_progress(iterable, **_kw):

@@ -30,11 +30,11 @@ from ..device import get_device
 from ..errors import raised_on_every_rank
 from ..parallel.fsdp import full_params
 from ..training.logging import is_logging_rank, print_rank_0
+from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import save_dist
 from .format import (
-    ARCH_FIELDS,
     FORMAT_VERSION,
     RNG_KEYS,
     TRACKER_FILENAME,
@@ -49,6 +49,7 @@ from .format import (
     param_meta,
     read_model_file,
     read_tracker,
+    restore_scheduler,
     rng_file,
     with_checksums,
 )
@@ -218,15 +219,6 @@ def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
     )
 
 
-def _arch_differences(saved_config: dict, config) -> list[str]:
-    ours = config.flat()
-    out = []
-    for key in ARCH_FIELDS:
-        if key in saved_config and key in ours and saved_config[key] != ours[key]:
-            out.append(f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})")
-    return out
-
-
 def _check_sizes(path: str, ckpt: dict, state) -> None:
     if ckpt["tp_size"] != state.tp_size:
         raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
@@ -267,7 +259,7 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
                 problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
                                 f"{tuple(tensor.shape)} in this model")
     if problems:
-        arch = _arch_differences(ckpt.get("config", {}), config)
+        arch = arch_differences(ckpt.get("config", {}), config)
         if arch:  # the flags explain it: name them first, one example of the consequence
             what = (f"it was saved with {', '.join(arch)}; {len(problems)} parameter(s) differ, "
                     f"e.g. {problems[0]}")
@@ -334,7 +326,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if ck.finetune or iteration == "release":  # weights only, from any format and layout
-        load_model_weights_here(chunks, optimizer, root, config, state, flag="--load")
+        load_model_weights_here(chunks, optimizer, root, config, state, flag="--load", every_flag=not ck.finetune)
         return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
@@ -346,6 +338,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     modules = [_inner(c) for c in chunks]
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
+        check_architecture(path, ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
             module.load_state_dict(saved, strict=True)
 
@@ -356,7 +349,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
+            restore_scheduler(scheduler, ckpt["scheduler"], path)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
@@ -371,10 +364,8 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     """:func:`_load_here` for a torch_dist checkpoint: it loads at any TP x PP x DP layout."""
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
-    arch = _arch_differences(common["config"], config)
-    if arch:
-        raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(arch)}; match the model flags")
-    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)
+    check_architecture(folder, common["config"], config)
+    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
     if not ck.no_load_rng:
         if is_fresh_layout(common, state):
             raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "

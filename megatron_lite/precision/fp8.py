@@ -69,6 +69,11 @@ AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
 
+def not_built_recipe_message(recipe: str) -> str:
+    """The one line refusing a block-scaled recipe (with or without --fp8-format)."""
+    return f"--fp8-recipe {recipe} is not implemented (it needs block-scaled FP8 GEMMs); use delayed or tensorwise"
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """What to quantise how. Field defaults are Megatron's flag defaults (format aside)."""
@@ -84,8 +89,7 @@ class Fp8Recipe:
         if self.format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.format}: expected one of {', '.join(FP8_FORMATS)}")
         if self.recipe in FP8_RECIPES_NOT_BUILT:
-            raise ConfigError(f"--fp8-recipe {self.recipe} is not implemented (it needs block-scaled FP8 GEMMs); "
-                              "use delayed or tensorwise")
+            raise ConfigError(not_built_recipe_message(self.recipe))
         if self.recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.recipe}: expected one of {', '.join(FP8_RECIPES)}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:

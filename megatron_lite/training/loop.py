@@ -44,6 +44,7 @@ from .logging import TrainLogger, print_rank_0
 from .outputs import check_output_locations
 from .profiler import StepProfiler
 from .timers import Timers
+from .writers import check_wandb_available
 
 
 @dataclass
@@ -408,6 +409,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     """
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     check_output_locations(config)  # before any step, not at the first save
+    check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
     state, device = setup(config)
     built = _build(config, state, device, model_provider)
     consumed_valid = 0

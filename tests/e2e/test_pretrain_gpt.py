@@ -200,7 +200,9 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
     [
         (["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"], 4,
          ["num-attention-heads 6", "tensor-model-parallel-size 4"]),
-        (["--tensor-model-parallel-size", "3"], 4, ["world size 4", "tensor-model-parallel-size 3"]),
+        # a shape no launch can run is said before the world size (4 heads do not split over 3)
+        (["--tensor-model-parallel-size", "3"], 4, ["num-attention-heads 4", "tensor-model-parallel-size 3"]),
+        (["--context-parallel-size", "8"], 4, ["world size 4", "context-parallel-size 8"]),
         (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
           "--global-batch-size", "2"], 2, ["--global-batch-size", "multiple of --pipeline-model-parallel-size 2"]),
         (["--pipeline-model-parallel-size", "3"], 3, ["num-layers 4", "pipeline-model-parallel-size 3"]),

@@ -92,7 +92,8 @@ def test_sigterm_during_start_up_is_honoured_at_the_first_step(tmp_path):
     save = str(tmp_path / "ckpt")
     _run(DROPOUT + ["--save", save, "--train-iters", "2"])
     cmd = [sys.executable, "pretrain_gpt.py"] + DROPOUT + [
-        "--train-iters", "100000", "--save", save, "--load", save, "--exit-signal-handler"]
+        "--train-iters", "100000", "--save", save, "--load", save, "--exit-signal-handler",
+        "--override-opt_param-scheduler"]  # a longer run than the checkpoint's: its own schedule
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:

@@ -21,9 +21,14 @@ from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
 from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses
 from tests.harness import run_ranks
 from tests.tools import load_tool
+from tests.trajectory import Trajectory, assert_same_trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIST = ["--ckpt-format", "torch_dist"]
+# 124 vocabulary rows (123 + end of document) pad to 140 at TP2 and to 130 at TP1: resuming at another
+# TP size re-pads the vocabulary tensors and their optimizer state
+REPAD = ["--make-vocab-size-divisible-by", "10"]
+REAL_ROWS = 124
 TP2 = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
 TP1 = ["--use-distributed-optimizer", "--no-load-rng"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--no-load-rng"]
@@ -33,21 +38,21 @@ def resave_then_continue(resave_argv, resave_dir, continue_argv):
     """In a rank: load the checkpoint at this layout and save it again at once (no step; skipped
     when ``resave_dir`` is None), then train on."""
     if resave_dir is None:
-        return pretrain_gpt.main(continue_argv).losses
+        return Trajectory.of(pretrain_gpt.main(continue_argv))
     config = parse_args(resave_argv, world_size=dist.get_world_size())
     pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
     state, device = loop.setup(config)
     built = loop._build(config, state, device, pretrain_gpt.model_provider)
     config.checkpoint.save = resave_dir
     save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed_samples, config, state)
-    return pretrain_gpt.main(continue_argv).losses
+    return Trajectory.of(pretrain_gpt.main(continue_argv))
 
 
 def _continue(tmp_path, src, name, layout, resave=True):
-    argv = _argv(str(tmp_path / name), 8, MODEL_B + DIST + layout + ["--load", src])
+    argv = _argv(str(tmp_path / name), 8, MODEL_B + REPAD + DIST + layout + ["--load", src])
     resaved = str(tmp_path / f"{name}_resaved") if resave else None
     out = run_ranks(4, resave_then_continue, argv, resaved, argv)
-    return [r for r in out if r][0], resaved
+    return [r for r in out if r.losses][0], resaved
 
 
 def _same_tables(a, b, rows=None):
@@ -82,27 +87,61 @@ def _check_ownership(src):
     assert sorted(moments) == [0, 1, 2, 3] and all(0.2 < n / total < 0.3 for n in moments.values()), moments
 
 
+def _repadded(table, padded):
+    """Every vocabulary tensor of ``table`` has ``padded`` rows, zero beyond the real vocabulary."""
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert table[name].shape[0] == padded and not table[name][REAL_ROWS:].any(), name
+
+
 def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path):
+    """Saved at TP2 x DP2 (vocabulary padded to 140), resumed at TP1 x DP4 (130) and PP2 (130):
+    the same trajectory as resuming at TP2, the optimizer state equal on the real rows, and the
+    padded rows of weights and state zero, as the converter writes them."""
     src = str(tmp_path / "src")
-    first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + DIST + TP2 + ["--exit-interval", "4"]))
+    first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
     assert len([r for r in first if r][0]) == 4
     _check_ownership(src)
     same, _ = _continue(tmp_path, src, "same", TP2, resave=False)
     for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
-        losses, resaved = _continue(tmp_path, src, name, layout)
-        _same_losses(losses, same)
+        trajectory, resaved = _continue(tmp_path, src, name, layout)
+        assert_same_trajectory(trajectory, same, steps=4, what=name)
         want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
-        for key in ("masters",):
-            _same_tables(got[key], want[key])
+        _same_tables(got["masters"], want["masters"], rows=REAL_ROWS)
         for key in want["state"]:
-            _same_tables(got["state"][key], want["state"][key])
+            _same_tables(got["state"][key], want["state"][key], rows=REAL_ROWS)
+            _repadded(got["state"][key], 130)
         assert got["scalars"] == want["scalars"] and got["group"] == want["group"] and got["scheduler"] == want["scheduler"]
-        _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0])
-    # the converter reads torch_dist too: to a torch checkpoint at TP1 with the same weights
+        _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+        _repadded(merge_checkpoint(resaved)[0], 130)
+    # the converter reads torch_dist too: to a torch checkpoint at TP1 (re-padded) with the same
+    # weights and optimizer state, which resumes on the same trajectory
     out = str(tmp_path / "converted")
     assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
                                                  "--target-tensor-parallel-size", "1"]) == 0
-    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=123)  # padding rows: zero there
+    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+    _repadded(merge_checkpoint(out)[0], 130)
+    converted = pretrain_gpt.main(_argv(str(tmp_path / "from_converted"), 8, MODEL_B + REPAD + TP1 + ["--load", out]))
+    assert_same_trajectory(Trajectory.of(converted), same, steps=4, what="converted to TP1")
+
+
+def test_torch_dist_saved_in_one_process_resumes_at_tp2_with_more_padding(tmp_path):
+    """The other direction: saved in one process (130 vocabulary rows), resumed at TP2 (140): the
+    added rows are zero in the weights and the optimizer state, the trajectory is the one-process one."""
+    src = str(tmp_path / "src")
+    one = MODEL_B + REPAD + DIST + ["--use-distributed-optimizer"]
+    pretrain_gpt.main(_argv(src, 8, one + ["--exit-interval", "4"]))
+    same = Trajectory.of(pretrain_gpt.main(_argv(str(tmp_path / "same"), 8, one + ["--load", src])))
+    argv = _argv(str(tmp_path / "tp2"), 8, one + ["--load", src, "--tensor-model-parallel-size", "2", "--no-load-rng"])
+    resaved = str(tmp_path / "resaved")
+    tp2 = [r for r in run_ranks(2, resave_then_continue, argv, resaved, argv) if r.losses][0]
+    assert_same_trajectory(tp2, same, steps=4, what="tp2")
+    want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
+    for key in want["state"]:
+        _same_tables(got["state"][key], want["state"][key], rows=REAL_ROWS)
+        _repadded(got["state"][key], 140)
+    _same_tables(got["masters"], want["masters"], rows=REAL_ROWS)
+    _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+    _repadded(merge_checkpoint(resaved)[0], 140)
 
 
 def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):

@@ -44,7 +44,8 @@ def test_checkpoint_refused_by_one_rank_stops_every_rank_cleanly(tmp_path):
     assert [code for code, _ in run_ranks(2, exit_code_and_stderr, tp2)] == [0, 0]
     bad = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_01_000" / "model_optim_rng.pt"  # rank 1's file only
     bad.write_bytes(bad.read_bytes()[:100])
-    _every_rank_exits_2_rank_0_prints(2, tp2 + ["--train-iters", "4", "--load", save], "mp_rank_01_000", "unreadable")
+    longer = ["--train-iters", "4", "--override-opt_param-scheduler"]  # a longer run: its own LR schedule
+    _every_rank_exits_2_rank_0_prints(2, tp2 + longer + ["--load", save], "mp_rank_01_000", "unreadable")
 
 
 def test_bad_flag_combination_is_printed_once(monkeypatch):

@@ -2,7 +2,9 @@
 are written for (MEGATRON_LITE_CHECK_ARGS=1), and the SLURM script prints and runs the right commands
 under a fake SLURM (fake ``scontrol`` and ``srun`` on PATH, SLURM_* variables set by hand)."""
 
+import glob
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -64,6 +66,43 @@ def test_example_script_flags_validate(script):
     out = _bash(os.path.join(EXAMPLES, script), MEGATRON_LITE_CHECK_ARGS="1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"arguments valid for world size {world}: TP {tp} x PP {pp} x DP {dp}," in out.stdout
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_script_header_names_no_existing_flag_as_missing(script):
+    """A header that says flags do not exist yet must not name a flag the parser has."""
+    with open(os.path.join(EXAMPLES, script)) as f:
+        header = " ".join(line.lstrip("#").strip() for line in f if line.startswith("#"))
+    flags = set(build_parser()._option_string_actions)
+    for sentence in header.split(". "):
+        if "exist" in sentence:
+            assert not [w for w in re.findall(r"--[a-z0-9-]+", sentence) if w in flags], sentence
+
+
+# Flags whose value is a path a command writes.
+WRITES = ("--save", "--save-dir", "--output", "-o", "--output-prefix", "--tensorboard-dir", "--wandb-save-dir",
+          "--data-cache-path", "--png")
+
+
+def _written_paths(markdown: str):
+    """(flag, path) of every output path in the ```bash blocks of ``markdown``."""
+    for block in re.findall(r"```bash\n(.*?)```", markdown, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split(" #")[0], comments=True)
+            yield from ((w, words[i + 1]) for i, w in enumerate(words[:-1]) if w in WRITES)
+
+
+def test_readme_commands_write_into_ignored_folders():
+    """Following README.md and docs/*.md in a clone leaves `git status` clean: whatever their
+    commands write is git-ignored (checkpoints/, hf/, data/, runs/, *.png in the root, ...)."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    written = [(os.path.basename(page), flag, path) for page in pages for flag, path in _written_paths(open(page).read())]
+    assert len(written) > 20 and any(flag == "--save-dir" and path.startswith("hf/") for _, flag, path in written)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, capture_output=True, text=True,
+                             input="\n".join(path for _, _, path in written)).stdout.split()
+    assert [w for w in written if w[2] not in ignored] == []
 
 
 def test_check_mode_refuses_a_layout_that_does_not_fit():
