@@ -86,13 +86,18 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
-    "beta_slow",
+    "beta_slow", "bias_gelu_fusion",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;
 --finetune and --pretrained-checkpoint only those of SHAPE_FLAGS (a change of the others can be
 deliberate); ``--use-checkpoint-args`` takes them all from the checkpoint. A new model flag goes
 here (or in SHAPE_FLAGS when it decides a shape)."""
+
+DERIVED_FLAGS = ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type")
+"""Model flags whose unset value (None) is derived from other architecture flags when the model is
+built (and stored derived); a checkpoint whose config holds them unset (written by a converter) is
+compared through those other flags."""
 
 
 @dataclass
@@ -333,7 +338,7 @@ def _check_model(config: Config) -> None:
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     model = TransformerConfig.from_config(config)
-    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type"):
+    for name in DERIVED_FLAGS:
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers

@@ -11,7 +11,8 @@ of the others can be deliberate.
 
 from __future__ import annotations
 
-from ..config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS
+from ..config import ARCHITECTURE_FLAGS, DERIVED_FLAGS, SECTIONS, SHAPE_FLAGS
+from ..fusions.config import tanh_gelu
 from .format import (
     ARCH_FIELDS,
     TRACKER_FILENAME,
@@ -23,10 +24,17 @@ from .format import (
 
 
 def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str]:
-    """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's."""
+    """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's
+    (a derived flag saved unset is compared through the flags it is derived from)."""
     ours = config.flat()
     return [f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})"
-            for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]]
+            for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
+            and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)]
+
+
+def _changes_function(key: str, saved: dict, ours: dict) -> bool:
+    """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases)."""
+    return key != "bias_gelu_fusion" or tanh_gelu(saved) != tanh_gelu(ours)
 
 
 # What each kind of load compares: a resume every model flag and the vocabulary; a converted

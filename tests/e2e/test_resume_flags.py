@@ -141,3 +141,22 @@ def test_a_longer_run_is_refused_unless_told_which_schedule(four_iters, tmp_path
     assert _lr_after(four_iters, tmp_path, ["--use-checkpoint-opt_param-scheduler"]) == 0.0
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + [
         "--load", four_iters, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]), "pick one")
+
+
+def test_bias_gelu_fusion_counts_only_where_it_picks_the_tanh_gelu():
+    """--no-bias-gelu-fusion changes a GeLU MLP with biases (exact GeLU instead of tanh), not a SwiGLU one."""
+    config = Config()
+    saved = dict(config.flat(), bias_gelu_fusion=False)
+    with pytest.raises(CheckpointError, match=r"bias-gelu-fusion False \(this run True\)"):
+        check_architecture("ckpt", saved, config)
+    config.model.swiglu = True
+    check_architecture("ckpt", dict(config.flat(), bias_gelu_fusion=False), config)
+
+
+def test_a_derived_flag_saved_unset_is_compared_through_the_flags_it_comes_from():
+    """A converter's config leaves --rope-type / --ffn-hidden-size unset (derived when the model is built)."""
+    config = Config()
+    config.model.rope_type, config.model.ffn_hidden_size = "rope", 128
+    check_architecture("ckpt", dict(config.flat(), rope_type=None, ffn_hidden_size=None), config, "release")
+    with pytest.raises(CheckpointError, match="rope-type yarn"):
+        check_architecture("ckpt", dict(config.flat(), rope_type="yarn"), config, "release")
