@@ -46,6 +46,23 @@ GROUP_DIMS = {
 }
 
 
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS_WORLD: list = [None]  # the default group the cached groups belong to
+
+
+def _group_of(ranks: list[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks``, created once per process (collective on first use) and reused
+    by every later ParallelState: a process that trains many runs (a test pool, a notebook) would
+    otherwise keep the threads of hundreds of identical gloo groups, each waking up while idle."""
+    if _GROUPS_WORLD[0] is not dist.group.WORLD:  # a new default group: the old groups are gone
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks)
+    return _GROUPS[key]
+
+
 class ParallelConfigError(ValueError):
     """Parallel sizes that cannot describe the world."""
 
@@ -202,7 +219,7 @@ class ParallelState:
             for ranks in all_lists:  # collective: every rank creates every group, in order
                 if len(ranks) == 1:
                     continue
-                group = dist.new_group(ranks)
+                group = _group_of(ranks)
                 if rank in ranks:
                     self._groups[name] = group
         if self.grid.cp == 1:  # the same ranks: one group object, so "reduce over DP x CP" is the DP group

@@ -68,3 +68,35 @@ def test_groups_of_one_are_identity():
     for fn in (comm.copy_to_tp, comm.reduce_from_tp, comm.scatter_to_tp, comm.gather_from_tp,
                comm.scatter_to_sp, comm.gather_from_sp, comm.reduce_scatter_to_sp, comm.all_to_all):
         assert fn(x, None) is x
+
+
+def check_states_share_groups():
+    """Process groups are created once per rank list: a second state of the same shape (another
+    training run in the same process) reuses them instead of adding gloo threads, and they work."""
+    from megatron_lite.parallel.state import ParallelState
+
+    created = []
+    new_group = dist.new_group
+
+    def counting(*args, **kwargs):
+        created.append(args)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        a = ParallelState(tp=2, pp=2)
+        first = len(created)
+        b = ParallelState(tp=2, pp=2)
+        assert len(created) == first  # nothing new
+    finally:
+        dist.new_group = new_group
+    assert all(b.group(n) is a.group(n) for n in ("tp", "pp", "dp", "mp", "embedding"))
+    c = ParallelState(tp=4)
+    assert c.tp_group is not b.tp_group and dist.get_world_size(c.tp_group) == 4
+    t = torch.ones(1)
+    dist.all_reduce(t, group=b.tp_group)
+    return t.item()
+
+
+def test_parallel_states_of_one_shape_share_their_groups():
+    assert run_ranks(4, check_states_share_groups) == [2.0] * 4
