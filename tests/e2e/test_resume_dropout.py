@@ -14,6 +14,7 @@ import pytest
 
 import pretrain_gpt
 from tests.e2e.conftest import ROOT
+from tests.harness import free_port
 from tests.trajectory import assert_same_trajectory, run_trajectory
 
 DROPOUT = [
@@ -51,7 +52,8 @@ def _kill_run(world, moment, iteration, argv):
     """Run ``argv`` in fresh processes (torchrun for 2 ranks) killed with SIGKILL at ``moment``."""
     script = ["tests/e2e/kill_at.py", moment, str(iteration)] + argv
     launch = [sys.executable] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", "29547"]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+        "--master-port", str(free_port())]
     out = subprocess.run(launch + script, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, "the run was not killed"
     if world == 1:

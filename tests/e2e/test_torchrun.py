@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tests.e2e.conftest import ROOT
+from tests.harness import free_port
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -18,7 +19,8 @@ def _env():
 
 
 def test_torchrun_tensor_and_pipeline_parallel(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-port", str(free_port()),
            "pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--global-batch-size", "8", "--train-iters", "3", "--save", str(tmp_path / "ckpt")] + TINY
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

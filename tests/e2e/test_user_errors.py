@@ -7,7 +7,7 @@ import io
 import pytest
 
 import pretrain_gpt
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -182,7 +182,8 @@ def test_bad_flag_under_torchrun_is_printed_once():
 
     from tests.e2e.conftest import ROOT
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29549",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()),
            "pretrain_gpt.py", "--tensor-model-parallel-size", "3"] + TINY
     out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300)
