@@ -26,12 +26,14 @@ from megatron_lite.data.builder import (
 )
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import chunk_data_iterators
+from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_with_message
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
+from megatron_lite.training.logging import print_rank_0
 from megatron_lite.training.loop import NonFiniteError, pretrain
 
 
@@ -96,8 +98,8 @@ def forward_step(data_iterator, model):
     # context parallelism: this rank's two load-balanced chunks of every sequence (with their positions)
     batch = get_batch_on_this_cp_rank(next(data_iterator), state.cp_rank, state.cp_size)
     batch = {k: v.to(get_device(), non_blocking=True) for k, v in batch.items()}
-    # attention_mask (only with --reset-attention-mask): bool [b, 1, s, s], True = masked out
-    output = model(batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"), labels=batch["labels"])
+    # document ids [b, s] (--reset-attention-mask, --sft-pack-sequences): attention stays inside each document
+    output = model(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group)
 
 
@@ -127,8 +129,12 @@ def make_datasets_provider(tokenizer):
             t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters
         )
         samples = [train_samples, valid_samples, 0]  # the loop does not run a test pass: build no test split
-        data_config = dataset_config_from_args(config.flat(), tokenizer)
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
+        if config.data.sft:  # chat conversations, padded or packed (megatron_lite/data/sft_dataset.py)
+            sft = sft_config_from(config, tokenizer)
+            train_ds, valid_ds, _ = build_sft_datasets(sft, samples, tokenizer, say=print_rank_0)
+        else:
+            data_config = dataset_config_from_args(config.flat(), tokenizer)
+            train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
         num_chunks = len(my_layer_ranges(config, state))
 
         return chunk_data_iterators(

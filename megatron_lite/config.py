@@ -201,6 +201,12 @@ class DataConfig:
     """Data loader worker processes."""
     dataloader_type: str = "single"
     """Sample order: single (one pass in the dataset's order) or cyclic (reshuffled every epoch)."""
+    sft: bool = False
+    """Supervised fine-tuning: --data-path holds chat conversations (JSONL or tools/preprocess_sft.py output)."""
+    sft_pack_sequences: bool = False
+    """With --sft: pack several conversations per sample (positions and attention reset per conversation)."""
+    sft_skip_bad_conversations: bool = False
+    """With --sft: skip (and count) bad conversations instead of stopping at the first one."""
 
 
 @dataclass
@@ -217,6 +223,8 @@ class CheckpointConfig:
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
+    pretrained_checkpoint: str | None = None
+    """While --load has no checkpoint: load the model weights from here (any format and layout) and start at iteration 0."""
     ckpt_format: str = "torch"
     """Format to save in: torch (one file per TP x PP rank) or torch_dist (sharded, loads at any layout)."""
     auto_detect_ckpt_format: bool = False
@@ -298,9 +306,6 @@ def _check_model(config: Config) -> None:
 
 def _check_parallel(config: Config) -> None:
     m, p = config.model, config.parallel
-    _require(p.context_parallel_size == 1 or not config.data.reset_attention_mask,
-             "--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
-             "attention uses the implicit causal mask); drop one of them")
     from .parallel.sharding import check_sharding
 
     check_sharding(config)
@@ -379,3 +384,6 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+    from .data.sft_dataset import check_sft_flags
+
+    check_sft_flags(config)

@@ -6,6 +6,12 @@ listed below are added too.  Documents are paragraph groups of about ``--doc-cha
 in a fixed order, so the file is the same on every run of the same Python version.
 
     python tools/make_sample_corpus.py --output data/sample.jsonl
+
+``--chat`` writes a small chat set instead, for supervised fine-tuning (docs/fine-tuning.md): one
+conversation per documented standard-library function or class, the user asking what it does and
+the assistant answering with the first paragraph of its docstring (``{"messages": [...]}`` lines).
+
+    python tools/make_sample_corpus.py --chat --output data/chat.jsonl
 """
 
 import argparse
@@ -56,6 +62,27 @@ def docstring_texts():
         yield "\n\n".join(p for p in parts if p)
 
 
+def chat_records(max_chars: int = 600):
+    """One {"messages": [user question, assistant answer]} per documented stdlib function or class."""
+    for name in STDLIB_MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:
+            continue
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            doc = inspect.getdoc(obj) if inspect.isclass(obj) or inspect.isfunction(obj) else None
+            answer = (doc or "").split("\n\n")[0].strip()
+            if 40 <= len(answer) <= max_chars:
+                kind = "class" if inspect.isclass(obj) else "function"
+                yield {"messages": [{"role": "user", "content": f"What does the {kind} {name}.{attr} do?"},
+                                    {"role": "assistant", "content": answer}]}
+
+
 def documents(texts, doc_chars: int):
     """Group each text's paragraphs into documents of about doc_chars characters."""
     for text in texts:
@@ -77,12 +104,17 @@ def make_sample_corpus(output: str, doc_chars: int = 2000, docstrings: bool = Tr
     texts = list(topic_texts())
     if docstrings:
         texts += list(docstring_texts())
+    return _write_jsonl(output, ({"text": doc} for doc in documents(texts, doc_chars)))
+
+
+def _write_jsonl(output: str, records) -> tuple[int, int]:
+    """Write ``records`` to ``output`` as JSONL (atomically); returns (lines, bytes)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp = f"{output}.tmp{os.getpid()}"
     n = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for doc in documents(texts, doc_chars):
-            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
             n += 1
     os.replace(tmp, output)
     return n, os.path.getsize(output)
@@ -93,7 +125,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--doc-chars", type=int, default=2000, help="approximate characters per document")
     parser.add_argument("--no-docstrings", action="store_true", help="only pydoc_data.topics")
+    parser.add_argument("--chat", action="store_true", help="write chat conversations for --sft instead")
     args = parser.parse_args(argv)
+    if args.chat:
+        n, size = _write_jsonl(args.output, chat_records())
+        print(f"Wrote {n} conversations ({size / 2**20:.2f} MB) to {args.output} (Python {sys.version.split()[0]})")
+        return 0
     n, size = make_sample_corpus(args.output, args.doc_chars, not args.no_docstrings)
     print(f"Wrote {n} documents ({size / 2**20:.2f} MB) to {args.output} (Python {sys.version.split()[0]})")
     return 0

@@ -51,6 +51,7 @@ from .format import (
     rng_file,
     with_checksums,
 )
+from .pretrained import load_model_weights_here
 
 
 def _model_file_for(root, iteration, state) -> str:
@@ -284,7 +285,7 @@ def _explain_missing(path: str, folder: str, state) -> None:
     _check_sizes(other, read_model_file(other), state)
 
 
-def _no_tracker(root: str) -> None:
+def _no_tracker(root: str, quiet: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
     --load and --save the same folder), refused when it does - never silently restart over them."""
     folders = iteration_folders(root)
@@ -295,7 +296,8 @@ def _no_tracker(root: str) -> None:
             "at an empty folder"
         )
     reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
-    print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
+    if not quiet:
+        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
 
 def _restore_rng(root, iteration, ckpt, state) -> None:
@@ -319,11 +321,20 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     """This rank's part of :func:`load_checkpoint`: reads, checks and restores, no collectives."""
     ck = config.checkpoint
     root = ck.load
-    iteration = read_tracker(root)
+    iteration = read_tracker(root) if root else None
     if iteration is None:
-        _no_tracker(root)
+        if ck.pretrained_checkpoint:  # --load has nothing yet: start from the pretrained weights
+            if root:
+                _no_tracker(root, quiet=True)
+            print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
+            load_model_weights_here(chunks, optimizer, ck.pretrained_checkpoint, config, state)
+        else:
+            _no_tracker(root)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
+    if ck.finetune or iteration == "release":  # weights only, from any format and layout
+        load_model_weights_here(chunks, optimizer, root, config, state, flag="--load")
+        return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
             return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
@@ -337,8 +348,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         for module, saved in zip(modules, ckpt["model"]):
             module.load_state_dict(saved, strict=True)
 
-    finetune = ck.finetune or iteration == "release"
-    if not finetune and not ck.no_load_optim:
+    if not ck.no_load_optim:
         if optimizer is not None:
             optim_state = ckpt.get("optimizer")
             if optim_state is None:
@@ -350,11 +360,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
         optimizer.reload_model_params()
-    if not finetune and not ck.no_load_rng:
+    if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
-    if finetune:
-        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
-        return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
 
@@ -366,17 +373,13 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     arch = _arch_differences(common["config"], config)
     if arch:
         raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(arch)}; match the model flags")
-    finetune = ck.finetune or iteration == "release"
-    load_dist(folder, common, chunks, optimizer, scheduler, state, not finetune and not ck.no_load_optim)
-    if not finetune and not ck.no_load_rng:
+    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)
+    if not ck.no_load_rng:
         if is_fresh_layout(common, state):
             raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
         path = os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt")
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
-    if finetune:
-        print_rank_0(f"  loaded weights from {root} (iteration {iteration}); --finetune: starting at iteration 0")
-        return 0, 0
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
 
@@ -385,12 +388,13 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """Restore the latest checkpoint under ``config.checkpoint.load``; returns (iteration, consumed_samples).
 
     Without ``--load``, or when it names an absent or empty folder, nothing is loaded and (0, 0) is
-    returned; a folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
+    returned - or, with ``--pretrained-checkpoint``, only its weights (:mod:`.pretrained`), from
+    iteration 0. A folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
     ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
     the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
     :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
     rank alike when any rank finds a problem.
     """
-    if config.checkpoint.load is None:
+    if config.checkpoint.load is None and config.checkpoint.pretrained_checkpoint is None:
         return 0, 0
     return on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))

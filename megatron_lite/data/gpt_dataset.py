@@ -50,7 +50,7 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     """--reset-position-ids: restart position ids after every EOD."""
     reset_attention_mask: bool = False
-    """--reset-attention-mask: block attention across EOD (adds an attention_mask to samples)."""
+    """--reset-attention-mask: block attention across EOD (adds document_ids to samples)."""
     eod: int | None = None
     """EOD token id (from the tokenizer); needed by the three EOD options above."""
     mock: bool = False
@@ -164,10 +164,12 @@ def build_gpt_indices(sizes: np.ndarray, document_ids: np.ndarray, num_samples: 
 # -- sample fields --------------------------------------------------------------------------------------
 def ltor_fields(tokens: np.ndarray, eod: int | None, eod_mask_loss: bool, reset_position_ids: bool,
                 reset_attention_mask: bool) -> dict[str, np.ndarray]:
-    """loss_mask, position_ids and (only with reset_attention_mask) attention_mask for one sample.
+    """loss_mask, position_ids and (only with reset_attention_mask) document_ids for one sample.
 
-    attention_mask follows Megatron: bool [1, s, s], True where attention is NOT allowed (future
-    positions, and earlier documents when resetting at EOD).
+    document_ids (int64 [s]) number the documents of the sample: a new one starts after each EOD (the
+    EOD belongs to the document it ends). The model attends causally within a document only - the
+    mask Megatron builds densely as bool [1, s, s], here O(s) and split like the tokens under
+    context parallelism (megatron_lite.parallel.document_mask).
     """
     s = len(tokens)
     if (eod_mask_loss or reset_position_ids or reset_attention_mask) and eod is None:
@@ -185,9 +187,7 @@ def ltor_fields(tokens: np.ndarray, eod: int | None, eod_mask_loss: bool, reset_
         position_ids -= np.maximum.accumulate(restart)
     out["position_ids"] = position_ids
     if reset_attention_mask:
-        segment = np.concatenate(([0], np.cumsum(is_eod[:-1])))
-        allowed = np.tril(np.ones((s, s), dtype=bool)) & (segment[:, None] == segment[None, :])
-        out["attention_mask"] = ~allowed[None]
+        out["document_ids"] = np.concatenate(([0], np.cumsum(is_eod[:-1]))).astype(np.int64)
     return out
 
 
@@ -253,7 +253,7 @@ class GPTDataset:
 
 
 def make_sample(text: np.ndarray, config: GPTDatasetConfig) -> dict[str, np.ndarray]:
-    """The sample dict from seq_length + 1 tokens: tokens, labels, loss_mask, position_ids[, attention_mask]."""
+    """The sample dict from seq_length + 1 tokens: tokens, labels, loss_mask, position_ids[, document_ids]."""
     tokens, labels = text[:-1], text[1:]
     fields = ltor_fields(tokens, config.eod, config.eod_mask_loss, config.reset_position_ids,
                          config.reset_attention_mask)

@@ -265,7 +265,7 @@ class _Progress:
             self.bar.close()
 
 
-class _Gate:
+class ChunkGate:
     """Iterate ``chunks`` with at most ``limit`` handed out and not yet consumed (bounded memory).
 
     ``Pool.imap`` pulls its input from a feeder thread as fast as it can; this iterator blocks that
@@ -299,7 +299,7 @@ def _run_pass(cfg, pool, chunks, prefixes, dtype, result, progress, in_flight: i
         if pool is None:
             results = map(encode_chunk, chunks)
         else:
-            gate = _Gate(chunks, in_flight)
+            gate = ChunkGate(chunks, in_flight)
             stack.callback(gate.stop)  # unblock the pool's feeder thread however we leave
             results = pool.imap(encode_chunk, gate, chunksize=1)
         for out, errors, docs, nbytes in results:

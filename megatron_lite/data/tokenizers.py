@@ -188,6 +188,7 @@ class HuggingFaceTokenizer(Tokenizer):
                               "pip install tokenizers  (or pip install megatron_lite[hf])") from None
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
+        self.path = path  # its folder may hold tokenizer_config.json / chat_template.jinja (data/chat_template.py)
         try:
             self.hf = tokenizers.Tokenizer.from_file(path)
         except Exception as e:

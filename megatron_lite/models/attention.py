@@ -11,7 +11,9 @@ Core attention (softmax(q k^T) v) is its own module, named by the layer spec, so
 attention over a context-parallel group, a fused kernel) replaces it without touching the
 projections. :class:`DotProductAttention` is ``F.scaled_dot_product_attention`` (causal, or an
 explicit boolean mask), or flash-attn's ``flash_attn_func`` when it is importable on a GPU and the
-dtype is 16-bit. Attention dropout runs inside the TP region (each rank owns different heads) under
+dtype is 16-bit. Packed documents (integer document ids as the mask,
+:mod:`~megatron_lite.parallel.document_mask`) become a block-causal boolean mask for SDPA, or the
+``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
 """
 
@@ -24,19 +26,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
+from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
 
 
-def _flash_attn_func():
-    """flash-attn's function when usable here (GPU + package), else None."""
+def _flash_attn_funcs():
+    """flash-attn's (dense, variable-length) functions when usable here (GPU + package), else None."""
     if not detect_accelerators()["flash_attn"]:
         return None
     try:
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError:
         return None
-    return flash_attn_func
+    return flash_attn_func, flash_attn_varlen_func
 
 
 class DotProductAttention(nn.Module):
@@ -44,7 +47,7 @@ class DotProductAttention(nn.Module):
 
     ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
     ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
-    ``attention_mask`` None or bool ``[b, 1, s, s]``, True = masked out.
+    ``attention_mask`` None, bool ``[b, 1, s, s]`` (True = masked out) or int document ids ``[b, s]``.
     """
 
     def __init__(self, config, state, layer_number: int):
@@ -52,7 +55,7 @@ class DotProductAttention(nn.Module):
         self.tracker = state.rng_tracker
         self.dropout_p = config.attention_dropout
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.flash = _flash_attn_func()  # decided once per layer, at construction
+        self.flash = _flash_attn_funcs()  # decided once per layer, at construction
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -63,18 +66,34 @@ class DotProductAttention(nn.Module):
 
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
         s, b, nq, d = q.shape
-        if (self.flash is not None and attention_mask is None and q.is_cuda
+        documents = is_document_ids(attention_mask)
+        if (self.flash is not None and (attention_mask is None or documents) and q.is_cuda
                 and q.dtype in (torch.float16, torch.bfloat16)):
-            out = self.flash(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
-                             softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
+            if documents:
+                return self._flash_documents(q, k, v, attention_mask, causal, dropout_p)
+            out = self.flash[0](q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                                softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
             return out.transpose(0, 1).reshape(s, b, nq * d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
+        if documents:  # SDPA: True = may attend
+            ids = attention_mask
+            mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
+        else:
+            mask = None if attention_mask is None else ~attention_mask
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
                                              enable_gqa=nq != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+    def _flash_documents(self, q, k, v, ids, causal, dropout_p):
+        """flash-attn's variable-length kernel: the batch as one token stream cut at the documents."""
+        s, b, nq, d = q.shape
+        bounds, longest = cu_seqlens(ids)
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))  # [b * s, heads, d]
+        out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
+                            softmax_scale=self.scale, causal=causal)
+        return out.reshape(b, s, nq * d).transpose(0, 1).contiguous()
 
 
 class SelfAttention(nn.Module):

@@ -18,7 +18,9 @@ Core attention over the split sequence (``cp_comm_type``):
 * ``allgather`` - keys and values are all-gathered over CP and each rank attends its own queries
   to them under a mask built from global positions (simplest; O(S) keys per rank).
 
-All three equal single-process attention up to summation order. Gradient reductions over CP
+All three equal single-process attention up to summation order, also with packed documents
+(integer document ids as the attention mask, :mod:`~megatron_lite.parallel.document_mask`): the
+ring carries each block's key ids with its keys, a2a and allgather gather the ids. Gradient reductions over CP
 (each CP rank holds different tokens of the same replica) happen in the data-parallel gradient
 reduction over the DP x CP group, not here.
 """
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .document_mask import causal_document_mask, document_allowed, is_document_ids
 from .ring_attention import ring_attention
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -72,8 +75,8 @@ def unsplit_from_cp(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     """Split a micro-batch dict along the sequence for this CP rank.
 
-    ``tokens, labels, loss_mask, position_ids`` ``[b, s]`` are split on dim 1; ``attention_mask``
-    ``[b, 1, s, s]`` on dim 2 (its query rows). Missing ``position_ids`` are created (``0..s-1``)
+    ``tokens, labels, loss_mask, position_ids, document_ids`` ``[b, s]`` are split on dim 1;
+    ``attention_mask`` ``[b, 1, s, s]`` on dim 2 (its query rows). Missing ``position_ids`` are created (``0..s-1``)
     first, so the split keeps each token's global position. Other entries are left alone.
     """
     if cp_size == 1:
@@ -82,7 +85,7 @@ def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     tokens = batch.get("tokens")
     if batch.get("position_ids") is None and tokens is not None:
         out["position_ids"] = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+    for key in ("tokens", "labels", "loss_mask", "position_ids", "document_ids"):
         if out.get(key) is not None:
             out[key] = split_for_cp(out[key], 1, cp_rank, cp_size)
     if out.get("attention_mask") is not None:
@@ -127,18 +130,28 @@ def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float):
     return out.permute(2, 0, 1, 3)
 
 
-def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0):
+def _gathered_ids(ids: torch.Tensor, group) -> torch.Tensor:
+    """Every CP rank's document ids ``[b, s/cp]`` gathered in rank order: ``[b, s]``."""
+    return comm._all_gather(ids, 1, group, kind="cp")
+
+
+def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None):
     """All-to-all (DeepSpeed-Ulysses) attention; ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out."""
     cp = comm.group_size(group)
     for name, t in (("query heads", q), ("key/value groups", k)):
         if t.shape[2] % cp:
             raise ValueError(f"a2a context parallelism needs the {t.shape[2]} local {name} divisible by "
                              f"context-parallel-size {cp}")
+    mask = None
+    if document_ids is not None:  # the whole sequence's ids, in global order
+        order = torch.argsort(_gathered_positions(q.shape[0], cp, q.device))
+        ids = _gathered_ids(document_ids, group).index_select(1, order)
+        mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
     q, k, v = (seq_to_heads(t, group) for t in (q, k, v))
-    return heads_to_seq(_sdpa(q, k, v, None, causal, dropout_p, scale), group)
+    return heads_to_seq(_sdpa(q, k, v, mask, causal, dropout_p, scale), group)
 
 
-def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0):
+def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None):
     """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
     cp, rank = comm.group_size(group), comm.group_rank(group)
     s = q.shape[0]
@@ -148,6 +161,9 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
         q_pos = cp_positions(s * cp, rank, cp, device=q.device)
         k_pos = _gathered_positions(s, cp, q.device)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s * cp]; True = may attend
+    if document_ids is not None:
+        same = document_allowed(document_ids, _gathered_ids(document_ids, group))
+        mask = same if mask is None else same & mask
     return _sdpa(q, kv[:, 0], kv[:, 1], mask, False, dropout_p, scale)
 
 
@@ -159,8 +175,9 @@ class ContextParallelAttention(nn.Module):
     """Core attention over a CP-split sequence: ``forward(q [s, b, nq, d], k, v [s, b, nkv, d],
     attention_mask, causal) -> [s, b, nq * d]`` with ``s`` = this rank's share of the sequence.
 
-    ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. Explicit
-    attention masks are refused (the causal mask is implicit). Attention dropout: each call draws
+    ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. The mask is the
+    implicit causal one, confined to packed documents when ``attention_mask`` holds document ids
+    ``[b, s]`` (this rank's tokens); dense boolean masks are refused. Attention dropout: each call draws
     one seed from the model-parallel RNG tracker (so recomputation replays it), offset by the CP
     rank; the ring seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
     """
@@ -190,9 +207,9 @@ class ContextParallelAttention(nn.Module):
         return self.tracker.fork()
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
-        if attention_mask is not None:
-            raise ValueError("context parallelism supports the implicit causal mask only, not an explicit "
-                             "attention mask (drop --reset-attention-mask)")
+        if attention_mask is not None and not is_document_ids(attention_mask):
+            raise ValueError("context parallelism takes the causal mask or document ids, not a dense "
+                             "[b, 1, s, s] attention mask")
         s, b, nq, d = q.shape
         scale = 1.0 / math.sqrt(d)
         p = self.dropout_p if self.training else 0.0
@@ -202,11 +219,11 @@ class ContextParallelAttention(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
         if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed).permute(2, 0, 1, 3)
+            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask).permute(2, 0, 1, 3)
         else:
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
-                out = attend(q, k, v, self.group, causal, scale, p)
+                out = attend(q, k, v, self.group, causal, scale, p, attention_mask)
         return out.reshape(s, b, nq * d)
 
 

@@ -31,6 +31,12 @@ Block kernels (:func:`block_forward`, :func:`block_backward`) return/consume the
 CPU PyTorch's fused flash-attention kernels (no score matrix is materialised), elsewhere or with
 dropout a plain fp32 implementation. Dropout masks are drawn from a per-block seed, so backward
 regenerates them exactly. GQA/MQA: key/value head ``j`` serves query heads ``[j*g, (j+1)*g)``.
+
+Packed documents (:mod:`~megatron_lite.parallel.document_mask`): with document ids ``[b, s]`` for
+the local tokens, the key ids travel around the ring with the keys and values, and every block is
+further confined to query/key pairs of the same document. A block row whose query sees none of the
+block's keys contributes nothing (its log-sum-exp is -inf); the query's own key, seen at step 0,
+keeps every final row finite.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..perf.comm_volume import record, tensor_bytes
+from .document_mask import document_allowed
 
 # ---------------------------------------------------------------------------------------------
 # Block kernels: tensors are [batch, heads, seq, head_dim]; lse is [batch, q_heads, seq].
@@ -59,10 +66,24 @@ def _keep_mask(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device) >= dropout_p
 
 
-def _plain_probs(q, k, causal: bool, scale: float, lse=None):
+def _with_causal(allowed, causal: bool, sq: int, sk: int):
+    """``allowed`` (bool ``[b, 1, sq, sk]``, True = may attend) with the top-left causal mask folded in."""
+    if not causal:
+        return allowed
+    return allowed & torch.ones(sq, sk, dtype=torch.bool, device=allowed.device).tril()
+
+
+def _additive(allowed, dtype):
+    """The CPU flash kernels' form of a mask: 0 where allowed, -inf elsewhere, in the query's dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _plain_probs(q, k, causal: bool, scale: float, lse=None, allowed=None):
     """Grouped scores -> (probabilities ``[b, nkv, g, sq, sk]``, lse ``[b, nkv, g, sq]``).
 
     With ``lse`` given (backward) the probabilities are normalised by it instead of their own sum.
+    ``allowed`` (bool ``[b, 1, sq, sk]``) confines the block further; a row it empties has lse -inf
+    and probabilities 0.
     """
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
@@ -72,44 +93,60 @@ def _plain_probs(q, k, causal: bool, scale: float, lse=None):
     if causal:
         upper = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(upper, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
         lse = lse.reshape(b, nkv, nq // nkv, sq)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf - 0) = 0, not NaN
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
-def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0, allowed=None):
     """Attention of one block: ``(out [b, nq, sq, d] in fp32 (fp64 for fp64), lse [b, nq, sq])``.
 
-    ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i).
+    ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i); ``allowed``
+    (bool ``[b, 1, sq, sk]`` or None) confines it further (packed documents).
     """
     acc = _acc_dtype(q.dtype)
     if _use_cpu_flash(q, dropout_p):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out.to(acc), lse.to(acc)
+        if allowed is None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out.to(acc), lse.to(acc)
+        allowed = _with_causal(allowed, causal, q.shape[2], k.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
+        lse = lse.to(acc).masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for an empty row
+        return out.to(acc), lse
     b, nq, sq, d = q.shape
-    probs, lse = _plain_probs(q, k, causal, scale)
+    probs, lse = _plain_probs(q, k, causal, scale, allowed=allowed)
     if dropout_p > 0:
         probs = probs * (_keep_mask(probs.shape, dropout_p, seed, q.device).to(acc) / (1.0 - dropout_p))
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(acc))
     return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
+                   allowed=None):
     """Gradients ``(dq, dk, dv)`` of one block, given the FINAL output and log-sum-exp of these queries.
 
     ``out`` is in ``q``'s dtype, ``lse`` in the accumulation dtype. Returns accumulation-dtype tensors.
     """
     acc = _acc_dtype(q.dtype)
     if _use_cpu_flash(q, dropout_p):
+        mask = {}
+        if allowed is not None:
+            mask = {"attn_mask": _additive(_with_causal(allowed, causal, q.shape[2], k.shape[2]), q.dtype)}
+            causal = False
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal,
+            scale=scale, **mask)
         return tuple(g.to(acc) for g in grads)
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
-    probs, _ = _plain_probs(q, k, causal, scale, lse)
+    probs, _ = _plain_probs(q, k, causal, scale, lse, allowed)
     dout_g = dout.reshape(b, nkv, g, sq, d).to(acc)
     dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout_g, v.to(acc))
     dropped = probs
@@ -129,9 +166,9 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_
 
 
 class Ring:
-    """Neighbours of this rank in the CP group; ``shift(t)`` starts sending ``t`` to the next rank
-    and receiving the previous rank's tensor of the same shape, returning a handle whose ``wait()``
-    gives the received tensor."""
+    """Neighbours of this rank in the CP group; ``shift(*tensors)`` starts sending the tensors to the
+    next rank and receiving the previous rank's tensors of the same shapes, returning a handle whose
+    ``wait()`` gives the received tensors (a tuple)."""
 
     def __init__(self, group):
         self.group = group
@@ -140,21 +177,24 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, t: torch.Tensor) -> _Pending:
-        recv = torch.empty_like(t)
-        record("cp", "send", tensor_bytes(t), self.size)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        return _Pending(dist.batch_isend_irecv(ops), recv)
+    def shift(self, *tensors: torch.Tensor) -> _Pending:
+        recvs, ops = [], []
+        for t in tensors:
+            recv = torch.empty_like(t)
+            record("cp", "send", tensor_bytes(t), self.size)
+            ops += [dist.P2POp(dist.isend, t, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+            recvs.append(recv)
+        return _Pending(dist.batch_isend_irecv(ops), tuple(recvs))
 
 
 class _Pending:
-    def __init__(self, requests, recv):
-        self.requests, self.recv = requests, recv
+    def __init__(self, requests, recvs):
+        self.requests, self.recvs = requests, recvs
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple:
         for req in self.requests:
             req.wait()
-        return self.recv
+        return self.recvs
 
 
 def block_plan(step: int, rank: int, size: int, causal: bool, half: int):
@@ -177,87 +217,97 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
+def _allowed(q_ids, kv_ids, qs, ks):
+    """The document mask of one block (None without document ids)."""
+    return None if q_ids is None else document_allowed(q_ids[:, qs], kv_ids[:, ks])
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring):
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
         b, nq, s, d = q.shape
         # laid out as [s, b, nq, d] so the caller's [s, b, nq * d] view of it needs no copy
         out = torch.zeros((s, b, nq, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])  # one buffer: [2, b, nkv, s, d]
+        travel = (torch.stack([k, v]),) + ((ids,) if ids is not None else ())  # kv: [2, b, nkv, s, d]
         for step in range(ring.size):
-            pending = ring.shift(kv) if step < ring.size - 1 else None  # overlaps this step's block
+            pending = ring.shift(*travel) if step < ring.size - 1 else None  # overlaps this step's block
+            kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
             block_out, block_lse = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], block_causal,
-                                                 scale, dropout_p, seed + step)
+                                                 scale, dropout_p, seed + step, _allowed(ids, kv_ids, qs, ks))
             _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
-                kv = pending.wait()
+                travel = pending.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, ids)
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed, ctx.ring = causal, scale, dropout_p, seed, ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, ids = ctx.saved_tensors
         ring, dout = ctx.ring, dout.contiguous()
         acc = lse.dtype
         half = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        travel = (torch.stack([k, v]),) + ((ids,) if ids is not None else ())
         dkv_pending = None
         for step in range(ring.size):
-            kv_pending = ring.shift(kv) if step < ring.size - 1 else None
+            kv_pending = ring.shift(*travel) if step < ring.size - 1 else None
+            kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
             dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                               out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
-                                              ctx.dropout_p, ctx.seed + step)
+                                              ctx.dropout_p, ctx.seed + step, _allowed(ids, kv_ids, qs, ks))
             dq[:, :, qs] += dq_i
             # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
-            dkv = torch.zeros((2,) + k.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()
+            dkv = torch.zeros((2,) + k.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
             dkv[0][:, :, ks] += dk_i
             dkv[1][:, :, ks] += dv_i
             dkv_pending = ring.shift(dkv)
             if kv_pending is not None:
-                kv = kv_pending.wait()
-        dkv = dkv_pending.wait()  # after size hops: this rank's own dK/dV, summed over every rank
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+                travel = kv_pending.wait()
+        dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0):
+def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
+                   document_ids=None):
     """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
 
     ``q [b, nq, s, d]``, ``k, v [b, nkv, s, d]`` with ``s`` this rank's two chunks; returns
     ``[b, nq, s, d]``. ``group`` None (one rank) is plain attention over the local sequence.
     ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
+    ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document.
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence length (two chunks), got {q.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not divisible by {k.shape[1]} key/value heads")
     if group is None or dist.get_world_size(group) == 1:
-        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed)
+        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, document_ids)
         return out
-    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group))
+    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids)
 
 
 class _LocalAttention(torch.autograd.Function):
     """The one-rank case through the same kernels (so cp == 1 and cp > 1 share numerics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed):
-        out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed)
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ids):
+        allowed = None if ids is None else document_allowed(ids, ids)
+        out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed, allowed)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, allowed)
         ctx.args = (causal, scale, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        q, k, v, out, lse, allowed = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, allowed)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -243,7 +243,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     optimizer = build_optimizer(config, chunks, state)
     scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
     iteration, consumed = 0, 0
-    if ck.load:
+    if ck.load or ck.pretrained_checkpoint:
         iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
     return _Built(chunks, optimizer, scheduler, iteration, consumed)
 

@@ -22,26 +22,44 @@ from tests.harness import cached_state, run_ranks
 B, D = 2, 8
 
 
-def _reference(seq, nq, nkv, causal, seed=0):
+def packed_document_ids(seq):
+    """Document ids ``[B, seq]`` of packed sequences whose boundaries fall inside the CP chunks."""
+    rows = []
+    for lengths in ([3, 6, 1, 4], [7, 2]):
+        ids = [d for d, n in enumerate(lengths) for _ in range(n)]
+        rows.append(ids + [len(lengths)] * (seq - len(ids)))  # the rest: one more document (padding)
+    return torch.tensor(rows)
+
+
+def _reference(seq, nq, nkv, causal, seed=0, ids=None):
+    """Full attention (SDPA) and its gradients; with ``ids`` confined to each document (the mask
+    written out here: same id, and key position <= query position when causal)."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(seq, B, n, D, generator=gen) for n in (nq, nkv, nkv))
     dout = torch.randn(seq, B, nq * D, generator=gen)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), is_causal=causal,
+    mask = None
+    if ids is not None:
+        mask = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)
+        if causal:
+            mask = mask & torch.ones(seq, seq, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), attn_mask=mask,
+                                         is_causal=causal and mask is None,
                                          enable_gqa=nq != nkv).permute(2, 0, 1, 3).reshape(seq, B, nq * D)
     out.backward(dout)
     return (q, k, v, dout), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def check_cp_attention(cp, comm_type, causal, nq, nkv, seq):
+def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False):
     state = cached_state(cp=cp)
-    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal)
+    ids = packed_document_ids(seq) if documents else None
+    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, ids=ids)
     mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp)  # noqa: E731
     config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq,
                              num_query_groups=nkv)
     attn = ContextParallelAttention(config, state, layer_number=1)
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
-    out = attn(ql, kl, vl, None, causal)
+    out = attn(ql, kl, vl, None if ids is None else split_for_cp(ids, 1, state.cp_rank, cp), causal)
     out.backward(mine(dout))
     for got, want, name in zip((out, ql.grad, kl.grad, vl.grad), expected, ("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got, mine(want), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -65,6 +83,16 @@ def test_cp2_equals_full_attention(comm_type, causal, nq, nkv):
 ])
 def test_cp4_equals_full_attention(comm_type, causal, nq, nkv):
     assert all(run_ranks(4, check_cp_attention, 4, comm_type, causal, nq, nkv, 32))
+
+
+@pytest.mark.parametrize("cp,comm_type,causal,nq,nkv", [
+    (2, "p2p", True, 4, 2), (2, "p2p", False, 4, 4), (2, "a2a", True, 4, 2), (2, "allgather", True, 4, 1),
+    (2, "allgather", False, 4, 4), (4, "p2p", True, 4, 2), (4, "a2a", True, 8, 4), (4, "allgather", True, 4, 2),
+])
+def test_packed_documents_equal_full_attention_under_cp(cp, comm_type, causal, nq, nkv):
+    """Document ids as the mask (packed sequences): every CP kind confines attention to each
+    document exactly as full attention under the written-out block mask, forward and backward."""
+    assert all(run_ranks(cp, check_cp_attention, cp, comm_type, causal, nq, nkv, 8 * cp, True))
 
 
 def check_a2a_refuses_uneven_heads(cp, nq, nkv):

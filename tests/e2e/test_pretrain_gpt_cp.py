@@ -100,7 +100,6 @@ def test_cp2_resume_continues_exactly(tmp_path):
          4, ["--cp-comm-type a2a", "num-attention-heads 6", "context-parallel-size 4"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
          2, ["--cp-comm-type a2a", "num-query-groups 1"]),
-        (["--context-parallel-size", "2", "--reset-attention-mask"], 2, ["--reset-attention-mask", "--context-parallel-size"]),
         (["--cp-comm-type", "p2p", "a2a"], 1, ["--cp-comm-type takes one value or one per layer"]),
     ],
 )
@@ -132,16 +131,20 @@ def test_cp2_recompute_gives_the_same_losses(tmp_path, reference):
     assert base.losses[0] != pytest.approx(got.losses[0], rel=1e-6)  # the dropout run really differs
 
 
-def test_cp2_with_eod_loss_mask_and_reset_positions(tmp_path):
+def test_cp2_with_eod_loss_mask_and_reset_positions_and_attention(tmp_path):
     """Mock samples carry one EOD at a random position: with --eod-mask-loss the CP ranks hold
-    different numbers of counted tokens (the loss must still be the global token mean), and
-    --reset-position-ids gives positions that restart mid-sequence (split with the tokens)."""
-    extra = ["--eod-mask-loss", "--reset-position-ids"]
-    ref, ref_save = _single(tmp_path, "single", 6, extra)
-    for name, flags in (("p2p", []), ("a2a", ["--cp-comm-type", "a2a"])):
-        got, save = _parallel(tmp_path, name, 2, 6, extra + CP2 + flags)
-        assert_same_trajectory(got, ref, steps=6, what=name)
-        _same_weights(save, ref_save)
+    different numbers of counted tokens (the loss must still be the global token mean),
+    --reset-position-ids gives positions that restart mid-sequence (split with the tokens), and
+    --reset-attention-mask confines attention to each document (its ids split with the tokens and
+    carried around the ring / gathered by a2a and allgather)."""
+    extra = ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    reference = run_script("pretrain_gpt", _argv(str(tmp_path / "single"), 6, extra))
+    for name, flags in (("p2p", []), ("a2a", ["--cp-comm-type", "a2a"]), ("allgather", ["--cp-comm-type", "allgather"])):
+        got = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / name), 6, extra + CP2 + flags))
+        assert_same_trajectory(got, reference, what=name)
+        _same_weights(str(tmp_path / name), str(tmp_path / "single"))
+    plain = run_script("pretrain_gpt", _argv(str(tmp_path / "plain"), 6, extra[:2]))
+    assert plain.losses != pytest.approx(reference.losses, rel=1e-6)  # the document mask matters
 
 
 def run_cli_validation(argv):

@@ -139,7 +139,7 @@ def test_module_refuses_bad_settings():
     cfg.cp_comm_type = "p2p"
     attn = ContextParallelAttention(cfg, _state(cp=1), 1)
     q = torch.randn(8, 1, 6, 4)
-    with pytest.raises(ValueError, match="implicit causal mask only"):
+    with pytest.raises(ValueError, match="causal mask or document ids, not a dense"):
         attn(q, q[:, :, :2], q[:, :, :2], torch.zeros(1, 1, 8, 8, dtype=torch.bool), True)
 
 

@@ -36,7 +36,7 @@ def test_dataset_attention_mask_without_eod_equals_causal():
     model = _model()
     text = list(range(1, 14))  # no EOD: the reset mask is exactly the causal mask
     with_mask, plain = _batch(text, True), _batch(text, False)
-    assert "attention_mask" in with_mask and "attention_mask" not in plain
+    assert "document_ids" in with_mask and "document_ids" not in plain
     torch.testing.assert_close(_loss(model, with_mask), _loss(model, plain), rtol=1e-6, atol=1e-6)
 
 

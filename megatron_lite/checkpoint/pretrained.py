@@ -1,0 +1,192 @@
+"""Model weights only, from any checkpoint, for fine-tuning: ``--pretrained-checkpoint`` and ``--finetune``.
+
+:func:`load_model_weights` fills this rank's model chunks from a checkpoint of either format and
+any tensor x pipeline (x virtual pipeline) x expert layout, whatever this run's layout is; the
+optimizer, learning-rate schedule, RNG states, iteration and consumed samples are NOT loaded
+(Megatron's finetune semantics: the run starts at iteration 0 with a fresh optimizer, whose fp32
+master weights are refreshed from the loaded weights).
+
+* ``torch_dist``: each rank reads only the saved boxes overlapping its own shards
+  (:func:`~megatron_lite.checkpoint.dist.load_weights`).
+* ``torch`` at this run's layout (same TP, PP, EP sizes and layer ranges): each rank reads its own
+  ``mp_rank_*`` file, as a resume does.
+* ``torch`` at another layout: the checkpoint is merged into single-process tensors
+  (:func:`~megatron_lite.checkpoint.merge.merge_checkpoint`) and each rank cuts its shards out of
+  them with the same placement (:func:`~megatron_lite.checkpoint.dist.rank_tensors`: tensor-parallel
+  offsets, global layer and expert numbers) the sharded format uses. Every rank reads the whole
+  checkpoint once; for large models prefer ``torch_dist``.
+
+The vocabulary padding may differ (it depends on the TP size): the rows of the real vocabulary are
+kept, padding rows are zero. The architecture flags must match the checkpoint's; a missing tensor,
+an extra one or a wrong shape is one :class:`CheckpointError`. ``missing_ok(name)`` lets a model
+hold tensors the checkpoint has not (e.g. adapters added for fine-tuning keep their own init).
+A Hugging Face model is imported first with ``tools/checkpoint/convert.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..parallel.fsdp import full_params
+from ..precision.fp8 import is_fp8_state_key
+from ..training.logging import print_rank_0
+from .boxes import full_shape, region
+from .dist import VOCAB_TENSORS, load_weights, rank_tensors
+from .dist_read import is_dist_folder, read_common, read_index
+from .format import (
+    ARCH_FIELDS,
+    TRACKER_FILENAME,
+    CheckpointError,
+    iteration_dir,
+    model_file,
+    read_model_file,
+    read_tracker,
+)
+from .layout import chunk_model
+from .merge import merge_checkpoint
+
+LOOSE_FIELDS = ("padded_vocab_size",)  # differs with the TP size; the rows are fitted instead
+
+
+def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
+    """(iteration folder, iteration) of ``path``: a save folder (its latest checkpoint) or an
+    ``iter_*`` folder. One CheckpointError when there is no checkpoint there."""
+    if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):
+        iteration = read_tracker(path)
+        return iteration_dir(path, iteration), iteration
+    if os.path.isdir(path) and any(n.startswith("mp_rank_") or n == "common.pt" for n in os.listdir(path)):
+        return path, os.path.basename(os.path.normpath(path))
+    reason = "it does not exist" if not os.path.exists(path) else "it holds no checkpoint"
+    raise CheckpointError(f"{flag} {path}: {reason}; point it at a checkpoint folder (a Hugging Face model is "
+                          "imported with tools/checkpoint/convert.py --loader hf first)")
+
+
+def _check_architecture(folder: str, saved: dict, config) -> None:
+    ours = config.flat()
+    differ = [f"{k.replace('_', '-')} {saved[k]} (this run {ours[k]})" for k in ARCH_FIELDS
+              if k not in LOOSE_FIELDS and k in saved and k in ours and saved[k] != ours[k]]
+    if differ:
+        raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(differ)}; match the model flags")
+
+
+def _fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with its first dim cut or zero-padded to ``rows`` (the padded vocabulary)."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+
+
+def _optional(name: str, missing_ok) -> bool:
+    """A tensor the checkpoint need not have: FP8 bookkeeping, or what ``missing_ok`` accepts."""
+    return is_fp8_state_key(name) or bool(missing_ok and missing_ok(name))
+
+
+def _load_dist_weights(folder: str, chunks, state, missing_ok) -> None:
+    """This rank's tensors from the boxes of a torch_dist checkpoint (those it has)."""
+    index = read_index(folder)
+    tensors = [t for t in rank_tensors(chunks, state)[0]
+               if ("weight", t.name) in index or not _optional(t.name, missing_ok)]
+    load_weights(folder, index, tensors)
+
+
+def _load_merged(folder: str, chunks, config, state, missing_ok) -> None:
+    """Cut this rank's tensors out of the merged (single-process) torch-format checkpoint."""
+    merged, saved = merge_checkpoint(folder)
+    _check_architecture(folder, saved, config)
+    tensors, _ = rank_tensors(chunks, state)
+    whole_model = set(chunk_model(config.flat()).state_dict())  # every rank's tensors, at TP 1 and EP 1
+    extra = sorted(k for k in merged if k not in whole_model and not is_fp8_state_key(k))
+    missing = sorted({t.name for t in tensors if t.name not in merged and not _optional(t.name, missing_ok)})
+    problems = ([f"missing in the checkpoint: {', '.join(missing[:3])}"] if missing else []) + (
+        [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
+    with torch.no_grad():
+        for t in tensors:
+            if t.name not in merged:
+                continue
+            full = merged[t.name]
+            shape = full_shape(t.global_shape, t.dim)
+            if t.name in VOCAB_TENSORS:
+                full = _fit_rows(full, shape[0])
+            if tuple(full.shape) != tuple(shape):
+                problems.append(f"{t.name} is {tuple(full.shape)} in the checkpoint, {tuple(shape)} in this model")
+                continue
+            piece = region(full.reshape(t.global_shape), (0,) * len(t.global_shape), t.offset, t.local)
+            t.value.detach().view(t.local).copy_(piece)
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not fit the model: {'; '.join(problems[:3])}; "
+                              "match the model flags")
+
+
+def _layer_ranges(chunks) -> list:
+    out = []
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        holder = module if hasattr(module, "layer_start") else getattr(module, "decoder", None)
+        start = getattr(holder, "layer_start", None)
+        out.append(None if start is None else [int(start), int(holder.layer_end)])
+    return out
+
+
+def _own_file(folder: str, chunks, state) -> dict | None:
+    """This rank's model file when the checkpoint was saved at this run's layout, else None."""
+    mine = model_file("", 0, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
+    path = os.path.join(folder, os.path.relpath(mine, iteration_dir("", 0)))  # mp_rank_TT_PPP[_EEE]/<file>
+    if not os.path.isfile(path):
+        return None
+    payload = read_model_file(path)
+    saved = [None if r is None else list(r) for r in payload.get("layer_ranges", [])]
+    same = (payload["tp_size"], payload["pp_size"], payload.get("ep_size", 1)) == (state.tp_size, state.pp_size,
+                                                                                  state.ep_size)
+    return payload if same and saved == _layer_ranges(chunks) else None
+
+
+def _load_own_file(folder: str, payload: dict, chunks, config, missing_ok) -> None:
+    """Each chunk's weights from this rank's model file (same layout): names and shapes checked."""
+    _check_architecture(folder, payload["config"], config)
+    problems = []
+    with torch.no_grad():
+        for chunk, saved in zip(chunks, payload["model"]):
+            mine = getattr(chunk, "module", chunk).state_dict()
+            problems += [f"missing in the checkpoint: {k}" for k in mine if k not in saved and not _optional(k, missing_ok)]
+            problems += [f"not in this model: {k}" for k in saved if k not in mine and not is_fp8_state_key(k)]
+            for key, value in mine.items():
+                if key not in saved or not torch.is_tensor(value):
+                    continue
+                if tuple(saved[key].shape) != tuple(value.shape):
+                    problems.append(f"{key} is {tuple(saved[key].shape)} in the checkpoint, {tuple(value.shape)} here")
+                else:
+                    value.copy_(saved[key])
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not fit the model: {'; '.join(problems[:3])}; "
+                              "match the model flags")
+
+
+def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: str = "--pretrained-checkpoint",
+                            missing_ok=None) -> str:
+    """This rank's part of :func:`load_model_weights` (local: no collectives). Returns the folder."""
+    folder, iteration = checkpoint_folder(path, flag)
+    dist_format = is_dist_folder(folder)
+    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+        if dist_format:
+            _check_architecture(folder, read_common(folder)["config"], config)
+            _load_dist_weights(folder, chunks, state, missing_ok)
+        elif (payload := _own_file(folder, chunks, state)) is not None:
+            _load_own_file(folder, payload, chunks, config, missing_ok)
+        else:
+            _load_merged(folder, chunks, config, state, missing_ok)
+    if optimizer is not None:  # fp32 masters from the loaded weights, or the first step would undo the load
+        optimizer.reload_model_params()
+    print_rank_0(f"  loaded model weights from {folder} (iteration {iteration}, "
+                 f"{'torch_dist' if dist_format else 'torch'} format); starting at iteration 0 with a fresh optimizer")
+    return folder
+
+
+def load_model_weights(chunks, optimizer, path: str, config, state, flag: str = "--pretrained-checkpoint",
+                       missing_ok=None) -> str:
+    """Load only the model weights of the checkpoint at ``path`` into ``chunks`` (see the module
+    docstring); every rank calls it, and a problem on any rank is one CheckpointError on all."""
+    from .training import on_every_rank
+
+    return on_every_rank(lambda: load_model_weights_here(chunks, optimizer, path, config, state, flag, missing_ok))

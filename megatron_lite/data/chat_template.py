@@ -1,0 +1,211 @@
+"""Chat conversations -> token ids, and which of them a fine-tuned model learns (the assistant's).
+
+``chat_tokens(tokenizer, messages)`` is the one place a conversation ``[{"role": "system" | "user"
+| "assistant", "content": str}, ...]`` becomes tokens: SFT training (the ``trained`` flags say
+where the loss is) and chat inference (``add_generation_prompt=True``: the prompt the model
+continues) both call it, so a model is prompted exactly as it was trained.
+
+The template:
+
+* a ``HuggingFaceTokenizer`` whose folder holds a chat template (``chat_template.jinja``, or
+  ``"chat_template"`` in ``tokenizer_config.json``) uses it, rendered with Jinja2 in a sandbox as
+  Hugging Face does (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ...).
+  The trained tokens are found by rendering each prefix of the conversation: assistant turn ``i``
+  is the text between ``render(messages[:i], add_generation_prompt=True)`` and
+  ``render(messages[:i + 1])`` (its content and the template's end-of-turn marker), and a token is
+  trained when it starts inside such a span (offsets from the tokenizer). A template that does not
+  render a conversation prefix by prefix is refused;
+* every other tokenizer (or a Hugging Face one without a template) uses this simple default, each
+  piece tokenized on its own::
+
+      system     "System: {content}\\n\\n"                      not trained
+      user       "User: {content}\\n\\n"                        not trained
+      assistant  "Assistant: " (not trained) "{content}\\n\\n" (trained)
+      generation prompt "Assistant: "
+
+After the last turn comes the tokenizer's end-of-document token (trained: the model learns to
+stop), unless the template already ended with it. Conversations are checked first
+(:func:`check_messages`): known roles, a system message only first, every assistant turn right
+after a user turn and not empty, at least one assistant turn; a problem raises
+:class:`ConversationError` with the reason (the data readers add ``file:line``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant")
+DEFAULT_HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+DEFAULT_SEPARATOR = "\n\n"
+
+
+class ConversationError(ValueError):
+    """A conversation the chat template cannot take (unknown role, assistant turn first, ...);
+    ``reason`` is a short name for counting skipped conversations."""
+
+    def __init__(self, message: str, reason: str = "malformed message"):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class ChatTokens:
+    ids: list[int]
+    trained: list[bool]  # True where the model learns the token (assistant text, end of turn, final EOD)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def check_messages(messages, generation: bool = False) -> None:
+    """Raise :class:`ConversationError` naming the first problem of ``messages``. ``generation``:
+    a prompt for the next assistant turn (it ends with a user turn and needs no assistant turn)."""
+    if not isinstance(messages, list) or not messages:
+        raise ConversationError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ConversationError(f"message {i} is not {{\"role\": ..., \"content\": <string>}}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ConversationError(f"message {i} has unknown role {role!r} (expected system, user or assistant)",
+                                    "unknown role")
+        if role == "system" and i > 0:
+            raise ConversationError(f"message {i}: a system message may only come first", "system message not first")
+        if role == "assistant":
+            if i == 0 or messages[i - 1]["role"] != "user":
+                raise ConversationError(f"message {i}: an assistant turn must follow a user turn",
+                                        "assistant turn not after a user turn")
+            if not m["content"].strip():
+                raise ConversationError(f"message {i}: empty assistant turn (nothing to learn)", "empty assistant turn")
+    if generation:
+        if messages[-1]["role"] != "user":
+            raise ConversationError("a generation prompt must end with a user turn")
+    elif not any(m["role"] == "assistant" for m in messages):
+        raise ConversationError("no assistant turn (nothing to learn)", "no assistant turn")
+
+
+def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False) -> ChatTokens:
+    """The tokens of ``messages`` through the tokenizer's chat template (see the module docstring).
+
+    Training form (default): the whole conversation plus EOD, with ``trained`` flags. With
+    ``add_generation_prompt`` the prompt for the next assistant turn (nothing trained, no EOD).
+    """
+    check_messages(messages, generation=add_generation_prompt)
+    template = hf_chat_template(tokenizer)
+    if template is None:
+        out = _default_tokens(tokenizer, messages, add_generation_prompt)
+    else:
+        out = _template_tokens(tokenizer, template, messages, add_generation_prompt)
+    if add_generation_prompt:
+        out.trained = [False] * len(out.ids)
+    eod = getattr(tokenizer, "eod", None)
+    if not add_generation_prompt and eod is not None and (not out.ids or out.ids[-1] != eod):
+        out.ids.append(int(eod))
+        out.trained.append(True)
+    return out
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """``text`` as token ids without the tokenizer's own additions (no BOS from a post-processor)."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return hf.encode(text, add_special_tokens=False).ids
+    return list(tokenizer.tokenize(text))
+
+
+def _default_tokens(tokenizer, messages, add_generation_prompt: bool) -> ChatTokens:
+    ids, trained = [], []
+
+    def add(text, learn):
+        piece = encode(tokenizer, text)
+        ids.extend(piece)
+        trained.extend([learn] * len(piece))
+
+    for m in messages:
+        if m["role"] == "assistant":
+            add(DEFAULT_HEADERS["assistant"], False)
+            add(m["content"] + DEFAULT_SEPARATOR, True)
+        else:
+            add(DEFAULT_HEADERS[m["role"]] + m["content"] + DEFAULT_SEPARATOR, False)
+    if add_generation_prompt:
+        add(DEFAULT_HEADERS["assistant"], False)
+    return ChatTokens(ids, trained)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face chat templates.
+
+
+def _tokenizer_config(folder: str) -> dict:
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def hf_chat_template(tokenizer) -> tuple[str, dict] | None:
+    """(template, special-token strings) of a Hugging Face tokenizer's folder, or None (no template:
+    the default is used). Read once per tokenizer."""
+    if not hasattr(tokenizer, "hf") or not getattr(tokenizer, "path", None):
+        return None
+    if not hasattr(tokenizer, "_chat_template"):
+        folder = os.path.dirname(os.path.abspath(tokenizer.path))
+        config = _tokenizer_config(folder)
+        template = config.get("chat_template")
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        specials = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = config.get(key)
+            specials[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
+        tokenizer._chat_template = (template, specials) if template else None
+    return tokenizer._chat_template
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise ConversationError(f"the chat template refused the conversation: {message}", "chat template")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def _render(template, messages, add_generation_prompt: bool) -> str:
+    text, specials = template
+    return _compile(text).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+
+
+def _template_tokens(tokenizer, template, messages, add_generation_prompt: bool) -> ChatTokens:
+    text = _render(template, messages, add_generation_prompt)
+    spans = []
+    if not add_generation_prompt:
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _render(template, messages[:i], True)
+            through = _render(template, messages[:i + 1], False)
+            if not (text.startswith(through) and through.startswith(before)):
+                raise ConversationError(
+                    f"the tokenizer's chat template does not render this conversation prefix by prefix (turn {i}), "
+                    "so its assistant tokens cannot be found; remove the template to use the default one",
+                    "chat template")
+            spans.append((len(before), len(through)))
+    encoding = tokenizer.hf.encode(text, add_special_tokens=False)
+    trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoding.offsets]
+    return ChatTokens(list(encoding.ids), trained)

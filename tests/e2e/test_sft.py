@@ -1,0 +1,138 @@
+"""pretrain_gpt.py --sft through its command line: parallel runs reproduce the single-process run,
+the logged loss is Megatron's, and every bad conversation is one line naming file:line (exit 2).
+
+The data: random ChatML conversations over a word-level tokenizer (tests/sft_helpers.py), packed
+(--sft-pack-sequences), so every sample has several conversations and the document mask is live
+in each parallel kind (under CP the ids travel with the keys around the ring).
+"""
+
+import json
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.data.samplers import collate
+from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
+from tests.e2e.test_pretrain_gpt import _one_line_exit_2
+from tests.sft_helpers import CHATML, write_conversations, write_tokenizer
+from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
+
+ITERS = 6
+
+
+@pytest.fixture(scope="module")
+def sft_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sftdata")
+    return {"tokenizer": write_tokenizer(root / "tok", CHATML),
+            "data": write_conversations(root / "chats.jsonl", 64, seed=2, max_turns=2, max_words=3)}
+
+
+def sft_run_argv(files, data=None, iters=ITERS, pack=True):
+    """The SFT data and run flags (no model flags)."""
+    return ["--sft"] + (["--sft-pack-sequences"] if pack else []) + [
+        "--data-path", data or files["data"], "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", files["tokenizer"], "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "1", "--eval-iters", "0",
+        "--split", "100,0,0", "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "7"]
+
+
+def sft_argv(files, save=None, extra=(), data=None, iters=ITERS, pack=True):
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--make-vocab-size-divisible-by",
+             "16"]
+    return model + sft_run_argv(files, data, iters, pack) + (["--save", save] if save else []) + list(extra)
+
+
+@pytest.fixture(scope="module")
+def reference(sft_files):
+    return run_script("pretrain_gpt", sft_argv(sft_files))
+
+
+@pytest.mark.parametrize("name, world, extra", [
+    ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+    ("cp2", 2, ["--context-parallel-size", "2"]),
+    ("dp2", 2, []),
+])
+def test_sft_parallel_runs_reproduce_single_process(sft_files, reference, name, world, extra):
+    got = ranks_trajectory(world, "pretrain_gpt", sft_argv(sft_files, extra=extra))
+    assert_same_trajectory(got, reference, what=name)
+    assert reference.losses[-1] < reference.losses[0]  # it trained
+
+
+def test_logged_loss_is_the_mean_of_the_micro_batch_means(sft_files):
+    """Megatron's --sft logging: each micro-batch's loss is its token mean, the logged loss their
+    mean (here two micro-batches of one step, lr 0 so the weights stay those the step saw; padded
+    samples, so the micro-batches count different numbers of learned tokens)."""
+    argv = sft_argv(sft_files, extra=["--lr", "0", "--micro-batch-size", "1", "--global-batch-size", "2"], iters=1,
+                    pack=False)
+    result = pretrain_gpt.main(argv)
+    config = pretrain_gpt.parse_args(argv)
+    tokenizer = pretrain_gpt.build_tokenizer_for(config)
+    train, _, _ = build_sft_datasets(sft_config_from(config, tokenizer), [2, 0, 0], tokenizer)
+    model = result.chunks[0]
+    sums, counts = [], []
+    with torch.no_grad():
+        for batch in (collate([train[0]]), collate([train[1]])):
+            out, _ = pretrain_gpt.forward_step(iter([batch]), model)
+            sums.append(float((out * batch["loss_mask"]).sum()))
+            counts.append(float(batch["loss_mask"].sum()))
+    micro_mean = sum(s / c for s, c in zip(sums, counts)) / 2
+    assert result.losses[0] == pytest.approx(micro_mean, rel=1e-6) and counts[0] != counts[1]
+    assert sum(sums) / sum(counts) != pytest.approx(micro_mean, rel=1e-5)  # not the global token mean
+
+
+GOOD = [{"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "sun"}]},
+        {"prompt": "how", "response": "moon"}]
+BAD = [
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "unknown role 'bot'"),
+    ('{"messages": [{"role": "assistant", "content": "yes"}]}', "must follow a user turn"),
+    ('{"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": " "}]}', "empty assistant turn"),
+    ('{"messages": [{"role": "user", "content": "why"}]}', "no assistant turn"),
+    ('{"prompt": "' + " ".join(["one"] * 40) + '", "response": "two"}', "longer than --seq-length 32"),
+    ('{"messages": [{"role": "user"', "not valid JSON"),
+    ('{"text": "one two"}', 'expected {"messages"'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}', "system message"),
+]
+
+
+@pytest.mark.parametrize("line, words", BAD, ids=[w.split()[0] + str(i) for i, (_, w) in enumerate(BAD)])
+def test_bad_conversation_is_one_line_naming_file_and_line(tmp_path, capsys, sft_files, line, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(g) + "\n" for g in GOOD) + "\n" + line + "\n")
+    _one_line_exit_2(capsys, sft_argv(sft_files, data=str(path), iters=1), f"{path}:4: ", words,
+                     "--sft-skip-bad-conversations")
+
+
+def test_bad_conversations_are_skipped_and_counted_under_the_flag(tmp_path, capsys, sft_files):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(line + "\n" + json.dumps(GOOD[i % 2]) + "\n" for i, (line, _) in enumerate(BAD)))
+    result = pretrain_gpt.main(sft_argv(sft_files, data=str(path), iters=1,
+                                        extra=["--sft-skip-bad-conversations", "--global-batch-size", "2"]))
+    assert len(result.losses) == 1
+    out = capsys.readouterr().out
+    assert f"skipped 8 of 16 conversations in {path} (" in out and "1 unknown role" in out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--sft-pack-sequences"], ["--sft-pack-sequences needs --sft"]),
+    (["--sft", "--mock-data", "--vocab-size", "64"], ["--sft", "not --mock-data"]),
+    (["--sft", "--reset-attention-mask", "--data-path", "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
+     ["drop --reset-attention-mask"]),
+])
+def test_sft_flag_errors(capsys, flags, words):
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+    if "--sft" not in flags:
+        base += ["--mock-data", "--vocab-size", "64"]
+    _one_line_exit_2(capsys, base + flags, *words)
+
+
+def test_sft_is_refused_by_pretrain_bert(capsys):
+    import pretrain_bert
+
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(["--sft", "--data-path", "x.jsonl", "--tokenizer-type", "BertWordPieceLowerCase",
+                            "--vocab-file", "v.txt"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--sft is for pretrain_gpt.py" in lines[0]

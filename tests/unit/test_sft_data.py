@@ -1,0 +1,176 @@
+"""SFT data at the token level: the chat templates' learned tokens, the sample fields (padding and
+packing), packed loss == the sum of the conversations run one by one, preprocessed files == JSONL."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.config import ModelConfig
+from megatron_lite.data.chat_template import ConversationError, chat_tokens
+from megatron_lite.data.samplers import collate
+from megatron_lite.data.sft_conversations import read_conversations
+from megatron_lite.data.sft_dataset import SFTDataset, SFTDatasetConfig, build_sft_datasets, make_sample
+from megatron_lite.data.sft_preprocess import preprocess_sft
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.parallel.state import ParallelState
+from tests.model_helpers import build_gpt
+from tests.sft_helpers import CHATML, write_conversations, write_tokenizer
+
+SEQ = 32
+CHAT = [{"role": "system", "content": "red"}, {"role": "user", "content": "why ?"},
+        {"role": "assistant", "content": "sun moon"}, {"role": "user", "content": "how"},
+        {"role": "assistant", "content": "no"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {name: build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(root / name, template))
+            for name, template in (("default", None), ("chatml", CHATML))}
+
+
+def _learned(tokenizer, messages):
+    out = chat_tokens(tokenizer, messages)
+    return [tokenizer.inv_vocab[i] for i, t in zip(out.ids, out.trained) if t], out
+
+
+def test_default_template_learns_assistant_text_and_eod_only(tokenizers):
+    tok = tokenizers["default"]
+    learned, out = _learned(tok, CHAT)
+    assert learned == ["sun", "moon", "no", "<|endoftext|>"]
+    text = tok.detokenize(out.ids)
+    assert text.startswith("System : red User : why ? Assistant : sun moon User") and out.ids[-1] == tok.eod
+    prompt = chat_tokens(tok, CHAT[:4], add_generation_prompt=True)
+    assert tok.detokenize(prompt.ids).endswith("User : how Assistant :") and not any(prompt.trained)
+    assert out.ids[:len(prompt.ids)] == prompt.ids  # training and generation share the prefix
+
+
+def test_hf_template_learns_assistant_text_and_end_of_turn(tokenizers):
+    tok = tokenizers["chatml"]
+    learned, out = _learned(tok, CHAT)
+    assert learned == ["sun", "moon", "<|im_end|>", "no", "<|im_end|>", "<|endoftext|>"]
+    assert [tok.inv_vocab[i] for i in out.ids[:3]] == ["<|im_start|>", "system", "red"]
+    prompt = chat_tokens(tok, CHAT[:4], add_generation_prompt=True)
+    assert [tok.inv_vocab[i] for i in prompt.ids[-2:]] == ["<|im_start|>", "assistant"]
+    assert out.ids[:len(prompt.ids)] == prompt.ids
+
+
+def test_prefix_unstable_template_is_refused(tmp_path):
+    drop_history = ("{% for m in messages %}{% if loop.last or m['role'] != 'assistant' %}{{ m['content'] }} "
+                    "{% endif %}{% endfor %}")
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path, drop_history))
+    with pytest.raises(ConversationError, match="prefix by prefix"):
+        chat_tokens(tok, CHAT)
+
+
+def test_padded_and_packed_sample_fields():
+    a = (np.array([5, 6, 7, 8]), np.array([0, 0, 1, 1], dtype=bool))
+    b = (np.array([9, 10, 11]), np.array([0, 1, 1], dtype=bool))
+    padded = make_sample([a], 8, pad=1, pack=False)
+    np.testing.assert_array_equal(padded["tokens"], [5, 6, 7, 8, 1, 1, 1, 1])
+    np.testing.assert_array_equal(padded["labels"], [6, 7, 8, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(padded["loss_mask"], [0, 1, 1, 0, 0, 0, 0, 0])  # labels 7 and 8 learned
+    assert "document_ids" not in padded
+    packed = make_sample([a, b], 8, pad=1, pack=True)
+    np.testing.assert_array_equal(packed["tokens"], [5, 6, 7, 8, 9, 10, 11, 1])
+    np.testing.assert_array_equal(packed["loss_mask"], [0, 1, 1, 0, 1, 1, 0, 0])  # never across 8 -> 9
+    np.testing.assert_array_equal(packed["position_ids"], [0, 1, 2, 3, 0, 1, 2, 0])
+    np.testing.assert_array_equal(packed["document_ids"], [0, 0, 0, 0, 1, 1, 1, 2])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tokenizers):
+    path = write_conversations(tmp_path_factory.mktemp("sft") / "chats.jsonl", 40, seed=1, max_turns=1, max_words=3)
+    return path, tokenizers["chatml"]
+
+
+def _datasets(data, pack, path=None, samples=40):
+    jsonl, tok = data
+    cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[path or jsonl], split="100,0,0", pack=pack, eod=tok.eod,
+                           pad=tok.pad, seed=3)
+    return build_sft_datasets(cfg, [samples, 0, 0], tok)[0], cfg
+
+
+def test_packing_fills_samples_and_keeps_every_conversation(data):
+    packed, _ = _datasets(data, True, samples=1)  # one epoch
+    padded, _ = _datasets(data, False)
+    assert len(padded) == 40 and 1 < len(packed) <= 20
+    assert sorted(packed.order.tolist()) == list(range(40))  # the epoch holds each conversation once
+    for i in range(len(packed)):
+        sample = packed[i]
+        assert sample["loss_mask"].sum() > 0 and sample["document_ids"].max() >= 1
+
+
+def test_packed_loss_equals_the_sum_of_its_conversations_one_by_one(data):
+    """Token level: every packed sample's summed loss (over learned tokens) equals the sum of the
+    same conversations' losses, each run alone in a padded sample (rel 1e-6)."""
+    packed, cfg = _datasets(data, True)
+    convs = packed.conversations
+    model = build_gpt(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                  seq_length=SEQ, max_position_embeddings=SEQ, vocab_size=38, padded_vocab_size=40,
+                                  attention_dropout=0.0, hidden_dropout=0.0, init_method_std=0.3),
+                      ParallelState(), seed=3)  # large weights: attention across conversations shows
+
+    def summed(samples):
+        out, _ = pretrain_gpt.forward_step(iter([collate(samples)]), model)
+        return (out * collate(samples)["loss_mask"]).sum(dim=1).double()
+
+    for i in range(4):
+        chosen = packed.order[packed.bounds[i]:packed.bounds[i + 1]]
+        assert len(chosen) > 1
+        alone = summed([make_sample([convs.get(int(c))], SEQ, cfg.pad, False) for c in chosen]).sum()
+        together = summed([packed[i]])[0]
+        assert abs(together - alone) <= 1e-6 * abs(alone), (i, together, alone)
+        plain = {k: v for k, v in packed[i].items() if k != "document_ids"}  # attention across conversations
+        assert abs(summed([plain])[0] - alone) > 1e-4 * abs(alone)
+
+
+def test_preprocessed_files_give_the_jsonl_samples(data, tmp_path):
+    jsonl, tok = data
+    prefix = str(tmp_path / "chats")
+    kwargs = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path)
+    result = preprocess_sft(jsonl, prefix, kwargs, workers=2, progress=False)
+    assert result.conversations == 40 and 0 < result.trained_tokens < result.tokens
+    for pack in (False, True):
+        a, _ = _datasets(data, pack)
+        b, _ = _datasets(data, pack, prefix)
+        assert len(a) == len(b)
+        for i in range(len(a)):
+            for key, value in a[i].items():
+                np.testing.assert_array_equal(b[i][key], value)
+
+
+def test_long_conversations_in_preprocessed_files(data, tmp_path):
+    jsonl, tok = data
+    prefix = str(tmp_path / "chats")
+    preprocess_sft(jsonl, prefix, dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path))
+    lengths = read_conversations(prefix, tok).lengths
+    limit = int(np.sort(lengths)[-3])
+    longer = int((lengths > limit).sum())
+    assert longer >= 1
+    with pytest.raises(Exception, match=r"chats.bin conversation \d+: conversation is \d+ tokens"):
+        read_conversations(prefix, tok, limit)
+    kept = read_conversations(prefix, tok, limit, skip_bad=True)
+    assert len(kept) == 40 - longer and kept.skipped["longer than the sequence"] == longer
+
+
+def test_prompt_response_form_is_a_user_assistant_conversation(tmp_path, tokenizers):
+    tok = tokenizers["chatml"]
+    path = tmp_path / "pr.jsonl"
+    path.write_text(json.dumps({"system": "red", "prompt": "why", "response": "sun"}) + "\n\n")
+    conv = read_conversations(str(path), tok)
+    expected = chat_tokens(tok, [{"role": "system", "content": "red"}, {"role": "user", "content": "why"},
+                                 {"role": "assistant", "content": "sun"}])
+    assert len(conv) == 1 and conv.get(0)[0].tolist() == expected.ids and conv.where(0).endswith("pr.jsonl:1")
+
+
+def test_each_sample_of_one_split_and_sizes(data):
+    jsonl, tok = data
+    cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[jsonl], split="90,10,0", eod=tok.eod, pad=tok.pad)
+    train, valid, test = build_sft_datasets(cfg, [100, 5, 0], tok)
+    assert test is None and len(train) >= 100 and len(valid) >= 5  # epochs added until enough
+    assert set(train.order.tolist()) == set(range(36)) and set(valid.order.tolist()) == set(range(36, 40))
+    assert isinstance(train, SFTDataset) and torch.is_tensor(collate([train[0], train[1]])["tokens"])
