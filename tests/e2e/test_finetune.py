@@ -105,9 +105,7 @@ def test_restart_resumes_from_load_not_the_pretrained_checkpoint(tmp_path, capsy
     capsys.readouterr()
     second = run_script("pretrain_gpt", argv[:-2])
     assert "loading checkpoint from " + run in capsys.readouterr().out
-    joined = Trajectory(first.losses + second.losses, first.grad_norms + second.grad_norms,
-                        first.reported + second.reported)
-    assert_same_trajectory(joined, reference, what="restart")
+    assert_same_trajectory(first + second, reference, what="restart")
 
 
 def test_sft_from_an_imported_hugging_face_model(tmp_path, capsys, sft_files):  # noqa: F811

@@ -1,5 +1,5 @@
 """The sharded checkpoint format (--ckpt-format torch_dist): a checkpoint saved at TP2 x DP2 with the
-distributed optimizer resumes at TP1 x DP4 and at PP2 exactly as at its own layout, with its optimizer
+distributed optimizer resumes at TP1 x DP4 and at PP2 on the single-process run's trajectory, with its optimizer
 state resharded bit for bit; each rank writes only its own pieces; --auto-detect-ckpt-format;
 --async-save overlaps training, writes what a synchronous save writes, and a run killed before the
 save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors."""
@@ -18,10 +18,10 @@ import pretrain_gpt
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, read_tracker, save_checkpoint
 from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
-from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2
 from tests.harness import run_ranks
 from tests.tools import load_tool
-from tests.trajectory import Trajectory, assert_same_trajectory
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIST = ["--ckpt-format", "torch_dist"]
@@ -52,7 +52,9 @@ def _continue(tmp_path, src, name, layout, resave=True):
     argv = _argv(str(tmp_path / name), 8, MODEL_B + REPAD + DIST + layout + ["--load", src])
     resaved = str(tmp_path / f"{name}_resaved") if resave else None
     out = run_ranks(4, resave_then_continue, argv, resaved, argv)
-    return [r for r in out if r.losses][0], resaved
+    last = [r for r in out if r.losses]
+    assert last and all(r == last[0] for r in last) and all(r.grad_norms == last[0].grad_norms for r in out)
+    return last[0], resaved
 
 
 def _same_tables(a, b, rows=None):
@@ -98,10 +100,10 @@ def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path)
     the same trajectory as resuming at TP2, the optimizer state equal on the real rows, and the
     padded rows of weights and state zero, as the converter writes them."""
     src = str(tmp_path / "src")
-    first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
-    assert len([r for r in first if r][0]) == 4
-    _check_ownership(src)
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
+    assert len(first.losses) == 4
     same, _ = _continue(tmp_path, src, "same", TP2, resave=False)
+    _check_ownership(src)
     for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
         trajectory, resaved = _continue(tmp_path, src, name, layout)
         assert_same_trajectory(trajectory, same, steps=4, what=name)
@@ -149,14 +151,16 @@ def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):
     embedding's pieces."""
     src = str(tmp_path / "src")
     pretrain_gpt.main(_argv(src, 6, MODEL + DIST + ["--exit-interval", "2"]))
-    same = pretrain_gpt.main(_argv(str(tmp_path / "same"), 6, MODEL + DIST + ["--load", src])).losses
-    pp2 = run_ranks(2, loop_losses, _argv(str(tmp_path / "pp2"), 6, MODEL + DIST + [
+    same = run_script("pretrain_gpt", _argv(str(tmp_path / "same"), 6, MODEL + DIST + ["--load", src]))
+    pp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "pp2"), 6, MODEL + DIST + [
         "--load", src, "--pipeline-model-parallel-size", "2", "--no-load-rng"]))
-    _same_losses([r for r in pp2 if r][0], same)
+    assert_same_trajectory(pp2, same, steps=4)
 
 
-def loop_losses(argv):
-    return pretrain_gpt.main(argv).losses
+@pytest.fixture(scope="module")
+def single6(tmp_path_factory):
+    """The uninterrupted single-process run of MODEL: 6 steps."""
+    return run_script("pretrain_gpt", _argv(str(tmp_path_factory.mktemp("single6") / "s"), 6, MODEL))
 
 
 def test_auto_detect_ckpt_format(tmp_path, capsys):
@@ -213,10 +217,10 @@ def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path)
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == -9, out.stderr[-2000:]
     assert read_tracker(save) == 2 and not os.path.isdir(os.path.join(save, "iter_0000004"))
-    straight = pretrain_gpt.main(_argv(str(tmp_path / "straight"), 6, MODEL + DIST)).losses
+    straight = run_script("pretrain_gpt", _argv(str(tmp_path / "straight"), 6, MODEL + DIST))
     resumed = pretrain_gpt.main(argv + ["--load", save])
-    assert resumed.iteration == 6 and len(resumed.losses) == 4
-    assert resumed.losses == straight[2:]
+    assert resumed.iteration == 6
+    assert_same_trajectory(Trajectory.of(resumed), straight[2:], rtol=0)  # bit-identical
 
 
 def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path, capsys):
@@ -262,30 +266,30 @@ def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
 
 
-def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path):
+def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path, single6):
     """ZeRO-3 holds only a shard of each weight between uses: a torch_dist save from such a run (with
-    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1 and ZeRO-3."""
+    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1 and ZeRO-3
+    with the single-process run's losses and gradient norms."""
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
     src = str(tmp_path / "src")
-    first = run_ranks(2, loop_losses, _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
-    second = run_ranks(2, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + ["--use-distributed-optimizer",
-                                                                                          "--load", src]))
-    again = run_ranks(2, loop_losses, _argv(str(tmp_path / "again"), 6, MODEL + DIST + zero3 + ["--load", src]))
-    whole = run_ranks(2, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + ["--use-distributed-optimizer"]))
-    _same_losses(first[0] + second[0], whole[0])
-    _same_losses(first[0] + again[0], whole[0])  # and back into ZeRO-3's shards
+    first = ranks_trajectory(2, "pretrain_gpt", _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
+    second = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "next"), 6, MODEL + DIST + [
+        "--use-distributed-optimizer", "--load", src]))
+    again = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "again"), 6, MODEL + DIST + zero3 + ["--load", src]))
+    assert_same_trajectory(first + second, single6, steps=6, what="ZeRO-3 then ZeRO-1")
+    assert_same_trajectory(first + again, single6, steps=6, what="ZeRO-3 then ZeRO-3")
 
 
 @pytest.mark.parametrize("world, flags", [
     (4, ["--num-distributed-optimizer-instances", "2"]),
     (2, ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]),
 ], ids=["hybrid_dp4x2", "offload_half"])
-def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, world, flags):
+def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, single6, world, flags):
     """Hybrid sharding (the same optimizer slice on every instance) and CPU offload (part of the slice
-    on the host) write the same pieces as the plain distributed optimizer."""
+    on the host) write the same pieces as the plain distributed optimizer: resumed without them, the
+    run follows the single-process one."""
     src = str(tmp_path / "src")
     distopt = ["--use-distributed-optimizer"]
-    first = run_ranks(world, loop_losses, _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
-    second = run_ranks(world, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
-    whole = run_ranks(world, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + distopt))
-    _same_losses(first[0] + second[0], whole[0])
+    first = ranks_trajectory(world, "pretrain_gpt", _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
+    second = ranks_trajectory(world, "pretrain_gpt", _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
+    assert_same_trajectory(first + second, single6, steps=6)
