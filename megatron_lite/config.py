@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .logging_config import LoggingConfig
+from .lora.config import LoRAConfig, check_lora_flags
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
 
@@ -244,6 +245,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     world_size: int = 1
     data_parallel_size: int = 1
     extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
@@ -256,7 +258,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "lora")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -387,3 +389,4 @@ def _check_data_and_checkpoint(config: Config) -> None:
     from .data.sft_dataset import check_sft_flags
 
     check_sft_flags(config)
+    check_lora_flags(config)

@@ -24,6 +24,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..lora.apply import lora_chunks
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
@@ -239,7 +240,8 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [wrap_for_data_parallel(chunk.to(device), state, config.parallel) for chunk in model_provider(config, state)]
+    chunks = lora_chunks(model_provider(config, state), config, state)  # --lora-rank: adapters, base frozen
+    chunks = [wrap_for_data_parallel(chunk.to(device), state, config.parallel) for chunk in chunks]
     optimizer = build_optimizer(config, chunks, state)
     scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
     iteration, consumed = 0, 0
