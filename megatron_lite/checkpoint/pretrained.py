@@ -64,6 +64,9 @@ def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
 
 
 def _check_architecture(folder: str, saved: dict, config) -> None:
+    if saved.get("lora_rank"):
+        raise CheckpointError(f"checkpoint {folder} holds LoRA adapters only; merge them into their base first "
+                              "(tools/checkpoint/convert.py --load-dir it) and load the merged checkpoint")
     ours = config.flat()
     differ = [f"{k.replace('_', '-')} {saved[k]} (this run {ours[k]})" for k in ARCH_FIELDS
               if k not in LOOSE_FIELDS and k in saved and k in ours and saved[k] != ours[k]]
@@ -168,7 +171,8 @@ def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: s
     """This rank's part of :func:`load_model_weights` (local: no collectives). Returns the folder."""
     folder, iteration = checkpoint_folder(path, flag)
     dist_format = is_dist_folder(folder)
-    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+    # ZeRO-3: full-size storage to load into, then re-sharded (gathered first when some may stay as they are)
+    with full_params(chunks, load=True, partial=missing_ok is not None):
         if dist_format:
             _check_architecture(folder, read_common(folder)["config"], config)
             _load_dist_weights(folder, chunks, state, missing_ok)
@@ -178,8 +182,9 @@ def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: s
             _load_merged(folder, chunks, config, state, missing_ok)
     if optimizer is not None:  # fp32 masters from the loaded weights, or the first step would undo the load
         optimizer.reload_model_params()
+    fresh = "; starting at iteration 0 with a fresh optimizer" if optimizer is not None else ""
     print_rank_0(f"  loaded model weights from {folder} (iteration {iteration}, "
-                 f"{'torch_dist' if dist_format else 'torch'} format); starting at iteration 0 with a fresh optimizer")
+                 f"{'torch_dist' if dist_format else 'torch'} format){fresh}")
     return folder
 
 
