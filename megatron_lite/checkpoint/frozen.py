@@ -3,7 +3,7 @@
 The rule: a training checkpoint holds the parameters that train (and the buffers), never the frozen
 ones - those are a copy of the base checkpoint they were loaded from, and would make a LoRA
 checkpoint as large as the model. Instead the checkpoint records a *base reference*: the base's
-iteration folder (absolute), its iteration and a fingerprint (the names and sizes of its files).
+iteration folder (absolute), its iteration and a fingerprint of its files.
 
 * The base is the checkpoint whose weights filled the model: ``--pretrained-checkpoint`` (or
   ``--load`` with ``--finetune``); :func:`set_base` keeps its reference on the model chunks.
@@ -58,14 +58,20 @@ def load_saved_state(module, saved: dict) -> None:
                               f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
-def _fingerprint(folder: str) -> str:
-    """The names and sizes of the files under ``folder`` (changes when the checkpoint is rewritten)."""
-    entries = []
-    for root, _, files in os.walk(folder):
-        for name in files:
+def _fingerprint(folder: str, edge: int = 1 << 16) -> str:
+    """A hash of the files under ``folder``: names, sizes and their first and last 64 KiB (a torch.save
+    file ends with its zip directory, which holds the CRC-32 of every record), so a rewrite shows."""
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
             path = os.path.join(root, name)
-            entries.append(f"{os.path.relpath(path, folder)}:{os.path.getsize(path)}")
-    return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()[:16]
+            size = os.path.getsize(path)
+            digest.update(f"{os.path.relpath(path, folder)}:{size}\n".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(edge))
+                f.seek(max(0, size - edge))
+                digest.update(f.read(edge))
+    return digest.hexdigest()[:16]
 
 
 def base_reference(folder: str) -> dict:

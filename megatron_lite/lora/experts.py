@@ -68,7 +68,7 @@ class ExpertAdapter(nn.Module):
                 return F.dropout(x, self.dropout_p, True)
         return F.dropout(x, self.dropout_p, True)
 
-    def _apply(self, x, matmul):
+    def _adapt(self, x, matmul):
         a, b = self.linear_in.weight, self.linear_out.weight
         if self.kind == "column":
             return column_lora(self._dropout(x), a, b, self.group, matmul) * self.scale
@@ -76,14 +76,14 @@ class ExpertAdapter(nn.Module):
         return place_columns(y, self.group, self.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, F.linear)
+        return self._adapt(x, F.linear)
 
 
 class GroupedExpertAdapter(ExpertAdapter):
     """The adapters of all local experts' fc1 or fc2, stacked ``[E_local, in, out]`` (grouped GEMM)."""
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        return self._apply(x, lambda rows, w: grouped_matmul(rows, w, tokens_per_expert))
+        return self._adapt(x, lambda rows, w: grouped_matmul(rows, w, tokens_per_expert))
 
 
 def add_expert_adapters(experts, config, lora, layer_number: int, targets, tracker) -> int:
