@@ -18,6 +18,7 @@ import pretrain_gpt
 from megatron_lite.checkpoint import merge_checkpoint
 from megatron_lite.lora.apply import is_adapter_name
 from tests.e2e.test_pretrain_gpt import _one_line_exit_2
+from tests.harness import run_ranks
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 ITERS = 6
@@ -125,3 +126,36 @@ def test_a_lora_checkpoint_is_not_a_pretrained_model(tmp_path, capsys, bases):
     pretrain_gpt.main(COMMON + LORA[:4] + ["--train-iters", "1", "--pretrained-checkpoint", bases["dense"], "--save", run])
     _one_line_exit_2(capsys, COMMON + ["--train-iters", "1", "--pretrained-checkpoint", run], "holds LoRA adapters only")
     _one_line_exit_2(capsys, COMMON + ["--train-iters", "1", "--load", run], "holds only the trained parameters")
+
+
+def _state_bytes(argv):
+    """Inside a rank: one LoRA step; (frozen, trainable, measured bytes by kind) of this rank."""
+    from megatron_lite.perf.model_state import measured_model_state_bytes
+
+    result = pretrain_gpt.main(argv)
+    params = [p for c in result.chunks for p in c.parameters()]
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return frozen, sum(p.numel() for p in params) - frozen, measured_model_state_bytes(result.chunks, result.optimizer)
+
+
+@pytest.mark.parametrize("strategy, world, dtype", [
+    ("no_shard", 1, torch.float32), ("optim", 2, torch.float32), ("optim", 2, torch.bfloat16),
+    ("optim_grads", 2, torch.float32), ("optim_grads_params", 2, torch.float32),
+])
+def test_gradients_and_optimizer_state_hold_only_the_adapters(bases, strategy, world, dtype):
+    """Measured bytes per rank == frozen x P + adapters x the strategy's bytes (no padding here: every
+    bucket's size is even); the gradient buffer and the optimizer hold the adapters and nothing else."""
+    from megatron_lite.perf.model_state import model_state_bytes_split, model_state_bytes_with_frozen
+
+    extra = ["--train-iters", "1", "--data-parallel-sharding-strategy", strategy]
+    extra += ["--bf16"] if dtype == torch.bfloat16 else []
+    argv = lora_argv(bases, "dense", extra)
+    results = run_ranks(world, _state_bytes, argv) if world > 1 else [_state_bytes(argv)]
+    for frozen, trainable, got in results:
+        assert 0 < trainable < frozen
+        weight = torch.empty((), dtype=dtype).element_size()
+        device, _ = model_state_bytes_with_frozen(dtype, strategy, world, frozen=frozen, trainable=trainable)
+        assert sum(got.values()) == device
+        per = model_state_bytes_split(dtype, strategy, world)[0] - (weight / world if strategy == "optim_grads_params"
+                                                                   else weight)
+        assert got["grads"] + got["optimizer"] == per * trainable  # adapters only
