@@ -105,6 +105,18 @@ def test_checkpoint_holds_adapters_and_resumes_exactly(tmp_path, capsys, bases, 
     _frozen_equal_base(result, bases["dense"])
 
 
+def test_ep2_grouped_expert_adapters_resume_exactly_from_torch_dist(tmp_path, bases, references):
+    """Each EP rank saves its experts' stacked adapters under their global expert rows."""
+    run = str(tmp_path / "run")
+    ep2 = ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    first = ranks_trajectory(2, "pretrain_gpt", lora_argv(bases, "moe_grouped", ep2 + ["--save", run,
+                                                                                   "--exit-interval", "3"]))
+    second = ranks_trajectory(2, "pretrain_gpt", COMMON + MODELS["moe_grouped"] + LORA + ep2 + ["--load", run])
+    joined = Trajectory(first.losses + second.losses, first.grad_norms + second.grad_norms,
+                        first.reported + second.reported)
+    assert_same_trajectory(joined, references["moe_grouped"], what="EP2 resume")
+
+
 def test_resume_refuses_a_base_that_is_gone_or_changed(tmp_path, capsys, bases):
     base, run = str(tmp_path / "base"), str(tmp_path / "run")
     shutil.copytree(bases["dense"], base)
