@@ -4,8 +4,8 @@ bit-identical, checkpoints hold the adapters plus a base reference and resume ex
 Each base model (dense GPT; MoE with sequential or grouped experts) is pretrained for 2 steps and
 saved once; every LoRA run starts from it with --pretrained-checkpoint. The single-process LoRA run
 of each model is the reference (module fixtures); TP2 + SP, PP2, DP2 with the distributed optimizer
-and DP2 ZeRO-3 (dense) and EP2 (experts with adapters) must give its losses and gradient norms
-within rel 1e-5.
+and DP2 ZeRO-3 (dense), EP2 and TP2 + SP with the experts split over TP or whole on every TP rank
+(experts with adapters) must give its losses and gradient norms within rel 1e-5.
 """
 
 import os
@@ -61,6 +61,9 @@ def references(bases):
     ("dp2_zero3", "dense", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     ("ep2_sequential_experts", "moe", ["--expert-model-parallel-size", "2"]),
     ("ep2_grouped_experts", "moe_grouped", ["--expert-model-parallel-size", "2"]),
+    ("tp2_sp_expert_tensor_parallel", "moe_grouped", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("tp2_sp_whole_experts", "moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--expert-tensor-parallel-size", "1"]),
 ])
 def test_parallel_lora_reproduces_one_process(bases, references, name, model, extra):
     got = ranks_trajectory(2, "pretrain_gpt", lora_argv(bases, model, extra))
