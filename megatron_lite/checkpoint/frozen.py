@@ -109,6 +109,14 @@ def base_of(chunks) -> dict | None:
     return reference
 
 
+def require_base(chunks, load: str | None) -> None:
+    """After loading: a model with frozen parameters must have its base loaded (else it trains
+    adapters on random weights that no checkpoint could restore)."""
+    if has_frozen(chunks) and getattr(_inner(chunks[0]), "frozen_base", None) is None:
+        raise CheckpointError(f"--load {load} holds no checkpoint and no --pretrained-checkpoint was given: LoRA "
+                              "needs the base model to adapt; pass --pretrained-checkpoint")
+
+
 def check_base(path: str, saved: dict | None, chunks, pretrained: str | None) -> str | None:
     """The base folder to load before resuming from checkpoint ``path`` (whose record is ``saved``),
     or None when there is none to load; one CheckpointError for any mismatch."""

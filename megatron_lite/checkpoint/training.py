@@ -53,6 +53,7 @@ from .frozen import (
     base_reference,
     check_base,
     load_saved_state,
+    require_base,
     saved_state_dict,
     set_base,
     trainable_may_be_missing,
@@ -394,4 +395,6 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """
     if config.checkpoint.load is None and config.checkpoint.pretrained_checkpoint is None:
         return 0, 0
-    return on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
+    loaded = on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
+    require_base(chunks, config.checkpoint.load)  # frozen (LoRA) weights came from a base checkpoint
+    return loaded

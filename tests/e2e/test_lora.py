@@ -141,6 +141,8 @@ def test_a_lora_checkpoint_is_not_a_pretrained_model(tmp_path, capsys, bases):
     pretrain_gpt.main(COMMON + LORA[:4] + ["--train-iters", "1", "--pretrained-checkpoint", bases["dense"], "--save", run])
     _one_line_exit_2(capsys, COMMON + ["--train-iters", "1", "--pretrained-checkpoint", run], "holds LoRA adapters only")
     _one_line_exit_2(capsys, COMMON + ["--train-iters", "1", "--load", run], "holds only the trained parameters")
+    _one_line_exit_2(capsys, COMMON + LORA[:4] + ["--train-iters", "1", "--load", str(tmp_path / "empty")],
+                     "LoRA needs the base model to adapt")
 
 
 def _state_bytes(argv):
