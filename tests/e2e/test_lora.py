@@ -3,9 +3,10 @@ bit-identical, checkpoints hold the adapters plus a base reference and resume ex
 
 Each base model (dense GPT; MoE with sequential or grouped experts) is pretrained for 2 steps and
 saved once; every LoRA run starts from it with --pretrained-checkpoint. The single-process LoRA run
-of each model is the reference (module fixtures); TP2 + SP, PP2, DP2 with the distributed optimizer
-and DP2 ZeRO-3 (dense), EP2 and TP2 + SP with the experts split over TP or whole on every TP rank
-(experts with adapters) must give its losses and gradient norms within rel 1e-5.
+of each model is the reference (module fixtures); TP2 + SP, PP2 (1F1B, ZB-H1), CP2 with full
+recompute, DP2 with the distributed optimizer and DP2 ZeRO-3 (dense), EP2 and TP2 + SP with the
+experts split over TP or whole on every TP rank (experts with adapters) must give its losses and
+gradient norms within rel 1e-5.
 """
 
 import os
@@ -57,6 +58,10 @@ def references(bases):
 @pytest.mark.parametrize("name, model, extra", [
     ("tp2_sp", "dense", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2", "dense", ["--pipeline-model-parallel-size", "2"]),
+    ("pp2_zero_bubble", "dense", ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                  "--micro-batch-size", "1"]),
+    ("cp2_full_recompute", "dense", ["--context-parallel-size", "2", "--recompute-granularity", "full",
+                                     "--recompute-method", "uniform"]),
     ("dp2_distributed_optimizer", "dense", ["--use-distributed-optimizer"]),
     ("dp2_zero3", "dense", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     ("ep2_sequential_experts", "moe", ["--expert-model-parallel-size", "2"]),
