@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models.transformer import TransformerLayer
+from ..models.transformer_config import TransformerConfig
 from ..moe.experts import GroupedExperts, SequentialExperts
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from .adapters import LinearAdapter
@@ -64,7 +65,5 @@ def lora_chunks(chunks: list, run_config, state) -> list:
     lora = getattr(run_config, "lora", None)
     if lora is None or lora.lora_rank is None:
         return chunks
-    from ..models.transformer_config import TransformerConfig
-
     model_config = TransformerConfig.from_config(run_config)
     return [apply_lora(chunk, model_config, lora, state) for chunk in chunks]

@@ -12,29 +12,26 @@ adapt ``mlp.experts.weight{1,2}`` (``[E, in, out]``), so there ``W' = W + (alpha
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..checkpoint.format import CheckpointError
 from .apply import is_adapter_name
 
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
-GROUPED = {f"linear_fc{i}_adapter.linear_in.weight": f"weight{i}" for i in (1, 2)}
+GROUPED = re.compile(r"^(.*)\.linear_fc([12])_adapter\.linear_in\.weight$")
 
 
-def _pair(state_dict: dict, key_in: str) -> tuple[str, torch.Tensor, torch.Tensor, bool]:
-    """(base weight name, A, B, stacked) of the adapter whose A is ``key_in``."""
-    prefix, leaf = key_in.rsplit(".", 2)[0], ".".join(key_in.rsplit(".", 2)[1:])
-    if key_in.endswith(IN):
-        base, stacked = key_in[: -len(IN)] + ".weight", False
-        key_out = key_in[: -len(IN)] + OUT
-    else:
-        parent = prefix.rsplit(".", 1)[0]
-        grouped = f"{prefix.rsplit('.', 1)[1]}.{leaf}"
-        base, stacked = f"{parent}.{GROUPED[grouped]}", True
-        key_out = key_in.replace("linear_in.weight", "linear_out.weight")
-    if base not in state_dict or key_out not in state_dict:
-        raise CheckpointError(f"adapter {key_in} has no {'base weight ' + base if base not in state_dict else key_out}")
-    return base, state_dict[key_in], state_dict[key_out], stacked
+def _pair(key_in: str) -> tuple[str, str, bool] | None:
+    """(base weight name, B's name, stacked) of the adapter whose A is ``key_in``; None if it is no A."""
+    if key_in.endswith(IN):  # <base>.adapter.linear_in.weight
+        stem = key_in[: -len(IN)]
+        return stem + ".weight", stem + OUT, False
+    m = GROUPED.match(key_in)  # <experts>.linear_fc{i}_adapter.linear_in.weight
+    if m is None:
+        return None
+    return f"{m.group(1)}.weight{m.group(2)}", key_in.replace(".linear_in.", ".linear_out."), True
 
 
 def merge_lora(state_dict: dict, alpha: float, rank: int) -> dict:
@@ -42,9 +39,12 @@ def merge_lora(state_dict: dict, alpha: float, rank: int) -> dict:
     merged = {k: v for k, v in state_dict.items() if not is_adapter_name(k)}
     scale = alpha / rank
     for key in state_dict:
-        if not (key.endswith(IN) or any(key.endswith(g) for g in GROUPED)):
+        if (pair := _pair(key)) is None:
             continue
-        base, a, b, stacked = _pair(state_dict, key)
+        base, key_out, stacked = pair
+        if base not in state_dict or key_out not in state_dict:
+            raise CheckpointError(f"adapter {key} has no {base if base not in state_dict else key_out}")
+        a, b = state_dict[key], state_dict[key_out]
         delta = torch.bmm(a.float(), b.float()) if stacked else b.float() @ a.float()
         weight = merged[base]
         if tuple(delta.shape) != tuple(weight.shape):
