@@ -74,6 +74,8 @@ def check_bert_config(config: Config) -> None:
                           f"{MIN_SEQ_LENGTH}")
     if config.data.mock_data:
         raise ConfigError("--mock-data is GPT-only; give BERT a sentence-split --data-path")
+    if config.model.mtp_num_layers:
+        raise ConfigError("--mtp-num-layers is GPT-only (multi-token prediction of a causal model); drop it")
 
 
 def check_tokenizer(config: Config, tokenizer) -> None:

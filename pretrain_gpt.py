@@ -31,6 +31,7 @@ from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_with_message
 from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.training.logging import print_rank_0
@@ -73,34 +74,55 @@ def model_provider(config: Config, state) -> list[torch.nn.Module]:
     ]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None, mtp_loss_mask=None,
+              mtp_loss_scaling_factor: float = 0.1):
     """Mean per-token loss over the unmasked tokens of the micro-batch.
 
     Under context parallelism each rank holds part of every sample's tokens: the token sum and
     count are all-reduced over the CP group, so the reported loss is the mean over all tokens, and
     the loss this rank backpropagates is ``cp x local sum / global count`` - the data-parallel
     gradient average over DP x CP divides by cp again, giving exactly the global token mean.
+
+    With multi-token prediction ``output_tensor`` is ``[1 + D, b, s]`` and ``mtp_loss_mask`` the
+    shifted masks ``[D, b, s]``: each depth's mean is reported as ``mtp_k loss`` and the loss is
+    ``lm loss + mtp_loss_scaling_factor / D x sum of the depths' means``.
     """
-    losses = output_tensor.float()
-    loss_sum, count = (losses * loss_mask).sum(), loss_mask.sum()
+    losses, masks = output_tensor.float(), loss_mask.unsqueeze(0)
+    if mtp_loss_mask is None:
+        losses = losses.unsqueeze(0)
+    else:
+        masks = torch.cat([masks, mtp_loss_mask.float()])
+    sums, counts = (losses * masks).sum(dim=(1, 2)), masks.sum(dim=(1, 2))
     if cp_group is None:
-        loss = loss_sum / count.clamp(min=1)
-        return loss, {"lm loss": loss.detach()}
-    totals = torch.stack([loss_sum.detach(), count.detach()])
-    torch.distributed.all_reduce(totals, group=cp_group)
-    total_count = totals[1].clamp(min=1)
-    loss = loss_sum * torch.distributed.get_world_size(cp_group) / total_count
-    return loss, {"lm loss": totals[0] / total_count}
+        means = sums / counts.clamp(min=1)
+        shown = means.detach()
+    else:
+        totals = torch.stack([sums.detach(), counts.detach()])
+        torch.distributed.all_reduce(totals, group=cp_group)
+        total_counts = totals[1].clamp(min=1)
+        means = sums * torch.distributed.get_world_size(cp_group) / total_counts
+        shown = totals[0] / total_counts
+    depth = len(means) - 1
+    loss = means[0] + mtp_loss_scaling_factor / depth * means[1:].sum() if depth else means[0]
+    return loss, {"lm loss": shown[0], **{f"mtp_{k} loss": shown[k] for k in range(1, depth + 1)}}
 
 
 def forward_step(data_iterator, model):
-    state = model.state
+    state, batch = model.state, next(data_iterator)
+    config = getattr(model, "module", model).config
+    mtp = config.mtp_num_layers if model.training else None  # evaluation ignores multi-token prediction
+    if mtp:  # tokens / labels / loss mask shifted by 1..D, before the context-parallel split
+        batch = {**batch, **mtp_targets(batch["tokens"], batch["labels"], batch["loss_mask"], mtp)}
     # context parallelism: this rank's two load-balanced chunks of every sequence (with their positions)
-    batch = get_batch_on_this_cp_rank(next(data_iterator), state.cp_rank, state.cp_size)
+    batch = get_batch_on_this_cp_rank(batch, state.cp_rank, state.cp_size)
     batch = {k: v.to(get_device(), non_blocking=True) for k, v in batch.items()}
     # document ids [b, s] (--reset-attention-mask, --sft-pack-sequences): attention stays inside each document
-    output = model(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group)
+    output = model(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), labels=batch["labels"],
+                   mtp_tokens=batch.get("mtp_tokens"), mtp_labels=batch.get("mtp_labels"))
+    mtp_mask = batch.get("mtp_loss_mask")
+    return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group,
+                           mtp_loss_mask=None if mtp_mask is None else mtp_mask.float(),
+                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
 
 
 def checked_token_ids(batches, vocab_size: int, data_path):
@@ -145,9 +167,19 @@ def make_datasets_provider(tokenizer):
     return provider
 
 
+def check_packed_mtp(config: Config) -> None:
+    """Multi-token prediction shifts whole samples: with packed documents its targets would cross them."""
+    packed = [f for f, on in (("--reset-attention-mask", config.data.reset_attention_mask),
+                              ("--sft-pack-sequences", config.data.sft_pack_sequences)) if on]
+    if config.model.mtp_num_layers and packed:
+        raise ConfigError(f"--mtp-num-layers with {packed[0]} is not built (the shifted MTP targets would cross "
+                          "document boundaries); drop one of them")
+
+
 def main(argv=None):
     config = parse_args(argv, description=__doc__.split("\n\n")[0])
     try:
+        check_packed_mtp(config)
         tokenizer = build_tokenizer_for(config)
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))

@@ -16,6 +16,7 @@ import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
 from .errors import PEER_EXIT_GRACE_S
+from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
     CP_COMM_TYPES,
     NORMALIZATIONS,
@@ -30,6 +31,7 @@ from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REC
 CHOICES = {
     **MOE_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
+    "rope_type": list(ROPE_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
@@ -67,13 +69,13 @@ def _help(doc: str, default, kind) -> str:
 
 
 def _field_docs(cls) -> dict[str, str]:
-    """The string literal under each field is its help text."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    """The string literal under each field is its help text (fields of base dataclasses included)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = nxt.value.value
     return docs
 
 
@@ -100,7 +102,8 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
         group = parser.add_argument_group(section)
         docs = _field_docs(cls)
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        own = cls.__dict__.get("__annotations__", {})  # a section's own flags first, then its mixins'
+        for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
             if not f.metadata.get("cli", True):
                 continue
             flag = "--" + f.name.replace("_", "-")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .logging_config import LoggingConfig
 from .lora.config import LoRAConfig, check_lora_flags
+from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
 
@@ -21,7 +22,7 @@ __all__ = ["Config", "ConfigError", "finalize"]
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models/mla_config.py
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -298,7 +299,7 @@ def _check_model(config: Config) -> None:
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     model = TransformerConfig.from_config(config)
-    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings"):
+    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type"):
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers

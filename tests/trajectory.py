@@ -9,7 +9,8 @@ bug shows in the loss only steps later, but in the gradient norm at step 1.
 
 Inside a rank of :func:`tests.harness.run_ranks`, :func:`run_script` trains through a script's
 ``main(argv)`` and returns its (picklable) trajectory; :func:`ranks_trajectory` runs that on every
-rank and returns the one trajectory the last-stage ranks agree on.
+rank and returns the one trajectory the last-stage ranks agree on (:func:`ranks_trajectories`:
+several runs in one pool call).
 """
 
 from __future__ import annotations
@@ -43,10 +44,25 @@ def run_script(script: str, argv: list[str]) -> Trajectory:
     return Trajectory.of(importlib.import_module(script).main(argv))
 
 
+def run_scripts(script: str, argvs: list[list[str]]) -> list[Trajectory]:
+    """Inside a rank: :func:`run_script` for each of ``argvs`` in turn (several runs, one pool call)."""
+    return [run_script(script, argv) for argv in argvs]
+
+
 def ranks_trajectory(world: int, script: str, argv: list[str]) -> Trajectory:
     """Train on ``world`` ranks; the trajectory of the last-stage ranks, which must all agree
     (losses are averaged over data parallelism, gradient norms are global)."""
-    results = run_ranks(world, run_script, script, argv)
+    return _agreed(run_ranks(world, run_script, script, argv))
+
+
+def ranks_trajectories(world: int, script: str, argvs: list[list[str]]) -> list[Trajectory]:
+    """:func:`ranks_trajectory` of each of ``argvs``, all run in one call to the ``world``-rank pool."""
+    per_rank = run_ranks(world, run_scripts, script, argvs)
+    return [_agreed([runs[i] for runs in per_rank]) for i in range(len(argvs))]
+
+
+def _agreed(results: list[Trajectory]) -> Trajectory:
+    """The one trajectory of the last-stage ranks (checked to agree) among every rank's."""
     last = [r for r in results if r.losses]
     assert last, "no rank reported losses"
     for other in last[1:]:

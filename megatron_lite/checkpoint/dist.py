@@ -16,7 +16,8 @@ the stacked grouped-GEMM weights as rows ``[first, first + E_local)`` of a globa
 tensor. An expert tensor is written by expert-data-parallel rank 0 of its (TP, EP) position, its
 distributed-optimizer slices by every expert-data-parallel rank.
 
-The tied output-layer copy of the embedding on the last stage is not written (it equals the
+The last stage's copy of the word embedding (a tied output layer's ``output_layer.weight``, or the
+``embedding`` a multi-token-prediction stage holds) is not written (it equals the first stage's
 embedding, state included); on load it is read from the embedding. Loading (:func:`load_dist`) works
 out, for every tensor this rank needs, which saved boxes overlap it and reads only those
 (:mod:`~megatron_lite.checkpoint.dist_read`), so a checkpoint saved at TP2 x DP2 with the distributed
@@ -85,7 +86,8 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
         holder = module if hasattr(module, "layer_start") else getattr(module, "decoder", module)
         start = int(getattr(holder, "layer_start", 0) or 0)
         params = {id(p) for p in module.parameters()}
-        tied_copy = getattr(module, "tied", False) and not getattr(module, "pre_process", True)
+        copy = not getattr(module, "pre_process", True)  # a later stage's copy of the word embedding
+        tied_copy = copy and getattr(module, "tied", False)
         firsts = _first_experts(module)
         for name, value in module.state_dict(keep_vars=True).items():
             if not torch.is_tensor(value):
@@ -100,7 +102,7 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
             if row is not None:  # stacked grouped-expert tensor: dim 0 is the global expert axis
                 offset = (offset[0] + row,) + offset[1:]
                 global_shape = (global_shape[0] * state.ep_size,) + global_shape[1:]
-            alias = tied_copy and name == "output_layer.weight"
+            alias = (tied_copy and name == "output_layer.weight") or (copy and name == WORD_EMBEDDING)
             tensor = RankTensor(WORD_EMBEDDING if alias else _global(name, start), value, dim, local, offset,
                                 global_shape, not alias and (dim is not None or state.tp_rank == 0), expert,
                                 is_frozen(value))

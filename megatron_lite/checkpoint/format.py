@@ -35,6 +35,8 @@ ARCH_FIELDS = (
     "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
     "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "qk_layernorm", "mtp_num_layers",
 )
 
 

@@ -40,6 +40,9 @@ def _require(cond, message: str) -> None:
 
 
 def pick_style(cfg: dict, style: str = "auto") -> str:
+    for flag in ("multi_latent_attention", "mtp_num_layers"):
+        _require(not cfg.get(flag), f"--{flag.replace('_', '-')} cannot be expressed in the gpt2, llama or mixtral "
+                 "formats (a DeepSeek-V3 export is not built yet)")
     bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py
     if bert or style == "bert":
         _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "

@@ -15,7 +15,8 @@ parameter) and the chunk's global ``layer_ranges``. Merging is three steps:
 3. renumber each chunk's local ``decoder.layers.{i}`` (BERT: ``encoder.layers.{i}``) to the global
    layer ``start + i`` and take the
    embedding from the first chunk and the final norm / output layer from the last. A tied model's
-   last-stage copy of the embedding (``output_layer.weight``) is dropped: the embedding is the weight.
+   last-stage copy of the embedding (``output_layer.weight``), and the copy a multi-token-prediction
+   stage holds (``embedding.word_embeddings.weight``), are dropped: the first chunk's is the weight.
 
 The model is rebuilt from the ``config`` dict saved in the checkpoint, with the saved padded
 vocabulary size (padding depends on the TP size the checkpoint was trained with).
@@ -130,6 +131,8 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
                 name = f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
             elif name == "output_layer.weight" and tied:
                 continue  # the last stage's copy of the tied embedding
+            elif name.startswith("embedding.") and start > 0:
+                continue  # a multi-token-prediction stage's copy of the embedding
             merged[name] = tensor
     return merged, saved_config
 

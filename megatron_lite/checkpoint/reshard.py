@@ -17,7 +17,8 @@ no memory, no init cost), takes its state-dict names and full shapes, and its ``
 the function the layers themselves use to take their slice of the initial weights. The fused QKV
 weight is ``[groups, (heads_per_group + 2) * head_dim, hidden]`` with whole key/value groups per
 rank, so a contiguous split is exact for any TP dividing the number of groups. A tied model's last
-pipeline stage gets its copy of the word embedding as ``output_layer.weight``, as in training.
+pipeline stage gets its copy of the word embedding as ``output_layer.weight``, as in training (with
+multi-token prediction as ``embedding.word_embeddings.weight``, which that stage then holds).
 Each expert-parallel rank gets its experts (:mod:`~megatron_lite.checkpoint.layout`) in its own
 ``mp_rank_TT_PPP_EEE`` file.
 

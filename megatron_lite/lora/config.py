@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 
 DEFAULT_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # column-parallel bases (MoE experts' fc1 included)
+# column-parallel bases (MoE experts' fc1 included; the last three: multi-latent attention's projections)
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 ROW_TARGETS = ("linear_proj", "linear_fc2")  # row-parallel bases (MoE experts' fc2 included)
 
 
@@ -23,7 +24,7 @@ class LoRAConfig:
     lora_dropout: float = 0.0
     """Dropout on the adapters' input."""
     lora_target_modules: list[str] | None = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Linear layers that get adapters, space- or comma-separated (experts' fc1/fc2 included)."""
+    """Linear layers that get adapters, space- or comma-separated (experts' fc1/fc2 included; MLA: linear_q_proj, linear_q_up_proj, linear_kv_up_proj)."""
 
 
 def check_lora_flags(config) -> None:

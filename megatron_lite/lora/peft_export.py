@@ -74,6 +74,10 @@ def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple
     modules = {}
     for i in range(cfg["num_layers"]):
         modules.update((_llama_modules if style == "llama" else _gpt2_modules)(cfg, adapters, i))
+    exported = {f"decoder.layers.{i}.{part}.adapter.linear_{w}.weight" for i in range(cfg["num_layers"])
+                for part in OURS.values() for w in ("in", "out")}
+    if set(adapters) - exported:
+        raise CheckpointError(f"adapter {sorted(set(adapters) - exported)[0]} has no PEFT export here; pass --merge-lora")
     tensors = {}
     for name, (a, b) in modules.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.clone()  # own storage: safetensors refuses shared

@@ -42,19 +42,34 @@ def _flash_attn_funcs():
     return flash_attn_func, flash_attn_varlen_func
 
 
-class DotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) [+ mask]) v with dropout on the probabilities (the core-attention seam).
+def _one_head_size(q, k, v):
+    """q, k, v zero-padded to one head size (flash-attn's kernels want one): zero channels change
+    neither the scores nor the kept output channels."""
+    d = max(q.shape[-1], v.shape[-1])
+    return tuple(t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
 
-    ``forward(q [s, b, nq, d], k, v [s, b, nkv, d], attention_mask, causal) -> [s, b, nq * d]`` with
-    ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads);
-    ``attention_mask`` None, bool ``[b, 1, s, s]`` (True = masked out) or int document ids ``[b, s]``.
+
+def softmax_scale(config) -> float:
+    """The scale of the attention logits: the config's (MLA's differs), else 1 / sqrt(head size)."""
+    scale = getattr(config, "softmax_scale", None)
+    return scale if scale is not None else 1.0 / math.sqrt(config.head_dim)
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T * scale [+ mask]) v with dropout on the probabilities (the core-attention seam).
+
+    ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv], attention_mask, causal) -> [s, b, nq * dv]``
+    with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
+    value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
+    None, bool ``[b, 1, sq, sk]`` (True = masked out) or int document ids ``[b, s]``. ``scale`` is
+    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one).
     """
 
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         self.tracker = state.rng_tracker
         self.dropout_p = config.attention_dropout
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
@@ -64,16 +79,21 @@ class DotProductAttention(nn.Module):
                 return self._attend(q, k, v, attention_mask, causal, p)
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
+    def _flash_applies(self, q, attention_mask) -> bool:
+        return (self.flash is not None and (attention_mask is None or is_document_ids(attention_mask))
+                and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
+
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
-        s, b, nq, d = q.shape
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
         documents = is_document_ids(attention_mask)
-        if (self.flash is not None and (attention_mask is None or documents) and q.is_cuda
-                and q.dtype in (torch.float16, torch.bfloat16)):
+        if self._flash_applies(q, attention_mask):
             if documents:
                 return self._flash_documents(q, k, v, attention_mask, causal, dropout_p)
+            q, k, v = _one_head_size(q, k, v)
             out = self.flash[0](q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                                 softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
-            return out.transpose(0, 1).reshape(s, b, nq * d)
+            return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if documents:  # SDPA: True = may attend
             ids = attention_mask
@@ -84,16 +104,19 @@ class DotProductAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
                                              enable_gqa=nq != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
     def _flash_documents(self, q, k, v, ids, causal, dropout_p):
         """flash-attn's variable-length kernel: the batch as one token stream cut at the documents."""
-        s, b, nq, d = q.shape
+        s, b, nq = q.shape[:3]
+        dv = v.shape[-1]
+        q, k, v = _one_head_size(q, k, v)
+        d = q.shape[-1]
         bounds, longest = cu_seqlens(ids)
         q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))  # [b * s, heads, d]
         out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
                             softmax_scale=self.scale, causal=causal)
-        return out.reshape(b, s, nq * d).transpose(0, 1).contiguous()
+        return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
 
 
 class SelfAttention(nn.Module):

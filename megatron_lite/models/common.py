@@ -29,11 +29,14 @@ def param_generator(seed: int, layer_number: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(param_seed(seed, layer_number, name))
 
 
-def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1):
-    """The hidden -> ``output_size`` ColumnParallelLinear called ``name`` in global layer ``layer_number``:
-    seeded init, the config's bias, sequence parallelism, dtype and GEMM."""
+def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1, *,
+                  input_size: int | None = None, bias: bool | None = None):
+    """The hidden (or ``input_size``) -> ``output_size`` ColumnParallelLinear called ``name`` in global
+    layer ``layer_number``: seeded init, the config's bias (unless ``bias`` is given), sequence
+    parallelism, dtype and GEMM."""
     return ColumnParallelLinear(
-        config.hidden_size, output_size, state.tp_group, bias=config.add_bias_linear,
+        input_size or config.hidden_size, output_size, state.tp_group,
+        bias=config.add_bias_linear if bias is None else bias,
         init_method=config.init_method(layer_number, f"{name}.weight"), sequence_parallel=config.sequence_parallel,
         stride=stride, gemm=config.make_gemm(layer_number, state.tp_group), dtype=config.params_dtype,
     )
@@ -95,12 +98,17 @@ class Norm(nn.Module):
 # halves that rotate together, with frequencies base^(-2i/d).
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float = 10000.0, dtype=torch.float32):
-    """cos and sin tables ``[s, b, 1, dim]`` for ``position_ids [b, s]`` (computed in fp32)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim))
-    angles = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, dim/2]
+def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float = 10000.0, dtype=torch.float32, *,
+                   inv_freq: torch.Tensor | None = None, mscale: float = 1.0):
+    """cos and sin tables ``[s, b, 1, dim]`` for ``position_ids [b, s]`` (computed in fp32), from the
+    frequencies ``base^(-2i/dim)`` or the given ``inv_freq [dim/2]``, times ``mscale`` (YaRN's)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = position_ids.t().float().unsqueeze(-1) * inv_freq.to(position_ids.device)  # [s, b, dim/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [s, b, 1, dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    if mscale == 1.0:
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * mscale).to(dtype), (angles.sin() * mscale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,17 @@ output layer, weight tying across pipeline stages and the pipeline hooks are sha
 (:class:`~megatron_lite.models.language_model.LanguageModel`, where they are explained).
 
 The layers come from a layer spec (:func:`~megatron_lite.models.spec.gpt_layer_spec` unless one is
-passed), so attention, MLP and norms can be swapped without touching this file.
+passed), so attention, MLP and norms can be swapped without touching this file. With
+``--mtp-num-layers`` the last stage also holds the multi-token prediction block
+(:mod:`~megatron_lite.models.mtp`) and, without the first stage's embedding, a copy of it.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .language_model import LanguageModel
+from .mtp import MultiTokenPredictionBlock
 from .spec import gpt_layer_spec
 from .transformer import TransformerBlock
 
@@ -23,25 +28,42 @@ class GPTModel(LanguageModel):
 
     def __init__(self, config, state, *, spec=None, pre_process: bool = True, post_process: bool = True,
                  layer_start: int = 0, layer_end: int | None = None):
+        mtp = bool(getattr(config, "mtp_num_layers", None)) and post_process
         super().__init__(config, state, pre_process=pre_process, post_process=post_process,
-                         layer_start=layer_start, layer_end=layer_end)
-        self.decoder = TransformerBlock(config, state, spec if spec is not None else gpt_layer_spec(config),
-                                        layer_start=layer_start, layer_end=layer_end, post_process=post_process,
-                                        attn_mask_type="causal")
+                         layer_start=layer_start, layer_end=layer_end, embedding=pre_process or mtp)
+        spec = spec if spec is not None else gpt_layer_spec(config)
+        self.decoder = TransformerBlock(config, state, spec, layer_start=layer_start, layer_end=layer_end,
+                                        post_process=post_process, attn_mask_type="causal")
+        self.mtp = MultiTokenPredictionBlock(config, state, spec) if mtp else None
         if post_process:
             self._build_output_layer(bias=False)
         self._mark_shared_weight()
 
-    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None):
-        """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool ``[b, 1, s, s]``.
+    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, *, mtp_tokens=None,
+                mtp_labels=None):
+        """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool
+        ``[b, 1, s, s]`` or int document ids ``[b, s]``.
 
         Returns the per-token loss ``[b, s]`` (last stage with labels), the logits shard
         ``[b, s, padded_vocab/tp]`` (last stage without labels) or the hidden states for the next stage.
         Under context parallelism ``s`` is this rank's two load-balanced chunks of the sequence and
         missing ``position_ids`` default to their global positions (not ``0..s-1``).
+
+        Multi-token prediction runs when the model has it and ``labels``, ``mtp_tokens`` and
+        ``mtp_labels`` (``[D, b, s]``, from :func:`~megatron_lite.models.mtp.mtp_targets`) are given:
+        the per-token losses are then stacked ``[1 + D, b, s]`` (row 0 the main loss, row k depth k).
         """
         hidden = self._input_hidden(tokens, position_ids)
-        hidden = self.decoder(hidden, attention_mask, self._rotary(hidden, position_ids))
+        rotary = self._rotary(hidden, position_ids)
+        hidden = self.decoder(hidden, attention_mask, rotary)
         if not self.post_process:
             return hidden
-        return self._lm_output(self._logits(hidden), labels)
+        loss = self._lm_output(self._logits(hidden), labels)
+        if self.mtp is None or labels is None or mtp_labels is None:
+            return loss
+        outputs = self.mtp(hidden, mtp_tokens, self._embed_for_mtp, attention_mask, rotary, self.decoder.causal)
+        return torch.stack([loss] + [self._lm_output(self._logits(h), mtp_labels[k]) for k, h in enumerate(outputs)])
+
+    def _embed_for_mtp(self, tokens):
+        """The (shared) word embedding of ``tokens [b, s]``, ``[s(/tp), b, h]``."""
+        return self.embedding(tokens)

@@ -17,6 +17,11 @@ pieces that do not depend on the block's attention mask or on the heads:
   last stage, which has no embedding, it owns a copy drawn from the same seeded init (so it starts
   identical); both copies carry ``shared_embedding = True`` and their gradients are summed over the
   embedding group by the training code;
+* multi-token prediction (``--mtp-num-layers``) reads the word embedding on the last stage: a last
+  stage without the embedding builds its own copy of it (``embedding`` with ``embedding=True``,
+  drawn from the same seeded init). The embedding weight is then the shared one on the first and
+  the last stage, tied or not (Megatron-LM's rule: shared when tied *or* with MTP), and a tied
+  output layer there reads it instead of owning ``output_layer.weight``;
 * the pipeline hooks ``set_input_tensor`` and ``shared_embedding_or_output_weight``, and the rotary
   tables when ``--position-embedding-type rope``;
 * under context parallelism a rank holds two load-balanced chunks of the sequence: missing
@@ -35,15 +40,16 @@ from torch import nn
 from ..parallel.context import cp_positions
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.tensor import ColumnParallelLinear
-from .common import rotary_cos_sin
 from .embedding import WORD_EMBEDDING, Embedding
+from .yarn import rotary_tables
 
 
 class LanguageModel(nn.Module):
     """Base of :class:`~megatron_lite.models.gpt.GPTModel` and :class:`~megatron_lite.models.bert.BertModel`."""
 
     def __init__(self, config, state, *, pre_process: bool, post_process: bool, layer_start: int,
-                 layer_end: int | None, num_tokentypes: int = 0):
+                 layer_end: int | None, num_tokentypes: int = 0, embedding: bool | None = None):
+        """``embedding``: build the embedding (default: on the first stage)."""
         super().__init__()
         if config.padded_vocab_size is None:
             raise ValueError("the model config has no vocabulary size: set vocab_size (or padded_vocab_size)")
@@ -57,7 +63,8 @@ class LanguageModel(nn.Module):
         self.input_tensor = None
         self.layer_start = layer_start  # global layer range held here (saved in checkpoints' layer_ranges)
         self.layer_end = config.num_layers if layer_end is None else layer_end
-        self.embedding = Embedding(config, state, num_tokentypes=num_tokentypes) if pre_process else None
+        embedding = pre_process if embedding is None else embedding
+        self.embedding = Embedding(config, state, num_tokentypes=num_tokentypes) if embedding else None
         self.output_layer = None
 
     def _build_output_layer(self, bias: bool) -> None:
@@ -69,7 +76,7 @@ class LanguageModel(nn.Module):
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, config.padded_vocab_size, self.tp_group, bias=bias,
             init_method=config.init_method(layer, name), sequence_parallel=self.sequence_parallel,
-            skip_weight_param_allocation=self.tied and self.pre_process,
+            skip_weight_param_allocation=self.tied and self.embedding is not None,
             gemm=config.make_gemm(config.num_layers + 1, self.tp_group), dtype=config.params_dtype,
         )
         self.output_layer.sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py)
@@ -85,10 +92,11 @@ class LanguageModel(nn.Module):
         self.input_tensor = x[0] if isinstance(x, (list, tuple)) else x
 
     def shared_embedding_or_output_weight(self):
-        """The tied embedding/output weight held by this chunk (first and last stage), else None."""
-        if not self.tied:
+        """The word-embedding weight shared by the first and last stage held by this chunk (tied
+        weights, or a last stage's copy for multi-token prediction), else None."""
+        if not (self.tied or getattr(self.config, "mtp_num_layers", None)):
             return None
-        if self.pre_process:
+        if self.embedding is not None:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -121,7 +129,8 @@ class LanguageModel(nn.Module):
         return self.embedding(tokens, None if self.use_rope else position_ids, tokentype_ids)
 
     def _rotary(self, hidden, position_ids=None):
-        """(cos, sin) tables for the full sequence of ``hidden [s(/tp), b, h]``, or None without rope."""
+        """(cos, sin) tables for the full sequence of ``hidden [s(/tp), b, h]``, or None without rope
+        (MLA's rotary part, YaRN-scaled with ``--rope-type yarn``: :mod:`~megatron_lite.models.yarn`)."""
         if not self.use_rope:
             return None
         s = hidden.shape[0] * (self.state.tp_size if self.sequence_parallel else 1)
@@ -129,7 +138,7 @@ class LanguageModel(nn.Module):
             position_ids = self._cp_position_ids(hidden.shape[1], s, hidden.device)
         elif position_ids is None:
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(hidden.shape[1], -1)
-        return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
+        return rotary_tables(self.config, position_ids)
 
     def _logits(self, hidden) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, ``[s, b, V/tp]``."""

@@ -29,6 +29,7 @@ from ..moe.layer import MoELayer
 from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .common import Norm
+from .mla import MLASelfAttention
 from .mlp import MLP
 
 Factory = Callable[..., nn.Module]
@@ -51,8 +52,11 @@ def resolve_spec(spec, layer_number: int) -> LayerSpec:
 def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP, or
     the MoE layer in the layers ``--moe-layer-freq`` selects when the model has experts. Under
-    context parallelism the core attention is the context-parallel one (ring / a2a / allgather)."""
+    context parallelism the core attention is the context-parallel one (ring / a2a / allgather);
+    with ``--multi-latent-attention`` the attention block is MLA (:mod:`~megatron_lite.models.mla`)."""
     attention = {"core_attention": ContextParallelAttention} if getattr(config, "context_parallel_size", 1) > 1 else {}
+    if getattr(config, "multi_latent_attention", False):
+        attention["self_attention"] = MLASelfAttention
     if not config.num_experts:
         return LayerSpec(**attention)
     pattern = moe_layer_pattern(config)

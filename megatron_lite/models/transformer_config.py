@@ -15,6 +15,7 @@ taken from these tuples).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from ..precision.te import TeGemm
 from .common import param_generator
+from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
+from .yarn import mla_softmax_scale
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -40,7 +43,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 @dataclass
-class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from MoEConfig
+class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -95,6 +98,7 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         self._check_recompute()
         self._check_fp8()
         check_moe_fields(self)
+        check_mla_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:
@@ -131,13 +135,14 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
             self.sequence_parallel = False  # nothing to split
         if self.recompute_granularity == "full" and self.recompute_num_layers is None:
             self.recompute_num_layers = 1
+        derive_rope_type(self)
 
     def _check_parallel(self) -> None:
         tp = self.tensor_model_parallel_size
         _require(tp >= 1, "--tensor-model-parallel-size must be at least 1")
         _require(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
                  f"max-position-embeddings {self.max_position_embeddings} is smaller than seq-length {self.seq_length}")
-        _require(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
+        _require(self.position_embedding_type != "rope" or self.multi_latent_attention or self.kv_channels % 2 == 0,
                  f"rope needs an even head dimension, got {self.kv_channels} (--kv-channels)")
         for flag, value in (("num-attention-heads", self.num_attention_heads), ("ffn-hidden-size", self.ffn_hidden_size),
                             ("num-query-groups", self.num_query_groups)):
@@ -181,8 +186,8 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
         """The context-parallel core attention of global layer ``layer_number`` (1-based)."""
         if isinstance(self.cp_comm_type, str):
             return self.cp_comm_type
-        types = list(self.cp_comm_type)
-        return types[0] if len(types) == 1 else types[layer_number - 1]
+        types = list(self.cp_comm_type)  # an MTP layer (after the last) takes the last layer's
+        return types[0] if len(types) == 1 else types[min(layer_number, self.num_layers) - 1]
 
     def _check_recompute(self) -> None:
         g, method = self.recompute_granularity, self.recompute_method
@@ -211,6 +216,11 @@ class TransformerConfig(MoEConfig):  # the mixture-of-experts fields come from M
     @property
     def head_dim(self) -> int:
         return self.kv_channels
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logits' scale: 1 / sqrt(head size), or MLA's (with YaRN's mscale)."""
+        return mla_softmax_scale(self) if self.multi_latent_attention else 1.0 / math.sqrt(self.kv_channels)
 
     def init_method(self, layer_number: int, name: str, scaled: bool = False):
         """``init_method`` of one parameter: fills its full master weight from a generator seeded by

@@ -7,7 +7,8 @@ Logged values follow Megatron's reduction: per loss name a vector over the globa
 micro-batch adding ``loss / coeff`` at its layer; at log time it is summed over pipeline stages,
 summed over the ranks holding partial losses of one micro-batch (tensor x context parallel; for
 the global loss also data parallel), averaged over data x context parallel, divided by the number
-of micro-batches. The console value is the mean over the MoE layers.
+of micro-batches. The console value is the mean over the MoE layers. Multi-token prediction's
+layers (global numbers ``num_layers + k``) count as layers of the last layer's kind, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def moe_step_values(chunks, state, config, num_microbatches: int) -> tuple[dict[
     --moe-per-layer-logging, ``moe/dropped_tokens`` with a capacity factor). ``config`` is the run's Config."""
     moe, num_layers = config.moe, config.model.num_layers
     pattern = parse_moe_layer_freq(moe.moe_layer_freq, num_layers)
+    mtp = config.model.mtp_num_layers or 0  # multi-token prediction layers: after the last, of its kind
+    pattern, num_layers = pattern + pattern[-1:] * mtp, num_layers + mtp
     per_layer = reduce_moe_losses(chunks, state, tracked_loss_names(moe), num_layers, num_microbatches)
     scalars = {}
     if moe.moe_per_layer_logging:

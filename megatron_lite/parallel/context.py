@@ -76,8 +76,9 @@ def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     """Split a micro-batch dict along the sequence for this CP rank.
 
     ``tokens, labels, loss_mask, position_ids, document_ids`` ``[b, s]`` are split on dim 1;
-    ``attention_mask`` ``[b, 1, s, s]`` on dim 2 (its query rows). Missing ``position_ids`` are created (``0..s-1``)
-    first, so the split keeps each token's global position. Other entries are left alone.
+    ``attention_mask`` ``[b, 1, s, s]`` on dim 2 (its query rows); multi-token prediction's ``mtp_*``
+    ``[D, b, s]`` on dim 2. Missing ``position_ids`` are created (``0..s-1``) first, so the split keeps
+    each token's global position. Other entries are left alone.
     """
     if cp_size == 1:
         return batch
@@ -88,8 +89,9 @@ def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     for key in ("tokens", "labels", "loss_mask", "position_ids", "document_ids"):
         if out.get(key) is not None:
             out[key] = split_for_cp(out[key], 1, cp_rank, cp_size)
-    if out.get("attention_mask") is not None:
-        out["attention_mask"] = split_for_cp(out["attention_mask"], 2, cp_rank, cp_size)
+    for key in ("attention_mask", "mtp_tokens", "mtp_labels", "mtp_loss_mask"):
+        if out.get(key) is not None:
+            out[key] = split_for_cp(out[key], 2, cp_rank, cp_size)
     return out
 
 
@@ -154,8 +156,8 @@ def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: flo
 def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None):
     """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
     cp, rank = comm.group_size(group), comm.group_rank(group)
-    s = q.shape[0]
-    kv = comm.gather_from_sp(torch.stack([k, v], dim=1), group, tensor_parallel_output_grad=True, kind="cp")
+    s, dk = q.shape[0], k.shape[-1]
+    kv = comm.gather_from_sp(torch.cat([k, v], dim=-1), group, tensor_parallel_output_grad=True, kind="cp")
     mask = None
     if causal:
         q_pos = cp_positions(s * cp, rank, cp, device=q.device)
@@ -164,7 +166,7 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
     if document_ids is not None:
         same = document_allowed(document_ids, _gathered_ids(document_ids, group))
         mask = same if mask is None else same & mask
-    return _sdpa(q, kv[:, 0], kv[:, 1], mask, False, dropout_p, scale)
+    return _sdpa(q, kv[..., :dk], kv[..., dk:], mask, False, dropout_p, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +174,10 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
 
 
 class ContextParallelAttention(nn.Module):
-    """Core attention over a CP-split sequence: ``forward(q [s, b, nq, d], k, v [s, b, nkv, d],
-    attention_mask, causal) -> [s, b, nq * d]`` with ``s`` = this rank's share of the sequence.
+    """Core attention over a CP-split sequence: ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv],
+    attention_mask, causal) -> [s, b, nq * dv]`` with ``s`` = this rank's share of the sequence (the
+    value head size may differ from the query/key one, as in MLA). The logits' scale is the
+    config's ``softmax_scale`` when it has one (MLA's), else ``1 / sqrt(dk)``.
 
     ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. The mask is the
     implicit causal one, confined to packed documents when ``attention_mask`` holds document ids
@@ -192,6 +196,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"--cp-comm-type {self.comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
         self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank
         self.dropout_p = config.attention_dropout
+        self.scale = getattr(config, "softmax_scale", None)
         self.tracker = state.rng_tracker
         tp, cp = state.tp_size, state.cp_size
         heads = config.num_attention_heads
@@ -211,7 +216,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallelism takes the causal mask or document ids, not a dense "
                              "[b, 1, s, s] attention mask")
         s, b, nq, d = q.shape
-        scale = 1.0 / math.sqrt(d)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
         p = self.dropout_p if self.training else 0.0
         with self._rng():
             # One draw per call from the tracker, offset by the CP rank: the tracker's generator is
@@ -224,7 +229,7 @@ class ContextParallelAttention(nn.Module):
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
                 out = attend(q, k, v, self.group, causal, scale, p, attention_mask)
-        return out.reshape(s, b, nq * d)
+        return out.reshape(s, b, nq * v.shape[-1])
 
 
 @contextlib.contextmanager

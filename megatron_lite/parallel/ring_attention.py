@@ -31,6 +31,8 @@ Block kernels (:func:`block_forward`, :func:`block_backward`) return/consume the
 CPU PyTorch's fused flash-attention kernels (no score matrix is materialised), elsewhere or with
 dropout a plain fp32 implementation. Dropout masks are drawn from a per-block seed, so backward
 regenerates them exactly. GQA/MQA: key/value head ``j`` serves query heads ``[j*g, (j+1)*g)``.
+Values may have another head size than queries and keys (MLA): the ring buffer is ``[k | v]``
+along the channels, and the CPU flash kernels, which want one head size, see zero-padded tensors.
 
 Packed documents (:mod:`~megatron_lite.parallel.document_mask`): with document ids ``[b, s]`` for
 the local tokens, the key ids travel around the ring with the keys and values, and every block is
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..perf.comm_volume import record, tensor_bytes
 from .document_mask import document_allowed
@@ -103,28 +106,36 @@ def _plain_probs(q, k, causal: bool, scale: float, lse=None, allowed=None):
     return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
+def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` with zero channels appended up to ``size`` (the CPU flash kernels want one head size)."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
 def block_forward(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0, allowed=None):
-    """Attention of one block: ``(out [b, nq, sq, d] in fp32 (fp64 for fp64), lse [b, nq, sq])``.
+    """Attention of one block: ``(out [b, nq, sq, dv] in fp32 (fp64 for fp64), lse [b, nq, sq])``.
 
     ``causal`` is the top-left aligned mask of a square block (query i sees keys 0..i); ``allowed``
     (bool ``[b, 1, sq, sk]`` or None) confines it further (packed documents).
     """
     acc = _acc_dtype(q.dtype)
+    dv = v.shape[-1]
     if _use_cpu_flash(q, dropout_p):
+        d = max(q.shape[-1], dv)  # zero channels change neither the scores nor the kept outputs
+        q, k, v = _pad(q, d), _pad(k, d), _pad(v, d)
         if allowed is None:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return out.to(acc), lse.to(acc)
+            return out[..., :dv].to(acc), lse.to(acc)
         allowed = _with_causal(allowed, causal, q.shape[2], k.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
         lse = lse.to(acc).masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for an empty row
-        return out.to(acc), lse
-    b, nq, sq, d = q.shape
+        return out[..., :dv].to(acc), lse
+    b, nq, sq, _ = q.shape
     probs, lse = _plain_probs(q, k, causal, scale, allowed=allowed)
     if dropout_p > 0:
         probs = probs * (_keep_mask(probs.shape, dropout_p, seed, q.device).to(acc) / (1.0 - dropout_p))
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs, v.to(acc))
-    return out.reshape(b, nq, sq, d), lse.reshape(b, nq, sq)
+    return out.reshape(b, nq, sq, dv), lse.reshape(b, nq, sq)
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
@@ -134,20 +145,23 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dropout_
     ``out`` is in ``q``'s dtype, ``lse`` in the accumulation dtype. Returns accumulation-dtype tensors.
     """
     acc = _acc_dtype(q.dtype)
+    dk_size, dv_size = q.shape[-1], v.shape[-1]
     if _use_cpu_flash(q, dropout_p):
+        d = max(dk_size, dv_size)
         mask = {}
         if allowed is not None:
             mask = {"attn_mask": _additive(_with_causal(allowed, causal, q.shape[2], k.shape[2]), q.dtype)}
             causal = False
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal,
-            scale=scale, **mask)
-        return tuple(g.to(acc) for g in grads)
+            _pad(dout, d), _pad(q, d), _pad(k, d), _pad(v, d), _pad(out, d),
+            lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale, **mask)
+        dq, dk, dv = (g.to(acc) for g in grads)
+        return dq[..., :dk_size], dk[..., :dk_size], dv[..., :dv_size]
     b, nq, sq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
     probs, _ = _plain_probs(q, k, causal, scale, lse, allowed)
-    dout_g = dout.reshape(b, nkv, g, sq, d).to(acc)
+    dout_g = dout.reshape(b, nkv, g, sq, dv_size).to(acc)
     dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout_g, v.to(acc))
     dropped = probs
     if dropout_p > 0:
@@ -227,16 +241,16 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
-        b, nq, s, d = q.shape
-        # laid out as [s, b, nq, d] so the caller's [s, b, nq * d] view of it needs no copy
-        out = torch.zeros((s, b, nq, d), dtype=acc, device=q.device).permute(1, 2, 0, 3)
+        b, nq, s, dk = q.shape
+        # laid out as [s, b, nq, dv] so the caller's [s, b, nq * dv] view of it needs no copy
+        out = torch.zeros((s, b, nq, v.shape[-1]), dtype=acc, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        travel = (torch.stack([k, v]),) + ((ids,) if ids is not None else ())  # kv: [2, b, nkv, s, d]
+        travel = (torch.cat([k, v], dim=-1),) + ((ids,) if ids is not None else ())  # kv: [b, nkv, s, dk + dv]
         for step in range(ring.size):
             pending = ring.shift(*travel) if step < ring.size - 1 else None  # overlaps this step's block
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
-            block_out, block_lse = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], block_causal,
+            block_out, block_lse = block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], block_causal,
                                                  scale, dropout_p, seed + step, _allowed(ids, kv_ids, qs, ks))
             _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
@@ -251,35 +265,35 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, ids = ctx.saved_tensors
         ring, dout = ctx.ring, dout.contiguous()
         acc = lse.dtype
-        half = q.shape[2] // 2
+        half, dk = q.shape[2] // 2, k.shape[-1]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        travel = (torch.stack([k, v]),) + ((ids,) if ids is not None else ())
+        travel = (torch.cat([k, v], dim=-1),) + ((ids,) if ids is not None else ())
         dkv_pending = None
         for step in range(ring.size):
             kv_pending = ring.shift(*travel) if step < ring.size - 1 else None
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
-            dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+            dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:],
                                               out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
                                               ctx.dropout_p, ctx.seed + step, _allowed(ids, kv_ids, qs, ks))
             dq[:, :, qs] += dq_i
             # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
-            dkv = torch.zeros((2,) + k.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
-            dkv[0][:, :, ks] += dk_i
-            dkv[1][:, :, ks] += dv_i
+            dkv = torch.zeros(kv.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
+            dkv[:, :, ks, :dk] += dk_i
+            dkv[:, :, ks, dk:] += dv_i
             dkv_pending = ring.shift(dkv)
             if kv_pending is not None:
                 travel = kv_pending.wait()
         dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
                    document_ids=None):
     """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
 
-    ``q [b, nq, s, d]``, ``k, v [b, nkv, s, d]`` with ``s`` this rank's two chunks; returns
-    ``[b, nq, s, d]``. ``group`` None (one rank) is plain attention over the local sequence.
+    ``q, k [b, n, s, dk]``, ``v [b, nkv, s, dv]`` with ``s`` this rank's two chunks; returns
+    ``[b, nq, s, dv]``. ``group`` None (one rank) is plain attention over the local sequence.
     ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
     ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document.
     """

@@ -26,7 +26,15 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
 * mixture of experts (``moe_config`` with ``num_experts``): in the layers ``moe_layer_freq`` selects
   the MLP is replaced by the router 2·B·s·h·E, the ``moe_router_topk`` experts each token visits
   (the MLP formula with ``moe_ffn_hidden_size``, k times) and the shared experts (the MLP formula
-  with ``moe_shared_expert_intermediate_size``): only the *active* parameters count.
+  with ``moe_shared_expert_intermediate_size``): only the *active* parameters count;
+* multi-latent attention (``multi_latent_attention``; ``a`` heads, ``dn`` / ``dr`` / ``dv`` the
+  qk / rotary / value head sizes, ``rq`` / ``rkv`` the ranks): queries 2·B·s·h·a·(dn+dr) without
+  compression, else 2·B·s·rq·(h + a·(dn+dr)); key/value latent and rotary key 2·B·s·h·(rkv+dr);
+  latent expansion 2·B·s·rkv·a·(dn+dv); scores 2·B·s²·a·(dn+dr) and values 2·B·s²·a·dv; output
+  2·B·s·a·dv·h (Megatron-LM's count, with the norms left out and the causal mask not discounted);
+* multi-token prediction (``mtp_num_layers`` D): D more layers of the last layer's kind, D
+  projections 2·B·s·2h·h and D more logits (the layers recomputed with full recomputation, the
+  projections and logits not).
 
 MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
 """
@@ -64,8 +72,21 @@ def core_attention_flops(model_config, batch_size: int) -> float:
     """Forward FLOPs of one layer's Q·Kᵀ and probabilities·V (what selective recomputation repeats)."""
     h, s = model_config.hidden_size, model_config.seq_length
     heads = model_config.num_attention_heads
+    if _get(model_config, "multi_latent_attention", False):
+        qk = model_config.qk_head_dim + model_config.qk_pos_emb_head_dim
+        return float(2 * batch_size * s * s * heads * (qk + model_config.v_head_dim))
     d = _get(model_config, "kv_channels", h // heads)
     return float(2 * 2 * batch_size * s * s * heads * d)
+
+
+def _mla_projection_flops(model_config, tokens: int) -> float:
+    """Forward FLOPs of MLA's projections (queries, latent, expansion, output) for ``tokens`` tokens."""
+    c, h = model_config, model_config.hidden_size
+    a, qk, dv = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+    queries = 2 * tokens * h * a * qk if c.q_lora_rank is None else 2 * tokens * c.q_lora_rank * (h + a * qk)
+    latent = 2 * tokens * h * (c.kv_lora_rank + c.qk_pos_emb_head_dim)
+    expansion = 2 * tokens * c.kv_lora_rank * a * (c.qk_head_dim + dv)
+    return float(queries + latent + expansion + 2 * tokens * a * dv * h)
 
 
 def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> float:
@@ -77,12 +98,15 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> f
     d = _get(model_config, "kv_channels", h // heads)
     groups = _get(model_config, "num_query_groups", heads)
     tokens = batch_size * s
-    attention = (
-        2 * tokens * h * heads * d  # Q projection
-        + 2 * 2 * tokens * h * groups * d  # K and V projections
-        + core_attention_flops(model_config, batch_size)  # Q·Kᵀ and probabilities·V
-        + 2 * tokens * heads * d * h  # output projection
-    )
+    if _get(model_config, "multi_latent_attention", False):
+        attention = _mla_projection_flops(model_config, tokens) + core_attention_flops(model_config, batch_size)
+    else:
+        attention = (
+            2 * tokens * h * heads * d  # Q projection
+            + 2 * 2 * tokens * h * groups * d  # K and V projections
+            + core_attention_flops(model_config, batch_size)  # Q·Kᵀ and probabilities·V
+            + 2 * tokens * heads * d * h  # output projection
+        )
     if moe_config is not None:
         return float(attention) + moe_mlp_flops(model_config, moe_config, batch_size)
     ffn = _get(model_config, "ffn_hidden_size", 4 * h)
@@ -107,12 +131,17 @@ def num_floating_point_operations(model_config, batch_size: int, recompute_full:
     makes the layers ``moe_layer_freq`` selects MoE layers.
     """
     layer_passes = 4 if recompute_full else 3
-    layers = model_config.num_layers * forward_flops_per_layer(model_config, batch_size)
+    mtp = _get(model_config, "mtp_num_layers", 0)
+    pattern = [False] * model_config.num_layers
     if moe_config is not None and _get(moe_config, "num_experts"):
         pattern = parse_moe_layer_freq(moe_config.moe_layer_freq, model_config.num_layers)
-        layers = sum(forward_flops_per_layer(model_config, batch_size, moe_config if is_moe else None)
-                     for is_moe in pattern)
-    return layer_passes * layers + 3 * logits_flops(model_config, batch_size)
+    pattern = pattern + pattern[-1:] * mtp  # multi-token prediction: layers of the last layer's kind
+    per_kind = {is_moe: forward_flops_per_layer(model_config, batch_size, moe_config if is_moe else None)
+                for is_moe in set(pattern)}
+    layers = sum(per_kind[is_moe] for is_moe in pattern)
+    tokens, h = batch_size * model_config.seq_length, model_config.hidden_size
+    mtp_projections = mtp * 2 * tokens * 2 * h * h
+    return layer_passes * layers + 3 * (mtp_projections + (1 + mtp) * logits_flops(model_config, batch_size))
 
 
 def spec_formula(batch_size: int, seq: int, layers: int, hidden: int, vocab: int, recompute_full=False) -> float:

@@ -31,12 +31,12 @@ def packed_document_ids(seq):
     return torch.tensor(rows)
 
 
-def _reference(seq, nq, nkv, causal, seed=0, ids=None):
+def _reference(seq, nq, nkv, causal, seed=0, ids=None, dv=D, scale=None):
     """Full attention (SDPA) and its gradients; with ``ids`` confined to each document (the mask
     written out here: same id, and key position <= query position when causal)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(seq, B, n, D, generator=gen) for n in (nq, nkv, nkv))
-    dout = torch.randn(seq, B, nq * D, generator=gen)
+    q, k, v = (torch.randn(seq, B, n, d, generator=gen) for n, d in ((nq, D), (nkv, D), (nkv, dv)))
+    dout = torch.randn(seq, B, nq * dv, generator=gen)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     mask = None
     if ids is not None:
@@ -44,19 +44,19 @@ def _reference(seq, nq, nkv, causal, seed=0, ids=None):
         if causal:
             mask = mask & torch.ones(seq, seq, dtype=torch.bool).tril()
     out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (qr, kr, vr)), attn_mask=mask,
-                                         is_causal=causal and mask is None,
-                                         enable_gqa=nq != nkv).permute(2, 0, 1, 3).reshape(seq, B, nq * D)
+                                         is_causal=causal and mask is None, enable_gqa=nq != nkv,
+                                         scale=scale).permute(2, 0, 1, 3).reshape(seq, B, nq * dv)
     out.backward(dout)
     return (q, k, v, dout), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False):
+def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False, dv=D, scale=None):
     state = cached_state(cp=cp)
     ids = packed_document_ids(seq) if documents else None
-    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, ids=ids)
+    (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, ids=ids, dv=dv, scale=scale)
     mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp)  # noqa: E731
     config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq,
-                             num_query_groups=nkv)
+                             num_query_groups=nkv, softmax_scale=scale)
     attn = ContextParallelAttention(config, state, layer_number=1)
     ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
     out = attn(ql, kl, vl, None if ids is None else split_for_cp(ids, 1, state.cp_rank, cp), causal)
@@ -76,6 +76,16 @@ CASES = [  # (comm type, causal, query heads, key/value heads)
 @pytest.mark.parametrize("comm_type,causal,nq,nkv", CASES)
 def test_cp2_equals_full_attention(comm_type, causal, nq, nkv):
     assert all(run_ranks(2, check_cp_attention, 2, comm_type, causal, nq, nkv, 16))
+
+
+@pytest.mark.parametrize("comm_type,dv,documents", [
+    ("p2p", 6, False), ("p2p", 12, False), ("a2a", 6, False), ("allgather", 6, False), ("p2p", 6, True),
+    ("allgather", 12, True),
+])
+def test_cp2_value_head_size_of_its_own(comm_type, dv, documents):
+    """MLA's layout: values narrower (or wider) than queries/keys, and the config's softmax scale
+    (also with packed documents: the ring's padded CPU kernels take the document mask too)."""
+    assert all(run_ranks(2, check_cp_attention, 2, comm_type, True, 4, 4, 16, documents=documents, dv=dv, scale=0.3))
 
 
 @pytest.mark.parametrize("comm_type,causal,nq,nkv", [
@@ -108,7 +118,7 @@ def test_a2a_refuses_heads_not_divisible_by_cp():
     assert all(run_ranks(2, check_a2a_refuses_uneven_heads, 2, 4, 1))  # MQA: one group cannot be split
 
 
-def check_ring_dropout_gradient(cp):
+def check_ring_dropout_gradient(cp, dv=D):
     """With dropout the ring's backward must be the derivative of its forward (same masks replayed):
     the directional derivative from the gradients equals a central finite difference (fp64)."""
     import torch.distributed as dist
@@ -117,7 +127,8 @@ def check_ring_dropout_gradient(cp):
 
     state = cached_state(cp=cp)
     gen = torch.Generator().manual_seed(5)
-    full = [torch.randn(B, n, 8 * cp, D, dtype=torch.float64, generator=gen) for n in (4, 2, 2, 4, 4, 2, 2)]
+    full = [torch.randn(B, n, 8 * cp, d, dtype=torch.float64, generator=gen)
+            for n, d in ((4, D), (2, D), (2, dv), (4, dv), (4, D), (2, D), (2, dv))]
     q, k, v, dout, dq_dir, dk_dir, dv_dir = (split_for_cp(t, 2, state.cp_rank, cp) for t in full)
     seed = 11 + 1000003 * state.cp_rank  # per-rank seeds, as the module draws them
 
@@ -140,9 +151,9 @@ def check_ring_dropout_gradient(cp):
     return True
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_dropout_backward_is_the_derivative_of_forward(cp):
-    assert all(run_ranks(cp, check_ring_dropout_gradient, cp))
+@pytest.mark.parametrize("cp, dv", [(2, D), (4, D), (2, 6)])
+def test_ring_dropout_backward_is_the_derivative_of_forward(cp, dv):
+    assert all(run_ranks(cp, check_ring_dropout_gradient, cp, dv))
 
 
 def check_bf16_ring(cp):

@@ -152,6 +152,7 @@ def _bad_vocab(data):
         ("seq", ["--seq-length 4", "at least 5"]),
         ("bert_load", ["--bert-load", "--load"]),
         ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase"]),
+        ("mtp", ["--mtp-num-layers", "GPT-only"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
@@ -164,6 +165,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
         argv += ["--seq-length", "4"]
     elif case == "bert_load":
         argv += ["--bert-load", str(tmp_path)]
+    elif case == "mtp":
+        argv += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
     else:
         argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
     with pytest.raises(SystemExit) as err:

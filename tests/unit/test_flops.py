@@ -86,3 +86,34 @@ def test_mfu_and_peak():
         mfu(1.0, 0.0)
     peak = measure_matmul_peak(n=128, warmup=1, reps=2)
     assert math.isfinite(peak) and peak > 1e6  # any real CPU does > 1 MFLOP/s on a 128^3 matmul
+
+
+def test_mla_layer_and_mtp_flops_equal_a_count_of_every_matmul():
+    """MLA's forward FLOPs (both query forms) are what torch counts running the module; MTP adds one
+    layer of the last kind, its 2h -> h projection and one more logits per depth (all x3 for training)."""
+    import dataclasses
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_lite.models import TransformerConfig
+    from megatron_lite.models.mla import MLASelfAttention
+    from megatron_lite.models.yarn import rotary_tables
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.perf.flops import forward_flops_per_layer, logits_flops, mlp_flops
+
+    B, S, H = 3, 16, 32
+    for q_lora in (None, 16):
+        cfg = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, ffn_hidden_size=48,
+                                swiglu=True, multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=8,
+                                qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, position_embedding_type="rope",
+                                add_bias_linear=False, vocab_size=100, mtp_num_layers=2)
+        mla = MLASelfAttention(cfg, ParallelState(world_size=1, rank=0), 1).eval()
+        positions = torch.arange(S).unsqueeze(0).expand(B, -1)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            mla(torch.randn(S, B, H), rotary=rotary_tables(cfg, positions))
+        attention = counter.get_total_flops()
+        layer = forward_flops_per_layer(cfg, B)
+        assert layer == attention + mlp_flops(B * S, H, 48, True)
+        without = num_floating_point_operations(dataclasses.replace(cfg, mtp_num_layers=None), B)
+        mtp = 2 * (layer + 2 * B * S * 2 * H * H + logits_flops(cfg, B))
+        assert num_floating_point_operations(cfg, B) == pytest.approx(without + 3 * mtp, rel=1e-12)

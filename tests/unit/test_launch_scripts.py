@@ -22,6 +22,7 @@ SCRIPTS = {
     "llama/train_llama3_8b.sh": (8, 2, 1, 4),
     "llama/train_llama3_70b.sh": (64, 8, 4, 2),
     "mixtral/train_mixtral_8x7b.sh": (64, 1, 4, 16),
+    "deepseek_v3/train_deepseek_v3_671b.sh": (1024, 2, 16, 32),
     "bert/train_bert_large.sh": (8, 1, 1, 8),
 }
 

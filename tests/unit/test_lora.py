@@ -79,6 +79,26 @@ def test_merged_weights_give_the_adapted_logits(variant):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_multi_latent_attention_projections_take_adapters_and_merge():
+    """MLA's column-parallel projections (q_up, kv_up) are targets too; the replicated down
+    projections are not."""
+    mla = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+               v_head_dim=6, position_embedding_type="rope")
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                        padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0, **mla)
+    state = ParallelState(world_size=1, rank=0)
+    config = transformer_config(model, state)
+    lora = LoRAConfig(lora_rank=4, lora_alpha=8.0, lora_target_modules=["linear_q_up_proj", "linear_kv_up_proj",
+                                                                         "linear_proj"])
+    base, adapted = GPTModel(config, state).eval(), apply_lora(GPTModel(config, state), config, lora, state).eval()
+    assert {n.split(".adapter.")[0].rsplit(".", 1)[-1] for n, p in adapted.named_parameters() if p.requires_grad} == {
+        "linear_q_up_proj", "linear_kv_up_proj", "linear_proj"}
+    _randomise_b(adapted)
+    want = adapted(TOKENS)
+    base.load_state_dict(merge_lora(adapted.state_dict(), alpha=8.0, rank=4))
+    torch.testing.assert_close(base(TOKENS), want, rtol=1e-5, atol=1e-5)
+
+
 def test_adapter_gradients_reach_a_and_b_and_the_base_gets_none():
     _, adapted = _models("llama")
     _randomise_b(adapted)

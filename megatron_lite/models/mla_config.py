@@ -1,0 +1,107 @@
+"""The flags of DeepSeek-style models: multi-latent attention (MLA), its YaRN rotary embedding, and
+multi-token prediction (MTP). Megatron-LM's names and CLI defaults.
+
+:class:`MLAConfig` and :class:`MTPConfig` are mixed into the ``model`` section of the run's Config
+(so the flags sit with the other model flags and are saved with checkpoints) and into
+:class:`~megatron_lite.models.transformer_config.TransformerConfig` (so every layer sees them);
+:func:`check_mla_fields` validates them there with one line naming the flag and the fix.
+
+Megatron's CLI defaults do not describe DeepSeek-V3 (``--kv-lora-rank 32``, no q compression,
+``--rotary-scaling-factor 1``, ``--mscale-all-dim 0``): a DeepSeek-V3 run passes them all
+(``examples/deepseek_v3/train_deepseek_v3_671b.sh``). ``--original-max-position-embeddings``,
+``--beta-fast`` and ``--beta-slow`` are config-only in Megatron (its defaults, 4096 / 32 / 1, are
+DeepSeek-V3's); here they are flags with the same defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+ROPE_TYPES = ("rope", "yarn")
+
+
+@dataclass
+class MLAConfig:
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3): keys and values from one compressed latent per token."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query compression (default: no compression, one query projection)."""
+    kv_lora_rank: int = 32
+    """MLA: rank of the key/value latent."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key dimension without the rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head rotary (decoupled RoPE) dimension of queries and of the key shared by all heads."""
+    v_head_dim: int = 128
+    """MLA: per-head value dimension."""
+    qk_layernorm: bool = False
+    """MLA: normalise the query and key/value latents (DeepSeek-V2/V3 do)."""
+    rope_type: str | None = None
+    """Rotary embedding: rope or yarn (default: yarn with --multi-latent-attention, rope otherwise)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN: context extension factor (DeepSeek-V3: 40)."""
+    mscale: float = 1.0
+    """YaRN: mscale of the rotary tables' magnitude."""
+    mscale_all_dim: float = 0.0
+    """YaRN: mscale_all_dim; MLA's softmax scale is (0.1 x this x ln(factor) + 1)^2 / sqrt(q head dim)."""
+    original_max_position_embeddings: int = 4096
+    """YaRN: the context length the model was pretrained with."""
+    beta_fast: float = 32.0
+    """YaRN: rotations per context above which a frequency is kept (not interpolated)."""
+    beta_slow: float = 1.0
+    """YaRN: rotations per context below which a frequency is fully interpolated."""
+
+
+@dataclass
+class MTPConfig:
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depth: extra layers predicting tokens 2..D+1 ahead (default: none)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token prediction loss: scaling / D x sum of the depths' losses."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def derive_rope_type(config) -> None:
+    """Megatron's default: yarn under MLA, rope otherwise."""
+    if config.rope_type is None:
+        config.rope_type = "yarn" if config.multi_latent_attention else "rope"
+
+
+def check_mla_fields(config) -> None:
+    """Validate the MLA, YaRN and MTP fields of a TransformerConfig (after :func:`derive_rope_type`)."""
+    _require(config.rope_type in ROPE_TYPES, f"--rope-type {config.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+    if config.rope_type == "yarn":
+        _require(config.multi_latent_attention,
+                 "--rope-type yarn needs --multi-latent-attention (YaRN is built for MLA's rotary part only)")
+        _require(config.rotary_scaling_factor > 0 and config.original_max_position_embeddings > 0,
+                 "--rotary-scaling-factor and --original-max-position-embeddings must be positive")
+    if config.multi_latent_attention:
+        _check_mla(config)
+    else:
+        _require(not config.qk_layernorm, "--qk-layernorm is built for --multi-latent-attention only (the per-head "
+                 "query/key norms of standard attention are not implemented)")
+    if config.mtp_num_layers is not None:
+        _require(config.mtp_num_layers >= 1, f"--mtp-num-layers {config.mtp_num_layers} must be at least 1")
+        _require(config.position_embedding_type == "rope",
+                 "--mtp-num-layers needs --position-embedding-type rope (as in Megatron-LM)")
+        _require(config.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must not be negative")
+
+
+def _check_mla(config) -> None:
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        _require(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
+    _require(config.q_lora_rank is None or config.q_lora_rank > 0, "--q-lora-rank must be positive (or left unset)")
+    _require(config.qk_pos_emb_head_dim % 2 == 0,
+             f"--qk-pos-emb-head-dim {config.qk_pos_emb_head_dim} must be even (rotary pairs)")
+    _require(config.position_embedding_type == "rope",
+             "--multi-latent-attention needs --position-embedding-type rope (MLA rotates its own rotary part; "
+             "learned absolute positions on top are not built)")
+    _require(config.num_query_groups == config.num_attention_heads,
+             "--multi-latent-attention does not take --group-query-attention / --num-query-groups (every head "
+             "has its own keys and values from the latent)")
