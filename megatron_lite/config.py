@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .fusions.config import FusionConfig, check_fusion_flags
 from .logging_config import LoggingConfig
+from .lora.config import LoRAConfig, check_lora_flags
 from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
@@ -283,6 +284,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     world_size: int = 1
     data_parallel_size: int = 1
     extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
@@ -295,7 +297,8 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion",
+            "lora")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -440,3 +443,4 @@ def _check_data_and_checkpoint(config: Config) -> None:
     from .data.sft_dataset import check_sft_flags
 
     check_sft_flags(config)
+    check_lora_flags(config)

@@ -176,6 +176,9 @@ def _hf_saver_args(parser) -> None:
                             "mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
+    group.add_argument("--merge-lora", action="store_true", default=None,
+                       help="LoRA checkpoint: export the merged model (W + alpha/r B A) instead of the base plus a "
+                            "PEFT adapter in <save-dir>/adapter.")
 
 
 def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_size: str | int = "5GB",
@@ -204,11 +207,30 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
 
 
 def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    return save_hf(bundle, args.save_dir, args.hf_style or "auto", args.max_shard_size or "5GB", progress)
+    """A Hugging Face folder; a LoRA source gives its base plus a PEFT adapter (or, --merge-lora, the merged model)."""
+    from ..lora.convert import merged_bundle  # (the lora package imports this one)
+    from ..lora.peft_export import peft_adapter, save_peft_adapter
+
+    if args.merge_lora and bundle.adapters is None:
+        raise ConfigError(f"--merge-lora: {args.load_dir} is not a LoRA checkpoint; drop it")
+    if bundle.adapters is not None and args.merge_lora:
+        bundle = merged_bundle(bundle)
+    style = pick_style(bundle.config, args.hf_style or "auto")
+    if bundle.adapters is not None:  # refused before anything is written when the adapter cannot be exported
+        peft_adapter(bundle.config, bundle.adapters, style, args.save_dir)
+    out = save_hf(bundle, args.save_dir, style, args.max_shard_size or "5GB", progress)
+    if bundle.adapters is None:
+        return out
+    return f"{out} (the base) and its PEFT adapter {save_peft_adapter(bundle.config, bundle.adapters, style, out)}"
 
 
 def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``)."""
+    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``); a LoRA
+    source is written with its adapters merged into the base weights."""
+    if bundle.adapters is not None:
+        from ..lora.convert import merged_bundle  # (the lora package imports this one)
+
+        bundle = merged_bundle(bundle)
     out = _save_megatron(bundle, args, progress)
     folder = os.path.join(args.save_dir, TOKENIZER_DIR)
     copy_tokenizer_files(bundle.tokenizer_files, folder)
@@ -242,7 +264,7 @@ PLUGIN_OPTIONS = {
     ("saver", "megatron"): ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
-    ("saver", "hf"): ("hf_style", "max_shard_size"),
+    ("saver", "hf"): ("hf_style", "max_shard_size", "merge_lora"),
     ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm"),
 }
 

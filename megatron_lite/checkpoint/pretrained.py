@@ -165,9 +165,13 @@ def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: s
     dist_format = is_dist_folder(folder)
 
     def check(saved):
+        if saved.get("lora_rank"):
+            raise CheckpointError(f"checkpoint {folder} holds LoRA adapters only; merge them into their base first "
+                                  "(tools/checkpoint/convert.py --load-dir it) and load the merged checkpoint")
         check_architecture(folder, saved, config, "release" if every_flag else "weights")
 
-    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+    # ZeRO-3: full-size storage to load into, then re-sharded (gathered first when some may stay as they are)
+    with full_params(chunks, load=True, partial=missing_ok is not None):
         if dist_format:
             saved = read_common(folder)["config"]
             check(saved)
@@ -178,8 +182,9 @@ def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: s
             _load_merged(folder, chunks, config, state, missing_ok, check)
     if optimizer is not None:  # fp32 masters from the loaded weights, or the first step would undo the load
         optimizer.reload_model_params()
+    fresh = "; starting at iteration 0 with a fresh optimizer" if optimizer is not None else ""
     print_rank_0(f"  loaded model weights from {folder} (iteration {iteration}, "
-                 f"{'torch_dist' if dist_format else 'torch'} format); starting at iteration 0 with a fresh optimizer")
+                 f"{'torch_dist' if dist_format else 'torch'} format){fresh}")
     return folder
 
 

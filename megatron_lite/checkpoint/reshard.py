@@ -88,6 +88,7 @@ class ModelBundle:
     consumed_samples: int = 0
     tokenizer_files: dict = field(default_factory=dict)
     optimizer: dict | None = None  # layout-free optimizer state (see reshard_optim.merge_optimizer), or None
+    adapters: dict | None = None  # a LoRA checkpoint's adapters (single-process names); state_dict is its base
 
     @property
     def tied(self) -> bool:
@@ -131,6 +132,11 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
+    from ..lora.convert import is_lora_config, read_lora_checkpoint  # (lora/convert.py imports this package)
+
+    if is_lora_config(config):  # adapters only: the base's weights come from the checkpoint it records
+        adapters, (state_dict, _) = state_dict, read_lora_checkpoint(load_dir, state_dict, config)
+        return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, None, adapters)
     optimizer = merge_dist_optimizer(load_dir) if is_dist_folder(resolve_folder(load_dir)) else merge_optimizer(
         load_dir, lambda p, payload: _source_chunks(payload, p), not config.get("untie_embeddings_and_output_weights", False))
     if optimizer is not None:

@@ -273,26 +273,27 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
 
 @contextlib.contextmanager
-def full_params(chunks, load: bool = False):
+def full_params(chunks, load: bool = False, partial: bool = False):
     """Inside: every chunk's parameters hold full values (e.g. to save or load a checkpoint).
 
     ZeRO-3 chunks are all-gathered (collective over data parallel; with ``load`` only the storage is
-    made, no communication, and this rank's chunk is kept from what was loaded on exit); in-flight
-    ``--overlap-param-gather`` all-gathers are completed.
+    made, no communication, and this rank's chunk is kept from what was loaded on exit; with
+    ``partial`` too a load that may leave some parameters as they are: gathered first, then kept);
+    in-flight ``--overlap-param-gather`` all-gathers are completed.
     """
     sharded = [c for c in chunks if isinstance(c, FullyShardedDataParallel)]
     for c in chunks:
         if isinstance(c, DistributedDataParallel):
             c.finish_param_gather()
     for c in sharded:
-        c.gather_all(communicate=not load)
+        c.gather_all(communicate=partial or not load)
     ok = False
     try:
         yield
         ok = True
     finally:
         for c in sharded:
-            c.reshard_all(keep_values=load and ok)
+            c.reshard_all(keep_values=(load or partial) and ok)
 
 
 def wrap_for_data_parallel(module, state, parallel) -> DistributedDataParallel:

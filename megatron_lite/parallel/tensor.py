@@ -154,6 +154,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.partition_stride = stride
         else:
             self.register_parameter("bias", None)
+        self.adapter = None  # a LoRA adapter (megatron_lite/lora) adds adapter(x) to the output
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, *, last_use: bool = True):
         """``last_use=False``: the weight is used again in this forward by a call whose gradient backward
@@ -172,6 +173,8 @@ class ColumnParallelLinear(nn.Module):
             x = comm.copy_to_tp(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = gemm(x, weight, bias)
+        if self.adapter is not None:  # reads the same (gathered) input as the GEMM
+            out = out + self.adapter(x)
         if self.gather_output:
             out = comm.gather_from_tp(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -218,6 +221,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.adapter = None  # a LoRA adapter (megatron_lite/lora) adds adapter(x) to the reduced output
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
@@ -227,6 +231,8 @@ class RowParallelLinear(nn.Module):
             out = comm.reduce_scatter_to_sp(partial, self.tp_group)
         else:
             out = comm.reduce_from_tp(partial, self.tp_group)
+        if self.adapter is not None:
+            out = out + self.adapter(x)
         if self.skip_bias_add:
             return out, self.bias
         return out if self.bias is None else out + self.bias

@@ -23,6 +23,12 @@ steps fp32 params in place.) Buckets are padded to a multiple of d; the formula 
 they need no padding. ZeRO-3's transiently gathered units and ZeRO-2/3's per-backward full
 gradient buffers are activation-like and left out.
 
+Frozen parameters (the base weights under LoRA) hold only their weight: P bytes each, no gradient,
+no optimizer state, and no strategy shards them (ZeRO-3 included). A LoRA model with F frozen and T
+adapter parameters therefore holds ``F x P + T x (the strategy's bytes)`` per rank
+(:func:`model_state_bytes_with_frozen`); with T a fraction of a percent of F that is about P bytes
+per base parameter, e.g. 2 for bf16 against 18 for a full fine-tune without sharding.
+
 With the distributed optimizer, hybrid sharding over N instances (``--num-distributed-optimizer-
 instances``) shards over d/N ranks only, and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
@@ -77,13 +83,26 @@ def model_state_bytes_per_param(params_dtype: torch.dtype, strategy: str = "no_s
     return device + host
 
 
-def _storage_bytes(tensors) -> int:
+def model_state_bytes_with_frozen(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
+                                  frozen: int, trainable: int, instances: int = 1,
+                                  offload_fraction: float = 0.0) -> tuple[Fraction, Fraction]:
+    """(device, host) bytes on one rank of a model with ``frozen`` parameters (weights only, never
+    sharded) and ``trainable`` ones (the strategy's bytes each, :func:`model_state_bytes_split`)."""
+    device, host = model_state_bytes_split(params_dtype, strategy, dp, instances=instances,
+                                           offload_fraction=offload_fraction)
+    weight = torch.empty((), dtype=params_dtype).element_size()
+    return frozen * weight + trainable * device, trainable * host
+
+
+def _storage_bytes(tensors, skip=frozenset()) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once; a
-    freed storage counts 0)."""
+    freed storage counts 0; storages in ``skip`` are left out)."""
     sizes = {}
     for t in tensors:
+        if t is None:
+            continue
         storage = t.untyped_storage()
-        if storage.nbytes():
+        if storage.nbytes() and storage.data_ptr() not in skip:
             sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
@@ -135,11 +154,14 @@ def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
     instances = p.num_distributed_optimizer_instances
     fraction = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     n = sum(q.numel() for c in chunks for q in c.parameters())
+    frozen = sum(q.numel() for c in chunks for q in c.parameters() if not q.requires_grad)
     per = {k: v / max(n, 1) for k, v in measured_model_state_bytes(chunks, optimizer).items()}
     line = (f"model state on this rank, bytes per parameter ({n:,} params): params {per['params']:.2f} + grads "
             f"{per['grads']:.2f} + optimizer {per['optimizer']:.2f} = device "
             f"{per['params'] + per['grads'] + per['optimizer']:.2f}; optimizer on CPU {per['optimizer_cpu']:.2f}")
-    device, host = model_state_bytes_split(config.precision.params_dtype, strategy, dp_cp,
-                                           instances=instances, offload_fraction=fraction)
-    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}): "
+    device, host = model_state_bytes_with_frozen(config.precision.params_dtype, strategy, dp_cp, frozen=frozen,
+                                                 trainable=n - frozen, instances=instances, offload_fraction=fraction)
+    device, host = device / max(n, 1), host / max(n, 1)
+    what = f", {frozen:,} of them frozen" if frozen else ""
+    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}{what}): "
             f"device {float(device):.2f}, CPU {float(host):.2f}")

@@ -26,6 +26,7 @@ from ..config import Config
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
+from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
@@ -249,7 +250,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [chunk.to(device) for chunk in model_provider(config, state)]
+    chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
     if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
         compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
         print_rank_0(f"> torch.compile ({config.fusion.torch_compile_backend}): {compiled} transformer layers share "
