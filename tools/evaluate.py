@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.errors import OneLineParser  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.evaluation import (  # noqa: E402
     check_data_path,
@@ -31,7 +32,7 @@ TASKS = ("WIKITEXT103", "PERPLEXITY", "LAMBADA")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--task", required=True, choices=TASKS,
                    help="WIKITEXT103 (= PERPLEXITY): perplexity of a text; LAMBADA: last-word accuracy")
     p.add_argument("--valid-data", required=True, nargs="+",

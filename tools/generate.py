@@ -4,7 +4,9 @@ The checkpoint may be ``torch`` or ``torch_dist`` and saved at any TP x PP (x EP
 torchrun the model runs in one process; under torchrun it runs at the checkpoint's TP x PP (or the
 ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` given). The engine keeps a
 key/value cache (one token of work per new token), batches every ``--prompt`` together and stops a
-sequence at the tokenizer's end-of-document token. See docs/inference.md.
+sequence at the tokenizer's end-of-document token. The tokenizer flags default to the ones saved
+in the checkpoint (for a checkpoint converted from Hugging Face: the tokenizer files convert.py kept
+in its ``tokenizer`` folder). See docs/inference.md.
 
     python tools/generate.py --load checkpoints/gpt --prompt "The quick brown" --max-new-tokens 40 --greedy
     python tools/generate.py --load checkpoints/gpt --prompt "Once upon" --prompt "In 1900" --top-k 40 --seed 7
@@ -19,12 +21,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.errors import OneLineParser  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue; repeat for a batch (none: start from the end-of-document token)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most per prompt")

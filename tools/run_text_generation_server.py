@@ -19,13 +19,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.errors import OneLineParser  # noqa: E402
 from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="port to listen on (0: any free port, printed)")
     p.add_argument("--chat-template", default=None,

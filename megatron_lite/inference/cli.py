@@ -115,7 +115,7 @@ def build_session(args) -> Session:
     tp, pp = _layout(args, world)
     state = ParallelState(tp=tp, pp=pp)
     model, saved = load_model(args.load, state, _dtype(args), device)
-    tokenizer = load_tokenizer(saved, **{k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
+    tokenizer = load_tokenizer(saved, args.load, **{k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
                                                                        "tokenizer_model", "vocab_size")})
     limit = args.max_sequence_length or context_limit(saved)
     if saved.get("position_embedding_type", "learned_absolute") == "learned_absolute":

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from ..checkpoint.format import CheckpointError, param_meta
+from ..checkpoint.hf_tokenizer import checkpoint_tokenizer
 from ..checkpoint.layout import global_name
 from ..checkpoint.merge import merge_checkpoint, model_config_from_saved
 from ..checkpoint.reshard import VOCAB_TENSORS, pad_vocab
@@ -125,15 +126,19 @@ def load_model(path: str, state=None, params_dtype=torch.float32, device=None) -
         raise CheckpointError(f"{path}: the saved model config is not usable here ({err})") from None
 
 
-def load_tokenizer(saved: dict, **overrides):
+def load_tokenizer(saved: dict, path: str | None = None, **overrides):
     """The tokenizer the checkpoint was trained with; each of ``overrides`` (tokenizer_type,
     vocab_file, merge_file, tokenizer_model, vocab_size: NullTokenizer's ``--vocab-size``) that is
-    not None replaces the saved one."""
+    not None replaces the saved one. A checkpoint converted from Hugging Face names no tokenizer:
+    the files convert.py kept in its ``tokenizer`` folder (under ``path``, the checkpoint) are used."""
+    if overrides.get("tokenizer_type") is None and saved.get("tokenizer_type") is None and path is not None:
+        saved = {**saved, **(checkpoint_tokenizer(path) or {})}
     pick = {k: overrides.get(k) if overrides.get(k) is not None else saved.get(k) for k in TOKENIZER_FIELDS}
     if pick["tokenizer_type"] == "NullTokenizer" and overrides.get("vocab_size") is None and saved.get("vocab_size"):
         pick["vocab_size"] = saved["vocab_size"] - 1  # the model's vocabulary is --vocab-size + 1 (the eod)
     if pick["tokenizer_type"] is None:
-        raise ConfigError("the checkpoint names no tokenizer; pass --tokenizer-type and its files")
+        raise ConfigError("the checkpoint names no tokenizer and holds no tokenizer folder; pass --tokenizer-type "
+                          "and its files")
     tokenizer = build_tokenizer(pick.pop("tokenizer_type"), **pick)
     padded = saved.get("padded_vocab_size") or 0
     if tokenizer.vocab_size > padded:

@@ -176,6 +176,9 @@ def test_hf_export_gives_the_same_logits_in_transformers(variant, sources, tmp_p
     with torch.no_grad():
         logits = hf(TOKENS).logits
     torch.testing.assert_close(logits, reference_logits(sources[variant]), rtol=1e-5, atol=1e-5)
+    # no tokenizer (token ids as text): the last id ends a document, and generate() stops there
+    assert hf.config.bos_token_id == hf.config.eos_token_id == VOCAB - 1
+    assert hf.generation_config.eos_token_id == VOCAB - 1
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -243,6 +246,34 @@ def test_hf_import_to_tp2_pp2_gives_the_same_logits(variant, tmp_path):
         torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def _word_tokenizer(path):
+    """A tokenizer.json of VOCAB whole words (w0 ... w98, then the end of document)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+
+
+def test_generate_uses_the_tokenizer_an_hf_import_kept(tmp_path, capsys):
+    """After an HF import, tools/generate.py needs no tokenizer flag (it reads <save>/tokenizer), and
+    the converter prints the flags that load those files for training."""
+    transformers = pytest.importorskip("transformers")
+    _random_hf_model("gpt2", transformers).save_pretrained(str(tmp_path / "hf"))
+    _word_tokenizer(tmp_path / "hf" / "tokenizer.json")
+    out = tmp_path / "mega"
+    assert convert("--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--make-vocab-size-divisible-by", 8) == 0
+    kept = str(out / "tokenizer" / "tokenizer.json")
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {kept}" in capsys.readouterr().out
+    assert load_tool("generate").main(["--load", str(out), "--prompt", "w5 w17 w42", "--max-new-tokens", "3",
+                                       "--greedy"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[:3] == ["w5", "w17", "w42"] and len(printed) > 3
+
+
 def test_hf_refusals_name_the_option(sources, tmp_path, capsys):
     pytest.importorskip("safetensors")
     cases = [
@@ -278,6 +309,7 @@ def test_hf_import_refuses_an_activation_it_cannot_express(tmp_path, capsys):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_printed_flags_describe_the_converted_model(variant, sources, tmp_path, capsys):
     from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.arch import arch_differences
     from megatron_lite.checkpoint.format import ARCH_FIELDS
 
     out = tmp_path / "tp4"
@@ -286,12 +318,11 @@ def test_printed_flags_describe_the_converted_model(variant, sources, tmp_path, 
     line = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
     flags = line.split()
     assert flags[:2] == ["--load", str(out)] and flags[-2:] == ["--no-load-optim", "--no-load-rng"]
-    run = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4).flat()
+    config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4)
     saved = merge_checkpoint(str(out))[1]
-    for key in ARCH_FIELDS:  # (None: a default the run derives; this test's sources were saved unfinalized;
-        if key != "padded_vocab_size" and saved.get(key) is not None:  # absent: another script's field)
-            assert run[key] == saved[key], key
-    assert run["tensor_model_parallel_size"] == 4
+    # (a derived flag saved unset is compared through its sources; absent: another script's field)
+    assert not arch_differences(saved, config, tuple(k for k in ARCH_FIELDS if k != "padded_vocab_size"))
+    assert config.parallel.tensor_model_parallel_size == 4
 
 
 def _payload(root, iteration, t, p):

@@ -8,7 +8,7 @@ import sys
 
 from megatron_lite.checkpoint.reshard import TargetLayout, load_megatron, save_megatron
 from tests.e2e.conftest import ROOT
-from tests.harness import _free_port
+from tests.harness import free_port
 from tests.inference_helpers import prompts, save_model
 from tests.tools import load_tool
 
@@ -30,7 +30,7 @@ def test_generate_under_torchrun_at_the_saved_layout_equals_one_process(tmp_path
         argv += ["--prompt", " ".join(map(str, p))]
     assert load_tool("generate").main(argv) == 0
     want = _parse(capsys.readouterr().out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "tools/generate.py", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -21,7 +21,7 @@ from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.loading import load_model, load_tokenizer
 from megatron_lite.inference.sampling import SamplingParams
 from tests.e2e.conftest import ROOT
-from tests.harness import _free_port
+from tests.harness import free_port
 from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
 from tests.tools import load_tool
 
@@ -244,7 +244,7 @@ def _read_until_serving(proc, timeout_s=420):
 
 def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
     url = server[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "tools/run_text_generation_server.py", "--load", checkpoint, "--port", "0",
            "--tensor-model-parallel-size", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
