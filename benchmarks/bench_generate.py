@@ -1,7 +1,7 @@
 """Generation speed: the key/value cache vs full recompute, and our engine vs ``transformers`` generate.
 
 One GPT-2-style model with random weights (default 4 layers, hidden 256, 8 heads, vocab 8192,
-fp32, CPU) is saved as a megatron_lite checkpoint and exported with tools/checkpoint/convert.py to
+fp32, CPU unless --device cuda) is saved as a megatron_lite checkpoint and exported with tools/checkpoint/convert.py to
 Hugging Face; both sides load it. From one 128-token prompt each generates 512 tokens greedily
 (no early stop) in the same process, rounds alternating:
 
@@ -14,7 +14,7 @@ Hugging Face; both sides load it. From one 128-token prompt each generates 512 t
 Each run's time is printed as it finishes; the table gives medians over the rounds and the best
 run (on a shared machine the best is the least disturbed).
 
-    python benchmarks/bench_generate.py [--rounds 2] [--threads 2] [--layers 4 --hidden 256 --vocab 8192]
+    python benchmarks/bench_generate.py [--rounds 2] [--threads 2] [--layers 4 --hidden 256 --vocab 8192] [--device cuda]
 
 Needs ``pip install transformers safetensors``.
 """
@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--new", type=int, default=512, help="tokens to generate")
     p.add_argument("--skip-uncached", action="store_true", help="skip the (slow) full-recompute runs")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both sides run there, fp32)")
     return p.parse_args(argv)
 
 
@@ -87,12 +88,13 @@ def run_ours(engine, prompt, new) -> dict:
 
 
 def run_hf(hf, prompt, new) -> dict:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, pad_token_id=0)
-    return {"tokens": out[0, len(prompt):].tolist(), "total_s": time.perf_counter() - start}
+    tokens = out[0, len(prompt):].tolist()  # (waits for the device)
+    return {"tokens": tokens, "total_s": time.perf_counter() - start}
 
 
 def main(argv=None) -> int:
@@ -104,12 +106,13 @@ def main(argv=None) -> int:
     from megatron_lite.inference.loading import load_model
 
     print(describe_machine(args.threads))
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, fp32; "
-          f"prompt {args.prompt} tokens, {args.new} new tokens, greedy, batch 1\n")
+    print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, fp32 on "
+          f"{args.device}; prompt {args.prompt} tokens, {args.new} new tokens, greedy, batch 1, "
+          f"transformers {transformers.__version__}\n")
     with tempfile.TemporaryDirectory() as root:
         ckpt, hf_dir = save_and_export(args, root)
-        model, _ = load_model(ckpt)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        model, _ = load_model(ckpt, device=torch.device(args.device))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(args.device).eval()
     kw = dict(vocab_size=args.vocab, max_sequence_length=args.prompt + args.new)
     cached, full = InferenceEngine(model, **kw), InferenceEngine(model, use_cache=False, **kw)
     prompt = torch.randint(0, args.vocab - 1, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
