@@ -1,8 +1,8 @@
 """Generation speed: the key/value cache vs full recompute, and our engine vs ``transformers`` generate.
 
 One GPT-2-style model with random weights (default 4 layers, hidden 256, 8 heads, vocab 8192,
-fp32, CPU unless --device cuda) is saved as a megatron_lite checkpoint and exported with tools/checkpoint/convert.py to
-Hugging Face; both sides load it. From one 128-token prompt each generates 512 tokens greedily
+fp32, CPU unless --device cuda) is saved as a megatron_lite checkpoint and exported with
+tools/checkpoint/convert.py to Hugging Face; both sides load it. From one 128-token prompt each generates 512 tokens greedily
 (no early stop) in the same process, rounds alternating:
 
 * ours with the cache: prefill time per prompt token, decode time per token, decode tokens/s;
