@@ -12,7 +12,9 @@ tools/checkpoint/convert.py to Hugging Face; both sides load it. From one 128-to
   ratio ours / transformers (goal >= 1.0); the two continuations are checked to be the same tokens.
 
 Each run's time is printed as it finishes; the table gives medians over the rounds and the best
-run (on a shared machine the best is the least disturbed).
+run (on a shared machine the best is the least disturbed). On a machine whose cores other jobs
+share, ``--threads 1`` gives steadier figures: a decode step is hundreds of tiny operators, and with
+2 threads each one waits for whichever thread was descheduled.
 
     python benchmarks/bench_generate.py [--rounds 2] [--threads 2] [--layers 4 --hidden 256 --vocab 8192] [--device cuda]
 
