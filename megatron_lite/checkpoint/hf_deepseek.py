@@ -35,9 +35,12 @@ Rotary layout: with ``rope_interleave`` (DeepSeek's and the default) the rotary 
 (:func:`~megatron_lite.models.mla.apply_mla_rotary`): they copy 1:1. Without it they are in
 rotate-half order and are interleaved on import. YaRN: ``rope_parameters`` (or the older
 ``rope_scaling``) ``factor`` / ``mscale`` / ``mscale_all_dim`` / ``original_max_position_embeddings`` /
-``beta_fast`` / ``beta_slow`` are our ``--rotary-scaling-factor`` ... ``--beta-slow``; the table scale
-transformers derives must equal ours (an ``attention_factor`` is written on export when its rule
-would differ).
+``beta_fast`` / ``beta_slow`` are our ``--rotary-scaling-factor`` ... ``--beta-slow``. transformers
+scales the rotary tables by ``attention_factor`` when given, else by our rule when both ``mscale`` and
+``mscale_all_dim`` are set, else by ``get_mscale(factor)``: on import ``--mscale`` is the config's
+when that gives the same scale and is solved for otherwise; on export an ``attention_factor`` is
+written when transformers' rule would differ from ours. The softmax scale uses ``mscale_all_dim``
+on both sides.
 
 Routing (transformers' ``DeepseekV3TopkRouter``): sigmoid scores, selection on score + bias within
 the ``topk_group`` best of ``n_group`` groups (a group scores its top 2), weights the selected
@@ -51,6 +54,7 @@ fp32`` on import). What either side cannot express is refused with one line nami
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -107,17 +111,20 @@ def _rope_from_hf(hf: dict) -> dict:
     _require(rope.get("factor") is not None, "a yarn rope_parameters without factor cannot be expressed; give factor")
     _require(rope.get("truncate", True), "yarn truncate false cannot be expressed (the correction range is "
              "floored / ceiled)")
-    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+    original = rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
         or hf["max_position_embeddings"]
-    out.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
-               mscale=float(1.0 if rope.get("mscale") is None else rope["mscale"]),
-               mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0), original_max_position_embeddings=int(original),
+    f, all_dim, want = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0), hf_table_scale(rope)
+    # --mscale such that get_mscale(f, mscale) / get_mscale(f, all_dim) is transformers' table scale: the
+    # config's mscale when that holds (transformers ignores it without mscale_all_dim), else solved for
+    mscale = float(1.0 if rope.get("mscale") is None else rope["mscale"])
+    if abs(get_mscale(f, mscale) / get_mscale(f, all_dim) - want) > 1e-12 * want and f > 1:
+        mscale = (want * get_mscale(f, all_dim) - 1.0) / (0.1 * math.log(f))
+    out.update(rope_type="yarn", rotary_scaling_factor=f, mscale=mscale, mscale_all_dim=all_dim,
+               original_max_position_embeddings=int(original),
                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
-    ours = get_mscale(out["rotary_scaling_factor"], out["mscale"]) / get_mscale(out["rotary_scaling_factor"],
-                                                                                 out["mscale_all_dim"])
-    _require(abs(ours - hf_table_scale(rope)) <= 1e-12 * ours, f"yarn rope_parameters {rope}: transformers scales "
-             f"the rotary tables by {hf_table_scale(rope)}, which --mscale / --mscale-all-dim cannot express (ours "
-             f"would be {ours})")
+    ours = get_mscale(f, mscale) / get_mscale(f, all_dim)
+    _require(abs(ours - want) <= 1e-12 * want, f"yarn rope_parameters {rope}: transformers scales the rotary tables "
+             f"by {want}, which --mscale / --mscale-all-dim cannot express with factor {f} (ours would be {ours})")
     return out
 
 
@@ -178,6 +185,7 @@ def check_deepseek(cfg: dict) -> None:
              "transformers' latent norms always use 1e-6: train with --norm-epsilon 1e-6")):
         _require(ok, f"{words} cannot be expressed in the deepseek_v3 format ({why})")
     _layer_pattern(cfg)
+    _rope_to_hf(cfg)
     if not cfg.get("num_experts"):
         return
     for name, ok, words in (("moe_router_score_function", "sigmoid", "--moe-router-score-function softmax"),

@@ -14,8 +14,10 @@ Logits agree within 1e-5, with sequential or grouped-GEMM experts; the imported 
 per-token losses equal transformers' own MTP modules (``MtpLayer``, which ``DeepseekV3ForCausalLM``
 does not run) fed the same inputs. A model of ours (YaRN with an mscale transformers derives
 differently: an ``attention_factor`` is written; no expert bias: zeros written; grouped GEMM)
-exports to the same logits. Both round trips are bit-exact, MTP included. Each refusal is one
-line naming the option, exit 2, nothing written.
+exports to the same logits. Both round trips are bit-exact, MTP included. Imported YaRN settings
+give transformers' frequencies, table scale and softmax scale (also where transformers ignores
+``mscale`` or an ``attention_factor`` overrides it). Each refusal (import: a changed config.json or
+weights; export: a changed saved config) is one line naming the option, exit 2, nothing written.
 """
 
 import json
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, save_checkpoint
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.moe.config import MoEConfig, moe_fields
@@ -150,6 +153,35 @@ def test_imported_mtp_equals_transformers_mtp_modules(hf_models, tmp_path, varia
             torch.testing.assert_close(losses[1 + k], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope", [
+    {**YARN, "mscale": 0.7, "mscale_all_dim": 0.0},  # transformers ignores mscale without mscale_all_dim
+    {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707, "factor": 40.0},  # the hub's DeepSeek-V3 values
+    {**YARN, "attention_factor": 1.3, "mscale_all_dim": 0.5},
+], ids=["mscale-ignored", "hub", "attention-factor"])
+def test_imported_yarn_is_transformers_yarn(hf_models, rope):
+    """Our imported --rotary-scaling-factor / --mscale / --mscale-all-dim give transformers' YaRN
+    frequencies, table scale and softmax scale."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_lite.checkpoint.hf_deepseek import from_deepseek
+    from megatron_lite.models.yarn import get_mscale, mla_softmax_scale, yarn_inv_freq
+
+    folder, model, _ = hf_models["v3"]
+    hf = {**json.loads(open(os.path.join(folder, "config.json")).read()), "rope_parameters": rope}
+    cfg = from_deepseek(hf, st.load_file(os.path.join(folder, "model.safetensors")))[0]
+    config = transformers.DeepseekV3Config(**{**hf, "rope_parameters": {k: v for k, v in rope.items() if v is not None}})
+    inv_freq, table_scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    f = cfg["rotary_scaling_factor"]
+    ours = yarn_inv_freq(cfg["qk_pos_emb_head_dim"], cfg["rotary_base"], f, cfg["original_max_position_embeddings"],
+                         cfg["beta_fast"], cfg["beta_slow"])
+    torch.testing.assert_close(ours, inv_freq.float(), rtol=1e-6, atol=0)
+    assert get_mscale(f, cfg["mscale"]) / get_mscale(f, cfg["mscale_all_dim"]) == pytest.approx(table_scale, rel=1e-12)
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(config, 0)
+    ns = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, **{
+        k: cfg[k] for k in ("qk_head_dim", "qk_pos_emb_head_dim", "rotary_scaling_factor", "mscale_all_dim")})
+    assert mla_softmax_scale(ns) == pytest.approx(attention.scaling, rel=1e-12)
+
+
 def test_hf_ours_hf_round_trip_is_bit_exact(hf_models, tmp_path):
     """Every tensor of the folder, the MTP layers and their embedding / head copies included."""
     folder = hf_models["v3"][0]
@@ -218,3 +250,101 @@ def test_ours_hf_ours_round_trip_is_bit_exact(ours_checkpoint, tmp_path):
     for key in ("rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
                 "rotary_base", "moe_layer_freq"):
         assert str(cfg[key]) == str({**OURS, **OURS_MOE}[key]) or key == "moe_layer_freq", key
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: one line naming the option, exit 2, nothing written.
+
+
+def _refused(capsys, out, *argv, words):
+    capsys.readouterr()
+    assert convert("GPT", *argv, "--save-dir", out) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+    assert not os.path.exists(out)
+
+
+def _changed_folder(src, dst, config=(), tensors=None):
+    """A copy of the Hugging Face folder ``src`` with config.json entries replaced (None: removed) and
+    ``tensors(dict)`` applied to its weights."""
+    os.makedirs(dst)
+    hf = json.loads(open(os.path.join(src, "config.json")).read())
+    hf.update(dict(config))
+    hf = {k: v for k, v in hf.items() if v is not None}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(hf, f)
+    weights = st.load_file(os.path.join(src, "model.safetensors"))
+    if tensors:
+        tensors(weights)
+    st.save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _other_embedding_copy(t):
+    t[f"model.layers.{LAYERS}.embed_tokens.weight"] = t[f"model.layers.{LAYERS}.embed_tokens.weight"] + 1
+
+
+IMPORT_REFUSALS = [
+    (dict(scoring_func="softmax"), None, "scoring_func 'softmax' cannot be expressed"),
+    (dict(topk_method="greedy"), None, "topk_method 'greedy' cannot be expressed"),
+    (dict(quantization_config={"quant_method": "fp8"}), None, "quantization_config"),
+    (dict(rms_norm_eps=1e-5), None, "rms_norm_eps 1e-05 cannot be expressed"),
+    (dict(norm_topk_prob=False), None, "norm_topk_prob False with num_experts_per_tok 2 cannot be expressed"),
+    (dict(n_group=4, topk_group=2, num_experts_per_tok=2), None, "num_experts_per_tok 2 / topk_group 2 != 2"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), None,
+     "rope_type 'linear' cannot be expressed"),
+    (dict(rope_parameters={**YARN, "factor": None}), None, "a yarn rope_parameters without factor"),
+    (dict(rope_parameters={**YARN, "factor": 1.0, "attention_factor": 1.5}), None,
+     "which --mscale / --mscale-all-dim cannot express with factor 1.0"),
+    (dict(first_k_dense_replace=2), None, "first_k_dense_replace 2 makes the multi-token prediction layers differ"),
+    (dict(moe_layer_freq=2), None, "moe_layer_freq 2 cannot be expressed"),
+    (dict(attention_bias=True), None, "attention_bias true cannot be expressed"),
+    (dict(hidden_act="gelu"), None, "hidden_act 'gelu' cannot be expressed"),
+    ((), _other_embedding_copy, f"model.layers.{LAYERS}.embed_tokens.weight differs from model.embed_tokens.weight"),
+    ((), lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"),
+     "have no tensor layers.1.mlp.experts.3.up_proj.weight"),
+]
+
+
+@pytest.mark.parametrize("config, tensors, words", IMPORT_REFUSALS, ids=[w[:30] for _, _, w in IMPORT_REFUSALS])
+def test_import_refuses_what_our_model_cannot_express(hf_models, tmp_path, capsys, config, tensors, words):
+    folder = _changed_folder(hf_models["v3"][0], str(tmp_path / "hf"), config, tensors)
+    _refused(capsys, str(tmp_path / "out"), "--loader", "hf", "--load-dir", folder, words=words)
+
+
+EXPORT_REFUSALS = [
+    (dict(multi_latent_attention=False), "without --multi-latent-attention cannot be expressed in the deepseek_v3 "
+     "format; no format holds its --mtp-num-layers"),
+    (dict(normalization="LayerNorm"), "--normalization LayerNorm cannot be expressed in the deepseek_v3 format"),
+    (dict(swiglu=False), "no --swiglu"),
+    (dict(qk_layernorm=False), "no --qk-layernorm"),
+    (dict(norm_epsilon=1e-5), "--norm-epsilon 1e-05 cannot be expressed in the deepseek_v3 format (transformers' "
+     "latent norms always use 1e-6"),
+    (dict(moe_layer_freq="([0]+[1]+[0])"), "--moe-layer-freq '([0]+[1]+[0])' cannot be expressed"),
+    (dict(moe_router_score_function="softmax"), "--moe-router-score-function softmax cannot be expressed"),
+    (dict(moe_shared_expert_gate=True), "--moe-shared-expert-gate cannot be expressed"),
+    (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor (capacity dropping) cannot be expressed"),
+    (dict(moe_router_load_balancing_type=["sinkhorn"]), "sinkhorn cannot be expressed"),
+    (dict(moe_router_group_topk=2), "--moe-router-topk 2 / --moe-router-group-topk 2 != 2 cannot be expressed"),
+    (dict(moe_shared_expert_intermediate_size=24), "--moe-shared-expert-intermediate-size 24 cannot be expressed"),
+    (dict(rope_type="rope", rotary_scaling_factor=4.0, mscale_all_dim=1.0), "--rope-type rope with "
+     "--rotary-scaling-factor and --mscale-all-dim"),
+]
+
+
+@pytest.mark.parametrize("change, words", EXPORT_REFUSALS, ids=[w[:30] for _, w in EXPORT_REFUSALS])
+def test_export_refuses_what_the_format_cannot_express(ours_checkpoint, change, words):
+    from megatron_lite.checkpoint.hf_deepseek import check_deepseek
+
+    cfg = {**merge_checkpoint(ours_checkpoint)[1], **change}
+    with pytest.raises(ConfigError) as err:
+        check_deepseek(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_export_refusals_through_the_command_line(ours_checkpoint, tmp_path, capsys):
+    for i, (style, words) in enumerate([("llama", "--multi-latent-attention cannot be expressed in the llama format; "
+                                                  "use --hf-style deepseek_v3"),
+                                        ("mixtral", "in the mixtral format; use --hf-style deepseek_v3")]):
+        _refused(capsys, str(tmp_path / f"out{i}"), "--saver", "hf", "--hf-style", style, "--load-dir",
+                 ours_checkpoint, words=words)
