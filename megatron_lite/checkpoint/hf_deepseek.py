@@ -326,6 +326,7 @@ def _deepseek_config(hf: dict, mtp: int) -> tuple[dict, int]:
         moe["moe_layer_freq"] = f"([0]*{k}+[1]*{layers - k})" if k else "1"
     cfg = _base_config(
         num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads, num_query_groups=heads,
+        kv_channels=hf["hidden_size"] // heads,  # what a run derives (MLA's head sizes are its own)
         ffn_hidden_size=hf["intermediate_size"], max_position_embeddings=hf["max_position_embeddings"],
         position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=LATENT_NORM_EPS, swiglu=True,
         disable_bias_linear=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
