@@ -229,8 +229,9 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: 
     if last:
         dense += spec.norm_params  # final norm
         dense += spec.mtp_num_layers * (3 * spec.norm_params + 2 * h * h / tp)  # MTP: enorm, hnorm, final norm; eh_proj
-        copies = (spec.untie_embeddings_and_output_weights or not first) + (spec.mtp_num_layers > 0 and not first)
-        dense += table * copies
+        untied = spec.untie_embeddings_and_output_weights
+        # the output layer; without the first stage a copy of the embedding (the tied output layer, MTP's input)
+        dense += table * (untied + (not first and (not untied or spec.mtp_num_layers > 0)))
     return dense, expert
 
 
