@@ -3,7 +3,7 @@ Weights & Biases (kept apart from config.py, which holds the other sections, to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -16,6 +16,8 @@ class LoggingConfig:
     """Include TFLOP/s per device in the log line."""
     log_comm_volume: bool = False
     """Count the bytes each rank sends per step, per group kind (tp, sp, cp, ep, dp, pp), and log rank 0's."""
+    memory_report: bool = False
+    """Track live tensors in the first two steps; print each step's peak and remaining bytes by category (parameters, gradients, optimizer state, activations, communication, temporaries) for rank 0 and the rank with the highest peak."""
     wandb_project: str = ""
     """Weights & Biases project: log the TensorBoard scalars there too (optional wandb; WANDB_MODE=offline)."""
     wandb_exp_name: str = ""
@@ -26,3 +28,13 @@ class LoggingConfig:
     """Per-phase timers in the log: 0 none, 1 forward-backward/data/grad sync/optimizer, 2 also finer phases."""
     log_timers_to_tensorboard: bool = False
     """Also write the timers as <name>-time scalars (ms) to TensorBoard and W&B."""
+    profile: bool = False
+    """Profile iterations --profile-step-start+1 .. --profile-step-end (Nsight Systems, or --use-pytorch-profiler)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: torch.profiler, writing a TensorBoard/Perfetto trace to --tensorboard-dir (or ./profile)."""
+    profile_step_start: int = 10
+    """Iterations completed when profiling starts."""
+    profile_step_end: int = 12
+    """Iterations completed when profiling stops."""
+    profile_ranks: list[int] | None = field(default_factory=lambda: [0])
+    """Global ranks to profile."""

@@ -78,6 +78,7 @@ class LanguageModel(nn.Module):
             init_method=config.init_method(layer, name), sequence_parallel=self.sequence_parallel,
             skip_weight_param_allocation=self.tied and self.embedding is not None,
             gemm=config.make_gemm(config.num_layers + 1, self.tp_group), dtype=config.params_dtype,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         )
         self.output_layer.sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py)
 
@@ -140,14 +141,16 @@ class LanguageModel(nn.Module):
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(hidden.shape[1], -1)
         return rotary_tables(self.config, position_ids)
 
-    def _logits(self, hidden) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, ``[s, b, V/tp]``."""
+    def _logits(self, hidden, last_use: bool = True) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, ``[s, b, V/tp]``; ``last_use=False`` for a head
+        whose gradient reaches the output weight before another's (see ColumnParallelLinear.forward)."""
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        return self.output_layer(hidden, weight=weight)
+        return self.output_layer(hidden, weight=weight, last_use=last_use)
 
     def _lm_output(self, logits, labels):
         """Per-token loss ``[b, s]`` against ``labels [b, s]``, or the logits shard ``[b, s, V/tp]`` without labels."""
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.tp_group, vocab_size=self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.tp_group, vocab_size=self.vocab_size,
+                                            fused=self.config.cross_entropy_loss_fusion)
         return loss.t().contiguous()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.flags import TRANSFORMER_IMPLS
@@ -42,13 +43,26 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
+    projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
+    the 4h GeLU layer's. Raises ConfigError where that rounds to 0 (hidden sizes below 24)."""
+    if not swiglu:
+        return 4 * hidden_size
+    ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
+    if ffn < 1:
+        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
+                          "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
+    return ffn
+
+
 @dataclass
 class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 x hidden_size
+    ffn_hidden_size: int | None = None  # default 4 x hidden_size (SwiGLU: see default_ffn_hidden_size)
     num_query_groups: int | None = None  # default: one per head (multi-head attention)
     kv_channels: int | None = None  # head size; default hidden_size / num_attention_heads
     seq_length: int = 128
@@ -89,6 +103,14 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     transformer_impl: str = "local"  # transformer_engine: the transformer layers' GEMMs through TE
+    # fusions (fusions/config.py maps the --[no-]...-fusion flags here; off unless asked, except the
+    # softmax, which has always been SDPA's fused kernel) -----------------------------------------
+    bias_activation_fusion: bool = False  # bias + GeLU (tanh approximation) / bias + SwiGLU in one function
+    bias_dropout_fusion: bool = False  # residual + dropout(x + bias) in one function
+    masked_softmax_fusion: bool = True  # False: attention's explicit scale/mask/softmax math instead of SDPA
+    apply_rope_fusion: bool = False  # rotary embedding through a jit_fuser function
+    gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
+    cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
 
     def __post_init__(self):
         self._check_shape()
@@ -97,6 +119,9 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
         self._check_context_parallel()
         self._check_recompute()
         self._check_fp8()
+        _require(not self.bias_activation_fusion or self.swiglu or self.add_bias_linear,
+                 "bias + GeLU fusion needs biases in the linear layers; drop --disable-bias-linear or add "
+                 "--no-bias-gelu-fusion")
         check_moe_fields(self)
         check_mla_fields(self)
 
@@ -121,7 +146,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
 
     def _derive(self) -> None:
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -297,7 +322,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
-            **_fp8_fields(config.precision),
+            **_fp8_fields(config.precision), **fusion_fields(config.fusion, config.model.swiglu),
         )
 
 
