@@ -19,8 +19,8 @@ The 5 a s^2 b are the softmax output 2, its dropout mask 1 and the dropout outpu
 :func:`mla_layer_bytes` is the same account for a multi-latent-attention layer (the MLP part kept as
 the formula's 4h GeLU MLP): the attention terms per token become the down projections' input 2h
 (shared by the q and kv down projections), the q latent's norm input and up-projection input
-4 rq (with q compression), the kv latent's 4 rkv, Q and K 2 a (dn + dr) each, V 2 a dv, the output
-projection's input 2 a dv and the dropout mask h. The down projections and latents are
+4 rq (with q compression), the kv latent's 4 rkv, the rotary key (one for all heads) 2 dr, Q and K
+2 a (dn + dr) each, V 2 a dv, the output projection's input 2 a dv and the dropout mask h. The down projections and latents are
 replicated over TP (sharded over the sequence with sequence parallelism), the per-head tensors split
 over TP. With ``rkv = dr = 0``, no q compression and ``dn = dv = h / a`` it is Korthikanti's layer.
 """
@@ -69,8 +69,8 @@ def mla_layer_bytes(s: int, b: int, h: int, a: int, t: int, sequence_parallel: b
         return 2.0 * s * b * h / (t if sequence_parallel else 1)
     if recompute not in (None, "selective"):
         raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
-    latents = 4 * (q_lora_rank or 0) + 4 * kv_lora_rank
-    replicated = 10 * h + latents  # norms 4h, down-projection input 2h, latents, masks 2h, fc1 input 2h
+    latents = 4 * (q_lora_rank or 0) + 4 * kv_lora_rank + 2 * qk_pos_emb_head_dim
+    replicated = 10 * h + latents  # norms 4h, down-projection input 2h, latents and rotary key, masks 2h, fc1 input 2h
     split = 4 * a * (qk_head_dim + qk_pos_emb_head_dim) + 4 * a * v_head_dim + 16 * h  # Q, K, V, proj input; MLP
     per_token = replicated / (t if sequence_parallel else 1) + split / t
     core = 0.0 if recompute == "selective" else 5.0 * a * s * s * b / t
