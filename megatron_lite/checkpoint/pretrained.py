@@ -29,9 +29,9 @@ import os
 
 import torch
 
+from ..console import print_rank_0
 from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
-from ..training.logging import print_rank_0
 from .boxes import full_shape, region
 from .dist import VOCAB_TENSORS, load_weights, rank_tensors
 from .dist_read import is_dist_folder, read_common, read_index

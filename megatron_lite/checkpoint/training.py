@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..console import is_logging_rank, print_rank_0
 from ..device import get_device
 from ..parallel.fsdp import full_params
-from ..training.logging import is_logging_rank, print_rank_0
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import save_dist

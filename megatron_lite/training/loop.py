@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
+from ..console import print_rank_0
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
@@ -36,7 +37,7 @@ from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
-from .logging import TrainLogger, print_rank_0
+from .logging import TrainLogger
 from .outputs import check_output_locations
 from .timers import Timers
 
