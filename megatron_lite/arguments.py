@@ -16,6 +16,7 @@ import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
 from .errors import PEER_EXIT_GRACE_S
+from .fusions.config import FUSION_CHOICES
 from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
     CP_COMM_TYPES,
@@ -30,6 +31,7 @@ from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REC
 
 CHOICES = {
     **MOE_CHOICES,
+    **FUSION_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "rope_type": list(ROPE_TYPES),
     "normalization": list(NORMALIZATIONS),

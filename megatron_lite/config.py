@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .fusions.config import FusionConfig, check_fusion_flags
 from .logging_config import LoggingConfig
 from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
@@ -245,6 +246,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
     world_size: int = 1
     data_parallel_size: int = 1
     extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
@@ -257,7 +259,7 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -279,11 +281,13 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
+    check_fusion_flags(config.fusion, config.model.disable_bias_linear)
     _check_model(config)
     _check_parallel(config)
     _check_batch(config)
     _check_precision(config.precision)
     _check_schedule(config)
+    _check_profile(config)
     _check_data_and_checkpoint(config)
     return config
 
@@ -372,6 +376,13 @@ def _check_schedule(config: Config) -> None:
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")
+
+
+def _check_profile(config: Config) -> None:
+    from .precision.flags import gpu_visible
+    from .training.profiler import check_profile_flags
+
+    check_profile_flags(config.logging, config.world_size, gpu_visible())
 
 
 def _check_data_and_checkpoint(config: Config) -> None:

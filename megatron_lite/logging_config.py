@@ -3,7 +3,7 @@ Weights & Biases (kept apart from config.py, which holds the other sections, to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,3 +26,13 @@ class LoggingConfig:
     """Per-phase timers in the log: 0 none, 1 forward-backward/data/grad sync/optimizer, 2 also finer phases."""
     log_timers_to_tensorboard: bool = False
     """Also write the timers as <name>-time scalars (ms) to TensorBoard and W&B."""
+    profile: bool = False
+    """Profile iterations --profile-step-start+1 .. --profile-step-end (Nsight Systems, or --use-pytorch-profiler)."""
+    use_pytorch_profiler: bool = False
+    """With --profile: torch.profiler, writing a TensorBoard/Perfetto trace to --tensorboard-dir (or ./profile)."""
+    profile_step_start: int = 10
+    """Iterations completed when profiling starts."""
+    profile_step_end: int = 12
+    """Iterations completed when profiling stops."""
+    profile_ranks: list[int] | None = field(default_factory=lambda: [0])
+    """Global ranks to profile."""

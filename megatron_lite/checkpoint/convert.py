@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError
+from ..fusions.config import tanh_gelu
 from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
@@ -120,6 +121,8 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
             flags += [flag] if value is True else [] if value is False else [flag, *values]
     if config.get("bert_no_binary_head"):
         flags.append("--bert-no-binary-head")
+    if not (config.get("swiglu") or config.get("disable_bias_linear") or tanh_gelu(config)):
+        flags.append("--no-bias-gelu-fusion")  # an exact-GeLU model: the default fused GeLU is the tanh one
     return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
 
 

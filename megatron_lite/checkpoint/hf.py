@@ -6,7 +6,8 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
   attention. HF's Conv1D stores matrices ``[in, out]``, so every matrix is transposed, and its fused
   ``c_attn`` is ``[Q; K; V]`` (all heads of Q, then K, then V) while ours is per head
   ``[q_h; k_h; v_h]``. GeLU: our exact (erf) form is HF's ``activation_function: "gelu"``, the tanh
-  approximation (``--openai-gelu``) is ``"gelu_new"`` (``"gelu_pytorch_tanh"`` is the same formula);
+  approximation (``--openai-gelu``, or the fused bias + GeLU of ``--bias-gelu-fusion``, Megatron's
+  default) is ``"gelu_new"`` (``"gelu_pytorch_tanh"`` is the same formula);
   other activations are refused.
 * ``llama`` (``LlamaForCausalLM``): rotary embeddings (``rope_theta``), RMSNorm, SwiGLU, grouped-query
   attention, no biases (or biases on every linear: ``attention_bias`` + ``mlp_bias``), tied or untied.
@@ -25,6 +26,7 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
+from ..fusions.config import tanh_gelu
 
 STYLES = ("auto", "gpt2", "llama", "mixtral", "bert")  # mixtral: in hf_mixtral.py, bert: in hf_bert.py
 # HF GPT-2 activation_function -> our --openai-gelu
@@ -170,7 +172,7 @@ def to_hf(cfg: dict, sd: dict, style: str) -> tuple[dict, dict]:
     if style == "gpt2":
         hf = {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": layers, "n_embd": hidden,
               "n_head": heads, "n_inner": ffn, "n_positions": max_pos,
-              "activation_function": "gelu_new" if cfg.get("openai_gelu") else "gelu",
+              "activation_function": "gelu_new" if tanh_gelu(cfg) else "gelu",
               "layer_norm_epsilon": cfg.get("norm_epsilon", 1e-5), "attn_pdrop": cfg.get("attention_dropout", 0.1),
               "resid_pdrop": cfg.get("hidden_dropout", 0.1), "embd_pdrop": cfg.get("hidden_dropout", 0.1),
               "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
@@ -213,7 +215,7 @@ def _gpt2_config(hf: dict) -> dict:
         kv_channels=hidden // heads, ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
         max_position_embeddings=hf["n_positions"], position_embedding_type="learned_absolute",
         normalization="LayerNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), swiglu=False,
-        openai_gelu=GPT2_ACTIVATIONS[act],
+        openai_gelu=GPT2_ACTIVATIONS[act], bias_gelu_fusion=GPT2_ACTIVATIONS[act],  # the fused GeLU is tanh
         disable_bias_linear=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
         attention_dropout=hf.get("attn_pdrop", 0.1), hidden_dropout=hf.get("resid_pdrop", 0.1),
         init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"],

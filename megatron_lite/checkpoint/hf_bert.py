@@ -9,14 +9,17 @@ Without the binary head (``--bert-no-binary-head``: no token types, no pooler) t
 ``MegatronBertForMaskedLM`` whose token-type table is zero (adding nothing).
 
 Refused with one line naming the option: RMSNorm, rotary positions, SwiGLU, no biases, grouped-query
-attention, a head size other than hidden / heads, ``--openai-gelu`` (Hugging Face uses one
-activation for the MLP and the LM head, ours is exact in the head), mixture of experts.
+attention, a head size other than hidden / heads, ``--openai-gelu`` or the fused bias + GeLU of
+``--bias-gelu-fusion``, Megatron's default (both tanh; Hugging Face uses one activation for the MLP and
+the LM head, ours is exact in the head: train BERTs to export with ``--no-bias-gelu-fusion``),
+mixture of experts.
 """
 
 from __future__ import annotations
 
 from ..config import Config
 from ..errors import ConfigError
+from ..fusions.config import tanh_gelu
 from .hf import _dims, _require, qkv_to_separate, separate_to_qkv
 
 ATTN, QKV, PROJ = "self_attention.", "self_attention.linear_qkv.", "self_attention.linear_proj."
@@ -37,6 +40,7 @@ def check_bert(cfg: dict) -> None:
         (not cfg.get("swiglu"), "--swiglu"), (not cfg.get("disable_bias_linear"), "--disable-bias-linear"),
         (groups == heads, f"--num-query-groups {groups}"), (head_dim * heads == hidden, f"--kv-channels {head_dim}"),
         (not cfg.get("openai_gelu"), "--openai-gelu"), (not cfg.get("num_experts"), "--num-experts"),
+        (not tanh_gelu(cfg), "--bias-gelu-fusion (its GeLU is the tanh approximation; train with --no-bias-gelu-fusion)"),
     ):
         _require(ok, f"{words} cannot be expressed in the megatron-bert format")
 
@@ -98,7 +102,8 @@ def from_bert(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
                attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
                hidden_dropout=hf.get("hidden_dropout_prob", 0.1), init_method_std=hf.get("initializer_range", 0.02),
-               vocab_size=hf["vocab_size"], padded_vocab_size=None, bert_no_binary_head=not head)
+               vocab_size=hf["vocab_size"], padded_vocab_size=None, bert_no_binary_head=not head,
+               bias_gelu_fusion=False)  # exact GeLU: fine-tune with --no-bias-gelu-fusion
     t = hf_sd
     try:
         sd = {"embedding.word_embeddings.weight": t["bert.embeddings.word_embeddings.weight"],

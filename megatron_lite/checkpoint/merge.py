@@ -30,6 +30,7 @@ import re
 import torch
 
 from ..config import ModelConfig
+from ..fusions.config import fusion_fields
 from ..models import BertModel, GPTModel, TransformerConfig
 from ..moe.config import MoEConfig
 from ..parallel.state import ParallelState
@@ -146,7 +147,8 @@ def _load_into(path: str, build, kind: str, params_dtype=torch.float32) -> tuple
     moe = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts
     try:
-        model = build(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe),
+        model = build(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe,
+                                                   **fusion_fields(saved, cfg.swiglu)),
                       ParallelState(world_size=1, rank=0), saved)
     except CheckpointError:
         raise

@@ -15,6 +15,11 @@ dtype is 16-bit. Packed documents (integer document ids as the mask,
 :mod:`~megatron_lite.parallel.document_mask`) become a block-causal boolean mask for SDPA, or the
 ``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
+
+Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusion``, on by default);
+``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
+product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
+``--rope-fusion``. With bias + dropout fusion the output projection returns ``(output, bias)``.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import detect_accelerators
+from ..fusions.jit import jit_fuser
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
+
+fused_apply_rotary = jit_fuser(apply_rotary)
 
 
 def _flash_attn_funcs():
@@ -71,6 +79,7 @@ class DotProductAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
+        self.fused_softmax = config.masked_softmax_fusion
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -100,6 +109,8 @@ class DotProductAttention(nn.Module):
             mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
         else:
             mask = None if attention_mask is None else ~attention_mask
+        if not self.fused_softmax:
+            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,
@@ -117,6 +128,22 @@ class DotProductAttention(nn.Module):
         out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
                             softmax_scale=self.scale, causal=causal)
         return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
+
+
+def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+    """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
+    ``q [b, nq, s, d]``, ``k, v [b, nkv, s, d]``; returns ``[s, b, nq * d]``."""
+    b, nq, s, d = q.shape
+    if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
+        k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if attention_mask is not None:
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+    elif causal:
+        above = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
 
 class SelfAttention(nn.Module):
@@ -137,10 +164,13 @@ class SelfAttention(nn.Module):
         qkv_size = (heads + 2 * groups) * self.head_dim
         self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
         self.core_attention = core_attention(config, state, layer_number)
-        self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj")
+        self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj",
+                                      skip_bias_add=config.bias_dropout_fusion)
+        self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
+        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the
+        bias left to the layer); ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
         qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -149,7 +179,7 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:

@@ -30,25 +30,27 @@ def param_generator(seed: int, layer_number: int, name: str) -> torch.Generator:
 
 
 def column_linear(config, state, layer_number: int, output_size: int, name: str, stride: int = 1, *,
-                  input_size: int | None = None, bias: bool | None = None):
+                  input_size: int | None = None, bias: bool | None = None, skip_bias_add: bool = False):
     """The hidden (or ``input_size``) -> ``output_size`` ColumnParallelLinear called ``name`` in global
     layer ``layer_number``: seeded init, the config's bias (unless ``bias`` is given), sequence
-    parallelism, dtype and GEMM."""
+    parallelism, dtype, GEMM and gradient-accumulation fusion."""
     return ColumnParallelLinear(
         input_size or config.hidden_size, output_size, state.tp_group,
         bias=config.add_bias_linear if bias is None else bias,
         init_method=config.init_method(layer_number, f"{name}.weight"), sequence_parallel=config.sequence_parallel,
         stride=stride, gemm=config.make_gemm(layer_number, state.tp_group), dtype=config.params_dtype,
+        skip_bias_add=skip_bias_add, gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )
 
 
-def row_linear(config, state, layer_number: int, input_size: int, name: str):
+def row_linear(config, state, layer_number: int, input_size: int, name: str, skip_bias_add: bool = False):
     """The ``input_size`` -> hidden RowParallelLinear (an output projection: Megatron's scaled init)."""
     return RowParallelLinear(
         input_size, config.hidden_size, state.tp_group, bias=config.add_bias_linear, input_is_parallel=True,
         init_method=config.init_method(layer_number, f"{name}.weight", scaled=True),
         sequence_parallel=config.sequence_parallel, gemm=config.make_gemm(layer_number, state.tp_group),
-        dtype=config.params_dtype,
+        dtype=config.params_dtype, skip_bias_add=skip_bias_add,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )
 
 

@@ -78,6 +78,7 @@ class LanguageModel(nn.Module):
             init_method=config.init_method(layer, name), sequence_parallel=self.sequence_parallel,
             skip_weight_param_allocation=self.tied and self.embedding is not None,
             gemm=config.make_gemm(config.num_layers + 1, self.tp_group), dtype=config.params_dtype,
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         )
         self.output_layer.sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py)
 
@@ -149,5 +150,6 @@ class LanguageModel(nn.Module):
         """Per-token loss ``[b, s]`` against ``labels [b, s]``, or the logits shard ``[b, s, V/tp]`` without labels."""
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.tp_group, vocab_size=self.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.tp_group, vocab_size=self.vocab_size,
+                                            fused=self.config.cross_entropy_loss_fusion)
         return loss.t().contiguous()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fusions.residual import bias_dropout_add
 from ..parallel.random import checkpoint
 from .common import Norm
 from .spec import resolve_spec
@@ -54,12 +55,30 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp(config, state, layer_number)
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
+        self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.compiled_forward = None  # set by compile_layers
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        drop = dict(p=self.dropout_p, training=self.training, tracker=self.dropout_tracker)
+        if self.compiled_forward is not None:  # --torch-compile: one compiled function for every layer
+            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)
+        return self._forward(hidden, attention_mask, rotary, causal)
+
+    def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
         attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
-        hidden = hidden + hidden_dropout(attn, **drop)
-        return hidden + hidden_dropout(self.mlp(self.pre_mlp_norm(hidden)), **drop)
+        hidden = self._residual(attn, hidden)
+        return self._residual(self.mlp(self.pre_mlp_norm(hidden)), hidden)
+
+    def _residual(self, out, residual):
+        """``residual + dropout(out)``; ``out`` may be ``(output, bias)`` from a sub-module that left its
+        bias to be fused here (``--bias-dropout-fusion``)."""
+        x, bias = out if isinstance(out, tuple) else (out, None)
+        if not self.bias_dropout_fusion:
+            x = x if bias is None else x + bias
+            return residual + hidden_dropout(x, self.dropout_p, self.training, self.dropout_tracker)
+        if self.training and self.dropout_p > 0 and self.dropout_tracker is not None:
+            with self.dropout_tracker.fork():
+                return bias_dropout_add(x, bias, residual, self.dropout_p, True)
+        return bias_dropout_add(x, bias, residual, self.dropout_p, self.training)
 
 
 class TransformerBlock(nn.Module):
@@ -115,3 +134,26 @@ class TransformerBlock(nn.Module):
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden
+
+
+def compile_layers(module: nn.Module, backend: str = "inductor") -> int:
+    """Regional ``torch.compile`` (``--torch-compile``, see :mod:`megatron_lite.fusions.compile`): every
+    :class:`TransformerLayer` in ``module`` runs one shared compiled forward; the parts that must stay
+    eager become graph breaks. Returns the number of layers compiled."""
+    from ..fusions.compile import compiled_layer_forward, run_eagerly
+    from ..parallel.tensor import DEFAULT_GEMMS, ColumnParallelLinear, RowParallelLinear, linear_gemm
+
+    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compiled_forward = compiled_layer_forward(TransformerLayer._forward, backend)
+        for m in layer.modules():
+            if getattr(type(m), "compile_eagerly", False):  # CP attention, MoE
+                run_eagerly(m)
+            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm in DEFAULT_GEMMS:
+                m.gemm = linear_gemm  # the accumulating GEMM's backward does data-parallel bookkeeping Dynamo cannot trace
+            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                if isinstance(m.gemm, nn.Module):  # a precision recipe's GEMM (FP8, TE): eager, keeps its state
+                    run_eagerly(m.gemm)
+                else:
+                    m.gemm = torch.compiler.disable(m.gemm)
+    return len(layers)

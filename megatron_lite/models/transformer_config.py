@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.flags import TRANSFORMER_IMPLS
@@ -89,6 +90,14 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     transformer_impl: str = "local"  # transformer_engine: the transformer layers' GEMMs through TE
+    # fusions (fusions/config.py maps the --[no-]...-fusion flags here; off unless asked, except the
+    # softmax, which has always been SDPA's fused kernel) -----------------------------------------
+    bias_activation_fusion: bool = False  # bias + GeLU (tanh approximation) / bias + SwiGLU in one function
+    bias_dropout_fusion: bool = False  # residual + dropout(x + bias) in one function
+    masked_softmax_fusion: bool = True  # False: attention's explicit scale/mask/softmax math instead of SDPA
+    apply_rope_fusion: bool = False  # rotary embedding through a jit_fuser function
+    gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
+    cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
 
     def __post_init__(self):
         self._check_shape()
@@ -97,6 +106,9 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
         self._check_context_parallel()
         self._check_recompute()
         self._check_fp8()
+        _require(not self.bias_activation_fusion or self.swiglu or self.add_bias_linear,
+                 "bias + GeLU fusion needs biases in the linear layers; drop --disable-bias-linear or add "
+                 "--no-bias-gelu-fusion")
         check_moe_fields(self)
         check_mla_fields(self)
 
@@ -297,7 +309,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
-            **_fp8_fields(config.precision),
+            **_fp8_fields(config.precision), **fusion_fields(config.fusion, config.model.swiglu),
         )
 
 

@@ -35,6 +35,8 @@ def check_layer_config(config, state) -> None:
 
 
 class MoELayer(nn.Module):
+    compile_eagerly = True  # --torch-compile: a graph break (fusions/compile.py)
+
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         check_layer_config(config, state)

@@ -58,7 +58,7 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     for p, g in pairs:
         if g is None or not counts_once(p, state):
             continue
-        sq = g.detach().float().pow(2).sum()
+        sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()  # fp32, no squared copy
         if getattr(p, "allreduce", True):
             dense += sq
         else:

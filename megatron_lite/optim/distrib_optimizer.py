@@ -45,7 +45,7 @@ from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
 from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
-from .optimizer import MegatronOptimizer
+from .optimizer import KERNEL_CHOICES, MegatronOptimizer
 
 
 class _Piece:
@@ -105,7 +105,22 @@ class DistributedOptimizer(MegatronOptimizer):
         self.host_masters = None
         if getattr(self.config, "optimizer_cpu_offload", False):
             self._offload(self.config.optimizer_offload_fraction)
+        else:
+            self._flat_masters()
         return [(piece.param, piece.master) for piece in self.pieces]
+
+    def _flat_masters(self) -> None:
+        """Buckets whose params live in flat storage (``bucket.param_data``): this rank's chunk of it
+        in fp32 (``bucket.master_data``) holds the masters of its pieces (views), so after the step the
+        chunk is written and all-gathered straight into the params' storage in one go."""
+        for bucket in self.buckets:
+            if bucket.param_data is None or bucket.param_shard is not None:
+                continue
+            start, end = bucket.shard()
+            bucket.master_data = bucket.param_data[start:end].to(torch.float32, copy=True)  # fp32 params too
+        for piece in self.pieces:
+            if piece.bucket.master_data is not None:
+                piece.master = piece.bucket.master_data[piece.chunk_offset : piece.chunk_offset + piece.hi - piece.lo]
 
     def _offload(self, fraction: float) -> None:
         """Move the first ``fraction`` of the owned elements (rounded to an element) to the host."""
@@ -152,12 +167,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._drop_grads()
                 return False, None
         grad_norm = self._grad_norm()
-        if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (grad_norm + 1e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
-        self.optimizer.step()
+        self._step_clipped(grad_norm, grads)
         self._drop_grads()
         self._gather_params()
         return True, grad_norm
@@ -172,14 +182,27 @@ class DistributedOptimizer(MegatronOptimizer):
         for piece in self.pieces:
             if piece.bucket.param_shard is not None:
                 piece.current().copy_(piece.master)
+        overlap = getattr(self.chunks[0], "overlap_param_gather", False)
         for bucket in self.buckets:
             if bucket.param_shard is not None:
                 continue
-            overlap = getattr(self.chunks[0], "overlap_param_gather", False)
-            bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype, lambda piece: piece.updated(),
-                                                          async_op=overlap)
+            if bucket.master_data is not None:
+                bucket.param_gather = self._gather_flat(bucket, overlap)
+            else:
+                bucket.param_gather = self._all_gather_bucket(bucket, bucket.params[0].dtype,
+                                                              lambda piece: piece.updated(), async_op=overlap)
             if not overlap:
                 bucket.finish_param_gather()
+
+    def _gather_flat(self, bucket, async_op: bool):
+        """This rank's updated chunk, in the params' dtype, all-gathered into the params' flat storage."""
+        local = bucket.master_data.to(bucket.param_data.dtype)
+        if comm.group_size(bucket.group) == 1:
+            bucket.param_data.copy_(local)
+            return None, None
+        comm.record("dp", "all_gather", comm.tensor_bytes(bucket.param_data), comm.group_size(bucket.group))
+        bucket.gather_input = local  # alive until the (possibly asynchronous) all-gather is done
+        return comm.all_gather_single(bucket.param_data, local, group=bucket.group, async_op=async_op), None
 
     def _all_gather_bucket(self, bucket, dtype, value_of, async_op: bool | None = None):
         """The whole bucket (flat) from each rank's shard, filled by ``value_of(piece)`` for its pieces.
@@ -281,6 +304,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 f"{len(self.model_params)} parameters; was it saved with a different model or parallel layout?"
             )
         full_master = {id(p): m for p, m in zip(self.model_params, masters)} if masters is not None else None
+        fused = bool(self.optimizer.param_groups[0].get("fused"))
         for piece in self.pieces:
             source = full_master[id(piece.param)] if full_master is not None else piece.param
             piece.master.copy_(source.reshape(-1)[piece.lo : piece.hi])
@@ -292,13 +316,15 @@ class DistributedOptimizer(MegatronOptimizer):
             for k, v in entry.items():
                 if torch.is_tensor(v) and v.dim() > 0:
                     new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master).clone()
+                elif torch.is_tensor(v):  # Adam's step: fused kernels want it beside the param, in fp32
+                    new[k] = v.to(piece.master.device, torch.float32, copy=True) if fused else v.clone()
                 else:
-                    new[k] = v.clone() if torch.is_tensor(v) else v
+                    new[k] = v
             self.optimizer.state[piece.master] = new
         hyper = sd["optimizer"]["param_groups"][0]
         for group in self.optimizer.param_groups:
             for k, v in hyper.items():
-                if k not in ("params", "weight_decay"):
+                if k not in ("params", "weight_decay") + KERNEL_CHOICES:
                     group[k] = v
         if full_master is not None:
             for p in self.model_params:

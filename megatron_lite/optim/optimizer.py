@@ -12,6 +12,9 @@
   replicas would diverge). An overflowing step changes nothing (no param, no Adam state) and is
   counted in ``num_skipped_steps``; the scaler then adapts (see precision/loss_scaler.py).
 * **Clipping** by the true global norm (optim/clip_grads.py); the returned norm is pre-clip.
+* **One pass per step.** AdamW is PyTorch's fused kernel (``fused=True``: every tensor read and
+  written once, on CPU and CUDA), and the clip factor is handed to it as its ``grad_scale`` instead
+  of scaling the gradients in a separate pass.
 
 Gradients come from ``param.main_grad`` (set up by DistributedDataParallel), or ``.grad`` for a
 plain module.
@@ -25,7 +28,14 @@ import torch.distributed as dist
 from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
-from .clip_grads import clip_grad_norm, get_grad_norm, grad_of
+from .clip_grads import get_grad_norm, grad_of
+
+KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")  # torch optimizer options a checkpoint must not set
+
+
+def can_fuse(groups) -> bool:
+    """Whether PyTorch's fused AdamW kernel takes these param groups (floating tensors on CPU or CUDA)."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
 
 
 def _unique_params(chunks) -> list[torch.nn.Parameter]:
@@ -52,8 +62,23 @@ class MegatronOptimizer:
 
     def _make_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(model param, tensor the torch optimizer steps) pairs: an fp32 copy of a 16-bit param,
-        the fp32 param itself otherwise. The distributed optimizer overrides this with its shards."""
-        return [(p, p if p.dtype == torch.float32 else p.detach().float().clone()) for p in self.model_params]
+        the fp32 param itself otherwise. The distributed optimizer overrides this with its shards.
+
+        16-bit params that live in a data-parallel bucket's flat storage (``bucket.param_data``) get
+        masters that are views of one fp32 copy of it (``bucket.master_data``): after the step the
+        whole bucket is rounded back with one copy."""
+        views, self.flat_buckets = {}, []
+        for bucket in (b for chunk in self.chunks for b in getattr(chunk, "buckets", [])):
+            if bucket.param_data is None or bucket.param_data.dtype == torch.float32:
+                continue
+            bucket.master_data = bucket.param_data.float()
+            self.flat_buckets.append(bucket)
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                views[id(p)] = bucket.master_data[a:e].view(p.shape)
+        self._flat = set(views)
+        return [(p, p if p.dtype == torch.float32 else views[id(p)] if id(p) in views else p.detach().float().clone())
+                for p in self.model_params]
 
     def _groups(self, pairs) -> list[dict]:
         """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, 1-D params do not."""
@@ -64,8 +89,9 @@ class MegatronOptimizer:
 
     def _make_torch_optimizer(self, groups):
         oc = self.config
-        if oc.optimizer == "adam":
-            return torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
+        if oc.optimizer == "adam":  # fused: one pass over each tensor (PyTorch's CPU and CUDA kernels)
+            return torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps,
+                                     fused=can_fuse(groups))
         if oc.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=oc.lr, momentum=0.9)
         raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
@@ -106,19 +132,35 @@ class MegatronOptimizer:
             if found_inf:
                 self.num_skipped_steps += 1
                 return False, None
-        if self.config.clip_grad > 0:
-            grad_norm = clip_grad_norm(self.model_params, self.config.clip_grad, self.state)
-        else:
-            grad_norm = get_grad_norm(self.model_params, self.state)
+        grad_norm = get_grad_norm(self.model_params, self.state)
         for p, m in zip(self.model_params, self.masters):
             g = grad_of(p)
             m.grad = None if g is None else g.to(m.dtype)
-        self.optimizer.step()
+        self._step_clipped(grad_norm, [m.grad for m in self.masters if m.grad is not None])
         for p, m in zip(self.model_params, self.masters):
             m.grad = None
-            if m is not p:
+            if m is not p and id(p) not in self._flat:
                 p.copy_(m)
+        for bucket in self.flat_buckets:  # the rest: one fp32 -> 16-bit copy per bucket
+            bucket.param_data.copy_(bucket.master_data)
         return True, grad_norm
+
+    def _step_clipped(self, grad_norm: float, grads) -> None:
+        """Step the torch optimizer with ``grads`` clipped to ``--clip-grad`` (by the global norm). A fused
+        AdamW takes the clip factor as its ``grad_scale`` (the kernel divides each gradient by it as it
+        reads it), which saves a pass over the gradients; otherwise they are scaled in place first."""
+        coeff = self.config.clip_grad / (grad_norm + 1e-6) if self.config.clip_grad > 0 else 1.0
+        fused = self.optimizer.defaults.get("fused") if isinstance(self.optimizer, torch.optim.Optimizer) else False
+        if coeff < 1.0 and fused:
+            device = grads[0].device if grads else get_device()
+            self.optimizer.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32, device=device)
+        elif coeff < 1.0:
+            for g in grads:
+                g.mul_(coeff)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.grad_scale = None
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers (``main_grad``) and drop any ``.grad``."""
@@ -157,6 +199,8 @@ class MegatronOptimizer:
     def load_state_dict(self, sd: dict) -> None:
         """Restore everything; the masters (when saved) also overwrite the model params."""
         self.optimizer.load_state_dict(sd["optimizer"])
+        for group in self.optimizer.param_groups:  # the kernel is this run's choice, not the checkpoint's
+            group.update({k: self.optimizer.defaults[k] for k in KERNEL_CHOICES if k in self.optimizer.defaults})
         masters = sd.get("fp32_masters")
         if masters is not None:
             if len(masters) != len(self.masters):

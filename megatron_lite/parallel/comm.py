@@ -17,6 +17,8 @@ when the consumer is not tensor-parallel), ``reduce_scatter_to_sp`` (reduce-scat
 ``all_to_all`` exchanges uneven chunks along dim 0 for expert parallelism.
 
 A ``group`` of ``None`` means a group of one rank: every function is then the identity.
+Under ``--torch-compile`` every collective here runs eagerly, a graph break in the compiled layer
+(one with a ``None`` group is the identity and does not break the graph).
 
 Every primitive reports the bytes it sends to :func:`megatron_lite.perf.comm_volume.record`
 (kind ``tp`` for the tensor-parallel operators, ``sp`` for the sequence-parallel ones, ``ep`` for
@@ -93,6 +95,24 @@ def _reduce_scatter(x: torch.Tensor, group, kind: str = "sp") -> torch.Tensor:
     return out
 
 
+_apply_outside_compile = None  # set by break_graph_at_collectives()
+
+
+def break_graph_at_collectives() -> None:
+    """``--torch-compile``: from now on each collective below runs eagerly, a clean graph break inside
+    compiled regions (they are autograd functions around ``torch.distributed`` calls). Set only when
+    compiling, so plain runs never import Dynamo."""
+    global _apply_outside_compile
+    _apply_outside_compile = torch.compiler.disable(lambda fn, *args: fn.apply(*args))
+
+
+def _eager(fn, *args):
+    """Apply the autograd collective ``fn`` (outside any compiled graph once compiling is configured)."""
+    if _apply_outside_compile is not None:
+        return _apply_outside_compile(fn, *args)
+    return fn.apply(*args)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor-parallel region operators (last dimension).
 
@@ -142,22 +162,22 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tp(x, group):
     """``f``: identity forward, all-reduce of the gradient backward (enters a TP region)."""
-    return x if group is None else _CopyToTP.apply(x, group)
+    return x if group is None else _eager(_CopyToTP, x, group)
 
 
 def reduce_from_tp(x, group):
     """``g``: all-reduce forward, identity backward (leaves a TP region)."""
-    return x if group is None else _ReduceFromTP.apply(x, group)
+    return x if group is None else _eager(_ReduceFromTP, x, group)
 
 
 def scatter_to_tp(x, group):
     """Keep this rank's slice of the last dim; the gradient is all-gathered."""
-    return x if group is None else _ScatterToTP.apply(x, group)
+    return x if group is None else _eager(_ScatterToTP, x, group)
 
 
 def gather_from_tp(x, group):
     """All-gather along the last dim; the gradient is split back."""
-    return x if group is None else _GatherFromTP.apply(x, group)
+    return x if group is None else _eager(_GatherFromTP, x, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +221,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 def scatter_to_sp(x, group):
     """Keep this rank's chunk of the sequence (dim 0); the gradient is all-gathered."""
-    return x if group is None else _ScatterToSP.apply(x, group)
+    return x if group is None else _eager(_ScatterToSP, x, group)
 
 
 def gather_from_sp(x, group, tensor_parallel_output_grad: bool = True, kind: str = "sp"):
@@ -211,12 +231,12 @@ def gather_from_sp(x, group, tensor_parallel_output_grad: bool = True, kind: str
     holds a partial gradient of the whole sequence), else just keeps this rank's chunk. ``kind``
     is the group kind the bytes are counted under (the same operator serves CP and EP).
     """
-    return x if group is None else _GatherFromSP.apply(x, group, tensor_parallel_output_grad, kind)
+    return x if group is None else _eager(_GatherFromSP, x, group, tensor_parallel_output_grad, kind)
 
 
 def reduce_scatter_to_sp(x, group, kind: str = "sp"):
     """Sum partial results over TP and keep this rank's chunk of the sequence; backward all-gathers."""
-    return x if group is None else _ReduceScatterToSP.apply(x, group, kind)
+    return x if group is None else _eager(_ReduceScatterToSP, x, group, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,4 +272,4 @@ def all_to_all(x, group, output_splits=None, input_splits=None, kind: str = "ep"
     Splits are lists of ints (``None``: equal chunks). Backward runs the reverse exchange. ``kind``:
     the group kind its bytes are counted under (``ep`` for MoE tokens, ``cp`` for Ulysses attention).
     """
-    return x if group is None else _AllToAll.apply(x, output_splits, input_splits, group, kind)
+    return x if group is None else _eager(_AllToAll, x, output_splits, input_splits, group, kind)

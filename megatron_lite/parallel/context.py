@@ -186,6 +186,8 @@ class ContextParallelAttention(nn.Module):
     rank; the ring seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
     """
 
+    compile_eagerly = True  # --torch-compile: a graph break (fusions/compile.py)
+
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         if hasattr(config, "cp_comm_type_of"):  # a TransformerConfig: one type, or one per layer

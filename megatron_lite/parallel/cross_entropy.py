@@ -1,9 +1,19 @@
 """Cross-entropy over logits whose vocabulary dimension is split across the TP group.
 
-No rank ever holds the full logits. Forward needs two collectives: an all-reduce (max) of the
-per-token maximum for a stable softmax, then ONE all-reduce (sum) of the stacked per-token
-statistics ``[sum exp, target logit, sum of logits]``. Backward reuses the softmax saved in place
-of the logits: ``grad = softmax - (1 - eps) * onehot - eps / V``.
+No rank ever holds the full logits, and the vocabulary is swept as few times as possible:
+
+* forward: one max over this rank's shard (which also locates the entry whose probability is
+  largest), then one softmax of the shard in fp32 (PyTorch's row-wise kernel: each row is read
+  once and written once). The shard's log-sum-exp follows from the two without another pass:
+  ``lse_local = max - log(softmax[argmax])``. Over TP, one all-reduce (max) of the ``lse_local`` and
+  ONE all-reduce (sum) of the stacked per-token ``[exp(lse_local - max), target logit(, sum of
+  logits)]`` give the global log-sum-exp ``lse`` and the loss ``lse - target logit``;
+* backward: the saved shard softmax times ``grad x exp(lse_local - lse)`` (the global softmax scaled
+  by the incoming gradient) in one pass, written in the logits' dtype, with the target entries
+  (``- (1 - eps) x grad``) set exactly. Label smoothing (``eps``) adds one pass each way.
+
+With ``fused`` (``--cross-entropy-loss-fusion``, or ``--torch-compile``, which compiles the loss) the
+per-token pieces are ``jit_fuser`` functions: one kernel each when compiled.
 
 Padded vocabulary entries (ids >= ``vocab_size``) are excluded from the softmax, so they never
 change the loss or receive a gradient.
@@ -14,64 +24,92 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..fusions.jit import jit_fuser
 from . import comm
+
+
+def shard_softmax(logits: torch.Tensor, n_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax over the first ``n_real`` entries of the last dim (0 for the padded rest) and the
+    shard's log-sum-exp per row."""
+    if n_real == 0:  # a shard of padding only
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), torch.full(
+            logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
+    real = logits[..., :n_real]
+    top, where = real.max(dim=-1)
+    if n_real < logits.shape[-1]:
+        logits = logits.float().clone()
+        logits[..., n_real:] = float("-inf")
+    softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return softmax, top.float() - softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1).log()
+
+
+def scale_rows(softmax: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``softmax * coef[..., None]`` in ``dtype``: in place in fp32, else written straight in ``dtype``."""
+    if dtype == softmax.dtype:
+        return softmax.mul_(coef.unsqueeze(-1))
+    return torch.mul(softmax, coef.unsqueeze(-1), out=torch.empty(softmax.shape, dtype=dtype, device=softmax.device))
+
+
+def _scale_rows_expr(softmax: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (softmax * coef.unsqueeze(-1)).to(dtype)
+
+
+fused_shard_softmax = jit_fuser(shard_softmax)
+fused_scale_rows = jit_fuser(_scale_rows_expr)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing, vocab_size):
+    def forward(ctx, logits, target, group, label_smoothing, vocab_size, fused):
         size, rank = comm.group_size(group), comm.group_rank(group)
         part = logits.shape[-1]
         start = rank * part
         vocab_size = vocab_size if vocab_size is not None else part * size
         n_real = max(0, min(part, vocab_size - start))  # real (unpadded) entries in my shard
-
-        logits = logits.float().contiguous()  # the softmax buffer below must be viewable as rows
-        if n_real < part:
-            logits = logits.clone()
-            logits[..., n_real:] = float("-inf")
-        local_max = logits.max(dim=-1).values
-        if size > 1:
-            comm.record("tp", "all_reduce", comm.tensor_bytes(local_max), size)
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
+        logits = logits.contiguous()  # rows of the softmax and its gradient are viewed flat below
 
         in_range = (target >= start) & (target < start + part)
         local_target = (target - start).masked_fill(~in_range, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp = shifted.exp()
-        stats = [exp.sum(dim=-1), target_logit]
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float().masked_fill(~in_range, 0.0)
+        softmax, lse_local = (fused_shard_softmax if fused else shard_softmax)(logits, n_real)
+        top = lse_local
+        if size > 1:
+            top = lse_local.clone()
+            comm.record("tp", "all_reduce", comm.tensor_bytes(top), size)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        stats = [torch.exp(lse_local - top), target_logit]
         if label_smoothing > 0:
-            stats.append(shifted[..., :n_real].sum(dim=-1))
+            stats.append(logits[..., :n_real].float().sum(dim=-1))
         stats = torch.stack(stats)
         if size > 1:
             comm.record("tp", "all_reduce", comm.tensor_bytes(stats), size)
             dist.all_reduce(stats, group=group)  # the two (or three) sums in one collective
-        sum_exp = stats[0]
-        log_z = sum_exp.log()
-        loss = log_z - stats[1]
+        lse = top + stats[0].log()
+        loss = lse - stats[1]
         if label_smoothing > 0:
-            mean_log_prob = stats[2] / vocab_size - log_z
+            mean_log_prob = stats[2] / vocab_size - lse
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))  # reuse the exp buffer
-        ctx.save_for_backward(softmax, local_target, in_range)
+        ratio = torch.exp(lse_local - lse) if size > 1 else None  # my shard's share of the global softmax
+        ctx.save_for_backward(softmax, ratio, local_target, in_range)
         ctx.label_smoothing, ctx.vocab_size, ctx.n_real = label_smoothing, vocab_size, n_real
+        ctx.dtype, ctx.fused = logits.dtype, fused
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, in_range = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax  # modified in place: the forward's buffer is not needed any more
-        flat = grad.view(-1, grad.shape[-1])
-        rows = torch.arange(flat.shape[0], device=grad.device)
-        hit = in_range.reshape(-1).to(grad.dtype)
-        flat[rows, local_target.reshape(-1)] -= (1.0 - eps) * hit
+        softmax, ratio, local_target, in_range = ctx.saved_tensors
+        eps, g = ctx.label_smoothing, grad_loss.float()
+        coef = g if ratio is None else g * ratio
+        rows = torch.arange(local_target.numel(), device=softmax.device)
+        t, hit = local_target.reshape(-1), in_range.reshape(-1)
+        target_grad = softmax.view(-1, softmax.shape[-1])[rows, t] * coef.reshape(-1) - (1.0 - eps + eps / ctx.vocab_size) * g.reshape(-1)
+        grad = (fused_scale_rows if ctx.fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax is reused in place
         if eps > 0:
-            grad[..., : ctx.n_real] -= eps / ctx.vocab_size
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+            grad[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1).to(grad.dtype)
+        flat = grad.view(-1, grad.shape[-1])
+        flat[rows, t] = torch.where(hit, target_grad.to(grad.dtype), flat[rows, t])
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -80,11 +118,13 @@ def vocab_parallel_cross_entropy(
     tp_group=None,
     label_smoothing: float = 0.0,
     vocab_size: int | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Per-token loss from this rank's vocab shard ``logits [..., V/tp]`` and full ``target [...]``.
 
-    ``vocab_size`` is the real vocabulary size (the padded tail is ignored); the result has
+    ``vocab_size`` is the real vocabulary size (the padded tail is ignored); the result (fp32) has
     ``target``'s shape and matches ``F.cross_entropy(full_logits, target, reduction='none',
-    label_smoothing=...)``. The gradient w.r.t. ``logits`` is fp32 like the loss computation.
+    label_smoothing=...)``. The gradient w.r.t. ``logits`` has the logits' dtype; ``fused`` runs the
+    per-token pieces through ``jit_fuser`` (module docstring).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing, vocab_size, fused)

@@ -4,7 +4,9 @@
 ``main_grad`` attribute: an fp32 view into a single flat buffer. A hook on each parameter's
 gradient accumulation adds the freshly computed ``param.grad`` (any dtype: bf16/fp16 params too)
 into ``main_grad`` in fp32 and frees ``param.grad``, so gradients accumulate over micro-batches in
-fp32 without a second copy.
+fp32 without a second copy. A GEMM with gradient-accumulation fusion skips ``param.grad`` altogether:
+it calls ``param.accumulate_main_grad(add)`` (set here), which runs ``add(main_grad)`` and the same
+bookkeeping as the hook (parallel/grad_accumulation.py).
 
 The buffer is laid out in *reverse* registration order, because backward produces gradients
 roughly from the last layer to the first: consecutive slices of the buffer ("buckets" of about
@@ -24,7 +26,9 @@ CP too); they live in their own buckets, reduced over that group and also divide
 expert already received the tokens of every expert-parallel rank through the all-to-all, so
 ``1/dp`` is the average over all data-parallel ranks).
 
-Each bucket is padded to a multiple of its group size. With the distributed optimizer the
+The parameters live in flat buffers with the same layout (``bucket.param_data``, one per bucket,
+in the params' dtype; every parameter is a view into it), so the optimizer can write a whole bucket
+of updated parameters with one copy or all-gather. Each bucket is padded to a multiple of its group size. With the distributed optimizer the
 buckets are *reduce-scattered* instead (``bucket.reduce_scatter = True``): data-parallel rank i
 then holds the averaged gradient only in its chunk ``i`` of every bucket, which is the part of
 the parameters whose optimizer state it owns. A tied embedding/output weight (``shared_embedding``)
@@ -107,8 +111,12 @@ class DistributedDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         plan = self._plan(dense, expert)
         self._make_buckets(plan, device)
+        if strategy != "optim_grads_params":  # ZeRO-3 (fsdp.py) keeps its own flat, sharded storage
+            self._flatten_params()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self.params]
+        for p in self.params:
+            p.accumulate_main_grad = self._accumulator(p)
         if overlap_param_gather and strategy in ("optim", "optim_grads"):
             wait_for_params_before_use(self.module, self._bucket_of)
 
@@ -162,6 +170,22 @@ class DistributedDataParallel(nn.Module):
             self.buckets.append(bucket)
             start, shard_start = start + numel, shard_start + shard_size
 
+    @torch.no_grad()
+    def _flatten_params(self) -> None:
+        """The params of each single-dtype bucket become views of one flat buffer laid out like the
+        bucket's gradients (``bucket.param_data``): the optimizer then writes updated 16-bit params
+        with one copy per bucket, and the distributed optimizer all-gathers straight into it."""
+        for bucket in self.buckets:
+            dtypes = {p.dtype for p in bucket.params}
+            if len(dtypes) != 1:
+                continue
+            flat = torch.zeros(bucket.numel, dtype=dtypes.pop(), device=bucket.device)
+            for p in bucket.params:
+                a, e = bucket.offsets[id(p)]
+                flat[a:e].copy_(p.detach().reshape(-1))
+                p.data = flat[a:e].view(p.shape)
+            bucket.param_data = flat
+
     def finish_param_gather(self) -> None:
         """Complete every in-flight parameter all-gather (before reading the weights outside forward)."""
         for bucket in self.buckets:
@@ -172,24 +196,30 @@ class DistributedDataParallel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            if self.shard_grads:
-                self._accumulate_sharded(param)
-                return
-            param.main_grad.add_(param.grad)  # fp32 accumulate, whatever the param dtype
-            param.grad = None
-            if self._sync_enabled:
-                self._mark_ready(param)
+            grad, param.grad = param.grad, None
+            self._accumulate(param, lambda main_grad: main_grad.add_(grad))  # fp32 accumulate, any param dtype
 
         return hook
 
-    def _accumulate_sharded(self, param) -> None:
-        """Sharded grads: into the bucket's per-backward buffer; reduce it once every param reported."""
-        bucket = self._bucket_of[id(param)]
-        if bucket.data is None:
-            bucket.allocate()
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        self._mark_ready(param, always=True)
+    def _accumulator(self, param):
+        """``param.accumulate_main_grad``: gradient-accumulation fusion hands its GEMM here."""
+        return lambda add, ready=True: self._accumulate(param, add, ready)
+
+    def _accumulate(self, param, add, ready: bool = True) -> None:
+        """``add(main_grad)`` adds this backward's gradient of ``param``, then (``ready``: no other
+        gradient of it follows in this backward) the bucket bookkeeping. Sharded grads: into the
+        bucket's per-backward buffer, reduced once every param reported."""
+        if self.shard_grads:
+            bucket = self._bucket_of[id(param)]
+            if bucket.data is None:
+                bucket.allocate()
+            add(param.main_grad)
+            if ready:
+                self._mark_ready(param, always=True)
+            return
+        add(param.main_grad)
+        if ready and self._sync_enabled:
+            self._mark_ready(param)
 
     def _mark_ready(self, param, always: bool = False) -> None:
         bucket = self._bucket_of[id(param)]

@@ -33,6 +33,8 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None  # sharded grads: this rank's fp32 chunk, kept all step
         self.param_shard: torch.Tensor | None = None  # sharded params (fsdp.py): this rank's chunk of them
         self.param_gather = None  # an all-gather of updated params still in flight (--overlap-param-gather)
+        self.param_data: torch.Tensor | None = None  # the params' flat storage (same layout as ``data``), or None
+        self.master_data: torch.Tensor | None = None  # its fp32 master copy (or this rank's chunk of it), optimizer-owned
         self.reset()
 
     def reset(self) -> None:
@@ -77,6 +79,8 @@ class Bucket:
         self.param_gather = None
         if handle is not None:
             handle.wait()
+        if full is None:  # gathered straight into the params' flat storage
+            return
         with torch.no_grad():
             for p in self.params:
                 a, e = self.offsets[id(p)]

@@ -11,7 +11,11 @@ The GEMM seam: both linear layers compute their local product with ``self.gemm(x
 :func:`linear_gemm` (``F.linear``) unless a precision recipe passes another function with the same
 signature (e.g. an FP8 GEMM). It runs on this rank's shard: after the input's all-gather / copy
 into the TP region, before the partial sums are reduced. A ``gemm`` that is an ``nn.Module`` is a
-submodule, so its state (scaling history) is saved with the layer.
+submodule, so its state (scaling history) is saved with the layer. With
+``gradient_accumulation_fusion`` and no other GEMM, the layer uses
+:func:`~megatron_lite.parallel.grad_accumulation.accumulating_linear_gemm`, whose backward adds the
+weight gradient straight into ``main_grad`` (a weight passed in with ``weight=``, a tied embedding,
+is not marked ready there: its lookup's gradient, which comes later, does that).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .grad_accumulation import accumulating_linear_gemm, accumulating_linear_gemm_not_last
 
 InitMethod = Callable[[torch.Tensor], None]
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -32,6 +37,13 @@ Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tenso
 def linear_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The default GEMM of the parallel linear layers: ``x @ weight^T + bias``."""
     return F.linear(x, weight, bias)
+
+
+DEFAULT_GEMMS = (linear_gemm, accumulating_linear_gemm)  # the plain GEMMs (a precision recipe's is not one)
+
+
+def default_gemm(gradient_accumulation_fusion: bool) -> Gemm:
+    return accumulating_linear_gemm if gradient_accumulation_fusion else linear_gemm
 
 
 def normal_init(std: float, generator: torch.Generator | None = None) -> InitMethod:
@@ -119,6 +131,7 @@ class ColumnParallelLinear(nn.Module):
         gemm: Gemm | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
+        gradient_accumulation_fusion: bool = False,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -129,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and size > 1
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output cannot be combined with sequence parallelism")
-        self.gemm = gemm if gemm is not None else linear_gemm
+        self.gemm = gemm if gemm is not None else default_gemm(gradient_accumulation_fusion)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
@@ -147,12 +160,15 @@ class ColumnParallelLinear(nn.Module):
             if self.weight is None:
                 raise ValueError("this ColumnParallelLinear owns no weight (skip_weight_param_allocation); pass weight=")
             weight = self.weight
+        gemm = self.gemm
+        if weight is not self.weight and gemm is accumulating_linear_gemm:
+            gemm = accumulating_linear_gemm_not_last  # a tied embedding: its lookup's gradient comes later
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, self.tp_group, tensor_parallel_output_grad=True)
         else:
             x = comm.copy_to_tp(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = self.gemm(x, weight, bias)
+        out = gemm(x, weight, bias)
         if self.gather_output:
             out = comm.gather_from_tp(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -180,6 +196,7 @@ class RowParallelLinear(nn.Module):
         gemm: Gemm | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
+        gradient_accumulation_fusion: bool = False,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -190,7 +207,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and size > 1
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
-        self.gemm = gemm if gemm is not None else linear_gemm
+        self.gemm = gemm if gemm is not None else default_gemm(gradient_accumulation_fusion)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, device=device, dtype=dtype))
         _init_shard(self.weight, (output_size, input_size), init_method, 1, rank, size, 1)
         if bias:

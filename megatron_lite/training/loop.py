@@ -25,6 +25,8 @@ from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..console import print_rank_0
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..fusions.compile import configure_compilation
+from ..models.transformer import compile_layers
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
@@ -39,6 +41,7 @@ from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger
 from .outputs import check_output_locations
+from .profiler import StepProfiler
 from .timers import Timers
 
 
@@ -165,7 +168,7 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
         finalize_model_grads(chunks, state)
     if moe:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
-    with timers.phase("optimizer"):
+    with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
         ok, grad_norm = optimizer.step()
     with timers.phase("lr-scheduler"):
         if ok:
@@ -215,6 +218,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
         ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
     )
     model_parallel_seed(config.training.seed, state)
+    configure_compilation(config.fusion)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
     if config.precision.transformer_impl == "transformer_engine":
@@ -240,7 +244,12 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [wrap_for_data_parallel(chunk.to(device), state, config.parallel) for chunk in model_provider(config, state)]
+    chunks = [chunk.to(device) for chunk in model_provider(config, state)]
+    if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
+        compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
+        print_rank_0(f"> torch.compile ({config.fusion.torch_compile_backend}): {compiled} transformer layers share "
+                     "one compiled forward; the loss's pieces compile too")
+    chunks = [wrap_for_data_parallel(chunk, state, config.parallel) for chunk in chunks]
     optimizer = build_optimizer(config, chunks, state)
     scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
     iteration, consumed = 0, 0
@@ -275,6 +284,7 @@ class _Training:
         self.saved_at = self.iteration if config.checkpoint.load else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
+        self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
@@ -287,10 +297,12 @@ class _Training:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
         t, result = self.config.training, self.result
         step_start = time.time()
+        self.profiler.before(self.iteration)
         with self.volume.counting() if self.volume is not None else contextlib.nullcontext():
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
                                                self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
+        self.profiler.after(self.iteration)
         if self.async_saves is not None:  # a background save that is done gets its tracker now
             self.async_saves.poll()
         if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on
@@ -362,6 +374,7 @@ class _Training:
                 self.validate(record=False)
         if self.async_saves is not None:
             self.async_saves.wait()
+        self.profiler.close()  # the run ended inside the profiling window
         self.logger.close()
         for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
             chunk.finish_param_gather()

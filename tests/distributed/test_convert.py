@@ -43,6 +43,7 @@ def model_config(variant, tp=1) -> ModelConfig:
 
 def run_config(variant, tp, pp, vpp=None, root=None) -> Config:
     config = Config(model=model_config(variant, tp))
+    config.fusion.bias_gelu_fusion = False  # the models here are built unfused (exact GeLU), not by the CLI
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.num_layers_per_virtual_pipeline_stage = vpp

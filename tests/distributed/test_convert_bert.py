@@ -33,6 +33,7 @@ def model_config(tp=1) -> ModelConfig:
 
 def run_config(tp, pp, root) -> Config:
     config = Config(model=model_config(tp), extra_sections=("bert",))
+    config.fusion.bias_gelu_fusion = False  # the models here are built unfused (exact GeLU), not by the CLI
     config.bert = BertConfig()
     config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size = tp, pp
     config.checkpoint.save = config.checkpoint.load = root

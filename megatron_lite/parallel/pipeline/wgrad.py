@@ -11,7 +11,8 @@ is a precision recipe's (it owns its backward) and weights that are not leaves.
 
 How: :meth:`WeightGradStore.installed` swaps those layers' ``gemm`` for :meth:`WeightGradStore.gemm`
 (the seam the layers already have), an autograd function whose backward returns only the input
-gradient and stashes ``(input, output gradient)``; the stashed tensors are what ``dW = dY^T X``
+gradient and stashes ``(input, output gradient)`` (a layer with gradient-accumulation fusion too: its W then goes through
+autograd like the others); the stashed tensors are what ``dW = dY^T X``
 needs, so they stay alive until W runs. A W pass (:meth:`WeightGradStore.flush`) computes the
 stashed products of one micro-batch and hands them to autograd on the parameters themselves
 (``torch.autograd.backward(weight, dW)``), so gradient accumulation and every gradient hook (the
@@ -35,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..tensor import ColumnParallelLinear, RowParallelLinear, linear_gemm
+from ..tensor import DEFAULT_GEMMS, ColumnParallelLinear, RowParallelLinear, linear_gemm
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -127,10 +128,10 @@ class WeightGradStore:
     @contextmanager
     def installed(self, module: torch.nn.Module):
         """Route the deferrable parallel linear layers of ``module`` through :meth:`gemm` for the block."""
-        swapped = [m for m in module.modules()
-                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm is linear_gemm]
+        swapped = [(m, m.gemm) for m in module.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm in DEFAULT_GEMMS]
         own = [m for m in module.modules() if hasattr(m, "set_weight_grad_store")]
-        for m in swapped:
+        for m, _ in swapped:
             m.gemm = self.gemm
         for m in own:
             m.set_weight_grad_store(self)
@@ -139,8 +140,8 @@ class WeightGradStore:
             if self._pending:
                 raise RuntimeError(f"{len(self._pending)} deferred weight-gradient passes never ran")
         finally:
-            for m in swapped:
-                m.gemm = linear_gemm
+            for m, gemm in swapped:
+                m.gemm = gemm
             for m in own:
                 m.set_weight_grad_store(None)
             self._pending.clear()

@@ -1,0 +1,208 @@
+"""One training step, ours vs Hugging Face GPT-2, fp32 and bf16, eager and with --torch-compile.
+
+The config of issue 21: 6 layers, hidden 768, 12 heads, seq 512, vocab 32768, batch 4 (``--quick``:
+2 layers, hidden 256, 4 heads, seq 128, vocab 8192, batch 2, for a loaded machine). Ours is the
+real training step of pretrain_gpt.py (``train_step``: the data-parallel gradient buffer, the
+fused AdamW with fp32 masters, clipping, Megatron's default fusion flags) built from its command
+line; Hugging Face is ``GPT2LMHeadModel`` (SDPA attention, tanh GeLU like ours, tied embeddings,
+dropout as ours) with ``torch.optim.AdamW`` at its defaults (a per-tensor loop on CPU;
+``--hf-fused-adamw`` gives it the fused kernel ours uses), and ``torch.autocast("cpu", bfloat16)`` for its bf16
+row. All runs live in this one process and alternate round by round (A B C D, D C B A, ...), so
+machine drift hits them alike. MFU is model FLOPs (Narayanan's formula) per second over the GEMM
+peak of that dtype measured in the same run (n x n products, best of several): both peaks are
+printed, and on a CPU without fast bf16 (bf16 peak below fp32's) the bf16 targets cannot be judged
+there, which the report says; the full-size bf16 rows are then skipped unless ``--dtypes`` asks.
+
+    python benchmarks/bench_step.py [--quick] [--rounds 5] [--threads 2] [--compile] [--profile]
+
+Each step's process CPU time is reported next to its wall time: on a loaded machine the wall time
+mostly measures waiting for a core, and the CPU-time ratio is the steadier figure (the lead reruns on
+a quiet machine). ``--profile`` adds torch.profiler's breakdown of one step of each run by category (GEMM, attention,
+elementwise, optimizer, copies, communication). Needs ``pip install transformers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import describe_machine, timed  # noqa: E402
+from megatron_lite.perf.flops import measure_matmul_peak, num_floating_point_operations  # noqa: E402
+from megatron_lite.perf.op_categories import category_breakdown, format_breakdown  # noqa: E402
+
+FULL = dict(layers=6, hidden=768, heads=12, seq=512, vocab=32768, batch=4)
+QUICK = dict(layers=2, hidden=256, heads=4, seq=128, vocab=8192, batch=2)
+
+
+def ours_argv(shape: dict, dropout: float, extra=()) -> list[str]:
+    return [
+        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+        "--num-attention-heads", str(shape["heads"]), "--seq-length", str(shape["seq"]),
+        "--vocab-size", str(shape["vocab"]), "--micro-batch-size", str(shape["batch"]),
+        "--global-batch-size", str(shape["batch"]), "--mock-data", "--train-iters", "100000", "--eval-iters", "0",
+        "--log-interval", "1000000", "--attention-dropout", str(dropout), "--hidden-dropout", str(dropout),
+        "--lr", "1e-4", *extra,
+    ]
+
+
+def build_ours(shape: dict, dropout: float, extra=()):
+    """Our training step (pretrain_gpt.py's pieces) as a no-argument function, and its config."""
+    import pretrain_gpt
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.fusions.compile import configure_compilation
+    from megatron_lite.training.loop import _build, pipe_comm, setup, train_step
+
+    config = parse_args(ours_argv(shape, dropout, extra), world_size=1)
+    tokenizer = pretrain_gpt.build_tokenizer_for(config)
+    pretrain_gpt.set_vocab(config, tokenizer)
+    state, device = setup(config)
+    built = _build(config, state, device, pretrain_gpt.model_provider)
+    train_iter, _ = pretrain_gpt.make_datasets_provider(tokenizer)(config, state, 0, 0)
+    comm = pipe_comm(config, state)
+
+    def step():
+        configure_compilation(config.fusion)  # the jit_fuser mode is process-wide: each run sets its own
+        train_step(config, comm, built.chunks, built.optimizer, built.scheduler, pretrain_gpt.forward_step, train_iter)
+
+    return step, config
+
+
+def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=shape["vocab"], n_positions=shape["seq"], n_embd=shape["hidden"], n_layer=shape["layers"],
+                     n_head=shape["heads"], n_inner=4 * shape["hidden"], resid_pdrop=dropout, embd_pdrop=dropout,
+                     attn_pdrop=dropout, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
+    tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def gemm_peaks(threads: int) -> dict[str, float]:
+    """fp32 and bf16 GEMM FLOP/s here; bf16 is first probed at n=512 (it may be emulated and slow)."""
+    peaks = {"fp32": measure_matmul_peak(n=2048)}
+    bf16 = measure_matmul_peak(n=512, dtype=torch.bfloat16, warmup=1, reps=3)
+    if bf16 > 0.5 * peaks["fp32"]:  # fast bf16: measure at full size
+        bf16 = measure_matmul_peak(n=2048, dtype=torch.bfloat16)
+    peaks["bf16"] = bf16
+    return peaks
+
+
+def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
+    """(name, dtype, builder) of every run, in the order of the first round."""
+    dtypes = args.dtypes or (["fp32", "bf16"] if peaks["bf16"] > peaks["fp32"] else ["fp32"])
+    runs = []
+    for dtype in dtypes:
+        bf16 = dtype == "bf16"
+        flags = ["--bf16"] if bf16 else []
+        runs.append((f"ours {dtype}", dtype, lambda f=flags: build_ours(shape, args.dropout, f)[0]))
+        if not args.no_hf:
+            runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
+                         lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw)))
+        if args.compile:
+            runs.append((f"ours {dtype} --torch-compile", dtype,
+                         lambda f=flags: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
+    return runs
+
+
+def time_runs(steps: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process CPU seconds of every step, per run."""
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times, cpu = {name: [] for name in names}, {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            start = time.process_time()
+            times[name].append(timed(steps[name]))
+            cpu[name].append(time.process_time() - start)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
+    return times, cpu
+
+
+def _hf_median(values: dict, dtypes: dict, dtype: str):
+    return next((statistics.median(v) for n, v in values.items() if n.startswith("HF") and dtypes[n] == dtype), None)
+
+
+def report(times, cpu, dtypes, flops, peaks) -> None:
+    """The table. CPU seconds per step (all threads) is the figure to read on a loaded machine, where
+    wall time mostly measures waiting for a core."""
+    print("\n| run | step (median) | vs HF same dtype | CPU s per step (median) | vs HF, CPU time | "
+          "MFU vs that dtype's GEMM peak |\n|---|---|---|---|---|---|")
+    for name, t in times.items():
+        med, cpu_med = statistics.median(t), statistics.median(cpu[name])
+        hf, hf_cpu = _hf_median(times, dtypes, dtypes[name]), _hf_median(cpu, dtypes, dtypes[name])
+        ours = not name.startswith("HF")
+        ratio = f"{hf / med:.2f}x" if hf and ours else "-"
+        cpu_ratio = f"{hf_cpu / cpu_med:.2f}x" if hf_cpu and ours else "-"
+        print(f"| {name} | {med * 1e3:.0f} ms (min {min(t) * 1e3:.0f}) | {ratio} | {cpu_med:.2f} | {cpu_ratio} | "
+              f"{flops / med / peaks[dtypes[name]]:.0%} |")
+
+
+def profile_runs(steps: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        print("\n" + format_breakdown(category_breakdown(prof.events()), f"{name}: one step, self CPU time by category"))
+        if name.startswith("ours"):
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the small config (2 layers, hidden 256, seq 128)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each run first (compiles happen here)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], help="default: fp32, and bf16 where it is fast")
+    p.add_argument("--compile", action="store_true", help="also ours with --torch-compile (Inductor)")
+    p.add_argument("--no-hf", action="store_true", help="only our runs")
+    p.add_argument("--hf-fused-adamw", action="store_true",
+                   help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
+    p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    shape = QUICK if args.quick else FULL
+    print(describe_machine(args.threads))
+    print("config: " + ", ".join(f"{k} {v}" for k, v in shape.items()) + f", dropout {args.dropout}, AdamW")
+    peaks = gemm_peaks(args.threads)
+    fast_bf16 = peaks["bf16"] > peaks["fp32"]
+    print(f"GEMM peaks ({args.threads} threads): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} "
+          f"GFLOP/s" + ("" if fast_bf16 else " -- no fast bf16 on this CPU: the bf16 targets cannot be judged here"))
+    runs = plan_runs(args, shape, peaks)
+    steps = {name: build() for name, _, build in runs}
+    dtypes = {name: dtype for name, dtype, _ in runs}
+    from megatron_lite.models import TransformerConfig
+    model = TransformerConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+                              seq_length=shape["seq"], vocab_size=shape["vocab"])
+    flops = num_floating_point_operations(model, shape["batch"])
+    print(f"model FLOPs per step: {flops / 1e9:.1f} GFLOP")
+    times, cpu = time_runs(steps, args.rounds, args.warmup)
+    report(times, cpu, dtypes, flops, peaks)
+    if args.profile:
+        profile_runs(steps)
+
+
+if __name__ == "__main__":
+    main()

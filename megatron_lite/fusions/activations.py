@@ -1,0 +1,108 @@
+"""Fused bias + activation of the MLP (``--bias-gelu-fusion``, ``--bias-swiglu-fusion``, on by default).
+
+The fc1 GEMM leaves its bias out (``skip_bias_add``); one function adds it and applies the
+activation, and the backward is written out by hand so only one tensor per call is saved (the
+activation's input), not the intermediate tensors autograd would keep. Forward and backward are separate ``jit_fuser``
+functions, so each becomes a single kernel when compiled; eager, they call PyTorch's own GeLU / SiLU
+kernels (one vectorised pass each), which compute the same formulas.
+
+GeLU is the tanh approximation, as in Megatron's fused kernel (the unfused MLP uses the exact erf
+form unless ``--openai-gelu``): with x = y + b and t = tanh(0.79788456 x (1 + 0.044715 x^2)),
+
+    gelu(x)  = 0.5 x (1 + t)
+    gelu'(x) = 0.5 x (1 - t^2)(0.79788456 + 0.1070322243 x^2) + 0.5 (1 + t)
+
+(0.79788456 = sqrt(2 / pi), 0.1070322243 = 3 x 0.044715 x sqrt(2 / pi)). SwiGLU splits x into
+halves x1, x2 along the last dimension: swiglu = silu(x1) x2, with
+d/dx1 = sigmoid(x1)(1 + x1 (1 - sigmoid(x1))) x2 and d/dx2 = silu(x1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .jit import jit_fuser
+
+
+@jit_fuser
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, gelu(x))`` for ``x = y + bias`` (x is what the backward needs: saved, not recomputed)."""
+    x = y + bias
+    return x, F.gelu(x, approximate="tanh")  # PyTorch's tanh GeLU: the formula above, one kernel eager
+
+
+@jit_fuser
+def bias_gelu_back(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")  # gelu'(x) * grad
+
+
+class _BiasGeLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, bias):
+        x, out = bias_gelu(y, bias)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dx = bias_gelu_back(grad, x)
+        return dx, dx  # autograd sums the bias's share over the broadcast (token) dimensions
+
+
+def bias_gelu_impl(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GeLU of ``y + bias`` (bias over the last dimension)."""
+    return _BiasGeLU.apply(y, bias)
+
+
+@jit_fuser
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.chunk(y, 2, -1)
+    return F.silu(gate) * up
+
+
+@jit_fuser
+def swiglu_back(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.chunk(y, 2, -1)  # silu'(gate) = sigmoid(gate) (1 + gate (1 - sigmoid(gate)))
+    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), -1)
+
+
+@jit_fuser
+def bias_swiglu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return swiglu(y + bias)
+
+
+@jit_fuser
+def bias_swiglu_back(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return swiglu_back(grad, y + bias)
+
+
+class _BiasSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.save_for_backward(y, bias)
+        return bias_swiglu(y, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, bias = ctx.saved_tensors
+        dy = bias_swiglu_back(grad, y, bias)
+        return dy, dy
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        return swiglu(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return swiglu_back(grad, y)
+
+
+def bias_swiglu_impl(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(x1) * x2`` of ``x = y + bias`` split in halves along the last dimension (bias optional)."""
+    return _SwiGLU.apply(y) if bias is None else _BiasSwiGLU.apply(y, bias)

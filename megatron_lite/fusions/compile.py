@@ -1,0 +1,68 @@
+"""Regional ``torch.compile`` (``--torch-compile``), torchtitan's recipe on our modules.
+
+What is compiled: the forward of every transformer layer, through ONE compiled function
+(:func:`compile_layers`), so Dynamo traces the layer once and reuses the graph for every layer of
+the same shape (the parameters are graph inputs, not constants); a model whose layers differ (a
+mixture of experts in some of them) compiles once per kind. The loss is compiled too: its
+per-token pieces become ``jit_fuser`` functions that compile. Embedding, final norm, output GEMM,
+optimizer and the pipeline/data-parallel machinery stay eager, and the layers' module hooks
+(ZeRO-3's gathers) run around the compiled forward, not inside it.
+
+What runs eagerly inside a compiled layer (a clean graph break): every tensor-, sequence-, context-
+and expert-parallel collective of :mod:`megatron_lite.parallel.comm` (they are autograd functions
+around ``torch.distributed`` calls), the context-parallel core attention (ring p2p), the MoE layer
+(data-dependent token counts) and any GEMM of a precision recipe (the FP8 / Transformer Engine
+GEMM seam: scaling state updated in Python). With tensor parallelism 1 a dense layer is one graph.
+Gradient-accumulation fusion is off inside compiled layers: its backward calls the data-parallel
+wrapper's bookkeeping, which Dynamo cannot put in a graph, so those weights' gradients reach
+``main_grad`` through the wrapper's hook as without the fusion.
+
+Dropout: Inductor is told to draw random numbers with PyTorch's own generator
+(``fallback_random``), so a compiled run draws the same masks as an eager one and reproduces its
+losses. Compiled kernels are cached on disk by Inductor (``TORCHINDUCTOR_CACHE_DIR``, default
+``<temp dir>/torchinductor_<user>``), so a second run of the same model skips most of the compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FusionConfig
+from .jit import set_jit_fuser
+
+_compiled_forwards: dict[str, object] = {}
+
+
+def configure_compilation(fusion: FusionConfig) -> None:
+    """Apply the run's ``--jit-fuser`` / ``--torch-compile`` choices (process-wide)."""
+    mode = fusion.jit_fuser
+    if fusion.torch_compile and mode == "auto":
+        mode = "compile"  # the loss's pieces are compiled with the layers
+    set_jit_fuser(mode, fusion.torch_compile_backend)
+    if fusion.torch_compile:
+        import torch._inductor.config as inductor_config
+
+        from ..parallel.comm import break_graph_at_collectives
+
+        inductor_config.fallback_random = True
+        break_graph_at_collectives()
+
+
+def compiled_layer_forward(layer_forward, backend: str = "inductor"):
+    """The one compiled version of ``layer_forward`` per backend (shared by every layer)."""
+    if backend not in _compiled_forwards:
+        _compiled_forwards[backend] = torch.compile(layer_forward, backend=backend)
+    return _compiled_forwards[backend]
+
+
+def run_eagerly(module: torch.nn.Module) -> None:
+    """Make ``module``'s forward a graph break inside compiled regions (it runs eagerly)."""
+    if not getattr(module, "_runs_eagerly", False):
+        module.forward = torch.compiler.disable(module.forward)
+        module._runs_eagerly = True
+
+
+def layer_cache_entries(layer_forward) -> int:
+    """How many times Dynamo compiled ``layer_forward``'s frame (one per distinct guard set): the
+    recompile count tests check."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(layer_forward.__code__))

@@ -1,0 +1,66 @@
+"""Gradient-accumulation fusion (``--gradient-accumulation-fusion``, Megatron's default): the weight
+gradient of a parallel linear layer is accumulated straight into its fp32 ``main_grad``.
+
+Without it, the weight-gradient GEMM ``dW = dY^T X`` writes a fresh ``weight.grad`` that the
+data-parallel hook then adds into ``main_grad`` (a second pass over every weight, and a new
+weight-sized tensor each backward). With it, :func:`accumulating_linear_gemm` (the layer's GEMM)
+runs ``main_grad.addmm_(dY^T, X)`` in its backward and tells the data-parallel wrapper the gradient
+arrived (``weight.accumulate_main_grad``, set by
+:class:`~megatron_lite.parallel.data_parallel.DistributedDataParallel`), so readiness, buckets and
+sharded gradients behave exactly as with the hook. A weight without that attribute (no data-parallel
+wrapper) gets an ordinary ``.grad``. A tied word embedding read by the output layer of the same
+stage accumulates the output layer's gradient the same way without being marked ready; its lookup's
+gradient, which backward always reaches last, marks it. 16-bit weights: CPUs have no GEMM that takes
+bf16/fp16 inputs and writes fp32, so the product is computed in the weight's dtype and added into
+``main_grad`` (the numbers the unfused path gives), still without the ``.grad`` round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _add_weight_grad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    if main_grad.dtype == dy2.dtype:
+        main_grad.addmm_(dy2.t(), x2)
+    else:
+        main_grad.add_(dy2.t().mm(x2))
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, last_use):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.last_use = bias is not None, last_use
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            accumulate = getattr(weight, "accumulate_main_grad", None)
+            if accumulate is None:
+                dw = dy2.t().mm(x2)
+            else:
+                accumulate(lambda main_grad: _add_weight_grad(main_grad, dy2, x2), ready=ctx.last_use)
+        return dx, dw, db, None
+
+
+def accumulating_linear_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             last_use: bool = True) -> torch.Tensor:
+    """``x @ weight^T + bias`` whose weight gradient is accumulated into ``weight.main_grad`` (module
+    docstring); the same GEMM seam signature as :func:`~megatron_lite.parallel.tensor.linear_gemm`.
+    ``last_use=False``: the weight gets another gradient later in the same backward (a tied embedding
+    read by the output layer: its lookup's gradient comes last), which is the one that marks it ready."""
+    return _AccumulatingLinear.apply(x, weight, bias, last_use)
+
+
+def accumulating_linear_gemm_not_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """:func:`accumulating_linear_gemm` with ``last_use=False`` (the tied output layer's GEMM)."""
+    return _AccumulatingLinear.apply(x, weight, bias, False)

@@ -1,0 +1,102 @@
+"""``--profile``: Megatron's profiling flags around a window of training iterations.
+
+``--profile --use-pytorch-profiler`` records iterations ``--profile-step-start + 1`` to
+``--profile-step-end`` (1-based, i.e. the steps run while the iteration counter goes from start to
+end; Megatron's defaults 10 and 12) on the ranks in ``--profile-ranks`` (default 0) with
+``torch.profiler``, then writes a trace that TensorBoard's profiler plugin and Perfetto
+(ui.perfetto.dev) open, ``<dir>/rank<r>.<timestamp>.pt.trace.json`` with ``<dir>`` the
+``--tensorboard-dir`` (``./profile`` without one), and prints a per-op table (self time, top 25)
+and the time per category (GEMM, attention, elementwise, optimizer, copies, communication; see
+:mod:`megatron_lite.perf.op_categories`).
+
+Without ``--use-pytorch-profiler`` Megatron drives Nsight Systems: the CUDA profiler API is
+started and stopped around the same window (run under ``nsys profile --capture-range=cudaProfilerApi``).
+That needs a GPU; on a CPU the flag combination is refused (see :func:`check_profile_flags`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ConfigError
+from ..perf.op_categories import category_breakdown, format_breakdown
+
+DEFAULT_PROFILE_DIR = "profile"
+
+
+def check_profile_flags(logging, world_size: int, gpu: bool) -> None:
+    """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work."""
+    if not logging.profile:
+        return
+    if not 0 <= logging.profile_step_start < logging.profile_step_end:
+        raise ConfigError(f"--profile needs 0 <= --profile-step-start ({logging.profile_step_start}) < "
+                          f"--profile-step-end ({logging.profile_step_end})")
+    bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a rank of this run (world size {world_size})")
+    if not logging.use_pytorch_profiler and not gpu:
+        raise ConfigError("--profile without --use-pytorch-profiler drives Nsight Systems through the CUDA profiler "
+                          "API, which needs a GPU; add --use-pytorch-profiler")
+
+
+class StepProfiler:
+    """Starts and stops the profiler around the configured iterations (call :meth:`before` and
+    :meth:`after` around every training iteration, :meth:`close` at the end of the run)."""
+
+    def __init__(self, logging, rank: int, device: torch.device):
+        self.enabled = logging.profile and rank in (logging.profile_ranks or [0])
+        self.start, self.end = logging.profile_step_start, logging.profile_step_end
+        self.pytorch = logging.use_pytorch_profiler
+        self.folder = logging.tensorboard_dir or DEFAULT_PROFILE_DIR
+        self.rank, self.device = rank, device
+        self._prof = None
+        self.trace_path: str | None = None
+
+    def before(self, iteration: int) -> None:
+        """``iteration``: iterations completed so far (the counter before this step)."""
+        if not self.enabled or iteration != self.start or self._prof is not None:
+            return
+        if not self.pytorch:
+            torch.cuda.profiler.start()
+            self._prof = "nsys"
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._prof.start()
+
+    def after(self, iteration: int) -> None:
+        """``iteration``: iterations completed after this step."""
+        if self._prof is not None and iteration >= self.end:
+            self.close()
+
+    def close(self) -> None:
+        """Stop a running profile (the run ended inside the window) and report it."""
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        if prof == "nsys":
+            torch.cuda.profiler.stop()
+            return
+        prof.stop()
+        os.makedirs(self.folder, exist_ok=True)
+        before = set(os.listdir(self.folder))
+        torch.profiler.tensorboard_trace_handler(self.folder, worker_name=f"rank{self.rank}")(prof)
+        written = sorted(set(os.listdir(self.folder)) - before)
+        self.trace_path = os.path.join(self.folder, written[-1]) if written else None
+        print(self.report(prof), flush=True)
+
+    def report(self, prof) -> str:
+        cuda = self.device.type == "cuda"
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=50)
+        events = prof.events()
+        parts = [f"> rank {self.rank}: profile of iterations {self.start + 1}-{self.end}, trace {self.trace_path} "
+                 "(TensorBoard's profiler plugin or ui.perfetto.dev)", table,
+                 format_breakdown(category_breakdown(events), f"rank {self.rank} self CPU time by category")]
+        if cuda:
+            parts.append(format_breakdown(category_breakdown(events, device=True), f"rank {self.rank} GPU time by category"))
+        return "\n".join(parts)

@@ -1,0 +1,51 @@
+"""--profile --use-pytorch-profiler: a trace TensorBoard / Perfetto open, a per-op table and the time per
+category in the log; the combinations that cannot work are refused in one line (exit code 2)."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.perf.op_categories import CATEGORIES
+
+TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1"]
+
+
+def test_pytorch_profiler_writes_a_trace_and_prints_the_tables(tmp_path, capsys):
+    board = tmp_path / "tb"
+    pretrain_gpt.main(TINY + ["--train-iters", "4", "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                              "--profile-step-end", "3", "--tensorboard-dir", str(board)])
+    out = capsys.readouterr().out
+    traces = glob.glob(os.path.join(board, "rank0.*.pt.trace.json"))
+    assert len(traces) == 1, os.listdir(board)
+    with open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]  # Chrome trace format: what Perfetto and TensorBoard read
+    names = {e.get("name", "") for e in events}
+    assert "optimizer_step" in names and any("aten::mm" in n or "aten::addmm" in n for n in names)
+    assert "profile of iterations 2-3" in out and "Self CPU" in out
+    table = out[out.index("self CPU time by category"):]
+    for category in CATEGORIES:
+        assert category in table
+    gemm = float(next(line for line in table.splitlines() if line.strip().startswith("GEMM")).split()[1])
+    assert gemm > 0
+
+
+@pytest.mark.parametrize("extra, words", [
+    pytest.param(["--profile"], ["--use-pytorch-profiler"], marks=pytest.mark.skipif(  # nsys needs a GPU
+        torch.cuda.is_available(), reason="a GPU can run Nsight Systems")),
+    (["--profile", "--use-pytorch-profiler", "--profile-step-start", "5", "--profile-step-end", "5"],
+     ["--profile-step-start"]),
+    (["--profile", "--use-pytorch-profiler", "--profile-ranks", "3"], ["--profile-ranks 3"]),
+])
+def test_profile_flags_refused_in_one_line(capsys, extra, words):
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + extra)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0]
