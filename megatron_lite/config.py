@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .fusions.config import FusionConfig, check_fusion_flags
-from .logging_config import LoggingConfig
+from .logging_config import LoggingConfig, check_profile_flags
 from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
@@ -67,6 +67,8 @@ class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     vocab_size: int | None = None
     """Vocabulary size for --mock-data / NullTokenizer (otherwise from the tokenizer)."""
+    spec: list[str] | None = field(default=None, metadata={"nargs": 2, "metavar": ("MODULE", "NAME")})
+    """Layer spec of your own: NAME (a LayerSpec, or a function layer_number -> LayerSpec) in MODULE (on PYTHONPATH, or a .py file path)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
     """Derived: vocabulary padded for the embedding and output layers."""
 
@@ -307,6 +309,9 @@ def _check_model(config: Config) -> None:
     config.training.recompute_num_layers = model.recompute_num_layers
     for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
         setattr(config.moe, f.name, getattr(model, f.name))
+    from .models.spec_plugin import check_spec
+
+    check_spec(config)  # --spec: importable, a LayerSpec (or layer -> LayerSpec), honouring the flags above
 
 
 def _check_parallel(config: Config) -> None:
@@ -380,7 +385,6 @@ def _check_schedule(config: Config) -> None:
 
 def _check_profile(config: Config) -> None:
     from .precision.flags import gpu_visible
-    from .training.profiler import check_profile_flags
 
     check_profile_flags(config.logging, config.world_size, gpu_visible())
 
