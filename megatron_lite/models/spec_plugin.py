@@ -105,8 +105,8 @@ def check_spec(config) -> None:
     module, name = config.model.spec
     specs = layer_specs(module, name, config.model.num_layers)
     flag = _flag(module, name)
-    if config.parallel.context_parallel_size > 1 and any(s.core_attention is DotProductAttention for s in specs):
-        raise ConfigError(f"{flag}: core_attention is DotProductAttention, which sees only this rank's part of the "
+    if config.parallel.context_parallel_size > 1 and any(_is(s.core_attention, DotProductAttention) for s in specs):
+        raise ConfigError(f"{flag}: core_attention is DotProductAttention (or a subclass), which sees only this rank's part of the "
                           "sequence; with --context-parallel-size > 1 use megatron_lite.parallel.context."
                           "ContextParallelAttention (or a context-parallel module of your own)")
     if config.moe.num_experts and not any(_is(s.mlp, MoELayer) for s in specs):

@@ -147,8 +147,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     moe = bool(config.moe.num_experts)
-    if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
-        set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
+    # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
+    set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     with timers.phase("forward-backward"):
         reported = forward_backward(
