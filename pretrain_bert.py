@@ -2,7 +2,7 @@
 
     python pretrain_bert.py --data-path data/sample_text_sentence --tokenizer-type BertWordPieceLowerCase \
         --vocab-file data/bert-vocab.txt ...                                        # one process
-    torchrun --nproc-per-node 4 pretrain_bert.py --tensor-model-parallel-size 2 \
+    torchrun --standalone --nproc-per-node 4 pretrain_bert.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 ...                                         # four
 
 Flags are Megatron-LM's (``--help`` lists them), plus BERT's own: ``--bert-no-binary-head`` (no
@@ -39,7 +39,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
-from megatron_lite.errors import exit_with_message
+from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.models.spec_plugin import spec_from_config
 from megatron_lite.training.loop import pretrain
@@ -162,8 +162,11 @@ def main(argv=None):
         return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
                         make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        exit_with_message(f"error: {err}", 2)
+        exit_with_message(f"error: {err}", 2, rank_local=is_rank_local(err))
+    except RuntimeError:  # a failed collective: did another rank stop on its own error? then exit as it did
+        exit_if_a_peer_stopped()
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # then the process groups are ended cleanly, and the exit code is main's

@@ -1,7 +1,7 @@
 """Pretrain a GPT model with tensor, sequence, context, pipeline and data parallelism.
 
     python pretrain_gpt.py --mock-data --vocab-size 512 ...                     # one process
-    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+    torchrun --standalone --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --data-path my_text_document ...         # four
 
 Flags are Megatron-LM's (``--help`` lists them). This file only says what is GPT-specific: how
@@ -30,7 +30,7 @@ from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.device import get_device
-from megatron_lite.errors import exit_with_message
+from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.models.spec_plugin import spec_from_config
@@ -185,10 +185,14 @@ def main(argv=None):
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))
     except (ConfigError, DataFileError, DataConfigError, CheckpointError) as err:
-        exit_with_message(f"error: {err}", 2)  # every rank exits 2; the message once, not once per rank
+        # every rank exits 2 with the message printed once, also when only this rank saw the error
+        exit_with_message(f"error: {err}", 2, rank_local=is_rank_local(err))
     except NonFiniteError as err:
         exit_with_message(f"error: {err}", 1)
+    except RuntimeError:  # a failed collective: did another rank stop on its own error? then exit as it did
+        exit_if_a_peer_stopped()
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # then the process groups are ended cleanly, and the exit code is main's

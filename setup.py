@@ -9,7 +9,7 @@ setup(
     # CI pins torch==2.13.0 (installed first by .ci/run); the code needs 2.5+ (SDPA with enable_gqa).
     install_requires=["torch>=2.5", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb", "transformers", "safetensors"],
+        "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb", "transformers", "safetensors", "peft"],
         # Hugging Face tokenizers, and checkpoint export/import (tools/checkpoint/convert.py --loader/--saver hf)
         "hf": ["tokenizers", "safetensors", "transformers"],
         # Compiled GPT-2 BPE for GPT-2's own vocabulary (megatron_lite/data/gpt2_fast.py); the

@@ -36,7 +36,7 @@ from megatron_lite.models.transformer_config import TransformerConfig  # noqa: E
 
 def _config(num_experts, hidden, ffn, topk=2, ep=1):
     return TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=1, num_experts=num_experts,
-                             moe_ffn_hidden_size=ffn, swiglu=True, add_bias_linear=False, moe_router_topk=topk,
+                             ffn_hidden_size=4 * hidden, moe_ffn_hidden_size=ffn, swiglu=True, add_bias_linear=False, moe_router_topk=topk,
                              moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
 
 
@@ -160,7 +160,7 @@ def bench_gpt(rounds: int, hidden: int, ffn: int) -> None:
                  position_embedding_type="rope", normalization="RMSNorm")
     models = {
         "dense": GPTModel(TransformerConfig(ffn_hidden_size=2 * ffn, **shape), ParallelState()),
-        "moe": GPTModel(TransformerConfig(num_experts=8, moe_ffn_hidden_size=ffn, moe_router_topk=2,
+        "moe": GPTModel(TransformerConfig(num_experts=8, ffn_hidden_size=2 * ffn, moe_ffn_hidden_size=ffn, moe_router_topk=2,
                                           moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall", **shape),
                         ParallelState()),
     }

@@ -11,7 +11,11 @@ neighbours, communication) over the time it spends inside, summed over ranks —
 formulas (p-1)/m, (p-1)/(v*m) and, with T_F = T_B = T_W, (p-1)/(3m) (ZB-H1) estimate for free
 communication. Interleaving sends v times as
 many messages, so on a slow link its measured bubble sits further above its formula.
-The equal-cost simulation of the same op order is printed beside them.
+Beside them, from what ran: "W share" (the part of the backward time
+spent in W ops: about half under ZB-H1, 0 if nothing was deferred) and "replayed" (the op order each
+rank recorded, laid out with each op kind's measured mean time and free communication: the bubble
+the schedule that really ran implies, without the noise of waiting). The equal-cost simulation of
+the predicted op order (F = B = W) is the last column.
 
 Caveat: with fewer cores than processes, ranks compete for cores, so measured bubbles mix
 pipeline idling with scheduling noise; the machine line says how many cores there were and the
@@ -164,6 +168,8 @@ def _worker(rank, port, args, queue):
     steps = {c: [] for c in configs}
     bubbles = {c: [] for c in configs}
     busy = {c: [] for c in configs}  # mean time per rank inside forward/backward (same work in every config)
+    w_share = {c: [] for c in configs}  # share of the backward time spent in W ops (0: nothing was deferred)
+    replay = {c: [] for c in configs}  # bubble of the recorded op order replayed with the measured op costs
     # alternate the configurations within each iteration so that load changes hit all of them
     for it in range(args.warmup + args.iters):
         for name, m in configs:
@@ -189,12 +195,29 @@ def _worker(rank, port, args, queue):
                 spans[events[0][0]] = step_span
             bubbles[(name, m)].append(measured_bubble_fraction(full, spans))
             busy[(name, m)].append(sum(b - a for a, b in full.times) / P)
+            share, bubble = _replay(full, v)
+            w_share[(name, m)].append(share)
+            replay[(name, m)].append(bubble)
             steps[(name, m)].append(max(b for _, _, _, b in gathered) - min(a for _, _, a, _ in gathered))
-    rows = [(name, m, statistics.median(steps[c]), statistics.median(bubbles[c]), statistics.median(busy[c]))
+    rows = [(name, m, *(statistics.median(x[c]) for x in (steps, bubbles, busy, w_share, replay)))
             for c in configs for name, m in [c]]
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
+
+
+def _replay(full, v):
+    """From what ran: the share of backward time spent in W ops, and the bubble of the recorded op
+    order of every rank laid out with each kind's measured mean cost (free communication)."""
+    from megatron_lite.parallel.pipeline.trace import bubble_fraction, orders_from_trace, simulate
+
+    spent: dict[str, list[float]] = {}
+    for event, (a, b) in zip(full, full.times):
+        spent.setdefault(event.kind, []).append(b - a)
+    w, backward = sum(spent.get("W", [])), sum(spent["B"]) + sum(spent.get("W", []))
+    cost = {k: statistics.mean(t) for k, t in spent.items()}
+    timeline = simulate(orders_from_trace(full), P, v, cost["F"], cost["B"], cost.get("W", 0.0))
+    return w / backward, bubble_fraction(timeline)
 
 
 def main(argv=None) -> int:
@@ -237,12 +260,13 @@ def run(args) -> None:
             f"ZB-H1: B {args.sleep_ms:g} + W {args.sleep_ms:g})")
     print(f"\n[{args.work}] p={P} gloo processes x 1 thread; {what}, {args.tokens} tokens per micro-batch; "
           f"median of {args.iters} steps after {args.warmup} warmup")
-    print(f"{'schedule':<16}{'m':>3}{'step ms':>10}{'compute ms/rank':>17}{'bubble measured':>17}{'formula':>9}"
-          f"{'equal-cost sim':>16}")
+    print(f"{'schedule':<16}{'m':>3}{'step ms':>10}{'compute ms/rank':>17}{'W share':>9}{'bubble measured':>17}"
+          f"{'replayed':>10}{'formula':>9}{'equal-cost sim':>16}")
     by = {}
-    for name, m, step, bubble, work in rows:
+    for name, m, step, bubble, work, share, replayed in rows:
         formula, sim = _formula_and_sim(name, m)
-        print(f"{name:<16}{m:>3}{step * 1e3:>10.1f}{work * 1e3:>17.1f}{bubble:>17.3f}{formula:>9.3f}{sim:>16.3f}")
+        print(f"{name:<16}{m:>3}{step * 1e3:>10.1f}{work * 1e3:>17.1f}{share:>9.2f}{bubble:>17.3f}{replayed:>10.3f}"
+              f"{formula:>9.3f}{sim:>16.3f}")
         by[(name, m)] = (step, bubble)
     for m in (4, 8):
         (s1, b1), (s2, b2), (s3, b3) = (by[(name, m)] for name, _, _ in SCHEDULES)

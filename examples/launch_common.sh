@@ -3,14 +3,14 @@
 # Each script sets GPUS_PER_NODE, NUM_NODES and its argument arrays, then calls
 #   launch <entry script> <flags...>
 # which starts torchrun on this node (run the same script on every node: NODE_RANK, MASTER_ADDR
-# and MASTER_PORT say where this node is in the job, as in Megatron's examples), or, with
+# and MASTER_PORT say where this node is in the job, as in Megatron's examples; on one node
+# without MASTER_PORT, torchrun --standalone picks a free port), or, with
 # MEGATRON_LITE_CHECK_ARGS=1, only validates the flags for the full world size of
 # NUM_NODES x GPUS_PER_NODE processes in one CPU process and exits (no GPU, no data needed).
 
 REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
 
 launch() {
     local entry=$1
@@ -19,6 +19,9 @@ launch() {
         WORLD_SIZE=$((NUM_NODES * GPUS_PER_NODE)) exec "${PYTHON:-python3}" "$REPO/$entry" "$@"
     fi
     export CUDA_DEVICE_MAX_CONNECTIONS=1  # keep communication kernels ordered with compute
+    if [ "$NUM_NODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then  # one node: a free port, no clash with other jobs
+        exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" "$REPO/$entry" "$@"
+    fi
     exec torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NUM_NODES" --node-rank "$NODE_RANK" \
-        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$REPO/$entry" "$@"
+        --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-6000}" "$REPO/$entry" "$@"
 }

@@ -18,7 +18,7 @@ else
            --num-attention-heads 16 --num-query-groups 4 --seq-length 2048)
 fi
 
-torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
+torchrun --standalone --nproc-per-node "$GPUS" pretrain_gpt.py \
     "${SHAPE[@]}" --group-query-attention --max-position-embeddings 32768 \
     --position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --swiglu \
     --disable-bias-linear --untie-embeddings-and-output-weights \

@@ -18,13 +18,13 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
+RDZV=(--master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-6000}")
+if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then RDZV=(--standalone); fi  # one node: a free port
 DATA=${DATA:-data/corpus_text_sentence}
 VOCAB=${VOCAB:-data/bert-vocab.txt}
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/bert_base}
 
-torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_bert.py \
+torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" "${RDZV[@]}" pretrain_bert.py \
     --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \
     --use-distributed-optimizer --overlap-grad-reduce --bf16 \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 --max-position-embeddings 512 \

@@ -24,9 +24,9 @@ python3 tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$O
 
 echo "== 4. train: tensor-parallel 2 x pipeline-parallel 2 on 4 CPU processes"
 rm -rf "$OUT/checkpoints"
-OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc-per-node 4 --master-port "${PORT:-29517}" pretrain_gpt.py \
+OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
-    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+    --num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 --seq-length 128 \
     --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" \

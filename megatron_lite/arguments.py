@@ -15,7 +15,7 @@ import time
 import typing
 
 from .config import SECTIONS, Config, ConfigError, finalize
-from .errors import PEER_EXIT_GRACE_S
+from .errors import PEER_EXIT_GRACE_S, OneLineParser
 from .fusions.config import FUSION_CHOICES
 from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
@@ -37,7 +37,7 @@ CHOICES = {
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
-    "cp_comm_type": list(CP_COMM_TYPES),
+    "cp_comm_type": list(CP_COMM_TYPES) + ["a2a+p2p"],  # the latter refused in one line (not built)
     "optimizer": ["adam", "sgd"],
     "ckpt_format": ["torch", "torch_dist"],
     "pipeline_schedule": ["1f1b", "zb-h1"],
@@ -81,9 +81,9 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser that prints (usage, errors, help) only on rank 0 of a torchrun launch:
-    every rank still exits with code 2 on a bad flag, but the message appears once."""
+class RankZeroParser(OneLineParser):
+    """A OneLineParser that prints (errors, help) only on rank 0 of a torchrun launch: every rank
+    still exits with code 2 on a bad flag, but the message appears once."""
 
     def _print_message(self, message, file=None):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -108,16 +108,17 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
         for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
             if not f.metadata.get("cli", True):
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))  # a few Megatron flags keep an underscore
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
             if kind is bool:  # on by default: --no-<flag> turns it off
                 group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
-            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            base = base[0]
-            if typing.get_origin(base) is list:
+            if typing.get_origin(kind) is not list:  # ``X | None`` -> X; a plain ``list[X]`` stays whole
+                kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+            base = kind
+            if typing.get_origin(base) is list:  # every list field takes several values, as in Megatron
                 kwargs["nargs"] = f.metadata.get("nargs", "+")
                 base = typing.get_args(base)[0]
             kwargs["type"] = base
@@ -154,6 +155,8 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
+        if config.checkpoint.use_checkpoint_args:
+            _take_checkpoint_args(config)
         finalize(config, world_size)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
@@ -161,6 +164,19 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         print(args_summary(config))
         parser.exit(0)
     return config
+
+
+def _take_checkpoint_args(config: Config) -> None:
+    """--use-checkpoint-args: the architecture flags from the checkpoint at --load (said on rank 0)."""
+    from .checkpoint.arch import apply_checkpoint_args
+    from .checkpoint.format import CheckpointError
+
+    try:
+        changed = apply_checkpoint_args(config)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    if changed and int(os.environ.get("RANK", "0")) == 0:
+        print(f"> --use-checkpoint-args: model flags from {config.checkpoint.load}: {', '.join(changed)}", flush=True)
 
 
 CHECK_ARGS_ENV = "MEGATRON_LITE_CHECK_ARGS"

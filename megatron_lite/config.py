@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 from .fusions.config import FusionConfig, check_fusion_flags
 from .logging_config import LoggingConfig, check_profile_flags
+from .lora.config import LoRAConfig, check_lora_flags
 from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
@@ -28,7 +29,7 @@ class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models
     hidden_size: int = 64
     """Transformer hidden size."""
     ffn_hidden_size: int | None = None
-    """MLP hidden size (default 4 x hidden-size)."""
+    """MLP hidden size (default 4 x hidden-size; with --swiglu int(4 x hidden-size x 2/3 / 64) x 64, as Megatron-LM)."""
     num_attention_heads: int = 4
     """Number of attention heads."""
     group_query_attention: bool = False
@@ -71,6 +72,35 @@ class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models
     """Layer spec of your own: NAME (a LayerSpec, or a function layer_number -> LayerSpec) in MODULE (on PYTHONPATH, or a .py file path)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
     """Derived: vocabulary padded for the embedding and output layers."""
+
+
+SHAPE_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "disable_bias_linear",
+    "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_grouped_gemm", "moe_router_enable_expert_bias",
+    "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "qk_layernorm", "mtp_num_layers",
+)
+"""The model flags that decide parameter shapes (a weights-only load checks these too)."""
+
+ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but change the function
+    "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+    "beta_slow", "bias_gelu_fusion", "spec",
+)
+"""The flags (config field names, any section) that define the model a checkpoint holds. A resume
+refuses a checkpoint saved with another value of any of them, naming the flag and both values;
+--finetune and --pretrained-checkpoint only those of SHAPE_FLAGS (a change of the others can be
+deliberate); ``--use-checkpoint-args`` takes them all from the checkpoint. A new model flag goes
+here (or in SHAPE_FLAGS when it decides a shape)."""
+
+DERIVED_FLAGS = ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type")
+"""Model flags whose unset value (None) is derived from other architecture flags when the model is
+built (and stored derived); a checkpoint whose config holds them unset (written by a converter) is
+compared through those other flags."""
 
 
 @dataclass
@@ -175,6 +205,11 @@ class OptimizerConfig:
     """With --optimizer-cpu-offload: the fraction of this rank's optimizer shard kept on the CPU."""
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """With --optimizer-cpu-offload on a GPU: copy gradients and params on a side stream."""
+    override_opt_param_scheduler: bool = field(default=False, metadata={"flag": "--override-opt_param-scheduler"})
+    """On resume, use this run's learning-rate flags even where the checkpoint's schedule differs."""
+    use_checkpoint_opt_param_scheduler: bool = field(default=False,
+                                                     metadata={"flag": "--use-checkpoint-opt_param-scheduler"})
+    """On resume, continue the checkpoint's learning-rate schedule whatever this run's flags say."""
 
 
 @dataclass
@@ -235,6 +270,8 @@ class CheckpointConfig:
     """Load the checkpoint at --load in whichever format it is."""
     async_save: bool = False
     """Write torch_dist checkpoints in the background while training goes on."""
+    use_checkpoint_args: bool = False
+    """Take the model flags (architecture, see ARCHITECTURE_FLAGS) from the checkpoint at --load."""
 
 
 @dataclass
@@ -249,6 +286,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     world_size: int = 1
     data_parallel_size: int = 1
     extra_sections: tuple[str, ...] = ()  # a script's own sections (pretrain_bert.py's "bert"), set by parse_args
@@ -261,7 +299,8 @@ class Config:
         return out
 
 
-SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion")
+SECTIONS = ("model", "parallel", "training", "optim", "precision", "data", "checkpoint", "logging", "moe", "fusion",
+            "lora")
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
@@ -274,20 +313,21 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     from .parallel.state import ParallelConfigError, RankGrid
 
     p = config.parallel
+    # What no launch can run comes first (a feature not built, a shape that does not split), then
+    # what needs another number of processes: one process must not be told to launch more for a
+    # combination that would be refused anyway.
+    _check_precision(config.precision)
+    check_fusion_flags(config.fusion, config.model.disable_bias_linear)
+    _check_model(config)
+    _check_parallel(config)
     try:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                         dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
     except ParallelConfigError as err:
-        _check_parallel(config)  # what cannot work at all first, then what needs another launch
-        _check_precision(config.precision)
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
-    check_fusion_flags(config.fusion, config.model.disable_bias_linear)
-    _check_model(config)
-    _check_parallel(config)
     _check_batch(config)
-    _check_precision(config.precision)
     _check_schedule(config)
     _check_profile(config)
     _check_data_and_checkpoint(config)
@@ -303,7 +343,7 @@ def _check_model(config: Config) -> None:
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     model = TransformerConfig.from_config(config)
-    for name in ("ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "rope_type"):
+    for name in DERIVED_FLAGS:
         setattr(m, name, getattr(model, name))
     config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
     config.training.recompute_num_layers = model.recompute_num_layers
@@ -322,6 +362,8 @@ def _check_parallel(config: Config) -> None:
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:
+        _require(p.pipeline_schedule != "zb-h1", "--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
+                 "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0 and m.num_layers % (per * pp) == 0,
@@ -349,7 +391,7 @@ def _check_batch(config: Config) -> None:
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
-        try:  # also refuses --pipeline-schedule zb-h1 (one chunk per rank)
+        try:
             from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
                                            p.pipeline_model_parallel_size, p.pipeline_schedule)
@@ -372,6 +414,8 @@ def _check_schedule(config: Config) -> None:
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
     _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
              f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
              f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
@@ -403,3 +447,4 @@ def _check_data_and_checkpoint(config: Config) -> None:
     from .data.sft_dataset import check_sft_flags
 
     check_sft_flags(config)
+    check_lora_flags(config)

@@ -8,6 +8,7 @@ in the startup log; none is ever required.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib.util
 import os
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 _DEVICE: torch.device | None = None
+_OWNS_PROCESS_GROUP = False  # init_distributed made it, so shutdown_distributed ends it
 
 
 def choose_device(local_rank: int | None = None) -> torch.device:
@@ -50,15 +52,57 @@ def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
     Returns the chosen device. A plain ``python script.py`` (no WORLD_SIZE) runs as a single
     process without a process group.
     """
+    global _OWNS_PROCESS_GROUP
     device = choose_device()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and not dist.is_initialized():
+        _import_dynamo_first()
         dist.init_process_group(
             backend=backend_for(device),
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
         )
+        _OWNS_PROCESS_GROUP = True
     return device
+
+
+def _import_dynamo_first() -> None:
+    """torch.optim imports torch._dynamo with the first optimizer; imported while a process group
+    exists, it keeps references to the default group that nothing releases, and the group outlives
+    :func:`shutdown_distributed`. Imported before, it holds none."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:  # a torch without it: nothing to import early
+        pass
+
+
+def owns_process_group() -> bool:
+    """Whether :func:`init_distributed` made the default group (not so in a test's process pool)."""
+    return _OWNS_PROCESS_GROUP and dist.is_initialized()
+
+
+def shutdown_distributed(wait_for_peers: bool = True) -> None:
+    """End the process groups :func:`init_distributed` made (nothing if it found one already, as in a
+    test's process pool): a barrier (``wait_for_peers``: every rank is past its last collective), then
+    every group is destroyed and collected, which joins the communication threads while the
+    interpreter is whole.
+
+    Call it last, with no reference to a group left (the run's objects dropped). Left to interpreter
+    exit, a gloo worker thread can drop the last reference to a collective's tensor during
+    finalisation; freeing it takes the GIL, which a finalising interpreter refuses, and the process
+    aborts ("terminate called without an active exception", exit -6) or hangs after a finished run.
+    """
+    from .parallel.state import forget_groups
+
+    global _OWNS_PROCESS_GROUP
+    if not owns_process_group():
+        return
+    if wait_for_peers:
+        dist.barrier()
+    dist.destroy_process_group()
+    forget_groups()  # the per-process group cache (a pool worker's, whose harness owns the group, is kept)
+    _OWNS_PROCESS_GROUP = False
+    gc.collect()  # the subgroups' last references (in reference cycles): their destructors join the threads
 
 
 def _importable(name: str) -> bool:

@@ -18,6 +18,8 @@ class LoggingConfig:
     """Include TFLOP/s per device in the log line."""
     log_comm_volume: bool = False
     """Count the bytes each rank sends per step, per group kind (tp, sp, cp, ep, dp, pp), and log rank 0's."""
+    memory_report: bool = False
+    """Track live tensors in the first two steps; print each step's peak and remaining bytes by category (parameters, gradients, optimizer state, activations, communication, temporaries) for rank 0 and the rank with the highest peak."""
     wandb_project: str = ""
     """Weights & Biases project: log the TensorBoard scalars there too (optional wandb; WANDB_MODE=offline)."""
     wandb_exp_name: str = ""

@@ -25,7 +25,8 @@ TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", 300))
 ERROR_GRACE_S = 20.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or torchrun's --master-port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -74,7 +75,7 @@ class RankPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)

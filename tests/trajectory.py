@@ -37,6 +37,17 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.grad_norms)
 
+    def __add__(self, other: Trajectory) -> Trajectory:
+        """The steps of ``self`` then those of ``other`` (a run stopped, then resumed)."""
+        return Trajectory(self.losses + other.losses, self.grad_norms + other.grad_norms,
+                          self.reported + other.reported)
+
+    def __getitem__(self, steps: slice) -> Trajectory:
+        """The steps ``steps`` (a slice) of a last-stage trajectory: ``whole[:4]``, ``whole[4:]``."""
+        if not isinstance(steps, slice):
+            raise TypeError("index a Trajectory with a slice of steps")
+        return Trajectory(self.losses[steps], self.grad_norms[steps], self.reported[steps])
+
 
 def run_script(script: str, argv: list[str]) -> Trajectory:
     """Inside a rank (or in this process): ``<script>.main(argv)``'s trajectory (``script`` is a
@@ -70,6 +81,11 @@ def _agreed(results: list[Trajectory]) -> Trajectory:
     for other in results:  # the gradient norm is global: every rank, first stages included, has the same
         assert other.grad_norms == last[0].grad_norms, "ranks disagree on the gradient norm"
     return last[0]
+
+
+def run_trajectory(world: int, script: str, argv: list[str]) -> Trajectory:
+    """:func:`run_script` in this process when ``world`` is 1, else :func:`ranks_trajectory`."""
+    return run_script(script, argv) if world == 1 else ranks_trajectory(world, script, argv)
 
 
 def _close(a, e, rtol: float) -> bool:

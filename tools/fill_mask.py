@@ -3,7 +3,8 @@
 The checkpoint may have been saved by pretrain_bert.py at any tensor- and pipeline-parallel size:
 its shards are merged into a single-process BertModel (:mod:`megatron_lite.checkpoint.merge`). The
 model shape comes from the config saved in the checkpoint; the tokenizer flags default to the saved
-ones too.
+ones too (for a checkpoint converted from Hugging Face: the vocab.txt convert.py kept in its
+``tokenizer`` folder).
 
     python tools/fill_mask.py --load checkpoints/bert --text "the [MASK] statement" --top-k 5
 
@@ -23,14 +24,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.checkpoint import CheckpointError, load_bert_checkpoint  # noqa: E402
+from megatron_lite.checkpoint.hf_tokenizer import checkpoint_tokenizer  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 MASK = "[MASK]"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save folder (latest iteration) or an iter_* folder")
     p.add_argument("--text", required=True, help=f"text with one or more {MASK} markers")
     p.add_argument("--top-k", type=int, default=5, help="predictions shown per mask")
@@ -69,6 +72,8 @@ def predict(model, ids: list[int], mask_id: int, vocab_size: int, top_k: int, de
 
 
 def build_tokenizer_for(args, saved: dict):
+    if args.tokenizer_type is None and saved.get("tokenizer_type") is None:  # converted from Hugging Face
+        saved = {**saved, **(checkpoint_tokenizer(args.load) or {})}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else saved.get(name)  # noqa: E731
     kind = pick("tokenizer_type")
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):

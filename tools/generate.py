@@ -2,7 +2,8 @@
 
 The checkpoint may have been saved at any tensor- and pipeline-parallel size: its shards are
 merged into a single-process GPTModel (:mod:`megatron_lite.checkpoint.merge`). The model shape comes
-from the config saved in the checkpoint; the tokenizer flags default to the saved ones too.
+from the config saved in the checkpoint; the tokenizer flags default to the saved ones too (for a
+checkpoint converted from Hugging Face: the tokenizer files convert.py kept in its ``tokenizer`` folder).
 
     python tools/generate.py --load checkpoints/gpt --prompt "The quick brown" --max-new-tokens 40 --greedy
     python tools/generate.py --load checkpoints/gpt --prompt "Once upon" --temperature 0.8 --top-k 40 --seed 7
@@ -24,12 +25,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.checkpoint import CheckpointError, load_gpt_checkpoint  # noqa: E402
+from megatron_lite.checkpoint.hf_tokenizer import checkpoint_tokenizer  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save folder (latest iteration) or an iter_* folder")
     p.add_argument("--prompt", default="", help="text to continue (empty: start from the end-of-document token)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
@@ -93,10 +96,13 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, vocab_size: i
 
 def build_tokenizer_for(args, saved: dict):
     """The tokenizer from the flags, each flag defaulting to the value saved in the checkpoint."""
+    if args.tokenizer_type is None and saved.get("tokenizer_type") is None:  # converted from Hugging Face
+        saved = {**saved, **(checkpoint_tokenizer(args.load) or {})}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else saved.get(name)  # noqa: E731
     kind = pick("tokenizer_type")
     if kind is None:
-        raise ValueError("the checkpoint names no tokenizer; pass --tokenizer-type and its files")
+        raise ValueError("the checkpoint names no tokenizer and holds no tokenizer folder; pass --tokenizer-type "
+                         "and its files")
     return build_tokenizer(kind, vocab_file=pick("vocab_file"), merge_file=pick("merge_file"),
                            tokenizer_model=pick("tokenizer_model"), vocab_size=pick("vocab_size"))
 

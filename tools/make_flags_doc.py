@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_lite.arguments import build_parser  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "flags.md")
 HEADER = """# Flags reference
@@ -79,7 +80,7 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="Only check that docs/flags.md is up to date.")
     parser.add_argument("--output", default=OUTPUT, help="Where to write (default: docs/flags.md).")
     args = parser.parse_args(argv)

@@ -22,6 +22,10 @@ import os
 import sys
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.errors import OneLineParser  # noqa: E402
+
 # Pure-Python, always-present, import-safe modules whose docstrings are ordinary English prose.
 STDLIB_MODULES = (
     "abc argparse ast asyncio base64 bisect calendar cmd codecs collections colorsys configparser "
@@ -121,7 +125,7 @@ def _write_jsonl(output: str, records) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--doc-chars", type=int, default=2000, help="approximate characters per document")
     parser.add_argument("--no-docstrings", action="store_true", help="only pydoc_data.topics")

@@ -19,6 +19,7 @@ from megatron_lite.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     index_file_path,
 )
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def find_datasets(directory: str) -> list[str]:
@@ -53,7 +54,7 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="directory holding the .bin/.idx pairs to merge")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     args = parser.parse_args(argv)

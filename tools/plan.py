@@ -26,7 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.perf.numbers import count, figure  # noqa: E402
 from megatron_lite.perf.plan import (  # noqa: E402
     CLUSTER_PRESETS,
     MATMUL_EFFICIENCY,
@@ -58,7 +59,7 @@ LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="a published model's shapes")
     for flag, (_, kind) in MODEL_FLAGS.items():
         ap.add_argument(flag, type=kind)
@@ -111,16 +112,16 @@ def cluster_from_args(args) -> ClusterSpec:
 def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     """The best layout, its memory and its time broken down."""
     lay = best.layout
-    comm = " + ".join(f"{k} {v:.3f}" for k, v in best.comm_s.items() if v)
+    comm = " + ".join(f"{k} {v:.3g}" for k, v in best.comm_s.items() if v)
     return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}, "
             f"ZeRO {lay.zero}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
-            f"  memory per GPU {best.memory_gb:.1f} of {cluster.gpu_memory_gb:g} GB: model state "
-            f"{best.model_state_gb:.1f}, activations {best.activation_gb:.1f}, reserved "
-            f"{best.memory_gb - best.model_state_gb - best.activation_gb:.1f}\n"
-            f"  step {best.step_s:.3f} s: compute {best.compute_s:.3f} s at {MATMUL_EFFICIENCY:.0%} of peak, "
+            f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
+            f"{figure(best.model_state_gb)}, activations {figure(best.activation_gb)}, reserved "
+            f"{figure(best.memory_gb - best.model_state_gb - best.activation_gb)}\n"
+            f"  step {best.step_s:.3g} s: compute {best.compute_s:.3g} s at {MATMUL_EFFICIENCY:.0%} of peak, "
             f"communication {comm or 'none'} s, pipeline bubble {best.bubble:.1%}\n"
-            f"  {best.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {best.mfu:.1%}")
+            f"  {figure(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {figure(100 * best.mfu)}%")
 
 
 def draw(estimates, path: str, memory_gb: float) -> str:
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
         return 2
     dense, expert = stage_params(spec, 1, 1, 1, True, True)
     fitting = [e for e in estimates if e.fits]
-    print(f"model: {(dense + expert) / 1e9:.2f} B parameters, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+    print(f"model: {count(dense + expert)} parameters, {spec.num_layers} layers, hidden {spec.hidden_size}, "
           f"seq {spec.seq_length}; cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node, "
           f"{cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s); global batch {args.global_batch_size}")
     print(f"{len(estimates)} layouts, {len(fitting)} fit in memory")
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     shown = (fitting or sorted(estimates, key=lambda e: e.memory_gb))[:args.top]
     print(format_table(shown))
     if not fitting:
-        print(f"no layout fits in {cluster.gpu_memory_gb:g} GB; the smallest needs {shown[0].memory_gb:.1f} GB")
+        print(f"no layout fits in {cluster.gpu_memory_gb:g} GB; the smallest needs {figure(shown[0].memory_gb)} GB")
     else:
         print(describe(fitting[0], spec, cluster))
     if args.png:

@@ -11,11 +11,14 @@ in the same colour when present. Runs are labelled by their path unless ``--labe
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|")
 _VALID = re.compile(r"validation loss at iteration (\d+)\s*\|")
@@ -100,7 +103,7 @@ def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="TensorBoard folders, event files or console log files")
     p.add_argument("--output", "-o", default="loss.png", help="PNG file to write")
     p.add_argument("--tag", default="lm loss", help="loss name (TensorBoard scalar / log field)")

@@ -16,12 +16,12 @@ interleaving, (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) for ZB-H1 ((p-1)/(3
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.errors import OneLineParser  # noqa: E402
 from megatron_lite.parallel.pipeline.order import check_interleaved_microbatches  # noqa: E402
 from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
     bubble_fraction,
@@ -61,7 +61,7 @@ def draw(ax, timeline, p, m, title):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-p", "--pipeline-model-parallel-size", type=int, required=True, dest="p")
     ap.add_argument("-m", "--num-microbatches", type=int, required=True, dest="m")
     ap.add_argument("-v", "--model-chunks", type=int, default=1, dest="v",

@@ -16,10 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSONL file (one JSON object per line), optionally .gz; or a .parquet file or a "
                             "directory of them (needs pyarrow), --json-keys naming the columns")

@@ -18,11 +18,11 @@ from megatron_lite.data.builder import DataConfigError  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
-from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL file of conversations (optionally .gz)")
     parser.add_argument("--output-prefix", required=True, help="outputs: PREFIX.bin/.idx and PREFIX_loss_mask.bin/.idx")
     add_tokenizer_args(parser)

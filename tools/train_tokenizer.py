@@ -23,9 +23,12 @@ import argparse
 import gzip
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def read_texts(path: str, json_keys=("text",), jsonl=None):
@@ -62,27 +65,59 @@ def train_sentencepiece(texts, output_prefix: str, vocab_size: int = 4096, model
     """Train on ``texts`` (each split into lines); returns the .model path."""
     import sentencepiece as spm
 
+    texts = list(texts)
+
     def lines():
         for text in texts:
             for line in text.split("\n"):
                 if line.strip():
                     yield line
 
+    minimum = sentencepiece_minimum(texts)
+    if vocab_size < minimum:
+        raise ValueError(f"--vocab-size {vocab_size} is too small for this corpus: SentencePiece with byte fallback "
+                         f"needs at least {minimum} pieces (3 special + 256 bytes + its {minimum - 259} distinct "
+                         "characters); raise --vocab-size")
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    try:
+        _train_sentencepiece(spm, lines(), output_prefix, vocab_size, model_type, verbose)
+    except RuntimeError as err:  # SentencePiece's own check, in its words: say it in ours
+        limit = re.search(r"too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
+        if limit:
+            raise ValueError(f"--vocab-size {vocab_size} is more than {model_type} can learn from this corpus "
+                             f"(at most {limit.group(2)}); lower --vocab-size or give more text") from None
+        raise
+    return output_prefix + ".model"
+
+
+def sentencepiece_minimum(texts) -> int:
+    """The smallest --vocab-size SentencePiece accepts here: unk/bos/eos, the 256 byte-fallback
+    pieces, and every distinct character (character coverage 1.0; a space is its meta symbol)."""
+    chars = set()
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                chars.update(line.replace(" ", "\u2581"))
+    return 3 + 256 + len(chars)
+
+
+def _train_sentencepiece(spm, lines, output_prefix, vocab_size, model_type, verbose) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=output_prefix, vocab_size=vocab_size,
+        sentence_iterator=lines, model_prefix=output_prefix, vocab_size=vocab_size,
         model_type=model_type, character_coverage=1.0, byte_fallback=True, split_digits=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         max_sentence_length=1 << 16, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         num_threads=1, minloglevel=0 if verbose else 2,
     )
-    return output_prefix + ".model"
 
 
 def train_byte_level_bpe(texts, output_prefix: str, vocab_size: int, min_frequency: int = 2):
     """GPT-2 format files ``{prefix}-vocab.json`` and ``{prefix}-merges.txt``; returns their paths."""
     from megatron_lite.data.gpt2_bpe import save_vocab_and_merges, train_gpt2_bpe
 
+    if vocab_size < 257:
+        raise ValueError(f"--vocab-size {vocab_size} is too small for byte-level-bpe: the 256 byte symbols and "
+                         "<|endoftext|> take 257 (and 257 learns no merge); give more")
     encoder, merges = train_gpt2_bpe(texts, vocab_size, min_frequency)
     vocab_file, merge_file = f"{output_prefix}-vocab.json", f"{output_prefix}-merges.txt"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -101,8 +136,17 @@ def train_wordpiece_vocab(texts, output_prefix: str, vocab_size: int, lower_case
     return path
 
 
+def _say_if_short(vocab_file: str, asked: int) -> None:
+    """Byte-level BPE stops when no pair occurs --min-frequency times: say so when that cut it short."""
+    with open(vocab_file, encoding="utf-8") as f:
+        size = len(json.load(f))
+    if size < asked:
+        print(f"note: {size} tokens, not --vocab-size {asked}: no further pair occurs --min-frequency times "
+              "in this corpus")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to train on")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab (SentencePiece) "
@@ -127,6 +171,7 @@ def main(argv=None) -> int:
             paths = train_byte_level_bpe(texts, args.output_prefix, args.vocab_size, args.min_frequency)
             print(f"Wrote {paths[0]} and {paths[1]} (use --tokenizer-type GPT2BPETokenizer "
                   f"--vocab-file {paths[0]} --merge-file {paths[1]})")
+            _say_if_short(paths[0], args.vocab_size)
         elif args.model_type == "wordpiece":
             path = train_wordpiece_vocab(texts, args.output_prefix, args.vocab_size, not args.cased, args.min_frequency)
             kind = "BertWordPieceCase" if args.cased else "BertWordPieceLowerCase"

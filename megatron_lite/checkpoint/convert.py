@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ..config import ModelConfig, ParallelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, OneLineParser
 from ..fusions.config import tanh_gelu
 from ..moe.config import MoEConfig
 from .format import CheckpointError
@@ -39,6 +39,7 @@ from .hf_io import (
     write_safetensors,
 )
 from .hf_mixtral import from_mixtral, to_mixtral
+from .hf_tokenizer import export_tokenizer, tokenizer_flags, tokenizer_in_folder
 from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
@@ -175,11 +176,16 @@ def _hf_saver_args(parser) -> None:
                             "mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
+    group.add_argument("--merge-lora", action="store_true", default=None,
+                       help="LoRA checkpoint: export the merged model (W + alpha/r B A) instead of the base plus a "
+                            "PEFT adapter in <save-dir>/adapter.")
 
 
 def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_size: str | int = "5GB",
             progress=_no_progress) -> str:
-    """Write ``bundle`` as a Hugging Face folder (config.json, safetensors, tokenizer files); returns it."""
+    """Write ``bundle`` as a Hugging Face folder (config.json with the special-token ids, safetensors,
+    generation_config.json, the tokenizer AutoTokenizer reads back to our ids); returns the folder
+    and, on a second line, what was written as the tokenizer (or why none)."""
     style = pick_style(bundle.config, style)
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
@@ -191,20 +197,47 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     if os.path.isfile(os.path.join(save_dir, "config.json")):
         raise CheckpointError(f"{save_dir} already holds a config.json; choose an empty --save-dir")
     os.makedirs(save_dir, exist_ok=True)
+    special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, save_dir)
+    hf_config.update(special)
     write_safetensors(tensors, save_dir, limit)
-    write_json(os.path.join(save_dir, "config.json"), hf_config)
-    copy_tokenizer_files(bundle.tokenizer_files, save_dir)
-    return save_dir
+    if style != "bert" and special and not os.path.isfile(os.path.join(save_dir, "generation_config.json")):
+        write_json(os.path.join(save_dir, "generation_config.json"), {**special, "_from_model_config": True})
+    write_json(os.path.join(save_dir, "config.json"), hf_config)  # last: the folder is complete
+    return f"{save_dir}\n{note}"
 
 
 def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    return save_hf(bundle, args.save_dir, args.hf_style or "auto", args.max_shard_size or "5GB", progress)
+    """A Hugging Face folder; a LoRA source gives its base plus a PEFT adapter (or, --merge-lora, the merged model)."""
+    from ..lora.convert import merged_bundle  # (the lora package imports this one)
+    from ..lora.peft_export import peft_adapter, save_peft_adapter
+
+    if args.merge_lora and bundle.adapters is None:
+        raise ConfigError(f"--merge-lora: {args.load_dir} is not a LoRA checkpoint; drop it")
+    if bundle.adapters is not None and args.merge_lora:
+        bundle = merged_bundle(bundle)
+    style = pick_style(bundle.config, args.hf_style or "auto")
+    if bundle.adapters is not None:  # refused before anything is written when the adapter cannot be exported
+        peft_adapter(bundle.config, bundle.adapters, style, args.save_dir)
+    out = save_hf(bundle, args.save_dir, style, args.max_shard_size or "5GB", progress)
+    if bundle.adapters is None:
+        return out
+    return f"{out} (the base) and its PEFT adapter {save_peft_adapter(bundle.config, bundle.adapters, style, out)}"
 
 
 def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:
-    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``)."""
+    """The megatron saver also keeps the source's tokenizer files (in ``<save>/tokenizer``); a LoRA
+    source is written with its adapters merged into the base weights."""
+    if bundle.adapters is not None:
+        from ..lora.convert import merged_bundle  # (the lora package imports this one)
+
+        bundle = merged_bundle(bundle)
     out = _save_megatron(bundle, args, progress)
-    copy_tokenizer_files(bundle.tokenizer_files, os.path.join(args.save_dir, TOKENIZER_DIR))
+    folder = os.path.join(args.save_dir, TOKENIZER_DIR)
+    copy_tokenizer_files(bundle.tokenizer_files, folder)
+    found = tokenizer_in_folder(folder)
+    if found and not bundle.config.get("tokenizer_type"):  # say which tokenizer flags load the kept files
+        load = f"load it with: --load {args.save_dir} "
+        out = out.replace(" (and the tokenizer flags)", "").replace(load, load + " ".join(tokenizer_flags(found)) + " ")
     return out
 
 
@@ -214,7 +247,7 @@ SAVERS = {"megatron": Plugin(_megatron_saver_args, _save_megatron_with_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Convert checkpoints between layouts and formats.", allow_abbrev=False)
+    parser = OneLineParser(description="Convert checkpoints between layouts and formats.", allow_abbrev=False)
     parser.add_argument("--model-type", required=True, choices=["GPT", "BERT"], help="Model family.")
     parser.add_argument("--loader", default="megatron", choices=sorted(LOADERS), help="Format of --load-dir.")
     parser.add_argument("--saver", default="megatron", choices=sorted(SAVERS), help="Format to write.")
@@ -231,7 +264,7 @@ PLUGIN_OPTIONS = {
     ("saver", "megatron"): ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
-    ("saver", "hf"): ("hf_style", "max_shard_size"),
+    ("saver", "hf"): ("hf_style", "max_shard_size", "merge_lora"),
     ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm"),
 }
 

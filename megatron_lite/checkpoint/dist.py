@@ -36,12 +36,12 @@ from ..device import get_device
 from ..optim.distrib_optimizer import DistributedOptimizer
 from .boxes import canonical_shape, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
-from .format import CheckpointError
+from .format import VOCAB_TENSORS, CheckpointError, restore_scheduler
+from .frozen import base_of, is_frozen
 from .layout import expert_place
 
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
-VOCAB_TENSORS = (WORD_EMBEDDING, "output_layer.weight")
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
 
@@ -57,6 +57,7 @@ class RankTensor:
     global_shape: tuple
     owned: bool  # this rank's TP position writes it (TP rank 0 for replicated tensors; never the tied copy)
     expert: bool = False  # an expert's tensor: replicated over expert-DP (not DP), one per expert-parallel rank
+    frozen: bool = False  # a frozen parameter (LoRA base): not saved, it comes from the base (frozen.py)
 
 
 def _inner(chunk):
@@ -102,7 +103,8 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
                 global_shape = (global_shape[0] * state.ep_size,) + global_shape[1:]
             alias = (tied_copy and name == "output_layer.weight") or (copy and name == WORD_EMBEDDING)
             tensor = RankTensor(WORD_EMBEDDING if alias else _global(name, start), value, dim, local, offset,
-                                global_shape, not alias and (dim is not None or state.tp_rank == 0), expert)
+                                global_shape, not alias and (dim is not None or state.tp_rank == 0), expert,
+                                is_frozen(value))
             out.append(tensor)
             by_param[id(value)] = tensor
     return out, by_param
@@ -132,7 +134,7 @@ def rank_pieces(chunks, optimizer, state) -> dict[str, torch.Tensor]:
     sharded = isinstance(optimizer, DistributedOptimizer)  # every (expert-)DP rank writes its own slice
     pieces = {}
     for t in tensors:
-        if t.owned and (expert_writer if t.expert else dense_writer):
+        if t.owned and not t.frozen and (expert_writer if t.expert else dense_writer):
             pieces[key_of("weight", t.name, t.offset)] = t.value.detach().view(t.local)
     if optimizer is None:
         return pieces
@@ -194,7 +196,7 @@ def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, st
     return {
         "format": "torch_dist", "iteration": int(iteration), "consumed_samples": int(consumed),
         "config": config.flat(), "layout": layout_of(state), "partition": _partition_table(chunks, state),
-        "optimizer": optimizer_common(optimizer, config),
+        "optimizer": optimizer_common(optimizer, config), "frozen_base": base_of(chunks),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
     }
 
@@ -203,14 +205,15 @@ def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, st
 # Load.
 
 
-def _loose(tensors) -> dict:
-    """{name: canonical axis} where saved and needed sizes may differ: the padded vocabulary rows."""
-    return {t.name: (t.dim + 1 if t.dim is not None else 0) for t in tensors if t.name in VOCAB_TENSORS}
+def _loose(tensors, vocab_size: int) -> dict:
+    """{name: (canonical axis, real rows)} where saved and needed sizes may differ: the vocabulary,
+    padded for the TP size (re-padded on load: ``vocab_size`` real rows, zero padded rows)."""
+    return {t.name: (t.dim + 1 if t.dim is not None else 0, vocab_size) for t in tensors if t.name in VOCAB_TENSORS}
 
 
-def load_weights(folder, index, tensors) -> None:
+def load_weights(folder, index, tensors, vocab_size: int) -> None:
     requests = [("weight", t.name, t.value.detach().view(t.local), t.offset, t.global_shape) for t in tensors]
-    fill(folder, index, requests, _loose(tensors))
+    fill(folder, index, requests, _loose(tensors, vocab_size))
 
 
 def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
@@ -245,7 +248,7 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
                 for s in size:
                     n *= s
                 requests.append((source, t.name, flat[start:start + n].view(size), offset, t.global_shape))
-        fill(folder, index, requests, _loose(tensors))
+        fill(folder, index, requests, _loose(tensors, common["config"].get("vocab_size")))
     for group in optimizer.param_groups:
         group.update(opt["hyper"])
     if optimizer.scaler is not None and opt["loss_scaler"] is not None:
@@ -258,13 +261,14 @@ def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, lo
     torch_dist checkpoint in iteration ``folder`` (``common``: its ``common.pt``); local, no collectives."""
     index = read_index(folder)
     tensors, by_param = rank_tensors(chunks, state)
-    load_weights(folder, index, tensors)
+    load_weights(folder, index, [t for t in tensors if not t.frozen],  # frozen ones: from the base, loaded before
+                 common["config"].get("vocab_size"))
     if load_optim and optimizer is not None:
         if common["optimizer"] is None:
             raise CheckpointError(f"checkpoint {folder} has no optimizer state; pass --no-load-optim or --finetune")
         load_optimizer(folder, index, common, optimizer, tensors, by_param)
         if scheduler is not None and common["scheduler"] is not None:
-            scheduler.load_state_dict(common["scheduler"])
+            restore_scheduler(scheduler, common["scheduler"], folder)
     elif optimizer is not None:
         optimizer.reload_model_params()
 

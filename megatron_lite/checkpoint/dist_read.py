@@ -8,11 +8,14 @@ rank. Every DCP key is ``<kind>/<global tensor name>/<offset>``: a box (see
 :mod:`~megatron_lite.checkpoint.boxes`) of the canonical form of one global tensor, where kind is
 ``weight``, ``master`` (fp32 master weights) or an optimizer state (``exp_avg``, ``exp_avg_sq``,
 ``momentum_buffer``). Boxes of one tensor never overlap, so a reader sums their sizes to check the
-tensor is complete, and loads only the keys overlapping what it needs.
+tensor is complete, and loads only the keys overlapping what it needs. ``checksums/rank_*.pt`` hold
+the CRC-32 of every key each rank wrote; every key read is verified against it (a checkpoint saved
+before checksums existed has no such folder and is read unverified).
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import warnings
@@ -21,15 +24,18 @@ import torch
 
 from .boxes import extent, full_shape, intersect, region
 from .format import (
+    CHECKSUMS_KEY,
     DIST_COMMON_FILENAME,
     TRACKER_FILENAME,
     CheckpointError,
     iteration_dir,
     load_file,
     read_tracker,
+    tensor_crc,
 )
 
 DIST_METADATA = ".metadata"  # DCP writes it once every rank's data is on disk
+DIST_CHECKSUMS_DIR = "checksums"
 COMMON_KEYS = ("format", "iteration", "consumed_samples", "config", "layout", "optimizer", "scheduler", "partition")
 
 
@@ -63,7 +69,22 @@ def read_common(folder: str) -> dict:
     return load_file(os.path.join(folder, DIST_COMMON_FILENAME), "torch_dist checkpoint file", keys=COMMON_KEYS)
 
 
-def read_index(folder: str) -> dict:
+class SavedIndex(dict):
+    """``{(kind, name): [(offset, size, dtype, key)]}``; ``checksums``: ``{key: CRC-32}`` (empty when
+    the checkpoint has none)."""
+
+    checksums: dict
+
+
+def read_checksums(folder: str) -> dict:
+    """``{key: CRC-32}`` of every key saved under ``folder`` (every rank's checksums file)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, DIST_CHECKSUMS_DIR, "rank_*.pt"))):
+        out.update(load_file(path, "torch_dist checksums file", keys=(CHECKSUMS_KEY,))[CHECKSUMS_KEY])
+    return out
+
+
+def read_index(folder: str) -> SavedIndex:
     """``{(kind, name): [(offset, size, dtype, key)]}`` of every box saved under ``folder``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -77,7 +98,8 @@ def read_index(folder: str) -> dict:
     except Exception as err:  # truncated or foreign pickle: one clear line
         raise CheckpointError(f"torch_dist checkpoint {folder}: {DIST_METADATA} is unreadable ({type(err).__name__}); "
                               "it is corrupt - point --load at another checkpoint") from None
-    index: dict = {}
+    index = SavedIndex()
+    index.checksums = read_checksums(folder)
     for key, meta in metadata.state_dict_metadata.items():
         parts = key.split("/")
         if not isinstance(meta, TensorStorageMetadata) or len(parts) != 3:
@@ -88,8 +110,9 @@ def read_index(folder: str) -> dict:
     return index
 
 
-def load_keys(folder: str, wanted: dict) -> dict:
-    """``{key: tensor}`` read from the DCP files (``wanted``: ``{key: (size, dtype)}``); local, no collectives."""
+def load_keys(folder: str, wanted: dict, checksums: dict | None = None) -> dict:
+    """``{key: tensor}`` read from the DCP files (``wanted``: ``{key: (size, dtype)}``), each verified
+    against ``checksums`` (``{key: CRC-32}``) where it has one; local, no collectives."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -103,16 +126,30 @@ def load_keys(folder: str, wanted: dict) -> dict:
             first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
             raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(err).__name__}: {first}); "
                                   "it is truncated or corrupt - point --load at another checkpoint") from None
+    for key, tensor in buffers.items():
+        if key in (checksums or {}) and tensor_crc(tensor) != checksums[key]:
+            raise CheckpointError(f"torch_dist checkpoint file {_file_of(folder, key)}: tensor {key} fails its "
+                                  "checksum (the file is damaged); point --load at another checkpoint")
     return buffers
+
+
+def _file_of(folder: str, key: str) -> str:
+    """The DCP data file holding ``key``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    name = next((info.relative_path for index, info in storage.items() if index.fqn == key), "?")
+    return os.path.join(folder, name)
 
 
 def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> None:
     """Fill each request ``(kind, name, dest, offset, global_shape)`` (``dest`` a tensor placed at
     ``offset`` in the canonical tensor of ``global_shape``) from the saved boxes overlapping it.
 
-    The saved tensor must have ``global_shape``, except along ``loose_axes[name]`` (the padded
-    vocabulary, whose padding depends on the TP size): parts of ``dest`` beyond what was saved there
-    are zero, saved parts beyond ``global_shape`` are not read."""
+    The saved tensor must have ``global_shape``, except along the axis of ``loose_axes[name] = (axis,
+    rows)`` (the padded vocabulary, whose padding depends on the TP size): where the saved size there
+    differs, only its first ``rows`` (the real vocabulary) are read and the rest of ``dest`` is zero,
+    as the converter re-pads."""
     loose_axes = loose_axes or {}
     plan, wanted = [], {}
     for kind, name, dest, offset, global_shape in requests:
@@ -121,15 +158,18 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
             raise CheckpointError(f"torch_dist checkpoint {folder} has no {kind} for {name}; it was saved from another "
                                   "model - match the model flags")
         have = extent((o, s) for o, s, _, _ in saved)
-        loose = loose_axes.get(name)
+        loose, rows = loose_axes.get(name, (None, None))
         if any(h != g for axis, (h, g) in enumerate(zip(have, global_shape)) if axis != loose) or len(have) != len(global_shape):
             raise CheckpointError(f"torch_dist checkpoint {folder}: {kind} of {name} has shape "
                                   f"{full_shape(have, None)} (canonical), this model needs {tuple(global_shape)}; "
                                   "match the model flags")
+        if loose is not None and have[loose] != global_shape[loose]:  # re-pad: the real rows only
+            have = have[:loose] + (min(rows or have[loose], have[loose]),) + have[loose + 1:]
         inside = intersect(offset, dest.shape, (0,) * len(have), have)
         covered = 0
         for s_off, s_size, dtype, key in saved:
             part = intersect(offset, dest.shape, s_off, s_size)
+            part = part and intersect(*part, (0,) * len(have), have)
             if part is not None:
                 plan.append((dest, offset, key, s_off, part))
                 wanted[key] = (s_size, dtype)
@@ -139,7 +179,7 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
                                   "point --load at a complete checkpoint")
         if inside is None or math.prod(inside[1]) < dest.numel():
             dest.zero_()  # padded vocabulary rows this checkpoint did not have
-    buffers = load_keys(folder, wanted)
+    buffers = load_keys(folder, wanted, getattr(index, "checksums", None))
     with torch.no_grad():
         for dest, offset, key, s_off, (i_off, i_size) in plan:
             region(dest, offset, i_off, i_size).copy_(region(buffers[key], s_off, i_off, i_size))

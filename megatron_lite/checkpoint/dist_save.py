@@ -23,13 +23,15 @@ import torch.distributed as dist
 
 from ..console import is_logging_rank
 from .dist import common_payload, rank_pieces
-from .dist_read import DIST_COMMON_FILENAME
+from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME
 from .format import (
+    CHECKSUMS_KEY,
     TRACKER_FILENAME,
     CheckpointError,
     atomic_save,
     atomic_write_text,
     iteration_dir,
+    tensor_crc,
     with_checksums,
 )
 
@@ -43,11 +45,17 @@ def temp_dir(root: str, iteration) -> str:
 
 
 def write_pieces(pieces: dict, folder: str, group=None) -> None:
-    """``torch.distributed.checkpoint.save`` of this rank's pieces (collective over ``group``)."""
+    """``torch.distributed.checkpoint.save`` of this rank's pieces (collective over ``group``), and
+    their CRC-32s in ``checksums/rank_XXXXX.pt`` (verified by every read, see dist_read.load_keys)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    rank = dist.get_rank() if _distributed() else 0
     try:
+        # the checksums first: DCP's save is collective, so every rank's file is complete before any
+        # rank returns from it (rank 0 may then rename the folder: --async-save)
+        crcs = {key: tensor_crc(t) for key, t in pieces.items()}
+        atomic_save({CHECKSUMS_KEY: crcs}, os.path.join(folder, DIST_CHECKSUMS_DIR, f"rank_{rank:05d}.pt"))
         with warnings.catch_warnings():  # a single process without torch.distributed is no surprise here
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())

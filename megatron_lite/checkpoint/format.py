@@ -23,25 +23,34 @@ import zlib
 
 import torch
 
+from ..config import ARCHITECTURE_FLAGS
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DIST_COMMON_FILENAME = "common.pt"  # a torch_dist iteration folder's rank-0 file (see checkpoint/dist_read.py)
 FORMAT_VERSION = 1
 
-# Config fields that decide parameter shapes: named in the message when shapes or names differ.
-ARCH_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "padded_vocab_size", "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
-    "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
-    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
-    "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
-    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "qk_layernorm", "mtp_num_layers",
-)
+# Config fields that describe the model a checkpoint holds (the vocabulary besides the flags):
+# named in the message when shapes or names differ.
+ARCH_FIELDS = ARCHITECTURE_FLAGS + ("padded_vocab_size", "vocab_size")
+
+# Tensors whose rows are the (padded) vocabulary: the padding depends on the TP size, so a checkpoint
+# read at another TP size is re-padded (real rows kept, padded rows zero; they never reach the loss).
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit this run; the message says which and why."""
+
+
+def restore_scheduler(scheduler, saved: dict, where: str) -> None:
+    """``scheduler.load_state_dict(saved)``; a schedule that differs from the flags is a CheckpointError."""
+    from ..errors import ConfigError
+
+    try:
+        scheduler.load_state_dict(saved)
+    except ConfigError as err:
+        raise CheckpointError(f"checkpoint {where}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,14 +189,15 @@ def _tensors(obj, prefix=""):
             yield from _tensors(item, f"{prefix}/{i}" if prefix else str(i))
 
 
-def _crc(tensor: torch.Tensor) -> int:
+def tensor_crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of the bytes of ``tensor``."""
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(memoryview(data))
 
 
 def with_checksums(payload: dict) -> dict:
     """``payload`` plus ``{path: crc32}`` of each of its tensors (what :func:`load_file` verifies)."""
-    return dict(payload, **{CHECKSUMS_KEY: {path: _crc(t) for path, t in _tensors(payload)}})
+    return dict(payload, **{CHECKSUMS_KEY: {path: tensor_crc(t) for path, t in _tensors(payload)}})
 
 
 def verify_checksums(obj: dict, path: str, what: str = "checkpoint file") -> None:
@@ -196,7 +206,7 @@ def verify_checksums(obj: dict, path: str, what: str = "checkpoint file") -> Non
     if saved is None:  # written before checksums existed
         return
     for name, tensor in _tensors(obj):
-        if saved.get(name) != _crc(tensor):
+        if saved.get(name) != tensor_crc(tensor):
             raise CheckpointError(f"{what} {path}: tensor {name} fails its checksum (the file is damaged); "
                                   "point --load at another checkpoint")
 

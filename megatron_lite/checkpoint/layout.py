@@ -31,7 +31,8 @@ from .merge import model_config_from_saved
 
 LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.(weight|bias)[12]$")
+# stacked [E, ...] grouped-expert tensors: the weights and biases, and their LoRA adapters (lora/experts.py)
+GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.((weight|bias)[12]|linear_fc[12]_adapter\.linear_(in|out)\.weight)$")
 
 
 def is_bert(cfg: dict) -> bool:
@@ -112,7 +113,8 @@ def expert_place(name: str, first_experts: dict[str, int], ep_size: int) -> tupl
         first = first_experts.get(m.group(1)[:-len("local_experts.")], 0) if ep_size > 1 else 0
         return f"{m.group(1)}{first + int(m.group(2))}{m.group(3)}", None, True
     if GROUPED_EXPERT.match(name):
-        return name, first_experts.get(name.rsplit(".", 1)[0] + ".", 0) if ep_size > 1 else 0, True
+        prefix = name[: name.index(".mlp.experts.") + len(".mlp.experts.")]
+        return name, first_experts.get(prefix, 0) if ep_size > 1 else 0, True
     return name, None, False
 
 

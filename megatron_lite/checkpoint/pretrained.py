@@ -17,8 +17,8 @@ master weights are refreshed from the loaded weights).
   checkpoint once; for large models prefer ``torch_dist``.
 
 The vocabulary padding may differ (it depends on the TP size): the rows of the real vocabulary are
-kept, padding rows are zero. The architecture flags must match the checkpoint's; a missing tensor,
-an extra one or a wrong shape is one :class:`CheckpointError`. ``missing_ok(name)`` lets a model
+kept. The model flags that decide shapes must match the checkpoint's (config.SHAPE_FLAGS; the others
+may change on purpose); a missing tensor, an extra one or a wrong shape is one :class:`CheckpointError`. ``missing_ok(name)`` lets a model
 hold tensors the checkpoint has not (e.g. adapters added for fine-tuning keep their own init).
 A Hugging Face model is imported first with ``tools/checkpoint/convert.py``.
 """
@@ -32,12 +32,13 @@ import torch
 from ..console import print_rank_0
 from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
+from .arch import check_architecture
 from .boxes import full_shape, region
-from .dist import VOCAB_TENSORS, load_weights, rank_tensors
+from .dist import load_weights, rank_tensors
 from .dist_read import is_dist_folder, read_common, read_index
 from .format import (
-    ARCH_FIELDS,
     TRACKER_FILENAME,
+    VOCAB_TENSORS,
     CheckpointError,
     iteration_dir,
     model_file,
@@ -46,8 +47,6 @@ from .format import (
 )
 from .layout import chunk_model
 from .merge import merge_checkpoint
-
-LOOSE_FIELDS = ("padded_vocab_size",)  # differs with the TP size; the rows are fitted instead
 
 
 def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
@@ -63,14 +62,6 @@ def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
                           "imported with tools/checkpoint/convert.py --loader hf first)")
 
 
-def _check_architecture(folder: str, saved: dict, config) -> None:
-    ours = config.flat()
-    differ = [f"{k.replace('_', '-')} {saved[k]} (this run {ours[k]})" for k in ARCH_FIELDS
-              if k not in LOOSE_FIELDS and k in saved and k in ours and saved[k] != ours[k]]
-    if differ:
-        raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(differ)}; match the model flags")
-
-
 def _fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """``tensor`` with its first dim cut or zero-padded to ``rows`` (the padded vocabulary)."""
     if tensor.shape[0] >= rows:
@@ -83,18 +74,20 @@ def _optional(name: str, missing_ok) -> bool:
     return is_fp8_state_key(name) or bool(missing_ok and missing_ok(name))
 
 
-def _load_dist_weights(folder: str, chunks, state, missing_ok) -> None:
-    """This rank's tensors from the boxes of a torch_dist checkpoint (those it has)."""
+def _load_dist_weights(folder: str, chunks, state, missing_ok, vocab_size: int) -> None:
+    """This rank's tensors from the boxes of a torch_dist checkpoint (those it has); the vocabulary
+    (``vocab_size`` real rows) is re-padded for this run's TP size."""
     index = read_index(folder)
     tensors = [t for t in rank_tensors(chunks, state)[0]
                if ("weight", t.name) in index or not _optional(t.name, missing_ok)]
-    load_weights(folder, index, tensors)
+    load_weights(folder, index, tensors, vocab_size)
 
 
-def _load_merged(folder: str, chunks, config, state, missing_ok) -> None:
-    """Cut this rank's tensors out of the merged (single-process) torch-format checkpoint."""
+def _load_merged(folder: str, chunks, config, state, missing_ok, check) -> None:
+    """Cut this rank's tensors out of the merged (single-process) torch-format checkpoint (``check``:
+    the saved config's check)."""
     merged, saved = merge_checkpoint(folder)
-    _check_architecture(folder, saved, config)
+    check(saved)
     tensors, _ = rank_tensors(chunks, state)
     whole_model = set(chunk_model(config.flat()).state_dict())  # every rank's tensors, at TP 1 and EP 1
     extra = sorted(k for k in merged if k not in whole_model and not is_fp8_state_key(k))
@@ -142,9 +135,9 @@ def _own_file(folder: str, chunks, state) -> dict | None:
     return payload if same and saved == _layer_ranges(chunks) else None
 
 
-def _load_own_file(folder: str, payload: dict, chunks, config, missing_ok) -> None:
+def _load_own_file(folder: str, payload: dict, chunks, missing_ok, check) -> None:
     """Each chunk's weights from this rank's model file (same layout): names and shapes checked."""
-    _check_architecture(folder, payload["config"], config)
+    check(payload["config"])
     problems = []
     with torch.no_grad():
         for chunk, saved in zip(chunks, payload["model"]):
@@ -164,22 +157,34 @@ def _load_own_file(folder: str, payload: dict, chunks, config, missing_ok) -> No
 
 
 def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: str = "--pretrained-checkpoint",
-                            missing_ok=None) -> str:
-    """This rank's part of :func:`load_model_weights` (local: no collectives). Returns the folder."""
+                            missing_ok=None, every_flag: bool = False) -> str:
+    """This rank's part of :func:`load_model_weights` (local: no collectives). Returns the folder.
+    The saved model flags that decide shapes must be this run's, all of them with ``every_flag``
+    (a converted ``release`` checkpoint loaded without --finetune)."""
     folder, iteration = checkpoint_folder(path, flag)
     dist_format = is_dist_folder(folder)
-    with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
+
+    def check(saved):
+        if saved.get("lora_rank"):
+            raise CheckpointError(f"checkpoint {folder} holds LoRA adapters only; merge them into their base first "
+                                  "(tools/checkpoint/convert.py --load-dir it) and load the merged checkpoint")
+        check_architecture(folder, saved, config, "release" if every_flag else "weights")
+
+    # ZeRO-3: full-size storage to load into, then re-sharded (gathered first when some may stay as they are)
+    with full_params(chunks, load=True, partial=missing_ok is not None):
         if dist_format:
-            _check_architecture(folder, read_common(folder)["config"], config)
-            _load_dist_weights(folder, chunks, state, missing_ok)
+            saved = read_common(folder)["config"]
+            check(saved)
+            _load_dist_weights(folder, chunks, state, missing_ok, saved.get("vocab_size"))
         elif (payload := _own_file(folder, chunks, state)) is not None:
-            _load_own_file(folder, payload, chunks, config, missing_ok)
+            _load_own_file(folder, payload, chunks, missing_ok, check)
         else:
-            _load_merged(folder, chunks, config, state, missing_ok)
+            _load_merged(folder, chunks, config, state, missing_ok, check)
     if optimizer is not None:  # fp32 masters from the loaded weights, or the first step would undo the load
         optimizer.reload_model_params()
+    fresh = "; starting at iteration 0 with a fresh optimizer" if optimizer is not None else ""
     print_rank_0(f"  loaded model weights from {folder} (iteration {iteration}, "
-                 f"{'torch_dist' if dist_format else 'torch'} format); starting at iteration 0 with a fresh optimizer")
+                 f"{'torch_dist' if dist_format else 'torch'} format){fresh}")
     return folder
 
 

@@ -43,6 +43,7 @@ from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .format import (
     FORMAT_VERSION,
     TRACKER_FILENAME,
+    VOCAB_TENSORS,
     CheckpointError,
     atomic_save,
     atomic_write_text,
@@ -67,9 +68,6 @@ from .layout import (
 from .merge import merge_checkpoint, model_config_from_saved
 from .reshard_optim import merge_optimizer, split_optimizer
 
-# Tensors whose rows are the (padded) vocabulary.
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")  # bias: BERT
-
 
 def _no_progress(iterable, **_kw):
     return iterable
@@ -90,6 +88,7 @@ class ModelBundle:
     consumed_samples: int = 0
     tokenizer_files: dict = field(default_factory=dict)
     optimizer: dict | None = None  # layout-free optimizer state (see reshard_optim.merge_optimizer), or None
+    adapters: dict | None = None  # a LoRA checkpoint's adapters (single-process names); state_dict is its base
 
     @property
     def tied(self) -> bool:
@@ -133,6 +132,11 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     model = config.get("tokenizer_model")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
+    from ..lora.convert import is_lora_config, read_lora_checkpoint  # (lora/convert.py imports this package)
+
+    if is_lora_config(config):  # adapters only: the base's weights come from the checkpoint it records
+        adapters, (state_dict, _) = state_dict, read_lora_checkpoint(load_dir, state_dict, config)
+        return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, None, adapters)
     optimizer = merge_dist_optimizer(load_dir) if is_dist_folder(resolve_folder(load_dir)) else merge_optimizer(
         load_dir, lambda p, payload: _source_chunks(payload, p), not config.get("untie_embeddings_and_output_weights", False))
     if optimizer is not None:

@@ -20,20 +20,18 @@ by every rank, because dropout streams differ per rank.
 from __future__ import annotations
 
 import os
-import random
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..console import is_logging_rank, print_rank_0
-from ..device import get_device
+from ..errors import raised_on_every_rank
 from ..parallel.fsdp import full_params
+from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import save_dist
 from .format import (
-    ARCH_FIELDS,
     FORMAT_VERSION,
     RNG_KEYS,
     TRACKER_FILENAME,
@@ -48,10 +46,22 @@ from .format import (
     param_meta,
     read_model_file,
     read_tracker,
+    restore_scheduler,
     rng_file,
     with_checksums,
 )
+from .frozen import (
+    base_of,
+    base_reference,
+    check_base,
+    load_saved_state,
+    require_base,
+    saved_state_dict,
+    set_base,
+    trainable_may_be_missing,
+)
 from .pretrained import load_model_weights_here
+from .rng import get_rng_states, set_rng_states
 
 
 def _model_file_for(root, iteration, state) -> str:
@@ -84,39 +94,8 @@ def on_every_rank(step):
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise CheckpointError(error)
+        raise raised_on_every_rank(CheckpointError(error))
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG.
-
-
-def get_rng_states(tracker) -> dict:
-    """Every generator this rank draws from (``tracker``: the model-parallel RNG tracker), in types
-    that ``weights_only`` loading accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch_cpu": torch.get_rng_state(),
-        "tracker": tracker.get_states(),
-        "cuda": None,
-    }
-    if get_device().type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(get_device())  # this rank's GPU only (GPU counts may change)
-    return states
-
-
-def set_rng_states(states: dict, tracker) -> None:
-    """Restore what :func:`get_rng_states` returned, into these generators and ``tracker``."""
-    random.setstate(states["python"])
-    name, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(states["torch_cpu"])
-    tracker.set_states(states["tracker"])
-    if states.get("cuda") is not None and get_device().type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"], get_device())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +146,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
             return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
                              get_rng_states(state.rng_tracker), async_saves,
                              lambda step: on_every_rank(_writing(step, root, iteration)))
+    base = base_of(chunks)  # frozen (LoRA base) weights are not saved: where they come from is
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
 
@@ -185,7 +165,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
                 "vpp_size": state.vpp_size,
                 "num_chunks": len(modules),
                 "world_size": state.world_size,
-                "model": [m.state_dict() for m in modules],
+                "model": [saved_state_dict(m) for m in modules],
+                "frozen_base": base,
                 "param_meta": [param_meta(m) for m in modules],
                 "layer_ranges": [_layer_range(m) for m in modules],
                 "optimizer": optim_state,
@@ -217,15 +198,6 @@ def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
     )
 
 
-def _arch_differences(saved_config: dict, config) -> list[str]:
-    ours = config.flat()
-    out = []
-    for key in ARCH_FIELDS:
-        if key in saved_config and key in ours and saved_config[key] != ours[key]:
-            out.append(f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})")
-    return out
-
-
 def _check_sizes(path: str, ckpt: dict, state) -> None:
     if ckpt["tp_size"] != state.tp_size:
         raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
@@ -254,7 +226,7 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
     problems = []
     for i, (module, saved) in enumerate(zip(modules, ckpt["model"])):
         where = f"chunk {i} " if len(modules) > 1 else ""
-        mine = module.state_dict()
+        mine = saved_state_dict(module)
         missing = [k for k in mine if k not in saved]
         extra = [k for k in saved if k not in mine]
         if missing:
@@ -266,7 +238,7 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
                 problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
                                 f"{tuple(tensor.shape)} in this model")
     if problems:
-        arch = _arch_differences(ckpt.get("config", {}), config)
+        arch = arch_differences(ckpt.get("config", {}), config)
         if arch:  # the flags explain it: name them first, one example of the consequence
             what = (f"it was saved with {', '.join(arch)}; {len(problems)} parameter(s) differ, "
                     f"e.g. {problems[0]}")
@@ -327,15 +299,17 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
             if root:
                 _no_tracker(root, quiet=True)
             print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
-            load_model_weights_here(chunks, optimizer, ck.pretrained_checkpoint, config, state)
+            _load_base(chunks, optimizer, ck.pretrained_checkpoint, config, state)
         else:
             _no_tracker(root)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if ck.finetune or iteration == "release":  # weights only, from any format and layout
-        load_model_weights_here(chunks, optimizer, root, config, state, flag="--load")
+        _load_base(chunks, optimizer, root, config, state, flag="--load", every_flag=not ck.finetune)
         return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
+        folder = iteration_dir(root, iteration)  # a frozen (LoRA) base first, outside full_params
+        _load_frozen_base(folder, read_common(folder).get("frozen_base"), chunks, config, state)
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
             return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
     path = _model_file_for(root, iteration, state)
@@ -343,10 +317,12 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
     modules = [_inner(c) for c in chunks]
+    _load_frozen_base(path, ckpt.get("frozen_base"), chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
+        check_architecture(path, ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
-            module.load_state_dict(saved, strict=True)
+            load_saved_state(module, saved)
 
     if not ck.no_load_optim:
         if optimizer is not None:
@@ -355,7 +331,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
+            restore_scheduler(scheduler, ckpt["scheduler"], path)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
         # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
@@ -366,14 +342,29 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
 
 
+def _load_base(chunks, optimizer, path, config, state, flag="--pretrained-checkpoint", every_flag=False) -> None:
+    """Model weights only from ``path``; a model with frozen (LoRA) weights records it as their base.
+    ``every_flag``: every architecture flag must match (a converted release checkpoint without --finetune)."""
+    folder = load_model_weights_here(chunks, optimizer, path, config, state, flag,
+                                     missing_ok=trainable_may_be_missing(chunks, state), every_flag=every_flag)
+    set_base(chunks, base_reference(folder))
+
+
+def _load_frozen_base(path, saved, chunks, config, state) -> None:
+    """Resuming a model with frozen weights (LoRA): its base's weights first (:mod:`.frozen`)."""
+    folder = check_base(path, saved, chunks, config.checkpoint.pretrained_checkpoint)
+    if folder is not None:
+        print_rank_0(f"loading the frozen base weights from {folder}")
+        load_model_weights_here(chunks, None, folder, config, state, missing_ok=trainable_may_be_missing(chunks, state))
+        set_base(chunks, saved)
+
+
 def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     """:func:`_load_here` for a torch_dist checkpoint: it loads at any TP x PP x DP layout."""
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
-    arch = _arch_differences(common["config"], config)
-    if arch:
-        raise CheckpointError(f"checkpoint {folder} was saved with {', '.join(arch)}; match the model flags")
-    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)
+    check_architecture(folder, common["config"], config)
+    load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
     if not ck.no_load_rng:
         if is_fresh_layout(common, state):
             raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
@@ -397,4 +388,6 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """
     if config.checkpoint.load is None and config.checkpoint.pretrained_checkpoint is None:
         return 0, 0
-    return on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
+    loaded = on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
+    require_base(chunks, config.checkpoint.load)  # frozen (LoRA) weights came from a base checkpoint
+    return loaded

@@ -62,7 +62,9 @@ class GPTModel(LanguageModel):
         if self.mtp is None or labels is None or mtp_labels is None:
             return loss
         outputs = self.mtp(hidden, mtp_tokens, self._embed_for_mtp, attention_mask, rotary, self.decoder.causal)
-        return torch.stack([loss] + [self._lm_output(self._logits(h), mtp_labels[k]) for k, h in enumerate(outputs)])
+        # the MTP heads were built after the main head, so backward reaches their output GEMMs first
+        mtp_losses = [self._lm_output(self._logits(h, last_use=False), mtp_labels[k]) for k, h in enumerate(outputs)]
+        return torch.stack([loss] + mtp_losses)
 
     def _embed_for_mtp(self, tokens):
         """The (shared) word embedding of ``tokens [b, s]``, ``[s(/tp), b, h]``."""

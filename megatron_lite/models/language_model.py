@@ -141,10 +141,11 @@ class LanguageModel(nn.Module):
             position_ids = torch.arange(s, device=hidden.device).unsqueeze(0).expand(hidden.shape[1], -1)
         return rotary_tables(self.config, position_ids)
 
-    def _logits(self, hidden) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, ``[s, b, V/tp]``."""
+    def _logits(self, hidden, last_use: bool = True) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, ``[s, b, V/tp]``; ``last_use=False`` for a head
+        whose gradient reaches the output weight before another's (see ColumnParallelLinear.forward)."""
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        return self.output_layer(hidden, weight=weight)
+        return self.output_layer(hidden, weight=weight, last_use=last_use)
 
     def _lm_output(self, logits, labels):
         """Per-token loss ``[b, s]`` against ``labels [b, s]``, or the logits shard ``[b, s, V/tp]`` without labels."""

@@ -43,13 +43,26 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or for SwiGLU (two input
+    projections) 2/3 of that rounded down to a multiple of 64, which keeps the parameter count near
+    the 4h GeLU layer's. Raises ConfigError where that rounds to 0 (hidden sizes below 24)."""
+    if not swiglu:
+        return 4 * hidden_size
+    ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
+    if ffn < 1:
+        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
+                          "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
+    return ffn
+
+
 @dataclass
 class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 x hidden_size
+    ffn_hidden_size: int | None = None  # default 4 x hidden_size (SwiGLU: see default_ffn_hidden_size)
     num_query_groups: int | None = None  # default: one per head (multi-head attention)
     kv_channels: int | None = None  # head size; default hidden_size / num_attention_heads
     seq_length: int = 128
@@ -133,7 +146,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
 
     def _derive(self) -> None:
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:

@@ -180,10 +180,11 @@ class _ExpertsBase(nn.Module):
 
 
 def _linear(fc: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``x @ weight.T + bias`` through ``fc``'s gemm (an FP8 gemm) or F.linear."""
-    if fc.gemm is None:
-        return F.linear(x, weight, bias)
-    return fc.gemm(x, weight, bias)
+    """``x @ weight.T + bias`` through ``fc``'s gemm (an FP8 gemm) or F.linear, plus ``fc``'s LoRA
+    adapter when it has one (megatron_lite/lora/experts.py)."""
+    out = F.linear(x, weight, bias) if fc.gemm is None else fc.gemm(x, weight, bias)
+    adapter = getattr(fc, "adapter", None)
+    return out if adapter is None else out + adapter(x)
 
 
 class SequentialExperts(_ExpertsBase):
@@ -251,9 +252,13 @@ class GroupedExperts(_ExpertsBase):
         return y
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor, fc: str, tokens_per_expert: list[int]) -> torch.Tensor:
-        """Rows of expert j times ``weight[j]``: one grouped GEMM, or each expert's own gemm."""
+        """Rows of expert j times ``weight[j]``: one grouped GEMM, or each expert's own gemm; plus the
+        stacked LoRA adapters of ``fc`` when there are (megatron_lite/lora/experts.py)."""
         if self.local_experts is None:
-            return grouped_matmul(x, weight, tokens_per_expert)
-        parts = [_linear(getattr(expert, fc), rows, w.t())
-                 for expert, rows, w in zip(self.local_experts, x.split(tokens_per_expert), weight.unbind(0))]
-        return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
+            out = grouped_matmul(x, weight, tokens_per_expert)
+        else:
+            parts = [_linear(getattr(expert, fc), rows, w.t())
+                     for expert, rows, w in zip(self.local_experts, x.split(tokens_per_expert), weight.unbind(0))]
+            out = torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-1])
+        adapter = getattr(self, f"{fc}_adapter", None)
+        return out if adapter is None else out + adapter(x, tokens_per_expert)

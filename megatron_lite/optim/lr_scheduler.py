@@ -17,6 +17,15 @@ from __future__ import annotations
 
 import math
 
+from ..errors import ConfigError
+
+# What a checkpoint's schedule is compared on when resuming: (attribute, the flag that sets it).
+SCHEDULE_FLAGS = (
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("style", "--lr-decay-style"), ("warmup_steps", "--lr-warmup-iters"),
+    ("decay_steps", "--lr-decay-iters (default --train-iters)"), ("wsd_style", "--lr-wsd-decay-style"),
+    ("wsd_decay_steps", "--lr-wsd-decay-iters"),
+)
+
 
 class OptimizerParamScheduler:
     """Sets ``lr`` on every param group of ``optimizer`` from the step count."""
@@ -46,6 +55,8 @@ class OptimizerParamScheduler:
                 )
             if self.wsd_style not in ("exponential", "linear", "cosine"):
                 raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear or cosine")
+        self.override = bool(getattr(config, "override_opt_param_scheduler", False))
+        self.use_checkpoint = bool(getattr(config, "use_checkpoint_opt_param_scheduler", False))
         self.num_steps = 0
         self.step(0)
 
@@ -90,6 +101,19 @@ class OptimizerParamScheduler:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the step count; the schedule itself comes from the current flags."""
+        """Restore the step count and, as Megatron-LM does, the schedule: a schedule that differs from
+        this run's flags (a larger --train-iters moves the decay end) raises ConfigError unless
+        ``--override-opt_param-scheduler`` (keep this run's flags) or
+        ``--use-checkpoint-opt_param-scheduler`` (continue the checkpoint's schedule) says which."""
+        if not self.override:
+            differ = [(attr, flag) for attr, flag in SCHEDULE_FLAGS if attr in sd and sd[attr] != getattr(self, attr)]
+            if differ and not self.use_checkpoint:
+                attr, flag = differ[0]
+                raise ConfigError(
+                    f"the learning-rate schedule differs from the checkpoint's: {flag} {getattr(self, attr)} in this "
+                    f"run, {sd[attr]} in the checkpoint; pass --override-opt_param-scheduler to use this run's flags "
+                    "or --use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule")
+            for attr, _ in differ:
+                setattr(self, attr, sd[attr])
         self.num_steps = int(sd["num_steps"])
         self.step(0)

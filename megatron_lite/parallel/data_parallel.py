@@ -53,6 +53,7 @@ gradient cannot wait in a full buffer. ``optim_grads_params`` (ZeRO-3) also shar
 from __future__ import annotations
 
 import contextlib
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -193,8 +194,14 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def _make_hook(self):
+        # The hook is kept by the parameter's autograd data, in C++, out of the garbage collector's
+        # sight: a strong reference to this wrapper would keep the model, and the process groups its
+        # ParallelState holds, alive until interpreter exit (see device.shutdown_distributed).
+        wrapper = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
+            self = wrapper()
+            if param.grad is None or self is None:
                 return
             grad, param.grad = param.grad, None
             self._accumulate(param, lambda main_grad: main_grad.add_(grad))  # fp32 accumulate, any param dtype

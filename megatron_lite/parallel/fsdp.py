@@ -4,11 +4,14 @@ A *unit* is a module marked ``sharding_unit = True`` (a transformer layer, the e
 output layer) holding parameters; what no unit holds (final norm, and a tied word embedding that
 the output layer of the same chunk reads) forms the chunk's *root* unit. Each unit's parameters
 form one or more buckets of :class:`~megatron_lite.parallel.data_parallel.DistributedDataParallel`
-(dense, expert, and a pipelined tied embedding alone), each flattened into one padded buffer
+(dense, expert, and a pipelined tied embedding alone; the root: one per parameter), each flattened into one padded buffer
 ``full`` of the params dtype. Every parameter is a view of its bucket's ``full`` for the whole
 run, so the layers keep reading ``weight`` as a plain tensor; between uses the storage of ``full``
-is resized to zero bytes (reading a freed parameter raises), and only ``bucket.param_shard``, this
-rank's chunk, stays. Per forward and per backward:
+is resized to zero bytes, and only ``bucket.param_shard``, this rank's chunk, stays. A freed
+parameter must not be read (a layer's read raises, but an element-wise read of memory that is gone
+crashes inside PyTorch): read the values inside :func:`full_params`. The parameters are
+:class:`ShardedParameter`, so printing one (or the model) never reads freed memory.
+Per forward and per backward:
 
 * forward: a pre-hook all-gathers the unit (and, with ``--overlap-param-gather``, starts the next
   unit's all-gather); a hook frees it after its forward and hooks the unit's outputs;
@@ -32,6 +35,28 @@ import torch
 from . import comm
 from .data_parallel import DistributedDataParallel
 from .dp_hooks import on_backward
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A ZeRO-3 parameter: a view of its bucket's ``full`` buffer, whose storage is gone between uses.
+
+    Only ``repr`` differs from ``nn.Parameter``: PyTorch's printer would read the freed memory (and
+    crash the process); this one prints the shape and dtype, and the values only while gathered.
+    """
+
+    def __repr__(self) -> str:
+        if is_gathered(self):
+            return f"Parameter containing:\n{self.detach()!r}"
+        return (f"ShardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
+                "sharded by ZeRO-3 and not gathered now; read it inside full_params(chunks))")
+
+
+def is_gathered(tensor: torch.Tensor) -> bool:
+    """Whether the storage behind ``tensor`` holds all its elements (False for a freed ZeRO-3 view)."""
+    if tensor.numel() == 0:
+        return True
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return tensor.untyped_storage().nbytes() >= (last + 1) * tensor.element_size()
 
 
 def _in_backward() -> bool:
@@ -105,7 +130,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 unit.module.register_forward_hook(self._post_forward(i))
 
     def _plan(self, dense, expert):
-        """One bucket group per unit (bucket_size does not split a unit), the root last."""
+        """One bucket group per unit (bucket_size does not split a unit), the root last, one bucket per
+        root parameter: the root's parameters get their gradients at different times of backward (the
+        final norm's first, a tied word embedding's last), and a bucket's full fp32 gradient buffer
+        lives from its first gradient to its reduce-scatter, so one root bucket would keep an
+        embedding-sized buffer alive through the whole backward pass."""
         ids = {id(p) for p in dense + expert}
         self._unit_params = []
         claimed = set()
@@ -118,7 +147,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         plan, self._unit_of_bucket = [], []
         for i, (_, _, ps) in enumerate(self._unit_params):
             keep = {id(p) for p in ps}
-            saved, self.bucket_size = self.bucket_size, float("inf")
+            root_unit = i == len(self._unit_params) - 1
+            saved, self.bucket_size = self.bucket_size, 1 if root_unit else float("inf")
             unit_plan = super()._plan([p for p in dense if id(p) in keep], [p for p in expert if id(p) in keep])
             self.bucket_size = saved
             plan += unit_plan
@@ -138,6 +168,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 a, e = bucket.offsets[id(p)]
                 bucket.full[a:e].copy_(p.detach().reshape(-1))
                 p.data = bucket.full[a:e].view(p.shape)
+                p.__class__ = ShardedParameter
             start, end = bucket.shard()
             bucket.param_shard = bucket.full[start:end].clone()
             bucket.full.untyped_storage().resize_(0)
@@ -242,26 +273,27 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
 
 @contextlib.contextmanager
-def full_params(chunks, load: bool = False):
+def full_params(chunks, load: bool = False, partial: bool = False):
     """Inside: every chunk's parameters hold full values (e.g. to save or load a checkpoint).
 
     ZeRO-3 chunks are all-gathered (collective over data parallel; with ``load`` only the storage is
-    made, no communication, and this rank's chunk is kept from what was loaded on exit); in-flight
-    ``--overlap-param-gather`` all-gathers are completed.
+    made, no communication, and this rank's chunk is kept from what was loaded on exit; with
+    ``partial`` too a load that may leave some parameters as they are: gathered first, then kept);
+    in-flight ``--overlap-param-gather`` all-gathers are completed.
     """
     sharded = [c for c in chunks if isinstance(c, FullyShardedDataParallel)]
     for c in chunks:
         if isinstance(c, DistributedDataParallel):
             c.finish_param_gather()
     for c in sharded:
-        c.gather_all(communicate=not load)
+        c.gather_all(communicate=partial or not load)
     ok = False
     try:
         yield
         ok = True
     finally:
         for c in sharded:
-            c.reshard_all(keep_values=load and ok)
+            c.reshard_all(keep_values=(load or partial) and ok)
 
 
 def wrap_for_data_parallel(module, state, parallel) -> DistributedDataParallel:

@@ -63,6 +63,13 @@ def _group_of(ranks: list[int]) -> dist.ProcessGroup:
     return _GROUPS[key]
 
 
+def forget_groups() -> None:
+    """Drop the cached groups (their default group is being destroyed): with no reference left,
+    collecting them joins their communication threads (see device.shutdown_distributed)."""
+    _GROUPS.clear()
+    _GROUPS_WORLD[0] = None
+
+
 class ParallelConfigError(ValueError):
     """Parallel sizes that cannot describe the world."""
 

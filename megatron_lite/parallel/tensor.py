@@ -154,14 +154,18 @@ class ColumnParallelLinear(nn.Module):
             self.bias.partition_stride = stride
         else:
             self.register_parameter("bias", None)
+        self.adapter = None  # a LoRA adapter (megatron_lite/lora) adds adapter(x) to the output
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, *, last_use: bool = True):
+        """``last_use=False``: the weight is used again in this forward by a call whose gradient backward
+        reaches later (the main output head read again by multi-token prediction heads); only the last
+        gradient marks the weight ready for gradient-accumulation fusion."""
         if weight is None:
             if self.weight is None:
                 raise ValueError("this ColumnParallelLinear owns no weight (skip_weight_param_allocation); pass weight=")
             weight = self.weight
         gemm = self.gemm
-        if weight is not self.weight and gemm is accumulating_linear_gemm:
+        if (weight is not self.weight or not last_use) and gemm is accumulating_linear_gemm:
             gemm = accumulating_linear_gemm_not_last  # a tied embedding: its lookup's gradient comes later
         if self.sequence_parallel:
             x = comm.gather_from_sp(x, self.tp_group, tensor_parallel_output_grad=True)
@@ -169,6 +173,8 @@ class ColumnParallelLinear(nn.Module):
             x = comm.copy_to_tp(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = gemm(x, weight, bias)
+        if self.adapter is not None:  # reads the same (gathered) input as the GEMM
+            out = out + self.adapter(x)
         if self.gather_output:
             out = comm.gather_from_tp(out, self.tp_group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -215,6 +221,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.adapter = None  # a LoRA adapter (megatron_lite/lora) adds adapter(x) to the reduced output
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
@@ -224,6 +231,8 @@ class RowParallelLinear(nn.Module):
             out = comm.reduce_scatter_to_sp(partial, self.tp_group)
         else:
             out = comm.reduce_from_tp(partial, self.tp_group)
+        if self.adapter is not None:
+            out = out + self.adapter(x)
         if self.skip_bias_add:
             return out, self.bias
         return out if self.bias is None else out + self.bias

@@ -1,9 +1,10 @@
 """Activation memory: what a forward pass keeps for backward, measured, beside Korthikanti et al.'s formulas.
 
-:func:`saved_activation_bytes` runs a module under ``torch.autograd.graph.saved_tensors_hooks``
-and adds up every tensor autograd saves for backward, once per storage (a linear layer saving a
-reshaped view of a tensor another op also saved costs nothing more), leaving out the module's
-parameters (weights are model state, not activations).
+:func:`saved_activation_bytes` runs a module under the live-tensor tracker
+(:class:`~megatron_lite.perf.memory_tracker.MemoryTracker`) and returns the bytes it counts as
+activations when the forward pass returns: every tensor autograd saved for backward and still
+alive, once per storage (a linear layer saving a reshaped view of a tensor another op also saved
+costs nothing more), the module's parameters excluded (weights are model state, not activations).
 
 :func:`korthikanti_layer_bytes` is the per-transformer-layer estimate of Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models") for 16-bit activations and
@@ -20,26 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from .memory_tracker import MemoryTracker
 
-def saved_activation_bytes(module: torch.nn.Module, *inputs, **kwargs) -> tuple[int, list[tuple]]:
-    """``(bytes, [(shape, dtype, bytes), ...])`` saved for backward by ``module(*inputs, **kwargs)``.
 
-    Counted once per storage; the module's parameters are excluded.
-    """
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, tuple] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = (tuple(t.shape), t.dtype, storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*inputs, **kwargs)
-    found = list(seen.values())
-    return sum(n for _, _, n in found), found
+def saved_activation_bytes(module: torch.nn.Module, *inputs, **kwargs) -> int:
+    """Activation bytes ``module(*inputs, **kwargs)`` keeps for backward, summed over devices (module docstring)."""
+    tracker = MemoryTracker([module])
+    with tracker:
+        out = module(*inputs, **kwargs)  # noqa: F841 (the graph, and what it saved, lives as long as out)
+        live = tracker.live()
+    return sum(snap.bytes["activations"] for snap in live.values())
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,

@@ -23,6 +23,12 @@ steps fp32 params in place.) Buckets are padded to a multiple of d; the formula 
 they need no padding. ZeRO-3's transiently gathered units and ZeRO-2/3's per-backward full
 gradient buffers are activation-like and left out.
 
+Frozen parameters (the base weights under LoRA) hold only their weight: P bytes each, no gradient,
+no optimizer state, and no strategy shards them (ZeRO-3 included). A LoRA model with F frozen and T
+adapter parameters therefore holds ``F x P + T x (the strategy's bytes)`` per rank
+(:func:`model_state_bytes_with_frozen`); with T a fraction of a percent of F that is about P bytes
+per base parameter, e.g. 2 for bf16 against 18 for a full fine-tune without sharding.
+
 With the distributed optimizer, hybrid sharding over N instances (``--num-distributed-optimizer-
 instances``) shards over d/N ranks only, and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
@@ -77,6 +83,17 @@ def model_state_bytes_per_param(params_dtype: torch.dtype, strategy: str = "no_s
     return device + host
 
 
+def model_state_bytes_with_frozen(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
+                                  frozen: int, trainable: int, instances: int = 1,
+                                  offload_fraction: float = 0.0) -> tuple[Fraction, Fraction]:
+    """(device, host) bytes on one rank of a model with ``frozen`` parameters (weights only, never
+    sharded) and ``trainable`` ones (the strategy's bytes each, :func:`model_state_bytes_split`)."""
+    device, host = model_state_bytes_split(params_dtype, strategy, dp, instances=instances,
+                                           offload_fraction=offload_fraction)
+    weight = torch.empty((), dtype=params_dtype).element_size()
+    return frozen * weight + trainable * device, trainable * host
+
+
 def _storage_bytes(tensors, skip=frozenset()) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once; a
     freed storage counts 0; storages in ``skip`` are left out)."""
@@ -90,23 +107,23 @@ def _storage_bytes(tensors, skip=frozenset()) -> int:
     return sum(sizes.values())
 
 
-def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
-    """``{"params", "grads", "optimizer", "optimizer_cpu"}`` bytes held by this rank, from storages.
+def model_state_tensors(chunks, optimizer) -> dict[str, list[torch.Tensor]]:
+    """The tensors behind each part of the model state, ``{"params", "grads", "optimizer", "optimizer_cpu"}``.
 
-    ``chunks``: the data-parallel wrapped model chunks. Params: the parameters' storages (a ZeRO-3
-    parameter between uses has a freed, empty storage) plus each bucket's ``param_shard``. Grads:
-    the full ``grad_buffer``, or the sharded ``grad_shards`` (plus any full bucket buffer alive at
-    the time). ``optimizer``: the Megatron optimizer; its torch optimizer's parameters that are not
-    model weights are the fp32 masters, and its state tensors the moments (the 0-dim step counters
-    are left out). With optimizer CPU offload the host half's masters, moments and gradient copy
-    are ``optimizer_cpu``; everything else is on the device.
+    ``chunks``: the data-parallel wrapped model chunks (or plain modules). Params: the parameters (a ZeRO-3 parameter
+    is a view of its bucket's gathered buffer, freed between uses) plus each bucket's
+    ``param_shard``. Grads: the full ``grad_buffer``, or the sharded ``grad_shards`` (plus any full
+    bucket buffer alive at the time). ``optimizer``: the Megatron optimizer (or a torch one); its torch optimizer's
+    parameters that are not model weights are the fp32 masters, and its state tensors the moments
+    (the 0-dim step counters are left out); with optimizer CPU offload the host half's masters,
+    moments and gradient copy are ``optimizer_cpu``. A tensor sharing a model weight's or a host
+    tensor's storage is not repeated under ``optimizer``.
     """
     buckets = [b for c in chunks for b in getattr(c, "buckets", [])]
     model = [p for c in chunks for p in c.parameters()]
-    model_storages = {p.untyped_storage().data_ptr() for p in model}
-    inner = optimizer.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)
     host = list(inner.host_tensors()) if hasattr(inner, "host_tensors") else []
-    host_storages = {t.untyped_storage().data_ptr() for t in host}
+    skip = {t.untyped_storage().data_ptr() for t in model + host}
     tensors = []
     for group in inner.param_groups:
         for p in group["params"]:
@@ -115,11 +132,17 @@ def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
     grads = ([getattr(c, "grad_buffer", None) for c in chunks] + [getattr(c, "grad_shards", None) for c in chunks]
              + [b.data for b in buckets])
     return {
-        "params": _storage_bytes(model + [b.param_shard for b in buckets]),
-        "grads": _storage_bytes(grads),
-        "optimizer": _storage_bytes(tensors, model_storages | host_storages),
-        "optimizer_cpu": _storage_bytes(host),
+        "params": model + [b.param_shard for b in buckets if b.param_shard is not None],
+        "grads": [g for g in grads if g is not None],
+        "optimizer": [t for t in tensors if t.untyped_storage().data_ptr() not in skip],
+        "optimizer_cpu": host,
     }
+
+
+def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
+    """``{"params", "grads", "optimizer", "optimizer_cpu"}`` bytes held by this rank, from the storages of
+    :func:`model_state_tensors` (a view counts its whole storage once, a freed storage 0)."""
+    return {part: _storage_bytes(tensors) for part, tensors in model_state_tensors(chunks, optimizer).items()}
 
 
 def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
@@ -131,11 +154,14 @@ def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
     instances = p.num_distributed_optimizer_instances
     fraction = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     n = sum(q.numel() for c in chunks for q in c.parameters())
+    frozen = sum(q.numel() for c in chunks for q in c.parameters() if not q.requires_grad)
     per = {k: v / max(n, 1) for k, v in measured_model_state_bytes(chunks, optimizer).items()}
     line = (f"model state on this rank, bytes per parameter ({n:,} params): params {per['params']:.2f} + grads "
             f"{per['grads']:.2f} + optimizer {per['optimizer']:.2f} = device "
             f"{per['params'] + per['grads'] + per['optimizer']:.2f}; optimizer on CPU {per['optimizer_cpu']:.2f}")
-    device, host = model_state_bytes_split(config.precision.params_dtype, strategy, dp_cp,
-                                           instances=instances, offload_fraction=fraction)
-    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}): "
+    device, host = model_state_bytes_with_frozen(config.precision.params_dtype, strategy, dp_cp, frozen=frozen,
+                                                 trainable=n - frozen, instances=instances, offload_fraction=fraction)
+    device, host = device / max(n, 1), host / max(n, 1)
+    what = f", {frozen:,} of them frozen" if frozen else ""
+    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}{what}): "
             f"device {float(device):.2f}, CPU {float(host):.2f}")

@@ -3,9 +3,12 @@
 :class:`Fp8Gemm` plugs into the GEMM seam of the tensor-parallel linears (``gemm(x, weight, bias)``
 computes ``x @ weight.T + bias`` on this rank's shard). Each call quantises
 
-* forward: input and weight to E4M3 and runs ``torch._scaled_mm``;
+* forward: input and weight to E4M3 and runs the FP8 GEMM;
 * backward: the output gradient to E5M2 (``hybrid``) or E4M3 (``e4m3``), then dgrad ``dY @ W`` in
   FP8, and wgrad ``dY^T @ X`` in FP8 too unless ``wgrad=False`` (then in the input's precision).
+
+The FP8 GEMM is ``torch._scaled_mm`` on GPUs and an exact dequantised GEMM on CPUs, where
+``_scaled_mm`` is a slow emulation (:func:`~megatron_lite.precision.fp8_ops.fp8_gemm_path`).
 
 Outputs, the bias add and everything outside the GEMM stay in high precision.
 
@@ -37,15 +40,20 @@ from torch import nn
 
 from ..errors import ConfigError
 from .fp8_ops import (
+    BF16_MARGIN,
     E4M3,
     E5M2,
     FP8_MAX,
     GEMM_ALIGNMENT,
+    SCALED_MM,
     amax,
     amax_from_history,
     column_major,
+    cpu_gemm_dtype,
+    cpu_gemm_probe,
     current_scale,
     delayed_scale,
+    fp8_gemm_path,
     fp8_matmul,
     pad_rows,
     quantize,
@@ -59,6 +67,11 @@ FP8_RECIPES_NOT_BUILT = ("blockwise", "mxfp8")  # Megatron's block-scaled recipe
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 # columns of the amax history / entries of the scale buffer
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+
+
+def not_built_recipe_message(recipe: str) -> str:
+    """The one line refusing a block-scaled recipe (with or without --fp8-format)."""
+    return f"--fp8-recipe {recipe} is not implemented (it needs block-scaled FP8 GEMMs); use delayed or tensorwise"
 
 
 @dataclass(frozen=True)
@@ -76,8 +89,7 @@ class Fp8Recipe:
         if self.format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.format}: expected one of {', '.join(FP8_FORMATS)}")
         if self.recipe in FP8_RECIPES_NOT_BUILT:
-            raise ConfigError(f"--fp8-recipe {self.recipe} is not implemented (it needs block-scaled FP8 GEMMs); "
-                              "use delayed or tensorwise")
+            raise ConfigError(not_built_recipe_message(self.recipe))
         if self.recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.recipe}: expected one of {', '.join(FP8_RECIPES)}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
@@ -134,14 +146,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g_inv = 1.0 / g_scale
         dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
         dx = dw = db = None
+        kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, column_major(w8), g_inv, scale_inv[WEIGHT], ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, column_major(w8) if kernel else w8, g_inv, scale_inv[WEIGHT], ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
-                # (the token dimension is the inner one here: zero rows pad it to the kernel's alignment)
-                dw = gemm._matmul("wgrad", pad_rows(dy8, GEMM_ALIGNMENT).t().contiguous(),
-                                  column_major(pad_rows(x_saved, GEMM_ALIGNMENT)), g_inv, scale_inv[INPUT], ctx.w_dtype)
+                a, b = dy8.t(), x_saved
+                if kernel:  # (the token dimension is the inner one here: zero rows pad it to the alignment)
+                    a, b = pad_rows(dy8, GEMM_ALIGNMENT).t().contiguous(), column_major(pad_rows(x_saved, GEMM_ALIGNMENT))
+                dw = gemm._matmul("wgrad", a, b, g_inv, scale_inv[INPUT], ctx.w_dtype)
             else:  # high-precision wgrad from the unquantised gradient and input
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
@@ -288,8 +302,15 @@ def is_fp8_state_key(name: str) -> bool:
 
 
 def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
-    """One line for the startup log: the recipe and which GEMM kernel runs it on ``device``."""
-    probe = torch.zeros(16, 16, dtype=E4M3, device=device)
-    reason = scaled_mm_blocker(probe, probe.t())
-    kernel = ("torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})")
-    return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
+    """One line for the startup log: the recipe and which GEMM kernel runs it on ``device`` (and why)."""
+    if fp8_gemm_path(device) == SCALED_MM:
+        probe = torch.zeros(16, 16, dtype=E4M3, device=device)
+        reason = scaled_mm_blocker(probe, probe.t())
+        kernel = "torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})"
+        return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
+    gflops = cpu_gemm_probe()
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[cpu_gemm_dtype()]
+    return (f"FP8 {recipe.describe()}; GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) "
+            f"as exact {dtype} dequantised GEMMs with fp32 accumulation ({dtype} chosen by a one-time probe: "
+            f"fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s"
+            f"{'' if dtype == 'bf16' else '; bf16 is used only when ' + str(BF16_MARGIN) + 'x faster'})")

@@ -14,9 +14,22 @@ Portability rules kept here so the same code runs on CPU and on CUDA:
   GEMMs) runs as a dequantised matmul instead, with the same quantised operands, and the reason is
   returned so the caller can report it.
 * The ``scale_result`` argument is avoided: it divides on CPU but multiplies on CUDA.
+
+Which kernel (:func:`fp8_gemm_path`, decided by device): GPUs run ``torch._scaled_mm``. On a CPU
+``torch._scaled_mm`` is an emulation (it widens to fp32 itself) that runs hundreds to thousands of
+times slower than a plain GEMM, so CPUs run :func:`dequantised_matmul` instead: the FP8 operands are
+widened exactly (every E4M3 and E5M2 value is a bf16 and an fp32 value), multiplied with fp32
+accumulation (a product of two FP8 values is exact in fp32) and the scales applied to the result:
+``_scaled_mm``'s result up to summation order. The widened dtype is whichever GEMM is faster on this
+CPU, measured once per process (:func:`cpu_gemm_dtype`): bf16 where the CPU has bf16 matrix units,
+fp32 elsewhere. A bf16 GEMM rounds its fp32 accumulator to bf16, so it is used only for bf16 results
+(one extra bf16 rounding before the scales); fp32 results always come from the fp32 GEMM.
 """
 
 from __future__ import annotations
+
+import functools
+import time
 
 import torch
 
@@ -126,20 +139,75 @@ def scaled_mm_blocker(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
+SCALED_MM = "torch._scaled_mm"
+DEQUANTISED = "dequantised"
+BF16_MARGIN = 1.2  # bf16 GEMMs are used only when at least this much faster than fp32 ones
+
+
+def fp8_gemm_path(device: torch.device) -> str:
+    """``SCALED_MM`` (GPUs) or ``DEQUANTISED`` (CPUs): the FP8 GEMM kernel for ``device`` (module docstring)."""
+    return DEQUANTISED if device.type == "cpu" else SCALED_MM
+
+
+def _best_gemm_seconds(dtype: torch.dtype, n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_gemm_probe(n: int = 256, repeats: int = 2) -> dict[torch.dtype, float]:
+    """GFLOP/s of an ``n``-cubed fp32 and bf16 GEMM on this CPU (best of ``repeats``), measured once per
+    process."""
+    return {dtype: 2 * n**3 / _best_gemm_seconds(dtype, n, repeats) / 1e9 for dtype in (torch.float32, torch.bfloat16)}
+
+
+def faster_gemm_dtype(gflops: dict[torch.dtype, float]) -> torch.dtype:
+    """bf16 if its GEMM is at least ``BF16_MARGIN`` times faster than fp32's, else fp32."""
+    return torch.bfloat16 if gflops[torch.bfloat16] >= BF16_MARGIN * gflops[torch.float32] else torch.float32
+
+
+def cpu_gemm_dtype() -> torch.dtype:
+    """The dtype the CPU's FP8 GEMMs widen their operands to (one-time probe, :func:`cpu_gemm_probe`)."""
+    return faster_gemm_dtype(cpu_gemm_probe())
+
+
+def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+                       out_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)`` as a plain GEMM, any layout.
+
+    ``a`` and ``b`` (FP8) are widened exactly to ``compute_dtype`` (fp32, or bf16 for a bf16
+    ``out_dtype``; fp32 otherwise), multiplied with fp32 accumulation, then the fp32 result is
+    multiplied by the scales: 0-dim (per tensor), or ``[M, 1]`` and ``[1, N]`` (per row of ``a``,
+    per column of ``b``).
+    """
+    if compute_dtype != torch.float32 and out_dtype != compute_dtype:
+        compute_dtype = torch.float32
+    out = (a.to(compute_dtype) @ b.to(compute_dtype)).float()
+    return out.mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
+
+
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, str | None]:
     """``(a * a_scale_inv) @ (b * b_scale_inv)`` for FP8 ``a [M, K]`` and ``b [K, N]``.
 
-    Runs ``torch._scaled_mm`` when the operands are eligible; otherwise dequantises both and runs
-    an fp32 matmul (the same numbers up to accumulation order). Returns ``(out, reason)`` where
-    ``reason`` is None for the FP8 kernel and says why it was not used otherwise.
+    On a CPU: :func:`dequantised_matmul` (any layout). Elsewhere ``torch._scaled_mm`` when the
+    operands are eligible; otherwise the dequantised fp32 matmul (the same numbers up to
+    accumulation order). Returns ``(out, reason)`` where ``reason`` is None when the device's FP8
+    path ran and says why ``torch._scaled_mm`` could not run otherwise.
     """
     if a.numel() == 0 or b.numel() == 0:  # an MoE expert without tokens: the exact (empty or zero) product,
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device), None  # no kernel asked
+    if fp8_gemm_path(a.device) == DEQUANTISED:
+        return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, cpu_gemm_dtype()), None
     reason = scaled_mm_blocker(a, b)
     if reason is None:
         out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(()),
                                scale_b=b_scale_inv.float().reshape(()), out_dtype=out_dtype)
         return out, None
-    out = dequantize(a, a_scale_inv) @ dequantize(b, b_scale_inv)
-    return out.to(out_dtype), reason
+    return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype), reason

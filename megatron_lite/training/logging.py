@@ -33,6 +33,7 @@ import torch
 
 from ..console import is_logging_rank
 from ..device import get_device
+from ..perf.numbers import figure
 from .timers import format_timers
 from .writers import build_writer, check_wandb_available
 
@@ -153,7 +154,7 @@ class TrainLogger:
             f" elapsed time per iteration (ms): {per_iter * 1000.0:.1f} |",
         ]
         if self.log_throughput:
-            parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |")
+            parts.append(f" throughput per GPU (TFLOP/s/GPU): {figure(tflops)} |")
         parts.append(f" learning rate: {lr:.6E} |")
         parts.append(f" global batch size: {self._samples // max(1, self._iters):5d} |")
         for key, total in self._loss_sums.items():

@@ -25,7 +25,9 @@ from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..console import print_rank_0
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
+from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
 from ..models.transformer_config import TransformerConfig
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
@@ -37,12 +39,14 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger
 from .outputs import check_output_locations
 from .profiler import StepProfiler
 from .timers import Timers
+from .writers import check_wandb_available
 
 
 @dataclass
@@ -59,6 +63,7 @@ class TrainResult:
     exit_reason: str = "done"
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
+    memory: list = field(default_factory=list, repr=False)  # --memory-report: this rank's MemoryReport.steps_seen
     state: ParallelState | None = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
 
@@ -77,7 +82,9 @@ class _ExitSignal:
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm became NaN/inf (``--check-for-nan-in-loss-and-grad``); the message
-    names the iteration and rank. Raised before that iteration is saved."""
+    names the iteration and rank. Raised before that iteration is saved, by every rank together."""
+
+    on_every_rank = True  # see megatron_lite.errors
 
 
 def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
@@ -244,7 +251,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     t, ck = config.training, config.checkpoint
-    chunks = [chunk.to(device) for chunk in model_provider(config, state)]
+    chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
     if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
         compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
         print_rank_0(f"> torch.compile ({config.fusion.torch_compile_backend}): {compiled} transformer layers share "
@@ -283,6 +290,8 @@ class _Training:
         self.start = time.time()
         self.saved_at = self.iteration if config.checkpoint.load else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
+        self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
+        self.result.memory = self.memory.steps_seen if self.memory is not None else []
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
 
@@ -298,11 +307,18 @@ class _Training:
         t, result = self.config.training, self.result
         step_start = time.time()
         self.profiler.before(self.iteration)
-        with self.volume.counting() if self.volume is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as tracking:
+            if self.volume is not None:
+                tracking.enter_context(self.volume.counting())
+            if self.memory is not None:
+                tracking.enter_context(self.memory.tracking())
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
                                                self.forward_step_func, self.train_iter, self.timers)
         self.iteration += 1
         self.profiler.after(self.iteration)
+        if self.memory is not None:
+            for line in self.memory.after_step(self.iteration):
+                print_rank_0(f"> {line}")
         if self.async_saves is not None:  # a background save that is done gets its tracker now
             self.async_saves.poll()
         if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on
@@ -354,6 +370,19 @@ class _Training:
 
     def run(self) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
+        with rank_local_errors():  # e.g. a bad batch: read by one rank while the others wait in a collective
+            self._iterate()
+        if self.async_saves is not None:
+            self.async_saves.wait()
+        self.profiler.close()  # the run ended inside the profiling window
+        self.logger.close()
+        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
+            chunk.finish_param_gather()
+        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
+        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
+        return self.result
+
+    def _iterate(self) -> None:
         t, ck = self.config.training, self.config.checkpoint
         evaluating = t.eval_iters > 0 and self.valid_iter is not None
         while self.iteration < t.train_iters:
@@ -372,15 +401,6 @@ class _Training:
             self.save()
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
-        if self.async_saves is not None:
-            self.async_saves.wait()
-        self.profiler.close()  # the run ended inside the profiling window
-        self.logger.close()
-        for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning
-            chunk.finish_param_gather()
-        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
-        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
-        return self.result
 
 
 def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:
@@ -391,6 +411,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     """
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     check_output_locations(config)  # before any step, not at the first save
+    check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
     state, device = setup(config)
     built = _build(config, state, device, model_provider)
     consumed_valid = 0

@@ -17,10 +17,33 @@ from ..errors import ConfigError
 
 
 def check_wandb_available(config) -> None:
-    """Refuse ``--wandb-project`` early (on every rank) when the optional package is missing."""
-    if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+    """Refuse ``--wandb-project`` at start-up (on every rank, before the model is built) when the
+    optional package is missing, or when W&B would need a login it does not have: no
+    ``WANDB_API_KEY`` and no key for its host in the netrc file (where ``wandb login`` writes it),
+    outside ``WANDB_MODE=offline`` / ``disabled``."""
+    if not config.logging.wandb_project:
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the optional 'wandb' package: pip install wandb "
                           "(or pip install megatron_lite[wandb]), or drop --wandb-project")
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    if not _netrc_has_key(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")):
+        raise ConfigError(f"--wandb-project {config.logging.wandb_project}: no W&B login on this machine (no "
+                          "WANDB_API_KEY, no key from 'wandb login'); log in, or set WANDB_MODE=offline to write the "
+                          "run locally ('wandb sync' uploads it later), or drop --wandb-project")
+
+
+def _netrc_has_key(base_url: str) -> bool:
+    """Whether the netrc file W&B reads ($NETRC, else ~/.netrc) holds credentials for ``base_url``'s host."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    path = os.path.expanduser(os.environ.get("NETRC") or "~/.netrc")
+    try:
+        return bool(netrc.netrc(path).authenticators(urlsplit(base_url).netloc))
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class WandbWriter:

@@ -1,5 +1,5 @@
-"""Activation bytes saved for backward per transformer layer, counted with saved-tensor hooks,
-against Korthikanti et al.'s formulas (bf16 activations, dropout on, CPU), with every difference
+"""Activation bytes saved for backward per transformer layer, measured by the live-tensor tracker
+(``MemoryTracker``: tensors saved for backward and alive when the forward returns), against Korthikanti et al.'s formulas (bf16 activations, dropout on, CPU), with every difference
 stated and checked exactly:
 
 - ``masks``: CPU dropout keeps its mask in the activation dtype (2 bytes), not 1 byte:
@@ -43,7 +43,7 @@ def _measure(tp, recompute, layers=1):
     model = build_gpt(cfg, state, seed=1, params_dtype=torch.bfloat16, sequence_parallel=tp > 1, **kw)
     x = torch.randn(S // tp, B, H, dtype=torch.bfloat16, requires_grad=True)
     module = model.decoder if recompute == "full" else model.decoder.layers[0]
-    return saved_activation_bytes(module, x)[0]
+    return saved_activation_bytes(module, x)
 
 
 def _explained(t, recompute):

@@ -19,6 +19,7 @@ from megatron_lite.parallel.tensor import padded_vocab_size
 from pretrain_bert import BertConfig
 from tests.convert_helpers import assert_same_weights, convert, randomize, same_optimizer
 from tests.harness import cached_state, run_ranks
+from tests.tools import load_tool
 
 VOCAB = 100
 
@@ -169,6 +170,8 @@ def test_hf_import_of_a_transformers_megatron_bert_gives_the_same_outputs(tmp_pa
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(str(tmp_path / "hf"))
+    words = [f"w{i}" for i in range(VOCAB - 5)]
+    (tmp_path / "hf" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
     out = tmp_path / "mega"
     assert convert("BERT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
                    "--target-tensor-parallel-size", 2, "--make-vocab-size-divisible-by", 8) == 0
@@ -179,6 +182,8 @@ def test_hf_import_of_a_transformers_megatron_bert_gives_the_same_outputs(tmp_pa
         theirs = model(input_ids=tokens, attention_mask=padding, token_type_ids=types)
     torch.testing.assert_close(logits[..., :VOCAB], theirs.prediction_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(binary, theirs.seq_relationship_logits, rtol=1e-5, atol=1e-5)
+    # tools/fill_mask.py reads the vocab.txt the import kept in <save>/tokenizer: no tokenizer flag
+    assert load_tool("fill_mask").main(["--load", str(out), "--text", "w3 [MASK] w7", "--top-k", "2"]) == 0
 
 
 def test_bert_without_binary_head_exports_as_masked_lm_and_comes_back(tmp_path):

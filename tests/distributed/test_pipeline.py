@@ -103,8 +103,26 @@ def _global_params(chunk):
                 yield f"layer{chunk.start + j}.{part}.{pname}", p
 
 
-def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False, schedule="1f1b"):
-    """Worker: build this rank's chunks, run the schedule, return losses, grads (as reference slices) and trace."""
+def _record_grad_arrivals(params, trace) -> list:
+    """Hooks that note, each time a parameter's ``.grad`` changes, how many ops had completed: the
+    op running then is ``trace[that count]`` once the schedule is done."""
+    arrivals, last = [], {}
+
+    def hook(p, name):
+        if p.grad is not None and (name not in last or not torch.equal(p.grad, last[name])):
+            arrivals.append((len(trace), name))
+            last[name] = p.grad.clone()
+
+    for name, p in params:
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
+    return arrivals
+
+
+def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_only=False, schedule="1f1b",
+                 grad_arrivals=False):
+    """Worker: build this rank's chunks, run the schedule, return losses, grads (as reference slices) and
+    trace; with ``grad_arrivals`` also ``(kind, microbatch, name)`` of the op during which each
+    parameter's gradient changed, in order."""
     v = 1 if vpp_layers is None else num_layers // (pp * vpp_layers)
     state = cached_state(tp=tp, pp=pp, **({"vpp": v} if v > 1 else {}))
     ranges = layer_ranges(num_layers, pp, vpp_layers)[state.pp_rank]
@@ -124,6 +142,7 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
         def __exit__(self, *exc):
             exits.append(len(trace))
 
+    arrivals = _record_grad_arrivals([(n, p) for c in chunks for n, p in _global_params(c)], trace) if grad_arrivals else []
     pipe_comm = PipeComm.for_activations(state, seq_length=S, micro_batch_size=B, hidden_size=H, dtype=torch.float32,
                                          sequence_parallel=sp)
     reported = get_forward_backward_func(state, schedule)(
@@ -148,7 +167,7 @@ def run_pipeline(num_layers, m, tp=1, pp=2, vpp_layers=None, sp=False, forward_o
     return {
         "pp_rank": state.pp_rank, "dp_rank": state.dp_rank, "tp": tp, "losses": [r["loss"].item() for r in reported], "grads": grads,
         "trace": list(trace), "times": list(trace.times), "sync_on_at": exits, "released": released, "v": v,
-        "schedule": schedule,
+        "schedule": schedule, "arrivals": [(trace[i].kind, trace[i].microbatch, name) for i, name in arrivals],
     }
 
 

@@ -3,6 +3,13 @@ single-process run (per-micro-batch losses and every gradient, fp32 rtol 1e-5 at
 the recorded trace equal to :func:`order.order_zb_h1` (so each rank really ran F, B and W in
 that order), W of each micro-batch after its B, data-parallel sync switched on only right before
 the last W, and never more micro-batches in flight (forward done, W not yet) than 1F1B's bound p.
+
+Equal numbers and a W in the trace do not show that the work was deferred (a W that computes
+nothing, after a B that computed everything, gives both): hooks on every parameter record the op
+during which its gradient changed. Under ZB-H1 each GEMM's weight gradient (and a column-parallel
+bias, added by the GEMM) must change during W of micro-batch 0, 1, ..., m-1 and never during a B;
+the row-parallel bias (added after the reduction, not deferred) during each B. Under 1F1B (the
+control) everything changes during B.
 """
 
 import pytest
@@ -39,6 +46,27 @@ def test_zb_h1_with_data_parallel():
     results = run_ranks(4, run_pipeline, 4, 4, 1, 2, None, False, False, "zb-h1")
     check_against_reference(results, 4, 4, 2, dp=2)
     check_trace(results[:1] + results[2:3], 4, 2)
+
+
+def _ops_per_param(result) -> dict:
+    out: dict = {}
+    for kind, mb, name in result["arrivals"]:
+        out.setdefault(name, []).append((kind, mb))
+    return out
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_weight_gradients_arrive_in_w_not_in_b(schedule, tp, sp):
+    m = 4
+    results = run_ranks(2 * tp, run_pipeline, 4, m, tp, 2, None, sp, False, schedule, grad_arrivals=True)
+    for res in results:
+        ops = _ops_per_param(res)
+        assert len(ops) == 2 * 4  # 2 layers per stage x (col weight, col bias, row weight, row bias)
+        for name, seen in ops.items():
+            deferred = schedule == "zb-h1" and not name.endswith("row.bias")
+            expected = [("W" if deferred else "B", i) for i in range(m)]
+            assert seen == expected, f"{schedule} rank {res['pp_rank']}: {name} changed during {seen}, expected {expected}"
 
 
 def test_zb_h1_forward_only_is_plain_forwards():

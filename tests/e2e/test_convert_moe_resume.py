@@ -3,18 +3,19 @@ converted with tools/checkpoint/convert.py to EP4 x TP1 after 3 of 6 iterations,
 uninterrupted single-process run does: the expert weights, their Adam moments and fp32 masters, the
 router's expert bias and the schedule all move with the experts. Grouped-GEMM experts, shared
 experts, a sigmoid router with expert bias, every other layer dense. RNG states are per rank and not
-carried (``--no-load-rng``; dropout is 0). Every continued step's loss agrees within rel 1e-5.
+carried (``--no-load-rng``; dropout is 0). Every step's loss and gradient norm, before and after the
+conversion, agrees with the single-process run's within rel 1e-5.
 """
 
 import os
 
 import torch
 
-import pretrain_gpt
 from tests.e2e.test_convert_resume import _same_optimizer
-from tests.e2e.test_pretrain_gpt import _argv, _ranks_losses, _same_losses
+from tests.e2e.test_pretrain_gpt import _argv
 from tests.e2e.test_pretrain_moe import MOE, MOE_B
 from tests.tools import load_tool
+from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
 _CAPACITY = MOE_B.index("--moe-expert-capacity-factor")
 # without capacity dropping: under TP2 x SP each rank routes (and drops within) its own sequence shard
@@ -25,16 +26,15 @@ def test_ep2_tp2_checkpoint_resumes_at_ep4_like_the_single_process_run(tmp_path)
     src, ep4, back = (str(tmp_path / n) for n in ("ep2tp2", "ep4", "back"))
     layout = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
               "--use-distributed-optimizer"]
-    _ranks_losses(4, _argv(src, 6, FLAGS + layout + ["--exit-interval", "3"]))
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(src, 6, FLAGS + layout + ["--exit-interval", "3"]))
     convert = load_tool("checkpoint/convert").main
     assert convert(["--model-type", "GPT", "--load-dir", src, "--save-dir", ep4, "--target-tensor-parallel-size", "1",
                     "--target-expert-parallel-size", "4"]) == 0
 
-    resumed = _ranks_losses(4, _argv(str(tmp_path / "a"), 6, FLAGS + ["--expert-model-parallel-size", "4",
-                                                                      "--load", ep4, "--no-load-rng"]))
-    straight = pretrain_gpt.main(_argv(str(tmp_path / "b"), 6, FLAGS))
-    assert len(resumed) == 3  # resumed at iteration 3
-    _same_losses(resumed, straight.losses[3:])
+    resumed = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "a"), 6, FLAGS + [
+        "--expert-model-parallel-size", "4", "--load", ep4, "--no-load-rng"]))
+    straight = run_script("pretrain_gpt", _argv(str(tmp_path / "b"), 6, FLAGS))
+    assert_same_trajectory(first + resumed, straight, steps=6)  # 3 steps at EP2 x TP2, 3 after the conversion
 
     # back to EP2 x TP2: the optimizer state (moments, masters, groups, scaler) equals training's own
     assert convert(["--model-type", "GPT", "--load-dir", ep4, "--save-dir", back, "--target-tensor-parallel-size", "2",

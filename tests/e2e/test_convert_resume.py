@@ -4,7 +4,7 @@ pretrain_gpt.py at another layout and trains on exactly as it would have at the 
 The converter reshards the optimizer state (here the distributed optimizer's, saved at TP2 x PP2,
 loaded by the plain optimizer at TP1) and copies the schedule; RNG states are per rank and are not
 carried, so both continuations run with ``--no-load-rng`` (dropout is 0). Every continued step's loss
-must agree within rel 1e-5.
+and gradient norm must agree within rel 1e-5.
 """
 
 import os
@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import MODEL_B, _argv, _ranks_losses, _same_losses
+from megatron_lite.checkpoint import merge_checkpoint
+from tests.e2e.test_pretrain_gpt import MODEL_B, _argv
 from tests.tools import load_tool
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_trajectory
 
 RESUME = ["--no-load-rng"]
 
@@ -22,16 +24,16 @@ RESUME = ["--no-load-rng"]
 def test_converted_checkpoint_resumes_at_a_new_layout_like_the_original(tmp_path):
     src, tp1 = str(tmp_path / "tp2pp2"), str(tmp_path / "tp1")
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    _ranks_losses(4, _argv(src, 4, MODEL_B + layout + ["--use-distributed-optimizer"]))
+    ranks_trajectory(4, "pretrain_gpt", _argv(src, 8, MODEL_B + layout + ["--use-distributed-optimizer", "--exit-interval", "4"]))
     convert = load_tool("checkpoint/convert").main
     assert convert(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", src,
                     "--save-dir", tp1, "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]) == 0
 
-    original = _ranks_losses(4, _argv(str(tmp_path / "a"), 8, MODEL_B + layout + ["--load", src, "--use-distributed-optimizer"]
-                                      + RESUME))
+    original = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "a"), 8, MODEL_B + layout + [
+        "--load", src, "--use-distributed-optimizer"] + RESUME))
     converted = pretrain_gpt.main(_argv(str(tmp_path / "b"), 8, MODEL_B + ["--load", tp1] + RESUME))
-    assert converted.iteration == 8 and len(converted.losses) == 4  # resumed at iteration 4
-    _same_losses(converted.losses, original)
+    assert converted.iteration == 8  # resumed at iteration 4
+    assert_same_trajectory(Trajectory.of(converted), original, steps=4)
 
     # back to TP2 x PP2: the optimizer state (moments, masters, groups, scaler) equals training's own
     back = str(tmp_path / "back")
@@ -42,6 +44,31 @@ def test_converted_checkpoint_resumes_at_a_new_layout_like_the_original(tmp_path
                      for root in (src, back))
         assert got["scheduler"] == want["scheduler"]
         _same_optimizer(got["optimizer"], want["optimizer"], rows=123 - 64 * int(rank_dir[9]))
+
+
+def test_convert_re_pads_the_vocabulary_for_another_tp_size(tmp_path):
+    """124 vocabulary rows pad to 140 at TP2 and to 130 at TP1 (--make-vocab-size-divisible-by 10): a
+    torch checkpoint converted from TP2 to TP1 holds 130 rows (real rows kept, padded rows zero, in
+    the weights and the optimizer state) and resumes on the trajectory of resuming at TP2."""
+    repad = MODEL_B + ["--make-vocab-size-divisible-by", "10", "--use-distributed-optimizer"]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    src, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    ranks_trajectory(2, "pretrain_gpt", _argv(src, 8, repad + tp2 + ["--exit-interval", "4"]))
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", tp1,
+                                                 "--target-tensor-parallel-size", "1"]) == 0
+    weights, saved = merge_checkpoint(tp1)
+    assert saved["padded_vocab_size"] == 130
+    state = torch.load(os.path.join(tp1, "iter_0000004", "mp_rank_00_000", "model_optim_rng.pt"), weights_only=True)
+    vocab = [t for t in list(state["optimizer"]["fp32_masters"]) + [v for s in state["optimizer"]["optimizer"]["state"]
+                                                                   .values() for v in s.values()]
+             if torch.is_tensor(t) and t.dim() == 2 and t.shape[0] == 130]
+    for t in vocab + [weights["embedding.word_embeddings.weight"], weights["output_layer.weight"]]:
+        assert t.shape[0] == 130 and not t[124:].any() and t[:124].any()
+    assert len(vocab) == 6  # masters, exp_avg, exp_avg_sq of the embedding and the untied output layer
+    original = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "a"), 8, repad + tp2 + ["--load", src] + RESUME))
+    converted = pretrain_gpt.main(_argv(str(tmp_path / "b"), 8, repad + ["--load", tp1] + RESUME))
+    assert converted.iteration == 8
+    assert_same_trajectory(Trajectory.of(converted), original, steps=4, what="converted from TP2 to TP1")
 
 
 def _same_optimizer(got, want, rows):
@@ -78,18 +105,11 @@ def test_hf_import_continues_pretraining_with_the_printed_flags(tmp_path, capsys
     convert = load_tool("checkpoint/convert").main
     run = ["--mock-data", "--vocab-size", "123", "--micro-batch-size", "2", "--global-batch-size", "4",
            "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]
-    losses = []
-    for tp, world in ((2, 2), (1, 1)):
+    runs = []
+    for tp in (2, 1):
         capsys.readouterr()
         out = str(tmp_path / f"tp{tp}")
         assert convert(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", out,
                         "--target-tensor-parallel-size", str(tp)]) == 0
-        argv = _flags_printed(capsys) + run
-        if world > 1:
-            losses.append(_ranks_losses(world, argv))
-        else:
-            result = pretrain_gpt.main(argv)
-            assert result.iteration == 3
-            losses.append(result.losses)
-    assert len(losses[0]) == 3  # started at iteration 0
-    _same_losses(losses[0], losses[1])
+        runs.append(run_trajectory(tp, "pretrain_gpt", _flags_printed(capsys) + run))
+    assert_same_trajectory(runs[0], runs[1], steps=3)  # 3 steps: started at iteration 0

@@ -4,8 +4,8 @@ The data is made the README's way from tests/fixtures/tiny_corpus.jsonl: train_t
 --model-type wordpiece, then preprocess_data.py --split-sentences. Parallel runs call
 ``pretrain_bert.main(argv)`` on every rank of a reused gloo pool; the reference is ``main(argv)`` in
 this process. Same seed, same global batch, dropout 0, fp32: both reported losses (``lm loss``,
-``sop loss``) of every step must agree within a relative 1e-5, and the final weights, merged from
-the saved checkpoints, within rtol 1e-5 (atol 1e-4, see test_pretrain_gpt.py for why).
+``sop loss``) and the gradient norm of every step must agree within a relative 1e-5, and the final weights, merged from
+the saved checkpoints, as test_pretrain_gpt.py's assert_same_weights says.
 """
 
 import os
@@ -14,11 +14,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import pretrain_bert
 from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
-from tests.harness import run_ranks
+from tests.e2e.test_pretrain_gpt import assert_same_weights
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "tests", "fixtures", "tiny_corpus.jsonl")
@@ -53,23 +53,16 @@ def _argv(data, save, iters=ITERS, extra=()):
     ]
 
 
-def run_cli(argv):
-    """Inside a rank: train and return this rank's reported losses per step (last stage only)."""
-    return pretrain_bert.main(argv).reported
-
-
 def _same(actual, expected):
-    assert len(actual) == len(expected) == ITERS
-    for step, (a, e) in enumerate(zip(actual, expected), 1):
-        assert a.keys() == e.keys() == {"lm loss", "sop loss"}
-        for key in e:
-            assert abs(a[key] - e[key]) <= 1e-5 * abs(e[key]), f"step {step} {key}: {a[key]} vs single {e[key]}"
+    """Both reported losses (``lm loss``, ``sop loss``) and the gradient norm of every step."""
+    assert all(r.keys() == {"lm loss", "sop loss"} for r in expected.reported)
+    assert_same_trajectory(actual, expected, steps=ITERS)
 
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     save = str(tmp_path_factory.mktemp("bert_ref") / "single")
-    return pretrain_bert.main(_argv(data, save)).reported, save
+    return run_script("pretrain_bert", _argv(data, save)), save
 
 
 @pytest.mark.parametrize(
@@ -87,27 +80,20 @@ def reference(data, tmp_path_factory):
 def test_parallel_runs_reproduce_single_process(tmp_path, data, reference, name, world, extra):
     ref, ref_save = reference
     save = str(tmp_path / name)
-    per_rank = [r for r in run_ranks(world, run_cli, _argv(data, save, extra=extra)) if r]
-    assert per_rank and all(r == per_rank[0] for r in per_rank)
-    _same(per_rank[0], ref)
+    _same(ranks_trajectory(world, "pretrain_bert", _argv(data, save, extra=extra)), ref)
     a, _ = merge_checkpoint(save)
     b, saved = merge_checkpoint(ref_save)
-    assert a.keys() == b.keys()
     vocab = saved["vocab_size"]  # the padded tail depends on the TP size: compare the real rows
-    for k in a:
-        x, y = (a[k][:vocab], b[k][:vocab]) if k in VOCAB_ROWS else (a[k], b[k])
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
-    assert ref[-1]["lm loss"] < ref[0]["lm loss"]  # it trained
+    assert_same_weights(a, b, saved, rows=dict.fromkeys(VOCAB_ROWS, vocab))
+    assert ref.reported[-1]["lm loss"] < ref.reported[0]["lm loss"]  # it trained
 
 
 def test_interleaved_pipeline_with_recompute_reproduces_single_process(tmp_path, data):
     four = ["--num-layers", "4"]
-    ref = pretrain_bert.main(_argv(data, str(tmp_path / "single4"), extra=four)).reported
+    ref = run_script("pretrain_bert", _argv(data, str(tmp_path / "single4"), extra=four))
     extra = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                     "--recompute-granularity", "full", "--recompute-method", "uniform"]
-    per_rank = [r for r in run_ranks(2, run_cli, _argv(data, str(tmp_path / "vpp"), extra=extra)) if r]
-    assert len(per_rank) == 1
-    _same(per_rank[0], ref)
+    _same(ranks_trajectory(2, "pretrain_bert", _argv(data, str(tmp_path / "vpp"), extra=extra)), ref)
 
 
 def test_no_binary_head_trains_without_sop_loss(tmp_path, data):
@@ -125,7 +111,7 @@ def test_resume_continues_exactly(tmp_path, data, reference):
     assert first.exit_reason == "interval" and first.iteration == 4
     second = pretrain_bert.main(_argv(data, save, extra=["--load", save]))
     assert second.iteration == ITERS
-    assert first.reported + second.reported == reference[0]  # bit-identical continuation
+    assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference[0], rtol=0)  # bit-identical
 
 
 def test_fill_mask_reads_the_checkpoint(data, reference):

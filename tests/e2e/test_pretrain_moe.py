@@ -1,9 +1,10 @@
 """pretrain_gpt.py with mixture-of-experts layers: expert-parallel runs reproduce the single-process run.
 
 Same pattern as test_pretrain_gpt.py: ``pretrain_gpt.main(argv)`` on every rank of a gloo pool vs in
-this process; same seed and global batch, dropout 0, fp32; every step's loss (and so the router
-losses' gradients, which enter every later loss) within a relative 1e-5. A Mixtral-like model:
-SwiGLU experts, RMSNorm, rope, GQA, top-2 of 4 experts with load-balancing and z-losses.
+this process; same seed and global batch, dropout 0, fp32; every step's loss and gradient norm
+(which carries the router losses' gradients from step 1 on) within a relative 1e-5. A Mixtral-like
+model: SwiGLU experts, RMSNorm, rope, GQA, top-2 of 4 experts with load-balancing and z-losses;
+expert, tensor, data, pipeline and context parallelism (EP1 and EP2, both dispatchers).
 """
 
 import glob
@@ -15,19 +16,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import pretrain_gpt
 from megatron_lite.checkpoint import load_gpt_checkpoint
-from tests.e2e.test_pretrain_gpt import (
-    MODEL,
-    _argv,
-    _one_line_exit_2,
-    _parallel,
-    _same_losses,
-    _same_weights,
-    _single,
-)
+from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_weights, _single
 from tests.harness import run_ranks
+from tests.trajectory import Trajectory, assert_same_trajectory
 
 MOE = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--ffn-hidden-size", "128",  # 4h, the experts' width too: Megatron's SwiGLU default (64) learns too little in 8 steps
     "--group-query-attention", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
 ]
@@ -36,6 +31,7 @@ MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
          "--moe-shared-expert-intermediate-size", "32", "--moe-grouped-gemm", "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
 ITERS = 8
+CP2 = ["--context-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,6 @@ def moe_reference(tmp_path_factory):
     "name, world, variant, extra",
     [
         ("ep2", 2, "A", ["--expert-model-parallel-size", "2"]),
-        ("ep2_allgather", 2, "A", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
         ("ep4", 4, "A", ["--expert-model-parallel-size", "4"]),
         ("ep2_tp2_sp", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
@@ -58,11 +53,18 @@ def moe_reference(tmp_path_factory):
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--overlap-param-gather"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-        ("ep2_capacity_shared_grouped", 2, "B", ["--expert-model-parallel-size", "2"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform"]),
         ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                  "--num-layers-per-virtual-pipeline-stage", "1"]),
+        # CP: each CP rank routes its half of every sequence, so the load-balancing loss's token counts
+        # and the z-loss's normaliser span TP x CP; expert gradients are averaged over expert-DP x CP.
+        # Variant A: no capacity (under CP each rank would drop within its own half)
+        ("ep1_cp2", 2, "A", CP2),
+        ("ep1_cp2_allgather", 2, "A", CP2 + ["--moe-token-dispatcher-type", "allgather"]),
+        ("ep2_cp2", 4, "A", CP2 + ["--expert-model-parallel-size", "2"]),
+        ("ep2_cp2_allgather", 4, "A", CP2 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                             "allgather"]),
         # ZeRO-3: expert parameters sharded over the expert-data-parallel group, dense over all 4 ranks
         ("ep2_dp2_zero3", 4, "B", ["--expert-model-parallel-size", "2", "--data-parallel-sharding-strategy",
                                    "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]),
@@ -70,9 +72,9 @@ def moe_reference(tmp_path_factory):
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
     ref, ref_save = moe_reference[variant]
-    losses, save = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
-    _same_losses(losses, ref)
-    assert ref[-1] < ref[0]  # it trained
+    got, save = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
+    assert_same_trajectory(got, ref, steps=ITERS)
+    assert ref.losses[-1] < ref.losses[0]  # it trained
     _same_weights(save, ref_save)  # experts of every EP rank merged back into one process
 
 
@@ -93,9 +95,9 @@ def test_bad_moe_combinations_exit_2(tmp_path, capsys, extra, words):
 
 
 def _run_cli_result(argv):
-    """Inside a rank: (losses, iteration, exit reason)."""
+    """Inside a rank: (trajectory, iteration, exit reason)."""
     result = pretrain_gpt.main(argv)
-    return result.losses, result.iteration, result.exit_reason
+    return Trajectory.of(result), result.iteration, result.exit_reason
 
 
 def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
@@ -110,13 +112,13 @@ def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
     second = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--load", save]))
     assert all(r[1] == ITERS for r in second)
     straight = run_ranks(2, _run_cli_result, _argv(str(tmp_path / "straight"), ITERS, flags))
-    assert first[0][0] + second[0][0] == straight[0][0]  # bit-identical continuation
-    _same_losses(straight[0][0], moe_reference["B"][0])
+    assert_same_trajectory(first[0][0] + second[0][0], straight[0][0], rtol=0)  # bit-identical continuation
+    assert_same_trajectory(straight[0][0], moe_reference["B"][0], steps=ITERS)
 
 
 def test_ep2_bf16_trains(tmp_path):
     argv = _argv(str(tmp_path / "bf16"), 6, MOE + ["--expert-model-parallel-size", "2", "--bf16", "--moe-grouped-gemm"])
-    losses = [r for r in run_ranks(2, _run_cli_result, argv)][0][0]
+    losses = run_ranks(2, _run_cli_result, argv)[0][0].losses
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 

@@ -1,6 +1,6 @@
 """Hybrid sharding and optimizer CPU offload through pretrain_gpt.py's command line.
 
-Every run must reproduce the single-process trajectory (fp32: losses within a relative 1e-5, final
+Every run must reproduce the single-process trajectory (fp32: losses and gradient norms within a relative 1e-5, final
 weights as in test_pretrain_gpt.py), and the model-state bytes each rank holds, measured from the
 tensors' storages, must equal the formula exactly, device and CPU parts apart. The model (MODEL_B:
 no biases, hidden 32) has only even-sized parameters, so no gradient bucket needs padding at a
@@ -12,8 +12,9 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.perf.model_state import measured_model_state_bytes, model_state_bytes_split
-from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses, _same_weights
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_weights
 from tests.harness import run_ranks
+from tests.trajectory import Trajectory, assert_same_trajectory
 
 ITERS = 8
 DISTOPT = ["--use-distributed-optimizer"]
@@ -22,10 +23,10 @@ OFFLOAD_HALF = DISTOPT + ["--optimizer-cpu-offload", "--optimizer-offload-fracti
 
 
 def run_and_measure(argv):
-    """Inside a rank: train; return (losses, this rank's parameter count, measured bytes)."""
+    """Inside a rank: train; return (trajectory, this rank's parameter count, measured bytes)."""
     result = pretrain_gpt.main(argv)
     n = sum(p.numel() for c in result.chunks for p in c.parameters())
-    return result.losses, n, measured_model_state_bytes(result.chunks, result.optimizer)
+    return Trajectory.of(result), n, measured_model_state_bytes(result.chunks, result.optimizer)
 
 
 def _run(tmp_path, name, world, extra, iters=ITERS):
@@ -33,7 +34,7 @@ def _run(tmp_path, name, world, extra, iters=ITERS):
     argv = _argv(save, iters, MODEL_B + list(extra))
     results = run_ranks(world, run_and_measure, argv) if world > 1 else [run_and_measure(argv)]
     for other in results[1:]:
-        assert other[0] == results[0][0]  # every rank reports the same DP-averaged losses
+        assert other[0] == results[0][0]  # every rank reports the same DP-averaged losses and global norms
     return results, save
 
 
@@ -59,8 +60,8 @@ def test_hybrid_sharding_dp4_two_instances(tmp_path, reference):
     # Two instances of 2 shards; small overlapped buckets: the replica all-reduce runs at wait time.
     extra = DISTOPT + ["--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
     results, save = _run(tmp_path, "hybrid", 4, extra)
-    ref_losses, ref_save = reference["fp32"]
-    _same_losses(results[0][0], ref_losses)
+    ref, ref_save = reference["fp32"]
+    assert_same_trajectory(results[0][0], ref, steps=ITERS)
     _same_weights(save, ref_save)
     device, _ = _bytes_match_formula(results, torch.float32, 4, instances=2)
     assert device == 8 + 6  # 4 param + 4 grad + 12 / (4 / 2) master and moments
@@ -70,7 +71,7 @@ def test_hybrid_sharding_with_context_parallelism(tmp_path, reference):
     # DP 2 x CP 2, two instances: each shard block is one CP group, the replicas are the DP ranks.
     extra = DISTOPT + ["--num-distributed-optimizer-instances", "2", "--context-parallel-size", "2"]
     results, save = _run(tmp_path, "hybrid_cp", 4, extra)
-    _same_losses(results[0][0], reference["fp32"][0])
+    assert_same_trajectory(results[0][0], reference["fp32"][0], steps=ITERS)
     _same_weights(save, reference["fp32"][1])
     _bytes_match_formula(results, torch.float32, 4, instances=2)
 
@@ -78,7 +79,7 @@ def test_hybrid_sharding_with_context_parallelism(tmp_path, reference):
 def test_cpu_offload_all_of_the_shard(tmp_path, reference, capsys):
     extra = DISTOPT + ["--optimizer-cpu-offload"]
     results, save = _run(tmp_path, "offload_all", 1, extra)
-    _same_losses(results[0][0], reference["fp32"][0])
+    assert_same_trajectory(results[0][0], reference["fp32"][0], steps=ITERS)
     _same_weights(save, reference["fp32"][1])
     assert _bytes_match_formula(results, torch.float32, 1, fraction=1.0) == (8, 16)
     # the line printed after the first step: measured next to the formula
@@ -89,24 +90,21 @@ def test_cpu_offload_all_of_the_shard(tmp_path, reference, capsys):
 def test_cpu_offload_half_at_dp2_and_resume_is_exact(tmp_path, reference):
     results, save = _run(tmp_path, "offload_half", 2, OFFLOAD_HALF)
     straight = results[0][0]
-    _same_losses(straight, reference["fp32"][0])
+    assert_same_trajectory(straight, reference["fp32"][0], steps=ITERS)
     _same_weights(save, reference["fp32"][1])
     assert _bytes_match_formula(results, torch.float32, 2, fraction=0.5) == (8 + 3, 4)
     # stop at 4, resume from the checkpoint: the continuation is bit-identical
     resumed = str(tmp_path / "offload_resumed")
     first = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_B + OFFLOAD_HALF + ["--exit-interval", "4"]))
     second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_B + OFFLOAD_HALF + ["--load", resumed]))
-    assert first[0][0] + second[0][0] == straight
+    assert_same_trajectory(first[0][0] + second[0][0], straight, rtol=0)  # bit-identical
 
 
 def test_cpu_offload_in_bf16(tmp_path, reference):
     # bf16 params: the host half steps the same fp32 masters, so only the DP2 summation order differs
-    # from the single process; losses agree within a relative 1e-4 (measured: 1e-7).
+    # from the single process; losses and gradient norms agree within a relative 1e-4 (measured: 1e-7).
     results, _ = _run(tmp_path, "offload_bf16", 2, OFFLOAD_HALF + ["--bf16"])
-    ref_losses = reference["bf16"][0]
-    assert len(results[0][0]) == len(ref_losses)
-    for step, (a, e) in enumerate(zip(results[0][0], ref_losses), 1):
-        assert abs(a - e) <= 1e-4 * abs(e), f"step {step}: {a} vs {e}"
+    assert_same_trajectory(results[0][0], reference["bf16"][0], rtol=1e-4, steps=ITERS)
     assert _bytes_match_formula(results, torch.bfloat16, 2, fraction=0.5) == (6 + 3, 4)
 
 
@@ -140,4 +138,4 @@ def test_offloaded_checkpoint_resumes_without_offload(tmp_path, reference):
     save = str(tmp_path / "fmt")
     first = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--optimizer-cpu-offload", "--exit-interval", "3"]))
     second = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--load", save]))
-    _same_losses(first.losses + second.losses, reference["fp32"][0])
+    assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference["fp32"][0], steps=ITERS)

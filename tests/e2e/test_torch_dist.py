@@ -1,5 +1,5 @@
 """The sharded checkpoint format (--ckpt-format torch_dist): a checkpoint saved at TP2 x DP2 with the
-distributed optimizer resumes at TP1 x DP4 and at PP2 exactly as at its own layout, with its optimizer
+distributed optimizer resumes at TP1 x DP4 and at PP2 on the single-process run's trajectory, with its optimizer
 state resharded bit for bit; each rank writes only its own pieces; --auto-detect-ckpt-format;
 --async-save overlaps training, writes what a synchronous save writes, and a run killed before the
 save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors."""
@@ -18,12 +18,17 @@ import pretrain_gpt
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, read_tracker, save_checkpoint
 from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
-from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2, _same_losses
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2
 from tests.harness import run_ranks
 from tests.tools import load_tool
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIST = ["--ckpt-format", "torch_dist"]
+# 124 vocabulary rows (123 + end of document) pad to 140 at TP2 and to 130 at TP1: resuming at another
+# TP size re-pads the vocabulary tensors and their optimizer state
+REPAD = ["--make-vocab-size-divisible-by", "10"]
+REAL_ROWS = 124
 TP2 = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
 TP1 = ["--use-distributed-optimizer", "--no-load-rng"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--no-load-rng"]
@@ -33,21 +38,23 @@ def resave_then_continue(resave_argv, resave_dir, continue_argv):
     """In a rank: load the checkpoint at this layout and save it again at once (no step; skipped
     when ``resave_dir`` is None), then train on."""
     if resave_dir is None:
-        return pretrain_gpt.main(continue_argv).losses
+        return Trajectory.of(pretrain_gpt.main(continue_argv))
     config = parse_args(resave_argv, world_size=dist.get_world_size())
     pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
     state, device = loop.setup(config)
     built = loop._build(config, state, device, pretrain_gpt.model_provider)
     config.checkpoint.save = resave_dir
     save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed_samples, config, state)
-    return pretrain_gpt.main(continue_argv).losses
+    return Trajectory.of(pretrain_gpt.main(continue_argv))
 
 
 def _continue(tmp_path, src, name, layout, resave=True):
-    argv = _argv(str(tmp_path / name), 8, MODEL_B + DIST + layout + ["--load", src])
+    argv = _argv(str(tmp_path / name), 8, MODEL_B + REPAD + DIST + layout + ["--load", src])
     resaved = str(tmp_path / f"{name}_resaved") if resave else None
     out = run_ranks(4, resave_then_continue, argv, resaved, argv)
-    return [r for r in out if r][0], resaved
+    last = [r for r in out if r.losses]
+    assert last and all(r == last[0] for r in last) and all(r.grad_norms == last[0].grad_norms for r in out)
+    return last[0], resaved
 
 
 def _same_tables(a, b, rows=None):
@@ -82,27 +89,61 @@ def _check_ownership(src):
     assert sorted(moments) == [0, 1, 2, 3] and all(0.2 < n / total < 0.3 for n in moments.values()), moments
 
 
+def _repadded(table, padded):
+    """Every vocabulary tensor of ``table`` has ``padded`` rows, zero beyond the real vocabulary."""
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert table[name].shape[0] == padded and not table[name][REAL_ROWS:].any(), name
+
+
 def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path):
+    """Saved at TP2 x DP2 (vocabulary padded to 140), resumed at TP1 x DP4 (130) and PP2 (130):
+    the same trajectory as resuming at TP2, the optimizer state equal on the real rows, and the
+    padded rows of weights and state zero, as the converter writes them."""
     src = str(tmp_path / "src")
-    first = run_ranks(4, loop_losses, _argv(src, 8, MODEL_B + DIST + TP2 + ["--exit-interval", "4"]))
-    assert len([r for r in first if r][0]) == 4
-    _check_ownership(src)
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
+    assert len(first.losses) == 4
     same, _ = _continue(tmp_path, src, "same", TP2, resave=False)
+    _check_ownership(src)
     for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
-        losses, resaved = _continue(tmp_path, src, name, layout)
-        _same_losses(losses, same)
+        trajectory, resaved = _continue(tmp_path, src, name, layout)
+        assert_same_trajectory(trajectory, same, steps=4, what=name)
         want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
-        for key in ("masters",):
-            _same_tables(got[key], want[key])
+        _same_tables(got["masters"], want["masters"], rows=REAL_ROWS)
         for key in want["state"]:
-            _same_tables(got["state"][key], want["state"][key])
+            _same_tables(got["state"][key], want["state"][key], rows=REAL_ROWS)
+            _repadded(got["state"][key], 130)
         assert got["scalars"] == want["scalars"] and got["group"] == want["group"] and got["scheduler"] == want["scheduler"]
-        _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0])
-    # the converter reads torch_dist too: to a torch checkpoint at TP1 with the same weights
+        _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+        _repadded(merge_checkpoint(resaved)[0], 130)
+    # the converter reads torch_dist too: to a torch checkpoint at TP1 (re-padded) with the same
+    # weights and optimizer state, which resumes on the same trajectory
     out = str(tmp_path / "converted")
     assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
                                                  "--target-tensor-parallel-size", "1"]) == 0
-    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=123)  # padding rows: zero there
+    _same_tables(merge_checkpoint(out)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+    _repadded(merge_checkpoint(out)[0], 130)
+    converted = pretrain_gpt.main(_argv(str(tmp_path / "from_converted"), 8, MODEL_B + REPAD + TP1 + ["--load", out]))
+    assert_same_trajectory(Trajectory.of(converted), same, steps=4, what="converted to TP1")
+
+
+def test_torch_dist_saved_in_one_process_resumes_at_tp2_with_more_padding(tmp_path):
+    """The other direction: saved in one process (130 vocabulary rows), resumed at TP2 (140): the
+    added rows are zero in the weights and the optimizer state, the trajectory is the one-process one."""
+    src = str(tmp_path / "src")
+    one = MODEL_B + REPAD + DIST + ["--use-distributed-optimizer"]
+    pretrain_gpt.main(_argv(src, 8, one + ["--exit-interval", "4"]))
+    same = Trajectory.of(pretrain_gpt.main(_argv(str(tmp_path / "same"), 8, one + ["--load", src])))
+    argv = _argv(str(tmp_path / "tp2"), 8, one + ["--load", src, "--tensor-model-parallel-size", "2", "--no-load-rng"])
+    resaved = str(tmp_path / "resaved")
+    tp2 = [r for r in run_ranks(2, resave_then_continue, argv, resaved, argv) if r.losses][0]
+    assert_same_trajectory(tp2, same, steps=4, what="tp2")
+    want, got = merge_dist_optimizer(src), merge_dist_optimizer(resaved)
+    for key in want["state"]:
+        _same_tables(got["state"][key], want["state"][key], rows=REAL_ROWS)
+        _repadded(got["state"][key], 140)
+    _same_tables(got["masters"], want["masters"], rows=REAL_ROWS)
+    _same_tables(merge_checkpoint(resaved)[0], merge_checkpoint(src)[0], rows=REAL_ROWS)
+    _repadded(merge_checkpoint(resaved)[0], 140)
 
 
 def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):
@@ -110,14 +151,16 @@ def test_tied_model_saved_in_one_process_resumes_at_pp2(tmp_path):
     embedding's pieces."""
     src = str(tmp_path / "src")
     pretrain_gpt.main(_argv(src, 6, MODEL + DIST + ["--exit-interval", "2"]))
-    same = pretrain_gpt.main(_argv(str(tmp_path / "same"), 6, MODEL + DIST + ["--load", src])).losses
-    pp2 = run_ranks(2, loop_losses, _argv(str(tmp_path / "pp2"), 6, MODEL + DIST + [
+    same = run_script("pretrain_gpt", _argv(str(tmp_path / "same"), 6, MODEL + DIST + ["--load", src]))
+    pp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "pp2"), 6, MODEL + DIST + [
         "--load", src, "--pipeline-model-parallel-size", "2", "--no-load-rng"]))
-    _same_losses([r for r in pp2 if r][0], same)
+    assert_same_trajectory(pp2, same, steps=4)
 
 
-def loop_losses(argv):
-    return pretrain_gpt.main(argv).losses
+@pytest.fixture(scope="module")
+def single6(tmp_path_factory):
+    """The uninterrupted single-process run of MODEL: 6 steps."""
+    return run_script("pretrain_gpt", _argv(str(tmp_path_factory.mktemp("single6") / "s"), 6, MODEL))
 
 
 def test_auto_detect_ckpt_format(tmp_path, capsys):
@@ -174,10 +217,10 @@ def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path)
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == -9, out.stderr[-2000:]
     assert read_tracker(save) == 2 and not os.path.isdir(os.path.join(save, "iter_0000004"))
-    straight = pretrain_gpt.main(_argv(str(tmp_path / "straight"), 6, MODEL + DIST)).losses
+    straight = run_script("pretrain_gpt", _argv(str(tmp_path / "straight"), 6, MODEL + DIST))
     resumed = pretrain_gpt.main(argv + ["--load", save])
-    assert resumed.iteration == 6 and len(resumed.losses) == 4
-    assert resumed.losses == straight[2:]
+    assert resumed.iteration == 6
+    assert_same_trajectory(Trajectory.of(resumed), straight[2:], rtol=0)  # bit-identical
 
 
 def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path, capsys):
@@ -196,6 +239,25 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
     _one_line_exit_2(capsys, load, ".metadata", "corrupt")
 
 
+def test_a_tensor_with_damaged_bytes_is_refused_naming_its_file_and_tensor(tmp_path, capsys):
+    """One byte of one saved tensor flipped (the file still reads): its CRC-32 no longer matches."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save = str(tmp_path / "s")
+    pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--exit-interval", "2"]))
+    folder = os.path.join(save, "iter_0000002")
+    key = "weight/embedding.word_embeddings.weight/0_0_0"
+    [(index, info)] = [(i, f) for i, f in FileSystemReader(folder).read_metadata().storage_data.items() if i.fqn == key]
+    data = os.path.join(folder, info.relative_path)
+    with open(data, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save]),
+                     data, f"tensor {key} fails its checksum")
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
 ])
@@ -204,30 +266,30 @@ def test_torch_dist_flag_refusals(capsys, monkeypatch, flags, words):
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, words)
 
 
-def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path):
+def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(tmp_path, single6):
     """ZeRO-3 holds only a shard of each weight between uses: a torch_dist save from such a run (with
-    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1 and ZeRO-3."""
+    its all-gathers overlapped) still writes full pieces, and they resume under plain ZeRO-1 and ZeRO-3
+    with the single-process run's losses and gradient norms."""
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
     src = str(tmp_path / "src")
-    first = run_ranks(2, loop_losses, _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
-    second = run_ranks(2, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + ["--use-distributed-optimizer",
-                                                                                          "--load", src]))
-    again = run_ranks(2, loop_losses, _argv(str(tmp_path / "again"), 6, MODEL + DIST + zero3 + ["--load", src]))
-    whole = run_ranks(2, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + ["--use-distributed-optimizer"]))
-    _same_losses(first[0] + second[0], whole[0])
-    _same_losses(first[0] + again[0], whole[0])  # and back into ZeRO-3's shards
+    first = ranks_trajectory(2, "pretrain_gpt", _argv(src, 6, MODEL + DIST + zero3 + ["--exit-interval", "3"]))
+    second = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "next"), 6, MODEL + DIST + [
+        "--use-distributed-optimizer", "--load", src]))
+    again = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "again"), 6, MODEL + DIST + zero3 + ["--load", src]))
+    assert_same_trajectory(first + second, single6, steps=6, what="ZeRO-3 then ZeRO-1")
+    assert_same_trajectory(first + again, single6, steps=6, what="ZeRO-3 then ZeRO-3")
 
 
 @pytest.mark.parametrize("world, flags", [
     (4, ["--num-distributed-optimizer-instances", "2"]),
     (2, ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]),
 ], ids=["hybrid_dp4x2", "offload_half"])
-def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, world, flags):
+def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, single6, world, flags):
     """Hybrid sharding (the same optimizer slice on every instance) and CPU offload (part of the slice
-    on the host) write the same pieces as the plain distributed optimizer."""
+    on the host) write the same pieces as the plain distributed optimizer: resumed without them, the
+    run follows the single-process one."""
     src = str(tmp_path / "src")
     distopt = ["--use-distributed-optimizer"]
-    first = run_ranks(world, loop_losses, _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
-    second = run_ranks(world, loop_losses, _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
-    whole = run_ranks(world, loop_losses, _argv(str(tmp_path / "whole"), 6, MODEL + distopt))
-    _same_losses(first[0] + second[0], whole[0])
+    first = ranks_trajectory(world, "pretrain_gpt", _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
+    second = ranks_trajectory(world, "pretrain_gpt", _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
+    assert_same_trajectory(first + second, single6, steps=6)

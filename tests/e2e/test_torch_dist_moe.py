@@ -6,24 +6,15 @@ single-process run (relative 1e-5), optimizer state included; FP8 experts resume
 
 import pytest
 
-import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import _argv, _same_losses, _same_weights
+from tests.e2e.test_fp8 import GRAD_RTOL
+from tests.e2e.test_pretrain_gpt import _argv, _same_weights
 from tests.e2e.test_pretrain_moe import MOE
-from tests.harness import run_ranks
+from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
 DIST = ["--ckpt-format", "torch_dist"]
 ITERS, STOP = 5, 2
+FP8_ITERS = 6  # stopped at 2: 4 steps after loading at EP1
 EP = "--expert-model-parallel-size"
-
-
-def _losses(argv):
-    return pretrain_gpt.main(argv).losses
-
-
-def _run(world, argv):
-    losses = [r for r in run_ranks(world, _losses, argv) if r]
-    assert losses and all(r == losses[0] for r in losses)
-    return losses[0]
 
 
 @pytest.mark.parametrize("model, save_world, save_flags, resumes", [
@@ -36,32 +27,34 @@ def _run(world, argv):
 ], ids=["sequential_ep2dp2_distopt", "grouped_ep2"])
 def test_ep2_torch_dist_checkpoint_resumes_at_ep1_ep4_and_tp2(tmp_path, model, save_world, save_flags, resumes):
     src = str(tmp_path / "src")
-    whole = _losses(_argv(str(tmp_path / "whole"), ITERS, model))
-    first = _run(save_world, _argv(src, ITERS, model + DIST + save_flags + ["--exit-interval", str(STOP)]))
-    _same_losses(first, whole[:STOP])
+    whole = run_script("pretrain_gpt", _argv(str(tmp_path / "whole"), ITERS, model))
+    first = ranks_trajectory(save_world, "pretrain_gpt", _argv(src, ITERS, model + DIST + save_flags + [
+        "--exit-interval", str(STOP)]))
     for i, (world, flags) in enumerate(resumes):
-        again = _run(world, _argv(str(tmp_path / f"r{i}"), ITERS, model + DIST + flags + ["--load", src, "--no-load-rng"]))
-        assert len(first + again) == len(whole), flags
-        _same_losses(first + again, whole)
+        again = ranks_trajectory(world, "pretrain_gpt", _argv(str(tmp_path / f"r{i}"), ITERS, model + DIST + flags + [
+            "--load", src, "--no-load-rng"]))
+        assert_same_trajectory(first + again, whole, steps=ITERS, what=" ".join(flags))
 
 
 def test_ep2_fp8_grouped_torch_dist_resumes_exactly_and_at_ep1(tmp_path):
     """FP8 experts' amax histories and scales are saved per global expert: resuming at EP2 continues
-    bit for bit, and the checkpoint loads at EP1 (FP8 tolerance, relative 1e-3)."""
+    bit for bit, and the checkpoint loads at EP1 (DP2), where the 4 steps after it follow the
+    single-process FP8 run (FP8 tolerance: losses relative 1e-3, gradient norms test_fp8.GRAD_RTOL)."""
     extra = ["--bf16", "--fp8-format", "hybrid"] + MOE + ["--moe-grouped-gemm"] + DIST
-    straight = _run(2, _argv(str(tmp_path / "straight"), 4, extra + [EP, "2"]))
+    straight = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "straight"), FP8_ITERS, extra + [EP, "2"]))
     src = str(tmp_path / "src")
-    first = _run(2, _argv(src, 4, extra + [EP, "2", "--exit-interval", "2"]))
-    same = _run(2, _argv(str(tmp_path / "same"), 4, extra + [EP, "2", "--load", src]))
-    assert first + same == straight
-    ep1 = _run(2, _argv(str(tmp_path / "ep1"), 4, extra + ["--load", src, "--no-load-rng"]))
-    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(first + ep1, straight))
+    first = ranks_trajectory(2, "pretrain_gpt", _argv(src, FP8_ITERS, extra + [EP, "2", "--exit-interval", "2"]))
+    same = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "same"), FP8_ITERS, extra + [EP, "2", "--load", src]))
+    assert_same_trajectory(first + same, straight, rtol=0)  # bit-identical
+    single = run_script("pretrain_gpt", _argv(str(tmp_path / "single"), FP8_ITERS, extra))
+    ep1 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "ep1"), FP8_ITERS, extra + ["--load", src, "--no-load-rng"]))
+    assert_same_trajectory(first + ep1, single, rtol=1e-3, grad_rtol=GRAD_RTOL, steps=FP8_ITERS)
 
 
 @pytest.mark.parametrize("grouped", [[], ["--moe-grouped-gemm"]], ids=["sequential", "grouped"])
 def test_ep2_torch_dist_checkpoint_merges_into_the_one_process_model(tmp_path, grouped):
     """The offline merge (tools, --loader megatron) reads an EP2 torch_dist checkpoint as the full model."""
     extra = MOE + grouped + DIST
-    _run(2, _argv(str(tmp_path / "ep2"), 3, extra + [EP, "2"]))
-    _losses(_argv(str(tmp_path / "one"), 3, extra))
+    ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "ep2"), 3, extra + [EP, "2"]))
+    run_script("pretrain_gpt", _argv(str(tmp_path / "one"), 3, extra))
     _same_weights(str(tmp_path / "ep2"), str(tmp_path / "one"))

@@ -13,16 +13,31 @@ TINY = [
 ]
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def _torchrun_counting_threads(tmp_path, world: int, script: str, argv: list[str]):
+    """torchrun ``script`` (through exit_threads.py) on ``world`` ranks; (result, threads left at
+    interpreter exit per rank). A successful run must exit 0 with only the main thread left: a
+    communication thread alive then can abort it ("terminate called without an active exception")."""
+    report = tmp_path / "threads"
+    report.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           "tests/e2e/exit_threads.py", script] + argv
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(EXIT_THREADS_DIR=str(report)), capture_output=True, text=True,
+                         timeout=600)
+    threads = [(report / f"rank{r}").read_text().splitlines() if (report / f"rank{r}").exists() else None
+               for r in range(world)]
+    return out, threads
 
 
 def test_torchrun_tensor_and_pipeline_parallel(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29531",
-           "pretrain_gpt.py", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-           "--global-batch-size", "8", "--train-iters", "3", "--save", str(tmp_path / "ckpt")] + TINY
-    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "8", "--train-iters", "3", "--save", str(tmp_path / "ckpt")] + TINY
+    out, threads = _torchrun_counting_threads(tmp_path, 4, "pretrain_gpt.py", argv)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert all(t is not None and len(t) == 1 for t in threads), threads
     lines = [line for line in out.stdout.splitlines() if "iteration" in line and "lm loss" in line]
     assert len(lines) == 3, out.stdout[-3000:]  # one line per iteration, from one rank only
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
@@ -50,3 +65,25 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert (save / f"iter_{saved:07d}" / "mp_rank_00_000" / "model_optim_rng.pt").exists()
     assert "exit on signal" in stdout
 
+
+
+def test_a_finished_run_with_work_in_flight_exits_0_with_no_thread_left(tmp_path):
+    """Every source of work still running at the end of a run at once: expert parallelism with a
+    shared expert, ZeRO-3 with overlapped gradient reduction and parameter all-gathers, and an
+    asynchronous torch_dist save of the last iteration."""
+    argv = TINY + ["--global-batch-size", "4", "--train-iters", "4", "--expert-model-parallel-size", "2",
+                   "--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "32",
+                   "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+                   "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
+                   "--overlap-param-gather", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                   "--ckpt-format", "torch_dist", "--async-save"]
+    out, threads = _torchrun_counting_threads(tmp_path, 2, "pretrain_gpt.py", argv)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert threads == [threads[0], threads[0]] and len(threads[0]) == 1, threads
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def test_collectives_left_in_flight_end_cleanly(tmp_path):
+    out, threads = _torchrun_counting_threads(tmp_path, 2, "tests/e2e/inflight_at_exit.py", [])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(t is not None and len(t) == 1 for t in threads), threads

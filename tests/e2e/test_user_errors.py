@@ -44,7 +44,8 @@ def test_checkpoint_refused_by_one_rank_stops_every_rank_cleanly(tmp_path):
     assert [code for code, _ in run_ranks(2, exit_code_and_stderr, tp2)] == [0, 0]
     bad = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_01_000" / "model_optim_rng.pt"  # rank 1's file only
     bad.write_bytes(bad.read_bytes()[:100])
-    _every_rank_exits_2_rank_0_prints(2, tp2 + ["--train-iters", "4", "--load", save], "mp_rank_01_000", "unreadable")
+    longer = ["--train-iters", "4", "--override-opt_param-scheduler"]  # a longer run: its own LR schedule
+    _every_rank_exits_2_rank_0_prints(2, tp2 + longer + ["--load", save], "mp_rank_01_000", "unreadable")
 
 
 def test_bad_flag_combination_is_printed_once(monkeypatch):
@@ -182,7 +183,7 @@ def test_bad_flag_under_torchrun_is_printed_once():
 
     from tests.e2e.conftest import ROOT
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29549",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "pretrain_gpt.py", "--tensor-model-parallel-size", "3"] + TINY
     out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300)
@@ -190,3 +191,61 @@ def test_bad_flag_under_torchrun_is_printed_once():
     text = out.stdout + out.stderr
     assert text.count("tensor-model-parallel-size 3") == 1, text[-3000:]
     assert "exitcode  : 2" in text  # torchrun's summary: the workers exited with the user-error code
+
+
+def _bad_batch_argv(bad_rank):
+    # two data-parallel ranks, 2 micro-batches a step each: the 5th batch is in iteration 3
+    return ["tests/e2e/bad_batch_on_one_rank.py", str(bad_rank), "5"] + TINY + [
+        "--micro-batch-size", "1", "--train-iters", "6", "--overlap-grad-reduce"]
+
+
+def _one_message_no_traceback(text, launcher_tracebacks=0):
+    """The message once, no worker traceback (torchrun prints one of its own: ChildFailedError)."""
+    assert text.count("error: --data-path") == 1, text[-3000:]
+    assert "is outside the tokenizer's vocabulary" in text, text[-3000:]
+    assert text.count("Traceback (most recent call last)") == launcher_tracebacks, text[-3000:]
+    assert "megatron_lite/" not in text and 'pretrain_gpt.py", line' not in text, text[-3000:]
+    assert "gloo/" not in text and "Connection closed" not in text and "RuntimeError" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_one_line_exit_2(bad_rank):
+    """One rank alone meets the bad token while the other waits for it in the gradient all-reduce:
+    both processes (launched one by one, as srun would: rank 0's process serves the store) exit 2,
+    the message is printed once."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable] + _bad_batch_argv(bad_rank), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"))
+             for rank in (0, 1)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    text = "".join(out + err for out, err in outputs)
+    _one_message_no_traceback(text)
+    assert "iteration        2/" in text and "iteration        3/" not in text
+
+
+def test_a_bad_batch_on_rank_0_under_torchrun_is_one_line_exit_2():
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + _bad_batch_argv(0)
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    _one_message_no_traceback(text, launcher_tracebacks=1)
+    assert "ChildFailedError" in text and "exitcode  : 2" in text and "exitcode  : 1 " not in text, text[-3000:]

@@ -1,7 +1,7 @@
 """pretrain_gpt.py with --pipeline-schedule zb-h1 reproduces the single-process run.
 
 Same pattern as test_pretrain_gpt.py: fp32, dropout 0, same seed and global batch (4 micro-batches
-per data-parallel rank); every step's loss within a relative 1e-5 of the single-process run and
+per data-parallel rank); every step's loss and gradient norm within a relative 1e-5 of the single-process run and
 the final merged weights within rtol 1e-5. The layouts cover the deferred weight gradients under
 tensor and sequence parallelism (sharded GEMM inputs and weights), data parallelism with the
 gradient reduction overlapped in small buckets (the grad-ready hooks must fire after the W passes)
@@ -12,15 +12,8 @@ sizes 2 and 4.
 
 import pytest
 
-from tests.e2e.test_pretrain_gpt import (
-    MODEL,
-    MODEL_B,
-    _one_line_exit_2,
-    _parallel,
-    _same_losses,
-    _same_weights,
-    _single,
-)
+from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _one_line_exit_2, _parallel, _same_weights, _single
+from tests.trajectory import assert_same_trajectory
 
 ZB = ["--pipeline-schedule", "zb-h1"]
 
@@ -49,9 +42,9 @@ def reference(tmp_path_factory):
     ],
 )
 def test_zb_h1_reproduces_single_process(tmp_path, reference, name, world, variant, extra):
-    ref_losses, ref_save = reference[variant]
-    losses, save = _parallel(tmp_path, name, world, 6, (MODEL_B if variant == "B" else []) + ZB + extra)
-    _same_losses(losses, ref_losses)
+    ref, ref_save = reference[variant]
+    got, save = _parallel(tmp_path, name, world, 6, (MODEL_B if variant == "B" else []) + ZB + extra)
+    assert_same_trajectory(got, ref, steps=6)
     _same_weights(save, ref_save)
 
 

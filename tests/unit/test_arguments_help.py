@@ -1,7 +1,15 @@
 """--help shows Megatron's usual form: ``--num-layers N`` with ``(default: ...)``, not internal names;
 the defaults are Megatron-LM's where it has one."""
 
+import glob
+import os
+
+import pytest
+
 from megatron_lite.arguments import build_parser, parse_args
+from tests.tools import load_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_help_shows_metavars_and_defaults():
@@ -19,3 +27,117 @@ def test_megatron_defaults():
     assert config.training.check_for_nan_in_loss_and_grad
     assert not parse_args(["--mock-data", "--vocab-size", "64", "--no-check-for-nan-in-loss-and-grad"],
                           world_size=1).training.check_for_nan_in_loss_and_grad
+
+
+def _list_fields():
+    """(flag, section class, field) of every list-typed config field the CLI builds."""
+    import dataclasses
+    import typing
+
+    from megatron_lite.config import SECTIONS, Config
+
+    hints = typing.get_type_hints(Config)
+    out = []
+    for section in SECTIONS:
+        cls = hints[section]
+        for f in dataclasses.fields(cls):
+            kind = typing.get_type_hints(cls)[f.name]
+            if f.metadata.get("cli", True) and "list[" in str(kind):
+                out.append("--" + f.name.replace("_", "-"))
+    return out
+
+
+def test_every_list_flag_takes_several_values():
+    flags = _list_fields()
+    assert {"--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type", "--data-path"} <= set(flags)
+    actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+    for flag in flags:  # --spec MODULE NAME: exactly two (its field says so in its metadata)
+        assert actions[flag].nargs == (2 if flag == "--spec" else "+"), flag
+    config = parse_args(["--mock-data", "--vocab-size", "64", "--num-experts", "4",
+                         "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                         "--moe-aux-loss-coeff", "1e-2", "1e-3", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"],
+                        world_size=1)
+    assert config.moe.moe_router_load_balancing_type == ["aux_loss", "seq_aux_loss"]
+    assert config.moe.moe_aux_loss_coeff == [1e-2, 1e-3]
+    assert config.parallel.cp_comm_type == ["p2p", "a2a"]
+
+
+BASE = ["--mock-data", "--vocab-size", "64"]
+
+
+def _one_line_exit_2(capsys, argv, *words, world_size=1):
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE + argv, world_size=world_size)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'"]),
+    (["--num-layers", "four"], ["--num-layers", "invalid int value"]),
+    (["--lr"], ["--lr", "expected one argument"]),
+    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # README: refused, not ignored
+])
+def test_argparse_errors_are_one_line(capsys, argv, words):
+    line = _one_line_exit_2(capsys, argv, *words)
+    assert "usage:" not in line
+
+
+TOOLS = sorted(os.path.relpath(p, ROOT)[len("tools/"):-3] for p in glob.glob(os.path.join(ROOT, "tools", "**", "*.py"),
+                                                                          recursive=True))
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_says_a_bad_flag_in_one_line(capsys, tool):
+    """Every script under tools/ (those added later too): a flag it does not have is one line, exit 2."""
+    module = load_tool(tool)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        module.main(["--no-such-flag", "1"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "usage:" not in lines[0], lines
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--fp8-recipe", "blockwise", "--tensor-model-parallel-size", "2"], ["--fp8-recipe blockwise is not implemented"]),
+    (["--fp8-recipe", "mxfp8", "--fp8-format", "hybrid", "--bf16", "--tensor-model-parallel-size", "2"],
+     ["--fp8-recipe mxfp8 is not implemented"]),
+    (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--pipeline-model-parallel-size", "2", "--num-layers", "4"], ["zb-h1 runs one model chunk per rank"]),
+    (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], ["a2a+p2p is not implemented"]),
+    (["--moe-router-fusion", "--num-experts", "2", "--expert-model-parallel-size", "2"], ["--moe-router-fusion"]),
+])
+def test_not_built_is_said_before_asking_for_more_processes(capsys, argv, words):
+    """In one process, a feature that is not built is refused as such, not with 'launch more processes'."""
+    line = _one_line_exit_2(capsys, argv, *words)
+    assert "world size" not in line
+
+
+def test_a_layout_that_needs_more_processes_still_says_so(capsys):
+    _one_line_exit_2(capsys, ["--tensor-model-parallel-size", "2"], "world size 1 is not divisible")
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 96, 128, 1000, 4096, 8192])
+def test_swiglu_ffn_default_is_megatrons(hidden):
+    """--swiglu without --ffn-hidden-size: int((4h x 2/3) / 64) x 64 (Megatron-LM's rule); GeLU keeps 4h."""
+    config = parse_args(BASE + ["--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "4"], world_size=1)
+    assert config.model.ffn_hidden_size == int((4 * hidden * 2 / 3) / 64) * 64
+    gelu = parse_args(BASE + ["--hidden-size", str(hidden), "--num-attention-heads", "4"], world_size=1)
+    assert gelu.model.ffn_hidden_size == 4 * hidden
+    given = parse_args(BASE + ["--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+                               "--ffn-hidden-size", "100"], world_size=1)
+    assert given.model.ffn_hidden_size == 100
+
+
+def test_swiglu_default_of_zero_is_refused(capsys):
+    """Below hidden 24 Megatron's rule gives 0: refused, naming the flag to set."""
+    _one_line_exit_2(capsys, ["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
+                     "ffn-hidden-size 0", "set --ffn-hidden-size")
+    config = parse_args(BASE + ["--swiglu", "--hidden-size", "24", "--num-attention-heads", "4"], world_size=1)
+    assert config.model.ffn_hidden_size == 64

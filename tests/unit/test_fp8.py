@@ -9,6 +9,9 @@ Two references:
   Frobenius error bounds: 0.08 where both operands are E4M3 (3 mantissa bits, unit roundoff 2^-4),
   0.15 where the gradient is E5M2 (2 mantissa bits, unit roundoff 2^-3).
 
+The main test runs both GEMM paths: this CPU's (exact dequantised GEMMs) and the GPU's
+(``torch._scaled_mm`` with its operand layouts and wgrad padding, forced onto the CPU).
+
 The delayed-scaling test replays the recipe step by step in plain Python (history roll, most_recent
 or max, margin, zero amax keeps the old scale) and compares every scale and history entry.
 """
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.errors import ConfigError
+from megatron_lite.precision import fp8, fp8_ops
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, fp8_gemms, update_fp8_scales
 from megatron_lite.precision.fp8_ops import (
     E4M3,
@@ -72,10 +76,21 @@ def _current(t, fp8_max):
     return torch.tensor(fp8_max) / t.abs().max()
 
 
+@pytest.fixture
+def scaled_mm_on_cpu(monkeypatch):
+    """Run the GPU path (``torch._scaled_mm``, its operand layouts and fallbacks) on this CPU."""
+    for module in (fp8, fp8_ops):
+        monkeypatch.setattr(module, "fp8_gemm_path", lambda device: fp8_ops.SCALED_MM)
+
+
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("wgrad", [True, False])
-def test_forward_backward_match_emulation_and_fp32(fmt, recipe, wgrad):
+@pytest.mark.parametrize("path", ["device", "scaled_mm"])
+def test_forward_backward_match_emulation_and_fp32(fmt, recipe, wgrad, path, request):
+    """``device``: this CPU's dequantised GEMMs; ``scaled_mm``: the GPU path's kernel and layouts."""
+    if path == "scaled_mm":
+        request.getfixturevalue("scaled_mm_on_cpu")
     gemm = Fp8Gemm(Fp8Recipe(format=fmt, recipe=recipe, wgrad=wgrad))
     grad_dtype = E5M2 if fmt == "hybrid" else E4M3
     x, w, b, dy = _inputs()
@@ -197,7 +212,7 @@ def test_tensorwise_keeps_no_state():
     assert not gemm.amax_history.any() and torch.equal(gemm.scale, torch.ones(3))
 
 
-def test_unaligned_shape_falls_back_with_reason():
+def test_unaligned_shape_falls_back_with_reason(scaled_mm_on_cpu):
     gemm = Fp8Gemm(Fp8Recipe(recipe="tensorwise"))
     x, w, b = _rand((5, 24), 1), _rand((16, 24), 2, 0.05), _rand(16, 3)
     with pytest.warns(UserWarning, match="inner dimension 24 is not divisible by 16"):
@@ -223,6 +238,8 @@ def test_scaled_mm_equals_dequantised_matmul():
     a8, b8 = quantize(a, 1 / sa, E4M3), quantize(b, 1 / sb, E4M3)
     out, reason = fp8_matmul(a8, b8.t(), sa, sb, torch.float32)
     assert reason is None
+    torch.testing.assert_close(out, torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32),
+                               rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, (a8.float() * sa) @ (b8.float() * sb).t(), rtol=1e-6, atol=1e-6)
 
 

@@ -217,30 +217,49 @@ def _build_in_process(prefix, cache, barrier, results):
 
 
 def test_concurrent_builders_make_one_cache(tmp_path, monkeypatch):
+    """Three processes miss the cache at once; the first to take the lock builds, and it does not
+    finish until the other two have reached the lock too (all three have seen no cache, so each
+    would build without the lock: that is the race). They then wait on the lock and load."""
+    import fcntl
+    import time
+    from types import SimpleNamespace
+
     import megatron_lite.data.gpt_dataset as gpt_module
+    import megatron_lite.data.index_cache as cache_module
+
+    ctx = mp.get_context("fork")
+    at_lock = ctx.Value("i", 0)  # processes that reached the lock (passed the first cache check)
+
+    def counting_flock(f, op):
+        if op == fcntl.LOCK_EX:
+            with at_lock.get_lock():
+                at_lock.value += 1
+        return fcntl.flock(f, op)
 
     real_build = gpt_module.build_gpt_indices
 
-    def slow_build(*args, **kwargs):  # widen the race window: without the lock all three would build
-        import time
-
-        time.sleep(0.5)
+    def build_once_all_are_waiting(*args, **kwargs):
+        deadline = time.monotonic() + 60  # only a safety net against a hang, never what passes the test
+        while at_lock.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(gpt_module, "build_gpt_indices", slow_build)
+    monkeypatch.setattr(cache_module, "fcntl", SimpleNamespace(flock=counting_flock, LOCK_EX=fcntl.LOCK_EX,
+                                                               LOCK_UN=fcntl.LOCK_UN))
+    monkeypatch.setattr(gpt_module, "build_gpt_indices", build_once_all_are_waiting)
     sizes = np.random.default_rng(0).integers(20, 200, 200)
     write_dataset(tmp_path / "d", sizes)
     cache = str(tmp_path / "cache")
-    ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(3), ctx.Queue()
     procs = [ctx.Process(target=_build_in_process, args=(str(tmp_path / "d"), cache, barrier, results))
              for _ in range(3)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=60) for _ in procs]
+    got = [results.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    assert at_lock.value == 3
     assert sorted(r[0] for r in got) == ["built", "loaded", "loaded"]
     assert got[0][1] == got[1][1] == got[2][1]
     entries = os.listdir(cache)

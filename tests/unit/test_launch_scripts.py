@@ -2,7 +2,9 @@
 are written for (MEGATRON_LITE_CHECK_ARGS=1), and the SLURM script prints and runs the right commands
 under a fake SLURM (fake ``scontrol`` and ``srun`` on PATH, SLURM_* variables set by hand)."""
 
+import glob
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -64,6 +66,43 @@ def test_example_script_flags_validate(script):
     out = _bash(os.path.join(EXAMPLES, script), MEGATRON_LITE_CHECK_ARGS="1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"arguments valid for world size {world}: TP {tp} x PP {pp} x DP {dp}," in out.stdout
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_script_header_names_no_existing_flag_as_missing(script):
+    """A header that says flags do not exist yet must not name a flag the parser has."""
+    with open(os.path.join(EXAMPLES, script)) as f:
+        header = " ".join(line.lstrip("#").strip() for line in f if line.startswith("#"))
+    flags = set(build_parser()._option_string_actions)
+    for sentence in header.split(". "):
+        if "exist" in sentence:
+            assert not [w for w in re.findall(r"--[a-z0-9-]+", sentence) if w in flags], sentence
+
+
+# Flags whose value is a path a command writes.
+WRITES = ("--save", "--save-dir", "--output", "-o", "--output-prefix", "--tensorboard-dir", "--wandb-save-dir",
+          "--data-cache-path", "--png")
+
+
+def _written_paths(markdown: str):
+    """(flag, path) of every output path in the ```bash blocks of ``markdown``."""
+    for block in re.findall(r"```bash\n(.*?)```", markdown, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split(" #")[0], comments=True)
+            yield from ((w, words[i + 1]) for i, w in enumerate(words[:-1]) if w in WRITES)
+
+
+def test_readme_commands_write_into_ignored_folders():
+    """Following README.md and docs/*.md in a clone leaves `git status` clean: whatever their
+    commands write is git-ignored (checkpoints/, hf/, data/, runs/, *.png in the root, ...)."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    written = [(os.path.basename(page), flag, path) for page in pages for flag, path in _written_paths(open(page).read())]
+    assert len(written) > 20 and any(flag == "--save-dir" and path.startswith("hf/") for _, flag, path in written)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, capture_output=True, text=True,
+                             input="\n".join(path for _, _, path in written)).stdout.split()
+    assert [w for w in written if w[2] not in ignored] == []
 
 
 def test_check_mode_refuses_a_layout_that_does_not_fit():
@@ -142,3 +181,36 @@ def test_sbatch_requeues_only_after_a_clean_early_exit(tmp_path, latest, srun_rc
     assert sum(line.startswith("srun --ntasks-per-node=1") for line in recorded) == 1
     assert ("scontrol requeue 4242" in recorded) == requeued
     assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def test_single_node_launches_pick_a_free_port():
+    """No test, example or README command launches torchrun on a fixed port (it collides with any other
+    job on the machine): one node uses ``--standalone``; a multi-node port comes from the environment."""
+    import re
+
+    # a number, or a default other than the multi-node MASTER_PORT's (which every node must agree on)
+    fixed = re.compile(r"""master[-_]port["'\s,=]+["']?(\$\{(?!MASTER_PORT)\w+:-)?\d""", re.IGNORECASE)
+    found = []
+    for top in ("tests", "examples", "README.md", "pretrain_gpt.py", "pretrain_bert.py"):
+        path = os.path.join(ROOT, top)
+        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for name in files:
+            if name.endswith((".py", ".sh", ".md", ".sbatch")) and name != __file__:
+                with open(name, encoding="utf-8") as f:
+                    found += [f"{os.path.relpath(name, ROOT)}: {line.strip()}" for line in f if fixed.search(line)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("script, nodes, expected", [
+    ("llama/train_llama3_8b.sh", "1", "torchrun --standalone --nproc-per-node 8 "),
+    ("llama/train_llama3_8b.sh", "2", "torchrun --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr localhost "
+                                      "--master-port 6000 "),
+])
+def test_launch_uses_a_free_port_on_one_node(tmp_path, script, nodes, expected):
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\necho "torchrun $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "NUM_NODES": nodes}
+    out = _bash(os.path.join(EXAMPLES, script), **env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(expected), out.stdout[:300]

@@ -125,3 +125,18 @@ def test_tensorboard_scalar_names(tmp_path):
     assert any(t.startswith("mem-max-") for t in tags)
     assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 2.0), (2, 1.0)]
     assert [e.value for e in acc.Scalars("lm loss validation")] == [1.5]
+
+
+def test_throughput_of_a_tiny_model_is_not_printed_as_zero(capsys):
+    """A CPU run of a tiny model does ~1e-3 TFLOP/s: the line shows two significant digits, not 0.0."""
+    log = TrainLogger(_config(interval=1), ParallelState(), flops_per_iteration=4.2e8)
+    line = log.log_iteration(1, {"lm loss": 2.0}, grad_norm=1.0, skipped=False, iter_time_s=0.1, lr=3e-4,
+                             loss_scale=1.0, nan=False, batch_size=4)
+    assert " throughput per GPU (TFLOP/s/GPU): 0.0042 |" in line
+
+
+def test_figures_keep_their_digits_at_any_size():
+    from megatron_lite.perf.numbers import count, figure
+
+    assert [figure(x) for x in (0, 812.34, 1.25, 0.0042, 3.1e-7)] == ["0.0", "812.3", "1.2", "0.0042", "3.1e-07"]
+    assert [count(n) for n in (6.74e9, 124.4e6, 33952, 512)] == ["6.74 B", "124.4 M", "34.0 K", "512"]

@@ -85,3 +85,36 @@ def test_bad_flags_are_clear_errors():
     with pytest.raises(ValueError, match="lr-decay-iters 5 must exceed --lr-warmup-iters 10"):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         OptimizerParamScheduler(opt, OptimizerConfig(lr_decay_style="linear", lr_warmup_iters=10, lr_decay_iters=5), 100)
+
+
+def _resumed(saved_decay, **flags):
+    """A schedule decaying over 200 steps loading one saved at step 50 that decayed over ``saved_decay``."""
+    def schedule(decay, **kw):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return OptimizerParamScheduler(opt, OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style="linear",
+                                                            lr_warmup_iters=W, lr_decay_iters=decay, **kw), 1000)
+
+    before = schedule(saved_decay)
+    before.step(50)
+    after = schedule(200, **flags)
+    after.load_state_dict(before.state_dict())
+    return after
+
+
+def test_a_changed_schedule_is_refused_on_resume_unless_told_which():
+    """As Megatron-LM: a checkpoint's schedule that differs from the flags (here the decay end, as a
+    larger --train-iters moves it) is refused; --override-opt_param-scheduler keeps the flags',
+    --use-checkpoint-opt_param-scheduler the checkpoint's."""
+    from megatron_lite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--lr-decay-iters \(default --train-iters\) 200 in this run, 100 in the "
+                                          r"checkpoint; pass --override-opt_param-scheduler .* or "
+                                          r"--use-checkpoint-opt_param-scheduler"):
+        _resumed(D)
+    ours = _resumed(D, override_opt_param_scheduler=True)
+    assert ours.num_steps == 50 and ours.decay_steps == 200
+    assert ours.get_lr() == pytest.approx(MIN_LR + (LR - MIN_LR) * (1 - 40 / 190))
+    theirs = _resumed(D, use_checkpoint_opt_param_scheduler=True)
+    assert theirs.num_steps == 50 and theirs.decay_steps == D
+    assert theirs.get_lr() == pytest.approx(_expected("linear", 50))
+    assert _resumed(200).decay_steps == 200  # the same schedule loads without either flag

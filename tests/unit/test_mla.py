@@ -230,7 +230,7 @@ def _one_head_size_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_
 def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
     """The flash-attn branch (dense, or variable-length for packed documents) with stand-in kernels
     that take one head size, as flash-attn's do: values narrower or wider than queries/keys."""
-    config = SimpleNamespace(attention_dropout=0.0, softmax_scale=0.3)
+    config = SimpleNamespace(attention_dropout=0.0, softmax_scale=0.3, masked_softmax_fusion=True)
     attn = DotProductAttention(config, ParallelState(world_size=1, rank=0), 1)
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(S, B, 4, 8, generator=g), torch.randn(S, B, 2, 8, generator=g), torch.randn(S, B, 2, dv, generator=g)

@@ -2,6 +2,7 @@
 the search keeps only runnable layouts in order, and tools/plan.py prints, draws and refuses."""
 
 import os
+import re
 import sys
 from fractions import Fraction
 
@@ -143,6 +144,18 @@ def test_tool_prints_table_and_best(capsys, tmp_path):
     assert plan_tool.main(["--preset", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16", "--global-batch-size", "32",
                            "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--top", "1"]) == 0
     assert "EP 8" in capsys.readouterr().out
+
+
+def test_tool_prints_enough_digits_for_a_tiny_model(capsys):
+    """A model of a few thousand parameters: its count, memory and throughput are not printed as 0."""
+    assert plan_tool.main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                           "16", "--vocab-size", "100", "--gpus", "8", "--global-batch-size", "8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0.00 B" not in out and re.search(r"model: \d+\.\d K parameters", out), out
+    best = out.split("best:")[1]
+    assert " 0.0 TFLOP/s" not in best and "memory per GPU 0.0 of" not in best, best
+    table = out.split("\n")[2:4]  # header and first row
+    assert not re.search(r"\s0\.0\s", table[1]), table
 
 
 def test_tool_png_without_matplotlib_says_so(monkeypatch, tmp_path):

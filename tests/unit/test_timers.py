@@ -2,11 +2,11 @@
 nothing extra at level 0, and the same losses with and without timing."""
 
 import glob
-import time
 
 import pytest
 import torch
 
+import megatron_lite.training.timers as timers_module
 import pretrain_gpt
 from megatron_lite.training.timers import Timers, format_timers
 
@@ -19,19 +19,38 @@ TINY = [
 LEVEL1 = ["forward-backward", "batch-generator", "all-grads-sync", "optimizer"]
 
 
-def test_timers_accumulate_and_average_per_iteration():
+class _Clock:
+    """A stand-in for ``time.perf_counter``: time moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_timers_accumulate_and_average_per_iteration(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(timers_module, "time", clock)
     timers = Timers(1, torch.device("cpu"))
-    for _ in range(2):
+    for seconds in (0.010, 0.030):  # two iterations: 10 ms and 30 ms in the optimizer
         with timers.phase("optimizer"):
-            time.sleep(0.01)
+            clock.now += seconds
         with timers.phase("lr-scheduler"):  # level 2: not timed at level 1
-            time.sleep(0.01)
+            clock.now += 1.0
         timers.iterations += 1
-    it = timers.timed_iterator(iter([1, 2]))
+
+    def batches():
+        for b in (1, 2):
+            clock.now += 0.004  # waiting 4 ms for each batch
+            yield b
+
+    it = timers.timed_iterator(batches())
     assert list(it) == [1, 2]
     times = timers.take()
-    assert set(times) == {"optimizer", "batch-generator"}
-    assert 10.0 <= times["optimizer"] < 1000.0  # ms per iteration
+    assert times.keys() == {"optimizer", "batch-generator"}
+    assert times["optimizer"] == pytest.approx(20.0)  # ms per iteration: (10 + 30) / 2
+    assert times["batch-generator"] == pytest.approx(4.0)  # 2 x 4 ms over the same 2 iterations
     assert timers.take() == {}  # reset
     assert format_timers({"optimizer": 1.5}) == " time (ms) | optimizer: 1.50 |"
     assert Timers(0, torch.device("cpu")).timed_iterator(it) is it  # level 0: untouched

@@ -224,3 +224,36 @@ def test_train_tokenizer_names_a_malformed_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{bad}:2:" in err[0]
     assert not list(tmp_path.glob("m*"))
+
+
+def _train_cli(tmp_path, capsys, *argv):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
+    code = load_tool("train_tokenizer").main(["--input", str(corpus), "--output-prefix", str(tmp_path / "m"), *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_sentencepiece_vocabulary_below_what_byte_fallback_needs_is_refused_up_front(tmp_path, capsys):
+    """The minimum is said (3 special + 256 bytes + the corpus's distinct characters), nothing is
+    written; exactly the minimum trains."""
+    train = load_tool("train_tokenizer")
+    minimum = train.sentencepiece_minimum(corpus_texts())
+    code, _, err = _train_cli(tmp_path, capsys, "--vocab-size", "200")
+    assert code == 2 and len(err) == 1 and f"needs at least {minimum} pieces" in err[0] and "INTERNAL" not in err[0]
+    assert not list(tmp_path.glob("m*"))
+    code, _, err = _train_cli(tmp_path, capsys, "--vocab-size", str(minimum - 1))
+    assert code == 2 and f"needs at least {minimum}" in err[0]
+    code, _, _ = _train_cli(tmp_path, capsys, "--vocab-size", str(minimum))
+    assert code == 0 and build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(tmp_path / "m.model")
+                                         ).vocab_size == minimum
+    code, _, err = _train_cli(tmp_path, capsys, "--vocab-size", "5000", "--model-type", "unigram")
+    assert code == 2 and len(err) == 1 and "more than unigram can learn from this corpus (at most" in err[0]
+
+
+def test_byte_level_bpe_below_257_is_refused_and_a_short_vocabulary_is_said(tmp_path, capsys):
+    code, _, err = _train_cli(tmp_path, capsys, "--vocab-size", "200", "--model-type", "byte-level-bpe")
+    assert code == 2 and len(err) == 1 and "256 byte symbols and <|endoftext|> take 257" in err[0]
+    assert not list(tmp_path.glob("m*"))
+    code, out, _ = _train_cli(tmp_path, capsys, "--vocab-size", "100000", "--model-type", "byte-level-bpe")
+    assert code == 0 and "not --vocab-size 100000: no further pair occurs --min-frequency times" in out

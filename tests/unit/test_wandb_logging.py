@@ -94,3 +94,33 @@ def test_wandb_project_without_the_package_is_refused(monkeypatch, capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--wandb-project needs the optional 'wandb' package" in lines[0]
+
+
+@pytest.mark.parametrize("login", ["none", "netrc", "api_key", "offline"])
+def test_wandb_project_without_a_login_is_refused_before_the_model_is_built(monkeypatch, capsys, tmp_path, login):
+    """No WANDB_API_KEY, no key in the netrc file W&B reads, not offline: one line, exit 2, and
+    nothing built (the model provider is never called). Any of the three lets the check pass."""
+    pytest.importorskip("wandb")
+    import megatron_lite.training.loop as loop
+    from megatron_lite.training.writers import check_wandb_available
+
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login me password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    config = pretrain_gpt.parse_args(TINY + ["--wandb-project", "p"])
+    if login == "none":
+        built = []
+        monkeypatch.setattr(loop, "setup", lambda *a: built.append("setup"))
+        with pytest.raises(SystemExit) as err:
+            pretrain_gpt.main(TINY + ["--wandb-project", "p"])
+        assert err.value.code == 2 and not built
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "no W&B login" in lines[0] and "WANDB_MODE=offline" in lines[0]
+        return
+    if login == "netrc":
+        netrc.write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    else:
+        monkeypatch.setenv(*{"api_key": ("WANDB_API_KEY", "k" * 40), "offline": ("WANDB_MODE", "offline")}[login])
+    check_wandb_available(config)

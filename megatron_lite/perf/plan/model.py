@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ...errors import ConfigError
+from ...models.transformer_config import default_ffn_hidden_size
 from ...moe.config import parse_moe_layer_freq
 
 
@@ -22,7 +23,7 @@ class ModelSpec:
     num_attention_heads: int
     seq_length: int
     vocab_size: int
-    ffn_hidden_size: int | None = None  # None: 4h
+    ffn_hidden_size: int | None = None  # None: 4h (SwiGLU: Megatron's 2/3 rule)
     num_query_groups: int | None = None  # None: one per head (multi-head attention)
     swiglu: bool = False
     add_bias_linear: bool = True
@@ -36,7 +37,7 @@ class ModelSpec:
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.moe_ffn_hidden_size is None:

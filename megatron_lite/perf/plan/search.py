@@ -6,6 +6,7 @@ from itertools import product
 
 from ...errors import ConfigError
 from ..model_state import SHARDING_STRATEGIES
+from ..numbers import figure
 from .estimate import RECOMPUTE, Estimate, Layout, check_layout, estimate
 from .model import ClusterSpec, ModelSpec
 
@@ -48,15 +49,16 @@ def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict |
     return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory_gb))
 
 
-COLUMNS = (("TP", "tp", "{}"), ("PP", "pp", "{}"), ("VPP", "vpp", "{}"), ("DP", "dp", "{}"), ("CP", "cp", "{}"),
-           ("EP", "ep", "{}"), ("ZeRO", "zero", "{}"), ("recompute", "recompute", "{}"), ("mbs", "micro_batch", "{}"),
-           ("mem GB", "mem_gb", "{:.1f}"), ("step s", "step_s", "{:.3f}"), ("TFLOP/s/GPU", "tflops", "{:.1f}"),
-           ("MFU", "mfu", "{:.1%}"))
+_PLAIN = "{}".format
+COLUMNS = (("TP", "tp", _PLAIN), ("PP", "pp", _PLAIN), ("VPP", "vpp", _PLAIN), ("DP", "dp", _PLAIN), ("CP", "cp", _PLAIN),
+           ("EP", "ep", _PLAIN), ("ZeRO", "zero", _PLAIN), ("recompute", "recompute", _PLAIN),
+           ("mbs", "micro_batch", _PLAIN), ("mem GB", "mem_gb", figure), ("step s", "step_s", "{:.3g}".format),
+           ("TFLOP/s/GPU", "tflops", figure), ("MFU", "mfu", lambda x: f"{figure(100 * x)}%"))
 
 
 def format_table(estimates: list[Estimate]) -> str:
     """A fixed-width text table, one row per estimate."""
-    rows = [[fmt.format(e.row()[key]) for _, key, fmt in COLUMNS] for e in estimates]
+    rows = [[fmt(e.row()[key]) for _, key, fmt in COLUMNS] for e in estimates]
     widths = [max([len(name)] + [len(r[i]) for r in rows]) for i, (name, _, _) in enumerate(COLUMNS)]
     lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(COLUMNS, widths))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]

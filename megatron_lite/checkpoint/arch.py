@@ -1,0 +1,84 @@
+"""The model flags a checkpoint was saved with: resuming refuses other values, and
+``--use-checkpoint-args`` takes them from the checkpoint.
+
+The flags are listed once, in :data:`megatron_lite.config.ARCHITECTURE_FLAGS`. Those that decide
+parameter shapes would fail the load anyway (the message names them); the others (``--openai-gelu``,
+``--rotary-base``, ``--norm-epsilon``, the router's top-k, ...) keep every shape, so without this
+check a resumed run would silently go on as another model. A weights-only load (``--finetune``,
+``--pretrained-checkpoint``) checks only :data:`~megatron_lite.config.SHAPE_FLAGS`: there a change
+of the others can be deliberate.
+"""
+
+from __future__ import annotations
+
+from ..config import ARCHITECTURE_FLAGS, DERIVED_FLAGS, SECTIONS, SHAPE_FLAGS
+from ..fusions.config import tanh_gelu
+from .format import (
+    ARCH_FIELDS,
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_config,
+    iteration_dir,
+    read_tracker,
+)
+
+
+def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str]:
+    """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's
+    (a derived flag saved unset is compared through the flags it is derived from)."""
+    ours = config.flat()
+    return [f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})"
+            for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
+            and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)]
+
+
+def _changes_function(key: str, saved: dict, ours: dict) -> bool:
+    """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases)."""
+    return key != "bias_gelu_fusion" or tanh_gelu(saved) != tanh_gelu(ours)
+
+
+# What each kind of load compares: a resume every model flag and the vocabulary; a converted
+# ``release`` checkpoint loaded by --load every model flag (a new run starts from it, e.g. with
+# --mock-data, whose NullTokenizer adds an end-of-document id); a weights-only load (--finetune,
+# --pretrained-checkpoint) the flags that decide shapes. The padded vocabulary always may differ
+# (loading re-pads it for this run's TP size), and so may the real one where it is not compared
+# (its rows are fitted: a tokenizer with added tokens gets zero rows for them).
+CHECKED = {"resume": ARCHITECTURE_FLAGS + ("vocab_size",), "release": ARCHITECTURE_FLAGS, "weights": SHAPE_FLAGS}
+
+
+def check_architecture(where: str, saved_config: dict, config, load: str = "resume") -> None:
+    """Refuse (CheckpointError, one line) a checkpoint whose model flags differ from this run's:
+    those of ``CHECKED[load]``, each named with both values."""
+    arch = arch_differences(saved_config, config, CHECKED[load])
+    if arch:
+        fix = ("match the model flags" if load == "weights" else "match the model flags, pass --use-checkpoint-args "
+               "to take them from the checkpoint, or --finetune to change them on purpose")
+        raise CheckpointError(f"checkpoint {where} was saved with {', '.join(arch)}; {fix}")
+
+
+def saved_config(root: str) -> tuple[str, dict]:
+    """(iteration folder, flat config) of the latest checkpoint under ``root`` (either format)."""
+    from .dist_read import is_dist_folder, read_common
+
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise CheckpointError(f"--use-checkpoint-args: --load {root} holds no checkpoint (no {TRACKER_FILENAME}); "
+                              "drop the flag or fix --load")
+    folder = iteration_dir(root, iteration)
+    return folder, dict(read_common(folder)["config"] if is_dist_folder(folder) else checkpoint_config(folder))
+
+
+def apply_checkpoint_args(config) -> list[str]:
+    """Set every architecture flag of ``config`` (before it is finalized) to the value the checkpoint
+    at ``--load`` was saved with; returns what changed, as ``"hidden-size 32 (was 64)"``."""
+    if config.checkpoint.load is None:
+        raise CheckpointError("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")
+    _, saved = saved_config(config.checkpoint.load)
+    changed = []
+    for section in SECTIONS + tuple(config.extra_sections):
+        values = getattr(config, section)
+        for key in ARCHITECTURE_FLAGS:
+            if key in saved and hasattr(values, key) and getattr(values, key) != saved[key]:
+                changed.append(f"{key.replace('_', '-')} {saved[key]} (was {getattr(values, key)})")
+                setattr(values, key, saved[key])
+    return changed

@@ -1,0 +1,148 @@
+"""Frozen parameters (``requires_grad = False``, e.g. the base weights under LoRA) in checkpoints.
+
+The rule: a training checkpoint holds the parameters that train (and the buffers), never the frozen
+ones - those are a copy of the base checkpoint they were loaded from, and would make a LoRA
+checkpoint as large as the model. Instead the checkpoint records a *base reference*: the base's
+iteration folder (absolute), its iteration and a fingerprint of its files.
+
+* The base is the checkpoint whose weights filled the model: ``--pretrained-checkpoint`` (or
+  ``--load`` with ``--finetune``); :func:`set_base` keeps its reference on the model chunks.
+* Saving a model with frozen parameters but no base reference is refused (nothing could restore them).
+* Resuming (``--load`` holds a checkpoint that records a base) loads the base's weights first, from
+  the recorded folder, then the checkpoint's trainable tensors and optimizer state. It is refused in
+  one line when the base folder is gone or its fingerprint changed, or when ``--pretrained-checkpoint``
+  names another base.
+
+A model without frozen parameters saves and loads exactly as before (every tensor, no reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from torch import nn
+
+from .format import CheckpointError
+
+
+def is_frozen(value) -> bool:
+    return isinstance(value, nn.Parameter) and not value.requires_grad
+
+
+def _inner(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def has_frozen(chunks) -> bool:
+    return any(is_frozen(p) for c in chunks for p in _inner(c).parameters())
+
+
+def frozen_names(module) -> set[str]:
+    """State-dict names of ``module``'s frozen parameters."""
+    return {k for k, v in module.state_dict(keep_vars=True).items() if is_frozen(v)}
+
+
+def saved_state_dict(module) -> dict:
+    """``module``'s state dict without its frozen parameters (what a checkpoint holds)."""
+    skip = frozen_names(module)
+    return {k: v for k, v in module.state_dict().items() if k not in skip}
+
+
+def load_saved_state(module, saved: dict) -> None:
+    """Load a :func:`saved_state_dict` (strict about every tensor that is not frozen)."""
+    result = module.load_state_dict(saved, strict=False)
+    missing = sorted(set(result.missing_keys) - frozen_names(module))
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:3]}, "
+                              f"unexpected {list(result.unexpected_keys)[:3]}")
+
+
+def _fingerprint(folder: str, edge: int = 1 << 16) -> str:
+    """A hash of the files under ``folder``: names, sizes and their first and last 64 KiB (a torch.save
+    file ends with its zip directory, which holds the CRC-32 of every record), so a rewrite shows."""
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            digest.update(f"{os.path.relpath(path, folder)}:{size}\n".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(edge))
+                f.seek(max(0, size - edge))
+                digest.update(f.read(edge))
+    return digest.hexdigest()[:16]
+
+
+def base_reference(folder: str) -> dict:
+    """The record of base checkpoint ``folder`` (an iteration folder)."""
+    folder = os.path.abspath(folder)
+    return {"folder": folder, "iteration": os.path.basename(folder), "fingerprint": _fingerprint(folder)}
+
+
+def trainable_may_be_missing(chunks, state):
+    """With frozen parameters: a predicate accepting the names (chunk-local or global) of the
+    parameters that train, which a base checkpoint does not have (None when nothing is frozen)."""
+    if not has_frozen(chunks):
+        return None
+    from .dist import rank_tensors
+
+    names = {t.name for t in rank_tensors(chunks, state)[0] if isinstance(t.value, nn.Parameter) and t.value.requires_grad}
+    names |= {k for c in chunks for k, v in _inner(c).state_dict(keep_vars=True).items()
+              if isinstance(v, nn.Parameter) and v.requires_grad}
+    return names.__contains__
+
+
+def set_base(chunks, reference: dict | None) -> None:
+    for chunk in chunks:
+        _inner(chunk).frozen_base = reference
+
+
+def base_of(chunks) -> dict | None:
+    """The base reference to save with a model that has frozen parameters (None: nothing is frozen)."""
+    if not has_frozen(chunks):
+        return None
+    reference = getattr(_inner(chunks[0]), "frozen_base", None)
+    if reference is None:
+        raise CheckpointError("the model has frozen parameters (LoRA) but no base checkpoint was loaded, so a "
+                              "checkpoint could not restore them; start from --pretrained-checkpoint")
+    return reference
+
+
+def require_base(chunks, load: str | None) -> None:
+    """After loading: a model with frozen parameters must have its base loaded (else it trains
+    adapters on random weights that no checkpoint could restore)."""
+    if has_frozen(chunks) and getattr(_inner(chunks[0]), "frozen_base", None) is None:
+        raise CheckpointError(f"--load {load} holds no checkpoint and no --pretrained-checkpoint was given: LoRA "
+                              "needs the base model to adapt; pass --pretrained-checkpoint")
+
+
+def check_base(path: str, saved: dict | None, chunks, pretrained: str | None) -> str | None:
+    """The base folder to load before resuming from checkpoint ``path`` (whose record is ``saved``),
+    or None when there is none to load; one CheckpointError for any mismatch."""
+    frozen = has_frozen(chunks)
+    if saved is None:
+        if frozen:
+            raise CheckpointError(f"checkpoint {path} holds a full model, but this run freezes its base (LoRA); "
+                                  "start from it with --pretrained-checkpoint instead of --load")
+        return None
+    if not frozen:
+        raise CheckpointError(f"checkpoint {path} holds only the trained parameters (LoRA adapters) of the base "
+                              f"{saved['folder']}; resume with the same --lora-* flags, or merge it with "
+                              "tools/checkpoint/convert.py")
+    folder = saved["folder"]
+    if pretrained:
+        from .pretrained import checkpoint_folder
+
+        given, _ = checkpoint_folder(pretrained, "--pretrained-checkpoint")
+        if os.path.abspath(given) != folder and base_reference(given)["fingerprint"] != saved["fingerprint"]:
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is not the base checkpoint {path} was "
+                                  f"trained on ({folder}); drop the flag or point it there")
+        folder = os.path.abspath(given)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint {path} was trained on the base {folder}, which is gone; restore it "
+                              "there (or pass its new place as --pretrained-checkpoint)")
+    if base_reference(folder)["fingerprint"] != saved["fingerprint"]:
+        raise CheckpointError(f"the base {folder} of checkpoint {path} has changed since it was trained "
+                              "(its files differ); restore that base")
+    return folder

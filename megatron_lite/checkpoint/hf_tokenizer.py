@@ -1,0 +1,203 @@
+"""The tokenizer of a Hugging Face export: files ``AutoTokenizer`` reads back to exactly our token
+ids, and the special-token ids ``config.json`` and ``generation_config.json`` carry.
+
+Per ``--tokenizer-type`` the training run used (saved in its config):
+
+* ``GPT2BPETokenizer``: ``vocab.json`` + ``merges.txt`` and the same as ``tokenizer.json``
+  (byte-level BPE), read as ``GPT2Tokenizer`` (no prefix space, no BOS added);
+* ``GPTSentencePieceTokenizer`` / ``SentencePieceTokenizer``: ``tokenizer.model`` and a
+  ``tokenizer.json`` converted from it by ``transformers`` following the model's own normalizer,
+  with Megatron's appended special tokens (``<CLS> <SEP> <EOD> <MASK> ...``) at our ids;
+* ``HuggingFaceTokenizer``: its ``tokenizer.json`` as it is;
+* ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: ``vocab.txt``, read as ``BertTokenizer``
+  (``[CLS] ... [SEP]`` added, as our BERT samples have them).
+
+Before anything is written the files are read back with ``transformers.AutoTokenizer`` and must
+give our ids on a set of test texts; a tokenizer Hugging Face would read differently is not
+written (one line says so), so no downstream tool reads wrong tokens. Texts holding a special
+token's literal string (``</s>``) are not compared: Hugging Face reads those as the special token.
+A checkpoint converted from Hugging Face keeps the files it came with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from ..data.tokenizers import build_tokenizer
+
+SAMPLE_TEXTS = (
+    "Hello world", "The quick brown fox jumps over the lazy dog.", "I'm  here, 123 ok\n\nnew paragraph",
+    "  leading and trailing  ", "tabs\tand\r\nCRLF\n   x", "café naïve Ångström — “quotes” … 日本語 🙂 ©",
+    "numbers 0 12 123456 3.14159 -42 1e10 2,000", "Contractions: I'm you're can't Y'ALL'RE", "a",
+)
+BERT_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def _ours(config: dict, files: dict):
+    """Our tokenizer as the training run built it, from the files the export carries (None: none)."""
+    kind = config.get("tokenizer_type")
+    if kind in (None, "NullTokenizer"):
+        return None
+    model = files.get("tokenizer.json") if kind == "HuggingFaceTokenizer" else files.get("tokenizer.model")
+    return build_tokenizer(kind, vocab_file=files.get("vocab.txt" if kind in BERT_TYPES else "vocab.json"),
+                           merge_file=files.get("merges.txt"), tokenizer_model=model)
+
+
+def special_token_ids(config: dict, tok) -> dict:
+    """``{bos_token_id, eos_token_id, pad_token_id}`` for config.json (end of document = eos; GPT-2's
+    convention of bos = eos where the tokenizer has no bos). Without a tokenizer (NullTokenizer,
+    --mock-data) the end of document is the last id."""
+    if tok is None:
+        if config.get("tokenizer_type") in (None, "NullTokenizer") and config.get("vocab_size"):
+            eod = int(config["vocab_size"]) - 1
+            return {"bos_token_id": eod, "eos_token_id": eod}
+        return {}
+    if config.get("tokenizer_type") in BERT_TYPES:
+        return {"pad_token_id": int(tok.pad)}
+    eod = tok.eod if tok.eod is not None else tok.eos
+    out = {"bos_token_id": tok.bos if tok.bos is not None else eod, "eos_token_id": eod, "pad_token_id": tok.pad}
+    return {k: int(v) for k, v in out.items() if v is not None}
+
+
+def _token(tok, i):
+    return None if i is None else tok.inv_vocab[i]
+
+
+def _sentencepiece_json(tok, model_file: str, folder: str) -> None:
+    """``tokenizer.json`` converted from the SentencePiece model, with our appended special tokens."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    with open(model_file, "rb") as f:
+        proto.ParseFromString(f.read())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    vocab = pieces if proto.trainer_spec.model_type == 1 else {p: i for i, (p, _) in enumerate(pieces)}  # 1: unigram
+    hf = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    special = getattr(tok, "special", {})
+    for token, _ in sorted(special.items(), key=lambda kv: kv[1]):  # appended in id order: the same ids
+        hf.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+    hf.save(os.path.join(folder, "tokenizer.json"))
+
+
+def _write(kind: str, tok, files: dict, folder: str) -> None:
+    """This tokenizer's Hugging Face files into ``folder``."""
+    names = {"GPT2BPETokenizer": ("vocab.json", "merges.txt"), "HuggingFaceTokenizer": ("tokenizer.json",),
+             "GPTSentencePieceTokenizer": ("tokenizer.model",), "SentencePieceTokenizer": ("tokenizer.model",)}
+    for name in names.get(kind, ("vocab.txt",)):
+        shutil.copyfile(files[name], os.path.join(folder, name))
+    cfg = {"model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}
+    if kind in BERT_TYPES:
+        cfg.update(tokenizer_class="BertTokenizer", do_lower_case=kind == "BertWordPieceLowerCase",
+                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]")
+    else:
+        eod = tok.eod if tok.eod is not None else tok.eos
+        cfg.update(tokenizer_class="GPT2Tokenizer" if kind == "GPT2BPETokenizer" else "PreTrainedTokenizerFast",
+                   bos_token=_token(tok, tok.bos if tok.bos is not None else eod), eos_token=_token(tok, eod),
+                   pad_token=_token(tok, tok.pad), add_bos_token=False, add_eos_token=False, add_prefix_space=False)
+        if kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+            _sentencepiece_json(tok, files["tokenizer.model"], folder)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=2)
+
+
+def _mismatch(kind: str, tok, folder: str) -> str | None:
+    """Why AutoTokenizer on ``folder`` does not give our ids (None when it does)."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(folder)
+    specials = [t for t in auto.all_special_tokens if t]
+    for text in SAMPLE_TEXTS:
+        if any(s in text for s in specials):
+            continue
+        ours = list(tok.tokenize(text))
+        if kind in BERT_TYPES:
+            want, got = [tok.cls, *ours, tok.sep], auto.encode(text)
+        else:
+            want, got = ours, auto.encode(text)
+        if auto.encode(text, add_special_tokens=False) != ours or got != want:
+            return f"{text!r} gives {got[:8]} there, {want[:8]} here"
+    return None
+
+
+def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, str]:
+    """Write the tokenizer into ``save_dir``; returns (the special-token ids for config.json, a line
+    saying what was written as the tokenizer, or why nothing)."""
+    from ..errors import ConfigError
+    from .hf_io import copy_tokenizer_files
+
+    kind = config.get("tokenizer_type")
+    if kind in (None, "NullTokenizer"):
+        if files:  # a checkpoint converted from Hugging Face: its files as they came
+            copy_tokenizer_files(files, save_dir)
+            return {}, f"tokenizer: the source's files ({', '.join(sorted(files))})"
+        return special_token_ids(config, None), "tokenizer: none (the run read token ids as text: --mock-data)"
+    try:
+        tok = _ours(config, files)
+    except (ConfigError, OSError, ValueError, KeyError, ImportError) as err:  # DataFileError is an OSError
+        return {}, f"tokenizer: {kind} not written (its files do not load: {err})"
+    if config.get("vocab_size") and tok.vocab_size != config["vocab_size"]:
+        return {}, (f"tokenizer: {kind} not written: its files give {tok.vocab_size} tokens, the model has "
+                    f"{config['vocab_size']} (they are not the training tokenizer's)")
+    special = special_token_ids(config, tok)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return special, f"tokenizer: {kind} not written (checking it needs transformers: pip install transformers)"
+    staging = tempfile.mkdtemp(prefix=".tokenizer.", dir=save_dir)
+    try:
+        _write(kind, tok, files, staging)
+        why = _mismatch(kind, tok, staging)
+        if why is not None:
+            return special, (f"tokenizer: {kind} not written: Hugging Face would read it with other ids ({why}); "
+                             "give your tools the training tokenizer files yourself")
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(save_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return special, f"tokenizer: {kind} (AutoTokenizer gives the training ids)"
+
+
+def tokenizer_in_folder(folder: str) -> dict | None:
+    """The tokenizer flags (``tokenizer_type``, ``vocab_file``, ``merge_file``, ``tokenizer_model``) of
+    the Hugging Face tokenizer files in ``folder`` (what convert.py keeps in ``<save>/tokenizer``);
+    None when there are none. tokenizer.json first (what Hugging Face itself reads), then vocab.txt
+    (BERT; lower-cased unless its tokenizer_config.json says otherwise), vocab.json + merges.txt,
+    tokenizer.model."""
+    def path(name):
+        full = os.path.join(folder, name)
+        return full if os.path.isfile(full) else None
+
+    if path("tokenizer.json"):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": path("tokenizer.json")}
+    if path("vocab.txt"):
+        lower = True
+        if path("tokenizer_config.json"):
+            with open(path("tokenizer_config.json")) as f:
+                lower = bool(json.load(f).get("do_lower_case", True))
+        return {"tokenizer_type": BERT_TYPES[0] if lower else BERT_TYPES[1], "vocab_file": path("vocab.txt")}
+    if path("vocab.json") and path("merges.txt"):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": path("vocab.json"), "merge_file": path("merges.txt")}
+    if path("tokenizer.model"):
+        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": path("tokenizer.model")}
+    return None
+
+
+def checkpoint_tokenizer(load: str) -> dict | None:
+    """:func:`tokenizer_in_folder` of a checkpoint's ``tokenizer`` folder (``load``: a save folder or
+    one of its ``iter_*`` folders)."""
+    from .hf_io import TOKENIZER_DIR
+
+    for root in (load, os.path.dirname(os.path.abspath(load))):
+        found = tokenizer_in_folder(os.path.join(root, TOKENIZER_DIR))
+        if found:
+            return found
+    return None
+
+
+def tokenizer_flags(found: dict | None) -> list[str]:
+    """``--tokenizer-type ... --vocab-file ...`` of :func:`tokenizer_in_folder`'s result."""
+    return [x for key, value in (found or {}).items() for x in ("--" + key.replace("_", "-"), value)]

@@ -1,0 +1,1 @@
+"""LoRA: low-rank adapters on the parallel linear layers, sharded like their base (see adapters.py)."""

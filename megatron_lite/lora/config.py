@@ -1,0 +1,52 @@
+"""The LoRA flags (``--lora-*``, Megatron-Bridge's names and defaults) and their validation.
+
+:class:`LoRAConfig` is one section of the run's Config. LoRA is off unless ``--lora-rank`` is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+DEFAULT_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+# column-parallel bases (MoE experts' fc1 included; the last three: multi-latent attention's projections)
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+ROW_TARGETS = ("linear_proj", "linear_fc2")  # row-parallel bases (MoE experts' fc2 included)
+
+
+@dataclass
+class LoRAConfig:
+    lora_rank: int | None = None
+    """LoRA: train rank-r adapters on the target linear layers, base weights frozen (off when not given; Megatron-Bridge uses 32)."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator: an adapter adds (alpha / rank) B A x."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_target_modules: list[str] | None = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """Linear layers that get adapters, space- or comma-separated (experts' fc1/fc2 included; MLA: linear_q_proj, linear_q_up_proj, linear_kv_up_proj)."""
+
+
+def check_lora_flags(config) -> None:
+    """One ConfigError naming the flag for a LoRA combination that cannot run."""
+    lo = config.lora
+    if lo.lora_rank is None:
+        return
+    tp = config.parallel.tensor_model_parallel_size
+    if lo.lora_rank < 1:
+        raise ConfigError(f"--lora-rank must be at least 1, got {lo.lora_rank}")
+    if lo.lora_rank % tp:
+        raise ConfigError(f"--lora-rank {lo.lora_rank} is not divisible by --tensor-model-parallel-size {tp} "
+                          "(the adapters' rank is split over tensor parallelism)")
+    if lo.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha must be positive, got {lo.lora_alpha}")
+    if not 0.0 <= lo.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {lo.lora_dropout}")
+    known = COLUMN_TARGETS + ROW_TARGETS
+    lo.lora_target_modules = [t for value in lo.lora_target_modules or [] for t in value.split(",") if t]
+    unknown = [t for t in lo.lora_target_modules if t not in known]
+    if unknown or not lo.lora_target_modules:
+        raise ConfigError(f"--lora-target-modules {' '.join(unknown) or '(empty)'}: expected some of {' '.join(known)}")
+    ck = config.checkpoint
+    if not (ck.pretrained_checkpoint or ck.load):
+        raise ConfigError("--lora-rank needs the base model to adapt: --pretrained-checkpoint (or --load)")

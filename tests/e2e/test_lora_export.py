@@ -1,0 +1,115 @@
+"""LoRA checkpoints through tools/checkpoint/convert.py: merged at another layout, and exported as a
+Hugging Face PEFT adapter next to the exported base.
+
+The adapted model is what the LoRA run computes (:func:`~megatron_lite.lora.convert.load_lora_gpt`:
+the base plus the trained adapters in one process). Its logits must equal, within 1e-5 (fp32):
+the merged checkpoint's (written at TP1 and PP2 from a TP2 + SP run; experts merged from an EP2 run)
+and ``peft.PeftModel`` on the exported ``transformers`` model, for a GPT-2-style and a Llama-style base.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.checkpoint import load_gpt_checkpoint
+from megatron_lite.lora.convert import load_lora_gpt
+from tests.e2e.test_lora import COMMON, MODELS
+from tests.harness import run_ranks
+from tests.tools import load_tool
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+STYLES = {"gpt2": [], "llama": LLAMA}
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+VOCAB = 65  # --vocab-size 64 plus the mock tokenizer's end-of-document token
+
+
+def _train(argv):
+    pretrain_gpt.main(argv)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: LoRA checkpoint}: gpt2 and llama styles in one process, dense at TP2 + SP, MoE
+    (grouped experts) at EP2; each from a base pretrained for 2 steps, LoRA-trained for 3."""
+    root, out = tmp_path_factory.mktemp("lora_export"), {}
+    plan = {"gpt2": (STYLES["gpt2"], 1, []), "llama": (LLAMA, 1, []),
+            "tp2": (STYLES["gpt2"], 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            "ep2": (MODELS["moe_grouped"], 2, ["--expert-model-parallel-size", "2"])}
+    for name, (model, world, layout) in plan.items():
+        base, run = str(root / f"{name}_base"), str(root / name)
+        pretrain_gpt.main(COMMON + model + ["--train-iters", "2", "--save", base])
+        argv = COMMON + model + layout + ["--lora-rank", "4", "--lora-alpha", "8", "--train-iters", "3",
+                                         "--pretrained-checkpoint", base, "--save", run, "--ckpt-format", "torch_dist"]
+        run_ranks(world, _train, argv) if world > 1 else _train(argv)
+        out[name] = run
+    return out
+
+
+def _convert(*argv):
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", *argv]) == 0
+
+
+def _adapted_logits(run):
+    model, _ = load_lora_gpt(run)
+    with torch.no_grad():
+        return model(TOKENS)[..., :VOCAB]
+
+
+@pytest.mark.parametrize("run, target", [
+    ("tp2", ["--target-tensor-parallel-size", "1"]),
+    ("tp2", ["--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]),
+    ("ep2", ["--target-expert-parallel-size", "1"]),
+])
+def test_merged_checkpoint_gives_the_adapted_logits(tmp_path, runs, run, target):
+    want = _adapted_logits(runs[run])
+    out = str(tmp_path / "merged")
+    _convert("--load-dir", runs[run], "--save-dir", out, *target)
+    merged, config = load_gpt_checkpoint(out)
+    assert not config["lora_rank"]  # an ordinary checkpoint: loads anywhere without the LoRA flags
+    assert not any("adapter" in k for k in merged.state_dict())
+    with torch.no_grad():
+        got = merged(TOKENS)[..., :VOCAB]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base, _ = load_gpt_checkpoint(os.path.join(os.path.dirname(runs[run]), f"{run}_base"))
+    with torch.no_grad():
+        assert not torch.allclose(base(TOKENS)[..., :VOCAB], want, atol=1e-3)  # the adapters changed the model
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_peft_adapter_on_the_exported_base_gives_the_adapted_logits(tmp_path, runs, style):
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    want = _adapted_logits(runs[style])
+    out = str(tmp_path / "hf")
+    _convert("--saver", "hf", "--load-dir", runs[style], "--save-dir", out)
+    config = json.load(open(os.path.join(out, "adapter", "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    base = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
+    with torch.no_grad():
+        got = model(TOKENS).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    merged = str(tmp_path / "hf_merged")
+    _convert("--saver", "hf", "--merge-lora", "--load-dir", runs[style], "--save-dir", merged)
+    assert not os.path.exists(os.path.join(merged, "adapter"))
+    with torch.no_grad():
+        got = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(TOKENS).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_lora_conversions_are_one_line(tmp_path, capsys, runs):
+    tool = load_tool("checkpoint/convert").main
+    base = os.path.join(os.path.dirname(runs["gpt2"]), "gpt2_base")
+    assert tool(["--model-type", "GPT", "--saver", "hf", "--merge-lora", "--load-dir", base,
+                 "--save-dir", str(tmp_path / "a")]) == 2
+    assert tool(["--model-type", "GPT", "--saver", "hf", "--hf-style", "mixtral", "--load-dir", runs["ep2"],
+                 "--save-dir", str(tmp_path / "b")]) == 2
+    assert tool(["--model-type", "GPT", "--merge-lora", "--load-dir", runs["gpt2"],
+                 "--save-dir", str(tmp_path / "c")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0] and "--merge-lora" in lines[1], lines
+    assert "--merge-lora applies to --saver hf only" in lines[2]
+    assert not os.path.exists(str(tmp_path / "b"))  # refused before anything was written

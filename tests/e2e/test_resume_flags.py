@@ -1,0 +1,162 @@
+"""Resuming refuses what would silently change the run: another value of a model flag that keeps
+every shape (--openai-gelu, --rotary-base, --norm-epsilon, ...; all of config.ARCHITECTURE_FLAGS)
+unless --finetune, with --use-checkpoint-args taking them from the checkpoint; and another
+learning-rate schedule (a larger --train-iters) unless --override-opt_param-scheduler or
+--use-checkpoint-opt_param-scheduler says which to follow (Megatron-LM's rules)."""
+
+import dataclasses
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.checkpoint import CheckpointError
+from megatron_lite.checkpoint.arch import check_architecture
+from megatron_lite.config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS, Config
+from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2
+from tests.trajectory import Trajectory, assert_same_trajectory
+
+# the saved model: every flag below away from its default
+SAVED = ["--position-embedding-type", "rope", "--rotary-base", "5000", "--openai-gelu", "--norm-epsilon", "1e-6"]
+CHANGES = {  # one flag changed at a time; the shapes stay the same
+    "openai-gelu": (["--position-embedding-type", "rope", "--rotary-base", "5000", "--norm-epsilon", "1e-6"],
+                    "openai-gelu True (this run False)"),
+    "rotary-base": (["--position-embedding-type", "rope", "--rotary-base", "10000", "--openai-gelu",
+                     "--norm-epsilon", "1e-6"], "rotary-base 5000 (this run 10000)"),
+    "norm-epsilon": (["--position-embedding-type", "rope", "--rotary-base", "5000", "--openai-gelu"],
+                     "norm-epsilon 1e-06 (this run 1e-05)"),
+}
+
+
+@pytest.fixture(scope="module", params=["torch", "torch_dist"])
+def saved(request, tmp_path_factory):
+    """A checkpoint at iteration 2 of 4, and the trajectory of resuming it with the same flags."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    fmt = ["--ckpt-format", request.param]
+    src = str(tmp / "src")
+    pretrain_gpt.main(_argv(src, 4, MODEL + SAVED + fmt + ["--exit-interval", "2"]))
+    same = Trajectory.of(pretrain_gpt.main(_argv(str(tmp / "same"), 4, MODEL + SAVED + fmt + ["--load", src])))
+    return src, fmt, same
+
+
+@pytest.mark.parametrize("flag", list(CHANGES))
+def test_a_changed_model_flag_is_refused_on_resume_and_accepted_with_finetune(saved, flag, tmp_path, capsys):
+    src, fmt, _ = saved
+    flags, words = CHANGES[flag]
+    argv = _argv(str(tmp_path / "x"), 4, MODEL + flags + fmt + ["--load", src])
+    _one_line_exit_2(capsys, argv, words, "--use-checkpoint-args", "--finetune")
+    tuned = pretrain_gpt.main(argv + ["--finetune"])  # a deliberate change: from iteration 0
+    assert tuned.iteration == 4 and len(tuned.losses) == 4
+
+
+def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved, tmp_path, capsys):
+    """No model flag but --use-checkpoint-args: the same run as resuming with the saved flags."""
+    src, fmt, same = saved
+    capsys.readouterr()
+    taken = pretrain_gpt.main(_argv(str(tmp_path / "taken"), 4, MODEL + fmt + ["--load", src, "--use-checkpoint-args"]))
+    assert_same_trajectory(Trajectory.of(taken), same, steps=2)
+    out = capsys.readouterr().out
+    for said in ("openai-gelu True (was False)", "rotary-base 5000 (was 10000)", "norm-epsilon 1e-06 (was 1e-05)",
+                 "position-embedding-type rope (was learned_absolute)"):
+        assert said in out, out
+
+
+def test_use_checkpoint_args_needs_a_checkpoint(tmp_path, capsys):
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 4, MODEL + ["--use-checkpoint-args"]), "needs --load")
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 4, MODEL + ["--use-checkpoint-args", "--load",
+                                                                   str(tmp_path / "empty")]), "holds no checkpoint")
+
+
+def _field_values():
+    config = Config()
+    return {f.name: getattr(getattr(config, s), f.name) for s in SECTIONS for f in dataclasses.fields(getattr(config, s))}
+
+
+def _other(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return f"other-{value}"
+
+
+@pytest.mark.parametrize("key", [k for k in ARCHITECTURE_FLAGS if k != "bert_no_binary_head"])
+def test_every_architecture_flag_is_checked(key):
+    """Data-driven: any flag in ARCHITECTURE_FLAGS (those added later too) is refused on resume when
+    it differs, named with both values; a weights-only load (--finetune, --pretrained-checkpoint)
+    refuses only the flags of SHAPE_FLAGS (the others can change on purpose)."""
+    config = Config()
+    values = _field_values()
+    assert key in values, f"{key} is in ARCHITECTURE_FLAGS but is no config field"
+    saved = dict(config.flat(), **{key: _other(values[key])})
+    said = f"{key.replace('_', '-')} {_other(values[key])} " + rf"\(this run {values[key]}\)"
+    for load in ("resume", "release"):  # a release checkpoint (converted) loaded by --load without --finetune
+        with pytest.raises(CheckpointError, match=said + ".*--use-checkpoint-args"):
+            check_architecture("ckpt", saved, config, load)
+    if key in SHAPE_FLAGS:
+        with pytest.raises(CheckpointError, match=said):
+            check_architecture("ckpt", saved, config, "weights")
+    else:
+        check_architecture("ckpt", saved, config, "weights")
+
+
+def test_the_vocabulary_is_compared_on_resume_only():
+    """A resume refuses another vocabulary; a converted or weights-only load fits its rows (a
+    tokenizer with added tokens, a NullTokenizer's end-of-document id); the padding never counts."""
+    config = Config()
+    config.model.vocab_size, config.model.padded_vocab_size = 124, 128
+    saved = dict(config.flat(), vocab_size=123, padded_vocab_size=256)
+    with pytest.raises(CheckpointError, match=r"vocab-size 123 \(this run 124\)"):
+        check_architecture("ckpt", saved, config)
+    check_architecture("ckpt", saved, config, "release")
+    check_architecture("ckpt", saved, config, "weights")
+    check_architecture("ckpt", dict(saved, vocab_size=124), config)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning-rate schedule
+
+
+@pytest.fixture(scope="module")
+def four_iters(tmp_path_factory):
+    """Saved at iteration 2 of a 4-iteration run (linear decay to 0 over 4 steps, 2 of warmup)."""
+    src = str(tmp_path_factory.mktemp("sched") / "src")
+    pretrain_gpt.main(_argv(src, 4, MODEL + ["--exit-interval", "2"]))
+    return src
+
+
+def _lr_after(src, tmp_path, flags):
+    """The learning rate after step 5 of a resumed run with --train-iters 6."""
+    result = pretrain_gpt.main(_argv(str(tmp_path / "next"), 6, MODEL + flags + ["--load", src, "--exit-interval", "5"]))
+    assert result.iteration == 5
+    return result.optimizer.param_groups[0]["lr"]
+
+
+def test_a_longer_run_is_refused_unless_told_which_schedule(four_iters, tmp_path, capsys):
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + ["--load", four_iters]),
+                     "--lr-decay-iters (default --train-iters) 6 in this run, 4 in the checkpoint",
+                     "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+    # this run's schedule: decays over 6 steps, so step 5 is 3/4 through the decay after 2 of warmup
+    assert _lr_after(four_iters, tmp_path, ["--override-opt_param-scheduler"]) == pytest.approx(1e-2 * (1 - 3 / 4))
+    # the checkpoint's: decayed to --min-lr 0 at step 4
+    assert _lr_after(four_iters, tmp_path, ["--use-checkpoint-opt_param-scheduler"]) == 0.0
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + [
+        "--load", four_iters, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]), "pick one")
+
+
+def test_bias_gelu_fusion_counts_only_where_it_picks_the_tanh_gelu():
+    """--no-bias-gelu-fusion changes a GeLU MLP with biases (exact GeLU instead of tanh), not a SwiGLU one."""
+    config = Config()
+    saved = dict(config.flat(), bias_gelu_fusion=False)
+    with pytest.raises(CheckpointError, match=r"bias-gelu-fusion False \(this run True\)"):
+        check_architecture("ckpt", saved, config)
+    config.model.swiglu = True
+    check_architecture("ckpt", dict(config.flat(), bias_gelu_fusion=False), config)
+
+
+def test_a_derived_flag_saved_unset_is_compared_through_the_flags_it_comes_from():
+    """A converter's config leaves --rope-type / --ffn-hidden-size unset (derived when the model is built)."""
+    config = Config()
+    config.model.rope_type, config.model.ffn_hidden_size = "rope", 128
+    check_architecture("ckpt", dict(config.flat(), rope_type=None, ffn_hidden_size=None), config, "release")
+    with pytest.raises(CheckpointError, match="rope-type yarn"):
+        check_architecture("ckpt", dict(config.flat(), rope_type="yarn"), config, "release")

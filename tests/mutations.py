@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Mutation probe: break one line of the library at a time and check that the suite notices.
+
+Each mutation below is a bug the suite once missed or caught only late (issue 26). For each one
+this script copies the repository to a scratch folder, applies the one edit there (the text to
+replace must occur exactly ``count`` times), runs the tests named for it with the scratch copy
+first on ``PYTHONPATH`` and reports ``caught`` (some test failed), ``missed`` (all passed) or
+``error`` (the tests could not run: collection error, the edit no longer applies). The first
+assertion line of each failing test is printed, so "caught at step 1" can be read off it.
+
+Not part of the pytest run (the file name does not start with ``test_``)::
+
+    python tests/mutations.py                 # every mutation
+    python tests/mutations.py zb_h1 cp_scale  # some of them
+    python tests/mutations.py --control       # also run the tests unmutated (they must pass)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPY = ["megatron_lite", "tests", "tools", "pretrain_gpt.py", "pretrain_bert.py", "pyproject.toml"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    count: int = 1
+
+
+MUTATIONS = [
+    Mutation("fp8_tp_amax", "FP8: the amax MAX-reduce over each gemm's (tensor-parallel) group dropped",
+             "megatron_lite/precision/fp8.py",
+             "        _all_reduce_max_rows(latest, rows, delayed[rows[0]].amax_group)\n",
+             "        pass\n",
+             ("tests/distributed/test_fp8.py",)),
+    Mutation("moe_aux_counts", "MoE: the TP x CP sum of the aux-loss token counts dropped",
+             "megatron_lite/moe/router.py",
+             "        counts = _sum_over(aux_map.sum(dim=0).float(), group)\n",
+             "        counts = aux_map.sum(dim=0).float()\n",
+             ("tests/distributed/test_moe_grads.py",)),
+    Mutation("moe_router_tp_only", "MoE: router reductions over TP only instead of TP x CP",
+             "megatron_lite/moe/router.py", 'self.state.group("tp_cp")', "self.state.tp_group",
+             ("tests/e2e/test_pretrain_moe.py", "-k", "cp2"), count=3),
+    Mutation("zero_grad_scale", "ZeRO-2/3: sharded-gradient buckets skip the 1/dp scaling",
+             "megatron_lite/parallel/grad_bucket.py",
+             "        if self.scale != 1.0:\n",
+             "        if self.scale != 1.0 and self.grad_shard is None:\n",
+             ("tests/distributed/test_zero_grads.py",)),
+    Mutation("cp_grad_scale", "CP: gradients scaled 1/dp instead of 1/(dp x cp)",
+             "megatron_lite/parallel/data_parallel.py",
+             "scale = 1.0 / (self.state.dp_size * self.state.cp_size)",
+             "scale = 1.0 / self.state.dp_size",
+             ("tests/e2e/test_pretrain_gpt_cp.py::test_context_parallel_runs_reproduce_single_process[cp2-2-A-extra0]",)),
+    Mutation("ring_causal", "ring attention: the causal blocks of earlier and later ranks swapped",
+             "megatron_lite/parallel/ring_attention.py",
+             "    if source < rank:\n", "    if source > rank:\n",
+             ("tests/distributed/test_context_parallel.py",)),
+    Mutation("ckpt_crc", "checkpoint CRC never verified",
+             "megatron_lite/checkpoint/format.py",
+             "    if saved is None:  # written before checksums existed\n",
+             "    if True:  # mutated: never verify\n",
+             ("tests/unit/test_checkpoint_damage.py",)),
+    Mutation("hf_gate_up", "HF Llama: gate/up swapped in both export and import",
+             "megatron_lite/checkpoint/hf.py",
+             "            gate, up = sd[src + FC1 + kind].chunk(2, dim=0)\n",
+             "            up, gate = sd[src + FC1 + kind].chunk(2, dim=0)\n",
+             ("tests/distributed/test_convert.py", "-k", "hf")),
+    Mutation("hf_gate_up_import", "(second half of hf_gate_up: import)", "megatron_lite/checkpoint/hf.py",
+             'torch.cat([t[m + f"gate_proj.{kind}"], t[m + f"up_proj.{kind}"]])',
+             'torch.cat([t[m + f"up_proj.{kind}"], t[m + f"gate_proj.{kind}"]])', ()),
+    Mutation("zb_h1_store", "ZB-H1: the weight-gradient store never installed (W work not deferred)",
+             "megatron_lite/parallel/pipeline/schedules.py",
+             "    with run.store.installed(model[0]):\n",
+             "    with __import__('contextlib').nullcontext():\n",
+             ("tests/distributed/test_zero_bubble.py",)),
+    Mutation("dist_expert_keys", "torch_dist: experts keyed by local instead of global number",
+             "megatron_lite/checkpoint/dist.py",
+             "        firsts = _first_experts(module)\n", "        firsts = {}\n",
+             ("tests/e2e/test_torch_dist_moe.py::test_ep2_torch_dist_checkpoint_merges_into_the_one_process_model",)),
+]
+# mutations applied together with the one before them (one bug spread over two places)
+COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
+
+
+def _scratch() -> str:
+    folder = tempfile.mkdtemp(prefix="mutation-")
+    for name in COPY:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(folder, name), ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, folder)
+    return folder
+
+
+def _apply(folder: str, m: Mutation) -> None:
+    path = os.path.join(folder, m.path)
+    with open(path) as f:
+        text = f.read()
+    found = text.count(m.old)
+    if found != m.count:
+        raise ValueError(f"{m.name}: {m.path} holds the text to replace {found} times, expected {m.count}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def _run_tests(folder: str, tests: tuple[str, ...]) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=folder, OMP_NUM_THREADS="1", COLUMNS="1000")  # untruncated summaries
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf", *tests]
+    out = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)
+    return out.returncode, out.stdout + out.stderr
+
+
+def _failures(log: str) -> list[str]:
+    """``test id: first assertion line`` of each failed test in a pytest log."""
+    lines = []
+    for line in log.splitlines():
+        if line.startswith("FAILED "):
+            lines.append(re.sub(r"\s+", " ", line[len("FAILED "):])[:300])
+    return lines
+
+
+def probe(m: Mutation, control: bool) -> str:
+    folder = _scratch()
+    try:
+        if control:
+            rc, log = _run_tests(folder, m.tests)
+            if rc != 0:
+                return f"error: the tests fail unmutated (rc {rc})\n{log[-3000:]}"
+        for part in [m] + [x for x in MUTATIONS if x.name in COMBINED.get(m.name, [])]:
+            _apply(folder, part)
+        start = time.time()
+        rc, log = _run_tests(folder, m.tests)
+        took = f"{time.time() - start:.0f} s"
+        if rc == 0:
+            return f"MISSED ({took}): every test passed"
+        if rc != 1:
+            return f"error (rc {rc}, {took}): the tests did not run\n{log[-3000:]}"
+        return f"caught ({took}) by:\n" + "\n".join(f"    {line}" for line in _failures(log))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="mutations to probe (default: all)")
+    ap.add_argument("--control", action="store_true", help="first run each mutation's tests unmutated")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if m.tests and (not args.names or m.name in args.names)]
+    missed = 0
+    for m in chosen:
+        print(f"[{m.name}] {m.what}\n  tests: {' '.join(m.tests)}", flush=True)
+        verdict = probe(m, args.control)
+        missed += not verdict.startswith("caught")
+        print(f"  {verdict}", flush=True)
+    print(f"{len(chosen) - missed} of {len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The CPU's FP8 GEMM: exact dequantised GEMMs instead of the emulated ``torch._scaled_mm``.
+
+What makes it exact: every E4M3 and E5M2 value is a bf16 and an fp32 value (checked for all 256
+bit patterns), a product of two FP8 values is exact in fp32, and both GEMMs accumulate in fp32. So
+the dequantised GEMM must equal ``torch._scaled_mm`` (CPU) up to fp32 summation order for fp32
+results (rtol 1e-5), and within one bf16 rounding for bf16 results (rtol 2^-7: the bf16 GEMM
+rounds its accumulator to bf16 before the scales are applied), for every operand pair the recipes
+use (fprop E4M3 x E4M3; dgrad and wgrad E5M2 x E4M3 in ``hybrid``, E4M3 x E4M3 in ``e4m3``), with
+per-tensor scales that are not powers of two, and with row-wise scales.
+"""
+
+import pytest
+import torch
+
+from megatron_lite.precision import fp8, fp8_ops
+from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, describe_fp8_path, update_fp8_scales
+from megatron_lite.precision.fp8_ops import E4M3, E5M2, quantize
+
+M, K, N = 32, 64, 48
+BF16_ROUNDING = 2.0**-7  # one bf16 unit in the last place, relative, at worst
+
+
+def _rand(shape, seed, std=1.0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_every_fp8_value_widens_exactly_to_bf16(dtype):
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[~values.isnan()]
+    assert torch.equal(values.to(dtype).to(torch.bfloat16).float(), values)
+
+
+PAIRS = {"fprop E4M3 x E4M3": (E4M3, E4M3), "hybrid dgrad/wgrad E5M2 x E4M3": (E5M2, E4M3)}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_dequantised_matmul_equals_scaled_mm(pair, out_dtype, compute_dtype, scaling):
+    da, db = PAIRS[pair]
+    a8 = quantize(_rand((M, K), 1), torch.tensor(40.0), da)
+    b8 = quantize(_rand((N, K), 2), torch.tensor(300.0), db).t()  # column-major, as the kernel wants
+    if scaling == "tensor":
+        sa, sb = torch.tensor(1 / 40.0), torch.tensor(0.0123)
+    else:
+        sa, sb = _rand((M, 1), 3).abs() + 0.1, _rand((1, N), 4).abs() + 0.1
+    want = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    got = fp8_ops.dequantised_matmul(a8, b8, sa, sb, out_dtype, compute_dtype)
+    assert got.dtype == out_dtype
+    rtol = 1e-5 if out_dtype == torch.float32 else BF16_ROUNDING
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6 * want.abs().max().item())
+    if compute_dtype == torch.float32 or out_dtype == torch.float32:  # the fp32 GEMM: summation order only
+        exact = (a8.float() @ b8.float()) * sa * sb
+        torch.testing.assert_close(got, exact.to(out_dtype), rtol=rtol, atol=1e-6 * want.abs().max().item())
+
+
+def test_layouts_do_not_matter_on_cpu():
+    """The wgrad operands as views (``dY8^T``, ``X8``) give the product of the kernel's layouts."""
+    dy8, x8 = quantize(_rand((M, N), 5), torch.tensor(1e3), E5M2), quantize(_rand((M, K), 6), torch.tensor(50.0), E4M3)
+    one = torch.tensor(0.37)
+    views = fp8_ops.dequantised_matmul(dy8.t(), x8, one, one, torch.float32)
+    kernel = torch._scaled_mm(dy8.t().contiguous(), fp8_ops.column_major(x8), scale_a=one, scale_b=one,
+                              out_dtype=torch.float32)
+    torch.testing.assert_close(views, kernel, rtol=1e-5, atol=1e-6 * kernel.abs().max().item())
+
+
+def _train_two_steps(fmt, dtype, bias=True):
+    """Output and gradients of an FP8 linear at its second step (delayed scales learnt at step 1)."""
+    gemm = Fp8Gemm(Fp8Recipe(format=fmt))
+    x, w, b, dy = _rand((16, 2, K), 1), _rand((N, K), 2, 0.05), _rand(N, 3, 0.1), _rand((16, 2, N), 4, 1e-3)
+    for _ in range(2):
+        xr, wr, br = (t.to(dtype).requires_grad_() for t in (x, w, b))
+        y = gemm(xr, wr, br if bias else None)
+        y.backward(dy.to(dtype))
+        update_fp8_scales(gemm)
+    assert gemm.fallbacks == {}
+    return (y.detach(), xr.grad, wr.grad) + ((br.grad,) if bias else ())
+
+
+@pytest.fixture
+def scaled_mm_on_cpu(monkeypatch):
+    for module in (fp8, fp8_ops):
+        monkeypatch.setattr(module, "fp8_gemm_path", lambda device: fp8_ops.SCALED_MM)
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_cpu_path_equals_scaled_mm_path_and_never_calls_it(fmt, monkeypatch, request):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch._scaled_mm called on the CPU path")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "_scaled_mm", refuse)
+        m.setattr(fp8_ops, "cpu_gemm_dtype", lambda: torch.float32)
+        cpu = _train_two_steps(fmt, torch.float32)
+    request.getfixturevalue("scaled_mm_on_cpu")
+    kernel = _train_two_steps(fmt, torch.float32)
+    for name, got, want in zip(("output", "dgrad", "wgrad", "bias grad"), cpu, kernel):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
+                                   msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_bf16_gemms_keep_bf16_results_within_one_rounding(monkeypatch):
+    """Where the probe picks bf16 GEMMs (CPUs with bf16 matrix units): bf16 training results within one
+    bf16 rounding of the fp32-GEMM path; fp32 results still come from the fp32 GEMM, unchanged. (No bias:
+    a bias added to a GEMM output that nearly cancels it would turn one rounding into a large relative one.)"""
+    monkeypatch.setattr(fp8_ops, "cpu_gemm_dtype", lambda: torch.float32)
+    fp32_gemms = {dtype: _train_two_steps("hybrid", dtype, bias=False) for dtype in (torch.bfloat16, torch.float32)}
+    monkeypatch.setattr(fp8_ops, "cpu_gemm_dtype", lambda: torch.bfloat16)
+    bf16_gemms = {dtype: _train_two_steps("hybrid", dtype, bias=False) for dtype in (torch.bfloat16, torch.float32)}
+    for got, want in zip(bf16_gemms[torch.bfloat16], fp32_gemms[torch.bfloat16]):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=BF16_ROUNDING, atol=1e-6 * want.abs().max().item())
+    for got, want in zip(bf16_gemms[torch.float32], fp32_gemms[torch.float32]):
+        assert torch.equal(got, want)
+
+
+def test_path_is_decided_by_device_and_gemm_dtype_by_probe():
+    assert fp8_ops.fp8_gemm_path(torch.device("cpu")) == fp8_ops.DEQUANTISED
+    assert fp8_ops.fp8_gemm_path(torch.device("cuda")) == fp8_ops.SCALED_MM
+    # figures of the two machine kinds: fp32 fast, bf16 slow (this one) / bf16 matrix units (7x fp32)
+    assert fp8_ops.faster_gemm_dtype({torch.float32: 160.0, torch.bfloat16: 1.3}) == torch.float32
+    assert fp8_ops.faster_gemm_dtype({torch.float32: 400.0, torch.bfloat16: 2810.0}) == torch.bfloat16
+    assert fp8_ops.faster_gemm_dtype({torch.float32: 100.0, torch.bfloat16: 110.0}) == torch.float32  # margin
+    probe = fp8_ops.cpu_gemm_probe()
+    assert set(probe) == {torch.float32, torch.bfloat16} and min(probe.values()) > 0
+    assert fp8_ops.cpu_gemm_probe() is probe  # measured once per process
+    line = describe_fp8_path(Fp8Recipe(), torch.device("cpu"))
+    chosen = "bf16" if fp8_ops.cpu_gemm_dtype() == torch.bfloat16 else "fp32"
+    assert "decided by device" in line and f"exact {chosen} dequantised GEMMs" in line and "one-time probe" in line

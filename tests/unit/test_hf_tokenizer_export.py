@@ -1,0 +1,141 @@
+"""Hugging Face export of every tokenizer type: AutoTokenizer on the exported folder gives exactly
+the ids our tokenizer gives (GPT-2 BPE, SentencePiece BPE and unigram both as GPTSentencePiece and
+as Megatron's SentencePieceTokenizer with its appended special tokens, a tokenizer.json, BERT
+WordPiece lower-cased and cased); the special-token ids go to config.json; a tokenizer Hugging
+Face would read differently is not written. Texts holding a special token's literal string are
+left out: Hugging Face reads those as the special token (documented)."""
+
+import json
+import os
+
+import pytest
+
+from megatron_lite.checkpoint import hf_tokenizer
+from megatron_lite.checkpoint.hf_tokenizer import export_tokenizer, tokenizer_in_folder
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.wordpiece import save_vocab, train_wordpiece
+from tests.tools import load_tool
+from tests.unit.test_tokenizers import TRICKY, corpus_texts
+
+transformers = pytest.importorskip("transformers")
+FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """{case: (tokenizer type, files as the export gets them)} for every tokenizer type."""
+    d = tmp_path_factory.mktemp("tok")
+    train = load_tool("train_tokenizer")
+    out = {"gpt2": ("GPT2BPETokenizer", {"vocab.json": os.path.join(FIXTURES, "gpt2", "vocab.json"),
+                                         "merges.txt": os.path.join(FIXTURES, "gpt2", "merges.txt")})}
+    for model_type, size in (("bpe", 600), ("unigram", 500)):
+        model = train.train_sentencepiece(corpus_texts() * 2, str(d / model_type), vocab_size=size, model_type=model_type)
+        for kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+            out[f"{kind}-{model_type}"] = (kind, {"tokenizer.model": model})
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.BPE.from_file(*(out["gpt2"][1][n] for n in ("vocab.json", "merges.txt"))))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.save(str(d / "tokenizer.json"))
+    out["tokenizer.json"] = ("HuggingFaceTokenizer", {"tokenizer.json": str(d / "tokenizer.json")})
+    for kind, lower in (("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)):
+        save_vocab(train_wordpiece(corpus_texts() * 2, 400, lower_case=lower), str(d / f"{kind}.txt"))
+        out[kind] = (kind, {"vocab.txt": str(d / f"{kind}.txt")})
+    return out
+
+
+def _ours(kind, files):
+    model = files.get("tokenizer.json") or files.get("tokenizer.model")
+    return build_tokenizer(kind, vocab_file=files.get("vocab.json") or files.get("vocab.txt"),
+                           merge_file=files.get("merges.txt"), tokenizer_model=model)
+
+
+CASES = ["gpt2", "GPTSentencePieceTokenizer-bpe", "GPTSentencePieceTokenizer-unigram", "SentencePieceTokenizer-bpe",
+         "SentencePieceTokenizer-unigram", "tokenizer.json", "BertWordPieceLowerCase", "BertWordPieceCase"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_auto_tokenizer_on_the_export_gives_our_ids(tokenizer_files, case, tmp_path):
+    kind, files = tokenizer_files[case]
+    ours = _ours(kind, files)
+    special, note = export_tokenizer({"tokenizer_type": kind, "vocab_size": ours.vocab_size}, files, str(tmp_path))
+    assert "AutoTokenizer gives the training ids" in note, note
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    literal = [t for t in auto.all_special_tokens if t]
+    texts = [t for t in corpus_texts() + TRICKY if not any(s in t for s in literal)]
+    assert len(texts) > 10
+    bert = kind.startswith("Bert")
+    for text in texts:
+        want = ours.tokenize(text)
+        assert auto.encode(text, add_special_tokens=False) == want, text
+        assert auto.encode(text) == ([ours.cls, *want, ours.sep] if bert else want), text  # no BOS added to GPT text
+    if bert:
+        assert special == {"pad_token_id": ours.pad}
+    else:
+        assert special["eos_token_id"] == ours.eod and auto.convert_tokens_to_ids(auto.eos_token) == ours.eod
+        assert special["bos_token_id"] == (ours.bos if ours.bos is not None else ours.eod)
+    if kind == "SentencePieceTokenizer":  # Megatron's appended tokens keep their ids and stay whole
+        for token, i in ours.special.items():
+            assert auto.convert_tokens_to_ids(token) == i
+    assert tokenizer_in_folder(str(tmp_path))["tokenizer_type"] in (kind, "HuggingFaceTokenizer")
+
+
+def test_a_tokenizer_hugging_face_would_read_differently_is_not_written(tokenizer_files, tmp_path, monkeypatch):
+    kind, files = tokenizer_files["GPTSentencePieceTokenizer-bpe"]
+    ours = _ours(kind, files)
+    real = hf_tokenizer._ours
+
+    def shifted(config, files):  # a tokenizer whose ids differ from what its files say
+        tok = real(config, files)
+        tok.tokenize = lambda text: [i + 1 for i in tok.sp.encode_as_ids(text)]
+        return tok
+
+    monkeypatch.setattr(hf_tokenizer, "_ours", shifted)
+    special, note = export_tokenizer({"tokenizer_type": kind, "vocab_size": ours.vocab_size}, files, str(tmp_path))
+    assert "not written: Hugging Face would read it with other ids" in note and "\n" not in note
+    assert os.listdir(tmp_path) == []  # nothing half-written
+    assert special["eos_token_id"] == ours.eod  # the ids for config.json are still right
+    _, note = export_tokenizer({"tokenizer_type": kind, "vocab_size": 50}, files, str(tmp_path))
+    assert "not written" in note and "50" in note
+
+
+def test_without_a_tokenizer_the_end_of_document_is_the_last_id(tmp_path):
+    special, note = export_tokenizer({"tokenizer_type": None, "vocab_size": 101}, {}, str(tmp_path))
+    assert special == {"bos_token_id": 100, "eos_token_id": 100} and "none" in note
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "X"}))
+    special, note = export_tokenizer({"vocab_size": 101}, {"tokenizer_config.json": str(tmp_path / "src" /
+                                                                                          "tokenizer_config.json")},
+                                     str(tmp_path / "out"))
+    assert special == {} and (tmp_path / "out" / "tokenizer_config.json").is_file()  # a Hugging Face source: kept
+
+
+@pytest.mark.parametrize("case", ["gpt2", "GPTSentencePieceTokenizer-bpe", "SentencePieceTokenizer-unigram",
+                                  "tokenizer.json"])
+def test_a_trained_checkpoint_exports_a_tokenizer_auto_tokenizer_reads_back(tokenizer_files, case, tmp_path, capsys):
+    """End to end, as the issue's user did: pretrain_gpt.py with a tokenizer, convert.py --saver hf;
+    AutoTokenizer on the export gives the training ids and config.json / generation_config.json
+    carry our end-of-document id (transformers' default 50256 lies outside these vocabularies)."""
+    import pretrain_gpt
+    from tests.convert_helpers import convert
+
+    kind, files = tokenizer_files[case]
+    ours = _ours(kind, files)
+    flags = {"tokenizer.model": "--tokenizer-model", "tokenizer.json": "--tokenizer-model", "vocab.json": "--vocab-file",
+             "merges.txt": "--merge-file"}
+    tokenizer = ["--tokenizer-type", kind, "--vocab-size", str(ours.vocab_size)] + [x for name, path in files.items() for x in (flags[name], path)]
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    pretrain_gpt.main(["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                       "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                       "--eval-iters", "0", "--lr", "1e-3", "--save", ckpt] + tokenizer)
+    assert convert("GPT", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf) == 0
+    assert "AutoTokenizer gives the training ids" in capsys.readouterr().out
+    auto = transformers.AutoTokenizer.from_pretrained(hf)
+    for text in corpus_texts()[:20]:
+        assert auto.encode(text) == ours.tokenize(text), text
+    config = transformers.AutoConfig.from_pretrained(hf)
+    generation = transformers.GenerationConfig.from_pretrained(hf)
+    assert config.eos_token_id == generation.eos_token_id == ours.eod < ours.vocab_size
+    assert config.bos_token_id == (ours.bos if ours.bos is not None else ours.eod)

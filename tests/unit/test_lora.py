@@ -1,0 +1,139 @@
+"""LoRA in one process: a fresh adapter changes nothing, merged weights give the adapted logits,
+only adapters train, and bad flags are refused in one line.
+
+The adapted model is a tiny GPT (GeLU with biases, or Llama-style SwiGLU/RMSNorm/GQA, or MoE with
+sequential and grouped experts); its B matrices are filled with random values, so the adapters
+really change the output, and the merge (W + alpha/r B A) must reproduce that output from plain
+base weights within 1e-5.
+"""
+
+import pytest
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.errors import ConfigError
+from megatron_lite.lora.apply import apply_lora, is_adapter_name
+from megatron_lite.lora.config import LoRAConfig
+from megatron_lite.lora.merge import merge_lora
+from megatron_lite.models import GPTModel
+from megatron_lite.parallel.state import ParallelState
+from tests.model_helpers import transformer_config
+
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+             num_query_groups=2, untie_embeddings_and_output_weights=True)
+MOE = dict(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
+VARIANTS = {"gpt2": {}, "llama": LLAMA, "moe_sequential": {**LLAMA, **MOE},
+            "moe_grouped": {**LLAMA, **MOE, "moe_grouped_gemm": True}}
+
+
+def _config(variant, **kw):
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                        padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0,
+                        **{k: v for k, v in VARIANTS[variant].items() if k in ModelConfig.__dataclass_fields__})
+    moe = {k: v for k, v in VARIANTS[variant].items() if k not in ModelConfig.__dataclass_fields__}
+    return transformer_config(model, ParallelState(world_size=1, rank=0), **moe, **kw)
+
+
+def _models(variant, lora=None):
+    """(base model, adapted model with random B) holding the same base weights."""
+    config, state = _config(variant), ParallelState(world_size=1, rank=0)
+    lora = lora or LoRAConfig(lora_rank=4, lora_alpha=8.0)
+    base, adapted = GPTModel(config, state).eval(), apply_lora(GPTModel(config, state), config, lora, state).eval()
+    return base, adapted
+
+
+def _randomise_b(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_out" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fresh_adapters_give_the_base_logits_and_only_adapters_train(variant):
+    base, adapted = _models(variant)
+    assert torch.equal(base(TOKENS), adapted(TOKENS))  # B = 0: the adapter adds exactly nothing
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in adapted.named_parameters() if not p.requires_grad]
+    assert trainable and all(is_adapter_name(n) for n in trainable)
+    assert sorted(frozen) == sorted(n for n, _ in base.named_parameters())
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert {next(t for t in targets if t in n) for n in trainable} == set(targets)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_merged_weights_give_the_adapted_logits(variant):
+    base, adapted = _models(variant)
+    _randomise_b(adapted)
+    want = adapted(TOKENS)
+    merged = merge_lora(adapted.state_dict(), alpha=8.0, rank=4)
+    assert merged.keys() == base.state_dict().keys()
+    base.load_state_dict(merged)
+    got = base(TOKENS)
+    assert not torch.allclose(want, GPTModel(_config(variant), ParallelState(world_size=1, rank=0)).eval()(TOKENS),
+                              atol=1e-3), "the random adapters should change the logits"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_multi_latent_attention_projections_take_adapters_and_merge():
+    """MLA's column-parallel projections (q_up, kv_up) are targets too; the replicated down
+    projections are not."""
+    mla = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+               v_head_dim=6, position_embedding_type="rope")
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                        padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0, **mla)
+    state = ParallelState(world_size=1, rank=0)
+    config = transformer_config(model, state)
+    lora = LoRAConfig(lora_rank=4, lora_alpha=8.0, lora_target_modules=["linear_q_up_proj", "linear_kv_up_proj",
+                                                                         "linear_proj"])
+    base, adapted = GPTModel(config, state).eval(), apply_lora(GPTModel(config, state), config, lora, state).eval()
+    assert {n.split(".adapter.")[0].rsplit(".", 1)[-1] for n, p in adapted.named_parameters() if p.requires_grad} == {
+        "linear_q_up_proj", "linear_kv_up_proj", "linear_proj"}
+    _randomise_b(adapted)
+    want = adapted(TOKENS)
+    base.load_state_dict(merge_lora(adapted.state_dict(), alpha=8.0, rank=4))
+    torch.testing.assert_close(base(TOKENS), want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_gradients_reach_a_and_b_and_the_base_gets_none():
+    _, adapted = _models("llama")
+    _randomise_b(adapted)
+    adapted.train()
+    adapted(TOKENS, labels=TOKENS).mean().backward()
+    for name, p in adapted.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+
+
+def test_target_modules_pick_the_layers():
+    _, adapted = _models("gpt2", LoRAConfig(lora_rank=4, lora_target_modules=["linear_qkv"]))
+    names = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert names and all("linear_qkv" in n for n in names)
+
+
+def _check(argv):
+    from megatron_lite.arguments import build_parser, config_from_namespace
+    from megatron_lite.config import finalize
+
+    base = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    finalize(config_from_namespace(build_parser().parse_args(base + argv)), 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "4"], "--lora-rank needs the base model to adapt: --pretrained-checkpoint"),
+    (["--lora-rank", "3", "--tensor-model-parallel-size", "2", "--load", "x"], "--lora-rank 3 is not divisible"),
+    (["--lora-rank", "0", "--load", "x"], "--lora-rank must be at least 1"),
+    (["--lora-rank", "4", "--lora-dropout", "1", "--load", "x"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-rank", "4", "--lora-target-modules", "q_proj", "--load", "x"], "--lora-target-modules q_proj"),
+    (["--lora-rank", "4", "--lora-alpha", "0", "--load", "x"], "--lora-alpha must be positive"),
+])
+def test_bad_lora_flags_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as err:
+        _check(argv)
+    assert message in str(err.value) and "\n" not in str(err.value)
