@@ -29,6 +29,10 @@ You want to know what a flag of `pretrain_gpt.py` / `pretrain_bert.py` does, wha
 default. This page is generated from the config dataclasses by `python tools/make_flags_doc.py`
 (a test fails when it is out of date); `python pretrain_gpt.py --help` prints the same. Flags keep
 Megatron-LM's names and defaults. A switch that is on by default also has a `--no-` form.
+Where each group is explained: [training](training.md), [parallelism](parallelism.md),
+[mixture of experts](mixture-of-experts.md), [precision and FP8](precision-and-fp8.md),
+[checkpoints](checkpoints.md), [data and tokenizers](data-and-tokenizers.md),
+[fine-tuning](fine-tuning.md), [performance](performance.md), [BERT](bert.md).
 """
 SECTION_NOTES = {"bert": "`pretrain_bert.py` only."}
 

@@ -118,13 +118,27 @@ def test_markers_are_read(tmp_path, monkeypatch):
     assert [(b.mode, b.reason) for b in found] == [("run", ""), ("skip", "needs a cluster"), ("check", "")]
 
 
-LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slugs(path: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces -> -)."""
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    titles = re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
 
 
 @pytest.mark.parametrize("path", doc_files())
 def test_relative_links_resolve(path):
+    """Every relative link names an existing file, and its #anchor a heading of that file."""
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     text = re.sub(r"```.*?```", "", text, flags=re.S)
-    broken = [t for t in LINK.findall(text) if "://" not in t and not t.startswith("mailto:")
-              and not os.path.exists(os.path.join(ROOT, os.path.dirname(path), t))]
+    broken = []
+    for target in LINK.findall(text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        full = os.path.join(ROOT, os.path.dirname(path), file) if file else os.path.join(ROOT, path)
+        if not os.path.exists(full) or (anchor and full.endswith(".md") and anchor not in _slugs(full)):
+            broken.append(target)
     assert not broken, f"{path}: broken links {broken}"

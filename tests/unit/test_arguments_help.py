@@ -81,7 +81,7 @@ def _one_line_exit_2(capsys, argv, *words, world_size=1):
     (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'"]),
     (["--num-layers", "four"], ["--num-layers", "invalid int value"]),
     (["--lr"], ["--lr", "expected one argument"]),
-    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # README: refused, not ignored
+    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # docs/training.md: refused, not ignored
 ])
 def test_argparse_errors_are_one_line(capsys, argv, words):
     line = _one_line_exit_2(capsys, argv, *words)
