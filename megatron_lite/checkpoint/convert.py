@@ -221,7 +221,8 @@ def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
     out = save_hf(bundle, args.save_dir, style, args.max_shard_size or "5GB", progress)
     if bundle.adapters is None:
         return out
-    return f"{out} (the base) and its PEFT adapter {save_peft_adapter(bundle.config, bundle.adapters, style, out)}"
+    adapter = save_peft_adapter(bundle.config, bundle.adapters, style, args.save_dir)
+    return out.replace(args.save_dir, f"{args.save_dir} (the base) and its PEFT adapter {adapter}", 1)
 
 
 def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:

@@ -21,6 +21,7 @@ from megatron_lite.checkpoint import load_checkpoint, load_gpt_checkpoint, merge
 from megatron_lite.checkpoint.hf_mixtral import check_mixtral
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.errors import ConfigError
+from megatron_lite.fusions.config import fusion_fields
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.moe.config import MoEConfig, moe_fields
 from megatron_lite.optim import build_optimizer
@@ -60,7 +61,7 @@ def build(variant, state):
     config = configs(variant, state.tp_size, state.ep_size)
     tc = TransformerConfig.from_model(config.model, tensor_model_parallel_size=state.tp_size,
                                       sequence_parallel=state.tp_size > 1, expert_model_parallel_size=state.ep_size,
-                                      **moe_fields(config.moe))
+                                      **moe_fields(config.moe), **fusion_fields(config.fusion, config.model.swiglu))
     return GPTModel(tc, state).eval(), config
 
 
@@ -166,6 +167,7 @@ def test_ep4_conversion_gives_the_same_logits_and_loss(variant, sources, tmp_pat
 @pytest.mark.parametrize("variant", list(MODELS))
 def test_printed_flags_describe_the_converted_moe_model(variant, sources, tmp_path, capsys):
     from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.arch import arch_differences
     from megatron_lite.checkpoint.format import ARCH_FIELDS
 
     out = tmp_path / "ep4"
@@ -173,11 +175,13 @@ def test_printed_flags_describe_the_converted_moe_model(variant, sources, tmp_pa
                    "--target-expert-parallel-size", 4) == 0
     flags = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
     assert flags[-1] == "--no-load-rng" and "--no-load-optim" not in flags  # the optimizer state is there
-    run = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=8).flat()
+    config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=8)
+    run = config.flat()
     saved = merge_checkpoint(str(out))[1]
+    assert not arch_differences(saved, config, tuple(k for k in ARCH_FIELDS if k != "padded_vocab_size"))
     moe = [f.name for f in dataclasses.fields(MoEConfig)]
-    for key in ARCH_FIELDS + tuple(moe) + ("expert_model_parallel_size", "sequence_parallel"):
-        if key != "padded_vocab_size" and saved.get(key) is not None:
+    for key in tuple(moe) + ("expert_model_parallel_size", "sequence_parallel"):
+        if saved.get(key) is not None:
             assert run[key] == saved[key], key
 
 
