@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import io
 import os
@@ -188,6 +189,7 @@ def _capture_parser():
         argparse.ArgumentParser.parse_args = original
 
 
+@functools.cache
 def tool_parser(script: str) -> argparse.ArgumentParser:
     """The argparse parser a tool's ``main`` builds (caught at its parse_args: nothing else runs)."""
     main = runpy.run_path(os.path.join(ROOT, script), run_name="doc_check")["main"]
@@ -199,6 +201,7 @@ def tool_parser(script: str) -> argparse.ArgumentParser:
     raise AssertionError(f"{script}: main() never parsed its arguments")
 
 
+@functools.cache
 def training_parser(script: str) -> argparse.ArgumentParser:
     from megatron_lite.arguments import build_parser
 
