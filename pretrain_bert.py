@@ -41,7 +41,6 @@ from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
-from megatron_lite.models.spec_plugin import spec_from_config
 from megatron_lite.training.loop import pretrain
 from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
 
@@ -110,7 +109,7 @@ def model_provider(config: Config, state) -> list[torch.nn.Module]:
     ranges = my_layer_ranges(config, state)
     head = binary_head(config)
     return [
-        BertModel(model_config, state, spec=spec_from_config(config), num_tokentypes=2 if head else 0, add_binary_head=head,
+        BertModel(model_config, state, num_tokentypes=2 if head else 0, add_binary_head=head,
                   pre_process=state.is_first_stage() and i == 0,
                   post_process=state.is_last_stage() and i == len(ranges) - 1, layer_start=start, layer_end=end)
         for i, (start, end) in enumerate(ranges)

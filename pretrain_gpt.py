@@ -33,7 +33,6 @@ from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
-from megatron_lite.models.spec_plugin import spec_from_config
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.training.loop import NonFiniteError, pretrain
@@ -69,7 +68,7 @@ def model_provider(config: Config, state) -> list[torch.nn.Module]:
     model_config = TransformerConfig.from_config(config)
     ranges = my_layer_ranges(config, state)
     return [
-        GPTModel(model_config, state, spec=spec_from_config(config), pre_process=state.is_first_stage() and i == 0,
+        GPTModel(model_config, state, pre_process=state.is_first_stage() and i == 0,
                  post_process=state.is_last_stage() and i == len(ranges) - 1, layer_start=start, layer_end=end)
         for i, (start, end) in enumerate(ranges)
     ]

@@ -3,8 +3,9 @@
 ``MODULE`` is a module on ``PYTHONPATH`` (``my_project.layers``) or the path of a ``.py`` file
 (``./my_layers.py``); ``NAME`` in it is either a :class:`~megatron_lite.models.spec.LayerSpec` (every
 layer the same) or a function ``layer_number -> LayerSpec`` (global, 1-based layer numbers). It
-replaces the script's default spec (:func:`~megatron_lite.models.spec.gpt_layer_spec` /
-``bert_layer_spec``) for every layer. Anything else is refused in one line naming ``--spec``
+replaces the default spec of every layer: :func:`~megatron_lite.models.spec.gpt_layer_spec` (and
+``bert_layer_spec``) return it when the model's config has ``spec``, which the flag sets and
+checkpoints save, so a tool rebuilding the model from a checkpoint builds the same one. Anything else is refused in one line naming ``--spec``
 (:class:`~megatron_lite.errors.ConfigError`, exit code 2), before a process group or model exists:
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
@@ -115,8 +116,3 @@ def check_spec(config) -> None:
     if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
         raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "
                           "megatron_lite.models.mla.MLASelfAttention; use it in the spec or drop the flag")
-
-
-def spec_from_config(config):
-    """The model's layer spec from ``--spec`` (None: the script's default). ``config`` is the run's Config."""
-    return load_spec(*config.model.spec) if config.model.spec else None

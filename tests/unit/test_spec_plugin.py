@@ -158,3 +158,16 @@ def test_pretrain_bert_takes_the_spec(specs):
     pretrain_bert.set_vocab(config, pretrain_bert.build_tokenizer_for(config))
     (chunk,) = pretrain_bert.model_provider(config, ParallelState())
     assert all(sum(p.numel() for p in layer.mlp.parameters()) == 0 for layer in chunk.encoder.layers)
+
+
+def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
+    """The spec is saved with the checkpoint's flags: the tools that rebuild a model from a checkpoint
+    (tools/generate.py, the converter's loader) build the spec's layers, not the stock ones."""
+    from megatron_lite.checkpoint import load_gpt_checkpoint
+
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(TINY + ["--spec", specs[0], "every_other", "--save", save])
+    model, saved = load_gpt_checkpoint(save)
+    assert saved["spec"] == [specs[0], "every_other"]
+    counts = {layer.layer_number: sum(p.numel() for p in layer.mlp.parameters()) for layer in model.decoder.layers}
+    assert counts[2] == 0 and counts[1] > 0, counts
