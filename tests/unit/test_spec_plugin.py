@@ -171,3 +171,10 @@ def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
     assert saved["spec"] == [specs[0], "every_other"]
     counts = {layer.layer_number: sum(p.numel() for p in layer.mlp.parameters()) for layer in model.decoder.layers}
     assert counts[2] == 0 and counts[1] > 0, counts
+    # the converter builds the spec's layers too (the stock model would miss layer 2's MLP weights)
+    from megatron_lite.checkpoint.convert import build_parser, convert
+
+    out = str(tmp_path / "tp2")
+    convert(build_parser().parse_args(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron",
+                                       "--load-dir", save, "--save-dir", out, "--target-tensor-parallel-size", "2"]))
+    assert load_gpt_checkpoint(out)[1]["spec"] == [specs[0], "every_other"]
