@@ -9,6 +9,8 @@ layouts that fit in GPU memory are printed fastest first, with the best one brok
 
     python tools/plan.py --preset gpt3-175b --cluster a100 --gpus 1024 --global-batch-size 1536
     python tools/plan.py --preset llama3-70b --cluster h100 --gpus 64 --global-batch-size 512 --png plan.png
+    python tools/plan.py --preset deepseek-v3 --cluster h100 --gpus 1024 --global-batch-size 15360 \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 16 --expert-model-parallel-size 32
     python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 4096 \\
         --vocab-size 50257 --gpus 16 --peak-tflops 312 --global-batch-size 256 --tensor-model-parallel-size 2
 
@@ -34,6 +36,7 @@ from megatron_lite.perf.plan import (  # noqa: E402
     MODEL_PRESETS,
     ClusterSpec,
     ModelSpec,
+    active_params,
     format_table,
     plan,
     stage_params,
@@ -46,6 +49,11 @@ MODEL_FLAGS = {  # flag -> (ModelSpec field, type)
     "--vocab-size": ("vocab_size", int), "--num-experts": ("num_experts", int),
     "--moe-router-topk": ("moe_router_topk", int), "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int),
     "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", int),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", int),
+    "--moe-layer-freq": ("moe_layer_freq", str), "--q-lora-rank": ("q_lora_rank", int),
+    "--kv-lora-rank": ("kv_lora_rank", int), "--qk-head-dim": ("qk_head_dim", int),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", int), "--v-head-dim": ("v_head_dim", int),
+    "--mtp-num-layers": ("mtp_num_layers", int), "--normalization": ("normalization", str),
 }
 CLUSTER_FLAGS = {"--gpus-per-node": int, "--gpu-memory-gb": float, "--peak-tflops": float,
                  "--intra-node-gbps": float, "--inter-node-gbps": float}
@@ -66,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--swiglu", action="store_true", default=None)
     ap.add_argument("--disable-bias-linear", action="store_true", default=None)
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    ap.add_argument("--multi-latent-attention", action="store_true", default=None)
+    ap.add_argument("--qk-layernorm", action="store_true", default=None)
     ap.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
     ap.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), default="a100",
                     help="GPU preset (a100: DGX A100 80GB, h100: DGX H100); default a100")
@@ -86,7 +96,9 @@ def model_from_args(args) -> ModelSpec:
     given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in MODEL_FLAGS.items()}
     given = {k: v for k, v in given.items() if v is not None}
     for name, field, value in (("swiglu", "swiglu", True), ("disable_bias_linear", "add_bias_linear", False),
-                               ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", True)):
+                               ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", True),
+                               ("multi_latent_attention", "multi_latent_attention", True),
+                               ("qk_layernorm", "qk_layernorm", True)):
         if getattr(args, name):
             given[field] = value
     if args.position_embedding_type:
@@ -160,7 +172,8 @@ def main(argv=None) -> int:
         return 2
     dense, expert = stage_params(spec, 1, 1, 1, True, True)
     fitting = [e for e in estimates if e.fits]
-    print(f"model: {count(dense + expert)} parameters, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+    active = f" ({count(active_params(spec))} active)" if spec.is_moe else ""
+    print(f"model: {count(dense + expert)} parameters{active}, {spec.num_layers} layers, hidden {spec.hidden_size}, "
           f"seq {spec.seq_length}; cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node, "
           f"{cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s); global batch {args.global_batch_size}")
     print(f"{len(estimates)} layouts, {len(fitting)} fit in memory")

@@ -8,8 +8,8 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
                 layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
                 ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, mixtral and
-                megatron-bert styles
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, mixtral,
+                megatron-bert and deepseek_v3 styles
 ==============  ===============================================================================
 """
 
@@ -28,6 +28,7 @@ from ..moe.config import MoEConfig
 from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
 from .hf_bert import from_bert, to_bert
+from .hf_deepseek import from_deepseek, to_deepseek
 from .hf_io import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -145,7 +146,8 @@ def _hf_loader_args(parser) -> None:
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="Vocabulary padding of the imported model, as in training (default 128).")
     group.add_argument("--moe-grouped-gemm", action="store_true", default=None,
-                       help="Mixtral import: write the experts stacked for --moe-grouped-gemm (default: one MLP each).")
+                       help="Mixtral / DeepSeek-V3 import: write the experts stacked for --moe-grouped-gemm "
+                            "(default: one MLP each).")
 
 
 def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False) -> ModelBundle:
@@ -153,10 +155,12 @@ def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_
     hf_config = read_json(os.path.join(load_dir, "config.json"))
     if hf_config.get("model_type") == "mixtral":
         config, state_dict = from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    elif hf_config.get("model_type") == "deepseek_v3":
+        config, state_dict = from_deepseek(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
     elif hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
         config, state_dict = from_bert(hf_config, read_safetensors(load_dir))
     elif moe_grouped_gemm:
-        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral model only; {load_dir} holds "
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral or deepseek_v3 model only; {load_dir} holds "
                           f"{hf_config.get('model_type')!r}: drop it")
     else:
         config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
@@ -172,7 +176,8 @@ def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
                        help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
-                            "(llama with MoE layers) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
+                            "(llama with MoE layers), deepseek_v3 (multi-latent attention, MoE, MTP) or bert "
+                            "(MegatronBertForPreTraining); auto: bert for BERT, deepseek_v3 for MLA / MTP models, "
                             "mixtral for MoE models, llama for rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
@@ -189,6 +194,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     style = pick_style(bundle.config, style)
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
+    elif style == "deepseek_v3":
+        hf_config, tensors = to_deepseek(bundle.config, bundle.state_dict)
     elif style == "bert":
         hf_config, tensors = to_bert(bundle.config, bundle.state_dict)
     else:

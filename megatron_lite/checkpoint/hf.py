@@ -14,8 +14,10 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
   Our fused QKV ``[groups, (heads_per_group + 2) * head_dim, hidden]`` is split into q/k/v_proj per
   group, and fc1 ``[gate; up]`` into gate_proj/up_proj. HF's rotary uses the same rotate-half layout.
 
-Two more styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
-picked for mixture-of-experts models) and ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT).
+Three more styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
+picked for mixture-of-experts models), ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT) and
+``deepseek_v3`` (:mod:`~megatron_lite.checkpoint.hf_deepseek`, picked for multi-latent attention or
+multi-token prediction).
 A model the target style cannot express is refused with one line naming the option that differs.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
@@ -28,7 +30,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
 
-STYLES = ("auto", "gpt2", "llama", "mixtral", "bert")  # mixtral: in hf_mixtral.py, bert: in hf_bert.py
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3")  # the last three in hf_<name>.py
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -42,9 +44,11 @@ def _require(cond, message: str) -> None:
 
 
 def pick_style(cfg: dict, style: str = "auto") -> str:
-    for flag in ("multi_latent_attention", "mtp_num_layers"):
-        _require(not cfg.get(flag), f"--{flag.replace('_', '-')} cannot be expressed in the gpt2, llama or mixtral "
-                 "formats (a DeepSeek-V3 export is not built yet)")
+    deepseek = next((f for f in ("multi_latent_attention", "mtp_num_layers") if cfg.get(f)), None)
+    if deepseek and style in ("auto", "deepseek_v3"):
+        return "deepseek_v3"
+    _require(not deepseek, f"--{str(deepseek).replace('_', '-')} cannot be expressed in the {style} format; use "
+             "--hf-style deepseek_v3")
     bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py
     if bert or style == "bert":
         _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "

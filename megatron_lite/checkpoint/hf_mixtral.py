@@ -76,6 +76,16 @@ def expert_matrices(sd: dict, prefix: str, experts: int) -> list[tuple[torch.Ten
             for j in range(experts)]
 
 
+def stack_experts(sd: dict, prefix: str, experts: int) -> None:
+    """Replace the sequential experts of layer ``prefix`` in ``sd`` by the grouped-GEMM stacks
+    (``mlp.experts.weight1 [E, h, 2 * ffn]``, ``weight2 [E, ffn, h]``), in place."""
+    pairs = expert_matrices(sd, prefix, experts)
+    for j in range(experts):
+        del sd[prefix + SEQ.format(j=j) + "linear_fc1.weight"], sd[prefix + SEQ.format(j=j) + "linear_fc2.weight"]
+    sd[prefix + "mlp.experts.weight1"] = torch.stack([fc1.t() for fc1, _ in pairs])
+    sd[prefix + "mlp.experts.weight2"] = torch.stack([fc2.t() for _, fc2 in pairs])
+
+
 def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     check_mixtral(cfg)
@@ -164,10 +174,5 @@ def from_mixtral(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, di
         sd["output_layer.weight"] = hf_sd["lm_head.weight"]
     if grouped:
         for i in range(layers):
-            prefix = f"decoder.layers.{i}."
-            pairs = expert_matrices(sd, prefix, cfg["num_experts"])
-            for j in range(cfg["num_experts"]):
-                del sd[prefix + SEQ.format(j=j) + "linear_fc1.weight"], sd[prefix + SEQ.format(j=j) + "linear_fc2.weight"]
-            sd[prefix + "mlp.experts.weight1"] = torch.stack([fc1.t() for fc1, _ in pairs])
-            sd[prefix + "mlp.experts.weight2"] = torch.stack([fc2.t() for _, fc2 in pairs])
+            stack_experts(sd, f"decoder.layers.{i}.", cfg["num_experts"])
     return cfg, {k: v.contiguous() for k, v in sd.items()}

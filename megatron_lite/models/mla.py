@@ -157,6 +157,7 @@ class MLASelfAttention(nn.Module):
         kv = self.linear_kv_up_proj(latent)
         k_nope, value = kv.view(kv.shape[0], kv.shape[1], self.local_heads, self.dn + self.dv).split(
             [self.dn, self.dv], dim=-1)
+        value = value.contiguous()  # a saved view would keep k_nope's half of ``kv`` alive for backward
         query = torch.cat([q_nope, q_rope], dim=-1)
         key = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], dim=-1)
         if self.selective_recompute and torch.is_grad_enabled():

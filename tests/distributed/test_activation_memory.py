@@ -14,6 +14,10 @@ stated and checked exactly:
   backward): +2 x 2sbh (1 - 1/t).
 - full recomputation keeps exactly the layer input, 2 sbh/t (per-layer difference of 2- and
   1-layer stacks, so the final norm drops out).
+
+A multi-latent-attention layer against :func:`mla_layer_bytes` has the same differences, with its
+own shapes: the latent norms' statistics too, and the fp32 core attention's Q, K, V of
+``a (dn + dr)``, ``a (dn + dr)`` and ``a dv`` channels.
 """
 
 import pytest
@@ -21,7 +25,11 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.perf.activation_memory import korthikanti_layer_bytes, saved_activation_bytes
+from megatron_lite.perf.activation_memory import (
+    korthikanti_layer_bytes,
+    mla_layer_bytes,
+    saved_activation_bytes,
+)
 from tests.harness import cached_state, run_ranks
 from tests.model_helpers import build_gpt
 
@@ -29,14 +37,14 @@ S, B, H, A = 32, 2, 64, 4
 SBH = S * B * H
 
 
-def _measure(tp, recompute, layers=1):
+def _measure(tp, recompute, layers=1, **mla):
     state = cached_state(tp=tp) if tp > 1 else None
     if state is None:
         from megatron_lite.parallel.state import ParallelState
         state = ParallelState()
     model_parallel_seed(1, state)
     cfg = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=A, seq_length=S, max_position_embeddings=S,
-                      vocab_size=128, attention_dropout=0.1, hidden_dropout=0.1)
+                      vocab_size=128, attention_dropout=0.1, hidden_dropout=0.1, **mla)
     kw = {"recompute_granularity": recompute} if recompute else {}
     if recompute == "full":
         kw.update(recompute_method="uniform", recompute_num_layers=1)
@@ -70,3 +78,19 @@ def test_full_recompute_keeps_only_the_layer_input():
 def test_tensor_and_sequence_parallel_divides_by_t(recompute):
     for measured in run_ranks(2, _measure, 2, recompute):
         assert measured == _explained(2, recompute)
+
+
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=16,
+           qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_mla_layer_matches_formula_with_explained_differences(q_lora_rank, recompute):
+    norms = 3 + (q_lora_rank is not None)  # the two layer norms and the latent norms
+    extra = 2 * SBH + norms * 2 * S * B * 2  # masks, norm statistics
+    if recompute is None:
+        qkv = A * (2 * (16 + 8) + 12)  # channels of Q, K and V per token
+        extra += 2 * S * B * qkv + 7 * A * S * S * B  # fp32 math-path core attention
+    formula = mla_layer_bytes(S, B, H, A, 1, False, recompute, q_lora_rank, 16, 16, 8, 12)
+    assert _measure(1, recompute, q_lora_rank=q_lora_rank, **MLA) == formula + extra

@@ -31,6 +31,10 @@ ITERS = 8
 # bf16 rounding in another summation order moves the gradient norm more than the loss: the norm
 # sums squares of every gradient element, each of which carries bf16's 2^-8 relative rounding
 GRAD_RTOL = 1e-2
+# FP8 experts: the delayed scaling's amax histories pick up those last-bit differences, and from step
+# 4-5 on a scale that differs flips FP8 roundings of whole expert GEMMs (seen: 2.4% at step 6, the
+# losses still within 1e-3); a wrong reduction is caught by the weight-scale and one-step checks
+MOE_GRAD_RTOL = 5e-2
 TE_GRAD_RTOL = 2e-2
 
 

@@ -4,7 +4,7 @@
   5% of the bf16 MoE run's loss, and learned.
 * Expert parallelism: EP2 FP8, and TP2+SP with whole experts on each TP rank (expert TP 1), follow
   the one-process FP8 run step by step within bf16 tolerance (losses relative 1e-3, gradient norms
-  test_fp8.GRAD_RTOL). The experts' amaxes are reduced over expert-data-parallel ranks and
+  test_fp8.MOE_GRAD_RTOL). The experts' amaxes are reduced over expert-data-parallel ranks and
   never over expert parallelism; after one step every expert's weight scale equals the one-process
   run's. Losses alone do not tell: reducing the experts' amaxes over EP (checked by hand) still
   follows within 1e-3, but gives each expert the largest weight amax of its counterpart on the
@@ -18,7 +18,7 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.checkpoint.merge import merge_checkpoint
-from tests.e2e.test_fp8 import FP8, GRAD_RTOL, _train_real
+from tests.e2e.test_fp8 import FP8, MOE_GRAD_RTOL, _train_real
 from tests.e2e.test_pretrain_gpt import _argv
 from tests.e2e.test_pretrain_moe import MOE
 from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
@@ -52,7 +52,7 @@ def one_process_fp8(tmp_path_factory):
 ])
 def test_parallel_fp8_moe_follows_one_process(tmp_path, one_process_fp8, name, extra):
     got = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / name), 6, FP8 + MOE + extra))
-    assert_same_trajectory(got, one_process_fp8, rtol=1e-3, grad_rtol=GRAD_RTOL, steps=6, what=name)
+    assert_same_trajectory(got, one_process_fp8, rtol=1e-3, grad_rtol=MOE_GRAD_RTOL, steps=6, what=name)
 
 
 def test_ep2_fp8_experts_have_the_one_process_weight_scales(tmp_path):

@@ -28,7 +28,7 @@ ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 ITERS = 6
-BF16_GRAD_RTOL = 2e-4
+BF16_GRAD_RTOL = 5e-3  # about bf16's own rounding (2^-8 = 3.9e-3); seen 1.4e-3 by step 3 (fp32 runs check 1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Convert checkpoints (GPT, BERT, MoE): change the tensor/pipeline/expert layout, export to or import
-from Hugging Face (GPT-2, Llama, Mixtral, Megatron-BERT).
+from Hugging Face (GPT-2, Llama, Mixtral, Megatron-BERT, DeepSeek-V3).
 
 Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lite.checkpoint.convert`.
 
@@ -9,11 +9,15 @@ Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lit
     # mixture of experts: EP2 x TP2 -> EP4 x TP1 (experts, router, shared experts, optimizer state)
     python tools/checkpoint/convert.py --model-type GPT --load-dir ckpt/moe --save-dir ckpt/moe_ep4 \
         --target-expert-parallel-size 4 --target-tensor-parallel-size 1
-    # export for evaluation harnesses (transformers / safetensors; MoE models as Mixtral)
+    # export for evaluation harnesses (transformers / safetensors; MoE models as Mixtral, MLA / MTP as DeepSeek-V3)
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir ckpt/gpt --save-dir hf/gpt
     # import a Llama-style model to continue pretraining at TP2
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir hf/llama \
         --save-dir ckpt/llama --target-tensor-parallel-size 2
+    # import DeepSeek-V3 (MLA, MoE, MTP) at TP2 x PP4 x EP8 with grouped-GEMM experts
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir hf/dsv3 \
+        --save-dir ckpt/dsv3 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 4 \
+        --target-expert-parallel-size 8 --moe-grouped-gemm
 
 Exit code 2 with one line on stderr for a bad option or a checkpoint that cannot be converted.
 """

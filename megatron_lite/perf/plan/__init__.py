@@ -3,9 +3,17 @@ recomputation and micro-batch layout of a model on a cluster, from the formulas 
 :mod:`megatron_lite.perf` (``tools/plan.py`` is its command line)."""
 
 from .estimate import MATMUL_EFFICIENCY, RESERVED_BYTES, Estimate, Layout, check_layout, estimate
-from .model import CLUSTER_PRESETS, MODEL_PRESETS, ClusterSpec, ModelSpec, stage_params
+from .model import (
+           CLUSTER_PRESETS,
+           MODEL_PRESETS,
+           ClusterSpec,
+           ModelSpec,
+           active_params,
+           stage_layers,
+           stage_params,
+)
 from .search import candidate_layouts, format_table, plan
 
 __all__ = ["CLUSTER_PRESETS", "MATMUL_EFFICIENCY", "MODEL_PRESETS", "RESERVED_BYTES", "ClusterSpec", "Estimate",
-           "Layout", "ModelSpec", "candidate_layouts", "check_layout", "estimate", "format_table", "plan",
-           "stage_params"]
+           "Layout", "ModelSpec", "active_params", "candidate_layouts", "check_layout", "estimate", "format_table", "plan",
+           "stage_layers", "stage_params"]

@@ -1,18 +1,21 @@
 """Memory per GPU and step time of one parallel layout, from the formulas of :mod:`megatron_lite.perf`.
 
-Memory (bytes, the fullest pipeline stage - the first, or the last which also keeps the logits):
+Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
+:func:`~.model.stage_layers`):
 
 * model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
   of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
   bf16 weights, fp32 gradients and Adam state), dense weights sharded over DP x CP, expert
   weights over the expert-data-parallel ranks DP x CP / EP;
 * activations: Korthikanti et al.'s bytes per layer
-  (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, sequence parallelism on
-  whenever TP > 1, the sequence split over CP) times the layers of a stage times the micro-batches
-  in flight on the first stage under 1F1B (``min(p, m)``; interleaving adds ``(p-1)/(p v)``).
-  Full recomputation adds one layer's un-recomputed activations (the layer being recomputed). The
-  last stage adds its fp32 logits, ``4 b (s/cp) V / t``. The formula is that of a 4h GeLU
-  multi-head layer; other shapes (GQA, SwiGLU, experts) are approximated by it;
+  (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, or
+  :func:`~megatron_lite.perf.activation_memory.mla_layer_bytes` for multi-latent attention;
+  sequence parallelism on whenever TP > 1, the sequence split over CP) times the layers of a stage
+  times the micro-batches in flight on stage i under 1F1B (``min(p - i, m)``; interleaving adds
+  ``(p-1)/(p v)``). Full recomputation adds one layer's un-recomputed activations (the layer being
+  recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
+  ``4 b (s/cp) V / t`` for the model and each MTP depth. The MLP is counted as a 4h GeLU MLP;
+  other shapes (SwiGLU, experts) are approximated by it;
 * plus :data:`RESERVED_BYTES` (CUDA context, communication buffers, allocator slack).
 
 Step time: the hardware FLOPs of the step (:func:`~megatron_lite.perf.flops.num_floating_point_operations`,
@@ -32,11 +35,11 @@ from functools import lru_cache
 import torch
 
 from ...errors import ConfigError
-from ..activation_memory import korthikanti_layer_bytes
+from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
 from . import volumes
-from .model import ClusterSpec, ModelSpec, stage_params
+from .model import ClusterSpec, ModelSpec, stage_layers, stage_params
 
 MATMUL_EFFICIENCY = 0.55
 """Fraction of the peak matmul FLOP/s that a transformer layer's GEMMs reach on a large model (one
@@ -95,8 +98,9 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"TP {lay.tp} must divide --gpus-per-node {cluster.gpus_per_node} (TP stays inside a node)")
     if spec.num_attention_heads % lay.tp or spec.num_query_groups % lay.tp or spec.ffn_hidden_size % lay.tp:
         raise ConfigError(f"TP {lay.tp} must divide the heads, query groups and ffn size")
-    if spec.num_layers % (lay.pp * lay.vpp):
+    if lay.vpp > 1 and spec.num_layers % (lay.pp * lay.vpp):
         raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
+    stage_layers(spec, lay.pp)  # an even split, or smaller first and last stages
     if spec.seq_length % (2 * lay.cp):
         raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by 2 x CP {lay.cp}")
     if global_batch % (lay.dp * lay.micro_batch):
@@ -116,34 +120,42 @@ def _bandwidth(cluster: ClusterSpec, stride: int, size: int) -> float:
     return gbps * 1e9
 
 
+def layer_bytes(spec: ModelSpec, lay: Layout, recompute: str | None) -> float:
+    """Activation bytes of one layer for one micro-batch (Korthikanti's formula, or its MLA form)."""
+    s, t = spec.seq_length // lay.cp, lay.tp
+    if spec.multi_latent_attention:
+        return mla_layer_bytes(s, lay.micro_batch, spec.hidden_size, spec.num_attention_heads, t, t > 1, recompute,
+                               spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.qk_pos_emb_head_dim,
+                               spec.v_head_dim)
+    return korthikanti_layer_bytes(s, lay.micro_batch, spec.hidden_size, spec.num_attention_heads, t, t > 1, recompute)
+
+
 def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     """``(model state, activations)`` bytes on the fullest pipeline stage (module docstring)."""
     t, p, v = lay.tp, lay.pp, lay.vpp
     recompute = None if lay.recompute == "none" else lay.recompute
-    s, h, a = spec.seq_length // lay.cp, spec.hidden_size, spec.num_attention_heads
-    per_layer = korthikanti_layer_bytes(s, lay.micro_batch, h, a, t, t > 1, recompute)
-    work = korthikanti_layer_bytes(s, lay.micro_batch, h, a, t, t > 1) if recompute == "full" else 0.0
-    logits = 4 * lay.micro_batch * s * spec.padded_vocab(t) / t
-    layers = spec.num_layers // p
-    in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    per_layer = layer_bytes(spec, lay, recompute)
+    work = layer_bytes(spec, lay, None) if recompute == "full" else 0.0
+    logits = 4 * lay.micro_batch * (spec.seq_length // lay.cp) * spec.padded_vocab(t) / t
     dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp))
     expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep))
-
-    def states(first, last):
-        dense, expert = stage_params(spec, t, p, lay.ep, first, last)
-        return dense * dense_bpp + expert * expert_bpp
-
-    if p == 1:
-        return states(True, True), layers * per_layer + work + logits
-    first = (states(True, False), layers * per_layer * in_flight + work)
-    last = (states(False, True), layers * per_layer + work + logits)
-    return max(first, last, key=sum)
+    counts = stage_layers(spec, p)
+    stages = []
+    for i, layers in enumerate(counts):
+        dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i)
+        in_flight = min(p - i, m) * (1 + (p - 1) / (p * v) if v > 1 and i < p - 1 else 1)
+        acts = layers * per_layer * in_flight + work
+        if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
+            acts += spec.mtp_num_layers * per_layer + (1 + spec.mtp_num_layers) * logits
+        stages.append((dense * dense_bpp + expert * expert_bpp, acts))
+    return max(stages, key=sum)
 
 
 def comm_seconds(spec: ModelSpec, cluster: ClusterSpec, lay: Layout, m: int) -> dict:
     """Seconds per step one GPU spends sending, per group kind (:mod:`.volumes` over the group's bandwidth)."""
     t, cp, dp = lay.tp, lay.cp, lay.dp
-    dense, expert = stage_params(spec, t, lay.pp, lay.ep, True, lay.pp == 1)
+    p = lay.pp
+    dense, expert = max((stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i) for i in range(p)), key=sum)
     return {
         "tp": volumes.tp_bytes(spec, lay, m) / _bandwidth(cluster, 1, t),
         "cp": volumes.cp_bytes(spec, lay, m) / _bandwidth(cluster, t, cp),

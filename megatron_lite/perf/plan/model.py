@@ -2,8 +2,23 @@
 their presets, and the parameter count each pipeline stage holds per GPU.
 
 ``ModelSpec`` carries the field names of the transformer config (``hidden_size``,
-``num_query_groups``, ``moe_router_topk``, ...), so the FLOP counter of :mod:`megatron_lite.perf.flops`
-reads it directly, as the model config and as the MoE config.
+``num_query_groups``, ``moe_router_topk``, ``q_lora_rank``, ``mtp_num_layers``, ...), so the FLOP
+counter of :mod:`megatron_lite.perf.flops` reads it directly, as the model config and as the MoE config.
+
+Parameters held per GPU (:func:`stage_params`), as the built model holds them:
+
+* attention: multi-head / grouped-query Q, K, V and output projections split over TP; with
+  multi-latent attention the down projections (``h x rq``, ``h x (rkv + dr)``) and the latent norms
+  are replicated over TP, the up projections (``rq x a(dn + dr)`` or, without q compression,
+  ``h x a(dn + dr)``; ``rkv x a(dn + dv)``) and the output (``a dv x h``) are split;
+* MLP: split over TP; an MoE layer holds its router (replicated), ``E / EP`` experts (split over
+  TP) and its shared experts (split over TP);
+* pipeline stages hold the layers of Megatron's partition (:func:`stage_layers`: an even split, or
+  for a layer count PP does not divide, the middle stages ``ceil(L / PP)`` layers each and the rest
+  shared by the first and last stages, as ``--decoder-first/last-pipeline-num-layers`` would);
+* the last stage also holds the multi-token prediction layers (per depth two norms, the ``2h x h``
+  projection split over TP, a layer of the last layer's kind and a final norm) and, without the
+  first stage, a copy of the word embedding they share.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from functools import lru_cache
 from ...errors import ConfigError
 from ...models.transformer_config import default_ffn_hidden_size
 from ...moe.config import parse_moe_layer_freq
+from ...parallel.pipeline.partition import layer_ranges
 
 
 @dataclass(frozen=True)
@@ -32,8 +48,18 @@ class ModelSpec:
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
-    moe_layer_freq: int = 1
+    moe_layer_freq: int | str = 1  # N, or a list expression "([0]*3+[1]*58)"
+    moe_shared_expert_intermediate_size: int | None = None
     make_vocab_size_divisible_by: int = 128
+    normalization: str = "LayerNorm"  # or RMSNorm (no bias)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries without compression
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_layernorm: bool = False  # MLA: RMSNorm on the q and kv latents
+    mtp_num_layers: int = 0
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -55,6 +81,11 @@ class ModelSpec:
     @property
     def kv_channels(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm over the hidden size (LayerNorm: weight and bias)."""
+        return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
 
     @property
     def is_moe(self) -> bool:
@@ -102,6 +133,15 @@ MODEL_PRESETS = {
                               ffn_hidden_size=14336, swiglu=True, add_bias_linear=False, learned_positions=False,
                               untie_embeddings_and_output_weights=True, seq_length=4096, vocab_size=32000,
                               num_experts=8, moe_router_topk=2),
+    # DeepSeek-V3 (671B, 37B active; MTP 1 adds 11.6B of its own): MLA, 256 routed experts top-8 plus
+    # one shared, the first 3 layers dense
+    "deepseek-v3": ModelSpec(num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
+                             swiglu=True, add_bias_linear=False, learned_positions=False,
+                             untie_embeddings_and_output_weights=True, seq_length=4096, vocab_size=129280,
+                             normalization="RMSNorm", multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                             qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True, num_experts=256,
+                             moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+                             moe_layer_freq="([0]*3+[1]*58)", mtp_num_layers=1),
 }
 
 # DGX A100 80GB: 312 TFLOP/s bf16, NVLink 600 GB/s both ways, 8 x 200 Gb/s InfiniBand per node.
@@ -118,40 +158,88 @@ def _mlp_params(spec: ModelSpec, ffn: int) -> int:
     return up + bias + ffn * spec.hidden_size
 
 
-def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
-    """``(dense, expert)`` parameters of one transformer layer held by one GPU.
+def attention_params(spec: ModelSpec) -> tuple[int, int]:
+    """``(split over TP, replicated)`` parameters of one layer's attention (biases: column-parallel
+    ones split, the output projection's replicated)."""
+    h, a = spec.hidden_size, spec.num_attention_heads
+    if spec.multi_latent_attention:
+        qk, rq, rkv = spec.qk_head_dim + spec.qk_pos_emb_head_dim, spec.q_lora_rank, spec.kv_lora_rank
+        split = (h if rq is None else rq) * a * qk + rkv * a * (spec.qk_head_dim + spec.v_head_dim) + a * spec.v_head_dim * h
+        replicated = (0 if rq is None else h * rq) + h * (rkv + spec.qk_pos_emb_head_dim)
+        if spec.qk_layernorm:
+            replicated += (rkv + (0 if rq is None else rq)) * spec.norm_params // h
+        return split, replicated
+    d = spec.kv_channels
+    q, kv = a * d, spec.num_query_groups * d
+    return h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.add_bias_linear else 0), (h if spec.add_bias_linear else 0)
 
-    Attention (Q, K/V for the query groups, output projection) and MLP weights and column-parallel
-    biases are split over ``tp``; norms and the row-parallel biases are replicated. An MoE layer
-    holds its router (replicated) and ``num_experts / ep`` experts, each split over TP (expert
-    tensor parallelism = TP).
-    """
-    h, d = spec.hidden_size, spec.kv_channels
-    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.add_bias_linear else 0)
-    replicated = 4 * h + (2 * h if spec.add_bias_linear else 0)  # two norms; projection and fc2 biases
+
+def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
+    """``(dense, expert)`` parameters of one transformer layer held by one GPU (the module docstring)."""
+    h = spec.hidden_size
+    split, replicated = attention_params(spec)
+    replicated += 2 * spec.norm_params + (h if spec.add_bias_linear else 0)  # two norms; fc2's bias
     if not moe:
-        return (attention + _mlp_params(spec, spec.ffn_hidden_size)) / tp + replicated, 0.0
+        return (split + _mlp_params(spec, spec.ffn_hidden_size)) / tp + replicated, 0.0
+    shared = spec.moe_shared_expert_intermediate_size
+    split += _mlp_params(spec, shared) if shared else 0
     experts = spec.num_experts // ep * _mlp_params(spec, spec.moe_ffn_hidden_size) / tp
-    return attention / tp + replicated + h * spec.num_experts, experts
+    return split / tp + replicated + h * spec.num_experts, experts
+
+
+def stage_layers(spec: ModelSpec, pp: int) -> list[int]:
+    """Layers per pipeline stage: an even split, else ``ceil(L / pp)`` on every middle stage and the
+    rest on the first (the larger half) and last stages. One ConfigError when neither works."""
+    layers, first, last = spec.num_layers, None, None
+    if layers % pp:
+        per = -(-layers // pp)
+        rest = layers - (pp - 2) * per
+        first, last = -(-rest // 2), rest // 2
+    try:
+        return [hi - lo for [(lo, hi)] in layer_ranges(layers, pp, None, first, last)]
+    except ValueError:
+        raise ConfigError(f"PP {pp} cannot split --num-layers {layers} (evenly, or with smaller first and last "
+                          "stages)") from None
+
+
+def _moe_pattern(spec: ModelSpec) -> list[bool]:
+    return parse_moe_layer_freq(spec.moe_layer_freq, spec.num_layers) if spec.is_moe else [False] * spec.num_layers
 
 
 @lru_cache(maxsize=4096)
-def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: bool) -> tuple[float, float]:
-    """``(dense, expert)`` parameters one GPU of a pipeline stage holds (``num_layers / pp`` layers,
-    the embedding on the first stage, the output layer - or the tied embedding's copy - on the last)."""
-    per_stage = spec.num_layers // pp
-    pattern = parse_moe_layer_freq(spec.moe_layer_freq, spec.num_layers) if spec.is_moe else [False] * spec.num_layers
-    stage = pattern[:per_stage] if first else pattern[-per_stage:]  # the first or the last stage's layers
+def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: bool,
+                 stage: int | None = None) -> tuple[float, float]:
+    """``(dense, expert)`` parameters one GPU of a pipeline stage holds: its layers
+    (:func:`stage_layers`), the embedding on the first stage, the final norm, the output layer (or
+    the tied embedding's copy) and the MTP layers on the last. ``stage``: a middle stage's index."""
+    counts = stage_layers(spec, pp)
+    index = stage if stage is not None else 0 if first else pp - 1
+    start = sum(counts[:index])
+    pattern = _moe_pattern(spec)
+    stage_pattern = pattern[start:start + counts[index]]
+    h = spec.hidden_size
+    if last:
+        stage_pattern += pattern[-1:] * spec.mtp_num_layers
     dense = expert = 0.0
-    for is_moe in stage:
+    for is_moe in stage_pattern:
         d, e = layer_params(spec, tp, ep, is_moe)
         dense, expert = dense + d, expert + e
-    table = spec.padded_vocab(tp) * spec.hidden_size / tp
+    table = spec.padded_vocab(tp) * h / tp
     if first:
-        dense += table + (spec.seq_length * spec.hidden_size if spec.learned_positions else 0)
+        dense += table + (spec.seq_length * h if spec.learned_positions else 0)
     if last:
-        dense += 2 * spec.hidden_size  # final norm
-        if spec.untie_embeddings_and_output_weights or not first:
-            dense += table
+        dense += spec.norm_params  # final norm
+        dense += spec.mtp_num_layers * (3 * spec.norm_params + 2 * h * h / tp)  # MTP: enorm, hnorm, final norm; eh_proj
+        untied = spec.untie_embeddings_and_output_weights
+        # the output layer; without the first stage a copy of the embedding (the tied output layer, MTP's input)
+        dense += table * (untied + (not first and (not untied or spec.mtp_num_layers > 0)))
     return dense, expert
+
+
+def active_params(spec: ModelSpec) -> float:
+    """Parameters one token uses in one process (MoE layers: router, top-k and shared experts);
+    the MTP layers not counted (``dataclasses.replace(spec, mtp_num_layers=0)`` otherwise)."""
+    dense, expert = stage_params(replace(spec, mtp_num_layers=0), 1, 1, 1, True, True)
+    routed = sum(_moe_pattern(spec)) * (spec.num_experts or 0) * _mlp_params(spec, spec.moe_ffn_hidden_size)
+    active = sum(_moe_pattern(spec)) * spec.moe_router_topk * _mlp_params(spec, spec.moe_ffn_hidden_size)
+    return dense + expert - routed + active

@@ -19,14 +19,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _pp_choices(num_layers: int) -> list[int]:
+    """The divisors of the layer count, and the powers of two below it (their first and last stages
+    smaller, when that splits: :func:`~.model.stage_layers`)."""
+    powers = [2**i for i in range(1, num_layers.bit_length()) if num_layers % 2**i]
+    return sorted(set(_divisors(num_layers) + powers))
+
+
 def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None):
-    """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP of the
-    layer count, CP a power of two, EP a divisor of the experts, the rest from the choices above.
+    """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
+    divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
+    EP a divisor of the experts, the rest from the choices above.
     ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) keeps only the layouts with those values."""
     fixed = fixed or {}
     tps = _divisors(min(cluster.gpus_per_node, cluster.gpus))
     eps = _divisors(spec.num_experts) if spec.is_moe else [1]
-    for t, p, cp in product(tps, _divisors(spec.num_layers), CP_CHOICES):
+    for t, p, cp in product(tps, _pp_choices(spec.num_layers), CP_CHOICES):
         if cluster.gpus % (t * p * cp):
             continue
         dp = cluster.gpus // (t * p * cp)

@@ -4,12 +4,18 @@ Each transfer is priced by :func:`megatron_lite.perf.comm_volume.ring_bytes` (th
 ``--log-comm-volume`` counter uses). Activations are 16-bit (:data:`ACT_BYTES`), gradients fp32,
 weights gathered in 16 bits. ``lay`` is a :class:`~.estimate.Layout`, ``m`` the micro-batches per
 step of one pipeline, s = seq/CP the tokens a rank holds, b the micro-batch, t = TP, c = CP.
-Under full recomputation the recomputed forward repeats the forward's traffic.
+Under full recomputation the recomputed forward repeats the forward's traffic. Per-layer traffic is
+counted for the busiest pipeline stage (:func:`stage_layer_counts`: the most layers, the MTP
+layers counted on the last stage, and the most MoE layers).
 
 * TP: per layer and micro-batch two all-reduces of ``b s h`` forward and two backward (with
-  sequence parallelism the same bytes as all-gathers + reduce-scatters).
+  sequence parallelism the same bytes as all-gathers + reduce-scatters). Multi-latent attention
+  replaces the backward all-reduce at the attention's input by one of what its column-parallel
+  projections read, ``b s (rq + rkv + dr)`` (``h`` for ``rq`` without q compression): the q and kv
+  latents and the shared rotary key (under SP: all-gathered forward, reduce-scattered backward).
 * CP (ring, ``p2p``): the K/V buffer ``2 b (g/t) s d`` travels c-1 hops forward; backward c-1
-  hops again plus c hops of its gradient.
+  hops again plus c hops of its gradient. MLA's buffer holds every head's expanded key and value,
+  ``b (a/t) s (dn + dr + dv)``.
 * EP (all-to-all dispatcher, uniform routing): the ``k b s / t`` routed slots of a rank's tokens,
   (e-1)/e of them to other ranks, go out and come back (dispatch, combine), forward and backward.
 * PP: per micro-batch and model chunk the activation ``b s h / t`` forward and its gradient back.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from ...moe.config import parse_moe_layer_freq
 from ..comm_volume import ring_bytes
+from .model import stage_layers
 
 ACT_BYTES = 2
 
@@ -31,29 +38,54 @@ def _passes(lay) -> int:
     return 3 if lay.recompute == "full" else 2
 
 
+def stage_layer_counts(spec, pp: int) -> tuple[int, int]:
+    """(layers, MoE layers) of the busiest pipeline stage, each maximised over the stages."""
+    counts = stage_layers(spec, pp)
+    pattern = parse_moe_layer_freq(spec.moe_layer_freq, spec.num_layers) if spec.is_moe else [False] * spec.num_layers
+    mtp = spec.mtp_num_layers
+    layers, moe, start = 0, 0, 0
+    for i, n in enumerate(counts):
+        kinds = pattern[start:start + n] + (pattern[-1:] * mtp if i == pp - 1 else [])
+        layers, moe, start = max(layers, len(kinds)), max(moe, sum(kinds)), start + n
+    return layers, moe
+
+
+def _attention_input(spec) -> int:
+    """Per token, what the attention's column-parallel projections read (all-reduced in backward)."""
+    if not spec.multi_latent_attention:
+        return spec.hidden_size
+    q = spec.hidden_size if spec.q_lora_rank is None else spec.q_lora_rank
+    return q + spec.kv_lora_rank + spec.qk_pos_emb_head_dim
+
+
 def tp_bytes(spec, lay, m: int) -> float:
     if lay.tp == 1:
         return 0.0
-    n = lay.micro_batch * (spec.seq_length // lay.cp) * spec.hidden_size * ACT_BYTES
-    per_layer = 2 * _passes(lay) * ring_bytes("all_reduce", n, lay.tp)
-    return float(per_layer * spec.num_layers // lay.pp * m)
+    tokens = lay.micro_batch * (spec.seq_length // lay.cp) * ACT_BYTES
+    hidden = ring_bytes("all_reduce", tokens * spec.hidden_size, lay.tp)
+    attention_in = ring_bytes("all_reduce", tokens * _attention_input(spec), lay.tp)
+    per_layer = (_passes(lay) - 1) * 2 * hidden + hidden + attention_in
+    return float(per_layer * stage_layer_counts(spec, lay.pp)[0] * m)
 
 
 def cp_bytes(spec, lay, m: int) -> float:
     c = lay.cp
     if c == 1:
         return 0.0
-    kv_heads = max(spec.num_query_groups // lay.tp, 1)
-    kv = 2 * lay.micro_batch * kv_heads * (spec.seq_length // c) * spec.kv_channels * ACT_BYTES
+    if spec.multi_latent_attention:
+        per_token = (spec.num_attention_heads // lay.tp) * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
+    else:
+        per_token = 2 * max(spec.num_query_groups // lay.tp, 1) * spec.kv_channels
+    kv = lay.micro_batch * (spec.seq_length // c) * per_token * ACT_BYTES
     hops = (c - 1) * (_passes(lay) - 1) + (c - 1) + c
-    return float(hops * ring_bytes("send", kv, c) * spec.num_layers // lay.pp * m)
+    return float(hops * ring_bytes("send", kv, c) * stage_layer_counts(spec, lay.pp)[0] * m)
 
 
 def ep_bytes(spec, lay, m: int) -> float:
     e = lay.ep
     if e == 1 or not spec.is_moe:
         return 0.0
-    moe_layers = sum(parse_moe_layer_freq(spec.moe_layer_freq, spec.num_layers)) / lay.pp
+    moe_layers = stage_layer_counts(spec, lay.pp)[1]
     slots = spec.moe_router_topk * lay.micro_batch * spec.seq_length // (lay.cp * lay.tp)
     one_way = ring_bytes("all_to_all", slots * spec.hidden_size * ACT_BYTES, e) * (e - 1) / e
     return float(2 * _passes(lay) * one_way * moe_layers * m)
