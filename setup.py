@@ -9,7 +9,10 @@ setup(
     # CI pins torch==2.13.0 (installed first by .ci/run); the code needs 2.5+ (SDPA with enable_gqa).
     install_requires=["torch>=2.5", "numpy", "regex", "sentencepiece", "tensorboard", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb", "transformers", "safetensors", "peft"],
+        # lm-eval[hf] (~240 MB with its dependencies: datasets, pandas, scikit-learn, accelerate ...) lets
+        # CI compare our lm-eval backend with lm-eval's own hf backend.
+        "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb", "transformers", "safetensors",
+                 "peft", "flask", "httpx", "lm-eval[hf]"],
         # Hugging Face tokenizers, and checkpoint export/import (tools/checkpoint/convert.py --loader/--saver hf)
         "hf": ["tokenizers", "safetensors", "transformers"],
         # Compiled GPT-2 BPE for GPT-2's own vocabulary (megatron_lite/data/gpt2_fast.py); the
@@ -20,6 +23,10 @@ setup(
         # --wandb-project (megatron_lite/training/writers.py); WANDB_MODE=offline needs no network.
         "wandb": ["wandb"],
         "bench": ["transformers"],
+        # tools/run_text_generation_server.py (Flask; Jinja2 renders chat templates).
+        "serve": ["flask"],
+        # lm-evaluation-harness with the megatron_lite model backend (tools/run_lm_eval.py).
+        "eval": ["lm-eval"],
         # Optional GPU accelerators, detected at run time (see megatron_lite/device.py).
         # NVIDIA apex is source-only; the PyPI package named "apex" is unrelated: never install it.
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import glob
+import inspect
 import io
 import os
 import re
@@ -190,9 +191,13 @@ def _capture_parser():
 
 
 @functools.cache
-def tool_parser(script: str) -> argparse.ArgumentParser:
-    """The argparse parser a tool's ``main`` builds (caught at its parse_args: nothing else runs)."""
+def tool_parser(script: str) -> argparse.ArgumentParser | None:
+    """The argparse parser a tool's ``main`` builds (caught at its parse_args: nothing else runs), or
+    None for a tool whose ``main`` takes no arguments (a wrapper handing sys.argv to another program's
+    command line, such as tools/run_lm_eval.py: only its paths are checked)."""
     main = runpy.run_path(os.path.join(ROOT, script), run_name="doc_check")["main"]
+    if not inspect.signature(main).parameters:
+        return None
     with _capture_parser():
         try:
             main([])
@@ -217,6 +222,8 @@ def check_flags(script: str, args: list[str], world: int, placeholders: bool) ->
     """'' if the command's flags are valid; else what is wrong. Returns quickly: no model is built."""
     name = os.path.basename(script)
     parser = training_parser(script) if name in TRAINING_SCRIPTS else tool_parser(script)
+    if parser is None:
+        return ""
     unknown = [f for f in flag_names(args) if f not in parser._option_string_actions]  # abbreviations too
     if unknown or placeholders:
         return f"{script}: unknown flags {unknown}" if unknown else ""

@@ -23,10 +23,11 @@ from megatron_lite.parallel.document_mask import document_allowed, is_document_i
 WINDOW = 8
 
 
-def too_far(s: int, window: int, causal: bool, device=None) -> torch.Tensor:
-    """Bool ``[s, s]``, True where query i may NOT attend key j: j > i (causal) or |i - j| >= window."""
-    i = torch.arange(s, device=device)
-    distance = i[:, None] - i[None, :]
+def too_far(sq: int, sk: int, window: int, causal: bool, device=None) -> torch.Tensor:
+    """Bool ``[sq, sk]``, True where query i may NOT attend key j: j after i (causal) or |i - j| >= window.
+    The queries are the last ``sq`` of the ``sk`` positions (generation with a key/value cache)."""
+    i = torch.arange(sq, device=device) + (sk - sq)
+    distance = i[:, None] - torch.arange(sk, device=device)[None, :]
     out = distance.abs() >= window
     return out | (distance < 0) if causal else out
 
@@ -39,7 +40,7 @@ class SlidingWindowAttention(DotProductAttention):
         self.window = window
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
-        mask = too_far(q.shape[0], self.window, causal, q.device)[None, None]  # [1, 1, s, s]
+        mask = too_far(q.shape[0], k.shape[0], self.window, causal, q.device)[None, None]  # [1, 1, sq, sk]
         if is_document_ids(attention_mask):  # packed documents: stay inside each one as well
             mask = mask | ~document_allowed(attention_mask, attention_mask)
         elif attention_mask is not None:  # bool, True = masked out

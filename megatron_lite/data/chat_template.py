@@ -87,14 +87,18 @@ def check_messages(messages, generation: bool = False) -> None:
         raise ConversationError("no assistant turn (nothing to learn)", "no assistant turn")
 
 
-def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False) -> ChatTokens:
+def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False, template: str | None = None) -> ChatTokens:
     """The tokens of ``messages`` through the tokenizer's chat template (see the module docstring).
 
     Training form (default): the whole conversation plus EOD, with ``trained`` flags. With
     ``add_generation_prompt`` the prompt for the next assistant turn (nothing trained, no EOD).
+    ``template``: a Jinja2 template used instead of the tokenizer's (a server's ``--chat-template``).
     """
     check_messages(messages, generation=add_generation_prompt)
-    template = hf_chat_template(tokenizer)
+    if template is not None:
+        template = (template, special_tokens(tokenizer))
+    else:
+        template = hf_chat_template(tokenizer)
     if template is None:
         out = _default_tokens(tokenizer, messages, add_generation_prompt)
     else:
@@ -162,12 +166,34 @@ def hf_chat_template(tokenizer) -> tuple[str, dict] | None:
                 template = f.read()
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        specials = {}
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            value = config.get(key)
-            specials[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
-        tokenizer._chat_template = (template, specials) if template else None
+        tokenizer._chat_template = (template, _specials(config)) if template else None
     return tokenizer._chat_template
+
+
+def _specials(config: dict) -> dict:
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(key)
+        out[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
+    return out
+
+
+def special_tokens(tokenizer) -> dict:
+    """The special-token strings a template may use (``bos_token``, ``eos_token``, ...): a Hugging
+    Face tokenizer's ``tokenizer_config.json`` entries, else empty strings."""
+    path = getattr(tokenizer, "path", None)
+    config = _tokenizer_config(os.path.dirname(os.path.abspath(path))) if hasattr(tokenizer, "hf") and path else {}
+    return _specials(config)
+
+
+def compile_template(template: str) -> None:
+    """Raise :class:`ConversationError` with jinja's reason if ``template`` does not parse."""
+    import jinja2
+
+    try:
+        _compile(template)
+    except jinja2.TemplateError as err:
+        raise ConversationError(f"the chat template does not parse: {err}", "chat template") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -193,6 +219,9 @@ def _render(template, messages, add_generation_prompt: bool) -> str:
 
 def _template_tokens(tokenizer, template, messages, add_generation_prompt: bool) -> ChatTokens:
     text = _render(template, messages, add_generation_prompt)
+    if add_generation_prompt:  # nothing trained: any tokenizer (no offsets needed)
+        ids = encode(tokenizer, text)
+        return ChatTokens(ids, [False] * len(ids))
     spans = []
     if not add_generation_prompt:
         for i, m in enumerate(messages):

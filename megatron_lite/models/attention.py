@@ -32,6 +32,7 @@ from torch import nn
 
 from ..device import detect_accelerators
 from ..fusions.jit import jit_fuser
+from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
@@ -70,7 +71,9 @@ class DotProductAttention(nn.Module):
     with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
     value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
     None, bool ``[b, 1, sq, sk]`` (True = masked out) or int document ids ``[b, s]``. ``scale`` is
-    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one).
+    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one). Keys and values
+    may be longer than the queries (decoding with a key/value cache): causal attention is then
+    bottom-right aligned, the queries being the last ``s`` positions.
     """
 
     def __init__(self, config, state, layer_number: int):
@@ -109,6 +112,8 @@ class DotProductAttention(nn.Module):
             mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
         else:
             mask = None if attention_mask is None else ~attention_mask
+        if causal and mask is None and k.shape[2] != s:  # SDPA's is_causal is top-left aligned
+            mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
         if not self.fused_softmax:
             return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
@@ -132,8 +137,8 @@ class DotProductAttention(nn.Module):
 
 def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
     """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
-    ``q [b, nq, s, d]``, ``k, v [b, nkv, s, d]``; returns ``[s, b, nq * d]``."""
-    b, nq, s, d = q.shape
+    ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``."""
+    b, nq, s, dv = *q.shape[:3], v.shape[-1]
     if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
         k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -143,7 +148,7 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
         above = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
     probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * d)
+    return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
 
 class SelfAttention(nn.Module):
@@ -161,6 +166,7 @@ class SelfAttention(nn.Module):
         self.local_groups = groups // tp
         self.selective_recompute = config.recompute_granularity == "selective"
         self.tracker = state.rng_tracker
+        self.layer_number = layer_number
         qkv_size = (heads + 2 * groups) * self.head_dim
         self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
         self.core_attention = core_attention(config, state, layer_number)
@@ -168,9 +174,13 @@ class SelfAttention(nn.Module):
                                       skip_bias_add=config.bias_dropout_fusion)
         self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
 
-    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
+    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the
-        bias left to the layer); ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None."""
+        bias left to the layer); ``rotary`` is (cos, sin) ``[s, b, 1, d]`` or None.
+
+        With ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`) the new tokens' keys
+        and values (this rank's key/value heads only) are appended to the cache and the queries
+        attend over everything cached."""
         qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -180,6 +190,8 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if inference_context is not None:
+            k, v = inference_context.append(self.layer_number, k, v)
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:

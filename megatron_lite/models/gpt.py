@@ -39,8 +39,8 @@ class GPTModel(LanguageModel):
             self._build_output_layer(bias=False)
         self._mark_shared_weight()
 
-    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, *, mtp_tokens=None,
-                mtp_labels=None):
+    def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, inference_context=None, *,
+                mtp_tokens=None, mtp_labels=None):
         """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool
         ``[b, 1, s, s]`` or int document ids ``[b, s]``.
 
@@ -52,10 +52,17 @@ class GPTModel(LanguageModel):
         Multi-token prediction runs when the model has it and ``labels``, ``mtp_tokens`` and
         ``mtp_labels`` (``[D, b, s]``, from :func:`~megatron_lite.models.mtp.mtp_targets`) are given:
         the per-token losses are then stacked ``[1 + D, b, s]`` (row 0 the main loss, row k depth k).
+
+        ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`): ``tokens`` are the next
+        tokens after the ``inference_context.sequence_offset`` cached ones; missing ``position_ids``
+        continue from there. The caller advances the cache after the forward pass. Generation runs
+        the main head only (multi-token prediction needs labels).
         """
+        if inference_context is not None and position_ids is None:
+            position_ids = self._cached_positions(tokens, inference_context)
         hidden = self._input_hidden(tokens, position_ids)
         rotary = self._rotary(hidden, position_ids)
-        hidden = self.decoder(hidden, attention_mask, rotary)
+        hidden = self.decoder(hidden, attention_mask, rotary, inference_context=inference_context)
         if not self.post_process:
             return hidden
         loss = self._lm_output(self._logits(hidden), labels)

@@ -129,6 +129,14 @@ class LanguageModel(nn.Module):
             position_ids = self._cp_position_ids(tokens.shape[0], tokens.shape[1], tokens.device)
         return self.embedding(tokens, None if self.use_rope else position_ids, tokentype_ids)
 
+    def _cached_positions(self, tokens, inference_context) -> torch.Tensor:
+        """Positions ``[b, s]`` of new tokens after the ``sequence_offset`` cached ones (on any stage:
+        ``tokens`` is the input ids on the first, the hidden states ``[s, b, h]`` on later ones)."""
+        ref = tokens if self.pre_process else self.input_tensor
+        b, s = ref.shape if self.pre_process else ref.shape[1::-1]
+        start = inference_context.sequence_offset
+        return torch.arange(start, start + s, device=ref.device).unsqueeze(0).expand(b, -1)
+
     def _rotary(self, hidden, position_ids=None):
         """(cos, sin) tables for the full sequence of ``hidden [s(/tp), b, h]``, or None without rope
         (MLA's rotary part, YaRN-scaled with ``--rope-type yarn``: :mod:`~megatron_lite.models.yarn`)."""

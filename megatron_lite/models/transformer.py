@@ -58,13 +58,16 @@ class TransformerLayer(nn.Module):
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.compiled_forward = None  # set by compile_layers
 
-    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        if self.compiled_forward is not None:  # --torch-compile: one compiled function for every layer
-            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)
-        return self._forward(hidden, attention_mask, rotary, causal)
+    def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
+        if self.compiled_forward is not None and inference_context is None:  # --torch-compile: one compiled
+            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)  # function for every layer
+        return self._forward(hidden, attention_mask, rotary, causal, inference_context)
 
-    def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True):
-        attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal)
+    def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
+        """``inference_context``: the key/value cache of decoding, for attention (runs eagerly: its
+        lengths change every step)."""
+        attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal,
+                                   inference_context=inference_context)
         hidden = self._residual(attn, hidden)
         return self._residual(self.mlp(self.pre_mlp_norm(hidden)), hidden)
 
@@ -103,18 +106,23 @@ class TransformerBlock(nn.Module):
         )
         self.final_norm = Norm.from_config(config) if post_process else None
 
-    def _run(self, start: int, end: int):
+    def _run(self, start: int, end: int, inference_context=None):
         """A function running local layers [start, end), for checkpoint (tensors as arguments)."""
 
         def run(hidden, attention_mask, cos, sin):
             rotary = None if cos is None else (cos, sin)
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, attention_mask, rotary, self.causal)
+                hidden = layer(hidden, attention_mask, rotary, self.causal, inference_context=inference_context)
             return hidden
 
         return run
 
-    def forward(self, hidden, attention_mask=None, rotary=None):
+    def forward(self, hidden, attention_mask=None, rotary=None, inference_context=None):
+        """``inference_context``: the key/value cache of incremental decoding (passed to every
+        layer's attention), or None."""
+        if inference_context is not None:
+            hidden = self._run(0, len(self.layers), inference_context)(hidden, attention_mask, *(rotary or (None, None)))
+            return hidden if self.final_norm is None else self.final_norm(hidden)
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
         full = self.full_recompute and torch.is_grad_enabled()

@@ -204,6 +204,8 @@ def _load_generate_tool():
 @pytest.mark.parametrize("variant", ["A", "B"])
 def test_tp2_checkpoint_loads_at_tp1_and_generates_the_same(variant, tmp_path, capsys):
     from megatron_lite.checkpoint import load_gpt_checkpoint
+    from megatron_lite.inference.engine import InferenceEngine
+    from megatron_lite.inference.sampling import SamplingParams
 
     root = str(tmp_path / "ckpt")
     tokens_tp, logits_tp = run_ranks(2, check_save_and_greedy, 2, variant, root)[0]
@@ -211,10 +213,12 @@ def test_tp2_checkpoint_loads_at_tp1_and_generates_the_same(variant, tmp_path, c
     serial = build_gpt(make_config(variant), ParallelState(), seed=21)
     for name, tensor in serial.state_dict().items():  # merged weights == the single-process init, exactly
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-    gen = _load_generate_tool()
-    torch.testing.assert_close(gen.next_token_logits(model, PROMPT, 100, 16), logits_tp, rtol=1e-5, atol=1e-6)
-    tokens = gen.generate(model, PROMPT, NEW_TOKENS, vocab_size=100, limit=16, temperature=0.0)
+    engine = InferenceEngine(model, vocab_size=100, max_sequence_length=16)
+    torch.testing.assert_close(engine.forward(torch.tensor([PROMPT]))[0, -1], logits_tp, rtol=1e-5, atol=1e-6)
+    greedy = SamplingParams(tokens_to_generate=NEW_TOKENS, top_k=1, stop_on_eod=False)
+    tokens = engine.generate([PROMPT], greedy)[0].generated
     assert tokens == tokens_tp
+    gen = _load_generate_tool()
 
     # the command line, with the NullTokenizer (text = space-separated ids)
     base = ["--load", root, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",

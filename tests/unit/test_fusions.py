@@ -112,11 +112,12 @@ def test_bias_dropout_add_is_residual_plus_dropout(jit_mode, training, prob):
         assert abs(kept - (1 - prob)) < 0.1
 
 
-@pytest.mark.parametrize("mask", ["causal", "explicit", "gqa"])
+@pytest.mark.parametrize("mask", ["causal", "explicit", "gqa", "value_head_size"])
 def test_unfused_attention_equals_sdpa(mask):
     b, s, d = 2, 12, 8
+    dv = 6 if mask == "value_head_size" else d  # MLA: values narrower than queries and keys
     nq, nkv = (4, 2) if mask == "gqa" else (4, 4)
-    q, k, v = torch.randn(b, nq, s, d), torch.randn(b, nkv, s, d), torch.randn(b, nkv, s, d)
+    q, k, v = torch.randn(b, nq, s, d), torch.randn(b, nkv, s, d), torch.randn(b, nkv, s, dv)
     explicit = torch.rand(b, 1, s, s) > 0.7 if mask == "explicit" else None
     if explicit is not None:
         explicit[..., 0] = False  # every query sees at least one key
@@ -125,7 +126,7 @@ def test_unfused_attention_equals_sdpa(mask):
     def ref_fn(q, k, v):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if explicit is None else ~explicit,
                                              is_causal=explicit is None, scale=scale, enable_gqa=nq != nkv)
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
     out, grads = _grads(lambda q, k, v: unfused_attention(q, k, v, explicit, True, 0.0, scale), q, k, v)
     ref, ref_grads = _grads(ref_fn, q, k, v)

@@ -1,0 +1,193 @@
+"""OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Completions fields: ``prompt`` (a string, a list of strings, a list of token ids or a list of such
+lists; required), ``max_tokens`` (16), ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0: no
+filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: the chosen token's
+log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
+log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
+and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted. Chat completions
+take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
+``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name.
+A field that would change the result but is not implemented (penalties, ``logit_bias``,
+``n > 1``, ``stream``) is refused with HTTP 400, never ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .api_megatron import continuation_text
+from .chat import chat_prompt
+from .engine import Generation
+from .fields import RequestError, check_fields, get_bool, get_int, get_number
+from .sampling import SamplingParams
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
+          "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+UNSUPPORTED = {"suffix": "suffix (insertion) is not supported; drop it",
+               "tools": "tools (function calling) are not supported; drop them",
+               "response_format": "response_format is not supported; drop it"}
+
+
+@dataclass
+class OpenAIJob:
+    texts: list[str]
+    prompts: list[list[int]]
+    params: SamplingParams
+    echo: bool = False
+    logprobs: int | None = None
+    stops: list[str] = field(default_factory=list)
+    chat: bool = False
+
+
+def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
+    for name in ("n", "best_of"):
+        if get_int(body, name, 1) != 1:
+            raise RequestError(f"{name} must be 1: one completion per prompt")
+    if get_bool(body, "stream", False):
+        raise RequestError("stream=true is not supported; ask without streaming")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get_number(body, name, 0.0) != 0.0:
+            raise RequestError(f"{name} is not supported; leave it 0")
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported; drop it")
+    temperature = get_number(body, "temperature", 1.0, low=0.0, high=100.0)
+    top_p = get_number(body, "top_p", 1.0, low=0.0, high=1.0)
+    top_k = get_int(body, "top_k", 0, low=-1, high=1000)
+    top_k = max(top_k, 0)
+    if top_k > 0 and top_p < 1.0:
+        raise RequestError("cannot set both top_k and top_p (< 1); use one of them")
+    seed = get_int(body, "seed", None, low=0)
+    greedy = temperature == 0.0
+    return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
+                          top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
+                          random_seed=seed, top_n_logprobs=top_n)
+
+
+def _stops(body) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise RequestError("stop must be a non-empty string or a list of up to 4 of them")
+    return stops
+
+
+def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
+    if "prompt" not in body:
+        raise RequestError("prompt is required")
+    prompt = body["prompt"]
+    is_ids = lambda x: isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)  # noqa: E731
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of those")
+    if len(items) > 128:
+        raise RequestError(f"at most 128 prompts per request, got {len(items)}")
+    ids = [tokenizer.tokenize(p) if isinstance(p, str) else list(p) for p in items]
+    if any(not i for i in ids):
+        raise RequestError("a prompt is empty (it needs at least one token)")
+    if any(t < 0 or t >= tokenizer.vocab_size for i in ids for t in i):
+        raise RequestError(f"a prompt token id is outside the vocabulary [0, {tokenizer.vocab_size})")
+    return [p if isinstance(p, str) else tokenizer.detokenize(p) for p in items], ids
+
+
+def parse_completion(body, tokenizer) -> OpenAIJob:
+    check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
+    texts, prompts = _prompt(body, tokenizer)
+    max_tokens = get_int(body, "max_tokens", 16, low=0)
+    logprobs = get_int(body, "logprobs", None, low=0, high=20)
+    echo = get_bool(body, "echo", False)
+    if max_tokens == 0 and not echo:
+        raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
+    return OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
+
+
+def parse_chat(body, tokenizer, template: str | None = None) -> OpenAIJob:
+    """``template``: the server's ``--chat-template`` (None: the tokenizer's, see inference/chat.py)."""
+    check_fields(body, CHAT_FIELDS, UNSUPPORTED)
+    prompt = chat_prompt(tokenizer, body.get("messages"), template)
+    text = tokenizer.detokenize(prompt)
+    limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = get_int(body, limit, 256, low=1)
+    top = get_int(body, "top_logprobs", 0, low=0, high=20)
+    logprobs = get_bool(body, "logprobs", False)
+    if top and not logprobs:
+        raise RequestError("top_logprobs needs logprobs=true")
+    job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top), False, top if logprobs else None, _stops(body))
+    job.chat = True
+    return job
+
+
+def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    cuts = [text.find(s) for s in stops if s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def _logprobs(result, tokenizer, echo: bool, start_offset: int, end: int, chat: bool) -> dict:
+    """OpenAI's logprobs object of the tokens ``[first, end)`` (first: 0 with echo, else the first new one)."""
+    first = 0 if echo else result.prompt_length
+    tokens = result.tokens[first:end]
+    strings = [tokenizer.detokenize([t]) for t in tokens]
+    values = [None if i == 0 else result.log_probs[i - 1] for i in range(first, end)]
+    tops = None
+    if result.top_log_probs is not None:
+        tops = [None if i == 0 else {tokenizer.detokenize([t]): v for t, v in result.top_log_probs[i - 1]}
+                for i in range(first, end)]
+    if chat:
+        return {"content": [{"token": s, "logprob": v, "top_logprobs": [
+            {"token": k, "logprob": p} for k, p in (tops[j] or {}).items()] if tops else []}
+            for j, (s, v) in enumerate(zip(strings, values))]}
+    offsets, pos = [], start_offset
+    for s in strings:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prefix(result, end: int):
+    """``result`` cut to its first ``end`` tokens (for decoding a part of the generated text)."""
+    return Generation(result.tokens[:end], result.prompt_length, result.log_probs[:end - 1])
+
+
+def _choice(job: OpenAIJob, index: int, result, tokenizer) -> dict:
+    text, stopped = _cut(continuation_text(tokenizer, result), job.stops)
+    end = result.prompt_length  # keep the log-probs of the generated tokens whose text lies before the cut
+    while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
+        end += 1
+    reason = "stop" if stopped or result.finish_reason == "stop" else "length"
+    prefix = job.texts[index] if job.echo else ""
+    choice = {"index": index, "finish_reason": reason}
+    if job.logprobs is not None:
+        choice["logprobs"] = _logprobs(result, tokenizer, job.echo, 0, end if stopped else len(result.tokens),
+                                       job.chat)
+    else:
+        choice["logprobs"] = None
+    if job.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = prefix + text
+    return choice
+
+
+def openai_response(job: OpenAIJob, results, tokenizer, model_name: str) -> dict:
+    prompt_tokens = sum(r.prompt_length for r in results)
+    completion_tokens = sum(len(r.generated) for r in results)
+    return {
+        "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [_choice(job, i, r, tokenizer) for i, r in enumerate(results)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

@@ -1,0 +1,218 @@
+"""The static-batch inference engine: prefill, then one token per step with a key/value cache.
+
+A batch of prompts of different lengths runs as Megatron's static batch: the first forward pass
+(the *prefill*) covers the shortest prompt, then every step feeds one token per sequence - the
+next prompt token where a sequence still has prompt left (teacher forcing), else the token just
+sampled - so every sequence has the same length at every step and no padding mask is needed. A
+sequence ends at the end-of-document token (or another stop token), or after
+``tokens_to_generate`` new tokens; the batch ends when every sequence has. Each step's keys and
+values are appended to the :class:`~megatron_lite.inference.kv_cache.KVCache`, so a step costs
+one token's work; ``use_cache=False`` recomputes the whole prefix instead (the reference the
+tests and the benchmark compare with).
+
+Parallel layouts (one model replica over ``TP x PP`` ranks, every rank calling ``generate`` with
+the same prompts): under tensor parallelism each rank runs its own heads and the vocabulary-split
+logits are all-gathered; under pipeline parallelism each stage receives the previous stage's
+hidden states, runs its layers with its own part of the cache and passes them on. The last stage
+(its TP rank 0) samples, and the chosen tokens are broadcast to every rank, which feed them to the
+first stage at the next step; the log-probs are broadcast once at the end.
+
+Log-probs: ``log_probs[i]`` is ``log p(tokens[i + 1] | tokens[:i + 1])`` for every position of
+the prompt and of the generated text (``len(tokens) - 1`` values), from the fp32 log-softmax over
+the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import _all_gather
+from ..parallel.pipeline.p2p import PipeComm
+from ..parallel.state import ParallelState
+from .kv_cache import KVCache
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class Generation:
+    """One sequence's result."""
+
+    tokens: list[int]
+    """The prompt followed by the generated tokens (a stop token included)."""
+    prompt_length: int
+    log_probs: list[float]
+    """``log p(tokens[i + 1] | tokens[:i + 1])``, ``len(tokens) - 1`` values."""
+    finish_reason: str = "length"
+    """``stop`` (a stop token ended it) or ``length``."""
+    top_log_probs: list[list[tuple[int, float]]] | None = None
+    """Per position of ``log_probs``: the most likely ``(token, log-prob)`` pairs, best first."""
+    greedy: list[bool] | None = None
+    """Per position of ``log_probs``: whether the next token is the argmax (scoring only)."""
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_length:]
+
+
+class InferenceEngine:
+    """Generation and scoring with one model replica over ``state``'s TP x PP ranks.
+
+    ``model`` is this rank's pipeline chunk (:func:`~megatron_lite.inference.loading.load_model`).
+    ``vocab_size`` is the real vocabulary (logits of the padded rows are never used),
+    ``max_sequence_length`` the longest prompt + generation allowed, ``eod`` the end-of-document
+    token (None: no stop at end of document), ``seed`` the sampling generator's seed.
+    """
+
+    def __init__(self, model, state: ParallelState | None = None, *, vocab_size: int, max_sequence_length: int,
+                 eod: int | None = None, seed: int = 1234, use_cache: bool = True):
+        self.model = model.eval()
+        self.state = state if state is not None else ParallelState(world_size=1, rank=0)
+        self.vocab_size, self.max_sequence_length = int(vocab_size), int(max_sequence_length)
+        self.eod, self.use_cache = eod, use_cache
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.hidden_size = model.config.hidden_size
+        s = self.state
+        self.src = s.grid.rank_of(pp=s.pp_size - 1, tp=0)  # samples and broadcasts
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.timings: dict[str, float] = {}
+
+    # -- one forward pass over the pipeline ------------------------------------------------------
+    @property
+    def is_src(self) -> bool:
+        return self.state.rank == self.src
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
+        """Logits ``[b, s, vocab_size]`` (fp32, every vocabulary entry) of ``tokens [b, s]`` on the
+        last pipeline stage, None on the others. With ``cache``, ``tokens`` follow the cached ones."""
+        s, b = tokens.shape[1], tokens.shape[0]
+        state = self.state
+        comm = PipeComm(state, (s, b, self.hidden_size), self.dtype) if state.pp_size > 1 else None
+        if not state.is_first_stage():
+            self.model.set_input_tensor(comm.recv_forward())
+        out = self.model(tokens, inference_context=cache)
+        if not state.is_last_stage():
+            comm.send_forward(out)
+            return None
+        logits = _all_gather(out, -1, state.tp_group)  # [b, s, padded vocab]
+        return logits[..., :self.vocab_size].float()
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the sampling rank holds it, on every rank."""
+        if self.state.world_size > 1:
+            dist.broadcast(tensor, self.src)
+        return tensor
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def score(self, sequences: list[list[int]], top_n: int = 0) -> list[Generation]:
+        """Log-probs (and greedy flags, and the ``top_n`` best tokens) of every token of each sequence
+        given the ones before it: one forward pass over all but the last token, no generation (so a
+        sequence may be one token longer than ``max_sequence_length``)."""
+        _check_prompts(sequences, self.max_sequence_length + 1)
+        b, total = len(sequences), max(len(t) for t in sequences)
+        tokens = _pad(sequences, total, self.device)
+        values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
+        logits = self.forward(tokens[:, :-1]) if total > 1 else None
+        if logits is not None:
+            values = _position_stats(logits, tokens[:, 1:], top_n)
+        values = self._broadcast(values.contiguous()).cpu()
+        return [_result(seq, len(seq), values[i, :len(seq) - 1], top_n, "length", greedy=True)
+                for i, seq in enumerate(sequences)]
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Generation]:
+        """Continue every prompt (token ids, at least one each); see the module docstring."""
+        params = params if params is not None else SamplingParams()
+        params.check()
+        n = params.tokens_to_generate
+        _check_prompts(prompts, self.max_sequence_length, n)
+        if n == 0:
+            return self.score(prompts, params.top_n_logprobs)
+        if params.random_seed is not None:
+            self.generator.manual_seed(params.random_seed)
+        b = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        total = int(lengths.max()) + n
+        tokens = _pad(prompts, total, self.device)
+        stop_ids = set(params.stop_token_ids) | ({self.eod} if params.stop_on_eod and self.eod is not None else set())
+        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
+        top_n = params.top_n_logprobs
+        values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
+        ends = lengths + n  # exclusive end of each sequence, lowered when it stops
+        stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
+        cache = KVCache(b, total) if self.use_cache else None
+        prev, t0 = 0, time.perf_counter()
+        for cur in range(int(lengths.min()), total):
+            logits = self.forward(tokens[:, prev:cur] if cache is not None else tokens[:, :cur], cache)
+            if cache is not None:
+                cache.advance(cur - prev)
+            new = torch.zeros(b, dtype=torch.long, device=self.device)
+            if self.is_src:
+                new = torch.where(cur < lengths, tokens[:, cur], sample(logits[:, -1], params, self.generator))
+            new = self._broadcast(new)
+            finished = cur >= ends
+            tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
+            if logits is not None:
+                values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n)
+            stop_here = ~finished & (cur >= lengths) & torch.isin(new, stops)
+            stopped |= stop_here
+            ends = torch.where(stop_here, cur + 1, ends)
+            done = bool((cur + 1 >= ends).all())  # (waits for the device: the timings below are complete)
+            if prev == 0:
+                self.timings["prefill_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            prev = cur
+            if done:
+                break
+        self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=cur - int(lengths.min()))
+        values = self._broadcast(values.contiguous()).cpu()
+        tokens, ends = tokens.cpu(), ends.tolist()
+        return [_result(tokens[i, :ends[i]].tolist(), len(prompts[i]), values[i, :ends[i] - 1], top_n,
+                        "stop" if stopped[i] else "length") for i in range(b)]
+
+
+def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:
+    """ValueError (one line) for no prompts, an empty one, or one too long for the model."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty (it needs at least one token, e.g. the end-of-document token)")
+        if len(p) + new_tokens > max_length:
+            extra = f" + {new_tokens} tokens to generate" if new_tokens else ""
+            raise ValueError(f"prompt {i} has {len(p)} tokens{extra}, more than the model's {max_length} "
+                             "(its max-position-embeddings / seq-length)")
+
+
+def _pad(sequences: list[list[int]], total: int, device) -> torch.Tensor:
+    tokens = torch.zeros(len(sequences), total, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        tokens[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return tokens.to(device)
+
+
+def _position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> torch.Tensor:
+    """``[b, s, 2 + 2 top_n]``: the target's log-prob, whether it is the argmax, then the ``top_n``
+    best log-probs and their token ids (as floats: one tensor to broadcast)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, targets.unsqueeze(-1))
+    greedy = (logits.argmax(dim=-1) == targets).unsqueeze(-1).float()
+    parts = [chosen, greedy]
+    if top_n:
+        best = logp.topk(top_n, dim=-1)
+        parts += [best.values, best.indices.float()]
+    return torch.cat(parts, dim=-1)
+
+
+def _result(tokens, prompt_length, values, top_n, finish_reason, greedy=False) -> Generation:
+    top = None
+    if top_n:
+        ids = values[:, 2 + top_n:].long().tolist()
+        top = [list(zip(i, v)) for i, v in zip(ids, values[:, 2:2 + top_n].tolist())]
+    return Generation(list(tokens), prompt_length, values[:, 0].tolist(), finish_reason, top,
+                      [bool(g) for g in values[:, 1].tolist()] if greedy else None)

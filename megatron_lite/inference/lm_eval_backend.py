@@ -1,0 +1,152 @@
+"""An lm-evaluation-harness model backend on the engine: ``--model megatron_lite``.
+
+Importing this module registers the backend with lm-eval (lm-eval has no plugin discovery for
+models, so the import is the registration): ``python tools/run_lm_eval.py --model megatron_lite
+--model_args load=CKPT --tasks ...`` (lm-eval's own command line after that import), or in Python
+``import megatron_lite.inference.lm_eval_backend`` then ``lm_eval.simple_evaluate(model="megatron_lite",
+model_args="load=CKPT")``.
+
+Model arguments: ``load`` (required), ``batch_size`` (16), ``max_length`` (the model's context),
+``max_gen_toks`` (256), ``dtype`` (float32, bfloat16 or float16), ``seed`` (1234), the tokenizer
+overrides ``tokenizer_type``, ``vocab_file``, ``merge_file``, ``tokenizer_model``, ``vocab_size``, and
+``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` under torchrun.
+
+The three request types, as lm-eval's ``hf`` backend computes them (so the numbers match it on an
+exported checkpoint with the same tokenizer):
+
+* ``loglikelihood``: the context and continuation are tokenized together (trailing spaces of the
+  context moved to the continuation; an empty context becomes the end-of-document token), cut on the
+  left to ``max_length + 1`` tokens, and the continuation's log-probs summed; ``is_greedy`` when
+  every continuation token is the argmax;
+* ``loglikelihood_rolling``: the text's tokens in disjoint windows of ``max_length`` (each predicted
+  with as much context as fits, the first from the end-of-document token), log-probs summed;
+* ``generate_until``: greedy (or sampled with ``do_sample`` and a ``temperature``) continuation of
+  the context, cut on the left to ``max_length - max_gen_toks`` tokens, stopped at the
+  end-of-document token and cut before the first ``until`` string.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+try:
+    import lm_eval.models  # noqa: F401 - lm-eval's own backends first: it loads them only into an empty registry
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+except ImportError as err:  # pragma: no cover - the optional extra
+    raise ImportError("the lm-eval backend needs lm-evaluation-harness: pip install megatron_lite[eval]") from err
+from tqdm import tqdm
+
+from .api_megatron import continuation_text
+from .cli import build_session
+from .sampling import SamplingParams
+
+DTYPES = {"float32": (False, False), "bfloat16": (True, False), "float16": (False, True)}
+
+
+def _int(value, default: int) -> int:
+    return default if value in (None, "", "auto") or str(value).startswith("auto") else int(value)
+
+
+@register_model("megatron_lite")
+class MegatronLiteLM(TemplateLM):
+    def __init__(self, load: str, batch_size=16, max_length=None, max_gen_toks=256, dtype="float32", seed=1234,
+                 tensor_model_parallel_size=None, pipeline_model_parallel_size=None, tokenizer_type=None,
+                 vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None, **_ignored_by_lm_eval):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+        bf16, fp16 = DTYPES[dtype]
+        args = argparse.Namespace(
+            load=load, tensor_model_parallel_size=_int(tensor_model_parallel_size, 0) or None,
+            pipeline_model_parallel_size=_int(pipeline_model_parallel_size, 0) or None, bf16=bf16, fp16=fp16,
+            seed=int(seed), max_sequence_length=_int(max_length, 0) or None, no_kv_cache=False,
+            tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
+            tokenizer_model=tokenizer_model, vocab_size=_int(vocab_size, 0) or None)
+        self.session = build_session(args)
+        self.engine, self.tokenizer_ = self.session.engine, self.session.tokenizer
+        self.batch_size = _int(batch_size, 16)
+        self.max_gen_toks = int(max_gen_toks)
+        if self.tokenizer_.eod is None:
+            raise ValueError("the tokenizer has no end-of-document token, which lm-eval uses as the empty context")
+
+    # -- what TemplateLM needs -------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_.eod
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.max_sequence_length
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return self.tokenizer_.tokenize(string)
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer_.detokenize(tokens)
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """``(sum of the continuation's log-probs, whether it is the greedy continuation)`` per request."""
+        items = [((ctx + cont)[-(self.max_length + 1):], len(cont)) for _, ctx, cont in requests]
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))  # similar lengths together
+        out: list = [None] * len(items)
+        bar = tqdm(total=len(items), disable=disable_tqdm, desc="Scoring")
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            scored = self.engine.score([items[i][0] for i in batch])
+            for i, result in zip(batch, scored):
+                n = items[i][1]
+                out[i] = (float(sum(result.log_probs[-n:])), all(result.greedy[-n:]))
+            bar.update(len(batch))
+        bar.close()
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for index, (text,) in enumerate(req.args for req in requests):
+            for context, target in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, target))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _greedy) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[owner] += logprob
+        return totals
+
+    # -- generation ------------------------------------------------------------------------------
+    def _params(self, kwargs: dict) -> tuple[SamplingParams, list[str]]:
+        kwargs = dict(kwargs)
+        until = kwargs.pop("until", None) or []
+        until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
+        n = min(int(kwargs.pop("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
+        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+        sampled = bool(kwargs.pop("do_sample", False)) and temperature > 0
+        params = SamplingParams(tokens_to_generate=n, top_k=0 if sampled else 1,
+                                temperature=temperature if sampled else 1.0,
+                                top_p=float(kwargs.pop("top_p", 0.0) or 0.0) if sampled else 0.0)
+        return params, until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out: list = [None] * len(requests)
+        groups: dict = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="Generating")
+        for members in groups.values():
+            params, until = self._params(requests[members[0]].args[1])
+            keep = max(1, self.max_length - params.tokens_to_generate)
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start:start + self.batch_size]
+                prompts = [(self.tok_encode(requests[i].args[0]) or [self.eot_token_id])[-keep:] for i in batch]
+                for i, result in zip(batch, self.engine.generate(prompts, params)):
+                    text = continuation_text(self.tokenizer_, result)
+                    for stop in until:
+                        if stop and stop in text:
+                            text = text[:text.index(stop)]
+                    out[i] = text
+                bar.update(len(batch))
+        bar.close()
+        return out

@@ -1,0 +1,84 @@
+"""How the next token is chosen from the logits, and the sampling parameters of a request.
+
+The order is Megatron's: ``top_k == 1`` is greedy (the argmax of the raw logits, temperature
+ignored); otherwise the logits are divided by ``temperature``, then either the ``top_k`` largest are
+kept or the smallest set of tokens whose probability reaches ``top_p`` (the most likely token is
+always kept), and the token is drawn from the softmax of what remains with a seeded generator.
+``top_k == 0`` and ``top_p == 0`` sample from the whole vocabulary; top-k and top-p together are
+refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What one generation call asks for (the fields of Megatron's ``PUT /api``)."""
+
+    tokens_to_generate: int = 64
+    """New tokens per prompt at most (0: only score the prompts)."""
+    temperature: float = 1.0
+    """Softmax temperature, in (0, 100]; not used when top_k is 1."""
+    top_k: int = 0
+    """1: greedy; k > 1: sample among the k most likely tokens; 0: no top-k filtering."""
+    top_p: float = 0.0
+    """Sample among the most likely tokens whose probability adds up to top_p (0: no filtering)."""
+    random_seed: int | None = None
+    """Reseed the sampling generator before this call (None: continue the engine's stream)."""
+    stop_on_eod: bool = True
+    """Stop a sequence at the tokenizer's end-of-document token."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """More token ids that end a sequence (kept in its output, like the end-of-document token)."""
+    top_n_logprobs: int = 0
+    """Also return the n most likely tokens and their log-probs at every position (0: none)."""
+
+    def check(self) -> None:
+        """Raise ValueError with one line naming the field when a value is out of range."""
+        if not isinstance(self.tokens_to_generate, int) or self.tokens_to_generate < 0:
+            raise ValueError(f"tokens_to_generate must be an integer >= 0, got {self.tokens_to_generate!r}")
+        if not 0.0 < self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in (0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= 1000:
+            raise ValueError(f"top_k must be an integer in [0, 1000], got {self.top_k!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
+        if self.top_k > 0 and self.top_p > 0.0:
+            raise ValueError("cannot set both top_k and top_p; use one of them")
+        if self.random_seed is not None and (not isinstance(self.random_seed, int) or self.random_seed < 0):
+            raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
+        if not isinstance(self.top_n_logprobs, int) or not 0 <= self.top_n_logprobs <= 20:
+            raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits [b, V]`` with everything below the k-th largest of each row set to -inf."""
+    kth = logits.topk(min(k, logits.shape[-1]), dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """``logits [b, V]`` keeping, per row, the most likely tokens until their probability reaches
+    ``p`` (the token that crosses ``p`` is kept, and always the most likely one)."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative > p
+    drop[:, 1:] = drop[:, :-1].clone()  # shift right: keep the token that crosses p
+    drop[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token ``[b]`` of each row of ``logits [b, V]`` (the real vocabulary only)."""
+    if params.top_k == 1:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k > 1:
+        logits = filter_top_k(logits, params.top_k)
+    elif 0.0 < params.top_p < 1.0:
+        logits = filter_top_p(logits, params.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

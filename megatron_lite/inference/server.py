@@ -1,0 +1,137 @@
+"""The text-generation server: a Flask app over the engine (Megatron's ``PUT /api``, the
+OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``, ``GET /health``).
+
+Requests are served one at a time, in the main thread (generation is one batch on every rank).
+Under torchrun, global rank 0 serves HTTP and the other ranks follow: for each request rank 0
+broadcasts the job (token ids and sampling parameters, already checked) and every rank runs the
+engine on it together. While idle, rank 0 broadcasts a heartbeat every ``HEARTBEAT_S`` so the
+followers' wait never reaches the process-group timeout, and on SIGTERM or SIGINT it finishes the
+request in hand, stops serving and tells the followers to exit: every rank exits with code 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch.distributed as dist
+
+from .api_megatron import api_response, parse_api
+from .api_openai import openai_response, parse_chat, parse_completion
+from .fields import RequestError
+
+HEARTBEAT_S = 60.0
+_GENERATE, _HEARTBEAT, _STOP = "generate", "heartbeat", "stop"
+
+
+class Runner:
+    """Runs a job on every rank: rank 0 calls :meth:`run`, the others :meth:`follow`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _send(self, message) -> None:
+        if self.world > 1:
+            dist.broadcast_object_list([message], src=0)
+
+    def run(self, prompts, params):
+        self._send((_GENERATE, prompts, params))
+        return self.engine.generate(prompts, params)
+
+    def heartbeat(self) -> None:
+        self._send((_HEARTBEAT,))
+
+    def stop(self) -> None:
+        self._send((_STOP,))
+
+    def follow(self) -> None:
+        """On ranks other than 0: run every job rank 0 broadcasts until it says stop."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0][0] == _STOP:
+                return
+            if box[0][0] == _GENERATE:
+                try:
+                    self.engine.generate(*box[0][1:])
+                except ValueError:
+                    pass  # rank 0 raised the same error before any collective and answered 400
+
+
+def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
+    """The Flask app; ``runner.run(prompts, params)`` generates; ``chat_template``: ``--chat-template``'s text."""
+    try:
+        from flask import Flask, jsonify, request
+    except ImportError:
+        raise ImportError("the server needs Flask: pip install megatron_lite[serve]") from None
+
+    app = Flask("megatron_lite")
+
+    def answer(parse, respond):
+        try:
+            body = request.get_json(force=True, silent=True)
+            if body is None:
+                raise RequestError("the request body must be JSON")
+            job = parse(body)
+            results = runner.run(job.prompts, job.params)
+        except (RequestError, ValueError) as err:
+            return jsonify(message=str(err)), 400
+        return jsonify(respond(job, results))
+
+    @app.route("/api", methods=["PUT"])
+    def megatron_api():
+        return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer))
+
+    def openai(parse):
+        return answer(parse, lambda job, res: openai_response(job, res, tokenizer, model_name))
+
+    @app.route("/v1/completions", methods=["POST"])
+    def completions():
+        return openai(lambda body: parse_completion(body, tokenizer))
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    def chat_completions():
+        return openai(lambda body: parse_chat(body, tokenizer, chat_template))
+
+    @app.route("/health", methods=["GET"])
+    def health():
+        return jsonify(status="ok")
+
+    return app
+
+
+def make_server(app, host: str, port: int):
+    """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``)."""
+    from werkzeug.serving import make_server as werkzeug_server
+
+    server = werkzeug_server(host, port, app, threaded=False)
+    server.timeout = 0.5  # handle_request returns this often when idle
+    return server
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT (or by a caller) to end :func:`serve` after the request in hand."""
+
+    def __init__(self, signals: bool = False):
+        self.set = False
+        if signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.request())
+
+    def request(self) -> None:
+        self.set = True
+
+
+def serve(server, runner: Runner, stop: StopFlag) -> None:
+    """Serve requests until ``stop`` is set; then tell the followers to exit."""
+    last = time.monotonic()
+    try:
+        while not stop.set:
+            server.handle_request()
+            if time.monotonic() - last > HEARTBEAT_S:
+                runner.heartbeat()
+                last = time.monotonic()
+    finally:
+        runner.stop()
+        server.server_close()

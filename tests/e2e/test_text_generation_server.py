@@ -1,0 +1,275 @@
+"""tools/run_text_generation_server.py answering a real HTTP client (httpx).
+
+One process: the server runs in a thread on a free localhost port over a saved checkpoint
+(NullTokenizer: text is space-separated token ids). Both APIs answer what the engine computes
+(tokens equal, log-probs within 1e-5 relative to the largest), batched prompts, log-probs and
+seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
+server keeps serving. Under torchrun, a TP2 server answers the same as one process and every rank
+exits with code 0 on SIGTERM to the serving rank.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model, load_tokenizer
+from megatron_lite.inference.sampling import SamplingParams
+from tests.e2e.conftest import ROOT
+from tests.harness import free_port
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
+from tests.tools import load_tool
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("flask")
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+PROMPTS = ["5 17 42 8", "3 1 4 1 5 9 2 6 5"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("server") / "ckpt")
+    save_model("gpt", root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """(base url, engine, tokenizer) of a one-process server in a thread."""
+    from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
+
+    model, saved = load_model(checkpoint)
+    tokenizer = load_tokenizer(saved)
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    runner = Runner(engine)
+    app = create_app(runner, tokenizer, chat_template=TEMPLATE)
+    http = make_server(app, "127.0.0.1", 0)
+    stop = StopFlag()
+    thread = threading.Thread(target=serve, args=(http, runner, stop), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{http.server_port}", engine, tokenizer
+    stop.request()
+    thread.join(timeout=30)
+
+
+def ids(text):
+    return [int(t) for t in text.split()]
+
+
+def test_api_answers_a_batch_with_log_probs_like_the_engine(server):
+    url, engine, _ = server
+    r = httpx.put(f"{url}/api", json={"prompts": PROMPTS, "tokens_to_generate": 6, "logprobs": True, "top_k": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = engine.generate([ids(p) for p in PROMPTS], SamplingParams(tokens_to_generate=6, top_k=1))
+    assert body["tokens"] == [g.tokens for g in want]
+    for text, got_lp, segments, g, prompt in zip(body["text"], body["logprobs"], body["segments"], want, PROMPTS):
+        assert_close(torch.tensor(got_lp), torch.tensor(g.log_probs))
+        assert len(got_lp) == len(g.tokens) - 1 and segments == [str(t) for t in g.tokens]
+        assert text == prompt + "".join(f" {t}" for t in g.generated)
+
+
+def test_a_seeded_sample_is_reproducible(server):
+    url = server[0]
+    ask = lambda seed: httpx.put(f"{url}/api", json={"prompts": PROMPTS, "tokens_to_generate": 12,  # noqa: E731
+                                                     "top_p": 0.9, "temperature": 1.3, "random_seed": seed}).json()
+    first, again, other = ask(3), ask(3), ask(4)
+    assert first == again
+    assert first["tokens"] != other["tokens"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tokens_to_generate": 4}, "prompts argument required"),
+    ({"prompts": ["1 2"], "tokens_to_generate": -1}, "tokens_to_generate must be at least 0"),
+    ({"prompts": ["1 2"], "top_k": 5, "top_p": 0.5}, "cannot set both top_k and top_p"),
+    ({"prompts": [" ".join(["1"] * 95)], "tokens_to_generate": 4},
+     "prompt 0 has 95 tokens + 4 tokens to generate, more than the model's 96"),
+    ({"prompts": "1 2"}, "prompts must be a list of strings"),
+    ({"prompts": ["1"], "max_len": 4}, "max_len is no longer used; replace it with tokens_to_generate"),
+    ({"prompts": ["1"], "beam_width": 2}, "beam search is not supported"),
+    ({"prompts": ["1"], "temperature": 0}, "temperature must be greater than 0"),
+    ({"prompts": ["1"], "tokens_to_generate": 0}, "tokens_to_generate=0 only scores the prompts: it needs logprobs"),
+    ({"prompts": [""]}, "an empty prompt needs add_BOS=true"),
+    ({"prompts": ["1"], "colour": 1}, "unknown field 'colour'"),
+])
+def test_bad_api_requests_get_400_with_one_line_and_the_server_keeps_serving(server, body, message):
+    url = server[0]
+    r = httpx.put(f"{url}/api", json=body)
+    assert r.status_code == 400
+    assert r.json()["message"].startswith(message) and "\n" not in r.json()["message"]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.put(f"{url}/api", json={"prompts": ["1 2"], "tokens_to_generate": 1}).status_code == 200
+
+
+def test_add_bos_prepends_the_end_of_document_token(server):
+    body = httpx.put(f"{server[0]}/api", json={"prompts": ["", "5 17"], "add_BOS": True, "tokens_to_generate": 2,
+                                               "top_k": 1}).json()
+    assert [t[:len(p)] for t, p in zip(body["tokens"], ([99], [99, 5, 17]))] == [[99], [99, 5, 17]]
+
+
+def test_stop_on_eol_stops_at_tokens_holding_a_newline():
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.api_megatron import newline_token_ids, parse_api
+    from tests.inference_helpers import GPT2_TOKENIZER
+
+    tok = build_tokenizer(**GPT2_TOKENIZER)
+    ids = newline_token_ids(tok)
+    assert {tok.tokenize("\n")[0], tok.tokenize("\n\n")[0], tok.tokenize(".\n")[-1]} <= set(ids)
+    assert tok.tokenize("a")[0] not in ids and tok.tokenize(" the")[0] not in ids
+    job = parse_api({"prompts": ["Hi"], "stop_on_eol": True}, tok)
+    assert set(job.params.stop_token_ids) == set(ids)
+
+
+def test_a_non_json_body_gets_400(server):
+    r = httpx.put(f"{server[0]}/api", content=b"prompts=1", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and r.json() == {"message": "the request body must be JSON"}
+
+
+def test_completions_with_echo_logprobs_and_a_stop_string(server):
+    url, engine, _ = server
+    request = {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
+    body = httpx.post(f"{url}/v1/completions", json=request).json()
+    want = engine.generate([ids(p) for p in PROMPTS], SamplingParams(tokens_to_generate=6, top_k=1,
+                                                                      top_n_logprobs=2))
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["usage"]["completion_tokens"] == sum(len(g.generated) for g in want)
+    for choice, g in zip(body["choices"], want):
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [str(t) for t in g.tokens] and lp["token_logprobs"][0] is None
+        assert_close(torch.tensor(lp["token_logprobs"][1:]), torch.tensor(g.log_probs))
+        for position, top in enumerate(lp["top_logprobs"][g.prompt_length:], start=g.prompt_length):
+            best = max(top, key=top.get)  # greedy: the generated token is the most likely one
+            assert len(top) == 2 and best == str(g.tokens[position])
+        assert choice["text"] == " ".join(lp["tokens"])  # NullTokenizer: ids joined by spaces
+    # token-id prompt, no echo, a stop string: the text ends before it
+    g = want[0]
+    stop = str(g.generated[2])
+    body = httpx.post(f"{url}/v1/completions", json={"prompt": g.tokens[:g.prompt_length], "max_tokens": 6,
+                                                     "temperature": 0, "stop": [stop]}).json()
+    text = "".join(f" {t}" for t in g.generated)
+    assert body["choices"][0]["text"] == text[:text.find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_completions_render_the_template(server):
+    url, engine, _ = server
+    messages = [{"role": "user", "content": "5 17"}, {"role": "assistant", "content": "42"},
+                {"role": "user", "content": "8"}]
+    body = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 5,
+                                                          "temperature": 0}).json()
+    want = engine.generate([[5, 17, 42, 8, 7]], SamplingParams(tokens_to_generate=5, top_k=1))[0]
+    assert body["object"] == "chat.completion"
+    content = "".join(f" {t}" for t in want.generated)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
+    ("/v1/completions", {"prompt": "1", "n": 2}, "n must be 1"),
+    ("/v1/completions", {"prompt": "1", "stream": True}, "stream=true is not supported"),
+    ("/v1/completions", {"prompt": "1", "top_k": 3, "top_p": 0.5}, "cannot set both top_k and top_p"),
+    ("/v1/completions", {"prompt": "1", "max_tokens": -2}, "max_tokens must be at least 0"),
+    ("/v1/completions", {"prompt": "1", "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ("/v1/completions", {"prompt": [[1, 200]]}, "a prompt token id is outside the vocabulary [0, 100)"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]},
+     "a generation prompt must end with a user turn"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, "message 0 has unknown role 'robot'"),
+])
+def test_bad_openai_requests_get_400(server, path, body, message):
+    r = httpx.post(f"{server[0]}{path}", json=body)
+    assert r.status_code == 400 and r.json()["message"].startswith(message)
+
+
+def test_chat_prompts_are_the_sft_generation_prompts(tmp_path):
+    """The tokenizer's own template, else SFT's default, else --chat-template: as the model was trained."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.inference.chat import chat_prompt, read_chat_template
+    from tests.sft_helpers import CHATML, write_tokenizer
+
+    pytest.importorskip("tokenizers")
+    messages = [{"role": "system", "content": "red"}, {"role": "user", "content": "two cat"}]
+    chatml = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "chatml", CHATML))
+    plain = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "plain"))
+    encode = lambda tok, text: tok.hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert chat_prompt(chatml, messages) == encode(chatml, "<|im_start|>system\nred<|im_end|>\n<|im_start|>user\n"
+                                                            "two cat<|im_end|>\n<|im_start|>assistant\n")
+    assert chat_prompt(plain, messages) == encode(plain, "System: red\n\nUser: two cat\n\nAssistant: ")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}{{ eos_token }}")
+    assert chat_prompt(chatml, messages, read_chat_template(str(template))) == encode(chatml, "red two cat <|endoftext|>")
+    with pytest.raises(ConfigError, match="^--chat-template .*missing.jinja does not exist$"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="^--chat-template .*t.jinja: the chat template does not parse: "):
+        read_chat_template(str(template))
+
+
+def test_text_generation_cli_talks_to_the_server(server, capsys):
+    host = server[0][len("http://"):]
+    answers = iter(["5 17", "3", "5 17", "-1"])
+
+    def read(_prompt):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+
+    assert load_tool("text_generation_cli").main([host], read=read) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Megatron Response: 5 17") and len(out[0].split()) == 2 + 2 + 3
+    assert out[1] == "Error 400: tokens_to_generate must be at least 0, got -1"
+
+
+def _read_until_serving(proc, timeout_s=420):
+    lines = []
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving "):
+                return line, lines
+    finally:
+        timer.cancel()
+    raise AssertionError("the server did not start:\n" + "".join(lines[-40:]))
+
+
+def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
+    url = server[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "tools/run_text_generation_server.py", "--load", checkpoint, "--port", "0",
+           "--tensor-model-parallel-size", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line, _ = _read_until_serving(proc)
+        address = line.split(" on ")[1].split()[0]
+        pid = int(line.split("(pid ")[1].split(",")[0])
+        api = {"prompts": PROMPTS, "tokens_to_generate": 6, "logprobs": True, "top_k": 4, "random_seed": 2}
+        completion = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "logprobs": 1}
+        for path, method, body in (("/api", "PUT", api), ("/v1/completions", "POST", completion)):
+            got = httpx.request(method, address + path, json=body, timeout=120).json()
+            want = httpx.request(method, url + path, json=body).json()
+            if path == "/api":
+                assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+                for a, b in zip(got["logprobs"], want["logprobs"]):
+                    assert_close(torch.tensor(a), torch.tensor(b))
+            else:
+                assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        bad = httpx.put(address + "/api", json={"prompts": ["1"], "top_k": 2, "top_p": 0.5}, timeout=60)
+        assert bad.status_code == 400
+        os.kill(pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "server stopped" in out

@@ -1,0 +1,113 @@
+"""Shared pieces of the inference tests: tiny GPT variants with random weights, saved as checkpoints.
+
+Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head), ``rope_gqa``
+(rotary, RMSNorm, SwiGLU, no biases, untied, 8 query heads over 4 key/value groups) and ``moe``
+(rotary, 4 experts top-2 in every layer) and ``mla_mtp`` (DeepSeek-V3-shaped: multi-latent attention
+with q compression, latent norms and YaRN, plus one multi-token prediction layer that generation
+leaves unused: it decodes from the main head). Every parameter, norms and biases included, is random
+(:func:`randomize`), so a misplaced tensor changes the logits.
+"""
+
+import os
+
+import torch
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.moe.config import MoEConfig, moe_fields
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import padded_vocab_size
+
+VOCAB = 100  # NullTokenizer --vocab-size 99: ids 0..98 are text, 99 is the end of document
+MAX_LEN = 96
+VARIANTS = {
+    "gpt": dict(num_attention_heads=4),
+    "rope_gqa": dict(num_attention_heads=8, group_query_attention=True, num_query_groups=4,
+                     position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                     untie_embeddings_and_output_weights=True),
+    "moe": dict(num_attention_heads=4, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                disable_bias_linear=True),
+    "mla_mtp": dict(num_attention_heads=4, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+                    qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True,
+                    position_embedding_type="rope", rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.8,
+                    mscale_all_dim=0.5, original_max_position_embeddings=24, normalization="RMSNorm", swiglu=True,
+                    disable_bias_linear=True, untie_embeddings_and_output_weights=True, mtp_num_layers=1),
+}
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",
+           moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference
+
+
+GPT2_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gpt2")
+GPT2_TOKENIZER = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.join(GPT2_FILES, "vocab.json"),
+                      merge_file=os.path.join(GPT2_FILES, "merges.txt"))
+GPT2_VOCAB = 50257
+
+
+def model_config(variant: str, vocab: int = VOCAB) -> ModelConfig:
+    cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
+                      max_position_embeddings=MAX_LEN, vocab_size=vocab, make_vocab_size_divisible_by=8,
+                      attention_dropout=0.0, hidden_dropout=0.0, **VARIANTS[variant])
+    cfg.padded_vocab_size = padded_vocab_size(vocab, 8, 1)
+    return cfg
+
+
+def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch", tokenizer: dict | None = None) -> Config:
+    """The run's config; ``tokenizer``: DataConfig tokenizer fields (default NullTokenizer over VOCAB ids)."""
+    tokenizer = tokenizer or {"tokenizer_type": "NullTokenizer"}
+    config = Config(model=model_config(variant, GPT2_VOCAB if tokenizer["tokenizer_type"] == "GPT2BPETokenizer" else VOCAB))
+    if variant == "moe":
+        config.moe = MoEConfig(**MOE)
+    for key, value in tokenizer.items():
+        setattr(config.data, key, value)
+    config.checkpoint.save = root
+    config.checkpoint.ckpt_format = ckpt_format
+    return config
+
+
+def randomize(model, seed: int) -> None:
+    """Random weights at unit activation scale (std 1/sqrt(fan-in)); norm weights 1 + N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+            elif p.dim() == 1 or "word_embeddings" in name or "position_embeddings" in name:
+                p.copy_(0.5 * noise if p.dim() > 1 else 0.1 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None) -> GPTModel:
+    """A single-process model of ``variant`` with random weights (eval mode)."""
+    config = run_config(variant, tokenizer=tokenizer)
+    moe = moe_fields(config.moe) if variant == "moe" else {}
+    state = ParallelState(world_size=1, rank=0)
+    model = GPTModel(TransformerConfig.from_model(config.model, **moe), state)
+    randomize(model, seed)
+    return model.eval()
+
+
+def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11,
+               tokenizer: dict | None = None) -> GPTModel:
+    """Save :func:`build_model` as a one-process checkpoint under ``root``; returns the model."""
+    from megatron_lite.checkpoint import save_checkpoint
+
+    model = build_model(variant, seed, tokenizer)
+    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format, tokenizer),
+                    ParallelState(world_size=1, rank=0))
+    return model
+
+
+def prompts(batch: int = 3, seed: int = 0, lengths=(5, 9, 7)) -> list[list[int]]:
+    """Prompts of different lengths, ids in the text range (never the end of document)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(batch)]
+
+
+def assert_close(actual, expected, rtol: float = 1e-5, what: str = "") -> None:
+    """Within ``rtol`` of the largest magnitude in ``expected`` (fp32 logits and log-probs whose
+    sums differ only in order)."""
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale,
+                               msg=(lambda m: f"{what}: {m}") if what else None)

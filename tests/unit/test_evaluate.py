@@ -1,0 +1,124 @@
+"""tools/evaluate.py: perplexity over overlapping windows (each target scored once, with the context
+Megatron's windows give it), the word-level adjustment, .bin/.idx and JSONL input, and LAMBADA
+last-word accuracy (strict and not). References are computed here token by token with the model."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lite.inference.evaluation import lambada_example, windows
+from megatron_lite.inference.loading import load_model
+from tests.inference_helpers import GPT2_TOKENIZER, VOCAB, prompts, save_model
+from tests.tools import load_tool
+
+SEQ, STRIDE = 24, 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("evaluate") / "ckpt")
+    save_model("gpt", root)
+    return root
+
+
+@pytest.mark.parametrize("num_tokens, seq, stride", [(100, 24, 8), (25, 24, 8), (10, 24, 8), (97, 24, 24),
+                                                     (64, 16, 1), (2, 4, 4), (33, 24, 8)])
+def test_windows_score_every_target_exactly_once(num_tokens, seq, stride):
+    scored = []
+    for start, first in windows(num_tokens, seq, stride):
+        last = min(start + seq, num_tokens - 1)
+        scored += list(range(start + first + 1, last + 1))
+        assert first == 0 or first == seq - stride
+    assert scored == list(range(1, num_tokens))
+
+
+def _reference_nll(model, tokens, seq, stride):
+    """Sum of NLL, each target t predicted from the context Megatron's window scoring it gives."""
+    total = 0.0
+    with torch.no_grad():
+        for t in range(1, len(tokens)):
+            start = 0 if t <= seq else math.ceil((t - seq) / stride) * stride
+            logits = model(torch.tensor([tokens[start:t]]))[0, -1, :VOCAB]
+            total -= float(logits.log_softmax(-1)[tokens[t]])
+    return total
+
+
+def _evaluate(capsys, *argv):
+    assert load_tool("evaluate").main(list(argv)) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def _field(line, name):
+    return float(line.split(f"{name}: ")[1].split(" ")[0])
+
+
+def test_perplexity_of_jsonl_and_bin_idx_match_a_token_by_token_reference(checkpoint, tmp_path, capsys):
+    from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
+
+    docs = prompts(3, seed=4, lengths=(30, 17, 21))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(map(str, d))}) + "\n" for d in docs))
+    with IndexedDatasetBuilder(str(tmp_path / "docs"), dtype=np.int32) as builder:
+        for d in docs:
+            builder.add_item(d + [VOCAB - 1])
+            builder.end_document()
+    stream = [t for d in docs for t in d + [VOCAB - 1]]
+    model, _ = load_model(checkpoint)
+    nll = _reference_nll(model, stream, SEQ, STRIDE)
+    flags = ["--task", "WIKITEXT103", "--load", checkpoint, "--seq-length", str(SEQ), "--overlapping-eval", str(STRIDE),
+             "--micro-batch-size", "3"]
+    text_line = _evaluate(capsys, *flags, "--valid-data", str(data))
+    loss = nll / (len(stream) - 1)
+    assert _field(text_line, "avg loss") == pytest.approx(loss, rel=1e-4)
+    assert _field(text_line, "ppl") == pytest.approx(math.exp(loss), rel=1e-4)
+    words = sum(len(d) for d in docs)  # NullTokenizer: one word per id
+    assert _field(text_line, "adjusted ppl") == pytest.approx(math.exp(nll / (words - 1)), rel=1e-4)
+    bin_line = _evaluate(capsys, *flags, "--valid-data", str(tmp_path / "docs"))
+    assert _field(bin_line, "avg loss") == _field(text_line, "avg loss")
+    assert "adjusted ppl: n/a" in bin_line
+
+
+def test_lambada_counts_examples_whose_last_word_is_the_greedy_prediction(checkpoint, tmp_path, capsys):
+    model, _ = load_model(checkpoint)
+    texts, expected = [], 0
+    for i, context in enumerate(prompts(6, seed=9, lengths=(6, 11, 9))):
+        with torch.no_grad():
+            best = int(model(torch.tensor([context]))[0, -1, :VOCAB - 1].argmax())
+        last = best if i % 2 == 0 else (best + 1) % (VOCAB - 1)  # every other one wrong
+        expected += i % 2 == 0
+        texts.append(" ".join(map(str, context + [last])))
+    data = tmp_path / "lambada.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for strict in ([], ["--strict-lambada"]):
+        line = _evaluate(capsys, "--task", "LAMBADA", "--load", checkpoint, "--valid-data", str(data), *strict)
+        assert line == (f"validation results on LAMBADA | number correct: {expected} | total examples: 6 | "
+                        f"avg accuracy: {expected / 6:.4E}")
+
+
+def test_strict_lambada_targets_the_whole_last_word():
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(**GPT2_TOKENIZER)
+    text = "They sat down and ate the watermelonade"
+    tokens, n = lambada_example(tok, text, strict=True)
+    assert tokens[-n:] == tok.tokenize(" watermelonade") and n > 1
+    assert tokens[:-n] == tok.tokenize("They sat down and ate the")
+    tokens, n = lambada_example(tok, text, strict=False)
+    assert n == 1 and tokens == tok.tokenize(text)
+
+
+def test_evaluate_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
+    tool = load_tool("evaluate")
+    assert tool.main(["--task", "WIKITEXT103", "--load", checkpoint, "--valid-data", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --valid-data") and err.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "1 2"}\n')
+    assert tool.main(["--task", "LAMBADA", "--load", checkpoint, "--valid-data", str(bad)]) == 2
+    assert "line 1 is not a JSON object with a 'text' string" in capsys.readouterr().err
+    assert tool.main(["--task", "WIKITEXT103", "--load", checkpoint, "--valid-data", str(bad),
+                      "--overlapping-eval", "0", "--json-key", "txt"]) == 2
+    assert "--overlapping-eval 0 must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,174 @@
+"""The inference engine in one process: the key/value cache reproduces a full recompute, batching
+prompts of different lengths changes nothing, sampling follows Megatron's rules, stops and
+log-probs are right, and MoE layers drop no token at inference.
+
+Tolerances: fp32, logits and log-probs within 1e-5 relative to the largest logit (|logits| <= ~8
+here; the cache changes only the order of the sums inside attention)."""
+
+import pytest
+import torch
+
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.kv_cache import KVCache
+from megatron_lite.inference.loading import load_model
+from megatron_lite.inference.sampling import SamplingParams, filter_top_k, filter_top_p, sample
+from tests.inference_helpers import MAX_LEN, VARIANTS, VOCAB, assert_close, build_model, prompts, save_model
+
+NEW = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference")
+    for variant in VARIANTS:
+        save_model(variant, str(root / variant))
+    return {v: str(root / v) for v in VARIANTS}
+
+
+def engine_for(root, **kw):
+    model, saved = load_model(root)
+    return InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1, **kw)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_decoding_equals_full_recompute_at_every_step(variant, checkpoints):
+    model, _ = load_model(checkpoints[variant])
+    tokens = torch.tensor(prompts(2, lengths=(8,)))
+    cache = KVCache(2, 8 + NEW)
+    with torch.no_grad():
+        logits = model(tokens, inference_context=cache)
+        cache.advance(8)
+        assert_close(logits, model(tokens))
+        for step in range(NEW):
+            new = logits[:, -1, :VOCAB].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, new], dim=1)
+            logits = model(new, inference_context=cache)
+            cache.advance(1)
+            full = model(tokens)[:, -1:]
+            assert_close(logits, full, what=f"step {step}")
+    assert cache.sequence_offset == 8 + NEW
+
+
+@pytest.mark.parametrize("variant, top_k", [("gpt", 1), ("rope_gqa", 5), ("moe", 0), ("mla_mtp", 5)])
+def test_engine_with_cache_equals_engine_without(variant, top_k, checkpoints):
+    batch = prompts(3)
+    params = SamplingParams(tokens_to_generate=NEW, top_k=top_k, random_seed=7, stop_on_eod=False)
+    cached = engine_for(checkpoints[variant]).generate(batch, params)
+    full = engine_for(checkpoints[variant], use_cache=False).generate(batch, params)
+    model, _ = load_model(checkpoints[variant])
+    for c, f, prompt in zip(cached, full, batch):
+        assert c.tokens == f.tokens and c.tokens[:len(prompt)] == prompt and len(c.generated) == NEW
+        assert_close(torch.tensor(c.log_probs), torch.tensor(f.log_probs))
+        # independently: the log-softmax of one forward pass over the whole sequence
+        with torch.no_grad():
+            logp = model(torch.tensor([c.tokens]))[0, :-1, :VOCAB].log_softmax(-1)
+        want = logp.gather(-1, torch.tensor(c.tokens[1:]).unsqueeze(-1)).squeeze(-1)
+        assert_close(torch.tensor(c.log_probs), want)
+
+
+def test_a_batch_of_different_lengths_equals_each_prompt_alone(checkpoints):
+    engine = engine_for(checkpoints["rope_gqa"])
+    batch = prompts(3, lengths=(3, 11, 6))
+    params = SamplingParams(tokens_to_generate=12, top_k=1, stop_on_eod=False)
+    together = engine.generate(batch, params)
+    for prompt, got in zip(batch, together):
+        alone = engine.generate([prompt], params)[0]
+        assert got.tokens == alone.tokens and got.prompt_length == len(prompt)
+        assert_close(torch.tensor(got.log_probs), torch.tensor(alone.log_probs))
+
+
+def test_generation_stops_at_the_end_of_document_or_a_stop_token(checkpoints):
+    engine = engine_for(checkpoints["gpt"])
+    batch = prompts(2)
+    free = engine.generate(batch, SamplingParams(tokens_to_generate=20, top_k=1, stop_on_eod=False))
+    stop = free[0].generated[4]
+    first = free[0].generated.index(stop)
+    by_token = engine.generate(batch, SamplingParams(tokens_to_generate=20, top_k=1, stop_on_eod=False,
+                                                     stop_token_ids=(stop,)))
+    engine.eod = stop
+    by_eod = engine.generate(batch, SamplingParams(tokens_to_generate=20, top_k=1))
+    for got in (by_token, by_eod):
+        assert got[0].generated == free[0].generated[:first + 1] and got[0].finish_reason == "stop"
+        assert len(got[0].log_probs) == len(got[0].tokens) - 1
+        want = free[1].generated[:free[1].generated.index(stop) + 1] if stop in free[1].generated else free[1].generated
+        assert got[1].generated == want
+    assert free[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(checkpoints):
+    engine = engine_for(checkpoints["gpt"])
+    params = lambda seed: SamplingParams(tokens_to_generate=16, top_p=0.9, temperature=1.5, random_seed=seed)  # noqa: E731
+    a, b, c = (engine.generate(prompts(2), params(s)) for s in (3, 3, 4))
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    assert [g.tokens for g in a] != [g.tokens for g in c]
+
+
+def test_moe_layers_drop_no_token_at_inference(checkpoints):
+    """The checkpoint was trained with --moe-expert-capacity-factor 1.0; generating uses no capacity."""
+    engine = engine_for(checkpoints["moe"])
+    tokens = torch.tensor(prompts(2, lengths=(24,)))
+    with_capacity = build_model("moe")  # the same weights, the saved capacity factor
+    without = build_model("moe")
+    for module in without.modules():
+        if hasattr(module, "config") and hasattr(module.config, "moe_expert_capacity_factor"):
+            module.config.moe_expert_capacity_factor = None
+    with torch.no_grad():
+        got, dropping, full = engine.forward(tokens), with_capacity(tokens)[..., :VOCAB], without(tokens)[..., :VOCAB]
+    assert_close(got, full)
+    assert not torch.allclose(dropping, full, atol=1e-3)  # the capacity would have dropped tokens
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, -1.0, 4.0, 3.9]])
+    assert sample(logits, SamplingParams(top_k=1, temperature=50.0), None).tolist() == [1, 2]  # greedy ignores T
+    kept = filter_top_k(logits, 2)
+    assert torch.isfinite(kept).tolist() == [[False, True, True, False], [False, False, True, True]]
+    probs = logits.softmax(-1)  # best tokens: 0.63 in row 0, 0.52 (then 0.47) in row 1
+    assert torch.isfinite(filter_top_p(logits, 0.6)).sum(-1).tolist() == [1, 2]
+    assert torch.isfinite(filter_top_p(logits, float(probs[0].max()) + 0.01)).sum(-1).tolist()[0] == 2
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, SamplingParams(top_k=2), gen) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {1, 2} and set(draws[:, 1].tolist()) == {2, 3}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tokens_to_generate", -1, "tokens_to_generate must be an integer >= 0"),
+    ("temperature", 0.0, "temperature must be in (0, 100]"),
+    ("top_k", 1001, "top_k must be an integer in [0, 1000]"),
+    ("top_p", 1.5, "top_p must be in [0, 1]"),
+    ("random_seed", -3, "random_seed must be an integer >= 0"),
+])
+def test_bad_sampling_params_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
+        SamplingParams(**{field: value}).check()
+    with pytest.raises(ValueError, match="cannot set both top_k and top_p"):
+        SamplingParams(top_k=2, top_p=0.5).check()
+
+
+def test_prompts_too_long_or_empty_are_refused(checkpoints):
+    engine = engine_for(checkpoints["gpt"])
+    with pytest.raises(ValueError, match="prompt 1 has 90 tokens \\+ 10 tokens to generate, more than the model's 96"):
+        engine.generate([[1], [2] * 90], SamplingParams(tokens_to_generate=10))
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingParams())
+
+
+def test_generate_tool_batches_prompts_and_prints_log_probs(checkpoints, capsys):
+    from tests.tools import load_tool
+
+    gen = load_tool("generate")
+    batch = prompts(2, lengths=(4, 6))
+    argv = ["--load", checkpoints["gpt"], "--greedy", "--max-new-tokens", "5", "--log-probs"]
+    for p in batch:
+        argv += ["--prompt", " ".join(map(str, p))]
+    assert gen.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    want = engine_for(checkpoints["gpt"]).generate(batch, SamplingParams(tokens_to_generate=5, top_k=1))
+    texts = [line for line in lines if not line.startswith("  ")]
+    assert texts == [" ".join(map(str, g.tokens)) for g in want]
+    first = lines[1:len(want[0].tokens)]  # the first sequence's tokens after its first, with log-probs
+    assert [int(line.split()[0]) for line in first] == want[0].tokens[1:]
+    assert_close(torch.tensor([float(line.split()[1]) for line in first]), torch.tensor(want[0].log_probs), rtol=1e-4)
+    assert gen.main(["--load", checkpoints["gpt"], "--prompt", " ".join(["1"] * 90), "--max-new-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt 0 has 90 tokens + 10 tokens to generate") and err.count("\n") == 1

@@ -1,0 +1,61 @@
+"""Serve a megatron_lite GPT checkpoint over HTTP: Megatron's PUT /api, OpenAI-compatible
+POST /v1/completions and /v1/chat/completions, GET /health. See docs/inference.md.
+
+    python tools/run_text_generation_server.py --load checkpoints/gpt --port 5000
+    torchrun --nproc-per-node 2 tools/run_text_generation_server.py --load checkpoints/gpt_tp2 --port 5000
+    curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
+        -d '{"prompts": ["Hello world"], "tokens_to_generate": 16, "top_k": 1}'
+
+Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
+the serving process (its pid is printed) finishes the request in hand and stops every rank (exit 0).
+Needs Flask (pip install megatron_lite[serve]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.inference.chat import read_chat_template  # noqa: E402
+from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
+from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=5000, help="port to listen on (0: any free port, printed)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja2 chat template file for /v1/chat/completions (default: the tokenizer's, else SFT's default)")
+    p.add_argument("--model-name", default="megatron_lite", help="the model name the OpenAI responses report")
+    add_inference_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        session = build_session(args)
+        chat_template = read_chat_template(args.chat_template)
+        runner = Runner(session.engine)
+        if not session.is_rank0:
+            runner.follow()
+            return 0
+        app = create_app(runner, session.tokenizer, chat_template=chat_template, model_name=args.model_name)
+        server = make_server(app, args.host, args.port)
+    except (*USER_ERRORS, OSError) as err:
+        return fail(err)
+    stop = StopFlag(signals=True)
+    print(f"serving {args.load} on http://{args.host}:{server.server_port} (pid {os.getpid()}, "
+          f"{session.state.world_size} rank(s))", flush=True)
+    serve(server, runner, stop)
+    print("server stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

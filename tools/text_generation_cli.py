@@ -1,0 +1,55 @@
+"""Talk to a running text-generation server from the terminal (Megatron's tools/text_generation_cli.py).
+
+    python tools/text_generation_cli.py localhost:5000
+
+Asks for a prompt and a number of tokens, sends ``PUT /api`` and prints the text (or the server's
+message for a bad request). Ctrl-D or an empty prompt line followed by Ctrl-D quits. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+
+def put(url: str, body: dict) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of ``PUT url`` with ``body``."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT",
+                                     headers={"Content-Type": "application/json; charset=UTF-8"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def main(argv=None, read=input) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python tools/text_generation_cli.py HOST:PORT", file=sys.stderr)
+        return 2
+    url = f"http://{argv[0]}/api" if "://" not in argv[0] else f"{argv[0]}/api"
+    while True:
+        try:
+            prompt = read("Enter prompt: ")
+            count = read("Enter number of tokens to generate: ")
+        except EOFError:
+            return 0
+        try:
+            tokens = int(count)
+        except ValueError:
+            print(f"not a number: {count!r}")
+            continue
+        try:
+            status, body = put(url, {"prompts": [prompt], "tokens_to_generate": tokens})
+        except urllib.error.URLError as err:
+            print(f"error: cannot reach {url} ({err.reason})", file=sys.stderr)
+            return 2
+        print(f"Megatron Response: {body['text'][0]}" if status == 200 else f"Error {status}: {body.get('message')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
