@@ -18,6 +18,7 @@ import torch
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.console import print_rank_0
 from megatron_lite.data.builder import (
     DataConfigError,
     build_train_valid_test_datasets,
@@ -34,7 +35,6 @@ from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.training.logging import print_rank_0
 from megatron_lite.training.loop import NonFiniteError, pretrain
 
 

@@ -119,13 +119,13 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
                 kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             base = kind
             if typing.get_origin(base) is list:  # every list field takes several values, as in Megatron
-                kwargs["nargs"] = "+"
+                kwargs["nargs"] = f.metadata.get("nargs", "+")
                 base = typing.get_args(base)[0]
             kwargs["type"] = base
             if f.name in CHOICES:
                 kwargs["choices"] = CHOICES[f.name]
             else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
-                kwargs["metavar"] = METAVARS.get(base, "VALUE")
+                kwargs["metavar"] = f.metadata.get("metavar", METAVARS.get(base, "VALUE"))
             group.add_argument(flag, **kwargs)
     return parser
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .fusions.config import FusionConfig, check_fusion_flags
-from .logging_config import LoggingConfig
+from .logging_config import LoggingConfig, check_profile_flags
 from .lora.config import LoRAConfig, check_lora_flags
 from .models.mla_config import MLAConfig, MTPConfig
 from .moe.config import MoEConfig
@@ -68,6 +68,8 @@ class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     vocab_size: int | None = None
     """Vocabulary size for --mock-data / NullTokenizer (otherwise from the tokenizer)."""
+    spec: list[str] | None = field(default=None, metadata={"nargs": 2, "metavar": ("MODULE", "NAME")})
+    """Layer spec of your own: NAME (a LayerSpec, or a function layer_number -> LayerSpec) in MODULE (on PYTHONPATH, or a .py file path)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
     """Derived: vocabulary padded for the embedding and output layers."""
 
@@ -87,7 +89,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
-    "beta_slow", "bias_gelu_fusion",
+    "beta_slow", "bias_gelu_fusion", "spec",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;
@@ -347,6 +349,9 @@ def _check_model(config: Config) -> None:
     config.training.recompute_num_layers = model.recompute_num_layers
     for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
         setattr(config.moe, f.name, getattr(model, f.name))
+    from .models.spec_plugin import check_spec
+
+    check_spec(config)  # --spec: importable, a LayerSpec (or layer -> LayerSpec), honouring the flags above
 
 
 def _check_parallel(config: Config) -> None:
@@ -424,7 +429,6 @@ def _check_schedule(config: Config) -> None:
 
 def _check_profile(config: Config) -> None:
     from .precision.flags import gpu_visible
-    from .training.profiler import check_profile_flags
 
     check_profile_flags(config.logging, config.world_size, gpu_visible())
 

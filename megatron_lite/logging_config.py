@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
+
 
 @dataclass
 class LoggingConfig:
@@ -38,3 +40,18 @@ class LoggingConfig:
     """Iterations completed when profiling stops."""
     profile_ranks: list[int] | None = field(default_factory=lambda: [0])
     """Global ranks to profile."""
+
+
+def check_profile_flags(logging, world_size: int, gpu: bool) -> None:
+    """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work."""
+    if not logging.profile:
+        return
+    if not 0 <= logging.profile_step_start < logging.profile_step_end:
+        raise ConfigError(f"--profile needs 0 <= --profile-step-start ({logging.profile_step_start}) < "
+                          f"--profile-step-end ({logging.profile_step_end})")
+    bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a rank of this run (world size {world_size})")
+    if not logging.use_pytorch_profiler and not gpu:
+        raise ConfigError("--profile without --use-pytorch-profiler drives Nsight Systems through the CUDA profiler "
+                          "API, which needs a GPU; add --use-pytorch-profiler")

@@ -1,6 +1,6 @@
 """Turn JSONL into Megatron's .bin/.idx token files (Megatron-LM's flags; same bytes).
 
-Example (the README's default dataset):
+Example (the sample dataset of docs/data-and-tokenizers.md):
     python tools/preprocess_data.py --input data/sample.jsonl --output-prefix data/sample \\
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model data/spm4k.model \\
         --append-eod --workers 2

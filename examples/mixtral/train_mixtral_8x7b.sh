@@ -6,7 +6,7 @@
 #   MEGATRON_LITE_CHECK_ARGS=1 bash examples/mixtral/train_mixtral_8x7b.sh    # validate the flags only
 #
 # The mixture-of-experts flags are Megatron-LM's (--num-experts, --moe-router-topk, --moe-grouped-gemm,
-# --expert-model-parallel-size, ...; README "Mixture of experts").
+# --expert-model-parallel-size, ...; docs/mixture-of-experts.md).
 #
 # Layout, TP 1 x PP 4 x DP 16, with the 8 experts of each layer spread over EP 8 (a subgroup of DP):
 #   - 46.7e9 parameters, 45e9 of them in experts. Per GPU: 1/4 of the layers (PP 4), 1 expert of 8

@@ -21,7 +21,7 @@ import warnings
 
 import torch.distributed as dist
 
-from ..training.logging import is_logging_rank
+from ..console import is_logging_rank
 from .dist import common_payload, rank_pieces
 from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME
 from .format import (

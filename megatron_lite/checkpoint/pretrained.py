@@ -29,9 +29,9 @@ import os
 
 import torch
 
+from ..console import print_rank_0
 from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
-from ..training.logging import print_rank_0
 from .arch import check_architecture
 from .boxes import full_shape, region
 from .dist import load_weights, rank_tensors

@@ -24,9 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..console import is_logging_rank, print_rank_0
 from ..errors import raised_on_every_rank
 from ..parallel.fsdp import full_params
-from ..training.logging import is_logging_rank, print_rank_0
 from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common

@@ -53,7 +53,13 @@ def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     """GPT's layers: pre-norm self-attention with dot-product core attention and the dense MLP, or
     the MoE layer in the layers ``--moe-layer-freq`` selects when the model has experts. Under
     context parallelism the core attention is the context-parallel one (ring / a2a / allgather);
-    with ``--multi-latent-attention`` the attention block is MLA (:mod:`~megatron_lite.models.mla`)."""
+    with ``--multi-latent-attention`` the attention block is MLA (:mod:`~megatron_lite.models.mla`).
+    With ``--spec MODULE NAME`` (``config.spec``, saved with checkpoints) the user's spec instead, so
+    every tool that builds a model from a config builds that one (:mod:`~megatron_lite.models.spec_plugin`)."""
+    if getattr(config, "spec", None):
+        from .spec_plugin import load_spec  # it imports this module
+
+        return load_spec(*config.spec)
     attention = {"core_attention": ContextParallelAttention} if getattr(config, "context_parallel_size", 1) > 1 else {}
     if getattr(config, "multi_latent_attention", False):
         attention["self_attention"] = MLASelfAttention

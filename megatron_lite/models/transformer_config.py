@@ -92,6 +92,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
     recompute_method: str | None = None  # with full: uniform or block
     recompute_num_layers: int | None = None  # with full: layers per group (uniform) / per chunk (block); default 1
     expert_model_parallel_size: int = 1  # experts are split over this many data-parallel ranks
+    spec: list[str] | None = None  # --spec MODULE NAME: the user's layer spec (models/spec_plugin.py)
     # FP8 (fp8 = None: every GEMM in params_dtype) ----------------------------------------------
     fp8: str | None = None  # format: e4m3, or hybrid (E4M3 forward, E5M2 gradients)
     fp8_recipe: str = "delayed"  # delayed or tensorwise scaling

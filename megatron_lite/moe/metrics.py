@@ -27,10 +27,14 @@ def routers(chunks) -> list[TopKRouter]:
 
 
 def set_aux_loss_backward_scale(chunks, scale: float) -> None:
-    """The gradient the router losses receive: what the main loss is multiplied by before backward
-    (loss scale / number of micro-batches, times the context-parallel size)."""
-    for router in routers(chunks):
-        router.aux_loss_backward_scale = scale
+    """The gradient auxiliary losses receive: what the main loss is multiplied by before backward
+    (loss scale / number of micro-batches, times the context-parallel size). Set on every module
+    with an ``aux_loss_backward_scale`` attribute: the routers, and any module of a layer spec that
+    attaches a loss of its own with :func:`~megatron_lite.moe.aux_loss.attach_loss`."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "aux_loss_backward_scale"):
+                module.aux_loss_backward_scale = scale
 
 
 def tracked_loss_names(config) -> list[str]:

@@ -30,24 +30,12 @@ import sys
 from datetime import datetime
 
 import torch
-import torch.distributed as dist
 
+from ..console import is_logging_rank
 from ..device import get_device
 from ..perf.numbers import figure
 from .timers import format_timers
 from .writers import build_writer, check_wandb_available
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def print_rank_0(message: str) -> None:
-    """Print on global rank 0 only (every rank when torch.distributed is not initialised)."""
-    if _rank_and_world()[0] == 0:
-        print(message, flush=True)
 
 
 def peak_memory_bytes() -> tuple[str, int]:
@@ -58,11 +46,6 @@ def peak_memory_bytes() -> tuple[str, int]:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return "mem-max-rss-bytes", int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def is_logging_rank(state) -> bool:
-    """The rank that prints training lines: last pipeline stage, TP rank 0, DP rank 0 (CP rank 0)."""
-    return state.is_last_stage() and state.tp_rank == 0 and state.dp_rank == 0 and state.cp_rank == 0
 
 
 def _is_nan_or_inf(value: float) -> bool:

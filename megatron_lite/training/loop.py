@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
+from ..console import print_rank_0
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
@@ -41,7 +42,7 @@ from ..perf.flops import num_floating_point_operations
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
-from .logging import TrainLogger, print_rank_0
+from .logging import TrainLogger
 from .outputs import check_output_locations
 from .profiler import StepProfiler
 from .timers import Timers
@@ -153,8 +154,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     moe = bool(config.moe.num_experts)
-    if moe:  # router losses get the main loss's backward factor: loss scale / micro-batches (x CP)
-        set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
+    # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
+    set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     with timers.phase("forward-backward"):
         reported = forward_backward(

@@ -11,7 +11,7 @@ and the time per category (GEMM, attention, elementwise, optimizer, copies, comm
 
 Without ``--use-pytorch-profiler`` Megatron drives Nsight Systems: the CUDA profiler API is
 started and stopped around the same window (run under ``nsys profile --capture-range=cudaProfilerApi``).
-That needs a GPU; on a CPU the flag combination is refused (see :func:`check_profile_flags`).
+That needs a GPU; on a CPU the flag combination is refused (see :func:`megatron_lite.logging_config.check_profile_flags`).
 """
 
 from __future__ import annotations
@@ -20,25 +20,9 @@ import os
 
 import torch
 
-from ..errors import ConfigError
 from ..perf.op_categories import category_breakdown, format_breakdown
 
 DEFAULT_PROFILE_DIR = "profile"
-
-
-def check_profile_flags(logging, world_size: int, gpu: bool) -> None:
-    """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work."""
-    if not logging.profile:
-        return
-    if not 0 <= logging.profile_step_start < logging.profile_step_end:
-        raise ConfigError(f"--profile needs 0 <= --profile-step-start ({logging.profile_step_start}) < "
-                          f"--profile-step-end ({logging.profile_step_end})")
-    bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
-    if bad:
-        raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a rank of this run (world size {world_size})")
-    if not logging.use_pytorch_profiler and not gpu:
-        raise ConfigError("--profile without --use-pytorch-profiler drives Nsight Systems through the CUDA profiler "
-                          "API, which needs a GPU; add --use-pytorch-profiler")
 
 
 class StepProfiler:

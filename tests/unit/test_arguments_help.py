@@ -51,8 +51,8 @@ def test_every_list_flag_takes_several_values():
     flags = _list_fields()
     assert {"--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type", "--data-path"} <= set(flags)
     actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
-    for flag in flags:
-        assert actions[flag].nargs == "+", flag
+    for flag in flags:  # --spec MODULE NAME: exactly two (its field says so in its metadata)
+        assert actions[flag].nargs == (2 if flag == "--spec" else "+"), flag
     config = parse_args(["--mock-data", "--vocab-size", "64", "--num-experts", "4",
                          "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
                          "--moe-aux-loss-coeff", "1e-2", "1e-3", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"],
@@ -81,7 +81,7 @@ def _one_line_exit_2(capsys, argv, *words, world_size=1):
     (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'"]),
     (["--num-layers", "four"], ["--num-layers", "invalid int value"]),
     (["--lr"], ["--lr", "expected one argument"]),
-    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # README: refused, not ignored
+    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # docs/training.md: refused, not ignored
 ])
 def test_argparse_errors_are_one_line(capsys, argv, words):
     line = _one_line_exit_2(capsys, argv, *words)

@@ -184,14 +184,14 @@ def test_sbatch_requeues_only_after_a_clean_early_exit(tmp_path, latest, srun_rc
 
 
 def test_single_node_launches_pick_a_free_port():
-    """No test, example or README command launches torchrun on a fixed port (it collides with any other
+    """No test, example, README or docs command launches torchrun on a fixed port (it collides with any other
     job on the machine): one node uses ``--standalone``; a multi-node port comes from the environment."""
     import re
 
     # a number, or a default other than the multi-node MASTER_PORT's (which every node must agree on)
     fixed = re.compile(r"""master[-_]port["'\s,=]+["']?(\$\{(?!MASTER_PORT)\w+:-)?\d""", re.IGNORECASE)
     found = []
-    for top in ("tests", "examples", "README.md", "pretrain_gpt.py", "pretrain_bert.py"):
+    for top in ("tests", "examples", "README.md", "docs", "pretrain_gpt.py", "pretrain_bert.py"):
         path = os.path.join(ROOT, top)
         files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
         for name in files:

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_lite.config import Config
+from megatron_lite.console import is_logging_rank, print_rank_0
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training.logging import TrainLogger, is_logging_rank, print_rank_0
+from megatron_lite.training.logging import TrainLogger
 
 NUM = r"[-+]?\d+\.\d+"
 SCI = r"[-+]?\d\.\d{6}E[-+]\d{2}"

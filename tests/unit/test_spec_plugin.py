@@ -1,0 +1,180 @@
+"""--spec MODULE NAME: a layer spec from the user's own module (a LayerSpec or a function
+layer_number -> LayerSpec, by dotted name or .py path); every way it can be wrong is refused in one
+line naming --spec, exit code 2, before any model is built; and pretrain_gpt.py / pretrain_bert.py
+build every layer from it."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pretrain_bert
+import pretrain_gpt
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ConfigError
+from megatron_lite.models.spec import LayerSpec
+from megatron_lite.models.spec_plugin import load_spec
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--vocab-size", "123", "--make-vocab-size-divisible-by", "8", "--mock-data", "--lr", "1e-2",
+    "--log-interval", "1", "--eval-iters", "0", "--micro-batch-size", "2", "--global-batch-size", "2",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "2",
+]
+
+SPECS = '''
+import torch
+from megatron_lite.models.spec import LayerSpec
+from megatron_lite.models.mlp import MLP
+
+CALLS = []
+
+
+class ZeroMLP(torch.nn.Module):
+    """An MLP that adds nothing: a layer built from it has no MLP parameters."""
+
+    def __init__(self, config, state, layer_number):
+        super().__init__()
+
+    def forward(self, hidden):
+        return torch.zeros_like(hidden)
+
+
+default = LayerSpec()
+no_mlp = LayerSpec(mlp=ZeroMLP)
+
+
+def every_other(layer_number):
+    CALLS.append(layer_number)
+    return no_mlp if layer_number % 2 == 0 else default
+
+
+def not_a_spec(layer_number):
+    return "mlp"
+
+
+def raises(layer_number):
+    raise KeyError(layer_number)
+
+
+number = 3
+'''
+
+
+@pytest.fixture()
+def specs(tmp_path, monkeypatch):
+    """my_specs.py, importable both as a file path and (on PYTHONPATH) as ``my_specs_<n>``."""
+    path = tmp_path / "my_specs.py"
+    path.write_text(textwrap.dedent(SPECS))
+    name = f"my_specs_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(SPECS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return str(path), name
+
+
+def test_a_layer_spec_and_a_function_resolve_by_path_and_by_name(specs):
+    path, name = specs
+    assert load_spec(path, "default") == LayerSpec()
+    assert load_spec(name, "default") == LayerSpec()
+    assert callable(load_spec(path, "every_other"))
+    config = parse_args(TINY + ["--spec", name, "every_other"])
+    assert config.model.spec == [name, "every_other"]
+    assert sys.modules[name].CALLS == [1, 2], "the function is checked for every layer at argument time"
+
+
+@pytest.mark.parametrize("module, obj, words", [
+    ("no_such_module_xyz", "default", ["--spec no_such_module_xyz default", "no module named", "PYTHONPATH"]),
+    ("missing/file.py", "default", ["--spec missing/file.py default", "no such file"]),
+    ("PATH", "nope", ["has no attribute nope"]),
+    ("PATH", "number", ["number is a int, not a LayerSpec"]),
+    ("PATH", "LayerSpec", ["LayerSpec is a type, not a LayerSpec"]),
+    ("PATH", "not_a_spec", ["not_a_spec(1) returned a str, not a LayerSpec"]),
+    ("PATH", "raises", ["raises(1) raised KeyError"]),
+])
+def test_each_wrong_spec_is_refused_in_one_line(specs, capsys, module, obj, words):
+    module = specs[0] if module == "PATH" else module
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--spec", module, obj])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in ["--spec"] + words:
+        assert w in lines[0], lines[0]
+
+
+def test_a_module_that_fails_to_import_is_refused(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import torch\nraise RuntimeError('half-written plug-in')\n")
+    with pytest.raises(ConfigError, match=r"--spec .*broken.py x: importing .* failed: RuntimeError: half-written"):
+        load_spec(str(bad), "x")
+    assert "megatron_lite_spec_broken" not in sys.modules
+
+
+@pytest.mark.parametrize("flags, world, words", [
+    (["--context-parallel-size", "2"], 2, ["DotProductAttention", "ContextParallelAttention"]),
+    (["--num-experts", "2"], 1, ["--num-experts", "MoELayer"]),
+    (["--multi-latent-attention", "--position-embedding-type", "rope"], 1,
+     ["--multi-latent-attention", "MLASelfAttention"]),
+])
+def test_a_spec_that_would_drop_a_flag_is_refused(specs, capsys, flags, world, words):
+    parse_args(TINY + flags, world_size=world)  # valid without --spec
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + flags + ["--spec", specs[0], "default"], world_size=world)
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    for w in ["--spec"] + words:
+        assert w in line, line
+
+
+def _mlp_params(result_model) -> dict[int, int]:
+    return {layer.layer_number: sum(p.numel() for p in layer.mlp.parameters()) for layer in result_model.decoder.layers}
+
+
+def test_pretrain_gpt_builds_every_layer_from_the_spec(specs, monkeypatch):
+    path, _ = specs
+    built = []
+    original = pretrain_gpt.model_provider
+
+    def spy(config, state):
+        chunks = original(config, state)
+        built.extend(chunks)
+        return chunks
+
+    monkeypatch.setattr(pretrain_gpt, "model_provider", spy)
+    same = pretrain_gpt.main(TINY + ["--spec", path, "default"]).losses
+    plain = pretrain_gpt.main(TINY).losses
+    assert same == plain, "--spec with the default LayerSpec trains exactly as without it"
+    custom = pretrain_gpt.main(TINY + ["--spec", path, "every_other"]).losses
+    assert custom != plain and all(torch.isfinite(torch.tensor(custom)))
+    counts = _mlp_params(built[-1])
+    assert counts[2] == 0 and counts[1] > 0, counts  # layer 2 got ZeroMLP, layer 1 the default MLP
+
+
+def test_pretrain_bert_takes_the_spec(specs):
+    from megatron_lite.parallel.state import ParallelState
+
+    config = parse_args(TINY + ["--spec", specs[0], "no_mlp"], extra_sections={"bert": pretrain_bert.BertConfig})
+    pretrain_bert.set_vocab(config, pretrain_bert.build_tokenizer_for(config))
+    (chunk,) = pretrain_bert.model_provider(config, ParallelState())
+    assert all(sum(p.numel() for p in layer.mlp.parameters()) == 0 for layer in chunk.encoder.layers)
+
+
+def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
+    """The spec is saved with the checkpoint's flags: the tools that rebuild a model from a checkpoint
+    (tools/generate.py, the converter's loader) build the spec's layers, not the stock ones."""
+    from megatron_lite.checkpoint import load_gpt_checkpoint
+
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(TINY + ["--spec", specs[0], "every_other", "--save", save])
+    model, saved = load_gpt_checkpoint(save)
+    assert saved["spec"] == [specs[0], "every_other"]
+    counts = {layer.layer_number: sum(p.numel() for p in layer.mlp.parameters()) for layer in model.decoder.layers}
+    assert counts[2] == 0 and counts[1] > 0, counts
+    # the converter builds the spec's layers too (the stock model would miss layer 2's MLP weights)
+    from megatron_lite.checkpoint.convert import build_parser, convert
+
+    out = str(tmp_path / "tp2")
+    convert(build_parser().parse_args(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron",
+                                       "--load-dir", save, "--save-dir", out, "--target-tensor-parallel-size", "2"]))
+    assert load_gpt_checkpoint(out)[1]["spec"] == [specs[0], "every_other"]

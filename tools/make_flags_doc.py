@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Write docs/flags.md: every flag of pretrain_gpt.py and pretrain_bert.py, generated from the config
+dataclasses (through the same argparse parser the scripts build), so the reference cannot drift.
+
+    python tools/make_flags_doc.py            # rewrite docs/flags.md
+    python tools/make_flags_doc.py --check    # exit 1 (and say so) when docs/flags.md is out of date
+
+Each section is one config dataclass; each row is a flag, what it takes (its choices, or N / X /
+VALUE for an integer / a number / a string), its default and its help text (the string literal
+under the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_lite.arguments import build_parser  # noqa: E402
+from megatron_lite.errors import OneLineParser  # noqa: E402
+
+OUTPUT = os.path.join(ROOT, "docs", "flags.md")
+HEADER = """# Flags reference
+
+You want to know what a flag of `pretrain_gpt.py` / `pretrain_bert.py` does, what it takes and its
+default. This page is generated from the config dataclasses by `python tools/make_flags_doc.py`
+(a test fails when it is out of date); `python pretrain_gpt.py --help` prints the same. Flags keep
+Megatron-LM's names and defaults. A switch that is on by default also has a `--no-` form.
+Where each group is explained: [training](training.md), [parallelism](parallelism.md),
+[mixture of experts](mixture-of-experts.md), [precision and FP8](precision-and-fp8.md),
+[checkpoints](checkpoints.md), [data and tokenizers](data-and-tokenizers.md),
+[fine-tuning](fine-tuning.md), [performance](performance.md), [BERT](bert.md).
+"""
+SECTION_NOTES = {"bert": "`pretrain_bert.py` only."}
+
+
+def _cell(text: str) -> str:
+    return text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+
+
+def _takes(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.choices:
+        one = "{" + ",".join(map(str, action.choices)) + "}"
+    elif isinstance(action.metavar, tuple):
+        return " ".join(action.metavar)
+    else:
+        one = action.metavar or "VALUE"
+    return f"{one} [...]" if action.nargs in ("+", "*") else one
+
+
+def _help_and_default(action: argparse.Action) -> tuple[str, str]:
+    text = _cell(action.help or "")
+    marker = " (default: "
+    if text.endswith(")") and marker in text:
+        text, default = text.rsplit(marker, 1)
+        return text, default[:-1]
+    return text, ""
+
+
+def render() -> str:
+    import pretrain_bert
+
+    parser = build_parser(extra_sections={"bert": pretrain_bert.BertConfig})
+    out = [HEADER]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        out.append(f"\n## {group.title}\n")
+        if group.title in SECTION_NOTES:
+            out.append(SECTION_NOTES[group.title] + "\n")
+        out.append("| flag | takes | default | what it does |\n|---|---|---|---|")
+        for action in actions:
+            flags = " / ".join(f"`{s}`" for s in action.option_strings)
+            takes = _takes(action)
+            help_text, default = _help_and_default(action)
+            out.append(f"| {flags} | {f'`{takes}`' if takes else ''} | {_cell(default)} | {help_text} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="Only check that docs/flags.md is up to date.")
+    parser.add_argument("--output", default=OUTPUT, help="Where to write (default: docs/flags.md).")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = open(args.output, encoding="utf-8").read() if os.path.exists(args.output) else ""
+        if current != text:
+            print(f"{os.path.relpath(args.output, ROOT)} is out of date: run python tools/make_flags_doc.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    tmp = args.output + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, args.output)
+    print(f"wrote {os.path.relpath(args.output, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
