@@ -18,12 +18,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> None:
-    from lm_eval.__main__ import cli_evaluate
+def main(argv=None) -> None:
+    """lm-eval's own command line (``argv``, default ``sys.argv[1:]``); a bad flag is one line, exit 2."""
+    from lm_eval.__main__ import HarnessCLI, setup_logging
 
     import megatron_lite.inference.lm_eval_backend  # noqa: F401 - registers --model megatron_lite
 
-    cli_evaluate()
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    setup_logging()
+    cli = HarnessCLI()
+    for parser in [cli._parser, *cli._subparsers.choices.values()]:
+        parser.error = _one_line_error(parser)
+    cli.execute(cli.parse_args())
+
+
+def _one_line_error(parser):
+    return lambda message: parser.exit(2, f"{parser.prog}: error: {message} (--help lists the flags)\n")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ def put(url: str, body: dict) -> tuple[int, dict]:
 
 def main(argv=None, read=input) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python tools/text_generation_cli.py HOST:PORT", file=sys.stderr)
-        return 2
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("text_generation_cli.py: error: takes one argument, the server's HOST:PORT "
+              f"(got {' '.join(argv) or 'none'})", file=sys.stderr)
+        raise SystemExit(2)
     url = f"http://{argv[0]}/api" if "://" not in argv[0] else f"{argv[0]}/api"
     while True:
         try:

@@ -191,6 +191,10 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     """Write ``bundle`` as a Hugging Face folder (config.json with the special-token ids, safetensors,
     generation_config.json, the tokenizer AutoTokenizer reads back to our ids); returns the folder
     and, on a second line, what was written as the tokenizer (or why none)."""
+    if bundle.config.get("spec"):
+        module, name = bundle.config["spec"]
+        raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
+                          "Face export writes stock layers and would not compute your model: export is refused")
     style = pick_style(bundle.config, style)
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)

@@ -128,7 +128,8 @@ def test_run_lm_eval_runs_lm_eval_with_the_backend_registered(monkeypatch):
     from tests.tools import load_tool
 
     seen = []
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append((get_model("megatron_lite"),
-                                                                                get_model("hf"))))
-    load_tool("run_lm_eval").main()
-    assert [cls.__name__ for cls in seen[0]] == ["MegatronLiteLM", "HFLM"]
+    monkeypatch.setattr(lm_eval.__main__.HarnessCLI, "execute", lambda self, args: seen.append(
+        (get_model("megatron_lite"), get_model("hf"), args.model)))
+    load_tool("run_lm_eval").main(["--model", "megatron_lite", "--model_args", "load=x", "--tasks", "t"])
+    assert [cls.__name__ for cls in seen[0][:2]] == ["MegatronLiteLM", "HFLM"]
+    assert seen[0][2] == "megatron_lite"  # lm-eval's own arguments (its legacy form: 'run' inserted)

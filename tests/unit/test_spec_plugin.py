@@ -3,6 +3,7 @@ layer_number -> LayerSpec, by dotted name or .py path); every way it can be wron
 line naming --spec, exit code 2, before any model is built; and pretrain_gpt.py / pretrain_bert.py
 build every layer from it."""
 
+import os
 import sys
 import textwrap
 
@@ -178,3 +179,8 @@ def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
     convert(build_parser().parse_args(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron",
                                        "--load-dir", save, "--save-dir", out, "--target-tensor-parallel-size", "2"]))
     assert load_gpt_checkpoint(out)[1]["spec"] == [specs[0], "every_other"]
+    # a Hugging Face export would write stock layers: refused, nothing written
+    hf = str(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="trained with --spec .* every_other.*export is refused"):
+        convert(build_parser().parse_args(["--model-type", "GPT", "--saver", "hf", "--load-dir", save, "--save-dir", hf]))
+    assert not os.path.exists(hf)
