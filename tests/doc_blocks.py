@@ -190,11 +190,16 @@ def _capture_parser():
         argparse.ArgumentParser.parse_args = original
 
 
+WRAPPERS = ("tools/run_lm_eval.py",)  # lm-eval's own command line (subcommands, its legacy form)
+
+
 @functools.cache
 def tool_parser(script: str) -> argparse.ArgumentParser | None:
     """The argparse parser a tool's ``main`` builds (caught at its parse_args: nothing else runs), or
-    None for a tool whose ``main`` takes no arguments (a wrapper handing sys.argv to another program's
-    command line, such as tools/run_lm_eval.py: only its paths are checked)."""
+    None for a wrapper handing its arguments to another program's command line (WRAPPERS) or a tool
+    whose ``main`` takes no arguments: only its paths are checked."""
+    if script in WRAPPERS:
+        return None
     main = runpy.run_path(os.path.join(ROOT, script), run_name="doc_check")["main"]
     if not inspect.signature(main).parameters:
         return None
