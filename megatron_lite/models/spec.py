@@ -19,11 +19,17 @@ parallel linear asks ``config.make_gemm`` (see :class:`~megatron_lite.models.tra
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
+from ..errors import ConfigError
 from ..moe.config import moe_layer_pattern
 from ..moe.layer import MoELayer
 from ..parallel.context import ContextParallelAttention
@@ -55,10 +61,9 @@ def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     context parallelism the core attention is the context-parallel one (ring / a2a / allgather);
     with ``--multi-latent-attention`` the attention block is MLA (:mod:`~megatron_lite.models.mla`).
     With ``--spec MODULE NAME`` (``config.spec``, saved with checkpoints) the user's spec instead, so
-    every tool that builds a model from a config builds that one (:mod:`~megatron_lite.models.spec_plugin`)."""
+    every tool that builds a model from a config builds that one (:func:`load_spec`; checked against
+    the other flags by :mod:`~megatron_lite.models.spec_plugin`)."""
     if getattr(config, "spec", None):
-        from .spec_plugin import load_spec  # it imports this module
-
         return load_spec(*config.spec)
     attention = {"core_attention": ContextParallelAttention} if getattr(config, "context_parallel_size", 1) > 1 else {}
     if getattr(config, "multi_latent_attention", False):
@@ -74,3 +79,53 @@ def bert_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     """BERT's layers (Megatron's BERT is pre-LayerNorm like GPT): the same parts as GPT's, experts
     included; the bidirectional padding mask is the block's ``attn_mask_type``, not a different module."""
     return gpt_layer_spec(config)
+
+
+# --spec MODULE NAME: the user's spec, loaded here (its checks against the other flags: spec_plugin.py)
+def spec_flag(module: str, name: str) -> str:
+    return f"--spec {module} {name}"
+
+
+def _import(module: str, name: str):
+    """The module ``module`` names: a .py file path, or a dotted name on sys.path."""
+    if module.endswith(".py") or os.sep in module:
+        if not os.path.isfile(module):
+            raise ConfigError(f"{spec_flag(module, name)}: no such file {module}")
+        stem = os.path.splitext(os.path.basename(module))[0]
+        loader_spec = importlib.util.spec_from_file_location(f"megatron_lite_spec_{stem}", module)
+        loaded = importlib.util.module_from_spec(loader_spec)
+        sys.modules[loader_spec.name] = loaded  # dataclasses and pickling look classes up here
+        try:
+            loader_spec.loader.exec_module(loaded)
+        except BaseException:
+            sys.modules.pop(loader_spec.name, None)
+            raise
+        return loaded
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name and module.startswith(err.name):  # the module itself, not one it imports
+            raise ConfigError(f"{spec_flag(module, name)}: no module named {module} on PYTHONPATH; add its folder to "
+                              "PYTHONPATH or give the path of its .py file") from None
+        raise
+
+
+@functools.cache
+def load_spec(module: str, name: str):
+    """The LayerSpec or ``layer_number -> LayerSpec`` function ``NAME`` of ``MODULE`` (imported once)."""
+    try:
+        loaded = _import(module, name)
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's module raised while importing
+        raise ConfigError(f"{spec_flag(module, name)}: importing {module} failed: "
+                          f"{type(err).__name__}: {err}".splitlines()[0]) from None
+    if not hasattr(loaded, name):
+        raise ConfigError(f"{spec_flag(module, name)}: {module} has no attribute {name}")
+    obj = getattr(loaded, name)
+    if isinstance(obj, LayerSpec):
+        return obj
+    if callable(obj) and not isinstance(obj, type):
+        return obj
+    raise ConfigError(f"{spec_flag(module, name)}: {name} is a {type(obj).__name__}, not a LayerSpec or a function "
+                      "layer_number -> LayerSpec")

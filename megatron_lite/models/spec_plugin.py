@@ -15,64 +15,9 @@ MLA).
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
-import sys
-
 from ..errors import ConfigError
 from .attention import DotProductAttention
-from .spec import LayerSpec, resolve_spec
-
-
-def _flag(module: str, name: str) -> str:
-    return f"--spec {module} {name}"
-
-
-def _import(module: str, name: str):
-    """The module ``module`` names: a .py file path, or a dotted name on sys.path."""
-    if module.endswith(".py") or os.sep in module:
-        if not os.path.isfile(module):
-            raise ConfigError(f"{_flag(module, name)}: no such file {module}")
-        stem = os.path.splitext(os.path.basename(module))[0]
-        loader_spec = importlib.util.spec_from_file_location(f"megatron_lite_spec_{stem}", module)
-        loaded = importlib.util.module_from_spec(loader_spec)
-        sys.modules[loader_spec.name] = loaded  # dataclasses and pickling look classes up here
-        try:
-            loader_spec.loader.exec_module(loaded)
-        except BaseException:
-            sys.modules.pop(loader_spec.name, None)
-            raise
-        return loaded
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):  # the module itself, not one it imports
-            raise ConfigError(f"{_flag(module, name)}: no module named {module} on PYTHONPATH; add its folder to "
-                              "PYTHONPATH or give the path of its .py file") from None
-        raise
-
-
-@functools.cache
-def load_spec(module: str, name: str):
-    """The LayerSpec or ``layer_number -> LayerSpec`` function ``NAME`` of ``MODULE`` (imported once)."""
-    try:
-        loaded = _import(module, name)
-    except ConfigError:
-        raise
-    except Exception as err:  # the user's module raised while importing
-        raise ConfigError(f"{_flag(module, name)}: importing {module} failed: "
-                          f"{type(err).__name__}: {err}".splitlines()[0]) from None
-    if not hasattr(loaded, name):
-        raise ConfigError(f"{_flag(module, name)}: {module} has no attribute {name}")
-    obj = getattr(loaded, name)
-    if isinstance(obj, LayerSpec):
-        return obj
-    if callable(obj) and not isinstance(obj, type):
-        return obj
-    raise ConfigError(f"{_flag(module, name)}: {name} is a {type(obj).__name__}, not a LayerSpec or a function "
-                      "layer_number -> LayerSpec")
+from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
 
 def _is(factory, cls) -> bool:
@@ -86,10 +31,10 @@ def layer_specs(module: str, name: str, num_layers: int) -> list[LayerSpec]:
         try:
             one = resolve_spec(spec, layer)
         except Exception as err:
-            raise ConfigError(f"{_flag(module, name)}: {name}({layer}) raised {type(err).__name__}: "
+            raise ConfigError(f"{spec_flag(module, name)}: {name}({layer}) raised {type(err).__name__}: "
                               f"{err}".splitlines()[0]) from None
         if not isinstance(one, LayerSpec):
-            raise ConfigError(f"{_flag(module, name)}: {name}({layer}) returned a {type(one).__name__}, "
+            raise ConfigError(f"{spec_flag(module, name)}: {name}({layer}) returned a {type(one).__name__}, "
                               "not a LayerSpec")
         specs.append(one)
     return specs
@@ -105,7 +50,7 @@ def check_spec(config) -> None:
         return
     module, name = config.model.spec
     specs = layer_specs(module, name, config.model.num_layers)
-    flag = _flag(module, name)
+    flag = spec_flag(module, name)
     if config.parallel.context_parallel_size > 1 and any(_is(s.core_attention, DotProductAttention) for s in specs):
         raise ConfigError(f"{flag}: core_attention is DotProductAttention (or a subclass), which sees only this rank's part of the "
                           "sequence; with --context-parallel-size > 1 use megatron_lite.parallel.context."

@@ -19,20 +19,10 @@ from megatron_lite.config import Config
 from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.data_parallel import finalize_model_grads
 from megatron_lite.parallel.fsdp import wrap_for_data_parallel
+from tests.distributed.test_fsdp import _Block
 from tests.harness import cached_state, run_ranks
 
 MICRO_BATCHES = 2
-
-
-class _Block(nn.Module):
-    sharding_unit = True
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 class _Toy(nn.Module):

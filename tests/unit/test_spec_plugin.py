@@ -14,8 +14,7 @@ import pretrain_bert
 import pretrain_gpt
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
-from megatron_lite.models.spec import LayerSpec
-from megatron_lite.models.spec_plugin import load_spec
+from megatron_lite.models.spec import LayerSpec, load_spec
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
