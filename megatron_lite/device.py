@@ -81,6 +81,15 @@ def owns_process_group() -> bool:
     return _OWNS_PROCESS_GROUP and dist.is_initialized()
 
 
+_AT_SHUTDOWN: list = []
+
+
+def call_at_shutdown(fn) -> None:
+    """Have :func:`shutdown_distributed` call ``fn()`` right after destroying the groups (a module
+    holding references to groups, such as parallel/state.py's group cache, drops them there)."""
+    _AT_SHUTDOWN.append(fn)
+
+
 def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """End the process groups :func:`init_distributed` made (nothing if it found one already, as in a
     test's process pool): a barrier (``wait_for_peers``: every rank is past its last collective), then
@@ -92,15 +101,14 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
     finalisation; freeing it takes the GIL, which a finalising interpreter refuses, and the process
     aborts ("terminate called without an active exception", exit -6) or hangs after a finished run.
     """
-    from .parallel.state import forget_groups
-
     global _OWNS_PROCESS_GROUP
     if not owns_process_group():
         return
     if wait_for_peers:
         dist.barrier()
     dist.destroy_process_group()
-    forget_groups()  # the per-process group cache (a pool worker's, whose harness owns the group, is kept)
+    for fn in _AT_SHUTDOWN:  # e.g. the per-process group cache (a pool worker's, whose harness owns the group, is kept)
+        fn()
     _OWNS_PROCESS_GROUP = False
     gc.collect()  # the subgroups' last references (in reference cycles): their destructors join the threads
 

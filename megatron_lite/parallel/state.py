@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
+from ..device import call_at_shutdown
 from .random import RNGStatesTracker
 
 # Outermost first; the rank is the mixed-radix number of its coordinates in this order.
@@ -65,9 +66,12 @@ def _group_of(ranks: list[int]) -> dist.ProcessGroup:
 
 def forget_groups() -> None:
     """Drop the cached groups (their default group is being destroyed): with no reference left,
-    collecting them joins their communication threads (see device.shutdown_distributed)."""
+    collecting them joins their communication threads (called by device.shutdown_distributed)."""
     _GROUPS.clear()
     _GROUPS_WORLD[0] = None
+
+
+call_at_shutdown(forget_groups)
 
 
 class ParallelConfigError(ValueError):
