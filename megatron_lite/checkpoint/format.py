@@ -22,8 +22,10 @@ import os
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from ..config import ARCHITECTURE_FLAGS
+from ..errors import raised_on_every_rank
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -276,3 +278,24 @@ def checkpoint_config(path: str) -> dict:
     for key in ("iteration", "tp_size", "pp_size", "vpp_size"):
         out.setdefault(key, ckpt.get(key))
     return out
+
+
+def on_every_rank(step):
+    """Run ``step()`` (local work, no collectives inside) on every rank; if it raises CheckpointError on
+    any rank, raise the same error (the lowest failing rank's message) on every rank.
+
+    So a checkpoint one rank refuses stops every rank cleanly with one message, instead of the other
+    ranks dying in their next collective.
+    """
+    error, result = None, None
+    try:
+        result = step()
+    except CheckpointError as err:
+        error = str(err)
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise raised_on_every_rank(CheckpointError(error))
+    return result

@@ -30,12 +30,13 @@ def is_frozen(value) -> bool:
     return isinstance(value, nn.Parameter) and not value.requires_grad
 
 
-def _inner(chunk):
+def unwrap(chunk):
+    """The module inside a data-parallel wrapper (or the chunk itself)."""
     return getattr(chunk, "module", chunk)
 
 
 def has_frozen(chunks) -> bool:
-    return any(is_frozen(p) for c in chunks for p in _inner(c).parameters())
+    return any(is_frozen(p) for c in chunks for p in unwrap(c).parameters())
 
 
 def frozen_names(module) -> set[str]:
@@ -80,29 +81,16 @@ def base_reference(folder: str) -> dict:
     return {"folder": folder, "iteration": os.path.basename(folder), "fingerprint": _fingerprint(folder)}
 
 
-def trainable_may_be_missing(chunks, state):
-    """With frozen parameters: a predicate accepting the names (chunk-local or global) of the
-    parameters that train, which a base checkpoint does not have (None when nothing is frozen)."""
-    if not has_frozen(chunks):
-        return None
-    from .dist import rank_tensors
-
-    names = {t.name for t in rank_tensors(chunks, state)[0] if isinstance(t.value, nn.Parameter) and t.value.requires_grad}
-    names |= {k for c in chunks for k, v in _inner(c).state_dict(keep_vars=True).items()
-              if isinstance(v, nn.Parameter) and v.requires_grad}
-    return names.__contains__
-
-
 def set_base(chunks, reference: dict | None) -> None:
     for chunk in chunks:
-        _inner(chunk).frozen_base = reference
+        unwrap(chunk).frozen_base = reference
 
 
 def base_of(chunks) -> dict | None:
     """The base reference to save with a model that has frozen parameters (None: nothing is frozen)."""
     if not has_frozen(chunks):
         return None
-    reference = getattr(_inner(chunks[0]), "frozen_base", None)
+    reference = getattr(unwrap(chunks[0]), "frozen_base", None)
     if reference is None:
         raise CheckpointError("the model has frozen parameters (LoRA) but no base checkpoint was loaded, so a "
                               "checkpoint could not restore them; start from --pretrained-checkpoint")
@@ -112,37 +100,8 @@ def base_of(chunks) -> dict | None:
 def require_base(chunks, load: str | None) -> None:
     """After loading: a model with frozen parameters must have its base loaded (else it trains
     adapters on random weights that no checkpoint could restore)."""
-    if has_frozen(chunks) and getattr(_inner(chunks[0]), "frozen_base", None) is None:
+    if has_frozen(chunks) and getattr(unwrap(chunks[0]), "frozen_base", None) is None:
         raise CheckpointError(f"--load {load} holds no checkpoint and no --pretrained-checkpoint was given: LoRA "
                               "needs the base model to adapt; pass --pretrained-checkpoint")
 
 
-def check_base(path: str, saved: dict | None, chunks, pretrained: str | None) -> str | None:
-    """The base folder to load before resuming from checkpoint ``path`` (whose record is ``saved``),
-    or None when there is none to load; one CheckpointError for any mismatch."""
-    frozen = has_frozen(chunks)
-    if saved is None:
-        if frozen:
-            raise CheckpointError(f"checkpoint {path} holds a full model, but this run freezes its base (LoRA); "
-                                  "start from it with --pretrained-checkpoint instead of --load")
-        return None
-    if not frozen:
-        raise CheckpointError(f"checkpoint {path} holds only the trained parameters (LoRA adapters) of the base "
-                              f"{saved['folder']}; resume with the same --lora-* flags, or merge it with "
-                              "tools/checkpoint/convert.py")
-    folder = saved["folder"]
-    if pretrained:
-        from .pretrained import checkpoint_folder
-
-        given, _ = checkpoint_folder(pretrained, "--pretrained-checkpoint")
-        if os.path.abspath(given) != folder and base_reference(given)["fingerprint"] != saved["fingerprint"]:
-            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is not the base checkpoint {path} was "
-                                  f"trained on ({folder}); drop the flag or point it there")
-        folder = os.path.abspath(given)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint {path} was trained on the base {folder}, which is gone; restore it "
-                              "there (or pass its new place as --pretrained-checkpoint)")
-    if base_reference(folder)["fingerprint"] != saved["fingerprint"]:
-        raise CheckpointError(f"the base {folder} of checkpoint {path} has changed since it was trained "
-                              "(its files differ); restore that base")
-    return folder

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from ..console import print_rank_0
 from ..parallel.fsdp import full_params
@@ -42,9 +43,11 @@ from .format import (
     CheckpointError,
     iteration_dir,
     model_file,
+    on_every_rank,
     read_model_file,
     read_tracker,
 )
+from .frozen import base_reference, has_frozen, unwrap
 from .layout import chunk_model
 from .merge import merge_checkpoint
 
@@ -192,6 +195,45 @@ def load_model_weights(chunks, optimizer, path: str, config, state, flag: str = 
                        missing_ok=None) -> str:
     """Load only the model weights of the checkpoint at ``path`` into ``chunks`` (see the module
     docstring); every rank calls it, and a problem on any rank is one CheckpointError on all."""
-    from .training import on_every_rank
-
     return on_every_rank(lambda: load_model_weights_here(chunks, optimizer, path, config, state, flag, missing_ok))
+
+
+# A model with frozen (LoRA) parameters: which of its parameters a base checkpoint lacks, and which base to load
+def trainable_may_be_missing(chunks, state):
+    """With frozen parameters: a predicate accepting the names (chunk-local or global) of the
+    parameters that train, which a base checkpoint does not have (None when nothing is frozen)."""
+    if not has_frozen(chunks):
+        return None
+    names = {t.name for t in rank_tensors(chunks, state)[0] if isinstance(t.value, nn.Parameter) and t.value.requires_grad}
+    names |= {k for c in chunks for k, v in unwrap(c).state_dict(keep_vars=True).items()
+              if isinstance(v, nn.Parameter) and v.requires_grad}
+    return names.__contains__
+
+
+def check_base(path: str, saved: dict | None, chunks, pretrained: str | None) -> str | None:
+    """The base folder to load before resuming from checkpoint ``path`` (whose record is ``saved``),
+    or None when there is none to load; one CheckpointError for any mismatch."""
+    frozen = has_frozen(chunks)
+    if saved is None:
+        if frozen:
+            raise CheckpointError(f"checkpoint {path} holds a full model, but this run freezes its base (LoRA); "
+                                  "start from it with --pretrained-checkpoint instead of --load")
+        return None
+    if not frozen:
+        raise CheckpointError(f"checkpoint {path} holds only the trained parameters (LoRA adapters) of the base "
+                              f"{saved['folder']}; resume with the same --lora-* flags, or merge it with "
+                              "tools/checkpoint/convert.py")
+    folder = saved["folder"]
+    if pretrained:
+        given, _ = checkpoint_folder(pretrained, "--pretrained-checkpoint")
+        if os.path.abspath(given) != folder and base_reference(given)["fingerprint"] != saved["fingerprint"]:
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is not the base checkpoint {path} was "
+                                  f"trained on ({folder}); drop the flag or point it there")
+        folder = os.path.abspath(given)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint {path} was trained on the base {folder}, which is gone; restore it "
+                              "there (or pass its new place as --pretrained-checkpoint)")
+    if base_reference(folder)["fingerprint"] != saved["fingerprint"]:
+        raise CheckpointError(f"the base {folder} of checkpoint {path} has changed since it was trained "
+                              "(its files differ); restore that base")
+    return folder

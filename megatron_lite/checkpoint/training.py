@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from ..console import is_logging_rank, print_rank_0
-from ..errors import raised_on_every_rank
 from ..parallel.fsdp import full_params
 from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
@@ -43,6 +42,7 @@ from .format import (
     iteration_folders,
     load_file,
     model_file,
+    on_every_rank,
     param_meta,
     read_model_file,
     read_tracker,
@@ -53,14 +53,12 @@ from .format import (
 from .frozen import (
     base_of,
     base_reference,
-    check_base,
     load_saved_state,
     require_base,
     saved_state_dict,
     set_base,
-    trainable_may_be_missing,
 )
-from .pretrained import load_model_weights_here
+from .pretrained import check_base, load_model_weights_here, trainable_may_be_missing
 from .rng import get_rng_states, set_rng_states
 
 
@@ -75,27 +73,6 @@ def _barrier() -> None:
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def on_every_rank(step):
-    """Run ``step()`` (local work, no collectives inside) on every rank; if it raises CheckpointError on
-    any rank, raise the same error (the lowest failing rank's message) on every rank.
-
-    So a checkpoint one rank refuses stops every rank cleanly with one message, instead of the other
-    ranks dying in their next collective.
-    """
-    error, result = None, None
-    try:
-        result = step()
-    except CheckpointError as err:
-        error = str(err)
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise raised_on_every_rank(CheckpointError(error))
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
