@@ -14,6 +14,11 @@ printed, and on a CPU without fast bf16 (bf16 peak below fp32's) the bf16 target
 there, which the report says; the full-size bf16 rows are then skipped unless ``--dtypes`` asks.
 
     python benchmarks/bench_step.py [--quick] [--rounds 5] [--threads 2] [--compile] [--profile]
+    python benchmarks/bench_step.py --device cuda --shape gpu --dtypes fp32 bf16 fp8 --compile
+
+On a GPU (``--device cuda``) both sides run there, each step ends with a synchronise, the GEMM
+peaks are 8192-cubed products (fp32 without TF32, as the runs), and ``--shape gpu`` gives a model
+large enough that kernel launches do not dominate the step.
 
 Each step's process CPU time is reported next to its wall time: on a loaded machine the wall time
 mostly measures waiting for a core, and the CPU-time ratio is the steadier figure (the lead reruns on
@@ -37,8 +42,13 @@ from benchmarks.common import describe_machine, timed  # noqa: E402
 from megatron_lite.perf.flops import measure_matmul_peak, num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.op_categories import category_breakdown, format_breakdown  # noqa: E402
 
-FULL = dict(layers=6, hidden=768, heads=12, seq=512, vocab=32768, batch=4)
-QUICK = dict(layers=2, hidden=256, heads=4, seq=128, vocab=8192, batch=2)
+SHAPES = {
+    "issue": dict(layers=6, hidden=768, heads=12, seq=512, vocab=32768, batch=4),
+    "quick": dict(layers=2, hidden=256, heads=4, seq=128, vocab=8192, batch=2),
+    # a GPU-sized model (0.5B parameters) whose step is long enough for launch overheads not to dominate
+    "gpu": dict(layers=8, hidden=2048, heads=16, seq=2048, vocab=50304, batch=4),
+}
+FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
 
 
 def ours_argv(shape: dict, dropout: float, extra=()) -> list[str]:
@@ -74,18 +84,19 @@ def build_ours(shape: dict, dropout: float, extra=()):
     return step, config
 
 
-def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False):
+def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False, device: str = "cpu"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=shape["vocab"], n_positions=shape["seq"], n_embd=shape["hidden"], n_layer=shape["layers"],
                      n_head=shape["heads"], n_inner=4 * shape["hidden"], resid_pdrop=dropout, embd_pdrop=dropout,
                      attn_pdrop=dropout, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg).train()
+    model = GPT2LMHeadModel(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw or None)
     tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step()
@@ -94,8 +105,11 @@ def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False)
     return step
 
 
-def gemm_peaks(threads: int) -> dict[str, float]:
-    """fp32 and bf16 GEMM FLOP/s here; bf16 is first probed at n=512 (it may be emulated and slow)."""
+def gemm_peaks(device: str) -> dict[str, float]:
+    """fp32 and bf16 GEMM FLOP/s here; on a CPU bf16 is first probed at n=512 (it may be emulated and slow)."""
+    if device != "cpu":  # a GPU: n large enough to reach the tensor cores' pace (fp32 without TF32)
+        return {"fp32": measure_matmul_peak(n=8192, device=device),
+                "bf16": measure_matmul_peak(n=8192, dtype=torch.bfloat16, device=device)}
     peaks = {"fp32": measure_matmul_peak(n=2048)}
     bf16 = measure_matmul_peak(n=512, dtype=torch.bfloat16, warmup=1, reps=3)
     if bf16 > 0.5 * peaks["fp32"]:  # fast bf16: measure at full size
@@ -105,24 +119,26 @@ def gemm_peaks(threads: int) -> dict[str, float]:
 
 
 def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
-    """(name, dtype, builder) of every run, in the order of the first round."""
+    """(name, dtype, builder) of every run, in the order of the first round. An FP8 run is ours with
+    FP8 linears (bf16 elsewhere); it is compared with our bf16 step and its MFU is against the bf16 peak."""
     dtypes = args.dtypes or (["fp32", "bf16"] if peaks["bf16"] > peaks["fp32"] else ["fp32"])
     runs = []
     for dtype in dtypes:
-        bf16 = dtype == "bf16"
-        flags = ["--bf16"] if bf16 else []
-        runs.append((f"ours {dtype}", dtype, lambda f=flags: build_ours(shape, args.dropout, f)[0]))
-        if not args.no_hf:
+        bf16 = dtype != "fp32"
+        runs.append((f"ours {dtype}", dtype, lambda f=FLAGS[dtype]: build_ours(shape, args.dropout, f)[0]))
+        if not args.no_hf and dtype != "fp8":
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
-                         lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw)))
+                         lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw, args.device)))
         if args.compile:
             runs.append((f"ours {dtype} --torch-compile", dtype,
-                         lambda f=flags: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
+                         lambda f=FLAGS[dtype]: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
     return runs
 
 
-def time_runs(steps: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall-clock and process CPU seconds of every step, per run."""
+def time_runs(steps: dict, rounds: int, warmup: int, device: str = "cpu") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process CPU seconds of every step, per run (on a GPU each step ends synchronised)."""
+    if device != "cpu":
+        steps = {name: (lambda f=f: (f(), torch.cuda.synchronize())) for name, f in steps.items()}
     names = list(steps)
     for name in names:
         for _ in range(warmup):
@@ -137,23 +153,29 @@ def time_runs(steps: dict, rounds: int, warmup: int) -> tuple[dict[str, list[flo
     return times, cpu
 
 
-def _hf_median(values: dict, dtypes: dict, dtype: str):
+def _baseline(values: dict, dtypes: dict, dtype: str):
+    """The median step a run of ``dtype`` is compared with: Hugging Face's, and for FP8 our bf16 step."""
+    if dtype == "fp8":
+        return statistics.median(values["ours bf16"]) if "ours bf16" in values else None
     return next((statistics.median(v) for n, v in values.items() if n.startswith("HF") and dtypes[n] == dtype), None)
+
+
+PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}
 
 
 def report(times, cpu, dtypes, flops, peaks) -> None:
     """The table. CPU seconds per step (all threads) is the figure to read on a loaded machine, where
     wall time mostly measures waiting for a core."""
-    print("\n| run | step (median) | vs HF same dtype | CPU s per step (median) | vs HF, CPU time | "
-          "MFU vs that dtype's GEMM peak |\n|---|---|---|---|---|---|")
+    print("\n| run | step (median) | vs HF same dtype (FP8: ours bf16) | CPU s per step (median) | vs HF, CPU time | "
+          "MFU vs that dtype's GEMM peak (FP8: bf16's) |\n|---|---|---|---|---|---|")
     for name, t in times.items():
         med, cpu_med = statistics.median(t), statistics.median(cpu[name])
-        hf, hf_cpu = _hf_median(times, dtypes, dtypes[name]), _hf_median(cpu, dtypes, dtypes[name])
+        hf, hf_cpu = _baseline(times, dtypes, dtypes[name]), _baseline(cpu, dtypes, dtypes[name])
         ours = not name.startswith("HF")
         ratio = f"{hf / med:.2f}x" if hf and ours else "-"
         cpu_ratio = f"{hf_cpu / cpu_med:.2f}x" if hf_cpu and ours else "-"
         print(f"| {name} | {med * 1e3:.0f} ms (min {min(t) * 1e3:.0f}) | {ratio} | {cpu_med:.2f} | {cpu_ratio} | "
-              f"{flops / med / peaks[dtypes[name]]:.0%} |")
+              f"{flops / med / peaks[PEAK_OF[dtypes[name]]]:.0%} |")
 
 
 def profile_runs(steps: dict) -> None:
@@ -167,29 +189,39 @@ def profile_runs(steps: dict) -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
 
 
-def main(argv=None):
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the small config (2 layers, hidden 256, seq 128)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="issue", help="issue: the issue's config (default); "
+                   "quick: 2 layers, hidden 256, seq 128; gpu: 8 layers, hidden 2048, seq 2048, vocab 50304")
+    p.add_argument("--quick", action="store_true", help="same as --shape quick")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: one GPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each run first (compiles happen here)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], help="default: fp32, and bf16 where it is fast")
+    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16", "fp8"],
+                   help="default: fp32, and bf16 where it is fast; fp8 is ours only (FP8 linears, bf16 elsewhere)")
     p.add_argument("--compile", action="store_true", help="also ours with --torch-compile (Inductor)")
     p.add_argument("--no-hf", action="store_true", help="only our runs")
     p.add_argument("--hf-fused-adamw", action="store_true",
                    help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
-    p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
-    args = p.parse_args(argv)
+    p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run (CPU)")
+    return p.parse_args(argv)
 
+
+def main(argv=None):
+    args = parse(argv)
+    os.environ["MEGATRON_LITE_DEVICE"] = args.device  # our runs: the same device as Hugging Face's
     torch.set_num_threads(args.threads)
-    shape = QUICK if args.quick else FULL
+    shape = SHAPES["quick" if args.quick else args.shape]
     print(describe_machine(args.threads))
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()} (both sides run there)")
     print("config: " + ", ".join(f"{k} {v}" for k, v in shape.items()) + f", dropout {args.dropout}, AdamW")
-    peaks = gemm_peaks(args.threads)
+    peaks = gemm_peaks(args.device)
     fast_bf16 = peaks["bf16"] > peaks["fp32"]
-    print(f"GEMM peaks ({args.threads} threads): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} "
-          f"GFLOP/s" + ("" if fast_bf16 else " -- no fast bf16 on this CPU: the bf16 targets cannot be judged here"))
+    print(f"GEMM peaks ({args.device}): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} "
+          f"GFLOP/s" + ("" if fast_bf16 else " -- no fast bf16 here: the bf16 targets cannot be judged here"))
     runs = plan_runs(args, shape, peaks)
     steps = {name: build() for name, _, build in runs}
     dtypes = {name: dtype for name, dtype, _ in runs}
@@ -198,8 +230,11 @@ def main(argv=None):
                               seq_length=shape["seq"], vocab_size=shape["vocab"])
     flops = num_floating_point_operations(model, shape["batch"])
     print(f"model FLOPs per step: {flops / 1e9:.1f} GFLOP")
-    times, cpu = time_runs(steps, args.rounds, args.warmup)
+    times, cpu = time_runs(steps, args.rounds, args.warmup, args.device)
     report(times, cpu, dtypes, flops, peaks)
+    if "ours fp8" in times and "ours bf16" in times:
+        ratio = statistics.median(times["ours fp8"]) / statistics.median(times["ours bf16"])
+        print(f"\nFP8 step / bf16 step: {ratio:.2f}x (target: within 1.3x)")
     if args.profile:
         profile_runs(steps)
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything to run when a session has one GPU for a few minutes, most important first. Each step
+# has its own time limit and a failed step does not stop the next; the logs go to $LOG.
+#
+#   DATA=outputs/quickstart LOG=outputs/gpu bash benchmarks/gpu_session.sh
+#
+# PACK=FILE.tar re-packs $LOG into FILE after every step (so a run cut short still returns its logs);
+# CKPT is where the training steps checkpoint (default $LOG/checkpoints; removed afterwards).
+#
+# DATA holds sample_text_document.{bin,idx} and spm.model (what examples/quickstart_cpu.sh's steps
+# 1-3 write). Steps: the CUDA path against the CPU (benchmarks/cuda_checks.py); the quickstart's
+# model trained in bf16 on the GPU, resumed, and sampled; one training step ours vs Hugging Face on
+# the GPU (bf16, FP8, --torch-compile, fp32); FP8 GEMMs; KV-cache generation.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+LOG=${LOG:-outputs/gpu}
+DATA=${DATA:-outputs/quickstart}
+CKPT=${CKPT:-$LOG/checkpoints}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $LOG/NAME.log
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "== $name: $*" >> "$LOG/steps.log"
+    timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+    rc=$?
+    echo "   rc $rc in $(( $(date +%s) - start )) s" >> "$LOG/steps.log"
+    tail -n 25 "$LOG/$name.log" >> "$LOG/steps.log"
+    if [ -n "${PACK:-}" ]; then tar -C "$LOG" -cf "$PACK" .; fi
+}
+
+{ date -u; nvidia-smi -L; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"; } > "$LOG/steps.log" 2>&1
+
+step cuda_checks 240 python3 benchmarks/cuda_checks.py
+
+MODEL=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 --seq-length 128
+       --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+       --attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 4 --global-batch-size 16 --bf16
+       --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0
+       --data-path "$DATA/sample_text_document" --split 98,2,0
+       --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA/spm.model"
+       --eval-interval 100 --eval-iters 4 --log-interval 50 --save "$CKPT" --save-interval 150 --train-iters 300)
+rm -rf "$CKPT"
+step train_bf16 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py "${MODEL[@]}" \
+    --exit-interval 150
+step resume_bf16 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py "${MODEL[@]}" \
+    --load "$CKPT"
+step generate 60 python3 tools/generate.py --load "$CKPT" \
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA/spm.model" \
+    --prompt "The for statement is used to" --max-new-tokens 40 --temperature 0.8 --top-k 20 --seed 1
+rm -rf "$CKPT"
+
+step bench_step_gpu 200 python3 benchmarks/bench_step.py --device cuda --shape gpu --dtypes bf16 fp8 --compile --rounds 5
+step bench_step_gpu_fp32 90 python3 benchmarks/bench_step.py --device cuda --shape gpu --dtypes fp32 --rounds 3 --warmup 1
+step bench_fp8 90 python3 benchmarks/bench_fp8.py --issue-config --steps 5
+step bench_generate 90 python3 benchmarks/bench_generate.py --device cuda --rounds 2 --skip-uncached
+date -u >> "$LOG/steps.log"
