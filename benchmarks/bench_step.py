@@ -139,10 +139,14 @@ def time_runs(steps: dict, rounds: int, warmup: int, device: str = "cpu") -> tup
     """Wall-clock and process CPU seconds of every step, per run (on a GPU each step ends synchronised)."""
     if device != "cpu":
         steps = {name: (lambda f=f: (f(), torch.cuda.synchronize())) for name, f in steps.items()}
+    for name in list(steps):
+        try:
+            for _ in range(warmup):
+                steps[name]()
+        except RuntimeError as err:  # one run failing (an unsupported kernel, say) leaves the others
+            print(f"{name}: dropped, its warm-up failed: {str(err).splitlines()[0][:300]}", flush=True)
+            del steps[name]
     names = list(steps)
-    for name in names:
-        for _ in range(warmup):
-            steps[name]()
     times, cpu = {name: [] for name in names}, {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):

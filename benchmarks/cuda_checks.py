@@ -69,12 +69,13 @@ def run_all(names: list[str], out: str) -> None:
         json.dump(results, f)
 
 
-def worst(a: dict, b: dict) -> float:
-    """The largest relative difference of any loss or gradient norm of two trajectories."""
-    pairs = list(zip(a["losses"], b["losses"], strict=True)) + list(zip(a["grad_norms"], b["grad_norms"], strict=True))
-    for ra, rb in zip(a["reported"], b["reported"], strict=True):
-        pairs += [(ra[k], rb[k]) for k in rb]
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs)
+def worst(a: dict, b: dict) -> tuple[float, str]:
+    """The largest relative difference of any loss or gradient norm of two trajectories, and where."""
+    pairs = [(x, y, f"loss at step {i}") for i, (x, y) in enumerate(zip(a["losses"], b["losses"], strict=True), 1)]
+    pairs += [(x, y, f"grad norm at step {i}") for i, (x, y) in enumerate(zip(a["grad_norms"], b["grad_norms"], strict=True), 1)]
+    for i, (ra, rb) in enumerate(zip(a["reported"], b["reported"], strict=True), 1):
+        pairs += [(ra[k], rb[k], f"{k} at step {i}") for k in rb]
+    return max((abs(x - y) / max(abs(y), 1e-12), where) for x, y, where in pairs)
 
 
 def compare(names: list[str], cuda: dict, cpu: dict) -> bool:
@@ -85,10 +86,10 @@ def compare(names: list[str], cuda: dict, cpu: dict) -> bool:
             print(f"| {name} | error | cuda: {cuda[name].get('error', 'ran')}; cpu: {cpu[name].get('error', 'ran')} |")
             ok = False
             continue
-        diff = worst(cuda[name], cpu[name])
+        diff, where = worst(cuda[name], cpu[name])
         good = diff <= tol and len(cuda[name]["losses"]) == len(cpu[name]["losses"]) == 8
         ok &= good
-        print(f"| {name} | {'ok' if good else 'DIFFERS'} | max rel diff {diff:.2e} (tolerance {tol:g}); "
+        print(f"| {name} | {'ok' if good else 'DIFFERS'} | max rel diff {diff:.2e} ({where}; tolerance {tol:g}); "
               f"cuda losses {cuda[name]['losses'][0]:.4f} -> {cuda[name]['losses'][-1]:.4f} |", flush=True)
     return ok
 

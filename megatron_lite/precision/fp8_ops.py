@@ -192,14 +192,46 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     return out.mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
 
 
+# The forms of a per-tensor-scaled torch._scaled_mm call that builds have taken: the scalar scales as a
+# 0-dim tensor, [1] or [1, 1], and an fp32 output rounded afterwards (None: the requested dtype).
+SCALED_MM_FORMS = (((), None), ((1,), None), ((1, 1), None), ((), torch.float32))
+_ACCEPTED_FORM: dict[str, tuple | None] = {}  # device -> the first form that ran (None: none ran)
+_REFUSALS: dict[str, str] = {}  # device -> why none ran
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+              out_dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
+    """``torch._scaled_mm`` with per-tensor scales: ``(out, None)``, or ``(None, reason)`` when this
+    torch/cuBLAS refuses it. Which form of the call the installed version accepts
+    (``SCALED_MM_FORMS``, in order) is found on the first call per device and kept; when none runs,
+    later calls are answered at once with the first refusal."""
+    key = str(a.device)
+    if key in _ACCEPTED_FORM and _ACCEPTED_FORM[key] is None:
+        return None, _REFUSALS[key]
+    refusal = None
+    for shape, written in (_ACCEPTED_FORM[key],) if key in _ACCEPTED_FORM else SCALED_MM_FORMS:
+        try:
+            out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(shape),
+                                   scale_b=b_scale_inv.float().reshape(shape), out_dtype=written or out_dtype)
+        except RuntimeError as err:
+            refusal = refusal or f"torch._scaled_mm refused it here ({str(err).splitlines()[0][:160]})"
+            continue
+        _ACCEPTED_FORM.setdefault(key, (shape, written))
+        return out.to(out_dtype), None
+    if key not in _ACCEPTED_FORM:
+        _ACCEPTED_FORM[key], _REFUSALS[key] = None, refusal
+    return None, refusal
+
+
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, str | None]:
     """``(a * a_scale_inv) @ (b * b_scale_inv)`` for FP8 ``a [M, K]`` and ``b [K, N]``.
 
-    On a CPU: :func:`dequantised_matmul` (any layout). Elsewhere ``torch._scaled_mm`` when the
-    operands are eligible; otherwise the dequantised fp32 matmul (the same numbers up to
-    accumulation order). Returns ``(out, reason)`` where ``reason`` is None when the device's FP8
-    path ran and says why ``torch._scaled_mm`` could not run otherwise.
+    On a CPU: :func:`dequantised_matmul` (any layout). Elsewhere ``torch._scaled_mm`` (:func:`scaled_mm`)
+    when the operands are eligible and the installed cuBLAS runs it; otherwise the dequantised matmul
+    (the same numbers up to accumulation order), in bf16 for a bf16 result. Returns ``(out, reason)``
+    where ``reason`` is None when the device's FP8 path ran and says why ``torch._scaled_mm`` could not
+    run otherwise.
     """
     if a.numel() == 0 or b.numel() == 0:  # an MoE expert without tokens: the exact (empty or zero) product,
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device), None  # no kernel asked
@@ -207,7 +239,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sc
         return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, cpu_gemm_dtype()), None
     reason = scaled_mm_blocker(a, b)
     if reason is None:
-        out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(()),
-                               scale_b=b_scale_inv.float().reshape(()), out_dtype=out_dtype)
-        return out, None
-    return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype), reason
+        out, reason = scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
+        if out is not None:
+            return out, None
+    return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, torch.bfloat16), reason

@@ -66,8 +66,9 @@ def test_layouts_do_not_matter_on_cpu():
     torch.testing.assert_close(views, kernel, rtol=1e-5, atol=1e-6 * kernel.abs().max().item())
 
 
-def _train_two_steps(fmt, dtype, bias=True):
-    """Output and gradients of an FP8 linear at its second step (delayed scales learnt at step 1)."""
+def _train_two_steps(fmt, dtype, bias=True, fallbacks=None):
+    """Output and gradients of an FP8 linear at its second step (delayed scales learnt at step 1).
+    ``fallbacks``: a dict that receives the GEMMs that fell back (default: none may)."""
     gemm = Fp8Gemm(Fp8Recipe(format=fmt))
     x, w, b, dy = _rand((16, 2, K), 1), _rand((N, K), 2, 0.05), _rand(N, 3, 0.1), _rand((16, 2, N), 4, 1e-3)
     for _ in range(2):
@@ -75,7 +76,10 @@ def _train_two_steps(fmt, dtype, bias=True):
         y = gemm(xr, wr, br if bias else None)
         y.backward(dy.to(dtype))
         update_fp8_scales(gemm)
-    assert gemm.fallbacks == {}
+    if fallbacks is None:
+        assert gemm.fallbacks == {}
+    else:
+        fallbacks.update(gemm.fallbacks)
     return (y.detach(), xr.grad, wr.grad) + ((br.grad,) if bias else ())
 
 
@@ -98,6 +102,49 @@ def test_cpu_path_equals_scaled_mm_path_and_never_calls_it(fmt, monkeypatch, req
     kernel = _train_two_steps(fmt, torch.float32)
     for name, got, want in zip(("output", "dgrad", "wgrad", "bias grad"), cpu, kernel):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
+                                   msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+REFUSED = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+
+
+def test_scaled_mm_keeps_the_scale_layout_this_torch_takes_and_falls_back_when_none(monkeypatch, request):
+    """Builds differ in the per-tensor scales ``torch._scaled_mm`` takes (torch 2.11 + CUDA 13 on an H200
+    refused 0-dim ones): the first form of the call that runs is kept for the device; when none runs, every FP8
+    GEMM falls back to the dequantised one (the same numbers), and each GEMM kind says why once."""
+    real = torch._scaled_mm
+    calls = []
+
+    def only_1d(a, b, scale_a, scale_b, out_dtype):
+        calls.append(tuple(scale_a.shape))
+        if scale_a.dim() != 1:
+            raise RuntimeError(REFUSED)
+        return real(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype)
+
+    def refuse(a, b, scale_a, scale_b, out_dtype):
+        calls.append(tuple(scale_a.shape))
+        raise RuntimeError(REFUSED)
+
+    request.getfixturevalue("scaled_mm_on_cpu")
+    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    reference = _train_two_steps("hybrid", torch.float32)
+    assert fp8_ops._ACCEPTED_FORM == {"cpu": ((), None)}
+    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(torch, "_scaled_mm", only_1d)
+    for got, want in zip(_train_two_steps("hybrid", torch.float32), reference):
+        assert torch.equal(got, want)
+    assert calls[:2] == [(), (1,)] and set(calls[2:]) == {(1,)}  # found once, then kept
+
+    calls.clear()
+    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    fallbacks = {}
+    with pytest.warns(UserWarning, match="runs as a dequantised matmul: torch._scaled_mm refused it here"):
+        got = _train_two_steps("hybrid", torch.float32, fallbacks=fallbacks)
+    assert sorted(fallbacks) == ["dgrad", "fprop", "wgrad"] and all("NOT_SUPPORTED" in r for r in fallbacks.values())
+    assert calls == [(), (1,), (1, 1), ()]  # every form tried once per device, then answered at once
+    for name, g, want in zip(("output", "dgrad", "wgrad", "bias grad"), got, reference):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
                                    msg=lambda msg, n=name: f"{n}: {msg}")
 
 
