@@ -211,8 +211,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
     refusal = None
     for shape, written in (_ACCEPTED_FORM[key],) if key in _ACCEPTED_FORM else SCALED_MM_FORMS:
         try:
-            out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(shape),
-                                   scale_b=b_scale_inv.float().reshape(shape), out_dtype=written or out_dtype)
+            # fresh copies: cuBLAS refuses a scale pointer inside another tensor (scale_inv[1] is 4 bytes in)
+            out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(shape).clone(),
+                                   scale_b=b_scale_inv.float().reshape(shape).clone(), out_dtype=written or out_dtype)
         except RuntimeError as err:
             refusal = refusal or f"torch._scaled_mm refused it here ({str(err).splitlines()[0][:160]})"
             continue
