@@ -33,14 +33,33 @@ def _losses(world, argv):
     return run_trajectory(world, "pretrain_gpt", argv)
 
 
-@pytest.mark.parametrize("world, extra", [(1, []), (2, ["--tensor-model-parallel-size", "2"])])
-def test_resume_with_dropout_is_bit_identical(tmp_path, world, extra):
-    straight = _losses(world, DROPOUT + extra + ["--save", str(tmp_path / "straight")])
+def _layout(world):
+    return [] if world == 1 else ["--tensor-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """``straight(world)``: the uninterrupted run on ``world`` ranks (saving every iteration, which
+    must not change it), run once per world size for every test of this module."""
+    runs = {}
+
+    def get(world):
+        if world not in runs:
+            save = str(tmp_path_factory.mktemp(f"straight{world}"))
+            runs[world] = _losses(world, DROPOUT + _layout(world) + ["--save-interval", "1", "--save", save])
+        return runs[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_with_dropout_is_bit_identical(tmp_path, straight, world):
+    extra = _layout(world)
     save = str(tmp_path / "resumed")
     first = _losses(world, DROPOUT + extra + ["--save", save, "--save-interval", "4", "--exit-interval", "4"])
     second = _losses(world, DROPOUT + extra + ["--save", save, "--load", save])
     assert len(first) == 4 and len(second) == 4
-    assert_same_trajectory(first + second, straight, rtol=0)  # bit-identical
+    assert_same_trajectory(first + second, straight(world), rtol=0)  # bit-identical
 
 
 def _env():
@@ -56,20 +75,21 @@ def _kill_run(world, moment, iteration, argv):
     assert out.returncode != 0, "the run was not killed"
     if world == 1:
         assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    else:  # torchrun's summary of its failed workers
+        assert f"exitcode  : -{int(signal.SIGKILL)} " in out.stderr, out.stderr[-2000:]
     return out.stdout
 
 
 @pytest.mark.parametrize(
     "world, moment, kill_at, resumes_at",
-    [(1, "step", 6, 5), (1, "save", 5, 4), (1, "tracker", 5, 5), (1, "save", 1, 0), (2, "save", 5, 4)],
+    [(1, "step", 6, 5), (1, "tracker", 5, 5), (1, "save", 1, 0), (2, "save", 5, 4)],
 )
-def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, moment, kill_at, resumes_at):
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, straight, world, moment, kill_at, resumes_at):
     """Save every iteration; kill in an iteration's step (after its gradients, before the optimizer
-    step), in the middle of its save, or right after the tracker names it. The resumed run continues
-    from the newest complete checkpoint (from scratch when the very first save was cut short)."""
-    extra = [] if world == 1 else ["--tensor-model-parallel-size", "2"]
-    argv = DROPOUT + extra + ["--save-interval", "1"]
-    straight = _losses(world, argv + ["--save", str(tmp_path / "straight")])
+    step), in the middle of its save (on both ranks of a torchrun launch), or right after the tracker
+    names it. The resumed run continues from the newest complete checkpoint (from scratch when the
+    very first save was cut short)."""
+    argv = DROPOUT + _layout(world) + ["--save-interval", "1"]
     save = str(tmp_path / "killed")
     stdout = _kill_run(world, moment, kill_at, argv + ["--save", save])
     last_logged = kill_at - 1 if moment == "step" else kill_at  # a step killed before its log line
@@ -81,7 +101,7 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, world, mom
     else:
         assert not os.path.exists(tracker)
     resumed = _losses(world, argv + ["--save", save, "--load", save])
-    assert_same_trajectory(resumed, straight[resumes_at:], rtol=0)  # bit-identical
+    assert_same_trajectory(resumed, straight(world)[resumes_at:], rtol=0)  # bit-identical
 
 
 def test_sigterm_during_start_up_is_honoured_at_the_first_step(tmp_path):
