@@ -1,10 +1,15 @@
 """The launch scripts in examples/ stay valid: their flags parse and validate for the world size they
 are written for (MEGATRON_LITE_CHECK_ARGS=1), and the SLURM script prints and runs the right commands
-under a fake SLURM (fake ``scontrol`` and ``srun`` on PATH, SLURM_* variables set by hand)."""
+under a fake SLURM (fake ``scontrol`` and ``srun`` on PATH, SLURM_* variables set by hand).
+
+In check mode a script ends in ``WORLD_SIZE=N exec $PYTHON <entry script> <flags>``: the tests give it
+a stand-in ``$PYTHON`` that records what it was handed, then run that command in this process
+(:func:`_run_entry`), which spares a Python start-up per script."""
 
 import glob
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -51,6 +56,34 @@ def _bash(path, *args, **env):
                           timeout=120)
 
 
+def _handed_over(tmp_path, path, **env):
+    """Run the launch script ``path`` in check mode with a stand-in interpreter; (WORLD_SIZE, entry
+    script, flags) it was handed."""
+    record = tmp_path / "handed_over"
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh\nprintf '%s\\0' "$WORLD_SIZE" "$MEGATRON_LITE_CHECK_ARGS" "$@" > {record}\n""")
+    python.chmod(0o755)
+    out = _bash(path, MEGATRON_LITE_CHECK_ARGS="1", PYTHON=str(python), **env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    world, check, entry, *flags = record.read_text().split("\0")[:-1]
+    assert check == "1"
+    return int(world), entry, flags
+
+
+def _run_entry(monkeypatch, capsys, world, entry, flags):
+    """``MEGATRON_LITE_CHECK_ARGS=1 WORLD_SIZE=world python entry flags``, run in this process:
+    (exit code, stdout, stderr)."""
+    assert os.path.dirname(entry) == ROOT and os.path.isfile(entry), entry
+    monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(sys, "argv", [entry, *flags])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(entry, run_name="__main__")
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
 def test_every_example_script_is_listed():
     found = {os.path.relpath(os.path.join(d, f), EXAMPLES) for d, _, files in os.walk(EXAMPLES) for f in files
              if f.startswith("train_") and f.endswith(".sh")}
@@ -58,14 +91,16 @@ def test_every_example_script_is_listed():
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_example_script_flags_validate(script):
+def test_example_script_flags_validate(tmp_path, monkeypatch, capsys, script):
     reason = _missing_feature(script)
     if reason:
         pytest.skip(reason)
     world, tp, pp, dp = SCRIPTS[script]
-    out = _bash(os.path.join(EXAMPLES, script), MEGATRON_LITE_CHECK_ARGS="1")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"arguments valid for world size {world}: TP {tp} x PP {pp} x DP {dp}," in out.stdout
+    handed = _handed_over(tmp_path, os.path.join(EXAMPLES, script))
+    assert handed[0] == world
+    code, out, err = _run_entry(monkeypatch, capsys, *handed)
+    assert code == 0, err[-2000:]
+    assert f"arguments valid for world size {world}: TP {tp} x PP {pp} x DP {dp}," in out
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -105,11 +140,13 @@ def test_readme_commands_write_into_ignored_folders():
     assert [w for w in written if w[2] not in ignored] == []
 
 
-def test_check_mode_refuses_a_layout_that_does_not_fit():
+def test_check_mode_refuses_a_layout_that_does_not_fit(tmp_path, monkeypatch, capsys):
     """3 nodes x 8 = 24 GPUs cannot hold TP 8 x PP 16: exit 2 with the reason, as a real launch would."""
-    out = _bash(os.path.join(EXAMPLES, "gpt3/train_gpt3_175b.sh"), MEGATRON_LITE_CHECK_ARGS="1", NUM_NODES="3")
-    assert out.returncode == 2
-    assert "world size 24 is not divisible by tensor-model-parallel-size 8" in out.stderr
+    handed = _handed_over(tmp_path, os.path.join(EXAMPLES, "gpt3/train_gpt3_175b.sh"), NUM_NODES="3")
+    assert handed[0] == 24
+    code, _, err = _run_entry(monkeypatch, capsys, *handed)
+    assert code == 2
+    assert "world size 24 is not divisible by tensor-model-parallel-size 8" in err
 
 
 def _fake_slurm(tmp_path, srun_rc=0):
@@ -133,7 +170,7 @@ def _fake_slurm(tmp_path, srun_rc=0):
     return env, calls
 
 
-def test_sbatch_dry_run_prints_the_launch(tmp_path):
+def test_sbatch_dry_run_prints_the_launch(tmp_path, monkeypatch, capsys):
     env, calls = _fake_slurm(tmp_path)
     out = _bash(SBATCH, "--dry-run", **env)
     assert out.returncode == 0, out.stderr
@@ -155,10 +192,9 @@ def test_sbatch_dry_run_prints_the_launch(tmp_path):
     assert "--exit-signal-handler" in flags
     assert lines[-1] == "scontrol requeue 4242"
     # the printed flags are valid for 2 nodes x 8 GPUs
-    check = subprocess.run([sys.executable, "pretrain_gpt.py", *flags], cwd=ROOT, capture_output=True, text=True,
-                           env=_env(MEGATRON_LITE_CHECK_ARGS="1", WORLD_SIZE="16"), timeout=120)
-    assert check.returncode == 0, check.stderr
-    assert "arguments valid for world size 16: TP 2 x PP 1 x DP 8" in check.stdout
+    code, stdout, stderr = _run_entry(monkeypatch, capsys, 16, launch[entry], flags)
+    assert code == 0, stderr
+    assert "arguments valid for world size 16: TP 2 x PP 1 x DP 8" in stdout
 
 
 def test_sbatch_outside_slurm_is_refused():
