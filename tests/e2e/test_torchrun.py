@@ -1,4 +1,5 @@
-"""pretrain_gpt.py as users launch it: torchrun processes, and SIGTERM handling."""
+"""pretrain_gpt.py as users launch it: torchrun processes, and SIGTERM handling. (A TP2 x PP2 job
+under torchrun, its threads at exit, logging rank and checkpoint files: test_multinode.py.)"""
 
 import os
 import signal
@@ -30,19 +31,6 @@ def _torchrun_counting_threads(tmp_path, world: int, script: str, argv: list[str
     threads = [(report / f"rank{r}").read_text().splitlines() if (report / f"rank{r}").exists() else None
                for r in range(world)]
     return out, threads
-
-
-def test_torchrun_tensor_and_pipeline_parallel(tmp_path):
-    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--global-batch-size", "8", "--train-iters", "3", "--save", str(tmp_path / "ckpt")] + TINY
-    out, threads = _torchrun_counting_threads(tmp_path, 4, "pretrain_gpt.py", argv)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert all(t is not None and len(t) == 1 for t in threads), threads
-    lines = [line for line in out.stdout.splitlines() if "iteration" in line and "lm loss" in line]
-    assert len(lines) == 3, out.stdout[-3000:]  # one line per iteration, from one rank only
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    files = sorted(p.parent.name for p in (tmp_path / "ckpt" / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"))
-    assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
