@@ -101,7 +101,7 @@ def _same_weights(save_a, save_b):
     assert_same_weights(a, b, saved)
 
 
-ITERS = 10
+ITERS = 8
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +233,10 @@ def test_checkpoint_of_another_pipeline_layout_is_refused(tmp_path, capsys):
 
 def test_resume_with_distributed_optimizer_and_tp_continues_exactly(tmp_path):
     extra = ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]
-    straight, _ = _parallel(tmp_path, "straight", 4, 8, extra)
+    straight, _ = _parallel(tmp_path, "straight", 4, 6, extra)
     save = str(tmp_path / "resumed")
-    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, 8, extra + ["--exit-interval", "4"]))
-    second = ranks_trajectory(4, "pretrain_gpt", _argv(save, 8, extra + ["--load", save]))
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, 6, extra + ["--exit-interval", "3"]))
+    second = ranks_trajectory(4, "pretrain_gpt", _argv(save, 6, extra + ["--load", save]))
     assert_same_trajectory(first + second, straight, rtol=0)
 
 

@@ -25,7 +25,7 @@ from tests.e2e.test_pretrain_gpt import (
 from tests.harness import run_ranks
 from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
-ITERS = 8
+ITERS = 6
 
 
 @pytest.fixture(scope="module")

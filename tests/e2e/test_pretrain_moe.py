@@ -22,7 +22,7 @@ from tests.trajectory import Trajectory, assert_same_trajectory
 
 MOE = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-    "--ffn-hidden-size", "128",  # 4h, the experts' width too: Megatron's SwiGLU default (64) learns too little in 8 steps
+    "--ffn-hidden-size", "128",  # 4h, the experts' width too: Megatron's SwiGLU default (64) learns too little in 6 steps
     "--group-query-attention", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
 ]
@@ -30,7 +30,7 @@ MOE = [
 MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
          "--moe-shared-expert-intermediate-size", "32", "--moe-grouped-gemm", "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
-ITERS = 8
+ITERS = 6
 CP2 = ["--context-parallel-size", "2"]
 
 
@@ -105,9 +105,10 @@ def test_ep2_resume_continues_the_trajectory(tmp_path, moe_reference):
     gives bit-identically the losses of an uninterrupted EP2 run (which follow the single process)."""
     save = str(tmp_path / "resumed")
     flags = MOE + MOE_B + ["--expert-model-parallel-size", "2"]
-    first = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--exit-interval", "4"]))
-    assert all(r[1] == 4 and r[2] == "interval" for r in first)
-    folders = sorted(os.path.basename(os.path.dirname(f)) for f in glob.glob(os.path.join(save, "iter_0000004", "mp_rank_*", "*.pt")))
+    first = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--exit-interval", str(ITERS // 2)]))
+    assert all(r[1] == ITERS // 2 and r[2] == "interval" for r in first)
+    folders = sorted(os.path.basename(os.path.dirname(f))
+                     for f in glob.glob(os.path.join(save, f"iter_{ITERS // 2:07d}", "mp_rank_*", "*.pt")))
     assert folders == ["mp_rank_00_000_000", "mp_rank_00_000_001"], folders
     second = run_ranks(2, _run_cli_result, _argv(save, ITERS, flags + ["--load", save]))
     assert all(r[1] == ITERS for r in second)
