@@ -20,6 +20,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import traceback
 
 TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", 300))
@@ -155,6 +156,46 @@ def run_ranks(world_size: int, fn, *args, **kwargs) -> list:
 def _close_all() -> None:
     for pool in _POOLS.values():
         pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# One process of its own, without a process group.
+
+_LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_in_new_process(fn, *args, env: dict | None = None, timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
+    """``fn(*args)`` (a module-level function) in a new single process forked from the pools' server
+    (torch already imported), ``env`` added to its environment: (exit code, stdout, stderr). The exit
+    code is ``-N`` for a process ended by signal N (-9: SIGKILL), as for ``subprocess``. For what a
+    process dying or being killed leaves behind; such a process ends without interpreter
+    finalisation, so what happens at a normal exit needs a real ``python`` launch."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        proc = _context().Process(target=_new_process_main, daemon=True, args=(
+            [p for p in sys.path if p], fn.__module__, fn.__name__, args, dict(env or {}), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise TimeoutError(f"{fn.__name__} did not finish in {timeout:.0f} s")
+        with open(out) as o, open(err) as e:
+            return proc.exitcode, o.read(), e.read()
+
+
+def _new_process_main(path, module_name, fn_name, args, env, out, err) -> None:
+    for name in _LAUNCH_ENV:  # the server's environment is the test session's at its start
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    for entry in path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    for fd, name in ((1, out), (2, err)):
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    getattr(importlib.import_module(module_name), fn_name)(*args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     python tests/e2e/kill_at.py MOMENT ITERATION pretrain flags...
 
+(or ``main([MOMENT, ITERATION, *flags])`` in a process of its own: tests.harness.run_in_new_process)
+
 MOMENT is ``step`` (iteration ITERATION's gradients are computed, the optimizer has not stepped),
 ``save`` (the save of ITERATION has written its RNG file and half of the model file), or
 ``tracker`` (the tracker file already names ITERATION, the save has not returned), or ``async``
@@ -26,8 +28,10 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main():
-    moment, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def main(args=None):
+    """``args``: MOMENT ITERATION flags... (default: this script's command line)."""
+    args = sys.argv[1:] if args is None else args
+    moment, target, argv = args[0], int(args[1]), args[2:]
     calls = {"n": 0}
     if moment == "step":
         finalize = loop.finalize_model_grads

@@ -13,7 +13,9 @@ import sys
 import pytest
 
 import pretrain_gpt
+from tests.e2e import kill_at
 from tests.e2e.conftest import ROOT
+from tests.harness import run_in_new_process
 from tests.trajectory import assert_same_trajectory, run_trajectory
 
 DROPOUT = [
@@ -67,16 +69,18 @@ def _env():
 
 
 def _kill_run(world, moment, iteration, argv):
-    """Run ``argv`` in fresh processes (torchrun for 2 ranks) killed with SIGKILL at ``moment``."""
-    script = ["tests/e2e/kill_at.py", moment, str(iteration)] + argv
-    launch = [sys.executable] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    out = subprocess.run(launch + script, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0, "the run was not killed"
+    """Run ``argv`` in new processes (torchrun for 2 ranks; one process: forked, torch already
+    imported) killed with SIGKILL at ``moment``; their stdout."""
+    args = [moment, str(iteration)] + argv
     if world == 1:
-        assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    else:  # torchrun's summary of its failed workers
-        assert f"exitcode  : -{int(signal.SIGKILL)} " in out.stderr, out.stderr[-2000:]
+        code, stdout, stderr = run_in_new_process(kill_at.main, args, env={"MEGATRON_LITE_DEVICE": "cpu"})
+        assert code == -signal.SIGKILL, stderr[-2000:]
+        return stdout
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    out = subprocess.run(launch + ["tests/e2e/kill_at.py"] + args, cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0, "the run was not killed"
+    assert f"exitcode  : -{int(signal.SIGKILL)} " in out.stderr, out.stderr[-2000:]  # torchrun's summary
     return out.stdout
 
 

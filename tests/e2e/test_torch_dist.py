@@ -5,8 +5,6 @@ state resharded bit for bit; each rank writes only its own pieces; --auto-detect
 save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,12 +16,12 @@ import pretrain_gpt
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, read_tracker, save_checkpoint
 from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
+from tests.e2e import kill_at
 from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2
-from tests.harness import run_ranks
+from tests.harness import run_in_new_process, run_ranks
 from tests.tools import load_tool
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIST = ["--ckpt-format", "torch_dist"]
 # 124 vocabulary rows (123 + end of document) pad to 140 at TP2 and to 130 at TP1: resuming at another
 # TP size re-pads the vocabulary tensors and their optimizer state
@@ -212,10 +210,8 @@ def test_async_save_overlaps_training_and_writes_what_a_sync_save_writes(tmp_pat
 def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
     save = str(tmp_path / "killed")
     argv = _argv(save, 6, MODEL + DIST + ["--save-interval", "2", "--async-save"])
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu")
-    out = subprocess.run([sys.executable, "tests/e2e/kill_at.py", "async", "4"] + argv, cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == -9, out.stderr[-2000:]
+    code, _, stderr = run_in_new_process(kill_at.main, ["async", "4"] + argv, env={"MEGATRON_LITE_DEVICE": "cpu"})
+    assert code == -9, stderr[-2000:]
     assert read_tracker(save) == 2 and not os.path.isdir(os.path.join(save, "iter_0000004"))
     straight = run_script("pretrain_gpt", _argv(str(tmp_path / "straight"), 6, MODEL + DIST))
     resumed = pretrain_gpt.main(argv + ["--load", save])
