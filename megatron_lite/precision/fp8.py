@@ -124,10 +124,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gemm, record):
         x2 = x.reshape(-1, x.shape[-1])
-        scale = gemm._forward_scales(x2, weight, record)
+        cached = gemm._cached_weight(weight) if record else None
+        scale = gemm._forward_scales(x2, weight if cached is None else None, record)
         scale_inv = 1.0 / scale
-        # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
-        x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3).contiguous()
+        x8 = quantize(x2, scale[INPUT], E4M3)
+        if cached is None:
+            # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
+            w8 = quantize(weight, scale[WEIGHT], E4M3).contiguous()
+            if record:
+                gemm._keep_weight(weight, w8)
+        else:
+            w8 = cached
         out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
         if bias is not None:
             out = out + bias
@@ -148,7 +155,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, column_major(w8) if kernel else w8, g_inv, scale_inv[WEIGHT], ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, gemm._column_major_weight(w8) if kernel else w8, g_inv, scale_inv[WEIGHT],
+                              ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
@@ -185,6 +193,7 @@ class Fp8Gemm(nn.Module):
         self.register_buffer("scale", torch.ones(3))
         self.register_buffer("fp8_max", recipe.fp8_max(), persistent=False)
         self.fallbacks: dict[str, str] = {}
+        self._weight_fp8: dict | None = None  # this step's quantised weight (see _cached_weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
@@ -196,6 +205,7 @@ class Fp8Gemm(nn.Module):
     def _apply(self, fn, recurse=True):
         # FP8 bookkeeping stays fp32 when the model is cast (e.g. to bf16): scales need the range
         super()._apply(fn, recurse)
+        self._weight_fp8 = None
         for name in ("amax_history", "scale", "fp8_max"):
             buf = getattr(self, name)
             if buf.dtype != torch.float32:
@@ -207,14 +217,49 @@ class Fp8Gemm(nn.Module):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.amax_group)
         return amaxes
 
-    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor, record: bool) -> torch.Tensor:
-        """Scales for (input, weight) of this call; records their amaxes for delayed scaling."""
+    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor | None, record: bool) -> torch.Tensor:
+        """Scales for (input, weight) of this call; records their amaxes for delayed scaling (the
+        input's only when ``weight`` is None: a cached weight's amax is already recorded this step)."""
+        if weight is None:
+            if record:
+                latest = amax(x).to(self.scale.device)
+                self.amax_history[0, INPUT] = torch.maximum(self.amax_history[0, INPUT], latest)
+            return self.scale[:2].clone()
         amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(amaxes), self.fp8_max[:2])
         if record:
             self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
         return self.scale[:2].clone()
+
+    def _weight_key(self, weight: torch.Tensor) -> tuple:
+        return weight.data_ptr(), weight._version, weight.shape, weight.stride(), weight.dtype, self.scale._version
+
+    def _cached_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The E4M3 weight quantised by an earlier training call of this step, if ``weight`` is unchanged.
+
+        With delayed scaling the weight and its scale are fixed within an optimizer step, so the
+        first micro-batch quantises the weight (and records its amax) and the others reuse it, with
+        its column-major copy for dgrad. :meth:`update_scales` (once per step) drops it, and so does
+        any change of the weight tensor (another storage, an in-place write). Tensorwise scaling
+        reduces amaxes over ``amax_group`` on every call, so it never caches."""
+        cache = self._weight_fp8
+        if self.recipe.recipe != "delayed" or cache is None or cache["key"] != self._weight_key(weight):
+            return None
+        return cache["w8"]
+
+    def _keep_weight(self, weight: torch.Tensor, w8: torch.Tensor) -> None:
+        if self.recipe.recipe == "delayed":
+            self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "column_major": None}
+
+    def _column_major_weight(self, w8: torch.Tensor) -> torch.Tensor:
+        """``w8`` stored column-major (the FP8 kernel's layout for dgrad), made once per step for the cached weight."""
+        cache = self._weight_fp8
+        if cache is None or cache["w8"] is not w8:
+            return column_major(w8)
+        if cache["column_major"] is None:
+            cache["column_major"] = column_major(w8)
+        return cache["column_major"]
 
     def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:
         """Scale for the output gradient of this call; records its amax for delayed scaling."""
@@ -242,6 +287,7 @@ class Fp8Gemm(nn.Module):
         """
         if self.recipe.recipe != "delayed":
             return
+        self._weight_fp8 = None  # the next step's weight and scale differ
         if reduced_amax is not None:
             self.amax_history[0] = reduced_amax
         latest = amax_from_history(self.amax_history, self.recipe.amax_compute_algo)
