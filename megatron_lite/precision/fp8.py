@@ -126,7 +126,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         cached = gemm._cached_weight(weight) if record else None
         scale = gemm._forward_scales(x2, weight if cached is None else None, record)
-        scale_inv = 1.0 / scale
+        # one fresh tensor per slot: the GPU kernel takes a scale only at an aligned address
+        inv_x, inv_w = 1.0 / scale[INPUT], 1.0 / scale[WEIGHT]
         x8 = quantize(x2, scale[INPUT], E4M3)
         if cached is None:
             # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
@@ -135,18 +136,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 gemm._keep_weight(weight, w8)
         else:
             w8 = cached
-        out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
+        out = gemm._matmul("fprop", x8, w8.t(), inv_x, inv_w, x.dtype)
         if bias is not None:
             out = out + bias
         # FP8 copies are what the backward GEMMs need (and 1 byte per element to keep)
-        ctx.save_for_backward(x8 if gemm.recipe.wgrad else x2.detach(), w8, scale_inv)
+        ctx.save_for_backward(x8 if gemm.recipe.wgrad else x2.detach(), w8, inv_x, inv_w)
         ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w8, scale_inv = ctx.saved_tensors
+        x_saved, w8, inv_x, inv_w = ctx.saved_tensors
         gemm = ctx.gemm
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_scale = gemm._grad_scale(dy2)
@@ -155,15 +156,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, gemm._column_major_weight(w8) if kernel else w8, g_inv, scale_inv[WEIGHT],
-                              ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, gemm._column_major_weight(w8) if kernel else w8, g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
                 a, b = dy8.t(), x_saved
                 if kernel:  # (the token dimension is the inner one here: zero rows pad it to the alignment)
                     a, b = pad_rows(dy8, GEMM_ALIGNMENT).t().contiguous(), column_major(pad_rows(x_saved, GEMM_ALIGNMENT))
-                dw = gemm._matmul("wgrad", a, b, g_inv, scale_inv[INPUT], ctx.w_dtype)
+                dw = gemm._matmul("wgrad", a, b, g_inv, inv_x, ctx.w_dtype)
             else:  # high-precision wgrad from the unquantised gradient and input
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
@@ -222,15 +222,16 @@ class Fp8Gemm(nn.Module):
         input's only when ``weight`` is None: a cached weight's amax is already recorded this step)."""
         if weight is None:
             if record:
-                latest = amax(x).to(self.scale.device)
-                self.amax_history[0, INPUT] = torch.maximum(self.amax_history[0, INPUT], latest)
-            return self.scale[:2].clone()
+                seen = self.amax_history[0, INPUT]
+                torch.maximum(seen, amax(x).to(self.scale.device), out=seen)
+            return self.scale[:2]
         amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(amaxes), self.fp8_max[:2])
         if record:
-            self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
-        return self.scale[:2].clone()
+            seen = self.amax_history[0, :2]
+            torch.maximum(seen, amaxes, out=seen)
+        return self.scale[:2]  # (read at once: the per-step update is the only writer)
 
     def _weight_key(self, weight: torch.Tensor) -> tuple:
         return weight.data_ptr(), weight._version, weight.shape, weight.stride(), weight.dtype, self.scale._version
@@ -266,8 +267,9 @@ class Fp8Gemm(nn.Module):
         g = amax(dy).to(self.scale.device).reshape(1)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(g), self.fp8_max[GRAD_OUTPUT:])[0]
-        self.amax_history[0, GRAD_OUTPUT:] = torch.maximum(self.amax_history[0, GRAD_OUTPUT:], g)
-        return self.scale[GRAD_OUTPUT].clone()
+        seen = self.amax_history[0, GRAD_OUTPUT:]
+        torch.maximum(seen, g, out=seen)
+        return self.scale[GRAD_OUTPUT]
 
     def _matmul(self, kind, a, b, a_scale_inv, b_scale_inv, out_dtype):
         out, reason = fp8_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype)
