@@ -127,7 +127,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         cached = gemm._cached_weight(weight) if record else None
         scale = gemm._forward_scales(x2, weight if cached is None else None, record)
         # one fresh tensor per slot: the GPU kernel takes a scale only at an aligned address
-        inv_x, inv_w = 1.0 / scale[INPUT], 1.0 / scale[WEIGHT]
+        inv_x, inv_w = scale[INPUT].reciprocal(), scale[WEIGHT].reciprocal()
         x8 = quantize(x2, scale[INPUT], E4M3)
         if cached is None:
             # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
@@ -151,7 +151,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         gemm = ctx.gemm
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_scale = gemm._grad_scale(dy2)
-        g_inv = 1.0 / g_scale
+        g_inv = g_scale.reciprocal()
         dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views

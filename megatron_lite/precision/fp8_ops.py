@@ -50,9 +50,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast ``fp8(clamp(x * scale, -max, max))``; the product is formed in fp32."""
     limit = FP8_MAX[dtype]
-    # a scale with as many dimensions as x takes part in type promotion (a 0-dim one would not): the
-    # product is formed in fp32 in one pass, without an fp32 copy of a 16-bit x
-    return (x.detach() * scale.float().reshape([1] * x.dim())).clamp_(-limit, limit).to(dtype)
+    return (x.detach().float() * scale).clamp_(-limit, limit).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
