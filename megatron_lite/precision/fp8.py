@@ -136,7 +136,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 gemm._keep_weight(weight, w8)
         else:
             w8 = cached
-        out = gemm._matmul("fprop", x8, w8.t(), inv_x, inv_w, x.dtype)
+        out = gemm._matmul("fprop", x8, gemm._weight_operand(w8, "fprop"), inv_x, inv_w, x.dtype)
         if bias is not None:
             out = out + bias
         # FP8 copies are what the backward GEMMs need (and 1 byte per element to keep)
@@ -155,8 +155,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
+        if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
+            dy8 = dy8.to(cpu_gemm_dtype())
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, gemm._column_major_weight(w8) if kernel else w8, g_inv, inv_w, ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad"), g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
@@ -251,16 +253,24 @@ class Fp8Gemm(nn.Module):
 
     def _keep_weight(self, weight: torch.Tensor, w8: torch.Tensor) -> None:
         if self.recipe.recipe == "delayed":
-            self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "column_major": None}
+            self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "operand": None}
 
-    def _column_major_weight(self, w8: torch.Tensor) -> torch.Tensor:
-        """``w8`` stored column-major (the FP8 kernel's layout for dgrad), made once per step for the cached weight."""
+    def _weight_operand(self, w8: torch.Tensor, kind: str) -> torch.Tensor:
+        """The weight operand of the ``fprop`` (``W^T``) or ``dgrad`` (``W``) GEMM. For the FP8 kernel
+        dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened to its GEMM dtype
+        (exact). Either is made once per step for the cached weight (:meth:`_cached_weight`)."""
+        kernel = fp8_gemm_path(w8.device) == SCALED_MM
+        if kernel and kind == "fprop":
+            return w8.t()
+        make = column_major if kernel else (lambda t: t.to(cpu_gemm_dtype()))
         cache = self._weight_fp8
         if cache is None or cache["w8"] is not w8:
-            return column_major(w8)
-        if cache["column_major"] is None:
-            cache["column_major"] = column_major(w8)
-        return cache["column_major"]
+            operand = make(w8)
+        else:
+            if cache["operand"] is None:
+                cache["operand"] = make(w8)
+            operand = cache["operand"]
+        return operand.t() if kind == "fprop" else operand
 
     def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:
         """Scale for the output gradient of this call; records its amax for delayed scaling."""
