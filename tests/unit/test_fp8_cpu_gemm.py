@@ -109,8 +109,8 @@ REFUSED = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
 
 
 def test_scaled_mm_keeps_the_scale_layout_this_torch_takes_and_falls_back_when_none(monkeypatch, request):
-    """Builds differ in the per-tensor scales ``torch._scaled_mm`` takes (torch 2.11 + CUDA 13 on an H200
-    refused 0-dim ones): the first form of the call that runs is kept for the device; when none runs, every FP8
+    """Torch versions have taken the per-tensor scales of ``torch._scaled_mm`` in different shapes: the first
+    form of the call that runs is kept for the device; when none runs (or cuBLAS refuses it), every FP8
     GEMM falls back to the dequantised one (the same numbers), and each GEMM kind says why once."""
     real = torch._scaled_mm
     calls = []
