@@ -176,3 +176,24 @@ def test_path_is_decided_by_device_and_gemm_dtype_by_probe():
     line = describe_fp8_path(Fp8Recipe(), torch.device("cpu"))
     chosen = "bf16" if fp8_ops.cpu_gemm_dtype() == torch.bfloat16 else "fp32"
     assert "decided by device" in line and f"exact {chosen} dequantised GEMMs" in line and "one-time probe" in line
+
+
+def test_the_fp8_kernel_gets_scales_at_aligned_addresses(monkeypatch, request):
+    """cuBLAS refuses a scale pointer inside another tensor (an H200 refused ``scale_inv[1]``, 4 bytes
+    into its tensor, with CUBLAS_STATUS_NOT_SUPPORTED): every scale reaching the kernel starts at a
+    16-byte boundary, and a misaligned one is copied, not refused."""
+    real, addresses = torch._scaled_mm, []
+
+    def recording(a, b, scale_a, scale_b, out_dtype):
+        addresses.extend([scale_a.data_ptr() % 16, scale_b.data_ptr() % 16])
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    request.getfixturevalue("scaled_mm_on_cpu")
+    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    _train_two_steps("hybrid", torch.float32)
+    assert len(addresses) == 12 and set(addresses) == {0}
+    pair = torch.tensor([2.0, 3.0])
+    assert fp8_ops._aligned(pair[0]).data_ptr() == pair.data_ptr()  # aligned: used as it is
+    moved = fp8_ops._aligned(pair[1])
+    assert moved.data_ptr() % 16 == 0 and moved.item() == 3.0 and moved.data_ptr() != pair[1].data_ptr()
