@@ -182,15 +182,23 @@ def report(times, cpu, dtypes, flops, peaks) -> None:
               f"{flops / med / peaks[PEAK_OF[dtypes[name]]]:.0%} |")
 
 
-def profile_runs(steps: dict) -> None:
+def profile_runs(steps: dict, device: str = "cpu") -> None:
+    """One step of each run under torch.profiler: time by category, and our runs' top operators (on a
+    GPU by the GPU's self time, with the CPU's beside it: a gap between them is launch overhead or a sync)."""
     from torch.profiler import ProfilerActivity, profile
 
+    gpu = device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     for name, step in steps.items():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             step()
-        print("\n" + format_breakdown(category_breakdown(prof.events()), f"{name}: one step, self CPU time by category"))
+            if gpu:
+                torch.cuda.synchronize()
+        title = f"{name}: one step, self {'GPU' if gpu else 'CPU'} time by category"
+        print("\n" + format_breakdown(category_breakdown(prof.events(), device=gpu), title))
         if name.startswith("ours"):
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
+            sort = "self_device_time_total" if gpu else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=40))
 
 
 def parse(argv=None):
@@ -209,7 +217,7 @@ def parse(argv=None):
     p.add_argument("--no-hf", action="store_true", help="only our runs")
     p.add_argument("--hf-fused-adamw", action="store_true",
                    help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
-    p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run (CPU)")
+    p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
     return p.parse_args(argv)
 
 
@@ -240,7 +248,7 @@ def main(argv=None):
         ratio = statistics.median(times["ours fp8"]) / statistics.median(times["ours bf16"])
         print(f"\nFP8 step / bf16 step: {ratio:.2f}x (target: within 1.3x)")
     if args.profile:
-        profile_runs(steps)
+        profile_runs(steps, args.device)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def describe_machine(threads: int | None = None) -> str:
     except (OSError, ValueError, IndexError):
         pass
     if torch.cuda.is_available():
-        lines.append(f"gpu: {torch.cuda.get_device_name()} (not used by CPU benchmarks)")
+        lines.append(f"gpu: {torch.cuda.get_device_name()} visible")
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@
 # DATA holds sample_text_document.{bin,idx} and spm.model (what examples/quickstart_cpu.sh's steps
 # 1-3 write). Steps: the CUDA path against the CPU (benchmarks/cuda_checks.py); the quickstart's
 # model trained in bf16 on the GPU, resumed, and sampled; one training step ours vs Hugging Face on
-# the GPU (bf16, FP8, --torch-compile, fp32); FP8 GEMMs; KV-cache generation.
+# the GPU (bf16, FP8, --torch-compile, fp32) and a profile of the bf16 and FP8 steps; FP8 GEMMs;
+# KV-cache generation. benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 LOG=${LOG:-outputs/gpu}
@@ -54,6 +55,8 @@ rm -rf "$CKPT"
 
 step bench_step_gpu 200 python3 benchmarks/bench_step.py --device cuda --shape gpu --dtypes bf16 fp8 --compile --rounds 5
 step bench_step_gpu_fp32 90 python3 benchmarks/bench_step.py --device cuda --shape gpu --dtypes fp32 --rounds 3 --warmup 1
+step profile_fp8_gpu 120 python3 benchmarks/bench_step.py --device cuda --shape gpu --dtypes bf16 fp8 --no-hf --rounds 2 \
+    --warmup 1 --profile
 step bench_fp8 90 python3 benchmarks/bench_fp8.py --issue-config --steps 5
 step bench_generate 90 python3 benchmarks/bench_generate.py --device cuda --rounds 2 --skip-uncached
 date -u >> "$LOG/steps.log"

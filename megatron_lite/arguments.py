@@ -14,7 +14,8 @@ import os
 import time
 import typing
 
-from .config import SECTIONS, Config, ConfigError, finalize
+from .config import SECTIONS, Config, ConfigError
+from .config_checks import finalize
 from .errors import PEER_EXIT_GRACE_S, OneLineParser
 from .fusions.config import FUSION_CHOICES
 from .models.mla_config import ROPE_TYPES

@@ -37,7 +37,7 @@ from ..optim.distrib_optimizer import DistributedOptimizer
 from .boxes import canonical_shape, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
 from .format import VOCAB_TENSORS, CheckpointError, restore_scheduler
-from .frozen import base_of, is_frozen
+from .frozen import base_of, is_frozen, unwrap
 from .layout import expert_place
 
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -60,10 +60,6 @@ class RankTensor:
     frozen: bool = False  # a frozen parameter (LoRA base): not saved, it comes from the base (frozen.py)
 
 
-def _inner(chunk):
-    return getattr(chunk, "module", chunk)
-
-
 def _global(name: str, start: int) -> str:
     m = _LAYER.match(name)
     return f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}" if m else name
@@ -81,7 +77,7 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
     so the same expert has the same key at every expert-parallel size."""
     out, by_param = [], {}
     for chunk in chunks:
-        module = _inner(chunk)
+        module = unwrap(chunk)
         holder = module if hasattr(module, "layer_start") else getattr(module, "decoder", module)
         start = int(getattr(holder, "layer_start", 0) or 0)
         params = {id(p) for p in module.parameters()}

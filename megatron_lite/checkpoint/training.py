@@ -57,6 +57,7 @@ from .frozen import (
     require_base,
     saved_state_dict,
     set_base,
+    unwrap,
 )
 from .pretrained import check_base, load_model_weights_here, trainable_may_be_missing
 from .rng import get_rng_states, set_rng_states
@@ -77,10 +78,6 @@ def _global_rank() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Save.
-
-
-def _inner(chunk):
-    return getattr(chunk, "module", chunk)
 
 
 def _layer_range(module):
@@ -130,7 +127,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     def write_files():
         atomic_save(with_checksums(get_rng_states(state.rng_tracker)), rng_file(root, iteration, rank))
         if state.expert_dp_rank == 0 and state.cp_rank == 0:
-            modules = [_inner(c) for c in chunks]
+            modules = [unwrap(c) for c in chunks]
             payload = {
                 "iteration": int(iteration),
                 "consumed_samples": int(consumed_samples),
@@ -293,7 +290,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
-    modules = [_inner(c) for c in chunks]
+    modules = [unwrap(c) for c in chunks]
     _load_frozen_base(path, ckpt.get("frozen_base"), chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)

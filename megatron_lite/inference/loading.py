@@ -8,8 +8,8 @@ process is the layout TP 1 x PP 1. The vocabulary is padded again for the TP siz
 
 Inference settings differ from training in three ways: no dropout (eval mode), no sequence
 parallelism (decoding feeds one token at a time), and no MoE capacity limit (no token is dropped).
-Mixture-of-experts layers need sequence parallelism at TP > 1, so MoE models generate at TP 1
-(any pipeline size).
+At TP > 1 a mixture-of-experts layer splits the tokens over the TP ranks itself
+(:class:`~megatron_lite.moe.layer.MoELayer`).
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ def inference_config(saved: dict, tp: int, params_dtype=torch.float32) -> Transf
     model = model_config_from_saved({**saved, "vocab_size": vocab, "padded_vocab_size": 0})
     model.padded_vocab_size = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
     moe = MoEConfig(**{f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved})
-    if moe.num_experts and tp > 1:
-        raise ConfigError(f"mixture-of-experts models generate at --tensor-model-parallel-size 1 (asked for {tp}): "
-                          "their layers need sequence parallelism at TP > 1; use pipeline parallelism instead")
     moe.moe_expert_capacity_factor, moe.moe_pad_expert_input_to_capacity = None, False  # drop no token
     moe.expert_tensor_parallel_size = None
     fusions = fusion_fields(saved, model.swiglu)  # the fused bias + GeLU is the tanh GeLU: as trained
     fusions.pop("gradient_accumulation_fusion", None)  # training only
     return TransformerConfig.from_model(model, tensor_model_parallel_size=tp, sequence_parallel=False,
-                                        params_dtype=params_dtype, **moe_fields(moe), **fusions)
+                                        moe_split_tokens_over_tp=True, params_dtype=params_dtype,
+                                        **moe_fields(moe), **fusions)
 
 
 def check_layout(state, saved: dict) -> None:

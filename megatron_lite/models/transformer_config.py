@@ -104,6 +104,9 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     transformer_impl: str = "local"  # transformer_engine: the transformer layers' GEMMs through TE
+    # inference: at TP > 1 without sequence parallelism an MoE layer splits the tokens over TP itself
+    # (moe/layer.py); training keeps Megatron's rule that MoE at TP > 1 needs --sequence-parallel
+    moe_split_tokens_over_tp: bool = False
     # fusions (fusions/config.py maps the --[no-]...-fusion flags here; off unless asked, except the
     # softmax, which has always been SDPA's fused kernel) -----------------------------------------
     bias_activation_fusion: bool = False  # bias + GeLU (tanh approximation) / bias + SwiGLU in one function

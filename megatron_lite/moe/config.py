@@ -238,7 +238,8 @@ def check_moe_fields(config) -> None:
     normalize(config, config.ffn_hidden_size)
     problem = moe_config_problem(
         config, num_layers=config.num_layers, tp=config.tensor_model_parallel_size,
-        ep=config.expert_model_parallel_size, sequence_parallel=config.sequence_parallel,
+        ep=config.expert_model_parallel_size,
+        sequence_parallel=config.sequence_parallel or config.moe_split_tokens_over_tp,
         fp16=config.params_dtype == torch.float16)
     if problem:
         raise ConfigError(problem)

@@ -4,8 +4,13 @@
 ``forward(hidden [s, b, h]) -> [s, b, h]`` where ``s`` is this rank's sequence shard under sequence
 parallelism. Expert parallelism (EP) is carved out of data parallelism: each EP rank holds
 ``num_experts / EP`` experts and receives the tokens routed to them from the other EP ranks (which
-hold other data). Expert tensor parallelism uses the tensor-parallel group, which requires
-sequence parallelism when it is larger than one (each rank then routes its own sequence shard).
+hold other data). Expert tensor parallelism uses the tensor-parallel group: with sequence
+parallelism each rank routes its own sequence shard. Without it (inference at TP > 1: decoding feeds
+whole sequences, one token at a time) every TP rank holds all tokens, and the layer cuts them into
+one share per rank (padded to a multiple of TP), routes its share as under sequence parallelism, and
+all-gathers the outputs (``TransformerConfig.moe_split_tokens_over_tp``, set by the inference
+loader). Training at TP > 1 keeps Megatron's rule that MoE needs ``--sequence-parallel`` (the
+router's and whole experts' gradients are summed over TP only under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ def check_layer_config(config, state) -> None:
     if config.num_experts % state.ep_size:
         raise ConfigError(f"--num-experts {config.num_experts} must be divisible by "
                           f"--expert-model-parallel-size {state.ep_size}")
-    if state.tp_size > 1 and not config.sequence_parallel:
-        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel")
     etp = config.expert_tensor_parallel_size
     if etp not in (None, 1, state.tp_size):
         raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size "
@@ -49,13 +52,30 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(config, state, layer_number)
-        self.tp_size = comm.group_size(state.tp_group)
+        self.tp_group, self.tp_size = state.tp_group, comm.group_size(state.tp_group)
+        self.split_tokens = self.tp_size > 1 and not config.sequence_parallel  # (moe_split_tokens_over_tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
-        probs, routing_map = self.router(hidden)
-        out = self.token_dispatcher.run(hidden.reshape(s * b, h), probs, routing_map, self.experts)
+        out = self._routed_split(hidden) if self.split_tokens else self._routed(hidden)
         out = out.view(s, b, h).to(hidden.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
+
+    def _routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for ``hidden [s, b, h]``, as ``[s * b, h]``."""
+        s, b, h = hidden.shape
+        probs, routing_map = self.router(hidden)
+        return self.token_dispatcher.run(hidden.reshape(s * b, h), probs, routing_map, self.experts)
+
+    def _routed_split(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`_routed` of tokens every TP rank holds: each rank routes its share, outputs all-gathered."""
+        s, b, h = hidden.shape
+        tokens = hidden.reshape(s * b, 1, h)
+        pad = -tokens.shape[0] % self.tp_size
+        if pad:  # zero tokens, routed like any other and dropped below
+            tokens = torch.cat([tokens, tokens.new_zeros(pad, 1, h)])
+        mine = comm.scatter_to_sp(tokens, self.tp_group)
+        out = comm.gather_from_sp(self._routed(mine), self.tp_group, tensor_parallel_output_grad=False)
+        return out[: s * b]

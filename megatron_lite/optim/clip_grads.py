@@ -53,16 +53,11 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     ``data_parallel`` each rank holds only part of the gradient, so the sums run over the
     data-parallel (x context-parallel) group too (the expert-data-parallel group for expert parameters).
     """
-    dense = torch.zeros((), dtype=torch.float32, device=device)
-    expert = torch.zeros((), dtype=torch.float32, device=device)
+    grads = {True: [], False: []}  # dense (all-reduced over data parallelism) / expert gradients
     for p, g in pairs:
-        if g is None or not counts_once(p, state):
-            continue
-        sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()  # fp32, no squared copy
-        if getattr(p, "allreduce", True):
-            dense += sq
-        else:
-            expert += sq
+        if g is not None and counts_once(p, state):
+            grads[getattr(p, "allreduce", True)].append(g.detach())
+    dense, expert = (_sum_of_squares(grads[kind], device) for kind in (True, False))
     dense_groups = (state.dp_shard_group,) if data_parallel else ()  # sharded over DP x CP (/ instances)
     expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
@@ -73,6 +68,14 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     if comm.group_size(state.mp_group) > 1:
         dist.all_reduce(total, group=state.mp_group)
     return total
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``grads`` in fp32: one multi-tensor norm (a few kernels for the
+    whole model instead of two per parameter), no squared copies."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def get_grad_norm(params, state) -> float:
@@ -88,8 +91,5 @@ def clip_grad_norm(params, max_norm: float, state) -> float:
     norm = get_grad_norm(params, state)
     coeff = max_norm / (norm + 1e-6)
     if coeff < 1.0:
-        for p in params:
-            g = grad_of(p)
-            if g is not None:
-                g.mul_(coeff)
+        torch._foreach_mul_([g for g in map(grad_of, params) if g is not None], coeff)
     return norm

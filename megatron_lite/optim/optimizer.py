@@ -110,12 +110,11 @@ class MegatronOptimizer:
 
     def _unscale_and_check(self, grads, groups) -> bool:
         """Divide ``grads`` by the loss scale; True if any rank (MAX over ``groups``) has inf/NaN."""
-        inv = 1.0 / self.scaler.scale
         device = grads[0].device if grads else get_device()  # a rank may own no gradient (padding only)
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            g.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:  # one multi-tensor pass: multiply by 1 / scale, flag any inf/NaN (GradScaler's kernel)
+            inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         for group in groups:
             if comm.group_size(group) > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

@@ -124,38 +124,48 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gemm, record):
         x2 = x.reshape(-1, x.shape[-1])
-        scale = gemm._forward_scales(x2, weight, record)
-        scale_inv = 1.0 / scale
-        # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
-        x8, w8 = quantize(x2, scale[INPUT], E4M3), quantize(weight, scale[WEIGHT], E4M3).contiguous()
-        out = gemm._matmul("fprop", x8, w8.t(), scale_inv[INPUT], scale_inv[WEIGHT], x.dtype)
+        cached = gemm._cached_weight(weight) if record else None
+        scale = gemm._forward_scales(x2, weight if cached is None else None, record)
+        # one fresh tensor per slot: the GPU kernel takes a scale only at an aligned address
+        inv_x, inv_w = scale[INPUT].reciprocal(), scale[WEIGHT].reciprocal()
+        x8 = quantize(x2, scale[INPUT], E4M3)
+        if cached is None:
+            # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
+            w8 = quantize(weight, scale[WEIGHT], E4M3).contiguous()
+            if record:
+                gemm._keep_weight(weight, w8)
+        else:
+            w8 = cached
+        out = gemm._matmul("fprop", x8, gemm._weight_operand(w8, "fprop"), inv_x, inv_w, x.dtype)
         if bias is not None:
             out = out + bias
         # FP8 copies are what the backward GEMMs need (and 1 byte per element to keep)
-        ctx.save_for_backward(x8 if gemm.recipe.wgrad else x2.detach(), w8, scale_inv)
+        ctx.save_for_backward(x8 if gemm.recipe.wgrad else x2.detach(), w8, inv_x, inv_w)
         ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w8, scale_inv = ctx.saved_tensors
+        x_saved, w8, inv_x, inv_w = ctx.saved_tensors
         gemm = ctx.gemm
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_scale = gemm._grad_scale(dy2)
-        g_inv = 1.0 / g_scale
+        g_inv = g_scale.reciprocal()
         dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
+        if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
+            dy8 = dy8.to(cpu_gemm_dtype())
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, column_major(w8) if kernel else w8, g_inv, scale_inv[WEIGHT], ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad"), g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
                 a, b = dy8.t(), x_saved
                 if kernel:  # (the token dimension is the inner one here: zero rows pad it to the alignment)
                     a, b = pad_rows(dy8, GEMM_ALIGNMENT).t().contiguous(), column_major(pad_rows(x_saved, GEMM_ALIGNMENT))
-                dw = gemm._matmul("wgrad", a, b, g_inv, scale_inv[INPUT], ctx.w_dtype)
+                dw = gemm._matmul("wgrad", a, b, g_inv, inv_x, ctx.w_dtype)
             else:  # high-precision wgrad from the unquantised gradient and input
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
@@ -185,6 +195,7 @@ class Fp8Gemm(nn.Module):
         self.register_buffer("scale", torch.ones(3))
         self.register_buffer("fp8_max", recipe.fp8_max(), persistent=False)
         self.fallbacks: dict[str, str] = {}
+        self._weight_fp8: dict | None = None  # this step's quantised weight (see _cached_weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
@@ -196,6 +207,7 @@ class Fp8Gemm(nn.Module):
     def _apply(self, fn, recurse=True):
         # FP8 bookkeeping stays fp32 when the model is cast (e.g. to bf16): scales need the range
         super()._apply(fn, recurse)
+        self._weight_fp8 = None
         for name in ("amax_history", "scale", "fp8_max"):
             buf = getattr(self, name)
             if buf.dtype != torch.float32:
@@ -207,22 +219,67 @@ class Fp8Gemm(nn.Module):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.amax_group)
         return amaxes
 
-    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor, record: bool) -> torch.Tensor:
-        """Scales for (input, weight) of this call; records their amaxes for delayed scaling."""
+    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor | None, record: bool) -> torch.Tensor:
+        """Scales for (input, weight) of this call; records their amaxes for delayed scaling (the
+        input's only when ``weight`` is None: a cached weight's amax is already recorded this step)."""
+        if weight is None:
+            if record:
+                seen = self.amax_history[0, INPUT]
+                torch.maximum(seen, amax(x).to(self.scale.device), out=seen)
+            return self.scale[:2]
         amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(amaxes), self.fp8_max[:2])
         if record:
-            self.amax_history[0, :2] = torch.maximum(self.amax_history[0, :2], amaxes)
-        return self.scale[:2].clone()
+            seen = self.amax_history[0, :2]
+            torch.maximum(seen, amaxes, out=seen)
+        return self.scale[:2]  # (read at once: the per-step update is the only writer)
+
+    def _weight_key(self, weight: torch.Tensor) -> tuple:
+        return weight.data_ptr(), weight._version, weight.shape, weight.stride(), weight.dtype, self.scale._version
+
+    def _cached_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The E4M3 weight quantised by an earlier training call of this step, if ``weight`` is unchanged.
+
+        With delayed scaling the weight and its scale are fixed within an optimizer step, so the
+        first micro-batch quantises the weight (and records its amax) and the others reuse it, with
+        its column-major copy for dgrad. :meth:`update_scales` (once per step) drops it, and so does
+        any change of the weight tensor (another storage, an in-place write). Tensorwise scaling
+        reduces amaxes over ``amax_group`` on every call, so it never caches."""
+        cache = self._weight_fp8
+        if self.recipe.recipe != "delayed" or cache is None or cache["key"] != self._weight_key(weight):
+            return None
+        return cache["w8"]
+
+    def _keep_weight(self, weight: torch.Tensor, w8: torch.Tensor) -> None:
+        if self.recipe.recipe == "delayed":
+            self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "operand": None}
+
+    def _weight_operand(self, w8: torch.Tensor, kind: str) -> torch.Tensor:
+        """The weight operand of the ``fprop`` (``W^T``) or ``dgrad`` (``W``) GEMM. For the FP8 kernel
+        dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened to its GEMM dtype
+        (exact). Either is made once per step for the cached weight (:meth:`_cached_weight`)."""
+        kernel = fp8_gemm_path(w8.device) == SCALED_MM
+        if kernel and kind == "fprop":
+            return w8.t()
+        make = column_major if kernel else (lambda t: t.to(cpu_gemm_dtype()))
+        cache = self._weight_fp8
+        if cache is None or cache["w8"] is not w8:
+            operand = make(w8)
+        else:
+            if cache["operand"] is None:
+                cache["operand"] = make(w8)
+            operand = cache["operand"]
+        return operand.t() if kind == "fprop" else operand
 
     def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:
         """Scale for the output gradient of this call; records its amax for delayed scaling."""
         g = amax(dy).to(self.scale.device).reshape(1)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(g), self.fp8_max[GRAD_OUTPUT:])[0]
-        self.amax_history[0, GRAD_OUTPUT:] = torch.maximum(self.amax_history[0, GRAD_OUTPUT:], g)
-        return self.scale[GRAD_OUTPUT].clone()
+        seen = self.amax_history[0, GRAD_OUTPUT:]
+        torch.maximum(seen, g, out=seen)
+        return self.scale[GRAD_OUTPUT]
 
     def _matmul(self, kind, a, b, a_scale_inv, b_scale_inv, out_dtype):
         out, reason = fp8_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype)
@@ -242,6 +299,7 @@ class Fp8Gemm(nn.Module):
         """
         if self.recipe.recipe != "delayed":
             return
+        self._weight_fp8 = None  # the next step's weight and scale differ
         if reduced_amax is not None:
             self.amax_history[0] = reduced_amax
         latest = amax_from_history(self.amax_history, self.recipe.amax_compute_algo)

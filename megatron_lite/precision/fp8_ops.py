@@ -44,7 +44,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN and inf propagate."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().float()
+    return torch.linalg.vector_norm(x.detach(), float("inf")).float()  # one pass, no |x| temporary
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -199,6 +199,12 @@ _ACCEPTED_FORM: dict[str, tuple | None] = {}  # device -> the first form that ra
 _REFUSALS: dict[str, str] = {}  # device -> why none ran
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it does not start at a 16-byte boundary: cuBLAS refuses a scale pointer inside
+    another tensor (an H200 refused ``scale_inv[1]``, 4 bytes in); fresh tensors are aligned."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
               out_dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
     """``torch._scaled_mm`` with per-tensor scales: ``(out, None)``, or ``(None, reason)`` when this
@@ -211,9 +217,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
     refusal = None
     for shape, written in (_ACCEPTED_FORM[key],) if key in _ACCEPTED_FORM else SCALED_MM_FORMS:
         try:
-            # fresh copies: cuBLAS refuses a scale pointer inside another tensor (scale_inv[1] is 4 bytes in)
-            out = torch._scaled_mm(a, b, scale_a=a_scale_inv.float().reshape(shape).clone(),
-                                   scale_b=b_scale_inv.float().reshape(shape).clone(), out_dtype=written or out_dtype)
+            out = torch._scaled_mm(a, b, scale_a=_aligned(a_scale_inv.float().reshape(shape)),
+                                   scale_b=_aligned(b_scale_inv.float().reshape(shape)), out_dtype=written or out_dtype)
         except RuntimeError as err:
             refusal = refusal or f"torch._scaled_mm refused it here ({str(err).splitlines()[0][:160]})"
             continue

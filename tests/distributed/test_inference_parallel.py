@@ -4,7 +4,8 @@ Every rank loads its slice of the same checkpoint (a one-process ``torch`` check
 saved as ``torch_dist``, and one written at TP2 x PP2: the layout it was "trained" at) and runs the
 engine; the tokens and log-probs every rank returns must equal the single-process engine's
 (log-probs within 1e-5 relative to the largest, as in tests/unit/test_inference_engine.py).
-The DeepSeek-V3-shaped model (MLA + MTP) runs at TP2 and TP2 x PP2. Greedy and seeded top-k sampling: the last stage samples and broadcasts, so a sampled token
+The DeepSeek-V3-shaped model (MLA + MTP) runs at TP2 and TP2 x PP2, the MoE model at PP2, TP2 (3 prompts:
+an odd token count for 2 TP ranks while decoding) and TP2 x PP2. Greedy and seeded top-k sampling: the last stage samples and broadcasts, so a sampled token
 reaches the first stage and every rank."""
 
 import pytest
@@ -48,6 +49,7 @@ def generate_on_ranks(root, tp, pp, top_k):
 CASES = [  # (checkpoint, its one-process checkpoint, tp, pp, top_k)
     ("gpt", "gpt", 2, 1, 1), ("gpt", "gpt", 1, 2, 4), ("gpt", "gpt", 2, 2, 1), ("gpt_dist", "gpt", 2, 1, 4),
     ("rope_gqa_tp2pp2", "rope_gqa", 2, 2, 4), ("moe", "moe", 1, 2, 1),
+    ("moe", "moe", 2, 1, 4), ("moe", "moe", 2, 2, 1),  # MoE at TP2: each TP rank routes its share of the tokens
     ("mla_mtp", "mla_mtp", 2, 1, 4), ("mla_mtp", "mla_mtp", 2, 2, 1),  # MLA's heads over TP; MTP on the last stage
 ]
 

@@ -17,6 +17,7 @@ import pytest
 
 import pretrain_bert
 from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
+from megatron_lite.lora.apply import is_adapter_name
 from tests.e2e.test_pretrain_gpt import assert_same_weights
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
@@ -112,6 +113,20 @@ def test_resume_continues_exactly(tmp_path, data, reference):
     second = pretrain_bert.main(_argv(data, save, extra=["--load", save]))
     assert second.iteration == ITERS
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference[0], rtol=0)  # bit-identical
+
+
+def test_lora_fine_tunes_bert_and_tp2_sp_reproduces_one_process(tmp_path, data, reference):
+    """LoRA on BERT from the reference checkpoint: the first step is the base model's (B = 0: a full
+    fine-tune's first loss), TP2 + SP gives the one-process trajectory, and only adapters are saved."""
+    lora = ["--pretrained-checkpoint", reference[1], "--lora-rank", "4", "--lora-alpha", "8"]
+    single = run_script("pretrain_bert", _argv(data, str(tmp_path / "one"), extra=lora))
+    full = run_script("pretrain_bert", _argv(data, str(tmp_path / "full"), extra=lora[:2]))
+    assert full.reported[0] == single.reported[0] and full.losses[1:] != single.losses[1:]
+    tp2 = ranks_trajectory(2, "pretrain_bert", _argv(data, str(tmp_path / "tp2"),
+                                                     extra=lora + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]))
+    _same(tp2, single)
+    saved = merge_checkpoint(str(tmp_path / "one"))[0]
+    assert saved and all(is_adapter_name(name) for name in saved), sorted(saved)[:5]
 
 
 def test_fill_mask_reads_the_checkpoint(data, reference):

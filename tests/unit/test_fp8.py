@@ -288,3 +288,70 @@ def test_evaluation_passes_leave_delayed_state_alone():
     assert not gemm.amax_history.any()
     gemm(x, w, b)
     assert gemm.amax_history[0, 0] == x.abs().max() and gemm.amax_history[0, 1] == w.abs().max()
+
+
+def _accumulating_steps(gemm, w, micro_batches=3, steps=2):
+    """A training loop's use of one FP8 linear: per step, forward + backward of several micro-batches
+    (the weight gradient accumulates), the scale update, then an in-place SGD update of the weight.
+    Returns every output, input gradient, weight gradient, scale and amax history on the way."""
+    w = w.clone().requires_grad_()
+    seen = []
+    for step in range(steps):
+        for mb in range(micro_batches):
+            x = _rand((S, B, K), 10 + 7 * step + mb).requires_grad_()
+            y = gemm(x, w)
+            y.backward(_rand((S, B, N), 50 + 7 * step + mb, 1e-3))
+            seen += [y.detach(), x.grad]
+        update_fp8_scales(gemm)
+        seen += [w.grad.clone(), gemm.scale.clone(), gemm.amax_history.clone()]
+        with torch.no_grad():
+            w -= 0.5 * w.grad
+        w.grad = None
+    return seen
+
+
+@pytest.mark.parametrize("path", ["device", "scaled_mm"])
+def test_delayed_scaling_quantises_the_weight_once_per_step(path, monkeypatch, request):
+    """With delayed scaling the weight and its scale are fixed within a step: the first micro-batch
+    quantises the weight and the others reuse it, giving exactly the numbers of quantising every time."""
+    if path == "scaled_mm":
+        request.getfixturevalue("scaled_mm_on_cpu")
+    weight_casts = []
+    real = fp8.quantize
+
+    def counting(t, scale, dtype):
+        weight_casts.extend([1] if t.shape == (N, K) else [])
+        return real(t, scale, dtype)
+
+    monkeypatch.setattr(fp8, "quantize", counting)
+    w = _rand((N, K), 2, 0.05)
+    cached = _accumulating_steps(Fp8Gemm(Fp8Recipe()), w)
+    assert len(weight_casts) == 2  # once in each of the 2 steps of 3 micro-batches
+    monkeypatch.setattr(Fp8Gemm, "_cached_weight", lambda self, weight: None)
+    every_time = _accumulating_steps(Fp8Gemm(Fp8Recipe()), w)
+    assert len(weight_casts) == 2 + 6
+    for a, b in zip(cached, every_time, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_changed_weight_or_scale_is_quantised_again_and_evaluation_caches_nothing():
+    x, w = _rand((S, B, K), 1).requires_grad_(), _rand((N, K), 2, 0.05).requires_grad_()
+    gemm = Fp8Gemm(Fp8Recipe())
+    with torch.no_grad():
+        gemm(x, w)
+    assert gemm._weight_fp8 is None  # evaluation: no cache, no amax recorded
+    gemm(x, w)
+    assert gemm._weight_fp8 is not None
+    with torch.no_grad():
+        w.mul_(2.0)  # same storage, new contents
+    state = {k: v.clone() for k, v in gemm.state_dict().items()}
+
+    def fresh(x, w):  # a gemm with the same state that has never seen the weight
+        new = Fp8Gemm(Fp8Recipe())
+        new.load_state_dict(state)
+        return new(x, w)
+
+    assert torch.equal(gemm(x, w), fresh(x, w))
+    state["scale"] = torch.tensor([1.0, 3.0, 1.0])  # not a power of 2: another rounding of the weight
+    gemm.load_state_dict(state)
+    assert torch.equal(gemm(x, w), fresh(x, w))

@@ -109,8 +109,8 @@ REFUSED = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
 
 
 def test_scaled_mm_keeps_the_scale_layout_this_torch_takes_and_falls_back_when_none(monkeypatch, request):
-    """Builds differ in the per-tensor scales ``torch._scaled_mm`` takes (torch 2.11 + CUDA 13 on an H200
-    refused 0-dim ones): the first form of the call that runs is kept for the device; when none runs, every FP8
+    """Torch versions have taken the per-tensor scales of ``torch._scaled_mm`` in different shapes: the first
+    form of the call that runs is kept for the device; when none runs (or cuBLAS refuses it), every FP8
     GEMM falls back to the dequantised one (the same numbers), and each GEMM kind says why once."""
     real = torch._scaled_mm
     calls = []
@@ -176,3 +176,24 @@ def test_path_is_decided_by_device_and_gemm_dtype_by_probe():
     line = describe_fp8_path(Fp8Recipe(), torch.device("cpu"))
     chosen = "bf16" if fp8_ops.cpu_gemm_dtype() == torch.bfloat16 else "fp32"
     assert "decided by device" in line and f"exact {chosen} dequantised GEMMs" in line and "one-time probe" in line
+
+
+def test_the_fp8_kernel_gets_scales_at_aligned_addresses(monkeypatch, request):
+    """cuBLAS refuses a scale pointer inside another tensor (an H200 refused ``scale_inv[1]``, 4 bytes
+    into its tensor, with CUBLAS_STATUS_NOT_SUPPORTED): every scale reaching the kernel starts at a
+    16-byte boundary, and a misaligned one is copied, not refused."""
+    real, addresses = torch._scaled_mm, []
+
+    def recording(a, b, scale_a, scale_b, out_dtype):
+        addresses.extend([scale_a.data_ptr() % 16, scale_b.data_ptr() % 16])
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    request.getfixturevalue("scaled_mm_on_cpu")
+    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    _train_two_steps("hybrid", torch.float32)
+    assert len(addresses) == 12 and set(addresses) == {0}
+    pair = torch.tensor([2.0, 3.0])
+    assert fp8_ops._aligned(pair[0]).data_ptr() == pair.data_ptr()  # aligned: used as it is
+    moved = fp8_ops._aligned(pair[1])
+    assert moved.data_ptr() % 16 == 0 and moved.item() == 3.0 and moved.data_ptr() != pair[1].data_ptr()

@@ -119,7 +119,7 @@ def test_target_modules_pick_the_layers():
 
 def _check(argv):
     from megatron_lite.arguments import build_parser, config_from_namespace
-    from megatron_lite.config import finalize
+    from megatron_lite.config_checks import finalize
 
     base = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
     finalize(config_from_namespace(build_parser().parse_args(base + argv)), 2)

@@ -1,0 +1,165 @@
+"""Checks of a whole run's flags: :func:`finalize` fills derived values and validates the combination.
+
+Each problem is a :class:`~megatron_lite.errors.ConfigError` with one line naming the flag and the fix.
+The model's own shape rules live in :class:`~megatron_lite.models.transformer_config.TransformerConfig`;
+the sections' own checks beside their dataclasses (fusions, logging, LoRA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import DERIVED_FLAGS, Config
+from .errors import ConfigError
+from .fusions.config import check_fusion_flags
+from .logging_config import check_profile_flags
+from .lora.config import check_lora_flags
+from .precision.config import PrecisionConfig
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def finalize(config: Config, world_size: int = 1) -> Config:
+    """Fill derived values and check the combination for ``world_size`` processes; raises
+    ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``."""
+    from .parallel.state import ParallelConfigError, RankGrid
+
+    p = config.parallel
+    # What no launch can run comes first (a feature not built, a shape that does not split), then
+    # what needs another number of processes: one process must not be told to launch more for a
+    # combination that would be refused anyway.
+    _check_precision(config.precision)
+    check_fusion_flags(config.fusion, config.model.disable_bias_linear)
+    _check_model(config)
+    _check_parallel(config)
+    try:
+        grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                        dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from None
+    config.world_size, config.data_parallel_size = world_size, grid.dp
+    _check_batch(config)
+    _check_schedule(config)
+    _check_profile(config)
+    _check_data_and_checkpoint(config)
+    return config
+
+
+def _check_model(config: Config) -> None:
+    """Validate the model through the TransformerConfig it becomes, and keep its derived sizes in
+    the flags (they are saved with checkpoints and read by the FLOPs count)."""
+    from .models.transformer_config import TransformerConfig
+
+    m = config.model
+    if m.group_query_attention:
+        _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    model = TransformerConfig.from_config(config)
+    for name in DERIVED_FLAGS:
+        setattr(m, name, getattr(model, name))
+    config.parallel.sequence_parallel = model.sequence_parallel  # off when TP is 1, as in Megatron
+    config.training.recompute_num_layers = model.recompute_num_layers
+    for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
+        setattr(config.moe, f.name, getattr(model, f.name))
+    from .models.spec_plugin import check_spec
+
+    check_spec(config)  # --spec: importable, a LayerSpec (or layer -> LayerSpec), honouring the flags above
+
+
+def _check_parallel(config: Config) -> None:
+    m, p = config.model, config.parallel
+    from .parallel.sharding import check_sharding
+
+    check_sharding(config)
+    _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
+    pp = p.pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        _require(p.pipeline_schedule != "zb-h1", "--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
+                 "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
+        _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
+        per = p.num_layers_per_virtual_pipeline_stage
+        _require(per > 0 and m.num_layers % (per * pp) == 0,
+                 f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per} "
+                 f"x pipeline-model-parallel-size {pp}")
+    elif p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+        _require(m.num_layers % pp == 0,
+                 f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}; "
+                 "change one or set --decoder-first/last-pipeline-num-layers")
+    from .parallel.pipeline.partition import layer_ranges
+
+    try:  # the partition itself names the flags when uneven first/last stages do not work out
+        layer_ranges(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_batch(config: Config) -> None:
+    t, p, dp = config.training, config.parallel, config.data_parallel_size
+    _require(t.micro_batch_size > 0, "--micro-batch-size must be positive")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
+             f"x data-parallel size {dp}")
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        try:
+            from .parallel.pipeline.order import check_interleaved_microbatches
+            check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
+                                           p.pipeline_model_parallel_size, p.pipeline_schedule)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def _check_precision(pr: PrecisionConfig) -> None:
+    from .precision.flags import check_precision_flags
+
+    check_precision_flags(pr)
+
+
+def _check_schedule(config: Config) -> None:
+    """Logging/evaluation intervals and the learning-rate schedule."""
+    t, o = config.training, config.optim
+    for name in ("log_interval", "eval_interval"):
+        value = getattr(config.logging if name == "log_interval" else t, name)
+        _require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if o.lr_decay_iters is None:
+        o.lr_decay_iters = t.train_iters
+    _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
+    _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
+             f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
+             f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
+    if o.lr_decay_style == "WSD":
+        _require(o.lr_wsd_decay_iters is not None,
+                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of the final decay)")
+        _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
+                 f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
+                 f"(default --train-iters), got {o.lr_wsd_decay_iters}")
+
+
+def _check_profile(config: Config) -> None:
+    from .precision.flags import gpu_visible
+
+    check_profile_flags(config.logging, config.world_size, gpu_visible())
+
+
+def _check_data_and_checkpoint(config: Config) -> None:
+    d, t, cp = config.data, config.training, config.checkpoint
+    if d.mock_data or d.tokenizer_type == "NullTokenizer":
+        _require(config.model.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
+    else:
+        _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
+        _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
+    _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
+    _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
+    _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
+    _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+    from .data.sft_dataset import check_sft_flags
+
+    check_sft_flags(config)
+    check_lora_flags(config)
