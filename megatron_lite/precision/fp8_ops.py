@@ -192,11 +192,7 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     return out.mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
 
 
-# The forms of a per-tensor-scaled torch._scaled_mm call that builds have taken: the scalar scales as a
-# 0-dim tensor, [1] or [1, 1], and an fp32 output rounded afterwards (None: the requested dtype).
-SCALED_MM_FORMS = (((), None), ((1,), None), ((1, 1), None), ((), torch.float32))
-_ACCEPTED_FORM: dict[str, tuple | None] = {}  # device -> the first form that ran (None: none ran)
-_REFUSALS: dict[str, str] = {}  # device -> why none ran
+_REFUSALS: dict[str, str] = {}  # device -> why torch._scaled_mm refused it there (then not asked again)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -207,26 +203,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
               out_dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
-    """``torch._scaled_mm`` with per-tensor scales: ``(out, None)``, or ``(None, reason)`` when this
-    torch/cuBLAS refuses it. Which form of the call the installed version accepts
-    (``SCALED_MM_FORMS``, in order) is found on the first call per device and kept; when none runs,
-    later calls are answered at once with the first refusal."""
+    """``torch._scaled_mm`` with per-tensor scales (0-dim, 16-byte aligned): ``(out, None)``, or
+    ``(None, reason)`` when this torch/cuBLAS refuses it; a device that refused once is not asked again."""
     key = str(a.device)
-    if key in _ACCEPTED_FORM and _ACCEPTED_FORM[key] is None:
+    if key in _REFUSALS:
         return None, _REFUSALS[key]
-    refusal = None
-    for shape, written in (_ACCEPTED_FORM[key],) if key in _ACCEPTED_FORM else SCALED_MM_FORMS:
-        try:
-            out = torch._scaled_mm(a, b, scale_a=_aligned(a_scale_inv.float().reshape(shape)),
-                                   scale_b=_aligned(b_scale_inv.float().reshape(shape)), out_dtype=written or out_dtype)
-        except RuntimeError as err:
-            refusal = refusal or f"torch._scaled_mm refused it here ({str(err).splitlines()[0][:160]})"
-            continue
-        _ACCEPTED_FORM.setdefault(key, (shape, written))
-        return out.to(out_dtype), None
-    if key not in _ACCEPTED_FORM:
-        _ACCEPTED_FORM[key], _REFUSALS[key] = None, refusal
-    return None, refusal
+    try:
+        return torch._scaled_mm(a, b, scale_a=_aligned(a_scale_inv.float().reshape(())),
+                                scale_b=_aligned(b_scale_inv.float().reshape(())), out_dtype=out_dtype), None
+    except RuntimeError as err:
+        _REFUSALS[key] = f"torch._scaled_mm refused it here ({str(err).splitlines()[0][:160]})"
+        return None, _REFUSALS[key]
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,

@@ -108,41 +108,25 @@ def test_cpu_path_equals_scaled_mm_path_and_never_calls_it(fmt, monkeypatch, req
 REFUSED = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
 
 
-def test_scaled_mm_keeps_the_scale_layout_this_torch_takes_and_falls_back_when_none(monkeypatch, request):
-    """Torch versions have taken the per-tensor scales of ``torch._scaled_mm`` in different shapes: the first
-    form of the call that runs is kept for the device; when none runs (or cuBLAS refuses it), every FP8
-    GEMM falls back to the dequantised one (the same numbers), and each GEMM kind says why once."""
-    real = torch._scaled_mm
+def test_a_refused_fp8_kernel_falls_back_once_per_device_with_the_same_numbers(monkeypatch, request):
+    """Where torch/cuBLAS refuses ``torch._scaled_mm``, every FP8 GEMM falls back to the dequantised one
+    (the same numbers), each GEMM kind says why once, and the device is not asked again."""
     calls = []
-
-    def only_1d(a, b, scale_a, scale_b, out_dtype):
-        calls.append(tuple(scale_a.shape))
-        if scale_a.dim() != 1:
-            raise RuntimeError(REFUSED)
-        return real(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype)
 
     def refuse(a, b, scale_a, scale_b, out_dtype):
         calls.append(tuple(scale_a.shape))
         raise RuntimeError(REFUSED)
 
     request.getfixturevalue("scaled_mm_on_cpu")
-    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(fp8_ops, "_REFUSALS", {})
     reference = _train_two_steps("hybrid", torch.float32)
-    assert fp8_ops._ACCEPTED_FORM == {"cpu": ((), None)}
-    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
-    monkeypatch.setattr(torch, "_scaled_mm", only_1d)
-    for got, want in zip(_train_two_steps("hybrid", torch.float32), reference):
-        assert torch.equal(got, want)
-    assert calls[:2] == [(), (1,)] and set(calls[2:]) == {(1,)}  # found once, then kept
-
-    calls.clear()
-    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    assert fp8_ops._REFUSALS == {}
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
     fallbacks = {}
     with pytest.warns(UserWarning, match="runs as a dequantised matmul: torch._scaled_mm refused it here"):
         got = _train_two_steps("hybrid", torch.float32, fallbacks=fallbacks)
     assert sorted(fallbacks) == ["dgrad", "fprop", "wgrad"] and all("NOT_SUPPORTED" in r for r in fallbacks.values())
-    assert calls == [(), (1,), (1, 1), ()]  # every form tried once per device, then answered at once
+    assert calls == [()]  # asked once per device, then answered at once
     for name, g, want in zip(("output", "dgrad", "wgrad", "bias grad"), got, reference):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(),
                                    msg=lambda msg, n=name: f"{n}: {msg}")
@@ -189,7 +173,7 @@ def test_the_fp8_kernel_gets_scales_at_aligned_addresses(monkeypatch, request):
         return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
     request.getfixturevalue("scaled_mm_on_cpu")
-    monkeypatch.setattr(fp8_ops, "_ACCEPTED_FORM", {})
+    monkeypatch.setattr(fp8_ops, "_REFUSALS", {})
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     _train_two_steps("hybrid", torch.float32)
     assert len(addresses) == 12 and set(addresses) == {0}
