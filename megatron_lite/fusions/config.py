@@ -46,6 +46,8 @@ class FusionConfig:
     """Regional torch.compile: each transformer layer's forward (compiled once, reused) and the loss."""
     torch_compile_backend: str = "inductor"
     """torch.compile backend for --torch-compile and jit_fuser: inductor, aot_eager or eager."""
+    retain_host_memory: bool = True
+    """CPU runs: freed host memory stays in the process for reuse (glibc), so large tensors stop page-faulting."""
 
 
 FUSION_CHOICES = {"jit_fuser": list(JIT_FUSER_MODES), "cross_entropy_fusion_impl": list(CROSS_ENTROPY_FUSION_IMPLS),

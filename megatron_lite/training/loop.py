@@ -39,6 +39,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
+from ..perf.host_memory import retain_freed_host_memory
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
@@ -217,6 +218,8 @@ def half_precision_warning(config: Config, device: torch.device) -> str | None:
 def setup(config: Config) -> tuple[ParallelState, torch.device]:
     """Distributed init, the parallel state and the seeds; prints the startup summary."""
     device = init_distributed()
+    if device.type == "cpu" and config.fusion.retain_host_memory and retain_freed_host_memory():
+        print_rank_0("> host memory: freed blocks kept for reuse (--no-retain-host-memory gives them back)")
     p = config.parallel
     chunks = num_chunks(config.model.num_layers, p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
     vpp = chunks if chunks > 1 else None
