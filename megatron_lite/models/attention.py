@@ -16,6 +16,9 @@ dtype is 16-bit. Packed documents (integer document ids as the mask,
 ``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
 
+With attention dropout on the CPU, where SDPA's flash kernel does not apply, the core attention is
+:func:`~megatron_lite.models.cpu_attention.cpu_dropout_attention` (fewer passes than SDPA's math path).
+
 Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusion``, on by default);
 ``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
 product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
@@ -36,6 +39,7 @@ from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from .common import apply_rotary, column_linear, row_linear
+from .cpu_attention import cpu_dropout_attention
 
 fused_apply_rotary = jit_fuser(apply_rotary)
 
@@ -116,6 +120,10 @@ class DotProductAttention(nn.Module):
             mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
         if not self.fused_softmax:
             return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
+        if dropout_p > 0 and q.device.type == "cpu":  # SDPA's CPU flash kernel has no dropout: ours beats its math path
+            out = cpu_dropout_attention(q, k, v, None if mask is None else ~mask, causal and mask is None, dropout_p,
+                                        self.scale)
+            return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
         # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                              is_causal=causal and mask is None, scale=self.scale,

@@ -37,7 +37,7 @@ def shard_softmax(logits: torch.Tensor, n_real: int) -> tuple[torch.Tensor, torc
     real = logits[..., :n_real]
     top, where = real.max(dim=-1)
     if n_real < logits.shape[-1]:
-        logits = logits.float().clone()
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # one copy either way
         logits[..., n_real:] = float("-inf")
     softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
     return softmax, top.float() - softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1).log()

@@ -6,9 +6,9 @@ stated and checked exactly:
   +1 sbh per dropout outside core attention (2 per layer).
 - ``norm stats``: each LayerNorm keeps its mean and reciprocal std (2 values per token, bf16),
   which the formula leaves out: +2 norms x 2 x sb x 2 bytes.
-- ``core attention`` (no recomputation): CPU scaled-dot-product attention with dropout takes the
-  math path in fp32: Q, K, V at 4 bytes (12 sbh instead of 6) and the softmax output, its dropout
-  mask and the dropout output at 4 bytes each (12 as^2 b instead of 2 + 1 + 2 = 5).
+- ``core attention`` (no recomputation): CPU attention with dropout (``cpu_dropout_attention``)
+  computes in fp32 and keeps Q, K, V at 4 bytes (12 sbh instead of 6); of the scores it keeps the
+  fp32 softmax output and a boolean keep mask, 4 + 1 bytes: the formula's 5 as^2 b (2 + 1 + 2).
 - ``gathered GEMM inputs`` (sequence parallelism): the all-gathered input of the QKV and fc1
   GEMMs is kept at full sequence length (Megatron keeps the shard and all-gathers again in
   backward): +2 x 2sbh (1 - 1/t).
@@ -60,7 +60,7 @@ def _explained(t, recompute):
     if sp:
         extra += 2 * 2 * SBH * (1 - 1 / t)  # gathered GEMM inputs
     if recompute is None:
-        extra += (6 * SBH + 7 * A * S * S * B) / t  # fp32 math-path core attention
+        extra += 6 * SBH / t  # fp32 Q, K, V of the CPU core attention
     return korthikanti_layer_bytes(S, B, H, A, t, sp, recompute) + extra
 
 
@@ -91,6 +91,6 @@ def test_mla_layer_matches_formula_with_explained_differences(q_lora_rank, recom
     extra = 2 * SBH + norms * 2 * S * B * 2  # masks, norm statistics
     if recompute is None:
         qkv = A * (2 * (16 + 8) + 12)  # channels of Q, K and V per token
-        extra += 2 * S * B * qkv + 7 * A * S * S * B  # fp32 math-path core attention
+        extra += 2 * S * B * qkv  # fp32 Q, K, V of the CPU core attention
     formula = mla_layer_bytes(S, B, H, A, 1, False, recompute, q_lora_rank, 16, 16, 8, 12)
     assert _measure(1, recompute, q_lora_rank=q_lora_rank, **MLA) == formula + extra
