@@ -122,16 +122,17 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
     """(name, dtype, builder) of every run, in the order of the first round. An FP8 run is ours with
     FP8 linears (bf16 elsewhere); it is compared with our bf16 step and its MFU is against the bf16 peak."""
     dtypes = args.dtypes or (["fp32", "bf16"] if peaks["bf16"] > peaks["fp32"] else ["fp32"])
+    host = ["--no-retain-host-memory"] if args.no_retain_host_memory else []
     runs = []
     for dtype in dtypes:
         bf16 = dtype != "fp32"
-        runs.append((f"ours {dtype}", dtype, lambda f=FLAGS[dtype]: build_ours(shape, args.dropout, f)[0]))
+        runs.append((f"ours {dtype}", dtype, lambda f=FLAGS[dtype] + host: build_ours(shape, args.dropout, f)[0]))
         if not args.no_hf and dtype != "fp8":
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
                          lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw, args.device)))
         if args.compile:
             runs.append((f"ours {dtype} --torch-compile", dtype,
-                         lambda f=FLAGS[dtype]: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
+                         lambda f=FLAGS[dtype] + host: build_ours(shape, args.dropout, f + ["--torch-compile"])[0]))
     return runs
 
 
@@ -218,6 +219,9 @@ def parse(argv=None):
     p.add_argument("--hf-fused-adamw", action="store_true",
                    help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
     p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
+    p.add_argument("--no-retain-host-memory", action="store_true",
+                   help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "
+                   "without it, our set-up makes glibc keep freed memory for every run in this process")
     return p.parse_args(argv)
 
 
@@ -236,6 +240,9 @@ def main(argv=None):
           f"GFLOP/s" + ("" if fast_bf16 else " -- no fast bf16 here: the bf16 targets cannot be judged here"))
     runs = plan_runs(args, shape, peaks)
     steps = {name: build() for name, _, build in runs}
+    if args.device == "cpu":
+        print("host memory: " + ("glibc's defaults (freed large blocks go back to the kernel)" if args.no_retain_host_memory
+                                 else "kept for reuse in this process, for ours and HF alike (--retain-host-memory)"))
     dtypes = {name: dtype for name, dtype, _ in runs}
     from megatron_lite.models import TransformerConfig
     model = TransformerConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],

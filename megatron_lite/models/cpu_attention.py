@@ -15,14 +15,26 @@ scores (about 270 ms there):
   one softmax backward, and the three products; nothing else is saved.
 
 Grouped-query attention multiplies each key/value head with its group of query heads in one
-batched product (no repeated keys or values). 16-bit inputs are computed in fp32 and returned in
-their dtype, as SDPA's math path does on the CPU. Rows whose every key is masked get zero
+batched product (no repeated keys or values). 16-bit inputs: on a CPU that computes that dtype in
+hardware (AVX512-BF16/FP16 or AMX) the products stay 16-bit (fp32 accumulation inside the GEMM,
+the softmax computed in fp32 and stored 16-bit, as fused GPU attention does); elsewhere they are
+computed in fp32, as SDPA's math path does on the CPU. Rows whose every key is masked get zero
 probabilities (SDPA's rule), not NaN.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from ..device import cpu_has_native
+
+
+@functools.cache
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the attention computes in for inputs of ``dtype``: itself when fp32 or native on this CPU."""
+    return dtype if dtype == torch.float32 or cpu_has_native(dtype) else torch.float32
 
 
 def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
@@ -31,15 +43,22 @@ def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale
     ``q [b, nq, sq, d]``, ``k [b, nkv, sk, d]``, ``v [b, nkv, sk, dv]`` (``nq % nkv == 0``); ``masked``
     None or bool broadcastable to ``[b, nq, sq, sk]`` (True = masked out, batch and head dims 1 or
     full); ``causal`` (used when ``masked`` is None) is bottom-right aligned when ``sk > sq``.
-    Returns ``[b, nq, sq, dv]`` in ``q``'s dtype."""
-    return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale)
+    Returns ``[b, nq, sq, dv]`` in ``q``'s dtype, computed in :func:`compute_dtype` of it."""
+    return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype))
 
 
-def _grouped(t: torch.Tensor, nkv: int) -> torch.Tensor:
-    """``[b, heads, s, d]`` -> ``[b * nkv, heads / nkv * s, d]`` (fp32, contiguous): a key/value head's
-    query heads stacked along the sequence, so one batched product serves the group."""
+def _grouped(t: torch.Tensor, nkv: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+    """``[b, heads, s, d]`` -> a new ``[b * nkv, heads / nkv * s, d]`` (``dtype``, times ``scale``): a
+    key/value head's query heads stacked along the sequence, so one batched product serves the group.
+    Always a copy, in one pass: a view would keep the whole fused QKV output alive for backward."""
     b, heads, s, d = t.shape
-    return t.float().reshape(b * nkv, heads // nkv * s, d)
+    out = torch.empty(b * nkv, heads // nkv * s, d, dtype=dtype, device=t.device)
+    source, target = t.reshape(b, nkv, heads // nkv, s, d), out.view(b, nkv, heads // nkv, s, d)
+    if scale is None:
+        target.copy_(source)
+    else:
+        torch.mul(source, scale, out=target)
+    return out
 
 
 def _mask_view(masked: torch.Tensor, nkv: int, group: int) -> torch.Tensor:
@@ -52,11 +71,11 @@ def _mask_view(masked: torch.Tensor, nkv: int, group: int) -> torch.Tensor:
 
 class _DropoutAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, masked, causal, p, scale):
+    def forward(ctx, q, k, v, masked, causal, p, scale, dtype):
         b, nq, sq, d = q.shape
         nkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         group = nq // nkv
-        q3, k3, v3 = _grouped(q * scale, nkv), _grouped(k, nkv), _grouped(v, nkv)
+        q3, k3, v3 = _grouped(q, nkv, dtype, scale), _grouped(k, nkv, dtype), _grouped(v, nkv, dtype)
         scores = torch.bmm(q3, k3.transpose(1, 2))
         scores5 = scores.view(b, nkv, group, sq, sk)
         empty_rows = None
@@ -82,7 +101,7 @@ class _DropoutAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q3, k3, v3, probs, keep = ctx.saved_tensors
         b, nq, nkv, sq, sk, d, dv, p, scale = ctx.shapes
-        do3 = _grouped(dout, nkv).mul(1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
+        do3 = _grouped(dout, nkv, probs.dtype, 1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
         dropped = probs * keep
         dv3 = torch.bmm(dropped.transpose(1, 2), do3)
         del dropped
@@ -93,4 +112,4 @@ class _DropoutAttention(torch.autograd.Function):
         dk3 = torch.bmm(dscores.transpose(1, 2), q3)
         qt, kt, vt = ctx.dtypes
         return (dq3.view(b, nq, sq, d).to(qt), dk3.view(b, nkv, sk, d).to(kt), dv3.view(b, nkv, sk, dv).to(vt),
-                None, None, None, None)
+                None, None, None, None, None)

@@ -6,9 +6,11 @@ stated and checked exactly:
   +1 sbh per dropout outside core attention (2 per layer).
 - ``norm stats``: each LayerNorm keeps its mean and reciprocal std (2 values per token, bf16),
   which the formula leaves out: +2 norms x 2 x sb x 2 bytes.
-- ``core attention`` (no recomputation): CPU attention with dropout (``cpu_dropout_attention``)
-  computes in fp32 and keeps Q, K, V at 4 bytes (12 sbh instead of 6); of the scores it keeps the
-  fp32 softmax output and a boolean keep mask, 4 + 1 bytes: the formula's 5 as^2 b (2 + 1 + 2).
+- ``core attention`` (no recomputation): CPU attention with dropout (``cpu_dropout_attention``) on a
+  CPU without bf16 units computes in fp32 and keeps Q, K, V at 4 bytes (12 sbh instead of 6); of
+  the scores it keeps the fp32 softmax output and a boolean keep mask, 4 + 1 bytes: the formula's
+  5 as^2 b (2 + 1 + 2). With bf16 units it computes in bf16: Q, K, V as in the formula, the scores
+  at 2 + 1 bytes (the dropout output is recomputed in backward): -2 as^2 b.
 - ``gathered GEMM inputs`` (sequence parallelism): the all-gathered input of the QKV and fc1
   GEMMs is kept at full sequence length (Megatron keeps the shard and all-gathers again in
   backward): +2 x 2sbh (1 - 1/t).
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.models.cpu_attention import compute_dtype
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.perf.activation_memory import (
     korthikanti_layer_bytes,
@@ -34,6 +37,7 @@ from tests.harness import cached_state, run_ranks
 from tests.model_helpers import build_gpt
 
 S, B, H, A = 32, 2, 64, 4
+FP32_ATTENTION = compute_dtype(torch.bfloat16) == torch.float32  # no bf16 units on this CPU
 SBH = S * B * H
 
 
@@ -60,7 +64,7 @@ def _explained(t, recompute):
     if sp:
         extra += 2 * 2 * SBH * (1 - 1 / t)  # gathered GEMM inputs
     if recompute is None:
-        extra += 6 * SBH / t  # fp32 Q, K, V of the CPU core attention
+        extra += (6 * SBH if FP32_ATTENTION else -2 * A * S * S * B) / t  # the CPU core attention
     return korthikanti_layer_bytes(S, B, H, A, t, sp, recompute) + extra
 
 
@@ -91,6 +95,6 @@ def test_mla_layer_matches_formula_with_explained_differences(q_lora_rank, recom
     extra = 2 * SBH + norms * 2 * S * B * 2  # masks, norm statistics
     if recompute is None:
         qkv = A * (2 * (16 + 8) + 12)  # channels of Q, K and V per token
-        extra += 2 * S * B * qkv  # fp32 Q, K, V of the CPU core attention
+        extra += 2 * S * B * qkv if FP32_ATTENTION else -2 * A * S * S * B  # the CPU core attention
     formula = mla_layer_bytes(S, B, H, A, 1, False, recompute, q_lora_rank, 16, 16, 8, 12)
     assert _measure(1, recompute, q_lora_rank=q_lora_rank, **MLA) == formula + extra

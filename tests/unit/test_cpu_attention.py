@@ -4,7 +4,8 @@
   key/value sequence, grouped-query, a boolean mask with fully masked rows, MLA's value head size);
 - with dropout it equals the explicit formula ``softmax(q k^T s + mask) * keep / (1 - p) @ v`` with
   the keep mask drawn from the same generator state (``uniform >= p``), and drops about ``p``;
-- 16-bit inputs give 16-bit outputs within that precision of the fp32 result;
+- 16-bit inputs give 16-bit outputs within that precision of the fp32 result, computed in fp32 or
+  (where the CPU has 16-bit units) in 16 bits;
 - DotProductAttention uses it for CPU training with dropout, and selective recomputation replays
   the same mask.
 """
@@ -13,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.models.cpu_attention import cpu_dropout_attention
+from megatron_lite.device import cpu_has_native
+from megatron_lite.models.cpu_attention import _DropoutAttention, compute_dtype, cpu_dropout_attention
 
 SCALE = 0.3
 
@@ -119,15 +121,24 @@ def test_drops_the_asked_fraction():
     assert abs(kept - (1 - p)) < 3e-3  # 262144 draws: the standard error is 6e-4
 
 
+@pytest.mark.parametrize("inner", ["fp32", "16-bit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_inputs(dtype):
+def test_16_bit_inputs(dtype, inner):
+    """Computed in fp32 (a CPU without 16-bit units) or in the inputs' dtype (one with them: forced here)."""
+    compute = torch.float32 if inner == "fp32" else dtype
     q, k, v = _inputs(nq=4, nkv=2)
     full = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, None, True, 0.2, SCALE), q, k, v)
     low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    half = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, None, True, 0.2, SCALE), *low)
+    half = _run(lambda q, k, v: _DropoutAttention.apply(q, k, v, None, True, 0.2, SCALE, compute), *low)
     assert half[0].dtype == dtype and all(g.dtype == dtype for g in half[1])
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype] * (1 if inner == "fp32" else 2)
     _assert_close((half[0].float(), [g.float() for g in half[1]]), full, tol)
+
+
+def test_computes_in_16_bit_only_where_the_cpu_has_it():
+    assert compute_dtype(torch.float32) == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        assert compute_dtype(dtype) == (dtype if cpu_has_native(dtype) else torch.float32)
 
 
 def _layer_grads(recompute, monkeypatch, calls):
