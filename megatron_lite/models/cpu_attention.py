@@ -30,6 +30,8 @@ import torch
 
 from ..device import cpu_has_native
 
+BLOCK_ROWS = 128  # causal attention: queries per block at least this (query_blocks)
+
 
 @functools.cache
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,6 +71,30 @@ def _mask_view(masked: torch.Tensor, nkv: int, group: int) -> torch.Tensor:
     return masked.reshape(bm, nkv, group, sq, sk)
 
 
+def query_blocks(sq: int, sk: int, causal: bool) -> list[tuple[int, int, int]]:
+    """``(first query, end query, end key)`` per block of queries. Causal attention with at least
+    ``2 * BLOCK_ROWS`` queries is cut into up to 4 blocks, each seeing only the keys up to its last
+    query (bottom-right aligned), so most scores above the diagonal are never computed."""
+    n = min(4, sq // BLOCK_ROWS) if causal else 1
+    if n <= 1:
+        return [(0, sq, sk)]
+    edges = [sq * i // n for i in range(n + 1)]
+    return [(lo, hi, hi + sk - sq) for lo, hi in zip(edges, edges[1:])]
+
+
+def _rows(t3: torch.Tensor, group: int, sq: int, lo: int, hi: int) -> torch.Tensor:
+    """Queries ``lo:hi`` of each head of a group: ``[bh, group * sq, x] -> [bh, group * (hi - lo), x]``."""
+    if group == 1:
+        return t3[:, lo:hi]
+    bh, _, x = t3.shape
+    return t3.view(bh, group, sq, x)[:, :, lo:hi].reshape(bh, group * (hi - lo), x)
+
+
+def _put_rows(t3: torch.Tensor, part: torch.Tensor, group: int, sq: int, lo: int, hi: int) -> None:
+    bh, _, x = t3.shape
+    t3.view(bh, group, sq, x)[:, :, lo:hi] = part.view(bh, group, hi - lo, x)
+
+
 class _DropoutAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, masked, causal, p, scale, dtype):
@@ -76,40 +102,49 @@ class _DropoutAttention(torch.autograd.Function):
         nkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         group = nq // nkv
         q3, k3, v3 = _grouped(q, nkv, dtype, scale), _grouped(k, nkv, dtype), _grouped(v, nkv, dtype)
-        scores = torch.bmm(q3, k3.transpose(1, 2))
-        scores5 = scores.view(b, nkv, group, sq, sk)
-        empty_rows = None
-        if masked is not None:
+        blocks = query_blocks(sq, sk, causal and masked is None)
+        mask5 = empty_rows = None
+        if masked is not None:  # one block
             mask5 = _mask_view(masked, nkv, group)
-            scores5.masked_fill_(mask5, float("-inf"))
             empty_rows = mask5.all(dim=-1, keepdim=True)
             empty_rows = empty_rows if bool(empty_rows.any()) else None
-        elif causal:
-            above = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
-            scores5.masked_fill_(above, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        del scores, scores5
-        if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
-            probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
-        keep = torch.rand(probs.shape, device=probs.device) >= p
-        out = torch.bmm(probs * keep, v3).mul_(1.0 / (1.0 - p))
-        ctx.save_for_backward(q3, k3, v3, probs, keep)
+        out = torch.empty(b * nkv, group * sq, dv, dtype=dtype, device=q.device)
+        saved = []
+        for lo, hi, kend in blocks:
+            scores = torch.bmm(_rows(q3, group, sq, lo, hi), k3[:, :kend].transpose(1, 2))
+            scores5 = scores.view(b, nkv, group, hi - lo, kend)
+            if mask5 is not None:
+                scores5.masked_fill_(mask5, float("-inf"))
+            elif causal:
+                above = torch.ones(hi - lo, kend, dtype=torch.bool, device=q.device).triu(lo + sk - sq + 1)
+                scores5.masked_fill_(above, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            del scores, scores5
+            if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
+                probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
+            keep = torch.rand(probs.shape, device=probs.device) >= p
+            _put_rows(out, torch.bmm(probs * keep, v3[:, :kend]), group, sq, lo, hi)
+            saved += [probs, keep]
+        ctx.save_for_backward(q3, k3, v3, *saved)
+        ctx.blocks = blocks
         ctx.shapes, ctx.dtypes = (b, nq, nkv, sq, sk, d, dv, p, scale), (q.dtype, k.dtype, v.dtype)
-        return out.view(b, nq, sq, dv).to(q.dtype)
+        return out.mul_(1.0 / (1.0 - p)).view(b, nq, sq, dv).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q3, k3, v3, probs, keep = ctx.saved_tensors
+        q3, k3, v3, *saved = ctx.saved_tensors
         b, nq, nkv, sq, sk, d, dv, p, scale = ctx.shapes
-        do3 = _grouped(dout, nkv, probs.dtype, 1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
-        dropped = probs * keep
-        dv3 = torch.bmm(dropped.transpose(1, 2), do3)
-        del dropped
-        dprobs = torch.bmm(do3, v3.transpose(1, 2)).mul_(keep)
-        dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
-        del dprobs
-        dq3 = torch.bmm(dscores, k3).mul_(scale)  # q3 already carries the scale
-        dk3 = torch.bmm(dscores.transpose(1, 2), q3)
+        group = nq // nkv
+        do3 = _grouped(dout, nkv, q3.dtype, 1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
+        dq3, dk3, dv3 = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
+        for (lo, hi, kend), probs, keep in zip(ctx.blocks, saved[0::2], saved[1::2]):
+            do_rows = _rows(do3, group, sq, lo, hi)
+            dv3[:, :kend] += torch.bmm((probs * keep).transpose(1, 2), do_rows)
+            dprobs = torch.bmm(do_rows, v3[:, :kend].transpose(1, 2)).mul_(keep)
+            dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+            del dprobs
+            _put_rows(dq3, torch.bmm(dscores, k3[:, :kend]).mul_(scale), group, sq, lo, hi)  # q3 carries the scale
+            dk3[:, :kend] += torch.bmm(dscores.transpose(1, 2), _rows(q3, group, sq, lo, hi))
         qt, kt, vt = ctx.dtypes
         return (dq3.view(b, nq, sq, d).to(qt), dk3.view(b, nkv, sk, d).to(kt), dv3.view(b, nkv, sk, dv).to(vt),
                 None, None, None, None, None)

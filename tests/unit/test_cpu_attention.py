@@ -3,7 +3,9 @@
 - without dropout it equals PyTorch's scaled_dot_product_attention (causal, causal with a longer
   key/value sequence, grouped-query, a boolean mask with fully masked rows, MLA's value head size);
 - with dropout it equals the explicit formula ``softmax(q k^T s + mask) * keep / (1 - p) @ v`` with
-  the keep mask drawn from the same generator state (``uniform >= p``), and drops about ``p``;
+  the keep mask drawn from the same generator state (``uniform >= p``, one draw per query block),
+  and drops about ``p``;
+- both in one block and with causal attention cut into query blocks;
 - 16-bit inputs give 16-bit outputs within that precision of the fp32 result, computed in fp32 or
   (where the CPU has 16-bit units) in 16 bits;
 - DotProductAttention uses it for CPU training with dropout, and selective recomputation replays
@@ -15,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.device import cpu_has_native
-from megatron_lite.models.cpu_attention import _DropoutAttention, compute_dtype, cpu_dropout_attention
+from megatron_lite.models import cpu_attention
+from megatron_lite.models.cpu_attention import (
+    _DropoutAttention,
+    compute_dtype,
+    cpu_dropout_attention,
+    query_blocks,
+)
 
 SCALE = 0.3
 
@@ -72,8 +80,24 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["one block", "query blocks"])
+def blocks(request, monkeypatch):
+    """Causal attention in one block, or cut into query blocks (as long sequences are: 2 rows each here)."""
+    if request.param == "query blocks":
+        monkeypatch.setattr(cpu_attention, "BLOCK_ROWS", 2)
+    return request.param
+
+
+def test_query_blocks_cover_the_causal_triangle(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "BLOCK_ROWS", 2)
+    assert query_blocks(8, 8, True) == [(0, 2, 2), (2, 4, 4), (4, 6, 6), (6, 8, 8)]
+    assert query_blocks(5, 8, True) == [(0, 2, 5), (2, 5, 8)]  # bottom-right aligned: query 0 sees keys 0..3
+    assert query_blocks(8, 8, False) == [(0, 8, 8)]
+    assert query_blocks(3, 8, True) == [(0, 3, 8)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_without_dropout_equals_sdpa(case):
+def test_without_dropout_equals_sdpa(case, blocks):
     shape, masked, causal = CASES[case]
     q, k, v = _inputs(**shape)
     ours = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, masked, causal, 0.0, SCALE), q, k, v)
@@ -87,7 +111,11 @@ def _formula(masked, causal, p):
     def fn(q, k, v):
         b, nq, sq, _ = q.shape
         nkv, sk = k.shape[1], k.shape[2]
-        keep = (torch.rand(b * nkv, nq // nkv * sq, sk) >= p).view(b, nq, sq, sk)
+        group = nq // nkv
+        keep = torch.zeros(b * nkv, group, sq, sk, dtype=torch.bool)
+        for lo, hi, kend in query_blocks(sq, sk, causal and masked is None):  # one draw per block, in order
+            keep[:, :, lo:hi, :kend] = (torch.rand(b * nkv, group * (hi - lo), kend) >= p).view(b * nkv, group, hi - lo, kend)
+        keep = keep.view(b, nq, sq, sk)
         k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
         scores = q @ k.transpose(-2, -1) * SCALE
         if masked is not None:
@@ -100,7 +128,7 @@ def _formula(masked, causal, p):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_with_dropout_equals_the_formula_with_the_same_draw(case):
+def test_with_dropout_equals_the_formula_with_the_same_draw(case, blocks):
     shape, masked, causal = CASES[case]
     q, k, v = _inputs(**shape)
     ours = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, masked, causal, 0.25, SCALE), q, k, v)
