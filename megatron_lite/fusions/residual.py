@@ -3,15 +3,15 @@
 The attention output projection and fc2 leave their bias out (``skip_bias_add``) and the layer
 computes ``residual + dropout(x + bias)`` in one ``jit_fuser`` function: one kernel when compiled,
 instead of a bias add, a dropout and a residual add. Eager, it is the same three operations in the
-same order as the unfused layer, so the two give identical results. Dropout draws from the default
-generator (or the tensor-parallel one the caller forks into under sequence parallelism).
+same order as the unfused layer, so the two give identical results. Dropout (:func:`~.dropout.dropout`)
+draws from the default generator (or the tensor-parallel one the caller forks into under sequence parallelism).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .dropout import dropout
 from .jit import jit_fuser
 
 
@@ -20,7 +20,7 @@ def _bias_dropout_add_train(x: torch.Tensor, bias: torch.Tensor | None, residual
                             prob: float) -> torch.Tensor:
     if bias is not None:
         x = x + bias
-    return residual + F.dropout(x, p=prob, training=True)
+    return residual + dropout(x, prob)
 
 
 @jit_fuser

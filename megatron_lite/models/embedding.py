@@ -13,9 +13,9 @@ all-reduce that serves the norms). Adding them before the reduce-scatter would c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..fusions.dropout import dropout
 from ..parallel import comm
 from ..parallel.tensor import VocabParallelEmbedding
 from .common import init_replicated
@@ -76,7 +76,7 @@ class Embedding(nn.Module):
         if self.dropout_p > 0 and self.training:
             if self.sequence_parallel:  # every rank holds a different chunk: draw distinct masks per TP rank
                 with self.tracker.fork():
-                    hidden = F.dropout(hidden, self.dropout_p, True)
+                    hidden = dropout(hidden, self.dropout_p)
             else:
-                hidden = F.dropout(hidden, self.dropout_p, True)
+                hidden = dropout(hidden, self.dropout_p)
         return hidden

@@ -19,9 +19,9 @@ All go through :func:`megatron_lite.parallel.random.checkpoint`, which replays d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..fusions.dropout import dropout
 from ..fusions.residual import bias_dropout_add
 from ..parallel.random import checkpoint
 from .common import Norm
@@ -38,8 +38,8 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, tracker=None) -> t
         return x
     if tracker is not None:
         with tracker.fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
+            return dropout(x, p)
+    return dropout(x, p)
 
 
 class TransformerLayer(nn.Module):

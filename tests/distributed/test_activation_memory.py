@@ -2,8 +2,6 @@
 (``MemoryTracker``: tensors saved for backward and alive when the forward returns), against Korthikanti et al.'s formulas (bf16 activations, dropout on, CPU), with every difference
 stated and checked exactly:
 
-- ``masks``: CPU dropout keeps its mask in the activation dtype (2 bytes), not 1 byte:
-  +1 sbh per dropout outside core attention (2 per layer).
 - ``norm stats``: each LayerNorm keeps its mean and reciprocal std (2 values per token, bf16),
   which the formula leaves out: +2 norms x 2 x sb x 2 bytes.
 - ``core attention`` (no recomputation): CPU attention with dropout (``cpu_dropout_attention``) on a
@@ -60,7 +58,7 @@ def _measure(tp, recompute, layers=1, **mla):
 
 def _explained(t, recompute):
     sp = t > 1
-    extra = 2 * SBH / t + 2 * 2 * (S // t) * B * 2  # masks, norm statistics
+    extra = 2 * 2 * (S // t) * B * 2  # norm statistics (dropout keeps boolean masks: 1 byte, as in the formula)
     if sp:
         extra += 2 * 2 * SBH * (1 - 1 / t)  # gathered GEMM inputs
     if recompute is None:
@@ -92,7 +90,7 @@ MLA = dict(position_embedding_type="rope", multi_latent_attention=True, kv_lora_
 @pytest.mark.parametrize("recompute", [None, "selective"])
 def test_mla_layer_matches_formula_with_explained_differences(q_lora_rank, recompute):
     norms = 3 + (q_lora_rank is not None)  # the two layer norms and the latent norms
-    extra = 2 * SBH + norms * 2 * S * B * 2  # masks, norm statistics
+    extra = norms * 2 * S * B * 2  # norm statistics
     if recompute is None:
         qkv = A * (2 * (16 + 8) + 12)  # channels of Q, K and V per token
         extra += 2 * S * B * qkv if FP32_ATTENTION else -2 * A * S * S * B  # the CPU core attention
