@@ -47,6 +47,9 @@ SHAPES = {
     "quick": dict(layers=2, hidden=256, heads=4, seq=128, vocab=8192, batch=2),
     # a GPU-sized model (0.5B parameters) whose step is long enough for launch overheads not to dominate
     "gpu": dict(layers=8, hidden=2048, heads=16, seq=2048, vocab=50304, batch=4),
+    # so small that a step is all per-operator dispatch (Python, autograd, the framework): what a GPU
+    # step is made of when its kernels are short
+    "overhead": dict(layers=6, hidden=64, heads=4, seq=32, vocab=512, batch=1),
 }
 FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
 
@@ -205,7 +208,8 @@ def profile_runs(steps: dict, device: str = "cpu") -> None:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="issue", help="issue: the issue's config (default); "
-                   "quick: 2 layers, hidden 256, seq 128; gpu: 8 layers, hidden 2048, seq 2048, vocab 50304")
+                   "quick: 2 layers, hidden 256, seq 128; gpu: 8 layers, hidden 2048, seq 2048, vocab 50304; "
+                   "overhead: 6 layers, hidden 64, seq 32 (a step of dispatch only)")
     p.add_argument("--quick", action="store_true", help="same as --shape quick")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: one GPU)")
     p.add_argument("--rounds", type=int, default=5)
