@@ -11,7 +11,7 @@
 # 1-3 write). Steps: the CUDA path against the CPU (benchmarks/cuda_checks.py); the quickstart's
 # model trained in bf16 on the GPU, resumed, and sampled; one training step ours vs Hugging Face on
 # the GPU (bf16, FP8, --torch-compile, fp32) and a profile of the bf16 and FP8 steps; FP8 GEMMs;
-# KV-cache generation. benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
+# KV-cache generation; the issue's CPU step targets on the host's CPU. benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 LOG=${LOG:-outputs/gpu}
@@ -59,4 +59,9 @@ step profile_fp8_gpu 120 python3 benchmarks/bench_step.py --device cuda --shape 
     --warmup 1 --profile
 step bench_fp8 90 python3 benchmarks/bench_fp8.py --issue-config --steps 5
 step bench_generate 90 python3 benchmarks/bench_generate.py --device cuda --rounds 2 --skip-uncached
+# the issue's CPU targets, on this host's CPU (2 threads) when it has bf16 units: memory kept on both sides,
+# then the C library's defaults on both sides
+step host_cpu_step 300 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes fp32 bf16 fp8 --rounds 3 --warmup 1
+step host_cpu_step_glibc 200 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes bf16 --rounds 3 --warmup 1 \
+    --no-retain-host-memory
 date -u >> "$LOG/steps.log"

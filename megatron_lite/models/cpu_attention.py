@@ -3,16 +3,19 @@
 With attention dropout, PyTorch's CPU ``scaled_dot_product_attention`` cannot use its flash kernel
 and runs its composite math path: the scores, a float mask for causality, a "safe" softmax that
 also checks every row for being fully masked, a Bernoulli draw in the scores' dtype, and autograd
-of each piece (about 330 ms forward + backward for 4 x 12 heads of 512 x 512 on a 2-core machine).
-:func:`cpu_dropout_attention` computes the same function in fewer passes over the ``sq x sk``
-scores (about 270 ms there):
+of each piece (about 300 ms forward + backward for 4 x 12 heads of 512 causal tokens on a 2-core
+machine). :func:`cpu_dropout_attention` computes the same function in fewer passes over the scores
+(about 190 ms there):
 
 * forward: ``scores = (q * scale) k^T`` (the scale folded into the small operand), the causal or
   given mask written into the scores in place, one softmax, the keep mask drawn as ``uniform >= p``
   (a boolean, a quarter of a float mask's bytes; the draw uses the current generator, i.e. the
   tracker's tensor-parallel one), ``out = (probs * keep) v / (1 - p)``;
 * backward: the saved probabilities and keep mask give ``d(probs) = (dout v^T) * keep / (1 - p)``,
-  one softmax backward, and the three products; nothing else is saved.
+  one softmax backward, and the three products; nothing else is saved;
+* causal attention of ``2 * BLOCK_ROWS`` or more queries runs in up to 4 query blocks, each only
+  up to its last key (:func:`query_blocks`): most scores above the diagonal are never computed,
+  normalised or drawn. The keep mask is drawn block by block, in order.
 
 Grouped-query attention multiplies each key/value head with its group of query heads in one
 batched product (no repeated keys or values). 16-bit inputs: on a CPU that computes that dtype in
