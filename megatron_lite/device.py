@@ -141,7 +141,8 @@ def describe_backends() -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (
         f"device {device}, backend {backend_for(device) if world > 1 else 'none (1 process)'}, "
-        f"world size {world}, attention {'flash-attn' if 'flash_attn' in found else 'torch SDPA'}, "
+        f"world size {world}, attention {'flash-attn' if 'flash_attn' in found else 'torch SDPA'}"
+        f"{' (with dropout: cpu_dropout_attention)' if device.type == 'cpu' else ''}, "
         f"optional accelerators: {', '.join(found) if found else 'none (pure PyTorch)'}"
     )
 
