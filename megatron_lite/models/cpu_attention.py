@@ -32,6 +32,7 @@ import functools
 import torch
 
 from ..device import cpu_has_native
+from ..inference.kv_cache import causal_mask_with_offset
 
 BLOCK_ROWS = 128  # causal attention: queries per block at least this (query_blocks)
 
@@ -118,9 +119,8 @@ class _DropoutAttention(torch.autograd.Function):
             scores5 = scores.view(b, nkv, group, hi - lo, kend)
             if mask5 is not None:
                 scores5.masked_fill_(mask5, float("-inf"))
-            elif causal:
-                above = torch.ones(hi - lo, kend, dtype=torch.bool, device=q.device).triu(lo + sk - sq + 1)
-                scores5.masked_fill_(above, float("-inf"))
+            elif causal:  # a block is itself bottom-right aligned: its last query sees key kend - 1
+                scores5.masked_fill_(causal_mask_with_offset(hi - lo, kend, q.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
