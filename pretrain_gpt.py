@@ -35,7 +35,8 @@ from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
-from megatron_lite.training.loop import NonFiniteError, pretrain
+from megatron_lite.training.loop import pretrain
+from megatron_lite.training.nonfinite import NonFiniteError
 
 
 def build_tokenizer_for(config: Config):

@@ -44,6 +44,7 @@ from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .logging import TrainLogger
+from .nonfinite import check_finite
 from .outputs import check_output_locations
 from .profiler import StepProfiler
 from .timers import Timers
@@ -79,30 +80,6 @@ class _ExitSignal:
 
     def _handle(self, signum, frame):
         self.received = True
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf (``--check-for-nan-in-loss-and-grad``); the message
-    names the iteration and rank. Raised before that iteration is saved, by every rank together."""
-
-    on_every_rank = True  # see megatron_lite.errors
-
-
-def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
-    """Raise :class:`NonFiniteError` when this step's gradient norm (global: every rank sees the same)
-    or, without pipeline stages, its loss (DP-averaged: every rank sees the same) is not finite; every
-    rank raises together. With --fp16 the loss scaler already skips such steps."""
-    if not config.training.check_for_nan_in_loss_and_grad or config.precision.fp16:
-        return
-    bad = []
-    if loss is not None and state.pp_size == 1 and not math.isfinite(loss):
-        bad.append(f"loss {loss}")
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        bad.append(f"gradient norm {grad_norm}")
-    if bad:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise NonFiniteError(f"iteration {iteration}, rank {rank}: {' and '.join(bad)}; stopping without saving "
-                             "this iteration (--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 def _any_rank(*flags: bool) -> list[bool]:
