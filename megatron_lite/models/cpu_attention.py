@@ -8,8 +8,8 @@ machine). :func:`cpu_dropout_attention` computes the same function in fewer pass
 (about 190 ms there):
 
 * forward: ``scores = (q * scale) k^T`` (the scale folded into the small operand), the causal or
-  given mask written into the scores in place, one softmax, the keep mask drawn as ``uniform >= p``
-  (a boolean, a quarter of a float mask's bytes; the draw uses the current generator, i.e. the
+  given mask written into the scores in place, one softmax, the boolean keep mask (a quarter of a
+  float mask's bytes) drawn by ``fusions.dropout.keep_mask`` from the current generator (i.e. the
   tracker's tensor-parallel one), ``out = (probs * keep) v / (1 - p)``;
 * backward: the saved probabilities and keep mask give ``d(probs) = (dout v^T) * keep / (1 - p)``,
   one softmax backward, and the three products; nothing else is saved;
@@ -32,6 +32,7 @@ import functools
 import torch
 
 from ..device import cpu_has_native
+from ..fusions.dropout import keep_mask
 from ..inference.kv_cache import causal_mask_with_offset
 
 BLOCK_ROWS = 128  # causal attention: queries per block at least this (query_blocks)
@@ -125,7 +126,7 @@ class _DropoutAttention(torch.autograd.Function):
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
-            keep = torch.rand(probs.shape, device=probs.device) >= p
+            keep = keep_mask(probs.shape, p, probs.device)
             _put_rows(out, torch.bmm(probs * keep, v3[:, :kend]), group, sq, lo, hi)
             saved += [probs, keep]
         ctx.save_for_backward(q3, k3, v3, *saved)

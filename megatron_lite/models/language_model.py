@@ -160,5 +160,5 @@ class LanguageModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.tp_group, vocab_size=self.vocab_size,
-                                            fused=self.config.cross_entropy_loss_fusion)
+                                            fused=self.config.cross_entropy_loss_fusion, in_place=True)
         return loss.t().contiguous()

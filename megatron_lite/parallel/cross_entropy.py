@@ -16,7 +16,9 @@ With ``fused`` (``--cross-entropy-loss-fusion``, or ``--torch-compile``, which c
 per-token pieces are ``jit_fuser`` functions: one kernel each when compiled.
 
 Padded vocabulary entries (ids >= ``vocab_size``) are excluded from the softmax, so they never
-change the loss or receive a gradient.
+change the loss or receive a gradient: they are set to -inf in a copy of the logits, or with
+``in_place`` (the language model's loss, whose logits have no other use) in the logits themselves,
+which saves that copy (a pass over, and a second buffer of, ``tokens x vocab / tp`` fp32 values).
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ from ..fusions.jit import jit_fuser
 from . import comm
 
 
-def shard_softmax(logits: torch.Tensor, n_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_softmax(logits: torch.Tensor, n_real: int, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 softmax over the first ``n_real`` entries of the last dim (0 for the padded rest) and the
-    shard's log-sum-exp per row."""
+    shard's log-sum-exp per row; ``in_place``: the padded entries of ``logits`` are overwritten."""
     if n_real == 0:  # a shard of padding only
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), torch.full(
             logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
     real = logits[..., :n_real]
     top, where = real.max(dim=-1)
     if n_real < logits.shape[-1]:
-        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # one copy either way
+        if not in_place:
+            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # one copy either way
         logits[..., n_real:] = float("-inf")
     softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
     return softmax, top.float() - softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1).log()
@@ -60,7 +63,7 @@ fused_scale_rows = jit_fuser(_scale_rows_expr)
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing, vocab_size, fused):
+    def forward(ctx, logits, target, group, label_smoothing, vocab_size, fused, in_place):
         size, rank = comm.group_size(group), comm.group_rank(group)
         part = logits.shape[-1]
         start = rank * part
@@ -71,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         in_range = (target >= start) & (target < start + part)
         local_target = (target - start).masked_fill(~in_range, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float().masked_fill(~in_range, 0.0)
-        softmax, lse_local = (fused_shard_softmax if fused else shard_softmax)(logits, n_real)
+        softmax, lse_local = (fused_shard_softmax if fused else shard_softmax)(logits, n_real, in_place)
         top = lse_local
         if size > 1:
             top = lse_local.clone()
@@ -109,7 +112,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1).to(grad.dtype)
         flat = grad.view(-1, grad.shape[-1])
         flat[rows, t] = torch.where(hit, target_grad.to(grad.dtype), flat[rows, t])
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -119,12 +122,14 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     vocab_size: int | None = None,
     fused: bool = False,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Per-token loss from this rank's vocab shard ``logits [..., V/tp]`` and full ``target [...]``.
 
     ``vocab_size`` is the real vocabulary size (the padded tail is ignored); the result (fp32) has
     ``target``'s shape and matches ``F.cross_entropy(full_logits, target, reduction='none',
     label_smoothing=...)``. The gradient w.r.t. ``logits`` has the logits' dtype; ``fused`` runs the
-    per-token pieces through ``jit_fuser`` (module docstring).
+    per-token pieces through ``jit_fuser``; ``in_place`` lets it write -inf into the padded entries of
+    ``logits`` instead of a copy (module docstring).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing, vocab_size, fused)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing, vocab_size, fused, in_place)

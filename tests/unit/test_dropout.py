@@ -1,11 +1,13 @@
 """fusions.dropout.dropout on the CPU: F.dropout's function (kept entries scaled by 1 / (1 - p), the
 rest zero, about p dropped, gradient through the same mask), a boolean mask (1 byte per element
 saved for backward), identity when not training or p = 0, zeros at p = 1, and reproducible from the
-generator state."""
+generator state. keep_mask (the CPU's draw: two 32-bit lanes per 64-bit random word) keeps each
+entry with probability 1 - p, in both lanes, with no correlation between neighbours."""
 
+import pytest
 import torch
 
-from megatron_lite.fusions.dropout import dropout
+from megatron_lite.fusions.dropout import dropout, keep_mask
 from megatron_lite.perf.activation_memory import saved_activation_bytes
 
 
@@ -41,3 +43,26 @@ def test_identity_zeros_and_reproducibility():
     a = dropout(x, 0.5)
     torch.manual_seed(3)
     assert torch.equal(a, dropout(x, 0.5))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_mask_keeps_one_minus_p_in_both_lanes_independently(p):
+    torch.manual_seed(7)
+    keep = keep_mask((1000, 1001), p, "cpu").float()  # an odd count: the last word's second lane unused
+    assert keep.shape == (1000, 1001)
+    flat = keep.flatten()
+    se = (p * (1 - p) / (flat.numel() / 2)) ** 0.5  # standard error of a rate over one lane's draws
+    for lane in (flat[0::2], flat[1::2]):  # each 64-bit word gives an even and an odd entry
+        assert abs(lane.mean().item() - (1 - p)) < 5 * se
+    a, b = flat[:-1] - flat.mean(), flat[1:] - flat.mean()
+    assert abs((a * b).mean().item() / (a * a).mean().item()) < 0.01  # neighbours uncorrelated
+
+
+def test_keep_mask_edges_and_reproducibility():
+    assert keep_mask((5, 3), 1e-12, "cpu").all()  # p below 2^-33 rounds to keeping everything
+    assert not keep_mask((5, 3), 1 - 1e-12, "cpu").any()  # and just below 1 to dropping everything
+    torch.manual_seed(11)
+    a = keep_mask((64, 33), 0.3, "cpu")
+    torch.manual_seed(11)
+    assert torch.equal(a, keep_mask((64, 33), 0.3, "cpu"))
+    assert not torch.equal(a, keep_mask((64, 33), 0.3, "cpu"))  # the generator moved on
