@@ -44,6 +44,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype == torch.float32 or cpu_has_native(dtype) else torch.float32
 
 
+@torch.compiler.disable  # inside a compiled layer it runs as it is (Dynamo would split it into many graphs)
 def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
     """``softmax(q k^T scale + mask)`` with dropout ``dropout_p``, times ``v``.
 

@@ -85,3 +85,14 @@ def test_fp8_gemms_run_eagerly_inside_compiled_layers():
     trajectory, compiles, breaks = compiled_rank(argv + COMPILE + ["aot_eager"])
     assert_same_trajectory(trajectory, eager_fp8, what="fp8")
     assert compiles == 1 and breaks > 0  # the GEMMs are graph breaks
+
+
+def test_dropout_in_compiled_layers_draws_the_eager_masks():
+    """With dropout, a compiled run draws the masks the eager run draws (PyTorch's generator, the same
+    draws in the same order: the CPU attention with dropout runs eagerly inside the compiled layer),
+    so it follows the eager trajectory."""
+    argv = MODEL + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--train-iters", "4"]
+    eager_run = run_script("pretrain_gpt", argv)
+    trajectory, compiles, _ = compiled_rank(argv + COMPILE + ["aot_eager"])
+    assert_same_trajectory(trajectory, eager_run, what="dropout")
+    assert compiles == 1
