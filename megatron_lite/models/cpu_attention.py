@@ -121,8 +121,10 @@ class _DropoutAttention(torch.autograd.Function):
             scores5 = scores.view(b, nkv, group, hi - lo, kend)
             if mask5 is not None:
                 scores5.masked_fill_(mask5, float("-inf"))
-            elif causal:  # a block is itself bottom-right aligned: its last query sees key kend - 1
-                scores5.masked_fill_(causal_mask_with_offset(hi - lo, kend, q.device), float("-inf"))
+            elif causal:  # a block is itself bottom-right aligned: its last query sees key kend - 1,
+                # so only its last hi - lo keys hold masked entries (all when there are fewer keys)
+                width = min(hi - lo, kend)
+                scores5[..., kend - width:].masked_fill_(causal_mask_with_offset(hi - lo, width, q.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros

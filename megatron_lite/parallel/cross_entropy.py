@@ -2,10 +2,11 @@
 
 No rank ever holds the full logits, and the vocabulary is swept as few times as possible:
 
-* forward: one max over this rank's shard (which also locates the entry whose probability is
-  largest), then one softmax of the shard in fp32 (PyTorch's row-wise kernel: each row is read
-  once and written once). The shard's log-sum-exp follows from the two without another pass:
-  ``lse_local = max - log(softmax[argmax])``. Over TP, one all-reduce (max) of the ``lse_local`` and
+* forward: one max over this rank's shard, then one softmax of the shard in fp32 (PyTorch's
+  row-wise kernel: each row is read once and written once), then the largest probability per row,
+  which is the max logit's. The shard's log-sum-exp follows from the two maxima:
+  ``lse_local = max - log(max softmax)`` (both maxima without indices: about 4x cheaper on a CPU
+  than a max that also locates its entry). Over TP, one all-reduce (max) of the ``lse_local`` and
   ONE all-reduce (sum) of the stacked per-token ``[exp(lse_local - max), target logit(, sum of
   logits)]`` give the global log-sum-exp ``lse`` and the loss ``lse - target logit``;
 * backward: the saved shard softmax times ``grad x exp(lse_local - lse)`` (the global softmax scaled
@@ -36,14 +37,13 @@ def shard_softmax(logits: torch.Tensor, n_real: int, in_place: bool = False) -> 
     if n_real == 0:  # a shard of padding only
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), torch.full(
             logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
-    real = logits[..., :n_real]
-    top, where = real.max(dim=-1)
+    top = logits[..., :n_real].amax(dim=-1)  # amax: no indices, ~4x faster than max(dim) on a CPU
     if n_real < logits.shape[-1]:
         if not in_place:
             logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # one copy either way
         logits[..., n_real:] = float("-inf")
     softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    return softmax, top.float() - softmax.gather(-1, where.unsqueeze(-1)).squeeze(-1).log()
+    return softmax, top.float() - softmax.amax(dim=-1).log()  # the largest probability is the max logit's
 
 
 def scale_rows(softmax: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
