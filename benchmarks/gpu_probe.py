@@ -73,3 +73,7 @@ if __name__ == "__main__":
           "cublasLt", getattr(torch._C, "_cuda_getCompiledVersion", lambda: "?")())
     scaled_mm_variants()
     grouped_mm_check()
+    from megatron_lite.parallel.grad_accumulation import fp32_output_gemm
+
+    for dtype in (torch.bfloat16, torch.float16):  # gradient-accumulation fusion's fp32-output GEMM
+        print(f"addmm out_dtype=float32 with {dtype} inputs:", fp32_output_gemm(torch.device("cuda", 0), dtype))

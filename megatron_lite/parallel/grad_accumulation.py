@@ -10,20 +10,53 @@ arrived (``weight.accumulate_main_grad``, set by
 sharded gradients behave exactly as with the hook. A weight without that attribute (no data-parallel
 wrapper) gets an ordinary ``.grad``. A tied word embedding read by the output layer of the same
 stage accumulates the output layer's gradient the same way without being marked ready; its lookup's
-gradient, which backward always reaches last, marks it. 16-bit weights: CPUs have no GEMM that takes
-bf16/fp16 inputs and writes fp32, so the product is computed in the weight's dtype and added into
-``main_grad`` (the numbers the unfused path gives), still without the ``.grad`` round trip.
+gradient, which backward always reaches last, marks it.
+
+16-bit weights: where PyTorch has a GEMM that takes bf16/fp16 inputs and writes fp32
+(``torch.addmm(..., out_dtype=torch.float32)``: CUDA builds), the product is accumulated into
+``main_grad`` by the GEMM itself in fp32, as Megatron's fused weight-gradient kernels do: no 16-bit
+product, no rounding of each micro-batch's gradient to 16 bits, no separate add. Whether a device
+has it is decided once per device by a small probe that must reproduce the exact fp32 sum
+(:func:`fp32_output_gemm`). Elsewhere (CPUs) the product is computed in the weight's dtype and
+added into ``main_grad`` (the numbers the unfused path gives), still without the ``.grad`` round trip.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def _probe_fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randint(-8, 8, (16, 8), generator=gen) / 8).to(device, dtype)  # exact in 16 bits
+    b = (torch.randint(-8, 8, (8, 16), generator=gen) / 8).to(device, dtype)
+    acc = torch.full((16, 16), 0.5, device=device)
+    expected = acc + a.float() @ b.float()  # small integers over 8 and 64: exact in fp32
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(torch.equal(acc, expected))
+
+
+def fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)`` works for
+    ``dtype`` inputs on ``device`` (probed once per device and dtype; never on a CPU, which has no
+    such kernel)."""
+    if device.type == "cpu":
+        return False
+    return _probe_fp32_output_gemm(torch.device(device.type, device.index or 0), dtype)
+
+
 def _add_weight_grad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     if main_grad.dtype == dy2.dtype:
         main_grad.addmm_(dy2.t(), x2)
+    elif fp32_output_gemm(main_grad.device, dy2.dtype):  # the GEMM accumulates in fp32 itself
+        torch.addmm(main_grad, dy2.t(), x2, out_dtype=main_grad.dtype, out=main_grad)
     else:
         main_grad.add_(dy2.t().mm(x2))
 

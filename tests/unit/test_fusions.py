@@ -282,3 +282,51 @@ def test_gradient_accumulation_fusion_fills_main_grad_like_the_hook(layer):
     plain = layer(12, 10, None, gradient_accumulation_fusion=True)
     (plain(torch.randn(4, 3, 12)) ** 2).sum().backward()
     assert plain.weight.grad is not None and plain.weight.grad.shape == (10, 12)
+
+
+def _addmm_with_out_dtype(real_addmm):
+    """torch.addmm that also takes CUDA's ``out_dtype`` (emulated here: fp32 products of the 16-bit inputs)."""
+    def addmm(acc, a, b, *, out_dtype=None, out=None):
+        if out_dtype is None:
+            return real_addmm(acc, a, b, out=out) if out is not None else real_addmm(acc, a, b)
+        return real_addmm(acc, a.to(out_dtype), b.to(out_dtype), out=out)
+    return addmm
+
+
+def test_fp32_output_gemm_probe_accepts_only_an_exact_kernel(monkeypatch):
+    from megatron_lite.parallel import grad_accumulation as ga
+
+    probe, cpu = ga._probe_fp32_output_gemm.__wrapped__, torch.device("cpu")
+    assert not ga.fp32_output_gemm(cpu, torch.bfloat16) and not probe(cpu, torch.bfloat16)  # no CPU kernel
+    real = torch.addmm
+    monkeypatch.setattr(torch, "addmm", _addmm_with_out_dtype(real))
+    assert probe(cpu, torch.bfloat16)
+    monkeypatch.setattr(torch, "addmm", lambda acc, a, b, **k: k["out"].add_(1.0))  # runs, wrong sum
+    assert not probe(cpu, torch.bfloat16)
+
+
+def test_bf16_weight_gradients_accumulate_in_fp32_where_the_gemm_can(monkeypatch):
+    """Where the device has a GEMM with fp32 output (CUDA; emulated here), a bf16 layer's weight
+    gradient goes into main_grad without being rounded to bf16 first: main_grad equals the fp32 sum of
+    the two micro-batches' products of the bf16 operands; the CPU path rounds each product to bf16."""
+    from megatron_lite.parallel import grad_accumulation as ga
+
+    def run():
+        torch.manual_seed(0)
+        lin = ColumnParallelLinear(64, 48, None, gradient_accumulation_fusion=True).bfloat16()
+        ddp = DistributedDataParallel(lin, ParallelState())
+        ddp.zero_grad_buffer()
+        expected = torch.zeros(48, 64)
+        for seed in (1, 2):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).bfloat16().requires_grad_()
+            dy = torch.randn(8, 48, generator=torch.Generator().manual_seed(seed + 10)).bfloat16()
+            ddp(x).backward(dy)
+            expected += dy.float().t() @ x.detach().float()
+        return lin.weight.main_grad.clone(), expected
+
+    rounded, expected = run()
+    assert not torch.equal(rounded, expected)  # CPU: each product rounded to bf16
+    monkeypatch.setattr(ga, "fp32_output_gemm", lambda device, dtype: True)
+    monkeypatch.setattr(torch, "addmm", _addmm_with_out_dtype(torch.addmm))
+    fused, expected = run()
+    torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
