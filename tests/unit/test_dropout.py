@@ -1,13 +1,13 @@
 """fusions.dropout.dropout on the CPU: F.dropout's function (kept entries scaled by 1 / (1 - p), the
 rest zero, about p dropped, gradient through the same mask), a boolean mask (1 byte per element
 saved for backward), identity when not training or p = 0, zeros at p = 1, and reproducible from the
-generator state. keep_mask (the CPU's draw: two 32-bit lanes per 64-bit random word) keeps each
-entry with probability 1 - p, in both lanes, with no correlation between neighbours."""
+generator state. drop_mask (the CPU's draw: two 32-bit lanes per 64-bit random word) drops each
+entry with probability p, in both lanes, with no correlation between neighbours."""
 
 import pytest
 import torch
 
-from megatron_lite.fusions.dropout import dropout, keep_mask
+from megatron_lite.fusions.dropout import drop_mask, dropout
 from megatron_lite.perf.activation_memory import saved_activation_bytes
 
 
@@ -46,9 +46,9 @@ def test_identity_zeros_and_reproducibility():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_keep_mask_keeps_one_minus_p_in_both_lanes_independently(p):
+def test_drop_mask_drops_p_in_both_lanes_independently(p):
     torch.manual_seed(7)
-    keep = keep_mask((1000, 1001), p, "cpu").float()  # an odd count: the last word's second lane unused
+    keep = (~drop_mask((1000, 1001), p, "cpu")).float()  # an odd count: the last word's second lane unused
     assert keep.shape == (1000, 1001)
     flat = keep.flatten()
     se = (p * (1 - p) / (flat.numel() / 2)) ** 0.5  # standard error of a rate over one lane's draws
@@ -58,11 +58,11 @@ def test_keep_mask_keeps_one_minus_p_in_both_lanes_independently(p):
     assert abs((a * b).mean().item() / (a * a).mean().item()) < 0.01  # neighbours uncorrelated
 
 
-def test_keep_mask_edges_and_reproducibility():
-    assert keep_mask((5, 3), 1e-12, "cpu").all()  # p below 2^-33 rounds to keeping everything
-    assert not keep_mask((5, 3), 1 - 1e-12, "cpu").any()  # and just below 1 to dropping everything
+def test_drop_mask_edges_and_reproducibility():
+    assert not drop_mask((5, 3), 1e-12, "cpu").any()  # p below 2^-33 rounds to keeping everything
+    assert drop_mask((5, 3), 1 - 1e-12, "cpu").all()  # and just below 1 to dropping everything
     torch.manual_seed(11)
-    a = keep_mask((64, 33), 0.3, "cpu")
+    a = drop_mask((64, 33), 0.3, "cpu")
     torch.manual_seed(11)
-    assert torch.equal(a, keep_mask((64, 33), 0.3, "cpu"))
-    assert not torch.equal(a, keep_mask((64, 33), 0.3, "cpu"))  # the generator moved on
+    assert torch.equal(a, drop_mask((64, 33), 0.3, "cpu"))
+    assert not torch.equal(a, drop_mask((64, 33), 0.3, "cpu"))  # the generator moved on
