@@ -182,14 +182,17 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     """``torch._scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)`` as a plain GEMM, any layout.
 
     ``a`` and ``b`` (FP8) are widened exactly to ``compute_dtype`` (fp32, or bf16 for a bf16
-    ``out_dtype``; fp32 otherwise), multiplied with fp32 accumulation, then the fp32 result is
-    multiplied by the scales: 0-dim (per tensor), or ``[M, 1]`` and ``[1, N]`` (per row of ``a``,
-    per column of ``b``).
+    ``out_dtype``; fp32 otherwise) and multiplied with fp32 accumulation; then the scales: per tensor
+    (one value each), their product multiplies the product in place, in fp32 arithmetic, in one
+    pass (a bf16 product is rounded once more there, as before); per row of ``a`` and per column of
+    ``b`` (``[M, 1]``, ``[1, N]``), the product is widened to fp32 and multiplied by each.
     """
     if compute_dtype != torch.float32 and out_dtype != compute_dtype:
         compute_dtype = torch.float32
-    out = (a.to(compute_dtype) @ b.to(compute_dtype)).float()
-    return out.mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
+    out = a.to(compute_dtype) @ b.to(compute_dtype)
+    if a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1:  # a 0-dim fp32 factor: fp32 math, no temporaries
+        return out.mul_((a_scale_inv.float() * b_scale_inv.float()).reshape(())).to(out_dtype)
+    return out.float().mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
 
 
 _REFUSALS: dict[str, str] = {}  # device -> why torch._scaled_mm refused it there (then not asked again)
