@@ -292,6 +292,21 @@ class ChunkGate:
         self.slots.release()
 
 
+POOL_STOP_SECONDS = 10.0
+
+
+def stop_pool(pool, seconds: float | None = None) -> None:
+    """``pool.terminate()`` and ``join()``, waiting at most ``seconds``: CPython's ``terminate`` stops
+    the workers reading their task pipe, then waits for the pool's task-feeding thread, forever when
+    that thread is part-way through writing a task larger than the pipe's buffer (seen after an error
+    or Ctrl-C with ``--workers 2``). The workers are already terminated then; we leave that thread."""
+    closer = threading.Thread(target=pool.terminate, daemon=True, name="preprocess-pool-terminate")
+    closer.start()
+    closer.join(POOL_STOP_SECONDS if seconds is None else seconds)
+    if not closer.is_alive():
+        pool.join()
+
+
 def _run_pass(cfg, pool, chunks, prefixes, dtype, result, progress, in_flight: int) -> None:
     """Tokenize ``chunks`` (in order) into one builder per json key at ``prefixes``."""
     with contextlib.ExitStack() as stack:
@@ -367,8 +382,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            stop_pool(pool)
         progress.close()
         gc.unfreeze()  # give the caller's objects back to the collector
     result.seconds = time.time() - start

@@ -2,7 +2,9 @@
 
 import gzip
 import json
+import multiprocessing.pool
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -314,3 +316,34 @@ def test_damaged_gz_names_the_file(tmp_path, capsys, damage, word):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"{path}: compressed input is {word}") and err.count("\n") == 1, err
     assert os.listdir(tmp_path) == ["in.jsonl.gz"]  # nothing half-written
+
+
+def test_a_pool_terminate_that_never_returns_does_not_hang_the_run(tmp_path, tok_files, monkeypatch):
+    """CPython's Pool.terminate can wait forever for its task-feeding thread (a large task half
+    written into a pipe no worker reads any more): the run still ends with its error, its workers
+    terminated, nothing left on disk."""
+    monkeypatch.setattr(pp, "CHUNK_LINES", 4)
+    monkeypatch.setattr(pp, "POOL_STOP_SECONDS", 0.5)
+    real_terminate, stuck = multiprocessing.pool.Pool.terminate, []
+
+    def terminate_then_hang(self):
+        real_terminate(self)
+        stuck.append(self)
+        threading.Event().wait()  # as CPython's join of a blocked thread does
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", terminate_then_hang)
+    calls, real_add = [], IndexedDatasetBuilder.add_documents
+
+    def crash_on_third(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_add(self, *args)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_documents", crash_on_third)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        run(out_dir, dict(tokenizer_type="GPT2BPETokenizer", **tok_files["GPT2BPETokenizer"]), workers=2)
+    assert len(stuck) == 1 and os.listdir(out_dir) == []
+    assert not any(p.is_alive() for p in stuck[0]._pool)
