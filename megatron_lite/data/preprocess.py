@@ -295,14 +295,14 @@ class ChunkGate:
 POOL_STOP_SECONDS = 10.0
 
 
-def stop_pool(pool, seconds: float | None = None) -> None:
-    """``pool.terminate()`` and ``join()``, waiting at most ``seconds``: CPython's ``terminate`` stops
+def stop_pool(pool) -> None:
+    """``pool.terminate()`` and ``join()``, waiting at most ``POOL_STOP_SECONDS``: CPython's ``terminate`` stops
     the workers reading their task pipe, then waits for the pool's task-feeding thread, forever when
     that thread is part-way through writing a task larger than the pipe's buffer (seen after an error
     or Ctrl-C with ``--workers 2``). The workers are already terminated then; we leave that thread."""
     closer = threading.Thread(target=pool.terminate, daemon=True, name="preprocess-pool-terminate")
     closer.start()
-    closer.join(POOL_STOP_SECONDS if seconds is None else seconds)
+    closer.join(POOL_STOP_SECONDS)
     if not closer.is_alive():
         pool.join()
 

@@ -22,12 +22,9 @@ import torch.nn.functional as F
 _LANES = 2**32  # values of one 32-bit lane
 
 
-def drop_mask(shape, p: float, device) -> torch.Tensor:
-    """A boolean tensor of ``shape``, each entry True (dropped) with probability ``p``, from the
-    current generator of ``device`` (on the CPU: 32-bit lanes of 64-bit draws, module docstring)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return torch.rand(shape, device=device) < p
+def drop_mask(shape, p: float) -> torch.Tensor:
+    """A boolean CPU tensor of ``shape``, each entry True (dropped) with probability ``p``, from the
+    CPU generator (32-bit lanes of 64-bit draws, module docstring)."""
     threshold = round(p * _LANES) - _LANES // 2  # a lane is uniform over [-2^31, 2^31)
     if threshold >= _LANES // 2:
         return torch.ones(shape, dtype=torch.bool)
@@ -42,4 +39,4 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if x.device.type != "cpu" or p >= 1:
         return F.dropout(x, p, True)
-    return torch.where(drop_mask(x.shape, p, x.device), 0.0, x.mul(1.0 / (1.0 - p)))  # saves the mask only
+    return torch.where(drop_mask(x.shape, p), 0.0, x.mul(1.0 / (1.0 - p)))  # saves the mask only

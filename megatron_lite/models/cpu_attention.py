@@ -130,7 +130,7 @@ class _DropoutAttention(torch.autograd.Function):
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
-            drop = drop_mask(probs.shape, p, probs.device)
+            drop = drop_mask(probs.shape, p)
             _put_rows(out, torch.bmm(torch.where(drop, 0.0, probs), v3[:, :kend]), group, sq, lo, hi)
             saved += [probs, drop]
         ctx.save_for_backward(q3, k3, v3, *saved)

@@ -115,7 +115,7 @@ def _formula(masked, causal, p):
         group = nq // nkv
         keep = torch.zeros(b * nkv, group, sq, sk, dtype=torch.bool)
         for lo, hi, kend in query_blocks(sq, sk, causal and masked is None):  # one draw per block, in order
-            keep[:, :, lo:hi, :kend] = ~drop_mask((b * nkv, group * (hi - lo), kend), p, "cpu").view(b * nkv, group, hi - lo, kend)
+            keep[:, :, lo:hi, :kend] = ~drop_mask((b * nkv, group * (hi - lo), kend), p).view(b * nkv, group, hi - lo, kend)
         keep = keep.view(b, nq, sq, sk)
         k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
         scores = q @ k.transpose(-2, -1) * SCALE

@@ -48,7 +48,7 @@ def test_identity_zeros_and_reproducibility():
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_drop_mask_drops_p_in_both_lanes_independently(p):
     torch.manual_seed(7)
-    keep = (~drop_mask((1000, 1001), p, "cpu")).float()  # an odd count: the last word's second lane unused
+    keep = (~drop_mask((1000, 1001), p)).float()  # an odd count: the last word's second lane unused
     assert keep.shape == (1000, 1001)
     flat = keep.flatten()
     se = (p * (1 - p) / (flat.numel() / 2)) ** 0.5  # standard error of a rate over one lane's draws
@@ -59,10 +59,10 @@ def test_drop_mask_drops_p_in_both_lanes_independently(p):
 
 
 def test_drop_mask_edges_and_reproducibility():
-    assert not drop_mask((5, 3), 1e-12, "cpu").any()  # p below 2^-33 rounds to keeping everything
-    assert drop_mask((5, 3), 1 - 1e-12, "cpu").all()  # and just below 1 to dropping everything
+    assert not drop_mask((5, 3), 1e-12).any()  # p below 2^-33 rounds to keeping everything
+    assert drop_mask((5, 3), 1 - 1e-12).all()  # and just below 1 to dropping everything
     torch.manual_seed(11)
-    a = drop_mask((64, 33), 0.3, "cpu")
+    a = drop_mask((64, 33), 0.3)
     torch.manual_seed(11)
-    assert torch.equal(a, drop_mask((64, 33), 0.3, "cpu"))
-    assert not torch.equal(a, drop_mask((64, 33), 0.3, "cpu"))  # the generator moved on
+    assert torch.equal(a, drop_mask((64, 33), 0.3))
+    assert not torch.equal(a, drop_mask((64, 33), 0.3))  # the generator moved on

@@ -192,18 +192,24 @@ def test_skip_counts_tokenizer_rejects_and_cli_report(tmp_path, capsys):
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 10], [5, 10]]
 
 
-def test_interrupted_run_leaves_nothing(tmp_path, tok_files, monkeypatch):
+def _ctrl_c_at_third_chunk(monkeypatch) -> list:
+    """Chunks of 4 lines; KeyboardInterrupt (what Ctrl-C raises) when the third chunk is written.
+    Returns the list of writes, to be cleared between runs."""
     monkeypatch.setattr(pp, "CHUNK_LINES", 4)
-    calls = []
-    real = IndexedDatasetBuilder.add_documents
+    calls, real = [], IndexedDatasetBuilder.add_documents
 
     def crash_on_third(self, *args):
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt  # what Ctrl-C raises mid-run
+            raise KeyboardInterrupt
         return real(self, *args)
 
     monkeypatch.setattr(IndexedDatasetBuilder, "add_documents", crash_on_third)
+    return calls
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, tok_files, monkeypatch):
+    calls = _ctrl_c_at_third_chunk(monkeypatch)
     spec = dict(tokenizer_type="GPT2BPETokenizer", **tok_files["GPT2BPETokenizer"])
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -322,7 +328,6 @@ def test_a_pool_terminate_that_never_returns_does_not_hang_the_run(tmp_path, tok
     """CPython's Pool.terminate can wait forever for its task-feeding thread (a large task half
     written into a pipe no worker reads any more): the run still ends with its error, its workers
     terminated, nothing left on disk."""
-    monkeypatch.setattr(pp, "CHUNK_LINES", 4)
     monkeypatch.setattr(pp, "POOL_STOP_SECONDS", 0.5)
     real_terminate, stuck = multiprocessing.pool.Pool.terminate, []
 
@@ -332,15 +337,7 @@ def test_a_pool_terminate_that_never_returns_does_not_hang_the_run(tmp_path, tok
         threading.Event().wait()  # as CPython's join of a blocked thread does
 
     monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", terminate_then_hang)
-    calls, real_add = [], IndexedDatasetBuilder.add_documents
-
-    def crash_on_third(self, *args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_add(self, *args)
-
-    monkeypatch.setattr(IndexedDatasetBuilder, "add_documents", crash_on_third)
+    _ctrl_c_at_third_chunk(monkeypatch)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with pytest.raises(KeyboardInterrupt):
