@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -212,6 +213,22 @@ class MemoryTracker(TorchDispatchMode):
         self.refresh()
         return {dev: Snapshot(dict(snap.bytes)) for dev, snap in self.current.items()}
 
+    def settle(self, timeout: float = 1.0) -> None:
+        """Wait (at most ``timeout`` seconds) until no collective's buffer is live besides the
+        wrappers' own (ZeRO-3 units, buckets and parameter gathers in flight).
+
+        A process group's worker thread may still hold a finished collective's tensors for a moment
+        after ``wait()`` returns (gloo lets go within milliseconds), so a scalar the step all-reduced
+        can look live just after it. Call this before reading what a step left behind.
+        """
+        self.refresh()
+        deadline = time.monotonic() + timeout
+        while self._stray_collective_buffers() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _stray_collective_buffers(self) -> bool:
+        return any(e.category == "communication" and k not in self._pinned for k, e in list(self._entries.items()))
+
     # hooks --------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -336,6 +353,7 @@ class MemoryReport:
             return []
         self._tracked = False
         gc.collect()  # what only a reference cycle keeps is not counted as left over
+        self.tracker.settle()
         record = {"peak": dict(self.tracker.peak), "after": self.tracker.live()}
         self.steps_seen.append(record)
         ranks = [(0, record)]

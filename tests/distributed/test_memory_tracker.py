@@ -8,8 +8,11 @@ the tracker's parameters, gradients and optimizer state equal the storages
 parameter tensor the optimizer holds), which equal :func:`model_state_bytes_per_param` times the
 parameter count, and no communication buffer is left alive. While ZeRO-3 runs a unit's forward,
 exactly that unit and the root (the head, gathered for the whole forward pass) are live as
-communication buffers; an all-gather's input and output are communication buffers of their size.
+communication buffers; an all-gather's input and output are communication buffers of their size;
+``settle()`` waits until a collective's buffer that another thread still holds is let go.
 """
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,7 @@ def _after_one_step(dp):
         tracker = MemoryTracker([model], opt)
         with tracker:
             ok, _ = _step(model, opt, state)
+            tracker.settle()  # gloo's worker thread may still hold the step's all-reduced scalars
             live = tracker.live()[CPU].bytes
         assert ok
         counters = 4 * len(opt.optimizer.state)
@@ -69,13 +73,31 @@ def _gathered_during_forward():
         out = torch.empty(512)
         dist.all_gather_into_tensor(out, x, group=state.dp_group)
         collective = tracker.live()[CPU].bytes["communication"]
-    return seen, collective
+        del x, out
+        tracker.settle(timeout=60)
+        held = _all_reduced_scalar_held_by_a_thread(state)
+        before_settling = tracker.live()[CPU].bytes["communication"]
+        tracker.settle(timeout=60)
+        after_settling = tracker.live()[CPU].bytes["communication"]
+        held.join()
+    return seen, collective, before_settling, after_settling
+
+
+def _all_reduced_scalar_held_by_a_thread(state):
+    """An all-reduced fp32 scalar whose last reference a thread drops half a second later, as gloo's
+    worker thread does (within milliseconds) with a finished collective's tensors."""
+    t = torch.ones(())
+    dist.all_reduce(t, group=state.dp_group)
+    holder = threading.Timer(0.5, lambda kept=[t]: kept.clear())
+    holder.start()
+    return holder
 
 
 def test_zero3_units_and_collective_buffers_are_communication():
-    for seen, collective in run_ranks(2, _gathered_during_forward):
+    for seen, collective, before_settling, after_settling in run_ranks(2, _gathered_during_forward):
         assert seen == [(72 + 36) * 4]  # block 0 and the root, fp32; block 1 not yet gathered
         assert collective == (256 + 512) * 4
+        assert (before_settling, after_settling) == (4, 0)  # settle() waits for the held scalar
 
 
 def test_zero3_root_gradients_do_not_wait_for_the_tied_embedding():
