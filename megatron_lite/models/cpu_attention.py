@@ -8,15 +8,14 @@ machine). :func:`cpu_dropout_attention` computes the same function in fewer pass
 (about 190 ms there):
 
 * forward: ``scores = (q * scale) k^T`` (the scale folded into the small operand), the causal or
-  given mask written into the scores in place, one softmax, the boolean drop mask (a quarter of a
-  float mask's bytes) drawn by ``fusions.dropout.drop_mask`` from the current generator (i.e. the
-  tracker's tensor-parallel one), ``out = where(drop, 0, probs) v / (1 - p)``;
-* backward: the saved probabilities and drop mask give ``d(probs) = (dout v^T) / (1 - p)`` with the
-  dropped entries zeroed,
+  given mask written into the scores in place, one softmax, the one-byte 0/1 keep mask (a quarter
+  of a float mask's bytes) drawn by ``fusions.dropout.keep_mask`` from the current generator (i.e.
+  the tracker's tensor-parallel one), ``out = (probs * keep) v / (1 - p)``;
+* backward: the saved probabilities and keep mask give ``d(probs) = (dout v^T) / (1 - p) * keep``,
   one softmax backward, and the three products; nothing else is saved;
 * causal attention of ``2 * BLOCK_ROWS`` or more queries runs in up to 4 query blocks, each only
   up to its last key (:func:`query_blocks`): most scores above the diagonal are never computed,
-  normalised or drawn. The drop mask is drawn block by block, in order.
+  normalised or drawn. The keep mask is drawn block by block, in order.
 
 Grouped-query attention multiplies each key/value head with its group of query heads in one
 batched product (no repeated keys or values). 16-bit inputs: on a CPU that computes that dtype in
@@ -33,7 +32,7 @@ import functools
 import torch
 
 from ..device import cpu_has_native
-from ..fusions.dropout import drop_mask
+from ..fusions.dropout import keep_mask
 from ..inference.kv_cache import causal_mask_with_offset
 
 BLOCK_ROWS = 128  # causal attention: queries per block at least this (query_blocks)
@@ -130,9 +129,9 @@ class _DropoutAttention(torch.autograd.Function):
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
-            drop = drop_mask(probs.shape, p)
-            _put_rows(out, torch.bmm(torch.where(drop, 0.0, probs), v3[:, :kend]), group, sq, lo, hi)
-            saved += [probs, drop]
+            keep = keep_mask(probs.shape, p)
+            _put_rows(out, torch.bmm(probs * keep, v3[:, :kend]), group, sq, lo, hi)
+            saved += [probs, keep]
         ctx.save_for_backward(q3, k3, v3, *saved)
         ctx.blocks = blocks
         ctx.shapes, ctx.dtypes = (b, nq, nkv, sq, sk, d, dv, p, scale), (q.dtype, k.dtype, v.dtype)
@@ -145,10 +144,10 @@ class _DropoutAttention(torch.autograd.Function):
         group = nq // nkv
         do3 = _grouped(dout, nkv, q3.dtype, 1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
         dq3, dk3, dv3 = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
-        for (lo, hi, kend), probs, drop in zip(ctx.blocks, saved[0::2], saved[1::2]):
+        for (lo, hi, kend), probs, keep in zip(ctx.blocks, saved[0::2], saved[1::2]):
             do_rows = _rows(do3, group, sq, lo, hi)
-            dv3[:, :kend] += torch.bmm(torch.where(drop, 0.0, probs).transpose(1, 2), do_rows)
-            dprobs = torch.where(drop, 0.0, torch.bmm(do_rows, v3[:, :kend].transpose(1, 2)))
+            dv3[:, :kend] += torch.bmm((probs * keep).transpose(1, 2), do_rows)
+            dprobs = torch.bmm(do_rows, v3[:, :kend].transpose(1, 2)).mul_(keep)
             dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
             del dprobs
             _put_rows(dq3, torch.bmm(dscores, k3[:, :kend]).mul_(scale), group, sq, lo, hi)  # q3 carries the scale

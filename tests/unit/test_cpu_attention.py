@@ -3,7 +3,7 @@
 - without dropout it equals PyTorch's scaled_dot_product_attention (causal, causal with a longer
   key/value sequence, grouped-query, a boolean mask with fully masked rows, MLA's value head size);
 - with dropout it equals the explicit formula ``softmax(q k^T s + mask) * keep / (1 - p) @ v`` with
-  the keep mask drawn from the same generator state (``drop_mask``, one draw per query block),
+  the keep mask drawn from the same generator state (``keep_mask``, one draw per query block),
   and drops about ``p``;
 - both in one block and with causal attention cut into query blocks;
 - 16-bit inputs give 16-bit outputs within that precision of the fp32 result, computed in fp32 or
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.device import cpu_has_native
-from megatron_lite.fusions.dropout import drop_mask
+from megatron_lite.fusions.dropout import keep_mask
 from megatron_lite.models import cpu_attention
 from megatron_lite.models.cpu_attention import (
     _DropoutAttention,
@@ -115,7 +115,7 @@ def _formula(masked, causal, p):
         group = nq // nkv
         keep = torch.zeros(b * nkv, group, sq, sk, dtype=torch.bool)
         for lo, hi, kend in query_blocks(sq, sk, causal and masked is None):  # one draw per block, in order
-            keep[:, :, lo:hi, :kend] = ~drop_mask((b * nkv, group * (hi - lo), kend), p).view(b * nkv, group, hi - lo, kend)
+            keep[:, :, lo:hi, :kend] = keep_mask((b * nkv, group * (hi - lo), kend), p).view(b * nkv, group, hi - lo, kend)
         keep = keep.view(b, nq, sq, sk)
         k, v = (t.repeat_interleave(nq // nkv, dim=1) for t in (k, v))
         scores = q @ k.transpose(-2, -1) * SCALE

@@ -1,13 +1,16 @@
 """fusions.dropout.dropout on the CPU: F.dropout's function (kept entries scaled by 1 / (1 - p), the
-rest zero, about p dropped, gradient through the same mask), a boolean mask (1 byte per element
+rest zero, about p dropped, gradient through the same mask), a one-byte mask (1 byte per element
 saved for backward), identity when not training or p = 0, zeros at p = 1, and reproducible from the
-generator state. drop_mask (the CPU's draw: two 32-bit lanes per 64-bit random word) drops each
-entry with probability p, in both lanes, with no correlation between neighbours."""
+generator state. keep_mask (the CPU's draw: four 16-bit lanes per 64-bit random word, two 32-bit
+lanes for p < 1/128) is exactly the documented draw and drops each entry with probability p, in
+every lane, with no correlation between neighbours."""
+
+import math
 
 import pytest
 import torch
 
-from megatron_lite.fusions.dropout import drop_mask, dropout
+from megatron_lite.fusions.dropout import dropout, keep_mask, lane_bits
 from megatron_lite.perf.activation_memory import saved_activation_bytes
 
 
@@ -32,7 +35,7 @@ def test_saves_one_byte_per_element():
     layer = torch.nn.Identity()
     layer.forward = lambda x: dropout(x, 0.1)
     x = torch.randn(128, 64, dtype=torch.bfloat16, requires_grad=True)
-    assert saved_activation_bytes(layer, x) == 128 * 64  # the boolean keep mask only
+    assert saved_activation_bytes(layer, x) == 128 * 64  # the one-byte keep mask only
 
 
 def test_identity_zeros_and_reproducibility():
@@ -45,24 +48,45 @@ def test_identity_zeros_and_reproducibility():
     assert torch.equal(a, dropout(x, 0.5))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_drop_mask_drops_p_in_both_lanes_independently(p):
+def _expected_keep(shape, p, seed):
+    """The documented draw: 64-bit words from the generator, read as ``lane_bits(p)``-bit lanes, an
+    entry kept when its lane is at least ``round(p * 2^bits) - 2^(bits - 1)``."""
+    bits = lane_bits(p)
+    n = math.prod(shape)
+    torch.manual_seed(seed)
+    words = torch.empty(-(-n // (64 // bits)), dtype=torch.int64).random_(-(2**63), None)
+    lanes = words.view(torch.int16 if bits == 16 else torch.int32)[:n].long()
+    return (lanes >= round(p * 2**bits) - 2 ** (bits - 1)).view(shape)
+
+
+@pytest.mark.parametrize("p", [0.1, 1 / 128, 1 / 128 - 1e-9, 1e-3, 0.77])
+def test_keep_mask_is_the_documented_draw(p):
+    shape = (37, 29)  # 1073 entries: the last word is part-used with either lane width
+    torch.manual_seed(5)
+    keep = keep_mask(shape, p)
+    assert keep.dtype == torch.uint8 and keep.shape == shape and set(keep.unique().tolist()) <= {0, 1}
+    assert torch.equal(keep.bool(), _expected_keep(shape, p, 5))
+    assert lane_bits(p) == (16 if p >= 1 / 128 else 32)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.005])
+def test_keep_mask_drops_p_in_every_lane_independently(p):
     torch.manual_seed(7)
-    keep = (~drop_mask((1000, 1001), p)).float()  # an odd count: the last word's second lane unused
-    assert keep.shape == (1000, 1001)
+    keep = keep_mask((999, 1001), p).float()  # 999999 entries: the last word's lanes not all used
     flat = keep.flatten()
-    se = (p * (1 - p) / (flat.numel() / 2)) ** 0.5  # standard error of a rate over one lane's draws
-    for lane in (flat[0::2], flat[1::2]):  # each 64-bit word gives an even and an odd entry
-        assert abs(lane.mean().item() - (1 - p)) < 5 * se
+    per_word = 64 // lane_bits(p)  # 16-bit lanes: 4 entries per 64-bit word; 32-bit: 2
+    se = (p * (1 - p) / (flat.numel() / per_word)) ** 0.5  # standard error of a rate over one lane's draws
+    for lane in range(per_word):
+        assert abs(flat[lane::per_word].mean().item() - (1 - p)) < 5 * se, lane
     a, b = flat[:-1] - flat.mean(), flat[1:] - flat.mean()
     assert abs((a * b).mean().item() / (a * a).mean().item()) < 0.01  # neighbours uncorrelated
 
 
-def test_drop_mask_edges_and_reproducibility():
-    assert not drop_mask((5, 3), 1e-12).any()  # p below 2^-33 rounds to keeping everything
-    assert drop_mask((5, 3), 1 - 1e-12).all()  # and just below 1 to dropping everything
+def test_keep_mask_edges_and_reproducibility():
+    assert keep_mask((5, 3), 1e-12).all()  # p below 2^-33 rounds to keeping everything
+    assert not keep_mask((5, 3), 1 - 1e-12).any()  # and just below 1 to dropping everything
     torch.manual_seed(11)
-    a = drop_mask((64, 33), 0.3)
+    a = keep_mask((64, 33), 0.3)
     torch.manual_seed(11)
-    assert torch.equal(a, drop_mask((64, 33), 0.3))
-    assert not torch.equal(a, drop_mask((64, 33), 0.3))  # the generator moved on
+    assert torch.equal(a, keep_mask((64, 33), 0.3))
+    assert not torch.equal(a, keep_mask((64, 33), 0.3))  # the generator moved on
