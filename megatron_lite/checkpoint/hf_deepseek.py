@@ -54,14 +54,13 @@ fp32`` on import). What either side cannot express is refused with one line nami
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from ..errors import ConfigError
-from ..models.yarn import get_mscale
 from ..moe.config import parse_moe_layer_freq
 from .hf import _base_config, _require
+from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_mixtral import SEQ, expert_matrices, stack_experts
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
@@ -82,69 +81,6 @@ SWIGLU = (("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp."),
 MTP_RENAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
                ("final_layernorm.weight", "shared_head.norm.weight"))
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary scaling: transformers' rules next to ours.
-
-
-def hf_table_scale(rope: dict) -> float:
-    """The factor transformers multiplies YaRN's cos/sin by (its ``attention_factor`` rule)."""
-    f, mscale, all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    return get_mscale(f, mscale) / get_mscale(f, all_dim) if mscale and all_dim else get_mscale(f)
-
-
-def _rope_from_hf(hf: dict) -> dict:
-    """Our rotary fields of a DeepSeek-V3 config (plain RoPE or YaRN), refusing what differs."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    _require(theta == int(theta), f"rope_theta {theta} cannot be expressed (--rotary-base is an integer)")
-    _require(rope.get("partial_rotary_factor", 1.0) == 1.0, "partial_rotary_factor cannot be expressed (MLA rotates "
-             "all qk_rope_head_dim channels)")
-    out = dict(rotary_base=int(theta), rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
-    if kind == "default":
-        return dict(out, rope_type="rope")
-    _require(kind == "yarn", f"rope_type {kind!r} cannot be expressed; only plain RoPE (default) and yarn")
-    _require(rope.get("factor") is not None, "a yarn rope_parameters without factor cannot be expressed; give factor")
-    _require(rope.get("truncate", True), "yarn truncate false cannot be expressed (the correction range is "
-             "floored / ceiled)")
-    original = rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
-        or hf["max_position_embeddings"]
-    f, all_dim, want = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0), hf_table_scale(rope)
-    # --mscale such that get_mscale(f, mscale) / get_mscale(f, all_dim) is transformers' table scale: the
-    # config's mscale when that holds (transformers ignores it without mscale_all_dim), else solved for
-    mscale = float(1.0 if rope.get("mscale") is None else rope["mscale"])
-    if abs(get_mscale(f, mscale) / get_mscale(f, all_dim) - want) > 1e-12 * want and f > 1:
-        mscale = (want * get_mscale(f, all_dim) - 1.0) / (0.1 * math.log(f))
-    out.update(rope_type="yarn", rotary_scaling_factor=f, mscale=mscale, mscale_all_dim=all_dim,
-               original_max_position_embeddings=int(original),
-               beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
-    ours = get_mscale(f, mscale) / get_mscale(f, all_dim)
-    _require(abs(ours - want) <= 1e-12 * want, f"yarn rope_parameters {rope}: transformers scales the rotary tables "
-             f"by {want}, which --mscale / --mscale-all-dim cannot express with factor {f} (ours would be {ours})")
-    return out
-
-
-def _rope_to_hf(cfg: dict) -> tuple[dict, dict | None]:
-    """(``rope_parameters``, hub-style ``rope_scaling`` or None) of our rotary fields."""
-    theta = float(cfg.get("rotary_base", 10000))
-    f, all_dim = float(cfg.get("rotary_scaling_factor", 1.0)), float(cfg.get("mscale_all_dim", 0.0))
-    if cfg.get("rope_type", "yarn") != "yarn":
-        _require(get_mscale(f, all_dim) == 1.0, "--rope-type rope with --rotary-scaling-factor and --mscale-all-dim "
-                 "(a softmax scale other than 1/sqrt(head size)) cannot be expressed in the deepseek_v3 format")
-        return {"rope_type": "default", "rope_theta": theta}, None
-    scaling = {"type": "yarn", "factor": f, "mscale": float(cfg.get("mscale", 1.0)), "mscale_all_dim": all_dim,
-               "original_max_position_embeddings": int(cfg.get("original_max_position_embeddings", 4096)),
-               "beta_fast": float(cfg.get("beta_fast", 32.0)), "beta_slow": float(cfg.get("beta_slow", 1.0))}
-    params = {k: v for k, v in scaling.items() if k != "type"}
-    params.update(rope_type="yarn", rope_theta=theta)
-    ours = get_mscale(f, scaling["mscale"]) / get_mscale(f, all_dim)
-    if hf_table_scale(params) != ours:  # transformers' rule differs (mscale or mscale_all_dim 0): say it
-        params["attention_factor"] = scaling["attention_factor"] = ours
-    return params, scaling
 
 
 def _interleave_rope_rows(w: torch.Tensor, start: int, dr: int, period: int) -> torch.Tensor:
@@ -185,7 +121,7 @@ def check_deepseek(cfg: dict) -> None:
              "transformers' latent norms always use 1e-6: train with --norm-epsilon 1e-6")):
         _require(ok, f"{words} cannot be expressed in the deepseek_v3 format ({why})")
     _layer_pattern(cfg)
-    _rope_to_hf(cfg)
+    rope_to_hf(cfg)
     if not cfg.get("num_experts"):
         return
     for name, ok, words in (("moe_router_score_function", "sigmoid", "--moe-router-score-function softmax"),
@@ -233,7 +169,7 @@ def _hf_config(cfg: dict, first_dense: int, embedding: torch.Tensor) -> dict:
     ffn = cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"]
     moe_ffn = cfg.get("moe_ffn_hidden_size") or ffn
     topk, groups = int(cfg.get("moe_router_topk", 2)), cfg.get("moe_router_num_groups")
-    rope_parameters, rope_scaling = _rope_to_hf(cfg)
+    rope_parameters, rope_scaling = rope_to_hf(cfg)
     dtype = str(embedding.dtype).replace("torch.", "")
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": int(cfg["vocab_size"]),
@@ -334,7 +270,7 @@ def _deepseek_config(hf: dict, mtp: int) -> tuple[dict, int]:
         init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"],
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        qk_layernorm=True, mtp_num_layers=mtp or None, **_rope_from_hf(hf), **moe,
+        qk_layernorm=True, mtp_num_layers=mtp or None, **rope_from_hf(hf), **moe,
     )
     return cfg, k
 
