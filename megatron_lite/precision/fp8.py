@@ -59,6 +59,7 @@ from .fp8_ops import (
     quantize,
     roll_amax_history,
     scaled_mm_blocker,
+    widen,
 )
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -156,7 +157,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
-            dy8 = dy8.to(cpu_gemm_dtype())
+            dy8 = widen(dy8, cpu_gemm_dtype())
         if ctx.needs_input_grad[0]:
             dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad"), g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
@@ -262,7 +263,7 @@ class Fp8Gemm(nn.Module):
         kernel = fp8_gemm_path(w8.device) == SCALED_MM
         if kernel and kind == "fprop":
             return w8.t()
-        make = column_major if kernel else (lambda t: t.to(cpu_gemm_dtype()))
+        make = column_major if kernel else (lambda t: widen(t, cpu_gemm_dtype()))
         cache = self._weight_fp8
         if cache is None or cache["w8"] is not w8:
             operand = make(w8)

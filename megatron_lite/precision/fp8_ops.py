@@ -41,21 +41,52 @@ GEMM_ALIGNMENT = 16
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN and inf propagate."""
+    """max |x| as a 0-dim fp32 tensor (0 for an empty tensor); NaN and inf propagate.
+
+    One pass either way: on a CPU from ``torch.aminmax`` (the inf-norm reduction there is ~10x
+    slower: 10 ms against 1 for 6.3 M entries on 2 cores), elsewhere the inf-norm (one kernel)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x.detach(), float("inf")).float()  # one pass, no |x| temporary
+    if x.device.type == "cpu":
+        lo, hi = torch.aminmax(x.detach())
+        return torch.maximum(hi.float(), lo.float().neg())
+    return torch.linalg.vector_norm(x.detach(), float("inf")).float()  # no |x| temporary
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast ``fp8(clamp(x * scale, -max, max))``; the product is formed in fp32."""
+    """Saturating cast ``fp8(clamp(x * scale, -max, max))``; the product is formed in fp32 (a 16-bit
+    ``x`` is widened, then scaled in place)."""
     limit = FP8_MAX[dtype]
-    return (x.detach().float() * scale).clamp_(-limit, limit).to(dtype)
+    x = x.detach()
+    scaled = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
+    return scaled.clamp_(-limit, limit).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """fp32 value of an FP8 tensor: ``q * scale_inv``."""
-    return q.float() * scale_inv
+    return widen(q, torch.float32) * scale_inv
+
+
+_E4M3_IN_FP16 = 256.0  # an E4M3 bit pattern placed in fp16 reads as its value / 256
+
+
+def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The exact ``dtype`` (fp32, bf16, fp16) values of the FP8 tensor ``q``: ``q.to(dtype)``, faster.
+
+    PyTorch converts E4M3 element by element on a CPU (~2.5-3 ns each on 2 cores). Here, on a CPU,
+    each E4M3 byte is placed in an fp16 bit pattern (sign to bit 15, exponent and mantissa to bits
+    13..7), which reads as the value / 256 for normal and subnormal E4M3 values alike (fp16 has 3 more
+    exponent bits and its own subnormals); fp16 is widened and multiplied by 256, all exact and
+    vectorised (6.3 M entries: ~5 ms to fp32 against ~15-20). A tensor holding NaN codes (which this
+    placement would turn into 480) takes PyTorch's conversion. E5M2 (the top byte of an fp16) is
+    converted by PyTorch quickly already.
+    """
+    if q.dtype != E4M3 or q.device.type != "cpu" or q.numel() == 0:
+        return q.to(dtype)
+    if int(q.view(torch.uint8).bitwise_and(0x7F).max()) == 0x7F:  # NaN codes 0x7F / 0xFF
+        return q.to(dtype)
+    bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16512)  # 0xBF80: sign + 7 bits
+    return bits.view(torch.float16).to(dtype).mul_(_E4M3_IN_FP16)
 
 
 def delayed_scale(amax_value: torch.Tensor, old_scale: torch.Tensor, fp8_max: torch.Tensor,
@@ -189,7 +220,7 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     """
     if compute_dtype != torch.float32 and out_dtype != compute_dtype:
         compute_dtype = torch.float32
-    out = a.to(compute_dtype) @ b.to(compute_dtype)
+    out = widen(a, compute_dtype) @ widen(b, compute_dtype)
     if a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1:  # a 0-dim fp32 factor: fp32 math, no temporaries
         return out.mul_((a_scale_inv.float() * b_scale_inv.float()).reshape(())).to(out_dtype)
     return out.float().mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)

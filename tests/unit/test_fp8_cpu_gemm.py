@@ -1,7 +1,7 @@
 """The CPU's FP8 GEMM: exact dequantised GEMMs instead of the emulated ``torch._scaled_mm``.
 
 What makes it exact: every E4M3 and E5M2 value is a bf16 and an fp32 value (checked for all 256
-bit patterns), a product of two FP8 values is exact in fp32, and both GEMMs accumulate in fp32. So
+bit patterns, also through ``widen``, the CPU's fast E4M3 conversion), a product of two FP8 values is exact in fp32, and both GEMMs accumulate in fp32. So
 the dequantised GEMM must equal ``torch._scaled_mm`` (CPU) up to fp32 summation order for fp32
 results (rtol 1e-5), and within one bf16 rounding for bf16 results (rtol 2^-7: the bf16 GEMM
 rounds its accumulator to bf16 before the scales are applied), for every operand pair the recipes
@@ -29,6 +29,46 @@ def test_every_fp8_value_widens_exactly_to_bf16(dtype):
     values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     values = values[~values.isnan()]
     assert torch.equal(values.to(dtype).to(torch.bfloat16).float(), values)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16, torch.float16])
+def test_widen_equals_pytorchs_conversion_for_every_bit_pattern(dtype, wide):
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = codes[~codes.float().isnan()]
+    reversed_ = finite.view(torch.uint8).flip(0).view(dtype)
+    for q in (finite, reversed_[::3], finite.view(2, -1).t()):  # contiguous, strided, transposed
+        got = fp8_ops.widen(q, wide)
+        assert got.dtype == wide and torch.equal(got, q.to(wide))
+        assert torch.equal(got.signbit(), q.to(wide).signbit())  # -0 stays -0
+    with_nan = fp8_ops.widen(codes, wide)  # NaN codes present: PyTorch's own conversion
+    assert torch.equal(with_nan.isnan(), codes.float().isnan())
+    assert torch.equal(with_nan[~with_nan.isnan()], finite.to(wide))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amax_is_the_largest_magnitude_and_propagates_nan_and_inf(dtype):
+    x = _rand((37, 53), 3, std=5.0).to(dtype)
+    x[4, 7] = -30.0  # the largest magnitude is negative
+    assert fp8_ops.amax(x).dtype == torch.float32 and fp8_ops.amax(x).item() == 30.0
+    assert fp8_ops.amax(x.t()).item() == 30.0
+    x[1, 1] = -float("inf")
+    assert fp8_ops.amax(x).item() == float("inf")
+    x[2, 2] = float("nan")
+    assert fp8_ops.amax(x).isnan()
+    assert fp8_ops.amax(x[:0]).item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_is_the_fp32_product_clamped_and_cast(dtype, fp8):
+    x = _rand((64, 48), 4, std=300.0).to(dtype)
+    scale = torch.tensor(1.7319)  # not a power of two: the fp32 product is rounded once, as in the formula
+    limit = fp8_ops.FP8_MAX[fp8]
+    want = (x.float() * scale).clamp(-limit, limit).to(fp8)
+    before = x.clone()
+    assert torch.equal(quantize(x, scale, fp8).view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(x, before)  # the caller's tensor is left alone (fp32: no in-place scaling)
 
 
 PAIRS = {"fprop E4M3 x E4M3": (E4M3, E4M3), "hybrid dgrad/wgrad E5M2 x E4M3": (E5M2, E4M3)}
