@@ -62,11 +62,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return scaled.clamp_(-limit, limit).to(dtype)
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """fp32 value of an FP8 tensor: ``q * scale_inv``."""
-    return widen(q, torch.float32) * scale_inv
-
-
 _E4M3_IN_FP16 = 256.0  # an E4M3 bit pattern placed in fp16 reads as its value / 256
 
 
