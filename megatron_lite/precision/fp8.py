@@ -126,13 +126,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, gemm, record):
         x2 = x.reshape(-1, x.shape[-1])
         cached = gemm._cached_weight(weight) if record else None
-        scale = gemm._forward_scales(x2, weight if cached is None else None, record)
+        x_amax, w_amax = amax(x2), None if cached is not None else amax(weight)
+        scale = gemm._forward_scales(x_amax, w_amax, record)
         # one fresh tensor per slot: the GPU kernel takes a scale only at an aligned address
         inv_x, inv_w = scale[INPUT].reciprocal(), scale[WEIGHT].reciprocal()
-        x8 = quantize(x2, scale[INPUT], E4M3)
+        x8 = quantize(x2, scale[INPUT], E4M3, x_amax)
         if cached is None:
             # (contiguous: an expert's weight may arrive as a transposed view of a stacked tensor)
-            w8 = quantize(weight, scale[WEIGHT], E4M3).contiguous()
+            w8 = quantize(weight, scale[WEIGHT], E4M3, w_amax).contiguous()
             if record:
                 gemm._keep_weight(weight, w8)
         else:
@@ -151,9 +152,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_saved, w8, inv_x, inv_w = ctx.saved_tensors
         gemm = ctx.gemm
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g_scale = gemm._grad_scale(dy2)
+        g_amax = amax(dy2)
+        g_scale = gemm._grad_scale(g_amax)
         g_inv = g_scale.reciprocal()
-        dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype)
+        dy8 = quantize(dy2, g_scale, gemm.recipe.grad_dtype, g_amax)
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
@@ -220,15 +222,16 @@ class Fp8Gemm(nn.Module):
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.amax_group)
         return amaxes
 
-    def _forward_scales(self, x: torch.Tensor, weight: torch.Tensor | None, record: bool) -> torch.Tensor:
-        """Scales for (input, weight) of this call; records their amaxes for delayed scaling (the
-        input's only when ``weight`` is None: a cached weight's amax is already recorded this step)."""
-        if weight is None:
+    def _forward_scales(self, x_amax: torch.Tensor, w_amax: torch.Tensor | None, record: bool) -> torch.Tensor:
+        """Scales for (input, weight) of this call from their amaxes, which it records for delayed
+        scaling (the input's only when ``w_amax`` is None: a cached weight's amax is already recorded
+        this step)."""
+        if w_amax is None:
             if record:
                 seen = self.amax_history[0, INPUT]
-                torch.maximum(seen, amax(x).to(self.scale.device), out=seen)
+                torch.maximum(seen, x_amax.to(self.scale.device), out=seen)
             return self.scale[:2]
-        amaxes = torch.stack([amax(x), amax(weight)]).to(self.scale.device)
+        amaxes = torch.stack([x_amax, w_amax]).to(self.scale.device)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(amaxes), self.fp8_max[:2])
         if record:
@@ -273,9 +276,9 @@ class Fp8Gemm(nn.Module):
             operand = cache["operand"]
         return operand.t() if kind == "fprop" else operand
 
-    def _grad_scale(self, dy: torch.Tensor) -> torch.Tensor:
-        """Scale for the output gradient of this call; records its amax for delayed scaling."""
-        g = amax(dy).to(self.scale.device).reshape(1)
+    def _grad_scale(self, dy_amax: torch.Tensor) -> torch.Tensor:
+        """Scale for the output gradient of this call from its amax, which it records for delayed scaling."""
+        g = dy_amax.to(self.scale.device).reshape(1)
         if self.recipe.recipe == "tensorwise":
             return current_scale(self._reduce(g), self.fp8_max[GRAD_OUTPUT:])[0]
         seen = self.amax_history[0, GRAD_OUTPUT:]

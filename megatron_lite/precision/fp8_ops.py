@@ -53,16 +53,34 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), float("inf")).float()  # no |x| temporary
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+             x_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Saturating cast ``fp8(clamp(x * scale, -max, max))``; the product is formed in fp32 (a 16-bit
-    ``x`` is widened, then scaled in place)."""
+    ``x`` is widened, then scaled in place).
+
+    ``x_amax`` (``amax(x)``, already computed for the scale) lets a CPU skip the clamp's pass when
+    ``x_amax * scale`` fits: every ``|x_i| * scale`` is then at most that (fp32 rounding is monotonic),
+    so the clamp would change nothing. A GPU always clamps (the check would wait for the device)."""
     limit = FP8_MAX[dtype]
     x = x.detach()
     scaled = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
-    return scaled.clamp_(-limit, limit).to(dtype)
+    if x_amax is None or x.device.type != "cpu" or not bool(x_amax.float() * scale.float() <= limit):
+        scaled.clamp_(-limit, limit)
+    return scaled.to(dtype)
 
 
 _E4M3_IN_FP16 = 256.0  # an E4M3 bit pattern placed in fp16 reads as its value / 256
+
+
+def _widen_over(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """``(w, f)`` with ``w * f`` the exact ``dtype`` values of the FP8 tensor ``q`` (see :func:`widen`):
+    ``f`` is 256 when the E4M3 bytes went through the fp16 placement (``w`` is then value / 256), else 1."""
+    if q.dtype != E4M3 or q.device.type != "cpu" or q.numel() == 0:
+        return q.to(dtype), 1.0
+    if int(q.view(torch.uint8).bitwise_and(0x7F).max()) == 0x7F:  # NaN codes 0x7F / 0xFF
+        return q.to(dtype), 1.0
+    bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16512)  # 0xBF80: sign + 7 bits
+    return bits.view(torch.float16).to(dtype), _E4M3_IN_FP16
 
 
 def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -74,14 +92,11 @@ def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exponent bits and its own subnormals); fp16 is widened and multiplied by 256, all exact and
     vectorised (6.3 M entries: ~5 ms to fp32 against ~15-20). A tensor holding NaN codes (which this
     placement would turn into 480) takes PyTorch's conversion. E5M2 (the top byte of an fp16) is
-    converted by PyTorch quickly already.
+    converted by PyTorch quickly already. A GEMM of widened operands leaves the x 256 to the
+    product's scale instead (:func:`dequantised_matmul`).
     """
-    if q.dtype != E4M3 or q.device.type != "cpu" or q.numel() == 0:
-        return q.to(dtype)
-    if int(q.view(torch.uint8).bitwise_and(0x7F).max()) == 0x7F:  # NaN codes 0x7F / 0xFF
-        return q.to(dtype)
-    bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16512)  # 0xBF80: sign + 7 bits
-    return bits.view(torch.float16).to(dtype).mul_(_E4M3_IN_FP16)
+    wide, factor = _widen_over(q, dtype)
+    return wide.mul_(factor) if factor != 1.0 else wide
 
 
 def delayed_scale(amax_value: torch.Tensor, old_scale: torch.Tensor, fp8_max: torch.Tensor,
@@ -215,9 +230,18 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     """
     if compute_dtype != torch.float32 and out_dtype != compute_dtype:
         compute_dtype = torch.float32
-    out = widen(a, compute_dtype) @ widen(b, compute_dtype)
+    (wide_a, fa), (wide_b, fb) = _widen_over(a, compute_dtype), _widen_over(b, compute_dtype)
+    out = wide_a @ wide_b  # = the exact product / (fa * fb): a power of two, so no rounding differs
     if a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1:  # a 0-dim fp32 factor: fp32 math, no temporaries
-        return out.mul_((a_scale_inv.float() * b_scale_inv.float()).reshape(())).to(out_dtype)
+        factor = (a_scale_inv.float() * b_scale_inv.float()).reshape(())
+        if fa * fb != 1.0:
+            unfolded = factor
+            factor = factor * (fa * fb)
+            if not bool(torch.isfinite(factor)):  # the fold overflowed: scale the operands' way instead
+                factor, out = unfolded, out.mul_(fa * fb)
+        return out.mul_(factor).to(out_dtype)  # (faster than a mixed-dtype multiply into out_dtype)
+    if fa * fb != 1.0:
+        out = out.mul_(fa * fb)
     return out.float().mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
 
 

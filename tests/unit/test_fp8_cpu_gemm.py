@@ -11,6 +11,7 @@ per-tensor scales that are not powers of two, and with row-wise scales.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.precision import fp8, fp8_ops
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, describe_fp8_path, update_fp8_scales
@@ -69,6 +70,63 @@ def test_quantize_is_the_fp32_product_clamped_and_cast(dtype, fp8):
     before = x.clone()
     assert torch.equal(quantize(x, scale, fp8).view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(x, before)  # the caller's tensor is left alone (fp32: no in-place scaling)
+
+
+class _CountClamps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.clamps = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.clamps += func.overloadpacket in (torch.ops.aten.clamp, torch.ops.aten.clamp_)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("saturates", [False, True], ids=["fits", "saturates"])
+def test_quantize_skips_the_clamp_only_when_the_known_amax_fits(fp8, saturates):
+    """With ``amax(x)`` given, a CPU clamps only when ``amax * scale`` exceeds the format's maximum:
+    the same bytes either way, one pass fewer when nothing can saturate. A NaN amax clamps."""
+    x = _rand((64, 48), 7, std=fp8_ops.FP8_MAX[fp8] if saturates else 0.5).to(torch.bfloat16)
+    scale = torch.tensor(1.7319)
+    want = quantize(x, scale, fp8).view(torch.uint8)
+    with _CountClamps() as mode:
+        got = quantize(x, scale, fp8, fp8_ops.amax(x)).view(torch.uint8)
+    assert torch.equal(got, want)
+    assert mode.clamps == saturates
+    edge = x.float() / fp8_ops.amax(x) * fp8_ops.FP8_MAX[fp8]  # amax x scale is exactly the maximum
+    with _CountClamps() as mode:
+        got = quantize(edge, torch.tensor(1.0), fp8, fp8_ops.amax(edge))
+    assert mode.clamps == 0 and torch.equal(got.view(torch.uint8), quantize(edge, torch.tensor(1.0), fp8).view(torch.uint8))
+    with _CountClamps() as mode:
+        quantize(x, scale, fp8, torch.tensor(float("nan")))
+    assert mode.clamps == 1
+
+
+def _e4m3_with_subnormals(shape, seed):
+    """E4M3 operands over the whole range: normals, subnormals, zeros of both signs, the maximum."""
+    codes = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    codes[codes.bitwise_and(0x7F) == 0x7F] = 0x7E  # no NaN codes (448 instead)
+    return codes.view(E4M3)
+
+
+@pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_widenings_x256_folded_into_the_scale_changes_no_bit(b_dtype, out_dtype):
+    """The CPU's dequantised GEMM multiplies the widened E4M3 operands' x 256 into the result's scale
+    instead of into each operand: a power of two, so the result equals ``(widen(a) @ widen(b)) * s``
+    rounded once to ``out_dtype``, bit for bit, over the whole E4M3 range; where the folded scale would
+    overflow fp32 the operands' way is taken (same numbers)."""
+    a = _e4m3_with_subnormals((M, K), 8)
+    b = _e4m3_with_subnormals((K, N), 9) if b_dtype == E4M3 else quantize(_rand((K, N), 9), torch.tensor(1e3), E5M2)
+    for sa, sb in ((torch.tensor(0.0123), torch.tensor(1 / 3.0)), (torch.tensor(3e38), torch.tensor(1e-20))):
+        want = ((fp8_ops.widen(a, torch.float32) @ fp8_ops.widen(b, torch.float32)) * (sa * sb)).to(out_dtype)
+        got = fp8_ops.dequantised_matmul(a, b, sa, sb, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+    sa = torch.tensor(3e38)  # x 256 x 256 overflows fp32: the fold is not taken
+    small = torch.full((M, K), 2.0**-9).to(E4M3)  # the smallest E4M3 subnormal
+    want = ((fp8_ops.widen(small, torch.float32) @ fp8_ops.widen(b, torch.float32)) * (sa * torch.tensor(1.0)))
+    assert torch.equal(fp8_ops.dequantised_matmul(small, b, sa, torch.tensor(1.0), torch.float32), want)
 
 
 PAIRS = {"fprop E4M3 x E4M3": (E4M3, E4M3), "hybrid dgrad/wgrad E5M2 x E4M3": (E5M2, E4M3)}
