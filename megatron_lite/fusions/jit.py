@@ -77,6 +77,11 @@ class _FusedFunction:
             return None
         return device
 
+    def compiles_for(self, *args) -> bool:
+        """Whether a call with these arguments would run compiled (for a caller that has a better
+        eager route of its own)."""
+        return self._wants_compile(args) is not None
+
     def _give_up(self, device: str, reason: str) -> None:
         self._fallback.add(device)
         warnings.warn(f"jit_fuser: {self.fn.__name__} runs eagerly on {device}: {reason}", stacklevel=3)
