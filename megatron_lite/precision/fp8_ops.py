@@ -64,15 +64,17 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              x_amax: torch.Tensor | None = None) -> torch.Tensor:
     """Saturating cast ``fp8(clamp(x * scale, -max, max))``; the product is formed in fp32.
 
-    Where the ``jit_fuser`` compiles (GPUs by default, ``--jit-fuser compile``) this is one fused
-    kernel: it reads ``x`` once and writes one byte per element, where the eager operators (widen,
-    scale, clamp, cast) write and read an fp32 copy three times. Eagerly, a 16-bit ``x`` is widened
-    and scaled in place, and ``x_amax`` (``amax(x)``, already computed for the scale) lets a CPU skip
-    the clamp's pass when ``x_amax * scale`` fits: every ``|x_i| * scale`` is then at most that (fp32
-    rounding is monotonic), so the clamp would change nothing."""
+    On a GPU whose ``jit_fuser`` compiles (the default) this is one fused kernel: it reads ``x`` once
+    and writes one byte per element, where the eager operators (widen, scale, clamp, cast) write and
+    read an fp32 copy three times. CPUs stay eager even under ``--jit-fuser compile`` (Inductor's CPU
+    code narrows to FP8 element by element: 11 ms against 6.5 eager for 6.3 M entries on 2 cores).
+    Eagerly, a 16-bit ``x`` is widened and scaled in place, and ``x_amax`` (``amax(x)``, already
+    computed for the scale) lets a CPU skip the clamp's pass when ``x_amax * scale`` fits: every
+    ``|x_i| * scale`` is then at most that (fp32 rounding is monotonic), so the clamp would change
+    nothing."""
     limit = FP8_MAX[dtype]
     x = x.detach()
-    if _scale_and_cast.compiles_for(x):
+    if x.device.type != "cpu" and _scale_and_cast.compiles_for(x):
         return _scale_and_cast(x, scale, limit, dtype)
     scaled = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
     if x_amax is None or x.device.type != "cpu" or not bool(x_amax.float() * scale.float() <= limit):

@@ -282,25 +282,31 @@ def test_the_fp8_kernel_gets_scales_at_aligned_addresses(monkeypatch, request):
 
 
 def test_the_compiled_cast_writes_the_eager_bytes():
-    """Where the ``jit_fuser`` compiles (GPUs by default; here ``--jit-fuser compile``) the cast is one
-    fused kernel: the same bytes as the eager operators, for both formats, saturating values, a NaN,
-    and a second shape (which Dynamo compiles with dynamic sizes)."""
+    """On GPUs the cast is one compiled ``jit_fuser`` kernel (CPUs keep the eager operators, faster
+    there even under ``--jit-fuser compile``). The same function compiled here: the eager bytes for
+    both formats, saturating values, a NaN, and a second shape (compiled with dynamic sizes)."""
     from megatron_lite.fusions import jit
 
     jit.set_jit_fuser("compile")
     try:
         if jit.compile_unavailable("cpu"):
             pytest.skip(jit.compile_unavailable("cpu"))
+        x = _rand((64, 48), 10)
+        fp8_ops._scale_and_cast._compiled.clear()
+        assert fp8_ops._scale_and_cast.compiles_for(x)
+        quantize(x, torch.tensor(1.0), E4M3)
+        assert not fp8_ops._scale_and_cast._compiled  # a CPU tensor took the eager route
         for shape in ((64, 48), (40, 96)):
             x = _rand(shape, 10, std=200.0).to(torch.bfloat16)
             x[0, 0] = float("nan")
             for fp8 in (E4M3, E5M2):
+                limit = fp8_ops.FP8_MAX[fp8]
                 scale = torch.tensor(1.7319 if fp8 == E4M3 else 300.0)
-                compiled = quantize(x, scale, fp8)
-                eager = (x.float() * scale).clamp(-fp8_ops.FP8_MAX[fp8], fp8_ops.FP8_MAX[fp8]).to(fp8)
+                compiled = fp8_ops._scale_and_cast(x, scale, limit, fp8)
+                eager = quantize(x, scale, fp8)
                 assert compiled.float()[0, 0].isnan() and eager.float()[0, 0].isnan()
                 assert torch.equal(compiled.view(torch.uint8)[1:], eager.view(torch.uint8)[1:])
-                assert compiled.float()[1:].abs().max() == fp8_ops.FP8_MAX[fp8]  # saturated, not inf/NaN
+                assert compiled.float()[1:].abs().max() == limit  # saturated, not inf/NaN
         assert fp8_ops._scale_and_cast._compiled  # it did run compiled
     finally:
         jit.set_jit_fuser("auto")
