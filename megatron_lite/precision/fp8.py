@@ -172,7 +172,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:  # high-precision wgrad from the unquantised gradient and input
                 dw = (dy2.to(x_saved.dtype).t() @ x_saved).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(ctx.b_dtype)
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)  # fp32 sums, no fp32 copy of dy
         return dx, dw, db, None, None
 
 
