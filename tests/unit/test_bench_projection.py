@@ -1,0 +1,35 @@
+"""The dispatch mode of ``benchmarks/bench_bf16_projection.py``: 16-bit GEMMs computed as fp32 GEMMs
+(the same results up to bf16's one rounding of the fp32 product), in place where the operator writes
+in place, and every GEMM's FLOPs counted, 16-bit or not."""
+
+import torch
+
+from benchmarks.bench_bf16_projection import GemmsAsFp32, gemm_flops
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_16bit_gemms_become_fp32_gemms_and_every_gemm_is_counted():
+    a, b, bias = _bf16(8, 16), _bf16(16, 4, seed=1), _bf16(4, seed=2)
+    x, y = _bf16(3, 8, 16, seed=3), _bf16(3, 16, 5, seed=4)
+    acc = _bf16(16, 4, seed=5)
+    expected_acc = (acc.float() + a.float().t() @ _bf16(8, 4, seed=6).float()).bfloat16()
+    with GemmsAsFp32() as mode:
+        mm, addmm, bmm = a @ b, torch.addmm(bias, a, b), torch.bmm(x, y)
+        acc.addmm_(a.t(), _bf16(8, 4, seed=6))
+        fp32 = a.float() @ b.float()  # an fp32 GEMM: run as it is, still counted
+    assert mm.dtype == addmm.dtype == bmm.dtype == acc.dtype == torch.bfloat16
+    assert torch.equal(mm, (a.float() @ b.float()).bfloat16())
+    assert torch.equal(addmm, torch.addmm(bias.float(), a.float(), b.float()).bfloat16())
+    assert torch.equal(bmm, torch.bmm(x.float(), y.float()).bfloat16())
+    assert torch.equal(acc, expected_acc)
+    assert torch.equal(fp32, a.float() @ b.float())
+    assert mode.flops == 2 * 8 * 16 * 4 * 3 + 2 * 3 * 8 * 16 * 5 + 2 * 16 * 8 * 4
+
+
+def test_flops_of_non_gemms_are_zero():
+    t = torch.ones(4, 4)
+    assert gemm_flops(torch.ops.aten.add.Tensor, (t, t)) == 0
+    assert gemm_flops(torch.ops.aten.mm.default, (t, torch.ones(4, 7))) == 2 * 4 * 4 * 7
