@@ -37,9 +37,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours  # noqa: E402
+from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
 from benchmarks.common import describe_machine  # noqa: E402
-from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.op_categories import CATEGORIES, category_of, format_breakdown  # noqa: E402
 
 aten = torch.ops.aten
@@ -172,10 +171,7 @@ def main(argv=None):
     print(describe_machine(args.threads))
     print("config: " + ", ".join(f"{k} {v}" for k, v in shape.items()) + f", dropout {args.dropout}, AdamW")
     bf16_cpu_paths(args.fp32_attention)
-    from megatron_lite.models import TransformerConfig
-    model = TransformerConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
-                              seq_length=shape["seq"], vocab_size=shape["vocab"])
-    model_flops, peak = num_floating_point_operations(model, shape["batch"]), args.peak_tflops * 1e12
+    flops_per_step, peak = model_flops(shape), args.peak_tflops * 1e12
     rows = {}
     for name in args.runs:
         totals, own, flops = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup)
@@ -184,13 +180,13 @@ def main(argv=None):
         print("\n" + format_breakdown(totals, f"{name}: self CPU seconds per step (GEMM: its fp32 stand-in)"))
         print(f"  (the dispatch mode's own Python time, left out: {own:.3f} s per step)")
     print(f"\nprojected to a bf16 GEMM peak of {args.peak_tflops:.2f} TFLOP/s; model FLOPs per step "
-          f"{model_flops / 1e9:.1f} GFLOP")
+          f"{flops_per_step / 1e9:.1f} GFLOP")
     print("| run | GEMM GFLOP per step | everything else (measured) | projected step | MFU | vs HF bf16 |\n"
           "|---|---|---|---|---|---|")
     hf = rows.get("hf-bf16", (0, 0, None))[2]
     for name, (flops, rest, step) in rows.items():
         vs = f"{hf / step:.2f}x" if hf and name != "hf-bf16" else "-"
-        print(f"| {name} | {flops / 1e9:.0f} | {rest:.3f} s | {step:.3f} s | {model_flops / peak / step:.0%} | {vs} |")
+        print(f"| {name} | {flops / 1e9:.0f} | {rest:.3f} s | {step:.3f} s | {flops_per_step / peak / step:.0%} | {vs} |")
     if "ours-fp8" in rows and "ours-bf16" in rows:
         print(f"\nFP8 step / bf16 step, projected: {rows['ours-fp8'][2] / rows['ours-bf16'][2]:.2f}x "
               "(target: within 1.3x)")

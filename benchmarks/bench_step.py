@@ -108,6 +108,15 @@ def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False,
     return step
 
 
+def model_flops(shape: dict) -> float:
+    """Model FLOPs of one training step at ``shape`` (Narayanan's formula, as MFU uses)."""
+    from megatron_lite.models import TransformerConfig
+
+    model = TransformerConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+                              seq_length=shape["seq"], vocab_size=shape["vocab"])
+    return num_floating_point_operations(model, shape["batch"])
+
+
 def gemm_peaks(device: str) -> dict[str, float]:
     """fp32 and bf16 GEMM FLOP/s here; on a CPU bf16 is first probed at n=512 (it may be emulated and slow)."""
     if device != "cpu":  # a GPU: n large enough to reach the tensor cores' pace (fp32 without TF32)
@@ -248,10 +257,7 @@ def main(argv=None):
         print("host memory: " + ("glibc's defaults (freed large blocks go back to the kernel)" if args.no_retain_host_memory
                                  else "kept for reuse in this process, for ours and HF alike (--retain-host-memory)"))
     dtypes = {name: dtype for name, dtype, _ in runs}
-    from megatron_lite.models import TransformerConfig
-    model = TransformerConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
-                              seq_length=shape["seq"], vocab_size=shape["vocab"])
-    flops = num_floating_point_operations(model, shape["batch"])
+    flops = model_flops(shape)
     print(f"model FLOPs per step: {flops / 1e9:.1f} GFLOP")
     times, cpu = time_runs(steps, args.rounds, args.warmup, args.device)
     report(times, cpu, dtypes, flops, peaks)
