@@ -244,17 +244,17 @@ def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tens
     if compute_dtype != torch.float32 and out_dtype != compute_dtype:
         compute_dtype = torch.float32
     (wide_a, fa), (wide_b, fb) = _widen_over(a, compute_dtype), _widen_over(b, compute_dtype)
-    out = wide_a @ wide_b  # = the exact product / (fa * fb): a power of two, so no rounding differs
+    out = wide_a @ wide_b  # = the exact product / widening: a power of two, so no rounding differs
+    widening = fa * fb
     if a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1:  # a 0-dim fp32 factor: fp32 math, no temporaries
         factor = (a_scale_inv.float() * b_scale_inv.float()).reshape(())
-        if fa * fb != 1.0:
-            unfolded = factor
-            factor = factor * (fa * fb)
-            if not bool(torch.isfinite(factor)):  # the fold overflowed: scale the operands' way instead
-                factor, out = unfolded, out.mul_(fa * fb)
+        if widening != 1.0 and bool(torch.isfinite(factor * widening)):  # folded into the scale (unless it overflows)
+            factor, widening = factor * widening, 1.0
+        if widening != 1.0:
+            out.mul_(widening)
         return out.mul_(factor).to(out_dtype)  # (faster than a mixed-dtype multiply into out_dtype)
-    if fa * fb != 1.0:
-        out = out.mul_(fa * fb)
+    if widening != 1.0:
+        out.mul_(widening)
     return out.float().mul_(a_scale_inv.float()).mul_(b_scale_inv.float()).to(out_dtype)
 
 
