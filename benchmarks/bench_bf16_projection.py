@@ -5,9 +5,10 @@ Without bf16 units a bf16 GEMM is emulated (~1 GFLOP/s: one step of the issue's 
 12 minutes), so ``bench_step.py`` cannot judge the bf16 and FP8 targets on such a CPU. This runs the
 same steps with every 16-bit GEMM computed as an fp32 GEMM under a ``TorchDispatchMode`` (inputs
 widened, the product narrowed back), on the code paths a CPU with bf16 units takes (the CPU
-attention's products in bf16, FP8's dequantised GEMMs widened to bf16). torch.profiler then times
-everything else, by category: the part of the step a faster GEMM does not shrink. The step is
-projected as
+attention's products in bf16, FP8's dequantised GEMMs widened to bf16). The same mode times every
+other operator, by category, and the step's wall time less all operators is the framework's own
+time (Python, autograd), less the mode's own cost per operator call (calibrated on a tiny operator):
+the part of the step a faster GEMM does not shrink. The step is projected as
 
     projected step = (FLOPs of the step's GEMMs) / (bf16 GEMM peak) + (everything else, measured)
 
@@ -18,11 +19,16 @@ elementwise speed is not the target's: the non-GEMM seconds are measurements, th
 estimate: 16-bit elementwise work (the attention's softmax and masks among it) runs slower on a CPU
 without bf16 instructions than on one with them, so the default (attention in bf16, as there)
 over-counts it; ``--fp32-attention`` keeps this CPU's fp32 attention (its casts then count, its
-products as GEMMs), which under-counts it. The two bracket the target. The dispatch mode's own
-Python time is left out (reported on its own line).
+products as GEMMs), which under-counts it. The two bracket the target.
+
+Why not torch.profiler: its own allocations during the step split glibc's freed large blocks, so the
+step's large tensors (the logits) land on fresh pages every step (60-170 thousand minor page faults
+per profiled step against 0-20 thousand without, measured), and the operators that first touch
+them (the loss's softmax, a cast) then looked 5-10x slower than they are. The minor page faults per
+measured step are printed.
 
     python benchmarks/bench_bf16_projection.py [--shape issue|quick] [--runs ours-bf16 ours-fp8 hf-bf16]
-                                               [--peak-tflops 2.81] [--steps 2] [--fp32-attention]
+                                               [--peak-tflops 2.81] [--steps 3] [--fp32-attention]
 """
 
 from __future__ import annotations
@@ -30,21 +36,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
 from benchmarks.common import describe_machine  # noqa: E402
-from megatron_lite.perf.op_categories import CATEGORIES, category_of, format_breakdown  # noqa: E402
+from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
+from megatron_lite.perf.op_categories import CATEGORIES, category_of_name, format_breakdown  # noqa: E402
 
 aten = torch.ops.aten
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-GEMM_TAG = "gemm_as_fp32"
-MODE_EVENT = "PythonDispatchMode"  # the profiler's event for the mode's own Python time
 
 
 def gemm_flops(func, args) -> int:
@@ -70,52 +76,79 @@ def _widened(value):
 
 class GemmsAsFp32(TorchDispatchMode):
     """Counts the FLOPs of every GEMM and computes the 16-bit ones as fp32 GEMMs, narrowed back (in
-    place for ``addmm_``/``baddbmm_``, into ``out=``), inside a ``gemm_as_fp32`` profiler range."""
+    place for ``addmm_``/``baddbmm_``, into ``out=``). With ``timed``, also the seconds spent in
+    operators per category (a GEMM with its widening and narrowing counts as GEMM) and the calls."""
 
-    def __init__(self):
+    def __init__(self, timed: bool = False):
         super().__init__()
-        self.flops = 0
+        self.flops, self.timed, self.calls = 0, timed, 0
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.in_optimizer = False  # set by torch.optim's global step hooks while timed
+        self._category = {}  # operator -> category by its name
+
+    def __enter__(self):
+        if self.timed:
+            self._hooks = (register_optimizer_step_pre_hook(lambda *_: setattr(self, "in_optimizer", True)),
+                           register_optimizer_step_post_hook(lambda *_: setattr(self, "in_optimizer", False)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def category(self, func, flops: int) -> str:
+        if flops:
+            return "GEMM"
+        if self.in_optimizer:
+            return "optimizer"
+        if func not in self._category:
+            self._category[func] = category_of_name(f"aten::{func.overloadpacket.__name__}") or "other"
+        return self._category[func]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flops = gemm_flops(func, args)
         self.flops += flops
+        if not self.timed:
+            return self._run(func, args, kwargs, flops)
+        start = time.perf_counter()
+        result = self._run(func, args, kwargs, flops)
+        self.seconds[self.category(func, flops)] += time.perf_counter() - start
+        self.calls += 1
+        return result
+
+    @staticmethod
+    def _run(func, args, kwargs, flops):
         if not flops or not any(isinstance(a, torch.Tensor) and a.dtype in SIXTEEN_BIT for a in args):
             return func(*args, **kwargs)
-        with record_function(GEMM_TAG):
-            out = kwargs.pop("out", None)
-            if func in (aten.addmm_.default, aten.baddbmm_.default):
-                out = args[0]
-            plain = {aten.addmm_.default: aten.addmm.default, aten.baddbmm_.default: aten.baddbmm.default}.get(
-                func, func.overloadpacket.default)
-            result = plain(*[_widened(a) for a in args], **kwargs)
-            if out is not None:
-                return out.copy_(result)
-            return result.to(args[0].dtype if func in (aten.mm.default, aten.bmm.default) else args[1].dtype)
+        out = kwargs.pop("out", None)
+        if func in (aten.addmm_.default, aten.baddbmm_.default):
+            out = args[0]
+        plain = {aten.addmm_.default: aten.addmm.default, aten.baddbmm_.default: aten.baddbmm.default}.get(
+            func, func.overloadpacket.default)
+        result = plain(*[_widened(a) for a in args], **kwargs)
+        if out is not None:
+            return out.copy_(result)
+        return result.to(args[0].dtype if func in (aten.mm.default, aten.bmm.default) else args[1].dtype)
 
 
-def _inside(event, name: str) -> bool:
-    parent = event
-    while parent is not None:
-        if parent.name == name:
-            return True
-        parent = parent.cpu_parent
-    return False
+def mode_seconds_per_call(calls: int = 4000) -> float:
+    """What the timed mode adds to one operator call (a tiny ``add``, with the mode and without)."""
+    a = torch.ones(4)
 
+    def loop() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.add(a, a)
+        return time.perf_counter() - start
 
-def non_gemm_seconds(events, steps: int) -> tuple[dict[str, float], float]:
-    """Self CPU seconds per category per step (GEMMs and their widening counted as GEMM), and the
-    dispatch mode's own seconds per step."""
-    totals, mode = dict.fromkeys(CATEGORIES, 0.0), 0.0
-    for event in events:
-        us = event.self_cpu_time_total
-        if not us:
-            continue
-        if event.name == MODE_EVENT:
-            mode += us / 1e6
-        else:
-            totals["GEMM" if _inside(event, GEMM_TAG) else category_of(event)] += us / 1e6
-    return {k: v / steps for k, v in totals.items()}, mode / steps
+    loop()
+    bare = min(loop() for _ in range(3))
+    with GemmsAsFp32(timed=True):
+        loop()
+        moded = min(loop() for _ in range(3))
+    return max(0.0, (moded - bare) / calls)
 
 
 def bf16_cpu_paths(fp32_attention: bool) -> None:
@@ -136,17 +169,21 @@ RUNS = {
 }
 
 
-def measure(step, steps: int, warmup: int) -> tuple[dict[str, float], float, int]:
-    """(seconds per category per step, the mode's seconds per step, GEMM FLOPs per step)."""
+def measure(step, steps: int, warmup: int, per_call: float) -> tuple[dict[str, float], float, int, float]:
+    """Per step: seconds per category ("other": the framework's own time, the mode's cost taken out),
+    the mode's cost taken out, GEMM FLOPs, and minor page faults."""
     with GemmsAsFp32() as mode:
         for _ in range(warmup):
             step()
-        mode.flops = 0
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-        totals, own = non_gemm_seconds(prof.events(), steps)
-    return totals, own, mode.flops // steps
+    with GemmsAsFp32(timed=True) as mode:
+        faults, start = minor_page_faults(), time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall, faults = time.perf_counter() - start, minor_page_faults() - faults
+    totals = {k: v / steps for k, v in mode.seconds.items()}
+    own = mode.calls * per_call / steps
+    totals["other"] += max(0.0, wall / steps - sum(totals.values()) - own)
+    return totals, own, mode.flops // steps, faults / steps
 
 
 def parse(argv=None):
@@ -154,8 +191,8 @@ def parse(argv=None):
     p.add_argument("--shape", choices=["issue", "quick"], default="issue")
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours-bf16", "ours-fp8", "hf-bf16"])
     p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
-    p.add_argument("--steps", type=int, default=2, help="profiled steps per run (after --warmup)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--fp32-attention", action="store_true",
@@ -172,13 +209,16 @@ def main(argv=None):
     print("config: " + ", ".join(f"{k} {v}" for k, v in shape.items()) + f", dropout {args.dropout}, AdamW")
     bf16_cpu_paths(args.fp32_attention)
     flops_per_step, peak = model_flops(shape), args.peak_tflops * 1e12
+    per_call = mode_seconds_per_call()
     rows = {}
     for name in args.runs:
-        totals, own, flops = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup)
+        totals, own, flops, faults = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup, per_call)
         rest = sum(v for k, v in totals.items() if k != "GEMM")
         rows[name] = (flops, rest, flops / peak + rest)
-        print("\n" + format_breakdown(totals, f"{name}: self CPU seconds per step (GEMM: its fp32 stand-in)"))
-        print(f"  (the dispatch mode's own Python time, left out: {own:.3f} s per step)")
+        print("\n" + format_breakdown(totals, f"{name}: seconds per step (GEMM: its fp32 stand-in; other: Python, "
+                                      "autograd)"))
+        print(f"  (the dispatch mode's own cost, left out: {own:.3f} s per step, {per_call * 1e6:.1f} us per "
+              f"operator call; minor page faults per step: {faults:.0f})")
     print(f"\nprojected to a bf16 GEMM peak of {args.peak_tflops:.2f} TFLOP/s; model FLOPs per step "
           f"{flops_per_step / 1e9:.1f} GFLOP")
     print("| run | GEMM GFLOP per step | everything else (measured) | projected step | MFU | vs HF bf16 |\n"

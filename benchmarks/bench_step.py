@@ -40,7 +40,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import describe_machine, timed  # noqa: E402
 from megatron_lite.perf.flops import measure_matmul_peak, num_floating_point_operations  # noqa: E402
+from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.op_categories import category_breakdown, format_breakdown  # noqa: E402
+from megatron_lite.training.profiler import FAULTS_NOTE  # noqa: E402
 
 SHAPES = {
     "issue": dict(layers=6, hidden=768, heads=12, seq=512, vocab=32768, batch=4),
@@ -203,12 +205,16 @@ def profile_runs(steps: dict, device: str = "cpu") -> None:
     gpu = device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     for name, step in steps.items():
+        faults = minor_page_faults()
         with profile(activities=activities) as prof:
             step()
             if gpu:
                 torch.cuda.synchronize()
+        faults = minor_page_faults() - faults
         title = f"{name}: one step, self {'GPU' if gpu else 'CPU'} time by category"
         print("\n" + format_breakdown(category_breakdown(prof.events(), device=gpu), title))
+        if not gpu:
+            print(f"  {faults} minor page faults in this step ({FAULTS_NOTE})")
         if name.startswith("ours"):
             sort = "self_device_time_total" if gpu else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=40))

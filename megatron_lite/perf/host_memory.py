@@ -45,3 +45,12 @@ def retain_freed_host_memory() -> bool:
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _LARGEST_INT))
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing: not a Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -33,7 +33,8 @@ _NAMES = (  # (substrings of an op's name, category), first match wins
 )
 
 
-def _category_of_name(name: str) -> str | None:
+def category_of_name(name: str) -> str | None:
+    """The category an op's name alone gives (``aten::mm`` -> GEMM), or None."""
     for keys, category in _NAMES:
         if any(k in name for k in keys):
             return category
@@ -53,7 +54,7 @@ def _scope_of(event) -> str | None:
 def category_of(event) -> str:
     """The category an event's self time counts under (see the module docstring)."""
     name = event.name
-    if _category_of_name(name) == "communication":  # a collective counts as communication in any scope
+    if category_of_name(name) == "communication":  # a collective counts as communication in any scope
         return "communication"
     for key, category in _SCOPES:
         if key in name:
@@ -61,7 +62,7 @@ def category_of(event) -> str:
     scope = _scope_of(event)
     if scope is not None:
         return scope
-    return _category_of_name(name) or "other"
+    return category_of_name(name) or "other"
 
 
 def category_breakdown(events, device: bool = False) -> dict[str, float]:

@@ -3,6 +3,7 @@
 in place, and every GEMM's FLOPs counted, 16-bit or not."""
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from benchmarks.bench_bf16_projection import GemmsAsFp32, gemm_flops
 
@@ -33,3 +34,28 @@ def test_flops_of_non_gemms_are_zero():
     t = torch.ones(4, 4)
     assert gemm_flops(torch.ops.aten.add.Tensor, (t, t)) == 0
     assert gemm_flops(torch.ops.aten.mm.default, (t, torch.ones(4, 7))) == 2 * 4 * 4 * 7
+
+
+def test_timed_mode_puts_each_operator_in_its_category():
+    """GEMMs as GEMM, pointwise math as elementwise, copies as copies, and everything inside a
+    torch.optim step as optimizer (the global step hooks), whatever the operator."""
+    from benchmarks.bench_bf16_projection import mode_seconds_per_call
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with GemmsAsFp32(timed=True) as mode:
+        y = (w @ w).relu()
+        y.bfloat16()
+        w.grad = torch.ones_like(w)
+        opt.step()
+    assert mode.calls >= 5 and all(v >= 0 for v in mode.seconds.values())
+    assert mode.seconds["GEMM"] > 0 and mode.seconds["elementwise"] > 0 and mode.seconds["copies"] > 0
+    assert mode.seconds["optimizer"] > 0 and not mode.in_optimizer
+    seen = []  # the mode's step hooks went with it: a later step leaves it alone
+    probe = register_optimizer_step_pre_hook(lambda *_: seen.append(mode.in_optimizer))
+    try:
+        opt.step()
+    finally:
+        probe.remove()
+    assert seen == [False]
+    assert mode_seconds_per_call(calls=200) >= 0.0
