@@ -85,15 +85,30 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 _E4M3_IN_FP16 = 256.0  # an E4M3 bit pattern placed in fp16 reads as its value / 256
 
 
+def _from_fp16(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp16 values in ``dtype``; to bf16 through fp32 (two vectorised passes: faster on a CPU than the
+    direct conversion, 3 against 5.4 ms for 6.3 M entries on 2 cores; exact for FP8 values)."""
+    if dtype == torch.bfloat16:
+        return h.float().to(dtype)
+    return h.to(dtype)
+
+
+def _has_e4m3_nan(q: torch.Tensor) -> bool:
+    """Whether ``q`` (E4M3) holds a NaN code, 0x7F or 0xFF: the largest int8 and the largest uint8."""
+    return int(q.view(torch.int8).max()) == 0x7F or int(q.view(torch.uint8).max()) == 0xFF
+
+
 def _widen_over(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """``(w, f)`` with ``w * f`` the exact ``dtype`` values of the FP8 tensor ``q`` (see :func:`widen`):
     ``f`` is 256 when the E4M3 bytes went through the fp16 placement (``w`` is then value / 256), else 1."""
-    if q.dtype != E4M3 or q.device.type != "cpu" or q.numel() == 0:
+    if q.device.type != "cpu" or q.numel() == 0:
         return q.to(dtype), 1.0
-    if int(q.view(torch.uint8).bitwise_and(0x7F).max()) == 0x7F:  # NaN codes 0x7F / 0xFF
+    if q.dtype == E5M2:  # the top byte of an fp16, infinities and NaN included
+        return _from_fp16(q.view(torch.int8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16), dtype), 1.0
+    if q.dtype != E4M3 or _has_e4m3_nan(q):
         return q.to(dtype), 1.0
     bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16512)  # 0xBF80: sign + 7 bits
-    return bits.view(torch.float16).to(dtype), _E4M3_IN_FP16
+    return _from_fp16(bits.view(torch.float16), dtype), _E4M3_IN_FP16
 
 
 def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -104,9 +119,10 @@ def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     13..7), which reads as the value / 256 for normal and subnormal E4M3 values alike (fp16 has 3 more
     exponent bits and its own subnormals); fp16 is widened and multiplied by 256, all exact and
     vectorised (6.3 M entries: ~5 ms to fp32 against ~15-20). A tensor holding NaN codes (which this
-    placement would turn into 480) takes PyTorch's conversion. E5M2 (the top byte of an fp16) is
-    converted by PyTorch quickly already. A GEMM of widened operands leaves the x 256 to the
-    product's scale instead (:func:`dequantised_matmul`).
+    placement would turn into 480) takes PyTorch's conversion. An E5M2 byte is the top byte of an
+    fp16 (its infinities and NaN included) and is placed there the same way (to bf16: 4.7 against
+    7.1 ms). A GEMM of widened operands leaves the x 256 to the product's scale instead
+    (:func:`dequantised_matmul`).
     """
     wide, factor = _widen_over(q, dtype)
     return wide.mul_(factor) if factor != 1.0 else wide

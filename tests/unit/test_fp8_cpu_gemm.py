@@ -47,6 +47,17 @@ def test_widen_equals_pytorchs_conversion_for_every_bit_pattern(dtype, wide):
     assert torch.equal(with_nan[~with_nan.isnan()], finite.to(wide))
 
 
+@pytest.mark.parametrize("nan_code", [0x7F, 0xFF])
+@pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16])
+def test_one_e4m3_nan_code_among_numbers_is_seen(nan_code, wide):
+    """Each NaN code alone (0x7F is the largest int8, 0xFF the largest uint8) sends the tensor to
+    PyTorch's conversion: the fp16 placement would read it as a number (+-480)."""
+    codes = torch.tensor([0x00, 0x38, 0xB8, 0x7E, 0xFE, nan_code], dtype=torch.uint8)
+    got = fp8_ops.widen(codes.view(E4M3), wide)
+    assert got[-1].isnan() and not got[:-1].isnan().any()
+    assert torch.equal(got[:-1], codes[:-1].view(E4M3).to(wide))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_amax_is_the_largest_magnitude_and_propagates_nan_and_inf(dtype):
     x = _rand((37, 53), 3, std=5.0).to(dtype)
