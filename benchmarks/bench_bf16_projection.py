@@ -172,7 +172,7 @@ RUNS = {
 def measure(step, steps: int, warmup: int, per_call: float) -> tuple[dict[str, float], float, int, float]:
     """Per step: seconds per category ("other": the framework's own time, the mode's cost taken out),
     the mode's cost taken out, GEMM FLOPs, and minor page faults."""
-    with GemmsAsFp32() as mode:
+    with GemmsAsFp32():
         for _ in range(warmup):
             step()
     with GemmsAsFp32(timed=True) as mode:
