@@ -33,8 +33,7 @@ def test_pytorch_profiler_writes_a_trace_and_prints_the_tables(tmp_path, capsys)
         assert category in table
     gemm = float(next(line for line in table.splitlines() if line.strip().startswith("GEMM")).split()[1])
     assert gemm > 0
-    faults = re.search(r"rank 0: (\d+) minor page faults in these iterations", out)
-    assert faults and int(faults.group(1)) >= 0
+    assert re.search(r"rank 0: \d+ minor page faults in these iterations", out)
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -39,8 +39,6 @@ def test_flops_of_non_gemms_are_zero():
 def test_timed_mode_puts_each_operator_in_its_category():
     """GEMMs as GEMM, pointwise math as elementwise, copies as copies, and everything inside a
     torch.optim step as optimizer (the global step hooks), whatever the operator."""
-    from benchmarks.bench_bf16_projection import mode_seconds_per_call
-
     w = torch.nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([w], lr=0.1)
     with GemmsAsFp32(timed=True) as mode:
@@ -58,4 +56,3 @@ def test_timed_mode_puts_each_operator_in_its_category():
     finally:
         probe.remove()
     assert seen == [False]
-    assert mode_seconds_per_call(calls=200) >= 0.0
