@@ -83,6 +83,7 @@ class GemmsAsFp32(TorchDispatchMode):
         super().__init__()
         self.flops, self.timed, self.calls = 0, timed, 0
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.by_operator: dict[str, list] = {}  # "aten::name dtype" -> [seconds, calls] outside GEMMs
         self.in_optimizer = False  # set by torch.optim's global step hooks while timed
         self._category = {}  # operator -> category by its name
 
@@ -114,8 +115,14 @@ class GemmsAsFp32(TorchDispatchMode):
             return self._run(func, args, kwargs, flops)
         start = time.perf_counter()
         result = self._run(func, args, kwargs, flops)
-        self.seconds[self.category(func, flops)] += time.perf_counter() - start
+        seconds, category = time.perf_counter() - start, self.category(func, flops)
+        self.seconds[category] += seconds
         self.calls += 1
+        if category != "GEMM":
+            dtype = next((str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)), "")
+            entry = self.by_operator.setdefault(f"{func.overloadpacket.__name__} {dtype} ({category})", [0.0, 0])
+            entry[0] += seconds
+            entry[1] += 1
         return result
 
     @staticmethod
@@ -169,9 +176,9 @@ RUNS = {
 }
 
 
-def measure(step, steps: int, warmup: int, per_call: float) -> tuple[dict[str, float], float, int, float]:
+def measure(step, steps: int, warmup: int, per_call: float):
     """Per step: seconds per category ("other": the framework's own time, the mode's cost taken out),
-    the mode's cost taken out, GEMM FLOPs, and minor page faults."""
+    the mode's cost taken out, GEMM FLOPs, minor page faults, and the timed mode (its operators)."""
     with GemmsAsFp32():
         for _ in range(warmup):
             step()
@@ -183,7 +190,15 @@ def measure(step, steps: int, warmup: int, per_call: float) -> tuple[dict[str, f
     totals = {k: v / steps for k, v in mode.seconds.items()}
     own = mode.calls * per_call / steps
     totals["other"] += max(0.0, wall / steps - sum(totals.values()) - own)
-    return totals, own, mode.flops // steps, faults / steps
+    return totals, own, mode.flops // steps, faults / steps, mode
+
+
+def format_top_operators(mode: GemmsAsFp32, steps: int, top: int) -> str:
+    """The ``top`` operators outside the GEMMs by time per step, with their calls per step."""
+    rows = sorted(mode.by_operator.items(), key=lambda kv: -kv[1][0])[:top]
+    lines = [f"  top {len(rows)} operators outside the GEMMs (ms per step, calls per step):"]
+    lines += [f"  {seconds / steps * 1e3:9.1f} {calls / steps:7.0f}  {name}" for name, (seconds, calls) in rows]
+    return "\n".join(lines)
 
 
 def parse(argv=None):
@@ -192,8 +207,10 @@ def parse(argv=None):
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours-bf16", "ours-fp8", "hf-bf16"])
     p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run (after --warmup)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps first: until glibc's retained heap stops growing, a step faults in fresh pages")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top", type=int, default=0, help="also list this many operators outside the GEMMs by time")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--fp32-attention", action="store_true",
                    help="the CPU attention in fp32, as on a CPU without bf16 units (its softmax and masks then run "
@@ -212,13 +229,15 @@ def main(argv=None):
     per_call = mode_seconds_per_call()
     rows = {}
     for name in args.runs:
-        totals, own, flops, faults = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup, per_call)
+        totals, own, flops, faults, mode = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup, per_call)
         rest = sum(v for k, v in totals.items() if k != "GEMM")
         rows[name] = (flops, rest, flops / peak + rest)
         print("\n" + format_breakdown(totals, f"{name}: seconds per step (GEMM: its fp32 stand-in; other: Python, "
                                       "autograd)"))
         print(f"  (the dispatch mode's own cost, left out: {own:.3f} s per step, {per_call * 1e6:.1f} us per "
               f"operator call; minor page faults per step: {faults:.0f})")
+        if args.top:
+            print(format_top_operators(mode, args.steps, args.top))
     print(f"\nprojected to a bf16 GEMM peak of {args.peak_tflops:.2f} TFLOP/s; model FLOPs per step "
           f"{flops_per_step / 1e9:.1f} GFLOP")
     print("| run | GEMM GFLOP per step | everything else (measured) | projected step | MFU | vs HF bf16 |\n"

@@ -12,17 +12,42 @@ form unless ``--openai-gelu``): with x = y + b and t = tanh(0.79788456 x (1 + 0.
     gelu(x)  = 0.5 x (1 + t)
     gelu'(x) = 0.5 x (1 - t^2)(0.79788456 + 0.1070322243 x^2) + 0.5 (1 + t)
 
-(0.79788456 = sqrt(2 / pi), 0.1070322243 = 3 x 0.044715 x sqrt(2 / pi)). SwiGLU splits x into
+(0.79788456 = sqrt(2 / pi), 0.1070322243 = 3 x 0.044715 x sqrt(2 / pi)). Eagerly on a CPU the forward
+uses ``0.5 (1 + tanh(v)) = sigmoid(2 v)``: gelu(x) = x sigmoid(x (2 k + 2 k 0.044715 x^2)) with
+k = sqrt(2 / pi), computed in fp32 over cache-sized chunks (:func:`cpu_tanh_gelu`). PyTorch's CPU tanh
+is about 3x slower than its sigmoid, so this halves the forward's time; the backward keeps PyTorch's
+kernel, which is accurate to 1e-6 where the sigmoid form's derivative is not. SwiGLU splits x into
 halves x1, x2 along the last dimension: swiglu = silu(x1) x2, with
 d/dx1 = sigmoid(x1)(1 + x1 (1 - sigmoid(x1))) x2 and d/dx2 = silu(x1).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .jit import jit_fuser
+
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+CPU_CHUNK = 1 << 20  # entries per chunk on a CPU (4 MiB in fp32): the chunk's buffers stay in the cache
+
+
+def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The tanh GeLU of a contiguous CPU tensor as ``x sigmoid(x (2 k + 2 k 0.044715 x^2))`` (module
+    docstring), computed in fp32 one cache-sized chunk at a time and written in ``x``'s dtype."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    flat_x, flat_out = x.reshape(-1), out.view(-1)
+    two_k = torch.tensor(2 * SQRT_2_OVER_PI)  # addcmul's first operand: 2 k + 2 k c x^2 in one pass
+    for start in range(0, flat_x.numel(), CPU_CHUNK):
+        chunk, target = flat_x[start:start + CPU_CHUNK], flat_out[start:start + CPU_CHUNK]
+        xf = chunk.float()  # a copy only when x is 16-bit
+        work = target if target.dtype == torch.float32 else torch.empty_like(xf)
+        torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715, out=work).mul_(xf).sigmoid_().mul_(xf)
+        if work is not target:
+            target.copy_(work)
+    return out
 
 
 @jit_fuser
@@ -40,7 +65,11 @@ def bias_gelu_back(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias):
-        x, out = bias_gelu(y, bias)
+        if y.device.type == "cpu" and not torch.compiler.is_compiling() and not bias_gelu.compiles_for(y, bias):
+            x = y + bias
+            out = cpu_tanh_gelu(x)
+        else:
+            x, out = bias_gelu(y, bias)
         ctx.save_for_backward(x)
         return out
 

@@ -47,9 +47,13 @@ def shard_softmax(logits: torch.Tensor, n_real: int, in_place: bool = False) -> 
 
 
 def scale_rows(softmax: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``softmax * coef[..., None]`` in ``dtype``: in place in fp32, else written straight in ``dtype``."""
+    """``softmax * coef[..., None]`` in ``dtype``: in place in fp32; else, on a GPU, written straight in
+    ``dtype`` (one kernel). A CPU computes an operator whose output has another dtype into an fp32
+    temporary of the output's size and converts that, so there it is scaled in place and converted."""
     if dtype == softmax.dtype:
         return softmax.mul_(coef.unsqueeze(-1))
+    if softmax.device.type == "cpu":
+        return softmax.mul_(coef.unsqueeze(-1)).to(dtype)
     return torch.mul(softmax, coef.unsqueeze(-1), out=torch.empty(softmax.shape, dtype=dtype, device=softmax.device))
 
 

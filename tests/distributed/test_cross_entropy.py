@@ -4,6 +4,7 @@ Loss and logit gradients must match within rtol 1e-5 (fp32). The padded tail of 
 is filled with large values to prove it never reaches the loss, and its gradient must be zero.
 With ``in_place`` (the language model's call) the padded entries are overwritten with -inf in the
 caller's logits and the results are the same, in fp32 and bf16; without it the logits are left intact.
+A bf16 gradient is the fp32 gradient rounded once.
 """
 
 import pytest
@@ -86,18 +87,24 @@ def test_padded_entries_in_place_or_in_a_copy(dtype):
     logits = (torch.randn(S, B, padded, generator=gen) * 3).to(dtype)
     logits[..., vocab:] = 50.0
     target = torch.randint(0, vocab, (S, B), generator=gen)
+    dloss = torch.rand(S, B, generator=gen) + 0.5  # a gradient that differs per token
     results = {}
     for in_place in (False, True):
         leaf = logits.clone().requires_grad_()
         fresh = leaf * 1  # a non-leaf of its own, as the output layer's logits are
         before = fresh.detach().clone()
         loss = vocab_parallel_cross_entropy(fresh, target, vocab_size=vocab, in_place=in_place)
-        loss.sum().backward()
+        loss.backward(dloss)
         results[in_place] = (loss.detach(), leaf.grad)
         assert torch.equal(fresh.detach()[..., :vocab], before[..., :vocab])
         padding = fresh.detach()[..., vocab:]
         assert torch.isneginf(padding).all() if in_place else torch.equal(padding, before[..., vocab:])
     assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
     assert not results[True][1][..., vocab:].any()
-    ref = F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), target.reshape(-1), reduction="none")
-    torch.testing.assert_close(results[True][0].reshape(-1), ref, rtol=1e-5, atol=1e-5)
+    ref_logits = logits[..., :vocab].float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
+    ref.backward(dloss.reshape(-1))
+    torch.testing.assert_close(results[True][0].reshape(-1), ref.detach(), rtol=1e-5, atol=1e-5)
+    # the logits' gradient, in their dtype: the fp32 gradient rounded once (bf16: within one rounding)
+    torch.testing.assert_close(results[True][1][..., :vocab].float(), ref_logits.grad,
+                               rtol=1e-5 if dtype == torch.float32 else 2**-8, atol=1e-6)

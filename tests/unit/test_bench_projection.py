@@ -5,7 +5,7 @@ in place, and every GEMM's FLOPs counted, 16-bit or not."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from benchmarks.bench_bf16_projection import GemmsAsFp32, gemm_flops
+from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops
 
 
 def _bf16(*shape, seed=0):
@@ -49,6 +49,11 @@ def test_timed_mode_puts_each_operator_in_its_category():
     assert mode.calls >= 5 and all(v >= 0 for v in mode.seconds.values())
     assert mode.seconds["GEMM"] > 0 and mode.seconds["elementwise"] > 0 and mode.seconds["copies"] > 0
     assert mode.seconds["optimizer"] > 0 and not mode.in_optimizer
+    assert "mm float32 (GEMM)" not in mode.by_operator  # --top lists what is left besides the GEMMs
+    assert mode.by_operator["relu float32 (elementwise)"][1] == 1
+    assert any(name.endswith("(optimizer)") for name in mode.by_operator)
+    listed = format_top_operators(mode, steps=1, top=2).splitlines()
+    assert len(listed) == 3 and listed[0].startswith("  top 2 operators")
     seen = []  # the mode's step hooks went with it: a later step leaves it alone
     probe = register_optimizer_step_pre_hook(lambda *_: seen.append(mode.in_optimizer))
     try:

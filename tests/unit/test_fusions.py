@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import megatron_lite.fusions.activations as activations
 import megatron_lite.fusions.jit as jit
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
@@ -77,6 +78,19 @@ def test_bias_gelu_is_megatron_tanh_gelu(jit_mode, dtype):
     torch.testing.assert_close(megatron_gelu(x), ref, rtol=1e-6, atol=1e-6)
     weights = torch.linspace(-1, 1, x.numel()).view(x.shape)
     torch.testing.assert_close(megatron_gelu_grad(x) * weights, ry, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tanh_gelu_in_chunks(monkeypatch, dtype):
+    # The eager CPU forward (x sigmoid(2 v), in chunks): 7 entries per chunk, so 720 entries make 103
+    # chunks, the last one short; every chunk, the tail included, must equal PyTorch's tanh GeLU.
+    monkeypatch.setattr(activations, "CPU_CHUNK", 7)
+    y, b = torch.randn(6, 3, 40) * 3, torch.randn(40)
+    out = bias_gelu_impl(y.to(dtype), b.to(dtype))
+    ref = F.gelu((y.to(dtype) + b.to(dtype)).float(), approximate="tanh")  # bf16: from the bf16 sum, rounded once
+    torch.testing.assert_close(out.float(), ref, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-6)
+    yt = y.transpose(0, 2)  # a non-contiguous input: read and written in its logical order
+    torch.testing.assert_close(activations.cpu_tanh_gelu(yt), F.gelu(yt, approximate="tanh"), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
