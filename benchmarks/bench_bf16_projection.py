@@ -70,8 +70,8 @@ def gemm_flops(func, args) -> int:
     return 0
 
 
-def _widened(value):
-    return value.float() if isinstance(value, torch.Tensor) and value.dtype in SIXTEEN_BIT else value
+OUT_VARIANTS = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out, aten.bmm.default: aten.bmm.out,
+                aten.baddbmm.default: aten.baddbmm.out}
 
 
 class GemmsAsFp32(TorchDispatchMode):
@@ -79,13 +79,14 @@ class GemmsAsFp32(TorchDispatchMode):
     place for ``addmm_``/``baddbmm_``, into ``out=``). With ``timed``, also the seconds spent in
     operators per category (a GEMM with its widening and narrowing counts as GEMM) and the calls."""
 
-    def __init__(self, timed: bool = False):
+    def __init__(self, timed: bool = False, scratch: dict | None = None):
         super().__init__()
         self.flops, self.timed, self.calls = 0, timed, 0
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.by_operator: dict[str, list] = {}  # "aten::name dtype" -> [seconds, calls] outside GEMMs
         self.in_optimizer = False  # set by torch.optim's global step hooks while timed
         self._category = {}  # operator -> category by its name
+        self._scratch = {} if scratch is None else scratch  # (role, shape, strides) -> fp32 buffer, reused
 
     def __enter__(self):
         if self.timed:
@@ -125,8 +126,24 @@ class GemmsAsFp32(TorchDispatchMode):
             entry[1] += 1
         return result
 
-    @staticmethod
-    def _run(func, args, kwargs, flops):
+    def _buffer(self, role, shape, strides=None) -> torch.Tensor:
+        """An fp32 buffer of ``shape`` (with ``strides`` when given), kept for the next step: fresh fp32
+        copies of every operand and product each step would fragment glibc's heap (the real step makes
+        none), and the step's own large tensors would then fault in fresh pages."""
+        key = (role, tuple(shape), strides)
+        if key not in self._scratch:
+            self._scratch[key] = (torch.empty(shape, dtype=torch.float32) if strides is None
+                                  else torch.empty_strided(shape, strides, dtype=torch.float32))
+        return self._scratch[key]
+
+    def _widened(self, value, role):
+        """A 16-bit operand copied into an fp32 buffer laid out as it is (plain or transposed), else as is."""
+        if not (isinstance(value, torch.Tensor) and value.dtype in SIXTEEN_BIT):
+            return value
+        plain = value.is_contiguous() or (value.dim() >= 2 and value.mT.is_contiguous())
+        return self._buffer(role, value.shape, tuple(value.stride()) if plain else None).copy_(value)
+
+    def _run(self, func, args, kwargs, flops):
         if not flops or not any(isinstance(a, torch.Tensor) and a.dtype in SIXTEEN_BIT for a in args):
             return func(*args, **kwargs)
         out = kwargs.pop("out", None)
@@ -134,7 +151,9 @@ class GemmsAsFp32(TorchDispatchMode):
             out = args[0]
         plain = {aten.addmm_.default: aten.addmm.default, aten.baddbmm_.default: aten.baddbmm.default}.get(
             func, func.overloadpacket.default)
-        result = plain(*[_widened(a) for a in args], **kwargs)
+        wide = [self._widened(a, i) for i, a in enumerate(args)]
+        a, b = wide[-2], wide[-1]  # the two factors come last (after the addend, if any)
+        result = OUT_VARIANTS[plain](*wide, **kwargs, out=self._buffer("product", (*a.shape[:-1], b.shape[-1])))
         if out is not None:
             return out.copy_(result)
         return result.to(args[0].dtype if func in (aten.mm.default, aten.bmm.default) else args[1].dtype)
@@ -177,20 +196,27 @@ RUNS = {
 
 
 def measure(step, steps: int, warmup: int, per_call: float):
-    """Per step: seconds per category ("other": the framework's own time, the mode's cost taken out),
-    the mode's cost taken out, GEMM FLOPs, minor page faults, and the timed mode (its operators)."""
-    with GemmsAsFp32():
+    """The median measured step (by its non-GEMM seconds: one step that still faulted in fresh pages
+    does not move it): seconds per category ("other": the framework's own time, the mode's cost taken
+    out), the mode's cost taken out, GEMM FLOPs, its minor page faults, every step's (non-GEMM seconds,
+    faults), and the timed mode (its operators over all measured steps)."""
+    with GemmsAsFp32() as warm:
         for _ in range(warmup):
             step()
-    with GemmsAsFp32(timed=True) as mode:
-        faults, start = minor_page_faults(), time.perf_counter()
+    measured = []
+    with GemmsAsFp32(timed=True, scratch=warm._scratch) as mode:
         for _ in range(steps):
+            seconds, calls, flops = dict(mode.seconds), mode.calls, mode.flops
+            faults, start = minor_page_faults(), time.perf_counter()
             step()
-        wall, faults = time.perf_counter() - start, minor_page_faults() - faults
-    totals = {k: v / steps for k, v in mode.seconds.items()}
-    own = mode.calls * per_call / steps
-    totals["other"] += max(0.0, wall / steps - sum(totals.values()) - own)
-    return totals, own, mode.flops // steps, faults / steps, mode
+            wall, faults = time.perf_counter() - start, minor_page_faults() - faults
+            totals = {k: v - seconds[k] for k, v in mode.seconds.items()}
+            own = (mode.calls - calls) * per_call
+            totals["other"] += max(0.0, wall - sum(totals.values()) - own)
+            rest = sum(v for k, v in totals.items() if k != "GEMM")
+            measured.append((rest, totals, own, mode.flops - flops, faults))
+    rest, totals, own, flops, faults = sorted(measured, key=lambda m: m[0])[(len(measured) - 1) // 2]
+    return totals, own, flops, faults, [(m[0], m[4]) for m in measured], mode
 
 
 def format_top_operators(mode: GemmsAsFp32, steps: int, top: int) -> str:
@@ -206,7 +232,7 @@ def parse(argv=None):
     p.add_argument("--shape", choices=["issue", "quick"], default="issue")
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours-bf16", "ours-fp8", "hf-bf16"])
     p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after --warmup)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after --warmup); the median counts")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first: until glibc's retained heap stops growing, a step faults in fresh pages")
     p.add_argument("--threads", type=int, default=2)
@@ -229,13 +255,16 @@ def main(argv=None):
     per_call = mode_seconds_per_call()
     rows = {}
     for name in args.runs:
-        totals, own, flops, faults, mode = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup, per_call)
+        totals, own, flops, faults, every, mode = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup,
+                                                          per_call)
         rest = sum(v for k, v in totals.items() if k != "GEMM")
         rows[name] = (flops, rest, flops / peak + rest)
-        print("\n" + format_breakdown(totals, f"{name}: seconds per step (GEMM: its fp32 stand-in; other: Python, "
-                                      "autograd)"))
+        print("\n" + format_breakdown(totals, f"{name}: the median of {args.steps} steps, seconds (GEMM: its fp32 "
+                                      "stand-in; other: Python, autograd)"))
         print(f"  (the dispatch mode's own cost, left out: {own:.3f} s per step, {per_call * 1e6:.1f} us per "
-              f"operator call; minor page faults per step: {faults:.0f})")
+              f"operator call; minor page faults in this step: {faults})")
+        print("  every step, non-GEMM seconds (minor page faults): "
+              + ", ".join(f"{rest_s:.3f} ({n})" for rest_s, n in every))
         if args.top:
             print(format_top_operators(mode, args.steps, args.top))
     print(f"\nprojected to a bf16 GEMM peak of {args.peak_tflops:.2f} TFLOP/s; model FLOPs per step "

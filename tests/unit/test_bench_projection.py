@@ -5,7 +5,7 @@ in place, and every GEMM's FLOPs counted, 16-bit or not."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops
+from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops, measure
 
 
 def _bf16(*shape, seed=0):
@@ -61,3 +61,16 @@ def test_timed_mode_puts_each_operator_in_its_category():
     finally:
         probe.remove()
     assert seen == [False]
+
+
+def test_measure_reports_the_median_step_and_reuses_its_buffers():
+    w = torch.randn(16, 16).bfloat16().requires_grad_()
+
+    def step():
+        (_bf16(4, 16, seed=7) @ w).float().sum().backward()  # two bf16 GEMMs: x w and x^T dy
+
+    totals, _, flops, _, every, mode = measure(step, steps=3, warmup=1, per_call=0.0)
+    assert len(every) == 3 and flops == 2 * (2 * 4 * 16 * 16)  # per step, not summed over the steps
+    rest = sum(v for k, v in totals.items() if k != "GEMM")
+    assert rest == sorted(r for r, _ in every)[1]  # the median step's breakdown
+    assert len(mode._scratch) == 6  # per GEMM: 2 widened operands and the product, reused step after step
