@@ -24,11 +24,15 @@ products as GEMMs), which under-counts it. The two bracket the target.
 Why not torch.profiler: its own allocations during the step split glibc's freed large blocks, so the
 step's large tensors (the logits) land on fresh pages every step (60-170 thousand minor page faults
 per profiled step against 0-20 thousand without, measured), and the operators that first touch
-them (the loss's softmax, a cast) then looked 5-10x slower than they are. The minor page faults per
-measured step are printed.
+them (the loss's softmax, a cast) then looked 5-10x slower than they are. For the same reason the
+stand-in GEMMs reuse their fp32 buffers from step to step, and the step reported is the median of
+``--steps`` by its non-GEMM time (a step that still faulted does not move it); every step's time and
+minor page faults are printed. After their warm-up the runs take turns, one step each, the order
+alternating every round, so a drift of the host's speed (20-40% within minutes on shared machines)
+reaches every run alike.
 
     python benchmarks/bench_bf16_projection.py [--shape issue|quick] [--runs ours-bf16 ours-fp8 hf-bf16]
-                                               [--peak-tflops 2.81] [--steps 3] [--fp32-attention]
+                                               [--peak-tflops 2.81] [--steps 3] [--fp32-attention] [--top N]
 """
 
 from __future__ import annotations
@@ -195,28 +199,38 @@ RUNS = {
 }
 
 
-def measure(step, steps: int, warmup: int, per_call: float):
-    """The median measured step (by its non-GEMM seconds: one step that still faulted in fresh pages
-    does not move it): seconds per category ("other": the framework's own time, the mode's cost taken
-    out), the mode's cost taken out, GEMM FLOPs, its minor page faults, every step's (non-GEMM seconds,
-    faults), and the timed mode (its operators over all measured steps)."""
-    with GemmsAsFp32() as warm:
-        for _ in range(warmup):
-            step()
-    measured = []
-    with GemmsAsFp32(timed=True, scratch=warm._scratch) as mode:
-        for _ in range(steps):
-            seconds, calls, flops = dict(mode.seconds), mode.calls, mode.flops
-            faults, start = minor_page_faults(), time.perf_counter()
-            step()
-            wall, faults = time.perf_counter() - start, minor_page_faults() - faults
-            totals = {k: v - seconds[k] for k, v in mode.seconds.items()}
-            own = (mode.calls - calls) * per_call
-            totals["other"] += max(0.0, wall - sum(totals.values()) - own)
-            rest = sum(v for k, v in totals.items() if k != "GEMM")
-            measured.append((rest, totals, own, mode.flops - flops, faults))
-    rest, totals, own, flops, faults = sorted(measured, key=lambda m: m[0])[(len(measured) - 1) // 2]
-    return totals, own, flops, faults, [(m[0], m[4]) for m in measured], mode
+def measure_step(step, mode: GemmsAsFp32, per_call: float) -> tuple[float, dict[str, float], float, int, int]:
+    """One step in the timed ``mode``: (non-GEMM seconds, seconds per category ("other": the framework's
+    own time, the mode's cost taken out), the mode's cost taken out, GEMM FLOPs, minor page faults)."""
+    with mode:
+        seconds, calls, flops = dict(mode.seconds), mode.calls, mode.flops
+        faults, start = minor_page_faults(), time.perf_counter()
+        step()
+        wall, faults = time.perf_counter() - start, minor_page_faults() - faults
+    totals = {k: v - seconds[k] for k, v in mode.seconds.items()}
+    own = (mode.calls - calls) * per_call
+    totals["other"] += max(0.0, wall - sum(totals.values()) - own)
+    return sum(v for k, v in totals.items() if k != "GEMM"), totals, own, mode.flops - flops, faults
+
+
+def measure_runs(runs: dict, steps: int, warmup: int, per_call: float) -> dict:
+    """Each run's ``warmup`` steps, then ``steps`` rounds of one measured step per run, the order
+    alternating (the host's speed drifts over minutes: each run sees the same drift). Per run: the
+    median step by its non-GEMM seconds (a step that still faulted in fresh pages does not move it,
+    :func:`measure_step`'s tuple), every step's (non-GEMM seconds, faults), and its timed mode (its
+    operators over all measured steps)."""
+    modes = {}
+    for name, step in runs.items():
+        with GemmsAsFp32() as warm:
+            for _ in range(warmup):
+                step()
+        modes[name] = GemmsAsFp32(timed=True, scratch=warm._scratch)
+    measured = {name: [] for name in runs}
+    for r in range(steps):
+        for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
+            measured[name].append(measure_step(runs[name], modes[name], per_call))
+    return {name: (sorted(m, key=lambda x: x[0])[(len(m) - 1) // 2], [(x[0], x[4]) for x in m], modes[name])
+            for name, m in measured.items()}
 
 
 def format_top_operators(mode: GemmsAsFp32, steps: int, top: int) -> str:
@@ -253,11 +267,10 @@ def main(argv=None):
     bf16_cpu_paths(args.fp32_attention)
     flops_per_step, peak = model_flops(shape), args.peak_tflops * 1e12
     per_call = mode_seconds_per_call()
+    results = measure_runs({name: RUNS[name](shape, args.dropout) for name in args.runs}, args.steps, args.warmup,
+                           per_call)
     rows = {}
-    for name in args.runs:
-        totals, own, flops, faults, every, mode = measure(RUNS[name](shape, args.dropout), args.steps, args.warmup,
-                                                          per_call)
-        rest = sum(v for k, v in totals.items() if k != "GEMM")
+    for name, ((rest, totals, own, flops, faults), every, mode) in results.items():
         rows[name] = (flops, rest, flops / peak + rest)
         print("\n" + format_breakdown(totals, f"{name}: the median of {args.steps} steps, seconds (GEMM: its fp32 "
                                       "stand-in; other: Python, autograd)"))

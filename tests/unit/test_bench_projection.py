@@ -5,7 +5,7 @@ in place, and every GEMM's FLOPs counted, 16-bit or not."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops, measure
+from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops, measure_runs
 
 
 def _bf16(*shape, seed=0):
@@ -63,14 +63,20 @@ def test_timed_mode_puts_each_operator_in_its_category():
     assert seen == [False]
 
 
-def test_measure_reports_the_median_step_and_reuses_its_buffers():
+def test_runs_alternate_and_each_reports_its_median_step():
     w = torch.randn(16, 16).bfloat16().requires_grad_()
+    order = []
 
-    def step():
-        (_bf16(4, 16, seed=7) @ w).float().sum().backward()  # two bf16 GEMMs: x w and x^T dy
+    def step(name, rows):
+        def run():
+            order.append(name)
+            (_bf16(rows, 16, seed=7) @ w).float().sum().backward()  # two bf16 GEMMs: x w and x^T dy
+        return run
 
-    totals, _, flops, _, every, mode = measure(step, steps=3, warmup=1, per_call=0.0)
-    assert len(every) == 3 and flops == 2 * (2 * 4 * 16 * 16)  # per step, not summed over the steps
-    rest = sum(v for k, v in totals.items() if k != "GEMM")
-    assert rest == sorted(r for r, _ in every)[1]  # the median step's breakdown
-    assert len(mode._scratch) == 6  # per GEMM: 2 widened operands and the product, reused step after step
+    results = measure_runs({"a": step("a", 4), "b": step("b", 8)}, steps=3, warmup=1, per_call=0.0)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then rounds in alternating order
+    for name, rows in (("a", 4), ("b", 8)):
+        (rest, totals, _, flops, _), every, mode = results[name]
+        assert len(every) == 3 and flops == 2 * (2 * rows * 16 * 16)  # per step, not summed over the steps
+        assert rest == sum(v for k, v in totals.items() if k != "GEMM") == sorted(r for r, _ in every)[1]
+        assert len(mode._scratch) == 6  # per GEMM: 2 widened operands and the product, reused step after step
