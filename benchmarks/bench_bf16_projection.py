@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -269,9 +270,10 @@ def main(argv=None):
     per_call = mode_seconds_per_call()
     results = measure_runs({name: RUNS[name](shape, args.dropout) for name in args.runs}, args.steps, args.warmup,
                            per_call)
-    rows = {}
+    rows, rounds = {}, {}
     for name, ((rest, totals, own, flops, faults), every, mode) in results.items():
         rows[name] = (flops, rest, flops / peak + rest)
+        rounds[name] = [flops / peak + rest_s for rest_s, _ in every]  # projected step of each round
         print("\n" + format_breakdown(totals, f"{name}: the median of {args.steps} steps, seconds (GEMM: its fp32 "
                                       "stand-in; other: Python, autograd)"))
         print(f"  (the dispatch mode's own cost, left out: {own:.3f} s per step, {per_call * 1e6:.1f} us per "
@@ -291,6 +293,12 @@ def main(argv=None):
     if "ours-fp8" in rows and "ours-bf16" in rows:
         print(f"\nFP8 step / bf16 step, projected: {rows['ours-fp8'][2] / rows['ours-bf16'][2]:.2f}x "
               "(target: within 1.3x)")
+    for slower, faster, what in (("hf-bf16", "ours-bf16", "HF bf16 / ours bf16"), ("hf-bf16", "ours-fp8", "HF bf16 / ours FP8"),
+                                 ("ours-fp8", "ours-bf16", "FP8 / bf16")):
+        if slower in rounds and faster in rounds:
+            paired = [a / b for a, b in zip(rounds[slower], rounds[faster])]
+            print(f"{what}, projected, round by round: " + ", ".join(f"{r:.2f}" for r in paired)
+                  + f" (median {statistics.median(paired):.2f}x)")
     print("targets (issue 21): ours bf16 >= 2.0x HF bf16 autocast and >= 40% MFU; FP8 within 1.3x of bf16")
 
 if __name__ == "__main__":
