@@ -15,7 +15,7 @@ form unless ``--openai-gelu``): with x = y + b and t = tanh(0.79788456 x (1 + 0.
 (0.79788456 = sqrt(2 / pi), 0.1070322243 = 3 x 0.044715 x sqrt(2 / pi)). Eagerly on a CPU the forward
 uses ``0.5 (1 + tanh(v)) = sigmoid(2 v)``: gelu(x) = x sigmoid(x (2 k + 2 k 0.044715 x^2)) with
 k = sqrt(2 / pi), computed in fp32 over cache-sized chunks (:func:`cpu_tanh_gelu`). PyTorch's CPU tanh
-is about 3x slower than its sigmoid, so this halves the forward's time; the backward keeps PyTorch's
+is about 3x slower than its sigmoid, so this forward runs 1.5-1.8x faster; the backward keeps PyTorch's
 kernel, which is accurate to 1e-6 where the sigmoid form's derivative is not. SwiGLU splits x into
 halves x1, x2 along the last dimension: swiglu = silu(x1) x2, with
 d/dx1 = sigmoid(x1)(1 + x1 (1 - sigmoid(x1))) x2 and d/dx2 = silu(x1).
@@ -35,8 +35,9 @@ CPU_CHUNK = 1 << 20  # entries per chunk on a CPU (4 MiB in fp32): the chunk's b
 
 
 def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
-    """The tanh GeLU of a contiguous CPU tensor as ``x sigmoid(x (2 k + 2 k 0.044715 x^2))`` (module
-    docstring), computed in fp32 one cache-sized chunk at a time and written in ``x``'s dtype."""
+    """The tanh GeLU of a CPU tensor as ``x sigmoid(x (2 k + 2 k 0.044715 x^2))`` (module docstring),
+    computed in fp32 one cache-sized chunk at a time (in ``x``'s logical order) and written, contiguous,
+    in ``x``'s dtype."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     flat_x, flat_out = x.reshape(-1), out.view(-1)
     two_k = torch.tensor(2 * SQRT_2_OVER_PI)  # addcmul's first operand: 2 k + 2 k c x^2 in one pass
