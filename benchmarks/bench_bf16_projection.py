@@ -88,7 +88,7 @@ class GemmsAsFp32(TorchDispatchMode):
         super().__init__()
         self.flops, self.timed, self.calls = 0, timed, 0
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self.by_operator: dict[str, list] = {}  # "aten::name dtype" -> [seconds, calls] outside GEMMs
+        self.by_operator: dict[str, list] = {}  # "name dtype (category)" -> [seconds, calls], GEMMs left out
         self.in_optimizer = False  # set by torch.optim's global step hooks while timed
         self._category = {}  # operator -> category by its name
         self._scratch = {} if scratch is None else scratch  # (role, shape, strides) -> fp32 buffer, reused
