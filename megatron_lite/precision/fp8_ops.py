@@ -93,22 +93,51 @@ def _from_fp16(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return h.to(dtype)
 
 
+def _in_memory_order(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s entries as a 1-D view in memory order when ``t`` is contiguous or a transposed contiguous
+    matrix, else None."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.t().view(-1) if t.dim() == 2 and t.t().is_contiguous() else None
+
+
 def _has_e4m3_nan(q: torch.Tensor) -> bool:
-    """Whether ``q`` (E4M3) holds a NaN code, 0x7F or 0xFF: the largest int8 and the largest uint8."""
+    """Whether ``q`` (E4M3) holds a NaN code, 0x7F or 0xFF: the largest int8 and the largest uint8 (read
+    in memory order where the layout allows: a reduction over a transposed view is several times slower)."""
+    flat = _in_memory_order(q)
+    q = q if flat is None else flat
     return int(q.view(torch.int8).max()) == 0x7F or int(q.view(torch.uint8).max()) == 0xFF
+
+
+WIDEN_CHUNK = 1 << 20  # entries per pass of a large widening on a CPU: its int16/fp16/fp32 stages stay in the cache
+
+
+def _placed_in_fp16(q_bytes: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    """FP8 bytes (as int8) in fp16 bit patterns: an E5M2 byte as the top byte (its infinities and NaN
+    included), an E4M3 byte's sign at bit 15 and its other 7 bits at 13..7 (reading value / 256)."""
+    bits = q_bytes.to(torch.int16).bitwise_left_shift_(8 if e5m2 else 7)
+    return (bits if e5m2 else bits.bitwise_and_(-16512)).view(torch.float16)  # 0xBF80: sign + 7 bits
 
 
 def _widen_over(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """``(w, f)`` with ``w * f`` the exact ``dtype`` values of the FP8 tensor ``q`` (see :func:`widen`):
-    ``f`` is 256 when the E4M3 bytes went through the fp16 placement (``w`` is then value / 256), else 1."""
-    if q.device.type != "cpu" or q.numel() == 0:
+    ``f`` is 256 when the E4M3 bytes went through the fp16 placement (``w`` is then value / 256), else 1.
+    To bf16, a large ``q`` (contiguous or transposed) is widened ``WIDEN_CHUNK`` entries at a time into a
+    result of its layout, each chunk's fp16 and fp32 stages in the cache (1.3-1.6x faster than
+    whole-tensor passes on a 2-core CPU; to fp32 there is no intermediate stage to keep)."""
+    if q.device.type != "cpu" or q.numel() == 0 or q.dtype not in (E4M3, E5M2) or (q.dtype == E4M3 and _has_e4m3_nan(q)):
         return q.to(dtype), 1.0
-    if q.dtype == E5M2:  # the top byte of an fp16, infinities and NaN included
-        return _from_fp16(q.view(torch.int8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16), dtype), 1.0
-    if q.dtype != E4M3 or _has_e4m3_nan(q):
-        return q.to(dtype), 1.0
-    bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16512)  # 0xBF80: sign + 7 bits
-    return _from_fp16(bits.view(torch.float16), dtype), _E4M3_IN_FP16
+    e5m2 = q.dtype == E5M2
+    factor = 1.0 if e5m2 else _E4M3_IN_FP16
+    flat = _in_memory_order(q)
+    if dtype != torch.bfloat16 or flat is None or flat.numel() <= WIDEN_CHUNK:  # to fp32 or fp16: one pass already
+        return _from_fp16(_placed_in_fp16(q.view(torch.int8), e5m2), dtype), factor
+    out = torch.empty_like(q, dtype=dtype)  # q's layout
+    flat_out = _in_memory_order(out)
+    for start in range(0, flat.numel(), WIDEN_CHUNK):
+        h = _placed_in_fp16(flat[start:start + WIDEN_CHUNK].view(torch.int8), e5m2)
+        flat_out[start:start + WIDEN_CHUNK].copy_(h.float())  # fp16 -> fp32 -> bf16, as _from_fp16
+    return out, factor
 
 
 def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -47,6 +47,21 @@ def test_widen_equals_pytorchs_conversion_for_every_bit_pattern(dtype, wide):
     assert torch.equal(with_nan[~with_nan.isnan()], finite.to(wide))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16, torch.float16])
+def test_widening_in_chunks_keeps_every_value_and_the_layout(dtype, wide, monkeypatch):
+    # 7 entries per chunk (bf16 widens in chunks): ~248 codes make 35 chunks and a short tail, in memory order
+    monkeypatch.setattr(fp8_ops, "WIDEN_CHUNK", 7)
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = codes[~codes.float().isnan()]
+    rows = finite[: finite.numel() // 8 * 8].view(8, -1)
+    for q in (finite, rows, rows.t(), rows[:, ::2]):  # contiguous, 2-D, transposed, strided (no chunks)
+        got = fp8_ops.widen(q, wide)
+        assert torch.equal(got, q.to(wide)) and torch.equal(got.signbit(), q.to(wide).signbit())
+        assert got.stride() == q.contiguous().stride() or got.stride() == q.stride()
+    assert fp8_ops.widen(rows.t(), wide).stride() == rows.t().stride()  # a transposed operand stays transposed
+
+
 @pytest.mark.parametrize("nan_code", [0x7F, 0xFF])
 @pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16])
 def test_one_e4m3_nan_code_among_numbers_is_seen(nan_code, wide):
