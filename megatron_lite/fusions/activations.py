@@ -40,7 +40,7 @@ def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     in ``x``'s dtype."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     flat_x, flat_out = x.reshape(-1), out.view(-1)
-    two_k = torch.tensor(2 * SQRT_2_OVER_PI)  # addcmul's first operand: 2 k + 2 k c x^2 in one pass
+    two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=x.device)  # addcmul: 2k + 2kc x^2, one pass
     for start in range(0, flat_x.numel(), CPU_CHUNK):
         chunk, target = flat_x[start:start + CPU_CHUNK], flat_out[start:start + CPU_CHUNK]
         xf = chunk.float()  # a copy only when x is 16-bit
