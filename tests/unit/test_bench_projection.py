@@ -5,7 +5,14 @@ in place, and every GEMM's FLOPs counted, 16-bit or not."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from benchmarks.bench_bf16_projection import GemmsAsFp32, format_top_operators, gemm_flops, measure_runs
+from benchmarks.bench_bf16_projection import (
+    GemmsAsFp32,
+    format_paired,
+    format_projection,
+    format_top_operators,
+    gemm_flops,
+    measure_runs,
+)
 
 
 def _bf16(*shape, seed=0):
@@ -80,3 +87,17 @@ def test_runs_alternate_and_each_reports_its_median_step():
         assert len(every) == 3 and flops == 2 * (2 * rows * 16 * 16)  # per step, not summed over the steps
         assert rest == sum(v for k, v in totals.items() if k != "GEMM") == sorted(r for r, _ in every)[1]
         assert len(mode._scratch) == 6  # per GEMM: 2 widened operands and the product, reused step after step
+
+
+def test_each_run_is_projected_to_its_own_dtypes_peak_and_compared_with_hf_of_that_dtype():
+    peaks = {"ours-fp32": 0.4e12, "hf-fp32": 0.4e12, "ours-bf16": 2e12, "hf-bf16": 2e12, "ours-fp8": 2e12}
+    rows = {"ours-fp32": (4e11, 0.5, 1.5), "hf-fp32": (4e11, 1.0, 3.0), "ours-bf16": (4e11, 0.3, 0.5),
+            "hf-bf16": (4e11, 1.8, 2.0), "ours-fp8": (4e11, 0.4, 0.6)}
+    table = format_projection(rows, peaks, flops_per_step=4e11).splitlines()
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table if line.startswith("| ours")}
+    assert cells["ours-fp32"][4:] == ["67%", "2.00x |"]  # 4e11 / 0.4e12 / 1.5 s; HF fp32 3.0 s / 1.5 s
+    assert cells["ours-bf16"][4:] == ["40%", "4.00x |"]  # 4e11 / 2e12 / 0.5 s; HF bf16 2.0 s / 0.5 s
+    assert cells["ours-fp8"][4:] == ["33%", "3.33x |"]  # against HF bf16
+    assert "FP8 step / bf16 step, projected: 1.20x" in table[-1]
+    paired = format_paired({"hf-fp32": [3.0, 2.0, 4.0], "ours-fp32": [1.5, 2.0, 1.0], "ours-bf16": [1.0]}).splitlines()
+    assert paired == ["HF fp32 / ours fp32, projected, round by round: 2.00, 1.00, 4.00 (median 2.00x)"]
