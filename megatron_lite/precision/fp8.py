@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from . import fp8_ops  # its cpu_compute_dtype() is looked up there: one place decides the CPU GEMM dtype
 from .fp8_ops import (
     BF16_MARGIN,
     E4M3,
@@ -49,7 +50,6 @@ from .fp8_ops import (
     amax,
     amax_from_history,
     column_major,
-    cpu_gemm_dtype,
     cpu_gemm_probe,
     current_scale,
     delayed_scale,
@@ -138,7 +138,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 gemm._keep_weight(weight, w8)
         else:
             w8 = cached
-        out = gemm._matmul("fprop", x8, gemm._weight_operand(w8, "fprop"), inv_x, inv_w, x.dtype)
+        out = gemm._matmul("fprop", x8, gemm._weight_operand(w8, "fprop", x.dtype), inv_x, inv_w, x.dtype)
         if bias is not None:
             out = out + bias
         # FP8 copies are what the backward GEMMs need (and 1 byte per element to keep)
@@ -159,9 +159,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
-            dy8 = widen(dy8, cpu_gemm_dtype())
+            dy8 = widen(dy8, fp8_ops.cpu_compute_dtype(ctx.x_dtype))
         if ctx.needs_input_grad[0]:
-            dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad"), g_inv, inv_w, ctx.x_dtype)
+            dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad", ctx.x_dtype), g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if gemm.recipe.wgrad:
@@ -259,14 +259,14 @@ class Fp8Gemm(nn.Module):
         if self.recipe.recipe == "delayed":
             self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "operand": None}
 
-    def _weight_operand(self, w8: torch.Tensor, kind: str) -> torch.Tensor:
+    def _weight_operand(self, w8: torch.Tensor, kind: str, out_dtype: torch.dtype) -> torch.Tensor:
         """The weight operand of the ``fprop`` (``W^T``) or ``dgrad`` (``W``) GEMM. For the FP8 kernel
-        dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened to its GEMM dtype
-        (exact). Either is made once per step for the cached weight (:meth:`_cached_weight`)."""
+        dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened (exactly) to the dtype
+        it computes ``out_dtype`` results in. Either is made once per step for the cached weight (:meth:`_cached_weight`)."""
         kernel = fp8_gemm_path(w8.device) == SCALED_MM
         if kernel and kind == "fprop":
             return w8.t()
-        make = column_major if kernel else (lambda t: widen(t, cpu_gemm_dtype()))
+        make = column_major if kernel else (lambda t: widen(t, fp8_ops.cpu_compute_dtype(out_dtype)))
         cache = self._weight_fp8
         if cache is None or cache["w8"] is not w8:
             operand = make(w8)
@@ -371,7 +371,7 @@ def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
         kernel = "torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})"
         return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
     gflops = cpu_gemm_probe()
-    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[cpu_gemm_dtype()]
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[fp8_ops.cpu_gemm_dtype()]
     return (f"FP8 {recipe.describe()}; GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) "
             f"as exact {dtype} dequantised GEMMs with fp32 accumulation ({dtype} chosen by a one-time probe: "
             f"fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s"

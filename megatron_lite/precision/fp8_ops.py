@@ -275,6 +275,13 @@ def cpu_gemm_dtype() -> torch.dtype:
     return faster_gemm_dtype(cpu_gemm_probe())
 
 
+def cpu_compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU's dequantised GEMM with ``out_dtype`` results computes in, so its operands are widened
+    to it: :func:`cpu_gemm_dtype` for results of that dtype, else fp32 (:func:`dequantised_matmul`'s rule)."""
+    gemm = cpu_gemm_dtype()
+    return gemm if gemm == out_dtype else torch.float32
+
+
 def dequantised_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
                        out_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``torch._scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)`` as a plain GEMM, any layout.

@@ -263,7 +263,18 @@ def test_bf16_gemms_keep_bf16_results_within_one_rounding(monkeypatch):
     monkeypatch.setattr(fp8_ops, "cpu_gemm_dtype", lambda: torch.float32)
     fp32_gemms = {dtype: _train_two_steps("hybrid", dtype, bias=False) for dtype in (torch.bfloat16, torch.float32)}
     monkeypatch.setattr(fp8_ops, "cpu_gemm_dtype", lambda: torch.bfloat16)
+    widenings, real_widen_over = [], fp8_ops._widen_over
+
+    def recording(q, dtype):
+        widenings.append((q.dtype, dtype))
+        return real_widen_over(q, dtype)
+
+    monkeypatch.setattr(fp8_ops, "_widen_over", recording)
     bf16_gemms = {dtype: _train_two_steps("hybrid", dtype, bias=False) for dtype in (torch.bfloat16, torch.float32)}
+    # every operand is widened once, from its FP8 bytes straight to the dtype its GEMM computes in (bf16 for
+    # bf16 results, fp32 for fp32 ones): none is widened to one dtype and converted to another afterwards
+    assert {(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float32)} <= set(widenings)
+    assert all(src in (torch.float8_e4m3fn, torch.float8_e5m2) or src == dst for src, dst in widenings), widenings
     for got, want in zip(bf16_gemms[torch.bfloat16], fp32_gemms[torch.bfloat16]):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, rtol=BF16_ROUNDING, atol=1e-6 * want.abs().max().item())
