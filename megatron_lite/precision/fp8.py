@@ -262,7 +262,8 @@ class Fp8Gemm(nn.Module):
     def _weight_operand(self, w8: torch.Tensor, kind: str, out_dtype: torch.dtype) -> torch.Tensor:
         """The weight operand of the ``fprop`` (``W^T``) or ``dgrad`` (``W``) GEMM. For the FP8 kernel
         dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened (exactly) to the dtype
-        it computes ``out_dtype`` results in. Either is made once per step for the cached weight (:meth:`_cached_weight`)."""
+        it computes ``out_dtype`` results in. Either is made once per step for the cached weight
+        (:meth:`_cached_weight`)."""
         kernel = fp8_gemm_path(w8.device) == SCALED_MM
         if kernel and kind == "fprop":
             return w8.t()

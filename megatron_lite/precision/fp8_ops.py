@@ -346,7 +346,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sc
     if a.numel() == 0 or b.numel() == 0:  # an MoE expert without tokens: the exact (empty or zero) product,
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device), None  # no kernel asked
     if fp8_gemm_path(a.device) == DEQUANTISED:
-        return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, cpu_gemm_dtype()), None
+        return dequantised_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, cpu_compute_dtype(out_dtype)), None
     reason = scaled_mm_blocker(a, b)
     if reason is None:
         out, reason = scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
