@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from . import fp8_ops  # its cpu_compute_dtype() is looked up there: one place decides the CPU GEMM dtype
 from .fp8_ops import (
     BF16_MARGIN,
     E4M3,
@@ -50,6 +49,8 @@ from .fp8_ops import (
     amax,
     amax_from_history,
     column_major,
+    cpu_compute_dtype,
+    cpu_gemm_dtype,
     cpu_gemm_probe,
     current_scale,
     delayed_scale,
@@ -159,7 +160,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         kernel = fp8_gemm_path(dy.device) == SCALED_MM  # operands in its layout; a CPU GEMM takes views
         if not kernel:  # widened once for both GEMMs (exact: every FP8 value is a bf16 and an fp32 value)
-            dy8 = widen(dy8, fp8_ops.cpu_compute_dtype(ctx.x_dtype))
+            dy8 = widen(dy8, cpu_compute_dtype(ctx.x_dtype))
         if ctx.needs_input_grad[0]:
             dx = gemm._matmul("dgrad", dy8, gemm._weight_operand(w8, "dgrad", ctx.x_dtype), g_inv, inv_w, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
@@ -267,7 +268,7 @@ class Fp8Gemm(nn.Module):
         kernel = fp8_gemm_path(w8.device) == SCALED_MM
         if kernel and kind == "fprop":
             return w8.t()
-        make = column_major if kernel else (lambda t: widen(t, fp8_ops.cpu_compute_dtype(out_dtype)))
+        make = column_major if kernel else (lambda t: widen(t, cpu_compute_dtype(out_dtype)))
         cache = self._weight_fp8
         if cache is None or cache["w8"] is not w8:
             operand = make(w8)
@@ -372,7 +373,7 @@ def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
         kernel = "torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})"
         return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
     gflops = cpu_gemm_probe()
-    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[fp8_ops.cpu_gemm_dtype()]
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[cpu_gemm_dtype()]
     return (f"FP8 {recipe.describe()}; GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) "
             f"as exact {dtype} dequantised GEMMs with fp32 accumulation ({dtype} chosen by a one-time probe: "
             f"fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s"
