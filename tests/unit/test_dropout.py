@@ -1,16 +1,18 @@
 """fusions.dropout.dropout on the CPU: F.dropout's function (kept entries scaled by 1 / (1 - p), the
 rest zero, about p dropped, gradient through the same mask), a one-byte mask (1 byte per element
 saved for backward), identity when not training or p = 0, zeros at p = 1, and reproducible from the
-generator state. keep_mask (the CPU's draw: four 16-bit lanes per 64-bit random word, two 32-bit
-lanes for p < 1/128) is exactly the documented draw and drops each entry with probability p, in
-every lane, with no correlation between neighbours."""
+generator state. keep_mask (the CPU's draw: a seed from the generator, chunks of SFC64 words seeded
+by (seed, chunk), four 16-bit lanes per 64-bit word, two 32-bit lanes for p < 1/128) is exactly the
+documented draw whatever the thread count, and drops each entry with probability p, in every lane
+and every chunk, with no correlation between neighbours."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from megatron_lite.fusions.dropout import dropout, keep_mask, lane_bits
+from megatron_lite.fusions.dropout import CHUNK_WORDS, dropout, keep_mask, lane_bits
 from megatron_lite.perf.activation_memory import saved_activation_bytes
 
 
@@ -49,35 +51,53 @@ def test_identity_zeros_and_reproducibility():
 
 
 def _expected_keep(shape, p, seed):
-    """The documented draw: 64-bit words from the generator, read as ``lane_bits(p)``-bit lanes, an
-    entry kept when its lane is at least ``round(p * 2^bits) - 2^(bits - 1)``."""
+    """The documented draw, written out serially: one non-negative 64-bit seed from the generator;
+    chunk k of CHUNK_WORDS words from SFC64(SeedSequence([seed, k])); each word read as
+    ``lane_bits(p)``-bit lanes, an entry kept when its lane is at least
+    ``round(p * 2^bits) - 2^(bits - 1)``."""
     bits = lane_bits(p)
     n = math.prod(shape)
     torch.manual_seed(seed)
-    words = torch.empty(-(-n // (64 // bits)), dtype=torch.int64).random_(-(2**63), None)
-    lanes = words.view(torch.int16 if bits == 16 else torch.int32)[:n].long()
+    mask_seed = int(torch.empty((), dtype=torch.int64).random_())
+    words = []
+    for chunk in range(-(-n * bits // (64 * CHUNK_WORDS))):
+        rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([mask_seed, chunk])))
+        words.append(rng.integers(-(2**63), 2**63 - 1, size=CHUNK_WORDS, dtype=np.int64, endpoint=True))
+    lanes = torch.from_numpy(np.concatenate(words).view(np.int16 if bits == 16 else np.int32)[:n]).long()
     return (lanes >= round(p * 2**bits) - 2 ** (bits - 1)).view(shape)
 
 
 @pytest.mark.parametrize("p", [0.1, 1 / 128, 1 / 128 - 1e-9, 1e-3, 0.77])
-def test_keep_mask_is_the_documented_draw(p):
-    shape = (999, 1001)  # ~1 M entries (~15 lanes equal to a 16-bit threshold); the last word part-used
-    torch.manual_seed(5)
-    keep = keep_mask(shape, p)
-    assert keep.dtype == torch.uint8 and keep.shape == shape and set(keep.unique().tolist()) <= {0, 1}
-    assert torch.equal(keep.bool(), _expected_keep(shape, p, 5))
+def test_keep_mask_is_the_documented_draw_on_any_thread_count(p):
+    shape = (1999, 1001)  # 2 M entries: 2 chunks of 16-bit lanes (the last part-used), 4 of 32-bit ones
+    expected = _expected_keep(shape, p, 5)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            torch.manual_seed(5)
+            keep = keep_mask(shape, p)
+            assert keep.dtype == torch.uint8 and keep.shape == shape and set(keep.unique().tolist()) <= {0, 1}
+            assert torch.equal(keep.bool(), expected), n
+    finally:
+        torch.set_num_threads(threads)
     assert lane_bits(p) == (16 if p >= 1 / 128 else 32)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.005])
 def test_keep_mask_drops_p_in_every_lane_independently(p):
     torch.manual_seed(7)
-    keep = keep_mask((999, 1001), p).float()  # 999999 entries: the last word's lanes not all used
+    keep = keep_mask((1999, 1001), p).float()  # 2 chunks (4 with 32-bit lanes), the last word part-used
     flat = keep.flatten()
     per_word = 64 // lane_bits(p)  # 16-bit lanes: 4 entries per 64-bit word; 32-bit: 2
     se = (p * (1 - p) / (flat.numel() / per_word)) ** 0.5  # standard error of a rate over one lane's draws
     for lane in range(per_word):
         assert abs(flat[lane::per_word].mean().item() - (1 - p)) < 5 * se, lane
+    per_chunk = CHUNK_WORDS * per_word
+    chunks = flat[: flat.numel() // per_chunk * per_chunk].view(-1, per_chunk)
+    for k, chunk in enumerate(chunks):  # every chunk its own stream: same rate, no chunk repeating the first
+        assert abs(chunk.mean().item() - (1 - p)) < 5 * (p * (1 - p) / per_chunk) ** 0.5, k
+        assert k == 0 or not torch.equal(chunk, chunks[0])
     a, b = flat[:-1] - flat.mean(), flat[1:] - flat.mean()
     assert abs((a * b).mean().item() / (a * a).mean().item()) < 0.01  # neighbours uncorrelated
 
