@@ -4,7 +4,8 @@ One step of ``bench_step.py``'s issue config (6 layers, hidden 768, 12 heads, se
 dropout 0.1) draws 13 hidden/embedding masks of ``512 x 4 x 768`` and, per layer, the causal
 attention's four query blocks ``48 x 128 x (128, 256, 384, 512)``: 67.6 M entries. Each way draws all
 of them, the ways taking turns round by round (the order alternating), and the medians and the
-paired ratios against ``keep_mask`` are printed:
+paired ratios against ``keep_mask`` are printed; then the same for one tiny mask (``4 x 32 x 32``,
+where a fixed cost per call would show):
 
 * ``keep_mask``: SFC64 chunks on ``torch.get_num_threads()`` threads (``fusions/dropout.py``);
 * ``torch lanes``: the same 16-bit lanes from PyTorch's CPU generator (``random_`` on int64 words);
@@ -57,20 +58,27 @@ def main(argv=None) -> None:
     print(describe_machine(args.threads))
     print(f"masks of one step: {len(STEP_SHAPES)}, {sum(math.prod(s) for s in STEP_SHAPES) / 1e6:.1f} M entries, p {args.p}")
 
-    def step(way):
-        return lambda: [way(shape, args.p) for shape in STEP_SHAPES]
+    compare(STEP_SHAPES, args.rounds, args.p, "ms per step", 1e3)
+    compare([(4, 32, 32)] * 100, args.rounds, args.p, "us per tiny mask (4 x 32 x 32)", 1e6 / 100)
+
+
+def compare(shapes, rounds: int, p: float, unit: str, per_second: float) -> None:
+    """Each way draws ``shapes`` once per round, the ways taking turns; a table of medians and ratios."""
+
+    def draw(way):
+        return lambda: [way(shape, p) for shape in shapes]
 
     times = {name: [] for name in WAYS}
     names = list(WAYS)
     for name in names:
-        step(WAYS[name])()  # warm-up: the thread pool, first-touch pages
-    for r in range(args.rounds):
+        draw(WAYS[name])()  # warm-up: the thread pool, first-touch pages
+    for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            times[name].append(timed(step(WAYS[name])))
-    print("| way | ms per step (median) | vs keep_mask (paired median, min-max) |\n|---|---|---|")
+            times[name].append(timed(draw(WAYS[name])))
+    print(f"| way | {unit} (median) | vs keep_mask (paired median, min-max) |\n|---|---|---|")
     for name in names:
         ratios = [t / k for t, k in zip(times[name], times["keep_mask"])]
-        print(f"| {name} | {statistics.median(times[name]) * 1e3:.1f} | "
+        print(f"| {name} | {statistics.median(times[name]) * per_second:.1f} | "
               f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 

@@ -1,8 +1,8 @@
 """fusions.dropout.dropout on the CPU: F.dropout's function (kept entries scaled by 1 / (1 - p), the
 rest zero, about p dropped, gradient through the same mask), a one-byte mask (1 byte per element
 saved for backward), identity when not training or p = 0, zeros at p = 1, and reproducible from the
-generator state. keep_mask (the CPU's draw: a seed from the generator, chunks of SFC64 words seeded
-by (seed, chunk), four 16-bit lanes per 64-bit word, two 32-bit lanes for p < 1/128) is exactly the
+generator state. keep_mask (the CPU's draw: chunks of SFC64 words, each chunk started at a state
+drawn from the generator, four 16-bit lanes per 64-bit word, two 32-bit lanes for p < 1/128) is the
 documented draw whatever the thread count, and drops each entry with probability p, in every lane
 and every chunk, with no correlation between neighbours."""
 
@@ -51,18 +51,21 @@ def test_identity_zeros_and_reproducibility():
 
 
 def _expected_keep(shape, p, seed):
-    """The documented draw, written out serially: one non-negative 64-bit seed from the generator;
-    chunk k of CHUNK_WORDS words from SFC64(SeedSequence([seed, k])); each word read as
-    ``lane_bits(p)``-bit lanes, an entry kept when its lane is at least
-    ``round(p * 2^bits) - 2^(bits - 1)``."""
+    """The documented draw, written out serially: for each chunk of CHUNK_WORDS 64-bit words, three
+    words (a, b, c) from the generator, all drawn at once; the chunk is SFC64's raw output from the
+    state (a, b, c, counter 1); each word read as ``lane_bits(p)``-bit lanes, an entry kept when its
+    lane is at least ``round(p * 2^bits) - 2^(bits - 1)``."""
     bits = lane_bits(p)
     n = math.prod(shape)
+    chunks = -(-n * bits // (64 * CHUNK_WORDS))
     torch.manual_seed(seed)
-    mask_seed = int(torch.empty((), dtype=torch.int64).random_())
+    states = torch.empty((chunks, 3), dtype=torch.int64).random_(-(2**63), None).numpy().view(np.uint64)
     words = []
-    for chunk in range(-(-n * bits // (64 * CHUNK_WORDS))):
-        rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence([mask_seed, chunk])))
-        words.append(rng.integers(-(2**63), 2**63 - 1, size=CHUNK_WORDS, dtype=np.int64, endpoint=True))
+    for a, b, c in states:
+        sfc = np.random.SFC64()
+        sfc.state = {"bit_generator": "SFC64", "state": {"state": np.array([a, b, c, 1], dtype=np.uint64)},
+                     "has_uint32": 0, "uinteger": 0}
+        words.append(sfc.random_raw(CHUNK_WORDS))
     lanes = torch.from_numpy(np.concatenate(words).view(np.int16 if bits == 16 else np.int32)[:n]).long()
     return (lanes >= round(p * 2**bits) - 2 ** (bits - 1)).view(shape)
 
