@@ -8,10 +8,10 @@
 # CKPT is where the training steps checkpoint (default $LOG/checkpoints; removed afterwards).
 #
 # DATA holds sample_text_document.{bin,idx} and spm.model (what examples/quickstart_cpu.sh's steps
-# 1-3 write). Steps: the CUDA path against the CPU (benchmarks/cuda_checks.py); the quickstart's
-# model trained in bf16 on the GPU, resumed, and sampled; one training step ours vs Hugging Face on
-# the GPU (bf16, FP8, --torch-compile, fp32) and a profile of the bf16 and FP8 steps; FP8 GEMMs;
-# KV-cache generation; the issue's CPU step targets on the host's CPU. benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
+# 1-3 write). Steps: the CUDA path against the CPU (benchmarks/cuda_checks.py); the issue's CPU step
+# targets on the host's CPU, and a profile of its bf16 and FP8 steps; the quickstart's model trained in
+# bf16 on the GPU, resumed, and sampled; one training step ours vs Hugging Face on the GPU (bf16, FP8,
+# --torch-compile, fp32) and a profile of the bf16 and FP8 steps; FP8 GEMMs; KV-cache generation. benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 LOG=${LOG:-outputs/gpu}
@@ -36,6 +36,12 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $LOG
 
 step cuda_checks 240 python3 benchmarks/cuda_checks.py
 
+# the issue's CPU targets, on this host's CPU (2 threads) when it has bf16 units (the CPU without them,
+# where the sessions work, can only project them), and where that CPU's bf16 and FP8 steps go, by operator
+step host_cpu_step 300 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes fp32 bf16 fp8 --rounds 3 --warmup 1
+step host_cpu_profile 150 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes bf16 fp8 --no-hf --rounds 1 \
+    --warmup 1 --profile
+
 MODEL=(--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 --seq-length 128
        --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
        --attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 4 --global-batch-size 16 --bf16
@@ -59,9 +65,7 @@ step profile_fp8_gpu 120 python3 benchmarks/bench_step.py --device cuda --shape 
     --warmup 1 --profile
 step bench_fp8 90 python3 benchmarks/bench_fp8.py --issue-config --steps 5
 step bench_generate 90 python3 benchmarks/bench_generate.py --device cuda --rounds 2 --skip-uncached
-# the issue's CPU targets, on this host's CPU (2 threads) when it has bf16 units: memory kept on both sides,
-# then the C library's defaults on both sides
-step host_cpu_step 300 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes fp32 bf16 fp8 --rounds 3 --warmup 1
+# the C library's defaults on both sides (the host-CPU step above keeps freed memory on both sides)
 step host_cpu_step_glibc 200 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes bf16 --rounds 3 --warmup 1 \
     --no-retain-host-memory
 date -u >> "$LOG/steps.log"
