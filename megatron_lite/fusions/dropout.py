@@ -53,6 +53,8 @@ def _threads() -> ThreadPoolExecutor | None:
     if threads < 2:
         return None
     if _pool is None or _pool[:2] != (os.getpid(), threads):
+        if _pool is not None and _pool[0] == os.getpid():  # another thread count: let the old pool's threads go
+            _pool[2].shutdown(wait=False)
         _pool = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="keep_mask"))
     return _pool[2]
 
