@@ -3,8 +3,8 @@
 What makes it exact: every E4M3 and E5M2 value is a bf16 and an fp32 value (checked for all 256
 bit patterns, also through ``widen``, the CPU's fast E4M3 conversion), a product of two FP8 values is exact in fp32, and both GEMMs accumulate in fp32. So
 the dequantised GEMM must equal ``torch._scaled_mm`` (CPU) up to fp32 summation order for fp32
-results (rtol 1e-5), and within one bf16 rounding for bf16 results (rtol 2^-7: the bf16 GEMM
-rounds its accumulator to bf16 before the scales are applied), for every operand pair the recipes
+results (rtol 1e-5), and within one bf16 rounding for bf16 results (rtol 2^-7: where the scales
+are not the bf16 GEMM's alpha, it rounds its accumulator before they are applied), for every operand pair the recipes
 use (fprop E4M3 x E4M3; dgrad and wgrad E5M2 x E4M3 in ``hybrid``, E4M3 x E4M3 in ``e4m3``), with
 per-tensor scales that are not powers of two, and with row-wise scales.
 """
@@ -153,6 +153,26 @@ def test_the_widenings_x256_folded_into_the_scale_changes_no_bit(b_dtype, out_dt
     small = torch.full((M, K), 2.0**-9).to(E4M3)  # the smallest E4M3 subnormal
     want = ((fp8_ops.widen(small, torch.float32) @ fp8_ops.widen(b, torch.float32)) * (sa * torch.tensor(1.0)))
     assert torch.equal(fp8_ops.dequantised_matmul(small, b, sa, torch.tensor(1.0), torch.float32), want)
+
+
+def test_the_bf16_gemm_applies_the_scales_before_its_one_rounding():
+    """Per-tensor scales are the bf16 GEMM's ``alpha``: the fp32 accumulator is scaled, then rounded
+    once, as ``torch._scaled_mm`` rounds. Scaling the rounded bf16 product afterwards (two roundings)
+    matches the once-rounded value in ~3/4 of the entries only. Where the scales with the widening's
+    power of two are not an fp32 value, the scales multiply the product instead (same numbers within
+    one bf16 rounding)."""
+    a, b = _e4m3_with_subnormals((M, K), 8), _e4m3_with_subnormals((N, K), 9).t()
+    wide_product = fp8_ops.widen(a, torch.float32) @ fp8_ops.widen(b, torch.float32)  # exact products, fp32 sums
+    sa, sb = torch.tensor(0.0123), torch.tensor(1 / 3.0)
+    once = (wide_product * (sa * sb)).to(torch.bfloat16)
+    got = fp8_ops.dequantised_matmul(a, b, sa, sb, torch.bfloat16, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert (got == once).float().mean() >= 0.99
+    torch.testing.assert_close(got, once, rtol=BF16_ROUNDING, atol=0)
+    sa = torch.tensor(3e38)  # x 256 x 256 overflows fp32: no alpha
+    want = (wide_product * (sa * sb)).to(torch.bfloat16)
+    torch.testing.assert_close(fp8_ops.dequantised_matmul(a, b, sa, sb, torch.bfloat16, torch.bfloat16), want,
+                               rtol=BF16_ROUNDING, atol=0)
 
 
 PAIRS = {"fprop E4M3 x E4M3": (E4M3, E4M3), "hybrid dgrad/wgrad E5M2 x E4M3": (E5M2, E4M3)}
