@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_lite.fusions.activations as activations
 import megatron_lite.fusions.jit as jit
@@ -91,6 +92,34 @@ def test_cpu_tanh_gelu_in_chunks(monkeypatch, dtype):
     torch.testing.assert_close(out.float(), ref, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-6)
     yt = y.transpose(0, 2)  # a non-contiguous input: read and written in its logical order
     torch.testing.assert_close(activations.cpu_tanh_gelu(yt), F.gelu(yt, approximate="tanh"), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_16_bit_gelu_saves_its_derivative(monkeypatch, dtype):
+    # 16-bit on the CPU: one pass over blocks of rows computes gelu(x) and gelu'(x) of x = y + bias
+    # (rounded as y + bias is); the backward is then one multiply. 100-entry blocks of 40-wide rows
+    # are 2 rows each, so 17 rows make 9 blocks, the last one short.
+    monkeypatch.setattr(activations, "CPU_CHUNK", 100)
+    y, b = torch.randn(17, 40) * 3, torch.randn(40)
+    x = (y.to(dtype) + b.to(dtype)).float()
+    out, derivative = activations.cpu_bias_tanh_gelu_with_grad(y.to(dtype), b.to(dtype))
+    assert out.dtype == derivative.dtype == dtype and out.shape == derivative.shape == y.shape
+    torch.testing.assert_close(out.float(), F.gelu(x, approximate="tanh"), rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(derivative.float(), megatron_gelu_grad(x), rtol=2**-8, atol=1e-5)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    leaf = y.to(dtype).requires_grad_()
+    weights = torch.linspace(-1, 1, y.numel()).view(y.shape).to(dtype)
+    result = bias_gelu_impl(leaf, b.to(dtype))
+    with Ops():
+        torch.autograd.backward(result, weights)
+    assert "gelu_backward" not in seen and "tanh" not in seen
+    torch.testing.assert_close(leaf.grad.float(), megatron_gelu_grad(x) * weights.float(), rtol=2**-7, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
