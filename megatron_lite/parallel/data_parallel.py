@@ -8,6 +8,15 @@ fp32 without a second copy. A GEMM with gradient-accumulation fusion skips ``par
 it calls ``param.accumulate_main_grad(add)`` (set here), which runs ``add(main_grad)`` and the same
 bookkeeping as the hook (parallel/grad_accumulation.py).
 
+:meth:`zero_grad_buffer` does not fill the buffer with zeros: it marks every ``main_grad`` as
+holding the last iteration's gradient, and the first gradient of a parameter in the new iteration is
+*written* over it (the hook copies ``param.grad``, a GEMM with gradient-accumulation fusion writes its
+product: ``first(main_grad)``), later ones are added. A parameter that got no gradient by
+:meth:`finish_grad_sync` (unused this iteration) is zeroed there, before any reduction reads it. So
+``main_grad`` is this iteration's gradient once a parameter's first gradient arrived, and every
+``main_grad`` is after :meth:`finish_grad_sync`; the 4 bytes per parameter of a zero-fill and of
+re-reading those zeros are not spent every step (Megatron zeroes its buffer).
+
 The buffer is laid out in *reverse* registration order, because backward produces gradients
 roughly from the last layer to the first: consecutive slices of the buffer ("buckets" of about
 ``bucket_size`` elements) then become ready one after another. With ``overlap_grad_reduce`` a
@@ -101,6 +110,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"ddp-bucket-size must be positive, got {self.bucket_size}")
         self._sync_enabled = True
         self._flush_queued = False
+        self._stale: set[int] = set()  # ids of params whose main_grad still holds the last iteration's gradient
 
         params = [p for p in module.parameters() if p.requires_grad]
         if any(hasattr(p, "main_grad") for p in params):
@@ -204,16 +214,18 @@ class DistributedDataParallel(nn.Module):
             if param.grad is None or self is None:
                 return
             grad, param.grad = param.grad, None
-            self._accumulate(param, lambda main_grad: main_grad.add_(grad))  # fp32 accumulate, any param dtype
+            self._accumulate(param, lambda main_grad: main_grad.add_(grad),  # fp32 accumulate, any param dtype
+                             first=lambda main_grad: main_grad.copy_(grad))
 
         return hook
 
     def _accumulator(self, param):
         """``param.accumulate_main_grad``: gradient-accumulation fusion hands its GEMM here."""
-        return lambda add, ready=True: self._accumulate(param, add, ready)
+        return lambda add, ready=True, first=None: self._accumulate(param, add, ready, first)
 
-    def _accumulate(self, param, add, ready: bool = True) -> None:
-        """``add(main_grad)`` adds this backward's gradient of ``param``, then (``ready``: no other
+    def _accumulate(self, param, add, ready: bool = True, first=None) -> None:
+        """``add(main_grad)`` adds this backward's gradient of ``param`` (``first(main_grad)`` writes it,
+        for the iteration's first gradient of ``param``: module docstring), then (``ready``: no other
         gradient of it follows in this backward) the bucket bookkeeping. Sharded grads: into the
         bucket's per-backward buffer, reduced once every param reported."""
         if self.shard_grads:
@@ -224,7 +236,14 @@ class DistributedDataParallel(nn.Module):
             if ready:
                 self._mark_ready(param, always=True)
             return
-        add(param.main_grad)
+        if self._stale and id(param) in self._stale:
+            self._stale.discard(id(param))
+            if first is not None:
+                first(param.main_grad)
+            else:
+                add(param.main_grad.zero_())
+        else:
+            add(param.main_grad)
         if ready and self._sync_enabled:
             self._mark_ready(param)
 
@@ -286,6 +305,7 @@ class DistributedDataParallel(nn.Module):
         if self.shard_grads:  # reduced at the end of every backward pass already
             self._flush()
             return
+        self._zero_stale()
         for bucket in self.buckets:
             if not bucket.launched:
                 bucket.launch(async_op=self.overlap_grad_reduce)
@@ -295,7 +315,8 @@ class DistributedDataParallel(nn.Module):
             bucket.reset()
 
     def zero_grad_buffer(self) -> None:
-        """Zero every main_grad (one fill of the buffer) and forget this iteration's bucket state."""
+        """Start an iteration: every main_grad is written over by its first gradient (module docstring),
+        and this iteration's bucket state is forgotten."""
         for bucket in self.buckets:
             bucket.wait()
             bucket.reset()
@@ -303,9 +324,19 @@ class DistributedDataParallel(nn.Module):
                 bucket.data = None
                 for p in bucket.params:
                     p.main_grad = None
-        (self.grad_shards if self.shard_grads else self.grad_buffer).zero_()
+        if self.shard_grads:
+            self.grad_shards.zero_()
+        else:  # written over by each param's first gradient (module docstring)
+            self._stale = {id(p) for p in self.params}
         for p in self.params:
             p.grad = None
+
+    def _zero_stale(self) -> None:
+        """Zero the ``main_grad`` of every param that got no gradient since :meth:`zero_grad_buffer`."""
+        for p in self.params:
+            if id(p) in self._stale:
+                p.main_grad.zero_()
+        self._stale.clear()
 
     def owned_grad(self, param) -> torch.Tensor:
         """The part of ``param``'s gradient this rank holds, flat: all of ``main_grad``, or (sharded

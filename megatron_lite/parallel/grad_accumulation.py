@@ -19,6 +19,8 @@ product, no rounding of each micro-batch's gradient to 16 bits, no separate add.
 has it is decided once per device by a small probe that must reproduce the exact fp32 sum
 (:func:`fp32_output_gemm`). Elsewhere (CPUs) the product is computed in the weight's dtype and
 added into ``main_grad`` (the numbers the unfused path gives), still without the ``.grad`` round trip.
+A weight's first gradient of an iteration is written over ``main_grad`` instead (the data-parallel
+wrapper does not zero-fill the buffer between iterations).
 """
 
 from __future__ import annotations
@@ -61,6 +63,16 @@ def _add_weight_grad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tenso
         main_grad.add_(dy2.t().mm(x2))
 
 
+def _write_weight_grad(main_grad: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """The iteration's first weight gradient, written over ``main_grad`` (no zero-fill to add to)."""
+    if main_grad.dtype == dy2.dtype:
+        torch.mm(dy2.t(), x2, out=main_grad)
+    elif fp32_output_gemm(main_grad.device, dy2.dtype):
+        _add_weight_grad(main_grad.zero_(), dy2, x2)
+    else:
+        main_grad.copy_(dy2.t().mm(x2))
+
+
 class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, last_use):
@@ -81,7 +93,8 @@ class _AccumulatingLinear(torch.autograd.Function):
             if accumulate is None:
                 dw = dy2.t().mm(x2)
             else:
-                accumulate(lambda main_grad: _add_weight_grad(main_grad, dy2, x2), ready=ctx.last_use)
+                accumulate(lambda main_grad: _add_weight_grad(main_grad, dy2, x2), ready=ctx.last_use,
+                           first=lambda main_grad: _write_weight_grad(main_grad, dy2, x2))
         return dx, dw, db, None
 
 
