@@ -7,7 +7,8 @@ same steps with every 16-bit GEMM computed as an fp32 GEMM under a ``TorchDispat
 widened, the product narrowed back), on the code paths a CPU with bf16 units takes (the CPU
 attention's products in bf16, FP8's dequantised GEMMs widened to bf16). The same mode times every
 other operator, by category, and the step's wall time less all operators is the framework's own
-time (Python, autograd), less the mode's own cost per operator call (calibrated on a tiny operator):
+time (Python, autograd), less the mode's own cost per operator call (measured on a real step's
+operators: our fp32 step at the ``quick`` shape with the mode and without, :func:`mode_seconds_per_call`):
 the part of the step a faster GEMM does not shrink. The step is projected as
 
     projected step = (FLOPs of the step's GEMMs) / (bf16 GEMM peak) + (everything else, measured)
@@ -169,8 +170,8 @@ class GemmsAsFp32(TorchDispatchMode):
         return result.to(args[0].dtype if func in (aten.mm.default, aten.bmm.default) else args[1].dtype)
 
 
-def mode_seconds_per_call(calls: int = 4000) -> float:
-    """What the timed mode adds to one operator call (a tiny ``add``, with the mode and without)."""
+def tiny_add_seconds_per_call(calls: int = 4000) -> float:
+    """What the timed mode adds to a tiny ``add`` called in a tight loop (with the mode and without)."""
     a = torch.ones(4)
 
     def loop() -> float:
@@ -185,6 +186,30 @@ def mode_seconds_per_call(calls: int = 4000) -> float:
         loop()
         moded = min(loop() for _ in range(3))
     return max(0.0, (moded - bare) / calls)
+
+
+def mode_seconds_per_call(dropout: float, rounds: int = 21) -> float:
+    """What the timed mode adds to one operator call of a real step: our fp32 step at the ``quick`` shape
+    (its GEMMs need no stand-in, so the mode only times them), with the mode and without, alternating;
+    the median of the rounds' differences over the step's operator calls. A tiny ``add`` in a tight loop
+    (:func:`tiny_add_seconds_per_call`) measured about half of that here: a real step's operators run
+    between the mode's own Python, not after a warm copy of themselves."""
+    step = RUNS["ours-fp32"](SHAPES["quick"], dropout)
+    mode = GemmsAsFp32(timed=True)
+    for _ in range(3):
+        step()
+        with mode:
+            step()
+    differences = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        step()
+        bare = time.perf_counter() - start
+        calls, start = mode.calls, time.perf_counter()
+        with mode:
+            step()
+        differences.append((time.perf_counter() - start - bare) / (mode.calls - calls))
+    return max(0.0, statistics.median(differences))
 
 
 def bf16_cpu_paths(fp32_attention: bool) -> None:
@@ -308,7 +333,9 @@ def main(argv=None):
     bf16_cpu_paths(args.fp32_attention)
     flops_per_step = model_flops(shape)
     peaks = {name: (args.fp32_peak_tflops if name in FP32_RUNS else args.peak_tflops) * 1e12 for name in args.runs}
-    per_call = mode_seconds_per_call()
+    per_call, tiny = mode_seconds_per_call(args.dropout), tiny_add_seconds_per_call()
+    print(f"the timed mode's own cost per operator call, taken out of every step: {per_call * 1e6:.1f} us (measured "
+          f"on our fp32 step at the quick shape; a tiny add in a tight loop: {tiny * 1e6:.1f} us)")
     results = measure_runs({name: RUNS[name](shape, args.dropout) for name in args.runs}, args.steps, args.warmup,
                            per_call)
     rows, rounds = {}, {}
