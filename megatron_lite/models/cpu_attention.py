@@ -7,12 +7,16 @@ of each piece (about 300 ms forward + backward for 4 x 12 heads of 512 causal to
 machine). :func:`cpu_dropout_attention` computes the same function in fewer passes over the scores
 (about 190 ms there):
 
-* forward: ``scores = (q * scale) k^T`` (the scale folded into the small operand), the causal or
-  given mask written into the scores in place, one softmax, the one-byte 0/1 keep mask (a quarter
-  of a float mask's bytes) drawn by ``fusions.dropout.keep_mask`` from the current generator (i.e.
-  the tracker's tensor-parallel one), ``out = (probs * keep) v / (1 - p)``;
+* forward: ``scores = q k^T scale``, the causal or given mask written into the scores in place, one
+  softmax, the one-byte 0/1 keep mask (a quarter of a float mask's bytes) drawn by
+  ``fusions.dropout.keep_mask`` from the current generator (i.e. the tracker's tensor-parallel one),
+  ``out = (probs * keep) v / (1 - p)``;
 * backward: the saved probabilities and keep mask give ``d(probs) = (dout v^T) / (1 - p) * keep``,
-  one softmax backward, and the three products; nothing else is saved;
+  one softmax backward, and the three products (``dk`` and ``dv`` accumulated block by block in
+  place); nothing else is saved;
+* every scale (``scale``, ``1 / (1 - p)``) is the ``alpha`` of a batched product
+  (``torch.baddbmm``): applied to its fp32 accumulator before the one rounding, with no pass of its
+  own;
 * causal attention of ``2 * BLOCK_ROWS`` or more queries runs in up to 4 query blocks, each only
   up to its last key (:func:`query_blocks`): most scores above the diagonal are never computed,
   normalised or drawn. The keep mask is drawn block by block, in order.
@@ -55,18 +59,20 @@ def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale
     return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype))
 
 
-def _grouped(t: torch.Tensor, nkv: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-    """``[b, heads, s, d]`` -> a new ``[b * nkv, heads / nkv * s, d]`` (``dtype``, times ``scale``): a
-    key/value head's query heads stacked along the sequence, so one batched product serves the group.
-    Always a copy, in one pass: a view would keep the whole fused QKV output alive for backward."""
+def _grouped(t: torch.Tensor, nkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, heads, s, d]`` -> a new ``[b * nkv, heads / nkv * s, d]`` (``dtype``): a key/value head's
+    query heads stacked along the sequence, so one batched product serves the group. Always a copy, in
+    one pass: a view would keep the whole fused QKV output alive for backward."""
     b, heads, s, d = t.shape
     out = torch.empty(b * nkv, heads // nkv * s, d, dtype=dtype, device=t.device)
-    source, target = t.reshape(b, nkv, heads // nkv, s, d), out.view(b, nkv, heads // nkv, s, d)
-    if scale is None:
-        target.copy_(source)
-    else:
-        torch.mul(source, scale, out=target)
+    out.view(b, nkv, heads // nkv, s, d).copy_(t.reshape(b, nkv, heads // nkv, s, d))
     return out
+
+
+def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(a @ b) * alpha`` with ``alpha`` applied to the product's accumulator (``baddbmm`` ignores its
+    input at ``beta=0``): no pass over the product, one rounding."""
+    return torch.baddbmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
 
 
 def _mask_view(masked: torch.Tensor, nkv: int, group: int) -> torch.Tensor:
@@ -107,7 +113,7 @@ class _DropoutAttention(torch.autograd.Function):
         b, nq, sq, d = q.shape
         nkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         group = nq // nkv
-        q3, k3, v3 = _grouped(q, nkv, dtype, scale), _grouped(k, nkv, dtype), _grouped(v, nkv, dtype)
+        q3, k3, v3 = _grouped(q, nkv, dtype), _grouped(k, nkv, dtype), _grouped(v, nkv, dtype)
         blocks = query_blocks(sq, sk, causal and masked is None)
         mask5 = empty_rows = None
         if masked is not None:  # one block
@@ -117,7 +123,7 @@ class _DropoutAttention(torch.autograd.Function):
         out = torch.empty(b * nkv, group * sq, dv, dtype=dtype, device=q.device)
         saved = []
         for lo, hi, kend in blocks:
-            scores = torch.bmm(_rows(q3, group, sq, lo, hi), k3[:, :kend].transpose(1, 2))
+            scores = _scaled_bmm(_rows(q3, group, sq, lo, hi), k3[:, :kend].transpose(1, 2), scale)
             scores5 = scores.view(b, nkv, group, hi - lo, kend)
             if mask5 is not None:
                 scores5.masked_fill_(mask5, float("-inf"))
@@ -130,28 +136,28 @@ class _DropoutAttention(torch.autograd.Function):
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
             keep = keep_mask(probs.shape, p)
-            _put_rows(out, torch.bmm(probs * keep, v3[:, :kend]), group, sq, lo, hi)
+            _put_rows(out, _scaled_bmm(probs * keep, v3[:, :kend], 1.0 / (1.0 - p)), group, sq, lo, hi)
             saved += [probs, keep]
         ctx.save_for_backward(q3, k3, v3, *saved)
         ctx.blocks = blocks
         ctx.shapes, ctx.dtypes = (b, nq, nkv, sq, sk, d, dv, p, scale), (q.dtype, k.dtype, v.dtype)
-        return out.mul_(1.0 / (1.0 - p)).view(b, nq, sq, dv).to(q.dtype)
+        return out.view(b, nq, sq, dv).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q3, k3, v3, *saved = ctx.saved_tensors
         b, nq, nkv, sq, sk, d, dv, p, scale = ctx.shapes
         group = nq // nkv
-        do3 = _grouped(dout, nkv, q3.dtype, 1.0 / (1.0 - p))  # d(out) / (1 - p): the dropout scale on the small side
+        do3, keep_scale = _grouped(dout, nkv, q3.dtype), 1.0 / (1.0 - p)
         dq3, dk3, dv3 = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
         for (lo, hi, kend), probs, keep in zip(ctx.blocks, saved[0::2], saved[1::2]):
             do_rows = _rows(do3, group, sq, lo, hi)
-            dv3[:, :kend] += torch.bmm((probs * keep).transpose(1, 2), do_rows)
-            dprobs = torch.bmm(do_rows, v3[:, :kend].transpose(1, 2)).mul_(keep)
+            dv3[:, :kend].baddbmm_((probs * keep).transpose(1, 2), do_rows, alpha=keep_scale)
+            dprobs = _scaled_bmm(do_rows, v3[:, :kend].transpose(1, 2), keep_scale).mul_(keep)
             dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
             del dprobs
-            _put_rows(dq3, torch.bmm(dscores, k3[:, :kend]).mul_(scale), group, sq, lo, hi)  # q3 carries the scale
-            dk3[:, :kend] += torch.bmm(dscores.transpose(1, 2), _rows(q3, group, sq, lo, hi))
+            _put_rows(dq3, _scaled_bmm(dscores, k3[:, :kend], scale), group, sq, lo, hi)
+            dk3[:, :kend].baddbmm_(dscores.transpose(1, 2), _rows(q3, group, sq, lo, hi), alpha=scale)
         qt, kt, vt = ctx.dtypes
         return (dq3.view(b, nq, sq, d).to(qt), dk3.view(b, nkv, sk, d).to(kt), dv3.view(b, nkv, sk, dv).to(vt),
                 None, None, None, None, None)
