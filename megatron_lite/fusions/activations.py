@@ -54,28 +54,42 @@ def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _gelu_and_derivative(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gelu(x), gelu'(x))`` of fp32 ``xf`` (a fresh tensor: overwritten) from one sigmoid
+    ``s = sigmoid(x (2 k + 2 k 0.044715 x^2))``: ``gelu(x) = x s``, ``gelu'(x) = s + x s (1 - s) (2 k + 6 k
+    0.044715 x^2)``."""
+    two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=xf.device)
+    s = torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715).mul_(xf).sigmoid_()
+    d = torch.addcmul(two_k, xf, xf, value=6 * SQRT_2_OVER_PI * 0.044715).mul_(xf)  # x d(2v)/dx
+    d.mul_(torch.addcmul(s, s, s, value=-1.0)).add_(s)  # x s (1 - s) d(2v)/dx + s
+    return s.mul_(xf), d
+
+
 def cpu_bias_tanh_gelu_with_grad(y: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gelu(x), gelu'(x))`` of ``x = y + bias`` for 16-bit CPU tensors, both in ``y``'s dtype and shape.
 
-    One pass over cache-sized blocks of rows: ``x`` is rounded to ``y``'s dtype as ``y + bias`` is, then in
-    fp32 ``s = sigmoid(x (2 k + 2 k 0.044715 x^2))`` gives ``gelu(x) = x s`` and
-    ``gelu'(x) = s + x s (1 - s) (2 k + 6 k 0.044715 x^2)``. Saving the derivative instead of ``x`` makes the
-    backward one multiply, where PyTorch's kernel recomputes a tanh (its CPU tanh costs ~3x a sigmoid);
-    the saved derivative is rounded to 16 bits, so the input gradient is rounded twice (within 2^-7 of
-    the exact value where PyTorch's kernel is within 2^-8)."""
+    One pass over cache-sized blocks of rows: ``x`` is rounded to ``y``'s dtype as ``y + bias`` is, then
+    both come from one sigmoid in fp32 (:func:`_gelu_and_derivative`). Saving the derivative instead of
+    ``x`` makes the backward one multiply, where PyTorch's kernel recomputes a tanh (its CPU tanh costs ~3x
+    a sigmoid); the saved derivative is rounded to 16 bits, so the input gradient is rounded twice
+    (within 2^-7 of the exact value where PyTorch's kernel is within 2^-8). The same numbers as
+    :func:`bias_gelu_with_grad` (element by element the same operations)."""
     hidden = y.shape[-1]
     rows, flat_bias = y.reshape(-1, hidden), bias.reshape(hidden)
     out, grad = torch.empty_like(rows), torch.empty_like(rows)
-    two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=y.device)
     step = max(1, CPU_CHUNK // hidden)
     for start in range(0, rows.shape[0], step):
-        xf = torch.add(rows[start:start + step], flat_bias).float()  # rounded as y + bias, then widened
-        s = torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715).mul_(xf).sigmoid_()
-        d = torch.addcmul(two_k, xf, xf, value=6 * SQRT_2_OVER_PI * 0.044715).mul_(xf)  # x d(2v)/dx
-        d.mul_(torch.addcmul(s, s, s, value=-1.0)).add_(s)  # x s (1 - s) d(2v)/dx + s
-        grad[start:start + step].copy_(d)
-        out[start:start + step].copy_(s.mul_(xf))
+        gelu, derivative = _gelu_and_derivative(torch.add(rows[start:start + step], flat_bias).float())
+        grad[start:start + step].copy_(derivative)
+        out[start:start + step].copy_(gelu)
     return out.view(y.shape), grad.view(y.shape)
+
+
+@jit_fuser
+def bias_gelu_with_grad(y: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cpu_bias_tanh_gelu_with_grad` in one piece, for a compiled region or ``--jit-fuser compile``."""
+    gelu, derivative = _gelu_and_derivative((y + bias).float())
+    return gelu.to(y.dtype), derivative.to(y.dtype)
 
 
 @jit_fuser
@@ -93,13 +107,13 @@ def bias_gelu_back(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias):
-        ctx.saved_derivative = False
+        ctx.saved_derivative = y.device.type == "cpu" and y.dtype in (torch.bfloat16, torch.float16) and bias.dtype == y.dtype
+        if ctx.saved_derivative:  # eagerly in blocks; compiled (a region, --jit-fuser compile) in one piece
+            compiled = torch.compiler.is_compiling() or bias_gelu_with_grad.compiles_for(y, bias)
+            out, derivative = (bias_gelu_with_grad if compiled else cpu_bias_tanh_gelu_with_grad)(y, bias)
+            ctx.save_for_backward(derivative)
+            return out
         if y.device.type == "cpu" and not torch.compiler.is_compiling() and not bias_gelu.compiles_for(y, bias):
-            if y.dtype in (torch.bfloat16, torch.float16) and bias.dtype == y.dtype:
-                out, derivative = cpu_bias_tanh_gelu_with_grad(y, bias)
-                ctx.saved_derivative = True
-                ctx.save_for_backward(derivative)
-                return out
             x = y + bias
             out = cpu_tanh_gelu(x)
         else:

@@ -104,6 +104,8 @@ def test_cpu_16_bit_gelu_saves_its_derivative(monkeypatch, dtype):
     x = (y.to(dtype) + b.to(dtype)).float()
     out, derivative = activations.cpu_bias_tanh_gelu_with_grad(y.to(dtype), b.to(dtype))
     assert out.dtype == derivative.dtype == dtype and out.shape == derivative.shape == y.shape
+    whole = activations.bias_gelu_with_grad(y.to(dtype), b.to(dtype))  # the compiled route's function, run eagerly
+    assert torch.equal(whole[0], out) and torch.equal(whole[1], derivative)  # blocks change no bit
     torch.testing.assert_close(out.float(), F.gelu(x, approximate="tanh"), rtol=2**-8, atol=1e-6)
     torch.testing.assert_close(derivative.float(), megatron_gelu_grad(x), rtol=2**-8, atol=1e-5)
     seen = []
