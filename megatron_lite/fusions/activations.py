@@ -55,7 +55,7 @@ def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_and_derivative(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gelu(x), gelu'(x))`` of fp32 ``xf`` (a fresh tensor: overwritten) from one sigmoid
+    """``(gelu(x), gelu'(x))`` of fp32 ``xf`` (new tensors; ``xf`` is left as it is) from one sigmoid
     ``s = sigmoid(x (2 k + 2 k 0.044715 x^2))``: ``gelu(x) = x s``, ``gelu'(x) = s + x s (1 - s) (2 k + 6 k
     0.044715 x^2)``."""
     two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=xf.device)
