@@ -3,7 +3,9 @@
 No rank ever holds the full logits, and the vocabulary is swept as few times as possible:
 
 * forward: one max over this rank's shard, then one softmax of the shard in fp32 (PyTorch's
-  row-wise kernel: each row is read once and written once), then the largest probability per row,
+  row-wise kernel: each row is read once and written once; on a CPU, which converts 16-bit logits to
+  an fp32 copy first, the softmax overwrites that copy: one logits-sized fp32 buffer, not two), then
+  the largest probability per row,
   which is the max logit's. The shard's log-sum-exp follows from the two maxima:
   ``lse_local = max - log(max softmax)`` (both maxima without indices: about 4x cheaper on a CPU
   than a max that also locates its entry). Over TP, one all-reduce (max) of the ``lse_local`` and
@@ -38,11 +40,20 @@ def shard_softmax(logits: torch.Tensor, n_real: int, in_place: bool = False) -> 
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), torch.full(
             logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
     top = logits[..., :n_real].amax(dim=-1)  # amax: no indices, ~4x faster than max(dim) on a CPU
+    own = False  # whether ``logits`` is now an fp32 copy of ours, which its softmax may overwrite
     if n_real < logits.shape[-1]:
         if not in_place:
-            logits = logits.clone() if logits.dtype == torch.float32 else logits.float()  # one copy either way
+            logits, own = (logits.clone() if logits.dtype == torch.float32 else logits.float()), True  # one copy
         logits[..., n_real:] = float("-inf")
-    softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        if logits.dtype != torch.float32:  # PyTorch's CPU softmax converts a 16-bit input to such a copy itself
+            logits, own = logits.float(), True
+        if own:  # in place: one logits-sized fp32 buffer, not the copy and the softmax
+            softmax = torch._softmax(logits, -1, False, out=logits)
+        else:
+            softmax = torch.softmax(logits, dim=-1)
+    else:  # (a GPU reads 16-bit logits and writes the fp32 softmax in one kernel)
+        softmax = torch.softmax(logits, dim=-1, dtype=torch.float32)
     return softmax, top.float() - softmax.amax(dim=-1).log()  # the largest probability is the max logit's
 
 

@@ -108,3 +108,33 @@ def test_padded_entries_in_place_or_in_a_copy(dtype):
     # the logits' gradient, in their dtype: the fp32 gradient rounded once (bf16: within one rounding)
     torch.testing.assert_close(results[True][1][..., :vocab].float(), ref_logits.grad,
                                rtol=1e-5 if dtype == torch.float32 else 2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [40, 37])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cpu_softmax_of_16_bit_logits_overwrites_its_own_fp32_copy(padded, in_place):
+    """On a CPU, 16-bit logits (padded or not, in place or not) make one logits-sized fp32 buffer in the
+    forward: their fp32 copy, which the softmax then overwrites (two: the copy and a fresh softmax)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = 37
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(S, B, padded, generator=gen) * 3).bfloat16().requires_grad_()
+    target = torch.randint(0, vocab, (S, B), generator=gen)
+    storages = set()
+
+    class Buffers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() == logits.numel():
+                storages.add(out.untyped_storage().data_ptr())
+            return out
+
+    fresh = logits * 1
+    with Buffers():
+        loss = vocab_parallel_cross_entropy(fresh, target, vocab_size=vocab, in_place=in_place)
+    assert len(storages) == 1
+    loss.backward(torch.ones(S, B))
+    ref_logits = logits.detach()[..., :vocab].float().requires_grad_()
+    F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none").sum().backward()
+    torch.testing.assert_close(logits.grad[..., :vocab].float(), ref_logits.grad, rtol=2**-8, atol=1e-6)
