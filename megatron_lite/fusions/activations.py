@@ -37,18 +37,24 @@ SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 CPU_CHUNK = 1 << 20  # entries per chunk on a CPU (4 MiB in fp32): the chunk's buffers stay in the cache
 
 
+def _two_v(xf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (2 k + 2 k 0.044715 x^2)`` of fp32 ``xf`` (2 v, the tanh GeLU's sigmoid argument) in two passes,
+    into ``out`` when given."""
+    two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=xf.device)  # addcmul: 2k + 2kc x^2
+    return torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715, out=out).mul_(xf)
+
+
 def cpu_tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     """The tanh GeLU of a CPU tensor as ``x sigmoid(x (2 k + 2 k 0.044715 x^2))`` (module docstring),
     computed in fp32 one cache-sized chunk at a time (in ``x``'s logical order) and written, contiguous,
     in ``x``'s dtype."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     flat_x, flat_out = x.reshape(-1), out.view(-1)
-    two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=x.device)  # addcmul: 2k + 2kc x^2, one pass
     for start in range(0, flat_x.numel(), CPU_CHUNK):
         chunk, target = flat_x[start:start + CPU_CHUNK], flat_out[start:start + CPU_CHUNK]
         xf = chunk.float()  # a copy only when x is 16-bit
         work = target if target.dtype == torch.float32 else torch.empty_like(xf)
-        torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715, out=work).mul_(xf).sigmoid_().mul_(xf)
+        _two_v(xf, out=work).sigmoid_().mul_(xf)
         if work is not target:
             target.copy_(work)
     return out
@@ -58,8 +64,8 @@ def _gelu_and_derivative(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gelu(x), gelu'(x))`` of fp32 ``xf`` (new tensors; ``xf`` is left as it is) from one sigmoid
     ``s = sigmoid(x (2 k + 2 k 0.044715 x^2))``: ``gelu(x) = x s``, ``gelu'(x) = s + x s (1 - s) (2 k + 6 k
     0.044715 x^2)``."""
+    s = _two_v(xf).sigmoid_()
     two_k = torch.tensor(2 * SQRT_2_OVER_PI, dtype=torch.float32, device=xf.device)
-    s = torch.addcmul(two_k, xf, xf, value=2 * SQRT_2_OVER_PI * 0.044715).mul_(xf).sigmoid_()
     d = torch.addcmul(two_k, xf, xf, value=6 * SQRT_2_OVER_PI * 0.044715).mul_(xf)  # x d(2v)/dx
     d.mul_(torch.addcmul(s, s, s, value=-1.0)).add_(s)  # x s (1 - s) d(2v)/dx + s
     return s.mul_(xf), d
