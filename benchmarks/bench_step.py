@@ -8,9 +8,10 @@ line; Hugging Face is ``GPT2LMHeadModel`` (SDPA attention, tanh GeLU like ours, 
 dropout as ours) with ``torch.optim.AdamW`` at its defaults (a per-tensor loop on CPU;
 ``--hf-fused-adamw`` gives it the fused kernel ours uses), and ``torch.autocast("cpu", bfloat16)`` for its bf16
 row. All runs live in this one process and alternate round by round (A B C D, D C B A, ...), so
-machine drift hits them alike. MFU is model FLOPs (Narayanan's formula) per second over the GEMM
-peak of that dtype measured in the same run (n x n products, best of several): both peaks are
-printed, and on a CPU without fast bf16 (bf16 peak below fp32's) the bf16 targets cannot be judged
+machine drift hits them alike; each run is also compared with its baseline round by round (the median
+of the per-round ratios). MFU is model FLOPs (Narayanan's formula) per second over the GEMM peak of
+that dtype measured in the same run (n x n products, best of several, measured again after every
+round; the highest counts): both peaks are printed, and on a CPU without fast bf16 (bf16 peak below fp32's) the bf16 targets cannot be judged
 there, which the report says; the full-size bf16 rows are then skipped unless ``--dtypes`` asks.
 
     python benchmarks/bench_step.py [--quick] [--rounds 5] [--threads 2] [--compile] [--profile]
@@ -120,16 +121,24 @@ def model_flops(shape: dict) -> float:
 
 
 def gemm_peaks(device: str) -> dict[str, float]:
-    """fp32 and bf16 GEMM FLOP/s here; on a CPU bf16 is first probed at n=512 (it may be emulated and slow)."""
+    """fp32 and bf16 GEMM FLOP/s here; on a CPU bf16 is first probed at n=512 (it may be emulated and
+    slow), and where it is fast, the best of n = 2048 and 3072: a CPU's bf16 matrix units were seen
+    reaching their pace at one size and not the other, in the same minute (674 vs 1662 GFLOP/s)."""
     if device != "cpu":  # a GPU: n large enough to reach the tensor cores' pace (fp32 without TF32)
         return {"fp32": measure_matmul_peak(n=8192, device=device),
                 "bf16": measure_matmul_peak(n=8192, dtype=torch.bfloat16, device=device)}
     peaks = {"fp32": measure_matmul_peak(n=2048)}
     bf16 = measure_matmul_peak(n=512, dtype=torch.bfloat16, warmup=1, reps=3)
     if bf16 > 0.5 * peaks["fp32"]:  # fast bf16: measure at full size
-        bf16 = measure_matmul_peak(n=2048, dtype=torch.bfloat16)
+        bf16 = max(measure_matmul_peak(n=n, dtype=torch.bfloat16, reps=5) for n in (2048, 3072))
     peaks["bf16"] = bf16
     return peaks
+
+
+def best_peaks(samples: list[dict[str, float]]) -> dict[str, float]:
+    """The highest GEMM rate of each dtype over the run's measurements (MFU is against it: the pace the
+    machine showed it can reach, not what it happened to give at one moment)."""
+    return {k: max(s[k] for s in samples) for k in samples[0]}
 
 
 def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
@@ -150,8 +159,10 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
     return runs
 
 
-def time_runs(steps: dict, rounds: int, warmup: int, device: str = "cpu") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall-clock and process CPU seconds of every step, per run (on a GPU each step ends synchronised)."""
+def time_runs(steps: dict, rounds: int, warmup: int, device: str = "cpu",
+              after_round=lambda: None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process CPU seconds of every step, per run (on a GPU each step ends synchronised);
+    ``after_round`` is called after each round (the GEMM peaks are measured again there)."""
     if device != "cpu":
         steps = {name: (lambda f=f: (f(), torch.cuda.synchronize())) for name, f in steps.items()}
     for name in list(steps):
@@ -169,14 +180,35 @@ def time_runs(steps: dict, rounds: int, warmup: int, device: str = "cpu") -> tup
             times[name].append(timed(steps[name]))
             cpu[name].append(time.process_time() - start)
         print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
+        after_round()
     return times, cpu
 
 
-def _baseline(values: dict, dtypes: dict, dtype: str):
-    """The median step a run of ``dtype`` is compared with: Hugging Face's, and for FP8 our bf16 step."""
+def _baseline_name(names, dtypes: dict, dtype: str) -> str | None:
+    """The run a run of ``dtype`` is compared with: Hugging Face's, and for FP8 our bf16 step."""
     if dtype == "fp8":
-        return statistics.median(values["ours bf16"]) if "ours bf16" in values else None
-    return next((statistics.median(v) for n, v in values.items() if n.startswith("HF") and dtypes[n] == dtype), None)
+        return "ours bf16" if "ours bf16" in names else None
+    return next((n for n in names if n.startswith("HF") and dtypes[n] == dtype), None)
+
+
+def _baseline(values: dict, dtypes: dict, dtype: str):
+    """The median step of :func:`_baseline_name`'s run."""
+    name = _baseline_name(values, dtypes, dtype)
+    return statistics.median(values[name]) if name else None
+
+
+def paired_ratios(times: dict, dtypes: dict) -> list[str]:
+    """Each of our runs against its baseline round by round (the two steps of a round ran a minute
+    apart at most, so a drifting machine moves both): the median of the per-round ratios and their range."""
+    lines = []
+    for name, t in times.items():
+        base = _baseline_name(times, dtypes, dtypes[name])
+        if name.startswith("HF") or base is None or base == name:
+            continue
+        ratios = [b / a for a, b in zip(t, times[base], strict=True)]
+        lines.append(f"{name} vs {base}, paired by round: {statistics.median(ratios):.2f}x "
+                     f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)")
+    return lines
 
 
 PEAK_OF = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}
@@ -265,8 +297,14 @@ def main(argv=None):
     dtypes = {name: dtype for name, dtype, _ in runs}
     flops = model_flops(shape)
     print(f"model FLOPs per step: {flops / 1e9:.1f} GFLOP")
-    times, cpu = time_runs(steps, args.rounds, args.warmup, args.device)
+    samples = [peaks]
+    times, cpu = time_runs(steps, args.rounds, args.warmup, args.device,
+                           after_round=lambda: samples.append(gemm_peaks(args.device)))
+    peaks = best_peaks(samples)
+    print(f"GEMM peaks over the run ({len(samples)} measurements, MFU is against the highest): " + ", ".join(
+        f"{k} {min(s[k] for s in samples) / 1e9:.1f}-{peaks[k] / 1e9:.1f} GFLOP/s" for k in peaks))
     report(times, cpu, dtypes, flops, peaks)
+    print("\n" + "\n".join(paired_ratios(times, dtypes)))
     if "ours fp8" in times and "ours bf16" in times:
         ratio = statistics.median(times["ours fp8"]) / statistics.median(times["ours bf16"])
         print(f"\nFP8 step / bf16 step: {ratio:.2f}x (target: within 1.3x)")

@@ -1,0 +1,113 @@
+"""The GEMMs of one training step, alone, in the layouts our linear layers use and in the alternatives.
+
+On a CPU with bf16 matrix units (Intel AMX) the issue-21 step's GEMMs did not run at the machine's
+GEMM peak: QKV and the attention projection reached 1.2-1.95 TFLOP/s at 2 threads, fc1, fc2 and the
+output layer 0.5-1.0. This prints, for each linear of the step (``tokens`` rows) and each of its three
+products, the time and rate of every layout, so the one to use can be chosen from measurements:
+
+- forward ``Y = X W^T``: ``F.linear`` with the weight as stored ``[out, in]`` (ours), or a copy of the
+  weight stored transposed (``X @ Wt``);
+- input gradient ``dX = dY W``: ours, or through the transposed copy (``dY @ Wt^T``);
+- weight gradient ``dW = dY^T X``: ours (``dY^T`` a view), with ``dY^T`` made contiguous first (the
+  copy is timed with it), or as ``(X^T dY)^T``.
+
+Every round times every variant once, in alternating order, and the square ``n x n`` products (the
+peak ``bench_step.py`` reads) once, so a drifting machine moves them all alike; medians are printed,
+and the step's total per layout (each linear times its count per step).
+
+    python benchmarks/bench_gemm_layouts.py [--dtype bf16] [--threads 2] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import describe_machine, timed  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def linears(hidden: int, ffn: int, vocab: int, layers: int) -> dict[str, tuple[int, int, int]]:
+    """name -> (in features, out features, how many per step) of a GPT's linears (the output layer once)."""
+    return {"qkv": (hidden, 3 * hidden, layers), "proj": (hidden, hidden, layers), "fc1": (hidden, ffn, layers),
+            "fc2": (ffn, hidden, layers), "output layer": (hidden, vocab, 1)}
+
+
+def variants(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[tuple[str, str], object]:
+    """(pass, layout) -> a no-argument function computing that product."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(tokens, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    dy = torch.randn(tokens, n, generator=gen).to(dtype)
+    wt = w.t().contiguous()
+    return {
+        ("forward", "F.linear(X, W) (ours)"): lambda: F.linear(x, w),
+        ("forward", "X @ Wt, W stored transposed"): lambda: x @ wt,
+        ("input grad", "dY @ W (ours)"): lambda: dy @ w,
+        ("input grad", "dY @ Wt^T, W stored transposed"): lambda: dy @ wt.t(),
+        ("weight grad", "dY^T @ X, a view (ours)"): lambda: dy.t() @ x,
+        ("weight grad", "dY^T made contiguous, then @ X"): lambda: dy.t().contiguous() @ x,
+        ("weight grad", "(X^T @ dY)^T"): lambda: (x.t() @ dy).t(),
+    }
+
+
+def squares(dtype: torch.dtype) -> dict[tuple[str, str], object]:
+    out = {}
+    for n in (2048, 3072):
+        gen = torch.Generator().manual_seed(n)
+        a, b = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
+        out[("square", f"n = {n}")] = lambda a=a, b=b: a @ b
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=2048, help="rows of every product (micro-batch x sequence)")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--ffn", type=int, default=3072)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=6)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    print(describe_machine(args.threads))
+    shapes = linears(args.hidden, args.ffn, args.vocab, args.layers)
+    cases = {}  # (linear, pass, layout) -> (function, FLOPs, count per step)
+    for name, (k, n, count) in shapes.items():
+        for (kind, layout), fn in variants(args.tokens, k, n, dtype).items():
+            cases[(name, kind, layout)] = (fn, 2 * args.tokens * k * n, count)
+    for (kind, layout), fn in squares(dtype).items():
+        n = int(layout.split()[-1])
+        cases[("peak (n x n x n)", kind, layout)] = (fn, 2 * n**3, 0)
+    for fn, _, _ in cases.values():  # warm-up: oneDNN's first call of a shape picks its kernel
+        fn()
+    times = {key: [] for key in cases}
+    for r in range(args.rounds):
+        for key in (list(cases) if r % 2 == 0 else reversed(list(cases))):
+            times[key].append(timed(cases[key][0]))
+        print(f"round {r + 1} done", flush=True)
+    print(f"\n{args.dtype}, {args.tokens} tokens, median of {args.rounds} rounds\n\n"
+          "| linear | product | layout | ms | TFLOP/s |\n|---|---|---|---|---|")
+    totals = {}
+    for (name, kind, layout), (_, flop, count) in cases.items():
+        med = statistics.median(times[(name, kind, layout)])
+        print(f"| {name} | {kind} | {layout} | {med * 1e3:.1f} | {flop / med / 1e12:.2f} |")
+        if count:
+            totals[(kind, layout)] = totals.get((kind, layout), 0.0) + count * med
+    print("\nper step (each linear times its count):\n\n| product | layout | ms |\n|---|---|---|")
+    for (kind, layout), total in totals.items():
+        print(f"| {kind} | {layout} | {total * 1e3:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
