@@ -9,7 +9,9 @@ products, the time and rate of every layout, so the one to use can be chosen fro
   weight stored transposed (``X @ Wt``);
 - input gradient ``dX = dY W``: ours, or through the transposed copy (``dY @ Wt^T``);
 - weight gradient ``dW = dY^T X``: ours (``dY^T`` a view), with ``dY^T`` made contiguous first (the
-  copy is timed with it), or as ``(X^T dY)^T``.
+  copy is timed with it), or as ``(X^T dY)^T``;
+- each pass cut into ``--blocks`` smaller products (of the weight's rows, of the tokens, of the inner
+  dimension accumulated in place): whether a smaller operand reaches the matrix units' pace.
 
 Every round times every variant once, in alternating order, and the square ``n x n`` products (the
 peak ``bench_step.py`` reads) once, so a drifting machine moves them all alike; medians are printed,
@@ -41,12 +43,34 @@ def linears(hidden: int, ffn: int, vocab: int, layers: int) -> dict[str, tuple[i
             "fc2": (ffn, hidden, layers), "output layer": (hidden, vocab, 1)}
 
 
-def variants(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[tuple[str, str], object]:
+def _blocks(size: int, count: int) -> list[slice]:
+    edges = [size * i // count for i in range(count + 1)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def _in_k_blocks(a: torch.Tensor, b: torch.Tensor, count: int) -> torch.Tensor:
+    """``a @ b`` as a sum of products over blocks of the inner dimension, accumulated in place."""
+    parts = _blocks(a.shape[1], count)
+    out = a[:, parts[0]] @ b[parts[0]]
+    for part in parts[1:]:
+        out.addmm_(a[:, part], b[part])
+    return out
+
+
+def _in_row_blocks_of_dw(dy: torch.Tensor, x: torch.Tensor, count: int) -> torch.Tensor:
+    dw = torch.empty(dy.shape[1], x.shape[1], dtype=x.dtype)
+    for part in _blocks(dy.shape[1], count):
+        torch.mm(dy[:, part].t(), x, out=dw[part])
+    return dw
+
+
+def variants(tokens: int, k: int, n: int, dtype: torch.dtype, blocks: int) -> dict[tuple[str, str], object]:
     """(pass, layout) -> a no-argument function computing that product."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(tokens, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
     dy = torch.randn(tokens, n, generator=gen).to(dtype)
     wt = w.t().contiguous()
+    rows, cols = _blocks(tokens, blocks), _blocks(n, blocks)
     return {
         ("forward", "F.linear(X, W) (ours)"): lambda: F.linear(x, w),
         ("forward", "X @ Wt, W stored transposed"): lambda: x @ wt,
@@ -55,6 +79,11 @@ def variants(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[tuple[str,
         ("weight grad", "dY^T @ X, a view (ours)"): lambda: dy.t() @ x,
         ("weight grad", "dY^T made contiguous, then @ X"): lambda: dy.t().contiguous() @ x,
         ("weight grad", "(X^T @ dY)^T"): lambda: (x.t() @ dy).t(),
+        ("forward", f"{blocks} blocks of W's rows (output columns)"): lambda: [F.linear(x, w[c]) for c in cols],
+        ("forward", f"{blocks} blocks of tokens"): lambda: [F.linear(x[r], w) for r in rows],
+        ("input grad", f"{blocks} blocks of the inner dimension, accumulated"): lambda: _in_k_blocks(dy, w, blocks),
+        ("input grad", f"{blocks} blocks of tokens"): lambda: [dy[r] @ w for r in rows],
+        ("weight grad", f"{blocks} blocks of dW's rows"): lambda: _in_row_blocks_of_dw(dy, x, blocks),
     }
 
 
@@ -77,6 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=3072)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--blocks", type=int, default=4, help="the blocked variants cut a product into this many")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -84,7 +114,7 @@ def main(argv=None) -> None:
     shapes = linears(args.hidden, args.ffn, args.vocab, args.layers)
     cases = {}  # (linear, pass, layout) -> (function, FLOPs, count per step)
     for name, (k, n, count) in shapes.items():
-        for (kind, layout), fn in variants(args.tokens, k, n, dtype).items():
+        for (kind, layout), fn in variants(args.tokens, k, n, dtype, args.blocks).items():
             cases[(name, kind, layout)] = (fn, 2 * args.tokens * k * n, count)
     for (kind, layout), fn in squares(dtype).items():
         n = int(layout.split()[-1])
@@ -105,7 +135,8 @@ def main(argv=None) -> None:
         if count:
             totals[(kind, layout)] = totals.get((kind, layout), 0.0) + count * med
     print("\nper step (each linear times its count):\n\n| product | layout | ms |\n|---|---|---|")
-    for (kind, layout), total in totals.items():
+    passes = ["forward", "input grad", "weight grad"]
+    for (kind, layout), total in sorted(totals.items(), key=lambda item: passes.index(item[0][0])):
         print(f"| {kind} | {layout} | {total * 1e3:.0f} |")
 
 
