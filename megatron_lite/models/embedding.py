@@ -35,6 +35,8 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, self.tp_group, init_method=config.init_method(0, WORD_EMBEDDING),
             sequence_parallel=self.sequence_parallel, dtype=config.params_dtype,
+            # multi-token prediction looks the table up again: its gradients then meet in .grad (the hook)
+            gradient_accumulation_fusion=config.gradient_accumulation_fusion and not getattr(config, "mtp_num_layers", None),
         )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":

@@ -28,7 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .grad_accumulation import accumulating_linear_gemm, accumulating_linear_gemm_not_last
+from .grad_accumulation import (
+    accumulates_lookup,
+    accumulating_embedding,
+    accumulating_linear_gemm,
+    accumulating_linear_gemm_not_last,
+)
 
 InitMethod = Callable[[torch.Tensor], None]
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -243,7 +248,10 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the ids in its vocab range (others give zeros), then the partial results
     are summed: an all-reduce, or under sequence parallelism a reduce-scatter along dim 0 (pass
-    ids as ``[seq, batch]``).
+    ids as ``[seq, batch]``). With ``gradient_accumulation_fusion`` the lookup's gradient rows go
+    straight into the weight's ``main_grad`` on a CPU
+    (:func:`~megatron_lite.parallel.grad_accumulation.accumulating_embedding`): only for a table whose
+    one lookup per forward is this one.
     """
 
     def __init__(
@@ -256,9 +264,11 @@ class VocabParallelEmbedding(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
+        gradient_accumulation_fusion: bool = False,
     ):
         super().__init__()
         self.tp_group = tp_group
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         size, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per_rank = _divide(num_embeddings, size, "padded vocabulary size")
@@ -268,12 +278,14 @@ class VocabParallelEmbedding(nn.Module):
         _init_shard(self.weight, (num_embeddings, embedding_dim), init_method, 0, rank, size, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        lookup = (accumulating_embedding if self.gradient_accumulation_fusion and accumulates_lookup(self.weight)
+                  else F.embedding)
         if comm.group_size(self.tp_group) > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = lookup(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = lookup(ids, self.weight)
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sp(out, self.tp_group)
         return comm.reduce_from_tp(out, self.tp_group)

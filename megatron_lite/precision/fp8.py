@@ -52,6 +52,7 @@ from .fp8_ops import (
     cpu_compute_dtype,
     cpu_gemm_dtype,
     cpu_gemm_probe,
+    cpu_native_widening,
     current_scale,
     delayed_scale,
     fp8_gemm_path,
@@ -377,4 +378,14 @@ def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
     return (f"FP8 {recipe.describe()}; GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) "
             f"as exact {dtype} dequantised GEMMs with fp32 accumulation ({dtype} chosen by a one-time probe: "
             f"fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s"
-            f"{'' if dtype == 'bf16' else '; bf16 is used only when ' + str(BF16_MARGIN) + 'x faster'})")
+            f"{'' if dtype == 'bf16' else '; bf16 is used only when ' + str(BF16_MARGIN) + 'x faster'}); "
+            f"FP8 widened to it by {_widening(torch.bfloat16 if dtype == 'bf16' else torch.float32)}")
+
+
+def _widening(dtype: torch.dtype) -> str:
+    """How this CPU widens each FP8 format to ``dtype`` (one-time probes)."""
+    how = {fmt: "PyTorch's conversion" if cpu_native_widening(fmt, dtype) else "fp16 bit placement"
+           for fmt in (E4M3, E5M2)}
+    if how[E4M3] == how[E5M2]:
+        return f"{how[E4M3]} (one-time probe)"
+    return f"{how[E4M3]} (E4M3), {how[E5M2]} (E5M2) (one-time probes)"

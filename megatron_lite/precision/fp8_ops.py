@@ -120,11 +120,17 @@ def _placed_in_fp16(q_bytes: torch.Tensor, e5m2: bool) -> torch.Tensor:
 def _widen_over(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     """``(w, f)`` with ``w * f`` the exact ``dtype`` values of the FP8 tensor ``q`` (see :func:`widen`):
     ``f`` is 256 when the E4M3 bytes went through the fp16 placement (``w`` is then value / 256), else 1.
-    To bf16, a large ``q`` (contiguous or transposed) is widened ``WIDEN_CHUNK`` entries at a time into a
-    result of its layout, each chunk's fp16 and fp32 stages in the cache (1.3-1.6x faster than
-    whole-tensor passes on a 2-core CPU; to fp32 there is no intermediate stage to keep)."""
-    if q.device.type != "cpu" or q.numel() == 0 or q.dtype not in (E4M3, E5M2):
+    On a CPU whose own conversion is the faster (:func:`cpu_native_widening`), that conversion."""
+    if q.device.type != "cpu" or q.numel() == 0 or q.dtype not in (E4M3, E5M2) or cpu_native_widening(q.dtype, dtype):
         return q.to(dtype), 1.0
+    return _placed_widening(q, dtype)
+
+
+def _placed_widening(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """:func:`_widen_over` through the fp16 bit placement, for a CPU tensor ``q``. To bf16, a large ``q``
+    (contiguous or transposed) is widened ``WIDEN_CHUNK`` entries at a time into a result of its layout,
+    each chunk's fp16 and fp32 stages in the cache (1.3-1.6x faster than whole-tensor passes on a 2-core
+    CPU; to fp32 there is no intermediate stage to keep)."""
     flat = _in_memory_order(q)  # the NaN check reads it in memory order: over a transposed view it is ~4x slower
     if q.dtype == E4M3 and _has_e4m3_nan(q if flat is None else flat):
         return q.to(dtype), 1.0
@@ -138,6 +144,36 @@ def _widen_over(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, floa
         h = _placed_in_fp16(flat[start:start + WIDEN_CHUNK].view(torch.int8), e5m2)
         flat_out[start:start + WIDEN_CHUNK].copy_(h.float())  # fp16 -> fp32 -> bf16, as _from_fp16
     return out, factor
+
+
+WIDEN_PROBE_ENTRIES = 1 << 20
+NATIVE_WIDENING_MARGIN = 1.25  # PyTorch's conversion replaces the placement only when this much faster
+
+
+def _seconds(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _best_seconds(run, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``run``, after one untimed call."""
+    run()  # warm-up (first touch of the result's pages)
+    return min(_seconds(run) for _ in range(repeats))
+
+
+@functools.cache
+def cpu_native_widening(fp8_dtype: torch.dtype, dtype: torch.dtype, rounds: int = 5) -> bool:
+    """Whether PyTorch's own conversion of ``fp8_dtype`` to ``dtype`` is ``NATIVE_WIDENING_MARGIN`` times
+    faster on this CPU than the fp16 bit placement (:func:`widen`): timed once per process and pair on
+    ``WIDEN_PROBE_ENTRIES`` values, the two taking turns for ``rounds`` rounds, the fastest of each counted.
+    PyTorch converts FP8 element by element on AVX2 CPUs (the placement was 8-10x faster there) but has
+    vectorised conversions in its AVX-512 builds, so neither is assumed."""
+    q = (torch.randn(WIDEN_PROBE_ENTRIES, generator=torch.Generator().manual_seed(0)) * 8).to(fp8_dtype)
+    native, placed = (lambda: q.to(dtype)), (lambda: _placed_widening(q, dtype))
+    native(), placed()  # warm-up
+    times = [(_seconds(native), _seconds(placed)) for _ in range(rounds)]
+    return NATIVE_WIDENING_MARGIN * min(t[0] for t in times) < min(t[1] for t in times)
 
 
 def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -250,13 +286,7 @@ def fp8_gemm_path(device: torch.device) -> str:
 
 def _best_gemm_seconds(dtype: torch.dtype, n: int, repeats: int) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return best
+    return _best_seconds(lambda: a @ b, repeats)
 
 
 @functools.lru_cache(maxsize=1)

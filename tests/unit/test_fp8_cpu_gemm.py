@@ -17,6 +17,12 @@ from megatron_lite.precision import fp8, fp8_ops
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, describe_fp8_path, update_fp8_scales
 from megatron_lite.precision.fp8_ops import E4M3, E5M2, quantize
 
+
+@pytest.fixture(autouse=True)
+def bit_placement(monkeypatch):
+    """The fp16 bit placement is what these tests check, whichever conversion this CPU's probe prefers."""
+    monkeypatch.setattr(fp8_ops, "cpu_native_widening", lambda fp8_dtype, dtype: False)
+
 M, K, N = 32, 64, 48
 BF16_ROUNDING = 2.0**-7  # one bf16 unit in the last place, relative, at worst
 
@@ -60,6 +66,33 @@ def test_widening_in_chunks_keeps_every_value_and_the_layout(dtype, wide, monkey
         assert torch.equal(got, q.to(wide)) and torch.equal(got.signbit(), q.to(wide).signbit())
         assert got.stride() == q.contiguous().stride() or got.stride() == q.stride()
     assert fp8_ops.widen(rows.t(), wide).stride() == rows.t().stride()  # a transposed operand stays transposed
+
+
+def test_a_cpu_whose_own_conversion_is_faster_widens_with_it(monkeypatch):
+    """The probe's verdict picks the widening: PyTorch's conversion (the same values, no placement run)
+    or the placement; the probe switches only for a conversion NATIVE_WIDENING_MARGIN times faster,
+    taking the fastest of alternating rounds; it is measured once per process and pair."""
+    q = torch.arange(256, dtype=torch.uint8).view(E5M2)[:120]
+    placed = []
+    real_placed = fp8_ops._placed_widening
+    monkeypatch.setattr(fp8_ops, "_placed_widening", lambda t, d: placed.append(d) or real_placed(t, d))
+    monkeypatch.setattr(fp8_ops, "cpu_native_widening", lambda fp8_dtype, dtype: True)
+    assert torch.equal(fp8_ops.widen(q, torch.bfloat16), q.to(torch.bfloat16)) and not placed
+    monkeypatch.setattr(fp8_ops, "cpu_native_widening", lambda fp8_dtype, dtype: False)
+    assert torch.equal(fp8_ops.widen(q, torch.bfloat16), q.to(torch.bfloat16)) and placed == [torch.bfloat16]
+
+    monkeypatch.undo()  # the real probe back (the fixture's replacement too)
+    probe = fp8_ops.cpu_native_widening
+    for native, placement, verdict in ((1.0, 1.3, True), (1.0, 1.2, False), (2.0, 1.0, False)):
+        times = iter([native, placement] * 2 + [9.0, 9.0] * 3)  # two fast rounds, three slow ones
+        monkeypatch.setattr(fp8_ops, "_seconds", lambda run, times=times: next(times))
+        assert probe.__wrapped__(E4M3, torch.bfloat16) is verdict
+    monkeypatch.undo()
+    probe(E4M3, torch.bfloat16)
+    assert probe.cache_info().currsize >= 1 and probe(E4M3, torch.bfloat16) in (True, False)
+    hits = probe.cache_info().hits
+    probe(E4M3, torch.bfloat16)
+    assert probe.cache_info().hits == hits + 1  # measured once per process
 
 
 @pytest.mark.parametrize("nan_code", [0x7F, 0xFF])
@@ -315,6 +348,7 @@ def test_path_is_decided_by_device_and_gemm_dtype_by_probe():
     line = describe_fp8_path(Fp8Recipe(), torch.device("cpu"))
     chosen = "bf16" if fp8_ops.cpu_gemm_dtype() == torch.bfloat16 else "fp32"
     assert "decided by device" in line and f"exact {chosen} dequantised GEMMs" in line and "one-time probe" in line
+    assert "FP8 widened to it by" in line
 
 
 def test_the_fp8_kernel_gets_scales_at_aligned_addresses(monkeypatch, request):

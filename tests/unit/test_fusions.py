@@ -27,7 +27,7 @@ from megatron_lite.models import TransformerConfig
 from megatron_lite.models.attention import unfused_attention
 from megatron_lite.parallel.data_parallel import DistributedDataParallel
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def megatron_gelu(x):  # Megatron's fused GeLU, written from its published formula
@@ -327,6 +327,44 @@ def test_gradient_accumulation_fusion_fills_main_grad_like_the_hook(layer):
     plain = layer(12, 10, None, gradient_accumulation_fusion=True)
     (plain(torch.randn(4, 3, 12)) ** 2).sum().backward()
     assert plain.weight.grad is not None and plain.weight.grad.shape == (10, 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_lookup_adds_its_rows_into_main_grad(dtype):
+    """Gradient-accumulation fusion of the word embedding: over two iterations of two micro-batches with
+    repeated ids, main_grad holds exactly this iteration's gradient (written over last iteration's, then
+    added), equal to plain autograd's dense gradient; the weight gets no .grad, and the fused lookup is
+    the one that marks it ready (the bucket is reduced); without a wrapper the lookup is F.embedding's."""
+    ids = [torch.tensor([[3, 7, 3], [0, 3, 9]]), torch.tensor([[9, 9, 1], [7, 2, 3]]),
+           torch.tensor([[5, 5, 5], [4, 6, 8]]), torch.tensor([[1, 3, 1], [0, 0, 2]])]
+    grads = [torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(i)).to(dtype) for i in range(4)]
+    table = VocabParallelEmbedding(10, 6, None, gradient_accumulation_fusion=True, dtype=dtype)
+    ddp = DistributedDataParallel(table, ParallelState(), overlap_grad_reduce=True)
+    for it in range(2):
+        ddp.zero_grad_buffer()
+        with ddp.no_sync():
+            ddp(ids[2 * it]).backward(grads[2 * it])
+        ddp(ids[2 * it + 1]).backward(grads[2 * it + 1])
+        assert all(bucket.launched for bucket in ddp.buckets)  # marked ready by the lookup's backward
+        ddp.finish_grad_sync()
+        want = sum(torch.ops.aten.embedding_dense_backward(g.float(), i, 10, -1, False)
+                   for i, g in zip(ids[2 * it:2 * it + 2], grads[2 * it:2 * it + 2]))
+        assert table.weight.grad is None
+        torch.testing.assert_close(table.weight.main_grad, want, rtol=1e-6, atol=1e-6)
+    plain = VocabParallelEmbedding(10, 6, None, gradient_accumulation_fusion=True)
+    plain(ids[0]).backward(grads[0].float())
+    torch.testing.assert_close(plain.weight.grad, torch.ops.aten.embedding_dense_backward(grads[0].float(), ids[0], 10, -1, False))
+
+
+def test_embedding_lookup_fusion_is_off_when_mtp_reads_the_table():
+    """Multi-token prediction looks the word embedding up again in the same forward: its gradients then
+    meet in .grad, so the fused lookup (which marks the weight ready) is not used."""
+    from megatron_lite.models.embedding import Embedding
+
+    config = TransformerConfig(**MODEL, gradient_accumulation_fusion=True)
+    assert Embedding(config, ParallelState()).word_embeddings.gradient_accumulation_fusion
+    with_mtp = dataclasses.replace(config, mtp_num_layers=1, position_embedding_type="rope")
+    assert not Embedding(with_mtp, ParallelState()).word_embeddings.gradient_accumulation_fusion
 
 
 def _addmm_with_out_dtype(real_addmm):
