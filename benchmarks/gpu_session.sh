@@ -17,7 +17,7 @@
 # the CPU (benchmarks/cuda_checks.py); one training step ours vs Hugging Face on the GPU (bf16, FP8);
 # the quickstart's model trained in bf16 on the GPU, resumed, and sampled. Part 2: profiles of the
 # host CPU's and the GPU's bf16 and FP8 steps, --torch-compile and fp32 on the GPU, the compiled run
-# against the CPU, FP8 GEMMs, KV-cache generation, the host step with glibc's defaults.
+# against the CPU, --torch-compile on the host CPU, FP8 GEMMs, KV-cache generation, the host step with glibc's defaults.
 # benchmarks/gpu_probe.py (seconds) says what the GPU's FP8 and grouped GEMMs accept.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +77,9 @@ else
   step cuda_checks_compile 150 python3 benchmarks/cuda_checks.py --only gpt_b_compile
   step bench_fp8 90 python3 benchmarks/bench_fp8.py --issue-config --steps 5
   step bench_generate 90 python3 benchmarks/bench_generate.py --device cuda --rounds 2 --skip-uncached
+  # --torch-compile on the host CPU (Inductor's vectorised AVX-512 code around oneDNN's bf16 GEMMs)
+  step host_cpu_compile 200 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes bf16 --compile \
+      --rounds 3 --warmup 2
   # the C library's defaults on both sides (the host-CPU step above keeps freed memory on both sides)
   step host_cpu_step_glibc 150 python3 benchmarks/bench_step.py --device cpu --threads 2 --dtypes bf16 --rounds 3 \
       --warmup 1 --no-retain-host-memory
