@@ -35,6 +35,7 @@ import time
 import torch
 
 from ..fusions.jit import jit_fuser
+from ..perf.flops import measure_matmul_peak
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -154,12 +155,6 @@ def _seconds(run) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
-
-
-def _best_seconds(run, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed calls of ``run``, after one untimed call."""
-    run()  # warm-up (first touch of the result's pages)
-    return min(_seconds(run) for _ in range(repeats))
 
 
 @functools.cache
@@ -284,16 +279,11 @@ def fp8_gemm_path(device: torch.device) -> str:
     return DEQUANTISED if device.type == "cpu" else SCALED_MM
 
 
-def _best_gemm_seconds(dtype: torch.dtype, n: int, repeats: int) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return _best_seconds(lambda: a @ b, repeats)
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_gemm_probe(n: int = 256, repeats: int = 2) -> dict[torch.dtype, float]:
     """GFLOP/s of an ``n``-cubed fp32 and bf16 GEMM on this CPU (best of ``repeats``), measured once per
     process."""
-    return {dtype: 2 * n**3 / _best_gemm_seconds(dtype, n, repeats) / 1e9 for dtype in (torch.float32, torch.bfloat16)}
+    return {dtype: measure_matmul_peak(n, dtype, warmup=1, reps=repeats) / 1e9 for dtype in (torch.float32, torch.bfloat16)}
 
 
 def faster_gemm_dtype(gflops: dict[torch.dtype, float]) -> torch.dtype:
