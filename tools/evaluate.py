@@ -77,6 +77,8 @@ def main(argv=None) -> int:
         check_data_path(args.valid_data[0])
         if args.overlapping_eval < 1:
             raise ValueError(f"--overlapping-eval {args.overlapping_eval} must be at least 1")
+        if args.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be at least 1")
         session = build_session(args)
         line = run(args, session)
     except USER_ERRORS as err:

@@ -81,6 +81,8 @@ def perplexity(engine, tokens: list[int], seq_length: int, stride: int, num_word
 
 def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]:
     """(context + target tokens, number of target tokens) of one LAMBADA text."""
+    if not text.split():
+        raise ValueError(f"a LAMBADA text is empty: {text!r}")
     if not strict:
         tokens = tokenizer.tokenize(text)
         return tokens, 1
@@ -118,9 +120,12 @@ def read_jsonl_texts(path: str, key: str = "text") -> list[str]:
             if not line.strip():
                 continue
             try:
-                texts.append(json.loads(line)[key])
+                text = json.loads(line)[key]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path} line {number} is not a JSON object with a {key!r} string") from None
+                text = None
+            if not isinstance(text, str):
+                raise ValueError(f"{path} line {number} is not a JSON object with a {key!r} string")
+            texts.append(text)
     if not texts:
         raise ValueError(f"{path} holds no text")
     return texts

@@ -122,3 +122,19 @@ def test_evaluate_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     assert tool.main(["--task", "WIKITEXT103", "--load", checkpoint, "--valid-data", str(bad),
                       "--overlapping-eval", "0", "--json-key", "txt"]) == 2
     assert "--overlapping-eval 0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines, flags, message", [
+    ('{"text": "1 2 3 4"}\n{"text": ""}\n', ["--task", "LAMBADA", "--strict-lambada"], "a LAMBADA text is empty"),
+    ('{"text": "1 2 3 4"}\n{"text": "  "}\n', ["--task", "LAMBADA", "--strict-lambada"], "a LAMBADA text is empty"),
+    ('{"text": "1 2 3 4"}\n{"text": 7}\n', ["--task", "LAMBADA"], "line 2 is not a JSON object with a 'text' string"),
+    ('{"text": ["1 2"]}\n', ["--task", "WIKITEXT103"], "line 1 is not a JSON object with a 'text' string"),
+    ('{"text": "1 2 3 4"}\n', ["--task", "WIKITEXT103", "--micro-batch-size", "0"], "--micro-batch-size 0 must be"),
+    ('{"text": "1 2 3 4"}\n', ["--task", "LAMBADA", "--micro-batch-size", "-1"], "--micro-batch-size -1 must be"),
+])
+def test_bad_texts_and_batch_sizes_are_one_line_errors(checkpoint, tmp_path, capsys, lines, flags, message):
+    data = tmp_path / "data.jsonl"
+    data.write_text(lines)
+    assert load_tool("evaluate").main([*flags, "--load", checkpoint, "--valid-data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
