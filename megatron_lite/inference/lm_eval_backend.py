@@ -58,6 +58,8 @@ class MegatronLiteLM(TemplateLM):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
         bf16, fp16 = DTYPES[dtype]
+        if _int(batch_size, 16) < 1:
+            raise ValueError(f"batch_size={batch_size!r}: use a positive number (or auto)")
         args = argparse.Namespace(
             load=load, tensor_model_parallel_size=_int(tensor_model_parallel_size, 0) or None,
             pipeline_model_parallel_size=_int(pipeline_model_parallel_size, 0) or None, bf16=bf16, fp16=fp16,
@@ -97,8 +99,8 @@ class MegatronLiteLM(TemplateLM):
             batch = order[start:start + self.batch_size]
             scored = self.engine.score([items[i][0] for i in batch])
             for i, result in zip(batch, scored):
-                n = items[i][1]
-                out[i] = (float(sum(result.log_probs[-n:])), all(result.greedy[-n:]))
+                n = items[i][1]  # 0 when the continuation merged into the context's last token: as hf, (0, True)
+                out[i] = (float(sum(result.log_probs[-n:])), all(result.greedy[-n:])) if n else (0.0, True)
             bar.update(len(batch))
         bar.close()
         return out

@@ -1,0 +1,38 @@
+"""The lm-eval backend's edge cases, against what lm-eval's ``hf`` backend returns for them: a
+continuation that tokenizes to nothing (BPE merges it into the context's last token) scores
+``(0.0, True)``, not the whole context; a batch size below 1 is refused before loading."""
+
+import pytest
+
+from tests.inference_helpers import GPT2_TOKENIZER, save_model
+
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    root = str(tmp_path_factory.mktemp("lm_eval_backend") / "ckpt")
+    save_model("gpt", root, tokenizer=GPT2_TOKENIZER)
+    return MegatronLiteLM(load=root, batch_size=2)
+
+
+def test_a_continuation_merged_into_the_context_scores_zero_like_hf(lm):
+    from lm_eval.api.instance import Instance
+
+    # GPT-2 BPE: "Hello wor" + "ld" is "Hello world", two tokens like "Hello wor": no continuation token
+    assert len(lm.tok_encode("Hello world")) == len(lm.tok_encode("Hello wor"))
+    requests = [Instance("loglikelihood", {}, (ctx, cont), 0)
+                for ctx, cont in [("Hello wor", "ld"), ("Hello", " world"), ("The cat", "s")]]
+    merged, normal, merged_too = lm.loglikelihood(requests, disable_tqdm=True)
+    assert merged == (0.0, True) and merged_too == (0.0, True)
+    assert normal[0] < 0.0  # a real continuation token is still scored
+    assert lm._loglikelihood_tokens([(None, [15496, 995], [])], disable_tqdm=True) == [(0.0, True)]
+
+
+def test_a_batch_size_below_one_is_refused():
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    with pytest.raises(ValueError, match="batch_size=0: use a positive number"):
+        MegatronLiteLM(load="/nonexistent", batch_size=0)
