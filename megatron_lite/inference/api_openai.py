@@ -5,7 +5,8 @@ lists; required), ``max_tokens`` (16), ``temperature`` (1.0; 0 is greedy), ``top
 filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: the chosen token's
 log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
-and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted. Chat completions
+and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted; a field set to
+``null`` takes its default, as in OpenAI's API. Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name.
 A field that would change the result but is not implemented (penalties, ``logit_bias``,
@@ -101,8 +102,18 @@ def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
     return [p if isinstance(p, str) else tokenizer.detokenize(p) for p in items], ids
 
 
+def _fields(body, known: set[str]) -> dict:
+    """``body`` checked, without its null fields: OpenAI's optional fields are nullable, and
+    ``"max_tokens": null`` (what clients send for "not set") means the default, as if left out;
+    a field unknown here is refused even when null."""
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if v is not None or (k not in known and k not in UNSUPPORTED)}
+    check_fields(body, known, UNSUPPORTED)
+    return body
+
+
 def parse_completion(body, tokenizer) -> OpenAIJob:
-    check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
+    body = _fields(body, COMPLETION_FIELDS)
     texts, prompts = _prompt(body, tokenizer)
     max_tokens = get_int(body, "max_tokens", 16, low=0)
     logprobs = get_int(body, "logprobs", None, low=0, high=20)
@@ -114,7 +125,7 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
 
 def parse_chat(body, tokenizer, template: str | None = None) -> OpenAIJob:
     """``template``: the server's ``--chat-template`` (None: the tokenizer's, see inference/chat.py)."""
-    check_fields(body, CHAT_FIELDS, UNSUPPORTED)
+    body = _fields(body, CHAT_FIELDS)
     prompt = chat_prompt(tokenizer, body.get("messages"), template)
     text = tokenizer.detokenize(prompt)
     limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"

@@ -1,0 +1,48 @@
+"""The OpenAI-compatible request parsing: OpenAI's optional fields are nullable, so a field sent as
+``null`` (what many clients send for "not set") takes its default instead of a 400; a field this
+server does not know is still refused, null or not."""
+
+import pytest
+
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.inference.api_openai import parse_chat, parse_completion
+from megatron_lite.inference.fields import RequestError
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+NULLABLE = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
+            "presence_penalty", "frequency_penalty", "logit_bias"]
+
+
+@pytest.fixture
+def tokenizer():
+    return build_tokenizer("NullTokenizer", vocab_size=99)
+
+
+def test_null_completion_fields_take_their_defaults(tokenizer):
+    plain = parse_completion({"prompt": "1 2 3"}, tokenizer)
+    nulls = parse_completion({"prompt": "1 2 3", "logprobs": None, "echo": None, "suffix": None,
+                              **dict.fromkeys(NULLABLE)}, tokenizer)
+    assert nulls == plain and nulls.params.tokens_to_generate == 16 and nulls.logprobs is None
+
+
+def test_null_chat_fields_take_their_defaults(tokenizer):
+    messages = [{"role": "user", "content": "1 2"}]
+    plain = parse_chat({"messages": messages, "max_tokens": 5}, tokenizer, TEMPLATE)
+    nulls = parse_chat({"messages": messages, "max_tokens": 5, "max_completion_tokens": None, "logprobs": None,
+                        "top_logprobs": None, "tools": None, "response_format": None,
+                        **{k: None for k in NULLABLE if k != "max_tokens"}}, tokenizer, TEMPLATE)
+    assert nulls == plain and nulls.params.tokens_to_generate == 5
+    default = parse_chat({"messages": messages, "max_tokens": None, "max_completion_tokens": None}, tokenizer,
+                         TEMPLATE)
+    assert default.params.tokens_to_generate == 256
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "1", "max_token": None}, "unknown field 'max_token'"),
+    ({"prompt": "1", "suffix": "2"}, "suffix (insertion) is not supported"),
+    ({"prompt": "1", "n": 2}, "n must be 1"),
+])
+def test_what_stays_refused(tokenizer, body, message):
+    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_completion(body, tokenizer)
