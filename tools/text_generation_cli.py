@@ -15,15 +15,29 @@ import urllib.error
 import urllib.request
 
 
+def _json(raw: bytes) -> dict:
+    """The answer's JSON object; an answer that is not one (a 404 or 500 page, another server) becomes
+    ``{"message": ...}`` quoting its start."""
+    if not raw.strip():
+        return {"message": "the answer is empty"}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return {"message": f"the answer is not a JSON object: {raw[:80].decode(errors='replace')!r}"}
+    return body
+
+
 def put(url: str, body: dict) -> tuple[int, dict]:
     """(HTTP status, JSON body) of ``PUT url`` with ``body``."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT",
                                      headers={"Content-Type": "application/json; charset=UTF-8"})
     try:
         with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
+            return response.status, _json(response.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+        return err.code, _json(err.read())
 
 
 def main(argv=None, read=input) -> int:
@@ -49,7 +63,8 @@ def main(argv=None, read=input) -> int:
         except urllib.error.URLError as err:
             print(f"error: cannot reach {url} ({err.reason})", file=sys.stderr)
             return 2
-        print(f"Megatron Response: {body['text'][0]}" if status == 200 else f"Error {status}: {body.get('message')}")
+        ok = status == 200 and isinstance(body.get("text"), list) and body["text"]
+        print(f"Megatron Response: {body['text'][0]}" if ok else f"Error {status}: {body.get('message')}")
 
 
 if __name__ == "__main__":
