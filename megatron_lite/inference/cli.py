@@ -110,6 +110,9 @@ def build_session(args) -> Session:
     from ..device import init_distributed
     from ..parallel.state import ParallelState
 
+    if args.max_sequence_length is not None and args.max_sequence_length < 1:
+        raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be at least 1 (or left out: the "
+                          "model's context)")
     device = init_distributed()
     world = int(os.environ.get("WORLD_SIZE", 1))
     tp, pp = _layout(args, world)

@@ -172,3 +172,16 @@ def test_generate_tool_batches_prompts_and_prints_log_probs(checkpoints, capsys)
     assert gen.main(["--load", checkpoints["gpt"], "--prompt", " ".join(["1"] * 90), "--max-new-tokens", "10"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: prompt 0 has 90 tokens + 10 tokens to generate") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("tool", ["generate", "evaluate"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_max_sequence_length_below_one_names_the_flag(checkpoints, capsys, tmp_path, tool, value):
+    from tests.tools import load_tool
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "1 2 3 4"}\n')
+    task = ["--prompt", "1 2"] if tool == "generate" else ["--task", "WIKITEXT103", "--valid-data", str(data)]
+    assert load_tool(tool).main(["--load", checkpoints["gpt"], "--max-sequence-length", value, *task]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --max-sequence-length {value} must be at least 1") and err.count("\n") == 1
