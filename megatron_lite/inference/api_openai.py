@@ -8,7 +8,8 @@ log-probs), ``stop`` (a string or a list of up to 4: the text ends before the fi
 and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted; a field set to
 ``null`` takes its default, as in OpenAI's API. Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
-``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name.
+``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
+(absent: 256, or what the model's context leaves after the prompt when that is less).
 A field that would change the result but is not implemented (penalties, ``logit_bias``,
 ``n > 1``, ``stream``) is refused with HTTP 400, never ignored.
 """
@@ -29,6 +30,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
           "presence_penalty", "frequency_penalty", "logit_bias"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+DEFAULT_CHAT_TOKENS = 256  # chat's max_tokens when absent (and the context has room)
 UNSUPPORTED = {"suffix": "suffix (insertion) is not supported; drop it",
                "tools": "tools (function calling) are not supported; drop them",
                "response_format": "response_format is not supported; drop it"}
@@ -123,13 +125,16 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     return OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
 
 
-def parse_chat(body, tokenizer, template: str | None = None) -> OpenAIJob:
-    """``template``: the server's ``--chat-template`` (None: the tokenizer's, see inference/chat.py)."""
+def parse_chat(body, tokenizer, template: str | None = None, max_length: int | None = None) -> OpenAIJob:
+    """``template``: the server's ``--chat-template`` (None: the tokenizer's, see inference/chat.py);
+    ``max_length``: the model's context, which caps the default number of new tokens (as OpenAI's
+    absent ``max_tokens``: as many as the context leaves, here at most 256)."""
     body = _fields(body, CHAT_FIELDS)
     prompt = chat_prompt(tokenizer, body.get("messages"), template)
     text = tokenizer.detokenize(prompt)
     limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = get_int(body, limit, 256, low=1)
+    room = max_length - len(prompt) if max_length is not None else DEFAULT_CHAT_TOKENS
+    max_tokens = get_int(body, limit, min(DEFAULT_CHAT_TOKENS, max(room, 1)), low=1)
     top = get_int(body, "top_logprobs", 0, low=0, high=20)
     logprobs = get_bool(body, "logprobs", False)
     if top and not logprobs:

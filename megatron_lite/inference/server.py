@@ -92,7 +92,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions():
-        return openai(lambda body: parse_chat(body, tokenizer, chat_template))
+        return openai(lambda body: parse_chat(body, tokenizer, chat_template, runner.engine.max_sequence_length))
 
     @app.route("/health", methods=["GET"])
     def health():

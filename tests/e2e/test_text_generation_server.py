@@ -169,6 +169,16 @@ def test_chat_completions_render_the_template(server):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
 
 
+def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
+    url, engine, _ = server  # a 96-token context: the default 256 new tokens do not fit after the prompt
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "5 17"}],
+                                                       "temperature": 0, "max_tokens": None})
+    assert r.status_code == 200, r.text
+    want = engine.generate([[5, 17, 7]], SamplingParams(tokens_to_generate=MAX_LEN - 3, top_k=1))[0]
+    assert r.json()["choices"][0]["message"]["content"] == "".join(f" {t}" for t in want.generated)
+    assert r.json()["usage"]["completion_tokens"] == len(want.generated)
+
+
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
     ("/v1/completions", {"prompt": "1", "n": 2}, "n must be 1"),

@@ -46,3 +46,13 @@ def test_null_chat_fields_take_their_defaults(tokenizer):
 def test_what_stays_refused(tokenizer, body, message):
     with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_completion(body, tokenizer)
+
+
+def test_chat_default_max_tokens_fits_the_context(tokenizer):
+    messages = [{"role": "user", "content": "1 2 3"}]
+    prompt = parse_chat({"messages": messages}, tokenizer, TEMPLATE).prompts[0]  # "1 2 3 7": 4 tokens
+    assert parse_chat({"messages": messages}, tokenizer, TEMPLATE, max_length=96).params.tokens_to_generate == 92
+    assert parse_chat({"messages": messages}, tokenizer, TEMPLATE, max_length=4096).params.tokens_to_generate == 256
+    assert len(prompt) == 4
+    asked = parse_chat({"messages": messages, "max_tokens": 200}, tokenizer, TEMPLATE, max_length=96)
+    assert asked.params.tokens_to_generate == 200  # what the client asks for stays (the engine refuses it: 400)
