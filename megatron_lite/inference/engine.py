@@ -34,7 +34,7 @@ from ..parallel.comm import _all_gather
 from ..parallel.pipeline.p2p import PipeComm
 from ..parallel.state import ParallelState
 from .kv_cache import KVCache
-from .sampling import SamplingParams, sample
+from .sampling import NonFiniteLogitsError, SamplingParams, sample_or_mark
 
 
 @dataclass
@@ -153,8 +153,10 @@ class InferenceEngine:
                 cache.advance(cur - prev)
             new = torch.zeros(b, dtype=torch.long, device=self.device)
             if self.is_src:
-                new = torch.where(cur < lengths, tokens[:, cur], sample(logits[:, -1], params, self.generator))
+                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(logits[:, -1], params, self.generator))
             new = self._broadcast(new)
+            if bool((new < 0).any()):  # the sampling rank's logits hold NaN / inf: every rank raises together
+                raise NonFiniteLogitsError()
             finished = cur >= ends
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:

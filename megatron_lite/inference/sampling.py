@@ -5,7 +5,10 @@ ignored); otherwise the logits are divided by ``temperature``, then either the `
 kept or the smallest set of tokens whose probability reaches ``top_p`` (the most likely token is
 always kept), and the token is drawn from the softmax of what remains with a seeded generator.
 ``top_k == 0`` and ``top_p == 0`` sample from the whole vocabulary; top-k and top-p together are
-refused.
+refused. The logits are shifted by their row maximum before the division, so a temperature small
+enough to overflow the quotient is greedy (its limit: the most likely tokens only) instead of
+inf / NaN. Logits holding NaN or inf (e.g. an fp16 overflow in the model) are refused with
+:class:`NonFiniteLogitsError`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model's logits hold NaN or inf: no token can be chosen (not the request's fault)."""
+
+    def __init__(self):
+        super().__init__("the model's logits hold NaN or inf (e.g. an fp16 overflow: try --bf16 or fp32), "
+                         "so no token can be sampled")
 
 
 @dataclass
@@ -72,13 +83,26 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token ``[b]`` of each row of ``logits [b, V]`` (the real vocabulary only)."""
+    """The next token ``[b]`` of each row of ``logits [b, V]`` (the real vocabulary only);
+    :class:`NonFiniteLogitsError` when a row holds NaN or inf."""
+    tokens = sample_or_mark(logits, params, generator)
+    if bool((tokens < 0).any()):
+        raise NonFiniteLogitsError()
+    return tokens
+
+
+def sample_or_mark(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`sample`, with -1 for a row whose logits hold NaN or inf instead of an error (the
+    engine broadcasts the mark, so every rank raises together)."""
+    bad = ~torch.isfinite(logits).all(dim=-1, keepdim=True)
+    logits = logits.float().masked_fill(bad, 0.0)
     if params.top_k == 1:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k > 1:
-        logits = filter_top_k(logits, params.top_k)
-    elif 0.0 < params.top_p < 1.0:
-        logits = filter_top_p(logits, params.top_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        chosen = logits.argmax(dim=-1)
+    else:
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature  # max 0: no overflow
+        if params.top_k > 1:
+            logits = filter_top_k(logits, params.top_k)
+        elif 0.0 < params.top_p < 1.0:
+            logits = filter_top_p(logits, params.top_p)
+        chosen = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    return chosen.masked_fill(bad.squeeze(1), -1)

@@ -7,11 +7,17 @@ broadcasts the job (token ids and sampling parameters, already checked) and ever
 engine on it together. While idle, rank 0 broadcasts a heartbeat every ``HEARTBEAT_S`` so the
 followers' wait never reaches the process-group timeout, and on SIGTERM or SIGINT it finishes the
 request in hand, stops serving and tells the followers to exit: every rank exits with code 0.
+
+Errors: a bad request gets HTTP 400 ``{"message": ...}``; any other error raised while serving a
+request (e.g. :class:`~megatron_lite.inference.sampling.NonFiniteLogitsError`, which every rank
+raises together) gets HTTP 500 ``{"message": ...}`` (its traceback goes to rank 0's log), and the
+server goes on serving; the followers survive the same errors and wait for the next job.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 import torch.distributed as dist
@@ -57,6 +63,9 @@ class Runner:
                     self.engine.generate(*box[0][1:])
                 except ValueError:
                     pass  # rank 0 raised the same error before any collective and answered 400
+                except Exception as err:  # noqa: BLE001 - rank 0 answers it (500) and serves on: so do we
+                    print(f"rank {dist.get_rank()}: request failed: {type(err).__name__}: {err}",
+                          file=sys.stderr, flush=True)
 
 
 def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
@@ -67,6 +76,17 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         raise ImportError("the server needs Flask: pip install megatron_lite[serve]") from None
 
     app = Flask("megatron_lite")
+
+    @app.errorhandler(Exception)
+    def server_error(err):
+        """Any error raised while serving a request: HTTP 500 with a JSON message, not Flask's HTML
+        page (an HTTP error such as 404 or 405 keeps its own answer)."""
+        from werkzeug.exceptions import HTTPException
+
+        if isinstance(err, HTTPException):
+            return err
+        app.logger.exception("request failed")
+        return jsonify(message=f"{type(err).__name__}: {err}"), 500
 
     def answer(parse, respond):
         try:

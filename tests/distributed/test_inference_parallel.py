@@ -64,3 +64,33 @@ def test_parallel_generation_equals_one_process(name, single, tp, pp, top_k, che
         for (tokens, log_probs), ref in zip(got, want):
             assert tokens == ref.tokens, f"rank {rank}"
             assert_close(torch.tensor(log_probs), torch.tensor(ref.log_probs), what=f"rank {rank}")
+
+
+def _nan_then_healthy(root, tp, pp):
+    """Every rank: a generation whose last stage's logits are NaN, then a healthy one."""
+    from megatron_lite.inference.sampling import NonFiniteLogitsError
+
+    state = cached_state(tp=tp, pp=pp)
+    model, _ = load_model(root, state)
+    engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    healthy = engine.forward
+    engine.forward = lambda *a, **k: None if (out := healthy(*a, **k)) is None else out.fill_(float("nan"))
+    try:
+        engine.generate(prompts(2), _params(4))
+        raised = None
+    except NonFiniteLogitsError as err:
+        raised = str(err)
+    engine.forward = healthy
+    return raised, [g.tokens for g in engine.generate(prompts(2), _params(4))]
+
+
+def test_nan_logits_raise_on_every_rank_together_and_the_ranks_stay_in_step(checkpoints):
+    """Only the last stage samples: NaN logits there used to raise on it alone (torch.multinomial)
+    while the other ranks waited in the token broadcast. Now every rank raises the same error
+    and the next generation still works."""
+    model, _ = load_model(checkpoints["gpt"])
+    want = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1).generate(
+        prompts(2), _params(4))
+    for rank, (raised, tokens) in enumerate(run_ranks(2, _nan_then_healthy, checkpoints["gpt"], 1, 2)):
+        assert raised is not None and raised.startswith("the model's logits hold NaN or inf"), f"rank {rank}"
+        assert tokens == [g.tokens for g in want], f"rank {rank}"

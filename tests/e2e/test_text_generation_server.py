@@ -107,6 +107,30 @@ def test_bad_api_requests_get_400_with_one_line_and_the_server_keeps_serving(ser
     assert httpx.put(f"{url}/api", json={"prompts": ["1 2"], "tokens_to_generate": 1}).status_code == 200
 
 
+def test_a_tiny_temperature_is_greedy_on_both_apis(server):
+    url, engine, _ = server
+    greedy = engine.generate([ids(PROMPTS[0])], SamplingParams(tokens_to_generate=6, top_k=1))[0].generated
+    r = httpx.put(f"{url}/api", json={"prompts": [PROMPTS[0]], "tokens_to_generate": 6, "temperature": 1e-38})
+    assert r.status_code == 200 and r.json()["tokens"][0][4:] == greedy
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids(PROMPTS[0]), "max_tokens": 6, "temperature": 1e-38,
+                                                  "stop": None})
+    assert r.status_code == 200 and ids(r.json()["choices"][0]["text"]) == greedy
+
+
+def test_an_error_while_generating_is_a_json_500_and_the_server_keeps_serving(server, monkeypatch):
+    url, engine, _ = server
+    healthy = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: healthy(*a, **k).fill_(float("nan")))
+    for method, path, body in [("put", "/api", {"prompts": ["1 2"], "tokens_to_generate": 2}),
+                               ("post", "/v1/completions", {"prompt": "1 2", "max_tokens": 2}),
+                               ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]})]:
+        r = getattr(httpx, method)(f"{url}{path}", json=body)
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json", path
+        assert r.json()["message"].startswith("NonFiniteLogitsError: the model's logits hold NaN or inf"), path
+    monkeypatch.setattr(engine, "forward", healthy)
+    assert httpx.put(f"{url}/api", json={"prompts": ["1 2"], "tokens_to_generate": 1}).status_code == 200
+
+
 def test_add_bos_prepends_the_end_of_document_token(server):
     body = httpx.put(f"{server[0]}/api", json={"prompts": ["", "5 17"], "add_BOS": True, "tokens_to_generate": 2,
                                                "top_k": 1}).json()

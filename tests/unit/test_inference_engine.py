@@ -11,7 +11,13 @@ import torch
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.kv_cache import KVCache
 from megatron_lite.inference.loading import load_model
-from megatron_lite.inference.sampling import SamplingParams, filter_top_k, filter_top_p, sample
+from megatron_lite.inference.sampling import (
+    NonFiniteLogitsError,
+    SamplingParams,
+    filter_top_k,
+    filter_top_p,
+    sample,
+)
 from tests.inference_helpers import MAX_LEN, VARIANTS, VOCAB, assert_close, build_model, prompts, save_model
 
 NEW = 64
@@ -129,6 +135,35 @@ def test_sampling_rules():
     gen = torch.Generator().manual_seed(0)
     draws = torch.stack([sample(logits, SamplingParams(top_k=2), gen) for _ in range(200)])
     assert set(draws[:, 0].tolist()) == {1, 2} and set(draws[:, 1].tolist()) == {2, 3}
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.0), (3, 0.0), (0, 0.9)])
+def test_a_temperature_small_enough_to_overflow_is_greedy(top_k, top_p):
+    logits = torch.tensor([[10.0, 30.0, 20.0, -5.0], [0.0, -10.0, 40.0, 39.0]])  # / 1e-38 overflows fp32
+    gen = torch.Generator().manual_seed(0)
+    for temperature in (1e-38, 1e-45, 1e-30):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params.check()
+        assert [sample(logits, params, gen).tolist() for _ in range(20)] == [[1, 2]] * 20
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_logits_holding_nan_or_inf_are_one_clear_error(top_k, bad):
+    logits = torch.zeros(2, 6)
+    logits[1, 3] = bad
+    with pytest.raises(NonFiniteLogitsError, match="^the model's logits hold NaN or inf"):
+        sample(logits, SamplingParams(top_k=top_k), None)
+
+
+def test_generation_over_nan_logits_is_one_clear_error(checkpoints):
+    engine = engine_for(checkpoints["gpt"])
+    healthy = engine.forward
+    engine.forward = lambda *a, **k: healthy(*a, **k).fill_(float("nan"))
+    with pytest.raises(NonFiniteLogitsError):
+        engine.generate(prompts(2), SamplingParams(tokens_to_generate=4, random_seed=1))
+    engine.forward = healthy
+    assert len(engine.generate(prompts(2), SamplingParams(tokens_to_generate=4))[0].generated) == 4
 
 
 @pytest.mark.parametrize("field, value, message", [
