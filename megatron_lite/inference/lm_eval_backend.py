@@ -20,9 +20,11 @@ exported checkpoint with the same tokenizer):
   every continuation token is the argmax;
 * ``loglikelihood_rolling``: the text's tokens in disjoint windows of ``max_length`` (each predicted
   with as much context as fits, the first from the end-of-document token), log-probs summed;
-* ``generate_until``: greedy (or sampled with ``do_sample`` and a ``temperature``) continuation of
-  the context, cut on the left to ``max_length - max_gen_toks`` tokens, stopped at the
-  end-of-document token and cut before the first ``until`` string.
+* ``generate_until``: greedy (or sampled with ``do_sample`` and a ``temperature``, and ``top_k`` or
+  ``top_p``) continuation of the context, cut on the left to ``max_length - max_gen_toks`` tokens,
+  stopped at the end-of-document token and cut before the first ``until`` string. Any other
+  generation setting (``repetition_penalty``, ``num_beams``, ...) is refused with a ValueError
+  naming it, unless it has its neutral value (``num_beams=1``, ``repetition_penalty=1.0``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from .api_megatron import continuation_text
 from .cli import build_session
 from .sampling import SamplingParams
 
+GEN_KWARGS = "until, max_gen_toks, do_sample, temperature, top_k, top_p"
+# Settings that change nothing at these values (some task configs spell them out); others are refused.
+NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0, "num_return_sequences": 1, "no_repeat_ngram_size": 0}
 DTYPES = {"float32": (False, False), "bfloat16": (True, False), "float16": (False, True)}
 
 
@@ -120,15 +125,29 @@ class MegatronLiteLM(TemplateLM):
 
     # -- generation ------------------------------------------------------------------------------
     def _params(self, kwargs: dict) -> tuple[SamplingParams, list[str]]:
+        """The engine's parameters for a task's ``generation_kwargs`` (see :data:`GEN_KWARGS`); a
+        setting the engine cannot honour is refused, never ignored."""
         kwargs = dict(kwargs)
         until = kwargs.pop("until", None) or []
         until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
         n = min(int(kwargs.pop("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
         temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
         sampled = bool(kwargs.pop("do_sample", False)) and temperature > 0
-        params = SamplingParams(tokens_to_generate=n, top_k=0 if sampled else 1,
-                                temperature=temperature if sampled else 1.0,
-                                top_p=float(kwargs.pop("top_p", 0.0) or 0.0) if sampled else 0.0)
+        top_p = float(kwargs.pop("top_p", None) or 1.0)
+        top_k = int(kwargs.pop("top_k", None) or 0)
+        for name, neutral in NEUTRAL_GEN_KWARGS.items():
+            if name in kwargs and kwargs[name] in (None, neutral):
+                kwargs.pop(name)
+        if kwargs:
+            raise ValueError(f"generation_kwargs {', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))}: "
+                             f"not supported by the megatron_lite backend, which takes {GEN_KWARGS}")
+        top_p = top_p if sampled and top_p < 1.0 else 0.0
+        top_k = top_k if sampled else 1
+        if top_k > 0 and top_p > 0.0:
+            raise ValueError(f"generation_kwargs top_k={top_k} and top_p={top_p}: the engine takes one of them")
+        params = SamplingParams(tokens_to_generate=n, top_k=top_k, temperature=temperature if sampled else 1.0,
+                                top_p=top_p)
+        params.check()
         return params, until
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -36,3 +36,19 @@ def test_a_batch_size_below_one_is_refused():
 
     with pytest.raises(ValueError, match="batch_size=0: use a positive number"):
         MegatronLiteLM(load="/nonexistent", batch_size=0)
+
+
+def test_generation_kwargs_are_honoured_or_refused_never_dropped(lm):
+    def params(**kw):
+        return lm._params({"until": ["\n"], "max_gen_toks": 8, **kw})[0]
+
+    sampled = params(do_sample=True, temperature=0.7, top_k=5)
+    assert (sampled.top_k, sampled.top_p, sampled.temperature) == (5, 0.0, 0.7)
+    assert params(do_sample=True, temperature=0.7, top_p=0.9).top_p == 0.9
+    assert params(do_sample=False, temperature=0.0, top_k=5).top_k == 1  # greedy, as hf
+    assert params(num_beams=1, repetition_penalty=1.0).top_k == 1  # neutral values change nothing
+    for kw, message in [({"repetition_penalty": 1.3}, "repetition_penalty=1.3"), ({"num_beams": 4}, "num_beams=4"),
+                        ({"min_new_tokens": 3}, "min_new_tokens=3"),
+                        ({"do_sample": True, "temperature": 0.5, "top_k": 5, "top_p": 0.9}, "top_k=5 and top_p=0.9")]:
+        with pytest.raises(ValueError, match="^generation_kwargs .*" + message):
+            params(**kw)
