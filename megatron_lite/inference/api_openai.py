@@ -175,7 +175,8 @@ def _prefix(result, end: int):
     return Generation(result.tokens[:end], result.prompt_length, result.log_probs[:end - 1])
 
 
-def _choice(job: OpenAIJob, index: int, result, tokenizer) -> dict:
+def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
+    """The choice, and how many generated tokens it returns (those before a stop string)."""
     text, stopped = _cut(continuation_text(tokenizer, result), job.stops)
     end = result.prompt_length  # keep the log-probs of the generated tokens whose text lies before the cut
     while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
@@ -183,27 +184,29 @@ def _choice(job: OpenAIJob, index: int, result, tokenizer) -> dict:
     reason = "stop" if stopped or result.finish_reason == "stop" else "length"
     prefix = job.texts[index] if job.echo else ""
     choice = {"index": index, "finish_reason": reason}
+    end = end if stopped else len(result.tokens)
     if job.logprobs is not None:
-        choice["logprobs"] = _logprobs(result, tokenizer, job.echo, 0, end if stopped else len(result.tokens),
-                                       job.chat)
+        choice["logprobs"] = _logprobs(result, tokenizer, job.echo, 0, end, job.chat)
     else:
         choice["logprobs"] = None
     if job.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = prefix + text
-    return choice
+    return choice, end - result.prompt_length
 
 
 def openai_response(job: OpenAIJob, results, tokenizer, model_name: str) -> dict:
+    """The answer; ``usage.completion_tokens`` counts the tokens returned (none after a stop string)."""
     prompt_tokens = sum(r.prompt_length for r in results)
-    completion_tokens = sum(len(r.generated) for r in results)
+    choices, counts = zip(*(_choice(job, i, r, tokenizer) for i, r in enumerate(results)))
+    completion_tokens = sum(counts)
     return {
         "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion" if job.chat else "text_completion",
         "created": int(time.time()),
         "model": model_name,
-        "choices": [_choice(job, i, r, tokenizer) for i, r in enumerate(results)],
+        "choices": list(choices),
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }

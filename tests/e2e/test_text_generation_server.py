@@ -179,6 +179,10 @@ def test_completions_with_echo_logprobs_and_a_stop_string(server):
     text = "".join(f" {t}" for t in g.generated)
     assert body["choices"][0]["text"] == text[:text.find(stop)]
     assert body["choices"][0]["finish_reason"] == "stop"
+    # usage counts the tokens returned: those whose text lies before the stop string, not the 6 generated
+    returned = next(k for k in range(7) if len("".join(f" {t}" for t in g.generated[:k])) >= text.find(stop))
+    assert returned < 6 and body["usage"]["completion_tokens"] == returned
+    assert body["usage"]["total_tokens"] == g.prompt_length + returned
 
 
 def test_chat_completions_render_the_template(server):
