@@ -11,7 +11,8 @@ logprobs               false      return the log-prob of every token after the f
 temperature            1.0        in (0, 100]
 top_k                  0          1 is greedy; 0 no top-k filtering
 top_p                  0.0        in [0, 1]; not together with top_k
-add_BOS                false      prepend the end-of-document token (needed by an empty prompt)
+add_BOS                false      prepend the tokenizer's BOS token, or its end-of-document token when it
+                                  has none, e.g. GPT-2 (needed by an empty prompt)
 stop_on_eol            false      also stop a sequence at a token containing a newline
 random_seed            -1         >= 0 reseeds the sampling generator for reproducible samples
 no_log                 false      accepted (requests are not logged)
@@ -20,6 +21,11 @@ no_log                 false      accepted (requests are not logged)
 Response: ``text`` (each prompt followed by its generated text), ``segments`` (each token's text),
 ``tokens`` (prompt and generated ids) and, with ``logprobs``, ``logprobs`` (``len(tokens) - 1``
 values per prompt). A bad request gets HTTP 400 with ``{"message": "..."}``: one line naming the field.
+
+``add_BOS``: Megatron-LM's inference engine (``megatron.core``) prepends the tokenizer's BOS; its
+older text-generation code prepended the end-of-document token, which is also what a GPT-2
+tokenizer (no BOS) gets here: the token that starts a document in data preprocessed with
+``--append-eod``.
 """
 
 from __future__ import annotations

@@ -131,10 +131,20 @@ def test_an_error_while_generating_is_a_json_500_and_the_server_keeps_serving(se
     assert httpx.put(f"{url}/api", json={"prompts": ["1 2"], "tokens_to_generate": 1}).status_code == 200
 
 
-def test_add_bos_prepends_the_end_of_document_token(server):
+def test_add_bos_prepends_the_end_of_document_token_without_a_bos(server):
     body = httpx.put(f"{server[0]}/api", json={"prompts": ["", "5 17"], "add_BOS": True, "tokens_to_generate": 2,
                                                "top_k": 1}).json()
     assert [t[:len(p)] for t, p in zip(body["tokens"], ([99], [99, 5, 17]))] == [[99], [99, 5, 17]]
+
+
+def test_add_bos_prepends_the_tokenizers_bos_when_it_has_one():
+    from types import SimpleNamespace
+
+    from megatron_lite.inference.api_megatron import parse_api
+
+    tok = SimpleNamespace(bos=1, eod=2, vocab_size=10, tokenize=lambda t: [int(x) for x in t.split()])
+    assert parse_api({"prompts": ["", "5 7"], "add_BOS": True}, tok).prompts == [[1], [1, 5, 7]]
+    assert parse_api({"prompts": ["5 7"]}, tok).prompts == [[5, 7]]
 
 
 def test_stop_on_eol_stops_at_tokens_holding_a_newline():
