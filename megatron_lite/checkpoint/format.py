@@ -99,6 +99,14 @@ def read_tracker(root: str) -> int | str | None:
         ) from None
 
 
+def is_iteration_folder(folder: str) -> bool:
+    """True when ``folder`` is one checkpoint (it holds a model file or a torch_dist checkpoint)."""
+    if not os.path.isdir(folder):
+        return False
+    return os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME)) or any(
+        os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder))
+
+
 def iteration_folders(root: str) -> list[str]:
     """The ``iter_*`` and ``release`` folders under ``root`` holding at least one model file or a
     torch_dist checkpoint (sorted;
@@ -109,9 +117,7 @@ def iteration_folders(root: str) -> list[str]:
     out = []
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
-        if (name.startswith("iter_") or name == "release") and os.path.isdir(folder) and (
-                os.path.isfile(os.path.join(folder, DIST_COMMON_FILENAME)) or any(
-                    os.path.isfile(os.path.join(folder, sub, MODEL_FILENAME)) for sub in os.listdir(folder))):
+        if (name.startswith("iter_") or name == "release") and is_iteration_folder(folder):
             out.append(name)
     return out
 

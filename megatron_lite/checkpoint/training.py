@@ -38,6 +38,7 @@ from .format import (
     atomic_save,
     atomic_write_text,
     find_model_files,
+    is_iteration_folder,
     iteration_dir,
     iteration_folders,
     load_file,
@@ -233,7 +234,18 @@ def _explain_missing(path: str, folder: str, state) -> None:
 
 def _no_tracker(root: str, quiet: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
-    --load and --save the same folder), refused when it does - never silently restart over them."""
+    --load and --save the same folder), refused when it does - never silently restart over them.
+    A file, or one checkpoint's iteration folder, is refused too: neither is a save folder."""
+    if os.path.isfile(root):
+        raise CheckpointError(f"--load {root} is a file; point --load at the folder given to --save (the one "
+                              f"holding {TRACKER_FILENAME})")
+    if is_iteration_folder(root):
+        raise CheckpointError(
+            f"--load {root} is one checkpoint's iteration folder; point --load at the folder above it, "
+            f"{os.path.dirname(os.path.normpath(root)) or '.'} (the save folder: its {TRACKER_FILENAME} names the "
+            "iteration to load), "
+            "or pass this folder to --pretrained-checkpoint to start from its weights"
+        )
     folders = iteration_folders(root)
     if folders:
         raise CheckpointError(

@@ -106,3 +106,14 @@ def test_tracker_that_is_a_folder_stops_the_save_in_one_line(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "ckpt") if ".tmp." in f]
     with pytest.raises(CheckpointError):
         read_tracker(str(tmp_path / "ckpt"))
+
+
+def test_load_pointing_inside_a_checkpoint_is_refused_not_a_fresh_start(tmp_path):
+    """--load naming one iteration folder (or a model file) of a checkpoint instead of the save folder
+    used to find no tracker there and train from scratch; it is refused, naming the folder to use."""
+    cfg, state, model, opt, sched, root, path = _saved(tmp_path)
+    cfg.checkpoint.load = str(root / "iter_0000001")
+    _refused(cfg, state, model, opt, sched, f"--load {root / 'iter_0000001'} is one checkpoint's iteration folder",
+             f"point --load at the folder above it, {root} ")
+    cfg.checkpoint.load = str(path)
+    _refused(cfg, state, model, opt, sched, f"--load {path} is a file")
