@@ -152,20 +152,28 @@ def _hf_loader_args(parser) -> None:
 
 def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False) -> ModelBundle:
     """The bundle of a Hugging Face folder; its tokenizer files are carried along for the saver."""
-    hf_config = read_json(os.path.join(load_dir, "config.json"))
-    if hf_config.get("model_type") == "mixtral":
-        config, state_dict = from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
-    elif hf_config.get("model_type") == "deepseek_v3":
-        config, state_dict = from_deepseek(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
-    elif hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
-        config, state_dict = from_bert(hf_config, read_safetensors(load_dir))
-    elif moe_grouped_gemm:
-        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral or deepseek_v3 model only; {load_dir} holds "
-                          f"{hf_config.get('model_type')!r}: drop it")
-    else:
-        config, state_dict = from_hf(hf_config, read_safetensors(load_dir))
+    path = os.path.join(load_dir, "config.json")
+    try:
+        config, state_dict = _from_hf_folder(load_dir, read_json(path), moe_grouped_gemm)
+    except KeyError as err:  # the readers turn a missing tensor into a ConfigError: this is a config field
+        raise CheckpointError(f"{path} has no {err.args[0]!r}, which a {read_json(path).get('model_type')!r} "
+                              "config needs; restore it from the original model") from None
     config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     return ModelBundle(config, state_dict, "release", 0, tokenizer_files_in(load_dir))
+
+
+def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> tuple[dict, dict]:
+    """(flat config, state dict) of a Hugging Face folder whose config.json holds ``hf_config``."""
+    if hf_config.get("model_type") == "mixtral":
+        return from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    if hf_config.get("model_type") == "deepseek_v3":
+        return from_deepseek(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
+    if hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
+        return from_bert(hf_config, read_safetensors(load_dir))
+    if moe_grouped_gemm:
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral or deepseek_v3 model only; {load_dir} holds "
+                          f"{hf_config.get('model_type')!r}: drop it")
+    return from_hf(hf_config, read_safetensors(load_dir))
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:

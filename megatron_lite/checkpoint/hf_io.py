@@ -44,10 +44,31 @@ def parse_size(text: str | int) -> int:
 
 
 def read_json(path: str) -> dict:
+    """The JSON object in ``path``; one CheckpointError if it is missing, unreadable or not an object."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing; is {os.path.dirname(path)} a Hugging Face model folder?")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as err:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path} is not readable JSON ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                              "the file is damaged - restore it from the original model") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(obj).__name__}, not an object; restore it from the original model")
+    return obj
+
+
+def _load_tensor_file(st, path: str, index: str | None = None) -> dict:
+    """``safetensors.torch.load_file(path)``; one CheckpointError naming the file if missing or damaged."""
+    if not os.path.isfile(path):
+        listed = f" (listed in {index})" if index else ""
+        raise CheckpointError(f"{path}{listed} is missing; the model folder is incomplete - download it again")
+    try:
+        return st.load_file(path)
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError, OSError: one line, naming the file
+        text = str(err).strip().splitlines()
+        raise CheckpointError(f"{path} is unreadable ({type(err).__name__}{': ' + text[0][:120] if text else ''}); it is "
+                              "truncated or corrupt - download it again") from None
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -88,12 +109,14 @@ def read_safetensors(folder: str) -> dict:
     st = _safetensors()
     single, index = os.path.join(folder, SINGLE_FILE), os.path.join(folder, INDEX_FILE)
     if os.path.isfile(single):
-        return st.load_file(single)
+        return _load_tensor_file(st, single)
     if os.path.isfile(index):
-        files = sorted(set(read_json(index)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map; restore it from the original model")
         out = {}
-        for name in files:
-            out.update(st.load_file(os.path.join(folder, name)))
+        for name in sorted(set(weight_map.values())):
+            out.update(_load_tensor_file(st, os.path.join(folder, name), index))
         return out
     raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors weights "
                           "are read (convert pytorch_model.bin with transformers first)")

@@ -1,0 +1,81 @@
+"""A damaged Hugging Face folder given to ``tools/checkpoint/convert.py --loader hf`` is one line on
+stderr naming the file, with exit code 2 (not a JSON / safetensors / KeyError traceback): invalid
+config.json, a config without a field its model type needs, a truncated safetensors file, a shard the
+index lists that is missing, an index without its weight map."""
+
+import json
+
+import pytest
+import torch
+
+from tests.tools import load_tool
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny Llama saved by transformers in shards (model-0000i-of-0000n + the index)."""
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder), max_shard_size="20KB")
+    return folder
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _first_shard(folder):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / sorted(set(index["weight_map"].values()))[0]
+
+
+def _config(folder, change):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+DAMAGE = {
+    "config.json not JSON": (lambda f: (f / "config.json").write_text("{not json"),
+                             ["config.json is not readable JSON (JSONDecodeError"]),
+    "config.json a list": (lambda f: (f / "config.json").write_text("[1, 2]"), ["config.json holds a JSON list"]),
+    "config field missing": (lambda f: _config(f, lambda c: c.pop("hidden_size")),
+                             ["config.json has no 'hidden_size'", "'llama'"]),
+    "truncated shard": (lambda f: _first_shard(f).write_bytes(_first_shard(f).read_bytes()[:100]),
+                        ["-of-", "is unreadable (SafetensorError", "truncated or corrupt"]),
+    "missing shard": (lambda f: _first_shard(f).unlink(), ["-of-", "(listed in", "is missing"]),
+    "index without weight map": (lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+                                 ["model.safetensors.index.json has no weight_map"]),
+}
+
+
+def test_the_intact_folder_converts(hf_folder, tmp_path):
+    convert = load_tool("checkpoint/convert")
+    assert convert.main(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(hf_folder),
+                         "--save-dir", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(hf_folder, tmp_path, capsys, damage):
+    broken = _copy(hf_folder, tmp_path / "broken")
+    change, words = DAMAGE[damage]
+    change(broken)
+    capsys.readouterr()
+    convert = load_tool("checkpoint/convert")
+    code = convert.main(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(broken),
+                         "--save-dir", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert str(broken) in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()  # nothing written
