@@ -38,3 +38,13 @@ def test_half_precision_on_an_emulating_cpu_warns(monkeypatch, flag, native, war
     if warned:
         assert f"--{flag}" in message and "slower than fp32" in message
     assert loop.half_precision_warning(config, torch.device("cuda")) is None
+
+
+def test_negative_exit_interval_is_refused(capsys):
+    """``iteration % -2 == 0`` at iteration 2: a negative --exit-interval used to stop the run there
+    (and save) instead of being refused; 0 stays Megatron's "no exit"."""
+    with pytest.raises(SystemExit) as err:
+        parse_args(["--mock-data", "--vocab-size", "64", "--exit-interval", "-2"], world_size=1)
+    assert err.value.code == 2
+    assert "--exit-interval must not be negative, got -2" in capsys.readouterr().err
+    assert parse_args(["--mock-data", "--vocab-size", "64", "--exit-interval", "0"], world_size=1).training.exit_interval == 0
