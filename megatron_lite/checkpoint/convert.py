@@ -32,6 +32,7 @@ from .hf_deepseek import from_deepseek, to_deepseek
 from .hf_io import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
+    model_files_in,
     parse_size,
     read_json,
     read_safetensors,
@@ -213,8 +214,10 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)
-    if os.path.isfile(os.path.join(save_dir, "config.json")):
-        raise CheckpointError(f"{save_dir} already holds a config.json; choose an empty --save-dir")
+    held = model_files_in(save_dir)
+    if held:  # a reader would take a stale model.safetensors over the shards written now (or the reverse)
+        raise CheckpointError(f"{save_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} (a model, "
+                              "or the leftover of an interrupted export); choose an empty --save-dir")
     os.makedirs(save_dir, exist_ok=True)
     special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, save_dir)
     hf_config.update(special)

@@ -104,6 +104,14 @@ def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[
     return names + [INDEX_FILE]
 
 
+def model_files_in(folder: str) -> list[str]:
+    """The names of a Hugging Face model's files (config.json, safetensors weights, their index) in ``folder``."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n in ("config.json", SINGLE_FILE, INDEX_FILE)
+                  or re.fullmatch(r"model-\d+-of-\d+\.safetensors", n))
+
+
 def read_safetensors(folder: str) -> dict:
     """All tensors of a Hugging Face folder (single file or shards listed in the index)."""
     st = _safetensors()

@@ -79,3 +79,20 @@ def test_a_damaged_hugging_face_folder_is_one_line_naming_the_file(hf_folder, tm
     for word in words:
         assert word in lines[0], lines[0]
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize("leftover", ["model.safetensors", "model-00001-of-00009.safetensors", "config.json"])
+def test_export_into_a_folder_holding_model_files_is_refused(hf_folder, tmp_path, capsys, leftover):
+    """The leftover of an interrupted export (no config.json yet) used to stay beside the new files:
+    transformers (and --loader hf) read a stale model.safetensors before the shards written now."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / leftover).write_bytes(b"stale")
+    capsys.readouterr()
+    convert = load_tool("checkpoint/convert")
+    code = convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "hf", "--load-dir", str(hf_folder),
+                         "--save-dir", str(out), "--max-shard-size", "20KB"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{out} already holds {leftover}" in lines[0] and "choose an empty --save-dir" in lines[0], lines[0]
+    assert sorted(p.name for p in out.iterdir()) == [leftover]  # nothing written beside it
