@@ -9,8 +9,9 @@ optimizer's: one copy, loadable at any data-parallel size and by either optimize
 
 Why it is safe to crash at any moment: every file is written atomically, and the tracker file that
 says which iteration is "latest" is renamed into place by rank 0 only after a barrier that every
-rank reaches once its files are complete. A save that dies half-way leaves an incomplete ``iter_*``
-folder that nothing points at; the previous checkpoint stays the latest.
+rank reaches once its files are complete. Every rank writes into ``.tmp_iter_*``, which rank 0
+renames to ``iter_*`` (replacing what an earlier save left there) before the tracker names it. A save
+that dies half-way leaves only the temporary folder; the previous checkpoint stays the latest.
 
 The model file is written by data-parallel rank 0 of each (TP, PP) position: weights and the
 (non-distributed) optimizer state are identical across data-parallel ranks. RNG states are saved
@@ -20,6 +21,7 @@ by every rank, because dropout streams differ per rank.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -29,14 +31,13 @@ from ..parallel.fsdp import full_params
 from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
-from .dist_save import save_dist
+from .dist_save import finalize_save, save_dist, temp_dir
 from .format import (
     FORMAT_VERSION,
     RNG_KEYS,
     TRACKER_FILENAME,
     CheckpointError,
     atomic_save,
-    atomic_write_text,
     find_model_files,
     is_iteration_folder,
     iteration_dir,
@@ -124,9 +125,19 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     base = base_of(chunks)  # frozen (LoRA base) weights are not saved: where they come from is
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
+    # written into .tmp_iter_XXXXXXX, renamed once complete: files an earlier save left in iter_XXXXXXX
+    # (another layout's, a torch_dist checkpoint's) never mix with this one's
+    tmp, final = temp_dir(root, iteration), iteration_dir(root, iteration)
+
+    def staged(path):
+        return os.path.join(tmp, os.path.relpath(path, final))
+
+    def clear():  # a folder left by a save that died
+        if rank == 0 and os.path.lexists(tmp):
+            shutil.rmtree(tmp)
 
     def write_files():
-        atomic_save(with_checksums(get_rng_states(state.rng_tracker)), rng_file(root, iteration, rank))
+        atomic_save(with_checksums(get_rng_states(state.rng_tracker)), staged(rng_file(root, iteration, rank)))
         if state.expert_dp_rank == 0 and state.cp_rank == 0:
             modules = [unwrap(c) for c in chunks]
             payload = {
@@ -148,14 +159,15 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "format_version": FORMAT_VERSION,
             }
-            atomic_save(with_checksums(payload), _model_file_for(root, iteration, state))
+            atomic_save(with_checksums(payload), staged(_model_file_for(root, iteration, state)))
 
     def update_tracker():
         if rank == 0:
-            atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+            finalize_save(root, iteration)  # the folder takes its name, then the tracker names it
 
     # every rank's files are complete before anything points at them; a failed write (disk full,
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
+    on_every_rank(_writing(clear, root, iteration))
     with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
         on_every_rank(_writing(write_files, root, iteration))
     on_every_rank(_writing(update_tracker, root, iteration))

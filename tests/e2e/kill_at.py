@@ -56,14 +56,14 @@ def main(args=None):
 
         ckpt_training.atomic_save = half_save
     elif moment == "tracker":
-        write = ckpt_training.atomic_write_text
+        write = dist_save.atomic_write_text  # both formats' saves end in dist_save.finalize_save
 
         def write_then_die(path, text):
             write(path, text)
             if text.strip() == str(target):
                 _die()
 
-        ckpt_training.atomic_write_text = write_then_die
+        dist_save.atomic_write_text = write_then_die
     elif moment == "async":
         finalize = dist_save.finalize_save
 

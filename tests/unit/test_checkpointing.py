@@ -190,9 +190,9 @@ def test_crash_during_save_keeps_previous_latest(tmp_path, monkeypatch):
 
     root = tmp_path / "ckpt"
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "1"
-    folder = root / "iter_0000002" / "mp_rank_00_000"
-    assert not (folder / "model_optim_rng.pt").exists(), "nothing half-written under the real name"
-    assert not [f for f in os.listdir(folder) if ".tmp." in f], "temporary file removed"
+    assert not (root / "iter_0000002").exists(), "nothing half-written under the real name"
+    folder = root / ".tmp_iter_0000002" / "mp_rank_00_000"
+    assert os.listdir(folder) == [], "temporary file removed"
     _, _, m2, o2, s2 = _setup(tmp_path, seed=3)
     assert load_checkpoint([m2], o2, s2, cfg, state) == (1, 4)
     assert all(torch.equal(v, good[k]) for k, v in m2.state_dict().items())
@@ -213,3 +213,25 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="should hold an iteration number"):
         load_checkpoint([model], opt, sched, cfg, state)
     assert issubclass(CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("leftover", [".metadata", "common.pt", "mp_rank_01_000/model_optim_rng.pt", "rng/rank_00007.pt"])
+def test_a_save_replaces_what_an_earlier_save_left_in_its_folder(tmp_path, leftover):
+    """A torch save at an iteration whose folder already exists (a rolled-back tracker, another format
+    or layout saved there before) used to write its files among the old ones: a leftover torch_dist
+    ``common.pt`` / ``.metadata`` then made the next --load read the *old* checkpoint (the folder
+    counts as torch_dist), another layout's ``mp_rank_01_000`` was merged by the converter."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    stale = tmp_path / "ckpt" / "iter_0000002" / leftover
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier save's file")
+    save_checkpoint(2, [model], opt, sched, 8, cfg, state)
+    folder = tmp_path / "ckpt" / "iter_0000002"
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+        "mp_rank_00_000/model_optim_rng.pt", "rng/rank_00000.pt"]
+    assert not (tmp_path / "ckpt" / ".tmp_iter_0000002").exists()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _, _, m2, o2, s2 = _setup(tmp_path, seed=3)
+    assert load_checkpoint([m2], o2, s2, cfg, state) == (2, 8)
+    assert all(torch.equal(v, saved[k]) for k, v in m2.state_dict().items())
