@@ -61,6 +61,7 @@ from .frozen import (
     set_base,
     unwrap,
 )
+from .hf_io import model_files_in
 from .pretrained import check_base, load_model_weights_here, trainable_may_be_missing
 from .rng import get_rng_states, set_rng_states
 
@@ -258,6 +259,11 @@ def _no_tracker(root: str, quiet: bool = False) -> None:
             "iteration to load), "
             "or pass this folder to --pretrained-checkpoint to start from its weights"
         )
+    hf_files = model_files_in(root)
+    if "config.json" in hf_files and len(hf_files) > 1:  # config.json and its weights
+        raise CheckpointError(f"--load {root} is a Hugging Face model folder; import it first: "
+                              f"tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir {root} "
+                              "--save-dir OUT, then --load OUT (or --pretrained-checkpoint OUT)")
     folders = iteration_folders(root)
     if folders:
         raise CheckpointError(

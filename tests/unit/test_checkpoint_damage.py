@@ -117,3 +117,16 @@ def test_load_pointing_inside_a_checkpoint_is_refused_not_a_fresh_start(tmp_path
              f"point --load at the folder above it, {root} ")
     cfg.checkpoint.load = str(path)
     _refused(cfg, state, model, opt, sched, f"--load {path} is a file")
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_load_pointing_at_a_hugging_face_folder_is_refused_not_a_fresh_start(tmp_path, weights):
+    """A Hugging Face model folder given to --load held no tracker, so the run trained from scratch."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / weights).write_bytes(b"weights")
+    cfg.checkpoint.load = str(hf)
+    _refused(cfg, state, model, opt, sched, f"--load {hf} is a Hugging Face model folder",
+             "--loader hf --saver megatron")
