@@ -192,6 +192,14 @@ def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_
     return [train, evals * global_batch_size, eval_iters * global_batch_size]
 
 
+def consumed_valid_samples(iteration: int, global_batch_size: int, eval_interval: int, eval_iters: int) -> int:
+    """Validation samples a run has read by ``iteration`` (Megatron's rule): eval_iters global batches
+    every eval_interval iterations; a resumed run's validation continues from there."""
+    if eval_iters <= 0 or not eval_interval:
+        return 0
+    return (iteration // eval_interval) * eval_iters * global_batch_size
+
+
 def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
     """GPTDatasetConfig (or BertDatasetConfig) from flag values with Megatron's names: an argparse
     namespace or a flat dict such as ``Config.flat()``.

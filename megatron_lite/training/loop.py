@@ -24,6 +24,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..console import print_rank_0
+from ..data.builder import consumed_valid_samples
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
 from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
@@ -394,6 +395,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
     state, device = setup(config)
     built = _build(config, state, device, model_provider)
-    consumed_valid = 0
+    t = config.training  # validation resumes where an uninterrupted run's would be
+    consumed_valid = consumed_valid_samples(built.iteration, t.global_batch_size, t.eval_interval, t.eval_iters)
     train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
     return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()
