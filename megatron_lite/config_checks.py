@@ -102,6 +102,7 @@ def _check_batch(config: Config) -> None:
     _require(t.micro_batch_size > 0, "--micro-batch-size must be positive")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
+    _require(t.global_batch_size > 0, f"--global-batch-size must be positive, got {t.global_batch_size}")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
@@ -126,6 +127,10 @@ def _check_schedule(config: Config) -> None:
     for name in ("log_interval", "eval_interval"):
         value = getattr(config.logging if name == "log_interval" else t, name)
         _require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for flag, value, low in (("--train-iters", t.train_iters, 1), ("--eval-iters", t.eval_iters, 0),
+                             ("--seed", t.seed, 0), ("--lr-warmup-iters", o.lr_warmup_iters, 0),
+                             ("--lr", o.lr, 0), ("--min-lr", o.min_lr, 0)):
+        _require(value >= low, f"{flag} must be at least {low}, got {value}")
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")

@@ -1,0 +1,34 @@
+"""Training-loop flags: values no run can use are refused in one line naming the flag, exit 2,
+before any work (they used to pass the checks and crash later with a traceback: a
+ZeroDivisionError for --global-batch-size 0, numpy's ValueError for --seed -1, ...)."""
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+
+BASE = ["--mock-data", "--vocab-size", "64"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--global-batch-size", "0"], "--global-batch-size must be positive, got 0"),
+    (["--global-batch-size", "-4"], "--global-batch-size must be positive, got -4"),
+    (["--train-iters", "0", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got 0"),
+    (["--train-iters", "-3", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got -3"),
+    (["--eval-iters", "-1"], "--eval-iters must be at least 0, got -1"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    (["--lr-warmup-iters", "-3"], "--lr-warmup-iters must be at least 0, got -3"),
+    (["--lr=-0.1", "--min-lr=-0.2"], "--lr must be at least 0, got -0.1"),
+    (["--min-lr=-1e-5"], "--min-lr must be at least 0, got -1e-05"),  # Megatron asserts min_lr >= 0 too
+])
+def test_unusable_counts_are_one_line_exit_2(capsys, flags, words):
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE + flags, world_size=2)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+@pytest.mark.parametrize("flags", [["--eval-iters", "0"], ["--lr", "0", "--min-lr", "0"], ["--seed", "0"],
+                                   ["--train-iters", "1", "--lr-decay-style", "constant"]])
+def test_the_smallest_usable_values_are_accepted(flags):
+    parse_args(BASE + flags, world_size=1)
