@@ -151,9 +151,9 @@ def make_datasets_provider(tokenizer):
 
 
 def main(argv=None):
-    config = parse_args(argv, description=__doc__.split("\n\n")[0], extra_sections={"bert": BertConfig})
+    config = parse_args(argv, description=__doc__.split("\n\n")[0], extra_sections={"bert": BertConfig},
+                        checks=check_bert_config)
     try:
-        check_bert_config(config)
         tokenizer = build_tokenizer_for(config)
         check_tokenizer(config, tokenizer)
         check_sentence_level(config.data.data_path)

@@ -178,9 +178,8 @@ def check_packed_mtp(config: Config) -> None:
 
 
 def main(argv=None):
-    config = parse_args(argv, description=__doc__.split("\n\n")[0])
+    config = parse_args(argv, description=__doc__.split("\n\n")[0], checks=check_packed_mtp)
     try:
-        check_packed_mtp(config)
         tokenizer = build_tokenizer_for(config)
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, forward_step, make_datasets_provider(tokenizer))

@@ -147,9 +147,11 @@ def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: di
     return config
 
 
-def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None) -> Config:
+def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None,
+               checks=None) -> Config:
     """Parse and validate flags for ``world_size`` processes (default: torchrun's WORLD_SIZE, else 1);
-    on a user error print one line and exit with code 2."""
+    on a user error print one line and exit with code 2. ``checks(config)`` (optional): the script's
+    own flag rules, raising ConfigError; run here so that MEGATRON_LITE_CHECK_ARGS=1 applies them too."""
     parser = build_parser(description, extra_sections)
     ns = parser.parse_args(argv)
     config = config_from_namespace(ns, extra_sections=extra_sections)
@@ -159,6 +161,8 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         if config.checkpoint.use_checkpoint_args:
             _take_checkpoint_args(config)
         finalize(config, world_size)
+        if checks is not None:
+            checks(config)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if os.environ.get(CHECK_ARGS_ENV, "0") not in ("", "0"):

@@ -32,3 +32,21 @@ def test_unusable_counts_are_one_line_exit_2(capsys, flags, words):
                                    ["--train-iters", "1", "--lr-decay-style", "constant"]])
 def test_the_smallest_usable_values_are_accepted(flags):
     parse_args(BASE + flags, world_size=1)
+
+
+@pytest.mark.parametrize("script, flags, words", [
+    ("pretrain_bert", ["--mask-prob", "2"], "--mask-prob must be in [0, 1)"),
+    ("pretrain_bert", ["--seq-length", "4"], "--seq-length 4 is too short for BERT"),
+    ("pretrain_gpt", ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
+     "--mtp-num-layers with --reset-attention-mask"),
+])
+def test_check_args_mode_applies_the_scripts_own_rules(capsys, monkeypatch, script, flags, words):
+    """MEGATRON_LITE_CHECK_ARGS=1 exits 2 with the line a real launch gives, not 0 ("arguments valid")."""
+    import importlib
+
+    monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    with pytest.raises(SystemExit) as err:
+        importlib.import_module(script).main(BASE + flags)
+    lines = capsys.readouterr()
+    assert err.value.code == 2, lines.out
+    assert len(lines.err.strip().splitlines()) == 1 and words in lines.err, lines.err
