@@ -135,7 +135,7 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     from ..lora.convert import is_lora_config, read_lora_checkpoint  # (lora/convert.py imports this package)
 
     if is_lora_config(config):  # adapters only: the base's weights come from the checkpoint it records
-        adapters, (state_dict, _) = state_dict, read_lora_checkpoint(load_dir, state_dict, config)
+        adapters, state_dict, _ = read_lora_checkpoint(load_dir, state_dict, config)
         return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, None, adapters)
     optimizer = merge_dist_optimizer(load_dir) if is_dist_folder(resolve_folder(load_dir)) else merge_optimizer(
         load_dir, lambda p, payload: _source_chunks(payload, p), not config.get("untie_embeddings_and_output_weights", False))

@@ -39,9 +39,11 @@ def frozen_base_record(path: str) -> dict:
     return record
 
 
-def read_lora_checkpoint(path: str, adapters: dict, config: dict) -> tuple[dict, dict]:
-    """(single-process weights, saved config) of the base of the LoRA checkpoint at ``path`` (whose
-    merged ``adapters`` and saved ``config`` are given), checked to fit."""
+def read_lora_checkpoint(path: str, saved: dict, config: dict) -> tuple[dict, dict, dict]:
+    """(adapters, single-process weights, base config) of the LoRA checkpoint at ``path`` (whose
+    merged tensors ``saved`` and saved ``config`` are given), checked to fit its base. The weights are
+    the base's, with the checkpoint's other tensors in place of the base's: the buffers that train
+    along with the adapters (the MoE router's expert bias, ``--moe-router-enable-expert-bias``)."""
     folder = frozen_base_record(path)["folder"]
     if not os.path.isdir(folder):
         raise CheckpointError(f"LoRA checkpoint {path} was trained on the base {folder}, which is gone; restore it")
@@ -50,10 +52,12 @@ def read_lora_checkpoint(path: str, adapters: dict, config: dict) -> tuple[dict,
                           "num_experts", "swiglu") if base_config.get(k) != config.get(k)]
     if differ:
         raise CheckpointError(f"the base {folder} of LoRA checkpoint {path} differs in {', '.join(differ)}")
-    wrong = [k for k in adapters if not is_adapter_name(k)]
+    adapters = {k: v for k, v in saved.items() if is_adapter_name(k)}
+    others = {k: v for k, v in saved.items() if k not in adapters}
+    wrong = [k for k in others if k not in base or tuple(others[k].shape) != tuple(base[k].shape)]
     if wrong:
-        raise CheckpointError(f"LoRA checkpoint {path} holds non-adapter tensors: {', '.join(wrong[:3])}")
-    return base, base_config
+        raise CheckpointError(f"LoRA checkpoint {path} holds tensors its base {folder} lacks: {', '.join(wrong[:3])}")
+    return adapters, {**base, **others}, base_config
 
 
 def without_lora_flags(config: dict) -> dict:
@@ -81,10 +85,10 @@ def load_lora_gpt(path: str):
     from ..parallel.state import ParallelState
     from .apply import apply_lora
 
-    adapters, config = merge_checkpoint(path)
+    saved, config = merge_checkpoint(path)
     if not is_lora_config(config):
         raise CheckpointError(f"{path} is not a LoRA checkpoint (it was saved without --lora-rank)")
-    base, base_config = read_lora_checkpoint(path, adapters, config)
+    adapters, base, base_config = read_lora_checkpoint(path, saved, config)
     config = {**config, "padded_vocab_size": base_config["padded_vocab_size"]}  # the base's rows (its TP size)
     moe = {f.name: config[f.name] for f in dataclasses.fields(MoEConfig) if f.name in config}
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts

@@ -113,3 +113,26 @@ def test_bad_lora_conversions_are_one_line(tmp_path, capsys, runs):
     assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0] and "--merge-lora" in lines[1], lines
     assert "--merge-lora applies to --saver hf only" in lines[2]
     assert not os.path.exists(str(tmp_path / "b"))  # refused before anything was written
+
+
+def test_expert_bias_trained_along_with_the_adapters_is_merged(tmp_path):
+    """--moe-router-enable-expert-bias: the router's expert bias is a buffer the LoRA run keeps updating
+    and saves with the adapters; the converter and load_lora_gpt take it from the LoRA checkpoint, so
+    the merged model computes what the trained run computed (it was refused as a non-adapter tensor)."""
+    model = MODELS["moe"] + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                             "--moe-router-bias-update-rate", "0.1"]
+    base, run, out = str(tmp_path / "base"), str(tmp_path / "lora"), str(tmp_path / "merged")
+    pretrain_gpt.main(COMMON + model + ["--train-iters", "1", "--save", base])
+    trained = pretrain_gpt.main(COMMON + model + ["--lora-rank", "4", "--lora-alpha", "8", "--train-iters", "3",
+                                                  "--pretrained-checkpoint", base, "--save", run]).chunks[0]
+    key = "decoder.layers.0.mlp.router.expert_bias"
+    base_bias = load_gpt_checkpoint(base)[0].state_dict()[key]
+    assert not torch.equal(trained.state_dict()[key], base_bias)  # the LoRA run moved the bias
+    with torch.no_grad():
+        want = trained.eval()(TOKENS)[..., :VOCAB]
+        torch.testing.assert_close(_adapted_logits(run), want, rtol=1e-5, atol=1e-5)
+    _convert("--load-dir", run, "--save-dir", out)
+    merged, _ = load_gpt_checkpoint(out)
+    assert torch.equal(merged.state_dict()[key], trained.state_dict()[key])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS)[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
