@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -82,23 +83,36 @@ def open_jsonl(path: str, flag: str = "--data-path"):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+def jsonl_lines(path: str, flag: str = "--data-path"):
+    """``(line number, bytes)`` of every line of ``path``; a file that cannot be read or decompressed
+    (a truncated or corrupt ``.gz``) is a DataFileError naming it and the last good line."""
+    lineno = 0
+    try:
+        with open_jsonl(path, flag) as f:
+            for lineno, raw in enumerate(f, 1):
+                yield lineno, raw
+    except (OSError, EOFError, zlib.error) as err:
+        where = f"after line {lineno}" if lineno else "from its start"
+        raise DataFileError(f"{path}: cannot be read {where} ({err}): the file is truncated, corrupt, or not the "
+                            f"gzip its name says ({flag})") from None
+
+
 def read_jsonl(path: str, tokenizer, max_tokens: int | None = None, skip_bad: bool = False) -> Conversations:
     """Every conversation of the JSONL file ``path`` (blank lines ignored), tokenized and checked."""
     tokens, trained, lines, skipped = [], [], [], Counter()
-    with open_jsonl(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                chat = encode_line(raw, tokenizer, max_tokens)
-            except ConversationError as err:
-                if not skip_bad:
-                    raise bad_conversation(f"{path}:{lineno}", err) from None
-                skipped[err.reason] += 1
-                continue
-            tokens.append(np.asarray(chat.ids, dtype=np.int64))
-            trained.append(np.asarray(chat.trained, dtype=bool))
-            lines.append(lineno)
+    for lineno, raw in jsonl_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            chat = encode_line(raw, tokenizer, max_tokens)
+        except ConversationError as err:
+            if not skip_bad:
+                raise bad_conversation(f"{path}:{lineno}", err) from None
+            skipped[err.reason] += 1
+            continue
+        tokens.append(np.asarray(chat.ids, dtype=np.int64))
+        trained.append(np.asarray(chat.trained, dtype=bool))
+        lines.append(lineno)
     return Conversations(path, [len(t) for t in tokens], lambda i: (tokens[i], trained[i]),
                          lambda i: f"{path}:{lines[i]}", skipped)
 

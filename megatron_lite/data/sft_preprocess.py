@@ -22,7 +22,7 @@ import numpy as np
 from megatron_lite.data.chat_template import ConversationError
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megatron_lite.data.preprocess import ChunkGate
-from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, open_jsonl
+from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
 
 CHUNK_LINES = 256
@@ -59,12 +59,11 @@ def _encode_chunk(chunk):
 
 def _chunks(path: str):
     chunk = []
-    with open_jsonl(path, "--input") as f:
-        for lineno, raw in enumerate(f, 1):
-            chunk.append((lineno, raw))
-            if len(chunk) == CHUNK_LINES:
-                yield chunk
-                chunk = []
+    for lineno, raw in jsonl_lines(path, "--input"):
+        chunk.append((lineno, raw))
+        if len(chunk) == CHUNK_LINES:
+            yield chunk
+            chunk = []
     if chunk:
         yield chunk
 

@@ -1,6 +1,7 @@
 """SFT data at the token level: the chat templates' learned tokens, the sample fields (padding and
 packing), packed loss == the sum of the conversations run one by one, preprocessed files == JSONL."""
 
+import gzip
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 import pretrain_gpt
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.chat_template import ConversationError, chat_tokens
+from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import collate
 from megatron_lite.data.sft_conversations import read_conversations
 from megatron_lite.data.sft_dataset import SFTDataset, SFTDatasetConfig, build_sft_datasets, make_sample
@@ -174,3 +176,21 @@ def test_each_sample_of_one_split_and_sizes(data):
     assert test is None and len(train) >= 100 and len(valid) >= 5  # epochs added until enough
     assert set(train.order.tolist()) == set(range(36)) and set(valid.order.tolist()) == set(range(36, 40))
     assert isinstance(train, SFTDataset) and torch.is_tensor(collate([train[0], train[1]])["tokens"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_corrupt_gzip_input_is_a_data_file_error_naming_it(data, tmp_path, damage):
+    """A .gz that is cut short or is not gzip at all stops the training reader and tools/preprocess_sft.py
+    (1 and 2 workers) with a DataFileError naming the file (exit 2), and nothing is written."""
+    jsonl, tok = data
+    raw = open(jsonl, "rb").read()
+    path = tmp_path / "chats.jsonl.gz"
+    path.write_bytes(gzip.compress(raw * 20)[:-200] if damage == "truncated" else raw)
+    where = r"after line \d+" if damage == "truncated" else "from its start"
+    with pytest.raises(DataFileError, match=rf"chats\.jsonl\.gz: cannot be read {where} .*\(--data-path\)"):
+        read_conversations(str(path), tok)
+    kwargs = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path)
+    for workers in (1, 2):
+        with pytest.raises(DataFileError, match=rf"chats\.jsonl\.gz: cannot be read {where} .*\(--input\)"):
+            preprocess_sft(str(path), str(tmp_path / "out"), kwargs, workers=workers, progress=False)
+        assert not list(tmp_path.glob("out*"))
