@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_lite.data.chat_template import ConversationError
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from megatron_lite.data.preprocess import ChunkGate
+from megatron_lite.data.preprocess import ChunkGate, stop_pool
 from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
 
@@ -107,5 +107,5 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
         gate.stop()
         bar.close()
         if pool is not None:
-            pool.terminate()
+            stop_pool(pool)  # bounded: Pool.terminate alone can wait forever (see stop_pool)
     return result

@@ -10,6 +10,7 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.config import ModelConfig
+from megatron_lite.data.builder import DataConfigError
 from megatron_lite.data.chat_template import ConversationError, chat_tokens
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import collate
@@ -194,3 +195,32 @@ def test_corrupt_gzip_input_is_a_data_file_error_naming_it(data, tmp_path, damag
         with pytest.raises(DataFileError, match=rf"chats\.jsonl\.gz: cannot be read {where} .*\(--input\)"):
             preprocess_sft(str(path), str(tmp_path / "out"), kwargs, workers=workers, progress=False)
         assert not list(tmp_path.glob("out*"))
+
+
+def test_a_pool_terminate_that_never_returns_does_not_hang_preprocess_sft(data, tmp_path, monkeypatch):
+    """CPython's Pool.terminate can wait forever for its task-feeding thread (a large task half written
+    into a pipe no worker reads any more; see megatron_lite.data.preprocess.stop_pool): with 2 workers a
+    bad line still ends preprocess_sft with its error while terminate is stuck, and nothing is written."""
+    import multiprocessing.pool
+    import threading
+
+    import megatron_lite.data.preprocess as pp
+
+    jsonl, tok = data
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(jsonl).read() + "{not json\n")
+    monkeypatch.setattr(pp, "POOL_STOP_SECONDS", 0.5)
+    real_terminate, release, returned = multiprocessing.pool.Pool.terminate, threading.Event(), []
+
+    def terminate_then_hang(self):
+        real_terminate(self)
+        release.wait(20)  # as CPython's join of a blocked thread does (bounded, so the test ends without the fix)
+        returned.append(self)
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", terminate_then_hang)
+    kwargs = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path)
+    with pytest.raises(DataConfigError, match=r"bad\.jsonl:41: not valid JSON"):
+        preprocess_sft(str(bad), str(tmp_path / "out"), kwargs, workers=2, progress=False)
+    assert not returned  # the error came while terminate was still stuck
+    release.set()
+    assert not list(tmp_path.glob("out*"))
