@@ -38,6 +38,8 @@ def messages_of(line: bytes | str) -> list:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConversationError(f"not valid JSON ({getattr(err, 'msg', err)})", "not JSON") from None
+    except RecursionError:
+        raise ConversationError("not valid JSON (nested too deeply to read)", "not JSON") from None
     if isinstance(record, dict) and "messages" in record:
         return record["messages"]
     if isinstance(record, dict) and "prompt" in record and "response" in record:

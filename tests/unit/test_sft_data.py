@@ -224,3 +224,15 @@ def test_a_pool_terminate_that_never_returns_does_not_hang_preprocess_sft(data, 
     assert not returned  # the error came while terminate was still stuck
     release.set()
     assert not list(tmp_path.glob("out*"))
+
+
+def test_json_nested_too_deeply_is_a_bad_line(tmp_path, tokenizers):
+    """A corrupt line of a million '[' made json.loads raise RecursionError: a traceback instead of
+    the file:line message (and not skippable with --sft-skip-bad-conversations)."""
+    tok = tokenizers["chatml"]
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps({"prompt": "why", "response": "sun"}) + "\n" + "[" * 1_000_000 + "\n")
+    with pytest.raises(DataConfigError, match=r"deep\.jsonl:2: not valid JSON \(nested too deeply"):
+        read_conversations(str(path), tok)
+    kept = read_conversations(str(path), tok, skip_bad=True)
+    assert len(kept) == 1 and kept.skipped["not JSON"] == 1
