@@ -138,9 +138,18 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
     return merged, saved_config
 
 
+def refuse_lora(path: str, saved: dict) -> None:
+    """A LoRA training checkpoint (``--lora-rank``) holds only adapters: one CheckpointError saying to merge it."""
+    if saved.get("lora_rank"):
+        raise CheckpointError(f"{path} is a LoRA checkpoint: it holds only the adapters of its base; merge them first "
+                              f"(tools/checkpoint/convert.py --model-type GPT --load-dir {path} --save-dir MERGED) "
+                              "and load the merged checkpoint")
+
+
 def _load_into(path: str, build, kind: str, params_dtype=torch.float32) -> tuple[torch.nn.Module, dict]:
     """Merge the checkpoint and load it into ``build(transformer_config, state, saved_config)``."""
     state_dict, saved = merge_checkpoint(path)
+    refuse_lora(path, saved)
     # FP8 bookkeeping (amax histories, scales) of an FP8-trained run: the model built here has none
     state_dict = {k: v for k, v in state_dict.items() if not is_fp8_state_key(k)}
     cfg = model_config_from_saved(saved)

@@ -21,7 +21,7 @@ import torch
 from ..checkpoint.format import CheckpointError, param_meta
 from ..checkpoint.hf_tokenizer import checkpoint_tokenizer
 from ..checkpoint.layout import global_name
-from ..checkpoint.merge import merge_checkpoint, model_config_from_saved
+from ..checkpoint.merge import merge_checkpoint, model_config_from_saved, refuse_lora
 from ..checkpoint.reshard import VOCAB_TENSORS, pad_vocab
 from ..data.tokenizers import build_tokenizer
 from ..errors import ConfigError
@@ -114,6 +114,7 @@ def load_model(path: str, state=None, params_dtype=torch.float32, device=None) -
     merged, saved = merge_checkpoint(path)
     if "bert_no_binary_head" in saved:
         raise CheckpointError(f"{path} holds a BERT checkpoint; text generation needs a GPT checkpoint")
+    refuse_lora(path, saved)
     check_layout(state, saved)
     merged = {k: v for k, v in merged.items() if not is_fp8_state_key(k)}
     try:

@@ -136,3 +136,19 @@ def test_expert_bias_trained_along_with_the_adapters_is_merged(tmp_path):
     assert torch.equal(merged.state_dict()[key], trained.state_dict()[key])
     with torch.no_grad():
         torch.testing.assert_close(merged(TOKENS)[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_loaders_refuse_a_lora_checkpoint_saying_to_merge_it(tmp_path, capsys, runs):
+    """tools/generate.py (inference.loading.load_model) and load_gpt_checkpoint on a LoRA checkpoint:
+    one line saying it holds adapters only and how to merge them (was: 'the checkpoint has no tensor
+    embedding.word_embeddings.weight; it does not fit the model its config describes'), exit 2."""
+    from megatron_lite.checkpoint import CheckpointError
+    from megatron_lite.inference.loading import load_model
+
+    for load in (load_model, load_gpt_checkpoint):
+        with pytest.raises(CheckpointError, match=r"is a LoRA checkpoint: .*convert\.py --model-type GPT --load-dir"):
+            load(runs["gpt2"])
+    code = load_tool("generate").main(["--load", runs["gpt2"], "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                       "64", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "is a LoRA checkpoint" in err, err
