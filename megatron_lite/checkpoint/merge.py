@@ -141,8 +141,9 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
 def refuse_lora(path: str, saved: dict) -> None:
     """A LoRA training checkpoint (``--lora-rank``) holds only adapters: one CheckpointError saying to merge it."""
     if saved.get("lora_rank"):
+        kind = "BERT" if "bert_no_binary_head" in saved else "GPT"
         raise CheckpointError(f"{path} is a LoRA checkpoint: it holds only the adapters of its base; merge them first "
-                              f"(tools/checkpoint/convert.py --model-type GPT --load-dir {path} --save-dir MERGED) "
+                              f"(tools/checkpoint/convert.py --model-type {kind} --load-dir {path} --save-dir MERGED) "
                               "and load the merged checkpoint")
 
 
