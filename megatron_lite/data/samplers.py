@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megatron_lite.data.builder import DataConfigError
+
 
 def _check(total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, size: int) -> None:
     if total_samples <= 0:
@@ -179,6 +181,11 @@ def chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train_sampl
     """(train, valid) iterators for a pretrain script's ``datasets_provider``, from the run's config
     and ParallelState: one pair, or with interleaved pipelining (``num_chunks > 1``) a list per
     split with one iterator per model chunk. ``wrap(iterator)`` (optional) filters each batch stream."""
+
+    if train_ds is None and config.training.train_iters:
+        raise DataConfigError(f"--split {config.data.split}: the train split has weight 0, so --train-iters "
+                              f"{config.training.train_iters} has nothing to train on; give it a weight "
+                              "(e.g. --split 99,1,0)")
 
     def pair():
         t = config.training

@@ -136,3 +136,10 @@ def test_sft_is_refused_by_pretrain_bert(capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--sft is for pretrain_gpt.py" in lines[0]
+
+
+def test_split_without_train_weight_is_one_line(capsys, sft_files):
+    """--split 0,100,0 gives no train split: one line naming --split (exit 2), not a TypeError from
+    next(None) in the first forward step (the same for pretraining data, which shares the iterators)."""
+    argv = sft_argv(sft_files, iters=1, extra=["--split", "0,100,0"])
+    _one_line_exit_2(capsys, argv, "--split 0,100,0", "the train split has weight 0", "--train-iters 1")
