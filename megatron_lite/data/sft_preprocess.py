@@ -24,6 +24,7 @@ from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megatron_lite.data.preprocess import ChunkGate, stop_pool
 from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.errors import ConfigError
 
 CHUNK_LINES = 256
 _worker = {}
@@ -77,6 +78,9 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
     ``max_tokens`` (--seq-length + 1) also refuses conversations longer than that."""
     from tqdm import tqdm
 
+    if tokenizer_kwargs.get("tokenizer_type") == "NullTokenizer":  # as --sft refuses it (sft_dataset.check_sft_flags)
+        raise ConfigError("--tokenizer-type NullTokenizer reads token ids, not chat text; use the text tokenizer "
+                          "the fine-tune will use")
     _init(tokenizer_kwargs, max_tokens)
     result = SFTPreprocessResult()
     dtype = best_dtype(_worker["tokenizer"].vocab_size)

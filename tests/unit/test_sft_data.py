@@ -236,3 +236,17 @@ def test_json_nested_too_deeply_is_a_bad_line(tmp_path, tokenizers):
         read_conversations(str(path), tok)
     kept = read_conversations(str(path), tok, skip_bad=True)
     assert len(kept) == 1 and kept.skipped["not JSON"] == 1
+
+
+def test_preprocess_sft_refuses_null_tokenizer(tmp_path, capsys, data):
+    """tools/preprocess_sft.py --tokenizer-type NullTokenizer: one line and exit 2, as --sft refuses it
+    (was a ValueError traceback from tokenizing 'User: ...'); nothing written."""
+    from tests.tools import load_tool
+
+    jsonl, _ = data
+    out = tmp_path / "out"
+    code = load_tool("preprocess_sft").main(["--input", jsonl, "--output-prefix", str(out), "--tokenizer-type",
+                                             "NullTokenizer", "--vocab-size", "100", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "NullTokenizer" in err, err
+    assert not list(tmp_path.glob("out*"))
