@@ -205,16 +205,35 @@ def _compile(template: str):
     def raise_exception(message):
         raise ConversationError(f"the chat template refused the conversation: {message}", "chat template")
 
+    class GenerationBlocks(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (Hugging Face marks assistant text with it for its
+        assistant-token masks): rendered as its body; the trained tokens are found by prefixes here."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+                                                       extensions=[jinja2.ext.loopcontrols, GenerationBlocks])
     env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 
 
 def _render(template, messages, add_generation_prompt: bool) -> str:
+    """The template's text for ``messages``; a template that does not parse or fails on them is a
+    :class:`ConversationError` (the data readers add ``file:line``, the server answers HTTP 400)."""
+    import jinja2
+
     text, specials = template
-    return _compile(text).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+    try:
+        return _compile(text).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+    except jinja2.TemplateSyntaxError as err:
+        raise ConversationError(f"the chat template does not parse: {err}", "chat template") from None
+    except jinja2.TemplateError as err:
+        raise ConversationError(f"the chat template failed on this conversation: {err}", "chat template") from None
 
 
 def _template_tokens(tokenizer, template, messages, add_generation_prompt: bool) -> ChatTokens:

@@ -250,3 +250,31 @@ def test_preprocess_sft_refuses_null_tokenizer(tmp_path, capsys, data):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "NullTokenizer" in err, err
     assert not list(tmp_path.glob("out*"))
+
+
+def test_hf_generation_blocks_render_as_their_body(tmp_path, tokenizers):
+    """Hugging Face templates may wrap assistant text in {% generation %}...{% endgeneration %} (for its
+    assistant masks); such a template was a TemplateSyntaxError traceback. It gives ChatML's tokens and
+    learned tokens exactly."""
+    tagged = CHATML.replace("{{ message['content'] }}<|im_end|>",
+                            "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}")
+    assert "generation" in tagged
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "tagged", tagged))
+    want, got = chat_tokens(tokenizers["chatml"], CHAT), chat_tokens(tok, CHAT)
+    assert (got.ids, got.trained) == (want.ids, want.trained)
+    prompt = chat_tokens(tok, CHAT[:2], add_generation_prompt=True)
+    assert prompt.ids == chat_tokens(tokenizers["chatml"], CHAT[:2], add_generation_prompt=True).ids
+
+
+def test_template_failing_on_a_conversation_is_a_bad_line(tmp_path):
+    """A template error while rendering one conversation (here an undefined attribute) names file:line
+    and is skippable, instead of a jinja2 traceback."""
+    template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'system' %}{{ m.x.y }}{% endif %}{% endfor %}"
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "tok", template))
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": "why", "response": "sun"}) + "\n"
+                    + json.dumps({"system": "red", "prompt": "why", "response": "sun"}) + "\n")
+    with pytest.raises(DataConfigError, match=r"c\.jsonl:2: the chat template failed on this conversation"):
+        read_conversations(str(path), tok)
+    kept = read_conversations(str(path), tok, skip_bad=True)
+    assert len(kept) == 1 and kept.skipped["chat template"] == 1
