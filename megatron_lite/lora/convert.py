@@ -15,6 +15,7 @@ import os
 from ..checkpoint.dist_read import is_dist_folder, read_common, resolve_folder
 from ..checkpoint.format import CheckpointError, find_model_files, read_model_file
 from ..checkpoint.merge import merge_checkpoint
+from ..precision.fp8 import is_fp8_state_key
 from .apply import is_adapter_name
 from .config import LoRAConfig
 from .merge import merge_lora
@@ -43,7 +44,8 @@ def read_lora_checkpoint(path: str, saved: dict, config: dict) -> tuple[dict, di
     """(adapters, single-process weights, base config) of the LoRA checkpoint at ``path`` (whose
     merged tensors ``saved`` and saved ``config`` are given), checked to fit its base. The weights are
     the base's, with the checkpoint's other tensors in place of the base's: the buffers that train
-    along with the adapters (the MoE router's expert bias, ``--moe-router-enable-expert-bias``)."""
+    along with the adapters (the MoE router's expert bias, ``--moe-router-enable-expert-bias``); FP8
+    bookkeeping of either is left out."""
     folder = frozen_base_record(path)["folder"]
     if not os.path.isdir(folder):
         raise CheckpointError(f"LoRA checkpoint {path} was trained on the base {folder}, which is gone; restore it")
@@ -53,7 +55,9 @@ def read_lora_checkpoint(path: str, saved: dict, config: dict) -> tuple[dict, di
     if differ:
         raise CheckpointError(f"the base {folder} of LoRA checkpoint {path} differs in {', '.join(differ)}")
     adapters = {k: v for k, v in saved.items() if is_adapter_name(k)}
-    others = {k: v for k, v in saved.items() if k not in adapters}
+    # FP8 bookkeeping (amax histories, scales of an --fp8-format run or base) is not a weight: left out
+    base = {k: v for k, v in base.items() if not is_fp8_state_key(k)}
+    others = {k: v for k, v in saved.items() if k not in adapters and not is_fp8_state_key(k)}
     wrong = [k for k in others if k not in base or tuple(others[k].shape) != tuple(base[k].shape)]
     if wrong:
         raise CheckpointError(f"LoRA checkpoint {path} holds tensors its base {folder} lacks: {', '.join(wrong[:3])}")

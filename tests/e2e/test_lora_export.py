@@ -152,3 +152,19 @@ def test_inference_loaders_refuse_a_lora_checkpoint_saying_to_merge_it(tmp_path,
                                        "64", "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "is a LoRA checkpoint" in err, err
+
+
+def test_fp8_lora_checkpoint_merges(tmp_path):
+    """A LoRA run with --fp8-format saves the FP8 bookkeeping of its frozen GEMMs (amax histories,
+    scales) next to the adapters; converting it was refused ('holds non-adapter tensors'). The merged
+    checkpoint holds weights only and gives the adapted logits (within the bf16 rounding of the merge)."""
+    base, run, out = str(tmp_path / "base"), str(tmp_path / "lora"), str(tmp_path / "merged")
+    pretrain_gpt.main(COMMON + ["--train-iters", "1", "--save", base])
+    pretrain_gpt.main(COMMON + ["--bf16", "--fp8-format", "hybrid", "--lora-rank", "4", "--lora-alpha", "8",
+                                "--train-iters", "2", "--pretrained-checkpoint", base, "--save", run])
+    want = _adapted_logits(run)
+    _convert("--load-dir", run, "--save-dir", out)
+    merged, _ = load_gpt_checkpoint(out)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS)[..., :VOCAB], want, rtol=0, atol=1e-3)
+        assert not torch.allclose(load_gpt_checkpoint(base)[0](TOKENS)[..., :VOCAB], want, atol=1e-2)
