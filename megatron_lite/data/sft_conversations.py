@@ -95,8 +95,9 @@ def jsonl_lines(path: str, flag: str = "--data-path"):
                 yield lineno, raw
     except (OSError, EOFError, zlib.error) as err:
         where = f"after line {lineno}" if lineno else "from its start"
-        raise DataFileError(f"{path}: cannot be read {where} ({err}): the file is truncated, corrupt, or not the "
-                            f"gzip its name says ({flag})") from None
+        damaged = isinstance(err, (gzip.BadGzipFile, EOFError, zlib.error))
+        hint = ": the file is truncated, corrupt, or not the gzip its name says" if damaged else ""
+        raise DataFileError(f"{path}: cannot be read {where} ({err}){hint} ({flag})") from None
 
 
 def read_jsonl(path: str, tokenizer, max_tokens: int | None = None, skip_bad: bool = False) -> Conversations:
