@@ -92,11 +92,14 @@ def read_tracker(root: str) -> int | str | None:
     if text == "release":
         return text
     try:
-        return int(text)
+        iteration = int(text)
     except ValueError:
+        iteration = -1
+    if iteration < 0:  # iter_-000003 does not exist: the tracker is what is wrong
         raise CheckpointError(
-            f"{path} should hold an iteration number but holds {text[:40]!r}; fix or delete it"
-        ) from None
+            f"{path} should hold an iteration number (0 or more) but holds {text[:40]!r}; fix or delete it"
+        )
+    return iteration
 
 
 def is_iteration_folder(folder: str) -> bool:

@@ -61,6 +61,7 @@ def test_rng_file_holding_something_else(tmp_path):
     (lambda p: p.write_bytes(b"\xff\xfe\x00\x81"), ["is unreadable (UnicodeDecodeError)"]),
     (lambda p: (p.unlink(), p.mkdir()), ["is not a file"]),
     (lambda p: p.write_text("twelve\n"), ["should hold an iteration number"]),
+    (lambda p: p.write_text("-3\n"), ["should hold an iteration number (0 or more) but holds '-3'"]),
 ])
 def test_bad_tracker_is_refused(tmp_path, damage, words):
     cfg, state, model, opt, sched, root, _ = _saved(tmp_path)
