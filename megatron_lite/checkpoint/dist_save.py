@@ -3,8 +3,9 @@
 Every save goes to a temporary folder ``<save>/.tmp_iter_XXXXXXX``: each rank writes its RNG file,
 rank 0 ``common.pt``, and every rank its pieces through ``torch.distributed.checkpoint`` (whose
 ``.metadata`` is written once all ranks' data is on disk). Then rank 0 *finalizes*: renames the
-folder to ``iter_XXXXXXX`` and writes the tracker file. Until then nothing points at the new
-checkpoint, so a crash at any moment leaves the previous one the latest.
+folder to ``iter_XXXXXXX`` (an existing one is first renamed aside, see :func:`finalize_save`) and
+writes the tracker file. Until then nothing points at the new checkpoint, so a crash at any moment
+leaves the previous one the latest.
 
 With ``--async-save`` the pieces are copied to CPU memory at save time (this rank's shards only,
 never the whole model) and written by a background thread, over a gloo group of its own, while
@@ -28,9 +29,11 @@ from .format import (
     CHECKSUMS_KEY,
     TRACKER_FILENAME,
     CheckpointError,
+    aside_dir,
     atomic_save,
     atomic_write_text,
     iteration_dir,
+    restore_aside,
     tensor_crc,
     with_checksums,
 )
@@ -65,12 +68,26 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
                               f"{': ' + text[-1][:200] if text else ''}; the previous checkpoint stays the latest") from None
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
 def finalize_save(root: str, iteration) -> None:
-    """Rank 0, once every rank's files are complete: the folder takes its name, the tracker names it."""
-    final = iteration_dir(root, iteration)
-    if os.path.isdir(final):
-        shutil.rmtree(final)
+    """Rank 0, once every rank's files are complete: the folder takes its name, the tracker names it.
+
+    An existing ``iter_N`` (which the tracker may name: a save repeating the latest iteration) is
+    renamed aside to ``.old_iter_N`` before the new folder takes its name, and deleted after: a crash
+    between the renames leaves the old folder, which :func:`~.format.read_tracker` renames back."""
+    final, aside = iteration_dir(root, iteration), aside_dir(root, iteration)
+    restore_aside(root, iteration)  # an earlier save that died between the renames
+    _remove(aside)  # ... or after them: iter_N is already the newer one
+    if os.path.lexists(final):
+        os.rename(final, aside)
     os.rename(temp_dir(root, iteration), final)
+    _remove(aside)
     atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
 
 

@@ -64,6 +64,26 @@ def iteration_dir(root: str, iteration: int | str) -> str:
     return os.path.join(root, name)
 
 
+def aside_dir(root: str, iteration: int | str) -> str:
+    """Where a save repeating iteration N keeps the old ``iter_N`` while it renames the new one in."""
+    return os.path.join(root, ".old_" + os.path.basename(iteration_dir(root, iteration)))
+
+
+def restore_aside(root: str, iteration: int | str) -> None:
+    """A save replacing ``iter_N`` that died between its renames left the old folder as ``.old_iter_N``
+    and none under the real name (which the tracker may name): rename it back."""
+    final, aside = iteration_dir(root, iteration), aside_dir(root, iteration)
+    if os.path.lexists(final) or not os.path.isdir(aside):
+        return
+    try:
+        os.rename(aside, final)
+    except OSError as err:
+        if not os.path.isdir(final):  # not another rank restoring it at the same moment
+            raise CheckpointError(f"{final} is missing and {aside} holds it (a save of that iteration stopped while "
+                                  f"replacing it) but renaming it back failed ({err.strerror or err}); rename {aside} "
+                                  f"to {final}") from None
+
+
 def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
     folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
     return os.path.join(iteration_dir(root, iteration), folder, MODEL_FILENAME)
@@ -76,7 +96,8 @@ def rng_file(root: str, iteration, rank: int) -> str:
 def read_tracker(root: str) -> int | str | None:
     """The iteration in ``<root>/latest_checkpointed_iteration.txt`` (``"release"`` allowed), or None
     when there is no such file. Anything else there (a folder, binary bytes, not a number) is a
-    CheckpointError: it is never mistaken for "no checkpoint"."""
+    CheckpointError: it is never mistaken for "no checkpoint". A save that died while replacing the
+    folder it names has its old folder renamed back (:func:`restore_aside`)."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.lexists(path):
         return None
@@ -90,6 +111,7 @@ def read_tracker(root: str) -> int | str | None:
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__}); write the iteration number into it "
                               "or delete it") from None
     if text == "release":
+        restore_aside(root, text)
         return text
     try:
         iteration = int(text)
@@ -99,6 +121,7 @@ def read_tracker(root: str) -> int | str | None:
         raise CheckpointError(
             f"{path} should hold an iteration number (0 or more) but holds {text[:40]!r}; fix or delete it"
         )
+    restore_aside(root, iteration)
     return iteration
 
 

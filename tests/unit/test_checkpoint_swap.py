@@ -1,0 +1,111 @@
+"""A save repeating the iteration the tracker names (``--load`` then an immediate save, a rerun ending
+at the same ``--exit-interval``) replaces ``iter_N`` in place: a crash at any filesystem step of that
+swap must leave a loadable checkpoint (the old or the new one), never a tracker naming nothing."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_lite.checkpoint import CheckpointError, dist_save, load_checkpoint, save_checkpoint
+from megatron_lite.checkpoint import training as ckpt
+from tests.unit.test_checkpointing import _setup, _train
+
+
+class Crash(BaseException):
+    """The process dies here: no except-OSError cleanup runs."""
+
+
+def _crash_at(monkeypatch, at: int) -> list:
+    """Make finalize_save die at its ``at``-th rename / replace / remove (a tree removal deletes one
+    file first: half a folder is gone when the process dies). Returns the operations seen."""
+    seen, real_finalize = [], dist_save.finalize_save
+    real = {"rename": os.rename, "replace": os.replace, "remove": os.remove, "rmtree": shutil.rmtree}
+
+    def op(name):
+        def run(path, *args, **kwargs):
+            seen.append(name)
+            if len(seen) - 1 == at:
+                files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if name == "rmtree" else []
+                if files:
+                    real["remove"](files[0])
+                raise Crash(f"{name} {path}")
+            return real[name](path, *args, **kwargs)
+        return run
+
+    def finalize(root, iteration):
+        with monkeypatch.context() as m:
+            m.setattr(os, "rename", op("rename"))
+            m.setattr(os, "replace", op("replace"))
+            m.setattr(os, "remove", op("remove"))
+            m.setattr(shutil, "rmtree", op("rmtree"))
+            real_finalize(root, iteration)
+
+    monkeypatch.setattr(dist_save, "finalize_save", finalize)
+    monkeypatch.setattr(ckpt, "finalize_save", finalize)
+    return seen
+
+
+def _weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model, weights):
+    return all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def _loaded(tmp_path, cfg, state):
+    _, _, model, opt, sched = _setup(tmp_path, seed=7)
+    opt = opt if cfg.checkpoint.ckpt_format == "torch" else None  # torch_dist saves the project's optimizers only
+    assert load_checkpoint([model], opt, sched, cfg, state)[0] == 1
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_crash_at_each_step_of_replacing_the_latest_folder(tmp_path, monkeypatch, fmt):
+    at = 0
+    while True:
+        root = tmp_path / f"crash_{at}"
+        cfg, state, model, opt, sched = _setup(root)
+        cfg.checkpoint.ckpt_format = fmt
+        saved_opt = opt if fmt == "torch" else None
+        _train(model, opt, sched, 1)
+        save_checkpoint(1, [model], saved_opt, sched, 4, cfg, state)
+        old = _weights(model)
+        _train(model, opt, sched, 1)
+        new = _weights(model)
+        with monkeypatch.context() as m:
+            seen = _crash_at(m, at)
+            try:
+                save_checkpoint(1, [model], saved_opt, sched, 8, cfg, state)  # the same iteration again
+                finished = True
+            except Crash:
+                finished = False
+        loaded = _loaded(root, cfg, state)  # the tracker still names a complete checkpoint
+        assert _same(loaded, old) or _same(loaded, new), f"crash at {seen[-1]}"
+        if finished:
+            assert _same(loaded, new)
+            break
+        _train(model, opt, sched, 1)  # the next save at that iteration cleans up and replaces it
+        latest = _weights(model)
+        save_checkpoint(1, [model], saved_opt, sched, 12, cfg, state)
+        assert _same(_loaded(root, cfg, state), latest)
+        assert sorted(os.listdir(root / "ckpt")) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+        at += 1
+    assert at >= 3, seen  # old folder aside, new one in, old one removed, tracker
+
+
+def test_aside_folder_that_cannot_be_renamed_back_is_explained(tmp_path, monkeypatch):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    root = tmp_path / "ckpt"
+    os.rename(root / "iter_0000001", root / ".old_iter_0000001")  # what a crash between the renames leaves
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(CheckpointError, match=r"iter_0000001 is missing and .*\.old_iter_0000001 holds it .*"
+                       r"Permission denied.*rename .*\.old_iter_0000001 to .*iter_0000001"):
+        load_checkpoint([model], opt, sched, cfg, state)
