@@ -42,6 +42,7 @@ from .hf_io import (
 )
 from .hf_mixtral import from_mixtral, to_mixtral
 from .hf_tokenizer import export_tokenizer, tokenizer_flags, tokenizer_in_folder
+from .hf_unused import TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
@@ -164,17 +165,23 @@ def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_
 
 
 def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> tuple[dict, dict]:
-    """(flat config, state dict) of a Hugging Face folder whose config.json holds ``hf_config``."""
-    if hf_config.get("model_type") == "mixtral":
-        return from_mixtral(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
-    if hf_config.get("model_type") == "deepseek_v3":
-        return from_deepseek(hf_config, read_safetensors(load_dir), grouped=moe_grouped_gemm)
-    if hf_config.get("model_type") == "megatron-bert" and not moe_grouped_gemm:
-        return from_bert(hf_config, read_safetensors(load_dir))
-    if moe_grouped_gemm:
+    """(flat config, state dict) of a Hugging Face folder whose config.json holds ``hf_config``; a
+    tensor the import does not use is refused (:mod:`.hf_unused`), never dropped."""
+    kind = hf_config.get("model_type")
+    if moe_grouped_gemm and kind not in ("mixtral", "deepseek_v3"):
         raise ConfigError(f"--moe-grouped-gemm applies to a mixtral or deepseek_v3 model only; {load_dir} holds "
-                          f"{hf_config.get('model_type')!r}: drop it")
-    return from_hf(hf_config, read_safetensors(load_dir))
+                          f"{kind!r}: drop it")
+    tensors = TensorReads(read_safetensors(load_dir))
+    if kind == "mixtral":
+        out = from_mixtral(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "deepseek_v3":
+        out = from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "megatron-bert":
+        out = from_bert(hf_config, tensors)
+    else:
+        out = from_hf(hf_config, tensors)
+    refuse_unused(tensors, hf_config, load_dir)
+    return out
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:

@@ -29,6 +29,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
+from .hf_unused import strip_prefix
 
 STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3")  # the last three in hf_<name>.py
 # HF GPT-2 activation_function -> our --openai-gelu
@@ -258,13 +259,9 @@ def _llama_config(hf: dict) -> dict:
     )
 
 
-def _strip(tensors: dict, prefix: str) -> dict:
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
-
-
 def _gpt2_state(hf_sd: dict, cfg: dict) -> dict:
     layers, _, heads, groups, d = _dims(cfg)
-    t = _strip(hf_sd, "transformer.")
+    t = strip_prefix(hf_sd, "transformer.")
     sd = {E + "word_embeddings.weight": t["wte.weight"], E + "position_embeddings.weight": t["wpe.weight"]}
     hidden = cfg["hidden_size"]
     for i in range(layers):
@@ -286,7 +283,7 @@ def _gpt2_state(hf_sd: dict, cfg: dict) -> dict:
 
 def _llama_state(hf_sd: dict, cfg: dict) -> dict:
     layers, _, heads, groups, d = _dims(cfg)
-    t = _strip(hf_sd, "model.")
+    t = strip_prefix(hf_sd, "model.")
     sd = {E + "word_embeddings.weight": t["embed_tokens.weight"]}
     kinds = ("weight",) if cfg["disable_bias_linear"] else ("weight", "bias")
     for i in range(layers):

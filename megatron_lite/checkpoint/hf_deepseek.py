@@ -62,6 +62,7 @@ from ..moe.config import parse_moe_layer_freq
 from .hf import _base_config, _require
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_mixtral import SEQ, expert_matrices, stack_experts
+from .hf_unused import strip_prefix
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
 RENAMES = (  # (ours, Hugging Face) within one layer; the attention ones only when the tensor exists
@@ -321,7 +322,7 @@ def _layer_from_hf(sd: dict, t: dict, src: str, dst: str, moe: bool, cfg: dict) 
 def from_deepseek(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a DeepSeek-V3 config and tensors; the
     experts in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
-    t = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in hf_sd.items()}
+    t = strip_prefix(hf_sd, "model.")
     mtp = _mtp_present(hf, t)
     cfg, first_dense = _deepseek_config(hf, mtp)
     layers = cfg["num_layers"]

@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
 from .hf import _base_config, _dims, _require, _silu_rope_theta, qkv_to_separate, separate_to_qkv
+from .hf_unused import strip_prefix
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
 SEQ = "mlp.experts.local_experts.{j}."
@@ -151,7 +152,7 @@ def from_mixtral(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, di
     cfg = _mixtral_config(hf)
     cfg["moe_grouped_gemm"] = grouped
     layers, _, heads, groups, d = _dims(cfg)
-    t = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in hf_sd.items()}
+    t = strip_prefix(hf_sd, "model.")
     try:
         sd = {"embedding.word_embeddings.weight": t["embed_tokens.weight"], "decoder.final_norm.weight": t["norm.weight"]}
         for i in range(layers):
