@@ -112,8 +112,9 @@ def build_bert_mapping(sizes: np.ndarray, document_indices: np.ndarray, document
     keep = (counts >= min_sentences) & ~has_long
     starts, counts = starts[keep], counts[keep]
     if starts.size == 0:
-        raise ValueError(f"no document has >= {min_sentences} sentences of <= {LONG_SENTENCE_LEN} tokens "
-                         f"(BERT needs sentence-split data: preprocess with --split-sentences)")
+        raise ValueError(f"none of its {len(document_ids)} documents has >= {min_sentences} sentences of <= "
+                         f"{LONG_SENTENCE_LEN} tokens (BERT pairs sentences of a document: preprocess with "
+                         f"--split-sentences, or give this split more documents with --split)")
     rng = np.random.RandomState(seed)
     epochs, total = [], 0
     lo, hi = int(starts.min()), int((starts + counts).max())

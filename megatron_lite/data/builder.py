@@ -117,11 +117,20 @@ def _check_not_empty(config, ids: np.ndarray, indexed, prefix: str, name: str) -
 
 
 def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_dir):
-    if _is_bert(config):
-        from megatron_lite.data.bert_dataset import BertDataset
+    """The split's dataset; what its documents cannot give (BERT: no document with 2 sentences, a too
+    short --seq-length) is a DataConfigError naming the data and the split, not a traceback."""
+    try:
+        if _is_bert(config):
+            from megatron_lite.data.bert_dataset import BertDataset
 
-        return BertDataset(indexed, doc_ids, num_samples, config, tokenizer, split_name, cache_dir)
-    return GPTDataset(indexed, doc_ids, num_samples, config, split_name, cache_dir)
+            return BertDataset(indexed, doc_ids, num_samples, config, tokenizer, split_name, cache_dir)
+        return GPTDataset(indexed, doc_ids, num_samples, config, split_name, cache_dir)
+    except (DataFileError, DataConfigError):
+        raise
+    except ValueError as err:
+        prefix = getattr(indexed, "path_prefix", "?")
+        raise DataConfigError(f"--data-path {prefix}, {split_name} split (--split {config.split}): "
+                              f"{err}") from None
 
 
 def _with_tokenizer(config, tokenizer):
@@ -161,6 +170,9 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
         weights = [float(w) for w in normalize_weights(weights)]
     split_ids = [_split_document_ids(config, d) for d in indexed]
     out = []
+    if split_ids[0][0] is None and nums[0]:  # training needs train samples: refuse, not a None iterator later
+        raise DataConfigError(f"--split {config.split} gives the train split weight 0, but training needs "
+                              f"{nums[0]} train samples; give it a weight (e.g. --split 98,2,0)")
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, nums)):
         if split_ids[0][s] is None or n == 0:
             out.append(None)

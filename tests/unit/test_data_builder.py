@@ -98,6 +98,19 @@ def test_mock_and_errors(tmp_path):
                                            [10, 0, 0])[1] is None
 
 
+@pytest.mark.parametrize("split", ["0,0,100", "0,1,0", "0, 3, 1"])
+def test_train_split_of_weight_0_is_refused_when_training(tmp_path, split):
+    """--split 0,0,100 with training steps: one DataConfigError naming --split (the train dataset was
+    None, and the first training step failed with "'NoneType' object is not an iterator")."""
+    p = write(tmp_path / "a", 50)
+    cfg = GPTDatasetConfig(seq_length=8, split=split, data_path=[p], data_cache_path=str(tmp_path / "c"))
+    with pytest.raises(DataConfigError, match=f"--split {split} gives the train split weight 0.*10 train samples"):
+        build_train_valid_test_datasets(cfg, [10, 4, 4])
+    # evaluation-only use (no train samples asked for) still builds the other splits
+    train, valid, test = build_train_valid_test_datasets(cfg, [0, 4, 4])
+    assert train is None and (valid is not None or test is not None)
+
+
 def test_config_from_args_and_sample_counts(tmp_path):
     import argparse
 
