@@ -57,7 +57,15 @@ def _texts_of(f, path, json_keys, jsonl):
             texts = [obj[k] for k in json_keys]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: not a JSON object with keys {list(json_keys)} ({e})") from None
-        yield from (t for t in texts if isinstance(t, str))
+        for key, text in zip(json_keys, texts):
+            # as tools/preprocess_data.py reads them: a string, or a list of strings (the sentences)
+            if isinstance(text, list) and all(isinstance(t, str) for t in text):
+                yield from text
+            elif isinstance(text, str):
+                yield text
+            else:
+                raise ValueError(f"{path}:{lineno}: value of {key!r} is {type(text).__name__}, not a string or a "
+                                 "list of strings")
 
 
 def train_sentencepiece(texts, output_prefix: str, vocab_size: int = 4096, model_type: str = "bpe",
@@ -167,6 +175,8 @@ def main(argv=None) -> int:
         # read everything first (SentencePiece holds its input in memory anyway), so a malformed
         # line is reported as file:line here rather than wrapped in SentencePiece's own error
         texts = list(read_texts(args.input, args.json_keys))
+        if not any(t.strip() for t in texts):
+            raise ValueError(f"{args.input}: no text to train on (--json-keys {' '.join(args.json_keys)})")
         if args.model_type == "byte-level-bpe":
             paths = train_byte_level_bpe(texts, args.output_prefix, args.vocab_size, args.min_frequency)
             print(f"Wrote {paths[0]} and {paths[1]} (use --tokenizer-type GPT2BPETokenizer "

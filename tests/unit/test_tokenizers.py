@@ -226,6 +226,32 @@ def test_train_tokenizer_names_a_malformed_line(tmp_path, capsys):
     assert not list(tmp_path.glob("m*"))
 
 
+def test_train_tokenizer_reads_presplit_sentences_as_preprocess_does(tmp_path, capsys):
+    """A value that is a list of strings (a document's sentences, which preprocess_data.py accepts) is
+    trained on; it was dropped silently, so such a corpus trained a tokenizer on nothing (byte-level
+    BPE: no merge; WordPiece: the 5 special tokens; SentencePiece: an INTERNAL error)."""
+    texts = corpus_texts()
+    as_lists = tmp_path / "lists.jsonl"
+    as_lists.write_text("".join(json.dumps({"text": t.split(". ")}) + "\n" for t in texts))
+    as_text = tmp_path / "text.txt"
+    as_text.write_text("".join(s + "\n" for t in texts for s in t.split(". ")))
+    train = load_tool("train_tokenizer")
+    for source, prefix in ((as_lists, "l"), (as_text, "t")):
+        assert train.main(["--input", str(source), "--output-prefix", str(tmp_path / prefix), "--vocab-size", "400",
+                           "--model-type", "wordpiece"]) == 0
+    assert (tmp_path / "l-vocab.txt").read_text() == (tmp_path / "t-vocab.txt").read_text()
+    assert len((tmp_path / "l-vocab.txt").read_text().split()) > 100  # 5 (the special tokens) before
+    # a value preprocess_data.py refuses is refused here too, by file and line; no text at all is said
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": ["a", 3]}\n')
+    assert train.main(["--input", str(bad), "--output-prefix", str(tmp_path / "b")]) == 2
+    assert f"{bad}:2: value of 'text' is list, not a string or a list of strings" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": []}\n')
+    assert train.main(["--input", str(empty), "--output-prefix", str(tmp_path / "e")]) == 2
+    assert "no text to train on" in capsys.readouterr().err and not list(tmp_path.glob("[be]*.model"))
+
+
 def _train_cli(tmp_path, capsys, *argv):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
