@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     except DataFileError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except OSError as e:  # the output cannot be written there (a file in its path, no permission, disk full)
+        print(f"--output-prefix {args.output_prefix}: cannot write the merged dataset ({e})", file=sys.stderr)
+        return 2
     print(f"Merged {len(prefixes)} datasets: {len(merged)} sequences, {merged.num_documents()} documents, "
           f"{merged.num_tokens} tokens -> {args.output_prefix}.bin/.idx")
     return 0

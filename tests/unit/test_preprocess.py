@@ -240,6 +240,20 @@ def test_merge_equals_single_build(tmp_path, tok_files):
     assert not os.path.exists(tmp_path / "m2.bin")
 
 
+def test_merge_into_an_unwritable_output_is_one_line(tmp_path, capsys):
+    """An --output-prefix that cannot be written (here a file stands where its folder should be) is
+    one line naming the flag, exit 2 (it was a FileExistsError traceback)."""
+    shards = tmp_path / "shards"
+    with IndexedDatasetBuilder(str(shards / "a"), np.uint16) as b:
+        b.add_document([1, 2], [2])
+    (tmp_path / "afile").write_text("")
+    merge = load_tool("merge_datasets")
+    assert merge.main(["--input", str(shards), "--output-prefix", str(tmp_path / "afile" / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"--output-prefix {tmp_path / 'afile' / 'm'}: cannot write"), err
+    assert sorted(os.listdir(shards)) == ["a.bin", "a.idx"]
+
+
 def test_sample_corpus_is_deterministic(tmp_path):
     make = load_tool("make_sample_corpus")
     n1, size1 = make.make_sample_corpus(str(tmp_path / "a.jsonl"), docstrings=False)
