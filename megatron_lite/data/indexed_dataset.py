@@ -87,6 +87,10 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
+                stem, suffix = os.path.splitext(path_prefix)
+                if suffix in (".bin", ".idx") and os.path.isfile(index_file_path(stem)):
+                    raise DataFileError(f"{path}: file not found; {path_prefix!r} names a file of the pair: give "
+                                        f"the prefix without {suffix}: {stem!r}")
                 raise DataFileError(f"{path}: file not found (expected a Megatron .bin/.idx pair "
                                     f"with prefix {path_prefix!r})")
         self._read_index(idx_path, bin_path)

@@ -187,6 +187,15 @@ def test_missing_file(tmp_path):
         IndexedDataset(str(tmp_path / "nothere"))
 
 
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_file_name_given_as_the_prefix_says_to_drop_its_suffix(tmp_path, suffix):
+    """--data-path data/x_text_document.bin (the file, not the prefix): the message says the fix."""
+    prefix = str(tmp_path / "hand")
+    hand_made_pair(prefix)
+    with pytest.raises(DataFileError, match=rf"give the prefix without \{suffix}: '{prefix}'$"):
+        IndexedDataset(prefix + suffix)
+
+
 def test_pickles_by_path(tmp_path):
     import pickle
 
