@@ -7,9 +7,10 @@ it, and a run resumed after C consumed samples (C saved in the checkpoint) reads
 uninterrupted run would have read from that point on.  (With gradient accumulation a global batch
 is several such steps in a row; the sampler does not need to know.)
 
-``RandomPretrainingSampler`` is the "cyclic" variant for finetuning / multi-epoch loops: each
-epoch is a fresh permutation seeded by (seed, epoch), cut into the same per-step layout, repeated
-forever, also resumable from a consumed-sample count.
+``RandomPretrainingSampler`` is the "cyclic" variant for finetuning / multi-epoch loops: an endless
+stream of epochs, each a fresh permutation seeded by (seed, epoch), cut into the same per-step
+layout (so its global batches, too, are the same at any data-parallel size), also resumable from a
+consumed-sample count.
 
 ``collate`` stacks a list of sample dicts into a dict of torch tensors;
 ``build_pretraining_data_loader`` / ``build_data_iterators`` wire it all into torch DataLoaders.
@@ -72,20 +73,18 @@ class PretrainingSampler:
 class RandomPretrainingSampler:
     """Endless epochs of seeded permutations of [0, total_samples), same per-step layout, resumable.
 
-    An epoch has ``total_samples // (micro_batch_size * dp_size)`` full steps (the remainder is
-    skipped); ``consumed_samples`` must be a multiple of the step size.
+    The samples form one stream: epoch e is the permutation seeded by (seed, e) of all
+    ``total_samples``, and the epochs follow each other. Step k reads the ``micro_batch_size *
+    dp_size`` stream positions after ``consumed_samples + k * step``, rank r its r-th micro-batch of
+    them (a step may span two epochs). So the samples of every global batch depend on neither the
+    data-parallel size nor the micro-batch size: a run resumed at another layout (a ``torch_dist``
+    checkpoint) reads what the old layout would have read, and no epoch drops a remainder.
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int = 1234):
         _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.step_size = micro_batch_size * data_parallel_size
-        if consumed_samples % self.step_size:
-            raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of micro-batch x "
-                             f"data-parallel size {self.step_size}")
-        self.steps_per_epoch = total_samples // self.step_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"{total_samples} samples are fewer than one step of {self.step_size}")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -96,14 +95,12 @@ class RandomPretrainingSampler:
         return np.random.default_rng([self.seed, epoch]).permutation(self.total_samples)
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.consumed_samples // self.step_size
-        begin = self.rank * self.micro_batch_size
-        for epoch in itertools.count(step // self.steps_per_epoch):
-            order = self.epoch_order(epoch)
-            first = step % self.steps_per_epoch if epoch == step // self.steps_per_epoch else 0
-            for k in range(first, self.steps_per_epoch):
-                lo = k * self.step_size + begin
-                yield order[lo:lo + self.micro_batch_size].tolist()
+        orders: dict[int, np.ndarray] = {}  # the epochs the current micro-batch spans (at most a few)
+        for start in itertools.count(self.consumed_samples + self.rank * self.micro_batch_size, self.step_size):
+            positions = np.arange(start, start + self.micro_batch_size)
+            epochs, offsets = np.divmod(positions, self.total_samples)
+            orders = {e: orders[e] if e in orders else self.epoch_order(e) for e in map(int, np.unique(epochs))}
+            yield [int(orders[int(e)][o]) for e, o in zip(epochs, offsets)]
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

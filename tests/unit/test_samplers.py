@@ -57,8 +57,29 @@ def test_random_sampler_epochs_are_permutations_split_across_ranks():
         assert got == list(range(total))  # each epoch: every sample once, ranks disjoint
     epoch0 = [per_rank[0][k] for k in range(4)]
     assert sum(epoch0, []) != list(range(0, 20))  # actually shuffled
-    with pytest.raises(ValueError, match="multiple"):
-        RandomPretrainingSampler(total, 7, mbs, 0, dp)
+
+
+def _stream(sampler_cls, total, consumed, mbs, dp, steps):
+    """The samples read, step by step, ranks in order: what the global batches are made of."""
+    per_rank = run(sampler_cls, total, consumed, mbs, dp, steps=steps)
+    return [i for k in range(steps) for r in range(dp) for i in per_rank[r][k]]
+
+
+@pytest.mark.parametrize("total", [60, 61, 97])
+def test_random_sampler_global_batches_do_not_depend_on_the_layout(total):
+    """--dataloader-type cyclic: the same samples in the same global batches at any data-parallel and
+    micro-batch size, across epochs, also resumed at another layout (as a torch_dist checkpoint
+    does). The epochs were total // (mbs x dp) steps long (the rest dropped), so from the first
+    epoch's end on the global batches depended on the layout."""
+    n = 240  # 4 global batches of 60 / 2 to 4 epochs
+    reference = _stream(RandomPretrainingSampler, total, 0, 1, 1, n)
+    for mbs, dp in ((2, 1), (1, 4), (3, 2), (5, 3), (4, 4)):
+        assert _stream(RandomPretrainingSampler, total, 0, mbs, dp, n // (mbs * dp)) == reference, (mbs, dp)
+    for consumed, mbs, dp in ((60, 5, 3), (120, 2, 3), (180, 4, 1)):  # resumed at a global batch boundary
+        assert _stream(RandomPretrainingSampler, total, consumed, mbs, dp, (n - consumed) // (mbs * dp)) == \
+            reference[consumed:]
+    for e in range(n // total):  # each whole epoch is every sample once
+        assert sorted(reference[e * total:(e + 1) * total]) == list(range(total))
 
 
 def test_partial_last_step_kept_without_drop_last():
