@@ -238,6 +238,8 @@ class BertDataset:
             "path_prefix": os.path.abspath(prefix) if prefix else None,
             "num_sequences": int(len(indexed_dataset.sequence_lengths)),
             "sequence_lengths_sha1": lengths_fingerprint(indexed_dataset.sequence_lengths),
+            # the samples pair sentences of one document: the grouping is part of the mapping's identity
+            "document_indices_sha1": lengths_fingerprint(indexed_dataset.document_indices),
             "split": split_name,
             "document_range": [int(self.document_ids[0]), int(self.document_ids[-1]) + 1],
             "num_samples": num_samples,

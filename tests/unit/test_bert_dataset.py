@@ -185,3 +185,30 @@ def test_split_without_a_two_sentence_document_is_a_data_config_error(tmp_path):
     with pytest.raises(DataConfigError, match=r"s, valid split \(--split 90,10,0\): none of its 2 documents"):
         build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())
     assert build_train_valid_test_datasets(cfg, [10, 0, 0], Tokenizer())[0] is not None
+
+
+def test_cache_of_a_rewritten_dataset_with_other_document_boundaries_is_not_reused(tmp_path):
+    """Same path, same sentence lengths, same number of documents, other boundaries (sentences
+    regrouped): the cached mapping of the old grouping was loaded, pairing sentences across documents."""
+    lengths = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+
+    def write(sentences_per_doc):
+        b = IndexedDatasetBuilder(str(tmp_path / "s"), dtype=np.int32)
+        ends = set(np.cumsum(sentences_per_doc).tolist())
+        for i, n in enumerate(lengths):
+            b.add_item(np.arange(FIRST_WORD_ID, FIRST_WORD_ID + n, dtype=np.int32))
+            if i + 1 in ends:
+                b.end_document()
+        b.finalize()
+
+    cfg = BertDatasetConfig(seq_length=64, data_path=[str(tmp_path / "s")], split="1,0,0",
+                            data_cache_path=str(tmp_path / "cache"))
+    write([4] * 12)
+    assert build_train_valid_test_datasets(cfg, [20, 0, 0], Tokenizer())[0].index_source == "built"
+    write([2, 6] * 6)  # 12 documents again
+    second = build_train_valid_test_datasets(cfg, [20, 0, 0], Tokenizer())[0]
+    assert second.index_source == "built"
+    doc_idx = np.asarray(IndexedDataset(str(tmp_path / "s")).document_indices)
+    for first_sentence, end, _ in second.samples_mapping:  # every sample lies inside one document
+        doc = int(np.searchsorted(doc_idx, first_sentence, side="right")) - 1
+        assert int(end) <= int(doc_idx[doc + 1])
