@@ -195,7 +195,8 @@ class HuggingFaceTokenizer(Tokenizer):
             raise DataFileError(f"{path}: not a readable Hugging Face tokenizer.json ({e})") from None
         self.vocab = self.hf.get_vocab(with_added_tokens=True)
         self.inv_vocab = {i: t for t, i in self.vocab.items()}
-        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        # ids up to the largest one (a tokenizer.json may leave gaps): what the embedding and the token dtype need
+        self.vocab_size = max(self.hf.get_vocab_size(with_added_tokens=True), max(self.vocab.values(), default=-1) + 1)
         self.eod = self.eos = next((self.vocab[t] for t in self.EOD_CANDIDATES if t in self.vocab), None)
         self.pad = next((self.vocab[t] for t in self.PAD_CANDIDATES if t in self.vocab), None)
 

@@ -104,6 +104,27 @@ def test_null_and_huggingface_round_trip(tmp_path, tok_files):
     assert file_bytes(str(tmp_path / "hf_text_document")) == file_bytes(str(tmp_path / "gpt2_text_document"))
 
 
+def test_huggingface_ids_past_the_vocabulary_count_get_room(tmp_path):
+    """A tokenizer.json whose ids leave a gap (5 tokens, one of them id 70000): its vocab_size covers
+    the largest id, so preprocessing writes int32 and reads the id back (it took the count, 5: uint16,
+    and the run ended in an OverflowError traceback; training refused id 70000 as outside the vocab)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "c": 70000}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<|endoftext|>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    spec = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    assert build_tokenizer(**spec).vocab_size == 70001
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "a c b"}\n')
+    run(tmp_path, spec, input=str(path), append_eod=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    eod = build_tokenizer(**spec).eod
+    assert ds.dtype == np.int32 and ds[0].tolist() == [1, 70000, 2, eod]
+
+
 def test_split_sentences_and_eod_on_last_sentence(tmp_path, tok_files):
     spec = dict(tokenizer_type="GPTSentencePieceTokenizer", **tok_files["GPTSentencePieceTokenizer"])
     run(tmp_path, spec, json_keys=["text", "title"], split_sentences=True, append_eod=True)
