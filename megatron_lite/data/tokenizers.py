@@ -66,7 +66,7 @@ class GPT2BPETokenizer(Tokenizer):
         if END_OF_TEXT not in self.bpe.encoder:
             raise DataFileError(f"{vocab_file}: no {END_OF_TEXT} token (GPT-2's end-of-document token)")
         self.vocab, self.inv_vocab = self.bpe.encoder, self.bpe.decoder
-        self.vocab_size = len(self.vocab)
+        self.vocab_size = max(len(self.vocab), max(self.vocab.values()) + 1)  # ids may leave gaps
         self.eod = self.vocab[END_OF_TEXT]
         # tiktoken for GPT-2's own vocabulary when installed (same ids, compiled); else the reference
         self.backend = "tiktoken" if (fast := tiktoken_encoder(self.bpe)) else "python"

@@ -108,6 +108,16 @@ def test_trainer_picks_most_frequent_pair_first():
     assert train_gpt2_bpe(["abab abab xy"], 259, 1) == (encoder, merges)  # deterministic
 
 
+def test_gpt2_vocab_with_an_id_gap_sizes_the_vocabulary_by_its_largest_id(gpt2_files, tmp_path):
+    """A vocab.json whose ids skip some (here <|endoftext|> moved to 70000): vocab_size is 70001, so
+    the token dtype and the embedding have room for it (it was the token count)."""
+    vocab = json.load(open(gpt2_files[0], encoding="utf-8"))
+    vocab["<|endoftext|>"] = 70000
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=gpt2_files[1])
+    assert tok.eod == 70000 and tok.vocab_size == 70001
+
+
 def test_gpt2_matches_huggingface_byte_level_bpe(gpt2_files):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers
