@@ -49,6 +49,21 @@ class Tokenizer:
         raise NotImplementedError
 
 
+def encodable(text: str) -> str:
+    """``text``, with surrogate code points (a JSON ``"\\ud800"`` escape) made UTF-8-encodable as the
+    GPT-2 encoders do (:func:`~megatron_lite.data.gpt2_bpe.utf8_encodable`): SentencePiece and
+    Hugging Face tokenizers cannot take them (a pybind11 RuntimeError / a TypeError)."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        from megatron_lite.data.gpt2_bpe import utf8_encodable
+
+        return utf8_encodable(text)
+    return text
+
+
 def _need(value, flag: str, tokenizer_type: str):
     if value is None:  # a user error (exit 2 in the scripts), not a crash
         raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag}")
@@ -110,7 +125,7 @@ class GPTSentencePieceTokenizer(Tokenizer):
         self.pad = _optional_id(self.sp.pad_id())
 
     def tokenize(self, text: str) -> list[int]:
-        return self.sp.encode_as_ids(text)
+        return self.sp.encode_as_ids(encodable(text))
 
     def detokenize(self, ids) -> str:
         return self.sp.decode_ids([int(i) for i in ids])
@@ -148,6 +163,7 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
         self.inv_special = {i: t for t, i in self.special.items()}
 
     def tokenize(self, text: str) -> list[int]:
+        text = encodable(text)
         ids, pos = [], 0
         while True:
             hits = [(text.find(t, pos), t) for t in self.special]
@@ -201,7 +217,7 @@ class HuggingFaceTokenizer(Tokenizer):
         self.pad = next((self.vocab[t] for t in self.PAD_CANDIDATES if t in self.vocab), None)
 
     def tokenize(self, text: str) -> list[int]:
-        return self.hf.encode(text).ids
+        return self.hf.encode(encodable(text)).ids
 
     def detokenize(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)

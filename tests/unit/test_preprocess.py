@@ -125,6 +125,33 @@ def test_huggingface_ids_past_the_vocabulary_count_get_room(tmp_path):
     assert ds.dtype == np.int32 and ds[0].tolist() == [1, 70000, 2, eod]
 
 
+@pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                  "GPT2BPETokenizer", "BertWordPieceLowerCase"])
+def test_a_lone_surrogate_escape_is_tokenized_as_u_fffd(tmp_path, tok_files, kind):
+    """Valid JSON "\\ud83d" (an emoji cut in half, common in scraped text) is a lone surrogate: with
+    SentencePiece it was a pybind11 RuntimeError, with a Hugging Face tokenizer a TypeError, a
+    traceback either way. Every tokenizer now reads it as U+FFFD, as the GPT-2 encoders did."""
+    if kind == "HuggingFaceTokenizer":
+        tokenizers = pytest.importorskip("tokenizers")
+        from tokenizers import models, pre_tokenizers
+
+        files = tok_files["GPT2BPETokenizer"]
+        hf = tokenizers.Tokenizer(models.BPE.from_file(files["vocab_file"], files["merge_file"]))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.save(str(tmp_path / "tokenizer.json"))
+        spec = dict(tokenizer_type=kind, tokenizer_model=str(tmp_path / "tokenizer.json"))
+    else:
+        spec = dict(tokenizer_type=kind, **tok_files[kind])
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "smile \\ud83d here"}\n{"text": "pair \\ud83d\\ude00 ok"}\n')
+    for workers in (1, 2):
+        run(tmp_path, spec, name=f"w{workers}", input=str(path), workers=workers)
+    ds = IndexedDataset(str(tmp_path / "w1_text_document"))
+    tok = build_tokenizer(**spec)
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize("smile \ufffd here"), tok.tokenize("pair \U0001f600 ok")]
+    assert file_bytes(str(tmp_path / "w2_text_document")) == file_bytes(str(tmp_path / "w1_text_document"))
+
+
 def test_split_sentences_and_eod_on_last_sentence(tmp_path, tok_files):
     spec = dict(tokenizer_type="GPTSentencePieceTokenizer", **tok_files["GPTSentencePieceTokenizer"])
     run(tmp_path, spec, json_keys=["text", "title"], split_sentences=True, append_eod=True)
