@@ -45,7 +45,15 @@ def read_texts(path: str, json_keys=("text",), jsonl=None):
 
 
 def _texts_of(f, path, json_keys, jsonl):
-    """The texts of an open text file, line by line (JSONL fields or whole lines)."""
+    """The texts of an open text file, line by line (JSONL fields or whole lines), made UTF-8-encodable
+    as the tokenizers read them (a JSON "\\ud83d" escape: U+FFFD)."""
+    from megatron_lite.data.tokenizers import encodable
+
+    for text in _raw_texts_of(f, path, json_keys, jsonl):
+        yield encodable(text)
+
+
+def _raw_texts_of(f, path, json_keys, jsonl):
     for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue

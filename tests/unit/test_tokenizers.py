@@ -262,6 +262,18 @@ def test_train_tokenizer_reads_presplit_sentences_as_preprocess_does(tmp_path, c
     assert "no text to train on" in capsys.readouterr().err and not list(tmp_path.glob("[be]*.model"))
 
 
+@pytest.mark.parametrize("model_type", ["bpe", "byte-level-bpe", "wordpiece"])
+def test_train_tokenizer_takes_a_lone_surrogate_escape(tmp_path, capsys, model_type):
+    """A JSONL line holding "\\ud83d" (valid JSON, half an emoji), which preprocess_data.py reads as
+    U+FFFD: SentencePiece training failed with "Unable to cast Python instance ...", byte-level BPE
+    with "'utf-8' codec can't encode character '\\ud83d'"."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()) + '{"text": "half \\ud83d"}\n')
+    code = load_tool("train_tokenizer").main(["--input", str(corpus), "--output-prefix", str(tmp_path / "m"),
+                                              "--vocab-size", "700", "--model-type", model_type])
+    assert code == 0, capsys.readouterr().err
+
+
 def _train_cli(tmp_path, capsys, *argv):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
