@@ -18,6 +18,7 @@ Types and their files (Megatron's flag names):
 
 from __future__ import annotations
 
+import json
 import os
 
 from megatron_lite.data.indexed_dataset import DataFileError
@@ -213,8 +214,29 @@ class HuggingFaceTokenizer(Tokenizer):
         self.inv_vocab = {i: t for t, i in self.vocab.items()}
         # ids up to the largest one (a tokenizer.json may leave gaps): what the embedding and the token dtype need
         self.vocab_size = max(self.hf.get_vocab_size(with_added_tokens=True), max(self.vocab.values(), default=-1) + 1)
-        self.eod = self.eos = next((self.vocab[t] for t in self.EOD_CANDIDATES if t in self.vocab), None)
-        self.pad = next((self.vocab[t] for t in self.PAD_CANDIDATES if t in self.vocab), None)
+        # as transformers' AutoTokenizer (Megatron's eod = eos_token_id): tokenizer_config.json's tokens first
+        config = self._config_tokens(os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json"))
+        self.eod = self.eos = next((self.vocab[t] for t in (config.get("eos_token"), *self.EOD_CANDIDATES)
+                                    if t in self.vocab), None)
+        self.pad = next((self.vocab[t] for t in (config.get("pad_token"), *self.PAD_CANDIDATES) if t in self.vocab),
+                        None)
+
+    @staticmethod
+    def _config_tokens(path: str) -> dict:
+        """The special-token strings (eos_token, pad_token, ...) of a tokenizer_config.json, if there is one."""
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise DataFileError(f"{path}: not a readable tokenizer_config.json ({e})") from None
+        tokens = {}
+        for key, value in (config.items() if isinstance(config, dict) else ()):
+            value = value.get("content") if isinstance(value, dict) else value
+            if key.endswith("_token") and isinstance(value, str):
+                tokens[key] = value
+        return tokens
 
     def tokenize(self, text: str) -> list[int]:
         return self.hf.encode(encodable(text)).ids

@@ -204,6 +204,37 @@ def test_huggingface_tokenizer(gpt2_files, tmp_path):
 
 
 # -- errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("eos, pad", [("<｜end▁of▁sentence｜>", "<｜pad▁token｜>"), ("</s>", None),
+                                      ({"__type": "AddedToken", "content": "</s>", "special": True}, "[PAD]")])
+def test_huggingface_eod_is_the_eos_token_of_tokenizer_config_json(tmp_path, eos, pad):
+    """As transformers' AutoTokenizer (Megatron's eod is its eos_token_id): the eos_token / pad_token of
+    the tokenizer_config.json beside tokenizer.json. Only a list of usual names was tried: a
+    DeepSeek-V3 tokenizer ("<｜end▁of▁sentence｜>") had no EOD (--append-eod refused), and one with both
+    "<|endoftext|>" and "</s>" got the first whatever its config said."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "</s>", "<｜end▁of▁sentence｜>", "<pad>", "<｜pad▁token｜>", "[PAD]"]
+    hf = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(specials)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, **({"pad_token": pad} if pad else {})}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    eos_text = eos["content"] if isinstance(eos, dict) else eos
+    assert tok.eod == tok.eos == 2 + specials.index(eos_text)
+    assert tok.pad == 2 + specials.index(pad or "<pad>")
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.eod == reference.eos_token_id and (pad is None or tok.pad == reference.pad_token_id)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(DataFileError, match="tokenizer_config.json: not a readable"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    (tmp_path / "tokenizer_config.json").unlink()  # no config: the usual names, in order
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).eod == 2
+
+
 def test_bad_files_are_clear_errors(tmp_path, gpt2_files):
     with pytest.raises(DataFileError, match="nope.json: file not found"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file=gpt2_files[1])
