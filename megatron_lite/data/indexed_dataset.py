@@ -159,6 +159,9 @@ class IndexedDataset:
         idx_path = index_file_path(self.path_prefix)
         lengths = self.sequence_lengths
         if len(lengths) == 0:
+            if bin_size:
+                raise DataFileError(f"{bin_path}: {bin_size} bytes, but its index {idx_path} describes no sequence; "
+                                    f"the .bin belongs to another .idx or the index is truncated")
             return
         pointers = self.sequence_pointers
         if lengths.min() < 0 or pointers.min() < 0:

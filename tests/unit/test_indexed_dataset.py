@@ -99,6 +99,10 @@ def test_int32_and_empty_dataset(tmp_path):
         pass
     empty = IndexedDataset(str(tmp_path / "empty"))
     assert len(empty) == 0 and empty.num_documents() == 0
+    # an index of no sequence beside a .bin holding tokens: the pair does not belong together
+    (tmp_path / "empty.bin").write_bytes(b"\x01\x00\x02\x00")
+    with pytest.raises(DataFileError, match=r"empty.bin: 4 bytes, but its index .*empty.idx describes no sequence"):
+        IndexedDataset(str(tmp_path / "empty"))
 
 
 def test_best_dtype():
