@@ -251,7 +251,7 @@ class BertWordPieceTokenizer(Tokenizer):
 
         self.wp = WordPieceTokenizer(vocab_file, lower_case)
         self.vocab, self.inv_vocab = self.wp.vocab, self.wp.inv_vocab
-        self.vocab_size = len(self.inv_vocab)
+        self.vocab_size = max(self.inv_vocab) + 1  # every line of vocab.txt (a repeated token leaves a gap)
         self.cls, self.sep = self.vocab["[CLS]"], self.vocab["[SEP]"]
         self.mask, self.pad = self.vocab["[MASK]"], self.vocab["[PAD]"]
 

@@ -23,7 +23,7 @@ MAX_WORD_CHARS = 100
 
 
 def load_vocab(vocab_file: str) -> dict[str, int]:
-    """vocab.txt: one token per line, the id is the line number (0-based)."""
+    """vocab.txt: one token per line, the id is the line number (0-based; the last one of a repeated token)."""
     from megatron_lite.data.indexed_dataset import DataFileError
 
     try:
@@ -33,7 +33,7 @@ def load_vocab(vocab_file: str) -> dict[str, int]:
         raise DataFileError(f"{vocab_file}: cannot read WordPiece vocab.txt ({e})") from None
     vocab = {}
     for i, tok in enumerate(tokens):
-        vocab.setdefault(tok.strip(), i)
+        vocab[tok.strip()] = i  # a token listed twice: its last line, as Megatron's and Hugging Face's loaders
     missing = [t for t in ("[UNK]", "[CLS]", "[SEP]", "[MASK]", "[PAD]") if t not in vocab]
     if missing:
         raise DataFileError(f"{vocab_file}: WordPiece vocab lacks the special tokens {missing} "

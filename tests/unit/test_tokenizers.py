@@ -235,6 +235,18 @@ def test_huggingface_eod_is_the_eos_token_of_tokenizer_config_json(tmp_path, eos
     assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).eod == 2
 
 
+def test_wordpiece_vocab_with_a_repeated_token_matches_the_reference_loaders(tmp_path):
+    """A vocab.txt listing a token twice: its id is its last line (Megatron's and Hugging Face's
+    loaders), and vocab_size counts every line so the largest id fits (it took the first line and
+    the count of distinct tokens, one short of the id of the last line)."""
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\nworld\nhello\n##s\n")
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(tmp_path / "vocab.txt"))
+    assert tok.tokenize("Hello worlds") == [7, 6, 8] and tok.vocab_size == 9
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=True)
+    assert tok.tokenize("Hello worlds") == reference.encode("Hello worlds", add_special_tokens=False)
+
+
 def test_bad_files_are_clear_errors(tmp_path, gpt2_files):
     with pytest.raises(DataFileError, match="nope.json: file not found"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file=gpt2_files[1])
