@@ -19,6 +19,19 @@ import os
 from megatron_lite.data.indexed_dataset import DataFileError
 
 BATCH_ROWS = 256  # rows per record batch, and per chunk handed to a worker (the JSONL chunk size)
+# A value JSON cannot hold (a date, a decimal, binary that is not UTF-8) is written as {NOT_JSON: its type
+# name}, so that the row is reported (or skipped) like any malformed row, naming that type.
+NOT_JSON = "\u0000parquet type"
+
+
+def _json_value(value):
+    """json.dumps's fallback: a binary column's UTF-8 text as the string it holds, else the marker."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return {NOT_JSON: "binary (not UTF-8)"}
+    return {NOT_JSON: type(value).__name__}
 
 
 def is_parquet_input(path: str) -> bool:
@@ -69,7 +82,7 @@ def _rows(path: str, keys):
         for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=list(keys)):
             columns = [batch.column(k).to_pylist() for k in keys]
             for values in zip(*columns):
-                yield json.dumps(dict(zip(keys, values)), ensure_ascii=False).encode("utf-8") + b"\n"
+                yield json.dumps(dict(zip(keys, values)), ensure_ascii=False, default=_json_value).encode("utf-8") + b"\n"
 
 
 def read_parquet_chunks(path: str, keys, start: int = 0, stop: int | None = None, step: int = 1):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
-from megatron_lite.data.parquet_input import count_rows, is_parquet_input, read_parquet_chunks
+from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
 from megatron_lite.data.tokenizers import build_tokenizer
 
@@ -127,7 +127,8 @@ def _parse(line: bytes, keys) -> list[str]:
             if not all(isinstance(v, str) for v in value):
                 raise ValueError(f"value of {key!r} is a list that holds a non-string")
         elif not isinstance(value, str):
-            raise ValueError(f"value of {key!r} is {type(value).__name__}, not a string")
+            kind = value[NOT_JSON] if isinstance(value, dict) and NOT_JSON in value else type(value).__name__
+            raise ValueError(f"value of {key!r} is {kind}, not a string")
         texts.append(value)
     return texts
 

@@ -95,3 +95,27 @@ def test_not_parquet_is_a_clear_error(tmp_path):
         _run(tmp_path, tmp_path / "bad.parquet", "out")
     with pytest.raises(DataFileError, match="input file not found"):
         _run(tmp_path, tmp_path / "missing.parquet", "out")
+
+
+def test_binary_and_other_non_json_columns(tmp_path):
+    """A binary column (text stored as bytes) is read as its UTF-8 text, the same bytes as a string
+    column; a value JSON cannot hold (a date, non-UTF-8 bytes) is a malformed row naming its type.
+    Both ended in "TypeError: Object of type bytes (date) is not JSON serializable" tracebacks."""
+    import datetime
+
+    records = _records(20)
+    texts = [r["text"] for r in records]
+    pq.write_table(pa.table({"text": pa.array(texts)}), str(tmp_path / "s.parquet"))
+    pq.write_table(pa.table({"text": pa.array([t.encode() for t in texts], type=pa.large_binary())}),
+                   str(tmp_path / "b.parquet"))
+    assert _run(tmp_path, tmp_path / "b.parquet", "b")[1] == _run(tmp_path, tmp_path / "s.parquet", "s")[1]
+    bad = [t.encode() for t in texts]
+    bad[4] = b"\xff\xfe"
+    pq.write_table(pa.table({"text": pa.array(bad, type=pa.binary())}), str(tmp_path / "x.parquet"))
+    with pytest.raises(MalformedLineError, match=r"x\.parquet:5: value of 'text' is binary \(not UTF-8\), not a string"):
+        _run(tmp_path, tmp_path / "x.parquet", "out")
+    result, _ = _run(tmp_path, tmp_path / "x.parquet", "out", skip_malformed=True)
+    assert (result.documents, result.skipped) == (19, 1)
+    pq.write_table(pa.table({"text": pa.array([datetime.date(2020, 1, 2)])}), str(tmp_path / "d.parquet"))
+    with pytest.raises(MalformedLineError, match=r"d\.parquet:1: value of 'text' is date, not a string"):
+        _run(tmp_path, tmp_path / "d.parquet", "out2")
