@@ -73,7 +73,7 @@ def predict(model, ids: list[int], mask_id: int, vocab_size: int, top_k: int, de
 
 def build_tokenizer_for(args, saved: dict):
     if args.tokenizer_type is None and saved.get("tokenizer_type") is None:  # converted from Hugging Face
-        saved = {**saved, **(checkpoint_tokenizer(args.load) or {})}
+        saved = {**saved, **(checkpoint_tokenizer(args.load, bert=True) or {})}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else saved.get(name)  # noqa: E731
     kind = pick("tokenizer_type")
     if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):

@@ -41,7 +41,7 @@ from .hf_io import (
     write_safetensors,
 )
 from .hf_mixtral import from_mixtral, to_mixtral
-from .hf_tokenizer import export_tokenizer, tokenizer_flags, tokenizer_in_folder
+from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
 from .hf_unused import TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
@@ -264,7 +264,10 @@ def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progre
     out = _save_megatron(bundle, args, progress)
     folder = os.path.join(args.save_dir, TOKENIZER_DIR)
     copy_tokenizer_files(bundle.tokenizer_files, folder)
-    found = tokenizer_in_folder(folder)
+    bert = args.model_type == "BERT"
+    if bert:  # a transformers BERT may ship only tokenizer.json: the BERT tools read a vocab.txt
+        add_bert_vocab_txt(folder)
+    found = tokenizer_in_folder(folder, bert)
     if found and not bundle.config.get("tokenizer_type"):  # say which tokenizer flags load the kept files
         load = f"load it with: --load {args.save_dir} "
         out = out.replace(" (and the tokenizer flags)", "").replace(load, load + " ".join(tokenizer_flags(found)) + " ")

@@ -161,23 +161,69 @@ def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, st
     return special, f"tokenizer: {kind} (AutoTokenizer gives the training ids)"
 
 
-def tokenizer_in_folder(folder: str) -> dict | None:
+def _lower_case_normalizer(norm) -> bool:
+    """Whether a tokenizer.json normalizer lower-cases (BertNormalizer's flag, or a Lowercase step)."""
+    if not isinstance(norm, dict):
+        return False
+    if norm.get("type") == "BertNormalizer":
+        return bool(norm.get("lowercase", True))
+    return norm.get("type") == "Lowercase" or any(map(_lower_case_normalizer, norm.get("normalizers") or []))
+
+
+def wordpiece_of_tokenizer_json(path: str) -> tuple[list[str], bool] | None:
+    """(the tokens in id order, lower-cased) of a WordPiece ``tokenizer.json`` (what ``transformers``
+    saves for a BERT, often without a vocab.txt); None for another model or ids a vocab.txt cannot
+    hold (gaps, a token with a line break)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "WordPiece" or not isinstance(model.get("vocab"), dict):
+        return None
+    vocab = dict(model["vocab"])
+    vocab.update({t.get("content"): t.get("id") for t in spec.get("added_tokens") or [] if isinstance(t, dict)})
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1] if isinstance(kv[1], int) else -1)
+    tokens = [t for t, _ in by_id]
+    if [i for _, i in by_id] != list(range(len(by_id))) or any(not t or "\n" in t or t != t.strip() for t in tokens):
+        return None
+    return tokens, _lower_case_normalizer(spec.get("normalizer"))
+
+
+def add_bert_vocab_txt(folder: str) -> bool:
+    """Write ``vocab.txt`` into ``folder`` from its WordPiece ``tokenizer.json`` when it has none, so
+    the BERT tools (``BertWordPiece*`` tokenizers) can read it; True if written."""
+    if os.path.isfile(os.path.join(folder, "vocab.txt")) or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return False
+    found = wordpiece_of_tokenizer_json(os.path.join(folder, "tokenizer.json"))
+    if found is None:
+        return False
+    from ..data.wordpiece import save_vocab
+
+    save_vocab(found[0], os.path.join(folder, "vocab.txt"))
+    return True
+
+
+def tokenizer_in_folder(folder: str, bert: bool = False) -> dict | None:
     """The tokenizer flags (``tokenizer_type``, ``vocab_file``, ``merge_file``, ``tokenizer_model``) of
     the Hugging Face tokenizer files in ``folder`` (what convert.py keeps in ``<save>/tokenizer``);
     None when there are none. tokenizer.json first (what Hugging Face itself reads), then vocab.txt
-    (BERT; lower-cased unless its tokenizer_config.json says otherwise), vocab.json + merges.txt,
-    tokenizer.model."""
+    (BERT; lower-cased unless its tokenizer_config.json or tokenizer.json says otherwise),
+    vocab.json + merges.txt, tokenizer.model. With ``bert`` (a BERT model: its tools need a WordPiece
+    vocabulary with [CLS]/[SEP]/[MASK]) vocab.txt comes before a WordPiece tokenizer.json."""
     def path(name):
         full = os.path.join(folder, name)
         return full if os.path.isfile(full) else None
 
-    if path("tokenizer.json"):
+    wordpiece = wordpiece_of_tokenizer_json(path("tokenizer.json")) if path("tokenizer.json") else None
+    if path("tokenizer.json") and not (bert and wordpiece is not None and path("vocab.txt")):
         return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": path("tokenizer.json")}
     if path("vocab.txt"):
-        lower = True
+        lower = wordpiece[1] if wordpiece is not None else True
         if path("tokenizer_config.json"):
             with open(path("tokenizer_config.json")) as f:
-                lower = bool(json.load(f).get("do_lower_case", True))
+                lower = bool(json.load(f).get("do_lower_case", lower))
         return {"tokenizer_type": BERT_TYPES[0] if lower else BERT_TYPES[1], "vocab_file": path("vocab.txt")}
     if path("vocab.json") and path("merges.txt"):
         return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": path("vocab.json"), "merge_file": path("merges.txt")}
@@ -186,13 +232,13 @@ def tokenizer_in_folder(folder: str) -> dict | None:
     return None
 
 
-def checkpoint_tokenizer(load: str) -> dict | None:
+def checkpoint_tokenizer(load: str, bert: bool = False) -> dict | None:
     """:func:`tokenizer_in_folder` of a checkpoint's ``tokenizer`` folder (``load``: a save folder or
     one of its ``iter_*`` folders)."""
     from .hf_io import TOKENIZER_DIR
 
     for root in (load, os.path.dirname(os.path.abspath(load))):
-        found = tokenizer_in_folder(os.path.join(root, TOKENIZER_DIR))
+        found = tokenizer_in_folder(os.path.join(root, TOKENIZER_DIR), bert)
         if found:
             return found
     return None

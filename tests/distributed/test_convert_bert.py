@@ -225,3 +225,34 @@ def test_model_type_and_hf_refusals_name_the_option(source, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
         assert not (tmp_path / f"out{i}").exists()
+
+
+@pytest.mark.parametrize("with_vocab_txt", [False, True])
+def test_hf_bert_with_a_tokenizer_json_imports_a_wordpiece_tokenizer_fill_mask_reads(tmp_path, capsys, with_vocab_txt):
+    """transformers saves a BERT tokenizer as tokenizer.json (v5: without vocab.txt); the import must
+    still give the BERT tools a WordPiece vocab.txt (was: HuggingFaceTokenizer, which pretrain_bert.py
+    and fill_mask.py refuse), with the case setting of its normalizer and Hugging Face's ids."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg = transformers.MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                          intermediate_size=48, max_position_embeddings=16, layer_norm_eps=1e-5)
+    transformers.MegatronBertForPreTraining(cfg).save_pretrained(str(tmp_path / "hf"))
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Paris", "paris", "##is", "Par"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    hf_tok = tokenizers.Tokenizer(tokenizers.models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf_tok.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=False)  # a cased BERT
+    hf_tok.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    hf_tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    if with_vocab_txt:  # transformers 4 wrote both files
+        (tmp_path / "hf" / "vocab.txt").write_text("".join(w + "\n" for w in words))
+    out = tmp_path / "mega"
+    assert convert("BERT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out) == 0
+    vocab_txt = out / "tokenizer" / "vocab.txt"
+    assert f"--tokenizer-type BertWordPieceCase --vocab-file {vocab_txt}" in capsys.readouterr().out
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    ours = build_tokenizer("BertWordPieceCase", vocab_file=str(vocab_txt))
+    for text in ("Paris w3 paris", "Parisis w7, W7"):
+        assert ours.tokenize(text) == hf_tok.encode(text).ids
+    assert load_tool("fill_mask").main(["--load", str(out), "--text", "Paris [MASK] w7", "--top-k", "2"]) == 0
+    assert "[MASK] at 2:" in capsys.readouterr().out
