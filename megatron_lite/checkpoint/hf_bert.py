@@ -66,8 +66,9 @@ def to_bert(cfg: dict, sd: dict) -> tuple[dict, dict]:
     for ours, theirs in HEAD_PAIRS:
         if head or "pooler" not in ours and "binary" not in ours:
             out.update({theirs + kind: sd[ours + kind] for kind in ("weight", "bias")})
-    if not tied:
+    if not tied:  # untied, transformers (v5) adds the decoder's own bias, not cls.predictions.bias: write both
         out["cls.predictions.decoder.weight"] = sd["output_layer.weight"]
+        out["cls.predictions.decoder.bias"] = sd["output_layer.bias"].clone()
     dtype = str(word.dtype).replace("torch.", "")
     hf = {"architectures": ["MegatronBertForPreTraining" if head else "MegatronBertForMaskedLM"],
           "model_type": "megatron-bert", "vocab_size": int(cfg["vocab_size"]), "hidden_size": hidden,
@@ -122,6 +123,8 @@ def from_bert(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
                 sd.update({ours + kind: t[theirs + kind] for kind in ("weight", "bias")})
         if cfg["untie_embeddings_and_output_weights"]:
             sd["output_layer.weight"] = t["cls.predictions.decoder.weight"]
+            if "cls.predictions.decoder.bias" in t:  # the bias an untied transformers model adds
+                sd["output_layer.bias"] = t["cls.predictions.decoder.bias"]
     except KeyError as err:
         raise ConfigError(f"the megatron-bert weights have no tensor {err.args[0]}; the folder does not match its "
                           "config.json") from None

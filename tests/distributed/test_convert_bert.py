@@ -256,3 +256,46 @@ def test_hf_bert_with_a_tokenizer_json_imports_a_wordpiece_tokenizer_fill_mask_r
         assert ours.tokenize(text) == hf_tok.encode(text).ids
     assert load_tool("fill_mask").main(["--load", str(out), "--text", "Paris [MASK] w7", "--top-k", "2"]) == 0
     assert "[MASK] at 2:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_untied_output_layer_exports_its_bias_and_imports_transformers_own(tmp_path, head):
+    """--untie-embeddings-and-output-weights: transformers' untied MegatronBert adds
+    cls.predictions.decoder.bias (not cls.predictions.bias); the export must write it (was left out:
+    random-initialised there, logits off by ~1) and the import must read it."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_lite.parallel.state import ParallelState
+
+    state = ParallelState()
+    cfg = model_config()
+    cfg.untie_embeddings_and_output_weights = True
+    model = BertModel(TransformerConfig.from_model(cfg), state, num_tokentypes=2 if head else 0,
+                      add_binary_head=head).eval()
+    randomize(model, state, seed=13)
+    run = run_config(1, 1, str(tmp_path / "src"))
+    run.model, run.bert = cfg, BertConfig(bert_no_binary_head=not head)
+    save_checkpoint(7, [model], None, None, 56, run, state)
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    assert convert("BERT", "--saver", "hf", "--load-dir", tmp_path / "src", "--save-dir", hf) == 0
+    cls = transformers.MegatronBertForPreTraining if head else transformers.MegatronBertForMaskedLM
+    theirs = cls.from_pretrained(str(hf)).eval()
+    tokens, padding, types, _ = batch()
+    with torch.no_grad():
+        logits, _ = model(tokens, padding, types)
+        out = theirs(input_ids=tokens, attention_mask=padding, token_type_ids=types if head else None)
+        torch.testing.assert_close(out.prediction_logits if head else out.logits, logits[..., :VOCAB],
+                                   rtol=1e-5, atol=1e-5)
+        # a model trained in transformers: only its decoder bias is used
+        theirs.cls.predictions.decoder.bias.add_(torch.randn(VOCAB))
+        theirs.cls.predictions.bias.zero_()
+        want = theirs(input_ids=tokens, attention_mask=padding, token_type_ids=types if head else None)
+    theirs.save_pretrained(str(tmp_path / "hf2"))
+    assert convert("BERT", "--loader", "hf", "--load-dir", hf, "--save-dir", back, "--make-vocab-size-divisible-by", 8) == 0
+    got, _ = merge_checkpoint(str(back))
+    src, _ = merge_checkpoint(str(tmp_path / "src"))
+    torch.testing.assert_close(got["output_layer.bias"][:VOCAB], src["output_layer.bias"][:VOCAB], rtol=0, atol=0)
+    assert convert("BERT", "--loader", "hf", "--load-dir", tmp_path / "hf2", "--save-dir", tmp_path / "mega2") == 0
+    ours, _ = load_bert_checkpoint(str(tmp_path / "mega2"))
+    with torch.no_grad():
+        logits, _ = ours(tokens, padding, types)
+    torch.testing.assert_close(logits[..., :VOCAB], want.prediction_logits if head else want.logits, rtol=1e-5, atol=1e-5)
