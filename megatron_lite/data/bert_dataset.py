@@ -112,9 +112,10 @@ def build_bert_mapping(sizes: np.ndarray, document_indices: np.ndarray, document
     keep = (counts >= min_sentences) & ~has_long
     starts, counts = starts[keep], counts[keep]
     if starts.size == 0:
+        hint = ", or train with --bert-no-binary-head" if binary_head else ""
         raise ValueError(f"none of its {len(document_ids)} documents has >= {min_sentences} sentences of <= "
                          f"{LONG_SENTENCE_LEN} tokens (BERT pairs sentences of a document: preprocess with "
-                         f"--split-sentences, or give this split more documents with --split)")
+                         f"--split-sentences, or give this split more documents with --split{hint})")
     rng = np.random.RandomState(seed)
     epochs, total = [], 0
     lo, hi = int(starts.min()), int((starts + counts).max())

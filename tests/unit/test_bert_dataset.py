@@ -212,3 +212,22 @@ def test_cache_of_a_rewritten_dataset_with_other_document_boundaries_is_not_reus
     for first_sentence, end, _ in second.samples_mapping:  # every sample lies inside one document
         doc = int(np.searchsorted(doc_idx, first_sentence, side="right")) - 1
         assert int(end) <= int(doc_idx[doc + 1])
+
+
+def test_split_of_single_sentence_documents_is_a_data_config_error(tmp_path):
+    """A split whose documents all have one sentence gives no sentence pair: DataConfigError (exit 2
+    in pretrain_bert.py) naming --split and the split, not a ValueError traceback."""
+    from megatron_lite.data.builder import DataConfigError
+
+    b = IndexedDatasetBuilder(str(tmp_path / "s"), dtype=np.int32)
+    for doc in range(10):
+        for _ in range(3 if doc < 8 else 1):  # the last two documents (the valid split) have one sentence
+            b.add_item(np.arange(FIRST_WORD_ID, FIRST_WORD_ID + 12, 2, dtype=np.int32))
+        b.end_document()
+    b.finalize()
+    cfg = BertDatasetConfig(seq_length=32, data_path=[str(tmp_path / "s")], split="80,20,0",
+                            data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(DataConfigError, match=r"valid split \(--split 80,20,0\): none of its 2 documents.*--bert-no-binary-head"):
+        build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())
+    cfg.binary_head = False  # one sentence is a sample without the sentence-order head
+    assert build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())[1] is not None
