@@ -12,7 +12,7 @@ Refused with one line naming the option: RMSNorm, rotary positions, SwiGLU, no b
 attention, a head size other than hidden / heads, ``--openai-gelu`` or the fused bias + GeLU of
 ``--bias-gelu-fusion``, Megatron's default (both tanh; Hugging Face uses one activation for the MLP and
 the LM head, ours is exact in the head: train BERTs to export with ``--no-bias-gelu-fusion``),
-mixture of experts.
+mixture of experts; on import, a causal (``is_decoder``) or relative-position megatron-bert.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ def from_bert(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     (the binary head when the weights have ``cls.seq_relationship``)."""
     _require(hf.get("hidden_act", "gelu") == "gelu", f"hidden_act {hf.get('hidden_act')!r} cannot be expressed "
              "(BERT's GeLU is exact: 'gelu')")
+    _require(not hf.get("is_decoder") and not hf.get("add_cross_attention"), "is_decoder / add_cross_attention (a "
+             "causal MegatronBertForCausalLM or an encoder-decoder part) cannot be expressed: this BERT is bidirectional")
+    _require(hf.get("position_embedding_type", "absolute") == "absolute", f"position_embedding_type "
+             f"{hf.get('position_embedding_type')!r} cannot be expressed (learned absolute positions only)")
     _require(hf.get("type_vocab_size", 2) == 2, f"type_vocab_size {hf.get('type_vocab_size')} cannot be expressed "
              "(two token types, with the binary head)")
     hidden, heads, layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]

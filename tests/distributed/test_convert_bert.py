@@ -299,3 +299,29 @@ def test_untied_output_layer_exports_its_bias_and_imports_transformers_own(tmp_p
     with torch.no_grad():
         logits, _ = ours(tokens, padding, types)
     torch.testing.assert_close(logits[..., :VOCAB], want.prediction_logits if head else want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_import_refuses_a_causal_or_relative_position_megatron_bert(tmp_path, capsys):
+    """A megatron-bert config.json with is_decoder (MegatronBertForCausalLM: causal attention) or
+    relative positions (transformers 4) imported as the bidirectional, absolute-position BERT gave
+    other outputs silently; now one line names the option and nothing is written."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                          intermediate_size=48, max_position_embeddings=16, is_decoder=True)
+    model = transformers.MegatronBertForCausalLM(cfg)
+    torch.nn.init.zeros_(model.bert.embeddings.token_type_embeddings.weight)  # otherwise refused for its token types
+    model.save_pretrained(str(tmp_path / "causal"))
+    relative = tmp_path / "relative"
+    transformers.MegatronBertForPreTraining(transformers.MegatronBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=16)).save_pretrained(str(relative))
+    config = json.loads((relative / "config.json").read_text())
+    (relative / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
+    capsys.readouterr()  # transformers' progress bars
+    for src, words in (("causal", "is_decoder"), ("relative", "position_embedding_type 'relative_key'")):
+        assert convert("BERT", "--loader", "hf", "--load-dir", tmp_path / src, "--save-dir", tmp_path / f"{src}_out") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+        assert not (tmp_path / f"{src}_out").exists()
