@@ -45,16 +45,16 @@ def _require(cond, message: str) -> None:
 
 
 def pick_style(cfg: dict, style: str = "auto") -> str:
+    bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py (before DeepSeek: a BERT with MLA is a BERT)
+    if bert or style == "bert":
+        _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "
+                 f"exported with --hf-style {'bert' if bert else 'auto'}")
+        return "bert"
     deepseek = next((f for f in ("multi_latent_attention", "mtp_num_layers") if cfg.get(f)), None)
     if deepseek and style in ("auto", "deepseek_v3"):
         return "deepseek_v3"
     _require(not deepseek, f"--{str(deepseek).replace('_', '-')} cannot be expressed in the {style} format; use "
              "--hf-style deepseek_v3")
-    bert = "bert_no_binary_head" in cfg  # saved by pretrain_bert.py
-    if bert or style == "bert":
-        _require(bert and style in ("auto", "bert"), f"--hf-style {style}: a {'BERT' if bert else 'GPT'} model is "
-                 f"exported with --hf-style {'bert' if bert else 'auto'}")
-        return "bert"
     if style == "auto":
         if cfg.get("num_experts"):
             return "mixtral"

@@ -325,3 +325,23 @@ def test_hf_import_refuses_a_causal_or_relative_position_megatron_bert(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
         assert not (tmp_path / f"{src}_out").exists()
+
+
+def test_hf_export_of_a_bert_with_multi_latent_attention_names_the_flag(tmp_path, capsys):
+    """A BERT trained with --multi-latent-attention was taken for a DeepSeek-V3 (its style checked
+    first): a KeyError traceback, or a line about a DeepSeek option; now one megatron-bert line."""
+    from megatron_lite.parallel.state import ParallelState
+
+    state = ParallelState()
+    cfg = model_config()
+    cfg.multi_latent_attention = cfg.qk_layernorm = cfg.swiglu = cfg.disable_bias_linear = True
+    cfg.position_embedding_type, cfg.normalization, cfg.norm_epsilon = "rope", "RMSNorm", 1e-6
+    model = BertModel(TransformerConfig.from_model(cfg), state).eval()
+    run = run_config(1, 1, str(tmp_path / "src"))
+    run.model, run.bert = cfg, BertConfig()
+    save_checkpoint(7, [model], None, None, 56, run, state)
+    capsys.readouterr()
+    assert convert("BERT", "--saver", "hf", "--load-dir", tmp_path / "src", "--save-dir", tmp_path / "hf") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--multi-latent-attention cannot be expressed in the megatron-bert format" in err
+    assert not (tmp_path / "hf").exists()
