@@ -202,6 +202,10 @@ def _routing_problem(moe: MoEConfig) -> str | None:
             return f"--num-experts {e} must be divisible by --moe-router-num-groups {groups}"
         if not 1 <= group_topk <= min(groups, k):
             return f"--moe-router-group-topk {group_topk} must be between 1 and min(--moe-router-num-groups, --moe-router-topk)"
+        if k > group_topk * (e // groups):  # the kept groups must hold k experts (else k out of range)
+            return (f"--moe-router-topk {k} is more than the {group_topk * (e // groups)} experts a token can reach in "
+                    f"--moe-router-group-topk {group_topk} of the --moe-router-num-groups {groups} groups "
+                    f"({e // groups} experts each); raise --moe-router-group-topk or lower --moe-router-num-groups")
     if moe.moe_router_enable_expert_bias and moe.moe_router_score_function != "sigmoid":
         return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
     if moe.moe_token_dispatcher_type == "flex":

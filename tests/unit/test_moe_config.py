@@ -29,6 +29,8 @@ def test_valid_combinations_pass():
     assert _problem(num_experts=8, moe_router_topk=1, moe_router_pre_softmax=True) is None
     assert _problem(num_experts=8, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
                     moe_aux_loss_coeff=[0.01, 0.001]) is None
+    # top-k exactly fills the kept groups (4 of 8 experts in 2 of 4 groups)
+    assert _problem(num_experts=8, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4) is None
 
 
 def test_normalize_defaults():
@@ -51,6 +53,9 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "--moe-expert-capacity-factor"),
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
     (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
+    # the kept groups hold fewer than k experts: a top-k crash (k out of range) or an expert of weight 0
+    (dict(num_experts=8, moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk=4), "--moe-router-topk 4"),
+    (dict(num_experts=8, moe_router_num_groups=8, moe_router_group_topk=2, moe_router_topk=3), "--moe-router-topk 3"),
     (dict(num_experts=8, moe_router_enable_expert_bias=True), "--moe-router-score-function sigmoid"),
     (dict(num_experts=4, moe_token_dispatcher_type="flex"), "flex"),
     (dict(num_experts=4, moe_permute_fusion=True), "--moe-permute-fusion"),
