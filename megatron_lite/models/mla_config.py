@@ -81,6 +81,10 @@ def check_mla_fields(config) -> None:
                  "--rope-type yarn needs --multi-latent-attention (YaRN is built for MLA's rotary part only)")
         _require(config.rotary_scaling_factor > 0 and config.original_max_position_embeddings > 0,
                  "--rotary-scaling-factor and --original-max-position-embeddings must be positive")
+        _require(config.beta_slow > 0 and config.beta_fast >= config.beta_slow,
+                 f"--beta-fast {config.beta_fast} and --beta-slow {config.beta_slow} must be positive with "
+                 "--beta-fast >= --beta-slow (rotations per --original-max-position-embeddings; DeepSeek-V3: 32 and 1)")
+        _require(config.rotary_base > 1, f"--rotary-base {config.rotary_base} must be above 1 with --rope-type yarn")
     if config.multi_latent_attention:
         _check_mla(config)
     else:

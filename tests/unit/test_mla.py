@@ -253,6 +253,12 @@ def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
     (dict(num_query_groups=2), "does not take --group-query-attention"),
     (dict(qk_pos_emb_head_dim=5), "--qk-pos-emb-head-dim 5 must be even"),
     (dict(mtp_num_layers=0), "--mtp-num-layers 0 must be at least 1"),
+    # YaRN's correction range divides by beta and ln(base): a ZeroDivisionError / math domain error traceback
+    (dict(beta_fast=0.0, beta_slow=0.0), "--beta-fast 0.0 and --beta-slow 0.0 must be positive"),
+    (dict(beta_slow=0.0), "--beta-slow 0.0 must be positive"),
+    (dict(beta_fast=-1.0), "--beta-fast -1.0 and"),
+    (dict(beta_fast=1.0, beta_slow=32.0), "--beta-fast >= --beta-slow"),  # an inverted ramp, else
+    (dict(rotary_base=1), "--rotary-base 1 must be above 1"),
 ])
 def test_combinations_that_are_not_built_are_refused(over, words):
     with pytest.raises(ConfigError, match=words.replace("-", r"\-")):
