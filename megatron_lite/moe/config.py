@@ -182,6 +182,11 @@ def _routing_problem(moe: MoEConfig) -> str | None:
         return f"--num-experts {e} must be positive"
     if not 1 <= k <= e:
         return f"--moe-router-topk {k} must be between 1 and --num-experts {e}"
+    if moe.moe_ffn_hidden_size is not None and moe.moe_ffn_hidden_size < 1:
+        return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} must be positive (the width of each expert's MLP)"
+    if moe.moe_expert_capacity_factor == 0:
+        return ("--moe-expert-capacity-factor 0 gives every expert 0 slots (every token dropped); "
+                "give a positive factor, or leave it unset for no dropping")
     if len(coeffs) != len(types):
         return (f"--moe-aux-loss-coeff has {len(coeffs)} values for {len(types)} "
                 "--moe-router-load-balancing-type values; give one each (or a single coefficient)")

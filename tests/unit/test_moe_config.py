@@ -53,6 +53,9 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "--moe-expert-capacity-factor"),
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
     (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
+    (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
+    (dict(num_experts=4, moe_ffn_hidden_size=0), "--moe-ffn-hidden-size 0"),  # was experts of width 0
+    (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0"),  # dropped every token
     # the kept groups hold fewer than k experts: a top-k crash (k out of range) or an expert of weight 0
     (dict(num_experts=8, moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk=4), "--moe-router-topk 4"),
     (dict(num_experts=8, moe_router_num_groups=8, moe_router_group_topk=2, moe_router_topk=3), "--moe-router-topk 3"),
