@@ -4,7 +4,8 @@ Both take the tokens this rank computes, already grouped by local expert:
 ``forward(x [N, h], probs [N], tokens_per_expert: list[int]) -> [N, h]`` where expert j owns rows
 ``[sum(tokens_per_expert[:j]), sum(tokens_per_expert[:j+1]))``. Each expert is an MLP
 ``fc2(act(fc1(x)) * p)``: the routing weight multiplies the activation (before fc2), and fc2's bias
-is weighted by ``p`` too, so a token's output is exactly ``p * expert(x)``.
+is weighted by ``p`` too, so a token's output is exactly ``p * expert(x)``. ``act`` is the dense
+MLP's (SwiGLU, or GeLU in the same form: :func:`gelu_approximation`).
 
 Weights: expert ``e`` (global index) draws its full fc1 ``[ffn (x2 for SwiGLU), h]`` and fc2
 ``[h, ffn]`` master weights from generators seeded by its own name, and this rank keeps the
@@ -36,11 +37,19 @@ from ..parallel import comm
 from ..parallel.tensor import shard
 
 
-def activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+def activation(h: torch.Tensor, swiglu: bool, gelu_approximate: str = "none") -> torch.Tensor:
     if swiglu:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(h)
+    return F.gelu(h, approximate=gelu_approximate)
+
+
+def gelu_approximation(config) -> str:
+    """The GeLU of the model's dense MLP (models/mlp.py), which experts use too, as Megatron's expert
+    MLPs do: the tanh form with ``--openai-gelu`` or with bias + GeLU fusion (its kernel is the tanh
+    form), else the exact erf form."""
+    tanh = getattr(config, "openai_gelu", False) or getattr(config, "bias_activation_fusion", False)
+    return "tanh" if tanh else "none"
 
 
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -141,6 +150,7 @@ class _ExpertsBase(nn.Module):
     def __init__(self, config, state):
         super().__init__()
         self.swiglu, self.dtype = config.swiglu, config.params_dtype
+        self.gelu_approximate = gelu_approximation(config)
         self.bias = bool(config.add_bias_linear)
         self.num_local_experts = config.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local_experts
@@ -167,7 +177,7 @@ class _ExpertsBase(nn.Module):
         return param
 
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return (activation(h, self.swiglu) * probs.unsqueeze(-1)).to(h.dtype)
+        return (activation(h, self.swiglu, self.gelu_approximate) * probs.unsqueeze(-1)).to(h.dtype)
 
     @staticmethod
     def _linear_pair(config, state, layer_number: int) -> nn.Module:

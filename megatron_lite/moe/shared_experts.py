@@ -3,7 +3,8 @@
 Its width is ``--moe-shared-expert-intermediate-size`` (the total of all shared experts). It is
 replicated over expert-parallel ranks and tensor-parallel like the dense MLP (fc1 column-parallel,
 fc2 row-parallel; under sequence parallelism fc1 all-gathers the sequence and fc2 reduce-scatters
-it). With ``moe_shared_expert_gate`` its output is scaled per token by ``sigmoid(x . w_gate)``.
+it), with the dense MLP's activation. With ``moe_shared_expert_gate`` its output is scaled per token
+by ``sigmoid(x . w_gate)``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from .experts import activation
+from .experts import activation, gelu_approximation
 from .router import init_replicated
 
 
@@ -21,7 +22,7 @@ class SharedExperts(nn.Module):
     def __init__(self, config, state, layer_number: int):
         super().__init__()
         ffn, h = config.moe_shared_expert_intermediate_size, config.hidden_size
-        self.swiglu = config.swiglu
+        self.swiglu, self.gelu_approximate = config.swiglu, gelu_approximation(config)
         sp, bias, dtype = bool(config.sequence_parallel), bool(config.add_bias_linear), config.params_dtype
         self.linear_fc1 = ColumnParallelLinear(
             h, 2 * ffn if self.swiglu else ffn, state.tp_group, bias=bias,
@@ -39,7 +40,7 @@ class SharedExperts(nn.Module):
             self.gate_weight.sequence_parallel = sp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.linear_fc2(activation(self.linear_fc1(hidden), self.swiglu))
+        out = self.linear_fc2(activation(self.linear_fc1(hidden), self.swiglu, self.gelu_approximate))
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
         return out

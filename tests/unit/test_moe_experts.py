@@ -107,3 +107,32 @@ def test_grouped_matmul_with_no_rows():
     assert y.shape == (0, 16)
     y.sum().backward()
     assert w.grad is not None and w.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("flags", [dict(openai_gelu=True), dict(add_bias_linear=True, bias_activation_fusion=True),
+                                   dict()])
+def test_gelu_experts_compute_the_dense_mlps_gelu(flags):
+    """--openai-gelu (and bias + GeLU fusion, whose kernel is the tanh form) make the dense MLP's GeLU
+    the tanh approximation; routed and shared experts must compute the same function (they used the
+    erf form whatever the flags)."""
+    from megatron_lite.models.mlp import MLP
+    from megatron_lite.moe.shared_experts import SharedExperts
+
+    config = moe_config(num_experts=2, ffn_hidden_size=8, moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8,
+                        **flags)
+    state = ParallelState()
+    dense, shared = MLP(config, state, 1), SharedExperts(config, state, 1)
+    routed = [cls(config, state, 1) for cls in (SequentialExperts, GroupedExperts)]
+    torch.manual_seed(0)
+    x = torch.randn(6, config.hidden_size) * 3  # |x| of a few units: erf and tanh GeLU differ by ~1e-4
+    for module in (dense, shared):  # the same weights (zero biases), so all four are one MLP
+        with torch.no_grad():
+            module.linear_fc1.weight.copy_(routed[0].local_experts[0].linear_fc1.weight)
+            module.linear_fc2.weight.copy_(routed[0].local_experts[0].linear_fc2.weight)
+    expected = dense(x[:, None])[:, 0]
+    fc1, fc2 = routed[0].local_experts[0].linear_fc1.weight, routed[0].local_experts[0].linear_fc2.weight
+    tanh = bool(flags)  # the dense MLP's GeLU, by its own rules
+    _close(expected, F.linear(F.gelu(F.linear(x, fc1), approximate="tanh" if tanh else "none"), fc2))
+    _close(shared(x[:, None])[:, 0], expected)
+    for module in routed:
+        _close(module(x, torch.ones(6), [6, 0]), expected)
