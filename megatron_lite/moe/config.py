@@ -197,6 +197,9 @@ def _routing_problem(moe: MoEConfig) -> str | None:
         return "--moe-router-topk 1 with a post-top-k softmax gives every weight 1; add --moe-router-pre-softmax"
     if moe.moe_expert_capacity_factor is not None and "sinkhorn" in types:
         return "--moe-expert-capacity-factor does not work with sinkhorn load balancing; drop one of them"
+    if "sinkhorn" in types and (ignored := _ignored_by_sinkhorn(moe)):
+        return (f"{ignored} has no effect with --moe-router-load-balancing-type sinkhorn (it routes by its own "
+                "balanced scores, weights sigmoid for top-1 / softmax otherwise); drop one of them")
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
     groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
@@ -215,6 +218,18 @@ def _routing_problem(moe: MoEConfig) -> str | None:
         return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
     if moe.moe_token_dispatcher_type == "flex":
         return "--moe-token-dispatcher-type flex needs DeepEP GPU kernels; use alltoall or allgather"
+    return None
+
+
+def _ignored_by_sinkhorn(moe: MoEConfig) -> str | None:
+    """The first top-k routing flag sinkhorn routing would silently ignore, or None."""
+    for flag, used in (("--moe-router-enable-expert-bias", moe.moe_router_enable_expert_bias),
+                       ("--moe-router-num-groups", moe.moe_router_num_groups is not None),
+                       ("--moe-router-score-function sigmoid", moe.moe_router_score_function != "softmax"),
+                       ("--moe-router-pre-softmax", moe.moe_router_pre_softmax),
+                       ("--moe-router-topk-scaling-factor", bool(moe.moe_router_topk_scaling_factor))):
+        if used:
+            return flag
     return None
 
 

@@ -29,6 +29,7 @@ def test_valid_combinations_pass():
     assert _problem(num_experts=8, moe_router_topk=1, moe_router_pre_softmax=True) is None
     assert _problem(num_experts=8, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
                     moe_aux_loss_coeff=[0.01, 0.001]) is None
+    assert _problem(num_experts=8, moe_router_load_balancing_type=["sinkhorn"], moe_router_topk=1) is None
     # top-k exactly fills the kept groups (4 of 8 experts in 2 of 4 groups)
     assert _problem(num_experts=8, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4) is None
 
@@ -61,6 +62,17 @@ def test_normalize_defaults():
     (dict(num_experts=8, moe_router_num_groups=8, moe_router_group_topk=2, moe_router_topk=3), "--moe-router-topk 3"),
     (dict(num_experts=8, moe_router_enable_expert_bias=True), "--moe-router-score-function sigmoid"),
     (dict(num_experts=4, moe_token_dispatcher_type="flex"), "flex"),
+    # sinkhorn routing takes none of the top-k routing's options (they were silently ignored; the bias kept updating)
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True), "--moe-router-enable-expert-bias has no effect"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_router_num_groups=2, moe_router_group_topk=1),
+     "--moe-router-num-groups has no effect"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_router_score_function="sigmoid"),
+     "--moe-router-score-function sigmoid has no effect"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_router_pre_softmax=True),
+     "--moe-router-pre-softmax has no effect"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_router_topk_scaling_factor=2.0),
+     "--moe-router-topk-scaling-factor has no effect"),
     (dict(num_experts=4, moe_permute_fusion=True), "--moe-permute-fusion"),
     (dict(num_experts=4, moe_router_fusion=True), "--moe-router-fusion"),
     (dict(num_experts=4, moe_enable_deepep=True), "--moe-enable-deepep"),
