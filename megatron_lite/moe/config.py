@@ -202,6 +202,9 @@ def _routing_problem(moe: MoEConfig) -> str | None:
                 "balanced scores, weights sigmoid for top-1 / softmax otherwise); drop one of them")
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
+    if moe.moe_token_drop_policy != "probs" and moe.moe_expert_capacity_factor is None:
+        return (f"--moe-token-drop-policy {moe.moe_token_drop_policy} needs --moe-expert-capacity-factor "
+                "(without a capacity no token is dropped)")
     groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         return "group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk"

@@ -52,6 +52,7 @@ def test_normalize_defaults():
      "--moe-expert-capacity-factor"),
     (dict(num_experts=4, moe_router_load_balancing_type=["sinkhorn"], moe_aux_loss_coeff=[0.01]), "sinkhorn"),
     (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "--moe-expert-capacity-factor"),
+    (dict(num_experts=4, moe_token_drop_policy="position"), "--moe-token-drop-policy position needs"),  # was ignored
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
     (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
     (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
