@@ -61,9 +61,20 @@ def transformer_config(cfg: dict, tp: int = 1, ep: int = 1, **run) -> Transforme
                                         **moe_fields(moe), **run)
 
 
-def chunk_model(cfg: dict, pre: bool = True, post: bool = True, start: int = 0, end: int | None = None):
-    """One pipeline chunk at TP 1 and EP 1 on the meta device (BERT or GPT, from the config)."""
-    config = transformer_config(cfg)
+def fp8_fields(cfg: dict) -> dict:
+    """The TransformerConfig FP8 fields a flat config records (``--fp8-format`` and the recipe flags), so
+    a chunk holds the FP8 bookkeeping buffers (amax history, scale) of the layers training ran in FP8."""
+    keys = ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "first_last_layers_bf16",
+            "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+    return {"fp8": cfg.get("fp8_format"), "fp8_wgrad": not cfg.get("no_fp8_wgrad", False),
+            **{k: cfg[k] for k in keys if cfg.get(k) is not None}}
+
+
+def chunk_model(cfg: dict, pre: bool = True, post: bool = True, start: int = 0, end: int | None = None,
+                fp8: bool = False):
+    """One pipeline chunk at TP 1 and EP 1 on the meta device (BERT or GPT, from the config); ``fp8``:
+    with the FP8 gemms (and their bookkeeping buffers) of the config's ``--fp8-format`` run."""
+    config = transformer_config(cfg, **(fp8_fields(cfg) if fp8 else {}))
     state = ParallelState(world_size=1, rank=0)
     with torch.device("meta"):
         if is_bert(cfg):
@@ -133,9 +144,10 @@ def check_expert_size(cfg: dict, ep: int) -> None:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide --num-experts {experts}")
 
 
-def check_names(cfg: dict, names) -> None:
-    """Every tensor of a bundle must have a place in the model its config describes."""
-    extra = sorted(set(names) - set(chunk_model(cfg).state_dict()))
+def check_names(cfg: dict, names, fp8: bool = False) -> None:
+    """Every tensor of a bundle must have a place in the model its config describes (``fp8``: with
+    the FP8 bookkeeping of its ``--fp8-format`` run)."""
+    extra = sorted(set(names) - set(chunk_model(cfg, fp8=fp8).state_dict()))
     if extra:
         raise CheckpointError(f"the source has tensors the model has no place for: {', '.join(extra[:3])}"
                               + (" ..." if len(extra) > 3 else ""))

@@ -22,6 +22,13 @@ multi-token prediction as ``embedding.word_embeddings.weight``, which that stage
 Each expert-parallel rank gets its experts (:mod:`~megatron_lite.checkpoint.layout`) in its own
 ``mp_rank_TT_PPP_EEE`` file.
 
+The FP8 bookkeeping of an ``--fp8-format`` run (each FP8 gemm's amax history and scales) is kept:
+it belongs to one layer's gemm (one expert's, under its global number), and training reduces the
+amaxes over tensor and data parallelism, so every rank of any layout holds the one-process values;
+the target chunks are built with the run's FP8 recipe and every TP rank gets the whole buffers. A
+resumed FP8 run then quantises with the learned scales, as it would have without the conversion; a
+run without FP8 ignores them, and the Hugging Face export leaves them out.
+
 The optimizer state (Adam moments, fp32 masters, loss scaler) is resharded the same way
 (:mod:`~megatron_lite.checkpoint.reshard_optim`) and the learning-rate schedule copied, with the
 source's iteration and consumed samples: resume with ``--no-load-rng`` (RNG states are per rank and
@@ -39,6 +46,7 @@ import torch
 from ..errors import ConfigError
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.tensor import padded_vocab_size, shard
+from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .format import (
     FORMAT_VERSION,
@@ -253,13 +261,14 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder."""
     cfg = target_config(bundle, layout)
     ranges = cfg.pop("_ranges")
-    check_names(cfg, bundle.state_dict)
+    fp8 = any(is_fp8_state_key(k) for k in bundle.state_dict)  # an --fp8-format run's scaling state: kept
+    check_names(cfg, bundle.state_dict, fp8)
     iteration = bundle.iteration
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
     chunks_per_rank = len(ranges[0])
     for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
-        models = [(chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e), s)
+        models = [(chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, fp8), s)
                   for c, (s, e) in enumerate(ranges[p])]
         for e in range(layout.ep):
             for t in range(layout.tp):

@@ -113,3 +113,29 @@ def test_hf_import_continues_pretraining_with_the_printed_flags(tmp_path, capsys
                         "--target-tensor-parallel-size", str(tp)]) == 0
         runs.append(run_trajectory(tp, "pretrain_gpt", _flags_printed(capsys) + run))
     assert_same_trajectory(runs[0], runs[1], steps=3)  # 3 steps: started at iteration 0
+
+
+def test_fp8_checkpoint_converts_and_resumes_with_its_scales(tmp_path):
+    """A checkpoint of a --fp8-format run holds each FP8 gemm's amax history and scales; converting
+    it to TP2 was refused ('the source has tensors the model has no place for: ...gemm.amax_history').
+    They are layout-free (amaxes are reduced over TP), so every TP rank gets them whole, and the TP2
+    resume follows the unconverted TP1 resume within FP8's parallel tolerance (test_fp8.py); a resume
+    that restarted the scales at 1 would quantise its first steps differently."""
+    from tests.e2e.test_fp8 import FP8, GRAD_RTOL
+
+    fp8 = FP8 + ["--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
+    src, tp2 = str(tmp_path / "src"), str(tmp_path / "tp2")
+    pretrain_gpt.main(_argv(src, 8, fp8 + ["--exit-interval", "4"]))
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", tp2,
+                                                 "--target-tensor-parallel-size", "2"]) == 0
+    want, _ = merge_checkpoint(src)
+    scales = {k: v for k, v in want.items() if k.endswith((".gemm.scale", ".gemm.amax_history"))}
+    assert len(scales) == 2 * 16 and not any(torch.equal(v, torch.ones(3)) for k, v in scales.items() if "scale" in k)
+    for rank in ("mp_rank_00_000", "mp_rank_01_000"):
+        got = torch.load(os.path.join(tp2, "iter_0000004", rank, "model_optim_rng.pt"), weights_only=True)["model"][0]
+        assert all(torch.equal(got[k], v) for k, v in scales.items())
+    original = pretrain_gpt.main(_argv(str(tmp_path / "a"), 8, fp8 + ["--load", src] + RESUME))
+    converted = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "b"), 8, fp8 + [
+        "--load", tp2, "--tensor-model-parallel-size", "2"] + RESUME))
+    assert_same_trajectory(converted, Trajectory.of(original), rtol=1e-3, grad_rtol=GRAD_RTOL, steps=4,
+                           what="FP8 converted to TP2")
