@@ -237,3 +237,23 @@ def check_base(path: str, saved: dict | None, chunks, pretrained: str | None) ->
         raise CheckpointError(f"the base {folder} of checkpoint {path} has changed since it was trained "
                               "(its files differ); restore that base")
     return folder
+
+
+def check_lora_resume(path: str, saved: dict, lora) -> None:
+    """Resuming LoRA checkpoint ``path`` (saved flat config ``saved``; ``lora``: this run's LoRAConfig):
+    its adapters were trained with its --lora-rank, --lora-alpha and --lora-target-modules, which
+    decide the model (alpha / rank scales every adapter, and a merge uses the saved alpha), so another
+    value is one CheckpointError naming the flag. --lora-dropout changes training, not the model: free."""
+    def differs(name, mine):
+        if name == "lora_target_modules":
+            return sorted(saved[name] or []) != sorted(mine or [])
+        return float(saved[name]) != float(mine)
+
+    differ = [f"--{name.replace('_', '-')} {' '.join(saved[name]) if isinstance(saved[name], list) else saved[name]} "
+              f"(this run {' '.join(mine) if isinstance(mine, list) else mine})"
+              for name in ("lora_rank", "lora_alpha", "lora_target_modules")
+              if saved.get(name) is not None and differs(name, mine := getattr(lora, name))]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} holds adapters trained with {', '.join(differ)}; resume with its "
+                              "--lora-* values, or merge it (tools/checkpoint/convert.py) and train new adapters on "
+                              "the merged model with --pretrained-checkpoint")

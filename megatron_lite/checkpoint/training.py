@@ -62,7 +62,7 @@ from .frozen import (
     unwrap,
 )
 from .hf_io import model_files_in
-from .pretrained import check_base, load_model_weights_here, trainable_may_be_missing
+from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .rng import get_rng_states, set_rng_states
 
 
@@ -313,7 +313,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
         folder = iteration_dir(root, iteration)  # a frozen (LoRA) base first, outside full_params
-        _load_frozen_base(folder, read_common(folder).get("frozen_base"), chunks, config, state)
+        _load_frozen_base(folder, read_common(folder), chunks, config, state)
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
             return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
     path = _model_file_for(root, iteration, state)
@@ -321,7 +321,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
     modules = [unwrap(c) for c in chunks]
-    _load_frozen_base(path, ckpt.get("frozen_base"), chunks, config, state)
+    _load_frozen_base(path, ckpt, chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
         check_architecture(path, ckpt.get("config", {}), config)
@@ -354,10 +354,12 @@ def _load_base(chunks, optimizer, path, config, state, flag="--pretrained-checkp
     set_base(chunks, base_reference(folder))
 
 
-def _load_frozen_base(path, saved, chunks, config, state) -> None:
-    """Resuming a model with frozen weights (LoRA): its base's weights first (:mod:`.frozen`)."""
+def _load_frozen_base(path, ckpt, chunks, config, state) -> None:
+    """Resuming LoRA (frozen weights): ``ckpt``'s --lora-* flags checked, then its base's weights (:mod:`.frozen`)."""
+    saved = ckpt.get("frozen_base")
     folder = check_base(path, saved, chunks, config.checkpoint.pretrained_checkpoint)
     if folder is not None:
+        check_lora_resume(path, ckpt.get("config", {}), config.lora)
         print_rank_0(f"loading the frozen base weights from {folder}")
         load_model_weights_here(chunks, None, folder, config, state, missing_ok=trainable_may_be_missing(chunks, state))
         set_base(chunks, saved)

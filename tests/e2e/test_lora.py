@@ -216,3 +216,21 @@ def test_gradients_and_optimizer_state_hold_only_the_adapters(bases, strategy, w
         per = model_state_bytes_split(dtype, strategy, world)[0] - (weight / world if strategy == "optim_grads_params"
                                                                    else weight)
         assert got["grads"] + got["optimizer"] == per * trainable  # adapters only
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_resume_refuses_another_lora_alpha_naming_it(tmp_path, capsys, fmt):
+    """--lora-alpha / --lora-rank scales every adapter: a resume with another alpha went on silently
+    (the trained adapters rescaled, and a merge then used the alpha saved last). It is refused in one
+    line naming the flag and both values, as are another rank and target list; --lora-dropout (not
+    part of the saved model) may change."""
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    pretrain_gpt.main(COMMON + ["--train-iters", "1", "--save", base])
+    pretrain_gpt.main(COMMON + LORA[:4] + ["--train-iters", "2", "--exit-interval", "1", "--pretrained-checkpoint",
+                                           base, "--save", run, "--ckpt-format", fmt])
+    resume = COMMON + ["--train-iters", "2", "--load", run, "--ckpt-format", fmt]
+    _one_line_exit_2(capsys, resume + ["--lora-rank", "4", "--lora-alpha", "16"], "--lora-alpha 8.0 (this run 16.0)")
+    _one_line_exit_2(capsys, resume + ["--lora-rank", "8", "--lora-alpha", "8"], "--lora-rank 4 (this run 8)")
+    _one_line_exit_2(capsys, resume + LORA[:4] + ["--lora-target-modules", "linear_qkv,linear_fc1"],
+                     "--lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 (this run linear_qkv linear_fc1)")
+    assert pretrain_gpt.main(resume + LORA[:4] + ["--lora-dropout", "0.1"]).iteration == 2
