@@ -88,16 +88,34 @@ def open_jsonl(path: str, flag: str = "--data-path"):
 def jsonl_lines(path: str, flag: str = "--data-path"):
     """``(line number, bytes)`` of every line of ``path``; a file that cannot be read or decompressed
     (a truncated or corrupt ``.gz``) is a DataFileError naming it and the last good line."""
-    lineno = 0
+    lineno, first = 0, True
     try:
         with open_jsonl(path, flag) as f:
             for lineno, raw in enumerate(f, 1):
+                if first and raw.strip():
+                    _refuse_json_array(path, lineno, raw, flag)
+                    first = False
                 yield lineno, raw
     except (OSError, EOFError, zlib.error) as err:
         where = f"after line {lineno}" if lineno else "from its start"
         damaged = isinstance(err, (gzip.BadGzipFile, EOFError, zlib.error))
         hint = ": the file is truncated, corrupt, or not the gzip its name says" if damaged else ""
         raise DataFileError(f"{path}: cannot be read {where} ({err}){hint} ({flag})") from None
+
+
+def _refuse_json_array(path: str, lineno: int, raw: bytes, flag: str) -> None:
+    """A first line starting with '[' is a JSON array of conversations (pretty-printed or on one line),
+    which no line-by-line reading takes: one DataFileError saying the file must be JSONL and how to convert it."""
+    if not raw.lstrip(b"\xef\xbb\xbf").strip().startswith(b"["):
+        return
+    base = path[: -len(".gz")] if path.endswith(".gz") else path
+    base = base.rsplit(".", 1)[0] if base.endswith((".json", ".jsonl")) else base
+    out = base + ".jsonl" if base + ".jsonl" != path else base + "_lines.jsonl"
+    jq = f"gzip -dc {path} | jq -c '.[]' > {out}" if path.endswith(".gz") else f"jq -c '.[]' {path} > {out}"
+    py = "python -c \"import json,sys; [print(json.dumps(c)) for c in json.load(sys.stdin)]\""
+    raise DataFileError(
+        f"{path}: line {lineno} starts a JSON array, but SFT data is JSONL (one conversation per line); convert it "
+        f"with {jq}" + ("" if path.endswith(".gz") else f" (or {py} < {path} > {out})") + f" and pass {out} ({flag})")
 
 
 def read_jsonl(path: str, tokenizer, max_tokens: int | None = None, skip_bad: bool = False) -> Conversations:

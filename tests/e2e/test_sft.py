@@ -143,3 +143,39 @@ def test_split_without_train_weight_is_one_line(capsys, sft_files):
     next(None) in the first forward step (the same for pretraining data, which shares the iterators)."""
     argv = sft_argv(sft_files, iters=1, extra=["--split", "0,100,0"])
     _one_line_exit_2(capsys, argv, "--split 0,100,0", "the train split has weight 0", "--train-iters 1")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("chats.json", json.dumps(GOOD * 4, indent=2)),  # pretty-printed: line 1 is "["
+    ("chats.jsonl", json.dumps(GOOD * 4)),  # the whole array on one line
+], ids=["pretty_printed", "one_line"])
+def test_json_array_file_says_jsonl_is_expected_and_how_to_convert(tmp_path, capsys, sft_files, name, text):
+    """A JSON array of conversations was 'line 1: not valid JSON' (pretty-printed) or 'expected
+    {"messages": ...}' (one line), with no hint that one conversation per line is expected; also
+    under --sft-skip-bad-conversations and in tools/preprocess_sft.py. The command it prints converts
+    the file into one that trains."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.tools import load_tool
+
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    words = [f"{path}: line 1 starts a JSON array", "JSONL (one conversation per line)", "jq -c '.[]'"]
+    _one_line_exit_2(capsys, sft_argv(sft_files, data=str(path), iters=1), *words)
+    _one_line_exit_2(capsys, sft_argv(sft_files, data=str(path), iters=1, extra=["--sft-skip-bad-conversations"]),
+                     *words)
+    code = load_tool("preprocess_sft").main(["--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                                             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                             sft_files["tokenizer"], "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and words[0] in err and "(--input)" in err, err
+    python = err.split("(or ")[1].split(") and pass")[0]  # the python one-liner (no jq needed)
+    argv = shlex.split(python.split(" < ")[0])
+    argv[0] = sys.executable
+    out = python.split(" > ")[-1]
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        subprocess.run(argv, stdin=src, stdout=dst, check=True)
+    assert [json.loads(line) for line in open(out)] == GOOD * 4
+    assert len(pretrain_gpt.main(sft_argv(sft_files, data=out, iters=1, extra=["--global-batch-size", "2"])).losses) == 1
