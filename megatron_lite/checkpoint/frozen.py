@@ -23,6 +23,7 @@ import os
 
 from torch import nn
 
+from ..precision.fp8 import is_fp8_state_key
 from .format import CheckpointError
 
 
@@ -48,6 +49,14 @@ def saved_state_dict(module) -> dict:
     """``module``'s state dict without its frozen parameters (what a checkpoint holds)."""
     skip = frozen_names(module)
     return {k: v for k, v in module.state_dict().items() if k not in skip}
+
+
+def without_unused_fp8_state(module, saved: dict) -> dict:
+    """``saved`` without the FP8 bookkeeping (amax histories, scales) of an ``--fp8-format`` run when
+    ``module`` has no FP8 gemm (a run without --fp8-format resumes the same weights, as from torch_dist)."""
+    if any(is_fp8_state_key(k) for k in module.state_dict()):
+        return saved
+    return {k: v for k, v in saved.items() if not is_fp8_state_key(k)}
 
 
 def load_saved_state(module, saved: dict) -> None:

@@ -121,6 +121,21 @@ def test_fp8_resume_continues_exactly(tmp_path):
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), straight, rtol=0)  # bit-identical
 
 
+def test_fp8_checkpoint_resumes_without_fp8_in_either_format(tmp_path):
+    """A run without --fp8-format resuming an FP8 checkpoint (e.g. one the converter wrote, which is
+    torch format) has no place for the amax histories and scales: the torch format refused it ('not
+    in this model: ...gemm.amax_history; match the model flags') while torch_dist left them out. Both
+    now resume the same weights and give the same losses."""
+    runs = {}
+    for fmt in ("torch", "torch_dist"):
+        save = str(tmp_path / fmt)
+        pretrain_gpt.main(_argv(save, 8, FP8 + ["--exit-interval", "4", "--ckpt-format", fmt]))
+        runs[fmt] = pretrain_gpt.main(_argv(str(tmp_path / f"{fmt}_bf16"), 8, ["--bf16", "--load", save,
+                                                                              "--ckpt-format", fmt]))
+        assert runs[fmt].iteration == 8
+    assert_same_trajectory(Trajectory.of(runs["torch"]), Trajectory.of(runs["torch_dist"]), rtol=0, steps=4)
+
+
 def test_startup_log_names_the_fp8_path(tmp_path, capsys):
     pretrain_gpt.main(_argv(str(tmp_path / "log"), 3, FP8 + ["--first-last-layers-bf16"]))
     out = capsys.readouterr().out
