@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..device import get_device
 from ..optim.distrib_optimizer import DistributedOptimizer
+from ..precision.fp8 import is_fp8_state_key
 from .boxes import canonical_shape, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
 from .format import VOCAB_TENSORS, CheckpointError, restore_scheduler
@@ -257,8 +258,9 @@ def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, lo
     torch_dist checkpoint in iteration ``folder`` (``common``: its ``common.pt``); local, no collectives."""
     index = read_index(folder)
     tensors, by_param = rank_tensors(chunks, state)
-    load_weights(folder, index, [t for t in tensors if not t.frozen],  # frozen ones: from the base, loaded before
-                 common["config"].get("vocab_size"))
+    fresh_fp8 = not any(is_fp8_state_key(name) for kind, name in index if kind == "weight")  # saved without FP8
+    load_weights(folder, index, [t for t in tensors if not t.frozen  # frozen ones: from the base, loaded before
+                                 and not (fresh_fp8 and is_fp8_state_key(t.name))], common["config"].get("vocab_size"))
     if load_optim and optimizer is not None:
         if common["optimizer"] is None:
             raise CheckpointError(f"checkpoint {folder} has no optimizer state; pass --no-load-optim or --finetune")

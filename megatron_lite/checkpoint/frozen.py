@@ -51,12 +51,15 @@ def saved_state_dict(module) -> dict:
     return {k: v for k, v in module.state_dict().items() if k not in skip}
 
 
-def without_unused_fp8_state(module, saved: dict) -> dict:
-    """``saved`` without the FP8 bookkeeping (amax histories, scales) of an ``--fp8-format`` run when
-    ``module`` has no FP8 gemm (a run without --fp8-format resumes the same weights, as from torch_dist)."""
-    if any(is_fp8_state_key(k) for k in module.state_dict()):
-        return saved
-    return {k: v for k, v in saved.items() if not is_fp8_state_key(k)}
+def fit_fp8_state(module, saved: dict) -> dict:
+    """``saved`` fitted to ``module``'s FP8 bookkeeping (amax histories, scales): left out when
+    ``module`` has no FP8 gemm (a run without --fp8-format resumes the same weights); when the
+    checkpoint has none (it was saved without --fp8-format), ``module``'s fresh ones, so the scaling
+    starts over as in a new FP8 run."""
+    mine = {k: v for k, v in module.state_dict().items() if is_fp8_state_key(k)}
+    if not mine:
+        return {k: v for k, v in saved.items() if not is_fp8_state_key(k)}
+    return saved if any(is_fp8_state_key(k) for k in saved) else {**saved, **mine}
 
 
 def load_saved_state(module, saved: dict) -> None:

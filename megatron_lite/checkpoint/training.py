@@ -55,12 +55,12 @@ from .format import (
 from .frozen import (
     base_of,
     base_reference,
+    fit_fp8_state,
     load_saved_state,
     require_base,
     saved_state_dict,
     set_base,
     unwrap,
-    without_unused_fp8_state,
 )
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
@@ -322,7 +322,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)
     modules = [unwrap(c) for c in chunks]
-    ckpt["model"] = [without_unused_fp8_state(m, saved) for m, saved in zip(modules, ckpt["model"])]
+    ckpt["model"] = [fit_fp8_state(m, saved) for m, saved in zip(modules, ckpt["model"])]
     _load_frozen_base(path, ckpt, chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
