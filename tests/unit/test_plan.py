@@ -168,3 +168,41 @@ def test_tool_refuses_bad_input_with_exit_2(capsys):
     assert "give --preset or the model flags" in capsys.readouterr().err
     assert plan_tool.main(["--preset", "llama3-8b", "--gpus", "12", "--global-batch-size", "8"]) == 2
     assert "--gpus 12 must be a multiple of --gpus-per-node 8" in capsys.readouterr().err
+
+
+def test_fixed_layout_values_outside_the_search_choices_are_planned():
+    """--micro-batch-size 3, --virtual-pipeline-model-parallel-size 3 and a PP that neither divides the
+    layers nor is a power of two are valid runs: the planner estimates them (it found no layout)."""
+    spec = ModelSpec(num_layers=24, hidden_size=256, num_attention_heads=8, seq_length=64, vocab_size=1000)
+    for fixed, gpus, batch in (({"micro_batch": 3}, 24, 48), ({"pp": 2, "vpp": 3}, 24, 48), ({"pp": 5}, 40, 40)):
+        estimates = plan(spec, ClusterSpec(gpus=gpus), batch, fixed)
+        assert estimates, fixed
+        assert all(getattr(e.layout, k) == v for e in estimates for k, v in fixed.items())
+
+
+def test_odd_sequence_length_plans_without_context_parallelism():
+    """CP's 2 x cp chunks are only needed with CP > 1; sequence parallelism (TP > 1) needs seq % TP."""
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=15, vocab_size=100)
+    layouts = {(e.layout.tp, e.layout.cp) for e in plan(spec, ClusterSpec(gpus=8), 8)}
+    assert (1, 1) in layouts and all(cp == 1 for _, cp in layouts)
+    with pytest.raises(ConfigError, match=r"--seq-length 15 must be divisible by TP 2 \(sequence parallelism\)"):
+        check_layout(spec, ClusterSpec(gpus=8), 8, Layout(tp=2, dp=4))
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size 3", "must equal --gpus 16"]),
+    (["--micro-batch-size", "5"], ["--micro-batch-size 5", "--global-batch-size 48 must be divisible"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "--num-experts"]),
+    (["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "4"],
+     ["--virtual-pipeline-model-parallel-size 4", "PP 4 x VPP 4 must divide --num-layers 24"]),
+    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "12"], ["TP 8 must divide --num-attention-heads 12"]),
+])
+def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, words):
+    argv = ["--num-layers", "24", "--hidden-size", "768", "--num-attention-heads", "16", "--seq-length", "512",
+            "--vocab-size", "1000", "--gpus", "16", "--global-batch-size", "48"]
+    assert plan_tool.main(argv + flags) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "no layout with" in lines[0], captured
+    for w in words:
+        assert w in lines[0], lines[0]

@@ -96,18 +96,24 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp} x CP {lay.cp} = {lay.gpus} must equal --gpus {cluster.gpus}")
     if lay.tp > cluster.gpus_per_node or cluster.gpus_per_node % lay.tp:
         raise ConfigError(f"TP {lay.tp} must divide --gpus-per-node {cluster.gpus_per_node} (TP stays inside a node)")
-    if spec.num_attention_heads % lay.tp or spec.num_query_groups % lay.tp or spec.ffn_hidden_size % lay.tp:
-        raise ConfigError(f"TP {lay.tp} must divide the heads, query groups and ffn size")
+    for flag, value in (("--num-attention-heads", spec.num_attention_heads), ("--num-query-groups", spec.num_query_groups),
+                        ("--ffn-hidden-size", spec.ffn_hidden_size)):
+        if value % lay.tp:
+            raise ConfigError(f"TP {lay.tp} must divide {flag} {value}")
     if lay.vpp > 1 and spec.num_layers % (lay.pp * lay.vpp):
         raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
     stage_layers(spec, lay.pp)  # an even split, or smaller first and last stages
-    if spec.seq_length % (2 * lay.cp):
-        raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by 2 x CP {lay.cp}")
+    split = (2 * lay.cp if lay.cp > 1 else 1) * lay.tp  # sequence parallelism (on with TP > 1), CP's 2 x cp chunks
+    if spec.seq_length % split:
+        raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by " + " x ".join(
+            [f"2 x CP {lay.cp}"] * (lay.cp > 1) + [f"TP {lay.tp} (sequence parallelism)"] * (lay.tp > 1)))
     if global_batch % (lay.dp * lay.micro_batch):
         raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
     if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
         raise ConfigError(f"VPP {lay.vpp} needs PP > 1 and the micro-batches per step divisible by PP {lay.pp}")
-    if lay.ep > 1 and (not spec.is_moe or spec.num_experts % lay.ep or (lay.dp * lay.cp) % lay.ep):
+    if lay.ep > 1 and not spec.is_moe:
+        raise ConfigError(f"EP {lay.ep} needs a mixture-of-experts model (--num-experts)")
+    if lay.ep > 1 and (spec.num_experts % lay.ep or (lay.dp * lay.cp) % lay.ep):
         raise ConfigError(f"EP {lay.ep} needs experts divisible by it and DP x CP {lay.dp * lay.cp} divisible by it")
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "

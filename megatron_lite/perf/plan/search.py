@@ -26,35 +26,52 @@ def _pp_choices(num_layers: int) -> list[int]:
     return sorted(set(_divisors(num_layers) + powers))
 
 
-def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None):
+def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None,
+                      refusals: list | None = None):
     """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
     divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
     EP a divisor of the experts, the rest from the choices above.
-    ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) keeps only the layouts with those values."""
+    ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) replaces a field's choices by that one value
+    (any value: ``{"micro_batch": 3}`` is tried though 3 is not among the choices). ``refusals``
+    collects the reason of each layout :func:`check_layout` refused."""
     fixed = fixed or {}
-    tps = _divisors(min(cluster.gpus_per_node, cluster.gpus))
-    eps = _divisors(spec.num_experts) if spec.is_moe else [1]
-    for t, p, cp in product(tps, _pp_choices(spec.num_layers), CP_CHOICES):
-        if cluster.gpus % (t * p * cp):
+    choices = dict(tp=_divisors(min(cluster.gpus_per_node, cluster.gpus)), pp=_pp_choices(spec.num_layers),
+                   cp=CP_CHOICES, vpp=VPP_CHOICES, ep=_divisors(spec.num_experts) if spec.is_moe else [1],
+                   micro_batch=MICRO_BATCHES, zero=SHARDING_STRATEGIES, recompute=RECOMPUTE)
+    choices.update({k: [value] for k, value in fixed.items()})
+    for t, p, cp in product(choices["tp"], choices["pp"], choices["cp"]):
+        if cluster.gpus % (t * p * cp) and refusals is None:
             continue
-        dp = cluster.gpus // (t * p * cp)
-        for v, ep, b, zero, rc in product(VPP_CHOICES, eps, MICRO_BATCHES, SHARDING_STRATEGIES, RECOMPUTE):
+        dp = max(1, cluster.gpus // (t * p * cp))
+        for v, ep, b, zero, rc in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute"))):
             lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b)
-            if any(getattr(lay, k) != value for k, value in fixed.items()):
-                continue
             try:
                 check_layout(spec, cluster, global_batch, lay)
-            except ConfigError:
+            except ConfigError as err:
+                if refusals is not None:
+                    refusals.append(str(err))
                 continue
             yield lay
 
 
 def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None) -> list[Estimate]:
     """Estimates of every candidate layout: those that fit in memory first, each group by step time
-    (then memory)."""
-    layouts = candidate_layouts(spec, cluster, global_batch, fixed)
+    (then memory). With ``fixed`` values that no layout can take, one ConfigError saying why."""
+    refusals: list[str] = []
+    layouts = candidate_layouts(spec, cluster, global_batch, fixed, refusals if fixed else None)
     estimates = [estimate(spec, cluster, global_batch, lay) for lay in layouts]
+    if fixed and not estimates and refusals:
+        given = ", ".join(f"{_FLAGS.get(k, k)} {value}" for k, value in fixed.items())
+        product_errors = [r for r in refusals if "must equal --gpus" in r]  # the least telling reason
+        reason = next((r for r in refusals if r not in product_errors), refusals[0])
+        raise ConfigError(f"no layout with {given} can run this model on this cluster: {reason}")
     return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory_gb))
+
+
+_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+          "vpp": "--virtual-pipeline-model-parallel-size", "cp": "--context-parallel-size",
+          "ep": "--expert-model-parallel-size", "micro_batch": "--micro-batch-size",
+          "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity"}
 
 
 _PLAIN = "{}".format
