@@ -15,7 +15,8 @@ layouts that fit in GPU memory are printed fastest first, with the best one brok
         --vocab-size 50257 --gpus 16 --peak-tflops 312 --global-batch-size 256 --tensor-model-parallel-size 2
 
 Model flags (Megatron names) override a preset's values; cluster flags override --cluster's.
-Layout flags (--tensor-model-parallel-size, ...) keep only the layouts with that value.
+Layout flags (--tensor-model-parallel-size, ...) keep only the layouts with that value (any value; one no
+layout can take is refused, naming the flag and the reason).
 Exit code 2 with one line on stderr for a bad option.
 """
 
