@@ -261,10 +261,8 @@ class _Training:
         self.valid_iter = valid_iter
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
-        flops = num_floating_point_operations(
-            config.model, t.global_batch_size, recompute_full=t.recompute_granularity == "full",
-            moe_config=config.moe,
-        )
+        # model FLOPs, as Megatron-LM logs them: what recomputation repeats is not counted
+        flops = num_floating_point_operations(config.model, t.global_batch_size, moe_config=config.moe)
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)

@@ -140,3 +140,28 @@ def test_figures_keep_their_digits_at_any_size():
 
     assert [figure(x) for x in (0, 812.34, 1.25, 0.0042, 3.1e-7)] == ["0.0", "812.3", "1.2", "0.0042", "3.1e-07"]
     assert [count(n) for n in (6.74e9, 124.4e6, 33952, 512)] == ["6.74 B", "124.4 M", "34.0 K", "512"]
+
+
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "full", "--recompute-method", "block",
+                                            "--recompute-num-layers", "1"],
+                                       ["--recompute-granularity", "full", "--recompute-method", "uniform"]])
+def test_logged_throughput_counts_the_model_flops_whatever_is_recomputed(monkeypatch, recompute):
+    """--log-throughput is Narayanan et al.'s model FLOPs, 72·B·s·l·h²·(1 + s/6h + V/12lh), as docs/training.md
+    and Megatron-LM say: full recomputation of 1 of 2 layers (or of both) does not turn it into the 96·... count."""
+    import pretrain_gpt
+    from megatron_lite.perf.flops import spec_formula
+    from megatron_lite.training import loop
+
+    seen = []
+
+    class Recording(TrainLogger):
+        def __init__(self, config, state, flops_per_iteration, *args, **kwargs):
+            seen.append(flops_per_iteration)
+            super().__init__(config, state, flops_per_iteration, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "TrainLogger", Recording)
+    pretrain_gpt.main(["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
+                       "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+                       "--global-batch-size", "4", "--train-iters", "1", "--eval-iters", "0", "--log-throughput"]
+                      + recompute)
+    assert seen == [spec_formula(4, 16, 2, 32, 128)]  # the vocabulary padded to 128
