@@ -150,7 +150,7 @@ def _check_schedule(config: Config) -> None:
 def _check_profile(config: Config) -> None:
     from .precision.flags import gpu_visible
 
-    check_profile_flags(config.logging, config.world_size, gpu_visible())
+    check_profile_flags(config.logging, config.world_size, gpu_visible(), config.training.train_iters)
 
 
 def _check_data_and_checkpoint(config: Config) -> None:

@@ -42,13 +42,18 @@ class LoggingConfig:
     """Global ranks to profile."""
 
 
-def check_profile_flags(logging, world_size: int, gpu: bool) -> None:
-    """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work."""
+def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | None = None) -> None:
+    """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work
+    (``train_iters``: the run's --train-iters, which the window must start before)."""
     if not logging.profile:
         return
     if not 0 <= logging.profile_step_start < logging.profile_step_end:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start ({logging.profile_step_start}) < "
                           f"--profile-step-end ({logging.profile_step_end})")
+    if train_iters is not None and logging.profile_step_start >= train_iters:
+        raise ConfigError(f"--profile: --profile-step-start {logging.profile_step_start} is not below "
+                          f"--train-iters {train_iters}, so no iteration would be profiled; set --profile-step-start "
+                          "and --profile-step-end inside the run")
     bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a rank of this run (world size {world_size})")

@@ -42,6 +42,9 @@ def test_pytorch_profiler_writes_a_trace_and_prints_the_tables(tmp_path, capsys)
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "5", "--profile-step-end", "5"],
      ["--profile-step-start"]),
     (["--profile", "--use-pytorch-profiler", "--profile-ranks", "3"], ["--profile-ranks 3"]),
+    (["--profile", "--use-pytorch-profiler", "--train-iters", "4"], ["--profile-step-start 10", "--train-iters 4"]),
+    (["--profile", "--use-pytorch-profiler", "--train-iters", "3", "--profile-step-start", "3", "--profile-step-end", "5"],
+     ["--profile-step-start 3", "--train-iters 3"]),
 ])
 def test_profile_flags_refused_in_one_line(capsys, extra, words):
     with pytest.raises(SystemExit) as err:
