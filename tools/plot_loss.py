@@ -30,22 +30,24 @@ def _value(line: str, tag: str, suffix: str = "") -> float | None:
 
 
 def read_log(path: str, tag: str = "lm loss") -> tuple[list, list]:
-    """([(iteration, train loss)], [(iteration, validation loss)]) from a console log."""
-    train, valid = [], []
+    """([(iteration, train loss)], [(iteration, validation loss)]) from a console log, by iteration; an
+    iteration logged twice (a resumed run appending to the same log) takes its later value, as the
+    TensorBoard reader takes a resumed run's later event file."""
+    train, valid = {}, {}
     with open(path, errors="replace") as f:
         for line in f:
             m = _TRAIN.search(line)
             if m:
                 value = _value(line, tag)
                 if value is not None:
-                    train.append((int(m.group(1)), value))
+                    train[int(m.group(1))] = value
                 continue
             m = _VALID.search(line)
             if m:
                 value = _value(line, tag, " value")
                 if value is not None:
-                    valid.append((int(m.group(1)), value))
-    return train, valid
+                    valid[int(m.group(1))] = value
+    return sorted(train.items()), sorted(valid.items())
 
 
 def _event_files(path: str) -> list[str]:

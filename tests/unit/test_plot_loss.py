@@ -51,3 +51,16 @@ def test_creates_the_output_folder(tmp_path, capsys):
     assert plot_loss.main([str(tmp_path / "run.log"), "-o", str(out)]) in (0, None)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(out.parent) == ["loss.png"]
+
+
+def test_a_resumed_run_appended_to_the_log_takes_the_later_values(tmp_path, capsys):
+    """A run resumed from iteration 2 and logging to the same file (tee -a) repeats iterations 4 and 6: each
+    iteration is one point, the resumed run's, in order (the line went back from 6 to 4)."""
+    _run(tmp_path, capsys)
+    first = (tmp_path / "run.log").read_text()
+    resumed = first.replace("lm loss: 6.5", "lm loss: 6.25").replace("lm loss value: 5.5", "lm loss value: 5.25")
+    resumed = resumed[resumed.index("iteration        4/") - 23:]  # from the resumed run's first line on
+    (tmp_path / "run.log").write_text(first + resumed)
+    train, valid = plot_loss.read_run(str(tmp_path / "run.log"))
+    assert train == [(2, 8.5), (4, 6.25), (6, 4.5)]
+    assert valid == [(4, 5.25)]
