@@ -43,25 +43,46 @@ from megatron_lite.perf.plan import (  # noqa: E402
     stage_params,
 )
 
+def _at_least(low, kind=int):
+    """An argparse type: a ``kind`` number not below ``low`` (a bad one is the parser's one-line error)."""
+    def parse(text):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+_positive_float.__name__ = "float"
+POSITIVE = _at_least(1)
+
 MODEL_FLAGS = {  # flag -> (ModelSpec field, type)
-    "--num-layers": ("num_layers", int), "--hidden-size": ("hidden_size", int),
-    "--num-attention-heads": ("num_attention_heads", int), "--seq-length": ("seq_length", int),
-    "--ffn-hidden-size": ("ffn_hidden_size", int), "--num-query-groups": ("num_query_groups", int),
-    "--vocab-size": ("vocab_size", int), "--num-experts": ("num_experts", int),
-    "--moe-router-topk": ("moe_router_topk", int), "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", int),
-    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", int),
-    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", int),
-    "--moe-layer-freq": ("moe_layer_freq", str), "--q-lora-rank": ("q_lora_rank", int),
-    "--kv-lora-rank": ("kv_lora_rank", int), "--qk-head-dim": ("qk_head_dim", int),
-    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", int), "--v-head-dim": ("v_head_dim", int),
-    "--mtp-num-layers": ("mtp_num_layers", int), "--normalization": ("normalization", str),
+    "--num-layers": ("num_layers", POSITIVE), "--hidden-size": ("hidden_size", POSITIVE),
+    "--num-attention-heads": ("num_attention_heads", POSITIVE), "--seq-length": ("seq_length", POSITIVE),
+    "--ffn-hidden-size": ("ffn_hidden_size", POSITIVE), "--num-query-groups": ("num_query_groups", POSITIVE),
+    "--vocab-size": ("vocab_size", POSITIVE), "--num-experts": ("num_experts", POSITIVE),
+    "--moe-router-topk": ("moe_router_topk", POSITIVE), "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", POSITIVE),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", POSITIVE),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", POSITIVE),
+    "--moe-layer-freq": ("moe_layer_freq", str), "--q-lora-rank": ("q_lora_rank", POSITIVE),
+    "--kv-lora-rank": ("kv_lora_rank", POSITIVE), "--qk-head-dim": ("qk_head_dim", POSITIVE),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", POSITIVE), "--v-head-dim": ("v_head_dim", POSITIVE),
+    "--mtp-num-layers": ("mtp_num_layers", _at_least(0)), "--normalization": ("normalization", str),
 }
-CLUSTER_FLAGS = {"--gpus-per-node": int, "--gpu-memory-gb": float, "--peak-tflops": float,
-                 "--intra-node-gbps": float, "--inter-node-gbps": float}
+CLUSTER_FLAGS = {"--gpus-per-node": POSITIVE, "--gpu-memory-gb": _positive_float, "--peak-tflops": _positive_float,
+                 "--intra-node-gbps": _positive_float, "--inter-node-gbps": _positive_float}
 LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
-    "--tensor-model-parallel-size": ("tp", int, None), "--pipeline-model-parallel-size": ("pp", int, None),
-    "--virtual-pipeline-model-parallel-size": ("vpp", int, None), "--context-parallel-size": ("cp", int, None),
-    "--expert-model-parallel-size": ("ep", int, None), "--micro-batch-size": ("micro_batch", int, None),
+    "--tensor-model-parallel-size": ("tp", POSITIVE, None), "--pipeline-model-parallel-size": ("pp", POSITIVE, None),
+    "--virtual-pipeline-model-parallel-size": ("vpp", POSITIVE, None), "--context-parallel-size": ("cp", POSITIVE, None),
+    "--expert-model-parallel-size": ("ep", POSITIVE, None), "--micro-batch-size": ("micro_batch", POSITIVE, None),
     "--data-parallel-sharding-strategy": ("zero", str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
     "--recompute-granularity": ("recompute", str, ["none", "selective", "full"]),
 }
@@ -71,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="a published model's shapes")
     for flag, (_, kind) in MODEL_FLAGS.items():
-        ap.add_argument(flag, type=kind)
+        ap.add_argument(flag, type=kind, choices=["LayerNorm", "RMSNorm"] if flag == "--normalization" else None)
     ap.add_argument("--swiglu", action="store_true", default=None)
     ap.add_argument("--disable-bias-linear", action="store_true", default=None)
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
@@ -80,14 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
     ap.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), default="a100",
                     help="GPU preset (a100: DGX A100 80GB, h100: DGX H100); default a100")
-    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpus", type=POSITIVE, required=True)
     for flag, kind in CLUSTER_FLAGS.items():
         ap.add_argument(flag, type=kind, help="bandwidths in GB/s (gigabytes) per GPU per direction"
                         if flag.endswith("gbps") else None)
-    ap.add_argument("--global-batch-size", type=int, required=True)
+    ap.add_argument("--global-batch-size", type=POSITIVE, required=True)
     for flag, (_, kind, choices) in LAYOUT_FLAGS.items():
         ap.add_argument(flag, type=kind, choices=choices)
-    ap.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    ap.add_argument("--top", type=POSITIVE, default=20, help="rows to print (default 20)")
     ap.add_argument("--png", help="draw memory and step time of the printed layouts to this PNG")
     return ap
 

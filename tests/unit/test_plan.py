@@ -206,3 +206,32 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     assert len(lines) == 1 and "no layout with" in lines[0], captured
     for w in words:
         assert w in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--num-query-groups", "0"], ["--num-query-groups", "at least 1"]),
+    (["--global-batch-size", "0"], ["--global-batch-size", "at least 1"]),
+    (["--micro-batch-size", "0"], ["--micro-batch-size", "at least 1"]),
+    (["--tensor-model-parallel-size", "0"], ["--tensor-model-parallel-size", "at least 1"]),
+    (["--virtual-pipeline-model-parallel-size", "0"], ["--virtual-pipeline-model-parallel-size"]),
+    (["--make-vocab-size-divisible-by", "0"], ["--make-vocab-size-divisible-by"]),
+    (["--peak-tflops", "0"], ["--peak-tflops", "positive"]),
+    (["--intra-node-gbps", "0"], ["--intra-node-gbps", "positive"]),
+    (["--num-experts", "4", "--moe-router-topk", "8"], ["--moe-router-topk 8", "--num-experts 4"]),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], ["--moe-layer-freq"]),
+    (["--normalization", "Foo"], ["--normalization"]),
+])
+def test_tool_refuses_bad_values_in_one_line_not_a_traceback(capsys, flags, words):
+    """Zero sizes and bandwidths were ZeroDivisionError tracebacks (exit 1); the docstring promises one line, exit 2."""
+    argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
+            "--vocab-size", "1000", "--gpus", "8", "--global-batch-size", "16", "--top", "1"]
+    code = None
+    try:
+        code = plan_tool.main(argv + flags)
+    except SystemExit as err:
+        code = err.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    for w in words:
+        assert w in lines[0], lines[0]

@@ -77,6 +77,14 @@ class ModelSpec:
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
                               f"--num-query-groups {self.num_query_groups}")
+        if self.is_moe:
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must lie between 1 and --num-experts "
+                                  f"{self.num_experts}")
+            try:
+                parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
     @property
     def kv_channels(self) -> int:
