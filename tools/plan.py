@@ -43,6 +43,7 @@ from megatron_lite.perf.plan import (  # noqa: E402
     stage_params,
 )
 
+
 def _at_least(low, kind=int):
     """An argparse type: a ``kind`` number not below ``low`` (a bad one is the parser's one-line error)."""
     def parse(text):
