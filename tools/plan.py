@@ -180,7 +180,11 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     bottom.set_ylabel("step time (s)")
     bottom.set_xticks(list(x), labels, rotation=90, fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.png"  # written whole, then renamed: no half-written image
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
     return f"wrote {path}"
 
 

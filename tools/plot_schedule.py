@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     for ax in axes[:, 0]:
         ax.set_xlim(0, span)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp.png"
     fig.savefig(tmp, dpi=120)
     os.replace(tmp, args.out)

@@ -141,6 +141,7 @@ def test_tool_prints_table_and_best(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "TP  PP  VPP  DP  CP  EP" in out and "best: TP" in out and "MFU" in out
     assert os.path.getsize(tmp_path / "plan.png") > 0
+    assert sorted(os.listdir(tmp_path)) == ["plan.png"]  # written whole, then renamed
     assert plan_tool.main(["--preset", "mixtral-8x7b", "--cluster", "h100", "--gpus", "16", "--global-batch-size", "32",
                            "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--top", "1"]) == 0
     assert "EP 8" in capsys.readouterr().out
@@ -235,3 +236,12 @@ def test_tool_refuses_bad_values_in_one_line_not_a_traceback(capsys, flags, word
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_tool_png_goes_to_a_new_folder(tmp_path, capsys):
+    """--png in a folder that does not exist yet: created (it was a FileNotFoundError traceback after the table)."""
+    out = tmp_path / "figures" / "new" / "plan.png"
+    assert plan_tool.main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                           "16", "--vocab-size", "100", "--gpus", "8", "--global-batch-size", "8", "--top", "2",
+                           "--png", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(out.parent) == ["plan.png"]

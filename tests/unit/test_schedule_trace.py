@@ -8,6 +8,7 @@ whatever the ratio of t_b to t_f, which is what the formulas promise; the tests 
 equality (1e-12).
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -258,3 +259,12 @@ def test_plot_schedule_writes_a_png(tmp_path, capsys):
     assert "bubble 0.2500 (formula 0.2500)" in text and "bubble 0.1250 (formula 0.1250)" in text
     with pytest.raises(SystemExit):
         tool.main(["-p", "4", "-m", "6", "-v", "2", "--out", str(out)])
+
+
+def test_plot_schedule_creates_the_output_folder(tmp_path, capsys):
+    """--out in a folder that does not exist yet (as tools/plot_loss.py): it was a FileNotFoundError traceback."""
+    from tests.tools import load_tool
+
+    out = tmp_path / "figures" / "new" / "s.png"
+    assert load_tool("plot_schedule").main(["-p", "2", "-m", "2", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(out.parent) == ["s.png"]
