@@ -38,7 +38,9 @@ SECTION_NOTES = {"bert": "`pretrain_bert.py` only."}
 
 
 def _cell(text: str) -> str:
-    return text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+    """A table cell: argparse's %% unescaped, | escaped, < as an entity (Markdown would take ``<save>``
+    for an HTML tag and show nothing)."""
+    return text.replace("%%", "%").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
 
 
 def _takes(action: argparse.Action) -> str:

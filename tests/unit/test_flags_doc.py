@@ -36,3 +36,11 @@ def test_check_fails_on_a_stale_reference(tmp_path, capsys, edit):
     assert "out of date" in capsys.readouterr().err
     assert TOOL["main"](["--output", str(stale)]) == 0
     assert TOOL["main"](["--check", "--output", str(stale)]) == 0
+
+
+def test_angle_brackets_in_help_text_survive_markdown():
+    """'(default: <save>/wandb)' is written &lt;save>: as raw HTML a Markdown viewer dropped '<save>'."""
+    text = open(f"{ROOT}/docs/flags.md", encoding="utf-8").read()
+    rows = [line for line in text.splitlines() if line.startswith("| `--")]
+    assert any("&lt;save>/wandb" in row for row in rows)
+    assert not [row for row in rows if "<" in row.split(" | ", 3)[-1]]  # no raw '<' in a help cell
