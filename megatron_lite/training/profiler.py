@@ -41,6 +41,7 @@ class StepProfiler:
         self.rank, self.device = rank, device
         self._prof = None
         self._faults = 0
+        self._last = self.end  # the last iteration recorded (earlier when the run ends inside the window)
         self.trace_path: str | None = None
 
     def before(self, iteration: int) -> None:
@@ -60,7 +61,10 @@ class StepProfiler:
 
     def after(self, iteration: int) -> None:
         """``iteration``: iterations completed after this step."""
-        if self._prof is not None and iteration >= self.end:
+        if self._prof is None:
+            return
+        self._last = iteration
+        if iteration >= self.end:
             self.close()
 
     def close(self) -> None:
@@ -85,7 +89,7 @@ class StepProfiler:
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=50)
         events = prof.events()
-        parts = [f"> rank {self.rank}: profile of iterations {self.start + 1}-{self.end}, trace {self.trace_path} "
+        parts = [f"> rank {self.rank}: profile of iterations {self.start + 1}-{self._last}, trace {self.trace_path} "
                  "(TensorBoard's profiler plugin or ui.perfetto.dev)", table,
                  format_breakdown(category_breakdown(events), f"rank {self.rank} self CPU time by category")]
         if cuda:

@@ -54,3 +54,13 @@ def test_profile_flags_refused_in_one_line(capsys, extra, words):
     assert len(lines) == 1, lines
     for w in words:
         assert w in lines[0]
+
+
+def test_a_run_ending_inside_the_window_reports_the_iterations_it_recorded(tmp_path, capsys):
+    """--profile-step-end 10 in a run of 3 iterations: the trace holds iterations 2-3, and the log says so
+    (it said 2-10)."""
+    pretrain_gpt.main(TINY + ["--train-iters", "3", "--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                              "--profile-step-end", "10", "--tensorboard-dir", str(tmp_path / "tb")])
+    out = capsys.readouterr().out
+    assert "profile of iterations 2-3," in out, out[-2000:]
+    assert len(glob.glob(os.path.join(tmp_path / "tb", "rank0.*.pt.trace.json"))) == 1
