@@ -139,7 +139,9 @@ def test_figures_keep_their_digits_at_any_size():
     from megatron_lite.perf.numbers import count, figure
 
     assert [figure(x) for x in (0, 812.34, 1.25, 0.0042, 3.1e-7)] == ["0.0", "812.3", "1.2", "0.0042", "3.1e-07"]
+    assert [figure(x) for x in (0.996, -0.999, 0.994)] == ["1.0", "-1.0", "0.99"]  # one decimal from 1 up, as rounded
     assert [count(n) for n in (6.74e9, 124.4e6, 33952, 512)] == ["6.74 B", "124.4 M", "34.0 K", "512"]
+    assert [count(n) for n in (999_999, 999_960_000, 999_940, 999)] == ["1.0 M", "1.00 B", "999.9 K", "999"]
 
 
 @pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "full", "--recompute-method", "block",
