@@ -5,7 +5,10 @@ Every collective and point-to-point transfer of the parallel layers reports here
 pipeline code call it). Nothing is recorded unless a :class:`CommVolume` is active
 (``with volume.counting(): ...``, which the training loop opens around each step under
 ``--log-comm-volume``): off, :func:`record` is one context-variable lookup and a None check.
-The active counter is context-local (:mod:`contextvars`), not a process-wide singleton.
+The active counter is context-local (:mod:`contextvars`), not a process-wide singleton; a
+thread that does not share that context, as the autograd engine's device threads (where a GPU
+backward pass runs the backward of the parallel layers and the gradient hooks) do not, counts into
+the counter the process opened last and still holds open.
 
 Bytes are what one rank sends over the link under the ring algorithms (``n`` = bytes of the
 full tensor, ``g`` = group size): all-reduce ``2 (g-1)/g n``; all-gather and reduce-scatter
@@ -35,6 +38,7 @@ from fractions import Fraction
 KINDS = ("tp", "sp", "cp", "ep", "dp", "pp")
 
 _ACTIVE: ContextVar[CommVolume | None] = ContextVar("megatron_lite_comm_volume", default=None)
+_OPEN: list[CommVolume] = []  # every counting() block still open in this process, the latest last
 
 
 def ring_bytes(op: str, nbytes: int, group_size: int) -> Fraction:
@@ -52,7 +56,7 @@ def ring_bytes(op: str, nbytes: int, group_size: int) -> Fraction:
 
 def record(kind: str, op: str, nbytes: int, group_size: int) -> None:
     """Count one operation on the active :class:`CommVolume`, if any (see :func:`ring_bytes`)."""
-    volume = _ACTIVE.get()
+    volume = _ACTIVE.get() or (_OPEN[-1] if _OPEN else None)  # another thread: autograd's device threads
     if volume is not None:
         volume.add(kind, op, ring_bytes(op, nbytes, group_size))
 
@@ -77,9 +81,11 @@ class CommVolume:
     def counting(self):
         """Record every communication in the block into this counter."""
         token = _ACTIVE.set(self)
+        _OPEN.append(self)
         try:
             yield self
         finally:
+            _OPEN.remove(self)
             _ACTIVE.reset(token)
 
     def end_step(self) -> dict[tuple[str, str], Fraction]:

@@ -31,3 +31,37 @@ def test_counts_only_while_active_and_per_step():
     assert volume.end_step() == {} and len(volume.steps) == 2
     with volume.counting(), pytest.raises(ValueError, match="unknown group kind"):
         record("xx", "send", 1, 2)
+
+
+def test_counts_what_another_thread_sends_as_autograd_device_threads_do():
+    """A CUDA backward pass runs autograd.Function.backward and the gradient hooks on the engine's device
+    thread, whose Python context is not the training loop's (so a ContextVar set there reads unset): the
+    TP backward all-reduces and gradient reduce-scatters of a GPU step were not counted. Such a thread's
+    records go to the counter the process holds open."""
+    import threading
+
+    import torch
+
+    class AllReduceInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            record("tp", "all_reduce", grad.numel() * grad.element_size(), 2)
+            return grad
+
+    def backward_elsewhere():
+        x = torch.ones(4, requires_grad=True)
+        AllReduceInBackward.apply(x).sum().backward()
+
+    volume = CommVolume()
+    with volume.counting():
+        worker = threading.Thread(target=backward_elsewhere)
+        worker.start()
+        worker.join()
+    worker = threading.Thread(target=backward_elsewhere)  # no counter open: dropped
+    worker.start()
+    worker.join()
+    assert volume.end_step() == {("tp", "all_reduce"): 16}
