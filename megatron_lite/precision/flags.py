@@ -49,6 +49,9 @@ def check_precision_flags(pr) -> None:
         _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
         _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
                  "--initial-loss-scale and --min-loss-scale must be positive")
+        _require(pr.loss_scale is not None or pr.min_loss_scale <= pr.initial_loss_scale,
+                 f"--min-loss-scale {pr.min_loss_scale} is larger than --initial-loss-scale "
+                 f"{pr.initial_loss_scale} (an overflow would raise the scale to the floor); lower it")
         _require(pr.loss_scale_window >= 1 and pr.hysteresis >= 1, "--loss-scale-window and --hysteresis must be at least 1")
     _require(pr.transformer_impl in TRANSFORMER_IMPLS,
              f"--transformer-impl {pr.transformer_impl}: expected one of {', '.join(TRANSFORMER_IMPLS)}")

@@ -43,6 +43,8 @@ class DynamicLossScaler:
     ):
         if initial_scale <= 0 or min_scale <= 0:
             raise ValueError("--initial-loss-scale and --min-loss-scale must be positive")
+        if min_scale > initial_scale:
+            raise ValueError(f"--min-loss-scale {min_scale} is larger than --initial-loss-scale {initial_scale}")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError("--loss-scale-window and --hysteresis must be at least 1")
         self.scale = float(initial_scale)

@@ -205,6 +205,8 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
         (["--make-vocab-size-divisible-by", "0"], 1, ["--make-vocab-size-divisible-by"]),
         (["--fp16", "--hysteresis", "0"], 1, ["--hysteresis must be at least 1"]),
         (["--fp16", "--loss-scale", "-1"], 1, ["--loss-scale must be positive"]),
+        (["--fp16", "--initial-loss-scale", "8", "--min-loss-scale", "16"], 1,
+         ["--min-loss-scale 16.0 is larger than --initial-loss-scale 8.0"]),
         (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size"]),
         (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "100", "--train-iters", "10"], 1, ["--lr-wsd-decay-iters"]),
         (["--decoder-first-pipeline-num-layers", "1"], 1, ["--decoder-first-pipeline-num-layers"]),

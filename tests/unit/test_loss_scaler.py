@@ -71,3 +71,10 @@ def test_state_dict_round_trip_and_static():
     assert c.scale == 64.0
     with pytest.raises(ValueError, match="--loss-scale"):
         ConstantLossScaler(0)
+
+
+def test_floor_above_initial_scale_is_refused():
+    """A floor above the start would make the first backed-off overflow *raise* the scale to the floor."""
+    with pytest.raises(ValueError, match="--min-loss-scale"):
+        DynamicLossScaler(initial_scale=8.0, min_scale=16.0)
+    build_loss_scaler(PrecisionConfig(fp16=True, loss_scale=4.0, min_loss_scale=16.0))  # static: the floor is unused
