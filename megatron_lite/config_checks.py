@@ -134,6 +134,7 @@ def _check_schedule(config: Config) -> None:
     if o.lr_decay_iters is None:
         o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
+    _check_optimizer_values(o)
     _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
     _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
@@ -145,6 +146,16 @@ def _check_schedule(config: Config) -> None:
         _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
                  f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
                  f"(default --train-iters), got {o.lr_wsd_decay_iters}")
+
+
+def _check_optimizer_values(o) -> None:
+    """The optimizer's hyper-parameters, refused here rather than by torch's traceback (or, for a
+    negative --weight-decay, not at all: torch checks only its default, not a param group's)."""
+    _require(o.weight_decay >= 0, f"--weight-decay must be at least 0, got {o.weight_decay}")
+    if o.optimizer == "adam":
+        for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+            _require(0 <= beta < 1, f"{flag} must be in [0, 1), got {beta}")
+        _require(o.adam_eps >= 0, f"--adam-eps must be at least 0, got {o.adam_eps}")
 
 
 def _check_profile(config: Config) -> None:
