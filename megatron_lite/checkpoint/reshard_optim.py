@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import torch
 
+from ..optim.optimizer import decays
 from ..parallel.tensor import shard, unshard
 from .format import find_model_files, param_meta, read_model_file
 from .layout import ep_name, ep_slice, global_name, is_grouped_expert
 
 
-def param_order(chunks: list, ep_rank: int = 0, ep_size: int = 1, experts: int = 0) -> tuple[list, list, dict, int]:
+def param_order(chunks: list, ep_rank: int = 0, ep_size: int = 1, experts: int = 0,
+                legacy: bool = False) -> tuple[list, list, dict, int]:
     """(names in ``parameters()`` order, names in the torch state's index order, chunk-local param_meta
     by global name, number of matrices: the weight-decay group) of one rank's chunk models (``(EP-1 meta model, layer_start)`` pairs), keeping the
-    experts of EP rank ``ep_rank`` only (names stay global: expert numbers too)."""
-    plain, dims, meta = [], {}, {}
+    experts of EP rank ``ep_rank`` only (names stay global: expert numbers too). ``legacy``: the groups of
+    checkpoints saved while every param of more than one dimension decayed (stacked expert biases too)."""
+    plain, decay, meta = [], {}, {}
     for model, start in chunks:
         local_meta = param_meta(model)
         for name, p in model.named_parameters():
@@ -38,11 +41,11 @@ def param_order(chunks: list, ep_rank: int = 0, ep_size: int = 1, experts: int =
                 continue
             g = global_name(name, start)
             plain.append(g)
-            dims[g] = p.dim()
+            decay[g] = p.dim() > 1 if legacy else decays(p)
             if name in local_meta:
                 meta[g] = local_meta[name]
-    indexed = [n for n in plain if dims[n] > 1] + [n for n in plain if dims[n] <= 1]
-    return plain, indexed, meta, sum(d > 1 for d in dims.values())
+    indexed = [n for n in plain if decay[n]] + [n for n in plain if not decay[n]]
+    return plain, indexed, meta, sum(decay.values())
 
 
 def _join_ep(parts: dict) -> dict:
@@ -97,8 +100,11 @@ def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
     for p in range(pp):
         chunks = chunk_models_of(p, payloads[(0, p, 0)])
         for e in range(ep):
-            plain, indexed, meta, _ = param_order(chunks, e, ep, experts)
             opts = [payloads[(t, p, e)]["optimizer"] for t in range(tp)]
+            plain, indexed, meta, matrices = param_order(chunks, e, ep, experts)
+            saved_decay = len(opts[0]["optimizer"]["param_groups"][0]["params"])
+            if saved_decay != matrices and saved_decay == param_order(chunks, e, ep, experts, legacy=True)[3]:
+                plain, indexed, meta, _ = param_order(chunks, e, ep, experts, legacy=True)
             _merge_rank(opts, plain, indexed, meta, tied, state, scalars, masters)
     groups = first["optimizer"]["optimizer"]["param_groups"]
     group = {k: v for k, v in groups[0].items() if k not in ("params", "weight_decay")}

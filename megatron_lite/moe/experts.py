@@ -248,6 +248,8 @@ class GroupedExperts(_ExpertsBase):
             self.bias1 = self._param(torch.zeros(self.num_local_experts, self.fc1_local), 1)
             self.bias1.partition_stride = self.weight1.partition_stride
             self.bias2 = self._bias2((self.num_local_experts, config.hidden_size))
+            for bias in (self.bias1, self.bias2):  # stacked [E, n]: no weight decay, like a 1-D bias
+                bias.no_weight_decay = True
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         h = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert)

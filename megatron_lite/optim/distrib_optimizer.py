@@ -45,7 +45,7 @@ from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
 from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
-from .optimizer import KERNEL_CHOICES, MegatronOptimizer
+from .optimizer import KERNEL_CHOICES, MegatronOptimizer, decays, regroup_saved_state
 
 
 class _Piece:
@@ -237,7 +237,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _full_order(self) -> list:
         """Model params in the index order of MegatronOptimizer's torch state dict."""
         ps = self.model_params
-        return [p for p in ps if p.dim() > 1] + [p for p in ps if p.dim() <= 1]
+        return [p for p in ps if decays(p)] + [p for p in ps if not decays(p)]
 
     def _gather_full(self, value_of) -> dict[int, torch.Tensor]:
         """{id(param): full fp32 tensor} from each rank's pieces (``value_of(piece)`` gives a piece's values)."""
@@ -267,8 +267,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 if self.config.optimizer == "adam":
                     entry["step"] = torch.tensor(float(step))
                 torch_state[index] = entry
-        decay = [i for i, p in enumerate(order) if p.dim() > 1]
-        no_decay = [i for i, p in enumerate(order) if p.dim() <= 1]
+        decay = [i for i, p in enumerate(order) if decays(p)]
+        no_decay = [i for i, p in enumerate(order) if not decays(p)]
         template = {k: v for k, v in self.optimizer.param_groups[0].items() if k not in ("params", "weight_decay")}
         groups = [dict(template, weight_decay=wd, params=ids)
                   for wd, ids in ((self.config.weight_decay, decay), (0.0, no_decay)) if ids]
@@ -296,7 +296,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """Take this rank's slices of a full (MegatronOptimizer-format) state; no communication."""
         order = self._full_order()
         index_of = {id(p): i for i, p in enumerate(order)}
-        saved_state = sd["optimizer"]["state"]
+        saved_state = regroup_saved_state(sd["optimizer"], self.model_params)["state"]
         masters = sd.get("fp32_masters")
         if masters is not None and len(masters) != len(self.model_params):
             raise ValueError(

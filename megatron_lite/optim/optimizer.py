@@ -2,7 +2,7 @@
 
 :class:`MegatronOptimizer` wraps a ``torch.optim.AdamW`` (or SGD). What it adds:
 
-* **Param groups.** Matrices get ``--weight-decay``; 1-D params (biases, norm weights) get 0.
+* **Param groups.** Matrices get ``--weight-decay``; biases and norm weights get 0 (:func:`decays`).
 * **fp32 master weights.** For bf16/fp16 params the torch optimizer steps an fp32 copy ("master")
   with the fp32 ``main_grad`` as its gradient, then the master is rounded back into the model
   param. fp32 params are stepped directly with ``grad = main_grad``. Adam's moments are fp32.
@@ -31,6 +31,31 @@ from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import get_grad_norm, grad_of
 
 KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")  # torch optimizer options a checkpoint must not set
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Whether ``--weight-decay`` applies to ``param``: to matrices, not to biases and norm weights (as
+    in Megatron). Those are 1-D, except the grouped experts' stacked biases ``[E, n]``, which are
+    marked ``no_weight_decay`` (a sequential expert's own bias is 1-D and does not decay either)."""
+    return param.dim() > 1 and not getattr(param, "no_weight_decay", False)
+
+
+def regroup_saved_state(torch_sd: dict, params) -> dict:
+    """``torch_sd``, a torch optimizer state dict over ``params`` in weight-decay group order, as this
+    version groups them. One saved before the grouped experts' stacked biases left the weight-decay
+    group (it put every param of more than one dimension there) is re-indexed; others are returned as they are."""
+    params = list(params)
+    decay, legacy = [p for p in params if decays(p)], [p for p in params if p.dim() > 1]
+    groups = torch_sd["param_groups"]
+    if len(decay) == len(legacy) or len(groups[0]["params"]) != len(legacy):
+        return torch_sd
+    new_index = {id(p): i for i, p in enumerate(decay + [p for p in params if not decays(p)])}
+    old_order = legacy + [p for p in params if p.dim() <= 1]
+    state = {new_index[id(old_order[int(i)])]: v for i, v in torch_sd["state"].items()}
+    no_decay = groups[-1] if len(groups) > 1 else dict(groups[0], weight_decay=0.0)
+    new_groups = [dict(groups[0], params=list(range(len(decay)))),
+                  dict(no_decay, params=list(range(len(decay), len(params))))]
+    return {"state": state, "param_groups": [g for g in new_groups if g["params"]]}
 
 
 def can_fuse(groups) -> bool:
@@ -81,9 +106,9 @@ class MegatronOptimizer:
                 for p in self.model_params]
 
     def _groups(self, pairs) -> list[dict]:
-        """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, 1-D params do not."""
-        decay = [m for p, m in pairs if p.dim() > 1]
-        no_decay = [m for p, m in pairs if p.dim() <= 1]
+        """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, biases and norms do not."""
+        decay = [m for p, m in pairs if decays(p)]
+        no_decay = [m for p, m in pairs if not decays(p)]
         wd = self.config.weight_decay
         return [g for g in ({"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
@@ -197,7 +222,7 @@ class MegatronOptimizer:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Restore everything; the masters (when saved) also overwrite the model params."""
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self.optimizer.load_state_dict(regroup_saved_state(sd["optimizer"], self.model_params))
         for group in self.optimizer.param_groups:  # the kernel is this run's choice, not the checkpoint's
             group.update({k: self.optimizer.defaults[k] for k in KERNEL_CHOICES if k in self.optimizer.defaults})
         masters = sd.get("fp32_masters")

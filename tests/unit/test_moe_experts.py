@@ -136,3 +136,52 @@ def test_gelu_experts_compute_the_dense_mlps_gelu(flags):
     _close(shared(x[:, None])[:, 0], expected)
     for module in routed:
         _close(module(x, torch.ones(6), [6, 0]), expected)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_biases_get_no_weight_decay(grouped):
+    """Biases do not decay (Megatron's rule), also the grouped experts' stacked [E, n] ones: a step
+    with zero gradients leaves them as they are and shrinks only the weights."""
+    from megatron_lite.config import OptimizerConfig
+    from megatron_lite.optim.optimizer import MegatronOptimizer
+
+    config, seq, grp = _pair(add_bias_linear=True)
+    module = grp if grouped else seq
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(1.0)
+            p.main_grad = torch.zeros_like(p)
+    MegatronOptimizer([module], ParallelState(), OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0)).step()
+    for name, p in module.named_parameters():
+        expected = 1.0 if "bias" in name else 1.0 - 0.1 * 0.5
+        assert torch.allclose(p, torch.full_like(p, expected)), (name, p)
+
+
+def test_checkpoint_with_stacked_biases_in_the_decay_group_loads():
+    """A checkpoint saved while the stacked expert biases sat with the matrices (every param of more
+    than one dimension first in torch's indices) loads: each param gets its own Adam moments back,
+    and the biases land in the no-decay group."""
+    from megatron_lite.config import OptimizerConfig
+    from megatron_lite.optim.optimizer import MegatronOptimizer
+
+    _, _, grp = _pair(add_bias_linear=True)
+    names = {id(p): n for n, p in grp.named_parameters()}
+    for p in grp.parameters():
+        p.main_grad = torch.randn_like(p)
+    oc = OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0)
+    opt = MegatronOptimizer([grp], ParallelState(), oc)
+    opt.step()
+    moments = {names[id(p)]: opt.optimizer.state[m]["exp_avg"].clone() for p, m in zip(opt.model_params, opt.masters)}
+    params = opt.model_params
+    legacy = [p for p in params if p.dim() > 1] + [p for p in params if p.dim() <= 1]
+    sd = opt.state_dict()
+    group = dict(sd["optimizer"]["param_groups"][0], params=list(range(len(legacy))))
+    sd["optimizer"] = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": moments[names[id(p)]],
+                                     "exp_avg_sq": moments[names[id(p)]].square()} for i, p in enumerate(legacy)},
+                       "param_groups": [group]}
+    fresh = MegatronOptimizer([grp], ParallelState(), oc)
+    fresh.load_state_dict(sd)
+    for p, m in zip(fresh.model_params, fresh.masters):
+        assert torch.equal(fresh.optimizer.state[m]["exp_avg"], moments[names[id(p)]]), names[id(p)]
+    assert [g["weight_decay"] for g in fresh.param_groups] == [0.5, 0.0]
+    assert {names[id(p)] for p in fresh.param_groups[1]["params"]} == {"bias1", "bias2"}
