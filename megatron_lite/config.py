@@ -199,6 +199,8 @@ class OptimizerConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """Momentum factor of --optimizer sgd."""
     optimizer_cpu_offload: bool = False
     """Keep fp32 masters and optimizer state of part of this rank's shard on the CPU, stepped there."""
     optimizer_offload_fraction: float = 1.0

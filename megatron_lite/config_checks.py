@@ -43,6 +43,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_batch(config)
+    _check_sample_based(config)
     _check_schedule(config)
     _check_profile(config)
     _check_data_and_checkpoint(config)
@@ -156,6 +157,12 @@ def _check_optimizer_values(o) -> None:
         for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
             _require(0 <= beta < 1, f"{flag} must be in [0, 1), got {beta}")
         _require(o.adam_eps >= 0, f"--adam-eps must be at least 0, got {o.adam_eps}")
+
+
+def _check_sample_based(config: Config) -> None:
+    """--sgd-momentum (torch's traceback otherwise)."""
+    o = config.optim
+    _require(o.optimizer != "sgd" or o.sgd_momentum >= 0, f"--sgd-momentum must be at least 0, got {o.sgd_momentum}")
 
 
 def _check_profile(config: Config) -> None:

@@ -16,6 +16,10 @@ class LoggingConfig:
     """Write TensorBoard scalars here."""
     log_throughput: bool = False
     """Include TFLOP/s per device in the log line."""
+    log_params_norm: bool = False
+    """Log the L2 norm of the parameters (each counted once over TP/PP/DP) as "params norm"."""
+    log_num_zeros_in_grad: bool = False
+    """Log the number of zero entries of the reduced gradients (each parameter once) as "num zeros"."""
     log_comm_volume: bool = False
     """Count the bytes each rank sends per step, per group kind (tp, sp, cp, ep, dp, pp), and log rank 0's."""
     memory_report: bool = False

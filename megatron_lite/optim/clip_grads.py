@@ -53,11 +53,17 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     ``data_parallel`` each rank holds only part of the gradient, so the sums run over the
     data-parallel (x context-parallel) group too (the expert-data-parallel group for expert parameters).
     """
+    return model_sum(pairs, state, device, sum_of_squares, data_parallel)
+
+
+def model_sum(pairs, state, device, local_sum, data_parallel: bool = False) -> torch.Tensor:
+    """``local_sum(tensors, device)`` (a scalar tensor) over the tensors of ``pairs`` that count once,
+    summed over the ranks holding the rest of the model as :func:`grad_norm_squared` says."""
     grads = {True: [], False: []}  # dense (all-reduced over data parallelism) / expert gradients
     for p, g in pairs:
         if g is not None and counts_once(p, state):
             grads[getattr(p, "allreduce", True)].append(g.detach())
-    dense, expert = (_sum_of_squares(grads[kind], device) for kind in (True, False))
+    dense, expert = (local_sum(grads[kind], device) for kind in (True, False))
     dense_groups = (state.dp_shard_group,) if data_parallel else ()  # sharded over DP x CP (/ instances)
     expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
@@ -70,12 +76,21 @@ def grad_norm_squared(pairs, state, device, data_parallel: bool = False) -> torc
     return total
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+def sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
     """Sum of the squared L2 norms of ``grads`` in fp32: one multi-tensor norm (a few kernels for the
-    whole model instead of two per parameter), no squared copies."""
+    whole model instead of two per parameter), no squared copies. Tensors on another device (an
+    optimizer's host-offloaded masters) add their norms on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    return torch.stack([n.to(device) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]).square().sum()
+
+
+def count_zeros(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """How many entries of ``tensors`` are zero (a float64 scalar on ``device``: exact up to 2^53)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        total += (t.numel() - torch.count_nonzero(t)).to(device, torch.float64)
+    return total
 
 
 def get_grad_norm(params, state) -> float:

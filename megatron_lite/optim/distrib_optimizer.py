@@ -146,6 +146,12 @@ class DistributedOptimizer(MegatronOptimizer):
                                          overlap=self.config.overlap_cpu_optimizer_d2h_h2d)
         return super()._make_torch_optimizer(groups)
 
+    sharded = True
+
+    def stat_pairs(self, grads: bool) -> list:
+        """This rank's pieces as ``(model param, fp32 master or, with grads, its gradient)``."""
+        return [(piece.param, piece.grad() if grads else piece.master) for piece in self.pieces]
+
     # step ----------------------------------------------------------------------------------
     def _grad_norm(self) -> float:
         device = self.buckets[0].device if self.buckets else torch.device("cpu")

@@ -118,12 +118,20 @@ class MegatronOptimizer:
             return torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps,
                                      fused=can_fuse(groups))
         if oc.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=oc.lr, momentum=0.9)
+            return torch.optim.SGD(groups, lr=oc.lr, momentum=oc.sgd_momentum)
         raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+    sharded = False  # stat_pairs cover whole parameters (the distributed optimizer's: this rank's pieces)
+
+    def stat_pairs(self, grads: bool) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """``(model param, tensor)`` for the model-wide figures of --log-params-norm and
+        --log-num-zeros-in-grad: the fp32 master (what the step wrote) or, with ``grads``, the
+        gradient it was stepped with (reduced over data parallelism)."""
+        return [(p, grad_of(p) if grads else m) for p, m in zip(self.model_params, self.masters)]
 
     # loss scale ----------------------------------------------------------------------------
     def get_loss_scale(self) -> float:

@@ -48,6 +48,7 @@ from .logging import TrainLogger
 from .nonfinite import check_finite
 from .outputs import check_output_locations
 from .profiler import StepProfiler
+from .step_stats import step_stats
 from .timers import Timers
 from .writers import check_wandb_available
 
@@ -67,6 +68,7 @@ class TrainResult:
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
     memory: list = field(default_factory=list, repr=False)  # --memory-report: this rank's MemoryReport.steps_seen
+    stats: list = field(default_factory=list, repr=False)  # per step: the {params_norm, num_zeros} logged
     state: ParallelState | None = field(default=None, repr=False)
     optimizer: object = field(default=None, repr=False)
 
@@ -317,11 +319,12 @@ class _Training:
             result.losses.append(loss_value)
             result.reported.append(losses)
         result.grad_norms.append(grad_norm)
+        result.stats.append(step_stats(self.config, self.optimizer, self.state, ok))  # collective when asked
         self.logger.log_iteration(
             self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
             iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
-        )
+            **result.stats[-1])  # --log-params-norm, --log-num-zeros-in-grad
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
@@ -343,9 +346,8 @@ class _Training:
                 t.exit_duration_in_mins is not None and (time.time() - self.start) / 60 > t.exit_duration_in_mins,
             )
             reason = "signal" if signalled else "duration" if out_of_time else None
-        if reason is None and t.exit_interval and self.iteration % t.exit_interval == 0:
-            reason = "interval"
-        return reason
+        interval = reason is None and t.exit_interval and self.iteration % t.exit_interval == 0
+        return "interval" if interval else reason
 
     def run(self) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
