@@ -59,10 +59,18 @@ def test_logged_on_the_line_and_absent_without_the_flags(capsys):
     ["--tensor-model-parallel-size", "2"],
     ["--pipeline-model-parallel-size", "2"],
     ["--use-distributed-optimizer"],
-], ids=["tp2", "pp2", "dp2_distopt"])
+    ["--data-parallel-sharding-strategy", "optim_grads_params"],
+], ids=["tp2", "pp2", "dp2_distopt", "dp2_zero3"])
 def test_parallel_layouts_log_the_single_process_figures(single, layout):
     ref = single[0]
     for stats in run_ranks(2, _stats, FLAGS + layout):  # every rank computes them (collective)
         assert [s["num_zeros"] for s in stats] == [s["num_zeros"] for s in ref]
         for got, want in zip(stats, ref, strict=True):
             assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-5)
+
+
+def test_a_skipped_fp16_step_counts_no_zeros(capsys):
+    result = pretrain_gpt.main(FLAGS + ["--fp16", "--initial-loss-scale", "1e30", "--train-iters", "1"])
+    assert result.skipped_iterations == 1
+    assert result.stats[0]["num_zeros"] is None and result.stats[0]["params_norm"] > 0
+    assert "num zeros" not in capsys.readouterr().out
