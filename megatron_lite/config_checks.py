@@ -43,7 +43,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_batch(config)
-    _check_sample_based(config)
+    _check_sgd_momentum(config)
     _check_schedule(config)
     _check_profile(config)
     _check_data_and_checkpoint(config)
@@ -159,7 +159,7 @@ def _check_optimizer_values(o) -> None:
         _require(o.adam_eps >= 0, f"--adam-eps must be at least 0, got {o.adam_eps}")
 
 
-def _check_sample_based(config: Config) -> None:
+def _check_sgd_momentum(config: Config) -> None:
     """--sgd-momentum (torch's traceback otherwise)."""
     o = config.optim
     _require(o.optimizer != "sgd" or o.sgd_momentum >= 0, f"--sgd-momentum must be at least 0, got {o.sgd_momentum}")
