@@ -226,6 +226,9 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
             _require(method in RECOMPUTE_METHODS, "--recompute-granularity full needs --recompute-method uniform or block")
             _require(self.recompute_num_layers >= 1, "--recompute-num-layers must be at least 1")
         _require(method is None or g == "full", "--recompute-method only applies with --recompute-granularity full")
+        _require(self.recompute_num_layers is None or g == "full",
+                 "--recompute-num-layers only applies with --recompute-granularity full (selective recomputes "
+                 "core attention in every layer); drop it or use full with --recompute-method")
 
     def _check_fp8(self) -> None:
         _require(self.transformer_impl in TRANSFORMER_IMPLS,

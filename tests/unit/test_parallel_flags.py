@@ -1,0 +1,47 @@
+"""Layout and recomputation flags: a flag that would do nothing is refused in one line (exit 2), and
+MEGATRON_LITE_CHECK_ARGS's summary line multiplies out to the world size."""
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+
+BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1"]
+
+
+def _one_line_exit_2(capsys, flags, world, words):
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE + flags, world_size=world)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), lines
+
+
+@pytest.mark.parametrize("flags", [
+    ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],  # Megatron refuses it too
+    ["--recompute-num-layers", "2"],  # no recomputation at all: it was silently ignored
+])
+def test_recompute_num_layers_without_full_is_refused(capsys, flags):
+    _one_line_exit_2(capsys, flags, 1, ["--recompute-num-layers", "--recompute-granularity full"])
+
+
+@pytest.mark.parametrize("flags, n", [
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], 1),  # Megatron's default group of 1
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"], 3),
+    (["--recompute-granularity", "selective"], None),
+])
+def test_recompute_combinations_that_work_are_accepted(flags, n):
+    assert parse_args(BASE + flags, world_size=1).training.recompute_num_layers == n
+
+
+@pytest.mark.parametrize("world, flags, layout", [
+    (8, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], "TP 2 x PP 1 x CP 2 x DP 2,"),
+    (4, ["--context-parallel-size", "4"], "TP 1 x PP 1 x CP 4 x DP 1,"),
+    (4, ["--pipeline-model-parallel-size", "2"], "TP 1 x PP 2 x DP 2,"),  # CP 1 is not shown
+])
+def test_check_args_summary_accounts_for_every_process(capsys, monkeypatch, world, flags, layout):
+    monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE + flags, world_size=world)
+    assert err.value.code == 0
+    assert f"arguments valid for world size {world}: {layout}" in capsys.readouterr().out
