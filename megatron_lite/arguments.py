@@ -194,9 +194,10 @@ def args_summary(config: Config) -> str:
     """One line: the layout and batch the flags give for this world size."""
     p, t = config.parallel, config.training
     micro_batches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+    cp = f"CP {p.context_parallel_size} x " if p.context_parallel_size > 1 else ""  # world = TP x PP x CP x DP
     return (
         f"arguments valid for world size {config.world_size}: TP {p.tensor_model_parallel_size} x "
-        f"PP {p.pipeline_model_parallel_size} x DP {config.data_parallel_size}, global batch "
+        f"PP {p.pipeline_model_parallel_size} x {cp}DP {config.data_parallel_size}, global batch "
         f"{t.global_batch_size} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
         f"DP {config.data_parallel_size}"
     )
