@@ -72,6 +72,10 @@ def check_bert_config(config: Config) -> None:
     if seq < MIN_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {seq} is too short for BERT: [CLS] A [SEP] B [SEP] needs at least "
                           f"{MIN_SEQ_LENGTH}")
+    if config.parallel.context_parallel_size > 1:  # BERT's batch is not split over CP: an IndexError, not a run
+        raise ConfigError("--context-parallel-size > 1 is GPT-only (BERT's bidirectional padding mask is not split "
+                          "over context-parallel ranks); use 1, and --tensor-model-parallel-size with "
+                          "--sequence-parallel to split long sequences")
     if config.data.mock_data:
         raise ConfigError("--mock-data is GPT-only; give BERT a sentence-split --data-path")
     if config.model.mtp_num_layers:

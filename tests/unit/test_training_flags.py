@@ -37,6 +37,8 @@ def test_the_smallest_usable_values_are_accepted(flags):
 @pytest.mark.parametrize("script, flags, words", [
     ("pretrain_bert", ["--mask-prob", "2"], "--mask-prob must be in [0, 1)"),
     ("pretrain_bert", ["--seq-length", "4"], "--seq-length 4 is too short for BERT"),
+    # BERT's batch is not split over CP: it was an IndexError traceback in the position embedding
+    ("pretrain_bert", ["--context-parallel-size", "2"], "--context-parallel-size > 1 is GPT-only"),
     ("pretrain_gpt", ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
      "--mtp-num-layers with --reset-attention-mask"),
 ])
@@ -45,6 +47,7 @@ def test_check_args_mode_applies_the_scripts_own_rules(capsys, monkeypatch, scri
     import importlib
 
     monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a world that fits every layout below
     with pytest.raises(SystemExit) as err:
         importlib.import_module(script).main(BASE + flags)
     lines = capsys.readouterr()
