@@ -87,8 +87,9 @@ def main(argv=None) -> int:
             ap.error("interleaving (-v > 1) needs --pipeline-model-parallel-size > 1")
         try:
             check_interleaved_microbatches(args.m, args.p)
-        except ValueError as err:
-            ap.error(str(err))
+        except ValueError:  # its message names the training flags (--global-batch-size ...), not this tool's
+            ap.error(f"the interleaved schedule (-v {args.v}) needs --num-microbatches (-m) {args.m} to be a "
+                     f"multiple of --pipeline-model-parallel-size (-p) {args.p}; change -m or drop -v")
 
     import matplotlib
 

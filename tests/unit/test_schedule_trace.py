@@ -257,8 +257,11 @@ def test_plot_schedule_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "bubble 0.2500 (formula 0.2500)" in text and "bubble 0.1250 (formula 0.1250)" in text
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as err:
         tool.main(["-p", "4", "-m", "6", "-v", "2", "--out", str(out)])
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip()  # the tool's own flags, not pretrain_gpt.py's --global-batch-size
+    assert "-m) 6" in line and "-p) 4" in line and "--global-batch-size" not in line, line
 
 
 def test_plot_schedule_creates_the_output_folder(tmp_path, capsys):
