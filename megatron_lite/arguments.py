@@ -155,9 +155,9 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
     parser = build_parser(description, extra_sections)
     ns = parser.parse_args(argv)
     config = config_from_namespace(ns, extra_sections=extra_sections)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
+        if world_size is None:
+            world_size = _env_world_size()
         if config.checkpoint.use_checkpoint_args:
             _take_checkpoint_args(config)
         finalize(config, world_size)
@@ -169,6 +169,16 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         print(args_summary(config))
         parser.exit(0)
     return config
+
+
+def _env_world_size() -> int:
+    """torchrun's WORLD_SIZE (1 when unset); one set by hand for MEGATRON_LITE_CHECK_ARGS may be a typo."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={value!r} is not a whole number of processes; set it to one "
+                          "(e.g. WORLD_SIZE=8) or leave it to the launcher") from None
 
 
 def _take_checkpoint_args(config: Config) -> None:

@@ -45,3 +45,15 @@ def test_check_args_summary_accounts_for_every_process(capsys, monkeypatch, worl
         parse_args(BASE + flags, world_size=world)
     assert err.value.code == 0
     assert f"arguments valid for world size {world}: {layout}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["abc", "8x", ""])
+def test_a_world_size_that_is_not_a_number_is_one_line_exit_2(capsys, monkeypatch, value):
+    """WORLD_SIZE set by hand for MEGATRON_LITE_CHECK_ARGS: a typo was a ValueError traceback."""
+    monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"WORLD_SIZE={value!r}" in lines[0], lines
