@@ -112,6 +112,7 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))  # a few Megatron flags keep an underscore
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = f.metadata.get("cli_default", default)  # --train-iters: unset, so that a clash is seen
             kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
             if kind is bool:  # on by default: --no-<flag> turns it off
                 group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)

@@ -21,6 +21,10 @@ from .precision.config import PrecisionConfig
 
 __all__ = ["Config", "ConfigError"]
 
+DEFAULT_TRAIN_ITERS = 20
+"""--train-iters when neither it nor --train-samples is given (the command line leaves it unset
+so that giving both can be refused; finalize fills it in)."""
+
 
 @dataclass
 class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models/mla_config.py
@@ -147,8 +151,10 @@ class TrainingConfig:
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int | None = None
     """Samples per optimizer step over all ranks (default micro-batch-size x data-parallel size)."""
-    train_iters: int = 20
-    """Optimizer steps to train for."""
+    train_iters: int | None = field(default=DEFAULT_TRAIN_ITERS, metadata={"cli_default": None})
+    """Optimizer steps to train for (default 20; with --train-samples: train-samples // global-batch-size)."""
+    train_samples: int | None = None
+    """Samples to train for instead of --train-iters (iterations: this // global-batch-size); the learning-rate schedule then counts samples (--lr-*-samples)."""
     seed: int = 1234
     """Random seed."""
     eval_interval: int = 1000
@@ -189,6 +195,14 @@ class OptimizerConfig:
     """WSD final decay shape: exponential, linear or cosine."""
     lr_wsd_decay_iters: int | None = None
     """Steps of the WSD final decay."""
+    lr_warmup_samples: int = 0
+    """With --train-samples: linear warmup samples."""
+    lr_decay_samples: int | None = None
+    """With --train-samples: samples over which to decay (default train-samples)."""
+    lr_wsd_decay_samples: int | None = None
+    """With --train-samples: samples of the WSD final decay."""
+    lr_warmup_fraction: float | None = None
+    """Warmup as a fraction of the decay (iterations or samples), instead of --lr-warmup-iters/-samples."""
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and norms)."""
     clip_grad: float = 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import DERIVED_FLAGS, Config
+from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, Config
 from .errors import ConfigError
 from .fusions.config import check_fusion_flags
 from .logging_config import check_profile_flags
@@ -43,6 +43,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_batch(config)
+    _check_train_length(config)
     _check_sgd_momentum(config)
     _check_schedule(config)
     _check_profile(config)
@@ -132,21 +133,66 @@ def _check_schedule(config: Config) -> None:
                              ("--seed", t.seed, 0), ("--lr-warmup-iters", o.lr_warmup_iters, 0),
                              ("--lr", o.lr, 0), ("--min-lr", o.min_lr, 0)):
         _require(value >= low, f"{flag} must be at least {low}, got {value}")
-    if o.lr_decay_iters is None:
-        o.lr_decay_iters = t.train_iters
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
     _check_optimizer_values(o)
     _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
-    _require(o.lr_decay_style in ("constant", "WSD") or o.lr_decay_iters > o.lr_warmup_iters,
-             f"--lr-decay-iters {o.lr_decay_iters} (default --train-iters) must exceed --lr-warmup-iters "
-             f"{o.lr_warmup_iters} for --lr-decay-style {o.lr_decay_style}")
+    _check_lr_span(config)
+
+
+def _check_train_length(config: Config) -> None:
+    """--train-iters or --train-samples (Megatron's rules: one of them; with --train-samples the
+    iterations are train-samples // global-batch-size and the learning-rate schedule counts samples,
+    so its flags are the --lr-*-samples ones, and with --train-iters the --lr-*-iters ones)."""
+    t, o = config.training, config.optim
+    fraction = o.lr_warmup_fraction
+    _require(fraction is None or 0 <= fraction < 1, f"--lr-warmup-fraction must be in [0, 1), got {fraction}")
+    if t.train_samples is None:
+        if t.train_iters is None:
+            t.train_iters = DEFAULT_TRAIN_ITERS
+        for flag, value, twin in (("--lr-decay-samples", o.lr_decay_samples, "--lr-decay-iters"),
+                                  ("--lr-warmup-samples", o.lr_warmup_samples or None, "--lr-warmup-iters"),
+                                  ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples, "--lr-wsd-decay-iters")):
+            _require(value is None, f"{flag} needs --train-samples; this run counts iterations (--train-iters): "
+                     f"use {twin}")
+        _require(fraction is None or o.lr_warmup_iters == 0,
+                 "--lr-warmup-fraction and --lr-warmup-iters exclude each other; give one")
+        return
+    _require(t.train_iters is None, "--train-iters and --train-samples exclude each other; give one")
+    gbs = t.global_batch_size
+    _require(t.train_samples >= gbs, f"--train-samples {t.train_samples} is less than one global batch "
+             f"(--global-batch-size {gbs}); give at least {gbs}")
+    t.train_iters = t.train_samples // gbs
+    for flag, value, twin in (("--lr-decay-iters", o.lr_decay_iters, "--lr-decay-samples"),
+                              ("--lr-warmup-iters", o.lr_warmup_iters or None, "--lr-warmup-samples"),
+                              ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters, "--lr-wsd-decay-samples")):
+        _require(value is None, f"{flag} counts iterations; with --train-samples the schedule counts samples: "
+                 f"use {twin}")
+    _require(o.lr_warmup_samples >= 0, f"--lr-warmup-samples must be at least 0, got {o.lr_warmup_samples}")
+    _require(fraction is None or o.lr_warmup_samples == 0,
+             "--lr-warmup-fraction and --lr-warmup-samples exclude each other; give one")
+
+
+def _check_lr_span(config: Config) -> None:
+    """Warmup, decay and WSD decay lengths, in iterations or (with --train-samples) samples; fills in
+    the decay's default (--train-iters or --train-samples)."""
+    t, o = config.training, config.optim
+    unit, length = ("samples", t.train_samples) if t.train_samples is not None else ("iters", t.train_iters)
+    decay_attr = f"lr_decay_{unit}"
+    if getattr(o, decay_attr) is None:
+        setattr(o, decay_attr, length)
+    decay, wsd = getattr(o, decay_attr), getattr(o, f"lr_wsd_decay_{unit}")
+    warmup_flag, warmup = f"--lr-warmup-{unit}", getattr(o, f"lr_warmup_{unit}")
+    if o.lr_warmup_fraction is not None:
+        warmup_flag, warmup = "--lr-warmup-fraction x --lr-decay-" + unit, o.lr_warmup_fraction * decay
+    _require(o.lr_decay_style in ("constant", "WSD") or decay > warmup,
+             f"--lr-decay-{unit} {decay} (default --train-{unit}) must exceed {warmup_flag} "
+             f"{warmup} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":
-        _require(o.lr_wsd_decay_iters is not None,
-                 "--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of the final decay)")
-        _require(o.lr_wsd_decay_iters is not None and 0 < o.lr_wsd_decay_iters <= o.lr_decay_iters,
-                 f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {o.lr_decay_iters} "
-                 f"(default --train-iters), got {o.lr_wsd_decay_iters}")
+        what = "steps" if unit == "iters" else "samples"
+        _require(wsd is not None, f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the {what} of the final decay)")
+        _require(0 < wsd <= decay, f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-{unit} <= --lr-decay-{unit} "
+                 f"{decay} (default --train-{unit}), got {wsd}")
 
 
 def _check_optimizer_values(o) -> None:

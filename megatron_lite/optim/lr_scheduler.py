@@ -11,6 +11,11 @@ With ``n`` the number of steps taken, ``W`` ``--lr-warmup-iters``, ``D`` ``--lr-
 * ``WSD`` (warmup-stable-decay): ``lr`` until ``D - Dw`` (``Dw`` = ``--lr-wsd-decay-iters``),
   then with ``q = (n - (D - Dw)) / Dw`` the factor ``1 - q`` (linear),
   ``0.5 * (1 + cos(pi * q))`` (cosine) or ``2 * 0.5**q - 1`` (exponential) between min_lr and lr.
+
+With ``--train-samples`` the same formulas count samples: ``n`` grows by the global batch size per
+step and ``W``, ``D``, ``Dw`` are ``--lr-warmup-samples``, ``--lr-decay-samples`` (default
+``--train-samples``) and ``--lr-wsd-decay-samples``. ``--lr-warmup-fraction`` sets ``W`` to that
+fraction of ``D`` in either mode.
 """
 
 from __future__ import annotations
@@ -30,27 +35,35 @@ SCHEDULE_FLAGS = (
 class OptimizerParamScheduler:
     """Sets ``lr`` on every param group of ``optimizer`` from the step count."""
 
-    def __init__(self, optimizer, config, train_iters: int):
+    def __init__(self, optimizer, config, train_iters: int, train_samples: int | None = None,
+                 global_batch_size: int = 1):
         self.optimizer = optimizer
         self.max_lr, self.min_lr = float(config.lr), float(config.min_lr)
         self.style = config.lr_decay_style
-        self.warmup_steps = int(config.lr_warmup_iters)
-        self.decay_steps = int(config.lr_decay_iters if config.lr_decay_iters is not None else train_iters)
+        # With --train-samples the schedule counts samples: each step() advances it by a global batch.
+        self.unit = "samples" if train_samples is not None else "iterations"
+        self.step_size = int(global_batch_size) if train_samples is not None else 1
+        unit, length = ("samples", train_samples) if train_samples is not None else ("iters", train_iters)
+        decay = getattr(config, f"lr_decay_{unit}")
+        self.decay_steps = int(decay if decay is not None else length)
+        fraction = getattr(config, "lr_warmup_fraction", None)
+        warmup = getattr(config, f"lr_warmup_{unit}")
+        self.warmup_steps = fraction * self.decay_steps if fraction is not None else int(warmup)
         self.wsd_style = config.lr_wsd_decay_style
-        self.wsd_decay_steps = config.lr_wsd_decay_iters
+        self.wsd_decay_steps = getattr(config, f"lr_wsd_decay_{unit}")
         if self.style not in ("constant", "linear", "cosine", "WSD"):
             raise ValueError(f"--lr-decay-style {self.style!r}: expected constant, linear, cosine or WSD")
         if self.min_lr > self.max_lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}")
         if self.style in ("linear", "cosine") and self.decay_steps <= self.warmup_steps:
             raise ValueError(
-                f"--lr-decay-iters {self.decay_steps} must exceed --lr-warmup-iters {self.warmup_steps} "
+                f"--lr-decay-{unit} {self.decay_steps} must exceed --lr-warmup-{unit} {self.warmup_steps} "
                 f"for --lr-decay-style {self.style}"
             )
         if self.style == "WSD":
             if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.decay_steps:
                 raise ValueError(
-                    f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters {self.decay_steps}, "
+                    f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-{unit} <= --lr-decay-{unit} {self.decay_steps}, "
                     f"got {self.wsd_decay_steps}"
                 )
             if self.wsd_style not in ("exponential", "linear", "cosine"):
@@ -86,8 +99,9 @@ class OptimizerParamScheduler:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance ``increment`` steps and write the new lr into every param group."""
-        self.num_steps += increment
+        """Advance ``increment`` optimizer steps (each a global batch of samples when the schedule
+        counts samples) and write the new lr into every param group."""
+        self.num_steps += increment * self.step_size
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -97,18 +111,26 @@ class OptimizerParamScheduler:
         return {
             "num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style,
             "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
-            "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps,
+            "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps, "unit": self.unit,
         }
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore the step count and, as Megatron-LM does, the schedule: a schedule that differs from
         this run's flags (a larger --train-iters moves the decay end) raises ConfigError unless
         ``--override-opt_param-scheduler`` (keep this run's flags) or
-        ``--use-checkpoint-opt_param-scheduler`` (continue the checkpoint's schedule) says which."""
+        ``--use-checkpoint-opt_param-scheduler`` (continue the checkpoint's schedule) says which.
+        A schedule counted in iterations does not continue in samples, or the other way round."""
+        saved_unit = sd.get("unit", "iterations")
+        if saved_unit != self.unit:
+            raise ConfigError(
+                f"the checkpoint's learning-rate schedule counts {saved_unit}, this run's {self.unit}: resume with "
+                + ("--train-samples (and --lr-*-samples)" if saved_unit == "samples" else "--train-iters (and --lr-*-iters)"))
         if not self.override:
             differ = [(attr, flag) for attr, flag in SCHEDULE_FLAGS if attr in sd and sd[attr] != getattr(self, attr)]
             if differ and not self.use_checkpoint:
                 attr, flag = differ[0]
+                if self.unit == "samples":  # the same schedule, counted in samples
+                    flag = flag.replace("-iters", "-samples")
                 raise ConfigError(
                     f"the learning-rate schedule differs from the checkpoint's: {flag} {getattr(self, attr)} in this "
                     f"run, {sd[attr]} in the checkpoint; pass --override-opt_param-scheduler to use this run's flags "

@@ -241,7 +241,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
                      "one compiled forward; the loss's pieces compile too")
     chunks = [wrap_for_data_parallel(chunk, state, config.parallel) for chunk in chunks]
     optimizer = build_optimizer(config, chunks, state)
-    scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters)
+    scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters, t.train_samples, t.global_batch_size)
     iteration, consumed = 0, 0
     if ck.load or ck.pretrained_checkpoint:
         iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
