@@ -1,6 +1,8 @@
 """pretrain_gpt.py with --train-samples: it trains train-samples // global-batch-size iterations on the
 schedule the equivalent --train-iters run follows, and a checkpoint resumes exactly (in the same mode)."""
 
+import pytest
+
 import pretrain_gpt
 from tests.e2e.test_pretrain_gpt import MODEL, _one_line_exit_2
 from tests.trajectory import Trajectory
@@ -32,3 +34,21 @@ def test_train_samples_trains_its_iterations_and_resumes_exactly(tmp_path, capsy
     # a checkpoint counted in iterations does not continue in samples
     _one_line_exit_2(capsys, BASE + ["--save", str(tmp_path / "x"), "--load", str(tmp_path / "iters")] + BY_SAMPLES,
                      "counts iterations, this run's samples", "--train-iters")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_data_sets_are_sized_from_train_samples(tmp_path, monkeypatch):
+    asked = []
+
+    def capture(config, samples, tokenizer=None):
+        asked.append(list(samples))
+        raise _Stop
+
+    monkeypatch.setattr(pretrain_gpt, "build_train_valid_test_datasets", capture)
+    with pytest.raises(_Stop):
+        _run(tmp_path / "x", BY_SAMPLES + ["--eval-iters", "1", "--eval-interval", "2"])
+    # 37 train samples (not 4 iterations x 8 = 32); validation: (4 // 2 + 1) x 1 global batch of 8
+    assert asked == [[37, 24, 0]]
