@@ -7,9 +7,11 @@ The data is what ``preprocess_data.py --split-sentences`` writes: each sequence 
   sentences of one document and a target length: ``max_seq_length - 3`` (room for [CLS] and two
   [SEP]), or with probability ``short_seq_prob`` a random length in [2, max_seq_length - 3].
   Sentences are taken until the target is reached, always leaving >= 2 sentences for the next
-  sample (the last sample takes the rest).  Documents with fewer than 2 sentences (1 without the
-  binary head) or a sentence longer than 512 tokens are skipped, as in Megatron.  Epochs repeat
-  (with new target lengths) until ``num_samples`` are reached; the mapping is then shuffled.
+  sample (the last sample takes the rest).  As in Megatron, documents with fewer than 2 sentences
+  (1 without the binary head) are skipped, and so are documents of 2 or more sentences holding one
+  longer than 512 tokens; a one-sentence document (without the binary head) is kept however long
+  its sentence, and truncated like any sample.  Epochs repeat (with new target lengths) until
+  ``num_samples`` are reached; the mapping is then shuffled.
 * A **sample** ``[CLS] A [SEP] B [SEP]``: A = the first k sentences (k random), B = the rest;
   with probability 0.5 A and B are swapped (``is_random`` = 1, sentence-order prediction).  The
   longer segment is trimmed one token at a time from a random end down to the target length.
@@ -108,7 +110,9 @@ def build_bert_mapping(sizes: np.ndarray, document_indices: np.ndarray, document
     counts = np.asarray(document_indices, dtype=np.int64)[document_ids + 1] - starts
     min_sentences = 2 if binary_head else 1
     long_before = np.concatenate(([0], np.cumsum(sizes > LONG_SENTENCE_LEN)))  # long sentences before s
-    has_long = long_before[starts + counts] > long_before[starts]
+    # as in Megatron, only documents of >= 2 sentences are checked: a one-sentence document (kept
+    # without the binary head) is truncated to its target length however long its sentence is
+    has_long = (counts > 1) & (long_before[starts + counts] > long_before[starts])
     keep = (counts >= min_sentences) & ~has_long
     starts, counts = starts[keep], counts[keep]
     if starts.size == 0:

@@ -55,7 +55,7 @@ def reference_mapping_epoch(sizes, doc_idx, doc_ids, targets, min_sent):
     rows = []
     for d in doc_ids:
         lo, hi = int(doc_idx[d]), int(doc_idx[d + 1])
-        if hi - lo < min_sent or any(sizes[s] > 512 for s in range(lo, hi)):
+        if hi - lo < min_sent or (hi - lo > 1 and any(sizes[s] > 512 for s in range(lo, hi))):
             continue
         start, length, count = lo, 0, 0
         for s in range(lo, hi):
@@ -231,3 +231,24 @@ def test_split_of_single_sentence_documents_is_a_data_config_error(tmp_path):
         build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())
     cfg.binary_head = False  # one sentence is a sample without the sentence-order head
     assert build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())[1] is not None
+
+
+def test_long_one_sentence_document_is_kept_and_truncated_without_binary_head(tmp_path):
+    """Megatron checks for sentences over 512 tokens only in documents of >= 2 sentences: a
+    one-sentence document of 600 tokens is a (truncated) sample without the binary head; it was skipped."""
+    b = IndexedDatasetBuilder(str(tmp_path / "s"), dtype=np.int32)
+    for sentences in ([600], [10], [600, 10]):  # the last: 2 sentences, one long -> skipped, as in Megatron
+        for n in sentences:
+            b.add_item(np.arange(FIRST_WORD_ID, FIRST_WORD_ID + 2 * n, 2, dtype=np.int32))
+        b.end_document()
+    b.finalize()
+    ds = IndexedDataset(str(tmp_path / "s"))
+    mapping = build_bert_mapping(ds.sequence_lengths, ds.document_indices, np.arange(3), None, 64, 0.0, 1,
+                                 binary_head=False)
+    assert sorted(map(tuple, mapping.tolist())) == [(0, 1, 61), (1, 2, 61)]
+    cfg = BertDatasetConfig(seq_length=64, seed=9, short_seq_prob=0.0, binary_head=False)
+    bert = BertDataset(ds, np.arange(3), None, cfg, Tokenizer(continuations=False))
+    long_sample = next(bert[i] for i in range(len(bert)) if int(bert.samples_mapping[i][0]) == 0)
+    assert int(long_sample["padding_mask"].sum()) == 61 + 2 and int(long_sample["truncated"]) == 1
+    with pytest.raises(ValueError, match="none of its 3 documents"):  # with the head: no pair anywhere
+        build_bert_mapping(ds.sequence_lengths, ds.document_indices, np.arange(3), None, 64, 0.0, 1)
