@@ -52,7 +52,7 @@ class BertConfig:
     bert_no_binary_head: bool = False
     """Train without the sentence-order (binary) head and without token-type embeddings."""
     mask_prob: float = 0.15
-    """Fraction of the (non-special) tokens to predict in the masked-LM task."""
+    """Fraction of a sample's tokens ([CLS]/[SEP] counted, as in Megatron) to predict in the masked-LM task."""
     short_seq_prob: float = 0.1
     """Probability of a sample with a shorter, random target length."""
     bert_load: str | None = None

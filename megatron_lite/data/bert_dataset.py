@@ -16,8 +16,10 @@ The data is what ``preprocess_data.py --split-sentences`` writes: each sequence 
   with probability 0.5 A and B are swapped (``is_random`` = 1, sentence-order prediction).  The
   longer segment is trimmed one token at a time from a random end down to the target length.
   Without the binary head all sentences form A: ``[CLS] A [SEP]``.
-* **Masked LM**: ``mask_prob`` of the non-special tokens (rounded, at least 1) are predicted, chosen
-  as whole words (a word = a token plus its "##" continuations when the tokenizer has a vocab)
+* **Masked LM**: as in Megatron, ``min(int(mask_prob * target), max(1, round(len(tokens) * mask_prob)))``
+  tokens are predicted, where ``tokens`` counts the [CLS] and [SEP]s too (they are never predicted)
+  and ``target`` is the sample's target length (so the cap is 0 for targets below 1 / mask_prob);
+  they are chosen as whole words (a word = a token plus its "##" continuations when the tokenizer has a vocab)
   in n-grams of 1..3 words (P(n) proportional to 1/n); of the chosen tokens 80% become [MASK],
   10% a random vocabulary id, 10% stay.  labels = original id at predicted positions, -1 elsewhere.
 
@@ -52,7 +54,7 @@ class BertDatasetConfig:
     data_cache_path: str | None = None
     """--data-cache-path: folder for index caches (default: <data dir>/cache)."""
     mask_prob: float = 0.15
-    """--mask-prob: fraction of non-special tokens to predict."""
+    """--mask-prob: fraction of the sample's tokens ([CLS]/[SEP] counted, never predicted) to predict."""
     short_seq_prob: float = 0.1
     """--short-seq-prob: probability of a shorter random target length."""
     binary_head: bool = True
@@ -174,13 +176,18 @@ def word_starts(tokens: np.ndarray, special: np.ndarray, inv_vocab) -> np.ndarra
     return starts
 
 
+def num_to_predict(num_tokens: int, mask_prob: float, target: int) -> int:
+    """Megatron's count of predicted tokens: ``mask_prob`` of all ``num_tokens`` ([CLS]/[SEP]
+    included), rounded and at least 1, capped by ``mask_prob * target`` rounded down (maybe 0)."""
+    return min(int(mask_prob * target), max(1, int(round(num_tokens * mask_prob))))
+
+
 def mask_tokens(tokens: np.ndarray, special: np.ndarray, mask_prob: float, max_predictions: int,
                 max_ngrams: int, mask_id: int, vocab_size: int, inv_vocab, rng: np.random.RandomState):
-    """Whole-word n-gram masking; returns (masked tokens, predicted positions sorted, original ids)."""
-    num_regular = int((~special).sum())
-    if mask_prob <= 0 or num_regular == 0:
+    """Whole-word n-gram masking of up to ``max_predictions`` non-special tokens; returns
+    (masked tokens, predicted positions sorted, original ids)."""
+    if mask_prob <= 0 or max_predictions <= 0 or not (~special).any():
         return tokens, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    num_to_predict = min(max_predictions, max(1, int(round(num_regular * mask_prob))))
     is_start = word_starts(tokens, special, inv_vocab)
     word_begin = np.flatnonzero(is_start)
     # a word runs from its start to just before the next word start or special token
@@ -193,16 +200,16 @@ def mask_tokens(tokens: np.ndarray, special: np.ndarray, mask_prob: float, max_p
     chosen: list[int] = []
     covered = np.zeros(len(tokens), dtype=bool)
     for w in order:
-        if len(chosen) >= num_to_predict:
+        if len(chosen) >= max_predictions:
             break
         longest = min(max_ngrams, len(words) - w)
         p = ngram_p[:longest] / ngram_p[:longest].sum()
         n = int(rng.choice(np.arange(1, longest + 1), p=p))
         span = sum(words[w:w + n], [])
-        while len(chosen) + len(span) > num_to_predict and n > 1:  # shorter n-grams if too many
+        while len(chosen) + len(span) > max_predictions and n > 1:  # shorter n-grams if too many
             n -= 1
             span = sum(words[w:w + n], [])
-        if len(chosen) + len(span) > num_to_predict or covered[span].any():
+        if len(chosen) + len(span) > max_predictions or covered[span].any():
             continue
         covered[span] = True
         for i in span:
@@ -278,7 +285,7 @@ class BertDataset:
         special[[0, len(tokens_a) + 1]] = True
         if tokens_b:
             special[-1] = True
-        max_predictions = max(1, int(cfg.mask_prob * target))  # Megatron: mask_prob x target length
+        max_predictions = num_to_predict(len(tokens), cfg.mask_prob, target)
         masked, positions, originals = mask_tokens(tokens, special, cfg.mask_prob, max_predictions,
                                                    cfg.max_ngrams, self.mask, self.vocab_size, self.inv_vocab, rng)
         n, s = len(tokens), cfg.seq_length

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron_lite.data.bert_dataset import BertDataset, BertDatasetConfig, build_bert_mapping
+from megatron_lite.data.bert_dataset import BertDataset, BertDatasetConfig, build_bert_mapping, num_to_predict
 from megatron_lite.data.builder import build_train_valid_test_datasets
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
@@ -129,7 +129,7 @@ def test_masking_proportions_and_whole_words(tmp_path):
         labels, text = s["labels"][:n], s["text"][:n]
         original = np.where(labels != -1, labels, text)
         special = (original == CLS) | (original == SEP)
-        regular += int((~special).sum())
+        regular += n  # Megatron counts [CLS]/[SEP] too (never predicted)
         pos = np.flatnonzero(labels != -1)
         predicted += len(pos)
         assert not special[pos].any()
@@ -142,7 +142,7 @@ def test_masking_proportions_and_whole_words(tmp_path):
         np.testing.assert_array_equal(labels[cont] != -1, labels[cont - 1] != -1)
         words_masked = np.flatnonzero((labels != -1) & (original % 2 == 0))
         multi_word_spans += int(np.sum(np.diff(words_masked) == 1))
-    # 0.15 of non-special tokens, rounded per sample (and capped by whole-word fits): within 1%
+    # 0.15 of all tokens, rounded per sample (and capped by whole-word fits): within 1%
     assert abs(predicted / regular - 0.15) < 0.01
     # of those: 80 / 10 / 10 within 2.5% (about 4 standard deviations for ~9,000 tokens)
     share = kinds / kinds.sum()
@@ -231,6 +231,36 @@ def test_split_of_single_sentence_documents_is_a_data_config_error(tmp_path):
         build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())
     cfg.binary_head = False  # one sentence is a sample without the sentence-order head
     assert build_train_valid_test_datasets(cfg, [10, 4, 0], Tokenizer())[1] is not None
+
+
+def _one_sentence_documents(prefix, lengths):
+    b = IndexedDatasetBuilder(str(prefix), dtype=np.int32)
+    next_token = FIRST_WORD_ID
+    for n in lengths:
+        b.add_item(np.arange(next_token, next_token + 2 * n, 2, dtype=np.int32))
+        next_token += 2 * n
+        b.end_document()
+    b.finalize()
+    return IndexedDataset(str(prefix))
+
+
+def test_mask_count_counts_cls_and_sep_like_megatron(tmp_path):
+    """Megatron predicts min(int(p * target), max(1, round(p * len(tokens)))) with [CLS]/[SEP] in
+    len(tokens); the count used only the non-special tokens (10 tokens gave 1 prediction, not 2)."""
+    # (tokens incl. [CLS]/[SEP], target) -> expected, by hand at p = 0.15
+    cases = {(10, 61): 2, (24, 61): 4, (5, 61): 1, (42, 61): 6, (64, 61): 9, (12, 5): 0, (12, 7): 1}
+    for (tokens, target), expected in cases.items():
+        assert num_to_predict(tokens, 0.15, target) == expected, (tokens, target)
+    # through the dataset: one-sentence documents without the binary head are [CLS] sentence [SEP]
+    lengths = {8: 2, 22: 4, 3: 1, 40: 6, 13: 2}  # sentence length -> predictions (15 tokens: round(2.25))
+    ds = _one_sentence_documents(tmp_path / "s", list(lengths))
+    cfg = BertDatasetConfig(seq_length=64, seed=9, short_seq_prob=0.0, binary_head=False, max_ngrams=1)
+    bert = BertDataset(ds, np.arange(len(lengths)), None, cfg, Tokenizer(continuations=False))
+    seen = {}
+    for i in range(len(bert)):
+        s = bert[i]
+        seen[int(s["padding_mask"].sum()) - 2] = int(s["loss_mask"].sum())
+    assert seen == lengths
 
 
 def test_long_one_sentence_document_is_kept_and_truncated_without_binary_head(tmp_path):
