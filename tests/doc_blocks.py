@@ -17,6 +17,9 @@ Every token naming a file of the repository (``tools/...``, ``examples/...``, ``
 ``<!-- doc-test: run -->`` is also executed with bash, in a scratch folder holding links to the
 repository's scripts, with every training command shortened (:data:`RUN_OVERRIDES`); a block
 preceded by ``<!-- doc-test: skip (reason) -->`` is not checked at all.
+
+Outside the blocks, every ``--flag`` the text names must be a flag of ours (:func:`script_flags`) or
+another program's (:data:`FOREIGN_FLAGS`), and one the text calls missing must not be ours.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import shlex
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = ROOT  # the scripts' flags always come from here, even where a test points ROOT at other docs
 SHELLS = ("bash", "sh")
 RUN_MARK = "<!-- doc-test: run -->"
 SKIP_MARK = re.compile(r"<!-- doc-test: skip \((.+)\) -->")
@@ -200,7 +204,7 @@ def tool_parser(script: str) -> argparse.ArgumentParser | None:
     whose ``main`` takes no arguments: only its paths are checked."""
     if script in WRAPPERS:
         return None
-    main = runpy.run_path(os.path.join(ROOT, script), run_name="doc_check")["main"]
+    main = runpy.run_path(os.path.join(REPO, script), run_name="doc_check")["main"]
     if not inspect.signature(main).parameters:
         return None
     with _capture_parser():
@@ -273,3 +277,58 @@ def runnable_text(block: Block) -> str:
             line = code.rstrip() + " " + " ".join(RUN_OVERRIDES)
         lines.append(line)
     return "\n".join(lines)
+
+
+# Flags the prose names that belong to other programs (torchrun, SLURM, pip, TensorBoard, Nsight,
+# lm-eval), or to Megatron-LM and are named as missing here: each must stay unknown to our scripts.
+FOREIGN_FLAGS = {
+    "--nnodes", "--rdzv-backend", "--rdzv-endpoint",  # torchrun
+    "--signal", "--ntasks-per-node",  # sbatch / srun / scancel
+    "--no-build-isolation", "--logdir", "--capture-range", "--model_args",  # pip, tensorboard, nsys, lm-eval
+    "--num-tokentypes", "--calculate-per-token-loss", "--sft-tokenizer-prompt-format",  # Megatron-LM only
+}
+PROSE_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*\w(?![\w*/-])")
+ADD_ARGUMENT = re.compile(r"add_argument\(\s*(?:[\"']-\w[\"'],\s*)?[\"'](--[a-z][\w-]*)[\"']")
+NOT_A_FLAG = re.compile(r"`(--[a-z][\w-]*)` is not a flag|[Nn]o `(--[a-z][\w-]*)` flag")
+
+
+def prose(path: str) -> str:
+    """A Markdown file without its fenced blocks (those are checked as commands)."""
+    return re.sub(r"```.*?```", "", open(os.path.join(ROOT, path), encoding="utf-8").read(), flags=re.S)
+
+
+@functools.cache
+def script_flags() -> frozenset[str]:
+    """Every flag of the training scripts and the tools' parsers, and every flag an ``add_argument`` call
+    of tools/, benchmarks/ or the package names (benchmarks, the converter's groups)."""
+    names = set(training_parser("pretrain_gpt.py")._option_string_actions)
+    names |= set(training_parser("pretrain_bert.py")._option_string_actions)
+    for pattern in ("tools/**/*.py", "benchmarks/**/*.py", "megatron_lite/**/*.py"):
+        for file in glob.glob(pattern, root_dir=REPO, recursive=True):
+            text = open(os.path.join(REPO, file), encoding="utf-8").read()
+            names |= set(ADD_ARGUMENT.findall(text))
+            if file.startswith("tools/") and re.search(r"^def main\(", text, flags=re.M):
+                names |= _tool_flags(file)
+    return frozenset(names)
+
+
+def _tool_flags(script: str) -> set[str]:
+    """The flags of a tool's parser (those added in a loop too), or none for a tool parsing by hand."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser = tool_parser(script)
+        except (AssertionError, SystemExit, ImportError):
+            return set()
+    return set(parser._option_string_actions) if parser else set()
+
+
+def prose_flag_problems(path: str) -> list[str]:
+    """Flags the prose names that no script has, and flags it calls missing that a script has."""
+    text = prose(path)
+    known = script_flags()
+    problems = [f"{f} is no flag of ours (nor in FOREIGN_FLAGS)" for f in sorted(set(PROSE_FLAG.findall(text)))
+                if f not in known and f not in FOREIGN_FLAGS]
+    problems += [f"{f} is a flag of ours but FOREIGN_FLAGS lists it" for f in sorted(FOREIGN_FLAGS & known)]
+    said_missing = {a or b for a, b in NOT_A_FLAG.findall(text)}
+    problems += [f"the text says {f} is not a flag, but it is" for f in sorted(said_missing & known)]
+    return problems

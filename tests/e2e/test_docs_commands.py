@@ -1,7 +1,8 @@
 """Docs that run: every shell block of README.md, docs/*.md and examples/**/README.md is exercised
 (tests/doc_blocks.py; the convention is in docs/contributing.md). Training and tool commands have
 their flags validated by their own argument parsers, file paths must exist, blocks marked
-``<!-- doc-test: run -->`` are executed at tiny sizes, and relative Markdown links resolve. The
+``<!-- doc-test: run -->`` are executed at tiny sizes, relative Markdown links resolve, and every
+flag the prose names is one of ours (or listed as another program's) and none it calls missing is. The
 count of blocks and commands is printed by test_summary (``pytest -s``) and shows in the test ids."""
 
 import os
@@ -20,6 +21,7 @@ from tests.doc_blocks import (
     commands,
     doc_files,
     missing_paths,
+    prose_flag_problems,
     runnable_text,
     script_and_args,
 )
@@ -142,3 +144,25 @@ def test_relative_links_resolve(path):
         if not os.path.exists(full) or (anchor and full.endswith(".md") and anchor not in _slugs(full)):
             broken.append(target)
     assert not broken, f"{path}: broken links {broken}"
+
+
+@pytest.mark.parametrize("path", doc_files())
+def test_flags_named_in_prose_exist(path):
+    """A ``--flag`` in the text (outside the command blocks) is a flag of the training scripts, a
+    tool or a benchmark, or another program's (FOREIGN_FLAGS); a flag the text says is missing is not ours."""
+    problems = prose_flag_problems(path)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_the_prose_check_catches_a_renamed_flag_and_a_stale_absence(tmp_path, monkeypatch):
+    import tests.doc_blocks as doc_blocks
+
+    (tmp_path / "a.md").write_text("Use `--num-layerz 2`.\n```bash\npython x.py --in-a-block\n```\n")
+    (tmp_path / "b.md").write_text("No fused kernels (`--no-rope-fusion` is not a flag).\n")
+    (tmp_path / "c.md").write_text("There is no `--lr` flag; torchrun's `--nnodes`, `--lora-*`, `--no-...` forms.\n")
+    (tmp_path / "d.md").write_text("`--num-layers`, `--max-shard-size` (convert), `--fp32-peak-tflops` (benchmark).\n")
+    monkeypatch.setattr(doc_blocks, "ROOT", str(tmp_path))
+    assert prose_flag_problems("a.md") == ["--num-layerz is no flag of ours (nor in FOREIGN_FLAGS)"]
+    assert prose_flag_problems("b.md") == ["the text says --no-rope-fusion is not a flag, but it is"]
+    assert prose_flag_problems("c.md") == ["the text says --lr is not a flag, but it is"]
+    assert prose_flag_problems("d.md") == []
