@@ -19,7 +19,8 @@ repository's scripts, with every training command shortened (:data:`RUN_OVERRIDE
 preceded by ``<!-- doc-test: skip (reason) -->`` is not checked at all.
 
 Outside the blocks, every ``--flag`` the text names must be a flag of ours (:func:`script_flags`) or
-another program's (:data:`FOREIGN_FLAGS`), and one the text calls missing must not be ours.
+another program's (:data:`FOREIGN_FLAGS`), and one the text calls missing must not be ours; a numeric
+default in a page's own ``| flag | default |`` table must be the parser's.
 """
 
 from __future__ import annotations
@@ -331,4 +332,33 @@ def prose_flag_problems(path: str) -> list[str]:
     problems += [f"{f} is a flag of ours but FOREIGN_FLAGS lists it" for f in sorted(FOREIGN_FLAGS & known)]
     said_missing = {a or b for a, b in NOT_A_FLAG.findall(text)}
     problems += [f"the text says {f} is not a flag, but it is" for f in sorted(said_missing & known)]
+    return problems
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def table_default_problems(path: str) -> list[str]:
+    """Rows of a ``| flag | default | ...`` table (outside docs/flags.md) whose numeric default is not
+    the training scripts' default. A row may name several flags with their defaults comma-separated."""
+    actions = dict(training_parser("pretrain_bert.py")._option_string_actions)
+    problems, column = [], None
+    for line in prose(path).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            column = None
+        elif "flag" in cells[0] and any("default" in c for c in cells):
+            column = next(i for i, c in enumerate(cells) if "default" in c)
+        elif column is not None and column < len(cells) and not set(cells[0]) <= set("-: "):
+            flags = re.findall(r"`(--[a-z][\w-]*)", cells[0])
+            values = [v.strip() for v in cells[column].split(",")]
+            for flag, value in zip(flags, values) if len(flags) == len(values) else ():
+                default = getattr(actions.get(flag), "default", None)
+                default = default[0] if isinstance(default, list) and len(default) == 1 else default
+                if flag in actions and _number(value) is not None and _number(default) != _number(value):
+                    problems.append(f"{flag}: the table says {value}, the default is {default!r}")
     return problems

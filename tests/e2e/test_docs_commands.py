@@ -2,7 +2,8 @@
 (tests/doc_blocks.py; the convention is in docs/contributing.md). Training and tool commands have
 their flags validated by their own argument parsers, file paths must exist, blocks marked
 ``<!-- doc-test: run -->`` are executed at tiny sizes, relative Markdown links resolve, and every
-flag the prose names is one of ours (or listed as another program's) and none it calls missing is. The
+flag the prose names is one of ours (or listed as another program's) and none it calls missing is;
+the numeric defaults of the pages' flag tables are the code's. The
 count of blocks and commands is printed by test_summary (``pytest -s``) and shows in the test ids."""
 
 import os
@@ -24,6 +25,7 @@ from tests.doc_blocks import (
     prose_flag_problems,
     runnable_text,
     script_and_args,
+    table_default_problems,
 )
 
 BLOCKS = all_blocks()
@@ -166,3 +168,21 @@ def test_the_prose_check_catches_a_renamed_flag_and_a_stale_absence(tmp_path, mo
     assert prose_flag_problems("b.md") == ["the text says --no-rope-fusion is not a flag, but it is"]
     assert prose_flag_problems("c.md") == ["the text says --lr is not a flag, but it is"]
     assert prose_flag_problems("d.md") == []
+
+
+@pytest.mark.parametrize("path", doc_files())
+def test_flag_tables_state_the_defaults(path):
+    """A page's own ``| flag | default |`` table (BERT, DeepSeek-V3, MoE, LoRA) gives the parser's defaults."""
+    problems = table_default_problems(path)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_the_table_check_catches_a_changed_default(tmp_path, monkeypatch):
+    import tests.doc_blocks as doc_blocks
+
+    (tmp_path / "t.md").write_text("| flag | default | meaning |\n|---|---|---|\n| `--kv-lora-rank` | 64 | x |\n"
+                                   "| `--beta-fast`, `--beta-slow` | 32, 2 | x |\n| `--mask-prob` | 0.15 | x |\n"
+                                   "| `--moe-aux-loss-coeff` | 0.0 | x |\n| `--q-lora-rank` | None | x |\n")
+    monkeypatch.setattr(doc_blocks, "ROOT", str(tmp_path))
+    assert table_default_problems("t.md") == ["--kv-lora-rank: the table says 64, the default is 32",
+                                              "--beta-slow: the table says 2, the default is 1.0"]
