@@ -257,8 +257,7 @@ def _no_tracker(root: str, quiet: bool = False) -> None:
         raise CheckpointError(
             f"--load {root} is one checkpoint's iteration folder; point --load at the folder above it, "
             f"{os.path.dirname(os.path.normpath(root)) or '.'} (the save folder: its {TRACKER_FILENAME} names the "
-            "iteration to load), "
-            "or pass this folder to --pretrained-checkpoint to start from its weights"
+            "iteration to load), or pass this folder to --pretrained-checkpoint to start from its weights"
         )
     hf_files = model_files_in(root)
     if "config.json" in hf_files and len(hf_files) > 1:  # config.json and its weights

@@ -155,8 +155,8 @@ class InferenceEngine:
             if self.is_src:
                 new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(logits[:, -1], params, self.generator))
             new = self._broadcast(new)
-            if bool((new < 0).any()):  # the sampling rank's logits hold NaN / inf: every rank raises together
-                raise NonFiniteLogitsError()
+            non_finite = (new < 0).any()  # the sampling rank's logits held NaN / inf: raised at the sync below,
+            new = new.clamp(min=0)  # ... the mark kept out of the tokens meanwhile
             finished = cur >= ends
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:
@@ -164,7 +164,9 @@ class InferenceEngine:
             stop_here = ~finished & (cur >= lengths) & torch.isin(new, stops)
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
-            done = bool((cur + 1 >= ends).all())  # (waits for the device: the timings below are complete)
+            bad, done = torch.stack([non_finite, (cur + 1 >= ends).all()]).tolist()  # one wait for the device
+            if bad:  # every rank raises together (the mark was broadcast)
+                raise NonFiniteLogitsError()
             if prev == 0:
                 self.timings["prefill_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()

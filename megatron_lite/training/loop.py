@@ -263,8 +263,7 @@ class _Training:
         self.valid_iter = valid_iter
         t = config.training
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
-        # model FLOPs, as Megatron-LM logs them: what recomputation repeats is not counted
-        flops = num_floating_point_operations(config.model, t.global_batch_size, moe_config=config.moe)
+        flops = num_floating_point_operations(config.model, t.global_batch_size, moe_config=config.moe)  # no recompute
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
