@@ -5,13 +5,14 @@ lists; required), ``max_tokens`` (16), ``temperature`` (1.0; 0 is greedy), ``top
 filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: the chosen token's
 log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
-and ``model``, ``n`` (1), ``best_of`` (1), ``stream`` (false), ``user`` accepted; a field set to
+``stream`` (false; server-sent events, see :mod:`.api_stream`) with ``stream_options``, and
+``model``, ``n`` (1), ``best_of`` (1), ``user`` accepted; a field set to
 ``null`` takes its default, as in OpenAI's API. Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
 (absent: 256, or what the model's context leaves after the prompt when that is less).
 A field that would change the result but is not implemented (penalties, ``logit_bias``,
-``n > 1``, ``stream``) is refused with HTTP 400, never ignored.
+``n > 1``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .api_megatron import continuation_text
+from .api_stream import cut_at_stop
 from .chat import chat_prompt
 from .engine import Generation
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
@@ -28,6 +30,7 @@ from .sampling import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
           "presence_penalty", "frequency_penalty", "logit_bias"}
+COMMON |= {"stream_options"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 DEFAULT_CHAT_TOKENS = 256  # chat's max_tokens when absent (and the context has room)
@@ -45,14 +48,17 @@ class OpenAIJob:
     logprobs: int | None = None
     stops: list[str] = field(default_factory=list)
     chat: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    """stream_options.include_usage: the stream's last chunk carries the usage."""
+    n: int = 1
+    """Completions per prompt: ``prompts`` holds each prompt ``n`` times in a row."""
 
 
 def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
     for name in ("n", "best_of"):
         if get_int(body, name, 1) != 1:
             raise RequestError(f"{name} must be 1: one completion per prompt")
-    if get_bool(body, "stream", False):
-        raise RequestError("stream=true is not supported; ask without streaming")
     for name in ("presence_penalty", "frequency_penalty"):
         if get_number(body, name, 0.0) != 0.0:
             raise RequestError(f"{name} is not supported; leave it 0")
@@ -69,6 +75,20 @@ def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
                           random_seed=seed, top_n_logprobs=top_n)
+
+
+def _streaming(body, job: OpenAIJob) -> OpenAIJob:
+    """``job`` with ``stream`` and ``stream_options`` read (see :mod:`.api_stream`)."""
+    job.stream = get_bool(body, "stream", False)
+    options = body.get("stream_options", {})
+    if "stream_options" in body and not job.stream:
+        raise RequestError("stream_options needs stream=true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError("stream_options must be an object with only include_usage (a boolean)")
+    job.include_usage = get_bool(options, "include_usage", False)
+    if job.stream and job.logprobs is not None:
+        raise RequestError("logprobs with stream=true is not supported; ask without streaming for log-probs")
+    return job
 
 
 def _stops(body) -> list[str]:
@@ -122,7 +142,8 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     echo = get_bool(body, "echo", False)
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
-    return OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
+    job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
+    return _streaming(body, job)
 
 
 def parse_chat(body, tokenizer, template: str | None = None, max_length: int | None = None) -> OpenAIJob:
@@ -141,12 +162,7 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
         raise RequestError("top_logprobs needs logprobs=true")
     job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top), False, top if logprobs else None, _stops(body))
     job.chat = True
-    return job
-
-
-def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    cuts = [text.find(s) for s in stops if s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+    return _streaming(body, job)
 
 
 def _logprobs(result, tokenizer, echo: bool, start_offset: int, end: int, chat: bool) -> dict:
@@ -177,7 +193,7 @@ def _prefix(result, end: int):
 
 def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
     """The choice, and how many generated tokens it returns (those before a stop string)."""
-    text, stopped = _cut(continuation_text(tokenizer, result), job.stops)
+    text, stopped = cut_at_stop(continuation_text(tokenizer, result), job.stops)
     end = result.prompt_length  # keep the log-probs of the generated tokens whose text lies before the cut
     while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
         end += 1

@@ -127,12 +127,27 @@ class InferenceEngine:
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Generation]:
         """Continue every prompt (token ids, at least one each); see the module docstring."""
+        steps = self.stream(prompts, params)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams | None = None):
+        """:meth:`generate` one decode step at a time: the prompts and parameters are checked now
+        (ValueError), then the generator yields, after each step, every sequence's new token (None
+        where it is still reading its prompt or has ended) and returns the list of
+        :class:`Generation`. Every rank must run it to the end: each step is a collective."""
         params = params if params is not None else SamplingParams()
         params.check()
+        _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate)
+        if params.tokens_to_generate == 0:
+            return _scored(self.score(prompts, params.top_n_logprobs))
+        return self._steps(prompts, params)
+
+    def _steps(self, prompts: list[list[int]], params: SamplingParams):
         n = params.tokens_to_generate
-        _check_prompts(prompts, self.max_sequence_length, n)
-        if n == 0:
-            return self.score(prompts, params.top_n_logprobs)
         if params.random_seed is not None:
             self.generator.manual_seed(params.random_seed)
         b = len(prompts)
@@ -164,13 +179,16 @@ class InferenceEngine:
             stop_here = ~finished & (cur >= lengths) & torch.isin(new, stops)
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
-            bad, done = torch.stack([non_finite, (cur + 1 >= ends).all()]).tolist()  # one wait for the device
+            emitted = ~finished & (cur >= lengths)
+            synced = torch.cat([torch.stack([non_finite, (cur + 1 >= ends).all()]).long(), emitted.long(), new]).tolist()
+            bad, done = synced[:2]  # one wait for the device per step
             if bad:  # every rank raises together (the mark was broadcast)
                 raise NonFiniteLogitsError()
             if prev == 0:
                 self.timings["prefill_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
             prev = cur
+            yield [t if e else None for e, t in zip(synced[2:2 + b], synced[2 + b:])]
             if done:
                 break
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=cur - int(lengths.min()))
@@ -178,6 +196,12 @@ class InferenceEngine:
         tokens, ends = tokens.cpu(), ends.tolist()
         return [_result(tokens[i, :ends[i]].tolist(), len(prompts[i]), values[i, :ends[i] - 1], top_n,
                         "stop" if stopped[i] else "length") for i in range(b)]
+
+
+def _scored(results: list[Generation]):
+    """A generator of no steps that returns ``results`` (``tokens_to_generate`` 0: scoring only)."""
+    return results
+    yield  # noqa: B901 - unreachable: makes this function a generator
 
 
 def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:

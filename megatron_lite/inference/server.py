@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .api_megatron import api_response, parse_api
 from .api_openai import openai_response, parse_chat, parse_completion
+from .api_stream import stream_events
 from .fields import RequestError
 
 HEARTBEAT_S = 60.0
@@ -44,6 +45,12 @@ class Runner:
     def run(self, prompts, params):
         self._send((_GENERATE, prompts, params))
         return self.engine.generate(prompts, params)
+
+    def stream(self, prompts, params):
+        """:meth:`run` one decode step at a time (the engine's :meth:`stream`): the followers run the
+        same job with ``generate``, so whoever iterates the steps must run them all."""
+        self._send((_GENERATE, prompts, params))
+        return self.engine.stream(prompts, params)
 
     def heartbeat(self) -> None:
         self._send((_HEARTBEAT,))
@@ -71,7 +78,7 @@ class Runner:
 def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
     """The Flask app; ``runner.run(prompts, params)`` generates; ``chat_template``: ``--chat-template``'s text."""
     try:
-        from flask import Flask, jsonify, request
+        from flask import Flask, Response, jsonify, request
     except ImportError:
         raise ImportError("the server needs Flask: pip install megatron_lite[serve]") from None
 
@@ -94,9 +101,16 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             if body is None:
                 raise RequestError("the request body must be JSON")
             job = parse(body)
-            results = runner.run(job.prompts, job.params)
+            if getattr(job, "stream", False):
+                steps = runner.stream(job.prompts, job.params)
+            else:
+                results = runner.run(job.prompts, job.params)
         except (RequestError, ValueError) as err:
             return jsonify(message=str(err)), 400
+        if getattr(job, "stream", False):
+            usage = lambda res: openai_response(job, res, tokenizer, model_name)["usage"]  # noqa: E731
+            return Response(stream_events(job, steps, tokenizer, model_name, usage), mimetype="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
         return jsonify(respond(job, results))
 
     @app.route("/api", methods=["PUT"])

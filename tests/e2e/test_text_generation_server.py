@@ -5,9 +5,11 @@ One process: the server runs in a thread on a free localhost port over a saved c
 (tokens equal, log-probs within 1e-5 relative to the largest), batched prompts, log-probs and
 seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
 server keeps serving. Under torchrun, a TP2 server answers the same as one process and every rank
-exits with code 0 on SIGTERM to the serving rank.
+exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text, and a client
+leaving mid-stream leaves every rank serving.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -220,7 +222,6 @@ def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
     ("/v1/completions", {"prompt": "1", "n": 2}, "n must be 1"),
-    ("/v1/completions", {"prompt": "1", "stream": True}, "stream=true is not supported"),
     ("/v1/completions", {"prompt": "1", "top_k": 3, "top_p": 0.5}, "cannot set both top_k and top_p"),
     ("/v1/completions", {"prompt": "1", "max_tokens": -2}, "max_tokens must be at least 0"),
     ("/v1/completions", {"prompt": "1", "presence_penalty": 0.5}, "presence_penalty is not supported"),
@@ -312,6 +313,13 @@ def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
                     assert_close(torch.tensor(a), torch.tensor(b))
             else:
                 assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        streamed = httpx.post(address + "/v1/completions", json={**completion, "logprobs": None, "stream": True},
+                              timeout=120).text
+        chunks = [json.loads(b[len("data: "):]) for b in streamed.split("\n\n") if b.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+        with httpx.stream("POST", address + "/v1/completions", timeout=120,  # leave after the first event
+                          json={"prompt": PROMPTS[1], "max_tokens": 60, "stream": True}) as r:
+            next(r.iter_lines())
         bad = httpx.put(address + "/api", json={"prompts": ["1"], "top_k": 2, "top_p": 0.5}, timeout=60)
         assert bad.status_code == 400
         os.kill(pid, signal.SIGTERM)

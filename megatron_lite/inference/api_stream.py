@@ -1,0 +1,145 @@
+"""``"stream": true`` for the OpenAI-compatible routes: server-sent events in OpenAI's format.
+
+Each event is ``data: <json chunk>\\n\\n``; a chunk carries the text one decode step added to one
+choice (completions: ``choices[].text``; chat: ``choices[].delta``, whose first chunk per choice is
+``{"role": "assistant", "content": ""}``), a choice's last chunk carries its ``finish_reason``, and
+the stream ends with ``data: [DONE]``. With ``stream_options.include_usage`` every chunk has
+``"usage": null`` and one more chunk, with no choices, carries the request's usage (as the
+non-streamed answer counts it).
+
+The text sent is exactly the non-streamed answer's, cut into pieces: after each step the choice's
+generated tokens are decoded in context (:func:`~.api_megatron.continuation_text`) and the new
+part is sent, except what could still change: a trailing U+FFFD (the bytes decoded so far end in
+the middle of a multi-byte UTF-8 character) and a tail that could be the start of a stop string.
+A stop string ends the choice's text before it, and none of it is ever sent.
+
+Every rank runs every decode step (the engine's steps are collectives), so the events generator
+runs the engine to its end whatever happens to the client: when the client disconnects, the
+server's write fails, the generator is closed, and its ``finally`` runs the remaining steps without
+sending them. An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
+sent as one ``data: {"error": {...}}`` event, after which the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from .api_megatron import continuation_text
+from .engine import Generation
+
+log = logging.getLogger(__name__)
+
+
+def safe_end(text: str, stops: list[str]) -> int:
+    """How much of ``text`` cannot change as more tokens come: up to a trailing U+FFFD (an
+    incomplete UTF-8 character) and before a tail that is the start of a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return min(end, len(text) - hold)
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` before the first stop string in it, and whether there was one."""
+    cuts = [text.find(s) for s in stops if s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+class TextStream:
+    """One choice's text, sent piece by piece as its tokens come."""
+
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str]):
+        self.tokenizer, self.prompt, self.stops = tokenizer, list(prompt), stops
+        self.generated: list[int] = []
+        self.sent = ""
+        self.stopped = False  # a stop string ended the text
+
+    def push(self, token: int) -> str:
+        """The new text ``token`` lets us send (often ""); nothing once a stop string was met."""
+        if self.stopped:
+            return ""
+        self.generated.append(token)
+        whole = Generation(self.prompt + self.generated, len(self.prompt), [])
+        text, self.stopped = cut_at_stop(continuation_text(self.tokenizer, whole), self.stops)
+        return self._send(text, len(text) if self.stopped else safe_end(text, self.stops))
+
+    def finish(self, result: Generation) -> str:
+        """The rest of the text, as the non-streamed answer has it (``result``: the engine's)."""
+        text, stopped = cut_at_stop(continuation_text(self.tokenizer, result), self.stops)
+        self.stopped = self.stopped or stopped
+        return self._send(text, len(text))
+
+    def _send(self, text: str, end: int) -> str:
+        if end <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):end], text[:end]
+        return piece
+
+
+def sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def drain(steps) -> None:
+    """Run the engine's remaining steps (every rank takes part in each), sending nothing."""
+    try:
+        for _ in steps:
+            pass
+    except Exception:  # noqa: BLE001 - the client is gone; the error was the engine's, on every rank
+        log.exception("request failed after its client left")
+
+
+def stream_events(job, steps, tokenizer, model_name: str, usage):
+    """The server-sent events of ``job`` as the engine's ``steps`` run; ``usage(results)``: the
+    non-streamed answer's usage object."""
+    chat = job.chat
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model_name}
+    extra = {"usage": None} if job.include_usage else {}
+
+    def chunk(index: int, text: str | None, reason: str | None = None, role: bool = False) -> str:
+        choice = {"index": index}
+        if chat:
+            choice["delta"] = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        else:
+            choice["text"] = text or ""
+        choice |= {"logprobs": None, "finish_reason": reason}
+        return sse(head | {"choices": [choice]} | extra)
+
+    streams = [TextStream(tokenizer, p, job.stops) for p in job.prompts]
+    ended = [False] * len(streams)
+    try:
+        for i in range(len(streams)):
+            if chat or job.echo:
+                yield chunk(i, "" if chat else job.texts[i // job.n], role=chat)
+        while True:
+            try:
+                new = next(steps)
+            except StopIteration as end:
+                results = end.value
+                break
+            for i, token in enumerate(new):
+                if token is None or ended[i]:
+                    continue
+                piece = streams[i].push(token)
+                ended[i] = streams[i].stopped
+                if piece or ended[i]:
+                    yield chunk(i, piece, "stop" if ended[i] else None)
+        for i, result in enumerate(results):
+            if not ended[i]:
+                piece = streams[i].finish(result)
+                reason = "stop" if streams[i].stopped or result.finish_reason == "stop" else "length"
+                yield chunk(i, piece, reason)
+        if job.include_usage:
+            yield sse(head | {"choices": [], "usage": usage(results)})
+        yield sse("[DONE]")
+    except Exception as err:  # noqa: BLE001 - the status (200) is sent: the error goes in the stream
+        log.exception("request failed mid-stream")
+        yield sse({"error": {"message": f"{type(err).__name__}: {err}", "type": type(err).__name__}})
+    finally:
+        drain(steps)

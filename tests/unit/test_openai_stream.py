@@ -1,0 +1,155 @@
+"""``"stream": true`` on /v1/completions and /v1/chat/completions (Flask's test client, raw HTTP
+bodies): the text of the server-sent events, joined, is the non-streamed answer of the same greedy or
+seeded request; no part of a stop string and no broken UTF-8 character is ever sent; a client that
+leaves mid-stream does not leave the engine half-way (every rank must run every step)."""
+
+import json
+
+import pytest
+
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.inference.api_stream import TextStream, safe_end
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.server import Runner, create_app
+from tests.inference_helpers import GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
+
+pytest.importorskip("flask")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+PROMPTS = ["5 17 42 8", "3 1 4 1 5 9 2 6 5"]
+
+
+class CountingRunner(Runner):
+    """A one-process runner that remembers the step generators it handed out."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.handed = []
+
+    def stream(self, prompts, params):
+        steps = super().stream(prompts, params)
+        self.handed.append(steps)
+        return steps
+
+
+@pytest.fixture(scope="module")
+def app():
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    runner = CountingRunner(engine)
+    flask_app = create_app(runner, tokenizer, chat_template=TEMPLATE)
+    flask_app.runner = runner
+    return flask_app
+
+
+def events(response) -> list:
+    """The events of a streamed answer: JSON chunks, then the string "[DONE]"."""
+    assert response.status_code == 200 and response.mimetype == "text/event-stream"
+    body = response.get_data(as_text=True)
+    assert body.endswith("\n\n")
+    out = []
+    for block in body.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def joined(chunks, chat=False) -> dict[int, str]:
+    texts = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            piece = choice["delta"].get("content", "") if chat else choice["text"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0}, {"temperature": 1.2, "top_k": 8, "seed": 3},
+                                   {"temperature": 0, "stop": ["1", "9 3"], "echo": True}])
+def test_streamed_completions_join_to_the_answer(app, extra):
+    client = app.test_client()
+    request = {"prompt": PROMPTS, "max_tokens": 12, **extra}
+    want = client.post("/v1/completions", json=request).get_json()
+    got = events(client.post("/v1/completions", json={**request, "stream": True}))
+    assert got[-1] == "[DONE]"
+    chunks = got[:-1]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] and "usage" not in c for c in chunks)
+    assert joined(chunks) == {c["index"]: c["text"] for c in want["choices"]}
+    for choice in want["choices"]:  # each choice's finish_reason comes once, in its last chunk
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + [choice["finish_reason"]]
+    if "stop" in extra:
+        assert any(c["finish_reason"] == "stop" for c in want["choices"])  # the test holds a stop string
+
+
+def test_streamed_chat_sends_the_role_then_content_deltas(app):
+    client = app.test_client()
+    request = {"messages": [{"role": "user", "content": "5 17"}], "max_tokens": 9, "temperature": 0, "stop": "4"}
+    want = client.post("/v1/chat/completions", json=request).get_json()
+    got = events(client.post("/v1/chat/completions", json={**request, "stream": True}))
+    assert got[-1] == "[DONE]" and got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in got[:-1])
+    assert joined(got[:-1], chat=True) == {0: want["choices"][0]["message"]["content"]}
+    assert got[-2]["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+
+
+def test_include_usage_adds_a_last_chunk_with_the_usage(app):
+    client = app.test_client()
+    request = {"prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "stop": ["2"]}
+    want = client.post("/v1/completions", json=request).get_json()["usage"]
+    got = events(client.post("/v1/completions", json={**request, "stream": True,
+                                                       "stream_options": {"include_usage": True}}))
+    assert got[-2] == {**got[0], "choices": [], "usage": want} and got[-1] == "[DONE]"
+    assert all(c["usage"] is None for c in got[:-2])
+
+
+def test_a_stop_string_is_never_sent_in_part():
+    """Text that could start the stop string '4 1 5' waits ('4', then '4 1') until the next token shows
+    whether the whole stop string follows: then the text ends before it, else the held text goes out."""
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    stream = TextStream(tokenizer, [3, 1], ["4 1 5"])
+    pieces = [stream.push(t) for t in [9, 4, 1, 5, 6]]
+    assert pieces == [" 9", " ", "", "", ""] and stream.stopped
+    stream = TextStream(tokenizer, [3], ["4 1 5"])
+    assert [stream.push(t) for t in [4, 1, 2]] == [" ", "", "4 1 2"] and not stream.stopped
+    assert safe_end("ab 4 1", ["4 1 5"]) == 3 and safe_end("x\ufffd\ufffd", []) == 1
+
+
+def test_a_character_split_over_tokens_is_sent_whole():
+    tokenizer = build_tokenizer(**GPT2_TOKENIZER)
+    text = " 龘𝔘 end"  # byte-level BPE: each of the two characters is two tokens of partial UTF-8
+    stream = TextStream(tokenizer, tokenizer.tokenize("Hi"), [])
+    pieces = [stream.push(t) for t in tokenizer.tokenize(text)]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") >= 2  # the half characters waited
+
+
+def test_a_client_leaving_mid_stream_still_runs_every_step(app):
+    client = app.test_client()
+    request = {"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}
+    response = client.post("/v1/completions", json=request, buffered=False)
+    first = next(iter(response.response))
+    assert first.startswith(b"data: ")
+    response.close()  # what the server does when the client's socket is gone
+    steps = app.runner.handed[-1]
+    assert steps.gi_frame is None  # the engine's generator ran to its end: no rank waits on a collective
+    assert next(iter(events(client.post("/v1/completions", json=request))))["choices"]  # and serving goes on
+
+
+def test_an_engine_error_mid_stream_is_an_error_event(app, monkeypatch):
+    engine = app.runner.engine
+    healthy = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: healthy(*a, **k).fill_(float("nan")))
+    got = events(app.test_client().post("/v1/completions", json={"prompt": "1 2", "max_tokens": 3, "stream": True}))
+    assert got[-1]["error"]["message"].startswith("NonFiniteLogitsError: the model's logits hold NaN or inf")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "1", "stream": True, "logprobs": 1}, "logprobs with stream=true is not supported"),
+    ({"prompt": "1", "stream_options": {"include_usage": True}}, "stream_options needs stream=true"),
+    ({"prompt": "1", "stream": True, "stream_options": {"usage": True}}, "stream_options must be an object"),
+    ({"prompt": "1", "stream": "yes"}, "stream must be a boolean"),
+    ({"prompt": " ".join(["1"] * 95), "stream": True, "max_tokens": 4}, "prompt 0 has 95 tokens"),
+])
+def test_bad_stream_requests_get_one_json_400(app, body, message):
+    r = app.test_client().post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
