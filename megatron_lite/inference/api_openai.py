@@ -6,13 +6,14 @@ filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: th
 log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
 ``stream`` (false; server-sent events, see :mod:`.api_stream`) with ``stream_options``, and
-``model``, ``n`` (1), ``best_of`` (1), ``user`` accepted; a field set to
+``n`` (1: completions per prompt, sampled independently in one batch; greedy gives n equal
+ones), ``best_of`` (n; no other value), and ``model``, ``user`` accepted; a field set to
 ``null`` takes its default, as in OpenAI's API. Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
 (absent: 256, or what the model's context leaves after the prompt when that is less).
 A field that would change the result but is not implemented (penalties, ``logit_bias``,
-``n > 1``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
+``best_of > n``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 COMMON |= {"stream_options"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_BATCH = 128  # prompts x n per request
 DEFAULT_CHAT_TOKENS = 256  # chat's max_tokens when absent (and the context has room)
 UNSUPPORTED = {"suffix": "suffix (insertion) is not supported; drop it",
                "tools": "tools (function calling) are not supported; drop them",
@@ -56,9 +58,6 @@ class OpenAIJob:
 
 
 def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
-    for name in ("n", "best_of"):
-        if get_int(body, name, 1) != 1:
-            raise RequestError(f"{name} must be 1: one completion per prompt")
     for name in ("presence_penalty", "frequency_penalty"):
         if get_number(body, name, 0.0) != 0.0:
             raise RequestError(f"{name} is not supported; leave it 0")
@@ -75,6 +74,18 @@ def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
                           random_seed=seed, top_n_logprobs=top_n)
+
+
+def _copies(body, job: OpenAIJob) -> OpenAIJob:
+    """``job`` asking for ``n`` completions of each prompt: each prompt ``n`` times in a row in one
+    batch (choice ``i * n + j`` is prompt i's j-th, as OpenAI numbers them); ``best_of`` must be n."""
+    job.n = get_int(body, "n", 1, low=1, high=MAX_BATCH)
+    if get_int(body, "best_of", job.n, low=1) != job.n:
+        raise RequestError("best_of must equal n: ranking best_of samples and returning the n best is not supported")
+    if len(job.prompts) * job.n > MAX_BATCH:
+        raise RequestError(f"n x prompts is {len(job.prompts) * job.n}; at most {MAX_BATCH} completions per request")
+    job.prompts = [p for p in job.prompts for _ in range(job.n)]
+    return job
 
 
 def _streaming(body, job: OpenAIJob) -> OpenAIJob:
@@ -114,8 +125,8 @@ def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
         items = prompt
     else:
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of those")
-    if len(items) > 128:
-        raise RequestError(f"at most 128 prompts per request, got {len(items)}")
+    if len(items) > MAX_BATCH:
+        raise RequestError(f"at most {MAX_BATCH} prompts per request, got {len(items)}")
     ids = [tokenizer.tokenize(p) if isinstance(p, str) else list(p) for p in items]
     if any(not i for i in ids):
         raise RequestError("a prompt is empty (it needs at least one token)")
@@ -143,7 +154,7 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
     job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
-    return _streaming(body, job)
+    return _streaming(body, _copies(body, job))
 
 
 def parse_chat(body, tokenizer, template: str | None = None, max_length: int | None = None) -> OpenAIJob:
@@ -162,7 +173,7 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
         raise RequestError("top_logprobs needs logprobs=true")
     job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top), False, top if logprobs else None, _stops(body))
     job.chat = True
-    return _streaming(body, job)
+    return _streaming(body, _copies(body, job))
 
 
 def _logprobs(result, tokenizer, echo: bool, start_offset: int, end: int, chat: bool) -> dict:
@@ -198,7 +209,7 @@ def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
     while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
         end += 1
     reason = "stop" if stopped or result.finish_reason == "stop" else "length"
-    prefix = job.texts[index] if job.echo else ""
+    prefix = job.texts[index // job.n] if job.echo else ""
     choice = {"index": index, "finish_reason": reason}
     end = end if stopped else len(result.tokens)
     if job.logprobs is not None:
@@ -214,7 +225,7 @@ def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
 
 def openai_response(job: OpenAIJob, results, tokenizer, model_name: str) -> dict:
     """The answer; ``usage.completion_tokens`` counts the tokens returned (none after a stop string)."""
-    prompt_tokens = sum(r.prompt_length for r in results)
+    prompt_tokens = sum(r.prompt_length for r in results[::job.n])  # each prompt once, as OpenAI counts
     choices, counts = zip(*(_choice(job, i, r, tokenizer) for i, r in enumerate(results)))
     completion_tokens = sum(counts)
     return {

@@ -1,0 +1,79 @@
+"""``n`` completions per prompt on the OpenAI-compatible routes (Flask's test client): choice
+``i * n + j`` is prompt i's j-th sample, drawn independently in one batch (the engine's own result for
+each prompt repeated n times), greedy gives n equal choices (as OpenAI and vLLM do), usage counts each
+prompt once; streamed choices keep the same indices."""
+
+import json
+
+import pytest
+
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.sampling import SamplingParams
+from megatron_lite.inference.server import Runner, create_app
+from tests.inference_helpers import MAX_LEN, VOCAB, build_model
+
+pytest.importorskip("flask")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+PROMPTS = ["5 17 42 8", "3 1 4 1 5 9 2 6 5"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    return create_app(Runner(engine), tokenizer, chat_template=TEMPLATE).test_client(), engine
+
+
+def ids(text):
+    return [int(t) for t in text.split()]
+
+
+def test_n_seeded_samples_per_prompt_indexed_as_openai(served):
+    client, engine = served
+    body = client.post("/v1/completions", json={"prompt": PROMPTS, "n": 3, "best_of": 3, "max_tokens": 6,
+                                                "temperature": 1.5, "seed": 4, "echo": True}).get_json()
+    batch = [ids(p) for p in PROMPTS for _ in range(3)]
+    want = engine.generate(batch, SamplingParams(tokens_to_generate=6, temperature=1.5, random_seed=4))
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for choice, g, prompt in zip(body["choices"], want, [p for p in PROMPTS for _ in range(3)]):
+        assert choice["text"] == prompt + "".join(f" {t}" for t in g.generated)  # echo: its own prompt
+    assert len({c["text"] for c in body["choices"][:3]}) > 1  # independent samples, not one copied
+    assert body["usage"]["prompt_tokens"] == sum(len(ids(p)) for p in PROMPTS)
+    assert body["usage"]["completion_tokens"] == sum(len(g.generated) for g in want)
+
+
+def test_greedy_n_gives_n_equal_choices(served):
+    client, _ = served
+    one = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}).get_json()
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPTS[0]}], "n": 2,
+                                                     "max_tokens": 5, "temperature": 0}).get_json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"] == body["choices"][1]["message"]
+    body = client.post("/v1/completions", json={"prompt": PROMPTS[0], "n": 4, "max_tokens": 5,
+                                                "temperature": 0}).get_json()
+    assert [c["text"] for c in body["choices"]] == [one["choices"][0]["text"]] * 4
+
+
+def test_streamed_n_choices_keep_their_indices(served):
+    client, _ = served
+    request = {"prompt": PROMPTS, "n": 2, "max_tokens": 6, "temperature": 1.0, "top_k": 5, "seed": 9}
+    want = {c["index"]: c["text"] for c in client.post("/v1/completions", json=request).get_json()["choices"]}
+    body = client.post("/v1/completions", json={**request, "stream": True}).get_data(as_text=True)
+    got = {}
+    for block in body.split("\n\n"):
+        if block.startswith("data: {"):
+            for c in json.loads(block[len("data: "):])["choices"]:
+                got[c["index"]] = got.get(c["index"], "") + c["text"]
+    assert got == want and len(got) == 4
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "1", "n": 2, "best_of": 3}, "best_of must equal n"),
+    ({"prompt": "1", "best_of": 2}, "best_of must equal n"),
+    ({"prompt": "1", "n": 0}, "n must be at least 1"),
+    ({"prompt": ["1", "2", "3"], "n": 50}, "n x prompts is 150; at most 128 completions per request"),
+])
+def test_bad_n_gets_one_json_400(served, body, message):
+    r = served[0].post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
