@@ -12,8 +12,9 @@ ones), ``best_of`` (n; no other value), and ``model``, ``user`` accepted; a fiel
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
 (absent: 256, or what the model's context leaves after the prompt when that is less).
-A field that would change the result but is not implemented (penalties, ``logit_bias``,
-``best_of > n``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
+``presence_penalty`` and ``frequency_penalty`` (0, in [-2, 2]) and ``logit_bias`` (token id ->
+bias in [-100, 100]) adjust the logits as OpenAI defines them (see :func:`.sampling.adjust_logits`).
+A field that would change the result but is not implemented (``best_of > n``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
 """
 
 from __future__ import annotations
@@ -57,12 +58,23 @@ class OpenAIJob:
     """Completions per prompt: ``prompts`` holds each prompt ``n`` times in a row."""
 
 
-def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_number(body, name, 0.0) != 0.0:
-            raise RequestError(f"{name} is not supported; leave it 0")
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported; drop it")
+def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: a JSON object from token ids (as strings, JSON's keys) to biases in [-100, 100]."""
+    bias = body.get("logit_bias", {})
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object mapping token ids to biases in [-100, 100]")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
+            raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab})")
+        name = f"logit_bias[{key}]"
+        pairs.append((int(key), get_number({name: value}, name, 0.0, low=-100.0, high=100.0)))
+    return tuple(sorted(pairs))
+
+
+def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
+    penalties = {name: get_number(body, name, 0.0, low=-2.0, high=2.0)
+                 for name in ("presence_penalty", "frequency_penalty")}
     temperature = get_number(body, "temperature", 1.0, low=0.0, high=100.0)
     top_p = get_number(body, "top_p", 1.0, low=0.0, high=1.0)
     top_k = get_int(body, "top_k", 0, low=-1, high=1000)
@@ -73,7 +85,7 @@ def _sampling(body, max_tokens: int, top_n: int) -> SamplingParams:
     greedy = temperature == 0.0
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
-                          random_seed=seed, top_n_logprobs=top_n)
+                          random_seed=seed, top_n_logprobs=top_n, logit_bias=_logit_bias(body, vocab), **penalties)
 
 
 def _copies(body, job: OpenAIJob) -> OpenAIJob:
@@ -153,7 +165,7 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     echo = get_bool(body, "echo", False)
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
-    job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0), echo, logprobs, _stops(body))
+    job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0, tokenizer.vocab_size), echo, logprobs, _stops(body))
     return _streaming(body, _copies(body, job))
 
 
@@ -171,7 +183,7 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
     logprobs = get_bool(body, "logprobs", False)
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs=true")
-    job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top), False, top if logprobs else None, _stops(body))
+    job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top, tokenizer.vocab_size), False, top if logprobs else None, _stops(body))
     job.chat = True
     return _streaming(body, _copies(body, job))
 

@@ -14,7 +14,9 @@ Parallel layouts (one model replica over ``TP x PP`` ranks, every rank calling `
 the same prompts): under tensor parallelism each rank runs its own heads and the vocabulary-split
 logits are all-gathered; under pipeline parallelism each stage receives the previous stage's
 hidden states, runs its layers with its own part of the cache and passes them on. The last stage
-(its TP rank 0) samples, and the chosen tokens are broadcast to every rank, which feed them to the
+(its TP rank 0) samples from the gathered logits of the whole vocabulary (so OpenAI's penalties
+and ``logit_bias`` index token ids directly; that rank alone counts the generated tokens the
+penalties need), and the chosen tokens are broadcast to every rank, which feed them to the
 first stage at the next step; the log-probs are broadcast once at the end.
 
 Log-probs: ``log_probs[i]`` is ``log p(tokens[i + 1] | tokens[:i + 1])`` for every position of
@@ -142,6 +144,8 @@ class InferenceEngine:
         params = params if params is not None else SamplingParams()
         params.check()
         _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate)
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):  # before any collective: every rank raises
+            raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {self.vocab_size})")
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
         return self._steps(prompts, params)
@@ -161,6 +165,7 @@ class InferenceEngine:
         ends = lengths + n  # exclusive end of each sequence, lowered when it stops
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
         cache = KVCache(b, total) if self.use_cache else None
+        counts = torch.zeros(b, self.vocab_size, device=self.device) if params.penalized and self.is_src else None
         prev, t0 = 0, time.perf_counter()
         for cur in range(int(lengths.min()), total):
             logits = self.forward(tokens[:, prev:cur] if cache is not None else tokens[:, :cur], cache)
@@ -168,7 +173,7 @@ class InferenceEngine:
                 cache.advance(cur - prev)
             new = torch.zeros(b, dtype=torch.long, device=self.device)
             if self.is_src:
-                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(logits[:, -1], params, self.generator))
+                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(logits[:, -1], params, self.generator, counts))
             new = self._broadcast(new)
             non_finite = (new < 0).any()  # the sampling rank's logits held NaN / inf: raised at the sync below,
             new = new.clamp(min=0)  # ... the mark kept out of the tokens meanwhile
@@ -180,6 +185,8 @@ class InferenceEngine:
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
             emitted = ~finished & (cur >= lengths)
+            if counts is not None:  # the generated tokens the penalties count (the sampling rank only)
+                counts.scatter_add_(1, new.unsqueeze(1), emitted.unsqueeze(1).float())
             synced = torch.cat([torch.stack([non_finite, (cur + 1 >= ends).all()]).long(), emitted.long(), new]).tolist()
             bad, done = synced[:2]  # one wait for the device per step
             if bad:  # every rank raises together (the mark was broadcast)

@@ -1,7 +1,8 @@
 """How the next token is chosen from the logits, and the sampling parameters of a request.
 
-The order is Megatron's: ``top_k == 1`` is greedy (the argmax of the raw logits, temperature
-ignored); otherwise the logits are divided by ``temperature``, then either the ``top_k`` largest are
+First OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` adjust the logits
+(:func:`adjust_logits`; greedy included). Then the order is Megatron's: ``top_k == 1`` is greedy
+(the argmax of the logits, temperature ignored); otherwise the logits are divided by ``temperature``, then either the ``top_k`` largest are
 kept or the smallest set of tokens whose probability reaches ``top_p`` (the most likely token is
 always kept), and the token is drawn from the softmax of what remains with a seeded generator.
 ``top_k == 0`` and ``top_p == 0`` sample from the whole vocabulary; top-k and top-p together are
@@ -46,6 +47,17 @@ class SamplingParams:
     """More token ids that end a sequence (kept in its output, like the end-of-document token)."""
     top_n_logprobs: int = 0
     """Also return the n most likely tokens and their log-probs at every position (0: none)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the sequence has generated so far (OpenAI's, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Times how often the sequence has generated a token, subtracted from its logit (in [-2, 2])."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs: each bias, in [-100, 100], is added to that token's logit."""
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the presence or frequency penalty is on (the engine then counts generated tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check(self) -> None:
         """Raise ValueError with one line naming the field when a value is out of range."""
@@ -63,6 +75,13 @@ class SamplingParams:
             raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
         if not isinstance(self.top_n_logprobs, int) or not 0 <= self.top_n_logprobs <= 20:
             raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token {token!r} must be an id >= 0 and its bias in [-100, 100], "
+                                 f"got {bias!r}")
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -82,20 +101,35 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI's penalties and bias: ``logits [b, V] - frequency_penalty * counts - presence_penalty *
+    (counts > 0) + logit_bias``, where ``counts [b, V]`` is how often each sequence has generated each
+    token (the prompt's tokens are not counted); applied before the temperature, as vLLM does."""
+    if counts is not None and params.penalized:
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           counts: torch.Tensor | None = None) -> torch.Tensor:
     """The next token ``[b]`` of each row of ``logits [b, V]`` (the real vocabulary only);
     :class:`NonFiniteLogitsError` when a row holds NaN or inf."""
-    tokens = sample_or_mark(logits, params, generator)
+    tokens = sample_or_mark(logits, params, generator, counts)
     if bool((tokens < 0).any()):
         raise NonFiniteLogitsError()
     return tokens
 
 
-def sample_or_mark(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample_or_mark(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`sample`, with -1 for a row whose logits hold NaN or inf instead of an error (the
-    engine broadcasts the mark, so every rank raises together)."""
+    engine broadcasts the mark, so every rank raises together). ``counts``: see :func:`adjust_logits`."""
     bad = ~torch.isfinite(logits).all(dim=-1, keepdim=True)
-    logits = logits.float().masked_fill(bad, 0.0)
+    logits = adjust_logits(logits.float().masked_fill(bad, 0.0), params, counts)
     if params.top_k == 1:
         chosen = logits.argmax(dim=-1)
     else:

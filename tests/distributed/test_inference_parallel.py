@@ -94,3 +94,26 @@ def test_nan_logits_raise_on_every_rank_together_and_the_ranks_stay_in_step(chec
     for rank, (raised, tokens) in enumerate(run_ranks(2, _nan_then_healthy, checkpoints["gpt"], 1, 2)):
         assert raised is not None and raised.startswith("the model's logits hold NaN or inf"), f"rank {rank}"
         assert tokens == [g.tokens for g in want], f"rank {rank}"
+
+
+PENALIZED = dict(tokens_to_generate=NEW, top_k=4, random_seed=5, stop_on_eod=False, frequency_penalty=1.0,
+                 presence_penalty=0.5, logit_bias=((3, 4.0), (60, -100.0), (VOCAB - 2, 1.5)))
+
+
+def penalized_on_ranks(root, tp, pp):
+    state = cached_state(tp=tp, pp=pp)
+    model, _ = load_model(root, state)
+    engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return [g.tokens for g in engine.generate(prompts(3), SamplingParams(**PENALIZED))]
+
+
+def test_penalties_and_logit_bias_at_tp2_pp2_equal_one_process(checkpoints):
+    """The sampling rank (last stage, TP rank 0: rank 2 of 4, not the serving rank 0) counts the
+    generated tokens and biases ids across the whole vocabulary, whose halves two TP ranks compute."""
+    model, _ = load_model(checkpoints["gpt"])
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    want = [g.tokens for g in engine.generate(prompts(3), SamplingParams(**PENALIZED))]
+    plain = [g.tokens for g in engine.generate(prompts(3), _params(4))]
+    assert want != plain  # the penalties change the sample
+    for rank, got in enumerate(run_ranks(4, penalized_on_ranks, checkpoints["gpt"], 2, 2)):
+        assert got == want, f"rank {rank}"

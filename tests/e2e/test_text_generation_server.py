@@ -224,7 +224,7 @@ def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
     ("/v1/completions", {"prompt": "1", "n": 2, "best_of": 3}, "best_of must equal n"),
     ("/v1/completions", {"prompt": "1", "top_k": 3, "top_p": 0.5}, "cannot set both top_k and top_p"),
     ("/v1/completions", {"prompt": "1", "max_tokens": -2}, "max_tokens must be at least 0"),
-    ("/v1/completions", {"prompt": "1", "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ("/v1/completions", {"prompt": "1", "presence_penalty": 2.5}, "presence_penalty must be at most 2.0"),
     ("/v1/completions", {"prompt": [[1, 200]]}, "a prompt token id is outside the vocabulary [0, 100)"),
     ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]},
