@@ -320,6 +320,8 @@ def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
         with httpx.stream("POST", address + "/v1/completions", timeout=120,  # leave after the first event
                           json={"prompt": PROMPTS[1], "max_tokens": 60, "stream": True}) as r:
             next(r.iter_lines())
+        after = httpx.post(address + "/v1/completions", json=completion, timeout=120).json()  # every rank in step
+        assert after["choices"][0]["text"] == want["choices"][0]["text"]
         bad = httpx.put(address + "/api", json={"prompts": ["1"], "top_k": 2, "top_p": 0.5}, timeout=60)
         assert bad.status_code == 400
         os.kill(pid, signal.SIGTERM)
