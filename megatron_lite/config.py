@@ -175,6 +175,11 @@ class TrainingConfig:
     """Save and exit when the iteration is a multiple of this."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 the loss scaler skips such steps instead)."""
+    rampup_batch_size: list[int] | None = field(default=None, metadata={
+        "nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
+    """Ramp the global batch up from START by INCREMENT to --global-batch-size over the first SAMPLES consumed samples (needs --train-samples)."""
+    decrease_batch_size_if_needed: bool = False
+    """Round each global batch down to a multiple of micro-batch-size x data-parallel size instead of refusing one that does not divide."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .fusions.config import check_fusion_flags
 from .logging_config import check_profile_flags
 from .lora.config import check_lora_flags
 from .precision.config import PrecisionConfig
+from .training.batch_rampup import check_batch_rampup
 
 
 def _require(cond: bool, message: str) -> None:
@@ -44,6 +45,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_batch(config)
     _check_train_length(config)
+    check_batch_rampup(config)  # --rampup-batch-size: its rules, and the iterations of --train-samples
     _check_sgd_momentum(config)
     _check_schedule(config)
     _check_profile(config)
@@ -105,9 +107,12 @@ def _check_batch(config: Config) -> None:
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     _require(t.global_batch_size > 0, f"--global-batch-size must be positive, got {t.global_batch_size}")
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+    _require(t.decrease_batch_size_if_needed or t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
+    _require(not t.decrease_batch_size_if_needed or t.global_batch_size >= t.micro_batch_size * dp,
+             f"--decrease-batch-size-if-needed: global-batch-size {t.global_batch_size} is less than micro-batch-size "
+             f"{t.micro_batch_size} x data-parallel size {dp}, nothing is left after rounding down")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         try:
             from .parallel.pipeline.order import check_interleaved_microbatches

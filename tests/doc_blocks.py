@@ -287,7 +287,6 @@ FOREIGN_FLAGS = {
     "--signal", "--ntasks-per-node",  # sbatch / srun / scancel
     "--no-build-isolation", "--logdir", "--capture-range", "--model_args",  # pip, tensorboard, nsys, lm-eval
     "--num-tokentypes", "--calculate-per-token-loss", "--sft-tokenizer-prompt-format",  # Megatron-LM only
-    "--rampup-batch-size",  # Megatron-LM only (docs/training.md says it is not supported)
 }
 PROSE_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*\w(?![\w*/-])")
 ADD_ARGUMENT = re.compile(r"add_argument\(\s*(?:[\"']-\w[\"'],\s*)?[\"'](--[a-z][\w-]*)[\"']")

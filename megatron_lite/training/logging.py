@@ -72,6 +72,7 @@ class TrainLogger:
         self.log_throughput = config.logging.log_throughput
         self.world_size = max(1, state.world_size)
         self.consumed_samples = int(start_consumed_samples)
+        self._last_batch = 0
         self.enabled = is_logging_rank(state)
         self.writer = writer
         check_wandb_available(config)
@@ -103,6 +104,7 @@ class TrainLogger:
         self._iters += 1
         self._time += float(iter_time_s)
         self._samples += int(batch_size)
+        self._last_batch = int(batch_size)  # the line shows the last step's (--rampup-batch-size changes it)
         if skipped:
             self._skipped += 1
         else:
@@ -137,7 +139,9 @@ class TrainLogger:
     def _line(self, iteration, lr, grad_norm, loss_scale, params_norm, num_zeros) -> str | None:
         per_iter = self._time / max(1, self._iters)
         tokens_per_s = self._samples * self.seq_length / max(self._time, 1e-12) / self.world_size
-        tflops = self.flops_per_iteration / max(per_iter, 1e-12) / 1e12 / self.world_size
+        # flops_per_iteration is a full global batch's; a ramped-up (smaller) batch does its share of them
+        full = self._iters * (self.config.training.global_batch_size or self._samples // max(1, self._iters))
+        tflops = self.flops_per_iteration * (self._samples / max(full, 1)) / max(per_iter, 1e-12) / 1e12 / self.world_size
         mem_name, mem_bytes = peak_memory_bytes()
         if self.writer is not None and self.enabled:
             self.writer.add_scalar("iteration-time", per_iter, iteration)
@@ -156,7 +160,7 @@ class TrainLogger:
         if self.log_throughput:
             parts.append(f" throughput per GPU (TFLOP/s/GPU): {figure(tflops)} |")
         parts.append(f" learning rate: {lr:.6E} |")
-        parts.append(f" global batch size: {self._samples // max(1, self._iters):5d} |")
+        parts.append(f" global batch size: {self._last_batch:5d} |")
         for key, total in self._loss_sums.items():
             parts.append(f" {key}: {total / max(1, self._advanced):.6E} |")
         parts.append(f" loss scale: {loss_scale:.1f} |")

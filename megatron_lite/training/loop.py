@@ -44,6 +44,7 @@ from ..perf.host_memory import retain_freed_host_memory
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
+from .batch_rampup import StepBatches, num_microbatches
 from .logging import TrainLogger
 from .nonfinite import check_finite
 from .outputs import check_output_locations
@@ -94,11 +95,6 @@ def _any_rank(*flags: bool) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def num_microbatches(config: Config) -> int:
-    t = config.training
-    return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
-
-
 def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype,
     ``s`` being the tokens of a sample held by one rank (the sequence split over context parallelism).
@@ -125,25 +121,26 @@ def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, fl
     return dict(zip(keys, values.tolist()))
 
 
-def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None):
-    """One optimizer step over ``global_batch_size`` samples. Returns (losses, ok, grad_norm).
+def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
+               microbatches=None):
+    """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
 
     ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
     :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
     """
-    state = comm.state
+    state, m = comm.state, microbatches or num_microbatches(config)
     timers = timers or Timers(0, get_device())
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     moe = bool(config.moe.num_experts)
     # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
-    set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / num_microbatches(config))
+    set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / m)
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     with timers.phase("forward-backward"):
         reported = forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=chunks,
-            num_microbatches=num_microbatches(config),
+            num_microbatches=m,
             comm=comm,
             forward_only=False,
             grad_scale_func=optimizer.scale_loss,
@@ -273,6 +270,7 @@ class _Training:
         self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
         self.result.memory = self.memory.steps_seen if self.memory is not None else []
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
+        self.batches = StepBatches(config, self.consumed)  # --rampup-batch-size: each step's global batch
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
 
     def save(self) -> None:
@@ -284,7 +282,8 @@ class _Training:
 
     def train_iteration(self) -> None:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
-        t, result = self.config.training, self.result
+        result = self.result
+        micro, batch = self.batches.before_step(self)  # may save first: the batch size changes now
         step_start = time.time()
         self.profiler.before(self.iteration)
         with contextlib.ExitStack() as tracking:
@@ -293,7 +292,7 @@ class _Training:
             if self.memory is not None:
                 tracking.enter_context(self.memory.tracking())
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                               self.forward_step_func, self.train_iter, self.timers)
+                                               self.forward_step_func, self.train_iter, self.timers, micro)
         self.iteration += 1
         self.profiler.after(self.iteration)
         if self.memory is not None:
@@ -307,11 +306,11 @@ class _Training:
             result.comm_volume.append(self.volume.end_step())
             if self.iteration % self.config.logging.log_interval == 0:
                 print_rank_0(f" rank 0 {CommVolume.format(result.comm_volume[-1])} in iteration {self.iteration}")
-        self.consumed += t.global_batch_size
+        self.consumed += batch
         loss_value = next(iter(losses.values()), float("nan"))
         moe_losses, moe_scalars = {}, {}
         if self.config.moe.num_experts:  # collective: the routers' losses of this step
-            moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, num_microbatches(self.config))
+            moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, micro)
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:
@@ -322,7 +321,7 @@ class _Training:
         self.logger.log_iteration(
             self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
-            iter_time_s=time.time() - step_start, batch_size=t.global_batch_size, extra_scalars=moe_scalars,
+            iter_time_s=time.time() - step_start, batch_size=batch, extra_scalars=moe_scalars,
             **result.stats[-1])  # --log-params-norm, --log-num-zeros-in-grad
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())

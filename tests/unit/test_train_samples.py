@@ -83,7 +83,8 @@ def test_train_iters_from_train_samples_and_its_default():
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"],
      ["--lr-warmup-fraction and --lr-warmup-iters exclude each other"]),
     (["--lr-warmup-fraction", "1"], ["--lr-warmup-fraction must be in [0, 1), got 1.0"]),
-    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "8"], ["--rampup-batch-size"]),
+    (["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"],
+     ["--rampup-batch-size 2 2 8 needs sample-based training", "--train-samples"]),
 ])
 def test_a_mixed_or_bad_length_flag_is_one_line_exit_2(extra, words, capsys):
     with pytest.raises(SystemExit) as err:

@@ -1,0 +1,148 @@
+"""The global batch of each step: constant, or ramped up with ``--rampup-batch-size`` (Megatron-LM's flag).
+
+``--rampup-batch-size START INCREMENT SAMPLES`` starts training at a global batch of START samples
+and grows it by INCREMENT at a time until it reaches ``--global-batch-size`` G, spread evenly over
+the first SAMPLES consumed samples: with ``n = (G - START) / INCREMENT`` increments, a step that
+begins after ``c`` consumed samples trains on
+
+* ``START + floor(c * n / SAMPLES) * INCREMENT`` samples while ``c <= SAMPLES``,
+* G once ``c > SAMPLES``.
+
+The step's micro-batch count is that batch over ``micro-batch-size x data-parallel size`` (every
+batch of the ramp must divide evenly, or ``--decrease-batch-size-if-needed`` rounds each batch down
+to a multiple); consumed samples, the sample-counted learning-rate schedule and the logged
+``global batch size`` all advance by the batch actually trained on. Validation always runs full
+global batches of G. The ramp needs ``--train-samples``: the run's iterations are the ramp's steps
+(counted in full, as Megatron-LM counts them) plus ``(train-samples - samples the ramp took) // G``.
+"""
+
+from __future__ import annotations
+
+from ..console import print_rank_0
+from ..errors import ConfigError
+
+
+def num_microbatches(config) -> int:
+    """Micro-batches of a full global batch (``--global-batch-size``) on each data-parallel rank."""
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+
+
+class BatchSchedule:
+    """The global batch and micro-batch count of the step that starts after ``consumed`` samples."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                 rampup: list[int] | None = None, decrease_if_needed: bool = False):
+        self.global_batch_size = global_batch_size
+        self.unit = micro_batch_size * data_parallel_size  # one micro-batch on every data-parallel rank
+        self.start, self.increment, self.samples = rampup if rampup else (global_batch_size, 1, 0)
+        self.increments = (global_batch_size - self.start) // self.increment if rampup else 0
+        self.decrease_if_needed = decrease_if_needed
+
+    @classmethod
+    def from_config(cls, config) -> BatchSchedule:
+        t = config.training
+        return cls(t.global_batch_size, t.micro_batch_size, config.data_parallel_size, t.rampup_batch_size,
+                   t.decrease_batch_size_if_needed)
+
+    def nominal(self, consumed: int) -> int:
+        """The global batch the ramp asks for (before any rounding down)."""
+        if not self.increments or consumed > self.samples:
+            return self.global_batch_size
+        return self.start + (consumed * self.increments // self.samples) * self.increment
+
+    def batch(self, consumed: int) -> int:
+        """The samples the step trains on: :meth:`nominal`, rounded down to a multiple of micro-batch
+        x data-parallel size with ``--decrease-batch-size-if-needed``."""
+        return self.nominal(consumed) // self.unit * self.unit
+
+    def microbatches(self, consumed: int) -> int:
+        return self.nominal(consumed) // self.unit
+
+    def sizes(self) -> list[int]:
+        """Every global batch of the ramp, START to --global-batch-size."""
+        return [self.start + k * self.increment for k in range(self.increments + 1)]
+
+    def train_iters(self, train_samples: int) -> int:
+        """Iterations for ``--train-samples``: the ramp's steps, then full batches (a last partial batch
+        is dropped). A step is counted only when its (nominal) batch fits in what is left."""
+        consumed = iters = 0
+        while consumed <= self.samples and self.increments:
+            size = self.nominal(consumed)
+            if consumed + size > train_samples:
+                return iters
+            consumed, iters = consumed + size, iters + 1
+        return iters + (train_samples - consumed) // self.global_batch_size
+
+
+def check_batch_rampup(config) -> None:
+    """--rampup-batch-size's rules (one line naming the flag, exit 2); sets --train-iters from
+    --train-samples the way the ramp consumes them. Runs after the train-length checks."""
+    t = config.training
+    if t.rampup_batch_size is None:
+        return
+    start, increment, samples = t.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    if t.train_samples is None:
+        raise ConfigError(f"{flag} needs sample-based training: give --train-samples (and --lr-*-samples) "
+                          "instead of --train-iters")
+    if start < 1 or increment < 1 or samples < 1:
+        raise ConfigError(f"{flag}: the start batch, increment and ramp-up samples must each be at least 1")
+    gbs = t.global_batch_size
+    if start > gbs or (gbs - start) % increment:
+        raise ConfigError(f"{flag}: --global-batch-size {gbs} must be the start batch plus a whole number of "
+                          f"increments (got {gbs} - {start} = {gbs - start}, not a multiple of {increment})")
+    schedule = BatchSchedule.from_config(config)
+    unit, dp = schedule.unit, config.data_parallel_size
+    if t.decrease_batch_size_if_needed:
+        if start < unit:
+            raise ConfigError(f"{flag}: the start batch {start} is less than one micro-batch per data-parallel "
+                              f"rank (micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {unit})")
+    else:
+        bad = next((size for size in schedule.sizes() if size % unit), None)
+        if bad is not None:
+            raise ConfigError(f"{flag}: the ramp's global batch {bad} is not divisible by micro-batch-size "
+                              f"{t.micro_batch_size} x data-parallel size {dp}; make the start batch and the "
+                              f"increment multiples of {unit}, or add --decrease-batch-size-if-needed")
+    if config.parallel.num_layers_per_virtual_pipeline_stage is not None:  # every step's count, not only G's
+        from ..parallel.pipeline.order import check_interleaved_microbatches
+
+        for size in schedule.sizes():
+            try:
+                check_interleaved_microbatches(size // unit, config.parallel.pipeline_model_parallel_size)
+            except ValueError as err:
+                raise ConfigError(f"{flag}: at global batch {size}, {err}") from None
+    t.train_iters = schedule.train_iters(t.train_samples)  # at least 1: --train-samples >= G >= START
+
+
+class StepBatches:
+    """The training loop's side: before each step, that step's micro-batch count and samples.
+
+    As in Megatron-LM, when the count changes from the previous step's (not at the run's first step,
+    nor at a resumed run's), a checkpoint is saved first with ``--save``; the change is printed.
+    """
+
+    def __init__(self, config, consumed: int):
+        self.schedule = BatchSchedule.from_config(config)
+        self.nominal = self.schedule.nominal(consumed)
+        self.microbatches = self.schedule.microbatches(consumed)
+        t = config.training
+        if t.rampup_batch_size is not None:
+            start, increment, samples = t.rampup_batch_size
+            print_rank_0(f"> batch size ramp-up: global batch {start} to {t.global_batch_size} in steps of "
+                         f"{increment} over {samples} samples; this run starts at {self.nominal}")
+
+    def before_step(self, training) -> tuple[int, int]:
+        """(micro-batches per data-parallel rank, global batch) of the step ``training`` is about to
+        take (``training``: the loop's ``_Training``); sets the schedule's samples per step."""
+        consumed = training.consumed
+        nominal, microbatches = self.schedule.nominal(consumed), self.schedule.microbatches(consumed)
+        if nominal != self.nominal:
+            print_rank_0(f"> ramping up batch size from {self.nominal} to {nominal}")
+        if microbatches != self.microbatches and training.iteration:
+            training.save()
+        self.nominal, self.microbatches = nominal, microbatches
+        batch = self.schedule.batch(consumed)
+        if training.scheduler.unit == "samples":
+            training.scheduler.step_size = batch
+        return microbatches, batch

@@ -1,0 +1,118 @@
+"""--rampup-batch-size START INCREMENT SAMPLES (Megatron-LM's batch-size ramp-up): the global batch of
+each step against hand-made tables, the iterations --train-samples gives, --decrease-batch-size-if-needed,
+the refusals (one line, exit 2) and what the log line says of a ramped step."""
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import Config
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training.batch_rampup import BatchSchedule
+from megatron_lite.training.logging import TrainLogger
+
+BASE = ["--mock-data", "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]
+
+
+def _schedule(argv, world_size=1):
+    return BatchSchedule.from_config(parse_args(BASE + argv, world_size=world_size))
+
+
+# ramp 2 -> 8 by 2 over 10 samples: 3 increments, one every 10/3 samples (floor(c * 3 / 10) of them)
+RAMP_2_2_10 = [  # (consumed samples at the step's start, global batch, micro-batches with mbs 2, DP 1)
+    (0, 2, 1), (2, 2, 1), (3, 2, 1), (4, 4, 2), (6, 4, 2), (7, 6, 3), (9, 6, 3),
+    (10, 8, 4),  # c == SAMPLES: the last increment is reached
+    (11, 8, 4), (14, 8, 4), (10**6, 8, 4),
+]
+
+
+@pytest.mark.parametrize("consumed, batch, micro", RAMP_2_2_10)
+def test_the_ramp_follows_the_hand_table(consumed, batch, micro):
+    s = _schedule(["--train-samples", "40", "--rampup-batch-size", "2", "2", "10"])
+    assert (s.nominal(consumed), s.batch(consumed), s.microbatches(consumed)) == (batch, batch, micro)
+
+
+def test_micro_batches_count_per_data_parallel_rank():
+    # DP 2 x mbs 2: ramp 4 -> 12 by 4 over 16 samples (one increment every 8 samples)
+    argv = ["--global-batch-size", "12", "--train-samples", "64", "--rampup-batch-size", "4", "4", "16"]
+    s = _schedule(argv, world_size=2)
+    assert [(c, s.batch(c), s.microbatches(c)) for c in (0, 4, 8, 16, 28)] == [
+        (0, 4, 1), (4, 4, 1), (8, 8, 2), (16, 12, 3), (28, 12, 3)]
+
+
+@pytest.mark.parametrize("train_samples, iters", [
+    # the ramp takes 2 + 2 + 4 + 6 = 14 samples in 4 steps, then full batches of 8 (a partial one dropped)
+    (40, 4 + 3), (80, 4 + 8), (14, 4), (21, 4), (22, 5),
+    (8, 3),  # fewer samples than the ramp: only the steps that fit (2 + 2 + 4)
+])
+def test_train_samples_gives_the_ramps_steps_then_full_batches(train_samples, iters):
+    config = parse_args(BASE + ["--train-samples", str(train_samples), "--rampup-batch-size", "2", "2", "10"],
+                        world_size=1)
+    assert config.training.train_iters == iters
+    assert config.optim.lr_decay_samples == train_samples  # the schedule still counts --train-samples
+
+
+def test_start_equal_to_the_global_batch_is_a_constant_batch():
+    s = _schedule(["--train-samples", "40", "--rampup-batch-size", "8", "2", "10"])
+    assert {s.batch(c) for c in (0, 5, 10, 11)} == {8}
+    assert parse_args(BASE + ["--train-samples", "40", "--rampup-batch-size", "8", "2", "10"],
+                      world_size=1).training.train_iters == 5
+
+
+def test_decrease_batch_size_if_needed_rounds_each_batch_down():
+    # DP 3 x mbs 2 = 6: the ramp 6, 8, 10, 12 trains on 6, 6, 6, 12 samples (1, 1, 1, 2 micro-batches)
+    argv = ["--global-batch-size", "12", "--train-samples", "120", "--rampup-batch-size", "6", "2", "12",
+            "--decrease-batch-size-if-needed"]
+    s = _schedule(argv, world_size=3)
+    assert [(s.nominal(c), s.batch(c), s.microbatches(c)) for c in (0, 4, 8, 12)] == [
+        (6, 6, 1), (8, 6, 1), (10, 6, 1), (12, 12, 2)]
+    # without a ramp: a global batch of 10 at DP 3 x mbs 2 runs 6 samples
+    const = _schedule(["--global-batch-size", "10", "--decrease-batch-size-if-needed"], world_size=3)
+    assert (const.nominal(0), const.batch(0), const.microbatches(0)) == (10, 6, 1)
+
+
+@pytest.mark.parametrize("extra, world, words", [
+    (["--train-iters", "10", "--rampup-batch-size", "2", "2", "8"], 1, ["needs sample-based training", "--train-samples"]),
+    (["--rampup-batch-size", "2", "2", "8"], 1, ["needs sample-based training"]),  # the --train-iters default
+    (["--train-samples", "80", "--rampup-batch-size", "3", "2", "8"], 1,
+     ["--global-batch-size 8 must be the start batch plus a whole number of increments", "not a multiple of 2"]),
+    (["--train-samples", "80", "--rampup-batch-size", "10", "2", "8"], 1, ["must be the start batch plus"]),
+    (["--train-samples", "80", "--rampup-batch-size", "0", "2", "8"], 1, ["must each be at least 1"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "0"], 1, ["must each be at least 1"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "3", "8"], 1,
+     ["the ramp's global batch 5 is not divisible by micro-batch-size 2 x data-parallel size 1",
+      "--decrease-batch-size-if-needed"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "8"], 2,  # 2 and 6 do not split over DP 2 x 2
+     ["the ramp's global batch 2 is not divisible by micro-batch-size 2 x data-parallel size 2"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "8", "--decrease-batch-size-if-needed"], 2,
+     ["the start batch 2 is less than one micro-batch per data-parallel rank"]),
+    (["--global-batch-size", "2", "--decrease-batch-size-if-needed"], 2,
+     ["--decrease-batch-size-if-needed: global-batch-size 2 is less than micro-batch-size 2 x data-parallel size 2"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "1", "8", "--micro-batch-size", "1", "--num-layers", "4",
+      "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     ["--rampup-batch-size 2 1 8: at global batch 3", "interleaved pipeline schedule", "= 3"]),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2"], 1, ["--rampup-batch-size", "expected 3 argument"]),
+])
+def test_a_bad_ramp_is_one_line_exit_2(extra, world, words, capsys):
+    with pytest.raises(SystemExit) as err:
+        parse_args(BASE + extra, world_size=world)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_the_log_line_shows_the_steps_batch_and_its_share_of_the_flops(capsys):
+    cfg = Config()
+    cfg.training.global_batch_size, cfg.training.train_iters = 8, 10
+    cfg.logging.log_interval, cfg.logging.log_throughput = 2, True
+    log = TrainLogger(cfg, ParallelState(), flops_per_iteration=2e12)  # FLOPs of a full batch of 8
+    common = dict(lr=1e-3, grad_norm=1.0, loss_scale=1.0, skipped=False, nan=False, iter_time_s=0.1)
+    log.log_iteration(1, {"lm loss": 1.0}, batch_size=4, **common)
+    line = log.log_iteration(2, {"lm loss": 1.0}, batch_size=4, **common)
+    assert "global batch size:     4 |" in line and "consumed samples:            8 |" in line
+    assert "(TFLOP/s/GPU): 10.0 |" in line  # half a batch: 1e12 FLOPs in 0.1 s
+    log.log_iteration(3, {"lm loss": 1.0}, batch_size=6, **common)
+    line = log.log_iteration(4, {"lm loss": 1.0}, batch_size=8, **common)
+    assert "global batch size:     8 |" in line  # the last step's, not the interval's mean
+    assert "(TFLOP/s/GPU): 17.5 |" in line and "consumed samples:           22 |" in line
