@@ -51,8 +51,9 @@ def test_every_list_flag_takes_several_values():
     flags = _list_fields()
     assert {"--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type", "--data-path"} <= set(flags)
     actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
-    for flag in flags:  # --spec MODULE NAME: exactly two (its field says so in its metadata)
-        assert actions[flag].nargs == (2 if flag == "--spec" else "+"), flag
+    fixed = {"--spec": 2, "--rampup-batch-size": 3}  # --spec MODULE NAME, --rampup-batch-size START INCREMENT SAMPLES
+    for flag in flags:  # those take exactly that many (their fields say so in their metadata)
+        assert actions[flag].nargs == fixed.get(flag, "+"), flag
     config = parse_args(["--mock-data", "--vocab-size", "64", "--num-experts", "4",
                          "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
                          "--moe-aux-loss-coeff", "1e-2", "1e-3", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"],
