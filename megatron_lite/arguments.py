@@ -211,4 +211,6 @@ def args_summary(config: Config) -> str:
         f"PP {p.pipeline_model_parallel_size} x {cp}DP {config.data_parallel_size}, global batch "
         f"{t.global_batch_size} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
         f"DP {config.data_parallel_size}"
+        + (f", ramped up from {t.rampup_batch_size[0]} by {t.rampup_batch_size[1]} over {t.rampup_batch_size[2]} "
+           f"samples ({t.train_iters} iterations)" if t.rampup_batch_size else "")
     )

@@ -116,3 +116,11 @@ def test_the_log_line_shows_the_steps_batch_and_its_share_of_the_flops(capsys):
     line = log.log_iteration(4, {"lm loss": 1.0}, batch_size=8, **common)
     assert "global batch size:     8 |" in line  # the last step's, not the interval's mean
     assert "(TFLOP/s/GPU): 17.5 |" in line and "consumed samples:           22 |" in line
+
+
+def test_the_check_args_summary_names_the_ramp():
+    from megatron_lite.arguments import args_summary
+
+    config = parse_args(BASE + ["--train-samples", "40", "--rampup-batch-size", "2", "2", "10"], world_size=1)
+    assert args_summary(config).endswith("x DP 1, ramped up from 2 by 2 over 10 samples (7 iterations)")
+    assert "ramped" not in args_summary(parse_args(BASE, world_size=1))
