@@ -1,6 +1,7 @@
 """pretrain_gpt.py with --rampup-batch-size: each step's global batch, consumed samples and learning
 rate follow the ramp's table; a checkpoint is saved where the batch grows; a run resumed mid-ramp
-continues bit for bit; DP 2 and PP 2 reproduce the single-process run."""
+continues bit for bit; DP 2 and PP 2 reproduce the single-process run; --decrease-batch-size-if-needed
+trains the rounded-down batches."""
 
 import io
 import os
@@ -93,3 +94,14 @@ def test_data_and_pipeline_parallel_runs_equal_the_single_process_run():
     dp2, pp2 = ranks_trajectories(2, "pretrain_gpt", [argv, argv + ["--pipeline-model-parallel-size", "2"]])
     assert_same_trajectory(dp2, single, what="DP 2")
     assert_same_trajectory(pp2, single, what="PP 2")
+
+
+def test_decrease_batch_size_if_needed_trains_the_rounded_batches(capsys):
+    # 2 -> 6 by 1 over 8 samples at micro-batch 2: the ramp's 3 and 5 are rounded down to 2 and 4. The
+    # iterations are counted on the ramp's own sizes (2 + 3 + 4, then (21 - 9) // 6 = 2 more), as Megatron-LM does
+    argv = BASE + ["--global-batch-size", "6", "--train-samples", "21", "--rampup-batch-size", "2", "1", "8",
+                   "--decrease-batch-size-if-needed"]
+    result = pretrain_gpt.main(argv)
+    steps = _steps(capsys.readouterr().out)
+    assert [s[3] for s in steps] == [2, 2, 4, 6, 6] and [s[1] for s in steps] == [2, 4, 8, 14, 20]
+    assert result.iteration == 5 and result.consumed_samples == 20
