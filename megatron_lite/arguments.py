@@ -18,6 +18,7 @@ from .config import SECTIONS, Config, ConfigError
 from .config_checks import finalize
 from .errors import PEER_EXIT_GRACE_S, OneLineParser
 from .fusions.config import FUSION_CHOICES
+from .megatron_flags import unknown_flag_message
 from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
     CP_COMM_TYPES,
@@ -94,6 +95,18 @@ class RankZeroParser(OneLineParser):
         if status and int(os.environ.get("RANK", "0")) != 0:
             time.sleep(PEER_EXIT_GRACE_S)  # let rank 0 print before torchrun stops the workers
         super().exit(status, message)
+
+    def parse_args(self, args=None, namespace=None):
+        """An unrecognised flag: a Megatron-LM flag we lack is refused with its reason and fix
+        (megatron_flags.py); another gets the closest flag of ours as a suggestion."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            message, megatron = unknown_flag_message(extras, [s for s in self._option_string_actions
+                                                              if s.startswith("--")])
+            if megatron:  # the message ends with the fix
+                self.exit(2, f"{self.prog}: error: {message}\n")
+            self.error(message)
+        return ns
 
 
 def build_parser(description: str = "", extra_sections: dict | None = None) -> argparse.ArgumentParser:

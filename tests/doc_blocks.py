@@ -37,6 +37,8 @@ import runpy
 import shlex
 from dataclasses import dataclass, field
 
+from megatron_lite.megatron_flags import REFUSED
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = ROOT  # the scripts' flags always come from here, even where a test points ROOT at other docs
 SHELLS = ("bash", "sh")
@@ -327,8 +329,9 @@ def prose_flag_problems(path: str) -> list[str]:
     """Flags the prose names that no script has, and flags it calls missing that a script has."""
     text = prose(path)
     known = script_flags()
+    foreign = FOREIGN_FLAGS | set(REFUSED)  # Megatron-LM's flags we refuse (megatron_lite/megatron_flags.py)
     problems = [f"{f} is no flag of ours (nor in FOREIGN_FLAGS)" for f in sorted(set(PROSE_FLAG.findall(text)))
-                if f not in known and f not in FOREIGN_FLAGS]
+                if f not in known and f not in foreign]
     problems += [f"{f} is a flag of ours but FOREIGN_FLAGS lists it" for f in sorted(FOREIGN_FLAGS & known)]
     said_missing = {a or b for a, b in NOT_A_FLAG.findall(text)}
     problems += [f"the text says {f} is not a flag, but it is" for f in sorted(said_missing & known)]

@@ -1,0 +1,113 @@
+"""A Megatron-LM flag that megatron_lite lacks is refused in one line that says so, why and what to
+do (megatron_lite/megatron_flags.py), exit code 2; a typo gets the closest flag of ours; the
+Megatron-LM flags accepted as equivalents parse and set their field."""
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+import megatron_lite.arguments as arguments
+from megatron_lite.arguments import build_parser, parse_args
+from megatron_lite.megatron_flags import ENTRIES, PENDING, REFUSED, megatron_flag_message
+from tests.doc_blocks import REPO, training_parser
+
+BASE = ["--mock-data", "--vocab-size", "64"]
+ACCEPTED = {"--use-mcore-models": ("training", "use_mcore_models"),
+            "--use-cpu-initialization": ("training", "use_cpu_initialization"),
+            "--accumulate-allreduce-grads-in-fp32": ("precision", "accumulate_allreduce_grads_in_fp32")}
+
+
+def _refusal(parser, argv) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of ``parser.parse_args(argv)``, which must exit."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    return exc.value.code, err.getvalue().strip().splitlines()
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt.py", "pretrain_bert.py"])
+def test_every_table_entry_is_refused_with_its_own_line(script):
+    parser = training_parser(script)  # the parser the script's parse_args builds
+    wrong = []
+    for flag, (why, fix) in REFUSED.items():
+        code, lines = _refusal(parser, BASE + [flag, "--num-layers", "2"])
+        expected = f"{parser.prog}: error: {flag} is a Megatron-LM flag that megatron_lite does not support: {why}; {fix}"
+        if code != 2 or lines != [expected]:
+            wrong.append((flag, code, lines))
+    assert not wrong, wrong[:5]
+    assert len(REFUSED) > 300
+
+
+def test_the_table_holds_no_flag_of_ours():
+    """A flag added to our parser must leave the refusal table (and PENDING once merged is ours)."""
+    ours = set(training_parser("pretrain_gpt.py")._option_string_actions)
+    ours |= set(training_parser("pretrain_bert.py")._option_string_actions)
+    both = sorted(set(REFUSED) & ours)
+    assert not both, f"now flags of ours: remove {both} from megatron_lite/megatron_flags.py"
+    assert not set(REFUSED) & PENDING
+    assert not set(ACCEPTED) & set(REFUSED)
+
+
+def test_entries_are_well_formed():
+    flags = [f for names, _, _ in ENTRIES for f in names.split()]
+    assert len(flags) == len(set(flags)), "a flag is in two entries"
+    for names, why, fix in ENTRIES:
+        assert why and fix and not why.endswith(".") and (fix == "drop it" or fix.split()[0] in
+                                                          ("use", "drop", "point")), (names, fix)
+        assert all(f.startswith("--") for f in names.split()), names
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--num-layer", "2"], "error: unrecognized arguments: --num-layer (did you mean --num-layers?) "
+                           "(--help lists the flags)"),
+    (["--lr-warmup-iter=3"], "did you mean --lr-warmup-iters?"),
+    (["--zzz-not-a-flag"], "error: unrecognized arguments: --zzz-not-a-flag (--help lists the flags)"),
+    # a Megatron-LM flag is named first, whatever its place; the other unknown flags after it
+    (["--num-layer", "2", "--tp-comm-overlap-cfg=x.yaml", "--foo"],
+     "error: --tp-comm-overlap-cfg is a Megatron-LM flag that megatron_lite does not support"),
+    (["--num-layer", "2", "--tp-comm-overlap-cfg=x.yaml", "--foo"], "; drop it [also not recognized: --num-layer --foo]"),
+    (["--rampup-batch-size", "16", "16", "5859375"], "unrecognized arguments: --rampup-batch-size"),  # PENDING
+])
+def test_unknown_flags(argv, expected):
+    code, lines = _refusal(build_parser(), BASE + argv)
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+
+
+def test_no_suggestion_for_a_megatron_refusal_and_none_for_a_far_typo():
+    code, lines = _refusal(build_parser(), ["--use-rotary-position-embeddings"])
+    assert lines[0].endswith("Megatron-LM's deprecated switch for rotary embeddings; "
+                             "use --position-embedding-type rope") and "did you mean" not in lines[0]
+    assert "did you mean" not in _refusal(build_parser(), ["--qqqqqq"])[1][0]
+
+
+def test_only_rank_0_prints(monkeypatch):
+    monkeypatch.setattr(arguments, "PEER_EXIT_GRACE_S", 0.0)
+    monkeypatch.setenv("RANK", "1")
+    assert _refusal(build_parser(), ["--use-flash-attn"]) == (2, [])
+    monkeypatch.setenv("RANK", "0")
+    assert _refusal(build_parser(), ["--use-flash-attn"])[0] == 2
+
+
+@pytest.mark.parametrize("flag", sorted(ACCEPTED))
+def test_accepted_equivalents_parse_and_set_their_field(flag):
+    section, name = ACCEPTED[flag]
+    assert getattr(getattr(parse_args(BASE), section), name) is False
+    assert getattr(getattr(parse_args(BASE + ["--bf16", flag]), section), name) is True
+
+
+def test_pretrain_gpt_refuses_a_pasted_megatron_flag_in_one_line():
+    """Megatron-LM's Llama-3 recipe flags up to its first one we lack: exit 2, one line, nothing run."""
+    argv = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
+            "--swiglu", "--attention-backend", "fused", "--bf16", "--accumulate-allreduce-grads-in-fp32",
+            "--use-cpu-initialization", "--train-iters", "1"] + BASE
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {megatron_flag_message('--attention-backend')}"]
+    assert proc.stdout == ""
