@@ -180,6 +180,10 @@ class TrainingConfig:
     """Ramp the global batch up from START by INCREMENT to --global-batch-size over the first SAMPLES consumed samples (needs --train-samples)."""
     decrease_batch_size_if_needed: bool = False
     """Round each global batch down to a multiple of micro-batch-size x data-parallel size instead of refusing one that does not divide."""
+    use_mcore_models: bool = False
+    """Accepted for Megatron scripts: there is one model implementation (Megatron-Core's layout)."""
+    use_cpu_initialization: bool = False
+    """Accepted for Megatron scripts: weights are always drawn on the CPU, whole, then sliced, so they are the same at any TP size."""
 
 
 @dataclass

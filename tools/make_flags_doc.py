@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_lite.arguments import build_parser  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.megatron_flags import ENTRIES  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "flags.md")
 HEADER = """# Flags reference
@@ -35,6 +36,25 @@ Where each group is explained: [training](training.md), [parallelism](parallelis
 [fine-tuning](fine-tuning.md), [performance](performance.md), [BERT](bert.md).
 """
 SECTION_NOTES = {"bert": "`pretrain_bert.py` only."}
+ACCEPTED_MARK = "Accepted for Megatron"  # "... scripts:", "...-FSDP scripts:"
+MEGATRON_HEADER = """
+## Megatron-LM flags megatron_lite does not take
+
+A Megatron-LM launch script (its `examples/` recipes: GPT-3, Llama, Mixtral, DeepSeek, BERT) can be
+pasted as it is: every flag it passes is either one of the flags above, with Megatron-LM's meaning,
+or is refused before any work with one line and exit code 2 that says it is a Megatron-LM flag, why
+it is absent here and what to do instead, e.g.
+
+    pretrain_gpt.py: error: --tp-comm-overlap is a Megatron-LM flag that megatron_lite does not support: ...; drop it
+
+Fix that flag and run again; the line also names the script's other unrecognised flags. A flag that
+is neither ours nor Megatron-LM's (a typo) gets argparse's message and, when one is close, the flag
+of ours that was probably meant ("did you mean --num-layers?"). To check a whole script
+without running it: `MEGATRON_LITE_CHECK_ARGS=1 WORLD_SIZE=<ranks> python pretrain_gpt.py <its flags>`.
+
+Accepted because they name what megatron_lite always does (they change nothing):
+
+"""
 
 
 def _cell(text: str) -> str:
@@ -82,7 +102,19 @@ def render() -> str:
             takes = _takes(action)
             help_text, default = _help_and_default(action)
             out.append(f"| {flags} | {f'`{takes}`' if takes else ''} | {_cell(default)} | {help_text} |")
+    out.append(_megatron_section(parser))
     return "\n".join(out) + "\n"
+
+
+def _megatron_section(parser) -> str:
+    """The Megatron-LM flags accepted as equivalents (their help says so) and those refused (the
+    table in megatron_lite/megatron_flags.py, one row per shared reason)."""
+    accepted = [f"- `{a.option_strings[0]}`: {_cell(a.help).split(': ', 1)[1]}" for a in parser._actions
+                if (a.help or "").startswith(ACCEPTED_MARK)]
+    rows = ["| Megatron-LM flags | why they are absent | instead |", "|---|---|---|"]
+    for flags, why, fix in ENTRIES:
+        rows.append(f"| {' '.join(f'`{f}`' for f in flags.split())} | {_cell(why)} | {_cell(fix)} |")
+    return MEGATRON_HEADER + "\n".join(accepted) + "\n\nRefused (megatron_lite/megatron_flags.py):\n\n" + "\n".join(rows)
 
 
 def main(argv=None) -> int:

@@ -47,6 +47,8 @@ class PrecisionConfig:
     """Transformer layers at the end kept in bf16 with --first-last-layers-bf16."""
     transformer_impl: str = "local"
     """Linear layers: local (native FP8 GEMMs) or transformer_engine (needs Transformer Engine and a GPU)."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accepted for Megatron scripts: gradients are always accumulated and reduced in fp32 (the main_grad buffer)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
