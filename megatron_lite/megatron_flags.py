@@ -179,7 +179,7 @@ ENTRIES = (
      "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo",
      "every checkpoint is a persistent one and none is deleted", "use --save-interval"),
     ("--no-save-optim --no-save-rng", "a checkpoint always holds the optimizer and RNG state",
-     "drop it (tools/checkpoint/convert.py writes weights-only checkpoints)"),
+     "drop it (tools/checkpoint/convert.py makes a weights-only release checkpoint of one)"),
     ("--load-main-params-from-ckpt", "fp32 master weights are loaded with the optimizer state", DROP),
     ("--no-strict-fsdp-dtensor-load --dist-ckpt-strictness", "a checkpoint's tensors must match the model's "
      "exactly", DROP),
@@ -204,8 +204,8 @@ ENTRIES = (
     # -- data and tokenizer -----------------------------------------------------------------------
     ("--train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path",
      "one --data-path blend is split into train/valid/test", "use --data-path and --split"),
-    ("--no-create-attention-mask-in-dataloader", "the GPT loader makes no attention mask (causal attention "
-     "needs none; --reset-attention-mask passes document ids), but a BERT batch needs its padding mask", DROP),
+    ("--no-create-attention-mask-in-dataloader", "the loaders make only the masks a model needs (none for "
+     "GPT's causal attention)", DROP),
     ("--num-dataset-builder-threads --object-storage-cache-path --mid-level-dataset-surplus "
      "--allow-ambiguous-pad-tokens --sample-rate", "the dataset builder's options are fixed", DROP),
     ("--vocab-extra-ids", "extra sentinel tokens (T5) are not added", DROP),
