@@ -111,3 +111,32 @@ def test_pretrain_gpt_refuses_a_pasted_megatron_flag_in_one_line():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {megatron_flag_message('--attention-backend')}"]
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_accumulate_allreduce_grads_in_fp32_is_what_every_strategy_does(strategy, monkeypatch):
+    """--accumulate-allreduce-grads-in-fp32 is accepted because bf16 weights' gradients accumulate in,
+    and are reduced from, fp32 buffers under every data-parallel sharding strategy."""
+    import torch
+    from torch import nn
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.parallel.fsdp import wrap_for_data_parallel
+    from megatron_lite.parallel.grad_bucket import Bucket
+    from megatron_lite.parallel.state import ParallelState
+
+    reduced = []  # the dtype of every tensor a bucket's collective reduces
+    launch = Bucket.launch
+    monkeypatch.setattr(Bucket, "launch", lambda self, *a, **k: (reduced.append(self.data.dtype),
+                                                                     launch(self, *a, **k))[1])
+    model = nn.Sequential(nn.Linear(12, 10), nn.GELU(), nn.Linear(10, 4)).to(torch.bfloat16)
+    ddp = wrap_for_data_parallel(model, ParallelState(), ParallelConfig(data_parallel_sharding_strategy=strategy,
+                                                                        ddp_bucket_size=40))
+    ddp.zero_grad_buffer()
+    for seed in (1, 2):  # two micro-batches
+        x = torch.randn(3, 12, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        with ddp.no_sync() if seed == 1 else contextlib.nullcontext():
+            ddp(x).float().square().sum().backward()
+    ddp.finish_grad_sync()
+    assert len(reduced) >= 2 and set(reduced) == {torch.float32}, reduced
+    assert {ddp.owned_grad(p).dtype for p in ddp.params} == {torch.float32}
