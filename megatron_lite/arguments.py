@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import sys
 import time
 import typing
 
@@ -18,7 +19,7 @@ from .config import SECTIONS, Config, ConfigError
 from .config_checks import finalize
 from .errors import PEER_EXIT_GRACE_S, OneLineParser
 from .fusions.config import FUSION_CHOICES
-from .megatron_flags import unknown_flag_message
+from .megatron_flags import megatron_value_message, unknown_flag_message
 from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
     CP_COMM_TYPES,
@@ -97,8 +98,11 @@ class RankZeroParser(OneLineParser):
         super().exit(status, message)
 
     def parse_args(self, args=None, namespace=None):
-        """An unrecognised flag: a Megatron-LM flag we lack is refused with its reason and fix
-        (megatron_flags.py); another gets the closest flag of ours as a suggestion."""
+        """A Megatron-LM flag we lack, or a Megatron-LM value of a flag we have, is refused with its reason
+        and fix (megatron_flags.py); another unrecognised flag gets the closest flag of ours."""
+        message = megatron_value_message(sys.argv[1:] if args is None else list(args))
+        if message:
+            self.exit(2, f"{self.prog}: error: {message}\n")
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             message, megatron = unknown_flag_message(extras, [s for s in self._option_string_actions

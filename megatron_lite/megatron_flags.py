@@ -3,7 +3,8 @@
 A Megatron-LM launch script pasted here meets this table at the command line: a flag in it is
 refused in one line (exit 2) that says it is a Megatron-LM flag, why it is absent and the fix (our
 flag, or "drop it"). A flag that is neither ours nor Megatron-LM's gets argparse's message plus the
-closest flag of ours, if one is close. See :func:`unknown_flag_message`.
+closest flag of ours, if one is close (:func:`unknown_flag_message`). A Megatron-LM value of a flag we
+have that we do not take (``--optimizer muon``) is refused the same way (:data:`REFUSED_VALUES`).
 
 The names come from Megatron-LM's ``megatron/training/arguments.py`` (and a few older aliases its
 example scripts used). Megatron-LM flags that megatron_lite accepts are its own flags (the config
@@ -298,6 +299,51 @@ PENDING = frozenset("""
 """.split())
 """Megatron-LM flags other work is adding to the parser now: neither in REFUSED nor (yet) ours. Once
 merged, each must be a flag of ours (the test checks the ones that are)."""
+
+
+_SORTS = "use --position-embedding-type rope or learned_absolute"
+REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
+    "--tokenizer-type": {
+        "Llama2Tokenizer": ("Megatron-LM's Llama-2 SentencePiece wrapper is not built",
+                            "use --tokenizer-type HuggingFaceTokenizer or GPTSentencePieceTokenizer with "
+                            "--tokenizer-model"),
+        "TikTokenizer": ("tiktoken files are not read", "use --tokenizer-type HuggingFaceTokenizer with "
+                         "--tokenizer-model"),
+        "MultimodalTokenizer": ("multimodal models are not implemented", "use --tokenizer-type HuggingFaceTokenizer"),
+        "NullMultimodalTokenizer": ("multimodal models are not implemented", "use --tokenizer-type NullTokenizer"),
+        "SFTTokenizer": ("--sft applies the tokenizer's own chat template", "use --sft with --tokenizer-type "
+                         "HuggingFaceTokenizer"),
+    },
+    "--optimizer": {v: ("the Muon optimizer is not implemented", "use --optimizer adam") for v in ("muon", "dist_muon")},
+    "--position-embedding-type": {
+        "mrope": ("multimodal rotary embeddings are not implemented", _SORTS),
+        "relative": ("relative position embeddings (T5) are not implemented", _SORTS),
+        "none": ("a model without position embeddings is not built", _SORTS),
+    },
+    "--lr-decay-style": {"inverse-square-root": ("this decay is not implemented",
+                                                 "use --lr-decay-style linear, cosine, constant or WSD")},
+    "--lr-wsd-decay-style": {"minus_sqrt": ("this WSD decay is not implemented",
+                                            "use --lr-wsd-decay-style exponential, linear or cosine")},
+    "--ckpt-format": {v: ("only Megatron-LM's torch and torch_dist layouts are written", "use --ckpt-format "
+                          "torch_dist (sharded, loads at any layout) or torch") for v in ("zarr", "torch_dcp",
+                                                                                           "fsdp_dtensor")},
+    "--dataloader-type": {"external": ("an outside data loader cannot be plugged in",
+                                       "use --dataloader-type single or cyclic")},
+}
+"""Values of flags we have that Megatron-LM takes and megatron_lite does not: flag -> value -> (why, fix)."""
+
+
+def megatron_value_message(argv: list[str]) -> str | None:
+    """The one-line refusal of the first Megatron-LM value in ``argv`` that we do not take
+    (``--flag value`` or ``--flag=value``), or None."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in REFUSED_VALUES and not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        entry = REFUSED_VALUES.get(flag, {}).get(value)
+        if entry is not None:
+            return f"{flag} {value} is a Megatron-LM choice that megatron_lite does not support: {entry[0]}; {entry[1]}"
+    return None
 
 
 def megatron_flag_message(flag: str) -> str | None:

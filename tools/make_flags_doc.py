@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_lite.arguments import build_parser  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
-from megatron_lite.megatron_flags import ENTRIES  # noqa: E402
+from megatron_lite.megatron_flags import ENTRIES, REFUSED_VALUES  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "flags.md")
 HEADER = """# Flags reference
@@ -114,7 +114,12 @@ def _megatron_section(parser) -> str:
     rows = ["| Megatron-LM flags | why they are absent | instead |", "|---|---|---|"]
     for flags, why, fix in ENTRIES:
         rows.append(f"| {' '.join(f'`{f}`' for f in flags.split())} | {_cell(why)} | {_cell(fix)} |")
-    return MEGATRON_HEADER + "\n".join(accepted) + "\n\nRefused (megatron_lite/megatron_flags.py):\n\n" + "\n".join(rows)
+    values = ["| Megatron-LM value | why it is absent | instead |", "|---|---|---|"]
+    for flag, refused in REFUSED_VALUES.items():
+        values += [f"| `{flag} {value}` | {_cell(why)} | {_cell(fix)} |" for value, (why, fix) in refused.items()]
+    return (MEGATRON_HEADER + "\n".join(accepted) + "\n\nRefused (megatron_lite/megatron_flags.py):\n\n"
+            + "\n".join(rows) + "\n\nValues of our flags that Megatron-LM takes and megatron_lite refuses the "
+            "same way:\n\n" + "\n".join(values))
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 import megatron_lite.arguments as arguments
 from megatron_lite.arguments import build_parser, parse_args
-from megatron_lite.megatron_flags import ENTRIES, PENDING, REFUSED, megatron_flag_message
+from megatron_lite.megatron_flags import ENTRIES, PENDING, REFUSED, REFUSED_VALUES, megatron_flag_message
 from tests.doc_blocks import REPO, training_parser
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -50,6 +50,20 @@ def test_the_table_holds_no_flag_of_ours():
     assert not both, f"now flags of ours: remove {both} from megatron_lite/megatron_flags.py"
     assert not set(REFUSED) & PENDING
     assert not set(ACCEPTED) & set(REFUSED)
+
+
+def test_every_megatron_value_is_refused_with_its_own_line_and_none_is_ours():
+    parser = build_parser()
+    for flag, refused in REFUSED_VALUES.items():
+        choices = parser._option_string_actions[flag].choices
+        assert choices and not set(refused) & set(choices), f"now ours: drop {flag} {set(refused) & set(choices)}"
+        for value, (why, fix) in refused.items():
+            expected = f"is a Megatron-LM choice that megatron_lite does not support: {why}; {fix}"
+            for argv in ([flag, value], [f"{flag}={value}"]):
+                code, lines = _refusal(parser, BASE + argv + ["--num-layers", "2"])
+                assert code == 2 and lines == [f"{parser.prog}: error: {flag} {value} {expected}"], lines
+    assert _refusal(parser, BASE + ["--optimizer", "bogus"])[1][0].endswith(
+        "invalid choice: 'bogus' (choose from 'adam', 'sgd') (--help lists the flags)")
 
 
 def test_entries_are_well_formed():
