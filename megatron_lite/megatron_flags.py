@@ -295,7 +295,6 @@ PENDING = frozenset("""
 --empty-unused-memory-level --tensorboard-log-interval --tensorboard-queue-size --log-validation-ppl-to-tensorboard
 --log-memory-to-tensorboard --log-world-size-to-tensorboard --log-loss-scale-to-tensorboard
 --no-log-loss-scale-to-tensorboard --log-batch-size-to-tensorboard --no-log-learning-rate-to-tensorboard
---rampup-batch-size --decrease-batch-size-if-needed
 """.split())
 """Megatron-LM flags other work is adding to the parser now: neither in REFUSED nor (yet) ours. Once
 merged, each must be a flag of ours (the test checks the ones that are)."""
