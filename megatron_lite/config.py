@@ -76,6 +76,8 @@ class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models
     """Layer spec of your own: NAME (a LayerSpec, or a function layer_number -> LayerSpec) in MODULE (on PYTHONPATH, or a .py file path)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
     """Derived: vocabulary padded for the embedding and output layers."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even with --disable-bias-linear (Qwen2's attention)."""
 
 
 SHAPE_FLAGS = (
@@ -86,6 +88,7 @@ SHAPE_FLAGS = (
     "bert_no_binary_head",  # pretrain_bert.py: the binary head and token-type embeddings
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "qk_layernorm", "mtp_num_layers",
+    "add_qkv_bias",
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 

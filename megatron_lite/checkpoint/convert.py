@@ -8,7 +8,7 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
                 layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
                 ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, mixtral,
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, qwen2, mixtral,
                 megatron-bert and deepseek_v3 styles
 ==============  ===============================================================================
 """
@@ -41,6 +41,7 @@ from .hf_io import (
     write_safetensors,
 )
 from .hf_mixtral import from_mixtral, to_mixtral
+from .hf_qwen2 import from_qwen2, to_qwen2
 from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
 from .hf_unused import TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
@@ -178,6 +179,8 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
         out = from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
     elif kind == "megatron-bert":
         out = from_bert(hf_config, tensors)
+    elif kind == "qwen2":
+        out = from_qwen2(hf_config, tensors)
     else:
         out = from_hf(hf_config, tensors)
     refuse_unused(tensors, hf_config, load_dir)
@@ -192,9 +195,10 @@ def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
                        help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
-                            "(llama with MoE layers), deepseek_v3 (multi-latent attention, MoE, MTP) or bert "
-                            "(MegatronBertForPreTraining); auto: bert for BERT, deepseek_v3 for MLA / MTP models, "
-                            "mixtral for MoE models, llama for rope models, else gpt2.")
+                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only), deepseek_v3 (multi-latent "
+                            "attention, MoE, MTP) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
+                            "deepseek_v3 for MLA / MTP models, mixtral for MoE models, qwen2 for rope models with "
+                            "--add-qkv-bias --disable-bias-linear, llama for other rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
     group.add_argument("--merge-lora", action="store_true", default=None,
@@ -218,6 +222,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         hf_config, tensors = to_deepseek(bundle.config, bundle.state_dict)
     elif style == "bert":
         hf_config, tensors = to_bert(bundle.config, bundle.state_dict)
+    elif style == "qwen2":
+        hf_config, tensors = to_qwen2(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
 from .hf_unused import strip_prefix
 
-STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3")  # the last three in hf_<name>.py
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2")  # the last four in hf_<name>.py
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -58,7 +58,9 @@ def pick_style(cfg: dict, style: str = "auto") -> str:
     if style == "auto":
         if cfg.get("num_experts"):
             return "mixtral"
-        return "llama" if cfg.get("position_embedding_type") == "rope" else "gpt2"
+        if cfg.get("position_embedding_type") != "rope":
+            return "gpt2"
+        return "qwen2" if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear") else "llama"
     _require(style in STYLES, f"--hf-style {style!r} is not one of {', '.join(STYLES)}")
     return style
 
@@ -93,6 +95,9 @@ def check_exportable(cfg: dict, style: str) -> None:
         _require(cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm cannot be expressed in the llama "
                  "format (RMSNorm only); use --hf-style gpt2")
         _require(cfg.get("swiglu"), "a GeLU MLP (no --swiglu) cannot be expressed in the llama format (SwiGLU only)")
+        _require(style == "qwen2" or not (cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear")),
+                 "--add-qkv-bias with --disable-bias-linear (biases on q/k/v only) cannot be expressed in the llama "
+                 "format; use --hf-style qwen2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,8 +309,8 @@ def _llama_state(hf_sd: dict, cfg: dict) -> dict:
 def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
     kind = hf.get("model_type")
-    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, mixtral, "
-             "megatron-bert")
+    _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
+             "mixtral, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

@@ -176,7 +176,8 @@ class SelfAttention(nn.Module):
         self.tracker = state.rng_tracker
         self.layer_number = layer_number
         qkv_size = (heads + 2 * groups) * self.head_dim
-        self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv")
+        self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv",
+                                        bias=config.add_bias_linear or config.add_qkv_bias)
         self.core_attention = core_attention(config, state, layer_number)
         self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj",
                                       skip_bias_add=config.bias_dropout_fusion)

@@ -106,6 +106,8 @@ def _check_mla(config) -> None:
     _require(config.position_embedding_type == "rope",
              "--multi-latent-attention needs --position-embedding-type rope (MLA rotates its own rotary part; "
              "learned absolute positions on top are not built)")
+    _require(not getattr(config, "add_qkv_bias", False), "--add-qkv-bias applies to the fused QKV projection of "
+             "standard attention; --multi-latent-attention has none: drop --add-qkv-bias")
     _require(config.num_query_groups == config.num_attention_heads,
              "--multi-latent-attention does not take --group-query-attention / --num-query-groups (every head "
              "has its own keys and values from the latent)")

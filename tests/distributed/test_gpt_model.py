@@ -86,6 +86,11 @@ def test_tensor_parallel_equals_single_process(tp, sp, variant):
         assert marked == sorted(expect)
 
 
+def test_qkv_bias_under_tensor_sequence_parallel():
+    """--add-qkv-bias (variant Q): the QKV bias splits with its weight (whole key/value groups per rank)."""
+    run_ranks(2, check_tp_equals_serial, 2, True, "Q")
+
+
 def test_tensor_sequence_parallel_with_full_recompute():
     run_ranks(2, check_tp_equals_serial, 2, True, "B", ("full", "uniform", 1))
     run_ranks(2, check_tp_equals_serial, 2, True, "A", ("selective", None, None))

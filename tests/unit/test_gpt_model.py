@@ -28,6 +28,7 @@ VARIANTS = {
     "B": dict(num_attention_heads=8, num_query_groups=4, position_embedding_type="rope", normalization="RMSNorm",
               swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True),
 }
+VARIANTS["Q"] = dict(VARIANTS["B"], add_qkv_bias=True)  # Qwen2's: B with a bias on the QKV projection only
 
 
 def make_config(variant="A", tp=1, dropout=0.0, **over) -> ModelConfig:

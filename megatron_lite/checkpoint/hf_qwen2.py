@@ -1,0 +1,53 @@
+"""Hugging Face ``qwen2`` (``Qwen2ForCausalLM``) <-> megatron_lite's single-process GPT weights.
+
+Qwen2 is the llama layout (:mod:`~megatron_lite.checkpoint.hf`: RoPE, RMSNorm, SwiGLU, grouped-query
+attention) with a bias on the q/k/v projections and on no other linear layer: ours with
+``--disable-bias-linear --add-qkv-bias``. The fused QKV bias ``[groups, (heads_per_group + 2) * head_dim]``
+is split into q/k/v_proj.bias per group like the weight. Sliding-window attention
+(``use_sliding_window``) is refused: every layer here attends to the whole causal context.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .hf import LAYER, QKV, _dims, from_hf, qkv_to_separate, separate_to_qkv, to_hf
+
+
+def _require(cond, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
+    """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``."""
+    _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
+             "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
+    hf, out = to_hf({**cfg, "add_qkv_bias": False}, sd, "llama")  # the llama export without biases
+    layers, _, heads, groups, d = _dims(cfg)
+    for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        hf.pop(key)
+    hf.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=None,
+              max_window_layers=layers, layer_types=["full_attention"] * layers)
+    for i in range(layers):
+        q, k, v = qkv_to_separate(sd[LAYER.format(i=i) + QKV + "bias"], heads, groups, d)
+        dst = f"model.layers.{i}.self_attn."
+        out.update({dst + "q_proj.bias": q, dst + "k_proj.bias": k, dst + "v_proj.bias": v})
+    return hf, out
+
+
+def from_qwen2(hf: dict, hf_sd) -> tuple[dict, dict]:
+    """(flat config, single-process unpadded state dict) of a Qwen2 config and its tensors."""
+    _require(not hf.get("use_sliding_window"), "use_sliding_window true cannot be expressed (every layer attends to "
+             "the whole causal context); re-save the model with use_sliding_window false")
+    cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd)
+    cfg["add_qkv_bias"] = True
+    layers, _, heads, groups, d = _dims(cfg)
+    for i in range(layers):
+        a = f"model.layers.{i}.self_attn."
+        try:
+            q, k, v = (hf_sd[a + f"{x}_proj.bias"] for x in "qkv")
+        except KeyError as err:
+            raise ConfigError(f"the qwen2 weights have no tensor {err.args[0]}; the folder does not match its "
+                              "config.json") from None
+        sd[LAYER.format(i=i) + QKV + "bias"] = separate_to_qkv(q, k, v, heads, groups, d).contiguous()
+    return cfg, sd
