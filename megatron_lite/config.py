@@ -16,6 +16,7 @@ from .fusions.config import FusionConfig
 from .logging_config import LoggingConfig
 from .lora.config import LoRAConfig
 from .models.mla_config import MLAConfig, MTPConfig
+from .models.rope_config import RopeConfig
 from .moe.config import MoEConfig
 from .precision.config import PrecisionConfig
 
@@ -27,7 +28,7 @@ so that giving both can be refused; finalize fills it in)."""
 
 
 @dataclass
-class ModelConfig(MTPConfig, MLAConfig):  # the MLA / YaRN and MTP flags: models/mla_config.py
+class ModelConfig(MTPConfig, MLAConfig, RopeConfig):  # MLA / YaRN and MTP: models/mla_config.py; rope_config.py
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -97,6 +98,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
     "beta_slow", "bias_gelu_fusion", "spec",
+    "rotary_percent",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

@@ -98,6 +98,8 @@ def check_exportable(cfg: dict, style: str) -> None:
         _require(style == "qwen2" or not (cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear")),
                  "--add-qkv-bias with --disable-bias-linear (biases on q/k/v only) cannot be expressed in the llama "
                  "format; use --hf-style qwen2")
+        _require(cfg.get("rotary_percent", 1.0) == 1.0, f"--rotary-percent {cfg.get('rotary_percent')} cannot be "
+                 f"expressed in the {style} format (every channel of a head rotates)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +242,9 @@ def _silu_rope_theta(hf: dict, default_theta: float) -> float:
     _require(rope.get("rope_type", rope.get("type", "default")) == "default",
              f"rope_type {rope.get('rope_type', rope.get('type'))!r} (RoPE scaling) cannot be expressed; only plain RoPE")
     theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _require(partial == 1.0, f"partial_rotary_factor {partial} cannot be expressed (the llama-style attention of "
+             "transformers rotates every channel of a head)")
     _require(theta == int(theta), f"rope_theta {theta} cannot be expressed (--rotary-base is an integer)")
     return theta
 

@@ -36,6 +36,8 @@ _UNEXPRESSIBLE = (
     ("moe_router_num_groups", None, "--moe-router-num-groups (group-limited routing)"),
     ("moe_router_pre_softmax", False, "--moe-router-pre-softmax (Mixtral renormalises the top-k)"),
     ("moe_router_topk_scaling_factor", None, "--moe-router-topk-scaling-factor"),
+    ("add_qkv_bias", False, "--add-qkv-bias (Mixtral's attention has no biases)"),
+    ("rotary_percent", 1.0, "--rotary-percent below 1 (every channel of a head rotates)"),
 )
 
 

@@ -159,6 +159,15 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
     return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
 
+def rotate_part(rotate, x, cos, sin):
+    """``rotate`` (plain or fused rotary) on the first ``cos.shape[-1]`` channels of each head of ``x``
+    (all of them unless --rotary-percent is below 1); the other channels pass through unchanged."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
 class SelfAttention(nn.Module):
     """QKV projection -> (rotary) -> core attention -> output projection.
 
@@ -198,7 +207,7 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
-            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+            q, k = rotate_part(self.rotate, q, cos, sin), rotate_part(self.rotate, k, cos, sin)
         if inference_context is not None:
             k, v = inference_context.append(self.layer_number, k, v)
         if self.selective_recompute and torch.is_grad_enabled():

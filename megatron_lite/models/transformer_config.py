@@ -29,6 +29,7 @@ from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from ..precision.te import TeGemm
 from .common import param_generator
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
+from .rope_config import RopeConfig, check_rope_fields
 from .yarn import mla_softmax_scale
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -57,7 +58,7 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
 
 
 @dataclass
-class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
+class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -129,6 +130,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
                  "--no-bias-gelu-fusion")
         check_moe_fields(self)
         check_mla_fields(self)
+        check_rope_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:
@@ -172,7 +174,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig):  # MoE, MLA / YaRN and
         _require(tp >= 1, "--tensor-model-parallel-size must be at least 1")
         _require(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
                  f"max-position-embeddings {self.max_position_embeddings} is smaller than seq-length {self.seq_length}")
-        _require(self.position_embedding_type != "rope" or self.multi_latent_attention or self.kv_channels % 2 == 0,
+        _require(self.position_embedding_type != "rope" or self.multi_latent_attention or self.rotary_percent < 1
+                 or self.kv_channels % 2 == 0,
                  f"rope needs an even head dimension, got {self.kv_channels} (--kv-channels)")
         for flag, value in (("num-attention-heads", self.num_attention_heads), ("ffn-hidden-size", self.ffn_hidden_size),
                             ("num-query-groups", self.num_query_groups)):

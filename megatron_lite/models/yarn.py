@@ -25,6 +25,7 @@ import math
 import torch
 
 from .common import rotary_cos_sin
+from .rope_config import partial_rotary_dim
 
 
 def get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -57,8 +58,10 @@ def mla_softmax_scale(config) -> float:
 
 
 def rotary_dim(config) -> int:
-    """Channels the rotary tables cover: MLA's rotary part, else the whole head."""
-    return config.qk_pos_emb_head_dim if getattr(config, "multi_latent_attention", False) else config.head_dim
+    """Channels the rotary tables cover: MLA's rotary part, else the first ``--rotary-percent`` of the head."""
+    if getattr(config, "multi_latent_attention", False):
+        return config.qk_pos_emb_head_dim
+    return partial_rotary_dim(config.head_dim, getattr(config, "rotary_percent", 1.0))
 
 
 def rotary_tables(config, position_ids: torch.Tensor):

@@ -86,9 +86,11 @@ def test_tensor_parallel_equals_single_process(tp, sp, variant):
         assert marked == sorted(expect)
 
 
-def test_qkv_bias_under_tensor_sequence_parallel():
-    """--add-qkv-bias (variant Q): the QKV bias splits with its weight (whole key/value groups per rank)."""
-    run_ranks(2, check_tp_equals_serial, 2, True, "Q")
+@pytest.mark.parametrize("variant", ["Q", "P"])
+def test_family_options_under_tensor_sequence_parallel(variant):
+    """--add-qkv-bias (variant Q: the QKV bias splits with its weight, whole key/value groups per rank)
+    and --rotary-percent 0.5 (variant P)."""
+    run_ranks(2, check_tp_equals_serial, 2, True, variant)
 
 
 def test_tensor_sequence_parallel_with_full_recompute():

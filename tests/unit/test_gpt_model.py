@@ -29,6 +29,7 @@ VARIANTS = {
               swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True),
 }
 VARIANTS["Q"] = dict(VARIANTS["B"], add_qkv_bias=True)  # Qwen2's: B with a bias on the QKV projection only
+VARIANTS["P"] = dict(VARIANTS["B"], rotary_percent=0.5)  # B rotating the first half of each head only
 
 
 def make_config(variant="A", tp=1, dropout=0.0, **over) -> ModelConfig:
@@ -82,8 +83,9 @@ def reference_logits(sd, cfg, tokens):
         qkv = qkv.view(b, s, ng, hpg + 2, d)
         q = qkv[:, :, :, :hpg].reshape(b, s, nh, d).transpose(1, 2)
         k, v = (qkv[:, :, :, hpg + j].transpose(1, 2) for j in (0, 1))  # [b, ng, s, d]
-        if cfg.position_embedding_type == "rope":
-            q, k = _ref_rope(q, cfg.rotary_base), _ref_rope(k, cfg.rotary_base)
+        if cfg.position_embedding_type == "rope":  # --rotary-percent: the first int(d x percent) channels rotate
+            r = int(d * cfg.rotary_percent)
+            q, k = (torch.cat([_ref_rope(t[..., :r], cfg.rotary_base), t[..., r:]], dim=-1) for t in (q, k))
         group_of_head = torch.arange(nh) // hpg
         a = F.scaled_dot_product_attention(q, k[:, group_of_head], v[:, group_of_head], is_causal=True)
         a = a.transpose(1, 2).reshape(b, s, nh * d)
