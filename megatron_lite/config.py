@@ -79,6 +79,8 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig):  # MLA / YaRN and MTP: mode
     """Derived: vocabulary padded for the embedding and output layers."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection even with --disable-bias-linear (Qwen2's attention)."""
+    apply_layernorm_1p: bool = False
+    """Norm weights stored zero-centred: LayerNorm/RMSNorm scale by 1 + weight, the weight starting at 0."""
 
 
 SHAPE_FLAGS = (
@@ -90,6 +92,7 @@ SHAPE_FLAGS = (
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "qk_layernorm", "mtp_num_layers",
     "add_qkv_bias",
+    "apply_layernorm_1p",  # not a shape, but what the stored norm weights mean: a weights-only load must match it
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 

@@ -45,6 +45,7 @@ from .hf_qwen2 import from_qwen2, to_qwen2
 from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
 from .hf_unused import TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
+from .norm_1p import plain_norms, zero_centred_norms
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
 
@@ -151,9 +152,12 @@ def _hf_loader_args(parser) -> None:
     group.add_argument("--moe-grouped-gemm", action="store_true", default=None,
                        help="Mixtral / DeepSeek-V3 import: write the experts stacked for --moe-grouped-gemm "
                             "(default: one MLP each).")
+    group.add_argument("--apply-layernorm-1p", action="store_true", default=None,
+                       help="Store the imported norm weights zero-centred (weight - 1) for a --apply-layernorm-1p run.")
 
 
-def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False) -> ModelBundle:
+def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_gemm: bool = False,
+            apply_layernorm_1p: bool = False) -> ModelBundle:
     """The bundle of a Hugging Face folder; its tokenizer files are carried along for the saver."""
     path = os.path.join(load_dir, "config.json")
     try:
@@ -162,6 +166,8 @@ def load_hf(load_dir: str, make_vocab_size_divisible_by: int = 128, moe_grouped_
         raise CheckpointError(f"{path} has no {err.args[0]!r}, which a {read_json(path).get('model_type')!r} "
                               "config needs; restore it from the original model") from None
     config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    if apply_layernorm_1p:
+        config, state_dict = zero_centred_norms(config, state_dict)
     return ModelBundle(config, state_dict, "release", 0, tokenizer_files_in(load_dir))
 
 
@@ -188,7 +194,8 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:
-    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128, bool(args.moe_grouped_gemm))
+    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128, bool(args.moe_grouped_gemm),
+                   bool(args.apply_layernorm_1p))
 
 
 def _hf_saver_args(parser) -> None:
@@ -216,6 +223,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
                           "Face export writes stock layers and would not compute your model: export is refused")
     style = pick_style(bundle.config, style)
+    bundle = dataclasses.replace(bundle, **dict(zip(("config", "state_dict"),
+                                                    plain_norms(bundle.config, bundle.state_dict), strict=True)))
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
     elif style == "deepseek_v3":
@@ -304,7 +313,7 @@ PLUGIN_OPTIONS = {
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
     ("saver", "hf"): ("hf_style", "max_shard_size", "merge_lora"),
-    ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm"),
+    ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm", "apply_layernorm_1p"),
 }
 
 

@@ -65,16 +65,20 @@ def init_replicated(param: nn.Parameter, init_method) -> None:
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight only) over the last dim.
 
+    ``zero_centered`` (``--apply-layernorm-1p``): the stored weight ``w`` starts at 0 and the norm
+    scales by ``1 + w``, so the same function as the plain norm with weight ``1 + w``.
+
     Replicated over tensor-parallel ranks. Under sequence parallelism each rank normalises only
     its sequence shard, so its weight gradient is partial: the parameters carry
     ``sequence_parallel = True`` and the training code sums their gradients over TP.
     """
 
     def __init__(self, hidden_size: int, kind: str = "LayerNorm", eps: float = 1e-5, *,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None, zero_centered: bool = False):
         super().__init__()
-        self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.kind, self.eps, self.hidden_size, self.zero_centered = kind, eps, hidden_size, zero_centered
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
         self.weight.sequence_parallel = sequence_parallel
         if kind == "LayerNorm":
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
@@ -87,12 +91,14 @@ class Norm(nn.Module):
         """The model's norm (``--normalization``, ``--norm-epsilon``) over the hidden size: the layer
         spec's norm factory (``state`` and ``layer_number`` are not needed)."""
         return cls(config.hidden_size, config.normalization, config.norm_epsilon,
-                   sequence_parallel=config.sequence_parallel, dtype=config.params_dtype)
+                   sequence_parallel=config.sequence_parallel, dtype=config.params_dtype,
+                   zero_centered=config.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
-        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class MLASelfAttention(nn.Module):
         if not config.qk_layernorm:
             return None
         return Norm(size, config.normalization, config.norm_epsilon, sequence_parallel=config.sequence_parallel,
-                    dtype=config.params_dtype)
+                    dtype=config.params_dtype, zero_centered=config.apply_layernorm_1p)
 
     def _queries(self, hidden):
         """``[s, b, local heads, dn + dr]`` (the full sequence: the column-parallel input is gathered)."""

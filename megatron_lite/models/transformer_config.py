@@ -76,6 +76,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     openai_gelu: bool = False  # tanh-approximated GeLU (GPT-2's); the exact erf form otherwise
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the QKV projection whatever add_bias_linear says
+    apply_layernorm_1p: bool = False  # norms scale by 1 + weight (stored zero-centred, initialised to 0)
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1

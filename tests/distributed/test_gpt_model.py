@@ -86,10 +86,11 @@ def test_tensor_parallel_equals_single_process(tp, sp, variant):
         assert marked == sorted(expect)
 
 
-@pytest.mark.parametrize("variant", ["Q", "P"])
+@pytest.mark.parametrize("variant", ["Q", "P", "N"])
 def test_family_options_under_tensor_sequence_parallel(variant):
-    """--add-qkv-bias (variant Q: the QKV bias splits with its weight, whole key/value groups per rank)
-    and --rotary-percent 0.5 (variant P)."""
+    """--add-qkv-bias (variant Q: the QKV bias splits with its weight, whole key/value groups per rank),
+    --rotary-percent 0.5 (variant P) and --apply-layernorm-1p (variant N: the zero-centred norm weights'
+    sequence-parallel gradients)."""
     run_ranks(2, check_tp_equals_serial, 2, True, variant)
 
 
