@@ -101,7 +101,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
     "beta_slow", "bias_gelu_fusion", "spec",
-    "rotary_percent",
+    "rotary_percent", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

@@ -29,6 +29,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
+from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
 STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2")  # the last four in hf_<name>.py
@@ -194,9 +195,11 @@ def to_hf(cfg: dict, sd: dict, style: str) -> tuple[dict, dict]:
     hf = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
           "hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads, "num_key_value_heads": groups,
           "head_dim": d, "max_position_embeddings": max_pos, "rms_norm_eps": cfg.get("norm_epsilon", 1e-5),
-          "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
+          "rope_theta": theta, "rope_parameters": rope_scaling_to_hf(cfg, theta)[0], "hidden_act": "silu",
           "attention_bias": bias, "mlp_bias": bias, "attention_dropout": cfg.get("attention_dropout", 0.0),
           "pretraining_tp": 1}
+    if rope_scaling_to_hf(cfg, theta)[1]:
+        hf["rope_scaling"] = rope_scaling_to_hf(cfg, theta)[1]
     return hf, _llama_tensors(sd, cfg, tied, bias)
 
 
@@ -234,12 +237,13 @@ def _gpt2_config(hf: dict) -> dict:
     )
 
 
-def _silu_rope_theta(hf: dict, default_theta: float) -> float:
-    """Check a SwiGLU + plain RoPE config (llama and mixtral styles) and return its RoPE theta."""
+def _silu_rope_theta(hf: dict, default_theta: float, scaling: bool = False) -> float:
+    """Check a SwiGLU + RoPE config (llama and mixtral styles; ``scaling``: llama3 / linear RoPE
+    scaling allowed, see :mod:`.hf_rope`) and return its RoPE theta."""
     _require(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} cannot be expressed "
              "(SwiGLU uses silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    _require(rope.get("rope_type", rope.get("type", "default")) == "default",
+    _require(scaling or rope.get("rope_type", rope.get("type", "default")) == "default",
              f"rope_type {rope.get('rope_type', rope.get('type'))!r} (RoPE scaling) cannot be expressed; only plain RoPE")
     theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -250,7 +254,8 @@ def _silu_rope_theta(hf: dict, default_theta: float) -> float:
 
 
 def _llama_config(hf: dict) -> dict:
-    theta = _silu_rope_theta(hf, 10000.0)
+    theta = _silu_rope_theta(hf, 10000.0, scaling=True)
+    scaling = rope_scaling_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     _require(hf.get("pretraining_tp", 1) == 1, "pretraining_tp > 1 cannot be expressed; re-save the model with 1")
     bias = bool(hf.get("attention_bias", False))
     _require(bool(hf.get("mlp_bias", False)) == bias, "attention_bias and mlp_bias differ; cannot be expressed "
@@ -265,7 +270,7 @@ def _llama_config(hf: dict) -> dict:
         normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True, disable_bias_linear=not bias,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0,
-        init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"],
+        init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"], **scaling,
     )
 
 

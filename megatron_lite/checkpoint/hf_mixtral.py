@@ -38,6 +38,8 @@ _UNEXPRESSIBLE = (
     ("moe_router_topk_scaling_factor", None, "--moe-router-topk-scaling-factor"),
     ("add_qkv_bias", False, "--add-qkv-bias (Mixtral's attention has no biases)"),
     ("rotary_percent", 1.0, "--rotary-percent below 1 (every channel of a head rotates)"),
+    ("use_rope_scaling", False, "--use-rope-scaling"),
+    ("rotary_seq_len_interpolation_factor", None, "--rotary-seq-len-interpolation-factor"),
 )
 
 

@@ -25,7 +25,7 @@ import math
 import torch
 
 from .common import rotary_cos_sin
-from .rope_config import partial_rotary_dim
+from .rope_config import llama3_inv_freq, partial_rotary_dim
 
 
 def get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -69,9 +69,21 @@ def rotary_tables(config, position_ids: torch.Tensor):
     ``--rope-type yarn``, plain RoPE otherwise."""
     dim = rotary_dim(config)
     if getattr(config, "rope_type", "rope") != "yarn":
-        return rotary_cos_sin(position_ids, dim, config.rotary_base)
+        return scaled_rotary_tables(config, position_ids, dim)
     f = config.rotary_scaling_factor
     inv_freq = yarn_inv_freq(dim, config.rotary_base, f, config.original_max_position_embeddings,
                              config.beta_fast, config.beta_slow)
     mscale = get_mscale(f, config.mscale) / get_mscale(f, config.mscale_all_dim)
     return rotary_cos_sin(position_ids, dim, config.rotary_base, inv_freq=inv_freq, mscale=mscale)
+
+
+def scaled_rotary_tables(config, position_ids: torch.Tensor, dim: int):
+    """Plain RoPE tables over ``dim`` channels, with Llama 3.1's frequency scaling (--use-rope-scaling)
+    and positions divided by --rotary-seq-len-interpolation-factor where asked."""
+    inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if getattr(config, "use_rope_scaling", False):
+        inv_freq = llama3_inv_freq(inv_freq, config.rope_scaling_factor)
+    factor = getattr(config, "rotary_seq_len_interpolation_factor", None)
+    if factor is not None and factor != 1:
+        position_ids = position_ids.float() / factor
+    return rotary_cos_sin(position_ids, dim, config.rotary_base, inv_freq=inv_freq)
