@@ -51,6 +51,8 @@ def check_mixtral(cfg: dict) -> None:
         value = cfg.get(name, ok)
         if name == "moe_expert_capacity_factor" and value is not None and value < 0:
             value = None  # a negative factor means no capacity limit
+        if name == "rotary_seq_len_interpolation_factor" and value == 1:
+            value = None  # positions divided by 1: plain RoPE
         _require(value == ok or (ok is None and not value), f"{words} cannot be expressed in the mixtral format")
     _require("sinkhorn" not in (cfg.get("moe_router_load_balancing_type") or []),
              "--moe-router-load-balancing-type sinkhorn cannot be expressed in the mixtral format")

@@ -31,6 +31,8 @@ VARIANTS = {
 VARIANTS["Q"] = dict(VARIANTS["B"], add_qkv_bias=True)  # Qwen2's: B with a bias on the QKV projection only
 VARIANTS["P"] = dict(VARIANTS["B"], rotary_percent=0.5)  # B rotating the first half of each head only
 VARIANTS["N"] = dict(VARIANTS["A"], apply_layernorm_1p=True)  # A with zero-centred LayerNorm weights (1 + w)
+VARIANTS["S"] = dict(VARIANTS["P"], rotary_base=500000, use_rope_scaling=True,  # P with Llama 3.1 scaling and
+                     rotary_seq_len_interpolation_factor=2)  # positions / 2 (global positions under CP)
 
 
 def make_config(variant="A", tp=1, dropout=0.0, **over) -> ModelConfig:
