@@ -289,8 +289,7 @@ REFUSED: dict[str, tuple[str, str]] = {flag: (why, fix) for flags, why, fix in E
 """Every Megatron-LM flag megatron_lite refuses: flag -> (why it is absent, the fix)."""
 
 PENDING = frozenset("""
---rotary-percent --apply-layernorm-1p --add-qkv-bias --rotary-seq-len-interpolation-factor --use-rope-scaling
---rope-scaling-factor --calculate-per-token-loss --manual-gc --manual-gc-interval --no-manual-gc-eval
+--calculate-per-token-loss --manual-gc --manual-gc-interval --no-manual-gc-eval
 --distributed-timeout-minutes --distributed-backend --deterministic-mode --log-progress --no-mmap-bin-files
 --empty-unused-memory-level --tensorboard-log-interval --tensorboard-queue-size --log-validation-ppl-to-tensorboard
 --log-memory-to-tensorboard --log-world-size-to-tensorboard --log-loss-scale-to-tensorboard
