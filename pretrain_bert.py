@@ -72,6 +72,9 @@ def check_bert_config(config: Config) -> None:
     if seq < MIN_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {seq} is too short for BERT: [CLS] A [SEP] B [SEP] needs at least "
                           f"{MIN_SEQ_LENGTH}")
+    if config.training.calculate_per_token_loss:  # BERT's loss adds the per-sample SOP loss to the MLM mean
+        raise ConfigError("--calculate-per-token-loss is GPT-only (pretrain_bert.py's MLM + sentence-order loss is "
+                          "a per-micro-batch mean); drop the flag")
     if config.parallel.context_parallel_size > 1:  # BERT's batch is not split over CP: an IndexError, not a run
         raise ConfigError("--context-parallel-size > 1 is GPT-only (BERT's bidirectional padding mask is not split "
                           "over context-parallel ranks); use 1, and --tensor-model-parallel-size with "

@@ -76,7 +76,7 @@ def model_provider(config: Config, state) -> list[torch.nn.Module]:
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None, mtp_loss_mask=None,
-              mtp_loss_scaling_factor: float = 0.1):
+              mtp_loss_scaling_factor: float = 0.1, per_token: bool = False):
     """Mean per-token loss over the unmasked tokens of the micro-batch.
 
     Under context parallelism each rank holds part of every sample's tokens: the token sum and
@@ -87,6 +87,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=Non
     With multi-token prediction ``output_tensor`` is ``[1 + D, b, s]`` and ``mtp_loss_mask`` the
     shifted masks ``[D, b, s]``: each depth's mean is reported as ``mtp_k loss`` and the loss is
     ``lm loss + mtp_loss_scaling_factor / D x sum of the depths' means``.
+
+    ``per_token`` (``--calculate-per-token-loss``): returns ``(sum of this rank's token losses,
+    their count, reported)`` with each reported value ``[sum, count]``, and no CP all-reduce; the
+    training step divides the gradients by the global batch's token count
+    (:mod:`megatron_lite.training.per_token_loss`). With MTP the depths' sums are added with the
+    same ``mtp_loss_scaling_factor / D``.
     """
     losses, masks = output_tensor.float(), loss_mask.unsqueeze(0)
     if mtp_loss_mask is None:
@@ -94,6 +100,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=Non
     else:
         masks = torch.cat([masks, mtp_loss_mask.float()])
     sums, counts = (losses * masks).sum(dim=(1, 2)), masks.sum(dim=(1, 2))
+    if per_token:
+        depth = len(sums) - 1
+        loss = sums[0] + mtp_loss_scaling_factor / depth * sums[1:].sum() if depth else sums[0]
+        pairs = torch.stack([sums.detach(), counts], dim=1)
+        names = ["lm loss"] + [f"mtp_{k} loss" for k in range(1, depth + 1)]
+        return loss, counts[0], dict(zip(names, pairs))
     if cp_group is None:
         means = sums / counts.clamp(min=1)
         shown = means.detach()
@@ -123,7 +135,8 @@ def forward_step(data_iterator, model):
     mtp_mask = batch.get("mtp_loss_mask")
     return output, partial(loss_func, batch["loss_mask"].float(), cp_group=state.cp_group,
                            mtp_loss_mask=None if mtp_mask is None else mtp_mask.float(),
-                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
+                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
+                           per_token=config.calculate_per_token_loss)
 
 
 def checked_token_ids(batches, vocab_size: int, data_path):

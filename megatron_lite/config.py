@@ -192,6 +192,8 @@ class TrainingConfig:
     """Accepted for Megatron scripts: there is one model implementation (Megatron-Core's layout)."""
     use_cpu_initialization: bool = False
     """Accepted for Megatron scripts: weights are always drawn on the CPU, whole, then sliced, so they are the same at any TP size."""
+    calculate_per_token_loss: bool = False
+    """Loss = sum of token losses / loss tokens of the whole global batch (all micro-batches, DP and CP ranks), not the mean of per-micro-batch means; the logged lm loss is the same figure."""
 
 
 @dataclass

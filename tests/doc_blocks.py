@@ -288,7 +288,7 @@ FOREIGN_FLAGS = {
     "--nnodes", "--rdzv-backend", "--rdzv-endpoint",  # torchrun
     "--signal", "--ntasks-per-node",  # sbatch / srun / scancel
     "--no-build-isolation", "--logdir", "--capture-range", "--model_args",  # pip, tensorboard, nsys, lm-eval
-    "--num-tokentypes", "--calculate-per-token-loss", "--sft-tokenizer-prompt-format",  # Megatron-LM only
+    "--num-tokentypes", "--sft-tokenizer-prompt-format",  # Megatron-LM only
 }
 PROSE_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*\w(?![\w*/-])")
 ADD_ARGUMENT = re.compile(r"add_argument\(\s*(?:[\"']-\w[\"'],\s*)?[\"'](--[a-z][\w-]*)[\"']")

@@ -118,6 +118,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     apply_rope_fusion: bool = False  # rotary embedding through a jit_fuser function
     gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
     cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
+    calculate_per_token_loss: bool = False  # loss_func returns (token-loss sum, token count, reported)
 
     def __post_init__(self):
         self._check_shape()
@@ -332,7 +333,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
             sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
             context_parallel_size=p.context_parallel_size, cp_comm_type=list(p.cp_comm_type or ["p2p"]),
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-            recompute_num_layers=t.recompute_num_layers,
+            recompute_num_layers=t.recompute_num_layers, calculate_per_token_loss=t.calculate_per_token_loss,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
             **_fp8_fields(config.precision), **fusion_fields(config.fusion, config.model.swiglu),
         )

@@ -48,6 +48,7 @@ from .batch_rampup import StepBatches, num_microbatches
 from .logging import TrainLogger
 from .nonfinite import check_finite
 from .outputs import check_output_locations
+from .per_token_loss import aux_loss_scale, reduce_reported, scale_grads_by_tokens
 from .profiler import StepProfiler
 from .step_stats import step_stats
 from .timers import Timers
@@ -109,18 +110,6 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     )
 
 
-def _average_over_dp(reported: list[dict], state: ParallelState) -> dict[str, float]:
-    """Mean of each reported loss over the micro-batches of this step and the data-parallel ranks."""
-    if not reported:
-        return {}
-    keys = sorted(reported[0])
-    values = torch.stack([torch.stack([r[k].detach().float() for r in reported]).mean() for k in keys])
-    if state.dp_group is not None:
-        dist.all_reduce(values, group=state.dp_group)
-        values /= state.dp_size
-    return dict(zip(keys, values.tolist()))
-
-
 def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
                microbatches=None):
     """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
@@ -133,7 +122,7 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     moe = bool(config.moe.num_experts)
     # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
-    set_aux_loss_backward_scale(chunks, optimizer.get_loss_scale() * state.cp_size / m)
+    set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     with timers.phase("forward-backward"):
         reported = forward_backward(
@@ -151,6 +140,8 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
                           expert_data_parallel_group=state.expert_dp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
+        if config.training.calculate_per_token_loss:  # sum of token losses / tokens in the global batch
+            scale_grads_by_tokens(chunks, state, reported.num_tokens)
     if moe:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
     with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
@@ -159,7 +150,7 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
         if ok:
             scheduler.step(1)
     timers.iterations += 1
-    return _average_over_dp(reported, state), ok, grad_norm
+    return reduce_reported(reported, state), ok, grad_norm
 
 
 def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str, float]:
@@ -169,14 +160,17 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
         chunk.eval()
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     totals: dict[str, float] = {}
+    per_token, kept = config.training.calculate_per_token_loss, []  # per token: sums and counts of every iteration
     with torch.no_grad():
         for _ in range(config.training.eval_iters):
             reported = forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
                 num_microbatches=num_microbatches(config), comm=comm, forward_only=True,
             )
-            for k, v in _average_over_dp(reported, state).items():
+            kept += reported if per_token else []
+            for k, v in ({} if per_token else reduce_reported(reported, state)).items():
                 totals[k] = totals.get(k, 0.0) + v / config.training.eval_iters
+    totals = reduce_reported(kept, state) if per_token else totals
     for chunk in chunks:
         chunk.train()
     return totals

@@ -60,6 +60,27 @@ def test_sft_parallel_runs_reproduce_single_process(sft_files, reference, name, 
     assert reference.losses[-1] < reference.losses[0]  # it trained
 
 
+PER_TOKEN = ["--calculate-per-token-loss"]
+
+
+@pytest.fixture(scope="module")
+def per_token_reference(sft_files):
+    return run_script("pretrain_gpt", sft_argv(sft_files, extra=PER_TOKEN))
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("cp2", ["--context-parallel-size", "2"]),
+    ("dp2_zero2", ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]),
+])
+def test_per_token_loss_parallel_runs_reproduce_single_process(sft_files, per_token_reference, reference, name, extra):
+    """Every rank divides by the token count of the whole global batch: the last stage's, summed over
+    DP x CP, sent to the first stage (its gradients too); and ZeRO-2's gradient shards are scaled."""
+    got = ranks_trajectory(2, "pretrain_gpt", sft_argv(sft_files, extra=extra + PER_TOKEN))
+    assert_same_trajectory(got, per_token_reference, what=name)
+    assert per_token_reference.losses[0] != pytest.approx(reference.losses[0], rel=1e-5)  # the flag changes the loss
+
+
 def test_logged_loss_is_the_mean_of_the_micro_batch_means(sft_files):
     """Megatron's --sft logging: each micro-batch's loss is its token mean, the logged loss their
     mean (here two micro-batches of one step, lr 0 so the weights stay those the step saw; padded
@@ -80,6 +101,32 @@ def test_logged_loss_is_the_mean_of_the_micro_batch_means(sft_files):
     micro_mean = sum(s / c for s, c in zip(sums, counts)) / 2
     assert result.losses[0] == pytest.approx(micro_mean, rel=1e-6) and counts[0] != counts[1]
     assert sum(sums) / sum(counts) != pytest.approx(micro_mean, rel=1e-5)  # not the global token mean
+
+
+def test_per_token_loss_is_the_global_token_mean_and_so_is_its_gradient(sft_files):
+    """--calculate-per-token-loss: the logged loss is sum of token losses / loss tokens over both
+    micro-batches (padded samples: they count different numbers of tokens; lr 0 so the weights stay
+    those the step saw), and the step's gradient norm is the norm of that loss's gradient, computed
+    here with plain autograd (the norm is taken before clipping)."""
+    argv = sft_argv(sft_files, extra=["--lr", "0", "--micro-batch-size", "1", "--global-batch-size", "2",
+                                      "--calculate-per-token-loss"], iters=1, pack=False)
+    result = pretrain_gpt.main(argv)
+    config = pretrain_gpt.parse_args(argv)
+    tokenizer = pretrain_gpt.build_tokenizer_for(config)
+    train, _, _ = build_sft_datasets(sft_config_from(config, tokenizer), [2, 0, 0], tokenizer)
+    model = result.chunks[0]
+    batches = [collate([train[0]]), collate([train[1]])]
+    counts = [float(b["loss_mask"].sum()) for b in batches]
+    sums = [(pretrain_gpt.forward_step(iter([b]), model)[0] * b["loss_mask"]).sum() for b in batches]
+    assert counts[0] != counts[1]
+    assert result.losses[0] == pytest.approx(float(sum(sums).detach()) / sum(counts), rel=1e-6)
+    micro_mean = sum(float(s.detach()) / c for s, c in zip(sums, counts)) / 2
+    assert result.losses[0] != pytest.approx(micro_mean, rel=1e-5)  # not what the run logs without the flag
+    result.optimizer.zero_grad()  # the hand gradient: the plain backward of that loss, accumulated by the DDP hooks
+    (sum(sums) / sum(counts)).backward()
+    model.finish_grad_sync()
+    norm = float(torch.stack([p.main_grad.double().norm() for p in model.params]).norm())
+    assert result.grad_norms[0] == pytest.approx(norm, rel=1e-5)
 
 
 GOOD = [{"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "sun"}]},

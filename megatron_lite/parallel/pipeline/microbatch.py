@@ -41,6 +41,14 @@ def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     )
 
 
+class Reported(list):
+    """What a schedule returns: the last stage's ``reported`` dicts, one per micro-batch, and
+    ``num_tokens``: the loss tokens those micro-batches counted when their ``loss_func`` returned
+    ``(loss, num_tokens, reported)`` (``--calculate-per-token-loss``; 0 otherwise and off the last stage)."""
+
+    num_tokens = 0
+
+
 class _Run:
     """What every step of one schedule call shares: the user's functions, the reported losses,
     the trace recorder and the gradient-sync switch."""
@@ -49,7 +57,7 @@ class _Run:
                  no_sync_func, num_chunks):
         self.forward_step_func, self.m = forward_step_func, num_microbatches
         self.grad_scale_func, self.forward_only = grad_scale_func, forward_only
-        self.reported: list[dict] = []
+        self.reported = Reported()
         self.rec = _Recorder(trace, state.pp_rank)
         self.store: WeightGradStore | None = None  # set by the zero-bubble schedule
         self.w_done = 0
@@ -69,7 +77,7 @@ class _Run:
             self.open[index] = False
             self.contexts[index].__exit__(None, None, None)
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> Reported:
         for i in range(len(self.contexts)):
             self.enable_sync(i)
         return self.reported
@@ -79,8 +87,13 @@ class _Run:
             set_input(chunk_model, x)
             output, loss_func = self.forward_step_func(data_iterator, chunk_model)
             if is_last_stage:
-                loss, reported = loss_func(output)
-                output = loss / self.m
+                outputs = loss_func(output)
+                if len(outputs) == 3:  # (token-loss sum, its token count, reported): the step divides later
+                    output, num_tokens, reported = outputs
+                    self.reported.num_tokens = self.reported.num_tokens + num_tokens
+                else:
+                    loss, reported = outputs
+                    output = loss / self.m
                 self.reported.append(reported)
         return output
 

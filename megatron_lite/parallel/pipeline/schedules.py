@@ -8,7 +8,10 @@ grad_scale_func=None, no_sync_func=None, trace=None)``:
   input from the previous stage through ``set_input_tensor`` before the call (None on the first stage).
 - On the last stage ``loss_func(output_tensor) -> (loss, reported)``; the schedule divides ``loss`` by
   ``num_microbatches``, applies ``grad_scale_func`` before backward, and returns the ``reported``
-  dicts (last stage only; ``[]`` elsewhere).
+  dicts (last stage only; ``[]`` elsewhere). A ``loss_func`` may instead return ``(loss, num_tokens,
+  reported)`` (``--calculate-per-token-loss``): ``loss`` is then a sum over tokens, backpropagated
+  undivided, and the returned list's ``num_tokens`` adds up the counts (the caller divides the
+  gradients by the global count: :mod:`megatron_lite.training.per_token_loss`).
 - ``no_sync_func()`` (or a list, one per chunk) is a context-manager factory that suppresses
   data-parallel gradient reduction; it stays entered until the last backward (of that chunk).
 - ``comm`` is the run's :class:`p2p.PipeComm` (activation shape and dtype, built once per run); its
