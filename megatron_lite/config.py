@@ -194,6 +194,12 @@ class TrainingConfig:
     """Accepted for Megatron scripts: weights are always drawn on the CPU, whole, then sliced, so they are the same at any TP size."""
     calculate_per_token_loss: bool = False
     """Loss = sum of token losses / loss tokens of the whole global batch (all micro-batches, DP and CP ranks), not the mean of per-micro-batch means; the logged lm loss is the same figure."""
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collector during training and collect at fixed points (start, --manual-gc-interval, around evaluation) so ranks pause together."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: run a full collection every this many iterations (0: never between steps)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc: collect before and after each evaluation (--no-manual-gc-eval skips it)."""
 
 
 @dataclass

@@ -46,6 +46,8 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     _check_batch(config)
     _check_train_length(config)
     check_batch_rampup(config)  # --rampup-batch-size: its rules, and the iterations of --train-samples
+    _require(config.training.manual_gc_interval >= 0,
+             f"--manual-gc-interval must be at least 0, got {config.training.manual_gc_interval}")
     _check_sgd_momentum(config)
     _check_schedule(config)
     _check_profile(config)

@@ -46,6 +46,7 @@ from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
 from .batch_rampup import StepBatches, num_microbatches
 from .logging import TrainLogger
+from .manual_gc import ManualGC
 from .nonfinite import check_finite
 from .outputs import check_output_locations
 from .per_token_loss import aux_loss_scale, reduce_reported, scale_grads_by_tokens
@@ -266,6 +267,7 @@ class _Training:
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
         self.batches = StepBatches(config, self.consumed)  # --rampup-batch-size: each step's global batch
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
+        self.gc = ManualGC(t)  # --manual-gc: the collector off, run at fixed points
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
@@ -320,10 +322,12 @@ class _Training:
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
+        self.gc.after_step(self.iteration)
 
     def validate(self, record: bool = True) -> None:
         """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""
-        val = evaluate(self.config, self.comm, self.chunks, self.forward_step_func, self.valid_iter)
+        with self.gc.evaluation():
+            val = evaluate(self.config, self.comm, self.chunks, self.forward_step_func, self.valid_iter)
         self.logger.log_validation(self.iteration, val)
         if record and val:
             self.result.validation.append((self.iteration, next(iter(val.values()))))
@@ -343,7 +347,7 @@ class _Training:
 
     def run(self) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
-        with rank_local_errors():  # e.g. a bad batch: read by one rank while the others wait in a collective
+        with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
             self._iterate()
         if self.async_saves is not None:
             self.async_saves.wait()

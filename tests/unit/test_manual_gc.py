@@ -1,0 +1,66 @@
+"""--manual-gc, --manual-gc-interval, --no-manual-gc-eval: Python's collector is off for the run's
+steps and runs where Megatron-LM runs it (the start, every interval, before and after evaluation),
+and the process gets its collector back when the run returns."""
+
+import gc
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.arguments import parse_args
+from megatron_lite.training import manual_gc
+
+TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "5",
+        "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "100"]
+
+
+def _events(monkeypatch, flags):
+    """The run's forward passes ("train"/"eval", with whether the collector was on) and collections."""
+    events = []
+
+    class Recorder:
+        disable, enable, isenabled = staticmethod(gc.disable), staticmethod(gc.enable), staticmethod(gc.isenabled)
+
+        @staticmethod
+        def collect(generation=2):
+            events.append(f"collect{generation}")
+            return gc.collect(generation)
+
+    real_forward_step = pretrain_gpt.forward_step
+
+    def forward_step(data_iterator, model):
+        events.append(("train" if model.training else "eval") + ("" if gc.isenabled() else "-gc-off"))
+        return real_forward_step(data_iterator, model)
+
+    monkeypatch.setattr(manual_gc, "gc", Recorder)
+    monkeypatch.setattr(pretrain_gpt, "forward_step", forward_step)
+    assert gc.isenabled()
+    pretrain_gpt.main(TINY + flags)
+    assert gc.isenabled()  # given back
+    return events
+
+
+def test_collections_at_start_interval_and_around_evaluation(monkeypatch):
+    events = _events(monkeypatch, ["--manual-gc", "--manual-gc-interval", "2"])
+    t, e = "train-gc-off", "eval-gc-off"
+    assert events == ["collect2", t, t, "collect2", t, "collect2", e, "collect0", t, "collect2", t,
+                      "collect2", e, "collect0"]  # iterations 1-5, evaluation after 3 and at the end
+
+
+def test_no_manual_gc_eval_and_interval_zero_leave_only_the_first_collection(monkeypatch):
+    events = _events(monkeypatch, ["--manual-gc", "--no-manual-gc-eval"])
+    assert events == ["collect2"] + ["train-gc-off"] * 3 + ["eval-gc-off"] + ["train-gc-off"] * 2 + ["eval-gc-off"]
+
+
+def test_without_the_flag_the_collector_stays_automatic(monkeypatch):
+    events = _events(monkeypatch, ["--manual-gc-interval", "2"])
+    assert events == ["train"] * 3 + ["eval"] + ["train"] * 2 + ["eval"]
+
+
+def test_negative_interval_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + ["--manual-gc", "--manual-gc-interval", "-1"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--manual-gc-interval must be at least 0, got -1" in lines[0], lines
