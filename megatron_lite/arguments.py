@@ -36,6 +36,7 @@ CHOICES = {
     **MOE_CHOICES,
     **FUSION_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
+    "distributed_backend": ["nccl", "gloo"],
     "rope_type": list(ROPE_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),

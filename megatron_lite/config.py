@@ -151,6 +151,10 @@ class ParallelConfig:
     """Accepted for Megatron-FSDP scripts: the sharding strategies above are built in."""
     ddp_bucket_size: int | None = None
     """Gradient bucket size in elements (default max(40M, 1M x dp))."""
+    distributed_backend: str | None = None
+    """Process-group backend, nccl or gloo (default: nccl on CUDA, gloo on the CPU; each only on its device)."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of the process groups' collectives, in minutes."""
 
 
 @dataclass
@@ -200,6 +204,8 @@ class TrainingConfig:
     """With --manual-gc: run a full collection every this many iterations (0: never between steps)."""
     manual_gc_eval: bool = True
     """With --manual-gc: collect before and after each evaluation (--no-manual-gc-eval skips it)."""
+    deterministic_mode: bool = False
+    """Deterministic execution: torch.use_deterministic_algorithms, cuDNN deterministic, fixed cuBLAS workspace (on CUDA NCCL_ALGO must be set, e.g. Ring); slower, for debugging."""
 
 
 @dataclass

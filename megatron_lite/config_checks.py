@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, Config
+from .distributed_flags import check_distributed_flags
 from .errors import ConfigError
 from .fusions.config import check_fusion_flags
 from .logging_config import check_profile_flags
@@ -52,6 +53,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     _check_schedule(config)
     _check_profile(config)
     _check_data_and_checkpoint(config)
+    check_distributed_flags(config)  # --distributed-backend, --distributed-timeout-minutes, --deterministic-mode
     return config
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 _DEVICE: torch.device | None = None
 _OWNS_PROCESS_GROUP = False  # init_distributed made it, so shutdown_distributed ends it
+_TIMEOUT: datetime.timedelta | None = None  # --distributed-timeout-minutes of the group init_distributed made
 
 
 def choose_device(local_rank: int | None = None) -> torch.device:
@@ -46,20 +47,34 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
-    """Initialise torch.distributed from torchrun's environment (or not at all for one process).
+def cuda_wanted() -> bool:
+    """Whether :func:`choose_device` picks CUDA here (a GPU visible and MEGATRON_LITE_DEVICE not cpu)."""
+    return os.environ.get("MEGATRON_LITE_DEVICE", "auto").lower() != "cpu" and torch.cuda.is_available()
+
+
+def process_group_timeout() -> datetime.timedelta | None:
+    """The timeout :func:`init_distributed` gave the default group, for the subgroups made later
+    (None: the group was made elsewhere, as in the test pool; torch's default then)."""
+    return _TIMEOUT
+
+
+def init_distributed(timeout_minutes: float = 10.0, backend: str | None = None) -> torch.device:
+    """Initialise torch.distributed from torchrun's environment (or not at all for one process),
+    with ``backend`` (default: nccl on CUDA, gloo on the CPU) and a collective timeout of
+    ``timeout_minutes`` (``--distributed-timeout-minutes``; the subgroups get it too).
 
     Returns the chosen device. A plain ``python script.py`` (no WORLD_SIZE) runs as a single
     process without a process group.
     """
-    global _OWNS_PROCESS_GROUP
+    global _OWNS_PROCESS_GROUP, _TIMEOUT
     device = choose_device()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and not dist.is_initialized():
         _import_dynamo_first()
+        _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
-            backend=backend_for(device),
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            backend=backend or backend_for(device),
+            timeout=_TIMEOUT,
             device_id=device if device.type == "cuda" else None,
         )
         _OWNS_PROCESS_GROUP = True
@@ -101,7 +116,7 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
     finalisation; freeing it takes the GIL, which a finalising interpreter refuses, and the process
     aborts ("terminate called without an active exception", exit -6) or hangs after a finished run.
     """
-    global _OWNS_PROCESS_GROUP
+    global _OWNS_PROCESS_GROUP, _TIMEOUT
     if not owns_process_group():
         return
     if wait_for_peers:
@@ -109,7 +124,7 @@ def shutdown_distributed(wait_for_peers: bool = True) -> None:
     dist.destroy_process_group()
     for fn in _AT_SHUTDOWN:  # e.g. the per-process group cache (a pool worker's, whose harness owns the group, is kept)
         fn()
-    _OWNS_PROCESS_GROUP = False
+    _OWNS_PROCESS_GROUP, _TIMEOUT = False, None
     gc.collect()  # the subgroups' last references (in reference cycles): their destructors join the threads
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
-from ..device import call_at_shutdown
+from ..device import call_at_shutdown, process_group_timeout
 from .random import RNGStatesTracker
 
 # Outermost first; the rank is the mixed-radix number of its coordinates in this order.
@@ -60,7 +60,7 @@ def _group_of(ranks: list[int]) -> dist.ProcessGroup:
         _GROUPS_WORLD[0] = dist.group.WORLD
     key = tuple(ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks)
+        _GROUPS[key] = dist.new_group(ranks, timeout=process_group_timeout())  # --distributed-timeout-minutes
     return _GROUPS[key]
 
 

@@ -26,6 +26,7 @@ from ..config import Config
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
 from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..distributed_flags import deterministic_mode
 from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
 from ..lora.apply import lora_chunks
@@ -189,7 +190,7 @@ def half_precision_warning(config: Config, device: torch.device) -> str | None:
 
 def setup(config: Config) -> tuple[ParallelState, torch.device]:
     """Distributed init, the parallel state and the seeds; prints the startup summary."""
-    device = init_distributed()
+    device = init_distributed(config.parallel.distributed_timeout_minutes, config.parallel.distributed_backend)
     if device.type == "cpu" and config.fusion.retain_host_memory and retain_freed_host_memory():
         print_rank_0("> host memory: freed blocks kept for reuse (--no-retain-host-memory gives them back)")
     p = config.parallel
@@ -389,9 +390,10 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     check_output_locations(config)  # before any step, not at the first save
     check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
-    state, device = setup(config)
-    built = _build(config, state, device, model_provider)
-    t = config.training  # validation resumes where an uninterrupted run's would be
-    consumed_valid = consumed_valid_samples(built.iteration, t.global_batch_size, t.eval_interval, t.eval_iters)
-    train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
-    return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()
+    with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
+        state, device = setup(config)
+        built = _build(config, state, device, model_provider)
+        t = config.training  # validation resumes where an uninterrupted run's would be
+        consumed_valid = consumed_valid_samples(built.iteration, t.global_batch_size, t.eval_interval, t.eval_iters)
+        train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
+        return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()
