@@ -13,7 +13,7 @@ from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, Config
 from .distributed_flags import check_distributed_flags
 from .errors import ConfigError
 from .fusions.config import check_fusion_flags
-from .logging_config import check_profile_flags
+from .logging_config import check_logging_flags, check_profile_flags
 from .lora.config import check_lora_flags
 from .precision.config import PrecisionConfig
 from .training.batch_rampup import check_batch_rampup
@@ -54,6 +54,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     _check_profile(config)
     _check_data_and_checkpoint(config)
     check_distributed_flags(config)  # --distributed-backend, --distributed-timeout-minutes, --deterministic-mode
+    check_logging_flags(config.logging, config.checkpoint.save)
     return config
 
 

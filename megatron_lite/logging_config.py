@@ -44,6 +44,35 @@ class LoggingConfig:
     """Iterations completed when profiling stops."""
     profile_ranks: list[int] | None = field(default_factory=lambda: [0])
     """Global ranks to profile."""
+    tensorboard_log_interval: int = 1
+    """Write the per-iteration TensorBoard / W&B scalars every this many iterations."""
+    tensorboard_queue_size: int = 1000
+    """TensorBoard events held in memory before a write forces them to disk."""
+    log_learning_rate_to_tensorboard: bool = True
+    """Write learning-rate to TensorBoard / W&B (--no-log-learning-rate-to-tensorboard: not)."""
+    log_loss_scale_to_tensorboard: bool = True
+    """Write loss-scale to TensorBoard / W&B (--no-log-loss-scale-to-tensorboard: not)."""
+    log_batch_size_to_tensorboard: bool = False
+    """Write batch-size to TensorBoard / W&B."""
+    log_world_size_to_tensorboard: bool = False
+    """Write world-size to TensorBoard / W&B."""
+    log_memory_to_tensorboard: bool = False
+    """Write memory scalars every TensorBoard interval: on a GPU mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; on the CPU mem-rss-bytes and mem-max-rss-bytes."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write "<loss> validation ppl" (the perplexity) next to each validation loss."""
+    log_progress: bool = False
+    """Append progress lines (iteration, job and cumulative TFLOP/s/GPU, floating-point operations, tokens so far) to <save>/progress.txt at start-up and each checkpoint save."""
+
+
+def check_logging_flags(logging, save: str | None) -> None:
+    """Raise ConfigError (one line naming the flag) for a TensorBoard interval / queue below 1, or
+    --log-progress without --save (its file lives in the save folder)."""
+    for flag, value in (("--tensorboard-log-interval", logging.tensorboard_log_interval),
+                        ("--tensorboard-queue-size", logging.tensorboard_queue_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if logging.log_progress and not save:
+        raise ConfigError("--log-progress writes <save>/progress.txt: add --save DIR or drop --log-progress")
 
 
 def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | None = None) -> None:

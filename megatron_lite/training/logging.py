@@ -16,10 +16,12 @@ averaged over all of them. Peak memory is ``torch.cuda.max_memory_allocated`` on
 process's peak resident set size (``getrusage``) on the CPU.
 
 TensorBoard (``--tensorboard-dir``, logging rank only) gets Megatron's scalar names: ``lm loss``,
-``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``, ``params-norm``, ``num-zeros`` every
-iteration; ``iteration-time``, ``throughput``, ``tokens-per-second-per-device`` and the memory figure
+``learning-rate``, ``grad-norm``, ``loss-scale``, ``params-norm``, ``num-zeros`` (and with their
+flags ``batch-size``, ``world-size`` and the memory scalars) every ``--tensorboard-log-interval``
+iterations; ``iteration-time``, ``throughput``, ``tokens-per-second-per-device`` and the memory figure
 (``mem-max-allocated-bytes`` on GPU, ``mem-max-rss-bytes`` on CPU) every log interval;
-``lm loss validation`` and ``lm loss validation ppl`` at each evaluation. With ``--wandb-project``
+``lm loss validation`` (and ``lm loss validation ppl`` with ``--log-validation-ppl-to-tensorboard``)
+at each evaluation. With ``--wandb-project``
 the same scalars also go to Weights & Biases (see :mod:`megatron_lite.training.writers`).
 """
 
@@ -46,6 +48,35 @@ def peak_memory_bytes() -> tuple[str, int]:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return "mem-max-rss-bytes", int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+# scalars written only when their flag is on (Megatron-LM's defaults: learning rate and loss scale on)
+_SCALAR_FLAGS = {"learning-rate": "log_learning_rate_to_tensorboard", "batch-size": "log_batch_size_to_tensorboard",
+                 "loss-scale": "log_loss_scale_to_tensorboard", "world-size": "log_world_size_to_tensorboard"}
+
+
+def tensorboard_wants(logging, name: str) -> bool:
+    """Whether the per-iteration scalar ``name`` goes to TensorBoard / W&B under these flags."""
+    flag = _SCALAR_FLAGS.get(name)
+    return flag is None or getattr(logging, flag)
+
+
+def memory_scalars(logging) -> dict[str, int]:
+    """--log-memory-to-tensorboard: the allocator's figures on a GPU (Megatron-LM's four names), the
+    process's current and peak resident set size on the CPU; {} without the flag."""
+    if not logging.log_memory_to_tensorboard:
+        return {}
+    if get_device().type == "cuda":
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    import os
+
+    with open("/proc/self/statm") as f:  # pages: size, resident, ...
+        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"mem-rss-bytes": resident, "mem-max-rss-bytes": peak_memory_bytes()[1]}
 
 
 def _is_nan_or_inf(value: float) -> bool:
@@ -114,21 +145,13 @@ class TrainLogger:
         if nan or any(_is_nan_or_inf(v) for v in losses.values()):
             self._nan += 1
 
-        if self.writer is not None and self.enabled:
-            w = self.writer
-            w.add_scalar("learning-rate", lr, iteration)
-            w.add_scalar("batch-size", batch_size, iteration)
-            for key, value in losses.items():
-                w.add_scalar(key, value, iteration)
-            w.add_scalar("loss-scale", loss_scale, iteration)
-            if grad_norm is not None:
-                w.add_scalar("grad-norm", grad_norm, iteration)
-            if num_zeros is not None:
-                w.add_scalar("num-zeros", num_zeros, iteration)
-            if params_norm is not None:
-                w.add_scalar("params-norm", params_norm, iteration)
-            for key, value in (extra_scalars or {}).items():
-                w.add_scalar(key, value, iteration)
+        if self.writer is not None and self.enabled and iteration % self.config.logging.tensorboard_log_interval == 0:
+            scalars = {"learning-rate": lr, "batch-size": batch_size, **losses, "loss-scale": loss_scale,
+                       "world-size": self.world_size, "grad-norm": grad_norm, "num-zeros": num_zeros,
+                       "params-norm": params_norm, **(extra_scalars or {}), **memory_scalars(self.config.logging)}
+            for key, value in scalars.items():
+                if value is not None and tensorboard_wants(self.config.logging, key):
+                    self.writer.add_scalar(key, value, iteration)
 
         if iteration % self.log_interval != 0:
             return None
@@ -196,7 +219,8 @@ class TrainLogger:
         if self.writer is not None and self.enabled:
             for key, value in losses.items():
                 self.writer.add_scalar(f"{key} validation", value, iteration)
-                self.writer.add_scalar(f"{key} validation ppl", math.exp(min(20.0, value)), iteration)
+                if self.config.logging.log_validation_ppl_to_tensorboard:
+                    self.writer.add_scalar(f"{key} validation ppl", math.exp(min(20.0, value)), iteration)
             self.writer.flush()
         if not self.enabled:
             return None

@@ -50,8 +50,9 @@ from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
 from .outputs import check_output_locations
-from .per_token_loss import aux_loss_scale, reduce_reported, scale_grads_by_tokens
+from .per_token_loss import aux_loss_scale, evaluation_losses, reduce_reported, scale_grads_by_tokens
 from .profiler import StepProfiler
+from .progress import ProgressLog
 from .step_stats import step_stats
 from .timers import Timers
 from .writers import check_wandb_available
@@ -161,21 +162,16 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
     for chunk in chunks:
         chunk.eval()
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-    totals: dict[str, float] = {}
-    per_token, kept = config.training.calculate_per_token_loss, []  # per token: sums and counts of every iteration
+    per_iteration = []  # each iteration's reported losses
     with torch.no_grad():
         for _ in range(config.training.eval_iters):
-            reported = forward_backward(
+            per_iteration.append(forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
                 num_microbatches=num_microbatches(config), comm=comm, forward_only=True,
-            )
-            kept += reported if per_token else []
-            for k, v in ({} if per_token else reduce_reported(reported, state)).items():
-                totals[k] = totals.get(k, 0.0) + v / config.training.eval_iters
-    totals = reduce_reported(kept, state) if per_token else totals
+            ))
     for chunk in chunks:
         chunk.train()
-    return totals
+    return evaluation_losses(per_iteration, state)
 
 
 def half_precision_warning(config: Config, device: torch.device) -> str | None:
@@ -258,6 +254,7 @@ class _Training:
         self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
         flops = num_floating_point_operations(config.model, t.global_batch_size, moe_config=config.moe)  # no recompute
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
+        self.progress = ProgressLog(config, flops, self.consumed)  # --log-progress: <save>/progress.txt
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time()
@@ -276,6 +273,7 @@ class _Training:
             save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
                             self.config, self.state, self.async_saves)
             self.saved_at = self.iteration
+            self.progress.saved(self.iteration, self.consumed)
 
     def train_iteration(self) -> None:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""

@@ -71,3 +71,18 @@ def reduce_reported(reported: list[dict], state) -> dict[str, float]:
         dist.all_reduce(means, group=state.dp_group)
         means /= state.dp_size
     return dict(zip(keys, means.tolist()))
+
+
+def evaluation_losses(per_iteration: list[list[dict]], state) -> dict[str, float]:
+    """The validation losses of ``eval_iters`` iterations' reported dicts: per token, every token
+    loss of every iteration over all their tokens; otherwise the mean of the iterations' values."""
+    if not per_iteration or not per_iteration[0]:
+        return {}
+    first = per_iteration[0][0]
+    if first and next(iter(first.values())).numel() == 2:  # [sum, count] pairs
+        return reduce_reported([r for reported in per_iteration for r in reported], state)
+    totals: dict[str, float] = {}
+    for reported in per_iteration:
+        for k, v in reduce_reported(reported, state).items():
+            totals[k] = totals.get(k, 0.0) + v / len(per_iteration)
+    return totals

@@ -107,7 +107,7 @@ def build_writer(config):
     if config.logging.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
 
-        writers.append(SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000))
+        writers.append(SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=config.logging.tensorboard_queue_size))
     if config.logging.wandb_project:
         writers.append(WandbWriter(config))
     if not writers:

@@ -109,7 +109,9 @@ def test_print_rank_0_prints_without_distributed(capsys):
 def test_tensorboard_scalar_names(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log = TrainLogger(_config(tmp_path), ParallelState(), 1e9)
+    config = _config(tmp_path)
+    config.logging.log_batch_size_to_tensorboard = config.logging.log_validation_ppl_to_tensorboard = True
+    log = TrainLogger(config, ParallelState(), 1e9)
     for it in (1, 2):
         log.log_iteration(it, {"lm loss": 3.0 - it}, 1e-3, 0.5, 1.0, False, False, 0.1, 4, params_norm=10.0)
     log.log_validation(2, {"lm loss": 1.5})
@@ -125,6 +127,58 @@ def test_tensorboard_scalar_names(tmp_path):
     assert any(t.startswith("mem-max-") for t in tags)
     assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 2.0), (2, 1.0)]
     assert [e.value for e in acc.Scalars("lm loss validation")] == [1.5]
+
+
+def _tensorboard_tags(tmp_path, **flags):
+    """The scalar tags (with their steps) of 4 logged iterations and one validation under ``flags``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = _config(tmp_path, interval=100)
+    for name, value in flags.items():
+        setattr(config.logging, name, value)
+    log = TrainLogger(config, ParallelState(), 1e9)
+    for it in (1, 2, 3, 4):
+        log.log_iteration(it, {"lm loss": 3.0 - it}, 1e-3, 0.5, 1.0, False, False, 0.1, 4)
+    log.log_validation(4, {"lm loss": 1.5})
+    log.close()
+    [path] = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    acc = EventAccumulator(path)
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_defaults_are_megatrons(tmp_path):
+    """Learning rate and loss scale on, batch size, world size, memory and validation perplexity off."""
+    tags = _tensorboard_tags(tmp_path)
+    assert tags["learning-rate"] == tags["loss-scale"] == tags["lm loss"] == [1, 2, 3, 4]
+    assert not {"batch-size", "world-size", "lm loss validation ppl", "mem-rss-bytes"} & set(tags)
+    assert tags["lm loss validation"] == [4]
+
+
+def test_tensorboard_flags_and_interval(tmp_path):
+    tags = _tensorboard_tags(tmp_path, tensorboard_log_interval=2, log_learning_rate_to_tensorboard=False,
+                             log_loss_scale_to_tensorboard=False, log_batch_size_to_tensorboard=True,
+                             log_world_size_to_tensorboard=True, log_memory_to_tensorboard=True,
+                             log_validation_ppl_to_tensorboard=True)
+    assert not {"learning-rate", "loss-scale"} & set(tags)
+    assert tags["lm loss"] == tags["batch-size"] == tags["world-size"] == tags["grad-norm"] == [2, 4]
+    assert tags["mem-rss-bytes"] == tags["mem-max-rss-bytes"] == [2, 4]  # the CPU's figures
+    assert tags["lm loss validation ppl"] == [4]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be at least 1, got 0"),
+    (["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be at least 1, got 0"),
+    (["--log-progress"], "--log-progress writes <save>/progress.txt: add --save DIR"),
+])
+def test_bad_logging_flags_are_one_line_exit_2(capsys, flags, words):
+    from megatron_lite.arguments import parse_args
+
+    with pytest.raises(SystemExit) as err:
+        parse_args(["--mock-data", "--vocab-size", "64"] + flags)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
 
 
 def test_throughput_of_a_tiny_model_is_not_printed_as_zero(capsys):
