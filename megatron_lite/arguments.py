@@ -37,6 +37,7 @@ CHOICES = {
     **FUSION_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "distributed_backend": ["nccl", "gloo"],
+    "empty_unused_memory_level": [0, 1, 2],
     "rope_type": list(ROPE_TYPES),
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),

@@ -206,6 +206,8 @@ class TrainingConfig:
     """With --manual-gc: collect before and after each evaluation (--no-manual-gc-eval skips it)."""
     deterministic_mode: bool = False
     """Deterministic execution: torch.use_deterministic_algorithms, cuDNN deterministic, fixed cuBLAS workspace (on CUDA NCCL_ALGO must be set, e.g. Ring); slower, for debugging."""
+    empty_unused_memory_level: int = 0
+    """torch.cuda.empty_cache() to reduce fragmentation: 0 never, 1 after each forward-backward (training and evaluation), 2 also after each optimizer step; no-op on the CPU."""
 
 
 @dataclass
@@ -293,6 +295,8 @@ class DataConfig:
     """With --sft: pack several conversations per sample (positions and attention reset per conversation)."""
     sft_skip_bad_conversations: bool = False
     """With --sft: skip (and count) bad conversations instead of stopping at the first one."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin data files (--no-mmap-bin-files: read each sample's tokens with file reads instead, e.g. on file systems where mmap is slow)."""
 
 
 @dataclass

@@ -43,6 +43,15 @@ def get_device() -> torch.device:
     return _DEVICE if _DEVICE is not None else torch.device("cpu")
 
 
+def empty_unused_memory(wanted: int, level: int) -> None:
+    """``--empty-unused-memory-level``: return the CUDA caching allocator's unused blocks to the driver
+    (``torch.cuda.empty_cache``) at a point of level ``level`` when the run asked for ``wanted >= level``
+    (Megatron-LM's points: 1 after each forward-backward and evaluation step, 2 also after the
+    optimizer step). A no-op on the CPU, which has no such cache."""
+    if wanted >= level and get_device().type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

@@ -53,6 +53,8 @@ class BertDatasetConfig:
     """--data-path: one prefix, or 'w1 prefix1 w2 prefix2 ...' for a weighted blend."""
     data_cache_path: str | None = None
     """--data-cache-path: folder for index caches (default: <data dir>/cache)."""
+    mmap_bin_files: bool = True
+    """--no-mmap-bin-files (False): read the .bin files with file reads instead of memory-mapping them."""
     mask_prob: float = 0.15
     """--mask-prob: fraction of the sample's tokens ([CLS]/[SEP] counted, never predicted) to predict."""
     short_seq_prob: float = 0.1

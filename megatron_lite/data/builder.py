@@ -95,9 +95,9 @@ def _is_bert(config) -> bool:
     return type(config).__name__ == "BertDatasetConfig"
 
 
-def _open(prefix: str) -> IndexedDataset:
+def _open(prefix: str, mmap_bin: bool = True) -> IndexedDataset:
     try:
-        return IndexedDataset(prefix)
+        return IndexedDataset(prefix, mmap_bin)
     except DataFileError as err:
         raise DataFileError(f"--data-path: {err}") from None
 
@@ -164,7 +164,7 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
             raise DataConfigError("--mock-data is only supported for GPT; give BERT a --data-path")
         return tuple(None if not n else MockGPTDataset(n, config, name) for n, name in zip(nums, SPLIT_NAMES))
     prefixes, weights = parse_data_path(config.data_path)
-    indexed = [_open(p) for p in prefixes]
+    indexed = [_open(p, config.mmap_bin_files) for p in prefixes]
     if weights is None and len(prefixes) > 1:  # prefixes only: weight by token count (Megatron-LM concatenates each once instead)
         weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
         weights = [float(w) for w in normalize_weights(weights)]
@@ -228,7 +228,7 @@ def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
 
     common = dict(seq_length=int(values["seq_length"]), seed=int(get("seed", 1234)), split=str(get("split", "969,30,1")),
                   data_path=list(get("data_path", [])), data_cache_path=get("data_cache_path"),
-                  mock=bool(get("mock_data", False)))
+                  mock=bool(get("mock_data", False)), mmap_bin_files=bool(get("mmap_bin_files", True)))
     if bert:
         from megatron_lite.data.bert_dataset import BertDatasetConfig
 

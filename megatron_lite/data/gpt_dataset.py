@@ -45,6 +45,8 @@ class GPTDatasetConfig:
     """--data-path: one prefix, or 'w1 prefix1 w2 prefix2 ...' for a weighted blend."""
     data_cache_path: str | None = None
     """--data-cache-path: folder for index caches (default: <data dir>/cache; None+mock: memory)."""
+    mmap_bin_files: bool = True
+    """--no-mmap-bin-files (False): read the .bin files with file reads instead of memory-mapping them."""
     eod_mask_loss: bool = False
     """--eod-mask-loss: zero the loss where the input token is EOD."""
     reset_position_ids: bool = False

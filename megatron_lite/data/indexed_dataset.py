@@ -11,7 +11,8 @@ All integers are little-endian.  ``document_indices`` are sequence-index boundar
 owns sequences ``document_indices[d] : document_indices[d + 1]``; they start with 0 and (for a
 finished dataset) end with S.
 
-``IndexedDataset`` reads a pair without loading it (np.memmap), after checking every header field
+``IndexedDataset`` reads a pair without loading it (np.memmap; with ``mmap_bin=False``,
+``--no-mmap-bin-files``, the .bin by seek and read per sequence instead), after checking every header field
 and that the fields agree (each pointer is the previous one plus that sequence's length times the
 token size, the last sequence ends exactly at the end of the .bin), so a truncated, foreign or
 byte-flipped file is one clear ``DataFileError`` instead of misaligned tokens later.  ``IndexedDatasetBuilder`` writes a pair under
@@ -82,8 +83,8 @@ class IndexedDataset:
     of it; ``ds.get_document(d)`` the list of sequences of document ``d``.
     """
 
-    def __init__(self, path_prefix: str):
-        self.path_prefix = path_prefix
+    def __init__(self, path_prefix: str, mmap_bin: bool = True):
+        self.path_prefix, self.mmap_bin = path_prefix, mmap_bin
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
@@ -96,18 +97,20 @@ class IndexedDataset:
         self._read_index(idx_path, bin_path)
         bin_size = os.path.getsize(bin_path)
         # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
-        if bin_size == 0:
+        # --no-mmap-bin-files: no mapping; each read seeks and reads its bytes (see get)
+        if bin_size == 0 or not mmap_bin:
             self._bin = np.zeros(0, dtype=np.uint8)
         else:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
+        self._bin_path = bin_path
         self._check_pointers(bin_path, bin_size)
 
     def __getstate__(self):
         # Pickle by path (e.g. to DataLoader workers under "spawn"): the receiver maps the files again.
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap_bin": self.mmap_bin}
 
     def __setstate__(self, state):
-        self.__init__(state["path_prefix"])
+        self.__init__(state["path_prefix"], state.get("mmap_bin", True))
 
     # -- index parsing and validation ------------------------------------------------------------
     def _read_index(self, idx_path: str, bin_path: str) -> None:
@@ -216,6 +219,10 @@ class IndexedDataset:
             raise IndexError(f"tokens {offset}:{offset + length} out of range for sequence {idx} "
                              f"of length {seq_len}")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        if not self.mmap_bin:  # a file read (a copy) of just these tokens
+            with open(self._bin_path, "rb", buffering=0) as f:
+                f.seek(start)
+                return np.frombuffer(f.read(length * self.dtype.itemsize), dtype=self.dtype, count=length)
         return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
 
     def num_documents(self) -> int:

@@ -25,7 +25,7 @@ from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
-from ..device import cpu_has_native, describe_backends, get_device, init_distributed
+from ..device import cpu_has_native, describe_backends, empty_unused_memory, get_device, init_distributed
 from ..distributed_flags import deterministic_mode
 from ..errors import rank_local_errors
 from ..fusions.compile import configure_compilation
@@ -138,17 +138,18 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
             grad_scale_func=optimizer.scale_loss,
             no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
         )
+    empty_unused_memory(config.training.empty_unused_memory_level, 1)
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
         update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
                           expert_data_parallel_group=state.expert_dp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
-        if config.training.calculate_per_token_loss:  # sum of token losses / tokens in the global batch
-            scale_grads_by_tokens(chunks, state, reported.num_tokens)
+        scale_grads_by_tokens(config, chunks, state, reported.num_tokens)  # --calculate-per-token-loss
     if moe:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
     with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
         ok, grad_norm = optimizer.step()
+    empty_unused_memory(config.training.empty_unused_memory_level, 2)
     with timers.phase("lr-scheduler"):
         if ok:
             scheduler.step(1)
@@ -169,6 +170,7 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
                 num_microbatches=num_microbatches(config), comm=comm, forward_only=True,
             ))
+            empty_unused_memory(config.training.empty_unused_memory_level, 1)
     for chunk in chunks:
         chunk.train()
     return evaluation_losses(per_iteration, state)

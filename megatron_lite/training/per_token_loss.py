@@ -33,14 +33,17 @@ def aux_loss_scale(config, state, loss_scale: float, num_microbatches: int) -> f
     return loss_scale * state.cp_size / num_microbatches
 
 
-def scale_grads_by_tokens(chunks, state, num_tokens) -> None:
-    """Divide the gradient every rank holds by the number of loss tokens in the global batch.
+def scale_grads_by_tokens(config, chunks, state, num_tokens) -> None:
+    """With --calculate-per-token-loss (else nothing): divide the gradient every rank holds by the
+    number of loss tokens in the global batch.
 
     ``num_tokens`` is this rank's count (the last pipeline stage's; 0 elsewhere). It is summed over
     the pipeline group (so every stage has it) and the DP x CP group. The data-parallel reduction
     averaged over DP x CP, so the factor is dp x cp / tokens: the gradient of the summed token loss
     of the whole global batch, divided by its token count. A batch without loss tokens is divided by 1.
     """
+    if not config.training.calculate_per_token_loss:
+        return
     total = torch.zeros((), dtype=torch.float64, device=get_device()) + num_tokens
     for group in (state.pp_group, state.dp_cp_group):
         if group is not None:
