@@ -60,6 +60,17 @@ def test_sft_parallel_runs_reproduce_single_process(sft_files, reference, name, 
     assert reference.losses[-1] < reference.losses[0]  # it trained
 
 
+def test_per_token_loss_under_fp16_loss_scaling_follows_fp32(sft_files):
+    """The loss scale multiplies the (large) token-loss sum before backward and is divided out
+    before the per-token division's result is clipped: an fp16 run's first steps follow fp32
+    (fp16 rounding: 2e-2), none skipped."""
+    argv = sft_argv(sft_files, extra=["--calculate-per-token-loss"], iters=2)
+    fp32 = run_script("pretrain_gpt", argv)
+    fp16 = run_script("pretrain_gpt", argv + ["--fp16", "--initial-loss-scale", "4096"])  # no overflow to skip
+    assert fp16.losses == pytest.approx(fp32.losses, rel=2e-2)
+    assert fp16.grad_norms == pytest.approx(fp32.grad_norms, rel=2e-2)
+
+
 PER_TOKEN = ["--calculate-per-token-loss"]
 
 
@@ -70,6 +81,7 @@ def per_token_reference(sft_files):
 
 @pytest.mark.parametrize("name, extra", [
     ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("pp2_zb_h1", ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
     ("cp2", ["--context-parallel-size", "2"]),
     ("dp2_zero2", ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]),
 ])
