@@ -32,13 +32,14 @@ MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
          "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
 ITERS = 6
 CP2 = ["--context-parallel-size", "2"]
+PER_TOKEN = ["--calculate-per-token-loss"]  # routers' losses backpropagated with the loss scale alone
 
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ref")
     return {variant: _single(tmp, f"single{variant}", ITERS, MOE + extra)
-            for variant, extra in (("A", []), ("B", MOE_B))}
+            for variant, extra in (("A", []), ("B", MOE_B), ("P", PER_TOKEN))}
 
 
 @pytest.mark.parametrize(
@@ -53,6 +54,7 @@ def moe_reference(tmp_path_factory):
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--overlap-param-gather"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        ("ep2_per_token", 2, "P", ["--expert-model-parallel-size", "2"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform"]),
         ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -72,7 +74,8 @@ def moe_reference(tmp_path_factory):
 )
 def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world, variant, extra):
     ref, ref_save = moe_reference[variant]
-    got, save = _parallel(tmp_path, name, world, ITERS, MOE + (MOE_B if variant == "B" else []) + extra)
+    variant_flags = {"A": [], "B": MOE_B, "P": PER_TOKEN}[variant]
+    got, save = _parallel(tmp_path, name, world, ITERS, MOE + variant_flags + extra)
     assert_same_trajectory(got, ref, steps=ITERS)
     assert ref.losses[-1] < ref.losses[0]  # it trained
     _same_weights(save, ref_save)  # experts of every EP rank merged back into one process
