@@ -142,10 +142,11 @@ def is_indexed(prefix: str) -> bool:
     return os.path.isfile(index_file_path(prefix))
 
 
-def read_indexed(prefix: str, max_tokens: int | None = None, skip_bad: bool = False) -> Conversations:
+def read_indexed(prefix: str, max_tokens: int | None = None, skip_bad: bool = False,
+                 mmap_bin: bool = True) -> Conversations:
     """The conversations of ``PREFIX.bin/.idx`` + ``PREFIX_loss_mask.bin/.idx`` (checked to agree)."""
     try:
-        tokens, masks = IndexedDataset(prefix), IndexedDataset(prefix + LOSS_MASK_SUFFIX)
+        tokens, masks = IndexedDataset(prefix, mmap_bin), IndexedDataset(prefix + LOSS_MASK_SUFFIX, mmap_bin)
     except DataFileError as err:
         raise DataFileError(f"--data-path (SFT): {err}; write both files with tools/preprocess_sft.py") from None
     if not np.array_equal(tokens.sequence_lengths, masks.sequence_lengths):
@@ -164,8 +165,10 @@ def read_indexed(prefix: str, max_tokens: int | None = None, skip_bad: bool = Fa
                          lambda i: f"{prefix}.bin conversation {int(keep[i])}", +skipped)
 
 
-def read_conversations(path: str, tokenizer, max_tokens: int | None = None, skip_bad: bool = False) -> Conversations:
-    """A JSONL file (``.jsonl`` / ``.json`` / ``.gz``) or an indexed prefix written by tools/preprocess_sft.py."""
+def read_conversations(path: str, tokenizer, max_tokens: int | None = None, skip_bad: bool = False,
+                       mmap_bin: bool = True) -> Conversations:
+    """A JSONL file (``.jsonl`` / ``.json`` / ``.gz``) or an indexed prefix written by tools/preprocess_sft.py
+    (its .bin files memory-mapped, or read with file reads when not ``mmap_bin``)."""
     if is_indexed(path) and not path.endswith((".jsonl", ".json", ".gz")):
-        return read_indexed(path, max_tokens, skip_bad)
+        return read_indexed(path, max_tokens, skip_bad, mmap_bin)
     return read_jsonl(path, tokenizer, max_tokens, skip_bad)

@@ -59,6 +59,8 @@ class SFTDatasetConfig:
     """The tokenizer's end-of-document id."""
     pad: int | None = None
     """The padding id (the tokenizer's pad, else EOD)."""
+    mmap_bin_files: bool = True
+    """--no-mmap-bin-files (False): read preprocessed .bin files with file reads instead of memory-mapping them."""
 
 
 def check_sft_flags(config) -> None:
@@ -175,7 +177,8 @@ def sft_config_from(config, tokenizer) -> SFTDatasetConfig:
     pad = getattr(tokenizer, "pad", None)
     return SFTDatasetConfig(seq_length=config.model.seq_length, data_path=list(d.data_path or []),
                             seed=config.training.seed, split=d.split, pack=d.sft_pack_sequences,
-                            skip_bad=d.sft_skip_bad_conversations, eod=int(eod), pad=int(eod if pad is None else pad))
+                            skip_bad=d.sft_skip_bad_conversations, eod=int(eod), pad=int(eod if pad is None else pad),
+                            mmap_bin_files=d.mmap_bin_files)
 
 
 def _skip_report(conversations: Conversations) -> str | None:
@@ -191,7 +194,8 @@ def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, t
     """(train, valid, test) SFT datasets; None for a split with weight 0 or 0 requested samples.
     ``say`` prints the skipped-conversation counts (once per file)."""
     paths, weights = parse_data_path(config.data_path)
-    sets = [read_conversations(p, tokenizer, config.seq_length + 1, config.skip_bad) for p in paths]
+    sets = [read_conversations(p, tokenizer, config.seq_length + 1, config.skip_bad, config.mmap_bin_files)
+            for p in paths]
     for conversations in sets:
         if len(conversations) == 0:
             raise DataConfigError(f"--data-path {conversations.source}: no conversations"

@@ -1,6 +1,7 @@
 """SFT data at the token level: the chat templates' learned tokens, the sample fields (padding and
 packing), packed loss == the sum of the conversations run one by one, preprocessed files == JSONL."""
 
+import dataclasses
 import gzip
 import json
 
@@ -144,6 +145,23 @@ def test_preprocessed_files_give_the_jsonl_samples(data, tmp_path):
         for i in range(len(a)):
             for key, value in a[i].items():
                 np.testing.assert_array_equal(b[i][key], value)
+
+
+def test_preprocessed_files_without_mmap_give_the_same_samples(data, tmp_path, monkeypatch):
+    """--no-mmap-bin-files reaches the SFT reader: no .bin is mapped, the samples are the same."""
+    jsonl, tok = data
+    prefix = str(tmp_path / "chats")
+    preprocess_sft(jsonl, prefix, dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path), progress=False)
+    mapped, real = [], np.memmap
+    monkeypatch.setattr(np, "memmap", lambda path, *a, **kw: mapped.append(str(path)) or real(path, *a, **kw))
+    a, cfg = _datasets(data, True, prefix)
+    cfg = dataclasses.replace(cfg, mmap_bin_files=False)
+    mapped.clear()
+    b = build_sft_datasets(cfg, [40, 0, 0], tok)[0]
+    assert mapped and not [p for p in mapped if p.endswith(".bin")]
+    for i in range(len(a)):
+        for key, value in a[i].items():
+            np.testing.assert_array_equal(b[i][key], value)
 
 
 def test_long_conversations_in_preprocessed_files(data, tmp_path):
