@@ -144,7 +144,7 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
                           expert_data_parallel_group=state.expert_dp_group)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(chunks, state)
-        scale_grads_by_tokens(config, chunks, state, reported.num_tokens)  # --calculate-per-token-loss
+        scale_grads_by_tokens(config, chunks, state, getattr(reported, "num_tokens", 0))  # --calculate-per-token-loss
     if moe:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
     with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
