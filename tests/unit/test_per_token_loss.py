@@ -59,16 +59,18 @@ def test_auxiliary_losses_get_the_loss_scale_alone_per_token():
 
 
 def test_gpt_loss_func_returns_sums_counts_and_pairs_with_mtp():
-    losses = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)  # [1 + D, b, s] with D = 1
+    losses = torch.arange(3 * 3 * 4, dtype=torch.float32).reshape(3, 3, 4)  # [1 + D, b, s] with D = 2
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    mtp_mask = torch.tensor([[[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]])
+    mtp_mask = torch.tensor([[[1.0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], [[0.0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]])
     loss, count, reported = pretrain_gpt.loss_func(mask, losses, mtp_loss_mask=mtp_mask, mtp_loss_scaling_factor=0.5,
                                                    per_token=True)
-    lm_sum, mtp_sum = float((losses[0] * mask).sum()), float((losses[1] * mtp_mask[0]).sum())
+    lm_sum = float((losses[0] * mask).sum())
+    mtp_sums = [float((losses[k] * mtp_mask[k - 1]).sum()) for k in (1, 2)]
     assert float(count) == 7.0
-    assert float(loss) == pytest.approx(lm_sum + 0.5 * mtp_sum)
+    assert float(loss) == pytest.approx(lm_sum + 0.5 / 2 * sum(mtp_sums))  # Megatron: factor / D x the depths' sums
     assert reported["lm loss"].tolist() == [lm_sum, 7.0]
-    assert reported["mtp_1 loss"].tolist() == [mtp_sum, 3.0]
+    assert reported["mtp_1 loss"].tolist() == [mtp_sums[0], 3.0]
+    assert reported["mtp_2 loss"].tolist() == [mtp_sums[1], 1.0]
 
 
 def test_pretrain_bert_refuses_the_flag(capsys, monkeypatch):
