@@ -9,8 +9,7 @@ have that we do not take (``--optimizer muon``) is refused the same way (:data:`
 The names come from Megatron-LM's ``megatron/training/arguments.py`` (and a few older aliases its
 example scripts used). Megatron-LM flags that megatron_lite accepts are its own flags (the config
 fields); a flag added to our parser must leave this table (tests/unit/test_megatron_flags.py says
-which one). :data:`PENDING` holds Megatron-LM flags that are being added right now: they are in
-neither place.
+which one).
 """
 
 from __future__ import annotations
@@ -287,16 +286,6 @@ ENTRIES = (
 
 REFUSED: dict[str, tuple[str, str]] = {flag: (why, fix) for flags, why, fix in ENTRIES for flag in flags.split()}
 """Every Megatron-LM flag megatron_lite refuses: flag -> (why it is absent, the fix)."""
-
-PENDING = frozenset("""
---calculate-per-token-loss --manual-gc --manual-gc-interval --no-manual-gc-eval
---distributed-timeout-minutes --distributed-backend --deterministic-mode --log-progress --no-mmap-bin-files
---empty-unused-memory-level --tensorboard-log-interval --tensorboard-queue-size --log-validation-ppl-to-tensorboard
---log-memory-to-tensorboard --log-world-size-to-tensorboard --log-loss-scale-to-tensorboard
---no-log-loss-scale-to-tensorboard --log-batch-size-to-tensorboard --no-log-learning-rate-to-tensorboard
-""".split())
-"""Megatron-LM flags other work is adding to the parser now: neither in REFUSED nor (yet) ours. Once
-merged, each must be a flag of ours (the test checks the ones that are)."""
 
 
 _SORTS = "use --position-embedding-type rope or learned_absolute"

@@ -12,7 +12,7 @@ import pytest
 
 import megatron_lite.arguments as arguments
 from megatron_lite.arguments import build_parser, parse_args
-from megatron_lite.megatron_flags import ENTRIES, PENDING, REFUSED, REFUSED_VALUES, megatron_flag_message
+from megatron_lite.megatron_flags import ENTRIES, REFUSED, REFUSED_VALUES, megatron_flag_message
 from tests.doc_blocks import REPO, training_parser
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -43,12 +43,11 @@ def test_every_table_entry_is_refused_with_its_own_line(script):
 
 
 def test_the_table_holds_no_flag_of_ours():
-    """A flag added to our parser must leave the refusal table (and PENDING once merged is ours)."""
+    """A flag added to our parser must leave the refusal table."""
     ours = set(training_parser("pretrain_gpt.py")._option_string_actions)
     ours |= set(training_parser("pretrain_bert.py")._option_string_actions)
     both = sorted(set(REFUSED) & ours)
     assert not both, f"now flags of ours: remove {both} from megatron_lite/megatron_flags.py"
-    assert not set(REFUSED) & PENDING
     assert not set(ACCEPTED) & set(REFUSED)
 
 
@@ -84,7 +83,6 @@ def test_entries_are_well_formed():
     (["--num-layer", "2", "--tp-comm-overlap-cfg=x.yaml", "--foo"],
      "error: --tp-comm-overlap-cfg is a Megatron-LM flag that megatron_lite does not support"),
     (["--num-layer", "2", "--tp-comm-overlap-cfg=x.yaml", "--foo"], "; drop it [also not recognized: --num-layer --foo]"),
-    (["--manual-gc-interval", "5"], "unrecognized arguments: --manual-gc-interval"),  # PENDING
 ])
 def test_unknown_flags(argv, expected):
     code, lines = _refusal(build_parser(), BASE + argv)
@@ -183,5 +181,5 @@ RECIPE_FLAGS = """
 
 def test_every_flag_of_megatron_lms_example_recipes_is_ours_or_explained():
     ours = set(training_parser("pretrain_gpt.py")._option_string_actions)
-    unexplained = [f for f in RECIPE_FLAGS if f not in ours and f not in REFUSED and f not in PENDING]
+    unexplained = [f for f in RECIPE_FLAGS if f not in ours and f not in REFUSED]
     assert not unexplained, f"add to megatron_lite/megatron_flags.py: {unexplained}"
