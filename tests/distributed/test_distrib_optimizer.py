@@ -136,3 +136,27 @@ def check_equal_to_plain(tp, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_distributed_optimizer_equals_plain(tp, dtype):
     run_ranks(4, check_equal_to_plain, tp, dtype)
+
+
+def check_overflow_on_one_rank_skips_the_step_everywhere():
+    """An inf that reaches only DP rank 0's chunk (after the reduce-scatter only the owner sees it)
+    must make every rank skip the step: the found-inf flag is MAX-reduced over the DP group too."""
+    state = cached_state(tp=1)
+    model, opt = _build(state, torch.float16, True)
+    opt.zero_grad()
+    opt.scale_loss(_loss(model, *_data(state.dp_rank))).backward()
+    finalize_model_grads([model], state)
+    if state.dp_rank == 0:
+        opt.pieces[0].grad().view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    # no collective after the skip decision: a rank that wrongly steps fails here instead of hanging
+    opt._grad_norm, opt._gather_params = lambda: 1.0, lambda: None
+    ok, norm = opt.step()
+    assert (ok, norm) == (False, None), f"DP rank {state.dp_rank} stepped although DP rank 0 overflowed"
+    assert opt.num_skipped_steps == 1
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+
+
+def test_an_overflow_seen_by_one_data_parallel_rank_skips_the_step_on_all():
+    run_ranks(4, check_overflow_on_one_rank_skips_the_step_everywhere)

@@ -118,3 +118,17 @@ def test_a_changed_schedule_is_refused_on_resume_unless_told_which():
     assert theirs.num_steps == 50 and theirs.decay_steps == D
     assert theirs.get_lr() == pytest.approx(_expected("linear", 50))
     assert _resumed(200).decay_steps == 200  # the same schedule loads without either flag
+
+
+def test_the_last_warmup_step_is_the_peak_even_when_the_wsd_anneal_started_earlier():
+    # n <= W is warmup (Megatron's rule): at n = W the lr is the peak, whatever the decay phase would
+    # give there. Only a WSD anneal that starts before the warmup ends tells n <= W from n < W.
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    cfg = OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style="WSD", lr_warmup_iters=10, lr_decay_iters=20,
+                          lr_wsd_decay_iters=15, lr_wsd_decay_style="linear")
+    sched = OptimizerParamScheduler(opt, cfg, train_iters=20)
+    sched.step(10)
+    assert sched.get_lr() == pytest.approx(LR, rel=1e-12)
+    sched.step()
+    assert sched.get_lr() == pytest.approx(MIN_LR + (1 - 6 / 15) * (LR - MIN_LR), rel=1e-12)

@@ -174,6 +174,8 @@ def test_capacity_dropping_by_probs_and_position():
     probs = torch.tensor([[0.6, 0.4, 0, 0], [0.7, 0, 0.3, 0], [0.9, 0, 0, 0.1], [0, 0.5, 0.5, 0]])
     rmap = probs > 0
     assert expert_capacity(4, 4, 2, 1.0) == 2
+    assert expert_capacity(5, 4, 2, 1.0) == 3  # ceil(5 x 2 / 4) = ceil(2.5): rounded up
+    assert expert_capacity(3, 2, 2, 4.0) == 3  # at most every token
     p, m, dropped = drop_to_capacity(probs, rmap, 2, policy="probs")
     assert dropped == 1 and m[:, 0].tolist() == [False, True, True, False]
     _close(p[0], [0, 0.4, 0, 0])

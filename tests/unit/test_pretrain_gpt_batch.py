@@ -50,3 +50,19 @@ def test_documents_after_eod_do_not_see_earlier_ones():
     # per-token losses of the second document are independent of what came before the EOD
     torch.testing.assert_close(out_a[:, 8:], out_b[:, 8:], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(out_a[:, :7], out_b[:, :7])
+
+
+def test_mtp_objective_is_lm_loss_plus_the_factor_over_depth_times_the_summed_depth_means():
+    # loss_func with multi-token prediction: lm mean + mtp_loss_scaling_factor / D x (sum of the D
+    # depths' masked means), each mean over its own mask; the reported values are the plain means.
+    g = torch.Generator().manual_seed(0)
+    losses = torch.rand(4, 2, 6, generator=g)  # [1 + D, b, s], D = 3
+    mask = (torch.rand(2, 6, generator=g) > 0.3).float()
+    mtp_mask = (torch.rand(3, 2, 6, generator=g) > 0.3).float()
+    loss, reported = pretrain_gpt.loss_func(mask, losses, mtp_loss_mask=mtp_mask, mtp_loss_scaling_factor=0.3)
+    masks = torch.cat([mask[None], mtp_mask])
+    means = [(losses[k] * masks[k]).sum() / masks[k].sum() for k in range(4)]
+    torch.testing.assert_close(loss, means[0] + 0.3 / 3 * (means[1] + means[2] + means[3]), rtol=1e-6, atol=0)
+    for k in range(1, 4):
+        torch.testing.assert_close(reported[f"mtp_{k} loss"], means[k], rtol=1e-6, atol=0)
+    torch.testing.assert_close(reported["lm loss"], means[0], rtol=1e-6, atol=0)

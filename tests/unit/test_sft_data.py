@@ -83,6 +83,11 @@ def test_padded_and_packed_sample_fields():
     np.testing.assert_array_equal(packed["loss_mask"], [0, 1, 1, 0, 1, 1, 0, 0])  # never across 8 -> 9
     np.testing.assert_array_equal(packed["position_ids"], [0, 1, 2, 3, 0, 1, 2, 0])
     np.testing.assert_array_equal(packed["document_ids"], [0, 0, 0, 0, 1, 1, 1, 2])
+    # a conversation whose first token is learned: its label after the previous conversation's last
+    # token is still not trained (a label from another document), its later ones are
+    c = (np.array([12, 13]), np.array([1, 1], dtype=bool))
+    packed = make_sample([a, c], 8, pad=1, pack=True)
+    np.testing.assert_array_equal(packed["loss_mask"], [0, 1, 1, 0, 1, 0, 0, 0])
 
 
 @pytest.fixture(scope="module")
