@@ -270,3 +270,25 @@ def check_dropout_differs_across_cp_ranks(comm_type):
 @pytest.mark.parametrize("comm_type", ["allgather", "a2a", "p2p"])
 def test_attention_dropout_masks_differ_across_cp_ranks(comm_type):
     assert not any(run_ranks(2, check_dropout_differs_across_cp_ranks, comm_type))
+
+
+def _cp_loss_gradient():
+    import pretrain_gpt
+
+    state = cached_state(cp=2)
+    g = torch.Generator().manual_seed(0)
+    losses, mask = torch.rand(2, 8, generator=g), torch.ones(2, 8)
+    mask[0, :3] = 0  # the ranks hold different numbers of trained tokens
+    local = split_for_cp(losses, 1, state.cp_rank, 2).requires_grad_()
+    loss, reported = pretrain_gpt.loss_func(split_for_cp(mask, 1, state.cp_rank, 2), local, cp_group=state.cp_group)
+    loss.backward()
+    return local.grad, reported["lm loss"], losses, mask
+
+
+def test_gpt_loss_under_cp_backpropagates_the_global_token_mean():
+    """pretrain_gpt.loss_func at CP 2: the reported loss is the mean over both ranks' tokens, and each
+    rank's gradient, after the data-parallel average over DP x CP divides it by cp, is that of the
+    global mean (mask / global count), not of its own shard's mean (rtol 1e-6)."""
+    for rank, (grad, shown, losses, mask) in enumerate(run_ranks(2, _cp_loss_gradient)):
+        torch.testing.assert_close(shown, (losses * mask).sum() / mask.sum(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad / 2, split_for_cp(mask / mask.sum(), 1, rank, 2), rtol=1e-6, atol=0)

@@ -192,3 +192,22 @@ def test_overlap_param_gather_starts_the_next_units_gather_early():
     for overlap in (True, False):
         for seen, freed in run_ranks(2, _prefetch_seen, overlap):
             assert seen == [overlap] and freed
+
+
+def _load_inside_full_params():
+    from megatron_lite.parallel.fsdp import full_params
+
+    model, _ = _build(cached_state(dp=2), torch.float32, "optim_grads_params")
+    g = torch.Generator().manual_seed(5)
+    loaded = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+    with full_params([model], load=True), torch.no_grad():  # what a checkpoint load does
+        for p, v in zip(model.parameters(), loaded):
+            p.copy_(v)
+    assert _freed(model)
+    with full_params([model]):  # gathered again from the shards: the loaded values, every rank's chunk
+        for p, v in zip(model.parameters(), loaded):
+            assert torch.equal(p.detach(), v)
+
+
+def test_values_loaded_into_gathered_zero3_params_are_kept_in_the_shards():
+    run_ranks(2, _load_inside_full_params)
