@@ -176,3 +176,29 @@ def test_wrapping_a_module_twice_is_refused():
     DistributedDataParallel(module, ParallelState())
     with pytest.raises(ValueError, match="already wrapped"):
         DistributedDataParallel(module, ParallelState())
+
+
+def _sequence_parallel_grads():
+    state = cached_state(tp=2)  # dp 1: only the sequence-parallel sum over TP changes main_grad
+    x, _ = _batch(2)
+    torch.manual_seed(1)
+    layer = nn.Linear(IN, OUT)
+    for p in layer.parameters():  # replicated, each TP rank seeing only its sequence shard
+        p.sequence_parallel = True
+    model = DistributedDataParallel(layer, state)
+    model.zero_grad_buffer()
+    shard = x.chunk(2)[state.tp_rank]
+    torch.tanh(model(shard)).sum().backward()
+    finalize_model_grads([model], state)
+    return [p.main_grad.clone() for p in layer.parameters()], x
+
+
+def test_sequence_parallel_replicated_grads_are_summed_over_tp():
+    """A replicated parameter marked ``sequence_parallel`` gets, after finalize_model_grads, the
+    gradient of the whole sequence on every TP rank: the sum of the shards' (rtol 1e-6)."""
+    for grads, x in run_ranks(2, _sequence_parallel_grads):
+        torch.manual_seed(1)
+        ref = nn.Linear(IN, OUT)
+        torch.tanh(ref(x)).sum().backward()
+        for g, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
