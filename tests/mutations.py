@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Mutation probe: break one line of the library at a time and check that the suite notices.
 
-Each mutation below is a bug the suite once missed or caught only late (issue 26). For each one
-this script copies the repository to a scratch folder, applies the one edit there (the text to
-replace must occur exactly ``count`` times), runs the tests named for it with the scratch copy
-first on ``PYTHONPATH`` and reports ``caught`` (some test failed), ``missed`` (all passed) or
-``error`` (the tests could not run: collection error, the edit no longer applies). The first
-assertion line of each failing test is printed, so "caught at step 1" can be read off it.
+Each mutation below is a bug the suite once missed or caught only late (issue 26, and the sweep of
+the parallel core, MoE routing, LR schedule, resume, MLA/MTP and SFT masks that followed), or a
+guard of a reduction the parallel core depends on. For each one this script copies the repository
+to a scratch folder, applies the one edit there (the text to replace must occur exactly ``count``
+times), runs the tests named for it with the scratch copy first on ``PYTHONPATH`` and reports
+``caught`` (some test failed), ``missed`` (all passed) or ``error`` (the tests could not run:
+collection error, the edit no longer applies). The first assertion line of each failing test is
+printed, so "caught at step 1" can be read off it.
 
 Not part of the pytest run (the file name does not start with ``test_``)::
 
@@ -112,6 +114,26 @@ MUTATIONS = [
     Mutation("sft_packed_mask", "SFT packing: the label crossing into the next conversation is trained",
              "megatron_lite/data/sft_dataset.py", "loss_mask = trained[1:] & (document[1:] == document[:-1])",
              "loss_mask = trained[1:]", ("tests/unit/test_sft_data.py::test_padded_and_packed_sample_fields",)),
+    Mutation("zero3_loaded_values", "ZeRO-3: values loaded into the gathered params dropped at re-sharding",
+             "megatron_lite/parallel/fsdp.py", "if keep_values and min(e, end) > max(a, start):", "if False:",
+             ("tests/distributed/test_fsdp.py::test_values_loaded_into_gathered_zero3_params_are_kept_in_the_shards",)),
+    Mutation("lora_row_dropout_stream", "LoRA: a row adapter's dropout not drawn from the TP stream (one mask for all)",
+             "megatron_lite/lora/adapters.py", 'if self.kind == "row" and comm.group_size(self.group) > 1:', "if False:",
+             ("tests/distributed/test_lora_dropout.py",)),
+    Mutation("cp_loss_factor", "GPT loss under CP: the backward loss not multiplied by cp",
+             "pretrain_gpt.py", "means = sums * torch.distributed.get_world_size(cp_group) / total_counts",
+             "means = sums / total_counts",
+             ("tests/distributed/test_context_parallel.py::test_gpt_loss_under_cp_backpropagates_the_global_token_mean",)),
+    Mutation("ddp_sp_grads", "DDP: sequence-parallel replicated gradients not summed over TP at finalize",
+             "megatron_lite/parallel/data_parallel.py",
+             "    all_reduce_sequence_parallel_grads(views, state.tp_group)\n", "    pass\n",
+             ("tests/distributed/test_data_parallel.py::test_sequence_parallel_replicated_grads_are_summed_over_tp",)),
+    Mutation("mla_rope_key_grad", "MLA without SP: the shared rotary key's gradient not summed over TP",
+             "megatron_lite/models/mla.py", "            k_rope = comm.copy_to_tp(k_rope, self.tp_group)\n",
+             "            k_rope = k_rope\n", ("tests/distributed/test_mla_tp.py",)),
+    Mutation("recompute_rng_restore", "activation recompute: the RNG states after backward not put back",
+             "megatron_lite/parallel/random.py", "            _restore(now, ctx.tracker)\n", "            pass\n",
+             ("tests/distributed/test_random.py::test_checkpoint_replays_dropout_and_restores_rng",)),
     # caught from the start; kept as guards of the parallel core's reductions:
     Mutation("xent_global_softmax", "vocab-parallel cross-entropy: backward uses the shard's own softmax",
              "megatron_lite/parallel/cross_entropy.py", "ratio = torch.exp(lse_local - lse) if size > 1 else None",
@@ -125,7 +147,7 @@ MUTATIONS = [
     Mutation("pp_tied_embedding", "PP: the tied embedding's first/last-stage gradients not summed",
              "megatron_lite/parallel/data_parallel.py",
              "            dist.all_reduce(shared[0], group=state.embedding_group)\n", "            pass\n",
-             ("tests/distributed/test_pipeline.py",)),
+             ("tests/distributed/test_optimizer.py", "-k", "tied_embedding")),
     Mutation("resume_tracker_rng", "resume: the model-parallel RNG tracker's states not restored",
              "megatron_lite/checkpoint/rng.py", '    tracker.set_states(states["tracker"])\n', "    pass\n",
              ("tests/unit/test_checkpointing.py",)),

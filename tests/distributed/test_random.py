@@ -61,6 +61,9 @@ def test_checkpoint_replays_dropout_and_restores_rng():
         block = _block(state.rng_tracker)
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         y = checkpoint(block, x, w, tracker=state.rng_tracker) if use_checkpoint else block(x, w)
+        torch.rand(3)  # draws between forward and backward (later layers' dropout) on both streams
+        with state.rng_tracker.fork():
+            torch.rand(3)
         y.sum().backward()
         after = (torch.get_rng_state(), state.rng_tracker.get_states())
         return y.detach(), x.grad, w.grad, after
