@@ -9,8 +9,10 @@ rank. Every DCP key is ``<kind>/<global tensor name>/<offset>``: a box (see
 ``weight``, ``master`` (fp32 master weights) or an optimizer state (``exp_avg``, ``exp_avg_sq``,
 ``momentum_buffer``). Boxes of one tensor never overlap, so a reader sums their sizes to check the
 tensor is complete, and loads only the keys overlapping what it needs. ``checksums/rank_*.pt`` hold
-the CRC-32 of every key each rank wrote; every key read is verified against it (a checkpoint saved
-before checksums existed has no such folder and is read unverified).
+the CRC-32 of every key each rank wrote; every key read is verified against it. A reader always reads
+whole saved keys (at any layout), so a key's CRC-32 verifies whatever part of it a rank needs. Data
+files shorter than the pieces ``.metadata`` places in them are refused before anything is read. A
+checkpoint saved before checksums existed has no such folder: it is read unverified, with one warning.
 """
 
 from __future__ import annotations
@@ -71,9 +73,39 @@ def read_common(folder: str) -> dict:
 
 class SavedIndex(dict):
     """``{(kind, name): [(offset, size, dtype, key)]}``; ``checksums``: ``{key: CRC-32}`` (empty when
-    the checkpoint has none)."""
+    the checkpoint has none); ``files``: ``{key: data file name}``."""
 
     checksums: dict
+    files: dict
+
+
+_WARNED_UNVERIFIED: set = set()
+
+
+def _warn_unverified(folder: str) -> None:
+    """One warning line (global rank 0, once per folder and process): no checksums to verify against."""
+    import torch.distributed as dist
+
+    if folder in _WARNED_UNVERIFIED or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _WARNED_UNVERIFIED.add(folder)
+    print(f"WARNING: torch_dist checkpoint {folder} has no checksums (saved before they existed); "
+          "its tensors are read unverified", flush=True)
+
+
+def _check_data_files(folder: str, storage: dict) -> None:
+    """Every data file ``.metadata`` names exists and is long enough for the pieces it places there."""
+    need = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(need.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"torch_dist checkpoint file {path} is missing; the checkpoint is incomplete "
+                                  "- point --load at another checkpoint")
+        if os.path.getsize(path) < size:
+            raise CheckpointError(f"torch_dist checkpoint file {path} is truncated ({os.path.getsize(path)} bytes, "
+                                  f"its pieces need {size}); point --load at another checkpoint")
 
 
 def read_checksums(folder: str) -> dict:
@@ -98,8 +130,12 @@ def read_index(folder: str) -> SavedIndex:
     except Exception as err:  # truncated or foreign pickle: one clear line
         raise CheckpointError(f"torch_dist checkpoint {folder}: {DIST_METADATA} is unreadable ({type(err).__name__}); "
                               "it is corrupt - point --load at another checkpoint") from None
+    _check_data_files(folder, metadata.storage_data)
     index = SavedIndex()
     index.checksums = read_checksums(folder)
+    index.files = {i.fqn: info.relative_path for i, info in metadata.storage_data.items()}
+    if not index.checksums:
+        _warn_unverified(folder)
     for key, meta in metadata.state_dict_metadata.items():
         parts = key.split("/")
         if not isinstance(meta, TensorStorageMetadata) or len(parts) != 3:
@@ -110,36 +146,48 @@ def read_index(folder: str) -> SavedIndex:
     return index
 
 
-def load_keys(folder: str, wanted: dict, checksums: dict | None = None) -> dict:
+def load_keys(folder: str, wanted: dict, index: SavedIndex | None = None) -> dict:
     """``{key: tensor}`` read from the DCP files (``wanted``: ``{key: (size, dtype)}``), each verified
-    against ``checksums`` (``{key: CRC-32}``) where it has one; local, no collectives."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    against ``index.checksums`` (``{key: CRC-32}``; a checkpoint with checksums must have one for every
+    key); local, no collectives."""
+    checksums, files = getattr(index, "checksums", {}), getattr(index, "files", {})
+    for key in wanted:
+        if checksums and key not in checksums:
+            raise CheckpointError(f"torch_dist checkpoint {folder}: tensor {key} (in {files.get(key, '?')}) has no "
+                                  f"checksum in {DIST_CHECKSUMS_DIR}/ (a checksums file is missing or damaged); "
+                                  "point --load at another checkpoint")
     buffers = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in wanted.items()}
-    if buffers:
-        try:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-            first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
-            raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(err).__name__}: {first}); "
-                                  "it is truncated or corrupt - point --load at another checkpoint") from None
+    error = _read(folder, buffers)
+    if error is not None:
+        groups = {}
+        for key in buffers:
+            groups.setdefault(files.get(key, "?"), {})[key] = buffers[key]
+        culprit = next((name for name, part in sorted(groups.items()) if _read(folder, part) is not None), None)
+        where = f"file {os.path.join(folder, culprit)}" if culprit else folder
+        raise CheckpointError(f"torch_dist checkpoint {where} could not be read ({error}); "
+                              "it is truncated or corrupt - point --load at another checkpoint")
     for key, tensor in buffers.items():
-        if key in (checksums or {}) and tensor_crc(tensor) != checksums[key]:
-            raise CheckpointError(f"torch_dist checkpoint file {_file_of(folder, key)}: tensor {key} fails its "
-                                  "checksum (the file is damaged); point --load at another checkpoint")
+        if key in checksums and tensor_crc(tensor) != checksums[key]:
+            raise CheckpointError(f"torch_dist checkpoint file {os.path.join(folder, files.get(key, '?'))}: tensor "
+                                  f"{key} fails its checksum (the file is damaged); point --load at another checkpoint")
     return buffers
 
 
-def _file_of(folder: str, key: str) -> str:
-    """The DCP data file holding ``key``."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _read(folder: str, buffers: dict) -> str | None:
+    """Fill ``buffers`` (``{key: tensor}``) from the DCP files; None, or what went wrong (one line)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    storage = FileSystemReader(folder).read_metadata().storage_data
-    name = next((info.relative_path for index, info in storage.items() if index.fqn == key), "?")
-    return os.path.join(folder, name)
+    if not buffers:
+        return None
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(buffers, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        first = str(err).strip().splitlines()[-1][:200] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return None
 
 
 def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> None:
@@ -179,7 +227,7 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
                                   "point --load at a complete checkpoint")
         if inside is None or math.prod(inside[1]) < dest.numel():
             dest.zero_()  # padded vocabulary rows this checkpoint did not have
-    buffers = load_keys(folder, wanted, getattr(index, "checksums", None))
+    buffers = load_keys(folder, wanted, index)
     with torch.no_grad():
         for dest, offset, key, s_off, (i_off, i_size) in plan:
             region(dest, offset, i_off, i_size).copy_(region(buffers[key], s_off, i_off, i_size))

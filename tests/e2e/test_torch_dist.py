@@ -2,9 +2,11 @@
 distributed optimizer resumes at TP1 x DP4 and at PP2 on the single-process run's trajectory, with its optimizer
 state resharded bit for bit; each rank writes only its own pieces; --auto-detect-ckpt-format;
 --async-save overlaps training, writes what a synchronous save writes, and a run killed before the
-save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors."""
+save is finalized resumes from the previous checkpoint; damaged checkpoints are one-line errors (every
+saved piece has a CRC-32, verified at any layout); a checkpoint saved before checksums still loads."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -93,13 +95,21 @@ def _repadded(table, padded):
         assert table[name].shape[0] == padded and not table[name][REAL_ROWS:].any(), name
 
 
-def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path):
+@pytest.fixture(scope="module")
+def tp2_src(tmp_path_factory):
+    """A checkpoint saved at TP2 x DP2 with the distributed optimizer after 4 steps (vocabulary padded
+    to 140); read only (a test that damages it works on a copy)."""
+    src = str(tmp_path_factory.mktemp("tp2") / "src")
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
+    assert len(first.losses) == 4
+    return src
+
+
+def test_torch_dist_resumes_at_another_layout_with_its_optimizer_state(tmp_path, tp2_src):
     """Saved at TP2 x DP2 (vocabulary padded to 140), resumed at TP1 x DP4 (130) and PP2 (130):
     the same trajectory as resuming at TP2, the optimizer state equal on the real rows, and the
     padded rows of weights and state zero, as the converter writes them."""
-    src = str(tmp_path / "src")
-    first = ranks_trajectory(4, "pretrain_gpt", _argv(src, 8, MODEL_B + REPAD + DIST + TP2 + ["--exit-interval", "4"]))
-    assert len(first.losses) == 4
+    src = tp2_src
     same, _ = _continue(tmp_path, src, "same", TP2, resave=False)
     _check_ownership(src)
     for name, layout in (("tp1_dp4", TP1), ("pp2", PP2)):
@@ -205,6 +215,8 @@ def test_async_save_overlaps_training_and_writes_what_a_sync_save_writes(tmp_pat
     for key in want["state"]:
         _same_tables(got["state"][key], want["state"][key])
     assert got["scheduler"] == want["scheduler"]
+    _every_key_checksummed(b)
+    assert read_index(b).checksums == read_index(a).checksums  # the same bytes: the same CRC-32s
 
 
 def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
@@ -219,6 +231,27 @@ def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path)
     assert_same_trajectory(Trajectory.of(resumed), straight[2:], rtol=0)  # bit-identical
 
 
+def _every_key_checksummed(folder):
+    index = read_index(folder)
+    keys = {key for boxes in index.values() for *_, key in boxes}
+    assert keys and set(index.checksums) == keys
+
+
+def _flip(folder, key, where=None):
+    """Flip one byte of the stored bytes of DCP key ``key`` (its middle, or ``where`` bytes into its
+    record: 0 is the record's zip header), found from ``.metadata``; the data file's path."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    [info] = [f for i, f in FileSystemReader(folder).read_metadata().storage_data.items() if i.fqn == key]
+    data = os.path.join(folder, info.relative_path)
+    with open(data, "r+b") as f:
+        f.seek(info.offset + (info.length // 2 if where is None else where))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    return data
+
+
 def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path, capsys):
     save = str(tmp_path / "s")
     pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--exit-interval", "2"]))
@@ -226,10 +259,13 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
     load = _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save])
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save, "--hidden-size", "64"]),
                      "hidden-size 32", "match the model flags")
-    data = os.path.join(folder, "__0_0.distcp")
+    key = "weight/embedding.word_embeddings.weight/0_0_0"
+    data = _flip(folder, key, where=0)  # the record's header: DCP cannot read it
+    _one_line_exit_2(capsys, load, data, "could not be read", "corrupt")
+    _flip(folder, key, where=0)
     with open(data, "r+b") as f:
-        f.truncate(os.path.getsize(data) // 2)
-    _one_line_exit_2(capsys, load, folder, "corrupt")
+        f.truncate(os.path.getsize(data) - 100)  # named with its size before DCP reads anything
+    _one_line_exit_2(capsys, load, data, "is truncated")
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         f.write(b"not a pickle")
     _one_line_exit_2(capsys, load, ".metadata", "corrupt")
@@ -237,21 +273,62 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
 
 def test_a_tensor_with_damaged_bytes_is_refused_naming_its_file_and_tensor(tmp_path, capsys):
     """One byte of one saved tensor flipped (the file still reads): its CRC-32 no longer matches."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     save = str(tmp_path / "s")
     pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--exit-interval", "2"]))
     folder = os.path.join(save, "iter_0000002")
+    _every_key_checksummed(folder)
     key = "weight/embedding.word_embeddings.weight/0_0_0"
-    [(index, info)] = [(i, f) for i, f in FileSystemReader(folder).read_metadata().storage_data.items() if i.fqn == key]
-    data = os.path.join(folder, info.relative_path)
-    with open(data, "r+b") as f:
-        f.seek(info.offset + info.length // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    data = _flip(folder, key)
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save]),
                      data, f"tensor {key} fails its checksum")
+
+
+def test_damage_in_a_tp2_checkpoint_is_refused_when_tp1_reshards_it(tmp_path, capsys, tp2_src):
+    """TP1 reads both TP shards of every tensor (each saved piece whole, whatever part it needs): a
+    byte flipped in TP rank 1's shard of a weight (file __1_0.distcp), or in DP rank 3's slice of
+    Adam's moment (__3_0.distcp), is refused by --load at TP1 and by the converter, naming file and tensor."""
+    src = str(tmp_path / "src")
+    shutil.copytree(tp2_src, src)
+    folder = os.path.join(src, "iter_0000004")
+    index = read_index(folder)
+    owned = [(kind, key) for (kind, name), boxes in sorted(index.items()) for offset, _, _, key in boxes
+             if any(offset) and index.files[key] == {"weight": "__1_0.distcp", "exp_avg": "__3_0.distcp"}.get(kind)]
+    load = _argv(str(tmp_path / "x"), 8, MODEL_B + REPAD + DIST + TP1 + ["--load", src])
+    convert = load_tool("checkpoint/convert").main
+    for kind in ("weight", "exp_avg"):
+        key = next(k for c, k in owned if c == kind)
+        data = _flip(folder, key)
+        assert data.endswith({"weight": "__1_0.distcp", "exp_avg": "__3_0.distcp"}[kind])
+        _one_line_exit_2(capsys, load, data, f"tensor {key} fails its checksum")
+        assert convert(["--model-type", "GPT", "--load-dir", src, "--save-dir", str(tmp_path / "c")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and data in lines[0] and key in lines[0], lines
+        _flip(folder, key)  # undone: the next damage is the only one
+    pretrain_gpt.main(load)  # undamaged, it loads
+
+
+def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(tmp_path, capsys):
+    """No checksums/ folder (a checkpoint from before they existed): read unverified, one warning line,
+    the same run as from the checksummed copy. A checksums file that lacks a key is damage: refused."""
+    save, old, holed = (str(tmp_path / n) for n in ("s", "old", "holed"))
+    pretrain_gpt.main(_argv(save, 4, MODEL + DIST + ["--exit-interval", "2"]))
+    shutil.copytree(save, old)
+    shutil.rmtree(os.path.join(old, "iter_0000002", "checksums"))
+    capsys.readouterr()
+    resumed = pretrain_gpt.main(_argv(str(tmp_path / "x"), 4, MODEL + DIST + ["--load", old]))
+    assert capsys.readouterr().out.count("has no checksums (saved before they existed)") == 1
+    assert resumed.iteration == 4
+    want = pretrain_gpt.main(_argv(str(tmp_path / "y"), 4, MODEL + DIST + ["--load", save]))
+    assert "has no checksums" not in capsys.readouterr().out
+    assert_same_trajectory(Trajectory.of(resumed), Trajectory.of(want), rtol=0)
+    shutil.copytree(save, holed)
+    crcs = os.path.join(holed, "iter_0000002", "checksums", "rank_00000.pt")
+    table = torch.load(crcs)
+    key = sorted(table["tensor_checksums"])[3]
+    del table["tensor_checksums"][key]
+    torch.save(table, crcs)
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "z"), 4, MODEL + DIST + ["--load", holed]),
+                     f"tensor {key}", "has no checksum in checksums/")
 
 
 @pytest.mark.parametrize("flags, words", [
