@@ -265,7 +265,7 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
     _flip(folder, key, where=0)
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) - 100)  # named with its size before DCP reads anything
-    _one_line_exit_2(capsys, load, data, "is truncated")
+    _one_line_exit_2(capsys, load, data, "is truncated (", "bytes, its pieces need")
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         f.write(b"not a pickle")
     _one_line_exit_2(capsys, load, ".metadata", "corrupt")
