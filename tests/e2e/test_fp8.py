@@ -15,13 +15,17 @@
   (the stand-in computes in fp32 and never quantises, so within bf16 rounding: relative 2e-2).
 """
 
+import os
+
 import pytest
 import torch
 
 import pretrain_gpt
+from megatron_lite.checkpoint.dist_read import read_index
 from megatron_lite.checkpoint.format import find_model_files, read_model_file
 from megatron_lite.checkpoint.merge import merge_checkpoint
 from megatron_lite.precision.flags import transformer_engine_missing
+from megatron_lite.precision.fp8 import is_fp8_state_key
 from tests import fake_transformer_engine as fake_te
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _real_data
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
@@ -130,6 +134,10 @@ def test_fp8_checkpoint_resumes_without_fp8_in_either_format(tmp_path):
     for fmt in ("torch", "torch_dist"):
         save = str(tmp_path / fmt)
         pretrain_gpt.main(_argv(save, 8, FP8 + ["--exit-interval", "4", "--ckpt-format", fmt]))
+        if fmt == "torch_dist":  # the amax histories and scales are saved pieces with a CRC-32 each
+            index = read_index(os.path.join(save, "iter_0000004"))
+            fp8 = [key for (_, name), boxes in index.items() if is_fp8_state_key(name) for *_, key in boxes]
+            assert fp8 and all(key in index.checksums for key in fp8)
         runs[fmt] = pretrain_gpt.main(_argv(str(tmp_path / f"{fmt}_bf16"), 8, ["--bf16", "--load", save,
                                                                               "--ckpt-format", fmt]))
         assert runs[fmt].iteration == 8
