@@ -35,8 +35,9 @@ import torch.distributed as dist
 from ..parallel.comm import _all_gather
 from ..parallel.pipeline.p2p import PipeComm
 from ..parallel.state import ParallelState
+from .beam import beam_search
 from .kv_cache import KVCache
-from .sampling import NonFiniteLogitsError, SamplingParams, sample_or_mark
+from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Generation:
     """Per position of ``log_probs``: the most likely ``(token, log-prob)`` pairs, best first."""
     greedy: list[bool] | None = None
     """Per position of ``log_probs``: whether the next token is the argmax (scoring only)."""
+    score: float | None = None
+    """Beam search: the hypothesis' score, ``sum of log-probs / generated length ** length_penalty``
+    (its ``log_probs`` are then empty)."""
 
     @property
     def generated(self) -> list[int]:
@@ -148,6 +152,9 @@ class InferenceEngine:
             raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {self.vocab_size})")
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
+        if params.beam_width:
+            return _scored([Generation(t, len(prompts[0]), [], "stop" if stopped else "length", score=score)
+                            for t, score, stopped in beam_search(self, prompts, params)])
         return self._steps(prompts, params)
 
     def _steps(self, prompts: list[list[int]], params: SamplingParams):
@@ -173,7 +180,9 @@ class InferenceEngine:
                 cache.advance(cur - prev)
             new = torch.zeros(b, dtype=torch.long, device=self.device)
             if self.is_src:
-                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(logits[:, -1], params, self.generator, counts))
+                last = ban_after(logits[:, -1], tokens[:, cur - 1], params)
+                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(last, params, self.generator, counts))
+            params = decayed_top_p(params)
             new = self._broadcast(new)
             non_finite = (new < 0).any()  # the sampling rank's logits held NaN / inf: raised at the sync below,
             new = new.clamp(min=0)  # ... the mark kept out of the tokens meanwhile
@@ -181,7 +190,7 @@ class InferenceEngine:
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:
                 values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n)
-            stop_here = ~finished & (cur >= lengths) & torch.isin(new, stops)
+            stop_here = ~finished & (cur >= lengths) & (torch.isin(new, stops) | _double_stop(new, tokens[:, cur - 1], params))
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
             emitted = ~finished & (cur >= lengths)
@@ -209,6 +218,12 @@ def _scored(results: list[Generation]):
     """A generator of no steps that returns ``results`` (``tokens_to_generate`` 0: scoring only)."""
     return results
     yield  # noqa: B901 - unreachable: makes this function a generator
+
+
+def _double_stop(new: torch.Tensor, previous: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Where ``new`` and the token before it are both of ``params.double_stop_ids`` (stop_on_double_eol)."""
+    pair = torch.tensor(params.double_stop_ids, dtype=torch.long, device=new.device)
+    return torch.isin(new, pair) & torch.isin(previous, pair)
 
 
 def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:

@@ -56,6 +56,13 @@ class KVCache:
         """Count ``num_tokens`` new tokens as cached (after a forward pass over them)."""
         self.sequence_offset += num_tokens
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Make cached sequence ``i`` a copy of sequence ``rows[i]``, in every layer's every tensor
+        (beam search: beam ``i`` continues beam ``rows[i]``)."""
+        for stored in self.memory.values():
+            for cache in stored:
+                cache[:self.sequence_offset, :len(rows)] = cache[:self.sequence_offset, rows]
+
     def reset(self) -> None:
         """Forget every cached token (the memory stays allocated for the next batch)."""
         self.sequence_offset = 0

@@ -14,7 +14,8 @@ inf / NaN. Logits holding NaN or inf (e.g. an fp16 overflow in the model) are re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,6 +54,20 @@ class SamplingParams:
     """Times how often the sequence has generated a token, subtracted from its logit (in [-2, 2])."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """``(token id, bias)`` pairs: each bias, in [-100, 100], is added to that token's logit."""
+    top_p_decay: float = 0.0
+    """Megatron's: after each decode step ``top_p`` is multiplied by this (0: no decay; needs top_p)."""
+    top_p_bound: float = 0.0
+    """Megatron's: the decayed ``top_p`` never goes below this (0: no bound; at most top_p)."""
+    double_stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    """A generated token of this set right after another one of it ends the sequence (stop_on_double_eol)."""
+    ban_after_ids: tuple[int, ...] = field(default_factory=tuple)
+    """After a token of this set, the tokens of ``banned_ids`` cannot be chosen (prevent_newline_after_colon)."""
+    banned_ids: tuple[int, ...] = field(default_factory=tuple)
+    """See ``ban_after_ids``."""
+    beam_width: int = 0
+    """> 0: Megatron's beam search with this many beams over one prompt (:mod:`.beam`); sampling fields unused."""
+    length_penalty: float = 1.0
+    """Beam search: a hypothesis scores ``sum of its log-probs / (generated length) ** length_penalty``."""
 
     @property
     def penalized(self) -> bool:
@@ -78,10 +93,43 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        self._check_megatron()
         for token, bias in self.logit_bias:
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token!r} must be an id >= 0 and its bias in [-100, 100], "
                                  f"got {bias!r}")
+
+
+    def _check_megatron(self) -> None:
+        if not 0.0 <= self.top_p_decay <= 1.0 or (self.top_p_decay > 0.0 and self.top_p == 0.0):
+            raise ValueError(f"top_p_decay must be in [0, 1] and needs top_p > 0, got {self.top_p_decay!r}")
+        if self.top_p_bound < 0.0 or self.top_p_bound > self.top_p:
+            raise ValueError(f"top_p_bound must be in [0, top_p], got {self.top_p_bound!r}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 0:
+            raise ValueError(f"beam_width must be an integer >= 0, got {self.beam_width!r}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+
+
+def decayed_top_p(params: SamplingParams) -> SamplingParams:
+    """``params`` for the next decode step: ``top_p`` times ``top_p_decay``, at least ``top_p_bound``
+    (Megatron's rule, applied after every step; unchanged without a decay)."""
+    if params.top_p == 0.0 or params.top_p_decay == 0.0:
+        return params
+    top_p = params.top_p * params.top_p_decay
+    return replace(params, top_p=max(top_p, params.top_p_bound) if params.top_p_bound > 0.0 else top_p)
+
+
+def ban_after(logits: torch.Tensor, previous: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [b, V]`` with ``banned_ids`` set to -1e10 (as Megatron does: finite) in the rows whose ``previous [b]`` token is one
+    of ``ban_after_ids`` (a copy; unchanged when nothing is banned)."""
+    if not params.ban_after_ids or not params.banned_ids:
+        return logits
+    after = torch.tensor(params.ban_after_ids, dtype=torch.long, device=logits.device)
+    banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    banned[torch.tensor([t for t in params.banned_ids if t < logits.shape[-1]], dtype=torch.long,
+                        device=logits.device)] = True
+    return logits.masked_fill(torch.isin(previous, after).unsqueeze(1) & banned, -1e10)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
