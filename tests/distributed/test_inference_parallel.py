@@ -1,5 +1,7 @@
 """Generation at TP2, PP2 and TP2 x PP2 gives the one-process tokens and log-probs.
 
+Beam search at TP2 x PP2 (MLA) equals one process too.
+
 Every rank loads its slice of the same checkpoint (a one-process ``torch`` checkpoint, the same
 saved as ``torch_dist``, and one written at TP2 x PP2: the layout it was "trained" at) and runs the
 engine; the tokens and log-probs every rank returns must equal the single-process engine's
@@ -117,3 +119,25 @@ def test_penalties_and_logit_bias_at_tp2_pp2_equal_one_process(checkpoints):
     assert want != plain  # the penalties change the sample
     for rank, got in enumerate(run_ranks(4, penalized_on_ranks, checkpoints["gpt"], 2, 2)):
         assert got == want, f"rank {rank}"
+
+
+BEAM = SamplingParams(tokens_to_generate=10, beam_width=4, length_penalty=0.7, stop_token_ids=(3,))
+
+
+def beams_on_ranks(root, tp, pp):
+    state = cached_state(tp=tp, pp=pp)
+    model, _ = load_model(root, state)
+    engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return [(g.tokens, g.score) for g in engine.generate(prompts(1), BEAM)]
+
+
+def test_beam_search_at_tp2_pp2_equals_one_process(checkpoints):
+    """MLA's compressed cache split over TP ranks and PP stages: every rank reorders its own rows by
+    the beam origins the sampling rank (rank 2) ranks, so every rank returns the one-process beams."""
+    model, _ = load_model(checkpoints["mla_mtp"])
+    want = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1).generate(
+        prompts(1), BEAM)
+    assert len({tuple(w.tokens) for w in want}) == 4
+    for rank, got in enumerate(run_ranks(4, beams_on_ranks, checkpoints["mla_mtp"], 2, 2)):
+        assert [t for t, _ in got] == [w.tokens for w in want], f"rank {rank}"
+        assert_close(torch.tensor([s for _, s in got]), torch.tensor([w.score for w in want]), what=f"rank {rank}")
