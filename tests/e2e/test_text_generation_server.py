@@ -4,7 +4,7 @@ One process: the server runs in a thread on a free localhost port over a saved c
 (NullTokenizer: text is space-separated token ids). Both APIs answer what the engine computes
 (tokens equal, log-probs within 1e-5 relative to the largest), batched prompts, log-probs and
 seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
-server keeps serving. Under torchrun, a TP2 server answers the same as one process and every rank
+server keeps serving; beam search answers Megatron's text, segments and scores. Under torchrun, a TP2 server answers the same as one process and every rank
 exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text, and a client
 leaving mid-stream leaves every rank serving.
 """
@@ -94,7 +94,18 @@ def test_a_seeded_sample_is_reproducible(server):
      "prompt 0 has 95 tokens + 4 tokens to generate, more than the model's 96"),
     ({"prompts": "1 2"}, "prompts must be a list of strings"),
     ({"prompts": ["1"], "max_len": 4}, "max_len is no longer used; replace it with tokens_to_generate"),
-    ({"prompts": ["1"], "beam_width": 2}, "beam search is not supported"),
+    ({"prompts": ["1", "2"], "beam_width": 2}, "beam_width: beam search takes exactly one prompt, got 2"),
+    ({"prompts": ["1"], "beam_width": 2, "temperature": 0.5}, "temperature does not apply to beam search"),
+    ({"prompts": ["1"], "beam_width": 2, "logprobs": True}, "logprobs does not apply to beam search"),
+    ({"prompts": ["1"], "beam_width": 0}, "beam_width must be at least 1"),
+    ({"prompts": ["1"], "beam_width": 129}, "beam_width must be at most 99"),
+    ({"prompts": ["1"], "length_penalty": 2.0}, "length_penalty applies to beam search only"),
+    ({"prompts": ["1"], "stop_token": 100}, "stop_token must be at most 99"),
+    ({"prompts": ["1"], "top_p_decay": 0.5}, "top_p_decay needs top_p > 0"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.6}, "top_p_bound must be at most 0.5"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.0}, "top_p_bound must be greater than 0.0"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_decay": 1.5}, "top_p_decay must be at most 1.0"),
+    ({"prompts": ["1"], "stop_on_double_eol": 1}, "stop_on_double_eol must be a boolean"),
     ({"prompts": ["1"], "temperature": 0}, "temperature must be greater than 0"),
     ({"prompts": ["1"], "tokens_to_generate": 0}, "tokens_to_generate=0 only scores the prompts: it needs logprobs"),
     ({"prompts": [""]}, "an empty prompt needs add_BOS=true"),
@@ -160,6 +171,45 @@ def test_stop_on_eol_stops_at_tokens_holding_a_newline():
     assert tok.tokenize("a")[0] not in ids and tok.tokenize(" the")[0] not in ids
     job = parse_api({"prompts": ["Hi"], "stop_on_eol": True}, tok)
     assert set(job.params.stop_token_ids) == set(ids)
+
+
+def test_beam_search_answers_megatrons_beam_shape(server):
+    url, engine, tokenizer = server
+    want = engine.generate([ids(PROMPTS[1])], SamplingParams(tokens_to_generate=6, beam_width=3, length_penalty=0.5))
+    r = httpx.put(f"{url}/api", json={"prompts": [PROMPTS[1]], "tokens_to_generate": 6, "beam_width": 3,
+                                      "length_penalty": 0.5, "temperature": 1.0})  # a default sampling value passes
+    body = r.json()
+    assert r.status_code == 200 and set(body) == {"text", "segments", "scores"}
+    assert [ids(t) for t in body["text"]] == [w.tokens for w in want] and len(body["text"]) == 3
+    assert body["segments"] == [[tokenizer.detokenize([t]) for t in w.tokens] for w in want]
+    assert body["scores"] == pytest.approx([w.score for w in want]) and body["scores"] == sorted(body["scores"])[::-1]
+
+
+def test_stop_token_ends_a_sample_instead_of_the_end_of_document(server):
+    url, engine, _ = server
+    greedy = engine.generate([ids(PROMPTS[0])], SamplingParams(tokens_to_generate=10, top_k=1, stop_on_eod=False))
+    stop = greedy[0].generated[3]
+    first = greedy[0].generated.index(stop)
+    r = httpx.put(f"{url}/api", json={"prompts": [PROMPTS[0]], "tokens_to_generate": 10, "top_k": 1,
+                                      "stop_token": stop}).json()
+    assert r["tokens"][0][4:] == greedy[0].generated[:first + 1]
+
+
+def test_megatron_text_fields_map_to_the_tokenizers_newline_and_colon_tokens():
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.api_megatron import parse_api, special_token_ids
+    from tests.inference_helpers import GPT2_TOKENIZER
+
+    tok = build_tokenizer(**GPT2_TOKENIZER)
+    newline, two, colon = special_token_ids(tok)
+    assert {198, 628} <= set(newline) and 628 in two and 198 not in two  # GPT-2's "\n" and "\n\n"
+    assert tok.tokenize(":")[0] in colon and tok.tokenize("):")[-1] in colon and tok.tokenize(" the")[0] not in colon
+    p = parse_api({"prompts": ["Hi"], "stop_on_double_eol": True, "stop_on_eol": True}, tok).params
+    assert p.stop_token_ids == two and p.double_stop_ids == newline and p.stop_on_eod  # double wins over single
+    p = parse_api({"prompts": ["Hi"], "prevent_newline_after_colon": True, "stop_token": 13}, tok).params
+    assert (p.ban_after_ids, p.banned_ids, p.stop_token_ids, p.stop_on_eod) == (colon, newline, (13,), False)
+    p = parse_api({"prompts": ["Hi"], "top_p": 0.8, "top_p_decay": 0.9, "top_p_bound": 0.2}, tok).params
+    assert (p.top_p, p.top_p_decay, p.top_p_bound) == (0.8, 0.9, 0.2)
 
 
 def test_a_non_json_body_gets_400(server):
