@@ -19,6 +19,9 @@ and ``logit_bias`` index token ids directly; that rank alone counts the generate
 penalties need), and the chosen tokens are broadcast to every rank, which feed them to the
 first stage at the next step; the log-probs are broadcast once at the end.
 
+``SamplingParams.beam_width`` > 0 runs Megatron's beam search over one prompt instead
+(:mod:`.beam`), with the same cache and the same broadcasts.
+
 Log-probs: ``log_probs[i]`` is ``log p(tokens[i + 1] | tokens[:i + 1])`` for every position of
 the prompt and of the generated text (``len(tokens) - 1`` values), from the fp32 log-softmax over
 the real vocabulary.

@@ -11,6 +11,7 @@ tensor's own trailing shape and dtype.
 
 ``sequence_offset`` is the number of tokens already cached, i.e. the position of the first new
 token; the engine advances it after every forward pass (:meth:`advance`), once for all layers.
+Beam search copies rows between sequences with :meth:`reorder`, every cached tensor alike.
 With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
 positions ``< sequence_offset`` and new positions ``<= i``.
 """
