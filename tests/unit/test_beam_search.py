@@ -178,3 +178,15 @@ def test_a_decayed_top_p_samples_the_first_token_then_is_greedy():
 def test_bad_megatron_params_are_refused(bad, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**bad).check()
+
+
+def test_beam_search_honours_the_newline_ban(small_model):
+    """prevent_newline_after_colon in beam search: no hypothesis has a banned token right after a
+    marker, though without the ban some do."""
+    engine, prompt = engine_of(small_model, SMALL), [3, 1, 8, 4]
+    plain = engine.generate([prompt], SamplingParams(tokens_to_generate=4, beam_width=6))
+    pairs = {(a, b) for h in plain for a, b in zip(h.tokens[3:], h.tokens[4:])}
+    marker, banned = sorted(pairs)[0]
+    banning = engine.generate([prompt], SamplingParams(tokens_to_generate=4, beam_width=6, ban_after_ids=(marker,),
+                                                       banned_ids=(banned,)))
+    assert all((a, b) != (marker, banned) for h in banning for a, b in zip(h.tokens[3:], h.tokens[4:]))
