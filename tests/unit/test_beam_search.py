@@ -190,3 +190,33 @@ def test_beam_search_honours_the_newline_ban(small_model):
     banning = engine.generate([prompt], SamplingParams(tokens_to_generate=4, beam_width=6, ban_after_ids=(marker,),
                                                        banned_ids=(banned,)))
     assert all((a, b) != (marker, banned) for h in banning for a, b in zip(h.tokens[3:], h.tokens[4:]))
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 2.0])
+def test_a_stop_token_ends_the_search_when_no_beam_can_beat_the_hypotheses(length_penalty):
+    """Width 1 meets the stop token the greedy continuation reaches: the search ends there (the
+    best running sum at that length cannot beat the finished hypothesis), as greedy stops."""
+    engine = engine_of(build_model("gpt"))
+    for prompt in prompts(3):
+        free = engine.generate([prompt], SamplingParams(tokens_to_generate=20, top_k=1, stop_on_eod=False))[0]
+        stop = free.generated[2]
+        greedy = engine.generate([prompt], SamplingParams(tokens_to_generate=20, top_k=1, stop_on_eod=False,
+                                                          stop_token_ids=(stop,)))[0]
+        beam = engine.generate([prompt], SamplingParams(tokens_to_generate=20, beam_width=1, stop_on_eod=False,
+                                                        stop_token_ids=(stop,), length_penalty=length_penalty))
+        assert beam[0].tokens == greedy.tokens and beam[0].finish_reason == "stop" == greedy.finish_reason
+
+
+def test_hypotheses_keep_the_best_and_know_when_the_search_is_done():
+    from megatron_lite.inference.beam import Hypotheses
+
+    found = Hypotheses(2, 1.0)
+    found.add([1], -4.0, 2, True)  # score -2
+    assert not found.is_done(-100.0, 2)  # fewer than 2 hypotheses
+    found.add([2], -3.0, 3, True)  # -1
+    found.add([3], -9.0, 3, True)  # -3: worse than both, not kept
+    assert [h[1] for h in found.best()] == [[2], [1]]
+    assert found.is_done(-8.0, 4) and found.is_done(-8.0, 2 * 2)  # best open -2 per token: cannot beat -2
+    assert not found.is_done(-7.9, 4)
+    found.add([4], -1.0, 2, True)  # -0.5 replaces the worst (-2)
+    assert [h[0] for h in found.best()] == [-0.5, -1.0]
