@@ -13,7 +13,8 @@ The norm must be the norm of the *whole* model's gradient, as if it lived in one
 Squared norms are summed locally in fp32, expert ones over the expert-parallel group, then all
 over the model-parallel (TP x PP) group (:func:`grad_norm_squared`, shared with the distributed
 optimizer, which also sums over its shard group: data x context parallel, or one instance of it
-with hybrid sharding). Clipping scales every gradient (duplicates included) by
+with hybrid sharding; for expert parameters expert-data x context parallel, or one instance of it:
+the other instances hold the same pieces, so each expert gradient counts once). Clipping scales every gradient (duplicates included) by
 ``max_norm / (norm + 1e-6)`` when that is below 1, exactly like ``torch.nn.utils.clip_grad_norm_``.
 Gradients are read from ``param.main_grad`` when present (DistributedDataParallel), else ``.grad``.
 """
@@ -65,7 +66,7 @@ def model_sum(pairs, state, device, local_sum, data_parallel: bool = False) -> t
             grads[getattr(p, "allreduce", True)].append(g.detach())
     dense, expert = (local_sum(grads[kind], device) for kind in (True, False))
     dense_groups = (state.dp_shard_group,) if data_parallel else ()  # sharded over DP x CP (/ instances)
-    expert_groups = ((state.expert_dp_group,) if data_parallel else ()) + (state.ep_group,)
+    expert_groups = ((state.expert_dp_shard_group,) if data_parallel else ()) + (state.ep_group,)  # (/ instances)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
         for group in groups:
             if comm.group_size(group) > 1:

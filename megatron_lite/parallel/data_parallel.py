@@ -47,7 +47,8 @@ Hybrid sharding (``--num-distributed-optimizer-instances N``): dense buckets bel
 ``dp_shard`` group (DP x CP / N ranks) and carry ``replicate_group`` (the N ranks holding the same
 shard). A bucket is reduce-scattered inside its shard group, then its shard is all-reduced over the
 replicate group, which together sum over all DP x CP ranks. The second collective needs the first's
-result, so an overlapped bucket issues it when waited on.
+result, so an overlapped bucket issues it when waited on. Expert buckets are cut the same way:
+``expert_dp_shard`` (expert-DP x CP / N ranks) and ``expert_dp_replicate``.
 
 Sharding strategies (``strategy``, the ``--data-parallel-sharding-strategy`` names): ``no_shard`` and
 ``optim`` keep the full buffer above. ``optim_grads`` (ZeRO-2) keeps only this rank's shard of each
@@ -136,8 +137,8 @@ class DistributedDataParallel(nn.Module):
         state, plan = self.state, []
         # Dense weights are replicated over data AND context parallel ranks (CP ranks see different
         # tokens of the same samples), so their gradients are averaged over the DP x CP group.
-        # With hybrid sharding the dense buckets are sharded over dp_shard only (see the module docstring).
-        for group_params, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_group)):
+        # With hybrid sharding the buckets are sharded over one instance only (see the module docstring).
+        for group_params, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_shard_group)):
             current, size = [], 0
             for p in group_params:
                 if getattr(p, "shared_embedding", False) and state.pp_size > 1:
@@ -174,7 +175,8 @@ class DistributedDataParallel(nn.Module):
                 p.main_grad = None if data is None else data[offset : offset + p.numel()].view(p.shape)
                 offsets[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()
-            replicate = self.state.dp_replicate_group if getattr(bucket_params[0], "allreduce", True) else None
+            dense = getattr(bucket_params[0], "allreduce", True)
+            replicate = self.state.dp_replicate_group if dense else self.state.expert_dp_replicate_group
             bucket = Bucket(bucket_params, data, group, scale, offsets, numel, device, replicate)
             if self.shard_grads:
                 bucket.grad_shard = self.grad_shards[shard_start : shard_start + shard_size]

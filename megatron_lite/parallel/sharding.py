@@ -9,7 +9,8 @@ changes nothing. Every strategy but ``no_shard`` uses the distributed optimizer.
 Hybrid sharding (``--num-distributed-optimizer-instances``) chooses the group the distributed
 optimizer shards over, and CPU offload (``--optimizer-cpu-offload``) moves part of its shard to the
 host: both need the distributed optimizer, and both are built for ``optim`` only. Whether N divides
-the data-parallel size is checked by the rank grid, which knows that size.
+the data-parallel size (and, with MoE, the expert data-parallel size) is checked by the rank grid,
+which knows those sizes.
 """
 
 from __future__ import annotations
@@ -48,9 +49,6 @@ def _check_hybrid_and_offload(config, strategy: str) -> None:
     if instances > 1 and not p.use_distributed_optimizer:
         raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
                           "(hybrid sharding splits the distributed optimizer's shard group)")
-    if instances > 1 and config.moe.num_experts:
-        raise ConfigError("--num-distributed-optimizer-instances > 1 is not supported with --num-experts "
-                          "(expert parameters shard over their own group); use 1 instance")
     for flag, on in (("--num-distributed-optimizer-instances > 1", instances > 1),
                      ("--optimizer-cpu-offload", o.optimizer_cpu_offload)):
         if on and strategy in ("optim_grads", "optim_grads_params"):

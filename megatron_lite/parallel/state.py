@@ -17,6 +17,9 @@ Hybrid sharding (``--num-distributed-optimizer-instances N``) splits each DP x C
 consecutive blocks of ``dp x cp / N`` ranks: ``dp_shard`` (one block: the distributed optimizer
 shards over it) and ``dp_replicate`` (the ranks at the same position of every block: they hold the
 same shard). Because CP is innermost, a block always holds whole CP groups when N divides dp.
+Expert parameters shard over their own group, so its expert-DP x CP group is cut the same way
+(``expert_dp_shard``, ``expert_dp_replicate``); N must divide its size (edp x cp) too. When N divides
+edp, the expert block of a rank lies inside its dense block: an instance is one set of ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ GROUP_DIMS = {
     "ep": ("ep",),
     "expert_dp": ("edp", "cp"),
 }
+
+# The hybrid-sharding groups (--num-distributed-optimizer-instances) and the group each one cuts.
+HYBRID_GROUPS = {"dp_shard": "dp_cp", "dp_replicate": "dp_cp",
+                 "expert_dp_shard": "expert_dp", "expert_dp_replicate": "expert_dp"}
 
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -122,6 +129,12 @@ class RankGrid:
                 f"num-distributed-optimizer-instances {self.dist_opt_instances} must be a positive divisor "
                 f"of the data-parallel size {self.dp}"
             )
+        if (self.edp * self.cp) % self.dist_opt_instances:
+            raise ParallelConfigError(
+                f"--num-distributed-optimizer-instances {self.dist_opt_instances} must divide the expert data-parallel "
+                f"size {self.edp * self.cp} (data-parallel {self.dp} x context-parallel {self.cp} / "
+                f"--expert-model-parallel-size {self.ep}); lower the instances or --expert-model-parallel-size"
+            )
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ParallelConfigError(
                 "virtual pipeline stages need pipeline-model-parallel-size > 1; "
@@ -152,7 +165,7 @@ class RankGrid:
 
     def groups(self, name: str) -> list[list[int]]:
         """All rank lists of group ``name`` (every rank appears in exactly one), each sorted."""
-        if name in ("dp_shard", "dp_replicate"):
+        if name in HYBRID_GROUPS:
             return self._hybrid_groups(name)
         varying = GROUP_DIMS[name]
         fixed = [d for d in _DIMS if d not in varying]
@@ -162,13 +175,13 @@ class RankGrid:
         return [sorted(row) for row in rows.tolist()]
 
     def _hybrid_groups(self, name: str) -> list[list[int]]:
-        """Each DP x CP group cut into ``dist_opt_instances`` consecutive blocks (``dp_shard``), or
-        the ranks at one position of every block (``dp_replicate``)."""
+        """Each DP x CP (expert-DP x CP) group cut into ``dist_opt_instances`` consecutive blocks
+        (``dp_shard``, ``expert_dp_shard``), or the ranks at one position of every block (``*_replicate``)."""
         n = self.dist_opt_instances
         out = []
-        for ranks in self.groups("dp_cp"):
+        for ranks in self.groups(HYBRID_GROUPS[name]):
             blocks = [ranks[i : i + len(ranks) // n] for i in range(0, len(ranks), len(ranks) // n)]
-            out += blocks if name == "dp_shard" else [list(column) for column in zip(*blocks)]
+            out += blocks if name.endswith("_shard") else [list(column) for column in zip(*blocks)]
         return out
 
     def group_of(self, name: str, rank: int) -> list[int]:
@@ -216,11 +229,11 @@ class ParallelState:
             raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, dist.ProcessGroup | None] = {}
-        names = list(GROUP_DIMS) + ["embedding", "dp_shard", "dp_replicate"]
+        names = list(GROUP_DIMS) + ["embedding"] + list(HYBRID_GROUPS)
         for name in names:
-            if name == "dp_shard" and dist_opt_instances == 1:
-                self._ranks[name] = self._ranks["dp_cp"]
-                continue  # the DP x CP group itself (aliased below)
+            if name.endswith("_shard") and dist_opt_instances == 1:
+                self._ranks[name] = self._ranks[HYBRID_GROUPS[name]]
+                continue  # the (expert-)DP x CP group itself (aliased below)
             all_lists = self.grid.embedding_groups() if name == "embedding" else self.grid.groups(name)
             # middle pipeline stages are in no embedding group: a group of one
             self._ranks[name] = next((r for r in all_lists if rank in r), [rank])
@@ -237,6 +250,7 @@ class ParallelState:
             self._groups["dp_cp"] = self._groups["dp"]
         if dist_opt_instances == 1:  # no hybrid sharding: shard over the whole DP x CP group
             self._groups["dp_shard"] = self._groups["dp_cp"]
+            self._groups["expert_dp_shard"] = self._groups["expert_dp"]
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
         self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]
@@ -269,6 +283,8 @@ class ParallelState:
     embedding_group = property(lambda self: self._groups["embedding"])
     dp_shard_group = property(lambda self: self._groups["dp_shard"])  # distributed-optimizer shards
     dp_replicate_group = property(lambda self: self._groups["dp_replicate"])  # same shard, other instances
+    expert_dp_shard_group = property(lambda self: self._groups["expert_dp_shard"])  # expert optimizer shards
+    expert_dp_replicate_group = property(lambda self: self._groups["expert_dp_replicate"])
     dist_opt_instances = property(lambda self: self.grid.dist_opt_instances)
 
     # pipeline helpers ----------------------------------------------------------------------

@@ -53,6 +53,11 @@ def moe_reference(tmp_path_factory):
                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--overlap-param-gather"]),
+        # hybrid sharding: dense state over 2 of the 4 DP ranks, expert state over 1 of the 2 expert-DP
+        # ranks, each all-reduced across the 2 instances (small overlapped buckets: several of each kind)
+        ("ep2_dp4_hybrid", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                    "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
+                                    "--ddp-bucket-size", "3000"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_per_token", 2, "P", ["--expert-model-parallel-size", "2"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",

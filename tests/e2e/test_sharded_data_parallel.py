@@ -116,7 +116,10 @@ def test_cpu_offload_in_bf16(tmp_path, reference):
         (DISTOPT + ["--num-distributed-optimizer-instances", "3"], 4,
          ["num-distributed-optimizer-instances 3", "data-parallel size 4"]),
         (DISTOPT + ["--num-distributed-optimizer-instances", "0"], 4, ["--num-distributed-optimizer-instances"]),
-        (DISTOPT + ["--num-distributed-optimizer-instances", "2", "--num-experts", "4"], 4, ["--num-experts"]),
+        # DP 4 / EP 4 leaves one expert-DP rank: two instances cannot split it
+        (DISTOPT + ["--num-distributed-optimizer-instances", "2", "--num-experts", "4", "--expert-model-parallel-size",
+                    "4"], 4, ["--num-distributed-optimizer-instances 2", "expert data-parallel size 1",
+                              "--expert-model-parallel-size 4"]),
         (["--optimizer-cpu-offload"], 1, ["--optimizer-cpu-offload needs --use-distributed-optimizer"]),
         (DISTOPT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"], 1,
          ["--optimizer-offload-fraction must be between 0 and 1"]),

@@ -1,5 +1,6 @@
 """The hybrid-sharding groups of the rank grid: dp_shard (consecutive blocks of each DP x CP group)
-and dp_replicate (the same position in every block); with CP the blocks hold whole CP groups."""
+and dp_replicate (the same position in every block); with CP the blocks hold whole CP groups. The
+expert-DP x CP groups are cut the same way (expert_dp_shard, expert_dp_replicate)."""
 
 import pytest
 
@@ -33,3 +34,42 @@ def test_one_instance_shards_over_all_of_dp_x_cp():
 def test_instances_must_divide_dp(instances):
     with pytest.raises(ParallelConfigError, match="num-distributed-optimizer-instances"):
         RankGrid(4, dist_opt_instances=instances)
+
+
+def test_expert_groups_are_cut_into_instances_too():
+    # world 4, EP 2: expert-DP groups [0, 2] and [1, 3]; 2 instances leave one rank per expert shard
+    grid = RankGrid(4, ep=2, dist_opt_instances=2)
+    assert grid.groups("expert_dp") == [[0, 2], [1, 3]]
+    assert grid.groups("expert_dp_shard") == [[0], [2], [1], [3]]
+    assert grid.groups("expert_dp_replicate") == [[0, 2], [1, 3]]
+    assert grid.groups("dp_shard") == [[0, 1], [2, 3]]
+
+
+def test_an_expert_block_lies_inside_the_dense_block_of_its_instance():
+    grid = RankGrid(16, cp=2, ep=2, dist_opt_instances=2)  # dp 8, edp 4: expert-DP x CP groups of 8
+    expert_shard = grid.groups("expert_dp_shard")
+    assert expert_shard[:2] == [[0, 1, 4, 5], [8, 9, 12, 13]]  # ep rank 0 (rank = cp + 2 ep + 4 edp)
+    assert grid.groups("expert_dp_replicate")[:4] == [[0, 8], [1, 9], [4, 12], [5, 13]]
+    dense = grid.groups("dp_shard")
+    for block in expert_shard:  # each has half of its expert-DP x CP group, inside one dense block
+        assert len(block) == 4 and any(set(block) <= set(d) for d in dense)
+
+
+def test_one_instance_shards_experts_over_all_of_expert_dp():
+    grid = RankGrid(8, ep=2)
+    assert grid.groups("expert_dp_shard") == grid.groups("expert_dp")
+    assert all(len(r) == 1 for r in grid.groups("expert_dp_replicate"))
+
+
+@pytest.mark.parametrize("world, ep, instances", [(4, 4, 2), (8, 4, 4)])
+def test_instances_must_divide_the_expert_data_parallel_size(world, ep, instances):
+    # N divides DP (4, 8) but not DP / EP (1, 2)
+    with pytest.raises(ParallelConfigError, match="--num-distributed-optimizer-instances .* --expert-model-parallel-size"):
+        RankGrid(world, ep=ep, dist_opt_instances=instances)
+
+
+def test_context_parallelism_counts_in_the_expert_data_parallel_size():
+    # DP 2 / EP 2 = 1, but the expert group spans CP 2: two instances of one rank each
+    grid = RankGrid(4, cp=2, ep=2, dist_opt_instances=2)
+    assert grid.groups("expert_dp") == [[0, 1], [2, 3]]
+    assert grid.groups("expert_dp_shard") == [[0], [1], [2], [3]]
