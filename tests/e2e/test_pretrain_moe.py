@@ -18,7 +18,7 @@ import pretrain_gpt
 from megatron_lite.checkpoint import load_gpt_checkpoint
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_weights, _single
 from tests.harness import run_ranks
-from tests.trajectory import Trajectory, assert_same_trajectory
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories, ranks_trajectory
 
 MOE = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -161,3 +161,21 @@ def test_ep_checkpoint_loads_into_one_process(moe_reference, tmp_path):
     assert saved["num_experts"] == 4 and model.config.num_experts == 4
     experts = model.decoder.layers[0].mlp.experts
     assert experts.weight1.shape[0] == 4 and experts.num_local_experts == 4
+
+
+def test_hybrid_sharded_torch_checkpoint_resumes_with_one_instance(tmp_path, moe_reference):
+    """--ckpt-format torch gathers the expert optimizer state inside one instance: a checkpoint saved
+    at EP2 x DP4 with two instances resumes with one (DP4, and DP2 where expert-DP is 1) on the
+    single-process trajectory, and with two instances again bit-identically to the uninterrupted run."""
+    save = str(tmp_path / "hybrid")
+    distopt = MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+    hybrid = distopt + ["--num-distributed-optimizer-instances", "2"]
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, hybrid + ["--exit-interval", str(ITERS // 2)]))
+    dp4, again = ranks_trajectories(4, "pretrain_gpt", [
+        _argv(str(tmp_path / "dp4"), ITERS, distopt + ["--load", save]),
+        _argv(str(tmp_path / "again"), ITERS, hybrid + ["--load", save])])
+    dp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "dp2"), ITERS, distopt + ["--load", save]))
+    straight = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "straight"), ITERS, hybrid))
+    for name, second in (("one instance DP4", dp4), ("one instance DP2", dp2)):
+        assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS, what=name)
+    assert_same_trajectory(first + again, straight, rtol=0)  # bit-identical continuation

@@ -2,7 +2,8 @@
 (stacked grouped-GEMM weights along the global expert axis), each by expert-data-parallel rank 0 of
 its expert-parallel rank, and the distributed optimizer's expert slices by every expert-DP rank. A
 checkpoint saved at EP2 resumes at EP1, EP4 and TP2 with the losses of an uninterrupted
-single-process run (relative 1e-5), optimizer state included; FP8 experts resume too."""
+single-process run (relative 1e-5), optimizer state included; FP8 experts resume too. One saved with
+two distributed-optimizer instances (hybrid sharding) resumes with one, at EP2 and at EP1."""
 
 import pytest
 
@@ -24,7 +25,11 @@ EP = "--expert-model-parallel-size"
     # grouped experts (stacked weights [E_local, ...]); plain optimizer
     (MOE + ["--moe-grouped-gemm"], 2, [EP, "2"],
      [(4, [EP, "4"]), (2, [EP, "1", "--tensor-model-parallel-size", "2", "--sequence-parallel"])]),
-], ids=["sequential_ep2dp2_distopt", "grouped_ep2"])
+    # hybrid sharding: expert state over one expert-DP rank per instance, two instances; resumed without
+    # it at the same layout and at EP1 x DP2
+    (MOE, 4, [EP, "2", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     [(4, [EP, "2", "--use-distributed-optimizer"]), (2, [EP, "1", "--use-distributed-optimizer"])]),
+], ids=["sequential_ep2dp2_distopt", "grouped_ep2", "hybrid_ep2dp4x2"])
 def test_ep2_torch_dist_checkpoint_resumes_at_ep1_ep4_and_tp2(tmp_path, model, save_world, save_flags, resumes):
     src = str(tmp_path / "src")
     whole = run_script("pretrain_gpt", _argv(str(tmp_path / "whole"), ITERS, model))
