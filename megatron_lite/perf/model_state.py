@@ -33,6 +33,8 @@ With the distributed optimizer, hybrid sharding over N instances (``--num-distri
 instances``) shards over d/N ranks only, and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
 host gradient copy per offloaded element: bf16 ``optim`` device ``6 + (1-f) 12N/d``, host ``16fN/d``.
+Expert parameters (MoE) shard over the expert-data-parallel ranks instead: d/EP (and d/(EP x N)
+with hybrid sharding, which cuts that group into the same N instances).
 
 :func:`measured_model_state_bytes` counts what a built model and optimizer actually hold, for a
 test to compare with the formula.
@@ -145,23 +147,43 @@ def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
     return {part: _storage_bytes(tensors) for part, tensors in model_state_tensors(chunks, optimizer).items()}
 
 
+def formula_model_state_bytes(config, chunks, dp_cp: int) -> tuple[Fraction, Fraction]:
+    """(device, host) bytes the formula gives this rank for the run's flags and parameters: frozen
+    ones hold their weight, dense ones shard over ``dp_cp`` (data x context parallel, without hybrid
+    sharding), expert ones (``allreduce=False``) over the expert-data-parallel ranks ``dp_cp / EP``;
+    both over one of the ``--num-distributed-optimizer-instances``."""
+    p, o = config.parallel, config.optim
+    strategy, dtype = p.data_parallel_sharding_strategy, config.precision.params_dtype
+    kw = dict(instances=p.num_distributed_optimizer_instances,
+              offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
+    params = [q for c in chunks for q in c.parameters()]
+    frozen = sum(q.numel() for q in params if not q.requires_grad)
+    expert = sum(q.numel() for q in params if q.requires_grad and not getattr(q, "allreduce", True))
+    dense = sum(q.numel() for q in params) - frozen - expert
+    device, host = model_state_bytes_with_frozen(dtype, strategy, dp_cp, frozen=frozen, trainable=dense, **kw)
+    if expert:
+        e_device, e_host = model_state_bytes_split(dtype, strategy, dp_cp // p.expert_model_parallel_size, **kw)
+        device, host = device + expert * e_device, host + expert * e_host
+    return device, host
+
+
 def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
     """One line: the bytes per parameter this rank holds (measured) next to the formula for the
-    run's data-parallel sharding strategy; ``dp_cp`` is the size of the
-    group the optimizer shards over without hybrid sharding (data x context parallel)."""
+    run's data-parallel sharding strategy (:func:`formula_model_state_bytes`); ``dp_cp`` is the size
+    of the group the optimizer shards over without hybrid sharding (data x context parallel)."""
     p, o = config.parallel, config.optim
-    strategy = p.data_parallel_sharding_strategy
     instances = p.num_distributed_optimizer_instances
     fraction = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
-    n = sum(q.numel() for c in chunks for q in c.parameters())
-    frozen = sum(q.numel() for c in chunks for q in c.parameters() if not q.requires_grad)
+    params = [q for c in chunks for q in c.parameters()]
+    n = sum(q.numel() for q in params)
+    frozen = sum(q.numel() for q in params if not q.requires_grad)
+    expert = sum(q.numel() for q in params if q.requires_grad and not getattr(q, "allreduce", True))
     per = {k: v / max(n, 1) for k, v in measured_model_state_bytes(chunks, optimizer).items()}
     line = (f"model state on this rank, bytes per parameter ({n:,} params): params {per['params']:.2f} + grads "
             f"{per['grads']:.2f} + optimizer {per['optimizer']:.2f} = device "
             f"{per['params'] + per['grads'] + per['optimizer']:.2f}; optimizer on CPU {per['optimizer_cpu']:.2f}")
-    device, host = model_state_bytes_with_frozen(config.precision.params_dtype, strategy, dp_cp, frozen=frozen,
-                                                 trainable=n - frozen, instances=instances, offload_fraction=fraction)
-    device, host = device / max(n, 1), host / max(n, 1)
+    device, host = (v / max(n, 1) for v in formula_model_state_bytes(config, chunks, dp_cp))
     what = f", {frozen:,} of them frozen" if frozen else ""
-    return (line + f" | formula for {strategy} (d={dp_cp}, instances {instances}, offload {fraction:g}{what}): "
-            f"device {float(device):.2f}, CPU {float(host):.2f}")
+    what += f", {expert:,} expert params at d={dp_cp // p.expert_model_parallel_size}" if expert else ""
+    return (line + f" | formula for {p.data_parallel_sharding_strategy} (d={dp_cp}, instances {instances}, "
+            f"offload {fraction:g}{what}): device {float(device):.2f}, CPU {float(host):.2f}")

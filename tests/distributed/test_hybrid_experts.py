@@ -7,10 +7,12 @@ with the distributed optimizer. With 2 instances the expert buckets shard over o
 Checked: each bucket's group and replicate group sizes, the shard this rank owns (its length and
 values: the reference gradient averaged over DP, within rtol 1e-5), that the pieces of every
 instance cover each parameter exactly once, and the optimizer's grad norm against the norm of the
-whole model's gradient (each EP rank's expert once, the dense weights once) within rtol 1e-5.
+whole model's gradient (each EP rank's expert once, the dense weights once) within rtol 1e-5; and
+the model-state bytes this rank holds against the memory model's formula, exactly.
 """
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megatron_lite.perf.model_state import formula_model_state_bytes, measured_model_state_bytes
 from tests.distributed.test_data_parallel import IN, OUT, _batch, _loss, _WithExpert
 from tests.harness import cached_state, run_ranks
 
@@ -44,7 +47,9 @@ def check_expert_shards(instances):
     model = DistributedDataParallel(_WithExpert(state.ep_rank), state, bucket_size=16)
     cfg = Config()
     cfg.parallel.use_distributed_optimizer = True
+    cfg.parallel.data_parallel_sharding_strategy = "optim"
     cfg.parallel.num_distributed_optimizer_instances = instances
+    cfg.parallel.expert_model_parallel_size = 2
     optimizer = build_optimizer(cfg, [model], state)
     sizes = set()
     for bucket in model.buckets:
@@ -69,6 +74,12 @@ def check_expert_shards(instances):
         torch.testing.assert_close(piece.grad(), want, rtol=1e-5, atol=1e-7)
         owned.setdefault(name, []).append((piece.lo, piece.hi))
     torch.testing.assert_close(optimizer._grad_norm(), norm, rtol=1e-5, atol=0)
+    # the memory model: dense state over 4 / N ranks, expert state over 2 / N (no bucket needs padding)
+    optimizer.step()  # Adam's moments exist from the first step on
+    got = measured_model_state_bytes([model], optimizer)
+    device, host = formula_model_state_bytes(cfg, [model], 4)
+    assert (got["params"] + got["grads"] + got["optimizer"], got["optimizer_cpu"]) == (device, host), got
+    assert device == 44 * 8 + 28 * Fraction(12 * instances, 4) + 16 * Fraction(12 * instances, 2)
     return owned
 
 
