@@ -25,7 +25,8 @@ others' results can be discarded): it gathers the shards into the same format
 ``load_state_dict`` needs no communication: each rank takes its slices from the full state.
 
 Hybrid sharding (``--num-distributed-optimizer-instances``) needs nothing here: the buckets' group
-is then the shard group, so pieces, all-gathers and the grad norm follow it. With
+is then the shard group (expert buckets: one instance of the expert-data-parallel group), so pieces,
+all-gathers and the grad norm follow it. With
 ``--optimizer-cpu-offload`` part of the pieces move to the host (optim/cpu_offload.py); the
 checkpoint format does not change.
 The same class serves the sharded-gradient strategies (``optim_grads``, ``optim_grads_params``):
