@@ -58,6 +58,10 @@ def moe_reference(tmp_path_factory):
         ("ep2_dp4_hybrid", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                     "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
                                     "--ddp-bucket-size", "3000"]),
+        # DP 2 x CP 2 / EP 2: the expert-DP x CP group is one CP pair, so its instances split CP
+        # (the expert blocks are not inside the dense blocks: still one sum over all ranks)
+        ("ep2_cp2_hybrid", 4, "A", CP2 + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                          "--num-distributed-optimizer-instances", "2"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_per_token", 2, "P", ["--expert-model-parallel-size", "2"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
