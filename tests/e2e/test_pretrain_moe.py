@@ -57,7 +57,7 @@ def moe_reference(tmp_path_factory):
         # ranks, each all-reduced across the 2 instances (small overlapped buckets: several of each kind)
         ("ep2_dp4_hybrid", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                     "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
-                                    "--ddp-bucket-size", "3000"]),
+                                    "--overlap-param-gather", "--ddp-bucket-size", "3000"]),
         # DP 2 x CP 2 / EP 2: the expert-DP x CP group is one CP pair, so its instances split CP
         # (the expert blocks are not inside the dense blocks: still one sum over all ranks)
         ("ep2_cp2_hybrid", 4, "A", CP2 + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
