@@ -14,8 +14,9 @@ Squared norms are summed locally in fp32, expert ones over the expert-parallel g
 over the model-parallel (TP x PP) group (:func:`grad_norm_squared`, shared with the distributed
 optimizer, which also sums over its shard group: data x context parallel, or one instance of it
 with hybrid sharding; for expert parameters expert-data x context parallel, or one instance of it:
-the other instances hold the same pieces, so each expert gradient counts once). Clipping scales every gradient (duplicates included) by
-``max_norm / (norm + 1e-6)`` when that is below 1, exactly like ``torch.nn.utils.clip_grad_norm_``.
+the other instances hold the same pieces, so each expert gradient counts once). Clipping scales
+every gradient (duplicates included) by ``max_norm / (norm + 1e-6)`` when that is below 1, exactly
+like ``torch.nn.utils.clip_grad_norm_``.
 Gradients are read from ``param.main_grad`` when present (DistributedDataParallel), else ``.grad``.
 """
 
