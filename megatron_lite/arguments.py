@@ -129,12 +129,13 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
             if not f.metadata.get("cli", True):
                 continue
             flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))  # a few Megatron flags keep an underscore
+            flags = [flag, *f.metadata.get("aliases", ())]  # Megatron-LM's second spellings
             kind = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             default = f.metadata.get("cli_default", default)  # --train-iters: unset, so that a clash is seen
             kwargs = dict(dest=f"{section}.{f.name}", default=default, help=_help(docs.get(f.name, ""), default, kind))
             if kind is bool:  # on by default: --no-<flag> turns it off
-                group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction if default else "store_true", **kwargs)
                 continue
             if typing.get_origin(kind) is not list:  # ``X | None`` -> X; a plain ``list[X]`` stays whole
                 kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
@@ -147,7 +148,7 @@ def build_parser(description: str = "", extra_sections: dict | None = None) -> a
                 kwargs["choices"] = CHOICES[f.name]
             else:  # "--num-layers N", not the internal destination "--num-layers MODEL.NUM_LAYERS"
                 kwargs["metavar"] = f.metadata.get("metavar", METAVARS.get(base, "VALUE"))
-            group.add_argument(flag, **kwargs)
+            group.add_argument(*flags, **kwargs)
     return parser
 
 

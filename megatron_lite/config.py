@@ -254,10 +254,11 @@ class OptimizerConfig:
     """With --optimizer-cpu-offload: the fraction of this rank's optimizer shard kept on the CPU."""
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """With --optimizer-cpu-offload on a GPU: copy gradients and params on a side stream."""
-    override_opt_param_scheduler: bool = field(default=False, metadata={"flag": "--override-opt_param-scheduler"})
+    override_opt_param_scheduler: bool = field(default=False, metadata={
+        "flag": "--override-opt_param-scheduler", "aliases": ("--override-opt-param-scheduler",)})
     """On resume, use this run's learning-rate flags even where the checkpoint's schedule differs."""
-    use_checkpoint_opt_param_scheduler: bool = field(default=False,
-                                                     metadata={"flag": "--use-checkpoint-opt_param-scheduler"})
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata={
+        "flag": "--use-checkpoint-opt_param-scheduler", "aliases": ("--use-checkpoint-opt-param-scheduler",)})
     """On resume, continue the checkpoint's learning-rate schedule whatever this run's flags say."""
 
 
@@ -305,7 +306,7 @@ class CheckpointConfig:
     """Folder to save checkpoints to."""
     load: str | None = None
     """Folder to load a checkpoint from."""
-    save_interval: int | None = None
+    save_interval: int | None = field(default=None, metadata={"aliases": ("--persistent-save-interval",)})
     """Save every this many steps."""
     no_load_optim: bool = False
     """Do not load optimizer state."""

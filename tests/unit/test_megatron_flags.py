@@ -183,3 +183,14 @@ def test_every_flag_of_megatron_lms_example_recipes_is_ours_or_explained():
     ours = set(training_parser("pretrain_gpt.py")._option_string_actions)
     unexplained = [f for f in RECIPE_FLAGS if f not in ours and f not in REFUSED]
     assert not unexplained, f"add to megatron_lite/megatron_flags.py: {unexplained}"
+
+
+@pytest.mark.parametrize("alias, field_name, value", [
+    (["--override-opt-param-scheduler"], "override_opt_param_scheduler", True),
+    (["--use-checkpoint-opt-param-scheduler"], "use_checkpoint_opt_param_scheduler", True),
+    (["--persistent-save-interval", "7"], "save_interval", 7),
+])
+def test_megatron_second_spellings_set_the_same_field(alias, field_name, value):
+    """Megatron-LM takes these flags under two names; both set the one field here."""
+    ns = build_parser().parse_args(BASE + alias)
+    assert [v for k, v in vars(ns).items() if k.endswith("." + field_name)] == [value]
