@@ -214,9 +214,22 @@ def _prefix(result, end: int):
     return Generation(result.tokens[:end], result.prompt_length, result.log_probs[:end - 1])
 
 
+def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
+    """The generated text and whether a stop string ended it, as generation meets the stop strings
+    (and the stream cuts them): the first generated token whose text completes one ends the text
+    before it (the earliest of those it completes). The engine generates on past that point, and a
+    longer stop string that began earlier may complete in that later text; it does not count."""
+    text, stopped = cut_at_stop(continuation_text(tokenizer, result), stops)
+    for end in range(result.prompt_length + 1, len(result.tokens) + 1) if stopped else ():
+        part, found = cut_at_stop(continuation_text(tokenizer, _prefix(result, end)), stops)
+        if found:
+            return part, True
+    return text, stopped
+
+
 def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
     """The choice, and how many generated tokens it returns (those before a stop string)."""
-    text, stopped = cut_at_stop(continuation_text(tokenizer, result), job.stops)
+    text, stopped = _stop_text(tokenizer, result, job.stops)
     end = result.prompt_length  # keep the log-probs of the generated tokens whose text lies before the cut
     while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
         end += 1

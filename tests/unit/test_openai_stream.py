@@ -81,6 +81,24 @@ def test_streamed_completions_join_to_the_answer(app, extra):
         assert any(c["finish_reason"] == "stop" for c in want["choices"])  # the test holds a stop string
 
 
+def test_a_stop_string_ends_the_text_where_generation_meets_it(app):
+    """Greedy, the prompts continue ' 98 12 ...' and ' 31 31 ...'. The token '98' completes the stop string
+    '8', so the text is ' 9', streamed or not; '98 12' begins earlier but completes only at the next token,
+    which the engine generates on past the stop (it was the non-streamed cut, ' ', so the streamed pieces
+    did not join to the answer). Likewise '1' in '31' ends the second choice before '31 31'."""
+    client = app.test_client()
+    request = {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "stop": ["98 12", "8", "31 31", "1"]}
+    plain = client.post("/v1/completions", json={**request, "stop": None}).get_json()["choices"]
+    assert [c["text"][:6] for c in plain] == [" 98 12", " 31 31"]  # what the stop strings are chosen for
+    want = client.post("/v1/completions", json={**request, "logprobs": 0}).get_json()
+    assert [c["text"] for c in want["choices"]] == [" 9", " 3"]
+    assert [c["finish_reason"] for c in want["choices"]] == ["stop", "stop"]
+    assert [c["logprobs"]["tokens"] for c in want["choices"]] == [["98"], ["31"]]  # the tokens that reach the cut
+    assert want["usage"]["completion_tokens"] == 2
+    got = events(client.post("/v1/completions", json={**request, "stream": True}))
+    assert joined(got[:-1]) == {0: " 9", 1: " 3"}
+
+
 def test_streamed_chat_sends_the_role_then_content_deltas(app):
     client = app.test_client()
     request = {"messages": [{"role": "user", "content": "5 17"}], "max_tokens": 9, "temperature": 0, "stop": "4"}
