@@ -226,10 +226,12 @@ def args_summary(config: Config) -> str:
     p, t = config.parallel, config.training
     micro_batches = t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
     cp = f"CP {p.context_parallel_size} x " if p.context_parallel_size > 1 else ""  # world = TP x PP x CP x DP
+    trained = micro_batches * t.micro_batch_size * config.data_parallel_size  # < G: --decrease-batch-size-if-needed
+    rounded = f" rounded down to {trained}" if trained != t.global_batch_size else ""
     return (
         f"arguments valid for world size {config.world_size}: TP {p.tensor_model_parallel_size} x "
         f"PP {p.pipeline_model_parallel_size} x {cp}DP {config.data_parallel_size}, global batch "
-        f"{t.global_batch_size} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
+        f"{t.global_batch_size}{rounded} = micro-batch {t.micro_batch_size} x {micro_batches} micro-batches x "
         f"DP {config.data_parallel_size}"
         + (f", ramped up from {t.rampup_batch_size[0]} by {t.rampup_batch_size[1]} over {t.rampup_batch_size[2]} "
            f"samples ({t.train_iters} iterations)" if t.rampup_batch_size else "")

@@ -124,3 +124,13 @@ def test_the_check_args_summary_names_the_ramp():
     config = parse_args(BASE + ["--train-samples", "40", "--rampup-batch-size", "2", "2", "10"], world_size=1)
     assert args_summary(config).endswith("x DP 1, ramped up from 2 by 2 over 10 samples (7 iterations)")
     assert "ramped" not in args_summary(parse_args(BASE, world_size=1))
+
+
+def test_the_check_args_summary_of_a_rounded_down_batch_adds_up():
+    """--decrease-batch-size-if-needed with a global batch of 7 at micro-batch 2 trains 6 a step; the
+    summary said 'global batch 7 = micro-batch 2 x 3 micro-batches x DP 1' (2 x 3 x 1 is 6)."""
+    from megatron_lite.arguments import args_summary
+
+    config = parse_args(BASE[:-1] + ["7", "--decrease-batch-size-if-needed"], world_size=1)
+    assert "global batch 7 rounded down to 6 = micro-batch 2 x 3 micro-batches x DP 1" in args_summary(config)
+    assert "rounded" not in args_summary(parse_args(BASE, world_size=1))
