@@ -12,8 +12,9 @@ The step's micro-batch count is that batch over ``micro-batch-size x data-parall
 batch of the ramp must divide evenly, or ``--decrease-batch-size-if-needed`` rounds each batch down
 to a multiple); consumed samples, the sample-counted learning-rate schedule and the logged
 ``global batch size`` all advance by the batch actually trained on. Validation always runs full
-global batches of G. The ramp needs ``--train-samples``: the run's iterations are the ramp's steps
-(counted in full, as Megatron-LM counts them) plus ``(train-samples - samples the ramp took) // G``.
+global batches of G (rounded down likewise with ``--decrease-batch-size-if-needed``). The ramp
+needs ``--train-samples``: the run's iterations are the ramp's steps (counted in full, as
+Megatron-LM counts them) plus ``(train-samples - samples the ramp took) // G``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def num_microbatches(config) -> int:
     """Micro-batches of a full global batch (``--global-batch-size``) on each data-parallel rank."""
     t = config.training
     return t.global_batch_size // (t.micro_batch_size * config.data_parallel_size)
+
+
+def validation_batch(config) -> int:
+    """Samples one validation iteration reads: :func:`num_microbatches` micro-batches on every
+    data-parallel rank, so ``--global-batch-size`` rounded down with ``--decrease-batch-size-if-needed``."""
+    return num_microbatches(config) * config.training.micro_batch_size * config.data_parallel_size
 
 
 class BatchSchedule:

@@ -45,7 +45,7 @@ from ..perf.host_memory import retain_freed_host_memory
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import describe_fp8_path, update_fp8_scales
-from .batch_rampup import StepBatches, num_microbatches
+from .batch_rampup import StepBatches, num_microbatches, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
@@ -394,6 +394,6 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
         state, device = setup(config)
         built = _build(config, state, device, model_provider)
         t = config.training  # validation resumes where an uninterrupted run's would be
-        consumed_valid = consumed_valid_samples(built.iteration, t.global_batch_size, t.eval_interval, t.eval_iters)
+        consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval, t.eval_iters)
         train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
         return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()

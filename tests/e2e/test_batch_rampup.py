@@ -105,3 +105,17 @@ def test_decrease_batch_size_if_needed_trains_the_rounded_batches(capsys):
     steps = _steps(capsys.readouterr().out)
     assert [s[3] for s in steps] == [2, 2, 4, 6, 6] and [s[1] for s in steps] == [2, 4, 8, 14, 20]
     assert result.iteration == 5 and result.consumed_samples == 20
+
+
+def test_a_resumed_run_validates_on_the_rounded_down_batches_the_whole_run_would(tmp_path):
+    """--decrease-batch-size-if-needed, global batch 7 at micro-batch 2: each validation iteration reads 6
+    samples. A run resumed at iteration 2 started its validation data at 7 per iteration read so far (the
+    unrounded batch), so its validation at iteration 4 read other samples than the uninterrupted run's."""
+    argv = BASE + ["--global-batch-size", "7", "--decrease-batch-size-if-needed", "--train-iters", "4",
+                   "--eval-interval", "2", "--eval-iters", "1"]
+    whole = pretrain_gpt.main(argv)
+    first = pretrain_gpt.main(argv + ["--save", str(tmp_path / "part"), "--exit-interval", "2"])
+    rest = pretrain_gpt.main(argv + ["--load", str(tmp_path / "part")])
+    assert Trajectory.of(first) + Trajectory.of(rest) == Trajectory.of(whole)  # the same weights throughout
+    assert [it for it, _ in whole.validation] == [2, 4]
+    assert first.validation + rest.validation == whole.validation  # bit for bit, on the same samples
