@@ -102,10 +102,10 @@ ENTRIES = (
     ("--train-sync-interval", "the CPU waits for the device at the step's own synchronisation points", DROP),
     ("--check-weight-hash-across-dp-replicas-interval", "weights are not hashed across data-parallel replicas",
      DROP),
-    ("--skip-train", "there is no switch for an evaluation-only run, but a run resumed at or past its "
-     "--train-iters trains no step and runs validation (--eval-iters batches; no test split)",
-     "drop it and set --train-iters to the iteration of the checkpoint at --load (else the run trains), with "
-     "--use-checkpoint-opt_param-scheduler; or use tools/evaluate.py"),
+    ("--skip-train", "there is no evaluation-only switch: without it the run trains up to --train-iters",
+     "use tools/evaluate.py (a checkpoint's perplexity on a dataset), or resume with --train-iters at the "
+     "checkpoint's iteration, --use-checkpoint-opt_param-scheduler and an --eval-interval that does not divide "
+     "it (one validation pass, no step)"),
     ("--test-mode", "Megatron-LM's in-run test hooks are not implemented", DROP),
     ("--full-validation --multiple-validation-sets", "validation runs --eval-iters batches of the one "
      "validation split", "use --eval-iters"),
