@@ -23,10 +23,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .api_logprobs import covered, logprobs_object, prefix
 from .api_megatron import continuation_text
 from .api_stream import cut_at_stop
 from .chat import chat_prompt
-from .engine import Generation
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
 from .sampling import SamplingParams
 
@@ -55,7 +55,10 @@ class OpenAIJob:
     include_usage: bool = False
     """stream_options.include_usage: the stream's last chunk carries the usage."""
     n: int = 1
-    """Completions per prompt: ``prompts`` holds each prompt ``n`` times in a row."""
+    """Completions per prompt returned."""
+    best_of: int = 1
+    """Completions per prompt generated (at least ``n``; ``prompts`` holds each prompt this many times
+    in a row): the ``n`` with the highest cumulative log-prob are returned."""
 
 
 def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -89,14 +92,18 @@ def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
 
 
 def _copies(body, job: OpenAIJob) -> OpenAIJob:
-    """``job`` asking for ``n`` completions of each prompt: each prompt ``n`` times in a row in one
-    batch (choice ``i * n + j`` is prompt i's j-th, as OpenAI numbers them); ``best_of`` must be n."""
+    """``job`` asking for ``n`` completions of each prompt, the best of ``best_of`` (default n): each
+    prompt ``best_of`` times in a row in one batch (choice ``i * n + j`` is prompt i's j-th, as OpenAI
+    numbers them)."""
     job.n = get_int(body, "n", 1, low=1, high=MAX_BATCH)
-    if get_int(body, "best_of", job.n, low=1) != job.n:
-        raise RequestError("best_of must equal n: ranking best_of samples and returning the n best is not supported")
-    if len(job.prompts) * job.n > MAX_BATCH:
-        raise RequestError(f"n x prompts is {len(job.prompts) * job.n}; at most {MAX_BATCH} completions per request")
-    job.prompts = [p for p in job.prompts for _ in range(job.n)]
+    job.best_of = get_int(body, "best_of", job.n, low=1, high=MAX_BATCH)
+    if job.best_of < job.n:
+        raise RequestError(f"best_of must be at least n ({job.n}), got {job.best_of}")
+    if len(job.prompts) * job.best_of > MAX_BATCH:
+        what = "n" if job.best_of == job.n else "best_of"
+        raise RequestError(f"{what} x prompts is {len(job.prompts) * job.best_of}; "
+                           f"at most {MAX_BATCH} completions per request")
+    job.prompts = [p for p in job.prompts for _ in range(job.best_of)]
     return job
 
 
@@ -109,8 +116,10 @@ def _streaming(body, job: OpenAIJob) -> OpenAIJob:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError("stream_options must be an object with only include_usage (a boolean)")
     job.include_usage = get_bool(options, "include_usage", False)
+    if job.stream and job.best_of > job.n:
+        raise RequestError("best_of > n cannot be streamed (the best are known only at the end); drop stream or best_of")
     if job.stream and job.logprobs is not None:
-        raise RequestError("logprobs with stream=true is not supported; ask without streaming for log-probs")
+        job.params.step_log_probs = True  # the engine hands out each step's log-probs with its tokens
     return job
 
 
@@ -188,32 +197,6 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
     return _streaming(body, _copies(body, job))
 
 
-def _logprobs(result, tokenizer, echo: bool, start_offset: int, end: int, chat: bool) -> dict:
-    """OpenAI's logprobs object of the tokens ``[first, end)`` (first: 0 with echo, else the first new one)."""
-    first = 0 if echo else result.prompt_length
-    tokens = result.tokens[first:end]
-    strings = [tokenizer.detokenize([t]) for t in tokens]
-    values = [None if i == 0 else result.log_probs[i - 1] for i in range(first, end)]
-    tops = None
-    if result.top_log_probs is not None:
-        tops = [None if i == 0 else {tokenizer.detokenize([t]): v for t, v in result.top_log_probs[i - 1]}
-                for i in range(first, end)]
-    if chat:
-        return {"content": [{"token": s, "logprob": v, "top_logprobs": [
-            {"token": k, "logprob": p} for k, p in (tops[j] or {}).items()] if tops else []}
-            for j, (s, v) in enumerate(zip(strings, values))]}
-    offsets, pos = [], start_offset
-    for s in strings:
-        offsets.append(pos)
-        pos += len(s)
-    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _prefix(result, end: int):
-    """``result`` cut to its first ``end`` tokens (for decoding a part of the generated text)."""
-    return Generation(result.tokens[:end], result.prompt_length, result.log_probs[:end - 1])
-
-
 def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
     """The generated text and whether a stop string ended it, as generation meets the stop strings
     (and the stream cuts them): the first generated token whose text completes one ends the text
@@ -221,37 +204,51 @@ def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
     longer stop string that began earlier may complete in that later text; it does not count."""
     text, stopped = cut_at_stop(continuation_text(tokenizer, result), stops)
     for end in range(result.prompt_length + 1, len(result.tokens) + 1) if stopped else ():
-        part, found = cut_at_stop(continuation_text(tokenizer, _prefix(result, end)), stops)
+        part, found = cut_at_stop(continuation_text(tokenizer, prefix(result, end)), stops)
         if found:
             return part, True
     return text, stopped
 
 
-def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int]:
-    """The choice, and how many generated tokens it returns (those before a stop string)."""
+def _choice(job: OpenAIJob, index: int, result, tokenizer) -> tuple[dict, int, float]:
+    """The choice, how many generated tokens it returns (those before a stop string), and their
+    cumulative log-prob (what ``best_of`` ranks by)."""
     text, stopped = _stop_text(tokenizer, result, job.stops)
-    end = result.prompt_length  # keep the log-probs of the generated tokens whose text lies before the cut
-    while stopped and end < len(result.tokens) and len(continuation_text(tokenizer, _prefix(result, end))) < len(text):
-        end += 1
+    # keep the log-probs of the generated tokens whose text lies before the cut
+    end = covered(tokenizer, result, result.prompt_length, len(text)) if stopped else len(result.tokens)
     reason = "stop" if stopped or result.finish_reason == "stop" else "length"
-    prefix = job.texts[index // job.n] if job.echo else ""
+    prefix = job.texts[index // job.best_of] if job.echo else ""
     choice = {"index": index, "finish_reason": reason}
-    end = end if stopped else len(result.tokens)
     if job.logprobs is not None:
-        choice["logprobs"] = _logprobs(result, tokenizer, job.echo, 0, end, job.chat)
+        first = 0 if job.echo else result.prompt_length
+        choice["logprobs"] = logprobs_object(result, tokenizer, first, end, job.chat)
     else:
         choice["logprobs"] = None
     if job.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = prefix + text
-    return choice, end - result.prompt_length
+    return choice, end - result.prompt_length, sum(result.log_probs[result.prompt_length - 1:end - 1])
+
+
+def _best(job: OpenAIJob, candidates: list[tuple[dict, int, float]]) -> list[tuple[dict, int, float]]:
+    """Of each prompt's ``best_of`` candidates, the ``n`` with the highest cumulative log-prob, best
+    first (the first generated wins a tie), numbered ``i * n + j``."""
+    kept = []
+    for start in range(0, len(candidates), job.best_of):
+        group = candidates[start:start + job.best_of]
+        kept += sorted(group, key=lambda c: -c[2])[:job.n]  # sorted() is stable: ties keep their order
+    for index, (choice, _, _) in enumerate(kept):
+        choice["index"] = index
+    return kept
 
 
 def openai_response(job: OpenAIJob, results, tokenizer, model_name: str) -> dict:
-    """The answer; ``usage.completion_tokens`` counts the tokens returned (none after a stop string)."""
-    prompt_tokens = sum(r.prompt_length for r in results[::job.n])  # each prompt once, as OpenAI counts
-    choices, counts = zip(*(_choice(job, i, r, tokenizer) for i, r in enumerate(results)))
+    """The answer; ``usage.completion_tokens`` counts the tokens returned (none after a stop string;
+    with ``best_of`` only those of the n choices returned, as vLLM counts)."""
+    prompt_tokens = sum(r.prompt_length for r in results[::job.best_of])  # each prompt once, as OpenAI counts
+    candidates = [_choice(job, i, r, tokenizer) for i, r in enumerate(results)]
+    choices, counts, _ = zip(*(_best(job, candidates) if job.best_of > job.n else candidates))
     completion_tokens = sum(counts)
     return {
         "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",

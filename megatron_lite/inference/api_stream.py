@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 
+from .api_logprobs import ChunkLogprobs
 from .api_megatron import continuation_text
 from .engine import Generation
 
@@ -102,21 +103,30 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
             "model": model_name}
     extra = {"usage": None} if job.include_usage else {}
 
-    def chunk(index: int, text: str | None, reason: str | None = None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, reason: str | None = None, role: bool = False, logprobs=None) -> str:
         choice = {"index": index}
         if chat:
             choice["delta"] = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
         else:
             choice["text"] = text or ""
-        choice |= {"logprobs": None, "finish_reason": reason}
+        choice |= {"logprobs": logprobs, "finish_reason": reason}
         return sse(head | {"choices": [choice]} | extra)
 
     streams = [TextStream(tokenizer, p, job.stops) for p in job.prompts]
+    scores = [ChunkLogprobs(tokenizer, p, chat, job.echo) for p in job.prompts] if job.logprobs is not None else None
     ended = [False] * len(streams)
+    echo = [job.echo and not chat] * len(streams)  # the prompt's chunk is still to come (completions' echo)
+
+    def prompt_chunk(i: int) -> str:  # with log-probs it waits for them: until the choice's first token
+        echo[i] = False
+        return chunk(i, job.texts[i // job.n], logprobs=scores[i].prompt() if scores else None)
+
     try:
         for i in range(len(streams)):
-            if chat or job.echo:
-                yield chunk(i, "" if chat else job.texts[i // job.n], role=chat)
+            if chat:
+                yield chunk(i, "", role=True)
+            elif echo[i] and not scores:
+                yield prompt_chunk(i)
         while True:
             try:
                 new = next(steps)
@@ -124,17 +134,29 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
                 results = end.value
                 break
             for i, token in enumerate(new):
+                if scores:
+                    scores[i].add(new, i, None if ended[i] else token)
                 if token is None or ended[i]:
                     continue
+                if echo[i]:
+                    yield prompt_chunk(i)
                 piece = streams[i].push(token)
                 ended[i] = streams[i].stopped
                 if piece or ended[i]:
-                    yield chunk(i, piece, "stop" if ended[i] else None)
+                    logprobs = scores[i].upto(len(streams[i].sent)) if scores else None
+                    yield chunk(i, piece, "stop" if ended[i] else None, logprobs=logprobs)
         for i, result in enumerate(results):
+            if scores:
+                scores[i].finish(result)
+            if echo[i]:
+                yield prompt_chunk(i)
             if not ended[i]:
                 piece = streams[i].finish(result)
                 reason = "stop" if streams[i].stopped or result.finish_reason == "stop" else "length"
-                yield chunk(i, piece, reason)
+                logprobs = None
+                if scores:
+                    logprobs = scores[i].upto(len(streams[i].sent)) if streams[i].stopped else scores[i].rest()
+                yield chunk(i, piece, reason, logprobs=logprobs)
         if job.include_usage:
             yield sse(head | {"choices": [], "usage": usage(results)})
         yield sse("[DONE]")

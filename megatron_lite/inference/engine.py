@@ -17,7 +17,9 @@ hidden states, runs its layers with its own part of the cache and passes them on
 (its TP rank 0) samples from the gathered logits of the whole vocabulary (so OpenAI's penalties
 and ``logit_bias`` index token ids directly; that rank alone counts the generated tokens the
 penalties need), and the chosen tokens are broadcast to every rank, which feed them to the
-first stage at the next step; the log-probs are broadcast once at the end.
+first stage at the next step; the log-probs are broadcast once at the end, and with
+``SamplingParams.step_log_probs`` also those each step computed, right after its tokens (every
+rank takes part: the followers of a server run the same parameters).
 
 ``SamplingParams.beam_width`` > 0 runs Megatron's beam search over one prompt instead
 (:mod:`.beam`), with the same cache and the same broadcasts.
@@ -65,6 +67,19 @@ class Generation:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_length:]
+
+
+class Step(list):
+    """What :meth:`InferenceEngine.stream` yields after a step: every sequence's new token (None where
+    it is still reading its prompt or has ended). With ``SamplingParams.step_log_probs`` it also holds
+    the log-probs the step computed, positions ``[start, start + len(log_probs[i]))`` of sequence i
+    (each step starts where the one before ended, the first at 0): ``log_probs[i][j]`` is
+    ``log p(tokens[start + j + 1] | tokens[:start + j + 1])`` and ``top_log_probs`` (with
+    ``top_n_logprobs``) its best ``(token, log-prob)`` pairs, as :class:`Generation` holds them."""
+
+    start: int = 0
+    log_probs: list[list[float]] | None = None
+    top_log_probs: list[list[list[tuple[int, float]]]] | None = None
 
 
 class InferenceEngine:
@@ -145,8 +160,8 @@ class InferenceEngine:
 
     def stream(self, prompts: list[list[int]], params: SamplingParams | None = None):
         """:meth:`generate` one decode step at a time: the prompts and parameters are checked now
-        (ValueError), then the generator yields, after each step, every sequence's new token (None
-        where it is still reading its prompt or has ended) and returns the list of
+        (ValueError), then the generator yields, after each step, a :class:`Step` (every sequence's new
+        token, None where it is still reading its prompt or has ended) and returns the list of
         :class:`Generation`. Every rank must run it to the end: each step is a collective."""
         params = params if params is not None else SamplingParams()
         params.check()
@@ -206,8 +221,11 @@ class InferenceEngine:
             if prev == 0:
                 self.timings["prefill_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
+            step = Step(t if e else None for e, t in zip(synced[2:2 + b], synced[2 + b:]))
+            if params.step_log_probs:
+                _step_log_probs(step, self._broadcast(values[:, prev:cur].contiguous()).cpu(), prev, top_n)
             prev = cur
-            yield [t if e else None for e, t in zip(synced[2:2 + b], synced[2 + b:])]
+            yield step
             if done:
                 break
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=cur - int(lengths.min()))
@@ -215,6 +233,14 @@ class InferenceEngine:
         tokens, ends = tokens.cpu(), ends.tolist()
         return [_result(tokens[i, :ends[i]].tolist(), len(prompts[i]), values[i, :ends[i] - 1], top_n,
                         "stop" if stopped[i] else "length") for i in range(b)]
+
+
+def _step_log_probs(step: Step, values: torch.Tensor, start: int, top_n: int) -> None:
+    """``step`` given the log-probs ``values [b, n, 2 + 2 top_n]`` of positions ``[start, start + n)``."""
+    step.start, step.log_probs = start, values[..., 0].tolist()
+    if top_n:
+        ids, best = values[..., 2 + top_n:].long().tolist(), values[..., 2:2 + top_n].tolist()
+        step.top_log_probs = [[list(zip(i, v)) for i, v in zip(row_ids, row)] for row_ids, row in zip(ids, best)]
 
 
 def _scored(results: list[Generation]):

@@ -68,6 +68,9 @@ class SamplingParams:
     """> 0: Megatron's beam search with this many beams over one prompt (:mod:`.beam`); sampling fields unused."""
     length_penalty: float = 1.0
     """Beam search: a hypothesis scores ``sum of its log-probs / (generated length) ** length_penalty``."""
+    step_log_probs: bool = False
+    """Broadcast each decode step's log-probs with its tokens (one more small tensor per step), so the
+    engine's :meth:`~.engine.InferenceEngine.stream` hands them out as they come (streamed ``logprobs``)."""
 
     @property
     def penalized(self) -> bool:

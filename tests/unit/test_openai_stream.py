@@ -1,6 +1,6 @@
 """``"stream": true`` on /v1/completions and /v1/chat/completions (Flask's test client, raw HTTP
 bodies): the text of the server-sent events, joined, is the non-streamed answer of the same greedy or
-seeded request; no part of a stop string and no broken UTF-8 character is ever sent; a client that
+seeded request, and so are their ``logprobs`` entries; no part of a stop string and no broken UTF-8 character is ever sent; a client that
 leaves mid-stream does not leave the engine half-way (every rank must run every step)."""
 
 import json
@@ -10,6 +10,7 @@ import pytest
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.inference.api_stream import TextStream, safe_end
 from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
 from tests.inference_helpers import GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
 
@@ -120,6 +121,84 @@ def test_include_usage_adds_a_last_chunk_with_the_usage(app):
     assert all(c["usage"] is None for c in got[:-2])
 
 
+def streamed_logprobs(chunks, chat=False) -> dict[int, dict]:
+    """Each choice's logprobs entries, its chunks' joined (chat: the content list)."""
+    joined_lp = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            lp = choice["logprobs"]
+            if lp is None:
+                assert chat and choice["delta"].get("role") == "assistant"  # only chat's first chunk has none
+                continue
+            mine = joined_lp.setdefault(choice["index"], {})
+            for key, value in lp.items():
+                mine[key] = mine.get(key, []) + (value or [])
+    return joined_lp
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0, "logprobs": 3}, {"temperature": 0, "logprobs": 0, "echo": True},
+                                   {"temperature": 1.2, "top_k": 8, "seed": 3, "n": 2, "logprobs": 2},
+                                   {"temperature": 0, "logprobs": 1, "stop": ["1", "9 3"], "echo": True},
+                                   {"temperature": 0, "logprobs": 2, "echo": True, "max_tokens": 0}])
+def test_streamed_completion_logprobs_join_to_the_answers(app, extra):
+    """Each chunk carries the entries of the tokens whose text it completes; with echo, the prompt's
+    chunk carries the prompt's. Joined, they are the non-streamed answer's (the same numbers)."""
+    client = app.test_client()
+    request = {"prompt": PROMPTS, "max_tokens": 12, **extra}
+    want = client.post("/v1/completions", json=request).get_json()
+    chunks = events(client.post("/v1/completions", json={**request, "stream": True}))[:-1]
+    got = streamed_logprobs(chunks)
+    assert len(got) == len(want["choices"])
+    for choice in want["choices"]:
+        lp = {key: value or [] for key, value in choice["logprobs"].items()}
+        assert got[choice["index"]] == lp and len(lp["tokens"]) > 0
+    assert joined(chunks) == {c["index"]: c["text"] for c in want["choices"]}
+    for c in chunks:  # a chunk's entries are the tokens of its own text
+        lp = c["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == c["choices"][0]["text"].replace(" ", "") or "stop" in extra
+    if extra.get("max_tokens") != 0:  # entries come as the tokens do, not all in the last chunk
+        assert sum(1 for c in chunks if c["choices"][0]["logprobs"]["tokens"]) > len(want["choices"]) * 2
+
+
+def test_streamed_chat_logprobs_join_to_the_answers(app):
+    client = app.test_client()
+    request = {"messages": [{"role": "user", "content": "5 17"}], "max_tokens": 9, "temperature": 0,
+               "logprobs": True, "top_logprobs": 3, "n": 2}
+    want = client.post("/v1/chat/completions", json=request).get_json()
+    chunks = events(client.post("/v1/chat/completions", json={**request, "stream": True}))[:-1]
+    got = streamed_logprobs(chunks, chat=True)
+    assert {i: g["content"] for i, g in got.items()} == {c["index"]: c["logprobs"]["content"] for c in want["choices"]}
+    assert all(len(e["top_logprobs"]) == 3 for g in got.values() for e in g["content"]) and len(got[0]["content"]) == 9
+
+
+def test_the_engine_hands_out_each_steps_log_probs_only_when_asked(app):
+    """``step_log_probs``: every step's log-probs, joined per sequence, are the final ones (the same numbers);
+    without it the steps carry none."""
+    engine = app.runner.engine
+    prompts = [[5, 17, 42, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    for asked in (True, False):
+        steps = engine.stream(prompts, SamplingParams(tokens_to_generate=7, temperature=1.1, random_seed=2,
+                                                      top_n_logprobs=2, step_log_probs=asked))
+        values, tops = [[], []], [[], []]
+        while True:
+            try:
+                step = next(steps)
+            except StopIteration as end:
+                results = end.value
+                break
+            if not asked:
+                assert step.log_probs is None and step.top_log_probs is None
+                continue
+            assert step.start == len(values[0])
+            for i in range(2):
+                values[i] += step.log_probs[i]
+                tops[i] += step.top_log_probs[i]
+        if asked:
+            for i, result in enumerate(results):
+                assert values[i][:len(result.log_probs)] == result.log_probs
+                assert tops[i][:len(result.log_probs)] == result.top_log_probs
+
+
 def test_a_stop_string_is_never_sent_in_part():
     """Text that could start the stop string '4 1 5' waits ('4', then '4 1') until the next token shows
     whether the whole stop string follows: then the text ends before it, else the held text goes out."""
@@ -162,7 +241,7 @@ def test_an_engine_error_mid_stream_is_an_error_event(app, monkeypatch):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": "1", "stream": True, "logprobs": 1}, "logprobs with stream=true is not supported"),
+    ({"prompt": "1", "stream": True, "n": 2, "best_of": 3}, "best_of > n cannot be streamed"),
     ({"prompt": "1", "stream_options": {"include_usage": True}}, "stream_options needs stream=true"),
     ({"prompt": "1", "stream": True, "stream_options": {"usage": True}}, "stream_options must be an object"),
     ({"prompt": "1", "stream": "yes"}, "stream must be a boolean"),

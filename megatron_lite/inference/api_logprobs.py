@@ -1,0 +1,93 @@
+"""OpenAI's ``logprobs`` objects, for a whole answer and for the chunks of a streamed one.
+
+Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` over the returned
+tokens (with ``echo`` the prompt's first, whose first token has no log-prob: null); chat:
+``{"content": [{"token", "logprob", "top_logprobs"}, ...]}``. A streamed choice hands out the same
+entries chunk by chunk (:class:`ChunkLogprobs`): each chunk carries the tokens whose text it
+completes, and the entries of all its chunks, joined, are the non-streamed answer's.
+"""
+
+from __future__ import annotations
+
+from .api_megatron import continuation_text
+from .engine import Generation
+
+
+def logprobs_object(result: Generation, tokenizer, first: int, end: int, chat: bool, start_offset: int = 0) -> dict:
+    """The logprobs object of ``result``'s tokens ``[first, end)``; ``start_offset``: the text offset of
+    token ``first`` (completions' ``text_offset`` counts each token's own text from the choice's start)."""
+    tokens = result.tokens[first:end]
+    strings = [tokenizer.detokenize([t]) for t in tokens]
+    values = [None if i == 0 else result.log_probs[i - 1] for i in range(first, end)]
+    tops = None
+    if result.top_log_probs is not None:
+        tops = [None if i == 0 else {tokenizer.detokenize([t]): v for t, v in result.top_log_probs[i - 1]}
+                for i in range(first, end)]
+    if chat:
+        return {"content": [{"token": s, "logprob": v, "top_logprobs": [
+            {"token": k, "logprob": p} for k, p in (tops[j] or {}).items()] if tops else []}
+            for j, (s, v) in enumerate(zip(strings, values))]}
+    offsets, pos = [], start_offset
+    for s in strings:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def covered(tokenizer, result: Generation, start: int, length: int) -> int:
+    """The fewest tokens, at least ``start``, whose generated text (decoded in context) is at least
+    ``length`` characters long: those holding the first ``length`` characters of the text."""
+    end = start
+    while end < len(result.tokens) and len(continuation_text(tokenizer, prefix(result, end))) < length:
+        end += 1
+    return end
+
+
+def prefix(result: Generation, end: int) -> Generation:
+    """``result`` cut to its first ``end`` tokens (for decoding a part of the generated text)."""
+    return Generation(result.tokens[:end], result.prompt_length, result.log_probs[:end - 1])
+
+
+class ChunkLogprobs:
+    """One streamed choice's logprobs objects, one per chunk (see the module docstring)."""
+
+    def __init__(self, tokenizer, prompt: list[int], chat: bool, echo: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.result = Generation(list(prompt), len(prompt), [], top_log_probs=None)
+        self.given = 0 if echo else len(prompt)  # tokens whose entries were handed out
+        self.offset = 0
+
+    def add(self, step, i: int, token: int | None) -> None:
+        """Take the log-probs sequence ``i`` got in the engine's ``step`` (a :class:`~.engine.Step`),
+        and its new ``token``."""
+        if step.log_probs is None:
+            raise RuntimeError("the engine was not asked for each step's log-probs (SamplingParams.step_log_probs)")
+        self.result.log_probs += step.log_probs[i]
+        if step.top_log_probs is not None:
+            self.result.top_log_probs = (self.result.top_log_probs or []) + step.top_log_probs[i]
+        if token is not None:
+            self.result.tokens.append(token)
+
+    def finish(self, result: Generation) -> None:
+        """Use the engine's final ``result`` (the same values) for what is left."""
+        self.result = result
+
+    def prompt(self) -> dict:
+        """The prompt's entries (``echo``)."""
+        return self.take(self.result.prompt_length)
+
+    def upto(self, length: int) -> dict:
+        """The entries of the generated tokens holding the first ``length`` characters of the text."""
+        start = max(self.given, self.result.prompt_length)
+        return self.take(covered(self.tokenizer, self.result, start, length))
+
+    def rest(self) -> dict:
+        return self.take(len(self.result.tokens))
+
+    def take(self, end: int) -> dict:
+        """The entries of the tokens from the last one handed out to ``end`` (exclusive)."""
+        end = max(end, self.given)
+        out = logprobs_object(self.result, self.tokenizer, self.given, end, self.chat, self.offset)
+        self.offset += sum(len(self.tokenizer.detokenize([t])) for t in self.result.tokens[self.given:end])
+        self.given = end
+        return out
