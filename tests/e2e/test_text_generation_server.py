@@ -5,8 +5,9 @@ One process: the server runs in a thread on a free localhost port over a saved c
 (tokens equal, log-probs within 1e-5 relative to the largest), batched prompts, log-probs and
 seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
 server keeps serving; beam search answers Megatron's text, segments and scores. Under torchrun, a TP2 server answers the same as one process and every rank
-exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text, and a client
-leaving mid-stream leaves every rank serving.
+exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text and log-probs
+(each step's broadcast to every rank), best_of picks the same choices, and a client leaving
+mid-stream leaves every rank serving.
 """
 
 import json
@@ -341,6 +342,29 @@ def _read_until_serving(proc, timeout_s=420):
     raise AssertionError("the server did not start:\n" + "".join(lines[-40:]))
 
 
+def _streamed_logprobs_match(address, url):
+    """A streamed request's chunk logprobs, joined per choice, are the TP2 server's non-streamed ones
+    (the same numbers) and the one-process server's (1e-5): greedy with echo, and seeded samples."""
+    for request in ({"prompt": PROMPTS, "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": True},
+                    {"prompt": PROMPTS[1], "max_tokens": 5, "n": 2, "temperature": 1.3, "seed": 3, "logprobs": 1}):
+        whole = httpx.post(address + "/v1/completions", json=request, timeout=120).json()["choices"]
+        alone = httpx.post(url + "/v1/completions", json=request).json()["choices"]
+        streamed = httpx.post(address + "/v1/completions", json={**request, "stream": True}, timeout=120).text
+        joined = {}
+        for block in streamed.split("\n\n"):
+            if block.startswith("data: {"):
+                for c in json.loads(block[len("data: "):])["choices"]:
+                    mine = joined.setdefault(c["index"], {})
+                    for key, value in c["logprobs"].items():
+                        mine[key] = mine.get(key, []) + (value or [])
+        assert len(joined) == len(whole) == len(alone)
+        for c, one in zip(whole, alone):
+            assert joined[c["index"]] == {key: value or [] for key, value in c["logprobs"].items()}
+            assert c["logprobs"]["tokens"] == one["logprobs"]["tokens"] and len(c["logprobs"]["tokens"]) >= 5
+            assert_close(torch.tensor(c["logprobs"]["token_logprobs"][1:]),
+                         torch.tensor(one["logprobs"]["token_logprobs"][1:]))
+
+
 def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
     url = server[0]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -367,6 +391,11 @@ def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
                               timeout=120).text
         chunks = [json.loads(b[len("data: "):]) for b in streamed.split("\n\n") if b.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+        _streamed_logprobs_match(address, url)
+        best = {"prompt": PROMPTS, "n": 2, "best_of": 3, "max_tokens": 5, "temperature": 1.3, "seed": 7}
+        got = httpx.post(address + "/v1/completions", json=best, timeout=120).json()["choices"]
+        alone = httpx.post(url + "/v1/completions", json=best).json()["choices"]
+        assert [c["text"] for c in got] == [c["text"] for c in alone] and len(got) == 4
         with httpx.stream("POST", address + "/v1/completions", timeout=120,  # leave after the first event
                           json={"prompt": PROMPTS[1], "max_tokens": 60, "stream": True}) as r:
             next(r.iter_lines())
