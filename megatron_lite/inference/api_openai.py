@@ -7,14 +7,17 @@ log-prob and the n best at every position), ``echo`` (false: include the prompt 
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
 ``stream`` (false; server-sent events, see :mod:`.api_stream`) with ``stream_options``, and
 ``n`` (1: completions per prompt, sampled independently in one batch; greedy gives n equal
-ones), ``best_of`` (n; no other value), and ``model``, ``user`` accepted; a field set to
+ones), ``best_of`` (n: samples per prompt, at least n, of which the n with the highest cumulative
+log-prob are returned; not with ``stream``), and ``model``, ``user`` accepted; a field set to
 ``null`` takes its default, as in OpenAI's API. Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
 (absent: 256, or what the model's context leaves after the prompt when that is less).
 ``presence_penalty`` and ``frequency_penalty`` (0, in [-2, 2]) and ``logit_bias`` (token id ->
 bias in [-100, 100]) adjust the logits as OpenAI defines them (see :func:`.sampling.adjust_logits`).
-A field that would change the result but is not implemented (``best_of > n``, ``logprobs`` with ``stream``) is refused with HTTP 400, never ignored.
+A field that would change the result but is not implemented (``suffix``, ``tools``,
+``response_format``) is refused with HTTP 400, never ignored; the log-prob objects are built in
+:mod:`.api_logprobs`, also chunk by chunk for ``logprobs`` with ``stream``.
 """
 
 from __future__ import annotations
