@@ -272,7 +272,7 @@ def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
 
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
-    ("/v1/completions", {"prompt": "1", "n": 2, "best_of": 3}, "best_of must equal n"),
+    ("/v1/completions", {"prompt": "1", "n": 2, "best_of": 1}, "best_of must be at least n (2), got 1"),
     ("/v1/completions", {"prompt": "1", "top_k": 3, "top_p": 0.5}, "cannot set both top_k and top_p"),
     ("/v1/completions", {"prompt": "1", "max_tokens": -2}, "max_tokens must be at least 0"),
     ("/v1/completions", {"prompt": "1", "presence_penalty": 2.5}, "presence_penalty must be at most 2.0"),

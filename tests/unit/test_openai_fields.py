@@ -41,7 +41,8 @@ def test_null_chat_fields_take_their_defaults(tokenizer):
     ({"prompt": None}, "prompt"),
     ({"prompt": "1", "max_token": None}, "unknown field 'max_token'"),
     ({"prompt": "1", "suffix": "2"}, "suffix (insertion) is not supported"),
-    ({"prompt": "1", "n": 2, "best_of": 3}, "best_of must equal n"),
+    ({"prompt": "1", "n": 3, "best_of": 2}, "best_of must be at least n (3), got 2"),
+    ({"prompt": "1", "n": 2, "best_of": 3, "stream": True}, "best_of > n cannot be streamed"),
 ])
 def test_what_stays_refused(tokenizer, body, message):
     with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
