@@ -8,7 +8,8 @@ engine; the tokens and log-probs every rank returns must equal the single-proces
 (log-probs within 1e-5 relative to the largest, as in tests/unit/test_inference_engine.py).
 The DeepSeek-V3-shaped model (MLA + MTP) runs at TP2 and TP2 x PP2, the MoE model at PP2, TP2 (3 prompts:
 an odd token count for 2 TP ranks while decoding) and TP2 x PP2. Greedy and seeded top-k sampling: the last stage samples and broadcasts, so a sampled token
-reaches the first stage and every rank."""
+reaches the first stage and every rank. With ``step_log_probs`` (streamed log-probs) every rank at
+TP2 x PP2 gets each step's log-probs as they come, equal to the final ones."""
 
 import pytest
 import torch
@@ -141,3 +142,27 @@ def test_beam_search_at_tp2_pp2_equals_one_process(checkpoints):
     for rank, got in enumerate(run_ranks(4, beams_on_ranks, checkpoints["mla_mtp"], 2, 2)):
         assert [t for t, _ in got] == [w.tokens for w in want], f"rank {rank}"
         assert_close(torch.tensor([s for _, s in got]), torch.tensor([w.score for w in want]), what=f"rank {rank}")
+
+
+def stream_log_probs_on_ranks(root, tp, pp):
+    """Every rank's joined per-step log-probs (``step_log_probs``) and its final ones."""
+    state = cached_state(tp=tp, pp=pp)
+    model, _ = load_model(root, state)
+    engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    params = SamplingParams(tokens_to_generate=6, top_k=4, random_seed=5, top_n_logprobs=2, step_log_probs=True)
+    steps, joined = engine.stream(prompts(3), params), [[] for _ in range(3)]
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as end:
+            return joined, [(g.log_probs, g.top_log_probs) for g in end.value]
+        for i in range(3):
+            joined[i] += list(zip(step.log_probs[i], step.top_log_probs[i]))
+
+
+def test_each_steps_log_probs_reach_every_rank_at_tp2_pp2(checkpoints):
+    """Streamed log-probs: the last stage's TP rank 0 broadcasts each step's with its tokens, so every
+    rank (the first stage's too, which computes none) hands out the final log-probs as they come."""
+    for rank, (joined, final) in enumerate(run_ranks(4, stream_log_probs_on_ranks, checkpoints["gpt"], 2, 2)):
+        for got, (log_probs, tops) in zip(joined, final):
+            assert got[:len(log_probs)] == list(zip(log_probs, tops)) and any(v != 0 for v in log_probs), f"rank {rank}"
