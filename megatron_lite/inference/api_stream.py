@@ -13,6 +13,11 @@ part is sent, except what could still change: a trailing U+FFFD (the bytes decod
 the middle of a multi-byte UTF-8 character) and a tail that could be the start of a stop string.
 A stop string ends the choice's text before it, and none of it is ever sent.
 
+With ``logprobs`` each chunk's ``choices[].logprobs`` holds the entries of the tokens whose text it
+completes (:class:`~.api_logprobs.ChunkLogprobs`), from the log-probs the engine broadcasts after
+every step (``SamplingParams.step_log_probs``); with ``echo`` the prompt's chunk, and its entries,
+come with the choice's first generated token (or at the end when nothing is generated).
+
 Every rank runs every decode step (the engine's steps are collectives), so the events generator
 runs the engine to its end whatever happens to the client: when the client disconnects, the
 server's write fails, the generator is closed, and its ``finally`` runs the remaining steps without
