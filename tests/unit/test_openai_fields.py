@@ -57,3 +57,15 @@ def test_chat_default_max_tokens_fits_the_context(tokenizer):
     assert len(prompt) == 4
     asked = parse_chat({"messages": messages, "max_tokens": 200}, tokenizer, TEMPLATE, max_length=96)
     assert asked.params.tokens_to_generate == 200  # what the client asks for stays (the engine refuses it: 400)
+
+
+def test_only_streamed_logprobs_ask_the_engine_for_each_steps(tokenizer):
+    """The per-step broadcast costs a collective per step: only ``logprobs`` with ``stream`` asks for it."""
+    asks = lambda **kw: parse_completion({"prompt": "1 2", **kw}, tokenizer).params.step_log_probs  # noqa: E731
+    assert asks(stream=True, logprobs=0) and asks(stream=True, logprobs=3)
+    assert not asks(stream=True) and not asks(logprobs=3) and not asks()
+    chat = parse_chat({"messages": [{"role": "user", "content": "1"}], "stream": True, "logprobs": True}, tokenizer,
+                      TEMPLATE)
+    assert chat.params.step_log_probs and chat.logprobs == 0
+    best = parse_completion({"prompt": ["1", "2 3"], "n": 2, "best_of": 3}, tokenizer)
+    assert (best.n, best.best_of, best.prompts) == (2, 3, [[1]] * 3 + [[2, 3]] * 3)
