@@ -72,6 +72,7 @@ class _Unit:
         self.gathered = False
         self.pending: list = []
         self.enabled = True  # tests switch a unit's gather off to prove every read is guarded
+        self.weight_caches: list = []  # modules with drop_weight_cache() (FP8 gemms) reading this unit's weights
 
     def start_gather(self) -> None:
         """Launch the all-gathers (asynchronous); :meth:`ensure_gathered` waits for them."""
@@ -99,6 +100,8 @@ class _Unit:
             self.ensure_gathered()
         for b in self.buckets:
             b.full.untyped_storage().resize_(0)
+        for m in self.weight_caches:  # a copy of the weights (FP8) must not outlive the gathered ones
+            m.drop_weight_cache()
         self.gathered = False
 
 
@@ -115,6 +118,18 @@ def _unit_modules(module) -> list[tuple[str, torch.nn.Module]]:
         units.append((name, m))
         taken.add(name)
     return units
+
+
+def _assign_weight_caches(module, units: list[_Unit]) -> None:
+    """Give each unit the modules inside it that keep a copy of a weight between calls (an FP8 gemm
+    caches its quantised weight for the step's other micro-batches): freeing the unit drops them, so
+    between uses a unit holds its shard only, as without FP8. What no unit holds goes to the root."""
+    inside = set()
+    for unit in units[:-1]:
+        if unit.module is not None:
+            unit.weight_caches = [m for m in unit.module.modules() if hasattr(m, "drop_weight_cache")]
+            inside.update(id(m) for m in unit.weight_caches)
+    units[-1].weight_caches = [m for m in module.modules() if hasattr(m, "drop_weight_cache") and id(m) not in inside]
 
 
 class FullyShardedDataParallel(DistributedDataParallel):
@@ -177,6 +192,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         for unit, (_, m, _) in zip(self.units, self._unit_params):
             unit.module = m
         self.root = self.units[-1]
+        _assign_weight_caches(self.module, self.units)
         self.layer_units = [u for u in self.units[:-1] if u.buckets]
         self._unit_index = {id(b): i for i, u in enumerate(self.units) for b in u.buckets}
 

@@ -35,9 +35,6 @@ def check_sharding(config) -> None:
     if strategy in ("optim_grads", "optim_grads_params") and p.pipeline_schedule == "zb-h1":
         raise ConfigError(f"--pipeline-schedule zb-h1 defers weight gradients, which --data-parallel-sharding-strategy "
                           f"{strategy} reduces in every backward pass; use --pipeline-schedule 1f1b or strategy optim")
-    if strategy == "optim_grads_params" and config.precision.fp8_format is not None:
-        raise ConfigError("--fp8-format is not supported with --data-parallel-sharding-strategy optim_grads_params; "
-                          "use strategy optim_grads or drop --fp8-format")
     _check_hybrid_and_offload(config, strategy)
 
 

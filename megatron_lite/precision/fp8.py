@@ -261,6 +261,12 @@ class Fp8Gemm(nn.Module):
         if self.recipe.recipe == "delayed":
             self._weight_fp8 = {"key": self._weight_key(weight), "w8": w8, "operand": None}
 
+    def drop_weight_cache(self) -> None:
+        """Forget the cached quantised weight (:meth:`_cached_weight`); the next training call quantises
+        the weight again. ZeRO-3 calls it when it frees the weight's unit: the cache is a full-size
+        copy of the weight (and, for dgrad, a second one), which would undo the parameter sharding."""
+        self._weight_fp8 = None
+
     def _weight_operand(self, w8: torch.Tensor, kind: str, out_dtype: torch.dtype) -> torch.Tensor:
         """The weight operand of the ``fprop`` (``W^T``) or ``dgrad`` (``W``) GEMM. For the FP8 kernel
         dgrad needs ``w8`` column-major; a CPU's dequantised GEMM takes ``w8`` widened (exactly) to the dtype
