@@ -211,3 +211,30 @@ def _load_inside_full_params():
 
 def test_values_loaded_into_gathered_zero3_params_are_kept_in_the_shards():
     run_ranks(2, _load_inside_full_params)
+
+
+def test_zero3_fp8_keeps_no_quantised_weight_of_a_freed_unit():
+    """An FP8 gemm caches its quantised weight (and its dgrad operand) for the step's other
+    micro-batches: a full-size copy per layer, as large as the bf16 weights ZeRO-3 shards. Freeing
+    a unit drops it; the same micro-batches without ZeRO-3 keep it (the cache is there to drop)."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.parallel.data_parallel import DistributedDataParallel
+    from megatron_lite.parallel.random import model_parallel_seed
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.precision.fp8 import fp8_gemms
+    from tests.model_helpers import transformer_config
+
+    state = ParallelState()
+    cached = {}
+    for wrap in (FullyShardedDataParallel, DistributedDataParallel):
+        model_parallel_seed(3, state)
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
+        model = wrap(GPTModel(transformer_config(cfg, state, fp8="hybrid"), state, pre_process=True, post_process=True),
+                     state)
+        gemms = fp8_gemms(model)
+        assert len(gemms) == 2 * 4
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):  # two micro-batches of one step
+            model(tokens, labels=tokens).sum().backward()
+            cached[wrap.__name__] = sum(g._weight_fp8 is not None for g in gemms)
+    assert cached == {"FullyShardedDataParallel": 0, "DistributedDataParallel": 8}

@@ -83,7 +83,6 @@ def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, first, s
     [
         (OVERLAP, 1, ["--overlap-param-gather needs --use-distributed-optimizer"]),
         (ZERO2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2, ["zb-h1", "optim_grads"]),
-        (ZERO3 + ["--bf16", "--fp8-format", "hybrid"], 1, ["--fp8-format", "optim_grads_params"]),
     ],
 )
 def test_combinations_not_built_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
