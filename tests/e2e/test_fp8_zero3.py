@@ -15,7 +15,8 @@ with every other strategy. Proof, at DP2 (and PP2 x DP2 with full recompute):
   norms 3e-4 apart by step 6; the same runs in bf16 agree to the last bit in the losses);
 * resume: stopped after 4 of 8 steps and resumed, in the torch and the torch_dist format, the
   losses are bit-identical to the uninterrupted ZeRO-3 run; a ZeRO-3 FP8 checkpoint resumed with
-  strategy ``optim`` continues it too (checkpoints hold full tensors whatever the strategy).
+  strategy ``optim`` continues it too (checkpoints hold full tensors whatever the strategy), and
+  tools/checkpoint/convert.py converts it to TP2 with its amax histories and scales unchanged.
 """
 
 import torch
@@ -24,6 +25,7 @@ from megatron_lite.checkpoint.merge import merge_checkpoint
 from megatron_lite.precision.fp8 import is_fp8_state_key
 from tests.e2e.test_fp8 import FP8, GRAD_RTOL, MOE_GRAD_RTOL
 from tests.e2e.test_pretrain_gpt import _argv
+from tests.tools import load_tool
 from tests.trajectory import assert_same_trajectory, ranks_trajectories, run_script
 
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
@@ -87,3 +89,9 @@ def test_zero3_fp8_resume_continues_exactly(tmp_path):
     for (first, second), rtol, what in zip(zip(halves[::2], halves[1::2]), (0, 0, SAME), ("torch", "torch_dist", "switch")):
         assert len(first) == 4
         assert_same_trajectory(first + second, straight, rtol=rtol, steps=ITERS, what=what)
+    tp2 = str(tmp_path / "tp2")  # the converter reads a ZeRO-3 FP8 checkpoint as any other and keeps its scales
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", str(tmp_path / "torch"),
+                                                 "--save-dir", tp2, "--target-tensor-parallel-size", "2"]) == 0
+    want, got = _fp8_state(str(tmp_path / "torch")), _fp8_state(tp2)
+    assert len(want) == 2 * 4 * 4 and got.keys() == want.keys()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
