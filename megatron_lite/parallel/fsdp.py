@@ -21,6 +21,8 @@ Per forward and per backward:
   buckets are, the unit is freed. At the end of the backward pass any unit still gathered is freed.
 * full recompute reruns a unit's forward inside backward: then it is gathered and stays gathered
   until its backward is done.
+* FP8: the gemms read the gathered full weight, so their weight amaxes are the whole weight's; a
+  unit's free also drops the quantised weights its FP8 gemms cache between micro-batches.
 
 The optimizer steps its fp32 master shard and writes the result into ``param_shard``: no
 parameter all-gather after the step. Checkpoints hold full tensors (:func:`full_params`).
