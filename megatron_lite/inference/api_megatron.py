@@ -171,7 +171,8 @@ def _beam(body, prompts: int, n: int, tokenizer) -> dict:
         if penalty != 1.0:
             raise RequestError("length_penalty applies to beam search only; set beam_width or drop length_penalty")
         return {}
-    width = get_int(body, "beam_width", None, low=1, high=min(MAX_BEAMS, tokenizer.vocab_size - 1))
+    # default 0 (never used: the field is there): a null beam_width is refused as not an integer
+    width = get_int(body, "beam_width", 0, low=1, high=min(MAX_BEAMS, tokenizer.vocab_size - 1))
     if prompts != 1:
         raise RequestError(f"beam_width: beam search takes exactly one prompt, got {prompts}")
     if n < 1:
