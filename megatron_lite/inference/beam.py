@@ -2,7 +2,8 @@
 
 The prompt is copied into ``beam_width`` rows. At every step the sampling rank adds each row's
 log-probs of the next token to the row's running sum (at the first step only row 0 counts: the
-rows are still equal) and ranks the ``2 x beam_width`` best (row, token) candidates. Walking
+rows are still equal) and ranks the ``2 x beam_width`` best (row, token) candidates (with k > 1
+stop tokens ``(1 + k) x beam_width``, so that ``beam_width`` of them always continue). Walking
 down that list, a candidate whose token is a stop token becomes a finished *hypothesis* when it
 ranks among the first ``beam_width`` (the stop token included in its tokens and its length),
 and any other candidate continues as a beam, until ``beam_width`` beams are chosen. A hypothesis
@@ -62,10 +63,13 @@ def _check(engine, prompts, params, stops) -> None:
                          f"tokens), got {params.beam_width}")
 
 
-def _candidates(engine, logits, previous, sums, params, first: bool) -> tuple[list[int], list[float]]:
-    """The ranked (row x vocab + token) candidates and their running sums, the same on every rank."""
+def _candidates(engine, logits, previous, sums, params, first: bool, stops: int) -> tuple[list[int], list[float]]:
+    """The ranked (row x vocab + token) candidates and their running sums, the same on every rank:
+    Megatron's ``2 x width`` for one stop token, ``width x (1 + stops)`` for more, so that at least
+    ``width`` of them continue (each row contributes at most ``stops`` stop-token candidates)."""
     width, vocab = params.beam_width, engine.vocab_size
-    count = min(2 * width, vocab) if first else 2 * width
+    count = width * (1 + max(1, stops))
+    count = min(count, vocab) if first else count
     packed = torch.zeros(1 + 2 * count, dtype=torch.float64, device=engine.device)
     if engine.is_src:
         last = logits[:, -1]
@@ -96,7 +100,7 @@ def beam_search(engine, prompts: list[list[int]], params) -> list[tuple[list[int
         logits = engine.forward(tokens[:, prev:cur] if cache is not None else tokens[:, :cur], cache)
         if cache is not None:
             cache.advance(cur - prev)
-        ids, totals = _candidates(engine, logits, tokens[:, cur - 1], sums, params, first=cur == start)
+        ids, totals = _candidates(engine, logits, tokens[:, cur - 1], sums, params, cur == start, len(stops))
         beams = []  # (origin row, token, running sum)
         for rank, (flat, total) in enumerate(zip(ids, totals)):
             origin, token = divmod(flat, vocab)

@@ -220,3 +220,24 @@ def test_hypotheses_keep_the_best_and_know_when_the_search_is_done():
     assert not found.is_done(-7.9, 4)
     found.add([4], -1.0, 2, True)  # -0.5 replaces the worst (-2)
     assert [h[0] for h in found.best()] == [-0.5, -1.0]
+
+
+def test_beam_search_with_more_stop_tokens_than_megatrons_candidates_allow(small_model):
+    """Several stop tokens (the Python API's stop_token_ids): the ``2 x width`` candidates Megatron
+    ranks for its one stop token can all be stop tokens, leaving no beam to continue (it crashed:
+    'selected index k out of range'). Every step must keep ``width`` beams; for this prompt the answer
+    is the best two of all one- and two-token continuations (width = the vocabulary less the stops)."""
+    stops = tuple(range(2, SMALL - 1))  # and the end-of-document token SMALL - 1: all but 0 and 1
+    engine, prompt = engine_of(small_model, SMALL), [3, 1, 8, 4]
+    beams = engine.generate([prompt], SamplingParams(tokens_to_generate=2, beam_width=2, stop_token_ids=stops))
+    ends = set(stops) | {SMALL - 1}
+    seqs = [prompt + [s] for s in sorted(ends)] + [prompt + [x, y] for x in (0, 1) for y in range(SMALL)]
+    scored = []
+    for seq in seqs:
+        with torch.no_grad():
+            logp = small_model(torch.tensor([seq]))[0, :-1, :SMALL].log_softmax(-1)
+        new = logp[len(prompt) - 1:].gather(-1, torch.tensor(seq[len(prompt):]).unsqueeze(-1)).sum().item()
+        scored.append((new / (len(seq) - len(prompt)), seq))
+    want = sorted(scored, key=lambda s: s[0], reverse=True)[:2]
+    assert [b.tokens for b in beams] == [seq for _, seq in want]
+    assert_close(torch.tensor([b.score for b in beams]), torch.tensor([s for s, _ in want]))
