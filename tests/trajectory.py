@@ -11,6 +11,9 @@ Inside a rank of :func:`tests.harness.run_ranks`, :func:`run_script` trains thro
 ``main(argv)`` and returns its (picklable) trajectory; :func:`ranks_trajectory` runs that on every
 rank and returns the one trajectory the last-stage ranks agree on (:func:`ranks_trajectories`:
 several runs in one pool call).
+
+:func:`assert_same_weights` compares what the trajectory cannot see: the final weights of two save
+folders, merged into the one-process layout, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -116,3 +119,36 @@ def assert_same_trajectory(actual: Trajectory, expected: Trajectory, *, rtol: fl
             assert a.keys() == e.keys(), f"{label}step {step}: reported {sorted(a)} vs {sorted(e)}"
             for key in e:
                 assert _close(a[key], e[key], rtol), f"{label}step {step}: {key} {a[key]} vs single-process {e[key]}"
+
+
+def weight_errors(actual: dict, expected: dict, *, rtol: float, atol: float) -> list[tuple[float, str, float]]:
+    """Per tensor, worst first: (largest excess of ``|a - e|`` over ``atol + rtol * |e|``, name, its
+    relative error ``max |a - e| / max |e|``). An excess above 0 is a failure."""
+    assert actual.keys() == expected.keys(), f"tensors differ: {sorted(actual.keys() ^ expected.keys())[:5]}"
+    out = []
+    for name, e in expected.items():
+        a, e = actual[name].double(), e.double()
+        assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} vs {tuple(e.shape)}"
+        diff = (a - e).abs()
+        scale = e.abs().max().item() if e.numel() else 0.0
+        excess = (diff - atol - rtol * e.abs()).max().item() if e.numel() else -1.0
+        out.append((excess, name, diff.max().item() / scale if scale else float(diff.max().item() if e.numel() else 0)))
+    return sorted(out, reverse=True)
+
+
+def assert_same_weights(dir_a: str, dir_b: str, *, rtol: float = 1e-5, atol: float = 2e-6, what: str = "") -> None:
+    """The final weights of two save folders (any TP/PP/EP/CP layout, merged into the one-process
+    layout by :func:`~megatron_lite.checkpoint.merge.merge_checkpoint`) equal tensor by tensor within
+    ``atol + rtol * |expected|`` per element; a failure names the worst tensor and its relative error.
+    The trajectory's losses and global gradient norm can hide a wrong gradient on a small path; Adam
+    turns it into an update of ~lr per element of that tensor, which this sees."""
+    from megatron_lite.checkpoint import merge_checkpoint
+
+    actual, expected = merge_checkpoint(dir_a)[0], merge_checkpoint(dir_b)[0]
+    errors = weight_errors(actual, expected, rtol=rtol, atol=atol)
+    bad = [e for e in errors if e[0] > 0]
+    label = f"{what}: " if what else ""
+    if bad:
+        excess, name, rel = bad[0]
+        raise AssertionError(f"{label}{len(bad)} of {len(errors)} tensors differ from the single-process weights; "
+                             f"worst {name}: relative error {rel:.3g}, exceeds atol {atol} + rtol {rtol} by {excess:.3g}")
