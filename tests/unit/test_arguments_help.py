@@ -7,6 +7,7 @@ import os
 import pytest
 
 from megatron_lite.arguments import build_parser, parse_args
+from tests.cli_errors import parse_refused
 from tests.tools import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,14 +68,7 @@ BASE = ["--mock-data", "--vocab-size", "64"]
 
 
 def _one_line_exit_2(capsys, argv, *words, world_size=1):
-    with pytest.raises(SystemExit) as err:
-        parse_args(BASE + argv, world_size=world_size)
-    assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
+    return parse_refused(capsys, BASE + argv, *words, world_size=world_size)
 
 
 @pytest.mark.parametrize("argv, words", [

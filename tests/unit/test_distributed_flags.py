@@ -12,6 +12,7 @@ import pretrain_gpt
 from megatron_lite import device
 from megatron_lite.arguments import parse_args
 from megatron_lite.parallel import state as state_module
+from tests.cli_errors import parse_refused
 
 BASE = ["--mock-data", "--vocab-size", "64"]
 TINY = BASE + ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -32,11 +33,7 @@ def on_cuda(monkeypatch):
 
 
 def _refused(capsys, flags, words):
-    with pytest.raises(SystemExit) as err:
-        parse_args(BASE + flags)
-    assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], lines
+    parse_refused(capsys, BASE + flags, words)
 
 
 def test_nccl_without_cuda_is_refused(capsys, on_cpu):
