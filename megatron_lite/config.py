@@ -198,6 +198,8 @@ class TrainingConfig:
     """Accepted for Megatron scripts: weights are always drawn on the CPU, whole, then sliced, so they are the same at any TP size."""
     calculate_per_token_loss: bool = False
     """Loss = sum of token losses / loss tokens of the whole global batch (all micro-batches, DP and CP ranks), not the mean of per-micro-batch means; the logged lm loss is the same figure."""
+    recompute_activations: bool = False
+    """Megatron-LM's shorthand for --recompute-granularity selective (recompute core attention in the backward pass)."""
     manual_gc: bool = False
     """Disable Python's automatic garbage collector during training and collect at fixed points (start, --manual-gc-interval, around evaluation) so ranks pause together."""
     manual_gc_interval: int = 0

@@ -63,7 +63,11 @@ def _check_model(config: Config) -> None:
     the flags (they are saved with checkpoints and read by the FLOPs count)."""
     from .models.transformer_config import TransformerConfig
 
-    m = config.model
+    m, t = config.model, config.training
+    if t.recompute_activations:
+        _require(t.recompute_granularity in (None, "selective"), "--recompute-activations means --recompute-"
+                 "granularity selective, not full; drop one of the two")
+        t.recompute_granularity = "selective"
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     model = TransformerConfig.from_config(config)

@@ -61,8 +61,6 @@ ENTRIES = (
     ("--checkpoint-num-layers --activations-checkpoint-num-layers", "Megatron-LM's old name",
      "use --recompute-num-layers"),
     ("--activations-checkpoint-method", "Megatron-LM's old name", "use --recompute-method"),
-    ("--recompute-activations", "Megatron-LM's shorthand for selective recomputation",
-     "use --recompute-granularity selective"),
     ("--num-virtual-stages-per-pipeline-rank", "virtual stages are given by layers per stage here",
      "use --num-layers-per-virtual-pipeline-stage"),
     ("--use-dist-ckpt --dist-ckpt-format", "Megatron-LM's deprecated switch", "use --ckpt-format torch_dist"),

@@ -215,3 +215,18 @@ def test_skip_train_refusal_says_how_to_only_evaluate_and_following_it_trains_no
                                         "--eval-iters", "2", "--eval-interval", "3"])
     assert result.iteration == 2 and result.losses == []  # no step trained
     assert "validation loss at iteration 2 | lm loss value:" in capsys.readouterr().out  # the validation pass ran
+
+
+def test_recompute_activations_is_selective_recomputation_and_conflicts_with_full(capsys):
+    """Megatron-LM's shorthand: the model gets selective recomputation; with full it is refused."""
+    from megatron_lite.models.transformer_config import TransformerConfig
+    from tests.cli_errors import parse_refused
+
+    assert parse_args(BASE).training.recompute_granularity is None
+    config = parse_args(BASE + ["--recompute-activations"])
+    assert config.training.recompute_granularity == "selective"
+    assert TransformerConfig.from_config(config).recompute_granularity == "selective"
+    assert parse_args(BASE + ["--recompute-activations", "--recompute-granularity", "selective"]
+                      ).training.recompute_granularity == "selective"
+    parse_refused(capsys, BASE + ["--recompute-activations", "--recompute-granularity", "full"],
+                  "--recompute-activations", "full")
