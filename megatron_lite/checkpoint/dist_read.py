@@ -12,7 +12,8 @@ tensor is complete, and loads only the keys overlapping what it needs. ``checksu
 the CRC-32 of every key each rank wrote; every key read is verified against it. A reader always reads
 whole saved keys (at any layout), so a key's CRC-32 verifies whatever part of it a rank needs. Data
 files shorter than the pieces ``.metadata`` places in them are refused before anything is read. A
-checkpoint saved before checksums existed has no such folder: it is read unverified, with one warning.
+checkpoint saved before checksums existed has no such folder: it is read unverified, with one warning
+(``common.pt`` of a newer one says it had checksums, so losing the folder is refused).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .format import (
 
 DIST_METADATA = ".metadata"  # DCP writes it once every rank's data is on disk
 DIST_CHECKSUMS_DIR = "checksums"
+PIECE_CHECKSUMS_MARK = "piece_checksums"  # in common.pt: the pieces were saved with checksums/
 COMMON_KEYS = ("format", "iteration", "consumed_samples", "config", "layout", "optimizer", "scheduler", "partition")
 
 
@@ -93,6 +95,17 @@ def _warn_unverified(folder: str) -> None:
           "its tensors are read unverified", flush=True)
 
 
+def _no_checksums(folder: str) -> None:
+    """A checkpoint saved with checksums whose ``checksums/`` folder is gone is refused; one saved
+    before checksums existed is read unverified, with one warning."""
+    common = os.path.join(folder, DIST_COMMON_FILENAME)
+    if os.path.isfile(common) and read_common(folder).get(PIECE_CHECKSUMS_MARK):
+        raise CheckpointError(f"torch_dist checkpoint {folder} was saved with checksums but its {DIST_CHECKSUMS_DIR}/ "
+                              "folder is missing or empty (copied without it?); copy it along or point --load at "
+                              "another checkpoint")
+    _warn_unverified(folder)
+
+
 def _check_data_files(folder: str, storage: dict) -> None:
     """Every data file ``.metadata`` names exists and is long enough for the pieces it places there."""
     need = {}
@@ -135,7 +148,7 @@ def read_index(folder: str) -> SavedIndex:
     index.checksums = read_checksums(folder)
     index.files = {i.fqn: info.relative_path for i, info in metadata.storage_data.items()}
     if not index.checksums:
-        _warn_unverified(folder)
+        _no_checksums(folder)
     for key, meta in metadata.state_dict_metadata.items():
         parts = key.split("/")
         if not isinstance(meta, TensorStorageMetadata) or len(parts) != 3:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..console import is_logging_rank
 from .dist import common_payload, rank_pieces
-from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME
+from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME, PIECE_CHECKSUMS_MARK
 from .format import (
     CHECKSUMS_KEY,
     TRACKER_FILENAME,
@@ -96,7 +96,8 @@ def write_small_files(root, iteration, common, rng, rank, rng_name) -> None:
     tmp = temp_dir(root, iteration)
     atomic_save(with_checksums(rng), os.path.join(tmp, "rng", rng_name))
     if rank == 0:
-        atomic_save(with_checksums(common), os.path.join(tmp, DIST_COMMON_FILENAME))
+        # the marker tells a checkpoint whose checksums/ folder was lost from one saved before it existed
+        atomic_save(with_checksums(dict(common, **{PIECE_CHECKSUMS_MARK: True})), os.path.join(tmp, DIST_COMMON_FILENAME))
 
 
 class _Pending:

@@ -309,11 +309,18 @@ def test_damage_in_a_tp2_checkpoint_is_refused_when_tp1_reshards_it(tmp_path, ca
 
 def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(tmp_path, capsys):
     """No checksums/ folder (a checkpoint from before they existed): read unverified, one warning line,
-    the same run as from the checksummed copy. A checksums file that lacks a key is damage: refused."""
+    the same run as from the checksummed copy. A checksums file that lacks a key is damage, and so is a
+    newer checkpoint (its common.pt says it had checksums) copied without the folder: refused."""
     save, old, holed = (str(tmp_path / n) for n in ("s", "old", "holed"))
     pretrain_gpt.main(_argv(save, 4, MODEL + DIST + ["--exit-interval", "2"]))
     shutil.copytree(save, old)
     shutil.rmtree(os.path.join(old, "iter_0000002", "checksums"))
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "w"), 4, MODEL + DIST + ["--load", old]),
+                     os.path.join(old, "iter_0000002"), "saved with checksums", "checksums/ folder is missing")
+    common_path = os.path.join(old, "iter_0000002", "common.pt")
+    common = torch.load(common_path, weights_only=True)
+    del common["piece_checksums"]  # what a checkpoint saved before checksums holds
+    torch.save(common, common_path)
     capsys.readouterr()
     resumed = pretrain_gpt.main(_argv(str(tmp_path / "x"), 4, MODEL + DIST + ["--load", old]))
     assert capsys.readouterr().out.count("has no checksums (saved before they existed)") == 1
