@@ -42,7 +42,7 @@ CHOICES = {
     "normalization": list(NORMALIZATIONS),
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
-    "cp_comm_type": list(CP_COMM_TYPES) + ["a2a+p2p"],  # the latter refused in one line (not built)
+    "cp_comm_type": list(CP_COMM_TYPES),
     "optimizer": ["adam", "sgd"],
     "ckpt_format": ["torch", "torch_dist"],
     "pipeline_schedule": ["1f1b", "zb-h1"],

@@ -155,6 +155,8 @@ class ParallelConfig:
     """Process-group backend, nccl or gloo (default: nccl on CUDA, gloo on the CPU; each only on its device)."""
     distributed_timeout_minutes: int = 10
     """Timeout of the process groups' collectives, in minutes."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """For --cp-comm-type a2a+p2p, two sizes A B with A x B = --context-parallel-size: an all-to-all over heads within A consecutive CP ranks, ring attention across the B such groups."""
 
 
 @dataclass

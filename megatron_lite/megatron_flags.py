@@ -147,8 +147,6 @@ ENTRIES = (
      "use --data-parallel-sharding-strategy"),
     ("--use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward", "PyTorch FSDP2 is not used",
      "use --data-parallel-sharding-strategy optim_grads_params"),
-    ("--hierarchical-context-parallel-sizes", "hierarchical context parallelism (a2a+p2p) is not built",
-     "use --cp-comm-type p2p, a2a or allgather"),
     ("--use-tp-pp-dp-mapping", "the rank order is fixed (tp-cp-ep-dp-pp)", DROP),
     ("--replication --replication-jump --replication-factor", "local checkpoint replication is not "
      "implemented", DROP),

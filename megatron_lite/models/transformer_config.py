@@ -36,12 +36,32 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # a2a+p2p (hierarchical) is not built
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # the last: hierarchical (needs the sizes below)
 
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def check_hierarchical_cp(cfg, types: list[str]) -> None:
+    """--hierarchical-context-parallel-sizes A B: two positive sizes whose product is the CP size
+    (Megatron-LM's rule, checked whenever they are given); a2a+p2p needs them, and the (TP-local)
+    query heads and key/value groups divisible by A (the all-to-all splits heads over A ranks)."""
+    sizes, cp, tp = cfg.hierarchical_context_parallel_sizes, cfg.context_parallel_size, cfg.tensor_model_parallel_size
+    _require(sizes is not None or "a2a+p2p" not in types,
+             f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
+             f"--context-parallel-size {cp}")
+    if sizes is None:
+        return
+    _require(len(sizes) == 2 and all(n >= 1 for n in sizes) and sizes[0] * sizes[1] == cp,
+             f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two positive sizes "
+             f"A B (all-to-all, ring) with A x B = --context-parallel-size {cp}")
+    if "a2a+p2p" in types:
+        for flag, value in (("num-attention-heads", cfg.num_attention_heads), ("num-query-groups", cfg.num_query_groups)):
+            _require(value % (tp * sizes[0]) == 0,
+                     f"--cp-comm-type a2a+p2p needs {flag} {value} divisible by tensor-model-parallel-size {tp} x "
+                     f"the all-to-all size {sizes[0]} (--hierarchical-context-parallel-sizes); change A or the heads")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -119,6 +139,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
     cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
     calculate_per_token_loss: bool = False  # loss_func returns (token-loss sum, token count, reported)
+    hierarchical_context_parallel_sizes: list[int] | None = None  # a2a+p2p: [a2a group, ring group]
 
     def __post_init__(self):
         self._check_shape()
@@ -202,7 +223,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
                  f"--cp-comm-type takes one value or one per layer ({self.num_layers}), got {len(types)}")
         for kind in types:
             _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind!r} is not supported; use one of "
-                     f"{', '.join(CP_COMM_TYPES)} (a2a+p2p is not implemented)")
+                     f"{', '.join(CP_COMM_TYPES)}")
+        check_hierarchical_cp(self, types)
         if cp == 1:
             return
         split = 2 * cp * (tp if self.sequence_parallel else 1)
@@ -332,6 +354,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
             config.model, tensor_model_parallel_size=p.tensor_model_parallel_size,
             sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
             context_parallel_size=p.context_parallel_size, cp_comm_type=list(p.cp_comm_type or ["p2p"]),
+            hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes,
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers, calculate_per_token_loss=t.calculate_per_token_loss,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),

@@ -38,7 +38,7 @@ from . import comm
 from .document_mask import causal_document_mask, document_allowed, is_document_ids
 from .ring_attention import ring_attention
 
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,26 +99,32 @@ def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
 # Ulysses (a2a) and all-gather attention. Tensors are [s, b, heads, d] (the core-attention layout).
 
 
-def _gathered_positions(local_len: int, cp: int, device) -> torch.Tensor:
-    """Global position of each row of a tensor gathered over CP in rank order."""
-    return torch.cat([cp_positions(local_len * cp, r, cp, device=device) for r in range(cp)])
+def _gathered_positions(local_len: int, cp: int, device, ring_rank: int = 0, ring: int = 1) -> torch.Tensor:
+    """Global position of each row of a tensor gathered in rank order over ``cp`` consecutive CP ranks,
+    those of all-to-all group ``ring_rank`` of ``ring`` (a2a+p2p; the whole CP group when ``ring`` is 1)."""
+    total = cp * ring
+    return torch.cat([cp_positions(local_len * total, ring_rank * cp + r, total, device=device) for r in range(cp)])
 
 
-def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """``[s/cp, b, n, d]`` (this rank's chunks) -> ``[s, b, n/cp, d]`` (global order, head group r)."""
+def seq_to_heads(x: torch.Tensor, group, ring_rank: int = 0, ring: int = 1) -> torch.Tensor:
+    """``[s/cp, b, n, d]`` (this rank's chunks) -> ``[s, b, n/cp, d]`` (ascending positions, head group r).
+
+    Under a2a+p2p ``group`` is the all-to-all group ``ring_rank`` of ``ring``: its ``cp`` ranks' chunks
+    sorted by position are chunks ``ring_rank`` and ``2 ring - 1 - ring_rank`` of ``2 ring`` (the ring's
+    load-balanced layout with ``ring`` ranks)."""
     cp = comm.group_size(group)
     s, b, n, d = x.shape
     x = x.reshape(s, b, cp, n // cp, d).permute(2, 0, 1, 3, 4).reshape(cp * s, b, n // cp, d)
     x = comm.all_to_all(x, group, kind="cp")  # row block p: rank p's tokens of my head group
-    return x.index_select(0, torch.argsort(_gathered_positions(s, cp, x.device)))
+    return x.index_select(0, torch.argsort(_gathered_positions(s, cp, x.device, ring_rank, ring)))
 
 
-def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group, ring_rank: int = 0, ring: int = 1) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: ``[s, b, n/cp, d]`` -> ``[s/cp, b, n, d]``."""
     cp = comm.group_size(group)
     full, b, n_local, d = x.shape
     s = full // cp
-    x = x.index_select(0, _gathered_positions(s, cp, x.device))
+    x = x.index_select(0, torch.argsort(torch.argsort(_gathered_positions(s, cp, x.device, ring_rank, ring))))
     x = comm.all_to_all(x, group, kind="cp")  # row block p: my tokens of head group p
     return x.reshape(cp, s, b, n_local, d).permute(1, 2, 0, 3, 4).reshape(s, b, cp * n_local, d)
 
@@ -169,6 +175,30 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
     return _sdpa(q, kv[..., :dk], kv[..., dk:], mask, False, dropout_p, scale)
 
 
+def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, dropout_p: float = 0.0,
+                           seed: int = 0, document_ids=None):
+    """a2a+p2p: Ulysses over the all-to-all group, ring attention over the ring group, Ulysses back.
+
+    ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out. After the all-to-all this rank holds its
+    group's chunks for ``1/A`` of the heads, sorted by position: chunks ``o`` and ``2B-1-o`` of ``2B``
+    for all-to-all group ``o`` of ``B``, which is the ring's own load-balanced layout over B ranks, so
+    the ring's causal plan applies unchanged. Document ids are gathered and sorted the same way.
+    """
+    a2a = comm.group_size(a2a_group)
+    ring, ring_rank = comm.group_size(ring_group), comm.group_rank(ring_group)
+    for name, t in (("query heads", q), ("key/value groups", k)):
+        if t.shape[2] % a2a:
+            raise ValueError(f"a2a+p2p context parallelism needs the {t.shape[2]} local {name} divisible by "
+                             f"the all-to-all size {a2a}")
+    ids = None
+    if document_ids is not None:
+        order = torch.argsort(_gathered_positions(q.shape[0], a2a, q.device, ring_rank, ring))
+        ids = _gathered_ids(document_ids, a2a_group).index_select(1, order)
+    qh, kh, vh = (seq_to_heads(t, a2a_group, ring_rank, ring).permute(1, 2, 0, 3) for t in (q, k, v))
+    out = ring_attention(qh, kh, vh, ring_group, causal, scale, dropout_p, seed, ids)  # [b, nq/A, A*s, dv]
+    return heads_to_seq(out.permute(2, 0, 1, 3), a2a_group, ring_rank, ring)
+
+
 # ---------------------------------------------------------------------------------------------
 # The core-attention module.
 
@@ -206,6 +236,19 @@ class ContextParallelAttention(nn.Module):
         if self.comm_type == "a2a" and (heads % (tp * cp) or groups % (tp * cp)):
             raise ValueError(f"--cp-comm-type a2a needs num-attention-heads {heads} and num-query-groups {groups} "
                              f"divisible by tensor-model-parallel-size {tp} x context-parallel-size {cp}")
+        if self.comm_type == "a2a+p2p":
+            self._init_hierarchical(state, heads, groups)
+
+    def _init_hierarchical(self, state, heads: int, groups: int) -> None:
+        sizes = getattr(state, "hcp_sizes", None)
+        if sizes is None:
+            raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B "
+                             f"(A x B = context-parallel-size {state.cp_size})")
+        a2a, tp = sizes[0], state.tp_size
+        if heads % (tp * a2a) or groups % (tp * a2a):
+            raise ValueError(f"--cp-comm-type a2a+p2p needs num-attention-heads {heads} and num-query-groups "
+                             f"{groups} divisible by tensor-model-parallel-size {tp} x the all-to-all size {a2a}")
+        self.a2a_group, self.ring_group = state.group("cp_a2a"), state.group("cp_ring")
 
     def _rng(self):
         """The tensor-parallel generator around dropout (each TP rank owns different heads)."""
@@ -227,6 +270,9 @@ class ContextParallelAttention(nn.Module):
         if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
             out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask).permute(2, 0, 1, 3)
+        elif self.comm_type == "a2a+p2p":  # the ring inside seeds its blocks the same way
+            out = hierarchical_attention(q, k, v, self.a2a_group, self.ring_group, causal, scale, p, seed,
+                                         attention_mask)
         else:
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():

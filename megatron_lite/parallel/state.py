@@ -184,6 +184,19 @@ class RankGrid:
             out += blocks if name.endswith("_shard") else [list(column) for column in zip(*blocks)]
         return out
 
+    def hierarchical_cp_groups(self, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+        """--hierarchical-context-parallel-sizes ``inner outer``: every CP group cut into its all-to-all
+        groups (``inner`` consecutive CP ranks, Megatron-LM's first level) and its ring groups (the CP
+        ranks at one position of every all-to-all group, ``outer`` of them)."""
+        if inner < 1 or self.cp % inner:
+            raise ParallelConfigError(f"--hierarchical-context-parallel-sizes: all-to-all size {inner} does not "
+                                      f"divide context-parallel-size {self.cp}")
+        a2a, ring = [], []
+        for ranks in self.groups("cp"):
+            a2a += [ranks[i : i + inner] for i in range(0, self.cp, inner)]
+            ring += [ranks[i :: inner] for i in range(inner)]
+        return a2a, ring
+
     def group_of(self, name: str, rank: int) -> list[int]:
         for ranks in self.groups(name):
             if rank in ranks:
@@ -214,7 +227,8 @@ class ParallelState:
     tracker (``rng_tracker``, seeded by :func:`megatron_lite.parallel.random.model_parallel_seed`).
     """
 
-    def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None, dist_opt_instances=1):
+    def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None, dist_opt_instances=1,
+                 hcp=None):
         distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if distributed else 1
@@ -251,10 +265,24 @@ class ParallelState:
         if dist_opt_instances == 1:  # no hybrid sharding: shard over the whole DP x CP group
             self._groups["dp_shard"] = self._groups["dp_cp"]
             self._groups["expert_dp_shard"] = self._groups["expert_dp"]
+        self.hcp_sizes = tuple(hcp) if hcp else None  # (all-to-all size, ring size) for cp_comm_type a2a+p2p
+        if self.hcp_sizes:
+            self._build_hierarchical_cp(self.hcp_sizes[0])
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
         self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]
         self.dp_rank = coords["ep"] + self.grid.ep * coords["edp"]
+
+    def _build_hierarchical_cp(self, inner: int) -> None:
+        """The ``cp_a2a`` and ``cp_ring`` groups (collective: every rank creates all of them, in order)."""
+        for name, all_lists in zip(("cp_a2a", "cp_ring"), self.grid.hierarchical_cp_groups(inner)):
+            self._ranks[name] = next(r for r in all_lists if self.rank in r)
+            self._groups[name] = None
+            for ranks in all_lists:
+                if len(ranks) > 1:
+                    group = _group_of(ranks)
+                    if self.rank in ranks:
+                        self._groups[name] = group
 
     # sizes ---------------------------------------------------------------------------------
     tp_size = property(lambda self: self.grid.tp)

@@ -197,6 +197,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
         ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
+        hcp=p.hierarchical_context_parallel_sizes,
     )
     model_parallel_seed(config.training.seed, state)
     configure_compilation(config.fusion)

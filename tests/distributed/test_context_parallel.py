@@ -50,8 +50,8 @@ def _reference(seq, nq, nkv, causal, seed=0, ids=None, dv=D, scale=None):
     return (q, k, v, dout), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False, dv=D, scale=None):
-    state = cached_state(cp=cp)
+def check_cp_attention(cp, comm_type, causal, nq, nkv, seq, documents=False, dv=D, scale=None, hcp=None):
+    state = cached_state(cp=cp) if hcp is None else cached_state(cp=cp, hcp=hcp)
     ids = packed_document_ids(seq) if documents else None
     (q, k, v, dout), expected = _reference(seq, nq, nkv, causal, ids=ids, dv=dv, scale=scale)
     mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp)  # noqa: E731
@@ -103,6 +103,17 @@ def test_packed_documents_equal_full_attention_under_cp(cp, comm_type, causal, n
     """Document ids as the mask (packed sequences): every CP kind confines attention to each
     document exactly as full attention under the written-out block mask, forward and backward."""
     assert all(run_ranks(cp, check_cp_attention, cp, comm_type, causal, nq, nkv, 8 * cp, True))
+
+
+@pytest.mark.parametrize("hcp,causal,nq,nkv,documents", [
+    ((2, 2), True, 8, 4, False), ((2, 2), False, 4, 2, False), ((2, 2), True, 4, 2, True),
+    ((4, 1), True, 4, 4, False), ((1, 4), True, 4, 2, True),
+])
+def test_hierarchical_cp4_equals_full_attention(hcp, causal, nq, nkv, documents):
+    """a2a+p2p at CP 4 as A x B: Ulysses over A consecutive CP ranks, then the ring over B ranks on
+    their gathered chunks (which must sit at their true positions for the causal plan), forward and
+    backward, with GQA and packed documents; (4, 1) is pure Ulysses, (1, 4) the pure ring."""
+    assert all(run_ranks(4, check_cp_attention, 4, "a2a+p2p", causal, nq, nkv, 32, documents, hcp=hcp))
 
 
 def check_a2a_refuses_uneven_heads(cp, nq, nkv):

@@ -54,6 +54,8 @@ CP2 = ["--context-parallel-size", "2"]
         ("cp2_tp2_pp2_sp", 8, "B", CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--pipeline-model-parallel-size", "2"]),
         ("cp2_per_layer_types", 2, "A", CP2 + ["--cp-comm-type", "p2p", "a2a", "allgather", "p2p"]),
+        ("cp4_a2a_p2p_2x2", 4, "B", ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                     "--hierarchical-context-parallel-sizes", "2", "2"]),
     ],
 )
 def test_context_parallel_runs_reproduce_single_process(tmp_path, reference, name, world, variant, extra):
@@ -101,18 +103,18 @@ def test_cp2_resume_continues_exactly(tmp_path):
         (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
          2, ["--cp-comm-type a2a", "num-query-groups 1"]),
         (["--cp-comm-type", "p2p", "a2a"], 1, ["--cp-comm-type takes one value or one per layer"]),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], 4,
+         ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B", "--context-parallel-size 4"]),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "3"],
+         4, ["--hierarchical-context-parallel-sizes 2 3", "A x B = --context-parallel-size 4"]),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
+          "--group-query-attention", "--num-query-groups", "1"], 4,
+         ["--cp-comm-type a2a+p2p needs num-query-groups 1", "all-to-all size 2"]),
     ],
 )
 def test_bad_context_parallel_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
-
-
-def test_hierarchical_cp_is_refused(capsys):
-    with pytest.raises(SystemExit) as err:  # argparse: not among the choices
-        pretrain_gpt.main(MODEL + ["--cp-comm-type", "a2a+p2p"])
-    assert err.value.code == 2
-    assert "a2a+p2p" in capsys.readouterr().err
 
 
 def test_cp2_recompute_gives_the_same_losses(tmp_path, reference):

@@ -76,7 +76,6 @@ def _one_line_exit_2(capsys, argv, *words, world_size=1):
     (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'"]),
     (["--num-layers", "four"], ["--num-layers", "invalid int value"]),
     (["--lr"], ["--lr", "expected one argument"]),
-    (["--cp-comm-type", "a2a+p2p"], ["a2a+p2p is not implemented"]),  # docs/training.md: refused, not ignored
 ])
 def test_argparse_errors_are_one_line(capsys, argv, words):
     line = _one_line_exit_2(capsys, argv, *words)
@@ -105,7 +104,7 @@ def test_every_tool_says_a_bad_flag_in_one_line(capsys, tool):
      ["--fp8-recipe mxfp8 is not implemented"]),
     (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1",
       "--pipeline-model-parallel-size", "2", "--num-layers", "4"], ["zb-h1 runs one model chunk per rank"]),
-    (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], ["a2a+p2p is not implemented"]),
+    (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], ["a2a+p2p needs --hierarchical-context-parallel"]),
     (["--moe-router-fusion", "--num-experts", "2", "--expert-model-parallel-size", "2"], ["--moe-router-fusion"]),
 ])
 def test_not_built_is_said_before_asking_for_more_processes(capsys, argv, words):

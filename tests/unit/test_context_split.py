@@ -133,9 +133,15 @@ def test_module_refuses_bad_settings():
     cfg = SimpleNamespace(cp_comm_type="a2a", attention_dropout=0.0, num_attention_heads=6, num_query_groups=2)
     with pytest.raises(ValueError, match="a2a needs num-attention-heads 6 and num-query-groups 2 divisible"):
         ContextParallelAttention(cfg, _state(cp=2, tp=2), 1)
-    cfg.cp_comm_type = "a2a+p2p"
-    with pytest.raises(ValueError, match="--cp-comm-type 'a2a\\+p2p' is not one of p2p, a2a, allgather"):
+    cfg.cp_comm_type = "a2a+ring"
+    with pytest.raises(ValueError, match="is not one of p2p, a2a, allgather, a2a\\+p2p"):
         ContextParallelAttention(cfg, _state(cp=2), 1)
+    cfg.cp_comm_type = "a2a+p2p"  # a state built without the sub-groups
+    with pytest.raises(ValueError, match="a2a\\+p2p needs --hierarchical-context-parallel-sizes A B"):
+        ContextParallelAttention(cfg, _state(cp=2), 1)
+    with pytest.raises(ValueError, match="a2a\\+p2p needs num-attention-heads 6 and num-query-groups 2 divisible by "
+                                         "tensor-model-parallel-size 1 x the all-to-all size 4"):
+        ContextParallelAttention(cfg, SimpleNamespace(**vars(_state(cp=8)), hcp_sizes=(4, 2)), 1)
     cfg.cp_comm_type = "p2p"
     attn = ContextParallelAttention(cfg, _state(cp=1), 1)
     q = torch.randn(8, 1, 6, 4)
@@ -170,6 +176,18 @@ def test_transformer_config_checks_context_parallel():
         TransformerConfig(**base, cp_comm_type=["ring"])
     with pytest.raises(ConfigError, match="one value or one per layer \\(2\\), got 3"):
         TransformerConfig(**base, cp_comm_type=["p2p"] * 3)
+    with pytest.raises(ConfigError, match="a2a\\+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
+                                          "--context-parallel-size 4"):
+        TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a+p2p")
+    for sizes in ([2, 3], [4], [2, 2, 1], [0, 4]):
+        with pytest.raises(ConfigError, match="--hierarchical-context-parallel-sizes .*: give two positive sizes"):
+            TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a+p2p",
+                              hierarchical_context_parallel_sizes=sizes)
+    with pytest.raises(ConfigError, match="a2a\\+p2p needs num-query-groups 2 divisible by tensor-model-parallel-size 2 "
+                                          "x the all-to-all size 2"):
+        TransformerConfig(**base, context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a+p2p",
+                          hierarchical_context_parallel_sizes=[2, 2])
+    TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
     per_layer = TransformerConfig(**base, context_parallel_size=2, cp_comm_type=["allgather", "a2a"])
     assert [per_layer.cp_comm_type_of(n) for n in (1, 2)] == ["allgather", "a2a"]
     assert TransformerConfig(**base).cp_comm_type_of(2) == "p2p"
