@@ -134,7 +134,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Context-parallel size: ranks splitting every sequence (load-balanced chunks)."""
     cp_comm_type: list[str] | None = field(default_factory=lambda: ["p2p"])
-    """Context-parallel attention: p2p (ring), a2a (Ulysses) or allgather; one value or one per layer."""
+    """Context-parallel attention: p2p (ring), a2a (Ulysses), allgather, or a2a+p2p (hierarchical: needs --hierarchical-context-parallel-sizes); one value or one per layer."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size."""
     use_distributed_optimizer: bool = False
