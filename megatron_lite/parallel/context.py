@@ -17,8 +17,11 @@ Core attention over the split sequence (``cp_comm_type``):
   divisible by cp.
 * ``allgather`` - keys and values are all-gathered over CP and each rank attends its own queries
   to them under a mask built from global positions (simplest; O(S) keys per rank).
+* ``a2a+p2p`` - hierarchical (``--hierarchical-context-parallel-sizes A B``, A x B = cp): Ulysses
+  over A consecutive CP ranks, then the ring over the B such groups on the gathered chunks with
+  n/A heads, then Ulysses back (:func:`hierarchical_attention`; groups built by ``ParallelState``).
 
-All three equal single-process attention up to summation order, also with packed documents
+All four equal single-process attention up to summation order, also with packed documents
 (integer document ids as the attention mask, :mod:`~megatron_lite.parallel.document_mask`): the
 ring carries each block's key ids with its keys, a2a and allgather gather the ids. Gradient reductions over CP
 (each CP rank holds different tokens of the same replica) happen in the data-parallel gradient
@@ -209,11 +212,12 @@ class ContextParallelAttention(nn.Module):
     value head size may differ from the query/key one, as in MLA). The logits' scale is the
     config's ``softmax_scale`` when it has one (MLA's), else ``1 / sqrt(dk)``.
 
-    ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses) or allgather. The mask is the
+    ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses), allgather or a2a+p2p (Ulysses
+    inside the state's ``cp_a2a`` groups, the ring across them over ``cp_ring``). The mask is the
     implicit causal one, confined to packed documents when ``attention_mask`` holds document ids
     ``[b, s]`` (this rank's tokens); dense boolean masks are refused. Attention dropout: each call draws
     one seed from the model-parallel RNG tracker (so recomputation replays it), offset by the CP
-    rank; the ring seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
+    rank; the ring (also a2a+p2p's) seeds its blocks from it, a2a/allgather run SDPA's dropout under it.
     """
 
     compile_eagerly = True  # --torch-compile: a graph break (fusions/compile.py)

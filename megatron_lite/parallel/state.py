@@ -20,6 +20,10 @@ same shard). Because CP is innermost, a block always holds whole CP groups when 
 Expert parameters shard over their own group, so its expert-DP x CP group is cut the same way
 (``expert_dp_shard``, ``expert_dp_replicate``); N must divide its size (edp x cp) too. When N divides
 edp, the expert block of a rank lies inside its dense block: an instance is one set of ranks.
+
+Hierarchical CP (``hcp=(A, B)``, --hierarchical-context-parallel-sizes) cuts each CP group further
+into ``cp_a2a`` groups of A consecutive CP ranks and ``cp_ring`` groups of the B ranks at one
+position of every ``cp_a2a`` group (Megatron-LM's first level is the consecutive one).
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ def test_gpt_model_with_cp_equals_single_process(cp, comm_type, variant):
     assert all(run_ranks(cp, check_gpt_model_with_cp, cp, comm_type, variant))
 
 
-def check_dropout_differs_across_cp_ranks(comm_type):
+def check_dropout_differs_across_cp_ranks(comm_type, hcp=None):
     """Identical inputs on both CP ranks, not causal, dropout 0.5: the tracker's generator is the
     same on both ranks, so only the CP-rank offset of the seed makes their masks differ; the same
     call repeated from the same tracker state repeats exactly."""
@@ -257,13 +257,14 @@ def check_dropout_differs_across_cp_ranks(comm_type):
 
     from megatron_lite.parallel.random import model_parallel_seed
 
-    state = cached_state(cp=2)
+    state = cached_state(cp=2) if hcp is None else cached_state(cp=2, hcp=hcp)
     model_parallel_seed(21, state)  # the same tracker seed on both CP ranks (it depends on the TP rank only)
     config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.5, num_attention_heads=4, num_query_groups=4)
     attn = ContextParallelAttention(config, state, layer_number=1)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(8, 1, 4, D, generator=gen)
-    if comm_type == "a2a":  # the same values in both head groups, so only the masks can differ
+    by_heads = comm_type == "a2a" or hcp == (2, 1)  # the CP ranks attend different heads of the same tokens
+    if by_heads:  # the same values in both head groups, so only the masks can differ
         q = q[:, :, :2].repeat(1, 1, 2, 1)
     saved = state.rng_tracker.get_states()
     outs = []
@@ -275,12 +276,13 @@ def check_dropout_differs_across_cp_ranks(comm_type):
     dist.all_gather([torch.empty_like(other), other] if state.cp_rank == 0 else [other, torch.empty_like(other)],
                     outs[0], group=state.cp_group)
     return bool(torch.equal(outs[0].reshape(8, 1, 2, -1)[:, :, 0], outs[0].reshape(8, 1, 2, -1)[:, :, 1])
-                if comm_type == "a2a" else torch.equal(other, outs[0]))
+                if by_heads else torch.equal(other, outs[0]))
 
 
-@pytest.mark.parametrize("comm_type", ["allgather", "a2a", "p2p"])
-def test_attention_dropout_masks_differ_across_cp_ranks(comm_type):
-    assert not any(run_ranks(2, check_dropout_differs_across_cp_ranks, comm_type))
+@pytest.mark.parametrize("comm_type,hcp", [("allgather", None), ("a2a", None), ("p2p", None), ("a2a+p2p", (2, 1)),
+                                           ("a2a+p2p", (1, 2))])
+def test_attention_dropout_masks_differ_across_cp_ranks(comm_type, hcp):
+    assert not any(run_ranks(2, check_dropout_differs_across_cp_ranks, comm_type, hcp))
 
 
 def _cp_loss_gradient():

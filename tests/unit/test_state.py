@@ -112,3 +112,33 @@ def test_single_process_state_needs_no_distributed():
     assert state.tp_group is None and state.is_first_stage() and state.is_last_stage()
     with pytest.raises(ParallelConfigError):
         ParallelState(tp=2)
+
+
+@pytest.mark.parametrize("world, tp, cp, inner", [(16, 2, 4, 2), (8, 1, 8, 4), (8, 1, 8, 2), (12, 1, 6, 3), (4, 1, 4, 1)])
+def test_hierarchical_cp_groups_cut_each_cp_group(world, tp, cp, inner):
+    """a2a+p2p: every CP group [c_0 .. c_{cp-1}] (global ranks) is cut into all-to-all groups of
+    ``inner`` consecutive CP ranks and ring groups of the CP ranks ``i, i + inner, ...``; together they
+    cover each rank once, and (all-to-all index, position in it) = divmod(cp rank, inner)."""
+    grid = RankGrid(world, tp=tp, cp=cp)
+    a2a, ring = grid.hierarchical_cp_groups(inner)
+    for groups, size in ((a2a, inner), (ring, cp // inner)):
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+    for rank in range(world):
+        cp_ranks = grid.group_of("cp", rank)
+        outer, pos = divmod(grid.coords(rank)["cp"], inner)
+        mine_a2a = next(g for g in a2a if rank in g)
+        mine_ring = next(g for g in ring if rank in g)
+        assert mine_a2a == cp_ranks[outer * inner:(outer + 1) * inner]
+        assert mine_ring == [cp_ranks[pos + inner * o] for o in range(cp // inner)]
+        assert mine_ring.index(rank) == outer  # the ring rank is the all-to-all group's index
+
+
+def test_hierarchical_cp_groups_megatron_example():
+    """Megatron-LM's documented two-level cut of 16 ranks as 2 x 8: [g0, g1], [g2, g3], ... then
+    [g0, g2, ..., g14], [g1, g3, ..., g15] (here one CP group of 16)."""
+    a2a, ring = RankGrid(16, cp=16).hierarchical_cp_groups(2)
+    assert a2a == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert ring == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    with pytest.raises(ParallelConfigError, match="all-to-all size 3 does not divide context-parallel-size 16"):
+        RankGrid(16, cp=16).hierarchical_cp_groups(3)
