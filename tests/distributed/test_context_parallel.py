@@ -116,6 +116,27 @@ def test_hierarchical_cp4_equals_full_attention(hcp, causal, nq, nkv, documents)
     assert all(run_ranks(4, check_cp_attention, 4, "a2a+p2p", causal, nq, nkv, 32, documents, hcp=hcp))
 
 
+def check_hierarchical_equals_ring(hcp, nq, nkv, seq):
+    """a2a+p2p and p2p modules on the same CP4 shares: outputs and q/k/v gradients agree (rtol 1e-5)."""
+    results = []
+    for comm_type, state in (("p2p", cached_state(cp=4)), ("a2a+p2p", cached_state(cp=4, hcp=hcp))):
+        (q, k, v, dout), _ = _reference(seq, nq, nkv, True, seed=3)
+        mine = lambda t, s=state: split_for_cp(t, 0, s.cp_rank, 4)  # noqa: E731
+        config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq,
+                                 num_query_groups=nkv)
+        ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
+        out = ContextParallelAttention(config, state, layer_number=1)(ql, kl, vl, None, True)
+        out.backward(mine(dout))
+        results.append((out, ql.grad, kl.grad, vl.grad))
+    for ring, hier, name in zip(*results, ("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(hier, ring, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+def test_hierarchical_cp4_equals_ring_cp4():
+    assert all(run_ranks(4, check_hierarchical_equals_ring, (2, 2), 4, 2, 32))
+
+
 def check_a2a_refuses_uneven_heads(cp, nq, nkv):
     state = cached_state(cp=cp)
     config = SimpleNamespace(cp_comm_type="a2a", attention_dropout=0.0, num_attention_heads=nq, num_query_groups=nkv)
