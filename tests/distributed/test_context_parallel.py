@@ -233,7 +233,7 @@ def test_cp2_with_tp2_equals_full_attention(comm_type, nq, nkv):
     assert all(run_ranks(4, check_cp_with_tp, comm_type, nq, nkv))
 
 
-def check_gpt_model_with_cp(cp, comm_type, variant):
+def check_gpt_model_with_cp(cp, comm_type, variant, hcp=None):
     """A GPTModel at CP ``cp`` fed this rank's chunks (no position ids: the model derives the
     global ones) gives the single-process per-token losses of those tokens, and its gradients
     summed over the CP group equal the single-process gradients."""
@@ -243,14 +243,17 @@ def check_gpt_model_with_cp(cp, comm_type, variant):
     from tests.model_helpers import build_gpt
     from tests.unit.test_gpt_model import make_batch, make_config
 
-    state = cached_state(cp=cp)
+    state = cached_state(cp=cp) if hcp is None else cached_state(cp=cp, hcp=hcp)
     tokens, labels = make_batch(4)
     serial = build_gpt(make_config(variant), ParallelState(world_size=1, rank=0), seed=9)
     loss_ref = serial(tokens, labels=labels)
     loss_ref.sum().backward()
     cfg = make_config(variant)
-    model = build_gpt(cfg, state, seed=9, context_parallel_size=cp, cp_comm_type=comm_type)
+    model = build_gpt(cfg, state, seed=9, context_parallel_size=cp, cp_comm_type=comm_type,
+                      hierarchical_context_parallel_sizes=list(hcp) if hcp else None)
     assert type(model.decoder.layers[0].self_attention.core_attention).__name__ == "ContextParallelAttention"
+    types = [comm_type] if isinstance(comm_type, str) else comm_type
+    assert [layer.self_attention.core_attention.comm_type for layer in model.decoder.layers] == types * (2 // len(types))
     mine = lambda t: split_for_cp(t, 1, state.cp_rank, cp)  # noqa: E731
     loss = model(mine(tokens), labels=mine(labels))
     torch.testing.assert_close(loss, mine(loss_ref.detach()), rtol=1e-5, atol=1e-6)
@@ -268,6 +271,11 @@ def check_gpt_model_with_cp(cp, comm_type, variant):
                                                    (2, "allgather", "S")])
 def test_gpt_model_with_cp_equals_single_process(cp, comm_type, variant):
     assert all(run_ranks(cp, check_gpt_model_with_cp, cp, comm_type, variant))
+
+
+def test_gpt_model_with_a2a_p2p_in_some_layers_equals_single_process():
+    """Per-layer types: a2a+p2p (2x2) in the first layer, p2p in the second, at CP 4."""
+    assert all(run_ranks(4, check_gpt_model_with_cp, 4, ["a2a+p2p", "p2p"], "B", (2, 2)))
 
 
 def check_dropout_differs_across_cp_ranks(comm_type, hcp=None):
