@@ -142,3 +142,10 @@ def test_hierarchical_cp_groups_megatron_example():
     assert ring == [list(range(0, 16, 2)), list(range(1, 16, 2))]
     with pytest.raises(ParallelConfigError, match="all-to-all size 3 does not divide context-parallel-size 16"):
         RankGrid(16, cp=16).hierarchical_cp_groups(3)
+
+
+def test_single_process_hierarchical_state_has_groups_of_one():
+    state = ParallelState(world_size=1, rank=0, hcp=[1, 1])
+    assert state.group("cp_a2a") is None and state.group("cp_ring") is None
+    assert state.ranks("cp_a2a") == state.ranks("cp_ring") == [0]
+    assert state.describe().endswith(", cp as a2a 1 x ring 1")
