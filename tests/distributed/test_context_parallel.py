@@ -150,14 +150,23 @@ def test_a2a_refuses_heads_not_divisible_by_cp():
     assert all(run_ranks(2, check_a2a_refuses_uneven_heads, 2, 4, 1))  # MQA: one group cannot be split
 
 
-def check_ring_dropout_gradient(cp, dv=D):
+def check_ring_dropout_gradient(cp, dv=D, hcp=None):
     """With dropout the ring's backward must be the derivative of its forward (same masks replayed):
-    the directional derivative from the gradients equals a central finite difference (fp64)."""
+    the directional derivative from the gradients equals a central finite difference (fp64). With
+    ``hcp`` the same through a2a+p2p (the ring inside the all-to-alls)."""
     import torch.distributed as dist
 
+    from megatron_lite.parallel.context import hierarchical_attention
     from megatron_lite.parallel.ring_attention import ring_attention
 
-    state = cached_state(cp=cp)
+    state = cached_state(cp=cp) if hcp is None else cached_state(cp=cp, hcp=hcp)
+    attend = ring_attention
+
+    if hcp is not None:  # [b, n, s, d] in and out, as ring_attention's
+        def attend(q, k, v, group, causal, scale, p, seed=0):
+            q, k, v = (t.permute(2, 0, 1, 3) for t in (q, k, v))
+            out = hierarchical_attention(q, k, v, state.group("cp_a2a"), state.group("cp_ring"), causal, scale, p, seed)
+            return out.permute(1, 2, 0, 3)
     gen = torch.Generator().manual_seed(5)
     full = [torch.randn(B, n, 8 * cp, d, dtype=torch.float64, generator=gen)
             for n, d in ((4, D), (2, D), (2, dv), (4, dv), (4, D), (2, D), (2, dv))]
@@ -165,27 +174,27 @@ def check_ring_dropout_gradient(cp, dv=D):
     seed = 11 + 1000003 * state.cp_rank  # per-rank seeds, as the module draws them
 
     def total(eps):
-        out = ring_attention(q + eps * dq_dir, k + eps * dk_dir, v + eps * dv_dir, state.cp_group, True, 0.35, 0.25, seed)
+        out = attend(q + eps * dq_dir, k + eps * dk_dir, v + eps * dv_dir, state.cp_group, True, 0.35, 0.25, seed)
         value = (out * dout).sum()
         dist.all_reduce(value, group=state.cp_group)
         return value
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    (ring_attention(qr, kr, vr, state.cp_group, True, 0.35, 0.25, seed) * dout).sum().backward()
+    (attend(qr, kr, vr, state.cp_group, True, 0.35, 0.25, seed) * dout).sum().backward()
     analytic = (qr.grad * dq_dir).sum() + (kr.grad * dk_dir).sum() + (vr.grad * dv_dir).sum()
     dist.all_reduce(analytic, group=state.cp_group)
     eps = 1e-6
     numeric = (total(eps) - total(-eps)) / (2 * eps)
     torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-8)
     # and dropout really dropped something: the result differs from the dropout-free one
-    no_drop = ring_attention(q, k, v, state.cp_group, True, 0.35, 0.0)
-    assert not torch.allclose(ring_attention(q, k, v, state.cp_group, True, 0.35, 0.25, seed), no_drop)
+    no_drop = attend(q, k, v, state.cp_group, True, 0.35, 0.0)
+    assert not torch.allclose(attend(q, k, v, state.cp_group, True, 0.35, 0.25, seed), no_drop)
     return True
 
 
-@pytest.mark.parametrize("cp, dv", [(2, D), (4, D), (2, 6)])
-def test_ring_dropout_backward_is_the_derivative_of_forward(cp, dv):
-    assert all(run_ranks(cp, check_ring_dropout_gradient, cp, dv))
+@pytest.mark.parametrize("cp, dv, hcp", [(2, D, None), (4, D, None), (2, 6, None), (4, 6, (2, 2))])
+def test_ring_dropout_backward_is_the_derivative_of_forward(cp, dv, hcp):
+    assert all(run_ranks(cp, check_ring_dropout_gradient, cp, dv, hcp))
 
 
 def check_bf16_ring(cp):

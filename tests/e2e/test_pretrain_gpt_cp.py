@@ -4,8 +4,8 @@ Same pattern as test_pretrain_gpt.py: every parallel run calls ``pretrain_gpt.ma
 rank of a gloo pool; the reference is the same command in this process. Same seed, same global
 batch, dropout 0, fp32: every step's loss and gradient norm within a relative 1e-5 of the
 single-process run's (the gradient norm catches a gradient-averaging factor at step 1), and
-the final weights (merged from the checkpoints) within rtol 1e-5. Covered: p2p (ring), a2a and
-allgather; learned positions (variant A) and RoPE + GQA (variant B); EOD-masked losses and reset
+the final weights (merged from the checkpoints) within rtol 1e-5. Covered: p2p (ring), a2a,
+allgather and a2a+p2p (CP4 as 2 x 2); learned positions (variant A) and RoPE + GQA (variant B); EOD-masked losses and reset
 positions; recomputation; CP composed with TP+SP, DP (+ distributed optimizer) and PP; exact resume;
 a CP2 checkpoint resumed at CP1; the one-line flag errors.
 """
