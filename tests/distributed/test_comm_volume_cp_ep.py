@@ -13,6 +13,8 @@ key/value heads of d channels (kind ``cp``):
   sending (c-1)/c of its s·b·n·d·4 bytes: 4·(c-1)/c·s·b·d·4·(nq+nkv).
 - allgather: the stacked K/V [s, 2, b, nkv, d] is all-gathered ((c-1)·KV) and its gradient
   reduce-scattered ((c-1)·KV).
+- a2a+p2p, c = A x B: the a2a volume over A ranks, 4·(A-1)/A·s·b·d·4·(nq+nkv), plus the ring's over
+  B ranks on A·s tokens of nkv/A heads, whose K/V buffer is again KV: (3B-2)·KV sent.
 
 Expert parallelism, e ranks, T tokens of hidden h per rank, E experts, top-k (kind ``ep``):
 - all-to-all dispatcher: the per-expert token counts (E int64) are all-gathered, (e-1)·E·8; with
@@ -42,8 +44,8 @@ from tests.moe_helpers import moe_config
 B, D = 2, 8
 
 
-def count_cp(cp, comm_type, nq, nkv, seq):
-    state = cached_state(cp=cp)
+def count_cp(cp, comm_type, nq, nkv, seq, hcp=None):
+    state = cached_state(cp=cp) if hcp is None else cached_state(cp=cp, hcp=hcp)
     config = SimpleNamespace(cp_comm_type=comm_type, attention_dropout=0.0, num_attention_heads=nq,
                              num_query_groups=nkv)
     attn = ContextParallelAttention(config, state, layer_number=1)
@@ -56,9 +58,13 @@ def count_cp(cp, comm_type, nq, nkv, seq):
     return volume.end_step()
 
 
-def _cp_closed_form(c, comm_type, nq, nkv, seq):
+def _cp_closed_form(c, comm_type, nq, nkv, seq, hcp=None):
     s = seq // c
     kv = 2 * B * nkv * s * D * 4
+    if comm_type == "a2a+p2p":
+        a, b = hcp
+        return {("cp", "all_to_all"): Fraction(4 * (a - 1) * s * B * D * 4 * (nq + nkv), a),
+                ("cp", "send"): Fraction((3 * b - 2) * kv)}
     if comm_type == "p2p":
         return {("cp", "send"): Fraction((3 * c - 2) * kv)}
     if comm_type == "a2a":
@@ -66,13 +72,14 @@ def _cp_closed_form(c, comm_type, nq, nkv, seq):
     return {("cp", "all_gather"): Fraction((c - 1) * kv), ("cp", "reduce_scatter"): Fraction((c - 1) * kv)}
 
 
-@pytest.mark.parametrize("cp,comm_type,nq,nkv", [
-    (2, "p2p", 4, 2), (4, "p2p", 4, 4), (2, "a2a", 4, 2), (4, "a2a", 8, 4), (2, "allgather", 4, 2),
+@pytest.mark.parametrize("cp,comm_type,nq,nkv,hcp", [
+    (2, "p2p", 4, 2, None), (4, "p2p", 4, 4, None), (2, "a2a", 4, 2, None), (4, "a2a", 8, 4, None),
+    (2, "allgather", 4, 2, None), (4, "a2a+p2p", 8, 4, (2, 2)),
 ])
-def test_cp_attention_bytes_equal_closed_forms(cp, comm_type, nq, nkv):
+def test_cp_attention_bytes_equal_closed_forms(cp, comm_type, nq, nkv, hcp):
     seq = 8 * cp
-    want = _cp_closed_form(cp, comm_type, nq, nkv, seq)
-    for rank, counts in enumerate(run_ranks(cp, count_cp, cp, comm_type, nq, nkv, seq)):
+    want = _cp_closed_form(cp, comm_type, nq, nkv, seq, hcp)
+    for rank, counts in enumerate(run_ranks(cp, count_cp, cp, comm_type, nq, nkv, seq, hcp)):
         assert counts == want, f"rank {rank}: counted {counts}, closed form {want}"
 
 
