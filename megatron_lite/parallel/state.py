@@ -271,6 +271,9 @@ class ParallelState:
             self._groups["expert_dp_shard"] = self._groups["expert_dp"]
         self.hcp_sizes = tuple(hcp) if hcp else None  # (all-to-all size, ring size) for cp_comm_type a2a+p2p
         if self.hcp_sizes:
+            if len(self.hcp_sizes) != 2 or math.prod(self.hcp_sizes) != cp:
+                raise ParallelConfigError(f"--hierarchical-context-parallel-sizes {hcp} must be two sizes whose "
+                                          f"product is context-parallel-size {cp}")
             self._build_hierarchical_cp(self.hcp_sizes[0])
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]

@@ -149,3 +149,9 @@ def test_single_process_hierarchical_state_has_groups_of_one():
     assert state.group("cp_a2a") is None and state.group("cp_ring") is None
     assert state.ranks("cp_a2a") == state.ranks("cp_ring") == [0]
     assert state.describe().endswith(", cp as a2a 1 x ring 1")
+
+
+@pytest.mark.parametrize("hcp", [(2, 1), (1, 1, 1)])
+def test_hierarchical_sizes_must_multiply_to_cp(hcp):
+    with pytest.raises(ParallelConfigError, match="product is context-parallel-size 1"):
+        ParallelState(world_size=1, rank=0, hcp=hcp)
