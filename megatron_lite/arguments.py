@@ -30,7 +30,7 @@ from .models.transformer_config import (
 )
 from .moe.config import MOE_CHOICES
 from .precision.flags import TRANSFORMER_IMPLS
-from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_RECIPES_NOT_BUILT
+from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
 CHOICES = {
     **MOE_CHOICES,
@@ -52,7 +52,7 @@ CHOICES = {
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
     "fp8_format": list(FP8_FORMATS),
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
-    "fp8_recipe": list(FP8_RECIPES + FP8_RECIPES_NOT_BUILT),  # the latter refused in one line, not by argparse
+    "fp8_recipe": list(FP8_RECIPES),
     "fp8_amax_compute_algo": list(AMAX_COMPUTE_ALGOS),
     "transformer_impl": list(TRANSFORMER_IMPLS),
     "tokenizer_type": [

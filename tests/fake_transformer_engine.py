@@ -42,6 +42,16 @@ class Float8CurrentScaling:
     fp8_format: Format = Format.HYBRID
 
 
+@dataclass
+class Float8BlockScaling:  # TE's default format for the block-scaled recipes is E4M3
+    fp8_format: Format = Format.E4M3
+
+
+@dataclass
+class MXFP8BlockScaling:
+    fp8_format: Format = Format.E4M3
+
+
 def _build(calls: list):
     active = []
 
@@ -70,6 +80,7 @@ def _build(calls: list):
     common = types.ModuleType("transformer_engine.common")
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.Format, recipe.DelayedScaling, recipe.Float8CurrentScaling = Format, DelayedScaling, Float8CurrentScaling
+    recipe.Float8BlockScaling, recipe.MXFP8BlockScaling = Float8BlockScaling, MXFP8BlockScaling
     root.pytorch, root.common, common.recipe = pytorch, common, recipe
     return {"transformer_engine": root, "transformer_engine.pytorch": pytorch,
             "transformer_engine.common": common, "transformer_engine.common.recipe": recipe}

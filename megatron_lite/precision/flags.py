@@ -41,9 +41,6 @@ def transformer_engine_missing() -> list[str]:
 
 def check_precision_flags(pr) -> None:
     """Raise ConfigError (one line naming the flag and the fix) for a bad precision combination."""
-    from .fp8 import FP8_RECIPES_NOT_BUILT, not_built_recipe_message
-
-    _require(pr.fp8_recipe not in FP8_RECIPES_NOT_BUILT, not_built_recipe_message(pr.fp8_recipe))
     _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
     if pr.fp16:
         _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")

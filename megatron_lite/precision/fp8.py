@@ -23,6 +23,8 @@ Recipes:
   run continues with the same scales.
 * ``tensorwise``: each call scales by ``fp8_max / amax`` of the tensor it casts, the amaxes
   MAX-reduced over ``amax_group`` first.
+* ``blockwise`` and ``mxfp8``: one scale per block of values (:mod:`~megatron_lite.precision.fp8_block`),
+  from that block alone: no history, no reduction.
 
 With ``amax_group`` set to the tensor-parallel group, every shard of a tensor gets the same scale,
 so the sharded GEMMs compute exactly what the unsharded FP8 GEMM would (up to summation order).
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from .fp8_block import BLOCK_RECIPES, BlockFp8LinearFunction, describe_block_recipe
 from .fp8_ops import (
     BF16_MARGIN,
     E4M3,
@@ -65,16 +68,10 @@ from .fp8_ops import (
 )
 
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise")
-FP8_RECIPES_NOT_BUILT = ("blockwise", "mxfp8")  # Megatron's block-scaled recipes: refused
+FP8_RECIPES = ("delayed", "tensorwise") + BLOCK_RECIPES
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 # columns of the amax history / entries of the scale buffer
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
-
-
-def not_built_recipe_message(recipe: str) -> str:
-    """The one line refusing a block-scaled recipe (with or without --fp8-format)."""
-    return f"--fp8-recipe {recipe} is not implemented (it needs block-scaled FP8 GEMMs); use delayed or tensorwise"
 
 
 @dataclass(frozen=True)
@@ -91,8 +88,6 @@ class Fp8Recipe:
     def __post_init__(self):
         if self.format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.format}: expected one of {', '.join(FP8_FORMATS)}")
-        if self.recipe in FP8_RECIPES_NOT_BUILT:
-            raise ConfigError(not_built_recipe_message(self.recipe))
         if self.recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.recipe}: expected one of {', '.join(FP8_RECIPES)}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
@@ -115,6 +110,8 @@ class Fp8Recipe:
         if self.recipe == "delayed":
             how = (f"delayed scaling (amax history {self.amax_history_len}, {self.amax_compute_algo}, "
                    f"margin {self.margin})")
+        elif self.recipe in BLOCK_RECIPES:
+            how = describe_block_recipe(self.recipe)
         else:
             how = "tensorwise (current) scaling"
         wgrad = "FP8 wgrad" if self.wgrad else "bf16 wgrad"
@@ -203,6 +200,8 @@ class Fp8Gemm(nn.Module):
         self._weight_fp8: dict | None = None  # this step's quantised weight (see _cached_weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recipe.recipe in BLOCK_RECIPES:  # per-block current scaling: no state, no reduction
+            return BlockFp8LinearFunction.apply(x, weight, bias, self)
         # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
         return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
 

@@ -14,7 +14,8 @@ With an FP8 recipe the call runs under ``fp8_autocast`` with a TE recipe built f
 * ``--fp8-format hybrid|e4m3`` -> ``Format.HYBRID`` / ``Format.E4M3``;
 * ``--fp8-recipe delayed`` -> ``DelayedScaling(margin, fp8_format, amax_history_len,
   amax_compute_algo)``; ``--no-fp8-wgrad`` adds ``override_linear_precision=(False, False, True)``;
-* ``--fp8-recipe tensorwise`` -> ``Float8CurrentScaling(fp8_format)``;
+* ``--fp8-recipe tensorwise`` -> ``Float8CurrentScaling(fp8_format)``, ``blockwise`` ->
+  ``Float8BlockScaling(fp8_format)``, ``mxfp8`` -> ``MXFP8BlockScaling(fp8_format)`` (as Megatron);
 * amaxes are reduced by TE over ``fp8_group`` = the gemm's tensor-parallel group;
 * the input is flattened to 2-D and, under FP8, padded with zero rows to a multiple of 16 rows (an
   MoE expert receives any number of tokens; TE's FP8 GEMMs need aligned dimensions).
@@ -52,11 +53,12 @@ def te_recipe(recipe, recipe_module):
     if recipe is None:
         return None
     fmt = recipe_module.Format.HYBRID if recipe.format == "hybrid" else recipe_module.Format.E4M3
-    if recipe.recipe == "tensorwise":
+    current = {"tensorwise": "Float8CurrentScaling", "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}
+    if recipe.recipe in current:
         if not recipe.wgrad:
-            raise ConfigError("--no-fp8-wgrad with --fp8-recipe tensorwise is not available through "
+            raise ConfigError(f"--no-fp8-wgrad with --fp8-recipe {recipe.recipe} is not available through "
                               "Transformer Engine; use --fp8-recipe delayed or --transformer-impl local")
-        return recipe_module.Float8CurrentScaling(fp8_format=fmt)
+        return getattr(recipe_module, current[recipe.recipe])(fp8_format=fmt)
     fields = dict(margin=recipe.margin, fp8_format=fmt, amax_history_len=recipe.amax_history_len,
                   amax_compute_algo=recipe.amax_compute_algo)
     if not recipe.wgrad:

@@ -174,8 +174,7 @@ def test_startup_log_names_the_fp8_path(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, words", [
     (["--fp8-format", "hybrid"], ["--fp8-format", "--bf16"]),
-    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], ["--fp8-recipe blockwise"]),
-    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], ["--fp8-recipe mxfp8"]),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "nvfp4"], ["--fp8-recipe", "nvfp4"]),
     pytest.param(["--bf16", "--fp8-format", "hybrid", "--transformer-impl", "transformer_engine"],
                  ["--transformer-impl transformer_engine", "use --transformer-impl local"],
                  marks=pytest.mark.skipif(not transformer_engine_missing(), reason="Transformer Engine and a GPU present")),

@@ -99,9 +99,6 @@ def test_every_tool_says_a_bad_flag_in_one_line(capsys, tool):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--fp8-recipe", "blockwise", "--tensor-model-parallel-size", "2"], ["--fp8-recipe blockwise is not implemented"]),
-    (["--fp8-recipe", "mxfp8", "--fp8-format", "hybrid", "--bf16", "--tensor-model-parallel-size", "2"],
-     ["--fp8-recipe mxfp8 is not implemented"]),
     (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1",
       "--pipeline-model-parallel-size", "2", "--num-layers", "4"], ["zb-h1 runs one model chunk per rank"]),
     (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], ["a2a+p2p needs --hierarchical-context-parallel"]),

@@ -272,7 +272,7 @@ def test_state_stays_fp32_when_model_is_cast():
 
 
 @pytest.mark.parametrize("kwargs,flag", [
-    (dict(format="e5m2"), "--fp8-format"), (dict(recipe="mxfp8"), "--fp8-recipe"),
+    (dict(format="e5m2"), "--fp8-format"), (dict(recipe="nvfp4"), "--fp8-recipe"),
     (dict(amax_compute_algo="mean"), "--fp8-amax-compute-algo"), (dict(amax_history_len=0), "--fp8-amax-history-len"),
 ])
 def test_recipe_validation(kwargs, flag):

@@ -52,7 +52,7 @@ def test_make_gemm_gives_a_fresh_gemm_with_the_configured_recipe():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(fp8="e5m2"), "--fp8-format e5m2"),
-    (dict(fp8="hybrid", fp8_recipe="blockwise"), "--fp8-recipe blockwise is not implemented"),
+    (dict(fp8="hybrid", fp8_recipe="nvfp4"), "--fp8-recipe nvfp4: expected one of delayed, tensorwise, blockwise, mxfp8"),
     (dict(fp8="hybrid", fp8_amax_history_len=0), "--fp8-amax-history-len"),
     (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=4), "exceed num-layers 4"),
     (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=-1), "at least 0"),

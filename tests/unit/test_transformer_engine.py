@@ -36,6 +36,8 @@ SHAPE = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16,
      fake.DelayedScaling(margin=2, fp8_format=fake.Format.E4M3, amax_history_len=16, amax_compute_algo="max",
                          override_linear_precision=(False, False, True))),
     (dict(format="e4m3", recipe="tensorwise"), fake.Float8CurrentScaling(fp8_format=fake.Format.E4M3)),
+    (dict(format="hybrid", recipe="blockwise"), fake.Float8BlockScaling(fp8_format=fake.Format.HYBRID)),
+    (dict(format="e4m3", recipe="mxfp8"), fake.MXFP8BlockScaling(fp8_format=fake.Format.E4M3)),
 ])
 def test_recipe_fields_map_from_our_flags(monkeypatch, ours, want):
     fake.install(monkeypatch)
