@@ -1,7 +1,8 @@
 """FP8 training through pretrain_gpt.py's command line.
 
 * Learning: on the sample corpus, FP8 runs (hybrid/delayed, hybrid/tensorwise, e4m3/delayed) end
-  20 steps within 3% of the bf16 run's loss, and all of them learned (loss well below the start).
+  20 steps within 3% of the bf16 run's loss, and all of them learned (loss well below the start); the
+  block-scaled recipes (e4m3/blockwise, hybrid/mxfp8) stay within 2% of bf16 at every step.
 * Tensor (TP2 + SP), pipeline (PP2) and data parallelism (DP2) with FP8 follow the one-process FP8
   run step by step within bf16 tolerance: losses relative 1e-3, gradient norms GRAD_RTOL (the
   amaxes are reduced over TP and DP so every rank quantises with the one-process scales; what
@@ -42,15 +43,21 @@ MOE_GRAD_RTOL = 5e-2
 TE_GRAD_RTOL = 2e-2
 
 
-def _train_real(sample_dataset, tmp_path, name, extra):
+def _train_real(sample_dataset, tmp_path, name, extra, trajectory=False):
     argv = _real_data(sample_dataset) + ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "20",
                                          "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / name)]
-    return pretrain_gpt.main(argv + extra).losses
+    result = pretrain_gpt.main(argv + extra)
+    return Trajectory.of(result) if trajectory else result.losses
 
 
 @pytest.fixture(scope="module")
-def bf16_losses(sample_dataset, tmp_path_factory):
-    return _train_real(sample_dataset, tmp_path_factory.mktemp("bf16"), "bf16", ["--bf16"])
+def bf16_run(sample_dataset, tmp_path_factory):
+    return _train_real(sample_dataset, tmp_path_factory.mktemp("bf16"), "bf16", ["--bf16"], trajectory=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_losses(bf16_run):
+    return bf16_run.losses
 
 
 @pytest.mark.parametrize("recipe", [
@@ -63,6 +70,27 @@ def test_fp8_learns_like_bf16(sample_dataset, tmp_path, bf16_losses, recipe):
     end, ref = sum(losses[-3:]) / 3, sum(bf16_losses[-3:]) / 3
     assert abs(end - ref) <= 0.03 * ref, f"FP8 loss {end:.4f} vs bf16 {ref:.4f} after 20 steps"
     assert end < losses[0] - 0.5, losses  # it learned
+
+
+# Block-scaled recipes against the bf16 run (measured: losses at most 1.2% apart over the 20 steps, as
+# tensorwise; gradient norms of the first 10 steps at most 0.3%). The losses alone barely notice broken
+# FP8 GEMMs (this small model learns mostly through its embeddings: quantising with the inverse scale
+# moved them 1.3%), the gradient norms do (5% at step 1).
+BLOCK_STEP_RTOL, BLOCK_GRAD_RTOL, BLOCK_GRAD_STEPS = 2e-2, 1e-2, 10
+
+
+@pytest.mark.parametrize("recipe", [["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+                                    ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]])
+def test_block_scaled_fp8_follows_bf16_step_by_step(sample_dataset, tmp_path, bf16_run, recipe):
+    run = _train_real(sample_dataset, tmp_path, "fp8", ["--bf16"] + recipe, trajectory=True)
+    losses, ref = run.losses, bf16_run.losses
+    worst = max(abs(a - b) / b for a, b in zip(losses, ref))
+    assert len(losses) == len(ref) == 20 and worst <= BLOCK_STEP_RTOL, f"{recipe}: losses {worst:.3g} from bf16"
+    pairs = list(zip(run.grad_norms, bf16_run.grad_norms))[:BLOCK_GRAD_STEPS]
+    worst = max(abs(a - b) / b for a, b in pairs)
+    assert worst <= BLOCK_GRAD_RTOL, f"{recipe}: gradient norms {worst:.3g} from bf16"
+    assert losses != ref  # quantised: not the bf16 run itself
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses  # it learned
 
 
 def _saved_scales(save) -> dict:
