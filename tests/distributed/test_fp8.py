@@ -50,7 +50,7 @@ def _layer(kind, w, b, recipe, group, sp, reduce_amax):
     """ColumnParallelLinear / RowParallelLinear with an Fp8Gemm, holding this rank's shard of w, b."""
     gemm = Fp8Gemm(recipe, amax_group=group if reduce_amax else None)
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-    layer = cls(IN, OUT, group, sequence_parallel=sp, gemm=gemm)
+    layer = cls(w.shape[1], w.shape[0], group, sequence_parallel=sp, gemm=gemm)
     rank = comm.group_rank(group)
     with torch.no_grad():
         layer.weight.copy_(shard(w, 0 if kind == "column" else 1, rank, 2))
@@ -67,15 +67,16 @@ def _step(layer, x, dy):
     return [y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad]
 
 
-def check_tp_fp8_linear(kind, recipe_name, sp, reduce_amax):
+def check_tp_fp8_linear(kind, recipe_name, sp, reduce_amax, dims=(IN, OUT)):
     state = cached_state(tp=2)
     g, rank = state.tp_group, state.tp_rank
     recipe = Fp8Recipe(format="hybrid", recipe=recipe_name, amax_history_len=2, amax_compute_algo="max")
-    w, b = _rand((OUT, IN), 1, 0.05), _rand(OUT, 2, 0.1)
+    (n_in, n_out), scales = dims, torch.logspace(-3, 1, dims[0])  # input features of many magnitudes
+    w, b = _rand((n_out, n_in), 1, 0.05) * scales.flip(0), _rand(n_out, 2, 0.1)
     ref_layer, layer = _UnshardedFp8Linear(w, b, recipe), _layer(kind, w, b, recipe, g, sp, reduce_amax)
     column, worst = kind == "column", 0.0
     for step in range(STEPS):
-        x, dy = _rand((S, B, IN), 3 + step, 1.0 + step), _rand((S, B, OUT), 13 + step, 1e-3 * (step + 1))
+        x, dy = _rand((S, B, n_in), 3 + step, 1.0 + step) * scales, _rand((S, B, n_out), 13 + step, 1e-3 * (step + 1))
         ref = _step(ref_layer, x, dy)
         if column:
             x_local, dy_local = (_chunk(x, 0, g) if sp else x), shard(dy, 2, rank, 2)
@@ -102,6 +103,15 @@ def check_tp_fp8_linear(kind, recipe_name, sp, reduce_amax):
 def test_tp2_fp8_linear_equals_single_process(kind, recipe, sp):
     worst = run_ranks(2, check_tp_fp8_linear, kind, recipe, sp, True)
     assert max(worst) < 1e-5, f"TP2 FP8 {kind} linear differs from one process by {max(worst):.3g}"
+
+
+# block-scaled recipes: shards whose sizes are multiples of the block hold exactly the unsharded blocks
+# (mxfp8: 32, blockwise: 128 x 128 weight tiles), so no scale is reduced and the results are the same
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("recipe, dims", [("mxfp8", (64, 128)), ("blockwise", (256, 256))])
+def test_tp2_block_scaled_fp8_linear_equals_single_process(kind, recipe, dims):
+    worst = run_ranks(2, check_tp_fp8_linear, kind, recipe, True, False, dims)
+    assert max(worst) < 1e-5, f"TP2 {recipe} {kind} linear differs from one process by {max(worst):.3g}"
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
