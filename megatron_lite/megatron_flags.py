@@ -159,7 +159,7 @@ ENTRIES = (
     ("--fp16-lm-cross-entropy", "the cross-entropy is always computed in fp32", DROP),
     ("--disable-bf16-reduced-precision-matmul", "PyTorch's matmul precision settings are left as they are",
      DROP),
-    ("--reuse-grad-buf-for-mxfp8-param-ag", "MXFP8 is not built", DROP),
+    ("--reuse-grad-buf-for-mxfp8-param-ag", "parameters are not kept or gathered in FP8 (MXFP8 included)", DROP),
     # -- Transformer Engine, FP8 and FP4 ----------------------------------------------------------
     ("--fp8-param-gather", "FP8 weights are cast from the 16-bit ones at each GEMM; parameters are not "
      "kept or gathered in FP8", DROP),

@@ -30,7 +30,7 @@ class PrecisionConfig:
     fp8_format: str | None = None
     """FP8 format: e4m3 or hybrid."""
     fp8_recipe: str = "delayed"
-    """FP8 scaling recipe: delayed or tensorwise."""
+    """FP8 scaling recipe: delayed, tensorwise, blockwise (1x128 / 128x128 blocks) or mxfp8 (1x32 blocks, E8M0 scales)."""
     fp8_margin: int = 0
     """FP8 scaling margin."""
     fp8_amax_history_len: int = 1
