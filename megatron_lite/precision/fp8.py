@@ -373,6 +373,8 @@ def is_fp8_state_key(name: str) -> bool:
 
 def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
     """One line for the startup log: the recipe and which GEMM kernel runs it on ``device`` (and why)."""
+    if fp8_gemm_path(device) == SCALED_MM and recipe.recipe in BLOCK_RECIPES:
+        return f"FP8 {recipe.describe()}; GEMMs as dequantised matmuls on {device.type} (no block-scaled kernel used)"
     if fp8_gemm_path(device) == SCALED_MM:
         probe = torch.zeros(16, 16, dtype=E4M3, device=device)
         reason = scaled_mm_blocker(probe, probe.t())

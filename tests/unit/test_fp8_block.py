@@ -198,3 +198,20 @@ def test_block_fp8_transpose_keeps_blocks_with_their_values():
     q = quantize_blocks(x, (1, 32), "mxfp8")
     t = q.t()
     assert isinstance(t, BlockFp8) and t.block == (32, 1) and torch.equal(t.dequantize(), q.dequantize().t())
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_an_expert_without_tokens_gets_empty_outputs_and_a_zero_weight_gradient(recipe):
+    x, w = torch.zeros(0, 64, requires_grad=True), _rand((32, 64), 19).requires_grad_()
+    y = Fp8Gemm(Fp8Recipe(recipe=recipe))(x, w)
+    y.sum().backward()
+    assert y.shape == (0, 32) and x.grad.shape == (0, 64) and torch.equal(w.grad, torch.zeros(32, 64))
+
+
+def test_startup_line_names_the_block_recipe_and_its_gemms(monkeypatch):
+    from megatron_lite.precision import fp8 as fp8_module
+    line = fp8_module.describe_fp8_path(Fp8Recipe(format="e4m3", recipe="mxfp8"), torch.device("cpu"))
+    assert "e4m3 (E4M3 forward, E4M3 gradients), mxfp8 scaling (1x32 blocks" in line
+    monkeypatch.setattr(fp8_module, "fp8_gemm_path", lambda device: fp8_module.SCALED_MM)  # as on a GPU
+    line = fp8_module.describe_fp8_path(Fp8Recipe(recipe="blockwise"), torch.device("cpu"))
+    assert "blockwise scaling" in line and "dequantised matmuls" in line and "_scaled_mm" not in line
