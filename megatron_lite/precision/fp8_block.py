@@ -111,7 +111,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], recipe: str, dtype:
         scale = pow2_block_scale(block_amax, limit)
         scale_inv = scale.reciprocal()  # exact: a power of two
     q = (tiles * scale[:, None, :, None]).clamp_(-limit, limit).to(dtype)
-    return BlockFp8(q.view(xp.shape)[:rows, :cols], scale_inv, block)
+    return BlockFp8(q.reshape(xp.shape)[:rows, :cols], scale_inv, block)
 
 
 def block_matmul(a: BlockFp8, b: BlockFp8, out_dtype: torch.dtype) -> torch.Tensor:

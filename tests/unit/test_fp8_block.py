@@ -66,6 +66,9 @@ def test_quantisation_equals_the_formula_with_partial_blocks(recipe, block, dtyp
     padded = torch.nn.functional.pad(x, (0, -300 % block[1], 0, -200 % block[0]))
     p = quantize_blocks(padded, block, recipe, dtype)
     assert torch.equal(p.scale_inv, q.scale_inv) and torch.equal(p.data[:200, :300].float(), q.data.float())
+    # a transposed view (an expert's weight slice, a wgrad operand) quantises like its contiguous copy
+    xt = torch.nn.functional.pad(x, (0, -300 % 128, 0, -200 % 128)).t().contiguous().t()  # 256 x 384: no partial block
+    assert torch.equal(quantize_blocks(xt, block, recipe, dtype).dequantize(), _ref_quantize(xt, block, recipe, dtype))
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
