@@ -85,8 +85,9 @@ class BlockFp8:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented values in ``dtype`` (exact in fp32 and bf16)."""
         rows, cols = self.data.shape
-        scale = self.scale_inv.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
-        return widen(self.data, torch.float32).mul_(scale).to(dtype)
+        (br, bc), wide = self.block, _padded(widen(self.data, torch.float32), *self.block)
+        tiles = wide.view(wide.shape[0] // br, br, wide.shape[1] // bc, bc).mul_(self.scale_inv[:, None, :, None])
+        return tiles.to(dtype).reshape(wide.shape)[:rows, :cols]
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
