@@ -4,7 +4,7 @@ Transformer Engine needs CUDA, so these tests run :mod:`tests.fake_transformer_e
 Linear call with the active ``fp8_autocast`` settings, computes in fp32). They prove that
 
 * our FP8 flags map onto TE's recipe fields (format, margin, history length, amax algorithm,
-  ``--no-fp8-wgrad``; tensorwise -> current scaling);
+  ``--no-fp8-wgrad``; tensorwise -> current scaling, blockwise/mxfp8 -> TE's block-scaled recipes);
 * every GEMM of every transformer layer (QKV, attention projection, fc1, fc2, and each expert's fc1
   and fc2) goes through TE, under an autocast enabled exactly for the FP8 layers, with the TP group
   as TE's amax group; the embedding and output layer do not;
@@ -44,6 +44,14 @@ def test_recipe_fields_map_from_our_flags(monkeypatch, ours, want):
     import transformer_engine.common.recipe as recipe_module
     assert te_recipe(Fp8Recipe(**ours), recipe_module) == want
     assert te_recipe(None, recipe_module) is None
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
+def test_no_fp8_wgrad_with_a_current_scaling_recipe_is_refused_through_te(monkeypatch, recipe):
+    fake.install(monkeypatch)
+    import transformer_engine.common.recipe as recipe_module
+    with pytest.raises(ConfigError, match=f"--no-fp8-wgrad with --fp8-recipe {recipe} is not available"):
+        te_recipe(Fp8Recipe(recipe=recipe, wgrad=False), recipe_module)
 
 
 def _model(impl, moe, **fields):
