@@ -147,13 +147,18 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         xq = _rows(x2, size, name, E4M3)  # along the input features (the forward's reduction dimension)
         if name == "blockwise":
             wq = quantize_blocks(weight, (size, size), name, E4M3)
-            w_dgrad = wq  # a 128 x 128 tile is the same block in W and W^T
         else:
             wq = _rows(weight, size, name, E4M3)
-            w_dgrad = _cols(weight, size, name, E4M3)  # along the output features (dgrad's reduction)
         out = block_matmul(xq, wq.t(), x.dtype)
         if bias is not None:
             out = out + bias
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        if not any(ctx.needs_input_grad):  # evaluation: no operands for backward GEMMs
+            return out
+        if name == "blockwise":
+            w_dgrad = wq  # a 128 x 128 tile is the same block in W and W^T
+        else:
+            w_dgrad = _cols(weight, size, name, E4M3)  # along the output features (dgrad's reduction)
         if recipe.wgrad:  # along the tokens (wgrad's reduction dimension)
             ctx.save_for_backward(*_pack(_cols(x2, size, name, E4M3)), *_pack(w_dgrad))
         else:
@@ -161,7 +166,7 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
         ctx.w_dtype, ctx.b_dtype, ctx.size = weight.dtype, None if bias is None else bias.dtype, size
         ctx.w_block = w_dgrad.block
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, dy):

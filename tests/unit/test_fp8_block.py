@@ -218,3 +218,13 @@ def test_startup_line_names_the_block_recipe_and_its_gemms(monkeypatch):
     monkeypatch.setattr(fp8_module, "fp8_gemm_path", lambda device: fp8_module.SCALED_MM)  # as on a GPU
     line = fp8_module.describe_fp8_path(Fp8Recipe(recipe="blockwise"), torch.device("cpu"))
     assert "blockwise scaling" in line and "dequantised matmuls" in line and "_scaled_mm" not in line
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_evaluation_gives_the_training_forward(recipe):
+    x, w, b = _rand((2, 40, 64), 20), _rand((48, 64), 21), _rand(48, 22)
+    gemm = Fp8Gemm(Fp8Recipe(recipe=recipe))
+    with torch.no_grad():
+        evaluated = gemm(x, w, b)
+    trained = gemm(x.requires_grad_(), w, b)
+    assert evaluated.shape == (2, 40, 48) and torch.equal(evaluated, trained.detach())
