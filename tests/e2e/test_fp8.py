@@ -1,8 +1,8 @@
 """FP8 training through pretrain_gpt.py's command line.
 
-* Learning: on the sample corpus, FP8 runs (hybrid/delayed, hybrid/tensorwise, e4m3/delayed) end
-  20 steps within 3% of the bf16 run's loss, and all of them learned (loss well below the start); the
-  block-scaled recipes (e4m3/blockwise, hybrid/mxfp8) stay within 2% of bf16 at every step.
+* Learning: on the sample corpus, FP8 runs of every recipe (hybrid/delayed, hybrid/tensorwise,
+  e4m3/delayed, e4m3/blockwise, hybrid/mxfp8) stay within 2% of the bf16 run's loss at every one of
+  20 steps and within 1-6% of its gradient norms over the first 10, and learned.
 * Tensor (TP2 + SP), pipeline (PP2) and data parallelism (DP2) with FP8 follow the one-process FP8
   run step by step within bf16 tolerance: losses relative 1e-3, gradient norms GRAD_RTOL (the
   amaxes are reduced over TP and DP so every rank quantises with the one-process scales; what
@@ -55,40 +55,29 @@ def bf16_run(sample_dataset, tmp_path_factory):
     return _train_real(sample_dataset, tmp_path_factory.mktemp("bf16"), "bf16", ["--bf16"], trajectory=True)
 
 
-@pytest.fixture(scope="module")
-def bf16_losses(bf16_run):
-    return bf16_run.losses
+# Every recipe against the bf16 run, step by step. The losses alone barely notice broken FP8 GEMMs
+# (this small model learns mostly through its embeddings: quantising with the inverse scale moved them
+# 1.3%), the gradient norms of the first steps do (5% at step 1). Measured, worst over the 20 losses /
+# the first 10 gradient norms: hybrid delayed 1.1% / 1.0%, hybrid tensorwise 1.2% / 0.4%, e4m3 delayed
+# (E4M3 gradients: less range) 1.3% / 3.3%, e4m3 blockwise 1.2% / 0.3%, hybrid mxfp8 0.3%.
+STEP_RTOL, GRAD_STEPS = 2e-2, 10
 
 
-@pytest.mark.parametrize("recipe", [
-    ["--fp8-format", "hybrid"],
-    ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-    ["--fp8-format", "e4m3", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"],
-])
-def test_fp8_learns_like_bf16(sample_dataset, tmp_path, bf16_losses, recipe):
-    losses = _train_real(sample_dataset, tmp_path, "fp8", ["--bf16"] + recipe)
-    end, ref = sum(losses[-3:]) / 3, sum(bf16_losses[-3:]) / 3
-    assert abs(end - ref) <= 0.03 * ref, f"FP8 loss {end:.4f} vs bf16 {ref:.4f} after 20 steps"
-    assert end < losses[0] - 0.5, losses  # it learned
-
-
-# Block-scaled recipes against the bf16 run (measured: losses at most 1.2% apart over the 20 steps, as
-# tensorwise; gradient norms of the first 10 steps at most 0.3%). The losses alone barely notice broken
-# FP8 GEMMs (this small model learns mostly through its embeddings: quantising with the inverse scale
-# moved them 1.3%), the gradient norms do (5% at step 1).
-BLOCK_STEP_RTOL, BLOCK_GRAD_RTOL, BLOCK_GRAD_STEPS = 2e-2, 1e-2, 10
-
-
-@pytest.mark.parametrize("recipe", [["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
-                                    ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]])
-def test_block_scaled_fp8_follows_bf16_step_by_step(sample_dataset, tmp_path, bf16_run, recipe):
+@pytest.mark.parametrize("recipe, grad_rtol", [
+    (["--fp8-format", "hybrid"], 2e-2),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], 1e-2),
+    (["--fp8-format", "e4m3", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"], 6e-2),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1e-2),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1e-2),
+], ids=["hybrid_delayed", "hybrid_tensorwise", "e4m3_delayed_max4", "e4m3_blockwise", "hybrid_mxfp8"])
+def test_fp8_follows_bf16_step_by_step(sample_dataset, tmp_path, bf16_run, recipe, grad_rtol):
     run = _train_real(sample_dataset, tmp_path, "fp8", ["--bf16"] + recipe, trajectory=True)
     losses, ref = run.losses, bf16_run.losses
     worst = max(abs(a - b) / b for a, b in zip(losses, ref))
-    assert len(losses) == len(ref) == 20 and worst <= BLOCK_STEP_RTOL, f"{recipe}: losses {worst:.3g} from bf16"
-    pairs = list(zip(run.grad_norms, bf16_run.grad_norms))[:BLOCK_GRAD_STEPS]
+    assert len(losses) == len(ref) == 20 and worst <= STEP_RTOL, f"{recipe}: losses {worst:.3g} from bf16"
+    pairs = list(zip(run.grad_norms, bf16_run.grad_norms))[:GRAD_STEPS]
     worst = max(abs(a - b) / b for a, b in pairs)
-    assert worst <= BLOCK_GRAD_RTOL, f"{recipe}: gradient norms {worst:.3g} from bf16"
+    assert worst <= grad_rtol, f"{recipe}: gradient norms {worst:.3g} from bf16"
     assert losses != ref  # quantised: not the bf16 run itself
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses  # it learned
 
