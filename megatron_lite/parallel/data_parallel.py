@@ -48,7 +48,11 @@ Hybrid sharding (``--num-distributed-optimizer-instances N``): dense buckets bel
 shard). A bucket is reduce-scattered inside its shard group, then its shard is all-reduced over the
 replicate group, which together sum over all DP x CP ranks. The second collective needs the first's
 result, so an overlapped bucket issues it when waited on. Expert buckets are cut the same way:
-``expert_dp_shard`` (expert-DP x CP / N ranks) and ``expert_dp_replicate``.
+``expert_dp_shard`` (expert-DP x CP / N ranks) and ``expert_dp_replicate``. With sharded grads
+(ZeRO-2/3, HSDP) each micro-batch's bucket is reduce-scattered inside the instance and added into
+the shard; the replicas' all-reduce runs once a step, on the accumulated shard, in
+:meth:`finish_grad_sync` (a sum is a sum: the same gradient, with one cross-instance all-reduce per
+step instead of one per micro-batch; consecutive buckets of one replicate group go in one call).
 
 Sharding strategies (``strategy``, the ``--data-parallel-sharding-strategy`` names): ``no_shard`` and
 ``optim`` keep the full buffer above. ``optim_grads`` (ZeRO-2) keeps only this rank's shard of each
@@ -72,7 +76,7 @@ from torch import nn
 
 from . import comm
 from .dp_hooks import on_backward, wait_for_params_before_use
-from .grad_bucket import Bucket
+from .grad_bucket import Bucket, all_reduce_runs, replica_runs
 from .tensor import all_reduce_sequence_parallel_grads
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -180,8 +184,10 @@ class DistributedDataParallel(nn.Module):
             bucket = Bucket(bucket_params, data, group, scale, offsets, numel, device, replicate)
             if self.shard_grads:
                 bucket.grad_shard = self.grad_shards[shard_start : shard_start + shard_size]
+            bucket.defer_replicas = self.shard_grads  # summed over the replicas once a step (finish_grad_sync)
             self.buckets.append(bucket)
             start, shard_start = start + numel, shard_start + shard_size
+        self._replica_runs = replica_runs(self.buckets) if self.shard_grads else []
 
     @torch.no_grad()
     def _flatten_params(self) -> None:
@@ -304,8 +310,9 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Reduce the buckets not yet launched, then wait for every outstanding reduction."""
-        if self.shard_grads:  # reduced at the end of every backward pass already
+        if self.shard_grads:  # reduce-scattered at the end of every backward pass already
             self._flush()
+            all_reduce_runs(self.grad_shards, self._replica_runs)  # hybrid sharding: once a step
             return
         self._zero_stale()
         for bucket in self.buckets:

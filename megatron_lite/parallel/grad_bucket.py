@@ -30,6 +30,7 @@ class Bucket:
         self.replicate_group = replicate_group  # hybrid sharding: the same shard on the other instances
         self.ids = {id(p) for p in params}
         self.reduce_scatter = False  # set by the distributed optimizer
+        self.defer_replicas = False  # sharded grads: the replicas' all-reduce runs once a step, on the shard
         self.grad_shard: torch.Tensor | None = None  # sharded grads: this rank's fp32 chunk, kept all step
         self.param_shard: torch.Tensor | None = None  # sharded params (fsdp.py): this rank's chunk of them
         self.param_gather = None  # an all-gather of updated params still in flight (--overlap-param-gather)
@@ -105,8 +106,9 @@ class Bucket:
             self._reduce_over_replicas()
 
     def _reduce_over_replicas(self) -> None:
-        """Hybrid sharding: sum this rank's shard (or the whole bucket) over the replicate group."""
-        if comm.group_size(self.replicate_group) == 1:
+        """Hybrid sharding: sum this rank's shard (or the whole bucket) over the replicate group
+        (sharded grads defer it: ``DistributedDataParallel.finish_grad_sync`` sums the shards once a step)."""
+        if comm.group_size(self.replicate_group) == 1 or self.defer_replicas:
             return
         start, end = self.shard() if self.reduce_scatter else (0, self.data.numel())
         comm.record("dp", "all_reduce", comm.tensor_bytes(self.data[start:end]), comm.group_size(self.replicate_group))
@@ -117,3 +119,29 @@ class Bucket:
             self.handle.wait()
             self.handle = None
             self._reduce_over_replicas()  # an overlapped launch left the second stage for now
+
+
+def replica_runs(buckets: list[Bucket]) -> list[tuple[object, int, int]]:
+    """Sharded grads with hybrid sharding: ``(replicate group, start, end)`` of each run of consecutive
+    buckets whose shards are summed over the same replicate group, as ranges of the flat buffer the
+    buckets' ``grad_shard`` are consecutive slices of (one all-reduce per run, not per bucket)."""
+    runs, start = [], 0
+    for b in buckets:
+        end = start + b.grad_shard.numel()
+        if comm.group_size(b.replicate_group) > 1:
+            if runs and runs[-1][0] is b.replicate_group and runs[-1][2] == start:
+                runs[-1] = (b.replicate_group, runs[-1][1], end)
+            else:
+                runs.append((b.replicate_group, start, end))
+        start = end
+    return runs
+
+
+def all_reduce_runs(flat: torch.Tensor, runs: list[tuple[object, int, int]]) -> None:
+    """Sum each run ``flat[start:end]`` over its group (all launched, then waited for)."""
+    handles = []
+    for group, start, end in runs:
+        comm.record("dp", "all_reduce", comm.tensor_bytes(flat[start:end]), comm.group_size(group))
+        handles.append(dist.all_reduce(flat[start:end], group=group, async_op=True))
+    for handle in handles:
+        handle.wait()

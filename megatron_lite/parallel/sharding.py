@@ -6,11 +6,12 @@
 ``optim_grads_params`` also the parameters (ZeRO-3). ``--use-megatron-fsdp`` is accepted and
 changes nothing. Every strategy but ``no_shard`` uses the distributed optimizer.
 
-Hybrid sharding (``--num-distributed-optimizer-instances``) chooses the group the distributed
-optimizer shards over, and CPU offload (``--optimizer-cpu-offload``) moves part of its shard to the
-host: both need the distributed optimizer, and both are built for ``optim`` only. Whether N divides
-the data-parallel size (and, with MoE, the expert data-parallel size) is checked by the rank grid,
-which knows those sizes.
+Hybrid sharding (``--num-distributed-optimizer-instances N``) chooses the group every sharded
+strategy shards over (one of N instances; with ``optim_grads``/``optim_grads_params`` that is HSDP:
+gradients, and parameters, sharded inside an instance, replicated across them), and CPU offload
+(``--optimizer-cpu-offload``) moves part of the optimizer's shard to the host: both need the
+distributed optimizer; offload is built for ``optim`` only. Whether N divides the data-parallel size
+(and, with MoE, the expert data-parallel size) is checked by the rank grid, which knows those sizes.
 """
 
 from __future__ import annotations
@@ -46,11 +47,9 @@ def _check_hybrid_and_offload(config, strategy: str) -> None:
     if instances > 1 and not p.use_distributed_optimizer:
         raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
                           "(hybrid sharding splits the distributed optimizer's shard group)")
-    for flag, on in (("--num-distributed-optimizer-instances > 1", instances > 1),
-                     ("--optimizer-cpu-offload", o.optimizer_cpu_offload)):
-        if on and strategy in ("optim_grads", "optim_grads_params"):
-            raise ConfigError(f"{flag} is built for --data-parallel-sharding-strategy optim (the distributed "
-                              f"optimizer) only, not {strategy}; use strategy optim or drop {flag.split()[0]}")
+    if o.optimizer_cpu_offload and strategy in ("optim_grads", "optim_grads_params"):
+        raise ConfigError(f"--optimizer-cpu-offload is built for --data-parallel-sharding-strategy optim (the "
+                          f"distributed optimizer) only, not {strategy}; use strategy optim or drop --optimizer-cpu-offload")
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1, got {o.optimizer_offload_fraction}")
     if o.optimizer_cpu_offload and not p.use_distributed_optimizer:

@@ -2,8 +2,10 @@
 
 World 4 = EP 2 x expert-DP 2 (DP 4), ``--num-distributed-optimizer-instances`` 1 or 2. The model of
 test_data_parallel (a dense layer and an 'expert' weight that differs per EP rank) is wrapped in DDP
-with the distributed optimizer. With 2 instances the expert buckets shard over one expert-DP rank
-(the whole bucket) and are all-reduced over the two instances; the dense ones shard over 2 ranks.
+with the distributed optimizer (ZeRO-1), or with sharded gradients (ZeRO-2) or sharded gradients and
+parameters (ZeRO-3) at 2 instances (HSDP). With 2 instances the expert buckets shard over one
+expert-DP rank (the whole bucket) and are all-reduced over the two instances; the dense ones shard
+over 2 ranks.
 Checked: each bucket's group and replicate group sizes, the shard this rank owns (its length and
 values: the reference gradient averaged over DP, within rtol 1e-5), that the pieces of every
 instance cover each parameter exactly once, and the optimizer's grad norm against the norm of the
@@ -20,6 +22,7 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.data_parallel import DistributedDataParallel, finalize_model_grads
+from megatron_lite.parallel.fsdp import FullyShardedDataParallel
 from megatron_lite.perf.model_state import formula_model_state_bytes, measured_model_state_bytes
 from tests.distributed.test_data_parallel import IN, OUT, _batch, _loss, _WithExpert
 from tests.harness import cached_state, run_ranks
@@ -41,13 +44,16 @@ def _reference(state, x, y):
     return mine, norm
 
 
-def check_expert_shards(instances):
+def check_expert_shards(instances, strategy="optim"):
     state = cached_state(ep=2, dist_opt_instances=instances)
     x, y = _batch(4)
-    model = DistributedDataParallel(_WithExpert(state.ep_rank), state, bucket_size=16)
+    if strategy == "optim_grads_params":  # no unit inside: the root unit, one bucket per parameter
+        model = FullyShardedDataParallel(_WithExpert(state.ep_rank), state, bucket_size=16)
+    else:
+        model = DistributedDataParallel(_WithExpert(state.ep_rank), state, bucket_size=16, strategy=strategy)
     cfg = Config()
     cfg.parallel.use_distributed_optimizer = True
-    cfg.parallel.data_parallel_sharding_strategy = "optim"
+    cfg.parallel.data_parallel_sharding_strategy = strategy
     cfg.parallel.num_distributed_optimizer_instances = instances
     cfg.parallel.expert_model_parallel_size = 2
     optimizer = build_optimizer(cfg, [model], state)
@@ -79,7 +85,8 @@ def check_expert_shards(instances):
     got = measured_model_state_bytes([model], optimizer)
     device, host = formula_model_state_bytes(cfg, [model], 4)
     assert (got["params"] + got["grads"] + got["optimizer"], got["optimizer_cpu"]) == (device, host), got
-    assert device == 44 * 8 + 28 * Fraction(12 * instances, 4) + 16 * Fraction(12 * instances, 2)
+    full, sharded = {"optim": (8, 12), "optim_grads": (4, 16), "optim_grads_params": (0, 20)}[strategy]
+    assert device == 44 * full + 28 * Fraction(sharded * instances, 4) + 16 * Fraction(sharded * instances, 2)
     return owned
 
 
@@ -90,9 +97,10 @@ def _covered_once(ranges, numel):
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
 
-@pytest.mark.parametrize("instances", [1, 2])
-def test_expert_buckets_shard_within_an_instance(instances):
-    owned = run_ranks(4, check_expert_shards, instances)  # rank = ep + 2 x edp
+@pytest.mark.parametrize("instances, strategy", [(1, "optim"), (2, "optim"), (2, "optim_grads"),
+                                                (2, "optim_grads_params")])
+def test_expert_buckets_shard_within_an_instance(instances, strategy):
+    owned = run_ranks(4, check_expert_shards, instances, strategy)  # rank = ep + 2 x edp
     blocks = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]]}[instances]  # the ranks of each instance
     for ranks in blocks:  # inside one instance every element is owned by exactly one rank
         _covered_once([r for rank in ranks for r in owned[rank].get("dense.weight", [])], OUT * IN)

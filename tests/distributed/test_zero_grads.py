@@ -9,16 +9,25 @@ over every rank's micro-batches. Every bucket's shard must equal the slice ``[st
 this rank owns of the reference gradients laid out as the bucket lays them out (padding zero),
 fp32 rtol 1e-6; the optimizer's gradient norm must equal the reference's. The toy head has 27
 parameters, so its bucket is padded at DP 2 and DP 4.
+
+Hybrid sharding (HSDP, ``--num-distributed-optimizer-instances 2`` at DP 4): every bucket (and, ZeRO-3,
+its parameter shard) is cut over the 2 ranks of this rank's instance and replicated over the 2
+instances, the shard is still this rank's slice of the reference, and the instances' all-reduce of
+the shards runs once for the step (its bytes are those of one all-reduce of every shard), not once
+per micro-batch.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.config import Config
 from megatron_lite.optim import build_optimizer
+from megatron_lite.parallel import comm
 from megatron_lite.parallel.data_parallel import finalize_model_grads
 from megatron_lite.parallel.fsdp import wrap_for_data_parallel
+from megatron_lite.perf.comm_volume import CommVolume, ring_bytes
 from tests.distributed.test_fsdp import _Block
 from tests.harness import cached_state, run_ranks
 
@@ -55,18 +64,24 @@ def _reference(dp: int) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in ref.named_parameters()}
 
 
-def check_shards(dp: int, strategy: str):
-    state = cached_state(dp=dp)
+def check_shards(dp: int, strategy: str, instances: int = 1):
+    state = cached_state(dp=dp, dist_opt_instances=instances)
     cfg = Config()
     cfg.parallel.data_parallel_sharding_strategy = strategy
+    cfg.parallel.num_distributed_optimizer_instances = instances
     cfg.parallel.ddp_bucket_size = 20  # ZeRO-2: head (27, padded), block 1, block 0; ZeRO-3: one per unit
     model = wrap_for_data_parallel(_Toy(), state, cfg.parallel)
     optimizer = build_optimizer(cfg, [model], state)
+    _check_groups(model, state, dp // instances, instances)
     optimizer.zero_grad()
-    for i in range(MICRO_BATCHES):
-        with model.no_sync() if i < MICRO_BATCHES - 1 else torch.enable_grad():
-            (_loss(model, *_batch(state.dp_rank, i)) / MICRO_BATCHES).backward()
-    finalize_model_grads([model], state)
+    volume = CommVolume()
+    with volume.counting():
+        for i in range(MICRO_BATCHES):
+            with model.no_sync() if i < MICRO_BATCHES - 1 else torch.enable_grad():
+                (_loss(model, *_batch(state.dp_rank, i)) / MICRO_BATCHES).backward()
+        finalize_model_grads([model], state)
+    replicas = volume.end_step().get(("dp", "all_reduce"), 0)
+    assert replicas == ring_bytes("all_reduce", 4 * model.grad_shards.numel(), instances), replicas
 
     ref = _reference(dp)
     name_of = {id(p): name for name, p in model.module.named_parameters()}
@@ -86,7 +101,22 @@ def check_shards(dp: int, strategy: str):
     return True
 
 
+def _check_groups(model, state, shard: int, instances: int) -> None:
+    """Every bucket shards over this rank's instance (``shard`` consecutive ranks) and is replicated
+    over ``instances`` ranks, one per instance; ZeRO-3 keeps a parameter shard of the same size."""
+    block = state.rank // shard * shard
+    for bucket in model.buckets:
+        assert comm.group_size(bucket.group) == shard and comm.group_size(bucket.replicate_group) == instances
+        members = dist.get_process_group_ranks(bucket.group) if shard > 1 else [state.rank]
+        assert members == list(range(block, block + shard)), members
+        if instances > 1:
+            assert dist.get_process_group_ranks(bucket.replicate_group) == list(range(state.rank % shard, 4, shard))
+        assert bucket.numel % shard == 0 and bucket.grad_shard.numel() == bucket.numel // shard
+        if model.strategy == "optim_grads_params":
+            assert bucket.param_shard.numel() == bucket.numel // shard
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
-@pytest.mark.parametrize("dp", [2, 4])
-def test_gradient_shards_are_slices_of_the_single_process_gradient(dp, strategy):
-    assert all(run_ranks(dp, check_shards, dp, strategy))
+@pytest.mark.parametrize("dp, instances", [(2, 1), (4, 1), (4, 2)], ids=["dp2", "dp4", "dp4_hybrid2"])
+def test_gradient_shards_are_slices_of_the_single_process_gradient(dp, instances, strategy):
+    assert all(run_ranks(dp, check_shards, dp, strategy, instances))

@@ -125,8 +125,9 @@ def test_cpu_offload_in_bf16(tmp_path, reference):
          ["--optimizer-offload-fraction must be between 0 and 1"]),
         (DISTOPT + ["--overlap-cpu-optimizer-d2h-h2d"], 1, ["--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload"]),
         (DISTOPT + ["--optimizer-offload-fraction", "0.5"], 1, ["--optimizer-offload-fraction needs"]),
-        (["--data-parallel-sharding-strategy", "optim_grads", "--num-distributed-optimizer-instances", "2"], 4,
-         ["--num-distributed-optimizer-instances > 1 is built for", "not optim_grads"]),
+        # HSDP (ZeRO-3 in instances) refuses only what does not divide
+        (["--data-parallel-sharding-strategy", "optim_grads_params", "--num-distributed-optimizer-instances", "3"], 4,
+         ["num-distributed-optimizer-instances 3", "data-parallel size 4"]),
         (["--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"], 2,
          ["--optimizer-cpu-offload is built for", "not optim_grads_params"]),
     ],

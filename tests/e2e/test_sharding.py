@@ -27,6 +27,8 @@ from tests.trajectory import assert_same_trajectory, ranks_trajectory
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# Hybrid sharding: 2 instances of 2 shards at DP 4; micro-batch 1 gives each rank 2 micro-batches a step.
+HYBRID = ["--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1"]
 ITERS = 6
 BF16_GRAD_RTOL = 5e-3  # about bf16's own rounding (2^-8 = 3.9e-3); seen 1.4e-3 by step 3 (fp32 runs check 1e-5)
 
@@ -48,6 +50,8 @@ def reference(tmp_path_factory):
         ("zero3_tp2_dp2_sp", 4, "B", ZERO3 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("zero3_pp2_vpp2_dp2", 4, "A", ZERO3 + OVERLAP + ["--pipeline-model-parallel-size", "2",
                                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("zero2_dp4_hybrid", 4, "B", ZERO2 + HYBRID + ["--ddp-bucket-size", "3000"] + OVERLAP),
+        ("zero3_dp4_hybrid", 4, "A", ZERO3 + HYBRID + OVERLAP),
     ],
 )
 def test_sharded_runs_reproduce_single_process(tmp_path, reference, name, world, variant, extra):
