@@ -22,7 +22,7 @@ from tests.e2e.test_pretrain_gpt import (
     _same_weights,
     _single,
 )
-from tests.trajectory import assert_same_trajectory, ranks_trajectory
+from tests.trajectory import assert_same_trajectory, ranks_trajectories, ranks_trajectory
 
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
@@ -72,14 +72,20 @@ def test_zero3_bf16_tp2_dp2_follows_single_process(tmp_path):
     assert_same_trajectory(got, ref, rtol=2e-4, grad_rtol=BF16_GRAD_RTOL, steps=ITERS)
 
 
-@pytest.mark.parametrize("first, second", [(["--use-distributed-optimizer"], ZERO3), (ZERO3 + OVERLAP, [])])
-def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, first, second):
-    """Stop after 3 of 6 steps with one strategy, resume with another on the same 2 ranks: the
+@pytest.mark.parametrize("world, first, seconds", [
+    (2, ["--use-distributed-optimizer"], [ZERO3]),
+    (2, ZERO3 + OVERLAP, [[]]),
+    # HSDP: ZeRO-3 in 2 instances of 2 ranks, resumed as plain ZeRO-3 (one instance of 4) and as ZeRO-1
+    (4, ZERO3 + HYBRID + OVERLAP, [ZERO3, ["--use-distributed-optimizer"]]),
+], ids=["zero1_to_zero3", "zero3_to_no_shard", "hsdp_zero3_to_zero3_and_zero1"])
+def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, world, first, seconds):
+    """Stop after 3 of 6 steps with one strategy, resume with another on the same ranks: the
     6 losses are the uninterrupted single-process run's."""
     save = str(tmp_path / "ckpt")
-    a = ranks_trajectory(2, "pretrain_gpt", _argv(save, ITERS, first + ["--exit-interval", "3"]))
-    b = ranks_trajectory(2, "pretrain_gpt", _argv(save, ITERS, second + ["--load", save]))
-    assert_same_trajectory(a + b, reference["A"][0], steps=ITERS)
+    a = ranks_trajectory(world, "pretrain_gpt", _argv(save, ITERS, first + ["--exit-interval", "3"]))
+    argvs = [_argv(str(tmp_path / f"next{i}"), ITERS, second + ["--load", save]) for i, second in enumerate(seconds)]
+    for second, b in zip(seconds, ranks_trajectories(world, "pretrain_gpt", argvs)):
+        assert_same_trajectory(a + b, reference["A"][0], steps=ITERS, what=" ".join(second) or "no_shard")
 
 
 @pytest.mark.parametrize(

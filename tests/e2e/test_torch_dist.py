@@ -22,7 +22,13 @@ from tests.e2e import kill_at
 from tests.e2e.test_pretrain_gpt import MODEL, MODEL_B, _argv, _one_line_exit_2
 from tests.harness import run_in_new_process, run_ranks
 from tests.tools import load_tool
-from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
+from tests.trajectory import (
+    Trajectory,
+    assert_same_trajectory,
+    ranks_trajectories,
+    ranks_trajectory,
+    run_script,
+)
 
 DIST = ["--ckpt-format", "torch_dist"]
 # 124 vocabulary rows (123 + end of document) pad to 140 at TP2 and to 130 at TP1: resuming at another
@@ -360,16 +366,24 @@ def test_zero3_run_saves_torch_dist_and_resumes_under_the_distributed_optimizer(
     assert_same_trajectory(first + again, single6, steps=6, what="ZeRO-3 then ZeRO-3")
 
 
-@pytest.mark.parametrize("world, flags", [
-    (4, ["--num-distributed-optimizer-instances", "2"]),
-    (2, ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]),
-], ids=["hybrid_dp4x2", "offload_half"])
-def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, single6, world, flags):
-    """Hybrid sharding (the same optimizer slice on every instance) and CPU offload (part of the slice
-    on the host) write the same pieces as the plain distributed optimizer: resumed without them, the
-    run follows the single-process one."""
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+@pytest.mark.parametrize("world, flags, resumes", [
+    (4, ["--num-distributed-optimizer-instances", "2"], [[]]),
+    (2, ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"], [[]]),
+    # HSDP: ZeRO-3 sharded in 2 instances of 2; resumed as ZeRO-3 in one instance of 4, and as ZeRO-1
+    (4, ZERO3 + ["--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce", "--overlap-param-gather"],
+     [ZERO3, []]),
+], ids=["hybrid_dp4x2", "offload_half", "hsdp_zero3_dp4x2"])
+def test_hybrid_and_offloaded_runs_save_torch_dist_and_resume_without_them(tmp_path, single6, world, flags, resumes):
+    """Hybrid sharding (the same optimizer slice on every instance; with ZeRO-3 the same parameter
+    shard too) and CPU offload (part of the slice on the host) write the same pieces as the plain
+    distributed optimizer: resumed without them, the run follows the single-process one."""
     src = str(tmp_path / "src")
     distopt = ["--use-distributed-optimizer"]
     first = ranks_trajectory(world, "pretrain_gpt", _argv(src, 6, MODEL + DIST + distopt + flags + ["--exit-interval", "3"]))
-    second = ranks_trajectory(world, "pretrain_gpt", _argv(str(tmp_path / "next"), 6, MODEL + DIST + distopt + ["--load", src]))
-    assert_same_trajectory(first + second, single6, steps=6)
+    argvs = [_argv(str(tmp_path / f"next{i}"), 6, MODEL + DIST + distopt + extra + ["--load", src])
+             for i, extra in enumerate(resumes)]
+    for extra, second in zip(resumes, ranks_trajectories(world, "pretrain_gpt", argvs)):
+        assert_same_trajectory(first + second, single6, steps=6, what=" ".join(extra) or "optim")
