@@ -30,7 +30,8 @@ adapter parameters therefore holds ``F x P + T x (the strategy's bytes)`` per ra
 per base parameter, e.g. 2 for bf16 against 18 for a full fine-tune without sharding.
 
 With the distributed optimizer, hybrid sharding over N instances (``--num-distributed-optimizer-
-instances``) shards over d/N ranks only, and CPU offload of a fraction f of the shard
+instances``) shards over d/N ranks only (every sharded row: with ZeRO-2/3 that is HSDP, e.g. fp32
+ZeRO-3 ``20N/d``), and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
 host gradient copy per offloaded element: bf16 ``optim`` device ``6 + (1-f) 12N/d``, host ``16fN/d``.
 Expert parameters (MoE) shard over the expert-data-parallel ranks instead: d/EP (and d/(EP x N)

@@ -9,11 +9,14 @@ parameter tensor the optimizer holds), which equal :func:`model_state_bytes_per_
 parameter count, and no communication buffer is left alive. While ZeRO-3 runs a unit's forward,
 exactly that unit and the root (the head, gathered for the whole forward pass) are live as
 communication buffers; an all-gather's input and output are communication buffers of their size;
-``settle()`` waits until a collective's buffer that another thread still holds is let go.
+``settle()`` waits until a collective's buffer that another thread still holds is let go. With
+hybrid sharding (2 instances at DP 4, ZeRO-1/2/3) the same holds at the formula's d/N: the
+instances' all-reduce of the gradient shards leaves nothing behind.
 """
 
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -32,10 +35,10 @@ CPU = torch.device("cpu")
 N = 180  # parameters of the toy model
 
 
-def _after_one_step(dp):
-    state = cached_state(dp=dp)
+def _after_one_step(dp, instances=1):
+    state = cached_state(dp=dp, dist_opt_instances=instances)
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in STRATEGIES if instances == 1 else STRATEGIES[1:]:  # hybrid: the sharded strategies
         model, opt = _build(state, torch.float32, strategy)
         tracker = MemoryTracker([model], opt)
         with tracker:
@@ -48,15 +51,18 @@ def _after_one_step(dp):
     return out
 
 
-def test_model_state_categories_equal_the_formula_for_every_strategy():
-    for rank, per_strategy in enumerate(run_ranks(2, _after_one_step, 2)):
+@pytest.mark.parametrize("dp, instances", [(2, 1), (4, 2)], ids=["dp2", "dp4_hybrid2"])
+def test_model_state_categories_equal_the_formula_for_every_strategy(dp, instances):
+    """Also hybrid sharding (HSDP with ZeRO-2/3): 2 instances of 2 ranks at DP 4, the formula at d/N = 2."""
+    for rank, per_strategy in enumerate(run_ranks(dp, _after_one_step, dp, instances)):
+        assert len(per_strategy) == (4 if instances == 1 else 3)
         for strategy, (live, measured, counters, peak) in per_strategy.items():
             where = (rank, strategy, live)
             assert live["parameters"] == measured["params"], where
             assert live["gradients"] == measured["grads"], where
             assert live["optimizer state"] == measured["optimizer"] + counters, where
             model_state = live["parameters"] + live["gradients"] + live["optimizer state"] - counters
-            assert model_state == model_state_bytes_per_param(torch.float32, strategy, 2) * N, where
+            assert model_state == model_state_bytes_per_param(torch.float32, strategy, dp, instances=instances) * N, where
             assert live["communication"] == 0 and live["activations"] == 0, where
             assert peak["parameters"] == live["parameters"], where
 
