@@ -140,7 +140,7 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     num_distributed_optimizer_instances: int = 1
-    """Hybrid sharding: the distributed optimizer shards within DP/N ranks (experts: expert-DP/N) and replicates across N."""
+    """Hybrid sharding: every sharded strategy shards within DP/N ranks (experts: expert-DP/N) and replicates across N (with optim_grads/optim_grads_params: HSDP)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
     overlap_param_gather: bool = False
