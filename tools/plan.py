@@ -86,6 +86,7 @@ LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
     "--expert-model-parallel-size": ("ep", POSITIVE, None), "--micro-batch-size": ("micro_batch", POSITIVE, None),
     "--data-parallel-sharding-strategy": ("zero", str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
     "--recompute-granularity": ("recompute", str, ["none", "selective", "full"]),
+    "--num-distributed-optimizer-instances": ("instances", POSITIVE, None),
 }
 
 
@@ -149,7 +150,7 @@ def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     lay = best.layout
     comm = " + ".join(f"{k} {v:.3g}" for k, v in best.comm_s.items() if v)
     return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}, "
-            f"ZeRO {lay.zero}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
+            f"ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
             f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
             f"{figure(best.model_state_gb)}, activations {figure(best.activation_gb)}, reserved "

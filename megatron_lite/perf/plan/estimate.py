@@ -63,6 +63,7 @@ class Layout:
     zero: str = "no_shard"
     recompute: str = "none"
     micro_batch: int = 1
+    instances: int = 1  # --num-distributed-optimizer-instances: hybrid sharding (HSDP with ZeRO-2/3)
 
     @property
     def gpus(self) -> int:
@@ -118,6 +119,17 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
                           f"{', '.join(SHARDING_STRATEGIES)} / {', '.join(RECOMPUTE)}")
+    _check_instances(lay)
+
+
+def _check_instances(lay: Layout) -> None:
+    n = lay.instances
+    if n < 1 or (n > 1 and lay.zero == "no_shard"):
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} needs a sharded --data-parallel-sharding-strategy "
+                          "(optim, optim_grads or optim_grads_params) and must be at least 1")
+    if lay.dp % n or (lay.dp * lay.cp // lay.ep) % n:
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} must divide DP {lay.dp} and the expert "
+                          f"data-parallel size DP x CP / EP {lay.dp * lay.cp // lay.ep}")
 
 
 def _bandwidth(cluster: ClusterSpec, stride: int, size: int) -> float:
@@ -143,8 +155,9 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     per_layer = layer_bytes(spec, lay, recompute)
     work = layer_bytes(spec, lay, None) if recompute == "full" else 0.0
     logits = 4 * lay.micro_batch * (spec.seq_length // lay.cp) * spec.padded_vocab(t) / t
-    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp))
-    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep))
+    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp, instances=lay.instances))
+    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep,
+                                                   instances=lay.instances))
     counts = stage_layers(spec, p)
     stages = []
     for i, layers in enumerate(counts):
@@ -167,9 +180,21 @@ def comm_seconds(spec: ModelSpec, cluster: ClusterSpec, lay: Layout, m: int) -> 
         "cp": volumes.cp_bytes(spec, lay, m) / _bandwidth(cluster, t, cp),
         "ep": volumes.ep_bytes(spec, lay, m) / _bandwidth(cluster, t, lay.ep),
         "pp": volumes.pp_bytes(spec, lay, m) / _bandwidth(cluster, t * cp * dp, lay.pp),
-        "dp": (volumes.dp_bytes(dense, lay.zero, dp * cp, m) + volumes.dp_bytes(expert, lay.zero, dp * cp // lay.ep, m))
-        / _bandwidth(cluster, t, cp * dp),
+        "dp": _dp_seconds(cluster, lay, dense, expert, m),
     }
+
+
+def _dp_seconds(cluster: ClusterSpec, lay: Layout, dense: float, expert: float, m: int) -> float:
+    """Data-parallel traffic over its bandwidth: the strategy's collectives inside an instance (the
+    DP x CP group, or one of its ``instances`` blocks of consecutive ranks), plus with hybrid sharding
+    one all-reduce a step of the gradient shard across the instances (ranks a block apart)."""
+    n, block = lay.instances, lay.dp * lay.cp // lay.instances
+    inner = volumes.dp_bytes(dense, lay.zero, block, m) + volumes.dp_bytes(expert, lay.zero, block // lay.ep, m)
+    seconds = inner / _bandwidth(cluster, lay.tp, block)
+    if n > 1:
+        cross = volumes.replica_bytes(dense, block, n) + volumes.replica_bytes(expert, block // lay.ep, n)
+        seconds += cross / _bandwidth(cluster, lay.tp * block, n)
+    return seconds
 
 
 @lru_cache(maxsize=256)

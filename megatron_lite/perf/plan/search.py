@@ -30,7 +30,8 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                       refusals: list | None = None):
     """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
     divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
-    EP a divisor of the experts, the rest from the choices above.
+    EP a divisor of the experts, hybrid-sharding instances 1 or one per node (:func:`_instance_choices`,
+    sharded strategies only), the rest from the choices above.
     ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) replaces a field's choices by that one value
     (any value: ``{"micro_batch": 3}`` is tried though 3 is not among the choices). ``refusals``
     collects the reason of each layout :func:`check_layout` refused."""
@@ -43,8 +44,12 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
         if cluster.gpus % (t * p * cp) and refusals is None:
             continue
         dp = max(1, cluster.gpus // (t * p * cp))
-        for v, ep, b, zero, rc in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute"))):
-            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b)
+        instances = [fixed["instances"]] if "instances" in fixed else _instance_choices(cluster, t, cp, dp)
+        for v, ep, b, zero, rc, n in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute")),
+                                             instances):
+            if n > 1 and zero == "no_shard" and "instances" not in fixed:
+                continue
+            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b, instances=n)
             try:
                 check_layout(spec, cluster, global_batch, lay)
             except ConfigError as err:
@@ -52,6 +57,13 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                     refusals.append(str(err))
                 continue
             yield lay
+
+
+def _instance_choices(cluster: ClusterSpec, t: int, cp: int, dp: int) -> list[int]:
+    """Hybrid sharding choices: 1, and one instance per node when the DP x CP group spans several
+    nodes (the sharding collectives then stay on NVLink, only the shard's all-reduce crosses nodes)."""
+    nodes = t * cp * dp // cluster.gpus_per_node
+    return [1, nodes] if nodes > 1 and dp % nodes == 0 else [1]
 
 
 def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None) -> list[Estimate]:
@@ -71,12 +83,13 @@ def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict |
 _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
           "vpp": "--virtual-pipeline-model-parallel-size", "cp": "--context-parallel-size",
           "ep": "--expert-model-parallel-size", "micro_batch": "--micro-batch-size",
-          "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity"}
+          "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity",
+          "instances": "--num-distributed-optimizer-instances"}
 
 
 _PLAIN = "{}".format
 COLUMNS = (("TP", "tp", _PLAIN), ("PP", "pp", _PLAIN), ("VPP", "vpp", _PLAIN), ("DP", "dp", _PLAIN), ("CP", "cp", _PLAIN),
-           ("EP", "ep", _PLAIN), ("ZeRO", "zero", _PLAIN), ("recompute", "recompute", _PLAIN),
+           ("EP", "ep", _PLAIN), ("ZeRO", "zero", _PLAIN), ("inst", "instances", _PLAIN), ("recompute", "recompute", _PLAIN),
            ("mbs", "micro_batch", _PLAIN), ("mem GB", "mem_gb", figure), ("step s", "step_s", "{:.3g}".format),
            ("TFLOP/s/GPU", "tflops", figure), ("MFU", "mfu", lambda x: f"{figure(100 * x)}%"))
 

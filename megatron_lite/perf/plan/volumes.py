@@ -22,6 +22,8 @@ layers counted on the last stage, and the most MoE layers).
 * DP: ``no_shard`` all-reduces the fp32 gradients; ``optim`` reduce-scatters them and all-gathers
   the 16-bit weights; ``optim_grads`` reduce-scatters every micro-batch's gradients (nothing holds
   them whole); ``optim_grads_params`` also all-gathers the weights before each forward and backward.
+  With hybrid sharding (N instances) these run inside an instance of DP x CP / N ranks, and
+  :func:`replica_bytes` adds one all-reduce a step of the fp32 gradient shard across the instances.
 """
 
 from __future__ import annotations
@@ -112,3 +114,11 @@ def dp_bytes(params: float, zero: str, shard: int, m: int) -> float:
     if zero == "optim_grads":
         return float(m * reduce + gather)
     return float(m * (reduce + 2 * gather))
+
+
+def replica_bytes(params: float, shard: int, instances: int) -> float:
+    """Hybrid sharding: the all-reduce, once a step, of the fp32 gradient shard (``params / shard``
+    elements) over the ``instances`` ranks holding the same shard."""
+    if instances == 1 or params == 0:
+        return 0.0
+    return float(ring_bytes("all_reduce", int(params) * 4, instances)) / shard
