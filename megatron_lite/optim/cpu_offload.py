@@ -9,7 +9,8 @@ keeps what it always keeps (the params and the fp32 gradient buffer) plus the re
 Per step, for the host part: the averaged (and unscaled, clipped) gradient is copied device to
 host into one flat fp32 buffer, the host optimizer steps, and each updated master is copied host
 to device straight into its slice of the model param (in the param dtype); the distributed
-optimizer's all-gather then reads that slice. Per offloaded element the host holds 16 bytes:
+optimizer's all-gather then reads that slice (ZeRO-3: its slice of the parameter shard, which is
+not gathered after the step; ZeRO-2/3 read the gradient from the gradient shard). Per offloaded element the host holds 16 bytes:
 master 4 + two moments 8 + gradient copy 4.
 
 On a GPU the host buffers are pinned. With ``--overlap-cpu-optimizer-d2h-h2d`` the copies run

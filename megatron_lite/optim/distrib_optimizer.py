@@ -72,6 +72,9 @@ class _Piece:
         return self._in_chunk(self.bucket.owned_grad())
 
     def param_slice(self) -> torch.Tensor:
+        """Where the model keeps the piece: a slice of the param, or of the param shard (ZeRO-3)."""
+        if self.bucket.param_shard is not None:
+            return self._in_chunk(self.bucket.param_shard)
         return self.param.view(-1)[self.lo : self.hi]
 
     def updated(self) -> torch.Tensor:
@@ -187,7 +190,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """Every rank writes its updated pieces; an all-gather per bucket gives everyone everything
         (left in flight with --overlap-param-gather). Sharded params: the pieces go into the shard."""
         for piece in self.pieces:
-            if piece.bucket.param_shard is not None:
+            if piece.bucket.param_shard is not None and not piece.offloaded:  # offloaded: written by the host half
                 piece.current().copy_(piece.master)
         overlap = getattr(self.chunks[0], "overlap_param_gather", False)
         for bucket in self.buckets:

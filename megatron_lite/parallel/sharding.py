@@ -10,7 +10,7 @@ Hybrid sharding (``--num-distributed-optimizer-instances N``) chooses the group 
 strategy shards over (one of N instances; with ``optim_grads``/``optim_grads_params`` that is HSDP:
 gradients, and parameters, sharded inside an instance, replicated across them), and CPU offload
 (``--optimizer-cpu-offload``) moves part of the optimizer's shard to the host: both need the
-distributed optimizer; offload is built for ``optim`` only. Whether N divides the data-parallel size
+distributed optimizer (any strategy but ``no_shard``). Whether N divides the data-parallel size
 (and, with MoE, the expert data-parallel size) is checked by the rank grid, which knows those sizes.
 """
 
@@ -47,9 +47,6 @@ def _check_hybrid_and_offload(config, strategy: str) -> None:
     if instances > 1 and not p.use_distributed_optimizer:
         raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
                           "(hybrid sharding splits the distributed optimizer's shard group)")
-    if o.optimizer_cpu_offload and strategy in ("optim_grads", "optim_grads_params"):
-        raise ConfigError(f"--optimizer-cpu-offload is built for --data-parallel-sharding-strategy optim (the "
-                          f"distributed optimizer) only, not {strategy}; use strategy optim or drop --optimizer-cpu-offload")
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1, got {o.optimizer_offload_fraction}")
     if o.optimizer_cpu_offload and not p.use_distributed_optimizer:

@@ -7,6 +7,8 @@ no biases, hidden 32) has only even-sized parameters, so no gradient bucket need
 shard size of 2 and the per-rank formula is exact.
 """
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -38,8 +40,8 @@ def _run(tmp_path, name, world, extra, iters=ITERS):
     return results, save
 
 
-def _bytes_match_formula(results, dtype, d, instances=1, fraction=0.0):
-    device, cpu = model_state_bytes_split(dtype, "optim", d, instances=instances, offload_fraction=fraction)
+def _bytes_match_formula(results, dtype, d, instances=1, fraction=0.0, strategy="optim"):
+    device, cpu = model_state_bytes_split(dtype, strategy, d, instances=instances, offload_fraction=fraction)
     for _, n, got in results:
         assert got["params"] + got["grads"] + got["optimizer"] == device * n, got
         assert got["optimizer_cpu"] == cpu * n, got
@@ -108,6 +110,24 @@ def test_cpu_offload_in_bf16(tmp_path, reference):
     assert _bytes_match_formula(results, torch.bfloat16, 2, fraction=0.5) == (6 + 3, 4)
 
 
+@pytest.mark.parametrize("name, world, strategy, instances", [
+    ("zero3_offload_half_dp2", 2, "optim_grads_params", 1),
+    ("zero2_hsdp_offload_half_dp4", 4, "optim_grads", 2),
+])
+def test_cpu_offload_with_sharded_grads_and_params(tmp_path, reference, name, world, strategy, instances):
+    """ZeRO-2/3 with half of the optimizer shard on the host (ZeRO-3: the host half writes its updated
+    values into the parameter shard; ZeRO-2 here also in 2 instances of 2): the single-process
+    trajectory and weights, and the formula's device and CPU bytes exactly."""
+    extra = OFFLOAD_HALF + ["--data-parallel-sharding-strategy", strategy,
+                            "--num-distributed-optimizer-instances", str(instances)]
+    results, save = _run(tmp_path, name, world, extra)
+    assert_same_trajectory(results[0][0], reference["fp32"][0], steps=ITERS)
+    _same_weights(save, reference["fp32"][1])
+    device, cpu = _bytes_match_formula(results, torch.float32, world, instances, 0.5, strategy)
+    shard = world // instances  # 2 either way: ZeRO-3 (4 + 4 + 6) / 2, ZeRO-2 4 + (4 + 6) / 2; CPU 16 x 0.5 / 2
+    assert (device, cpu) == ({"optim_grads_params": 7, "optim_grads": 9}[strategy], Fraction(8, shard)), (device, cpu)
+
+
 @pytest.mark.parametrize(
     "flags, world, words",
     [
@@ -128,8 +148,6 @@ def test_cpu_offload_in_bf16(tmp_path, reference):
         # HSDP (ZeRO-3 in instances) refuses only what does not divide
         (["--data-parallel-sharding-strategy", "optim_grads_params", "--num-distributed-optimizer-instances", "3"], 4,
          ["num-distributed-optimizer-instances 3", "data-parallel size 4"]),
-        (["--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-cpu-offload"], 2,
-         ["--optimizer-cpu-offload is built for", "not optim_grads_params"]),
     ],
 )
 def test_bad_sharding_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
@@ -137,9 +155,12 @@ def test_bad_sharding_flags_exit_2_with_one_line(capsys, monkeypatch, flags, wor
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
 
 
-def test_offloaded_checkpoint_resumes_without_offload(tmp_path, reference):
-    """The checkpoint format does not change: stop an offloaded run, go on without offload."""
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_offloaded_checkpoint_resumes_without_offload(tmp_path, reference, strategy):
+    """The checkpoint format does not change: stop an offloaded run (ZeRO-1 or ZeRO-3), go on with
+    ZeRO-1 without offload."""
     save = str(tmp_path / "fmt")
-    first = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--optimizer-cpu-offload", "--exit-interval", "3"]))
+    first = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--data-parallel-sharding-strategy", strategy,
+                                                                      "--optimizer-cpu-offload", "--exit-interval", "3"]))
     second = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--load", save]))
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference["fp32"][0], steps=ITERS)
