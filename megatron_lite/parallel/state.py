@@ -348,6 +348,6 @@ class ParallelState:
             f"world {g.world_size} = tp {g.tp} x cp {g.cp} x dp {g.dp} (ep {g.ep} x edp {g.edp}) x pp {g.pp}"
             + (f", vpp {g.vpp}" if g.vpp else "")
             + (f", cp as a2a {self.hcp_sizes[0]} x ring {self.hcp_sizes[1]}" if self.hcp_sizes else "")
-            + (f", optimizer sharded over {g.dp * g.cp // g.dist_opt_instances} ranks x {g.dist_opt_instances} "
+            + (f", data-parallel state sharded over {g.dp * g.cp // g.dist_opt_instances} ranks x {g.dist_opt_instances} "
                "instances" if g.dist_opt_instances > 1 else "")
         )
