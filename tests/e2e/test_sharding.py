@@ -8,7 +8,9 @@ parallelism: fp32 losses and gradient norms agree with the single-process run wi
 the final weights merged from the checkpoints within rtol 1e-5 (the checkpoint holds full tensors
 whatever the strategy). bf16: within a stated tolerance of the single-process bf16 run. A
 checkpoint saved with one strategy resumes with another and the losses continue as if the run had
-not stopped.
+not stopped. HSDP (``--num-distributed-optimizer-instances 2`` at DP 4, 2 micro-batches a rank):
+ZeRO-2 and ZeRO-3 follow the single process too, and a ZeRO-3 checkpoint saved in 2 instances
+resumes as ZeRO-3 in one instance and as ZeRO-1.
 """
 
 import pytest
