@@ -111,15 +111,16 @@ class InferenceEngine:
         return self.state.rank == self.src
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor | None:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, **inputs) -> torch.Tensor | None:
         """Logits ``[b, s, vocab_size]`` (fp32, every vocabulary entry) of ``tokens [b, s]`` on the
-        last pipeline stage, None on the others. With ``cache``, ``tokens`` follow the cached ones."""
+        last pipeline stage, None on the others. With ``cache``, ``tokens`` follow the cached ones;
+        ``inputs``: the model's ``position_ids`` and ``attention_mask`` (continuous batching's rows)."""
         s, b = tokens.shape[1], tokens.shape[0]
         state = self.state
         comm = PipeComm(state, (s, b, self.hidden_size), self.dtype) if state.pp_size > 1 else None
         if not state.is_first_stage():
             self.model.set_input_tensor(comm.recv_forward())
-        out = self.model(tokens, inference_context=cache)
+        out = self.model(tokens, inference_context=cache, **inputs)
         if not state.is_last_stage():
             comm.send_forward(out)
             return None

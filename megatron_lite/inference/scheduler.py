@@ -1,0 +1,239 @@
+"""Continuous batching: requests join and leave one decode batch between steps.
+
+:class:`Scheduler` decodes every admitted request together. Each :meth:`~Scheduler.step` first
+admits requests (each takes one :class:`~.batch_cache.BatchCache` row per prompt), then runs one
+step of every request: a request just admitted runs its prefill (a forward pass of its own over
+its prompts up to the shortest one's length), the others feed one token each, all in one forward
+pass over their rows (each row at its own length and positions). A request whose every sequence
+has ended leaves at once and frees its rows for the next one, so a short request sent after a long
+one ends first.
+
+Per request, a step is exactly one step of :meth:`InferenceEngine.stream
+<megatron_lite.inference.engine.InferenceEngine.stream>` over its prompts alone: the same
+teacher forcing of the longer prompts, the same sampling parameters (temperature, top-k / top-p
+and its decay, penalties over the request's own generated tokens, ``logit_bias``, banned tokens,
+stop tokens, ``tokens_to_generate``), the same log-probs, and its own sampling generator (seeded
+with ``random_seed``; without one, the engine's shared generator). So a request's tokens do not
+depend on what else is in the batch: greedy and seeded samples give the tokens the request gets
+alone, and its log-probs differ only by the order of the sums inside attention (fp32: ~1e-6).
+
+Parallel layouts: every rank calls :meth:`step` with the same admissions (the server's rank 0
+decides them with :meth:`admissions` and broadcasts them), so every rank runs the same forward
+passes; the sampling rank broadcasts the step's tokens of every row at once, and every rank then
+decides alike which sequences and requests ended. A request whose logits hold NaN or inf fails
+alone (:class:`~.sampling.NonFiniteLogitsError` in its :class:`Event`); the others go on.
+
+Not covered (the caller runs them one at a time with the engine, as before): beam search,
+``tokens_to_generate`` 0 (scoring), and a request of more sequences than the cache has rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch_cache import BatchCache
+from .engine import (
+    Generation,
+    InferenceEngine,
+    Step,
+    _check_prompts,
+    _pad,
+    _position_stats,
+    _result,
+    _step_log_probs,
+)
+from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
+
+
+@dataclass
+class Admission:
+    """A request entering the batch: its id, token ids and (checked) sampling parameters."""
+
+    rid: int
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass
+class Event:
+    """What one step did for request ``rid``: its :class:`~.engine.Step`, and when it ended its
+    results (or the error that ended it)."""
+
+    rid: int
+    step: Step | None = None
+    results: list[Generation] | None = None
+    error: Exception | None = None
+
+
+class _Request:
+    """One admitted request: the state :meth:`InferenceEngine._steps` keeps, for its rows only."""
+
+    def __init__(self, engine: InferenceEngine, admission: Admission, rows: list[int]):
+        p, device = admission.params, engine.device
+        self.rid, self.params, self.rows = admission.rid, p, rows
+        self.prompt_lengths = [len(x) for x in admission.prompts]
+        self.lengths = torch.tensor(self.prompt_lengths, device=device)
+        n, b = p.tokens_to_generate, len(rows)
+        self.total = max(self.prompt_lengths) + n
+        self.tokens = _pad(admission.prompts, self.total, device)
+        stop_ids = set(p.stop_token_ids) | ({engine.eod} if p.stop_on_eod and engine.eod is not None else set())
+        self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        self.values = torch.zeros(b, self.total - 1, 2 + 2 * p.top_n_logprobs, device=device)
+        self.ends = self.lengths + n
+        self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(b, engine.vocab_size, device=device) if p.penalized and engine.is_src else None
+        self.generator = engine.generator
+        if p.random_seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
+        self.prev, self.cur = 0, min(self.prompt_lengths)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """This step's token of every row (the sampling rank): a prompt token while a row reads its
+        prompt, else a sample (-1 marks logits holding NaN or inf)."""
+        cur = self.cur
+        last = ban_after(logits[:, -1], self.tokens[:, cur - 1], self.params)
+        return torch.where(cur < self.lengths, self.tokens[:, cur],
+                           sample_or_mark(last, self.params, self.generator, self.counts))
+
+    def take(self, new: torch.Tensor, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the broadcast tokens ``new``; return (rows that emitted a token, request done)."""
+        prev, cur, p = self.prev, self.cur, self.params
+        self.params = decayed_top_p(p)
+        new = new.clamp(min=0)
+        finished = cur >= self.ends
+        self.tokens[:, cur] = torch.where(finished, self.tokens[:, cur], new)
+        if logits is not None:
+            self.values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], self.tokens[:, prev + 1:cur + 1],
+                                                       p.top_n_logprobs)
+        double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
+        double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
+        stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop)
+        self.stopped |= stop_here
+        self.ends = torch.where(stop_here, cur + 1, self.ends)
+        emitted = ~finished & (cur >= self.lengths)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, new.unsqueeze(1), emitted.unsqueeze(1).float())
+        return emitted, (cur + 1 >= self.ends).all()
+
+    def results(self, values: torch.Tensor) -> list[Generation]:
+        tokens, ends, top_n = self.tokens.cpu(), self.ends.tolist(), self.params.top_n_logprobs
+        return [_result(tokens[i, :ends[i]].tolist(), self.prompt_lengths[i], values[i, :ends[i] - 1], top_n,
+                        "stop" if self.stopped[i] else "length") for i in range(len(self.rows))]
+
+
+class Scheduler:
+    """Continuous batching over ``engine`` (see the module docstring) with at most ``max_rows``
+    sequences decoding together (``--inference-max-requests``)."""
+
+    def __init__(self, engine: InferenceEngine, max_rows: int):
+        self.engine = engine
+        self.cache = BatchCache(max_rows, engine.max_sequence_length)
+        self.active: list[_Request] = []
+        self.pending: list[Admission] = []  # the deciding rank's queue
+        self.next_rid = 0
+        self.steps = 0  # forward steps run so far (the tests count decode steps with it)
+
+    def covers(self, prompts: list[list[int]], params: SamplingParams) -> bool:
+        """Whether the batch can run this request (else run it alone with the engine)."""
+        return (params.tokens_to_generate > 0 and not params.beam_width and self.engine.use_cache
+                and len(prompts) <= self.cache.max_rows)
+
+    def add(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Queue a request (checked now: ValueError with one line); return its id."""
+        params.check()
+        _check_prompts(prompts, self.engine.max_sequence_length, params.tokens_to_generate)
+        if any(t >= self.engine.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {self.engine.vocab_size})")
+        if not self.covers(prompts, params):
+            raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
+                             f"sequences than --inference-max-requests {self.cache.max_rows})")
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.pending.append(Admission(rid, [list(p) for p in prompts], params))
+        return rid
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.pending)
+
+    def admissions(self) -> list[Admission]:
+        """The queued requests that join at the next step: in arrival order, while their sequences
+        fit in the free rows (a request that does not fit waits, and so do those after it)."""
+        free, out = len(self.cache.free), []
+        while self.pending and len(self.pending[0].prompts) <= free:
+            free -= len(self.pending[0].prompts)
+            out.append(self.pending.pop(0))
+        return out
+
+    def run_step(self) -> list[Event]:
+        """:meth:`step` with :meth:`admissions` (one process, or the deciding rank's own call)."""
+        return self.step(self.admissions())
+
+    def step(self, admitted: list[Admission]) -> list[Event]:
+        """Admit ``admitted`` and run one step of every request (every rank, the same admissions)."""
+        for a in admitted:
+            self.active.append(_Request(self.engine, a, self.cache.allocate(len(a.prompts))))
+        if not self.active:
+            return []
+        self.steps += 1
+        logits = self._forward()
+        return self._finish_step(logits)
+
+    def _forward(self) -> dict[int, torch.Tensor | None]:
+        """Logits ``[rows, s_new, V]`` of each request (None off the last stage): one forward pass
+        per number of new tokens (all decoding requests together; a prefill alone or with equals)."""
+        groups: dict[int, list[_Request]] = {}
+        for r in self.active:
+            groups.setdefault(r.cur - r.prev, []).append(r)
+        out = {}
+        for s_new, group in groups.items():
+            tokens = torch.cat([r.tokens[:, r.prev:r.cur] for r in group])
+            positions, mask = self.cache.begin([row for r in group for row in r.rows], s_new, self.engine.device)
+            logits = self.engine.forward(tokens, self.cache, position_ids=positions, attention_mask=mask)
+            self.cache.advance()
+            start = 0
+            for r in group:
+                out[r.rid] = None if logits is None else logits[start:start + len(r.rows)]
+                start += len(r.rows)
+        return out
+
+    def _finish_step(self, logits: dict[int, torch.Tensor | None]) -> list[Event]:
+        engine, device = self.engine, self.engine.device
+        sizes = [len(r.rows) for r in self.active]
+        new = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        if engine.is_src:
+            new = torch.cat([r.sample(logits[r.rid]) for r in self.active])
+        new = engine._broadcast(new)
+        flags, emitted = [], []
+        for r, rows in zip(self.active, new.split(sizes)):
+            bad = (rows < 0).any()
+            e, done = r.take(rows, logits[r.rid])
+            flags += [bad, done]
+            emitted.append(e)
+        synced = torch.cat([torch.stack(flags).long(), torch.cat(emitted).long(), new.clamp(min=0)]).tolist()
+        n_req, total = len(self.active), sum(sizes)
+        em, toks = synced[2 * n_req:2 * n_req + total], synced[2 * n_req + total:]
+        events, keep, start = [], [], 0
+        for k, r in enumerate(self.active):
+            bad, done = synced[2 * k:2 * k + 2]
+            rows = range(start, start + len(r.rows))
+            start += len(r.rows)
+            if bad:
+                events.append(Event(r.rid, error=NonFiniteLogitsError()))
+                self.cache.release(r.rows)
+                continue
+            step = Step(toks[i] if em[i] else None for i in rows)
+            if r.params.step_log_probs:
+                values = engine._broadcast(r.values[:, r.prev:r.cur].contiguous()).cpu()
+                _step_log_probs(step, values, r.prev, r.params.top_n_logprobs)
+            event = Event(r.rid, step=step)
+            if done:
+                event.results = r.results(engine._broadcast(r.values.contiguous()).cpu())
+                self.cache.release(r.rows)
+            else:
+                r.prev, r.cur = r.cur, r.cur + 1
+                keep.append(r)
+            events.append(event)
+        self.active = keep
+        return events
