@@ -1,0 +1,174 @@
+"""Continuous batching (megatron_lite/inference/scheduler.py, batch_cache.py) in one process.
+
+The key property: a request's output is the same whether it runs alone (the static engine's
+``generate`` over its prompts) or in a batch that others join and leave mid-way: identical tokens
+(greedy, and seeded samples: each request has its own generator), log-probs within 1e-5 (fp32;
+only the order of the sums inside attention changes), the same finish reasons; for GPT (learned
+positions) and DeepSeek's MLA (compressed latent cache, RoPE per row). Also: the cache's row
+bookkeeping, a short request sent after a long one ends first (counted in steps), and a request
+whose logits turn NaN fails alone.
+"""
+
+import pytest
+import torch
+
+from megatron_lite.inference.batch_cache import BatchCache
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model
+from megatron_lite.inference.sampling import NonFiniteLogitsError, SamplingParams
+from megatron_lite.inference.scheduler import Scheduler
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, prompts, save_model
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contbatch")
+    out = {}
+    for variant in ("gpt", "mla_mtp"):
+        save_model(variant, str(root / variant))
+        model, _ = load_model(str(root / variant))
+        out[variant] = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return out
+
+
+def test_cache_rows_join_leave_and_are_reused():
+    cache = BatchCache(4, 10)
+    assert cache.allocate(2) == [0, 1] and cache.allocate(1) == [2]
+    positions, mask = cache.begin([0, 1], 3, "cpu")  # a prefill of 3 tokens in rows 0 and 1
+    k = torch.arange(2 * 3, dtype=torch.float).view(3, 2, 1)  # [s, b, 1]: token t of batch row i = 2t + i
+    (keys,) = cache.append(1, k)
+    cache.advance()
+    assert cache.lengths == [3, 3, 0, 0] and keys.shape == (3, 2, 1)
+    positions, mask = cache.begin([2], 2, "cpu")
+    cache.append(1, torch.full((2, 1, 1), 7.0))
+    cache.advance()
+    positions, mask = cache.begin([1, 2], 1, "cpu")  # rows at lengths 3 and 2 decode together
+    assert positions.tolist() == [[3], [2]]
+    assert mask.shape == (2, 1, 1, 4) and mask[:, 0, 0].tolist() == [[False] * 4, [False, False, False, True]]
+    (keys,) = cache.append(1, torch.tensor([[[-1.0], [-2.0]]]))
+    cache.advance()
+    assert keys[:, 0, 0].tolist() == [1.0, 3.0, 5.0, -1.0] and keys[:3, 1, 0].tolist() == [7.0, 7.0, -2.0]
+    assert cache.lengths == [3, 4, 3, 0]
+    cache.release([0, 2])  # a request leaves: its rows are free again, at length 0
+    assert cache.lengths == [0, 4, 0, 0] and cache.free == [0, 2, 3]
+    assert cache.allocate(2) == [0, 2]  # ... and the next request gets them
+    positions, mask = cache.begin([0], 1, "cpu")  # the new occupant sees none of the old keys
+    assert positions.tolist() == [[0]] and mask.shape == (1, 1, 1, 1) and not mask.any()
+    with pytest.raises(ValueError, match="has 1 free rows of 4; asked for 2"):
+        cache.allocate(2)
+    with pytest.raises(ValueError, match="row 3 of the key/value cache is not in use"):
+        cache.release([3])
+    with pytest.raises(ValueError, match="holds 10 tokens; asked for 11"):
+        cache.begin([1], 7, "cpu")
+
+
+def _requests():
+    """Requests that could break batching: prompts of different lengths in one request (teacher
+    forcing), seeded samples with top-k / top-p, penalties, logit_bias, a stop token, log-probs."""
+    p = prompts(6)
+    return [
+        ([p[0]], SamplingParams(tokens_to_generate=24, top_k=1, top_n_logprobs=2)),
+        ([p[1], p[2]], SamplingParams(tokens_to_generate=7, temperature=1.3, top_k=5, random_seed=3)),
+        ([p[3]], SamplingParams(tokens_to_generate=9, top_p=0.9, random_seed=5, presence_penalty=0.5,
+                                frequency_penalty=0.3, logit_bias=((4, 2.0), (9, -5.0)))),
+        ([p[4][:3], p[5]], SamplingParams(tokens_to_generate=5, top_k=1, step_log_probs=True)),
+    ]
+
+
+def run(scheduler, requests, joins):
+    """Run ``requests`` (request i added before step ``joins[i]``) to the end: (results, the step
+    each ended at, the events)."""
+    results, ended, events, step = {}, {}, [], 0
+    while step <= max(joins) or scheduler.busy:
+        for i, at in enumerate(joins):
+            if at == step:
+                assert scheduler.add(*requests[i]) == i
+        for event in scheduler.run_step():
+            events.append(event)
+            assert event.error is None
+            if event.results is not None:
+                results[event.rid], ended[event.rid] = event.results, step
+        step += 1
+    return results, ended, events
+
+
+def assert_same(alone, batched):
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
+    for a, b in zip(alone, batched):
+        assert_close(torch.tensor(b.log_probs), torch.tensor(a.log_probs))
+        if a.top_log_probs is not None:
+            assert [[t for t, _ in pos] for pos in b.top_log_probs] == [[t for t, _ in pos] for pos in a.top_log_probs]
+
+
+@pytest.mark.parametrize("variant", ["gpt", "mla_mtp"])
+def test_a_request_batched_with_others_joining_and_leaving_equals_it_alone(engines, variant):
+    engine = engines[variant]
+    requests = _requests()
+    alone = [engine.generate(p, params) for p, params in requests]
+    stop = alone[0][0].generated[5]  # the greedy request also ends at a stop token, mid-way
+    requests[0] = (requests[0][0], SamplingParams(tokens_to_generate=24, top_k=1, top_n_logprobs=2,
+                                                  stop_token_ids=(stop,)))
+    alone[0] = engine.generate(*requests[0])
+    assert alone[0][0].finish_reason == "stop"
+    for max_rows, joins in ((6, [0, 2, 5, 5]), (3, [0, 0, 1, 3])):  # with 3 rows requests wait for free ones
+        results, _, events = run(Scheduler(engine, max_rows), requests, joins)
+        for i in range(len(requests)):
+            assert_same(alone[i], results[i])
+    streamed = [e.step for e in events if e.rid == 3]  # each step's log-probs, joined, start with the result's
+    joined = [sum((s.log_probs[row] for s in streamed), []) for row in range(2)]
+    assert [j[:len(r.log_probs)] for j, r in zip(joined, results[3])] == [r.log_probs for r in results[3]]
+    assert [[t for s in streamed if (t := s[row]) is not None] for row in range(2)] == [r.generated for r in results[3]]
+
+
+def test_a_short_request_sent_after_a_long_one_finishes_first(engines):
+    engine = engines["gpt"]
+    long = ([prompts(1)[0]], SamplingParams(tokens_to_generate=40, top_k=1, stop_on_eod=False))
+    short = ([prompts(2)[1]], SamplingParams(tokens_to_generate=3, top_k=1, stop_on_eod=False))
+    scheduler = Scheduler(engine, 2)
+    results, ended, _ = run(scheduler, [long, short], [0, 4])
+    assert ended == {1: 4 + 2, 0: 39}  # short: its prefill step and two more; long: 40 steps from step 0
+    assert scheduler.steps == 40 and len(results[1][0].generated) == 3
+    assert scheduler.cache.free == [0, 1] and scheduler.cache.lengths == [0, 0]
+
+
+def test_a_request_whose_logits_turn_nan_fails_alone(engines, monkeypatch):
+    engine = engines["gpt"]
+    healthy = engine.forward
+    poison = 97  # a prompt holding this token gets NaN logits
+
+    def forward(tokens, *args, **kw):
+        logits = healthy(tokens, *args, **kw)
+        if kw:  # the batch's forward passes: poison the rows that read the marked prompt
+            bad = (tokens == poison).any(dim=1) if tokens.shape[1] > 1 else torch.zeros(len(tokens), dtype=torch.bool)
+            logits[bad] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "forward", forward)
+    good = ([prompts(1)[0]], SamplingParams(tokens_to_generate=6, top_k=1))
+    bad = ([[3, poison, 5]], SamplingParams(tokens_to_generate=6, top_k=1))
+    scheduler = Scheduler(engine, 4)
+    scheduler.add(*good)
+    events = scheduler.run_step()
+    scheduler.add(*bad)
+    while scheduler.busy:
+        events += scheduler.run_step()
+    errors = [e for e in events if e.error is not None]
+    assert [(e.rid, type(e.error)) for e in errors] == [(1, NonFiniteLogitsError)]
+    monkeypatch.setattr(engine, "forward", healthy)
+    assert [e.results for e in events if e.rid == 0 and e.results][0][0].tokens == engine.generate(*good)[0].tokens
+    assert scheduler.cache.free == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("params, n, message", [
+    (SamplingParams(beam_width=2), 1, "one-at-a-time engine"),
+    (SamplingParams(tokens_to_generate=0), 1, "one-at-a-time engine"),
+    (SamplingParams(), 3, "more sequences than --inference-max-requests 2"),
+    (SamplingParams(top_k=2, top_p=0.5), 1, "cannot set both top_k and top_p"),
+    (SamplingParams(tokens_to_generate=MAX_LEN), 1, "more than the model's"),
+])
+def test_what_the_batch_does_not_run_is_refused_before_it_joins(engines, params, n, message):
+    scheduler = Scheduler(engines["gpt"], 2)
+    with pytest.raises(ValueError, match=message):
+        scheduler.add([[1, 2]] * n, params)
+    assert not scheduler.busy
