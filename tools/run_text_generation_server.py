@@ -6,7 +6,8 @@ POST /v1/completions and /v1/chat/completions, GET /health. See docs/inference.m
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["Hello world"], "tokens_to_generate": 16, "top_k": 1}'
 
-Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
+Concurrent OpenAI requests decode together (continuous batching, up to --inference-max-requests
+sequences). Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
 the serving process (its pid is printed) finishes the request in hand and stops every rank (exit 0).
 Needs Flask (pip install megatron_lite[serve]).
 """
@@ -19,10 +20,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.inference.batch_runner import make_runner  # noqa: E402
 from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
-from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve  # noqa: E402
+from megatron_lite.inference.server import StopFlag, create_app, make_server, serve  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None,
                    help="Jinja2 chat template file for /v1/chat/completions (default: the tokenizer's, else SFT's default)")
     p.add_argument("--model-name", default="megatron_lite", help="the model name the OpenAI responses report")
+    p.add_argument("--inference-max-requests", type=int, default=8,
+                   help="continuous batching: at most this many sequences decode together (a request holds one "
+                        "per prompt, times n); 1 serves requests one at a time (docs/inference.md)")
     add_inference_args(p)
     return p.parse_args(argv)
 
@@ -39,14 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.inference_max_requests < 1:
+            raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be at least 1 "
+                              "(1: one request at a time)")
         session = build_session(args)
         chat_template = read_chat_template(args.chat_template)
-        runner = Runner(session.engine)
+        runner = make_runner(session.engine, args.inference_max_requests)
         if not session.is_rank0:
             runner.follow()
             return 0
         app = create_app(runner, session.tokenizer, chat_template=chat_template, model_name=args.model_name)
-        server = make_server(app, args.host, args.port)
+        server = make_server(app, args.host, args.port, threaded=runner.batched)
     except (*USER_ERRORS, OSError) as err:
         return fail(err)
     stop = StopFlag(signals=True)

@@ -157,6 +157,14 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.active or self.pending)
 
+    def fail_all(self) -> list[int]:
+        """End every admitted request (a step failed for the whole batch): free their rows, return their ids."""
+        rids = [r.rid for r in self.active]
+        for r in self.active:
+            self.cache.release(r.rows)
+        self.active = []
+        return rids
+
     def admissions(self) -> list[Admission]:
         """The queued requests that join at the next step: in arrival order, while their sequences
         fit in the free rows (a request that does not fit waits, and so do those after it)."""

@@ -34,6 +34,8 @@ _GENERATE, _HEARTBEAT, _STOP = "generate", "heartbeat", "stop"
 class Runner:
     """Runs a job on every rank: rank 0 calls :meth:`run`, the others :meth:`follow`."""
 
+    batched = False  # one request at a time (continuous batching: :class:`~.batch_runner.BatchRunner`)
+
     def __init__(self, engine):
         self.engine = engine
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -73,6 +75,12 @@ class Runner:
                 except Exception as err:  # noqa: BLE001 - rank 0 answers it (500) and serves on: so do we
                     print(f"rank {dist.get_rank()}: request failed: {type(err).__name__}: {err}",
                           file=sys.stderr, flush=True)
+            elif box[0][0] != _HEARTBEAT:
+                self.on_message(box[0])
+
+    def on_message(self, message) -> None:
+        """A follower's other messages (continuous batching's steps, :mod:`.batch_runner`)."""
+        raise RuntimeError(f"unknown server message {message[0]!r}")
 
 
 def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
@@ -135,11 +143,12 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
     return app
 
 
-def make_server(app, host: str, port: int):
-    """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``)."""
+def make_server(app, host: str, port: int, threaded: bool = False):
+    """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``);
+    ``threaded``: one thread per request (continuous batching: :mod:`.batch_runner`)."""
     from werkzeug.serving import make_server as werkzeug_server
 
-    server = werkzeug_server(host, port, app, threaded=False)
+    server = werkzeug_server(host, port, app, threaded=threaded)
     server.timeout = 0.5  # handle_request returns this often when idle
     return server
 
@@ -159,6 +168,8 @@ class StopFlag:
 
 def serve(server, runner: Runner, stop: StopFlag) -> None:
     """Serve requests until ``stop`` is set; then tell the followers to exit."""
+    if getattr(runner, "batched", False):
+        return runner.serve(server, stop)
     last = time.monotonic()
     try:
         while not stop.set:

@@ -1,0 +1,198 @@
+"""The server with continuous batching (``--inference-max-requests`` > 1): concurrent requests
+decode together in one batch (:class:`~.scheduler.Scheduler`).
+
+On rank 0 the HTTP server answers every request in its own thread; the main thread runs the
+engine. A handler thread hands its request over (:class:`Ticket`) and waits for its result, or
+for each step's tokens when it streams; the main thread, between two decode steps, admits the
+requests that arrived (they join the batch at the next step), runs one step of the batch and
+hands every request its step, its results when it ends (it leaves the batch and frees its rows)
+or its error. Under torchrun every step is preceded by one broadcast from rank 0 naming the
+requests that join (their token ids and sampling parameters), so the followers run the same
+steps (:meth:`BatchRunner.on_message`).
+
+The batch runs OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, with
+up to ``--inference-max-requests`` sequences at once (a request holds one per prompt, times ``n``
+or ``best_of``; one that does not fit waits for rows to free up, in arrival order). What the batch
+does not cover runs alone as before, between two steps of the batch (which waits meanwhile):
+Megatron's ``PUT /api`` (its static batch semantics), beam search, scoring (``max_tokens`` 0), a
+request of more sequences than the bound, and every request under ``--no-kv-cache``.
+
+SIGTERM / Ctrl-C: the server stops accepting requests, finishes those it holds, then stops every
+rank (exit code 0).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from .scheduler import Scheduler
+from .server import _GENERATE, HEARTBEAT_S, Runner
+
+_STEP = "step"
+
+
+class Ticket:
+    """One request handed to the engine's thread: its steps, then its results or its error."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+
+    def put(self, kind: str, value=None) -> None:
+        self.items.put((kind, value))
+
+    def wait_started(self) -> None:
+        """Block until the request is accepted (raise its ValueError when it was refused)."""
+        kind, value = self.items.get()
+        if kind == "error":
+            raise value
+
+    def steps(self):
+        """A generator like :meth:`InferenceEngine.stream <.engine.InferenceEngine.stream>`'s: the
+        request's steps, then it returns its results (or raises its error)."""
+        while True:
+            kind, value = self.items.get()
+            if kind == "step":
+                yield value
+            elif kind == "done":
+                return value
+            else:
+                raise value
+
+    def result(self):
+        steps = self.steps()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+
+class BatchRunner(Runner):
+    """:class:`~.server.Runner` with continuous batching over at most ``max_requests`` sequences."""
+
+    batched = True
+
+    def __init__(self, engine, max_requests: int):
+        super().__init__(engine)
+        self.batch = Scheduler(engine, max_requests)
+        self.tickets: dict[int, Ticket] = {}
+        self.alone: list[tuple] = []  # (prompts, params, ticket) to run one at a time
+        self.cond = threading.Condition()
+
+    # -- handler threads -------------------------------------------------------------------------
+    def submit(self, prompts, params) -> Ticket:
+        """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError)."""
+        ticket = Ticket()
+        with self.cond:
+            if self.batch.covers(prompts, params):
+                self.tickets[self.batch.add(prompts, params)] = ticket
+                ticket.put("started")
+            else:  # the engine's thread checks it (ValueError) when it runs it
+                self.alone.append((prompts, params, ticket))
+            self.cond.notify()
+        return ticket
+
+    def run(self, prompts, params):
+        ticket = self.submit(prompts, params)
+        ticket.wait_started()
+        return ticket.result()
+
+    def stream(self, prompts, params):
+        ticket = self.submit(prompts, params)
+        ticket.wait_started()
+        return ticket.steps()
+
+    # -- the engine's thread (rank 0) ------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.alone or self.batch.busy)
+
+    def work(self) -> bool:
+        """Run one request alone or one step of the batch; False when there was nothing to do."""
+        with self.cond:
+            job = self.alone.pop(0) if self.alone else None
+            admitted = self.batch.admissions() if job is None else []
+        if job is not None:
+            self._run_alone(*job)
+            return True
+        if not admitted and not self.batch.active:
+            return False
+        self._send((_STEP, admitted))
+        try:
+            events = self.batch.step(admitted)
+        except Exception as err:  # noqa: BLE001 - every request in the batch fails; the server serves on
+            for rid in self.batch.fail_all():
+                self.tickets.pop(rid).put("error", err)
+            return True
+        for event in events:
+            ticket = self.tickets[event.rid]
+            if event.step is not None:
+                ticket.put("step", event.step)
+            if event.error is not None or event.results is not None:
+                self.tickets.pop(event.rid)
+                ticket.put(*(("error", event.error) if event.error is not None else ("done", event.results)))
+        return True
+
+    def _run_alone(self, prompts, params, ticket: Ticket) -> None:
+        self._send((_GENERATE, prompts, params))
+        try:
+            steps = self.engine.stream(prompts, params)
+        except Exception as err:  # noqa: BLE001 - a ValueError is the request's 400
+            ticket.put("error", err)
+            return
+        ticket.put("started")
+        try:
+            while True:
+                ticket.put("step", next(steps))
+        except StopIteration as end:
+            ticket.put("done", end.value)
+        except Exception as err:  # noqa: BLE001 - the request's 500 (every rank raised it)
+            ticket.put("error", err)
+
+    def serve(self, server, stop) -> None:
+        """Serve HTTP in threads and run the engine here until ``stop`` is set and the requests in
+        hand are done; then tell the followers to exit."""
+        http = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True)
+        http.start()
+        last, accepting = time.monotonic(), True
+        try:
+            while accepting or self.busy:
+                if accepting and stop.set:
+                    server.shutdown()  # no new requests; those in hand finish
+                    accepting = False
+                if self.work():
+                    last = time.monotonic()
+                    continue
+                with self.cond:
+                    self.cond.wait(0.5)
+                if time.monotonic() - last > HEARTBEAT_S:
+                    self.heartbeat()
+                    last = time.monotonic()
+        finally:
+            if accepting:
+                server.shutdown()
+            self.stop()
+            server.server_close()
+
+    # -- followers -------------------------------------------------------------------------------
+    def on_message(self, message) -> None:
+        if message[0] != _STEP:
+            return super().on_message(message)
+        try:
+            self.batch.step(message[1])
+        except Exception as err:  # noqa: BLE001 - rank 0 fails the same requests and serves on
+            self.batch.fail_all()
+            print(f"rank {dist.get_rank()}: batch step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+
+
+def make_runner(engine, max_requests: int) -> Runner:
+    """The server's runner: continuous batching over ``max_requests`` sequences, or one request at a
+    time when that is 1 or the engine runs without its key/value cache (``--no-kv-cache``)."""
+    if max_requests > 1 and engine.use_cache:
+        return BatchRunner(engine, max_requests)
+    return Runner(engine)
