@@ -58,6 +58,8 @@ class Ticket:
             kind, value = self.items.get()
             if kind == "step":
                 yield value
+            elif kind == "started":
+                continue
             elif kind == "done":
                 return value
             else:

@@ -1,0 +1,48 @@
+"""Continuous batching's test requests and driver, shared by the unit tests and the torchrun script
+(tests/e2e/contbatch_ranks.py)."""
+
+import torch
+
+from megatron_lite.inference.sampling import SamplingParams
+from tests.inference_helpers import assert_close, prompts
+
+JOINS = [0, 2, 5, 5]  # the step before which request i joins (two at once at step 5)
+
+
+def batching_requests():
+    """Requests that could break batching: prompts of different lengths in one request (teacher
+    forcing), seeded samples with top-k / top-p, penalties, logit_bias, a stop token, log-probs."""
+    p = prompts(6)
+    return [
+        ([p[0]], SamplingParams(tokens_to_generate=24, top_k=1, top_n_logprobs=2)),
+        ([p[1], p[2]], SamplingParams(tokens_to_generate=7, temperature=1.3, top_k=5, random_seed=3)),
+        ([p[3]], SamplingParams(tokens_to_generate=9, top_p=0.9, random_seed=5, presence_penalty=0.5,
+                                frequency_penalty=0.3, logit_bias=((4, 2.0), (9, -5.0)))),
+        ([p[4][:3], p[5]], SamplingParams(tokens_to_generate=5, top_k=1, step_log_probs=True)),
+    ]
+
+
+def run(scheduler, requests, joins):
+    """Run ``requests`` (request i added before step ``joins[i]``) to the end: (results, the step
+    each ended at, the events)."""
+    results, ended, events, step = {}, {}, [], 0
+    while step <= max(joins) or scheduler.busy:
+        for i, at in enumerate(joins):
+            if at == step:
+                assert scheduler.add(*requests[i]) == i
+        for event in scheduler.run_step():
+            events.append(event)
+            assert event.error is None
+            if event.results is not None:
+                results[event.rid], ended[event.rid] = event.results, step
+        step += 1
+    return results, ended, events
+
+
+def assert_same(alone, batched):
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
+    for a, b in zip(alone, batched):
+        assert_close(torch.tensor(b.log_probs), torch.tensor(a.log_probs))
+        if a.top_log_probs is not None:
+            assert [[t for t, _ in pos] for pos in b.top_log_probs] == [[t for t, _ in pos] for pos in a.top_log_probs]

@@ -1,0 +1,53 @@
+"""``torchrun --nproc-per-node 2 contbatch_ranks.py OUT ROOT...``: continuous batching at TP2
+through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
+each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT. Rank 0
+writes every request's results to OUT (JSON: root -> requests -> sequences)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+
+from megatron_lite.device import init_distributed  # noqa: E402
+from megatron_lite.inference.batch_runner import BatchRunner  # noqa: E402
+from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
+from megatron_lite.inference.loading import load_model  # noqa: E402
+from megatron_lite.parallel.state import ParallelState  # noqa: E402
+from tests.batching_helpers import JOINS, batching_requests  # noqa: E402
+from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
+
+
+def serve_requests(runner: BatchRunner) -> list:
+    requests, tickets, step = batching_requests(), {}, 0
+    while step <= max(JOINS) or runner.busy:
+        for i, at in enumerate(JOINS):
+            if at == step:
+                tickets[i] = runner.submit(*requests[i])
+        runner.work()
+        step += 1
+    runner.stop()
+    return [[{"tokens": g.tokens, "log_probs": g.log_probs, "finish_reason": g.finish_reason}
+             for g in tickets[i].result()] for i in range(len(requests))]
+
+
+def main(out: str, roots: list[str]) -> None:
+    device = init_distributed()
+    state = ParallelState(tp=2, pp=1)
+    answers = {}
+    for root in roots:
+        model, _ = load_model(root, state, device=device)
+        engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+        runner = BatchRunner(engine, 6)
+        if state.rank == 0:
+            answers[root] = serve_requests(runner)
+        else:
+            runner.follow()
+    if state.rank == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump(answers, f)
+        os.replace(out + ".tmp", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,148 @@
+"""Continuous batching end to end.
+
+TP2 under torchrun (tests/e2e/contbatch_ranks.py: the server's runner without HTTP, rank 1 following
+rank 0's broadcast admissions): requests joining and leaving mid-way give, for GPT and MLA, the
+tokens the one-process engine gives each request alone (greedy and seeded), log-probs within 1e-5.
+In one process over HTTP: concurrent requests (completions and chat, streamed and not, with PUT /api
+and beam search between the steps) decode together and each answer is the one-at-a-time server's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from megatron_lite.inference.batch_runner import BatchRunner
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model, load_tokenizer
+from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
+from tests.batching_helpers import batching_requests
+from tests.e2e.conftest import ROOT
+from tests.harness import free_port
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
+
+
+def engine_for(root):
+    model, saved = load_model(root)
+    return InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+
+
+def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path):
+    roots = [str(tmp_path / v) for v in ("gpt", "mla_mtp")]
+    for variant, root in zip(("gpt", "mla_mtp"), roots):
+        save_model(variant, root)
+    out = str(tmp_path / "answers.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "tests/e2e/contbatch_ranks.py", out, *roots]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        answers = json.load(f)
+    for root in roots:
+        engine = engine_for(root)
+        for (prompts, params), got in zip(batching_requests(), answers[root]):
+            alone = engine.generate(prompts, params)
+            assert [g["tokens"] for g in got] == [a.tokens for a in alone], root
+            assert [g["finish_reason"] for g in got] == [a.finish_reason for a in alone]
+            for g, a in zip(got, alone):
+                assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs), what=root)
+
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("flask")
+
+
+def _serve(root, runner_of, threaded):
+    model, saved = load_model(root)
+    tokenizer = load_tokenizer(saved)
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    runner = runner_of(engine)
+    http = make_server(create_app(runner, tokenizer, chat_template="{{ messages[0]['content'] }}"), "127.0.0.1", 0,
+                       threaded=threaded)
+    stop = StopFlag()
+    thread = threading.Thread(target=serve, args=(http, runner, stop), daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{http.server_port}", runner, stop, thread
+
+
+REQUESTS = [
+    ("POST", "/v1/completions", {"prompt": "5 17 42 8", "max_tokens": 30, "temperature": 0, "logprobs": 2}),
+    ("POST", "/v1/completions", {"prompt": ["3 1 4", "1 5 9 2 6"], "max_tokens": 5, "n": 2, "seed": 4,
+                                 "temperature": 1.2, "frequency_penalty": 0.5}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1 2 3"}], "max_tokens": 7, "seed": 1,
+                                      "logprobs": True}),
+    ("POST", "/v1/completions", {"prompt": "9 9 9", "max_tokens": 12, "temperature": 0, "stream": True}),
+    ("POST", "/v1/completions", {"prompt": "4 4", "max_tokens": 9, "top_p": 0.8, "seed": 2, "stream": True,
+                                 "logprobs": 1, "echo": True}),
+    ("PUT", "/api", {"prompts": ["1 2 3"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}),
+    ("PUT", "/api", {"prompts": ["7 8"], "tokens_to_generate": 3, "beam_width": 2}),
+]
+
+
+def _answer(url, method, path, body):
+    r = httpx.request(method, url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        chunks = [json.loads(b[len("data: "):]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+        return {"text": "".join(c["choices"][0]["text"] for c in chunks),
+                "logprobs": sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks
+                                 if c["choices"][0]["logprobs"]), [])}
+    answer = r.json()
+    answer.pop("id", None), answer.pop("created", None)
+    return answer
+
+
+def _numbers_close(got, want, where=""):
+    """Equal JSON, floats within 1e-5 (fp32 log-probs whose attention sums ran in another order)."""
+    if isinstance(want, float):
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            _numbers_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _numbers_close(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_path):
+    root = str(tmp_path / "gpt")
+    save_model("gpt", root)
+    one = _serve(root, Runner, threaded=False)
+    batched = _serve(root, lambda engine: BatchRunner(engine, 8), threaded=True)
+    try:
+        want = [_answer(one[0], *r) for r in REQUESTS]
+        runner, covered = batched[1], 5  # the first five run in the batch
+        admissions, seen = runner.batch.admissions, []
+
+        def all_at_once():  # hold the batch until the five are queued: they must then decode together
+            with_pending = len(runner.batch.pending)
+            return admissions() if with_pending >= covered or seen else []
+
+        runner.batch.admissions = all_at_once
+        step = runner.batch.step
+        runner.batch.step = lambda admitted: seen.append(len(runner.batch.active) + len(admitted)) or step(admitted)
+        got = [None] * len(REQUESTS)
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _answer(batched[0], *REQUESTS[i])))
+                   for i in range(len(REQUESTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert max(seen) == covered  # every OpenAI request was in one batch at once
+        for i, (g, w) in enumerate(zip(got, want)):
+            _numbers_close(g, w, f"request {i}")
+        assert runner.batch.cache.free == list(range(8))
+    finally:
+        for _, _, stop, thread in (one, batched):
+            stop.request()
+            thread.join(timeout=60)
+    assert not batched[3].is_alive()
