@@ -1,7 +1,9 @@
 """The text-generation server: a Flask app over the engine (Megatron's ``PUT /api``, the
 OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``, ``GET /health``).
 
-Requests are served one at a time, in the main thread (generation is one batch on every rank).
+Here requests are served one at a time, in the main thread (generation is one batch on every
+rank): ``--inference-max-requests 1``, or ``--no-kv-cache``. Otherwise the server batches
+concurrent requests (:mod:`.batch_runner`, which extends :class:`Runner`).
 Under torchrun, global rank 0 serves HTTP and the other ranks follow: for each request rank 0
 broadcasts the job (token ids and sampling parameters, already checked) and every rank runs the
 engine on it together. While idle, rank 0 broadcasts a heartbeat every ``HEARTBEAT_S`` so the

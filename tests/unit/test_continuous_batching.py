@@ -134,3 +134,23 @@ def test_what_the_batch_does_not_run_is_refused_before_it_joins(engines, params,
     with pytest.raises(ValueError, match=message):
         scheduler.add([[1, 2]] * n, params)
     assert not scheduler.busy
+
+
+def test_the_server_batches_unless_told_one_at_a_time(engines, tmp_path, capsys):
+    from megatron_lite.inference.batch_runner import BatchRunner, make_runner
+    from megatron_lite.inference.server import Runner
+    from tests.tools import load_tool
+
+    engine = engines["gpt"]
+    assert type(make_runner(engine, 8)) is BatchRunner and make_runner(engine, 8).batch.cache.max_rows == 8
+    assert type(make_runner(engine, 1)) is Runner
+    engine.use_cache = False  # --no-kv-cache: one request at a time
+    try:
+        assert type(make_runner(engine, 8)) is Runner
+    finally:
+        engine.use_cache = True
+    tool = load_tool("run_text_generation_server")
+    assert tool.parse_args(["--load", "x"]).inference_max_requests == 8  # Megatron-LM's default
+    assert tool.main(["--load", str(tmp_path), "--inference-max-requests", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --inference-max-requests 0 must be at least 1 (1: one request at a time)"]
