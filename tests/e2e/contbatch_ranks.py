@@ -1,4 +1,5 @@
 """``torchrun --nproc-per-node 2 contbatch_ranks.py OUT ROOT...``: continuous batching at TP2
+(``CONTBATCH_LAYOUT=1,2``: PP2)
 through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
 each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT. Rank 0
 writes every request's results to OUT (JSON: root -> requests -> sequences)."""
@@ -33,7 +34,8 @@ def serve_requests(runner: BatchRunner) -> list:
 
 def main(out: str, roots: list[str]) -> None:
     device = init_distributed()
-    state = ParallelState(tp=2, pp=1)
+    tp, pp = (int(x) for x in os.environ.get("CONTBATCH_LAYOUT", "2,1").split(","))  # TP,PP (2 ranks)
+    state = ParallelState(tp=tp, pp=pp)
     answers = {}
     for root in roots:
         model, _ = load_model(root, state, device=device)
