@@ -21,7 +21,7 @@ come with the choice's first generated token (or at the end when nothing is gene
 Every rank runs every decode step (the engine's steps are collectives), so the events generator
 runs the engine to its end whatever happens to the client: when the client disconnects, the
 server's write fails, the generator is closed, and its ``finally`` runs the remaining steps without
-sending them. An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
+sending them (a request of the continuous batch is cancelled instead: :func:`drain`). An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
 sent as one ``data: {"error": {...}}`` event, after which the stream ends.
 """
 
@@ -91,7 +91,11 @@ def sse(payload) -> str:
 
 
 def drain(steps) -> None:
-    """Run the engine's remaining steps (every rank takes part in each), sending nothing."""
+    """Run the engine's remaining steps (every rank takes part in each), sending nothing; a request
+    of the continuous batch (:class:`~.batch_runner.Steps`) is cancelled instead: it leaves the
+    batch at the next step."""
+    if hasattr(steps, "cancel"):
+        steps.cancel()
     try:
         for _ in steps:
             pass

@@ -17,6 +17,9 @@ does not cover runs alone as before, between two steps of the batch (which waits
 Megatron's ``PUT /api`` (its static batch semantics), beam search, scoring (``max_tokens`` 0), a
 request of more sequences than the bound, and every request under ``--no-kv-cache``.
 
+A streaming client that leaves cancels its request: it leaves the batch at the next step (the
+step's broadcast names it, so every rank drops it) and frees its rows.
+
 SIGTERM / Ctrl-C: the server stops accepting requests, finishes those it holds, then stops every
 rank (exit code 0).
 """
@@ -36,11 +39,42 @@ from .server import _GENERATE, HEARTBEAT_S, Runner
 _STEP = "step"
 
 
+class Steps:
+    """A ticket's steps, read like :meth:`InferenceEngine.stream <.engine.InferenceEngine.stream>`'s
+    generator: each step, then ``StopIteration`` holding the results (or the request's error).
+    :meth:`cancel` (the streaming client left) makes the request leave the batch at the next step."""
+
+    def __init__(self, ticket: Ticket, on_cancel=None):
+        self.ticket, self.on_cancel, self.finished = ticket, on_cancel, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while not self.finished:
+            kind, value = self.ticket.items.get()
+            if kind == "step":
+                return value
+            if kind == "started":
+                continue
+            self.finished = True
+            if kind == "error":
+                raise value
+            raise StopIteration(value)
+        raise StopIteration(None)
+
+    def cancel(self) -> None:
+        if not self.finished and self.on_cancel is not None:
+            self.on_cancel()
+            self.on_cancel = None  # once
+
+
 class Ticket:
     """One request handed to the engine's thread: its steps, then its results or its error."""
 
     def __init__(self):
         self.items: queue.Queue = queue.Queue()
+        self.rid: int | None = None  # its id in the batch (None: it runs alone)
 
     def put(self, kind: str, value=None) -> None:
         self.items.put((kind, value))
@@ -51,19 +85,8 @@ class Ticket:
         if kind == "error":
             raise value
 
-    def steps(self):
-        """A generator like :meth:`InferenceEngine.stream <.engine.InferenceEngine.stream>`'s: the
-        request's steps, then it returns its results (or raises its error)."""
-        while True:
-            kind, value = self.items.get()
-            if kind == "step":
-                yield value
-            elif kind == "started":
-                continue
-            elif kind == "done":
-                return value
-            else:
-                raise value
+    def steps(self, on_cancel=None) -> Steps:
+        return Steps(self, on_cancel)
 
     def result(self):
         steps = self.steps()
@@ -84,6 +107,7 @@ class BatchRunner(Runner):
         self.batch = Scheduler(engine, max_requests)
         self.tickets: dict[int, Ticket] = {}
         self.alone: list[tuple] = []  # (prompts, params, ticket) to run one at a time
+        self.cancelled: set[int] = set()  # requests whose streaming client left
         self.cond = threading.Condition()
 
     # -- handler threads -------------------------------------------------------------------------
@@ -92,7 +116,8 @@ class BatchRunner(Runner):
         ticket = Ticket()
         with self.cond:
             if self.batch.covers(prompts, params):
-                self.tickets[self.batch.add(prompts, params)] = ticket
+                ticket.rid = self.batch.add(prompts, params)
+                self.tickets[ticket.rid] = ticket
                 ticket.put("started")
             else:  # the engine's thread checks it (ValueError) when it runs it
                 self.alone.append((prompts, params, ticket))
@@ -107,7 +132,13 @@ class BatchRunner(Runner):
     def stream(self, prompts, params):
         ticket = self.submit(prompts, params)
         ticket.wait_started()
-        return ticket.steps()
+        return ticket.steps(on_cancel=None if ticket.rid is None else lambda: self.cancel(ticket.rid))
+
+    def cancel(self, rid: int) -> None:
+        """The client of request ``rid`` left: it leaves the batch (or the queue) at the next step."""
+        with self.cond:
+            self.cancelled.add(rid)
+            self.cond.notify()
 
     # -- the engine's thread (rank 0) ------------------------------------------------------------
     @property
@@ -119,18 +150,21 @@ class BatchRunner(Runner):
         with self.cond:
             job = self.alone.pop(0) if self.alone else None
             admitted = self.batch.admissions() if job is None else []
+            leaving = self._leaving() if job is None else []
         if job is not None:
             self._run_alone(*job)
             return True
         if not admitted and not self.batch.active:
             return False
-        self._send((_STEP, admitted))
+        self._send((_STEP, admitted, leaving))
         try:
-            events = self.batch.step(admitted)
+            events = self.batch.step(admitted, leaving)
         except Exception as err:  # noqa: BLE001 - every request in the batch fails; the server serves on
             for rid in self.batch.fail_all():
                 self.tickets.pop(rid).put("error", err)
             return True
+        for rid in leaving:
+            self.tickets.pop(rid).put("done", None)
         for event in events:
             ticket = self.tickets[event.rid]
             if event.step is not None:
@@ -139,6 +173,16 @@ class BatchRunner(Runner):
                 self.tickets.pop(event.rid)
                 ticket.put(*(("error", event.error) if event.error is not None else ("done", event.results)))
         return True
+
+    def _leaving(self) -> list[int]:
+        """The cancelled requests in the batch (with the lock held); those still queued are dropped."""
+        active = {r.rid for r in self.batch.active}
+        for a in [a for a in self.batch.pending if a.rid in self.cancelled]:
+            self.batch.pending.remove(a)
+            self.tickets.pop(a.rid).put("done", None)
+        leaving = sorted(self.cancelled & active)
+        self.cancelled.clear()
+        return leaving
 
     def _run_alone(self, prompts, params, ticket: Ticket) -> None:
         self._send((_GENERATE, prompts, params))
@@ -186,7 +230,7 @@ class BatchRunner(Runner):
         if message[0] != _STEP:
             return super().on_message(message)
         try:
-            self.batch.step(message[1])
+            self.batch.step(*message[1:])
         except Exception as err:  # noqa: BLE001 - rank 0 fails the same requests and serves on
             self.batch.fail_all()
             print(f"rank {dist.get_rank()}: batch step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

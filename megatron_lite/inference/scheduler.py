@@ -178,8 +178,12 @@ class Scheduler:
         """:meth:`step` with :meth:`admissions` (one process, or the deciding rank's own call)."""
         return self.step(self.admissions())
 
-    def step(self, admitted: list[Admission]) -> list[Event]:
-        """Admit ``admitted`` and run one step of every request (every rank, the same admissions)."""
+    def step(self, admitted: list[Admission], leaving: tuple[int, ...] | list[int] = ()) -> list[Event]:
+        """Drop the requests ``leaving`` (ids: their clients left), admit ``admitted`` and run one step
+        of every request (every rank, the same arguments)."""
+        for r in [r for r in self.active if r.rid in leaving]:
+            self.cache.release(r.rows)
+            self.active.remove(r)
         for a in admitted:
             self.active.append(_Request(self.engine, a, self.cache.allocate(len(a.prompts))))
         if not self.active:

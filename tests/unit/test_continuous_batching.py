@@ -154,3 +154,35 @@ def test_the_server_batches_unless_told_one_at_a_time(engines, tmp_path, capsys)
     assert tool.main(["--load", str(tmp_path), "--inference-max-requests", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: --inference-max-requests 0 must be at least 1 (1: one request at a time)"]
+
+
+def test_a_stream_whose_client_left_leaves_the_batch_at_the_next_step(engines):
+    import threading
+    import time
+
+    from megatron_lite.inference.api_stream import drain
+    from megatron_lite.inference.batch_runner import BatchRunner
+
+    engine = engines["gpt"]
+    runner = BatchRunner(engine, 2)  # its engine loop is run here, step by step (runner.work)
+    steps = runner.stream([prompts(1)[0]], SamplingParams(tokens_to_generate=60, top_k=1, stop_on_eod=False))
+    for _ in range(2):  # the client reads two steps, then leaves
+        runner.work()
+        next(steps)
+    leaving = threading.Thread(target=drain, args=(steps,), daemon=True)  # the server, when the client is gone
+    leaving.start()
+    for _ in range(5000):  # until drain has cancelled it
+        if runner.cancelled or not leaving.is_alive():
+            break
+        time.sleep(0.002)
+    runner.work()  # the next step: the request leaves the batch, its rows are free
+    leaving.join(timeout=20)
+    assert not leaving.is_alive() and runner.batch.steps == 2
+    assert not runner.busy and runner.batch.cache.free == [0, 1] and runner.batch.cache.lengths == [0, 0]
+    short = ([prompts(2)[1]], SamplingParams(tokens_to_generate=4, top_k=1))
+    finished = runner.stream(*short)
+    while runner.work():
+        pass
+    assert [t for (t,) in finished] == engine.generate(*short)[0].generated  # the server serves on
+    drain(finished)  # a stream read to its end: nothing to cancel, nothing blocks
+    assert not runner.cancelled
