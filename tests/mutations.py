@@ -166,6 +166,12 @@ MUTATIONS = [
     Mutation("resume_tracker_rng", "resume: the model-parallel RNG tracker's states not restored",
              "megatron_lite/checkpoint/rng.py", '    tracker.set_states(states["tracker"])\n', "    pass\n",
              ("tests/unit/test_checkpointing.py",)),
+    Mutation("batch_row_positions", "continuous batching: per-row positions lost (each row's new tokens numbered from 0)",
+             "megatron_lite/inference/batch_cache.py", "positions = self._starts[:, None] + torch.arange",
+             "positions = 0 * self._starts[:, None] + torch.arange", ("tests/unit/test_continuous_batching.py",)),
+    Mutation("batch_tokens_broadcast", "continuous batching: the step's tokens not broadcast from the sampling rank",
+             "megatron_lite/inference/scheduler.py", "        new = engine._broadcast(new)\n", "        new = new\n",
+             ("tests/e2e/test_continuous_batching.py", "-k", "tp2")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

@@ -160,7 +160,7 @@ class BatchRunner(Runner):
         try:
             events = self.batch.step(admitted, leaving)
         except Exception as err:  # noqa: BLE001 - every request in the batch fails; the server serves on
-            for rid in self.batch.fail_all():
+            for rid in sorted(set(self.batch.fail_all()) | {a.rid for a in admitted} | set(leaving)):
                 self.tickets.pop(rid).put("error", err)
             return True
         for rid in leaving:

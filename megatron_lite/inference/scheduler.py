@@ -185,7 +185,12 @@ class Scheduler:
             self.cache.release(r.rows)
             self.active.remove(r)
         for a in admitted:
-            self.active.append(_Request(self.engine, a, self.cache.allocate(len(a.prompts))))
+            rows = self.cache.allocate(len(a.prompts))
+            try:
+                self.active.append(_Request(self.engine, a, rows))
+            except Exception:
+                self.cache.release(rows)  # e.g. out of memory for its buffers: no row is lost
+                raise
         if not self.active:
             return []
         self.steps += 1

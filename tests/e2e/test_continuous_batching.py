@@ -129,7 +129,8 @@ def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_pat
 
         runner.batch.admissions = all_at_once
         step = runner.batch.step
-        runner.batch.step = lambda admitted: seen.append(len(runner.batch.active) + len(admitted)) or step(admitted)
+        runner.batch.step = lambda admitted, leaving=(): (seen.append(len(runner.batch.active) + len(admitted))
+                                                          or step(admitted, leaving))
         got = [None] * len(REQUESTS)
         threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _answer(batched[0], *REQUESTS[i])))
                    for i in range(len(REQUESTS))]

@@ -186,3 +186,35 @@ def test_a_stream_whose_client_left_leaves_the_batch_at_the_next_step(engines):
     assert [t for (t,) in finished] == engine.generate(*short)[0].generated  # the server serves on
     drain(finished)  # a stream read to its end: nothing to cancel, nothing blocks
     assert not runner.cancelled
+
+
+@pytest.mark.parametrize("where", ["forward", "admission"])
+def test_a_step_failing_for_the_whole_batch_fails_its_requests_and_the_next_ones_run(engines, monkeypatch, where):
+    from megatron_lite.inference import scheduler
+    from megatron_lite.inference.batch_runner import BatchRunner
+
+    engine = engines["gpt"]
+    runner = BatchRunner(engine, 4)
+    request = ([prompts(1)[0]], SamplingParams(tokens_to_generate=5, top_k=1))
+    decoding = runner.submit(*request)
+    runner.work()  # its prefill: it is in the batch
+    joining = runner.submit(*request)  # admitted by the step that fails
+    healthy = engine.forward
+
+    def broken(*args, **kw):
+        raise RuntimeError("CUDA out of memory")
+
+    admit = scheduler._Request
+    monkeypatch.setattr(*((engine, "forward") if where == "forward" else (scheduler, "_Request")), broken)
+    assert runner.work()
+    monkeypatch.setattr(engine, "forward", healthy)
+    monkeypatch.setattr(scheduler, "_Request", admit)
+    for ticket in (decoding, joining):
+        assert list(ticket.items.queue)[-1][0] == "error"  # answered: its handler does not wait forever
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            ticket.result()
+    assert not runner.busy and runner.batch.cache.free == [0, 1, 2, 3] and not runner.tickets
+    after = runner.submit(*request)
+    while runner.work():
+        pass
+    assert after.result()[0].tokens == engine.generate(*request)[0].tokens
