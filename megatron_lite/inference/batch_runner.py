@@ -214,8 +214,9 @@ class BatchRunner(Runner):
                 if self.work():
                     last = time.monotonic()
                     continue
-                with self.cond:
-                    self.cond.wait(0.5)
+                with self.cond:  # a request handed over since work() looked is not waited for
+                    if not self.busy and not self.cancelled:
+                        self.cond.wait(0.5)
                 if time.monotonic() - last > HEARTBEAT_S:
                     self.heartbeat()
                     last = time.monotonic()
