@@ -6,7 +6,8 @@ One process: the server runs in a thread on a free localhost port over a saved c
 seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
 server keeps serving; beam search answers Megatron's text, segments and scores. Under torchrun, a TP2 server answers the same as one process and every rank
 exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text and log-probs
-(each step's broadcast to every rank), best_of picks the same choices, and a client leaving
+(each step's broadcast to every rank), best_of picks the same choices, concurrent requests
+(continuous batching, the server's default) answer as one process does, and a client leaving
 mid-stream leaves every rank serving.
 """
 
@@ -392,6 +393,19 @@ def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
         chunks = [json.loads(b[len("data: "):]) for b in streamed.split("\n\n") if b.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
         _streamed_logprobs_match(address, url)
+        burst = [dict(completion, prompt=p, max_tokens=m) for p, m in ((PROMPTS[0], 9), (PROMPTS[1], 3), ("2 7", 6))]
+        answers = [None] * len(burst)  # sent at once: they decode together (continuous batching) at TP2
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(
+            i, httpx.post(address + "/v1/completions", json=burst[i], timeout=120).json())) for i in range(len(burst))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for body, answer in zip(burst, answers):
+            alone = httpx.post(url + "/v1/completions", json=body).json()
+            assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+            assert_close(torch.tensor(answer["choices"][0]["logprobs"]["token_logprobs"]),
+                         torch.tensor(alone["choices"][0]["logprobs"]["token_logprobs"]))
         best = {"prompt": PROMPTS, "n": 2, "best_of": 3, "max_tokens": 5, "temperature": 1.3, "seed": 7}
         got = httpx.post(address + "/v1/completions", json=best, timeout=120).json()["choices"]
         alone = httpx.post(url + "/v1/completions", json=best).json()["choices"]
