@@ -142,9 +142,11 @@ ENTRIES = (
      "--nccl-communicator-config-path --high-priority-stream-groups",
      "NCCL user buffers, SHARP and communicator tuning are not used", DROP),
     ("--init-model-with-meta-device", "weights are made on the CPU and copied to this rank's device", DROP),
-    ("--fsdp-double-buffer --suggested-communication-unit-size --keep-fp8-transpose-cache "
-     "--enable-full-sharding-in-hsdp", "Megatron-FSDP's tuning knobs do not apply to the built-in sharding",
-     "use --data-parallel-sharding-strategy"),
+    ("--fsdp-double-buffer --suggested-communication-unit-size --keep-fp8-transpose-cache",
+     "Megatron-FSDP's tuning knobs do not apply to the built-in sharding", "use --data-parallel-sharding-strategy"),
+    ("--enable-full-sharding-in-hsdp", "hybrid sharding here keeps every sharded state inside one instance "
+     "(replicated across instances), never sharded across them", "use --num-distributed-optimizer-instances N "
+     "with the strategy, or N = 1 to shard over all data-parallel ranks"),
     ("--use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward", "PyTorch FSDP2 is not used",
      "use --data-parallel-sharding-strategy optim_grads_params"),
     ("--use-tp-pp-dp-mapping", "the rank order is fixed (tp-cp-ep-dp-pp)", DROP),
