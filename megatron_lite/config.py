@@ -40,7 +40,7 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig):  # MLA / YaRN and MTP: mode
     group_query_attention: bool = False
     """Use grouped-query attention (needs --num-query-groups)."""
     num_query_groups: int | None = None
-    """Number of key/value head groups for GQA/MQA (default: one per head)."""
+    """Number of key/value head groups for GQA/MQA (needs --group-query-attention; default: one per head)."""
     kv_channels: int | None = None
     """Per-head dimension (default hidden-size / num-attention-heads)."""
     seq_length: int = 128

@@ -70,6 +70,11 @@ def _check_model(config: Config) -> None:
         t.recompute_granularity = "selective"
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    else:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
+        _require(m.num_query_groups in (None, m.num_attention_heads),
+                 f"--num-query-groups {m.num_query_groups} needs --group-query-attention (without it Megatron-LM "
+                 "ignores --num-query-groups and builds one key/value group per head); add --group-query-attention "
+                 "for grouped-query attention, or drop --num-query-groups")
     model = TransformerConfig.from_config(config)
     for name in DERIVED_FLAGS:
         setattr(m, name, getattr(model, name))

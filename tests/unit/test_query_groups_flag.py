@@ -1,0 +1,34 @@
+"""--num-query-groups without --group-query-attention: Megatron-LM ignores it (one key/value group per
+head), so a pasted Megatron-LM command with it would silently train another model here (GQA). It is
+refused in one line naming both flags; with --group-query-attention, or equal to the head count, it is
+accepted."""
+
+import dataclasses
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.checkpoint.convert import pretrain_flags
+from tests.cli_errors import parse_refused
+
+BASE = ["--mock-data", "--vocab-size", "64", "--num-attention-heads", "4", "--hidden-size", "32"]
+
+
+def test_num_query_groups_without_group_query_attention_is_refused(capsys):
+    parse_refused(capsys, BASE + ["--num-query-groups", "2"], "--num-query-groups 2", "--group-query-attention",
+                  world_size=1)
+
+
+def test_with_group_query_attention_it_builds_gqa():
+    config = parse_args(BASE + ["--group-query-attention", "--num-query-groups", "2"], world_size=1)
+    assert config.model.num_query_groups == 2
+
+
+def test_one_group_per_head_is_multi_head_attention_either_way():
+    plain = parse_args(BASE, world_size=1)
+    assert plain.model.num_query_groups == 4  # derived: one group per head, saved with checkpoints
+    same = parse_args(BASE + ["--num-query-groups", "4"], world_size=1)
+    assert same.model.num_query_groups == 4
+    # the converter's printed flags of such a model (num-query-groups = heads, no --group-query-attention) load
+    flat = {f.name: getattr(plain.model, f.name) for f in dataclasses.fields(plain.model)}
+    flags = pretrain_flags(flat, release=True)
+    assert "--num-query-groups" in flags and "--group-query-attention" not in flags
+    parse_args(["--mock-data", "--vocab-size", "64"] + flags, world_size=1)
