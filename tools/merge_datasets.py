@@ -23,15 +23,21 @@ from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
 def find_datasets(directory: str) -> list[str]:
-    """Prefixes of the .idx files in ``directory`` that have a .bin beside them, sorted by name."""
+    """Prefixes of the .bin/.idx pairs in ``directory``, sorted by name. Either file without the other
+    is an error (as in Megatron-LM): a shard missing half of its pair is never left out silently."""
     if not os.path.isdir(directory):
         raise DataFileError(f"{directory}: not a directory (--input)")
     prefixes = []
     for name in sorted(os.listdir(directory)):
-        if name.endswith(".idx") and not name.startswith("."):
-            prefix = os.path.join(directory, name[: -len(".idx")])
-            if not os.path.isfile(prefix + ".bin"):
-                raise DataFileError(f"{prefix}.bin: missing (its index {prefix}.idx exists)")
+        stem, ext = os.path.splitext(name)
+        if ext not in (".bin", ".idx") or name.startswith("."):
+            continue
+        prefix = os.path.join(directory, stem)
+        other = ".bin" if ext == ".idx" else ".idx"
+        if not os.path.isfile(prefix + other):
+            what = "index" if ext == ".idx" else "data file"
+            raise DataFileError(f"{prefix}{other}: missing (its {what} {prefix}{ext} exists)")
+        if ext == ".idx":
             prefixes.append(prefix)
     if not prefixes:
         raise DataFileError(f"{directory}: no .bin/.idx datasets found (--input)")
