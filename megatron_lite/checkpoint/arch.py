@@ -81,4 +81,8 @@ def apply_checkpoint_args(config) -> list[str]:
             if key in saved and hasattr(values, key) and getattr(values, key) != saved[key]:
                 changed.append(f"{key.replace('_', '-')} {saved[key]} (was {getattr(values, key)})")
                 setattr(values, key, saved[key])
+    m = config.model  # grouped key/value heads need --group-query-attention, which is no architecture flag
+    if m.num_query_groups not in (None, m.num_attention_heads) and not m.group_query_attention:
+        m.group_query_attention = True
+        changed.append("group-query-attention True (was False)")
     return changed

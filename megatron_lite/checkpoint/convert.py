@@ -125,6 +125,9 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
             flag = "--" + f.name.replace("_", "-")
             values = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
             flags += [flag] if value is True else [] if value is False else [flag, *values]
+    groups = config.get("num_query_groups")
+    if groups not in (None, config.get("num_attention_heads")) and "--group-query-attention" not in flags:
+        flags.append("--group-query-attention")  # --num-query-groups is refused without it
     if config.get("bert_no_binary_head"):
         flags.append("--bert-no-binary-head")
     if not (config.get("swiglu") or config.get("disable_bias_linear") or tanh_gelu(config)):

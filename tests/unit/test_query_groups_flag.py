@@ -32,3 +32,26 @@ def test_one_group_per_head_is_multi_head_attention_either_way():
     flags = pretrain_flags(flat, release=True)
     assert "--num-query-groups" in flags and "--group-query-attention" not in flags
     parse_args(["--mock-data", "--vocab-size", "64"] + flags, world_size=1)
+
+
+def test_use_checkpoint_args_of_a_gqa_checkpoint_turns_group_query_attention_on(monkeypatch, capsys):
+    """--use-checkpoint-args copies --num-query-groups (an architecture flag) but not the switch; a GQA
+    checkpoint's groups then come with --group-query-attention instead of being refused."""
+    import megatron_lite.checkpoint.arch as arch
+
+    saved = {"num_attention_heads": 4, "hidden_size": 32, "num_query_groups": 2, "group_query_attention": False}
+    monkeypatch.setattr(arch, "saved_config", lambda root: (root, saved))
+    config = parse_args(BASE + ["--load", "ckpt", "--use-checkpoint-args"], world_size=1)
+    assert config.model.group_query_attention and config.model.num_query_groups == 2
+    assert "group-query-attention True (was False)" in capsys.readouterr().out
+
+
+def test_the_converters_flags_of_a_gqa_model_load():
+    """A checkpoint saved before the switch was required (groups 2, no group_query_attention in its
+    config): the converter's printed flags add --group-query-attention, so they load."""
+    plain = parse_args(BASE + ["--group-query-attention", "--num-query-groups", "2"], world_size=1)
+    flat = {f.name: getattr(plain.model, f.name) for f in dataclasses.fields(plain.model)}
+    flat["group_query_attention"] = False
+    flags = pretrain_flags(flat, release=True)
+    assert flags.count("--group-query-attention") == 1
+    parse_args(["--mock-data", "--vocab-size", "64"] + flags, world_size=1)
