@@ -68,6 +68,7 @@ def _check_model(config: Config) -> None:
         _require(t.recompute_granularity in (None, "selective"), "--recompute-activations means --recompute-"
                  "granularity selective, not full; drop one of the two")
         t.recompute_granularity = "selective"
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"--vocab-size must be at least 1, got {m.vocab_size}")
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     else:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
