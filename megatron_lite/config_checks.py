@@ -244,6 +244,7 @@ def _check_data_and_checkpoint(config: Config) -> None:
     else:
         _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
+    _require(d.num_workers >= 0, f"--num-workers must be at least 0, got {d.num_workers} (0: load in the main process)")
     _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(t.exit_interval is None or t.exit_interval >= 0, f"--exit-interval must not be negative, got "

@@ -159,6 +159,9 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     def _check_shape(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
+        for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):  # None: derived from the others
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
         _require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
                  f"--position-embedding-type {self.position_embedding_type!r} is not one of "
                  f"{', '.join(POSITION_EMBEDDING_TYPES)}")
