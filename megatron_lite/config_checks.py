@@ -69,6 +69,9 @@ def _check_model(config: Config) -> None:
                  "granularity selective, not full; drop one of the two")
         t.recompute_granularity = "selective"
     _require(m.vocab_size is None or m.vocab_size >= 1, f"--vocab-size must be at least 1, got {m.vocab_size}")
+    _require(m.init_method_std >= 0, f"--init-method-std must be at least 0, got {m.init_method_std}")
+    _require(m.position_embedding_type != "rope" or m.rotary_base > 0,  # base ** (-2i/d): inf, then NaN losses
+             f"--rotary-base must be positive with --position-embedding-type rope, got {m.rotary_base}")
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     else:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
