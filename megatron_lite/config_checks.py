@@ -58,20 +58,28 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     return config
 
 
+def _check_model_values(config: Config) -> None:
+    """Values that would otherwise crash the first step with a traceback or train into NaN."""
+    m, jitter = config.model, config.moe.moe_input_jitter_eps
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"--vocab-size must be at least 1, got {m.vocab_size}")
+    _require(m.init_method_std >= 0, f"--init-method-std must be at least 0, got {m.init_method_std}")
+    _require(m.position_embedding_type != "rope" or m.rotary_base > 0,  # base ** (-2i/d): inf, then NaN losses
+             f"--rotary-base must be positive with --position-embedding-type rope, got {m.rotary_base}")
+    _require(m.norm_epsilon >= 0, f"--norm-epsilon must be at least 0, got {m.norm_epsilon}")
+    _require(jitter is None or jitter >= 0, f"--moe-input-jitter-eps must be at least 0, got {jitter}")
+
+
 def _check_model(config: Config) -> None:
     """Validate the model through the TransformerConfig it becomes, and keep its derived sizes in
     the flags (they are saved with checkpoints and read by the FLOPs count)."""
     from .models.transformer_config import TransformerConfig
 
     m, t = config.model, config.training
+    _check_model_values(config)
     if t.recompute_activations:
         _require(t.recompute_granularity in (None, "selective"), "--recompute-activations means --recompute-"
                  "granularity selective, not full; drop one of the two")
         t.recompute_granularity = "selective"
-    _require(m.vocab_size is None or m.vocab_size >= 1, f"--vocab-size must be at least 1, got {m.vocab_size}")
-    _require(m.init_method_std >= 0, f"--init-method-std must be at least 0, got {m.init_method_std}")
-    _require(m.position_embedding_type != "rope" or m.rotary_base > 0,  # base ** (-2i/d): inf, then NaN losses
-             f"--rotary-base must be positive with --position-embedding-type rope, got {m.rotary_base}")
     if m.group_query_attention:
         _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
     else:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
