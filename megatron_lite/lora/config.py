@@ -30,7 +30,13 @@ class LoRAConfig:
 def check_lora_flags(config) -> None:
     """One ConfigError naming the flag for a LoRA combination that cannot run."""
     lo = config.lora
-    if lo.lora_rank is None:
+    if lo.lora_rank is None:  # an adapter flag alone would leave LoRA off and train the whole model
+        default = LoRAConfig()
+        for flag in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+            if getattr(lo, flag) != getattr(default, flag):
+                name = "--" + flag.replace("_", "-")
+                raise ConfigError(f"{name} needs --lora-rank (without it LoRA is off and every weight trains); "
+                                  f"add --lora-rank R or drop {name}")
         return
     tp = config.parallel.tensor_model_parallel_size
     if lo.lora_rank < 1:

@@ -132,6 +132,10 @@ def _check(argv):
     (["--lora-rank", "4", "--lora-dropout", "1", "--load", "x"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "4", "--lora-target-modules", "q_proj", "--load", "x"], "--lora-target-modules q_proj"),
     (["--lora-rank", "4", "--lora-alpha", "0", "--load", "x"], "--lora-alpha must be positive"),
+    # without --lora-rank LoRA is off: an adapter flag alone would silently train every weight
+    (["--lora-alpha", "16", "--load", "x"], "--lora-alpha needs --lora-rank"),
+    (["--lora-dropout", "0.1", "--load", "x"], "--lora-dropout needs --lora-rank"),
+    (["--lora-target-modules", "linear_qkv", "--load", "x"], "--lora-target-modules needs --lora-rank"),
 ])
 def test_bad_lora_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
