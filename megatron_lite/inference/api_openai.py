@@ -9,7 +9,8 @@ log-probs), ``stop`` (a string or a list of up to 4: the text ends before the fi
 ``n`` (1: completions per prompt, sampled independently in one batch; greedy gives n equal
 ones), ``best_of`` (n: samples per prompt, at least n, of which the n with the highest cumulative
 log-prob are returned; not with ``stream``), and ``model``, ``user`` accepted; a field set to
-``null`` takes its default, as in OpenAI's API. Chat completions
+``null`` takes its default, as in OpenAI's API. vLLM's ``use_beam_search`` (with ``length_penalty``)
+runs beam search instead of sampling, on either route (:mod:`.api_beam`). Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
 ``logprobs`` (bool) with ``top_logprobs``; ``max_completion_tokens`` is ``max_tokens``' newer name
 (absent: 256, or what the model's context leaves after the prompt when that is less).
@@ -26,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .api_beam import BEAM_FIELDS, beam_job, beam_params, best_beams
 from .api_logprobs import covered, logprobs_object, prefix
 from .api_megatron import continuation_text
 from .api_stream import cut_at_stop
@@ -35,7 +37,7 @@ from .sampling import SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
           "presence_penalty", "frequency_penalty", "logit_bias"}
-COMMON |= {"stream_options"}
+COMMON |= {"stream_options"} | BEAM_FIELDS
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_BATCH = 128  # prompts x n per request
@@ -61,7 +63,10 @@ class OpenAIJob:
     """Completions per prompt returned."""
     best_of: int = 1
     """Completions per prompt generated (at least ``n``; ``prompts`` holds each prompt this many times
-    in a row): the ``n`` with the highest cumulative log-prob are returned."""
+    in a row): the ``n`` with the highest cumulative log-prob are returned. With ``beam``: the beam width."""
+    beam: bool = False
+    """use_beam_search: each prompt (once in ``prompts``) gets ``best_of`` beams, the ``n`` best returned
+    (:mod:`.api_beam`)."""
 
 
 def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -94,7 +99,7 @@ def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
                           random_seed=seed, top_n_logprobs=top_n, logit_bias=_logit_bias(body, vocab), **penalties)
 
 
-def _copies(body, job: OpenAIJob) -> OpenAIJob:
+def _copies(body, job: OpenAIJob, vocab: int) -> OpenAIJob:
     """``job`` asking for ``n`` completions of each prompt, the best of ``best_of`` (default n): each
     prompt ``best_of`` times in a row in one batch (choice ``i * n + j`` is prompt i's j-th, as OpenAI
     numbers them)."""
@@ -106,7 +111,10 @@ def _copies(body, job: OpenAIJob) -> OpenAIJob:
         what = "n" if job.best_of == job.n else "best_of"
         raise RequestError(f"{what} x prompts is {len(job.prompts) * job.best_of}; "
                            f"at most {MAX_BATCH} completions per request")
-    job.prompts = [p for p in job.prompts for _ in range(job.best_of)]
+    if job.beam:
+        beam_params(job, vocab)
+    else:
+        job.prompts = [p for p in job.prompts for _ in range(job.best_of)]
     return job
 
 
@@ -119,6 +127,8 @@ def _streaming(body, job: OpenAIJob) -> OpenAIJob:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError("stream_options must be an object with only include_usage (a boolean)")
     job.include_usage = get_bool(options, "include_usage", False)
+    if job.stream and job.beam:
+        raise RequestError("use_beam_search cannot be streamed (the beams are known only at the end); drop stream")
     if job.stream and job.best_of > job.n:
         raise RequestError("best_of > n cannot be streamed (the best are known only at the end); drop stream or best_of")
     if job.stream and job.logprobs is not None:
@@ -178,7 +188,7 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
     job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0, tokenizer.vocab_size), echo, logprobs, _stops(body))
-    return _streaming(body, _copies(body, job))
+    return _streaming(body, _copies(body, beam_job(body, job), tokenizer.vocab_size))
 
 
 def parse_chat(body, tokenizer, template: str | None = None, max_length: int | None = None) -> OpenAIJob:
@@ -197,7 +207,7 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
         raise RequestError("top_logprobs needs logprobs=true")
     job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top, tokenizer.vocab_size), False, top if logprobs else None, _stops(body))
     job.chat = True
-    return _streaming(body, _copies(body, job))
+    return _streaming(body, _copies(body, beam_job(body, job), tokenizer.vocab_size))
 
 
 def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
@@ -251,7 +261,11 @@ def openai_response(job: OpenAIJob, results, tokenizer, model_name: str) -> dict
     with ``best_of`` only those of the n choices returned, as vLLM counts)."""
     prompt_tokens = sum(r.prompt_length for r in results[::job.best_of])  # each prompt once, as OpenAI counts
     candidates = [_choice(job, i, r, tokenizer) for i, r in enumerate(results)]
-    choices, counts, _ = zip(*(_best(job, candidates) if job.best_of > job.n else candidates))
+    if job.beam:
+        candidates = best_beams(job, candidates)
+    elif job.best_of > job.n:
+        candidates = _best(job, candidates)
+    choices, counts, _ = zip(*candidates)
     completion_tokens = sum(counts)
     return {
         "id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",

@@ -172,9 +172,18 @@ class InferenceEngine:
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
         if params.beam_width:
-            return _scored([Generation(t, len(prompts[0]), [], "stop" if stopped else "length", score=score)
-                            for t, score, stopped in beam_search(self, prompts, params)])
+            return _scored(self._beams(prompts, params))
         return self._steps(prompts, params)
+
+    def _beams(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Beam search's hypotheses, best first; with ``params.beam_log_probs`` scored once more (one
+        forward pass over them all) for their log-probs."""
+        found = [Generation(t, len(prompts[0]), [], "stop" if stopped else "length", score=score)
+                 for t, score, stopped in beam_search(self, prompts, params)]
+        if params.beam_log_probs:
+            for beam, scored in zip(found, self.score([b.tokens for b in found], params.top_n_logprobs)):
+                beam.log_probs, beam.top_log_probs = scored.log_probs, scored.top_log_probs
+        return found
 
     def _steps(self, prompts: list[list[int]], params: SamplingParams):
         n = params.tokens_to_generate

@@ -68,6 +68,9 @@ class SamplingParams:
     """> 0: Megatron's beam search with this many beams over one prompt (:mod:`.beam`); sampling fields unused."""
     length_penalty: float = 1.0
     """Beam search: a hypothesis scores ``sum of its log-probs / (generated length) ** length_penalty``."""
+    beam_log_probs: bool = False
+    """Beam search: score every hypothesis once more (one forward pass over them all), so its
+    :class:`~.engine.Generation` holds ``log_probs`` (and ``top_log_probs`` with ``top_n_logprobs``)."""
     step_log_probs: bool = False
     """Broadcast each decode step's log-probs with its tokens (one more small tensor per step), so the
     engine's :meth:`~.engine.InferenceEngine.stream` hands them out as they come (streamed ``logprobs``)."""

@@ -24,6 +24,7 @@ import time
 
 import torch.distributed as dist
 
+from .api_beam import run_beams
 from .api_megatron import api_response, parse_api
 from .api_openai import openai_response, parse_chat, parse_completion
 from .api_stream import stream_events
@@ -114,7 +115,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             if getattr(job, "stream", False):
                 steps = runner.stream(job.prompts, job.params)
             else:
-                results = runner.run(job.prompts, job.params)
+                results = run_beams(runner.run, job) if getattr(job, "beam", False) else runner.run(job.prompts, job.params)
         except (RequestError, ValueError) as err:
             return jsonify(message=str(err)), 400
         if getattr(job, "stream", False):
