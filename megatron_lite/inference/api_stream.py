@@ -8,9 +8,11 @@ the stream ends with ``data: [DONE]``. With ``stream_options.include_usage`` eve
 non-streamed answer counts it).
 
 The text sent is exactly the non-streamed answer's, cut into pieces: after each step the choice's
-generated tokens are decoded in context (:func:`~.api_megatron.continuation_text`) and the new
-part is sent, except what could still change: a trailing U+FFFD (the bytes decoded so far end in
-the middle of a multi-byte UTF-8 character) and a tail that could be the start of a stop string.
+new token is decoded in a window of the few tokens before it (:class:`TextStream`: the cost of a
+step does not grow with the text) and the new text is sent, except what could still change: a
+character whose UTF-8 bytes are not all decoded yet (the window then ends in U+FFFD and waits for
+the next token) and a tail that could be the start of a stop string. The last chunk of a choice
+comes from the whole text, decoded once (:func:`~.api_megatron.continuation_text`).
 A stop string ends the choice's text before it, and none of it is ever sent.
 
 With ``logprobs`` each chunk's ``choices[].logprobs`` holds the entries of the tokens whose text it
@@ -55,12 +57,27 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
+CONTEXT = 5
+"""Tokens decoded before the new ones (:class:`TextStream`): a tokenizer whose text for a token
+depends on the one before (SentencePiece's word starts, byte-level BPE's split characters) decodes
+them as it does in the whole text."""
+
+
 class TextStream:
-    """One choice's text, sent piece by piece as its tokens come."""
+    """One choice's text, sent piece by piece as its tokens come.
+
+    Each token is decoded in a bounded window (vLLM's incremental detokenization): the text the
+    tokens ``[start, len)`` decode to, less the text of ``[start, read)`` (``start``: up to
+    :data:`CONTEXT` tokens already decoded, kept as context), is the new text, unless it ends in
+    U+FFFD (the last token ends in the middle of a multi-byte character): then the window grows
+    until the character is whole. A step costs two decodes of a few tokens, not of the whole text.
+    """
 
     def __init__(self, tokenizer, prompt: list[int], stops: list[str]):
-        self.tokenizer, self.prompt, self.stops = tokenizer, list(prompt), stops
-        self.generated: list[int] = []
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens = list(prompt)
+        self.start, self.read = max(len(prompt) - CONTEXT, 0), len(prompt)
+        self.text = ""  # the generated text of tokens[:read]
         self.sent = ""
         self.stopped = False  # a stop string ended the text
 
@@ -68,10 +85,27 @@ class TextStream:
         """The new text ``token`` lets us send (often ""); nothing once a stop string was met."""
         if self.stopped:
             return ""
-        self.generated.append(token)
-        whole = Generation(self.prompt + self.generated, len(self.prompt), [])
-        text, self.stopped = cut_at_stop(continuation_text(self.tokenizer, whole), self.stops)
+        self.tokens.append(token)
+        before = self.tokenizer.detokenize(self.tokens[self.start:self.read])
+        after = self.tokenizer.detokenize(self.tokens[self.start:])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # nothing new yet (a character still incomplete); finish() sends what is left
+        checked = len(self.text)
+        self.text += after[len(before):]
+        self.start, self.read = self.read, len(self.tokens)
+        cut = self._stop(checked)
+        self.stopped = cut is not None
+        text = self.text if cut is None else self.text[:cut]
         return self._send(text, len(text) if self.stopped else safe_end(text, self.stops))
+
+    def _stop(self, checked: int) -> int | None:
+        """Where the first stop string in the text starts (None: none); the text's first ``checked``
+        characters held none, so only the tail that can reach past them is searched."""
+        if not self.stops:
+            return None
+        low = max(0, checked - max(len(s) for s in self.stops) + 1)
+        found = [i for i in (self.text.find(s, low) for s in self.stops) if i >= 0]
+        return min(found) if found else None
 
     def finish(self, result: Generation) -> str:
         """The rest of the text, as the non-streamed answer has it (``result``: the engine's)."""

@@ -4,15 +4,19 @@ seeded request, and so are their ``logprobs`` entries; no part of a stop string 
 leaves mid-stream does not leave the engine half-way (every rank must run every step)."""
 
 import json
+import os
 
 import pytest
 
 from megatron_lite.data.tokenizers import build_tokenizer
-from megatron_lite.inference.api_stream import TextStream, safe_end
-from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.api_megatron import continuation_text
+from megatron_lite.inference.api_openai import _stop_text
+from megatron_lite.inference.api_stream import CONTEXT, TextStream, safe_end
+from megatron_lite.inference.engine import Generation, InferenceEngine
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
-from tests.inference_helpers import GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
+from tests.inference_helpers import GPT2_FILES, GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
+from tests.tools import load_tool
 
 pytest.importorskip("flask")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
@@ -218,6 +222,83 @@ def test_a_character_split_over_tokens_is_sent_whole():
     pieces = [stream.push(t) for t in tokenizer.tokenize(text)]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert pieces.count("") >= 2  # the half characters waited
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """Byte-level BPE (GPT-2's: characters split over tokens), SentencePiece (word starts joined in
+    context; byte fallback for what its tiny vocabulary lacks) and the NullTokenizer (ids)."""
+    with open(os.path.join(os.path.dirname(GPT2_FILES), "tiny_corpus.jsonl"), encoding="utf-8") as f:
+        corpus = [json.loads(line)["text"] for line in f]
+    prefix = str(tmp_path_factory.mktemp("spm") / "tiny")
+    sp = load_tool("train_tokenizer").train_sentencepiece(corpus * 2 + [STREAMED] * 2, prefix, vocab_size=600,
+                                                          model_type="bpe")
+    return {"gpt2": build_tokenizer(**GPT2_TOKENIZER),
+            "sentencepiece": build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp),
+            "null": build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)}
+
+
+STREAMED = "Der naïve Bär aß 日本語 mit 🙂🚀 und 龘𝔘 am Ende, café."
+STOPS = [[], ["日本語 mit 🙂"], ["🚀 und", "ß 日"], ["Ende, c", "Bär aß 日本語 mit 🙂🚀 und 龘𝔘 am Ende, caf"]]
+
+
+def stream_text(tokenizer, prompt, generated, stops):
+    """The pieces a TextStream sends for ``generated`` after ``prompt``, and the engine's result."""
+    stream = TextStream(tokenizer, prompt, stops)
+    pieces = [stream.push(t) for t in generated]
+    return pieces + [stream.finish(Generation(prompt + generated, len(prompt), []))], stream
+
+
+@pytest.mark.parametrize("name", ["gpt2", "sentencepiece", "null"])
+@pytest.mark.parametrize("stops", STOPS)
+def test_incremental_pieces_join_to_the_non_streamed_text(tokenizers, name, stops):
+    """Streamed pieces join to the non-streamed answer's text (the whole continuation decoded once, cut
+    at the first stop string a token completes) where tokens split characters and stop strings
+    straddle tokens; no piece holds part of a character or of a stop string."""
+    tokenizer = tokenizers[name]
+    if name == "null":
+        prompt, generated = [5, 17, 42], [8, 98, 12, 98, 1, 31, 31, 1, 4, 1, 5, 9] * 3
+        stops = [[], ["31 1"], ["1 4 1", "9 8 98"], ["8 98 12 98 1 31 31 1 4 1 5 9 8"]][STOPS.index(stops)]
+    else:
+        prompt, generated = tokenizer.tokenize("Hallo 🙂 Welt:"), tokenizer.tokenize(STREAMED)
+    assert len(generated) > len(STREAMED) // 4  # several tokens per word, and per character for some
+    pieces, stream = stream_text(tokenizer, prompt, generated, stops)
+    want, stopped = _stop_text(tokenizer, Generation(prompt + generated, len(prompt), []), stops)
+    assert "".join(pieces) == want and stream.stopped == stopped == bool(stops)
+    assert not any("\ufffd" in p for p in pieces)
+    assert not any(s[:k] in p for p in pieces for s in stops for k in range(2, len(s) + 1) if s[:k] not in want)
+    if not stops:
+        assert sum(1 for p in pieces[:-1] if p) > len(pieces) // 3  # sent as the tokens came, not all at the end
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its decode calls and the tokens each one decodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sizes = tokenizer, []
+
+    def detokenize(self, ids):
+        self.sizes.append(len(ids))
+        return self.tokenizer.detokenize(ids)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "null"])
+def test_a_step_decodes_a_bounded_window_however_long_the_answer(tokenizers, name):
+    """Each token costs two decodes of at most CONTEXT tokens plus those of a character still incomplete
+    (four bytes at most): the work per step does not grow with the answer (it decoded the whole
+    text, twice, at every step)."""
+    tokenizer = tokenizers[name]
+    text = " ".join(map(str, range(98))) if name == "null" else STREAMED * 8
+    generated, prompt = tokenizer.tokenize(text), tokenizer.tokenize("3 1 4" if name == "null" else "Hi 🙂")
+    counting = CountingTokenizer(tokenizer)
+    stream = TextStream(counting, prompt, ["never in the text"])
+    for i, token in enumerate(generated):
+        before = len(counting.sizes)
+        stream.push(token)
+        assert len(counting.sizes) - before <= 2
+        assert max(counting.sizes[before:]) <= CONTEXT + 4, f"token {i} of {len(generated)}"
+    whole = continuation_text(tokenizer, Generation(prompt + generated, len(prompt), []))
+    assert len(generated) > 90 and whole.startswith(stream.sent) and len(stream.sent) > len(whole) - 20
 
 
 def test_a_client_leaving_mid_stream_still_runs_every_step(app):
