@@ -36,9 +36,10 @@ def logprobs_object(result: Generation, tokenizer, first: int, end: int, chat: b
 
 def covered(tokenizer, result: Generation, start: int, length: int) -> int:
     """The fewest tokens, at least ``start``, whose generated text (decoded in context) is at least
-    ``length`` characters long: those holding the first ``length`` characters of the text."""
+    ``length`` characters long: those holding the first ``length`` characters of the text (a
+    character whose UTF-8 bytes span several tokens needs them all: its U+FFFD does not count)."""
     end = start
-    while end < len(result.tokens) and len(continuation_text(tokenizer, prefix(result, end))) < length:
+    while end < len(result.tokens) and len(continuation_text(tokenizer, prefix(result, end)).rstrip("\ufffd")) < length:
         end += 1
     return end
 
@@ -76,9 +77,16 @@ class ChunkLogprobs:
         """The prompt's entries (``echo``)."""
         return self.take(self.result.prompt_length)
 
-    def upto(self, length: int) -> dict:
-        """The entries of the generated tokens holding the first ``length`` characters of the text."""
-        start = max(self.given, self.result.prompt_length)
+    def upto(self, length: int, ends: list[int] | None = None) -> dict:
+        """The entries of the generated tokens holding the first ``length`` characters of the text;
+        ``ends``: per generated token, the text's length once it is decoded (:class:`~.api_stream.TextStream`'s),
+        read from the last token handed out on (no decoding); without it, or beyond it, the
+        prefixes are decoded (:func:`covered`)."""
+        first = self.result.prompt_length
+        start = max(self.given, first)
+        for j in range(max(start - first - 1, 0), len(ends or ())):
+            if ends[j] >= length:
+                return self.take(max(first + j + 1, start) if length > 0 else start)
         return self.take(covered(self.tokenizer, self.result, start, length))
 
     def rest(self) -> dict:

@@ -16,7 +16,8 @@ comes from the whole text, decoded once (:func:`~.api_megatron.continuation_text
 A stop string ends the choice's text before it, and none of it is ever sent.
 
 With ``logprobs`` each chunk's ``choices[].logprobs`` holds the entries of the tokens whose text it
-completes (:class:`~.api_logprobs.ChunkLogprobs`), from the log-probs the engine broadcasts after
+completes (:class:`~.api_logprobs.ChunkLogprobs`, which reads where each token's text ends from
+:attr:`TextStream.ends` instead of decoding again), from the log-probs the engine broadcasts after
 every step (``SamplingParams.step_log_probs``); with ``echo`` the prompt's chunk, and its entries,
 come with the choice's first generated token (or at the end when nothing is generated).
 
@@ -78,6 +79,10 @@ class TextStream:
         self.tokens = list(prompt)
         self.start, self.read = max(len(prompt) - CONTEXT, 0), len(prompt)
         self.text = ""  # the generated text of tokens[:read]
+        self.ends: list[int] = []
+        """Per generated token: the length of the text decoded up to it, a character it holds only part
+        of left out (as :func:`~.api_logprobs.covered` counts); what streamed log-probs read instead of
+        decoding (:meth:`~.api_logprobs.ChunkLogprobs.upto`)."""
         self.sent = ""
         self.stopped = False  # a stop string ended the text
 
@@ -88,7 +93,9 @@ class TextStream:
         self.tokens.append(token)
         before = self.tokenizer.detokenize(self.tokens[self.start:self.read])
         after = self.tokenizer.detokenize(self.tokens[self.start:])
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+        whole = after.rstrip("\ufffd")  # the characters decoded whole
+        self.ends.append(len(self.text) + max(len(whole) - len(before), 0) if after.startswith(before) else len(self.text))
+        if len(after) <= len(before) or whole != after or not after.startswith(before):
             return ""  # nothing new yet (a character still incomplete); finish() sends what is left
         checked = len(self.text)
         self.text += after[len(before):]
@@ -186,7 +193,7 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
                 piece = streams[i].push(token)
                 ended[i] = streams[i].stopped
                 if piece or ended[i]:
-                    logprobs = scores[i].upto(len(streams[i].sent)) if scores else None
+                    logprobs = scores[i].upto(len(streams[i].sent), streams[i].ends) if scores else None
                     yield chunk(i, piece, "stop" if ended[i] else None, logprobs=logprobs)
         for i, result in enumerate(results):
             if scores:
@@ -198,7 +205,7 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
                 reason = "stop" if streams[i].stopped or result.finish_reason == "stop" else "length"
                 logprobs = None
                 if scores:
-                    logprobs = scores[i].upto(len(streams[i].sent)) if streams[i].stopped else scores[i].rest()
+                    logprobs = scores[i].upto(len(streams[i].sent), streams[i].ends) if streams[i].stopped else scores[i].rest()
                 yield chunk(i, piece, reason, logprobs=logprobs)
         if job.include_usage:
             yield sse(head | {"choices": [], "usage": usage(results)})

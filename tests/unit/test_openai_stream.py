@@ -10,9 +10,9 @@ import pytest
 
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.inference.api_megatron import continuation_text
-from megatron_lite.inference.api_openai import _stop_text
-from megatron_lite.inference.api_stream import CONTEXT, TextStream, safe_end
-from megatron_lite.inference.engine import Generation, InferenceEngine
+from megatron_lite.inference.api_openai import _stop_text, openai_response, parse_completion
+from megatron_lite.inference.api_stream import CONTEXT, TextStream, safe_end, stream_events
+from megatron_lite.inference.engine import Generation, InferenceEngine, Step
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
 from tests.inference_helpers import GPT2_FILES, GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
@@ -299,6 +299,47 @@ def test_a_step_decodes_a_bounded_window_however_long_the_answer(tokenizers, nam
         assert max(counting.sizes[before:]) <= CONTEXT + 4, f"token {i} of {len(generated)}"
     whole = continuation_text(tokenizer, Generation(prompt + generated, len(prompt), []))
     assert len(generated) > 90 and whole.startswith(stream.sent) and len(stream.sent) > len(whole) - 20
+
+
+def scripted_steps(prompt, generated):
+    """An engine's steps for one sequence that generates ``generated`` (made-up log-probs, one best
+    token each); returns its Generation."""
+    values = [-0.1 - (i % 7) / 3 for i in range(len(prompt) + len(generated) - 1)]
+    tops = [[(t, v)] for t, v in zip(prompt[1:] + generated, values)]
+    for n, token in enumerate(generated):
+        step, lo = Step([token]), (0 if n == 0 else len(prompt) + n - 1)
+        step.start, step.log_probs, step.top_log_probs = lo, [values[lo:len(prompt) + n]], [tops[lo:len(prompt) + n]]
+        yield step
+    return [Generation(prompt + generated, len(prompt), values, "length", tops)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "sentencepiece"])
+@pytest.mark.parametrize("stops", STOPS + [[" mit"]])
+def test_streamed_logprobs_join_to_the_answers_where_characters_split(tokenizers, name, stops):
+    """Through the events generator with logprobs: text and entries joined per choice are the
+    non-streamed answer's where tokens split characters and stop strings straddle tokens, and
+    apart from the last chunk's whole-text decode every decode is of a few tokens."""
+    tokenizer = tokenizers[name]
+    prompt, generated = tokenizer.tokenize("Hallo 🙂 Welt:"), tokenizer.tokenize(STREAMED * 3)
+    request = {"prompt": prompt, "max_tokens": len(generated), "logprobs": 1, "stop": stops or None}
+    steps = scripted_steps(prompt, generated)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            results = end.value
+            break
+    want = openai_response(parse_completion(request, tokenizer), results, tokenizer, "m")["choices"][0]
+    counting = CountingTokenizer(tokenizer)
+    job = parse_completion({**request, "stream": True}, tokenizer)
+    chunks = [json.loads(e[len("data: "):]) for e in stream_events(job, scripted_steps(prompt, generated), counting,
+                                                                       "m", None) if e != "data: [DONE]\n\n"]
+    assert joined(chunks) == {0: want["text"]} and streamed_logprobs(chunks)[0] == want["logprobs"]
+    assert sum(1 for c in chunks if c["choices"][0]["text"]) >= (3 if stops else len(generated) // 3)
+    assert sum(size > CONTEXT + 4 for size in counting.sizes) <= 2  # the last chunk's decode of the whole text
+    if stops:  # the entries before a stop string hold every byte of the text's last character
+        covered = prompt + generated[:len(want["logprobs"]["tokens"])]
+        assert continuation_text(tokenizer, Generation(covered, len(prompt), []))[:len(want["text"])] == want["text"]
 
 
 def test_a_client_leaving_mid_stream_still_runs_every_step(app):
