@@ -4,7 +4,7 @@ TP2 under torchrun (tests/e2e/contbatch_ranks.py: the server's runner without HT
 rank 0's broadcast admissions): requests joining and leaving mid-way give, for GPT and MLA, the
 tokens the one-process engine gives each request alone (greedy and seeded), log-probs within 1e-5.
 In one process over HTTP: concurrent requests (completions and chat, streamed and not, with PUT /api
-and beam search between the steps) decode together and each answer is the one-at-a-time server's.
+and beam search, Megatron's and the OpenAI routes', between the steps) decode together and each answer is the one-at-a-time server's.
 """
 
 import json
@@ -81,6 +81,8 @@ REQUESTS = [
                                  "logprobs": 1, "echo": True}),
     ("PUT", "/api", {"prompts": ["1 2 3"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}),
     ("PUT", "/api", {"prompts": ["7 8"], "tokens_to_generate": 3, "beam_width": 2}),
+    ("POST", "/v1/completions", {"prompt": ["7 8", "2 3 4"], "max_tokens": 3, "use_beam_search": True, "n": 2,
+                                 "best_of": 3, "logprobs": 1}),
 ]
 
 

@@ -4,7 +4,7 @@ One process: the server runs in a thread on a free localhost port over a saved c
 (NullTokenizer: text is space-separated token ids). Both APIs answer what the engine computes
 (tokens equal, log-probs within 1e-5 relative to the largest), batched prompts, log-probs and
 seeded samples included; every bad request gets HTTP 400 with one line naming the field, and the
-server keeps serving; beam search answers Megatron's text, segments and scores. Under torchrun, a TP2 server answers the same as one process and every rank
+server keeps serving; beam search answers Megatron's text, segments and scores. Under torchrun, a TP2 server answers the same as one process (OpenAI beam search included) and every rank
 exits with code 0 on SIGTERM to the serving rank; its stream joins to the same text and log-probs
 (each step's broadcast to every rank), best_of picks the same choices, concurrent requests
 (continuous batching, the server's default) answer as one process does, and a client leaving
@@ -410,6 +410,12 @@ def test_tp2_server_under_torchrun_answers_like_one_process(server, checkpoint):
         got = httpx.post(address + "/v1/completions", json=best, timeout=120).json()["choices"]
         alone = httpx.post(url + "/v1/completions", json=best).json()["choices"]
         assert [c["text"] for c in got] == [c["text"] for c in alone] and len(got) == 4
+        beams = {"prompt": PROMPTS, "use_beam_search": True, "n": 2, "best_of": 3, "max_tokens": 4, "logprobs": 1}
+        got = httpx.post(address + "/v1/completions", json=beams, timeout=120).json()["choices"]  # every rank scores
+        alone = httpx.post(url + "/v1/completions", json=beams).json()["choices"]
+        assert [c["text"] for c in got] == [c["text"] for c in alone] and len(got) == 4
+        for c, one in zip(got, alone):
+            assert_close(torch.tensor(c["logprobs"]["token_logprobs"]), torch.tensor(one["logprobs"]["token_logprobs"]))
         with httpx.stream("POST", address + "/v1/completions", timeout=120,  # leave after the first event
                           json={"prompt": PROMPTS[1], "max_tokens": 60, "stream": True}) as r:
             next(r.iter_lines())
