@@ -172,6 +172,12 @@ MUTATIONS = [
     Mutation("batch_tokens_broadcast", "continuous batching: the step's tokens not broadcast from the sampling rank",
              "megatron_lite/inference/scheduler.py", "        new = engine._broadcast(new)\n", "        new = new\n",
              ("tests/e2e/test_continuous_batching.py", "-k", "tp2")),
+    Mutation("stream_partial_character", "OpenAI streaming: a window ending in part of a character sent as it is",
+             "megatron_lite/inference/api_stream.py", " or whole != after or ", " or ",
+             ("tests/unit/test_openai_stream.py", "-k", "split or incremental or character")),
+    Mutation("openai_beam_order", "OpenAI beam search: each prompt's n worst hypotheses returned instead of its n best",
+             "megatron_lite/inference/api_beam.py", "candidates[start:start + job.n]",
+             "candidates[start + job.best_of - job.n:start + job.best_of]", ("tests/unit/test_openai_beam.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
