@@ -111,11 +111,12 @@ class BatchRunner(Runner):
         self.cond = threading.Condition()
 
     # -- handler threads -------------------------------------------------------------------------
-    def submit(self, prompts, params) -> Ticket:
-        """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError)."""
+    def submit(self, prompts, params, alone: bool = False) -> Ticket:
+        """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError).
+        ``alone`` (Megatron's PUT /api): run it by itself between two steps of the batch."""
         ticket = Ticket()
         with self.cond:
-            if self.batch.covers(prompts, params):
+            if not alone and self.batch.covers(prompts, params):
                 ticket.rid = self.batch.add(prompts, params)
                 self.tickets[ticket.rid] = ticket
                 ticket.put("started")
@@ -124,8 +125,8 @@ class BatchRunner(Runner):
             self.cond.notify()
         return ticket
 
-    def run(self, prompts, params):
-        ticket = self.submit(prompts, params)
+    def run(self, prompts, params, alone: bool = False):
+        ticket = self.submit(prompts, params, alone)
         ticket.wait_started()
         return ticket.result()
 

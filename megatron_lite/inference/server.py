@@ -47,7 +47,9 @@ class Runner:
         if self.world > 1:
             dist.broadcast_object_list([message], src=0)
 
-    def run(self, prompts, params):
+    def run(self, prompts, params, alone: bool = False):
+        """Generate on every rank; ``alone`` (PUT /api) matters only to the batching runner: here
+        every request runs alone."""
         self._send((_GENERATE, prompts, params))
         return self.engine.generate(prompts, params)
 
@@ -106,7 +108,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         app.logger.exception("request failed")
         return jsonify(message=f"{type(err).__name__}: {err}"), 500
 
-    def answer(parse, respond):
+    def answer(parse, respond, alone: bool = False):
         try:
             body = request.get_json(force=True, silent=True)
             if body is None:
@@ -114,8 +116,10 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             job = parse(body)
             if getattr(job, "stream", False):
                 steps = runner.stream(job.prompts, job.params)
+            elif getattr(job, "beam", False):  # beam search runs alone between steps of the batch
+                results = run_beams(runner.run, job)
             else:
-                results = run_beams(runner.run, job) if getattr(job, "beam", False) else runner.run(job.prompts, job.params)
+                results = runner.run(job.prompts, job.params, alone=alone)
         except (RequestError, ValueError) as err:
             return jsonify(message=str(err)), 400
         if getattr(job, "stream", False):
@@ -126,7 +130,9 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     @app.route("/api", methods=["PUT"])
     def megatron_api():
-        return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer))
+        # Megatron's static batch: never in the continuous batch (docs/inference.md)
+        return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer),
+                      alone=True)
 
     def openai(parse):
         return answer(parse, lambda job, res: openai_response(job, res, tokenizer, model_name))

@@ -218,3 +218,47 @@ def test_a_step_failing_for_the_whole_batch_fails_its_requests_and_the_next_ones
     while runner.work():
         pass
     assert after.result()[0].tokens == engine.generate(*request)[0].tokens
+
+
+def _engine_loop(runner):
+    """The server's engine thread, for Flask's test client: run the batch until ``runner.halt`` is set."""
+    import threading
+    import time
+
+    runner.halt = False
+
+    def loop():
+        while not runner.halt:
+            if not runner.work():
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_megatron_put_api_runs_alone_as_the_one_at_a_time_server(engines):
+    """PUT /api is Megatron's static batch (docs/inference.md: not in the continuous batch): its
+    ``random_seed`` reseeds the server's generator, so an unseeded request after it draws what it
+    draws from the one-at-a-time server."""
+    pytest.importorskip("flask")
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.batch_runner import BatchRunner
+    from megatron_lite.inference.server import Runner, create_app
+
+    engine = engines["gpt"]
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    seeded = {"prompts": ["5 17 42", "3 1"], "tokens_to_generate": 6, "temperature": 1.5, "random_seed": 7}
+    unseeded = {"prompts": ["9 9 2"], "tokens_to_generate": 6, "temperature": 1.5}
+    answers = {}
+    for name, runner in (("one", Runner(engine)), ("batched", BatchRunner(engine, 4))):
+        client = create_app(runner, tokenizer).test_client()
+        thread = _engine_loop(runner) if name == "batched" else None
+        try:
+            answers[name] = [client.put("/api", json=body).get_json() for body in (seeded, unseeded)]
+        finally:
+            runner.halt = True
+        if thread is not None:
+            thread.join(timeout=20)
+    assert answers["batched"] == answers["one"]
+    assert runner.batch.steps == 0 and runner.batch.next_rid == 0  # never in the batch
