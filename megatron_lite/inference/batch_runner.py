@@ -150,8 +150,8 @@ class BatchRunner(Runner):
         """Run one request alone or one step of the batch; False when there was nothing to do."""
         with self.cond:
             job = self.alone.pop(0) if self.alone else None
+            leaving = self._leaving() if job is None else []  # first: a cancelled queued request is not admitted
             admitted = self.batch.admissions() if job is None else []
-            leaving = self._leaving() if job is None else []
         if job is not None:
             self._run_alone(*job)
             return True

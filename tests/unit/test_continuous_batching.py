@@ -262,3 +262,18 @@ def test_megatron_put_api_runs_alone_as_the_one_at_a_time_server(engines):
             thread.join(timeout=20)
     assert answers["batched"] == answers["one"]
     assert runner.batch.steps == 0 and runner.batch.next_rid == 0  # never in the batch
+
+
+def test_a_stream_cancelled_while_queued_is_dropped_not_admitted(engines):
+    """A streaming client that leaves before its request joined: the request is dropped from the
+    queue (it never runs), even when rows are free for it at the next step."""
+    from megatron_lite.inference.batch_runner import BatchRunner
+
+    runner = BatchRunner(engines["gpt"], 2)
+    steps = runner.stream([prompts(1)[0]], SamplingParams(tokens_to_generate=40, top_k=1, stop_on_eod=False))
+    steps.cancel()  # the client left while the request waited for the next step
+    runner.work()
+    assert runner.batch.steps == 0 and not runner.busy and not runner.tickets
+    assert runner.batch.cache.free == [0, 1]
+    with pytest.raises(StopIteration):
+        next(steps)  # its handler is answered at once
