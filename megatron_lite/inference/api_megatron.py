@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
-from .sampling import SamplingParams
+from .sampling import MAX_SEED, SamplingParams
 
 MAX_PROMPTS = 128
 MAX_BEAMS = 128
@@ -125,7 +125,7 @@ def parse_api(body, tokenizer) -> ApiJob:
         raise RequestError("cannot set both top_k and top_p; use one of them")
     add_bos = get_bool(body, "add_BOS", False)
     stop_on_eol = get_bool(body, "stop_on_eol", False)
-    seed = get_int(body, "random_seed", -1, low=-1)
+    seed = get_int(body, "random_seed", -1, low=-1, high=MAX_SEED - 1)
     get_bool(body, "no_log", False)
     if any(not t for t in texts) and not add_bos:
         raise RequestError("an empty prompt needs add_BOS=true")

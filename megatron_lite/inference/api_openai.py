@@ -33,7 +33,7 @@ from .api_megatron import continuation_text
 from .api_stream import cut_at_stop
 from .chat import chat_prompt
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
-from .sampling import SamplingParams
+from .sampling import MAX_SEED, SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
           "presence_penalty", "frequency_penalty", "logit_bias"}
@@ -92,7 +92,7 @@ def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
     top_k = max(top_k, 0)
     if top_k > 0 and top_p < 1.0:
         raise RequestError("cannot set both top_k and top_p (< 1); use one of them")
-    seed = get_int(body, "seed", None, low=0)
+    seed = get_int(body, "seed", None, low=0, high=MAX_SEED - 1)
     greedy = temperature == 0.0
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,

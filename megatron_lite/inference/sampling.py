@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+MAX_SEED = 2**64  # torch.Generator.manual_seed takes seeds below this
+
 
 class NonFiniteLogitsError(RuntimeError):
     """The model's logits hold NaN or inf: no token can be chosen (not the request's fault)."""
@@ -92,8 +94,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if self.top_k > 0 and self.top_p > 0.0:
             raise ValueError("cannot set both top_k and top_p; use one of them")
-        if self.random_seed is not None and (not isinstance(self.random_seed, int) or self.random_seed < 0):
-            raise ValueError(f"random_seed must be an integer >= 0, got {self.random_seed!r}")
+        if self.random_seed is not None and (not isinstance(self.random_seed, int)
+                                             or not 0 <= self.random_seed < MAX_SEED):
+            raise ValueError(f"random_seed must be an integer in [0, 2^64) (a torch generator's seed), "
+                             f"got {self.random_seed!r}")
         if not isinstance(self.top_n_logprobs, int) or not 0 <= self.top_n_logprobs <= 20:
             raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -277,3 +277,29 @@ def test_a_stream_cancelled_while_queued_is_dropped_not_admitted(engines):
     assert runner.batch.cache.free == [0, 1]
     with pytest.raises(StopIteration):
         next(steps)  # its handler is answered at once
+
+
+def test_a_seed_too_large_for_a_generator_is_a_400_and_the_batch_serves_on(engines):
+    """torch.Generator takes seeds below 2^64: a larger one is refused when the request arrives
+    (HTTP 400 naming the field), not when it joins the batch, where it failed every request in it."""
+    pytest.importorskip("flask")
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.batch_runner import BatchRunner
+    from megatron_lite.inference.server import create_app
+
+    engine = engines["gpt"]
+    runner = BatchRunner(engine, 4)
+    request = ([prompts(1)[0]], SamplingParams(tokens_to_generate=5, top_k=1))
+    decoding = runner.submit(*request)
+    runner.work()  # in the batch
+    with pytest.raises(ValueError, match=r"random_seed must be an integer in \[0, 2\^64\)"):
+        runner.submit([[1, 2]], SamplingParams(tokens_to_generate=5, random_seed=2**64))
+    while runner.work():
+        pass
+    assert decoding.result()[0].tokens == engine.generate(*request)[0].tokens
+    client = create_app(runner, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)).test_client()
+    for method, path, body, field in (("post", "/v1/completions", {"prompt": "1 2", "seed": 2**64}, "seed"),
+                                      ("put", "/api", {"prompts": ["1 2"], "random_seed": 2**64}, "random_seed")):
+        answer = getattr(client, method)(path, json=body)
+        assert answer.status_code == 400 and answer.get_json()["message"].startswith(field)
+    assert not runner.busy
