@@ -207,8 +207,9 @@ class BatchRunner(Runner):
         http = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True)
         http.start()
         last, accepting = time.monotonic(), True
+        in_flight = getattr(server, "in_flight", None)  # requests accepted and not yet answered
         try:
-            while accepting or self.busy:
+            while accepting or self.busy or (in_flight is not None and in_flight.count):
                 if accepting and stop.set:
                     server.shutdown()  # no new requests; those in hand finish
                     accepting = False

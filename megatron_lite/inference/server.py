@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -152,13 +153,43 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
     return app
 
 
+class InFlight:
+    """WSGI middleware counting the requests a threaded server holds: from the moment a handler
+    thread calls the app until its response is written (the response iterable closed). The
+    batching server's loop does not stop while one is in flight (:meth:`BatchRunner.serve
+    <.batch_runner.BatchRunner.serve>`): a request accepted before SIGTERM but not yet handed to the
+    engine, or one whose answer is still being written, is finished."""
+
+    def __init__(self, app):
+        self.app, self.count = app, 0
+        self._lock = threading.Lock()
+
+    def _done(self) -> None:
+        with self._lock:
+            self.count -= 1
+
+    def __call__(self, environ, start_response):
+        from werkzeug.wsgi import ClosingIterator
+
+        with self._lock:
+            self.count += 1
+        try:
+            return ClosingIterator(self.app(environ, start_response), self._done)
+        except BaseException:
+            self._done()
+            raise
+
+
 def make_server(app, host: str, port: int, threaded: bool = False):
     """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``);
-    ``threaded``: one thread per request (continuous batching: :mod:`.batch_runner`)."""
+    ``threaded``: one thread per request (continuous batching: :mod:`.batch_runner`), counted in
+    ``server.in_flight`` (:class:`InFlight`)."""
     from werkzeug.serving import make_server as werkzeug_server
 
-    server = werkzeug_server(host, port, app, threaded=threaded)
+    in_flight = InFlight(app) if threaded else None
+    server = werkzeug_server(host, port, in_flight or app, threaded=threaded)
     server.timeout = 0.5  # handle_request returns this often when idle
+    server.in_flight = in_flight
     return server
 
 
