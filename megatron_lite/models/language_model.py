@@ -77,7 +77,7 @@ class LanguageModel(nn.Module):
             config.hidden_size, config.padded_vocab_size, self.tp_group, bias=bias,
             init_method=config.init_method(layer, name), sequence_parallel=self.sequence_parallel,
             skip_weight_param_allocation=self.tied and self.embedding is not None,
-            gemm=config.make_gemm(config.num_layers + 1, self.tp_group), dtype=config.params_dtype,
+            gemm=config.make_gemm(0, self.tp_group), dtype=config.params_dtype,  # 0: outside the layers
             gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         )
         self.output_layer.sharding_unit = True  # a ZeRO-3 unit (parallel/fsdp.py)

@@ -297,17 +297,17 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
 
     def make_gemm(self, layer_number: int, tp_group=None, expert: bool = False):
         """The GEMM of one linear layer of global layer ``layer_number`` (None: the plain
-        ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``num_layers + 1`` is the
-        output layer. Called once per linear layer, so a precision recipe can return a fresh
+        ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``0`` is the embedding and
+        the output layer, ``num_layers + k`` multi-token prediction depth k. Called once per linear layer, so a precision recipe can return a fresh
         stateful object here; ``tp_group`` is the group a shard's scaling statistics are reduced over.
 
-        With FP8 on, the linears of FP8 layers (QKV, attention projection, fc1, fc2) get their own
+        With FP8 on, the linears of FP8 layers (QKV, attention projection, fc1, fc2; MTP's eh_proj) get their own
         :class:`~megatron_lite.precision.fp8.Fp8Gemm` whose amaxes are MAX-reduced over ``tp_group``;
         the embedding (layer 0) and the output layer stay in ``params_dtype``. ``expert=True`` for an
         MoE expert's fc1/fc2 (one gemm each): its amaxes are reduced over the expert-data-parallel
         group in the per-step update. With ``transformer_impl == "transformer_engine"`` every
         transformer-layer GEMM is a :class:`~megatron_lite.precision.te.TeGemm` instead (FP8 or not)."""
-        if self.transformer_impl == "transformer_engine" and 1 <= layer_number <= self.num_layers:
+        if self.transformer_impl == "transformer_engine" and 1 <= layer_number <= self.num_layers + (self.mtp_num_layers or 0):
             recipe = self.fp8_scaling_recipe() if self.is_fp8_layer(layer_number) else None
             return TeGemm(recipe, amax_group=tp_group)
         if not self.is_fp8_layer(layer_number):
@@ -315,8 +315,14 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
         return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=tp_group, expert=expert)
 
     def is_fp8_layer(self, layer_number: int) -> bool:
-        """Whether transformer layer ``layer_number`` (global, 1-based) runs its GEMMs in FP8."""
-        if self.fp8 is None or not 1 <= layer_number <= self.num_layers:
+        """Whether transformer layer ``layer_number`` (global, 1-based; ``num_layers + k``: multi-token
+        prediction depth k) runs its GEMMs in FP8. MTP layers do whenever FP8 is on (as in Megatron-LM,
+        whose MTP layers run under the global FP8 context: --first-last-layers-bf16 does not count them)."""
+        if self.fp8 is None:
+            return False
+        if self.num_layers < layer_number <= self.num_layers + (self.mtp_num_layers or 0):
+            return True
+        if not 1 <= layer_number <= self.num_layers:
             return False
         if not self.first_last_layers_bf16:
             return True
@@ -335,6 +341,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
         layers = [n for n in range(1, self.num_layers + 1) if self.is_fp8_layer(n)]
         span = f"layers {layers[0]}-{layers[-1]} of {self.num_layers}" if layers else f"no layer of {self.num_layers}"
         experts = ", experts' fc1/fc2" if self.num_experts else ""
+        if self.mtp_num_layers:
+            span += f" and the {self.mtp_num_layers} MTP layer{'s' if self.mtp_num_layers > 1 else ''}"
         return (f"FP8 {span} (QKV, attention projection, fc1, fc2{experts}; embedding and output layer in "
                 f"{str(self.params_dtype).replace('torch.', '')})")
 

@@ -39,6 +39,22 @@ def test_make_gemm_covers_transformer_layers_only():
     assert _fp8_layers(cfg) == [] and "no layer of 4" in cfg.describe_fp8()
 
 
+def test_multi_token_prediction_layers_run_in_fp8_even_with_first_last_layers_bf16():
+    """Megatron-LM runs its MTP layers under the global FP8 context: the bf16 first/last layers rule
+    does not reach them. Every linear of the MTP depth (eh_proj, QKV, projection, fc1, fc2) gets one."""
+    from megatron_lite.precision.fp8 import fp8_gemms
+
+    cfg = _config(fp8="hybrid", first_last_layers_bf16=True, mtp_num_layers=2, position_embedding_type="rope")
+    assert _fp8_layers(cfg) == [2, 3, 5]  # 0: embedding and output layer; 5, 6: the MTP depths
+    assert cfg.is_fp8_layer(6) and not cfg.is_fp8_layer(7)
+    assert "layers 2-3 of 4 and the 2 MTP layers" in cfg.describe_fp8()
+    model = GPTModel(_config(fp8="hybrid", first_last_layers_bf16=True, mtp_num_layers=1, position_embedding_type="rope"),
+                     ParallelState())
+    names = sorted(name for name, module in model.named_modules() if module in set(fp8_gemms(model)))
+    mtp = [n for n in names if n.startswith("mtp.")]
+    assert len(names) == 8 + 5 and len(mtp) == 5 and any("eh_proj" in n for n in mtp), names
+
+
 def test_make_gemm_gives_a_fresh_gemm_with_the_configured_recipe():
     cfg = _config(fp8="e4m3", fp8_recipe="tensorwise", fp8_margin=2, fp8_amax_history_len=8,
                   fp8_amax_compute_algo="max", fp8_wgrad=False)

@@ -384,4 +384,4 @@ def test_gemm_seam_carries_every_linear():
     reference = GPTModel(TransformerConfig.from_model(make_config("A"), seed=2), ParallelState())
     tokens, _ = make_batch(9)
     _close(model(tokens), reference(tokens), "logits through counting GEMMs")
-    assert sorted(calls) == [1] * 4 + [2] * 4 + [3]  # qkv, proj, fc1, fc2 per layer; the tied output layer
+    assert sorted(calls) == [0] + [1] * 4 + [2] * 4  # the tied output layer (0: outside the layers); qkv, proj, fc1, fc2 per layer
