@@ -167,8 +167,7 @@ class InferenceEngine:
         params = params if params is not None else SamplingParams()
         params.check()
         _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate)
-        if any(t >= self.vocab_size for t, _ in params.logit_bias):  # before any collective: every rank raises
-            raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {self.vocab_size})")
+        check_vocabulary(params, self.vocab_size)  # before any collective: every rank raises
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
         if params.beam_width:
@@ -263,6 +262,16 @@ def _double_stop(new: torch.Tensor, previous: torch.Tensor, params: SamplingPara
     """Where ``new`` and the token before it are both of ``params.double_stop_ids`` (stop_on_double_eol)."""
     pair = torch.tensor(params.double_stop_ids, dtype=torch.long, device=new.device)
     return torch.isin(new, pair) & torch.isin(previous, pair)
+
+
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError (on every rank, before any collective) for fields that name more of the vocabulary
+    than there is: a ``logit_bias`` token id, or more top log-probs than tokens (which only the last
+    pipeline stage would notice)."""
+    if any(t >= vocab_size for t, _ in params.logit_bias):
+        raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {vocab_size})")
+    if params.top_n_logprobs > vocab_size:
+        raise ValueError(f"top_n_logprobs {params.top_n_logprobs} is more than the vocabulary's {vocab_size} tokens")
 
 
 def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:

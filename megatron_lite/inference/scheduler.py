@@ -43,6 +43,7 @@ from .engine import (
     _position_stats,
     _result,
     _step_log_probs,
+    check_vocabulary,
 )
 from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
 
@@ -144,8 +145,7 @@ class Scheduler:
         """Queue a request (checked now: ValueError with one line); return its id."""
         params.check()
         _check_prompts(prompts, self.engine.max_sequence_length, params.tokens_to_generate)
-        if any(t >= self.engine.vocab_size for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {self.engine.vocab_size})")
+        check_vocabulary(params, self.engine.vocab_size)
         if not self.covers(prompts, params):
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
                              f"sequences than --inference-max-requests {self.cache.max_rows})")

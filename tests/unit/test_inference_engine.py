@@ -183,6 +183,22 @@ def test_bad_sampling_params_name_the_field(field, value, message):
         SamplingParams(top_k=2, top_p=0.5).check()
 
 
+def test_more_top_log_probs_than_tokens_is_refused_before_any_step(checkpoints):
+    """A vocabulary under 20 tokens: more top log-probs than tokens only failed on the last pipeline
+    stage (the other ranks waited); now every rank refuses it first, in the engine and the batch."""
+    from megatron_lite.inference.scheduler import Scheduler
+
+    engine = engine_for(checkpoints["gpt"])
+    engine.vocab_size = 8
+    params = SamplingParams(tokens_to_generate=2, top_n_logprobs=9)
+    with pytest.raises(ValueError, match="^top_n_logprobs 9 is more than the vocabulary's 8 tokens"):
+        engine.generate([[1, 2]], params)
+    with pytest.raises(ValueError, match="^top_n_logprobs 9 is more than the vocabulary's 8 tokens"):
+        Scheduler(engine, 2).add([[1, 2]], params)
+    with pytest.raises(ValueError, match="^logit_bias: a token id is outside the vocabulary"):
+        Scheduler(engine, 2).add([[1, 2]], SamplingParams(tokens_to_generate=2, logit_bias=[(8, 1.0)]))
+
+
 def test_prompts_too_long_or_empty_are_refused(checkpoints):
     engine = engine_for(checkpoints["gpt"])
     with pytest.raises(ValueError, match="prompt 1 has 90 tokens \\+ 10 tokens to generate, more than the model's 96"):
