@@ -286,3 +286,19 @@ def test_tool_plans_and_refuses_hybrid_sharding(capsys):
     assert plan_tool.main(argv + ["--num-distributed-optimizer-instances", "3"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--num-distributed-optimizer-instances 3" in lines[0], lines
+
+
+def test_tool_refuses_a_non_dividing_instance_count_for_that_reason(capsys):
+    """--num-distributed-optimizer-instances 3 at DP 16, strategy left to the search: the one-line refusal
+    says 3 does not divide DP (it said the strategy must be sharded, from the no_shard layouts the user
+    never asked for); no_shard asked for with 2 instances is still refused for that."""
+    argv = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+            "--vocab-size", "32000", "--gpus", "16", "--global-batch-size", "64", "--top", "2"]
+    assert plan_tool.main(argv + ["--num-distributed-optimizer-instances", "3"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--num-distributed-optimizer-instances 3 must divide DP" in lines[0], lines
+    assert "sharded" not in lines[0], lines
+    no_shard = ["--data-parallel-sharding-strategy", "no_shard", "--num-distributed-optimizer-instances", "2"]
+    assert plan_tool.main(argv + no_shard) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs a sharded --data-parallel-sharding-strategy" in lines[0], lines

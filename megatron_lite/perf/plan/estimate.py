@@ -124,9 +124,11 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
 
 def _check_instances(lay: Layout) -> None:
     n = lay.instances
-    if n < 1 or (n > 1 and lay.zero == "no_shard"):
+    if n < 1:
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} must be at least 1")
+    if n > 1 and lay.zero == "no_shard":
         raise ConfigError(f"--num-distributed-optimizer-instances {n} needs a sharded --data-parallel-sharding-strategy "
-                          "(optim, optim_grads or optim_grads_params) and must be at least 1")
+                          "(optim, optim_grads or optim_grads_params), not no_shard")
     if lay.dp % n or (lay.dp * lay.cp // lay.ep) % n:
         raise ConfigError(f"--num-distributed-optimizer-instances {n} must divide DP {lay.dp} and the expert "
                           f"data-parallel size DP x CP / EP {lay.dp * lay.cp // lay.ep}")

@@ -47,8 +47,8 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
         instances = [fixed["instances"]] if "instances" in fixed else _instance_choices(cluster, t, cp, dp)
         for v, ep, b, zero, rc, n in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute")),
                                              instances):
-            if n > 1 and zero == "no_shard" and "instances" not in fixed:
-                continue
+            if n > 1 and zero == "no_shard" and not {"instances", "zero"} <= fixed.keys():
+                continue  # refused unless asked for both: else a fixed N's own refusal would hide behind it
             lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b, instances=n)
             try:
                 check_layout(spec, cluster, global_batch, lay)
