@@ -85,6 +85,9 @@ class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, last_use):
         ctx.save_for_backward(x, weight)
+        # The weight object itself, for its accumulate_main_grad: under a saved-tensor hook pair
+        # (--memory-report's tracker) ctx.saved_tensors hands back another tensor without the attribute.
+        ctx.weight = weight
         ctx.has_bias, ctx.last_use = bias is not None, last_use
         return F.linear(x, weight, bias)
 
@@ -97,7 +100,7 @@ class _AccumulatingLinear(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
-            accumulate = getattr(weight, "accumulate_main_grad", None)
+            accumulate = getattr(ctx.weight, "accumulate_main_grad", None)
             if accumulate is None:
                 dw = dy2.t().mm(x2)
             else:

@@ -58,3 +58,17 @@ def test_zero3_dp2_report(tmp_path):
                                                          "--memory-report"])
     for _losses, n, measured, steps, counters in run_ranks(2, run_with_report, argv):
         _check_steps(steps, measured, counters, model_state_bytes_per_param(torch.float32, "optim_grads_params", 2), n)
+
+
+def test_hsdp_zero2_report_with_tied_embeddings(tmp_path):
+    """ZeRO-2 in 2 instances of 2 ranks with the tied word embedding (Megatron's default; MODEL_B unties
+    it): the report runs (the tracker's saved-tensor hooks made the tied output layer mark the embedding
+    ready after its lookup had: 'a gradient arrived ... already reduced'), the losses are those of the
+    run without it, and the model state is the formula's at 2 shards per instance."""
+    flags = ["--data-parallel-sharding-strategy", "optim_grads", "--num-distributed-optimizer-instances", "2"]
+    plain = run_ranks(4, run_with_report, _argv(str(tmp_path / "plain"), 3, flags))
+    reported = run_ranks(4, run_with_report, _argv(str(tmp_path / "report"), 3, flags + ["--memory-report"]))
+    per_param = model_state_bytes_per_param(torch.float32, "optim_grads", 4, instances=2)
+    for (losses, n, measured, steps, counters), (plain_losses, *_) in zip(reported, plain):
+        assert losses == plain_losses
+        _check_steps(steps, measured, counters, per_param, n)

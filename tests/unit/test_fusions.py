@@ -329,6 +329,27 @@ def test_gradient_accumulation_fusion_fills_main_grad_like_the_hook(layer):
     assert plain.weight.grad is not None and plain.weight.grad.shape == (10, 12)
 
 
+def test_gradient_accumulation_fusion_survives_saved_tensor_hooks():
+    """Under a saved-tensor hook pair (--memory-report's tracker installs one) ``ctx.saved_tensors`` hands
+    the GEMM back another tensor than the weight, without its ``accumulate_main_grad``: the fused GEMM
+    must still accumulate into main_grad (no .grad), so a tied output layer (``last_use=False``) does
+    not mark the weight ready a second time after its lookup did (ZeRO-2/3 raised: bucket already reduced)."""
+    from megatron_lite.parallel.grad_accumulation import accumulating_linear_gemm
+
+    table = VocabParallelEmbedding(10, 6, None, gradient_accumulation_fusion=True)
+    ddp = DistributedDataParallel(table, ParallelState(), strategy="optim_grads")
+    ids, x = torch.tensor([[3, 7, 3]]), torch.randn(1, 3, 6, generator=torch.Generator().manual_seed(0))
+    ddp.zero_grad_buffer()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+        logits = accumulating_linear_gemm(ddp(ids) + x, table.weight, last_use=False)
+        (logits ** 2).sum().backward()
+    ddp.finish_grad_sync()
+    assert table.weight.grad is None
+    plain = torch.nn.Parameter(table.weight.detach().clone())
+    ((F.linear(F.embedding(ids, plain) + x, plain)) ** 2).sum().backward()
+    torch.testing.assert_close(ddp.owned_grad(table.weight).view_as(plain), plain.grad, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_lookup_adds_its_rows_into_main_grad(dtype):
     """Gradient-accumulation fusion of the word embedding: over two iterations of two micro-batches with
