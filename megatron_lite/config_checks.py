@@ -27,6 +27,7 @@ def _require(cond: bool, message: str) -> None:
 def finalize(config: Config, world_size: int = 1) -> Config:
     """Fill derived values and check the combination for ``world_size`` processes; raises
     ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``."""
+    from .moe.config import expert_grid_tp
     from .parallel.state import ParallelConfigError, RankGrid
 
     p = config.parallel
@@ -40,7 +41,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     try:
         grid = RankGrid(world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                        dist_opt_instances=max(1, p.num_distributed_optimizer_instances))
+                        dist_opt_instances=max(1, p.num_distributed_optimizer_instances), etp=expert_grid_tp(config))
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp

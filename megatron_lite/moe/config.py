@@ -106,7 +106,7 @@ class MoEConfig:
     moe_per_layer_logging: bool = False
     """Write the router losses of every MoE layer to TensorBoard."""
     expert_tensor_parallel_size: int | None = None
-    """Tensor-parallel size of the experts: --tensor-model-parallel-size (default) or 1 (whole experts)."""
+    """Tensor-parallel size of the experts (default --tensor-model-parallel-size; 1: whole experts). Another size, or an --expert-model-parallel-size that does not divide the data-parallel size, re-cuts each pipeline stage's ranks for the experts as ETP x EP x expert-DP (parallel folding)."""
     overlap_moe_expert_parallel_comm: bool = False
     """Overlap the expert-parallel all-to-all across micro-batches (refused)."""
     moe_layer_recompute: bool = False
@@ -243,16 +243,18 @@ def _parallel_problem(moe: MoEConfig, *, num_layers, tp, ep, sequence_parallel, 
     if tp > 1 and not sequence_parallel:
         return "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel"
     etp = moe.expert_tensor_parallel_size
-    if etp not in (None, 1, tp):
-        return (f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} "
-                "(other sizes need a folded expert grid, not implemented)")
-    if etp != 1 and moe.moe_ffn_hidden_size % tp:
-        return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
+    if etp is not None and (not isinstance(etp, int) or etp < 1):
+        return f"--expert-tensor-parallel-size {etp} must be a positive integer (default: --tensor-model-parallel-size)"
+    if moe.moe_ffn_hidden_size % (etp or tp):
+        flag = "--tensor-model-parallel-size" if etp is None else "--expert-tensor-parallel-size"
+        return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} is not divisible by {flag} {etp or tp}"
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None and (shared < 1 or shared % tp):
         return f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by TP {tp}"
     if fp16 and ep > 1:
         return "--expert-model-parallel-size > 1 does not support --fp16; use --bf16"
+    if fp16 and etp not in (None, 1, tp):
+        return "--expert-tensor-parallel-size other than 1 or --tensor-model-parallel-size does not support --fp16; use --bf16"
     try:
         parse_moe_layer_freq(moe.moe_layer_freq, num_layers)
     except (ValueError, SyntaxError) as err:
@@ -285,3 +287,8 @@ def moe_layer_pattern(config) -> list[bool]:
     if not config.num_experts:
         return [False] * config.num_layers
     return parse_moe_layer_freq(config.moe_layer_freq, config.num_layers)
+
+
+def expert_grid_tp(config) -> int | None:
+    """--expert-tensor-parallel-size for the rank grid of a run's Config (None: dense model, or the TP size)."""
+    return config.moe.expert_tensor_parallel_size if config.moe.num_experts else None

@@ -24,7 +24,10 @@ never over expert parallelism, which holds different experts. An expert that get
 runs its (empty) GEMM, so collective calls match across ranks; its amax of 0 keeps the old scale.
 
 Expert parameters carry ``is_expert = True`` and ``allreduce = False`` when expert parallelism is
-on (EP > 1): their gradients are then reduced over the expert-data-parallel group only.
+on (EP > 1) or the expert grid is folded: their gradients are then reduced over the
+expert-data-parallel group only. With a folded grid (megatron_lite/parallel/expert_grid.py) the
+expert-tensor group is the grid's ETP group, whole experts (ETP 1) are not replicated over TP, and
+fc2's bias is summed over the ETP group (``sum_over_etp``).
 """
 
 from __future__ import annotations
@@ -118,13 +121,15 @@ def _padded_rows(tokens_per_expert: list[int], max_rows: int, device) -> torch.T
 
 def expert_tp_group(config, state):
     """The group the experts are split over: the tensor-parallel group, or none (whole experts on
-    every TP rank) with ``--expert-tensor-parallel-size 1``."""
+    every TP rank) with ``--expert-tensor-parallel-size 1``; with a folded expert grid, its ETP group."""
+    if getattr(state, "folded", False):
+        return state.etp_group
     return None if config.expert_tensor_parallel_size == 1 else state.tp_group
 
 
-def _mark(param: nn.Parameter, ep_size: int, partition_dim: int | None, replicated_over_tp: bool) -> None:
+def _mark(param: nn.Parameter, own_dp_group: bool, partition_dim: int | None, replicated_over_tp: bool) -> None:
     param.is_expert = True
-    param.allreduce = ep_size == 1
+    param.allreduce = not own_dp_group
     if partition_dim is not None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, 1
     # whole experts on every TP rank, each fed its own sequence shard's tokens: sum the grads over TP
@@ -156,8 +161,10 @@ class _ExpertsBase(nn.Module):
         self.first_expert = state.ep_rank * self.num_local_experts
         self.etp_group = expert_tp_group(config, state)
         self.etp_rank, self.etp_size = comm.group_rank(self.etp_group), comm.group_size(self.etp_group)
-        self.replicated_over_tp = self.etp_group is None and state.tp_size > 1
+        self.folded = getattr(state, "folded", False)
+        self.replicated_over_tp = self.etp_group is None and state.tp_size > 1 and not self.folded
         self.ep_size = state.ep_size
+        self.own_dp_group = self.ep_size > 1 or self.folded  # reduced over the expert-DP group
         # split like the dense layers (over the TP group) unless --expert-tensor-parallel-size 1; marked
         # as such even at TP 1, so a checkpoint records how to reshard the experts to another TP size
         self.expert_tp = config.expert_tensor_parallel_size != 1
@@ -166,14 +173,17 @@ class _ExpertsBase(nn.Module):
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
         param = nn.Parameter(data.to(self.dtype).contiguous())
-        _mark(param, self.ep_size, partition_dim if self.expert_tp else None, self.replicated_over_tp)
+        _mark(param, self.own_dp_group, partition_dim if self.expert_tp else None, self.replicated_over_tp)
         return param
 
     def _bias2(self, shape) -> nn.Parameter:
         """fc2's bias is whole on every expert-tensor rank; only rank 0 adds it, and the gradient is
         summed over the group like a sequence-parallel weight's."""
         param = self._param(torch.zeros(shape), None)
-        param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
+        if self.folded:  # summed over the folded ETP group (finalize_model_grads), not over TP
+            param.sum_over_etp = self.etp_size > 1
+        else:
+            param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
         return param
 
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -184,8 +194,9 @@ class _ExpertsBase(nn.Module):
         """``linear_fc1`` and ``linear_fc2`` of one expert, each holding its gemm (None: F.linear)."""
         expert = nn.Module()
         expert.linear_fc1, expert.linear_fc2 = nn.Module(), nn.Module()
+        group = expert_tp_group(config, state) if getattr(state, "folded", False) else state.tp_group
         for fc in (expert.linear_fc1, expert.linear_fc2):
-            fc.gemm = config.make_gemm(layer_number, state.tp_group, expert=True)
+            fc.gemm = config.make_gemm(layer_number, group, expert=True)
         return expert
 
 

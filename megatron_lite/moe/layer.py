@@ -4,7 +4,8 @@
 ``forward(hidden [s, b, h]) -> [s, b, h]`` where ``s`` is this rank's sequence shard under sequence
 parallelism. Expert parallelism (EP) is carved out of data parallelism: each EP rank holds
 ``num_experts / EP`` experts and receives the tokens routed to them from the other EP ranks (which
-hold other data). Expert tensor parallelism uses the tensor-parallel group: with sequence
+hold other data). Expert tensor parallelism uses the tensor-parallel group (or, with a folded expert
+grid, its own ETP group of the re-cut stage: megatron_lite/parallel/expert_grid.py): with sequence
 parallelism each rank routes its own sequence shard. Without it (inference at TP > 1: decoding feeds
 whole sequences, one token at a time) every TP rank holds all tokens, and the layer cuts them into
 one share per rank (padded to a multiple of TP), routes its share as under sequence parallelism, and
@@ -32,9 +33,12 @@ def check_layer_config(config, state) -> None:
         raise ConfigError(f"--num-experts {config.num_experts} must be divisible by "
                           f"--expert-model-parallel-size {state.ep_size}")
     etp = config.expert_tensor_parallel_size
-    if etp not in (None, 1, state.tp_size):
+    if state.folded and (etp or state.tp_size) != state.etp_size:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from the parallel state's expert grid "
+                          f"(ETP {state.etp_size}); build the state with the same size")
+    if not state.folded and etp not in (None, 1, state.tp_size):
         raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size "
-                          f"{state.tp_size}")
+                          f"{state.tp_size} unless the parallel state folds the experts (ParallelState(etp=...))")
 
 
 class MoELayer(nn.Module):

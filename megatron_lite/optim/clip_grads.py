@@ -39,6 +39,8 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 def counts_once(param: torch.Tensor, state) -> bool:
     """Whether this rank's copy of ``param`` contributes to global sums (norms, counts)."""
+    if getattr(param, "is_expert", False) and getattr(state, "folded", False):  # split over ETP, not TP
+        return getattr(param, "tensor_model_parallel", False) or state.etp_rank == 0
     if is_tp_duplicate(param, state.tp_rank):
         return False
     if getattr(param, "shared_embedding", False) and state.pp_size > 1 and not state.is_first_stage():
@@ -68,14 +70,17 @@ def model_sum(pairs, state, device, local_sum, data_parallel: bool = False) -> t
     dense, expert = (local_sum(grads[kind], device) for kind in (True, False))
     dense_groups = (state.dp_shard_group,) if data_parallel else ()  # sharded over DP x CP (/ instances)
     expert_groups = ((state.expert_dp_shard_group,) if data_parallel else ()) + (state.ep_group,)  # (/ instances)
+    folded = getattr(state, "folded", False)  # experts over their own ETP x EP grid: summed over it and PP
+    if folded:
+        expert_groups += (state.etp_group, state.pp_group)
     for value, groups in ((dense, dense_groups), (expert, expert_groups)):
         for group in groups:
             if comm.group_size(group) > 1:
                 dist.all_reduce(value, group=group)
-    total = dense + expert
+    total = dense if folded else dense + expert
     if comm.group_size(state.mp_group) > 1:
         dist.all_reduce(total, group=state.mp_group)
-    return total
+    return total + expert if folded else total
 
 
 def sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:

@@ -371,7 +371,8 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
 
     1. Data parallel: :meth:`DistributedDataParallel.finish_grad_sync` on each chunk.
     2. Sequence parallel: replicated parameters marked ``sequence_parallel`` saw only this rank's
-       sequence shard, so their ``main_grad`` is summed over the tensor-parallel group.
+       sequence shard, so their ``main_grad`` is summed over the tensor-parallel group (``sum_over_etp``:
+       over a folded expert grid's expert-tensor group).
     3. Pipeline parallel with tied embeddings: the first stage's word embedding and the last
        stage's output layer are the same weight (attribute ``shared_embedding=True``); their
        gradients are summed over the embedding group so both copies take the same step.
@@ -383,6 +384,9 @@ def finalize_model_grads(chunks: list[DistributedDataParallel], state) -> None:
     held = [(p, chunk.owned_grad(p)) for chunk in chunks for p in chunk.params]
     views = [SimpleNamespace(sequence_parallel=True, grad=g) for p, g in held if getattr(p, "sequence_parallel", False)]
     all_reduce_sequence_parallel_grads(views, state.tp_group)
+    # folded expert grid: fc2's bias, whole on each expert-tensor rank, is summed over the ETP group
+    etp_views = [SimpleNamespace(sequence_parallel=True, grad=g) for p, g in held if getattr(p, "sum_over_etp", False)]
+    all_reduce_sequence_parallel_grads(etp_views, getattr(state, "etp_group", None))
     if state.pp_size > 1 and state.in_embedding_group():
         shared = [g for p, g in held if getattr(p, "shared_embedding", False)]
         if len(shared) > 1:

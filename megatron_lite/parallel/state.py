@@ -24,6 +24,11 @@ edp, the expert block of a rank lies inside its dense block: an instance is one 
 Hierarchical CP (``hcp=(A, B)``, --hierarchical-context-parallel-sizes) cuts each CP group further
 into ``cp_a2a`` groups of A consecutive CP ranks and ``cp_ring`` groups of the B ranks at one
 position of every ``cp_a2a`` group (Megatron-LM's first level is the consecutive one).
+
+Expert tensor parallelism (``etp``, --expert-tensor-parallel-size) is the TP group or none (whole
+experts) in this layout. Other sizes, or an EP that does not divide DP, re-cut each pipeline stage
+for the experts (:mod:`megatron_lite.parallel.expert_grid`, ``RankGrid.folded``): the ``ep``, ``etp``
+and ``expert_dp`` groups then come from that grid and the dense dimensions ignore EP.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ..device import call_at_shutdown, process_group_timeout
+from .expert_grid import EXPERT_GROUP_AXES, expert_coords, expert_groups, folding_problem, is_folded
 from .random import RNGStatesTracker
 
 # Outermost first; the rank is the mixed-radix number of its coordinates in this order.
@@ -101,9 +107,10 @@ class RankGrid:
     dp: int | None = None
     vpp: int | None = None
     dist_opt_instances: int = 1
+    etp: int | None = None  # None: the TP size
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp", "cp", "ep"):
+        for name in ("world_size", "tp", "pp", "cp", "ep") + (("etp",) if self.etp is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"{_flag(name)} must be a positive integer, got {value!r}")
@@ -122,7 +129,11 @@ class RankGrid:
                 f"context-parallel-size {self.cp} x data-parallel-size {self.dp} = {self.dp * model} "
                 f"does not equal the world size {self.world_size}"
             )
-        if self.dp % self.ep:
+        if self.folded:
+            problem = folding_problem(self.tp, self.cp, self.dp, self.ep, self.expert_tp)
+            if problem:
+                raise ParallelConfigError(problem)
+        elif self.dp % self.ep:
             raise ParallelConfigError(
                 f"expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
                 f"(world {self.world_size} / (tp {self.tp} x pp {self.pp} x cp {self.cp}))"
@@ -133,10 +144,10 @@ class RankGrid:
                 f"num-distributed-optimizer-instances {self.dist_opt_instances} must be a positive divisor "
                 f"of the data-parallel size {self.dp}"
             )
-        if (self.edp * self.cp) % self.dist_opt_instances:
+        if self.expert_dp_cp % self.dist_opt_instances:
             raise ParallelConfigError(
                 f"--num-distributed-optimizer-instances {self.dist_opt_instances} must divide the expert data-parallel "
-                f"size {self.edp * self.cp} (data-parallel {self.dp} x context-parallel {self.cp} / "
+                f"size {self.expert_dp_cp} (data-parallel {self.dp} x context-parallel {self.cp} / "
                 f"--expert-model-parallel-size {self.ep}); lower the instances or --expert-model-parallel-size"
             )
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
@@ -146,19 +157,44 @@ class RankGrid:
             )
 
     @property
+    def folded(self) -> bool:
+        """Whether the experts have their own grid (:mod:`megatron_lite.parallel.expert_grid`)."""
+        return is_folded(self.tp, self.cp, self.dp, self.ep, self.etp)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (--expert-tensor-parallel-size, default TP)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def edp(self) -> int:
+        if self.folded:
+            return self.world_size // (self.pp * self.expert_tp * self.ep)
         return self.dp // self.ep
 
+    @property
+    def expert_dp_cp(self) -> int:
+        """Ranks holding the same expert shard: expert-DP x CP (folded: expert-DP, which holds CP)."""
+        return self.edp if self.folded else self.edp * self.cp
+
     def sizes(self) -> dict[str, int]:
+        """The sizes of the dense grid's dimensions (folded: EP 1, the whole DP in ``edp``)."""
+        if self.folded:
+            return {"pp": self.pp, "edp": self.dp, "ep": 1, "cp": self.cp, "tp": self.tp}
         return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The coordinate of ``rank`` along each dimension."""
-        out = {}
+        """The coordinate of ``rank`` along each dimension, plus ``dp`` and ``etp`` (the experts')."""
+        out, rest = {}, rank
         for dim in reversed(_DIMS):
             size = self.sizes()[dim]
-            out[dim] = rank % size
-            rank //= size
+            out[dim] = rest % size
+            rest //= size
+        out["dp"] = out["ep"] + self.sizes()["ep"] * out["edp"]
+        if self.folded:
+            out.update(expert_coords(rank, self.world_size // self.pp, self.expert_tp, self.ep))
+        else:
+            out["etp"] = out["tp"] if self.expert_tp == self.tp else 0
         return out
 
     def rank_of(self, **coords: int) -> int:
@@ -171,6 +207,10 @@ class RankGrid:
         """All rank lists of group ``name`` (every rank appears in exactly one), each sorted."""
         if name in HYBRID_GROUPS:
             return self._hybrid_groups(name)
+        if self.folded and name in EXPERT_GROUP_AXES:
+            return expert_groups(name, self.world_size, self.pp, self.expert_tp, self.ep)
+        if name == "etp":  # unfolded: the TP group, or whole experts on every rank
+            return self.groups("tp") if self.expert_tp == self.tp else [[r] for r in range(self.world_size)]
         varying = GROUP_DIMS[name]
         fixed = [d for d in _DIMS if d not in varying]
         grid = np.arange(self.world_size).reshape([self.sizes()[d] for d in _DIMS])
@@ -218,6 +258,7 @@ def _flag(name: str) -> str:
         "pp": "pipeline-model-parallel-size",
         "cp": "context-parallel-size",
         "ep": "expert-model-parallel-size",
+        "etp": "expert-tensor-parallel-size",
         "world_size": "world size",
     }[name]
 
@@ -232,14 +273,14 @@ class ParallelState:
     """
 
     def __init__(self, tp=1, pp=1, cp=1, ep=1, dp=None, vpp=None, world_size=None, rank=None, dist_opt_instances=1,
-                 hcp=None):
+                 hcp=None, etp=None):
         distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if distributed else 1
         if rank is None:
             rank = dist.get_rank() if distributed else 0
         self.grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp,
-                             dist_opt_instances=dist_opt_instances)
+                             dist_opt_instances=dist_opt_instances, etp=etp)
         self.rank = rank
         self.world_size = world_size
         self.rng_tracker = RNGStatesTracker()
@@ -247,7 +288,7 @@ class ParallelState:
             raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, dist.ProcessGroup | None] = {}
-        names = list(GROUP_DIMS) + ["embedding"] + list(HYBRID_GROUPS)
+        names = list(GROUP_DIMS) + ["etp", "embedding"] + list(HYBRID_GROUPS)
         for name in names:
             if name.endswith("_shard") and dist_opt_instances == 1:
                 self._ranks[name] = self._ranks[HYBRID_GROUPS[name]]
@@ -277,8 +318,8 @@ class ParallelState:
             self._build_hierarchical_cp(self.hcp_sizes[0])
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]
-        self.ep_rank, self.expert_dp_rank = coords["ep"], coords["edp"]
-        self.dp_rank = coords["ep"] + self.grid.ep * coords["edp"]
+        self.ep_rank, self.expert_dp_rank, self.etp_rank = coords["ep"], coords["edp"], coords["etp"]
+        self.dp_rank = coords["dp"]
 
     def _build_hierarchical_cp(self, inner: int) -> None:
         """The ``cp_a2a`` and ``cp_ring`` groups (collective: every rank creates all of them, in order)."""
@@ -299,6 +340,8 @@ class ParallelState:
     dp_size = property(lambda self: self.grid.dp)
     vpp_size = property(lambda self: self.grid.vpp)
     expert_dp_size = property(lambda self: self.grid.edp)
+    etp_size = property(lambda self: self.grid.expert_tp)
+    folded = property(lambda self: self.grid.folded)  # the experts have their own grid
 
     # groups (None = a group of one rank) ---------------------------------------------------
     def group(self, name: str):
@@ -315,6 +358,7 @@ class ParallelState:
     mp_group = property(lambda self: self._groups["mp"])
     ep_group = property(lambda self: self._groups["ep"])
     expert_dp_group = property(lambda self: self._groups["expert_dp"])
+    etp_group = property(lambda self: self._groups["etp"])
     embedding_group = property(lambda self: self._groups["embedding"])
     dp_shard_group = property(lambda self: self._groups["dp_shard"])  # distributed-optimizer shards
     dp_replicate_group = property(lambda self: self._groups["dp_replicate"])  # same shard, other instances
@@ -345,9 +389,11 @@ class ParallelState:
     def describe(self) -> str:
         g = self.grid
         return (
-            f"world {g.world_size} = tp {g.tp} x cp {g.cp} x dp {g.dp} (ep {g.ep} x edp {g.edp}) x pp {g.pp}"
+            f"world {g.world_size} = tp {g.tp} x cp {g.cp} x dp {g.dp}"
+            + ("" if g.folded else f" (ep {g.ep} x edp {g.edp})") + f" x pp {g.pp}"
             + (f", vpp {g.vpp}" if g.vpp else "")
             + (f", cp as a2a {self.hcp_sizes[0]} x ring {self.hcp_sizes[1]}" if self.hcp_sizes else "")
+            + (f", experts folded: etp {g.expert_tp} x ep {g.ep} x edp {g.edp} per stage" if g.folded else "")
             + (f", data-parallel state sharded over {g.dp * g.cp // g.dist_opt_instances} ranks x {g.dist_opt_instances} "
                "instances" if g.dist_opt_instances > 1 else "")
         )

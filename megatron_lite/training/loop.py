@@ -32,6 +32,7 @@ from ..fusions.compile import configure_compilation
 from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
 from ..models.transformer_config import TransformerConfig
+from ..moe.config import expert_grid_tp
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import finalize_model_grads
@@ -197,7 +198,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
         ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
-        hcp=p.hierarchical_context_parallel_sizes,
+        hcp=p.hierarchical_context_parallel_sizes, etp=expert_grid_tp(config),
     )
     model_parallel_seed(config.training.seed, state)
     configure_compilation(config.fusion)

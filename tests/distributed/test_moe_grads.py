@@ -1,7 +1,8 @@
 """Expert gradients through data parallelism: DDP averages them over the expert-data-parallel group
 and the global grad norm counts each expert once.
 
-World 4 with EP 2 (expert-DP 2) or EP 4, and EP 2 x TP 2 + SP. Data-parallel rank d holds its own
+World 4 with EP 2 (expert-DP 2) or EP 4, and EP 2 x TP 2 + SP; and folded expert grids (TP 2 with
+ETP 1 x EP 4; TP 1 with ETP 2 x EP 2 or ETP 2 x EP 1 x expert-DP 2). Data-parallel rank d holds its own
 tokens; the reference is the single-process layer whose loss is the mean over the d batches.
 After ``finalize_model_grads`` every ``main_grad`` must be this rank's slice of the reference
 gradient, and ``get_grad_norm`` the reference's norm. Then one expert-bias step: the bias moves by
@@ -40,7 +41,7 @@ def _reference(data):
 
 
 def check_ddp(ep, tp, etp=None):
-    state = cached_state(ep=ep, tp=tp)
+    state = cached_state(ep=ep, tp=tp, etp=etp)
     data = _data(state.dp_size)
     ref = _reference(data)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -58,8 +59,9 @@ def check_ddp(ep, tp, etp=None):
             expected = ref_grads[f"experts.local_experts.{first + int(j)}.{rest}"]
         else:
             expected = ref_grads[name]
-        if getattr(p, "tensor_model_parallel", False) and tp > 1:
-            expected = shard(expected, p.partition_dim, state.tp_rank, tp, p.partition_stride)
+        rank, size = (state.etp_rank, state.etp_size) if getattr(p, "is_expert", False) else (state.tp_rank, tp)
+        if getattr(p, "tensor_model_parallel", False) and size > 1:
+            expected = shard(expected, p.partition_dim, rank, size, p.partition_stride)
         torch.testing.assert_close(p.main_grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         assert getattr(p, "allreduce", True) == (not getattr(p, "is_expert", False))  # EP > 1 here
     ref_norm = torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())).item()
@@ -73,7 +75,10 @@ def check_ddp(ep, tp, etp=None):
     return True
 
 
-@pytest.mark.parametrize("ep,tp,etp", [(2, 1, None), (4, 1, None), (2, 2, None), (2, 2, 1)])
+# the last three fold the experts' grid (ETP x EP x expert-DP re-cut from TP x DP): TP 2 attention with
+# whole experts over EP 4; TP 1 with experts split over ETP 2 x EP 2, or ETP 2 x expert-DP 2
+@pytest.mark.parametrize("ep,tp,etp", [(2, 1, None), (4, 1, None), (2, 2, None), (2, 2, 1), (4, 2, 1), (2, 1, 2),
+                                       (1, 1, 2)])
 def test_expert_grads_reduced_over_expert_dp_and_counted_once(ep, tp, etp):
     assert all(run_ranks(4, check_ddp, ep, tp, etp))
 

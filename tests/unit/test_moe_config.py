@@ -77,7 +77,7 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_permute_fusion=True), "--moe-permute-fusion"),
     (dict(num_experts=4, moe_router_fusion=True), "--moe-router-fusion"),
     (dict(num_experts=4, moe_enable_deepep=True), "--moe-enable-deepep"),
-    (dict(num_experts=4, expert_tensor_parallel_size=2, tp=4, sp=True), "--expert-tensor-parallel-size"),
+    (dict(num_experts=4, expert_tensor_parallel_size=3, tp=4, sp=True), "--expert-tensor-parallel-size 3"),  # ffn 8 % 3
     (dict(num_experts=4, ep=2, fp16=True), "--fp16"),
     (dict(num_experts=4, moe_layer_freq="[1]*3"), "--moe-layer-freq"),
     (dict(ep=2), "--num-experts"),

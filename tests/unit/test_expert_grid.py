@@ -1,0 +1,81 @@
+"""The folded expert grid (--expert-tensor-parallel-size independent of --tensor-model-parallel-size):
+each pipeline stage's ranks re-cut as ETP x EP x expert-DP in Megatron-LM's expert order tp-ep-dp-pp
+(ETP innermost, pipeline outermost), the dense groups untouched, and sizes that do not divide refused
+naming both expert flags."""
+
+import itertools
+
+import pytest
+
+from megatron_lite.parallel.state import ParallelConfigError, RankGrid
+
+
+def test_worked_example_tp4_pp2_with_etp1_ep4():
+    """16 ranks, attention TP 4 x DP 2 x PP 2; experts ETP 1 x EP 4 x expert-DP 2 per stage of 8 ranks."""
+    grid = RankGrid(16, tp=4, pp=2, ep=4, etp=1)
+    assert grid.folded and grid.edp == 2
+    assert grid.groups("tp") == [list(range(4 * i, 4 * i + 4)) for i in range(4)]  # the attention layout is unchanged
+    assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert grid.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert grid.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert grid.groups("etp") == [[r] for r in range(16)]
+    assert grid.coords(13) == {"tp": 1, "cp": 0, "ep": 1, "edp": 1, "pp": 1, "dp": 1, "etp": 0}
+
+
+def test_worked_example_tp1_with_etp2_ep2():
+    """8 ranks of DP 8 (TP 1); experts ETP 2 x EP 2 x expert-DP 2."""
+    grid = RankGrid(8, ep=2, etp=2)
+    assert grid.folded
+    assert grid.groups("etp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid.groups("dp") == [list(range(8))]
+
+
+def _shapes():
+    for world in (4, 8, 12, 16):
+        for tp, pp, cp, ep, etp in itertools.product((1, 2, 4), (1, 2), (1, 2), (1, 2, 4), (1, 2, 4)):
+            stage = world // pp
+            if world % (tp * pp * cp) == 0 and stage % (etp * ep) == 0:
+                yield world, tp, pp, cp, ep, etp
+
+
+def test_every_folded_grid_is_megatrons_mixed_radix_order():
+    """Every rank's expert coordinates are the digits of its rank in [pp, edp, ep, etp] (ETP fastest), each
+    group fixes all but one of them, and the dense coordinates are those of the grid with EP 1."""
+    seen = 0
+    for world, tp, pp, cp, ep, etp in _shapes():
+        grid = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+        if not grid.folded:
+            continue
+        seen += 1
+        edp = world // (pp * etp * ep)
+        dense = RankGrid(world, tp=tp, pp=pp, cp=cp)
+        for rank in range(world):
+            rest, e_tp = divmod(rank, etp)
+            rest, e_p = divmod(rest, ep)
+            p, e_dp = divmod(rest, edp)
+            c = grid.coords(rank)
+            assert (c["etp"], c["ep"], c["edp"], c["pp"]) == (e_tp, e_p, e_dp, p), (world, tp, pp, cp, ep, etp, rank)
+            assert {k: c[k] for k in ("tp", "cp", "dp", "pp")} == {k: dense.coords(rank)[k] for k in ("tp", "cp", "dp", "pp")}
+        for name, varying in (("etp", "etp"), ("ep", "ep"), ("expert_dp", "edp")):
+            for ranks in grid.groups(name):
+                coords = [grid.coords(r) for r in ranks]
+                fixed = {k for k in ("etp", "ep", "edp", "pp") if k != varying}
+                assert all(all(x[k] == coords[0][k] for k in fixed) for x in coords), (name, ranks)
+                assert sorted(x[varying] for x in coords) == list(range(len(ranks)))
+    assert seen > 20
+
+
+@pytest.mark.parametrize("tp, ep, etp, folded", [(2, 2, None, False), (2, 2, 1, False), (2, 2, 2, False),
+                                                 (2, 4, 1, True), (1, 1, 2, True), (1, 2, 2, True)])
+def test_folding_only_where_the_unfolded_grid_cannot_hold_the_experts(tp, ep, etp, folded):
+    """EP dividing DP with ETP 1 or TP keeps the existing layout (EP inside DP); the rest folds."""
+    assert RankGrid(4, tp=tp, ep=ep, etp=etp).folded == folded
+
+
+@pytest.mark.parametrize("kwargs", [dict(world_size=4, tp=2, ep=3, etp=1), dict(world_size=4, tp=1, ep=2, etp=4),
+                                    dict(world_size=8, tp=2, pp=2, ep=2, etp=4)])
+def test_expert_sizes_that_do_not_divide_a_stage_are_refused(kwargs):
+    with pytest.raises(ParallelConfigError, match="expert-tensor-parallel-size .* x expert-model-parallel-size"):
+        RankGrid(**kwargs)
