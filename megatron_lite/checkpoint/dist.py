@@ -92,15 +92,17 @@ def rank_tensors(chunks, state) -> tuple[list[RankTensor], dict[int, RankTensor]
             dim = int(value.partition_dim) if is_tp else None
             stride = int(getattr(value, "partition_stride", 1)) if is_tp else 1
             local = canonical_shape(value.shape, dim, stride)
-            offset = shard_offset(local, dim, state.tp_rank)
-            global_shape = tuple(x * state.tp_size if dim is not None and i == dim + 1 else x for i, x in enumerate(local))
             name, row, expert = expert_place(name, firsts, state.ep_size)
+            # a folded expert grid splits the experts over its own ETP group (megatron_lite/parallel/expert_grid.py)
+            split_rank, split = (state.etp_rank, state.etp_size) if expert and state.folded else (state.tp_rank, state.tp_size)
+            offset = shard_offset(local, dim, split_rank)
+            global_shape = tuple(x * split if dim is not None and i == dim + 1 else x for i, x in enumerate(local))
             if row is not None:  # stacked grouped-expert tensor: dim 0 is the global expert axis
                 offset = (offset[0] + row,) + offset[1:]
                 global_shape = (global_shape[0] * state.ep_size,) + global_shape[1:]
             alias = (tied_copy and name == "output_layer.weight") or (copy and name == WORD_EMBEDDING)
             tensor = RankTensor(WORD_EMBEDDING if alias else _global(name, start), value, dim, local, offset,
-                                global_shape, not alias and (dim is not None or state.tp_rank == 0), expert,
+                                global_shape, not alias and (dim is not None or split_rank == 0), expert,
                                 is_frozen(value))
             out.append(tensor)
             by_param[id(value)] = tensor
@@ -127,7 +129,8 @@ def rank_pieces(chunks, optimizer, state) -> dict[str, torch.Tensor]:
     """``{DCP key: tensor}`` of everything this rank writes (views of the live tensors)."""
     tensors, by_param = rank_tensors(chunks, state)
     dense_writer = state.dp_rank == 0 and state.cp_rank == 0
-    expert_writer = state.expert_dp_rank == 0 and state.cp_rank == 0  # each EP rank writes its own experts
+    # each EP rank writes its own experts (a folded grid's expert-DP group holds CP: its rank 0 writes)
+    expert_writer = state.expert_dp_rank == 0 and (state.cp_rank == 0 or state.folded)
     sharded = isinstance(optimizer, DistributedOptimizer)  # every (expert-)DP rank writes its own slice
     pieces = {}
     for t in tensors:
@@ -184,8 +187,9 @@ def optimizer_common(optimizer, config) -> dict | None:
 
 
 def layout_of(state) -> dict:
+    folded = {"etp": state.etp_size} if getattr(state, "folded", False) else {}  # a folded expert grid's ETP
     return {"tp": state.tp_size, "pp": state.pp_size, "dp": state.dp_size, "cp": state.cp_size,
-            "ep": state.ep_size, "vpp": state.vpp_size, "world_size": state.world_size}
+            "ep": state.ep_size, "vpp": state.vpp_size, "world_size": state.world_size, **folded}
 
 
 def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state) -> dict:

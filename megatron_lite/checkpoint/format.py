@@ -84,8 +84,11 @@ def restore_aside(root: str, iteration: int | str) -> None:
                                   f"to {final}") from None
 
 
-def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+def model_file(root: str, iteration, tp_rank: int, pp_rank: int, ep_rank: int | None = None,
+               etp_rank: int | None = None) -> str:
+    """``mp_rank_TT_PPP[_EEE[_XX]]``: ``XX`` is the expert-tensor rank of a folded expert grid."""
     folder = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
+    folder += "" if etp_rank is None else f"_{etp_rank:02d}"
     return os.path.join(iteration_dir(root, iteration), folder, MODEL_FILENAME)
 
 
@@ -264,7 +267,7 @@ def param_meta(module) -> dict:
 
 
 def find_model_files(path: str) -> dict[tuple, str]:
-    """{(tp_rank, pp_rank[, ep_rank]): file} of a save folder (its latest iteration) or an ``iter_*`` folder."""
+    """{(tp_rank, pp_rank[, ep_rank[, etp_rank]]): file} of a save folder (its latest iteration) or an ``iter_*`` folder."""
     folder = path
     if os.path.isfile(os.path.join(path, TRACKER_FILENAME)):
         folder = iteration_dir(path, read_tracker(path))

@@ -37,6 +37,7 @@ from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist, resolve_folder
+from .expert_files import merge_folded_chunk
 from .format import CheckpointError, find_model_files, read_model_file
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
@@ -91,6 +92,10 @@ def _merge_ep(chunks: list[dict]) -> dict:
 def _load_payloads(path: str) -> tuple[dict, int, int, int]:
     """{(tp, pp, ep): payload} of a checkpoint, checked complete, and its tp, pp, ep sizes."""
     files = find_model_files(path)
+    if len(next(iter(files))) == 4:  # a folded expert grid's files (expert_files.py)
+        payloads = {key: read_model_file(file) for key, file in files.items()}
+        first = payloads[min(payloads)]
+        return payloads, first["tp_size"], first["pp_size"], first.get("ep_size", 1)
     payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
     first = payloads[min(payloads)]
     tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
@@ -119,9 +124,13 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
 
     merged: dict = {}
     chunks = []  # (layer_start, merged chunk state dict), in global layer order
+    folded = first.get("expert_grid_folded", False)
     for p in range(pp):
-        ranges = payloads[(0, p, 0)]["layer_ranges"]
+        ranges = next(v for k, v in sorted(payloads.items()) if k[1] == p)["layer_ranges"]
         for c, (start, _end) in enumerate(ranges):
+            if folded:
+                chunks.append((start, merge_folded_chunk(path, payloads, p, c, _merge_tp, _merge_ep)))
+                continue
             per_ep = [_merge_tp([payloads[(t, p, e)] for t in range(tp)], c) for e in range(ep)]
             chunks.append((start, _merge_ep(per_ep)))
     chunks.sort(key=lambda item: item[0])

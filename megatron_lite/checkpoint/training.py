@@ -32,6 +32,7 @@ from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import finalize_save, save_dist, temp_dir
+from .expert_files import check_expert_grid, expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
     RNG_KEYS,
@@ -43,7 +44,6 @@ from .format import (
     iteration_dir,
     iteration_folders,
     load_file,
-    model_file,
     on_every_rank,
     param_meta,
     read_model_file,
@@ -65,10 +65,6 @@ from .frozen import (
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .rng import get_rng_states, set_rng_states
-
-
-def _model_file_for(root, iteration, state) -> str:
-    return model_file(root, iteration, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
 
 
 def _barrier() -> None:
@@ -140,7 +136,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 
     def write_files():
         atomic_save(with_checksums(get_rng_states(state.rng_tracker)), staged(rng_file(root, iteration, rank)))
-        if state.expert_dp_rank == 0 and state.cp_rank == 0:
+        if writes_model_file(state):
             modules = [unwrap(c) for c in chunks]
             payload = {
                 "iteration": int(iteration),
@@ -149,6 +145,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
                 "tp_size": state.tp_size,
                 "pp_size": state.pp_size,
                 "ep_size": state.ep_size,
+                **expert_grid_fields(state),
                 "dp_size": state.dp_size,
                 "vpp_size": state.vpp_size,
                 "num_chunks": len(modules),
@@ -161,7 +158,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "format_version": FORMAT_VERSION,
             }
-            atomic_save(with_checksums(payload), staged(_model_file_for(root, iteration, state)))
+            atomic_save(with_checksums(payload), staged(model_file_for(root, iteration, state)))
 
     def update_tracker():
         if rank == 0:
@@ -188,6 +185,7 @@ def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
 
 
 def _check_sizes(path: str, ckpt: dict, state) -> None:
+    check_expert_grid(path, ckpt, state)
     if ckpt["tp_size"] != state.tp_size:
         raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
                              "--tensor-model-parallel-size")
@@ -316,7 +314,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _load_frozen_base(folder, read_common(folder), chunks, config, state)
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
             return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
-    path = _model_file_for(root, iteration, state)
+    path = model_file_for(root, iteration, state)
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
     ckpt = read_model_file(path)

@@ -166,8 +166,10 @@ class _ExpertsBase(nn.Module):
         self.ep_size = state.ep_size
         self.own_dp_group = self.ep_size > 1 or self.folded  # reduced over the expert-DP group
         # split like the dense layers (over the TP group) unless --expert-tensor-parallel-size 1; marked
-        # as such even at TP 1, so a checkpoint records how to reshard the experts to another TP size
-        self.expert_tp = config.expert_tensor_parallel_size != 1
+        # as such even at TP 1, so a checkpoint records how to reshard the experts to another TP size.
+        # A folded grid always marks them (split over its ETP group, even of one rank): its torch_dist
+        # boxes then reshard across every folded ETP size
+        self.expert_tp = config.expert_tensor_parallel_size != 1 or self.folded
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
         self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
 

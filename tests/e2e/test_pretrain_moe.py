@@ -51,6 +51,11 @@ def moe_reference(tmp_path_factory):
                                 "--sequence-parallel"]),
         ("ep2_tp2_sp_etp1", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+        # parallel folding: the experts re-cut the 4 ranks as ETP x EP x expert-DP. TP 2 attention with whole
+        # experts over EP 4 (each EP rank one of the 4 experts); TP 1 (DP 4) with ETP 2 x EP 2
+        ("tp2_sp_etp1_ep4", 4, "A", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"]),
+        ("etp2_ep2_dp4", 4, "A", ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]),
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--overlap-param-gather"]),
         # hybrid sharding: dense state over 2 of the 4 DP ranks, expert state over 1 of the 2 expert-DP
@@ -183,3 +188,19 @@ def test_hybrid_sharded_torch_checkpoint_resumes_with_one_instance(tmp_path, moe
     for name, second in (("one instance DP4", dp4), ("one instance DP2", dp2)):
         assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS, what=name)
     assert_same_trajectory(first + again, straight, rtol=0)  # bit-identical continuation
+
+
+def test_folded_etp2_checkpoint_resumes_at_etp1(tmp_path, moe_reference):
+    """Parallel folding: a torch_dist checkpoint saved with TP 1 attention and the experts split over
+    ETP 2 x EP 2 resumes with TP 2 attention and whole experts over ETP 1 x EP 4 on the
+    single-process trajectory: the boxes are global, so dense weights reshard across TP and expert
+    weights across ETP and EP."""
+    save = str(tmp_path / "etp2")
+    flags = MOE + ["--ckpt-format", "torch_dist"]
+    etp2 = flags + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    etp1 = flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "4",
+                    "--expert-tensor-parallel-size", "1"]
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, etp2 + ["--exit-interval", str(ITERS // 2)]))
+    second = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "etp1"), ITERS, etp1 + [
+        "--load", save, "--no-load-rng"]))  # (RNG states are per rank)
+    assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)

@@ -4,9 +4,12 @@ each pipeline stage's ranks re-cut as ETP x EP x expert-DP in Megatron-LM's expe
 naming both expert flags."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_lite.checkpoint.expert_files import check_expert_grid, model_file_for, writes_model_file
+from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.parallel.state import ParallelConfigError, RankGrid
 
 
@@ -79,3 +82,36 @@ def test_folding_only_where_the_unfolded_grid_cannot_hold_the_experts(tp, ep, et
 def test_expert_sizes_that_do_not_divide_a_stage_are_refused(kwargs):
     with pytest.raises(ParallelConfigError, match="expert-tensor-parallel-size .* x expert-model-parallel-size"):
         RankGrid(**kwargs)
+
+
+def _rank_state(grid, rank):
+    c = grid.coords(rank)
+    return SimpleNamespace(grid=grid, rank=rank, world_size=grid.world_size, folded=grid.folded, etp_size=grid.expert_tp,
+                           tp_rank=c["tp"], pp_rank=c["pp"], ep_rank=c["ep"], etp_rank=c["etp"], ep_size=grid.ep,
+                           expert_dp_rank=c["edp"], cp_rank=c["cp"])
+
+
+def test_folded_torch_files_hold_every_shard_once_and_every_rank_finds_its_own():
+    """Torch format under a folded grid: the writers' files are distinct, hold every dense (TP) shard and
+    every expert (EP, ETP) shard of every stage, and each rank's file is one a writer wrote."""
+    for world, tp, pp, cp, ep, etp in _shapes():
+        grid = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+        if not grid.folded:
+            continue
+        states = [_rank_state(grid, r) for r in range(world)]
+        written = [model_file_for("ckpt", 1, s) for s in states if writes_model_file(s)]
+        assert len(written) == len(set(written)), (world, tp, pp, cp, ep, etp)
+        assert {model_file_for("ckpt", 1, s) for s in states} == set(written)
+        writers = [s for s in states if writes_model_file(s)]
+        assert {(s.pp_rank, s.tp_rank) for s in writers} == {(p, t) for p in range(pp) for t in range(tp)}
+        assert {(s.pp_rank, s.ep_rank, s.etp_rank) for s in writers} == set(
+            itertools.product(range(pp), range(ep), range(etp)))
+
+
+def test_torch_checkpoint_of_a_folded_grid_resumes_only_at_its_expert_sizes():
+    saved = {"tp_size": 1, "etp_size": 2, "expert_grid_folded": True}
+    here = _rank_state(RankGrid(4, tp=2, ep=4, etp=1), 0)
+    with pytest.raises(CheckpointError, match="expert-tensor-parallel-size 2 .* this run uses 1 .*torch_dist"):
+        check_expert_grid("ckpt", saved, here)
+    check_expert_grid("ckpt", saved, _rank_state(RankGrid(4, ep=2, etp=2), 3))  # the same sizes load
+    check_expert_grid("ckpt", {"tp_size": 2}, _rank_state(RankGrid(4, tp=2, ep=2), 1))  # unfolded: not its business
