@@ -126,7 +126,10 @@ def _layer_ranges(chunks) -> list:
 
 
 def _own_file(folder: str, chunks, state) -> dict | None:
-    """This rank's model file when the checkpoint was saved at this run's layout, else None."""
+    """This rank's model file when the checkpoint was saved at this run's layout, else None (a folded
+    expert grid: the merged route, whose cut follows the experts' own ETP rank)."""
+    if getattr(state, "folded", False):
+        return None
     mine = model_file("", 0, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
     path = os.path.join(folder, os.path.relpath(mine, iteration_dir("", 0)))  # mp_rank_TT_PPP[_EEE]/<file>
     if not os.path.isfile(path):

@@ -23,7 +23,7 @@ import torch
 
 from ..optim.optimizer import decays
 from ..parallel.tensor import shard, unshard
-from .format import find_model_files, param_meta, read_model_file
+from .format import CheckpointError, find_model_files, param_meta, read_model_file
 from .layout import ep_name, ep_slice, global_name, is_grouped_expert
 
 
@@ -88,6 +88,10 @@ def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
     (vocabulary tensors still padded as in the checkpoint). Expert ranks are joined like the weights.
     """
     files = find_model_files(path)
+    if any(len(key) == 4 for key in files):  # mp_rank_TT_PPP_EEE_XX: a folded expert grid (expert_files.py)
+        raise CheckpointError(f"{path} is a torch-format checkpoint of a folded expert grid (--expert-tensor-parallel-size "
+                              "independent of TP): its optimizer state is not converted; resume it at its own sizes, "
+                              "or save it with --ckpt-format torch_dist (which reshards on --load)")
     payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
     if any(p.get("optimizer") is None for p in payloads.values()):
         return None
