@@ -178,6 +178,24 @@ MUTATIONS = [
     Mutation("openai_beam_order", "OpenAI beam search: each prompt's n worst hypotheses returned instead of its n best",
              "megatron_lite/inference/api_beam.py", "candidates[start:start + job.n]",
              "candidates[start + job.best_of - job.n:start + job.best_of]", ("tests/unit/test_openai_beam.py",)),
+    # parallel folding (--expert-tensor-parallel-size independent of TP): each caught when written
+    Mutation("folded_etp_group", "parallel folding: experts split over the TP group instead of the folded ETP group",
+             "megatron_lite/moe/experts.py", "        return state.etp_group\n", "        return state.tp_group\n",
+             ("tests/e2e/test_pretrain_moe.py", "-k", "tp2_sp_etp1_ep4 or etp2_ep2_dp4")),
+    Mutation("folded_etp_bias_sum", "parallel folding: fc2's bias gradient not summed over the ETP group",
+             "megatron_lite/parallel/data_parallel.py",
+             '    all_reduce_sequence_parallel_grads(etp_views, getattr(state, "etp_group", None))\n', "    pass\n",
+             ("tests/distributed/test_moe_grads.py", "-k", "expert_grads")),
+    Mutation("folded_norm_count", "parallel folding: whole experts counted once per TP rank-0 instead of per shard",
+             "megatron_lite/optim/clip_grads.py",
+             '        return getattr(param, "tensor_model_parallel", False) or state.etp_rank == 0\n', "        pass\n",
+             ("tests/distributed/test_moe_grads.py", "-k", "expert_grads")),
+    Mutation("folded_dist_boxes", "parallel folding: torch_dist expert boxes placed by TP rank instead of ETP rank",
+             "megatron_lite/checkpoint/dist.py", "if expert and state.folded else", "if False else",
+             ("tests/e2e/test_pretrain_moe.py::test_folded_etp2_checkpoint_resumes_at_etp1",)),
+    Mutation("folded_torch_writers", "parallel folding: torch-format files written by expert-DP rank 0 only",
+             "megatron_lite/checkpoint/expert_files.py", "    mine = _shards(state.grid, state.rank)\n",
+             "    return state.expert_dp_rank == 0\n", ("tests/unit/test_expert_grid.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
