@@ -8,7 +8,10 @@ The norm must be the norm of the *whole* model's gradient, as if it lived in one
 * with pipeline parallelism each stage holds different layers, except the tied word-embedding /
   output weight (attribute ``shared_embedding=True``), present on the first and last stage with
   the same (already summed) gradient: only the first stage counts it;
-* expert parameters (``allreduce=False``) are sharded over the expert-parallel group too.
+* expert parameters (``allreduce=False``) are sharded over the expert-parallel group too; on a
+  folded expert grid (parallel folding) over its ETP x EP groups instead of TP: an expert shard
+  counts on every rank of its ETP group (a whole one on ETP rank 0), and the expert sum runs over
+  ETP, EP and PP, outside the TP x PP sum.
 
 Squared norms are summed locally in fp32, expert ones over the expert-parallel group, then all
 over the model-parallel (TP x PP) group (:func:`grad_norm_squared`, shared with the distributed

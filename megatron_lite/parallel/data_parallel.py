@@ -31,7 +31,7 @@ different tokens of the same samples and identical weights, so dense gradients a
 the DP x CP group (divide by dp x cp; the GPT loss is scaled by cp so this is the global token mean).
 Expert parameters (attribute ``allreduce=False``) are
 sharded over the expert-parallel ranks and replicated only over ``expert_dp_group`` (which spans
-CP too); they live in their own buckets, reduced over that group and also divided by dp x cp (the
+CP too; on a folded expert grid, the ranks of a stage holding the same ETP x EP shard); they live in their own buckets, reduced over that group and also divided by dp x cp (the
 expert already received the tokens of every expert-parallel rank through the all-to-all, so
 ``1/dp`` is the average over all data-parallel ranks).
 

@@ -35,7 +35,8 @@ ZeRO-3 ``20N/d``), and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
 host gradient copy per offloaded element: bf16 ``optim`` device ``6 + (1-f) 12N/d``, host ``16fN/d``.
 Expert parameters (MoE) shard over the expert-data-parallel ranks instead: d/EP (and d/(EP x N)
-with hybrid sharding, which cuts that group into the same N instances).
+with hybrid sharding, which cuts that group into the same N instances); TP x d / (ETP x EP) when the
+experts have their own grid (parallel folding).
 
 :func:`measured_model_state_bytes` counts what a built model and optimizer actually hold, for a
 test to compare with the formula.
@@ -47,7 +48,9 @@ from fractions import Fraction
 
 import torch
 
+from ..moe.config import expert_grid_tp
 from ..parallel.data_parallel import SHARDING_STRATEGIES
+from ..parallel.expert_grid import is_folded
 
 
 def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool) -> tuple[int, int, int]:
@@ -148,6 +151,17 @@ def measured_model_state_bytes(chunks, optimizer) -> dict[str, int]:
     return {part: _storage_bytes(tensors) for part, tensors in model_state_tensors(chunks, optimizer).items()}
 
 
+def expert_data_parallel_size(config, dp_cp: int) -> int:
+    """The ranks holding the same expert shard: DP x CP / EP, or TP x CP x DP / (ETP x EP) when the
+    experts have their own grid (parallel folding: megatron_lite/parallel/expert_grid.py)."""
+    p = config.parallel
+    tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
+    etp = expert_grid_tp(config)
+    if is_folded(tp, cp, dp_cp // cp, ep, etp):
+        return dp_cp * tp // ((etp or tp) * ep)
+    return dp_cp // ep
+
+
 def formula_model_state_bytes(config, chunks, dp_cp: int) -> tuple[Fraction, Fraction]:
     """(device, host) bytes the formula gives this rank for the run's flags and parameters: frozen
     ones hold their weight, dense ones shard over ``dp_cp`` (data x context parallel, without hybrid
@@ -163,7 +177,7 @@ def formula_model_state_bytes(config, chunks, dp_cp: int) -> tuple[Fraction, Fra
     dense = sum(q.numel() for q in params) - frozen - expert
     device, host = model_state_bytes_with_frozen(dtype, strategy, dp_cp, frozen=frozen, trainable=dense, **kw)
     if expert:
-        e_device, e_host = model_state_bytes_split(dtype, strategy, dp_cp // p.expert_model_parallel_size, **kw)
+        e_device, e_host = model_state_bytes_split(dtype, strategy, expert_data_parallel_size(config, dp_cp), **kw)
         device, host = device + expert * e_device, host + expert * e_host
     return device, host
 
@@ -185,6 +199,6 @@ def model_state_report(config, chunks, optimizer, dp_cp: int) -> str:
             f"{per['params'] + per['grads'] + per['optimizer']:.2f}; optimizer on CPU {per['optimizer_cpu']:.2f}")
     device, host = (v / max(n, 1) for v in formula_model_state_bytes(config, chunks, dp_cp))
     what = f", {frozen:,} of them frozen" if frozen else ""
-    what += f", {expert:,} expert params at d={dp_cp // p.expert_model_parallel_size}" if expert else ""
+    what += f", {expert:,} expert params at d={expert_data_parallel_size(config, dp_cp)}" if expert else ""
     return (line + f" | formula for {p.data_parallel_sharding_strategy} (d={dp_cp}, instances {instances}, "
             f"offload {fraction:g}{what}): device {float(device):.2f}, CPU {float(host):.2f}")
