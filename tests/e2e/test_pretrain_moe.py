@@ -51,10 +51,8 @@ def moe_reference(tmp_path_factory):
                                 "--sequence-parallel"]),
         ("ep2_tp2_sp_etp1", 4, "A", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                      "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
-        # parallel folding: the experts re-cut the 4 ranks as ETP x EP x expert-DP. TP 2 attention with whole
-        # experts over EP 4 (each EP rank one of the 4 experts); TP 1 (DP 4) with ETP 2 x EP 2
-        ("tp2_sp_etp1_ep4", 4, "A", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                     "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"]),
+        # parallel folding: the experts re-cut the 4 ranks as ETP x EP x expert-DP; TP 1 (DP 4) with every
+        # expert split over ETP 2 x EP 2 (TP 2 with ETP 1 x EP 4: test_folded_torch_checkpoint_resumes)
         ("etp2_ep2_dp4", 4, "A", ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]),
         ("ep2_dp2_distopt", 4, "A", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                      "--overlap-grad-reduce", "--overlap-param-gather"]),
@@ -193,6 +191,23 @@ def test_hybrid_sharded_torch_checkpoint_resumes_with_one_instance(tmp_path, moe
     for name, second in (("one instance DP4", dp4), ("one instance DP2", dp2)):
         assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS, what=name)
     assert_same_trajectory(first + again, straight, rtol=0)  # bit-identical continuation
+
+
+def test_folded_torch_checkpoint_resumes(tmp_path, moe_reference):
+    """Parallel folding, TP 2 attention with whole experts over ETP 1 x EP 4 (each rank one of the 4
+    experts) and the distributed optimizer: the single-process trajectory, through a --ckpt-format torch
+    save (one mp_rank_TT_PPP_EEE_XX folder per dense x expert shard pair) and a resume at the same
+    sizes; the final folded files merge into the one-process weights."""
+    save = str(tmp_path / "folded")
+    flags = MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "4",
+                   "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, flags + ["--exit-interval", str(ITERS // 2)]))
+    folders = sorted(os.listdir(os.path.join(save, f"iter_{ITERS // 2:07d}")))
+    assert folders == ["mp_rank_00_000_000_00", "mp_rank_00_000_002_00", "mp_rank_01_000_001_00",
+                       "mp_rank_01_000_003_00", "rng"], folders
+    second = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, flags + ["--load", save]))
+    assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)
+    _same_weights(save, moe_reference["A"][1])
 
 
 def test_folded_etp2_checkpoint_resumes_at_etp1(tmp_path, moe_reference):
