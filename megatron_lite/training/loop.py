@@ -25,27 +25,22 @@ from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
-from ..device import cpu_has_native, describe_backends, empty_unused_memory, get_device, init_distributed
+from ..device import empty_unused_memory, get_device
 from ..distributed_flags import deterministic_mode
 from ..errors import rank_local_errors
-from ..fusions.compile import configure_compilation
 from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
-from ..models.transformer_config import TransformerConfig
-from ..moe.config import expert_grid_tp
 from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import finalize_model_grads
 from ..parallel.fsdp import wrap_for_data_parallel
-from ..parallel.pipeline import PipeComm, get_forward_backward_func, num_chunks
-from ..parallel.random import model_parallel_seed
+from ..parallel.pipeline import PipeComm, get_forward_backward_func
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
-from ..perf.host_memory import retain_freed_host_memory
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
-from ..precision.fp8 import describe_fp8_path, update_fp8_scales
+from ..precision.fp8 import update_fp8_scales
 from .batch_rampup import StepBatches, num_microbatches, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
@@ -54,6 +49,7 @@ from .outputs import check_output_locations
 from .per_token_loss import aux_loss_scale, evaluation_losses, reduce_reported, scale_grads_by_tokens
 from .profiler import StepProfiler
 from .progress import ProgressLog
+from .startup import setup
 from .step_stats import step_stats
 from .timers import Timers
 from .writers import check_wandb_available
@@ -175,44 +171,6 @@ def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str
     for chunk in chunks:
         chunk.train()
     return evaluation_losses(per_iteration, state)
-
-
-def half_precision_warning(config: Config, device: torch.device) -> str | None:
-    """A startup warning when --bf16/--fp16 runs on a CPU that emulates that dtype (slower than fp32)."""
-    dtype = config.precision.params_dtype
-    if device.type != "cpu" or dtype == torch.float32 or cpu_has_native(dtype):
-        return None
-    flag = "--bf16" if dtype == torch.bfloat16 else "--fp16"
-    return (f"WARNING: {flag} on a CPU without native {flag[2:]} instructions: 16-bit math is emulated and runs "
-            "several times slower than fp32 here (it saves memory only); drop the flag for speed")
-
-
-def setup(config: Config) -> tuple[ParallelState, torch.device]:
-    """Distributed init, the parallel state and the seeds; prints the startup summary."""
-    device = init_distributed(config.parallel.distributed_timeout_minutes, config.parallel.distributed_backend)
-    if device.type == "cpu" and config.fusion.retain_host_memory and retain_freed_host_memory():
-        print_rank_0("> host memory: freed blocks kept for reuse (--no-retain-host-memory gives them back)")
-    p = config.parallel
-    chunks = num_chunks(config.model.num_layers, p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
-    vpp = chunks if chunks > 1 else None
-    state = ParallelState(
-        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-        ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
-        hcp=p.hierarchical_context_parallel_sizes, etp=expert_grid_tp(config),
-    )
-    model_parallel_seed(config.training.seed, state)
-    configure_compilation(config.fusion)
-    print_rank_0(f"> {describe_backends()}")
-    print_rank_0(f"> parallel layout: {state.describe()}")
-    if config.precision.transformer_impl == "transformer_engine":
-        print_rank_0("> transformer layers' GEMMs through Transformer Engine (linear layers only)")
-    elif config.precision.fp8_format is not None:
-        model = TransformerConfig.from_config(config)
-        print_rank_0(f"> {describe_fp8_path(model.fp8_scaling_recipe(), device)}; {model.describe_fp8()}")
-    warning = half_precision_warning(config, device)
-    if warning:
-        print_rank_0(warning)
-    return state, device
 
 
 class _Built(NamedTuple):

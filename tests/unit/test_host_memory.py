@@ -24,7 +24,7 @@ def _faults_per_allocation(use_setup: bool, flags: list[str]) -> None:
     ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
     if use_setup:
         from megatron_lite.arguments import parse_args
-        from megatron_lite.training.loop import setup
+        from megatron_lite.training.startup import setup
 
         setup(parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "8",
                           "--max-position-embeddings", "8", "--micro-batch-size", "1", "--vocab-size", "16",

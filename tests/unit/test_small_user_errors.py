@@ -6,7 +6,7 @@ import torch
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import Config
-from megatron_lite.training import loop
+from megatron_lite.training import startup
 from tests.tools import load_tool
 
 
@@ -29,15 +29,15 @@ def test_train_tokenizer_names_a_non_utf8_file(tmp_path, capsys):
 @pytest.mark.parametrize("flag, native, warned", [("bf16", False, True), ("bf16", True, False), ("fp16", False, True),
                                                   (None, False, False)])
 def test_half_precision_on_an_emulating_cpu_warns(monkeypatch, flag, native, warned):
-    monkeypatch.setattr(loop, "cpu_has_native", lambda dtype: native)
+    monkeypatch.setattr(startup, "cpu_has_native", lambda dtype: native)
     config = Config()
     if flag:
         setattr(config.precision, flag, True)
-    message = loop.half_precision_warning(config, torch.device("cpu"))
+    message = startup.half_precision_warning(config, torch.device("cpu"))
     assert (message is not None) == warned
     if warned:
         assert f"--{flag}" in message and "slower than fp32" in message
-    assert loop.half_precision_warning(config, torch.device("cuda")) is None
+    assert startup.half_precision_warning(config, torch.device("cuda")) is None
 
 
 def test_negative_exit_interval_is_refused(capsys):
