@@ -1,0 +1,141 @@
+"""Continuous batching vs one request at a time, same model, same requests, one process.
+
+A GPT with random weights (default 4 layers, hidden 256, 8 heads, vocab 8192, RoPE, fp32, CPU) serves
+``--requests`` greedy requests whose prompt lengths and answer lengths differ (prompts 16-64 tokens,
+answers 16-192 tokens, fixed by ``--seed``), all waiting at the start:
+
+* one at a time: ``InferenceEngine.generate`` on each in turn (what the server does with
+  ``--inference-max-requests 1``);
+* batched: the continuous-batching :class:`~megatron_lite.inference.scheduler.Scheduler` with
+  ``--max-requests`` rows (the server's default 8): requests join as rows free up and leave when done.
+
+Printed per mode: wall time, generated tokens per second, steps (one at a time: forward passes, a
+prefill and one per later token; batched: scheduler steps, each one decode pass over the batch plus a
+prefill pass when requests join), and the mean and worst
+time a request waits for its answer; then the ratios batched / one at a time. The answers of both
+modes are checked to be the same tokens. Rounds alternate the two modes; medians are reported.
+
+    python benchmarks/bench_batching.py [--requests 16] [--max-requests 8] [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import describe_machine  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-requests", type=int, default=8, help="rows of the batch (the server's default 8)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_engine(args):
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.inference.engine import InferenceEngine
+    from megatron_lite.models import GPTModel, TransformerConfig
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.parallel.tensor import padded_vocab_size
+
+    length = 64 + 192
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      seq_length=length, max_position_embeddings=length, vocab_size=args.vocab,
+                      position_embedding_type="rope", attention_dropout=0.0, hidden_dropout=0.0)
+    cfg.padded_vocab_size = padded_vocab_size(args.vocab, 128, 1)
+    state = ParallelState(world_size=1, rank=0)
+    model = GPTModel(TransformerConfig.from_model(cfg, init_method_std=0.2), state)
+    return InferenceEngine(model, state, vocab_size=args.vocab, max_sequence_length=length)
+
+
+def workload(args):
+    from megatron_lite.inference.sampling import SamplingParams
+
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.requests):
+        prompt = [rng.randrange(args.vocab) for _ in range(rng.randint(16, 64))]
+        out.append(([prompt], SamplingParams(tokens_to_generate=rng.randint(16, 192), top_k=1, stop_on_eod=False)))
+    return out
+
+
+def one_at_a_time(engine, requests):
+    start, done, answers = time.perf_counter(), [], []
+    for prompts, params in requests:
+        answers.append([r.tokens for r in engine.generate(prompts, params)])
+        done.append(time.perf_counter() - start)
+    passes = sum(p.tokens_to_generate for _, p in requests)  # a prefill, then one pass per later token
+    return time.perf_counter() - start, done, answers, passes
+
+
+def batched(engine, requests, rows: int):
+    from megatron_lite.inference.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, rows)
+    for prompts, params in requests:
+        scheduler.add(prompts, params)
+    start, done, answers, passes = time.perf_counter(), {}, {}, 0
+    while scheduler.busy:
+        for event in scheduler.run_step():
+            if event.error is not None:
+                raise SystemExit(f"request {event.rid} failed: {event.error}")
+            if event.results is not None:
+                answers[event.rid] = [r.tokens for r in event.results]
+                done[event.rid] = time.perf_counter() - start
+        passes += 1
+    order = sorted(answers)
+    return time.perf_counter() - start, [done[i] for i in order], [answers[i] for i in order], passes
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    engine, requests = build_engine(args), workload(args)
+    new_tokens = sum(p.tokens_to_generate for _, p in requests)
+    print(describe_machine(args.threads))
+    print(f"{args.requests} greedy requests, {new_tokens} new tokens in all; batch of {args.max_requests} rows")
+    runs = {"one at a time": [], "batched": []}
+    with torch.no_grad():
+        for r in range(args.rounds):
+            alone = one_at_a_time(engine, requests)
+            together = batched(engine, requests, args.max_requests)
+            if alone[2] != together[2]:
+                raise SystemExit("the batched answers differ from the one-at-a-time answers")
+            runs["one at a time"].append(alone)
+            runs["batched"].append(together)
+            print(f"round {r + 1}: one at a time {alone[0]:.2f} s, batched {together[0]:.2f} s", flush=True)
+    print("| mode | wall s (median) | new tokens/s | steps | mean wait s | worst wait s |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for mode, results in runs.items():
+        wall = statistics.median(r[0] for r in results)
+        mean_wait = statistics.median(statistics.mean(r[1]) for r in results)
+        worst = statistics.median(max(r[1]) for r in results)
+        summary[mode] = (wall, mean_wait, worst)
+        print(f"| {mode} | {wall:.2f} | {new_tokens / wall:.0f} | {results[0][3]} | {mean_wait:.2f} | {worst:.2f} |")
+    (wall_a, wait_a, worst_a), (wall_b, wait_b, worst_b) = summary["one at a time"], summary["batched"]
+    print(f"batched vs one at a time: throughput {wall_a / wall_b:.2f}x, mean wait {wait_a / wait_b:.2f}x shorter, "
+          f"worst wait {worst_a / worst_b:.2f}x shorter; same tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
