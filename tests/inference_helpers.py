@@ -119,3 +119,19 @@ def assert_close(actual, expected, rtol: float = 1e-5, what: str = "") -> None:
     scale = max(float(expected.abs().max()), 1.0)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale,
                                msg=(lambda m: f"{what}: {m}") if what else None)
+
+
+# The chat template of the server tests: each message's content and a space, then token 7 to answer.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+
+
+def served_gpt():
+    """Flask's test client of the one-at-a-time server over the "gpt" variant (NullTokenizer, the
+    chat template above), and its engine."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.engine import InferenceEngine
+    from megatron_lite.inference.server import Runner, create_app
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    return create_app(Runner(engine), tokenizer, chat_template=CHAT_TEMPLATE).test_client(), engine

@@ -12,19 +12,17 @@ from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.fields import RequestError
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
-from tests.inference_helpers import MAX_LEN, VOCAB, build_model
+from tests.inference_helpers import CHAT_TEMPLATE as TEMPLATE
+from tests.inference_helpers import MAX_LEN, VOCAB, served_gpt
 from tests.unit.test_beam_search import SMALL, exhaustive, small_model  # noqa: F401 - small_model: a fixture
 
 pytest.importorskip("flask")
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
 PROMPTS = ["5 17 42 8", "3 1 4 1 5 9 2 6 5"]
 
 
 @pytest.fixture(scope="module")
 def served():
-    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
-    engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
-    return create_app(Runner(engine), tokenizer, chat_template=TEMPLATE).test_client(), engine
+    return served_gpt()
 
 
 def ids(text):

@@ -9,21 +9,16 @@ import json
 import pytest
 
 from megatron_lite.data.tokenizers import build_tokenizer
-from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.sampling import SamplingParams
-from megatron_lite.inference.server import Runner, create_app
-from tests.inference_helpers import MAX_LEN, VOCAB, build_model
+from tests.inference_helpers import VOCAB, served_gpt
 
 pytest.importorskip("flask")
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
 PROMPTS = ["5 17 42 8", "3 1 4 1 5 9 2 6 5"]
 
 
 @pytest.fixture(scope="module")
 def served():
-    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
-    engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
-    return create_app(Runner(engine), tokenizer, chat_template=TEMPLATE).test_client(), engine
+    return served_gpt()
 
 
 def ids(text):
