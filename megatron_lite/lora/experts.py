@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe.experts import GroupedExperts, grouped_matmul
+from ..parallel.random import EXPERT_RNG
 from ..parallel.tensor import shard
 from .adapters import _Weight, column_lora, lora_master, place_columns, row_lora
 
@@ -63,8 +64,8 @@ class ExpertAdapter(nn.Module):
     def _dropout(self, x):
         if self.dropout_p == 0 or not self.training:
             return x
-        if self.kind == "row" and self.group is not None:
-            with self.tracker.fork():
+        if self.kind == "row" and self.group is not None:  # each expert-tensor rank drops its own slice
+            with self.tracker.fork(EXPERT_RNG):
                 return F.dropout(x, self.dropout_p, True)
         return F.dropout(x, self.dropout_p, True)
 

@@ -86,7 +86,8 @@ def model_parallel_seed(seed: int, state) -> None:
     """Seed the default stream and the tracker for this rank (Megatron's offsets).
 
     default: ``seed + 100 * pp_rank`` (same on all TP and DP ranks of a stage);
-    tensor-parallel: ``seed + 2718 + tp_rank``; expert-parallel: ``seed + 2718 + 1024 + 100 * ep_rank + tp_rank``.
+    tensor-parallel: ``seed + 2718 + tp_rank``; expert-parallel: ``seed + 2718 + 1024 + 100 * ep_rank + etp_rank``
+    (the expert-tensor rank: on a folded expert grid the ranks of one ETP group may share a TP rank).
     """
     default_seed = seed + 100 * state.pp_rank
     torch.manual_seed(default_seed)
@@ -95,7 +96,8 @@ def model_parallel_seed(seed: int, state) -> None:
     tracker = state.rng_tracker
     tracker.reset()
     tracker.add(TP_RNG, default_seed + 2718 + state.tp_rank)
-    tracker.add(EXPERT_RNG, default_seed + 2718 + 1024 + 100 * state.ep_rank + state.tp_rank)
+    etp_rank = getattr(state, "etp_rank", state.tp_rank)
+    tracker.add(EXPERT_RNG, default_seed + 2718 + 1024 + 100 * state.ep_rank + etp_rank)
 
 
 # ---------------------------------------------------------------------------------------------
