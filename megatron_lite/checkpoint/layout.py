@@ -53,8 +53,12 @@ def num_experts(cfg: dict) -> int:
 
 def transformer_config(cfg: dict, tp: int = 1, ep: int = 1, **run) -> TransformerConfig:
     """The TransformerConfig of a flat config at tensor size ``tp`` and expert size ``ep`` (validated:
-    ConfigError or ValueError naming the flag). MoE with TP > 1 runs with sequence parallelism."""
+    ConfigError or ValueError naming the flag). MoE with TP > 1 runs with sequence parallelism; the
+    experts of a folded grid's checkpoint (--expert-tensor-parallel-size neither 1 nor ``tp``) are split
+    like the dense layers."""
     moe = MoEConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(MoEConfig) if f.name in cfg})
+    if moe.expert_tensor_parallel_size not in (None, 1, tp):  # saved on a folded expert grid: the models built
+        moe.expert_tensor_parallel_size = None  # here hold the experts unfolded, split like the dense layers
     sp = bool(cfg.get("sequence_parallel")) or bool(num_experts(cfg))
     return TransformerConfig.from_model(model_config_from_saved(cfg), tensor_model_parallel_size=tp,
                                         sequence_parallel=sp and tp > 1, expert_model_parallel_size=ep,

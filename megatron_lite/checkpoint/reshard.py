@@ -196,6 +196,8 @@ def target_config(bundle: ModelBundle, layout: TargetLayout) -> dict:
         num_layers_per_virtual_pipeline_stage=layout.vpp_layers, decoder_first_pipeline_num_layers=layout.first,
         decoder_last_pipeline_num_layers=layout.last, sequence_parallel=sp, expert_model_parallel_size=layout.ep,
     )
+    if cfg.get("expert_tensor_parallel_size") not in (None, 1, layout.tp):  # a folded source: the target's
+        cfg["expert_tensor_parallel_size"] = None  # experts are split like its dense layers (unfolded files)
     cfg["_ranges"] = ranges
     return cfg
 

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from megatron_lite.checkpoint.merge import merge_checkpoint
 from tests.e2e.test_convert_resume import _same_optimizer
 from tests.e2e.test_pretrain_gpt import _argv
 from tests.e2e.test_pretrain_moe import MOE, MOE_B
@@ -46,3 +47,18 @@ def test_ep2_tp2_checkpoint_resumes_at_ep4_like_the_single_process_run(tmp_path)
                          for root in (src, back))
             assert got["scheduler"] == want["scheduler"]
             _same_optimizer(got["optimizer"], want["optimizer"], rows=123 - 64 * t)
+
+
+def test_folded_torch_dist_checkpoint_converts_to_one_process(tmp_path):
+    """Parallel folding: a torch_dist checkpoint of attention DP 2 with every expert split over ETP 2 (TP 1)
+    converts to one process (the converter builds its models with the experts unfolded) and resumes
+    there like the uninterrupted run; the converted config records no --expert-tensor-parallel-size
+    (its files are not folded: that size at TP 1 on one process is refused)."""
+    src, one = str(tmp_path / "etp2"), str(tmp_path / "one")
+    folded = ["--expert-tensor-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    first = ranks_trajectory(2, "pretrain_gpt", _argv(src, 6, MOE + folded + ["--exit-interval", "3"]))
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", one]) == 0
+    assert merge_checkpoint(one)[1].get("expert_tensor_parallel_size") is None
+    resumed = run_script("pretrain_gpt", _argv(str(tmp_path / "a"), 6, MOE + ["--load", one, "--no-load-rng"]))
+    straight = run_script("pretrain_gpt", _argv(str(tmp_path / "b"), 6, MOE))
+    assert_same_trajectory(first + resumed, straight, steps=6)

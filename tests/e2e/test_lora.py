@@ -79,6 +79,10 @@ def references(bases):
     ("tp2_sp_expert_tensor_parallel", "moe_grouped", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("tp2_sp_whole_experts", "moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                      "--expert-tensor-parallel-size", "1"]),
+    # parallel folding: TP 1 attention, every expert (and its adapters) split over ETP 2; the base is cut
+    # from the merged one-process weights (--pretrained-checkpoint on a folded grid)
+    ("etp2_folded_experts", "moe", ["--expert-tensor-parallel-size", "2"]),
+    ("etp2_folded_grouped_experts", "moe_grouped", ["--expert-tensor-parallel-size", "2"]),
     ("mla_tp2_sp", "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("mla_cp2", "mla", ["--context-parallel-size", "2"]),
 ])
