@@ -203,15 +203,43 @@ def _read(folder: str, buffers: dict) -> str | None:
     return None
 
 
+def _other_form(have, want) -> bool:
+    """Whether canonical shapes ``have`` and ``want`` are two forms of one full tensor: one axis of one
+    split in two in the other (a tensor marked as split over a group of ranks, at any size, vs one
+    held whole: experts saved with --expert-tensor-parallel-size 1 at TP 1 or TP > 1, loaded split)."""
+    a, b = (tuple(have), tuple(want)) if len(have) > len(want) else (tuple(want), tuple(have))
+    if len(a) != len(b) + 1:
+        return False
+    return any(a[:d] == b[:d] and a[d] * a[d + 1] == b[d] and a[d + 2:] == b[d + 1:] for d in range(len(b)))
+
+
+def _read_whole_where_reshaped(index: dict, requests, loose_axes: dict) -> tuple[list, list]:
+    """``requests`` with each one whose saved tensor has the other form (:func:`_other_form`) replaced
+    by a request for the whole saved tensor, and ``[(dest, offset, whole, global_shape)]`` to copy from."""
+    out, reshaped = [], []
+    for kind, name, dest, offset, global_shape in requests:
+        saved = index.get((kind, name))
+        have = extent((o, s) for o, s, _, _ in saved) if saved else None
+        if have is not None and name not in loose_axes and _other_form(have, global_shape):
+            whole = torch.zeros(have, dtype=dest.dtype)
+            reshaped.append((dest, offset, whole, tuple(global_shape)))
+            out.append((kind, name, whole, (0,) * len(have), have))
+        else:
+            out.append((kind, name, dest, offset, global_shape))
+    return out, reshaped
+
+
 def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> None:
     """Fill each request ``(kind, name, dest, offset, global_shape)`` (``dest`` a tensor placed at
     ``offset`` in the canonical tensor of ``global_shape``) from the saved boxes overlapping it.
 
-    The saved tensor must have ``global_shape``, except along the axis of ``loose_axes[name] = (axis,
+    The saved tensor must have ``global_shape`` (or its other canonical form: whole instead of split
+    over a group, or the other way round, read whole and reshaped), except along the axis of ``loose_axes[name] = (axis,
     rows)`` (the padded vocabulary, whose padding depends on the TP size): where the saved size there
     differs, only its first ``rows`` (the real vocabulary) are read and the rest of ``dest`` is zero,
     as the converter re-pads."""
     loose_axes = loose_axes or {}
+    requests, reshaped = _read_whole_where_reshaped(index, requests, loose_axes)
     plan, wanted = [], {}
     for kind, name, dest, offset, global_shape in requests:
         saved = index.get((kind, name))
@@ -244,6 +272,8 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
     with torch.no_grad():
         for dest, offset, key, s_off, (i_off, i_size) in plan:
             region(dest, offset, i_off, i_size).copy_(region(buffers[key], s_off, i_off, i_size))
+        for dest, offset, whole, global_shape in reshaped:  # the other form: a reshape of the full tensor
+            dest.copy_(region(whole.reshape(global_shape), (0,) * len(global_shape), offset, dest.shape))
 
 
 def merge_kind(folder: str, index: dict, kind: str, partition: dict) -> dict:

@@ -224,3 +224,26 @@ def test_folded_etp2_checkpoint_resumes_at_etp1(tmp_path, moe_reference):
     second = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "etp1"), ITERS, etp1 + [
         "--load", save, "--no-load-rng"]))  # (RNG states are per rank)
     assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)
+
+
+def test_whole_and_split_experts_reshard_through_torch_dist(tmp_path, moe_reference):
+    """torch_dist saves the experts whole (--expert-tensor-parallel-size 1 on an unfolded grid) or split
+    over an expert-tensor group (the default, and every folded grid, even of one rank): two canonical
+    forms of the same tensors, which the loader reshapes into each other. A folded TP 2 with ETP 1 x EP 4
+    checkpoint (distributed optimizer) resumes unfolded at TP 2 with whole experts over EP 2, and an
+    unfolded one-process checkpoint with whole experts resumes without the flag, both on the
+    single-process trajectory (it refused both: 'has shape (64, 32) (canonical), this model needs
+    (2, 32, 32); match the model flags')."""
+    flags = MOE + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+    whole_tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    folded, unfolded = (str(tmp_path / n) for n in ("folded", "unfolded"))
+    half = ["--exit-interval", str(ITERS // 2)]
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(folded, ITERS, flags + whole_tp2 + [
+        "--expert-model-parallel-size", "4"] + half))
+    second = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "a"), ITERS, flags + whole_tp2 + [
+        "--expert-model-parallel-size", "2", "--load", folded, "--no-load-rng"]))
+    assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS, what="folded -> unfolded whole")
+    first = Trajectory.of(pretrain_gpt.main(_argv(unfolded, ITERS, flags + ["--expert-tensor-parallel-size", "1"]
+                                                  + half)))
+    second = Trajectory.of(pretrain_gpt.main(_argv(str(tmp_path / "b"), ITERS, flags + ["--load", unfolded])))
+    assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS, what="whole -> split, one process")
