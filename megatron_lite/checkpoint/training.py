@@ -178,23 +178,26 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 # Load.
 
 
-def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; convert it or match {flag}"
-    )
+def _flag_mismatch(path, what, saved, ours, flag, convertible: bool = True) -> CheckpointError:
+    """``convertible`` False: tools/checkpoint/convert.py refuses it (a folded grid's torch-format files)."""
+    fix = f"convert it or match {flag}" if convertible else (
+        f"match {flag} (the converter refuses a folded expert grid's torch-format checkpoint; save with "
+        "--ckpt-format torch_dist to change sizes)")
+    return CheckpointError(f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; {fix}")
 
 
 def _check_sizes(path: str, ckpt: dict, state) -> None:
     check_expert_grid(path, ckpt, state)
+    convertible = not ckpt.get("expert_grid_folded", False)
     if ckpt["tp_size"] != state.tp_size:
         raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
-                             "--tensor-model-parallel-size")
+                             "--tensor-model-parallel-size", convertible)
     if ckpt["pp_size"] != state.pp_size:
         raise _flag_mismatch(path, "pipeline-model-parallel-size", ckpt["pp_size"], state.pp_size,
-                             "--pipeline-model-parallel-size")
+                             "--pipeline-model-parallel-size", convertible)
     if ckpt.get("ep_size", 1) != state.ep_size:
         raise _flag_mismatch(path, "expert-model-parallel-size", ckpt.get("ep_size", 1), state.ep_size,
-                             "--expert-model-parallel-size")
+                             "--expert-model-parallel-size", convertible)
 
 
 def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:

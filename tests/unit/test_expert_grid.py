@@ -115,3 +115,19 @@ def test_torch_checkpoint_of_a_folded_grid_resumes_only_at_its_expert_sizes():
         check_expert_grid("ckpt", saved, here)
     check_expert_grid("ckpt", saved, _rank_state(RankGrid(4, ep=2, etp=2), 3))  # the same sizes load
     check_expert_grid("ckpt", {"tp_size": 2}, _rank_state(RankGrid(4, tp=2, ep=2), 1))  # unfolded: not its business
+
+
+def test_size_mismatch_of_a_folded_torch_checkpoint_does_not_advise_the_converter():
+    """The converter refuses a folded grid's torch-format checkpoint: another EP (same ETP) is refused
+    naming --expert-model-parallel-size and torch_dist, not 'convert it'; an unfolded one still says so."""
+    from megatron_lite.checkpoint.training import _check_sizes
+
+    saved = {"tp_size": 1, "pp_size": 1, "ep_size": 1, "etp_size": 2, "expert_grid_folded": True}
+    here = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2, etp=2), 0)), tp_size=1, pp_size=1)
+    with pytest.raises(CheckpointError) as err:
+        _check_sizes("ckpt", saved, here)
+    assert "--expert-model-parallel-size" in str(err.value) and "torch_dist" in str(err.value)
+    assert "convert it" not in str(err.value)
+    unfolded = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2), 0)), tp_size=1, pp_size=1)
+    with pytest.raises(CheckpointError, match="convert it or match --expert-model-parallel-size"):
+        _check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
