@@ -189,15 +189,11 @@ def _flag_mismatch(path, what, saved, ours, flag, convertible: bool = True) -> C
 def _check_sizes(path: str, ckpt: dict, state) -> None:
     check_expert_grid(path, ckpt, state)
     convertible = not ckpt.get("expert_grid_folded", False)
-    if ckpt["tp_size"] != state.tp_size:
-        raise _flag_mismatch(path, "tensor-model-parallel-size", ckpt["tp_size"], state.tp_size,
-                             "--tensor-model-parallel-size", convertible)
-    if ckpt["pp_size"] != state.pp_size:
-        raise _flag_mismatch(path, "pipeline-model-parallel-size", ckpt["pp_size"], state.pp_size,
-                             "--pipeline-model-parallel-size", convertible)
-    if ckpt.get("ep_size", 1) != state.ep_size:
-        raise _flag_mismatch(path, "expert-model-parallel-size", ckpt.get("ep_size", 1), state.ep_size,
-                             "--expert-model-parallel-size", convertible)
+    for key, name, ours in (("tp_size", "tensor-model-parallel-size", state.tp_size),
+                            ("pp_size", "pipeline-model-parallel-size", state.pp_size),
+                            ("ep_size", "expert-model-parallel-size", state.ep_size)):
+        if ckpt.get(key, 1) != ours:  # files from before expert parallelism have no ep_size
+            raise _flag_mismatch(path, name, ckpt.get(key, 1), ours, f"--{name}", convertible)
 
 
 def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:

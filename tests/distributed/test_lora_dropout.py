@@ -25,12 +25,18 @@ def _masks_on_every_rank():
     for kind, base, width in (("row", RowParallelLinear(16, 8, state.tp_group), 8),
                               ("column", ColumnParallelLinear(16, 8, state.tp_group), 16)):
         adapter = LinearAdapter(base, kind, config, lora, 1, f"probe.{kind}", state.rng_tracker).train()
-        mask = (adapter._dropout(torch.ones(64, width)) != 0).float()
-        masks = [torch.empty_like(mask) for _ in range(2)]
-        dist.all_gather(masks, mask, group=state.tp_group)
-        assert 0.2 < mask.mean() < 0.8  # dropout really ran
-        same[kind] = torch.equal(masks[0], masks[1])
+        same[kind] = same_mask_over(adapter, width, state.tp_group)
     return same
+
+
+def same_mask_over(adapter, width: int, group) -> bool:
+    """Whether ``adapter``'s dropout mask on a ``[64, width]`` input is the same on both ranks of
+    ``group`` (checking that dropout really ran)."""
+    mask = (adapter._dropout(torch.ones(64, width)) != 0).float()
+    masks = [torch.empty_like(mask) for _ in range(2)]
+    dist.all_gather(masks, mask, group=group)
+    assert 0.2 < mask.mean() < 0.8  # dropout really ran
+    return torch.equal(masks[0], masks[1])
 
 
 def test_row_adapters_drop_independently_per_tp_rank_and_column_adapters_alike():

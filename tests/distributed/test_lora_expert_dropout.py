@@ -11,11 +11,11 @@ and must drop the same entries (the default stream).
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.lora.experts import ExpertAdapter
 from megatron_lite.parallel.random import model_parallel_seed
+from tests.distributed.test_lora_dropout import same_mask_over
 from tests.harness import cached_state, run_ranks
 
 
@@ -29,11 +29,7 @@ def _masks_on_every_rank():
     for fc, width in (("linear_fc2", 8), ("linear_fc1", 16)):
         a, b = torch.zeros(4, width), torch.zeros(16, 4)
         adapter = ExpertAdapter(experts, fc, a, b, (0, 0), 1, lora, 16, state.rng_tracker).train()
-        mask = (adapter._dropout(torch.ones(64, width)) != 0).float()
-        masks = [torch.empty_like(mask) for _ in range(2)]
-        dist.all_gather(masks, mask, group=state.etp_group)
-        assert 0.2 < mask.mean() < 0.8  # dropout really ran
-        same[fc] = torch.equal(masks[0], masks[1])
+        same[fc] = same_mask_over(adapter, width, state.etp_group)
     return same
 
 
