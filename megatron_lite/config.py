@@ -140,7 +140,7 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     num_distributed_optimizer_instances: int = 1
-    """Hybrid sharding: every sharded strategy shards within DP/N ranks (experts: expert-DP/N) and replicates across N (with optim_grads/optim_grads_params: HSDP)."""
+    """Hybrid sharding: every sharded strategy shards within DP x CP / N ranks (experts: expert-DP/N) and replicates across N (with optim_grads/optim_grads_params: HSDP); N must divide DP x CP."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
     overlap_param_gather: bool = False

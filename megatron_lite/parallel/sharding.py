@@ -10,8 +10,9 @@ Hybrid sharding (``--num-distributed-optimizer-instances N``) chooses the group 
 strategy shards over (one of N instances; with ``optim_grads``/``optim_grads_params`` that is HSDP:
 gradients, and parameters, sharded inside an instance, replicated across them), and CPU offload
 (``--optimizer-cpu-offload``) moves part of the optimizer's shard to the host: both need the
-distributed optimizer (any strategy but ``no_shard``). Whether N divides the data-parallel size
-(and, with MoE, the expert data-parallel size) is checked by the rank grid, which knows those sizes.
+distributed optimizer (any strategy but ``no_shard``). Whether N divides the data-parallel x
+context-parallel size (and, with MoE, the expert data-parallel size) is checked by the rank grid,
+which knows those sizes.
 """
 
 from __future__ import annotations

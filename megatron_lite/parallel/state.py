@@ -16,7 +16,8 @@ single process needs no ``torch.distributed`` at all.
 Hybrid sharding (``--num-distributed-optimizer-instances N``) splits each DP x CP group into N
 consecutive blocks of ``dp x cp / N`` ranks: ``dp_shard`` (one block: the distributed optimizer
 shards over it) and ``dp_replicate`` (the ranks at the same position of every block: they hold the
-same shard). Because CP is innermost, a block always holds whole CP groups when N divides dp.
+same shard). N must divide dp x cp (as in Megatron-LM); a block holds whole CP groups when N divides
+dp, and otherwise splits them (CP4 x DP1 in 2 instances: blocks of 2 CP ranks).
 Expert parameters shard over their own group, so its expert-DP x CP group is cut the same way
 (``expert_dp_shard``, ``expert_dp_replicate``); N must divide its size (edp x cp) too. When N divides
 edp, the expert block of a rank lies inside its dense block: an instance is one set of ranks.
@@ -133,16 +134,12 @@ class RankGrid:
             problem = folding_problem(self.tp, self.cp, self.dp, self.ep, self.expert_tp)
             if problem:
                 raise ParallelConfigError(problem)
-        elif self.dp % self.ep:
-            raise ParallelConfigError(
-                f"expert-model-parallel-size {self.ep} must divide the data-parallel size {self.dp} "
-                f"(world {self.world_size} / (tp {self.tp} x pp {self.pp} x cp {self.cp}))"
-            )
         if not isinstance(self.dist_opt_instances, int) or self.dist_opt_instances < 1 \
-                or self.dp % self.dist_opt_instances:
+                or self.dp * self.cp % self.dist_opt_instances:
             raise ParallelConfigError(
-                f"num-distributed-optimizer-instances {self.dist_opt_instances} must be a positive divisor "
-                f"of the data-parallel size {self.dp}"
+                f"--num-distributed-optimizer-instances {self.dist_opt_instances} must be a positive divisor of the "
+                f"data-parallel size {self.dp} x context-parallel size {self.cp} = {self.dp * self.cp} (the ranks the "
+                "optimizer shards over); change the instances"
             )
         if self.expert_dp_cp % self.dist_opt_instances:
             raise ParallelConfigError(

@@ -69,13 +69,17 @@ def test_hybrid_sharding_dp4_two_instances(tmp_path, reference):
     assert device == 8 + 6  # 4 param + 4 grad + 12 / (4 / 2) master and moments
 
 
-def test_hybrid_sharding_with_context_parallelism(tmp_path, reference):
-    # DP 2 x CP 2, two instances: each shard block is one CP group, the replicas are the DP ranks.
-    extra = DISTOPT + ["--num-distributed-optimizer-instances", "2", "--context-parallel-size", "2"]
+# DP 2 x CP 2, two instances: each shard block is one CP group, the replicas are the DP ranks.
+# DP 1 x CP 4 under ZeRO-3 (refused while the instances had to divide DP): each block is half of the
+# CP group; parameters gathered, gradients reduce-scattered in a block, all-reduced across the two.
+@pytest.mark.parametrize("cp, strategy", [(2, "optim"), (4, "optim_grads_params")])
+def test_hybrid_sharding_with_context_parallelism(tmp_path, reference, cp, strategy):
+    extra = DISTOPT + ["--num-distributed-optimizer-instances", "2", "--context-parallel-size", str(cp),
+                       "--data-parallel-sharding-strategy", strategy]
     results, save = _run(tmp_path, "hybrid_cp", 4, extra)
     assert_same_trajectory(results[0][0], reference["fp32"][0], steps=ITERS)
     _same_weights(save, reference["fp32"][1])
-    _bytes_match_formula(results, torch.float32, 4, instances=2)
+    _bytes_match_formula(results, torch.float32, 4, instances=2, strategy=strategy)
 
 
 def test_cpu_offload_all_of_the_shard(tmp_path, reference, capsys):

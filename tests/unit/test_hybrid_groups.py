@@ -1,5 +1,6 @@
 """The hybrid-sharding groups of the rank grid: dp_shard (consecutive blocks of each DP x CP group)
-and dp_replicate (the same position in every block); with CP the blocks hold whole CP groups. The
+and dp_replicate (the same position in every block); with CP the blocks hold whole CP groups when
+the number of instances divides DP, and split them otherwise (it need only divide DP x CP). The
 expert-DP x CP groups are cut the same way (expert_dp_shard, expert_dp_replicate)."""
 
 import pytest
@@ -30,10 +31,25 @@ def test_one_instance_shards_over_all_of_dp_x_cp():
     assert all(len(r) == 1 for r in grid.groups("dp_replicate"))
 
 
-@pytest.mark.parametrize("instances", [0, 3])
-def test_instances_must_divide_dp(instances):
-    with pytest.raises(ParallelConfigError, match="num-distributed-optimizer-instances"):
-        RankGrid(4, dist_opt_instances=instances)
+@pytest.mark.parametrize("cp, instances", [(1, 0), (1, 3), (2, 3), (4, 8)])
+def test_instances_must_divide_dp_x_cp(cp, instances):
+    with pytest.raises(ParallelConfigError, match=f"--num-distributed-optimizer-instances {instances} .* "
+                                                  f"data-parallel size {4 // cp} x context-parallel size {cp}"):
+        RankGrid(4, cp=cp, dist_opt_instances=instances)
+
+
+@pytest.mark.parametrize("dp, instances", [(1, 2), (1, 4), (2, 4)])
+def test_instances_may_split_context_parallel_groups(dp, instances):
+    """Megatron-LM shards the optimizer over DP x CP, so N need only divide DP x CP (it was refused
+    unless N divided DP): at CP 4 x DP 1 in 2 instances each block is 2 of the 4 CP ranks."""
+    grid = RankGrid(4 * dp, cp=4, dist_opt_instances=instances)
+    size = 4 * dp // instances
+    for dp_cp in grid.groups("dp_cp"):
+        blocks = [dp_cp[i : i + size] for i in range(0, len(dp_cp), size)]
+        assert all(b in grid.groups("dp_shard") for b in blocks)
+        assert all(list(col) in grid.groups("dp_replicate") for col in zip(*blocks))
+    assert RankGrid(4, cp=4, dist_opt_instances=2).groups("dp_shard") == [[0, 1], [2, 3]]
+    assert RankGrid(4, cp=4, dist_opt_instances=2).groups("dp_replicate") == [[0, 2], [1, 3]]
 
 
 def test_expert_groups_are_cut_into_instances_too():
