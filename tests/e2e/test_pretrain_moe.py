@@ -226,6 +226,21 @@ def test_folded_etp2_checkpoint_resumes_at_etp1(tmp_path, moe_reference):
     assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)
 
 
+def test_expert_parallelism_across_context_parallel_ranks(tmp_path, moe_reference):
+    """EP spans CP as in Megatron-LM (the experts' grid is cut from the stage's TP x CP x DP ranks):
+    EP 4 at CP 2 x DP 2 (the distributed optimizer, torch_dist), stopped half-way and resumed at CP 4 x
+    DP 1 with EP 4, follows the single-process trajectory, and its final weights merge into the
+    one-process ones."""
+    save = str(tmp_path / "cp2_dp2")
+    flags = MOE + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--expert-model-parallel-size", "4"]
+    first = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, flags + CP2 + ["--exit-interval", str(ITERS // 2)]))
+    resumed = str(tmp_path / "cp4")
+    second = ranks_trajectory(4, "pretrain_gpt", _argv(resumed, ITERS, flags + [
+        "--context-parallel-size", "4", "--load", save, "--no-load-rng"]))
+    assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)
+    _same_weights(resumed, moe_reference["A"][1])
+
+
 def test_whole_and_split_experts_reshard_through_torch_dist(tmp_path, moe_reference):
     """torch_dist saves the experts whole (--expert-tensor-parallel-size 1 on an unfolded grid) or split
     over an expert-tensor group (the default, and every folded grid, even of one rank): two canonical

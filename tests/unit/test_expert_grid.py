@@ -35,6 +35,20 @@ def test_worked_example_tp1_with_etp2_ep2():
     assert grid.groups("dp") == [list(range(8))]
 
 
+@pytest.mark.parametrize("cp, ep_groups, edp_groups", [
+    (4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),  # CP 4 x DP 1: the 4 CP ranks hold one expert each
+    (2, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),  # CP 2 x DP 2
+])
+def test_expert_parallelism_spans_context_parallel_ranks(cp, ep_groups, edp_groups):
+    """EP 4 on 4 ranks at DP 4 / CP: EP does not divide DP, so the experts fold over the CP x DP ranks
+    (Megatron-LM: EP x expert-DP = TP x CP x DP / ETP); the attention's CP groups are unchanged."""
+    grid = RankGrid(4, cp=cp, ep=4, etp=1)
+    assert grid.folded and grid.edp == 1 and grid.expert_dp_cp == 1
+    assert grid.groups("ep") == ep_groups and grid.groups("expert_dp") == edp_groups
+    assert grid.groups("cp") == RankGrid(4, cp=cp).groups("cp")
+    assert [grid.coords(r)["ep"] for r in range(4)] == [0, 1, 2, 3]
+
+
 def _shapes():
     for world in (4, 8, 12, 16):
         for tp, pp, cp, ep, etp in itertools.product((1, 2, 4), (1, 2), (1, 2), (1, 2, 4), (1, 2, 4)):
