@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plan a parallel layout: memory per GPU and estimated step time of every layout of a model on a cluster.
 
-Every TP x PP x VPP x DP x CP x EP split, ZeRO sharding strategy, recomputation and micro-batch size
+Every TP x PP x VPP x DP x CP x EP (x expert TP) split, ZeRO sharding strategy, recomputation and micro-batch size
 that can run the model is estimated from closed forms (model state bytes per parameter, Korthikanti
 et al.'s activation bytes, Narayanan et al.'s FLOPs at a fixed matmul efficiency, ring
 communication volumes over NVLink / network bandwidth, the (p-1)/(v m) pipeline bubble); the
@@ -84,6 +84,7 @@ LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
     "--tensor-model-parallel-size": ("tp", POSITIVE, None), "--pipeline-model-parallel-size": ("pp", POSITIVE, None),
     "--virtual-pipeline-model-parallel-size": ("vpp", POSITIVE, None), "--context-parallel-size": ("cp", POSITIVE, None),
     "--expert-model-parallel-size": ("ep", POSITIVE, None), "--micro-batch-size": ("micro_batch", POSITIVE, None),
+    "--expert-tensor-parallel-size": ("etp", POSITIVE, None),
     "--data-parallel-sharding-strategy": ("zero", str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
     "--recompute-granularity": ("recompute", str, ["none", "selective", "full"]),
     "--num-distributed-optimizer-instances": ("instances", POSITIVE, None),
@@ -149,7 +150,8 @@ def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     """The best layout, its memory and its time broken down."""
     lay = best.layout
     comm = " + ".join(f"{k} {v:.3g}" for k, v in best.comm_s.items() if v)
-    return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}, "
+    etp = f", ETP {lay.expert_tp}" if spec.is_moe else ""
+    return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}{etp}, "
             f"ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
             f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
@@ -169,7 +171,8 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"t{e.layout.tp} p{e.layout.pp}v{e.layout.vpp} d{e.layout.dp} c{e.layout.cp} e{e.layout.ep}\n"
+    labels = [f"t{e.layout.tp} p{e.layout.pp}v{e.layout.vpp} d{e.layout.dp} c{e.layout.cp} e{e.layout.ep}"
+              f"x{e.layout.expert_tp}\n"
               f"{e.layout.zero} {e.layout.recompute} b{e.layout.micro_batch}" for e in estimates]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(labels)), 7), sharex=True)
     x = range(len(labels))

@@ -31,6 +31,14 @@ def is_folded(tp: int, cp: int, dp: int, ep: int, etp: int | None) -> bool:
     return dp % ep != 0 or etp not in (1, tp)
 
 
+def expert_dp_size(tp: int, cp: int, dp: int, ep: int, etp: int | None) -> int:
+    """The ranks of a stage holding the same expert shard: TP x CP x DP / (ETP x EP) on the folded grid,
+    DP x CP / EP otherwise (EP inside DP; whole experts at TP > 1 are also copied on the TP ranks)."""
+    if is_folded(tp, cp, dp, ep, etp):
+        return tp * cp * dp // ((tp if etp is None else etp) * ep)
+    return dp * cp // ep
+
+
 def folding_problem(tp: int, cp: int, dp: int, ep: int, etp: int) -> str | None:
     """One line naming the flags when ETP x EP does not divide the ranks of a pipeline stage, or None."""
     stage = tp * cp * dp

@@ -50,7 +50,7 @@ import torch
 
 from ..moe.config import expert_grid_tp
 from ..parallel.data_parallel import SHARDING_STRATEGIES
-from ..parallel.expert_grid import is_folded
+from ..parallel.expert_grid import expert_dp_size
 
 
 def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool) -> tuple[int, int, int]:
@@ -156,10 +156,7 @@ def expert_data_parallel_size(config, dp_cp: int) -> int:
     experts have their own grid (parallel folding: megatron_lite/parallel/expert_grid.py)."""
     p = config.parallel
     tp, cp, ep = p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size
-    etp = expert_grid_tp(config)
-    if is_folded(tp, cp, dp_cp // cp, ep, etp):
-        return dp_cp * tp // ((etp or tp) * ep)
-    return dp_cp // ep
+    return expert_dp_size(tp, cp, dp_cp // cp, ep, expert_grid_tp(config))
 
 
 def formula_model_state_bytes(config, chunks, dp_cp: int) -> tuple[Fraction, Fraction]:

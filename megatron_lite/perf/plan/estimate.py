@@ -6,7 +6,8 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
 * model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
   of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
   bf16 weights, fp32 gradients and Adam state), dense weights sharded over DP x CP, expert
-  weights over the expert-data-parallel ranks DP x CP / EP;
+  weights (``E / EP`` experts split over ETP) over the expert-data-parallel ranks, DP x CP / EP, or
+  TP x CP x DP / (ETP x EP) on a folded expert grid (:mod:`megatron_lite.parallel.expert_grid`);
 * activations: Korthikanti et al.'s bytes per layer
   (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, or
   :func:`~megatron_lite.perf.activation_memory.mla_layer_bytes` for multi-latent attention;
@@ -21,9 +22,9 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
 Step time: the hardware FLOPs of the step (:func:`~megatron_lite.perf.flops.num_floating_point_operations`,
 with the recomputed forward under full recomputation, the recomputed Q·Kᵀ and probabilities·V
 under selective recomputation) over the GPUs at :data:`MATMUL_EFFICIENCY`
-of peak; plus the tensor-, context-, expert- and pipeline-parallel traffic of one GPU
-(:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
-order TP, CP, DP, PP); that sum stretched by the pipeline bubble ``(p-1)/(v m)``; plus the
+of peak; plus the tensor-, context-, expert-, expert-tensor- and pipeline-parallel traffic of one
+GPU (:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
+order TP, CP, DP, PP; the experts' ETP, EP, expert-DP); that sum stretched by the pipeline bubble ``(p-1)/(v m)``; plus the
 data-parallel gradient and weight traffic. No communication is assumed hidden behind compute.
 """
 
@@ -35,6 +36,7 @@ from functools import lru_cache
 import torch
 
 from ...errors import ConfigError
+from ...parallel.expert_grid import expert_dp_size, folding_problem
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
@@ -64,10 +66,20 @@ class Layout:
     recompute: str = "none"
     micro_batch: int = 1
     instances: int = 1  # --num-distributed-optimizer-instances: hybrid sharding (HSDP with ZeRO-2/3)
+    etp: int | None = None  # --expert-tensor-parallel-size; None: TP
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a stage holding the same expert shard (the rank grid's expert-DP x CP)."""
+        return expert_dp_size(self.tp, self.cp, self.dp, self.ep, self.etp)
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class Estimate:
     memory_gb: float
     fits: bool
     compute_s: float
-    comm_s: dict  # per group kind: tp, cp, ep, pp, dp
+    comm_s: dict  # per group kind: tp, cp, ep, etp, pp, dp
     bubble: float
     step_s: float
     tflops_per_gpu: float  # hardware FLOP/s per GPU (recomputation counted), as Narayanan et al. report it
@@ -87,7 +99,7 @@ class Estimate:
 
     def row(self) -> dict:
         out = asdict(self.layout)
-        out.update(mem_gb=self.memory_gb, step_s=self.step_s, tflops=self.tflops_per_gpu, mfu=self.mfu)
+        out.update(etp=self.layout.expert_tp, mem_gb=self.memory_gb, step_s=self.step_s, tflops=self.tflops_per_gpu, mfu=self.mfu)
         return out
 
 
@@ -112,14 +124,26 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
     if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
         raise ConfigError(f"VPP {lay.vpp} needs PP > 1 and the micro-batches per step divisible by PP {lay.pp}")
-    if lay.ep > 1 and not spec.is_moe:
-        raise ConfigError(f"EP {lay.ep} needs a mixture-of-experts model (--num-experts)")
-    if lay.ep > 1 and (spec.num_experts % lay.ep or (lay.dp * lay.cp) % lay.ep):
-        raise ConfigError(f"EP {lay.ep} needs experts divisible by it and DP x CP {lay.dp * lay.cp} divisible by it")
+    _check_experts(spec, lay)
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
                           f"{', '.join(SHARDING_STRATEGIES)} / {', '.join(RECOMPUTE)}")
     _check_instances(lay)
+
+
+def _check_experts(spec: ModelSpec, lay: Layout) -> None:
+    """EP and ETP: a mixture-of-experts model, and an expert grid ETP x EP that divides a stage's ranks."""
+    if (lay.ep > 1 or lay.etp is not None) and not spec.is_moe:
+        size = f"EP {lay.ep}" if lay.ep > 1 else f"ETP {lay.etp}"
+        raise ConfigError(f"{size} needs a mixture-of-experts model (--num-experts)")
+    if lay.ep > 1 and spec.num_experts % lay.ep:
+        raise ConfigError(f"EP {lay.ep} must divide --num-experts {spec.num_experts}")
+    if spec.is_moe and (spec.moe_ffn_hidden_size or spec.ffn_hidden_size) % lay.expert_tp:
+        raise ConfigError(f"ETP {lay.expert_tp} must divide --moe-ffn-hidden-size "
+                          f"{spec.moe_ffn_hidden_size or spec.ffn_hidden_size}")
+    problem = folding_problem(lay.tp, lay.cp, lay.dp, lay.ep, lay.expert_tp)
+    if problem:
+        raise ConfigError(f"--{problem}")
 
 
 def _check_instances(lay: Layout) -> None:
@@ -129,9 +153,9 @@ def _check_instances(lay: Layout) -> None:
     if n > 1 and lay.zero == "no_shard":
         raise ConfigError(f"--num-distributed-optimizer-instances {n} needs a sharded --data-parallel-sharding-strategy "
                           "(optim, optim_grads or optim_grads_params), not no_shard")
-    if lay.dp % n or (lay.dp * lay.cp // lay.ep) % n:
-        raise ConfigError(f"--num-distributed-optimizer-instances {n} must divide DP {lay.dp} and the expert "
-                          f"data-parallel size DP x CP / EP {lay.dp * lay.cp // lay.ep}")
+    if (lay.dp * lay.cp) % n or lay.expert_dp % n:
+        raise ConfigError(f"--num-distributed-optimizer-instances {n} must divide DP {lay.dp} x CP {lay.cp} and the "
+                          f"expert data-parallel size {lay.expert_dp}")
 
 
 def _bandwidth(cluster: ClusterSpec, stride: int, size: int) -> float:
@@ -158,12 +182,11 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     work = layer_bytes(spec, lay, None) if recompute == "full" else 0.0
     logits = 4 * lay.micro_batch * (spec.seq_length // lay.cp) * spec.padded_vocab(t) / t
     dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp, instances=lay.instances))
-    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp // lay.ep,
-                                                   instances=lay.instances))
+    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.expert_dp, instances=lay.instances))
     counts = stage_layers(spec, p)
     stages = []
     for i, layers in enumerate(counts):
-        dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i)
+        dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp)
         in_flight = min(p - i, m) * (1 + (p - 1) / (p * v) if v > 1 and i < p - 1 else 1)
         acts = layers * per_layer * in_flight + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
@@ -176,11 +199,12 @@ def comm_seconds(spec: ModelSpec, cluster: ClusterSpec, lay: Layout, m: int) -> 
     """Seconds per step one GPU spends sending, per group kind (:mod:`.volumes` over the group's bandwidth)."""
     t, cp, dp = lay.tp, lay.cp, lay.dp
     p = lay.pp
-    dense, expert = max((stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i) for i in range(p)), key=sum)
+    dense, expert = max((stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp) for i in range(p)), key=sum)
     return {
         "tp": volumes.tp_bytes(spec, lay, m) / _bandwidth(cluster, 1, t),
         "cp": volumes.cp_bytes(spec, lay, m) / _bandwidth(cluster, t, cp),
-        "ep": volumes.ep_bytes(spec, lay, m) / _bandwidth(cluster, t, lay.ep),
+        "ep": volumes.ep_bytes(spec, lay, m) / _bandwidth(cluster, lay.expert_tp, lay.ep),
+        "etp": volumes.etp_bytes(spec, lay, m) / _bandwidth(cluster, 1, lay.expert_tp),
         "pp": volumes.pp_bytes(spec, lay, m) / _bandwidth(cluster, t * cp * dp, lay.pp),
         "dp": _dp_seconds(cluster, lay, dense, expert, m),
     }
@@ -190,11 +214,11 @@ def _dp_seconds(cluster: ClusterSpec, lay: Layout, dense: float, expert: float, 
     """Data-parallel traffic over its bandwidth: the strategy's collectives inside an instance (the
     DP x CP group, or one of its ``instances`` blocks of consecutive ranks), plus with hybrid sharding
     one all-reduce a step of the gradient shard across the instances (ranks a block apart)."""
-    n, block = lay.instances, lay.dp * lay.cp // lay.instances
-    inner = volumes.dp_bytes(dense, lay.zero, block, m) + volumes.dp_bytes(expert, lay.zero, block // lay.ep, m)
-    seconds = inner / _bandwidth(cluster, lay.tp, block)
+    n, block, expert_block = lay.instances, lay.dp * lay.cp // lay.instances, lay.expert_dp // lay.instances
+    inner = volumes.dp_bytes(dense, lay.zero, block, m) + volumes.dp_bytes(expert, lay.zero, expert_block, m)
+    seconds = inner / _bandwidth(cluster, lay.tp, block)  # an expert block spans the same ranks
     if n > 1:
-        cross = volumes.replica_bytes(dense, block, n) + volumes.replica_bytes(expert, block // lay.ep, n)
+        cross = volumes.replica_bytes(dense, block, n) + volumes.replica_bytes(expert, expert_block, n)
         seconds += cross / _bandwidth(cluster, lay.tp * block, n)
     return seconds
 
@@ -219,7 +243,7 @@ def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layo
     compute = hardware / cluster.gpus / (peak * MATMUL_EFFICIENCY)
     comm = comm_seconds(spec, cluster, lay, m)
     bubble = (lay.pp - 1) / (lay.vpp * m)
-    step = (compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["pp"]) * (1 + bubble) + comm["dp"]
+    step = (compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["etp"] + comm["pp"]) * (1 + bubble) + comm["dp"]
     states, activations = memory_bytes(spec, lay, m)
     total = states + activations + RESERVED_BYTES
     return Estimate(

@@ -12,7 +12,7 @@ Parameters held per GPU (:func:`stage_params`), as the built model holds them:
   are replicated over TP, the up projections (``rq x a(dn + dr)`` or, without q compression,
   ``h x a(dn + dr)``; ``rkv x a(dn + dv)``) and the output (``a dv x h``) are split;
 * MLP: split over TP; an MoE layer holds its router (replicated), ``E / EP`` experts (split over
-  TP) and its shared experts (split over TP);
+  the expert-tensor-parallel size ETP, by default TP) and its shared experts (split over TP);
 * pipeline stages hold the layers of Megatron's partition (:func:`stage_layers`: an even split, or
   for a layer count PP does not divide, the middle stages ``ceil(L / PP)`` layers each and the rest
   shared by the first and last stages, as ``--decoder-first/last-pipeline-num-layers`` would);
@@ -182,8 +182,9 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
     return h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.add_bias_linear else 0), (h if spec.add_bias_linear else 0)
 
 
-def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
-    """``(dense, expert)`` parameters of one transformer layer held by one GPU (the module docstring)."""
+def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int | None = None) -> tuple[float, float]:
+    """``(dense, expert)`` parameters of one transformer layer held by one GPU (the module docstring;
+    ``etp``: the experts' tensor-parallel size, None for TP)."""
     h = spec.hidden_size
     split, replicated = attention_params(spec)
     replicated += 2 * spec.norm_params + (h if spec.add_bias_linear else 0)  # two norms; fc2's bias
@@ -191,7 +192,7 @@ def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, f
         return (split + _mlp_params(spec, spec.ffn_hidden_size)) / tp + replicated, 0.0
     shared = spec.moe_shared_expert_intermediate_size
     split += _mlp_params(spec, shared) if shared else 0
-    experts = spec.num_experts // ep * _mlp_params(spec, spec.moe_ffn_hidden_size) / tp
+    experts = spec.num_experts // ep * _mlp_params(spec, spec.moe_ffn_hidden_size) / (etp or tp)
     return split / tp + replicated + h * spec.num_experts, experts
 
 
@@ -216,7 +217,7 @@ def _moe_pattern(spec: ModelSpec) -> list[bool]:
 
 @lru_cache(maxsize=4096)
 def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: bool,
-                 stage: int | None = None) -> tuple[float, float]:
+                 stage: int | None = None, etp: int | None = None) -> tuple[float, float]:
     """``(dense, expert)`` parameters one GPU of a pipeline stage holds: its layers
     (:func:`stage_layers`), the embedding on the first stage, the final norm, the output layer (or
     the tied embedding's copy) and the MTP layers on the last. ``stage``: a middle stage's index."""
@@ -230,7 +231,7 @@ def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: 
         stage_pattern += pattern[-1:] * spec.mtp_num_layers
     dense = expert = 0.0
     for is_moe in stage_pattern:
-        d, e = layer_params(spec, tp, ep, is_moe)
+        d, e = layer_params(spec, tp, ep, is_moe, etp)
         dense, expert = dense + d, expert + e
     table = spec.padded_vocab(tp) * h / tp
     if first:

@@ -30,8 +30,9 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                       refusals: list | None = None):
     """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
     divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
-    EP a divisor of the experts, hybrid-sharding instances 1 or one per node (:func:`_instance_choices`,
-    sharded strategies only), the rest from the choices above.
+    EP a divisor of the experts, the experts' ETP the TP size or (at TP > 1) 1, hybrid-sharding
+    instances 1 or one per node (:func:`_instance_choices`, sharded strategies only), the rest from
+    the choices above.
     ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) replaces a field's choices by that one value
     (any value: ``{"micro_batch": 3}`` is tried though 3 is not among the choices). ``refusals``
     collects the reason of each layout :func:`check_layout` refused."""
@@ -45,11 +46,13 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
             continue
         dp = max(1, cluster.gpus // (t * p * cp))
         instances = [fixed["instances"]] if "instances" in fixed else _instance_choices(cluster, t, cp, dp)
-        for v, ep, b, zero, rc, n in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute")),
-                                             instances):
+        etps = [fixed["etp"]] if "etp" in fixed else [None, 1] if spec.is_moe and t > 1 else [None]
+        for v, ep, b, zero, rc, n, etp in product(*(choices[k] for k in ("vpp", "ep", "micro_batch", "zero", "recompute")),
+                                                  instances, etps):
             if n > 1 and zero == "no_shard" and not {"instances", "zero"} <= fixed.keys():
                 continue  # refused unless asked for both: else a fixed N's own refusal would hide behind it
-            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b, instances=n)
+            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b, instances=n,
+                         etp=etp)
             try:
                 check_layout(spec, cluster, global_batch, lay)
             except ConfigError as err:
@@ -82,22 +85,23 @@ def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict |
 
 _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
           "vpp": "--virtual-pipeline-model-parallel-size", "cp": "--context-parallel-size",
-          "ep": "--expert-model-parallel-size", "micro_batch": "--micro-batch-size",
+          "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "micro_batch": "--micro-batch-size",
           "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity",
           "instances": "--num-distributed-optimizer-instances"}
 
 
 _PLAIN = "{}".format
 COLUMNS = (("TP", "tp", _PLAIN), ("PP", "pp", _PLAIN), ("VPP", "vpp", _PLAIN), ("DP", "dp", _PLAIN), ("CP", "cp", _PLAIN),
-           ("EP", "ep", _PLAIN), ("ZeRO", "zero", _PLAIN), ("inst", "instances", _PLAIN), ("recompute", "recompute", _PLAIN),
+           ("EP", "ep", _PLAIN), ("ETP", "etp", _PLAIN), ("ZeRO", "zero", _PLAIN), ("inst", "instances", _PLAIN), ("recompute", "recompute", _PLAIN),
            ("mbs", "micro_batch", _PLAIN), ("mem GB", "mem_gb", figure), ("step s", "step_s", "{:.3g}".format),
            ("TFLOP/s/GPU", "tflops", figure), ("MFU", "mfu", lambda x: f"{figure(100 * x)}%"))
 
 
 def format_table(estimates: list[Estimate]) -> str:
-    """A fixed-width text table, one row per estimate."""
-    rows = [[fmt(e.row()[key]) for _, key, fmt in COLUMNS] for e in estimates]
-    widths = [max([len(name)] + [len(r[i]) for r in rows]) for i, (name, _, _) in enumerate(COLUMNS)]
-    lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(COLUMNS, widths))]
+    """A fixed-width text table, one row per estimate (the ETP column only where some layout sets it)."""
+    columns = [c for c in COLUMNS if c[1] != "etp" or any(e.layout.etp is not None for e in estimates)]
+    rows = [[fmt(e.row()[key]) for _, key, fmt in columns] for e in estimates]
+    widths = [max([len(name)] + [len(r[i]) for r in rows]) for i, (name, _, _) in enumerate(columns)]
+    lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(columns, widths))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)

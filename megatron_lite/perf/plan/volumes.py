@@ -9,7 +9,8 @@ counted for the busiest pipeline stage (:func:`stage_layer_counts`: the most lay
 layers counted on the last stage, and the most MoE layers).
 
 * TP: per layer and micro-batch two all-reduces of ``b s h`` forward and two backward (with
-  sequence parallelism the same bytes as all-gathers + reduce-scatters). Multi-latent attention
+  sequence parallelism the same bytes as all-gathers + reduce-scatters). An MoE layer without
+  shared experts has only the attention's half: its experts' traffic is the expert-TP term below. Multi-latent attention
   replaces the backward all-reduce at the attention's input by one of what its column-parallel
   projections read, ``b s (rq + rkv + dr)`` (``h`` for ``rq`` without q compression): the q and kv
   latents and the shared rotary key (under SP: all-gathered forward, reduce-scattered backward).
@@ -18,6 +19,9 @@ layers counted on the last stage, and the most MoE layers).
   ``b (a/t) s (dn + dr + dv)``.
 * EP (all-to-all dispatcher, uniform routing): the ``k b s / t`` routed slots of a rank's tokens,
   (e-1)/e of them to other ranks, go out and come back (dispatch, combine), forward and backward.
+* Expert TP (ETP = ``--expert-tensor-parallel-size``, default TP): the tokens a rank received are
+  all-gathered over its ETP group before the experts and the outputs reduce-scattered after, each
+  ``ETP k b s / t`` slots of ``h`` (ring: ``(ETP-1) k b s h / t`` bytes sent), forward and backward.
 * PP: per micro-batch and model chunk the activation ``b s h / t`` forward and its gradient back.
 * DP: ``no_shard`` all-reduces the fp32 gradients; ``optim`` reduce-scatters them and all-gathers
   the 16-bit weights; ``optim_grads`` reduce-scatters every micro-batch's gradients (nothing holds
@@ -66,8 +70,10 @@ def tp_bytes(spec, lay, m: int) -> float:
     tokens = lay.micro_batch * (spec.seq_length // lay.cp) * ACT_BYTES
     hidden = ring_bytes("all_reduce", tokens * spec.hidden_size, lay.tp)
     attention_in = ring_bytes("all_reduce", tokens * _attention_input(spec), lay.tp)
-    per_layer = (_passes(lay) - 1) * 2 * hidden + hidden + attention_in
-    return float(per_layer * stage_layer_counts(spec, lay.pp)[0] * m)
+    attention, mlp = (_passes(lay) - 1) * hidden + attention_in, _passes(lay) * hidden
+    layers, moe = stage_layer_counts(spec, lay.pp)
+    mlps = layers if spec.moe_shared_expert_intermediate_size else layers - moe  # the experts: etp_bytes
+    return float((attention * layers + mlp * mlps) * m)
 
 
 def cp_bytes(spec, lay, m: int) -> float:
@@ -91,6 +97,15 @@ def ep_bytes(spec, lay, m: int) -> float:
     slots = spec.moe_router_topk * lay.micro_batch * spec.seq_length // (lay.cp * lay.tp)
     one_way = ring_bytes("all_to_all", slots * spec.hidden_size * ACT_BYTES, e) * (e - 1) / e
     return float(2 * _passes(lay) * one_way * moe_layers * m)
+
+
+def etp_bytes(spec, lay, m: int) -> float:
+    e = lay.expert_tp
+    if e == 1 or not spec.is_moe:
+        return 0.0
+    slots = spec.moe_router_topk * lay.micro_batch * spec.seq_length // (lay.cp * lay.tp)
+    gather = ring_bytes("all_gather", e * slots * spec.hidden_size * ACT_BYTES, e)  # = the reduce-scatter
+    return float(2 * _passes(lay) * gather * stage_layer_counts(spec, lay.pp)[1] * m)
 
 
 def pp_bytes(spec, lay, m: int) -> float:
