@@ -274,6 +274,9 @@ def test_hybrid_sharding_is_searched_one_instance_per_node_and_refused_where_it_
                        (Layout(dp=16, zero="optim", instances=3), "instances 3 must divide DP 16")]:
         with pytest.raises(ConfigError, match=match):
             check_layout(SPEC, CLUSTER, 64, lay)
+    check_layout(SPEC, CLUSTER, 64, Layout(dp=2, cp=8, zero="optim", instances=4))  # N divides DP x CP, as Megatron
+    found = {(e.layout.dp, e.layout.instances) for e in plan(SPEC, CLUSTER, 64, {"tp": 1, "pp": 1, "cp": 16})}
+    assert found == {(1, 1), (1, 2)}  # DP 1 x CP 16 spans 2 nodes: one instance per node
 
 
 def test_tool_plans_and_refuses_hybrid_sharding(capsys):

@@ -66,7 +66,7 @@ def _instance_choices(cluster: ClusterSpec, t: int, cp: int, dp: int) -> list[in
     """Hybrid sharding choices: 1, and one instance per node when the DP x CP group spans several
     nodes (the sharding collectives then stay on NVLink, only the shard's all-reduce crosses nodes)."""
     nodes = t * cp * dp // cluster.gpus_per_node
-    return [1, nodes] if nodes > 1 and dp % nodes == 0 else [1]
+    return [1, nodes] if nodes > 1 and dp * cp % nodes == 0 else [1]
 
 
 def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict | None = None) -> list[Estimate]:
