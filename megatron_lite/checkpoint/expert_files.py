@@ -39,18 +39,33 @@ def expert_grid_fields(state) -> dict:
     return {"etp_size": state.etp_size, "expert_grid_folded": bool(state.folded)}
 
 
+_SIZES = (("tp_size", "tensor-model-parallel-size", "TP"), ("pp_size", "pipeline-model-parallel-size", "PP"),
+          ("ep_size", "expert-model-parallel-size", "EP"), ("etp_size", "expert-tensor-parallel-size", "ETP"))
+
+
 def check_expert_grid(path: str, ckpt: dict, state) -> None:
-    """A torch-format checkpoint of a folded grid resumes only at the same expert sizes (CheckpointError)."""
+    """A torch-format checkpoint of a folded grid resumes only at its own sizes, and a folded run
+    loads only such a checkpoint: one CheckpointError naming the saved and this run's sizes."""
     saved_folded = bool(ckpt.get("expert_grid_folded", False))
     if not (saved_folded or state.folded):
         return
-    saved_etp = ckpt.get("etp_size", ckpt.get("tp_size"))
-    if saved_folded != bool(state.folded) or saved_etp != state.etp_size:
-        raise CheckpointError(
-            f"checkpoint {path} was saved with expert-tensor-parallel-size {saved_etp} "
-            f"({'folded' if saved_folded else 'unfolded'} expert grid), this run uses {state.etp_size} "
-            f"({'folded' if state.folded else 'unfolded'}); match --expert-tensor-parallel-size and "
-            "--expert-model-parallel-size, or save with --ckpt-format torch_dist (it reshards the experts)")
+    g = state.grid
+    ours = {"etp_size": g.expert_tp, "ep_size": g.ep, "tp_size": g.tp, "pp_size": g.pp}
+    saved = {key: ckpt.get(key, 1) for key in ours}
+    saved["etp_size"] = ckpt.get("etp_size", saved["tp_size"])
+    if saved_folded == bool(state.folded) and saved == ours:
+        return
+    differ = [f"--{flag} {saved[key]}" for key, flag, _ in _SIZES if saved[key] != ours[key]]
+    fix = (f"set {', '.join(differ)}" if differ else "launch the saved data- and context-parallel sizes (the "
+           "experts fold where --expert-model-parallel-size does not divide the data-parallel size)")
+    raise CheckpointError(
+        f"checkpoint {path} was saved at {_grid(saved, saved_folded)}, this run has "
+        f"{_grid(ours, state.folded)}; a --ckpt-format torch checkpoint of a folded expert grid resumes only at "
+        f"its own sizes: {fix}, or save with --ckpt-format torch_dist (it reshards the experts)")
+
+
+def _grid(sizes: dict, folded) -> str:
+    return ", ".join(f"{short} {sizes[key]}" for key, _, short in _SIZES) + f" ({'' if folded else 'un'}folded expert grid)"
 
 
 def merge_folded_chunk(path: str, payloads: dict, pp_rank: int, chunk: int, merge_tp, merge_ep) -> dict:

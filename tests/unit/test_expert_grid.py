@@ -123,12 +123,32 @@ def test_folded_torch_files_hold_every_shard_once_and_every_rank_finds_its_own()
 
 
 def test_torch_checkpoint_of_a_folded_grid_resumes_only_at_its_expert_sizes():
-    saved = {"tp_size": 1, "etp_size": 2, "expert_grid_folded": True}
+    saved = {"tp_size": 1, "pp_size": 1, "ep_size": 2, "etp_size": 2, "expert_grid_folded": True}
     here = _rank_state(RankGrid(4, tp=2, ep=4, etp=1), 0)
-    with pytest.raises(CheckpointError, match="expert-tensor-parallel-size 2 .* this run uses 1 .*torch_dist"):
+    with pytest.raises(CheckpointError, match="ETP 2 .* this run has TP 2, PP 1, EP 4, ETP 1 .*--tensor-model-parallel-size 1"
+                                              ", --expert-model-parallel-size 2, --expert-tensor-parallel-size 2.*torch_dist"):
         check_expert_grid("ckpt", saved, here)
     check_expert_grid("ckpt", saved, _rank_state(RankGrid(4, ep=2, etp=2), 3))  # the same sizes load
     check_expert_grid("ckpt", {"tp_size": 2}, _rank_state(RankGrid(4, tp=2, ep=2), 1))  # unfolded: not its business
+
+
+@pytest.mark.parametrize("grid, fix", [
+    (RankGrid(4, tp=2, ep=2), "set --tensor-model-parallel-size 1,"),  # ETP 2 = TP 2 there: the unfolded grid
+    (RankGrid(4, tp=2, ep=2, etp=2), "set --tensor-model-parallel-size 1,"),
+    (RankGrid(4, cp=2, ep=2, etp=2), None),  # same sizes, CP 2 x DP 2 instead of DP 4: folded alike, loads
+])
+def test_folded_tp1_etp2_torch_checkpoint_at_tp2_names_tp_and_torch_dist(grid, fix):
+    """TP 1 with ETP 2 x EP 2 saved in torch format, resumed at TP 2 (ETP 2 by default): the refusal said
+    'saved with expert-tensor-parallel-size 2 ..., this run uses 2; match --expert-tensor-parallel-size',
+    naming a flag that already matched. It names the size that differs, the rule and torch_dist."""
+    saved = {"tp_size": 1, "pp_size": 1, "ep_size": 2, "etp_size": 2, "expert_grid_folded": True}
+    if fix is None:
+        return check_expert_grid("ckpt", saved, _rank_state(grid, 3))
+    with pytest.raises(CheckpointError) as err:
+        check_expert_grid("ckpt", saved, _rank_state(grid, 0))
+    message = str(err.value)
+    assert "resumes only at its own sizes" in message and fix in message and "--ckpt-format torch_dist" in message
+    assert "--expert-tensor-parallel-size" not in message and "\n" not in message, message
 
 
 def test_size_mismatch_of_a_folded_torch_checkpoint_does_not_advise_the_converter():
