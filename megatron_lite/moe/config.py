@@ -29,7 +29,6 @@ REFUSED = {
     "moe_router_fusion": "fused router kernels need Transformer Engine on a GPU",
     "moe_permute_fusion": "fused permute kernels need Transformer Engine on a GPU",
     "moe_enable_deepep": "DeepEP (flex dispatcher) needs its GPU kernels",
-    "moe_router_padding_for_fp8": "routing padding is not built (FP8 experts pad their GEMMs' token dimension themselves)",
     "moe_router_force_load_balancing": "benchmark-only random routing is not implemented",
     "moe_apply_probs_on_input": "weights are applied after the activation only",
     "moe_shared_expert_overlap": "overlapping shared experts with the dispatcher is not implemented",
@@ -76,7 +75,7 @@ class MoEConfig:
     moe_router_fusion: bool = False
     """Fused router kernels (refused: GPU-only)."""
     moe_router_padding_for_fp8: bool = False
-    """Pad expert token counts for FP8 (refused)."""
+    """Pad every expert's token count on each rank to the FP8 GEMM alignment (16; 32 with --fp8-recipe mxfp8, 128 with blockwise) with zero-weight padding tokens that change no output or gradient (needs --fp8-format, --num-experts and --moe-token-dispatcher-type alltoall)."""
     moe_router_force_load_balancing: bool = False
     """Random router logits for benchmarking (refused)."""
     moe_token_dispatcher_type: str = "allgather"
@@ -159,20 +158,36 @@ def normalize(moe: MoEConfig, ffn_hidden_size: int) -> None:
 
 
 def moe_config_problem(moe: MoEConfig, *, num_layers: int, tp: int, ep: int, sequence_parallel: bool,
-                       fp16: bool = False) -> str | None:
+                       fp16: bool = False, fp8: str | None = None) -> str | None:
     """The first bad MoE flag combination as one line naming the flag and the fix, or None.
 
-    Call after :func:`normalize`. ``sequence_parallel`` is the value the user asked for.
+    Call after :func:`normalize`. ``sequence_parallel`` is the value the user asked for; ``fp8`` the
+    FP8 format (None: no FP8).
     """
     for name, why in REFUSED.items():
         if getattr(moe, name):
             return f"--{name.replace('_', '-')} is not supported: {why}; drop it"
+    if moe.moe_router_padding_for_fp8 and (problem := _padding_problem(moe, fp8)):
+        return problem
     if not moe.num_experts:
         if ep > 1:
             return "--expert-model-parallel-size > 1 needs mixture-of-experts layers; set --num-experts"
         return None
     return _routing_problem(moe) or _parallel_problem(moe, num_layers=num_layers, tp=tp, ep=ep,
                                                       sequence_parallel=sequence_parallel, fp16=fp16)
+
+
+def _padding_problem(moe: MoEConfig, fp8: str | None) -> str | None:
+    """Megatron-LM's rules for --moe-router-padding-for-fp8: FP8 experts fed by the all-to-all dispatcher."""
+    flag = "--moe-router-padding-for-fp8"
+    if not moe.num_experts:
+        return f"{flag} pads the experts' token counts and needs --num-experts; drop it for a dense model"
+    if fp8 is None:
+        return f"{flag} needs FP8 (--fp8-format e4m3 or hybrid); add it or drop {flag}"
+    if moe.moe_token_dispatcher_type != "alltoall":
+        return (f"{flag} needs --moe-token-dispatcher-type alltoall (got {moe.moe_token_dispatcher_type}); "
+                f"switch the dispatcher or drop {flag}")
+    return None
 
 
 def _routing_problem(moe: MoEConfig) -> str | None:
@@ -269,7 +284,7 @@ def check_moe_fields(config) -> None:
         config, num_layers=config.num_layers, tp=config.tensor_model_parallel_size,
         ep=config.expert_model_parallel_size,
         sequence_parallel=config.sequence_parallel or config.moe_split_tokens_over_tp,
-        fp16=config.params_dtype == torch.float16)
+        fp16=config.params_dtype == torch.float16, fp8=config.fp8)
     if problem:
         raise ConfigError(problem)
 

@@ -22,6 +22,7 @@ import torch
 
 from ..parallel import comm
 from .experts import expert_tp_group
+from .routing import pad_routing_map
 
 DISPATCHER_TYPES = ("allgather", "alltoall")
 
@@ -78,6 +79,22 @@ def permute(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     return hidden.index_select(0, token_index), probs[token_index, expert_index], token_index
 
 
+def permute_padded(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, multiple: int):
+    """:func:`permute` with each expert's row count padded to a multiple of ``multiple``
+    (:func:`~megatron_lite.moe.routing.pad_routing_map`). An expert's routed tokens come first, in
+    ascending order as in :func:`permute`, then its padding slots, whose rows are zero and whose
+    weight is 0: they change no FP8 amax and add nothing to any output or gradient. Returns
+    ``(rows, weights, token_index, keep [N, 1], padded_map)``; ``keep`` is 1 for a routed row, 0 for
+    padding, and zeroes the padding rows' outputs in the combine (so their output gradient is zero too)."""
+    padded = pad_routing_map(routing_map, multiple)
+    slots = torch.stack([routing_map.t(), padded.t() & ~routing_map.t()], dim=1)  # [E, 2, T]: routed, padding
+    expert_index, is_pad, token_index = slots.nonzero(as_tuple=True)
+    keep = (is_pad == 0).unsqueeze(1)
+    rows = hidden.index_select(0, token_index) * keep.to(hidden.dtype)
+    weights = probs[token_index, expert_index] * keep.squeeze(1).to(probs.dtype)
+    return rows, weights, token_index, keep, padded
+
+
 def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Sum each row back into its token (the k expert outputs of a token add up)."""
     out = rows.new_zeros(num_tokens, rows.shape[-1])
@@ -85,7 +102,11 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) ->
 
 
 class AllToAllDispatcher:
-    def __init__(self, config, state):
+    """``pad_multiple`` (``--moe-router-padding-for-fp8``): every expert's token count on every rank is
+    padded to a multiple of it (:func:`permute_padded`), so each expert receives a multiple in total."""
+
+    def __init__(self, config, state, pad_multiple: int | None = None):
+        self.pad_multiple = pad_multiple
         self.num_experts = config.num_experts
         self.ep_group, self.etp_group = state.ep_group, expert_tp_group(config, state)
         self.ep_size, self.etp_size = state.ep_size, comm.group_size(self.etp_group)
@@ -99,7 +120,11 @@ class AllToAllDispatcher:
         return self.combine(experts(rows, weights, tokens_per_expert), ctx)
 
     def dispatch(self, hidden, probs, routing_map):
-        rows, weights, token_index = permute(hidden, probs, routing_map)
+        keep = None
+        if self.pad_multiple:
+            rows, weights, token_index, keep, routing_map = permute_padded(hidden, probs, routing_map, self.pad_multiple)
+        else:
+            rows, weights, token_index = permute(hidden, probs, routing_map)
         counts = routing_map.sum(dim=0)
         groups = (self.ep_group,) + ((self.etp_group,) if self.etp_size > 1 else ())
         # received[t, j, i]: rows for local expert i from EP rank j (on expert-tensor rank t)
@@ -116,13 +141,15 @@ class AllToAllDispatcher:
         weights = all_gather_v(weights, self.etp_group, etp_sizes)
         order = _chunk_order(received.reshape(-1, self.num_local)).to(rows.device)
         tokens_per_expert = received.sum(dim=(0, 1)).tolist()
-        ctx = (token_index, hidden.shape[0], input_splits, output_splits, etp_sizes, torch.argsort(order))
+        ctx = (token_index, hidden.shape[0], input_splits, output_splits, etp_sizes, torch.argsort(order), keep)
         return rows.index_select(0, order), weights.index_select(0, order), tokens_per_expert, ctx
 
     def combine(self, rows, ctx):
-        token_index, num_tokens, input_splits, output_splits, etp_sizes, inverse = ctx
+        token_index, num_tokens, input_splits, output_splits, etp_sizes, inverse, keep = ctx
         rows = reduce_scatter_v(rows.index_select(0, inverse), self.etp_group, etp_sizes)
         rows = comm.all_to_all(rows, self.ep_group, input_splits, output_splits, kind="ep")
+        if keep is not None:  # padding rows: no output, so no output gradient reaches the experts
+            rows = rows * keep.to(rows.dtype)
         return unpermute(rows, token_index, num_tokens)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..parallel import comm
+from ..precision.fp8_block import token_alignment
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts, SequentialExperts
 from .router import TopKRouter
@@ -39,6 +40,17 @@ def check_layer_config(config, state) -> None:
     if not state.folded and etp not in (None, 1, state.tp_size):
         raise ConfigError(f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size "
                           f"{state.tp_size} unless the parallel state folds the experts (ParallelState(etp=...))")
+    if config.moe_router_padding_for_fp8 and config.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError("--moe-router-padding-for-fp8 needs --moe-token-dispatcher-type alltoall")
+
+
+def fp8_pad_multiple(config, layer_number: int) -> int | None:
+    """With ``--moe-router-padding-for-fp8``, the multiple each expert's token count is padded to in an
+    FP8 layer (:func:`~megatron_lite.precision.fp8_block.token_alignment` of the recipe); else None
+    (a layer kept in bf16 by ``--first-last-layers-bf16`` is not padded)."""
+    if not config.moe_router_padding_for_fp8 or not config.is_fp8_layer(layer_number):
+        return None
+    return token_alignment(config.fp8_recipe)
 
 
 class MoELayer(nn.Module):
@@ -51,8 +63,10 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, state, layer_number)
         experts = GroupedExperts if config.moe_grouped_gemm else SequentialExperts
         self.experts = experts(config, state, layer_number)
-        dispatcher = AllToAllDispatcher if config.moe_token_dispatcher_type == "alltoall" else AllGatherDispatcher
-        self.token_dispatcher = dispatcher(config, state)
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.token_dispatcher = AllToAllDispatcher(config, state, pad_multiple=fp8_pad_multiple(config, layer_number))
+        else:
+            self.token_dispatcher = AllGatherDispatcher(config, state)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(config, state, layer_number)

@@ -160,3 +160,15 @@ def drop_to_capacity(routing_probs: torch.Tensor, routing_map: torch.Tensor, cap
     new_map = keep if pad_to_capacity else routing_map & keep
     num_dropped = int((routing_map & ~keep).sum())
     return routing_probs * new_map, new_map, num_dropped
+
+
+def pad_routing_map(routing_map: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``--moe-router-padding-for-fp8``: the map with each expert's column count raised to a multiple
+    of ``multiple`` by adding the earliest tokens not yet routed to it (a rank with too few tokens
+    gives an expert all of them). The added slots are padding: the dispatcher routes them with weight
+    0 and zero rows (:func:`megatron_lite.moe.dispatcher.permute_padded`)."""
+    counts = routing_map.sum(dim=0)
+    missing = (-counts) % multiple
+    free = ~routing_map
+    rank_among_free = free.long().cumsum(dim=0)  # 1 for an expert's first unrouted token, 2 for its next, ...
+    return routing_map | (free & (rank_among_free <= missing.unsqueeze(0)))

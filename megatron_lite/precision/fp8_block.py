@@ -35,12 +35,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8_ops import E4M3, FP8_MAX, cpu_compute_dtype, widen
+from .fp8_ops import E4M3, FP8_MAX, GEMM_ALIGNMENT, cpu_compute_dtype, widen
 
 BLOCK_SIZE = {"blockwise": 128, "mxfp8": 32}
 BLOCK_RECIPES = tuple(BLOCK_SIZE)
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 POW2_FOR_INF = 2.0**127  # a scale that overflows fp32 (tiny amax): the largest power of two
+
+
+def token_alignment(recipe: str) -> int:
+    """The multiple of tokens an FP8 GEMM of ``recipe`` wants in its token dimension (the reduction
+    dimension of the weight gradient), which ``--moe-router-padding-for-fp8`` pads every expert to:
+    the block size for ``blockwise`` (128) and ``mxfp8`` (32), so no token block is partial; 16
+    for ``delayed`` and ``tensorwise`` (``torch._scaled_mm``'s alignment, which the weight-gradient
+    GEMM otherwise reaches by appending zero rows)."""
+    return BLOCK_SIZE.get(recipe, GEMM_ALIGNMENT)
 
 
 def pow2_block_scale(block_amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
