@@ -201,7 +201,7 @@ class Fp8Gemm(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.recipe.recipe in BLOCK_RECIPES:  # per-block current scaling: no state, no reduction
-            return BlockFp8LinearFunction.apply(x, weight, bias, self)
+            return BlockFp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
         # delayed scaling learns from training passes only: evaluation (no grad) leaves no trace
         return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
 
@@ -340,7 +340,10 @@ def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_gr
     its scales and history. Call on every rank after the last backward of the step. Returns the
     number of gemms updated.
     """
-    delayed = [g for g in fp8_gemms(modules) if g.recipe.recipe == "delayed"]
+    gemms = fp8_gemms(modules)
+    for g in gemms:  # every recipe's weight cache of this step: the optimizer writes the weights next
+        g.drop_weight_cache()
+    delayed = [g for g in gemms if g.recipe.recipe == "delayed"]
     if not delayed:
         return 0
     latest = torch.stack([g.amax_history[0] for g in delayed])
@@ -349,10 +352,8 @@ def update_fp8_scales(modules: nn.Module | Iterable[nn.Module], data_parallel_gr
         by_group.setdefault(id(g.amax_group), []).append(i)
     for rows in by_group.values():
         _all_reduce_max_rows(latest, rows, delayed[rows[0]].amax_group)
-    dense = [i for i, g in enumerate(delayed) if not g.expert]
-    experts = [i for i, g in enumerate(delayed) if g.expert]
-    _all_reduce_max_rows(latest, dense, data_parallel_group)
-    _all_reduce_max_rows(latest, experts, expert_data_parallel_group)
+    for expert, group in ((False, data_parallel_group), (True, expert_data_parallel_group)):
+        _all_reduce_max_rows(latest, [i for i, g in enumerate(delayed) if g.expert == expert], group)
     for g, row in zip(delayed, latest):
         g.update_scales(row)
     return len(delayed)

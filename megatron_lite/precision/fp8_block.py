@@ -31,7 +31,7 @@ product up to summation order (bf16 on a CPU whose bf16 GEMM is faster, for bf16
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,6 +83,8 @@ class BlockFp8:
     data: torch.Tensor
     scale_inv: torch.Tensor
     block: tuple[int, int]
+    wide: dict | None = field(default=None, repr=False, compare=False)
+    """dtype -> :meth:`dequantize` result, kept (a cached weight's: the same values all step); None: not kept."""
 
     def t(self) -> BlockFp8:
         return BlockFp8(self.data.t(), self.scale_inv.t(), (self.block[1], self.block[0]))
@@ -92,11 +94,16 @@ class BlockFp8:
         return self.scale_inv.to(torch.float8_e8m0fnu)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The represented values in ``dtype`` (exact in fp32 and bf16)."""
+        """The represented values in ``dtype`` (exact in fp32 and bf16); kept in :attr:`wide` when it is a dict."""
+        if self.wide is not None and dtype in self.wide:
+            return self.wide[dtype]
         rows, cols = self.data.shape
         (br, bc), wide = self.block, _padded(widen(self.data, torch.float32), *self.block)
         tiles = wide.view(wide.shape[0] // br, br, wide.shape[1] // bc, bc).mul_(self.scale_inv[:, None, :, None])
-        return tiles.to(dtype).reshape(wide.shape)[:rows, :cols]
+        values = tiles.to(dtype).reshape(wide.shape)[:rows, :cols]
+        if self.wide is not None:
+            self.wide[dtype] = values
+        return values
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -124,11 +131,18 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], recipe: str, dtype:
     return BlockFp8(q.reshape(xp.shape)[:rows, :cols], scale_inv, block)
 
 
-def block_matmul(a: BlockFp8, b: BlockFp8, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)`` with fp32 accumulation, in ``out_dtype`` (module docstring)."""
-    compute = cpu_compute_dtype(out_dtype) if a.data.device.type == "cpu" else (
-        torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    return (a.dequantize(compute) @ b.dequantize(compute)).to(out_dtype)
+def _compute_dtype(device: torch.device, out_dtype: torch.dtype) -> torch.dtype:
+    if device.type == "cpu":
+        return cpu_compute_dtype(out_dtype)
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+
+
+def block_matmul(a: BlockFp8, b: BlockFp8, out_dtype: torch.dtype, b_transposed: bool = False) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)`` (``dequant(b)^T`` with ``b_transposed``) with fp32 accumulation, in
+    ``out_dtype`` (module docstring)."""
+    compute = _compute_dtype(a.data.device, out_dtype)
+    wide_b = b.dequantize(compute)
+    return (a.dequantize(compute) @ (wide_b.t() if b_transposed else wide_b)).to(out_dtype)
 
 
 def _rows(x: torch.Tensor, size: int, recipe: str, dtype: torch.dtype) -> BlockFp8:
@@ -145,48 +159,69 @@ def _pack(q: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:
     return q.data, q.scale_inv
 
 
+def weight_blocks(gemm, weight: torch.Tensor, record: bool) -> tuple[BlockFp8, BlockFp8]:
+    """The quantised weight for the forward GEMM and for dgrad (the same object for ``blockwise``, whose
+    128 x 128 tiles serve both). Training calls (``record``) keep them in ``gemm``'s weight cache for the
+    rest of the step, with their dequantised forms, as the delayed recipe keeps its E4M3 weight
+    (:meth:`~megatron_lite.precision.fp8.Fp8Gemm._cached_weight`): the weight and its block scales are
+    fixed until the optimizer writes it, so every later micro-batch (and a recomputed forward) reuses
+    them. The once-per-step :func:`~megatron_lite.precision.fp8.update_fp8_scales` (before the optimizer
+    writes the weights, which through a flat parameter buffer bumps no tensor version) drops it, and it
+    is keyed on the weight tensor's storage, layout and version, so an in-place write or a checkpoint
+    load quantises again too; ``drop_weight_cache`` (ZeRO-3) and a dtype or device cast drop it.
+    Evaluation (no grad) quantises per call and keeps nothing."""
+    cache = gemm._weight_fp8
+    key = gemm._weight_key(weight) if record else None
+    if record and cache is not None and cache["key"] == key and "blocks" in cache:
+        return cache["blocks"]
+    name = gemm.recipe.recipe
+    size = BLOCK_SIZE[name]
+    if name == "blockwise":
+        wq = quantize_blocks(weight, (size, size), name, E4M3)
+        w_dgrad = wq
+    else:  # mxfp8: along the input features (forward), along the output features (dgrad's reduction)
+        wq, w_dgrad = _rows(weight, size, name, E4M3), _cols(weight, size, name, E4M3)
+    if record:
+        for q in {id(wq): wq, id(w_dgrad): w_dgrad}.values():
+            q.wide = {}
+        gemm._weight_fp8 = {"key": key, "blocks": (wq, w_dgrad)}
+    return wq, w_dgrad
+
+
 class BlockFp8LinearFunction(torch.autograd.Function):
     """``x @ weight.T + bias`` with the forward, dgrad and wgrad GEMMs block-scaled (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gemm):
+    def forward(ctx, x, weight, bias, gemm, record=False):
         recipe = gemm.recipe
         size, name = BLOCK_SIZE[recipe.recipe], recipe.recipe
         x2 = x.reshape(-1, x.shape[-1])
         xq = _rows(x2, size, name, E4M3)  # along the input features (the forward's reduction dimension)
-        if name == "blockwise":
-            wq = quantize_blocks(weight, (size, size), name, E4M3)
-        else:
-            wq = _rows(weight, size, name, E4M3)
-        out = block_matmul(xq, wq.t(), x.dtype)
+        wq, w_dgrad = weight_blocks(gemm, weight, record)
+        out = block_matmul(xq, wq, x.dtype, b_transposed=True)
         if bias is not None:
             out = out + bias
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         if not any(ctx.needs_input_grad):  # evaluation: no operands for backward GEMMs
             return out
-        if name == "blockwise":
-            w_dgrad = wq  # a 128 x 128 tile is the same block in W and W^T
-        else:
-            w_dgrad = _cols(weight, size, name, E4M3)  # along the output features (dgrad's reduction)
         if recipe.wgrad:  # along the tokens (wgrad's reduction dimension)
-            ctx.save_for_backward(*_pack(_cols(x2, size, name, E4M3)), *_pack(w_dgrad))
+            ctx.save_for_backward(*_pack(_cols(x2, size, name, E4M3)))
         else:
-            ctx.save_for_backward(x2.detach(), torch.empty(0), *_pack(w_dgrad))
+            ctx.save_for_backward(x2.detach(), torch.empty(0))
         ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
         ctx.w_dtype, ctx.b_dtype, ctx.size = weight.dtype, None if bias is None else bias.dtype, size
-        ctx.w_block = w_dgrad.block
+        ctx.w_dgrad = w_dgrad  # (kept whole: a cached weight's dequantised form comes with it)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        x_data, x_scale = ctx.saved_tensors
         recipe, size = ctx.gemm.recipe, ctx.size
         name, gdtype = recipe.recipe, recipe.grad_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            w_dgrad = BlockFp8(w_data, w_scale, ctx.w_block)
-            dx = block_matmul(_rows(dy2, size, name, gdtype), w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
+            dx = block_matmul(_rows(dy2, size, name, gdtype), ctx.w_dgrad, ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad:
                 x_wgrad = BlockFp8(x_data, x_scale, (size, 1))
@@ -195,7 +230,7 @@ class BlockFp8LinearFunction(torch.autograd.Function):
                 dw = (dy2.to(x_data.dtype).t() @ x_data).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def describe_block_recipe(recipe: str) -> str:

@@ -213,10 +213,12 @@ def test_values_loaded_into_gathered_zero3_params_are_kept_in_the_shards():
     run_ranks(2, _load_inside_full_params)
 
 
-def test_zero3_fp8_keeps_no_quantised_weight_of_a_freed_unit():
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_zero3_fp8_keeps_no_quantised_weight_of_a_freed_unit(recipe):
     """An FP8 gemm caches its quantised weight (and its dgrad operand) for the step's other
     micro-batches: a full-size copy per layer, as large as the bf16 weights ZeRO-3 shards. Freeing
-    a unit drops it; the same micro-batches without ZeRO-3 keep it (the cache is there to drop)."""
+    a unit drops it; the same micro-batches without ZeRO-3 keep it (the cache is there to drop).
+    Block-scaled recipes cache theirs the same way."""
     from megatron_lite.config import ModelConfig
     from megatron_lite.parallel.data_parallel import DistributedDataParallel
     from megatron_lite.parallel.random import model_parallel_seed
@@ -229,7 +231,7 @@ def test_zero3_fp8_keeps_no_quantised_weight_of_a_freed_unit():
     for wrap in (FullyShardedDataParallel, DistributedDataParallel):
         model_parallel_seed(3, state)
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
-        model = wrap(GPTModel(transformer_config(cfg, state, fp8="hybrid"), state, pre_process=True, post_process=True),
+        model = wrap(GPTModel(transformer_config(cfg, state, fp8="hybrid", fp8_recipe=recipe), state, pre_process=True, post_process=True),
                      state)
         gemms = fp8_gemms(model)
         assert len(gemms) == 2 * 4
