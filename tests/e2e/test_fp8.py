@@ -10,7 +10,8 @@
   exactly the weight scales of the unsharded run.
 * Resume: stop after 6 of 12 steps and resume: bit-identical losses (the amax histories and scales
   are in the checkpoint; without them the resumed steps would quantise with scale 1).
-* Bad FP8 flags exit with code 2 and one line.
+* ``--moe-router-padding-for-fp8``: an FP8 MoE run's losses and gradient norms equal the unpadded run's.
+* Bad FP8 flags exit with code 2 and one line (the padding flag without FP8, experts or alltoall too).
 * ``--transformer-impl transformer_engine`` through the CLI, with the stand-in TE package (no real
   TE here): the run trains, the flags reach TE's recipe, and the losses follow the local bf16 run
   (the stand-in computes in fp32 and never quantises, so within bf16 rounding: relative 2e-2).
@@ -28,7 +29,7 @@ from megatron_lite.checkpoint.merge import merge_checkpoint
 from megatron_lite.precision.flags import transformer_engine_missing
 from megatron_lite.precision.fp8 import is_fp8_state_key
 from tests import fake_transformer_engine as fake_te
-from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _real_data
+from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _real_data, _single
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
@@ -205,6 +206,16 @@ def test_startup_log_names_the_fp8_path(tmp_path, capsys):
     assert "dequantised GEMMs with fp32 accumulation" in out and "chosen by a one-time probe" in out
 
 
+def test_router_padding_for_fp8_trains_as_without_it(tmp_path):
+    """--moe-router-padding-for-fp8 through the CLI (bf16, tensorwise, 4 steps of 4 micro-batches): the
+    padding rows are zero with weight 0, so losses and gradient norms equal the unpadded run's."""
+    moe = FP8 + ["--fp8-recipe", "tensorwise", "--num-experts", "4", "--moe-grouped-gemm",
+                 "--moe-token-dispatcher-type", "alltoall"]
+    plain, _ = _single(tmp_path, "plain", 4, moe)
+    padded, _ = _single(tmp_path, "padded", 4, moe + ["--moe-router-padding-for-fp8"])
+    assert_same_trajectory(padded, plain, rtol=1e-6, what="padded")
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--fp8-format", "hybrid"], ["--fp8-format", "--bf16"]),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "nvfp4"], ["--fp8-recipe", "nvfp4"]),
@@ -213,6 +224,10 @@ def test_startup_log_names_the_fp8_path(tmp_path, capsys):
                  marks=pytest.mark.skipif(not transformer_engine_missing(), reason="Transformer Engine and a GPU present")),
     (["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3",
       "--num-layers-at-end-in-bf16", "2"], ["--num-layers-at-start-in-bf16"]),
+    (["--bf16", "--num-experts", "4", "--moe-router-padding-for-fp8"], ["--moe-router-padding-for-fp8", "needs FP8"]),
+    (["--bf16", "--fp8-format", "hybrid", "--moe-router-padding-for-fp8"], ["--moe-router-padding-for-fp8", "--num-experts"]),
+    (["--bf16", "--fp8-format", "hybrid", "--num-experts", "4", "--moe-router-padding-for-fp8"],
+     ["--moe-router-padding-for-fp8", "--moe-token-dispatcher-type alltoall"]),
 ])
 def test_bad_fp8_flags_exit_2_with_one_line(capsys, flags, words):
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
