@@ -42,7 +42,7 @@ from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
-from pretrain_gpt import build_tokenizer_for, my_layer_ranges, set_vocab
+from pretrain_gpt import build_tokenizer_for, checked_token_ids, my_layer_ranges, set_vocab
 
 MIN_SEQ_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in each segment
 
@@ -140,6 +140,12 @@ def forward_step(with_binary_head: bool, data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"].float(), batch["is_random"])
 
 
+def bert_token_ids(batch) -> tuple:
+    """A BERT batch's token ids: the (masked) text and the original ids at the predicted positions
+    (labels are -1 elsewhere). Data tokenized with another vocabulary is refused in one line."""
+    return batch["text"], batch["labels"].clamp(min=0)
+
+
 def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
@@ -151,8 +157,10 @@ def make_datasets_provider(tokenizer):
         train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, [train_samples, valid_samples, 0],
                                                                 tokenizer)
 
-        return chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train, consumed_valid,
-                                    len(my_layer_ranges(config, state)))
+        return chunk_data_iterators(
+            config, state, train_ds, valid_ds, consumed_train, consumed_valid, len(my_layer_ranges(config, state)),
+            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, config.data.data_path, ids_of=bert_token_ids),
+        )
 
     return provider
 

@@ -139,11 +139,18 @@ def forward_step(data_iterator, model):
                            per_token=config.calculate_per_token_loss)
 
 
-def checked_token_ids(batches, vocab_size: int, data_path):
+def token_ids_of(batch) -> tuple:
+    """A GPT batch's token ids: the inputs and the labels (a sample's last label is no input)."""
+    return batch["tokens"], batch["labels"]
+
+
+def checked_token_ids(batches, vocab_size: int, data_path, ids_of=token_ids_of):
     """Pass batches through, refusing token ids the tokenizer cannot have produced (checked on the
-    CPU before the batch moves to the device, so it costs no device synchronisation)."""
+    CPU before the batch moves to the device, so it costs no device synchronisation). ``ids_of(batch)``
+    gives the batch's token-id tensors (pretrain_bert.py passes its own)."""
     for batch in batches:
-        top, low = int(batch["tokens"].max()), int(batch["tokens"].min())
+        ids = ids_of(batch)
+        top, low = max(int(t.max()) for t in ids), min(int(t.min()) for t in ids)
         if low < 0:
             raise DataConfigError(
                 f"--data-path {' '.join(data_path or [])}: negative token id {low}; the data is corrupt or was "

@@ -145,11 +145,19 @@ def _bad_vocab(data):
     return str(path)
 
 
+def _smaller_vocab(data):
+    """The first 40 lines of the data's vocabulary: the data holds ids this one does not have."""
+    path = data["dir"] / "smaller-vocab.txt"
+    path.write_text("\n".join(open(data["tok"][-1]).read().splitlines()[:40]) + "\n")
+    return str(path)
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
         ("document", ["document-level", "--split-sentences"]),
         ("vocab", ["[CLS]"]),
+        ("other_vocab", ["token id", "outside the tokenizer's vocabulary of 40", "another tokenizer"]),
         ("seq", ["--seq-length 4", "at least 5"]),
         ("bert_load", ["--bert-load", "--load"]),
         ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase"]),
@@ -162,6 +170,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
         argv += ["--data-path", data["document"]]
     elif case == "vocab":
         argv += ["--vocab-file", _bad_vocab(data)]
+    elif case == "other_vocab":
+        argv += ["--vocab-file", _smaller_vocab(data)]
     elif case == "seq":
         argv += ["--seq-length", "4"]
     elif case == "bert_load":

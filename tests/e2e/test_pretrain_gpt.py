@@ -274,6 +274,23 @@ def test_data_that_does_not_fit_the_tokenizer_is_one_line(tmp_path, sample_datas
     _one_line_exit_2(capsys, argv, *words)
 
 
+def test_a_token_id_only_in_the_labels_is_refused_too(tmp_path, capsys):
+    """One sample of 16 inputs whose 17th token (a label, never an input) is outside the vocabulary: the
+    labels are checked as well as the inputs (the loss silently skipped that target)."""
+    from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "labels_text_document")
+    with IndexedDatasetBuilder(prefix, "uint16") as builder:
+        builder.add_document(list(range(1, 17)) + [150], [17])
+    model = [a for a in MODEL if a != "--mock-data"]
+    i = model.index("--vocab-size")
+    del model[i : i + 2]
+    argv = model + ["--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                    "100", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                    "--lr-warmup-iters", "0", "--data-cache-path", str(tmp_path / "c")]
+    _one_line_exit_2(capsys, argv, "token id 150", "outside the tokenizer's vocabulary of 101")
+
+
 def test_distributed_optimizer_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
     extra = ["--use-distributed-optimizer"]
     straight, _ = _single(tmp_path, "straight", 8, extra)
