@@ -51,7 +51,14 @@ def _load(folder: str, names: list[str]) -> dict[str, np.ndarray] | None:
     paths = {name: os.path.join(folder, f"{name}.npy") for name in names}
     if not all(os.path.isfile(p) for p in paths.values()):
         return None
-    return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()}
+    arrays = {}
+    for name, path in paths.items():
+        try:
+            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, EOFError, OSError) as err:  # cut short or overwritten after it was written
+            raise DataFileError(f"{path}: damaged index cache ({err}); delete {folder} and it is built "
+                                f"again (--data-cache-path)") from None
+    return arrays
 
 
 def _write(folder: str, description: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -101,7 +108,11 @@ def load_or_build(cache_dir: str | None, description: dict, names: list[str],
             missing = set(names) - set(arrays)
             if missing:
                 raise KeyError(f"index builder did not return arrays {sorted(missing)}")
-            _write(folder, description, {name: arrays[name] for name in names})
+            try:
+                _write(folder, description, {name: arrays[name] for name in names})
+            except OSError as err:  # a full disk or quota: nothing half-written is left (see _write)
+                raise DataFileError(f"--data-cache-path {cache_dir}: cannot write the index cache there ({err}); "
+                                    f"free space or pass another --data-cache-path") from None
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
     loaded = _load(folder, names)

@@ -13,7 +13,7 @@ from megatron_lite.data.gpt_dataset import (
     build_gpt_indices,
     build_sample_index,
 )
-from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset, IndexedDatasetBuilder
 
 
 # -- independent references (plain loops over Megatron's index definitions) ------------------------
@@ -206,6 +206,33 @@ def test_rewritten_dataset_gets_a_new_cache(tmp_path):
     second = GPTDataset(write_dataset(tmp_path / "d", [9] * 30), np.arange(30), 50, cfg)
     assert (first.index_source, second.index_source) == ("built", "built")
     assert all(len(second[i]["tokens"]) == 8 for i in range(len(second)))
+
+
+@pytest.mark.parametrize("size", [0, 100, -8])
+def test_a_damaged_cache_file_is_one_error_naming_it(tmp_path, size):
+    """A cached .npy cut short (empty, inside its header, or missing its last bytes) is a DataFileError
+    naming the file and the folder to delete, not a numpy EOFError / ValueError about the --data-path."""
+    ds_file = write_dataset(tmp_path / "d", list(range(1, 40)))
+    cfg = GPTDatasetConfig(seq_length=16, seed=3, data_cache_path=str(tmp_path / "cache"))
+    assert GPTDataset(ds_file, np.arange(30), 200, cfg).index_source == "built"
+    (folder,) = [f for f in (tmp_path / "cache").iterdir() if f.is_dir()]
+    damaged = folder / "sample_index.npy"
+    os.truncate(damaged, size if size >= 0 else damaged.stat().st_size + size)
+    with pytest.raises(DataFileError, match="sample_index.npy: damaged index cache") as err:
+        GPTDataset(ds_file, np.arange(30), 200, cfg)
+    assert f"delete {folder}" in str(err.value)
+
+
+def test_a_cache_that_cannot_be_written_is_one_error_naming_the_flag(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", disk_full)
+    ds_file = write_dataset(tmp_path / "d", list(range(1, 40)))
+    cfg = GPTDatasetConfig(seq_length=16, seed=3, data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(DataFileError, match="--data-cache-path .*No space left on device"):
+        GPTDataset(ds_file, np.arange(30), 200, cfg)
+    assert [f.name for f in (tmp_path / "cache").iterdir() if not f.name.endswith(".lock")] == []
 
 
 def _build_in_process(prefix, cache, barrier, results):
