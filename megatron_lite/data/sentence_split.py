@@ -78,9 +78,11 @@ class NltkSplitter:
                               "and its punkt data; use the default built-in splitter otherwise") from None
         try:
             splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
-        except LookupError:
-            raise ImportError(f"nltk punkt data for {lang!r} is not installed; run "
-                              f"python -m nltk.downloader punkt, or use the built-in splitter") from None
+        except LookupError as err:  # nltk >= 3.9 loads punkt_tab (no pickle) for this name: name what it lacks
+            found = re.search(r"Resource \W*(punkt\w*)", str(err))
+            package = found.group(1) if found else "punkt"
+            raise ImportError(f"nltk {package} data for {lang!r} is not installed; run "
+                              f"python -m nltk.downloader {package}, or use the built-in splitter") from None
         self.splitter = splitter
         self.keep_newlines = keep_newlines
 

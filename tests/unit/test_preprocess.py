@@ -406,3 +406,18 @@ def test_a_pool_terminate_that_never_returns_does_not_hang_the_run(tmp_path, tok
         run(out_dir, dict(tokenizer_type="GPT2BPETokenizer", **tok_files["GPT2BPETokenizer"]), workers=2)
     assert len(stuck) == 1 and os.listdir(out_dir) == []
     assert not any(p.is_alive() for p in stuck[0]._pool)
+
+
+def test_missing_nltk_data_names_the_package_this_nltk_loads(tmp_path, monkeypatch):
+    """nltk >= 3.9 loads punkt_tab (not the punkt pickle) for 'tokenizers/punkt/english.pickle': the hint
+    must name the package nltk itself is missing, or following it does not help."""
+    nltk = pytest.importorskip("nltk")
+    from megatron_lite.data.sentence_split import build_splitter
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
+    monkeypatch.delenv("NLTK_DATA", raising=False)
+    with pytest.raises(LookupError) as missing:
+        nltk.load("tokenizers/punkt/english.pickle")
+    package = "punkt_tab" if "punkt_tab" in str(missing.value) else "punkt"
+    with pytest.raises(ImportError, match=f"python -m nltk.downloader {package},"):
+        build_splitter("nltk", "english")
