@@ -349,6 +349,11 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     if cfg.append_eod and _worker["tokenizer"].eod is None:
         raise ValueError(f"--append-eod: tokenizer {cfg.tokenizer['tokenizer_type']} has no EOD token")
     dtype = _worker["dtype"]
+    out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
+    try:  # before any work: a file standing where the folder should be is the user's to fix
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataFileError(f"--output-prefix {cfg.output_prefix}: cannot write the datasets there ({e})") from None
     prefixes = output_prefixes(cfg)
     result = PreprocessResult(outputs=prefixes)
     start = time.time()
@@ -364,8 +369,6 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
             _run_pass(cfg, pool, read_chunks(cfg.input, keys=cfg.json_keys), prefixes, dtype, result, progress,
                       in_flight)
         else:
-            out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
-            os.makedirs(out_dir, exist_ok=True)
             tmp_dir = tempfile.mkdtemp(prefix=".partitions.", dir=out_dir)
             try:
                 part_prefixes = []

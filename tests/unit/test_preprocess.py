@@ -302,6 +302,21 @@ def test_merge_into_an_unwritable_output_is_one_line(tmp_path, capsys):
     assert sorted(os.listdir(shards)) == ["a.bin", "a.idx"]
 
 
+@pytest.mark.parametrize("partitions", ["1", "2"])
+def test_preprocess_into_an_unwritable_output_is_one_line(tmp_path, capsys, partitions):
+    """As merge_datasets.py: a file standing where --output-prefix's folder should be is one line naming
+    the flag (it was 'error: [Errno 17] File exists: .../afile', naming neither the flag nor the fix)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2 3"}\n')
+    (tmp_path / "afile").write_text("")
+    tool = load_tool("preprocess_data")
+    out = str(tmp_path / "afile" / "sub" / "x")
+    assert tool.main(["--input", str(src), "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "10", "--partitions", partitions, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"--output-prefix {out}: cannot write"), err
+
+
 def test_sample_corpus_is_deterministic(tmp_path):
     make = load_tool("make_sample_corpus")
     n1, size1 = make.make_sample_corpus(str(tmp_path / "a.jsonl"), docstrings=False)
