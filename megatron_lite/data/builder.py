@@ -97,9 +97,13 @@ def _is_bert(config) -> bool:
 
 def _open(prefix: str, mmap_bin: bool = True) -> IndexedDataset:
     try:
-        return IndexedDataset(prefix, mmap_bin)
+        dataset = IndexedDataset(prefix, mmap_bin)
     except DataFileError as err:
         raise DataFileError(f"--data-path: {err}") from None
+    if dataset.dtype.kind == "f":  # Megatron's format allows floats (not token ids): the samples would truncate them
+        raise DataFileError(f"--data-path: {prefix}.idx: its dtype is {dataset.dtype.name}, which holds no token ids; "
+                            f"give a dataset written by tools/preprocess_data.py (integer tokens)")
+    return dataset
 
 
 def _split_document_ids(config, indexed) -> list[np.ndarray | None]:

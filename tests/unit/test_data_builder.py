@@ -69,6 +69,19 @@ def test_single_prefix_splits_and_default_cache(tmp_path):
     assert again.index_source == "loaded"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_float_dataset_is_refused_naming_it(tmp_path, dtype):
+    """The .idx format has float dtype codes (for other data than tokens): read as tokens, 1.5 trained as
+    1 and 2.7 as 2, silently."""
+    prefix = str(tmp_path / "f")
+    with IndexedDatasetBuilder(prefix, dtype) as b:
+        for _ in range(20):
+            b.add_document([1.5, 2.7, 3.2, 4.9], [4])
+    cfg = GPTDatasetConfig(seq_length=4, split="100,0,0", data_path=[prefix])
+    with pytest.raises(DataFileError, match=f"{prefix}.idx: its dtype is {np.dtype(dtype).name}"):
+        build_train_valid_test_datasets(cfg, [4, 0, 0])
+
+
 def test_blend_through_builder(tmp_path):
     a, b = write(tmp_path / "a", 300, seed=1), write(tmp_path / "b", 300, seed=2)
     cfg = GPTDatasetConfig(seq_length=8, data_path=["0.25", a, "0.75", b], split="98,2,0",
