@@ -239,7 +239,10 @@ class HuggingFaceTokenizer(Tokenizer):
         return tokens
 
     def tokenize(self, text: str) -> list[int]:
-        return self.hf.encode(encodable(text)).ids
+        try:
+            return self.hf.encode(encodable(text)).ids
+        except Exception as e:  # the Rust side raises a bare Exception (e.g. an unk_token missing from its vocab)
+            raise ValueError(f"{self.path} cannot encode this text ({e})") from None
 
     def detokenize(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -125,6 +125,26 @@ def test_huggingface_ids_past_the_vocabulary_count_get_room(tmp_path):
     assert ds.dtype == np.int32 and ds[0].tolist() == [1, 70000, 2, eod]
 
 
+def test_a_text_the_huggingface_tokenizer_cannot_encode_names_the_line_and_the_tokenizer(tmp_path):
+    """A BPE tokenizer.json whose unk_token is not in its vocabulary (a common training slip) raises a bare
+    Rust Exception on an unseen character: that was a traceback from a worker; now a malformed line naming
+    the tokenizer file (exit 2, or counted with --skip-malformed)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.BPE({"a": 0, "b": 1, "<|endoftext|>": 2}, [], unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    spec = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "a b"}\n{"text": "a z b"}\n{"text": "b a"}\n')
+    with pytest.raises(pp.MalformedLineError, match=f"in.jsonl:2: {tmp_path / 'tokenizer.json'} cannot encode"):
+        run(tmp_path, spec, input=str(path))
+    result = run(tmp_path, spec, input=str(path), skip_malformed=True)
+    assert result.skipped == 1
+    assert [x.tolist() for x in IndexedDataset(str(tmp_path / "out_text_document"))] == [[0, 1], [1, 0]]
+
+
 @pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
                                   "GPT2BPETokenizer", "BertWordPieceLowerCase"])
 def test_a_lone_surrogate_escape_is_tokenized_as_u_fffd(tmp_path, tok_files, kind):
