@@ -13,7 +13,7 @@ Types and their files (Megatron's flag names):
   HuggingFaceTokenizer        --tokenizer-model tokenizer.json (or a directory holding one); needs the
                               optional ``tokenizers`` package
   BertWordPieceLowerCase/Case --vocab-file vocab.txt
-  NullTokenizer               --vocab-size N; text is space-separated integers, eod = N - 1
+  NullTokenizer               --vocab-size N; text is space-separated integers 0..N-1, eod = N (vocab N + 1)
 """
 
 from __future__ import annotations
