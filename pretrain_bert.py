@@ -79,8 +79,8 @@ def check_bert_config(config: Config) -> None:
         raise ConfigError("--context-parallel-size > 1 is GPT-only (BERT's bidirectional padding mask is not split "
                           "over context-parallel ranks); use 1, and --tensor-model-parallel-size with "
                           "--sequence-parallel to split long sequences")
-    if config.data.mock_data:
-        raise ConfigError("--mock-data is GPT-only; give BERT a sentence-split --data-path")
+    if config.data.mock_data or not config.data.data_path:  # before the shared 'give --data-path (or --mock-data)'
+        raise ConfigError("pretrain_bert.py needs a sentence-split --data-path (--mock-data is GPT-only)")
     if config.model.mtp_num_layers:
         raise ConfigError("--mtp-num-layers is GPT-only (multi-token prediction of a causal model); drop it")
 

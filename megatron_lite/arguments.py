@@ -181,9 +181,9 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
             world_size = _env_world_size()
         if config.checkpoint.use_checkpoint_args:
             _take_checkpoint_args(config)
-        finalize(config, world_size)
-        if checks is not None:
+        if checks is not None:  # first: the script's refusals (GPT-only flags) name its fix, not the generic one
             checks(config)
+        finalize(config, world_size)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if os.environ.get(CHECK_ARGS_ENV, "0") not in ("", "0"):

@@ -162,6 +162,9 @@ def _smaller_vocab(data):
         ("bert_load", ["--bert-load", "--load"]),
         ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase"]),
         ("mtp", ["--mtp-num-layers", "GPT-only"]),
+        # were 'give --data-path (or --mock-data for random tokens)', then '--mock-data ... need --vocab-size'
+        ("no_data", ["needs a sentence-split --data-path", "--mock-data is GPT-only"]),
+        ("mock", ["needs a sentence-split --data-path", "--mock-data is GPT-only"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
@@ -178,6 +181,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
         argv += ["--bert-load", str(tmp_path)]
     elif case == "mtp":
         argv += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    elif case in ("no_data", "mock"):
+        i = argv.index("--data-path")
+        del argv[i : i + 2]
+        argv += ["--mock-data"] if case == "mock" else []
     else:
         argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
     with pytest.raises(SystemExit) as err:
