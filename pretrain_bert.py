@@ -94,7 +94,7 @@ def check_tokenizer(config: Config, tokenizer) -> None:
 
 
 def check_sentence_level(data_path) -> None:
-    """Refuse document-level data (every document a single sequence): BERT packs sentences."""
+    """Refuse document-level data (every document a single sequence) for the binary head's sentence pairs."""
     prefixes, _ = parse_data_path(data_path)
     for prefix in prefixes:
         try:
@@ -102,8 +102,9 @@ def check_sentence_level(data_path) -> None:
         except DataFileError as err:
             raise DataFileError(f"--data-path: {err}") from None
         if ds.num_documents() > 0 and (np.diff(np.asarray(ds.document_indices)) <= 1).all():
-            raise DataConfigError(f"--data-path {prefix} is document-level (one sequence per document); BERT needs "
-                                  "sentences: preprocess with tools/preprocess_data.py --split-sentences")
+            raise DataConfigError(f"--data-path {prefix} is document-level (one sequence per document); the binary "
+                                  "head needs sentence pairs: preprocess with tools/preprocess_data.py "
+                                  "--split-sentences, or train with --bert-no-binary-head")
 
 
 def binary_head(config: Config) -> bool:
@@ -171,7 +172,8 @@ def main(argv=None):
     try:
         tokenizer = build_tokenizer_for(config)
         check_tokenizer(config, tokenizer)
-        check_sentence_level(config.data.data_path)
+        if binary_head(config):  # without it a document is one segment (Megatron: one sentence is enough)
+            check_sentence_level(config.data.data_path)
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
                         make_datasets_provider(tokenizer))

@@ -97,9 +97,12 @@ def test_interleaved_pipeline_with_recompute_reproduces_single_process(tmp_path,
     _same(ranks_trajectory(2, "pretrain_bert", _argv(data, str(tmp_path / "vpp"), extra=extra)), ref)
 
 
-def test_no_binary_head_trains_without_sop_loss(tmp_path, data):
+def test_no_binary_head_trains_without_sop_loss_on_document_level_data(tmp_path, data):
+    """Without the binary head there are no sentence pairs: document-level data (refused with the head) trains."""
     save = str(tmp_path / "nohead")
-    reported = pretrain_bert.main(_argv(data, save, extra=["--bert-no-binary-head"])).reported
+    argv = _argv(data, save, extra=["--bert-no-binary-head"])
+    argv[argv.index(data["sentence"])] = data["document"]
+    reported = pretrain_bert.main(argv).reported
     assert all(r.keys() == {"lm loss"} for r in reported)
     assert reported[-1]["lm loss"] < reported[0]["lm loss"]
     model, saved = load_bert_checkpoint(save)
@@ -155,7 +158,7 @@ def _smaller_vocab(data):
 @pytest.mark.parametrize(
     "case, words",
     [
-        ("document", ["document-level", "--split-sentences"]),
+        ("document", ["document-level", "--split-sentences", "--bert-no-binary-head"]),
         ("vocab", ["[CLS]"]),
         ("other_vocab", ["token id", "outside the tokenizer's vocabulary of 40", "another tokenizer"]),
         ("seq", ["--seq-length 4", "at least 5"]),
