@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_cache import BatchCache
 from .engine import (
     Generation,
     InferenceEngine,
@@ -45,6 +44,7 @@ from .engine import (
     _step_log_probs,
     check_vocabulary,
 )
+from .paged_cache import PagedCache
 from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
 
 
@@ -89,6 +89,7 @@ class _Request:
         if p.random_seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
         self.prev, self.cur = 0, min(self.prompt_lengths)
+        self.filled = 0  # tokens in the cache (below ``prev`` while a chunked prefill runs)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """This step's token of every row (the sampling rank): a prompt token while a row reads its
@@ -100,14 +101,13 @@ class _Request:
 
     def take(self, new: torch.Tensor, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the broadcast tokens ``new``; return (rows that emitted a token, request done)."""
-        prev, cur, p = self.prev, self.cur, self.params
+        filled, cur, p = self.filled, self.cur, self.params
         self.params = decayed_top_p(p)
         new = new.clamp(min=0)
         finished = cur >= self.ends
         self.tokens[:, cur] = torch.where(finished, self.tokens[:, cur], new)
         if logits is not None:
-            self.values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], self.tokens[:, prev + 1:cur + 1],
-                                                       p.top_n_logprobs)
+            self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs)
         double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
         double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
         stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop)
@@ -118,6 +118,13 @@ class _Request:
             self.counts.scatter_add_(1, new.unsqueeze(1), emitted.unsqueeze(1).float())
         return emitted, (cur + 1 >= self.ends).all()
 
+    def prefilled(self, logits: torch.Tensor | None, n: int) -> None:
+        """A chunk of ``n`` prompt tokens (not the prefill's last) ran: keep its log-probs, sample nothing."""
+        f = self.filled
+        if logits is not None:
+            self.values[:, f:f + n] = _position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs)
+        self.filled += n
+
     def results(self, values: torch.Tensor) -> list[Generation]:
         tokens, ends, top_n = self.tokens.cpu(), self.ends.tolist(), self.params.top_n_logprobs
         return [_result(tokens[i, :ends[i]].tolist(), self.prompt_lengths[i], values[i, :ends[i] - 1], top_n,
@@ -126,11 +133,18 @@ class _Request:
 
 class Scheduler:
     """Continuous batching over ``engine`` (see the module docstring) with at most ``max_rows``
-    sequences decoding together (``--inference-max-requests``)."""
+    sequences decoding together (``--inference-max-requests``), their tokens in a
+    :class:`~.paged_cache.PagedCache` of ``num_blocks`` blocks of ``block_size`` tokens (default: as
+    many as ``max_rows`` full contexts), at most ``max_batched_tokens`` tokens per step (prefills
+    chunked to fit; None: every prefill whole)."""
 
-    def __init__(self, engine: InferenceEngine, max_rows: int):
-        self.engine = engine
-        self.cache = BatchCache(max_rows, engine.max_sequence_length)
+    def __init__(self, engine: InferenceEngine, max_rows: int, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_batched_tokens: int | None = None):
+        if max_batched_tokens is not None and max_batched_tokens < max_rows:
+            raise ValueError(f"--max-num-batched-tokens {max_batched_tokens} must be at least --inference-max-requests "
+                             f"{max_rows} (every decoding sequence feeds one token per step)")
+        self.engine, self.max_batched_tokens = engine, max_batched_tokens
+        self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks)
         self.active: list[_Request] = []
         self.pending: list[Admission] = []  # the deciding rank's queue
         self.next_rid = 0
@@ -149,6 +163,12 @@ class Scheduler:
         if not self.covers(prompts, params):
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
                              f"sequences than --inference-max-requests {self.cache.max_rows})")
+        rows, tokens = len(prompts), _row_tokens(prompts, params)
+        need, cache = rows * self.cache.blocks_for(tokens), self.cache
+        if need > cache.num_blocks:
+            raise ValueError(f"this request needs {need} key/value-cache blocks of {cache.block_size} tokens ({rows} "
+                             f"sequence(s) of up to {tokens} tokens), more than the {cache.num_blocks} of "
+                             "--inference-kv-cache-blocks; raise it (or ask for fewer max_tokens)")
         rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.pending.append(Admission(rid, [list(p) for p in prompts], params))
         return rid
@@ -167,10 +187,15 @@ class Scheduler:
 
     def admissions(self) -> list[Admission]:
         """The queued requests that join at the next step: in arrival order, while their sequences
-        fit in the free rows (a request that does not fit waits, and so do those after it)."""
-        free, out = len(self.cache.free), []
-        while self.pending and len(self.pending[0].prompts) <= free:
-            free -= len(self.pending[0].prompts)
+        fit in the free rows and their blocks in the free blocks (a request that does not fit waits,
+        and so do those after it)."""
+        rows, blocks, out = len(self.cache.free), self.cache.available, []
+        while self.pending:
+            a = self.pending[0]
+            need = len(a.prompts) * self.cache.blocks_for(_row_tokens(a.prompts, a.params))
+            if len(a.prompts) > rows or need > blocks:
+                break
+            rows, blocks = rows - len(a.prompts), blocks - need
             out.append(self.pending.pop(0))
         return out
 
@@ -185,7 +210,7 @@ class Scheduler:
             self.cache.release(r.rows)
             self.active.remove(r)
         for a in admitted:
-            rows = self.cache.allocate(len(a.prompts))
+            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params))
             try:
                 self.active.append(_Request(self.engine, a, rows))
             except Exception:
@@ -194,18 +219,39 @@ class Scheduler:
         if not self.active:
             return []
         self.steps += 1
-        logits = self._forward()
-        return self._finish_step(logits)
+        plan = self._plan()
+        logits = self._forward(plan)
+        whole = [r for r in self.active if plan[r.rid] == r.cur - r.filled]  # their step's tokens are all fed
+        for r in self.active:
+            if 0 < plan[r.rid] < r.cur - r.filled:
+                r.prefilled(logits[r.rid], plan[r.rid])
+        return self._finish_step(logits, whole)
 
-    def _forward(self) -> dict[int, torch.Tensor | None]:
+    def _plan(self) -> dict[int, int]:
+        """The number of tokens each request feeds this step (0: it waits): every decoding request
+        one per sequence, then the prefills in admission order, each in the largest chunk that the
+        rest of ``max_batched_tokens`` holds (chunked prefill)."""
+        if self.max_batched_tokens is None:
+            return {r.rid: r.cur - r.filled for r in self.active}
+        budget = self.max_batched_tokens - sum(len(r.rows) for r in self.active if r.cur - r.filled == 1)
+        plan = {}
+        for r in self.active:
+            left = r.cur - r.filled
+            plan[r.rid] = 1 if left == 1 else min(left, budget // len(r.rows))
+            if left > 1:
+                budget -= plan[r.rid] * len(r.rows)
+        return plan
+
+    def _forward(self, plan: dict[int, int]) -> dict[int, torch.Tensor | None]:
         """Logits ``[rows, s_new, V]`` of each request (None off the last stage): one forward pass
-        per number of new tokens (all decoding requests together; a prefill alone or with equals)."""
+        per number of new tokens (decode steps and prefill chunks of equal length together)."""
         groups: dict[int, list[_Request]] = {}
         for r in self.active:
-            groups.setdefault(r.cur - r.prev, []).append(r)
+            if plan[r.rid]:
+                groups.setdefault(plan[r.rid], []).append(r)
         out = {}
         for s_new, group in groups.items():
-            tokens = torch.cat([r.tokens[:, r.prev:r.cur] for r in group])
+            tokens = torch.cat([r.tokens[:, r.filled:r.filled + s_new] for r in group])
             positions, mask = self.cache.begin([row for r in group for row in r.rows], s_new, self.engine.device)
             logits = self.engine.forward(tokens, self.cache, position_ids=positions, attention_mask=mask)
             self.cache.advance()
@@ -215,30 +261,35 @@ class Scheduler:
                 start += len(r.rows)
         return out
 
-    def _finish_step(self, logits: dict[int, torch.Tensor | None]) -> list[Event]:
+    def _finish_step(self, logits: dict[int, torch.Tensor | None], stepped: list[_Request]) -> list[Event]:
+        """Sample, broadcast and record the tokens of the requests ``stepped`` (those whose step ran
+        whole: not in the middle of a chunked prefill); the requests that ended leave."""
+        if not stepped:
+            return []
         engine, device = self.engine, self.engine.device
-        sizes = [len(r.rows) for r in self.active]
+        sizes = [len(r.rows) for r in stepped]
         new = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         if engine.is_src:
-            new = torch.cat([r.sample(logits[r.rid]) for r in self.active])
+            new = torch.cat([r.sample(logits[r.rid]) for r in stepped])
         new = engine._broadcast(new)
         flags, emitted = [], []
-        for r, rows in zip(self.active, new.split(sizes)):
+        for r, rows in zip(stepped, new.split(sizes)):
             bad = (rows < 0).any()
             e, done = r.take(rows, logits[r.rid])
             flags += [bad, done]
             emitted.append(e)
         synced = torch.cat([torch.stack(flags).long(), torch.cat(emitted).long(), new.clamp(min=0)]).tolist()
-        n_req, total = len(self.active), sum(sizes)
+        n_req, total = len(stepped), sum(sizes)
         em, toks = synced[2 * n_req:2 * n_req + total], synced[2 * n_req + total:]
-        events, keep, start = [], [], 0
-        for k, r in enumerate(self.active):
+        events, ended, start = [], set(), 0
+        for k, r in enumerate(stepped):
             bad, done = synced[2 * k:2 * k + 2]
             rows = range(start, start + len(r.rows))
             start += len(r.rows)
             if bad:
                 events.append(Event(r.rid, error=NonFiniteLogitsError()))
                 self.cache.release(r.rows)
+                ended.add(r.rid)
                 continue
             step = Step(toks[i] if em[i] else None for i in rows)
             if r.params.step_log_probs:
@@ -248,9 +299,16 @@ class Scheduler:
             if done:
                 event.results = r.results(engine._broadcast(r.values.contiguous()).cpu())
                 self.cache.release(r.rows)
+                ended.add(r.rid)
             else:
-                r.prev, r.cur = r.cur, r.cur + 1
-                keep.append(r)
+                r.prev = r.filled = r.cur
+                r.cur += 1
             events.append(event)
-        self.active = keep
+        self.active = [r for r in self.active if r.rid not in ended]
         return events
+
+
+def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:
+    """The most tokens a sequence of this request holds in the cache: every sequence steps until the
+    longest prompt plus ``tokens_to_generate`` (the last token is sampled, never fed)."""
+    return max(len(p) for p in prompts) + params.tokens_to_generate - 1

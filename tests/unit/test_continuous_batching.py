@@ -12,9 +12,9 @@ whose logits turn NaN fails alone.
 import pytest
 import torch
 
-from megatron_lite.inference.batch_cache import BatchCache
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.loading import load_model
+from megatron_lite.inference.paged_cache import PagedCache
 from megatron_lite.inference.sampling import NonFiniteLogitsError, SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
 from tests.batching_helpers import assert_same, batching_requests, run
@@ -32,35 +32,40 @@ def engines(tmp_path_factory):
     return out
 
 
-def test_cache_rows_join_leave_and_are_reused():
-    cache = BatchCache(4, 10)
-    assert cache.allocate(2) == [0, 1] and cache.allocate(1) == [2]
+def test_cache_rows_take_blocks_as_they_grow_and_give_them_back():
+    cache = PagedCache(4, 10, block_size=2, num_blocks=6)
+    assert cache.allocate(2, 5) == [0, 1] and cache.available == 0  # 2 rows x 3 blocks promised
+    assert not cache.fits(1, 1) and cache.fits(0, 1)
+    with pytest.raises(ValueError, match="has 0 blocks free of 6; asked for 1"):
+        cache.allocate(1, 1)
     positions, mask = cache.begin([0, 1], 3, "cpu")  # a prefill of 3 tokens in rows 0 and 1
     k = torch.arange(2 * 3, dtype=torch.float).view(3, 2, 1)  # [s, b, 1]: token t of batch row i = 2t + i
     (keys,) = cache.append(1, k)
     cache.advance()
-    assert cache.lengths == [3, 3, 0, 0] and keys.shape == (3, 2, 1)
-    positions, mask = cache.begin([2], 2, "cpu")
+    assert cache.lengths == [3, 3, 0, 0] and keys[:, :, 0].tolist() == k[:, :, 0].tolist()
+    assert cache.tables[:2] == [[1, 2], [3, 4]] and cache.free_blocks == [5, 6]  # 2 blocks each, lazily
+    cache.release([0])  # its blocks and its third, promised block go back
+    assert cache.free_blocks == [5, 6, 1, 2] and cache.available == 3
+    assert cache.allocate(1, 3) == [0]
+    positions, mask = cache.begin([0], 2, "cpu")  # the new occupant reuses a freed block
     cache.append(1, torch.full((2, 1, 1), 7.0))
     cache.advance()
-    positions, mask = cache.begin([1, 2], 1, "cpu")  # rows at lengths 3 and 2 decode together
-    assert positions.tolist() == [[3], [2]]
+    assert cache.tables[0] == [5] and cache.free_blocks == [6, 1, 2]
+    cache.memory[1][0][6 * 2:7 * 2] = float("nan")  # stale NaN in the free block row 0 takes next
+    positions, mask = cache.begin([1, 0], 1, "cpu")  # rows at lengths 3 and 2 decode together
+    assert positions.tolist() == [[3], [2]] and cache.tables[:2] == [[5, 6], [3, 4]]
     assert mask.shape == (2, 1, 1, 4) and mask[:, 0, 0].tolist() == [[False] * 4, [False, False, False, True]]
     (keys,) = cache.append(1, torch.tensor([[[-1.0], [-2.0]]]))
     cache.advance()
-    assert keys[:, 0, 0].tolist() == [1.0, 3.0, 5.0, -1.0] and keys[:3, 1, 0].tolist() == [7.0, 7.0, -2.0]
-    assert cache.lengths == [3, 4, 3, 0]
-    cache.release([0, 2])  # a request leaves: its rows are free again, at length 0
-    assert cache.lengths == [0, 4, 0, 0] and cache.free == [0, 2, 3]
-    assert cache.allocate(2) == [0, 2]  # ... and the next request gets them
-    positions, mask = cache.begin([0], 1, "cpu")  # the new occupant sees none of the old keys
-    assert positions.tolist() == [[0]] and mask.shape == (1, 1, 1, 1) and not mask.any()
-    with pytest.raises(ValueError, match="has 1 free rows of 4; asked for 2"):
-        cache.allocate(2)
+    assert keys[:, 0, 0].tolist() == [1.0, 3.0, 5.0, -1.0]
+    assert keys[:, 1, 0].tolist() == [7.0, 7.0, -2.0, 0.0]  # its stale slot past its length: read from block 0
+    with pytest.raises(ValueError, match="row 0 of the key/value cache holds 4 tokens; asked for 5"):
+        cache.begin([0], 2, "cpu")  # beyond what it was promised
     with pytest.raises(ValueError, match="row 3 of the key/value cache is not in use"):
         cache.release([3])
-    with pytest.raises(ValueError, match="holds 10 tokens; asked for 11"):
-        cache.begin([1], 7, "cpu")
+    cache.release([1, 0])
+    assert sorted(cache.free_blocks) == list(range(1, 7)) and cache.free == [0, 1, 2, 3] and cache.available == 6
+    assert PagedCache(3, 10, block_size=4).num_blocks == 3 * 3  # default: every row can reach the full context
 
 
 @pytest.mark.parametrize("variant", ["gpt", "mla_mtp"])
