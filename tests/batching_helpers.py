@@ -7,6 +7,9 @@ from megatron_lite.inference.sampling import SamplingParams
 from tests.inference_helpers import assert_close, prompts
 
 JOINS = [0, 2, 5, 5]  # the step before which request i joins (two at once at step 5)
+# A paged cache that makes these requests cross block and chunk boundaries and wait for blocks:
+# blocks of 4 tokens, 16 of them (requests 0 and 1 hold 15), at most 6 tokens per step.
+PAGED = dict(block_size=4, num_blocks=16, max_batched_tokens=6)
 
 
 def batching_requests():

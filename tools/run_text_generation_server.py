@@ -37,8 +37,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inference-max-requests", type=int, default=8,
                    help="continuous batching: at most this many sequences decode together (a request holds one "
                         "per prompt, times n); 1 serves requests one at a time (docs/inference.md)")
+    p.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
+                   help="continuous batching: tokens per block of the paged key/value cache (Megatron-LM's "
+                        "default is 256, sized for GPUs)")
+    p.add_argument("--inference-kv-cache-blocks", type=int, default=None,
+                   help="continuous batching: blocks in the paged key/value cache, per layer (default: enough for "
+                        "every one of --inference-max-requests sequences to reach the model's context); a request "
+                        "waits until its sequences' blocks are free, one that can never fit gets HTTP 400")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="continuous batching: at most this many tokens per step (vLLM's name): each decoding "
+                        "sequence feeds one, prefills are chunked into the rest (chunked prefill); at least "
+                        "--inference-max-requests")
     add_inference_args(p)
     return p.parse_args(argv)
+
+
+def check_batching_args(args) -> None:
+    """ConfigError (one line) for a paged cache or a step budget the batch cannot run."""
+    if args.inference_dynamic_batching_block_size < 1:
+        raise ConfigError(f"--inference-dynamic-batching-block-size {args.inference_dynamic_batching_block_size} "
+                          "must be at least 1")
+    if args.inference_kv_cache_blocks is not None and args.inference_kv_cache_blocks < 1:
+        raise ConfigError(f"--inference-kv-cache-blocks {args.inference_kv_cache_blocks} must be at least 1 "
+                          "(or left out: every sequence can reach the model's context)")
+    if args.inference_max_requests > 1 and args.max_num_batched_tokens < args.inference_max_requests:
+        raise ConfigError(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least "
+                          f"--inference-max-requests {args.inference_max_requests} (each decoding sequence feeds "
+                          "one token per step); raise it")
 
 
 def main(argv=None) -> int:
@@ -47,9 +72,12 @@ def main(argv=None) -> int:
         if args.inference_max_requests < 1:
             raise ConfigError(f"--inference-max-requests {args.inference_max_requests} must be at least 1 "
                               "(1: one request at a time)")
+        check_batching_args(args)
         session = build_session(args)
         chat_template = read_chat_template(args.chat_template)
-        runner = make_runner(session.engine, args.inference_max_requests)
+        runner = make_runner(session.engine, args.inference_max_requests,
+                             block_size=args.inference_dynamic_batching_block_size,
+                             num_blocks=args.inference_kv_cache_blocks, max_batched_tokens=args.max_num_batched_tokens)
         if not session.is_rank0:
             runner.follow()
             return 0

@@ -98,13 +98,14 @@ class Ticket:
 
 
 class BatchRunner(Runner):
-    """:class:`~.server.Runner` with continuous batching over at most ``max_requests`` sequences."""
+    """:class:`~.server.Runner` with continuous batching over at most ``max_requests`` sequences;
+    ``cache``: the :class:`~.scheduler.Scheduler`'s block size, number of blocks and tokens per step."""
 
     batched = True
 
-    def __init__(self, engine, max_requests: int):
+    def __init__(self, engine, max_requests: int, **cache):
         super().__init__(engine)
-        self.batch = Scheduler(engine, max_requests)
+        self.batch = Scheduler(engine, max_requests, **cache)
         self.tickets: dict[int, Ticket] = {}
         self.alone: list[tuple] = []  # (prompts, params, ticket) to run one at a time
         self.cancelled: set[int] = set()  # requests whose streaming client left
@@ -239,9 +240,10 @@ class BatchRunner(Runner):
             print(f"rank {dist.get_rank()}: batch step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
-def make_runner(engine, max_requests: int) -> Runner:
-    """The server's runner: continuous batching over ``max_requests`` sequences, or one request at a
-    time when that is 1 or the engine runs without its key/value cache (``--no-kv-cache``)."""
+def make_runner(engine, max_requests: int, **cache) -> Runner:
+    """The server's runner: continuous batching over ``max_requests`` sequences (``cache``: see
+    :class:`BatchRunner`), or one request at a time when that is 1 or the engine runs without its
+    key/value cache (``--no-kv-cache``)."""
     if max_requests > 1 and engine.use_cache:
-        return BatchRunner(engine, max_requests)
+        return BatchRunner(engine, max_requests, **cache)
     return Runner(engine)

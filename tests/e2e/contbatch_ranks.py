@@ -1,6 +1,6 @@
 """``torchrun --nproc-per-node 2 contbatch_ranks.py OUT ROOT...``: continuous batching at TP2
-(``CONTBATCH_LAYOUT=1,2``: PP2)
-through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
+(``CONTBATCH_LAYOUT=1,2``: PP2), with the paged cache and chunked prefill of ``PAGED`` (blocks of 4
+tokens, too few for every request at once, at most 6 tokens per step), through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
 each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT. Rank 0
 writes every request's results to OUT (JSON: root -> requests -> sequences)."""
 
@@ -15,7 +15,7 @@ from megatron_lite.inference.batch_runner import BatchRunner  # noqa: E402
 from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
 from megatron_lite.inference.loading import load_model  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from tests.batching_helpers import JOINS, batching_requests  # noqa: E402
+from tests.batching_helpers import JOINS, PAGED, batching_requests  # noqa: E402
 from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
 
 
@@ -40,9 +40,11 @@ def main(out: str, roots: list[str]) -> None:
     for root in roots:
         model, _ = load_model(root, state, device=device)
         engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
-        runner = BatchRunner(engine, 6)
+        runner = BatchRunner(engine, 6, **PAGED)
         if state.rank == 0:
             answers[root] = serve_requests(runner)
+            cache = runner.batch.cache
+            assert sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)), "blocks lost"
         else:
             runner.follow()
     if state.rank == 0:

@@ -1,8 +1,10 @@
 """Continuous batching end to end.
 
 TP2 under torchrun (tests/e2e/contbatch_ranks.py: the server's runner without HTTP, rank 1 following
-rank 0's broadcast admissions): requests joining and leaving mid-way give, for GPT and MLA, the
-tokens the one-process engine gives each request alone (greedy and seeded), log-probs within 1e-5.
+rank 0's broadcast admissions; a paged cache of blocks of 4 tokens, too few for every request at once,
+and chunked prefill at 6 tokens per step): requests joining, waiting for blocks and leaving mid-way give,
+for GPT and MLA, the tokens the one-process engine gives each request alone (greedy and seeded),
+log-probs within 1e-5.
 In one process over HTTP: concurrent requests (completions and chat, streamed and not, with PUT /api
 and beam search, Megatron's and the OpenAI routes', between the steps) decode together and each answer is the one-at-a-time server's.
 """
