@@ -12,13 +12,15 @@ steps (:meth:`BatchRunner.on_message`).
 
 The batch runs OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, with
 up to ``--inference-max-requests`` sequences at once (a request holds one per prompt, times ``n``
-or ``best_of``; one that does not fit waits for rows to free up, in arrival order). What the batch
+or ``best_of``; one that does not fit waits for rows and key/value-cache blocks to free up, in
+arrival order; one whose blocks exceed the whole cache, ``--inference-kv-cache-blocks``, is refused
+with HTTP 400), prefills chunked within ``--max-num-batched-tokens`` per step. What the batch
 does not cover runs alone as before, between two steps of the batch (which waits meanwhile):
 Megatron's ``PUT /api`` (its static batch semantics), beam search, scoring (``max_tokens`` 0), a
 request of more sequences than the bound, and every request under ``--no-kv-cache``.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
-step's broadcast names it, so every rank drops it) and frees its rows.
+step's broadcast names it, so every rank drops it) and frees its rows and blocks.
 
 SIGTERM / Ctrl-C: the server stops accepting requests, finishes those it holds, then stops every
 rank (exit code 0).

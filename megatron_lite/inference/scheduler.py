@@ -1,12 +1,17 @@
 """Continuous batching: requests join and leave one decode batch between steps.
 
 :class:`Scheduler` decodes every admitted request together. Each :meth:`~Scheduler.step` first
-admits requests (each takes one :class:`~.batch_cache.BatchCache` row per prompt), then runs one
-step of every request: a request just admitted runs its prefill (a forward pass of its own over
-its prompts up to the shortest one's length), the others feed one token each, all in one forward
-pass over their rows (each row at its own length and positions). A request whose every sequence
-has ended leaves at once and frees its rows for the next one, so a short request sent after a long
-one ends first.
+admits requests (each takes one row of the :class:`~.paged_cache.PagedCache` per prompt, and is
+promised the cache blocks its rows can grow to: a request whose rows or blocks are not free waits,
+in arrival order), then runs one step of every request: a request just admitted runs its prefill
+(its prompts up to the shortest one's length), the others feed one token each, in one forward pass
+per number of new tokens over their rows (each row at its own length and positions). With
+``max_batched_tokens`` (``--max-num-batched-tokens``) a step feeds at most that many tokens: the
+decoding sequences one each, and the prefills, in admission order, a chunk each of what is left
+(chunked prefill: a long prompt takes several steps, and the other requests decode meanwhile; a
+chunk that does not end its prefill samples nothing and makes no event). A request whose every
+sequence has ended leaves at once and frees its rows and blocks for the next one, so a short
+request sent after a long one ends first.
 
 Per request, a step is exactly one step of :meth:`InferenceEngine.stream
 <megatron_lite.inference.engine.InferenceEngine.stream>` over its prompts alone: the same
@@ -24,7 +29,8 @@ decides alike which sequences and requests ended. A request whose logits hold Na
 alone (:class:`~.sampling.NonFiniteLogitsError` in its :class:`Event`); the others go on.
 
 Not covered (the caller runs them one at a time with the engine, as before): beam search,
-``tokens_to_generate`` 0 (scoring), and a request of more sequences than the cache has rows.
+``tokens_to_generate`` 0 (scoring), and a request of more sequences than the cache has rows. A
+request needing more blocks than the whole cache holds is refused (ValueError: HTTP 400).
 """
 
 from __future__ import annotations

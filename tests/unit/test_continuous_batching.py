@@ -1,11 +1,11 @@
-"""Continuous batching (megatron_lite/inference/scheduler.py, batch_cache.py) in one process.
+"""Continuous batching (megatron_lite/inference/scheduler.py, paged_cache.py) in one process.
 
 The key property: a request's output is the same whether it runs alone (the static engine's
 ``generate`` over its prompts) or in a batch that others join and leave mid-way: identical tokens
 (greedy, and seeded samples: each request has its own generator), log-probs within 1e-5 (fp32;
 only the order of the sums inside attention changes), the same finish reasons; for GPT (learned
 positions) and DeepSeek's MLA (compressed latent cache, RoPE per row). Also: the cache's row
-bookkeeping, a short request sent after a long one ends first (counted in steps), and a request
+bookkeeping (blocks taken as rows grow, given back, block 0 read for keys a row does not own), a short request sent after a long one ends first (counted in steps), and a request
 whose logits turn NaN fails alone.
 """
 
