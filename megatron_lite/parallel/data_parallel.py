@@ -237,6 +237,7 @@ class DistributedDataParallel(nn.Module):
         gradient of it follows in this backward) the bucket bookkeeping. Sharded grads: into the
         bucket's per-backward buffer, reduced once every param reported."""
         if self.shard_grads:
+            self._queue_flush()  # a backward that did not start at this chunk's output: a zero-bubble W pass
             bucket = self._bucket_of[id(param)]
             if bucket.data is None:
                 bucket.allocate()
@@ -278,7 +279,11 @@ class DistributedDataParallel(nn.Module):
     def _before_backward(self) -> None:
         """Sharded grads: at the start of a backward pass through this chunk, schedule :meth:`_flush`
         for its end (reduces buckets some of whose params got no gradient; drops the full buffers)."""
-        if not self._flush_queued:
+        self._queue_flush()
+
+    def _queue_flush(self) -> None:
+        """Have the backward pass running now call :meth:`_flush` at its end (once)."""
+        if not self._flush_queued and torch._C._current_graph_task_id() != -1:
             self._flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 

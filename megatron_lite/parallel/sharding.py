@@ -34,9 +34,6 @@ def check_sharding(config) -> None:
                               "--data-parallel-sharding-strategy other than no_shard")
         if not p.overlap_grad_reduce:
             raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce")
-    if strategy in ("optim_grads", "optim_grads_params") and p.pipeline_schedule == "zb-h1":
-        raise ConfigError(f"--pipeline-schedule zb-h1 defers weight gradients, which --data-parallel-sharding-strategy "
-                          f"{strategy} reduces in every backward pass; use --pipeline-schedule 1f1b or strategy optim")
     _check_hybrid_and_offload(config, strategy)
 
 
