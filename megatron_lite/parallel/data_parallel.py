@@ -189,21 +189,10 @@ class DistributedDataParallel(nn.Module):
             start, shard_start = start + numel, shard_start + shard_size
         self._replica_runs = replica_runs(self.buckets) if self.shard_grads else []
 
-    @torch.no_grad()
     def _flatten_params(self) -> None:
-        """The params of each single-dtype bucket become views of one flat buffer laid out like the
-        bucket's gradients (``bucket.param_data``): the optimizer then writes updated 16-bit params
-        with one copy per bucket, and the distributed optimizer all-gathers straight into it."""
+        """Each single-dtype bucket's params become views of one flat buffer (:meth:`Bucket.flatten_params`)."""
         for bucket in self.buckets:
-            dtypes = {p.dtype for p in bucket.params}
-            if len(dtypes) != 1:
-                continue
-            flat = torch.zeros(bucket.numel, dtype=dtypes.pop(), device=bucket.device)
-            for p in bucket.params:
-                a, e = bucket.offsets[id(p)]
-                flat[a:e].copy_(p.detach().reshape(-1))
-                p.data = flat[a:e].view(p.shape)
-            bucket.param_data = flat
+            bucket.flatten_params()
 
     def finish_param_gather(self) -> None:
         """Complete every in-flight parameter all-gather (before reading the weights outside forward)."""
@@ -219,7 +208,11 @@ class DistributedDataParallel(nn.Module):
 
         def hook(param: torch.Tensor) -> None:
             self = wrapper()
-            if param.grad is None or self is None:
+            if self is None:
+                return
+            if param.grad is None:  # all its gradients of this pass were added already, or deferred (zero bubble: W adds it)
+                if self.shard_grads and id(param) not in self._bucket_of[id(param)].ready:
+                    self._mark_ready(param, always=True)  # its bucket need not wait for it in this pass
                 return
             grad, param.grad = param.grad, None
             self._accumulate(param, lambda main_grad: main_grad.add_(grad),  # fp32 accumulate, any param dtype

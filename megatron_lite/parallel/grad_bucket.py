@@ -66,11 +66,28 @@ class Bucket:
     def keep_shard(self) -> None:
         """Sharded grads, after the reduce-scatter: add this rank's chunk to the shard, drop the buffer."""
         self.wait()
+        if self.data is None:  # nothing arrived in this backward pass (every gradient deferred)
+            return
         start, end = self.shard()
         self.grad_shard.add_(self.data[start:end])
         self.data = None
         for p in self.params:
             p.main_grad = None
+
+    @torch.no_grad()
+    def flatten_params(self) -> None:
+        """If all its params have one dtype, they become views of one flat buffer laid out like the
+        bucket's gradients (``param_data``): the optimizer then writes updated 16-bit params with
+        one copy per bucket, and the distributed optimizer all-gathers straight into it."""
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            return
+        flat = torch.zeros(self.numel, dtype=dtypes.pop(), device=self.device)
+        for p in self.params:
+            a, e = self.offsets[id(p)]
+            flat[a:e].copy_(p.detach().reshape(-1))
+            p.data = flat[a:e].view(p.shape)
+        self.param_data = flat
 
     def finish_param_gather(self) -> None:
         """Wait for an in-flight all-gather of updated params and copy them into the model."""
@@ -90,6 +107,8 @@ class Bucket:
     def launch(self, async_op: bool) -> None:
         """Average this bucket over its group (divide, then sum; or sum-and-scatter)."""
         self.launched = True
+        if self.data is None:  # sharded grads, every gradient of this pass deferred: nothing to reduce
+            return
         if self.scale != 1.0:
             self.data.mul_(self.scale)
         if comm.group_size(self.group) == 1:
