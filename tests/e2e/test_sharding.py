@@ -94,7 +94,6 @@ def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, world, f
     "flags, world, words",
     [
         (OVERLAP, 1, ["--overlap-param-gather needs --use-distributed-optimizer"]),
-        (ZERO2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2, ["zb-h1", "optim_grads"]),
     ],
 )
 def test_combinations_not_built_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
