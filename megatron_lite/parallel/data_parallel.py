@@ -97,11 +97,12 @@ class DistributedDataParallel(nn.Module):
 
     ``forward`` is the module's forward. Call :meth:`zero_grad_buffer` before each iteration's
     first backward, run backward for every micro-batch (all but the last inside :meth:`no_sync`),
-    then :meth:`finish_grad_sync` (or :func:`finalize_model_grads` for all chunks).
+    then :meth:`finish_grad_sync` (or :func:`finalize_model_grads` for all chunks). ``deferred``: ids of
+    the params a zero-bubble schedule gives their gradients in W passes (their own buckets, see ``_plan``).
     """
 
     def __init__(self, module: nn.Module, state, *, overlap_grad_reduce: bool = False, bucket_size: int | None = None,
-                 strategy: str = "no_shard", overlap_param_gather: bool = False):
+                 strategy: str = "no_shard", overlap_param_gather: bool = False, deferred: frozenset = frozenset()):
         super().__init__()
         if strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"data-parallel sharding strategy {strategy!r}: expected one of {SHARDING_STRATEGIES}")
@@ -109,7 +110,7 @@ class DistributedDataParallel(nn.Module):
         self.state = state
         self.strategy, self.shard_grads = strategy, strategy in SHARDED_GRADS
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
+        self.overlap_param_gather, self.deferred = overlap_param_gather, deferred
         self.bucket_size = bucket_size if bucket_size is not None else default_bucket_size(state.dp_size)
         if self.bucket_size < 1:
             raise ValueError(f"ddp-bucket-size must be positive, got {self.bucket_size}")
@@ -137,12 +138,15 @@ class DistributedDataParallel(nn.Module):
             wait_for_params_before_use(self.module, self._bucket_of)
 
     def _plan(self, dense: list, expert: list) -> list[tuple[list, object]]:
-        """The buckets as (params, group), in buffer order."""
+        """The buckets as (params, group), in buffer order. ``deferred`` params (W's gradients) never share a
+        bucket with the others (B's): a pass reduce-scatters only buckets it gave gradients to."""
         state, plan = self.state, []
         # Dense weights are replicated over data AND context parallel ranks (CP ranks see different
         # tokens of the same samples), so their gradients are averaged over the DP x CP group.
         # With hybrid sharding the buckets are sharded over one instance only (see the module docstring).
-        for group_params, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_shard_group)):
+        streams = [([p for p in ps if (id(p) in self.deferred) == later], group) for later in (False, True)
+                   for ps, group in ((dense, state.dp_shard_group), (expert, state.expert_dp_shard_group))]
+        for group_params, group in streams:
             current, size = [], 0
             for p in group_params:
                 if getattr(p, "shared_embedding", False) and state.pp_size > 1:

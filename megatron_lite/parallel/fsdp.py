@@ -37,6 +37,7 @@ import torch
 from . import comm
 from .data_parallel import DistributedDataParallel
 from .dp_hooks import on_backward
+from .pipeline.wgrad import deferred_params
 
 
 class ShardedParameter(torch.nn.Parameter):
@@ -319,6 +320,8 @@ def wrap_for_data_parallel(module, state, parallel) -> DistributedDataParallel:
     kwargs = dict(overlap_grad_reduce=parallel.overlap_grad_reduce, bucket_size=parallel.ddp_bucket_size,
                   overlap_param_gather=parallel.overlap_param_gather)
     strategy = parallel.data_parallel_sharding_strategy
+    if strategy in ("optim_grads", "optim_grads_params") and parallel.pipeline_schedule == "zb-h1" and state.pp_size > 1:
+        kwargs["deferred"] = deferred_params(module)  # reduce-scattered by the W passes, in buckets of their own
     if strategy == "optim_grads_params":
         return FullyShardedDataParallel(module, state, **kwargs)
     return DistributedDataParallel(module, state, strategy=strategy, **kwargs)

@@ -15,24 +15,35 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, ParallelConfig
 from megatron_lite.models import GPTModel
 from megatron_lite.parallel import fsdp
-from megatron_lite.parallel.data_parallel import DistributedDataParallel
 from megatron_lite.parallel.pipeline.wgrad import WeightGradStore
 from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.perf.comm_volume import CommVolume
 from tests.harness import cached_state, run_ranks
 from tests.model_helpers import transformer_config
 
 
-def _model(state, strategy):
+class _Stage:
+    """The data-parallel state, seen as one stage of a 2-stage pipeline (what makes the wrapper expect W)."""
+
+    pp_size = 2
+
+    def __init__(self, state):
+        self._state = state
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+def _model(state, strategy, split):
     model_parallel_seed(3, state)
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
                       untie_embeddings_and_output_weights=True)  # tied: the two halves of one PP>1 model
     gpt = GPTModel(transformer_config(cfg, state), state, pre_process=True, post_process=True)
-    if strategy == "optim_grads_params":
-        return fsdp.FullyShardedDataParallel(gpt, state)
-    return DistributedDataParallel(gpt, state, strategy=strategy)
+    parallel = ParallelConfig(data_parallel_sharding_strategy=strategy, pipeline_schedule="zb-h1" if split else "1f1b")
+    return fsdp.wrap_for_data_parallel(gpt, _Stage(state), parallel)
 
 
 def _watch_gathers(model, log):
@@ -44,16 +55,17 @@ def _watch_gathers(model, log):
         unit.ensure_gathered = gather
 
 
-def _run(strategy, deferred):
+def _run(strategy, deferred, split=True):  # (no optimizer: buckets all-reduce, the shard is kept all the same)
     state = cached_state(dp=2)
-    model = _model(state, strategy)
+    model = _model(state, strategy, split)
+    volume = CommVolume()
     model.zero_grad_buffer()
     gathers, w_gathers = [], []
     _watch_gathers(model, gathers)
     store = WeightGradStore()
     tokens = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * state.dp_rank + i))
               for i in range(2)]
-    with store.installed(model):  # the same GEMMs either way; only collect() defers
+    with store.installed(model), volume.counting():  # the same GEMMs either way; only collect() defers
         for t in tokens:
             loss = model(t, labels=t).sum()
             with store.collect() if deferred else nullcontext():
@@ -67,13 +79,16 @@ def _run(strategy, deferred):
             assert all(b.data is None for b in model.buckets), "a W left a full gradient buffer"
             assert not any(u.gathered for u in getattr(model, "units", [])), "a W left a unit gathered"
     model.finish_grad_sync()
-    return model.grad_shards.clone(), during_b, w_gathers
+    return model.grad_shards.clone(), during_b, w_gathers, CommVolume.per_kind(volume.current)["dp"]
 
 
 def _check(strategy):
-    ref, ref_b, _ = _run(strategy, deferred=False)
-    got, got_b, w_gathers = _run(strategy, deferred=True)
+    ref, ref_b, _, ref_bytes = _run(strategy, deferred=False)
+    got, got_b, w_gathers, got_bytes = _run(strategy, deferred=True)
     assert torch.equal(got, ref)
+    assert got_bytes == ref_bytes > 0  # each bucket reduce-scattered once per micro-batch, as without deferral
+    _, _, _, mixed_bytes = _run(strategy, deferred=True, split=False)  # the wrapper not told: buckets mix B and W
+    assert mixed_bytes > ref_bytes  # (the control: those buckets are reduce-scattered by both passes)
     assert got_b == ref_b  # the same gathers, each with as many units held, during B
     assert w_gathers == []
     if strategy == "optim_grads_params":

@@ -128,8 +128,7 @@ class WeightGradStore:
     @contextmanager
     def installed(self, module: torch.nn.Module):
         """Route the deferrable parallel linear layers of ``module`` through :meth:`gemm` for the block."""
-        swapped = [(m, m.gemm) for m in module.modules()
-                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm in DEFAULT_GEMMS]
+        swapped = [(m, m.gemm) for m in _deferrable_layers(module)]
         own = [m for m in module.modules() if hasattr(m, "set_weight_grad_store")]
         for m, _ in swapped:
             m.gemm = self.gemm
@@ -145,3 +144,21 @@ class WeightGradStore:
             for m in own:
                 m.set_weight_grad_store(None)
             self._pending.clear()
+
+
+def _deferrable_layers(module: torch.nn.Module) -> list:
+    return [m for m in module.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gemm in DEFAULT_GEMMS]
+
+
+def deferred_params(module: torch.nn.Module) -> frozenset[int]:
+    """Ids of the parameters of ``module`` whose gradients :meth:`WeightGradStore.installed` defers to W:
+    the weights of its deferrable layers and the biases their GEMMs add (column-parallel, not
+    ``skip_bias_add``). The sharded data-parallel wrappers bucket them apart (one reduce-scatter per
+    pass); a weight read through another layer (a tied output layer) or by a layer's own
+    ``set_weight_grad_store`` is not listed: still correct, it only shares a bucket with B's gradients."""
+    ids = set()
+    for m in _deferrable_layers(module):
+        adds_bias = isinstance(m, ColumnParallelLinear) and not m.skip_bias_add
+        ids.update(id(p) for p in (m.weight, m.bias if adds_bias else None) if p is not None)
+    return frozenset(ids)
