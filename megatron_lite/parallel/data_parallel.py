@@ -60,7 +60,8 @@ bucket (``bucket.grad_shard``, one persistent fp32 tensor for all buckets): a bu
 buffer is allocated when its first gradient of a backward pass arrives, reduce-scattered once all
 its parameters have reported (or at the end of that backward pass), added into the shard and
 dropped. Every micro-batch's backward is therefore reduced (``no_sync`` has no effect): the
-gradient cannot wait in a full buffer. ``optim_grads_params`` (ZeRO-3) also shards the parameters
+gradient cannot wait in a full buffer (a zero-bubble W pass is a backward pass of its own, reduced
+at its end). ``optim_grads_params`` (ZeRO-3) also shards the parameters
 (:mod:`megatron_lite.parallel.fsdp`).
 """
 

@@ -18,7 +18,10 @@ stashed products of one micro-batch and hands them to autograd on the parameters
 (``torch.autograd.backward(weight, dW)``), so gradient accumulation and every gradient hook (the
 data-parallel buffer, bucket readiness) behave as if the gradient came from the ordinary backward.
 (During B autograd still calls a deferred weight's post-accumulate hook, with ``weight.grad`` None;
-the data-parallel hook ignores such calls, so a weight is marked ready only by its W.)
+the data-parallel hook ignores such calls, so a weight is marked ready only by its W. With sharded
+gradients, ZeRO-2/3, such a call means "no gradient of it in this pass": its bucket does not wait for
+it, and the W pass, a backward of its own, reduce-scatters what it computed at its end;
+:func:`deferred_params` lets the wrapper bucket the deferred weights apart.)
 
 Without :meth:`WeightGradStore.collect` active, the function computes the weight gradients at once
 (nothing is deferred): forward-only passes and any backward outside the schedule stay correct.
