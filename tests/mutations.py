@@ -106,7 +106,7 @@ MUTATIONS = [
              "            pass\n", ("tests/distributed/test_zero_bubble_sharded.py",)),
     Mutation("zb_zero3_unit_wait", "ZB-H1 + ZeRO-3: in B a deferred weight's bucket waits for W (units stay gathered)",
              "megatron_lite/parallel/data_parallel.py",
-             "                if self.shard_grads and id(param) not in self._bucket_of[id(param)].ready:\n",
+             "                if self.shard_grads and id(param) in self.deferred and id(param) not in self._bucket_of[id(param)].ready:\n",
              "                if False:\n", ("tests/distributed/test_zero_bubble_sharded.py",)),
     Mutation("zb_zero_mixed_buckets", "ZB-H1 + ZeRO-2/3: deferred weights share buckets with B's gradients (2x traffic)",
              "megatron_lite/parallel/fsdp.py",

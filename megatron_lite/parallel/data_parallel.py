@@ -215,9 +215,9 @@ class DistributedDataParallel(nn.Module):
             self = wrapper()
             if self is None:
                 return
-            if param.grad is None:  # all its gradients of this pass were added already, or deferred (zero bubble: W adds it)
-                if self.shard_grads and id(param) not in self._bucket_of[id(param)].ready:
-                    self._mark_ready(param, always=True)  # its bucket need not wait for it in this pass
+            if param.grad is None:  # its gradients of this pass were added already (fusion), or deferred to W
+                if self.shard_grads and id(param) in self.deferred and id(param) not in self._bucket_of[id(param)].ready:
+                    self._mark_ready(param, always=True)  # B: its bucket need not wait for W's gradient
                 return
             grad, param.grad = param.grad, None
             self._accumulate(param, lambda main_grad: main_grad.add_(grad),  # fp32 accumulate, any param dtype

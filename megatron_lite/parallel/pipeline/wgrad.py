@@ -19,9 +19,9 @@ stashed products of one micro-batch and hands them to autograd on the parameters
 data-parallel buffer, bucket readiness) behave as if the gradient came from the ordinary backward.
 (During B autograd still calls a deferred weight's post-accumulate hook, with ``weight.grad`` None;
 the data-parallel hook ignores such calls, so a weight is marked ready only by its W. With sharded
-gradients, ZeRO-2/3, such a call means "no gradient of it in this pass": its bucket does not wait for
-it, and the W pass, a backward of its own, reduce-scatters what it computed at its end;
-:func:`deferred_params` lets the wrapper bucket the deferred weights apart.)
+gradients, ZeRO-2/3, for a weight of :func:`deferred_params` such a call means "no gradient of it in
+this pass": its bucket does not wait for it, and the W pass, a backward of its own, reduce-scatters
+what it computed at its end.)
 
 Without :meth:`WeightGradStore.collect` active, the function computes the weight gradients at once
 (nothing is deferred): forward-only passes and any backward outside the schedule stay correct.
@@ -158,8 +158,10 @@ def deferred_params(module: torch.nn.Module) -> frozenset[int]:
     """Ids of the parameters of ``module`` whose gradients :meth:`WeightGradStore.installed` defers to W:
     the weights of its deferrable layers and the biases their GEMMs add (column-parallel, not
     ``skip_bias_add``). The sharded data-parallel wrappers bucket them apart (one reduce-scatter per
-    pass); a weight read through another layer (a tied output layer) or by a layer's own
-    ``set_weight_grad_store`` is not listed: still correct, it only shares a bucket with B's gradients."""
+    pass) and, in B, do not wait for their gradients (ZeRO-3 frees each unit after its B). A weight
+    read through another layer (a tied output layer) or deferred by a layer's own
+    ``set_weight_grad_store`` is not listed: still correct, but its bucket is reduced by both passes
+    and, under ZeRO-3, its unit stays gathered until the end of B."""
     ids = set()
     for m in _deferrable_layers(module):
         adds_bias = isinstance(m, ColumnParallelLinear) and not m.skip_bias_add
