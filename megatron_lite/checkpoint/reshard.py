@@ -138,6 +138,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
             # a WordPiece vocabulary (BERT) is a vocab.txt, as Hugging Face names it
             files["vocab.txt" if key == "vocab_file" and config[key].endswith(".txt") else name] = config[key]
     model = config.get("tokenizer_model")
+    if model and os.path.isdir(model):  # HuggingFaceTokenizer takes the folder that holds tokenizer.json
+        model = os.path.join(model, "tokenizer.json")
     if model and os.path.isfile(model):
         files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
     from ..lora.convert import is_lora_config, read_lora_checkpoint  # (lora/convert.py imports this package)

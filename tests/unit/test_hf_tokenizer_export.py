@@ -113,18 +113,22 @@ def test_without_a_tokenizer_the_end_of_document_is_the_last_id(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["gpt2", "GPTSentencePieceTokenizer-bpe", "SentencePieceTokenizer-unigram",
-                                  "tokenizer.json"])
+                                  "tokenizer.json", "tokenizer.json folder"])
 def test_a_trained_checkpoint_exports_a_tokenizer_auto_tokenizer_reads_back(tokenizer_files, case, tmp_path, capsys):
     """End to end, as the issue's user did: pretrain_gpt.py with a tokenizer, convert.py --saver hf;
     AutoTokenizer on the export gives the training ids and config.json / generation_config.json
-    carry our end-of-document id (transformers' default 50256 lies outside these vocabularies)."""
+    carry our end-of-document id (transformers' default 50256 lies outside these vocabularies).
+    ``tokenizer.json folder``: ``--tokenizer-model`` names the folder holding tokenizer.json, as
+    docs/fine-tuning.md does (``--tokenizer-model hf/my-llama``); the export wrote no tokenizer then."""
     import pretrain_gpt
     from tests.convert_helpers import convert
 
-    kind, files = tokenizer_files[case]
+    kind, files = tokenizer_files[case.removesuffix(" folder")]
     ours = _ours(kind, files)
     flags = {"tokenizer.model": "--tokenizer-model", "tokenizer.json": "--tokenizer-model", "vocab.json": "--vocab-file",
              "merges.txt": "--merge-file"}
+    if case.endswith(" folder"):
+        files = {name: os.path.dirname(path) for name, path in files.items()}
     tokenizer = ["--tokenizer-type", kind, "--vocab-size", str(ours.vocab_size)] + [x for name, path in files.items() for x in (flags[name], path)]
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     pretrain_gpt.main(["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
