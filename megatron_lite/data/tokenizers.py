@@ -220,6 +220,7 @@ class HuggingFaceTokenizer(Tokenizer):
                                     if t in self.vocab), None)
         self.pad = next((self.vocab[t] for t in (config.get("pad_token"), *self.PAD_CANDIDATES) if t in self.vocab),
                         None)
+        self.bos = self.vocab.get(config["bos_token"]) if "bos_token" in config else None  # as AutoTokenizer's
 
     @staticmethod
     def _config_tokens(path: str) -> dict:

@@ -143,3 +143,35 @@ def test_a_trained_checkpoint_exports_a_tokenizer_auto_tokenizer_reads_back(toke
     generation = transformers.GenerationConfig.from_pretrained(hf)
     assert config.eos_token_id == generation.eos_token_id == ours.eod < ours.vocab_size
     assert config.bos_token_id == (ours.bos if ours.bos is not None else ours.eod)
+
+
+def test_a_tokenizer_json_that_adds_a_bos_is_exported_with_it(tokenizer_files, tmp_path):
+    """A Llama-style tokenizer.json whose post-processor puts a BOS before every text (and a
+    tokenizer_config.json naming it): AutoTokenizer reads the export exactly as we do, with the BOS
+    and without it when special tokens are off, and config.json's bos_token_id is that BOS. The export
+    refused it ("'Hello world' gives [50257, 15496, 995] there, [50257, 15496, 995] here": the same ids,
+    since only our ids without special tokens were compared) and named the end of document as BOS."""
+    from tokenizers import Tokenizer, processors
+
+    folder = tmp_path / "llama_like"
+    folder.mkdir()
+    hf = Tokenizer.from_file(tokenizer_files["tokenizer.json"][1]["tokenizer.json"])
+    hf.add_special_tokens(["<s>", "</s>"])
+    bos = hf.token_to_id("<s>")
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    files = {"tokenizer.json": str(folder / "tokenizer.json")}
+    ours = _ours("HuggingFaceTokenizer", files)
+    assert ours.tokenize("Hello world")[0] == bos and ours.bos == bos
+    out = tmp_path / "out"
+    out.mkdir()
+    special, note = export_tokenizer({"tokenizer_type": "HuggingFaceTokenizer", "vocab_size": ours.vocab_size}, files,
+                                     str(out))
+    assert "AutoTokenizer gives the training ids" in note, note
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    for text in corpus_texts()[:20]:
+        assert auto.encode(text) == ours.tokenize(text), text
+        assert auto.encode(text, add_special_tokens=False) == ours.tokenize(text)[1:], text
+    assert special["bos_token_id"] == bos == auto.bos_token_id
+    assert special["eos_token_id"] == ours.eod == auto.eos_token_id == hf.token_to_id("</s>")
