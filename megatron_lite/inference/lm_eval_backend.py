@@ -15,14 +15,16 @@ The three request types, as lm-eval's ``hf`` backend computes them (so the numbe
 exported checkpoint with the same tokenizer):
 
 * ``loglikelihood``: the context and continuation are tokenized together (trailing spaces of the
-  context moved to the continuation; an empty context becomes the end-of-document token), cut on the
+  context moved to the continuation; an empty context becomes the BOS token, or the end-of-document token where the tokenizer has no
+  BOS), cut on the
   left to ``max_length + 1`` tokens, and the continuation's log-probs summed; ``is_greedy`` when
   every continuation token is the argmax;
 * ``loglikelihood_rolling``: the text's tokens in disjoint windows of ``max_length`` (each predicted
-  with as much context as fits, the first from the end-of-document token), log-probs summed;
+  with as much context as fits, the first from that BOS or end-of-document token), log-probs summed;
 * ``generate_until``: greedy (or sampled with ``do_sample`` and a ``temperature``, and ``top_k`` or
   ``top_p``) continuation of the context, cut on the left to ``max_length - max_gen_toks`` tokens,
-  stopped at the end-of-document token and cut before the first ``until`` string. Any other
+  stopped at the end-of-document token, decoded alone (special tokens left out) and cut before the
+  first ``until`` string. Any other
   generation setting (``repetition_penalty``, ``num_beams``, ...) is refused with a ValueError
   naming it, unless it has its neutral value (``num_beams=1``, ``repetition_penalty=1.0``).
 """
@@ -40,7 +42,7 @@ except ImportError as err:  # pragma: no cover - the optional extra
     raise ImportError("the lm-eval backend needs lm-evaluation-harness: pip install megatron_lite[eval]") from err
 from tqdm import tqdm
 
-from .api_megatron import continuation_text
+from ..data.chat_template import encode
 from .cli import build_session
 from .sampling import SamplingParams
 
@@ -84,11 +86,18 @@ class MegatronLiteLM(TemplateLM):
         return self.tokenizer_.eod
 
     @property
+    def prefix_token_id(self) -> int:
+        """The empty context (and the first rolling window's): the BOS where the tokenizer has one, as hf."""
+        return self.tokenizer_.bos if getattr(self.tokenizer_, "bos", None) is not None else self.eot_token_id
+
+    @property
     def max_length(self) -> int:
         return self.engine.max_sequence_length
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        return self.tokenizer_.tokenize(string)
+        """The tokenizer's ids, or with ``add_special_tokens=False`` (lm-eval's empty context) the text's
+        own, without what a tokenizer.json's post-processor adds (a BOS)."""
+        return encode(self.tokenizer_, string) if add_special_tokens is False else self.tokenizer_.tokenize(string)
 
     def tok_decode(self, tokens) -> str:
         return self.tokenizer_.detokenize(tokens)
@@ -150,6 +159,12 @@ class MegatronLiteLM(TemplateLM):
         params.check()
         return params, until
 
+    def _decode_generated(self, tokens) -> str:
+        """The generated tokens decoded on their own, special tokens left out, as hf decodes them (a
+        SentencePiece-style word start then gives no leading space)."""
+        hf = getattr(self.tokenizer_, "hf", None)
+        return hf.decode([int(t) for t in tokens], skip_special_tokens=True) if hf is not None else self.tok_decode(tokens)
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out: list = [None] * len(requests)
         groups: dict = {}
@@ -163,7 +178,7 @@ class MegatronLiteLM(TemplateLM):
                 batch = members[start:start + self.batch_size]
                 prompts = [(self.tok_encode(requests[i].args[0]) or [self.eot_token_id])[-keep:] for i in batch]
                 for i, result in zip(batch, self.engine.generate(prompts, params)):
-                    text = continuation_text(self.tokenizer_, result)
+                    text = self._decode_generated(result.generated)
                     for stop in until:
                         if stop and stop in text:
                             text = text[:text.index(stop)]

@@ -52,3 +52,61 @@ def test_generation_kwargs_are_honoured_or_refused_never_dropped(lm):
                         ({"do_sample": True, "temperature": 0.5, "top_k": 5, "top_p": 0.9}, "top_k=5 and top_p=0.9")]:
         with pytest.raises(ValueError, match="^generation_kwargs .*" + message):
             params(**kw)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    """(our checkpoint, its Hugging Face export) of a model whose tokenizer.json puts a BOS before every
+    text (a Llama-style post-processor) and decodes words with spaces between them (no decoder)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from tests.convert_helpers import convert
+    from tests.inference_helpers import VOCAB
+
+    root = tmp_path_factory.mktemp("lm_eval_bos")
+    words = ["<unk>", "<s>", "</s>", "one", "two", "three", "four"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ckpt, hf = str(root / "ckpt"), str(root / "hf")
+    save_model("rope_gqa", ckpt, tokenizer={"tokenizer_type": "HuggingFaceTokenizer",
+                                            "tokenizer_model": str(root / "tok" / "tokenizer.json")})
+    assert convert("GPT", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf) == 0
+    return ckpt, hf
+
+
+def test_a_bos_adding_tokenizer_gives_the_hf_backend_numbers_and_texts(bos_model):
+    """With a tokenizer that adds a BOS, the empty context is [BOS] + the continuation's own tokens
+    and the first rolling window starts from the BOS, as lm-eval's hf backend on the export does; we
+    scored the BOS as part of the continuation after an EOD and started
+    rolling windows from the EOD (the empty context's sum was 4.1 nats off). A generated text is its
+    tokens decoded alone, as hf decodes them: decoded after the prompt, word-level tokens began with a
+    space (' w49 ...' where hf has 'w49 ...')."""
+    pytest.importorskip("accelerate")  # lm-eval's hf backend (lm-eval[hf])
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    ckpt, hf_dir = bos_model
+    ours, theirs = MegatronLiteLM(load=ckpt, batch_size=2), HFLM(pretrained=hf_dir, dtype="float32", batch_size=2,
+                                                                  device="cpu")
+    assert ours.tok_encode("one two") == theirs.tok_encode("one two") == [1, 3, 4]
+    pairs = [Instance("loglikelihood", {}, args, 0) for args in [("", "one two"), ("one", " two three")]]
+    got, want = ours.loglikelihood(pairs, disable_tqdm=True), theirs.loglikelihood(pairs, disable_tqdm=True)
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-5, abs=1e-5)
+    rolling = [Instance("loglikelihood_rolling", {}, ("one two three four one",), 0)]
+    assert ours.loglikelihood_rolling(rolling, disable_tqdm=True) == pytest.approx(
+        theirs.loglikelihood_rolling(rolling, disable_tqdm=True), rel=1e-5, abs=1e-5)
+    gen = [Instance("generate_until", {}, ("one two", {"until": ["three"], "max_gen_toks": 6, "do_sample": False}), 0)]
+    text = ours.generate_until(gen, disable_tqdm=True)
+    assert text == theirs.generate_until(gen, disable_tqdm=True) and not text[0].startswith(" ")
