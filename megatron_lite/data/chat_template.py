@@ -32,6 +32,7 @@ after a user turn and not empty, at least one assistant turn; a problem raises
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -217,8 +218,10 @@ def _compile(template: str):
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols, GenerationBlocks])
-    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3's "Today Date"
     return env.from_string(template)
 
 
@@ -229,7 +232,9 @@ def _render(template, messages, add_generation_prompt: bool) -> str:
 
     text, specials = template
     try:
-        return _compile(text).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        # no tools or documents (None, as Hugging Face passes them when none are given)
+        return _compile(text).render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **specials)
     except jinja2.TemplateSyntaxError as err:
         raise ConversationError(f"the chat template does not parse: {err}", "chat template") from None
     except jinja2.TemplateError as err:

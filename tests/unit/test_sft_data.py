@@ -301,3 +301,22 @@ def test_template_failing_on_a_conversation_is_a_bad_line(tmp_path):
         read_conversations(str(path), tok)
     kept = read_conversations(str(path), tok, skip_bad=True)
     assert len(kept) == 1 and kept.skipped["chat template"] == 1
+
+
+def test_template_sees_tools_and_documents_as_none_as_hugging_face_passes_them(tmp_path, tokenizers):
+    """Hugging Face renders a chat template with ``tools=None, documents=None`` (and ``strftime_now``);
+    here they were undefined, so a template's ``{% if tools is not none %}`` branch ran: its tools block
+    was rendered (or ``tools | tojson`` raised a TypeError traceback). The ids now equal
+    ``apply_chat_template``'s, for training and for the generation prompt."""
+    transformers = pytest.importorskip("transformers")
+    template = ("{% if tools is not none %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+                "{% if documents is not none %}{{ documents | tojson }}{% endif %}"
+                "{% if strftime_now is defined %}{{ strftime_now('') }}{% endif %}" + CHATML)
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "tools", template))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tools"))
+    for messages, prompt in ((CHAT, False), (CHAT[:4], True)):
+        want = hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        got = chat_tokens(tok, messages, add_generation_prompt=prompt)
+        assert got.ids[:len(got.ids) - (not prompt)] == want  # training adds the EOD
+    assert chat_tokens(tok, CHAT).trained == chat_tokens(tokenizers["chatml"], CHAT).trained
