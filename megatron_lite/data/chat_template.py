@@ -239,6 +239,11 @@ def _render(template, messages, add_generation_prompt: bool) -> str:
         raise ConversationError(f"the chat template does not parse: {err}", "chat template") from None
     except jinja2.TemplateError as err:
         raise ConversationError(f"the chat template failed on this conversation: {err}", "chat template") from None
+    except ConversationError:  # raise_exception's: the template's own refusal
+        raise
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as err:  # Python errors in the template
+        raise ConversationError(f"the chat template failed on this conversation: {type(err).__name__}: {err}",
+                                "chat template") from None
 
 
 def _template_tokens(tokenizer, template, messages, add_generation_prompt: bool) -> ChatTokens:

@@ -301,6 +301,12 @@ def test_template_failing_on_a_conversation_is_a_bad_line(tmp_path):
         read_conversations(str(path), tok)
     kept = read_conversations(str(path), tok, skip_bad=True)
     assert len(kept) == 1 and kept.skipped["chat template"] == 1
+    # a Python error inside the template (str - int) is the same: it was a TypeError traceback
+    template = template.replace("{{ m.x.y }}", "{{ m['content'] - 1 }}")
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path / "tok2", template))
+    with pytest.raises(DataConfigError, match=r"c\.jsonl:2: the chat template failed on this conversation: TypeError"):
+        read_conversations(str(path), tok)
+    assert read_conversations(str(path), tok, skip_bad=True).skipped["chat template"] == 1
 
 
 def test_template_sees_tools_and_documents_as_none_as_hugging_face_passes_them(tmp_path, tokenizers):
