@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from ..data.chat_template import encode
+
 
 @dataclass
 class Perplexity:
@@ -88,7 +90,7 @@ def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]
         return tokens, 1
     word = text.split()[-1]
     context = tokenizer.tokenize(text[:text.rfind(word)].strip())
-    target = tokenizer.tokenize(" " + word)
+    target = encode(tokenizer, " " + word)  # the word's own tokens: no BOS a tokenizer.json's post-processor adds
     return context + target, len(target)
 
 

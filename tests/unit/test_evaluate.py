@@ -138,3 +138,23 @@ def test_bad_texts_and_batch_sizes_are_one_line_errors(checkpoint, tmp_path, cap
     assert load_tool("evaluate").main([*flags, "--load", checkpoint, "--valid-data", str(data)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_strict_lambada_target_has_no_bos_of_a_tokenizer_that_adds_one(tmp_path):
+    """A Llama-style tokenizer.json adds a BOS before every text it encodes: the strict target (the
+    last word, encoded on its own) carried that BOS in the middle of the example, a token the model
+    must then predict, so no example could ever be correct."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    words = ["<unk>", "<s>", "</s>", "they", "ate", "the", "melon"]
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    tokens, n = lambada_example(tok, "they ate the melon", strict=True)
+    assert (tokens, n) == ([1, 3, 4, 5, 6], 1)  # one BOS, at the start of the context
+    assert lambada_example(tok, "they ate the melon", strict=False) == ([1, 3, 4, 5, 6], 1)
