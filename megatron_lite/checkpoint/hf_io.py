@@ -18,9 +18,10 @@ from .format import CheckpointError
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"  # a converted megatron checkpoint keeps Hugging Face tokenizer files here
 INDEX_FILE = "model.safetensors.index.json"
-# Tokenizer files copied between a Hugging Face folder and a converted checkpoint when present.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+# Tokenizer files copied between a Hugging Face folder and a converted checkpoint when present
+# (transformers 4.50+ saves the chat template as chat_template.jinja, beside tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 

@@ -175,3 +175,31 @@ def test_a_tokenizer_json_that_adds_a_bos_is_exported_with_it(tokenizer_files, t
         assert auto.encode(text, add_special_tokens=False) == ours.tokenize(text)[1:], text
     assert special["bos_token_id"] == bos == auto.bos_token_id
     assert special["eos_token_id"] == ours.eod == auto.eos_token_id == hf.token_to_id("</s>")
+
+
+def test_an_import_keeps_the_chat_template_that_transformers_saves_beside_the_tokenizer(tmp_path, capsys):
+    """transformers saves a tokenizer's chat template as chat_template.jinja; an import left that file
+    behind, so a fine-tune with the printed --tokenizer-model silently used the default template
+    instead of the model's. The import keeps it, and exporting the import back keeps it too."""
+    import torch
+
+    from megatron_lite.data.chat_template import chat_tokens
+    from tests.convert_helpers import convert
+    from tests.sft_helpers import CHATML, VOCAB, write_tokenizer
+
+    src = tmp_path / "hf"
+    transformers.AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", CHATML)).save_pretrained(str(src))
+    assert (src / "chat_template.jinja").is_file()  # where transformers puts it
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16)).save_pretrained(str(src))
+    assert convert("GPT", "--loader", "hf", "--saver", "megatron", "--load-dir", str(src),
+                   "--save-dir", str(tmp_path / "imp")) == 0
+    found = tokenizer_in_folder(str(tmp_path / "imp" / "tokenizer"))
+    chat = [{"role": "user", "content": "why ?"}, {"role": "assistant", "content": "sun"}]
+    want = chat_tokens(build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(src)), chat)
+    got = chat_tokens(build_tokenizer(**found), chat)
+    assert (got.ids, got.trained) == (want.ids, want.trained)
+    assert convert("GPT", "--saver", "hf", "--load-dir", str(tmp_path / "imp"), "--save-dir", str(tmp_path / "back")) == 0
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back")).chat_template == CHATML
