@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 
+from ..data.chat_template import encode, hf_chat_template
 from ..data.tokenizers import build_tokenizer
 
 SAMPLE_TEXTS = (
@@ -100,6 +101,9 @@ def _write(kind: str, tok, files: dict, folder: str) -> None:
                    pad_token=_token(tok, tok.pad), add_bos_token=False, add_eos_token=False, add_prefix_space=False)
         if kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
             _sentencepiece_json(tok, files["tokenizer.model"], folder)
+        template = hf_chat_template(tok)  # the one the run's chat data was rendered with (a HuggingFaceTokenizer's)
+        if template is not None:
+            cfg["chat_template"] = template[0]
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=2)
 
@@ -107,8 +111,6 @@ def _write(kind: str, tok, files: dict, folder: str) -> None:
 def _mismatch(kind: str, tok, folder: str) -> str | None:
     """Why AutoTokenizer on ``folder`` does not give our ids (None when it does)."""
     from transformers import AutoTokenizer
-
-    from ..data.chat_template import encode
 
     auto = AutoTokenizer.from_pretrained(folder)
     specials = [t for t in auto.all_special_tokens if t]

@@ -203,3 +203,24 @@ def test_an_import_keeps_the_chat_template_that_transformers_saves_beside_the_to
     assert (got.ids, got.trained) == (want.ids, want.trained)
     assert convert("GPT", "--saver", "hf", "--load-dir", str(tmp_path / "imp"), "--save-dir", str(tmp_path / "back")) == 0
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back")).chat_template == CHATML
+
+
+def test_an_export_keeps_the_chat_template_the_run_trained_with(tmp_path):
+    """A fine-tune with a HuggingFaceTokenizer whose folder holds a chat template (--sft renders the
+    conversations with it): the export wrote a tokenizer_config.json without it, so
+    apply_chat_template on the exported model failed or prompted it otherwise than it was trained.
+    It now carries the template: Hugging Face's generation prompt has our ids."""
+    from megatron_lite.data.chat_template import chat_tokens
+    from tests.sft_helpers import CHATML, write_tokenizer
+
+    folder = write_tokenizer(tmp_path / "tok", CHATML)
+    files = {"tokenizer.json": os.path.join(folder, "tokenizer.json")}
+    ours = _ours("HuggingFaceTokenizer", files)
+    out = tmp_path / "out"
+    out.mkdir()
+    _, note = export_tokenizer({"tokenizer_type": "HuggingFaceTokenizer", "vocab_size": ours.vocab_size}, files, str(out))
+    assert "AutoTokenizer gives the training ids" in note, note
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    chat = [{"role": "system", "content": "red"}, {"role": "user", "content": "why ?"}]
+    want = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert chat_tokens(ours, chat, add_generation_prompt=True).ids == list(want["input_ids"] if hasattr(want, "keys") else want)
