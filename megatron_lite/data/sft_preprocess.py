@@ -81,6 +81,8 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
     if tokenizer_kwargs.get("tokenizer_type") == "NullTokenizer":  # as --sft refuses it (sft_dataset.check_sft_flags)
         raise ConfigError("--tokenizer-type NullTokenizer reads token ids, not chat text; use the text tokenizer "
                           "the fine-tune will use")
+    if workers < 1:  # no worker would take a chunk: the run waited forever
+        raise ConfigError(f"--workers {workers} must be at least 1")
     _init(tokenizer_kwargs, max_tokens)
     result = SFTPreprocessResult()
     dtype = best_dtype(_worker["tokenizer"].vocab_size)

@@ -326,3 +326,21 @@ def test_template_sees_tools_and_documents_as_none_as_hugging_face_passes_them(t
         got = chat_tokens(tok, messages, add_generation_prompt=prompt)
         assert got.ids[:len(got.ids) - (not prompt)] == want  # training adds the EOD
     assert chat_tokens(tok, CHAT).trained == chat_tokens(tokenizers["chatml"], CHAT).trained
+
+
+@pytest.mark.parametrize("workers", ["0", "-2"])
+def test_preprocess_sft_refuses_workers_below_one(tmp_path, tokenizers, workers):
+    """--workers 0 (or negative) hung forever: the chunk gate admitted 4 x workers = 0 chunks. It is
+    one line naming the flag, exit code 2, nothing written (run as a process: a hang fails it)."""
+    import os
+    import subprocess
+    import sys
+
+    jsonl = write_conversations(tmp_path / "c.jsonl", 3)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = [sys.executable, os.path.join(root, "tools", "preprocess_sft.py"), "--input", str(jsonl), "--output-prefix",
+            str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            tokenizers["chatml"].path, "--workers", workers, "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 2 and done.stderr.strip() == f"error: --workers {workers} must be at least 1", done.stderr
+    assert not list(tmp_path.glob("out*"))
