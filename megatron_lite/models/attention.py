@@ -23,6 +23,12 @@ Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusio
 ``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
 product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
 ``--rope-fusion``. With bias + dropout fusion the output projection returns ``(output, bias)``.
+
+``--qk-layernorm`` (Qwen3, OLMo-2, Gemma-3): queries and keys are normalised per head
+(``q_layernorm`` / ``k_layernorm``, a ``--normalization`` norm over the head size, one weight shared by
+every head) after the QKV projection and before the rotary embedding. The weights are replicated over
+TP while each rank normalises only its own heads, so they are marked ``sequence_parallel`` (the
+training code sums their gradients over TP) whenever TP > 1, with or without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
-from .common import apply_rotary, column_linear, row_linear
+from .common import Norm, apply_rotary, column_linear, row_linear
 from .cpu_attention import cpu_dropout_attention
 
 fused_apply_rotary = jit_fuser(apply_rotary)
@@ -168,6 +174,13 @@ def rotate_part(rotate, x, cos, sin):
     return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
+def head_norm(config, state) -> Norm:
+    """``--qk-layernorm``'s norm over one head's channels: replicated, each TP rank sees only its own
+    heads, so its gradient is summed over TP (the ``sequence_parallel`` mark) whenever TP > 1."""
+    return Norm(config.head_dim, config.normalization, config.norm_epsilon, sequence_parallel=state.tp_size > 1,
+                dtype=config.params_dtype, zero_centered=config.apply_layernorm_1p)
+
+
 class SelfAttention(nn.Module):
     """QKV projection -> (rotary) -> core attention -> output projection.
 
@@ -191,6 +204,8 @@ class SelfAttention(nn.Module):
         self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj",
                                       skip_bias_add=config.bias_dropout_fusion)
         self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
+        self.q_layernorm, self.k_layernorm = (head_norm(config, state) for _ in range(2)) if config.qk_layernorm \
+            else (None, None)
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the
@@ -205,6 +220,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None:  # per head, before the rotary embedding (Qwen3's order)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = (t.to(q.dtype) for t in rotary)
             q, k = rotate_part(self.rotate, q, cos, sin), rotate_part(self.rotate, k, cos, sin)

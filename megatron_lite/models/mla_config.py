@@ -37,7 +37,7 @@ class MLAConfig:
     v_head_dim: int = 128
     """MLA: per-head value dimension."""
     qk_layernorm: bool = False
-    """MLA: normalise the query and key/value latents (DeepSeek-V2/V3 do)."""
+    """Normalise queries and keys: per head before RoPE (--normalization over --kv-channels, one weight for all heads; Qwen3, OLMo-2, Gemma-3), or MLA's query and key/value latents (DeepSeek-V2/V3)."""
     rope_type: str | None = None
     """Rotary embedding: rope or yarn (default: yarn with --multi-latent-attention, rope otherwise)."""
     rotary_scaling_factor: float = 1.0
@@ -87,9 +87,6 @@ def check_mla_fields(config) -> None:
         _require(config.rotary_base > 1, f"--rotary-base {config.rotary_base} must be above 1 with --rope-type yarn")
     if config.multi_latent_attention:
         _check_mla(config)
-    else:
-        _require(not config.qk_layernorm, "--qk-layernorm is built for --multi-latent-attention only (the per-head "
-                 "query/key norms of standard attention are not implemented)")
     if config.mtp_num_layers is not None:
         _require(config.mtp_num_layers >= 1, f"--mtp-num-layers {config.mtp_num_layers} must be at least 1")
         _require(config.position_embedding_type == "rope",

@@ -10,18 +10,20 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
-MLA).
+MLA, ``--qk-layernorm`` without either attention block that norms queries and keys).
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .attention import DotProductAttention
+from .attention import DotProductAttention, SelfAttention
 from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
 
 def _is(factory, cls) -> bool:
-    return factory is cls or (isinstance(factory, type) and issubclass(factory, cls))
+    """``factory`` is the class ``cls`` (or one of a tuple of classes) or a subclass."""
+    classes = cls if isinstance(cls, tuple) else (cls,)
+    return factory in classes or (isinstance(factory, type) and issubclass(factory, classes))
 
 
 def layer_specs(module: str, name: str, num_layers: int) -> list[LayerSpec]:
@@ -61,3 +63,7 @@ def check_spec(config) -> None:
     if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
         raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "
                           "megatron_lite.models.mla.MLASelfAttention; use it in the spec or drop the flag")
+    if config.model.qk_layernorm and not any(_is(s.self_attention, (SelfAttention, MLASelfAttention)) for s in specs):
+        raise ConfigError(f"{flag}: --qk-layernorm is set but no layer's self_attention is megatron_lite.models."
+                          "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
+                          "one in the spec or drop the flag")

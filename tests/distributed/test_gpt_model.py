@@ -94,6 +94,17 @@ def test_family_options_under_tensor_sequence_parallel(variant):
     run_ranks(2, check_tp_equals_serial, 2, True, variant)
 
 
+@pytest.mark.parametrize("sp, variant", [(False, "K"), (True, "K"), (True, "L")])
+def test_qk_layernorm_under_tensor_parallel(sp, variant):
+    """--qk-layernorm (K: RMSNorm, GQA; L: LayerNorm + bias, MHA): each rank norms only its heads, so the
+    replicated q/k norm weights are marked and summed over TP with or without SP; their gradients
+    (and every other one) equal one process'."""
+    marked = run_ranks(2, check_tp_equals_serial, 2, sp, variant)[0]
+    kinds = ("weight", "bias") if variant == "L" else ("weight",)
+    norms = {f"decoder.layers.{i}.self_attention.{n}_layernorm.{k}" for i in range(2) for n in "qk" for k in kinds}
+    assert norms <= set(marked) and (sp or set(marked) == norms)
+
+
 def test_tensor_sequence_parallel_with_full_recompute():
     run_ranks(2, check_tp_equals_serial, 2, True, "B", ("full", "uniform", 1))
     run_ranks(2, check_tp_equals_serial, 2, True, "A", ("selective", None, None))

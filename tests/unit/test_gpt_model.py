@@ -31,6 +31,8 @@ VARIANTS = {
 VARIANTS["Q"] = dict(VARIANTS["B"], add_qkv_bias=True)  # Qwen2's: B with a bias on the QKV projection only
 VARIANTS["P"] = dict(VARIANTS["B"], rotary_percent=0.5)  # B rotating the first half of each head only
 VARIANTS["N"] = dict(VARIANTS["A"], apply_layernorm_1p=True)  # A with zero-centred LayerNorm weights (1 + w)
+VARIANTS["K"] = dict(VARIANTS["B"], qk_layernorm=True)  # B with Qwen3's per-head RMSNorm of queries and keys
+VARIANTS["L"] = dict(VARIANTS["A"], qk_layernorm=True)  # A with per-head LayerNorm (weight + bias) of q and k
 VARIANTS["S"] = dict(VARIANTS["P"], rotary_base=500000, use_rope_scaling=True,  # P with Llama 3.1 scaling and
                      rotary_seq_len_interpolation_factor=2)  # positions / 2 (global positions under CP)
 
@@ -86,6 +88,9 @@ def reference_logits(sd, cfg, tokens):
         qkv = qkv.view(b, s, ng, hpg + 2, d)
         q = qkv[:, :, :, :hpg].reshape(b, s, nh, d).transpose(1, 2)
         k, v = (qkv[:, :, :, hpg + j].transpose(1, 2) for j in (0, 1))  # [b, ng, s, d]
+        if cfg.qk_layernorm:  # each head's channels, one weight for all heads, before the rotation
+            q, k = (_ref_norm(t, p(f"self_attention.{n}_layernorm.weight"), p(f"self_attention.{n}_layernorm.bias"), cfg)
+                    for t, n in ((q, "q"), (k, "k")))
         if cfg.position_embedding_type == "rope":  # --rotary-percent: the first int(d x percent) channels rotate
             r = int(d * cfg.rotary_percent)
             q, k = (torch.cat([_ref_rope(t[..., :r], cfg.rotary_base), t[..., r:]], dim=-1) for t in (q, k))
