@@ -8,8 +8,8 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
                 layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
                 ``--target-*`` sizes (default: the source's)
-``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, qwen2, mixtral,
-                megatron-bert and deepseek_v3 styles
+``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, qwen2, qwen3,
+                qwen3_moe, mixtral, megatron-bert and deepseek_v3 styles
 ==============  ===============================================================================
 """
 
@@ -42,6 +42,7 @@ from .hf_io import (
 )
 from .hf_mixtral import from_mixtral, to_mixtral
 from .hf_qwen2 import from_qwen2, to_qwen2
+from .hf_qwen3 import from_qwen3, from_qwen3_moe, to_qwen3, to_qwen3_moe
 from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
 from .hf_unused import TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
@@ -153,7 +154,7 @@ def _hf_loader_args(parser) -> None:
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                        help="Vocabulary padding of the imported model, as in training (default 128).")
     group.add_argument("--moe-grouped-gemm", action="store_true", default=None,
-                       help="Mixtral / DeepSeek-V3 import: write the experts stacked for --moe-grouped-gemm "
+                       help="Mixtral / Qwen3-MoE / DeepSeek-V3 import: write the experts stacked for --moe-grouped-gemm "
                             "(default: one MLP each).")
     group.add_argument("--apply-layernorm-1p", action="store_true", default=None,
                        help="Store the imported norm weights zero-centred (weight - 1) for a --apply-layernorm-1p run.")
@@ -178,8 +179,8 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
     """(flat config, state dict) of a Hugging Face folder whose config.json holds ``hf_config``; a
     tensor the import does not use is refused (:mod:`.hf_unused`), never dropped."""
     kind = hf_config.get("model_type")
-    if moe_grouped_gemm and kind not in ("mixtral", "deepseek_v3"):
-        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral or deepseek_v3 model only; {load_dir} holds "
+    if moe_grouped_gemm and kind not in ("mixtral", "deepseek_v3", "qwen3_moe"):
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral, qwen3_moe or deepseek_v3 model only; {load_dir} holds "
                           f"{kind!r}: drop it")
     tensors = TensorReads(read_safetensors(load_dir))
     if kind == "mixtral":
@@ -190,6 +191,8 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
         out = from_bert(hf_config, tensors)
     elif kind == "qwen2":
         out = from_qwen2(hf_config, tensors)
+    elif kind in ("qwen3", "qwen3_moe"):
+        out = from_qwen3(hf_config, tensors) if kind == "qwen3" else from_qwen3_moe(hf_config, tensors, moe_grouped_gemm)
     else:
         out = from_hf(hf_config, tensors)
     refuse_unused(tensors, hf_config, load_dir)
@@ -205,9 +208,11 @@ def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
                        help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
-                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only), deepseek_v3 (multi-latent "
+                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only), qwen3 / qwen3_moe (llama "
+                            "/ MoE with --qk-layernorm), deepseek_v3 (multi-latent "
                             "attention, MoE, MTP) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
-                            "deepseek_v3 for MLA / MTP models, mixtral for MoE models, qwen2 for rope models with "
+                            "deepseek_v3 for MLA / MTP models, qwen3(_moe) for --qk-layernorm, mixtral for MoE models, "
+                            "qwen2 for rope models with "
                             "--add-qkv-bias --disable-bias-linear, llama for other rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
@@ -236,6 +241,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         hf_config, tensors = to_bert(bundle.config, bundle.state_dict)
     elif style == "qwen2":
         hf_config, tensors = to_qwen2(bundle.config, bundle.state_dict)
+    elif style in ("qwen3", "qwen3_moe"):
+        hf_config, tensors = (to_qwen3 if style == "qwen3" else to_qwen3_moe)(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)

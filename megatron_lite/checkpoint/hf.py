@@ -14,10 +14,11 @@ Two styles, picked from the model's position embedding (``--hf-style auto``):
   Our fused QKV ``[groups, (heads_per_group + 2) * head_dim, hidden]`` is split into q/k/v_proj per
   group, and fc1 ``[gate; up]`` into gate_proj/up_proj. HF's rotary uses the same rotate-half layout.
 
-Three more styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
-picked for mixture-of-experts models), ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT) and
+More styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpoint.hf_mixtral`,
+picked for mixture-of-experts models), ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT),
 ``deepseek_v3`` (:mod:`~megatron_lite.checkpoint.hf_deepseek`, picked for multi-latent attention or
-multi-token prediction).
+multi-token prediction), ``qwen2`` and ``qwen3`` / ``qwen3_moe`` (:mod:`~megatron_lite.checkpoint.hf_qwen3`,
+picked for ``--qk-layernorm``).
 A model the target style cannot express is refused with one line naming the option that differs.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
@@ -32,7 +33,8 @@ from ..fusions.config import tanh_gelu
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
-STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2")  # the last four in hf_<name>.py
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe")  # from mixtral on
+# in hf_<name>.py (qwen3_moe in hf_qwen3.py)
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -57,6 +59,8 @@ def pick_style(cfg: dict, style: str = "auto") -> str:
     _require(not deepseek, f"--{str(deepseek).replace('_', '-')} cannot be expressed in the {style} format; use "
              "--hf-style deepseek_v3")
     if style == "auto":
+        if cfg.get("qk_layernorm"):
+            return "qwen3_moe" if cfg.get("num_experts") else "qwen3"
         if cfg.get("num_experts"):
             return "mixtral"
         if cfg.get("position_embedding_type") != "rope":
@@ -77,7 +81,9 @@ def check_exportable(cfg: dict, style: str) -> None:
     """Raise one ConfigError naming the option the ``style`` format cannot express."""
     _, hidden, heads, groups, head_dim = _dims(cfg)
     _require(not cfg.get("num_experts"), f"--num-experts {cfg.get('num_experts')} (mixture of experts) cannot be "
-             f"expressed in the {style} format; use --hf-style mixtral")
+             f"expressed in the {style} format; use --hf-style {'qwen3_moe' if cfg.get('qk_layernorm') else 'mixtral'}")
+    _require(not cfg.get("qk_layernorm"), f"--qk-layernorm (per-head query/key norms) cannot be expressed in the "
+             f"{style} format; use --hf-style qwen3")
     if style == "gpt2":
         _require(cfg.get("position_embedding_type", "learned_absolute") == "learned_absolute",
                  "--position-embedding-type rope cannot be expressed in the gpt2 format; use --hf-style llama")
@@ -320,7 +326,7 @@ def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
     kind = hf.get("model_type")
     _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
-             "mixtral, megatron-bert, deepseek_v3")
+             "qwen3, qwen3_moe, mixtral, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

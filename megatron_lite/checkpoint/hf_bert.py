@@ -36,6 +36,7 @@ def check_bert(cfg: dict) -> None:
     _, hidden, heads, groups, head_dim = _dims(cfg)
     for ok, words in (
         (not cfg.get("multi_latent_attention"), "--multi-latent-attention"),
+        (not cfg.get("qk_layernorm"), "--qk-layernorm"),
         (cfg.get("normalization", "LayerNorm") == "LayerNorm", "--normalization RMSNorm"),
         (cfg.get("position_embedding_type", "learned_absolute") == "learned_absolute", "--position-embedding-type rope"),
         (not cfg.get("swiglu"), "--swiglu"), (not cfg.get("disable_bias_linear"), "--disable-bias-linear"),

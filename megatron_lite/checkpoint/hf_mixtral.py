@@ -36,35 +36,39 @@ _UNEXPRESSIBLE = (
     ("moe_router_num_groups", None, "--moe-router-num-groups (group-limited routing)"),
     ("moe_router_pre_softmax", False, "--moe-router-pre-softmax (Mixtral renormalises the top-k)"),
     ("moe_router_topk_scaling_factor", None, "--moe-router-topk-scaling-factor"),
-    ("add_qkv_bias", False, "--add-qkv-bias (Mixtral's attention has no biases)"),
+    ("add_qkv_bias", False, "--add-qkv-bias (the attention has no biases)"),
+    ("qk_layernorm", False, "--qk-layernorm (per-head query/key norms; use --hf-style qwen3_moe)"),
     ("rotary_percent", 1.0, "--rotary-percent below 1 (every channel of a head rotates)"),
     ("use_rope_scaling", False, "--use-rope-scaling"),
     ("rotary_seq_len_interpolation_factor", None, "--rotary-seq-len-interpolation-factor"),
 )
 
 
-def check_mixtral(cfg: dict) -> None:
-    """Raise one ConfigError naming the first option the mixtral format cannot express."""
-    _require(cfg.get("num_experts"), "a dense model (no --num-experts) cannot be expressed in the mixtral format; "
-             "use --hf-style llama")
+def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> None:
+    """Raise one ConfigError naming the first option the mixtral format (or ``style``, a format with
+    the same MoE layers that also expresses the options named in ``allowed``) cannot express."""
+    _require(cfg.get("num_experts"), f"a dense model (no --num-experts) cannot be expressed in the {style} format; "
+             f"use --hf-style {'qwen3' if style == 'qwen3_moe' else 'llama'}")
     for name, ok, words in _UNEXPRESSIBLE:
+        if name in allowed:
+            continue
         value = cfg.get(name, ok)
         if name == "moe_expert_capacity_factor" and value is not None and value < 0:
             value = None  # a negative factor means no capacity limit
         if name == "rotary_seq_len_interpolation_factor" and value == 1:
             value = None  # positions divided by 1: plain RoPE
-        _require(value == ok or (ok is None and not value), f"{words} cannot be expressed in the mixtral format")
+        _require(value == ok or (ok is None and not value), f"{words} cannot be expressed in the {style} format")
     _require("sinkhorn" not in (cfg.get("moe_router_load_balancing_type") or []),
-             "--moe-router-load-balancing-type sinkhorn cannot be expressed in the mixtral format")
-    _require(all(parse_moe_layer_freq(cfg.get("moe_layer_freq", 1), cfg["num_layers"])),
-             f"--moe-layer-freq {cfg.get('moe_layer_freq')!r} (dense layers) cannot be expressed in the mixtral "
+             f"--moe-router-load-balancing-type sinkhorn cannot be expressed in the {style} format")
+    _require("moe_layer_freq" in allowed or all(parse_moe_layer_freq(cfg.get("moe_layer_freq", 1), cfg["num_layers"])),
+             f"--moe-layer-freq {cfg.get('moe_layer_freq')!r} (dense layers) cannot be expressed in the {style} "
              "format (every layer is MoE)")
     _require(cfg.get("position_embedding_type") == "rope", "--position-embedding-type learned_absolute cannot be "
-             "expressed in the mixtral format (rotary only)")
-    _require(cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm cannot be expressed in the mixtral "
-             "format (RMSNorm only)")
-    _require(cfg.get("swiglu"), "a GeLU MLP (no --swiglu) cannot be expressed in the mixtral format (SwiGLU experts)")
-    _require(cfg.get("disable_bias_linear"), "biases (no --disable-bias-linear) cannot be expressed in the mixtral "
+             f"expressed in the {style} format (rotary only)")
+    _require(cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm cannot be expressed in the "
+             f"{style} format (RMSNorm only)")
+    _require(cfg.get("swiglu"), f"a GeLU MLP (no --swiglu) cannot be expressed in the {style} format (SwiGLU experts)")
+    _require(cfg.get("disable_bias_linear"), f"biases (no --disable-bias-linear) cannot be expressed in the {style} "
              "format")
 
 

@@ -20,6 +20,8 @@ def _require(cond, message: str) -> None:
 
 def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``."""
+    _require(not cfg.get("qk_layernorm"), "--qk-layernorm (per-head query/key norms) cannot be expressed in the qwen2 "
+             "format; use --hf-style qwen3")
     _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
              "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
     hf, out = to_hf({**cfg, "add_qkv_bias": False}, sd, "llama")  # the llama export without biases

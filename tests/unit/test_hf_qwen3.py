@@ -1,0 +1,179 @@
+"""Hugging Face ``qwen3`` / ``qwen3_moe`` import and export (tools/checkpoint/convert.py) against ``transformers``:
+tiny random models built from a config (no download) with random q/k norm weights, a head size other
+than hidden / heads (--kv-channels), grouped-query attention. Imported (TP2, EP2) they give
+transformers' logits (fp32, rtol/atol 1e-5); exported back they are the same tensors bit for bit; the
+printed flags include --qk-layernorm and load the checkpoint through --pretrained-checkpoint; what
+the formats cannot express is refused in one line."""
+
+import json
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint
+from megatron_lite.checkpoint.hf_qwen3 import _qwen3_moe_config, to_qwen3, to_qwen3_moe
+from megatron_lite.errors import ConfigError
+from tests.cli_errors import refused_line
+from tests.convert_helpers import convert
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+TOKENS = torch.tensor([[5, 17, 42, 8, 61, 3, 99, 0, 12, 77, 31, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=12, max_position_embeddings=16, rms_norm_eps=1e-6)
+
+
+def _perturbed(model):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # the q/k norm weights too (they start at 1)
+    return model.eval()
+
+
+def qwen3(tied=False):
+    cfg = transformers.Qwen3Config(intermediate_size=48, rope_theta=5000.0, tie_word_embeddings=tied, **COMMON)
+    return _perturbed(transformers.Qwen3ForCausalLM(cfg))
+
+
+def qwen3_moe(norm_topk_prob=True, mlp_only_layers=(1,), step=1):
+    cfg = transformers.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                      num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, decoder_sparse_step=step,
+                                      mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=False, **COMMON)
+    return _perturbed(transformers.Qwen3MoeForCausalLM(cfg))
+
+
+def _flags(capsys) -> list[str]:
+    out = capsys.readouterr().out
+    return out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()[2:]  # without --load DIR
+
+
+def _import_export(model, tmp_path, capsys, *extra):
+    """Import at TP2 (+extra), compare logits, export back and compare tensors; the printed flags."""
+    model.save_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "mega"
+    capsys.readouterr()
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--target-tensor-parallel-size", 2, "--make-vocab-size-divisible-by", 8, *extra) == 0
+    flags = _flags(capsys)
+    assert "--qk-layernorm" in flags and flags[flags.index("--kv-channels") + 1] == "12"
+    ours, saved = load_gpt_checkpoint(str(out))
+    assert saved["qk_layernorm"] and saved["kv_channels"] == 12
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+    assert convert("GPT", "--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "again") == 0  # auto style
+    written = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert written["model_type"] == model.config.model_type
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+    assert type(again) is type(model)
+    want, got = model.state_dict(), again.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    with torch.no_grad():  # and the config.json written computes the same model (routing, norms, head size)
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+    return out, flags
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_import_at_tp2_and_export(tied, tmp_path, capsys):
+    model = qwen3(tied)
+    out, flags = _import_export(model, tmp_path, capsys)
+    # each TP shard holds the whole (replicated) q/k norm weights
+    name = "decoder.layers.2.self_attention.k_layernorm.weight"
+    shard = torch.load(out / "release" / "mp_rank_01_000" / "model_optim_rng.pt", weights_only=True)["model"]
+    shard = shard[0] if isinstance(shard, list) else shard
+    assert torch.equal(shard[name], model.model.layers[2].self_attn.k_norm.weight.detach())
+    assert torch.equal(merge_checkpoint(str(out))[0][name], shard[name])
+
+
+@pytest.mark.parametrize("grouped, norm_topk_prob", [(False, True), (True, False)])
+def test_qwen3_moe_import_at_tp2_ep2_and_export(grouped, norm_topk_prob, tmp_path, capsys):
+    """Layer 1 dense (mlp_only_layers), layers 0 and 2 MoE; norm_topk_prob true is our post-top-k softmax,
+    false --moe-router-pre-softmax."""
+    model = qwen3_moe(norm_topk_prob)
+    _, flags = _import_export(model, tmp_path, capsys, "--target-expert-parallel-size", 2,
+                              *(["--moe-grouped-gemm"] if grouped else []))
+    assert flags[flags.index("--moe-layer-freq") + 1] == "[1,0,1]"
+    assert ("--moe-router-pre-softmax" in flags) is not norm_topk_prob
+
+
+def test_qwen3_moe_sparse_step_becomes_a_layer_pattern():
+    """transformers' rule (MoE where (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers) as
+    a --moe-layer-freq list; a config left without MoE layers is refused."""
+    hf = qwen3_moe(mlp_only_layers=(), step=2).config.to_dict()
+    assert _qwen3_moe_config(hf)["moe_layer_freq"] == "[0,1,0]"
+    assert _qwen3_moe_config({**hf, "decoder_sparse_step": 1})["moe_layer_freq"] == "1"
+    with pytest.raises(ConfigError, match="without MoE layers"):
+        _qwen3_moe_config({**hf, "mlp_only_layers": [1]})
+    with pytest.raises(ConfigError, match="num_experts_per_tok 1 with norm_topk_prob true"):
+        _qwen3_moe_config({**hf, "num_experts_per_tok": 1, "norm_topk_prob": True})
+
+
+def _pretrain(argv):
+    return pretrain_gpt.main(argv + ["--mock-data", "--vocab-size", str(VOCAB), "--seq-length", "12",
+                                     "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+                                     "--lr", "0", "--eval-iters", "0", "--log-interval", "1"])
+
+
+def test_printed_flags_load_the_qwen3_checkpoint_through_pretrained_checkpoint(tmp_path, capsys):
+    """The printed flags (with --qk-layernorm) load the converted checkpoint as --pretrained-checkpoint
+    (lr 0: the saved weights are the converted ones, bit for bit); without --qk-layernorm the load is
+    refused in one line naming it, and so is a checkpoint without q/k norms loaded with the flag."""
+    qwen3().save_pretrained(str(tmp_path / "hf"))
+    out = str(tmp_path / "mega")
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--make-vocab-size-divisible-by", 8) == 0
+    flags = _flags(capsys)
+    _pretrain(flags + ["--pretrained-checkpoint", out, "--save", str(tmp_path / "ft")])
+    got, want = merge_checkpoint(str(tmp_path / "ft"))[0], merge_checkpoint(out)[0]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    capsys.readouterr()
+    plain = [f for f in flags if f != "--qk-layernorm"]
+    refused_line(capsys, lambda: _pretrain(plain + ["--pretrained-checkpoint", out]), "qk-layernorm True (this run False)")
+    _pretrain(plain + ["--save", str(tmp_path / "plain")])  # a model without q/k norms, from scratch
+    capsys.readouterr()
+    refused_line(capsys, lambda: _pretrain(flags + ["--pretrained-checkpoint", str(tmp_path / "plain")]),
+                 "qk-layernorm False (this run True)")
+
+
+def test_refusals(tmp_path, capsys):
+    model = qwen3()
+    model.config.attention_bias = True
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    for change, words in ((dict(attention_bias=False), "use_sliding_window"),
+                          (dict(use_sliding_window=False, sliding_window=None), "attention_bias")):
+        folder = tmp_path / next(iter(change))
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**model.config.to_dict(), **change})).save_pretrained(
+            str(folder))
+        capsys.readouterr()
+        assert convert("GPT", "--loader", "hf", "--load-dir", folder, "--save-dir", tmp_path / "out") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    # export: the format needs --qk-layernorm, and the older formats cannot hold it
+    cfg, sd = _converted(tmp_path, capsys)
+    with pytest.raises(ConfigError, match="needs --qk-layernorm"):
+        to_qwen3({**cfg, "qk_layernorm": False}, sd)
+    with pytest.raises(ConfigError, match="use --hf-style qwen3_moe"):
+        to_qwen3({**cfg, "num_experts": 4}, sd)
+    with pytest.raises(ConfigError, match="--add-qkv-bias"):
+        to_qwen3({**cfg, "add_qkv_bias": True}, sd)
+    with pytest.raises(ConfigError, match="a dense model"):
+        to_qwen3_moe(cfg, sd)
+    for style in ("llama", "qwen2", "gpt2"):
+        assert convert("GPT", "--saver", "hf", "--hf-style", style, "--load-dir", tmp_path / "mega",
+                       "--save-dir", tmp_path / style) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--qk-layernorm" in err and "use --hf-style qwen3" in err, err
+
+
+def _converted(tmp_path, capsys):
+    qwen3().save_pretrained(str(tmp_path / "hf"))
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
+                   "--make-vocab-size-divisible-by", 8) == 0
+    capsys.readouterr()
+    sd, cfg = merge_checkpoint(str(tmp_path / "mega"))
+    return cfg, {k: v[:VOCAB] if "word_embeddings" in k or "output_layer" in k else v for k, v in sd.items()}
