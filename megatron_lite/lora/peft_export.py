@@ -6,7 +6,8 @@ the LoRA model computed. PEFT's scale is ``lora_alpha / r`` like ours, so the we
 Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lora_B.weight``
 (``[out, r]``), with the fused layers split the way the base export splits them:
 
-* ``llama`` style (also ``qwen2``, the llama layout whose q/k/v biases stay in the base): the fused QKV adapter's A is copied to ``q_proj``, ``k_proj`` and ``v_proj`` and its
+* ``llama`` style (also ``qwen2``, the llama layout whose q/k/v biases stay in the base, and ``qwen3``, whose
+  q/k norms stay in the base and follow the projections as ours do): the fused QKV adapter's A is copied to ``q_proj``, ``k_proj`` and ``v_proj`` and its
   B split into their rows (undoing the per-group interleave); fc1's A is copied to ``gate_proj`` and
   ``up_proj`` and its B halved (gate first); ``o_proj`` and ``down_proj`` are one-to-one.
 * ``gpt2`` style: ``c_attn`` stays fused, its B rows reordered to HF's ``[Q; K; V]``; HF's Conv1D
@@ -66,8 +67,8 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
 
 def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple[dict, dict]:
     """(adapter_config.json dict, safetensors tensors) of single-process ``adapters`` for a ``style`` base."""
-    if style not in ("gpt2", "llama", "qwen2"):
-        raise CheckpointError(f"PEFT export of LoRA adapters supports the gpt2, llama and qwen2 styles, not {style}; "
+    if style not in ("gpt2", "llama", "qwen2", "qwen3"):
+        raise CheckpointError(f"PEFT export of LoRA adapters supports the gpt2, llama, qwen2 and qwen3 styles, not {style}; "
                               "pass --merge-lora to export the merged model instead")
     if any(".experts." in k for k in adapters):
         raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora")
