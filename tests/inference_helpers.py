@@ -5,7 +5,7 @@ Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head)
 (rotary, 4 experts top-2 in every layer) and ``mla_mtp`` (DeepSeek-V3-shaped: multi-latent attention
 with q compression, latent norms and YaRN, plus one multi-token prediction layer that generation
 leaves unused: it decodes from the main head), ``qwen2`` (``rope_gqa`` with --add-qkv-bias), ``partial_rope`` (``rope_gqa`` with --rotary-percent 0.5),
-``norm_1p`` (``rope_gqa`` with --apply-layernorm-1p),
+``norm_1p`` (``rope_gqa`` with --apply-layernorm-1p), ``qk_norm`` (``rope_gqa`` with --qk-layernorm),
 ``rope_scaled`` (``rope_gqa`` with --use-rope-scaling and --rotary-seq-len-interpolation-factor 2).
 Every parameter, norms and biases included, is random
 (:func:`randomize`), so a misplaced tensor changes the logits.
@@ -39,6 +39,7 @@ VARIANTS = {
 VARIANTS["qwen2"] = dict(VARIANTS["rope_gqa"], add_qkv_bias=True)  # rope_gqa with a bias on the QKV projection
 VARIANTS["partial_rope"] = dict(VARIANTS["rope_gqa"], rotary_percent=0.5)  # half of each head rotates
 VARIANTS["norm_1p"] = dict(VARIANTS["rope_gqa"], apply_layernorm_1p=True)  # norms scale by 1 + weight
+VARIANTS["qk_norm"] = dict(VARIANTS["rope_gqa"], qk_layernorm=True)  # Qwen3's per-head q/k norms (before RoPE)
 VARIANTS["rope_scaled"] = dict(VARIANTS["rope_gqa"], rotary_base=500000, use_rope_scaling=True,
                                rotary_seq_len_interpolation_factor=2)  # Llama 3.1 scaling, positions / 2
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",

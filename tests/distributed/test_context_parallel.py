@@ -277,7 +277,7 @@ def check_gpt_model_with_cp(cp, comm_type, variant, hcp=None):
 
 @pytest.mark.parametrize("cp,comm_type,variant", [(2, "p2p", "A"), (2, "p2p", "B"), (4, "p2p", "B"),
                                                    (2, "a2a", "B"), (2, "allgather", "A"), (2, "p2p", "P"),
-                                                   (2, "allgather", "S")])
+                                                   (2, "allgather", "S"), (2, "p2p", "K")])
 def test_gpt_model_with_cp_equals_single_process(cp, comm_type, variant):
     assert all(run_ranks(cp, check_gpt_model_with_cp, cp, comm_type, variant))
 
