@@ -40,10 +40,11 @@ VARIANTS = [  # (ModelSpec fields, TransformerConfig fields)
           untie_embeddings_and_output_weights=True)),
     (dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False),
      dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False)),
+    (dict(qk_layernorm=True), dict(qk_layernorm=True)),  # per-head q/k LayerNorms: weight + bias each
 ]
 
 
-@pytest.mark.parametrize("spec_fields,config_fields", VARIANTS, ids=["gpt", "llama", "moe"])
+@pytest.mark.parametrize("spec_fields,config_fields", VARIANTS, ids=["gpt", "llama", "moe", "qk_norm"])
 def test_stage_parameters_equal_a_built_model(spec_fields, config_fields):
     spec = ModelSpec(**SHAPES, **spec_fields)
     config = TransformerConfig(max_position_embeddings=16, **SHAPES, **config_fields)

@@ -58,7 +58,7 @@ class ModelSpec:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
-    qk_layernorm: bool = False  # MLA: RMSNorm on the q and kv latents
+    qk_layernorm: bool = False  # MLA: norms of the q and kv latents; else per-head q and k norms
     mtp_num_layers: int = 0
 
     def __post_init__(self):
@@ -179,7 +179,9 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
         return split, replicated
     d = spec.kv_channels
     q, kv = a * d, spec.num_query_groups * d
-    return h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.add_bias_linear else 0), (h if spec.add_bias_linear else 0)
+    qk_norms = 2 * d * spec.norm_params // h if spec.qk_layernorm else 0  # one head's norm each, replicated
+    return (h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.add_bias_linear else 0),
+            (h if spec.add_bias_linear else 0) + qk_norms)
 
 
 def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int | None = None) -> tuple[float, float]:
