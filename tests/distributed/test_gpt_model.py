@@ -107,6 +107,7 @@ def test_qk_layernorm_under_tensor_parallel(sp, variant):
 
 def test_tensor_sequence_parallel_with_full_recompute():
     run_ranks(2, check_tp_equals_serial, 2, True, "B", ("full", "uniform", 1))
+    run_ranks(2, check_tp_equals_serial, 2, True, "K", ("full", "uniform", 1))  # --qk-layernorm
     run_ranks(2, check_tp_equals_serial, 2, True, "A", ("selective", None, None))
 
 

@@ -148,7 +148,7 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("variant", ["A", "B"])
+@pytest.mark.parametrize("variant", ["A", "B", "K"])
 def test_pipeline_split_equals_full_model(variant):
     cfg = make_config(variant)
     tokens, labels = make_batch(1)
