@@ -177,3 +177,23 @@ def _converted(tmp_path, capsys):
     capsys.readouterr()
     sd, cfg = merge_checkpoint(str(tmp_path / "mega"))
     return cfg, {k: v[:VOCAB] if "word_embeddings" in k or "output_layer" in k else v for k, v in sd.items()}
+
+
+def test_qwen3_import_with_apply_layernorm_1p_stores_the_qk_norms_zero_centred(tmp_path):
+    """The hf loader's --apply-layernorm-1p covers the q/k norms too (they are norms of the model):
+    stored as weight - 1, the same logits; exported back, the plain weights (1 + w: fp32 rounding, 1e-6)."""
+    model = qwen3()
+    model.save_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "mega"
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--make-vocab-size-divisible-by", 8, "--apply-layernorm-1p") == 0
+    ours, saved = load_gpt_checkpoint(str(out))
+    assert saved["apply_layernorm_1p"] and saved["qk_layernorm"]
+    want = model.model.layers[0].self_attn.q_norm.weight.detach() - 1
+    assert torch.equal(ours.state_dict()["decoder.layers.0.self_attention.q_layernorm.weight"], want)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], model(TOKENS).logits, rtol=1e-5, atol=1e-5)
+    assert convert("GPT", "--saver", "hf", "--load-dir", out, "--save-dir", tmp_path / "again") == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+    name = "model.layers.2.self_attn.k_norm.weight"
+    torch.testing.assert_close(again.state_dict()[name], model.state_dict()[name], rtol=0, atol=1e-6)
