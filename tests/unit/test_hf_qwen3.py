@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint
 from megatron_lite.checkpoint.hf_qwen3 import _qwen3_moe_config, to_qwen3, to_qwen3_moe
 from megatron_lite.errors import ConfigError
@@ -99,6 +100,8 @@ def test_qwen3_moe_import_at_tp2_ep2_and_export(grouped, norm_topk_prob, tmp_pat
                               *(["--moe-grouped-gemm"] if grouped else []))
     assert flags[flags.index("--moe-layer-freq") + 1] == "[1,0,1]"
     assert ("--moe-router-pre-softmax" in flags) is not norm_topk_prob
+    config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4)  # TP2 x EP2 (unfolded)
+    assert config.model.qk_layernorm and config.moe.moe_router_pre_softmax is not norm_topk_prob
 
 
 def test_qwen3_moe_sparse_step_becomes_a_layer_pattern():
