@@ -212,6 +212,8 @@ class TrainingConfig:
     """Deterministic execution: torch.use_deterministic_algorithms, cuDNN deterministic, fixed cuBLAS workspace (on CUDA NCCL_ALGO must be set, e.g. Ring); slower, for debugging."""
     empty_unused_memory_level: int = 0
     """torch.cuda.empty_cache() to reduce fragmentation: 0 never, 1 after each forward-backward (training and evaluation), 2 also after each optimizer step; no-op on the CPU."""
+    recompute_modules: list[str] | None = None
+    """With --recompute-granularity selective: the parts of each layer recomputed in backward (default core_attn): core_attn, mlp (dense MLP), moe (whole MoE layer), moe_act (experts' activation), shared_experts, layernorm (both norms), mla_up_proj (MLA's up projections, rotary and core attention)."""
 
 
 @dataclass

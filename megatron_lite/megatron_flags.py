@@ -89,8 +89,6 @@ ENTRIES = (
      "drop it (--check-for-nan-in-loss-and-grad, on by default, stops a run on NaN)"),
     ("--distribute-saved-activations", "recomputation keeps a layer's input whole on every tensor-parallel "
      "rank", DROP),
-    ("--recompute-modules", "selective recomputation covers core attention only",
-     "use --recompute-granularity selective (core attention) or full"),
     ("--cpu-offloading-num-layers", "activation offloading to the CPU is not implemented",
      "use --recompute-granularity full"),
     ("--no-clone-scatter-output-in-embedding", "the embedding output handling is fixed", DROP),

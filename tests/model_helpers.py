@@ -7,7 +7,7 @@ the TP size comes from ``state``) and the GPTModel's chunk arguments.
 
 from megatron_lite.models import GPTModel, TransformerConfig
 
-RUN_FIELDS = ("seed", "sequence_parallel", "params_dtype", "recompute_granularity", "recompute_method",
+RUN_FIELDS = ("seed", "sequence_parallel", "params_dtype", "recompute_granularity", "recompute_method", "recompute_modules",
               "recompute_num_layers", "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes")
 
 

@@ -44,6 +44,7 @@ from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
+from ..parallel.recompute import recompute_modules
 from .common import Norm, apply_rotary, column_linear, row_linear
 from .cpu_attention import cpu_dropout_attention
 
@@ -194,7 +195,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.heads_per_group = heads // groups
         self.local_groups = groups // tp
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = "core_attn" in recompute_modules(config)
         self.tracker = state.rng_tracker
         self.layer_number = layer_number
         qkv_size = (heads + 2 * groups) * self.head_dim

@@ -57,6 +57,7 @@ from torch import nn
 from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel import comm
 from ..parallel.random import checkpoint
+from ..parallel.recompute import recompute_modules
 from ..parallel.tensor import linear_gemm
 from .attention import DotProductAttention
 from .common import Norm, apply_rotary, column_linear, init_replicated, row_linear
@@ -96,7 +97,8 @@ class MLASelfAttention(nn.Module):
         self.local_heads = n // state.tp_size
         self.dn, self.dr, self.dv = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.selective_recompute = config.recompute_granularity == "selective"
+        modules = recompute_modules(config)
+        self.selective_recompute, self.recompute_up_proj = "core_attn" in modules, "mla_up_proj" in modules
         self.tracker = state.rng_tracker
         q_size, prefix = n * (self.dn + self.dr), "self_attention."
         self.q_compressed = config.q_lora_rank is not None
@@ -123,14 +125,12 @@ class MLASelfAttention(nn.Module):
         return Norm(size, config.normalization, config.norm_epsilon, sequence_parallel=config.sequence_parallel,
                     dtype=config.params_dtype, zero_centered=config.apply_layernorm_1p)
 
-    def _queries(self, hidden):
-        """``[s, b, local heads, dn + dr]`` (the full sequence: the column-parallel input is gathered)."""
+    def _query_input(self, hidden):
+        """What the query projection reads: ``hidden``, or with q compression its normed latent."""
         if not self.q_compressed:
-            q = self.linear_q_proj(hidden)
-        else:
-            latent = self.linear_q_down_proj(hidden)
-            q = self.linear_q_up_proj(latent if self.q_layernorm is None else self.q_layernorm(latent))
-        return q.view(q.shape[0], q.shape[1], self.local_heads, self.dn + self.dr)
+            return hidden
+        latent = self.linear_q_down_proj(hidden)
+        return latent if self.q_layernorm is None else self.q_layernorm(latent)
 
     def _latent_and_rope_key(self, hidden):
         """(normed latent ``[s(/t), b, rkv]``, shared rotary key ``[s, b, dr]`` in the TP region)."""
@@ -145,11 +145,27 @@ class MLASelfAttention(nn.Module):
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, dr]`` or None."""
-        q_nope, q_rope = self._queries(hidden).split([self.dn, self.dr], dim=-1)
+        q_input = self._query_input(hidden)
         latent, k_rope = self._latent_and_rope_key(hidden)
+        cos, sin = rotary if rotary is not None else (None, None)
+        if self.recompute_up_proj and inference_context is None and torch.is_grad_enabled():
+            # --recompute-modules mla_up_proj: up projections, rotary and core attention run again in backward
+            context = checkpoint(self._attend, q_input, latent, k_rope, cos, sin, attention_mask, causal, None, False,
+                                 tracker=self.tracker)
+        else:
+            context = self._attend(q_input, latent, k_rope, cos, sin, attention_mask, causal, inference_context,
+                                   self.selective_recompute)
+        return self.linear_proj(context)
+
+    def _attend(self, q_input, latent, k_rope, cos, sin, attention_mask, causal, inference_context,
+                recompute_core: bool):
+        """Up projections, rotary embedding, per-head Q/K/V and core attention -> context."""
+        q = self.linear_q_proj(q_input) if not self.q_compressed else self.linear_q_up_proj(q_input)
+        q_nope, q_rope = q.view(q.shape[0], q.shape[1], self.local_heads, self.dn + self.dr).split(
+            [self.dn, self.dr], dim=-1)
         k_rope = k_rope.unsqueeze(2)  # [s, b, 1, dr]: one key for every head
-        if rotary is not None:
-            cos, sin = (t.to(q_nope.dtype) for t in rotary)
+        if cos is not None:
+            cos, sin = cos.to(q_nope.dtype), sin.to(q_nope.dtype)
             q_rope, k_rope = apply_mla_rotary(q_rope, cos, sin), apply_mla_rotary(k_rope, cos, sin)
         if inference_context is not None:
             latent, k_rope, attention_mask, causal = self._cached(inference_context, latent, k_rope, attention_mask,
@@ -160,11 +176,9 @@ class MLASelfAttention(nn.Module):
         value = value.contiguous()  # a saved view would keep k_nope's half of ``kv`` alive for backward
         query = torch.cat([q_nope, q_rope], dim=-1)
         key = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], dim=-1)
-        if self.selective_recompute and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, query, key, value, attention_mask, causal, tracker=self.tracker)
-        else:
-            context = self.core_attention(query, key, value, attention_mask, causal)
-        return self.linear_proj(context)
+        if recompute_core and torch.is_grad_enabled():
+            return checkpoint(self.core_attention, query, key, value, attention_mask, causal, tracker=self.tracker)
+        return self.core_attention(query, key, value, attention_mask, causal)
 
     def _cached(self, cache, latent, k_rope, attention_mask, causal, q_len):
         """Append the new tokens' latent and rotary key; return every cached one and the mask."""

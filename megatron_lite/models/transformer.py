@@ -11,7 +11,8 @@ the final norm when it is the last chunk, and activation recomputation (``config
 
 * ``full`` + ``uniform``: checkpoint consecutive groups of ``recompute_num_layers`` layers;
 * ``full`` + ``block``: checkpoint each of the first ``recompute_num_layers`` layers of this chunk;
-* ``selective``: checkpoint only core attention (QK^T, softmax, dropout, @V) inside every layer.
+* ``selective``: in every layer, recompute the parts ``--recompute-modules`` names (default core
+  attention: QK^T, softmax, dropout, @V; see :mod:`megatron_lite.parallel.recompute`).
 
 All go through :func:`megatron_lite.parallel.random.checkpoint`, which replays dropout exactly.
 """
@@ -23,7 +24,9 @@ from torch import nn
 
 from ..fusions.dropout import dropout
 from ..fusions.residual import bias_dropout_add
+from ..moe.layer import MoELayer
 from ..parallel.random import checkpoint
+from ..parallel.recompute import recompute_modules, run_discarding
 from .common import Norm
 from .spec import resolve_spec
 
@@ -57,6 +60,10 @@ class TransformerLayer(nn.Module):
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
         self.bias_dropout_fusion = config.bias_dropout_fusion
         self.compiled_forward = None  # set by compile_layers
+        modules, moe = recompute_modules(config), isinstance(self.mlp, MoELayer)
+        self.recompute_norms = "layernorm" in modules
+        self.recompute_mlp = ("moe" if moe else "mlp") in modules
+        self.tracker = state.rng_tracker
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         if self.compiled_forward is not None and inference_context is None:  # --torch-compile: one compiled
@@ -66,10 +73,34 @@ class TransformerLayer(nn.Module):
     def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``inference_context``: the key/value cache of decoding, for attention (runs eagerly: its
         lengths change every step)."""
-        attn = self.self_attention(self.input_norm(hidden), attention_mask, rotary, causal,
-                                   inference_context=inference_context)
+        x, norm = self._norm(self.input_norm, hidden)
+        attn = self.self_attention(x, attention_mask, rotary, causal, inference_context=inference_context)
+        if norm is not None:  # --recompute-modules layernorm: the norm's output is computed again in backward
+            norm.discard(attn[0] if isinstance(attn, tuple) else attn)
         hidden = self._residual(attn, hidden)
-        return self._residual(self.mlp(self.pre_mlp_norm(hidden)), hidden)
+        x, norm = self._norm(self.pre_mlp_norm, hidden)
+        if self.recompute_mlp and torch.is_grad_enabled():  # --recompute-modules mlp (dense) / moe
+            out = checkpoint(self._mlp_views, x, tracker=self.tracker)
+        else:
+            out = self.mlp(x)
+        if norm is not None:
+            norm.discard(out[0] if isinstance(out, tuple) else out)
+        return self._residual(out, hidden)
+
+    def _norm(self, norm, hidden):
+        """``(norm(hidden), holder)``: holder is the :class:`~megatron_lite.parallel.recompute.DiscardedOutput`
+        to discard after the consumer's forward under ``--recompute-modules layernorm``, else None."""
+        if self.recompute_norms and self.training:
+            return run_discarding(norm, hidden)
+        return norm(hidden), None
+
+    def _mlp_views(self, x):
+        """The MLP's output; a bias it leaves to the fused residual is returned as a view (an autograd
+        function's output must not be the parameter itself)."""
+        out = self.mlp(x)
+        if isinstance(out, tuple):
+            return tuple(t if t is None else t.view_as(t) for t in out)
+        return out
 
     def _residual(self, out, residual):
         """``residual + dropout(out)``; ``out`` may be ``(output, bias)`` from a sub-module that left its

@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
+from ..parallel.recompute import check_recompute_modules
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
@@ -140,6 +141,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
     calculate_per_token_loss: bool = False  # loss_func returns (token-loss sum, token count, reported)
     hierarchical_context_parallel_sizes: list[int] | None = None  # a2a+p2p: [a2a group, ring group]
+    recompute_modules: list[str] | None = None  # with selective: Megatron's module names (None: core_attn)
 
     def __post_init__(self):
         self._check_shape()
@@ -154,6 +156,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
         check_moe_fields(self)
         check_mla_fields(self)
         check_rope_fields(self)
+        check_recompute_modules(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:
@@ -368,6 +371,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
             hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes,
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers, calculate_per_token_loss=t.calculate_per_token_loss,
+            recompute_modules=t.recompute_modules,
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
             **_fp8_fields(config.precision), **fusion_fields(config.fusion, config.model.swiglu),
         )

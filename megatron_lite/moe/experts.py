@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import comm
+from ..parallel.recompute import recompute_modules, run_discarding
 from ..parallel.tensor import shard
 
 
@@ -172,6 +173,7 @@ class _ExpertsBase(nn.Module):
         self.expert_tp = config.expert_tensor_parallel_size != 1 or self.folded
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
         self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
+        self.recompute_act = "moe_act" in recompute_modules(config)
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
         param = nn.Parameter(data.to(self.dtype).contiguous())
@@ -190,6 +192,17 @@ class _ExpertsBase(nn.Module):
 
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return (activation(h, self.swiglu, self.gelu_approximate) * probs.unsqueeze(-1)).to(h.dtype)
+
+    def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2) -> torch.Tensor:
+        """``fc2(_weighted(h, probs))``; under ``--recompute-modules moe_act`` the weighted activation
+        (fc2's input) is freed after fc2's forward and computed again before its backward."""
+        if not self.recompute_act:
+            return fc2(self._weighted(h, probs))
+        x, holder = run_discarding(self._weighted, h, probs)
+        y = fc2(x)
+        if holder is not None:
+            holder.discard(y)
+        return y
 
     @staticmethod
     def _linear_pair(config, state, layer_number: int) -> nn.Module:
@@ -232,8 +245,8 @@ class SequentialExperts(_ExpertsBase):
         outputs = []
         for expert, rows, p in zip(self.local_experts, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            h = self._weighted(_linear(fc1, rows, fc1.weight, getattr(fc1, "bias", None)), p)
-            y = _linear(fc2, h, fc2.weight)
+            h = _linear(fc1, rows, fc1.weight, getattr(fc1, "bias", None))
+            y = self._fc2_of_weighted(h, p, lambda x, fc2=fc2: _linear(fc2, x, fc2.weight))
             if self.bias and self.etp_rank == 0:
                 y = y + fc2.bias * p.unsqueeze(-1).to(y.dtype)
             outputs.append(y)
@@ -271,7 +284,7 @@ class GroupedExperts(_ExpertsBase):
                 torch.arange(self.num_local_experts, device=x.device),
                 torch.tensor(tokens_per_expert, device=x.device))
             h = h + self.bias1[expert_of_row]
-        y = self._matmul(self._weighted(h, probs), self.weight2, "linear_fc2", tokens_per_expert)
+        y = self._fc2_of_weighted(h, probs, lambda x: self._matmul(x, self.weight2, "linear_fc2", tokens_per_expert))
         if self.bias and self.etp_rank == 0:
             y = y + self.bias2[expert_of_row] * probs.unsqueeze(-1).to(y.dtype)
         return y

@@ -21,6 +21,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..parallel import comm
+from ..parallel.random import checkpoint
+from ..parallel.recompute import recompute_modules
 from ..precision.fp8_block import token_alignment
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts, SequentialExperts
@@ -70,6 +72,8 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(config, state, layer_number)
+        self.recompute_shared = "shared_experts" in recompute_modules(config)
+        self.tracker = state.rng_tracker
         self.tp_group, self.tp_size = state.tp_group, comm.group_size(state.tp_group)
         self.split_tokens = self.tp_size > 1 and not config.sequence_parallel  # (moe_split_tokens_over_tp)
 
@@ -77,7 +81,9 @@ class MoELayer(nn.Module):
         s, b, h = hidden.shape
         out = self._routed_split(hidden) if self.split_tokens else self._routed(hidden)
         out = out.view(s, b, h).to(hidden.dtype)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and self.recompute_shared and torch.is_grad_enabled():
+            out = out + checkpoint(self.shared_experts, hidden, tracker=self.tracker)  # --recompute-modules
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
 
