@@ -121,7 +121,8 @@ def check_recompute_with_dropout(tp, recompute):
     runs = []
     for rec in (None, recompute):
         model_parallel_seed(13, state)
-        kw = dict(zip(("recompute_granularity", "recompute_method", "recompute_num_layers"), rec)) if rec else {}
+        names = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+        kw = dict(zip(names, rec)) if rec else {}
         model = build_gpt(cfg, state, seed=9, sequence_parallel=True, **kw)
         loss = model(tokens, labels=labels)
         loss.mean().backward()
@@ -133,7 +134,8 @@ def check_recompute_with_dropout(tp, recompute):
     return loss_ref
 
 
-@pytest.mark.parametrize("recompute", [("full", "uniform", 2), ("full", "block", 1), ("selective", None, None)])
+@pytest.mark.parametrize("recompute", [("full", "uniform", 2), ("full", "block", 1), ("selective", None, None),
+                                       ("selective", None, None, ["core_attn", "mlp", "layernorm"])])
 def test_recompute_with_dropout_under_tensor_sequence_parallel(recompute):
     losses = run_ranks(2, check_recompute_with_dropout, 2, recompute)
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)  # every TP rank computes the same loss
