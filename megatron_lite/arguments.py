@@ -29,6 +29,7 @@ from .models.transformer_config import (
     RECOMPUTE_METHODS,
 )
 from .moe.config import MOE_CHOICES
+from .optim.wd_schedule import WD_INCR_STYLES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
@@ -50,6 +51,7 @@ CHOICES = {
     "dataloader_type": ["single", "cyclic"],
     "lr_decay_style": ["constant", "linear", "cosine", "WSD"],
     "lr_wsd_decay_style": ["exponential", "linear", "cosine"],
+    "weight_decay_incr_style": list(WD_INCR_STYLES),
     "fp8_format": list(FP8_FORMATS),
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "fp8_recipe": list(FP8_RECIPES),

@@ -266,6 +266,12 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata={
         "flag": "--use-checkpoint-opt_param-scheduler", "aliases": ("--use-checkpoint-opt-param-scheduler",)})
     """On resume, continue the checkpoint's learning-rate schedule whatever this run's flags say."""
+    start_weight_decay: float | None = None
+    """With --weight-decay-incr-style linear or cosine: the weight decay at the first step."""
+    end_weight_decay: float | None = None
+    """With --weight-decay-incr-style linear or cosine: the weight decay reached at the last step (--train-iters, or --train-samples)."""
+    weight_decay_incr_style: str = "constant"
+    """How the weight decay moves from --start-weight-decay to --end-weight-decay over the run: constant (--weight-decay throughout), linear or cosine."""
 
 
 @dataclass

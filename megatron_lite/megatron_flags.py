@@ -67,8 +67,6 @@ ENTRIES = (
     ("--DDP-impl --use-contiguous-buffers-in-local-ddp --no-contiguous-buffers-in-local-ddp",
      "Megatron-LM's removed DDP switches; gradients always live in one contiguous fp32 buffer", DROP),
     # -- regularisation and optimizer -------------------------------------------------------------
-    ("--start-weight-decay --end-weight-decay --weight-decay-incr-style",
-     "weight decay is constant through the run", "use --weight-decay"),
     ("--muon-momentum --muon-no-split-qkv --muon-use-nesterov --muon-scale-mode --muon-fp32-matmul-prec "
      "--muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor",
      "the Muon optimizer is not implemented (--optimizer takes adam or sgd)", "use --optimizer adam"),

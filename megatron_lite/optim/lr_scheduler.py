@@ -16,6 +16,9 @@ With ``--train-samples`` the same formulas count samples: ``n`` grows by the glo
 step and ``W``, ``D``, ``Dw`` are ``--lr-warmup-samples``, ``--lr-decay-samples`` (default
 ``--train-samples``) and ``--lr-wsd-decay-samples``. ``--lr-warmup-fraction`` sets ``W`` to that
 fraction of ``D`` in either mode.
+
+The same scheduler sets the weight decay of the decaying parameter group
+(:mod:`megatron_lite.optim.wd_schedule`: ``--weight-decay-incr-style``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
+from .wd_schedule import weight_decay_at, weight_decay_ends
 
 # What a checkpoint's schedule is compared on when resuming: (attribute, the flag that sets it).
 SCHEDULE_FLAGS = (
@@ -30,10 +34,15 @@ SCHEDULE_FLAGS = (
     ("decay_steps", "--lr-decay-iters (default --train-iters)"), ("wsd_style", "--lr-wsd-decay-style"),
     ("wsd_decay_steps", "--lr-wsd-decay-iters"),
 )
+# The weight-decay schedule's, compared when either side schedules it (not constant).
+WD_SCHEDULE_FLAGS = (("wd_incr_style", "--weight-decay-incr-style"), ("start_wd", "--start-weight-decay"),
+                     ("end_wd", "--end-weight-decay"), ("wd_incr_steps", "--train-iters"))
 
 
 class OptimizerParamScheduler:
-    """Sets ``lr`` on every param group of ``optimizer`` from the step count."""
+    """Sets ``lr`` on every param group of ``optimizer`` from the step count, and ``weight_decay`` on
+    the decaying groups (``optimizer.decay_groups``, one flag per group; without it, those whose
+    decay is not 0 when the scheduler is made)."""
 
     def __init__(self, optimizer, config, train_iters: int, train_samples: int | None = None,
                  global_batch_size: int = 1):
@@ -68,6 +77,12 @@ class OptimizerParamScheduler:
                 )
             if self.wsd_style not in ("exponential", "linear", "cosine"):
                 raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear or cosine")
+        self.start_wd, self.end_wd = weight_decay_ends(config) if hasattr(config, "weight_decay") else (0.0, 0.0)
+        self.wd_incr_style = getattr(config, "weight_decay_incr_style", "constant")
+        self.wd_incr_steps = int(length)
+        flags = getattr(optimizer, "decay_groups", None)
+        self.decay_groups = list(flags) if flags is not None else [g.get("weight_decay", 0.0) > 0
+                                                                     for g in optimizer.param_groups]
         self.override = bool(getattr(config, "override_opt_param_scheduler", False))
         self.use_checkpoint = bool(getattr(config, "use_checkpoint_opt_param_scheduler", False))
         self.num_steps = 0
@@ -105,13 +120,23 @@ class OptimizerParamScheduler:
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        wd = self.get_wd()
+        for group, decays in zip(self.optimizer.param_groups, self.decay_groups):
+            if decays:
+                group["weight_decay"] = wd
         return lr
+
+    def get_wd(self) -> float:
+        """The decaying groups' weight decay now (:func:`~megatron_lite.optim.wd_schedule.weight_decay_at`)."""
+        return weight_decay_at(self.num_steps, self.start_wd, self.end_wd, self.wd_incr_steps, self.wd_incr_style)
 
     def state_dict(self) -> dict:
         return {
             "num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style,
             "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
             "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps, "unit": self.unit,
+            "start_wd": self.start_wd, "end_wd": self.end_wd, "wd_incr_steps": self.wd_incr_steps,
+            "wd_incr_style": self.wd_incr_style,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -126,13 +151,16 @@ class OptimizerParamScheduler:
                 f"the checkpoint's learning-rate schedule counts {saved_unit}, this run's {self.unit}: resume with "
                 + ("--train-samples (and --lr-*-samples)" if saved_unit == "samples" else "--train-iters (and --lr-*-iters)"))
         if not self.override:
-            differ = [(attr, flag) for attr, flag in SCHEDULE_FLAGS if attr in sd and sd[attr] != getattr(self, attr)]
+            compared = SCHEDULE_FLAGS
+            if "constant" != sd.get("wd_incr_style", "constant") or self.wd_incr_style != "constant":
+                compared = SCHEDULE_FLAGS + WD_SCHEDULE_FLAGS
+            differ = [(attr, flag) for attr, flag in compared if attr in sd and sd[attr] != getattr(self, attr)]
             if differ and not self.use_checkpoint:
                 attr, flag = differ[0]
                 if self.unit == "samples":  # the same schedule, counted in samples
                     flag = flag.replace("-iters", "-samples")
                 raise ConfigError(
-                    f"the learning-rate schedule differs from the checkpoint's: {flag} {getattr(self, attr)} in this "
+                    f"the learning-rate or weight-decay schedule differs from the checkpoint's: {flag} {getattr(self, attr)} in this "
                     f"run, {sd[attr]} in the checkpoint; pass --override-opt_param-scheduler to use this run's flags "
                     "or --use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule")
             for attr, _ in differ:

@@ -110,7 +110,10 @@ class MegatronOptimizer:
         decay = [m for p, m in pairs if decays(p)]
         no_decay = [m for p, m in pairs if not decays(p)]
         wd = self.config.weight_decay
-        return [g for g in ({"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [g for g in ({"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0})
+                  if g["params"]]
+        self.decay_groups = [g["params"] is decay for g in groups]  # the ones the scheduler sets weight decay on
+        return groups
 
     def _make_torch_optimizer(self, groups):
         oc = self.config
