@@ -272,6 +272,10 @@ class OptimizerConfig:
     """With --weight-decay-incr-style linear or cosine: the weight decay reached at the last step (--train-iters, or --train-samples)."""
     weight_decay_incr_style: str = "constant"
     """How the weight decay moves from --start-weight-decay to --end-weight-decay over the run: constant (--weight-decay throughout), linear or cosine."""
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding and output layer (the word embedding weight, the output layer weight, a tied copy on the last pipeline stage); the rest keep --lr. Same schedule."""
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: the embedding and output layer's learning rate at the end of decay (default --min-lr)."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .fusions.config import check_fusion_flags
 from .logging_config import check_logging_flags, check_profile_flags
 from .lora.config import check_lora_flags
+from .optim.param_groups import check_decoupled_lr
 from .optim.wd_schedule import check_weight_decay_schedule
 from .precision.config import PrecisionConfig
 from .training.batch_rampup import check_batch_rampup
@@ -233,6 +234,7 @@ def _check_optimizer_values(o) -> None:
     negative --weight-decay, not at all: torch checks only its default, not a param group's)."""
     _require(o.weight_decay >= 0, f"--weight-decay must be at least 0, got {o.weight_decay}")
     check_weight_decay_schedule(o)
+    check_decoupled_lr(o)
     if o.optimizer == "adam":
         for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
             _require(0 <= beta < 1, f"{flag} must be in [0, 1), got {beta}")

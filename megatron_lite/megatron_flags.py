@@ -78,8 +78,6 @@ ENTRIES = (
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
     ("--lr-warmup-init", "warmup always starts from 0", DROP),
-    ("--decoupled-lr --decoupled-min-lr", "the embedding and output layer share the learning rate of the "
-     "rest", "drop it (--lr and --min-lr apply to every layer)"),
     # -- training loop ----------------------------------------------------------------------------
     ("--check-for-spiky-loss --check-for-large-grads --error-injection-rate --error-injection-type --rerun-mode "
      "--iterations-to-skip --result-rejected-tracker-filename",

@@ -86,6 +86,11 @@ class LanguageModel(nn.Module):
         shared = self.shared_embedding_or_output_weight()
         if shared is not None:
             shared.shared_embedding = True
+        # --decoupled-lr: the word embedding and the output layer (a tied copy included) get their own lr
+        for weight in (self.embedding and self.embedding.word_embeddings.weight,
+                       self.output_layer is not None and self.output_layer.weight):
+            if isinstance(weight, torch.Tensor):
+                weight.is_embedding_or_output_parameter = True
 
     # -- pipeline helpers ---------------------------------------------------------------------
     def set_input_tensor(self, x) -> None:

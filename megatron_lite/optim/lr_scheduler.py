@@ -32,7 +32,8 @@ from .wd_schedule import weight_decay_at, weight_decay_ends
 SCHEDULE_FLAGS = (
     ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("style", "--lr-decay-style"), ("warmup_steps", "--lr-warmup-iters"),
     ("decay_steps", "--lr-decay-iters (default --train-iters)"), ("wsd_style", "--lr-wsd-decay-style"),
-    ("wsd_decay_steps", "--lr-wsd-decay-iters"),
+    ("wsd_decay_steps", "--lr-wsd-decay-iters"), ("decoupled_lr", "--decoupled-lr"),
+    ("decoupled_min_lr", "--decoupled-min-lr"),
 )
 # The weight-decay schedule's, compared when either side schedules it (not constant).
 WD_SCHEDULE_FLAGS = (("wd_incr_style", "--weight-decay-incr-style"), ("start_wd", "--start-weight-decay"),
@@ -77,6 +78,10 @@ class OptimizerParamScheduler:
                 )
             if self.wsd_style not in ("exponential", "linear", "cosine"):
                 raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear or cosine")
+        self.decoupled_lr = getattr(config, "decoupled_lr", None)
+        self.decoupled_min_lr = None if self.decoupled_lr is None else float(
+            config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr)
+        self.decoupled_groups = list(getattr(optimizer, "decoupled_groups", None) or [])
         self.start_wd, self.end_wd = weight_decay_ends(config) if hasattr(config, "weight_decay") else (0.0, 0.0)
         self.wd_incr_style = getattr(config, "weight_decay_incr_style", "constant")
         self.wd_incr_steps = int(length)
@@ -88,14 +93,17 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self) -> float:
+    def get_lr(self, decoupled: bool = False) -> float:
+        """The learning rate now; ``decoupled``: of the embedding and output layer under --decoupled-lr
+        (the same schedule between --decoupled-lr and --decoupled-min-lr, default --min-lr)."""
+        max_lr, min_lr = (self.decoupled_lr, self.decoupled_min_lr) if decoupled else (self.max_lr, self.min_lr)
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.max_lr * n / self.warmup_steps
+            return max_lr * n / self.warmup_steps
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "WSD":
             anneal_start = self.decay_steps - self.wsd_decay_steps
             if n <= anneal_start:
@@ -111,7 +119,7 @@ class OptimizerParamScheduler:
         else:
             r = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
             coeff = 1.0 - r if self.style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
         """Advance ``increment`` optimizer steps (each a global batch of samples when the schedule
@@ -120,6 +128,11 @@ class OptimizerParamScheduler:
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.decoupled_lr is not None:
+            decoupled_lr = self.get_lr(decoupled=True)
+            for group, dec in zip(self.optimizer.param_groups, self.decoupled_groups):
+                if dec:
+                    group["lr"] = decoupled_lr
         wd = self.get_wd()
         for group, decays in zip(self.optimizer.param_groups, self.decay_groups):
             if decays:
@@ -136,7 +149,8 @@ class OptimizerParamScheduler:
             "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
             "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps, "unit": self.unit,
             "start_wd": self.start_wd, "end_wd": self.end_wd, "wd_incr_steps": self.wd_incr_steps,
-            "wd_incr_style": self.wd_incr_style,
+            "wd_incr_style": self.wd_incr_style, "decoupled_lr": self.decoupled_lr,
+            "decoupled_min_lr": self.decoupled_min_lr,
         }
 
     def load_state_dict(self, sd: dict) -> None:

@@ -29,15 +29,9 @@ from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import get_grad_norm, grad_of
+from .param_groups import build_groups, decays, from_saved_layout, to_saved_layout
 
 KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")  # torch optimizer options a checkpoint must not set
-
-
-def decays(param: torch.Tensor) -> bool:
-    """Whether ``--weight-decay`` applies to ``param``: to matrices, not to biases and norm weights (as
-    in Megatron). Those are 1-D, except the grouped experts' stacked biases ``[E, n]``, which are
-    marked ``no_weight_decay`` (a sequential expert's own bias is 1-D and does not decay either)."""
-    return param.dim() > 1 and not getattr(param, "no_weight_decay", False)
 
 
 def regroup_saved_state(torch_sd: dict, params) -> dict:
@@ -106,13 +100,11 @@ class MegatronOptimizer:
                 for p in self.model_params]
 
     def _groups(self, pairs) -> list[dict]:
-        """Weight-decay groups over (model param, tensor to step) pairs: matrices decay, biases and norms do not."""
-        decay = [m for p, m in pairs if decays(p)]
-        no_decay = [m for p, m in pairs if not decays(p)]
-        wd = self.config.weight_decay
-        groups = [g for g in ({"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0})
-                  if g["params"]]
-        self.decay_groups = [g["params"] is decay for g in groups]  # the ones the scheduler sets weight decay on
+        """Param groups over (model param, tensor to step) pairs (:mod:`megatron_lite.optim.param_groups`):
+        matrices decay, biases and norms do not; ``--decoupled-lr`` parts the embedding and output layer."""
+        groups, self.group_layout = build_groups(pairs, self.config)
+        self.decay_groups = [decay for decay, _ in self.group_layout.flags]  # read by the scheduler
+        self.decoupled_groups = [dec for _, dec in self.group_layout.flags]
         return groups
 
     def _make_torch_optimizer(self, groups):
@@ -224,7 +216,7 @@ class MegatronOptimizer:
         """Adam state, fp32 masters, loss scaler, skip count (tensors are references, as in torch)."""
         separate = any(m is not p for p, m in zip(self.model_params, self.masters))
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": to_saved_layout(self.optimizer.state_dict(), self.group_layout),
             "fp32_masters": [m.detach() for m in self.masters] if separate else None,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "num_skipped_steps": self.num_skipped_steps,
@@ -233,7 +225,8 @@ class MegatronOptimizer:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Restore everything; the masters (when saved) also overwrite the model params."""
-        self.optimizer.load_state_dict(regroup_saved_state(sd["optimizer"], self.model_params))
+        saved = regroup_saved_state(sd["optimizer"], self.model_params)
+        self.optimizer.load_state_dict(from_saved_layout(saved, self.group_layout))
         for group in self.optimizer.param_groups:  # the kernel is this run's choice, not the checkpoint's
             group.update({k: self.optimizer.defaults[k] for k in KERNEL_CHOICES if k in self.optimizer.defaults})
         masters = sd.get("fp32_masters")
