@@ -1,6 +1,6 @@
 """--decoupled-lr / --decoupled-min-lr through pretrain_gpt.py: the word embedding and output layer
 (a tied copy on the last pipeline stage included) follow their own learning rate and nothing else
-does; PP2 (tied) and DP2 with the distributed optimizer reproduce the single-process run (losses,
+does; PP2 (tied), DP2 with the distributed optimizer and DP2 under ZeRO-3 reproduce the single-process run (losses,
 gradient norms 1e-5, merged weights); a run saved half-way resumes bit for bit, also from a checkpoint
 saved without the flag (the optimizer state's layout does not depend on it)."""
 
@@ -39,6 +39,7 @@ def test_a_zero_decoupled_lr_freezes_exactly_the_embedding_and_output_layer(tmp_
 @pytest.mark.parametrize("name, world, extra", [
     ("pp2_tied", 2, ["--pipeline-model-parallel-size", "2"]),
     ("dp2_distopt_untied", 2, MODEL_B + ["--use-distributed-optimizer"]),
+    ("dp2_zero3_tied", 2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
 ])
 def test_parallel_runs_reproduce_single_process(tmp_path, name, world, extra):
     variant = MODEL_B if "untied" in name else []
