@@ -340,6 +340,10 @@ class CheckpointConfig:
     """Write torch_dist checkpoints in the background while training goes on."""
     use_checkpoint_args: bool = False
     """Take the model flags (architecture, see ARCHITECTURE_FLAGS) from the checkpoint at --load."""
+    no_save_optim: bool = False
+    """Do not save the optimizer state (nor its loss scaler and learning-rate schedule); resuming from such a checkpoint needs --no-load-optim or --finetune."""
+    no_save_rng: bool = False
+    """Do not save the RNG states; resuming from such a checkpoint needs --no-load-rng or --finetune."""
 
 
 @dataclass

@@ -169,8 +169,6 @@ ENTRIES = (
     ("--save-retain-interval --non-persistent-save-interval --non-persistent-ckpt-type "
      "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo",
      "every checkpoint is a persistent one and none is deleted", "use --save-interval"),
-    ("--no-save-optim --no-save-rng", "a checkpoint always holds the optimizer and RNG state",
-     "drop it (tools/checkpoint/convert.py makes a weights-only release checkpoint of one)"),
     ("--load-main-params-from-ckpt", "fp32 master weights are loaded with the optimizer state", DROP),
     ("--no-strict-fsdp-dtensor-load --dist-ckpt-strictness", "a checkpoint's tensors must match the model's "
      "exactly", DROP),

@@ -21,7 +21,8 @@ from .format import (
 )
 from .merge import load_bert_checkpoint, load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
-from .training import get_rng_states, load_checkpoint, save_checkpoint, set_rng_states
+from .rng import get_rng_states
+from .training import load_checkpoint, save_checkpoint, set_rng_states
 
 __all__ = [
     "FORMAT_VERSION", "MODEL_FILENAME", "TRACKER_FILENAME", "CheckpointError", "ModelBundle", "TargetLayout",

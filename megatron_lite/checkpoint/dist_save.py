@@ -94,7 +94,8 @@ def finalize_save(root: str, iteration) -> None:
 def write_small_files(root, iteration, common, rng, rank, rng_name) -> None:
     """This rank's RNG file (and rank 0's ``common.pt``) in the temporary folder."""
     tmp = temp_dir(root, iteration)
-    atomic_save(with_checksums(rng), os.path.join(tmp, "rng", rng_name))
+    if rng is not None:  # None: --no-save-rng
+        atomic_save(with_checksums(rng), os.path.join(tmp, "rng", rng_name))
     if rank == 0:
         # the marker tells a checkpoint whose checksums/ folder was lost from one saved before it existed
         atomic_save(with_checksums(dict(common, **{PIECE_CHECKSUMS_MARK: True})), os.path.join(tmp, DIST_COMMON_FILENAME))

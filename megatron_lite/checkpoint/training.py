@@ -64,7 +64,8 @@ from .frozen import (
 )
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
-from .rng import get_rng_states, set_rng_states
+from .rng import set_rng_states
+from .saved_parts import missing_rng_error, parts_to_save, require_dist_rng, save_rng
 
 
 def _barrier() -> None:
@@ -115,10 +116,10 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     # printed by the rank that prints the iteration lines, so it comes after this iteration's line
     say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
     say(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (async)" if async_saves else ""), flush=True)
+    optimizer, scheduler, rng = parts_to_save(optimizer, scheduler, config, state)  # --no-save-optim/-rng
     if config.checkpoint.ckpt_format == "torch_dist":
         with full_params(chunks):  # ZeRO-3 / --overlap-param-gather: full weights to cut pieces from
-            return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state,
-                             get_rng_states(state.rng_tracker), async_saves,
+            return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, async_saves,
                              lambda step: on_every_rank(_writing(step, root, iteration)))
     base = base_of(chunks)  # frozen (LoRA base) weights are not saved: where they come from is
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
@@ -135,7 +136,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
             shutil.rmtree(tmp)
 
     def write_files():
-        atomic_save(with_checksums(get_rng_states(state.rng_tracker)), staged(rng_file(root, iteration, rank)))
+        save_rng(rng, staged(rng_file(root, iteration, rank)))
         if writes_model_file(state):
             modules = [unwrap(c) for c in chunks]
             payload = {
@@ -277,10 +278,7 @@ def _restore_rng(root, iteration, ckpt, state) -> None:
     rank = _global_rank()
     rng_path = rng_file(root, iteration, rank)
     if not os.path.isfile(rng_path):
-        raise CheckpointError(
-            f"checkpoint {iteration_dir(root, iteration)} has no RNG state for rank {rank} (it was saved by "
-            f"{ckpt.get('world_size')} ranks, this run has {state.world_size}); pass --no-load-rng"
-        )
+        raise missing_rng_error(root, iteration, rank, ckpt.get("world_size"), state.world_size)
     try:
         set_rng_states(load_file(rng_path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
     except (TypeError, ValueError, KeyError, RuntimeError) as err:
@@ -373,7 +371,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
         if is_fresh_layout(common, state):
             raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
-        path = os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt")
+        path = require_dist_rng(folder, os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt"))
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
