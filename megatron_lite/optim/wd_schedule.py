@@ -42,7 +42,7 @@ def check_weight_decay_schedule(o) -> None:
 
 def weight_decay_ends(o) -> tuple[float, float]:
     """(start, end) of the schedule: both --weight-decay when constant."""
-    if o.weight_decay_incr_style == "constant" or o.start_weight_decay is None:
+    if getattr(o, "weight_decay_incr_style", "constant") == "constant" or o.start_weight_decay is None:
         return float(o.weight_decay), float(o.weight_decay)
     return float(o.start_weight_decay), float(o.end_weight_decay)
 
