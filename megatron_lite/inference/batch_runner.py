@@ -236,10 +236,15 @@ class BatchRunner(Runner):
         if message[0] != _STEP:
             return super().on_message(message)
         try:
-            self.batch.step(*message[1:])
+            events = self.batch.step(*message[1:])
         except Exception as err:  # noqa: BLE001 - rank 0 fails the same requests and serves on
             self.batch.fail_all()
             print(f"rank {dist.get_rank()}: batch step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            return
+        for event in events:  # one request failed alone: rank 0 answers it, the batch goes on
+            if event.error is not None:
+                print(f"rank {dist.get_rank()}: request {event.rid} failed: {type(event.error).__name__}: "
+                      f"{event.error}", file=sys.stderr, flush=True)
 
 
 def make_runner(engine, max_requests: int, **cache) -> Runner:

@@ -26,7 +26,10 @@ Parallel layouts: every rank calls :meth:`step` with the same admissions (the se
 decides them with :meth:`admissions` and broadcasts them), so every rank runs the same forward
 passes; the sampling rank broadcasts the step's tokens of every row at once, and every rank then
 decides alike which sequences and requests ended. A request whose logits hold NaN or inf fails
-alone (:class:`~.sampling.NonFiniteLogitsError` in its :class:`Event`); the others go on.
+alone (:class:`~.sampling.NonFiniteLogitsError` in its :class:`Event`), and so does one whose own
+state, sampling or bookkeeping raises (that error in its event, on every rank: the sampling rank
+marks its rows, then sends the message); the others go on with the tokens they get alone. Only a
+failure of a shared forward pass fails every request in the step.
 
 Not covered (the caller runs them one at a time with the engine, as before): beam search,
 ``tokens_to_generate`` 0 (scoring), and a request of more sequences than the cache has rows. A
@@ -38,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .engine import (
     Generation,
@@ -215,15 +219,9 @@ class Scheduler:
         for r in [r for r in self.active if r.rid in leaving]:
             self.cache.release(r.rows)
             self.active.remove(r)
-        for a in admitted:
-            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params))
-            try:
-                self.active.append(_Request(self.engine, a, rows))
-            except Exception:
-                self.cache.release(rows)  # e.g. out of memory for its buffers: no row is lost
-                raise
+        failed = self._admit(admitted)
         if not self.active:
-            return []
+            return failed
         self.steps += 1
         plan = self._plan()
         logits = self._forward(plan)
@@ -231,7 +229,30 @@ class Scheduler:
         for r in self.active:
             if 0 < plan[r.rid] < r.cur - r.filled:
                 r.prefilled(logits[r.rid], plan[r.rid])
-        return self._finish_step(logits, whole)
+        return failed + self._finish_step(logits, whole)
+
+    def _admit(self, admitted: list[Admission]) -> list[Event]:
+        """Give each admission its rows and state; one that fails (e.g. out of memory for its buffers,
+        on any rank: the ranks agree) gets its error event and frees its rows, and the rest go on."""
+        errors, joined = {}, []
+        for a in admitted:
+            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params))
+            try:
+                joined.append(_Request(self.engine, a, rows))
+            except Exception as err:  # noqa: BLE001 - this request's error alone
+                errors[a.rid] = err
+                self.cache.release(rows)
+        if admitted and self.engine.state.world_size > 1:  # a request that failed on one rank fails on all
+            flags = torch.tensor([a.rid in errors for a in admitted], dtype=torch.long, device=self.engine.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            for a, bad in zip(admitted, flags.tolist()):
+                if bad and a.rid not in errors:
+                    errors[a.rid] = RuntimeError(f"request {a.rid} failed to join the batch on another rank "
+                                                 "(see that rank's log)")
+        for r in [r for r in joined if r.rid in errors]:
+            self.cache.release(r.rows)
+        self.active += [r for r in joined if r.rid not in errors]
+        return [Event(rid, error=err) for rid, err in errors.items()]
 
     def _plan(self) -> dict[int, int]:
         """The number of tokens each request feeds this step (0: it waits): every decoding request
@@ -269,31 +290,38 @@ class Scheduler:
 
     def _finish_step(self, logits: dict[int, torch.Tensor | None], stepped: list[_Request]) -> list[Event]:
         """Sample, broadcast and record the tokens of the requests ``stepped`` (those whose step ran
-        whole: not in the middle of a chunked prefill); the requests that ended leave."""
+        whole: not in the middle of a chunked prefill); the requests that ended leave. A request
+        whose sampling or bookkeeping raises fails alone (its error event); the others go on."""
         if not stepped:
             return []
         engine, device = self.engine, self.engine.device
-        sizes = [len(r.rows) for r in stepped]
+        sizes, errors = [len(r.rows) for r in stepped], {}
         new = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         if engine.is_src:
-            new = torch.cat([r.sample(logits[r.rid]) for r in stepped])
+            new = torch.cat([self._sample(r, logits[r.rid], errors) for r in stepped])
         new = engine._broadcast(new)
         flags, emitted = [], []
         for r, rows in zip(stepped, new.split(sizes)):
-            bad = (rows < 0).any()
-            e, done = r.take(rows, logits[r.rid])
-            flags += [bad, done]
+            e, done = torch.zeros(len(r.rows), dtype=torch.bool, device=device), torch.tensor(True, device=device)
+            if r.rid not in errors:
+                try:
+                    e, done = r.take(rows, logits[r.rid])
+                except Exception as err:  # noqa: BLE001 - this request's error alone (every rank raises it)
+                    errors[r.rid] = err
+            code = torch.tensor(2 if r.rid in errors else 0, device=device)
+            flags += [torch.maximum(code, -rows.min().clamp(max=0)), done]  # 1: NaN / inf, 2: failed
             emitted.append(e)
         synced = torch.cat([torch.stack(flags).long(), torch.cat(emitted).long(), new.clamp(min=0)]).tolist()
         n_req, total = len(stepped), sum(sizes)
         em, toks = synced[2 * n_req:2 * n_req + total], synced[2 * n_req + total:]
+        self._share_errors(stepped, synced[0:2 * n_req:2], errors)
         events, ended, start = [], set(), 0
         for k, r in enumerate(stepped):
-            bad, done = synced[2 * k:2 * k + 2]
+            code, done = synced[2 * k:2 * k + 2]
             rows = range(start, start + len(r.rows))
             start += len(r.rows)
-            if bad:
-                events.append(Event(r.rid, error=NonFiniteLogitsError()))
+            if code:
+                events.append(Event(r.rid, error=errors[r.rid] if code == 2 else NonFiniteLogitsError()))
                 self.cache.release(r.rows)
                 ended.add(r.rid)
                 continue
@@ -313,6 +341,27 @@ class Scheduler:
         self.active = [r for r in self.active if r.rid not in ended]
         return events
 
+    @staticmethod
+    def _sample(r: _Request, logits: torch.Tensor, errors: dict) -> torch.Tensor:
+        """``r``'s tokens of this step (the sampling rank); -2 in every row when sampling raised
+        (its error kept in ``errors``)."""
+        try:
+            return r.sample(logits)
+        except Exception as err:  # noqa: BLE001 - this request's error alone
+            errors[r.rid] = err
+            return torch.full((len(r.rows),), -2, dtype=torch.long, device=logits.device)
+
+    def _share_errors(self, stepped: list[_Request], codes: list[int], errors: dict) -> None:
+        """Every rank gets the error of each request that failed (code 2): the sampling rank's
+        message where it raised there."""
+        missing = [r.rid for r, code in zip(stepped, codes) if code == 2 and r.rid not in errors]
+        if self.engine.state.world_size > 1 and any(code == 2 for code in codes):
+            box = [{rid: f"{type(err).__name__}: {err}" for rid, err in errors.items()}]
+            dist.broadcast_object_list(box, src=self.engine.src)
+            for rid in missing:
+                errors[rid] = RuntimeError(box[0].get(rid, f"request {rid} failed (see the sampling rank's log)"))
+        for rid in missing:  # one process: not reached (the mark is this rank's own)
+            errors.setdefault(rid, RuntimeError(f"request {rid} failed"))
 
 def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:
     """The most tokens a sequence of this request holds in the cache: every sequence steps until the

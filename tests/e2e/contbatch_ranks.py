@@ -2,7 +2,9 @@
 (``CONTBATCH_LAYOUT=1,2``: PP2), with the paged cache and chunked prefill of ``PAGED`` (blocks of 4
 tokens, too few for every request at once, at most 6 tokens per step), through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
 each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT. Rank 0
-writes every request's results to OUT (JSON: root -> requests -> sequences)."""
+writes every request's results to OUT (JSON: root -> requests -> sequences). ``CONTBATCH_FAIL=1``
+adds a request (seed 13, joining at step 3) whose sampling raises on the sampling rank: its entry is
+``{"error": message}`` as rank 0 got it."""
 
 import json
 import os
@@ -11,31 +13,58 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 from megatron_lite.device import init_distributed  # noqa: E402
+from megatron_lite.inference import scheduler  # noqa: E402
 from megatron_lite.inference.batch_runner import BatchRunner  # noqa: E402
 from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
 from megatron_lite.inference.loading import load_model  # noqa: E402
+from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
 from tests.batching_helpers import JOINS, PAGED, batching_requests  # noqa: E402
 from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
 
+FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
+
+
+def fail_seed_13() -> None:
+    """Make the sampling of every request seeded 13 raise (a per-request failure inside a step)."""
+    healthy = scheduler._Request.sample
+
+    def sample(self, logits):
+        if self.params.random_seed == 13:
+            raise RuntimeError("logits processor failed")
+        return healthy(self, logits)
+
+    scheduler._Request.sample = sample
+
+
+def answer(ticket) -> list | dict:
+    try:
+        return [{"tokens": g.tokens, "log_probs": g.log_probs, "finish_reason": g.finish_reason}
+                for g in ticket.result()]
+    except RuntimeError as err:
+        return {"error": str(err)}
+
 
 def serve_requests(runner: BatchRunner) -> list:
-    requests, tickets, step = batching_requests(), {}, 0
-    while step <= max(JOINS) or runner.busy:
-        for i, at in enumerate(JOINS):
+    requests, tickets, step, joins = batching_requests(), {}, 0, list(JOINS)
+    if os.environ.get("CONTBATCH_FAIL"):
+        requests, joins = requests + [FAILING], joins + [3]
+    while step <= max(joins) or runner.busy:
+        for i, at in enumerate(joins):
             if at == step:
                 tickets[i] = runner.submit(*requests[i])
         runner.work()
         step += 1
     runner.stop()
-    return [[{"tokens": g.tokens, "log_probs": g.log_probs, "finish_reason": g.finish_reason}
-             for g in tickets[i].result()] for i in range(len(requests))]
+    return [answer(tickets[i]) for i in range(len(requests))]
 
 
 def main(out: str, roots: list[str]) -> None:
     device = init_distributed()
     tp, pp = (int(x) for x in os.environ.get("CONTBATCH_LAYOUT", "2,1").split(","))  # TP,PP (2 ranks)
     state = ParallelState(tp=tp, pp=pp)
+    if os.environ.get("CONTBATCH_FAIL"):
+        fail_seed_13()
     answers = {}
     for root in roots:
         model, _ = load_model(root, state, device=device)

@@ -55,6 +55,29 @@ def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path)
                 assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs), what=root)
 
 
+def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
+    """PP2: the sampling rank (rank 1) raises for one request inside a batched step; rank 0 answers it
+    with that message, the other requests keep the tokens they get alone, every block comes back."""
+    root = str(tmp_path / "gpt")
+    save_model("gpt", root)
+    out = str(tmp_path / "answers.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "tests/e2e/contbatch_ranks.py", out, root]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu", PYTHONPATH=ROOT, CONTBATCH_LAYOUT="1,2",
+               CONTBATCH_FAIL="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        answers = json.load(f)[root]
+    assert answers[-1] == {"error": "RuntimeError: logits processor failed"}
+    engine = engine_for(root)
+    for (prompts, params), got in zip(batching_requests(), answers):
+        alone = engine.generate(prompts, params)
+        assert [g["tokens"] for g in got] == [a.tokens for a in alone]
+        for g, a in zip(got, alone):
+            assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs))
+
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("flask")
 

@@ -127,6 +127,43 @@ def test_a_request_whose_logits_turn_nan_fails_alone(engines, monkeypatch):
     assert scheduler.cache.free == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("where", ["sample", "admission", "take"])
+def test_one_request_failing_inside_a_batched_step_fails_alone(engines, monkeypatch, where):
+    """A request whose own sampling, admission or bookkeeping raises (here: any request seeded 13)
+    ends with that error alone; the requests stepped beside it keep their tokens and log-probs."""
+    from megatron_lite.inference import scheduler as sched
+
+    engine = engines["gpt"]
+    marked = lambda r: r.params.random_seed == 13  # noqa: E731
+    target = {"sample": "sample", "take": "take", "admission": "__init__"}[where]
+    healthy = getattr(sched._Request, target)
+
+    def broken(self, *args):
+        if marked(self if where != "admission" else args[1]):
+            raise RuntimeError("logits processor failed")
+        return healthy(self, *args)
+
+    requests = batching_requests()
+    bad = ([prompts(1, seed=9)[0]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
+    alone = [engine.generate(p, params) for p, params in requests]
+    monkeypatch.setattr(sched._Request, target, broken)
+    scheduler = Scheduler(engine, 8, block_size=4, max_batched_tokens=8)
+    for request in requests[:2]:
+        scheduler.add(*request)
+    events = scheduler.run_step() + scheduler.run_step()
+    assert scheduler.add(*bad) == 2
+    for request in requests[2:]:
+        scheduler.add(*request)
+    while scheduler.busy:
+        events += scheduler.run_step()
+    errors = [(e.rid, str(e.error)) for e in events if e.error is not None]
+    assert errors == [(2, "logits processor failed")]
+    results = {e.rid - (e.rid > 2): e.results for e in events if e.results is not None}
+    for i in range(len(requests)):
+        assert_same(alone[i], results[i])
+    assert scheduler.cache.free == list(range(8)) and scheduler.cache.available == scheduler.cache.num_blocks
+
+
 @pytest.mark.parametrize("params, n, message", [
     (SamplingParams(beam_width=2), 1, "one-at-a-time engine"),
     (SamplingParams(tokens_to_generate=0), 1, "one-at-a-time engine"),
@@ -194,7 +231,7 @@ def test_a_stream_whose_client_left_leaves_the_batch_at_the_next_step(engines):
 
 
 @pytest.mark.parametrize("where", ["forward", "admission"])
-def test_a_step_failing_for_the_whole_batch_fails_its_requests_and_the_next_ones_run(engines, monkeypatch, where):
+def test_a_failed_step_or_admission_is_answered_and_the_next_requests_run(engines, monkeypatch, where):
     from megatron_lite.inference import scheduler
     from megatron_lite.inference.batch_runner import BatchRunner
 
@@ -214,10 +251,15 @@ def test_a_step_failing_for_the_whole_batch_fails_its_requests_and_the_next_ones
     assert runner.work()
     monkeypatch.setattr(engine, "forward", healthy)
     monkeypatch.setattr(scheduler, "_Request", admit)
-    for ticket in (decoding, joining):
+    failed = (decoding, joining) if where == "forward" else (joining,)  # a failed admission fails alone
+    for ticket in failed:
         assert list(ticket.items.queue)[-1][0] == "error"  # answered: its handler does not wait forever
         with pytest.raises(RuntimeError, match="CUDA out of memory"):
             ticket.result()
+    while runner.work():
+        pass
+    if where == "admission":
+        assert decoding.result()[0].tokens == engine.generate(*request)[0].tokens
     assert not runner.busy and runner.batch.cache.free == [0, 1, 2, 3] and not runner.tickets
     after = runner.submit(*request)
     while runner.work():
