@@ -26,6 +26,11 @@ from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.server import StopFlag, create_app, make_server, serve  # noqa: E402
 
+# the paged cache's and chunked prefill's flags: (flag, dest, default)
+BATCHING_DEFAULTS = [("--inference-dynamic-batching-block-size", "inference_dynamic_batching_block_size", 16),
+                     ("--inference-kv-cache-blocks", "inference_kv_cache_blocks", None),
+                     ("--max-num-batched-tokens", "max_num_batched_tokens", 512)]
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -37,23 +42,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inference-max-requests", type=int, default=8,
                    help="continuous batching: at most this many sequences decode together (a request holds one "
                         "per prompt, times n); 1 serves requests one at a time (docs/inference.md)")
-    p.add_argument("--inference-dynamic-batching-block-size", type=int, default=16,
-                   help="continuous batching: tokens per block of the paged key/value cache (Megatron-LM's "
-                        "default is 256, sized for GPUs)")
+    p.add_argument("--inference-dynamic-batching-block-size", type=int, default=None,
+                   help="continuous batching: tokens per block of the paged key/value cache (default 16; "
+                        "Megatron-LM's default is 256, sized for GPUs)")
     p.add_argument("--inference-kv-cache-blocks", type=int, default=None,
                    help="continuous batching: blocks in the paged key/value cache, per layer (default: enough for "
                         "every one of --inference-max-requests sequences to reach the model's context); a request "
                         "waits until its sequences' blocks are free, one that can never fit gets HTTP 400")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="continuous batching: at most this many tokens per step (vLLM's name): each decoding "
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="continuous batching: at most this many tokens per step (default 512; vLLM's name): each decoding "
                         "sequence feeds one, prefills are chunked into the rest (chunked prefill); at least "
                         "--inference-max-requests")
     add_inference_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.batching_flags = [flag for flag, dest, _ in BATCHING_DEFAULTS if getattr(args, dest) is not None]
+    for _, dest, default in BATCHING_DEFAULTS:  # set only where given: refused when nothing batches
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    return args
 
 
 def check_batching_args(args) -> None:
-    """ConfigError (one line) for a paged cache or a step budget the batch cannot run."""
+    """ConfigError (one line) for a paged cache or a step budget the batch cannot run, or given
+    where nothing batches (one request at a time: each prefilled whole, in its own static cache)."""
+    off = ("--inference-max-requests 1" if args.inference_max_requests == 1
+           else "--no-kv-cache" if getattr(args, "no_kv_cache", False) else None)
+    if off is not None and getattr(args, "batching_flags", []):
+        raise ConfigError(f"{args.batching_flags[0]} sets continuous batching's paged cache and chunked prefill, which "
+                          f"{off} turns off (requests run one at a time, each prefilled whole); drop it, or "
+                          f"{'raise --inference-max-requests' if args.inference_max_requests == 1 else 'drop --no-kv-cache'}")
     if args.inference_dynamic_batching_block_size < 1:
         raise ConfigError(f"--inference-dynamic-batching-block-size {args.inference_dynamic_batching_block_size} "
                           "must be at least 1")

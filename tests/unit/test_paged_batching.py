@@ -159,3 +159,19 @@ def test_the_paged_cache_flags(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {message}")
 
+
+
+@pytest.mark.parametrize("off", [["--inference-max-requests", "1"], ["--no-kv-cache"]])
+@pytest.mark.parametrize("flag, value", [("--max-num-batched-tokens", "64"),
+                                         ("--inference-dynamic-batching-block-size", "4"),
+                                         ("--inference-kv-cache-blocks", "100")])
+def test_the_paged_cache_flags_where_nothing_batches_are_refused(tmp_path, capsys, off, flag, value):
+    """One request at a time (--inference-max-requests 1, --no-kv-cache) runs no paged cache and no
+    chunked prefill: a flag for them was accepted and ignored; it exits 2 naming both flags."""
+    from tests.tools import load_tool
+
+    tool = load_tool("run_text_generation_server")
+    assert tool.main(["--load", str(tmp_path), *off, flag, value]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} sets continuous batching's") and off[0] in lines[0]
+    assert tool.parse_args(["--load", "x", *off]).max_num_batched_tokens == 512  # the defaults alone are fine
