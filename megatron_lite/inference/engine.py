@@ -270,6 +270,10 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     pipeline stage would notice)."""
     if any(t >= vocab_size for t, _ in params.logit_bias):
         raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {vocab_size})")
+    for name in ("stop_token_ids", "double_stop_ids", "ban_after_ids", "banned_ids"):
+        bad = [t for t in getattr(params, name) if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:  # a negative id would count from the vocabulary's end, a huge one overflow a tensor
+            raise ValueError(f"{name}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
     if params.top_n_logprobs > vocab_size:
         raise ValueError(f"top_n_logprobs {params.top_n_logprobs} is more than the vocabulary's {vocab_size} tokens")
 

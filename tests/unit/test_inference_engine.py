@@ -197,6 +197,13 @@ def test_more_top_log_probs_than_tokens_is_refused_before_any_step(checkpoints):
         Scheduler(engine, 2).add([[1, 2]], params)
     with pytest.raises(ValueError, match="^logit_bias: a token id is outside the vocabulary"):
         Scheduler(engine, 2).add([[1, 2]], SamplingParams(tokens_to_generate=2, logit_bias=[(8, 1.0)]))
+    # a negative id silently banned a token counted from the vocabulary's end; 2^63 overflowed a tensor (HTTP 500)
+    for field, bad in (("stop_token_ids", 2**63), ("banned_ids", -1), ("double_stop_ids", 8), ("ban_after_ids", 9)):
+        params = SamplingParams(tokens_to_generate=2, **{field: (1, bad)})
+        with pytest.raises(ValueError, match=f"^{field}: token id {bad} is outside the vocabulary \\[0, 8\\)"):
+            engine.generate([[1, 2]], params)
+        with pytest.raises(ValueError, match=f"^{field}: token id {bad} is outside the vocabulary"):
+            Scheduler(engine, 2).add([[1, 2]], params)
 
 
 def test_prompts_too_long_or_empty_are_refused(checkpoints):
