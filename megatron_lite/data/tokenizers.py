@@ -215,7 +215,9 @@ class HuggingFaceTokenizer(Tokenizer):
         # ids up to the largest one (a tokenizer.json may leave gaps): what the embedding and the token dtype need
         self.vocab_size = max(self.hf.get_vocab_size(with_added_tokens=True), max(self.vocab.values(), default=-1) + 1)
         # as transformers' AutoTokenizer (Megatron's eod = eos_token_id): tokenizer_config.json's tokens first
-        config = self._config_tokens(os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json"))
+        folder = os.path.dirname(os.path.abspath(path))  # older repos name them in special_tokens_map.json only
+        config = {**self._config_tokens(os.path.join(folder, "special_tokens_map.json")),
+                  **self._config_tokens(os.path.join(folder, "tokenizer_config.json"))}
         self.eod = self.eos = next((self.vocab[t] for t in (config.get("eos_token"), *self.EOD_CANDIDATES)
                                     if t in self.vocab), None)
         self.pad = next((self.vocab[t] for t in (config.get("pad_token"), *self.PAD_CANDIDATES) if t in self.vocab),
@@ -224,14 +226,15 @@ class HuggingFaceTokenizer(Tokenizer):
 
     @staticmethod
     def _config_tokens(path: str) -> dict:
-        """The special-token strings (eos_token, pad_token, ...) of a tokenizer_config.json, if there is one."""
+        """The special-token strings (eos_token, pad_token, ...) of a tokenizer_config.json or
+        special_tokens_map.json, if there is one."""
         if not os.path.isfile(path):
             return {}
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:
-            raise DataFileError(f"{path}: not a readable tokenizer_config.json ({e})") from None
+            raise DataFileError(f"{path}: not a readable {os.path.basename(path)} ({e})") from None
         tokens = {}
         for key, value in (config.items() if isinstance(config, dict) else ()):
             value = value.get("content") if isinstance(value, dict) else value

@@ -235,6 +235,30 @@ def test_huggingface_eod_is_the_eos_token_of_tokenizer_config_json(tmp_path, eos
     assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).eod == 2
 
 
+def test_huggingface_special_tokens_of_special_tokens_map_json(tmp_path):
+    """Older repos name their bos/eos/pad only in special_tokens_map.json (tokenizer_config.json without
+    them, or none): AutoTokenizer reads it, and so do we (the bos was None, the eod a guessed name)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<s>", "</s>", "<pad>", "<unk>"]
+    hf = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(specials)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokens = {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}, "pad_token": "<unk>"}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(tokens), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert (tok.bos, tok.eod, tok.pad) == (3, 4, 0)
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (tok.bos, tok.eod, tok.pad) == (reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+    (tmp_path / "special_tokens_map.json").write_text("[broken")
+    with pytest.raises(DataFileError, match="special_tokens_map.json: not a readable special_tokens_map.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+
+
 def test_wordpiece_vocab_with_a_repeated_token_matches_the_reference_loaders(tmp_path):
     """A vocab.txt listing a token twice: its id is its last line (Megatron's and Hugging Face's
     loaders), and vocab_size counts every line so the largest id fits (it took the first line and
