@@ -81,6 +81,10 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig):  # MLA / YaRN and MTP: mode
     """Bias on the QKV projection even with --disable-bias-linear (Qwen2's attention)."""
     apply_layernorm_1p: bool = False
     """Norm weights stored zero-centred: LayerNorm/RMSNorm scale by 1 + weight, the weight starting at 0."""
+    window_size: list[int] | None = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
+    """Sliding-window attention: a query at position i sees keys i - LEFT ... i + RIGHT (-1: unbounded; GPT: RIGHT 0). Megatron-LM's "LEFT,RIGHT" is written "LEFT RIGHT" here. Default: full attention."""
+    window_attn_skip_freq: str | None = field(default=None, metadata={"metavar": "N"})
+    """With --window-size: full-attention layers among the sliding-window ones. N: every N-th layer (layer l, counted from 1, when l mod N is 0); or a list of one 0/1 per layer, e.g. "[1,1,1,0]*2" (1 = window). Default: every layer windowed."""
 
 
 SHAPE_FLAGS = (
@@ -102,6 +106,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
     "beta_slow", "bias_gelu_fusion", "spec",
     "rotary_percent", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
+    "window_size", "window_attn_skip_freq",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

@@ -27,7 +27,6 @@ ENTRIES = (
      "allow it, else PyTorch SDPA)", DROP),
     ("--use-flash-attn", "flash-attn is used whenever it is installed and the inputs allow it", DROP),
     ("--softmax-type", "only the standard attention softmax is built", DROP),
-    ("--window-size --window-attn-skip-freq", "sliding-window attention is not implemented", DROP),
     ("--relative-attention-num-buckets --relative-attention-max-distance",
      "relative position embeddings (T5) are not implemented", "use --position-embedding-type rope"),
     ("--use-rotary-position-embeddings", "Megatron-LM's deprecated switch for rotary embeddings",

@@ -53,6 +53,10 @@ class KVCache:
             out.append(cache[:end, :b])
         return tuple(out)
 
+    def query_positions(self, s_new: int) -> torch.Tensor:
+        """Positions ``[1, s_new]`` of the new tokens of every row (sliding-window attention's mask)."""
+        return torch.arange(self.sequence_offset, self.sequence_offset + s_new).unsqueeze(0)
+
     def advance(self, num_tokens: int) -> None:
         """Count ``num_tokens`` new tokens as cached (after a forward pass over them)."""
         self.sequence_offset += num_tokens

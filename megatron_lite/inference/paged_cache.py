@@ -121,6 +121,7 @@ class PagedCache:
         self._read = torch.where(owned, slots, 0).t().reshape(-1).to(device)  # [k_len * b], key-major
         self._write = slots.gather(1, positions).t().reshape(-1).to(device)  # [s_new * b]
         self._rows, self._new, self._k_len = list(rows), s_new, k_len
+        self._positions = positions
         mask = keys[None, None, :] > positions[:, :, None]  # [b, s_new, k_len]
         return positions.to(device), mask.unsqueeze(1).to(device)
 
@@ -145,6 +146,10 @@ class PagedCache:
             pool.index_copy_(0, self._write, new.reshape(s_new * b, *new.shape[2:]))
             out.append(pool.index_select(0, self._read).view(self._k_len, b, *new.shape[2:]))
         return tuple(out)
+
+    def query_positions(self, s_new: int) -> torch.Tensor:
+        """Positions ``[b, s_new]`` of the pass's new tokens in their rows (sliding-window attention's mask)."""
+        return self._positions
 
     def advance(self) -> None:
         """Count the forward pass's new tokens as cached, in each of its rows."""

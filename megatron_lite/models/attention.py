@@ -45,8 +45,10 @@ from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules
+from ..parallel.sliding_window import cache_window_mask, confine_to_window
 from .common import Norm, apply_rotary, column_linear, row_linear
 from .cpu_attention import cpu_dropout_attention
+from .window_config import layer_window
 
 fused_apply_rotary = jit_fuser(apply_rotary)
 
@@ -94,6 +96,8 @@ class DotProductAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
         self.fused_softmax = config.masked_softmax_fusion
+        self.window = layer_window(config, layer_number)  # (left, right), or None: the whole context
+        self.flash_window = {"window_size": self.window} if self.window else {}  # flash-attn's own window
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -115,7 +119,7 @@ class DotProductAttention(nn.Module):
                 return self._flash_documents(q, k, v, attention_mask, causal, dropout_p)
             q, k, v = _one_head_size(q, k, v)
             out = self.flash[0](q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
-                                softmax_scale=self.scale, causal=causal)  # [b, s, nq, d], GQA handled natively
+                                softmax_scale=self.scale, causal=causal, **self.flash_window)  # [b, s, nq, d], GQA native
             return out[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if documents:  # SDPA: True = may attend
@@ -125,6 +129,8 @@ class DotProductAttention(nn.Module):
             mask = None if attention_mask is None else ~attention_mask
         if causal and mask is None and k.shape[2] != s:  # SDPA's is_causal is top-left aligned
             mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
+        if self.window is not None and (documents or attention_mask is None or s == k.shape[2]):  # else: a cache's
+            mask = confine_to_window(mask, self.window, causal, s, k.shape[2], q.device)  # complete mask
         if not self.fused_softmax:
             return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
         if dropout_p > 0 and q.device.type == "cpu":  # SDPA's CPU flash kernel has no dropout: ours beats its math path
@@ -146,7 +152,7 @@ class DotProductAttention(nn.Module):
         bounds, longest = cu_seqlens(ids)
         q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))  # [b * s, heads, d]
         out = self.flash[1](q, k, v, bounds, bounds, longest, longest, dropout_p=dropout_p,
-                            softmax_scale=self.scale, causal=causal)
+                            softmax_scale=self.scale, causal=causal, **self.flash_window)
         return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
 
 
@@ -228,6 +234,8 @@ class SelfAttention(nn.Module):
             q, k = rotate_part(self.rotate, q, cos, sin), rotate_part(self.rotate, k, cos, sin)
         if inference_context is not None:
             k, v = inference_context.append(self.layer_number, k, v)
+            attention_mask = cache_window_mask(inference_context, attention_mask,
+                                               getattr(self.core_attention, "window", None), s, k.shape[0], q.device)
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:

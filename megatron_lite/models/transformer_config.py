@@ -31,6 +31,7 @@ from ..precision.te import TeGemm
 from .common import param_generator
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
 from .rope_config import RopeConfig, check_rope_fields
+from .window_config import check_window_fields
 from .yarn import mla_softmax_scale
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -142,6 +143,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
     calculate_per_token_loss: bool = False  # loss_func returns (token-loss sum, token count, reported)
     hierarchical_context_parallel_sizes: list[int] | None = None  # a2a+p2p: [a2a group, ring group]
     recompute_modules: list[str] | None = None  # with selective: Megatron's module names (None: core_attn)
+    window_size: list[int] | None = None  # sliding-window attention (left, right); models/window_config.py
+    window_attn_skip_freq: str | None = None  # which layers keep full attention
 
     def __post_init__(self):
         self._check_shape()
@@ -157,6 +160,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
         check_mla_fields(self)
         check_rope_fields(self)
         check_recompute_modules(self)
+        check_window_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:

@@ -52,7 +52,8 @@ def test_every_list_flag_takes_several_values():
     flags = _list_fields()
     assert {"--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type", "--data-path"} <= set(flags)
     actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
-    fixed = {"--spec": 2, "--rampup-batch-size": 3}  # --spec MODULE NAME, --rampup-batch-size START INCREMENT SAMPLES
+    fixed = {"--spec": 2, "--rampup-batch-size": 3,  # --spec MODULE NAME, --rampup-batch-size START INCREMENT SAMPLES
+             "--window-size": 2}  # --window-size LEFT RIGHT
     for flag in flags:  # those take exactly that many (their fields say so in their metadata)
         assert actions[flag].nargs == fixed.get(flag, "+"), flag
     config = parse_args(["--mock-data", "--vocab-size", "64", "--num-experts", "4",
