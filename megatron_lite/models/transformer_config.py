@@ -31,7 +31,7 @@ from ..precision.te import TeGemm
 from .common import param_generator
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
 from .rope_config import RopeConfig, check_rope_fields
-from .window_config import check_window_fields
+from .window_config import check_window_fields, layer_window
 from .yarn import mla_softmax_scale
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -255,6 +255,10 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
             return self.cp_comm_type
         types = list(self.cp_comm_type)  # an MTP layer (after the last) takes the last layer's
         return types[0] if len(types) == 1 else types[min(layer_number, self.num_layers) - 1]
+
+    def window_of(self, layer_number: int) -> tuple[int, int] | None:
+        """The sliding window ``(left, right)`` of global layer ``layer_number``, or None (models/window_config.py)."""
+        return layer_window(self, layer_number)
 
     def _check_recompute(self) -> None:
         g, method = self.recompute_granularity, self.recompute_method

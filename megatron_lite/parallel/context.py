@@ -21,7 +21,8 @@ Core attention over the split sequence (``cp_comm_type``):
   over A consecutive CP ranks, then the ring over the B such groups on the gathered chunks with
   n/A heads, then Ulysses back (:func:`hierarchical_attention`; groups built by ``ParallelState``).
 
-All four equal single-process attention up to summation order, also with packed documents
+All four equal single-process attention up to summation order, also with a sliding window
+(``--window-size``, applied by the tokens' global positions) and with packed documents
 (integer document ids as the attention mask, :mod:`~megatron_lite.parallel.document_mask`): the
 ring carries each block's key ids with its keys, a2a and allgather gather the ids. Gradient reductions over CP
 (each CP rank holds different tokens of the same replica) happen in the data-parallel gradient
@@ -40,6 +41,7 @@ from torch import nn
 from . import comm
 from .document_mask import causal_document_mask, document_allowed, is_document_ids
 from .ring_attention import ring_attention
+from .sliding_window import window_allowed
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
@@ -146,7 +148,18 @@ def _gathered_ids(ids: torch.Tensor, group) -> torch.Tensor:
     return comm._all_gather(ids, 1, group, kind="cp")
 
 
-def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None):
+def _windowed(mask, window, causal: bool, q_pos, k_pos):
+    """``mask`` (True = may attend, or None: causal / full) confined to ``window`` by global positions."""
+    if window is None:
+        return mask
+    band = window_allowed(q_pos, k_pos, window)
+    if mask is None and causal:
+        band &= k_pos <= q_pos.unsqueeze(-1)
+    return band if mask is None else mask & band
+
+
+def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None,
+                      window=None):
     """All-to-all (DeepSpeed-Ulysses) attention; ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out."""
     cp = comm.group_size(group)
     for name, t in (("query heads", q), ("key/value groups", k)):
@@ -158,20 +171,23 @@ def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: flo
         order = torch.argsort(_gathered_positions(q.shape[0], cp, q.device))
         ids = _gathered_ids(document_ids, group).index_select(1, order)
         mask = causal_document_mask(ids) if causal else document_allowed(ids, ids)
+    pos = torch.arange(q.shape[0] * cp, device=q.device)  # after the all-to-all: the whole sequence, in order
+    mask = _windowed(mask, window, causal, pos, pos)
     q, k, v = (seq_to_heads(t, group) for t in (q, k, v))
     return heads_to_seq(_sdpa(q, k, v, mask, causal, dropout_p, scale), group)
 
 
-def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None):
+def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None,
+                        window=None):
     """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
     cp, rank = comm.group_size(group), comm.group_rank(group)
     s, dk = q.shape[0], k.shape[-1]
     kv = comm.gather_from_sp(torch.cat([k, v], dim=-1), group, tensor_parallel_output_grad=True, kind="cp")
     mask = None
+    q_pos, k_pos = cp_positions(s * cp, rank, cp, device=q.device), _gathered_positions(s, cp, q.device)
     if causal:
-        q_pos = cp_positions(s * cp, rank, cp, device=q.device)
-        k_pos = _gathered_positions(s, cp, q.device)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, s * cp]; True = may attend
+    mask = _windowed(mask, window, causal, q_pos, k_pos)
     if document_ids is not None:
         same = document_allowed(document_ids, _gathered_ids(document_ids, group))
         mask = same if mask is None else same & mask
@@ -179,7 +195,7 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
 
 
 def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, dropout_p: float = 0.0,
-                           seed: int = 0, document_ids=None):
+                           seed: int = 0, document_ids=None, window=None):
     """a2a+p2p: Ulysses over the all-to-all group, ring attention over the ring group, Ulysses back.
 
     ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out. After the all-to-all this rank holds its
@@ -198,7 +214,7 @@ def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: 
         order = torch.argsort(_gathered_positions(q.shape[0], a2a, q.device, ring_rank, ring))
         ids = _gathered_ids(document_ids, a2a_group).index_select(1, order)
     qh, kh, vh = (seq_to_heads(t, a2a_group, ring_rank, ring).permute(1, 2, 0, 3) for t in (q, k, v))
-    out = ring_attention(qh, kh, vh, ring_group, causal, scale, dropout_p, seed, ids)  # [b, nq/A, A*s, dv]
+    out = ring_attention(qh, kh, vh, ring_group, causal, scale, dropout_p, seed, ids, window)  # [b, nq/A, A*s, dv]
     return heads_to_seq(out.permute(2, 0, 1, 3), a2a_group, ring_rank, ring)
 
 
@@ -234,6 +250,7 @@ class ContextParallelAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.scale = getattr(config, "softmax_scale", None)
         self.tracker = state.rng_tracker
+        self.window = config.window_of(layer_number) if hasattr(config, "window_of") else None  # (left, right)
         tp, cp = state.tp_size, state.cp_size
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
@@ -273,14 +290,15 @@ class ContextParallelAttention(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
         if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask).permute(2, 0, 1, 3)
+            out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask,
+                                 self.window).permute(2, 0, 1, 3)
         elif self.comm_type == "a2a+p2p":  # the ring inside seeds its blocks the same way
             out = hierarchical_attention(q, k, v, self.a2a_group, self.ring_group, causal, scale, p, seed,
-                                         attention_mask)
+                                         attention_mask, self.window)
         else:
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
-                out = attend(q, k, v, self.group, causal, scale, p, attention_mask)
+                out = attend(q, k, v, self.group, causal, scale, p, attention_mask, self.window)
         return out.reshape(s, b, nq * v.shape[-1])
 
 

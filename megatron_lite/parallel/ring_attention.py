@@ -38,7 +38,8 @@ Packed documents (:mod:`~megatron_lite.parallel.document_mask`): with document i
 the local tokens, the key ids travel around the ring with the keys and values, and every block is
 further confined to query/key pairs of the same document. A block row whose query sees none of the
 block's keys contributes nothing (its log-sum-exp is -inf); the query's own key, seen at step 0,
-keeps every final row finite.
+keeps every final row finite. A sliding window (``window``) confines every block the same way, by the
+global positions of its queries and keys (each rank's two chunks, :func:`_positions`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 from ..perf.comm_volume import record, tensor_bytes
 from .document_mask import document_allowed
+from .sliding_window import chunk_positions, window_allowed
 
 # ---------------------------------------------------------------------------------------------
 # Block kernels: tensors are [batch, heads, seq, head_dim]; lse is [batch, q_heads, seq].
@@ -231,14 +233,19 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _allowed(q_ids, kv_ids, qs, ks):
-    """The document mask of one block (None without document ids)."""
-    return None if q_ids is None else document_allowed(q_ids[:, qs], kv_ids[:, ks])
+def _allowed(q_ids, kv_ids, qs, ks, window=None, q_pos=None, k_pos=None):
+    """The document mask of one block, confined to the sliding ``window`` by the global positions of its
+    queries ``q_pos`` and keys ``k_pos`` (None without document ids and window)."""
+    allowed = None if q_ids is None else document_allowed(q_ids[:, qs], kv_ids[:, ks])
+    if window is None:
+        return allowed
+    band = window_allowed(q_pos[qs], k_pos[ks], window).unsqueeze(0).unsqueeze(0)  # [1, 1, sq, sk]
+    return band if allowed is None else allowed & band
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids):
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids, window):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
         b, nq, s, dk = q.shape
@@ -250,14 +257,16 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.shift(*travel) if step < ring.size - 1 else None  # overlaps this step's block
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
+            allowed = _allowed(ids, kv_ids, qs, ks, window, *_positions(window, s, ring, step, q.device))
             block_out, block_lse = block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], block_causal,
-                                                 scale, dropout_p, seed + step, _allowed(ids, kv_ids, qs, ks))
+                                                 scale, dropout_p, seed + step, allowed)
             _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
                 travel = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, ids)
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed, ctx.ring = causal, scale, dropout_p, seed, ring
+        ctx.window = window
         return out
 
     @staticmethod
@@ -273,9 +282,10 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = ring.shift(*travel) if step < ring.size - 1 else None
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
+            allowed = _allowed(ids, kv_ids, qs, ks, ctx.window, *_positions(ctx.window, q.shape[2], ring, step, q.device))
             dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:],
                                               out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
-                                              ctx.dropout_p, ctx.seed + step, _allowed(ids, kv_ids, qs, ks))
+                                              ctx.dropout_p, ctx.seed + step, allowed)
             dq[:, :, qs] += dq_i
             # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
@@ -285,34 +295,46 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 travel = kv_pending.wait()
         dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None, None
+        return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _positions(window, local_len: int, ring: Ring, step: int, device):
+    """Global positions of this rank's queries and of the keys held at ``step`` (None, None without a window)."""
+    if window is None:
+        return None, None
+    source = (ring.rank - step) % ring.size
+    return (chunk_positions(local_len, ring.rank, ring.size, device),
+            chunk_positions(local_len, source, ring.size, device))
 
 
 def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
-                   document_ids=None):
+                   document_ids=None, window=None):
     """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
 
     ``q, k [b, n, s, dk]``, ``v [b, nkv, s, dv]`` with ``s`` this rank's two chunks; returns
     ``[b, nq, s, dv]``. ``group`` None (one rank) is plain attention over the local sequence.
     ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
-    ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document.
+    ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document,
+    ``window`` (``(left, right)`` or None) to a sliding window over the tokens' global positions.
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence length (two chunks), got {q.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not divisible by {k.shape[1]} key/value heads")
     if group is None or dist.get_world_size(group) == 1:
-        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, document_ids)
+        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, document_ids, window)
         return out
-    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids)
+    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids, window)
 
 
 class _LocalAttention(torch.autograd.Function):
     """The one-rank case through the same kernels (so cp == 1 and cp > 1 share numerics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ids):
-        allowed = None if ids is None else document_allowed(ids, ids)
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ids, window):
+        pos = torch.arange(q.shape[2], device=q.device)
+        allowed = _allowed(ids, ids, slice(None), slice(None), window, pos, pos)
         out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed, allowed)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, allowed)
@@ -324,4 +346,4 @@ class _LocalAttention(torch.autograd.Function):
     def backward(ctx, dout, _):
         q, k, v, out, lse, allowed = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, allowed)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
