@@ -40,6 +40,7 @@ from .hf_io import (
     write_json,
     write_safetensors,
 )
+from .hf_mistral import check_window_exportable, from_mistral, to_mistral
 from .hf_mixtral import from_mixtral, to_mixtral
 from .hf_qwen2 import from_qwen2, to_qwen2
 from .hf_qwen3 import from_qwen3, from_qwen3_moe, to_qwen3, to_qwen3_moe
@@ -193,6 +194,8 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
         out = from_qwen2(hf_config, tensors)
     elif kind in ("qwen3", "qwen3_moe"):
         out = from_qwen3(hf_config, tensors) if kind == "qwen3" else from_qwen3_moe(hf_config, tensors, moe_grouped_gemm)
+    elif kind == "mistral":
+        out = from_mistral(hf_config, tensors)
     else:
         out = from_hf(hf_config, tensors)
     refuse_unused(tensors, hf_config, load_dir)
@@ -208,12 +211,13 @@ def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
                        help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
-                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only), qwen3 / qwen3_moe (llama "
-                            "/ MoE with --qk-layernorm), deepseek_v3 (multi-latent "
+                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only; sliding windows per layer), "
+                            "qwen3 / qwen3_moe (llama / MoE with --qk-layernorm), mistral (llama without biases, a sliding "
+                            "window in every layer), deepseek_v3 (multi-latent "
                             "attention, MoE, MTP) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
                             "deepseek_v3 for MLA / MTP models, qwen3(_moe) for --qk-layernorm, mixtral for MoE models, "
-                            "qwen2 for rope models with "
-                            "--add-qkv-bias --disable-bias-linear, llama for other rope models, else gpt2.")
+                            "qwen2 for rope models with --add-qkv-bias --disable-bias-linear, mistral for rope models with "
+                            "--window-size, llama for other rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
                        help="Largest safetensors file (default 5GB); bigger models are split into shards with an index.")
     group.add_argument("--merge-lora", action="store_true", default=None,
@@ -231,6 +235,7 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
                           "Face export writes stock layers and would not compute your model: export is refused")
     style = pick_style(bundle.config, style)
+    check_window_exportable(bundle.config, style)
     bundle = dataclasses.replace(bundle, **dict(zip(("config", "state_dict"),
                                                     plain_norms(bundle.config, bundle.state_dict), strict=True)))
     if style == "mixtral":
@@ -243,6 +248,8 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         hf_config, tensors = to_qwen2(bundle.config, bundle.state_dict)
     elif style in ("qwen3", "qwen3_moe"):
         hf_config, tensors = (to_qwen3 if style == "qwen3" else to_qwen3_moe)(bundle.config, bundle.state_dict)
+    elif style == "mistral":
+        hf_config, tensors = to_mistral(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
     limit = parse_size(max_shard_size)

@@ -33,8 +33,8 @@ from ..fusions.config import tanh_gelu
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
-STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe")  # from mixtral on
-# in hf_<name>.py (qwen3_moe in hf_qwen3.py)
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe", "mistral")
+# from mixtral on in hf_<name>.py (qwen3_moe in hf_qwen3.py)
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
@@ -65,7 +65,9 @@ def pick_style(cfg: dict, style: str = "auto") -> str:
             return "mixtral"
         if cfg.get("position_embedding_type") != "rope":
             return "gpt2"
-        return "qwen2" if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear") else "llama"
+        if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"):
+            return "qwen2"
+        return "mistral" if tuple(cfg.get("window_size") or (-1, -1)) != (-1, -1) else "llama"
     _require(style in STYLES, f"--hf-style {style!r} is not one of {', '.join(STYLES)}")
     return style
 
@@ -326,7 +328,7 @@ def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
     kind = hf.get("model_type")
     _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
-             "qwen3, qwen3_moe, mixtral, megatron-bert, deepseek_v3")
+             "qwen3, qwen3_moe, mistral, mixtral, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

@@ -3,14 +3,16 @@
 Qwen2 is the llama layout (:mod:`~megatron_lite.checkpoint.hf`: RoPE, RMSNorm, SwiGLU, grouped-query
 attention) with a bias on the q/k/v projections and on no other linear layer: ours with
 ``--disable-bias-linear --add-qkv-bias``. The fused QKV bias ``[groups, (heads_per_group + 2) * head_dim]``
-is split into q/k/v_proj.bias per group like the weight. Sliding-window attention
-(``use_sliding_window``) is refused: every layer here attends to the whole causal context.
+is split into q/k/v_proj.bias per group like the weight. Sliding-window attention (``use_sliding_window``,
+``sliding_window``, ``max_window_layers``, ``layer_types``) is ``--window-size`` and, for a mix of
+windowed and full layers, ``--window-attn-skip-freq`` (:mod:`~megatron_lite.checkpoint.hf_mistral`).
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
 from .hf import LAYER, QKV, _dims, from_hf, qkv_to_separate, separate_to_qkv, to_hf
+from .hf_mistral import hf_window, qwen2_windowed_layers, window_from_hf
 
 
 def _require(cond, message: str) -> None:
@@ -24,12 +26,15 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
              "format; use --hf-style qwen3")
     _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
              "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
-    hf, out = to_hf({**cfg, "add_qkv_bias": False}, sd, "llama")  # the llama export without biases
+    window, windowed = hf_window(cfg, "qwen2")
+    hf, out = to_hf({**cfg, "add_qkv_bias": False, "window_size": None}, sd, "llama")  # the llama export, no biases
     layers, _, heads, groups, d = _dims(cfg)
     for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
         hf.pop(key)
-    hf.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=None,
-              max_window_layers=layers, layer_types=["full_attention"] * layers)
+    first = next((i for i, w in enumerate(windowed) if w), layers)  # exact when the windowed layers come last
+    hf.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=any(windowed),
+              sliding_window=window, max_window_layers=first,
+              layer_types=["sliding_attention" if w else "full_attention" for w in windowed])
     for i in range(layers):
         q, k, v = qkv_to_separate(sd[LAYER.format(i=i) + QKV + "bias"], heads, groups, d)
         dst = f"model.layers.{i}.self_attn."
@@ -39,10 +44,10 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
 
 def from_qwen2(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen2 config and its tensors."""
-    _require(not hf.get("use_sliding_window"), "use_sliding_window true cannot be expressed (every layer attends to "
-             "the whole causal context); re-save the model with use_sliding_window false")
     cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd)
     cfg["add_qkv_bias"] = True
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # transformers ignores it otherwise
+    cfg.update(window_from_hf(window, qwen2_windowed_layers(hf)))
     layers, _, heads, groups, d = _dims(cfg)
     for i in range(layers):
         a = f"model.layers.{i}.self_attn."

@@ -67,8 +67,8 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
 
 def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple[dict, dict]:
     """(adapter_config.json dict, safetensors tensors) of single-process ``adapters`` for a ``style`` base."""
-    if style not in ("gpt2", "llama", "qwen2", "qwen3"):
-        raise CheckpointError(f"PEFT export of LoRA adapters supports the gpt2, llama, qwen2 and qwen3 styles, not {style}; "
+    if style not in ("gpt2", "llama", "qwen2", "qwen3", "mistral"):
+        raise CheckpointError(f"PEFT export of LoRA adapters supports the gpt2, llama, qwen2, qwen3 and mistral styles, not {style}; "
                               "pass --merge-lora to export the merged model instead")
     if any(".experts." in k for k in adapters):
         raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora")

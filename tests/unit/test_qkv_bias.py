@@ -82,18 +82,6 @@ def test_qwen2_import_at_tp2_and_export_give_the_same_logits(tied, tmp_path, cap
                            v[: got[k].shape[0]] if "word_embeddings" in k or "output_layer" in k else v), k
 
 
-def test_qwen2_with_sliding_window_is_refused(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    model = _random_qwen2(transformers)
-    model.config.use_sliding_window, model.config.sliding_window = True, 4
-    model.save_pretrained(str(tmp_path / "hf"))
-    capsys.readouterr()
-    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out") == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "use_sliding_window" in err, err
-    assert not (tmp_path / "out").exists()
-
-
 BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
 

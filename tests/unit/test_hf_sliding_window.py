@@ -1,0 +1,105 @@
+"""Hugging Face sliding windows through tools/checkpoint/convert.py: a tiny random ``MistralForCausalLM``
+(``sliding_window`` W: our --window-size W-1 0) and a ``Qwen2ForCausalLM`` whose later layers use the
+window (``use_sliding_window``, ``max_window_layers``: --window-attn-skip-freq as a 0/1 list) give
+the logits of transformers for sequences several times longer than the window (fp32, rtol/atol
+1e-5), where full attention differs; exported again, transformers reads the same window back and
+gives the same logits. Formats that cannot express a window refuse it (exit 2, naming the flag)."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_lite.checkpoint import load_gpt_checkpoint
+from tests.convert_helpers import convert
+
+VOCAB = 100
+TOKENS = torch.tensor([[5, 17, 42, 8, 61, 3, 98, 0, 12, 77, 31, 2, 9, 44, 23, 6],
+                       [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
+
+
+def _randomized(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def _mistral(transformers, window):
+    torch.manual_seed(4)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=4, head_dim=4,
+                                     max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-6,
+                                     sliding_window=window, tie_word_embeddings=False)
+    return _randomized(transformers.MistralForCausalLM(cfg))
+
+
+def _qwen2(transformers, layers=3, first_windowed=1):
+    torch.manual_seed(5)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                                   rope_theta=5000.0, rms_norm_eps=1e-6, use_sliding_window=True, sliding_window=3,
+                                   max_window_layers=first_windowed)
+    return _randomized(transformers.Qwen2ForCausalLM(cfg))
+
+
+def _round_trip(model, tmp_path, *style):
+    """Import ``model`` with the converter, return (ours, saved config, the re-exported HF config, its model)."""
+    transformers = pytest.importorskip("transformers")
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
+                   "--make-vocab-size-divisible-by", 8) == 0
+    ours, saved = load_gpt_checkpoint(str(tmp_path / "mega"))
+    assert convert("GPT", "--saver", "hf", *style, "--load-dir", tmp_path / "mega", "--save-dir", tmp_path / "again") == 0
+    written = json.loads((tmp_path / "again" / "config.json").read_text())
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+    return ours.eval(), saved, written, again
+
+
+def test_mistral_window_imports_and_exports_with_transformers_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _mistral(transformers, window=4)
+    ours, saved, written, again = _round_trip(model, tmp_path)
+    assert saved["window_size"] == [3, 0] and saved["window_attn_skip_freq"] is None
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+        model.config.sliding_window = None  # the same weights with full attention: the window matters here
+        assert (model(TOKENS).logits - expected).abs().max() > 1e-2
+        assert written["model_type"] == "mistral" and written["sliding_window"] == 4
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mistral_without_a_window_is_full_attention(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _mistral(transformers, window=None)
+    ours, saved, written, _ = _round_trip(model, tmp_path, "--hf-style", "mistral")
+    assert saved["window_size"] is None and written["sliding_window"] is None
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], model(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_windowed_later_layers_import_and_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _qwen2(transformers)  # layer 0 full, layers 1-2 windowed
+    ours, saved, written, again = _round_trip(model, tmp_path)
+    assert saved["window_size"] == [2, 0] and saved["window_attn_skip_freq"] == "[0,1,1]"
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+        assert written["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+        assert written["use_sliding_window"] and written["sliding_window"] == 3 and written["max_window_layers"] == 1
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_formats_without_a_window_refuse_it(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    _mistral(transformers, window=4).save_pretrained(str(tmp_path / "hf"))
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
+                   "--make-vocab-size-divisible-by", 8) == 0
+    capsys.readouterr()
+    assert convert("GPT", "--saver", "hf", "--hf-style", "llama", "--load-dir", tmp_path / "mega",
+                   "--save-dir", tmp_path / "x") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--window-size 3 0" in err and "--hf-style mistral or qwen2" in err, err
+    assert not (tmp_path / "x").exists()
