@@ -13,7 +13,9 @@ tensor's own trailing shape and dtype.
 token; the engine advances it after every forward pass (:meth:`advance`), once for all layers.
 Beam search copies rows between sequences with :meth:`reorder`, every cached tensor alike.
 With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
-positions ``< sequence_offset`` and new positions ``<= i``.
+positions ``< sequence_offset`` and new positions ``<= i``. A sliding-window layer (``--window-size``)
+asks :meth:`KVCache.query_positions` for the new tokens' positions and masks the keys before its
+window (:func:`~megatron_lite.parallel.sliding_window.cache_window_mask`); every token stays cached.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ their slots and returns every cached entry of those rows, ``[max length + s_new,
 returns the positions of the new tokens (for the position embedding or RoPE) and the attention
 mask (True = masked) under which query ``i`` of row ``r`` sees exactly that row's keys ``<=
 lengths[r] + i``. The layers (standard attention and MLA's latent cache alike) take this object
-as their ``inference_context`` with no change: they only call :meth:`append`.
+as their ``inference_context`` with no change: they only call :meth:`append` (and a sliding-window
+layer :meth:`query_positions`, each row's own, to mask the keys before its window).
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ class DotProductAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
         self.fused_softmax = config.masked_softmax_fusion
-        self.window = layer_window(config, layer_number)  # (left, right), or None: the whole context
-        self.flash_window = {"window_size": self.window} if self.window else {}  # flash-attn's own window
+        self.sliding_window = layer_window(config, layer_number)  # (left, right), or None: the whole context
+        self.flash_window = {"window_size": self.sliding_window} if self.sliding_window else {}  # flash-attn's
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -129,8 +129,9 @@ class DotProductAttention(nn.Module):
             mask = None if attention_mask is None else ~attention_mask
         if causal and mask is None and k.shape[2] != s:  # SDPA's is_causal is top-left aligned
             mask = ~causal_mask_with_offset(s, k.shape[2], q.device)
-        if self.window is not None and (documents or attention_mask is None or s == k.shape[2]):  # else: a cache's
-            mask = confine_to_window(mask, self.window, causal, s, k.shape[2], q.device)  # complete mask
+        window = self.sliding_window  # a dense mask of fewer queries than keys is a cache's, already windowed
+        if window is not None and (documents or attention_mask is None or s == k.shape[2]):
+            mask = confine_to_window(mask, window, causal, s, k.shape[2], q.device)
         if not self.fused_softmax:
             return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
         if dropout_p > 0 and q.device.type == "cpu":  # SDPA's CPU flash kernel has no dropout: ours beats its math path
@@ -234,8 +235,8 @@ class SelfAttention(nn.Module):
             q, k = rotate_part(self.rotate, q, cos, sin), rotate_part(self.rotate, k, cos, sin)
         if inference_context is not None:
             k, v = inference_context.append(self.layer_number, k, v)
-            attention_mask = cache_window_mask(inference_context, attention_mask,
-                                               getattr(self.core_attention, "window", None), s, k.shape[0], q.device)
+            window = getattr(self.core_attention, "sliding_window", None)
+            attention_mask = cache_window_mask(inference_context, attention_mask, window, s, k.shape[0], q.device)
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:

@@ -250,7 +250,7 @@ class ContextParallelAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.scale = getattr(config, "softmax_scale", None)
         self.tracker = state.rng_tracker
-        self.window = config.window_of(layer_number) if hasattr(config, "window_of") else None  # (left, right)
+        self.sliding_window = config.window_of(layer_number) if hasattr(config, "window_of") else None  # or (l, r)
         tp, cp = state.tp_size, state.cp_size
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
@@ -291,14 +291,14 @@ class ContextParallelAttention(nn.Module):
         if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
             out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask,
-                                 self.window).permute(2, 0, 1, 3)
+                                 self.sliding_window).permute(2, 0, 1, 3)
         elif self.comm_type == "a2a+p2p":  # the ring inside seeds its blocks the same way
             out = hierarchical_attention(q, k, v, self.a2a_group, self.ring_group, causal, scale, p, seed,
-                                         attention_mask, self.window)
+                                         attention_mask, self.sliding_window)
         else:
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
-                out = attend(q, k, v, self.group, causal, scale, p, attention_mask, self.window)
+                out = attend(q, k, v, self.group, causal, scale, p, attention_mask, self.sliding_window)
         return out.reshape(s, b, nq * v.shape[-1])
 
 

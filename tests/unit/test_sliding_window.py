@@ -194,3 +194,35 @@ def test_flags_parse():
 ])
 def test_bad_values_exit_2_naming_the_flag(extra, words, capsys):
     parse_refused(capsys, BASE + extra, words, world_size=1)
+
+
+def test_flash_kernels_get_the_window():
+    """The flash-attn path (GPU only) with stand-in kernels that apply ``window_size`` as flash-attn
+    documents it: the layer must hand them its window and give the banded result."""
+    seen = []
+
+    def dense(q, k, v, dropout_p, softmax_scale, causal, window_size=(-1, -1)):
+        seen.append(window_size)
+        out = banded_reference(*(t.transpose(0, 1) for t in (q, k, v)), *window_size, causal=causal)
+        return out.view(q.shape[1], q.shape[0], q.shape[2], -1).transpose(0, 1)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size=(-1, -1)):
+        seen.append(window_size)
+        out = torch.empty_like(q)
+        for lo, hi in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            part = [t[lo:hi].unsqueeze(1) for t in (q, k, v)]  # [n, 1, heads, d]
+            out[lo:hi] = banded_reference(*part, *window_size, causal=causal).view(hi - lo, q.shape[1], -1)
+        return out
+
+    attn = core([3, 0])
+    attn.flash = (dense, varlen)
+    attn._flash_applies = lambda q, mask: True
+    q, k, v = qkv()
+    torch.testing.assert_close(attn(q, k, v), banded_reference(q, k, v, 3, 0), rtol=0, atol=ATOL)
+    ids = torch.tensor([[0] * 7 + [1] * 5, [0] * 2 + [1] * 10])
+    torch.testing.assert_close(attn(q, k, v, ids), banded_reference(q, k, v, 3, 0, ids=ids), rtol=0, atol=ATOL)
+    assert seen == [(3, 0), (3, 0)]
+    full = core(None)
+    full.flash, full._flash_applies = (dense, varlen), attn._flash_applies
+    full(q, k, v)
+    assert seen[-1] == (-1, -1)  # no window: flash-attn's own default
