@@ -308,13 +308,20 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
 """Values of flags we have that Megatron-LM takes and megatron_lite does not: flag -> value -> (why, fix)."""
 
 
+COMMA_PAIRS = ("--window-size",)
+"""Flags Megatron-LM parses as one "A,B" argument (its tuple type) that take two values here."""
+
+
 def megatron_value_message(argv: list[str]) -> str | None:
     """The one-line refusal of the first Megatron-LM value in ``argv`` that we do not take
     (``--flag value`` or ``--flag=value``), or None."""
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if flag in REFUSED_VALUES and not eq:
+        if (flag in REFUSED_VALUES or flag in COMMA_PAIRS) and not eq:
             value = argv[i + 1] if i + 1 < len(argv) else ""
+        if flag in COMMA_PAIRS and "," in value:  # Megatron-LM's tuple spelling of a two-value flag
+            return (f"{flag} {value} is Megatron-LM's spelling of two values; write them apart: "
+                    f"{flag} {' '.join(value.strip('()').split(','))}")
         entry = REFUSED_VALUES.get(flag, {}).get(value)
         if entry is not None:
             return f"{flag} {value} is a Megatron-LM choice that megatron_lite does not support: {entry[0]}; {entry[1]}"

@@ -184,16 +184,18 @@ def test_flags_parse():
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq needs --window-size"),
-    (["--window-size", "-2", "0"], "--window-size -2 0"),
-    (["--window-size", "8", "0", "--window-attn-skip-freq", "0"], "--window-attn-skip-freq 0"),
-    (["--window-size", "8", "0", "--window-attn-skip-freq", "[1,0]"], "list of 4 zeros and ones"),
-    (["--window-size", "8", "0", "--window-attn-skip-freq", "x"], "--window-attn-skip-freq x"),
+    (["--window-attn-skip-freq", "2"], ("--window-attn-skip-freq needs --window-size",)),
+    (["--window-size", "8,0"], ("Megatron-LM's spelling of two values", "--window-size 8 0")),
+    (["--window-size=(8,0)"], ("--window-size 8 0",)),
+    (["--window-size", "-2", "0"], ("--window-size -2 0",)),
+    (["--window-size", "8", "0", "--window-attn-skip-freq", "0"], ("--window-attn-skip-freq 0",)),
+    (["--window-size", "8", "0", "--window-attn-skip-freq", "[1,0]"], ("list of 4 zeros and ones",)),
+    (["--window-size", "8", "0", "--window-attn-skip-freq", "x"], ("--window-attn-skip-freq x",)),
     (["--window-size", "8", "0", "--multi-latent-attention", "--position-embedding-type", "rope"],
-     "--window-size is not supported with --multi-latent-attention"),
+     ("--window-size is not supported with --multi-latent-attention",)),
 ])
 def test_bad_values_exit_2_naming_the_flag(extra, words, capsys):
-    parse_refused(capsys, BASE + extra, words, world_size=1)
+    parse_refused(capsys, BASE + extra, *words, world_size=1)
 
 
 def test_flash_kernels_get_the_window():
