@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -125,7 +126,7 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
                                               or f.name == "sequence_parallel"):
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
-            values = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+            values = [shlex.quote(str(v)) for v in (value if isinstance(value, (list, tuple)) else [value])]
             flags += [flag] if value is True else [] if value is False else [flag, *values]
     groups = config.get("num_query_groups")
     if groups not in (None, config.get("num_attention_heads")) and "--group-query-attention" not in flags:

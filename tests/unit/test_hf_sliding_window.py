@@ -6,10 +6,12 @@ the logits of transformers for sequences several times longer than the window (f
 gives the same logits. Formats that cannot express a window refuse it (exit 2, naming the flag)."""
 
 import json
+import shlex
 
 import pytest
 import torch
 
+from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint
 from tests.convert_helpers import convert
 
@@ -43,12 +45,19 @@ def _qwen2(transformers, layers=3, first_windowed=1):
     return _randomized(transformers.Qwen2ForCausalLM(cfg))
 
 
-def _round_trip(model, tmp_path, *style):
-    """Import ``model`` with the converter, return (ours, saved config, the re-exported HF config, its model)."""
+def _round_trip(model, tmp_path, *style, capsys=None):
+    """Import ``model`` with the converter, return (ours, saved config, the re-exported HF config, its model);
+    with ``capsys``, the flags the converter prints parse (through a shell's word splitting) to the saved window."""
     transformers = pytest.importorskip("transformers")
     model.save_pretrained(str(tmp_path / "hf"))
     assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
                    "--make-vocab-size-divisible-by", 8) == 0
+    if capsys is not None:
+        printed = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
+        parsed = parse_args(shlex.split(printed) + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=1).model
+        assert "'[" in printed  # a list expression is quoted: a shell would glob [0,1,1]
+        saved = load_gpt_checkpoint(str(tmp_path / "mega"))[1]
+        assert (parsed.window_size, parsed.window_attn_skip_freq) == (saved["window_size"], saved["window_attn_skip_freq"])
     ours, saved = load_gpt_checkpoint(str(tmp_path / "mega"))
     assert convert("GPT", "--saver", "hf", *style, "--load-dir", tmp_path / "mega", "--save-dir", tmp_path / "again") == 0
     written = json.loads((tmp_path / "again" / "config.json").read_text())
@@ -79,10 +88,10 @@ def test_mistral_without_a_window_is_full_attention(tmp_path):
         torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], model(TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_qwen2_windowed_later_layers_import_and_export(tmp_path):
+def test_qwen2_windowed_later_layers_import_and_export(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     model = _qwen2(transformers)  # layer 0 full, layers 1-2 windowed
-    ours, saved, written, again = _round_trip(model, tmp_path)
+    ours, saved, written, again = _round_trip(model, tmp_path, capsys=capsys)
     assert saved["window_size"] == [2, 0] and saved["window_attn_skip_freq"] == "[0,1,1]"
     with torch.no_grad():
         expected = model(TOKENS).logits
