@@ -7,8 +7,9 @@ attention, no biases) with sliding-window attention in every layer. Hugging Face
 ``--window-size W-1 0``; ``sliding_window: null`` is full attention. Qwen2 marks which layers use
 the window (``layer_types``, or ``use_sliding_window`` with every layer from ``max_window_layers``
 on): the pattern becomes ``--window-attn-skip-freq`` as a 0/1 list (1 = window) when it is mixed.
-Export writes a window model as ``mistral`` (every layer windowed, biases off) or ``qwen2``
-(any pattern); the other formats cannot express it and refuse ``--window-size``.
+Export writes a window model as ``mistral`` (every layer windowed, biases off), ``qwen2`` (any
+pattern) or ``mixtral`` (MoE, every layer windowed); the other formats cannot express it and refuse
+``--window-size``.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def hf_window(cfg: dict, style: str) -> tuple[int | None, list[bool]]:
 
 def check_window_exportable(cfg: dict, style: str) -> None:
     """Refuse a window model in a format other than mistral and qwen2 (it would attend to everything)."""
-    _require(not has_window(cfg) or style in ("mistral", "qwen2"),
+    _require(not has_window(cfg) or style in ("mistral", "qwen2", "mixtral"),
              f"--window-size {' '.join(map(str, cfg.get('window_size') or ()))} (sliding-window attention) cannot be "
-             f"expressed in the {style} format; use --hf-style mistral or qwen2")
+             f"expressed in the {style} format; use --hf-style mistral or qwen2 (mixtral for MoE models)")
 
 
 def to_mistral(cfg: dict, sd: dict) -> tuple[dict, dict]:

@@ -13,7 +13,8 @@ sigmoid router, expert bias, capacity dropping, group-limited routing, a pre-top
 top-k scaling factor, sinkhorn balancing, dense layers between MoE layers, biases. Training-only
 options carried over: ``--moe-input-jitter-eps`` <-> ``router_jitter_noise`` (Mixtral also scales
 the experts' input by that noise in training, ours only the router's) and the aux-loss coefficient
-<-> ``router_aux_loss_coef``; the z-loss has no Mixtral field and is not written.
+<-> ``router_aux_loss_coef``; the z-loss has no Mixtral field and is not written. Mixtral's
+``sliding_window`` (every layer) is ``--window-size`` as for Mistral (:mod:`.hf_mistral`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
 from .hf import _base_config, _dims, _require, _silu_rope_theta, qkv_to_separate, separate_to_qkv
+from .hf_mistral import hf_window, window_from_hf
 from .hf_unused import strip_prefix
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
@@ -128,16 +130,22 @@ def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
           "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("seq_length"),
           "rms_norm_eps": cfg.get("norm_epsilon", 1e-5), "rope_theta": theta,
           "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
-          "attention_dropout": cfg.get("attention_dropout", 0.0), "sliding_window": None,
+          "attention_dropout": cfg.get("attention_dropout", 0.0), "sliding_window": _sliding_window(cfg),
           "num_local_experts": experts, "num_experts_per_tok": int(cfg.get("moe_router_topk", 2)),
           "router_jitter_noise": float(cfg.get("moe_input_jitter_eps") or 0.0), "router_aux_loss_coef": _aux_coeff(cfg),
           "output_router_logits": False}
     return hf, out
 
 
+def _sliding_window(cfg: dict) -> int | None:
+    """Mixtral's ``sliding_window`` (every layer) of our --window-size (hf_mistral.py)."""
+    window, windowed = hf_window(cfg, "mixtral")
+    _require(all(windowed) or not any(windowed), f"--window-attn-skip-freq {cfg.get('window_attn_skip_freq')} "
+             "cannot be expressed in the mixtral format (its window is in every layer)")
+    return window
+
+
 def _mixtral_config(hf: dict) -> dict:
-    _require(hf.get("sliding_window") is None, f"sliding_window {hf.get('sliding_window')} cannot be expressed "
-             "(attention is over the whole sequence)")
     theta = _silu_rope_theta(hf, 1e6)
     hidden, heads, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["intermediate_size"]
     groups = hf.get("num_key_value_heads") or heads
@@ -153,6 +161,7 @@ def _mixtral_config(hf: dict) -> dict:
         num_experts=hf["num_local_experts"], moe_ffn_hidden_size=ffn, moe_router_topk=hf.get("num_experts_per_tok", 2),
         moe_layer_freq="1", moe_input_jitter_eps=jitter, moe_router_load_balancing_type=["aux_loss"],
         moe_aux_loss_coeff=[float(hf.get("router_aux_loss_coef", 0.0))],
+        **window_from_hf(hf.get("sliding_window"), [True] * hf["num_hidden_layers"]),
     )
 
 

@@ -1,6 +1,6 @@
 """Hugging Face sliding windows through tools/checkpoint/convert.py: a tiny random ``MistralForCausalLM``
-(``sliding_window`` W: our --window-size W-1 0) and a ``Qwen2ForCausalLM`` whose later layers use the
-window (``use_sliding_window``, ``max_window_layers``: --window-attn-skip-freq as a 0/1 list) give
+(``sliding_window`` W: our --window-size W-1 0), a ``MixtralForCausalLM`` and a ``Qwen2ForCausalLM`` whose
+later layers use the window (``use_sliding_window``, ``max_window_layers``: --window-attn-skip-freq as a 0/1 list) give
 the logits of transformers for sequences several times longer than the window (fp32, rtol/atol
 1e-5), where full attention differs; exported again, transformers reads the same window back and
 gives the same logits. Formats that cannot express a window refuse it (exit 2, naming the flag)."""
@@ -98,6 +98,23 @@ def test_qwen2_windowed_later_layers_import_and_export(tmp_path, capsys):
         torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
         assert written["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
         assert written["use_sliding_window"] and written["sliding_window"] == 3 and written["max_window_layers"] == 1
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mixtral_window_imports_and_exports(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32, rope_theta=5000.0,
+                                     rms_norm_eps=1e-6, sliding_window=5, tie_word_embeddings=False)
+    model = _randomized(transformers.MixtralForCausalLM(cfg))
+    ours, saved, written, again = _round_trip(model, tmp_path)
+    assert saved["window_size"] == [4, 0] and saved["num_experts"] == 4
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
+        assert written["model_type"] == "mixtral" and written["sliding_window"] == 5
         torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
 
 
