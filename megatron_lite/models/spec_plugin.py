@@ -10,12 +10,14 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
-MLA, ``--qk-layernorm`` without either attention block that norms queries and keys).
+MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--window-size``
+with a core attention that is not built on the stock one).
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
@@ -67,3 +69,9 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: --qk-layernorm is set but no layer's self_attention is megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
                           "one in the spec or drop the flag")
+    window = config.model.window_size
+    plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,
+                                                                                        ContextParallelAttention))]
+    if window is not None and tuple(window) != (-1, -1) and plain:
+        raise ConfigError(f"{flag}: --window-size is set but core_attention {getattr(plain[0], '__name__', plain[0])} "
+                          "does not apply it; subclass DotProductAttention in the spec or drop --window-size")

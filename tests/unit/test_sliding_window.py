@@ -228,3 +228,20 @@ def test_flash_kernels_get_the_window():
     full.flash, full._flash_applies = (dense, varlen), attn._flash_applies
     full(q, k, v)
     assert seen[-1] == (-1, -1)  # no window: flash-attn's own default
+
+
+def test_a_spec_whose_core_attention_ignores_the_window_is_refused(tmp_path, capsys):
+    path = tmp_path / "my_attention.py"
+    path.write_text("import torch\nfrom megatron_lite.models.attention import DotProductAttention\n"
+                    "from megatron_lite.models.spec import LayerSpec\n\n\n"
+                    "class Mine(torch.nn.Module):\n    def __init__(self, config, state, layer_number):\n"
+                    "        super().__init__()\n\n\n"
+                    "class Stock(DotProductAttention):\n    pass\n\n\n"
+                    "mine, stock = LayerSpec(core_attention=Mine), LayerSpec(core_attention=Stock)\n")
+    window = ["--window-size", "4", "0"]
+    from megatron_lite.arguments import parse_args
+
+    parse_args(BASE + ["--spec", str(path), "mine"], world_size=1)  # no window: nothing to drop
+    assert parse_args(BASE + window + ["--spec", str(path), "stock"], world_size=1).model.window_size == [4, 0]
+    parse_refused(capsys, BASE + window + ["--spec", str(path), "mine"], "--window-size", "core_attention Mine",
+                  world_size=1)
