@@ -39,7 +39,8 @@ the local tokens, the key ids travel around the ring with the keys and values, a
 further confined to query/key pairs of the same document. A block row whose query sees none of the
 block's keys contributes nothing (its log-sum-exp is -inf); the query's own key, seen at step 0,
 keeps every final row finite. A sliding window (``window``) confines every block the same way, by the
-global positions of its queries and keys (each rank's two chunks, :func:`_positions`).
+global positions of its queries and keys (each rank's two chunks, :func:`_positions`). A block none
+of whose queries sees any of its keys is skipped, forward and backward (its keys still travel on).
 """
 
 from __future__ import annotations
@@ -258,9 +259,10 @@ class _RingAttention(torch.autograd.Function):
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, causal, half)
             allowed = _allowed(ids, kv_ids, qs, ks, window, *_positions(window, s, ring, step, q.device))
-            block_out, block_lse = block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], block_causal,
-                                                 scale, dropout_p, seed + step, allowed)
-            _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            if not _nothing_seen(allowed):
+                block_out, block_lse = block_forward(q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:], block_causal,
+                                                     scale, dropout_p, seed + step, allowed)
+                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
                 travel = pending.wait()
         out = out.to(q.dtype)
@@ -283,20 +285,29 @@ class _RingAttention(torch.autograd.Function):
             kv, kv_ids = travel[0], travel[-1]
             qs, ks, block_causal = block_plan(step, ring.rank, ring.size, ctx.causal, half)
             allowed = _allowed(ids, kv_ids, qs, ks, ctx.window, *_positions(ctx.window, q.shape[2], ring, step, q.device))
-            dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:],
-                                              out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
-                                              ctx.dropout_p, ctx.seed + step, allowed)
-            dq[:, :, qs] += dq_i
+            skip = _nothing_seen(allowed)
+            if not skip:
+                dq_i, dk_i, dv_i = block_backward(dout[:, :, qs], q[:, :, qs], kv[:, :, ks, :dk], kv[:, :, ks, dk:],
+                                                  out[:, :, qs], lse[:, :, qs], block_causal, ctx.scale,
+                                                  ctx.dropout_p, ctx.seed + step, allowed)
+                dq[:, :, qs] += dq_i
             # the dK/dV partial sums of the keys/values held now (their owner is rank r - step)
             dkv = torch.zeros(kv.shape, dtype=acc, device=k.device) if dkv_pending is None else dkv_pending.wait()[0]
-            dkv[:, :, ks, :dk] += dk_i
-            dkv[:, :, ks, dk:] += dv_i
+            if not skip:
+                dkv[:, :, ks, :dk] += dk_i
+                dkv[:, :, ks, dk:] += dv_i
             dkv_pending = ring.shift(dkv)
             if kv_pending is not None:
                 travel = kv_pending.wait()
         dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
         return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype),
                 None, None, None, None, None, None, None)
+
+
+def _nothing_seen(allowed) -> bool:
+    """Whether no query of a block may see any of its keys (a remote chunk wholly outside the sliding
+    window, or of other documents): the block adds nothing and is not computed. Step 0 never is."""
+    return allowed is not None and not bool(allowed.any())
 
 
 def _positions(window, local_len: int, ring: Ring, step: int, device):

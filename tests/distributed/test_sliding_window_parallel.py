@@ -105,3 +105,25 @@ def check_cp_model(cp):
 
 def test_cp2_window_model_equals_single_process():
     assert all(run_ranks(2, check_cp_model, 2))
+
+
+def check_ring_skips_blocks_outside_the_window(cp):
+    """A narrow window leaves remote blocks no query can see: the ring does not compute them
+    (forward or backward), and the result is still the full attention's (check_cp_window)."""
+    from megatron_lite.parallel import ring_attention as ring
+
+    calls = []
+    forward, backward = ring.block_forward, ring.block_backward
+    ring.block_forward = lambda *a, **kw: calls.append("f") or forward(*a, **kw)
+    ring.block_backward = lambda *a, **kw: calls.append("b") or backward(*a, **kw)
+    try:
+        check_cp_window(cp, "p2p", True, (3, 0), 8 * cp)
+    finally:
+        ring.block_forward, ring.block_backward = forward, backward
+    return calls.count("f"), calls.count("b")
+
+
+def test_ring_skips_the_blocks_outside_the_window():
+    counts = run_ranks(4, check_ring_skips_blocks_outside_the_window, 4)
+    assert all(f == b for f, b in counts)
+    assert sum(f for f, _ in counts) < 4 * 4  # 4 steps on each of 4 ranks without skipping
