@@ -6,6 +6,7 @@ printed flags include --qk-layernorm and load the checkpoint through --pretraine
 the formats cannot express is refused in one line."""
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def qwen3_moe(norm_topk_prob=True, mlp_only_layers=(1,), step=1):
 
 def _flags(capsys) -> list[str]:
     out = capsys.readouterr().out
-    return out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()[2:]  # without --load DIR
+    line = out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
+    return shlex.split(line)[2:]  # as a shell reads the printed (quoted) flags, without --load DIR
 
 
 def _import_export(model, tmp_path, capsys, *extra):
