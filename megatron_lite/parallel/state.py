@@ -142,10 +142,12 @@ class RankGrid:
                 "optimizer shards over); change the instances"
             )
         if self.expert_dp_cp % self.dist_opt_instances:
+            made = (f"tensor {self.tp} x context {self.cp} x data {self.dp} / "
+                    f"(--expert-tensor-parallel-size {self.expert_tp} x " if self.folded else f"data-parallel {self.dp} x context-parallel {self.cp} / (")
             raise ParallelConfigError(
                 f"--num-distributed-optimizer-instances {self.dist_opt_instances} must divide the expert data-parallel "
-                f"size {self.expert_dp_cp} (data-parallel {self.dp} x context-parallel {self.cp} / "
-                f"--expert-model-parallel-size {self.ep}); lower the instances or --expert-model-parallel-size"
+                f"size {self.expert_dp_cp} ({made}--expert-model-parallel-size {self.ep})); lower the instances or "
+                "--expert-model-parallel-size"
             )
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ParallelConfigError(

@@ -89,3 +89,12 @@ def test_context_parallelism_counts_in_the_expert_data_parallel_size():
     grid = RankGrid(4, cp=2, ep=2, dist_opt_instances=2)
     assert grid.groups("expert_dp") == [[0, 1], [2, 3]]
     assert grid.groups("expert_dp_shard") == [[0], [1], [2], [3]]
+
+
+def test_expert_instances_refusal_counts_a_folded_grid_right():
+    # folded (ETP 1 at TP 2): the expert-DP is TP 2 x CP 4 x DP 1 / (ETP 1 x EP 4) = 2, not DP x CP / EP = 1
+    with pytest.raises(ParallelConfigError) as err:
+        RankGrid(8, tp=2, cp=4, ep=4, etp=1, dist_opt_instances=4)
+    message = str(err.value)
+    assert "expert data-parallel size 2 (tensor 2 x context 4 x data 1 / (--expert-tensor-parallel-size 1 x " \
+           "--expert-model-parallel-size 4))" in message, message
