@@ -17,14 +17,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
 
 from ..errors import ConfigError
 from ..models import BertModel, GPTModel, TransformerConfig
-from ..moe.config import MoEConfig, moe_fields
+from ..moe.config import MoEConfig, moe_fields, saved_moe_fields
 from ..parallel.state import ParallelState
 from .format import CheckpointError
 from .merge import model_config_from_saved
@@ -56,7 +55,7 @@ def transformer_config(cfg: dict, tp: int = 1, ep: int = 1, **run) -> Transforme
     ConfigError or ValueError naming the flag). MoE with TP > 1 runs with sequence parallelism; the
     experts of a folded grid's checkpoint (--expert-tensor-parallel-size neither 1 nor ``tp``) are split
     like the dense layers."""
-    moe = MoEConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(MoEConfig) if f.name in cfg})
+    moe = MoEConfig(**saved_moe_fields(cfg, fp8=bool(run.get("fp8"))))
     if moe.expert_tensor_parallel_size not in (None, 1, tp):  # saved on a folded expert grid: the models built
         moe.expert_tensor_parallel_size = None  # here hold the experts unfolded, split like the dense layers
     sp = bool(cfg.get("sequence_parallel")) or bool(num_experts(cfg))

@@ -32,7 +32,7 @@ import torch
 from ..config import ModelConfig
 from ..fusions.config import fusion_fields
 from ..models import BertModel, GPTModel, TransformerConfig
-from ..moe.config import MoEConfig
+from ..moe.config import saved_moe_fields
 from ..parallel.state import ParallelState
 from ..parallel.tensor import unshard
 from ..precision.fp8 import is_fp8_state_key
@@ -163,7 +163,7 @@ def _load_into(path: str, build, kind: str, params_dtype=torch.float32) -> tuple
     # FP8 bookkeeping (amax histories, scales) of an FP8-trained run: the model built here has none
     state_dict = {k: v for k, v in state_dict.items() if not is_fp8_state_key(k)}
     cfg = model_config_from_saved(saved)
-    moe = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
+    moe = saved_moe_fields(saved)  # built without FP8
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts
     try:
         model = build(TransformerConfig.from_model(cfg, params_dtype=params_dtype, **moe,

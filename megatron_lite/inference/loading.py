@@ -14,8 +14,6 @@ At TP > 1 a mixture-of-experts layer splits the tokens over the TP ranks itself
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..checkpoint.format import CheckpointError, param_meta
@@ -27,7 +25,7 @@ from ..data.tokenizers import build_tokenizer
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..models import GPTModel, TransformerConfig
-from ..moe.config import MoEConfig, moe_fields
+from ..moe.config import MoEConfig, moe_fields, saved_moe_fields
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.state import ParallelState
 from ..parallel.tensor import padded_vocab_size, shard
@@ -49,7 +47,7 @@ def inference_config(saved: dict, tp: int, params_dtype=torch.float32) -> Transf
     vocab = saved.get("vocab_size") or saved["padded_vocab_size"]
     model = model_config_from_saved({**saved, "vocab_size": vocab, "padded_vocab_size": 0})
     model.padded_vocab_size = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tp)
-    moe = MoEConfig(**{f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved})
+    moe = MoEConfig(**saved_moe_fields(saved))  # no FP8 here: no FP8 padding
     moe.moe_expert_capacity_factor, moe.moe_pad_expert_input_to_capacity = None, False  # drop no token
     moe.expert_tensor_parallel_size = None
     fusions = fusion_fields(saved, model.swiglu)  # the fused bias + GeLU is the tanh GeLU: as trained

@@ -81,11 +81,10 @@ def merged_bundle(bundle):
 def load_lora_gpt(path: str):
     """(single-process GPTModel in eval mode with the adapters of LoRA checkpoint ``path`` on its
     base, saved config): what the LoRA run computed, for tools and tests."""
-    import dataclasses
 
     from ..checkpoint.merge import model_config_from_saved
     from ..models import GPTModel, TransformerConfig
-    from ..moe.config import MoEConfig
+    from ..moe.config import saved_moe_fields
     from ..parallel.state import ParallelState
     from .apply import apply_lora
 
@@ -94,7 +93,7 @@ def load_lora_gpt(path: str):
         raise CheckpointError(f"{path} is not a LoRA checkpoint (it was saved without --lora-rank)")
     adapters, base, base_config = read_lora_checkpoint(path, saved, config)
     config = {**config, "padded_vocab_size": base_config["padded_vocab_size"]}  # the base's rows (its TP size)
-    moe = {f.name: config[f.name] for f in dataclasses.fields(MoEConfig) if f.name in config}
+    moe = saved_moe_fields(config)  # built without FP8
     moe["expert_tensor_parallel_size"] = None  # one process: whole experts
     model_config = TransformerConfig.from_model(model_config_from_saved(config), **moe)
     state = ParallelState(world_size=1, rank=0)

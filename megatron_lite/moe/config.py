@@ -307,3 +307,13 @@ def moe_layer_pattern(config) -> list[bool]:
 def expert_grid_tp(config) -> int | None:
     """--expert-tensor-parallel-size for the rank grid of a run's Config (None: dense model, or the TP size)."""
     return config.moe.expert_tensor_parallel_size if config.moe.num_experts else None
+
+
+def saved_moe_fields(saved: dict, fp8: bool = False) -> dict:
+    """The MoEConfig fields a checkpoint's flat config records, for a model built from it. Without FP8
+    (inference, merging, conversion, LoRA export) ``--moe-router-padding-for-fp8`` is dropped: it only
+    pads the FP8 GEMMs' token counts and changes no output, and it is refused without FP8."""
+    fields = {f.name: saved[f.name] for f in dataclasses.fields(MoEConfig) if f.name in saved}
+    if not fp8:
+        fields["moe_router_padding_for_fp8"] = False
+    return fields
