@@ -1,6 +1,7 @@
 """A checkpoint trained with ``--moe-router-padding-for-fp8`` is usable by every tool that builds a
 model from its saved config without FP8: generation (:func:`~megatron_lite.inference.loading.load_model`),
-the one-process loader (:func:`~megatron_lite.checkpoint.merge.load_gpt_checkpoint`) and
+the one-process loader (:func:`~megatron_lite.checkpoint.merge.load_gpt_checkpoint`), the LoRA export
+(:func:`~megatron_lite.lora.convert.load_lora_gpt`) and
 tools/checkpoint/convert.py. The saved flag is dropped there (it only pads FP8 GEMMs' token counts and
 is refused without FP8); before, each of them failed with '--moe-router-padding-for-fp8 needs FP8'.
 The models built from it compute what the trained model computes without padding.
@@ -44,3 +45,12 @@ def test_convert_takes_the_padded_checkpoint(padded_checkpoint, tmp_path, saver,
     convert = load_tool("checkpoint/convert").main
     assert convert(["--model-type", "GPT", "--loader", "megatron", "--saver", saver, "--load-dir", padded_checkpoint,
                     "--save-dir", str(tmp_path / saver)] + extra) == 0
+
+
+def test_lora_checkpoint_of_a_padded_run_loads_for_export(padded_checkpoint, tmp_path):
+    from megatron_lite.lora.convert import load_lora_gpt
+
+    save = str(tmp_path / "lora")
+    pretrain_gpt.main(_argv(save, 3, PADDED_FP8_MOE + ["--lora-rank", "4", "--pretrained-checkpoint", padded_checkpoint]))
+    model, config = load_lora_gpt(save)
+    assert config["moe_router_padding_for_fp8"] and model.decoder.layers[0].mlp.token_dispatcher.pad_multiple is None
