@@ -126,7 +126,7 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
                                               or f.name == "sequence_parallel"):
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
-            values = [shlex.quote(str(v)) for v in (value if isinstance(value, (list, tuple)) else [value])]
+            values = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]  # quoted when printed
             flags += [flag] if value is True else [] if value is False else [flag, *values]
     groups = config.get("num_query_groups")
     if groups not in (None, config.get("num_attention_heads")) and "--group-query-attention" not in flags:
@@ -144,7 +144,13 @@ def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
     out = save_megatron(bundle, args.save_dir, layout, progress)
     config = target_config(bundle, layout)
     flags = pretrain_flags(config, bundle.iteration == "release", bundle.optimizer is not None)
-    return f"{out}\nload it with: --load {args.save_dir} {' '.join(flags)} (and the tokenizer flags)"
+    return f"{out}\nload it with: {shell_words(['--load', args.save_dir, *flags])} (and the tokenizer flags)"
+
+
+def shell_words(words: list[str]) -> str:
+    """``words`` as one shell line: a value bash would glob or split (``--moe-layer-freq [1,0,1]``, a
+    path with a space) is quoted, so the printed flags paste into a shell as they are."""
+    return " ".join(shlex.quote(str(w)) for w in words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +308,8 @@ def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progre
         add_bert_vocab_txt(folder)
     found = tokenizer_in_folder(folder, bert)
     if found and not bundle.config.get("tokenizer_type"):  # say which tokenizer flags load the kept files
-        load = f"load it with: --load {args.save_dir} "
-        out = out.replace(" (and the tokenizer flags)", "").replace(load, load + " ".join(tokenizer_flags(found)) + " ")
+        load = f"load it with: {shell_words(['--load', args.save_dir])} "
+        out = out.replace(" (and the tokenizer flags)", "").replace(load, load + shell_words(tokenizer_flags(found)) + " ")
     return out
 
 

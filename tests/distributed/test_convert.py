@@ -8,6 +8,7 @@ Hugging Face comparisons are within fp32 rounding (rtol 1e-5, atol 1e-5); weight
 """
 
 import os
+import shlex
 
 import pytest
 import torch
@@ -316,7 +317,7 @@ def test_printed_flags_describe_the_converted_model(variant, sources, tmp_path, 
     assert convert("--load-dir", sources[variant], "--save-dir", out, "--target-tensor-parallel-size", 4,
                    "--target-pipeline-parallel-size", 1) == 0
     line = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
-    flags = line.split()
+    flags = shlex.split(line)
     assert flags[:2] == ["--load", str(out)] and flags[-2:] == ["--no-load-optim", "--no-load-rng"]
     config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4)
     saved = merge_checkpoint(str(out))[1]

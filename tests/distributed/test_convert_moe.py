@@ -12,6 +12,7 @@ rounding (rtol/atol 1e-5), with deterministic routing (fp32, eval: no jitter, no
 
 import dataclasses
 import os
+import shlex
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_printed_flags_describe_the_converted_moe_model(variant, sources, tmp_pa
     out = tmp_path / "ep4"
     assert convert("GPT", "--load-dir", sources[variant], "--save-dir", out, "--target-tensor-parallel-size", 2,
                    "--target-expert-parallel-size", 4) == 0
-    flags = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+    flags = shlex.split(capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0])
     assert flags[-1] == "--no-load-rng" and "--no-load-optim" not in flags  # the optimizer state is there
     config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=8)
     run = config.flat()

@@ -8,6 +8,8 @@ written in DeepSeek's layout). Both runs use the flags the converter prints, sta
 release checkpoint (iteration 0) and train from the imported weights.
 """
 
+import shlex
+
 import pytest
 
 from tests.convert_helpers import convert
@@ -29,7 +31,7 @@ def _import(capsys, folder, out, *layout):
     capsys.readouterr()
     assert convert("GPT", "--loader", "hf", "--load-dir", folder, "--save-dir", out, "--moe-grouped-gemm",
                    *layout) == 0
-    printed = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+    printed = shlex.split(capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0])
     assert "--mtp-num-layers" in printed and "--moe-router-enable-expert-bias" in printed, printed
     return printed
 

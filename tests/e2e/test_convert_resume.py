@@ -8,6 +8,7 @@ and gradient norm must agree within rel 1e-5.
 """
 
 import os
+import shlex
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_torch_checkpoint_format_is_accepted(tmp_path):
 
 def _flags_printed(capsys) -> list[str]:
     out = capsys.readouterr().out
-    return out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0].split()
+    return shlex.split(out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0])
 
 
 def test_hf_import_continues_pretraining_with_the_printed_flags(tmp_path, capsys):

@@ -7,6 +7,7 @@ the formats cannot express is refused in one line."""
 
 import json
 import shlex
+import subprocess
 
 import pytest
 import torch
@@ -49,8 +50,7 @@ def qwen3_moe(norm_topk_prob=True, mlp_only_layers=(1,), step=1):
 
 def _flags(capsys) -> list[str]:
     out = capsys.readouterr().out
-    line = out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
-    return shlex.split(line)[2:]  # as a shell reads the printed (quoted) flags, without --load DIR
+    return shlex.split(out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0])[2:]  # without --load DIR
 
 
 def _import_export(model, tmp_path, capsys, *extra):
@@ -202,3 +202,20 @@ def test_qwen3_import_with_apply_layernorm_1p_stores_the_qk_norms_zero_centred(t
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
     name = "model.layers.2.self_attn.k_norm.weight"
     torch.testing.assert_close(again.state_dict()[name], model.state_dict()[name], rtol=0, atol=1e-6)
+
+
+def test_printed_flags_paste_into_a_shell_as_they_are(tmp_path, capsys):
+    """The printed line goes through bash unchanged: --moe-layer-freq [1,0,1] (a glob pattern) is quoted,
+    so a file named 1 in the current folder does not turn it into --moe-layer-freq 1 (every layer MoE),
+    and a --save-dir with a space stays one word."""
+    qwen3_moe().save_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "my mega"
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", out,
+                   "--make-vocab-size-divisible-by", 8) == 0
+    line = capsys.readouterr().out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0]
+    (tmp_path / "1").write_text("")  # a file the glob [1,0,1] matches
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {line}"], cwd=tmp_path, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert words[:2] == ["--load", str(out)] and words[words.index("--moe-layer-freq") + 1] == "[1,0,1]", words
+    config = parse_args(words[2:] + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=1)
+    assert config.moe.moe_layer_freq == "[1,0,1]" and config.model.qk_layernorm
