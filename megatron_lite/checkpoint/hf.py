@@ -98,12 +98,13 @@ def check_exportable(cfg: dict, style: str) -> None:
                  "gpt2 format; use --hf-style llama")
         _require(head_dim * heads == hidden, f"--kv-channels {head_dim} cannot be expressed in the gpt2 format "
                  "(head size is hidden-size / num-attention-heads)")
-    else:
+    else:  # the llama layout (also qwen2's and qwen3's): the gpt2 format is the way out for llama only (it has
+        gpt2 = "; use --hf-style gpt2" if style == "llama" else ""  # neither q/k-only biases nor q/k norms)
         _require(cfg.get("position_embedding_type") == "rope", "--position-embedding-type learned_absolute cannot "
-                 "be expressed in the llama format (rotary only); use --hf-style gpt2")
-        _require(cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm cannot be expressed in the llama "
-                 "format (RMSNorm only); use --hf-style gpt2")
-        _require(cfg.get("swiglu"), "a GeLU MLP (no --swiglu) cannot be expressed in the llama format (SwiGLU only)")
+                 f"be expressed in the {style} format (rotary only){gpt2}")
+        _require(cfg.get("normalization") == "RMSNorm", f"--normalization LayerNorm cannot be expressed in the {style} "
+                 f"format (RMSNorm only){gpt2}")
+        _require(cfg.get("swiglu"), f"a GeLU MLP (no --swiglu) cannot be expressed in the {style} format (SwiGLU only)")
         _require(style == "qwen2" or not (cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear")),
                  "--add-qkv-bias with --disable-bias-linear (biases on q/k/v only) cannot be expressed in the llama "
                  "format; use --hf-style qwen2")

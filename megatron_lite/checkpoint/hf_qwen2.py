@@ -11,7 +11,7 @@ windowed and full layers, ``--window-attn-skip-freq`` (:mod:`~megatron_lite.chec
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .hf import LAYER, QKV, _dims, from_hf, qkv_to_separate, separate_to_qkv, to_hf
+from .hf import LAYER, QKV, _dims, check_exportable, from_hf, qkv_to_separate, separate_to_qkv, to_hf
 from .hf_mistral import hf_window, qwen2_windowed_layers, window_from_hf
 
 
@@ -26,6 +26,7 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
              "format; use --hf-style qwen3")
     _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
              "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
+    check_exportable(cfg, "qwen2")  # the llama layout's refusals, naming this format
     window, windowed = hf_window(cfg, "qwen2")
     hf, out = to_hf({**cfg, "add_qkv_bias": False, "window_size": None}, sd, "llama")  # the llama export, no biases
     layers, _, heads, groups, d = _dims(cfg)

@@ -36,6 +36,7 @@ from .hf import (
     _dims,
     _require,
     _silu_rope_theta,
+    check_exportable,
     from_hf,
     qkv_to_separate,
     separate_to_qkv,
@@ -79,6 +80,7 @@ def to_qwen3(cfg: dict, sd: dict) -> tuple[dict, dict]:
     _require(not cfg.get("num_experts"), f"--num-experts {cfg.get('num_experts')} (mixture of experts) cannot be "
              "expressed in the qwen3 format; use --hf-style qwen3_moe")
     _check_ours(cfg, "qwen3")
+    check_exportable({**cfg, "qk_layernorm": False}, "qwen3")  # the llama layout's refusals, naming this format
     hf, out = to_hf({**cfg, "qk_layernorm": False}, sd, "llama")  # the llama export, then the q/k norms
     layers = _dims(cfg)[0]
     for key in ("mlp_bias", "pretraining_tp"):

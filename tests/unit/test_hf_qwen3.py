@@ -219,3 +219,19 @@ def test_printed_flags_paste_into_a_shell_as_they_are(tmp_path, capsys):
     assert words[:2] == ["--load", str(out)] and words[words.index("--moe-layer-freq") + 1] == "[1,0,1]", words
     config = parse_args(words[2:] + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=1)
     assert config.moe.moe_layer_freq == "[1,0,1]" and config.model.qk_layernorm
+
+
+def test_qwen3_export_refusals_name_the_qwen3_format(tmp_path, capsys):
+    """A --qk-layernorm model the qwen3 format cannot hold (LayerNorm, learned positions) is refused in one
+    line naming the qwen3 format, not the llama format with 'use --hf-style gpt2' (which refuses --qk-layernorm)."""
+    common = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--swiglu",
+              "--disable-bias-linear", "--qk-layernorm", "--max-position-embeddings", "12"]
+    for name, extra in (("layernorm", ["--position-embedding-type", "rope", "--normalization", "LayerNorm"]),
+                        ("learned", ["--normalization", "RMSNorm"])):
+        _pretrain(common + extra + ["--save", str(tmp_path / name)])
+        capsys.readouterr()
+        assert convert("GPT", "--saver", "hf", "--load-dir", tmp_path / name, "--save-dir", tmp_path / f"{name}-hf") == 2
+        err = capsys.readouterr().err
+        words = "--normalization LayerNorm" if name == "layernorm" else "--position-embedding-type learned_absolute"
+        assert err.count("\n") == 1 and words in err and "qwen3 format" in err and "gpt2" not in err, err
+        assert not (tmp_path / f"{name}-hf").exists()
