@@ -59,7 +59,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
-from .hf import _base_config, _require
+from .hf import _base_config, _require, pick_style
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_mixtral import SEQ, expert_matrices, stack_experts
 from .hf_unused import strip_prefix
@@ -112,7 +112,7 @@ def check_deepseek(cfg: dict) -> None:
     """Raise one ConfigError naming the first option the deepseek_v3 format cannot express."""
     _require(cfg.get("multi_latent_attention"), "a model without --multi-latent-attention cannot be expressed in the "
              "deepseek_v3 format; " + ("no format holds its --mtp-num-layers" if cfg.get("mtp_num_layers") else
-                                       "use --hf-style llama or mixtral"))
+                                       f"use --hf-style {pick_style(cfg)}"))
     for ok, words, why in (
             (cfg.get("qk_layernorm"), "no --qk-layernorm", "DeepSeek-V3 norms its latents"),
             (cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm", "RMSNorm only"),

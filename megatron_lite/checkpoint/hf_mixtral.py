@@ -23,14 +23,15 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
-from .hf import _base_config, _dims, _require, _silu_rope_theta, qkv_to_separate, separate_to_qkv
+from .hf import _base_config, _dims, _require, _silu_rope_theta, pick_style, qkv_to_separate, separate_to_qkv
 from .hf_mistral import hf_window, window_from_hf
 from .hf_unused import strip_prefix
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
 SEQ = "mlp.experts.local_experts.{j}."
 # (our option, its value when Mixtral can express it, the refusal's words)
-_UNEXPRESSIBLE = (
+_UNEXPRESSIBLE = (  # --qk-layernorm first: its refusal names the way out (qwen3_moe)
+    ("qk_layernorm", False, "--qk-layernorm (per-head query/key norms; use --hf-style qwen3_moe)"),
     ("moe_shared_expert_intermediate_size", None, "--moe-shared-expert-intermediate-size (shared experts)"),
     ("moe_router_score_function", "softmax", "--moe-router-score-function sigmoid"),
     ("moe_router_enable_expert_bias", False, "--moe-router-enable-expert-bias"),
@@ -39,7 +40,6 @@ _UNEXPRESSIBLE = (
     ("moe_router_pre_softmax", False, "--moe-router-pre-softmax (Mixtral renormalises the top-k)"),
     ("moe_router_topk_scaling_factor", None, "--moe-router-topk-scaling-factor"),
     ("add_qkv_bias", False, "--add-qkv-bias (the attention has no biases)"),
-    ("qk_layernorm", False, "--qk-layernorm (per-head query/key norms; use --hf-style qwen3_moe)"),
     ("rotary_percent", 1.0, "--rotary-percent below 1 (every channel of a head rotates)"),
     ("use_rope_scaling", False, "--use-rope-scaling"),
     ("rotary_seq_len_interpolation_factor", None, "--rotary-seq-len-interpolation-factor"),
@@ -50,7 +50,7 @@ def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> Non
     """Raise one ConfigError naming the first option the mixtral format (or ``style``, a format with
     the same MoE layers that also expresses the options named in ``allowed``) cannot express."""
     _require(cfg.get("num_experts"), f"a dense model (no --num-experts) cannot be expressed in the {style} format; "
-             f"use --hf-style {'qwen3' if style == 'qwen3_moe' else 'llama'}")
+             f"use --hf-style {pick_style(cfg)}")
     for name, ok, words in _UNEXPRESSIBLE:
         if name in allowed:
             continue

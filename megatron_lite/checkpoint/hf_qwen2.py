@@ -11,7 +11,17 @@ windowed and full layers, ``--window-attn-skip-freq`` (:mod:`~megatron_lite.chec
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .hf import LAYER, QKV, _dims, check_exportable, from_hf, qkv_to_separate, separate_to_qkv, to_hf
+from .hf import (
+    LAYER,
+    QKV,
+    _dims,
+    check_exportable,
+    from_hf,
+    pick_style,
+    qkv_to_separate,
+    separate_to_qkv,
+    to_hf,
+)
 from .hf_mistral import hf_window, qwen2_windowed_layers, window_from_hf
 
 
@@ -23,7 +33,7 @@ def _require(cond, message: str) -> None:
 def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``."""
     _require(not cfg.get("qk_layernorm"), "--qk-layernorm (per-head query/key norms) cannot be expressed in the qwen2 "
-             "format; use --hf-style qwen3")
+             f"format; use --hf-style {pick_style(cfg)}")
     _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
              "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
     check_exportable(cfg, "qwen2")  # the llama layout's refusals, naming this format

@@ -235,3 +235,25 @@ def test_qwen3_export_refusals_name_the_qwen3_format(tmp_path, capsys):
         words = "--normalization LayerNorm" if name == "layernorm" else "--position-embedding-type learned_absolute"
         assert err.count("\n") == 1 and words in err and "qwen3 format" in err and "gpt2" not in err, err
         assert not (tmp_path / f"{name}-hf").exists()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_every_style_refusal_names_the_style_that_exports(moe, tmp_path, capsys):
+    """Exporting a Qwen3 (Qwen3-MoE) import with every other --hf-style is refused in one line whose
+    'use --hf-style X' (when it gives one) is the style that exports it, never a second refusal (the
+    deepseek_v3, mixtral and qwen2 refusals sent --qk-layernorm models to llama or mixtral)."""
+    (qwen3_moe() if moe else qwen3()).save_pretrained(str(tmp_path / "hf"))
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
+                   "--make-vocab-size-divisible-by", 8) == 0
+    right = "qwen3_moe" if moe else "qwen3"
+    for style in ("gpt2", "llama", "mixtral", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe"):
+        if style == right:
+            continue
+        capsys.readouterr()
+        assert convert("GPT", "--saver", "hf", "--hf-style", style, "--load-dir", tmp_path / "mega",
+                       "--save-dir", tmp_path / style) == 2
+        err = capsys.readouterr().err
+        hints = err.split("use --hf-style ")[1:]
+        assert err.count("\n") == 1 and hints and all(h.split()[0].strip(")") == right for h in hints), (style, err)
+    assert convert("GPT", "--saver", "hf", "--hf-style", right, "--load-dir", tmp_path / "mega",
+                   "--save-dir", tmp_path / right) == 0
