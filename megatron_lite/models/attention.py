@@ -24,8 +24,8 @@ Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusio
 product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
 ``--rope-fusion``. With bias + dropout fusion the output projection returns ``(output, bias)``.
 
-``--qk-layernorm`` (Qwen3, OLMo-2, Gemma-3): queries and keys are normalised per head
-(``q_layernorm`` / ``k_layernorm``, a ``--normalization`` norm over the head size, one weight shared by
+``--qk-layernorm`` (Qwen3, Gemma-3; not OLMo-2, whose norm spans all heads): queries and keys are
+normalised per head (``q_layernorm`` / ``k_layernorm``, a ``--normalization`` norm over the head size, one weight shared by
 every head) after the QKV projection and before the rotary embedding. The weights are replicated over
 TP while each rank normalises only its own heads, so they are marked ``sequence_parallel`` (the
 training code sums their gradients over TP) whenever TP > 1, with or without sequence parallelism.

@@ -37,7 +37,7 @@ class MLAConfig:
     v_head_dim: int = 128
     """MLA: per-head value dimension."""
     qk_layernorm: bool = False
-    """Normalise queries and keys: per head before RoPE (--normalization over --kv-channels, one weight for all heads; Qwen3, OLMo-2, Gemma-3), or MLA's query and key/value latents (DeepSeek-V2/V3)."""
+    """Normalise queries and keys: per head before RoPE (--normalization over --kv-channels, one weight for all heads; Qwen3, Gemma-3 with --apply-layernorm-1p; not OLMo-2, which norms all heads at once), or MLA's query and key/value latents (DeepSeek-V2/V3)."""
     rope_type: str | None = None
     """Rotary embedding: rope or yarn (default: yarn with --multi-latent-attention, rope otherwise)."""
     rotary_scaling_factor: float = 1.0
