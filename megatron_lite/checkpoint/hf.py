@@ -325,16 +325,20 @@ def _llama_state(hf_sd: dict, cfg: dict) -> dict:
     return sd
 
 
-def from_hf(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
-    """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors."""
+def from_hf(hf: dict, hf_sd: dict, family: str | None = None) -> tuple[dict, dict]:
+    """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors;
+    ``family``: the format a refusal names (qwen2 and qwen3 are read as llama)."""
     kind = hf.get("model_type")
     _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
              "qwen3, qwen3_moe, mistral, mixtral, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)
-    except KeyError as err:
-        raise ConfigError(f"the {kind} weights have no tensor {err.args[0]}; the folder does not match its config.json") from None
+    except KeyError as err:  # named as in the files (the readers strip the prefix)
+        prefix = "transformer." if kind == "gpt2" else "model."
+        prefix = prefix if any(k.startswith(prefix) for k in hf_sd) else ""
+        raise ConfigError(f"the {family or kind} weights have no tensor {prefix}{err.args[0]}; the folder does not match "
+                          "its config.json") from None
     if cfg["untie_embeddings_and_output_weights"]:
         _require("lm_head.weight" in hf_sd, "tie_word_embeddings is false but the weights have no lm_head.weight")
         sd["output_layer.weight"] = hf_sd["lm_head.weight"]

@@ -55,7 +55,7 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
 
 def from_qwen2(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen2 config and its tensors."""
-    cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd)
+    cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd, "qwen2")
     cfg["add_qkv_bias"] = True
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # transformers ignores it otherwise
     cfg.update(window_from_hf(window, qwen2_windowed_layers(hf)))

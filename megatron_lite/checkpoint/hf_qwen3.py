@@ -102,7 +102,7 @@ def _check_theirs(hf: dict) -> None:
 def from_qwen3(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen3 config and its tensors."""
     _check_theirs(hf)
-    cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd)
+    cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd, "qwen3")
     cfg["qk_layernorm"] = True
     try:
         _import_norms(strip_prefix(hf_sd, "model."), sd, cfg["num_layers"])

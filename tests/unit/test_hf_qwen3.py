@@ -257,3 +257,20 @@ def test_every_style_refusal_names_the_style_that_exports(moe, tmp_path, capsys)
         assert err.count("\n") == 1 and hints and all(h.split()[0].strip(")") == right for h in hints), (style, err)
     assert convert("GPT", "--saver", "hf", "--hf-style", right, "--load-dir", tmp_path / "mega",
                    "--save-dir", tmp_path / right) == 0
+
+
+def test_a_damaged_qwen3_folder_names_its_format_and_the_tensor_as_in_the_file(tmp_path, capsys):
+    """A Qwen3 folder missing a projection (read through the llama reader) was refused as 'the llama
+    weights have no tensor layers.1.self_attn.q_proj.weight': another format, a name not in the file."""
+    from safetensors.torch import load_file, save_file
+
+    qwen3().save_pretrained(str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the qwen3 weights have no tensor model.layers.1.self_attn.q_proj.weight" in err, err
+    assert not (tmp_path / "out").exists()
