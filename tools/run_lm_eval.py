@@ -19,10 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> None:
-    """lm-eval's own command line (``argv``, default ``sys.argv[1:]``); a bad flag is one line, exit 2."""
+    """lm-eval's own command line (``argv``, default ``sys.argv[1:]``); a bad flag, or a setting the
+    backend refuses (ConfigError: ``--apply_chat_template`` without a chat template), is one line, exit 2."""
     from lm_eval.__main__ import HarnessCLI, setup_logging
 
     import megatron_lite.inference.lm_eval_backend  # noqa: F401 - registers --model megatron_lite
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.inference.cli import fail
 
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
@@ -30,7 +33,10 @@ def main(argv=None) -> None:
     cli = HarnessCLI()
     for parser in [cli._parser, *cli._subparsers.choices.values()]:
         parser.error = _one_line_error(parser)
-    cli.execute(cli.parse_args())
+    try:
+        cli.execute(cli.parse_args())
+    except ConfigError as err:
+        raise SystemExit(fail(err)) from None
 
 
 def _one_line_error(parser):

@@ -246,6 +246,27 @@ def _render(template, messages, add_generation_prompt: bool) -> str:
                                 "chat template") from None
 
 
+CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # Hugging Face's marker (continue_final_message)
+
+
+def render_prompt(template, messages, add_generation_prompt: bool = True) -> str:
+    """The text of ``messages`` for the model to continue, as Hugging Face's ``apply_chat_template(...,
+    tokenize=False)`` renders it: with ``add_generation_prompt`` the next assistant turn's header after
+    them; without (``continue_final_message``) the last message left open, the text cut right after
+    its content (a marker appended to the content shows where; the template's end of turn is dropped).
+    A template that drops part of that content is a :class:`ConversationError`."""
+    if add_generation_prompt:
+        return _render(template, messages, True)
+    last = messages[-1]["content"]
+    text = _render(template, [*messages[:-1], {**messages[-1], "content": last + CONTINUE_MARK}], False)
+    mark = CONTINUE_MARK.strip()
+    if last.strip() not in text or mark not in text:
+        raise ConversationError("the chat template drops part of the final message, so it cannot be continued",
+                                "chat template")
+    at = text.rindex(mark)
+    return text[:at] if text[at:at + len(CONTINUE_MARK)] == CONTINUE_MARK else text[:at].rstrip()
+
+
 def _template_tokens(tokenizer, template, messages, add_generation_prompt: bool) -> ChatTokens:
     text = _render(template, messages, add_generation_prompt)
     if add_generation_prompt:  # nothing trained: any tokenizer (no offsets needed)

@@ -27,11 +27,23 @@ exported checkpoint with the same tokenizer):
   first ``until`` string. Any other
   generation setting (``repetition_penalty``, ``num_beams``, ...) is refused with a ValueError
   naming it, unless it has its neutral value (``num_beams=1``, ``repetition_penalty=1.0``).
+
+lm-eval's ``--apply_chat_template`` (with ``--fewshot_as_multiturn`` and ``--system_instruction``)
+renders each prompt with the tokenizer's own chat template, as SFT data and the server's chat route
+render conversations (:mod:`megatron_lite.data.chat_template`), and as the ``hf`` backend renders
+them: a prompt ending with an assistant turn (a task's ``gen_prefix``) is left open for the model to
+continue, and a template that refuses the system message gets the conversation without it. A text
+that begins with the BOS's text (a template that writes ``{{ bos_token }}``) is tokenized without a
+second BOS. A tokenizer without a chat template is refused (ConfigError, one line), as the ``hf``
+backend refuses it: the default "User: ... Assistant:" template is not used.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import logging
 
 try:
     import lm_eval.models  # noqa: F401 - lm-eval's own backends first: it loads them only into an empty registry
@@ -42,7 +54,8 @@ except ImportError as err:  # pragma: no cover - the optional extra
     raise ImportError("the lm-eval backend needs lm-evaluation-harness: pip install megatron_lite[eval]") from err
 from tqdm import tqdm
 
-from ..data.chat_template import encode
+from ..data.chat_template import ConversationError, encode, hf_chat_template, render_prompt
+from ..errors import ConfigError
 from .cli import build_session
 from .sampling import SamplingParams
 
@@ -50,6 +63,7 @@ GEN_KWARGS = "until, max_gen_toks, do_sample, temperature, top_k, top_p"
 # Settings that change nothing at these values (some task configs spell them out); others are refused.
 NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0, "num_return_sequences": 1, "no_repeat_ngram_size": 0}
 DTYPES = {"float32": (False, False), "bfloat16": (True, False), "float16": (False, True)}
+logger = logging.getLogger(__name__)
 
 
 def _int(value, default: int) -> int:
@@ -79,6 +93,7 @@ class MegatronLiteLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         if self.tokenizer_.eod is None:
             raise ValueError("the tokenizer has no end-of-document token, which lm-eval uses as the empty context")
+        self.prefix_text = self.tok_decode([self.prefix_token_id])  # a text starting with it gets no second BOS
 
     # -- what TemplateLM needs -------------------------------------------------------------------
     @property
@@ -95,12 +110,52 @@ class MegatronLiteLM(TemplateLM):
         return self.engine.max_sequence_length
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        """The tokenizer's ids, or with ``add_special_tokens=False`` (lm-eval's empty context) the text's
-        own, without what a tokenizer.json's post-processor adds (a BOS)."""
-        return encode(self.tokenizer_, string) if add_special_tokens is False else self.tokenizer_.tokenize(string)
+        """The tokenizer's ids, or the text's own, without what a tokenizer.json's post-processor adds
+        (a BOS), with ``add_special_tokens=False`` (lm-eval's empty context) or, as hf, for a text that
+        already begins with the BOS's text (a chat template's ``{{ bos_token }}``)."""
+        if add_special_tokens is False or (add_special_tokens is None and string.startswith(self.prefix_text)):
+            return encode(self.tokenizer_, string)
+        return self.tokenizer_.tokenize(string)
 
     def tok_decode(self, tokens) -> str:
         return self.tokenizer_.detokenize(tokens)
+
+    # -- chat templates (--apply_chat_template, --fewshot_as_multiturn, --system_instruction) -----
+    def _template(self) -> tuple[str, dict]:
+        template = hf_chat_template(self.tokenizer_)
+        if template is None:
+            where = (f"{self.tokenizer_.path}'s folder" if getattr(self.tokenizer_, "path", None)
+                     else f"a {type(self.tokenizer_).__name__}")
+            raise ConfigError(f"--apply_chat_template: the checkpoint's tokenizer has no chat template (none in {where}: "
+                              "chat_template.jinja or \"chat_template\" in tokenizer_config.json), as the hf backend "
+                              "refuses it too; add one beside tokenizer.json or leave out --apply_chat_template")
+        return template
+
+    def chat_template(self, chat_template=False) -> str | None:
+        """The template's text, which lm-eval logs (None when no template is asked for)."""
+        return None if chat_template in (False, None) else self._template()[0]
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Names the rendered prompts in lm-eval's request cache: a digest of the chat template and its
+        special-token strings (all the rendering depends on), the same in every run and process."""
+        digest = hashlib.sha256(json.dumps(self._template(), sort_keys=True).encode()).hexdigest()[:16]
+        return f"megatron_lite__{digest}"
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """lm-eval's conversation as the prompt text (see the module docstring)."""
+        template = self._template()
+        try:
+            return render_prompt(template, chat_history, add_generation_prompt)
+        except ConversationError as err:
+            without = [m for m in chat_history if m.get("role") != "system"]
+            if len(without) == len(chat_history):
+                raise ConfigError(f"--apply_chat_template: {err}") from None
+            logger.warning("the chat template failed on the system message (%s); rendering without it, as hf", err)
+        try:
+            return render_prompt(template, without, add_generation_prompt)
+        except ConversationError as err:
+            raise ConfigError(f"--apply_chat_template: {err}") from None
 
     # -- scoring ---------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:

@@ -1,6 +1,10 @@
 """The lm-eval backend's edge cases, against what lm-eval's ``hf`` backend returns for them: a
 continuation that tokenizes to nothing (BPE merges it into the context's last token) scores
-``(0.0, True)``, not the whole context; a batch size below 1 is refused before loading."""
+``(0.0, True)``, not the whole context; a batch size below 1 is refused before loading; chat
+templates (``--apply_chat_template``) render, tokenize, score and generate as hf, and a tokenizer
+without one is refused in one line."""
+
+import os
 
 import pytest
 
@@ -9,13 +13,24 @@ from tests.inference_helpers import GPT2_TOKENIZER, save_model
 pytest.importorskip("lm_eval")
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "lm_eval")
+# A Llama-style template: the BOS's text first (the tokenizer adds a BOS too: it must not come twice)
+CHAT = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }}"
+        "{% if m['role'] != 'system' %} </s>{% endif %} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
 
+
+@pytest.fixture(scope="module")
+def gpt2_ckpt(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lm_eval_backend") / "ckpt")
     save_model("gpt", root, tokenizer=GPT2_TOKENIZER)
-    return MegatronLiteLM(load=root, batch_size=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lm(gpt2_ckpt):
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    return MegatronLiteLM(load=gpt2_ckpt, batch_size=2)
 
 
 def test_a_continuation_merged_into_the_context_scores_zero_like_hf(lm):
@@ -66,7 +81,7 @@ def bos_model(tmp_path_factory):
     from tests.inference_helpers import VOCAB
 
     root = tmp_path_factory.mktemp("lm_eval_bos")
-    words = ["<unk>", "<s>", "</s>", "one", "two", "three", "four"]
+    words = ["<unk>", "<s>", "</s>", "one", "two", "three", "four", "system", "user", "assistant"]
     words += [f"w{i}" for i in range(VOCAB - len(words))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -75,12 +90,26 @@ def bos_model(tmp_path_factory):
                                                        special_tokens=[("<s>", 1)])
     (root / "tok").mkdir()
     tok.save(str(root / "tok" / "tokenizer.json"))
-    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                    "chat_template": CHAT}))
     ckpt, hf = str(root / "ckpt"), str(root / "hf")
     save_model("rope_gqa", ckpt, tokenizer={"tokenizer_type": "HuggingFaceTokenizer",
                                             "tokenizer_model": str(root / "tok" / "tokenizer.json")})
     assert convert("GPT", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf) == 0
     return ckpt, hf
+
+
+@pytest.fixture(scope="module")
+def both(bos_model):
+    """(our backend on the checkpoint, lm-eval's hf backend on its export)."""
+    pytest.importorskip("accelerate")  # lm-eval's hf backend (lm-eval[hf])
+    from lm_eval.models.huggingface import HFLM
+
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    ckpt, hf_dir = bos_model
+    return MegatronLiteLM(load=ckpt, batch_size=2), HFLM(pretrained=hf_dir, dtype="float32", batch_size=2,
+                                                          device="cpu")
 
 
 def test_a_bos_adding_tokenizer_gives_the_hf_backend_numbers_and_texts(bos_model):
@@ -110,3 +139,100 @@ def test_a_bos_adding_tokenizer_gives_the_hf_backend_numbers_and_texts(bos_model
     gen = [Instance("generate_until", {}, ("one two", {"until": ["three"], "max_gen_toks": 6, "do_sample": False}), 0)]
     text = ours.generate_until(gen, disable_tqdm=True)
     assert text == theirs.generate_until(gen, disable_tqdm=True) and not text[0].startswith(" ")
+
+
+CONVERSATIONS = [  # (lm-eval's chat history, add_generation_prompt): few-shot turns, a system instruction, gen_prefix
+    ([{"role": "system", "content": "one"}, {"role": "user", "content": "two three"},
+      {"role": "assistant", "content": "four"}, {"role": "user", "content": "one two"}], True),
+    ([{"role": "user", "content": "three four"}], True),
+    ([{"role": "user", "content": "one"}, {"role": "assistant", "content": "two "}], False),  # left open
+]
+
+
+def test_chat_template_prompts_give_the_hf_backend_texts_numbers_and_generations(both):
+    """--apply_chat_template: the prompts are hf's texts; a prompt that begins with the template's
+    "<s>" gets one BOS, not the text's and the post-processor's (we had [1, 1, ...]: every number off);
+    its log-likelihoods and greedy generations are hf's."""
+    from lm_eval.api.instance import Instance
+
+    ours, theirs = both
+    texts = [ours.apply_chat_template(h, add_generation_prompt=g) for h, g in CONVERSATIONS]
+    assert texts == [theirs.apply_chat_template(h, add_generation_prompt=g) for h, g in CONVERSATIONS]
+    assert texts[2] == "<s>user one </s> assistant two "  # left open: no end of turn after it, as hf
+    for text in texts:
+        ids = ours.tok_encode(text)
+        assert ids == theirs.tok_encode(text) and ids[0] == 1 and ids[1] != 1
+    pairs = [Instance("loglikelihood", {}, (text, cont), 0) for text in texts for cont in (" one", " two three")]
+    got, want = ours.loglikelihood(pairs, disable_tqdm=True), theirs.loglikelihood(pairs, disable_tqdm=True)
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], rel=1e-5, abs=1e-5)
+    gen = [Instance("generate_until", {}, (text, {"until": ["four"], "max_gen_toks": 6, "do_sample": False}), 0)
+           for text in texts]
+    assert ours.generate_until(gen, disable_tqdm=True) == theirs.generate_until(gen, disable_tqdm=True)
+
+
+def test_a_template_refusing_the_system_message_renders_without_it_as_hf(both, monkeypatch):
+    ours, theirs = both
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + CHAT
+    monkeypatch.setattr(ours.tokenizer_, "_chat_template", (strict, ours.tokenizer_._chat_template[1]))
+    monkeypatch.setattr(theirs.tokenizer, "chat_template", strict)
+    history = CONVERSATIONS[0][0]
+    assert ours.apply_chat_template(history) == theirs.apply_chat_template(history) == (
+        "<s>user two three </s> assistant four </s> user one two </s> assistant ")
+
+
+def test_the_tokenizer_name_names_the_template_the_same_in_every_run(both, monkeypatch):
+    """lm-eval keys its cache of rendered requests on it: a digest of the template and the special
+    tokens, fixed text (not a per-process hash), another name for another template."""
+    ours, _ = both
+    name = ours.tokenizer_name
+    assert name == "megatron_lite__ad0243c6f99c400f" and "/" not in name
+    monkeypatch.setattr(ours.tokenizer_, "_chat_template", (CHAT + " ", ours.tokenizer_._chat_template[1]))
+    assert ours.tokenizer_name != name
+
+
+def test_lm_eval_with_chat_template_few_shot_turns_and_system_instruction_equals_hf(both, monkeypatch):
+    """lm-eval's own path (simple_evaluate with apply_chat_template, fewshot_as_multiturn and a
+    system_instruction): the same prompts, log-likelihoods and generated texts as the hf backend."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(FIXTURES)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    runs = [simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"], num_fewshot=1, apply_chat_template=True,
+                            fewshot_as_multiturn=True, system_instruction="one two", log_samples=True,
+                            task_manager=TaskManager(include_path=FIXTURES, include_defaults=False), limit=2,
+                            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+            for lm in both]
+    for task in ("tiny_mc", "tiny_gen"):
+        got, want = (sorted(run["samples"][task], key=lambda r: r["doc_id"]) for run in runs)
+        assert [r["arguments"] for r in got] == [r["arguments"] for r in want]
+        assert got[0]["arguments"][0][0].startswith("<s>system one two")
+        if task == "tiny_gen":
+            assert [r["resps"] for r in got] == [r["resps"] for r in want]
+        else:
+            scores = [[x[0] for r in rows for x in r["resps"]] for rows in (got, want)]  # [[(logprob, greedy)], ...]
+            assert [g for _, g in scores[0]] == [g for _, g in scores[1]]
+            assert [v for v, _ in scores[0]] == pytest.approx([v for v, _ in scores[1]], rel=1e-5, abs=1e-5)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line(lm, gpt2_ckpt, monkeypatch, capsys):
+    """As the hf backend on the export (no template there either) refuses; we ended in lm-eval's
+    NotImplementedError traceback. Through tools/run_lm_eval.py: exit code 2 and one line."""
+    from megatron_lite.errors import ConfigError
+    from tests.tools import load_tool
+
+    message = "^--apply_chat_template: the checkpoint's tokenizer has no chat template"
+    with pytest.raises(ConfigError, match=message):
+        lm.apply_chat_template([{"role": "user", "content": "Hello"}])
+    with pytest.raises(ConfigError, match=message):
+        lm.tokenizer_name  # noqa: B018 - lm-eval reads it first
+    monkeypatch.chdir(FIXTURES)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("run_lm_eval").main(["--model", "megatron_lite", "--model_args", f"load={gpt2_ckpt}",
+                                       "--include_path", FIXTURES, "--tasks", "tiny_gen", "--apply_chat_template"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --apply_chat_template: the checkpoint's tokenizer has no chat template")
+    assert "Traceback" not in "\n".join(err)
