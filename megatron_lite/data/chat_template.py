@@ -145,11 +145,16 @@ def _default_tokens(tokenizer, messages, add_generation_prompt: bool) -> ChatTok
 
 
 def _tokenizer_config(folder: str) -> dict:
-    path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """tokenizer_config.json over special_tokens_map.json (older repos name their special tokens only
+    there; the tokenizer reads both the same way)."""
+    config = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                loaded = json.load(f)
+            config.update(loaded if isinstance(loaded, dict) else {})
+    return config
 
 
 def hf_chat_template(tokenizer) -> tuple[str, dict] | None:
@@ -181,7 +186,7 @@ def _specials(config: dict) -> dict:
 
 def special_tokens(tokenizer) -> dict:
     """The special-token strings a template may use (``bos_token``, ``eos_token``, ...): a Hugging
-    Face tokenizer's ``tokenizer_config.json`` entries, else empty strings."""
+    Face tokenizer's ``tokenizer_config.json`` / ``special_tokens_map.json`` entries, else empty strings."""
     path = getattr(tokenizer, "path", None)
     config = _tokenizer_config(os.path.dirname(os.path.abspath(path))) if hasattr(tokenizer, "hf") and path else {}
     return _specials(config)

@@ -4,6 +4,7 @@ packing), packed loss == the sum of the conversations run one by one, preprocess
 import dataclasses
 import gzip
 import json
+import os
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from megatron_lite.data.sft_preprocess import preprocess_sft
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.parallel.state import ParallelState
 from tests.model_helpers import build_gpt
-from tests.sft_helpers import CHATML, write_conversations, write_tokenizer
+from tests.sft_helpers import CHATML, VOCAB, write_conversations, write_tokenizer
 
 SEQ = 32
 CHAT = [{"role": "system", "content": "red"}, {"role": "user", "content": "why ?"},
@@ -326,6 +327,19 @@ def test_template_sees_tools_and_documents_as_none_as_hugging_face_passes_them(t
         got = chat_tokens(tok, messages, add_generation_prompt=prompt)
         assert got.ids[:len(got.ids) - (not prompt)] == want  # training adds the EOD
     assert chat_tokens(tok, CHAT).trained == chat_tokens(tokenizers["chatml"], CHAT).trained
+
+
+def test_template_special_tokens_of_special_tokens_map_json(tmp_path):
+    """A template writing ``{{ bos_token }}`` whose BOS is named only in special_tokens_map.json (older
+    repos): it rendered as "" here, "<|im_start|>" in transformers; the ids now equal apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tokenizer(tmp_path / "old", "{{ bos_token }}" + CHATML)
+    with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}, f)
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(CHAT, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert chat_tokens(tok, CHAT).ids[:-1] == want and want[0] == VOCAB.index("<|im_start|>")
 
 
 @pytest.mark.parametrize("workers", ["0", "-2"])
