@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .activations import ActivationConfig
 from .errors import ConfigError
 from .fusions.config import FusionConfig
 from .logging_config import LoggingConfig
@@ -28,7 +29,7 @@ so that giving both can be refused; finalize fills it in)."""
 
 
 @dataclass
-class ModelConfig(MTPConfig, MLAConfig, RopeConfig):  # MLA / YaRN and MTP: models/mla_config.py; rope_config.py
+class ModelConfig(MTPConfig, MLAConfig, RopeConfig, ActivationConfig):  # MLA / YaRN and MTP: models/mla_config.py; rope_config.py; activations.py
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 64
@@ -97,6 +98,7 @@ SHAPE_FLAGS = (
     "qk_layernorm", "mtp_num_layers",
     "add_qkv_bias",
     "apply_layernorm_1p",  # not a shape, but what the stored norm weights mean: a weights-only load must match it
+    "quick_geglu",  # fc1 holds [gate; linear]
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 
@@ -107,6 +109,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "beta_slow", "bias_gelu_fusion", "spec",
     "rotary_percent", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
     "window_size", "window_attn_skip_freq",
+    "squared_relu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

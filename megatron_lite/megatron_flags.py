@@ -37,11 +37,7 @@ ENTRIES = (
     ("--no-rope-freq", "rotary embeddings apply in every layer (skipping layers is not implemented)", DROP),
     ("--mrope-section", "multimodal rotary embeddings are not implemented", DROP),
     ("--apply-residual-connection-post-layernorm", "only the pre-norm residual order is built", DROP),
-    ("--squared-relu --quick-geglu --activation-func-clamp-value --glu-linear-offset "
-     "--use-fused-weighted-squared-relu", "the MLP activations are GeLU (--openai-gelu: tanh form) and SwiGLU",
-     "drop it, or use --swiglu"),
     ("--onnx-safe", "ONNX export is not supported", DROP),
-    ("--qk-l2-norm", "the query/key L2 norm (Llama 4) is not implemented", DROP),
     ("--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json",
      "models whose layers differ in shape are not supported", DROP),
     ("--use-legacy-models", "there is one model implementation (Megatron-Core's layout)", DROP),

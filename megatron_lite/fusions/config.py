@@ -85,6 +85,6 @@ def fusion_fields(fusion: FusionConfig | dict | None, swiglu: bool) -> dict:
 def tanh_gelu(cfg: dict) -> bool:
     """Whether the MLP of a saved flat config computes the tanh GeLU: ``--openai-gelu``, or the fused
     bias + GeLU (Megatron's default; a checkpoint written before the flag existed lacks it: exact)."""
-    if cfg.get("swiglu"):
+    if cfg.get("swiglu") or cfg.get("squared_relu") or cfg.get("quick_geglu"):  # no GeLU at all
         return False
     return bool(cfg.get("openai_gelu")) or (bool(cfg.get("bias_gelu_fusion")) and not cfg.get("disable_bias_linear"))

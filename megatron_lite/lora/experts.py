@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import is_gated
 from ..moe.experts import GroupedExperts, grouped_matmul
 from ..parallel.random import EXPERT_RNG
 from ..parallel.tensor import shard
@@ -33,7 +34,7 @@ def _expert_shards(experts, config, lora, layer_number: int, expert: int, fc: st
     rank, size = experts.etp_rank, experts.etp_size
     name = f"mlp.experts.{expert}.{fc}.adapter"
     if fc == "linear_fc1":
-        rows, stride = (2 * ffn if config.swiglu else ffn), (2 if config.swiglu else 1)
+        rows, stride = (2 * ffn if is_gated(config) else ffn), (2 if is_gated(config) else 1)
         a = lora_master(config.seed, layer_number, f"{name}.linear_in.weight", r, h, False)
         b = lora_master(config.seed, layer_number, f"{name}.linear_out.weight", rows, r, True)
         return shard(a, 0, rank, size), shard(b, 0, rank, size, stride), 0, stride

@@ -29,6 +29,7 @@ normalised per head (``q_layernorm`` / ``k_layernorm``, a ``--normalization`` no
 every head) after the QKV projection and before the rotary embedding. The weights are replicated over
 TP while each rank normalises only its own heads, so they are marked ``sequence_parallel`` (the
 training code sums their gradients over TP) whenever TP > 1, with or without sequence parallelism.
+``--qk-l2-norm`` (Llama 4) puts a weightless norm in the same place: each head scaled to unit mean square.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import L2Norm
 from ..device import detect_accelerators
 from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
@@ -214,6 +216,8 @@ class SelfAttention(nn.Module):
         self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
         self.q_layernorm, self.k_layernorm = (head_norm(config, state) for _ in range(2)) if config.qk_layernorm \
             else (None, None)
+        if getattr(config, "qk_l2_norm", False):  # no weights (megatron_lite/activations.py)
+            self.q_layernorm = self.k_layernorm = L2Norm(config.norm_epsilon)
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activations import ActivationConfig, check_activation_fields
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
@@ -80,7 +81,7 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
 
 
 @dataclass
-class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, MLA / YaRN and MTP fields from the mixins
+class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationConfig):  # fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -161,6 +162,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig):  # MoE, ML
         check_rope_fields(self)
         check_recompute_modules(self)
         check_window_fields(self)
+        check_activation_fields(self)
 
     # -- validation ----------------------------------------------------------------------------
     def _check_shape(self) -> None:

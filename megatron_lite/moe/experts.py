@@ -5,11 +5,13 @@ Both take the tokens this rank computes, already grouped by local expert:
 ``[sum(tokens_per_expert[:j]), sum(tokens_per_expert[:j+1]))``. Each expert is an MLP
 ``fc2(act(fc1(x)) * p)``: the routing weight multiplies the activation (before fc2), and fc2's bias
 is weighted by ``p`` too, so a token's output is exactly ``p * expert(x)``. ``act`` is the dense
-MLP's (SwiGLU, or GeLU in the same form: :func:`gelu_approximation`).
+MLP's (:mod:`megatron_lite.activations`; GeLU in the same form: :func:`gelu_approximation`).
+With ``--squared-relu`` the weighted activation is ``relu(h)^2 * p`` in one function, which is what
+Megatron's ``--use-fused-weighted-squared-relu`` fuses.
 
 Weights: expert ``e`` (global index) draws its full fc1 ``[ffn (x2 for SwiGLU), h]`` and fc2
 ``[h, ffn]`` master weights from generators seeded by its own name, and this rank keeps the
-expert-tensor-parallel slice (fc1 by rows with stride 2 for SwiGLU's gate/up halves, fc2 by
+expert-tensor-parallel slice (fc1 by rows with stride 2 for a gated unit's gate/linear halves, fc2 by
 columns). Any expert-parallel or expert-tensor-parallel layout therefore holds exactly the
 single-process weights. With expert tensor parallelism the output is this rank's partial sum;
 the dispatcher reduces it (fc2's bias is added on expert-tensor rank 0 only).
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import MLPActivation, is_gated
 from ..parallel import comm
 from ..parallel.recompute import recompute_modules, run_discarding
 from ..parallel.tensor import shard
@@ -142,12 +145,12 @@ class _ExpertWeights:
 
     def __init__(self, config, layer_number: int, expert: int, etp_rank: int, etp_size: int):
         ffn, h = config.moe_ffn_hidden_size, config.hidden_size
-        fc1_rows = 2 * ffn if config.swiglu else ffn
+        fc1_rows = 2 * ffn if is_gated(config) else ffn
         fc1 = torch.empty(fc1_rows, h)
         config.init_method(layer_number, f"mlp.experts.{expert}.linear_fc1.weight")(fc1)
         fc2 = torch.empty(h, ffn)
         config.init_method(layer_number, f"mlp.experts.{expert}.linear_fc2.weight", scaled=True)(fc2)
-        self.stride = 2 if config.swiglu else 1
+        self.stride = 2 if is_gated(config) else 1
         self.fc1 = shard(fc1, 0, etp_rank, etp_size, self.stride)
         self.fc2 = shard(fc2, 1, etp_rank, etp_size)
 
@@ -157,6 +160,7 @@ class _ExpertsBase(nn.Module):
         super().__init__()
         self.swiglu, self.dtype = config.swiglu, config.params_dtype
         self.gelu_approximate = gelu_approximation(config)
+        self.act = MLPActivation(config, self.gelu_approximate)
         self.bias = bool(config.add_bias_linear)
         self.num_local_experts = config.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local_experts
@@ -172,7 +176,7 @@ class _ExpertsBase(nn.Module):
         # boxes then reshard across every folded ETP size
         self.expert_tp = config.expert_tensor_parallel_size != 1 or self.folded
         self.ffn_local = config.moe_ffn_hidden_size // self.etp_size
-        self.fc1_local = 2 * self.ffn_local if config.swiglu else self.ffn_local
+        self.fc1_local = 2 * self.ffn_local if is_gated(config) else self.ffn_local
         self.recompute_act = "moe_act" in recompute_modules(config)
 
     def _param(self, data: torch.Tensor, partition_dim: int | None) -> nn.Parameter:
@@ -191,7 +195,7 @@ class _ExpertsBase(nn.Module):
         return param
 
     def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return (activation(h, self.swiglu, self.gelu_approximate) * probs.unsqueeze(-1)).to(h.dtype)
+        return (self.act(h) * probs.unsqueeze(-1)).to(h.dtype)
 
     def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2) -> torch.Tensor:
         """``fc2(_weighted(h, probs))``; under ``--recompute-modules moe_act`` the weighted activation

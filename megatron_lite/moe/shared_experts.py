@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import MLPActivation, is_gated
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from .experts import activation, gelu_approximation
+from .experts import gelu_approximation
 from .router import init_replicated
 
 
@@ -23,11 +24,12 @@ class SharedExperts(nn.Module):
         super().__init__()
         ffn, h = config.moe_shared_expert_intermediate_size, config.hidden_size
         self.swiglu, self.gelu_approximate = config.swiglu, gelu_approximation(config)
+        self.act, gated = MLPActivation(config, self.gelu_approximate), is_gated(config)
         sp, bias, dtype = bool(config.sequence_parallel), bool(config.add_bias_linear), config.params_dtype
         self.linear_fc1 = ColumnParallelLinear(
-            h, 2 * ffn if self.swiglu else ffn, state.tp_group, bias=bias,
+            h, 2 * ffn if gated else ffn, state.tp_group, bias=bias,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc1.weight"),
-            sequence_parallel=sp, stride=2 if self.swiglu else 1, dtype=dtype,
+            sequence_parallel=sp, stride=2 if gated else 1, dtype=dtype,
             gemm=config.make_gemm(layer_number, state.tp_group))
         self.linear_fc2 = RowParallelLinear(
             ffn, h, state.tp_group, bias=bias, input_is_parallel=True,
@@ -40,7 +42,7 @@ class SharedExperts(nn.Module):
             self.gate_weight.sequence_parallel = sp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.linear_fc2(activation(self.linear_fc1(hidden), self.swiglu, self.gelu_approximate))
+        out = self.linear_fc2(self.act(self.linear_fc1(hidden)))
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
         return out
