@@ -152,3 +152,14 @@ class L2Norm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+UNEXPORTABLE = ("squared_relu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm")
+
+
+def check_hf_exportable(cfg: dict) -> None:
+    """Refuse (one line) a Hugging Face export of a model using one of these flags: none of the families
+    the converter writes (gpt2, llama, mistral, qwen2/3, mixtral, qwen3_moe, deepseek_v3, bert) computes it."""
+    used = [f"--{k.replace('_', '-')}" for k in UNEXPORTABLE if cfg.get(k) not in (None, False, 0, 0.0)]
+    _require(not used, f"the checkpoint was trained with {', '.join(used)}, which no Hugging Face family the "
+             "converter writes computes; export is refused (convert to --saver megatron instead)")

@@ -22,6 +22,7 @@ import shlex
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ..activations import check_hf_exportable
 from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError, OneLineParser
 from ..fusions.config import tanh_gelu
@@ -243,6 +244,7 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
                           "Face export writes stock layers and would not compute your model: export is refused")
     style = pick_style(bundle.config, style)
     check_window_exportable(bundle.config, style)
+    check_hf_exportable(bundle.config)  # --squared-relu, --quick-geglu, --qk-l2-norm, ...
     bundle = dataclasses.replace(bundle, **dict(zip(("config", "state_dict"),
                                                     plain_norms(bundle.config, bundle.state_dict), strict=True)))
     if style == "mixtral":

@@ -208,3 +208,19 @@ def test_flags_parse_into_the_model_section():
     assert (m.quick_geglu, m.glu_linear_offset, m.activation_func_clamp_value, m.qk_l2_norm) == (True, 1.0, 7.0, True)
     m = parse_args(BASE + ["--squared-relu", "--use-fused-weighted-squared-relu"], world_size=1).model
     assert m.squared_relu and m.use_fused_weighted_squared_relu
+
+
+@pytest.mark.parametrize("flag, value", [("squared_relu", True), ("quick_geglu", True), ("glu_linear_offset", 1.0),
+                                         ("activation_func_clamp_value", 7.0), ("qk_l2_norm", True)])
+def test_hugging_face_export_is_refused(flag, value, tmp_path):
+    """No family the converter writes computes these; the export stops before writing anything."""
+    from megatron_lite.checkpoint.convert import save_hf
+    from megatron_lite.checkpoint.reshard import ModelBundle
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.errors import ConfigError
+
+    cfg = dict(vars(ModelConfig(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                                disable_bias_linear=True)), vocab_size=64, **{flag: value})
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*export is refused"):
+        save_hf(ModelBundle(config=cfg, state_dict={}), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
