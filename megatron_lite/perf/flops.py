@@ -61,7 +61,7 @@ def mlp_flops(tokens: int, hidden: int, ffn: int, swiglu: bool) -> float:
 def moe_mlp_flops(model_config, moe_config, batch_size: int) -> float:
     """Forward FLOPs of an MoE layer's MLP part: router, the top-k routed experts, shared experts."""
     h, tokens = model_config.hidden_size, batch_size * model_config.seq_length
-    swiglu = _get(model_config, "swiglu", False)
+    swiglu = _get(model_config, "swiglu", False) or _get(model_config, "quick_geglu", False)  # gated: 2 x fc1
     ffn = _get(moe_config, "moe_ffn_hidden_size", _get(model_config, "ffn_hidden_size", 4 * h))
     flops = 2 * tokens * h * moe_config.num_experts + moe_config.moe_router_topk * mlp_flops(tokens, h, ffn, swiglu)
     shared = _get(moe_config, "moe_shared_expert_intermediate_size")
@@ -110,7 +110,7 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> f
     if moe_config is not None:
         return float(attention) + moe_mlp_flops(model_config, moe_config, batch_size)
     ffn = _get(model_config, "ffn_hidden_size", 4 * h)
-    return float(attention) + mlp_flops(tokens, h, ffn, _get(model_config, "swiglu", False))
+    return float(attention) + mlp_flops(tokens, h, ffn, _get(model_config, "swiglu", False) or _get(model_config, "quick_geglu", False))
 
 
 def logits_flops(model_config, batch_size: int) -> float:

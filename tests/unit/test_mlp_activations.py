@@ -224,3 +224,17 @@ def test_hugging_face_export_is_refused(flag, value, tmp_path):
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*export is refused"):
         save_hf(ModelBundle(config=cfg, state_dict={}), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+def test_flops_count_the_gated_fc1_twice():
+    """--quick-geglu's fc1 is as wide as --swiglu's; --squared-relu's as GeLU's (the MFU log)."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.moe.config import MoEConfig
+    from megatron_lite.perf.flops import forward_flops_per_layer
+
+    def flops(moe=None, **over):
+        return forward_flops_per_layer(ModelConfig(ffn_hidden_size=96, **over), 2, moe)
+
+    moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=32)
+    assert flops(quick_geglu=True) == flops(swiglu=True) > flops() == flops(squared_relu=True)
+    assert flops(moe, quick_geglu=True) == flops(moe, swiglu=True) > flops(moe)
