@@ -44,13 +44,6 @@ from ..parallel.recompute import recompute_modules, run_discarding
 from ..parallel.tensor import shard
 
 
-def activation(h: torch.Tensor, swiglu: bool, gelu_approximate: str = "none") -> torch.Tensor:
-    if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h, approximate=gelu_approximate)
-
-
 def gelu_approximation(config) -> str:
     """The GeLU of the model's dense MLP (models/mlp.py), which experts use too, as Megatron's expert
     MLPs do: the tanh form with ``--openai-gelu`` or with bias + GeLU fusion (its kernel is the tanh
