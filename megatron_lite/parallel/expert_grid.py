@@ -43,7 +43,7 @@ def folding_problem(tp: int, cp: int, dp: int, ep: int, etp: int) -> str | None:
     """One line naming the flags when ETP x EP does not divide the ranks of a pipeline stage, or None."""
     stage = tp * cp * dp
     if stage % (etp * ep):
-        return (f"expert-tensor-parallel-size {etp} x expert-model-parallel-size {ep} = {etp * ep} must divide "
+        return (f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} = {etp * ep} must divide "
                 f"the ranks of one pipeline stage (tensor {tp} x context {cp} x data {dp} = {stage}); "
                 "change either expert size")
     return None

@@ -43,8 +43,9 @@ def _check_hybrid_and_offload(config, strategy: str) -> None:
     if instances < 1:
         raise ConfigError(f"--num-distributed-optimizer-instances must be at least 1, got {instances}")
     if instances > 1 and not p.use_distributed_optimizer:
-        raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
-                          "(hybrid sharding splits the distributed optimizer's shard group)")
+        raise ConfigError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or a "
+                          "--data-parallel-sharding-strategy other than no_shard (hybrid sharding splits the "
+                          "distributed optimizer's shard group)")
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         raise ConfigError(f"--optimizer-offload-fraction must be between 0 and 1, got {o.optimizer_offload_fraction}")
     if o.optimizer_cpu_offload and not p.use_distributed_optimizer:

@@ -105,7 +105,7 @@ def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world,
     (["--num-experts", "4", "--tensor-model-parallel-size", "1", "--moe-token-dispatcher-type", "flex"], ("flex",)),
     # parallel folding: ETP x EP must divide a stage's ranks (world 1 here); ETP must divide the expert width
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
-     ("expert-tensor-parallel-size 2 x expert-model-parallel-size 1",)),
+     ("--expert-tensor-parallel-size 2 x --expert-model-parallel-size 1",)),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "6", "--expert-tensor-parallel-size", "4"],
      ("--moe-ffn-hidden-size 6", "--expert-tensor-parallel-size 4")),
 ])

@@ -136,7 +136,7 @@ def test_cpu_offload_with_sharded_grads_and_params(tmp_path, reference, name, wo
     "flags, world, words",
     [
         (["--num-distributed-optimizer-instances", "2"], 4,
-         ["--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"]),
+         ["--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or a --data-parallel-sharding-strategy"]),
         (DISTOPT + ["--num-distributed-optimizer-instances", "3"], 4,
          ["num-distributed-optimizer-instances 3", "data-parallel size 4"]),
         (DISTOPT + ["--num-distributed-optimizer-instances", "0"], 4, ["--num-distributed-optimizer-instances"]),

@@ -94,7 +94,7 @@ def test_folding_only_where_the_unfolded_grid_cannot_hold_the_experts(tp, ep, et
 @pytest.mark.parametrize("kwargs", [dict(world_size=4, tp=2, ep=3, etp=1), dict(world_size=4, tp=1, ep=2, etp=4),
                                     dict(world_size=8, tp=2, pp=2, ep=2, etp=4)])
 def test_expert_sizes_that_do_not_divide_a_stage_are_refused(kwargs):
-    with pytest.raises(ParallelConfigError, match="expert-tensor-parallel-size .* x expert-model-parallel-size"):
+    with pytest.raises(ParallelConfigError, match="--expert-tensor-parallel-size .* x --expert-model-parallel-size"):
         RankGrid(**kwargs)
 
 

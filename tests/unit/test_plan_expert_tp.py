@@ -75,7 +75,7 @@ def test_expert_tensor_parallel_traffic_and_the_moe_layers_tp_half():
 
 
 @pytest.mark.parametrize("spec, lay, words", [
-    (MOE, Layout(tp=2, dp=8, ep=16, etp=2), "--expert-tensor-parallel-size 2 x expert-model-parallel-size 16"),
+    (MOE, Layout(tp=2, dp=8, ep=16, etp=2), "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 16"),
     (MOE, Layout(dp=16, ep=2, etp=3), "ETP 3 must divide --moe-ffn-hidden-size 2048"),
     (MOE, Layout(dp=16, ep=32), "EP 32 must divide --num-experts 16"),
     (ModelSpec(num_layers=4, hidden_size=H, num_attention_heads=16, seq_length=S, vocab_size=32000), Layout(dp=16, etp=1),

@@ -143,7 +143,7 @@ def _check_experts(spec: ModelSpec, lay: Layout) -> None:
                           f"{spec.moe_ffn_hidden_size or spec.ffn_hidden_size}")
     problem = folding_problem(lay.tp, lay.cp, lay.dp, lay.ep, lay.expert_tp)
     if problem:
-        raise ConfigError(f"--{problem}")
+        raise ConfigError(problem)
 
 
 def _check_instances(lay: Layout) -> None:
