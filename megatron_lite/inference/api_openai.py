@@ -96,7 +96,8 @@ def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
     greedy = temperature == 0.0
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
-                          random_seed=seed, top_n_logprobs=top_n, logit_bias=_logit_bias(body, vocab), **penalties)
+                          random_seed=seed, top_n_logprobs=top_n, logit_bias=_logit_bias(body, vocab),
+                          stop_strings=tuple(_stops(body)), **penalties)  # the engine ends a sequence there
 
 
 def _copies(body, job: OpenAIJob, vocab: int) -> OpenAIJob:
@@ -213,8 +214,9 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
 def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
     """The generated text and whether a stop string ended it, as generation meets the stop strings
     (and the stream cuts them): the first generated token whose text completes one ends the text
-    before it (the earliest of those it completes). The engine generates on past that point, and a
-    longer stop string that began earlier may complete in that later text; it does not count."""
+    before it (the earliest of those it completes). The engine may have generated on past that point
+    (without a tokenizer: :mod:`.stop_strings`), and a longer stop string that began earlier may
+    complete in that later text; it does not count."""
     text, stopped = cut_at_stop(continuation_text(tokenizer, result), stops)
     for end in range(result.prompt_length + 1, len(result.tokens) + 1) if stopped else ():
         part, found = cut_at_stop(continuation_text(tokenizer, prefix(result, end)), stops)

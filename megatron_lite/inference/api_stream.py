@@ -36,95 +36,9 @@ import time
 import uuid
 
 from .api_logprobs import ChunkLogprobs
-from .api_megatron import continuation_text
-from .engine import Generation
+from .detokenize import CONTEXT, TextStream, cut_at_stop, safe_end  # noqa: F401 - also imported from here
 
 log = logging.getLogger(__name__)
-
-
-def safe_end(text: str, stops: list[str]) -> int:
-    """How much of ``text`` cannot change as more tokens come: up to a trailing U+FFFD (an
-    incomplete UTF-8 character) and before a tail that is the start of a stop string."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return min(end, len(text) - hold)
-
-
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` before the first stop string in it, and whether there was one."""
-    cuts = [text.find(s) for s in stops if s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
-
-
-CONTEXT = 5
-"""Tokens decoded before the new ones (:class:`TextStream`): a tokenizer whose text for a token
-depends on the one before (SentencePiece's word starts, byte-level BPE's split characters) decodes
-them as it does in the whole text."""
-
-
-class TextStream:
-    """One choice's text, sent piece by piece as its tokens come.
-
-    Each token is decoded in a bounded window (vLLM's incremental detokenization): the text the
-    tokens ``[start, len)`` decode to, less the text of ``[start, read)`` (``start``: up to
-    :data:`CONTEXT` tokens already decoded, kept as context), is the new text, unless it ends in
-    U+FFFD (the last token ends in the middle of a multi-byte character): then the window grows
-    until the character is whole. A step costs two decodes of a few tokens, not of the whole text.
-    """
-
-    def __init__(self, tokenizer, prompt: list[int], stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens = list(prompt)
-        self.start, self.read = max(len(prompt) - CONTEXT, 0), len(prompt)
-        self.text = ""  # the generated text of tokens[:read]
-        self.ends: list[int] = []
-        """Per generated token: the length of the text decoded up to it, a character it holds only part
-        of left out (as :func:`~.api_logprobs.covered` counts); what streamed log-probs read instead of
-        decoding (:meth:`~.api_logprobs.ChunkLogprobs.upto`)."""
-        self.sent = ""
-        self.stopped = False  # a stop string ended the text
-
-    def push(self, token: int) -> str:
-        """The new text ``token`` lets us send (often ""); nothing once a stop string was met."""
-        if self.stopped:
-            return ""
-        self.tokens.append(token)
-        before = self.tokenizer.detokenize(self.tokens[self.start:self.read])
-        after = self.tokenizer.detokenize(self.tokens[self.start:])
-        whole = after.rstrip("\ufffd")  # the characters decoded whole
-        self.ends.append(len(self.text) + max(len(whole) - len(before), 0) if after.startswith(before) else len(self.text))
-        if len(after) <= len(before) or whole != after or not after.startswith(before):
-            return ""  # nothing new yet (a character still incomplete); finish() sends what is left
-        checked = len(self.text)
-        self.text += after[len(before):]
-        self.start, self.read = self.read, len(self.tokens)
-        cut = self._stop(checked)
-        self.stopped = cut is not None
-        text = self.text if cut is None else self.text[:cut]
-        return self._send(text, len(text) if self.stopped else safe_end(text, self.stops))
-
-    def _stop(self, checked: int) -> int | None:
-        """Where the first stop string in the text starts (None: none); the text's first ``checked``
-        characters held none, so only the tail that can reach past them is searched."""
-        if not self.stops:
-            return None
-        low = max(0, checked - max(len(s) for s in self.stops) + 1)
-        found = [i for i in (self.text.find(s, low) for s in self.stops) if i >= 0]
-        return min(found) if found else None
-
-    def finish(self, result: Generation) -> str:
-        """The rest of the text, as the non-streamed answer has it (``result``: the engine's)."""
-        text, stopped = cut_at_stop(continuation_text(self.tokenizer, result), self.stops)
-        self.stopped = self.stopped or stopped
-        return self._send(text, len(text))
-
-    def _send(self, text: str, end: int) -> str:
-        if end <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        piece, self.sent = text[len(self.sent):end], text[:end]
-        return piece
 
 
 def sse(payload) -> str:

@@ -125,5 +125,5 @@ def build_session(args) -> Session:
         limit = min(limit, context_limit(saved))  # learned positions end there
     engine = InferenceEngine(model, state, vocab_size=saved.get("vocab_size") or tokenizer.vocab_size,
                              max_sequence_length=limit, eod=tokenizer.eod, seed=args.seed,
-                             use_cache=not args.no_kv_cache)
+                             use_cache=not args.no_kv_cache, tokenizer=tokenizer)
     return Session(engine, tokenizer, saved, state)

@@ -43,6 +43,7 @@ from ..parallel.state import ParallelState
 from .beam import beam_search
 from .kv_cache import KVCache
 from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
+from .stop_strings import broadcast_tokens, stop_checker
 
 
 @dataclass
@@ -88,15 +89,17 @@ class InferenceEngine:
     ``model`` is this rank's pipeline chunk (:func:`~megatron_lite.inference.loading.load_model`).
     ``vocab_size`` is the real vocabulary (logits of the padded rows are never used),
     ``max_sequence_length`` the longest prompt + generation allowed, ``eod`` the end-of-document
-    token (None: no stop at end of document), ``seed`` the sampling generator's seed.
+    token (None: no stop at end of document), ``seed`` the sampling generator's seed, ``tokenizer``
+    (needed on the sampling rank only) ends a sequence at its ``SamplingParams.stop_strings`` as soon
+    as they appear (:mod:`.stop_strings`; None: it decodes on, and the answer is cut afterwards).
     """
 
     def __init__(self, model, state: ParallelState | None = None, *, vocab_size: int, max_sequence_length: int,
-                 eod: int | None = None, seed: int = 1234, use_cache: bool = True):
+                 eod: int | None = None, seed: int = 1234, use_cache: bool = True, tokenizer=None):
         self.model = model.eval()
         self.state = state if state is not None else ParallelState(world_size=1, rank=0)
         self.vocab_size, self.max_sequence_length = int(vocab_size), int(max_sequence_length)
-        self.eod, self.use_cache = eod, use_cache
+        self.eod, self.use_cache, self.tokenizer = eod, use_cache, tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = model.config.hidden_size
@@ -200,7 +203,7 @@ class InferenceEngine:
         stopped = torch.zeros(b, dtype=torch.bool, device=self.device)
         cache = KVCache(b, total) if self.use_cache else None
         counts = torch.zeros(b, self.vocab_size, device=self.device) if params.penalized and self.is_src else None
-        prev, t0 = 0, time.perf_counter()
+        prev, t0, checker = 0, time.perf_counter(), stop_checker(self, prompts, params)
         for cur in range(int(lengths.min()), total):
             logits = self.forward(tokens[:, prev:cur] if cache is not None else tokens[:, :cur], cache)
             if cache is not None:
@@ -210,14 +213,15 @@ class InferenceEngine:
                 last = ban_after(logits[:, -1], tokens[:, cur - 1], params)
                 new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(last, params, self.generator, counts))
             params = decayed_top_p(params)
-            new = self._broadcast(new)
+            live = (cur < ends) & (cur >= lengths)  # the sequences whose new token is generated text
+            new, hit = broadcast_tokens(self, new, bool(params.stop_strings), [(checker, live)])
             non_finite = (new < 0).any()  # the sampling rank's logits held NaN / inf: raised at the sync below,
             new = new.clamp(min=0)  # ... the mark kept out of the tokens meanwhile
             finished = cur >= ends
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:
                 values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n)
-            stop_here = ~finished & (cur >= lengths) & (torch.isin(new, stops) | _double_stop(new, tokens[:, cur - 1], params))
+            stop_here = live & (torch.isin(new, stops) | _double_stop(new, tokens[:, cur - 1], params) | hit)
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
             emitted = ~finished & (cur >= lengths)

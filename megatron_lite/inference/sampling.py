@@ -76,6 +76,10 @@ class SamplingParams:
     step_log_probs: bool = False
     """Broadcast each decode step's log-probs with its tokens (one more small tensor per step), so the
     engine's :meth:`~.engine.InferenceEngine.stream` hands them out as they come (streamed ``logprobs``)."""
+    stop_strings: tuple[str, ...] = ()
+    """OpenAI's ``stop``: a sequence ends at the generated token whose text completes one of these (the
+    token kept; the answer cuts the text before the string), when the engine has a tokenizer on its
+    sampling rank (:mod:`.stop_strings`); else it decodes on and only the answer is cut."""
 
     @property
     def penalized(self) -> bool:
@@ -104,6 +108,8 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         self._check_megatron()
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         for token, bias in self.logit_bias:
             if not isinstance(token, int) or token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token {token!r} must be an id >= 0 and its bias in [-100, 100], "

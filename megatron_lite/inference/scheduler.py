@@ -56,6 +56,7 @@ from .engine import (
 )
 from .paged_cache import PagedCache
 from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
+from .stop_strings import broadcast_tokens, stop_checker
 
 
 @dataclass
@@ -100,6 +101,11 @@ class _Request:
             self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
         self.prev, self.cur = 0, min(self.prompt_lengths)
         self.filled = 0  # tokens in the cache (below ``prev`` while a chunked prefill runs)
+        self.checker = stop_checker(engine, admission.prompts, p)  # its stop strings (the sampling rank)
+
+    def live(self) -> torch.Tensor:
+        """The rows whose token of this step is generated text (not a prompt token, not past their end)."""
+        return (self.cur < self.ends) & (self.cur >= self.lengths)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """This step's token of every row (the sampling rank): a prompt token while a row reads its
@@ -109,8 +115,9 @@ class _Request:
         return torch.where(cur < self.lengths, self.tokens[:, cur],
                            sample_or_mark(last, self.params, self.generator, self.counts))
 
-    def take(self, new: torch.Tensor, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the broadcast tokens ``new``; return (rows that emitted a token, request done)."""
+    def take(self, new: torch.Tensor, logits: torch.Tensor | None, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the broadcast tokens ``new`` (``hit``: the rows they end at a stop string); return
+        (rows that emitted a token, request done)."""
         filled, cur, p = self.filled, self.cur, self.params
         self.params = decayed_top_p(p)
         new = new.clamp(min=0)
@@ -120,7 +127,7 @@ class _Request:
             self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs)
         double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
         double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
-        stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop)
+        stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop | hit)
         self.stopped |= stop_here
         self.ends = torch.where(stop_here, cur + 1, self.ends)
         emitted = ~finished & (cur >= self.lengths)
@@ -299,13 +306,14 @@ class Scheduler:
         new = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         if engine.is_src:
             new = torch.cat([self._sample(r, logits[r.rid], errors) for r in stepped])
-        new = engine._broadcast(new)
+        checks = [(None if r.rid in errors else r.checker, r.live()) for r in stepped] if engine.is_src else []
+        new, hits = broadcast_tokens(engine, new, any(r.params.stop_strings for r in stepped), checks)
         flags, emitted = [], []
-        for r, rows in zip(stepped, new.split(sizes)):
+        for r, rows, hit in zip(stepped, new.split(sizes), hits.split(sizes)):
             e, done = torch.zeros(len(r.rows), dtype=torch.bool, device=device), torch.tensor(True, device=device)
             if r.rid not in errors:
                 try:
-                    e, done = r.take(rows, logits[r.rid])
+                    e, done = r.take(rows, logits[r.rid], hit)
                 except Exception as err:  # noqa: BLE001 - this request's error alone (every rank raises it)
                     errors[r.rid] = err
             code = torch.tensor(2 if r.rid in errors else 0, device=device)
