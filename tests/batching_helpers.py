@@ -25,6 +25,12 @@ def batching_requests():
     ]
 
 
+# A request whose first sequence ends at a stop string spanning tokens (GPT's greedy text " 98 12 50 ...",
+# MLA's " 22 72 37 54 ...": at their third and fourth tokens) and whose second runs to its end; its
+# engine needs the tokenizer (the torchrun script joins it at step 1).
+STOPPING = ([[5, 17, 42, 8], [2, 7, 1]], SamplingParams(tokens_to_generate=10, top_k=1, stop_strings=("2 5", "7 5")))
+
+
 def run(scheduler, requests, joins):
     """Run ``requests`` (request i added before step ``joins[i]``) to the end: (results, the step
     each ended at, the events)."""

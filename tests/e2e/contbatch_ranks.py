@@ -1,7 +1,9 @@
 """``torchrun --nproc-per-node 2 contbatch_ranks.py OUT ROOT...``: continuous batching at TP2
 (``CONTBATCH_LAYOUT=1,2``: PP2), with the paged cache and chunked prefill of ``PAGED`` (blocks of 4
 tokens, too few for every request at once, at most 6 tokens per step), through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
-each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT. Rank 0
+each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT: the
+requests of ``batching_requests()``, then ``STOPPING`` (joining at step 1; a stop string ends one of
+its sequences, which the sampling rank decides and broadcasts: the engines hold the tokenizer). Rank 0
 writes every request's results to OUT (JSON: root -> requests -> sequences). ``CONTBATCH_FAIL=1``
 adds a request (seed 13, joining at step 3) whose sampling raises on the sampling rank: its entry is
 ``{"error": message}`` as rank 0 got it."""
@@ -12,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
+from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_lite.device import init_distributed  # noqa: E402
 from megatron_lite.inference import scheduler  # noqa: E402
 from megatron_lite.inference.batch_runner import BatchRunner  # noqa: E402
@@ -19,7 +22,7 @@ from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
 from megatron_lite.inference.loading import load_model  # noqa: E402
 from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from tests.batching_helpers import JOINS, PAGED, batching_requests  # noqa: E402
+from tests.batching_helpers import JOINS, PAGED, STOPPING, batching_requests  # noqa: E402
 from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
 
 FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
@@ -46,7 +49,7 @@ def answer(ticket) -> list | dict:
 
 
 def serve_requests(runner: BatchRunner) -> list:
-    requests, tickets, step, joins = batching_requests(), {}, 0, list(JOINS)
+    requests, tickets, step, joins = batching_requests() + [STOPPING], {}, 0, list(JOINS) + [1]
     if os.environ.get("CONTBATCH_FAIL"):
         requests, joins = requests + [FAILING], joins + [3]
     while step <= max(joins) or runner.busy:
@@ -68,7 +71,8 @@ def main(out: str, roots: list[str]) -> None:
     answers = {}
     for root in roots:
         model, _ = load_model(root, state, device=device)
-        engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+        engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
+                                 tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))
         runner = BatchRunner(engine, 6, **PAGED)
         if state.rank == 0:
             answers[root] = serve_requests(runner)

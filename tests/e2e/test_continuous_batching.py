@@ -18,11 +18,12 @@ import threading
 import pytest
 import torch
 
+from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.inference.batch_runner import BatchRunner
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.loading import load_model, load_tokenizer
 from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
-from tests.batching_helpers import batching_requests
+from tests.batching_helpers import STOPPING, batching_requests
 from tests.e2e.conftest import ROOT
 from tests.harness import free_port
 from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
@@ -30,7 +31,8 @@ from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
 
 def engine_for(root):
     model, saved = load_model(root)
-    return InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
+                           tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))  # STOPPING's stop strings
 
 
 def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path):
@@ -47,12 +49,15 @@ def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path)
         answers = json.load(f)
     for root in roots:
         engine = engine_for(root)
-        for (prompts, params), got in zip(batching_requests(), answers[root]):
+        assert len(answers[root]) == len(batching_requests()) + 1
+        for (prompts, params), got in zip(batching_requests() + [STOPPING], answers[root]):
             alone = engine.generate(prompts, params)
             assert [g["tokens"] for g in got] == [a.tokens for a in alone], root
             assert [g["finish_reason"] for g in got] == [a.finish_reason for a in alone]
             for g, a in zip(got, alone):
                 assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs), what=root)
+        stopping = [g["finish_reason"] for g in answers[root][-1]], len(answers[root][-1][0]["tokens"])
+        assert stopping == (["stop", "length"], 4 + 3 if "gpt" in root else 4 + 4)  # ended at its stop string
 
 
 def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
@@ -69,9 +74,9 @@ def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         answers = json.load(f)[root]
-    assert answers[-1] == {"error": "RuntimeError: logits processor failed"}
+    assert answers[-1] == {"error": "RuntimeError: logits processor failed"} and len(answers) == len(batching_requests()) + 2
     engine = engine_for(root)
-    for (prompts, params), got in zip(batching_requests(), answers):
+    for (prompts, params), got in zip(batching_requests() + [STOPPING], answers):
         alone = engine.generate(prompts, params)
         assert [g["tokens"] for g in got] == [a.tokens for a in alone]
         for g, a in zip(got, alone):
