@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..moe.config import moe_layer_pattern
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
@@ -64,6 +65,9 @@ def check_recompute_modules(config) -> None:
         present, flag = needs.get(name, (True, ""))
         if not present:
             raise ConfigError(f"--recompute-modules {name} needs a model with {flag}; drop {name}")
+    if "mlp" in modules and experts and not getattr(config, "spec", None) and all(moe_layer_pattern(config)):
+        raise ConfigError(f"--recompute-modules mlp recomputes dense MLPs and every layer is an MoE layer "
+                          f"(--moe-layer-freq {config.moe_layer_freq}); drop mlp, or use moe or moe_act")
     if "moe" in modules and "moe_act" in modules:
         raise ConfigError("--recompute-modules moe already recomputes the experts' activation; drop moe_act")
     if "moe" in modules and "shared_experts" in modules:
