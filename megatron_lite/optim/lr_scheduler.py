@@ -177,6 +177,11 @@ class OptimizerParamScheduler:
                     f"the learning-rate or weight-decay schedule differs from the checkpoint's: {flag} {getattr(self, attr)} in this "
                     f"run, {sd[attr]} in the checkpoint; pass --override-opt_param-scheduler to use this run's flags "
                     "or --use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule")
+            if self.decoupled_lr is None and sd.get("decoupled_lr") is not None:  # no group to give it to
+                raise ConfigError(
+                    f"the checkpoint's schedule gives the embedding and output layer --decoupled-lr {sd['decoupled_lr']} "
+                    f"(--decoupled-min-lr {sd.get('decoupled_min_lr')}), which this run's optimizer has no group for; "
+                    "add those flags to continue it, or pass --override-opt_param-scheduler instead")
             for attr, _ in differ:
                 setattr(self, attr, sd[attr])
         self.num_steps = int(sd["num_steps"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ModelConfig, OptimizerConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.optim.lr_scheduler import OptimizerParamScheduler
 from megatron_lite.optim.param_groups import build_groups, from_saved_layout, to_saved_layout
 from megatron_lite.parallel.state import ParallelState
@@ -79,3 +80,27 @@ def test_groups_split_exactly_the_embedding_and_output_weights_and_round_trip_th
 ])
 def test_bad_values_exit_2_with_one_line(capsys, argv, words):
     parse_refused(capsys, ["--mock-data", "--vocab-size", "64"] + argv, *words, world_size=1)
+
+
+def test_the_checkpoints_decoupled_lr_is_not_dropped_by_use_checkpoint_opt_param_scheduler():
+    """A run without --decoupled-lr has no decoupled group: --use-checkpoint-opt_param-scheduler on a
+    checkpoint saved with it used to continue silently with --lr for the embedding and output layer."""
+    def sched(decoupled_lr, use_checkpoint=False):
+        opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(2)], lr=1.0)
+        opt.decoupled_groups = [False, decoupled_lr is not None]
+        cfg = OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style="cosine", lr_warmup_iters=W, lr_decay_iters=D,
+                              decoupled_lr=decoupled_lr, use_checkpoint_opt_param_scheduler=use_checkpoint)
+        return OptimizerParamScheduler(opt, cfg, train_iters=40), opt
+
+    saved, _ = sched(DLR)
+    for _ in range(10):
+        saved.step()
+    with pytest.raises(ConfigError, match="--decoupled-lr 0.004 .*add those flags") as err:
+        sched(None, use_checkpoint=True)[0].load_state_dict(saved.state_dict())
+    assert "\n" not in str(err.value)
+    resumed, opt = sched(DLR, use_checkpoint=True)
+    resumed.load_state_dict(saved.state_dict())
+    assert opt.param_groups[1]["lr"] == saved.optimizer.param_groups[1]["lr"] != opt.param_groups[0]["lr"]
+    plain, opt = sched(DLR, use_checkpoint=True)
+    plain.load_state_dict(sched(None)[0].state_dict())  # the checkpoint's schedule has none: every group takes --lr
+    assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
