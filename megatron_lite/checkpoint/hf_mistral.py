@@ -54,16 +54,32 @@ def check_window_exportable(cfg: dict, style: str) -> None:
     """Refuse a window model in a format other than mistral and qwen2 (it would attend to everything)."""
     _require(not has_window(cfg) or style in ("mistral", "qwen2", "mixtral"),
              f"--window-size {' '.join(map(str, cfg.get('window_size') or ()))} (sliding-window attention) cannot be "
-             f"expressed in the {style} format; use --hf-style mistral or qwen2 (mixtral for MoE models)")
+             f"expressed in the {style} format; "
+             + ("use --hf-style mixtral" if cfg.get("num_experts") else window_home(cfg)))
+
+
+def window_home(cfg: dict) -> str:
+    """Where a refused window model can go instead: the one dense format that holds its window and
+    biases (qwen2: q/k/v biases, any layers; mistral: no biases, every layer), else Megatron layouts."""
+    qkv_only = bool(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"))
+    every = all(parse_skip_freq(cfg.get("window_attn_skip_freq"), cfg["num_layers"]))
+    if qkv_only:
+        return "use --hf-style qwen2"
+    if cfg.get("disable_bias_linear") and every:
+        return "use --hf-style mistral"
+    return ("no Hugging Face format the converter writes holds this window with these biases (qwen2: "
+            "--add-qkv-bias --disable-bias-linear; mistral: no biases, every layer windowed); convert between "
+            "Megatron layouts instead")
 
 
 def to_mistral(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``."""
     _require(cfg.get("disable_bias_linear") and not cfg.get("add_qkv_bias"), "the mistral format has no biases: "
-             "it needs --disable-bias-linear without --add-qkv-bias; use --hf-style llama or qwen2")
+             "it needs --disable-bias-linear without --add-qkv-bias; "
+             + (window_home(cfg) if has_window(cfg) else "use --hf-style llama or qwen2"))
     window, windowed = hf_window(cfg, "mistral")
     _require(all(windowed) or not any(windowed), f"--window-attn-skip-freq {cfg.get('window_attn_skip_freq')} "
-             "cannot be expressed in the mistral format (every layer has the window); use --hf-style qwen2")
+             f"cannot be expressed in the mistral format (every layer has the window); {window_home(cfg)}")
     hf, out = to_hf({**cfg, "window_size": None}, sd, "llama")
     for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
         hf.pop(key)

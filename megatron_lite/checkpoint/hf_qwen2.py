@@ -22,7 +22,7 @@ from .hf import (
     separate_to_qkv,
     to_hf,
 )
-from .hf_mistral import hf_window, qwen2_windowed_layers, window_from_hf
+from .hf_mistral import has_window, hf_window, qwen2_windowed_layers, window_from_hf, window_home
 
 
 def _require(cond, message: str) -> None:
@@ -35,7 +35,8 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
     _require(not cfg.get("qk_layernorm"), "--qk-layernorm (per-head query/key norms) cannot be expressed in the qwen2 "
              f"format; use --hf-style {pick_style(cfg)}")
     _require(cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"), "the qwen2 format has biases on q/k/v "
-             "only: it needs --add-qkv-bias with --disable-bias-linear; use --hf-style llama")
+             "only: it needs --add-qkv-bias with --disable-bias-linear; "
+             + (window_home(cfg) if has_window(cfg) else "use --hf-style llama"))
     check_exportable(cfg, "qwen2")  # the llama layout's refusals, naming this format
     window, windowed = hf_window(cfg, "qwen2")
     hf, out = to_hf({**cfg, "add_qkv_bias": False, "window_size": None}, sd, "llama")  # the llama export, no biases

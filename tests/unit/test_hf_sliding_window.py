@@ -127,5 +127,27 @@ def test_formats_without_a_window_refuse_it(tmp_path, capsys):
     assert convert("GPT", "--saver", "hf", "--hf-style", "llama", "--load-dir", tmp_path / "mega",
                    "--save-dir", tmp_path / "x") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--window-size 3 0" in err and "--hf-style mistral or qwen2" in err, err
+    assert err.count("\n") == 1 and "--window-size 3 0" in err and "use --hf-style mistral" in err, err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags,style,advice", [
+    (dict(window_attn_skip_freq=2), "mistral", "convert between Megatron layouts"),  # was: use qwen2 (refuses it)
+    (dict(window_attn_skip_freq=2), "qwen2", "convert between Megatron layouts"),  # was: use llama (no window)
+    (dict(window_attn_skip_freq=2), "llama", "convert between Megatron layouts"),
+    (dict(disable_bias_linear=False), "mistral", "convert between Megatron layouts"),
+    (dict(disable_bias_linear=False), "llama", "convert between Megatron layouts"),
+    (dict(window_attn_skip_freq=2, add_qkv_bias=True), "mistral", "use --hf-style qwen2"),
+    (dict(), "llama", "use --hf-style mistral"),
+])
+def test_a_refused_window_export_points_only_at_a_format_that_takes_the_model(flags, style, advice):
+    """Each refusal's advice is a format that holds the model's window and biases, or none."""
+    from megatron_lite.checkpoint.hf_mistral import check_window_exportable, to_mistral
+    from megatron_lite.checkpoint.hf_qwen2 import to_qwen2
+    from megatron_lite.errors import ConfigError
+
+    cfg = {**dict(num_layers=4, window_size=[3, 0], disable_bias_linear=True, add_qkv_bias=False), **flags}
+    export = {"mistral": to_mistral, "qwen2": to_qwen2}.get(style, lambda c, sd: check_window_exportable(c, style))
+    with pytest.raises(ConfigError) as err:
+        export(cfg, {})
+    assert advice in str(err.value) and "\n" not in str(err.value), str(err.value)
