@@ -4,12 +4,7 @@ streamed answer (:mod:`.api_stream`) and for ending a sequence at a stop string 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .api_megatron import continuation_text
-
-if TYPE_CHECKING:
-    from .engine import Generation
 
 
 def safe_end(text: str, stops: list[str]) -> int:
@@ -84,8 +79,9 @@ class TextStream:
         found = [i for i in (self.text.find(s, low) for s in self.stops) if i >= 0]
         return min(found) if found else None
 
-    def finish(self, result: Generation) -> str:
-        """The rest of the text, as the non-streamed answer has it (``result``: the engine's)."""
+    def finish(self, result) -> str:
+        """The rest of the text, as the non-streamed answer has it (``result``: the engine's
+        :class:`~megatron_lite.inference.engine.Generation`)."""
         text, stopped = cut_at_stop(continuation_text(self.tokenizer, result), self.stops)
         self.stopped = self.stopped or stopped
         return self._send(text, len(text))

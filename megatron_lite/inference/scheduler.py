@@ -368,8 +368,7 @@ class Scheduler:
             dist.broadcast_object_list(box, src=self.engine.src)
             for rid in missing:
                 errors[rid] = RuntimeError(box[0].get(rid, f"request {rid} failed (see the sampling rank's log)"))
-        for rid in missing:  # one process: not reached (the mark is this rank's own)
-            errors.setdefault(rid, RuntimeError(f"request {rid} failed"))
+
 
 def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:
     """The most tokens a sequence of this request holds in the cache: every sequence steps until the
