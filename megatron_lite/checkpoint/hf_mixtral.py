@@ -13,11 +13,13 @@ sigmoid router, expert bias, capacity dropping, group-limited routing, a pre-top
 top-k scaling factor, sinkhorn balancing, dense layers between MoE layers, biases. Training-only
 options carried over: ``--moe-input-jitter-eps`` <-> ``router_jitter_noise`` (Mixtral also scales
 the experts' input by that noise in training, ours only the router's) and the aux-loss coefficient
-<-> ``router_aux_loss_coef``; the z-loss has no Mixtral field and is not written. Mixtral's
+<-> ``router_aux_loss_coef``; the z-loss has no Mixtral field and is not written (a warning says so). Mixtral's
 ``sliding_window`` (every layer) is ``--window-size`` as for Mistral (:mod:`.hf_mistral`).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -29,6 +31,9 @@ from .hf_unused import strip_prefix
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
 SEQ = "mlp.experts.local_experts.{j}."
+# training-only options (the trained model computes the same without them) a format may have no field for
+TRAINING_ONLY = (("moe_input_jitter_eps", "--moe-input-jitter-eps"), ("moe_z_loss_coeff", "--moe-z-loss-coeff"))
+log = logging.getLogger(__name__)
 # (our option, its value when Mixtral can express it, the refusal's words)
 _UNEXPRESSIBLE = (  # --qk-layernorm first: its refusal names the way out (qwen3_moe)
     ("qk_layernorm", False, "--qk-layernorm (per-head query/key norms; use --hf-style qwen3_moe)"),
@@ -74,6 +79,15 @@ def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> Non
              "format")
 
 
+def warn_unwritten(cfg: dict, style: str, options: tuple) -> None:
+    """One warning naming the training-only ``options`` (pairs of TRAINING_ONLY) set in ``cfg`` that the
+    ``style`` format has no field for: the export computes the same model, a fine-tune of it must set them again."""
+    used = [f"{flag} {cfg[name]:g}" for name, flag in options if cfg.get(name)]
+    if used:
+        log.warning("%s: training-only, and the %s format has no field for it; not written (the exported model "
+                    "computes the same; give it again to fine-tune the export)", ", ".join(used), style)
+
+
 def _aux_coeff(cfg: dict) -> float:
     types, coeffs = cfg.get("moe_router_load_balancing_type") or [], cfg.get("moe_aux_loss_coeff") or []
     coeffs = coeffs if isinstance(coeffs, list) else [coeffs]
@@ -102,6 +116,7 @@ def stack_experts(sd: dict, prefix: str, experts: int) -> None:
 def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     check_mixtral(cfg)
+    warn_unwritten(cfg, "mixtral", TRAINING_ONLY[1:])  # the jitter is router_jitter_noise
     layers, hidden, heads, groups, d = _dims(cfg)
     experts, tied = int(cfg["num_experts"]), not cfg.get("untie_embeddings_and_output_weights", False)
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}

@@ -15,7 +15,9 @@ every expert, then the top ``num_experts_per_tok``; ``norm_topk_prob`` true reno
 to one, which is our default post-top-k softmax, false keeps them, which is
 ``--moe-router-pre-softmax``. The layers that are MoE (``decoder_sparse_step``, ``mlp_only_layers``)
 become a ``--moe-layer-freq`` list; the dense ones are SwiGLU MLPs of ``intermediate_size``
-(``--ffn-hidden-size``). What either side cannot express is refused in one line.
+(``--ffn-hidden-size``). RoPE scaling is the llama formats' (:mod:`.hf_rope`: ``llama3`` and ``linear``),
+in both. The training-only ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` have no Qwen3-MoE field:
+the export leaves them out with a warning. What either side cannot express is refused in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +44,17 @@ from .hf import (
     separate_to_qkv,
     to_hf,
 )
-from .hf_mixtral import ROUTER, SEQ, _aux_coeff, check_mixtral, expert_matrices, stack_experts
+from .hf_mixtral import (
+    ROUTER,
+    SEQ,
+    TRAINING_ONLY,
+    _aux_coeff,
+    check_mixtral,
+    expert_matrices,
+    stack_experts,
+    warn_unwritten,
+)
+from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
 QK_NORMS = (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))  # ours, Qwen3's (under self_attention / self_attn)
@@ -119,7 +131,9 @@ def from_qwen3(hf: dict, hf_sd) -> tuple[dict, dict]:
 def to_qwen3_moe(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     _check_ours(cfg, "qwen3_moe")
-    check_mixtral(cfg, "qwen3_moe", allowed=("qk_layernorm", "moe_router_pre_softmax", "moe_layer_freq"))
+    check_mixtral(cfg, "qwen3_moe", allowed=("qk_layernorm", "moe_router_pre_softmax", "moe_layer_freq",
+                                             "use_rope_scaling", "rotary_seq_len_interpolation_factor"))
+    warn_unwritten(cfg, "qwen3_moe", TRAINING_ONLY)
     layers, hidden, heads, groups, d = _dims(cfg)
     experts, tied = int(cfg["num_experts"]), not cfg.get("untie_embeddings_and_output_weights", False)
     moe_layers = parse_moe_layer_freq(cfg.get("moe_layer_freq", 1), layers)
@@ -144,6 +158,7 @@ def to_qwen3_moe(cfg: dict, sd: dict) -> tuple[dict, dict]:
         out["lm_head.weight"] = sd["output_layer.weight"]
     dtype = str(sd[E + "word_embeddings.weight"].dtype).replace("torch.", "")
     theta = float(cfg.get("rotary_base", 10000))
+    rope_parameters, rope_scaling = rope_scaling_to_hf(cfg, theta)
     hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": int(cfg["vocab_size"]),
           "tie_word_embeddings": tied, "dtype": dtype, "torch_dtype": dtype, "use_cache": True,
           "initializer_range": cfg.get("init_method_std", 0.02), "num_hidden_layers": layers, "hidden_size": hidden,
@@ -152,12 +167,14 @@ def to_qwen3_moe(cfg: dict, sd: dict) -> tuple[dict, dict]:
           "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": d,
           "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("seq_length"),
           "rms_norm_eps": cfg.get("norm_epsilon", 1e-5), "rope_theta": theta,
-          "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
+          "rope_parameters": rope_parameters, "hidden_act": "silu",
           "attention_dropout": cfg.get("attention_dropout", 0.0), "num_experts": experts,
           "num_experts_per_tok": int(cfg.get("moe_router_topk", 2)),
           "norm_topk_prob": not cfg.get("moe_router_pre_softmax", False), "decoder_sparse_step": 1,
           "mlp_only_layers": [i for i in range(layers) if not moe_layers[i]], "router_aux_loss_coef": _aux_coeff(cfg),
           "output_router_logits": False}
+    if rope_scaling:
+        hf["rope_scaling"] = rope_scaling
     _attention_fields(hf, layers)
     return hf, out
 
@@ -171,7 +188,8 @@ def _moe_layers(hf: dict) -> list[bool]:
 
 def _qwen3_moe_config(hf: dict) -> dict:
     _check_theirs(hf)
-    theta = _silu_rope_theta(hf, 1e6)
+    theta = _silu_rope_theta(hf, 10000.0, scaling=True)  # transformers' default theta (Mixtral's is 1e6)
+    scaling = rope_scaling_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     moe_layers = _moe_layers(hf)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # the Hub's name; transformers 5 writes the other
     _require(experts > 0 and any(moe_layers), "a qwen3_moe config without MoE layers (num_experts 0, or every layer in "
@@ -193,7 +211,7 @@ def _qwen3_moe_config(hf: dict) -> dict:
         init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"], num_experts=experts,
         moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_router_topk=topk, moe_router_pre_softmax=not renorm,
         moe_layer_freq=freq, moe_router_load_balancing_type=["aux_loss"],
-        moe_aux_loss_coeff=[float(hf.get("router_aux_loss_coef", 0.0))],
+        moe_aux_loss_coeff=[float(hf.get("router_aux_loss_coef", 0.0))], **scaling,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 import pretrain_gpt
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint
+from megatron_lite.checkpoint.hf_mixtral import to_mixtral
 from megatron_lite.checkpoint.hf_qwen3 import _qwen3_moe_config, to_qwen3, to_qwen3_moe
 from megatron_lite.errors import ConfigError
 from tests.cli_errors import refused_line
@@ -36,15 +37,17 @@ def _perturbed(model):
     return model.eval()
 
 
-def qwen3(tied=False):
-    cfg = transformers.Qwen3Config(intermediate_size=48, rope_theta=5000.0, tie_word_embeddings=tied, **COMMON)
+def qwen3(tied=False, rope=None):
+    cfg = transformers.Qwen3Config(intermediate_size=48, rope_parameters={"rope_theta": 5000.0, **(rope or {})},
+                                   tie_word_embeddings=tied, **COMMON)
     return _perturbed(transformers.Qwen3ForCausalLM(cfg))
 
 
-def qwen3_moe(norm_topk_prob=True, mlp_only_layers=(1,), step=1):
+def qwen3_moe(norm_topk_prob=True, mlp_only_layers=(1,), step=1, rope=None):
     cfg = transformers.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                                       num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, decoder_sparse_step=step,
-                                      mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=False, **COMMON)
+                                      mlp_only_layers=list(mlp_only_layers), tie_word_embeddings=False,
+                                      rope_parameters={"rope_theta": 10000.0, **(rope or {})}, **COMMON)
     return _perturbed(transformers.Qwen3MoeForCausalLM(cfg))
 
 
@@ -104,6 +107,80 @@ def test_qwen3_moe_import_at_tp2_ep2_and_export(grouped, norm_topk_prob, tmp_pat
     assert ("--moe-router-pre-softmax" in flags) is not norm_topk_prob
     config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=4)  # TP2 x EP2 (unfolded)
     assert config.model.qk_layernorm and config.moe.moe_router_pre_softmax is not norm_topk_prob
+
+
+ROPES = {  # Hugging Face rope_parameters -> our flags (the llama formats' scalings, checkpoint/hf_rope.py)
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}, {"use_rope_scaling": True, "rope_scaling_factor": 8.0}),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, {"rotary_seq_len_interpolation_factor": 4}),
+}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_scaling_imports_and_exports_with_the_same_logits(kind, moe, tmp_path, capsys):
+    """rope_type llama3 / linear in a qwen3 or qwen3_moe config (qwen3_moe refused both ways before):
+    imported at TP2 with transformers' logits, the flags saved, exported back with the same rope_parameters."""
+    rope, flags = ROPES[kind]
+    model = qwen3_moe(rope=rope) if moe else qwen3(rope=rope)
+    plain = qwen3_moe() if moe else qwen3()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the scaling changes these logits measurably (max_position_embeddings 16)
+        assert (plain(TOKENS).logits - model(TOKENS).logits).abs().max() > 1e-3
+    _import_export(model, tmp_path, capsys)
+    _, saved = load_gpt_checkpoint(str(tmp_path / "mega"))
+    assert {k: saved[k] for k in flags} == flags
+    written = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert {k: written["rope_parameters"][k] for k in rope} == rope
+
+
+def test_qwen3_moe_config_without_rope_theta_takes_transformers_default(tmp_path, capsys):
+    """A qwen3_moe config.json without rope_theta (nor rope_parameters) is read with transformers' default
+    10000, not Mixtral's 1e6 (the logits differed)."""
+    model = qwen3_moe()
+    model.save_pretrained(str(tmp_path / "hf"))
+    path = tmp_path / "hf" / "config.json"
+    hf = json.loads(path.read_text())
+    hf.pop("rope_parameters"), hf.pop("rope_theta", None)
+    path.write_text(json.dumps(hf))
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert again.config.rope_parameters["rope_theta"] == 10000.0
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mega",
+                   "--make-vocab-size-divisible-by", 8) == 0
+    ours, saved = load_gpt_checkpoint(str(tmp_path / "mega"))
+    assert saved["rotary_base"] == 10000
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], again(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_training_only_moe_options_without_a_field_are_named_in_a_warning(tmp_path, capsys, caplog):
+    """--moe-input-jitter-eps (Qwen3-MoE has no router_jitter_noise) and --moe-z-loss-coeff (neither format
+    has a field) only act in training: the export writes the same model and one warning names what it left out;
+    Mixtral's router_jitter_noise carries the jitter."""
+    cfg, sd = _qwen3_moe_import(tmp_path, capsys)
+    cfg.update(moe_input_jitter_eps=0.01, moe_z_loss_coeff=0.001)
+    with caplog.at_level("WARNING"):
+        hf, _ = to_qwen3_moe(cfg, sd)
+    assert "jitter" not in json.dumps(hf)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--moe-input-jitter-eps 0.01, --moe-z-loss-coeff 0.001"]
+    caplog.clear()
+    mixtral_cfg = {**cfg, "qk_layernorm": False, "moe_router_pre_softmax": False, "moe_layer_freq": 1}
+    mixtral_sd = {k: v for k, v in sd.items() if "layernorm" not in k and ".layers.1.mlp" not in k}
+    for k in [k for k in sd if ".layers.0.mlp" in k]:
+        mixtral_sd[k.replace(".layers.0.", ".layers.1.")] = sd[k]
+    with caplog.at_level("WARNING"):
+        hf, _ = to_mixtral(mixtral_cfg, mixtral_sd)
+    assert hf["router_jitter_noise"] == 0.01
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--moe-z-loss-coeff 0.001"]
+
+
+def _qwen3_moe_import(tmp_path, capsys):
+    """(flat config, single-process unpadded state dict) of a 3-layer qwen3_moe import (layer 1 dense)."""
+    from megatron_lite.checkpoint.convert import load_hf
+
+    qwen3_moe().save_pretrained(str(tmp_path / "hf"))
+    bundle = load_hf(str(tmp_path / "hf"))
+    return bundle.config, bundle.state_dict
 
 
 def test_qwen3_moe_sparse_step_becomes_a_layer_pattern():
