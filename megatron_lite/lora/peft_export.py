@@ -13,7 +13,10 @@ Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lor
 * ``gpt2`` style: ``c_attn`` stays fused, its B rows reordered to HF's ``[Q; K; V]``; HF's Conv1D
   modules need ``fan_in_fan_out`` (PEFT then keeps ``lora_A``/``lora_B`` in the Linear layout above).
 
-Experts' adapters (Mixtral export) are not exported: merge them instead (``--merge-lora``).
+* ``mixtral`` and ``qwen3_moe`` styles: the attention as in the llama style, and (Qwen3-MoE) the dense
+  layers' MLPs (``mlp.gate_proj`` / ``up_proj`` / ``down_proj``). Experts' adapters are not exported
+  (transformers holds a layer's experts as one stacked parameter): train with ``--lora-target-modules
+  linear_qkv linear_proj`` for an adapter these formats take, or merge them instead (``--merge-lora``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..checkpoint.hf import _dims, qkv_to_separate
 from ..checkpoint.hf_io import write_json
 
 ADAPTER_DIR = "adapter"
+STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")  # the --hf-style values exported
 OURS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
         "fc2": "mlp.linear_fc2"}
 
@@ -67,11 +71,12 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
 
 def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple[dict, dict]:
     """(adapter_config.json dict, safetensors tensors) of single-process ``adapters`` for a ``style`` base."""
-    if style not in ("gpt2", "llama", "qwen2", "qwen3", "mistral"):
-        raise CheckpointError(f"PEFT export of LoRA adapters supports the gpt2, llama, qwen2, qwen3 and mistral styles, not {style}; "
+    if style not in STYLES:
+        raise CheckpointError(f"PEFT export of LoRA adapters supports the {', '.join(STYLES)} styles, not {style}; "
                               "pass --merge-lora to export the merged model instead")
     if any(".experts." in k for k in adapters):
-        raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora")
+        raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora (or train with "
+                              "--lora-target-modules linear_qkv linear_proj)")
     modules = {}
     for i in range(cfg["num_layers"]):
         modules.update((_gpt2_modules if style == "gpt2" else _llama_modules)(cfg, adapters, i))

@@ -5,7 +5,8 @@ The adapted model is what the LoRA run computes (:func:`~megatron_lite.lora.conv
 the base plus the trained adapters in one process). Its logits must equal, within 1e-5 (fp32):
 the merged checkpoint's (written at TP1 and PP2 from a TP2 + SP run; experts merged from an EP2 run)
 and ``peft.PeftModel`` on the exported ``transformers`` model, for a GPT-2-, a Llama-, a Qwen2-style base
-(--add-qkv-bias: its PEFT export was refused, the qwen2 style being new) and a Qwen3-style one (--qk-layernorm).
+(--add-qkv-bias: its PEFT export was refused, the qwen2 style being new), a Qwen3-style one (--qk-layernorm)
+and a Qwen3-MoE one (adapters on the attention; its export was refused).
 """
 
 import json
@@ -24,7 +25,10 @@ from tests.tools import load_tool
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
 STYLES = {"gpt2": [], "llama": LLAMA, "qwen2": LLAMA + ["--add-qkv-bias"],  # qwen2: exported as Qwen2ForCausalLM
-          "qwen3": LLAMA + ["--qk-layernorm"]}  # its q/k norms frozen with the base (Qwen3ForCausalLM)
+          "qwen3": LLAMA + ["--qk-layernorm"],  # its q/k norms frozen with the base (Qwen3ForCausalLM)
+          "qwen3_moe": LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
+                                "--moe-layer-freq", "[1,0]"]}  # Qwen3MoeForCausalLM; adapters on the attention
+ATTENTION_ONLY = ["--lora-target-modules", "linear_qkv", "linear_proj"]  # experts' adapters have no PEFT export
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
 VOCAB = 65  # --vocab-size 64 plus the mock tokenizer's end-of-document token
 
@@ -39,7 +43,7 @@ def runs(tmp_path_factory):
     (grouped experts) at EP2; each from a base pretrained for 2 steps, LoRA-trained for 3."""
     root, out = tmp_path_factory.mktemp("lora_export"), {}
     plan = {"gpt2": (STYLES["gpt2"], 1, []), "llama": (LLAMA, 1, []), "qwen2": (STYLES["qwen2"], 1, []),
-            "qwen3": (STYLES["qwen3"], 1, []),
+            "qwen3": (STYLES["qwen3"], 1, []), "qwen3_moe": (STYLES["qwen3_moe"], 1, ATTENTION_ONLY),
             "tp2": (STYLES["gpt2"], 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             "ep2": (MODELS["moe_grouped"], 2, ["--expert-model-parallel-size", "2"])}
     for name, (model, world, layout) in plan.items():
