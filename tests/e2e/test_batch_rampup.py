@@ -1,5 +1,6 @@
-"""pretrain_gpt.py with --rampup-batch-size: each step's global batch, consumed samples and learning
-rate follow the ramp's table; a checkpoint is saved where the batch grows; a run resumed mid-ramp
+"""pretrain_gpt.py with --rampup-batch-size: each step's global batch, consumed samples, learning
+rate and scheduled weight decay follow the ramp's table (the schedules count consumed samples, as
+Megatron-LM's do, not steps); a checkpoint is saved where the batch grows; a run resumed mid-ramp
 continues bit for bit; DP 2 and PP 2 reproduce the single-process run; --decrease-batch-size-if-needed
 trains the rounded-down batches."""
 
@@ -20,9 +21,22 @@ WARMUP = MODEL.index("--lr-warmup-iters")
 BASE = MODEL[:WARMUP] + MODEL[WARMUP + 2:] + ["--micro-batch-size", "2"]
 # 2 -> 8 by 2 over 10 samples, then 8 a step: 7 steps of 2, 2, 4, 6, 8, 8, 8 out of 40 samples (38 used)
 RAMP = BASE + ["--global-batch-size", "8", "--train-samples", "40", "--rampup-batch-size", "2", "2", "10",
-               "--lr-warmup-samples", "6", "--lr-decay-samples", "40"]
+               "--lr-warmup-samples", "6", "--lr-decay-samples", "40",
+               "--weight-decay-incr-style", "linear", "--start-weight-decay", "0", "--end-weight-decay", "0.4"]
 BATCHES = [2, 2, 4, 6, 8, 8, 8]
 CONSUMED = [2, 4, 8, 14, 22, 30, 38]
+
+
+def _expected_wd(consumed: int) -> float:
+    """The linear weight decay after ``consumed`` of the 40 samples: 0 + 0.4 * consumed / 40 (a
+    schedule counting steps would reach 0.4 after the 7th step, and pass 0.08 mid-ramp)."""
+    return 0.4 * consumed / 40
+
+
+def _decays(result) -> list[float]:
+    return [group["weight_decay"] for group in result.optimizer.param_groups]
+
+
 STEP = re.compile(r"iteration +(\d+)/ +\d+ \| consumed samples: +(\d+) \|.* learning rate: (\S+) \|"
                   r" global batch size: +(\d+) \|")
 
@@ -66,6 +80,7 @@ def test_steps_follow_the_ramp_table(whole):
     assert [s[3] for s in steps] == BATCHES
     assert [s[1] for s in steps] == CONSUMED
     assert [s[2] for s in steps] == [_expected_lr(c) for c in CONSUMED]  # the schedule advances by each batch
+    assert _decays(result) == [pytest.approx(_expected_wd(38), rel=1e-12), 0.0]  # so does the weight decay's
     assert "ramping up batch size from 2 to 4" in out and "ramping up batch size from 6 to 8" in out
     # as Megatron-LM: a checkpoint before each step whose micro-batch count grows (after 2, 3, 4), and the last
     saved = sorted(name for name in os.listdir(save) if name.startswith("iter_"))
@@ -76,6 +91,7 @@ def test_a_run_resumed_mid_ramp_continues_exactly(whole, tmp_path, capsys):
     result, _, _ = whole
     first = pretrain_gpt.main(RAMP + ["--save", str(tmp_path / "part"), "--exit-interval", "3"])
     assert first.iteration == 3 and first.consumed_samples == 8
+    assert _decays(first) == [pytest.approx(_expected_wd(8), rel=1e-12), 0.0]  # mid-ramp: 8 of 40 samples
     capsys.readouterr()
     rest = pretrain_gpt.main(RAMP + ["--load", str(tmp_path / "part"), "--save", str(tmp_path / "rest")])
     out = capsys.readouterr().out
@@ -84,6 +100,7 @@ def test_a_run_resumed_mid_ramp_continues_exactly(whole, tmp_path, capsys):
     assert "this run starts at 6" in out
     assert Trajectory.of(first) + Trajectory.of(rest) == Trajectory.of(result)  # bit for bit
     assert rest.optimizer.param_groups[0]["lr"] == result.optimizer.param_groups[0]["lr"]
+    assert _decays(rest) == _decays(result)
 
 
 def test_data_and_pipeline_parallel_runs_equal_the_single_process_run():
