@@ -259,7 +259,8 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
 
 def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, load_optim: bool) -> None:
     """Load this rank's weights (and, with ``load_optim``, optimizer state and schedule) from the
-    torch_dist checkpoint in iteration ``folder`` (``common``: its ``common.pt``); local, no collectives."""
+    torch_dist checkpoint in iteration ``folder`` (``common``: its ``common.pt``); local, no collectives.
+    Without ``load_optim`` the caller refreshes the fp32 masters once the weights are in place."""
     index = read_index(folder)
     tensors, by_param = rank_tensors(chunks, state)
     fresh_fp8 = not any(is_fp8_state_key(name) for kind, name in index if kind == "weight")  # saved without FP8
@@ -271,8 +272,6 @@ def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, lo
         load_optimizer(folder, index, common, optimizer, tensors, by_param)
         if scheduler is not None and common["scheduler"] is not None:
             restore_scheduler(scheduler, common["scheduler"], folder)
-    elif optimizer is not None:
-        optimizer.reload_model_params()
 
 
 def is_fresh_layout(common: dict, state) -> bool:

@@ -310,7 +310,10 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         folder = iteration_dir(root, iteration)  # a frozen (LoRA) base first, outside full_params
         _load_frozen_base(folder, read_common(folder), chunks, config, state)
         with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
-            return _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
+            loaded = _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state)
+        if ck.no_load_optim:  # after the re-shard: ZeRO-3's masters are read from the param shards
+            _refresh_masters(optimizer)
+        return loaded
     path = model_file_for(root, iteration, state)
     if not os.path.isfile(path):
         _explain_missing(path, iteration_dir(root, iteration), state)
@@ -332,14 +335,18 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
             restore_scheduler(scheduler, ckpt["scheduler"], path)
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
-        # Weights came from the checkpoint but the optimizer state did not: fp32 master copies of
-        # 16-bit params must be refreshed from the loaded weights, or the next step would undo the load.
-        optimizer.reload_model_params()
+    else:
+        _refresh_masters(optimizer)
     if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+def _refresh_masters(optimizer) -> None:
+    """--no-load-optim: the fp32 masters of 16-bit params from the loaded weights (or a step undoes the load)."""
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
 
 
 def _load_base(chunks, optimizer, path, config, state, flag="--pretrained-checkpoint", every_flag=False) -> None:

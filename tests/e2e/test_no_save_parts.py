@@ -61,3 +61,17 @@ def test_without_rng_the_optimizer_is_saved_and_the_run_continues_exactly(tmp_pa
                      "--no-load-rng")
     resumed, _ = _resume(tmp_path, src, fmt, ["--no-load-rng"])
     assert resumed.losses == full.losses[2:] and resumed.grad_norms == full.grad_norms[2:]
+
+
+def test_zero3_bf16_resumed_without_optimizer_steps_from_the_loaded_weights_in_both_formats(tmp_path):
+    """ZeRO-3 with bf16 params keeps fp32 masters apart from the param shards: --no-load-optim must refill
+    them from the loaded weights. torch_dist refilled them inside the load, before the loaded values
+    reached the shards, so its first resumed step went on from the freshly initialised weights (its
+    second loss far from the torch format's). Both formats now continue the same trajectory."""
+    zero3 = ["--bf16", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    runs = {}
+    for fmt in ("torch", "torch_dist"):
+        src, _ = _saved(tmp_path / fmt, fmt, zero3 + ["--no-save-optim"])
+        runs[fmt] = _resume(tmp_path / fmt, src, fmt, zero3 + ["--no-load-optim", "--no-load-rng"])[0]
+    assert len(runs["torch"].losses) == ITERS - 2
+    assert runs["torch_dist"] == runs["torch"]  # the same weights and fresh optimizer: bit for bit
