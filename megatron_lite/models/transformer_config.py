@@ -272,7 +272,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         _require(method is None or g == "full", "--recompute-method only applies with --recompute-granularity full")
         _require(self.recompute_num_layers is None or g == "full",
                  "--recompute-num-layers only applies with --recompute-granularity full (selective recomputes "
-                 "core attention in every layer); drop it or use full with --recompute-method")
+                 "the --recompute-modules parts in every layer); drop it or use full with --recompute-method")
 
     def _check_fp8(self) -> None:
         _require(self.transformer_impl in TRANSFORMER_IMPLS,
