@@ -107,9 +107,12 @@ def test_pipeline_first_stage_holds_p_microbatches_and_bubble():
 def test_volumes_use_the_ring_formulas():
     lay = Layout(tp=2, cp=2, dp=4, micro_batch=1)
     n = 1024 * 1024 * 2  # b (s/cp) h, bf16
-    assert volumes.tp_bytes(SPEC, lay, 3) == 8 * 3 * 4 * (2 * 1 / 2 * n)  # 4 all-reduces per layer, L layers, m
+    # 4 all-reduces per layer, L layers, m; the embedding's and the output layer's one each per micro-batch
+    assert volumes.tp_bytes(SPEC, lay, 3) == (8 * 4 + 2) * 3 * (2 * 1 / 2 * n)
+    assert volumes.tp_bytes(SPEC, Layout(tp=2, cp=2, dp=2, pp=2), 3) == (4 * 4 + 1) * 3 * (2 * 1 / 2 * n)  # one end a stage
     kv = 2 * (16 // 2) * 1024 * 64 * 2
-    assert volumes.cp_bytes(SPEC, lay, 3) == 8 * 3 * (3 * 2 - 2) * kv  # the ring the counter measures
+    # the ring the counter measures: 2c-2 hops of the bf16 K/V, c hops of its fp32 gradient (twice the bytes)
+    assert volumes.cp_bytes(SPEC, lay, 3) == 8 * 3 * (2 * 2 - 2 + 2 * 2) * kv
     assert volumes.dp_bytes(1000, "no_shard", 4, 3) == 2 * 3 / 4 * 4000
     assert volumes.dp_bytes(1000, "optim", 4, 3) == 3 / 4 * 4000 + 3 / 4 * 2000
     moe = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=64, num_experts=4)

@@ -157,9 +157,10 @@ def test_traffic_counts_mla_transfers_and_the_mtp_layer():
     lay = Layout(tp=2, cp=2, dp=4)
     tokens = 2048 // 2 * 2  # s/cp tokens, bf16
     hidden, latents = ring_bytes("all_reduce", tokens * 1024, 2), ring_bytes("all_reduce", tokens * (512 + 256 + 32), 2)
-    assert volumes.tp_bytes(BIG, lay, 3) == (8 + 1) * 3 * (3 * hidden + latents)  # 8 layers and MTP, 3 micro-batches
+    # 8 layers and MTP, 3 micro-batches; the embedding's and the output layer's all-reduce
+    assert volumes.tp_bytes(BIG, lay, 3) == (8 + 1) * 3 * (3 * hidden + latents) + 2 * 3 * hidden
     kv = (16 // 2) * (64 + 32 + 64) * tokens  # every local head's key and value
-    assert volumes.cp_bytes(BIG, lay, 3) == (8 + 1) * 3 * (3 * 2 - 2) * kv
+    assert volumes.cp_bytes(BIG, lay, 3) == (8 + 1) * 3 * (2 * 2 - 2 + 2 * 2) * kv  # the gradient's c hops in fp32
     # PP2: the last stage holds 4 layers and the MTP layer
     assert volumes.stage_layer_counts(BIG, 2) == (5, 0)
     assert volumes.stage_layer_counts(MODEL_PRESETS["deepseek-v3"], 16) == (4, 4)  # stage 1's 4 MoE layers; the last: 2 + MTP = 3

@@ -66,11 +66,12 @@ def test_expert_tensor_parallel_traffic_and_the_moe_layers_tp_half():
     # TP 2: the MoE layers keep the attention's TP collectives only; ETP 2 (the default) gathers 1/2 of the slots
     tp2, whole = Layout(tp=2, dp=8, ep=4), Layout(tp=2, dp=8, ep=4, etp=1)
     hidden = ring_bytes("all_reduce", S * H * 2, 2)
-    assert volumes.tp_bytes(MOE, tp2, m) == volumes.tp_bytes(MOE, whole, m) == (hidden + hidden) * 4 * m
+    ends = 2 * hidden * m  # the embedding's and the output layer's all-reduce
+    assert volumes.tp_bytes(MOE, tp2, m) == volumes.tp_bytes(MOE, whole, m) == (hidden + hidden) * 4 * m + ends
     assert volumes.etp_bytes(MOE, tp2, m) == 2 * 2 * ring_bytes("all_gather", 2 * (2 * S // 2) * H * 2, 2) * 4 * m
     assert volumes.etp_bytes(MOE, whole, m) == 0
     shared = ModelSpec(**{**MOE.__dict__, "moe_shared_expert_intermediate_size": F})
-    assert volumes.tp_bytes(shared, tp2, m) == (hidden + hidden + 2 * hidden) * 4 * m  # the shared expert's MLP half
+    assert volumes.tp_bytes(shared, tp2, m) == (hidden + hidden + 2 * hidden) * 4 * m + ends  # the shared expert's MLP half
     assert estimate(MOE, CLUSTER, 64, whole).comm_s["etp"] == 0 < estimate(MOE, CLUSTER, 64, tp2).comm_s["etp"]
 
 

@@ -9,13 +9,15 @@ counted for the busiest pipeline stage (:func:`stage_layer_counts`: the most lay
 layers counted on the last stage, and the most MoE layers).
 
 * TP: per layer and micro-batch two all-reduces of ``b s h`` forward and two backward (with
-  sequence parallelism the same bytes as all-gathers + reduce-scatters). An MoE layer without
+  sequence parallelism the same bytes as all-gathers + reduce-scatters), and one more each for the
+  word embedding's output (first stage, forward) and the output layer's input (last stage, backward);
+  the MTP depths' own embedding, projection and output collectives are not priced. An MoE layer without
   shared experts has only the attention's half: its experts' traffic is the expert-TP term below. Multi-latent attention
   replaces the backward all-reduce at the attention's input by one of what its column-parallel
   projections read, ``b s (rq + rkv + dr)`` (``h`` for ``rq`` without q compression): the q and kv
   latents and the shared rotary key (under SP: all-gathered forward, reduce-scattered backward).
 * CP (ring, ``p2p``): the K/V buffer ``2 b (g/t) s d`` travels c-1 hops forward; backward c-1
-  hops again plus c hops of its gradient. MLA's buffer holds every head's expanded key and value,
+  hops again plus c hops of its gradient, which the ring accumulates and sends in fp32. MLA's buffer holds every head's expanded key and value,
   ``b (a/t) s (dn + dr + dv)``.
 * EP (all-to-all dispatcher, uniform routing): the ``k b s / t`` routed slots of a rank's tokens,
   (e-1)/e of them to other ranks, go out and come back (dispatch, combine), forward and backward.
@@ -37,6 +39,7 @@ from ..comm_volume import ring_bytes
 from .model import stage_layers
 
 ACT_BYTES = 2
+GRAD_BYTES = 4  # the ring attention's dK/dV partial sums (fp32 accumulators)
 
 
 def _passes(lay) -> int:
@@ -73,7 +76,8 @@ def tp_bytes(spec, lay, m: int) -> float:
     attention, mlp = (_passes(lay) - 1) * hidden + attention_in, _passes(lay) * hidden
     layers, moe = stage_layer_counts(spec, lay.pp)
     mlps = layers if spec.moe_shared_expert_intermediate_size else layers - moe  # the experts: etp_bytes
-    return float((attention * layers + mlp * mlps) * m)
+    ends = 2 if lay.pp == 1 else 1  # the embedding's output and the output layer's input (a stage holds one)
+    return float((attention * layers + mlp * mlps + ends * hidden) * m)
 
 
 def cp_bytes(spec, lay, m: int) -> float:
@@ -84,9 +88,10 @@ def cp_bytes(spec, lay, m: int) -> float:
         per_token = (spec.num_attention_heads // lay.tp) * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
     else:
         per_token = 2 * max(spec.num_query_groups // lay.tp, 1) * spec.kv_channels
-    kv = lay.micro_batch * (spec.seq_length // c) * per_token * ACT_BYTES
-    hops = (c - 1) * (_passes(lay) - 1) + (c - 1) + c
-    return float(hops * ring_bytes("send", kv, c) * stage_layer_counts(spec, lay.pp)[0] * m)
+    kv = lay.micro_batch * (spec.seq_length // c) * per_token
+    hops = (c - 1) * (_passes(lay) - 1) + (c - 1)  # the 16-bit K/V; then c hops of its fp32 gradient
+    per_layer = hops * ring_bytes("send", kv * ACT_BYTES, c) + c * ring_bytes("send", kv * GRAD_BYTES, c)
+    return float(per_layer * stage_layer_counts(spec, lay.pp)[0] * m)
 
 
 def ep_bytes(spec, lay, m: int) -> float:
