@@ -6,8 +6,9 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
 
 ==============  ===============================================================================
 ``megatron``    megatron_lite training checkpoints (``mp_rank_*`` folders), any TP x PP (x VPP)
-                layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size); the saver writes
-                ``--target-*`` sizes (default: the source's)
+                layout, GPT or BERT, with experts (``mp_rank_*_{ep}``, any EP size, or a folded
+                expert grid's ``mp_rank_*_{ep}_{etp}``); the saver writes ``--target-*`` sizes
+                (default: the source's)
 ``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, qwen2, qwen3,
                 qwen3_moe, mixtral, megatron-bert and deepseek_v3 styles
 ==============  ===============================================================================
@@ -83,6 +84,14 @@ def _megatron_saver_args(parser) -> None:
     group.add_argument("--target-expert-parallel-size", type=int, default=None,
                        help="Expert-parallel size to write (default: the source's, 1 for Hugging Face); "
                             "must divide --num-experts.")
+    group.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                       help="Expert-tensor-parallel size to write (default: the source's; experts split like the dense "
+                            "layers stay so at another TP); one neither 1 nor the target TP folds the experts onto their "
+                            "own grid (mp_rank_TT_PPP_EEE_XX files).")
+    group.add_argument("--target-data-parallel-size", type=int, default=None,
+                       help="Data-parallel size of the run that will load it, needed only when "
+                            "--target-expert-parallel-size does not divide it (EP across context-parallel or TP ranks): "
+                            "the experts are then written folded (default: a size EP divides).")
     group.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Interleaved pipeline: layers per virtual stage (as --num-layers-per-virtual-pipeline-stage).")
     group.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
@@ -107,7 +116,11 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     check_expert_size(src, ep)
-    return TargetLayout(tp, pp, *split, ep=ep)
+    etp = args.target_expert_tensor_parallel_size
+    if etp is None:  # the source's experts: split like its dense layers, whole, or on their own grid
+        etp = src.get("expert_tensor_parallel_size")
+        etp = None if etp == (src.get("tensor_model_parallel_size") or 1) and etp != 1 else etp
+    return TargetLayout(tp, pp, *split, ep=ep, etp=etp, dp=args.target_data_parallel_size)
 
 
 def _default(f):
@@ -336,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Options that only one plugin reads: given to another, they are refused rather than ignored.
 PLUGIN_OPTIONS = {
     ("saver", "megatron"): ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
+                            "target_expert_tensor_parallel_size", "target_data_parallel_size",
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
                             "target_decoder_last_pipeline_num_layers"),
     ("saver", "hf"): ("hf_style", "max_shard_size", "merge_lora"),

@@ -4,14 +4,30 @@ A folded grid splits the experts over their own ETP x EP groups, so a rank's fil
 shard (TP rank ``t``) and its expert shard (EP rank ``e``, expert-tensor rank ``x``): the folder is
 ``mp_rank_{t:02d}_{pp:03d}_{e:03d}_{x:02d}``, written by the lowest rank holding that pair of shards
 (every dense shard and every expert shard is then in some file, and every rank finds its own).
-Resuming needs the same expert sizes (--ckpt-format torch_dist reshards across them);
-:func:`merge_folded_chunk` glues the files back into one process (dense layers over TP, experts over
-ETP then EP).
+Resuming needs the same expert sizes (tools/checkpoint/convert.py converts between them, and
+--ckpt-format torch_dist reshards across them); :func:`merge_folded_chunk` glues the files back into
+one process (dense layers over TP, experts over ETP then EP), :func:`folded_files` names the files a
+layout writes.
 """
 
 from __future__ import annotations
 
+import math
+
 from .format import CheckpointError, model_file
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether a chunk tensor belongs to the routed experts (held by the expert shard of a folded file)."""
+    return ".mlp.experts." in name
+
+
+def folded_files(tp: int, ep: int, etp: int) -> list[tuple[int, int, int]]:
+    """The ``(tp, ep, etp)`` ranks of every file a folded grid writes per pipeline stage: the pairs of
+    a dense and an expert shard that some rank holds. A stage's ranks are a multiple of
+    ``lcm(tp, etp * ep)`` and repeat the pairs of the first that many ranks, so the set holds for
+    every data- and context-parallel size."""
+    return sorted({(r % tp, r // etp % ep, r % etp) for r in range(math.lcm(tp, etp * ep))})
 
 
 def model_file_for(root: str, iteration, state) -> str:
@@ -61,7 +77,8 @@ def check_expert_grid(path: str, ckpt: dict, state) -> None:
     raise CheckpointError(
         f"checkpoint {path} was saved at {_grid(saved, saved_folded)}, this run has "
         f"{_grid(ours, state.folded)}; a --ckpt-format torch checkpoint of a folded expert grid resumes only at "
-        f"its own sizes: {fix}, or save with --ckpt-format torch_dist (it reshards the experts)")
+        f"its own sizes: {fix}, convert it to this run's sizes (tools/checkpoint/convert.py), or save with "
+        "--ckpt-format torch_dist (it reshards the experts on --load)")
 
 
 def _grid(sizes: dict, folded) -> str:
@@ -85,5 +102,5 @@ def merge_folded_chunk(path: str, payloads: dict, pp_rank: int, chunk: int, merg
     per_ep = []
     for e in range(ep):
         experts = merge_tp([pick(pp=pp_rank, ep=e, etp=x) for x in range(etp)], chunk)
-        per_ep.append({name: experts[name] if ".mlp.experts." in name else dense[name] for name in dense})
+        per_ep.append({name: experts[name] if is_expert_tensor(name) else dense[name] for name in dense})
     return merge_ep(per_ep)

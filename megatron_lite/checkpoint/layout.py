@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import BertModel, GPTModel, TransformerConfig
-from ..moe.config import MoEConfig, moe_fields, saved_moe_fields
+from ..moe.config import MoEConfig, moe_config_problem, moe_fields, normalize, saved_moe_fields
 from ..parallel.state import ParallelState
 from .format import CheckpointError
 from .merge import model_config_from_saved
@@ -145,6 +145,25 @@ def check_expert_size(cfg: dict, ep: int) -> None:
         raise ConfigError(f"--target-expert-parallel-size {ep}: the model has no experts (a dense model); use 1")
     if experts and experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide --num-experts {experts}")
+
+
+def check_expert_tensor_size(cfg: dict, tp: int, ep: int, etp: int | None, dp: int | None) -> None:
+    """``--target-expert-tensor-parallel-size`` (None: the target TP) and ``--target-data-parallel-size``
+    (None: one the target EP divides) must fit the experts: training's own MoE checks at the target sizes."""
+    for flag, value in (("--target-expert-tensor-parallel-size", etp), ("--target-data-parallel-size", dp)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if value is not None and not num_experts(cfg):
+            raise ConfigError(f"{flag} {value}: the model has no experts (a dense model); drop it")
+    if etp is None or not num_experts(cfg):
+        return
+    moe = MoEConfig(**saved_moe_fields(cfg))
+    normalize(moe, cfg["ffn_hidden_size"])
+    moe.expert_tensor_parallel_size = etp
+    problem = moe_config_problem(moe, num_layers=cfg["num_layers"], tp=tp, ep=ep, sequence_parallel=True,
+                                 fp16=bool(cfg.get("fp16")))
+    if problem:
+        raise ConfigError(f"--target-expert-tensor-parallel-size {etp}: {problem}")
 
 
 def check_names(cfg: dict, names, fp8: bool = False) -> None:

@@ -38,16 +38,19 @@ do not carry over to another layout). A source without optimizer state gives mod
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from ..parallel.expert_grid import is_folded
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.tensor import padded_vocab_size, shard
 from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
+from .expert_files import folded_files, is_expert_tensor
 from .format import (
     FORMAT_VERSION,
     TRACKER_FILENAME,
@@ -65,6 +68,7 @@ from .format import (
 from .hf_io import TOKENIZER_DIR, tokenizer_files_in
 from .layout import (
     check_expert_size,
+    check_expert_tensor_size,
     check_names,
     chunk_model,
     ep_name,
@@ -178,6 +182,24 @@ class TargetLayout:
     first: int | None = None  # --decoder-first-pipeline-num-layers
     last: int | None = None  # --decoder-last-pipeline-num-layers
     ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
+    dp: int | None = None  # data-parallel size of the run that loads it (None: one EP divides)
+
+    @property
+    def etp_size(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts need their own grid (megatron_lite/parallel/expert_grid.py): the files are
+        then ``mp_rank_TT_PPP_EEE_XX`` (:mod:`.expert_files`)."""
+        return is_folded(self.tp, 1, self.ep if self.dp is None else self.dp, self.ep, self.etp)
+
+    def files(self) -> list[tuple[int, int, int | None]]:
+        """``(tp, ep, etp)`` ranks of the files of one pipeline stage (``etp`` None: not folded)."""
+        if self.folded:
+            return folded_files(self.tp, self.ep, self.etp_size)
+        return [(t, e, None) for e in range(self.ep) for t in range(self.tp)]
 
 
 def target_config(bundle: ModelBundle, layout: TargetLayout) -> dict:
@@ -187,19 +209,20 @@ def target_config(bundle: ModelBundle, layout: TargetLayout) -> dict:
     model = model_config_from_saved({**cfg, "padded_vocab_size": 0})
     padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
     check_expert_size(cfg, layout.ep)
+    check_expert_tensor_size(cfg, layout.tp, layout.ep, layout.etp, layout.dp)
     try:  # the model's own shape rules, at the target TP and EP sizes
         transformer_config({**cfg, "padded_vocab_size": padded}, layout.tp, layout.ep)
         ranges = layer_ranges(model.num_layers, layout.pp, layout.vpp_layers, layout.first, layout.last)
     except (ConfigError, ValueError) as err:
-        raise ConfigError(f"target layout tp {layout.tp} x pp {layout.pp} x ep {layout.ep}: {err}") from None
+        etp = "" if layout.etp is None else f" x etp {layout.etp}"
+        raise ConfigError(f"target layout tp {layout.tp} x pp {layout.pp} x ep {layout.ep}{etp}: {err}") from None
     sp = (bool(cfg.get("sequence_parallel")) or bool(num_experts(cfg))) and layout.tp > 1
     cfg.update(
         padded_vocab_size=padded, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         num_layers_per_virtual_pipeline_stage=layout.vpp_layers, decoder_first_pipeline_num_layers=layout.first,
         decoder_last_pipeline_num_layers=layout.last, sequence_parallel=sp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
-    if cfg.get("expert_tensor_parallel_size") not in (None, 1, layout.tp):  # a folded source: the target's
-        cfg["expert_tensor_parallel_size"] = None  # experts are split like its dense layers (unfolded files)
     cfg["_ranges"] = ranges
     return cfg
 
@@ -217,8 +240,9 @@ def _full_tensor(bundle: ModelBundle, name: str, start: int, padded: int, table:
     return pad_vocab(tensor, padded) if name in VOCAB_TENSORS else tensor
 
 
-def _chunk_shards(bundle, cfg, chunk, start, layout, ep_rank) -> tuple[list[dict], dict]:
-    """(per-TP-rank state dicts, param_meta) of one chunk (an EP-1 meta model) on expert rank ``ep_rank``."""
+def _chunk_shards(bundle, cfg, chunk, start, layout, ep_rank, etp_rank) -> tuple[list[dict], dict]:
+    """(per-TP-rank state dicts, param_meta) of one chunk (an EP-1 meta model) on expert rank ``ep_rank``;
+    on a folded grid the experts are cut over ETP (``etp_rank``'s shard in every TP rank's dict)."""
     meta, tp, experts = param_meta(chunk), layout.tp, num_experts(cfg)
     shards, local_meta = [{} for _ in range(tp)], {}
     for name, expected in chunk.state_dict().items():
@@ -233,29 +257,34 @@ def _chunk_shards(bundle, cfg, chunk, start, layout, ep_rank) -> tuple[list[dict
         if name in meta:
             local_meta[local] = meta[name]
         for t in range(tp):
-            part = shard(full, meta[name]["partition_dim"], t, tp, meta[name]["partition_stride"]) if name in meta else full
+            rank, size = (etp_rank, layout.etp_size) if etp_rank is not None and is_expert_tensor(name) else (t, tp)
+            part = shard(full, meta[name]["partition_dim"], rank, size, meta[name]["partition_stride"]) if name in meta else full
             shards[t][local] = part.clone()
     return shards, local_meta
 
 
-def _payload(bundle, cfg, layout, models, ranges, t, e) -> dict:
-    """The model file of TP rank ``t``, EP rank ``e`` of one pipeline stage (``models``: its chunks)."""
-    per_chunk = [_chunk_shards(bundle, cfg, model, s, layout, e) for model, s in models]
+def _payload(bundle, cfg, layout, models, ranges, t, e, x) -> dict:
+    """The model file of TP rank ``t``, EP rank ``e`` (and, folded, ETP rank ``x``) of one pipeline
+    stage (``models``: its chunks)."""
+    per_chunk = [_chunk_shards(bundle, cfg, model, s, layout, e, x) for model, s in models]
     padded, iteration = cfg["padded_vocab_size"], bundle.iteration
+    # the fewest data-parallel ranks that hold the layout (not a run's: only the folded files depend on it)
+    dp = layout.dp or (math.lcm(layout.tp, layout.etp_size * layout.ep) // layout.tp if x is not None else layout.ep)
     return {
         "iteration": 0 if iteration == "release" else int(iteration),
         "consumed_samples": int(bundle.consumed_samples),
         "config": cfg,
-        "tp_size": layout.tp, "pp_size": layout.pp, "ep_size": layout.ep, "dp_size": layout.ep,
+        "tp_size": layout.tp, "pp_size": layout.pp, "ep_size": layout.ep, "dp_size": dp,
+        "etp_size": layout.etp_size, "expert_grid_folded": x is not None,
         "vpp_size": len(ranges) if len(ranges) > 1 else None,
         "num_chunks": len(ranges),
-        "world_size": layout.tp * layout.pp * layout.ep,
+        "world_size": layout.tp * layout.pp * dp,
         "model": [shards[t] for shards, _ in per_chunk],
         "param_meta": [meta for _, meta in per_chunk],
         "layer_ranges": [tuple(r) for r in ranges],
         "optimizer": None if bundle.optimizer is None else split_optimizer(
             bundle.optimizer, models, t, layout.tp, lambda name, table: _full_tensor(bundle, name, 0, padded, table),
-            ep_rank=e, ep_size=layout.ep, experts=num_experts(cfg)),
+            ep_rank=e, ep_size=layout.ep, experts=num_experts(cfg), etp=None if x is None else (x, layout.etp_size)),
         "scheduler": None if bundle.optimizer is None else bundle.optimizer["scheduler"],
         "format_version": FORMAT_VERSION,
     }
@@ -271,14 +300,15 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
     chunks_per_rank = len(ranges[0])
+    # a folded grid's experts are cut over ETP (even of one rank), as training marks them
+    built = {**cfg, "expert_tensor_parallel_size": None} if layout.folded else cfg
     for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
-        models = [(chunk_model(cfg, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, fp8), s)
+        models = [(chunk_model(built, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, fp8), s)
                   for c, (s, e) in enumerate(ranges[p])]
-        for e in range(layout.ep):
-            for t in range(layout.tp):
-                payload = _payload(bundle, cfg, layout, models, ranges[p], t, e)
-                path = model_file(save_dir, iteration, t, p, e if layout.ep > 1 else None)
-                atomic_save(with_checksums(payload), path)
+        for t, e, x in layout.files():
+            payload = _payload(bundle, cfg, layout, models, ranges[p], t, e, x)
+            path = model_file(save_dir, iteration, t, p, e if layout.ep > 1 or x is not None else None, x)
+            atomic_save(with_checksums(payload), path)
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place
     return iteration_dir(save_dir, iteration)

@@ -23,6 +23,7 @@ import torch
 
 from ..optim.optimizer import decays
 from ..parallel.tensor import shard, unshard
+from .expert_files import is_expert_tensor
 from .format import CheckpointError, find_model_files, param_meta, read_model_file
 from .layout import ep_name, ep_slice, global_name, is_grouped_expert
 
@@ -54,18 +55,48 @@ def _join_ep(parts: dict) -> dict:
     return {name: torch.cat(ts) if is_grouped_expert(name) and len(ts) > 1 else ts[0] for name, ts in parts.items()}
 
 
-def _merge_rank(opts: list, plain, indexed, meta, tied, state, scalars, masters) -> None:
-    """Add one (pipeline, expert) rank's optimizer state, glued over its TP ranks ``opts``, to the
-    per-name lists ``state[key][name]`` / ``masters[name]``."""
+def _saved_order(chunks, e, ep, experts, opt) -> tuple:
+    """:func:`param_order` of EP rank ``e``'s file, in the groups its optimizer was saved with."""
+    order = param_order(chunks, e, ep, experts)
+    saved_decay = len(opt["optimizer"]["param_groups"][0]["params"])
+    if saved_decay != order[3] and saved_decay == param_order(chunks, e, ep, experts, legacy=True)[3]:
+        return param_order(chunks, e, ep, experts, legacy=True)
+    return order
+
+
+def _rank_files(payloads: dict, p: int, e: int, tp: int, etp: int | None) -> list:
+    """``[(files to glue: [(EP rank, optimizer payload)], which names they give)]`` for pipeline rank
+    ``p``, EP rank ``e`` of ``{(tp, pp, ep, etp): payload}``: its TP ranks' files (unfolded), or on a
+    folded grid its experts from its ETP ranks' files and (once, with EP rank 0) the dense tensors
+    from a file of each TP rank, whichever EP rank it holds."""
+    if etp is None:
+        return [([(e, payloads[(t, p, e, 0)]["optimizer"]) for t in range(tp)], None)]
+    stage = sorted(((k, v["optimizer"]) for k, v in payloads.items() if k[1] == p), key=lambda item: item[0])
+    by_etp = [next(((k[2], o) for k, o in stage if k[2] == e and k[3] == x), None) for x in range(etp)]
+    by_tp = [next(((k[2], o) for k, o in stage if k[0] == t), None) for t in range(tp)]
+    if None in by_tp + by_etp:
+        raise CheckpointError(f"the folded expert grid's files of pipeline rank {p} miss a TP rank or an ETP rank of "
+                              f"EP rank {e}; the checkpoint is incomplete")
+    dense = [(by_tp, lambda name: not is_expert_tensor(name))] if e == 0 else []
+    return dense + [(by_etp, is_expert_tensor)]
+
+
+def _merge_rank(files: list, orders: list, tied, state, scalars, masters, keep=None) -> None:
+    """Add the optimizer state of one (pipeline, expert) rank, glued over ``files`` (its TP or ETP
+    ranks' optimizer payloads, each numbering its parameters in ``orders[i]`` = :func:`_saved_order`),
+    to the per-name lists ``state[key][name]`` / ``masters[name]`` (``keep``: only the names it accepts)."""
+    plain, indexed, meta, _ = orders[0]
+    where = [{n: i for i, n in enumerate(order[1])} for order in orders]
+    where_plain = [{n: i for i, n in enumerate(order[0])} for order in orders]
 
     def full(parts, name):
         m = meta.get(name)
         return parts[0] if m is None else unshard(parts, m["partition_dim"], m["partition_stride"])
 
-    for index, name in enumerate(indexed):
-        if name == "output_layer.weight" and tied:
+    for name in indexed:
+        if (name == "output_layer.weight" and tied) or (keep is not None and not keep(name)):
             continue  # the last stage's copy of the tied embedding: same state as the embedding
-        entries = [o["optimizer"]["state"].get(index) for o in opts]
+        entries = [o["optimizer"]["state"].get(w[name]) for o, w in zip(files, where)]
         if entries[0] is None:
             continue  # not stepped yet
         for key, value in entries[0].items():
@@ -74,9 +105,10 @@ def _merge_rank(opts: list, plain, indexed, meta, tied, state, scalars, masters)
             else:
                 scalars[key] = value
     if masters is not None:
-        for i, name in enumerate(plain):
-            if not (name == "output_layer.weight" and tied):
-                masters.setdefault(name, []).append(full([o["fp32_masters"][i] for o in opts], name))
+        for name in plain:
+            if not (name == "output_layer.weight" and tied) and (keep is None or keep(name)):
+                parts = [o["fp32_masters"][w[name]] for o, w in zip(files, where_plain)]
+                masters.setdefault(name, []).append(full(parts, name))
 
 
 def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
@@ -88,28 +120,22 @@ def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
     (vocabulary tensors still padded as in the checkpoint). Expert ranks are joined like the weights.
     """
     files = find_model_files(path)
-    if any(len(key) == 4 for key in files):  # mp_rank_TT_PPP_EEE_XX: a folded expert grid (expert_files.py)
-        raise CheckpointError(f"{path} is a torch-format checkpoint of a folded expert grid (--expert-tensor-parallel-size "
-                              "independent of TP): its optimizer state is not converted; resume it at its own sizes, "
-                              "or save it with --ckpt-format torch_dist (which reshards on --load)")
-    payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
+    payloads = {(key + (0, 0))[:4]: read_model_file(file) for key, file in files.items()}
     if any(p.get("optimizer") is None for p in payloads.values()):
         return None
     first = payloads[min(payloads)]
     tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
+    etp = first.get("etp_size", tp) if first.get("expert_grid_folded") else None
     experts = int(first["config"].get("num_experts") or 0)
     state: dict = {}
     scalars: dict = {}
     masters: dict | None = {} if first["optimizer"].get("fp32_masters") is not None else None
     for p in range(pp):
-        chunks = chunk_models_of(p, payloads[(0, p, 0)])
+        chunks = chunk_models_of(p, payloads[min(k for k in payloads if k[1] == p)])
         for e in range(ep):
-            opts = [payloads[(t, p, e)]["optimizer"] for t in range(tp)]
-            plain, indexed, meta, matrices = param_order(chunks, e, ep, experts)
-            saved_decay = len(opts[0]["optimizer"]["param_groups"][0]["params"])
-            if saved_decay != matrices and saved_decay == param_order(chunks, e, ep, experts, legacy=True)[3]:
-                plain, indexed, meta, _ = param_order(chunks, e, ep, experts, legacy=True)
-            _merge_rank(opts, plain, indexed, meta, tied, state, scalars, masters)
+            for files, keep in _rank_files(payloads, p, e, tp, etp):
+                orders = [_saved_order(chunks, r, ep, experts, opt) for r, opt in files]
+                _merge_rank([opt for _, opt in files], orders, tied, state, scalars, masters, keep)
     groups = first["optimizer"]["optimizer"]["param_groups"]
     group = {k: v for k, v in groups[0].items() if k not in ("params", "weight_decay")}
     extra = {k: first["optimizer"].get(k) for k in ("loss_scaler", "num_skipped_steps")}
@@ -120,16 +146,18 @@ def merge_optimizer(path: str, chunk_models_of, tied: bool) -> dict | None:
 
 
 def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of, *, ep_rank: int = 0, ep_size: int = 1,
-                    experts: int = 0) -> dict:
+                    experts: int = 0, etp: tuple[int, int] | None = None) -> dict:
     """One target rank's optimizer payload. ``chunks``: its ``(EP-1 meta model, layer_start)`` pairs;
     ``full_of(name, tensor)`` maps a chunk's global name and a full layout-free tensor to the full
-    tensor this layout needs (the tied copy, re-padded vocabulary); EP rank ``ep_rank`` keeps its experts."""
+    tensor this layout needs (the tied copy, re-padded vocabulary); EP rank ``ep_rank`` keeps its experts,
+    cut over ``etp`` = (ETP rank, ETP size) on a folded grid (over TP otherwise)."""
     plain, indexed, meta, matrices = param_order(chunks, ep_rank, ep_size, experts)
 
     def part(name, table):
         full = ep_slice(name, full_of(name, table), ep_rank, ep_size)
         m = meta.get(name)
-        return (full if m is None else shard(full, m["partition_dim"], tp_rank, tp, m["partition_stride"])).clone()
+        rank, size = etp if etp is not None and is_expert_tensor(name) else (tp_rank, tp)
+        return (full if m is None else shard(full, m["partition_dim"], rank, size, m["partition_stride"])).clone()
 
     torch_state = {}
     for index, name in enumerate(indexed):

@@ -179,22 +179,17 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 # Load.
 
 
-def _flag_mismatch(path, what, saved, ours, flag, convertible: bool = True) -> CheckpointError:
-    """``convertible`` False: tools/checkpoint/convert.py refuses it (a folded grid's torch-format files)."""
-    fix = f"convert it or match {flag}" if convertible else (
-        f"match {flag} (the converter refuses a folded expert grid's torch-format checkpoint; save with "
-        "--ckpt-format torch_dist to change sizes)")
-    return CheckpointError(f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; {fix}")
+def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; convert it or match {flag}")
 
 
 def _check_sizes(path: str, ckpt: dict, state) -> None:
     check_expert_grid(path, ckpt, state)
-    convertible = not ckpt.get("expert_grid_folded", False)
     for key, name, ours in (("tp_size", "tensor-model-parallel-size", state.tp_size),
                             ("pp_size", "pipeline-model-parallel-size", state.pp_size),
                             ("ep_size", "expert-model-parallel-size", state.ep_size)):
         if ckpt.get(key, 1) != ours:  # files from before expert parallelism have no ep_size
-            raise _flag_mismatch(path, name, ckpt.get(key, 1), ours, f"--{name}", convertible)
+            raise _flag_mismatch(path, name, ckpt.get(key, 1), ours, f"--{name}")
 
 
 def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:

@@ -151,9 +151,9 @@ def test_folded_tp1_etp2_torch_checkpoint_at_tp2_names_tp_and_torch_dist(grid, f
     assert "--expert-tensor-parallel-size" not in message and "\n" not in message, message
 
 
-def test_size_mismatch_of_a_folded_torch_checkpoint_does_not_advise_the_converter():
-    """The converter refuses a folded grid's torch-format checkpoint: another EP (same ETP) is refused
-    naming --expert-model-parallel-size and torch_dist, not 'convert it'; an unfolded one still says so."""
+def test_size_mismatch_of_a_folded_torch_checkpoint_advises_the_converter():
+    """The converter reads and writes a folded grid's torch-format checkpoint: another EP (same ETP)
+    is refused naming --expert-model-parallel-size, the converter and torch_dist; an unfolded one too."""
     from megatron_lite.checkpoint.training import _check_sizes
 
     saved = {"tp_size": 1, "pp_size": 1, "ep_size": 1, "etp_size": 2, "expert_grid_folded": True}
@@ -161,7 +161,7 @@ def test_size_mismatch_of_a_folded_torch_checkpoint_does_not_advise_the_converte
     with pytest.raises(CheckpointError) as err:
         _check_sizes("ckpt", saved, here)
     assert "--expert-model-parallel-size" in str(err.value) and "torch_dist" in str(err.value)
-    assert "convert it" not in str(err.value)
+    assert "tools/checkpoint/convert.py" in str(err.value)
     unfolded = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2), 0)), tp_size=1, pp_size=1)
     with pytest.raises(CheckpointError, match="convert it or match --expert-model-parallel-size"):
         _check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
