@@ -36,9 +36,12 @@ def randomize(model, state, seed: int = 99, grad: bool = False) -> None:
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]
     for name, p in tensors:
         shape = list(p.shape)
-        tp_split = getattr(p, "tensor_model_parallel", False) and state.tp_size > 1
+        # a folded grid splits the experts over its own ETP group
+        rank, size = ((state.etp_rank, state.etp_size) if getattr(state, "folded", False) and ".mlp.experts." in name
+                      else (state.tp_rank, state.tp_size))
+        tp_split = getattr(p, "tensor_model_parallel", False) and size > 1
         if tp_split:
-            shape[p.partition_dim] *= state.tp_size
+            shape[p.partition_dim] *= size
         grouped = ".experts.weight" in name or ".experts.bias" in name
         if grouped:
             shape[0] *= state.ep_size
@@ -47,7 +50,7 @@ def randomize(model, state, seed: int = 99, grad: bool = False) -> None:
         if grouped:
             full = full.chunk(state.ep_size)[state.ep_rank]
         if tp_split:
-            full = shard(full, p.partition_dim, state.tp_rank, state.tp_size, getattr(p, "partition_stride", 1))
+            full = shard(full, p.partition_dim, rank, size, getattr(p, "partition_stride", 1))
         if grad:
             p.grad = full.to(p.dtype) if isinstance(p, torch.nn.Parameter) else None
             continue

@@ -46,8 +46,9 @@ MODELS = {
 TOKENS = torch.tensor([[5, 17, 42, 8, 61, 3, 99, 0, 12, 77, 31, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
 
 
-def configs(variant, tp=1, ep=1):
+def configs(variant, tp=1, ep=1, etp=None):
     model, moe = MODELS[variant]
+    moe = moe if etp is None else {**moe, "expert_tensor_parallel_size": etp}
     cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, seq_length=16, max_position_embeddings=16,
                       vocab_size=VOCAB, make_vocab_size_divisible_by=8, attention_dropout=0.0, hidden_dropout=0.0, **model)
     cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, tp)
@@ -59,7 +60,7 @@ def configs(variant, tp=1, ep=1):
 
 
 def build(variant, state):
-    config = configs(variant, state.tp_size, state.ep_size)
+    config = configs(variant, state.tp_size, state.ep_size, state.etp_size if state.folded else None)
     tc = TransformerConfig.from_model(config.model, tensor_model_parallel_size=state.tp_size,
                                       sequence_parallel=state.tp_size > 1, expert_model_parallel_size=state.ep_size,
                                       **moe_fields(config.moe), **fusion_fields(config.fusion, config.model.swiglu))
@@ -79,14 +80,20 @@ def trained_optimizer(model, config, state):
     return optimizer
 
 
+# parallel folding: the experts split over ETP 2 x EP 2 under TP 1 attention; whole experts over
+# EP 4 under TP 2 attention (folded because EP 4 does not divide DP 2)
+FOLDED = {"mixtral": dict(tp=1, ep=2, etp=2), "grouped": dict(tp=2, ep=4, etp=1)}
+
+
 def save_sources(root):
-    state = cached_state(tp=2, ep=2)
     for variant in MODELS:
-        model, config = build(variant, state)
-        randomize(model, state)
-        optimizer = trained_optimizer(model, config, state)
-        config.checkpoint.save = os.path.join(root, variant)
-        save_checkpoint(7, [model], optimizer, None, 56, config, state)
+        for name, sizes in ((variant, dict(tp=2, ep=2)), (f"{variant}_folded", FOLDED[variant])):
+            state = cached_state(**sizes)
+            model, config = build(variant, state)
+            randomize(model, state)
+            optimizer = trained_optimizer(model, config, state)
+            config.checkpoint.save = os.path.join(root, name)
+            save_checkpoint(7, [model], optimizer, None, 56, config, state)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +103,7 @@ def sources(tmp_path_factory):
     os.makedirs(os.path.join(root, "mixtral", "tokenizer"))
     with open(os.path.join(root, "mixtral", "tokenizer", "tokenizer.json"), "w") as f:
         f.write('{"kept": true}')
-    return {v: os.path.join(root, v) for v in MODELS}
+    return {v: os.path.join(root, v) for v in MODELS} | {f"{v}_folded": os.path.join(root, f"{v}_folded") for v in MODELS}
 
 
 def reference(root):
@@ -274,3 +281,63 @@ def test_moe_dataclass_fields_are_what_the_converter_reads():
     """The converter rebuilds models from the saved flat config: every MoE field must be in it."""
     flat = configs("grouped").flat()
     assert all(f.name in flat for f in dataclasses.fields(MoEConfig))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel folding (mp_rank_TT_PPP_EEE_XX files)
+
+
+@pytest.mark.parametrize("variant", list(MODELS))
+def test_folded_to_unfolded_to_folded_is_bit_exact(variant, sources, tmp_path):
+    """A folded grid's torch checkpoint (weights and one Adam step) converts to one process, to an
+    unfolded EP2 x TP2 layout and to the other folded layout (the merged weights stay the same), and
+    back from the unfolded one to its own sizes: the files training wrote, bit for bit (weights,
+    param_meta, moments, masters, groups). EP 4 not dividing DP 2 needs --target-data-parallel-size."""
+    src, sizes = sources[f"{variant}_folded"], FOLDED[variant]
+    one, unfolded, other, back = (tmp_path / n for n in ("one", "unfolded", "other", "back"))
+    assert convert("GPT", "--load-dir", src, "--save-dir", one, "--target-tensor-parallel-size", 1,
+                   "--target-expert-parallel-size", 1, "--target-expert-tensor-parallel-size", 1) == 0
+    assert convert("GPT", "--load-dir", src, "--save-dir", unfolded, "--target-tensor-parallel-size", 2,
+                   "--target-expert-parallel-size", 2, "--target-expert-tensor-parallel-size", 2) == 0
+    flip = FOLDED["grouped" if variant == "mixtral" else "mixtral"]
+    assert convert("GPT", "--load-dir", unfolded, "--save-dir", other, "--target-tensor-parallel-size", flip["tp"],
+                   "--target-expert-parallel-size", flip["ep"], "--target-expert-tensor-parallel-size", flip["etp"],
+                   "--target-data-parallel-size", 2) == 0
+    assert convert("GPT", "--load-dir", other, "--save-dir", back, "--target-tensor-parallel-size", sizes["tp"],
+                   "--target-expert-parallel-size", sizes["ep"], "--target-expert-tensor-parallel-size", sizes["etp"],
+                   "--target-data-parallel-size", 4 // sizes["tp"]) == 0
+    original, _ = merge_checkpoint(src)
+    for out, folded in ((one, False), (unfolded, False), (other, True), (back, True)):
+        got, cfg = merge_checkpoint(str(out))
+        assert_same_weights(got, original, VOCAB)
+        assert all((len(name.split("_")) == 6) == folded for name in _files(str(out), "iter_0000007")), out
+    want, got = _files(src, "iter_0000007"), _files(str(back), "iter_0000007")
+    assert got.keys() == want.keys(), got.keys()  # training's folders: one per dense x expert shard pair
+    rows = padded_vocab_size(VOCAB, 8, sizes["tp"]) // sizes["tp"]
+    for name, payload in want.items():
+        t = int(name.split("_")[2])
+        assert got[name]["param_meta"] == payload["param_meta"] and got[name]["expert_grid_folded"]
+        assert got[name]["etp_size"] == payload["etp_size"]
+        assert got[name]["model"][0].keys() == payload["model"][0].keys()
+        real = max(0, min(rows, VOCAB - t * rows))
+        for k, v in payload["model"][0].items():
+            cut = real if "word_emb" in k or "output_layer" in k else None
+            assert torch.equal(got[name]["model"][0][k][:cut], v[:cut]), (name, k)
+        same_optimizer(got[name]["optimizer"], payload["optimizer"], rows, real)
+
+
+def test_bad_folded_target_layouts_exit_2(sources, tmp_path, capsys):
+    """Target expert sizes the model cannot take: one line naming the option, exit 2, nothing written."""
+    src = sources["mixtral_folded"]
+    cases = [
+        (["--target-expert-tensor-parallel-size", 3], "--target-expert-tensor-parallel-size 3"),  # ffn 16
+        (["--target-expert-tensor-parallel-size", 0], "--target-expert-tensor-parallel-size must be at least 1"),
+        (["--target-data-parallel-size", 0], "--target-data-parallel-size must be at least 1"),
+        (["--target-expert-parallel-size", 3], "--target-expert-parallel-size 3"),
+        (["--saver", "hf", "--target-expert-tensor-parallel-size", 2], "applies to --saver megatron only"),
+    ]
+    for i, (argv, words) in enumerate(cases):
+        assert convert("GPT", "--load-dir", src, *argv, "--save-dir", tmp_path / f"out{i}") == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+        assert not (tmp_path / f"out{i}").exists()

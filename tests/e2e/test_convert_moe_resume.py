@@ -51,14 +51,15 @@ def test_ep2_tp2_checkpoint_resumes_at_ep4_like_the_single_process_run(tmp_path)
 
 def test_folded_torch_dist_checkpoint_converts_to_one_process(tmp_path):
     """Parallel folding: a torch_dist checkpoint of attention DP 2 with every expert split over ETP 2 (TP 1)
-    converts to one process (the converter builds its models with the experts unfolded) and resumes
-    there like the uninterrupted run; the converted config records no --expert-tensor-parallel-size
-    (its files are not folded: that size at TP 1 on one process is refused)."""
+    converts to one process (--target-expert-tensor-parallel-size 1: the default keeps the source's
+    ETP 2, a folded grid) and resumes there like the uninterrupted run; the converted config records
+    ETP 1 (whole experts: unfolded files)."""
     src, one = str(tmp_path / "etp2"), str(tmp_path / "one")
     folded = ["--expert-tensor-parallel-size", "2", "--ckpt-format", "torch_dist"]
     first = ranks_trajectory(2, "pretrain_gpt", _argv(src, 6, MOE + folded + ["--exit-interval", "3"]))
-    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", one]) == 0
-    assert merge_checkpoint(one)[1].get("expert_tensor_parallel_size") is None
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", src, "--save-dir", one,
+                                                 "--target-expert-tensor-parallel-size", "1"]) == 0
+    assert merge_checkpoint(one)[1].get("expert_tensor_parallel_size") == 1
     resumed = run_script("pretrain_gpt", _argv(str(tmp_path / "a"), 6, MOE + ["--load", one, "--no-load-rng"]))
     straight = run_script("pretrain_gpt", _argv(str(tmp_path / "b"), 6, MOE))
     assert_same_trajectory(first + resumed, straight, steps=6)

@@ -18,6 +18,7 @@ import pretrain_gpt
 from megatron_lite.checkpoint import load_gpt_checkpoint
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2, _parallel, _same_weights, _single
 from tests.harness import run_ranks
+from tests.tools import load_tool
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories, ranks_trajectory
 
 MOE = [
@@ -197,7 +198,9 @@ def test_folded_torch_checkpoint_resumes(tmp_path, moe_reference):
     """Parallel folding, TP 2 attention with whole experts over ETP 1 x EP 4 (each rank one of the 4
     experts) and the distributed optimizer: the single-process trajectory, through a --ckpt-format torch
     save (one mp_rank_TT_PPP_EEE_XX folder per dense x expert shard pair) and a resume at the same
-    sizes; the final folded files merge into the one-process weights."""
+    sizes; the final folded files merge into the one-process weights. tools/checkpoint/convert.py
+    writes the half-way checkpoint at TP 1 with every expert split over ETP 2 x EP 2 (weights, Adam
+    moments, schedule), which resumes on the same trajectory (rel 1e-5, --no-load-rng)."""
     save = str(tmp_path / "folded")
     flags = MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "4",
                    "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
@@ -205,8 +208,16 @@ def test_folded_torch_checkpoint_resumes(tmp_path, moe_reference):
     folders = sorted(os.listdir(os.path.join(save, f"iter_{ITERS // 2:07d}")))
     assert folders == ["mp_rank_00_000_000_00", "mp_rank_00_000_002_00", "mp_rank_01_000_001_00",
                        "mp_rank_01_000_003_00", "rng"], folders
-    second = ranks_trajectory(4, "pretrain_gpt", _argv(save, ITERS, flags + ["--load", save]))
+    etp2 = str(tmp_path / "etp2")
+    assert load_tool("checkpoint/convert").main(["--model-type", "GPT", "--load-dir", save, "--save-dir", etp2,
+                                                 "--target-tensor-parallel-size", "1", "--target-expert-parallel-size",
+                                                 "2", "--target-expert-tensor-parallel-size", "2"]) == 0
+    second, converted = ranks_trajectories(4, "pretrain_gpt", [
+        _argv(save, ITERS, flags + ["--load", save]),
+        _argv(str(tmp_path / "b"), ITERS, MOE + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                                                 "2", "--use-distributed-optimizer", "--load", etp2, "--no-load-rng"])])
     assert_same_trajectory(first + second, moe_reference["A"][0], steps=ITERS)
+    assert_same_trajectory(first + converted, moe_reference["A"][0], steps=ITERS, what="converted to ETP 2 x EP 2")
     _same_weights(save, moe_reference["A"][1])
 
 
