@@ -217,6 +217,12 @@ MUTATIONS = [
     Mutation("folded_torch_writers", "parallel folding: torch-format files written by expert-DP rank 0 only",
              "megatron_lite/checkpoint/expert_files.py", "    mine = _shards(state.grid, state.rank)\n",
              "    return state.expert_dp_rank == 0\n", ("tests/unit/test_expert_grid.py",)),
+    Mutation("folded_convert_optim", "converter: a folded target's expert moments cut over TP instead of ETP",
+             "megatron_lite/checkpoint/reshard.py", "etp=None if x is None else (x, layout.etp_size)),", "etp=None),",
+             ("tests/distributed/test_convert_moe.py", "-k", "folded")),
+    Mutation("folded_convert_dense", "converter: a folded source's dense optimizer state from EP rank 0's files only",
+             "megatron_lite/checkpoint/reshard_optim.py", "for k, o in stage if k[0] == t), None)",
+             "for k, o in stage if k[0] == t and k[2] == e), None)", ("tests/distributed/test_convert_moe.py", "-k", "folded")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
