@@ -15,7 +15,10 @@ Beam search copies rows between sequences with :meth:`reorder`, every cached ten
 With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
 positions ``< sequence_offset`` and new positions ``<= i``. A sliding-window layer (``--window-size``)
 asks :meth:`KVCache.query_positions` for the new tokens' positions and masks the keys before its
-window (:func:`~megatron_lite.parallel.sliding_window.cache_window_mask`); every token stays cached.
+window (:func:`~megatron_lite.parallel.sliding_window.cache_window_mask`); every token stays cached
+(``first_key`` is 0: the keys returned start at position 0). A rolling buffer is not built here:
+this cache serves one static batch (and beam search) at the model's whole length; the continuous
+batch's paged cache returns the blocks beyond every window.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class KVCache:
                              f"{max_batch_size} x {max_sequence_length}")
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.sequence_offset = 0
+        self.first_key = 0  # the position of the first key append returns (every token is kept)
         self.memory: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def append(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -29,6 +29,16 @@ mask (True = masked) under which query ``i`` of row ``r`` sees exactly that row'
 lengths[r] + i``. The layers (standard attention and MLA's latent cache alike) take this object
 as their ``inference_context`` with no change: they only call :meth:`append` (and a sliding-window
 layer :meth:`query_positions`, each row's own, to mask the keys before its window).
+
+Sliding windows (``reach``: :func:`~megatron_lite.models.window_config.cache_reach`, set when every
+layer has a window of at most ``reach`` keys before its query): no later query of a row looks more
+than ``reach`` positions back, so :meth:`begin` first returns to the pool the blocks wholly before
+``lengths[r] - reach`` (their table entries become 0, the zero block, which the window masks in every
+layer) and a pass reads the keys from ``first_key`` on, the earliest position a row of the pass still
+holds. A row then holds at most :meth:`row_blocks` blocks at once - those of its prefill, or of
+``reach + 1`` keys while it decodes - and admission promises it only that. A model with a
+full-attention layer (``--window-attn-skip-freq``) keeps every block: the pool is shared by all
+layers, so a block is returned only when no layer reads it.
 """
 
 from __future__ import annotations
@@ -37,11 +47,14 @@ import torch
 
 
 class PagedCache:
-    def __init__(self, max_rows: int, max_sequence_length: int, block_size: int = 16, num_blocks: int | None = None):
+    def __init__(self, max_rows: int, max_sequence_length: int, block_size: int = 16, num_blocks: int | None = None,
+                 reach: int | None = None):
         if max_rows < 1 or max_sequence_length < 1 or block_size < 1:
             raise ValueError(f"a paged key/value cache needs a positive number of rows, length and block size, got "
                              f"{max_rows} x {max_sequence_length}, blocks of {block_size}")
         self.max_rows, self.max_sequence_length, self.block_size = max_rows, max_sequence_length, block_size
+        self.reach = reach  # every layer's window looks at most this far back (None: keep every block)
+        self.first_key = 0  # the position of the first key a pass reads (keys before it were returned)
         self.num_blocks = num_blocks if num_blocks is not None else max_rows * self.blocks_for(max_sequence_length)
         if self.num_blocks < 1:
             raise ValueError(f"a paged key/value cache needs at least one block, got {self.num_blocks}")
@@ -58,33 +71,51 @@ class PagedCache:
         """Blocks that hold ``tokens`` tokens of one row."""
         return -(-tokens // self.block_size)
 
+    def row_blocks(self, max_tokens: int, prefill: int | None = None) -> int:
+        """The most blocks one row holds at once: a row of up to ``max_tokens`` tokens whose longest
+        forward pass feeds ``prefill`` tokens (its prefill; None: ``max_tokens``). All its blocks
+        without a window; with one, a pass at position ``a`` of ``n`` tokens holds the positions
+        ``[a - reach, a + n)``: at most ``max(prefill, reach + 1)`` tokens, at any block offset."""
+        whole = self.blocks_for(max_tokens)
+        if self.reach is None:
+            return whole
+        span = max(max_tokens if prefill is None else prefill, self.reach + 1)
+        return min(whole, (span + 2 * self.block_size - 2) // self.block_size)
+
+    def _dropped(self, length: int) -> int:
+        """Leading blocks of a row at ``length`` that its next queries can no longer see."""
+        return 0 if self.reach is None else max(0, length - self.reach) // self.block_size
+
+    def _held(self, row: int) -> int:
+        return sum(1 for block in self.tables[row] if block)
+
     @property
     def promised(self) -> int:
         """Blocks reserved by rows in use and not yet taken from the pool."""
-        return sum(self.reserved[r] - len(self.tables[r]) for r in range(self.max_rows) if r not in self.free)
+        return sum(self.reserved[r] - self._held(r) for r in range(self.max_rows) if r not in self.free)
 
     @property
     def available(self) -> int:
         """Blocks a new request may reserve now."""
         return len(self.free_blocks) - self.promised
 
-    def fits(self, n: int, max_tokens: int) -> bool:
+    def fits(self, n: int, max_tokens: int, prefill: int | None = None) -> bool:
         """Whether ``n`` rows of up to ``max_tokens`` tokens each can be allocated now."""
-        return n <= len(self.free) and n * self.blocks_for(max_tokens) <= self.available
+        return n <= len(self.free) and n * self.row_blocks(max_tokens, prefill) <= self.available
 
-    def allocate(self, n: int, max_tokens: int) -> list[int]:
+    def allocate(self, n: int, max_tokens: int, prefill: int | None = None) -> list[int]:
         """``n`` free rows (the lowest numbers first), now in use at length 0, each promised the blocks
-        of ``max_tokens`` tokens; ValueError without room."""
+        it holds at once (:meth:`row_blocks`); ValueError without room."""
         if n > len(self.free):
             raise ValueError(f"the key/value cache has {len(self.free)} free rows of {self.max_rows}; asked for {n}")
         if max_tokens > self.max_sequence_length:
             raise ValueError(f"a row of the key/value cache holds {self.max_sequence_length} tokens; asked for {max_tokens}")
-        need = n * self.blocks_for(max_tokens)
+        need = n * self.row_blocks(max_tokens, prefill)
         if need > self.available:
             raise ValueError(f"the key/value cache has {self.available} blocks free of {self.num_blocks}; asked for {need}")
         rows, self.free = self.free[:n], self.free[n:]
         for r in rows:
-            self.reserved[r] = self.blocks_for(max_tokens)
+            self.reserved[r] = self.row_blocks(max_tokens, prefill)
         return rows
 
     def release(self, rows: list[int]) -> None:
@@ -92,43 +123,51 @@ class PagedCache:
         for r in rows:
             if r in self.free or not 0 <= r < self.max_rows:
                 raise ValueError(f"row {r} of the key/value cache is not in use")
-            self.free_blocks += self.tables[r]
+            self.free_blocks += [block for block in self.tables[r] if block]
             self.tables[r], self.reserved[r], self.lengths[r] = [], 0, 0
         self.free = sorted(self.free + list(rows))
 
     # -- one forward pass ------------------------------------------------------------------------
     def begin(self, rows: list[int], s_new: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a forward pass of ``s_new`` new tokens for each of ``rows`` (in that batch order),
-        taking the blocks they need; return their positions ``[b, s_new]`` and the attention mask
-        ``[b, 1, s_new, k_len]``."""
+        taking the blocks they need (and returning those beyond every window); return their positions
+        ``[b, s_new]`` and the attention mask ``[b, 1, s_new, k_len - first_key]``."""
         for r in rows:
             if r in self.free:
                 raise ValueError(f"row {r} of the key/value cache is not in use")
-            if self.blocks_for(self.lengths[r] + s_new) > self.reserved[r]:
-                raise ValueError(f"row {r} of the key/value cache holds {self.reserved[r] * self.block_size} "
-                                 f"tokens; asked for {self.lengths[r] + s_new}")
+            end = self.lengths[r] + s_new
+            if self.blocks_for(end) - self._dropped(self.lengths[r]) > self.reserved[r]:
+                raise ValueError(f"row {r} of the key/value cache holds {self.reserved[r]} blocks of "
+                                 f"{self.block_size} tokens; asked for positions {self.lengths[r]}..{end - 1}")
         for r in rows:
-            while len(self.tables[r]) * self.block_size < self.lengths[r] + s_new:
-                self.tables[r].append(self.free_blocks.pop(0))
+            table = self.tables[r]
+            for i in range(self._dropped(self.lengths[r])):  # beyond every window from now on
+                if table[i]:
+                    self.free_blocks.append(table[i])
+                    table[i] = 0
+            while len(table) * self.block_size < self.lengths[r] + s_new:
+                table.append(self.free_blocks.pop(0))
+        first = self.first_key = min(self._dropped(self.lengths[r]) for r in rows) * self.block_size
         starts = torch.tensor([self.lengths[r] for r in rows], dtype=torch.long)
         k_len = int(starts.max()) + s_new
         positions = starts[:, None] + torch.arange(s_new)[None, :]  # [b, s_new]
-        keys = torch.arange(k_len)
+        keys = torch.arange(first, k_len)
         width = max(len(self.tables[r]) for r in rows)
         tables = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rows], dtype=torch.long)
         slots = tables.gather(1, (keys // self.block_size)[None, :].clamp(max=width - 1).expand(len(rows), -1))
-        slots = slots * self.block_size + keys % self.block_size  # [b, k_len]
+        slots = slots * self.block_size + keys % self.block_size  # [b, k_len - first]
         owned = keys[None, :] < (starts + s_new)[:, None]
-        self._read = torch.where(owned, slots, 0).t().reshape(-1).to(device)  # [k_len * b], key-major
-        self._write = slots.gather(1, positions).t().reshape(-1).to(device)  # [s_new * b]
-        self._rows, self._new, self._k_len = list(rows), s_new, k_len
+        self._read = torch.where(owned, slots, 0).t().reshape(-1).to(device)  # [(k_len - first) * b], key-major
+        self._write = slots.gather(1, positions - first).t().reshape(-1).to(device)  # [s_new * b]
+        self._rows, self._new, self._k_len = list(rows), s_new, k_len - first
         self._positions = positions
-        mask = keys[None, None, :] > positions[:, :, None]  # [b, s_new, k_len]
+        mask = keys[None, None, :] > positions[:, :, None]  # [b, s_new, k_len - first]
         return positions.to(device), mask.unsqueeze(1).to(device)
 
     def append(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Store the new tokens' ``tensors`` (each ``[s_new, b, ...]``, rows in :meth:`begin`'s order)
-        of layer ``layer_number``; return every cached entry of those rows, ``[k_len, b, ...]``."""
+        of layer ``layer_number``; return the cached entries of those rows from ``first_key`` on,
+        ``[k_len - first_key, b, ...]``."""
         if self._rows is None:
             raise RuntimeError("PagedCache.append before begin()")
         s_new, b = tensors[0].shape[:2]

@@ -2,7 +2,8 @@
 
 :class:`Scheduler` decodes every admitted request together. Each :meth:`~Scheduler.step` first
 admits requests (each takes one row of the :class:`~.paged_cache.PagedCache` per prompt, and is
-promised the cache blocks its rows can grow to: a request whose rows or blocks are not free waits,
+promised the cache blocks its rows can hold at once - all they can grow to, or with every layer
+windowed those of the prefill or the window: a request whose rows or blocks are not free waits,
 in arrival order), then runs one step of every request: a request just admitted runs its prefill
 (its prompts up to the shortest one's length), the others feed one token each, in one forward pass
 per number of new tokens over their rows (each row at its own length and positions). With
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..models.window_config import cache_reach
 from .engine import (
     Generation,
     InferenceEngine,
@@ -161,7 +163,8 @@ class Scheduler:
             raise ValueError(f"--max-num-batched-tokens {max_batched_tokens} must be at least --inference-max-requests "
                              f"{max_rows} (every decoding sequence feeds one token per step)")
         self.engine, self.max_batched_tokens = engine, max_batched_tokens
-        self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks)
+        self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks,
+                                reach=cache_reach(engine.model.config))
         self.active: list[_Request] = []
         self.pending: list[Admission] = []  # the deciding rank's queue
         self.next_rid = 0
@@ -181,7 +184,7 @@ class Scheduler:
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
                              f"sequences than --inference-max-requests {self.cache.max_rows})")
         rows, tokens = len(prompts), _row_tokens(prompts, params)
-        need, cache = rows * self.cache.blocks_for(tokens), self.cache
+        need, cache = rows * self.cache.row_blocks(tokens, _prefill(prompts)), self.cache
         if need > cache.num_blocks:
             raise ValueError(f"this request needs {need} key/value-cache blocks of {cache.block_size} tokens ({rows} "
                              f"sequence(s) of up to {tokens} tokens), more than the {cache.num_blocks} of "
@@ -209,7 +212,7 @@ class Scheduler:
         rows, blocks, out = len(self.cache.free), self.cache.available, []
         while self.pending:
             a = self.pending[0]
-            need = len(a.prompts) * self.cache.blocks_for(_row_tokens(a.prompts, a.params))
+            need = len(a.prompts) * self.cache.row_blocks(_row_tokens(a.prompts, a.params), _prefill(a.prompts))
             if len(a.prompts) > rows or need > blocks:
                 break
             rows, blocks = rows - len(a.prompts), blocks - need
@@ -243,7 +246,7 @@ class Scheduler:
         on any rank: the ranks agree) gets its error event and frees its rows, and the rest go on."""
         errors, joined = {}, []
         for a in admitted:
-            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params))
+            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params), _prefill(a.prompts))
             try:
                 joined.append(_Request(self.engine, a, rows))
             except Exception as err:  # noqa: BLE001 - this request's error alone
@@ -374,3 +377,9 @@ def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:
     """The most tokens a sequence of this request holds in the cache: every sequence steps until the
     longest prompt plus ``tokens_to_generate`` (the last token is sampled, never fed)."""
     return max(len(p) for p in prompts) + params.tokens_to_generate - 1
+
+
+def _prefill(prompts: list[list[int]]) -> int:
+    """The most tokens one forward pass of this request feeds a row: its prefill, the shortest prompt
+    (the longer prompts' other tokens go one a step, as the generated ones)."""
+    return min(len(p) for p in prompts)

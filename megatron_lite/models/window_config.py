@@ -79,3 +79,13 @@ def layer_window(config, layer_number: int) -> tuple[int, int] | None:
         elif not parse_skip_freq(freq, config.num_layers)[min(layer_number, config.num_layers) - 1]:
             return None
     return int(window[0]), int(window[1])
+
+
+def cache_reach(config) -> int | None:
+    """How far back (``LEFT``) the decoder's layers look when every one of them is a sliding-window
+    layer with a bounded left side: a key/value cache may forget every key more than that before its
+    row's next query. None where some layer attends to its whole context (nothing can be forgotten)."""
+    windows = [layer_window(config, n) for n in range(1, config.num_layers + 1)]
+    if any(w is None or w[0] < 0 for w in windows):
+        return None
+    return max(w[0] for w in windows)

@@ -44,11 +44,12 @@ def confine_to_window(mask, window, causal: bool, sq: int, sk: int, device):
 def cache_window_mask(context, mask, window, sq: int, sk: int, device):
     """The attention mask (True = masked out) of ``sq`` new queries over ``sk`` cached keys under
     ``window``: ``context.query_positions(sq)`` ``[b or 1, sq]`` are the queries' positions in their
-    rows (key ``j`` sits at position ``j``); causal, and ``mask`` (the cache's own, or None) kept."""
+    rows (key ``j`` sits at position ``context.first_key + j``); causal, and ``mask`` (the cache's own,
+    or None) kept."""
     if window is None:
         return mask
     q_pos = context.query_positions(sq).to(device)
-    k_pos = torch.arange(sk, device=device)
+    k_pos = torch.arange(context.first_key, context.first_key + sk, device=device)
     masked = ~(window_allowed(q_pos, k_pos, window) & (k_pos <= q_pos.unsqueeze(-1)))
     masked = masked.unsqueeze(-3)  # [b or 1, 1, sq, sk]
     return masked if mask is None else mask | masked

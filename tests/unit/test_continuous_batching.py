@@ -59,7 +59,7 @@ def test_cache_rows_take_blocks_as_they_grow_and_give_them_back():
     cache.advance()
     assert keys[:, 0, 0].tolist() == [1.0, 3.0, 5.0, -1.0]
     assert keys[:, 1, 0].tolist() == [7.0, 7.0, -2.0, 0.0]  # its stale slot past its length: read from block 0
-    with pytest.raises(ValueError, match="row 0 of the key/value cache holds 4 tokens; asked for 5"):
+    with pytest.raises(ValueError, match="row 0 of the key/value cache holds 2 blocks of 2 tokens; asked for positions 3..4"):
         cache.begin([0], 2, "cpu")  # beyond what it was promised
     with pytest.raises(ValueError, match="row 3 of the key/value cache is not in use"):
         cache.release([3])
