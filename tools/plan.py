@@ -77,6 +77,7 @@ MODEL_FLAGS = {  # flag -> (ModelSpec field, type)
     "--kv-lora-rank": ("kv_lora_rank", POSITIVE), "--qk-head-dim": ("qk_head_dim", POSITIVE),
     "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", POSITIVE), "--v-head-dim": ("v_head_dim", POSITIVE),
     "--mtp-num-layers": ("mtp_num_layers", _at_least(0)), "--normalization": ("normalization", str),
+    "--window-size": ("window_size", _at_least(-1)), "--window-attn-skip-freq": ("window_attn_skip_freq", str),
 }
 CLUSTER_FLAGS = {"--gpus-per-node": POSITIVE, "--gpu-memory-gb": _positive_float, "--peak-tflops": _positive_float,
                  "--intra-node-gbps": _positive_float, "--inter-node-gbps": _positive_float}
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="a published model's shapes")
     for flag, (_, kind) in MODEL_FLAGS.items():
-        ap.add_argument(flag, type=kind, choices=["LayerNorm", "RMSNorm"] if flag == "--normalization" else None)
+        ap.add_argument(flag, type=kind, choices=["LayerNorm", "RMSNorm"] if flag == "--normalization" else None,
+                        **({"nargs": 2, "metavar": ("LEFT", "RIGHT")} if flag == "--window-size" else {}))
     ap.add_argument("--swiglu", action="store_true", default=None)
     ap.add_argument("--disable-bias-linear", action="store_true", default=None)
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)

@@ -20,6 +20,10 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
 * attention with ``a`` heads of ``d`` channels (``kv_channels``) and ``g`` key/value groups (GQA/MQA):
   Q projection 2·B·s·h·a·d, K and V projections 2·2·B·s·h·g·d, scores and values 2·2·B·s²·a·d,
   output projection 2·B·s·a·d·h. The causal mask is not discounted (as in the paper and Megatron);
+* sliding-window attention (``--window-size LEFT RIGHT``, per layer as ``--window-attn-skip-freq``
+  chooses): a windowed layer's queries each count the ``w = LEFT + 1 + RIGHT`` keys their window
+  spans (at most s; a side of -1 is unbounded), so its scores and values are 2·2·B·s·w·a·d where a
+  full layer's are 2·2·B·s²·a·d (the mask not discounted either: a causal window counts LEFT + 1);
 * MLP with hidden ``f`` (``ffn_hidden_size``): up 2·B·s·h·f (twice that for SwiGLU's gate and up
   halves) + down 2·B·s·f·h;
 * V is the padded vocabulary when known (the size actually multiplied), else ``vocab_size``;
@@ -45,6 +49,7 @@ import time
 
 import torch
 
+from ..models.window_config import layer_window
 from ..moe.config import parse_moe_layer_freq
 
 
@@ -68,15 +73,33 @@ def moe_mlp_flops(model_config, moe_config, batch_size: int) -> float:
     return flops + (mlp_flops(tokens, h, shared, swiglu) if shared else 0.0)
 
 
-def core_attention_flops(model_config, batch_size: int) -> float:
-    """Forward FLOPs of one layer's Q·Kᵀ and probabilities·V (what selective recomputation repeats)."""
+def attended_keys(model_config, window=None) -> int:
+    """Keys each query is counted against: the sequence length, or the width of its ``window``
+    ``(left, right)`` (at most the sequence length; -1 leaves a side unbounded)."""
+    s = model_config.seq_length
+    if window is None:
+        return s
+    left, right = (s if side < 0 else side for side in window)
+    return min(s, left + 1 + right)
+
+
+def core_attention_flops(model_config, batch_size: int, window=None) -> float:
+    """Forward FLOPs of one layer's Q·Kᵀ and probabilities·V (what selective recomputation repeats);
+    ``window`` ``(left, right)``: that layer's sliding window (None: full attention)."""
     h, s = model_config.hidden_size, model_config.seq_length
+    keys = attended_keys(model_config, window)
     heads = model_config.num_attention_heads
     if _get(model_config, "multi_latent_attention", False):
         qk = model_config.qk_head_dim + model_config.qk_pos_emb_head_dim
-        return float(2 * batch_size * s * s * heads * (qk + model_config.v_head_dim))
+        return float(2 * batch_size * s * keys * heads * (qk + model_config.v_head_dim))
     d = _get(model_config, "kv_channels", h // heads)
-    return float(2 * 2 * batch_size * s * s * heads * d)
+    return float(2 * 2 * batch_size * s * keys * heads * d)
+
+
+def layer_windows(model_config) -> list:
+    """The sliding window of every layer, multi-token prediction layers last (None: full attention)."""
+    total = model_config.num_layers + _get(model_config, "mtp_num_layers", 0)
+    return [layer_window(model_config, n) for n in range(1, total + 1)]
 
 
 def _mla_projection_flops(model_config, tokens: int) -> float:
@@ -89,9 +112,9 @@ def _mla_projection_flops(model_config, tokens: int) -> float:
     return float(queries + latent + expansion + 2 * tokens * a * dv * h)
 
 
-def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> float:
+def forward_flops_per_layer(model_config, batch_size: int, moe_config=None, window=None) -> float:
     """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences (an MoE layer when
-    ``moe_config`` is given)."""
+    ``moe_config`` is given; ``window``: its sliding window, None for full attention)."""
     h = model_config.hidden_size
     s = model_config.seq_length
     heads = model_config.num_attention_heads
@@ -99,12 +122,12 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None) -> f
     groups = _get(model_config, "num_query_groups", heads)
     tokens = batch_size * s
     if _get(model_config, "multi_latent_attention", False):
-        attention = _mla_projection_flops(model_config, tokens) + core_attention_flops(model_config, batch_size)
+        attention = _mla_projection_flops(model_config, tokens) + core_attention_flops(model_config, batch_size, window)
     else:
         attention = (
             2 * tokens * h * heads * d  # Q projection
             + 2 * 2 * tokens * h * groups * d  # K and V projections
-            + core_attention_flops(model_config, batch_size)  # Q·Kᵀ and probabilities·V
+            + core_attention_flops(model_config, batch_size, window)  # Q·Kᵀ and probabilities·V
             + 2 * tokens * heads * d * h  # output projection
         )
     if moe_config is not None:
@@ -128,7 +151,8 @@ def num_floating_point_operations(model_config, batch_size: int, recompute_full:
     ``batch_size`` is the global batch (all micro-batches and data-parallel ranks); divide by the
     number of devices for a per-device figure. ``recompute_full`` adds the recomputed forward of
     every layer (hardware FLOPs of ``--recompute-granularity full``). ``moe_config`` (the MoE flags)
-    makes the layers ``moe_layer_freq`` selects MoE layers.
+    makes the layers ``moe_layer_freq`` selects MoE layers; ``model_config``'s ``window_size`` and
+    ``window_attn_skip_freq`` the sliding-window ones.
     """
     layer_passes = 4 if recompute_full else 3
     mtp = _get(model_config, "mtp_num_layers", 0)
@@ -136,9 +160,10 @@ def num_floating_point_operations(model_config, batch_size: int, recompute_full:
     if moe_config is not None and _get(moe_config, "num_experts"):
         pattern = parse_moe_layer_freq(moe_config.moe_layer_freq, model_config.num_layers)
     pattern = pattern + pattern[-1:] * mtp  # multi-token prediction: layers of the last layer's kind
-    per_kind = {is_moe: forward_flops_per_layer(model_config, batch_size, moe_config if is_moe else None)
-                for is_moe in set(pattern)}
-    layers = sum(per_kind[is_moe] for is_moe in pattern)
+    kinds = list(zip(pattern, layer_windows(model_config)))  # (MoE?, sliding window) of every layer
+    per_kind = {kind: forward_flops_per_layer(model_config, batch_size, moe_config if kind[0] else None, kind[1])
+                for kind in set(kinds)}
+    layers = sum(per_kind[kind] for kind in kinds)
     tokens, h = batch_size * model_config.seq_length, model_config.hidden_size
     mtp_projections = mtp * 2 * tokens * 2 * h * h
     return layer_passes * layers + 3 * (mtp_projections + (1 + mtp) * logits_flops(model_config, batch_size))

@@ -117,3 +117,19 @@ def test_mla_layer_and_mtp_flops_equal_a_count_of_every_matmul():
         without = num_floating_point_operations(dataclasses.replace(cfg, mtp_num_layers=None), B)
         mtp = 2 * (layer + 2 * B * S * 2 * H * H + logits_flops(cfg, B))
         assert num_floating_point_operations(cfg, B) == pytest.approx(without + 3 * mtp, rel=1e-12)
+
+
+def test_sliding_window_layers_count_the_keys_of_their_window():
+    """Hand count, B=1 s=32 h=64 a=4 d=16 ffn=256 V=128, --window-size 7 0 on layer 1 of 2 ("[1,0]"):
+    per layer QKV 2*32*64*192 + output 2*32*64*64 + MLP 2*2*32*64*256 = 3145728; scores and values
+    2*2*32*w*64 with w = 8 keys (layer 1) or 32 (layer 2, full); logits 2*32*64*128; x3."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+                      vocab_size=100, padded_vocab_size=128, window_size=[7, 0], window_attn_skip_freq="[1,0]")
+    projections, logits = 3145728, 2 * 32 * 64 * 128
+    want = 3 * (2 * projections + 2 * 2 * 32 * 8 * 64 + 2 * 2 * 32 * 32 * 64 + logits)
+    assert num_floating_point_operations(cfg, 1) == want == 21430272
+    full = ModelConfig(**{**vars(cfg), "window_size": None, "window_attn_skip_freq": None})
+    assert num_floating_point_operations(full, 1) - want == 3 * 2 * 2 * 32 * (32 - 8) * 64
+    from megatron_lite.perf.flops import attended_keys, core_attention_flops
+    assert [attended_keys(cfg, w) for w in ((7, 0), (3, 2), (40, 0), (-1, 0), (5, -1), None)] == [8, 6, 32, 32, 32, 32]
+    assert core_attention_flops(cfg, 2, (3, 2)) == 2 * 2 * 2 * 32 * 6 * 64  # a bidirectional (BERT) window

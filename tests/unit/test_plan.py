@@ -225,6 +225,9 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     (["--num-experts", "4", "--moe-router-topk", "8"], ["--moe-router-topk 8", "--num-experts 4"]),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], ["--moe-layer-freq"]),
     (["--normalization", "Foo"], ["--normalization"]),
+    (["--window-attn-skip-freq", "2"], ["--window-attn-skip-freq needs --window-size"]),
+    (["--window-size", "8", "-2"], ["--window-size", "at least -1"]),
+    (["--window-size", "8", "0", "--window-attn-skip-freq", "[1,0]"], ["--window-attn-skip-freq [1,0]", "4 zeros"]),
 ])
 def test_tool_refuses_bad_values_in_one_line_not_a_traceback(capsys, flags, words):
     """Zero sizes and bandwidths were ZeroDivisionError tracebacks (exit 1); the docstring promises one line, exit 2."""
@@ -309,3 +312,20 @@ def test_tool_refuses_a_non_dividing_instance_count_for_that_reason(capsys):
     assert plan_tool.main(argv + no_shard) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "needs a sharded --data-parallel-sharding-strategy" in lines[0], lines
+
+
+def test_sliding_window_layers_count_their_window_also_recomputed(capsys):
+    """Layers 1 and 3 of 4 windowed (--window-size 15 0 --window-attn-skip-freq 2, s = 64): their scores
+    and values count 16 keys a query, not 64; selective recomputation repeats each layer's own."""
+    from megatron_lite.perf.plan.estimate import step_flops
+    shape = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=64, vocab_size=1000)
+    full, windowed = ModelSpec(**shape), ModelSpec(**shape, window_size=(15, 0), window_attn_skip_freq="2")
+    attention = 2 * 2 * 16 * 64 * 256  # one layer's Q.K^T and probabilities.V per key a query sees (B = 16)
+    saved = 2 * attention * (64 - 16)  # two windowed layers
+    (_, model_full), (hw, model) = step_flops(full, 1, 16, "none"), step_flops(windowed, 1, 16, "none")
+    assert model_full - model == 3 * saved and hw == model
+    assert step_flops(windowed, 1, 16, "selective")[0] - hw == attention * (16 + 64 + 16 + 64)
+    assert plan_tool.main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length",
+                           "64", "--vocab-size", "1000", "--gpus", "8", "--global-batch-size", "16", "--top", "1",
+                           "--window-size", "15", "0", "--window-attn-skip-freq", "2"]) == 0
+    assert "best:" in capsys.readouterr().out

@@ -38,7 +38,7 @@ import torch
 from ...errors import ConfigError
 from ...parallel.expert_grid import expert_dp_size, folding_problem
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
-from ..flops import core_attention_flops, num_floating_point_operations
+from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
 from . import volumes
 from .model import ClusterSpec, ModelSpec, stage_layers, stage_params
@@ -230,7 +230,8 @@ def step_flops(spec: ModelSpec, tp: int, global_batch: int, recompute: str) -> t
     moe = padded if spec.is_moe else None
     hardware = num_floating_point_operations(padded, global_batch, recompute == "full", moe_config=moe)
     if recompute == "selective":
-        hardware += spec.num_layers * core_attention_flops(padded, global_batch)
+        hardware += sum(core_attention_flops(padded, global_batch, window)
+                        for window in layer_windows(padded)[:spec.num_layers])
     return hardware, num_floating_point_operations(padded, global_batch, False, moe_config=moe)
 
 

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from ...errors import ConfigError
 from ...models.transformer_config import default_ffn_hidden_size
+from ...models.window_config import check_window_fields
 from ...moe.config import parse_moe_layer_freq
 from ...parallel.pipeline.partition import layer_ranges
 
@@ -60,6 +61,8 @@ class ModelSpec:
     v_head_dim: int = 128
     qk_layernorm: bool = False  # MLA: norms of the q and kv latents; else per-head q and k norms
     mtp_num_layers: int = 0
+    window_size: tuple[int, int] | None = None  # sliding-window attention (LEFT, RIGHT); None: full
+    window_attn_skip_freq: int | str | None = None  # the full-attention layers among them (N or a 0/1 list)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -77,6 +80,9 @@ class ModelSpec:
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
                               f"--num-query-groups {self.num_query_groups}")
+        if self.window_size is not None:
+            object.__setattr__(self, "window_size", tuple(self.window_size))
+        check_window_fields(self)
         if self.is_moe:
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must lie between 1 and --num-experts "
