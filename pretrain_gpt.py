@@ -33,6 +33,7 @@ from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
+from megatron_lite.models.window_config import check_causal_window
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import layer_ranges
 from megatron_lite.training.loop import pretrain
@@ -197,8 +198,14 @@ def check_packed_mtp(config: Config) -> None:
                           "document boundaries); drop one of them")
 
 
+def check_gpt_flags(config: Config) -> None:
+    """pretrain_gpt.py's own refusals (one ConfigError line naming the flag)."""
+    check_causal_window(config.model.window_size)
+    check_packed_mtp(config)
+
+
 def main(argv=None):
-    config = parse_args(argv, description=__doc__.split("\n\n")[0], checks=check_packed_mtp)
+    config = parse_args(argv, description=__doc__.split("\n\n")[0], checks=check_gpt_flags)
     try:
         tokenizer = build_tokenizer_for(config)
         set_vocab(config, tokenizer)

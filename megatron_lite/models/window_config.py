@@ -64,6 +64,14 @@ def check_window_fields(config) -> None:
         raise ConfigError(f"--window-attn-skip-freq {freq}: {err}") from None
 
 
+def check_causal_window(window) -> None:
+    """A causal (GPT) model's queries never see later keys: ``RIGHT`` would do nothing, so only 0 is
+    taken (or ``-1 -1``, full attention); BERT uses ``RIGHT``."""
+    if window is not None and int(window[1]) != 0 and tuple(map(int, window)) != (-1, -1):
+        raise ConfigError(f"--window-size {window[0]} {window[1]}: a GPT is causal (a query never sees later keys), "
+                          f"so RIGHT must be 0; give --window-size {window[0]} 0 (RIGHT is for pretrain_bert.py)")
+
+
 def layer_window(config, layer_number: int) -> tuple[int, int] | None:
     """The window ``(left, right)`` of global layer ``layer_number`` (1-based), or None where the layer
     attends to its whole context (no --window-size, a full layer of --window-attn-skip-freq, or -1 -1)."""

@@ -33,12 +33,14 @@ def window_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window) -> torch.Te
 def confine_to_window(mask, window, causal: bool, sq: int, sk: int, device):
     """``mask`` (bool, True = may attend, or None for plain causal / full attention) confined to
     ``window``; the ``sq`` queries are the last ``sq`` of the ``sk`` positions (bottom-right aligned).
-    Returns a bool mask broadcastable to ``[b, heads, sq, sk]``."""
+    Returns a bool mask broadcastable to ``[b, heads, sq, sk]``. Each query keeps its own key, also
+    where ``mask`` hides it (a BERT padding query, whose window may hold only padding keys: a row
+    with no key would be NaN and spread through the values of later layers)."""
     q_pos, k_pos = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
     band = window_allowed(q_pos, k_pos, window)
     if mask is None and causal:
         band &= k_pos <= q_pos.unsqueeze(-1)
-    return band.view(1, 1, sq, sk) if mask is None else mask & band
+    return band.view(1, 1, sq, sk) if mask is None else (mask & band) | (k_pos == q_pos.unsqueeze(-1))
 
 
 def cache_window_mask(context, mask, window, sq: int, sk: int, device):

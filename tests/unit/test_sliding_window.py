@@ -245,3 +245,36 @@ def test_a_spec_whose_core_attention_ignores_the_window_is_refused(tmp_path, cap
     assert parse_args(BASE + window + ["--spec", str(path), "stock"], world_size=1).model.window_size == [4, 0]
     parse_refused(capsys, BASE + window + ["--spec", str(path), "mine"], "--window-size", "core_attention Mine",
                   world_size=1)
+
+
+def test_a_gpt_refuses_a_right_side(capsys):
+    import pretrain_gpt
+    from megatron_lite.models.window_config import check_causal_window
+    from tests.cli_errors import refused_line
+
+    for right in ("2", "-1"):
+        refused_line(capsys, lambda r=right: pretrain_gpt.main(BASE + ["--window-size", "8", r]),
+                     f"--window-size 8 {right}: a GPT is causal", "give --window-size 8 0")
+    check_causal_window([-1, -1])  # full attention, spelled out
+    check_causal_window([8, 0])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bert_window_with_padding_equals_the_sequence_alone(fused):
+    """A padding query whose window holds only padding keys keeps its own key: its row stays finite
+    (an empty row was NaN on the unfused path and reached the real tokens through the values)."""
+    from megatron_lite.models import BertModel
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                      padded_vocab_size=104, attention_dropout=0.0, hidden_dropout=0.0, window_size=[2, 1])
+    config = TransformerConfig.from_model(cfg)
+    config.masked_softmax_fusion = fused
+    model = BertModel(config, ParallelState(), num_tokentypes=0, add_binary_head=False)
+    randomize(model, 5)
+    tokens = torch.randint(0, 99, (1, 16), generator=torch.Generator().manual_seed(6))
+    padding = torch.ones(1, 16)
+    padding[0, 6:] = 0
+    with torch.no_grad():
+        padded, alone = model.eval()(tokens, padding_mask=padding)[0], model(tokens[:, :6])[0]
+    assert torch.isfinite(padded).all()
+    assert_close(padded[:, :6], alone, what="real positions")
