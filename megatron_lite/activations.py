@@ -161,5 +161,7 @@ def check_hf_exportable(cfg: dict) -> None:
     """Refuse (one line) a Hugging Face export of a model using one of these flags: none of the families
     the converter writes (gpt2, llama, mistral, qwen2/3, mixtral, qwen3_moe, deepseek_v3, bert) computes it."""
     used = [f"--{k.replace('_', '-')}" for k in UNEXPORTABLE if cfg.get(k) not in (None, False, 0, 0.0)]
+    if cfg.get("softmax_type", "vanilla") != "vanilla":  # attention sinks (parallel/attention_sink.py)
+        used.append(f"--softmax-type {cfg['softmax_type']}")
     _require(not used, f"the checkpoint was trained with {', '.join(used)}, which no Hugging Face family the "
              "converter writes computes; export is refused (convert to --saver megatron instead)")

@@ -30,6 +30,7 @@ from .models.transformer_config import (
 )
 from .moe.config import MOE_CHOICES
 from .optim.wd_schedule import WD_INCR_STYLES
+from .parallel.attention_sink import SOFTMAX_TYPES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
@@ -37,6 +38,7 @@ CHOICES = {
     **MOE_CHOICES,
     **FUSION_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
+    "softmax_type": list(SOFTMAX_TYPES),
     "distributed_backend": ["nccl", "gloo"],
     "empty_unused_memory_level": [0, 1, 2],
     "rope_type": list(ROPE_TYPES),

@@ -86,6 +86,8 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig, ActivationConfig):  # MLA / 
     """Sliding-window attention: a query at position i sees keys i - LEFT ... i + RIGHT (-1: unbounded; GPT: RIGHT 0). Megatron-LM's "LEFT,RIGHT" is written "LEFT RIGHT" here. Default: full attention."""
     window_attn_skip_freq: str | None = field(default=None, metadata={"metavar": "N"})
     """With --window-size: full-attention layers among the sliding-window ones. N: every N-th layer (layer l, counted from 1, when l mod N is 0); or a list of one 0/1 per layer, e.g. "[1,1,1,0]*2" (1 = window). Default: every layer windowed."""
+    softmax_type: str = "vanilla"
+    """Attention softmax: vanilla; off-by-one (1 added to every row's denominator); learnable (a trained sink logit per head in the denominator, gpt-oss's sinks)."""
 
 
 SHAPE_FLAGS = (
@@ -99,6 +101,7 @@ SHAPE_FLAGS = (
     "add_qkv_bias",
     "apply_layernorm_1p",  # not a shape, but what the stored norm weights mean: a weights-only load must match it
     "quick_geglu",  # fc1 holds [gate; linear]
+    "softmax_type",  # learnable: core_attention.softmax_offset
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 

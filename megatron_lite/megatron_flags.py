@@ -26,7 +26,6 @@ ENTRIES = (
     ("--attention-backend", "the attention kernel is picked per call (flash-attn when installed and the inputs "
      "allow it, else PyTorch SDPA)", DROP),
     ("--use-flash-attn", "flash-attn is used whenever it is installed and the inputs allow it", DROP),
-    ("--softmax-type", "only the standard attention softmax is built", DROP),
     ("--relative-attention-num-buckets --relative-attention-max-distance",
      "relative position embeddings (T5) are not implemented", "use --position-embedding-type rope"),
     ("--use-rotary-position-embeddings", "Megatron-LM's deprecated switch for rotary embeddings",

@@ -44,9 +44,11 @@ from ..activations import L2Norm
 from ..device import detect_accelerators
 from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
+from ..parallel.attention_sink import sink_logits, softmax_offset
 from ..parallel.document_mask import causal_document_mask, cu_seqlens, document_allowed, is_document_ids
 from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules
+from ..parallel.ring_attention import local_attention
 from ..parallel.sliding_window import cache_window_mask, confine_to_window
 from .common import Norm, apply_rotary, column_linear, row_linear
 from .cpu_attention import cpu_dropout_attention
@@ -100,6 +102,8 @@ class DotProductAttention(nn.Module):
         self.fused_softmax = config.masked_softmax_fusion
         self.sliding_window = layer_window(config, layer_number)  # (left, right), or None: the whole context
         self.flash_window = {"window_size": self.sliding_window} if self.sliding_window else {}  # flash-attn's
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")  # --softmax-type: parallel/attention_sink.py
+        self.softmax_offset = softmax_offset(config, state)  # the learnable sinks of this rank's heads, or None
 
     def forward(self, q, k, v, attention_mask=None, causal: bool = True):
         p = self.dropout_p if self.training else 0.0
@@ -109,7 +113,8 @@ class DotProductAttention(nn.Module):
         return self._attend(q, k, v, attention_mask, causal, 0.0)
 
     def _flash_applies(self, q, attention_mask) -> bool:
-        return (self.flash is not None and (attention_mask is None or is_document_ids(attention_mask))
+        return (self.flash is not None and self.softmax_type == "vanilla"  # flash-attn has no sink
+                and (attention_mask is None or is_document_ids(attention_mask))
                 and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
 
     def _attend(self, q, k, v, attention_mask, causal, dropout_p):
@@ -134,16 +139,19 @@ class DotProductAttention(nn.Module):
         window = self.sliding_window  # a dense mask of fewer queries than keys is a cache's, already windowed
         if window is not None and (documents or attention_mask is None or s == k.shape[2]):
             mask = confine_to_window(mask, window, causal, s, k.shape[2], q.device)
+        sink = sink_logits(self.softmax_type, self.softmax_offset, nq, q.device)
         if not self.fused_softmax:
-            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale)
+            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale, sink)
         if dropout_p > 0 and q.device.type == "cpu":  # SDPA's CPU flash kernel has no dropout: ours beats its math path
             out = cpu_dropout_attention(q, k, v, None if mask is None else ~mask, causal and mask is None, dropout_p,
-                                        self.scale)
-            return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
-        # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                             is_causal=causal and mask is None, scale=self.scale,
-                                             enable_gqa=nq != k.shape[1])
+                                        self.scale, sink)
+        elif sink is not None:  # SDPA has no sink: kernels that report each row's log-sum-exp (ring_attention.py)
+            seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) if dropout_p > 0 else 0  # the tracker's
+            out = local_attention(q, k, v, causal and mask is None, self.scale, dropout_p, seed, mask, sink)
+        else:  # enable_gqa: key/value head j serves query heads [j * group, (j + 1) * group), without copying k, v
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=causal and mask is None, scale=self.scale,
+                                                 enable_gqa=nq != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
     def _flash_documents(self, q, k, v, ids, causal, dropout_p):
@@ -159,9 +167,11 @@ class DotProductAttention(nn.Module):
         return out.reshape(b, s, nq, d)[..., :dv].transpose(0, 1).reshape(s, b, nq * dv)
 
 
-def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float,
+                      sink=None) -> torch.Tensor:
     """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
-    ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``."""
+    ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``.
+    ``sink`` (``[nq]`` or None): one more logit per row, in the softmax's denominator only."""
     b, nq, s, dv = *q.shape[:3], v.shape[-1]
     if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
         k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
@@ -171,7 +181,12 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
     elif causal:
         above = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
-    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=dropout_p > 0)
+    if sink is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink's column joins the softmax and is dropped after it
+        column = sink.to(scores.dtype).view(1, nq, 1, 1).expand(b, nq, s, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 
 

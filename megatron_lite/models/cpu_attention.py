@@ -49,14 +49,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.compiler.disable  # inside a compiled layer it runs as it is (Dynamo would split it into many graphs)
-def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float) -> torch.Tensor:
+def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float, sink=None) -> torch.Tensor:
     """``softmax(q k^T scale + mask)`` with dropout ``dropout_p``, times ``v``.
 
     ``q [b, nq, sq, d]``, ``k [b, nkv, sk, d]``, ``v [b, nkv, sk, dv]`` (``nq % nkv == 0``); ``masked``
     None or bool broadcastable to ``[b, nq, sq, sk]`` (True = masked out, batch and head dims 1 or
     full); ``causal`` (used when ``masked`` is None) is bottom-right aligned when ``sk > sq``.
-    Returns ``[b, nq, sq, dv]`` in ``q``'s dtype, computed in :func:`compute_dtype` of it."""
-    return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype))
+    Returns ``[b, nq, sq, dv]`` in ``q``'s dtype, computed in :func:`compute_dtype` of it. ``sink``
+    (fp32 ``[nq]`` or None): each head's sink logit, in the softmax's denominator only."""
+    return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype), sink)
 
 
 def _grouped(t: torch.Tensor, nkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +110,7 @@ def _put_rows(t3: torch.Tensor, part: torch.Tensor, group: int, sq: int, lo: int
 
 class _DropoutAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, masked, causal, p, scale, dtype):
+    def forward(ctx, q, k, v, masked, causal, p, scale, dtype, sink):
         b, nq, sq, d = q.shape
         nkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         group = nq // nkv
@@ -131,33 +132,42 @@ class _DropoutAttention(torch.autograd.Function):
                 # so only its last hi - lo keys hold masked entries (all when there are fewer keys)
                 width = min(hi - lo, kend)
                 scores5[..., kend - width:].masked_fill_(causal_mask_with_offset(hi - lo, width, q.device), float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            lse = None
+            if sink is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:  # exp(s - L), L = logaddexp(logsumexp(s), sink): the sink takes its share of every row
+                lse = torch.logaddexp(torch.logsumexp(scores5, dim=-1).float(), sink.view(1, nkv, group, 1))
+                probs = torch.exp(scores5 - lse.unsqueeze(-1).to(dtype)).view_as(scores)
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
             keep = keep_mask(probs.shape, p)
             _put_rows(out, _scaled_bmm(probs * keep, v3[:, :kend], 1.0 / (1.0 - p)), group, sq, lo, hi)
-            saved += [probs, keep]
-        ctx.save_for_backward(q3, k3, v3, *saved)
+            saved += [probs, keep, lse]
+        ctx.save_for_backward(q3, k3, v3, sink, *saved)
         ctx.blocks = blocks
         ctx.shapes, ctx.dtypes = (b, nq, nkv, sq, sk, d, dv, p, scale), (q.dtype, k.dtype, v.dtype)
         return out.view(b, nq, sq, dv).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q3, k3, v3, *saved = ctx.saved_tensors
+        q3, k3, v3, sink, *saved = ctx.saved_tensors
         b, nq, nkv, sq, sk, d, dv, p, scale = ctx.shapes
         group = nq // nkv
         do3, keep_scale = _grouped(dout, nkv, q3.dtype), 1.0 / (1.0 - p)
         dq3, dk3, dv3 = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
-        for (lo, hi, kend), probs, keep in zip(ctx.blocks, saved[0::2], saved[1::2]):
+        dsink = None if sink is None else torch.zeros(nkv, group, device=q3.device)
+        for (lo, hi, kend), probs, keep, lse in zip(ctx.blocks, saved[0::3], saved[1::3], saved[2::3]):
             do_rows = _rows(do3, group, sq, lo, hi)
             dv3[:, :kend].baddbmm_((probs * keep).transpose(1, 2), do_rows, alpha=keep_scale)
             dprobs = _scaled_bmm(do_rows, v3[:, :kend].transpose(1, 2), keep_scale).mul_(keep)
-            dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+            dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)  # exact with the sink too
+            if dsink is not None:  # d sink = -exp(sink - L) * sum_j p_j dp_j, summed over the rows
+                row = (probs * dprobs).sum(-1).view(b, nkv, group, hi - lo).float()
+                dsink -= (torch.exp(sink.view(1, nkv, group, 1) - lse) * row).sum((0, 3))
             del dprobs
             _put_rows(dq3, _scaled_bmm(dscores, k3[:, :kend], scale), group, sq, lo, hi)
             dk3[:, :kend].baddbmm_(dscores.transpose(1, 2), _rows(q3, group, sq, lo, hi), alpha=scale)
         qt, kt, vt = ctx.dtypes
         return (dq3.view(b, nq, sq, d).to(qt), dk3.view(b, nkv, sk, d).to(kt), dv3.view(b, nkv, sk, dv).to(vt),
-                None, None, None, None, None)
+                None, None, None, None, None, None if dsink is None else dsink.reshape(nq))

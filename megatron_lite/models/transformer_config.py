@@ -24,6 +24,7 @@ from ..activations import ActivationConfig, check_activation_fields
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
+from ..parallel.attention_sink import check_softmax_type
 from ..parallel.recompute import check_recompute_modules
 from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.flags import TRANSFORMER_IMPLS
@@ -146,6 +147,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
     recompute_modules: list[str] | None = None  # with selective: Megatron's module names (None: core_attn)
     window_size: list[int] | None = None  # sliding-window attention (left, right); models/window_config.py
     window_attn_skip_freq: str | None = None  # which layers keep full attention
+    softmax_type: str = "vanilla"  # --softmax-type: vanilla, off-by-one, learnable (parallel/attention_sink.py)
 
     def __post_init__(self):
         self._check_shape()
@@ -162,6 +164,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         check_rope_fields(self)
         check_recompute_modules(self)
         check_window_fields(self)
+        check_softmax_type(self)
         check_activation_fields(self)
 
     # -- validation ----------------------------------------------------------------------------

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .attention_sink import sink_logits, softmax_offset
 from .document_mask import causal_document_mask, document_allowed, is_document_ids
-from .ring_attention import ring_attention
+from .ring_attention import local_attention, ring_attention
 from .sliding_window import window_allowed
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
@@ -134,9 +135,12 @@ def heads_to_seq(x: torch.Tensor, group, ring_rank: int = 0, ring: int = 1) -> t
     return x.reshape(cp, s, b, n_local, d).permute(1, 2, 0, 3, 4).reshape(s, b, cp * n_local, d)
 
 
-def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float):
-    """SDPA on ``[s, b, heads, d]`` tensors (``mask`` True = may attend); returns ``[sq, b, nq, d]``."""
+def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float, sink=None, seed: int = 0):
+    """SDPA on ``[s, b, heads, d]`` tensors (``mask`` True = may attend); returns ``[sq, b, nq, d]``.
+    With a ``sink`` (``[nq]``) the block kernels, which add it, instead (dropout seeded by ``seed``)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if sink is not None:
+        return local_attention(q, k, v, causal and mask is None, scale, dropout_p, seed, mask, sink).permute(2, 0, 1, 3)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=causal and mask is None, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
@@ -158,9 +162,18 @@ def _windowed(mask, window, causal: bool, q_pos, k_pos):
     return band if mask is None else mask & band
 
 
+def _head_share(sink, group):
+    """The sinks of the query heads this rank attends after the all-to-all (its head group), or None."""
+    if sink is None:
+        return None
+    n = sink.shape[0] // comm.group_size(group)
+    return sink[comm.group_rank(group) * n:(comm.group_rank(group) + 1) * n]
+
+
 def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None,
-                      window=None):
-    """All-to-all (DeepSpeed-Ulysses) attention; ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out."""
+                      window=None, sink=None, seed: int = 0):
+    """All-to-all (DeepSpeed-Ulysses) attention; ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out.
+    ``sink`` (``[nq]``, this rank's query heads before the all-to-all) is cut to the heads attended here."""
     cp = comm.group_size(group)
     for name, t in (("query heads", q), ("key/value groups", k)):
         if t.shape[2] % cp:
@@ -174,11 +187,11 @@ def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: flo
     pos = torch.arange(q.shape[0] * cp, device=q.device)  # after the all-to-all: the whole sequence, in order
     mask = _windowed(mask, window, causal, pos, pos)
     q, k, v = (seq_to_heads(t, group) for t in (q, k, v))
-    return heads_to_seq(_sdpa(q, k, v, mask, causal, dropout_p, scale), group)
+    return heads_to_seq(_sdpa(q, k, v, mask, causal, dropout_p, scale, _head_share(sink, group), seed), group)
 
 
 def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, document_ids=None,
-                        window=None):
+                        window=None, sink=None, seed: int = 0):
     """Keys/values all-gathered over CP (gradients reduce-scattered back); own queries attend them."""
     cp, rank = comm.group_size(group), comm.group_rank(group)
     s, dk = q.shape[0], k.shape[-1]
@@ -191,11 +204,11 @@ def allgather_attention(q, k, v, group, causal: bool, scale: float, dropout_p: f
     if document_ids is not None:
         same = document_allowed(document_ids, _gathered_ids(document_ids, group))
         mask = same if mask is None else same & mask
-    return _sdpa(q, kv[..., :dk], kv[..., dk:], mask, False, dropout_p, scale)
+    return _sdpa(q, kv[..., :dk], kv[..., dk:], mask, False, dropout_p, scale, sink, seed)
 
 
 def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: float, dropout_p: float = 0.0,
-                           seed: int = 0, document_ids=None, window=None):
+                           seed: int = 0, document_ids=None, window=None, sink=None):
     """a2a+p2p: Ulysses over the all-to-all group, ring attention over the ring group, Ulysses back.
 
     ``[s/cp, b, heads, d]`` in, ``[s/cp, b, nq, d]`` out. After the all-to-all this rank holds its
@@ -214,7 +227,8 @@ def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: 
         order = torch.argsort(_gathered_positions(q.shape[0], a2a, q.device, ring_rank, ring))
         ids = _gathered_ids(document_ids, a2a_group).index_select(1, order)
     qh, kh, vh = (seq_to_heads(t, a2a_group, ring_rank, ring).permute(1, 2, 0, 3) for t in (q, k, v))
-    out = ring_attention(qh, kh, vh, ring_group, causal, scale, dropout_p, seed, ids, window)  # [b, nq/A, A*s, dv]
+    out = ring_attention(qh, kh, vh, ring_group, causal, scale, dropout_p, seed, ids, window,
+                         _head_share(sink, a2a_group))  # [b, nq/A, A*s, dv]
     return heads_to_seq(out.permute(2, 0, 1, 3), a2a_group, ring_rank, ring)
 
 
@@ -251,6 +265,8 @@ class ContextParallelAttention(nn.Module):
         self.scale = getattr(config, "softmax_scale", None)
         self.tracker = state.rng_tracker
         self.sliding_window = config.window_of(layer_number) if hasattr(config, "window_of") else None  # or (l, r)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")  # --softmax-type: attention_sink.py
+        self.softmax_offset = softmax_offset(config, state)  # the learnable sinks of this rank's heads, or None
         tp, cp = state.tp_size, state.cp_size
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
@@ -288,17 +304,18 @@ class ContextParallelAttention(nn.Module):
             # One draw per call from the tracker, offset by the CP rank: the tracker's generator is
             # the same on every CP rank, but their queries (or heads) differ, so must their masks.
             seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) + 1000003 * self.cp_rank if p > 0 else 0
+        sink = sink_logits(self.softmax_type, self.softmax_offset, nq, q.device)
         if self.comm_type == "p2p":  # the ring seeds each block from it (and replays them in backward)
             qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
             out = ring_attention(qh, kh, vh, self.group, causal, scale, p, seed, attention_mask,
-                                 self.sliding_window).permute(2, 0, 1, 3)
+                                 self.sliding_window, sink).permute(2, 0, 1, 3)
         elif self.comm_type == "a2a+p2p":  # the ring inside seeds its blocks the same way
             out = hierarchical_attention(q, k, v, self.a2a_group, self.ring_group, causal, scale, p, seed,
-                                         attention_mask, self.sliding_window)
-        else:
+                                         attention_mask, self.sliding_window, sink)
+        else:  # SDPA's dropout under the seeded generator; with a sink the block kernels seed their own masks
             attend = ulysses_attention if self.comm_type == "a2a" else allgather_attention
             with _seeded(seed, q.device) if p > 0 else contextlib.nullcontext():
-                out = attend(q, k, v, self.group, causal, scale, p, attention_mask, self.sliding_window)
+                out = attend(q, k, v, self.group, causal, scale, p, attention_mask, self.sliding_window, sink, seed)
         return out.reshape(s, b, nq * v.shape[-1])
 
 

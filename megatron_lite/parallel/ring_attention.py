@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..perf.comm_volume import record, tensor_bytes
+from .attention_sink import merge_sink, sink_grad
 from .document_mask import document_allowed
 from .sliding_window import chunk_positions, window_allowed
 
@@ -246,7 +247,7 @@ def _allowed(q_ids, kv_ids, qs, ks, window=None, q_pos=None, k_pos=None):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids, window):
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ring, ids, window, sink):
         acc = _acc_dtype(q.dtype)
         half = q.shape[2] // 2
         b, nq, s, dk = q.shape
@@ -265,15 +266,17 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if pending is not None:
                 travel = pending.wait()
+        if sink is not None:  # once per row, after every block
+            lse = merge_sink(out, lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, ids)
+        ctx.save_for_backward(q, k, v, out, lse, ids, sink)
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed, ctx.ring = causal, scale, dropout_p, seed, ring
         ctx.window = window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, ids = ctx.saved_tensors
+        q, k, v, out, lse, ids, sink = ctx.saved_tensors
         ring, dout = ctx.ring, dout.contiguous()
         acc = lse.dtype
         half, dk = q.shape[2] // 2, k.shape[-1]
@@ -300,8 +303,9 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 travel = kv_pending.wait()
         dkv = dkv_pending.wait()[0]  # after size hops: this rank's own dK/dV, summed over every rank
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[10] else None
         return (dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, dsink)
 
 
 def _nothing_seen(allowed) -> bool:
@@ -320,7 +324,7 @@ def _positions(window, local_len: int, ring: Ring, step: int, device):
 
 
 def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0,
-                   document_ids=None, window=None):
+                   document_ids=None, window=None, sink=None):
     """Exact attention of the local queries against the whole (CP-split, load-balanced) sequence.
 
     ``q, k [b, n, s, dk]``, ``v [b, nkv, s, dv]`` with ``s`` this rank's two chunks; returns
@@ -328,33 +332,46 @@ def ring_attention(q, k, v, group, causal: bool, scale: float, dropout_p: float 
     ``seed`` seeds the dropout masks of the blocks (ignored when ``dropout_p == 0``).
     ``document_ids`` (int ``[b, s]``, this rank's tokens) confines attention to each packed document,
     ``window`` (``(left, right)`` or None) to a sliding window over the tokens' global positions.
+    ``sink`` (fp32 ``[nq]`` or None): each head's sink logit (:mod:`~megatron_lite.parallel.attention_sink`).
     """
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even local sequence length (two chunks), got {q.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not divisible by {k.shape[1]} key/value heads")
     if group is None or dist.get_world_size(group) == 1:
-        out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, document_ids, window)
-        return out
-    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids, window)
+        pos = torch.arange(q.shape[2], device=q.device)
+        allowed = _allowed(document_ids, document_ids, slice(None), slice(None), window, pos, pos)
+        return local_attention(q, k, v, causal, scale, dropout_p, seed, allowed, sink)
+    return _RingAttention.apply(q, k, v, causal, scale, dropout_p, seed, Ring(group), document_ids, window, sink)
+
+
+def local_attention(q, k, v, causal: bool, scale: float, dropout_p: float = 0.0, seed: int = 0, allowed=None,
+                    sink=None):
+    """One-process attention through the block kernels: ``q, k [b, n, sq|sk, dk]``, ``v [b, nkv, sk, dv]``
+    -> ``[b, nq, sq, dv]``. ``causal``: top-left aligned (square blocks); ``allowed`` (bool, True = may
+    attend, ``[b or 1, 1, sq, sk]``) confines it further; ``sink`` as in :func:`ring_attention`."""
+    out, _ = _LocalAttention.apply(q, k, v, causal, scale, dropout_p, seed, allowed, sink)
+    return out
 
 
 class _LocalAttention(torch.autograd.Function):
     """The one-rank case through the same kernels (so cp == 1 and cp > 1 share numerics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, ids, window):
-        pos = torch.arange(q.shape[2], device=q.device)
-        allowed = _allowed(ids, ids, slice(None), slice(None), window, pos, pos)
+    def forward(ctx, q, k, v, causal, scale, dropout_p, seed, allowed, sink):
         out, lse = block_forward(q, k, v, causal, scale, dropout_p, seed, allowed)
+        if sink is not None:
+            lse = merge_sink(out, lse, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, allowed)
+        ctx.save_for_backward(q, k, v, out, lse, allowed, sink)
         ctx.args = (causal, scale, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
-        q, k, v, out, lse, allowed = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, allowed)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        q, k, v, out, lse, allowed, sink = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, *ctx.args, allowed)
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[8] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink

@@ -158,7 +158,7 @@ def test_16_bit_inputs(dtype, inner):
     q, k, v = _inputs(nq=4, nkv=2)
     full = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, None, True, 0.2, SCALE), q, k, v)
     low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    half = _run(lambda q, k, v: _DropoutAttention.apply(q, k, v, None, True, 0.2, SCALE, compute), *low)
+    half = _run(lambda q, k, v: _DropoutAttention.apply(q, k, v, None, True, 0.2, SCALE, compute, None), *low)
     assert half[0].dtype == dtype and all(g.dtype == dtype for g in half[1])
     tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype] * (1 if inner == "fp32" else 2)
     _assert_close((half[0].float(), [g.float() for g in half[1]]), full, tol)
