@@ -11,7 +11,7 @@ a module that cannot be imported, a missing name, an object that is neither, a f
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
 MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--window-size``
-with a core attention that is not built on the stock one).
+or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one).
 """
 
 from __future__ import annotations
@@ -75,3 +75,7 @@ def check_spec(config) -> None:
     if window is not None and tuple(window) != (-1, -1) and plain:
         raise ConfigError(f"{flag}: --window-size is set but core_attention {getattr(plain[0], '__name__', plain[0])} "
                           "does not apply it; subclass DotProductAttention in the spec or drop --window-size")
+    if config.model.softmax_type != "vanilla" and plain:
+        raise ConfigError(f"{flag}: --softmax-type {config.model.softmax_type} is set but core_attention "
+                          f"{getattr(plain[0], '__name__', plain[0])} has no sink; subclass DotProductAttention in the "
+                          "spec or drop --softmax-type")

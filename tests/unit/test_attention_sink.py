@@ -207,3 +207,12 @@ def test_flag_parses_and_bad_values_exit_2(capsys):
     assert parse_args(BASE, world_size=1).model.softmax_type == "vanilla"
     assert parse_args(BASE + ["--softmax-type", "learnable"], world_size=1).model.softmax_type == "learnable"
     parse_refused(capsys, BASE + ["--softmax-type", "sigmoid"], "--softmax-type", world_size=1)
+
+
+def test_a_spec_whose_core_attention_has_no_sink_is_refused(tmp_path, capsys):
+    path = tmp_path / "my_attention.py"
+    path.write_text("import torch\nfrom megatron_lite.models.spec import LayerSpec\n\n\n"
+                    "class Mine(torch.nn.Module):\n    def __init__(self, config, state, layer_number):\n"
+                    "        super().__init__()\n\n\nmine = LayerSpec(core_attention=Mine)\n")
+    parse_refused(capsys, BASE + ["--softmax-type", "off-by-one", "--spec", str(path), "mine"], "--softmax-type",
+                  "core_attention Mine", world_size=1)
