@@ -24,7 +24,10 @@ Core attention over the split sequence (``cp_comm_type``):
 All four equal single-process attention up to summation order, also with a sliding window
 (``--window-size``, applied by the tokens' global positions) and with packed documents
 (integer document ids as the attention mask, :mod:`~megatron_lite.parallel.document_mask`): the
-ring carries each block's key ids with its keys, a2a and allgather gather the ids. Gradient reductions over CP
+ring carries each block's key ids with its keys, a2a and allgather gather the ids. Attention sinks
+(``--softmax-type``): the ring adds them once per row; a2a (and a2a+p2p) pass each rank the sinks of
+the head group it attends, and a2a / allgather run :func:`~megatron_lite.parallel.ring_attention.local_attention`
+instead of SDPA (which has no sink). Gradient reductions over CP
 (each CP rank holds different tokens of the same replica) happen in the data-parallel gradient
 reduction over the DP x CP group, not here.
 """

@@ -41,6 +41,12 @@ block's keys contributes nothing (its log-sum-exp is -inf); the query's own key,
 keeps every final row finite. A sliding window (``window``) confines every block the same way, by the
 global positions of its queries and keys (each rank's two chunks, :func:`_positions`). A block none
 of whose queries sees any of its keys is skipped, forward and backward (its keys still travel on).
+
+Attention sinks (``sink``, :mod:`~megatron_lite.parallel.attention_sink`) join each row once, after
+every block has been merged: ``lse = logaddexp(lse, sink)``, the output rescaled. Backward replays
+the blocks unchanged from that final output and log-sum-exp; the sink's gradient comes from the rows
+this rank holds. :func:`local_attention` is the same kernels on one rank with any boolean mask (the
+core attention's path for sinks, which SDPA does not have).
 """
 
 from __future__ import annotations

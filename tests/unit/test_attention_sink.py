@@ -139,7 +139,7 @@ def sink_model(seed=3, **over):
               normalization="RMSNorm", swiglu=True, attention_dropout=0.0, hidden_dropout=0.0,
               softmax_type="learnable", window_size=[3, 0], window_attn_skip_freq="2")
     kw.update(over)
-    run = {k: kw.pop(k) for k in ("recompute_granularity",) if k in kw}
+    run = {k: kw.pop(k) for k in ("recompute_granularity", "recompute_method") if k in kw}
     model = GPTModel(TransformerConfig.from_model(ModelConfig(**kw), **run), ParallelState())
     randomize(model, seed)
     with torch.no_grad():
@@ -149,16 +149,17 @@ def sink_model(seed=3, **over):
     return model
 
 
-def test_selective_recompute_gives_the_same_gradients():
+def test_selective_and_full_recompute_give_the_same_gradients():
     tokens = torch.randint(0, 99, (2, 16), generator=torch.Generator().manual_seed(1))
     grads = []
-    for recompute in (None, "selective"):
-        model = sink_model(recompute_granularity=recompute)
+    for recompute, method in ((None, None), ("selective", None), ("full", "uniform")):
+        model = sink_model(recompute_granularity=recompute, recompute_method=method)
         model(tokens, labels=tokens).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert "decoder.layers.0.self_attention.core_attention.softmax_offset" in grads[0]
     for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        for other in grads[1:]:
+            torch.testing.assert_close(other[name], g, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     assert grads[0]["decoder.layers.1.self_attention.core_attention.softmax_offset"].abs().min() > 0
 
 
@@ -216,3 +217,28 @@ def test_a_spec_whose_core_attention_has_no_sink_is_refused(tmp_path, capsys):
                     "        super().__init__()\n\n\nmine = LayerSpec(core_attention=Mine)\n")
     parse_refused(capsys, BASE + ["--softmax-type", "off-by-one", "--spec", str(path), "mine"], "--softmax-type",
                   "core_attention Mine", world_size=1)
+
+
+def test_mla_takes_the_sinks_through_its_core_attention_and_latent_cache():
+    from megatron_lite.models.mla import MLASelfAttention
+    from megatron_lite.models.yarn import rotary_tables
+    from tests.unit.test_mla import B, H, S, _positions, make_config
+
+    outs = []
+    for kind in ("learnable", "vanilla"):
+        cfg = make_config("dsv3", softmax_type=kind)
+        mla = MLASelfAttention(cfg, ParallelState(world_size=1, rank=0), 1).eval()
+        if kind == "learnable":
+            with torch.no_grad():
+                mla.core_attention.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            full = mla(x, rotary=rotary_tables(cfg, _positions(0, S)))
+            cache, pieces = KVCache(B, S), []
+            for start, end in [(0, 5)] + [(i, i + 1) for i in range(5, S)]:
+                pieces.append(mla(x[start:end], rotary=rotary_tables(cfg, _positions(start, end - start)),
+                                  inference_context=cache))
+                cache.advance(end - start)
+        torch.testing.assert_close(torch.cat(pieces), full, rtol=1e-5, atol=1e-5)
+        outs.append(full)
+    assert (outs[0] - outs[1]).abs().max() > 1e-3  # the sinks are applied
