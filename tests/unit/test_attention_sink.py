@@ -242,3 +242,14 @@ def test_mla_takes_the_sinks_through_its_core_attention_and_latent_cache():
         torch.testing.assert_close(torch.cat(pieces), full, rtol=1e-5, atol=1e-5)
         outs.append(full)
     assert (outs[0] - outs[1]).abs().max() > 1e-3  # the sinks are applied
+
+
+def test_plain_block_kernel_the_accelerators_path_equals_the_formula(monkeypatch):
+    """Off the CPU (or in fp16) the block kernels compute in plain fp32: the same sink, same gradients."""
+    from megatron_lite.parallel import ring_attention as ring
+
+    monkeypatch.setattr(ring, "_use_cpu_flash", lambda q, p: False)
+    q, k, v = inputs(s=3, sk=10)
+    masked = ~causal_allowed(2, 3, 10).clone()
+    masked[0, :, :, :6] = True
+    compare(core(), q, k, v, masked, ~masked)
