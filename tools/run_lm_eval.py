@@ -19,11 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> None:
-    """lm-eval's own command line (``argv``, default ``sys.argv[1:]``); a bad flag, or a setting the
-    backend refuses (ConfigError: ``--apply_chat_template`` without a chat template), is one line, exit 2."""
+    """lm-eval's own command line (``argv``, default ``sys.argv[1:]``); a bad flag, a bad or unknown
+    ``--model_args`` value, a task's ``generation_kwargs`` the backend cannot honour, ``--apply_chat_template``
+    without a chat template (ConfigError) or a missing or damaged checkpoint is one line, exit 2."""
     from lm_eval.__main__ import HarnessCLI, setup_logging
 
     import megatron_lite.inference.lm_eval_backend  # noqa: F401 - registers --model megatron_lite
+    from megatron_lite.checkpoint.format import CheckpointError
+    from megatron_lite.data.indexed_dataset import DataFileError
     from megatron_lite.errors import ConfigError
     from megatron_lite.inference.cli import fail
 
@@ -35,7 +38,7 @@ def main(argv=None) -> None:
         parser.error = _one_line_error(parser)
     try:
         cli.execute(cli.parse_args())
-    except ConfigError as err:
+    except (CheckpointError, ConfigError, DataFileError) as err:
         raise SystemExit(fail(err)) from None
 
 

@@ -6,7 +6,8 @@ models, so the import is the registration): ``python tools/run_lm_eval.py --mode
 ``import megatron_lite.inference.lm_eval_backend`` then ``lm_eval.simple_evaluate(model="megatron_lite",
 model_args="load=CKPT")``.
 
-Model arguments: ``load`` (required), ``batch_size`` (16), ``max_length`` (the model's context),
+Model arguments: ``load`` (required), ``batch_size`` (16 in Python; on lm-eval's command line, which
+always passes its ``--batch_size``, default 1, that one unless ``--model_args`` has its own), ``max_length`` (the model's context),
 ``max_gen_toks`` (256), ``dtype`` (float32, bfloat16 or float16), ``seed`` (1234), the tokenizer
 overrides ``tokenizer_type``, ``vocab_file``, ``merge_file``, ``tokenizer_model``, ``vocab_size``, and
 ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` under torchrun.
@@ -25,7 +26,7 @@ exported checkpoint with the same tokenizer):
   ``top_p``) continuation of the context, cut on the left to ``max_length - max_gen_toks`` tokens,
   stopped at the end-of-document token, decoded alone (special tokens left out) and cut before the
   first ``until`` string. Any other
-  generation setting (``repetition_penalty``, ``num_beams``, ...) is refused with a ValueError
+  generation setting (``repetition_penalty``, ``num_beams``, ...) is refused with a ConfigError
   naming it, unless it has its neutral value (``num_beams=1``, ``repetition_penalty=1.0``).
 
 lm-eval's ``--apply_chat_template`` (with ``--fewshot_as_multiturn`` and ``--system_instruction``)
@@ -62,38 +63,69 @@ from .sampling import SamplingParams
 GEN_KWARGS = "until, max_gen_toks, do_sample, temperature, top_k, top_p"
 # Settings that change nothing at these values (some task configs spell them out); others are refused.
 NEUTRAL_GEN_KWARGS = {"num_beams": 1, "repetition_penalty": 1.0, "num_return_sequences": 1, "no_repeat_ngram_size": 0}
+MODEL_ARGS = ("batch_size", "max_length", "max_gen_toks", "dtype", "seed", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+              "vocab_size")
 DTYPES = {"float32": (False, False), "bfloat16": (True, False), "float16": (False, True)}
 logger = logging.getLogger(__name__)
 
 
-def _int(value, default: int) -> int:
-    return default if value in (None, "", "auto") or str(value).startswith("auto") else int(value)
+def _int(name: str, value, default, minimum: int = 1):
+    """A whole-number model argument (``auto`` or empty: ``default``); anything else is a ConfigError
+    naming it (lm-eval hands ``--model_args`` values over as ints, floats, booleans or strings)."""
+    if value in (None, "") or str(value).startswith("auto"):
+        return default
+    if isinstance(value, bool) or not str(value).strip().lstrip("-").isdigit() or int(value) < minimum:
+        raise ConfigError(f"--model_args {name}={value}: use a whole number >= {minimum}"
+                          + (" (or auto)" if name == "batch_size" else ""))
+    return int(value)
+
+
+def _check_args(load, dtype, unknown: dict) -> None:
+    """The arguments that need no checkpoint: refused in one line (ConfigError) before any loading."""
+    if unknown:
+        raise ConfigError(f"--model_args {', '.join(sorted(unknown))}: not an argument of the megatron_lite backend, "
+                          f"which takes load, {', '.join(MODEL_ARGS)}")
+    if not load:
+        raise ConfigError("--model_args load=...: the checkpoint folder is required")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--model_args dtype={dtype}: use one of {', '.join(DTYPES)}")
 
 
 @register_model("megatron_lite")
 class MegatronLiteLM(TemplateLM):
-    def __init__(self, load: str, batch_size=16, max_length=None, max_gen_toks=256, dtype="float32", seed=1234,
-                 tensor_model_parallel_size=None, pipeline_model_parallel_size=None, tokenizer_type=None,
-                 vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None, **_ignored_by_lm_eval):
+    def __init__(self, load: str | None = None, batch_size=16, max_length=None, max_gen_toks=256, dtype="float32",
+                 seed=1234, tensor_model_parallel_size=None, pipeline_model_parallel_size=None, tokenizer_type=None,
+                 vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None, max_batch_size=None,
+                 device=None, **unknown):
         super().__init__()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+        _check_args(load, dtype, unknown)  # max_batch_size, device: lm-eval passes them always; unused
         bf16, fp16 = DTYPES[dtype]
-        if _int(batch_size, 16) < 1:
-            raise ValueError(f"batch_size={batch_size!r}: use a positive number (or auto)")
+        self.batch_size = _int("batch_size", batch_size, 16)
+        self.max_gen_toks = _int("max_gen_toks", max_gen_toks, 256)
         args = argparse.Namespace(
-            load=load, tensor_model_parallel_size=_int(tensor_model_parallel_size, 0) or None,
-            pipeline_model_parallel_size=_int(pipeline_model_parallel_size, 0) or None, bf16=bf16, fp16=fp16,
-            seed=int(seed), max_sequence_length=_int(max_length, 0) or None, no_kv_cache=False,
+            load=load, tensor_model_parallel_size=_int("tensor_model_parallel_size", tensor_model_parallel_size, None),
+            pipeline_model_parallel_size=_int("pipeline_model_parallel_size", pipeline_model_parallel_size, None),
+            bf16=bf16, fp16=fp16, seed=_int("seed", seed, 1234, minimum=0),
+            max_sequence_length=_int("max_length", max_length, None), no_kv_cache=False,
             tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
-            tokenizer_model=tokenizer_model, vocab_size=_int(vocab_size, 0) or None)
+            tokenizer_model=tokenizer_model, vocab_size=_int("vocab_size", vocab_size, None))
         self.session = build_session(args)
         self.engine, self.tokenizer_ = self.session.engine, self.session.tokenizer
-        self.batch_size = _int(batch_size, 16)
-        self.max_gen_toks = int(max_gen_toks)
         if self.tokenizer_.eod is None:
-            raise ValueError("the tokenizer has no end-of-document token, which lm-eval uses as the empty context")
+            raise ConfigError("the tokenizer has no end-of-document token, which lm-eval uses as the empty context")
         self.prefix_text = self.tok_decode([self.prefix_token_id])  # a text starting with it gets no second BOS
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """``--model_args`` plus what lm-eval's command line adds (``--batch_size``, which it always
+        passes, default 1; ``--max_batch_size``; ``--device``): a ``batch_size`` in ``--model_args`` wins."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     # -- what TemplateLM needs -------------------------------------------------------------------
     @property
@@ -190,8 +222,16 @@ class MegatronLiteLM(TemplateLM):
     # -- generation ------------------------------------------------------------------------------
     def _params(self, kwargs: dict) -> tuple[SamplingParams, list[str]]:
         """The engine's parameters for a task's ``generation_kwargs`` (see :data:`GEN_KWARGS`); a
-        setting the engine cannot honour is refused, never ignored."""
-        kwargs = dict(kwargs)
+        setting the engine cannot honour, or a value of the wrong kind, is refused (ConfigError), never ignored."""
+        try:
+            return self._sampling(dict(kwargs))
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as err:
+            settings = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
+            raise ConfigError(f"generation_kwargs {settings}: {err}") from None
+
+    def _sampling(self, kwargs: dict) -> tuple[SamplingParams, list[str]]:
         until = kwargs.pop("until", None) or []
         until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
         n = min(int(kwargs.pop("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
@@ -203,12 +243,12 @@ class MegatronLiteLM(TemplateLM):
             if name in kwargs and kwargs[name] in (None, neutral):
                 kwargs.pop(name)
         if kwargs:
-            raise ValueError(f"generation_kwargs {', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))}: "
+            raise ConfigError(f"generation_kwargs {', '.join(f'{k}={v!r}' for k, v in sorted(kwargs.items()))}: "
                              f"not supported by the megatron_lite backend, which takes {GEN_KWARGS}")
         top_p = top_p if sampled and top_p < 1.0 else 0.0
         top_k = top_k if sampled else 1
         if top_k > 0 and top_p > 0.0:
-            raise ValueError(f"generation_kwargs top_k={top_k} and top_p={top_p}: the engine takes one of them")
+            raise ConfigError(f"generation_kwargs top_k={top_k} and top_p={top_p}: the engine takes one of them")
         params = SamplingParams(tokens_to_generate=n, top_k=top_k, temperature=temperature if sampled else 1.0,
                                 top_p=top_p)
         params.check()

@@ -5,6 +5,7 @@ templates (``--apply_chat_template``) render, tokenize, score and generate as hf
 without one is refused in one line."""
 
 import os
+import re
 
 import pytest
 
@@ -47,13 +48,68 @@ def test_a_continuation_merged_into_the_context_scores_zero_like_hf(lm):
 
 
 def test_a_batch_size_below_one_is_refused():
+    from megatron_lite.errors import ConfigError
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
 
-    with pytest.raises(ValueError, match="batch_size=0: use a positive number"):
+    with pytest.raises(ConfigError, match="^--model_args batch_size=0: use a whole number >= 1"):
         MegatronLiteLM(load="/nonexistent", batch_size=0)
 
 
+def test_a_batch_size_in_model_args_wins_over_the_one_lm_eval_always_passes(gpt2_ckpt):
+    """lm-eval's command line always passes its --batch_size (default 1) and --device (default cuda:0)
+    beside --model_args: batch_size=3 in --model_args (as the docs show) was 'got multiple values for
+    keyword argument' (a traceback); it now wins, and --batch_size alone still applies."""
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    cli = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    assert MegatronLiteLM.create_from_arg_string(f"load={gpt2_ckpt},batch_size=3", dict(cli)).batch_size == 3
+    assert MegatronLiteLM.create_from_arg_obj({"load": gpt2_ckpt}, dict(cli, batch_size="5")).batch_size == 5
+
+
+@pytest.mark.parametrize("model_args, message", [
+    (",batch_size=abc", "--model_args batch_size=abc: use a whole number >= 1 (or auto)"),
+    (",dtype=fp16", "--model_args dtype=fp16: use one of float32, bfloat16, float16"),
+    (",seed=x", "--model_args seed=x: use a whole number >= 0"),
+    (",max_gen_toks=-3", "--model_args max_gen_toks=-3: use a whole number >= 1"),
+    (",max_length=2.5", "--model_args max_length=2.5: use a whole number >= 1"),
+    (",bogus=1", "--model_args bogus: not an argument of the megatron_lite backend, which takes load, batch_size"),
+    ("/missing", "checkpoint folder "),
+])
+def test_bad_model_args_are_refused_in_one_line(gpt2_ckpt, model_args, message):
+    """A bad --model_args value (or a missing checkpoint) was a bare ValueError (a traceback through
+    tools/run_lm_eval.py, exit 1); an unknown argument (a typo: batch_szie=8) was dropped silently."""
+    from megatron_lite.checkpoint.format import CheckpointError
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    with pytest.raises((ConfigError, CheckpointError), match="^" + re.escape(message)):
+        MegatronLiteLM.create_from_arg_string(f"load={gpt2_ckpt}{model_args}", {"batch_size": 1, "device": "cuda:0"})
+
+
+@pytest.mark.parametrize("model_args, message", [("load=/missing", "checkpoint folder /missing does not exist"),
+                                                 ("load=x,dtype=fp16", "--model_args dtype=fp16: use one of")])
+def test_run_lm_eval_ends_a_bad_model_arg_in_one_line_exit_2(model_args, message, monkeypatch, capsys):
+    """Through tools/run_lm_eval.py (lm-eval's evaluation replaced by building the model, as it starts)."""
+    import lm_eval.__main__
+
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+    from tests.tools import load_tool
+
+    monkeypatch.setattr(lm_eval.__main__.HarnessCLI, "execute", lambda self, args: MegatronLiteLM.create_from_arg_string(
+        model_args, {"batch_size": 1, "device": "cuda:0"}))
+    monkeypatch.setattr(lm_eval.__main__, "setup_logging", lambda: None)  # its handler would outlive capsys
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("run_lm_eval").main(["--model", "megatron_lite", "--model_args", model_args, "--tasks", "t"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message) and len(err.splitlines()) == 1
+
+
 def test_generation_kwargs_are_honoured_or_refused_never_dropped(lm):
+    """A refusal is a ConfigError (tools/run_lm_eval.py: one line, exit 2), a wrong kind of value too
+    (it was a ValueError traceback)."""
+    from megatron_lite.errors import ConfigError
+
     def params(**kw):
         return lm._params({"until": ["\n"], "max_gen_toks": 8, **kw})[0]
 
@@ -64,8 +120,10 @@ def test_generation_kwargs_are_honoured_or_refused_never_dropped(lm):
     assert params(num_beams=1, repetition_penalty=1.0).top_k == 1  # neutral values change nothing
     for kw, message in [({"repetition_penalty": 1.3}, "repetition_penalty=1.3"), ({"num_beams": 4}, "num_beams=4"),
                         ({"min_new_tokens": 3}, "min_new_tokens=3"),
-                        ({"do_sample": True, "temperature": 0.5, "top_k": 5, "top_p": 0.9}, "top_k=5 and top_p=0.9")]:
-        with pytest.raises(ValueError, match="^generation_kwargs .*" + message):
+                        ({"do_sample": True, "temperature": 0.5, "top_k": 5, "top_p": 0.9}, "top_k=5 and top_p=0.9"),
+                        ({"max_gen_toks": "many"}, "max_gen_toks='many'.*invalid literal"),
+                        ({"do_sample": True, "temperature": 500}, "temperature must be in")]:
+        with pytest.raises(ConfigError, match="^generation_kwargs .*" + message):
             params(**kw)
 
 
