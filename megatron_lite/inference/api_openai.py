@@ -2,7 +2,7 @@
 
 Completions fields: ``prompt`` (a string, a list of strings, a list of token ids or a list of such
 lists; required), ``max_tokens`` (16), ``temperature`` (1.0; 0 is greedy), ``top_p`` (1.0: no
-filtering), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: the chosen token's
+filtering; 0 is greedy), ``top_k`` (0; an extension), ``logprobs`` (null, or n in [0, 20]: the chosen token's
 log-prob and the n best at every position), ``echo`` (false: include the prompt in the text and
 log-probs), ``stop`` (a string or a list of up to 4: the text ends before the first one), ``seed``,
 ``stream`` (false; server-sent events, see :mod:`.api_stream`) with ``stream_options``, and
@@ -93,7 +93,7 @@ def _sampling(body, max_tokens: int, top_n: int, vocab: int) -> SamplingParams:
     if top_k > 0 and top_p < 1.0:
         raise RequestError("cannot set both top_k and top_p (< 1); use one of them")
     seed = get_int(body, "seed", None, low=0, high=MAX_SEED - 1)
-    greedy = temperature == 0.0
+    greedy = temperature == 0.0 or top_p == 0.0  # a nucleus of mass 0 holds the most likely token only
     return SamplingParams(tokens_to_generate=max_tokens, temperature=temperature if not greedy else 1.0,
                           top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p >= 1.0 else top_p,
                           random_seed=seed, top_n_logprobs=top_n, logit_bias=_logit_bias(body, vocab),

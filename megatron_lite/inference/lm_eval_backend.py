@@ -236,8 +236,9 @@ class MegatronLiteLM(TemplateLM):
         until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
         n = min(int(kwargs.pop("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
         temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-        sampled = bool(kwargs.pop("do_sample", False)) and temperature > 0
-        top_p = float(kwargs.pop("top_p", None) or 1.0)
+        top_p = kwargs.pop("top_p", None)
+        top_p = 1.0 if top_p is None else float(top_p)  # 0: the most likely token only, greedy (as hf)
+        sampled = bool(kwargs.pop("do_sample", False)) and temperature > 0 and top_p > 0
         top_k = int(kwargs.pop("top_k", None) or 0)
         for name, neutral in NEUTRAL_GEN_KWARGS.items():
             if name in kwargs and kwargs[name] in (None, neutral):

@@ -117,6 +117,7 @@ def test_generation_kwargs_are_honoured_or_refused_never_dropped(lm):
     assert (sampled.top_k, sampled.top_p, sampled.temperature) == (5, 0.0, 0.7)
     assert params(do_sample=True, temperature=0.7, top_p=0.9).top_p == 0.9
     assert params(do_sample=False, temperature=0.0, top_k=5).top_k == 1  # greedy, as hf
+    assert params(do_sample=True, temperature=0.7, top_p=0.0).top_k == 1  # no nucleus left: greedy (was unfiltered)
     assert params(num_beams=1, repetition_penalty=1.0).top_k == 1  # neutral values change nothing
     for kw, message in [({"repetition_penalty": 1.3}, "repetition_penalty=1.3"), ({"num_beams": 4}, "num_beams=4"),
                         ({"min_new_tokens": 3}, "min_new_tokens=3"),

@@ -49,6 +49,14 @@ def test_what_stays_refused(tokenizer, body, message):
         parse_completion(body, tokenizer)
 
 
+def test_top_p_zero_is_greedy(tokenizer):
+    """OpenAI's top_p 0 keeps the most likely token only (the limit of a shrinking nucleus, as
+    temperature 0); it became the engine's top_p 0, 'no filtering', and sampled the whole vocabulary."""
+    params = parse_completion({"prompt": "1 2", "top_p": 0}, tokenizer).params
+    assert params.top_k == 1 and params.top_p == 0.0
+    assert parse_completion({"prompt": "1 2", "top_p": 0.5}, tokenizer).params.top_p == 0.5
+
+
 def test_chat_default_max_tokens_fits_the_context(tokenizer):
     messages = [{"role": "user", "content": "1 2 3"}]
     prompt = parse_chat({"messages": messages}, tokenizer, TEMPLATE).prompts[0]  # "1 2 3 7": 4 tokens
