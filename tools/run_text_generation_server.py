@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--inference-max-requests")
     add_inference_args(p)
     args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} must be in [0, 65535] (0: any free port)")
     args.batching_flags = [flag for flag, dest, _ in BATCHING_DEFAULTS if getattr(args, dest) is not None]
     for _, dest, default in BATCHING_DEFAULTS:  # set only where given: refused when nothing batches
         if getattr(args, dest) is None:

@@ -18,6 +18,8 @@ server goes on serving; the followers survive the same errors and wait for the n
 
 from __future__ import annotations
 
+import contextlib
+import io
 import signal
 import sys
 import threading
@@ -181,13 +183,20 @@ class InFlight:
 
 
 def make_server(app, host: str, port: int, threaded: bool = False):
-    """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``);
+    """A single-threaded HTTP server for ``app`` (port 0: a free one, see ``server.server_port``); OSError
+    (one line) where it cannot listen (the port in use);
     ``threaded``: one thread per request (continuous batching: :mod:`.batch_runner`), counted in
     ``server.in_flight`` (:class:`InFlight`)."""
     from werkzeug.serving import make_server as werkzeug_server
 
     in_flight = InFlight(app) if threaded else None
-    server = werkzeug_server(host, port, in_flight or app, threaded=threaded)
+    said = io.StringIO()  # werkzeug prints why it cannot listen (two lines) and exits 1: one line, raised
+    try:
+        with contextlib.redirect_stderr(said):
+            server = werkzeug_server(host, port, in_flight or app, threaded=threaded)
+    except SystemExit:
+        reason = said.getvalue().strip().splitlines()[0] if said.getvalue().strip() else "cannot listen"
+        raise OSError(f"--host {host} --port {port}: {reason}; pick another --port (0: any free port) or --host") from None
     server.timeout = 0.5  # handle_request returns this often when idle
     server.in_flight = in_flight
     return server

@@ -198,6 +198,31 @@ def test_the_server_batches_unless_told_one_at_a_time(engines, tmp_path, capsys)
     assert lines == ["error: --inference-max-requests 0 must be at least 1 (1: one request at a time)"]
 
 
+def test_a_port_the_server_cannot_listen_on_is_one_line_exit_2(capsys):
+    """--port 70000 served on port 4464 (the number wrapped round 65536); a port in use printed
+    werkzeug's two lines and exited 1. Both are now one line, exit code 2."""
+    import socket
+
+    pytest.importorskip("flask")
+    from megatron_lite.inference.server import make_server
+    from tests.tools import load_tool
+
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("run_text_generation_server").parse_args(["--load", "x", "--port", "70000"])
+    assert exit_.value.code == 2
+    assert "--port 70000 must be in [0, 65535]" in capsys.readouterr().err
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"^--host 127.0.0.1 --port {port}: Address already in use; pick another"):
+            make_server(lambda environ, start_response: [], "127.0.0.1", port)
+    finally:
+        taken.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_a_stream_whose_client_left_leaves_the_batch_at_the_next_step(engines):
     import threading
     import time
