@@ -290,6 +290,7 @@ FOREIGN_FLAGS = {
     "--no-build-isolation", "--logdir", "--capture-range", "--model_args",  # pip, tensorboard, nsys, lm-eval
     "--num-tokentypes", "--sft-tokenizer-prompt-format",  # Megatron-LM only
     "--apply_chat_template", "--fewshot_as_multiturn", "--system_instruction", "--cache_requests",  # lm-eval
+    "--batch_size", "--max_batch_size",  # lm-eval
 }
 PROSE_FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*\w(?![\w*/-])")
 ADD_ARGUMENT = re.compile(r"add_argument\(\s*(?:[\"']-\w[\"'],\s*)?[\"'](--[a-z][\w-]*)[\"']")
