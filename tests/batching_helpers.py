@@ -31,6 +31,24 @@ def batching_requests():
 STOPPING = ([[5, 17, 42, 8], [2, 7, 1]], SamplingParams(tokens_to_generate=10, top_k=1, stop_strings=("2 5", "7 5")))
 
 
+# Prompts sharing a 13-token prefix across blocks of 4 (PAGED), their answers without prompt log-probs
+# (OpenAI's without echo), so prefix caching may skip cached blocks: the second shares 2 blocks with
+# the first, the third (n=2, seeded) 3 per choice (its last prompt token is always computed), the
+# fourth (8 tokens, 2 whole blocks) 1; the last asks for prompt log-probs and reuses nothing.
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+PREFIX_JOINS = [0, 3, 3, 4, 4]
+PREFIX_REUSED = 4 * (2 + 2 * 3 + 1)  # prompt tokens not prefilled
+
+
+def prefix_requests():
+    return [([SHARED], SamplingParams(tokens_to_generate=5, top_k=1, top_n_logprobs=2, prompt_log_probs=False)),
+            ([SHARED[:10] + [7, 7]], SamplingParams(tokens_to_generate=4, top_k=1, prompt_log_probs=False)),
+            ([SHARED, SHARED], SamplingParams(tokens_to_generate=6, temperature=1.1, top_k=4, random_seed=9,
+                                              step_log_probs=True, prompt_log_probs=False)),
+            ([SHARED[:8]], SamplingParams(tokens_to_generate=3, top_k=1, prompt_log_probs=False)),
+            ([SHARED], SamplingParams(tokens_to_generate=3, top_k=1, top_n_logprobs=1))]
+
+
 def run(scheduler, requests, joins):
     """Run ``requests`` (request i added before step ``joins[i]``) to the end: (results, the step
     each ended at, the events)."""
@@ -48,10 +66,15 @@ def run(scheduler, requests, joins):
     return results, ended, events
 
 
-def assert_same(alone, batched):
+def assert_same(alone, batched, cached=0):
+    """Equal answers; the first ``cached`` log-probs of each batched one (a prompt prefix taken from
+    the prefix cache) must be NaN (not computed), and only they."""
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
     assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
     for a, b in zip(alone, batched):
-        assert_close(torch.tensor(b.log_probs), torch.tensor(a.log_probs))
+        got = torch.tensor(b.log_probs)
+        assert got[:cached].isnan().all() and not got[cached:].isnan().any()
+        assert_close(got[cached:], torch.tensor(a.log_probs)[cached:])
         if a.top_log_probs is not None:
-            assert [[t for t, _ in pos] for pos in b.top_log_probs] == [[t for t, _ in pos] for pos in a.top_log_probs]
+            top = [[t for t, _ in pos] for pos in b.top_log_probs]
+            assert top[cached:] == [[t for t, _ in pos] for pos in a.top_log_probs][cached:]

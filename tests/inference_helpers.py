@@ -136,3 +136,19 @@ def served_gpt():
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
     engine = InferenceEngine(build_model("gpt"), vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
     return create_app(Runner(engine), tokenizer, chat_template=CHAT_TEMPLATE).test_client(), engine
+
+
+def assert_json_close(got, want, where=""):
+    """Equal JSON, floats within 1e-5 (fp32 log-probs whose attention sums ran in another order)."""
+    if isinstance(want, float):
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            assert_json_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_json_close(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where

@@ -29,7 +29,8 @@ from megatron_lite.inference.server import StopFlag, create_app, make_server, se
 # the paged cache's and chunked prefill's flags: (flag, dest, default)
 BATCHING_DEFAULTS = [("--inference-dynamic-batching-block-size", "inference_dynamic_batching_block_size", 16),
                      ("--inference-kv-cache-blocks", "inference_kv_cache_blocks", None),
-                     ("--max-num-batched-tokens", "max_num_batched_tokens", 512)]
+                     ("--max-num-batched-tokens", "max_num_batched_tokens", 512),
+                     ("--enable-prefix-caching", "enable_prefix_caching", True)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,11 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuous batching: at most this many tokens per step (default 512; vLLM's name): each decoding "
                         "sequence feeds one, prefills are chunked into the rest (chunked prefill); at least "
                         "--inference-max-requests")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="continuous batching: keep full prompt blocks of the key/value cache named by their tokens, "
+                        "so a prompt starting with the same blocks reuses them instead of computing them again "
+                        "(default: on, as vLLM's; --no-enable-prefix-caching turns it off)")
     add_inference_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} must be in [0, 65535] (0: any free port)")
-    args.batching_flags = [flag for flag, dest, _ in BATCHING_DEFAULTS if getattr(args, dest) is not None]
+    args.batching_flags = [flag for flag, dest, _ in BATCHING_DEFAULTS if getattr(args, dest) not in (None, False)]
     for _, dest, default in BATCHING_DEFAULTS:  # set only where given: refused when nothing batches
         if getattr(args, dest) is None:
             setattr(args, dest, default)
@@ -96,7 +101,8 @@ def main(argv=None) -> int:
         chat_template = read_chat_template(args.chat_template)
         runner = make_runner(session.engine, args.inference_max_requests,
                              block_size=args.inference_dynamic_batching_block_size,
-                             num_blocks=args.inference_kv_cache_blocks, max_batched_tokens=args.max_num_batched_tokens)
+                             num_blocks=args.inference_kv_cache_blocks, max_batched_tokens=args.max_num_batched_tokens,
+                             prefix_caching=args.enable_prefix_caching)
         if not session.is_rank0:
             runner.follow()
             return 0

@@ -188,7 +188,9 @@ def parse_completion(body, tokenizer) -> OpenAIJob:
     echo = get_bool(body, "echo", False)
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens=0 generates nothing: set echo=true to score the prompt")
-    job = OpenAIJob(texts, prompts, _sampling(body, max_tokens, logprobs or 0, tokenizer.vocab_size), echo, logprobs, _stops(body))
+    params = _sampling(body, max_tokens, logprobs or 0, tokenizer.vocab_size)
+    params.prompt_log_probs = echo and logprobs is not None  # else a cached prompt prefix is not recomputed
+    job = OpenAIJob(texts, prompts, params, echo, logprobs, _stops(body))
     return _streaming(body, _copies(body, beam_job(body, job), tokenizer.vocab_size))
 
 
@@ -206,7 +208,9 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
     logprobs = get_bool(body, "logprobs", False)
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs=true")
-    job = OpenAIJob([text], [prompt], _sampling(body, max_tokens, top, tokenizer.vocab_size), False, top if logprobs else None, _stops(body))
+    params = _sampling(body, max_tokens, top, tokenizer.vocab_size)
+    params.prompt_log_probs = False  # the answer never shows them: a cached prompt prefix is not recomputed
+    job = OpenAIJob([text], [prompt], params, False, top if logprobs else None, _stops(body))
     job.chat = True
     return _streaming(body, _copies(body, beam_job(body, job), tokenizer.vocab_size))
 

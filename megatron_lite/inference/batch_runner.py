@@ -230,6 +230,10 @@ class BatchRunner(Runner):
                 server.shutdown()
             self.stop()
             server.server_close()
+            cache = self.batch.cache
+            if cache.prefix_caching:
+                print(f"prefix cache: {cache.reused_tokens} prompt tokens reused instead of prefilled, "
+                      f"{cache.evicted_blocks} cached blocks evicted", flush=True)
 
     # -- followers -------------------------------------------------------------------------------
     def on_message(self, message) -> None:

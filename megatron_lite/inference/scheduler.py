@@ -84,9 +84,10 @@ class Event:
 class _Request:
     """One admitted request: the state :meth:`InferenceEngine._steps` keeps, for its rows only."""
 
-    def __init__(self, engine: InferenceEngine, admission: Admission, rows: list[int]):
+    def __init__(self, engine: InferenceEngine, admission: Admission, rows: list[int], cached: int = 0):
         p, device = admission.params, engine.device
-        self.rid, self.params, self.rows = admission.rid, p, rows
+        self.rid, self.params = admission.rid, p
+        self.rows: list[int | None] = list(rows)  # each sequence's cache row (None once it ended: freed)
         self.prompt_lengths = [len(x) for x in admission.prompts]
         self.lengths = torch.tensor(self.prompt_lengths, device=device)
         n, b = p.tokens_to_generate, len(rows)
@@ -95,6 +96,7 @@ class _Request:
         stop_ids = set(p.stop_token_ids) | ({engine.eod} if p.stop_on_eod and engine.eod is not None else set())
         self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         self.values = torch.zeros(b, self.total - 1, 2 + 2 * p.top_n_logprobs, device=device)
+        self.values[:, :cached, 0] = float("nan")  # a cached prompt prefix: its log-probs are not computed
         self.ends = self.lengths + n
         self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
         self.counts = torch.zeros(b, engine.vocab_size, device=device) if p.penalized and engine.is_src else None
@@ -102,8 +104,12 @@ class _Request:
         if p.random_seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
         self.prev, self.cur = 0, min(self.prompt_lengths)
-        self.filled = 0  # tokens in the cache (below ``prev`` while a chunked prefill runs)
+        self.filled = cached  # tokens in the cache (below ``cur`` while a (chunked) prefill runs)
         self.checker = stop_checker(engine, admission.prompts, p)  # its stop strings (the sampling rank)
+
+    def held(self) -> list[int]:
+        """The sequences that still hold a cache row (those that have not ended)."""
+        return [i for i, row in enumerate(self.rows) if row is not None]
 
     def live(self) -> torch.Tensor:
         """The rows whose token of this step is generated text (not a prompt token, not past their end)."""
@@ -119,7 +125,7 @@ class _Request:
 
     def take(self, new: torch.Tensor, logits: torch.Tensor | None, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the broadcast tokens ``new`` (``hit``: the rows they end at a stop string); return
-        (rows that emitted a token, request done)."""
+        (rows that emitted a token, rows that ended)."""
         filled, cur, p = self.filled, self.cur, self.params
         self.params = decayed_top_p(p)
         new = new.clamp(min=0)
@@ -135,7 +141,7 @@ class _Request:
         emitted = ~finished & (cur >= self.lengths)
         if self.counts is not None:
             self.counts.scatter_add_(1, new.unsqueeze(1), emitted.unsqueeze(1).float())
-        return emitted, (cur + 1 >= self.ends).all()
+        return emitted, cur + 1 >= self.ends
 
     def prefilled(self, logits: torch.Tensor | None, n: int) -> None:
         """A chunk of ``n`` prompt tokens (not the prefill's last) ran: keep its log-probs, sample nothing."""
@@ -158,12 +164,12 @@ class Scheduler:
     chunked to fit; None: every prefill whole)."""
 
     def __init__(self, engine: InferenceEngine, max_rows: int, *, block_size: int = 16, num_blocks: int | None = None,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, prefix_caching: bool = False):
         if max_batched_tokens is not None and max_batched_tokens < max_rows:
             raise ValueError(f"--max-num-batched-tokens {max_batched_tokens} must be at least --inference-max-requests "
                              f"{max_rows} (every decoding sequence feeds one token per step)")
         self.engine, self.max_batched_tokens = engine, max_batched_tokens
-        self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks,
+        self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks, prefix_caching,
                                 reach=cache_reach(engine.model.config))
         self.active: list[_Request] = []
         self.pending: list[Admission] = []  # the deciding rank's queue
@@ -183,8 +189,8 @@ class Scheduler:
         if not self.covers(prompts, params):
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
                              f"sequences than --inference-max-requests {self.cache.max_rows})")
-        rows, tokens = len(prompts), _row_tokens(prompts, params)
-        need, cache = rows * self.cache.row_blocks(tokens, _prefill(prompts)), self.cache
+        rows, tokens, cache = len(prompts), _row_tokens(prompts, params), self.cache
+        need = cache.cost(rows, tokens, prompts)  # with nothing cached (its choices may share their prompt)
         if need > cache.num_blocks:
             raise ValueError(f"this request needs {need} key/value-cache blocks of {cache.block_size} tokens ({rows} "
                              f"sequence(s) of up to {tokens} tokens), more than the {cache.num_blocks} of "
@@ -201,7 +207,7 @@ class Scheduler:
         """End every admitted request (a step failed for the whole batch): free their rows, return their ids."""
         rids = [r.rid for r in self.active]
         for r in self.active:
-            self.cache.release(r.rows)
+            self._free(r)
         self.active = []
         return rids
 
@@ -210,9 +216,9 @@ class Scheduler:
         fit in the free rows and their blocks in the free blocks (a request that does not fit waits,
         and so do those after it)."""
         rows, blocks, out = len(self.cache.free), self.cache.available, []
-        while self.pending:
+        while self.pending:  # the need of each is counted as if it joined alone (never less than together)
             a = self.pending[0]
-            need = len(a.prompts) * self.cache.row_blocks(_row_tokens(a.prompts, a.params), _prefill(a.prompts))
+            need = self.cache.cost(len(a.prompts), _row_tokens(a.prompts, a.params), *_reuse(a))
             if len(a.prompts) > rows or need > blocks:
                 break
             rows, blocks = rows - len(a.prompts), blocks - need
@@ -227,7 +233,7 @@ class Scheduler:
         """Drop the requests ``leaving`` (ids: their clients left), admit ``admitted`` and run one step
         of every request (every rank, the same arguments)."""
         for r in [r for r in self.active if r.rid in leaving]:
-            self.cache.release(r.rows)
+            self._free(r)
             self.active.remove(r)
         failed = self._admit(admitted)
         if not self.active:
@@ -246,9 +252,9 @@ class Scheduler:
         on any rank: the ranks agree) gets its error event and frees its rows, and the rest go on."""
         errors, joined = {}, []
         for a in admitted:
-            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params), _prefill(a.prompts))
+            rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params), *_reuse(a))
             try:
-                joined.append(_Request(self.engine, a, rows))
+                joined.append(_Request(self.engine, a, rows, self.cache.lengths[rows[0]]))
             except Exception as err:  # noqa: BLE001 - this request's error alone
                 errors[a.rid] = err
                 self.cache.release(rows)
@@ -260,7 +266,7 @@ class Scheduler:
                     errors[a.rid] = RuntimeError(f"request {a.rid} failed to join the batch on another rank "
                                                  "(see that rank's log)")
         for r in [r for r in joined if r.rid in errors]:
-            self.cache.release(r.rows)
+            self._free(r)
         self.active += [r for r in joined if r.rid not in errors]
         return [Event(rid, error=err) for rid, err in errors.items()]
 
@@ -270,13 +276,13 @@ class Scheduler:
         rest of ``max_batched_tokens`` holds (chunked prefill)."""
         if self.max_batched_tokens is None:
             return {r.rid: r.cur - r.filled for r in self.active}
-        budget = self.max_batched_tokens - sum(len(r.rows) for r in self.active if r.cur - r.filled == 1)
+        budget = self.max_batched_tokens - sum(len(r.held()) for r in self.active if r.cur - r.filled == 1)
         plan = {}
         for r in self.active:
-            left = r.cur - r.filled
-            plan[r.rid] = 1 if left == 1 else min(left, budget // len(r.rows))
+            left, width = r.cur - r.filled, len(r.held())
+            plan[r.rid] = 1 if left == 1 else min(left, budget // width)
             if left > 1:
-                budget -= plan[r.rid] * len(r.rows)
+                budget -= plan[r.rid] * width
         return plan
 
     def _forward(self, plan: dict[int, int]) -> dict[int, torch.Tensor | None]:
@@ -288,14 +294,16 @@ class Scheduler:
                 groups.setdefault(plan[r.rid], []).append(r)
         out = {}
         for s_new, group in groups.items():
-            tokens = torch.cat([r.tokens[:, r.filled:r.filled + s_new] for r in group])
-            positions, mask = self.cache.begin([row for r in group for row in r.rows], s_new, self.engine.device)
+            held = [r.held() for r in group]  # a request's ended sequences gave their rows back
+            tokens = torch.cat([r.tokens[seqs, r.filled:r.filled + s_new] for r, seqs in zip(group, held)])
+            rows = [r.rows[i] for r, seqs in zip(group, held) for i in seqs]
+            positions, mask = self.cache.begin(rows, s_new, self.engine.device)
             logits = self.engine.forward(tokens, self.cache, position_ids=positions, attention_mask=mask)
             self.cache.advance()
             start = 0
-            for r in group:
-                out[r.rid] = None if logits is None else logits[start:start + len(r.rows)]
-                start += len(r.rows)
+            for r, seqs in zip(group, held):
+                out[r.rid] = None if logits is None else _every_sequence(logits[start:start + len(seqs)], seqs, r)
+                start += len(seqs)
         return out
 
     def _finish_step(self, logits: dict[int, torch.Tensor | None], stepped: list[_Request]) -> list[Event]:
@@ -313,18 +321,20 @@ class Scheduler:
         new, hits = broadcast_tokens(engine, new, any(r.params.stop_strings for r in stepped), checks)
         flags, emitted = [], []
         for r, rows, hit in zip(stepped, new.split(sizes), hits.split(sizes)):
-            e, done = torch.zeros(len(r.rows), dtype=torch.bool, device=device), torch.tensor(True, device=device)
+            e, over = (torch.full((len(r.rows),), flag, dtype=torch.bool, device=device) for flag in (False, True))
             if r.rid not in errors:
                 try:
-                    e, done = r.take(rows, logits[r.rid], hit)
+                    e, over = r.take(rows, logits[r.rid], hit)
                 except Exception as err:  # noqa: BLE001 - this request's error alone (every rank raises it)
                     errors[r.rid] = err
             code = torch.tensor(2 if r.rid in errors else 0, device=device)
-            flags += [torch.maximum(code, -rows.min().clamp(max=0)), done]  # 1: NaN / inf, 2: failed
-            emitted.append(e)
-        synced = torch.cat([torch.stack(flags).long(), torch.cat(emitted).long(), new.clamp(min=0)]).tolist()
+            flags += [torch.maximum(code, -rows.min().clamp(max=0)), over.all()]  # 1: NaN / inf, 2: failed
+            emitted.append(torch.stack([e, over]))
+        synced = torch.cat([torch.stack(flags).long(), torch.cat(emitted, 1).long().reshape(-1),
+                            new.clamp(min=0)]).tolist()
         n_req, total = len(stepped), sum(sizes)
-        em, toks = synced[2 * n_req:2 * n_req + total], synced[2 * n_req + total:]
+        em, ended_rows = synced[2 * n_req:2 * n_req + total], synced[2 * n_req + total:2 * n_req + 2 * total]
+        toks = synced[2 * n_req + 2 * total:]
         self._share_errors(stepped, synced[0:2 * n_req:2], errors)
         events, ended, start = [], set(), 0
         for k, r in enumerate(stepped):
@@ -333,7 +343,7 @@ class Scheduler:
             start += len(r.rows)
             if code:
                 events.append(Event(r.rid, error=errors[r.rid] if code == 2 else NonFiniteLogitsError()))
-                self.cache.release(r.rows)
+                self._free(r)
                 ended.add(r.rid)
                 continue
             step = Step(toks[i] if em[i] else None for i in rows)
@@ -343,14 +353,22 @@ class Scheduler:
             event = Event(r.rid, step=step)
             if done:
                 event.results = r.results(engine._broadcast(r.values.contiguous()).cpu())
-                self.cache.release(r.rows)
+                self._free(r)
                 ended.add(r.rid)
             else:
                 r.prev = r.filled = r.cur
                 r.cur += 1
+                self._free(r, [i for i, row in zip(range(len(r.rows)), rows) if ended_rows[row]])
             events.append(event)
         self.active = [r for r in self.active if r.rid not in ended]
         return events
+
+    def _free(self, r: _Request, sequences: list[int] | None = None) -> None:
+        """Give back the cache rows of ``r``'s ``sequences`` (None: all) that still hold one."""
+        sequences = range(len(r.rows)) if sequences is None else sequences
+        self.cache.release([r.rows[i] for i in sequences if r.rows[i] is not None])
+        for i in sequences:
+            r.rows[i] = None
 
     @staticmethod
     def _sample(r: _Request, logits: torch.Tensor, errors: dict) -> torch.Tensor:
@@ -373,13 +391,25 @@ class Scheduler:
                 errors[rid] = RuntimeError(box[0].get(rid, f"request {rid} failed (see the sampling rank's log)"))
 
 
+def _reuse(a: Admission) -> tuple[list[list[int]] | None, int]:
+    """:meth:`PagedCache.allocate <.paged_cache.PagedCache.allocate>`'s ``prompts`` and
+    ``reuse_limit`` for ``a``: the cached prefix may cover all but the shortest prompt's last token
+    (the first step must compute the logits it samples from), and none of it when the answer holds
+    the prompt's log-probs (its rows still share their equal prompt blocks)."""
+    return a.prompts, 0 if a.params.prompt_log_probs else min(len(p) for p in a.prompts) - 1
+
+
+def _every_sequence(logits: torch.Tensor, held: list[int], r: _Request) -> torch.Tensor:
+    """``logits`` of the sequences ``held`` of ``r``, as ``[every sequence, ...]`` (zeros for those that ended)."""
+    if len(held) == len(r.rows):
+        return logits
+    out = logits.new_zeros(len(r.rows), *logits.shape[1:])
+    out[held] = logits
+    return out
+
+
 def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:
     """The most tokens a sequence of this request holds in the cache: every sequence steps until the
     longest prompt plus ``tokens_to_generate`` (the last token is sampled, never fed)."""
     return max(len(p) for p in prompts) + params.tokens_to_generate - 1
 
-
-def _prefill(prompts: list[list[int]]) -> int:
-    """The most tokens one forward pass of this request feeds a row: its prefill, the shortest prompt
-    (the longer prompts' other tokens go one a step, as the generated ones)."""
-    return min(len(p) for p in prompts)

@@ -26,7 +26,7 @@ from megatron_lite.inference.server import Runner, StopFlag, create_app, make_se
 from tests.batching_helpers import STOPPING, batching_requests
 from tests.e2e.conftest import ROOT
 from tests.harness import free_port
-from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, save_model
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, assert_json_close, save_model
 
 
 def engine_for(root):
@@ -129,22 +129,6 @@ def _answer(url, method, path, body):
     return answer
 
 
-def _numbers_close(got, want, where=""):
-    """Equal JSON, floats within 1e-5 (fp32 log-probs whose attention sums ran in another order)."""
-    if isinstance(want, float):
-        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), where
-    elif isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for k in want:
-            _numbers_close(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            _numbers_close(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
-
 def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_path):
     root = str(tmp_path / "gpt")
     save_model("gpt", root)
@@ -172,7 +156,7 @@ def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_pat
             t.join(timeout=300)
         assert max(seen) == covered  # every OpenAI request was in one batch at once
         for i, (g, w) in enumerate(zip(got, want)):
-            _numbers_close(g, w, f"request {i}")
+            assert_json_close(g, w, f"request {i}")
         assert runner.batch.cache.free == list(range(8))
     finally:
         for _, _, stop, thread in (one, batched):

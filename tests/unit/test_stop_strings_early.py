@@ -23,7 +23,7 @@ from megatron_lite.inference.engine import Generation, InferenceEngine
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
 from megatron_lite.inference.stop_strings import StopStrings
-from tests.inference_helpers import MAX_LEN, VOCAB, build_model
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_json_close, build_model
 from tests.unit.test_openai_stream import STOPS, STREAMED, tokenizers  # noqa: F401 - the fixture
 
 pytest.importorskip("flask")
@@ -110,7 +110,10 @@ def test_answers_are_unchanged_and_decode_steps_drop(model, batched):
 
     before, before_steps = answers(*runner_of(None))  # decodes to max_tokens: the answers of before
     after, after_steps = answers(*runner_of(NULL))
-    assert after == before
+    if batched:  # a sequence that stopped left the batch: the others' fp32 sums ran over other rows (~1e-6)
+        assert_json_close(after, before)
+    else:
+        assert after == before
     stopped = [c["finish_reason"] for a in before if isinstance(a, dict) for c in a["choices"]]
     assert stopped.count("stop") >= 6 and "length" in stopped  # the requests hold early and late stops
     # [0]: one prompt never stops (the batch of two runs on); [2], [3]: one choice never stops (n=3);
