@@ -37,7 +37,8 @@ STOPPING = ([[5, 17, 42, 8], [2, 7, 1]], SamplingParams(tokens_to_generate=10, t
 # fourth (8 tokens, 2 whole blocks) 1; the last asks for prompt log-probs and reuses nothing.
 SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
 PREFIX_JOINS = [0, 3, 3, 4, 4]
-PREFIX_REUSED = 4 * (2 + 2 * 3 + 1)  # prompt tokens not prefilled
+PREFIX_CACHED = [0, 8, 12, 4, 0]  # prompt tokens each request takes from the cache
+PREFIX_REUSED = 8 + 2 * 12 + 4  # prompt tokens not prefilled
 
 
 def prefix_requests():

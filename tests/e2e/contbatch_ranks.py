@@ -3,8 +3,10 @@
 tokens, too few for every request at once, at most 6 tokens per step), through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
 each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT: the
 requests of ``batching_requests()``, then ``STOPPING`` (joining at step 1; a stop string ends one of
-its sequences, which the sampling rank decides and broadcasts: the engines hold the tokenizer). Rank 0
-writes every request's results to OUT (JSON: root -> requests -> sequences). ``CONTBATCH_FAIL=1``
+its sequences, which the sampling rank decides and broadcasts: the engines hold the tokenizer), then
+``prefix_requests()`` (joining from step 8; prefix caching is on, so they start after the prompt blocks
+the earlier ones computed). Rank 0
+writes every request's results to OUT (JSON: root -> requests -> sequences), then the prompt tokens the prefix cache saved. ``CONTBATCH_FAIL=1``
 adds a request (seed 13, joining at step 3) whose sampling raises on the sampling rank: its entry is
 ``{"error": message}`` as rank 0 got it."""
 
@@ -22,7 +24,7 @@ from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
 from megatron_lite.inference.loading import load_model  # noqa: E402
 from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from tests.batching_helpers import JOINS, PAGED, STOPPING, batching_requests  # noqa: E402
+from tests.batching_helpers import JOINS, PAGED, PREFIX_JOINS, STOPPING, batching_requests, prefix_requests  # noqa: E402, I001
 from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
 
 FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
@@ -49,7 +51,8 @@ def answer(ticket) -> list | dict:
 
 
 def serve_requests(runner: BatchRunner) -> list:
-    requests, tickets, step, joins = batching_requests() + [STOPPING], {}, 0, list(JOINS) + [1]
+    requests, tickets, step = batching_requests() + [STOPPING] + prefix_requests(), {}, 0
+    joins = list(JOINS) + [1] + [8 + at for at in PREFIX_JOINS]
     if os.environ.get("CONTBATCH_FAIL"):
         requests, joins = requests + [FAILING], joins + [3]
     while step <= max(joins) or runner.busy:
@@ -73,9 +76,9 @@ def main(out: str, roots: list[str]) -> None:
         model, _ = load_model(root, state, device=device)
         engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
                                  tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))
-        runner = BatchRunner(engine, 6, **PAGED)
+        runner = BatchRunner(engine, 6, **PAGED, prefix_caching=True)
         if state.rank == 0:
-            answers[root] = serve_requests(runner)
+            answers[root] = serve_requests(runner) + [runner.batch.cache.reused_tokens]
             cache = runner.batch.cache
             assert sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)), "blocks lost"
         else:

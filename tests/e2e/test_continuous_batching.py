@@ -23,7 +23,7 @@ from megatron_lite.inference.batch_runner import BatchRunner
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.loading import load_model, load_tokenizer
 from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
-from tests.batching_helpers import STOPPING, batching_requests
+from tests.batching_helpers import PREFIX_CACHED, PREFIX_REUSED, STOPPING, batching_requests, prefix_requests
 from tests.e2e.conftest import ROOT
 from tests.harness import free_port
 from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, assert_json_close, save_model
@@ -33,6 +33,21 @@ def engine_for(root):
     model, saved = load_model(root)
     return InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
                            tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))  # STOPPING's stop strings
+
+
+REQUESTS_RUN = batching_requests() + [STOPPING] + prefix_requests()  # contbatch_ranks.py's, in order
+
+
+def assert_each_alone(engine, answers, what=""):
+    """Each answer of contbatch_ranks.py is the request's alone (a prompt prefix that came from the
+    prefix cache holds NaN log-probs: not computed)."""
+    for (prompts, params), got, cached in zip(REQUESTS_RUN, answers, [0] * 5 + PREFIX_CACHED):
+        alone = engine.generate(prompts, params)
+        assert [g["tokens"] for g in got] == [a.tokens for a in alone], what
+        assert [g["finish_reason"] for g in got] == [a.finish_reason for a in alone]
+        for g, a in zip(got, alone):
+            assert torch.tensor(g["log_probs"][:cached]).isnan().all()
+            assert_close(torch.tensor(g["log_probs"][cached:]), torch.tensor(a.log_probs[cached:]), what=what)
 
 
 def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path):
@@ -48,15 +63,9 @@ def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path)
     with open(out) as f:
         answers = json.load(f)
     for root in roots:
-        engine = engine_for(root)
-        assert len(answers[root]) == len(batching_requests()) + 1
-        for (prompts, params), got in zip(batching_requests() + [STOPPING], answers[root]):
-            alone = engine.generate(prompts, params)
-            assert [g["tokens"] for g in got] == [a.tokens for a in alone], root
-            assert [g["finish_reason"] for g in got] == [a.finish_reason for a in alone]
-            for g, a in zip(got, alone):
-                assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs), what=root)
-        stopping = [g["finish_reason"] for g in answers[root][-1]], len(answers[root][-1][0]["tokens"])
+        assert len(answers[root]) == len(REQUESTS_RUN) + 1 and answers[root].pop() == PREFIX_REUSED
+        assert_each_alone(engine_for(root), answers[root], root)
+        stopping = [g["finish_reason"] for g in answers[root][4]], len(answers[root][4][0]["tokens"])
         assert stopping == (["stop", "length"], 4 + 3 if "gpt" in root else 4 + 4)  # ended at its stop string
 
 
@@ -74,13 +83,9 @@ def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         answers = json.load(f)[root]
-    assert answers[-1] == {"error": "RuntimeError: logits processor failed"} and len(answers) == len(batching_requests()) + 2
-    engine = engine_for(root)
-    for (prompts, params), got in zip(batching_requests() + [STOPPING], answers):
-        alone = engine.generate(prompts, params)
-        assert [g["tokens"] for g in got] == [a.tokens for a in alone]
-        for g, a in zip(got, alone):
-            assert_close(torch.tensor(g["log_probs"]), torch.tensor(a.log_probs))
+    assert answers.pop() == PREFIX_REUSED and len(answers) == len(REQUESTS_RUN) + 1
+    assert answers.pop() == {"error": "RuntimeError: logits processor failed"}
+    assert_each_alone(engine_for(root), answers)
 
 
 httpx = pytest.importorskip("httpx")

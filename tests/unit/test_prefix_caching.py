@@ -18,6 +18,7 @@ from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
 from tests.batching_helpers import (
     PAGED,
+    PREFIX_CACHED,
     PREFIX_JOINS,
     PREFIX_REUSED,
     SHARED,
@@ -56,7 +57,7 @@ def test_shared_prefixes_are_computed_once_and_answer_as_each_request_alone(engi
     scheduler = Scheduler(engine, 6, **PAGED, prefix_caching=True)
     results, _, events = run(scheduler, requests, PREFIX_JOINS)
     assert scheduler.cache.reused_tokens == PREFIX_REUSED
-    for i, (cached, (p, params)) in enumerate(zip([0, 8, 12, 4, 0], requests)):
+    for i, (cached, (p, params)) in enumerate(zip(PREFIX_CACHED, requests)):
         assert_same(engine.generate(p, params), results[i], cached)
     steps = [e.step for e in events if e.rid == 2]  # the stream still starts at position 0 (NaN where reused)
     assert steps[0].start == 0 and len(steps[0].log_probs[0]) == len(SHARED)
