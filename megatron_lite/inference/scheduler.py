@@ -45,29 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..models.window_config import cache_reach
-from .engine import (
-    Generation,
-    InferenceEngine,
-    Step,
-    _check_prompts,
-    _pad,
-    _position_stats,
-    _result,
-    _step_log_probs,
-    check_vocabulary,
-)
+from .batch_request import Admission, BatchRequest, every_sequence
+from .engine import Generation, InferenceEngine, Step, _check_prompts, _step_log_probs, check_vocabulary
 from .paged_cache import PagedCache
-from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
-from .stop_strings import broadcast_tokens, stop_checker
-
-
-@dataclass
-class Admission:
-    """A request entering the batch: its id, token ids and (checked) sampling parameters."""
-
-    rid: int
-    prompts: list[list[int]]
-    params: SamplingParams
+from .sampling import NonFiniteLogitsError, SamplingParams
+from .stop_strings import broadcast_tokens
 
 
 @dataclass
@@ -79,81 +61,6 @@ class Event:
     step: Step | None = None
     results: list[Generation] | None = None
     error: Exception | None = None
-
-
-class _Request:
-    """One admitted request: the state :meth:`InferenceEngine._steps` keeps, for its rows only."""
-
-    def __init__(self, engine: InferenceEngine, admission: Admission, rows: list[int], cached: int = 0):
-        p, device = admission.params, engine.device
-        self.rid, self.params = admission.rid, p
-        self.rows: list[int | None] = list(rows)  # each sequence's cache row (None once it ended: freed)
-        self.prompt_lengths = [len(x) for x in admission.prompts]
-        self.lengths = torch.tensor(self.prompt_lengths, device=device)
-        n, b = p.tokens_to_generate, len(rows)
-        self.total = max(self.prompt_lengths) + n
-        self.tokens = _pad(admission.prompts, self.total, device)
-        stop_ids = set(p.stop_token_ids) | ({engine.eod} if p.stop_on_eod and engine.eod is not None else set())
-        self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        self.values = torch.zeros(b, self.total - 1, 2 + 2 * p.top_n_logprobs, device=device)
-        self.values[:, :cached, 0] = float("nan")  # a cached prompt prefix: its log-probs are not computed
-        self.ends = self.lengths + n
-        self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(b, engine.vocab_size, device=device) if p.penalized and engine.is_src else None
-        self.generator = engine.generator
-        if p.random_seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
-        self.prev, self.cur = 0, min(self.prompt_lengths)
-        self.filled = cached  # tokens in the cache (below ``cur`` while a (chunked) prefill runs)
-        self.checker = stop_checker(engine, admission.prompts, p)  # its stop strings (the sampling rank)
-
-    def held(self) -> list[int]:
-        """The sequences that still hold a cache row (those that have not ended)."""
-        return [i for i, row in enumerate(self.rows) if row is not None]
-
-    def live(self) -> torch.Tensor:
-        """The rows whose token of this step is generated text (not a prompt token, not past their end)."""
-        return (self.cur < self.ends) & (self.cur >= self.lengths)
-
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """This step's token of every row (the sampling rank): a prompt token while a row reads its
-        prompt, else a sample (-1 marks logits holding NaN or inf)."""
-        cur = self.cur
-        last = ban_after(logits[:, -1], self.tokens[:, cur - 1], self.params)
-        return torch.where(cur < self.lengths, self.tokens[:, cur],
-                           sample_or_mark(last, self.params, self.generator, self.counts))
-
-    def take(self, new: torch.Tensor, logits: torch.Tensor | None, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the broadcast tokens ``new`` (``hit``: the rows they end at a stop string); return
-        (rows that emitted a token, rows that ended)."""
-        filled, cur, p = self.filled, self.cur, self.params
-        self.params = decayed_top_p(p)
-        new = new.clamp(min=0)
-        finished = cur >= self.ends
-        self.tokens[:, cur] = torch.where(finished, self.tokens[:, cur], new)
-        if logits is not None:
-            self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs)
-        double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
-        double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
-        stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop | hit)
-        self.stopped |= stop_here
-        self.ends = torch.where(stop_here, cur + 1, self.ends)
-        emitted = ~finished & (cur >= self.lengths)
-        if self.counts is not None:
-            self.counts.scatter_add_(1, new.unsqueeze(1), emitted.unsqueeze(1).float())
-        return emitted, cur + 1 >= self.ends
-
-    def prefilled(self, logits: torch.Tensor | None, n: int) -> None:
-        """A chunk of ``n`` prompt tokens (not the prefill's last) ran: keep its log-probs, sample nothing."""
-        f = self.filled
-        if logits is not None:
-            self.values[:, f:f + n] = _position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs)
-        self.filled += n
-
-    def results(self, values: torch.Tensor) -> list[Generation]:
-        tokens, ends, top_n = self.tokens.cpu(), self.ends.tolist(), self.params.top_n_logprobs
-        return [_result(tokens[i, :ends[i]].tolist(), self.prompt_lengths[i], values[i, :ends[i] - 1], top_n,
-                        "stop" if self.stopped[i] else "length") for i in range(len(self.rows))]
 
 
 class Scheduler:
@@ -171,7 +78,7 @@ class Scheduler:
         self.engine, self.max_batched_tokens = engine, max_batched_tokens
         self.cache = PagedCache(max_rows, engine.max_sequence_length, block_size, num_blocks, prefix_caching,
                                 reach=cache_reach(engine.model.config))
-        self.active: list[_Request] = []
+        self.active: list[BatchRequest] = []
         self.pending: list[Admission] = []  # the deciding rank's queue
         self.next_rid = 0
         self.steps = 0  # forward steps run so far (the tests count decode steps with it)
@@ -254,7 +161,7 @@ class Scheduler:
         for a in admitted:
             rows = self.cache.allocate(len(a.prompts), _row_tokens(a.prompts, a.params), *_reuse(a))
             try:
-                joined.append(_Request(self.engine, a, rows, self.cache.lengths[rows[0]]))
+                joined.append(BatchRequest(self.engine, a, rows, self.cache.lengths[rows[0]]))
             except Exception as err:  # noqa: BLE001 - this request's error alone
                 errors[a.rid] = err
                 self.cache.release(rows)
@@ -288,7 +195,7 @@ class Scheduler:
     def _forward(self, plan: dict[int, int]) -> dict[int, torch.Tensor | None]:
         """Logits ``[rows, s_new, V]`` of each request (None off the last stage): one forward pass
         per number of new tokens (decode steps and prefill chunks of equal length together)."""
-        groups: dict[int, list[_Request]] = {}
+        groups: dict[int, list[BatchRequest]] = {}
         for r in self.active:
             if plan[r.rid]:
                 groups.setdefault(plan[r.rid], []).append(r)
@@ -302,11 +209,11 @@ class Scheduler:
             self.cache.advance()
             start = 0
             for r, seqs in zip(group, held):
-                out[r.rid] = None if logits is None else _every_sequence(logits[start:start + len(seqs)], seqs, r)
+                out[r.rid] = None if logits is None else every_sequence(logits[start:start + len(seqs)], seqs, r)
                 start += len(seqs)
         return out
 
-    def _finish_step(self, logits: dict[int, torch.Tensor | None], stepped: list[_Request]) -> list[Event]:
+    def _finish_step(self, logits: dict[int, torch.Tensor | None], stepped: list[BatchRequest]) -> list[Event]:
         """Sample, broadcast and record the tokens of the requests ``stepped`` (those whose step ran
         whole: not in the middle of a chunked prefill); the requests that ended leave. A request
         whose sampling or bookkeeping raises fails alone (its error event); the others go on."""
@@ -363,7 +270,7 @@ class Scheduler:
         self.active = [r for r in self.active if r.rid not in ended]
         return events
 
-    def _free(self, r: _Request, sequences: list[int] | None = None) -> None:
+    def _free(self, r: BatchRequest, sequences: list[int] | None = None) -> None:
         """Give back the cache rows of ``r``'s ``sequences`` (None: all) that still hold one."""
         sequences = range(len(r.rows)) if sequences is None else sequences
         self.cache.release([r.rows[i] for i in sequences if r.rows[i] is not None])
@@ -371,7 +278,7 @@ class Scheduler:
             r.rows[i] = None
 
     @staticmethod
-    def _sample(r: _Request, logits: torch.Tensor, errors: dict) -> torch.Tensor:
+    def _sample(r: BatchRequest, logits: torch.Tensor, errors: dict) -> torch.Tensor:
         """``r``'s tokens of this step (the sampling rank); -2 in every row when sampling raised
         (its error kept in ``errors``)."""
         try:
@@ -380,7 +287,7 @@ class Scheduler:
             errors[r.rid] = err
             return torch.full((len(r.rows),), -2, dtype=torch.long, device=logits.device)
 
-    def _share_errors(self, stepped: list[_Request], codes: list[int], errors: dict) -> None:
+    def _share_errors(self, stepped: list[BatchRequest], codes: list[int], errors: dict) -> None:
         """Every rank gets the error of each request that failed (code 2): the sampling rank's
         message where it raised there."""
         missing = [r.rid for r, code in zip(stepped, codes) if code == 2 and r.rid not in errors]
@@ -397,15 +304,6 @@ def _reuse(a: Admission) -> tuple[list[list[int]] | None, int]:
     (the first step must compute the logits it samples from), and none of it when the answer holds
     the prompt's log-probs (its rows still share their equal prompt blocks)."""
     return a.prompts, 0 if a.params.prompt_log_probs else min(len(p) for p in a.prompts) - 1
-
-
-def _every_sequence(logits: torch.Tensor, held: list[int], r: _Request) -> torch.Tensor:
-    """``logits`` of the sequences ``held`` of ``r``, as ``[every sequence, ...]`` (zeros for those that ended)."""
-    if len(held) == len(r.rows):
-        return logits
-    out = logits.new_zeros(len(r.rows), *logits.shape[1:])
-    out[held] = logits
-    return out
 
 
 def _row_tokens(prompts: list[list[int]], params: SamplingParams) -> int:

@@ -32,14 +32,14 @@ FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, rand
 
 def fail_seed_13() -> None:
     """Make the sampling of every request seeded 13 raise (a per-request failure inside a step)."""
-    healthy = scheduler._Request.sample
+    healthy = scheduler.BatchRequest.sample
 
     def sample(self, logits):
         if self.params.random_seed == 13:
             raise RuntimeError("logits processor failed")
         return healthy(self, logits)
 
-    scheduler._Request.sample = sample
+    scheduler.BatchRequest.sample = sample
 
 
 def answer(ticket) -> list | dict:

@@ -136,7 +136,7 @@ def test_one_request_failing_inside_a_batched_step_fails_alone(engines, monkeypa
     engine = engines["gpt"]
     marked = lambda r: r.params.random_seed == 13  # noqa: E731
     target = {"sample": "sample", "take": "take", "admission": "__init__"}[where]
-    healthy = getattr(sched._Request, target)
+    healthy = getattr(sched.BatchRequest, target)
 
     def broken(self, *args):
         if marked(self if where != "admission" else args[1]):
@@ -146,7 +146,7 @@ def test_one_request_failing_inside_a_batched_step_fails_alone(engines, monkeypa
     requests = batching_requests()
     bad = ([prompts(1, seed=9)[0]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
     alone = [engine.generate(p, params) for p, params in requests]
-    monkeypatch.setattr(sched._Request, target, broken)
+    monkeypatch.setattr(sched.BatchRequest, target, broken)
     scheduler = Scheduler(engine, 8, block_size=4, max_batched_tokens=8)
     for request in requests[:2]:
         scheduler.add(*request)
@@ -271,11 +271,11 @@ def test_a_failed_step_or_admission_is_answered_and_the_next_requests_run(engine
     def broken(*args, **kw):
         raise RuntimeError("CUDA out of memory")
 
-    admit = scheduler._Request
-    monkeypatch.setattr(*((engine, "forward") if where == "forward" else (scheduler, "_Request")), broken)
+    admit = scheduler.BatchRequest
+    monkeypatch.setattr(*((engine, "forward") if where == "forward" else (scheduler, "BatchRequest")), broken)
     assert runner.work()
     monkeypatch.setattr(engine, "forward", healthy)
-    monkeypatch.setattr(scheduler, "_Request", admit)
+    monkeypatch.setattr(scheduler, "BatchRequest", admit)
     failed = (decoding, joining) if where == "forward" else (joining,)  # a failed admission fails alone
     for ticket in failed:
         assert list(ticket.items.queue)[-1][0] == "error"  # answered: its handler does not wait forever

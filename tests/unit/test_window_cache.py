@@ -84,3 +84,65 @@ def test_generation_past_the_window_equals_no_cache_with_fewer_blocks():
     for rid in range(2):
         assert_same(alone[rid], results[rid])
     assert 3 < max(held) <= 3 + 2 + 2  # the requests' rows held blocks together, never a whole row's 9
+
+
+def test_a_shared_block_beyond_one_rows_window_stays_while_another_row_holds_it():
+    """Prefix caching with every layer windowed: a row starts after a cached prefix holding only the
+    blocks its window reaches; a block it shares goes back to the pool (still named) only when the
+    last row holding it drops it; each row is promised its whole window cap."""
+    cache = PagedCache(2, 40, block_size=2, num_blocks=12, prefix_caching=True, reach=3)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    (a,) = cache.allocate(1, 10, [prompt], 6)
+    cache.begin([a], 7, "cpu")
+    cache.append(1, torch.zeros(7, 1, 1))
+    cache.advance()  # blocks 1, 2, 3 named (tokens 0..5), block 4 half full
+    (b,) = cache.allocate(1, 10, [prompt[:6] + [9, 9]], 7)  # finds 3 blocks: 6 tokens, window reaches 3..5
+    assert cache.lengths[b] == 6 and cache.tables[b] == [0, 2, 3] and cache.refs[2:4] == [2, 2]
+    assert cache.reserved[a:b + 1] == [4, 5] and cache.available == 12 - 4 - 5  # shared blocks counted too
+    cache.begin([a, b], 1, "cpu")  # a at 7 drops blocks 1 and 2 (to 3); b at 6 drops block 1 (not its)
+    cache.append(1, torch.zeros(1, 2, 1))
+    cache.advance()
+    assert cache.tables[a][:3] == [0, 0, 3] and cache.refs[1:4] == [0, 1, 2] and 1 in cache.free_blocks
+    assert 2 not in cache.free_blocks and cache.tables[b][:3] == [0, 2, 3]
+    cache.begin([b], 1, "cpu")  # b at 7: now block 2 is nobody's: back to the pool, still named
+    assert cache.refs[2] == 0 and cache.free_blocks[-1] == 2 and cache.names[2] in cache.cached
+    cache.release([a, b])
+    assert sorted(cache.free_blocks) == list(range(1, 13)) and cache.available == 12
+
+
+def test_shared_prefixes_past_the_window_answer_as_each_request_alone():
+    """Every layer windowed (4 keys back), blocks of 4, prefix caching: the 2nd request reuses the
+    1st's first 3 blocks while the 1st still holds the 3rd (it drops it a step later than the 2nd),
+    the 3rd request's two equal choices share their prompt blocks and reuse 4 cached ones (the 2nd's
+    4th too, long gone from its window, back in the pool still named); a pool of 16 blocks (the 3rd
+    waits for the 2nd to end: every row is promised its window cap). Tokens and log-probs equal each request alone,
+    blocks go back as rows pass them, and every block's count is the tables holding it."""
+    model = windowed_model(window=(4, 0), skip=None)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 99, (13,), generator=g).tolist()
+    tail = torch.randint(0, 99, (8,), generator=g).tolist()
+    off = dict(prompt_log_probs=False)
+    requests = [([shared + [3]], SamplingParams(tokens_to_generate=20, top_k=1, top_n_logprobs=2, **off)),
+                ([shared[:12] + tail], SamplingParams(tokens_to_generate=12, top_k=1, **off)),
+                ([shared[:12] + tail[:5]] * 2, SamplingParams(tokens_to_generate=10, temperature=1.2, top_k=6,
+                                                              random_seed=7, **off))]
+    reference = InferenceEngine(model, vocab_size=100, max_sequence_length=48, use_cache=False)
+    alone = [reference.generate(p, params) for p, params in requests]
+    engine = InferenceEngine(model, vocab_size=100, max_sequence_length=48)
+    scheduler = Scheduler(engine, 3, block_size=4, num_blocks=16, prefix_caching=True)
+    cache, held = scheduler.cache, []
+    original = cache.advance
+
+    def advance():
+        counts = [sum(t.count(b) for t in cache.tables) for b in range(cache.num_blocks + 1)]
+        assert counts[1:] == cache.refs[1:] and not any(counts[b] for b in cache.free_blocks)
+        held.append(cache.num_blocks - len(cache.free_blocks))
+        original()
+
+    cache.advance = advance
+    results, ended, _ = run(scheduler, requests, [0, 1, 2])
+    assert ended[2] > ended[1]  # the 3rd waited for the 2nd's rows' caps
+    for rid, cached in enumerate([0, 12, 16]):
+        assert_same(alone[rid], results[rid], cached)
+    assert cache.reused_tokens == 12 + 2 * 16 and max(held) < 16
+    assert sorted(cache.free_blocks) == list(range(1, 17)) and cache.available == 16
