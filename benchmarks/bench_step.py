@@ -40,8 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import describe_machine, timed  # noqa: E402
-from megatron_lite.perf.flops import measure_matmul_peak, num_floating_point_operations  # noqa: E402
+from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
+from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
 from megatron_lite.perf.op_categories import category_breakdown, format_breakdown  # noqa: E402
 from megatron_lite.training.profiler import FAULTS_NOTE  # noqa: E402
 

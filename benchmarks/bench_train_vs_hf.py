@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import describe_machine, timed  # noqa: E402
-from megatron_lite.perf.flops import measure_matmul_peak, num_floating_point_operations  # noqa: E402
+from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
+from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 6, 768, 12, 512, 32768, 4
 

@@ -1,4 +1,5 @@
-"""Training FLOPs of a GPT per iteration, model FLOPs utilisation, and this machine's matmul peak.
+"""Training FLOPs of a GPT per iteration and model FLOPs utilisation (this machine's matmul peak:
+:mod:`.matmul_peak`).
 
 The count is Narayanan et al. (2021): only matrix multiplications are counted (norms, softmax,
 activations and the optimizer are noise at these sizes), a multiply-add is 2 FLOPs, and the
@@ -44,10 +45,6 @@ MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
 """
 
 from __future__ import annotations
-
-import time
-
-import torch
 
 from ..models.window_config import layer_window
 from ..moe.config import parse_moe_layer_freq
@@ -183,26 +180,3 @@ def mfu(flops_per_s: float, peak_flops: float) -> float:
     if peak_flops <= 0:
         raise ValueError(f"peak FLOP/s must be positive, got {peak_flops}")
     return flops_per_s / peak_flops
-
-
-def measure_matmul_peak(n: int = 2048, dtype=torch.float32, device=None, warmup: int = 3, reps: int = 10) -> float:
-    """This machine's dense matmul FLOP/s: the best of ``reps`` timed ``a @ b`` of n x n matrices.
-
-    Uses the current torch thread count, so set it to what the benchmark uses. On CUDA the device
-    is synchronised around each product.
-    """
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        a @ b
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best

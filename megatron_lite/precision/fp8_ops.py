@@ -35,7 +35,7 @@ import time
 import torch
 
 from ..fusions.jit import jit_fuser
-from ..perf.flops import measure_matmul_peak
+from ..perf.matmul_peak import measure_matmul_peak
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

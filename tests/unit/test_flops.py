@@ -10,11 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.perf.flops import (
-    measure_matmul_peak,
     mfu,
     num_floating_point_operations,
     spec_formula,
 )
+from megatron_lite.perf.matmul_peak import measure_matmul_peak
 
 
 @pytest.mark.parametrize("B,s,l,h,heads,V", [(4, 512, 6, 768, 12, 32768), (8, 2048, 24, 2048, 16, 51200),

@@ -2,7 +2,8 @@
 
 Checked twice: statically (every ``import`` statement in the package source, module-level or inside a
 function, followed transitively, parent packages included) and at run time (importing every
-checkpoint module in a fresh interpreter loads no ``megatron_lite.training`` module).
+checkpoint module in a fresh interpreter loads no ``megatron_lite.training`` module). Modules a tool
+imports first load in a fresh interpreter (no import cycle through them).
 """
 
 import ast
@@ -98,3 +99,19 @@ def test_importing_every_checkpoint_module_loads_no_training_module():
             "print(sorted(m for m in sys.modules if m.startswith('megatron_lite.training')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("entry", ["megatron_lite.perf.flops", "megatron_lite.precision.fp8_ops"])
+def test_modules_import_first_in_a_fresh_interpreter(entry):
+    """A module imported before any other (as tools/plan.py imports the planner) loads without a cycle:
+    the FLOPs count reads the models' per-layer windows, the models reach the FP8 GEMMs, and those time
+    a GEMM (perf.matmul_peak, not perf.flops)."""
+    out = subprocess.run([sys.executable, "-c", f"import {entry}"], capture_output=True, text=True,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_plan_tool_starts():
+    out = subprocess.run([sys.executable, str(PACKAGE.parent / "tools" / "plan.py"), "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "--window-size" in out.stdout, out.stderr[-2000:]
