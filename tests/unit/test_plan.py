@@ -227,6 +227,7 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     (["--normalization", "Foo"], ["--normalization"]),
     (["--window-attn-skip-freq", "2"], ["--window-attn-skip-freq needs --window-size"]),
     (["--window-size", "8", "-2"], ["--window-size", "at least -1"]),
+    (["--window-size", "8", "2"], ["--window-size 8 2", "RIGHT must be 0"]),  # was counted as 11 keys a query
     (["--window-size", "8", "0", "--window-attn-skip-freq", "[1,0]"], ["--window-attn-skip-freq [1,0]", "4 zeros"]),
 ])
 def test_tool_refuses_bad_values_in_one_line_not_a_traceback(capsys, flags, words):

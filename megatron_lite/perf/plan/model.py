@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from ...errors import ConfigError
 from ...models.transformer_config import default_ffn_hidden_size
-from ...models.window_config import check_window_fields
+from ...models.window_config import check_causal_window, check_window_fields
 from ...moe.config import parse_moe_layer_freq
 from ...parallel.pipeline.partition import layer_ranges
 
@@ -83,6 +83,7 @@ class ModelSpec:
         if self.window_size is not None:
             object.__setattr__(self, "window_size", tuple(self.window_size))
         check_window_fields(self)
+        check_causal_window(self.window_size)  # the planner's models are GPTs, as pretrain_gpt.py refuses RIGHT
         if self.is_moe:
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must lie between 1 and --num-experts "
