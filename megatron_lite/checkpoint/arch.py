@@ -22,14 +22,20 @@ from .format import (
     read_tracker,
 )
 
+# The shape a value of these flags gives, where only some of their values add parameters: a weights-only
+# load compares that (--softmax-type vanilla and off-by-one hold the same tensors; learnable adds the sinks).
+SHAPE_OF = {"softmax_type": lambda value: value == "learnable"}
 
-def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS) -> list[str]:
+
+def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool = False) -> list[str]:
     """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's
-    (a derived flag saved unset is compared through the flags it is derived from)."""
+    (a derived flag saved unset is compared through the flags it is derived from; ``shapes_only``: the
+    flags of :data:`SHAPE_OF` through the shapes their values give)."""
     ours = config.flat()
     return [f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})"
             for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
-            and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)]
+            and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)
+            and not (shapes_only and key in SHAPE_OF and SHAPE_OF[key](saved_config[key]) == SHAPE_OF[key](ours[key]))]
 
 
 def _changes_function(key: str, saved: dict, ours: dict) -> bool:
@@ -49,7 +55,7 @@ CHECKED = {"resume": ARCHITECTURE_FLAGS + ("vocab_size",), "release": ARCHITECTU
 def check_architecture(where: str, saved_config: dict, config, load: str = "resume") -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose model flags differ from this run's:
     those of ``CHECKED[load]``, each named with both values."""
-    arch = arch_differences(saved_config, config, CHECKED[load])
+    arch = arch_differences(saved_config, config, CHECKED[load], shapes_only=load == "weights")
     if arch:
         fix = ("match the model flags" if load == "weights" else "match the model flags, pass --use-checkpoint-args "
                "to take them from the checkpoint, or --finetune to change them on purpose")

@@ -10,7 +10,7 @@ import pytest
 
 import pretrain_gpt
 from megatron_lite.checkpoint import CheckpointError
-from megatron_lite.checkpoint.arch import check_architecture
+from megatron_lite.checkpoint.arch import SHAPE_OF, check_architecture
 from megatron_lite.config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS, Config
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2
 from tests.trajectory import Trajectory, assert_same_trajectory
@@ -92,11 +92,27 @@ def test_every_architecture_flag_is_checked(key):
     for load in ("resume", "release"):  # a release checkpoint (converted) loaded by --load without --finetune
         with pytest.raises(CheckpointError, match=said + ".*--use-checkpoint-args"):
             check_architecture("ckpt", saved, config, load)
-    if key in SHAPE_FLAGS:
+    if key in SHAPE_FLAGS and key not in SHAPE_OF:  # those compared by shape: below
         with pytest.raises(CheckpointError, match=said):
             check_architecture("ckpt", saved, config, "weights")
     else:
         check_architecture("ckpt", saved, config, "weights")
+
+
+def test_a_weights_only_load_compares_the_softmax_type_by_its_sinks():
+    """--softmax-type off-by-one holds the tensors of vanilla: --finetune may switch between them (the
+    resume refusal advises it; it was refused too), but not to or from learnable (its sinks)."""
+    config = Config()
+    for saved_type, run_type in (("vanilla", "off-by-one"), ("off-by-one", "vanilla")):
+        config.model.softmax_type = run_type
+        saved = dict(config.flat(), softmax_type=saved_type)
+        with pytest.raises(CheckpointError, match=f"softmax-type {saved_type} .*--finetune to change them"):
+            check_architecture("ckpt", saved, config)
+        check_architecture("ckpt", saved, config, "weights")
+    for saved_type, run_type in (("vanilla", "learnable"), ("learnable", "off-by-one")):
+        config.model.softmax_type = run_type
+        with pytest.raises(CheckpointError, match=rf"softmax-type {saved_type} \(this run {run_type}\); match"):
+            check_architecture("ckpt", dict(config.flat(), softmax_type=saved_type), config, "weights")
 
 
 def test_the_vocabulary_is_compared_on_resume_only():
