@@ -205,24 +205,26 @@ def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
     if saved_ranges != ours_ranges:
         raise _flag_mismatch(path, "layer ranges", saved_ranges, ours_ranges,
                              "--num-layers and --decoder-first/last-pipeline-num-layers")
-    problems = []
+    problems, differing = [], 0  # lines of the message; tensors that differ
     for i, (module, saved) in enumerate(zip(modules, ckpt["model"])):
         where = f"chunk {i} " if len(modules) > 1 else ""
         mine = saved_state_dict(module)
         missing = [k for k in mine if k not in saved]
         extra = [k for k in saved if k not in mine]
+        differing += len(missing) + len(extra)
         if missing:
             problems.append(f"{where}missing in checkpoint: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
         if extra:
             problems.append(f"{where}not in this model: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""))
         for key, tensor in mine.items():
             if key in saved and torch.is_tensor(tensor) and tuple(saved[key].shape) != tuple(tensor.shape):
+                differing += 1
                 problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
                                 f"{tuple(tensor.shape)} in this model")
     if problems:
         arch = arch_differences(ckpt.get("config", {}), config)
         if arch:  # the flags explain it: name them first, one example of the consequence
-            what = (f"it was saved with {', '.join(arch)}; {len(problems)} parameter(s) differ, "
+            what = (f"it was saved with {', '.join(arch)}; {differing} tensor(s) differ, "
                     f"e.g. {problems[0]}")
         else:
             what = "; ".join(problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else []))

@@ -167,6 +167,18 @@ def test_renamed_parameter_is_refused(tmp_path):
         load_checkpoint([other], None, None, cfg, state)
 
 
+def test_the_count_of_differing_tensors_is_of_tensors(tmp_path):
+    """A flag that adds two tensors (one per layer, as --softmax-type learnable's sinks): "2 tensor(s)
+    differ" (it said "1 parameter(s)", the count of message lines, then named two)."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    model.fc1.sink, model.fc2.sink = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    cfg.model.softmax_type = "learnable"
+    with pytest.raises(CheckpointError, match=r"softmax-type vanilla \(this run learnable\); 2 tensor\(s\) differ, "
+                                              r"e.g. missing in checkpoint: fc1.sink, fc2.sink"):
+        load_checkpoint([model], None, None, cfg, state)
+
+
 def test_crash_during_save_keeps_previous_latest(tmp_path, monkeypatch):
     cfg, state, model, opt, sched = _setup(tmp_path)
     _train(model, opt, sched, 1)
