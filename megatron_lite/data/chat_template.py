@@ -5,6 +5,13 @@
 where the loss is) and chat inference (``add_generation_prompt=True``: the prompt the model
 continues) both call it, so a model is prompted exactly as it was trained.
 
+A ``content`` may also be OpenAI's list of parts, ``[{"type": "text", "text": str}, ...]``: text
+parts only (any other type, an image or audio, is refused naming it). The default template and a
+Jinja template that reads ``content`` as a string get the texts joined with newlines; a template
+that loops over a message's content (``{% for part in message['content'] %}``, as multimodal
+models' templates do) gets the list as given, as Hugging Face's ``apply_chat_template`` passes it
+(:func:`content_text`, :func:`reads_parts`).
+
 The template:
 
 * a ``HuggingFaceTokenizer`` whose folder holds a chat template (``chat_template.jinja``, or
@@ -67,8 +74,9 @@ def check_messages(messages, generation: bool = False) -> None:
     if not isinstance(messages, list) or not messages:
         raise ConversationError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict):
             raise ConversationError(f"message {i} is not {{\"role\": ..., \"content\": <string>}}")
+        text = content_text(m.get("content"), i)
         role = m.get("role")
         if role not in ROLES:
             raise ConversationError(f"message {i} has unknown role {role!r} (expected system, user or assistant)",
@@ -79,13 +87,35 @@ def check_messages(messages, generation: bool = False) -> None:
             if i == 0 or messages[i - 1]["role"] != "user":
                 raise ConversationError(f"message {i}: an assistant turn must follow a user turn",
                                         "assistant turn not after a user turn")
-            if not m["content"].strip():
+            if not text.strip():
                 raise ConversationError(f"message {i}: empty assistant turn (nothing to learn)", "empty assistant turn")
     if generation:
         if messages[-1]["role"] != "user":
             raise ConversationError("a generation prompt must end with a user turn")
     elif not any(m["role"] == "assistant" for m in messages):
         raise ConversationError("no assistant turn (nothing to learn)", "no assistant turn")
+
+
+def content_text(content, index: int) -> str:
+    """Message ``index``'s content as text: a string as it is, OpenAI's list of text parts joined with
+    newlines (as vLLM joins them); anything else is a :class:`ConversationError` naming the part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ConversationError(f"message {index} is not {{\"role\": ..., \"content\": <string or list of text parts>}}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"message {index}, content part {j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise ConversationError(f"{where} is not {{\"type\": \"text\", \"text\": <string>}}", "malformed content part")
+        if kind != "text":
+            raise ConversationError(f"{where} has type {kind!r}: only text parts are supported (the model reads text)",
+                                    "non-text content part")
+        if not isinstance(part.get("text"), str):
+            raise ConversationError(f"{where}: a text part needs \"text\": <string>", "malformed content part")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False, template: str | None = None) -> ChatTokens:
@@ -129,12 +159,12 @@ def _default_tokens(tokenizer, messages, add_generation_prompt: bool) -> ChatTok
         ids.extend(piece)
         trained.extend([learn] * len(piece))
 
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
             add(DEFAULT_HEADERS["assistant"], False)
-            add(m["content"] + DEFAULT_SEPARATOR, True)
+            add(content_text(m["content"], i) + DEFAULT_SEPARATOR, True)
         else:
-            add(DEFAULT_HEADERS[m["role"]] + m["content"] + DEFAULT_SEPARATOR, False)
+            add(DEFAULT_HEADERS[m["role"]] + content_text(m["content"], i) + DEFAULT_SEPARATOR, False)
     if add_generation_prompt:
         add(DEFAULT_HEADERS["assistant"], False)
     return ChatTokens(ids, trained)
@@ -230,6 +260,35 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+@functools.lru_cache(maxsize=8)
+def reads_parts(template: str) -> bool:
+    """Whether ``template`` loops over a message's content (``{% for part in message['content'] %}``
+    or ``message.content``, maybe through filters or a slice): such a template is given a content list
+    as it came; any other gets the list's texts joined (:func:`content_text`), as vLLM detects it."""
+    from jinja2 import nodes
+
+    def is_content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                                and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Getattr) and node.attr == "content"
+
+    tree = _compile(template).environment.parse(template)
+    return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def _content_for(template: str, messages) -> list:
+    """``messages`` as ``template`` takes them: content lists kept for a template that reads parts,
+    else joined into strings (every list checked either way)."""
+    lists = {i: content_text(m["content"], i) for i, m in enumerate(messages)
+             if isinstance(m, dict) and isinstance(m.get("content"), list)}
+    if not lists or reads_parts(template):
+        return messages
+    return [{**m, "content": lists[i]} if i in lists else m for i, m in enumerate(messages)]
+
+
 def _render(template, messages, add_generation_prompt: bool) -> str:
     """The template's text for ``messages``; a template that does not parse or fails on them is a
     :class:`ConversationError` (the data readers add ``file:line``, the server answers HTTP 400)."""
@@ -237,6 +296,7 @@ def _render(template, messages, add_generation_prompt: bool) -> str:
 
     text, specials = template
     try:
+        messages = _content_for(text, messages)
         # no tools or documents (None, as Hugging Face passes them when none are given)
         return _compile(text).render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **specials)
@@ -258,11 +318,12 @@ def render_prompt(template, messages, add_generation_prompt: bool = True) -> str
     """The text of ``messages`` for the model to continue, as Hugging Face's ``apply_chat_template(...,
     tokenize=False)`` renders it: with ``add_generation_prompt`` the next assistant turn's header after
     them; without (``continue_final_message``) the last message left open, the text cut right after
-    its content (a marker appended to the content shows where; the template's end of turn is dropped).
-    A template that drops part of that content is a :class:`ConversationError`."""
+    its content (a marker appended to the content shows where; the template's end of turn is dropped;
+    a list of parts left open is given as its joined text). A template that drops part of that content
+    is a :class:`ConversationError`."""
     if add_generation_prompt:
         return _render(template, messages, True)
-    last = messages[-1]["content"]
+    last = content_text(messages[-1].get("content") if isinstance(messages[-1], dict) else None, len(messages) - 1)
     text = _render(template, [*messages[:-1], {**messages[-1], "content": last + CONTINUE_MARK}], False)
     mark = CONTINUE_MARK.strip()
     if last.strip() not in text or mark not in text:

@@ -5,6 +5,7 @@ The conversion is SFT's (:func:`~megatron_lite.data.chat_template.chat_tokens` w
 the chat template of a Hugging Face tokenizer's folder (``chat_template.jinja`` or
 ``tokenizer_config.json``), else the documented default (``User: ...`` / ``Assistant: ``). A
 server's ``--chat-template FILE`` replaces either. Jinja2 comes with Flask (the ``serve`` extra).
+A message's content is a string or OpenAI's list of text parts (other part types are a 400).
 """
 
 from __future__ import annotations

@@ -259,6 +259,11 @@ def test_chat_completions_render_the_template(server):
     assert body["object"] == "chat.completion"
     content = "".join(f" {t}" for t in want.generated)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": content}
+    # OpenAI's content parts (what the official clients send): the texts joined with newlines
+    parts = [{"role": "user", "content": [{"type": "text", "text": "5"}, {"type": "text", "text": "17"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "42"}]}, messages[2]]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": parts, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == {"role": "assistant", "content": content}
 
 
 def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
@@ -282,6 +287,8 @@ def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]},
      "a generation prompt must end with a user turn"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, "message 0 has unknown role 'robot'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "message 0, content part 0 has type 'image_url': only text parts are supported"),
 ])
 def test_bad_openai_requests_get_400(server, path, body, message):
     r = httpx.post(f"{server[0]}{path}", json=body)
