@@ -109,7 +109,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "openai_gelu", "rotary_base", "norm_epsilon", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
-    "beta_slow", "bias_gelu_fusion", "spec",
+    "beta_slow", "yarn_correction_range_round_to_int", "bias_gelu_fusion", "spec",
     "rotary_percent", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
     "window_size", "window_attn_skip_freq",
     "squared_relu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",

@@ -10,7 +10,7 @@ options and ``run`` (``load(args, progress) -> ModelBundle`` or ``save(bundle, a
                 expert grid's ``mp_rank_*_{ep}_{etp}``); the saver writes ``--target-*`` sizes
                 (default: the source's)
 ``hf``          Hugging Face folders (``config.json`` + safetensors): gpt2, llama, qwen2, qwen3,
-                qwen3_moe, mixtral, megatron-bert and deepseek_v3 styles
+                qwen3_moe, mixtral, gpt_oss, megatron-bert and deepseek_v3 styles
 ==============  ===============================================================================
 """
 
@@ -32,6 +32,7 @@ from .format import CheckpointError
 from .hf import STYLES, from_hf, pick_style, to_hf
 from .hf_bert import from_bert, to_bert
 from .hf_deepseek import from_deepseek, to_deepseek
+from .hf_gptoss import from_gptoss, to_gptoss
 from .hf_io import (
     TOKENIZER_DIR,
     copy_tokenizer_files,
@@ -141,7 +142,8 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
             values = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]  # quoted when printed
-            flags += [flag] if value is True else [] if value is False else [flag, *values]
+            off = ["--no-" + flag[2:]] if _default(f) is True else []  # on by default: --no-<flag> turns it off
+            flags += [flag] if value is True else off if value is False else [flag, *values]
     groups = config.get("num_query_groups")
     if groups not in (None, config.get("num_attention_heads")) and "--group-query-attention" not in flags:
         flags.append("--group-query-attention")  # --num-query-groups is refused without it
@@ -201,12 +203,14 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
     """(flat config, state dict) of a Hugging Face folder whose config.json holds ``hf_config``; a
     tensor the import does not use is refused (:mod:`.hf_unused`), never dropped."""
     kind = hf_config.get("model_type")
-    if moe_grouped_gemm and kind not in ("mixtral", "deepseek_v3", "qwen3_moe"):
-        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral, qwen3_moe or deepseek_v3 model only; {load_dir} holds "
-                          f"{kind!r}: drop it")
+    if moe_grouped_gemm and kind not in ("mixtral", "deepseek_v3", "qwen3_moe", "gpt_oss"):
+        raise ConfigError(f"--moe-grouped-gemm applies to a mixtral, qwen3_moe, gpt_oss or deepseek_v3 model only; "
+                          f"{load_dir} holds {kind!r}: drop it")
     tensors = TensorReads(read_safetensors(load_dir))
     if kind == "mixtral":
         out = from_mixtral(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "gpt_oss":
+        out = from_gptoss(hf_config, tensors, grouped=moe_grouped_gemm)
     elif kind == "deepseek_v3":
         out = from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
     elif kind == "megatron-bert":
@@ -232,11 +236,13 @@ def _hf_saver_args(parser) -> None:
     group = parser.add_argument_group("hf saver")
     group.add_argument("--hf-style", choices=STYLES, default=None,
                        help="gpt2 (learned positions, LayerNorm, GeLU), llama (RoPE, RMSNorm, SwiGLU), mixtral "
-                            "(llama with MoE layers), qwen2 (llama with biases on q/k/v only; sliding windows per layer), "
+                            "(llama with MoE layers), gpt_oss (MoE with biases, attention sinks, clamped --quick-geglu "
+                            "experts, YaRN, sliding windows), qwen2 (llama with biases on q/k/v only; sliding windows per layer), "
                             "qwen3 / qwen3_moe (llama / MoE with --qk-layernorm), mistral (llama without biases, a sliding "
                             "window in every layer), deepseek_v3 (multi-latent "
                             "attention, MoE, MTP) or bert (MegatronBertForPreTraining); auto: bert for BERT, "
-                            "deepseek_v3 for MLA / MTP models, qwen3(_moe) for --qk-layernorm, mixtral for MoE models, "
+                            "deepseek_v3 for MLA / MTP models, gpt_oss for MoE models with --quick-geglu or --softmax-type, "
+                            "qwen3(_moe) for --qk-layernorm, mixtral for other MoE models, "
                             "qwen2 for rope models with --add-qkv-bias --disable-bias-linear, mistral for rope models with "
                             "--window-size, llama for other rope models, else gpt2.")
     group.add_argument("--max-shard-size", default=None,
@@ -257,11 +263,13 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
                           "Face export writes stock layers and would not compute your model: export is refused")
     style = pick_style(bundle.config, style)
     check_window_exportable(bundle.config, style)
-    check_hf_exportable(bundle.config)  # --squared-relu, --quick-geglu, --qk-l2-norm, ...
+    check_hf_exportable(bundle.config, style)  # --squared-relu, --quick-geglu, --qk-l2-norm, ...
     bundle = dataclasses.replace(bundle, **dict(zip(("config", "state_dict"),
                                                     plain_norms(bundle.config, bundle.state_dict), strict=True)))
     if style == "mixtral":
         hf_config, tensors = to_mixtral(bundle.config, bundle.state_dict)
+    elif style == "gpt_oss":
+        hf_config, tensors = to_gptoss(bundle.config, bundle.state_dict)
     elif style == "deepseek_v3":
         hf_config, tensors = to_deepseek(bundle.config, bundle.state_dict)
     elif style == "bert":

@@ -18,7 +18,8 @@ More styles live in their own modules: ``mixtral`` (:mod:`~megatron_lite.checkpo
 picked for mixture-of-experts models), ``bert`` (:mod:`~megatron_lite.checkpoint.hf_bert`, for BERT),
 ``deepseek_v3`` (:mod:`~megatron_lite.checkpoint.hf_deepseek`, picked for multi-latent attention or
 multi-token prediction), ``qwen2`` and ``qwen3`` / ``qwen3_moe`` (:mod:`~megatron_lite.checkpoint.hf_qwen3`,
-picked for ``--qk-layernorm``).
+picked for ``--qk-layernorm``), ``gpt_oss`` (:mod:`~megatron_lite.checkpoint.hf_gptoss`, picked for MoE models
+with ``--quick-geglu`` or attention sinks).
 A model the target style cannot express is refused with one line naming the option that differs.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
@@ -33,7 +34,8 @@ from ..fusions.config import tanh_gelu
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
-STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe", "mistral")
+STYLES = ("auto", "gpt2", "llama", "mixtral", "bert", "deepseek_v3", "qwen2", "qwen3", "qwen3_moe", "mistral",
+          "gpt_oss")
 # from mixtral on in hf_<name>.py (qwen3_moe in hf_qwen3.py)
 # HF GPT-2 activation_function -> our --openai-gelu
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -59,6 +61,8 @@ def pick_style(cfg: dict, style: str = "auto") -> str:
     _require(not deepseek, f"--{str(deepseek).replace('_', '-')} cannot be expressed in the {style} format; use "
              "--hf-style deepseek_v3")
     if style == "auto":
+        if cfg.get("num_experts") and (cfg.get("quick_geglu") or cfg.get("softmax_type", "vanilla") != "vanilla"):
+            return "gpt_oss"
         if cfg.get("qk_layernorm"):
             return "qwen3_moe" if cfg.get("num_experts") else "qwen3"
         if cfg.get("num_experts"):
@@ -330,7 +334,7 @@ def from_hf(hf: dict, hf_sd: dict, family: str | None = None) -> tuple[dict, dic
     ``family``: the format a refusal names (qwen2 and qwen3 are read as llama)."""
     kind = hf.get("model_type")
     _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
-             "qwen3, qwen3_moe, mistral, mixtral, megatron-bert, deepseek_v3")
+             "qwen3, qwen3_moe, mistral, mixtral, gpt_oss, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)
     try:
         sd = _gpt2_state(hf_sd, cfg) if kind == "gpt2" else _llama_state(hf_sd, cfg)

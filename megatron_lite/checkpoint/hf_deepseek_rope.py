@@ -1,6 +1,7 @@
-"""DeepSeek-V3 rotary scaling in the Hugging Face config (``rope_parameters`` or the older
+"""DeepSeek-V3 and gpt-oss rotary scaling in the Hugging Face config (``rope_parameters`` or the older
 ``rope_scaling``) and in our flags: plain RoPE or YaRN, transformers' table-scale rule next to ours
-(:func:`~megatron_lite.models.yarn.get_mscale`). What one side cannot express is refused with one
+(:func:`~megatron_lite.models.yarn.get_mscale`); ``truncate: false`` (gpt-oss) is
+``--no-yarn-correction-range-round-to-int``. What one side cannot express is refused with one
 line naming the option."""
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ def rope_from_hf(hf: dict) -> dict:
         return dict(out, rope_type="rope")
     _require(kind == "yarn", f"rope_type {kind!r} cannot be expressed; only plain RoPE (default) and yarn")
     _require(rope.get("factor") is not None, "a yarn rope_parameters without factor cannot be expressed; give factor")
-    _require(rope.get("truncate", True), "yarn truncate false cannot be expressed (the correction range is "
-             "floored / ceiled)")
     original = rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") \
         or hf["max_position_embeddings"]
     f, all_dim, want = float(rope["factor"]), float(rope.get("mscale_all_dim") or 0.0), hf_table_scale(rope)
@@ -44,7 +43,8 @@ def rope_from_hf(hf: dict) -> dict:
         mscale = (want * get_mscale(f, all_dim) - 1.0) / (0.1 * math.log(f))
     out.update(rope_type="yarn", rotary_scaling_factor=f, mscale=mscale, mscale_all_dim=all_dim,
                original_max_position_embeddings=int(original),
-               beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
+               beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+               yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
     ours = get_mscale(f, mscale) / get_mscale(f, all_dim)
     _require(abs(ours - want) <= 1e-12 * want, f"yarn rope_parameters {rope}: transformers scales the rotary tables "
              f"by {want}, which --mscale / --mscale-all-dim cannot express with factor {f} (ours would be {ours})")
@@ -62,6 +62,8 @@ def rope_to_hf(cfg: dict) -> tuple[dict, dict | None]:
     scaling = {"type": "yarn", "factor": f, "mscale": float(cfg.get("mscale", 1.0)), "mscale_all_dim": all_dim,
                "original_max_position_embeddings": int(cfg.get("original_max_position_embeddings", 4096)),
                "beta_fast": float(cfg.get("beta_fast", 32.0)), "beta_slow": float(cfg.get("beta_slow", 1.0))}
+    if not cfg.get("yarn_correction_range_round_to_int", True):  # transformers' default is true
+        scaling["truncate"] = False
     params = {k: v for k, v in scaling.items() if k != "type"}
     params.update(rope_type="yarn", rope_theta=theta)
     ours = get_mscale(f, scaling["mscale"]) / get_mscale(f, all_dim)

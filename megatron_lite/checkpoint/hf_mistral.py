@@ -52,10 +52,10 @@ def hf_window(cfg: dict, style: str) -> tuple[int | None, list[bool]]:
 
 def check_window_exportable(cfg: dict, style: str) -> None:
     """Refuse a window model in a format other than mistral and qwen2 (it would attend to everything)."""
-    _require(not has_window(cfg) or style in ("mistral", "qwen2", "mixtral"),
+    _require(not has_window(cfg) or style in ("mistral", "qwen2", "mixtral", "gpt_oss"),
              f"--window-size {' '.join(map(str, cfg.get('window_size') or ()))} (sliding-window attention) cannot be "
              f"expressed in the {style} format; "
-             + ("use --hf-style mixtral" if cfg.get("num_experts") else window_home(cfg)))
+             + ("use --hf-style mixtral or gpt_oss" if cfg.get("num_experts") else window_home(cfg)))
 
 
 def window_home(cfg: dict) -> str:

@@ -74,9 +74,10 @@ def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> Non
              f"expressed in the {style} format (rotary only)")
     _require(cfg.get("normalization") == "RMSNorm", "--normalization LayerNorm cannot be expressed in the "
              f"{style} format (RMSNorm only)")
-    _require(cfg.get("swiglu"), f"a GeLU MLP (no --swiglu) cannot be expressed in the {style} format (SwiGLU experts)")
-    _require(cfg.get("disable_bias_linear"), f"biases (no --disable-bias-linear) cannot be expressed in the {style} "
-             "format")
+    _require("swiglu" in allowed or cfg.get("swiglu"), f"a GeLU MLP (no --swiglu) cannot be expressed in the {style} "
+             "format (SwiGLU experts)")
+    _require("disable_bias_linear" in allowed or cfg.get("disable_bias_linear"), f"biases (no --disable-bias-linear) "
+             f"cannot be expressed in the {style} format" + ("; use --hf-style gpt_oss" if cfg.get("quick_geglu") else ""))
 
 
 def warn_unwritten(cfg: dict, style: str, options: tuple) -> None:

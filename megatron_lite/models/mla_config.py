@@ -39,7 +39,7 @@ class MLAConfig:
     qk_layernorm: bool = False
     """Normalise queries and keys: per head before RoPE (--normalization over --kv-channels, one weight for all heads; Qwen3, Gemma-3 with --apply-layernorm-1p; not OLMo-2, which norms all heads at once), or MLA's query and key/value latents (DeepSeek-V2/V3)."""
     rope_type: str | None = None
-    """Rotary embedding: rope or yarn (default: yarn with --multi-latent-attention, rope otherwise)."""
+    """Rotary embedding: rope or yarn (default: yarn with --multi-latent-attention, rope otherwise); yarn also scales a standard attention's rotary embedding (gpt-oss)."""
     rotary_scaling_factor: float = 1.0
     """YaRN: context extension factor (DeepSeek-V3: 40)."""
     mscale: float = 1.0
@@ -52,6 +52,8 @@ class MLAConfig:
     """YaRN: rotations per context above which a frequency is kept (not interpolated)."""
     beta_slow: float = 1.0
     """YaRN: rotations per context below which a frequency is fully interpolated."""
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: floor / ceil the correction range's channel bounds (DeepSeek-V3); --no-yarn-correction-range-round-to-int keeps them fractional (gpt-oss)."""
 
 
 @dataclass
@@ -77,8 +79,11 @@ def check_mla_fields(config) -> None:
     """Validate the MLA, YaRN and MTP fields of a TransformerConfig (after :func:`derive_rope_type`)."""
     _require(config.rope_type in ROPE_TYPES, f"--rope-type {config.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
     if config.rope_type == "yarn":
-        _require(config.multi_latent_attention,
-                 "--rope-type yarn needs --multi-latent-attention (YaRN is built for MLA's rotary part only)")
+        _require(config.multi_latent_attention or config.position_embedding_type == "rope",
+                 "--rope-type yarn needs --position-embedding-type rope (or --multi-latent-attention)")
+        scaled = config.use_rope_scaling or config.rotary_seq_len_interpolation_factor not in (None, 1)
+        _require(config.multi_latent_attention or not scaled,  # (MLA refuses them in rope_config.py)
+                 "--rope-type yarn replaces --use-rope-scaling and --rotary-seq-len-interpolation-factor; drop them")
         _require(config.rotary_scaling_factor > 0 and config.original_max_position_embeddings > 0,
                  "--rotary-scaling-factor and --original-max-position-embeddings must be positive")
         _require(config.beta_slow > 0 and config.beta_fast >= config.beta_slow,

@@ -1,11 +1,13 @@
-"""Rotary tables of a model: plain RoPE over the head, or MLA's rotary part with YaRN scaling.
+"""Rotary tables of a model: plain RoPE, or YaRN scaling (``--rope-type yarn``) of MLA's rotary part or
+of a standard attention's rotary channels (gpt-oss).
 
 YaRN (Peng et al. 2023, as Megatron-LM and DeepSeek-V3 implement it), over ``d`` rotary channels
 with base ``b``, factor ``f`` and the pretraining context ``L0``:
 
 * ``extra_i = b^(-2i/d)`` (the original frequencies) and ``inter_i = extra_i / f`` (interpolated);
 * the correction range: ``dim(beta) = d ln(L0 / (2 pi beta)) / (2 ln b)``, ``low = floor(dim(beta_fast))``,
-  ``high = ceil(dim(beta_slow))``, clamped to ``[0, d - 1]``; ``ramp_i = clamp((i - low) / (high - low), 0, 1)``
+  ``high = ceil(dim(beta_slow))`` (not rounded with ``--no-yarn-correction-range-round-to-int``, as
+  gpt-oss), clamped to ``[0, d - 1]``; ``ramp_i = clamp((i - low) / (high - low), 0, 1)``
   (``high`` is nudged by 0.001 when equal to ``low``);
 * ``inv_freq_i = inter_i ramp_i + extra_i (1 - ramp_i)``: fast-rotating channels keep their
   frequency, slow ones are interpolated, always (whatever the sequence length);
@@ -33,19 +35,22 @@ def get_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def correction_range(dim: int, base: float, original_max_positions: int, beta_fast: float,
-                     beta_slow: float) -> tuple[int, int]:
-    """(low, high) channel-pair indices of the YaRN ramp."""
+                     beta_slow: float, round_to_int: bool = True) -> tuple[float, float]:
+    """(low, high) channel-pair indices of the YaRN ramp (fractional without ``round_to_int``)."""
     def channel(rotations):
         return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    return max(math.floor(channel(beta_fast)), 0), min(math.ceil(channel(beta_slow)), dim - 1)
+    low, high = channel(beta_fast), channel(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
 
 
 def yarn_inv_freq(dim: int, base: float, factor: float, original_max_positions: int, beta_fast: float,
-                  beta_slow: float) -> torch.Tensor:
+                  beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """The YaRN inverse frequencies ``[dim / 2]`` (fp32)."""
     extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    low, high = correction_range(dim, base, original_max_positions, beta_fast, beta_slow)
+    low, high = correction_range(dim, base, original_max_positions, beta_fast, beta_slow, round_to_int)
     high = high + 0.001 if low == high else high
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     return extra / factor * ramp + extra * (1 - ramp)
@@ -72,7 +77,7 @@ def rotary_tables(config, position_ids: torch.Tensor):
         return scaled_rotary_tables(config, position_ids, dim)
     f = config.rotary_scaling_factor
     inv_freq = yarn_inv_freq(dim, config.rotary_base, f, config.original_max_position_embeddings,
-                             config.beta_fast, config.beta_slow)
+                             config.beta_fast, config.beta_slow, getattr(config, "yarn_correction_range_round_to_int", True))
     mscale = get_mscale(f, config.mscale) / get_mscale(f, config.mscale_all_dim)
     return rotary_cos_sin(position_ids, dim, config.rotary_base, inv_freq=inv_freq, mscale=mscale)
 

@@ -1,9 +1,10 @@
 """The top-k router of an MoE layer: gating GEMM, routing, capacity, auxiliary losses.
 
 ``TopKRouter(config, state, layer_number)(hidden [s, b, h]) -> (routing_probs [T, E], routing_map [T, E])``
-with ``T = s * b`` local tokens. The router weight ``[E, h]`` is replicated; under sequence
-parallelism each tensor-parallel rank routes only its sequence shard, so the weight is marked
-``sequence_parallel`` (its gradient is summed over the tensor-parallel group).
+with ``T = s * b`` local tokens. The router weight ``[E, h]`` (and, with biases on, i.e. without
+``--disable-bias-linear``, its bias ``[E]`` added to the logits, zero-initialised, as in Megatron-LM) is
+replicated; under sequence parallelism each tensor-parallel rank routes only its sequence shard, so
+they are marked ``sequence_parallel`` (their gradients are summed over the tensor-parallel group).
 
 Auxiliary losses are attached to the autograd graph (z-loss to the logits, load-balancing losses
 to the routing probabilities) with the gradient ``aux_loss_backward_scale``, which the training
@@ -59,6 +60,10 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=config.params_dtype))
         init_replicated(self.weight, config.init_method(layer_number, "mlp.router.weight"))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.bias = None
+        if getattr(config, "add_bias_linear", False):
+            self.bias = nn.Parameter(torch.zeros(config.num_experts, dtype=config.params_dtype))
+            self.bias.sequence_parallel = bool(config.sequence_parallel)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
@@ -77,7 +82,8 @@ class TopKRouter(nn.Module):
         if self.training and eps:
             hidden = hidden * torch.empty_like(hidden).uniform_(1.0 - eps, 1.0 + eps)
         dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, hidden.dtype)
-        return F.linear(hidden.to(dtype), self.weight.to(dtype)).view(-1, self.num_experts)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden.to(dtype), self.weight.to(dtype), bias).view(-1, self.num_experts)
 
     def route(self, logits: torch.Tensor):
         c = self.config

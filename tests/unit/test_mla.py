@@ -247,7 +247,9 @@ def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
 
 
 @pytest.mark.parametrize("over, words", [
-    (dict(rope_type="yarn", multi_latent_attention=False), "--rope-type yarn needs --multi-latent-attention"),
+    (dict(rope_type="yarn", multi_latent_attention=False, position_embedding_type="learned_absolute"),
+     "--rope-type yarn needs --position-embedding-type rope"),
+    (dict(rope_type="yarn", multi_latent_attention=False, use_rope_scaling=True), "--rope-type yarn replaces"),
     (dict(position_embedding_type="learned_absolute"), "--multi-latent-attention needs --position-embedding-type rope"),
     (dict(num_query_groups=2), "does not take --group-query-attention"),
     (dict(qk_pos_emb_head_dim=5), "--qk-pos-emb-head-dim 5 must be even"),
