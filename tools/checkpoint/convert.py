@@ -1,5 +1,5 @@
 """Convert checkpoints (GPT, BERT, MoE): change the tensor/pipeline/expert layout, export to or import
-from Hugging Face (GPT-2, Llama, Mixtral, Megatron-BERT, DeepSeek-V3).
+from Hugging Face (GPT-2, Llama, Mixtral, gpt-oss, Megatron-BERT, DeepSeek-V3).
 
 Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lite.checkpoint.convert`.
 
@@ -9,7 +9,7 @@ Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lit
     # mixture of experts: EP2 x TP2 -> EP4 x TP1 (experts, router, shared experts, optimizer state)
     python tools/checkpoint/convert.py --model-type GPT --load-dir ckpt/moe --save-dir ckpt/moe_ep4 \
         --target-expert-parallel-size 4 --target-tensor-parallel-size 1
-    # export for evaluation harnesses (transformers / safetensors; MoE models as Mixtral, MLA / MTP as DeepSeek-V3)
+    # export for evaluation harnesses (transformers / safetensors; MoE models as Mixtral or gpt-oss, MLA / MTP as DeepSeek-V3)
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf --load-dir ckpt/gpt --save-dir hf/gpt
     # import a Llama-style model to continue pretraining at TP2
     python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir hf/llama \
