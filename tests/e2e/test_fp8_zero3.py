@@ -36,6 +36,10 @@ DELAYED = FP8 + ["--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"
 TENSORWISE = FP8 + ["--fp8-recipe", "tensorwise"]
 ITERS = 8
 SAME = 1e-6  # ZeRO-3 against strategy optim: only the gradient norm's summation order differs
+# Clipping off in effect (the norm is still computed and logged): at --clip-grad 1 the two runs' norms, a few
+# ulps apart from their summation order, give clip factors a few ulps apart, and FP8's rounding of the
+# weights turns that into loss differences of ~1e-5 by step 5 (seen on a CPU whose FP8 GEMMs run in bf16).
+NO_CLIP = ["--clip-grad", "1000"]
 
 
 def _fp8_state(save) -> dict:
@@ -44,7 +48,7 @@ def _fp8_state(save) -> dict:
 
 
 def test_zero3_fp8_equals_strategy_optim_and_follows_one_process(tmp_path):
-    runs = {(recipe, name): (_argv(str(tmp_path / f"{recipe}_{name}"), ITERS, flags + extra))
+    runs = {(recipe, name): (_argv(str(tmp_path / f"{recipe}_{name}"), ITERS, flags + extra + NO_CLIP))
             for recipe, flags in (("delayed", DELAYED), ("tensorwise", TENSORWISE))
             for name, extra in (("zero1", ZERO1), ("zero3", ZERO3))}
     got = dict(zip(runs, ranks_trajectories(2, "pretrain_gpt", list(runs.values())), strict=True))
@@ -55,7 +59,7 @@ def test_zero3_fp8_equals_strategy_optim_and_follows_one_process(tmp_path):
     for name, value in zero3.items():
         torch.testing.assert_close(value, zero1[name], rtol=0, atol=0, msg=name)
     assert all(not torch.equal(v, torch.ones(3)) for k, v in zero3.items() if k.endswith(".scale"))  # learned
-    one = run_script("pretrain_gpt", _argv(str(tmp_path / "one"), ITERS, DELAYED))
+    one = run_script("pretrain_gpt", _argv(str(tmp_path / "one"), ITERS, DELAYED + NO_CLIP))
     assert_same_trajectory(got["delayed", "zero3"], one, rtol=1e-3, grad_rtol=GRAD_RTOL, steps=ITERS, what="one process")
 
 
@@ -79,7 +83,7 @@ def test_zero3_fp8_after_one_step_holds_the_one_process_input_and_weight_scales(
 
 def test_zero3_fp8_pipeline_and_full_recompute_equal_strategy_optim(tmp_path):
     extra = DELAYED + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
-                       "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+                       "--recompute-method", "uniform", "--recompute-num-layers", "1"] + NO_CLIP
     zero1, zero3 = ranks_trajectories(4, "pretrain_gpt", [_argv(str(tmp_path / name), ITERS, extra + flags)
                                                           for name, flags in (("zero1", ZERO1), ("zero3", ZERO3))])
     assert_same_trajectory(zero3, zero1, rtol=SAME, steps=ITERS, what="pp2 x dp2, full recompute")
