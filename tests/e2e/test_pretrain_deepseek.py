@@ -184,7 +184,7 @@ def test_mtp_losses_in_console_and_tensorboard_evaluation_without_them(tmp_path,
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--rope-type", "yarn"], ("--rope-type yarn needs --multi-latent-attention",)),
+    (["--rope-type", "yarn"], ("--rope-type yarn needs --position-embedding-type rope",)),
     (["--multi-latent-attention"], ("--position-embedding-type rope",)),
     (["--mtp-num-layers", "1"], ("--mtp-num-layers needs --position-embedding-type rope",)),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
