@@ -1,15 +1,34 @@
 """Continuous batching's test requests and driver, shared by the unit tests and the torchrun script
 (tests/e2e/contbatch_ranks.py)."""
 
+import os
+
 import torch
 
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model
 from megatron_lite.inference.sampling import SamplingParams
-from tests.inference_helpers import assert_close, prompts
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, prompts, save_model
 
 JOINS = [0, 2, 5, 5]  # the step before which request i joins (two at once at step 5)
 # A paged cache that makes these requests cross block and chunk boundaries and wait for blocks:
 # blocks of 4 tokens, 16 of them (requests 0 and 1 hold 15), at most 6 tokens per step.
 PAGED = dict(block_size=4, num_blocks=16, max_batched_tokens=6)
+
+
+def saved_engines(root: str, variants) -> dict:
+    """An inference engine per model variant (tests/inference_helpers.py), each saved under ``root`` and loaded back."""
+    out = {}
+    for variant in variants:
+        save_model(variant, os.path.join(root, variant))
+        model, _ = load_model(os.path.join(root, variant))
+        out[variant] = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return out
+
+
+def all_blocks_back(cache) -> bool:
+    """Every block of a paged cache is back in its pool, none promised."""
+    return sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)) and cache.available == cache.num_blocks
 
 
 def batching_requests():

@@ -12,24 +12,16 @@ whose logits turn NaN fails alone.
 import pytest
 import torch
 
-from megatron_lite.inference.engine import InferenceEngine
-from megatron_lite.inference.loading import load_model
 from megatron_lite.inference.paged_cache import PagedCache
 from megatron_lite.inference.sampling import NonFiniteLogitsError, SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
-from tests.batching_helpers import assert_same, batching_requests, run
-from tests.inference_helpers import MAX_LEN, VOCAB, prompts, save_model
+from tests.batching_helpers import assert_same, batching_requests, run, saved_engines
+from tests.inference_helpers import MAX_LEN, VOCAB, prompts
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("contbatch")
-    out = {}
-    for variant in ("gpt", "mla_mtp"):
-        save_model(variant, str(root / variant))
-        model, _ = load_model(str(root / variant))
-        out[variant] = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
-    return out
+    return saved_engines(str(tmp_path_factory.mktemp("contbatch")), ("gpt", "mla_mtp"))
 
 
 def test_cache_rows_take_blocks_as_they_grow_and_give_them_back():

@@ -11,27 +11,24 @@ included); a long prompt's chunks leave the decoding request a token at every st
 
 import pytest
 
-from megatron_lite.inference.engine import InferenceEngine
-from megatron_lite.inference.loading import load_model
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
-from tests.batching_helpers import JOINS, PAGED, assert_same, batching_requests, run
-from tests.inference_helpers import MAX_LEN, VOCAB, prompts, save_model
+from tests.batching_helpers import (
+    JOINS,
+    PAGED,
+    all_blocks_back,
+    assert_same,
+    batching_requests,
+    run,
+    saved_engines,
+)
+from tests.inference_helpers import VOCAB, prompts
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("paged")
-    out = {}
-    for variant in ("gpt", "rope_gqa", "mla_mtp"):
-        save_model(variant, str(root / variant))
-        model, _ = load_model(str(root / variant))
-        out[variant] = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
-    return out
+    return saved_engines(str(tmp_path_factory.mktemp("paged")), ("gpt", "rope_gqa", "mla_mtp"))
 
-
-def all_blocks_back(cache) -> bool:
-    return sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)) and cache.available == cache.num_blocks
 
 
 def watched(scheduler):

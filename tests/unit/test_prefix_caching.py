@@ -11,8 +11,6 @@ request that stops frees its row, which a waiting request takes before the other
 
 import pytest
 
-from megatron_lite.inference.engine import InferenceEngine
-from megatron_lite.inference.loading import load_model
 from megatron_lite.inference.paged_cache import PagedCache, chain_hashes
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
@@ -22,26 +20,19 @@ from tests.batching_helpers import (
     PREFIX_JOINS,
     PREFIX_REUSED,
     SHARED,
+    all_blocks_back,
     assert_same,
     prefix_requests,
     run,
+    saved_engines,
 )
-from tests.inference_helpers import MAX_LEN, VOCAB, prompts, save_model
+from tests.inference_helpers import prompts
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix")
-    out = {}
-    for variant in ("gpt", "mla_mtp"):
-        save_model(variant, str(root / variant))
-        model, _ = load_model(str(root / variant))
-        out[variant] = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
-    return out
+    return saved_engines(str(tmp_path_factory.mktemp("prefix")), ("gpt", "mla_mtp"))
 
-
-def all_blocks_back(cache) -> bool:
-    return sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)) and cache.available == cache.num_blocks
 
 
 def test_chain_hashes_name_a_block_by_every_token_up_to_its_end():
