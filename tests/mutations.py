@@ -182,7 +182,7 @@ MUTATIONS = [
              "megatron_lite/inference/paged_cache.py", "positions = starts[:, None] + torch.arange",
              "positions = 0 * starts[:, None] + torch.arange", ("tests/unit/test_continuous_batching.py",)),
     Mutation("paged_chunk_logprobs", "chunked prefill: a chunk that does not end the prefill keeps no log-probs",
-             "megatron_lite/inference/scheduler.py", "            self.values[:, f:f + n] = _position_stats(",
+             "megatron_lite/inference/batch_request.py", "            self.values[:, f:f + n] = _position_stats(",
              "            0 and _position_stats(", ("tests/unit/test_paged_batching.py",)),
     Mutation("paged_admit_without_blocks", "paged cache: a request admitted when rows are free but its blocks are not",
              "megatron_lite/inference/scheduler.py", "            if len(a.prompts) > rows or need > blocks:\n",
@@ -223,6 +223,12 @@ MUTATIONS = [
     Mutation("folded_convert_dense", "converter: a folded source's dense optimizer state from EP rank 0's files only",
              "megatron_lite/checkpoint/reshard_optim.py", "for k, o in stage if k[0] == t), None)",
              "for k, o in stage if k[0] == t and k[2] == e), None)", ("tests/distributed/test_convert_moe.py", "-k", "folded")),
+    Mutation("sink_grad_sign", "attention sinks: the learnable sink's gradient with the wrong sign",
+             "megatron_lite/parallel/attention_sink.py", "    return -(torch.exp(", "    return (torch.exp(",
+             ("tests/unit/test_attention_sink.py",)),
+    Mutation("prefix_evict_keeps_name", "prefix caching: a named block handed out again keeps its name (stale reuse)",
+             "megatron_lite/inference/paged_cache.py", "        if b in self.names:\n            del self.cached",
+             "        if False:\n            del self.cached", ("tests/unit/test_prefix_caching.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
