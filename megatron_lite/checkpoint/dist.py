@@ -40,6 +40,7 @@ from .dist_read import fill, key_of, read_index
 from .format import VOCAB_TENSORS, CheckpointError, restore_scheduler
 from .frozen import base_of, is_frozen, unwrap
 from .layout import expert_place
+from .router_bias import is_router_bias, refuse_optimizer, say_filled
 
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -264,14 +265,30 @@ def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, lo
     index = read_index(folder)
     tensors, by_param = rank_tensors(chunks, state)
     fresh_fp8 = not any(is_fp8_state_key(name) for kind, name in index if kind == "weight")  # saved without FP8
+    filled = zero_absent_router_biases(tensors, index, folder)
     load_weights(folder, index, [t for t in tensors if not t.frozen  # frozen ones: from the base, loaded before
-                                 and not (fresh_fp8 and is_fp8_state_key(t.name))], common["config"].get("vocab_size"))
+                                 and not (fresh_fp8 and is_fp8_state_key(t.name)) and t.name not in filled],
+                 common["config"].get("vocab_size"))
     if load_optim and optimizer is not None:
         if common["optimizer"] is None:
             raise CheckpointError(f"checkpoint {folder} has no optimizer state; pass --no-load-optim or --finetune")
+        if filled:
+            refuse_optimizer(folder)
         load_optimizer(folder, index, common, optimizer, tensors, by_param)
         if scheduler is not None and common["scheduler"] is not None:
             restore_scheduler(scheduler, common["scheduler"], folder)
+
+
+def zero_absent_router_biases(tensors, index, folder: str) -> set[str]:
+    """The names of this rank's MoE router biases the torch_dist checkpoint lacks (saved before the router
+    had one), set to zero here (:mod:`.router_bias`)."""
+    filled = {t.name for t in tensors if is_router_bias(t.name) and ("weight", t.name) not in index}
+    with torch.no_grad():
+        for t in tensors:
+            if t.name in filled:
+                t.value.detach().zero_()
+    say_filled(folder, filled)
+    return filled
 
 
 def is_fresh_layout(common: dict, state) -> bool:

@@ -36,6 +36,7 @@ from .format import (
     read_tracker,
     tensor_crc,
 )
+from .router_bias import fill_merged
 
 DIST_METADATA = ".metadata"  # DCP writes it once every rank's data is on disk
 DIST_CHECKSUMS_DIR = "checksums"
@@ -289,7 +290,7 @@ def merge_kind(folder: str, index: dict, kind: str, partition: dict) -> dict:
     return out
 
 
-def merge_dist(path: str) -> tuple[dict, dict]:
+def merge_dist(path: str, filled: list | None = None) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config with ``iteration`` and ``consumed_samples``) of a
     torch_dist checkpoint: what :func:`~megatron_lite.checkpoint.merge.merge_checkpoint` gives for torch."""
     folder = resolve_folder(path)
@@ -298,7 +299,9 @@ def merge_dist(path: str) -> tuple[dict, dict]:
     config = dict(common["config"])
     config.setdefault("iteration", common["iteration"])
     config.setdefault("consumed_samples", common["consumed_samples"])
-    return merge_kind(folder, index, "weight", common["partition"]), config
+    merged = merge_kind(folder, index, "weight", common["partition"])
+    (filled if filled is not None else []).extend(fill_merged(merged, config, path))
+    return merged, config
 
 
 def merge_dist_optimizer(path: str) -> dict | None:

@@ -39,6 +39,7 @@ from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist, resolve_folder
 from .expert_files import merge_folded_chunk
 from .format import CheckpointError, find_model_files, read_model_file
+from .router_bias import fill_merged
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -108,13 +109,14 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
     return payloads, tp, pp, ep
 
 
-def merge_checkpoint(path: str) -> tuple[dict, dict]:
+def merge_checkpoint(path: str, filled: list | None = None) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
+    An MoE router bias the checkpoint lacks is zero (:mod:`.router_bias`); ``filled`` gets their names.
 
     The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``. A torch_dist
     checkpoint (:mod:`~megatron_lite.checkpoint.dist_read`) is merged from its saved boxes."""
     if is_dist_folder(resolve_folder(path)):
-        return merge_dist(path)
+        return merge_dist(path, filled)
     payloads, tp, pp, ep = _load_payloads(path)
     first = payloads[min(payloads)]
     saved_config = dict(first["config"])
@@ -144,6 +146,7 @@ def merge_checkpoint(path: str) -> tuple[dict, dict]:
             elif name.startswith("embedding.") and start > 0:
                 continue  # a multi-token-prediction stage's copy of the embedding
             merged[name] = tensor
+    (filled if filled is not None else []).extend(fill_merged(merged, saved_config, path))
     return merged, saved_config
 
 

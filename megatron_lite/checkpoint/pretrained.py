@@ -35,7 +35,7 @@ from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
 from .arch import check_architecture
 from .boxes import full_shape, region
-from .dist import load_weights, rank_tensors
+from .dist import load_weights, rank_tensors, zero_absent_router_biases
 from .dist_read import is_dist_folder, read_common, read_index
 from .format import (
     TRACKER_FILENAME,
@@ -50,6 +50,7 @@ from .format import (
 from .frozen import base_reference, has_frozen, unwrap
 from .layout import chunk_model
 from .merge import merge_checkpoint
+from .router_bias import fill_state_dict, say_filled
 
 
 def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
@@ -81,8 +82,10 @@ def _load_dist_weights(folder: str, chunks, state, missing_ok, vocab_size: int) 
     """This rank's tensors from the boxes of a torch_dist checkpoint (those it has); the vocabulary
     (``vocab_size`` real rows) is re-padded for this run's TP size."""
     index = read_index(folder)
-    tensors = [t for t in rank_tensors(chunks, state)[0]
-               if ("weight", t.name) in index or not _optional(t.name, missing_ok)]
+    everything = rank_tensors(chunks, state)[0]
+    filled = zero_absent_router_biases(everything, index, folder)
+    tensors = [t for t in everything if t.name not in filled
+               and (("weight", t.name) in index or not _optional(t.name, missing_ok))]
     load_weights(folder, index, tensors, vocab_size)
 
 
@@ -148,6 +151,7 @@ def _load_own_file(folder: str, payload: dict, chunks, missing_ok, check) -> Non
     with torch.no_grad():
         for chunk, saved in zip(chunks, payload["model"]):
             mine = getattr(chunk, "module", chunk).state_dict()
+            say_filled(folder, fill_state_dict(saved, mine))
             problems += [f"missing in the checkpoint: {k}" for k in mine if k not in saved and not _optional(k, missing_ok)]
             problems += [f"not in this model: {k}" for k in saved if k not in mine and not is_fp8_state_key(k)]
             for key, value in mine.items():

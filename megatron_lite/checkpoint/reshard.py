@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..console import print_rank_0
 from ..errors import ConfigError
 from ..parallel.expert_grid import is_folded
 from ..parallel.pipeline.partition import layer_ranges
@@ -129,7 +130,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
 
     Tokenizer files to carry along: those in ``<load_dir>/tokenizer/`` and the files the saved
     config's ``--vocab-file`` / ``--merge-file`` / ``--tokenizer-model`` name, when they exist."""
-    state_dict, config = merge_checkpoint(load_dir)
+    filled: list = []  # MoE router biases the checkpoint lacks (zero): its optimizer state does not fit
+    state_dict, config = merge_checkpoint(load_dir, filled)
     iteration = config.pop("iteration", None)
     consumed = config.pop("consumed_samples", 0) or 0
     if iteration is None:
@@ -151,6 +153,9 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     if is_lora_config(config):  # adapters only: the base's weights come from the checkpoint it records
         adapters, state_dict, _ = read_lora_checkpoint(load_dir, state_dict, config)
         return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, None, adapters)
+    if filled:
+        print_rank_0("  its optimizer state is left out (resume the converted checkpoint with --no-load-optim)")
+        return ModelBundle(config, unpad_vocab(state_dict, vocab), iteration, int(consumed), files, None)
     optimizer = merge_dist_optimizer(load_dir) if is_dist_folder(resolve_folder(load_dir)) else merge_optimizer(
         load_dir, lambda p, payload: _source_chunks(payload, p), not config.get("untie_embeddings_and_output_weights", False))
     if optimizer is not None:

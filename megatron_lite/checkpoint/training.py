@@ -65,6 +65,7 @@ from .frozen import (
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .rng import set_rng_states
+from .router_bias import fill_state_dict, refuse_optimizer, say_filled
 from .saved_parts import missing_rng_error, parts_to_save, require_dist_rng, save_rng
 
 
@@ -317,6 +318,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     ckpt = read_model_file(path)
     modules = [unwrap(c) for c in chunks]
     ckpt["model"] = [fit_fp8_state(m, saved) for m, saved in zip(modules, ckpt["model"])]
+    filled = [k for m, saved in zip(modules, ckpt["model"]) for k in fill_state_dict(saved, saved_state_dict(m))]
+    say_filled(path, filled)
     _load_frozen_base(path, ckpt, chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         _check_compatible(path, ckpt, modules, config, state)
@@ -329,6 +332,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
             optim_state = ckpt.get("optimizer")
             if optim_state is None:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
+            if filled:
+                refuse_optimizer(path)
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
             restore_scheduler(scheduler, ckpt["scheduler"], path)
