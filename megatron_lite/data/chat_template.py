@@ -263,20 +263,24 @@ def _compile(template: str):
 @functools.lru_cache(maxsize=8)
 def reads_parts(template: str) -> bool:
     """Whether ``template`` loops over a message's content (``{% for part in message['content'] %}``
-    or ``message.content``, maybe through filters or a slice): such a template is given a content list
+    or ``message.content``, maybe through filters or a slice, or a name set to it: ``{% set content =
+    message['content'] %}...{% for part in content %}``): such a template is given a content list
     as it came; any other gets the list's texts joined (:func:`content_text`), as vLLM detects it."""
     from jinja2 import nodes
 
-    def is_content(node) -> bool:
+    def is_content(node, names=frozenset()) -> bool:
         while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
                                                                 and isinstance(node.arg, nodes.Slice)):
             node = node.node
         if isinstance(node, nodes.Getitem):
             return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-        return isinstance(node, nodes.Getattr) and node.attr == "content"
+        return (isinstance(node, nodes.Getattr) and node.attr == "content") or (isinstance(node, nodes.Name)
+                                                                               and node.name in names)
 
     tree = _compile(template).environment.parse(template)
-    return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
+    # names set to a message's content ({% set content = message['content'] %}) read it as well
+    names = {a.target.name for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    return any(is_content(loop.iter, names) for loop in tree.find_all(nodes.For))
 
 
 def _content_for(template: str, messages) -> list:

@@ -19,6 +19,10 @@ PARTS = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if 
          "{{ message['content'] }}{% else %}{% for part in message.content | selectattr('type', 'eq', 'text') %}"
          "{{ part['text'] }} !{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the same, reading the parts through a name set to the content (no string branch: parts only)
+SET_PARTS = ("{% for message in messages %}{% set content = message['content'] %}<|im_start|>{{ message['role'] }}\n"
+             "{% for part in content | selectattr('type', 'eq', 'text') %}{{ part['text'] }} !{% endfor %}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def text(*texts):
@@ -35,7 +39,7 @@ JOINED = [{"role": "system", "content": "red"}, {"role": "user", "content": "two
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     return {name: build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(root / name, template))
-            for name, template in (("default", None), ("chatml", CHATML), ("parts", PARTS))}
+            for name, template in (("default", None), ("chatml", CHATML), ("parts", PARTS), ("set_parts", SET_PARTS))}
 
 
 @pytest.mark.parametrize("name", ["default", "chatml"])
@@ -68,6 +72,10 @@ def test_a_template_reading_parts_gets_the_list_as_hugging_face_passes_it(tokeni
     assert prompt == hf("parts", CHAT) != parse_chat({"messages": JOINED}, tok).prompts[0]
     assert tok.detokenize(prompt).count("!") == 5  # one per part
     assert parse_chat({"messages": CHAT}, tokenizers["chatml"]).prompts[0] == hf("chatml", JOINED)
+    parts_only = CHAT[:3]  # a template that sets a name to the content and loops over it: the parts too
+    prompt = parse_chat({"messages": parts_only + [{"role": "user", "content": text("why")}]}, tokenizers["set_parts"])
+    assert prompt.prompts[0] == hf("set_parts", parts_only + [{"role": "user", "content": text("why")}])
+    assert tokenizers["set_parts"].detokenize(prompt.prompts[0]).count("!") == 6  # it had no text at all (the joined string's letters)
 
 
 @pytest.mark.parametrize("content, message", [
