@@ -134,7 +134,7 @@ def parse_api(body, tokenizer) -> ApiJob:
         raise RequestError("add_BOS: the tokenizer has no beginning- or end-of-document token")
     prompts = [([bos] if add_bos else []) + (tokenizer.tokenize(t) if t else []) for t in texts]
     params = SamplingParams(tokens_to_generate=n, temperature=temperature, top_k=top_k, top_p=top_p,
-                            random_seed=None if seed < 0 else seed, **_stops(body, tokenizer, stop_on_eol),
+                            random_seed=None if seed < 0 else seed, prompt_log_probs=logprobs, **_stops(body, tokenizer, stop_on_eol),
                             **_top_p_schedule(body, top_p), **_beam(body, len(texts), n, tokenizer))
     return ApiJob(texts, prompts, params, logprobs, beam=params.beam_width > 0)
 

@@ -10,14 +10,16 @@ or its error. Under torchrun every step is preceded by one broadcast from rank 0
 requests that join (their token ids and sampling parameters), so the followers run the same
 steps (:meth:`BatchRunner.on_message`).
 
-The batch runs OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, with
-up to ``--inference-max-requests`` sequences at once (a request holds one per prompt, times ``n``
-or ``best_of``; one that does not fit waits for rows and key/value-cache blocks to free up, in
-arrival order; one whose blocks exceed the whole cache, ``--inference-kv-cache-blocks``, is refused
-with HTTP 400), prefills chunked within ``--max-num-batched-tokens`` per step. What the batch
-does not cover runs alone as before, between two steps of the batch (which waits meanwhile):
-Megatron's ``PUT /api`` (its static batch semantics), beam search, scoring (``max_tokens`` 0), a
-request of more sequences than the bound, and every request under ``--no-kv-cache``.
+The batch runs OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, and
+Megatron's ``PUT /api`` (its prompts are one request's sequences, as in the one-at-a-time engine's
+static batch: the same answer), with up to ``--inference-max-requests`` sequences at once (a request
+holds one per prompt, times ``n`` or ``best_of``; one that does not fit waits for rows and
+key/value-cache blocks to free up, in arrival order; one whose blocks exceed the whole cache,
+``--inference-kv-cache-blocks``, is refused with HTTP 400), prefills chunked within
+``--max-num-batched-tokens`` per step. What the batch does not cover runs alone as before, between
+two steps of the batch (which waits meanwhile): beam search, scoring (``max_tokens`` 0,
+``tokens_to_generate`` 0), a request of more sequences than the bound, and every request under
+``--no-kv-cache``.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
 step's broadcast names it, so every rank drops it) and frees its rows and blocks.
@@ -114,12 +116,11 @@ class BatchRunner(Runner):
         self.cond = threading.Condition()
 
     # -- handler threads -------------------------------------------------------------------------
-    def submit(self, prompts, params, alone: bool = False) -> Ticket:
-        """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError).
-        ``alone`` (Megatron's PUT /api): run it by itself between two steps of the batch."""
+    def submit(self, prompts, params) -> Ticket:
+        """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError)."""
         ticket = Ticket()
         with self.cond:
-            if not alone and self.batch.covers(prompts, params):
+            if self.batch.covers(prompts, params):
                 ticket.rid = self.batch.add(prompts, params)
                 self.tickets[ticket.rid] = ticket
                 ticket.put("started")
@@ -128,8 +129,8 @@ class BatchRunner(Runner):
             self.cond.notify()
         return ticket
 
-    def run(self, prompts, params, alone: bool = False):
-        ticket = self.submit(prompts, params, alone)
+    def run(self, prompts, params):
+        ticket = self.submit(prompts, params)
         ticket.wait_started()
         return ticket.result()
 

@@ -78,8 +78,8 @@ class SamplingParams:
     engine's :meth:`~.engine.InferenceEngine.stream` hands them out as they come (streamed ``logprobs``)."""
     prompt_log_probs: bool = True
     """The answer's log-probs cover the prompt's tokens. False (OpenAI's routes unless ``echo`` with
-    ``logprobs``) lets continuous batching start after prompt blocks it finds in its prefix cache,
-    whose log-probs it then does not compute (NaN there)."""
+    ``logprobs``, ``PUT /api`` without ``logprobs``) lets continuous batching start after prompt
+    blocks it finds in its prefix cache, whose log-probs it then does not compute (NaN there)."""
     stop_strings: tuple[str, ...] = ()
     """OpenAI's ``stop``: a sequence ends at the generated token whose text completes one of these (the
     token kept; the answer cuts the text before the string), when the engine has a tokenizer on its

@@ -21,7 +21,10 @@ and its decay, penalties over the request's own generated tokens, ``logit_bias``
 stop tokens, ``tokens_to_generate``), the same log-probs, and its own sampling generator (seeded
 with ``random_seed``; without one, the engine's shared generator). So a request's tokens do not
 depend on what else is in the batch: greedy and seeded samples give the tokens the request gets
-alone, and its log-probs differ only by the order of the sums inside attention (fp32: ~1e-6).
+alone, and its log-probs differ only by the order of the sums inside attention (fp32: ~1e-6). A
+seeded request that ends leaves the shared generator where its own ended, as the one-at-a-time
+engine, which reseeds the shared one (Megatron's ``random_seed``): an unseeded request sent after
+it (nothing else in flight) draws the tokens it draws there.
 
 Parallel layouts: every rank calls :meth:`step` with the same admissions (the server's rank 0
 decides them with :meth:`admissions` and broadcasts them), so every rank runs the same forward
@@ -260,6 +263,8 @@ class Scheduler:
             event = Event(r.rid, step=step)
             if done:
                 event.results = r.results(engine._broadcast(r.values.contiguous()).cpu())
+                if r.params.random_seed is not None:  # as the one-at-a-time engine's reseeded generator
+                    engine.generator.set_state(r.generator.get_state())
                 self._free(r)
                 ended.add(r.rid)
             else:

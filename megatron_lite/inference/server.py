@@ -50,9 +50,7 @@ class Runner:
         if self.world > 1:
             dist.broadcast_object_list([message], src=0)
 
-    def run(self, prompts, params, alone: bool = False):
-        """Generate on every rank; ``alone`` (PUT /api) matters only to the batching runner: here
-        every request runs alone."""
+    def run(self, prompts, params):
         self._send((_GENERATE, prompts, params))
         return self.engine.generate(prompts, params)
 
@@ -111,7 +109,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         app.logger.exception("request failed")
         return jsonify(message=f"{type(err).__name__}: {err}"), 500
 
-    def answer(parse, respond, alone: bool = False):
+    def answer(parse, respond):
         try:
             body = request.get_json(force=True, silent=True)
             if body is None:
@@ -122,7 +120,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             elif getattr(job, "beam", False):  # beam search runs alone between steps of the batch
                 results = run_beams(runner.run, job)
             else:
-                results = runner.run(job.prompts, job.params, alone=alone)
+                results = runner.run(job.prompts, job.params)
         except (RequestError, ValueError) as err:
             return jsonify(message=str(err)), 400
         if getattr(job, "stream", False):
@@ -133,9 +131,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     @app.route("/api", methods=["PUT"])
     def megatron_api():
-        # Megatron's static batch: never in the continuous batch (docs/inference.md)
-        return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer),
-                      alone=True)
+        return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer))
 
     def openai(parse):
         return answer(parse, lambda job, res: openai_response(job, res, tokenizer, model_name))

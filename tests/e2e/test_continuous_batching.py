@@ -5,8 +5,10 @@ rank 0's broadcast admissions; a paged cache of blocks of 4 tokens, too few for 
 and chunked prefill at 6 tokens per step): requests joining, waiting for blocks and leaving mid-way give,
 for GPT and MLA, the tokens the one-process engine gives each request alone (greedy and seeded),
 log-probs within 1e-5.
-In one process over HTTP: concurrent requests (completions and chat, streamed and not, with PUT /api
-and beam search, Megatron's and the OpenAI routes', between the steps) decode together and each answer is the one-at-a-time server's.
+In one process over HTTP: concurrent requests (completions and chat, streamed and not, and Megatron's
+PUT /api: several prompts, seeded samples, top-p decay, stop token, add_BOS, log-probs) decode together
+and each answer is the one-at-a-time server's (beam search, Megatron's and the OpenAI routes', runs
+alone between the steps); a bad PUT /api among them gets its 400 alone.
 """
 
 import json
@@ -115,6 +117,11 @@ REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "4 4", "max_tokens": 9, "top_p": 0.8, "seed": 2, "stream": True,
                                  "logprobs": 1, "echo": True}),
     ("PUT", "/api", {"prompts": ["1 2 3"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}),
+    ("PUT", "/api", {"prompts": ["6 1", "2 8 3 3 5 1 7"], "tokens_to_generate": 6, "top_p": 0.9, "top_p_decay": 0.8,
+                     "top_p_bound": 0.5, "temperature": 1.3, "random_seed": 5, "logprobs": True}),
+    ("PUT", "/api", {"prompts": ["", "4 5 6"], "add_BOS": True, "tokens_to_generate": 8, "top_k": 3, "random_seed": 9,
+                     "stop_token": 50, "stop_on_double_eol": True, "prevent_newline_after_colon": True}),
+    ("PUT", "/api", {"prompts": ["1 " * MAX_LEN], "tokens_to_generate": 2}),  # too long: 400, alone
     ("PUT", "/api", {"prompts": ["7 8"], "tokens_to_generate": 3, "beam_width": 2}),
     ("POST", "/v1/completions", {"prompt": ["7 8", "2 3 4"], "max_tokens": 3, "use_beam_search": True, "n": 2,
                                  "best_of": 3, "logprobs": 1}),
@@ -123,6 +130,8 @@ REQUESTS = [
 
 def _answer(url, method, path, body):
     r = httpx.request(method, url + path, json=body, timeout=120)
+    if r.status_code == 400:
+        return r.json()
     assert r.status_code == 200, r.text
     if body.get("stream"):
         chunks = [json.loads(b[len("data: "):]) for b in r.text.split("\n\n") if b.startswith("data: {")]
@@ -138,10 +147,11 @@ def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_pat
     root = str(tmp_path / "gpt")
     save_model("gpt", root)
     one = _serve(root, Runner, threaded=False)
-    batched = _serve(root, lambda engine: BatchRunner(engine, 8), threaded=True)
+    batched = _serve(root, lambda engine: BatchRunner(engine, 16), threaded=True)
     try:
         want = [_answer(one[0], *r) for r in REQUESTS]
-        runner, covered = batched[1], 5  # the first five run in the batch
+        assert "more than the model's" in want[8]["message"]  # the bad one
+        runner, covered = batched[1], 8  # the first eight run in the batch (13 sequences)
         admissions, seen = runner.batch.admissions, []
 
         def all_at_once():  # hold the batch until the five are queued: they must then decode together
@@ -159,10 +169,10 @@ def test_concurrent_requests_decode_together_and_answer_as_one_at_a_time(tmp_pat
             t.start()
         for t in threads:
             t.join(timeout=300)
-        assert max(seen) == covered  # every OpenAI request was in one batch at once
+        assert max(seen) == covered  # every OpenAI and Megatron request was in one batch at once
         for i, (g, w) in enumerate(zip(got, want)):
             assert_json_close(g, w, f"request {i}")
-        assert runner.batch.cache.free == list(range(8))
+        assert runner.batch.cache.free == list(range(16))
     finally:
         for _, _, stop, thread in (one, batched):
             stop.request()

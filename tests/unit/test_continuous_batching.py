@@ -301,10 +301,10 @@ def _engine_loop(runner):
     return thread
 
 
-def test_megatron_put_api_runs_alone_as_the_one_at_a_time_server(engines):
-    """PUT /api is Megatron's static batch (docs/inference.md: not in the continuous batch): its
-    ``random_seed`` reseeds the server's generator, so an unseeded request after it draws what it
-    draws from the one-at-a-time server."""
+def test_megatron_put_api_joins_the_batch_and_answers_as_the_one_at_a_time_server(engines):
+    """PUT /api runs in the continuous batch and answers the same JSON; its ``random_seed`` leaves
+    the server's generator where the one-at-a-time server's reseeded one ends, so an unseeded
+    request after it draws what it draws there."""
     pytest.importorskip("flask")
     from megatron_lite.data.tokenizers import build_tokenizer
     from megatron_lite.inference.batch_runner import BatchRunner
@@ -325,7 +325,7 @@ def test_megatron_put_api_runs_alone_as_the_one_at_a_time_server(engines):
         if thread is not None:
             thread.join(timeout=20)
     assert answers["batched"] == answers["one"]
-    assert runner.batch.steps == 0 and runner.batch.next_rid == 0  # never in the batch
+    assert runner.batch.next_rid == 2 and runner.batch.steps >= 6  # both ran in the batch
 
 
 def test_a_stream_cancelled_while_queued_is_dropped_not_admitted(engines):
@@ -367,3 +367,29 @@ def test_a_seed_too_large_for_a_generator_is_a_400_and_the_batch_serves_on(engin
         answer = getattr(client, method)(path, json=body)
         assert answer.status_code == 400 and answer.get_json()["message"].startswith(field)
     assert not runner.busy
+
+
+def test_megatron_put_api_reuses_cached_prompt_blocks_unless_it_asks_for_logprobs(engines):
+    """Without ``logprobs`` the answer shows no prompt log-probs, so a repeated prompt starts after
+    its cached blocks (prefix caching); with ``logprobs`` every prompt log-prob is computed."""
+    pytest.importorskip("flask")
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.batch_runner import BatchRunner
+    from megatron_lite.inference.server import Runner, create_app
+    from tests.inference_helpers import assert_json_close
+
+    engine = engines["gpt"]
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    body = {"prompts": ["5 17 42 8 3 1 4 1 5 9"], "tokens_to_generate": 3, "top_k": 1}
+    want = [create_app(Runner(engine), tokenizer).test_client().put("/api", json=b).get_json()
+            for b in (body, {**body, "logprobs": True})]
+    runner = BatchRunner(engine, 4, block_size=4, prefix_caching=True)
+    client, thread = create_app(runner, tokenizer).test_client(), _engine_loop(runner)
+    try:
+        assert [client.put("/api", json=body).get_json() for _ in range(2)] == [want[0]] * 2
+        reused = runner.batch.cache.reused_tokens
+        assert_json_close(client.put("/api", json={**body, "logprobs": True}).get_json(), want[1])
+    finally:
+        runner.halt = True
+    thread.join(timeout=20)
+    assert reused == 8 and runner.batch.cache.reused_tokens == reused  # two blocks once; none with logprobs
