@@ -261,6 +261,10 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         module, name = bundle.config["spec"]
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
                           "Face export writes stock layers and would not compute your model: export is refused")
+    limit, held = parse_size(max_shard_size), model_files_in(save_dir)  # before the export's warnings
+    if held:  # a reader would take a stale model.safetensors over the shards written now (or the reverse)
+        raise CheckpointError(f"{save_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} (a model, "
+                              "or the leftover of an interrupted export); choose an empty --save-dir")
     style = pick_style(bundle.config, style)
     check_window_exportable(bundle.config, style)
     check_hf_exportable(bundle.config, style)  # --squared-relu, --quick-geglu, --qk-l2-norm, ...
@@ -282,11 +286,6 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         hf_config, tensors = to_mistral(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
-    limit = parse_size(max_shard_size)
-    held = model_files_in(save_dir)
-    if held:  # a reader would take a stale model.safetensors over the shards written now (or the reverse)
-        raise CheckpointError(f"{save_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} (a model, "
-                              "or the leftover of an interrupted export); choose an empty --save-dir")
     os.makedirs(save_dir, exist_ok=True)
     special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, save_dir)
     hf_config.update(special)

@@ -21,10 +21,15 @@ multi-token prediction), ``qwen2`` and ``qwen3`` / ``qwen3_moe`` (:mod:`~megatro
 picked for ``--qk-layernorm``), ``gpt_oss`` (:mod:`~megatron_lite.checkpoint.hf_gptoss`, picked for MoE models
 with ``--quick-geglu`` or attention sinks).
 A model the target style cannot express is refused with one line naming the option that differs.
+Options that act in training only and that a format has no field for (``--hidden-dropout`` from llama on,
+``--moe-input-jitter-eps`` / ``--moe-z-loss-coeff``) are left out with one warning naming them;
+``--attention-dropout`` is every format's attention dropout field.
 Vocabulary tensors have exactly ``vocab_size`` rows on both sides (the bundle is unpadded).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -42,6 +47,11 @@ GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 E, LAYER, FINAL = "embedding.", "decoder.layers.{i}.", "decoder.final_norm."
 QKV, PROJ = "self_attention.linear_qkv.", "self_attention.linear_proj."
 FC1, FC2 = "mlp.linear_fc1.", "mlp.linear_fc2."
+# options that act in training only (the trained model computes the same without them) and that the formats from
+# llama on have no field for (gpt2 and bert have dropout fields; mixtral's router_jitter_noise is the jitter)
+TRAINING_ONLY = (("hidden_dropout", "--hidden-dropout"), ("moe_input_jitter_eps", "--moe-input-jitter-eps"),
+                 ("moe_z_loss_coeff", "--moe-z-loss-coeff"))
+log = logging.getLogger(__name__)
 
 
 def _require(cond, message: str) -> None:
@@ -74,6 +84,15 @@ def pick_style(cfg: dict, style: str = "auto") -> str:
         return "mistral" if tuple(cfg.get("window_size") or (-1, -1)) != (-1, -1) else "llama"
     _require(style in STYLES, f"--hf-style {style!r} is not one of {', '.join(STYLES)}")
     return style
+
+
+def warn_unwritten(cfg: dict, style: str, written: tuple = ()) -> None:
+    """One warning naming the TRAINING_ONLY options set in ``cfg`` (but those in ``written``) that the ``style``
+    format has no field for: the export computes the same model, a fine-tune of it must set them again."""
+    used = [f"{flag} {cfg[name]:g}" for name, flag in TRAINING_ONLY if name not in written and cfg.get(name)]
+    if used:
+        log.warning("%s: training-only, and the %s format has no field for it; not written (the exported model "
+                    "computes the same; give it again to fine-tune the export)", ", ".join(used), style)
 
 
 def _dims(cfg: dict) -> tuple[int, int, int, int, int]:
@@ -185,8 +204,9 @@ def _llama_tensors(sd: dict, cfg: dict, tied: bool, bias: bool) -> dict:
     return out
 
 
-def to_hf(cfg: dict, sd: dict, style: str) -> tuple[dict, dict]:
-    """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``."""
+def to_hf(cfg: dict, sd: dict, style: str, family: str | None = None) -> tuple[dict, dict]:
+    """(config.json dict, HF state dict) of a single-process, unpadded state dict ``sd``; ``family``: the
+    format a warning names (qwen2, qwen3 and mistral are written as llama)."""
     check_exportable(cfg, style)
     layers, hidden, heads, groups, d = _dims(cfg)
     tied = not cfg.get("untie_embeddings_and_output_weights", False)
@@ -213,6 +233,7 @@ def to_hf(cfg: dict, sd: dict, style: str) -> tuple[dict, dict]:
           "pretraining_tp": 1}
     if rope_scaling_to_hf(cfg, theta)[1]:
         hf["rope_scaling"] = rope_scaling_to_hf(cfg, theta)[1]
+    warn_unwritten(cfg, family or style)
     return hf, _llama_tensors(sd, cfg, tied, bias)
 
 

@@ -49,6 +49,8 @@ scores normalised (``norm_topk_prob``) times ``routed_scaling_factor``. Ours equ
 ``--moe-router-topk`` / ``--moe-router-group-topk`` = 2 (our group score sums the top topk/group_topk);
 our sigmoid weights are normalised exactly when top-k > 1. The router runs in fp32 (``--moe-router-dtype
 fp32`` on import). What either side cannot express is refused with one line naming the option.
+``--hidden-dropout``, ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` act in training only and have no
+DeepSeek-V3 field: the export leaves them out with a warning (``--attention-dropout`` is ``attention_dropout``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
-from .hf import _base_config, _require, pick_style
+from .hf import _base_config, _require, pick_style, warn_unwritten
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_mixtral import SEQ, expert_matrices, stack_experts
 from .hf_unused import strip_prefix
@@ -214,7 +216,9 @@ def to_deepseek(cfg: dict, sd: dict) -> tuple[dict, dict]:
     out["model.norm.weight"] = sd["decoder.final_norm.weight"]
     if cfg.get("untie_embeddings_and_output_weights", False):
         out["lm_head.weight"] = head
-    return _hf_config(cfg, first_dense, embedding), out
+    hf = _hf_config(cfg, first_dense, embedding)
+    warn_unwritten(cfg, "deepseek_v3")
+    return hf, out
 
 
 # ---------------------------------------------------------------------------------------------

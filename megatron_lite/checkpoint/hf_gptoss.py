@@ -18,6 +18,10 @@ tied or untied) with, in our flags:
   fc1 is ``[gate; up]`` ``[2 ffn, h]`` (``weight1`` ``[E, h, 2 ffn]`` for --moe-grouped-gemm), fc2 ``[h, ffn]``.
   The routing (top-k of the logits, softmax over those k) is our default post-top-k softmax.
 
+``--hidden-dropout``, ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` act in training only and have no
+gpt_oss field: the export leaves them out with a warning (``--attention-dropout`` is ``attention_dropout``).
+``--use-rope-scaling`` and ``--rotary-seq-len-interpolation-factor`` are refused.
+
 MXFP4-quantized folders (``quantization_config``, ``*_blocks`` / ``*_scales`` tensors) are refused:
 load them in transformers with ``Mxfp4Config(dequantize=True)`` and ``save_pretrained`` first.
 """
@@ -28,10 +32,23 @@ import torch
 
 from ..activations import QUICK_GELU_ALPHA
 from ..errors import ConfigError
-from .hf import FINAL, LAYER, PROJ, QKV, E, _base_config, _dims, _require, qkv_to_separate, separate_to_qkv
+from .hf import (
+    FINAL,
+    LAYER,
+    PROJ,
+    QKV,
+    E,
+    _base_config,
+    _dims,
+    _require,
+    qkv_to_separate,
+    separate_to_qkv,
+    warn_unwritten,
+)
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_mistral import hf_window, window_from_hf
-from .hf_mixtral import ROUTER, SEQ, TRAINING_ONLY, _aux_coeff, check_mixtral, warn_unwritten
+from .hf_mixtral import ROUTER, SEQ, _aux_coeff, check_mixtral
+from .hf_rope import interpolation_factor
 from .hf_unused import strip_prefix
 
 SINK = "self_attention.core_attention.softmax_offset"
@@ -65,6 +82,9 @@ def check_gptoss(cfg: dict) -> None:
                        "--softmax-type learnable")):
         _require(ok, f"the gpt_oss format cannot express this model: {words}")
     hf_window(cfg, "gpt_oss")  # a causal window of the last N tokens only
+    for flag, value in (("--use-rope-scaling", cfg.get("use_rope_scaling")),
+                        ("--rotary-seq-len-interpolation-factor", interpolation_factor(cfg))):
+        _require(not value, f"{flag} cannot be expressed in the gpt_oss format (plain RoPE or YaRN: --rope-type yarn)")
 
 
 def _expert_tensors(sd: dict, src: str, experts: int) -> dict:
@@ -94,7 +114,6 @@ def _rope_parameters(cfg: dict) -> dict:
 def to_gptoss(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     check_gptoss(cfg)
-    warn_unwritten(cfg, "gpt_oss", TRAINING_ONLY)
     layers, hidden, heads, groups, d = _dims(cfg)
     experts, tied = int(cfg["num_experts"]), not cfg.get("untie_embeddings_and_output_weights", False)
     out = {"model.embed_tokens.weight": sd[E + "word_embeddings.weight"], "model.norm.weight": sd[FINAL + "weight"]}
@@ -128,6 +147,7 @@ def to_gptoss(cfg: dict, sd: dict) -> tuple[dict, dict]:
           "num_local_experts": experts, "num_experts_per_tok": int(cfg.get("moe_router_topk", 2)),
           "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": float(cfg["activation_func_clamp_value"]),
           "router_aux_loss_coef": _aux_coeff(cfg), "output_router_logits": False}
+    warn_unwritten(cfg, "gpt_oss")
     return hf, out
 
 

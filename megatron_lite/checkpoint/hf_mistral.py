@@ -80,7 +80,7 @@ def to_mistral(cfg: dict, sd: dict) -> tuple[dict, dict]:
     window, windowed = hf_window(cfg, "mistral")
     _require(all(windowed) or not any(windowed), f"--window-attn-skip-freq {cfg.get('window_attn_skip_freq')} "
              f"cannot be expressed in the mistral format (every layer has the window); {window_home(cfg)}")
-    hf, out = to_hf({**cfg, "window_size": None}, sd, "llama")
+    hf, out = to_hf({**cfg, "window_size": None}, sd, "llama", "mistral")
     for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
         hf.pop(key)
     hf.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)

@@ -10,30 +10,37 @@ matrices transposed and stacked. Mixtral's routing is a softmax over all experts
 
 What the format cannot express is refused with one line naming our option: shared experts, a
 sigmoid router, expert bias, capacity dropping, group-limited routing, a pre-top-k softmax, a
-top-k scaling factor, sinkhorn balancing, dense layers between MoE layers, biases. Training-only
+top-k scaling factor, sinkhorn balancing, dense layers between MoE layers, biases. RoPE scaling is
+the llama formats' (:mod:`.hf_rope`: ``llama3`` and ``linear``), both ways. Training-only
 options carried over: ``--moe-input-jitter-eps`` <-> ``router_jitter_noise`` (Mixtral also scales
 the experts' input by that noise in training, ours only the router's) and the aux-loss coefficient
-<-> ``router_aux_loss_coef``; the z-loss has no Mixtral field and is not written (a warning says so). Mixtral's
+<-> ``router_aux_loss_coef``; the z-loss and ``--hidden-dropout`` have no Mixtral field and are not written (a
+warning says so); ``--attention-dropout`` is ``attention_dropout``. Mixtral's
 ``sliding_window`` (every layer) is ``--window-size`` as for Mistral (:mod:`.hf_mistral`).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
-from .hf import _base_config, _dims, _require, _silu_rope_theta, pick_style, qkv_to_separate, separate_to_qkv
+from .hf import (
+    _base_config,
+    _dims,
+    _require,
+    _silu_rope_theta,
+    pick_style,
+    qkv_to_separate,
+    separate_to_qkv,
+    warn_unwritten,
+)
 from .hf_mistral import hf_window, window_from_hf
+from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
 QKV, PROJ, ROUTER = "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.router.weight"
 SEQ = "mlp.experts.local_experts.{j}."
-# training-only options (the trained model computes the same without them) a format may have no field for
-TRAINING_ONLY = (("moe_input_jitter_eps", "--moe-input-jitter-eps"), ("moe_z_loss_coeff", "--moe-z-loss-coeff"))
-log = logging.getLogger(__name__)
 # (our option, its value when Mixtral can express it, the refusal's words)
 _UNEXPRESSIBLE = (  # --qk-layernorm first: its refusal names the way out (qwen3_moe)
     ("qk_layernorm", False, "--qk-layernorm (per-head query/key norms; use --hf-style qwen3_moe)"),
@@ -46,8 +53,6 @@ _UNEXPRESSIBLE = (  # --qk-layernorm first: its refusal names the way out (qwen3
     ("moe_router_topk_scaling_factor", None, "--moe-router-topk-scaling-factor"),
     ("add_qkv_bias", False, "--add-qkv-bias (the attention has no biases)"),
     ("rotary_percent", 1.0, "--rotary-percent below 1 (every channel of a head rotates)"),
-    ("use_rope_scaling", False, "--use-rope-scaling"),
-    ("rotary_seq_len_interpolation_factor", None, "--rotary-seq-len-interpolation-factor"),
 )
 
 
@@ -62,8 +67,6 @@ def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> Non
         value = cfg.get(name, ok)
         if name == "moe_expert_capacity_factor" and value is not None and value < 0:
             value = None  # a negative factor means no capacity limit
-        if name == "rotary_seq_len_interpolation_factor" and value == 1:
-            value = None  # positions divided by 1: plain RoPE
         _require(value == ok or (ok is None and not value), f"{words} cannot be expressed in the {style} format")
     _require("sinkhorn" not in (cfg.get("moe_router_load_balancing_type") or []),
              f"--moe-router-load-balancing-type sinkhorn cannot be expressed in the {style} format")
@@ -78,15 +81,6 @@ def check_mixtral(cfg: dict, style: str = "mixtral", allowed: tuple = ()) -> Non
              "format (SwiGLU experts)")
     _require("disable_bias_linear" in allowed or cfg.get("disable_bias_linear"), f"biases (no --disable-bias-linear) "
              f"cannot be expressed in the {style} format" + ("; use --hf-style gpt_oss" if cfg.get("quick_geglu") else ""))
-
-
-def warn_unwritten(cfg: dict, style: str, options: tuple) -> None:
-    """One warning naming the training-only ``options`` (pairs of TRAINING_ONLY) set in ``cfg`` that the
-    ``style`` format has no field for: the export computes the same model, a fine-tune of it must set them again."""
-    used = [f"{flag} {cfg[name]:g}" for name, flag in options if cfg.get(name)]
-    if used:
-        log.warning("%s: training-only, and the %s format has no field for it; not written (the exported model "
-                    "computes the same; give it again to fine-tune the export)", ", ".join(used), style)
 
 
 def _aux_coeff(cfg: dict) -> float:
@@ -117,7 +111,6 @@ def stack_experts(sd: dict, prefix: str, experts: int) -> None:
 def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     check_mixtral(cfg)
-    warn_unwritten(cfg, "mixtral", TRAINING_ONLY[1:])  # the jitter is router_jitter_noise
     layers, hidden, heads, groups, d = _dims(cfg)
     experts, tied = int(cfg["num_experts"]), not cfg.get("untie_embeddings_and_output_weights", False)
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}
@@ -138,6 +131,7 @@ def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
         out["lm_head.weight"] = sd["output_layer.weight"]
     dtype = str(sd["embedding.word_embeddings.weight"].dtype).replace("torch.", "")
     theta = float(cfg.get("rotary_base", 10000))
+    rope_parameters, rope_scaling = rope_scaling_to_hf(cfg, theta)
     hf = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": int(cfg["vocab_size"]),
           "tie_word_embeddings": tied, "dtype": dtype, "torch_dtype": dtype, "use_cache": True,
           "initializer_range": cfg.get("init_method_std", 0.02), "num_hidden_layers": layers, "hidden_size": hidden,
@@ -145,11 +139,14 @@ def to_mixtral(cfg: dict, sd: dict) -> tuple[dict, dict]:
           "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": d,
           "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("seq_length"),
           "rms_norm_eps": cfg.get("norm_epsilon", 1e-5), "rope_theta": theta,
-          "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
+          "rope_parameters": rope_parameters, "hidden_act": "silu",
           "attention_dropout": cfg.get("attention_dropout", 0.0), "sliding_window": _sliding_window(cfg),
           "num_local_experts": experts, "num_experts_per_tok": int(cfg.get("moe_router_topk", 2)),
           "router_jitter_noise": float(cfg.get("moe_input_jitter_eps") or 0.0), "router_aux_loss_coef": _aux_coeff(cfg),
           "output_router_logits": False}
+    if rope_scaling:
+        hf["rope_scaling"] = rope_scaling
+    warn_unwritten(cfg, "mixtral", written=("moe_input_jitter_eps",))  # router_jitter_noise
     return hf, out
 
 
@@ -162,7 +159,8 @@ def _sliding_window(cfg: dict) -> int | None:
 
 
 def _mixtral_config(hf: dict) -> dict:
-    theta = _silu_rope_theta(hf, 1e6)
+    theta = _silu_rope_theta(hf, 1e6, scaling=True)
+    scaling = rope_scaling_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     hidden, heads, ffn = hf["hidden_size"], hf["num_attention_heads"], hf["intermediate_size"]
     groups = hf.get("num_key_value_heads") or heads
     jitter = hf.get("router_jitter_noise") or None
@@ -177,7 +175,7 @@ def _mixtral_config(hf: dict) -> dict:
         num_experts=hf["num_local_experts"], moe_ffn_hidden_size=ffn, moe_router_topk=hf.get("num_experts_per_tok", 2),
         moe_layer_freq="1", moe_input_jitter_eps=jitter, moe_router_load_balancing_type=["aux_loss"],
         moe_aux_loss_coeff=[float(hf.get("router_aux_loss_coef", 0.0))],
-        **window_from_hf(hf.get("sliding_window"), [True] * hf["num_hidden_layers"]),
+        **window_from_hf(hf.get("sliding_window"), [True] * hf["num_hidden_layers"]), **scaling,
     )
 
 

@@ -39,7 +39,7 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
              + (window_home(cfg) if has_window(cfg) else "use --hf-style llama"))
     check_exportable(cfg, "qwen2")  # the llama layout's refusals, naming this format
     window, windowed = hf_window(cfg, "qwen2")
-    hf, out = to_hf({**cfg, "add_qkv_bias": False, "window_size": None}, sd, "llama")  # the llama export, no biases
+    hf, out = to_hf({**cfg, "add_qkv_bias": False, "window_size": None}, sd, "llama", "qwen2")  # the llama export, no biases
     layers, _, heads, groups, d = _dims(cfg)
     for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
         hf.pop(key)

@@ -16,8 +16,8 @@ to one, which is our default post-top-k softmax, false keeps them, which is
 ``--moe-router-pre-softmax``. The layers that are MoE (``decoder_sparse_step``, ``mlp_only_layers``)
 become a ``--moe-layer-freq`` list; the dense ones are SwiGLU MLPs of ``intermediate_size``
 (``--ffn-hidden-size``). RoPE scaling is the llama formats' (:mod:`.hf_rope`: ``llama3`` and ``linear``),
-in both. The training-only ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` have no Qwen3-MoE field:
-the export leaves them out with a warning. What either side cannot express is refused in one line.
+in both. The training-only ``--hidden-dropout`` (both formats), ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff``
+have no field: the export leaves them out with a warning (``--attention-dropout`` is ``attention_dropout``). What either side cannot express is refused in one line.
 """
 
 from __future__ import annotations
@@ -43,17 +43,9 @@ from .hf import (
     qkv_to_separate,
     separate_to_qkv,
     to_hf,
-)
-from .hf_mixtral import (
-    ROUTER,
-    SEQ,
-    TRAINING_ONLY,
-    _aux_coeff,
-    check_mixtral,
-    expert_matrices,
-    stack_experts,
     warn_unwritten,
 )
+from .hf_mixtral import ROUTER, SEQ, _aux_coeff, check_mixtral, expert_matrices, stack_experts
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
@@ -93,7 +85,7 @@ def to_qwen3(cfg: dict, sd: dict) -> tuple[dict, dict]:
              "expressed in the qwen3 format; use --hf-style qwen3_moe")
     _check_ours(cfg, "qwen3")
     check_exportable({**cfg, "qk_layernorm": False}, "qwen3")  # the llama layout's refusals, naming this format
-    hf, out = to_hf({**cfg, "qk_layernorm": False}, sd, "llama")  # the llama export, then the q/k norms
+    hf, out = to_hf({**cfg, "qk_layernorm": False}, sd, "llama", "qwen3")  # the llama export, then the q/k norms
     layers = _dims(cfg)[0]
     for key in ("mlp_bias", "pretraining_tp"):
         hf.pop(key)
@@ -131,9 +123,7 @@ def from_qwen3(hf: dict, hf_sd) -> tuple[dict, dict]:
 def to_qwen3_moe(cfg: dict, sd: dict) -> tuple[dict, dict]:
     """(config.json dict, HF state dict) of a single-process, unpadded MoE state dict ``sd``."""
     _check_ours(cfg, "qwen3_moe")
-    check_mixtral(cfg, "qwen3_moe", allowed=("qk_layernorm", "moe_router_pre_softmax", "moe_layer_freq",
-                                             "use_rope_scaling", "rotary_seq_len_interpolation_factor"))
-    warn_unwritten(cfg, "qwen3_moe", TRAINING_ONLY)
+    check_mixtral(cfg, "qwen3_moe", allowed=("qk_layernorm", "moe_router_pre_softmax", "moe_layer_freq"))
     layers, hidden, heads, groups, d = _dims(cfg)
     experts, tied = int(cfg["num_experts"]), not cfg.get("untie_embeddings_and_output_weights", False)
     moe_layers = parse_moe_layer_freq(cfg.get("moe_layer_freq", 1), layers)
@@ -176,6 +166,7 @@ def to_qwen3_moe(cfg: dict, sd: dict) -> tuple[dict, dict]:
     if rope_scaling:
         hf["rope_scaling"] = rope_scaling
     _attention_fields(hf, layers)
+    warn_unwritten(cfg, "qwen3_moe")
     return hf, out
 
 

@@ -24,11 +24,15 @@ def _require(cond, message: str) -> None:
         raise ConfigError(message)
 
 
+def interpolation_factor(cfg: dict):
+    """--rotary-seq-len-interpolation-factor, None where it is unset or 1 (positions divided by 1: plain RoPE)."""
+    factor = cfg.get("rotary_seq_len_interpolation_factor")
+    return None if factor in (None, 1) else factor
+
+
 def rope_scaling_to_hf(cfg: dict, theta: float) -> tuple[dict, dict | None]:
     """(``rope_parameters``, hub-style ``rope_scaling`` or None) of a flat config."""
-    factor = cfg.get("rotary_seq_len_interpolation_factor")
-    factor = None if factor in (None, 1) else factor
-    scaling = cfg.get("use_rope_scaling")
+    factor, scaling = interpolation_factor(cfg), cfg.get("use_rope_scaling")
     _require(not (scaling and factor), "--use-rope-scaling with --rotary-seq-len-interpolation-factor cannot be "
              "expressed in the Hugging Face llama formats (one rope_type each)")
     if scaling:

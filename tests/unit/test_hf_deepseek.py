@@ -252,6 +252,21 @@ def test_ours_hf_ours_round_trip_is_bit_exact(ours_checkpoint, tmp_path):
         assert str(cfg[key]) == str({**OURS, **OURS_MOE}[key]) or key == "moe_layer_freq", key
 
 
+def test_training_only_options_without_a_field_are_named_in_a_warning(ours_checkpoint, caplog):
+    """--hidden-dropout, --moe-input-jitter-eps and --moe-z-loss-coeff act in training only and have no
+    DeepSeek-V3 field: one warning names them; --attention-dropout is attention_dropout."""
+    from megatron_lite.checkpoint.hf_deepseek import to_deepseek
+
+    sd, cfg = merge_checkpoint(ours_checkpoint)
+    cfg.update(hidden_dropout=0.1, attention_dropout=0.05, moe_input_jitter_eps=0.01, moe_z_loss_coeff=0.001)
+    with caplog.at_level("WARNING"):
+        hf, _ = to_deepseek(cfg, sd)
+    assert hf["attention_dropout"] == 0.05 and "jitter" not in json.dumps(hf)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "--hidden-dropout 0.1, --moe-input-jitter-eps 0.01, --moe-z-loss-coeff 0.001"]
+    assert "deepseek_v3 format" in caplog.records[0].getMessage()
+
+
 # ---------------------------------------------------------------------------------------------
 # Refusals: one line naming the option, exit 2, nothing written.
 

@@ -135,6 +135,8 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_experts=4, 
     (dict(moe_shared_expert_intermediate_size=16), "--moe-shared-expert-intermediate-size"),
     (dict(moe_layer_freq="[1,0]"), "--moe-layer-freq"),
     (dict(window_size=[3, 2]), "--window-size 3 2"),
+    (dict(use_rope_scaling=True), "--use-rope-scaling cannot be expressed in the gpt_oss format"),
+    (dict(rotary_seq_len_interpolation_factor=2), "--rotary-seq-len-interpolation-factor cannot be expressed"),
 ])
 def test_export_refuses_what_gpt_oss_cannot_express(over, words):
     with pytest.raises(ConfigError, match=words.replace("-", r"\-").replace("[", r"\[")):

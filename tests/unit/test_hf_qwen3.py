@@ -154,15 +154,16 @@ def test_qwen3_moe_config_without_rope_theta_takes_transformers_default(tmp_path
 
 
 def test_training_only_moe_options_without_a_field_are_named_in_a_warning(tmp_path, capsys, caplog):
-    """--moe-input-jitter-eps (Qwen3-MoE has no router_jitter_noise) and --moe-z-loss-coeff (neither format
-    has a field) only act in training: the export writes the same model and one warning names what it left out;
-    Mixtral's router_jitter_noise carries the jitter."""
+    """--moe-input-jitter-eps (Qwen3-MoE has no router_jitter_noise), --moe-z-loss-coeff and --hidden-dropout
+    (neither format has a field) only act in training: the export writes the same model and one warning names
+    what it left out; Mixtral's router_jitter_noise carries the jitter, attention_dropout the attention dropout."""
     cfg, sd = _qwen3_moe_import(tmp_path, capsys)
-    cfg.update(moe_input_jitter_eps=0.01, moe_z_loss_coeff=0.001)
+    cfg.update(moe_input_jitter_eps=0.01, moe_z_loss_coeff=0.001, hidden_dropout=0.1, attention_dropout=0.05)
     with caplog.at_level("WARNING"):
         hf, _ = to_qwen3_moe(cfg, sd)
-    assert "jitter" not in json.dumps(hf)
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--moe-input-jitter-eps 0.01, --moe-z-loss-coeff 0.001"]
+    assert "jitter" not in json.dumps(hf) and hf["attention_dropout"] == 0.05
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "--hidden-dropout 0.1, --moe-input-jitter-eps 0.01, --moe-z-loss-coeff 0.001"]
     caplog.clear()
     mixtral_cfg = {**cfg, "qk_layernorm": False, "moe_router_pre_softmax": False, "moe_layer_freq": 1}
     mixtral_sd = {k: v for k, v in sd.items() if "layernorm" not in k and ".layers.1.mlp" not in k}
@@ -170,8 +171,31 @@ def test_training_only_moe_options_without_a_field_are_named_in_a_warning(tmp_pa
         mixtral_sd[k.replace(".layers.0.", ".layers.1.")] = sd[k]
     with caplog.at_level("WARNING"):
         hf, _ = to_mixtral(mixtral_cfg, mixtral_sd)
-    assert hf["router_jitter_noise"] == 0.01
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--moe-z-loss-coeff 0.001"]
+    assert hf["router_jitter_noise"] == 0.01 and hf["attention_dropout"] == 0.05
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--hidden-dropout 0.1, --moe-z-loss-coeff 0.001"]
+
+
+def test_hidden_dropout_of_the_dense_llama_formats_is_named_in_a_warning(tmp_path, caplog):
+    """--hidden-dropout has no field in the llama family's formats: one warning, naming the format asked for
+    (qwen3 is written through the llama export); --attention-dropout is attention_dropout; none at 0."""
+    from megatron_lite.checkpoint.convert import load_hf
+    from megatron_lite.checkpoint.hf import to_hf
+
+    qwen3().save_pretrained(str(tmp_path / "hf"))
+    bundle = load_hf(str(tmp_path / "hf"))
+    cfg, sd = {**bundle.config, "hidden_dropout": 0.1, "attention_dropout": 0.05}, bundle.state_dict
+    llama = {**cfg, "qk_layernorm": False}
+    for style, export in (("qwen3", lambda: to_qwen3(cfg, sd)), ("llama", lambda: to_hf(llama, sd, "llama"))):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            hf, _ = export()
+        assert hf["attention_dropout"] == 0.05
+        assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+            f"--hidden-dropout 0.1: training-only, and the {style} format has no field for it; not written"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        to_qwen3(bundle.config, sd)  # imported: hidden_dropout 0
+    assert not caplog.records
 
 
 def _qwen3_moe_import(tmp_path, capsys):

@@ -3,7 +3,8 @@
 later layers use the window (``use_sliding_window``, ``max_window_layers``: --window-attn-skip-freq as a 0/1 list) give
 the logits of transformers for sequences several times longer than the window (fp32, rtol/atol
 1e-5), where full attention differs; exported again, transformers reads the same window back and
-gives the same logits. Formats that cannot express a window refuse it (exit 2, naming the flag)."""
+gives the same logits. Formats that cannot express a window refuse it (exit 2, naming the flag). Mixtral's
+llama3 / linear RoPE scaling imports and exports the same way."""
 
 import json
 import shlex
@@ -101,20 +102,52 @@ def test_qwen2_windowed_later_layers_import_and_export(tmp_path, capsys):
         torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mixtral_window_imports_and_exports(tmp_path):
-    transformers = pytest.importorskip("transformers")
+def _mixtral(transformers, window=None, rope=None, heads=8):
     torch.manual_seed(6)
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32, rope_theta=5000.0,
-                                     rms_norm_eps=1e-6, sliding_window=5, tie_word_embeddings=False)
-    model = _randomized(transformers.MixtralForCausalLM(cfg))
+                                     num_attention_heads=heads, num_key_value_heads=4, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+                                     rope_parameters={"rope_theta": 5000.0, **(rope or {})}, sliding_window=window,
+                                     tie_word_embeddings=False)
+    return _randomized(transformers.MixtralForCausalLM(cfg))
+
+
+def test_mixtral_window_imports_and_exports(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _mixtral(transformers, window=5)
     ours, saved, written, again = _round_trip(model, tmp_path)
     assert saved["window_size"] == [4, 0] and saved["num_experts"] == 4
     with torch.no_grad():
         expected = model(TOKENS).logits
         torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
         assert written["model_type"] == "mixtral" and written["sliding_window"] == 5
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+ROPES = {  # Hugging Face rope_parameters -> our flags (the llama formats' scalings, checkpoint/hf_rope.py)
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}, {"use_rope_scaling": True, "rope_scaling_factor": 8.0}),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, {"rotary_seq_len_interpolation_factor": 4}),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_mixtral_rope_scaling_imports_and_exports(kind, tmp_path):
+    """rope_type llama3 / linear in a mixtral config (refused both ways before): imported with transformers'
+    logits and the flags saved, exported with the same rope_parameters and logits. Head size 8 (4 heads):
+    llama3 rescales only wavelengths above 2048 positions, which theta 5000 reaches from 8 channels on."""
+    transformers = pytest.importorskip("transformers")
+    rope, flags = ROPES[kind]
+    model, plain = _mixtral(transformers, rope=rope, heads=4), _mixtral(transformers, heads=4)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the scaling changes these logits measurably
+        assert (plain(TOKENS).logits - model(TOKENS).logits).abs().max() > 1e-3
+    ours, saved, written, again = _round_trip(model, tmp_path)
+    assert {k: saved[k] for k in flags} == flags
+    assert written["model_type"] == "mixtral" and {k: written["rope_parameters"][k] for k in rope} == rope
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(again(TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
 
 
