@@ -13,7 +13,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.lora.apply import apply_lora, is_adapter_name
-from megatron_lite.lora.config import LoRAConfig
+from megatron_lite.lora.config import DEFAULT_TARGETS, LoRAConfig
 from megatron_lite.lora.merge import merge_lora
 from megatron_lite.models import GPTModel
 from megatron_lite.parallel.state import ParallelState
@@ -136,8 +136,34 @@ def _check(argv):
     (["--lora-alpha", "16", "--load", "x"], "--lora-alpha needs --lora-rank"),
     (["--lora-dropout", "0.1", "--load", "x"], "--lora-dropout needs --lora-rank"),
     (["--lora-target-modules", "linear_qkv", "--load", "x"], "--lora-target-modules needs --lora-rank"),
+    # a known name this model has no layer of would get no adapter while the rest trained
+    (["--lora-rank", "4", "--lora-target-modules", "linear_qkv,linear_q_proj", "--load", "x"],
+     "--lora-target-modules linear_q_proj: this model has no such layer"),
+    (["--lora-rank", "4", "--lora-target-modules", "linear_qkv", "linear_fc1", "--multi-latent-attention",
+      "--position-embedding-type", "rope", "--load", "x"],
+     "--lora-target-modules linear_qkv: this model has no such layer"),
+    (["--lora-rank", "4", "--lora-target-modules", "linear_q_proj", "--multi-latent-attention", "--q-lora-rank", "16",
+      "--position-embedding-type", "rope",
+      "--load", "x"], "--lora-target-modules linear_q_proj: this model has no such layer"),
 ])
 def test_bad_lora_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
         _check(argv)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, targets", [
+    (["--multi-latent-attention", "--position-embedding-type", "rope"], DEFAULT_TARGETS),  # MLA adapts those it has
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "16",
+      "--lora-target-modules", "linear_q_up_proj",
+      "linear_kv_up_proj"], ["linear_q_up_proj", "linear_kv_up_proj"]),
+    (["--lora-target-modules", "linear_qkv,linear_fc2"], ["linear_qkv", "linear_fc2"]),
+])
+def test_target_modules_this_model_has_are_taken(argv, targets):
+    from megatron_lite.arguments import build_parser, config_from_namespace
+    from megatron_lite.config_checks import finalize
+
+    base = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    config = config_from_namespace(build_parser().parse_args(base + ["--lora-rank", "4", "--load", "x"] + argv))
+    finalize(config, 2)
+    assert config.lora.lora_target_modules == targets
