@@ -242,9 +242,10 @@ def _explain_missing(path: str, folder: str, state) -> None:
     _check_sizes(other, read_model_file(other), state)
 
 
-def _no_tracker(root: str, quiet: bool = False) -> None:
+def _no_tracker(root: str, quiet: bool = False, finetune: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
-    --load and --save the same folder), refused when it does - never silently restart over them.
+    --load and --save the same folder, unless ``finetune``: --finetune asks for weights), refused when
+    it does - never silently restart over them.
     A file, or one checkpoint's iteration folder, is refused too: neither is a save folder."""
     if os.path.isfile(root):
         raise CheckpointError(f"--load {root} is a file; point --load at the folder given to --save (the one "
@@ -268,6 +269,9 @@ def _no_tracker(root: str, quiet: bool = False) -> None:
             "at an empty folder"
         )
     reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
+    if finetune:
+        raise CheckpointError(f"--finetune --load {root}: {reason}, so there are no weights to start from; point "
+                              "--load at the checkpoint to fine-tune (the folder given to its --save)")
     if not quiet:
         print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
@@ -298,7 +302,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
             print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
             _load_base(chunks, optimizer, ck.pretrained_checkpoint, config, state)
         else:
-            _no_tracker(root)
+            _no_tracker(root, finetune=ck.finetune)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if ck.finetune or iteration == "release":  # weights only, from any format and layout

@@ -140,6 +140,17 @@ def test_bad_pretrained_checkpoint_is_one_line(tmp_path, capsys, sft_files, base
     _one_line_exit_2(capsys, sft_argv(sft_files, iters=1, extra=extra), *words)
 
 
+@pytest.mark.parametrize("which, words", [
+    ("no_load", ["--finetune needs --load"]),
+    ("missing", ["--finetune --load", "the folder does not exist", "no weights to start from"]),
+    ("empty", ["--finetune --load", "it holds no checkpoint", "no weights to start from"]),
+])
+def test_finetune_without_a_checkpoint_is_one_line_not_a_run_from_scratch(tmp_path, capsys, sft_files, which,  # noqa: F811
+                                                                          words):
+    load = {"no_load": [], "missing": ["--load", str(tmp_path / "nothing")], "empty": ["--load", str(tmp_path)]}
+    _one_line_exit_2(capsys, sft_argv(sft_files, iters=1, extra=["--finetune"] + load[which]), *words)
+
+
 def run_cli(argv):
     return pretrain_gpt.main(argv).iteration
 
