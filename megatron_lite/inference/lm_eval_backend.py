@@ -19,7 +19,8 @@ exported checkpoint with the same tokenizer):
   context moved to the continuation; an empty context becomes the BOS token, or the end-of-document token where the tokenizer has no
   BOS), cut on the
   left to ``max_length + 1`` tokens, and the continuation's log-probs summed; ``is_greedy`` when
-  every continuation token is the argmax;
+  every continuation token is the argmax (a continuation longer than ``max_length`` is refused,
+  ConfigError: it would be scored in part);
 * ``loglikelihood_rolling``: the text's tokens in disjoint windows of ``max_length`` (each predicted
   with as much context as fits, the first from that BOS or end-of-document token), log-probs summed;
 * ``generate_until``: greedy (or sampled with ``do_sample`` and a ``temperature``, and ``top_k`` or
@@ -192,6 +193,10 @@ class MegatronLiteLM(TemplateLM):
     # -- scoring ---------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """``(sum of the continuation's log-probs, whether it is the greedy continuation)`` per request."""
+        longest = max((len(cont) for _, _, cont in requests), default=0)
+        if longest > self.max_length:  # its first tokens would have no place in the window: a partial sum
+            raise ConfigError(f"a loglikelihood continuation is {longest} tokens, longer than the model's context "
+                              f"max_length {self.max_length}: it cannot be scored whole (the hf backend fails on it too)")
         items = [((ctx + cont)[-(self.max_length + 1):], len(cont)) for _, ctx, cont in requests]
         order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))  # similar lengths together
         out: list = [None] * len(items)

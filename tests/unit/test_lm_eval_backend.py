@@ -47,6 +47,16 @@ def test_a_continuation_merged_into_the_context_scores_zero_like_hf(lm):
     assert lm._loglikelihood_tokens([(None, [15496, 995], [])], disable_tqdm=True) == [(0.0, True)]
 
 
+def test_a_continuation_longer_than_the_context_is_refused_not_scored_in_part(lm):
+    from megatron_lite.errors import ConfigError
+
+    fits = [1] * lm.max_length  # the window holds max_length + 1 tokens: every continuation token is predicted
+    assert len(lm._loglikelihood_tokens([(None, [2], fits)], disable_tqdm=True)) == 1
+    with pytest.raises(ConfigError, match=f"continuation is {lm.max_length + 1} tokens, longer than the model's "
+                                          f"context max_length {lm.max_length}"):
+        lm._loglikelihood_tokens([(None, [2], fits + [1])], disable_tqdm=True)
+
+
 def test_a_batch_size_below_one_is_refused():
     from megatron_lite.errors import ConfigError
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
