@@ -50,7 +50,8 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", help="run in float16")
     g.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator")
     g.add_argument("--max-sequence-length", type=int, default=None,
-                   help="longest prompt + generation (default: max-position-embeddings, or seq-length with rope)")
+                   help="longest prompt + generation (default: max-position-embeddings, or seq-length with rope; "
+                        "more than max-position-embeddings with learned positions is refused)")
     g.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole prefix at every step (slow; for comparisons)")
     t = parser.add_argument_group("tokenizer (default: the flags saved in the checkpoint)")
@@ -121,8 +122,11 @@ def build_session(args) -> Session:
     tokenizer = load_tokenizer(saved, args.load, **{k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
                                                                        "tokenizer_model", "vocab_size")})
     limit = args.max_sequence_length or context_limit(saved)
-    if saved.get("position_embedding_type", "learned_absolute") == "learned_absolute":
-        limit = min(limit, context_limit(saved))  # learned positions end there
+    learned = saved.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    if learned and limit > context_limit(saved):  # learned positions end there
+        flag = getattr(args, "max_length_flag", "--max-sequence-length")
+        raise ConfigError(f"{flag} {limit}: the model has learned positions for {context_limit(saved)} tokens only; "
+                          f"pass at most {context_limit(saved)} (or leave it out)")
     engine = InferenceEngine(model, state, vocab_size=saved.get("vocab_size") or tokenizer.vocab_size,
                              max_sequence_length=limit, eod=tokenizer.eod, seed=args.seed,
                              use_cache=not args.no_kv_cache, tokenizer=tokenizer)

@@ -246,3 +246,21 @@ def test_a_max_sequence_length_below_one_names_the_flag(checkpoints, capsys, tmp
     assert load_tool(tool).main(["--load", checkpoints["gpt"], "--max-sequence-length", value, *task]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --max-sequence-length {value} must be at least 1") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("tool", ["generate", "evaluate"])
+def test_a_max_sequence_length_beyond_the_learned_positions_is_refused_not_cut(checkpoints, capsys, tmp_path, tool):
+    from megatron_lite.checkpoint import merge_checkpoint
+    from megatron_lite.inference.loading import context_limit
+    from tests.tools import load_tool
+
+    _, saved = merge_checkpoint(checkpoints["gpt"])
+    limit = context_limit(saved)
+    assert saved.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "1 2 3 4"}\n')
+    task = ["--prompt", "1 2"] if tool == "generate" else ["--task", "WIKITEXT103", "--valid-data", str(data)]
+    assert load_tool(tool).main(["--load", checkpoints["gpt"], "--max-sequence-length", str(limit + 1), *task]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --max-sequence-length {limit + 1}: the model has learned positions for {limit} "
+                          "tokens only") and err.count("\n") == 1

@@ -82,6 +82,7 @@ def test_a_batch_size_in_model_args_wins_over_the_one_lm_eval_always_passes(gpt2
     (",seed=x", "--model_args seed=x: use a whole number >= 0"),
     (",max_gen_toks=-3", "--model_args max_gen_toks=-3: use a whole number >= 1"),
     (",max_length=2.5", "--model_args max_length=2.5: use a whole number >= 1"),
+    (",max_length=97", "--model_args max_length 97: the model has learned positions for 96 tokens only"),  # was cut to 96
     (",bogus=1", "--model_args bogus: not an argument of the megatron_lite backend, which takes load, batch_size"),
     ("/missing", "checkpoint folder "),
 ])
