@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..console import print_rank_0
+from ..lora.config import model_targets
 from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
 from .arch import check_architecture
@@ -251,9 +252,11 @@ def check_lora_resume(path: str, saved: dict, lora) -> None:
     its adapters were trained with its --lora-rank, --lora-alpha and --lora-target-modules, which
     decide the model (alpha / rank scales every adapter, and a merge uses the saved alpha), so another
     value is one CheckpointError naming the flag. --lora-dropout changes training, not the model: free."""
+    present = model_targets(bool(saved.get("multi_latent_attention")), saved.get("q_lora_rank"))
+
     def differs(name, mine):
-        if name == "lora_target_modules":
-            return sorted(saved[name] or []) != sorted(mine or [])
+        if name == "lora_target_modules":  # the layers adapted (a name the model has no layer of adapts none)
+            return sorted({t for t in saved[name] or [] if t in present}) != sorted({t for t in mine or [] if t in present})
         return float(saved[name]) != float(mine)
 
     differ = [f"--{name.replace('_', '-')} {' '.join(saved[name]) if isinstance(saved[name], list) else saved[name]} "

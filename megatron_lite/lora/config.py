@@ -27,11 +27,11 @@ class LoRAConfig:
     """Linear layers that get adapters, space- or comma-separated (experts' fc1/fc2 included; MLA: linear_q_proj, linear_q_up_proj, linear_kv_up_proj)."""
 
 
-def model_targets(model) -> tuple[str, ...]:
-    """The target names a model (its ModelConfig) has layers of: multi-latent attention has its own
-    projections in place of ``linear_qkv`` (``linear_q_proj`` without q compression, else ``linear_q_up_proj``)."""
-    if getattr(model, "multi_latent_attention", False):
-        q = "linear_q_up_proj" if model.q_lora_rank is not None else "linear_q_proj"
+def model_targets(mla: bool, q_lora_rank: int | None) -> tuple[str, ...]:
+    """The target names a model has layers of: multi-latent attention (``mla``) has its own projections
+    in place of ``linear_qkv`` (``linear_q_proj`` without q compression, else ``linear_q_up_proj``)."""
+    if mla:
+        q = "linear_q_up_proj" if q_lora_rank is not None else "linear_q_proj"
         return (q, "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2")
     return ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -71,7 +71,7 @@ def check_lora_flags(config) -> None:
     unknown = [t for t in lo.lora_target_modules if t not in known]
     if unknown or not lo.lora_target_modules:
         raise ConfigError(f"--lora-target-modules {' '.join(unknown) or '(empty)'}: expected some of {' '.join(known)}")
-    _check_targets_of_the_model(lo, model_targets(config.model))
+    _check_targets_of_the_model(lo, model_targets(config.model.multi_latent_attention, config.model.q_lora_rank))
     ck = config.checkpoint
     if not (ck.pretrained_checkpoint or ck.load):
         raise ConfigError("--lora-rank needs the base model to adapt: --pretrained-checkpoint (or --load)")

@@ -167,3 +167,20 @@ def test_target_modules_this_model_has_are_taken(argv, targets):
     config = config_from_namespace(build_parser().parse_args(base + ["--lora-rank", "4", "--load", "x"] + argv))
     finalize(config, 2)
     assert config.lora.lora_target_modules == targets
+
+
+def test_resume_compares_the_target_layers_the_model_has():
+    """A checkpoint whose saved target list names a layer its model lacks (accepted before such names
+    were refused) resumes with that name dropped; MLA's default list equals the targets it adapts."""
+    from megatron_lite.checkpoint.format import CheckpointError
+    from megatron_lite.checkpoint.pretrained import check_lora_resume
+
+    def resume(saved_targets, mine, mla=False):
+        saved = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": saved_targets,
+                 "multi_latent_attention": mla, "q_lora_rank": None}
+        check_lora_resume("ckpt", saved, LoRAConfig(lora_rank=4, lora_alpha=8.0, lora_target_modules=mine))
+
+    resume(["linear_qkv", "linear_q_proj"], ["linear_qkv"])
+    resume(DEFAULT_TARGETS, ["linear_proj", "linear_fc1", "linear_fc2"], mla=True)
+    with pytest.raises(CheckpointError, match="--lora-target-modules linear_qkv linear_q_proj"):
+        resume(["linear_qkv", "linear_q_proj"], ["linear_qkv", "linear_fc1"])
