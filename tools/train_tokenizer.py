@@ -36,7 +36,8 @@ def read_texts(path: str, json_keys=("text",), jsonl=None):
     if jsonl is None:
         jsonl = path.removesuffix(".gz").endswith((".jsonl", ".json"))
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (files saved by Windows tools) is not text; preprocess_data.py skips it too
+    with opener(path, "rt", encoding="utf-8-sig") as f:
         try:
             yield from _texts_of(f, path, json_keys, jsonl)
         except UnicodeDecodeError as e:
@@ -154,7 +155,7 @@ def train_wordpiece_vocab(texts, output_prefix: str, vocab_size: int, lower_case
 
 def _say_if_short(vocab_file: str, asked: int) -> None:
     """Byte-level BPE stops when no pair occurs --min-frequency times: say so when that cut it short."""
-    with open(vocab_file, encoding="utf-8") as f:
+    with open(vocab_file, encoding="utf-8-sig") as f:
         size = len(json.load(f))
     if size < asked:
         print(f"note: {size} tokens, not --vocab-size {asked}: no further pair occurs --min-frequency times "

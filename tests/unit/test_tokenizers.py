@@ -341,6 +341,20 @@ def test_train_tokenizer_takes_a_lone_surrogate_escape(tmp_path, capsys, model_t
     assert code == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["bom.jsonl", "bom.txt"])
+def test_train_tokenizer_skips_a_byte_order_mark(tmp_path, capsys, name):
+    """A UTF-8 file starting with a byte-order mark (as Windows tools save it), which preprocess_data.py
+    reads: its JSONL was refused ("Unexpected UTF-8 BOM"), its plain text began with the mark as a character."""
+    corpus = tmp_path / name
+    lines = [json.dumps({"text": t}) if name.endswith(".jsonl") else t for t in corpus_texts()]
+    corpus.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\r\n" for line in lines).encode("utf-8"))
+    train = load_tool("train_tokenizer")
+    assert next(train.read_texts(str(corpus))) == corpus_texts()[0]
+    code = train.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "m"), "--vocab-size", "400",
+                       "--model-type", "wordpiece"])
+    assert code == 0, capsys.readouterr().err
+
+
 def _train_cli(tmp_path, capsys, *argv):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
