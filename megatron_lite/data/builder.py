@@ -48,9 +48,18 @@ def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, in
     return [(max(0, bounds[i]), max(0, bounds[i + 1])) for i in range(len(weights))]
 
 
+def _names_data(item: str) -> bool:
+    """Does ``item`` name a dataset as it stands (a .bin/.idx prefix or a file), spaces and all?"""
+    return os.path.isfile(item + ".idx") or os.path.isfile(item)
+
+
 def parse_data_path(data_path) -> tuple[list[str], list[float] | None]:
-    """``prefix`` | ``w1 p1 w2 p2 ...`` | ``p1 p2 ...`` -> (prefixes, normalised weights or None)."""
-    items = data_path.split() if isinstance(data_path, str) else [s for x in data_path for s in str(x).split()]
+    """``prefix`` | ``w1 p1 w2 p2 ...`` | ``p1 p2 ...`` -> (prefixes, normalised weights or None).
+
+    An entry holding spaces is split into words (``"0.3 web 0.7 books"`` from a config file), unless
+    it names an existing dataset as it is (a path with a space in it)."""
+    entries = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
+    items = [w for x in entries for w in ([x] if x.strip() and _names_data(x) else x.split())]
     if not items:
         raise DataConfigError("--data-path is empty: give a dataset prefix, 'w1 prefix1 w2 prefix2 ...', "
                               "or use --mock-data")

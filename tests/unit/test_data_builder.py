@@ -44,6 +44,22 @@ def test_data_path_parsing():
             parse_data_path(bad)
 
 
+def test_data_path_with_a_space_in_it(tmp_path):
+    """A prefix (or SFT file) whose path holds a space, as Megatron takes it; it was split into words
+    ('d/my.idx: file not found'). An entry that names no dataset is still split ('0.3 a 0.7 b')."""
+    (tmp_path / "my data").mkdir()
+    spaced, other = write(tmp_path / "my data" / "a b", 10), write(tmp_path / "c", 10, seed=1)
+    assert parse_data_path([spaced]) == ([spaced], None)
+    assert parse_data_path(["1", spaced, "3", other]) == ([spaced, other], [0.25, 0.75])
+    assert parse_data_path([f"1 {other} 1 {other}"]) == ([other, other], [0.5, 0.5])
+    jsonl = tmp_path / "my data" / "chats x.jsonl"
+    jsonl.write_text("{}\n")
+    assert parse_data_path(str(jsonl)) == ([str(jsonl)], None)
+    cfg = GPTDatasetConfig(seq_length=16, split="100,0,0", data_path=["2", spaced, "1", other])
+    train = build_train_valid_test_datasets(cfg, [20, 0, 0])[0]
+    assert isinstance(train, BlendedDataset) and len(train) == 20
+
+
 def write(prefix, n_docs, seed=0, eod=0):
     rng = np.random.default_rng(seed)
     b = IndexedDatasetBuilder(str(prefix), dtype=np.uint16)
