@@ -35,7 +35,7 @@ def parse_args(argv=None):
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="outputs: PREFIX_{key}_{document|sentence}.bin/.idx")
     group.add_argument("--append-eod", action="store_true", help="append EOD to the end of each document")
-    group.add_argument("--lang", default="english", help="language for nltk punkt sentence splitting")
+    group.add_argument("--lang", default="english", help="language for nltk punkt sentence splitting (--sentence-splitter nltk)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     group.add_argument("--partitions", type=int, default=1, help="process the input as N partitions, then merge")

@@ -101,4 +101,7 @@ def build_splitter(kind: str = "builtin", lang: str = "english", keep_newlines: 
         return NltkSplitter(lang, keep_newlines)
     if kind != "builtin":
         raise ValueError(f"--sentence-splitter must be builtin or nltk, not {kind!r}")
+    if lang != "english":  # the built-in rules are English ones: refused, not silently applied to German
+        raise ValueError(f"--lang {lang} needs --sentence-splitter nltk (punkt for that language); the built-in "
+                         "splitter has English rules only")
     return functools.partial(split_sentences, keep_newlines=keep_newlines)

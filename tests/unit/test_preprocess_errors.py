@@ -213,3 +213,20 @@ def test_missing_nltk_data_names_the_package_this_nltk_loads(tmp_path, monkeypat
     package = "punkt_tab" if "punkt_tab" in str(missing.value) else "punkt"
     with pytest.raises(ImportError, match=f"python -m nltk.downloader {package},"):
         build_splitter("nltk", "english")
+
+
+def test_lang_with_the_builtin_splitter_is_refused(tmp_path, capsys):
+    """--lang names punkt's language; the built-in splitter (the default) has English rules only, so
+    --split-sentences --lang german split German text by English rules without a word."""
+    gpt2 = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "gpt2")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "Das ist gut. Sehr gut."}\n')
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", os.path.join(gpt2, "vocab.json"), "--merge-file", os.path.join(gpt2, "merges.txt"),
+            "--split-sentences", "--no-progress"]
+    tool = load_tool("preprocess_data")
+    assert tool.main(argv + ["--lang", "german"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lang german needs --sentence-splitter nltk" in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+    assert tool.main(argv + ["--lang", "english"]) == 0 and (tmp_path / "o_text_sentence.idx").is_file()
