@@ -45,6 +45,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from megatron_lite.data.tokenizers import encodable
+
 ROLES = ("system", "user", "assistant")
 DEFAULT_HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
 DEFAULT_SEPARATOR = "\n\n"
@@ -126,6 +128,7 @@ def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False, templa
     ``template``: a Jinja2 template used instead of the tokenizer's (a server's ``--chat-template``).
     """
     check_messages(messages, generation=add_generation_prompt)
+    messages = [_encodable_message(m) for m in messages]
     if template is not None:
         template = (template, special_tokens(tokenizer))
     else:
@@ -141,6 +144,19 @@ def chat_tokens(tokenizer, messages, add_generation_prompt: bool = False, templa
         out.ids.append(int(eod))
         out.trained.append(True)
     return out
+
+
+def _encodable_message(message: dict) -> dict:
+    """The message with its text made UTF-8-encodable (a JSON "\\ud83d" escape: U+FFFD), as every
+    tokenizer reads pretraining text: the Hugging Face tokenizer cannot take a lone surrogate."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": encodable(content)}
+    if isinstance(content, list):
+        parts = [{**p, "text": encodable(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+                 for p in content]
+        return {**message, "content": parts}
+    return message
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -194,6 +194,24 @@ def test_prompt_response_form_is_a_user_assistant_conversation(tmp_path, tokeniz
     assert len(conv) == 1 and conv.get(0)[0].tolist() == expected.ids and conv.where(0).endswith("pr.jsonl:1")
 
 
+@pytest.mark.parametrize("name", ["default", "chatml"])
+def test_a_lone_surrogate_escape_is_read_as_pretraining_text_is(tmp_path, tokenizers, name):
+    """A conversation holding "\\ud83d" (valid JSON, half an emoji): --sft and preprocess_sft.py stopped
+    with a TypeError traceback from the Hugging Face tokenizer; now it is U+FFFD, as preprocess_data.py reads it."""
+    tok = tokenizers[name]
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "why \\ud83d", "response": "sun \\ud83d", "system": "red"}\n'
+                    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "how \\ud83d"}]}, '
+                    '{"role": "assistant", "content": "no"}]}\n')
+    conv = read_conversations(str(path), tok)
+    expected = chat_tokens(tok, [{"role": "system", "content": "red"}, {"role": "user", "content": "why \ufffd"},
+                                 {"role": "assistant", "content": "sun \ufffd"}])
+    assert len(conv) == 2 and conv.get(0)[0].tolist() == expected.ids
+    assert conv.get(0)[1].tolist() == expected.trained
+    preprocess_sft(str(path), str(tmp_path / "p"), dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok.path))
+    assert read_conversations(str(tmp_path / "p"), tok).get(1)[0].tolist() == conv.get(1)[0].tolist()
+
+
 def test_each_sample_of_one_split_and_sizes(data):
     jsonl, tok = data
     cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[jsonl], split="90,10,0", eod=tok.eod, pad=tok.pad)
