@@ -70,6 +70,11 @@ def _write(folder: str, description: dict, arrays: dict[str, np.ndarray]) -> Non
             np.save(os.path.join(tmp, f"{name}.npy"), np.ascontiguousarray(array), allow_pickle=False)
         with open(os.path.join(tmp, DESCRIPTION_FILE), "w") as f:
             json.dump(description, f, indent=2, sort_keys=True, default=str)
+        # mkdtemp makes the folder private (0700): give it the permissions any new folder gets, so the
+        # other users and jobs that share this data folder can load the cache instead of failing on it
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         if os.path.isdir(folder):  # an incomplete leftover (no description.json): replace it
             shutil.rmtree(folder)
         os.rename(tmp, folder)

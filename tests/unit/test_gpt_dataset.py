@@ -199,6 +199,17 @@ def test_cache_is_written_reloaded_and_rebuilt_identically(tmp_path):
 
 
 
+def test_cache_folder_is_as_readable_as_any_new_folder(tmp_path):
+    """The cache folder was created private (0700, mkdtemp's mode), so another user or job sharing the
+    data folder could not read the cache that sits in <data dir>/cache; now it has the umask's mode."""
+    ds_file = write_dataset(tmp_path / "d", list(range(1, 40)))
+    GPTDataset(ds_file, np.arange(30), 20, GPTDatasetConfig(seq_length=16, data_cache_path=str(tmp_path / "cache")))
+    (tmp_path / "plain").mkdir()
+    folder = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    assert folder.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+    assert all(f.stat().st_mode & 0o044 == (tmp_path / "plain").stat().st_mode & 0o044 for f in folder.iterdir())
+
+
 def test_rewritten_dataset_gets_a_new_cache(tmp_path):
     cfg = GPTDatasetConfig(seq_length=8, seed=3, data_cache_path=str(tmp_path / "cache"))
     first = GPTDataset(write_dataset(tmp_path / "d", [40] * 30), np.arange(30), 50, cfg)
