@@ -147,6 +147,9 @@ def train_wordpiece_vocab(texts, output_prefix: str, vocab_size: int, lower_case
     from megatron_lite.data.wordpiece import save_vocab, train_wordpiece
 
     vocab = train_wordpiece(texts, vocab_size, lower_case, min_frequency)
+    if len(vocab) > vocab_size:  # the trainer keeps every character coverable: more than was asked for
+        raise ValueError(f"--vocab-size {vocab_size} is too small for wordpiece on this corpus: the 5 special tokens "
+                         f"and its characters (each also as a ##continuation) take {len(vocab)}; give at least that")
     path = f"{output_prefix}-vocab.txt"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     save_vocab(vocab, path)

@@ -355,6 +355,17 @@ def test_train_tokenizer_skips_a_byte_order_mark(tmp_path, capsys, name):
     assert code == 0, capsys.readouterr().err
 
 
+def test_train_tokenizer_refuses_a_wordpiece_vocab_size_below_its_characters(tmp_path, capsys):
+    """--model-type wordpiece --vocab-size 3 wrote a vocab of ~150 tokens without a word (the other
+    model types refuse too small a --vocab-size); now it is refused in one line giving the minimum."""
+    code, _, err = _train_cli(tmp_path, capsys, "--model-type", "wordpiece", "--vocab-size", "3")
+    assert code == 2 and len(err) == 1 and "--vocab-size 3 is too small for wordpiece" in err[0]
+    assert not list(tmp_path.glob("m*"))
+    minimum = int(err[0].split(" take ")[1].split(";")[0])
+    code, _, err = _train_cli(tmp_path, capsys, "--model-type", "wordpiece", "--vocab-size", str(minimum))
+    assert code == 0 and len((tmp_path / "m-vocab.txt").read_text().split()) == minimum
+
+
 def _train_cli(tmp_path, capsys, *argv):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts()))
