@@ -255,9 +255,12 @@ def _check_profile(config: Config) -> None:
 
 def _check_data_and_checkpoint(config: Config) -> None:
     d, t, cp = config.data, config.training, config.checkpoint
-    if d.mock_data or d.tokenizer_type == "NullTokenizer":
-        _require(config.model.vocab_size is not None, "--mock-data and NullTokenizer need --vocab-size")
-    else:
+    if d.tokenizer_type == "NullTokenizer":
+        _require(config.model.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    elif d.mock_data:  # with a tokenizer's files the mock tokens come from its vocabulary
+        _require(d.tokenizer_type is not None or config.model.vocab_size is not None,
+                 "--mock-data needs --vocab-size (or --tokenizer-type and its files: the tokens come from its vocabulary)")
+    if not d.mock_data:
         _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
     _require(d.num_workers >= 0, f"--num-workers must be at least 0, got {d.num_workers} (0: load in the main process)")

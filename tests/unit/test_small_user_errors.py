@@ -48,3 +48,22 @@ def test_negative_exit_interval_is_refused(capsys):
     assert err.value.code == 2
     assert "--exit-interval must not be negative, got -2" in capsys.readouterr().err
     assert parse_args(["--mock-data", "--vocab-size", "64", "--exit-interval", "0"], world_size=1).training.exit_interval == 0
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--mock-data"], "--mock-data needs --vocab-size (or --tokenizer-type"),
+    (["--tokenizer-type", "NullTokenizer", "--data-path", "d"], "--tokenizer-type NullTokenizer needs --vocab-size"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"], "give --data-path (or --mock-data"),
+    (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"], None),
+    (["--mock-data", "--vocab-size", "64"], None),
+])
+def test_what_mock_data_and_null_tokenizer_need(capsys, argv, error):
+    """--mock-data with a tokenizer's files was refused without --vocab-size, which it then ignored (the
+    tokens come from the tokenizer's vocabulary, as in Megatron-LM); NullTokenizer without --data-path
+    passed the checks and failed only after the model was built."""
+    if error is None:
+        parse_args(argv, world_size=1)
+        return
+    with pytest.raises(SystemExit) as err:
+        parse_args(argv, world_size=1)
+    assert err.value.code == 2 and error in capsys.readouterr().err
