@@ -91,15 +91,21 @@ def check_mla_fields(config) -> None:
                  "--beta-fast >= --beta-slow (rotations per --original-max-position-embeddings; DeepSeek-V3: 32 and 1)")
         _require(config.rotary_base > 1, f"--rotary-base {config.rotary_base} must be above 1 with --rope-type yarn")
     if config.multi_latent_attention:
-        _check_mla(config)
+        check_mla_shape(config)
     if config.mtp_num_layers is not None:
         _require(config.mtp_num_layers >= 1, f"--mtp-num-layers {config.mtp_num_layers} must be at least 1")
-        _require(config.position_embedding_type == "rope",
-                 "--mtp-num-layers needs --position-embedding-type rope (as in Megatron-LM)")
+        check_mtp_positions(config)
         _require(config.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must not be negative")
 
 
-def _check_mla(config) -> None:
+def check_mtp_positions(config) -> None:
+    """Multi-token prediction layers take rotary positions only (the planner checks its models here too)."""
+    _require(config.position_embedding_type == "rope",
+             "--mtp-num-layers needs --position-embedding-type rope (as in Megatron-LM)")
+
+
+def check_mla_shape(config) -> None:
+    """MLA's sizes, positions and heads (a TransformerConfig, or the planner's ModelSpec)."""
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         _require(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
     _require(config.q_lora_rank is None or config.q_lora_rank > 0, "--q-lora-rank must be positive (or left unset)")

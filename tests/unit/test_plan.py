@@ -229,6 +229,13 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     (["--window-size", "8", "-2"], ["--window-size", "at least -1"]),
     (["--window-size", "8", "2"], ["--window-size 8 2", "RIGHT must be 0"]),  # was counted as 11 keys a query
     (["--window-size", "8", "0", "--window-attn-skip-freq", "[1,0]"], ["--window-attn-skip-freq [1,0]", "4 zeros"]),
+    # models training refuses were planned (MLA and MTP with a learned position table, MLA with query groups)
+    (["--multi-latent-attention"], ["--multi-latent-attention needs --position-embedding-type rope"]),
+    (["--mtp-num-layers", "1"], ["--mtp-num-layers needs --position-embedding-type rope"]),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--num-query-groups", "2"],
+     ["--multi-latent-attention does not take", "--num-query-groups"]),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"],
+     ["--qk-pos-emb-head-dim 3 must be even"]),
 ])
 def test_tool_refuses_bad_values_in_one_line_not_a_traceback(capsys, flags, words):
     """Zero sizes and bandwidths were ZeroDivisionError tracebacks (exit 1); the docstring promises one line, exit 2."""

@@ -181,7 +181,8 @@ def test_tool_plans_the_preset(capsys):
     out = capsys.readouterr().out
     assert "682.64 B parameters (37.55 B active)" in out and "best: TP 2, PP 16" in out and "EP 32" in out
     assert plan_tool.main(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-                           "64", "--vocab-size", "1000", "--multi-latent-attention", "--q-lora-rank", "32",
+                           "64", "--vocab-size", "1000", "--multi-latent-attention", "--position-embedding-type",
+                           "rope", "--q-lora-rank", "32",
                            "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim",
                            "16", "--mtp-num-layers", "1", "--gpus", "2", "--global-batch-size", "4", "--top", "1"]) == 0
     assert "best:" in capsys.readouterr().out

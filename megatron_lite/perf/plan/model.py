@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ...errors import ConfigError
+from ...models.mla_config import check_mla_shape, check_mtp_positions
 from ...models.transformer_config import default_ffn_hidden_size
 from ...models.window_config import check_causal_window, check_window_fields
 from ...moe.config import parse_moe_layer_freq
@@ -82,6 +83,10 @@ class ModelSpec:
                               f"--num-query-groups {self.num_query_groups}")
         if self.window_size is not None:
             object.__setattr__(self, "window_size", tuple(self.window_size))
+        if self.multi_latent_attention:  # training's checks: rotary positions, no query groups, even rotary part
+            check_mla_shape(self)
+        if self.mtp_num_layers:
+            check_mtp_positions(self)
         check_window_fields(self)
         check_causal_window(self.window_size)  # the planner's models are GPTs, as pretrain_gpt.py refuses RIGHT
         if self.is_moe:
@@ -92,6 +97,11 @@ class ModelSpec:
                 parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+
+    @property
+    def position_embedding_type(self) -> str:
+        """--position-embedding-type as training names it."""
+        return "learned_absolute" if self.learned_positions else "rope"
 
     @property
     def kv_channels(self) -> int:
