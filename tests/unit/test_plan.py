@@ -201,6 +201,9 @@ def test_odd_sequence_length_plans_without_context_parallelism():
     (["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "4"],
      ["--virtual-pipeline-model-parallel-size 4", "PP 4 x VPP 4 must divide --num-layers 24"]),
     (["--tensor-model-parallel-size", "8", "--num-attention-heads", "12"], ["TP 8 must divide --num-attention-heads 12"]),
+    # the shared experts are split over TP, as in training (which refuses this size); the layouts were planned
+    (["--tensor-model-parallel-size", "2", "--num-experts", "8", "--moe-shared-expert-intermediate-size", "3"],
+     ["TP 2 must divide --moe-shared-expert-intermediate-size 3"]),
 ])
 def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, words):
     argv = ["--num-layers", "24", "--hidden-size", "768", "--num-attention-heads", "16", "--seq-length", "512",

@@ -109,9 +109,10 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp} x CP {lay.cp} = {lay.gpus} must equal --gpus {cluster.gpus}")
     if lay.tp > cluster.gpus_per_node or cluster.gpus_per_node % lay.tp:
         raise ConfigError(f"TP {lay.tp} must divide --gpus-per-node {cluster.gpus_per_node} (TP stays inside a node)")
+    shared = spec.moe_shared_expert_intermediate_size if spec.is_moe else None  # split over TP, as training's
     for flag, value in (("--num-attention-heads", spec.num_attention_heads), ("--num-query-groups", spec.num_query_groups),
-                        ("--ffn-hidden-size", spec.ffn_hidden_size)):
-        if value % lay.tp:
+                        ("--ffn-hidden-size", spec.ffn_hidden_size), ("--moe-shared-expert-intermediate-size", shared)):
+        if value is not None and value % lay.tp:
             raise ConfigError(f"TP {lay.tp} must divide {flag} {value}")
     if lay.vpp > 1 and spec.num_layers % (lay.pp * lay.vpp):
         raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
