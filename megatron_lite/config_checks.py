@@ -107,6 +107,9 @@ def _check_parallel(config: Config) -> None:
     from .parallel.sharding import check_sharding
 
     check_sharding(config)
+    etp = config.moe.expert_tensor_parallel_size  # as the planner and the converter refuse it for a dense model
+    _require(etp is None or bool(config.moe.num_experts), f"--expert-tensor-parallel-size {etp} splits the experts "
+             "and this model has none (no --num-experts); drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
     if p.num_layers_per_virtual_pipeline_stage is not None:

@@ -105,7 +105,7 @@ class MoEConfig:
     moe_per_layer_logging: bool = False
     """Write the router losses of every MoE layer to TensorBoard."""
     expert_tensor_parallel_size: int | None = None
-    """Tensor-parallel size of the experts (default --tensor-model-parallel-size; 1: whole experts). Another size, or an --expert-model-parallel-size that does not divide the data-parallel size, re-cuts each pipeline stage's ranks (TP x CP x DP) for the experts as ETP x EP x expert-DP (parallel folding; EP may span CP ranks)."""
+    """Tensor-parallel size of the experts (default --tensor-model-parallel-size; 1: whole experts). Another size, or an --expert-model-parallel-size that does not divide the data-parallel size, re-cuts each pipeline stage's ranks (TP x CP x DP) for the experts as ETP x EP x expert-DP (parallel folding; EP may span CP ranks). Needs --num-experts."""
     overlap_moe_expert_parallel_comm: bool = False
     """Overlap the expert-parallel all-to-all across micro-batches (refused)."""
     moe_layer_recompute: bool = False

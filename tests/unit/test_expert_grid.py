@@ -8,9 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint.expert_files import check_expert_grid, model_file_for, writes_model_file
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.parallel.state import ParallelConfigError, RankGrid
+from tests.cli_errors import parse_refused
 
 
 def test_worked_example_tp4_pp2_with_etp1_ep4():
@@ -96,6 +98,16 @@ def test_folding_only_where_the_unfolded_grid_cannot_hold_the_experts(tp, ep, et
 def test_expert_sizes_that_do_not_divide_a_stage_are_refused(kwargs):
     with pytest.raises(ParallelConfigError, match="--expert-tensor-parallel-size .* x --expert-model-parallel-size"):
         RankGrid(**kwargs)
+
+
+@pytest.mark.parametrize("etp", ["1", "2"])
+def test_a_dense_model_refuses_an_expert_tensor_parallel_size(capsys, etp):
+    """It was taken and did nothing (the planner and the converter refuse it for a dense model)."""
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", etp]
+    parse_refused(capsys, argv, f"--expert-tensor-parallel-size {etp}", "--num-experts", "drop it", world_size=2)
+    assert parse_args(argv + ["--num-experts", "2"], world_size=2).moe.expert_tensor_parallel_size == int(etp)
 
 
 def _rank_state(grid, rank):
