@@ -142,7 +142,8 @@ def _sdpa(q, k, v, mask, causal: bool, dropout_p: float, scale: float, sink=None
     """SDPA on ``[s, b, heads, d]`` tensors (``mask`` True = may attend); returns ``[sq, b, nq, d]``.
     With a ``sink`` (``[nq]``) the block kernels, which add it, instead (dropout seeded by ``seed``)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if sink is not None:
+    if sink is not None:  # the block kernels take a mask as [b or 1, 1, sq, sk] (a2a's window, allgather's are 2-D)
+        mask = mask if mask is None or mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])
         return local_attention(q, k, v, causal and mask is None, scale, dropout_p, seed, mask, sink).permute(2, 0, 1, 3)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=causal and mask is None, scale=scale,

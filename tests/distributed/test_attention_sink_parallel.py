@@ -4,7 +4,8 @@ CP2: p2p (ring), a2a (Ulysses) and allgather core attention on their load-balanc
 formula over the whole sequence (tests/unit/test_attention_sink.py), with packed documents and a
 sliding window on the ring: output and q/k/v gradients, and the sinks' gradient summed over the CP
 ranks (each holds the gradient of its own rows, or of its head group under a2a), fp32 rtol 1e-5 /
-atol 1e-6. CP4 a2a+p2p: the same. TP2 + SP: the whole GPT with sinks equals the single-process model
+atol 1e-6, also through the block kernels' plain path (GPUs, dropout, fp16) with a2a's and
+allgather's masks without documents. CP4 a2a+p2p: the same. TP2 + SP: the whole GPT with sinks equals the single-process model
 (losses, weights, gradients; tests/distributed/test_gpt_model.py's harness).
 """
 
@@ -66,6 +67,25 @@ def check_cp2_every_type():
 
 def test_cp2_ring_ulysses_allgather_equal_the_formula():
     assert all(run_ranks(2, check_cp2_every_type))
+
+
+def check_cp2_plain_kernel():
+    """The block kernels' plain path (GPUs; CPU with attention dropout or fp16) took a2a's window and
+    allgather's causal mask in their 2-D form and stopped with a shape error; the flash path took them."""
+    from megatron_lite.parallel import ring_attention
+
+    state, flash = cached_state(cp=2), ring_attention._use_cpu_flash
+    ring_attention._use_cpu_flash = lambda q, dropout_p: False
+    try:
+        for comm_type, window in (("a2a", (3, 0)), ("allgather", None), ("allgather", (5, 0)), ("p2p", (5, 0))):
+            check_cp_sink(state, 2, comm_type, window, 16, False)
+    finally:
+        ring_attention._use_cpu_flash = flash
+    return True
+
+
+def test_cp2_plain_kernel_takes_every_mask_form():
+    assert all(run_ranks(2, check_cp2_plain_kernel))
 
 
 def check_cp4_hierarchical():
