@@ -71,10 +71,14 @@ def chain_hashes(tokens: list[int], block_size: int) -> list[bytes]:
     block's tokens and the previous block's name)."""
     out, name = [], b""
     for end in range(block_size, len(tokens) + 1, block_size):
-        data = name + b",".join(str(t).encode() for t in tokens[end - block_size:end])
-        name = hashlib.sha256(data).digest()
+        name = block_name(name, tokens[end - block_size:end])
         out.append(name)
     return out
+
+
+def block_name(previous: bytes, block: list[int]) -> bytes:
+    """The name of a block holding the tokens ``block`` after the block named ``previous`` (b"": the first)."""
+    return hashlib.sha256(previous + b",".join(str(t).encode() for t in block)).digest()
 
 
 class PagedCache:
@@ -97,7 +101,8 @@ class PagedCache:
         self.reserved = [0] * max_rows  # blocks each row in use may hold (its table included)
         self.owed = [0] * max_rows  # blocks promised to each row in use, not yet taken from the pool (no window)
         self.refs = [0] * (self.num_blocks + 1)  # rows holding each block
-        self.hashes: list[list[bytes]] = [[] for _ in range(max_rows)]  # names of each row's full prompt blocks
+        self.hashes: list[list[bytes]] = [[] for _ in range(max_rows)]  # names of each row's full blocks known so far
+        self.written: list[list[int] | None] = [None] * max_rows  # each row's tokens in the cache (None: unknown)
         self.named = [0] * max_rows  # each row's blocks looked at for naming so far
         self.shared: list[dict[int, int]] = [{} for _ in range(max_rows)]  # block index -> row that writes it
         self.cached: dict[bytes, int] = {}  # name -> block holding it
@@ -185,7 +190,7 @@ class PagedCache:
             raise ValueError(f"the key/value cache has {self.available} blocks free of {self.num_blocks}; asked for {need}")
         hashes, k, shared = self._layout(n, prompts, reuse_limit)
         rows, self.free = self.free[:n], self.free[n:]
-        for r, names, share in zip(rows, hashes, shared):
+        for r, names, share, prompt in zip(rows, hashes, shared, prompts or [None] * n):
             drop = self._dropped(k * self.block_size)  # beyond the window: not held
             self.tables[r] = [0] * drop + [self.cached[h] for h in names[drop:k]]
             for b in self.tables[r][drop:]:
@@ -193,6 +198,7 @@ class PagedCache:
                     self.free_blocks.remove(b)
                 self.refs[b] += 1
             self.lengths[r], self.hashes[r], self.named[r] = k * self.block_size, names, k
+            self.written[r] = list(prompt[:k * self.block_size]) if self.prefix_caching and prompt else None
             self.shared[r] = {j: rows[w] for j, w in share.items()}
             self.reserved[r] = self.row_blocks(max_tokens, _prefill(prompts, prefill))
             self.owed[r] = self.reserved[r] - k - len(share) if self.reach is None else 0
@@ -208,7 +214,7 @@ class PagedCache:
             for b in reversed(self.tables[r]) if self.prefix_caching else self.tables[r]:
                 self._unref(b)
             self.tables[r], self.reserved[r], self.owed[r], self.lengths[r] = [], 0, 0, 0
-            self.hashes[r], self.shared[r], self.named[r] = [], {}, 0
+            self.hashes[r], self.shared[r], self.named[r], self.written[r] = [], {}, 0, None
         self.free = sorted(self.free + list(rows))
 
     def _unref(self, b: int) -> None:
@@ -231,8 +237,13 @@ class PagedCache:
         return b
 
     def _name_blocks(self, r: int) -> None:
-        """Name row ``r``'s full prompt blocks computed so far (first come: a name keeps its block)."""
-        done = min(self.lengths[r] // self.block_size, len(self.hashes[r]))
+        """Name row ``r``'s full blocks written so far (first come: a name keeps its block): its prompt's
+        by their names from :meth:`allocate`, the later ones by the tokens fed to the row (generated)."""
+        size, names, written = self.block_size, self.hashes[r], self.written[r]
+        while written is not None and len(names) < self.lengths[r] // size:
+            j = len(names)
+            names.append(block_name(names[-1] if names else b"", written[j * size:(j + 1) * size]))
+        done = min(self.lengths[r] // size, len(names))
         for j in range(self.named[r], done):
             h, b = self.hashes[r][j], self.tables[r][j]
             if b and h not in self.cached and b not in self.names:
@@ -240,10 +251,12 @@ class PagedCache:
         self.named[r] = max(self.named[r], done)
 
     # -- one forward pass ------------------------------------------------------------------------
-    def begin(self, rows: list[int], s_new: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin(self, rows: list[int], s_new: int, device, tokens: list[list[int]] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a forward pass of ``s_new`` new tokens for each of ``rows`` (in that batch order),
         taking the blocks they need (and dropping those beyond every window); return their positions
-        ``[b, s_new]`` and the attention mask ``[b, 1, s_new, k_len - first_key]``."""
+        ``[b, s_new]`` and the attention mask ``[b, 1, s_new, k_len - first_key]``. ``tokens``: the
+        ids fed to each row (prefix caching names the blocks they fill; None: only prompt blocks)."""
         for r in rows:
             if r in self.free:
                 raise ValueError(f"row {r} of the key/value cache is not in use")
@@ -285,7 +298,7 @@ class PagedCache:
                 order = torch.arange(len(write))
                 self._keep = torch.full((len(unique),), len(write)).scatter_reduce(0, inverse, order, "amin").to(device)
         self._write = write.to(device) if self._keep is None else write.to(device)[self._keep]
-        self._rows, self._new, self._k_len = list(rows), s_new, k_len - first
+        self._rows, self._new, self._k_len, self._fed = list(rows), s_new, k_len - first, tokens
         self._positions = positions
         mask = keys[None, None, :] > positions[:, :, None]  # [b, s_new, k_len - first]
         return positions.to(device), mask.unsqueeze(1).to(device)
@@ -320,9 +333,14 @@ class PagedCache:
 
     def advance(self) -> None:
         """Count the forward pass's new tokens as cached, in each of its rows."""
-        for r in self._rows:
+        for i, r in enumerate(self._rows):
+            if self.written[r] is not None:  # the tokens of every position up to the row's end, or unknown
+                if self._fed is not None and len(self.written[r]) == self.lengths[r]:
+                    self.written[r].extend(self._fed[i])
+                else:
+                    self.written[r] = None
             self.lengths[r] += self._new
-            if self.hashes[r]:
+            if self.hashes[r] or self.written[r] is not None:
                 self._name_blocks(r)
         self._rows = None
 

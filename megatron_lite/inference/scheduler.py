@@ -207,7 +207,8 @@ class Scheduler:
             held = [r.held() for r in group]  # a request's ended sequences gave their rows back
             tokens = torch.cat([r.tokens[seqs, r.filled:r.filled + s_new] for r, seqs in zip(group, held)])
             rows = [r.rows[i] for r, seqs in zip(group, held) for i in seqs]
-            positions, mask = self.cache.begin(rows, s_new, self.engine.device)
+            fed = tokens.tolist() if self.cache.prefix_caching else None  # every rank's: names the blocks they fill
+            positions, mask = self.cache.begin(rows, s_new, self.engine.device, fed)
             logits = self.engine.forward(tokens, self.cache, position_ids=positions, attention_mask=mask)
             self.cache.advance()
             start = 0

@@ -10,7 +10,9 @@ request that stops frees its row, which a waiting request takes before the other
 """
 
 import pytest
+import torch
 
+from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.paged_cache import PagedCache, chain_hashes
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.scheduler import Scheduler
@@ -27,6 +29,7 @@ from tests.batching_helpers import (
     saved_engines,
 )
 from tests.inference_helpers import prompts
+from tests.unit.test_sliding_window import windowed_model
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def test_shared_prefixes_are_computed_once_and_answer_as_each_request_alone(engi
         assert_same(engine.generate(p, params), results[i], cached)
     steps = [e.step for e in events if e.rid == 2]  # the stream still starts at position 0 (NaN where reused)
     assert steps[0].start == 0 and len(steps[0].log_probs[0]) == len(SHARED)
-    assert all_blocks_back(scheduler.cache) and len(scheduler.cache.cached) == 3 + 1  # SHARED's and the 2nd's 3rd
+    fourth = {tuple(r.tokens[12:16]) for i in (0, 2) for r in results[i]}  # SHARED[12] and 3 written answer tokens
+    assert all_blocks_back(scheduler.cache) and len(scheduler.cache.cached) == 3 + 1 + len(fourth)  # + the 2nd's 3rd
     without = Scheduler(engine, 6, **PAGED)
     results_off, _, _ = run(without, requests, PREFIX_JOINS)
     assert without.cache.reused_tokens == 0 and not without.cache.cached
@@ -126,3 +130,69 @@ def test_a_row_shares_blocks_only_with_rows_of_its_request_that_write_them():
     cache.begin(rows, 5, "cpu")
     assert cache.tables[0][0] == cache.tables[1][0] and cache.tables[0][1] != cache.tables[1][1]
     assert cache.refs[cache.tables[0][0]] == 2
+
+
+def chat(scheduler, messages, params):
+    """A chat, one turn at a time: each turn's prompt is the last turn's whole sequence (prompt and
+    answer) and its message; return each turn's result and the prompt tokens it took from the cache."""
+    history, results, reused = [], [], []
+    for message in messages:
+        before = scheduler.cache.reused_tokens
+        rid = scheduler.add([history + message], params)
+        results.append(next(e.results for _ in range(99) for e in scheduler.run_step() if e.rid == rid and e.results))
+        reused.append(scheduler.cache.reused_tokens - before)
+        assert not scheduler.busy and all_blocks_back(scheduler.cache)
+        history = results[-1][0].tokens
+    return results, reused
+
+
+GREEDY = SamplingParams(tokens_to_generate=9, top_k=1, top_n_logprobs=2, stop_on_eod=False, prompt_log_probs=False)
+
+
+@pytest.mark.parametrize("variant", ["gpt", "mla_mtp"])
+def test_a_chat_turn_reuses_the_blocks_of_the_last_answer(engines, variant):
+    """Turns of 6, 3 and 2 new tokens, answers of 9, blocks of 4: turn 1 writes 14 tokens (its last
+    is sampled, never fed), so 3 blocks are named, 2 of them holding answer tokens; turn 2 (18
+    tokens) starts at 12, writes 26 and names 6 blocks; turn 3 (29 tokens) starts at 24. Tokens
+    equal and log-probs within 1e-5 of the same chat without prefix caching (NaN where reused)."""
+    messages = prompts(3, seed=3, lengths=(6, 3, 2))
+    scheduler = Scheduler(engines[variant], 2, block_size=4, num_blocks=24, prefix_caching=True)
+    results, reused = chat(scheduler, messages, GREEDY)
+    assert reused == [0, 12, 24] and [len(r[0].tokens) for r in results] == [15, 27, 38]
+    off = Scheduler(engines[variant], 2, block_size=4, num_blocks=24)
+    results_off, reused_off = chat(off, messages, GREEDY)
+    assert reused_off == [0, 0, 0] and not off.cache.cached
+    for alone, batched, cached in zip(results_off, results, reused):
+        assert_same(alone, batched, cached)
+
+
+@pytest.mark.parametrize("generate, reused", [(8, 12), (9, 16)])
+def test_a_block_is_named_only_once_every_position_is_written(engines, generate, reused):
+    """An 8-token prompt and an answer of 8 ends at a block boundary (16 tokens), but its last token
+    is never fed: the 4th block holds 3 written positions and stays unnamed, so the next turn reuses
+    3 blocks; an answer of 9 writes the 4th block whole and the next turn reuses it."""
+    engine = engines["gpt"]
+    params = SamplingParams(**{**GREEDY.__dict__, "tokens_to_generate": generate})
+    messages = prompts(2, seed=8, lengths=(8, 2))
+    scheduler = Scheduler(engine, 2, block_size=4, num_blocks=12, prefix_caching=True)
+    results, got = chat(scheduler, messages, params)
+    assert got == [0, reused] and len(scheduler.cache.cached) == (2 * generate + 9) // 4  # turn 2 wrote 2g + 9
+    results_off, _ = chat(Scheduler(engine, 2, block_size=4, num_blocks=12), messages, params)
+    for alone, batched, cached in zip(results_off, results, got):
+        assert_same(alone, batched, cached)
+
+
+def test_a_windowed_chat_reuses_answer_blocks_past_the_window():
+    """Every layer windowed (4 keys back), blocks of 4: turn 1 (7 tokens, answer of 14) names its
+    5 written blocks as it passes them and drops all but the last 2; turn 2 (24 tokens) starts at 20,
+    holding only the blocks its window reaches, and answers as the model without a cache."""
+    model = windowed_model(window=(4, 0), skip=None)
+    messages = [torch.randint(0, 99, (n,), generator=torch.Generator().manual_seed(6)).tolist() for n in (7, 3)]
+    params = SamplingParams(**{**GREEDY.__dict__, "tokens_to_generate": 14})
+    scheduler = Scheduler(InferenceEngine(model, vocab_size=100, max_sequence_length=48), 1, block_size=4,
+                          num_blocks=12, prefix_caching=True)
+    results, reused = chat(scheduler, messages, params)
+    reference = InferenceEngine(model, vocab_size=100, max_sequence_length=48, use_cache=False)
+    assert reused == [0, 20] and scheduler.cache.evicted_blocks == 0
+    assert_same(reference.generate([messages[0]], params), results[0])
+    assert_same(reference.generate([results[0][0].tokens + messages[1]], params), results[1], 20)
