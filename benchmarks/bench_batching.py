@@ -60,14 +60,13 @@ def parse_args(argv=None):
 LENGTH = 64 + 192  # the model's context: the longest prompt and answer
 
 
-def build_engine(args):
+def build_engine(args, length: int = LENGTH):
     from megatron_lite.config import ModelConfig
     from megatron_lite.inference.engine import InferenceEngine
     from megatron_lite.models import GPTModel, TransformerConfig
     from megatron_lite.parallel.state import ParallelState
     from megatron_lite.parallel.tensor import padded_vocab_size
 
-    length = LENGTH
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=length, max_position_embeddings=length, vocab_size=args.vocab,
                       position_embedding_type="rope", attention_dropout=0.0, hidden_dropout=0.0)

@@ -229,6 +229,9 @@ MUTATIONS = [
     Mutation("prefix_evict_keeps_name", "prefix caching: a named block handed out again keeps its name (stale reuse)",
              "megatron_lite/inference/paged_cache.py", "        if b in self.names:\n            del self.cached",
              "        if False:\n            del self.cached", ("tests/unit/test_prefix_caching.py",)),
+    Mutation("prefix_answer_unnamed", "prefix caching: the blocks a row's generated tokens fill are never named",
+             "megatron_lite/inference/paged_cache.py", "self.written[r].extend(self._fed[i])", "pass",
+             ("tests/unit/test_prefix_caching.py", "-k", "chat")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

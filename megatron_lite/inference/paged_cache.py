@@ -30,9 +30,13 @@ lengths[r] + i``. The layers (standard attention and MLA's latent cache alike) t
 as their ``inference_context`` with no change: they only call :meth:`append` (and a sliding-window
 layer :meth:`query_positions`, each row's own, to mask the keys before its window).
 
-Prefix caching (``prefix_caching``, ``--enable-prefix-caching``): a full block of a prompt is named
-by the chain hash of every token up to its end (:func:`chain_hashes`) once its keys are computed,
-and each block counts the rows whose tables hold it (``refs``). A row given its prompt at
+Prefix caching (``prefix_caching``, ``--enable-prefix-caching``): a full block is named by the chain
+hash of every token up to its end (:func:`chain_hashes`) once the keys of all its positions are
+written - prompt blocks and, from the tokens fed to the row (``tokens`` of :meth:`begin`, which every
+rank has), the blocks its generated tokens fill. A row's last sampled token is written only when it is
+fed back, so the block holding it is named a step later (or never, if the row ends there). A chat's
+next turn, whose prompt is the last prompt, its answer and a new message, so finds the answer's full
+blocks too. Each block counts the rows whose tables hold it (``refs``). A row given its prompt at
 :meth:`allocate` starts after the longest run of its leading blocks found there (all the rows of a
 request at the same length, at most ``reuse_limit`` tokens, so at least one prompt token is always
 computed), holding those blocks instead of computing them; rows of one request with equal leading
