@@ -55,8 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sequence feeds one, prefills are chunked into the rest (chunked prefill); at least "
                         "--inference-max-requests")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="continuous batching: keep full prompt blocks of the key/value cache named by their tokens, "
-                        "so a prompt starting with the same blocks reuses them instead of computing them again "
+                   help="continuous batching: keep full blocks of the key/value cache (prompt and generated tokens) named "
+                        "by their tokens, so a prompt starting with the same blocks reuses them instead of computing "
+                        "them again "
                         "(default: on, as vLLM's; --no-enable-prefix-caching turns it off)")
     add_inference_args(p)
     args = p.parse_args(argv)
