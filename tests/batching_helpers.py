@@ -69,6 +69,16 @@ def prefix_requests():
             ([SHARED], SamplingParams(tokens_to_generate=3, top_k=1, top_n_logprobs=1))]
 
 
+def chat_turn(answer: list[int]):
+    """The next turn of the first prefix request's chat: its whole sequence (SHARED and 5 greedy
+    tokens: 18, the last never written) and two more tokens. After prefix_requests() it finds 4
+    named blocks, the 4th holding 3 of the answer's tokens (written as it decoded)."""
+    return [answer + [7, 7]], SamplingParams(tokens_to_generate=3, top_k=1, prompt_log_probs=False)
+
+
+CHAT_CACHED = 16
+
+
 def run(scheduler, requests, joins):
     """Run ``requests`` (request i added before step ``joins[i]``) to the end: (results, the step
     each ended at, the events)."""

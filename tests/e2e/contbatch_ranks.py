@@ -5,7 +5,8 @@ each step's admissions and broadcasts them; rank 1 follows), over each checkpoin
 requests of ``batching_requests()``, then ``STOPPING`` (joining at step 1; a stop string ends one of
 its sequences, which the sampling rank decides and broadcasts: the engines hold the tokenizer), then
 ``prefix_requests()`` (joining from step 8; prefix caching is on, so they start after the prompt blocks
-the earlier ones computed). Rank 0
+the earlier ones computed), then ``chat_turn()`` (the first prefix request's sequence and more, sent
+when it has answered: it reuses that answer's full blocks too). Rank 0
 writes every request's results to OUT (JSON: root -> requests -> sequences), then the prompt tokens the prefix cache saved. ``CONTBATCH_FAIL=1``
 adds a request (seed 13, joining at step 3) whose sampling raises on the sampling rank: its entry is
 ``{"error": message}`` as rank 0 got it."""
@@ -24,7 +25,15 @@ from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
 from megatron_lite.inference.loading import load_model  # noqa: E402
 from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from tests.batching_helpers import JOINS, PAGED, PREFIX_JOINS, STOPPING, batching_requests, prefix_requests  # noqa: E402, I001
+from tests.batching_helpers import (  # noqa: E402
+    JOINS,
+    PAGED,
+    PREFIX_JOINS,
+    STOPPING,
+    batching_requests,
+    chat_turn,
+    prefix_requests,
+)
 from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
 
 FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
@@ -61,8 +70,12 @@ def serve_requests(runner: BatchRunner) -> list:
                 tickets[i] = runner.submit(*requests[i])
         runner.work()
         step += 1
+    answers = [answer(tickets[i]) for i in range(len(requests))]  # a ticket's results are read once
+    turn = runner.submit(*chat_turn(answers[len(JOINS) + 1][0]["tokens"]))  # the first prefix request's
+    while runner.busy:
+        runner.work()
     runner.stop()
-    return [answer(tickets[i]) for i in range(len(requests))]
+    return answers + [answer(turn)]
 
 
 def main(out: str, roots: list[str]) -> None:

@@ -25,7 +25,15 @@ from megatron_lite.inference.batch_runner import BatchRunner
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.loading import load_model, load_tokenizer
 from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
-from tests.batching_helpers import PREFIX_CACHED, PREFIX_REUSED, STOPPING, batching_requests, prefix_requests
+from tests.batching_helpers import (
+    CHAT_CACHED,
+    PREFIX_CACHED,
+    PREFIX_REUSED,
+    STOPPING,
+    batching_requests,
+    chat_turn,
+    prefix_requests,
+)
 from tests.e2e.conftest import ROOT
 from tests.harness import free_port
 from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, assert_json_close, save_model
@@ -42,8 +50,11 @@ REQUESTS_RUN = batching_requests() + [STOPPING] + prefix_requests()  # contbatch
 
 def assert_each_alone(engine, answers, what=""):
     """Each answer of contbatch_ranks.py is the request's alone (a prompt prefix that came from the
-    prefix cache holds NaN log-probs: not computed)."""
-    for (prompts, params), got, cached in zip(REQUESTS_RUN, answers, [0] * 5 + PREFIX_CACHED):
+    prefix cache holds NaN log-probs: not computed); the last is the chat turn after the first
+    prefix request, which reused its answer's blocks too."""
+    requests = REQUESTS_RUN + [chat_turn(answers[5][0]["tokens"])]
+    assert len(answers) == len(requests)
+    for (prompts, params), got, cached in zip(requests, answers, [0] * 5 + PREFIX_CACHED + [CHAT_CACHED]):
         alone = engine.generate(prompts, params)
         assert [g["tokens"] for g in got] == [a.tokens for a in alone], what
         assert [g["finish_reason"] for g in got] == [a.finish_reason for a in alone]
@@ -65,7 +76,7 @@ def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path)
     with open(out) as f:
         answers = json.load(f)
     for root in roots:
-        assert len(answers[root]) == len(REQUESTS_RUN) + 1 and answers[root].pop() == PREFIX_REUSED
+        assert len(answers[root]) == len(REQUESTS_RUN) + 2 and answers[root].pop() == PREFIX_REUSED + CHAT_CACHED
         assert_each_alone(engine_for(root), answers[root], root)
         stopping = [g["finish_reason"] for g in answers[root][4]], len(answers[root][4][0]["tokens"])
         assert stopping == (["stop", "length"], 4 + 3 if "gpt" in root else 4 + 4)  # ended at its stop string
@@ -85,8 +96,8 @@ def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         answers = json.load(f)[root]
-    assert answers.pop() == PREFIX_REUSED and len(answers) == len(REQUESTS_RUN) + 1
-    assert answers.pop() == {"error": "RuntimeError: logits processor failed"}
+    assert answers.pop() == PREFIX_REUSED + CHAT_CACHED and len(answers) == len(REQUESTS_RUN) + 2
+    assert answers.pop(-2) == {"error": "RuntimeError: logits processor failed"}
     assert_each_alone(engine_for(root), answers)
 
 
