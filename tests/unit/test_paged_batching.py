@@ -37,9 +37,9 @@ def watched(scheduler):
     scheduler.fed, scheduler.waited_for_blocks = [], False
     begin, run_step = scheduler.cache.begin, scheduler.run_step
 
-    def counting_begin(rows, s_new, device):
+    def counting_begin(rows, s_new, *args, **kwargs):
         scheduler.fed[-1].append(s_new * len(rows))
-        return begin(rows, s_new, device)
+        return begin(rows, s_new, *args, **kwargs)
 
     def watched_step():
         scheduler.fed.append([])
