@@ -72,6 +72,11 @@ def check_bert_config(config: Config) -> None:
     if seq < MIN_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {seq} is too short for BERT: [CLS] A [SEP] B [SEP] needs at least "
                           f"{MIN_SEQ_LENGTH}")
+    if b.mask_prob > 0 and int(b.mask_prob * (seq - 3)) < 1:  # the cap of every sample's predictions is 0
+        need = 3 + next(t for t in range(seq - 2, 10**6) if int(b.mask_prob * t) >= 1)
+        raise ConfigError(f"--seq-length {seq} with --mask-prob {b.mask_prob:g} predicts no token (a sample predicts "
+                          f"at most int(mask-prob x (seq-length - 3)) = 0), so the masked-LM loss is 0 and trains "
+                          f"nothing; use --seq-length >= {need} or a larger --mask-prob")
     if config.training.calculate_per_token_loss:  # BERT's loss adds the per-sample SOP loss to the MLM mean
         raise ConfigError("--calculate-per-token-loss is GPT-only (pretrain_bert.py's MLM + sentence-order loss is "
                           "a per-micro-batch mean); drop the flag")
