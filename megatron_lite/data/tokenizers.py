@@ -297,6 +297,9 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
                     vocab_size=None, vocab_extra_ids: int = 0) -> Tokenizer:
     """Build the tokenizer Megatron's ``--tokenizer-type`` names, from local files only."""
     t = tokenizer_type
+    if vocab_extra_ids and t != "SentencePieceTokenizer":  # the others have no sentinel tokens to add
+        raise ConfigError(f"--vocab-extra-ids {vocab_extra_ids}: only SentencePieceTokenizer appends <extra_id_N> "
+                          f"tokens, --tokenizer-type {t} would tokenize without them; drop the flag")
     if t == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", t), _need(merge_file, "--merge-file", t))
     if t == "SentencePieceTokenizer":
@@ -322,7 +325,7 @@ def add_tokenizer_args(parser) -> None:
                        help="SentencePiece .model, or tokenizer.json for HuggingFaceTokenizer")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     group.add_argument("--vocab-extra-ids", type=int, default=0,
-                       help="number of <extra_id_N> tokens SentencePieceTokenizer appends")
+                       help="number of <extra_id_N> tokens SentencePieceTokenizer appends (refused with the other tokenizers)")
 
 
 def tokenizer_kwargs(args) -> dict:

@@ -230,3 +230,18 @@ def test_lang_with_the_builtin_splitter_is_refused(tmp_path, capsys):
     assert len(err) == 1 and "--lang german needs --sentence-splitter nltk" in err[0]
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
     assert tool.main(argv + ["--lang", "english"]) == 0 and (tmp_path / "o_text_sentence.idx").is_file()
+
+
+@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "GPT2BPETokenizer"])
+def test_vocab_extra_ids_with_a_tokenizer_that_adds_none_is_one_line(tmp_path, tok_files, capsys, kind):
+    """--vocab-extra-ids is SentencePieceTokenizer's (Megatron's T5 recipe passes it with BertWordPieceCase):
+    with another tokenizer it was accepted and ignored, the data tokenized without the sentinels."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a b"}\n')
+    files = [x for k, v in tok_files[kind].items() for x in (f"--{k.replace('_', '-')}", v)]
+    code = load_tool("preprocess_data").main(["--input", str(src), "--output-prefix", str(tmp_path / "x"),
+                                              "--tokenizer-type", kind, *files, "--vocab-extra-ids", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--vocab-extra-ids 3: only SentencePieceTokenizer" in err[0] and kind in err[0], err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
