@@ -44,7 +44,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error("--top-k must be at least 1")
+    problem = device_problem(args.device)
+    if problem:
+        p.error(f"--device {args.device}: {problem}")
     return args
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``--device`` cannot be used here (None when it can): not a device name, or no such CUDA device."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return "not a device name; use cpu or cuda"
+    if device.type not in ("cpu", "cuda"):
+        return "use cpu or cuda"
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        return f"this machine has {count} CUDA device{'s' * (count != 1)}; use cpu" + (" or cuda" if count else "")
+    return None
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -14,11 +14,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import pretrain_bert
 from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
 from megatron_lite.lora.apply import is_adapter_name
 from tests.e2e.test_pretrain_gpt import assert_same_weights
+from tests.tools import load_tool
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,6 +141,20 @@ def test_fill_mask_reads_the_checkpoint(data, reference):
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and re.fullmatch(r"\[MASK\] at \d+: \S+ [01]\.\d{3}( \| \S+ [01]\.\d{3}){2}", lines[0]), lines
     assert lines[1].startswith("the quick ") and lines[1].endswith(" fox")
+
+
+@pytest.mark.parametrize("device, words", [("cuda", "this machine has 0 CUDA devices; use cpu"),
+                                           ("cuda:1", "this machine has 0 CUDA devices"),
+                                           ("tpu", "not a device name; use cpu or cuda"), ("mps", "use cpu or cuda")])
+def test_fill_mask_device_it_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, device, words):
+    """Was a traceback (AssertionError 'Torch not compiled with CUDA enabled', RuntimeError 'Expected one of
+    cpu, cuda, ...') after the checkpoint was loaded; now checked with the flags, before any loading."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as err:
+        load_tool("fill_mask").main(["--load", str(tmp_path), "--text", "a [MASK]", "--device", device])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"--device {device}: {words}" in lines[0], lines
 
 
 def _bad_vocab(data):
