@@ -4,7 +4,7 @@ The checkpoint may have been saved by pretrain_bert.py at any tensor- and pipeli
 its shards are merged into a single-process BertModel (:mod:`megatron_lite.checkpoint.merge`). The
 model shape comes from the config saved in the checkpoint; the tokenizer flags default to the saved
 ones too (for a checkpoint converted from Hugging Face: the vocab.txt convert.py kept in its
-``tokenizer`` folder).
+``tokenizer`` folder): WordPiece, or Megatron's SentencePieceTokenizer (its appended [CLS]/[SEP]/[MASK]/[PAD]).
 
     python tools/fill_mask.py --load checkpoints/bert --text "the [MASK] statement" --top-k 5
 
@@ -30,6 +30,8 @@ from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
 MASK = "[MASK]"
+# the tokenizers pretrain_bert.py trains with: those with [CLS]/[SEP]/[MASK]/[PAD] (Megatron's SentencePiece appends them)
+MASK_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=5, help="predictions shown per mask")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     g = p.add_argument_group("tokenizer (default: the flags saved in the checkpoint)")
-    g.add_argument("--tokenizer-type", default=None, choices=["BertWordPieceLowerCase", "BertWordPieceCase"])
-    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--tokenizer-type", default=None, choices=MASK_TOKENIZERS)
+    g.add_argument("--vocab-file", default=None, help="vocab.txt (WordPiece)")
+    g.add_argument("--tokenizer-model", default=None, help="the .model file (SentencePieceTokenizer)")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error("--top-k must be at least 1")
@@ -70,7 +73,7 @@ def encode(tokenizer, text: str) -> list[int]:
     for i, part in enumerate(text.split(MASK)):
         if i > 0:
             ids.append(tokenizer.mask)
-        ids.extend(tokenizer.tokenize(part))
+        ids.extend(tokenizer.tokenize(part.strip()) if part.strip() else [])  # a SentencePiece '▁' of its own otherwise
     return ids + [tokenizer.sep]
 
 
@@ -93,10 +96,10 @@ def build_tokenizer_for(args, saved: dict):
         saved = {**saved, **(checkpoint_tokenizer(args.load, bert=True) or {})}
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else saved.get(name)  # noqa: E731
     kind = pick("tokenizer_type")
-    if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+    if kind not in MASK_TOKENIZERS:
         raise ValueError(f"the checkpoint's tokenizer {kind!r} is not a BERT WordPiece one; pass --tokenizer-type "
                          "BertWordPieceLowerCase and --vocab-file")
-    return build_tokenizer(kind, vocab_file=pick("vocab_file"))
+    return build_tokenizer(kind, vocab_file=pick("vocab_file"), tokenizer_model=pick("tokenizer_model"))
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ import torch
 
 import pretrain_bert
 from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
+from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.lora.apply import is_adapter_name
 from tests.e2e.test_pretrain_gpt import assert_same_weights
 from tests.tools import load_tool
@@ -141,6 +142,25 @@ def test_fill_mask_reads_the_checkpoint(data, reference):
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and re.fullmatch(r"\[MASK\] at \d+: \S+ [01]\.\d{3}( \| \S+ [01]\.\d{3}){2}", lines[0]), lines
     assert lines[1].startswith("the quick ") and lines[1].endswith(" fox")
+
+
+def test_a_bert_trained_with_megatrons_sentencepiece_tokenizer_fills_masks(tmp_path, data, capsys):
+    """pretrain_bert.py trains with SentencePieceTokenizer (it appends [CLS]/[SEP]/[MASK]/[PAD] as Megatron's
+    does); fill_mask refused such a checkpoint ('not a BERT WordPiece one') and had no --tokenizer-model."""
+    _tool("tools/train_tokenizer.py", "--input", CORPUS, "--output-prefix", str(tmp_path / "sp"), "--model-type",
+          "unigram", "--vocab-size", "500")
+    tok = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "sp.model")]
+    _tool("tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", str(tmp_path / "sp"), "--split-sentences",
+          *tok)
+    save = str(tmp_path / "ck")
+    run_script("pretrain_bert", _argv(data, save, iters=3, extra=["--data-path", str(tmp_path / "sp_text_sentence"),
+                                                                  *tok]))
+    assert load_tool("fill_mask").main(["--load", save, "--text", "the quick [MASK] fox", "--top-k", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    # "the quick " is tokenized without a SentencePiece '▁' of its own after "quick": the mask follows [CLS] and it
+    at = 1 + len(build_tokenizer("SentencePieceTokenizer", tokenizer_model=tok[-1]).tokenize("the quick"))
+    assert re.fullmatch(rf"\[MASK\] at {at}: .+ [01]\.\d{{3}} \| .+ [01]\.\d{{3}}", lines[0]), lines
+    assert lines[1].startswith("the quick") and lines[1].endswith("fox"), lines
 
 
 @pytest.mark.parametrize("device, words", [("cuda", "this machine has 0 CUDA devices; use cpu"),
