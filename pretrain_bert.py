@@ -72,6 +72,9 @@ def check_bert_config(config: Config) -> None:
     if seq < MIN_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {seq} is too short for BERT: [CLS] A [SEP] B [SEP] needs at least "
                           f"{MIN_SEQ_LENGTH}")
+    if b.mask_prob == 0 and b.bert_no_binary_head:  # no masked-LM target and no sentence-order head
+        raise ConfigError("--mask-prob 0 with --bert-no-binary-head leaves nothing to train (no masked token to "
+                          "predict, no sentence-order head): give --mask-prob > 0, or drop --bert-no-binary-head")
     if b.mask_prob > 0 and int(b.mask_prob * (seq - 3)) < 1:  # the cap of every sample's predictions is 0
         need = 3 + next(t for t in range(seq - 2, 10**6) if int(b.mask_prob * t) >= 1)
         raise ConfigError(f"--seq-length {seq} with --mask-prob {b.mask_prob:g} predicts no token (a sample predicts "

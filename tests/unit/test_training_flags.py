@@ -40,6 +40,9 @@ def test_the_smallest_usable_values_are_accepted(flags):
     # int(0.15 x (8 - 3)) = 0 predictions per sample: it trained with lm loss 0 at every step
     ("pretrain_bert", ["--seq-length", "8"], "--seq-length 8 with --mask-prob 0.15 predicts no token"),
     ("pretrain_bert", ["--seq-length", "9"], "use --seq-length >= 10 or a larger --mask-prob"),
+    # the loss was 0 and every gradient 0 at every step
+    ("pretrain_bert", ["--mask-prob", "0", "--bert-no-binary-head"], "--mask-prob 0 with --bert-no-binary-head leaves "
+     "nothing to train"),
     # BERT's batch is not split over CP: it was an IndexError traceback in the position embedding
     ("pretrain_bert", ["--context-parallel-size", "2"], "--context-parallel-size > 1 is GPT-only"),
     ("pretrain_gpt", ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
