@@ -159,18 +159,26 @@ UNEXPORTABLE = ("squared_relu", "quick_geglu", "glu_linear_offset", "activation_
 
 GPT_OSS_EXPORTABLE = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type")
 """The flags of UNEXPORTABLE (and --softmax-type) that the gpt_oss format holds (its exporter checks their values)."""
+YARN_EXPORTABLE = ("gpt_oss", "deepseek_v3")
+"""The formats whose exporters write --rope-type yarn's rope_parameters (the others would drop the scaling)."""
 
 
 def check_hf_exportable(cfg: dict, style: str = "") -> None:
     """Refuse (one line) a Hugging Face export of a model using one of these flags: none of the families
     the converter writes (gpt2, llama, mistral, qwen2/3, mixtral, qwen3_moe, deepseek_v3, bert) computes it;
-    gpt_oss computes the gpt-oss ones (GPT_OSS_EXPORTABLE)."""
+    gpt_oss computes the gpt-oss ones (GPT_OSS_EXPORTABLE). ``--rope-type yarn`` is refused likewise
+    but for gpt_oss and deepseek_v3 (YARN_EXPORTABLE)."""
     allowed = GPT_OSS_EXPORTABLE if style == "gpt_oss" else ()
     names = [k for k in UNEXPORTABLE if k not in allowed and cfg.get(k) not in (None, False, 0, 0.0)]
     if "softmax_type" not in allowed and cfg.get("softmax_type", "vanilla") != "vanilla":  # parallel/attention_sink.py
         names.append("softmax_type")
-    used = [f"--softmax-type {cfg['softmax_type']}" if k == "softmax_type" else f"--{k.replace('_', '-')}" for k in names]
+    if style not in YARN_EXPORTABLE and cfg.get("rope_type") == "yarn":  # the llama-style writers know llama3/linear only
+        names.append("rope_type")
+    used = [f"--{k.replace('_', '-')} {cfg[k]}" if k in ("softmax_type", "rope_type") else f"--{k.replace('_', '-')}"
+            for k in names]
     hint = ("only the gpt_oss format (mixture of experts with biases) holds it: use --hf-style gpt_oss"
-            if names and set(names) <= set(GPT_OSS_EXPORTABLE) else "convert to --saver megatron instead")
+            if names and set(names) <= {*GPT_OSS_EXPORTABLE, "rope_type"} and names != ["rope_type"]
+            else "of the formats written here only gpt_oss and deepseek_v3 hold YaRN; convert to --saver megatron "
+            "instead" if names == ["rope_type"] else "convert to --saver megatron instead")
     _require(not used, f"the checkpoint was trained with {', '.join(used)}, which the {style or 'chosen'} Hugging Face "
              f"format does not compute; export is refused ({hint})")

@@ -227,6 +227,22 @@ def test_hugging_face_export_is_refused(flag, value, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("style", ["auto", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
+def test_yarn_export_is_refused_where_the_format_would_drop_it(style, tmp_path):
+    """--rope-type yarn on standard attention: the llama-style writers know only llama3 / linear scaling and
+    wrote plain RoPE (transformers' log-probs then differed); only gpt_oss and deepseek_v3 write YaRN."""
+    from megatron_lite.checkpoint.convert import save_hf
+    from megatron_lite.checkpoint.reshard import ModelBundle
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.errors import ConfigError
+
+    cfg = dict(vars(ModelConfig(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                                disable_bias_linear=True)), vocab_size=64, rope_type="yarn")
+    with pytest.raises(ConfigError, match="--rope-type yarn.*export is refused.*gpt_oss and deepseek_v3"):
+        save_hf(ModelBundle(config=cfg, state_dict={}), str(tmp_path / "hf"), style)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_flops_count_the_gated_fc1_twice():
     """--quick-geglu's fc1 is as wide as --swiglu's; --squared-relu's as GeLU's (the MFU log)."""
     from megatron_lite.config import ModelConfig
