@@ -96,3 +96,20 @@ def test_export_into_a_folder_holding_model_files_is_refused(hf_folder, tmp_path
     assert code == 2 and len(lines) == 1, lines
     assert f"{out} already holds {leftover}" in lines[0] and "choose an empty --save-dir" in lines[0], lines[0]
     assert sorted(p.name for p in out.iterdir()) == [leftover]  # nothing written beside it
+
+
+@pytest.mark.parametrize("saver", ["megatron", "hf"])
+@pytest.mark.parametrize("target", ["a file", "under a file"])
+def test_a_save_dir_that_cannot_be_written_is_one_line(hf_folder, tmp_path, capsys, saver, target):
+    """A --save-dir that is a file, or lies under one (as a read-only or full disk fails), was an
+    OSError traceback; now one line naming --save-dir and the fix, exit 2."""
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")
+    save = blocker if target == "a file" else blocker / "out"
+    capsys.readouterr()
+    convert = load_tool("checkpoint/convert")
+    code = convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", saver, "--load-dir", str(hf_folder),
+                         "--save-dir", str(save)])
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "pipeline stages" not in line]  # tqdm
+    assert code == 2 and len(lines) == 1, lines
+    assert f"could not write --save-dir {save}" in lines[0] and "new folder you can write to" in lines[0], lines[0]

@@ -42,12 +42,28 @@ def _progress(iterable, **kw):
     return tqdm(iterable, **kw)
 
 
+def _os_error(err: OSError, args) -> str:
+    """One line for an OSError: which folder it concerns (``--load-dir`` or ``--save-dir``) and the fix."""
+    where = os.path.abspath(str(err.filename or ""))
+    reason = f"{err.strerror or err} ({err.filename})" if err.filename else str(err.strerror or err)
+    def under(folder):
+        return os.path.commonpath([where, os.path.abspath(folder)]) == os.path.abspath(folder)
+
+    if under(args.load_dir) and not under(args.save_dir):
+        return f"could not read --load-dir {args.load_dir}: {reason}"
+    return (f"could not write --save-dir {args.save_dir}: {reason}; point --save-dir at a new folder you can "
+            "write to, on a disk with room for the checkpoint")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = convert(args, progress=_progress)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file in the way, no permission, disk full: one line, not a traceback
+        print(f"error: {_os_error(err, args)}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0
