@@ -49,7 +49,7 @@ from .hf_mixtral import from_mixtral, to_mixtral
 from .hf_qwen2 import from_qwen2, to_qwen2
 from .hf_qwen3 import from_qwen3, from_qwen3_moe, to_qwen3, to_qwen3_moe
 from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
-from .hf_unused import TensorReads, refuse_unused
+from .hf_unused import LAYER, TensorReads, refuse_unused
 from .layout import check_expert_size, check_model_type
 from .norm_1p import plain_norms, zero_centred_norms
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
@@ -207,24 +207,36 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
         raise ConfigError(f"--moe-grouped-gemm applies to a mixtral, qwen3_moe, gpt_oss or deepseek_v3 model only; "
                           f"{load_dir} holds {kind!r}: drop it")
     tensors = TensorReads(read_safetensors(load_dir))
-    if kind == "mixtral":
-        out = from_mixtral(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "gpt_oss":
-        out = from_gptoss(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "deepseek_v3":
-        out = from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "megatron-bert":
-        out = from_bert(hf_config, tensors)
-    elif kind == "qwen2":
-        out = from_qwen2(hf_config, tensors)
-    elif kind in ("qwen3", "qwen3_moe"):
-        out = from_qwen3(hf_config, tensors) if kind == "qwen3" else from_qwen3_moe(hf_config, tensors, moe_grouped_gemm)
-    elif kind == "mistral":
-        out = from_mistral(hf_config, tensors)
-    else:
-        out = from_hf(hf_config, tensors)
+    try:
+        out = _convert_hf_tensors(kind, hf_config, tensors, moe_grouped_gemm)
+    except RuntimeError as err:  # a reshape or split of a tensor whose shape config.json does not give
+        text, last = str(err).strip().splitlines(), tensors.last_read() or ""
+        layer = LAYER.search(last)  # the readers convert one layer at a time
+        where = f"layer {layer.group(1)} ({last[:layer.end()]}*)" if layer else f"the tensors read up to {last}"
+        raise CheckpointError(f"{load_dir}: a tensor of {where} does not have the shape config.json gives "
+                              f"({text[0] if text else type(err).__name__}); the folder does not match its config.json") from None
     refuse_unused(tensors, hf_config, load_dir)
     return out
+
+
+def _convert_hf_tensors(kind: str, hf_config: dict, tensors: TensorReads, moe_grouped_gemm: bool) -> tuple[dict, dict]:
+    """The reader of ``model_type`` ``kind``: (flat config, state dict)."""
+    if kind == "mixtral":
+        return from_mixtral(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "gpt_oss":
+        return from_gptoss(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "deepseek_v3":
+        return from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
+    elif kind == "megatron-bert":
+        return from_bert(hf_config, tensors)
+    elif kind == "qwen2":
+        return from_qwen2(hf_config, tensors)
+    elif kind in ("qwen3", "qwen3_moe"):
+        return from_qwen3(hf_config, tensors) if kind == "qwen3" else from_qwen3_moe(hf_config, tensors, moe_grouped_gemm)
+    elif kind == "mistral":
+        return from_mistral(hf_config, tensors)
+    else:
+        return from_hf(hf_config, tensors)
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:

@@ -30,18 +30,22 @@ EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class TensorReads(dict):
-    """``{name: tensor}`` remembering which names were read (``[]`` or ``get``); views made by
-    :meth:`strip` record into the same set, under the names in the file."""
+    """``{name: tensor}`` remembering which names were read (``[]`` or ``get``), in the order read; views
+    made by :meth:`strip` record into the same dict, under the names in the file."""
 
-    def __init__(self, tensors: dict, names: dict | None = None, read: set | None = None):
+    def __init__(self, tensors: dict, names: dict | None = None, read: dict | None = None):
         super().__init__(tensors)
         self.names = names if names is not None else {k: k for k in tensors}
-        self.read = read if read is not None else set()
+        self.read = read if read is not None else {}  # an ordered set: the last name read is last
 
     def __getitem__(self, key):
         value = super().__getitem__(key)
-        self.read.add(self.names[key])
+        self.read.pop(self.names[key], None)
+        self.read[self.names[key]] = None
         return value
+
+    def last_read(self) -> str | None:
+        return next(reversed(self.read), None)
 
     def get(self, key, default=None):
         return self[key] if key in self else default
@@ -90,7 +94,7 @@ def _cause(unused: list[str], hf: dict) -> str:
 def refuse_unused(tensors: TensorReads, hf: dict, folder: str) -> None:
     """One CheckpointError naming a few tensors of ``folder`` the import did not read, and why."""
     gpt2 = hf.get("model_type") == "gpt2"
-    unused = sorted(n for n in set(tensors.names.values()) - tensors.read if not _harmless(n, tensors, gpt2))
+    unused = sorted(n for n in set(tensors.names.values()) - set(tensors.read) if not _harmless(n, tensors, gpt2))
     if unused:
         shown = ", ".join(unused[:3]) + (f" (and {len(unused) - 3} more)" if len(unused) > 3 else "")
         raise CheckpointError(f"{folder}: {len(unused)} tensor(s) would be dropped by the import: {shown}; "

@@ -44,6 +44,17 @@ def _config(folder, change):
     path.write_text(json.dumps(cfg))
 
 
+def _cut(folder, name, rows):
+    """Keep the first ``rows`` rows of tensor ``name`` in the shard that holds it."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = str(folder / index["weight_map"][name])
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:rows].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
 DAMAGE = {
     "config.json not JSON": (lambda f: (f / "config.json").write_text("{not json"),
                              ["config.json is not readable JSON (JSONDecodeError"]),
@@ -53,6 +64,9 @@ DAMAGE = {
     "truncated shard": (lambda f: _first_shard(f).write_bytes(_first_shard(f).read_bytes()[:100]),
                         ["-of-", "is unreadable (SafetensorError", "truncated or corrupt"]),
     "missing shard": (lambda f: _first_shard(f).unlink(), ["-of-", "(listed in", "is missing"]),
+    "a tensor of the wrong shape": (lambda f: _cut(f, "model.layers.1.self_attn.k_proj.weight", 6),
+                                    ["a tensor of layer 1 (model.layers.1.*) does not have the shape config.json gives",
+                                     "the folder does not match its config.json"]),
     "index without weight map": (lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
                                  ["model.safetensors.index.json has no weight_map"]),
 }
