@@ -195,7 +195,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM save a checkpoint and exit 0."""
     exit_duration_in_mins: float | None = None
-    """Save and exit after this many minutes of training."""
+    """Save and exit after this many minutes of training (0: no limit)."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
     check_for_nan_in_loss_and_grad: bool = True

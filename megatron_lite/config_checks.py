@@ -274,6 +274,8 @@ def _check_data_and_checkpoint(config: Config) -> None:
     _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
     _require(t.exit_interval is None or t.exit_interval >= 0, f"--exit-interval must not be negative, got "
              f"{t.exit_interval} (it would exit at iteration {-(t.exit_interval or 0)}); 0 or unset: no exit")
+    _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins >= 0, "--exit-duration-in-mins must not be "
+             f"negative, got {t.exit_duration_in_mins} (it would exit after the first iteration); 0 or unset: no limit")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
     from .data.sft_dataset import check_sft_flags

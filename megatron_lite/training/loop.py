@@ -297,10 +297,10 @@ class _Training:
         """Why the run stops after this iteration ("signal", "duration", "interval"), or None."""
         t = self.config.training
         reason = None
-        if t.exit_signal_handler or t.exit_duration_in_mins is not None:  # one small all-reduce, only when asked
+        if t.exit_signal_handler or t.exit_duration_in_mins:  # one small all-reduce, only when asked (0: no limit)
             signalled, out_of_time = _any_rank(
                 self.exit_signal.received,
-                t.exit_duration_in_mins is not None and (time.time() - self.start) / 60 > t.exit_duration_in_mins,
+                bool(t.exit_duration_in_mins) and (time.time() - self.start) / 60 > t.exit_duration_in_mins,
             )
             reason = "signal" if signalled else "duration" if out_of_time else None
         interval = reason is None and t.exit_interval and self.iteration % t.exit_interval == 0

@@ -227,9 +227,18 @@ def test_bad_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words
 
 def test_exit_duration_saves_and_stops(tmp_path):
     save = str(tmp_path / "dur")
-    result = pretrain_gpt.main(_argv(save, 50, ["--exit-duration-in-mins", "0"]))
+    result = pretrain_gpt.main(_argv(save, 50, ["--exit-duration-in-mins", "1e-9"]))  # 60 ns: after iteration 1
     assert result.exit_reason == "duration" and result.iteration == 1
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+
+
+def test_exit_duration_zero_is_no_limit(tmp_path, capsys):
+    """As in Megatron-LM, --exit-duration-in-mins 0 sets no limit (it stopped the run after iteration 1);
+    a negative value is refused in one line."""
+    result = pretrain_gpt.main(_argv(str(tmp_path / "zero"), 3, ["--exit-duration-in-mins", "0"]))
+    assert result.exit_reason == "done" and result.iteration == 3
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "neg"), 3, ["--exit-duration-in-mins", "-1"]),
+                     "--exit-duration-in-mins must not be negative", "0 or unset: no limit")
 
 
 def test_checkpoint_of_another_pipeline_layout_is_refused(tmp_path, capsys):
