@@ -33,6 +33,7 @@ from .format import (
     atomic_save,
     atomic_write_text,
     iteration_dir,
+    on_every_rank,
     restore_aside,
     tensor_crc,
     with_checksums,
@@ -137,22 +138,41 @@ class AsyncSaves:
         if self.pending is not None and not self.pending.thread.is_alive():
             self._finish()
 
-    def wait(self) -> None:
-        """Block until the write in flight is complete, and finalize it."""
+    def wait(self, final: bool = False) -> None:
+        """Block until the write in flight is complete, and finalize it. ``final`` (the end of the run,
+        collective): a failed write is a CheckpointError on every rank, as a failed save is without
+        ``--async-save``; before that a failure is a warning, and the next save may succeed."""
+        error = None
         if self.pending is not None:
             self.pending.thread.join()
-            self._finish()
+            error = self._finish(final)
+        if final:
+            on_every_rank(lambda: _raise(error))
 
-    def _finish(self) -> None:
+    def _finish(self, final: bool = False) -> str | None:
+        """Finalize the write just done; returns why it failed (and, unless ``final``, warns), or None."""
         pending, self.pending = self.pending, None
         pending.thread.join()
-        if pending.error is not None:  # the previous checkpoint stays the latest
-            print(f"WARNING: async save of iteration {pending.iteration} failed: {pending.error}", flush=True)
-            return
-        if (dist.get_rank() if _distributed() else 0) == 0:
-            finalize_save(pending.root, pending.iteration)
+        error = pending.error
+        if error is None and (dist.get_rank() if _distributed() else 0) == 0:
+            try:
+                finalize_save(pending.root, pending.iteration)
+            except OSError as err:
+                error = (f"could not rename {temp_dir(pending.root, pending.iteration)} into place: "
+                         f"{err.strerror or err} ({err.filename}); the previous checkpoint stays the latest")
+        if error is not None:
+            error = f"async save of iteration {pending.iteration} to --save {pending.root} failed: {error}"
+            if not final:
+                print(f"WARNING: {error}", flush=True)
+            return error
         pending.say(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
                     "(async)", flush=True)
+        return None
+
+
+def _raise(error: str | None) -> None:
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, saves, steps) -> str:

@@ -310,8 +310,8 @@ class _Training:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
         with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
             self._iterate()
-        if self.async_saves is not None:
-            self.async_saves.wait()
+        if self.async_saves is not None:  # the last save's failure stops the run, as a failed save does
+            self.async_saves.wait(final=True)
         self.profiler.close()  # the run ended inside the profiling window
         self.logger.close()
         for chunk in self.chunks:  # --overlap-param-gather: the last step's all-gathers land before returning

@@ -237,6 +237,30 @@ def test_killed_during_async_save_resumes_from_the_previous_checkpoint(tmp_path)
     assert_same_trajectory(Trajectory.of(resumed), straight[2:], rtol=0)  # bit-identical
 
 
+def test_a_failed_async_save_warns_and_the_last_one_stops_the_run(tmp_path, monkeypatch, capsys):
+    """A background write that fails (disk full) mid-run is a warning and the run goes on; the last
+    save of the run failing used to end it with exit 0 and no checkpoint: now one line, exit 2, as a
+    failed save without --async-save."""
+    write = dist_save.write_pieces
+
+    def failing_at(iteration):
+        def maybe_fail(pieces, folder, group=None):
+            if folder.endswith(f"iter_{iteration:07d}"):
+                raise dist_save.CheckpointError(f"could not write torch_dist checkpoint {folder}: No space left")
+            write(pieces, folder, group)
+        return maybe_fail
+
+    argv = MODEL + DIST + ["--save-interval", "2", "--async-save"]
+    monkeypatch.setattr(dist_save, "write_pieces", failing_at(2))
+    mid = str(tmp_path / "mid")
+    assert pretrain_gpt.main(_argv(mid, 4, argv)).iteration == 4
+    assert read_tracker(mid) == 4 and "WARNING: async save of iteration 2" in capsys.readouterr().out
+    monkeypatch.setattr(dist_save, "write_pieces", failing_at(4))
+    last = str(tmp_path / "last")
+    _one_line_exit_2(capsys, _argv(last, 4, argv), "async save of iteration 4 to --save", "No space left")
+    assert read_tracker(last) == 2
+
+
 def _every_key_checksummed(folder):
     index = read_index(folder)
     keys = {key for boxes in index.values() for *_, key in boxes}
