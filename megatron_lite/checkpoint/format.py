@@ -114,17 +114,22 @@ def read_tracker(root: str) -> int | str | None:
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__}); write the iteration number into it "
                               "or delete it") from None
     if text == "release":
-        restore_aside(root, text)
-        return text
-    try:
-        iteration = int(text)
-    except ValueError:
-        iteration = -1
-    if iteration < 0:  # iter_-000003 does not exist: the tracker is what is wrong
-        raise CheckpointError(
-            f"{path} should hold an iteration number (0 or more) but holds {text[:40]!r}; fix or delete it"
-        )
+        iteration = text
+    else:
+        try:
+            iteration = int(text)
+        except ValueError:
+            iteration = -1
+        if iteration < 0:  # iter_-000003 does not exist: the tracker is what is wrong
+            raise CheckpointError(
+                f"{path} should hold an iteration number (0 or more) but holds {text[:40]!r}; fix or delete it"
+            )
     restore_aside(root, iteration)
+    if not os.path.isdir(iteration_dir(root, iteration)):  # never reported as another format or a partial save
+        held = iteration_folders(root)
+        raise CheckpointError(f"{path} names iteration {iteration} but {iteration_dir(root, iteration)} does not exist; "
+                              + (f"write the iteration of a checkpoint there into it (newest: {held[-1]})" if held
+                                 else "there is no checkpoint in that folder: point --load at the one holding yours"))
     return iteration
 
 

@@ -3,6 +3,7 @@ message, and crash safety (a failed save never becomes "latest")."""
 
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -225,6 +226,23 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="should hold an iteration number"):
         load_checkpoint([model], opt, sched, cfg, state)
     assert issubclass(CheckpointError, ValueError)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_tracker_naming_a_missing_iteration_is_named(tmp_path, fmt):
+    """A tracker naming an iteration whose folder is gone was reported as a missing model file of an
+    interrupted save, or (--ckpt-format torch_dist) as a checkpoint 'in the torch format'; now the
+    tracker, the missing folder and the newest checkpoint there are named."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(3, [model], opt, sched, 4, cfg, state)
+    cfg.checkpoint.ckpt_format = fmt  # the format the run loads with
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration.txt names iteration 7 but .*iter_0000007 "
+                                              r"does not exist; write the iteration .* \(newest: iter_0000003\)"):
+        load_checkpoint([model], opt, sched, cfg, state)
+    shutil.rmtree(tmp_path / "ckpt" / "iter_0000003")
+    with pytest.raises(CheckpointError, match="there is no checkpoint in that folder"):
+        load_checkpoint([model], opt, sched, cfg, state)
 
 
 @pytest.mark.parametrize("leftover", [".metadata", "common.pt", "mp_rank_01_000/model_optim_rng.pt", "rng/rank_00007.pt"])
