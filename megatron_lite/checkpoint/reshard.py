@@ -61,6 +61,7 @@ from .format import (
     atomic_write_text,
     find_model_files,
     iteration_dir,
+    iteration_folders,
     model_file,
     param_meta,
     read_tracker,
@@ -304,6 +305,10 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     iteration = bundle.iteration
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
+    held = iteration_folders(save_dir)
+    held += [TRACKER_FILENAME] if os.path.lexists(os.path.join(save_dir, TRACKER_FILENAME)) else []
+    if held:  # its tracker would be moved to this iteration: a run resuming there would go back silently
+        raise CheckpointError(f"{save_dir} already holds checkpoints ({', '.join(held[-3:])}); choose an empty --save-dir")
     chunks_per_rank = len(ranges[0])
     # a folded grid's experts are cut over ETP (even of one rank), as training marks them
     built = {**cfg, "expert_tensor_parallel_size": None} if layout.folded else cfg

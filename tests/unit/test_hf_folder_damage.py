@@ -127,3 +127,20 @@ def test_a_save_dir_that_cannot_be_written_is_one_line(hf_folder, tmp_path, caps
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if "pipeline stages" not in line]  # tqdm
     assert code == 2 and len(lines) == 1, lines
     assert f"could not write --save-dir {save}" in lines[0] and "new folder you can write to" in lines[0], lines[0]
+
+
+def test_a_megatron_save_dir_holding_a_checkpoint_is_refused(hf_folder, tmp_path, capsys):
+    """Converting into a folder holding another run's checkpoints moved its tracker to the converted
+    iteration (3 -> release): a run resuming there went back silently. Now refused; nothing written."""
+    convert = load_tool("checkpoint/convert")
+    run = tmp_path / "run"
+    argv = ["--model-type", "GPT", "--loader", "hf", "--load-dir", str(hf_folder), "--save-dir", str(run)]
+    assert convert.main(argv) == 0
+    (run / "release").rename(run / "iter_0000003")
+    (run / "latest_checkpointed_iteration.txt").write_text("3\n")
+    capsys.readouterr()
+    assert convert.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: {run} already holds checkpoints (iter_0000003, latest_checkpointed_iteration.txt); "
+                     "choose an empty --save-dir"], lines
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "3\n" and not (run / "release").exists()
