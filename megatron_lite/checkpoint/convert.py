@@ -104,6 +104,11 @@ def _megatron_saver_args(parser) -> None:
 def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     """The ``--target-*`` options, defaulting to the source's layout (a PP change resets the stage split)."""
     src = bundle.config
+    for flag in ("--target-tensor-parallel-size", "--target-pipeline-parallel-size", "--target-expert-parallel-size"):
+        # before the source's sizes stand in for an absent one: 0 is no size, not "the source's"
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
     ep = args.target_expert_parallel_size or src.get("expert_model_parallel_size") or 1
     tp = args.target_tensor_parallel_size or src.get("tensor_model_parallel_size") or 1
     pp = args.target_pipeline_parallel_size or src.get("pipeline_model_parallel_size") or 1
@@ -113,9 +118,6 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     if same_pp and split == (None, None, None):
         split = (src.get("num_layers_per_virtual_pipeline_stage"), src.get("decoder_first_pipeline_num_layers"),
                  src.get("decoder_last_pipeline_num_layers"))
-    for flag, value in (("--target-tensor-parallel-size", tp), ("--target-pipeline-parallel-size", pp)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
     check_expert_size(src, ep)
     etp = args.target_expert_tensor_parallel_size
     if etp is None:  # the source's experts: split like its dense layers, whole, or on their own grid

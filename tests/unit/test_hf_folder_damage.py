@@ -144,3 +144,16 @@ def test_a_megatron_save_dir_holding_a_checkpoint_is_refused(hf_folder, tmp_path
     assert lines == [f"error: {run} already holds checkpoints (iter_0000003, latest_checkpointed_iteration.txt); "
                      "choose an empty --save-dir"], lines
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "3\n" and not (run / "release").exists()
+
+
+@pytest.mark.parametrize("option", ["--target-tensor-parallel-size", "--target-pipeline-parallel-size",
+                                    "--target-expert-parallel-size"])
+def test_a_target_size_of_0_is_refused(hf_folder, tmp_path, capsys, option):
+    """A target size 0 was taken as 'the source's size' (the conversion ran at TP 1); now refused."""
+    capsys.readouterr()
+    convert = load_tool("checkpoint/convert")
+    code = convert.main(["--model-type", "GPT", "--loader", "hf", "--load-dir", str(hf_folder),
+                         "--save-dir", str(tmp_path / "out"), option, "0"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines == [f"error: {option} must be at least 1, got 0"], lines
+    assert not (tmp_path / "out").exists()
