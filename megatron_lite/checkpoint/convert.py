@@ -242,7 +242,10 @@ def _convert_hf_tensors(kind: str, hf_config: dict, tensors: TensorReads, moe_gr
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:
-    return load_hf(args.load_dir, args.make_vocab_size_divisible_by or 128, bool(args.moe_grouped_gemm),
+    divisor = args.make_vocab_size_divisible_by  # 0 was taken as the default
+    if divisor is not None and divisor < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by must be at least 1, got {divisor}")
+    return load_hf(args.load_dir, 128 if divisor is None else divisor, bool(args.moe_grouped_gemm),
                    bool(args.apply_layernorm_1p))
 
 
