@@ -18,6 +18,7 @@ run that trains on garbage.
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 
@@ -165,7 +166,11 @@ def atomic_save(obj, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as err:  # torch.save reports a failed write (a full disk) as a RuntimeError
+            reason = str(err).strip().splitlines()[0][:120] if str(err).strip() else "RuntimeError"
+            raise OSError(errno.EIO, f"write failed ({reason}); is the disk full?", path) from None
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -7,6 +7,7 @@ when a Hugging Face folder is read or written.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -78,6 +79,16 @@ def write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
+def _save_file(st, tensors: dict, path: str) -> None:
+    """``safetensors.save_file``; a failed write (a full disk: a SafetensorError) is an OSError naming ``path``."""
+    try:
+        st.save_file(tensors, path, metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors reports I/O errors as its own exception type
+        raise OSError(errno.EIO, f"write failed ({str(err).strip().splitlines()[0][:120]})", path) from None
+
+
 def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[str]:
     """Write ``tensors`` as ``model.safetensors``, or as shards plus the index when larger than
     ``max_shard_bytes``; returns the file names written."""
@@ -93,12 +104,12 @@ def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        st.save_file(shards[0], os.path.join(folder, SINGLE_FILE), metadata={"format": "pt"})
+        _save_file(st, shards[0], os.path.join(folder, SINGLE_FILE))
         return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        st.save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        _save_file(st, shard, os.path.join(folder, name))
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_json(os.path.join(folder, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -158,3 +158,20 @@ def test_a_target_size_of_0_is_refused(hf_folder, tmp_path, capsys, option):
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"{option} must be at least 1" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_onto_a_full_disk_is_one_line(hf_folder, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own exception (a SafetensorError): it was a traceback."""
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    code = load_tool("checkpoint/convert").main(["--model-type", "GPT", "--loader", "hf", "--saver", "hf",
+                                                 "--load-dir", str(hf_folder), "--save-dir", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"could not write --save-dir {out}: write failed (Error while serializing: I/O error: No space left" in lines[0]
