@@ -74,10 +74,12 @@ def check_expert_grid(path: str, ckpt: dict, state) -> None:
     differ = [f"--{flag} {saved[key]}" for key, flag, _ in _SIZES if saved[key] != ours[key]]
     fix = (f"set {', '.join(differ)}" if differ else "launch the saved data- and context-parallel sizes (the "
            "experts fold where --expert-model-parallel-size does not divide the data-parallel size)")
+    # convert.py folds the experts only when told the data-parallel size EP does not divide
+    convert_dp = f" with --target-data-parallel-size {g.dp}" if state.folded else ""
     raise CheckpointError(
         f"checkpoint {path} was saved at {_grid(saved, saved_folded)}, this run has "
         f"{_grid(ours, state.folded)}; a --ckpt-format torch checkpoint of a folded expert grid resumes only at "
-        f"its own sizes: {fix}, convert it to this run's sizes (tools/checkpoint/convert.py), or save with "
+        f"its own sizes: {fix}, convert it to this run's sizes (tools/checkpoint/convert.py{convert_dp}), or save with "
         "--ckpt-format torch_dist (it reshards the experts on --load)")
 
 

@@ -40,9 +40,10 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None]) if m else 0
+    if size < 1:  # 0 would write every tensor to a file of its own
+        raise ConfigError(f"--max-shard-size {text!r} is not a positive size; use e.g. 5GB, 500MB or a byte count")
+    return size
 
 
 def read_json(path: str) -> dict:

@@ -138,7 +138,8 @@ def test_torch_checkpoint_of_a_folded_grid_resumes_only_at_its_expert_sizes():
     saved = {"tp_size": 1, "pp_size": 1, "ep_size": 2, "etp_size": 2, "expert_grid_folded": True}
     here = _rank_state(RankGrid(4, tp=2, ep=4, etp=1), 0)
     with pytest.raises(CheckpointError, match="ETP 2 .* this run has TP 2, PP 1, EP 4, ETP 1 .*--tensor-model-parallel-size 1"
-                                              ", --expert-model-parallel-size 2, --expert-tensor-parallel-size 2.*torch_dist"):
+                                              ", --expert-model-parallel-size 2, --expert-tensor-parallel-size 2.*"
+                                              r"convert\.py with --target-data-parallel-size 2\).*torch_dist"):
         check_expert_grid("ckpt", saved, here)
     check_expert_grid("ckpt", saved, _rank_state(RankGrid(4, ep=2, etp=2), 3))  # the same sizes load
     check_expert_grid("ckpt", {"tp_size": 2}, _rank_state(RankGrid(4, tp=2, ep=2), 1))  # unfolded: not its business
@@ -161,6 +162,7 @@ def test_folded_tp1_etp2_torch_checkpoint_at_tp2_names_tp_and_torch_dist(grid, f
     message = str(err.value)
     assert "resumes only at its own sizes" in message and fix in message and "--ckpt-format torch_dist" in message
     assert "--expert-tensor-parallel-size" not in message and "\n" not in message, message
+    assert "convert.py)" in message, message  # this run's experts do not fold: no data-parallel size to name
 
 
 def test_size_mismatch_of_a_folded_torch_checkpoint_advises_the_converter():

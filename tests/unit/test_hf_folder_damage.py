@@ -175,3 +175,14 @@ def test_an_export_onto_a_full_disk_is_one_line(hf_folder, tmp_path, capsys, mon
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert f"could not write --save-dir {out}: write failed (Error while serializing: I/O error: No space left" in lines[0]
+
+
+@pytest.mark.parametrize("size", ["0", "0.1", "five GB"])
+def test_a_max_shard_size_that_is_not_a_positive_size_is_one_line(hf_folder, tmp_path, capsys, size):
+    """--max-shard-size 0 (or a fraction of a byte) wrote every tensor to a safetensors file of its own."""
+    out = tmp_path / "out"
+    code = load_tool("checkpoint/convert").main(["--model-type", "GPT", "--loader", "hf", "--saver", "hf", "--load-dir",
+                                                 str(hf_folder), "--save-dir", str(out), "--max-shard-size", size])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"--max-shard-size {size!r} is not a positive size" in lines[0], lines
+    assert not out.exists() or not any(out.iterdir())
