@@ -334,7 +334,7 @@ class CheckpointConfig:
     load: str | None = None
     """Folder to load a checkpoint from."""
     save_interval: int | None = field(default=None, metadata={"aliases": ("--persistent-save-interval",)})
-    """Save every this many steps."""
+    """Save every this many steps (0: no periodic save, only the final one)."""
     no_load_optim: bool = False
     """Do not load optimizer state."""
     no_load_rng: bool = False

@@ -267,11 +267,12 @@ def _check_data_and_checkpoint(config: Config) -> None:
         _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
     _require(d.num_workers >= 0, f"--num-workers must be at least 0, got {d.num_workers} (0: load in the main process)")
-    _require(cp.save_interval is None or cp.save is not None, "--save-interval needs --save")
+    _require(not cp.save_interval or cp.save is not None, "--save-interval needs --save")
     _require(not cp.finetune or cp.load is not None or cp.pretrained_checkpoint is not None,
              "--finetune needs --load (the checkpoint whose weights the run starts from); without it the model "
              "would train from scratch")
-    _require(cp.save_interval is None or cp.save_interval >= 1, "--save-interval must be at least 1")
+    _require(cp.save_interval is None or cp.save_interval >= 0, f"--save-interval must not be negative, got "
+             f"{cp.save_interval}; 0 or unset: no periodic save (the run still saves at its end)")
     _require(t.exit_interval is None or t.exit_interval >= 0, f"--exit-interval must not be negative, got "
              f"{t.exit_interval} (it would exit at iteration {-(t.exit_interval or 0)}); 0 or unset: no exit")
     _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins >= 0, "--exit-duration-in-mins must not be "

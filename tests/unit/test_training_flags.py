@@ -19,6 +19,7 @@ BASE = ["--mock-data", "--vocab-size", "64"]
     (["--lr-warmup-iters", "-3"], "--lr-warmup-iters must be at least 0, got -3"),
     (["--lr=-0.1", "--min-lr=-0.2"], "--lr must be at least 0, got -0.1"),
     (["--min-lr=-1e-5"], "--min-lr must be at least 0, got -1e-05"),  # Megatron asserts min_lr >= 0 too
+    (["--save", "ckpt", "--save-interval", "-2"], "--save-interval must not be negative, got -2"),
 ])
 def test_unusable_counts_are_one_line_exit_2(capsys, flags, words):
     with pytest.raises(SystemExit) as err:
@@ -59,3 +60,14 @@ def test_check_args_mode_applies_the_scripts_own_rules(capsys, monkeypatch, scri
     lines = capsys.readouterr()
     assert err.value.code == 2, lines.out
     assert len(lines.err.strip().splitlines()) == 1 and words in lines.err, lines.err
+
+
+def test_save_interval_0_saves_only_at_the_end(tmp_path):
+    """As in Megatron-LM, --save-interval 0 means no periodic save (it was refused: 'must be at least 1')."""
+    import pretrain_gpt
+    save = tmp_path / "ckpt"
+    pretrain_gpt.main(BASE + ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length",
+                              "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "0",
+                              "--lr-decay-style", "constant", "--train-iters", "3", "--save", str(save),
+                              "--save-interval", "0"])
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
