@@ -123,9 +123,12 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
             raise ValueError(f"--moe-layer-freq {value} must be a positive integer or a list expression")
         return [i % n == 0 for i in range(num_layers)]
     pattern = _eval_list(ast.parse(str(value).strip(), mode="eval").body)
-    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
         raise ValueError(f"--moe-layer-freq {value!r} must be a list of {num_layers} zeros and ones (one per layer)")
     return [bool(v) for v in pattern]
+
+
+_MAX_PATTERN = 1_000_000
 
 
 def _eval_list(node):
@@ -136,7 +139,13 @@ def _eval_list(node):
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _eval_list(node.left), _eval_list(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            if len(items) * times > _MAX_PATTERN:  # (a typo like [1]*10000000000 would fill the memory)
+                raise ValueError(f"--moe-layer-freq: a list of {len(items) * times} entries is longer than any model")
+            return items * times
     raise ValueError("--moe-layer-freq: only int lists, + and * are allowed, e.g. \"([0]+[1]*3)\"")
 
 

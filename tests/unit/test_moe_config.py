@@ -20,6 +20,13 @@ def test_layer_freq_patterns():
         parse_moe_layer_freq("[1]*3", 4)
     with pytest.raises(ValueError, match="only int lists"):
         parse_moe_layer_freq("__import__('os')", 4)
+    assert parse_moe_layer_freq("2*[0,1]", 4) == [False, True, False, True]
+    # an int sum or a list plus an int was a TypeError traceback from the CLI
+    for bad in ("2+3", "[0]+1", "[1]*[2]", "3*4"):
+        with pytest.raises(ValueError, match="only int lists"):
+            parse_moe_layer_freq(bad, 4)
+    with pytest.raises(ValueError, match="longer than any model"):  # was a MemoryError after filling the RAM
+        parse_moe_layer_freq("[1]*100000000000", 4)
 
 
 def test_valid_combinations_pass():
@@ -55,6 +62,7 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_token_drop_policy="position"), "--moe-token-drop-policy position needs"),  # was ignored
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
     (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
+    (dict(num_experts=4, moe_layer_freq="2+3"), "--moe-layer-freq"),  # was a TypeError traceback
     (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
     (dict(num_experts=4, moe_ffn_hidden_size=0), "--moe-ffn-hidden-size 0"),  # was experts of width 0
     (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0"),  # dropped every token
