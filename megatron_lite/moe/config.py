@@ -219,6 +219,9 @@ def _routing_problem(moe: MoEConfig) -> str | None:
     if k == 1 and moe.moe_router_score_function == "softmax" and not moe.moe_router_pre_softmax \
             and "sinkhorn" not in types:
         return "--moe-router-topk 1 with a post-top-k softmax gives every weight 1; add --moe-router-pre-softmax"
+    if moe.moe_router_pre_softmax and moe.moe_router_score_function != "softmax" and "sinkhorn" not in types:
+        return (f"--moe-router-pre-softmax has no effect with --moe-router-score-function "
+                f"{moe.moe_router_score_function} (it orders the softmax before the top-k); drop it")
     if moe.moe_expert_capacity_factor is not None and "sinkhorn" in types:
         return "--moe-expert-capacity-factor does not work with sinkhorn load balancing; drop one of them"
     if "sinkhorn" in types and (ignored := _ignored_by_sinkhorn(moe)):

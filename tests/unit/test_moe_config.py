@@ -63,6 +63,9 @@ def test_normalize_defaults():
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups"),
     (dict(num_experts=8, moe_router_num_groups=4), "--moe-router-group-topk"),
     (dict(num_experts=4, moe_layer_freq="2+3"), "--moe-layer-freq"),  # was a TypeError traceback
+    # the sigmoid router has no softmax to order: the flag was silently ignored
+    (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True),
+     "--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid"),
     (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
     (dict(num_experts=4, moe_ffn_hidden_size=0), "--moe-ffn-hidden-size 0"),  # was experts of width 0
     (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0"),  # dropped every token
