@@ -15,6 +15,7 @@ DeepSeek-V3's); here they are flags with the same defaults.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -62,6 +63,25 @@ class MTPConfig:
     """Multi-token prediction depth: extra layers predicting tokens 2..D+1 ahead (default: none)."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token prediction loss: scaling / D x sum of the depths' losses."""
+
+
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def unused_deepseek_flag(model) -> str | None:
+    """A run's MLA sizes without --multi-latent-attention, or --mtp-loss-scaling-factor without
+    --mtp-num-layers, given a value other than the default (the model would ignore it): one line
+    naming the flag, else None. Checked for a run's flags only (a saved config still loads)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MLAConfig) + dataclasses.fields(MTPConfig)}
+    unused = () if model.multi_latent_attention else MLA_SIZES
+    unused += () if model.mtp_num_layers else ("mtp_loss_scaling_factor",)
+    for name in unused:
+        if getattr(model, name) != defaults[name]:
+            flag = f"--{name.replace('_', '-')}"
+            needs = "--mtp-num-layers" if name.startswith("mtp") else "--multi-latent-attention"
+            return (f"{flag} {getattr(model, name)} has no effect without {needs} (this model would ignore it); "
+                    f"add {needs} or drop {flag}")
+    return None
 
 
 def _require(cond: bool, message: str) -> None:

@@ -186,6 +186,31 @@ def moe_config_problem(moe: MoEConfig, *, num_layers: int, tp: int, ep: int, seq
                                                       sequence_parallel=sequence_parallel, fp16=fp16)
 
 
+# flags with a refusal of their own for a dense model (or none to give: set in code)
+_OWN_DENSE_RULE = {"num_experts", "moe_shared_expert_gate", "moe_router_padding_for_fp8", "expert_tensor_parallel_size"}
+
+
+def dense_model_problem(moe: MoEConfig) -> str | None:
+    """Without --num-experts: the first MoE flag given a value other than its default (a dense model
+    ignores every one of them) as one line naming it, else None. Checked for a run's flags only, so
+    a checkpoint whose config recorded such a value still loads."""
+    if moe.num_experts:
+        return None
+    for f in dataclasses.fields(MoEConfig):
+        if f.name in _OWN_DENSE_RULE or f.name in REFUSED:
+            continue
+        value = getattr(moe, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if isinstance(default, list) and not isinstance(value, list):
+            value = [value]
+        if value != default and str(value) != str(default):
+            shown = " ".join(map(str, value)) if isinstance(value, list) else ("" if value is True else value)
+            flag = f"--{f.name.replace('_', '-')}"
+            return (f"{flag} {shown}".rstrip() + " has no effect without --num-experts (this model has no "
+                    f"experts); add --num-experts or drop {flag}")
+    return None
+
+
 def _padding_problem(moe: MoEConfig, fp8: str | None) -> str | None:
     """Megatron-LM's rules for --moe-router-padding-for-fp8: FP8 experts fed by the all-to-all dispatcher."""
     flag = "--moe-router-padding-for-fp8"

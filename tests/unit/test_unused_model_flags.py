@@ -1,0 +1,35 @@
+"""MoE, MLA and MTP flags on a model without experts / MLA / MTP: they trained a plain dense model
+and exited 0 (a forgotten --num-experts went unnoticed). Each is now one line naming the flag and
+the missing one, exit 2; the defaults, and the flags with the feature on, are accepted."""
+
+import pytest
+
+from megatron_lite.arguments import parse_args
+from tests.cli_errors import parse_refused
+
+BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--moe-router-topk", "4"], "--moe-router-topk 4 has no effect without --num-experts"),
+    (["--moe-aux-loss-coeff", "1e-2"], "--moe-aux-loss-coeff 0.01 has no effect without --num-experts"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm has no effect without --num-experts"),
+    (["--moe-layer-freq", "2"], "--moe-layer-freq 2 has no effect"),
+    (["--moe-router-load-balancing-type", "seq_aux_loss"], "--moe-router-load-balancing-type seq_aux_loss"),
+    (["--num-experts", "0", "--moe-ffn-hidden-size", "16"], "--moe-ffn-hidden-size 16 has no effect"),  # 0: dense
+    (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
+    (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
+    (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
+    (["--mtp-loss-scaling-factor", "0.5"], "--mtp-loss-scaling-factor 0.5 has no effect without --mtp-num-layers"),
+])
+def test_a_flag_the_model_would_ignore_is_refused(capsys, flags, words):
+    parse_refused(capsys, BASE + flags, words, world_size=1)
+
+
+def test_defaults_and_used_flags_are_accepted():
+    parse_args(BASE + ["--moe-layer-freq", "1", "--moe-aux-loss-coeff", "0", "--moe-router-topk", "2"], world_size=1)
+    config = parse_args(BASE + ["--num-experts", "4", "--moe-router-topk", "4", "--moe-grouped-gemm",
+                                "--multi-latent-attention", "--q-lora-rank", "16", "--v-head-dim", "8",
+                                "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"], world_size=1)
+    assert config.moe.moe_router_topk == 4 and config.model.q_lora_rank == 16
+    assert config.model.mtp_loss_scaling_factor == 0.5
