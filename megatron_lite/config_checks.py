@@ -77,7 +77,7 @@ def _check_model(config: Config) -> None:
     the flags (they are saved with checkpoints and read by the FLOPs count)."""
     from .models.mla_config import unused_deepseek_flag
     from .models.transformer_config import TransformerConfig
-    from .moe.config import dense_model_problem
+    from .moe.config import unused_moe_flag
 
     m, t = config.model, config.training
     _check_model_values(config)
@@ -92,7 +92,7 @@ def _check_model(config: Config) -> None:
                  f"--num-query-groups {m.num_query_groups} needs --group-query-attention (without it Megatron-LM "
                  "ignores --num-query-groups and builds one key/value group per head); add --group-query-attention "
                  "for grouped-query attention, or drop --num-query-groups")
-    _require((problem := dense_model_problem(config.moe) or unused_deepseek_flag(m)) is None, problem)
+    _require((problem := unused_moe_flag(config.moe) or unused_deepseek_flag(m)) is None, problem)
     model = TransformerConfig.from_config(config)
     for name in DERIVED_FLAGS:
         setattr(m, name, getattr(model, name))

@@ -190,17 +190,20 @@ def moe_config_problem(moe: MoEConfig, *, num_layers: int, tp: int, ep: int, seq
 _OWN_DENSE_RULE = {"num_experts", "moe_shared_expert_gate", "moe_router_padding_for_fp8", "expert_tensor_parallel_size"}
 
 
-def dense_model_problem(moe: MoEConfig) -> str | None:
-    """Without --num-experts: the first MoE flag given a value other than its default (a dense model
-    ignores every one of them) as one line naming it, else None. Checked for a run's flags only, so
-    a checkpoint whose config recorded such a value still loads."""
+def unused_moe_flag(moe: MoEConfig) -> str | None:
+    """A run's MoE flag given a value other than its default that the model would ignore, as one line
+    naming it, else None: any of them without --num-experts, the bias update rate without the expert
+    bias. Checked for a run's flags only, so a checkpoint whose config recorded such a value still loads."""
     if moe.num_experts:
+        rate = moe.moe_router_bias_update_rate
+        if not moe.moe_router_enable_expert_bias and rate != _default(MoEConfig, "moe_router_bias_update_rate"):
+            return (f"--moe-router-bias-update-rate {rate} has no effect without --moe-router-enable-expert-bias; "
+                    "add it (with --moe-router-score-function sigmoid) or drop the rate")
         return None
     for f in dataclasses.fields(MoEConfig):
         if f.name in _OWN_DENSE_RULE or f.name in REFUSED:
             continue
-        value = getattr(moe, f.name)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value, default = getattr(moe, f.name), _default(MoEConfig, f.name)
         if isinstance(default, list) and not isinstance(value, list):
             value = [value]
         if value != default and str(value) != str(default):
@@ -209,6 +212,11 @@ def dense_model_problem(moe: MoEConfig) -> str | None:
             return (f"{flag} {shown}".rstrip() + " has no effect without --num-experts (this model has no "
                     f"experts); add --num-experts or drop {flag}")
     return None
+
+
+def _default(cls, name: str):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _padding_problem(moe: MoEConfig, fp8: str | None) -> str | None:

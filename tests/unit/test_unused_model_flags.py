@@ -1,5 +1,6 @@
 """MoE, MLA and MTP flags on a model without experts / MLA / MTP: they trained a plain dense model
-and exited 0 (a forgotten --num-experts went unnoticed). Each is now one line naming the flag and
+and exited 0 (a forgotten --num-experts went unnoticed); so did --moe-router-bias-update-rate
+without the expert bias. Each is now one line naming the flag and
 the missing one, exit 2; the defaults, and the flags with the feature on, are accepted."""
 
 import pytest
@@ -17,6 +18,9 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
     (["--moe-layer-freq", "2"], "--moe-layer-freq 2 has no effect"),
     (["--moe-router-load-balancing-type", "seq_aux_loss"], "--moe-router-load-balancing-type seq_aux_loss"),
     (["--num-experts", "0", "--moe-ffn-hidden-size", "16"], "--moe-ffn-hidden-size 16 has no effect"),  # 0: dense
+    # with experts: the rate of an expert bias that is off
+    (["--num-experts", "4", "--moe-router-bias-update-rate", "0.01"],
+     "--moe-router-bias-update-rate 0.01 has no effect without --moe-router-enable-expert-bias"),
     (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
@@ -33,3 +37,6 @@ def test_defaults_and_used_flags_are_accepted():
                                 "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"], world_size=1)
     assert config.moe.moe_router_topk == 4 and config.model.q_lora_rank == 16
     assert config.model.mtp_loss_scaling_factor == 0.5
+    config = parse_args(BASE + ["--num-experts", "4", "--moe-router-score-function", "sigmoid",
+                                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"], world_size=1)
+    assert config.moe.moe_router_bias_update_rate == 0.01
