@@ -244,6 +244,8 @@ def _routing_problem(moe: MoEConfig) -> str | None:
     if moe.moe_expert_capacity_factor == 0:
         return ("--moe-expert-capacity-factor 0 gives every expert 0 slots (every token dropped); "
                 "give a positive factor, or leave it unset for no dropping")
+    if (problem := _sign_problem(moe)):
+        return problem
     if len(coeffs) != len(types):
         return (f"--moe-aux-loss-coeff has {len(coeffs)} values for {len(types)} "
                 "--moe-router-load-balancing-type values; give one each (or a single coefficient)")
@@ -281,6 +283,20 @@ def _routing_problem(moe: MoEConfig) -> str | None:
         return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"
     if moe.moe_token_dispatcher_type == "flex":
         return "--moe-token-dispatcher-type flex needs DeepEP GPU kernels; use alltoall or allgather"
+    return None
+
+
+def _sign_problem(moe: MoEConfig) -> str | None:
+    """Router numbers of the wrong sign: a scaling factor of 0 was ignored and a negative one flips
+    every expert's output; negative loss coefficients or bias rate reward the imbalance they fight."""
+    scale = moe.moe_router_topk_scaling_factor
+    if scale is not None and scale <= 0:
+        return f"--moe-router-topk-scaling-factor {scale} must be positive (leave it unset for 1)"
+    for flag, value in (("--moe-aux-loss-coeff", min(moe.moe_aux_loss_coeff, default=0.0)),
+                        ("--moe-z-loss-coeff", moe.moe_z_loss_coeff or 0.0),
+                        ("--moe-router-bias-update-rate", moe.moe_router_bias_update_rate)):
+        if value < 0:
+            return f"{flag} {value} must not be negative (a negative value rewards what it should penalise)"
     return None
 
 

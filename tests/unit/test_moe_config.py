@@ -66,6 +66,15 @@ def test_normalize_defaults():
     # the sigmoid router has no softmax to order: the flag was silently ignored
     (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True),
      "--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid"),
+    # a factor of 0 was ignored, a negative one flipped every expert output; negative coefficients and rate
+    # trained towards imbalance
+    (dict(num_experts=4, moe_router_topk_scaling_factor=0.0), "--moe-router-topk-scaling-factor 0.0 must be positive"),
+    (dict(num_experts=4, moe_router_topk_scaling_factor=-1.0), "--moe-router-topk-scaling-factor -1.0"),
+    (dict(num_experts=4, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.01, -1.0]),
+     "--moe-aux-loss-coeff -1.0 must not be negative"),
+    (dict(num_experts=4, moe_z_loss_coeff=-1e-3), "--moe-z-loss-coeff -0.001 must not be negative"),
+    (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+          moe_router_bias_update_rate=-0.1), "--moe-router-bias-update-rate -0.1 must not be negative"),
     (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
     (dict(num_experts=4, moe_ffn_hidden_size=0), "--moe-ffn-hidden-size 0"),  # was experts of width 0
     (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0"),  # dropped every token
