@@ -69,9 +69,13 @@ MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim"
 
 
 def unused_deepseek_flag(model) -> str | None:
-    """A run's MLA sizes without --multi-latent-attention, or --mtp-loss-scaling-factor without
-    --mtp-num-layers, given a value other than the default (the model would ignore it): one line
-    naming the flag, else None. Checked for a run's flags only (a saved config still loads)."""
+    """A run's MLA sizes without --multi-latent-attention, --mtp-loss-scaling-factor without
+    --mtp-num-layers, given a value other than the default, or an MLA run's --kv-channels other than
+    the derived head size (the model would ignore each): one line naming the flag, else None. Checked
+    for a run's flags only (a saved config still loads)."""
+    if model.multi_latent_attention and model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
+        return (f"--kv-channels {model.kv_channels} has no effect with --multi-latent-attention (its head sizes are "
+                "--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim); drop --kv-channels")
     defaults = {f.name: f.default for f in dataclasses.fields(MLAConfig) + dataclasses.fields(MTPConfig)}
     unused = () if model.multi_latent_attention else MLA_SIZES
     unused += () if model.mtp_num_layers else ("mtp_loss_scaling_factor",)

@@ -1,6 +1,6 @@
 """MoE, MLA and MTP flags on a model without experts / MLA / MTP: they trained a plain dense model
 and exited 0 (a forgotten --num-experts went unnoticed); so did --moe-router-bias-update-rate
-without the expert bias. Each is now one line naming the flag and
+without the expert bias, and --kv-channels with multi-latent attention. Each is now one line naming the flag and
 the missing one, exit 2; the defaults, and the flags with the feature on, are accepted."""
 
 import pytest
@@ -24,6 +24,7 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
     (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
+    (["--multi-latent-attention", "--kv-channels", "8"], "--kv-channels 8 has no effect with --multi-latent-attention"),
     (["--mtp-loss-scaling-factor", "0.5"], "--mtp-loss-scaling-factor 0.5 has no effect without --mtp-num-layers"),
 ])
 def test_a_flag_the_model_would_ignore_is_refused(capsys, flags, words):
@@ -37,6 +38,7 @@ def test_defaults_and_used_flags_are_accepted():
                                 "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"], world_size=1)
     assert config.moe.moe_router_topk == 4 and config.model.q_lora_rank == 16
     assert config.model.mtp_loss_scaling_factor == 0.5
+    parse_args(BASE + ["--multi-latent-attention", "--kv-channels", "16"], world_size=1)  # the derived 64 / 4
     config = parse_args(BASE + ["--num-experts", "4", "--moe-router-score-function", "sigmoid",
                                 "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"], world_size=1)
     assert config.moe.moe_router_bias_update_rate == 0.01
