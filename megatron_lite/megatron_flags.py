@@ -219,6 +219,10 @@ ENTRIES = (
     ("--moe-use-upcycling --moe-upcycling-granularity", "upcycling a dense checkpoint into experts is not "
      "implemented", DROP),
     ("--moe-deepep-num-sms", "DeepEP is not used", DROP),
+    ("--moe-flex-dispatcher-backend --moe-hybridep-num-sms", "the flex dispatcher (DeepEP / HybridEP kernels) is "
+     "not built", "drop it (--moe-token-dispatcher-type alltoall or allgather)"),
+    ("--mla-down-proj-fusion", "MLA's down-projections are plain linear layers (no fused Transformer Engine "
+     "kernel)", DROP),
     ("--moe-pad-experts-for-cuda-graph-inference", "CUDA graphs are not used", DROP),
     # -- inference and CUDA graphs ----------------------------------------------------------------
     ("--inference-batch-times-seqlen-threshold --max-tokens-to-oom --flash-decode --use-legacy-static-engine "
