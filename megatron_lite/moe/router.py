@@ -101,7 +101,7 @@ class TopKRouter(nn.Module):
         grad = self.training and torch.is_grad_enabled()
         if grad and c.moe_z_loss_coeff:
             loss = z_loss(logits, c.moe_z_loss_coeff, comm.group_size(self.state.group("tp_cp")))
-            logits = attach_loss(logits, loss, self.aux_loss_backward_scale)
+            logits = self._attach(logits, loss)
             self._track("z_loss", loss / c.moe_z_loss_coeff)
         probs, routing_map = self.route(logits)
         if c.moe_expert_capacity_factor is not None:
@@ -125,9 +125,19 @@ class TopKRouter(nn.Module):
         scores, aux_map = aux_loss_scores(logits, self.topk, self.config.moe_router_score_function)
         for kind, coeff in active:
             loss = getattr(self, f"_{kind}")(scores, aux_map, coeff, seq_local)
-            probs = attach_loss(probs, loss, self.aux_loss_backward_scale)
+            probs = self._attach(probs, loss)
             self._track(LOSS_NAMES[kind], loss / coeff)
         return probs
+
+    def _attach(self, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """``activation [T_local, E]`` with ``loss`` attached. With --calculate-per-token-loss the training
+        step divides every gradient by the global batch's token count instead of by the micro-batches,
+        so the loss is first multiplied by the micro-batch's tokens over TP x CP (``T_local x |TP x CP|``):
+        its gradient then has the weight it has without the flag (Megatron-LM multiplies by ``T_local``,
+        and by ``T_local x |TP x CP|`` since its TP/CP fix)."""
+        if self.config.calculate_per_token_loss:
+            loss = loss * (activation.shape[0] * comm.group_size(self.state.group("tp_cp")))
+        return attach_loss(activation, loss, self.aux_loss_backward_scale)
 
     def _aux_loss(self, scores, aux_map, coeff, seq_local):
         group = self.state.group("tp_cp")

@@ -27,7 +27,8 @@ from ..device import get_device
 
 def aux_loss_scale(config, state, loss_scale: float, num_microbatches: int) -> float:
     """What auxiliary losses (routers', a spec module's) are multiplied by before backward: the
-    main loss's factor, loss scale / micro-batches x CP, or per token the loss scale alone."""
+    main loss's factor, loss scale / micro-batches x CP, or per token the loss scale alone (the
+    routers then multiply their losses by the micro-batch's token count: moe/router.py)."""
     if config.training.calculate_per_token_loss:
         return loss_scale
     return loss_scale * state.cp_size / num_microbatches

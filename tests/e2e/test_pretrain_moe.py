@@ -33,7 +33,7 @@ MOE_B = ["--moe-layer-freq", "([1,0]*2)", "--moe-expert-capacity-factor", "1.0",
          "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
 ITERS = 6
 CP2 = ["--context-parallel-size", "2"]
-PER_TOKEN = ["--calculate-per-token-loss"]  # routers' losses backpropagated with the loss scale alone
+PER_TOKEN = ["--calculate-per-token-loss"]  # routers' losses x the micro-batch's tokens, with the loss scale alone
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,8 @@ def moe_reference(tmp_path_factory):
                                           "--num-distributed-optimizer-instances", "2"]),
         ("ep2_pp2", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
         ("ep2_per_token", 2, "P", ["--expert-model-parallel-size", "2"]),
+        # per token, each TP rank attaches its partial router losses times T_local x TP (the full micro-batch's tokens)
+        ("tp2_sp_per_token", 2, "P", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("ep2_recompute", 2, "A", ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform"]),
         ("ep2_pp2_vpp", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

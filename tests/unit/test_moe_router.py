@@ -159,6 +159,27 @@ def test_group_limited_routing_keeps_the_best_groups():
     assert sorted(indices[0].tolist()) == [4, 5, 6, 7]
 
 
+@pytest.mark.parametrize("losses", [dict(moe_aux_loss_coeff=0.01), dict(moe_z_loss_coeff=1e-3),
+                                    dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01)])
+def test_per_token_loss_gives_router_losses_their_usual_weight(losses):
+    """--calculate-per-token-loss divides every gradient by the batch's token count (one micro-batch,
+    one rank here: T) instead of by the micro-batches: the router losses' gradient, divided by T, is
+    what it is without the flag. (They were not multiplied by T: load balancing T times too weak.)"""
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    grads, logged = [], []
+    for per_token in (False, True):
+        router = _router(hidden_size=4, calculate_per_token_loss=per_token, **losses)
+        x = _with_logits(router, logits)
+        probs, _ = router(x)
+        (probs * 0).sum().backward()  # only the attached losses' gradients reach x
+        grads.append(x.grad.clone())
+        logged.append({k: v.item() for k, v in router.metrics.items()})
+    tokens = logits.shape[0]
+    assert grads[0].abs().sum() > 0
+    _close(grads[1] / tokens, grads[0])
+    assert logged[0] == logged[1]  # the logged values do not change
+
+
 def test_expert_bias_update():
     router = _router(hidden_size=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                      moe_router_bias_update_rate=0.1)
