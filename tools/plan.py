@@ -42,6 +42,7 @@ from megatron_lite.perf.plan import (  # noqa: E402
     plan,
     stage_params,
 )
+from megatron_lite.training.outputs import check_output_file  # noqa: E402
 
 
 def _at_least(low, kind=int):
@@ -186,7 +187,6 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     bottom.set_ylabel("step time (s)")
     bottom.set_xticks(list(x), labels, rotation=90, fontsize=6)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp.png"  # written whole, then renamed: no half-written image
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
@@ -197,6 +197,8 @@ def draw(estimates, path: str, memory_gb: float) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.png:
+            check_output_file("--png", args.png)
         spec, cluster = model_from_args(args), cluster_from_args(args)
         fixed = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in LAYOUT_FLAGS.items()}
         estimates = plan(spec, cluster, args.global_batch_size, {k: v for k, v in fixed.items() if v is not None})

@@ -18,7 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.training.outputs import check_output_file  # noqa: E402
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|")
 _VALID = re.compile(r"validation loss at iteration (\d+)\s*\|")
@@ -97,7 +98,6 @@ def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", 
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp = output + ".tmp.png"  # written whole, then renamed: no half-written image
     fig.savefig(tmp, dpi=120)
     os.replace(tmp, output)
@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
         p.error(f"--labels has {len(args.labels)} names for {len(args.runs)} runs")
+    try:
+        check_output_file("--output", args.output)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     runs = []
     for i, path in enumerate(args.runs):
         if not os.path.exists(path):

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
 from megatron_lite.parallel.pipeline.order import check_interleaved_microbatches  # noqa: E402
 from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
     bubble_fraction,
@@ -29,6 +29,7 @@ from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
     simulate,
     simulated_orders,
 )
+from megatron_lite.training.outputs import check_output_file  # noqa: E402
 
 
 def schedule(p: int, m: int, v: int, backward_cost: float, kind: str = "1f1b", weight_cost: float = 0.5):
@@ -91,6 +92,10 @@ def main(argv=None) -> int:
             ap.error(f"the interleaved schedule (-v {args.v}) needs --num-microbatches (-m) {args.m} to be a "
                      f"multiple of --pipeline-model-parallel-size (-p) {args.p}; change -m or drop -v")
 
+    try:
+        check_output_file("--out", args.out)
+    except ConfigError as err:
+        ap.exit(2, f"error: {err}\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +117,6 @@ def main(argv=None) -> int:
     for ax in axes[:, 0]:
         ax.set_xlim(0, span)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp.png"
     fig.savefig(tmp, dpi=120)
     os.replace(tmp, args.out)

@@ -36,6 +36,26 @@ def check_writable(flag: str, path: str) -> None:
                           "write to") from None
 
 
+def check_output_file(flag: str, path: str) -> None:
+    """A file ``path`` can be written: not a folder, its folder created if needed and writable
+    (checked before the work whose result it holds, not after)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a folder; name a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    above = folder
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ConfigError(f"{flag} {path}: {above} is a file, not a folder; pick another path")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write_probe."):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({err.strerror or err}); pick another "
+                          "path") from None
+
+
 def check_output_locations(config: Config) -> None:
     """Every output folder of the run is writable (and --save's tracker is not a folder)."""
     for flag, path in output_locations(config):

@@ -3,11 +3,14 @@
 import os
 import sys
 
+import pytest
+
 from megatron_lite.config import Config
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training.logging import TrainLogger
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.tools import load_tool  # noqa: E402
 from tools import plot_loss  # noqa: E402
 
 
@@ -64,3 +67,27 @@ def test_a_resumed_run_appended_to_the_log_takes_the_later_values(tmp_path, caps
     train, valid = plot_loss.read_run(str(tmp_path / "run.log"))
     assert train == [(2, 8.5), (4, 6.25), (6, 4.5)]
     assert valid == [(4, 5.25)]
+
+
+@pytest.mark.parametrize("tool", ["plot_loss", "plot_schedule", "plan"])
+@pytest.mark.parametrize("place", ["folder", "under a file"])
+def test_an_unwritable_image_path_is_refused_before_the_work(tmp_path, capsys, tool, place):
+    """An image path that is a folder, or under a file: each tool ended in a traceback (IsADirectoryError,
+    FileExistsError) after its work (the planner after printing its table); now one line naming the flag, exit 2."""
+    _run(tmp_path, capsys)
+    (tmp_path / "a_file").write_text("")
+    path = str(tmp_path) if place == "folder" else str(tmp_path / "a_file" / "x.png")
+    flag, argv = {"plot_loss": ("--output", [str(tmp_path / "run.log")]),
+                  "plot_schedule": ("--out", ["-p", "2", "-m", "2"]),
+                  "plan": ("--png", ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                                     "--seq-length", "16", "--vocab-size", "100", "--gpus", "8",
+                                     "--global-batch-size", "8"])}[tool]
+    try:
+        code = load_tool(tool).main(argv + [flag, path])
+    except SystemExit as err:
+        code = err.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} {path}" in lines[0], lines
+    assert ("is a folder" if place == "folder" else "a_file is a file, not a folder") in lines[0], lines
