@@ -212,9 +212,6 @@ def main(argv=None) -> int:
           f"seq {spec.seq_length}; cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node} per node, "
           f"{cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s); global batch {args.global_batch_size}")
     print(f"{len(estimates)} layouts, {len(fitting)} fit in memory")
-    if not estimates:
-        print("no layout can run this model on this cluster (check the divisibility of the sizes)")
-        return 1
     shown = (fitting or sorted(estimates, key=lambda e: e.memory_gb))[:args.top]
     print(format_table(shown))
     if not fitting:

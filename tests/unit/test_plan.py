@@ -340,3 +340,14 @@ def test_sliding_window_layers_count_their_window_also_recomputed(capsys):
                            "64", "--vocab-size", "1000", "--gpus", "8", "--global-batch-size", "16", "--top", "1",
                            "--window-size", "15", "0", "--window-attn-skip-freq", "2"]) == 0
     assert "best:" in capsys.readouterr().out
+
+
+def test_tool_says_why_no_layout_runs_when_nothing_is_pinned(capsys):
+    """A prime GPU count no layout takes (llama3-8b on 7 GPUs, batch 64): it printed 'check the divisibility
+    of the sizes' and exited 1; now one line with a refused layout's reason, exit 2."""
+    assert plan_tool.main(["--preset", "llama3-8b", "--gpus", "7", "--global-batch-size", "64"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured
+    assert "no layout can run this model on this cluster: --global-batch-size 64 must be divisible by DP 7" in lines[0]
+    assert plan_tool.main(["--preset", "llama3-8b", "--gpus", "7", "--global-batch-size", "63", "--top", "1"]) == 0

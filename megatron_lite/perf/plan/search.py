@@ -75,11 +75,13 @@ def plan(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, fixed: dict |
     refusals: list[str] = []
     layouts = candidate_layouts(spec, cluster, global_batch, fixed, refusals if fixed else None)
     estimates = [estimate(spec, cluster, global_batch, lay) for lay in layouts]
-    if fixed and not estimates and refusals:
-        given = ", ".join(f"{_FLAGS.get(k, k)} {value}" for k, value in fixed.items())
+    if not estimates and not fixed:  # say why: the refusals of every layout, this time collected
+        list(candidate_layouts(spec, cluster, global_batch, fixed, refusals))
+    if not estimates and refusals:
+        given = ", ".join(f"{_FLAGS.get(k, k)} {value}" for k, value in (fixed or {}).items())
         product_errors = [r for r in refusals if "must equal --gpus" in r]  # the least telling reason
         reason = next((r for r in refusals if r not in product_errors), refusals[0])
-        raise ConfigError(f"no layout with {given} can run this model on this cluster: {reason}")
+        raise ConfigError(f"no layout{f' with {given}' if given else ''} can run this model on this cluster: {reason}")
     return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory_gb))
 
 
