@@ -226,7 +226,8 @@ class _Training:
         self.result.memory = self.memory.steps_seen if self.memory is not None else []
         self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
         self.batches = StepBatches(config, self.consumed)  # --rampup-batch-size: each step's global batch
-        self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device())
+        self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device(),
+                                     self.iteration)
         self.gc = ManualGC(t)  # --manual-gc: the collector off, run at fixed points
 
     def save(self) -> None:

@@ -2,7 +2,8 @@
 
 ``--profile --use-pytorch-profiler`` records iterations ``--profile-step-start + 1`` to
 ``--profile-step-end`` (1-based, i.e. the steps run while the iteration counter goes from start to
-end; Megatron's defaults 10 and 12) on the ranks in ``--profile-ranks`` (default 0) with
+end; Megatron's defaults 10 and 12; a run resuming inside the window records from its first iteration,
+one resuming after it is refused) on the ranks in ``--profile-ranks`` (default 0) with
 ``torch.profiler``, then writes a trace that TensorBoard's profiler plugin and Perfetto
 (ui.perfetto.dev) open, ``<dir>/rank<r>.<timestamp>.pt.trace.json`` with ``<dir>`` the
 ``--tensorboard-dir`` (``./profile`` without one), and prints a per-op table (self time, top 25)
@@ -20,6 +21,7 @@ import os
 
 import torch
 
+from ..errors import ConfigError
 from ..perf.host_memory import minor_page_faults
 from ..perf.op_categories import category_breakdown, format_breakdown
 
@@ -33,9 +35,15 @@ class StepProfiler:
     """Starts and stops the profiler around the configured iterations (call :meth:`before` and
     :meth:`after` around every training iteration, :meth:`close` at the end of the run)."""
 
-    def __init__(self, logging, rank: int, device: torch.device):
+    def __init__(self, logging, rank: int, device: torch.device, iteration: int = 0):
+        """``iteration``: where the run starts (a resumed run: the checkpoint's). A window it starts inside
+        is recorded from there; one wholly before it is refused (nothing would be profiled)."""
         self.enabled = logging.profile and rank in (logging.profile_ranks or [0])
-        self.start, self.end = logging.profile_step_start, logging.profile_step_end
+        if logging.profile and logging.profile_step_end <= iteration:
+            raise ConfigError(f"--profile: the run resumes at iteration {iteration} and --profile-step-end is "
+                              f"{logging.profile_step_end}, so no iteration would be profiled; set "
+                              "--profile-step-start and --profile-step-end after the checkpoint's iteration")
+        self.start, self.end = max(logging.profile_step_start, iteration), logging.profile_step_end
         self.pytorch = logging.use_pytorch_profiler
         self.folder = logging.tensorboard_dir or DEFAULT_PROFILE_DIR
         self.rank, self.device = rank, device

@@ -64,3 +64,22 @@ def test_a_run_ending_inside_the_window_reports_the_iterations_it_recorded(tmp_p
     out = capsys.readouterr().out
     assert "profile of iterations 2-3," in out, out[-2000:]
     assert len(glob.glob(os.path.join(tmp_path / "tb", "rank0.*.pt.trace.json"))) == 1
+
+
+def test_a_resumed_run_profiles_the_rest_of_its_window_and_refuses_a_window_behind_it(tmp_path, capsys):
+    """Resumed at iteration 2: a window 1-4 was never started (nothing recorded, nothing said); now iterations
+    3-4 are. A window ending before the resumed iteration was silently skipped too; now one line, exit 2."""
+    save = str(tmp_path / "ckpt")
+    run = TINY + ["--lr-decay-iters", "4", "--save", save, "--save-interval", "2"]  # --lr-decay-iters: the resumed runs keep the schedule
+    pretrain_gpt.main(run + ["--train-iters", "2"])
+    capsys.readouterr()
+    profile = ["--load", save, "--profile", "--use-pytorch-profiler", "--tensorboard-dir",
+               str(tmp_path / "tb"), "--profile-step-start", "1"]
+    pretrain_gpt.main(run + profile + ["--train-iters", "4", "--profile-step-end", "4"])
+    assert "profile of iterations 3-4," in capsys.readouterr().out
+    assert len(glob.glob(os.path.join(tmp_path / "tb", "rank0.*.pt.trace.json"))) == 1
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(run + profile + ["--train-iters", "6", "--profile-step-end", "3"])  # resumes at 4
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "resumes at iteration 4 and --profile-step-end is 3" in lines[0], lines
