@@ -13,13 +13,17 @@ import tempfile
 
 from ..config import Config, ConfigError
 
+DEFAULT_PROFILE_DIR = "profile"  # --profile --use-pytorch-profiler's trace folder without --tensorboard-dir
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # the checkpoint tracker (checkpoint/format.py)
 
 
 def output_locations(config: Config) -> list[tuple[str, str]]:
     """(flag, folder) of every output folder the flags name."""
-    named = [("--save", config.checkpoint.save), ("--tensorboard-dir", config.logging.tensorboard_dir),
-             ("--data-cache-path", config.data.data_cache_path)]
+    log = config.logging
+    profile = log.profile and log.use_pytorch_profiler and not log.tensorboard_dir  # the trace's default folder
+    named = [("--save", config.checkpoint.save), ("--tensorboard-dir", log.tensorboard_dir),
+             ("--data-cache-path", config.data.data_cache_path),
+             ("--profile (no --tensorboard-dir) trace folder", DEFAULT_PROFILE_DIR if profile else None)]
     return [(flag, path) for flag, path in named if path]
 
 

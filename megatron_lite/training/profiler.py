@@ -24,8 +24,8 @@ import torch
 from ..errors import ConfigError
 from ..perf.host_memory import minor_page_faults
 from ..perf.op_categories import category_breakdown, format_breakdown
+from .outputs import DEFAULT_PROFILE_DIR
 
-DEFAULT_PROFILE_DIR = "profile"
 FAULTS_NOTE = ("each ~1-10 us of kernel time, charged to the operator that first touches a fresh page; the "
                "profiler's own allocations split freed large blocks, so a profiled CPU step faults more than one "
                "without it")

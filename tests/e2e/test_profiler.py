@@ -83,3 +83,18 @@ def test_a_resumed_run_profiles_the_rest_of_its_window_and_refuses_a_window_behi
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "resumes at iteration 4 and --profile-step-end is 3" in lines[0], lines
+
+
+def test_a_file_named_profile_in_the_way_of_the_default_trace_folder_is_refused_first(tmp_path, monkeypatch, capsys):
+    """Without --tensorboard-dir the trace goes to ./profile; a file by that name was a FileExistsError traceback
+    at the end of the window, after the profiled steps; now one line before the first step, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "profile").write_text("")
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--train-iters", "2", "--profile", "--use-pytorch-profiler", "--profile-step-start",
+                                  "0", "--profile-step-end", "1"])
+    assert err.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--profile (no --tensorboard-dir) trace folder profile is a file" in lines[0], lines
+    assert "iteration" not in captured.out
