@@ -98,6 +98,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak: dict[torch.device, Snapshot] = {}
         self._where = "start"
         self._in_optimizer = 0  # depth of optimizer steps being run
+        self._stepped = False  # an optimizer step has ended since tracking began (what follows is after it)
         self._stack: contextlib.ExitStack | None = None
 
     # labels -------------------------------------------------------------------------------------
@@ -239,18 +240,21 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t, "temporaries")
-        self._where = f"{func} in {self._phase()}"
+        self._where = f"{func} {self._phase()}"
         self._check_peak()
         return out
 
     def _phase(self) -> str:
         if self._in_optimizer:
-            return "the optimizer step"
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            return "in the optimizer step"
+        if torch._C._current_graph_task_id() != -1:
+            return "in backward"
+        return "after the optimizer step" if self._stepped else "in forward"
 
     def _optimizer_step(self, entering: bool):
         def hook(*_):
             self._in_optimizer += 1 if entering else -1
+            self._stepped = self._stepped or not self._in_optimizer
 
         return hook
 
@@ -268,6 +272,7 @@ class MemoryTracker(TorchDispatchMode):
                 return step(*args, **kwargs)
             finally:
                 self._in_optimizer -= 1
+                self._stepped = self._stepped or not self._in_optimizer
 
         optimizer.step = tracked_step
         if own:
@@ -315,6 +320,7 @@ class MemoryTracker(TorchDispatchMode):
         for register, entering in ((register_optimizer_step_pre_hook, True), (register_optimizer_step_post_hook, False)):
             self._stack.callback(register(self._optimizer_step(entering)).remove)
         self._wrap_optimizer_step()
+        self._stepped = False
         self.refresh()
         self._check_peak()
         return super().__enter__()

@@ -105,9 +105,25 @@ def test_a_wrapper_optimizers_whole_step_is_the_optimizer_step():
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
         torch.ones(10).sum()
-        assert tracker._phase() == "forward"
+        assert tracker._phase() == "after the optimizer step"
     assert tracker.peak[CPU].where == "aten.zeros.default in the optimizer step"
     assert "step" not in vars(opt)  # unwrapped on exit
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_peak_after_the_optimizer_step_is_not_called_forward(wrapped):
+    """The first step's peak comes once Adam's moments exist: at the step's last operators (the loss
+    averaging after the optimizer step). It was reported 'at aten.stack.default in forward'."""
+    model = torch.nn.Linear(64, 64)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt = _Wrapper(adam) if wrapped else adam
+    tracker = MemoryTracker([model], opt)
+    with tracker:
+        assert tracker._phase() == "in forward"
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        torch.stack([torch.ones(20_000), torch.ones(20_000)])  # after the step: 320 kB more than the moments
+    assert tracker.peak[CPU].where == "aten.stack.default after the optimizer step", tracker.peak[CPU].where
 
 
 def test_register_labels_and_refuses_unknown_categories():
