@@ -23,8 +23,16 @@ def output_locations(config: Config) -> list[tuple[str, str]]:
     profile = log.profile and log.use_pytorch_profiler and not log.tensorboard_dir  # the trace's default folder
     named = [("--save", config.checkpoint.save), ("--tensorboard-dir", log.tensorboard_dir),
              ("--data-cache-path", config.data.data_cache_path),
+             ("--wandb-save-dir" if log.wandb_save_dir else "--wandb-project's folder",
+              wandb_folder(config) if log.wandb_project else None),
              ("--profile (no --tensorboard-dir) trace folder", DEFAULT_PROFILE_DIR if profile else None)]
     return [(flag, path) for flag, path in named if path]
+
+
+def wandb_folder(config: Config) -> str:
+    """Where W&B keeps its local files: --wandb-save-dir, else <save>/wandb, else ./wandb."""
+    save = config.checkpoint.save
+    return config.logging.wandb_save_dir or (os.path.join(save, "wandb") if save else os.path.abspath("wandb"))
 
 
 def check_writable(flag: str, path: str) -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import os
 
 from ..errors import ConfigError
+from .outputs import wandb_folder
 
 
 def check_wandb_available(config) -> None:
@@ -56,8 +57,7 @@ class WandbWriter:
         import wandb
 
         lg = config.logging
-        save_dir = lg.wandb_save_dir or (os.path.join(config.checkpoint.save, "wandb") if config.checkpoint.save
-                                         else os.path.abspath("wandb"))
+        save_dir = wandb_folder(config)
         os.makedirs(save_dir, exist_ok=True)
         self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name or None, dir=save_dir,
                               config=config.flat())

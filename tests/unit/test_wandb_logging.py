@@ -124,3 +124,23 @@ def test_wandb_project_without_a_login_is_refused_before_the_model_is_built(monk
     else:
         monkeypatch.setenv(*{"api_key": ("WANDB_API_KEY", "k" * 40), "offline": ("WANDB_MODE", "offline")}[login])
     check_wandb_available(config)
+
+
+@pytest.mark.parametrize("where", ["--wandb-save-dir", "<save>/wandb"])
+def test_a_file_where_wandb_keeps_its_files_is_refused_before_training(monkeypatch, capsys, tmp_path, where):
+    """--wandb-save-dir naming a file (or a file 'wandb' in --save, the default folder): a FileExistsError
+    traceback when the writer was built, after the model; now one line with the other output folders, exit 2."""
+    pytest.importorskip("wandb")
+    import megatron_lite.training.loop as loop
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "wandb").write_text("")
+    flags = (["--wandb-save-dir", str(tmp_path / "wandb")] if where == "--wandb-save-dir"
+             else ["--save", str(tmp_path)])
+    built = []
+    monkeypatch.setattr(loop, "setup", lambda *a: built.append("setup"))
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--wandb-project", "p"] + flags)
+    assert err.value.code == 2 and not built
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{tmp_path / 'wandb'} is a file, not a folder" in lines[0], lines
