@@ -88,7 +88,8 @@ class StepProfiler:
         os.makedirs(self.folder, exist_ok=True)
         before = set(os.listdir(self.folder))
         torch.profiler.tensorboard_trace_handler(self.folder, worker_name=f"rank{self.rank}")(prof)
-        written = sorted(set(os.listdir(self.folder)) - before)
+        mine = f"rank{self.rank}."  # another rank may write its trace into the folder meanwhile
+        written = sorted(name for name in set(os.listdir(self.folder)) - before if name.startswith(mine))
         self.trace_path = os.path.join(self.folder, written[-1]) if written else None
         print(self.report(prof), flush=True)
 

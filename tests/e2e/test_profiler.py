@@ -98,3 +98,26 @@ def test_a_file_named_profile_in_the_way_of_the_default_trace_folder_is_refused_
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "--profile (no --tensorboard-dir) trace folder profile is a file" in lines[0], lines
     assert "iteration" not in captured.out
+
+
+def test_the_trace_named_is_this_ranks_when_another_rank_writes_beside_it(tmp_path, monkeypatch, capsys):
+    """Ranks profiled together write into one folder at the same moment: rank 0 named rank 1's trace (the
+    newest file of the folder, sorted) when it landed between its listings; it names its own."""
+    from megatron_lite.config import Config
+    from megatron_lite.training.profiler import StepProfiler
+
+    real = torch.profiler.tensorboard_trace_handler
+
+    def also_rank1(folder, worker_name):
+        (tmp_path / "rank1.2.pt.trace.json").write_text("{}")  # the other rank's, written meanwhile
+        return real(folder, worker_name=worker_name)
+
+    monkeypatch.setattr(torch.profiler, "tensorboard_trace_handler", also_rank1)
+    cfg = Config().logging
+    cfg.profile, cfg.use_pytorch_profiler, cfg.profile_step_start, cfg.tensorboard_dir = True, True, 0, str(tmp_path)
+    profiler = StepProfiler(cfg, 0, torch.device("cpu"))
+    profiler.before(0)
+    torch.ones(4).sum()
+    profiler.close()
+    assert os.path.basename(profiler.trace_path).startswith("rank0."), profiler.trace_path
+    assert "trace " + profiler.trace_path in capsys.readouterr().out
