@@ -44,17 +44,28 @@ def schedule(p: int, m: int, v: int, backward_cost: float, kind: str = "1f1b", w
     return timeline, bubble_fraction(timeline), (p - 1) / (v * m), name
 
 
-def draw(ax, timeline, p, m, title):
+MAX_INCHES = (80, 50)  # at dpi 120
+
+
+def draw(ax, timeline, p, m, title, label_min_width=0.0):
+    """One bar per operation (one barh call per rank and kind: a 64 x 512 schedule has ~100k bars);
+    labels only on bars at least ``label_min_width`` time units wide (narrower ones would overlap)."""
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab20")
     for r, ops in timeline.items():
-        for (kind, mb, chunk), start, end in ops:
-            color = colors((2 * mb) % 20 if kind == "F" else (2 * mb + 1) % 20)
-            ax.barh(r, end - start, left=start, height=0.8, color=color, edgecolor="black", linewidth=0.5,
-                    hatch={"B": "//", "W": ".."}.get(kind))
-            label = f"{kind}{mb}" + (chr(ord("a") + chunk) if any(op[2] for op, _, _ in ops) else "")
-            ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7)
+        chunked = any(op[2] for op, _, _ in ops)
+        for kind in ("F", "B", "W"):
+            mine = [(mb, chunk, start, end) for (k, mb, chunk), start, end in ops if k == kind]
+            if not mine:
+                continue
+            ax.barh([r] * len(mine), [e - s for _, _, s, e in mine], left=[s for _, _, s, _ in mine], height=0.8,
+                    color=[colors((2 * mb + (kind != "F")) % 20) for mb, _, _, _ in mine], edgecolor="black",
+                    linewidth=0.5, hatch={"B": "//", "W": ".."}.get(kind))
+            for mb, chunk, start, end in mine:
+                if end - start >= label_min_width:
+                    label = f"{kind}{mb}" + (chr(ord("a") + chunk) if chunked else "")
+                    ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward of one full stage = 1)")
@@ -104,16 +115,17 @@ def main(argv=None) -> int:
     variants = [(args.v, args.schedule)]
     if args.compare and (args.v > 1 or args.schedule == "zb-h1"):
         variants.insert(0, (1, "1f1b"))
-    fig, axes = plt.subplots(len(variants), 1, figsize=(max(8, args.m * args.p * 0.45), 1.2 + 0.6 * args.p * len(variants)),
-                             squeeze=False)
-    span = 0.0
-    for ax, (v, kind) in zip(axes[:, 0], variants):
-        timeline, bubble, formula, name = schedule(args.p, args.m, v, args.backward_cost, kind, weight_cost)
-        span = max(span, max(e for ops in timeline.values() for _, _, e in ops))
+    drawn = [(schedule(args.p, args.m, v, args.backward_cost, kind, weight_cost), v) for v, kind in variants]
+    span = max(e for (timeline, *_), _ in drawn for ops in timeline.values() for _, _, e in ops)
+    # 0.45 inch per micro-batch and stage, capped so that the image stays one PIL opens (<= 9600 x 6000 pixels)
+    width = min(MAX_INCHES[0], max(8, args.m * args.p * 0.45))
+    fig, axes = plt.subplots(len(variants), 1, squeeze=False,
+                             figsize=(width, min(MAX_INCHES[1], 1.2 + 0.6 * args.p * len(variants))))
+    for ax, ((timeline, bubble, formula, name), v) in zip(axes[:, 0], drawn):
         title = f"{name}: p={args.p}, m={args.m}; bubble {bubble:.4f} (formula {formula:.4f})"
         print(title)
         print(render_grid(timeline, unit=1.0 / v))
-        draw(ax, timeline, args.p, args.m, title)
+        draw(ax, timeline, args.p, args.m, title, label_min_width=0.2 * span / width)  # a label needs ~0.2 inch
     for ax in axes[:, 0]:
         ax.set_xlim(0, span)
     fig.tight_layout()

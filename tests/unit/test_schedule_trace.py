@@ -271,3 +271,17 @@ def test_plot_schedule_creates_the_output_folder(tmp_path, capsys):
     out = tmp_path / "figures" / "new" / "s.png"
     assert load_tool("plot_schedule").main(["-p", "2", "-m", "2", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(out.parent) == ["s.png"]
+
+
+def test_plot_schedule_caps_the_image_size(tmp_path, monkeypatch, capsys):
+    """The figure grew 0.45 inch per micro-batch and stage: -p 32 -m 64 drew a ~270-megapixel PNG that PIL
+    refuses to open. It is capped at MAX_INCHES (made small here so a small schedule reaches the cap)."""
+    from PIL import Image
+
+    from tests.tools import load_tool
+
+    tool = load_tool("plot_schedule")
+    monkeypatch.setattr(tool, "MAX_INCHES", (10, 3))
+    out = tmp_path / "s.png"
+    assert tool.main(["-p", "4", "-m", "8", "-v", "2", "--compare", "--out", str(out)]) == 0
+    assert Image.open(out).size == (1200, 360)  # dpi 120
