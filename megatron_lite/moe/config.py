@@ -297,6 +297,9 @@ def _sign_problem(moe: MoEConfig) -> str | None:
                         ("--moe-router-bias-update-rate", moe.moe_router_bias_update_rate)):
         if value < 0:
             return f"{flag} {value} must not be negative (a negative value rewards what it should penalise)"
+    eps = moe.moe_input_jitter_eps
+    if eps is not None and not 0 <= eps < 1:  # the router's input is multiplied by uniform(1 - eps, 1 + eps)
+        return f"--moe-input-jitter-eps {eps} must be in [0, 1) (at {eps} the noise can zero or flip the router's input)"
     return None
 
 

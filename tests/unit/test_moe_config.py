@@ -75,6 +75,8 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_z_loss_coeff=-1e-3), "--moe-z-loss-coeff -0.001 must not be negative"),
     (dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
           moe_router_bias_update_rate=-0.1), "--moe-router-bias-update-rate -0.1 must not be negative"),
+    (dict(num_experts=4, moe_input_jitter_eps=1.5), "--moe-input-jitter-eps 1.5 must be in [0, 1)"),  # flipped inputs
+    (dict(num_experts=4, moe_input_jitter_eps=-0.1), "--moe-input-jitter-eps -0.1 must be in [0, 1)"),
     (dict(num_experts=4, moe_ffn_hidden_size=-4), "--moe-ffn-hidden-size -4"),  # was a RuntimeError traceback
     (dict(num_experts=4, moe_ffn_hidden_size=0), "--moe-ffn-hidden-size 0"),  # was experts of width 0
     (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0"),  # dropped every token
