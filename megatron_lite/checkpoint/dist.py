@@ -37,7 +37,7 @@ from ..optim.distrib_optimizer import DistributedOptimizer
 from ..precision.fp8 import is_fp8_state_key
 from .boxes import canonical_shape, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
-from .format import VOCAB_TENSORS, CheckpointError, restore_scheduler
+from .format import VOCAB_TENSORS, CheckpointError, check_optimizer_name, restore_scheduler
 from .frozen import base_of, is_frozen, unwrap
 from .layout import expert_place
 from .router_bias import is_router_bias, refuse_optimizer, say_filled
@@ -222,9 +222,7 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
     """Each slot of ``optimizer`` from the saved boxes: masters (from the weights when none were
     saved), moments, step, hyper-parameters, loss scaler, skip count."""
     opt = common["optimizer"]
-    if opt["name"] != optimizer.config.optimizer:
-        raise CheckpointError(f"checkpoint {folder} holds {opt['name']} state, this run uses --optimizer "
-                              f"{optimizer.config.optimizer}; match --optimizer or pass --no-load-optim")
+    check_optimizer_name(folder, opt["name"], optimizer.config.optimizer)
     kinds = {k for k, _ in index}
     keys = [k for k in opt["state_keys"] if k in kinds]
     slots = optimizer.shard_slots()

@@ -46,6 +46,13 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit this run; the message says which and why."""
 
 
+def check_optimizer_name(where: str, saved: str | None, used: str) -> None:
+    """Optimizer state of another ``--optimizer`` (``saved``; None: unknown) does not fit this run's: refused."""
+    if saved not in (None, used):
+        raise CheckpointError(f"checkpoint {where} holds {saved} state, this run uses --optimizer {used}; "
+                              "match --optimizer or pass --no-load-optim")
+
+
 def restore_scheduler(scheduler, saved: dict, where: str) -> None:
     """``scheduler.load_state_dict(saved)``; a schedule that differs from the flags is a CheckpointError."""
     from ..errors import ConfigError

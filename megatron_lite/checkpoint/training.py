@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..console import is_logging_rank, print_rank_0
+from ..optim.optimizer import saved_optimizer_name
 from ..parallel.fsdp import full_params
 from .arch import arch_differences, check_architecture
 from .dist import is_fresh_layout, layout_of, load_dist
@@ -39,6 +40,7 @@ from .format import (
     TRACKER_FILENAME,
     CheckpointError,
     atomic_save,
+    check_optimizer_name,
     find_model_files,
     is_iteration_folder,
     iteration_dir,
@@ -338,6 +340,8 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state; pass --no-load-optim or --finetune")
             if filled:
                 refuse_optimizer(path)
+            saved_name = saved_optimizer_name(optim_state.get("optimizer", optim_state))
+            check_optimizer_name(path, saved_name, config.optim.optimizer)
             optimizer.load_state_dict(optim_state)
         if scheduler is not None and ckpt.get("scheduler") is not None:
             restore_scheduler(scheduler, ckpt["scheduler"], path)

@@ -52,6 +52,13 @@ def regroup_saved_state(torch_sd: dict, params) -> dict:
     return {"state": state, "param_groups": [g for g in new_groups if g["params"]]}
 
 
+def saved_optimizer_name(torch_sd: dict) -> str | None:
+    """Which ``--optimizer`` wrote ``torch_sd`` (a torch optimizer state dict): adam or sgd, from its
+    param groups' hyper-parameters (Adam's ``betas``, SGD's ``momentum``); None when neither shows."""
+    group = (torch_sd.get("param_groups") or [{}])[0]
+    return "adam" if "betas" in group else "sgd" if "momentum" in group else None
+
+
 def can_fuse(groups) -> bool:
     """Whether PyTorch's fused AdamW kernel takes these param groups (floating tensors on CPU or CUDA)."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
