@@ -249,8 +249,7 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
                     n *= s
                 requests.append((source, t.name, flat[start:start + n].view(size), offset, t.global_shape))
         fill(folder, index, requests, _loose(tensors, common["config"].get("vocab_size")))
-    for group in optimizer.param_groups:
-        group.update(opt["hyper"])
+    optimizer.note_saved_hyper(opt["hyper"])
     if optimizer.scaler is not None and opt["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(opt["loss_scaler"])
     optimizer.num_skipped_steps = int(opt["num_skipped_steps"])

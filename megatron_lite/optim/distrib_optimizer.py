@@ -46,7 +46,7 @@ from ..device import get_device
 from ..parallel import comm
 from .clip_grads import grad_norm_squared
 from .cpu_offload import HybridDeviceOptimizer, move_masters_to_host
-from .optimizer import KERNEL_CHOICES, MegatronOptimizer, decays, regroup_saved_state
+from .optimizer import MegatronOptimizer, decays, regroup_saved_state
 
 
 class _Piece:
@@ -331,11 +331,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 else:
                     new[k] = v
             self.optimizer.state[piece.master] = new
-        hyper = sd["optimizer"]["param_groups"][0]
-        for group in self.optimizer.param_groups:
-            for k, v in hyper.items():
-                if k not in ("params", "weight_decay") + KERNEL_CHOICES:
-                    group[k] = v
+        self.note_saved_hyper(sd["optimizer"]["param_groups"][0])
         if full_master is not None:
             for p in self.model_params:
                 if self._bucket_of_param[id(p)].param_shard is None:

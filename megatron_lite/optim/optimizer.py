@@ -25,13 +25,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..console import print_rank_0
 from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import get_grad_norm, grad_of
 from .param_groups import build_groups, decays, from_saved_layout, to_saved_layout
-
-KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")  # torch optimizer options a checkpoint must not set
 
 
 def regroup_saved_state(torch_sd: dict, params) -> dict:
@@ -57,6 +56,15 @@ def saved_optimizer_name(torch_sd: dict) -> str | None:
     param groups' hyper-parameters (Adam's ``betas``, SGD's ``momentum``); None when neither shows."""
     group = (torch_sd.get("param_groups") or [{}])[0]
     return "adam" if "betas" in group else "sgd" if "momentum" in group else None
+
+
+def hyper_changes(saved: dict, run: dict) -> list[str]:
+    """The optimizer flags whose value in this run (param group ``run``) differs from the checkpoint's
+    (its saved param group ``saved``), as ``--adam-beta2 0.95 (checkpoint 0.999)``."""
+    pairs = list(zip(("--adam-beta1", "--adam-beta2"), saved.get("betas", ()), run.get("betas", ())))
+    pairs += [(flag, saved[key], run[key]) for key, flag in (("eps", "--adam-eps"), ("momentum", "--sgd-momentum"))
+              if key in saved and key in run]
+    return [f"{flag} {mine} (checkpoint {theirs})" for flag, theirs, mine in pairs if float(theirs) != float(mine)]
 
 
 def can_fuse(groups) -> bool:
@@ -213,6 +221,14 @@ class MegatronOptimizer:
                 m.copy_(p)
 
     # checkpoint ----------------------------------------------------------------------------
+    def note_saved_hyper(self, saved_group: dict) -> None:
+        """After loading optimizer state: the hyper-parameters stay this run's (its --adam-beta1/2,
+        --adam-eps, --sgd-momentum, kernel; lr and weight decay are the schedule's), not those the
+        checkpoint's param groups carry; say which flags differ from the checkpoint's."""
+        changes = hyper_changes(saved_group, self.optimizer.param_groups[0])
+        if changes:
+            print_rank_0(f"> optimizer flags that differ from the checkpoint's, this run's used: {', '.join(changes)}")
+
     def shard_slots(self) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
         """``(model param, tensor the torch optimizer steps, lo, hi)``: the flat range ``[lo, hi)`` of
         each model param whose optimizer state this rank holds (all of it here). The sharded
@@ -233,9 +249,11 @@ class MegatronOptimizer:
     def load_state_dict(self, sd: dict) -> None:
         """Restore everything; the masters (when saved) also overwrite the model params."""
         saved = regroup_saved_state(sd["optimizer"], self.model_params)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(from_saved_layout(saved, self.group_layout))
-        for group in self.optimizer.param_groups:  # the kernel is this run's choice, not the checkpoint's
-            group.update({k: self.optimizer.defaults[k] for k in KERNEL_CHOICES if k in self.optimizer.defaults})
+        for group, mine in zip(self.optimizer.param_groups, hyper):  # torch's load took the saved ones
+            group.update(mine)
+        self.note_saved_hyper(saved["param_groups"][0])
         masters = sd.get("fp32_masters")
         if masters is not None:
             if len(masters) != len(self.masters):

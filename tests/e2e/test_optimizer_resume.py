@@ -1,5 +1,6 @@
 """Resuming with other optimizer flags than the checkpoint's: another --optimizer is refused in one
-line (both checkpoint formats, both optimizers)."""
+line; other --adam-beta1/2, --adam-eps, --sgd-momentum are this run's and the log says so (both
+checkpoint formats, both optimizers)."""
 
 import pytest
 
@@ -9,6 +10,7 @@ TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--vocab-size", "123", "--make-vocab-size-divisible-by", "8", "--mock-data", "--lr", "1e-2",
     "--log-interval", "10", "--eval-iters", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr-decay-iters", "4",
 ]
 
 
@@ -30,3 +32,20 @@ def test_resume_with_another_optimizer_is_one_line_exit_2(tmp_path, capsys, save
     assert len(lines) == 1, lines
     assert f"holds {saved} state, this run uses --optimizer {resumed}" in lines[0], lines[0]
     assert "--no-load-optim" in lines[0]
+
+
+@pytest.mark.parametrize("flags", [[], ["--use-distributed-optimizer"], ["--ckpt-format", "torch_dist"]])
+@pytest.mark.parametrize("optimizer, changed, expected", [
+    ("adam", ["--adam-beta2", "0.5", "--adam-eps", "1e-3"], {"betas": (0.9, 0.5), "eps": 1e-3}),
+    ("sgd", ["--sgd-momentum", "0.25"], {"momentum": 0.25}),
+])
+def test_resume_with_other_optimizer_values_uses_this_runs(tmp_path, capsys, flags, optimizer, changed, expected):
+    save = str(tmp_path / "ckpt")
+    _run(save, 1, "--optimizer", optimizer, *flags)
+    capsys.readouterr()
+    result = _run(save, 2, "--optimizer", optimizer, *flags, *changed, load=True)
+    for group in result.optimizer.param_groups:  # what the torch optimizer steps with
+        assert {k: group[k] for k in expected} == expected
+    out = capsys.readouterr().out
+    assert "optimizer flags that differ from the checkpoint's, this run's used" in out
+    assert f"{changed[0]} {changed[1]} (checkpoint " in out
