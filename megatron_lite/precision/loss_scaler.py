@@ -26,7 +26,8 @@ class ConstantLossScaler:
         return {"scale": self.scale}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.scale = float(sd["scale"])
+        """Nothing to restore: the scale is this run's ``--loss-scale`` (as in Megatron-LM), whatever
+        the checkpoint's scaler was."""
 
 
 class DynamicLossScaler:
@@ -73,9 +74,11 @@ class DynamicLossScaler:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker, "hysteresis_tracker": self.hysteresis_tracker}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Continue the checkpoint's scale; one saved by a static ``--loss-scale`` run has no trackers,
+        so the dynamic scaling starts from its scale with a fresh window and hysteresis."""
         self.scale = float(sd["scale"])
-        self.growth_tracker = int(sd["growth_tracker"])
-        self.hysteresis_tracker = int(sd["hysteresis_tracker"])
+        self.growth_tracker = int(sd.get("growth_tracker", 0))
+        self.hysteresis_tracker = int(sd.get("hysteresis_tracker", self.hysteresis))
 
 
 def build_loss_scaler(precision_config):

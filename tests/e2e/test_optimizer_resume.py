@@ -1,6 +1,6 @@
 """Resuming with other optimizer flags than the checkpoint's: another --optimizer is refused in one
 line; other --adam-beta1/2, --adam-eps, --sgd-momentum are this run's and the log says so (both
-checkpoint formats, both optimizers)."""
+checkpoint formats, both optimizers); --fp16 may switch between a static and a dynamic loss scale."""
 
 import pytest
 
@@ -49,3 +49,15 @@ def test_resume_with_other_optimizer_values_uses_this_runs(tmp_path, capsys, fla
     out = capsys.readouterr().out
     assert "optimizer flags that differ from the checkpoint's, this run's used" in out
     assert f"{changed[0]} {changed[1]} (checkpoint " in out
+
+
+@pytest.mark.parametrize("saved, resumed, scale", [
+    ([], ["--loss-scale", "1024"], 1024.0),  # this run's static scale, not the checkpoint's dynamic one
+    (["--loss-scale", "1024"], [], 1024.0),  # dynamic from the static checkpoint's scale (was a KeyError)
+])
+def test_resume_switching_between_static_and_dynamic_loss_scale(tmp_path, saved, resumed, scale):
+    save = str(tmp_path / "ckpt")
+    _run(save, 1, "--fp16", *saved)
+    result = _run(save, 2, "--fp16", *resumed, load=True)
+    assert len(result.grad_norms) == 1
+    assert result.optimizer.get_loss_scale() == scale

@@ -73,6 +73,25 @@ def test_state_dict_round_trip_and_static():
         ConstantLossScaler(0)
 
 
+def test_static_and_dynamic_scalers_load_each_others_state():
+    """A resume may switch between --loss-scale and dynamic scaling: a static scale is this run's
+    flag (the checkpoint's scale is not taken, as in Megatron-LM); a dynamic scaler continues from a
+    static checkpoint's scale with a fresh window and hysteresis."""
+    dynamic = DynamicLossScaler(initial_scale=2.0**20, hysteresis=2)
+    dynamic.update(True)
+    dynamic.update(True)
+    static = ConstantLossScaler(1024.0)
+    static.load_state_dict(dynamic.state_dict())
+    assert static.scale == 1024.0
+    fresh = DynamicLossScaler(initial_scale=2.0**32, growth_interval=2, hysteresis=2)
+    fresh.load_state_dict(ConstantLossScaler(256.0).state_dict())
+    assert (fresh.scale, fresh.growth_tracker, fresh.hysteresis_tracker) == (256.0, 0, 2)
+    fresh.update(True)
+    assert fresh.scale == 256.0  # one overflow of the hysteresis budget of 2
+    fresh.update(True)
+    assert fresh.scale == 128.0
+
+
 def test_floor_above_initial_scale_is_refused():
     """A floor above the start would make the first backed-off overflow *raise* the scale to the floor."""
     with pytest.raises(ValueError, match="--min-loss-scale"):
