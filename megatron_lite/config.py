@@ -199,7 +199,7 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
     check_for_nan_in_loss_and_grad: bool = True
-    """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 the loss scaler skips such steps instead)."""
+    """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 a step whose gradients overflow is skipped by the loss scaler instead; a NaN/inf loss still stops it)."""
     rampup_batch_size: list[int] | None = field(default=None, metadata={
         "nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
     """Ramp the global batch up from START by INCREMENT to --global-batch-size over the first SAMPLES consumed samples (needs --train-samples)."""

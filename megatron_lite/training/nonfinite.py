@@ -20,8 +20,10 @@ class NonFiniteError(RuntimeError):
 def check_finite(config: Config, state: ParallelState, iteration: int, loss: float | None, grad_norm) -> None:
     """Raise :class:`NonFiniteError` when this step's gradient norm (global: every rank sees the same)
     or, without pipeline stages, its loss (DP-averaged: every rank sees the same) is not finite; every
-    rank raises together. With --fp16 the loss scaler already skips such steps."""
-    if not config.training.check_for_nan_in_loss_and_grad or config.precision.fp16:
+    rank raises together. With --fp16 the loss scaler skips a step whose gradients overflow (its norm
+    is None), but a NaN/inf loss comes from the forward pass, which no loss scale cures: it stops the
+    run in fp16 too (as in Megatron-LM, whose loss check does not depend on the precision)."""
+    if not config.training.check_for_nan_in_loss_and_grad:
         return
     bad = []
     if loss is not None and state.pp_size == 1 and not math.isfinite(loss):

@@ -126,6 +126,20 @@ def test_nan_loss_stops_the_run_naming_iteration_and_rank(tmp_path, capsys, monk
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # the NaN step is not saved
 
 
+def test_nan_loss_under_fp16_stops_the_run_too(tmp_path, capsys, monkeypatch):
+    """The loss scaler skips steps whose gradients overflow, but a NaN forward loss is no overflow (a
+    lower scale cannot cure it): the run stops as in bf16 instead of skipping every step to the end."""
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))
+    save = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--fp16", "--initial-loss-scale", "1024", "--train-iters", "6",
+                                  "--save", str(save), "--save-interval", "1"])
+    assert err.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "iteration 3, rank 0: loss nan" in lines[0], lines
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
 def test_no_check_for_nan_trains_on(monkeypatch):
     monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))
     result = pretrain_gpt.main(TINY + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad"])
