@@ -229,6 +229,7 @@ class _Training:
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device(),
                                      self.iteration)
         self.gc = ManualGC(t)  # --manual-gc: the collector off, run at fixed points
+        self.state_reported = False  # the model-state bytes line, printed after the first update
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
@@ -258,7 +259,8 @@ class _Training:
                 print_rank_0(f"> {line}")
         if self.async_saves is not None:  # a background save that is done gets its tracker now
             self.async_saves.poll()
-        if not result.losses and not result.grad_norms:  # Adam's moments exist from the first step on
+        if ok and not self.state_reported:  # Adam's moments exist from the first update on (fp16 skips some)
+            self.state_reported = True
             print_rank_0(f"> {model_state_report(self.config, self.chunks, self.optimizer, self.state.dp_size * self.state.cp_size)}")
         if self.volume is not None:
             result.comm_volume.append(self.volume.end_step())

@@ -61,3 +61,13 @@ def test_resume_switching_between_static_and_dynamic_loss_scale(tmp_path, saved,
     result = _run(save, 2, "--fp16", *resumed, load=True)
     assert len(result.grad_norms) == 1
     assert result.optimizer.get_loss_scale() == scale
+
+
+def test_model_state_line_waits_for_the_first_update(tmp_path, capsys):
+    """fp16's first steps overflow and are skipped: the bytes line comes after the first update, when
+    Adam's moments exist (it showed 4 optimizer bytes per parameter instead of 12 before)."""
+    _run(str(tmp_path / "ckpt"), 3, "--fp16", "--initial-loss-scale", "1e6", "--hysteresis", "1", "--log-interval", "1")
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "model state on this rank" in x)
+    assert "optimizer 12.00 = device 18.00" in line and "device 18.00, CPU" in line, line
+    assert out.index("iteration        2/") < out.index(line), "printed after the skipped steps"
