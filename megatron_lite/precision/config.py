@@ -18,7 +18,7 @@ class PrecisionConfig:
     fp16: bool = False
     """fp16 weights and compute with a dynamic loss scaler."""
     loss_scale: float | None = None
-    """Static loss scale for fp16 (default: dynamic)."""
+    """Static loss scale for fp16 (default: dynamic) or bf16 (default: none)."""
     initial_loss_scale: float = 2.0**32
     """Initial dynamic loss scale."""
     min_loss_scale: float = 1.0

@@ -42,8 +42,10 @@ def transformer_engine_missing() -> list[str]:
 def check_precision_flags(pr) -> None:
     """Raise ConfigError (one line naming the flag and the fix) for a bad precision combination."""
     _require(not (pr.bf16 and pr.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    _require(pr.loss_scale is None or pr.fp16 or pr.bf16,
+             "--loss-scale needs --fp16 or --bf16 (fp32 training is not loss-scaled); drop it")
+    _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
     if pr.fp16:
-        _require(pr.loss_scale is None or pr.loss_scale > 0, f"--loss-scale must be positive, got {pr.loss_scale}")
         _require(pr.initial_loss_scale > 0 and pr.min_loss_scale > 0,
                  "--initial-loss-scale and --min-loss-scale must be positive")
         _require(pr.loss_scale is not None or pr.min_loss_scale <= pr.initial_loss_scale,

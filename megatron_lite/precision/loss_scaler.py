@@ -6,6 +6,7 @@ dynamic scaler follows Megatron-LM's rule: start at ``--initial-loss-scale`` (2^
 step whose gradients contain inf/NaN is skipped; after ``--hysteresis`` overflowing steps (not
 necessarily consecutive) the scale halves, never below ``--min-loss-scale``; after
 ``--loss-scale-window`` clean steps in a row it doubles and the hysteresis budget is refilled.
+A static ``--loss-scale`` also applies to bf16, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ class DynamicLossScaler:
 
 
 def build_loss_scaler(precision_config):
-    """The scaler for ``--fp16`` (static with ``--loss-scale``, else dynamic); None for bf16/fp32."""
+    """The scaler for ``--fp16`` (static with ``--loss-scale``, else dynamic) and, as in Megatron-LM,
+    for ``--bf16`` with ``--loss-scale`` (static); None otherwise."""
     pc = precision_config
+    if pc.loss_scale is not None and (pc.fp16 or pc.bf16):
+        return ConstantLossScaler(pc.loss_scale)
     if not pc.fp16:
         return None
-    if pc.loss_scale is not None:
-        return ConstantLossScaler(pc.loss_scale)
     return DynamicLossScaler(
         initial_scale=pc.initial_loss_scale,
         min_scale=pc.min_loss_scale,

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_lite.config import PrecisionConfig
 from megatron_lite.precision.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
+from tests.cli_errors import parse_refused
 
 
 def test_defaults_follow_flags():
@@ -13,6 +14,16 @@ def test_defaults_follow_flags():
     assert (s.scale, s.min_scale, s.growth_interval, s.hysteresis) == (2.0**32, 1.0, 1000, 2)
     assert isinstance(build_loss_scaler(PrecisionConfig(fp16=True, loss_scale=128.0)), ConstantLossScaler)
     assert build_loss_scaler(PrecisionConfig(bf16=True)) is None
+
+
+def test_static_loss_scale_applies_to_bf16_and_is_refused_in_fp32(capsys):
+    """As in Megatron-LM, --loss-scale gives bf16 a constant scale (it was ignored); fp32 has no loss
+    scaling, so the flag is refused there instead of being ignored."""
+    scaler = build_loss_scaler(PrecisionConfig(bf16=True, loss_scale=1024.0))
+    assert isinstance(scaler, ConstantLossScaler) and scaler.scale == 1024.0
+    base = ["--mock-data", "--vocab-size", "64", "--loss-scale"]
+    parse_refused(capsys, base + ["1024"], "--loss-scale needs --fp16 or --bf16")
+    parse_refused(capsys, base + ["-1", "--bf16"], "--loss-scale must be positive")
 
 
 def test_grows_after_window_of_clean_steps():

@@ -1,10 +1,13 @@
-"""Resuming with other optimizer flags than the checkpoint's: another --optimizer is refused in one
-line; other --adam-beta1/2, --adam-eps, --sgd-momentum are this run's and the log says so (both
-checkpoint formats, both optimizers); --fp16 may switch between a static and a dynamic loss scale."""
+"""Optimizer and loss-scale flags through pretrain_gpt.py. Resuming with other optimizer flags than
+the checkpoint's: another --optimizer is refused in one line; other --adam-beta1/2, --adam-eps,
+--sgd-momentum are this run's and the log says so (both checkpoint formats, both optimizers); --fp16
+may switch between a static and a dynamic loss scale. --loss-scale also scales bf16 (as in
+Megatron-LM) without changing what is learned."""
 
 import pytest
 
 import pretrain_gpt
+from tests.trajectory import Trajectory, assert_same_trajectory
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -71,3 +74,14 @@ def test_model_state_line_waits_for_the_first_update(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "model state on this rank" in x)
     assert "optimizer 12.00 = device 18.00" in line and "device 18.00, CPU" in line, line
     assert out.index("iteration        2/") < out.index(line), "printed after the skipped steps"
+
+
+def test_bf16_static_loss_scale_is_applied_and_undone(tmp_path, capsys):
+    """bf16 with --loss-scale 1024: the log shows the scale, and the trajectory is bf16's without it
+    (the gradients are divided back before clipping and the step; measured: equal to the bit)."""
+    plain = Trajectory.of(_run(str(tmp_path / "a"), 3, "--bf16"))
+    capsys.readouterr()
+    scaled = _run(str(tmp_path / "b"), 3, "--bf16", "--loss-scale", "1024", "--log-interval", "1")
+    assert "loss scale: 1024.0 |" in capsys.readouterr().out
+    assert scaled.optimizer.get_loss_scale() == 1024.0
+    assert_same_trajectory(Trajectory.of(scaled), plain, rtol=1e-6)
