@@ -35,10 +35,10 @@ import torch.distributed as dist
 from ..device import get_device
 from ..optim.distrib_optimizer import DistributedOptimizer
 from ..precision.fp8 import is_fp8_state_key
-from .boxes import canonical_shape, flat_boxes, shard_offset
+from .boxes import canonical_shape, extent, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
 from .format import VOCAB_TENSORS, CheckpointError, check_optimizer_name, restore_scheduler
-from .frozen import base_of, is_frozen, unwrap
+from .frozen import base_of, is_frozen, other_history_length, unwrap
 from .layout import expert_place
 from .router_bias import is_router_bias, refuse_optimizer, say_filled
 
@@ -255,6 +255,12 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
     optimizer.num_skipped_steps = int(opt["num_skipped_steps"])
 
 
+def _saved_shape(index, name: str) -> tuple | None:
+    """The canonical shape of the weight ``name`` in the checkpoint (None: not saved)."""
+    boxes = index.get(("weight", name))
+    return extent((o, s) for o, s, _, _ in boxes) if boxes else None
+
+
 def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, load_optim: bool) -> None:
     """Load this rank's weights (and, with ``load_optim``, optimizer state and schedule) from the
     torch_dist checkpoint in iteration ``folder`` (``common``: its ``common.pt``); local, no collectives.
@@ -263,8 +269,10 @@ def load_dist(folder: str, common: dict, chunks, optimizer, scheduler, state, lo
     tensors, by_param = rank_tensors(chunks, state)
     fresh_fp8 = not any(is_fp8_state_key(name) for kind, name in index if kind == "weight")  # saved without FP8
     filled = zero_absent_router_biases(tensors, index, folder)
+    fresh = {t.name for t in tensors if (fresh_fp8 and is_fp8_state_key(t.name))  # these stay as built
+             or other_history_length(t.name, _saved_shape(index, t.name), t.global_shape)}
     load_weights(folder, index, [t for t in tensors if not t.frozen  # frozen ones: from the base, loaded before
-                                 and not (fresh_fp8 and is_fp8_state_key(t.name)) and t.name not in filled],
+                                 and t.name not in fresh and t.name not in filled],
                  common["config"].get("vocab_size"))
     if load_optim and optimizer is not None:
         if common["optimizer"] is None:

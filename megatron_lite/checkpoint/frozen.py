@@ -55,11 +55,22 @@ def fit_fp8_state(module, saved: dict) -> dict:
     """``saved`` fitted to ``module``'s FP8 bookkeeping (amax histories, scales): left out when
     ``module`` has no FP8 gemm (a run without --fp8-format resumes the same weights); when the
     checkpoint has none (it was saved without --fp8-format), ``module``'s fresh ones, so the scaling
-    starts over as in a new FP8 run."""
+    starts over as in a new FP8 run; an amax history of another length (--fp8-amax-history-len
+    changed), ``module``'s fresh one, while the saved scales are kept."""
     mine = {k: v for k, v in module.state_dict().items() if is_fp8_state_key(k)}
     if not mine:
         return {k: v for k, v in saved.items() if not is_fp8_state_key(k)}
-    return saved if any(is_fp8_state_key(k) for k in saved) else {**saved, **mine}
+    if not any(is_fp8_state_key(k) for k in saved):
+        return {**saved, **mine}
+    return {**saved, **{k: v for k, v in mine.items() if other_history_length(k, saved.get(k), v.shape)}}
+
+
+def other_history_length(name: str, saved, shape) -> bool:
+    """Whether ``name`` is an FP8 amax history saved with another length than ``shape``'s (``saved``:
+    the saved tensor or its shape; None: not saved)."""
+    saved_shape = getattr(saved, "shape", saved)
+    return (name.endswith(".gemm.amax_history") and saved_shape is not None
+            and tuple(saved_shape)[1:] == tuple(shape)[1:] and tuple(saved_shape) != tuple(shape))
 
 
 def load_saved_state(module, saved: dict) -> None:

@@ -2,11 +2,13 @@
 the checkpoint's: another --optimizer is refused in one line; other --adam-beta1/2, --adam-eps,
 --sgd-momentum are this run's and the log says so (both checkpoint formats, both optimizers); --fp16
 may switch between a static and a dynamic loss scale. --loss-scale also scales bf16 (as in
-Megatron-LM) without changing what is learned."""
+Megatron-LM) without changing what is learned. Another --fp8-amax-history-len keeps the FP8 scales."""
 
 import pytest
+import torch
 
 import pretrain_gpt
+from megatron_lite.precision.fp8 import fp8_gemms
 from tests.trajectory import Trajectory, assert_same_trajectory
 
 TINY = [
@@ -85,3 +87,26 @@ def test_bf16_static_loss_scale_is_applied_and_undone(tmp_path, capsys):
     assert "loss scale: 1024.0 |" in capsys.readouterr().out
     assert scaled.optimizer.get_loss_scale() == 1024.0
     assert_same_trajectory(Trajectory.of(scaled), plain, rtol=1e-6)
+
+
+def _fp8_state(result):
+    gemms = fp8_gemms(result.chunks)
+    return [g.scale.clone() for g in gemms], [g.amax_history.shape[0] for g in gemms]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("saved_len, resumed_len", [(4, 1), (1, 3)])
+def test_resume_with_another_fp8_amax_history_len_keeps_the_scales(tmp_path, fmt, saved_len, resumed_len):
+    """Another --fp8-amax-history-len on resume (was refused as a shape mismatch of amax_history): the
+    saved scales are loaded, the histories start over at this run's length (an all-zero history keeps
+    a scale until the next amaxes are recorded)."""
+    save, fp8 = str(tmp_path / "ckpt"), ["--bf16", "--fp8-format", "hybrid", "--ckpt-format", fmt]
+    first = _run(save, 2, *fp8, "--fp8-amax-history-len", str(saved_len))
+    scales, _ = _fp8_state(first)
+    assert any(not torch.equal(s, torch.ones_like(s)) for s in scales)  # learned, not the initial 1s
+    loaded = _run(save, 2, *fp8, "--fp8-amax-history-len", str(resumed_len), "--no-load-rng", load=True)
+    loaded_scales, lengths = _fp8_state(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(loaded_scales, scales))
+    assert set(lengths) == {resumed_len}
+    assert all(not g.amax_history.any() for g in fp8_gemms(loaded.chunks))
+    _run(save, 3, *fp8, "--fp8-amax-history-len", str(resumed_len), "--no-load-rng", load=True)  # and it trains on
