@@ -65,7 +65,7 @@ class OptimizerParamScheduler:
             raise ValueError(f"--lr-decay-style {self.style!r}: expected constant, linear, cosine or WSD")
         if self.min_lr > self.max_lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}")
-        if self.style in ("linear", "cosine") and self.decay_steps <= self.warmup_steps:
+        if self.style != "constant" and self.decay_steps <= self.warmup_steps:
             raise ValueError(
                 f"--lr-decay-{unit} {self.decay_steps} must exceed --lr-warmup-{unit} {self.warmup_steps} "
                 f"for --lr-decay-style {self.style}"

@@ -87,6 +87,21 @@ def test_bad_flags_are_clear_errors():
         OptimizerParamScheduler(opt, OptimizerConfig(lr_decay_style="linear", lr_warmup_iters=10, lr_decay_iters=5), 100)
 
 
+
+def test_wsd_warmup_that_hides_the_decay_is_refused(capsys):
+    """WSD with a warmup as long as the decay never anneals (the run ended mid-warmup, at lr * 5 / 10,
+    not --min-lr); refused as for linear and cosine (Megatron-LM refuses it for every style)."""
+    from tests.cli_errors import parse_refused
+
+    with pytest.raises(ValueError, match="lr-decay-iters 5 must exceed --lr-warmup-iters 10"):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        OptimizerParamScheduler(opt, OptimizerConfig(lr_decay_style="WSD", lr_warmup_iters=10, lr_decay_iters=5,
+                                                     lr_wsd_decay_iters=2), 100)
+    parse_refused(capsys, ["--mock-data", "--vocab-size", "64", "--train-iters", "5", "--lr-decay-style", "WSD",
+                           "--lr-wsd-decay-iters", "2", "--lr-warmup-iters", "10"],
+                  "--lr-decay-iters 5 (default --train-iters) must exceed --lr-warmup-iters 10 for --lr-decay-style WSD")
+
+
 def _resumed(saved_decay, **flags):
     """A schedule decaying over 200 steps loading one saved at step 50 that decayed over ``saved_decay``."""
     def schedule(decay, **kw):
