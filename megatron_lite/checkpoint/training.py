@@ -23,17 +23,17 @@ from __future__ import annotations
 import os
 import shutil
 
-import torch
 import torch.distributed as dist
 
 from ..console import is_logging_rank, print_rank_0
 from ..optim.optimizer import saved_optimizer_name
 from ..parallel.fsdp import full_params
-from .arch import arch_differences, check_architecture
+from .arch import check_architecture
+from .compat import check_compatible, check_sizes, layer_range
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
 from .dist_save import finalize_save, save_dist, temp_dir
-from .expert_files import check_expert_grid, expert_grid_fields, model_file_for, writes_model_file
+from .expert_files import expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
     RNG_KEYS,
@@ -82,13 +82,6 @@ def _global_rank() -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Save.
-
-
-def _layer_range(module):
-    """(layer_start, layer_end) of a chunk: GPTModel keeps them on its ``decoder``; None if unknown."""
-    holder = module if hasattr(module, "layer_start") else getattr(module, "decoder", None)
-    start, end = getattr(holder, "layer_start", None), getattr(holder, "layer_end", None)
-    return None if start is None else (int(start), None if end is None else int(end))
 
 
 def _writing(write, root, iteration):
@@ -157,7 +150,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
                 "model": [saved_state_dict(m) for m in modules],
                 "frozen_base": base,
                 "param_meta": [param_meta(m) for m in modules],
-                "layer_ranges": [_layer_range(m) for m in modules],
+                "layer_ranges": [layer_range(m) for m in modules],
                 "optimizer": optim_state,
                 "scheduler": None if scheduler is None else scheduler.state_dict(),
                 "format_version": FORMAT_VERSION,
@@ -182,58 +175,6 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
 # Load.
 
 
-def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; convert it or match {flag}")
-
-
-def _check_sizes(path: str, ckpt: dict, state) -> None:
-    check_expert_grid(path, ckpt, state)
-    for key, name, ours in (("tp_size", "tensor-model-parallel-size", state.tp_size),
-                            ("pp_size", "pipeline-model-parallel-size", state.pp_size),
-                            ("ep_size", "expert-model-parallel-size", state.ep_size)):
-        if ckpt.get(key, 1) != ours:  # files from before expert parallelism have no ep_size
-            raise _flag_mismatch(path, name, ckpt.get(key, 1), ours, f"--{name}")
-
-
-def _check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
-    """Raise one CheckpointError naming what differs between the checkpoint and this run."""
-    _check_sizes(path, ckpt, state)
-    saved_chunks = ckpt.get("num_chunks", len(ckpt["model"]))
-    if saved_chunks != len(modules) or ckpt.get("vpp_size") != state.vpp_size:
-        raise _flag_mismatch(path, "virtual pipeline size", f"{ckpt.get('vpp_size')} ({saved_chunks} model chunks per rank)",
-                             f"{state.vpp_size} ({len(modules)} model chunks per rank)",
-                             "--num-layers-per-virtual-pipeline-stage")
-    ours_ranges = [_layer_range(m) for m in modules]
-    saved_ranges = [tuple(r) if r is not None else None for r in ckpt.get("layer_ranges", ours_ranges)]
-    if saved_ranges != ours_ranges:
-        raise _flag_mismatch(path, "layer ranges", saved_ranges, ours_ranges,
-                             "--num-layers and --decoder-first/last-pipeline-num-layers")
-    problems, differing = [], 0  # lines of the message; tensors that differ
-    for i, (module, saved) in enumerate(zip(modules, ckpt["model"])):
-        where = f"chunk {i} " if len(modules) > 1 else ""
-        mine = saved_state_dict(module)
-        missing = [k for k in mine if k not in saved]
-        extra = [k for k in saved if k not in mine]
-        differing += len(missing) + len(extra)
-        if missing:
-            problems.append(f"{where}missing in checkpoint: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
-        if extra:
-            problems.append(f"{where}not in this model: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""))
-        for key, tensor in mine.items():
-            if key in saved and torch.is_tensor(tensor) and tuple(saved[key].shape) != tuple(tensor.shape):
-                differing += 1
-                problems.append(f"{where}{key} has shape {tuple(saved[key].shape)} in the checkpoint, "
-                                f"{tuple(tensor.shape)} in this model")
-    if problems:
-        arch = arch_differences(ckpt.get("config", {}), config)
-        if arch:  # the flags explain it: name them first, one example of the consequence
-            what = (f"it was saved with {', '.join(arch)}; {differing} tensor(s) differ, "
-                    f"e.g. {problems[0]}")
-        else:
-            what = "; ".join(problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else []))
-        raise CheckpointError(f"checkpoint {path} does not match the model: {what}; match the model flags")
-
-
 def _explain_missing(path: str, folder: str, state) -> None:
     """This rank's file is absent: if the folder holds files of another TP/PP layout, say so."""
     try:
@@ -241,7 +182,7 @@ def _explain_missing(path: str, folder: str, state) -> None:
     except CheckpointError:
         return  # nothing there at all: load_file reports the missing file
     other = others[min(others)]
-    _check_sizes(other, read_model_file(other), state)
+    check_sizes(other, read_model_file(other), state)
 
 
 def _no_tracker(root: str, quiet: bool = False, finetune: bool = False) -> None:
@@ -328,7 +269,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     say_filled(path, filled)
     _load_frozen_base(path, ckpt, chunks, config, state)
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
-        _check_compatible(path, ckpt, modules, config, state)
+        check_compatible(path, ckpt, modules, config, state)
         check_architecture(path, ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
             load_saved_state(module, saved)

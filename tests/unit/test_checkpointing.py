@@ -17,7 +17,6 @@ from megatron_lite.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_lite.checkpoint import training as ckpt
 from megatron_lite.config import Config
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.state import ParallelState
@@ -203,11 +202,11 @@ def test_crash_during_save_keeps_previous_latest(tmp_path, monkeypatch, failure)
             raise FAILURES[failure]
         return real_save(obj, path, *a, **k)
 
-    monkeypatch.setattr(ckpt.torch, "save", dying_save)
+    monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(CheckpointError, match="could not save checkpoint iteration 2 .*(disk full|unexpected pos.*is the disk "
                                               "full).*previous checkpoint stays"):
         save_checkpoint(2, [model], opt, sched, 8, cfg, state)
-    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    monkeypatch.setattr(torch, "save", real_save)
 
     root = tmp_path / "ckpt"
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "1"

@@ -168,14 +168,14 @@ def test_folded_tp1_etp2_torch_checkpoint_at_tp2_names_tp_and_torch_dist(grid, f
 def test_size_mismatch_of_a_folded_torch_checkpoint_advises_the_converter():
     """The converter reads and writes a folded grid's torch-format checkpoint: another EP (same ETP)
     is refused naming --expert-model-parallel-size, the converter and torch_dist; an unfolded one too."""
-    from megatron_lite.checkpoint.training import _check_sizes
+    from megatron_lite.checkpoint.compat import check_sizes
 
     saved = {"tp_size": 1, "pp_size": 1, "ep_size": 1, "etp_size": 2, "expert_grid_folded": True}
     here = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2, etp=2), 0)), tp_size=1, pp_size=1)
     with pytest.raises(CheckpointError) as err:
-        _check_sizes("ckpt", saved, here)
+        check_sizes("ckpt", saved, here)
     assert "--expert-model-parallel-size" in str(err.value) and "torch_dist" in str(err.value)
     assert "tools/checkpoint/convert.py" in str(err.value)
     unfolded = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2), 0)), tp_size=1, pp_size=1)
     with pytest.raises(CheckpointError, match="convert it or match --expert-model-parallel-size"):
-        _check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
+        check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
