@@ -115,6 +115,7 @@ def _check_parallel(config: Config) -> None:
              "and this model has none (no --num-experts); drop it")
     _require(p.ddp_bucket_size is None or p.ddp_bucket_size >= 1, "--ddp-bucket-size must be at least 1")
     pp = p.pipeline_model_parallel_size
+    _require(pp >= 1, f"--pipeline-model-parallel-size must be at least 1, got {pp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _require(p.pipeline_schedule != "zb-h1", "--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
                  "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")

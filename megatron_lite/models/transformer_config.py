@@ -174,6 +174,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):  # None: derived from the others
             value = getattr(self, name)
             _require(value is None or value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+        tp = self.tensor_model_parallel_size  # before _derive pads the vocabulary to a multiple of it
+        _require(tp >= 1, f"--tensor-model-parallel-size must be at least 1, got {tp}")
         _require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
                  f"--position-embedding-type {self.position_embedding_type!r} is not one of "
                  f"{', '.join(POSITION_EMBEDDING_TYPES)}")
@@ -209,7 +211,6 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
 
     def _check_parallel(self) -> None:
         tp = self.tensor_model_parallel_size
-        _require(tp >= 1, "--tensor-model-parallel-size must be at least 1")
         _require(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
                  f"max-position-embeddings {self.max_position_embeddings} is smaller than seq-length {self.seq_length}")
         _require(self.position_embedding_type != "rope" or self.multi_latent_attention or self.rotary_percent < 1

@@ -57,3 +57,11 @@ def test_a_world_size_that_is_not_a_number_is_one_line_exit_2(capsys, monkeypatc
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"WORLD_SIZE={value!r}" in lines[0], lines
+
+
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_model_parallel_size_below_one_is_refused(capsys, flag, value):
+    """--tensor-model-parallel-size 0 (padding the vocabulary) and --pipeline-model-parallel-size 0
+    (checking the layer split) were a ZeroDivisionError traceback; now one line naming the flag."""
+    _one_line_exit_2(capsys, [flag, value], 1, [f"{flag} must be at least 1, got {value}"])
