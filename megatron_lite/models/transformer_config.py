@@ -50,14 +50,18 @@ def _require(cond: bool, message: str) -> None:
 
 def check_hierarchical_cp(cfg, types: list[str]) -> None:
     """--hierarchical-context-parallel-sizes A B: two positive sizes whose product is the CP size
-    (Megatron-LM's rule, checked whenever they are given); a2a+p2p needs them, and the (TP-local)
-    query heads and key/value groups divisible by A (the all-to-all splits heads over A ranks)."""
+    (Megatron-LM's rule); a2a+p2p needs them, and the (TP-local) query heads and key/value groups
+    divisible by A (the all-to-all splits heads over A ranks). Given without a2a+p2p they would
+    change nothing (Megatron-LM ignores them): refused."""
     sizes, cp, tp = cfg.hierarchical_context_parallel_sizes, cfg.context_parallel_size, cfg.tensor_model_parallel_size
     _require(sizes is not None or "a2a+p2p" not in types,
              f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
              f"--context-parallel-size {cp}")
     if sizes is None:
         return
+    _require("a2a+p2p" in types,
+             f"--hierarchical-context-parallel-sizes only applies with --cp-comm-type a2a+p2p (this run's "
+             f"{' '.join(types)} does not use it); add a2a+p2p, or drop --hierarchical-context-parallel-sizes")
     _require(len(sizes) == 2 and all(n >= 1 for n in sizes) and sizes[0] * sizes[1] == cp,
              f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two positive sizes "
              f"A B (all-to-all, ring) with A x B = --context-parallel-size {cp}")
