@@ -65,3 +65,11 @@ def test_a_model_parallel_size_below_one_is_refused(capsys, flag, value):
     """--tensor-model-parallel-size 0 (padding the vocabulary) and --pipeline-model-parallel-size 0
     (checking the layer split) were a ZeroDivisionError traceback; now one line naming the flag."""
     _one_line_exit_2(capsys, [flag, value], 1, [f"{flag} must be at least 1, got {value}"])
+
+
+def test_empty_middle_pipeline_stages_are_refused(capsys):
+    """PP 4 with 2 + 2 layers on the first and last stages left stages 1 and 2 without a layer or a
+    parameter: accepted, then the optimizer's 'empty parameter list' traceback on those ranks."""
+    _one_line_exit_2(capsys, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "2",
+                              "--decoder-last-pipeline-num-layers", "2"], 4,
+                     ["stages 1, 2 would hold no layers", "give every middle stage at least one layer"])

@@ -16,6 +16,7 @@ def test_first_and_last_stage_counts():
     assert layer_ranges(7, 3, last=3) == [[(0, 2)], [(2, 4)], [(4, 7)]]
     assert layer_ranges(5, 2, first=2, last=3) == [[(0, 2)], [(2, 5)]]
     assert layer_ranges(4, 2, first=0) == [[(0, 0)], [(0, 4)]]  # an embedding-only first stage
+    assert layer_ranges(4, 3, first=0, last=0) == [[(0, 0)], [(0, 4)], [(4, 4)]]  # first and last may be empty
 
 
 def test_interleaved_assignment():
@@ -43,6 +44,10 @@ def test_interleaved_assignment():
     (dict(num_layers=8, pp_size=2, vpp_layers=2, first=2), ["--num-layers-per-virtual-pipeline-stage",
                                                             "--decoder-first-pipeline-num-layers"]),
     (dict(num_layers=4, pp_size=1, last=2), ["--pipeline-model-parallel-size > 1"]),
+    # middle stages with no layer hold no parameter at all: the optimizer's 'empty parameter list' traceback
+    (dict(num_layers=4, pp_size=4, first=2, last=2), ["--decoder-first-pipeline-num-layers 2", "stages 1, 2 would hold"]),
+    (dict(num_layers=4, pp_size=4, last=4), ["--decoder-last-pipeline-num-layers 4", "stages 1, 2 would hold no"]),
+    (dict(num_layers=3, pp_size=3, first=3), ["stage 1 would hold no layers"]),
 ])
 def test_errors_name_the_flags(kwargs, flags):
     with pytest.raises(ValueError) as err:

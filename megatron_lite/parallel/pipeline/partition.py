@@ -65,6 +65,10 @@ def layer_ranges(num_layers: int, pp_size: int, vpp_layers: int | None = None,
         middle = pp_size - (first is not None) - (last is not None)
         rest = _split_evenly(num_layers - fixed, middle, what)
         counts = ([first] if first is not None else []) + rest + ([last] if last is not None else [])
+        empty = [str(r) for r in range(1, pp_size - 1) if counts[r] == 0]
+        if empty:  # the first and last stages hold the embedding and the output layer; a middle one holds nothing
+            raise ValueError(f"{what}: pipeline stage{'s' * (len(empty) > 1)} {', '.join(empty)} would hold no layers "
+                             "and no parameters; give every middle stage at least one layer")
     out, start = [], 0
     for count in counts:
         out.append([(start, start + count)])
