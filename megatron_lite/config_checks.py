@@ -121,7 +121,8 @@ def _check_parallel(config: Config) -> None:
                  "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
-        _require(per > 0 and m.num_layers % (per * pp) == 0,
+        _require(per > 0, f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per}")
+        _require(m.num_layers % (per * pp) == 0,
                  f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per} "
                  f"x pipeline-model-parallel-size {pp}")
     elif p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:

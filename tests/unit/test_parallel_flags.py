@@ -73,3 +73,10 @@ def test_empty_middle_pipeline_stages_are_refused(capsys):
     _one_line_exit_2(capsys, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "2",
                               "--decoder-last-pipeline-num-layers", "2"], 4,
                      ["stages 1, 2 would hold no layers", "give every middle stage at least one layer"])
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_virtual_stage_of_no_layers_is_refused_by_name(capsys, value):
+    """It said 'num-layers 4 is not divisible by num-layers-per-virtual-pipeline-stage 0 x ...'."""
+    _one_line_exit_2(capsys, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", value],
+                     2, [f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {value}"])
