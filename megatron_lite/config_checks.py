@@ -258,7 +258,10 @@ def _check_sgd_momentum(config: Config) -> None:
 def _check_profile(config: Config) -> None:
     from .precision.flags import gpu_visible
 
-    check_profile_flags(config.logging, config.world_size, gpu_visible(), config.training.train_iters)
+    t = config.training
+    length = ("--train-iters" if t.train_samples is None
+              else f"--train-samples {t.train_samples} / --global-batch-size {t.global_batch_size} =")
+    check_profile_flags(config.logging, config.world_size, gpu_visible(), t.train_iters, length)
 
 
 def _check_data_and_checkpoint(config: Config) -> None:

@@ -75,9 +75,11 @@ def check_logging_flags(logging, save: str | None) -> None:
         raise ConfigError("--log-progress writes <save>/progress.txt: add --save DIR or drop --log-progress")
 
 
-def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | None = None) -> None:
+def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | None = None,
+                        length_flag: str = "--train-iters") -> None:
     """Raise ConfigError (one line naming the flag) for a profiling combination that cannot work
-    (``train_iters``: the run's --train-iters, which the window must start before)."""
+    (``train_iters``: the run's iterations, which the window must start before; ``length_flag``: the
+    flag that set them, as the user wrote it)."""
     if not logging.profile:
         return
     if not 0 <= logging.profile_step_start < logging.profile_step_end:
@@ -85,7 +87,7 @@ def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | 
                           f"--profile-step-end ({logging.profile_step_end})")
     if train_iters is not None and logging.profile_step_start >= train_iters:
         raise ConfigError(f"--profile: --profile-step-start {logging.profile_step_start} is not below "
-                          f"--train-iters {train_iters}, so no iteration would be profiled; set --profile-step-start "
+                          f"{length_flag} {train_iters}, so no iteration would be profiled; set --profile-step-start "
                           "and --profile-step-end inside the run")
     bad = [r for r in logging.profile_ranks or [] if not 0 <= r < world_size]
     if bad:

@@ -45,6 +45,9 @@ def test_pytorch_profiler_writes_a_trace_and_prints_the_tables(tmp_path, capsys)
     (["--profile", "--use-pytorch-profiler", "--train-iters", "4"], ["--profile-step-start 10", "--train-iters 4"]),
     (["--profile", "--use-pytorch-profiler", "--train-iters", "3", "--profile-step-start", "3", "--profile-step-end", "5"],
      ["--profile-step-start 3", "--train-iters 3"]),
+    # a run sized in samples: it named '--train-iters 4', a flag the user never passed
+    (["--profile", "--use-pytorch-profiler", "--train-samples", "8", "--global-batch-size", "2", "--lr-decay-style",
+      "constant"], ["--profile-step-start 10 is not below --train-samples 8 / --global-batch-size 2 = 4"]),
 ])
 def test_profile_flags_refused_in_one_line(capsys, extra, words):
     with pytest.raises(SystemExit) as err:
