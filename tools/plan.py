@@ -42,7 +42,7 @@ from megatron_lite.perf.plan import (  # noqa: E402
     plan,
     stage_params,
 )
-from megatron_lite.training.outputs import check_output_file  # noqa: E402
+from megatron_lite.training.outputs import check_output_file, save_figure  # noqa: E402
 
 
 def _at_least(low, kind=int):
@@ -187,10 +187,8 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     bottom.set_ylabel("step time (s)")
     bottom.set_xticks(list(x), labels, rotation=90, fontsize=6)
     fig.tight_layout()
-    tmp = path + ".tmp.png"  # written whole, then renamed: no half-written image
-    fig.savefig(tmp, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
     return f"wrote {path}"
 
 

@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
-from megatron_lite.training.outputs import check_output_file  # noqa: E402
+from megatron_lite.training.outputs import check_output_file, save_figure  # noqa: E402
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|")
 _VALID = re.compile(r"validation loss at iteration (\d+)\s*\|")
@@ -98,9 +98,7 @@ def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", 
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = output + ".tmp.png"  # written whole, then renamed: no half-written image
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, output)
+    save_figure(fig, output)
     plt.close(fig)
 
 

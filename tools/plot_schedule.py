@@ -29,7 +29,7 @@ from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
     simulate,
     simulated_orders,
 )
-from megatron_lite.training.outputs import check_output_file  # noqa: E402
+from megatron_lite.training.outputs import check_output_file, save_figure  # noqa: E402
 
 
 def schedule(p: int, m: int, v: int, backward_cost: float, kind: str = "1f1b", weight_cost: float = 0.5):
@@ -129,9 +129,7 @@ def main(argv=None) -> int:
     for ax in axes[:, 0]:
         ax.set_xlim(0, span)
     fig.tight_layout()
-    tmp = args.out + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, args.out)
+    save_figure(fig, args.out)
     print(f"wrote {args.out}")
     return 0
 

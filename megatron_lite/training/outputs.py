@@ -68,6 +68,16 @@ def check_output_file(flag: str, path: str) -> None:
                           "path") from None
 
 
+def save_figure(fig, path: str, dpi: int = 120) -> None:
+    """Write a matplotlib figure whole to ``path`` (a temporary name, then a rename) in the format its
+    extension names (.svg, .pdf, ...; PNG where matplotlib writes no such format)."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    fmt = ext if ext in fig.canvas.get_supported_filetypes() else "png"
+    tmp = f"{path}.tmp.{fmt}"
+    fig.savefig(tmp, dpi=dpi, format=fmt)
+    os.replace(tmp, path)
+
+
 def check_output_locations(config: Config) -> None:
     """Every output folder of the run is writable (and --save's tracker is not a folder)."""
     for flag, path in output_locations(config):

@@ -285,3 +285,14 @@ def test_plot_schedule_caps_the_image_size(tmp_path, monkeypatch, capsys):
     out = tmp_path / "s.png"
     assert tool.main(["-p", "4", "-m", "8", "-v", "2", "--compare", "--out", str(out)]) == 0
     assert Image.open(out).size == (1200, 360)  # dpi 120
+
+
+@pytest.mark.parametrize("name, magic", [("s.svg", b"<?xml"), ("s.pdf", b"%PDF"), ("s.png", b"\x89PNG"),
+                                         ("s.img", b"\x89PNG")])  # no format of that name: PNG
+def test_the_image_format_follows_the_extension(tmp_path, capsys, name, magic):
+    """plot_schedule.py / plot_loss.py / plan.py --png x.svg wrote PNG bytes under the .svg name."""
+    from tests.tools import load_tool
+
+    out = tmp_path / name
+    assert load_tool("plot_schedule").main(["-p", "2", "-m", "2", "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(magic) and os.listdir(tmp_path) == [name]
