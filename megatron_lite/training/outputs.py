@@ -35,14 +35,19 @@ def wandb_folder(config: Config) -> str:
     return config.logging.wandb_save_dir or (os.path.join(save, "wandb") if save else os.path.abspath("wandb"))
 
 
+def _probe(folder: str) -> None:
+    """Create ``folder`` if needed and write (then remove) a file there; OSError if impossible."""
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".write_probe."):
+        pass
+
+
 def check_writable(flag: str, path: str) -> None:
     """Create ``path`` if needed and write (then remove) a probe file there; ConfigError if impossible."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a file, not a folder; pick a folder")
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe."):
-            pass
+        _probe(path)
     except OSError as err:
         raise ConfigError(f"{flag} {path} is not writable ({err.strerror or err}); pick a folder you can "
                           "write to") from None
@@ -60,9 +65,7 @@ def check_output_file(flag: str, path: str) -> None:
     if not os.path.isdir(above):
         raise ConfigError(f"{flag} {path}: {above} is a file, not a folder; pick another path")
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write_probe."):
-            pass
+        _probe(folder)
     except OSError as err:
         raise ConfigError(f"{flag} {path}: cannot write in {folder} ({err.strerror or err}); pick another "
                           "path") from None
