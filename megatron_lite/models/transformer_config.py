@@ -65,11 +65,10 @@ def check_hierarchical_cp(cfg, types: list[str]) -> None:
     _require(len(sizes) == 2 and all(n >= 1 for n in sizes) and sizes[0] * sizes[1] == cp,
              f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two positive sizes "
              f"A B (all-to-all, ring) with A x B = --context-parallel-size {cp}")
-    if "a2a+p2p" in types:
-        for flag, value in (("num-attention-heads", cfg.num_attention_heads), ("num-query-groups", cfg.num_query_groups)):
-            _require(value % (tp * sizes[0]) == 0,
-                     f"--cp-comm-type a2a+p2p needs {flag} {value} divisible by tensor-model-parallel-size {tp} x "
-                     f"the all-to-all size {sizes[0]} (--hierarchical-context-parallel-sizes); change A or the heads")
+    for flag, value in (("num-attention-heads", cfg.num_attention_heads), ("num-query-groups", cfg.num_query_groups)):
+        _require(value % (tp * sizes[0]) == 0,
+                 f"--cp-comm-type a2a+p2p needs {flag} {value} divisible by tensor-model-parallel-size {tp} x "
+                 f"the all-to-all size {sizes[0]} (--hierarchical-context-parallel-sizes); change A or the heads")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
