@@ -223,22 +223,11 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
 
 def _convert_hf_tensors(kind: str, hf_config: dict, tensors: TensorReads, moe_grouped_gemm: bool) -> tuple[dict, dict]:
     """The reader of ``model_type`` ``kind``: (flat config, state dict)."""
-    if kind == "mixtral":
-        return from_mixtral(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "gpt_oss":
-        return from_gptoss(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "deepseek_v3":
-        return from_deepseek(hf_config, tensors, grouped=moe_grouped_gemm)
-    elif kind == "megatron-bert":
-        return from_bert(hf_config, tensors)
-    elif kind == "qwen2":
-        return from_qwen2(hf_config, tensors)
-    elif kind in ("qwen3", "qwen3_moe"):
-        return from_qwen3(hf_config, tensors) if kind == "qwen3" else from_qwen3_moe(hf_config, tensors, moe_grouped_gemm)
-    elif kind == "mistral":
-        return from_mistral(hf_config, tensors)
-    else:
-        return from_hf(hf_config, tensors)
+    moe = {"mixtral": from_mixtral, "gpt_oss": from_gptoss, "deepseek_v3": from_deepseek, "qwen3_moe": from_qwen3_moe}
+    if kind in moe:
+        return moe[kind](hf_config, tensors, grouped=moe_grouped_gemm)
+    dense = {"megatron-bert": from_bert, "qwen2": from_qwen2, "qwen3": from_qwen3, "mistral": from_mistral}
+    return dense.get(kind, from_hf)(hf_config, tensors)
 
 
 def _load_hf(args, progress=_no_progress) -> ModelBundle:
