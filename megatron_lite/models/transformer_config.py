@@ -246,11 +246,11 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         check_hierarchical_cp(self, types)
         if cp == 1:
             return
-        split = 2 * cp * (tp if self.sequence_parallel else 1)
-        _require(self.seq_length % split == 0,
-                 f"--context-parallel-size {cp} needs seq-length {self.seq_length} divisible by 2 x cp"
-                 + (f" x tensor-model-parallel-size {tp} (sequence parallel)" if self.sequence_parallel else "")
-                 + f" = {split}")
+        _require(self.seq_length % (2 * cp) == 0,
+                 f"--context-parallel-size {cp} needs seq-length {self.seq_length} divisible by 2 x cp = {2 * cp}")
+        _require(not self.sequence_parallel or self.seq_length // cp % tp == 0,  # a rank's tokens, cut over TP
+                 f"--sequence-parallel with --context-parallel-size {cp} needs seq-length {self.seq_length} / cp = "
+                 f"{self.seq_length // cp} divisible by tensor-model-parallel-size {tp}")
         if "a2a" in types:
             for flag, value in (("num-attention-heads", self.num_attention_heads),
                                 ("num-query-groups", self.num_query_groups)):

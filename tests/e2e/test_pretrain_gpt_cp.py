@@ -96,8 +96,8 @@ def test_cp2_resume_continues_exactly(tmp_path):
     "flags, world, words",
     [
         (["--context-parallel-size", "2", "--seq-length", "18"], 2, ["seq-length 18", "divisible by 2 x cp"]),
-        (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-          "--seq-length", "20"], 4, ["seq-length 20", "sequence parallel", "= 8"]),
+        (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+          "--seq-length", "20"], 8, ["--sequence-parallel", "seq-length 20 / cp = 10", "tensor-model-parallel-size 4"]),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "6", "--hidden-size", "36"],
          4, ["--cp-comm-type a2a", "num-attention-heads 6", "context-parallel-size 4"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
@@ -118,6 +118,17 @@ def test_cp2_resume_continues_exactly(tmp_path):
 def test_bad_context_parallel_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2"] + flags, *words)
+
+
+def test_cp2_tp2_sp_needs_only_the_rank_tokens_divisible_by_tp(tmp_path):
+    """Sequence parallelism cuts a CP rank's seq / cp tokens over TP: seq 12 at CP2 x TP2 (6 tokens
+    a rank, 3 per TP rank) runs like one process (Megatron-LM asks seq % 2cp only); it was refused
+    as 'not divisible by 2 x cp x tp = 8'."""
+    seq = ["--seq-length", "12"]
+    ref = run_script("pretrain_gpt", _argv(str(tmp_path / "single"), 4, MODEL_B + seq))
+    extra = MODEL_B + seq + CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    got = ranks_trajectory(4, "pretrain_gpt", _argv(str(tmp_path / "cp2tp2"), 4, extra))
+    assert_same_trajectory(got, ref)
 
 
 def test_cp2_recompute_gives_the_same_losses(tmp_path, reference):

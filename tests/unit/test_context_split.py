@@ -166,9 +166,12 @@ def test_transformer_config_checks_context_parallel():
     TransformerConfig(**base, context_parallel_size=4)  # 16 = 2 x 4 chunks of 2
     with pytest.raises(ConfigError, match="seq-length 12 divisible by 2 x cp = 8"):
         TransformerConfig(**dict(base, seq_length=12), context_parallel_size=4)
-    with pytest.raises(ConfigError, match="seq-length 12 divisible by .*sequence parallel.* = 8"):
-        TransformerConfig(**dict(base, seq_length=12), context_parallel_size=2, tensor_model_parallel_size=2,
-                          sequence_parallel=True)
+    # sequence parallelism cuts a rank's seq / cp tokens over TP: 12 / 2 = 6 over TP 2 runs (Megatron-LM's rule)
+    TransformerConfig(**dict(base, seq_length=12), context_parallel_size=2, tensor_model_parallel_size=2,
+                      sequence_parallel=True)
+    with pytest.raises(ConfigError, match="seq-length 20 / cp = 10 divisible by tensor-model-parallel-size 4"):
+        TransformerConfig(**dict(base, seq_length=20, num_query_groups=4), context_parallel_size=2,
+                          tensor_model_parallel_size=4, sequence_parallel=True)
     with pytest.raises(ConfigError, match="a2a needs num-query-groups 2 divisible by tensor-model-parallel-size 1 "
                                           "x context-parallel-size 4"):
         TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a")

@@ -194,6 +194,16 @@ def test_odd_sequence_length_plans_without_context_parallelism():
         check_layout(spec, ClusterSpec(gpus=8), 8, Layout(tp=2, dp=4))
 
 
+def test_sequence_parallelism_under_cp_cuts_a_rank_tokens():
+    """SP cuts a CP rank's seq / cp tokens over TP: seq 12 fits CP2 x TP2 (it was refused as not
+    divisible by 2 x CP 2 x TP 2); seq 20 at CP2 x TP4 leaves 10 tokens a rank, not divisible by 4."""
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=12, vocab_size=100)
+    check_layout(spec, ClusterSpec(gpus=8), 8, Layout(tp=2, cp=2, dp=2))
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=20, vocab_size=100)
+    with pytest.raises(ConfigError, match=r"--seq-length 20 / CP 2 must be divisible by TP 4 \(sequence parallelism\)"):
+        check_layout(spec, ClusterSpec(gpus=8), 8, Layout(tp=4, cp=2))
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size 3", "must equal --gpus 16"]),
     (["--micro-batch-size", "5"], ["--micro-batch-size 5", "--global-batch-size 48 must be divisible"]),

@@ -117,10 +117,12 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
     if lay.vpp > 1 and spec.num_layers % (lay.pp * lay.vpp):
         raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
     stage_layers(spec, lay.pp)  # an even split, or smaller first and last stages
-    split = (2 * lay.cp if lay.cp > 1 else 1) * lay.tp  # sequence parallelism (on with TP > 1), CP's 2 x cp chunks
-    if spec.seq_length % split:
-        raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by " + " x ".join(
-            [f"2 x CP {lay.cp}"] * (lay.cp > 1) + [f"TP {lay.tp} (sequence parallelism)"] * (lay.tp > 1)))
+    # CP's 2 x cp chunks, then sequence parallelism (on with TP > 1) cuts a rank's seq / cp tokens over TP
+    if lay.cp > 1 and spec.seq_length % (2 * lay.cp):
+        raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by 2 x CP {lay.cp}")
+    if (spec.seq_length // lay.cp) % lay.tp:
+        raise ConfigError(f"--seq-length {spec.seq_length}" + f" / CP {lay.cp}" * (lay.cp > 1)
+                          + f" must be divisible by TP {lay.tp} (sequence parallelism)")
     if global_batch % (lay.dp * lay.micro_batch):
         raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
     if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
