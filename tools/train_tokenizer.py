@@ -165,6 +165,20 @@ def _say_if_short(vocab_file: str, asked: int) -> None:
               "in this corpus")
 
 
+def _check_model_flags(parser, args) -> None:
+    """--min-frequency and --cased are refused (exit 2) where --model-type would ignore them."""
+    own = args.model_type in ("byte-level-bpe", "wordpiece")
+    if args.min_frequency is not None and not own:
+        parser.error(f"--min-frequency is for --model-type byte-level-bpe or wordpiece; SentencePiece "
+                     f"{args.model_type} has no such setting: drop it")
+    if args.min_frequency is not None and args.min_frequency < 1:
+        parser.error(f"--min-frequency {args.min_frequency} must be at least 1 (a pair to merge occurs at least once)")
+    if args.cased and args.model_type != "wordpiece":
+        parser.error(f"--cased is for --model-type wordpiece; {args.model_type} always keeps case: drop it")
+    if args.min_frequency is None:
+        args.min_frequency = 2
+
+
 def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
@@ -174,12 +188,13 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model-type", choices=["bpe", "unigram", "byte-level-bpe", "wordpiece"], default="bpe",
                         help="SentencePiece bpe/unigram, GPT-2-style byte-level BPE, or BERT WordPiece")
-    parser.add_argument("--min-frequency", type=int, default=2,
-                        help="byte-level-bpe, wordpiece: rarest pair to merge")
+    parser.add_argument("--min-frequency", type=int, default=None,
+                        help="byte-level-bpe, wordpiece: rarest pair to merge (default 2; SentencePiece has none)")
     parser.add_argument("--cased", action="store_true",
                         help="wordpiece: keep case and accents (for BertWordPieceCase; default lower-cases)")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's training log")
     args = parser.parse_args(argv)
+    _check_model_flags(parser, args)
     if not os.path.isfile(args.input):
         print(f"{args.input}: input file not found (--input)", file=sys.stderr)
         return 2

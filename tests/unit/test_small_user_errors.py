@@ -7,6 +7,7 @@ import torch
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import Config
 from megatron_lite.training import startup
+from tests.cli_errors import refused_line
 from tests.tools import load_tool
 
 
@@ -67,3 +68,22 @@ def test_what_mock_data_and_null_tokenizer_need(capsys, argv, error):
     with pytest.raises(SystemExit) as err:
         parse_args(argv, world_size=1)
     assert err.value.code == 2 and error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--min-frequency", "5"], ["--min-frequency is for --model-type byte-level-bpe or wordpiece", "bpe"]),
+    (["--model-type", "unigram", "--min-frequency", "2"], ["--min-frequency", "unigram"]),
+    (["--model-type", "byte-level-bpe", "--min-frequency", "0"], ["--min-frequency 0 must be at least 1"]),
+    (["--model-type", "wordpiece", "--min-frequency", "-1"], ["--min-frequency -1 must be at least 1"]),
+    (["--model-type", "byte-level-bpe", "--cased"], ["--cased is for --model-type wordpiece"]),
+    (["--cased"], ["--cased is for --model-type wordpiece"]),
+])
+def test_train_tokenizer_refuses_flags_its_model_type_ignores(tmp_path, capsys, argv, words):
+    """--min-frequency with SentencePiece (bpe/unigram), --min-frequency below 1 and --cased outside
+    wordpiece trained as if they were not given; now one line naming the flag, exit 2, nothing written."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 3)
+    main = load_tool("train_tokenizer").main
+    refused_line(capsys, lambda: main(["--input", str(corpus), "--output-prefix", str(tmp_path / "m"), *argv]),
+                 *words)
+    assert not list(tmp_path.glob("m*"))
