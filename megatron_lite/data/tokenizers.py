@@ -311,7 +311,9 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, token
     if t in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(_need(vocab_file, "--vocab-file", t), t == "BertWordPieceLowerCase")
     if t == "NullTokenizer":
-        return NullTokenizer(_need(vocab_size, "--vocab-size", t))
+        if int(_need(vocab_size, "--vocab-size", t)) < 1:  # else every id is "outside [0, 0)" at the first text
+            raise ConfigError(f"--vocab-size {vocab_size} must be at least 1 (NullTokenizer: ids 0..N-1 are text)")
+        return NullTokenizer(vocab_size)
     raise ConfigError(f"--tokenizer-type {t!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 

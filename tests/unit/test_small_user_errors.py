@@ -87,3 +87,14 @@ def test_train_tokenizer_refuses_flags_its_model_type_ignores(tmp_path, capsys, 
     refused_line(capsys, lambda: main(["--input", str(corpus), "--output-prefix", str(tmp_path / "m"), *argv]),
                  *words)
     assert not list(tmp_path.glob("m*"))
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_null_tokenizer_vocab_size_below_one_is_refused_by_name(size):
+    """--tokenizer-type NullTokenizer --vocab-size 0 (or below) built a tokenizer of vocab_size 1 (or
+    negative) that refused every text as 'a token id is outside [0, 0)'; now the flag is named."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--vocab-size {size} must be at least 1"):
+        build_tokenizer("NullTokenizer", vocab_size=size)
