@@ -11,8 +11,10 @@ across tokenizers) with ``token ratio = (T - 1) / (W - 1)``.
 
 LAMBADA: predict the last word of each text from the rest. Non-strict (Megatron's default) the
 target is the text's last token; with ``strict`` it is the last whitespace-separated word,
-tokenized as ``" " + word`` (possibly several tokens) after the context ``text[:start of word]``
-(stripped). An example is correct when every target token is the argmax under teacher forcing.
+tokenized as it follows the context ``text[:start of word]`` (stripped): the tokens of
+``context + " " + word`` after the context's (Megatron's ``" " + word`` for GPT-2 BPE; without a
+second space for SentencePiece), possibly several. An example is correct when every target token
+is the argmax under teacher forcing.
 """
 
 from __future__ import annotations
@@ -89,8 +91,14 @@ def lambada_example(tokenizer, text: str, strict: bool) -> tuple[list[int], int]
         tokens = tokenizer.tokenize(text)
         return tokens, 1
     word = text.split()[-1]
-    context = tokenizer.tokenize(text[:text.rfind(word)].strip())
-    target = encode(tokenizer, " " + word)  # the word's own tokens: no BOS a tokenizer.json's post-processor adds
+    before = text[:text.rfind(word)].strip()
+    context = tokenizer.tokenize(before)
+    # the word's tokens as they follow the context (no BOS a tokenizer.json's post-processor adds): the
+    # tokens of context + " " + word after the context's. " " + word alone is the same for GPT-2 BPE, but
+    # a SentencePiece model's dummy prefix makes it "▁" "▁word", a second space the text does not have
+    joined, alone = encode(tokenizer, before + " " + word), encode(tokenizer, before)
+    target = joined[len(alone):] if joined[:len(alone)] == alone else []
+    target = target or encode(tokenizer, " " + word)  # the context's last token merged with the word
     return context + target, len(target)
 
 

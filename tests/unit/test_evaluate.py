@@ -4,6 +4,7 @@ last-word accuracy (strict and not). References are computed here token by token
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -158,3 +159,21 @@ def test_strict_lambada_target_has_no_bos_of_a_tokenizer_that_adds_one(tmp_path)
     tokens, n = lambada_example(tok, "they ate the melon", strict=True)
     assert (tokens, n) == ([1, 3, 4, 5, 6], 1)  # one BOS, at the start of the context
     assert lambada_example(tok, "they ate the melon", strict=False) == ([1, 3, 4, 5, 6], 1)
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer"])
+def test_strict_lambada_target_of_a_sentencepiece_tokenizer_has_no_extra_space(tmp_path, tokenizer_type):
+    """A SentencePiece model (tools/train_tokenizer.py's default) prefixes every encoded text with its
+    space piece, so " " + word came out "▁" "▁word": the example scored the model on a text with two
+    spaces before the last word, a token it was never shown. The example is now the text's own tokens."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "tiny_corpus.jsonl")) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    model = load_tool("train_tokenizer").train_sentencepiece(texts * 2, str(tmp_path / "sp"), 600)
+    tok = build_tokenizer(tokenizer_type, tokenizer_model=model)
+    for text in ["the model is a cat", "They sat down and ate the watermelonade", texts[0]]:
+        tokens, n = lambada_example(tok, text, strict=True)
+        word = text.split()[-1]
+        assert tokens == tok.tokenize(text[:text.rfind(word)].strip() + " " + word), text
+        assert tok.detokenize(tokens[-n:]).strip() == text.split()[-1]
