@@ -131,6 +131,9 @@ class GPT2BPE:
                 raise DataFileError(f"{merge_file}:{lineno}: expected two space-separated symbols, "
                                     f"got {line!r}")
             merges.append((parts[0], parts[1]))
+        if not merges and len(encoder) > len(BYTE_ENCODER) + 1:  # every text would be one token per byte
+            raise DataFileError(f"{merge_file}: no merges, yet {vocab_file} has {len(encoder)} tokens (the 256 "
+                                f"bytes and <|endoftext|> need none); give the merges.txt made with this vocab.json")
         missing = [c for c in BYTE_ENCODER.values() if c not in encoder]
         missing += [a + b for a, b in merges if a + b not in encoder]
         if missing:

@@ -191,3 +191,19 @@ def test_preprocess_bytes_equal_with_either_encoder(tmp_path, monkeypatch):
         assert result.documents > 400
         outputs[backend] = [open(f"{prefix}_text_document{ext}", "rb").read() for ext in (".bin", ".idx")]
     assert outputs["python"] == outputs["auto"]
+
+
+@pytest.mark.parametrize("content", ["", "#version: 0.2\n", "\n\n"])
+def test_a_merges_file_without_merges_is_refused_for_a_vocabulary_that_needs_them(tmp_path, content):
+    """An empty (or header-only) merges.txt beside GPT-2's 50,257-token vocab.json was accepted: every
+    text then became one token per byte, the merged tokens never used; now refused naming the file."""
+    from megatron_lite.data.indexed_dataset import DataFileError
+
+    merges = tmp_path / "merges.txt"
+    merges.write_text(content)
+    with pytest.raises(DataFileError, match=f"{merges}: no merges, yet .*vocab.json has 50257 tokens"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=str(merges))
+    encoder, _ = train_gpt2_bpe(["ab"], vocab_size=257, min_frequency=2)  # bytes and <|endoftext|>: no merges
+    save_vocab_and_merges(encoder, [], str(tmp_path / "v.json"), str(merges))
+    assert build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"), merge_file=str(merges)
+                           ).tokenize("ab") == [encoder["a"], encoder["b"]]
