@@ -196,6 +196,9 @@ ENTRIES = (
      "--legacy-tokenizer", "TikTokenizer and the new tokenizer system are not supported",
      "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
     ("--trust-remote-code", "Hugging Face tokenizers with custom code are not loaded", DROP),
+    ("--tokenizer-hf-use-fast --tokenizer-hf-no-use-fast --tokenizer-hf-include-special-tokens",
+     "HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer) and "
+     "encodes with what its post-processor adds (a BOS)", DROP),
     ("--sft-tokenizer-prompt-format", "--sft applies the tokenizer's own chat template", DROP),
     # -- logging ----------------------------------------------------------------------------------
     ("--log-energy --no-barrier-with-level-1-timing --timing-log-option --logging-level",

@@ -230,3 +230,14 @@ def test_recompute_activations_is_selective_recomputation_and_conflicts_with_ful
                       ).training.recompute_granularity == "selective"
     parse_refused(capsys, BASE + ["--recompute-activations", "--recompute-granularity", "full"],
                   "--recompute-activations", "full")
+
+
+@pytest.mark.parametrize("flag", ["--tokenizer-hf-use-fast", "--tokenizer-hf-no-use-fast",
+                                  "--tokenizer-hf-include-special-tokens"])
+def test_megatron_hf_tokenizer_flags_are_explained(flag):
+    """Megatron-LM's HuggingFaceTokenizer switches (in its Qwen3 / Llama recipes) were 'unrecognized
+    arguments'; now the refusal says what megatron_lite's HuggingFaceTokenizer does instead."""
+    parser = training_parser("pretrain_gpt.py")
+    code, lines = _refusal(parser, BASE + ["--tokenizer-type", "HuggingFaceTokenizer", flag])
+    assert code == 2 and len(lines) == 1 and f"{flag} is a Megatron-LM flag" in lines[0], lines
+    assert "tokenizers package (the fast tokenizer)" in lines[0]
