@@ -50,8 +50,12 @@ def build_tokenizer_for(config: Config):
 
 
 def set_vocab(config: Config, tokenizer) -> None:
-    """The tokenizer's vocabulary size, and the padded size the model derives from it (saved with checkpoints)."""
-    m = config.model
+    """The tokenizer's vocabulary size, and the padded size the model derives from it (saved with checkpoints);
+    a --vocab-size that differs from it (a tokenizer other than NullTokenizer) is refused, not ignored."""
+    m, kind = config.model, config.data.tokenizer_type
+    if kind not in (None, "NullTokenizer") and m.vocab_size not in (None, tokenizer.vocab_size):
+        raise ConfigError(f"--vocab-size {m.vocab_size} with --tokenizer-type {kind}: the vocabulary is the tokenizer's "
+                          f"({tokenizer.vocab_size} tokens; --vocab-size sizes NullTokenizer's only); drop --vocab-size")
     m.vocab_size, m.padded_vocab_size = tokenizer.vocab_size, None
     m.padded_vocab_size = TransformerConfig.from_config(config).padded_vocab_size
 

@@ -98,3 +98,24 @@ def test_null_tokenizer_vocab_size_below_one_is_refused_by_name(size):
 
     with pytest.raises(ConfigError, match=f"--vocab-size {size} must be at least 1"):
         build_tokenizer("NullTokenizer", vocab_size=size)
+
+
+def test_a_vocab_size_the_tokenizer_overrides_is_refused(capsys):
+    """--vocab-size beside a tokenizer with its own vocabulary (GPT-2's 50,257 here) was silently
+    replaced by the tokenizer's size; now one line naming both flags, exit 2. NullTokenizer's, and one
+    equal to the tokenizer's, still train."""
+    import pretrain_gpt
+    from tests.inference_helpers import GPT2_TOKENIZER
+
+    files = ["--vocab-file", GPT2_TOKENIZER["vocab_file"], "--merge-file", GPT2_TOKENIZER["merge_file"]]
+    argv = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+            "--tokenizer-type", "GPT2BPETokenizer", *files]
+    refused_line(capsys, lambda: pretrain_gpt.main(argv + ["--vocab-size", "1000"]),
+                 "--vocab-size 1000 with --tokenizer-type GPT2BPETokenizer", "50257 tokens", "drop --vocab-size")
+    config = parse_args(argv + ["--vocab-size", "50257"], world_size=1)
+    pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
+    assert config.model.padded_vocab_size == 50304
+    config = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"], world_size=1)
+    pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
+    assert config.model.vocab_size == 100
