@@ -85,6 +85,28 @@ def unused_deepseek_flag(model) -> str | None:
             needs = "--mtp-num-layers" if name.startswith("mtp") else "--multi-latent-attention"
             return (f"{flag} {getattr(model, name)} has no effect without {needs} (this model would ignore it); "
                     f"add {needs} or drop {flag}")
+    return unused_yarn_flag(model)
+
+
+# YaRN's fields that only the YaRN tables read; MLA's softmax scale also reads these two whatever --rope-type is
+YARN_TABLE_FIELDS = ("mscale", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                     "yarn_correction_range_round_to_int")
+MLA_SCALE_FIELDS = ("rotary_scaling_factor", "mscale_all_dim")
+
+
+def unused_yarn_flag(model) -> str | None:
+    """A YaRN flag other than its default on a model whose rotary tables are not YaRN (``--rope-type
+    rope``, or no --rope-type without MLA): one line naming it, else None. Under MLA the factor and
+    --mscale-all-dim still set the softmax scale (as in Megatron-LM), so they pass there."""
+    if (model.rope_type or ("yarn" if model.multi_latent_attention else "rope")) == "yarn":
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(MLAConfig)}
+    for name in YARN_TABLE_FIELDS + (() if model.multi_latent_attention else MLA_SCALE_FIELDS):
+        if getattr(model, name) != defaults[name]:
+            flag = ("--no-yarn-correction-range-round-to-int" if name == "yarn_correction_range_round_to_int"
+                    else f"--{name.replace('_', '-')} {getattr(model, name)}")
+            return (f"{flag} has no effect without --rope-type yarn (this model's rotary tables are plain RoPE); "
+                    f"add --rope-type yarn or drop {flag.split()[0]}")
     return None
 
 

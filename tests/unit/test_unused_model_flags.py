@@ -26,6 +26,15 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
     (["--multi-latent-attention", "--kv-channels", "8"], "--kv-channels 8 has no effect with --multi-latent-attention"),
     (["--mtp-loss-scaling-factor", "0.5"], "--mtp-loss-scaling-factor 0.5 has no effect without --mtp-num-layers"),
+    # YaRN's flags where the rotary tables are plain RoPE (MLA's --rope-type rope, or a standard attention's default)
+    (["--multi-latent-attention", "--rope-type", "rope", "--mscale", "0.5"],
+     "--mscale 0.5 has no effect without --rope-type yarn"),
+    (["--multi-latent-attention", "--rope-type", "rope", "--beta-fast", "16"],
+     "--beta-fast 16.0 has no effect without --rope-type yarn"),
+    (["--original-max-position-embeddings", "8192"], "--original-max-position-embeddings 8192 has no effect"),
+    (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor 40.0 has no effect without --rope-type yarn"),
+    (["--mscale-all-dim", "1"], "--mscale-all-dim 1.0 has no effect without --rope-type yarn"),
+    (["--no-yarn-correction-range-round-to-int"], "--no-yarn-correction-range-round-to-int has no effect"),
 ])
 def test_a_flag_the_model_would_ignore_is_refused(capsys, flags, words):
     parse_refused(capsys, BASE + flags, words, world_size=1)
@@ -42,3 +51,8 @@ def test_defaults_and_used_flags_are_accepted():
     config = parse_args(BASE + ["--num-experts", "4", "--moe-router-score-function", "sigmoid",
                                 "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"], world_size=1)
     assert config.moe.moe_router_bias_update_rate == 0.01
+    # MLA's softmax scale reads the YaRN factor and --mscale-all-dim whatever --rope-type is
+    parse_args(BASE + ["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "40",
+                       "--mscale-all-dim", "1"], world_size=1)
+    parse_args(BASE + ["--multi-latent-attention", "--mscale", "0.5", "--beta-fast", "16"], world_size=1)  # yarn
+    parse_args(BASE + ["--rope-type", "yarn", "--rotary-scaling-factor", "40", "--mscale", "0.5"], world_size=1)
