@@ -158,8 +158,8 @@ class ParallelConfig:
     """Overlap the parameter all-gathers with forward (post-step with optim/optim_grads; the next unit's with optim_grads_params)."""
     data_parallel_sharding_strategy: str = "no_shard"
     """What is sharded over data parallel: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3)."""
-    use_megatron_fsdp: bool = False
-    """Accepted for Megatron-FSDP scripts: the sharding strategies above are built in."""
+    use_megatron_fsdp: bool = field(default=False, metadata={"aliases": ("--use-custom-fsdp",)})
+    """Accepted for Megatron-FSDP scripts (--use-custom-fsdp: its older name): the sharding strategies above are built in."""
     ddp_bucket_size: int | None = None
     """Gradient bucket size in elements (default max(40M, 1M x dp))."""
     distributed_backend: str | None = None

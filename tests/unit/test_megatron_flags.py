@@ -189,6 +189,7 @@ def test_every_flag_of_megatron_lms_example_recipes_is_ours_or_explained():
     (["--override-opt-param-scheduler"], "override_opt_param_scheduler", True),
     (["--use-checkpoint-opt-param-scheduler"], "use_checkpoint_opt_param_scheduler", True),
     (["--persistent-save-interval", "7"], "save_interval", 7),
+    (["--use-custom-fsdp"], "use_megatron_fsdp", True),  # Megatron-FSDP's older name, in many Megatron scripts
 ])
 def test_megatron_second_spellings_set_the_same_field(alias, field_name, value):
     """Megatron-LM takes these flags under two names; both set the one field here."""
