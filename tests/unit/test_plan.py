@@ -41,10 +41,16 @@ VARIANTS = [  # (ModelSpec fields, TransformerConfig fields)
     (dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False),
      dict(num_experts=4, moe_ffn_hidden_size=16, add_bias_linear=False)),
     (dict(qk_layernorm=True), dict(qk_layernorm=True)),  # per-head q/k LayerNorms: weight + bias each
+    # with biases: the router's, every expert's fc2 bias, the shared experts' (one fc2 bias, not the dense MLP's)
+    (dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=2), dict(num_experts=4, moe_ffn_hidden_size=16,
+                                                                          moe_layer_freq=2)),
+    (dict(num_experts=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24, swiglu=True),
+     dict(num_experts=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24, swiglu=True)),
 ]
 
 
-@pytest.mark.parametrize("spec_fields,config_fields", VARIANTS, ids=["gpt", "llama", "moe", "qk_norm"])
+@pytest.mark.parametrize("spec_fields,config_fields", VARIANTS,
+                         ids=["gpt", "llama", "moe", "qk_norm", "moe_bias", "moe_bias_shared"])
 def test_stage_parameters_equal_a_built_model(spec_fields, config_fields):
     spec = ModelSpec(**SHAPES, **spec_fields)
     config = TransformerConfig(max_position_embeddings=16, **SHAPES, **config_fields)

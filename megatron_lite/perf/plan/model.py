@@ -11,8 +11,9 @@ Parameters held per GPU (:func:`stage_params`), as the built model holds them:
   multi-latent attention the down projections (``h x rq``, ``h x (rkv + dr)``) and the latent norms
   are replicated over TP, the up projections (``rq x a(dn + dr)`` or, without q compression,
   ``h x a(dn + dr)``; ``rkv x a(dn + dv)``) and the output (``a dv x h``) are split;
-* MLP: split over TP; an MoE layer holds its router (replicated), ``E / EP`` experts (split over
-  the expert-tensor-parallel size ETP, by default TP) and its shared experts (split over TP);
+* MLP: split over TP; an MoE layer holds its router (replicated, with a bias when the linears have
+  one), ``E / EP`` experts (split over the expert-tensor-parallel size ETP, by default TP; each
+  expert's fc2 bias whole on every ETP rank) and its shared experts (split over TP);
 * pipeline stages hold the layers of Megatron's partition (:func:`stage_layers`: an even split, or
   for a layer count PP does not divide, the middle stages ``ceil(L / PP)`` layers each and the rest
   shared by the first and last stages, as ``--decoder-first/last-pipeline-num-layers`` would);
@@ -204,15 +205,19 @@ def attention_params(spec: ModelSpec) -> tuple[int, int]:
 def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int | None = None) -> tuple[float, float]:
     """``(dense, expert)`` parameters of one transformer layer held by one GPU (the module docstring;
     ``etp``: the experts' tensor-parallel size, None for TP)."""
-    h = spec.hidden_size
+    h, bias = spec.hidden_size, spec.add_bias_linear
     split, replicated = attention_params(spec)
-    replicated += 2 * spec.norm_params + (h if spec.add_bias_linear else 0)  # two norms; fc2's bias
+    replicated += 2 * spec.norm_params  # two norms
     if not moe:
-        return (split + _mlp_params(spec, spec.ffn_hidden_size)) / tp + replicated, 0.0
+        return (split + _mlp_params(spec, spec.ffn_hidden_size)) / tp + replicated + (h if bias else 0), 0.0  # fc2's bias
     shared = spec.moe_shared_expert_intermediate_size
-    split += _mlp_params(spec, shared) if shared else 0
-    experts = spec.num_experts // ep * _mlp_params(spec, spec.moe_ffn_hidden_size) / (etp or tp)
-    return split / tp + replicated + h * spec.num_experts, experts
+    if shared:
+        split += _mlp_params(spec, shared)
+        replicated += h if bias else 0  # the shared experts' fc2 bias
+    router = h * spec.num_experts + (spec.num_experts if bias else 0)
+    # each expert's fc2 bias is whole on every expert-tensor-parallel rank, as a row-parallel bias
+    experts = spec.num_experts // ep * (_mlp_params(spec, spec.moe_ffn_hidden_size) / (etp or tp) + (h if bias else 0))
+    return split / tp + replicated + router, experts
 
 
 def stage_layers(spec: ModelSpec, pp: int) -> list[int]:
@@ -268,6 +273,7 @@ def active_params(spec: ModelSpec) -> float:
     """Parameters one token uses in one process (MoE layers: router, top-k and shared experts);
     the MTP layers not counted (``dataclasses.replace(spec, mtp_num_layers=0)`` otherwise)."""
     dense, expert = stage_params(replace(spec, mtp_num_layers=0), 1, 1, 1, True, True)
-    routed = sum(_moe_pattern(spec)) * (spec.num_experts or 0) * _mlp_params(spec, spec.moe_ffn_hidden_size)
-    active = sum(_moe_pattern(spec)) * spec.moe_router_topk * _mlp_params(spec, spec.moe_ffn_hidden_size)
+    one = _mlp_params(spec, spec.moe_ffn_hidden_size) + (spec.hidden_size if spec.add_bias_linear else 0)  # fc2 bias
+    routed = sum(_moe_pattern(spec)) * (spec.num_experts or 0) * one
+    active = sum(_moe_pattern(spec)) * spec.moe_router_topk * one
     return dense + expert - routed + active
