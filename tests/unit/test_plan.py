@@ -11,6 +11,8 @@ import torch
 
 from megatron_lite.errors import ConfigError
 from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.parallel.pipeline.order import rank_order
+from megatron_lite.parallel.pipeline.trace import peak_in_flight
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.perf.activation_memory import korthikanti_layer_bytes
 from megatron_lite.perf.model_state import model_state_bytes_per_param
@@ -26,6 +28,7 @@ from megatron_lite.perf.plan import (
     stage_params,
     volumes,
 )
+from megatron_lite.perf.plan.estimate import memory_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tools import plan as plan_tool  # noqa: E402
@@ -108,6 +111,25 @@ def test_pipeline_first_stage_holds_p_microbatches_and_bubble():
     assert est.model_state_gb * GB == pytest.approx(first_state)
     compute_part = est.compute_s + est.comm_s["pp"]
     assert est.step_s == pytest.approx(compute_part * (1 + est.bubble) + est.comm_s["dp"])
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 1, 8), (4, 2, 4)])
+def test_stage_activations_hold_the_micro_batches_the_schedule_keeps_in_flight(p, v, m):
+    """Every stage's activations are its layers x the peak of forwards done minus backwards done in
+    the schedule's own op order (over v chunks): interleaved, the last stage holds p - (p-1)/v
+    micro-batches, not one; the fullest stage (here the last: its output layer and logits) is reported."""
+    spec = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=64000,
+                     untie_embeddings_and_output_weights=True)
+    lay = Layout(pp=p, vpp=v, recompute="selective")
+    per_layer = korthikanti_layer_bytes(512, 1, 256, 4, recompute="selective")
+    logits = 4 * 512 * spec.padded_vocab(1)
+    stages = []
+    for i in range(p):
+        held = peak_in_flight(rank_order(p, i, m, v)) / v
+        state = sum(stage_params(spec, 1, p, 1, i == 0, i == p - 1, i)) * model_state_bytes_per_param(torch.bfloat16,
+                                                                                                        "no_shard", 1)
+        stages.append((state, 8 // p * per_layer * held + (logits if i == p - 1 else 0)))
+    assert memory_bytes(spec, lay, m) == pytest.approx(max(stages, key=sum))
 
 
 def test_volumes_use_the_ring_formulas():

@@ -12,9 +12,10 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
   (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, or
   :func:`~megatron_lite.perf.activation_memory.mla_layer_bytes` for multi-latent attention;
   sequence parallelism on whenever TP > 1, the sequence split over CP) times the layers of a stage
-  times the micro-batches in flight on stage i under 1F1B (``min(p - i, m)``; interleaving adds
-  ``(p-1)/(p v)``). Full recomputation adds one layer's un-recomputed activations (the layer being
-  recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
+  times the micro-batches in flight on stage i (:func:`in_flight_microbatches`, the schedule's
+  warmup plus one: ``min(p - i, m)`` under 1F1B; interleaved with m > p, ``p + (p - 2i - 1)/v``
+  stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last). Full
+  recomputation adds one layer's un-recomputed activations (the layer being recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
   ``4 b (s/cp) V / t`` for the model and each MTP depth. The MLP is counted as a 4h GeLU MLP;
   other shapes (SwiGLU, experts) are approximated by it;
 * plus :data:`RESERVED_BYTES` (CUDA context, communication buffers, allocator slack).
@@ -37,6 +38,7 @@ import torch
 
 from ...errors import ConfigError
 from ...parallel.expert_grid import expert_dp_size, folding_problem
+from ...parallel.pipeline.order import warmup_1f1b, warmup_interleaved
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
@@ -177,6 +179,17 @@ def layer_bytes(spec: ModelSpec, lay: Layout, recompute: str | None) -> float:
     return korthikanti_layer_bytes(s, lay.micro_batch, spec.hidden_size, spec.num_attention_heads, t, t > 1, recompute)
 
 
+def in_flight_microbatches(p: int, i: int, m: int, v: int = 1) -> float:
+    """Micro-batches whose activations stage ``i`` of ``p`` holds at its peak under the schedule's
+    order (:mod:`~megatron_lite.parallel.pipeline.order`): its warmup forwards plus the first steady
+    one (all of them when there is no steady phase), over all ``v`` chunks, in whole-stage units."""
+    if p == 1:
+        return 1.0
+    total = m * v
+    warm = warmup_interleaved(p, i, m, v) if v > 1 else warmup_1f1b(p, i, m)
+    return min(warm + 1, total) / v
+
+
 def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     """``(model state, activations)`` bytes on the fullest pipeline stage (module docstring)."""
     t, p, v = lay.tp, lay.pp, lay.vpp
@@ -190,7 +203,7 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     stages = []
     for i, layers in enumerate(counts):
         dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp)
-        in_flight = min(p - i, m) * (1 + (p - 1) / (p * v) if v > 1 and i < p - 1 else 1)
+        in_flight = in_flight_microbatches(p, i, m, v)
         acts = layers * per_layer * in_flight + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
             acts += spec.mtp_num_layers * per_layer + (1 + spec.mtp_num_layers) * logits
