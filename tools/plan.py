@@ -30,6 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.models.mla_config import MLA_SIZES  # noqa: E402
 from megatron_lite.perf.numbers import count, figure  # noqa: E402
 from megatron_lite.perf.plan import (  # noqa: E402
     CLUSTER_PRESETS,
@@ -132,12 +133,26 @@ def model_from_args(args) -> ModelSpec:
     if args.position_embedding_type:
         given["learned_positions"] = args.position_embedding_type == "learned_absolute"
     if args.preset:
-        return dataclasses.replace(MODEL_PRESETS[args.preset], **given)
+        return _refuse_unused(dataclasses.replace(MODEL_PRESETS[args.preset], **given), given)
     missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
                if MODEL_FLAGS[f][0] not in given]
     if missing:
         raise ConfigError(f"give --preset or the model flags {' '.join(missing)}")
-    return ModelSpec(**given)
+    return _refuse_unused(ModelSpec(**given), given)
+
+
+def _refuse_unused(spec: ModelSpec, given: dict) -> ModelSpec:
+    """``spec``, unless a given MoE flag has no experts or an MLA size no --multi-latent-attention to
+    apply to: one ConfigError naming it, as training refuses it."""
+    for flag, (field, _) in MODEL_FLAGS.items():
+        if field in given and field.startswith("moe_") and not spec.is_moe:
+            needs, why = "--num-experts", "this model has no experts"
+        elif field in given and field in MLA_SIZES and not spec.multi_latent_attention:
+            needs, why = "--multi-latent-attention", "this model would ignore it"
+        else:
+            continue
+        raise ConfigError(f"{flag} {given[field]} has no effect without {needs} ({why}); add {needs} or drop {flag}")
+    return spec
 
 
 def cluster_from_args(args) -> ClusterSpec:

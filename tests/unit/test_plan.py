@@ -266,6 +266,11 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     (["--num-experts", "4", "--moe-router-topk", "8"], ["--moe-router-topk 8", "--num-experts 4"]),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], ["--moe-layer-freq"]),
     (["--normalization", "Foo"], ["--normalization"]),
+    # a flag the model would ignore, refused as training refuses it (it was planned without it)
+    (["--moe-router-topk", "4"], ["--moe-router-topk 4", "no effect without --num-experts"]),
+    (["--moe-ffn-hidden-size", "64"], ["--moe-ffn-hidden-size 64", "add --num-experts"]),
+    (["--q-lora-rank", "8"], ["--q-lora-rank 8", "no effect without --multi-latent-attention"]),
+    (["--v-head-dim", "8"], ["--v-head-dim 8", "add --multi-latent-attention"]),
     (["--window-attn-skip-freq", "2"], ["--window-attn-skip-freq needs --window-size"]),
     (["--window-size", "8", "-2"], ["--window-size", "at least -1"]),
     (["--window-size", "8", "2"], ["--window-size 8 2", "RIGHT must be 0"]),  # was counted as 11 keys a query
