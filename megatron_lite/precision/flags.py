@@ -58,6 +58,37 @@ def check_precision_flags(pr) -> None:
         missing = transformer_engine_missing()
         _require(not missing, f"--transformer-impl transformer_engine: {' and '.join(missing)}; "
                               "use --transformer-impl local (native FP8 GEMMs)")
+    _check_fp8_only_flags(pr)
     if pr.fp8_format is not None:
         _require(pr.bf16, f"--fp8-format {pr.fp8_format} needs --bf16 (the FP8 GEMMs take and return bf16 "
                           "tensors and the rest of the model runs in bf16); add --bf16")
+
+
+# (flag, field, default): flags that only shape FP8 training; set without --fp8-format they would change nothing
+FP8_ONLY_FLAGS = (("--fp8-recipe", "fp8_recipe", "delayed"), ("--fp8-margin", "fp8_margin", 0),
+                  ("--fp8-amax-history-len", "fp8_amax_history_len", 1),
+                  ("--fp8-amax-compute-algo", "fp8_amax_compute_algo", "most_recent"),
+                  ("--no-fp8-wgrad", "no_fp8_wgrad", False), ("--first-last-layers-bf16", "first_last_layers_bf16", False))
+BF16_LAYER_COUNTS = (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", 1),
+                     ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", 1))
+
+
+def _set_flag(pr, table) -> str | None:
+    """The first flag of ``table`` whose value is not its default, as it would be typed (None: none is set)."""
+    for flag, field, default in table:
+        value = getattr(pr, field)
+        if value != default:
+            return flag if isinstance(value, bool) else f"{flag} {value}"
+    return None
+
+
+def _check_fp8_only_flags(pr) -> None:
+    """An FP8 recipe flag without --fp8-format (or a bf16 layer count without --first-last-layers-bf16)
+    would be accepted and change nothing: the run would train in bf16 while its script says otherwise."""
+    flag = _set_flag(pr, FP8_ONLY_FLAGS)
+    _require(pr.fp8_format is not None or flag is None,
+             f"{flag} has no effect without --fp8-format (the run would not use FP8); "
+             "add --fp8-format hybrid (or e4m3) or drop it")
+    count = _set_flag(pr, BF16_LAYER_COUNTS)
+    _require(pr.first_last_layers_bf16 or count is None,
+             f"{count} has no effect without --first-last-layers-bf16; add --first-last-layers-bf16 or drop it")

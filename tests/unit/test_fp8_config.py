@@ -16,6 +16,7 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.precision.fp8 import Fp8Gemm, fp8_gemms, update_fp8_scales
+from tests.cli_errors import parse_refused
 
 SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
 
@@ -113,6 +114,23 @@ def test_flags_map_to_the_transformer_config():
     assert _fp8_layers(cfg) == [2]
     assert TransformerConfig.from_config(parse_args(base, world_size=1)).fp8 is None
     assert config.precision.transformer_impl == "local"
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--fp8-recipe", "tensorwise"], ("--fp8-recipe tensorwise", "--fp8-format")),
+    (["--fp8-margin", "2"], ("--fp8-margin 2", "--fp8-format")),
+    (["--fp8-amax-history-len", "16"], ("--fp8-amax-history-len 16", "--fp8-format")),
+    (["--fp8-amax-compute-algo", "max"], ("--fp8-amax-compute-algo max", "--fp8-format")),
+    (["--no-fp8-wgrad"], ("--no-fp8-wgrad", "--fp8-format")),
+    (["--first-last-layers-bf16"], ("--first-last-layers-bf16", "--fp8-format")),
+    (["--fp8-format", "hybrid", "--num-layers-at-end-in-bf16", "2"],
+     ("--num-layers-at-end-in-bf16 2", "--first-last-layers-bf16")),
+])
+def test_fp8_flags_without_fp8_are_refused(capsys, extra, words):
+    """Each was accepted and changed nothing: the run trained in bf16 (or every layer in FP8)."""
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "64", "--micro-batch-size", "2", "--mock-data", "--bf16"]
+    parse_refused(capsys, base + extra, *words, world_size=1)
 
 
 def test_model_config_alone_has_no_fp8():
