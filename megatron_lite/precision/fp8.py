@@ -70,6 +70,7 @@ from .fp8_ops import (
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise") + BLOCK_RECIPES
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+MAX_MARGIN = 17  # largest |--fp8-margin|: 2^18 exceeds E4M3's range (448 / 2^-9, ~2^17.8)
 # columns of the amax history / entries of the scale buffer
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
@@ -95,6 +96,9 @@ class Fp8Recipe:
                               f"expected one of {', '.join(AMAX_COMPUTE_ALGOS)}")
         if self.amax_history_len < 1:
             raise ConfigError(f"--fp8-amax-history-len {self.amax_history_len} must be at least 1")
+        if abs(self.margin) > MAX_MARGIN:
+            raise ConfigError(f"--fp8-margin {self.margin} must be between -{MAX_MARGIN} and {MAX_MARGIN} (2^{abs(self.margin)} "
+                              "exceeds E4M3's range 448 / 2^-9: every value would quantise to 0 or saturate); use 0")
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -355,3 +355,14 @@ def test_a_changed_weight_or_scale_is_quantised_again_and_evaluation_caches_noth
     state["scale"] = torch.tensor([1.0, 3.0, 1.0])  # not a power of 2: another rounding of the weight
     gemm.load_state_dict(state)
     assert torch.equal(gemm(x, w), fresh(x, w))
+
+
+@pytest.mark.parametrize("margin", [-17, 17])
+def test_the_widest_accepted_margins_keep_outputs_and_gradients_finite(margin):
+    """--fp8-margin is refused beyond +-17 (a margin of 130 made every scale 0 and the outputs NaN)."""
+    gemm = Fp8Gemm(Fp8Recipe(format="hybrid", margin=margin))
+    x, w, b, dy = _inputs()
+    for _ in range(2):
+        got = _run(gemm, x, w, b, dy)
+        update_fp8_scales([gemm])
+    assert all(torch.isfinite(t).all() for t in got) and (gemm.scale > 0).all()

@@ -71,6 +71,9 @@ def test_make_gemm_gives_a_fresh_gemm_with_the_configured_recipe():
     (dict(fp8="e5m2"), "--fp8-format e5m2"),
     (dict(fp8="hybrid", fp8_recipe="nvfp4"), "--fp8-recipe nvfp4: expected one of delayed, tensorwise, blockwise, mxfp8"),
     (dict(fp8="hybrid", fp8_amax_history_len=0), "--fp8-amax-history-len"),
+    # 2^18 exceeds E4M3's range: every value quantised to 0 or saturated; from ~80 on the outputs were NaN
+    (dict(fp8="hybrid", fp8_margin=18), "--fp8-margin 18 must be between -17 and 17"),
+    (dict(fp8="hybrid", fp8_margin=-18), "--fp8-margin -18 must be between -17 and 17"),
     (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=4), "exceed num-layers 4"),
     (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=-1), "at least 0"),
 ])
@@ -123,6 +126,7 @@ def test_flags_map_to_the_transformer_config():
     (["--fp8-amax-compute-algo", "max"], ("--fp8-amax-compute-algo max", "--fp8-format")),
     (["--no-fp8-wgrad"], ("--no-fp8-wgrad", "--fp8-format")),
     (["--first-last-layers-bf16"], ("--first-last-layers-bf16", "--fp8-format")),
+    (["--fp8-format", "hybrid", "--fp8-margin", "130"], ("--fp8-margin 130", "between -17 and 17")),
     (["--fp8-format", "hybrid", "--num-layers-at-end-in-bf16", "2"],
      ("--num-layers-at-end-in-bf16 2", "--first-last-layers-bf16")),
 ])
