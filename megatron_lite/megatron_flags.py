@@ -154,6 +154,10 @@ ENTRIES = (
     ("--fp8-param-gather", "FP8 weights are cast from the 16-bit ones at each GEMM; parameters are not "
      "kept or gathered in FP8", DROP),
     ("--fp8-interval", "deprecated in Megatron-LM, which ignores it", DROP),
+    ("--fp8-dot-product-attention --fp8-multi-head-attention", "attention (its softmax and the score and "
+     "value products) runs in bf16; FP8 covers the linear layers' GEMMs", DROP),
+    ("--tp-only-amax-red", "delayed scaling reduces amaxes over the tensor-parallel group and the data-parallel "
+     "replicas (context parallelism included) every step, so all replicas share one scale", DROP),
     ("--fp8-quantizer-factory --fp4-format --fp4-recipe --fp4-quantizer-factory --fp4-param-gather",
      "custom quantizers and FP4 are not implemented", "drop it (FP8: --fp8-format)"),
     ("--te-rng-tracker --inference-rng-tracker --use-te-activation-func",
