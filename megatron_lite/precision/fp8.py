@@ -8,9 +8,8 @@ computes ``x @ weight.T + bias`` on this rank's shard). Each call quantises
   FP8, and wgrad ``dY^T @ X`` in FP8 too unless ``wgrad=False`` (then in the input's precision).
 
 The FP8 GEMM is ``torch._scaled_mm`` on GPUs and an exact dequantised GEMM on CPUs, where
-``_scaled_mm`` is a slow emulation (:func:`~megatron_lite.precision.fp8_ops.fp8_gemm_path`).
-
-Outputs, the bias add and everything outside the GEMM stay in high precision.
+``_scaled_mm`` is a slow emulation (:func:`~megatron_lite.precision.fp8_ops.fp8_gemm_path`). Outputs,
+the bias add and everything outside the GEMM stay in high precision.
 
 Recipes:
 
@@ -71,8 +70,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise") + BLOCK_RECIPES
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 MAX_MARGIN = 17  # largest |--fp8-margin|: 2^18 exceeds E4M3's range (448 / 2^-9, ~2^17.8)
-# columns of the amax history / entries of the scale buffer
-INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2  # columns of the amax history / entries of the scale buffer
 
 
 @dataclass(frozen=True)
