@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     setup_logging()
+    _log_to_current_stderr()
     cli = HarnessCLI()
     for parser in [cli._parser, *cli._subparsers.choices.values()]:
         parser.error = _one_line_error(parser)
@@ -40,6 +41,16 @@ def main(argv=None) -> None:
         cli.execute(cli.parse_args())
     except (CheckpointError, ConfigError, DataFileError) as err:
         raise SystemExit(fail(err)) from None
+
+
+def _log_to_current_stderr() -> None:
+    """lm-eval sets its log handler up once per process, on the ``sys.stderr`` of that moment; a second
+    ``main`` in the same process (after stderr was swapped and closed) would fail on every log line."""
+    import logging
+
+    for handler in logging.getLogger("lm_eval").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed
 
 
 def _one_line_error(parser):
