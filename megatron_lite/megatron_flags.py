@@ -33,6 +33,9 @@ ENTRIES = (
     ("--no-position-embedding", "Megatron-LM's deprecated switch; a rope model has no learned position table "
      "anyway", "use --position-embedding-type rope"),
     ("--rotary-interleaved", "only the rotate-half rotary layout is implemented", DROP),
+    ("--attention-output-gate", "a gate on the attention output is not implemented", DROP),
+    ("--softmax-scale", "the attention scale is 1/sqrt(head dim) (with MLA, the scale its YaRN settings give), not settable", DROP),
+    ("--qk-clip", "QK-clip (shrinking query/key weights after large attention logits) is not implemented", DROP),
     ("--no-rope-freq", "rotary embeddings apply in every layer (skipping layers is not implemented)", DROP),
     ("--mrope-section", "multimodal rotary embeddings are not implemented", DROP),
     ("--apply-residual-connection-post-layernorm", "only the pre-norm residual order is built", DROP),
@@ -68,7 +71,8 @@ ENTRIES = (
      "the CPU-offloaded optimizer has one implementation", "drop it (--optimizer-cpu-offload stays)"),
     ("--dump-param-to-param-group-map", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
-    ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype",
+    ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
+     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype --no-store-param-remainders",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
     ("--lr-warmup-init", "warmup always starts from 0", DROP),
@@ -122,19 +126,22 @@ ENTRIES = (
     ("--ddp-num-buckets", "buckets are sized, not counted", "use --ddp-bucket-size"),
     ("--ddp-pad-buckets-for-high-nccl-busbw --no-gradient-reduce-div-fusion --ddp-average-in-collective",
      "bucket padding and gradient averaging are fixed", DROP),
-    ("--ddp-reduce-scatter-with-fp32-accumulation --grad-reduce-in-bf16",
+    ("--ddp-reduce-scatter-with-fp32-accumulation --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype",
      "gradients are always reduced in fp32", DROP),
     ("--local-rank --lazy-mpu-init", "ranks come from the launcher's environment (RANK, LOCAL_RANK, "
      "WORLD_SIZE)", "drop it and launch with torchrun"),
-    ("--use-nccl-ub --disable-symmetric-registration --use-sharp --sharp-enabled-group "
+    ("--use-nccl-ub --nccl-ub --fsdp-manual-registration --disable-symmetric-registration --use-sharp --sharp-enabled-group "
      "--nccl-communicator-config-path --high-priority-stream-groups",
      "NCCL user buffers, SHARP and communicator tuning are not used", DROP),
     ("--init-model-with-meta-device", "weights are made on the CPU and copied to this rank's device", DROP),
     ("--fsdp-double-buffer --suggested-communication-unit-size --keep-fp8-transpose-cache",
      "Megatron-FSDP's tuning knobs do not apply to the built-in sharding", "use --data-parallel-sharding-strategy"),
-    ("--enable-full-sharding-in-hsdp", "hybrid sharding here keeps every sharded state inside one instance "
+    ("--enable-full-sharding-in-hsdp --outer-dp-sharding-strategy", "hybrid sharding here keeps every sharded state inside one instance "
      "(replicated across instances), never sharded across them", "use --num-distributed-optimizer-instances N "
      "with the strategy, or N = 1 to shard over all data-parallel ranks"),
+    ("--hybrid-context-parallel --dynamic-context-parallel --max-seqlen-per-dp-cp-rank", "sequences are not "
+     "regrouped by length over the data- and context-parallel ranks; every sample is --seq-length tokens split "
+     "over --context-parallel-size ranks", "use --context-parallel-size and --seq-length"),
     ("--use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward", "PyTorch FSDP2 is not used",
      "use --data-parallel-sharding-strategy optim_grads_params"),
     ("--use-tp-pp-dp-mapping", "the rank order is fixed (tp-cp-ep-dp-pp)", DROP),
@@ -197,13 +204,13 @@ ENTRIES = (
      "--allow-ambiguous-pad-tokens --sample-rate", "the dataset builder's options are fixed", DROP),
     ("--vocab-extra-ids", "extra sentinel tokens (T5) are not added", DROP),
     ("--tokenizer-metadata --tiktoken-pattern --tiktoken-num-special-tokens --tiktoken-special-tokens "
-     "--legacy-tokenizer", "TikTokenizer and the new tokenizer system are not supported",
+     "--legacy-tokenizer --special-tokens", "TikTokenizer and the new tokenizer system are not supported",
      "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
     ("--trust-remote-code", "Hugging Face tokenizers with custom code are not loaded", DROP),
     ("--tokenizer-hf-use-fast --tokenizer-hf-no-use-fast --tokenizer-hf-include-special-tokens",
      "HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer) and "
      "encodes with what its post-processor adds (a BOS)", DROP),
-    ("--sft-tokenizer-prompt-format", "--sft applies the tokenizer's own chat template", DROP),
+    ("--sft-tokenizer-prompt-format --tokenizer-prompt-format", "--sft applies the tokenizer's own chat template", DROP),
     # -- logging ----------------------------------------------------------------------------------
     ("--log-energy --no-barrier-with-level-1-timing --timing-log-option --logging-level",
      "these logging options are fixed", "drop it (--timing-log-level stays)"),

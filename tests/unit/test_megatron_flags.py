@@ -259,3 +259,31 @@ def test_megatron_hf_tokenizer_flags_are_explained(flag):
     code, lines = _refusal(parser, BASE + ["--tokenizer-type", "HuggingFaceTokenizer", flag])
     assert code == 2 and len(lines) == 1 and f"{flag} is a Megatron-LM flag" in lines[0], lines
     assert "tokenizers package (the fast tokenizer)" in lines[0]
+
+
+MEGATRON_FLAGS = os.path.join(REPO, "tests", "fixtures", "megatron_flags.txt")
+
+
+def _megatron_flags() -> list[str]:
+    """The frozen list of Megatron-LM's training flags (its header names the commit it was read from)."""
+    with open(MEGATRON_FLAGS) as f:
+        return [flag for line in f if not line.startswith("#") for flag in line.split()]
+
+
+def test_every_megatron_lm_flag_is_ours_or_refused_with_a_reason():
+    """Megatron-LM's flags that were neither ours nor in the table (--attention-output-gate, --qk-clip,
+    --nccl-ub, --hybrid-context-parallel, ...) got argparse's bare 'unrecognized arguments'."""
+    flags = _megatron_flags()
+    assert len(flags) > 600 and all(f.startswith("--") for f in flags) and len(flags) == len(set(flags))
+    ours = set(training_parser("pretrain_gpt.py")._option_string_actions)
+    ours |= set(training_parser("pretrain_bert.py")._option_string_actions)
+    unexplained = [f for f in flags if f not in ours and f not in REFUSED]
+    assert not unexplained, f"add to megatron_lite/megatron_flags.py: {unexplained}"
+
+
+@pytest.mark.parametrize("flag", ["--attention-output-gate", "--qk-clip", "--hybrid-context-parallel",
+                                  "--megatron-fsdp-main-params-dtype", "--outer-dp-sharding-strategy"])
+def test_a_later_megatron_flag_is_refused_in_one_line(flag):
+    code, lines = _refusal(training_parser("pretrain_gpt.py"), BASE + [flag])
+    assert code == 2 and len(lines) == 1 and f"{flag} is a Megatron-LM flag that megatron_lite does not " \
+                                               "support" in lines[0], lines
