@@ -39,9 +39,9 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig, ActivationConfig):  # MLA / 
     num_attention_heads: int = 4
     """Number of attention heads."""
     group_query_attention: bool = False
-    """Use grouped-query attention (needs --num-query-groups)."""
+    """Use grouped-query attention with --num-query-groups groups (alone: one group, multi-query attention, as Megatron-LM)."""
     num_query_groups: int | None = None
-    """Number of key/value head groups for GQA/MQA (needs --group-query-attention; default: one per head)."""
+    """Number of key/value head groups for GQA/MQA (needs --group-query-attention; default: 1 with it, as Megatron-LM; one per head without it)."""
     kv_channels: int | None = None
     """Per-head dimension (default hidden-size / num-attention-heads)."""
     seq_length: int = 128

@@ -85,9 +85,9 @@ def _check_model(config: Config) -> None:
         _require(t.recompute_granularity in (None, "selective"), "--recompute-activations means --recompute-"
                  "granularity selective, not full; drop one of the two")
         t.recompute_granularity = "selective"
-    if m.group_query_attention:
-        _require(m.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
-    else:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
+    if m.group_query_attention and m.num_query_groups is None:
+        m.num_query_groups = 1  # Megatron-LM's default --num-query-groups: multi-query attention
+    elif not m.group_query_attention:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
         _require(m.num_query_groups in (None, m.num_attention_heads),
                  f"--num-query-groups {m.num_query_groups} needs --group-query-attention (without it Megatron-LM "
                  "ignores --num-query-groups and builds one key/value group per head); add --group-query-attention "

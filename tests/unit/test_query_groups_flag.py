@@ -55,3 +55,14 @@ def test_the_converters_flags_of_a_gqa_model_load():
     flags = pretrain_flags(flat, release=True)
     assert flags.count("--group-query-attention") == 1
     parse_args(["--mock-data", "--vocab-size", "64"] + flags, world_size=1)
+
+
+def test_group_query_attention_alone_is_megatrons_multi_query_attention():
+    """Megatron-LM's --num-query-groups defaults to 1: --group-query-attention alone builds one key/value
+    group (multi-query attention). It was refused here ('needs --num-query-groups'), so a pasted
+    Megatron-LM MQA command stopped."""
+    from megatron_lite.models.transformer_config import TransformerConfig
+
+    config = parse_args(BASE + ["--group-query-attention"], world_size=1)
+    assert config.model.num_query_groups == 1
+    assert TransformerConfig.from_config(config).num_query_groups == 1
