@@ -315,6 +315,8 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
     "--ckpt-format": {v: ("only Megatron-LM's torch and torch_dist layouts are written", "use --ckpt-format "
                           "torch_dist (sharded, loads at any layout) or torch") for v in ("zarr", "torch_dcp",
                                                                                            "fsdp_dtensor")},
+    "--fp8-recipe": {"custom": ("custom quantizers (--fp8-quantizer-factory) are not implemented",
+                                "use --fp8-recipe delayed, tensorwise, blockwise or mxfp8")},
     "--dataloader-type": {"external": ("an outside data loader cannot be plugged in",
                                        "use --dataloader-type single or cyclic")},
 }
