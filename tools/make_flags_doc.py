@@ -51,6 +51,9 @@ Fix that flag and run again; the line also names the script's other unrecognised
 is neither ours nor Megatron-LM's (a typo) gets argparse's message and, when one is close, the flag
 of ours that was probably meant ("did you mean --num-layers?"). To check a whole script
 without running it: `MEGATRON_LITE_CHECK_ARGS=1 WORLD_SIZE=<ranks> python pretrain_gpt.py <its flags>`.
+The flags covered are those of the Megatron-LM version named in `tests/fixtures/megatron_flags.txt`
+(its whole flag list, checked by a test); a flag Megatron-LM added after it may still get argparse's
+plain message.
 
 Accepted because they name what megatron_lite always does (they change nothing):
 
