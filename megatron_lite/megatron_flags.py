@@ -69,13 +69,15 @@ ENTRIES = (
      "the Muon optimizer is not implemented (--optimizer takes adam or sgd)", "use --optimizer adam"),
     ("--use-torch-optimizer-for-cpu-offload --no-pin-cpu-grads --no-pin-cpu-params",
      "the CPU-offloaded optimizer has one implementation", "drop it (--optimizer-cpu-offload stays)"),
-    ("--dump-param-to-param-group-map", "parameter groups are fixed (decay for matrices, none for biases "
+    ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
     ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
      "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype --no-store-param-remainders",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
     ("--lr-warmup-init", "warmup always starts from 0", DROP),
+    ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
+     "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
     ("--check-for-spiky-loss --check-for-large-grads --error-injection-rate --error-injection-type --rerun-mode "
      "--iterations-to-skip --result-rejected-tracker-filename",
@@ -89,6 +91,14 @@ ENTRIES = (
     ("--disable-gloo-process-groups", "the process groups a run makes are fixed", DROP),
     ("--record-memory-history --memory-snapshot-path", "CUDA memory snapshots are not written",
      "use --memory-report"),
+    ("--gpu-sniff-test-interval", "GPU performance sniff tests are not run", DROP),
+    ("--exit-signal-handler-for-dataloader --exit-signal-handler-for-training", "the signal handling is fixed: "
+     "--exit-signal-handler saves a checkpoint and exits on SIGTERM", "drop it (--exit-signal-handler stays)"),
+    ("--disable-manual-gc-eval", "newer Megatron-LM's second spelling of --no-manual-gc-eval",
+     "use --no-manual-gc-eval"),
+    ("--disable-log-loss-scale-to-tensorboard", "newer Megatron-LM's second spelling of "
+     "--no-log-loss-scale-to-tensorboard", "use --no-log-loss-scale-to-tensorboard"),
+    ("--disable-jit-fuser", "fused functions run as --jit-fuser says", "use --jit-fuser eager"),
     ("--train-sync-interval", "the CPU waits for the device at the step's own synchronisation points", DROP),
     ("--check-weight-hash-across-dp-replicas-interval", "weights are not hashed across data-parallel replicas",
      DROP),
@@ -97,10 +107,12 @@ ENTRIES = (
      "checkpoint's iteration, --use-checkpoint-opt_param-scheduler and an --eval-interval that does not divide "
      "it (one validation pass, no step)"),
     ("--test-mode", "Megatron-LM's in-run test hooks are not implemented", DROP),
-    ("--full-validation --multiple-validation-sets", "validation runs --eval-iters batches of the one "
+    ("--full-validation --multiple-validation-sets --validation-set-names", "validation runs --eval-iters batches of the one "
      "validation split", "use --eval-iters"),
     ("--adlr-autoresume --adlr-autoresume-interval", "ADLR cluster autoresume is not supported",
      "use --exit-signal-handler or --exit-duration-in-mins"),
+    ("--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size", "validation runs every "
+     "--eval-interval iterations with the training batch sizes", "use --eval-interval and --eval-iters"),
     ("--yaml-cfg --enable-experimental", "flags come from the command line only", DROP),
     # -- tensor-parallel communication overlap (Transformer Engine userbuffers) ----------------------
     ("--tp-comm-overlap --tp-comm-overlap-cfg --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
@@ -120,7 +132,7 @@ ENTRIES = (
     ("--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
      "weight gradients are computed in each backward (--pipeline-schedule zb-h1 splits them its own way)",
      DROP),
-    ("--no-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-step",
+    ("--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-step",
      "the timing of the data-parallel collectives is fixed", "drop it (--overlap-grad-reduce and "
      "--overlap-param-gather stay)"),
     ("--ddp-num-buckets", "buckets are sized, not counted", "use --ddp-bucket-size"),
@@ -212,7 +224,10 @@ ENTRIES = (
      "encodes with what its post-processor adds (a BOS)", DROP),
     ("--sft-tokenizer-prompt-format --tokenizer-prompt-format", "--sft applies the tokenizer's own chat template", DROP),
     # -- logging ----------------------------------------------------------------------------------
-    ("--log-energy --no-barrier-with-level-1-timing --timing-log-option --logging-level",
+    ("--log-energy --no-barrier-with-level-1-timing --timing-log-option --logging-level "
+     "--log-throughput-to-tensorboard --throughput-window-size --log-memory-interval --log-device-memory-used "
+     "--log-l2-norm-grad-to-tensorboard --log-max-attention-logit --log-runtime-to-tensorboard --runtime-time-unit "
+     "--no-filter-warnings --disable-filter-warnings --modules-to-filter --set-level-for-all-loggers",
      "these logging options are fixed", "drop it (--timing-log-level stays)"),
     ("--wandb-entity", "Weights & Biases runs go to the default entity", "drop it, or set WANDB_ENTITY"),
     ("--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port --straggler-minmax-count",
@@ -227,12 +242,22 @@ ENTRIES = (
      "--inprocess-completion-timeout --inprocess-last-call-wait --inprocess-termination-grace-time "
      "--inprocess-granularity --inprocess-active-world-size --inprocess-empty-cuda-cache",
      "in-process restart is not implemented", "drop it (resume from --save with --load)"),
-    ("--config-logger-dir", "the run's configuration is stored in every checkpoint", DROP),
+    ("--config-logger-dir --save-config-filepath", "the run's configuration is stored in every checkpoint", DROP),
     ("--disable-msc", "the Multi-Storage Client is not used", DROP),
+    ("--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra "
+     "--record-shapes --nvtx-ranges", "the profilers' recording options are fixed",
+     "drop it (--profile and --use-pytorch-profiler stay)"),
+    ("--flight-recorder-dump-path --flight-recorder-trace-buffer-size --no-flight-recorder-dump-on-timeout "
+     "--disable-flight-recorder-dump-on-timeout --flight-recorder-include-stack-trace "
+     "--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active "
+     "--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec",
+     "NCCL's flight recorder is not configured by flags", "drop it, or set PyTorch's TORCH_NCCL_* and TORCH_FR_* "
+     "environment variables"),
     # -- mixture of experts -----------------------------------------------------------------------
     ("--moe-use-upcycling --moe-upcycling-granularity", "upcycling a dense checkpoint into experts is not "
      "implemented", DROP),
     ("--moe-deepep-num-sms", "DeepEP is not used", DROP),
+    ("--moe-routing-trace-path", "router decisions are not traced to files", DROP),
     ("--moe-flex-dispatcher-backend --moe-hybridep-num-sms", "the flex dispatcher (DeepEP / HybridEP kernels) is "
      "not built", "drop it (--moe-token-dispatcher-type alltoall or allgather)"),
     ("--mla-down-proj-fusion", "MLA's down-projections are plain linear layers (no fused Transformer Engine "
