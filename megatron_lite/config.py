@@ -335,9 +335,9 @@ class CheckpointConfig:
     """Folder to load a checkpoint from."""
     save_interval: int | None = field(default=None, metadata={"aliases": ("--persistent-save-interval",)})
     """Save every this many steps (0: no periodic save, only the final one)."""
-    no_load_optim: bool = False
+    no_load_optim: bool = field(default=False, metadata={"aliases": ("--disable-load-optim",)})  # newer Megatron-LM's spelling
     """Do not load optimizer state."""
-    no_load_rng: bool = False
+    no_load_rng: bool = field(default=False, metadata={"aliases": ("--disable-load-rng",)})  # newer Megatron-LM's spelling
     """Do not load RNG states."""
     finetune: bool = False
     """Load only the model weights and start at iteration 0."""
@@ -351,9 +351,9 @@ class CheckpointConfig:
     """Write torch_dist checkpoints in the background while training goes on."""
     use_checkpoint_args: bool = False
     """Take the model flags (architecture, see ARCHITECTURE_FLAGS) from the checkpoint at --load."""
-    no_save_optim: bool = False
+    no_save_optim: bool = field(default=False, metadata={"aliases": ("--disable-save-optim",)})  # newer Megatron-LM's spelling
     """Do not save the optimizer state (nor its loss scaler and learning-rate schedule); resuming from such a checkpoint needs --no-load-optim or --finetune."""
-    no_save_rng: bool = False
+    no_save_rng: bool = field(default=False, metadata={"aliases": ("--disable-save-rng",)})  # newer Megatron-LM's spelling
     """Do not save the RNG states; resuming from such a checkpoint needs --no-load-rng or --finetune."""
 
 

@@ -33,7 +33,7 @@ ENTRIES = (
     ("--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json",
      "models whose layers differ in shape are not supported", DROP),
     ("--use-legacy-models", "there is one model implementation (Megatron-Core's layout)", DROP),
-    ("--padded-vocab-size", "the padded vocabulary is derived from the tokenizer and "
+    ("--padded-vocab-size --no-pad-vocab-size --disable-pad-vocab-size", "the padded vocabulary is derived from the tokenizer and "
      "--make-vocab-size-divisible-by", "use --vocab-size or --make-vocab-size-divisible-by"),
     # -- initialisation ---------------------------------------------------------------------------
     ("--embedding-init-method-std --init-method-xavier-uniform",
@@ -174,25 +174,34 @@ ENTRIES = (
     ("--kitchen-config-file --kitchen-recipe-number", "NVIDIA Kitchen quantization is not supported", DROP),
     # -- checkpointing ----------------------------------------------------------------------------
     ("--save-retain-interval --non-persistent-save-interval --non-persistent-ckpt-type "
-     "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo",
+     "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo --most-recent-k",
      "every checkpoint is a persistent one and none is deleted", "use --save-interval"),
+    ("--save-params-interval --save-activations-interval --save-tokens-per-expert-interval --save-wgrads-interval "
+     "--save-dgrads-interval", "debugging dumps of tensors are not written", DROP),
+    ("--no-save-tokenizer-assets --disable-save-tokenizer-assets --verify-integrity", "what a checkpoint holds "
+     "and how it is checked are fixed", DROP),
     ("--load-main-params-from-ckpt", "fp32 master weights are loaded with the optimizer state", DROP),
-    ("--no-strict-fsdp-dtensor-load --dist-ckpt-strictness", "a checkpoint's tensors must match the model's "
+    ("--no-strict-fsdp-dtensor-load --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness "
+     "--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity", "a checkpoint's tensors must match the model's "
      "exactly", DROP),
     ("--ckpt-step", "--load resumes the iteration named in the tracker file", "point --load at a folder whose "
      "tracker names that iteration"),
     ("--no-initialization", "the model is initialised before a checkpoint is loaded", DROP),
-    ("--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args",
+    ("--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
+     "--disable-use-tokenizer-model-from-checkpoint-args",
      "--use-checkpoint-args takes the model flags only", DROP),
     ("--exit-on-missing-checkpoint", "--load without a checkpoint starts from scratch; --pretrained-checkpoint "
      "names the weights to start from", DROP),
-    ("--use-persistent-ckpt-worker", "--async-save writes from a background thread of its own", DROP),
+    ("--use-persistent-ckpt-worker --async-strategy --async-ckpt-cpu-priority --async-ckpt-io-priority "
+     "--async-ckpt-use-cpu-shm", "--async-save writes from a background thread of its own", DROP),
     ("--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format",
      "checkpoints are converted by a tool", "use tools/checkpoint/convert.py"),
-    ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", "torch_dist weights are written by "
+    ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save --ckpt-fully-parallel-save-process-group "
+     "--ckpt-fully-parallel-save-replicate-local", "torch_dist weights are written by "
      "data-parallel rank 0 (optimizer shards by every rank with --use-distributed-optimizer), not spread over "
      "the data-parallel ranks", DROP),
-    ("--ckpt-fully-parallel-load", "every rank reads the pieces it needs itself; reads are not spread over "
+    ("--ckpt-fully-parallel-load --ckpt-fully-parallel-load-exchange-algo --ckpt-fully-parallel-load-process-group "
+     "--ckpt-fully-parallel-load-replicate-local", "every rank reads the pieces it needs itself; reads are not spread over "
      "the data-parallel ranks and exchanged", DROP),
     ("--ckpt-assume-constant-structure --dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable "
      "--distrib-optim-fully-reshardable-mem-efficient",
@@ -206,7 +215,9 @@ ENTRIES = (
      "--allow-ambiguous-pad-tokens --sample-rate", "the dataset builder's options are fixed", DROP),
     ("--vocab-extra-ids", "extra sentinel tokens (T5) are not added", DROP),
     ("--tokenizer-metadata --tiktoken-pattern --tiktoken-num-special-tokens --tiktoken-special-tokens "
-     "--legacy-tokenizer --special-tokens", "TikTokenizer and the new tokenizer system are not supported",
+     "--legacy-tokenizer --special-tokens --tokenizer-special-tokens --tokenizer-sentencepiece-legacy "
+     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces --disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+     "TikTokenizer and the new tokenizer system are not supported",
      "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
     ("--trust-remote-code", "Hugging Face tokenizers with custom code are not loaded", DROP),
     ("--tokenizer-hf-use-fast --tokenizer-hf-no-use-fast --tokenizer-hf-include-special-tokens",
@@ -247,7 +258,8 @@ ENTRIES = (
     ("--moe-use-upcycling --moe-upcycling-granularity", "upcycling a dense checkpoint into experts is not "
      "implemented", DROP),
     ("--moe-deepep-num-sms", "DeepEP is not used", DROP),
-    ("--moe-routing-trace-path", "router decisions are not traced to files", DROP),
+    ("--moe-routing-trace-path --moe-routing-trace-max-training-iters --moe-routing-trace-capture-logits "
+     "--moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights", "router decisions are not traced to files", DROP),
     ("--moe-flex-dispatcher-backend --moe-hybridep-num-sms", "the flex dispatcher (DeepEP / HybridEP kernels) is "
      "not built", "drop it (--moe-token-dispatcher-type alltoall or allgather)"),
     ("--mla-down-proj-fusion", "MLA's down-projections are plain linear layers (no fused Transformer Engine "

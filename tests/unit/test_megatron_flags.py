@@ -207,6 +207,9 @@ def test_every_megatron_fp8_flag_is_ours_or_explained():
     (["--use-checkpoint-opt-param-scheduler"], "use_checkpoint_opt_param_scheduler", True),
     (["--persistent-save-interval", "7"], "save_interval", 7),
     (["--use-custom-fsdp"], "use_megatron_fsdp", True),  # Megatron-FSDP's older name, in many Megatron scripts
+    # newer Megatron-LM names a switch that is on by default --no-x and --disable-x
+    (["--disable-save-optim"], "no_save_optim", True), (["--disable-save-rng"], "no_save_rng", True),
+    (["--disable-load-optim"], "no_load_optim", True), (["--disable-load-rng"], "no_load_rng", True),
 ])
 def test_megatron_second_spellings_set_the_same_field(alias, field_name, value):
     """Megatron-LM takes these flags under two names; both set the one field here."""
