@@ -62,7 +62,8 @@ ENTRIES = (
     ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
     ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
-     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype --no-store-param-remainders",
+     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype --no-store-param-remainders "
+     "--no-preserve-fp32-weights --disable-preserve-fp32-weights",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
     ("--lr-warmup-init", "warmup always starts from 0", DROP),
@@ -70,7 +71,7 @@ ENTRIES = (
      "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
     ("--check-for-spiky-loss --check-for-large-grads --error-injection-rate --error-injection-type --rerun-mode "
-     "--iterations-to-skip --result-rejected-tracker-filename",
+     "--iterations-to-skip --result-rejected-tracker-filename --check-for-nan-in-grad",
      "Megatron-LM's rerun state machine is not implemented",
      "drop it (--check-for-nan-in-loss-and-grad, on by default, stops a run on NaN)"),
     ("--distribute-saved-activations", "recomputation keeps a layer's input whole on every tensor-parallel "
@@ -122,13 +123,16 @@ ENTRIES = (
     ("--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
      "weight gradients are computed in each backward (--pipeline-schedule zb-h1 splits them its own way)",
      DROP),
-    ("--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-step",
+    ("--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather --align-param-gather --overlap-param-gather-with-optimizer-step",
      "the timing of the data-parallel collectives is fixed", "drop it (--overlap-grad-reduce and "
      "--overlap-param-gather stay)"),
     ("--ddp-num-buckets", "buckets are sized, not counted", "use --ddp-bucket-size"),
-    ("--ddp-pad-buckets-for-high-nccl-busbw --no-gradient-reduce-div-fusion --ddp-average-in-collective",
+    ("--bucket-size", "the bucket size is --ddp-bucket-size's", "use --ddp-bucket-size"),
+    ("--ddp-pad-buckets-for-high-nccl-busbw --no-gradient-reduce-div-fusion --ddp-average-in-collective "
+     "--pad-buckets-for-high-nccl-busbw --disable-gradient-reduce-div-fusion --average-in-collective",
      "bucket padding and gradient averaging are fixed", DROP),
-    ("--ddp-reduce-scatter-with-fp32-accumulation --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype",
+    ("--ddp-reduce-scatter-with-fp32-accumulation --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype "
+     "--grad-reduce-in-fp32 --reduce-scatter-with-fp32-accumulation",
      "gradients are always reduced in fp32", DROP),
     ("--local-rank --lazy-mpu-init", "ranks come from the launcher's environment (RANK, LOCAL_RANK, "
      "WORLD_SIZE)", "drop it and launch with torchrun"),
