@@ -74,6 +74,11 @@ ENTRIES = (
      "--iterations-to-skip --result-rejected-tracker-filename --check-for-nan-in-grad",
      "Megatron-LM's rerun state machine is not implemented",
      "drop it (--check-for-nan-in-loss-and-grad, on by default, stops a run on NaN)"),
+    ("--variable-seq-lengths", "every micro-batch is --seq-length tokens", DROP),
+    ("--enable-autocast", "the forward runs in the weights' dtype (--bf16 / --fp16), not under torch.autocast",
+     DROP),
+    ("--num-microbatches-with-partial-activation-checkpoints", "recomputation is the same for every micro-batch",
+     "use --recompute-num-layers"),
     ("--distribute-saved-activations", "recomputation keeps a layer's input whole on every tensor-parallel "
      "rank", DROP),
     ("--cpu-offloading-num-layers", "activation offloading to the CPU is not implemented",
@@ -108,7 +113,8 @@ ENTRIES = (
     # -- tensor-parallel communication overlap (Transformer Engine userbuffers) ----------------------
     ("--tp-comm-overlap --tp-comm-overlap-cfg --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
      "--tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad "
-     "--tp-comm-bootstrap-backend --disable-tp-comm-split-ag --disable-tp-comm-split-rs",
+     "--tp-comm-bootstrap-backend --disable-tp-comm-split-ag --disable-tp-comm-split-rs --tp-comm-overlap-disable-qkv "
+     "--tp-comm-overlap-disable-fc1 --tp-comm-atomic-ag --tp-comm-atomic-rs",
      "overlapping tensor-parallel communication with GEMMs needs Transformer Engine userbuffers, "
      "which are not used", DROP),
     ("--no-async-tensor-model-parallel-allreduce", "Megatron-LM ignores it too", DROP),
@@ -120,7 +126,8 @@ ENTRIES = (
      "--overlap-p2p-communication-warmup-flush --no-scatter-gather-tensors-in-pipeline --use-ring-exchange-p2p "
      "--pipeline-model-parallel-comm-backend", "the pipeline schedule's communication is fixed", DROP),
     ("--distributed-timeout-seconds-after-init", "process-group timeouts are not set per phase", DROP),
-    ("--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
+    ("--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute "
+     "--overlap-dispatch-backward-with-experts-wgrad",
      "weight gradients are computed in each backward (--pipeline-schedule zb-h1 splits them its own way)",
      DROP),
     ("--no-align-grad-reduce --disable-align-grad-reduce --no-align-param-gather --align-param-gather --overlap-param-gather-with-optimizer-step",
@@ -262,6 +269,8 @@ ENTRIES = (
     ("--moe-use-upcycling --moe-upcycling-granularity", "upcycling a dense checkpoint into experts is not "
      "implemented", DROP),
     ("--moe-deepep-num-sms", "DeepEP is not used", DROP),
+    ("--ep-overlap-early-attn-memory-release", "expert-parallel communication is not overlapped with other "
+     "micro-batches' compute", DROP),
     ("--moe-routing-trace-path --moe-routing-trace-max-training-iters --moe-routing-trace-capture-logits "
      "--moe-routing-trace-capture-hidden-states --moe-routing-trace-dump-weights", "router decisions are not traced to files", DROP),
     ("--moe-flex-dispatcher-backend --moe-hybridep-num-sms", "the flex dispatcher (DeepEP / HybridEP kernels) is "
