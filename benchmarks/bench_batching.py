@@ -27,7 +27,6 @@ reported.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -38,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-requests", type=int, default=8, help="rows of the batch (the server's default 8)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block of the paged mode")

@@ -43,7 +43,6 @@ reaches every run alike.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -56,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.op_categories import CATEGORIES, category_of_name, format_breakdown  # noqa: E402
 
@@ -306,7 +305,7 @@ def format_paired(rounds: dict) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=["issue", "quick"], default="issue")
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours-bf16", "ours-fp8", "hf-bf16"])
     p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")

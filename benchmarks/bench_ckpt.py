@@ -19,7 +19,6 @@ A GPT of about 124M parameters (12 layers, hidden 768, 12 heads, vocab 32768, se
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -156,7 +155,7 @@ def spawn(fn, *args, world=2) -> list:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--out", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--skip-async", action="store_true")

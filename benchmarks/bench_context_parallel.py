@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import socket
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, vocab_size=1024)
 
@@ -195,7 +194,7 @@ def run(world, seq, time_seq, steps) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--time-seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=3)

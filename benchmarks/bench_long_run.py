@@ -8,7 +8,6 @@ from /proc (Linux only). Passes when the RSS at the last step is within 5% of th
 and the open-file count at the end is no higher than at step 100.
 """
 
-import argparse
 import os
 import platform
 import re
@@ -17,6 +16,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import OneLineParser  # noqa: E402
+
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--eval-iters", "0", "--lr", "1e-3"]
@@ -35,7 +38,7 @@ def open_files(pid: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--save-interval", type=int, default=50)
     args = p.parse_args(argv)

@@ -18,7 +18,6 @@ Rounds alternate the compared variants in one process; medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 from megatron_lite.models.transformer_config import TransformerConfig  # noqa: E402
 
 
@@ -185,7 +184,7 @@ def bench_gpt(rounds: int, hidden: int, ffn: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)

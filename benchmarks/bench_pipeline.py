@@ -32,7 +32,6 @@ against the formulas on any machine.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -221,9 +220,9 @@ def _replay(full, v):
 
 
 def main(argv=None) -> int:
-    from benchmarks.common import describe_machine
+    from benchmarks.common import OneLineParser, describe_machine
 
-    ap = argparse.ArgumentParser(description="1F1B vs interleaved 1F1B vs ZB-H1 at p=4 on CPU")
+    ap = OneLineParser(description="1F1B vs interleaved 1F1B vs ZB-H1 at p=4 on CPU")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (seq x 4)")
     ap.add_argument("--iters", type=int, default=5)

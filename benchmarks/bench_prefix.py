@@ -21,7 +21,6 @@ tokens, prefill tokens computed (prompt tokens less those taken from the cache: 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -33,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.bench_batching import build_engine  # noqa: E402
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=8, help="requests sharing the system prompt")
     p.add_argument("--system", type=int, default=384, help="tokens of the shared system prompt")
     p.add_argument("--question", type=int, default=24, help="tokens of each request's own question")

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from make_sample_corpus import docstring_texts, documents, topic_texts  # noqa: E402
 
+from benchmarks.common import OneLineParser  # noqa: E402
 from megatron_lite.data.gpt2_fast import BACKEND_ENV  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
@@ -121,7 +122,7 @@ def run_cli(corpus, work, vocab, merge_file, backend, workers, repeats) -> float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=24.0, help="JSONL size to build (MB of 2^20 bytes)")
     parser.add_argument("--vocab-file", default=os.path.join(GPT2_FILES, "vocab.json"))
     parser.add_argument("--merge-file", default=os.path.join(GPT2_FILES, "merges.txt"))

@@ -13,15 +13,18 @@
 Best of --repeats runs; the ratio column is our time / the C++ helper's time (< 1 is faster).
 """
 
-import argparse
 import os
 import platform
+import sys
 import time
 
 import numpy as np
 
-from megatron_lite.data.blended import build_blending_indices
-from megatron_lite.data.gpt_dataset import build_gpt_indices, build_sample_index
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import OneLineParser  # noqa: E402
+from megatron_lite.data.blended import build_blending_indices  # noqa: E402
+from megatron_lite.data.gpt_dataset import build_gpt_indices, build_sample_index  # noqa: E402
 
 CPP_SAMPLE_INDEX_SECONDS = 0.28  # megatron-core 0.16 build_sample_idx, same sizes, this machine class
 
@@ -36,7 +39,7 @@ def best_time(fn, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--documents", type=int, default=10_000_000)
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--blend-samples", type=int, default=10_000_000)

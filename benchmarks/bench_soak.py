@@ -17,7 +17,6 @@ groups ended cleanly, as pretrain_gpt.py does) and once left to interpreter exit
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import subprocess
@@ -30,7 +29,7 @@ from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--log-interval", "1", "--eval-iters", "0",
@@ -108,7 +107,7 @@ def launch(name: str, workdir: str, timeout: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launches", type=int, default=50, help="launches per configuration")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--parallel", type=int, default=2, help="launches at a time (more load, sooner done)")

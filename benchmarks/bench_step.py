@@ -29,7 +29,6 @@ elementwise, optimizer, copies, communication). Needs ``pip install transformers
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import describe_machine, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, timed  # noqa: E402
 from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
@@ -258,7 +257,7 @@ def profile_runs(steps: dict, device: str = "cpu") -> None:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="issue", help="issue: the issue's config (default); "
                    "quick: 2 layers, hidden 256, seq 128; gpu: 8 layers, hidden 2048, seq 2048, vocab 50304; "
                    "overhead: 6 layers, hidden 64, seq 32 (a step of dispatch only)")

@@ -15,7 +15,6 @@ Needs ``pip install transformers``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import describe_machine, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, timed  # noqa: E402
 from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
 
@@ -91,7 +90,7 @@ def profile_step(name, step, tokens, labels, rows=25):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=6, help="timed A/B pairs after warm-up")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each model first")
     p.add_argument("--threads", type=int, default=2)

@@ -28,7 +28,6 @@ available" instead of run. Each strategy runs in fresh processes, so peak memory
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import io
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 from megatron_lite.perf.memory_tracker import CATEGORIES  # noqa: E402
 
 WORLD = 4
@@ -192,7 +191,7 @@ def run_strategy(argv: list[str], attempts: int = 3) -> list[tuple]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help=f"timed steps per strategy (after {TRACKED} tracked ones)")
     parser.add_argument("--small", action="store_true", help="a tiny model (a smoke test of the script)")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,

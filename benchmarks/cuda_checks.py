@@ -27,6 +27,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.common import OneLineParser  # noqa: E402
+
 FP32, LOW = (1e-4, 1e-4), (3e-2, 1e-1)  # (losses, gradient norms)
 
 
@@ -99,7 +101,7 @@ def compare(names: list[str], cuda: dict, cpu: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", help="these configs (default: all)")
     p.add_argument("--device", choices=["cpu", "cuda"], help=argparse.SUPPRESS)  # a worker process
     p.add_argument("--out", help=argparse.SUPPRESS)
