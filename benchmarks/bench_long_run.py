@@ -9,7 +9,6 @@ and the open-file count at the end is no higher than at step 100.
 """
 
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -18,8 +17,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import OneLineParser  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
 
+BASE_ITER, LOG_INTERVAL = 100, 50  # the step compared against, and how often memory is read
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--eval-iters", "0", "--lr", "1e-3"]
@@ -37,15 +37,32 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def verdict(samples: list[tuple[int, float, int]]) -> tuple[bool, str]:
+    """(passed, the summary line) of ``(iteration, RSS MB, open fds)`` samples: the last against the
+    first at or after :data:`BASE_ITER`."""
+    base = next(s for s in samples if s[0] >= BASE_ITER)
+    last = samples[-1]
+    growth = (last[1] - base[1]) / base[1]
+    ok = abs(growth) <= 0.05 and last[2] <= base[2]
+    return ok, (f"RSS step {last[0]} vs step {base[0]}: {growth:+.1%}; open files {base[2]} -> {last[2]}: "
+                f"{'PASS' if ok else 'FAIL'}")
+
+
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--save-interval", type=int, default=50)
     args = p.parse_args(argv)
+    if args.iters < BASE_ITER + LOG_INTERVAL:
+        p.error(f"--iters {args.iters}: at least {BASE_ITER + LOG_INTERVAL} (the memory of the last step is "
+                f"compared with step {BASE_ITER}'s, read every {LOG_INTERVAL} steps)")
+    if args.save_interval < 1:
+        p.error(f"--save-interval {args.save_interval}: at least 1")
+    print(describe_machine(threads=1))
     samples = []
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", str(args.iters), "--save",
-               os.path.join(tmp, "ckpt"), "--save-interval", str(args.save_interval), "--log-interval", "50"]
+               os.path.join(tmp, "ckpt"), "--save-interval", str(args.save_interval), "--log-interval", str(LOG_INTERVAL)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MEGATRON_LITE_DEVICE="cpu")
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:
@@ -55,17 +72,11 @@ def main(argv=None) -> int:
         if proc.wait() != 0:
             print(f"pretrain_gpt.py exited with {proc.returncode}")
             return 1
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}")
     print(f"{'iteration':>9} {'RSS (MB)':>9} {'open fds':>8}")
     for it, rss, fds in samples:
         print(f"{it:>9} {rss:>9.1f} {fds:>8}")
-    at100 = next(s for s in samples if s[0] >= 100)
-    last = samples[-1]
-    growth = (last[1] - at100[1]) / at100[1]
-    ok = abs(growth) <= 0.05 and last[2] <= at100[2]
-    print(f"RSS step {last[0]} vs step {at100[0]}: {growth:+.1%}; open files {at100[2]} -> {last[2]}: "
-          f"{'PASS' if ok else 'FAIL'}")
+    ok, line = verdict(samples)
+    print(line)
     return 0 if ok else 1
 
 

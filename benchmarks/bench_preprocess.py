@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from make_sample_corpus import docstring_texts, documents, topic_texts  # noqa: E402
 
-from benchmarks.common import OneLineParser  # noqa: E402
+from benchmarks.common import OneLineParser, cpu_model  # noqa: E402
 from megatron_lite.data.gpt2_fast import BACKEND_ENV  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
@@ -87,7 +87,7 @@ def machine() -> str:
     except ImportError:
         torch_version = "not installed"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{platform.processor() or platform.machine()}, os.cpu_count()={os.cpu_count()}, usable cpus={usable}, "
+    return (f"{cpu_model()}, os.cpu_count()={os.cpu_count()}, usable cpus={usable}, "
             f"Python {platform.python_version()}, torch {torch_version}, {platform.system()} {platform.release()}")
 
 

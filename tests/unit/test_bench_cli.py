@@ -28,3 +28,33 @@ def test_every_benchmark_is_listed():
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_an_unknown_flag_is_refused_in_one_line(monkeypatch, capsys, name):
     refused_line(capsys, run_main(monkeypatch, name, "--no-such-flag"), "--no-such-flag", "--help")
+
+
+def test_the_sample_index_benchmark_prints_the_machine_and_no_ratio_at_other_sizes(capsys):
+    from benchmarks import bench_sample_index
+    from benchmarks.common import cpu_model
+
+    bench_sample_index.main(["--documents", "500", "--seq-length", "64", "--blend-samples", "300", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert cpu_model() in out and "torch " in out and "threads " in out
+    assert "| ratio" not in out and "no ratio at these sizes" in out  # the C++ figure was measured at 10 M documents, seq 2048
+    assert "| ratio 0.50" in bench_sample_index.cpp_comparison(0.14, 10_000_000, 2048)
+
+
+def test_the_preprocess_benchmark_names_the_cpu_model():
+    from benchmarks import bench_preprocess
+    from benchmarks.common import cpu_model
+
+    assert bench_preprocess.machine().startswith(cpu_model() + ",")
+
+
+def test_the_long_run_check_and_its_refusals(monkeypatch, capsys):
+    from benchmarks import bench_long_run
+
+    samples = [(50, 100.0, 9), (100, 120.0, 10), (150, 125.0, 10), (200, 125.9, 10)]
+    assert bench_long_run.verdict(samples) == (True, "RSS step 200 vs step 100: +4.9%; open files 10 -> 10: PASS")
+    assert not bench_long_run.verdict(samples[:-1] + [(200, 126.1, 10)])[0]
+    assert not bench_long_run.verdict(samples[:-1] + [(200, 120.0, 11)])[0]
+    # too short to have a step after 100: refused before the run, not a StopIteration after it
+    refused_line(capsys, run_main(monkeypatch, "bench_long_run", "--iters", "100"), "--iters 100", "150")
+    refused_line(capsys, run_main(monkeypatch, "bench_long_run", "--save-interval", "0"), "--save-interval 0")
