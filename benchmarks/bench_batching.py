@@ -37,17 +37,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=positive_int, default=16)
     p.add_argument("--max-requests", type=int, default=8, help="rows of the batch (the server's default 8)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block of the paged mode")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step of the paged mode")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

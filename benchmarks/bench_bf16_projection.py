@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.op_categories import CATEGORIES, category_of_name, format_breakdown  # noqa: E402
 
@@ -311,10 +311,10 @@ def parse(argv=None):
     p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
     p.add_argument("--fp32-peak-tflops", type=float, default=0.40,
                    help="fp32 GEMM peak of the CPU projected to (the fp32 runs: ours-fp32, hf-fp32)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after --warmup); the median counts")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured steps per run (after --warmup); the median counts")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first: until glibc's retained heap stops growing, a step faults in fresh pages")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--top", type=int, default=0, help="also list this many operators outside the GEMMs by time")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--fp32-attention", action="store_true",

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, vocab_size=1024)
 
@@ -197,7 +197,7 @@ def main():
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--time-seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args()
     print(describe_machine(threads=1))
     print(f"model: {SHAPE}, RoPE, micro-batch 1, seq {args.seq} (memory), {args.time_seq} (time), fp32\n")

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import megatron_lite.checkpoint.dist_read as dist_read  # noqa: E402
 import megatron_lite.checkpoint.dist_save as dist_save  # noqa: E402
 import pretrain_gpt  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 
 def model_args(hidden: int, layers: int) -> list[str]:
@@ -86,7 +86,7 @@ def one_round(args, folder) -> dict:
 
 def main(argv=None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.models import GPTModel, TransformerConfig  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
 from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, describe_fp8_path, update_fp8_scales  # noqa: E402
@@ -154,7 +154,7 @@ def bench_step(c, args, device) -> dict[str, float]:
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--issue-config", action="store_true", help="6 layers, hidden 768, seq 512, batch 4, vocab 32768")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"])
     p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
     args = p.parse_args(argv)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, timed  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -99,8 +99,8 @@ def squares(dtype: torch.dtype) -> dict[int, object]:
 def main(argv=None) -> None:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--tokens", type=int, default=2048, help="rows of every product (micro-batch x sequence)")
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--ffn", type=int, default=3072)

@@ -33,13 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.perf.model_state import measured_model_state_bytes, model_state_bytes_with_frozen  # noqa: E402
 
 SHAPES = {
@@ -66,7 +66,7 @@ def _run(argv: list[str]) -> dict:
 
 def main(argv=None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="Timed steps per run (after one warm-up step).")
+    parser.add_argument("--steps", type=positive_int, default=5, help="Timed steps per run (after one warm-up step).")
     parser.add_argument("--small", action="store_true", help="A tiny model (a quick check that it runs).")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.models.transformer_config import TransformerConfig  # noqa: E402
 
 
@@ -186,7 +186,7 @@ def bench_gpt(rounds: int, hidden: int, ffn: int) -> None:
 def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "all"], default="all")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=512)

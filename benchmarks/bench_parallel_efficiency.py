@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 SHAPES = {
     "full": dict(num_layers=6, hidden_size=768, num_attention_heads=12, seq_length=512, vocab_size=32768),
@@ -142,9 +142,9 @@ def run_mode(mode, shape, global_batch, warmup, steps):
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration run")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1)")
-    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration (order mirrored)")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per configuration run")
+    p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps first (>= 1)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="runs of every configuration (order mirrored)")
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (quick check)")
     args = p.parse_args(argv)

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.bench_batching import build_engine  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=8, help="requests sharing the system prompt")
+    p.add_argument("--requests", type=positive_int, default=8, help="requests sharing the system prompt")
     p.add_argument("--system", type=int, default=384, help="tokens of the shared system prompt")
     p.add_argument("--question", type=int, default=24, help="tokens of each request's own question")
     p.add_argument("--turns", type=int, default=6, help="turns of the chat")
@@ -45,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--answer", type=int, default=32, help="tokens of each answer")
     p.add_argument("--max-requests", type=int, default=4, help="rows of the batch")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

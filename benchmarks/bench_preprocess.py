@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from make_sample_corpus import docstring_texts, documents, topic_texts  # noqa: E402
 
-from benchmarks.common import OneLineParser, cpu_model  # noqa: E402
+from benchmarks.common import OneLineParser, cpu_model, positive_int  # noqa: E402
 from megatron_lite.data.gpt2_fast import BACKEND_ENV  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("--merge-file", default=os.path.join(GPT2_FILES, "merges.txt"))
     parser.add_argument("--backends", nargs="+", default=["python", "auto"], choices=["python", "auto"])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest is reported")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per configuration; the fastest is reported")
     parser.add_argument("--work-dir", default=None, help="keep files here (default: a temp dir, removed)")
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_preprocess.")

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.data.blended import build_blending_indices  # noqa: E402
 from megatron_lite.data.gpt_dataset import build_gpt_indices, build_sample_index  # noqa: E402
 
@@ -52,7 +52,7 @@ def main(argv=None):
     ap.add_argument("--documents", type=int, default=10_000_000)
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--blend-samples", type=int, default=10_000_000)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
 
     print(describe_machine())

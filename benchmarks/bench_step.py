@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, timed  # noqa: E402
 from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
@@ -263,9 +263,9 @@ def parse(argv=None):
                    "overhead: 6 layers, hidden 64, seq 32 (a step of dispatch only)")
     p.add_argument("--quick", action="store_true", help="same as --shape quick")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: one GPU)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each run first (compiles happen here)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16", "fp8"],
                    help="default: fp32, and bf16 where it is fast; fp8 is ours only (FP8 linears, bf16 elsewhere)")

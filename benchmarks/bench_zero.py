@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.perf.memory_tracker import CATEGORIES  # noqa: E402
 
 WORLD = 4
@@ -192,7 +192,7 @@ def run_strategy(argv: list[str], attempts: int = 3) -> list[tuple]:
 
 def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help=f"timed steps per strategy (after {TRACKED} tracked ones)")
+    parser.add_argument("--steps", type=positive_int, default=3, help=f"timed steps per strategy (after {TRACKED} tracked ones)")
     parser.add_argument("--small", action="store_true", help="a tiny model (a smoke test of the script)")
     parser.add_argument("--ddp-bucket-size", type=int, default=None,
                         help="gradient bucket size in elements (default: the training default, max(40M, 1M x dp))")

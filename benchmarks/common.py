@@ -3,6 +3,7 @@ command line's parser (a bad flag: one line naming it, exit code 2, as the proje
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -11,6 +12,18 @@ import time
 import torch
 
 from megatron_lite.errors import OneLineParser as OneLineParser  # the benchmarks' parser
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts (rounds, steps, repeats, threads): a bad one is refused in one line
+    naming the flag, not a traceback after the machine was described (``median`` of no rounds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (at least 1)")
+    return value
 
 
 def cpu_model() -> str:

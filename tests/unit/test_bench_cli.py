@@ -4,6 +4,7 @@ the flag, exit code 2 (not argparse's usage block), before any work starts."""
 import glob
 import importlib
 import os
+import re
 import sys
 
 import pytest
@@ -58,3 +59,19 @@ def test_the_long_run_check_and_its_refusals(monkeypatch, capsys):
     # too short to have a step after 100: refused before the run, not a StopIteration after it
     refused_line(capsys, run_main(monkeypatch, "bench_long_run", "--iters", "100"), "--iters 100", "150")
     refused_line(capsys, run_main(monkeypatch, "bench_long_run", "--save-interval", "0"), "--save-interval 0")
+
+
+def count_flags():
+    """(benchmark, flag) of every count a benchmark takes (rounds, steps, repeats, threads, ...)."""
+    pattern = re.compile(r'"(--[a-z-]+)", type=positive_int')
+    return [(name, flag) for name in SCRIPTS
+            for flag in pattern.findall(open(os.path.join(BENCH_DIR, f"{name}.py")).read())]
+
+
+def test_the_counts_are_found():
+    assert ("bench_step", "--rounds") in count_flags() and ("bench_sample_index", "--repeats") in count_flags()
+
+
+@pytest.mark.parametrize("name,flag", count_flags())
+def test_a_count_below_one_is_refused_in_one_line(monkeypatch, capsys, name, flag):
+    refused_line(capsys, run_main(monkeypatch, name, flag, "0"), flag, "positive")
