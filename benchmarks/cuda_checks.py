@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     p.add_argument("--devices", nargs=2, default=["cuda", "cpu"], help=argparse.SUPPRESS)  # cpu cpu: try it here
     args = p.parse_args(argv)
     names = args.only or list(configs())
+    unknown = [n for n in names if n not in configs()]
+    if unknown:
+        p.error(f"--only {' '.join(unknown)}: no such config (the configs: {', '.join(configs())})")
     if args.device:
         run_all(names, args.out)
         return 0

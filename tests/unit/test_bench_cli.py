@@ -75,3 +75,7 @@ def test_the_counts_are_found():
 @pytest.mark.parametrize("name,flag", count_flags())
 def test_a_count_below_one_is_refused_in_one_line(monkeypatch, capsys, name, flag):
     refused_line(capsys, run_main(monkeypatch, name, flag, "0"), flag, "positive")
+
+
+def test_cuda_checks_refuses_an_unknown_config_before_starting_a_worker(monkeypatch, capsys):
+    refused_line(capsys, run_main(monkeypatch, "cuda_checks", "--only", "gpt", "nope"), "--only nope", "gpt_b")
