@@ -13,7 +13,7 @@ and, as a check less sensitive to other load on a shared machine, the strong sca
 t(1 process, 1 thread) / (2 x t(2 processes, 1 thread each)).
 
 Each configuration runs in fresh processes: warm-up steps, then timed steps (rank 0's wall time
-between barriers). With ``--rounds 2`` the order is base, TP, DP, DP, TP, base so slow drift of a
+between barriers). With ``--rounds 2`` the order is base, base1, TP, DP, DP, TP, base1, base so slow drift of a
 shared machine hits all alike; medians are reported.
 
     python benchmarks/bench_parallel_efficiency.py [--steps 3] [--rounds 1] [--small]
@@ -148,6 +148,10 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (quick check)")
     args = p.parse_args(argv)
+    dp = max(procs // tp for procs, _, tp in MODES.values())
+    if args.global_batch_size < dp or args.global_batch_size % dp:
+        p.error(f"--global-batch-size {args.global_batch_size}: a positive multiple of {dp} (DP={dp} splits it "
+                f"evenly between its ranks; otherwise it trains on fewer sequences than the other configurations)")
     shape = SHAPES["small" if args.small else "full"]
     print(describe_machine(threads=2))
     print(f"model: {shape}, global batch {args.global_batch_size}, fp32, AdamW, dropout 0, "

@@ -79,3 +79,10 @@ def test_a_count_below_one_is_refused_in_one_line(monkeypatch, capsys, name, fla
 
 def test_cuda_checks_refuses_an_unknown_config_before_starting_a_worker(monkeypatch, capsys):
     refused_line(capsys, run_main(monkeypatch, "cuda_checks", "--only", "gpt", "nope"), "--only nope", "gpt_b")
+
+
+@pytest.mark.parametrize("batch", ["3", "1"])
+def test_parallel_efficiency_refuses_a_batch_dp2_cannot_split(monkeypatch, capsys, batch):
+    # 3: DP=2 trained on 2 of the 3 sequences (an inflated efficiency); 1: empty batches on both ranks
+    refused_line(capsys, run_main(monkeypatch, "bench_parallel_efficiency", "--global-batch-size", batch),
+                 f"--global-batch-size {batch}", "multiple of 2")
