@@ -198,6 +198,10 @@ def main() -> None:
                         help="gradient bucket size in elements (default: the training default, max(40M, 1M x dp))")
     parser.add_argument("--only", default=None, help="comma-separated prefixes of the strategy names to run")
     args = parser.parse_args()
+    unmatched = [p for p in (args.only or "").split(",") if args.only and not any(n.startswith(p) for n in STRATEGIES)]
+    if unmatched:
+        parser.error(f"--only {','.join(unmatched)}: no strategy name starts with it (the names: "
+                     f"{', '.join(STRATEGIES)})")
     shape = "small" if args.small else "mid"
     print(describe_machine(threads=1))
     print(f"DP {WORLD} CPU processes (gloo, 1 thread each), shape {shape}: {' '.join(SHAPES[shape])}, fp32, "

@@ -86,3 +86,8 @@ def test_parallel_efficiency_refuses_a_batch_dp2_cannot_split(monkeypatch, capsy
     # 3: DP=2 trained on 2 of the 3 sequences (an inflated efficiency); 1: empty batches on both ranks
     refused_line(capsys, run_main(monkeypatch, "bench_parallel_efficiency", "--global-batch-size", batch),
                  f"--global-batch-size {batch}", "multiple of 2")
+
+
+def test_bench_zero_refuses_an_only_prefix_that_matches_no_strategy(monkeypatch, capsys):
+    # before: nothing ran and two empty tables were printed, exit 0
+    refused_line(capsys, run_main(monkeypatch, "bench_zero", "--only", "optim,zero3"), "--only zero3", "no_shard")
