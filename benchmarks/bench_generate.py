@@ -47,8 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--new", type=int, default=512, help="tokens to generate")
     p.add_argument("--skip-uncached", action="store_true", help="skip the (slow) full-recompute runs")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (both sides run there, fp32)")
-    return p.parse_args(argv)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (fp32)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible to torch here (run with --device cpu)")
+    return args
 
 
 def save_and_export(args, root: str) -> tuple[str, str]:

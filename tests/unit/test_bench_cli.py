@@ -91,3 +91,9 @@ def test_parallel_efficiency_refuses_a_batch_dp2_cannot_split(monkeypatch, capsy
 def test_bench_zero_refuses_an_only_prefix_that_matches_no_strategy(monkeypatch, capsys):
     # before: nothing ran and two empty tables were printed, exit 0
     refused_line(capsys, run_main(monkeypatch, "bench_zero", "--only", "optim,zero3"), "--only zero3", "no_shard")
+
+
+def test_bench_generate_refuses_a_device_it_cannot_run_on(monkeypatch, capsys):
+    refused_line(capsys, run_main(monkeypatch, "bench_generate", "--device", "gpu"), "--device", "'gpu'")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    refused_line(capsys, run_main(monkeypatch, "bench_generate", "--device", "cuda"), "--device cuda", "--device cpu")
