@@ -277,7 +277,10 @@ def parse(argv=None):
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "
                    "without it, our set-up makes glibc keep freed memory for every run in this process")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible to torch here (run with --device cpu)")
+    return args
 
 
 def main(argv=None):

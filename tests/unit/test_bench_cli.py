@@ -97,3 +97,9 @@ def test_bench_generate_refuses_a_device_it_cannot_run_on(monkeypatch, capsys):
     refused_line(capsys, run_main(monkeypatch, "bench_generate", "--device", "gpu"), "--device", "'gpu'")
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     refused_line(capsys, run_main(monkeypatch, "bench_generate", "--device", "cuda"), "--device cuda", "--device cpu")
+
+
+def test_bench_step_refuses_cuda_without_a_gpu(monkeypatch, capsys):
+    # before: a traceback from torch.cuda.get_device_name() after the machine was described
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    refused_line(capsys, run_main(monkeypatch, "bench_step", "--device", "cuda"), "--device cuda", "--device cpu")
