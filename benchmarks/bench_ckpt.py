@@ -157,13 +157,21 @@ def spawn(fn, *args, world=2) -> list:
 def main(argv=None):
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--out", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="scratch folder, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--skip-async", action="store_true")
     parser.add_argument("--only-async", action="store_true")
     args = parser.parse_args(argv)
-    out = args.out or tempfile.mkdtemp(prefix="bench_ckpt_")
-    base = model_args(args.layers)
+    if args.skip_async and args.only_async:
+        parser.error("--skip-async with --only-async leaves nothing to run: give one of them")
     print(describe_machine(1))
+    if args.out:
+        return run(args, args.out)
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as out:  # ~GBs of checkpoints: not left in /tmp
+        return run(args, out)
+
+
+def run(args, out: str) -> None:
+    base = model_args(args.layers)
     peaks = {}
     for fmt in () if args.only_async else ("torch", "torch_dist"):
         folder = os.path.join(out, fmt)
@@ -194,6 +202,7 @@ def main(argv=None):
     extra_steps = sum(times["async"][1]) - sum(times["sync"][1])
     print(f"training time hidden by --async-save: {hidden:.2f} s of {times['sync'][0]:.2f} s; the iterations "
           f"overlapping the writes took {extra_steps:+.2f} s more in total")
+
 
 if __name__ == "__main__":
     main()

@@ -103,3 +103,16 @@ def test_bench_step_refuses_cuda_without_a_gpu(monkeypatch, capsys):
     # before: a traceback from torch.cuda.get_device_name() after the machine was described
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     refused_line(capsys, run_main(monkeypatch, "bench_step", "--device", "cuda"), "--device cuda", "--device cpu")
+
+
+def test_bench_ckpt_removes_its_temporary_checkpoints_and_refuses_nothing_to_run(monkeypatch, capsys, tmp_path):
+    from benchmarks import bench_ckpt
+
+    refused_line(capsys, run_main(monkeypatch, "bench_ckpt", "--skip-async", "--only-async"), "--skip-async",
+                 "--only-async")
+    folders = []
+    monkeypatch.setattr(bench_ckpt, "run", lambda args, out: folders.append((out, os.path.isdir(out))))
+    bench_ckpt.main(["--layers", "1"])  # before: a mkdtemp folder of ~GBs of checkpoints was left behind
+    bench_ckpt.main(["--layers", "1", "--out", str(tmp_path)])
+    assert folders[0][1] and not os.path.exists(folders[0][0])
+    assert folders[1] == (str(tmp_path), True) and tmp_path.is_dir()  # --out is the user's: kept
