@@ -29,6 +29,7 @@ import megatron_lite.checkpoint.dist_read as dist_read  # noqa: E402
 import megatron_lite.checkpoint.dist_save as dist_save  # noqa: E402
 import pretrain_gpt  # noqa: E402
 from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from megatron_lite.checkpoint.format import atomic_save, with_checksums  # noqa: E402
 
 
 def model_args(hidden: int, layers: int) -> list[str]:
@@ -60,6 +61,16 @@ class Timed:
         setattr(self.module, self.name, self.inner)
 
 
+def as_saved_before_checksums(folder: str) -> None:
+    """Make a checkpoint saved with the CRC-32s left out read as one saved before checksums existed:
+    no ``checksums/`` folder, and no marker in ``common.pt`` (with the marker and without the folder
+    the load refuses it as a copy that lost its checksums)."""
+    shutil.rmtree(os.path.join(folder, dist_read.DIST_CHECKSUMS_DIR))
+    common = dist_read.read_common(folder)
+    del common[dist_read.PIECE_CHECKSUMS_MARK]
+    atomic_save(with_checksums(common), os.path.join(folder, dist_read.DIST_COMMON_FILENAME))
+
+
 def one_round(args, folder) -> dict:
     out = {}
     for checksums in (True, False):
@@ -74,7 +85,7 @@ def one_round(args, folder) -> dict:
             dist_save.tensor_crc = crc
         out[("save", checksums)] = timer.seconds
         if not checksums:
-            shutil.rmtree(os.path.join(save, "iter_0000001", "checksums"))
+            as_saved_before_checksums(os.path.join(save, "iter_0000001"))
         with Timed(dist_read, "load_keys") as timer:
             pretrain_gpt.main(model_args(args.hidden, args.layers) + ["--load", save, "--train-iters", "1"])
         out[("load", checksums)] = timer.seconds

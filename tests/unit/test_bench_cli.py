@@ -116,3 +116,14 @@ def test_bench_ckpt_removes_its_temporary_checkpoints_and_refuses_nothing_to_run
     bench_ckpt.main(["--layers", "1", "--out", str(tmp_path)])
     assert folders[0][1] and not os.path.exists(folders[0][0])
     assert folders[1] == (str(tmp_path), True) and tmp_path.is_dir()  # --out is the user's: kept
+
+
+def test_bench_dist_checksums_runs_at_a_tiny_size(capsys):
+    # before: the load of the checkpoint saved without CRC-32s was refused ('saved with checksums but
+    # its checksums/ folder is missing'): removing the folder left common.pt's marker behind
+    from benchmarks import bench_dist_checksums
+
+    bench_dist_checksums.main(["--rounds", "1", "--hidden", "32", "--layers", "1"])
+    out = capsys.readouterr().out
+    assert "has no checksums (saved before they existed)" in out
+    assert "save: with checksums" in out and "load: with checksums" in out
