@@ -65,10 +65,11 @@ def vary(text: str, rng: random.Random) -> str:
 
 
 def build_corpus(path: str, size_mb: float, docs: list) -> tuple:
+    """Shuffled passes over ``docs`` (each varied) until ``size_mb`` is reached: (documents, bytes)."""
     rng = random.Random(1234)
-    n, written = 0, 0
+    n, written, target = 0, 0, size_mb * 2**20
     with open(path, "w", encoding="utf-8") as f:
-        while written < size_mb * 2**20:
+        while written < target:
             order = list(range(len(docs)))
             rng.shuffle(order)
             for i in order:
@@ -76,6 +77,8 @@ def build_corpus(path: str, size_mb: float, docs: list) -> tuple:
                 f.write(line)
                 written += len(line.encode("utf-8"))
                 n += 1
+                if written >= target:  # not the rest of the pass (~0.8 MB: --size-mb 0.1 built 0.8)
+                    break
     return n, written
 
 

@@ -127,3 +127,12 @@ def test_bench_dist_checksums_runs_at_a_tiny_size(capsys):
     out = capsys.readouterr().out
     assert "has no checksums (saved before they existed)" in out
     assert "save: with checksums" in out and "load: with checksums" in out
+
+
+def test_bench_preprocess_builds_the_corpus_size_asked_for(tmp_path):
+    from benchmarks.bench_preprocess import build_corpus
+
+    docs = [f"document {i} " + "word " * 50 for i in range(200)]  # one pass: ~60 kB
+    n, written = build_corpus(str(tmp_path / "c.jsonl"), 0.01, docs)
+    assert 0.01 * 2**20 <= written < 0.01 * 2**20 + 400 and written == (tmp_path / "c.jsonl").stat().st_size
+    assert n < 200  # before: the whole pass of 200 documents, six times the size asked for
