@@ -170,7 +170,7 @@ def main(argv=None):
     if fp8_gemm_path(device) == DEQUANTISED:
         kernel, ours = cpu_scaled_mm_probe(device)
         print(f"torch._scaled_mm 256^3 on this CPU (emulated): {kernel:.2f} GFLOP/s; the dequantised GEMM used "
-              f"instead: {ours:.2f} GFLOP/s ({ours / kernel:.0f}x)")
+              f"instead: {ours:.2f} GFLOP/s ({ours / kernel:.2f}x)")
     bench_gemms(c, recipe, device, args.steps)
     steps = bench_step(c, args, device)
     fp8 = steps["fp8 (bf16 params)"]
