@@ -5,7 +5,7 @@
 Runs ``pretrain_gpt.py`` (one process, CPU, dropout on, mock data) and, at every log line (every 50
 steps), reads the process's current resident memory (VmRSS) and its number of open file descriptors
 from /proc (Linux only). Passes when the RSS at the last step is within 5% of the RSS at step 100
-and the open-file count at the end is no higher than at step 100.
+and the open-file count at the end is no higher than at step 100 (so --iters is at least 150).
 """
 
 import os
