@@ -278,6 +278,8 @@ def parse(argv=None):
                    help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "
                    "without it, our set-up makes glibc keep freed memory for every run in this process")
     args = p.parse_args(argv)
+    if args.quick and args.shape not in ("issue", "quick"):
+        p.error(f"--quick with --shape {args.shape}: --quick is --shape quick; give one of them")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU is visible to torch here (run with --device cpu)")
     return args

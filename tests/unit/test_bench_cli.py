@@ -136,3 +136,8 @@ def test_bench_preprocess_builds_the_corpus_size_asked_for(tmp_path):
     n, written = build_corpus(str(tmp_path / "c.jsonl"), 0.01, docs)
     assert 0.01 * 2**20 <= written < 0.01 * 2**20 + 400 and written == (tmp_path / "c.jsonl").stat().st_size
     assert n < 200  # before: the whole pass of 200 documents, six times the size asked for
+
+
+def test_bench_step_refuses_quick_beside_another_shape(monkeypatch, capsys):
+    # before: --quick won silently, and a '--device cuda --shape gpu --quick' run timed the CPU-sized model
+    refused_line(capsys, run_main(monkeypatch, "bench_step", "--shape", "gpu", "--quick"), "--quick", "--shape gpu")
