@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_float, positive_int  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.op_categories import CATEGORIES, category_of_name, format_breakdown  # noqa: E402
 
@@ -308,8 +308,8 @@ def parse(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=["issue", "quick"], default="issue")
     p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["ours-bf16", "ours-fp8", "hf-bf16"])
-    p.add_argument("--peak-tflops", type=float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
-    p.add_argument("--fp32-peak-tflops", type=float, default=0.40,
+    p.add_argument("--peak-tflops", type=positive_float, default=2.81, help="bf16 GEMM peak of the CPU projected to")
+    p.add_argument("--fp32-peak-tflops", type=positive_float, default=0.40,
                    help="fp32 GEMM peak of the CPU projected to (the fp32 runs: ours-fp32, hf-fp32)")
     p.add_argument("--steps", type=positive_int, default=3, help="measured steps per run (after --warmup); the median counts")
     p.add_argument("--warmup", type=int, default=5,

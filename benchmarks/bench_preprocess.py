@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from make_sample_corpus import docstring_texts, documents, topic_texts  # noqa: E402
 
-from benchmarks.common import OneLineParser, cpu_model, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, cpu_model, positive_float, positive_int  # noqa: E402
 from megatron_lite.data.gpt2_fast import BACKEND_ENV  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
@@ -126,7 +126,7 @@ def run_cli(corpus, work, vocab, merge_file, backend, workers, repeats) -> float
 
 def main() -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=float, default=24.0, help="JSONL size to build (MB of 2^20 bytes)")
+    parser.add_argument("--size-mb", type=positive_float, default=24.0, help="JSONL size to build (MB of 2^20 bytes)")
     parser.add_argument("--vocab-file", default=os.path.join(GPT2_FILES, "vocab.json"))
     parser.add_argument("--merge-file", default=os.path.join(GPT2_FILES, "merges.txt"))
     parser.add_argument("--backends", nargs="+", default=["python", "auto"], choices=["python", "auto"])

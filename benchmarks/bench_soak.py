@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_float, positive_int  # noqa: E402
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--log-interval", "1", "--eval-iters", "0",
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--launches", type=positive_int, default=50, help="launches per configuration")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--parallel", type=positive_int, default=2, help="launches at a time (more load, sooner done)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a launch counts as hung")
+    parser.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before a launch counts as hung")
     args = parser.parse_args()
     print(describe_machine(threads=1))
     start = time.time()

@@ -62,14 +62,16 @@ def test_the_long_run_check_and_its_refusals(monkeypatch, capsys):
 
 
 def count_flags():
-    """(benchmark, flag) of every count a benchmark takes (rounds, steps, repeats, threads, ...)."""
-    pattern = re.compile(r'"(--[a-z-]+)", type=positive_int')
+    """(benchmark, flag) of every count (rounds, steps, repeats, threads, ...) and every positive size,
+    peak or timeout a benchmark takes."""
+    pattern = re.compile(r'"(--[a-z0-9-]+)", type=positive_(?:int|float)')
     return [(name, flag) for name in SCRIPTS
             for flag in pattern.findall(open(os.path.join(BENCH_DIR, f"{name}.py")).read())]
 
 
 def test_the_counts_are_found():
     assert ("bench_step", "--rounds") in count_flags() and ("bench_sample_index", "--repeats") in count_flags()
+    assert ("bench_bf16_projection", "--peak-tflops") in count_flags() and ("bench_preprocess", "--size-mb") in count_flags()
 
 
 @pytest.mark.parametrize("name,flag", count_flags())
