@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_step import FLAGS, SHAPES, build_hf, build_ours, model_flops  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine, positive_float, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_float, positive_int, probability  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.op_categories import CATEGORIES, category_of_name, format_breakdown  # noqa: E402
 
@@ -316,7 +316,7 @@ def parse(argv=None):
                    help="untimed steps first: until glibc's retained heap stops growing, a step faults in fresh pages")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--top", type=int, default=0, help="also list this many operators outside the GEMMs by time")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--fp32-attention", action="store_true",
                    help="the CPU attention in fp32, as on a CPU without bf16 units (its softmax and masks then run "
                    "at this CPU's fp32 pace, not its slow bf16 one; its casts count, its products as GEMMs)")

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, probability, timed  # noqa: E402
 from megatron_lite.fusions.dropout import keep_mask  # noqa: E402
 
 STEP_SHAPES = [(512, 4, 768)] * 13 + [(48, 128, 128 * k) for k in range(1, 5)] * 6
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=positive_int, default=9)
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--p", type=float, default=0.1)
+    p.add_argument("--p", type=probability, default=0.1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(describe_machine(args.threads))

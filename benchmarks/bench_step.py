@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, probability, timed  # noqa: E402
 from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.host_memory import minor_page_faults  # noqa: E402
 from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
@@ -266,7 +266,7 @@ def parse(argv=None):
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each run first (compiles happen here)")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16", "fp8"],
                    help="default: fp32, and bf16 where it is fast; fp8 is ours only (FP8 linears, bf16 elsewhere)")
     p.add_argument("--compile", action="store_true", help="also ours with --torch-compile (Inductor)")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int, timed  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, probability, timed  # noqa: E402
 from megatron_lite.perf.flops import num_floating_point_operations  # noqa: E402
 from megatron_lite.perf.matmul_peak import measure_matmul_peak  # noqa: E402
 
@@ -94,7 +94,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=positive_int, default=6, help="timed A/B pairs after warm-up")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each model first")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--dropout", type=float, default=0.1, help="attention, hidden and embedding dropout (both)")
+    p.add_argument("--dropout", type=probability, default=0.1, help="attention, hidden and embedding dropout (both)")
     p.add_argument("--profile", action="store_true", help="also profile one step of each with torch.profiler")
     args = p.parse_args(argv)
 

@@ -37,6 +37,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """An argparse type for dropout rates: in [0, 1), or refused in one line naming the flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1)")
+    return value
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -143,3 +143,19 @@ def test_bench_preprocess_builds_the_corpus_size_asked_for(tmp_path):
 def test_bench_step_refuses_quick_beside_another_shape(monkeypatch, capsys):
     # before: --quick won silently, and a '--device cuda --shape gpu --quick' run timed the CPU-sized model
     refused_line(capsys, run_main(monkeypatch, "bench_step", "--shape", "gpu", "--quick"), "--quick", "--shape gpu")
+
+
+def probability_flags():
+    pattern = re.compile(r'"(--[a-z0-9-]+)", type=probability')
+    return [(name, flag) for name in SCRIPTS
+            for flag in pattern.findall(open(os.path.join(BENCH_DIR, f"{name}.py")).read())]
+
+
+def test_the_probabilities_are_found():
+    assert ("bench_step", "--dropout") in probability_flags() and ("bench_dropout_mask", "--p") in probability_flags()
+
+
+@pytest.mark.parametrize("name,flag", probability_flags())
+@pytest.mark.parametrize("value", ["1", "-0.1"])
+def test_a_dropout_rate_outside_0_1_is_refused_in_one_line(monkeypatch, capsys, name, flag, value):
+    refused_line(capsys, run_main(monkeypatch, name, flag, value), flag, "[0, 1)")
