@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from tests.cli_errors import refused_line
 
@@ -159,3 +160,53 @@ def test_the_probabilities_are_found():
 @pytest.mark.parametrize("value", ["1", "-0.1"])
 def test_a_dropout_rate_outside_0_1_is_refused_in_one_line(monkeypatch, capsys, name, flag, value):
     refused_line(capsys, run_main(monkeypatch, name, flag, value), flag, "[0, 1)")
+
+
+def test_bench_gemm_layouts_every_layout_computes_the_same_product():
+    from benchmarks.bench_gemm_layouts import variants
+
+    cases = variants(tokens=10, k=6, n=7, dtype=torch.float64, blocks=3)
+    joined = {key: torch.cat(out, dim=1 if "W's rows" in key[1] else 0) if isinstance(out, list) else out
+              for key, fn in cases.items() for out in [fn()]}
+    for kind in ("forward", "input grad", "weight grad"):
+        ours = next(v for (k, layout), v in joined.items() if k == kind and "(ours)" in layout)
+        others = [layout for (k, layout), v in joined.items() if k == kind and not torch.allclose(v, ours)]
+        assert not others, (kind, others)
+
+
+def test_bench_pipeline_formulas_match_the_equal_cost_simulation():
+    from benchmarks.bench_pipeline import SCHEDULES, _formula_and_sim
+
+    for name, _, _ in SCHEDULES:
+        for m in (4, 8):
+            formula, sim = _formula_and_sim(name, m)
+            assert abs(formula - sim) < 0.01, (name, m, formula, sim)
+    assert _formula_and_sim("1F1B", 4)[0] == 0.75
+
+
+def test_bench_soak_classifies_each_way_a_launch_ends():
+    from benchmarks.bench_soak import signature
+
+    assert signature(0, "") == "ok"
+    assert signature(None, "") == "hang (killed at the timeout)"
+    assert signature(-6, "terminate called without an active exception\n").startswith("SIGABRT")
+    assert signature(1, "  exitcode  : -6 (pid: 12)\n") == "worker exitcode : -6 (pid: 12)"
+    assert signature(1, "nothing useful") == "torchrun exit 1"
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("bench_batching", ["--requests", "2", "--max-requests", "2", "--max-num-batched-tokens", "64"]),
+    ("bench_prefix", ["--requests", "2", "--system", "32", "--question", "8", "--turns", "2", "--message", "8",
+                      "--answer", "4", "--max-requests", "2"]),
+])
+def test_the_serving_benchmarks_run_at_a_tiny_size(capsys, name, argv):
+    # each checks itself that every mode gives the same tokens (else it exits with a message)
+    module = importlib.import_module(f"benchmarks.{name}")
+    tiny = ["--rounds", "1", "--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "128", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(argv + tiny) == 0
+    finally:
+        torch.set_num_threads(threads)  # main() sets the process's thread count
+    out = capsys.readouterr().out
+    assert "cpu: " in out and "same tokens" in out
