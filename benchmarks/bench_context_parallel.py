@@ -32,6 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
+CPS = (1, 2, 4)  # the context-parallel sizes compared
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, vocab_size=1024)
 
 
@@ -199,9 +200,13 @@ def main():
     parser.add_argument("--time-seq", type=int, default=4096)
     parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args()
+    for flag, seq in (("--seq", args.seq), ("--time-seq", args.time_seq)):
+        if seq < 2 * CPS[-1] or seq % (2 * CPS[-1]):
+            parser.error(f"{flag} {seq}: a positive multiple of {2 * CPS[-1]} (CP {CPS[-1]} cuts the sequence into "
+                         f"2 x {CPS[-1]} equal chunks)")
     print(describe_machine(threads=1))
     print(f"model: {SHAPE}, RoPE, micro-batch 1, seq {args.seq} (memory), {args.time_seq} (time), fp32\n")
-    results = {cp: run(cp, args.seq, args.time_seq, args.steps) for cp in (1, 2, 4)}
+    results = {cp: run(cp, args.seq, args.time_seq, args.steps) for cp in CPS}
     base = results[1]["activation_bytes"]
     print("activation memory per rank (saved tensors, parameters excluded)")
     for cp, r in results.items():

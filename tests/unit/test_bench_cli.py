@@ -210,3 +210,10 @@ def test_the_serving_benchmarks_run_at_a_tiny_size(capsys, name, argv):
         torch.set_num_threads(threads)  # main() sets the process's thread count
     out = capsys.readouterr().out
     assert "cpu: " in out and "same tokens" in out
+
+
+@pytest.mark.parametrize("flag,value", [("--seq", "100"), ("--time-seq", "4")])
+def test_bench_context_parallel_refuses_a_sequence_cp4_cannot_split(monkeypatch, capsys, flag, value):
+    # before: the CP 1 run went through, then a worker died in a traceback ('not divisible by 2 x ...')
+    refused_line(capsys, run_main(monkeypatch, "bench_context_parallel", flag, value), f"{flag} {value}",
+                 "multiple of 8")
