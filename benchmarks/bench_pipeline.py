@@ -231,6 +231,8 @@ def main(argv=None) -> int:
                     help="compute: real MLP layers; sleep: fixed-time layers (equal stage costs on any core count)")
     ap.add_argument("--sleep-ms", type=float, default=20.0, help="forward time of one stage in --work sleep")
     args = ap.parse_args(argv)
+    if args.tokens < 4 or args.tokens % 4:
+        ap.error(f"--tokens {args.tokens}: a positive multiple of 4 (a micro-batch is 4 sequences of tokens / 4)")
     print(describe_machine(threads=1))
     for work in (["compute", "sleep"] if args.work == "both" else [args.work]):
         args.work = work

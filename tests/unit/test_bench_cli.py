@@ -217,3 +217,10 @@ def test_bench_context_parallel_refuses_a_sequence_cp4_cannot_split(monkeypatch,
     # before: the CP 1 run went through, then a worker died in a traceback ('not divisible by 2 x ...')
     refused_line(capsys, run_main(monkeypatch, "bench_context_parallel", flag, value), f"{flag} {value}",
                  "multiple of 8")
+
+
+@pytest.mark.parametrize("tokens", ["10", "2"])
+def test_bench_pipeline_refuses_tokens_it_cannot_cut_into_4_sequences(monkeypatch, capsys, tokens):
+    # before: 10 ran 8 tokens and printed '10 tokens per micro-batch'; 2 ran sequences of length 0
+    refused_line(capsys, run_main(monkeypatch, "bench_pipeline", "--tokens", tokens), f"--tokens {tokens}",
+                 "multiple of 4")
