@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -156,7 +156,7 @@ def spawn(fn, *args, world=2) -> list:
 
 def main(argv=None):
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=positive_int, default=12)
     parser.add_argument("--out", default=None, help="scratch folder, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--skip-async", action="store_true")
     parser.add_argument("--only-async", action="store_true")

@@ -196,8 +196,8 @@ def run(world, seq, time_seq, steps) -> dict:
 
 def main():
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--time-seq", type=int, default=4096)
+    parser.add_argument("--seq", type=positive_int, default=8192)
+    parser.add_argument("--time-seq", type=positive_int, default=4096)
     parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args()
     for flag, seq in (("--seq", args.seq), ("--time-seq", args.time_seq)):

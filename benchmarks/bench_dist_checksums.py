@@ -98,8 +98,8 @@ def one_round(args, folder) -> dict:
 def main(argv=None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=positive_int, default=384)
+    parser.add_argument("--layers", type=positive_int, default=6)
     args = parser.parse_args(argv)
     print(describe_machine())
     folder = tempfile.mkdtemp(prefix="bench_dist_checksums_")

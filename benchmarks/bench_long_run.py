@@ -17,7 +17,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import OneLineParser, describe_machine  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 
 BASE_ITER, LOG_INTERVAL = 100, 50  # the step compared against, and how often memory is read
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -51,13 +51,11 @@ def verdict(samples: list[tuple[int, float, int]]) -> tuple[bool, str]:
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=1000)
-    p.add_argument("--save-interval", type=int, default=50)
+    p.add_argument("--save-interval", type=positive_int, default=50)
     args = p.parse_args(argv)
     if args.iters < BASE_ITER + LOG_INTERVAL:
         p.error(f"--iters {args.iters}: at least {BASE_ITER + LOG_INTERVAL} (the memory of the last step is "
                 f"compared with step {BASE_ITER}'s, read every {LOG_INTERVAL} steps)")
-    if args.save_interval < 1:
-        p.error(f"--save-interval {args.save_interval}: at least 1")
     print(describe_machine(threads=1))
     samples = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -187,9 +187,9 @@ def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "all"], default="all")
     parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--tokens", type=positive_int, default=1024)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--ffn", type=positive_int, default=512)
     args = parser.parse_args()
     print(describe_machine(threads=1))
     if args.part in ("grouped", "all"):

@@ -145,7 +145,7 @@ def main(argv=None):
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per configuration run")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps first (>= 1)")
     p.add_argument("--rounds", type=positive_int, default=1, help="runs of every configuration (order mirrored)")
-    p.add_argument("--global-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=positive_int, default=4)
     p.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (quick check)")
     args = p.parse_args(argv)
     dp = max(procs // tp for procs, _, tp in MODES.values())

@@ -223,8 +223,8 @@ def main(argv=None) -> int:
     from benchmarks.common import OneLineParser, describe_machine, positive_int
 
     ap = OneLineParser(description="1F1B vs interleaved 1F1B vs ZB-H1 at p=4 on CPU")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (seq x 4)")
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--tokens", type=positive_int, default=512, help="tokens per micro-batch (seq x 4)")
     ap.add_argument("--iters", type=positive_int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--work", choices=["compute", "sleep", "both"], default="both",

@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--vocab-file", default=os.path.join(GPT2_FILES, "vocab.json"))
     parser.add_argument("--merge-file", default=os.path.join(GPT2_FILES, "merges.txt"))
     parser.add_argument("--backends", nargs="+", default=["python", "auto"], choices=["python", "auto"])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=positive_int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs per configuration; the fastest is reported")
     parser.add_argument("--work-dir", default=None, help="keep files here (default: a temp dir, removed)")
     args = parser.parse_args()

@@ -49,9 +49,9 @@ def cpp_comparison(seconds: float, documents: int, seq_length: int) -> str:
 
 def main(argv=None):
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--documents", type=int, default=10_000_000)
-    ap.add_argument("--seq-length", type=int, default=2048)
-    ap.add_argument("--blend-samples", type=int, default=10_000_000)
+    ap.add_argument("--documents", type=positive_int, default=10_000_000)
+    ap.add_argument("--seq-length", type=positive_int, default=2048)
+    ap.add_argument("--blend-samples", type=positive_int, default=10_000_000)
     ap.add_argument("--repeats", type=positive_int, default=5)
     args = ap.parse_args(argv)
 

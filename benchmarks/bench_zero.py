@@ -194,7 +194,7 @@ def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=3, help=f"timed steps per strategy (after {TRACKED} tracked ones)")
     parser.add_argument("--small", action="store_true", help="a tiny model (a smoke test of the script)")
-    parser.add_argument("--ddp-bucket-size", type=int, default=None,
+    parser.add_argument("--ddp-bucket-size", type=positive_int, default=None,
                         help="gradient bucket size in elements (default: the training default, max(40M, 1M x dp))")
     parser.add_argument("--only", default=None, help="comma-separated prefixes of the strategy names to run")
     args = parser.parse_args()
