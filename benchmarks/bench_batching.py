@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, times_less  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -155,8 +155,9 @@ def main(argv=None) -> int:
               f"| {worst:.2f} |")
     for new, old in (("slab", "one at a time"), ("paged", "slab")):
         (wall_a, wait_a, worst_a), (wall_b, wait_b, worst_b) = summary[old], summary[new]
-        print(f"{new} vs {old}: throughput {wall_a / wall_b:.2f}x, mean wait {wait_a / wait_b:.2f}x shorter, "
-              f"worst wait {worst_a / worst_b:.2f}x shorter; same tokens")
+        print(f"{new} vs {old}: throughput {wall_a / wall_b:.2f}x, mean wait "
+              f"{times_less(wait_a, wait_b, 'shorter', 'longer')}, worst wait "
+              f"{times_less(worst_a, worst_b, 'shorter', 'longer')}; same tokens")
     return 0
 
 

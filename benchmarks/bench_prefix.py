@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.bench_batching import build_engine  # noqa: E402
-from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, describe_machine, positive_int, times_less  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         off, on = runs[(name, False)], runs[(name, True)]
         wall_off, wall_on = (statistics.median(x[0] for x in res) for res in (off, on))
         same = all(a[1] == b[1] for a, b in zip(off, on))
-        print(f"{name}: prefill tokens {off[0][3] / on[0][3]:.2f}x fewer, wall time {wall_off / wall_on:.2f}x "
-              f"shorter; {'same' if same else 'DIFFERENT'} tokens")
+        print(f"{name}: prefill tokens {times_less(off[0][3], on[0][3], 'fewer', 'more')}, wall time "
+              f"{times_less(wall_off, wall_on, 'shorter', 'longer')}; {'same' if same else 'DIFFERENT'} tokens")
     return 0
 
 

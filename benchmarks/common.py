@@ -78,6 +78,14 @@ def describe_machine(threads: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def times_less(before: float, after: float, less: str, more: str) -> str:
+    """``before / after`` as ``"2.09x shorter"``, or, when ``after`` is the larger, ``"1.85x longer"``
+    (not ``"0.54x shorter"``)."""
+    if after > before:
+        return f"{after / before:.2f}x {more}"
+    return f"{before / after:.2f}x {less}"
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()

@@ -224,3 +224,11 @@ def test_bench_pipeline_refuses_tokens_it_cannot_cut_into_4_sequences(monkeypatc
     # before: 10 ran 8 tokens and printed '10 tokens per micro-batch'; 2 ran sequences of length 0
     refused_line(capsys, run_main(monkeypatch, "bench_pipeline", "--tokens", tokens), f"--tokens {tokens}",
                  "multiple of 4")
+
+
+def test_a_ratio_below_one_is_printed_the_other_way_round():
+    from benchmarks.common import times_less
+
+    assert times_less(3.27, 1.56, "shorter", "longer") == "2.10x shorter"
+    assert times_less(1.35, 2.49, "shorter", "longer") == "1.84x longer"  # before: '0.54x shorter'
+    assert times_less(32, 32, "fewer", "more") == "1.00x fewer"
