@@ -55,6 +55,7 @@ def with_int8_gemms(factory):
                 linear.gemm = int8_gemm
         return module
 
+    build.__wrapped__ = factory  # --spec's flag checks see the class it builds (e.g. SelfAttention for --qk-layernorm)
     return build
 
 

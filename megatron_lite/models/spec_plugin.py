@@ -12,9 +12,14 @@ return a LayerSpec, and a spec that would silently drop a flag (``--context-para
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
 MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one).
+A factory counts as the class it builds when it is a ``functools.partial`` of it or sets
+``__wrapped__`` to it (``functools.wraps``), as ``examples/research/int8_gemm.py`` does.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 from ..errors import ConfigError
 from ..parallel.context import ContextParallelAttention
@@ -22,9 +27,23 @@ from .attention import DotProductAttention, SelfAttention
 from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
 
+def _unwrap(factory):
+    """The class behind a factory that builds it: ``functools.partial(Cls, ...)``, or a function
+    that sets ``__wrapped__ = Cls`` (as ``functools.wraps`` does, e.g. examples/research/int8_gemm.py)."""
+    while True:
+        if isinstance(factory, functools.partial):
+            factory = factory.func
+        elif not isinstance(factory, type) and hasattr(factory, "__wrapped__"):
+            factory = inspect.unwrap(factory)
+        else:
+            return factory
+
+
 def _is(factory, cls) -> bool:
-    """``factory`` is the class ``cls`` (or one of a tuple of classes) or a subclass."""
+    """``factory`` is the class ``cls`` (or one of a tuple of classes) or a subclass, directly or
+    through a partial / ``__wrapped__`` factory (:func:`_unwrap`)."""
     classes = cls if isinstance(cls, tuple) else (cls,)
+    factory = _unwrap(factory)
     return factory in classes or (isinstance(factory, type) and issubclass(factory, classes))
 
 

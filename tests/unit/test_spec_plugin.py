@@ -183,3 +183,28 @@ def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
     with pytest.raises(ConfigError, match="trained with --spec .* every_other.*export is refused"):
         convert(build_parser().parse_args(["--model-type", "GPT", "--saver", "hf", "--load-dir", save, "--save-dir", hf]))
     assert not os.path.exists(hf)
+
+
+WRAPPED = '''
+import functools
+from megatron_lite.models.attention import DotProductAttention
+from megatron_lite.models.spec import LayerSpec
+
+partial_core = LayerSpec(core_attention=functools.partial(DotProductAttention))
+'''
+
+
+def test_a_factory_wrapping_a_class_counts_as_that_class(tmp_path, capsys):
+    """The flag checks see through a factory that builds a stock class: int8_gemm.py's wrapped
+    SelfAttention norms queries and keys (--qk-layernorm is honoured, not refused), and a
+    functools.partial of DotProductAttention sees only this rank's part of the sequence (refused under
+    --context-parallel-size 2, not let through to train on wrong numbers)."""
+    int8 = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "research", "int8_gemm.py")
+    parse_args(TINY + ["--qk-layernorm", "--spec", int8, "spec"])
+    path = tmp_path / "wrapped_specs.py"
+    path.write_text(WRAPPED)
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + ["--context-parallel-size", "2", "--spec", str(path), "partial_core"], world_size=2)
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--spec" in line and "ContextParallelAttention" in line, line
