@@ -11,7 +11,8 @@ a module that cannot be imported, a missing name, an object that is neither, a f
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
 MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--window-size``
-or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one).
+or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
+MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer).
 A factory counts as the class it builds when it is a ``functools.partial`` of it or sets
 ``__wrapped__`` to it (``functools.wraps``), as ``examples/research/int8_gemm.py`` does.
 """
@@ -24,6 +25,7 @@ import inspect
 from ..errors import ConfigError
 from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
+from .mlp import MLP
 from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
 
@@ -63,6 +65,25 @@ def layer_specs(module: str, name: str, num_layers: int) -> list[LayerSpec]:
     return specs
 
 
+# MLP activation flags (config.model field -> flag) that only the stock MLP and the MoE experts read
+MLP_FLAGS = {"swiglu": "--swiglu", "squared_relu": "--squared-relu", "quick_geglu": "--quick-geglu",
+             "openai_gelu": "--openai-gelu", "glu_linear_offset": "--glu-linear-offset",
+             "activation_func_clamp_value": "--activation-func-clamp-value"}
+
+
+def _check_mlp_flags(model, specs: list[LayerSpec], flag: str) -> None:
+    """Refuse an MLP activation flag when a layer's mlp is neither the stock MLP nor MoELayer (a custom
+    MLP has its own activation: the flag would be silently dropped there)."""
+    from ..moe.layer import MoELayer
+
+    custom = [s.mlp for s in specs if not _is(s.mlp, (MLP, MoELayer))]
+    given = [MLP_FLAGS[f] for f in MLP_FLAGS if getattr(model, f, None) not in (None, False, 0.0)]
+    if custom and given:
+        raise ConfigError(f"{flag}: {given[0]} is set but mlp {getattr(custom[0], '__name__', custom[0])} has its own "
+                          "activation and does not apply it; subclass megatron_lite.models.mlp.MLP in the spec or drop "
+                          f"{given[0]}")
+
+
 def check_spec(config) -> None:
     """Refuse (ConfigError) a ``--spec`` that cannot be loaded or would silently drop one of the flags
     the default spec honours. ``config`` is the run's Config."""
@@ -88,6 +109,7 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: --qk-layernorm is set but no layer's self_attention is megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
                           "one in the spec or drop the flag")
+    _check_mlp_flags(config.model, specs, flag)
     window = config.model.window_size
     plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,
                                                                                         ContextParallelAttention))]

@@ -208,3 +208,18 @@ def test_a_factory_wrapping_a_class_counts_as_that_class(tmp_path, capsys):
     assert err.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--spec" in line and "ContextParallelAttention" in line, line
+
+
+@pytest.mark.parametrize("flags", [["--swiglu"], ["--squared-relu"], ["--quick-geglu"], ["--openai-gelu"],
+                                   ["--swiglu", "--activation-func-clamp-value", "7"]])
+def test_an_activation_flag_with_a_custom_mlp_is_refused(capsys, flags):
+    """squared_relu.py's MLP computes relu(x)^2 whatever the flags say: --swiglu (and the other MLP
+    activation flags) would be silently dropped, so they are refused; the stock MLP takes them."""
+    squared = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "research", "squared_relu.py")
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + flags + ["--spec", squared, "spec"])
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    for w in ["--spec", flags[0], "SquaredReLUMLP", "megatron_lite.models.mlp.MLP"]:
+        assert w in line, line
+    parse_args(TINY + flags + ["--spec", squared.replace("squared_relu", "sliding_window"), "spec"])
