@@ -11,8 +11,10 @@ import os
 import re
 import runpy
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -217,6 +219,42 @@ def test_sbatch_requeues_only_after_a_clean_early_exit(tmp_path, latest, srun_rc
     assert sum(line.startswith("srun --ntasks-per-node=1") for line in recorded) == 1
     assert ("scontrol requeue 4242" in recorded) == requeued
     assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def test_sbatch_requeues_after_a_sigterm_although_torchrun_exits_1(tmp_path):
+    """SLURM's time-limit SIGTERM (--signal=B:TERM@300) reaches the script, which passes it on to the
+    steps (scancel --signal TERM) and requeues: torchrun exits 1 after a SIGTERM even when its workers
+    saved and exited 0, so its exit status alone would end the job at the time limit."""
+    env, calls = _fake_slurm(tmp_path)
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("400\n")
+    pid_file, bin_dir = tmp_path / "srun.pid", tmp_path / "bin"
+    # torchrun as srun's task: a SIGTERM ends it with exit code 1; it ends by itself after 20 s
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {calls}\ntrap "exit 1" TERM\n'
+                                  f'echo $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}\n'
+                                  'for i in $(seq 200); do sleep 0.1; done\nexit 0\n')
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "scancel $*" >> {calls}\nkill -TERM "$(cat {pid_file})"\n')
+    (bin_dir / "scancel").chmod(0o755)
+    proc = subprocess.Popen(["bash", SBATCH], cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if pid_file.exists():
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    recorded = calls.read_text().splitlines()
+    assert "scancel --signal TERM 4242" in recorded
+    assert "scontrol requeue 4242" in recorded
+    with open(SBATCH) as f:
+        assert "#SBATCH --signal=B:TERM@300" in f.read()
 
 
 def test_single_node_launches_pick_a_free_port():
