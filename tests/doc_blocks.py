@@ -286,7 +286,7 @@ def runnable_text(block: Block) -> str:
 # lm-eval), or to Megatron-LM and are named as missing here: each must stay unknown to our scripts.
 FOREIGN_FLAGS = {
     "--nnodes", "--rdzv-backend", "--rdzv-endpoint",  # torchrun
-    "--signal", "--ntasks-per-node",  # sbatch / srun / scancel
+    "--signal", "--ntasks-per-node", "--cpus-per-task",  # sbatch / srun / scancel
     "--no-build-isolation", "--logdir", "--capture-range", "--model_args",  # pip, tensorboard, nsys, lm-eval
     "--num-tokentypes", "--sft-tokenizer-prompt-format",  # Megatron-LM only
     "--apply_chat_template", "--fewshot_as_multiturn", "--system_instruction", "--cache_requests",  # lm-eval

@@ -174,6 +174,7 @@ def _fake_slurm(tmp_path, srun_rc=0):
 
 def test_sbatch_dry_run_prints_the_launch(tmp_path, monkeypatch, capsys):
     env, calls = _fake_slurm(tmp_path)
+    env["SLURM_CPUS_PER_TASK"] = "64"  # set by sbatch from #SBATCH --cpus-per-task=64
     out = _bash(SBATCH, "--dry-run", **env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -183,8 +184,9 @@ def test_sbatch_dry_run_prints_the_launch(tmp_path, monkeypatch, capsys):
     [launch] = [shlex.split(line) for line in lines if line.startswith("srun ")]
     entry = launch.index(os.path.join(ROOT, "pretrain_gpt.py"))
     torchrun = launch[:entry]
-    assert torchrun[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    rdzv = " ".join(torchrun[3:])
+    # --cpus-per-task passed on: srun does not inherit it since SLURM 22.05 (1 CPU for all 8 workers)
+    assert torchrun[:4] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=64"]
+    rdzv = " ".join(torchrun[4:])
     assert rdzv.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id 4242 --rdzv-backend c10d "
                            "--rdzv-endpoint gpu-node-07:29500 ")
     flags = launch[entry + 1:]
