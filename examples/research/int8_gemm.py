@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.errors import ConfigError
 from megatron_lite.models.attention import SelfAttention
 from megatron_lite.models.mlp import MLP
 from megatron_lite.models.spec import LayerSpec
@@ -50,7 +51,7 @@ def with_int8_gemms(factory):
         for linear in module.modules():
             if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                 if linear.gemm not in DEFAULT_GEMMS:
-                    raise ValueError("int8 example: this layer already has a precision recipe's GEMM "
+                    raise ConfigError("int8 example: this layer already has a precision recipe's GEMM "
                                      "(--fp8-format / --transformer-impl); drop it")
                 linear.gemm = int8_gemm
         return module

@@ -180,3 +180,13 @@ def test_the_examples_use_only_public_seams():
         assert "pretrain_gpt" not in text.split('"""', 2)[-1]  # no import of the training script
         assert f"--spec examples/research/{name}.py" in text
     assert pretrain_gpt.main  # the examples run through the unmodified script (test above)
+
+
+def test_int8_gemm_refuses_a_precision_recipe_in_one_line(capsys):
+    """The README says the example refuses --fp8-format (which owns the GEMM): a one-line user error,
+    exit 2, not a ValueError traceback from inside the model build."""
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(spec_argv("int8_gemm") + ["--fp8-format", "hybrid", "--bf16"])
+    assert err.value.code == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "int8" in line]
+    assert len(lines) == 1 and "--fp8-format" in lines[0] and "Traceback" not in lines[0], lines
