@@ -117,7 +117,7 @@ def load_spec(module: str, name: str):
         loaded = _import(module, name)
     except ConfigError:
         raise
-    except Exception as err:  # the user's module raised while importing
+    except (Exception, SystemExit) as err:  # the user's module raised (or called sys.exit: a script) while importing
         raise ConfigError(f"{spec_flag(module, name)}: importing {module} failed: "
                           f"{type(err).__name__}: {err}".splitlines()[0]) from None
     if not hasattr(loaded, name):

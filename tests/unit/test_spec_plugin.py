@@ -111,6 +111,18 @@ def test_a_module_that_fails_to_import_is_refused(tmp_path):
     assert "megatron_lite_spec_broken" not in sys.modules
 
 
+def test_a_module_that_exits_on_import_is_refused(tmp_path, capsys):
+    """A script given as --spec (sys.exit at import) ended the run with its exit code, 0 here, without
+    training and without a word; it is refused in one line, exit 2."""
+    script = tmp_path / "a_script.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(TINY + ["--spec", str(script), "spec"])
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--spec" in line and "importing" in line and "SystemExit" in line, line
+
+
 @pytest.mark.parametrize("flags, world, words", [
     (["--context-parallel-size", "2"], 2, ["DotProductAttention", "ContextParallelAttention"]),
     (["--num-experts", "2"], 1, ["--num-experts", "MoELayer"]),
