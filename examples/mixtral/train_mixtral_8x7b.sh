@@ -5,6 +5,10 @@
 #   bash examples/mixtral/train_mixtral_8x7b.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH TOKENIZER_MODEL DATA_PATH
 #   MEGATRON_LITE_CHECK_ARGS=1 bash examples/mixtral/train_mixtral_8x7b.sh    # validate the flags only
 #
+# TOKENIZER_MODEL is the model's SentencePiece tokenizer.model, read by GPTSentencePieceTokenizer (its
+# 32000 pieces, </s> between documents; SentencePieceTokenizer would append <CLS> <SEP> <EOD> <MASK>
+# <PAD>); preprocess the corpus with the same --tokenizer-type/--tokenizer-model.
+#
 # The mixture-of-experts flags are Megatron-LM's (--num-experts, --moe-router-topk, --moe-grouped-gemm,
 # --expert-model-parallel-size, ...; docs/mixture-of-experts.md).
 #
@@ -23,7 +27,7 @@ NUM_NODES=${NUM_NODES:-8}
 CHECKPOINT_PATH=${1:-checkpoints/mixtral_8x7b}
 TENSORBOARD_LOGS_PATH=${2:-tensorboard/mixtral_8x7b}
 TOKENIZER_MODEL=${3:-data/mixtral/tokenizer.model}
-DATA_PATH=${4:-data/my-llama3_text_document}
+DATA_PATH=${4:-data/my-mixtral_text_document}
 
 MODEL_ARGS=(
     --num-layers 32
@@ -76,7 +80,7 @@ MODEL_PARALLEL_ARGS=(
 
 DATA_ARGS=(
     --data-path "$DATA_PATH"
-    --tokenizer-type SentencePieceTokenizer
+    --tokenizer-type GPTSentencePieceTokenizer    # the model's 32000 pieces; </s> ends documents
     --tokenizer-model "$TOKENIZER_MODEL"
     --split 99,1,0
 )

@@ -105,6 +105,29 @@ def test_example_script_flags_validate(tmp_path, monkeypatch, capsys, script):
     assert f"arguments valid for world size {world}: TP {tp} x PP {pp} x DP {dp}," in out
 
 
+def test_sentencepiece_scripts_keep_the_models_vocabulary(tmp_path, tmp_path_factory):
+    """A script for a published SentencePiece model (Mixtral: "vocabulary 32000") must use the
+    tokenizer that keeps the model's pieces (GPTSentencePieceTokenizer): SentencePieceTokenizer appends
+    <CLS> <SEP> <EOD> <MASK> <PAD> (32005 ids) and ends documents with <EOD> instead of the model's </s>,
+    a different model from the published one."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from tests.tools import load_tool
+    from tests.unit.test_tokenizers import corpus_texts
+
+    prefix = str(tmp_path_factory.mktemp("spm") / "tiny")
+    model = load_tool("train_tokenizer").train_sentencepiece(corpus_texts() * 2, prefix, vocab_size=600,
+                                                             model_type="bpe")
+    checked = 0
+    for script in sorted(SCRIPTS):
+        _, _, flags = _handed_over(tmp_path, os.path.join(EXAMPLES, script))
+        kind = flags[flags.index("--tokenizer-type") + 1]
+        if "SentencePiece" in kind:
+            tok = build_tokenizer(kind, tokenizer_model=model)
+            assert (tok.vocab_size, tok.eod) == (tok.sp.get_piece_size(), tok.sp.eos_id()), (script, kind)
+            checked += 1
+    assert checked
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_header_names_no_existing_flag_as_missing(script):
     """A header that says flags do not exist yet must not name a flag the parser has."""
