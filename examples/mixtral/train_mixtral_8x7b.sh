@@ -49,6 +49,8 @@ MODEL_ARGS=(
     --moe-router-topk 2
     --moe-router-load-balancing-type aux_loss
     --moe-aux-loss-coeff 1e-2
+    --moe-token-dispatcher-type alltoall     # the two all-to-alls per layer the header describes
+    --moe-grouped-gemm
     --attention-dropout 0.0
     --hidden-dropout 0.0
 )

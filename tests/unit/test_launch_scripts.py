@@ -129,6 +129,17 @@ def test_sentencepiece_scripts_keep_the_models_vocabulary(tmp_path, tmp_path_fac
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_header_describing_all_to_alls_uses_the_alltoall_dispatcher(tmp_path, script):
+    """The default --moe-token-dispatcher-type is allgather (Megatron-LM's): a header that promises
+    expert parallelism by all-to-alls must ask for them."""
+    with open(os.path.join(EXAMPLES, script)) as f:
+        header = " ".join(line.lstrip("#").strip() for line in f if line.startswith("#"))
+    if "all-to-all" in header and "--num-experts" in open(os.path.join(EXAMPLES, script)).read():
+        _, _, flags = _handed_over(tmp_path, os.path.join(EXAMPLES, script))
+        assert flags[flags.index("--moe-token-dispatcher-type") + 1] == "alltoall", script
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_header_names_no_existing_flag_as_missing(script):
     """A header that says flags do not exist yet must not name a flag the parser has."""
     with open(os.path.join(EXAMPLES, script)) as f:
