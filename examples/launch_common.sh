@@ -15,6 +15,13 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 launch() {
     local entry=$1
     shift
+    # NODE_RANK 1 with the default NUM_NODES 1 would start a second, independent one-node job (and
+    # both would write the same checkpoints): refuse it, as any bad launch setting (exit code 2)
+    if ! [[ "$NUM_NODES" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NUM_NODES" ]; then
+        echo "$(basename "$0"): error: NODE_RANK $NODE_RANK is not a node of NUM_NODES $NUM_NODES; set NUM_NODES to the" \
+             "number of nodes (the same on every node) and NODE_RANK to 0..NUM_NODES-1" >&2
+        exit 2
+    fi
     if [ "${MEGATRON_LITE_CHECK_ARGS:-0}" != 0 ]; then
         WORLD_SIZE=$((NUM_NODES * GPUS_PER_NODE)) exec "${PYTHON:-python3}" "$REPO/$entry" "$@"
     fi

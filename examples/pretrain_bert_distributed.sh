@@ -18,6 +18,11 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ && "$NODE_RANK" =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "$(basename "$0"): error: NODE_RANK $NODE_RANK is not a node of NNODES $NNODES; set NNODES to the number" \
+         "of nodes (the same on every node) and NODE_RANK to 0..NNODES-1" >&2
+    exit 2
+fi
 RDZV=(--master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-6000}")
 if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then RDZV=(--standalone); fi  # one node: a free port
 DATA=${DATA:-data/corpus_text_sentence}

@@ -206,6 +206,27 @@ def _fake_slurm(tmp_path, srun_rc=0):
     return env, calls
 
 
+@pytest.mark.parametrize("env", [{"NODE_RANK": "1"}, {"NODE_RANK": "2", "NUM_NODES": "2"}, {"NUM_NODES": "0"},
+                                 {"NUM_NODES": "two"}])
+def test_a_node_rank_outside_num_nodes_is_refused(tmp_path, env):
+    """NODE_RANK=1 without NUM_NODES (default 1) started a second, independent one-node job on that
+    node instead of joining the first: refused in one line, exit 2, in check mode too."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\necho "torchrun $*"\n')
+    fake.chmod(0o755)
+    for check in ("0", "1"):
+        out = _bash(os.path.join(EXAMPLES, "llama/train_llama3_8b.sh"), MEGATRON_LITE_CHECK_ARGS=check,
+                    PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **env)
+        assert out.returncode == 2, (out.stdout[-500:], out.stderr[-500:])
+        assert "torchrun" not in out.stdout
+        [line] = out.stderr.strip().splitlines()
+        assert "NODE_RANK" in line and "NUM_NODES" in line, line
+    bert = {k.replace("NUM_NODES", "NNODES"): v for k, v in env.items()}  # its own name, NNODES
+    out = _bash(os.path.join(EXAMPLES, "pretrain_bert_distributed.sh"), PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+                **bert)
+    assert out.returncode == 2 and "torchrun" not in out.stdout and "NNODES" in out.stderr, out.stderr[-500:]
+
+
 def test_sbatch_dry_run_prints_the_launch(tmp_path, monkeypatch, capsys):
     env, calls = _fake_slurm(tmp_path)
     env["SLURM_CPUS_PER_TASK"] = "64"  # set by sbatch from #SBATCH --cpus-per-task=64
