@@ -256,6 +256,22 @@ def test_sbatch_dry_run_prints_the_launch(tmp_path, monkeypatch, capsys):
     assert "arguments valid for world size 16: TP 2 x PP 1 x DP 8" in stdout
 
 
+def test_sbatch_output_folder_exists_in_a_clone():
+    """SLURM does not create the folder of #SBATCH --output; a job whose output file cannot be opened
+    fails at once (exit 0:53). The script is submitted from the repository root, so the folder must be
+    in a fresh clone (tracked), and what the jobs write there ignored."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    with open(SBATCH) as f:
+        [output] = [line.split("=", 1)[1].split()[0] for line in f if line.startswith("#SBATCH --output=")]
+    folder = os.path.dirname(output)
+    if folder:
+        tracked = subprocess.run(["git", "ls-files", "--", folder], cwd=ROOT, capture_output=True, text=True).stdout
+        assert tracked.strip(), f"{folder}/ is not in the repository: sbatch from a fresh clone fails"
+        log = os.path.join(folder, "megatron-lite-gpt-4242.out")
+        assert subprocess.run(["git", "check-ignore", "--no-index", "-q", log], cwd=ROOT).returncode == 0
+
+
 def test_sbatch_outside_slurm_is_refused():
     out = _bash(SBATCH, "--dry-run", SLURM_JOB_ID="")
     assert out.returncode != 0
