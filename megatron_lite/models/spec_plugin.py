@@ -10,7 +10,8 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
-MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--window-size``
+MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--qk-l2-norm`` or
+``--add-qkv-bias`` without SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
 MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer).
 A factory counts as the class it builds when it is a ``functools.partial`` of it or sets
@@ -109,6 +110,10 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: --qk-layernorm is set but no layer's self_attention is megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
                           "one in the spec or drop the flag")
+    for field, name in (("qk_l2_norm", "--qk-l2-norm"), ("add_qkv_bias", "--add-qkv-bias")):  # SelfAttention's alone
+        if getattr(config.model, field, False) and not any(_is(s.self_attention, SelfAttention) for s in specs):
+            raise ConfigError(f"{flag}: {name} is set but no layer's self_attention is megatron_lite.models.attention."
+                              "SelfAttention (the block that applies it); use it in the spec or drop the flag")
     _check_mlp_flags(config.model, specs, flag)
     window = config.model.window_size
     plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,

@@ -123,6 +123,27 @@ def test_a_module_that_exits_on_import_is_refused(tmp_path, capsys):
     assert "--spec" in line and "importing" in line and "SystemExit" in line, line
 
 
+CUSTOM_ATTENTION = '''
+from megatron_lite.models.mla import MLASelfAttention
+from megatron_lite.models.spec import LayerSpec
+
+mla = LayerSpec(self_attention=MLASelfAttention)
+'''
+
+
+@pytest.mark.parametrize("flag", ["--qk-l2-norm", "--add-qkv-bias"])
+def test_a_query_key_flag_without_self_attention_is_refused(tmp_path, capsys, flag):
+    """--qk-l2-norm and --add-qkv-bias are applied by SelfAttention alone: a spec whose layers use
+    another attention block (here MLASelfAttention, without --multi-latent-attention) dropped them."""
+    path = tmp_path / "custom_attention.py"
+    path.write_text(CUSTOM_ATTENTION)
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + ["--position-embedding-type", "rope", flag, "--spec", str(path), "mla"])
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--spec" in line and flag in line and "SelfAttention" in line, line
+
+
 @pytest.mark.parametrize("flags, world, words", [
     (["--context-parallel-size", "2"], 2, ["DotProductAttention", "ContextParallelAttention"]),
     (["--num-experts", "2"], 1, ["--num-experts", "MoELayer"]),
