@@ -157,8 +157,6 @@ class TransformerBlock(nn.Module):
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
         full = self.full_recompute and torch.is_grad_enabled()
-        if full and not hidden.requires_grad:  # checkpoint's output needs a grad-requiring input,
-            hidden = hidden.detach().requires_grad_()  # else the weights inside would get no gradient
         if full and self.recompute_method == "uniform":
             for start in range(0, n, self.recompute_num_layers):
                 end = min(start + self.recompute_num_layers, n)

@@ -153,10 +153,24 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
 
 
+def _with_grad_anchor(args: tuple) -> tuple:
+    """``args`` with the first floating-point tensor made a fresh leaf requiring grad, when a graph
+    is being built and no tensor argument requires grad: an autograd function's outputs require
+    grad only through its inputs, so otherwise parameters inside ``run`` (e.g. LoRA adapters after
+    frozen layers) would get no gradient."""
+    if not torch.is_grad_enabled() or any(torch.is_tensor(a) and a.requires_grad for a in args):
+        return args
+    for i, a in enumerate(args):
+        if torch.is_tensor(a) and a.is_floating_point():
+            return args[:i] + (a.detach().requires_grad_(),) + args[i + 1:]
+    return args
+
+
 def checkpoint(run, *args, tracker: RNGStatesTracker):
     """Run ``run(*args)`` without keeping its activations; recompute them in backward.
 
     The CPU, CUDA and ``tracker`` RNG states of the forward are restored for the recomputation, so
-    dropout masks are identical; the states after backward are what they were before it.
+    dropout masks are identical; the states after backward are what they were before it. Parameters
+    inside ``run`` get their gradients even when no argument requires grad (:func:`_with_grad_anchor`).
     """
-    return _Checkpoint.apply(run, tracker, *args)
+    return _Checkpoint.apply(run, tracker, *_with_grad_anchor(args))

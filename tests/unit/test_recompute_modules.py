@@ -93,6 +93,36 @@ def _layer_bytes(model_kw, modules, granularity="selective"):
     return saved_activation_bytes(model.decoder.layers[0], x)
 
 
+
+@pytest.mark.parametrize("model_kw,modules", [(DENSE, ["mlp"]), (dict(MOE, moe_layer_freq=[1, 1]), ["moe"]),
+                                              (dict(MOE, moe_layer_freq=[1, 1]), ["shared_experts"])],
+                         ids=["dense-mlp", "moe-moe", "moe-shared_experts"])
+def test_lora_adapters_behind_frozen_layers_get_their_gradients(model_kw, modules):
+    """LoRA on the MLPs only: the first layer's MLP input comes from frozen weights and needs no grad,
+    so a recomputed MLP's adapters got no gradient (the loss then none either: backward raised)."""
+    from megatron_lite.lora.apply import apply_lora
+    from megatron_lite.lora.config import LoRAConfig
+
+    def run(granularity):
+        state = ParallelState()
+        model_parallel_seed(11, state)
+        model = _gpt(model_kw, state, seed=5, recompute_granularity=granularity,
+                     recompute_modules=modules if granularity else None)
+        lora = LoRAConfig(lora_rank=4, lora_target_modules=["linear_fc1", "linear_fc2"])
+        model = apply_lora(model, model.config, lora, state)
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+        model(tokens, labels=tokens).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    grads_ref, grads = run(None), run("selective")
+    assert grads_ref and set(grads) == set(grads_ref)
+    for n in grads_ref:
+        assert grads[n] is not None, n
+        torch.testing.assert_close(grads[n], grads_ref[n], rtol=0, atol=0, msg=n)
+
 NORM_STATS = 2 * 2 * S * B * 2  # two LayerNorms keep a mean and reciprocal std per token (bf16)
 
 
