@@ -191,7 +191,7 @@ class TrainingConfig:
     recompute_method: str | None = None
     """For full recomputation: uniform or block."""
     recompute_num_layers: int | None = None
-    """Layers per recomputed group (uniform) or recomputed layers per stage (block)."""
+    """Layers per recomputed group (uniform) or recomputed layers per model chunk (block); 1 to the layers of a chunk (a pipeline stage, or a virtual stage)."""
     exit_signal_handler: bool = False
     """On SIGTERM save a checkpoint and exit 0."""
     exit_duration_in_mins: float | None = None

@@ -132,10 +132,24 @@ def _check_parallel(config: Config) -> None:
     from .parallel.pipeline.partition import layer_ranges
 
     try:  # the partition itself names the flags when uneven first/last stages do not work out
-        layer_ranges(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
-                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+        ranges = layer_ranges(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                              p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_recompute_num_layers(config, max(end - start for stage in ranges for start, end in stage))
+
+
+def _check_recompute_num_layers(config: Config, most: int) -> None:
+    """--recompute-num-layers counts layers of one model chunk (a pipeline stage, or a virtual stage
+    with --num-layers-per-virtual-pipeline-stage), as in Megatron-LM (1 to the layers per chunk):
+    a larger value than any chunk holds is a mistake (Megatron-LM's uniform method fails on it)."""
+    t = config.training
+    n = t.recompute_num_layers
+    if t.recompute_granularity != "full" or n is None or n <= most:
+        return
+    layers = f"{most} layer{'s' if most > 1 else ''}"
+    raise ConfigError(f"--recompute-num-layers {n} is more than the {layers} a model chunk holds (a pipeline stage, "
+                      f"or a virtual stage with --num-layers-per-virtual-pipeline-stage); use at most {most}")
 
 
 def _check_batch(config: Config) -> None:

@@ -25,13 +25,36 @@ def test_recompute_num_layers_without_full_is_refused(capsys, flags):
     _one_line_exit_2(capsys, flags, 1, ["--recompute-num-layers", "--recompute-granularity full"])
 
 
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+
+
+@pytest.mark.parametrize("world, flags, most", [
+    (1, FULL + ["block", "--recompute-num-layers", "5"], 4),
+    (1, FULL + ["uniform", "--recompute-num-layers", "5"], 4),
+    (2, FULL + ["block", "--recompute-num-layers", "3", "--pipeline-model-parallel-size", "2"], 2),
+    (2, FULL + ["block", "--recompute-num-layers", "2", "--pipeline-model-parallel-size", "2",
+                "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"], 1),
+])
+def test_recompute_num_layers_beyond_a_model_chunk_is_refused(capsys, world, flags, most):
+    """Megatron-LM counts --recompute-num-layers per model chunk, 1 to its layers; more was accepted."""
+    _one_line_exit_2(capsys, flags, world, ["--recompute-num-layers", f"use at most {most}"])
+
+
 @pytest.mark.parametrize("flags, n", [
     (["--recompute-granularity", "full", "--recompute-method", "uniform"], 1),  # Megatron's default group of 1
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"], 3),
+    (FULL + ["uniform", "--recompute-num-layers", "4"], 4),  # the whole stage in one group
     (["--recompute-granularity", "selective"], None),
 ])
 def test_recompute_combinations_that_work_are_accepted(flags, n):
     assert parse_args(BASE + flags, world_size=1).training.recompute_num_layers == n
+
+
+def test_recompute_num_layers_fits_the_largest_stage():
+    """Uneven stages (1 + 3 layers): block 3 recomputes the first stage's layer and all three of the last."""
+    flags = FULL + ["block", "--recompute-num-layers", "3", "--pipeline-model-parallel-size", "2",
+                    "--decoder-first-pipeline-num-layers", "1"]
+    assert parse_args(BASE + flags, world_size=2).training.recompute_num_layers == 3
 
 
 @pytest.mark.parametrize("world, flags, layout", [
