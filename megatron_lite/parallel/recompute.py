@@ -65,9 +65,14 @@ def check_recompute_modules(config) -> None:
         present, flag = needs.get(name, (True, ""))
         if not present:
             raise ConfigError(f"--recompute-modules {name} needs a model with {flag}; drop {name}")
-    if "mlp" in modules and experts and not getattr(config, "spec", None) and all(moe_layer_pattern(config)):
+    pattern = moe_layer_pattern(config) if experts and not getattr(config, "spec", None) else None
+    if "mlp" in modules and pattern and all(pattern):
         raise ConfigError(f"--recompute-modules mlp recomputes dense MLPs and every layer is an MoE layer "
                           f"(--moe-layer-freq {config.moe_layer_freq}); drop mlp, or use moe or moe_act")
+    moe_parts = [m for m in modules if m in ("moe", "moe_act", "shared_experts")]
+    if moe_parts and pattern and not any(pattern):
+        raise ConfigError(f"--recompute-modules {' '.join(moe_parts)} recomputes MoE layers and no layer is one "
+                          f"(--moe-layer-freq {config.moe_layer_freq}); drop {' '.join(moe_parts)}, or use mlp")
     if "moe" in modules and "moe_act" in modules:
         raise ConfigError("--recompute-modules moe already recomputes the experts' activation; drop moe_act")
     if "moe" in modules and "shared_experts" in modules:

@@ -165,6 +165,8 @@ def test_moe_and_mla_memory_drops():
     (DENSE, "selective", ["mla_up_proj"], "--recompute-modules mla_up_proj needs a model with --multi-latent-attention"),
     (MOE, "selective", ["moe", "moe_act"], "drop moe_act"),
     (dict(MOE, moe_layer_freq=1), "selective", ["core_attn", "mlp"], "mlp recomputes dense MLPs and every layer is an MoE"),
+    (dict(MOE, moe_layer_freq=[0, 0]), "selective", ["moe_act", "shared_experts"],
+     "moe_act shared_experts recomputes MoE layers and no layer is one"),
 ])
 def test_bad_modules_are_refused(model_kw, granularity, modules, needle):
     kw = dict(recompute_method="uniform") if granularity == "full" else {}
