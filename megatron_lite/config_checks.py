@@ -85,6 +85,7 @@ def _check_model(config: Config) -> None:
         _require(t.recompute_granularity in (None, "selective"), "--recompute-activations means --recompute-"
                  "granularity selective, not full; drop one of the two")
         t.recompute_granularity = "selective"
+    _translate_moe_layer_recompute(config)
     if m.group_query_attention and m.num_query_groups is None:
         m.num_query_groups = 1  # Megatron-LM's default --num-query-groups: multi-query attention
     elif not m.group_query_attention:  # Megatron-LM ignores --num-query-groups without --group-query-attention (one group per head)
@@ -103,6 +104,22 @@ def _check_model(config: Config) -> None:
     from .models.spec_plugin import check_spec
 
     check_spec(config)  # --spec: importable, a LayerSpec (or layer -> LayerSpec), honouring the flags above
+
+
+def _translate_moe_layer_recompute(config: Config) -> None:
+    """Megatron-LM's deprecated --moe-layer-recompute: selective recomputation with moe added to the
+    modules (core_attn by default), as Megatron-LM translates it."""
+    t = config.training
+    if not config.moe.moe_layer_recompute:
+        return
+    _require(bool(config.moe.num_experts), "--moe-layer-recompute recomputes MoE layers and this model has none "
+             "(no --num-experts); drop it")
+    _require(t.recompute_granularity in (None, "selective"), "--moe-layer-recompute means --recompute-granularity "
+             "selective --recompute-modules moe, not full; drop one of the two")
+    t.recompute_granularity = "selective"
+    modules = list(t.recompute_modules or ["core_attn"])
+    t.recompute_modules = modules if "moe" in modules else modules + ["moe"]
+    config.moe.moe_layer_recompute = False  # translated: the recompute flags hold it from here on
 
 
 def _check_parallel(config: Config) -> None:

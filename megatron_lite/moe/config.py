@@ -33,7 +33,6 @@ REFUSED = {
     "moe_apply_probs_on_input": "weights are applied after the activation only",
     "moe_shared_expert_overlap": "overlapping shared experts with the dispatcher is not implemented",
     "overlap_moe_expert_parallel_comm": "batch-level all-to-all overlap is not implemented",
-    "moe_layer_recompute": "deprecated in Megatron-LM; use --recompute-granularity",
     "moe_extended_tp": "deprecated in Megatron-LM; use --expert-tensor-parallel-size",
 }
 
@@ -109,7 +108,7 @@ class MoEConfig:
     overlap_moe_expert_parallel_comm: bool = False
     """Overlap the expert-parallel all-to-all across micro-batches (refused)."""
     moe_layer_recompute: bool = False
-    """Deprecated (refused)."""
+    """Megatron-LM's deprecated spelling of --recompute-granularity selective --recompute-modules moe (moe is added to the modules, by default core_attn)."""
     moe_extended_tp: bool = False
     """Deprecated (refused)."""
 

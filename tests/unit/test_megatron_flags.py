@@ -253,6 +253,23 @@ def test_recompute_activations_is_selective_recomputation_and_conflicts_with_ful
                   "--recompute-activations", "full")
 
 
+
+def test_moe_layer_recompute_is_selective_recomputation_of_the_moe_layers(capsys):
+    """Megatron-LM's deprecated --moe-layer-recompute (in its Qwen3 / Mixtral recipes) was refused;
+    it means selective recomputation with moe added to the modules (core_attn by default)."""
+    from megatron_lite.models.transformer_config import TransformerConfig
+    from tests.cli_errors import parse_refused
+
+    moe = BASE + ["--num-experts", "4", "--moe-layer-recompute"]
+    config = parse_args(moe)
+    assert (config.training.recompute_granularity, config.training.recompute_modules) == ("selective", ["core_attn", "moe"])
+    assert TransformerConfig.from_config(config).recompute_modules == ["core_attn", "moe"]
+    config = parse_args(moe + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"])
+    assert config.training.recompute_modules == ["layernorm", "moe"]
+    parse_refused(capsys, moe + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+                  "--moe-layer-recompute", "full")
+    parse_refused(capsys, BASE + ["--moe-layer-recompute"], "--moe-layer-recompute", "--num-experts")
+
 @pytest.mark.parametrize("flag", ["--tokenizer-hf-use-fast", "--tokenizer-hf-no-use-fast",
                                   "--tokenizer-hf-include-special-tokens"])
 def test_megatron_hf_tokenizer_flags_are_explained(flag):
