@@ -106,26 +106,28 @@ class DiscardedOutput:
     (no dropout) and return one fresh tensor."""
 
     def __init__(self, fn):
-        self.fn, self.output, self.recomputed, self.saved = fn, None, None, None
+        self.fn, self.storage, self.recomputed, self.saved = fn, None, None, None
 
     def run(self, *args: torch.Tensor) -> torch.Tensor:
-        self.output = _Discarded.apply(self, *args)
-        self.saved = args
-        return self.output
+        output = _Discarded.apply(self, *args)
+        # the storage, not the tensor: the tensor holds its grad_fn, whose context holds this holder, and
+        # that cycle would keep the refilled output alive after backward until the garbage collector runs
+        self.storage, self.saved = output.untyped_storage(), args
+        return output
 
     def recompute(self, inputs) -> None:
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
         with torch.enable_grad():
             out = self.fn(*inputs)
         self.recomputed = (inputs, out)
-        storage = self.output.untyped_storage()
+        storage = self.storage
         if storage.size() == 0:  # refill the freed storage in place: the consumer saved this tensor
             storage.resize_(out.untyped_storage().size())
             storage.copy_(out.untyped_storage())
 
     def discard(self, consumer_output: torch.Tensor) -> None:
         inputs, self.saved = self.saved, None
-        self.output.untyped_storage().resize_(0)
+        self.storage.resize_(0)
         consumer_output.register_hook(lambda grad: self._on_grad(inputs, grad))
 
     def _on_grad(self, inputs, grad):
