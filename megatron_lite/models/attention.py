@@ -171,7 +171,9 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
                       sink=None) -> torch.Tensor:
     """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
     ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``.
-    ``sink`` (``[nq]`` or None): one more logit per row, in the softmax's denominator only."""
+    ``sink`` (``[nq]`` or None): one more logit per row, in the softmax's denominator only. A query whose
+    every key is masked attends to nothing (zeros out, no gradient), as SDPA's kernels and the fused path do,
+    not ``softmax`` of a row of -inf (NaN, which ``probs @ v`` then spreads)."""
     b, nq, s, dv = *q.shape[:3], v.shape[-1]
     if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
         k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
@@ -186,6 +188,8 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
     else:  # the sink's column joins the softmax and is dropped after it
         column = sink.to(scores.dtype).view(1, nq, 1, 1).expand(b, nq, s, 1)
         probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    if attention_mask is not None:  # a row of -inf: softmax's NaN becomes 0 (the gradient's masked_fill zeroes it)
+        probs = probs.masked_fill(attention_mask.all(-1, keepdim=True), 0.0)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 

@@ -158,15 +158,18 @@ def test_bias_dropout_add_is_residual_plus_dropout(jit_mode, training, prob):
         assert abs(kept - (1 - prob)) < 0.1
 
 
-@pytest.mark.parametrize("mask", ["causal", "explicit", "gqa", "value_head_size"])
+@pytest.mark.parametrize("mask", ["causal", "explicit", "gqa", "value_head_size", "fully_masked_row"])
 def test_unfused_attention_equals_sdpa(mask):
+    """``fully_masked_row``: a query that may see no key attends to nothing (zeros, as SDPA), not NaN."""
     b, s, d = 2, 12, 8
     dv = 6 if mask == "value_head_size" else d  # MLA: values narrower than queries and keys
     nq, nkv = (4, 2) if mask == "gqa" else (4, 4)
     q, k, v = torch.randn(b, nq, s, d), torch.randn(b, nkv, s, d), torch.randn(b, nkv, s, dv)
-    explicit = torch.rand(b, 1, s, s) > 0.7 if mask == "explicit" else None
+    explicit = torch.rand(b, 1, s, s) > 0.7 if mask in ("explicit", "fully_masked_row") else None
     if explicit is not None:
         explicit[..., 0] = False  # every query sees at least one key
+    if mask == "fully_masked_row":
+        explicit[0, :, 3] = True  # but this one (a padding query of a user's mask)
     scale = 1 / math.sqrt(d)
 
     def ref_fn(q, k, v):
