@@ -34,7 +34,9 @@ parameter                         full shape          over TP
 ================================  ==================  =========================================
 
 The q/kv projections have no bias (as in Megatron-LM); ``linear_proj`` has one unless
-``--disable-bias-linear``. The norms use ``--normalization`` / ``--norm-epsilon``.
+``--disable-bias-linear``. The norms use ``--normalization`` / ``--norm-epsilon``. The fusion flags act as
+in :class:`~megatron_lite.models.attention.SelfAttention`: ``--rope-fusion`` rotates through a ``jit_fuser``
+function, and with ``--bias-dropout-fusion`` ``linear_proj`` leaves its bias to the layer's fused residual.
 
 Communication. The down projections run redundantly on every TP rank. Under sequence parallelism
 they see this rank's sequence shard ``[s/t, b, h]``: their weights and the latent norms carry
@@ -54,6 +56,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..fusions.jit import jit_fuser
 from ..inference.kv_cache import causal_mask_with_offset
 from ..parallel import comm
 from ..parallel.random import checkpoint
@@ -66,6 +69,9 @@ from .common import Norm, apply_rotary, column_linear, init_replicated, row_line
 def apply_mla_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the rotary part ``x [s, b, heads, dr]`` as MLA does: de-interleave, then rotate-half."""
     return apply_rotary(torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1), cos, sin)
+
+
+fused_apply_mla_rotary = jit_fuser(apply_mla_rotary)  # --rope-fusion (Megatron's fused MLA rope)
 
 
 class DuplicatedLinear(nn.Module):
@@ -116,7 +122,9 @@ class MLASelfAttention(nn.Module):
         self.linear_kv_up_proj = column_linear(config, state, layer_number, n * (self.dn + self.dv),
                                                prefix + "linear_kv_up_proj", input_size=self.kv_lora_rank, bias=False)
         self.core_attention = core_attention(config, state, layer_number)
-        self.linear_proj = row_linear(config, state, layer_number, n * self.dv, prefix + "linear_proj")
+        self.linear_proj = row_linear(config, state, layer_number, n * self.dv, prefix + "linear_proj",
+                                      skip_bias_add=config.bias_dropout_fusion)  # (output, bias): fused in the layer
+        self.rotate = fused_apply_mla_rotary if config.apply_rope_fusion else apply_mla_rotary
 
     @staticmethod
     def _latent_norm(config, size: int):
@@ -144,7 +152,8 @@ class MLASelfAttention(nn.Module):
         return latent, k_rope
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
-        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]``; ``rotary`` is (cos, sin) ``[s, b, 1, dr]`` or None."""
+        """``hidden [s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (``(output, bias)`` with bias + dropout fusion, the
+        bias left to the layer); ``rotary`` is (cos, sin) ``[s, b, 1, dr]`` or None."""
         q_input = self._query_input(hidden)
         latent, k_rope = self._latent_and_rope_key(hidden)
         cos, sin = rotary if rotary is not None else (None, None)
@@ -166,7 +175,7 @@ class MLASelfAttention(nn.Module):
         k_rope = k_rope.unsqueeze(2)  # [s, b, 1, dr]: one key for every head
         if cos is not None:
             cos, sin = cos.to(q_nope.dtype), sin.to(q_nope.dtype)
-            q_rope, k_rope = apply_mla_rotary(q_rope, cos, sin), apply_mla_rotary(k_rope, cos, sin)
+            q_rope, k_rope = self.rotate(q_rope, cos, sin), self.rotate(k_rope, cos, sin)
         if inference_context is not None:
             latent, k_rope, attention_mask, causal = self._cached(inference_context, latent, k_rope, attention_mask,
                                                                   causal, q_nope.shape[0])
