@@ -84,7 +84,7 @@ def build_ours(shape: dict, dropout: float, extra=()):
     comm = pipe_comm(config, state)
 
     def step():
-        configure_compilation(config.fusion)  # the jit_fuser mode is process-wide: each run sets its own
+        configure_compilation(config.fusion, device.type)  # the jit_fuser mode is process-wide: each run sets its own
         train_step(config, comm, built.chunks, built.optimizer, built.scheduler, pretrain_gpt.forward_step, train_iter)
 
     return step, config

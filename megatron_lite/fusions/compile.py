@@ -29,14 +29,32 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from .config import FusionConfig
-from .jit import set_jit_fuser
+from .jit import compile_unavailable, set_jit_fuser
 
 _compiled_forwards: dict[str, object] = {}
 
 
-def configure_compilation(fusion: FusionConfig) -> None:
-    """Apply the run's ``--jit-fuser`` / ``--torch-compile`` choices (process-wide)."""
+def check_compile_available(fusion: FusionConfig, device_type: str) -> None:
+    """Refuse ``--torch-compile`` where its backend cannot build the layers (no Dynamo for this Python;
+    Inductor on a CPU without a C++ compiler): one line naming the flag and the fix, before the model is
+    built, instead of Inductor's traceback at the first step. (``jit_fuser`` functions fall back to
+    eager instead: they are optional; the layers' compile is what the flag asks for.)"""
+    if not fusion.torch_compile:
+        return
+    backend = fusion.torch_compile_backend
+    reason = compile_unavailable(device_type) if backend == "inductor" or not torch._dynamo.is_dynamo_supported() \
+        else None
+    if reason is not None:
+        fix = "use --torch-compile-backend aot_eager (no code generation) or " if "C++" in reason else ""
+        raise ConfigError(f"--torch-compile (backend {backend}) on {device_type}: {reason}; {fix}drop --torch-compile")
+
+
+def configure_compilation(fusion: FusionConfig, device_type: str = "cpu") -> None:
+    """Apply the run's ``--jit-fuser`` / ``--torch-compile`` choices (process-wide), after
+    :func:`check_compile_available` on the run's device type."""
+    check_compile_available(fusion, device_type)
     mode = fusion.jit_fuser
     if fusion.torch_compile and mode == "auto":
         mode = "compile"  # the loss's pieces are compiled with the layers

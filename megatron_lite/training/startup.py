@@ -42,7 +42,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
         hcp=p.hierarchical_context_parallel_sizes, etp=expert_grid_tp(config),
     )
     model_parallel_seed(config.training.seed, state)
-    configure_compilation(config.fusion)
+    configure_compilation(config.fusion, device.type)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
     if config.precision.transformer_impl == "transformer_engine":

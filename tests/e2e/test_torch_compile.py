@@ -12,8 +12,11 @@ FP8 GEMM seam run under compiled layers too.
 import pytest
 import torch
 
+import megatron_lite.fusions.jit as jit
+import pretrain_gpt
 from megatron_lite.fusions.compile import layer_cache_entries
 from megatron_lite.models.transformer import TransformerLayer
+from tests.cli_errors import refused_line
 from tests.harness import run_ranks
 from tests.trajectory import assert_same_trajectory, run_script
 
@@ -96,3 +99,19 @@ def test_dropout_in_compiled_layers_draws_the_eager_masks():
     trajectory, compiles, _ = compiled_rank(argv + COMPILE + ["aot_eager"])
     assert_same_trajectory(trajectory, eager_run, what="dropout")
     assert compiles == 1
+
+
+def test_inductor_on_a_cpu_without_a_cxx_compiler_is_refused_in_one_line(monkeypatch, capsys):
+    """Inductor's CPU backend builds C++: without a compiler --torch-compile stopped at the first step
+    with Inductor's traceback (exit 1); it is refused before the model is built (exit 2), naming the
+    flag and the aot_eager backend, which needs no compiler and still runs."""
+    monkeypatch.setattr(jit.shutil, "which", lambda name: None)  # no g++, c++ or clang++ on this "machine"
+    monkeypatch.delenv("CXX", raising=False)
+    jit.compile_unavailable.cache_clear()
+    try:
+        argv = MODEL + ["--num-layers", "1", "--train-iters", "3", "--torch-compile"]
+        refused_line(capsys, lambda: pretrain_gpt.main(argv), "--torch-compile", "no C++ compiler", "aot_eager")
+        torch._dynamo.reset()
+        assert len(run_script("pretrain_gpt", argv + ["--torch-compile-backend", "aot_eager"]).losses) == 3
+    finally:
+        jit.compile_unavailable.cache_clear()
