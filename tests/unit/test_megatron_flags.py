@@ -339,3 +339,12 @@ def test_every_megatron_choice_is_ours_or_refused_with_a_reason(flag):
     unexplained = [v for v in MEGATRON_CHOICES[flag].split()
                    if v not in action.choices and v not in REFUSED_VALUES.get(flag, {})]
     assert not unexplained, f"{flag}: add {unexplained} to REFUSED_VALUES in megatron_lite/megatron_flags.py"
+
+
+def test_attention_backend_unfused_points_to_the_unfused_softmax_flag():
+    """Megatron's --attention-backend unfused asks for the explicit softmax math; its refusal said only
+    'drop it', which leaves the fused SDPA path. It names our flag for that math."""
+    parser = training_parser("pretrain_gpt.py")
+    code, lines = _refusal(parser, BASE + ["--attention-backend", "unfused"])
+    assert code == 2 and len(lines) == 1 and "--no-masked-softmax-fusion" in lines[0], lines
+    assert "--no-masked-softmax-fusion" in parser._option_string_actions  # the flag it names exists
