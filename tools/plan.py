@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, kind) in MODEL_FLAGS.items():
         ap.add_argument(flag, type=kind, choices=["LayerNorm", "RMSNorm"] if flag == "--normalization" else None,
                         **({"nargs": 2, "metavar": ("LEFT", "RIGHT")} if flag == "--window-size" else {}))
+    ap.add_argument("--group-query-attention", action="store_true", default=None,
+                    help="grouped-query attention with --num-query-groups groups (alone: 1, as in training)")
     ap.add_argument("--swiglu", action="store_true", default=None)
     ap.add_argument("--disable-bias-linear", action="store_true", default=None)
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
@@ -132,6 +134,7 @@ def model_from_args(args) -> ModelSpec:
             given[field] = value
     if args.position_embedding_type:
         given["learned_positions"] = args.position_embedding_type == "learned_absolute"
+    _query_groups(args, given)
     if args.preset:
         return _refuse_unused(dataclasses.replace(MODEL_PRESETS[args.preset], **given), given)
     missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
@@ -139,6 +142,17 @@ def model_from_args(args) -> ModelSpec:
     if missing:
         raise ConfigError(f"give --preset or the model flags {' '.join(missing)}")
     return _refuse_unused(ModelSpec(**given), given)
+
+
+def _query_groups(args, given: dict) -> None:
+    """Training's rule: --group-query-attention alone is one key/value group; --num-query-groups needs it
+    (a preset's own groups stand as they are)."""
+    if args.group_query_attention:
+        given.setdefault("num_query_groups", 1)
+    elif "num_query_groups" in given:
+        groups = given["num_query_groups"]
+        raise ConfigError(f"--num-query-groups {groups} needs --group-query-attention (as in training, where "
+                          "without it every head has its own key/value); add --group-query-attention")
 
 
 def _refuse_unused(spec: ModelSpec, given: dict) -> ModelSpec:

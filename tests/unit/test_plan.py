@@ -254,6 +254,17 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
         assert w in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("flags, groups", [([], 8), (["--group-query-attention"], 1),
+                                           (["--group-query-attention", "--num-query-groups", "2"], 2)])
+def test_group_query_attention_takes_trainings_meaning(flags, groups):
+    """A pasted Megatron model line with --group-query-attention was 'unrecognized'; alone it is one
+    key/value group (Megatron's --num-query-groups default), as pretrain_gpt.py builds it."""
+    argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
+            "--vocab-size", "1000", "--gpus", "8", "--global-batch-size", "16"]
+    spec = plan_tool.model_from_args(plan_tool.build_parser().parse_args(argv + flags))
+    assert (spec.num_query_groups or spec.num_attention_heads) == groups
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--num-query-groups", "0"], ["--num-query-groups", "at least 1"]),
     (["--global-batch-size", "0"], ["--global-batch-size", "at least 1"]),
@@ -278,8 +289,9 @@ def test_tool_refuses_a_fixed_layout_that_cannot_run_saying_why(capsys, flags, w
     # models training refuses were planned (MLA and MTP with a learned position table, MLA with query groups)
     (["--multi-latent-attention"], ["--multi-latent-attention needs --position-embedding-type rope"]),
     (["--mtp-num-layers", "1"], ["--mtp-num-layers needs --position-embedding-type rope"]),
-    (["--multi-latent-attention", "--position-embedding-type", "rope", "--num-query-groups", "2"],
-     ["--multi-latent-attention does not take", "--num-query-groups"]),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--group-query-attention",
+      "--num-query-groups", "2"], ["--multi-latent-attention does not take", "--num-query-groups"]),
+    (["--num-query-groups", "2"], ["--num-query-groups 2 needs --group-query-attention"]),  # training's rule
     (["--multi-latent-attention", "--position-embedding-type", "rope", "--qk-pos-emb-head-dim", "3"],
      ["--qk-pos-emb-head-dim 3 must be even"]),
 ])
