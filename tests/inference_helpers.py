@@ -60,10 +60,13 @@ def model_config(variant: str, vocab: int = VOCAB) -> ModelConfig:
     return cfg
 
 
-def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch", tokenizer: dict | None = None) -> Config:
-    """The run's config; ``tokenizer``: DataConfig tokenizer fields (default NullTokenizer over VOCAB ids)."""
+def run_config(variant: str, root: str | None = None, ckpt_format: str = "torch", tokenizer: dict | None = None,
+               vocab: int | None = None) -> Config:
+    """The run's config; ``tokenizer``: DataConfig tokenizer fields (default NullTokenizer over VOCAB ids);
+    ``vocab``: the model's vocabulary (default GPT2_VOCAB with GPT-2's tokenizer, else VOCAB)."""
     tokenizer = tokenizer or {"tokenizer_type": "NullTokenizer"}
-    config = Config(model=model_config(variant, GPT2_VOCAB if tokenizer["tokenizer_type"] == "GPT2BPETokenizer" else VOCAB))
+    vocab = vocab or (GPT2_VOCAB if tokenizer["tokenizer_type"] == "GPT2BPETokenizer" else VOCAB)
+    config = Config(model=model_config(variant, vocab))
     if variant == "moe":
         config.moe = MoEConfig(**MOE)
     for key, value in tokenizer.items():
@@ -87,9 +90,9 @@ def randomize(model, seed: int) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None) -> GPTModel:
+def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None, vocab: int | None = None) -> GPTModel:
     """A single-process model of ``variant`` with random weights (eval mode)."""
-    config = run_config(variant, tokenizer=tokenizer)
+    config = run_config(variant, tokenizer=tokenizer, vocab=vocab)
     moe = moe_fields(config.moe) if variant == "moe" else {}
     state = ParallelState(world_size=1, rank=0)
     model = GPTModel(TransformerConfig.from_model(config.model, **moe), state)
@@ -98,12 +101,15 @@ def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None) -> 
 
 
 def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11,
-               tokenizer: dict | None = None) -> GPTModel:
-    """Save :func:`build_model` as a one-process checkpoint under ``root``; returns the model."""
+               tokenizer: dict | None = None, vocab: int | None = None, adjust=None) -> GPTModel:
+    """Save :func:`build_model` (``adjust(model)`` applied to it first) as a one-process checkpoint
+    under ``root``; returns the model."""
     from megatron_lite.checkpoint import save_checkpoint
 
-    model = build_model(variant, seed, tokenizer)
-    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format, tokenizer),
+    model = build_model(variant, seed, tokenizer, vocab)
+    if adjust is not None:
+        adjust(model)
+    save_checkpoint(1, [model], None, None, 0, run_config(variant, root, ckpt_format, tokenizer, vocab),
                     ParallelState(world_size=1, rank=0))
     return model
 

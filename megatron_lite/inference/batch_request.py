@@ -46,7 +46,7 @@ class BatchRequest:
         self.ends = self.lengths + n
         self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
         self.counts = torch.zeros(b, engine.vocab_size, device=device) if p.penalized and engine.is_src else None
-        self.generator = engine.generator
+        self.generator, self.unprintable = engine.generator, engine.unprintable
         if p.random_seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(p.random_seed)
         self.prev, self.cur = 0, min(self.prompt_lengths)
@@ -67,7 +67,7 @@ class BatchRequest:
         cur = self.cur
         last = ban_after(logits[:, -1], self.tokens[:, cur - 1], self.params)
         return torch.where(cur < self.lengths, self.tokens[:, cur],
-                           sample_or_mark(last, self.params, self.generator, self.counts))
+                           sample_or_mark(last, self.params, self.generator, self.counts, self.unprintable))
 
     def take(self, new: torch.Tensor, logits: torch.Tensor | None, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the broadcast tokens ``new`` (``hit``: the rows they end at a stop string); return
@@ -78,7 +78,8 @@ class BatchRequest:
         finished = cur >= self.ends
         self.tokens[:, cur] = torch.where(finished, self.tokens[:, cur], new)
         if logits is not None:
-            self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs)
+            self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs,
+                                                             self.unprintable)
         double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
         double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
         stop_here = ~finished & (cur >= self.lengths) & (torch.isin(new, self.stops) | double_stop | hit)
@@ -93,7 +94,8 @@ class BatchRequest:
         """A chunk of ``n`` prompt tokens (not the prefill's last) ran: keep its log-probs, sample nothing."""
         f = self.filled
         if logits is not None:
-            self.values[:, f:f + n] = _position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs)
+            self.values[:, f:f + n] = _position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs,
+                                                     self.unprintable)
         self.filled += n
 
     def results(self, values: torch.Tensor) -> list[Generation]:

@@ -58,9 +58,9 @@ def _check(engine, prompts, params, stops) -> None:
         raise ValueError(f"beam_width: beam search continues one prompt at a time, got {len(prompts)}")
     if params.tokens_to_generate < 1:
         raise ValueError("beam_width: beam search needs tokens_to_generate >= 1")
-    if params.beam_width > engine.vocab_size - len(stops):
-        raise ValueError(f"beam_width must be at most {engine.vocab_size - len(stops)} (the vocabulary less the stop "
-                         f"tokens), got {params.beam_width}")
+    if params.beam_width > engine.printable_size - len(stops):
+        raise ValueError(f"beam_width must be at most {engine.printable_size - len(stops)} (the vocabulary less the "
+                         f"stop tokens), got {params.beam_width}")
 
 
 def _candidates(engine, logits, previous, sums, params, first: bool, stops: int) -> tuple[list[int], list[float]]:
@@ -75,6 +75,8 @@ def _candidates(engine, logits, previous, sums, params, first: bool, stops: int)
         last = logits[:, -1]
         packed[0] = float(not bool(torch.isfinite(last).all()))
         logp = torch.log_softmax(ban_after(last.nan_to_num(0.0, 0.0, 0.0), previous, params), dim=-1) + sums[:, None]
+        if engine.unprintable is not None:  # never a candidate (their log-probs still count in the softmax)
+            logp = logp.masked_fill(engine.unprintable, float("-inf"))
         best = (logp[0] if first else logp.reshape(-1)).topk(count)
         packed[1:1 + count], packed[1 + count:] = best.indices.double(), best.values.double()
     packed = engine._broadcast(packed).tolist()

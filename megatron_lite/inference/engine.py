@@ -42,7 +42,14 @@ from ..parallel.pipeline.p2p import PipeComm
 from ..parallel.state import ParallelState
 from .beam import beam_search
 from .kv_cache import KVCache
-from .sampling import NonFiniteLogitsError, SamplingParams, ban_after, decayed_top_p, sample_or_mark
+from .sampling import (
+    NonFiniteLogitsError,
+    SamplingParams,
+    ban_after,
+    decayed_top_p,
+    sample_or_mark,
+    unprintable_ids,
+)
 from .stop_strings import broadcast_tokens, stop_checker
 
 
@@ -91,7 +98,10 @@ class InferenceEngine:
     ``max_sequence_length`` the longest prompt + generation allowed, ``eod`` the end-of-document
     token (None: no stop at end of document), ``seed`` the sampling generator's seed, ``tokenizer``
     (needed on the sampling rank only) ends a sequence at its ``SamplingParams.stop_strings`` as soon
-    as they appear (:mod:`.stop_strings`; None: it decodes on, and the answer is cut afterwards).
+    as they appear (:mod:`.stop_strings`; None: it decodes on, and the answer is cut afterwards), and
+    keeps the ids it cannot print (:func:`~.sampling.unprintable_ids`: a model vocabulary larger than
+    the tokenizer's) out of sampling, greedy choice, beam search and the top log-probs; the log-probs
+    of given tokens stay those of the softmax over the whole ``vocab_size``.
     """
 
     def __init__(self, model, state: ParallelState | None = None, *, vocab_size: int, max_sequence_length: int,
@@ -101,12 +111,20 @@ class InferenceEngine:
         self.vocab_size, self.max_sequence_length = int(vocab_size), int(max_sequence_length)
         self.eod, self.use_cache, self.tokenizer = eod, use_cache, tokenizer
         self.device = next(model.parameters()).device
+        self.unprintable = unprintable_ids(tokenizer, self.vocab_size)  # [vocab_size] bools, or None
+        if self.unprintable is not None:
+            self.unprintable = self.unprintable.to(self.device)
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = model.config.hidden_size
         s = self.state
         self.src = s.grid.rank_of(pp=s.pp_size - 1, tp=0)  # samples and broadcasts
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.timings: dict[str, float] = {}
+
+    @property
+    def printable_size(self) -> int:
+        """How many ids sampling can choose from (:attr:`vocab_size` less the unprintable ones)."""
+        return self.vocab_size - (int(self.unprintable.sum()) if self.unprintable is not None else 0)
 
     # -- one forward pass over the pipeline ------------------------------------------------------
     @property
@@ -147,7 +165,7 @@ class InferenceEngine:
         values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
         logits = self.forward(tokens[:, :-1]) if total > 1 else None
         if logits is not None:
-            values = _position_stats(logits, tokens[:, 1:], top_n)
+            values = _position_stats(logits, tokens[:, 1:], top_n, self.unprintable)
         values = self._broadcast(values.contiguous()).cpu()
         return [_result(seq, len(seq), values[i, :len(seq) - 1], top_n, "length", greedy=True)
                 for i, seq in enumerate(sequences)]
@@ -170,7 +188,7 @@ class InferenceEngine:
         params = params if params is not None else SamplingParams()
         params.check()
         _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate)
-        check_vocabulary(params, self.vocab_size)  # before any collective: every rank raises
+        check_vocabulary(params, self.vocab_size, self.printable_size)  # before any collective: every rank raises
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
         if params.beam_width:
@@ -211,7 +229,8 @@ class InferenceEngine:
             new = torch.zeros(b, dtype=torch.long, device=self.device)
             if self.is_src:
                 last = ban_after(logits[:, -1], tokens[:, cur - 1], params)
-                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(last, params, self.generator, counts))
+                new = torch.where(cur < lengths, tokens[:, cur], sample_or_mark(last, params, self.generator, counts,
+                                                                                 self.unprintable))
             params = decayed_top_p(params)
             live = (cur < ends) & (cur >= lengths)  # the sequences whose new token is generated text
             new, hit = broadcast_tokens(self, new, bool(params.stop_strings), [(checker, live)])
@@ -220,7 +239,8 @@ class InferenceEngine:
             finished = cur >= ends
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:
-                values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n)
+                values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n,
+                                                      self.unprintable)
             stop_here = live & (torch.isin(new, stops) | _double_stop(new, tokens[:, cur - 1], params) | hit)
             stopped |= stop_here
             ends = torch.where(stop_here, cur + 1, ends)
@@ -268,18 +288,19 @@ def _double_stop(new: torch.Tensor, previous: torch.Tensor, params: SamplingPara
     return torch.isin(new, pair) & torch.isin(previous, pair)
 
 
-def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+def check_vocabulary(params: SamplingParams, vocab_size: int, printable: int | None = None) -> None:
     """ValueError (on every rank, before any collective) for fields that name more of the vocabulary
-    than there is: a ``logit_bias`` token id, or more top log-probs than tokens (which only the last
-    pipeline stage would notice)."""
+    than there is: a ``logit_bias`` token id, or more top log-probs than (``printable``) tokens (which
+    only the last pipeline stage would notice)."""
     if any(t >= vocab_size for t, _ in params.logit_bias):
         raise ValueError(f"logit_bias: a token id is outside the vocabulary [0, {vocab_size})")
     for name in ("stop_token_ids", "double_stop_ids", "ban_after_ids", "banned_ids"):
         bad = [t for t in getattr(params, name) if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:  # a negative id would count from the vocabulary's end, a huge one overflow a tensor
             raise ValueError(f"{name}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    if params.top_n_logprobs > vocab_size:
-        raise ValueError(f"top_n_logprobs {params.top_n_logprobs} is more than the vocabulary's {vocab_size} tokens")
+    printable = vocab_size if printable is None else printable
+    if params.top_n_logprobs > printable:
+        raise ValueError(f"top_n_logprobs {params.top_n_logprobs} is more than the vocabulary's {printable} tokens")
 
 
 def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:
@@ -302,15 +323,17 @@ def _pad(sequences: list[list[int]], total: int, device) -> torch.Tensor:
     return tokens.to(device)
 
 
-def _position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> torch.Tensor:
+def _position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int,
+                    unprintable: torch.Tensor | None = None) -> torch.Tensor:
     """``[b, s, 2 + 2 top_n]``: the target's log-prob, whether it is the argmax, then the ``top_n``
-    best log-probs and their token ids (as floats: one tensor to broadcast)."""
+    best log-probs and their token ids (as floats: one tensor to broadcast), ``unprintable`` ids left
+    out of those (the log-probs are still over the whole vocabulary, as is the argmax)."""
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, targets.unsqueeze(-1))
     greedy = (logits.argmax(dim=-1) == targets).unsqueeze(-1).float()
     parts = [chosen, greedy]
     if top_n:
-        best = logp.topk(top_n, dim=-1)
+        best = (logp if unprintable is None else logp.masked_fill(unprintable, float("-inf"))).topk(top_n, dim=-1)
         parts += [best.values, best.indices.float()]
     return torch.cat(parts, dim=-1)
 

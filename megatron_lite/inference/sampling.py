@@ -10,6 +10,12 @@ refused. The logits are shifted by their row maximum before the division, so a t
 enough to overflow the quotient is greedy (its limit: the most likely tokens only) instead of
 inf / NaN. Logits holding NaN or inf (e.g. an fp16 overflow in the model) are refused with
 :class:`NonFiniteLogitsError`.
+
+The model's vocabulary may hold ids its tokenizer cannot print (:func:`unprintable_ids`: a vocabulary
+padded past the tokenizer's, as Qwen's 151936 rows over 151665 tokens, a ``--tokenizer-type``
+override, a vocab.json whose ids skip some): they are never chosen (set to -inf after the penalties
+and the bias, so greedy, top-k and top-p choose among the printable ids only, with their
+probabilities renormalised over them).
 """
 
 from __future__ import annotations
@@ -182,22 +188,41 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Te
     return logits
 
 
+def unprintable_ids(tokenizer, vocab_size: int) -> torch.Tensor | None:
+    """``[vocab_size]`` bools: the model's token ids ``tokenizer`` cannot detokenize, those from its
+    ``vocab_size`` on and, where it has an id -> token table (``inv_vocab``), the ids missing from it
+    (GPT-2's decoder raises KeyError on them, SentencePiece IndexError, Hugging Face's prints nothing).
+    None when there are none, or no tokenizer."""
+    if tokenizer is None:
+        return None
+    mask = torch.arange(vocab_size) >= tokenizer.vocab_size
+    table = getattr(tokenizer, "inv_vocab", None)
+    if isinstance(table, dict):
+        known = torch.zeros(vocab_size, dtype=torch.bool)
+        known[torch.tensor([i for i in table if isinstance(i, int) and 0 <= i < vocab_size], dtype=torch.long)] = True
+        mask |= ~known
+    return mask if bool(mask.any()) else None
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           counts: torch.Tensor | None = None) -> torch.Tensor:
+           counts: torch.Tensor | None = None, unprintable: torch.Tensor | None = None) -> torch.Tensor:
     """The next token ``[b]`` of each row of ``logits [b, V]`` (the real vocabulary only);
     :class:`NonFiniteLogitsError` when a row holds NaN or inf."""
-    tokens = sample_or_mark(logits, params, generator, counts)
+    tokens = sample_or_mark(logits, params, generator, counts, unprintable)
     if bool((tokens < 0).any()):
         raise NonFiniteLogitsError()
     return tokens
 
 
 def sample_or_mark(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                   counts: torch.Tensor | None = None) -> torch.Tensor:
+                   counts: torch.Tensor | None = None, unprintable: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`sample`, with -1 for a row whose logits hold NaN or inf instead of an error (the
-    engine broadcasts the mark, so every rank raises together). ``counts``: see :func:`adjust_logits`."""
+    engine broadcasts the mark, so every rank raises together). ``counts``: see :func:`adjust_logits`;
+    ``unprintable [V]``: ids never chosen (:func:`unprintable_ids`)."""
     bad = ~torch.isfinite(logits).all(dim=-1, keepdim=True)
     logits = adjust_logits(logits.float().masked_fill(bad, 0.0), params, counts)
+    if unprintable is not None:
+        logits = logits.masked_fill(unprintable, float("-inf"))
     if params.top_k == 1:
         chosen = logits.argmax(dim=-1)
     else:

@@ -95,7 +95,7 @@ class Scheduler:
         """Queue a request (checked now: ValueError with one line); return its id."""
         params.check()
         _check_prompts(prompts, self.engine.max_sequence_length, params.tokens_to_generate)
-        check_vocabulary(params, self.engine.vocab_size)
+        check_vocabulary(params, self.engine.vocab_size, self.engine.printable_size)
         if not self.covers(prompts, params):
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "
                              f"sequences than --inference-max-requests {self.cache.max_rows})")

@@ -264,3 +264,101 @@ def test_a_max_sequence_length_beyond_the_learned_positions_is_refused_not_cut(c
     err = capsys.readouterr().err
     assert err.startswith(f"error: --max-sequence-length {limit + 1}: the model has learned positions for {limit} "
                           "tokens only") and err.count("\n") == 1
+
+
+MODEL_VOCAB = 640  # the model's rows over the ~600 ids of the tokenizers below (as Qwen's 151936 over 151665)
+
+
+def _unprintable_ids_win(model, size: int) -> None:
+    """Make the ids from ``size`` on the most likely ones at every position: the final norm adds a fixed
+    direction that their (tied) output rows follow."""
+    with torch.no_grad():
+        e = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(3)), dim=0)
+        model.decoder.final_norm.bias.copy_(10 * e)
+        model.embedding.word_embeddings.weight[size:].copy_(20 * e)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizers(tmp_path_factory):
+    """``gpt`` checkpoints of MODEL_VOCAB ids trained with a smaller GPT-2 BPE / SentencePiece tokenizer."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from tests.preprocess_helpers import make_tok_files
+
+    files, roots = make_tok_files(tmp_path_factory), {}
+    for kind in ("GPT2BPETokenizer", "SentencePieceTokenizer"):
+        fields = {"tokenizer_type": kind, **files[kind]}
+        size = build_tokenizer(**fields).vocab_size
+        assert size < MODEL_VOCAB
+        roots[kind] = str(tmp_path_factory.mktemp(kind))
+        save_model("gpt", roots[kind], tokenizer=fields, vocab=MODEL_VOCAB,
+                   adjust=lambda m, size=size: _unprintable_ids_win(m, size))
+    return roots
+
+
+def test_unprintable_ids_are_those_past_the_tokenizer_and_its_gaps():
+    from types import SimpleNamespace
+
+    from megatron_lite.inference.sampling import unprintable_ids
+
+    gaps = SimpleNamespace(vocab_size=5, inv_vocab={0: "a", 1: "b", 3: "d", 4: "e"})  # a vocab.json without id 2
+    assert unprintable_ids(gaps, 7).tolist() == [False, False, True, False, False, True, True]
+    assert unprintable_ids(SimpleNamespace(vocab_size=7), 7) is None and unprintable_ids(None, 7) is None
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer"])
+@pytest.mark.parametrize("top_k, use_cache", [(1, True), (1, False), (0, True), (0, False)])
+def test_a_model_vocabulary_larger_than_the_tokenizer_generates_only_printable_ids(small_tokenizers, kind, top_k,
+                                                                                    use_cache):
+    from megatron_lite.inference.loading import load_tokenizer
+
+    model, saved = load_model(small_tokenizers[kind])
+    tokenizer = load_tokenizer(saved)
+    size = tokenizer.vocab_size
+    prompt = tokenizer.tokenize("The quick brown fox")
+    params = SamplingParams(tokens_to_generate=12, top_k=top_k, random_seed=5, stop_on_eod=False, top_n_logprobs=3)
+    blind = InferenceEngine(model, vocab_size=MODEL_VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod)
+    assert all(t >= size for t in blind.generate([prompt], params)[0].generated)  # the model prefers them
+    engine = InferenceEngine(model, vocab_size=MODEL_VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod,
+                             use_cache=use_cache, tokenizer=tokenizer)
+    out = engine.generate([prompt], params)[0]
+    assert len(out.generated) == 12 and all(t < size for t in out.generated)
+    assert all(t < size for row in out.top_log_probs for t, _ in row)
+    assert isinstance(tokenizer.detokenize(out.tokens), str)
+    with torch.no_grad():  # the log-probs stay those of the softmax over all MODEL_VOCAB ids
+        logits = model(torch.tensor([out.tokens]))[0, :-1, :MODEL_VOCAB].float()
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(out.tokens[1:]).unsqueeze(-1)).squeeze(-1)
+    assert_close(torch.tensor(out.log_probs), want)
+    if top_k == 1:  # greedy: the most likely printable id
+        assert out.generated == logits[len(prompt) - 1:, :size].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer"])
+def test_generate_tool_prints_a_model_vocabulary_larger_than_its_tokenizer(small_tokenizers, kind, capsys):
+    from tests.tools import load_tool
+
+    for sampling in (["--greedy"], ["--top-k", "5"]):
+        argv = ["--load", small_tokenizers[kind], "--prompt", "The quick brown fox", "--max-new-tokens", "8"]
+        assert load_tool("generate").main(argv + sampling) == 0
+        assert capsys.readouterr().out.startswith("The quick brown fox")
+
+
+def test_beam_search_and_continuous_batching_choose_only_printable_ids(small_tokenizers):
+    from megatron_lite.inference.loading import load_tokenizer
+    from megatron_lite.inference.scheduler import Scheduler
+    from tests.batching_helpers import run
+
+    model, saved = load_model(small_tokenizers["GPT2BPETokenizer"])
+    tokenizer = load_tokenizer(saved)
+    size, prompt = tokenizer.vocab_size, tokenizer.tokenize("The quick brown fox")
+    engine = InferenceEngine(model, vocab_size=MODEL_VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod,
+                             tokenizer=tokenizer)
+    beams = engine.generate([prompt], SamplingParams(tokens_to_generate=6, beam_width=3, stop_on_eod=False))
+    assert len(beams) == 3 and all(t < size for b in beams for t in b.generated)
+    requests = [([prompt], SamplingParams(tokens_to_generate=8, top_k=1, top_n_logprobs=2)),
+                ([prompt, prompt[:2]], SamplingParams(tokens_to_generate=6, top_k=5, random_seed=1))]
+    batched, _, _ = run(Scheduler(engine, 4), requests, [0, 1])
+    for i, request in enumerate(requests):
+        alone = engine.generate(*request)
+        assert [g.tokens for g in batched[i]] == [g.tokens for g in alone]
+        assert all(t < size for g in batched[i] for t in g.generated)
+    assert all(t < size for pos in batched[0][0].top_log_probs for t, _ in pos)
