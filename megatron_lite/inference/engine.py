@@ -159,7 +159,7 @@ class InferenceEngine:
         """Log-probs (and greedy flags, and the ``top_n`` best tokens) of every token of each sequence
         given the ones before it: one forward pass over all but the last token, no generation (so a
         sequence may be one token longer than ``max_sequence_length``)."""
-        _check_prompts(sequences, self.max_sequence_length + 1)
+        _check_prompts(sequences, self.max_sequence_length + 1, vocab_size=self.vocab_size)
         b, total = len(sequences), max(len(t) for t in sequences)
         tokens = _pad(sequences, total, self.device)
         values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
@@ -187,7 +187,7 @@ class InferenceEngine:
         :class:`Generation`. Every rank must run it to the end: each step is a collective."""
         params = params if params is not None else SamplingParams()
         params.check()
-        _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate)
+        _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate, self.vocab_size)
         check_vocabulary(params, self.vocab_size, self.printable_size)  # before any collective: every rank raises
         if params.tokens_to_generate == 0:
             return _scored(self.score(prompts, params.top_n_logprobs))
@@ -303,8 +303,10 @@ def check_vocabulary(params: SamplingParams, vocab_size: int, printable: int | N
         raise ValueError(f"top_n_logprobs {params.top_n_logprobs} is more than the vocabulary's {printable} tokens")
 
 
-def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:
-    """ValueError (one line) for no prompts, an empty one, or one too long for the model."""
+def _check_prompts(prompts, max_length: int, new_tokens: int = 0, vocab_size: int | None = None) -> None:
+    """ValueError (one line) for no prompts, an empty one, one too long for the model, or one holding a
+    token id outside ``[0, vocab_size)`` (e.g. from a tokenizer larger than the model's vocabulary:
+    the model has no logit for it, and an id past its embedding cannot even be read)."""
     if not prompts:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
@@ -314,6 +316,10 @@ def _check_prompts(prompts, max_length: int, new_tokens: int = 0) -> None:
             extra = f" + {new_tokens} tokens to generate" if new_tokens else ""
             raise ValueError(f"prompt {i} has {len(p)} tokens{extra}, more than the model's {max_length} "
                              "(its max-position-embeddings / seq-length)")
+        bad = [t for t in p if not 0 <= t < vocab_size] if vocab_size is not None else []
+        if bad:
+            raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size}) "
+                             "(a tokenizer with more tokens than the model was trained with?)")
 
 
 def _pad(sequences: list[list[int]], total: int, device) -> torch.Tensor:

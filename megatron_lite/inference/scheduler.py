@@ -94,7 +94,7 @@ class Scheduler:
     def add(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Queue a request (checked now: ValueError with one line); return its id."""
         params.check()
-        _check_prompts(prompts, self.engine.max_sequence_length, params.tokens_to_generate)
+        _check_prompts(prompts, self.engine.max_sequence_length, params.tokens_to_generate, self.engine.vocab_size)
         check_vocabulary(params, self.engine.vocab_size, self.engine.printable_size)
         if not self.covers(prompts, params):
             raise ValueError("this request needs the one-at-a-time engine (beam search, scoring, or more "

@@ -362,3 +362,19 @@ def test_beam_search_and_continuous_batching_choose_only_printable_ids(small_tok
         assert [g.tokens for g in batched[i]] == [g.tokens for g in alone]
         assert all(t < size for g in batched[i] for t in g.generated)
     assert all(t < size for pos in batched[0][0].top_log_probs for t, _ in pos)
+
+
+def test_a_prompt_id_outside_the_model_vocabulary_is_one_clear_error(checkpoints, capsys):
+    from tests.tools import load_tool
+
+    engine = engine_for(checkpoints["gpt"])  # VOCAB ids, an embedding padded to 104 rows
+    for call in (lambda p: engine.generate(p, SamplingParams(tokens_to_generate=2)), engine.score):
+        for bad in (VOCAB + 1, -1):
+            with pytest.raises(ValueError, match=f"prompt 1 holds token id {bad}, outside the model's vocabulary"):
+                call([[1, 2], [3, bad, 4]])
+    # a NullTokenizer override of more ids than the model's (103 <= its 104 padded rows: the tokenizer loads)
+    argv = ["--load", checkpoints["gpt"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "102",
+            "--prompt", f"3 {VOCAB + 1} 4", "--max-new-tokens", "2"]
+    assert load_tool("generate").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: prompt 0 holds token id {VOCAB + 1}") and err.count("\n") == 1
