@@ -9,9 +9,11 @@ library only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 
@@ -40,13 +42,30 @@ def put(url: str, body: dict) -> tuple[int, dict]:
         return err.code, _json(err.read())
 
 
+def _refuse(message: str):
+    print(f"text_generation_cli.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def api_url(address: str) -> str:
+    """``http://HOST:PORT/api`` for ``address`` (HOST:PORT, or a URL); exit code 2 with one line for an
+    address urllib cannot use (a port that is not a number in [0, 65535], no host, a broken IPv6 one)."""
+    url = (address if "://" in address else f"http://{address}").rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
+    except ValueError as err:
+        _refuse(f"{address!r} is not the server's HOST:PORT ({err})")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        _refuse(f"{address!r} is not the server's HOST:PORT (e.g. localhost:5000)")
+    return f"{url}/api"
+
+
 def main(argv=None, read=input) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("text_generation_cli.py: error: takes one argument, the server's HOST:PORT "
-              f"(got {' '.join(argv) or 'none'})", file=sys.stderr)
-        raise SystemExit(2)
-    url = f"http://{argv[0]}/api" if "://" not in argv[0] else f"{argv[0]}/api"
+        _refuse(f"takes one argument, the server's HOST:PORT (got {' '.join(argv) or 'none'})")
+    url = api_url(argv[0])
     while True:
         try:
             prompt = read("Enter prompt: ")
@@ -60,8 +79,8 @@ def main(argv=None, read=input) -> int:
             continue
         try:
             status, body = put(url, {"prompts": [prompt], "tokens_to_generate": tokens})
-        except urllib.error.URLError as err:
-            print(f"error: cannot reach {url} ({err.reason})", file=sys.stderr)
+        except (OSError, http.client.HTTPException) as err:  # URLError, or the server hung up mid-answer
+            print(f"error: cannot reach {url} ({getattr(err, 'reason', None) or err})", file=sys.stderr)
             return 2
         ok = status == 200 and isinstance(body.get("text"), list) and body["text"]
         print(f"Megatron Response: {body['text'][0]}" if ok else f"Error {status}: {body.get('message')}")

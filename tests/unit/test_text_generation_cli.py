@@ -16,6 +16,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_PUT(self):  # noqa: N802 - the name http.server calls
         self.rfile.read(int(self.headers["Content-Length"]))
         status, body = next(self.answers)
+        if status is None:  # hang up without an answer (a server that died mid-request)
+            self.close_connection = True
+            return
         self.send_response(status)
         self.send_header("Content-Type", "text/html")
         self.end_headers()
@@ -53,3 +56,24 @@ def test_answers_that_are_not_json_are_one_line_each(server, capsys):
                    "Error 200: the answer is not a JSON object: 'hello'",
                    "Error 200: the answer is not a JSON object: '[1]'",
                    "Megatron Response: 5 17 3"]
+
+
+@pytest.mark.parametrize("address", ["localhost:abc", "localhost:99999", "http://[::1", ":5000"])
+def test_an_address_urllib_cannot_use_is_refused_at_start(address, capsys):
+    def read(_prompt):
+        raise AssertionError("asked for a prompt before refusing the address")
+
+    with pytest.raises(SystemExit) as stop:
+        load_tool("text_generation_cli").main([address], read=read)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"text_generation_cli.py: error: {address!r} is not the server's HOST:PORT")
+
+
+def test_a_server_that_hangs_up_is_one_line(server, capsys):
+    _Handler.answers = iter([(None, None)])
+    typed = iter(["5 17", "1"])
+    url = f"http://127.0.0.1:{server.server_port}/"  # a trailing slash is fine
+    assert load_tool("text_generation_cli").main([url], read=lambda _prompt: next(typed)) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot reach {url}api (Remote end closed connection without response)\n"
