@@ -37,7 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int, times_less  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    OneLineParser,
+    add_inference_model_args,
+    describe_machine,
+    positive_int,
+    times_less,
+)
 
 
 def parse_args(argv=None):
@@ -46,12 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--max-requests", type=positive_int, default=8, help="rows of the batch (the server's default 8)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block of the paged mode")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per step of the paged mode")
-    p.add_argument("--rounds", type=positive_int, default=3)
-    p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--hidden", type=positive_int, default=256)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--vocab", type=positive_int, default=8192)
+    add_inference_model_args(p, rounds=3)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

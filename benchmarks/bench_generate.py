@@ -33,17 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
+from benchmarks.common import OneLineParser, add_inference_model_args, describe_machine, positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=positive_int, default=2)
-    p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--hidden", type=positive_int, default=256)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--vocab", type=positive_int, default=8192)
+    add_inference_model_args(p, rounds=2)
     p.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens")
     p.add_argument("--new", type=positive_int, default=512, help="tokens to generate")
     p.add_argument("--skip-uncached", action="store_true", help="skip the (slow) full-recompute runs")

@@ -26,6 +26,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_inference_model_args(p, rounds: int) -> None:
+    """The inference benchmarks' shared flags: timed rounds, threads and the random GPT they serve."""
+    p.add_argument("--rounds", type=positive_int, default=rounds)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--vocab", type=positive_int, default=8192)
+
+
 def positive_float(text: str) -> float:
     """An argparse type for sizes, peaks and timeouts: above 0, or refused in one line naming the flag."""
     try:
