@@ -216,8 +216,10 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     bottom.set_ylabel("step time (s)")
     bottom.set_xticks(list(x), labels, rotation=90, fontsize=6)
     fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, flag="--png")
+    finally:
+        plt.close(fig)
     return f"wrote {path}"
 
 
@@ -246,7 +248,11 @@ def main(argv=None) -> int:
     else:
         print(describe(fitting[0], spec, cluster))
     if args.png:
-        print(draw(shown, args.png, cluster.gpu_memory_gb))
+        try:
+            print(draw(shown, args.png, cluster.gpu_memory_gb))
+        except ConfigError as err:  # the write failed after the check (a full disk): nothing left behind
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

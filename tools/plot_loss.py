@@ -79,7 +79,9 @@ def read_run(path: str, tag: str = "lm loss") -> tuple[list, list]:
     return read_log(path, tag)
 
 
-def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", log_y: bool = False) -> None:
+def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", log_y: bool = False,
+         flag: str | None = None) -> None:
+    """Draw the runs' curves into ``output``; ``flag``: see :func:`save_figure` (a failed write)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,8 +100,10 @@ def plot(runs: list[tuple[str, list, list]], output: str, tag: str = "lm loss", 
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    save_figure(fig, output)
-    plt.close(fig)
+    try:
+        save_figure(fig, output, flag=flag)
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -128,7 +132,11 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         runs.append((args.labels[i] if args.labels else path, train, valid))
-    plot(runs, args.output, args.tag, args.log_y)
+    try:
+        plot(runs, args.output, args.tag, args.log_y, flag="--output")
+    except ConfigError as err:  # the write failed after the check (a full disk): nothing left behind
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.output} ({', '.join(f'{label}: {len(t)} points' for label, t, _ in runs)})")
     return 0
 

@@ -129,7 +129,10 @@ def main(argv=None) -> int:
     for ax in axes[:, 0]:
         ax.set_xlim(0, span)
     fig.tight_layout()
-    save_figure(fig, args.out)
+    try:
+        save_figure(fig, args.out, flag="--out")
+    except ConfigError as err:  # the write failed after the check (a full disk): nothing left behind
+        ap.exit(2, f"error: {err}\n")
     print(f"wrote {args.out}")
     return 0
 

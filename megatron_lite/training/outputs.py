@@ -71,14 +71,28 @@ def check_output_file(flag: str, path: str) -> None:
                           "path") from None
 
 
-def save_figure(fig, path: str, dpi: int = 120) -> None:
+def save_figure(fig, path: str, dpi: int = 120, flag: str | None = None) -> None:
     """Write a matplotlib figure whole to ``path`` (a temporary name, then a rename) in the format its
-    extension names (.svg, .pdf, ...; PNG where matplotlib writes no such format)."""
+    extension names (.svg, .pdf, ...; PNG where matplotlib writes no such format).
+
+    A write that fails (a full disk, a folder removed meanwhile) or is interrupted removes the
+    temporary file and leaves ``path`` as it was; the OSError becomes a ConfigError naming ``flag``
+    and ``path`` when ``flag`` is given (the tools' one-line exit 2), else it is re-raised."""
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     fmt = ext if ext in fig.canvas.get_supported_filetypes() else "png"
     tmp = f"{path}.tmp.{fmt}"
-    fig.savefig(tmp, dpi=dpi, format=fmt)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=dpi, format=fmt)
+        os.replace(tmp, path)
+    except BaseException as err:
+        try:
+            os.remove(tmp)
+        except OSError:  # never created, or already gone
+            pass
+        if flag is None or not isinstance(err, OSError):
+            raise
+        raise ConfigError(f"{flag} {path}: could not write the image ({err.strerror or err}); nothing was "
+                          "written: free some space or pick another path") from None
 
 
 def check_output_locations(config: Config) -> None:

@@ -91,3 +91,62 @@ def test_an_unwritable_image_path_is_refused_before_the_work(tmp_path, capsys, t
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and f"{flag} {path}" in lines[0], lines
     assert ("is a folder" if place == "folder" else "a_file is a file, not a folder") in lines[0], lines
+
+
+@pytest.mark.parametrize("tool", ["plot_loss", "plot_schedule", "plan"])
+def test_a_write_that_fails_after_the_check_leaves_no_temporary_file(tmp_path, capsys, monkeypatch, tool):
+    """savefig failing half-way (a full disk, after the up-front check passed) left ``<image>.tmp.png``
+    behind and ended in a traceback; now the temporary file is removed, the old image is untouched and
+    the tool says so in one line naming the flag, exit 2."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    _run(tmp_path, capsys)
+    out_dir = tmp_path / "images"
+    out_dir.mkdir()
+    image = out_dir / "x.png"
+    image.write_bytes(b"the previous image")
+
+    def full_disk(fig, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    flag, argv = {"plot_loss": ("--output", [str(tmp_path / "run.log")]),
+                  "plot_schedule": ("--out", ["-p", "2", "-m", "2"]),
+                  "plan": ("--png", ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                                     "--seq-length", "16", "--vocab-size", "100", "--gpus", "8",
+                                     "--global-batch-size", "8"])}[tool]
+    try:
+        code = load_tool(tool).main(argv + [flag, str(image)])
+    except SystemExit as err:
+        code = err.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{flag} {image}" in lines[0] and "No space left on device" in lines[0], lines
+    assert sorted(os.listdir(out_dir)) == ["x.png"] and image.read_bytes() == b"the previous image"
+
+
+def test_save_figure_without_a_flag_removes_its_temporary_file_and_re_raises(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from megatron_lite.training.outputs import save_figure
+
+    def interrupted(fig, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"half")
+        raise KeyboardInterrupt
+
+    fig = Figure()
+    monkeypatch.setattr(Figure, "savefig", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_figure(fig, str(tmp_path / "a.svg"))
+    monkeypatch.setattr(Figure, "savefig", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(OSError, match="No space"):
+        save_figure(fig, str(tmp_path / "a.svg"))
+    assert os.listdir(tmp_path) == []
