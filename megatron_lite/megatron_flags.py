@@ -14,6 +14,7 @@ leave the table (tests/unit/test_megatron_flags.py says which one).
 
 from __future__ import annotations
 
+import argparse
 import difflib
 
 from .megatron_flag_table import ENTRIES
@@ -102,3 +103,16 @@ def unknown_flag_message(extras: list[str], known: list[str]) -> tuple[str, bool
     if others:
         message += f" [also not recognized: {' '.join(others)}]"
     return message, first in REFUSED
+
+
+class RefusedFlag(argparse.Action):
+    """For a tool's parser: a Megatron-LM flag its Megatron-LM counterpart takes (``--vocab-extra-ids``
+    in ``preprocess_data.py``) that training here refuses. The tool refuses it with training's line
+    (:func:`megatron_flag_message`), not argparse's "unrecognized arguments"; hidden from ``--help``."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.update(nargs="?", help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(megatron_flag_message(option_string))

@@ -23,6 +23,7 @@ import os
 
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.errors import ConfigError
+from megatron_lite.megatron_flags import RefusedFlag
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -136,8 +137,10 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
     """Megatron's SentencePieceTokenizer: special tokens appended after the model's pieces.
 
     <CLS>, <SEP>, <EOD>, <MASK>, then the model's pad/bos/eos pieces (or <PAD>/<BOS>/<EOS> when the
-    model has none), then ``<extra_id_0..n-1>``; each gets a new id only if it is not already a
-    piece.  Special tokens written literally in the text are encoded as their ids.
+    model has none), then ``<extra_id_0..n-1>`` (``vocab_extra_ids``, T5's sentinels: for code that
+    builds this class; the ``--vocab-extra-ids`` flag is refused, as there is no T5 here); each gets
+    a new id only if it is not already a piece.  Special tokens written literally in the text are
+    encoded as their ids.
     """
 
     def __init__(self, model_file: str, vocab_extra_ids: int = 0):
@@ -294,16 +297,13 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None, vocab_extra_ids: int = 0) -> Tokenizer:
+                    vocab_size=None) -> Tokenizer:
     """Build the tokenizer Megatron's ``--tokenizer-type`` names, from local files only."""
     t = tokenizer_type
-    if vocab_extra_ids and t != "SentencePieceTokenizer":  # the others have no sentinel tokens to add
-        raise ConfigError(f"--vocab-extra-ids {vocab_extra_ids}: only SentencePieceTokenizer appends <extra_id_N> "
-                          f"tokens, --tokenizer-type {t} would tokenize without them; drop the flag")
     if t == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", t), _need(merge_file, "--merge-file", t))
     if t == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", t), vocab_extra_ids)
+        return SentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", t))
     if t == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(_need(tokenizer_model, "--tokenizer-model", t))
     if t == "HuggingFaceTokenizer":
@@ -326,12 +326,13 @@ def add_tokenizer_args(parser) -> None:
     group.add_argument("--tokenizer-model", default=None,
                        help="SentencePiece .model, or tokenizer.json for HuggingFaceTokenizer")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
-    group.add_argument("--vocab-extra-ids", type=int, default=0,
-                       help="number of <extra_id_N> tokens SentencePieceTokenizer appends (refused with the other tokenizers)")
+    # Megatron-LM's preprocess_data.py takes it (T5's sentinel tokens); training here refuses it, so a
+    # dataset tokenized with sentinels no run could read is refused with training's line
+    group.add_argument("--vocab-extra-ids", action=RefusedFlag)
 
 
 def tokenizer_kwargs(args) -> dict:
     """The build_tokenizer keyword arguments held in parsed CLI args (picklable, for workers)."""
     return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                vocab_size=args.vocab_size, vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))
+                vocab_size=args.vocab_size)

@@ -232,16 +232,24 @@ def test_lang_with_the_builtin_splitter_is_refused(tmp_path, capsys):
     assert tool.main(argv + ["--lang", "english"]) == 0 and (tmp_path / "o_text_sentence.idx").is_file()
 
 
-@pytest.mark.parametrize("kind", ["BertWordPieceLowerCase", "GPT2BPETokenizer"])
-def test_vocab_extra_ids_with_a_tokenizer_that_adds_none_is_one_line(tmp_path, tok_files, capsys, kind):
-    """--vocab-extra-ids is SentencePieceTokenizer's (Megatron's T5 recipe passes it with BertWordPieceCase):
-    with another tokenizer it was accepted and ignored, the data tokenized without the sentinels."""
+@pytest.mark.parametrize("tool, kind", [("preprocess_data", "SentencePieceTokenizer"),
+                                        ("preprocess_data", "BertWordPieceLowerCase"),
+                                        ("preprocess_sft", "SentencePieceTokenizer")])
+@pytest.mark.parametrize("value", [["3"], ["0"], []])
+def test_vocab_extra_ids_is_refused_as_training_refuses_it(tmp_path, tok_files, capsys, tool, kind, value):
+    """--vocab-extra-ids (T5's sentinel tokens) was taken with SentencePieceTokenizer, which appended
+    <extra_id_N> ids, while pretrain_gpt.py / pretrain_bert.py refuse the flag: a dataset holding ids
+    no training run's tokenizer has. The tools now refuse it with training's line, exit 2, no output."""
+    from megatron_lite.megatron_flags import megatron_flag_message
+
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "a b"}\n')
     files = [x for k, v in tok_files[kind].items() for x in (f"--{k.replace('_', '-')}", v)]
-    code = load_tool("preprocess_data").main(["--input", str(src), "--output-prefix", str(tmp_path / "x"),
-                                              "--tokenizer-type", kind, *files, "--vocab-extra-ids", "3"])
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "x"), "--tokenizer-type", kind, *files,
+            "--vocab-extra-ids", *value]
+    with pytest.raises(SystemExit) as exit_:
+        load_tool(tool).main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    assert "--vocab-extra-ids 3: only SentencePieceTokenizer" in err[0] and kind in err[0], err
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert megatron_flag_message("--vocab-extra-ids") in err[0], err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

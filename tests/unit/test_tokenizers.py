@@ -14,7 +14,7 @@ from megatron_lite.data.gpt2_bpe import (
     train_gpt2_bpe,
 )
 from megatron_lite.data.indexed_dataset import DataFileError
-from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.tokenizers import SentencePieceTokenizer, build_tokenizer
 from megatron_lite.data.wordpiece import basic_tokenize
 from tests.tools import load_tool
 
@@ -134,7 +134,7 @@ def test_gpt2_matches_huggingface_byte_level_bpe(gpt2_files):
 # -- SentencePiece ---------------------------------------------------------------------------------
 def test_sentencepiece_round_trip_and_specials(sp_model):
     gpt = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
-    meg = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model, vocab_extra_ids=2)
+    meg = SentencePieceTokenizer(sp_model, vocab_extra_ids=2)  # the class only: --vocab-extra-ids is refused
     assert gpt.vocab_size == 600 and gpt.eod == 2 and gpt.bos == 1 and gpt.pad is None
     # Megatron's variant appends <CLS> <SEP> <EOD> <MASK> <PAD> after the model's pieces (the model
     # has bos/eos pieces already), then the extra ids.
