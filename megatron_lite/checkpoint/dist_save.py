@@ -16,6 +16,7 @@ done, and waits for it before the next save and at the end of the run.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -26,6 +27,7 @@ from ..console import is_logging_rank
 from .dist import common_payload, rank_pieces
 from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME, PIECE_CHECKSUMS_MARK
 from .format import (
+    ASIDE_PREFIX,
     CHECKSUMS_KEY,
     TRACKER_FILENAME,
     CheckpointError,
@@ -76,20 +78,37 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+def tidy_asides(root: str) -> None:
+    """Every ``.old_iter_N`` (``.old_release``) an earlier save left under ``root``: renamed back to
+    ``iter_N`` where that is missing (the save died between its renames: this is the old checkpoint,
+    whole), removed where ``iter_N`` exists (it died after them, or while removing it: stale, maybe
+    half gone), whatever iteration the tracker names now."""
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        kept = name[len(ASIDE_PREFIX):]
+        if not name.startswith(ASIDE_PREFIX) or not (kept == "release" or re.fullmatch(r"iter_\d{7,}", kept)):
+            continue
+        iteration = "release" if kept == "release" else int(kept[len("iter_"):])
+        restore_aside(root, iteration)
+        if os.path.lexists(iteration_dir(root, iteration)):
+            _remove(os.path.join(root, name))
+
+
 def finalize_save(root: str, iteration) -> None:
     """Rank 0, once every rank's files are complete: the folder takes its name, the tracker names it.
 
     An existing ``iter_N`` (which the tracker may name: a save repeating the latest iteration) is
-    renamed aside to ``.old_iter_N`` before the new folder takes its name, and deleted after: a crash
-    between the renames leaves the old folder, which :func:`~.format.read_tracker` renames back."""
+    renamed aside to ``.old_iter_N`` before the new folder takes its name, and deleted once the
+    tracker is written: a crash between the renames leaves the old folder, which
+    :func:`~.format.read_tracker` (or this function, at the next save) renames back; a crash after
+    them leaves a stale ``.old_iter_N`` that loading ignores and the next save removes
+    (:func:`tidy_asides`)."""
     final, aside = iteration_dir(root, iteration), aside_dir(root, iteration)
-    restore_aside(root, iteration)  # an earlier save that died between the renames
-    _remove(aside)  # ... or after them: iter_N is already the newer one
+    tidy_asides(root)  # what earlier saves that died between or after their renames left
     if os.path.lexists(final):
         os.rename(final, aside)
     os.rename(temp_dir(root, iteration), final)
-    _remove(aside)
     atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+    _remove(aside)  # the new checkpoint is committed
 
 
 def write_small_files(root, iteration, common, rng, rank, rng_name) -> None:

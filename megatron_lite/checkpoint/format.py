@@ -72,9 +72,12 @@ def iteration_dir(root: str, iteration: int | str) -> str:
     return os.path.join(root, name)
 
 
+ASIDE_PREFIX = ".old_"  # + iter_XXXXXXX: the folder a save replacing it keeps aside meanwhile
+
+
 def aside_dir(root: str, iteration: int | str) -> str:
     """Where a save repeating iteration N keeps the old ``iter_N`` while it renames the new one in."""
-    return os.path.join(root, ".old_" + os.path.basename(iteration_dir(root, iteration)))
+    return os.path.join(root, ASIDE_PREFIX + os.path.basename(iteration_dir(root, iteration)))
 
 
 def restore_aside(root: str, iteration: int | str) -> None:

@@ -109,3 +109,36 @@ def test_aside_folder_that_cannot_be_renamed_back_is_explained(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match=r"iter_0000001 is missing and .*\.old_iter_0000001 holds it .*"
                        r"Permission denied.*rename .*\.old_iter_0000001 to .*iter_0000001"):
         load_checkpoint([model], opt, sched, cfg, state)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_stale_aside_folder_is_ignored_by_loading_and_removed_by_the_next_save(tmp_path, fmt):
+    """A save that died after renaming the new ``iter_N`` in (while removing ``.old_iter_N``, maybe half
+    gone) left that folder for good: only a later save of the same N removed it, one checkpoint's worth
+    of disk. Loading and the folder listing ignore it, and the next save of any iteration removes it
+    (after its tracker is written); an aside whose ``iter_N`` is missing (the old checkpoint, whole) is
+    renamed back instead, whatever iteration the tracker names by then."""
+    from megatron_lite.checkpoint.format import iteration_folders, read_tracker
+
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = fmt
+    saved_opt = opt if fmt == "torch" else None
+    root = tmp_path / "ckpt"
+    _train(model, opt, sched, 1)
+    save_checkpoint(1, [model], saved_opt, sched, 4, cfg, state)
+    stale = root / ".old_iter_0000001"
+    shutil.copytree(root / "iter_0000001", stale)
+    os.remove(next(os.path.join(d, f) for d, _, fs in os.walk(stale) for f in fs))  # half removed
+    old = _weights(model)
+    assert iteration_folders(str(root)) == ["iter_0000001"]
+    assert _same(_loaded(tmp_path, cfg, state), old)
+    assert read_tracker(str(root)) == 1 and stale.is_dir()  # what every reader (converter, generate.py) asks first
+    _train(model, opt, sched, 1)
+    save_checkpoint(2, [model], saved_opt, sched, 8, cfg, state)
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+    os.rename(root / "iter_0000001", root / ".old_iter_0000001")  # a swap of iteration 1 that died between renames
+    save_checkpoint(3, [model], saved_opt, sched, 12, cfg, state)  # a run saving on without --load
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
+    (root / "latest_checkpointed_iteration.txt").write_text("1\n")
+    assert _same(_loaded(tmp_path, cfg, state), old)
