@@ -114,6 +114,16 @@ def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 
     return model
 
 
+def prefer_ids_from(model, size: int) -> None:
+    """Make the ids from ``size`` on the most likely ones at every position (the tokenizer-less ids
+    of a model vocabulary larger than its tokenizer's): the final norm adds a fixed direction that
+    their (tied) output rows follow."""
+    with torch.no_grad():
+        e = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(3)), dim=0)
+        model.decoder.final_norm.bias.copy_(10 * e)
+        model.embedding.word_embeddings.weight[size:].copy_(20 * e)
+
+
 def prompts(batch: int = 3, seed: int = 0, lengths=(5, 9, 7)) -> list[list[int]]:
     """Prompts of different lengths, ids in the text range (never the end of document)."""
     g = torch.Generator().manual_seed(seed)

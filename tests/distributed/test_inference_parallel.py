@@ -166,3 +166,60 @@ def test_each_steps_log_probs_reach_every_rank_at_tp2_pp2(checkpoints):
     for rank, (joined, final) in enumerate(run_ranks(4, stream_log_probs_on_ranks, checkpoints["gpt"], 2, 2)):
         for got, (log_probs, tops) in zip(joined, final):
             assert got[:len(log_probs)] == list(zip(log_probs, tops)) and any(v != 0 for v in log_probs), f"rank {rank}"
+
+
+SPLIT_VOCAB = 628  # rows over a ~600-id tokenizer: padded to 632 in one process, to 640 (2 x 320) at TP2,
+# so the ids the tokenizer lacks and the padded rows all lie in TP rank 1's half of the vocabulary
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer_checkpoint(tmp_path_factory):
+    """A ``gpt`` checkpoint of SPLIT_VOCAB ids with a smaller GPT-2 BPE tokenizer, whose model prefers
+    the ids past the tokenizer's; (root, the tokenizer's size)."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from tests.inference_helpers import prefer_ids_from
+    from tests.preprocess_helpers import make_tok_files
+
+    fields = {"tokenizer_type": "GPT2BPETokenizer", **make_tok_files(tmp_path_factory)["GPT2BPETokenizer"]}
+    size = build_tokenizer(**fields).vocab_size
+    assert size < SPLIT_VOCAB
+    root = str(tmp_path_factory.mktemp("small_tokenizer") / "ckpt")
+    save_model("gpt", root, tokenizer=fields, vocab=SPLIT_VOCAB, adjust=lambda m: prefer_ids_from(m, size))
+    return root, size
+
+
+UNPRINTABLE_RUNS = [SamplingParams(tokens_to_generate=10, top_k=1, top_n_logprobs=3, stop_on_eod=False),
+                    SamplingParams(tokens_to_generate=10, top_k=0, random_seed=5, top_n_logprobs=3, stop_on_eod=False)]
+
+
+def generate_with_tokenizer(root, tp, with_tokenizer=True):
+    """Greedy and full-vocabulary sampled generations (tokens, log-probs, top log-probs) at TP ``tp``,
+    with the engine told the tokenizer (its unprintable ids masked) or not."""
+    from megatron_lite.inference.loading import load_tokenizer
+
+    state = cached_state(tp=tp) if tp > 1 else None
+    model, saved = load_model(root, state)
+    tokenizer = load_tokenizer(saved)
+    engine = InferenceEngine(model, state, vocab_size=SPLIT_VOCAB, max_sequence_length=MAX_LEN, eod=tokenizer.eod,
+                             tokenizer=tokenizer if with_tokenizer else None)
+    prompt = [tokenizer.tokenize("The quick brown fox"), tokenizer.tokenize("a b")]
+    return [[(g.tokens, g.log_probs, g.top_log_probs) for g in engine.generate(prompt, params)]
+            for params in UNPRINTABLE_RUNS]
+
+
+def test_unprintable_ids_are_never_chosen_at_tp2_with_a_split_padded_vocabulary(small_tokenizer_checkpoint):
+    """The ids past the tokenizer's (and the padding) sit in TP rank 1's vocabulary shard; the
+    sampling rank (TP rank 0) masks them in the gathered logits: greedy, full-vocabulary sampling and
+    the top log-probs never name one (the blind engine, without the tokenizer, picks them), and every
+    rank returns the one-process tokens and log-probs (1e-5)."""
+    root, size = small_tokenizer_checkpoint
+    want = generate_with_tokenizer(root, 1)
+    blind = run_ranks(2, generate_with_tokenizer, root, 2, False)[0]
+    assert all(t >= size for run in blind for tokens, _, _ in run for t in tokens[-10:])  # the model prefers them
+    for rank, got in enumerate(run_ranks(2, generate_with_tokenizer, root, 2)):
+        for run, ref in zip(got, want):
+            for (tokens, log_probs, tops), (ref_tokens, ref_log_probs, ref_tops) in zip(run, ref):
+                assert tokens == ref_tokens and all(t < size for t in tokens), f"rank {rank}"
+                assert all(t < size for position in tops for t, _ in position), f"rank {rank}"
+                assert [[t for t, _ in p] for p in tops] == [[t for t, _ in p] for p in ref_tops], f"rank {rank}"
+                assert_close(torch.tensor(log_probs), torch.tensor(ref_log_probs), what=f"rank {rank}")

@@ -20,7 +20,16 @@ from megatron_lite.inference.sampling import (
     filter_top_p,
     sample,
 )
-from tests.inference_helpers import MAX_LEN, VARIANTS, VOCAB, assert_close, build_model, prompts, save_model
+from tests.inference_helpers import (
+    MAX_LEN,
+    VARIANTS,
+    VOCAB,
+    assert_close,
+    build_model,
+    prefer_ids_from,
+    prompts,
+    save_model,
+)
 
 NEW = 64
 
@@ -269,15 +278,6 @@ def test_a_max_sequence_length_beyond_the_learned_positions_is_refused_not_cut(c
 MODEL_VOCAB = 640  # the model's rows over the ~600 ids of the tokenizers below (as Qwen's 151936 over 151665)
 
 
-def _unprintable_ids_win(model, size: int) -> None:
-    """Make the ids from ``size`` on the most likely ones at every position: the final norm adds a fixed
-    direction that their (tied) output rows follow."""
-    with torch.no_grad():
-        e = torch.nn.functional.normalize(torch.randn(32, generator=torch.Generator().manual_seed(3)), dim=0)
-        model.decoder.final_norm.bias.copy_(10 * e)
-        model.embedding.word_embeddings.weight[size:].copy_(20 * e)
-
-
 @pytest.fixture(scope="module")
 def small_tokenizers(tmp_path_factory):
     """``gpt`` checkpoints of MODEL_VOCAB ids trained with a smaller GPT-2 BPE / SentencePiece tokenizer."""
@@ -291,7 +291,7 @@ def small_tokenizers(tmp_path_factory):
         assert size < MODEL_VOCAB
         roots[kind] = str(tmp_path_factory.mktemp(kind))
         save_model("gpt", roots[kind], tokenizer=fields, vocab=MODEL_VOCAB,
-                   adjust=lambda m, size=size: _unprintable_ids_win(m, size))
+                   adjust=lambda m, size=size: prefer_ids_from(m, size))
     return roots
 
 
