@@ -7,7 +7,10 @@ window scores all its targets, every later one only its last ``stride`` targets,
 ``T - 1`` targets is scored exactly once with at least ``seq_length - stride`` tokens of context.
 Then ``loss = sum(NLL) / (T - 1)``, ``ppl = exp(min(20, loss))`` and, when the text's word count
 ``W`` is known, ``adjusted ppl = exp(min(20, sum(NLL) / (W - 1)))`` (perplexity per word, comparable
-across tokenizers) with ``token ratio = (T - 1) / (W - 1)``.
+across tokenizers) with ``token ratio = (T - 1) / (W - 1)``. As in Megatron, ``T`` counts every token
+of the scored stream and ``W`` only the raw text's words: a JSONL file's end-of-document tokens (one
+after each document) are in ``T`` and in ``sum(NLL)`` (predicting a document's end is part of the
+cost), as Megatron's newline tokens are, and in no word; the adjusted ppl is that total per word.
 
 LAMBADA: predict the last word of each text from the rest. Non-strict (Megatron's default) the
 target is the text's last token; with ``strict`` it is the last whitespace-separated word,
@@ -142,8 +145,10 @@ def read_jsonl_texts(path: str, key: str = "text") -> list[str]:
 
 
 def word_count(text: str) -> int:
-    """Megatron's word count: the pieces of the stripped text split on single spaces."""
-    return len(text.strip().split(" "))
+    """Megatron's word count: the pieces of the stripped text split on single spaces (none in a text of
+    whitespace only, where Megatron's split would count one: an empty JSONL document adds no word)."""
+    text = text.strip()
+    return len(text.split(" ")) if text else 0
 
 
 def wikitext_detokenize(text: str) -> str:

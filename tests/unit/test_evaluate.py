@@ -177,3 +177,19 @@ def test_strict_lambada_target_of_a_sentencepiece_tokenizer_has_no_extra_space(t
         word = text.split()[-1]
         assert tokens == tok.tokenize(text[:text.rfind(word)].strip() + " " + word), text
         assert tok.detokenize(tokens[-n:]).strip() == text.split()[-1]
+
+
+def test_jsonl_word_count_skips_empty_documents_and_tokens_count_every_end_of_document(tmp_path):
+    """T holds each document's tokens and its end-of-document token (scored, as Megatron scores its
+    newline tokens); W only the words. An empty document counted one word (Megatron's
+    ``len("".split(" ")) == 1``), lowering the adjusted ppl; now it adds its end-of-document token only."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.evaluation import read_token_stream, word_count
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1 2 3", "", "   ", "4 5"]))
+    tokens, words = read_token_stream(str(data), tokenizer)
+    eod = tokenizer.eod
+    assert tokens == [1, 2, 3, eod, eod, eod, 4, 5, eod] and words == 5
+    assert word_count(" a b  c \n") == 4 and word_count("") == 0  # Megatron's single-space split otherwise
