@@ -179,6 +179,8 @@ class AsyncSaves:
             except OSError as err:
                 error = (f"could not rename {temp_dir(pending.root, pending.iteration)} into place: "
                          f"{err.strerror or err} ({err.filename}); the previous checkpoint stays the latest")
+            except CheckpointError as err:  # an earlier save's .old_iter_N that cannot be renamed back
+                error = str(err)
         if error is not None:
             error = f"async save of iteration {pending.iteration} to --save {pending.root} failed: {error}"
             if not final:

@@ -142,3 +142,28 @@ def test_a_stale_aside_folder_is_ignored_by_loading_and_removed_by_the_next_save
                                         "latest_checkpointed_iteration.txt"]
     (root / "latest_checkpointed_iteration.txt").write_text("1\n")
     assert _same(_loaded(tmp_path, cfg, state), old)
+
+
+def test_an_aside_that_cannot_be_renamed_back_fails_an_async_save_with_a_warning(tmp_path, monkeypatch, capsys):
+    """Finalizing an --async-save renames earlier saves' asides back: when that fails, the save fails
+    like any async save that cannot finalize (a warning, the previous checkpoint the latest), rather
+    than a CheckpointError escaping the training loop's poll."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    root = tmp_path / "ckpt"
+    save_checkpoint(1, [model], None, sched, 4, cfg, state)
+    save_checkpoint(2, [model], None, sched, 8, cfg, state)
+    os.rename(root / "iter_0000001", root / ".old_iter_0000001")
+    real_rename = os.rename
+
+    def refuse_aside(src, dst):
+        if os.path.basename(src).startswith(".old_"):
+            raise PermissionError(13, "Permission denied", str(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refuse_aside)
+    saves = dist_save.AsyncSaves()
+    save_checkpoint(3, [model], None, sched, 12, cfg, state, async_saves=saves)
+    saves.wait()
+    assert "WARNING: async save of iteration 3" in capsys.readouterr().out
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
