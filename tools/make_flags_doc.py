@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_lite.arguments import build_parser  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.files import replaced_whole  # noqa: E402
 from megatron_lite.megatron_flags import ENTRIES, REFUSED_VALUES  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "flags.md")
@@ -138,10 +139,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
         return 0
-    tmp = args.output + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced_whole(args.output) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, args.output)
     print(f"wrote {os.path.relpath(args.output, ROOT)}")
     return 0
 

@@ -25,6 +25,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.files import replaced_whole  # noqa: E402
 
 # Pure-Python, always-present, import-safe modules whose docstrings are ordinary English prose.
 STDLIB_MODULES = (
@@ -114,13 +115,11 @@ def make_sample_corpus(output: str, doc_chars: int = 2000, docstrings: bool = Tr
 def _write_jsonl(output: str, records) -> tuple[int, int]:
     """Write ``records`` to ``output`` as JSONL (atomically); returns (lines, bytes)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = f"{output}.tmp{os.getpid()}"
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced_whole(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, output)
     return n, os.path.getsize(output)
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 from collections import Counter, defaultdict
 from itertools import chain
 
 import regex
+
+from ..files import replaced_whole
 
 # GPT-2's pre-tokenization pattern, unchanged (datasets must tokenize identically).
 GPT2_PATTERN = regex.compile(
@@ -237,7 +238,5 @@ def save_vocab_and_merges(encoder: dict[str, int], merges, vocab_file: str, merg
         (vocab_file, lambda f: json.dump(encoder, f, ensure_ascii=True)),
         (merge_file, lambda f: f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))),
     ):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replaced_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             write(f)
-        os.replace(tmp, path)

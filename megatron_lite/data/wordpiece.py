@@ -13,10 +13,10 @@ characters, becomes ``[UNK]``.
 from __future__ import annotations
 
 import heapq
-import os
 import unicodedata
 from collections import Counter
 
+from ..files import replaced_whole
 from .gpt2_bpe import pair_index
 
 MAX_WORD_CHARS = 100
@@ -199,7 +199,5 @@ def train_wordpiece(texts, vocab_size: int, lower_case: bool = True, min_frequen
 
 def save_vocab(vocab: list[str], path: str) -> None:
     """vocab.txt, one token per line (written under a temporary name, then renamed)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write("".join(f"{t}\n" for t in vocab))
-    os.replace(tmp, path)

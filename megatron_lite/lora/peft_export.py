@@ -28,6 +28,7 @@ import torch
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.hf import _dims, qkv_to_separate
 from ..checkpoint.hf_io import write_json
+from ..files import replaced_whole
 
 ADAPTER_DIR = "adapter"
 STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")  # the --hf-style values exported
@@ -107,8 +108,7 @@ def save_peft_adapter(cfg: dict, adapters: dict, style: str, base_dir: str) -> s
     config, tensors = peft_adapter(cfg, adapters, style, base_dir)
     out = os.path.join(base_dir, ADAPTER_DIR)
     os.makedirs(out, exist_ok=True)
-    tmp = os.path.join(out, "adapter_model.safetensors.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out, "adapter_model.safetensors"))
+    with replaced_whole(os.path.join(out, "adapter_model.safetensors")) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
     write_json(os.path.join(out, "adapter_config.json"), config)
     return out

@@ -12,6 +12,7 @@ import os
 import tempfile
 
 from ..config import Config, ConfigError
+from ..files import replaced_whole
 
 DEFAULT_PROFILE_DIR = "profile"  # --profile --use-pytorch-profiler's trace folder without --tensorboard-dir
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # the checkpoint tracker (checkpoint/format.py)
@@ -80,16 +81,11 @@ def save_figure(fig, path: str, dpi: int = 120, flag: str | None = None) -> None
     and ``path`` when ``flag`` is given (the tools' one-line exit 2), else it is re-raised."""
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     fmt = ext if ext in fig.canvas.get_supported_filetypes() else "png"
-    tmp = f"{path}.tmp.{fmt}"
     try:
-        fig.savefig(tmp, dpi=dpi, format=fmt)
-        os.replace(tmp, path)
-    except BaseException as err:
-        try:
-            os.remove(tmp)
-        except OSError:  # never created, or already gone
-            pass
-        if flag is None or not isinstance(err, OSError):
+        with replaced_whole(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=fmt)
+    except OSError as err:
+        if flag is None:
             raise
         raise ConfigError(f"{flag} {path}: could not write the image ({err.strerror or err}); nothing was "
                           "written: free some space or pick another path") from None
