@@ -9,7 +9,8 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 (:class:`~megatron_lite.errors.ConfigError`, exit code 2), before a process group or model exists:
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
-plain core attention, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
+plain core attention, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
+or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
 MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--qk-l2-norm`` or
 ``--add-qkv-bias`` without SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
@@ -85,10 +86,34 @@ def _check_mlp_flags(model, specs: list[LayerSpec], flag: str) -> None:
                           f"{given[0]}")
 
 
+def _check_moe_layers(moe, specs: list[LayerSpec], flag: str) -> None:
+    """Refuse a spec whose MoELayer layers are not the ones ``--moe-layer-freq`` selects (its default 1
+    is every layer): the FLOPs count, the per-layer router logging and the recompute checks read the
+    flag, and MoELayer needs ``--num-experts``."""
+    from ..moe.config import parse_moe_layer_freq
+    from ..moe.layer import MoELayer
+
+    in_spec = [_is(s.mlp, MoELayer) for s in specs]
+    if not moe.num_experts:
+        if any(in_spec):
+            raise ConfigError(f"{flag}: layer {in_spec.index(True) + 1}'s mlp is megatron_lite.moe.layer.MoELayer "
+                              "but --num-experts is not set; set --num-experts (and --moe-layer-freq to the spec's "
+                              "MoE layers) or use another mlp")
+        return
+    if not any(in_spec):
+        raise ConfigError(f"{flag}: --num-experts is set but no layer's mlp is megatron_lite.moe.layer.MoELayer; "
+                          "use it in the spec or drop --num-experts")
+    freq, pattern = moe.moe_layer_freq, parse_moe_layer_freq(moe.moe_layer_freq, len(specs))
+    if pattern != in_spec:
+        match, selected = ("[" + ",".join(str(int(v)) for v in p) + "]" for p in (in_spec, pattern))
+        default = " (the default: every layer)" if str(freq).strip() == "1" else ""
+        raise ConfigError(f"{flag}: the spec puts MoELayer in the layers {match} but --moe-layer-freq {freq}{default} "
+                          f"selects {selected}; pass --moe-layer-freq \"{match}\" to match the spec, or change the spec")
+
+
 def check_spec(config) -> None:
     """Refuse (ConfigError) a ``--spec`` that cannot be loaded or would silently drop one of the flags
     the default spec honours. ``config`` is the run's Config."""
-    from ..moe.layer import MoELayer
     from .mla import MLASelfAttention
 
     if not config.model.spec:
@@ -100,9 +125,7 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: core_attention is DotProductAttention (or a subclass), which sees only this rank's part of the "
                           "sequence; with --context-parallel-size > 1 use megatron_lite.parallel.context."
                           "ContextParallelAttention (or a context-parallel module of your own)")
-    if config.moe.num_experts and not any(_is(s.mlp, MoELayer) for s in specs):
-        raise ConfigError(f"{flag}: --num-experts is set but no layer's mlp is megatron_lite.moe.layer.MoELayer; "
-                          "use it in the spec or drop --num-experts")
+    _check_moe_layers(config.moe, specs, flag)
     if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
         raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "
                           "megatron_lite.models.mla.MLASelfAttention; use it in the spec or drop the flag")

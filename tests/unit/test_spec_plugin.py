@@ -256,3 +256,44 @@ def test_an_activation_flag_with_a_custom_mlp_is_refused(capsys, flags):
     for w in ["--spec", flags[0], "SquaredReLUMLP", "megatron_lite.models.mlp.MLP"]:
         assert w in line, line
     parse_args(TINY + flags + ["--spec", squared.replace("squared_relu", "sliding_window"), "spec"])
+
+
+MOE_SPECS = '''
+from megatron_lite.models.spec import LayerSpec
+from megatron_lite.moe.layer import MoELayer
+
+moe = LayerSpec(mlp=MoELayer)
+
+
+def first_dense(layer_number):
+    return LayerSpec() if layer_number == 1 else moe
+'''
+
+
+@pytest.mark.parametrize("flags, name, words", [
+    (["--num-experts", "2"], "first_dense", ["--moe-layer-freq 1", "[0,1]"]),  # the default freq: every layer
+    (["--num-experts", "2", "--moe-layer-freq", "2"], "first_dense", ["--moe-layer-freq 2", "[0,1]"]),
+    (["--num-experts", "2", "--moe-layer-freq", "[0,1]"], "moe", ["--moe-layer-freq [0,1]", "[1,1]"]),
+    ([], "moe", ["--num-experts", "MoELayer"]),
+])
+def test_a_spec_whose_moe_layers_differ_from_moe_layer_freq_is_refused(tmp_path, capsys, flags, name, words):
+    """--moe-layer-freq (default 1: every layer) says which layers are MoE to the FLOPs count, the
+    per-layer router logging and the recompute checks; a spec putting MoELayer elsewhere built other
+    layers than those count (or, without --num-experts, crashed building MoELayer). Refused in one
+    line naming both flags and the --moe-layer-freq that matches the spec."""
+    path = tmp_path / "moe_specs.py"
+    path.write_text(MOE_SPECS)
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + flags + ["--spec", str(path), name])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    for w in ["--spec"] + words:
+        assert w in lines[0], lines[0]
+
+
+def test_a_spec_agreeing_with_moe_layer_freq_trains_as_without_it(tmp_path):
+    path = tmp_path / "moe_specs.py"
+    path.write_text(MOE_SPECS)
+    flags = TINY + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"]
+    assert pretrain_gpt.main(flags + ["--spec", str(path), "first_dense"]).losses == pretrain_gpt.main(flags).losses
