@@ -4,7 +4,9 @@ What is compiled: the forward of every transformer layer, through ONE compiled f
 (:func:`compile_layers`), so Dynamo traces the layer once and reuses the graph for every layer of
 the same shape (the parameters are graph inputs, not constants); a model whose layers differ (a
 mixture of experts in some of them) compiles once per kind. The loss is compiled too: its
-per-token pieces become ``jit_fuser`` functions that compile. Embedding, final norm, output GEMM,
+per-token pieces become ``jit_fuser`` functions that compile, unless ``--jit-fuser eager`` keeps the
+fused functions outside the layers eager (those inside a layer are inlined into its graph whatever
+the mode); the run's start-up line says which (:func:`describe_compilation`). Embedding, final norm, output GEMM,
 optimizer and the pipeline/data-parallel machinery stay eager, and the layers' module hooks
 (ZeRO-3's gathers) run around the compiled forward, not inside it.
 
@@ -29,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from ..console import print_rank_0
 from ..errors import ConfigError
 from .config import FusionConfig
-from .jit import compile_unavailable, set_jit_fuser
+from .jit import check_jit_fuser, compile_unavailable, set_jit_fuser
 
 _compiled_forwards: dict[str, object] = {}
 
@@ -39,13 +42,13 @@ _compiled_forwards: dict[str, object] = {}
 def check_compile_available(fusion: FusionConfig, device_type: str) -> None:
     """Refuse ``--torch-compile`` where its backend cannot build the layers (no Dynamo for this Python;
     Inductor on a CPU without a C++ compiler): one line naming the flag and the fix, before the model is
-    built, instead of Inductor's traceback at the first step. (``jit_fuser`` functions fall back to
-    eager instead: they are optional; the layers' compile is what the flag asks for.)"""
+    built, instead of Inductor's traceback at the first step. The check is ``jit_fuser``'s (the
+    compilers Inductor itself tries); there the fused functions fall back to eager with one line
+    instead: they are optional, the layers' compile is what this flag asks for."""
     if not fusion.torch_compile:
         return
     backend = fusion.torch_compile_backend
-    reason = compile_unavailable(device_type) if backend == "inductor" or not torch._dynamo.is_dynamo_supported() \
-        else None
+    reason = compile_unavailable(device_type, backend)
     if reason is not None:
         fix = "use --torch-compile-backend aot_eager (no code generation) or " if "C++" in reason else ""
         raise ConfigError(f"--torch-compile (backend {backend}) on {device_type}: {reason}; {fix}drop --torch-compile")
@@ -59,13 +62,32 @@ def configure_compilation(fusion: FusionConfig, device_type: str = "cpu") -> Non
     if fusion.torch_compile and mode == "auto":
         mode = "compile"  # the loss's pieces are compiled with the layers
     set_jit_fuser(mode, fusion.torch_compile_backend)
+    check_jit_fuser(device_type)  # no compiler for the fused functions: eager, one line now
     if fusion.torch_compile:
+        print_rank_0(describe_compilation(fusion))
         import torch._inductor.config as inductor_config
 
         from ..parallel.comm import break_graph_at_collectives
 
         inductor_config.fallback_random = True
         break_graph_at_collectives()
+
+
+def describe_compilation(fusion: FusionConfig) -> str:
+    """The start-up line of a ``--torch-compile`` run: what is compiled and what stays eager. The
+    fused functions inside a compiled layer are compiled with it whatever ``--jit-fuser`` says (Dynamo
+    inlines them); the ones outside the layers (the loss's cross-entropy pieces, those in the MoE
+    layers and FP8 GEMMs, which run as graph breaks) follow ``--jit-fuser``: compiled unless it is
+    ``eager``."""
+    head = f"> --torch-compile (backend {fusion.torch_compile_backend})"
+    rest = ("embedding, output layer, optimizer and the layers' graph breaks (collectives, MoE layers, "
+            "precision-recipe GEMMs)")
+    if fusion.jit_fuser == "eager":
+        return (f"{head} with --jit-fuser eager: compiled: the transformer layers (with the fused functions inside "
+                "them); eager: the loss and the fused functions outside the layers (drop --jit-fuser eager to compile "
+                f"them), {rest}")
+    return (f"{head}: compiled: the transformer layers (with the fused functions inside them), the loss's fused pieces "
+            f"and the fused functions outside the layers; eager: {rest}")
 
 
 def compiled_layer_forward(layer_forward, backend: str = "inductor"):

@@ -41,9 +41,9 @@ class FusionConfig:
     cross_entropy_fusion_impl: str = "native"
     """Fused cross-entropy implementation: native (te needs Transformer Engine and is refused)."""
     jit_fuser: str = "auto"
-    """How fused functions run: auto (torch.compile on GPUs, eager on CPUs), compile, or eager."""
+    """How fused functions run: auto (torch.compile on GPUs, eager on CPUs), compile, or eager. Where they cannot compile (no working C++ compiler for Inductor on a CPU) they run eagerly after one line."""
     torch_compile: bool = False
-    """Regional torch.compile: each transformer layer's forward (compiled once, reused) and the loss."""
+    """Regional torch.compile: each transformer layer's forward (compiled once, reused) and the loss (eager with --jit-fuser eager; a start-up line says what is compiled)."""
     torch_compile_backend: str = "inductor"
     """torch.compile backend for --torch-compile and jit_fuser: inductor, aot_eager or eager."""
     retain_host_memory: bool = True

@@ -101,6 +101,19 @@ def test_dropout_in_compiled_layers_draws_the_eager_masks():
     assert compiles == 1
 
 
+def test_jit_fuser_eager_keeps_the_loss_eager_and_says_so(eager, capsys):
+    """--torch-compile with --jit-fuser eager: the layers are compiled (once), the loss's fused pieces
+    run eagerly (never compiled), the start-up line says both, and the run follows the eager one."""
+    from megatron_lite.parallel import cross_entropy
+
+    cross_entropy.fused_shard_softmax._compiled.clear()
+    trajectory, compiles, _ = compiled_rank(MODEL + COMPILE + ["aot_eager", "--jit-fuser", "eager"])
+    assert_same_trajectory(trajectory, eager["dense"], what="--jit-fuser eager")
+    assert compiles == 1 and not cross_entropy.fused_shard_softmax._compiled
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> --torch-compile")]
+    assert len(lines) == 1 and "compiled: the transformer layers" in lines[0] and "eager: the loss" in lines[0], lines
+
+
 def test_inductor_on_a_cpu_without_a_cxx_compiler_is_refused_in_one_line(monkeypatch, capsys):
     """Inductor's CPU backend builds C++: without a compiler --torch-compile stopped at the first step
     with Inductor's traceback (exit 1); it is refused before the model is built (exit 2), naming the
@@ -110,7 +123,7 @@ def test_inductor_on_a_cpu_without_a_cxx_compiler_is_refused_in_one_line(monkeyp
     jit.compile_unavailable.cache_clear()
     try:
         argv = MODEL + ["--num-layers", "1", "--train-iters", "3", "--torch-compile"]
-        refused_line(capsys, lambda: pretrain_gpt.main(argv), "--torch-compile", "no C++ compiler", "aot_eager")
+        refused_line(capsys, lambda: pretrain_gpt.main(argv), "--torch-compile", "no working C++ compiler", "aot_eager")
         torch._dynamo.reset()
         assert len(run_script("pretrain_gpt", argv + ["--torch-compile-backend", "aot_eager"]).losses) == 3
     finally:

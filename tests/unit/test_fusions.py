@@ -10,7 +10,6 @@ fusion fills ``main_grad`` exactly as the hook does.
 
 import dataclasses
 import math
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_lite.fusions.activations as activations
-import megatron_lite.fusions.jit as jit
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
 from megatron_lite.fusions import bias_dropout_add, bias_gelu_impl, bias_swiglu_impl, set_jit_fuser
@@ -200,31 +198,6 @@ def test_no_masked_softmax_fusion_with_packed_documents(causal):
     torch.testing.assert_close(out[False][0], out[True][0], rtol=1e-6, atol=1e-6)
     for g, r in zip(out[False][1], out[True][1]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
-
-def test_jit_fuser_auto_runs_eagerly_on_cpu_and_falls_back_without_a_compiler(monkeypatch):
-    calls = []
-
-    @jit.jit_fuser
-    def double(x):
-        calls.append(1)
-        return 2 * x
-
-    set_jit_fuser("auto")
-    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0)) and not double._compiled  # CPU: eager
-    set_jit_fuser("compile")
-    monkeypatch.setattr(jit.shutil, "which", lambda name: None)  # no C++ compiler on this "machine"
-    jit.compile_unavailable.cache_clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
-        assert not double._compiled and any("no C++ compiler" in str(w.message) for w in caught)
-    finally:
-        jit.compile_unavailable.cache_clear()
-        set_jit_fuser("auto")
-    with pytest.raises(ValueError, match="--jit-fuser"):
-        set_jit_fuser("sometimes")
-
 
 # ---------------------------------------------------------------------------------------------
 # The flags.
