@@ -7,7 +7,9 @@ Per ``--tokenizer-type`` the training run used (saved in its config):
   (byte-level BPE), read as ``GPT2Tokenizer`` (no prefix space, no BOS added);
 * ``GPTSentencePieceTokenizer`` / ``SentencePieceTokenizer``: ``tokenizer.model`` and a
   ``tokenizer.json`` converted from it by ``transformers`` following the model's own normalizer,
-  with Megatron's appended special tokens (``<CLS> <SEP> <EOD> <MASK> ...``) at our ids;
+  with Megatron's appended special tokens (``<CLS> <SEP> <EOD> <MASK> ...``) at our ids; for a BERT
+  (``SentencePieceTokenizer``) also its cls / sep / mask / pad / unk tokens and a post-processor
+  that lays out ``<CLS> A <SEP> B <SEP>`` with token types 0 then 1, as our BERT samples are;
 * ``HuggingFaceTokenizer``: its ``tokenizer.json`` as it is;
 * ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: ``vocab.txt``, read as ``BertTokenizer``
   (``[CLS] ... [SEP]`` added, as our BERT samples have them).
@@ -47,6 +49,14 @@ def _ours(config: dict, files: dict):
                            merge_file=files.get("merges.txt"), tokenizer_model=model)
 
 
+def _is_bert(config: dict) -> bool:
+    """Whether the export is a BERT's tokenizer whose files we write: a WordPiece vocabulary, or a BERT
+    run's Megatron SentencePieceTokenizer (pretrain_bert.py saves ``bert_no_binary_head``, which
+    ``hf.pick_style`` reads too). A tokenizer.json goes as it is, with its own post-processor."""
+    kind = config.get("tokenizer_type")
+    return kind in BERT_TYPES or (kind == "SentencePieceTokenizer" and "bert_no_binary_head" in config)
+
+
 def special_token_ids(config: dict, tok) -> dict:
     """``{bos_token_id, eos_token_id, pad_token_id}`` for config.json (end of document = eos; GPT-2's
     convention of bos = eos where the tokenizer has no bos). Without a tokenizer (NullTokenizer,
@@ -56,8 +66,8 @@ def special_token_ids(config: dict, tok) -> dict:
             eod = int(config["vocab_size"]) - 1
             return {"bos_token_id": eod, "eos_token_id": eod}
         return {}
-    if config.get("tokenizer_type") in BERT_TYPES:
-        return {"pad_token_id": int(tok.pad)}
+    if _is_bert(config):
+        return {"pad_token_id": int(tok.pad)} if tok.pad is not None else {}
     eod = tok.eod if tok.eod is not None else tok.eos
     out = {"bos_token_id": tok.bos if tok.bos is not None else eod, "eos_token_id": eod, "pad_token_id": tok.pad}
     return {k: int(v) for k, v in out.items() if v is not None}
@@ -67,9 +77,10 @@ def _token(tok, i):
     return None if i is None else tok.inv_vocab[i]
 
 
-def _sentencepiece_json(tok, model_file: str, folder: str) -> None:
-    """``tokenizer.json`` converted from the SentencePiece model, with our appended special tokens."""
-    from tokenizers import AddedToken
+def _sentencepiece_json(tok, model_file: str, folder: str, bert: bool) -> None:
+    """``tokenizer.json`` converted from the SentencePiece model, with our appended special tokens (and
+    for a BERT the post-processor of our samples: ``<CLS> A <SEP> B <SEP>``, token types 0 then 1)."""
+    from tokenizers import AddedToken, processors
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     proto = import_protobuf().ModelProto()
@@ -81,10 +92,15 @@ def _sentencepiece_json(tok, model_file: str, folder: str) -> None:
     special = getattr(tok, "special", {})
     for token, _ in sorted(special.items(), key=lambda kv: kv[1]):  # appended in id order: the same ids
         hf.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+    if bert:
+        cls, sep = _token(tok, tok.cls), _token(tok, tok.sep)
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+            special_tokens=[(cls, tok.cls), (sep, tok.sep)])
     hf.save(os.path.join(folder, "tokenizer.json"))
 
 
-def _write(kind: str, tok, files: dict, folder: str) -> None:
+def _write(kind: str, tok, files: dict, folder: str, bert: bool) -> None:
     """This tokenizer's Hugging Face files into ``folder``."""
     names = {"GPT2BPETokenizer": ("vocab.json", "merges.txt"), "HuggingFaceTokenizer": ("tokenizer.json",),
              "GPTSentencePieceTokenizer": ("tokenizer.model",), "SentencePieceTokenizer": ("tokenizer.model",)}
@@ -99,8 +115,12 @@ def _write(kind: str, tok, files: dict, folder: str) -> None:
         cfg.update(tokenizer_class="GPT2Tokenizer" if kind == "GPT2BPETokenizer" else "PreTrainedTokenizerFast",
                    bos_token=_token(tok, tok.bos if tok.bos is not None else eod), eos_token=_token(tok, eod),
                    pad_token=_token(tok, tok.pad), add_bos_token=False, add_eos_token=False, add_prefix_space=False)
+        if bert:  # a BERT's SentencePieceTokenizer: the tokens a fill-mask pipeline and pairs need
+            cfg.update(cls_token=_token(tok, tok.cls), sep_token=_token(tok, tok.sep), mask_token=_token(tok, tok.mask),
+                       unk_token=_token(tok, tok.sp.unk_id()) if tok.sp.unk_id() >= 0 else None,
+                       model_input_names=["input_ids", "token_type_ids", "attention_mask"])
         if kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
-            _sentencepiece_json(tok, files["tokenizer.model"], folder)
+            _sentencepiece_json(tok, files["tokenizer.model"], folder, bert)
         template = hf_chat_template(tok)  # the one the run's chat data was rendered with (a HuggingFaceTokenizer's)
         if template is not None:
             cfg["chat_template"] = template[0]
@@ -108,7 +128,21 @@ def _write(kind: str, tok, files: dict, folder: str) -> None:
         json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=2)
 
 
-def _mismatch(kind: str, tok, folder: str) -> str | None:
+def _bert_pair_mismatch(tok, auto) -> str | None:
+    """Why AutoTokenizer does not lay out a BERT pair as our samples are (None when it does):
+    ``[CLS] A [SEP] B [SEP]``, token types 0 up to the first [SEP], 1 after; and its mask token."""
+    a, b = SAMPLE_TEXTS[1], SAMPLE_TEXTS[0]
+    ta, tb = list(tok.tokenize(a)), list(tok.tokenize(b))
+    want = ([tok.cls, *ta, tok.sep, *tb, tok.sep], [0] * (len(ta) + 2) + [1] * (len(tb) + 1))
+    got = auto(a, b)
+    if (got["input_ids"], got.get("token_type_ids")) != want:
+        return f"the pair ({a!r}, {b!r}) gives {got['input_ids'][:8]} there, {want[0][:8]} here"
+    if auto.mask_token_id != tok.mask:
+        return f"its mask token is {auto.mask_token!r} there, {_token(tok, tok.mask)!r} here"
+    return None
+
+
+def _mismatch(kind: str, tok, folder: str, bert: bool) -> str | None:
     """Why AutoTokenizer on ``folder`` does not give our ids (None when it does)."""
     from transformers import AutoTokenizer
 
@@ -122,10 +156,10 @@ def _mismatch(kind: str, tok, folder: str) -> str | None:
         if got != plain:
             return f"{text!r} gives {got[:8]} there, {plain[:8]} here (without special tokens)"
         ours = list(tok.tokenize(text))
-        want, got = ([tok.cls, *ours, tok.sep] if kind in BERT_TYPES else ours), auto.encode(text)
+        want, got = ([tok.cls, *ours, tok.sep] if bert else ours), auto.encode(text)
         if got != want:
             return f"{text!r} gives {got[:8]} there, {want[:8]} here"
-    return None
+    return _bert_pair_mismatch(tok, auto) if bert else None
 
 
 def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, str]:
@@ -147,15 +181,15 @@ def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, st
     if config.get("vocab_size") and tok.vocab_size != config["vocab_size"]:
         return {}, (f"tokenizer: {kind} not written: its files give {tok.vocab_size} tokens, the model has "
                     f"{config['vocab_size']} (they are not the training tokenizer's)")
-    special = special_token_ids(config, tok)
+    special, bert = special_token_ids(config, tok), _is_bert(config)
     try:
         import transformers  # noqa: F401
     except ImportError:
         return special, f"tokenizer: {kind} not written (checking it needs transformers: pip install transformers)"
     staging = tempfile.mkdtemp(prefix=".tokenizer.", dir=save_dir)
     try:
-        _write(kind, tok, files, staging)
-        why = _mismatch(kind, tok, staging)
+        _write(kind, tok, files, staging, bert)
+        why = _mismatch(kind, tok, staging, bert)
         if why is not None:
             return special, (f"tokenizer: {kind} not written: Hugging Face would read it with other ids ({why}); "
                              "give your tools the training tokenizer files yourself")

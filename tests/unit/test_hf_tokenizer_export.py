@@ -224,3 +224,71 @@ def test_an_export_keeps_the_chat_template_the_run_trained_with(tmp_path):
     chat = [{"role": "system", "content": "red"}, {"role": "user", "content": "why ?"}]
     want = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     assert chat_tokens(ours, chat, add_generation_prompt=True).ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+
+
+BERT_PAIR = ("The quick brown fox jumps over the lazy dog.", "numbers 0 12 123456 3.14159 -42")
+
+
+def bert_layout(ours, a: str, b: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, token types) of a sample as megatron_lite/data/bert_dataset.py lays it out:
+    [CLS] A [SEP] (B [SEP]), types 0 up to the first [SEP] and 1 after it."""
+    ta, tb = ours.tokenize(a), ours.tokenize(b) if b is not None else []
+    ids = [ours.cls, *ta, ours.sep] + ([*tb, ours.sep] if b is not None else [])
+    return ids, [0] * (len(ta) + 2) + [1] * (len(ids) - len(ta) - 2)
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_a_bert_sentencepiece_tokenizer_exports_with_its_special_tokens_and_pairs(tokenizer_files, tmp_path, model_type):
+    """A BERT trained with Megatron's SentencePieceTokenizer (<CLS> <SEP> <MASK> appended) was exported as a
+    GPT tokenizer: no mask / cls / sep token (a fill-mask pipeline cannot run), and encode() added no
+    <CLS> ... <SEP>. The export carries them and a BERT post-processor: AutoTokenizer encodes a text and a
+    pair exactly as our BERT dataset lays out a sample, token types included."""
+    kind, files = tokenizer_files[f"SentencePieceTokenizer-{model_type}"]
+    ours = _ours(kind, files)
+    special, note = export_tokenizer({"tokenizer_type": kind, "vocab_size": ours.vocab_size,
+                                      "bert_no_binary_head": False}, files, str(tmp_path))
+    assert "AutoTokenizer gives the training ids" in note, note
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (auto.cls_token, auto.sep_token, auto.mask_token) == ("<CLS>", "<SEP>", "<MASK>")
+    assert (auto.cls_token_id, auto.sep_token_id, auto.mask_token_id, auto.pad_token_id, auto.unk_token_id) == (
+        ours.cls, ours.sep, ours.mask, ours.pad, ours.sp.unk_id())
+    assert special == {"pad_token_id": ours.pad}
+    for a, b in (BERT_PAIR, BERT_PAIR[::-1]):
+        ids, types = bert_layout(ours, a, b)
+        pair = auto(a, b)
+        assert (pair["input_ids"], pair["token_type_ids"]) == (ids, types)
+        one = auto(a)
+        assert (one["input_ids"], one["token_type_ids"]) == bert_layout(ours, a)
+        assert auto.encode(a, add_special_tokens=False) == ours.tokenize(a)
+
+
+def test_a_trained_bert_with_sentencepiece_exports_a_tokenizer_fill_mask_can_use(tokenizer_files, tmp_path):
+    """End to end: a BERT checkpoint saved with --tokenizer-type SentencePieceTokenizer, convert.py --saver hf;
+    transformers' fill-mask pipeline runs on the export (it needs the mask token) and the tokenizer
+    reads a pair as the training data did."""
+    from megatron_lite.checkpoint import save_checkpoint
+    from megatron_lite.config import Config, ModelConfig
+    from megatron_lite.models import BertModel, TransformerConfig
+    from megatron_lite.parallel.state import ParallelState
+    from megatron_lite.parallel.tensor import padded_vocab_size
+    from pretrain_bert import BertConfig
+    from tests.convert_helpers import convert
+
+    kind, files = tokenizer_files["SentencePieceTokenizer-unigram"]
+    ours = _ours(kind, files)
+    model = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=32,
+                        max_position_embeddings=32, vocab_size=ours.vocab_size, make_vocab_size_divisible_by=8)
+    model.padded_vocab_size = padded_vocab_size(ours.vocab_size, 8, 1)
+    run = Config(model=model, extra_sections=("bert",))
+    run.bert, run.fusion.bias_gelu_fusion = BertConfig(), False  # exact GeLU: megatron-bert's
+    run.data.tokenizer_type, run.data.tokenizer_model = kind, files["tokenizer.model"]
+    run.checkpoint.save = str(tmp_path / "src")
+    state = ParallelState()
+    save_checkpoint(1, [BertModel(TransformerConfig.from_model(model), state).eval()], None, None, 1, run, state)
+    hf = str(tmp_path / "hf")
+    assert convert("BERT", "--saver", "hf", "--load-dir", tmp_path / "src", "--save-dir", hf) == 0
+    auto = transformers.AutoTokenizer.from_pretrained(hf)
+    assert auto.mask_token_id == ours.mask
+    assert auto(*BERT_PAIR)["input_ids"] == bert_layout(ours, *BERT_PAIR)[0]
+    fill = transformers.pipeline("fill-mask", model=hf, tokenizer=hf)
+    assert len(fill(f"the quick {auto.mask_token} fox", top_k=2)) == 2
