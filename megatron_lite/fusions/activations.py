@@ -72,7 +72,8 @@ def _gelu_and_derivative(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cpu_bias_tanh_gelu_with_grad(y: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gelu(x), gelu'(x))`` of ``x = y + bias`` for 16-bit CPU tensors, both in ``y``'s dtype and shape.
+    """``(gelu(x), gelu'(x))`` of ``x = y + bias`` for 16-bit CPU tensors, both in ``y``'s dtype and shape
+    (``bias`` broadcasts to ``y``: over the last dimension, or one row per row as the grouped experts pass).
 
     One pass over cache-sized blocks of rows: ``x`` is rounded to ``y``'s dtype as ``y + bias`` is, then
     both come from one sigmoid in fp32 (:func:`_gelu_and_derivative`). Saving the derivative instead of
@@ -81,13 +82,15 @@ def cpu_bias_tanh_gelu_with_grad(y: torch.Tensor, bias: torch.Tensor) -> tuple[t
     (within 2^-7 of the exact value where PyTorch's kernel is within 2^-8). The same numbers as
     :func:`bias_gelu_with_grad` (element by element the same operations)."""
     hidden = y.shape[-1]
-    rows, flat_bias = y.reshape(-1, hidden), bias.reshape(hidden)
+    rows = y.reshape(-1, hidden)
+    bias_rows = bias.expand(y.shape).reshape(-1, hidden)  # a view of a [hidden] bias; or one row per row
     out, grad = torch.empty_like(rows), torch.empty_like(rows)
     step = max(1, CPU_CHUNK // hidden)
     for start in range(0, rows.shape[0], step):
-        gelu, derivative = _gelu_and_derivative(torch.add(rows[start:start + step], flat_bias).float())
-        grad[start:start + step].copy_(derivative)
-        out[start:start + step].copy_(gelu)
+        block = slice(start, start + step)
+        gelu, derivative = _gelu_and_derivative(torch.add(rows[block], bias_rows[block]).float())
+        grad[block].copy_(derivative)
+        out[block].copy_(gelu)
     return out.view(y.shape), grad.view(y.shape)
 
 
@@ -135,7 +138,8 @@ class _BiasGeLU(torch.autograd.Function):
 
 
 def bias_gelu_impl(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """tanh-approximated GeLU of ``y + bias`` (bias over the last dimension)."""
+    """tanh-approximated GeLU of ``y + bias`` (bias over the last dimension, or any shape that broadcasts to
+    ``y``'s, e.g. one row per token: the grouped MoE experts' biases)."""
     return _BiasGeLU.apply(y, bias)
 
 

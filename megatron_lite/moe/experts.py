@@ -6,7 +6,10 @@ Both take the tokens this rank computes, already grouped by local expert:
 ``fc2(act(fc1(x)) * p)``: the routing weight multiplies the activation (before fc2), and fc2's bias
 is weighted by ``p`` too, so a token's output is exactly ``p * expert(x)``. ``act`` is the dense
 MLP's (:mod:`megatron_lite.activations`; GeLU in the same form: :func:`gelu_approximation`).
-With ``--squared-relu`` the weighted activation is ``relu(h)^2 * p`` in one function, which is what
+Under the dense MLP's flags (``--bias-gelu-fusion``, ``--bias-swiglu-fusion``: a plain GeLU or SwiGLU)
+fc1 leaves its bias out and the dense MLP's fused functions (:mod:`megatron_lite.fusions.activations`)
+add it and apply the activation, with their hand-written backward; the grouped experts hand them one
+bias row per token (its expert's). With ``--squared-relu`` the weighted activation is ``relu(h)^2 * p`` in one function, which is what
 Megatron's ``--use-fused-weighted-squared-relu`` fuses.
 
 Weights: expert ``e`` (global index) draws its full fc1 ``[ffn (x2 for SwiGLU), h]`` and fc2
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..activations import MLPActivation, is_gated
+from ..fusions.activations import bias_gelu_impl, bias_swiglu_impl
 from ..parallel import comm
 from ..parallel.recompute import recompute_modules, run_discarding
 from ..parallel.tensor import shard
@@ -155,6 +159,9 @@ class _ExpertsBase(nn.Module):
         self.gelu_approximate = gelu_approximation(config)
         self.act = MLPActivation(config, self.gelu_approximate)
         self.bias = bool(config.add_bias_linear)
+        # the dense MLP's rule (models/mlp.py); the fused GeLU needs its bias (TransformerConfig refuses it without)
+        self.fused_activation = bool(getattr(config, "bias_activation_fusion", False)) and self.act.plain and (
+            self.swiglu or self.bias)
         self.num_local_experts = config.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local_experts
         self.etp_group = expert_tp_group(config, state)
@@ -187,15 +194,22 @@ class _ExpertsBase(nn.Module):
             param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
         return param
 
-    def _weighted(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return (self.act(h) * probs.unsqueeze(-1)).to(h.dtype)
+    def _weighted(self, h: torch.Tensor, probs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(h + bias) * p``; ``bias`` (fc1's, ``[fc1]`` or one row per token) is given only with the
+        fused activation, which adds it."""
+        if self.fused_activation:
+            act = bias_swiglu_impl(h, bias) if self.swiglu else bias_gelu_impl(h, bias)
+        else:
+            act = self.act(h)
+        return (act * probs.unsqueeze(-1)).to(h.dtype)
 
-    def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2) -> torch.Tensor:
-        """``fc2(_weighted(h, probs))``; under ``--recompute-modules moe_act`` the weighted activation
+    def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2, bias=None) -> torch.Tensor:
+        """``fc2(_weighted(h, probs, bias))``; under ``--recompute-modules moe_act`` the weighted activation
         (fc2's input) is freed after fc2's forward and computed again before its backward."""
+        args = (h, probs) if bias is None else (h, probs, bias)
         if not self.recompute_act:
-            return fc2(self._weighted(h, probs))
-        x, holder = run_discarding(self._weighted, h, probs)
+            return fc2(self._weighted(*args))
+        x, holder = run_discarding(self._weighted, *args)
         y = fc2(x)
         if holder is not None:
             holder.discard(y)
@@ -242,8 +256,10 @@ class SequentialExperts(_ExpertsBase):
         outputs = []
         for expert, rows, p in zip(self.local_experts, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            h = _linear(fc1, rows, fc1.weight, getattr(fc1, "bias", None))
-            y = self._fc2_of_weighted(h, p, lambda x, fc2=fc2: _linear(fc2, x, fc2.weight))
+            bias1 = getattr(fc1, "bias", None)
+            fused_bias = bias1 if self.fused_activation else None  # added by the fused activation, not fc1
+            h = _linear(fc1, rows, fc1.weight, None if self.fused_activation else bias1)
+            y = self._fc2_of_weighted(h, p, lambda x, fc2=fc2: _linear(fc2, x, fc2.weight), fused_bias)
             if self.bias and self.etp_rank == 0:
                 y = y + fc2.bias * p.unsqueeze(-1).to(y.dtype)
             outputs.append(y)
@@ -275,13 +291,16 @@ class GroupedExperts(_ExpertsBase):
                 bias.no_weight_decay = True
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        h = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert)
+        h, bias1 = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert), None
         if self.bias:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=x.device),
                 torch.tensor(tokens_per_expert, device=x.device))
-            h = h + self.bias1[expert_of_row]
-        y = self._fc2_of_weighted(h, probs, lambda x: self._matmul(x, self.weight2, "linear_fc2", tokens_per_expert))
+            bias1 = self.bias1[expert_of_row]  # one row per token: its expert's bias
+            if not self.fused_activation:
+                h, bias1 = h + bias1, None
+        y = self._fc2_of_weighted(h, probs, lambda x: self._matmul(x, self.weight2, "linear_fc2", tokens_per_expert),
+                                  bias1)
         if self.bias and self.etp_rank == 0:
             y = y + self.bias2[expert_of_row] * probs.unsqueeze(-1).to(y.dtype)
         return y
