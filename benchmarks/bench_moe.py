@@ -10,10 +10,15 @@
    and the dispatch + identity experts + combine time at EP=2 vs EP=1 (one process, one thread).
 3. ``gpt``: tokens/s of an MoE GPT (8 experts of FFN f, top-2, grouped GEMM, alltoall) vs a dense
    GPT with FFN 2f (the same active parameters per token), forward + backward, one process.
+4. ``fusion``: the experts' bias + activation through the fused functions (``--bias-gelu-fusion`` /
+   ``--bias-swiglu-fusion``, Megatron's CLI defaults) vs unfused with the same math (tanh GeLU):
+   8 grouped and 8 sequential local experts, GeLU with biases and SwiGLU without, fp32 and bf16,
+   forward + backward, both computing the same numbers (max difference printed); then a whole MoE
+   GPT step (4 layers, GeLU with biases) fused vs unfused.
 
 Rounds alternate the compared variants in one process; medians are reported.
 
-    python benchmarks/bench_moe.py [--part grouped|alltoall|gpt|all] [--rounds 5]
+    python benchmarks/bench_moe.py [--part grouped|alltoall|gpt|fusion|all] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -33,10 +38,22 @@ from benchmarks.common import OneLineParser, describe_machine, positive_int  # n
 from megatron_lite.models.transformer_config import TransformerConfig  # noqa: E402
 
 
-def _config(num_experts, hidden, ffn, topk=2, ep=1):
-    return TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=1, num_experts=num_experts,
-                             ffn_hidden_size=4 * hidden, moe_ffn_hidden_size=ffn, swiglu=True, add_bias_linear=False, moe_router_topk=topk,
-                             moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
+def _config(num_experts, hidden, ffn, topk=2, ep=1, **overrides):
+    kw = dict(num_layers=2, hidden_size=hidden, num_attention_heads=1, num_experts=num_experts,
+              ffn_hidden_size=4 * hidden, moe_ffn_hidden_size=ffn, swiglu=True, add_bias_linear=False,
+              moe_router_topk=topk, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
+    return TransformerConfig(**{**kw, **overrides})
+
+
+def _alternate(runs: dict, rounds: int, reps: int) -> dict:
+    """Median seconds per call of each no-argument function, the order reversed every other round."""
+    times = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()  # warm-up
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            times[name].append(_time(runs[name], reps))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _time(fn, reps):
@@ -183,9 +200,56 @@ def bench_gpt(rounds: int, hidden: int, ffn: int) -> None:
     print(f"  tokens/s: dense {tps['dense']:.0f}, MoE {tps['moe']:.0f}, MoE / dense = {tps['moe'] / tps['dense']:.2f}")
 
 
+def bench_fusion(rounds: int, tokens: int, hidden: int, ffn: int) -> None:
+    from megatron_lite.models.gpt import GPTModel
+    from megatron_lite.moe.experts import GroupedExperts, SequentialExperts
+    from megatron_lite.parallel.state import ParallelState
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    tpe = torch.multinomial(torch.ones(8), tokens * 2, replacement=True, generator=gen).bincount(minlength=8).tolist()
+    print(f"experts' bias + activation fused vs unfused (tanh GeLU both): 8 local experts, {sum(tpe)} rows, "
+          f"hidden {hidden}, ffn {ffn}, fwd+bwd, 1 thread")
+    for cls in (GroupedExperts, SequentialExperts):
+        for act, extra in (("GeLU+bias", dict(swiglu=False, add_bias_linear=True)), ("SwiGLU", {})):
+            for dtype in (torch.float32, torch.bfloat16):
+                fused = cls(_config(8, hidden, ffn, params_dtype=dtype, bias_activation_fusion=True, **extra),
+                            ParallelState(), 1)
+                unfused = cls(_config(8, hidden, ffn, params_dtype=dtype, openai_gelu=not extra.get("swiglu", True),
+                                      **extra), ParallelState(), 1)
+                with torch.no_grad():
+                    for p in fused.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen).to(dtype) * 0.1)  # non-zero biases
+                unfused.load_state_dict(fused.state_dict())
+                x = torch.randn(sum(tpe), hidden, generator=gen).to(dtype)
+                probs = torch.rand(sum(tpe), generator=gen)
+                diff = (fused(x, probs, tpe) - unfused(x, probs, tpe)).abs().max().item()
+
+                def step(module, x=x, probs=probs):
+                    return lambda: module(x.clone().requires_grad_(), probs, tpe).sum().backward()
+
+                t = _alternate({"unfused": step(unfused), "fused": step(fused)}, rounds, 3)
+                print(f"  {cls.__name__:17s} {act:9s} {str(dtype)[6:]:8s} unfused {t['unfused'] * 1e3:7.2f} ms, "
+                      f"fused {t['fused'] * 1e3:7.2f} ms, unfused / fused {t['unfused'] / t['fused']:.2f}x, "
+                      f"max |diff| {diff:.1e}")
+    batch, seq = 4, 128
+    shape = dict(num_layers=4, hidden_size=hidden, num_attention_heads=4, seq_length=seq, vocab_size=4096,
+                 attention_dropout=0.0, hidden_dropout=0.0, num_experts=8, ffn_hidden_size=2 * ffn,
+                 moe_ffn_hidden_size=ffn, moe_router_topk=2, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+    models = {name: GPTModel(TransformerConfig(**shape, **extra), ParallelState()) for name, extra in
+              (("unfused", dict(openai_gelu=True)), ("fused", dict(bias_activation_fusion=True)))}
+    models["unfused"].load_state_dict(models["fused"].state_dict())
+    tokens, labels = (torch.randint(0, 4096, (batch, seq), generator=gen) for _ in range(2))
+    t = _alternate({name: (lambda m=m: m(tokens, labels=labels).mean().backward()) for name, m in models.items()},
+                   rounds, 2)
+    print(f"  MoE GPT step (4 layers, hidden {hidden}, seq {seq}, batch {batch}, 8 x ffn {ffn} top-2, GeLU+bias, fp32): "
+          f"unfused {t['unfused'] * 1e3:.1f} ms, fused {t['fused'] * 1e3:.1f} ms, unfused / fused "
+          f"{t['unfused'] / t['fused']:.2f}x")
+
+
 def main() -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "all"], default="all")
+    parser.add_argument("--part", choices=["grouped", "alltoall", "gpt", "fusion", "all"], default="all")
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--tokens", type=positive_int, default=1024)
     parser.add_argument("--hidden", type=positive_int, default=256)
@@ -200,6 +264,8 @@ def main() -> None:
         bench_alltoall(args.rounds, args.tokens, args.hidden)
     if args.part in ("gpt", "all"):
         bench_gpt(args.rounds, args.hidden, args.ffn)
+    if args.part in ("fusion", "all"):
+        bench_fusion(args.rounds, args.tokens, args.hidden, args.ffn)
 
 
 if __name__ == "__main__":
