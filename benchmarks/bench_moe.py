@@ -235,15 +235,16 @@ def bench_fusion(rounds: int, tokens: int, hidden: int, ffn: int) -> None:
     batch, seq = 4, 128
     shape = dict(num_layers=4, hidden_size=hidden, num_attention_heads=4, seq_length=seq, vocab_size=4096,
                  attention_dropout=0.0, hidden_dropout=0.0, num_experts=8, ffn_hidden_size=2 * ffn,
-                 moe_ffn_hidden_size=ffn, moe_router_topk=2, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+                 moe_ffn_hidden_size=ffn, moe_router_topk=2, moe_grouped_gemm=True,
+                 moe_token_dispatcher_type="alltoall")
     models = {name: GPTModel(TransformerConfig(**shape, **extra), ParallelState()) for name, extra in
               (("unfused", dict(openai_gelu=True)), ("fused", dict(bias_activation_fusion=True)))}
     models["unfused"].load_state_dict(models["fused"].state_dict())
     tokens, labels = (torch.randint(0, 4096, (batch, seq), generator=gen) for _ in range(2))
     t = _alternate({name: (lambda m=m: m(tokens, labels=labels).mean().backward()) for name, m in models.items()},
                    rounds, 2)
-    print(f"  MoE GPT step (4 layers, hidden {hidden}, seq {seq}, batch {batch}, 8 x ffn {ffn} top-2, GeLU+bias, fp32): "
-          f"unfused {t['unfused'] * 1e3:.1f} ms, fused {t['fused'] * 1e3:.1f} ms, unfused / fused "
+    print(f"  MoE GPT step (4 layers, hidden {hidden}, seq {seq}, batch {batch}, 8 x ffn {ffn} top-2, GeLU+bias, "
+          f"fp32): unfused {t['unfused'] * 1e3:.1f} ms, fused {t['fused'] * 1e3:.1f} ms, unfused / fused "
           f"{t['unfused'] / t['fused']:.2f}x")
 
 

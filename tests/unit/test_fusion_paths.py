@@ -8,7 +8,7 @@ import torch
 
 import megatron_lite.fusions.jit as jit
 from megatron_lite.models import TransformerConfig
-from tests.unit.test_fusions import MODEL, _loss_and_grads
+from tests.model_helpers import FUSION_MODEL, loss_and_grads
 
 MLA = dict(multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
            position_embedding_type="rope")
@@ -28,15 +28,16 @@ def test_rope_and_bias_dropout_fusions_take_the_fused_path(monkeypatch, attentio
         return call(self, *args, **kwargs)
 
     monkeypatch.setattr(jit._FusedFunction, "__call__", spy)
-    extra = {**MODEL, **(MLA if attention == "mla" else {"position_embedding_type": "rope"}), "openai_gelu": True}
+    extra = {**FUSION_MODEL, **(MLA if attention == "mla" else {"position_embedding_type": "rope"}),
+             "openai_gelu": True}
     unfused = TransformerConfig(**extra)
-    loss, grads = _loss_and_grads(unfused, wrap=False)
+    loss, grads = loss_and_grads(unfused, wrap=False)
     assert calls == []
     fused = dataclasses.replace(unfused, bias_dropout_fusion=True, apply_rope_fusion=True)
-    fused_loss, fused_grads = _loss_and_grads(fused, wrap=False)
+    fused_loss, fused_grads = loss_and_grads(fused, wrap=False)
     rotary = "apply_mla_rotary" if attention == "mla" else "apply_rotary"
-    assert sum(name == rotary for name, _ in calls) == 2 * MODEL["num_layers"]  # queries and keys, every layer
-    assert sum(name == "_bias_add_residual" and bias for name, bias in calls) == 2 * MODEL["num_layers"]
+    assert sum(name == rotary for name, _ in calls) == 2 * FUSION_MODEL["num_layers"]  # queries and keys, every layer
+    assert sum(name == "_bias_add_residual" and bias for name, bias in calls) == 2 * FUSION_MODEL["num_layers"]
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(fused_grads[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -104,7 +104,8 @@ def test_fused_experts_with_the_activation_recomputed(grouped):
 @pytest.mark.parametrize("flags, fused", [
     ([], True), (["--no-bias-gelu-fusion"], False), (["--openai-gelu", "--no-bias-gelu-fusion"], False),
     (["--disable-bias-linear"], False),  # no bias, no bias + GeLU fusion (Megatron's rule)
-    (["--swiglu"], True), (["--swiglu", "--disable-bias-linear"], True), (["--swiglu", "--no-bias-swiglu-fusion"], False),
+    (["--swiglu"], True), (["--swiglu", "--disable-bias-linear"], True),
+    (["--swiglu", "--no-bias-swiglu-fusion"], False),
     (["--squared-relu"], False), (["--quick-geglu"], False), (["--swiglu", "--glu-linear-offset", "1.0"], False),
 ])
 def test_the_flags_switch_experts_like_the_dense_mlp(flags, fused):
