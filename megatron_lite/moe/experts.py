@@ -194,19 +194,21 @@ class _ExpertsBase(nn.Module):
             param.sequence_parallel = self.etp_size > 1 or self.replicated_over_tp
         return param
 
-    def _weighted(self, h: torch.Tensor, probs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``act(h + bias) * p``; ``bias`` (fc1's, ``[fc1]`` or one row per token) is given only with the
-        fused activation, which adds it."""
-        if self.fused_activation:
-            act = bias_swiglu_impl(h, bias) if self.swiglu else bias_gelu_impl(h, bias)
-        else:
+    def _weighted(self, h: torch.Tensor, probs: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
+        """``act(h + bias) * p``. ``bias``, given only with the fused activation (which adds it): fc1's
+        bias, or the grouped experts' stacked biases ``[E_l, fc1]`` and each row's local expert."""
+        if not self.fused_activation:
             act = self.act(h)
+        else:
+            row_bias = bias[0][bias[1]] if len(bias) == 2 else (bias[0] if bias else None)
+            act = bias_swiglu_impl(h, row_bias) if self.swiglu else bias_gelu_impl(h, row_bias)
         return (act * probs.unsqueeze(-1)).to(h.dtype)
 
-    def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2, bias=None) -> torch.Tensor:
-        """``fc2(_weighted(h, probs, bias))``; under ``--recompute-modules moe_act`` the weighted activation
-        (fc2's input) is freed after fc2's forward and computed again before its backward."""
-        args = (h, probs) if bias is None else (h, probs, bias)
+    def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2, *bias: torch.Tensor) -> torch.Tensor:
+        """``fc2(_weighted(h, probs, *bias))``; under ``--recompute-modules moe_act`` the weighted activation
+        (fc2's input) is freed after fc2's forward and computed again before its backward (from its inputs:
+        the grouped experts pass their stacked biases and row indices, not the gathered ``[N, fc1]`` rows)."""
+        args = (h, probs, *bias)
         if not self.recompute_act:
             return fc2(self._weighted(*args))
         x, holder = run_discarding(self._weighted, *args)
@@ -257,9 +259,9 @@ class SequentialExperts(_ExpertsBase):
         for expert, rows, p in zip(self.local_experts, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
             bias1 = getattr(fc1, "bias", None)
-            fused_bias = bias1 if self.fused_activation else None  # added by the fused activation, not fc1
+            fused_bias = (bias1,) if self.fused_activation and bias1 is not None else ()  # the fused activation adds it
             h = _linear(fc1, rows, fc1.weight, None if self.fused_activation else bias1)
-            y = self._fc2_of_weighted(h, p, lambda x, fc2=fc2: _linear(fc2, x, fc2.weight), fused_bias)
+            y = self._fc2_of_weighted(h, p, lambda x, fc2=fc2: _linear(fc2, x, fc2.weight), *fused_bias)
             if self.bias and self.etp_rank == 0:
                 y = y + fc2.bias * p.unsqueeze(-1).to(y.dtype)
             outputs.append(y)
@@ -291,16 +293,17 @@ class GroupedExperts(_ExpertsBase):
                 bias.no_weight_decay = True
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        h, bias1 = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert), None
+        h, fused_bias = self._matmul(x, self.weight1, "linear_fc1", tokens_per_expert), ()
         if self.bias:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=x.device),
                 torch.tensor(tokens_per_expert, device=x.device))
-            bias1 = self.bias1[expert_of_row]  # one row per token: its expert's bias
-            if not self.fused_activation:
-                h, bias1 = h + bias1, None
+            if self.fused_activation:  # the fused activation adds each row's expert's bias
+                fused_bias = (self.bias1, expert_of_row)
+            else:
+                h = h + self.bias1[expert_of_row]
         y = self._fc2_of_weighted(h, probs, lambda x: self._matmul(x, self.weight2, "linear_fc2", tokens_per_expert),
-                                  bias1)
+                                  *fused_bias)
         if self.bias and self.etp_rank == 0:
             y = y + self.bias2[expert_of_row] * probs.unsqueeze(-1).to(y.dtype)
         return y

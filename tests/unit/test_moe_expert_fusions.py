@@ -83,22 +83,25 @@ def test_fused_experts_equal_unfused_experts(monkeypatch, cls, kind, dtype):
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_fused_experts_with_the_activation_recomputed(grouped):
-    """--recompute-modules moe_act: the fused activation (its bias an input of the recomputed function)
-    is freed and computed again, with the same gradients, fc1's bias included."""
-    base = moe_config(num_experts=8, moe_grouped_gemm=grouped, add_bias_linear=True, bias_activation_fusion=True)
-    recomputed = dataclasses.replace(base, recompute_granularity="selective", recompute_modules=["moe_act"])
+    """--recompute-modules moe_act: the fused activation (fc1's bias an input of the recomputed function:
+    the grouped experts' stacked biases and row indices) is freed and computed again, and gives the
+    unfused experts' gradients, fc1's bias included."""
+    base = moe_config(num_experts=8, moe_grouped_gemm=grouped, add_bias_linear=True, openai_gelu=True)
+    recomputed = dataclasses.replace(base, openai_gelu=False, bias_activation_fusion=True,
+                                     recompute_granularity="selective", recompute_modules=["moe_act"])
     cls = GroupedExperts if grouped else SequentialExperts
     modules = [cls(config, ParallelState(), 1) for config in (base, recomputed)]
-    assert modules[1].recompute_act
+    assert modules[1].recompute_act and modules[1].fused_activation and not modules[0].fused_activation
     with torch.no_grad():
         for p in modules[0].parameters():
             p.add_(torch.randn_like(p))
     modules[1].load_state_dict(modules[0].state_dict())
     x, probs, dy = torch.randn(17, 16), torch.rand(17), torch.randn(17, 16)
-    (y, grads), (ref, ref_grads) = (_run(m, x, probs, dy, False) for m in modules)
-    _close(ref, y, torch.float32)
+    (ref, ref_grads), (y, grads) = (_run(m, x, probs, dy, False) for m in modules)
+    _close(y, ref, torch.float32)
+    assert grads.keys() == ref_grads.keys()
     for name in grads:
-        _close(ref_grads[name], grads[name], torch.float32)
+        _close(grads[name], ref_grads[name], torch.float32)
 
 
 @pytest.mark.parametrize("flags, fused", [
