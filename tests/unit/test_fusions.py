@@ -194,4 +194,3 @@ def test_no_masked_softmax_fusion_with_packed_documents(causal):
     torch.testing.assert_close(out[False][0], out[True][0], rtol=1e-6, atol=1e-6)
     for g, r in zip(out[False][1], out[True][1]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
-
