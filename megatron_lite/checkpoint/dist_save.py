@@ -9,8 +9,15 @@ leaves the previous one the latest.
 
 With ``--async-save`` the pieces are copied to CPU memory at save time (this rank's shards only,
 never the whole model) and written by a background thread, over a gloo group of its own, while
-training goes on; :class:`AsyncSaves` polls the thread every iteration and finalizes when it is
-done, and waits for it before the next save and at the end of the run.
+training goes on; the thread also finalizes it (rank 0). :class:`AsyncSaves` polls the thread every
+iteration and reports the save when it is done, and waits for it before the next save and at the end
+of the run.
+
+A write failing on some ranks only (a full disk, no permission, any exception) never leaves the
+others waiting in a collective: the ranks agree on the failure before DCP's collective save and again
+before the finalize (:func:`agree`), then rank 0 removes the temporary folder. A synchronous save
+then raises the same CheckpointError on every rank; an async one is one warning (the logging rank),
+and the failure of the run's last save stops the run at :meth:`AsyncSaves.wait`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import warnings
 import torch.distributed as dist
 
 from ..console import is_logging_rank
+from ..device import process_group_timeout
 from .dist import common_payload, rank_pieces
 from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME, PIECE_CHECKSUMS_MARK
 from .format import (
@@ -50,25 +58,60 @@ def temp_dir(root: str, iteration) -> str:
     return os.path.join(root, ".tmp_" + os.path.basename(iteration_dir(root, iteration)))
 
 
+def agree(error: str | None, group=None) -> str | None:
+    """The lowest failing rank's ``error`` over ``group``, the same on every rank (collective), or None."""
+    if not _distributed():
+        return error
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e is not None), None)
+
+
+def _cause(err: BaseException, rank: int) -> tuple[int, str]:
+    """(the failing rank, one line: the exception's type and last line); for DCP's CheckpointException,
+    which every rank raises, the first rank that failed inside it and its own exception."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        err = inner if isinstance(inner, BaseException) else err
+    text = str(err).strip().splitlines()
+    return rank, f"{type(err).__name__}{': ' + text[-1][:200] if text else ''}"
+
+
+def write_failed(folder: str, err: BaseException, rank: int) -> str:
+    """The one-line reason a rank's write of ``folder`` failed."""
+    rank, cause = _cause(err, rank)
+    return f"rank {rank} could not write torch_dist checkpoint {folder}: {cause}; the previous checkpoint stays the latest"
+
+
 def write_pieces(pieces: dict, folder: str, group=None) -> None:
     """``torch.distributed.checkpoint.save`` of this rank's pieces (collective over ``group``), and
-    their CRC-32s in ``checksums/rank_XXXXX.pt`` (verified by every read, see dist_read.load_keys)."""
+    their CRC-32s in ``checksums/rank_XXXXX.pt`` (verified by every read, see dist_read.load_keys).
+
+    A rank that cannot write its checksums file (a full disk, no permission) must not leave the others
+    waiting in DCP's collectives: the ranks agree on it first, and all raise the same CheckpointError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     rank = dist.get_rank() if _distributed() else 0
+    error = None
     try:
         # the checksums first: DCP's save is collective, so every rank's file is complete before any
         # rank returns from it (rank 0 may then rename the folder: --async-save)
         crcs = {key: tensor_crc(t) for key, t in pieces.items()}
         atomic_save({CHECKSUMS_KEY: crcs}, os.path.join(folder, DIST_CHECKSUMS_DIR, f"rank_{rank:05d}.pt"))
+    except Exception as err:
+        error = write_failed(folder, err, rank)
+    error = agree(error, group)
+    if error is not None:
+        raise CheckpointError(error)
+    try:
         with warnings.catch_warnings():  # a single process without torch.distributed is no surprise here
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        text = str(err).strip().splitlines()
-        raise CheckpointError(f"could not write torch_dist checkpoint {folder}: {type(err).__name__}"
-                              f"{': ' + text[-1][:200] if text else ''}; the previous checkpoint stays the latest") from None
+        raise CheckpointError(write_failed(folder, err, rank)) from None
 
 
 def _remove(path: str) -> None:
@@ -121,20 +164,55 @@ def write_small_files(root, iteration, common, rng, rank, rng_name) -> None:
         atomic_save(with_checksums(dict(common, **{PIECE_CHECKSUMS_MARK: True})), os.path.join(tmp, DIST_COMMON_FILENAME))
 
 
+def discard_temp(root: str, iteration) -> None:
+    """Rank 0, once every rank is past a failed save: remove its temporary folder (best effort)."""
+    shutil.rmtree(temp_dir(root, iteration), ignore_errors=True)
+
+
 class _Pending:
-    """One background write: its thread and, when it failed, why."""
+    """One background write: its thread and, when it failed, why (the same on every rank)."""
 
     def __init__(self, root, iteration, pieces, group, say):
-        self.root, self.iteration, self.say, self.error = root, iteration, say, None
+        self.root, self.iteration, self.say = root, iteration, say
+        self.error = "the writer thread stopped before it finished"  # until it says otherwise
         self.thread = threading.Thread(target=self._run, args=(pieces, group), daemon=True,
                                        name=f"async-save-{iteration}")
         self.thread.start()
 
     def _run(self, pieces, group) -> None:
+        """Write, agree over ``group`` whether every rank did, finalize (rank 0), agree again. Every
+        exception is caught and every rank reaches each agreement, so no rank's thread waits for a
+        failed one; the group's collectives time out (--distributed-timeout-minutes) if a peer died."""
+        rank = dist.get_rank() if _distributed() else 0
+        tmp, error = temp_dir(self.root, self.iteration), None
         try:
-            write_pieces(pieces, temp_dir(self.root, self.iteration), group)
+            write_pieces(pieces, tmp, group)
         except CheckpointError as err:
-            self.error = str(err)
+            error = str(err)
+        except BaseException as err:  # whatever stops the write, it fails on every rank
+            error = write_failed(tmp, err, rank)
+        try:
+            error = agree(error, group)
+            if rank == 0:
+                error = self._finalize_or_discard(error)
+            self.error = agree(error, group)
+        except BaseException as err:  # a peer gone: the collectives timed out
+            self.error = error or f"the ranks could not agree on it ({type(err).__name__}: {str(err)[:200]})"
+
+    def _finalize_or_discard(self, error: str | None) -> str | None:
+        """Rank 0, every rank's write done: rename the folder into place, or remove it after a failure."""
+        if error is None:
+            try:
+                finalize_save(self.root, self.iteration)
+                return None
+            except OSError as err:
+                error = (f"could not rename {temp_dir(self.root, self.iteration)} into place: {err.strerror or err} "
+                         f"({err.filename}); the previous checkpoint stays the latest")
+            except BaseException as err:  # the other ranks wait for this one's word in the next agreement
+                error = str(err) if isinstance(err, CheckpointError) else write_failed(
+                    temp_dir(self.root, self.iteration), err, 0)
+        discard_temp(self.root, self.iteration)
+        return error
 
 
 class AsyncSaves:
@@ -145,46 +223,38 @@ class AsyncSaves:
         self.group = None  # a gloo group for the writer threads' collectives, made at the first save
 
     def start(self, root, iteration, pieces, say) -> None:
-        """Write ``pieces`` (CPU copies) in the background; finalize later in :meth:`poll` / :meth:`wait`."""
+        """Write ``pieces`` (CPU copies) in the background; it is reported in :meth:`poll` / :meth:`wait`."""
         self.wait()
-        if _distributed() and self.group is None:
-            self.group = dist.new_group(backend="gloo")  # collective: every rank saves together
+        if _distributed() and self.group is None:  # collective: every rank saves together
+            self.group = dist.new_group(backend="gloo", timeout=process_group_timeout())
         self.pending = _Pending(root, iteration, {k: v.to("cpu", copy=True) for k, v in pieces.items()},
                                 self.group, say)
 
     def poll(self) -> None:
-        """Finalize the write in flight if it has completed (every iteration; no collectives)."""
+        """Report the write in flight if it has completed (every iteration; no collectives)."""
         if self.pending is not None and not self.pending.thread.is_alive():
             self._finish()
 
     def wait(self, final: bool = False) -> None:
-        """Block until the write in flight is complete, and finalize it. ``final`` (the end of the run,
-        collective): a failed write is a CheckpointError on every rank, as a failed save is without
-        ``--async-save``; before that a failure is a warning, and the next save may succeed."""
+        """Block until the write in flight is complete (bounded: see :meth:`_Pending._run`), and report
+        it. ``final`` (the end of the run, collective): a failed write is a CheckpointError on every rank,
+        as a failed save is without ``--async-save``; before that a failure is a warning, and the next
+        save may succeed."""
         error = None
         if self.pending is not None:
-            self.pending.thread.join()
             error = self._finish(final)
         if final:
             on_every_rank(lambda: _raise(error))
 
     def _finish(self, final: bool = False) -> str | None:
-        """Finalize the write just done; returns why it failed (and, unless ``final``, warns), or None."""
+        """The write just done (finalized or discarded by its thread): returns why it failed (and,
+        unless ``final``, warns once: the logging rank), or None."""
         pending, self.pending = self.pending, None
         pending.thread.join()
-        error = pending.error
-        if error is None and (dist.get_rank() if _distributed() else 0) == 0:
-            try:
-                finalize_save(pending.root, pending.iteration)
-            except OSError as err:
-                error = (f"could not rename {temp_dir(pending.root, pending.iteration)} into place: "
-                         f"{err.strerror or err} ({err.filename}); the previous checkpoint stays the latest")
-            except CheckpointError as err:  # an earlier save's .old_iter_N that cannot be renamed back
-                error = str(err)
-        if error is not None:
-            error = f"async save of iteration {pending.iteration} to --save {pending.root} failed: {error}"
+        if pending.error is not None:
+            error = f"async save of iteration {pending.iteration} to --save {pending.root} failed: {pending.error}"
             if not final:
-                print(f"WARNING: {error}", flush=True)
+                pending.say(f"WARNING: {error}", flush=True)
             return error
         pending.say(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
                     "(async)", flush=True)
@@ -211,13 +281,18 @@ def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, 
         if rank == 0 and os.path.lexists(tmp):
             shutil.rmtree(tmp)
     steps(clear)
-    common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state)
-    steps(lambda: write_small_files(root, iteration, common, rng, rank, f"rank_{rank:05d}.pt"))
-    pieces = rank_pieces(chunks, optimizer, state)
-    if saves is not None:
-        saves.start(root, iteration, pieces, say)
-        return iteration_dir(root, iteration)
-    steps(lambda: write_pieces(pieces, tmp))
-    steps(lambda: finalize_save(root, iteration) if rank == 0 else None)
+    try:
+        common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state)
+        steps(lambda: write_small_files(root, iteration, common, rng, rank, f"rank_{rank:05d}.pt"))
+        pieces = rank_pieces(chunks, optimizer, state)
+        if saves is not None:
+            saves.start(root, iteration, pieces, say)
+            return iteration_dir(root, iteration)
+        steps(lambda: write_pieces(pieces, tmp))
+        steps(lambda: finalize_save(root, iteration) if rank == 0 else None)
+    except CheckpointError as err:
+        if rank == 0 and getattr(err, "on_every_rank", False):  # agreed: every rank is done with the folder
+            discard_temp(root, iteration)
+        raise
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)

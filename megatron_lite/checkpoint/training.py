@@ -11,7 +11,8 @@ Why it is safe to crash at any moment: every file is written atomically, and the
 says which iteration is "latest" is renamed into place by rank 0 only after a barrier that every
 rank reaches once its files are complete. Every rank writes into ``.tmp_iter_*``, which rank 0
 renames to ``iter_*`` (replacing what an earlier save left there) before the tracker names it. A save
-that dies half-way leaves only the temporary folder; the previous checkpoint stays the latest.
+that dies half-way leaves only the temporary folder (a write that fails, which every rank hears of,
+removes it); the previous checkpoint stays the latest.
 
 The model file is written by data-parallel rank 0 of each (TP, PP) position: weights and the
 (non-distributed) optimizer state are identical across data-parallel ranks. RNG states are saved
@@ -32,7 +33,7 @@ from .arch import check_architecture
 from .compat import check_compatible, check_sizes, layer_range
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
-from .dist_save import finalize_save, save_dist, temp_dir
+from .dist_save import discard_temp, finalize_save, save_dist, temp_dir
 from .expert_files import expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
@@ -164,9 +165,14 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     # every rank's files are complete before anything points at them; a failed write (disk full,
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
     on_every_rank(_writing(clear, root, iteration))
-    with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
-        on_every_rank(_writing(write_files, root, iteration))
-    on_every_rank(_writing(update_tracker, root, iteration))
+    try:
+        with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
+            on_every_rank(_writing(write_files, root, iteration))
+        on_every_rank(_writing(update_tracker, root, iteration))
+    except CheckpointError:  # agreed: every rank is done with the temporary folder
+        if rank == 0:
+            discard_temp(root, iteration)
+        raise
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
 

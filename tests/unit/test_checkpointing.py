@@ -1,7 +1,6 @@
 """Checkpoints in one process: round trip, RNG continuation, the load flags, refusals with one clear
 message, and crash safety (a failed save never becomes "latest")."""
 
-import os
 import random
 import shutil
 
@@ -211,8 +210,7 @@ def test_crash_during_save_keeps_previous_latest(tmp_path, monkeypatch, failure)
     root = tmp_path / "ckpt"
     assert open(root / "latest_checkpointed_iteration.txt").read().strip() == "1"
     assert not (root / "iter_0000002").exists(), "nothing half-written under the real name"
-    folder = root / ".tmp_iter_0000002" / "mp_rank_00_000"
-    assert os.listdir(folder) == [], "temporary file removed"
+    assert not (root / ".tmp_iter_0000002").exists(), "a failed save removes its temporary folder"
     _, _, m2, o2, s2 = _setup(tmp_path, seed=3)
     assert load_checkpoint([m2], o2, s2, cfg, state) == (1, 4)
     assert all(torch.equal(v, good[k]) for k, v in m2.state_dict().items())

@@ -1,0 +1,79 @@
+"""Failed saves in one process: the temporary folder is removed, the previous checkpoint stays the
+latest, and the --async-save writer thread reports any exception (never finalizing a checkpoint
+whose write died). The same at 2 ranks with the fault on one rank: tests/e2e/test_torch_dist_save_failures.py."""
+
+import errno
+import os
+
+import pytest
+
+from megatron_lite.checkpoint import (
+    CheckpointError,
+    dist_save,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+)
+from tests.unit.test_checkpointing import _setup, _train
+
+
+class Died(BaseException):
+    """Not an Exception: what a writer thread catching only Exception (or OSError) would let through."""
+
+
+def _torch_dist(tmp_path):
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    _train(model, opt, sched, 1)
+    save_checkpoint(1, [model], None, sched, 4, cfg, state)  # torch_dist saves the project's optimizers only
+    return cfg, state, model, sched
+
+
+def _only_iteration_1(tmp_path, cfg, state):
+    root = tmp_path / "ckpt"
+    assert read_tracker(str(root)) == 1
+    assert sorted(os.listdir(root)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    _, _, model, _, sched = _setup(tmp_path, seed=3)
+    assert load_checkpoint([model], None, sched, cfg, state) == (1, 4)
+
+
+def test_a_failed_torch_dist_save_removes_its_temporary_folder(tmp_path, monkeypatch):
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    save = dist_save.atomic_save
+
+    def full_disk(obj, path):
+        if "checksums" in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        save(obj, path)
+
+    monkeypatch.setattr(dist_save, "atomic_save", full_disk)
+    with pytest.raises(CheckpointError, match=r"rank 0 could not write torch_dist checkpoint .*\.tmp_iter_0000002: "
+                                              r"OSError: .*No space left on device.*previous checkpoint stays"):
+        save_checkpoint(2, [model], None, sched, 8, cfg, state)
+    _only_iteration_1(tmp_path, cfg, state)
+
+
+def test_the_async_writer_reports_any_exception_once_and_never_finalizes(tmp_path, monkeypatch, capsys):
+    """A RuntimeError (or a BaseException) escaping the write used to end the writer thread with no
+    error recorded: the save was then finalized, the tracker naming a folder without its pieces."""
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    saves = dist_save.AsyncSaves()
+    failure = {"error": RuntimeError("boom")}
+
+    def failing(pieces, folder, group=None):
+        raise failure["error"]
+
+    monkeypatch.setattr(dist_save, "write_pieces", failing)
+    save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
+    saves.wait()
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
+    assert warnings == [f"WARNING: async save of iteration 2 to --save {tmp_path / 'ckpt'} failed: rank 0 could not "
+                        f"write torch_dist checkpoint {tmp_path / 'ckpt' / '.tmp_iter_0000002'}: RuntimeError: boom; "
+                        "the previous checkpoint stays the latest"]
+    _only_iteration_1(tmp_path, cfg, state)
+    failure["error"] = Died("the thread died")
+    save_checkpoint(3, [model], None, sched, 12, cfg, state, async_saves=saves)
+    with pytest.raises(CheckpointError, match=r"async save of iteration 3 .* failed: .*Died: the thread died"):
+        saves.wait(final=True)  # the run's last save: an error, not a warning
+    assert "WARNING" not in capsys.readouterr().out
+    _only_iteration_1(tmp_path, cfg, state)
