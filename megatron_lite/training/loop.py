@@ -311,8 +311,15 @@ class _Training:
 
     def run(self) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
-        with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
-            self._iterate()
+        try:
+            with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
+                self._iterate()
+        except Exception as err:
+            # a stop every rank takes together (a NaN loss): the save in flight is finished (or discarded)
+            # first, as a synchronous one would be, not left half-written by the exit
+            if self.async_saves is not None and getattr(err, "on_every_rank", False):
+                self.async_saves.wait()
+            raise
         if self.async_saves is not None:  # the last save's failure stops the run, as a failed save does
             self.async_saves.wait(final=True)
         self.profiler.close()  # the run ended inside the profiling window

@@ -8,11 +8,16 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+import megatron_lite.checkpoint.dist_save as dist_save
+import megatron_lite.training.loop as loop
 import pretrain_gpt
 from megatron_lite.checkpoint import read_tracker
+from megatron_lite.training.nonfinite import NonFiniteError
 from tests.e2e.conftest import ROOT
 from tests.e2e.test_pretrain_gpt import MODEL, _argv
 
@@ -79,3 +84,28 @@ def test_failed_async_saves_warn_once_and_the_last_one_exits_2(tmp_path):
     assert read_tracker(save) == 2
     _no_temp_folders(save)
     _resumes_at_2(tmp_path, save, 8, logged)
+
+
+def test_a_run_stopping_on_a_nan_finishes_the_async_save_in_flight(tmp_path, monkeypatch, capsys):
+    """A NaN stop (exit 1, every rank) while the save of iteration 2 was being written used to exit
+    at once: the daemon writer died with the process, the checkpoint a synchronous save would have
+    left was lost and its temporary folder stayed. Now the write is finished first (one process)."""
+    started, write = threading.Event(), dist_save.write_pieces
+
+    def late_write(pieces, folder, group=None):
+        assert started.wait(60)  # still writing when the NaN stop comes
+        time.sleep(0.5)  # and for a while after (the old exit did not wait)
+        write(pieces, folder, group)
+
+    def nan_at_3(config, state, iteration, loss, grad_norm):
+        if iteration == 3:
+            started.set()
+            raise NonFiniteError(f"iteration {iteration}: injected NaN")
+
+    monkeypatch.setattr(dist_save, "write_pieces", late_write)
+    monkeypatch.setattr(loop, "check_finite", nan_at_3)
+    save = str(tmp_path / "nan")
+    with pytest.raises(SystemExit) as stop:
+        pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--async-save"]))
+    assert stop.value.code == 1 and "injected NaN" in capsys.readouterr().err
+    assert read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
