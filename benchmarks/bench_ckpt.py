@@ -119,9 +119,9 @@ def train_rank(rank, world, port, argv, results):
         inside[0] = False
         blocked[0] += time.perf_counter() - start
 
-    def timed_wait(self):
+    def timed_wait(self, final=False):  # the loop's last call is wait(final=True)
         start = time.perf_counter()
-        wait(self)
+        wait(self, final)
         if not inside[0]:  # the wait at the end of the run
             blocked[0] += time.perf_counter() - start
 
