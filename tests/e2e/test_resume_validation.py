@@ -1,27 +1,68 @@
 """A resumed run's validation continues where the uninterrupted run's would be (Megatron's
-consumed-validation-samples rule), so its validation losses are the uninterrupted run's."""
+consumed-validation-samples rule), so its validation losses are the uninterrupted run's; on mock data,
+on a blend of real data with --split read in --dataloader-type cyclic order, and on packed SFT
+conversations. A finished run resumed with a larger --train-iters (the same schedule) continues as
+the longer run would have where its datasets, built for more samples, keep their order."""
+
+import pytest
 
 import pretrain_gpt
-from tests.e2e.test_pretrain_gpt import MODEL
+from tests.e2e.test_pretrain_gpt import MODEL, _real_data
+from tests.e2e.test_sft import sft_argv, sft_files  # noqa: F401 (a module fixture)
+from tests.trajectory import Trajectory
+
+DATA = ["mock", "blend_cyclic", "sft_packed"]
 
 
-def _flags(save, *extra):
-    flags = list(MODEL)
-    flags[flags.index("--eval-iters") + 1] = "2"  # 2 validation batches every 2 iterations
-    return flags + ["--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-                    "--train-iters", "6", "--save", save, *extra]
+@pytest.fixture(params=DATA)
+def data(request):
+    """The model and data flags of one kind of data (2 validation batches every 2 iterations)."""
+    if request.param == "mock":
+        flags = list(MODEL)
+    elif request.param.startswith("blend"):  # the sample corpus twice, weighted, and a test split
+        flags = _real_data(request.getfixturevalue("sample_dataset"))
+        prefix = flags[flags.index("--data-path") + 1]
+        flags += ["--data-path", "0.3", prefix, "0.7", prefix, "--split", "90,8,2",
+                  "--data-cache-path", str(request.getfixturevalue("tmp_path") / "cache")]
+        flags += ["--dataloader-type", "cyclic"] if request.param == "blend_cyclic" else []
+    else:
+        flags = sft_argv(request.getfixturevalue("sft_files"), extra=["--split", "75,25,0"])
+    return flags + ["--eval-iters", "2", "--eval-interval", "2", "--micro-batch-size", "2", "--global-batch-size", "4"]
 
 
-def test_resumed_validation_equals_the_uninterrupted_runs(tmp_path):
-    full = pretrain_gpt.main(_flags(str(tmp_path / "full")))
+def _flags(data, save, iters, *extra):
+    return data + ["--train-iters", str(iters), "--save", save, *extra]
+
+
+def test_resumed_validation_equals_the_uninterrupted_runs(tmp_path, data):
+    full = pretrain_gpt.main(_flags(data, str(tmp_path / "full"), 6))
     part = str(tmp_path / "part")
-    first = pretrain_gpt.main(_flags(part, "--exit-interval", "4"))
-    resumed = pretrain_gpt.main(_flags(part, "--load", part))
+    first = pretrain_gpt.main(_flags(data, part, 6, "--exit-interval", "4"))
+    resumed = pretrain_gpt.main(_flags(data, part, 6, "--load", part))
     assert [i for i, _ in full.validation] == [2, 4, 6]
     assert first.validation == full.validation[:2]
-    assert resumed.losses == full.losses[4:]  # the training itself continues exactly
+    assert Trajectory.of(first) + Trajectory.of(resumed) == Trajectory.of(full)  # the training continues exactly
     # validation at 6 reads the batches after the 2 x 2 already read (not the first ones again)
     assert resumed.validation == full.validation[2:]
+
+
+@pytest.mark.parametrize("data", ["mock", "blend", "sft_packed"], indirect=True)
+def test_a_finished_run_resumed_with_more_iterations_continues_as_the_longer_run(tmp_path, data):
+    """The final save of a 3-iteration run (validation at 2, and a final one at 3 that counts for
+    nothing), resumed with --train-iters 6: the 6-iteration run, bit for bit, validation included.
+    --lr-decay-iters 6 in both keeps one schedule (no --override-opt_param-scheduler needed). The
+    datasets are built for the run's samples; here no split needs another epoch and the order is
+    sequential, so it stays. (Not with --dataloader-type cyclic over a blend, whose size is the run's
+    samples, nor when a split needs more epochs: docs/checkpoints.md, as in Megatron-LM.)"""
+    schedule = ["--lr-decay-iters", "6"]
+    full = pretrain_gpt.main(_flags(data, str(tmp_path / "full"), 6, *schedule))
+    part = str(tmp_path / "part")
+    first = pretrain_gpt.main(_flags(data, part, 3, *schedule))
+    assert first.exit_reason == "done" and first.iteration == 3
+    longer = pretrain_gpt.main(_flags(data, part, 6, *schedule, "--load", part))
+    assert longer.iteration == 6 and len(longer.losses) == 3
+    assert Trajectory.of(first) + Trajectory.of(longer) == Trajectory.of(full)
+    assert first.validation + longer.validation == full.validation  # at 2, then at 4 and 6
 
 
 def test_consumed_validation_samples():
