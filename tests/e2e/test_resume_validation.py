@@ -52,8 +52,9 @@ def test_a_finished_run_resumed_with_more_iterations_continues_as_the_longer_run
     nothing), resumed with --train-iters 6: the 6-iteration run, bit for bit, validation included.
     --lr-decay-iters 6 in both keeps one schedule (no --override-opt_param-scheduler needed). The
     datasets are built for the run's samples; here no split needs another epoch and the order is
-    sequential, so it stays. (Not with --dataloader-type cyclic over a blend, whose size is the run's
-    samples, nor when a split needs more epochs: docs/checkpoints.md, as in Megatron-LM.)"""
+    sequential, so it stays. (Not in --dataloader-type cyclic order over mock data, SFT or a blend,
+    whose size is the run's samples, nor when a split needs more epochs: docs/checkpoints.md, as in
+    Megatron-LM.)"""
     schedule = ["--lr-decay-iters", "6"]
     full = pretrain_gpt.main(_flags(data, str(tmp_path / "full"), 6, *schedule))
     part = str(tmp_path / "part")
