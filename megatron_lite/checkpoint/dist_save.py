@@ -37,6 +37,7 @@ from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME, PIECE_CHECKSUMS
 from .format import (
     ASIDE_PREFIX,
     CHECKSUMS_KEY,
+    TEMP_PREFIX,
     TRACKER_FILENAME,
     CheckpointError,
     aside_dir,
@@ -45,6 +46,7 @@ from .format import (
     iteration_dir,
     on_every_rank,
     restore_aside,
+    temp_dir,
     tensor_crc,
     with_checksums,
 )
@@ -52,10 +54,6 @@ from .format import (
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def temp_dir(root: str, iteration) -> str:
-    return os.path.join(root, ".tmp_" + os.path.basename(iteration_dir(root, iteration)))
 
 
 def agree(error: str | None, group=None) -> str | None:
@@ -127,13 +125,35 @@ def tidy_asides(root: str) -> None:
     whole), removed where ``iter_N`` exists (it died after them, or while removing it: stale, maybe
     half gone), whatever iteration the tracker names now."""
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        kept = name[len(ASIDE_PREFIX):]
-        if not name.startswith(ASIDE_PREFIX) or not (kept == "release" or re.fullmatch(r"iter_\d{7,}", kept)):
+        if not _leftover_name(name, ASIDE_PREFIX):
             continue
+        kept = name[len(ASIDE_PREFIX):]
         iteration = "release" if kept == "release" else int(kept[len("iter_"):])
         restore_aside(root, iteration)
         if os.path.lexists(iteration_dir(root, iteration)):
             _remove(os.path.join(root, name))
+
+
+def _leftover_name(name: str, prefix: str) -> bool:
+    """``name`` is ``<prefix>iter_XXXXXXX`` or ``<prefix>release``."""
+    kept = name[len(prefix):]
+    return name.startswith(prefix) and (kept == "release" or re.fullmatch(r"iter_\d{7,}", kept) is not None)
+
+
+def sweep_temps(root: str, iteration, keep: str | None = None) -> None:
+    """Rank 0, at the start of a save, every rank past any earlier one: remove every ``.tmp_iter_N``
+    (``.tmp_release``) under ``root``, what saves killed mid-write (SIGKILL, power loss) left, a
+    checkpoint's worth of disk each, whatever their iteration. This save's own (``iteration``) must go:
+    an OSError there fails the save; the others are removed best effort. ``keep``: the temporary folder
+    of an ``--async-save`` still in flight, never touched."""
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if not _leftover_name(name, TEMP_PREFIX) or (keep is not None and os.path.abspath(path) == os.path.abspath(keep)):
+            continue
+        if path == temp_dir(root, iteration):
+            _remove(path)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def finalize_save(root: str, iteration) -> None:
@@ -230,6 +250,10 @@ class AsyncSaves:
         self.pending = _Pending(root, iteration, {k: v.to("cpu", copy=True) for k, v in pieces.items()},
                                 self.group, say)
 
+    def in_flight(self) -> str | None:
+        """The temporary folder of the write in flight, or None."""
+        return None if self.pending is None else temp_dir(self.pending.root, self.pending.iteration)
+
     def poll(self) -> None:
         """Report the write in flight if it has completed (every iteration; no collectives)."""
         if self.pending is not None and not self.pending.thread.is_alive():
@@ -277,9 +301,9 @@ def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, 
         saves.wait()  # one save in flight at a time: its tracker comes before this one's
     tmp = temp_dir(root, iteration)
 
-    def clear():  # a folder left by a save that died
-        if rank == 0 and os.path.lexists(tmp):
-            shutil.rmtree(tmp)
+    def clear():  # folders left by saves that died (every rank is past the earlier saves of this run)
+        if rank == 0:
+            sweep_temps(root, iteration, keep=saves.in_flight() if saves is not None else None)
     steps(clear)
     try:
         common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state)

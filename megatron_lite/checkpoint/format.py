@@ -80,6 +80,14 @@ def aside_dir(root: str, iteration: int | str) -> str:
     return os.path.join(root, ASIDE_PREFIX + os.path.basename(iteration_dir(root, iteration)))
 
 
+TEMP_PREFIX = ".tmp_"  # + iter_XXXXXXX: the folder a save writes into before renaming it into place
+
+
+def temp_dir(root: str, iteration: int | str) -> str:
+    """Where a save of iteration N (training or the converter) writes before renaming it to ``iter_N``."""
+    return os.path.join(root, TEMP_PREFIX + os.path.basename(iteration_dir(root, iteration)))
+
+
 def restore_aside(root: str, iteration: int | str) -> None:
     """A save replacing ``iter_N`` that died between its renames left the old folder as ``.old_iter_N``
     and none under the real name (which the tracker may name): rename it back."""

@@ -22,7 +22,6 @@ by every rank, because dropout streams differ per rank.
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch.distributed as dist
 
@@ -33,7 +32,7 @@ from .arch import check_architecture
 from .compat import check_compatible, check_sizes, layer_range
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
-from .dist_save import discard_temp, finalize_save, save_dist, temp_dir
+from .dist_save import discard_temp, finalize_save, save_dist, sweep_temps, temp_dir
 from .expert_files import expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
@@ -128,9 +127,9 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     def staged(path):
         return os.path.join(tmp, os.path.relpath(path, final))
 
-    def clear():  # a folder left by a save that died
-        if rank == 0 and os.path.lexists(tmp):
-            shutil.rmtree(tmp)
+    def clear():  # folders left by saves that died (every rank is past the earlier saves of this run)
+        if rank == 0:
+            sweep_temps(root, iteration)
 
     def write_files():
         save_rng(rng, staged(rng_file(root, iteration, rank)))

@@ -167,3 +167,43 @@ def test_an_aside_that_cannot_be_renamed_back_fails_an_async_save_with_a_warning
     saves.wait()
     assert "WARNING: async save of iteration 3" in capsys.readouterr().out
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_temporary_folders_of_killed_saves_are_ignored_and_swept_by_the_next_save(tmp_path, fmt):
+    """A save killed mid-write (SIGKILL, power loss) leaves ``.tmp_iter_M``: it was removed only when M
+    was saved again, a checkpoint's worth of disk kept for good otherwise. Loading, the folder listing
+    and a --load without a tracker ignore such folders (even a complete-looking one), and the next save,
+    of any iteration, removes them all."""
+    from megatron_lite.checkpoint.format import iteration_folders
+
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = fmt
+    saved_opt = opt if fmt == "torch" else None
+    root = tmp_path / "ckpt"
+    _train(model, opt, sched, 1)
+    save_checkpoint(1, [model], saved_opt, sched, 4, cfg, state)
+    old = _weights(model)
+    for name in (".tmp_iter_0000007", ".tmp_iter_0000001", ".tmp_release"):  # killed saves, whole-looking
+        shutil.copytree(root / "iter_0000001", root / name)
+    (root / ".tmp_iter_0000009").mkdir()  # killed before any file
+    assert iteration_folders(str(root)) == ["iter_0000001"]
+    assert _same(_loaded(tmp_path, cfg, state), old)
+    _train(model, opt, sched, 1)
+    save_checkpoint(2, [model], saved_opt, sched, 8, cfg, state)
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+    shutil.copytree(root / "iter_0000001", root / ".tmp_iter_0000003")
+    os.remove(root / "latest_checkpointed_iteration.txt")
+    shutil.rmtree(root / "iter_0000001")
+    shutil.rmtree(root / "iter_0000002")
+    assert iteration_folders(str(root)) == []  # a --load here starts from scratch (no refusal, no half checkpoint)
+    _, _, fresh, fresh_opt, fresh_sched = _setup(tmp_path, seed=7)
+    assert load_checkpoint([fresh], fresh_opt if fmt == "torch" else None, fresh_sched, cfg, state) == (0, 0)
+
+
+def test_the_sweep_never_touches_the_async_save_in_flight(tmp_path):
+    root = tmp_path / "ckpt"
+    for name in (".tmp_iter_0000004", ".tmp_iter_0000006", ".old_iter_0000002", "iter_0000002", ".tmp_iter_x"):
+        (root / name).mkdir(parents=True)
+    dist_save.sweep_temps(str(root), 8, keep=dist_save.temp_dir(str(root), 6))
+    assert sorted(os.listdir(root)) == [".old_iter_0000002", ".tmp_iter_0000006", ".tmp_iter_x", "iter_0000002"]
