@@ -20,6 +20,7 @@ A GPT of about 124M parameters (12 layers, hidden 768, 12 heads, vocab 32768, se
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import sys
@@ -141,17 +142,44 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, world=2) -> list:
+class ChildFailed(RuntimeError):
+    """A child process ended (or ran out of time) before reporting its results."""
+
+
+def spawn(fn, *args, world=2, timeout=1800.0) -> list:
+    """``fn(rank, world, port, *args, results)`` in ``world`` fresh processes; their results, sorted.
+    A child that dies first (a crash, an exception, killed) or the ``timeout`` is a ChildFailed, the
+    other children stopped: the results are never waited for forever (a peer of a dead rank may wait
+    in a collective until its own timeout)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=fn, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = sorted(results.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return out
+    out, deadline = [], time.monotonic() + timeout
+    try:
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                pass
+            # a child's results are flushed before it exits: a silent second here means none are coming
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise ChildFailed(f"rank {dead[0][0]} of {fn.__name__} exited with code {dead[0][1]} before reporting "
+                                  "its results (its output is above)")
+            if all(p.exitcode is not None for p in procs):
+                raise ChildFailed(f"{fn.__name__} ended without reporting the results of {len(procs) - len(out)} rank(s)")
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{fn.__name__} reported no results within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if len(out) < len(procs) and p.is_alive():
+                p.terminate()
+            p.join()
+    return sorted(out)
 
 
 def main(argv=None):
@@ -164,10 +192,14 @@ def main(argv=None):
     if args.skip_async and args.only_async:
         parser.error("--skip-async with --only-async leaves nothing to run: give one of them")
     print(describe_machine(1))
-    if args.out:
-        return run(args, args.out)
-    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as out:  # ~GBs of checkpoints: not left in /tmp
-        return run(args, out)
+    try:
+        if args.out:
+            return run(args, args.out)
+        with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as out:  # ~GBs of checkpoints: not left in /tmp
+            return run(args, out)
+    except ChildFailed as err:
+        print(f"error: bench_ckpt.py: {err}; nothing more measured", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run(args, out: str) -> None:

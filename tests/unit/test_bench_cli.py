@@ -6,6 +6,7 @@ import importlib
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -119,6 +120,28 @@ def test_bench_ckpt_removes_its_temporary_checkpoints_and_refuses_nothing_to_run
     bench_ckpt.main(["--layers", "1", "--out", str(tmp_path)])
     assert folders[0][1] and not os.path.exists(folders[0][0])
     assert folders[1] == (str(tmp_path), True) and tmp_path.is_dir()  # --out is the user's: kept
+
+
+def crashing_rank(rank, world, port, argv, fmt, folder, results):
+    """A bench_ckpt child: rank 1 dies without reporting, rank 0 waits (as for it, in a collective)."""
+    if rank == 1:
+        os._exit(7)
+    time.sleep(300)
+
+
+def test_bench_ckpt_stops_with_one_line_when_a_child_dies(monkeypatch, capsys, tmp_path):
+    """A child that crashed (an exception in it, the OOM killer) left the parent waiting for its results
+    forever (its peer, waiting for it, never reported either)."""
+    from benchmarks import bench_ckpt
+
+    monkeypatch.setattr(bench_ckpt, "save_load_rank", crashing_rank)
+    with pytest.raises(SystemExit) as stop:
+        bench_ckpt.main(["--layers", "1", "--skip-async", "--out", str(tmp_path)])
+    assert stop.value.code == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "rank 1 of crashing_rank exited with code 7 before reporting its results" in line, line
+    with pytest.raises(bench_ckpt.ChildFailed, match="reported no results within 2 s"):
+        bench_ckpt.spawn(crashing_rank, [], "torch", str(tmp_path), world=1, timeout=2)
 
 
 def test_bench_dist_checksums_runs_at_a_tiny_size(capsys):
