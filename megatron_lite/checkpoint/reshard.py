@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
 from .expert_files import folded_files, is_expert_tensor
 from .format import (
+    ASIDE_PREFIX,
     FORMAT_VERSION,
     TRACKER_FILENAME,
     VOCAB_TENSORS,
@@ -65,6 +67,7 @@ from .format import (
     model_file,
     param_meta,
     read_tracker,
+    temp_dir,
     with_checksums,
 )
 from .hf_io import TOKENIZER_DIR, tokenizer_files_in
@@ -296,6 +299,27 @@ def _payload(bundle, cfg, layout, models, ranges, t, e, x) -> dict:
     }
 
 
+def _asides(save_dir: str) -> list[str]:
+    """The ``.old_iter_N`` folders under ``save_dir`` (see checkpoint/dist_save.py finalize_save)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(n for n in os.listdir(save_dir) if n.startswith(ASIDE_PREFIX) and os.path.isdir(os.path.join(save_dir, n)))
+
+
+def _write_files(bundle, cfg, layout, ranges, fp8, save_dir, folder, progress) -> None:
+    """Every model file of ``layout`` (its path under ``iter_N`` of ``save_dir``) written in ``folder``."""
+    chunks_per_rank, iteration = len(ranges[0]), bundle.iteration
+    # a folded grid's experts are cut over ETP (even of one rank), as training marks them
+    built = {**cfg, "expert_tensor_parallel_size": None} if layout.folded else cfg
+    for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
+        models = [(chunk_model(built, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, fp8), s)
+                  for c, (s, e) in enumerate(ranges[p])]
+        for t, e, x in layout.files():
+            payload = _payload(bundle, cfg, layout, models, ranges[p], t, e, x)
+            path = model_file(save_dir, iteration, t, p, e if layout.ep > 1 or x is not None else None, x)
+            atomic_save(with_checksums(payload), os.path.join(folder, os.path.relpath(path, iteration_dir(save_dir, iteration))))
+
+
 def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, progress=_no_progress) -> str:
     """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder."""
     cfg = target_config(bundle, layout)
@@ -305,20 +329,21 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     iteration = bundle.iteration
     if os.path.isdir(iteration_dir(save_dir, iteration)) and os.listdir(iteration_dir(save_dir, iteration)):
         raise CheckpointError(f"{iteration_dir(save_dir, iteration)} already exists; choose an empty --save-dir")
-    held = iteration_folders(save_dir)
+    held = iteration_folders(save_dir) + _asides(save_dir)  # an aside is a checkpoint a save set aside
     held += [TRACKER_FILENAME] if os.path.lexists(os.path.join(save_dir, TRACKER_FILENAME)) else []
     if held:  # its tracker would be moved to this iteration: a run resuming there would go back silently
         raise CheckpointError(f"{save_dir} already holds checkpoints ({', '.join(held[-3:])}); choose an empty --save-dir")
-    chunks_per_rank = len(ranges[0])
-    # a folded grid's experts are cut over ETP (even of one rank), as training marks them
-    built = {**cfg, "expert_tensor_parallel_size": None} if layout.folded else cfg
-    for p in progress(range(layout.pp), desc="pipeline stages", unit="stage"):
-        models = [(chunk_model(built, p == 0 and c == 0, p == layout.pp - 1 and c == chunks_per_rank - 1, s, e, fp8), s)
-                  for c, (s, e) in enumerate(ranges[p])]
-        for t, e, x in layout.files():
-            payload = _payload(bundle, cfg, layout, models, ranges[p], t, e, x)
-            path = model_file(save_dir, iteration, t, p, e if layout.ep > 1 or x is not None else None, x)
-            atomic_save(with_checksums(payload), path)
+    # written into .tmp_iter_N (what a conversion killed earlier left there is removed first) and
+    # renamed to iter_N once every file is complete: a failure leaves no half-written iter_N
+    final, tmp = iteration_dir(save_dir, iteration), temp_dir(save_dir, iteration)
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    try:
+        _write_files(bundle, cfg, layout, ranges, fp8, save_dir, tmp, progress)
+        os.rename(tmp, final)  # an empty iter_N (allowed above) is replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place
     return iteration_dir(save_dir, iteration)
