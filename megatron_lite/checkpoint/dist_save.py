@@ -202,7 +202,8 @@ class _Pending:
     def _run(self, pieces, group) -> None:
         """Write, agree over ``group`` whether every rank did, finalize (rank 0), agree again. Every
         exception is caught and every rank reaches each agreement, so no rank's thread waits for a
-        failed one; the group's collectives time out (--distributed-timeout-minutes) if a peer died."""
+        failed one. A peer that died fails the group's collectives at once (gloo: its connections close),
+        one that hangs after --distributed-timeout-minutes; rank 0 then removes the temporary folder."""
         rank = dist.get_rank() if _distributed() else 0
         tmp, error = temp_dir(self.root, self.iteration), None
         try:
@@ -216,8 +217,10 @@ class _Pending:
             if rank == 0:
                 error = self._finalize_or_discard(error)
             self.error = agree(error, group)
-        except BaseException as err:  # a peer gone: the collectives timed out
+        except BaseException as err:  # a peer gone (its connection closed) or the collectives timed out
             self.error = error or f"the ranks could not agree on it ({type(err).__name__}: {str(err)[:200]})"
+            if rank == 0:  # not finalized (or already renamed: nothing left to remove)
+                discard_temp(self.root, self.iteration)
 
     def _finalize_or_discard(self, error: str | None) -> str | None:
         """Rank 0, every rank's write done: rename the folder into place, or remove it after a failure."""

@@ -314,10 +314,13 @@ class _Training:
         try:
             with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
                 self._iterate()
-        except Exception as err:
-            # a stop every rank takes together (a NaN loss): the save in flight is finished (or discarded)
-            # first, as a synchronous one would be, not left half-written by the exit
-            if self.async_saves is not None and getattr(err, "on_every_rank", False):
+        except Exception:
+            # the save in flight is finished (or discarded) first, as a synchronous one would be, not left
+            # half-written by the exit: for a stop every rank takes together (a NaN loss) and for an error
+            # one rank meets alone (a bad batch). The writers need no main thread, so the others' writers
+            # finish it with this one's while their main threads wait for this rank in a collective; a
+            # rank whose collective failed (a peer gone) finds its writer done or failing at once
+            if self.async_saves is not None:
                 self.async_saves.wait()
             raise
         if self.async_saves is not None:  # the last save's failure stops the run, as a failed save does

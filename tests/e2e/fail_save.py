@@ -8,7 +8,11 @@ ITERATION fails the KIND way:
 * ``checksums``: writing this rank's ``checksums/rank_XXXXX.pt`` fails with a full disk (before
   ``torch.distributed.checkpoint``'s collective save starts);
 * ``piece``: writing this rank's pieces fails with a full disk (inside the collective save);
-* ``error``: writing the checksums file raises a RuntimeError (an exception other than OSError).
+* ``error``: writing the checksums file raises a RuntimeError (an exception other than OSError);
+* ``slow``: the background (``--async-save``) write of ITERATION starts 3 s late, so it is still in
+  flight during the next iterations;
+* ``token@B`` (B a batch number, not an iteration): this rank's B-th batch holds a token id beyond the
+  vocabulary (tests/e2e/bad_batch_on_one_rank.py), an error this rank meets alone.
 
 The other ranks write normally, as on a cluster where one node's disk fills up.
 """
@@ -16,6 +20,7 @@ The other ranks write normally, as on a cluster where one node's disk fills up.
 import errno
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -23,6 +28,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import megatron_lite.checkpoint.dist_save as dist_save  # noqa: E402
 import pretrain_gpt  # noqa: E402
+from tests.e2e.bad_batch_on_one_rank import corrupting  # noqa: E402
 
 
 def _full(path):
@@ -40,6 +46,15 @@ def _install(kind: str, folder: str) -> None:
             save(obj, path)
 
         dist_save.atomic_save = failing_save
+    elif kind == "slow":
+        write = dist_save.write_pieces
+
+        def late_write(pieces, target, group=None):
+            if target == folder:
+                time.sleep(3)
+            write(pieces, target, group)
+
+        dist_save.write_pieces = late_write
     elif kind == "piece":
         write = dcp.FileSystemWriter.write_data
 
@@ -61,7 +76,10 @@ def main(args=None):
         root = argv[argv.index("--save") + 1]
         for fault in faults.split(","):
             kind, iteration = fault.split("@")
-            _install(kind, dist_save.temp_dir(root, int(iteration)))
+            if kind == "token":
+                pretrain_gpt.checked_token_ids = corrupting(rank, int(iteration))
+            else:
+                _install(kind, dist_save.temp_dir(root, int(iteration)))
     pretrain_gpt.main(argv)
 
 

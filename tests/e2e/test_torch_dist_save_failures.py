@@ -17,6 +17,7 @@ import megatron_lite.checkpoint.dist_save as dist_save
 import megatron_lite.training.loop as loop
 import pretrain_gpt
 from megatron_lite.checkpoint import read_tracker
+from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.training.nonfinite import NonFiniteError
 from tests.e2e.conftest import ROOT
 from tests.e2e.test_pretrain_gpt import MODEL, _argv
@@ -108,4 +109,43 @@ def test_a_run_stopping_on_a_nan_finishes_the_async_save_in_flight(tmp_path, mon
     with pytest.raises(SystemExit) as stop:
         pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--async-save"]))
     assert stop.value.code == 1 and "injected NaN" in capsys.readouterr().err
+    assert read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_an_error_one_rank_meets_alone_finishes_the_async_save_in_flight(tmp_path, monkeypatch, capsys):
+    """An error not every rank raises (a bad batch read by one rank) while the save of iteration 2 was
+    being written exited at once: the writer died with the process, the checkpoint a synchronous save
+    would have left was lost and its temporary folder stayed (one process here; 2 ranks below)."""
+    started, write = threading.Event(), dist_save.write_pieces
+
+    def late_write(pieces, folder, group=None):
+        assert started.wait(60)
+        time.sleep(0.5)
+        write(pieces, folder, group)
+
+    def bad_batch_at_3(config, state, iteration, loss, grad_norm):
+        if iteration == 3:
+            started.set()
+            raise DataFileError("--data-path x: injected bad token")
+
+    monkeypatch.setattr(dist_save, "write_pieces", late_write)
+    monkeypatch.setattr(loop, "check_finite", bad_batch_at_3)
+    save = str(tmp_path / "bad")
+    with pytest.raises(SystemExit) as stop:
+        pretrain_gpt.main(_argv(save, 6, MODEL + DIST + ["--async-save"]))
+    assert stop.value.code == 2 and "injected bad token" in capsys.readouterr().err
+    assert read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_bad_batch_on_one_rank_during_an_async_save_lands_the_save_and_exits_2(tmp_path):
+    """Rank 1 reads a bad batch (iteration 3) while its write of iteration 2 is in flight: it finishes
+    that write with rank 0's writer (rank 0's main thread waits for it in the gradient all-reduce),
+    then every rank exits 2 with one line; the checkpoint of iteration 2 is the latest, no temporary
+    folder is left."""
+    save = str(tmp_path / "bad_batch")
+    code, text, logged = _torchrun_failing("slow@2,token@5", _argv(save, 6, MODEL + DIST + ["--async-save"]))
+    assert code == 2, text[-4000:]
+    [line] = _errors(text)
+    assert "is outside the tokenizer's vocabulary" in line, line
+    assert sorted(logged) == [1, 2], text[-4000:]
     assert read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -77,3 +77,24 @@ def test_the_async_writer_reports_any_exception_once_and_never_finalizes(tmp_pat
         saves.wait(final=True)  # the run's last save: an error, not a warning
     assert "WARNING" not in capsys.readouterr().out
     _only_iteration_1(tmp_path, cfg, state)
+
+
+def test_an_async_save_whose_ranks_cannot_agree_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
+    """A peer killed (SIGKILL) while the writers agree: the agreement fails at once (its connection
+    closed) and nothing will ever rename the folder; rank 0 kept it until a later save of that
+    iteration. Now it removes it (after a finalize there is nothing left to remove)."""
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    real, calls = dist_save.agree, []
+
+    def peer_gone(error, group=None):
+        calls.append(error)
+        if len(calls) == 2:  # the agreement after every rank's write (the first is in write_pieces)
+            raise RuntimeError("Connection closed by peer")
+        return real(error, group)
+
+    monkeypatch.setattr(dist_save, "agree", peer_gone)
+    saves = dist_save.AsyncSaves()
+    save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
+    saves.wait()
+    assert "could not agree on it (RuntimeError: Connection closed by peer)" in capsys.readouterr().out
+    _only_iteration_1(tmp_path, cfg, state)
