@@ -156,10 +156,10 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
     return flags + ([] if release else ["--no-load-rng"] if optimizer else ["--no-load-optim", "--no-load-rng"])
 
 
-def _save_megatron(bundle: ModelBundle, args, progress=_no_progress) -> str:
+def _save_megatron(bundle: ModelBundle, args, progress=_no_progress, write_tokenizer=None) -> str:
     """Write the checkpoint; returns what to tell the user (where, and the flags that load it)."""
     layout = target_layout(bundle, args)
-    out = save_megatron(bundle, args.save_dir, layout, progress)
+    out = save_megatron(bundle, args.save_dir, layout, progress, write_tokenizer)
     config = target_config(bundle, layout)
     flags = pretrain_flags(config, bundle.iteration == "release", bundle.optimizer is not None)
     return f"{out}\nload it with: {shell_words(['--load', args.save_dir, *flags])} (and the tokenizer flags)"
@@ -328,12 +328,15 @@ def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progre
         from ..lora.convert import merged_bundle  # (the lora package imports this one)
 
         bundle = merged_bundle(bundle)
-    out = _save_megatron(bundle, args, progress)
-    folder = os.path.join(args.save_dir, TOKENIZER_DIR)
-    copy_tokenizer_files(bundle.tokenizer_files, folder)
     bert = args.model_type == "BERT"
-    if bert:  # a transformers BERT may ship only tokenizer.json: the BERT tools read a vocab.txt
-        add_bert_vocab_txt(folder)
+
+    def write_tokenizer(staged):  # staged with the model files, in place before the tracker
+        copy_tokenizer_files(bundle.tokenizer_files, staged)
+        if bert:  # a transformers BERT may ship only tokenizer.json: the BERT tools read a vocab.txt
+            add_bert_vocab_txt(staged)
+
+    out = _save_megatron(bundle, args, progress, write_tokenizer)
+    folder = os.path.join(args.save_dir, TOKENIZER_DIR)
     found = tokenizer_in_folder(folder, bert)
     if found and not bundle.config.get("tokenizer_type"):  # say which tokenizer flags load the kept files
         load = f"load it with: {shell_words(['--load', args.save_dir])} "

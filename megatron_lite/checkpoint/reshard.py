@@ -320,8 +320,22 @@ def _write_files(bundle, cfg, layout, ranges, fp8, save_dir, folder, progress) -
             atomic_save(with_checksums(payload), os.path.join(folder, os.path.relpath(path, iteration_dir(save_dir, iteration))))
 
 
-def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, progress=_no_progress) -> str:
-    """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder."""
+def _place(staged: str, folder: str) -> None:
+    """Move the staged folder's files into ``folder`` (renames: the files are complete)."""
+    if not os.path.isdir(staged):
+        return
+    if not os.path.lexists(folder):
+        os.rename(staged, folder)
+        return
+    for name in os.listdir(staged):  # a folder an earlier conversion left: its files replaced
+        os.replace(os.path.join(staged, name), os.path.join(folder, name))
+
+
+def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, progress=_no_progress,
+                  write_tokenizer=None) -> str:
+    """Write ``bundle`` as a checkpoint of ``layout`` under ``save_dir`` (tracker last); returns the iteration folder.
+    ``write_tokenizer(folder)``: writes the tokenizer files into ``folder``, staged with the model files
+    and moved to ``<save_dir>/tokenizer`` before the rename and the tracker (all or nothing)."""
     cfg = target_config(bundle, layout)
     ranges = cfg.pop("_ranges")
     fp8 = any(is_fp8_state_key(k) for k in bundle.state_dict)  # an --fp8-format run's scaling state: kept
@@ -338,11 +352,18 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     final, tmp = iteration_dir(save_dir, iteration), temp_dir(save_dir, iteration)
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)
+    tokenizer = os.path.join(save_dir, TOKENIZER_DIR)
+    placed = not os.path.lexists(tokenizer) and write_tokenizer is not None  # ours to remove on a failure
     try:
         _write_files(bundle, cfg, layout, ranges, fp8, save_dir, tmp, progress)
+        if write_tokenizer is not None:
+            write_tokenizer(os.path.join(tmp, TOKENIZER_DIR))
+            _place(os.path.join(tmp, TOKENIZER_DIR), tokenizer)
         os.rename(tmp, final)  # an empty iter_N (allowed above) is replaced
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if placed:
+            shutil.rmtree(tokenizer, ignore_errors=True)
         raise
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place

@@ -71,3 +71,33 @@ def test_a_save_dir_holding_a_set_aside_checkpoint_is_refused(source, tmp_path, 
     assert _lines(capsys) == [
         f"error: {out} already holds checkpoints (.old_iter_0000004); choose an empty --save-dir"]
     assert sorted(os.listdir(out)) == [".old_iter_0000004"]
+
+
+def test_a_tokenizer_copy_failing_leaves_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """The tokenizer files were copied after the tracker was written: a copy failing (disk full) left
+    a checkpoint that looked complete but lacked (part of) its tokenizer/ folder. They are staged
+    with the model files now, so the conversion leaves nothing, and a retry writes them all."""
+    from megatron_lite.checkpoint import convert as plugins
+
+    source = tmp_path / "src"
+    save_model("gpt", str(source))
+    (source / "tokenizer").mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        (source / "tokenizer" / name).write_text(name)
+    real = plugins.copy_tokenizer_files
+
+    def full_after_the_first(files, folder):
+        real(dict(list(files.items())[:1]), folder)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, list(files)[1]))
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(plugins, "copy_tokenizer_files", full_after_the_first)
+    assert convert("GPT", "--load-dir", source, "--save-dir", out, *TP2) == 2
+    [line] = _lines(capsys)
+    assert f"could not write --save-dir {out}" in line and "No space left on device" in line, line
+    assert sorted(os.listdir(out)) == []
+    monkeypatch.setattr(plugins, "copy_tokenizer_files", real)
+    assert convert("GPT", "--load-dir", source, "--save-dir", out, *TP2) == 0
+    assert sorted(os.listdir(out)) == ["iter_0000001", "latest_checkpointed_iteration.txt", "tokenizer"]
+    assert sorted(os.listdir(out / "tokenizer")) == ["merges.txt", "vocab.json"]
+    assert sorted(os.listdir(out / "iter_0000001")) == ["mp_rank_00_000", "mp_rank_01_000"]
