@@ -77,10 +77,26 @@ def _cause(err: BaseException, rank: int) -> tuple[int, str]:
     return rank, f"{type(err).__name__}{': ' + text[-1][:200] if text else ''}"
 
 
+# what gloo says on a rank whose peer stopped (killed, crashed): its connection closed
+_PEER_STOPPED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+
+
 def write_failed(folder: str, err: BaseException, rank: int) -> str:
-    """The one-line reason a rank's write of ``folder`` failed."""
+    """The one-line reason a rank's write of ``folder`` failed (a collective failing because a peer
+    rank stopped is no write error of this rank's: :func:`peer_stopped`)."""
     rank, cause = _cause(err, rank)
+    if _PEER_STOPPED.search(cause):
+        return peer_stopped(folder, cause)
     return f"rank {rank} could not write torch_dist checkpoint {folder}: {cause}; the previous checkpoint stays the latest"
+
+
+def peer_stopped(folder: str, cause: str) -> str:
+    """The one-line reason a save failed when the ranks could not agree on it: a peer rank stopped
+    (its connection closed) or their collectives timed out."""
+    why = "a peer rank stopped (the connection to it closed)" if _PEER_STOPPED.search(cause) else \
+        "the ranks' collectives failed"
+    return (f"{why}, so the ranks could not agree on torch_dist checkpoint {folder} ({cause}); "
+            "the previous checkpoint stays the latest")
 
 
 def write_pieces(pieces: dict, folder: str, group=None) -> None:
@@ -218,7 +234,7 @@ class _Pending:
                 error = self._finalize_or_discard(error)
             self.error = agree(error, group)
         except BaseException as err:  # a peer gone (its connection closed) or the collectives timed out
-            self.error = error or f"the ranks could not agree on it ({type(err).__name__}: {str(err)[:200]})"
+            self.error = error or peer_stopped(tmp, _cause(err, rank)[1])
             if rank == 0:  # not finalized (or already renamed: nothing left to remove)
                 discard_temp(self.root, self.iteration)
 

@@ -96,5 +96,33 @@ def test_an_async_save_whose_ranks_cannot_agree_removes_its_temporary_folder(tmp
     saves = dist_save.AsyncSaves()
     save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
     saves.wait()
-    assert "could not agree on it (RuntimeError: Connection closed by peer)" in capsys.readouterr().out
+    tmp = tmp_path / "ckpt" / ".tmp_iter_0000002"
+    assert (f"failed: a peer rank stopped (the connection to it closed), so the ranks could not agree on torch_dist "
+            f"checkpoint {tmp} (RuntimeError: Connection closed by peer)") in capsys.readouterr().out
+    _only_iteration_1(tmp_path, cfg, state)
+
+
+@pytest.mark.parametrize("where", ["write_pieces", "dcp"])
+def test_an_async_save_whose_peer_stopped_says_so(tmp_path, monkeypatch, capsys, where):
+    """The agreement inside write_pieces (or DCP's own collectives) failing because a peer rank died
+    was reported as this rank's write error: "rank 0 could not write ...: RuntimeError: Connection
+    closed by peer". It says that a peer rank stopped now."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                          "[127.0.0.1]:29500")
+
+    def gone(*args, **kwargs):
+        raise closed
+
+    monkeypatch.setattr(*(dist_save, "agree") if where == "write_pieces" else (dcp, "save"), gone)
+    saves = dist_save.AsyncSaves()
+    save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
+    saves.wait()
+    [warning] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
+    assert warning == (f"WARNING: async save of iteration 2 to --save {tmp_path / 'ckpt'} failed: a peer rank stopped "
+                       "(the connection to it closed), so the ranks could not agree on torch_dist checkpoint "
+                       f"{tmp_path / 'ckpt' / '.tmp_iter_0000002'} (RuntimeError: {closed}); the previous "
+                       "checkpoint stays the latest")
     _only_iteration_1(tmp_path, cfg, state)
