@@ -276,6 +276,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         check_compatible(path, ckpt, modules, config, state)
         check_architecture(path, ckpt.get("config", {}), config)
+        note_train_length(ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
             load_saved_state(module, saved)
 
@@ -297,6 +298,20 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _restore_rng(root, iteration, ckpt, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+def note_train_length(saved: dict, config) -> None:
+    """Rank 0: one note when this run's --train-iters (--train-samples) differs from the checkpoint's
+    run's: the datasets are built for the run's length, so the sample order may not be the one an
+    uninterrupted run of this length reads."""
+    t = config.training
+    flag, now, unit = (("--train-samples", t.train_samples, "samples") if t.train_samples is not None
+                       else ("--train-iters", t.train_iters, "iterations"))
+    saved_length = saved.get(flag[2:].replace("-", "_"))
+    if saved_length is not None and saved_length != now:
+        print_rank_0(f"> note: {flag} {now} differs from the checkpoint's run ({saved_length}): the sample order may "
+                     f"differ from that of an uninterrupted run of {now} {unit} (see \"A finished run resumed with a "
+                     "larger --train-iters\" in docs/checkpoints.md)")
 
 
 def _refresh_masters(optimizer) -> None:
@@ -329,6 +344,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
     check_architecture(folder, common["config"], config)
+    note_train_length(common["config"], config)
     load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
     if not ck.no_load_rng:
         if is_fresh_layout(common, state):

@@ -1,0 +1,37 @@
+"""Resuming with another run length: a note that the sample order may differ from an uninterrupted
+run of the new length (docs/checkpoints.md), printed only when the length differs."""
+
+import pytest
+
+import pretrain_gpt
+
+TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "0",
+        "--lr-decay-style", "constant"]
+NOTE = "sample order may differ from that of an uninterrupted run"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_resume_with_another_train_length_notes_the_data_order(tmp_path, capsys, fmt):
+    save = str(tmp_path / "ckpt")
+    argv = TINY + ["--ckpt-format", fmt, "--save", save, "--lr-decay-iters", "8"]
+    pretrain_gpt.main(argv + ["--train-iters", "2"])
+    assert NOTE not in capsys.readouterr().out
+    pretrain_gpt.main(argv + ["--load", save, "--train-iters", "4"])
+    notes = [line for line in capsys.readouterr().out.splitlines() if NOTE in line]
+    assert notes == ["> note: --train-iters 4 differs from the checkpoint's run (2): the sample order may differ from "
+                     "that of an uninterrupted run of 4 iterations (see \"A finished run resumed with a larger "
+                     "--train-iters\" in docs/checkpoints.md)"]
+    pretrain_gpt.main(argv + ["--load", save, "--train-iters", "6"])  # the checkpoint of the 4-iteration run
+    assert "--train-iters 6 differs from the checkpoint's run (4)" in capsys.readouterr().out
+    pretrain_gpt.main(argv + ["--load", save, "--train-iters", "6"])  # the same length: nothing to say
+    assert NOTE not in capsys.readouterr().out
+
+
+def test_a_resume_with_another_train_samples_notes_it_in_samples(tmp_path, capsys):
+    save = str(tmp_path / "ckpt")
+    argv = TINY + ["--save", save, "--lr-decay-samples", "16"]
+    pretrain_gpt.main(argv + ["--train-samples", "4"])
+    pretrain_gpt.main(argv + ["--load", save, "--train-samples", "8"])
+    assert ("> note: --train-samples 8 differs from the checkpoint's run (4): the sample order may differ from that "
+            "of an uninterrupted run of 8 samples") in capsys.readouterr().out
