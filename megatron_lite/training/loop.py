@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -199,6 +200,16 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
     return _Built(chunks, optimizer, scheduler, iteration, consumed)
 
 
+def _in_save(ck, iteration: int) -> bool:
+    """Whether ``--save`` holds ``iteration`` as the run starts: the checkpoint just loaded from that
+    folder (or iteration 0 of a --load). One loaded from another folder is not there: a run with
+    nothing left to train writes it to --save at the end (Megatron-LM's final save writes it too
+    unless --save-interval divides it, when it assumes the iteration was saved there already)."""
+    if not ck.load:
+        return False
+    return iteration == 0 or not ck.save or os.path.realpath(ck.load) == os.path.realpath(ck.save)
+
+
 class _Training:
     """The loop of one ``pretrain`` run once everything is built: the iteration counters, the
     logger, the result being filled in, and the steps of one iteration (train, validate, save, exit
@@ -220,7 +231,7 @@ class _Training:
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time()
-        self.saved_at = self.iteration if config.checkpoint.load else None
+        self.saved_at = self.iteration if _in_save(config.checkpoint, self.iteration) else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
         self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
         self.result.memory = self.memory.steps_seen if self.memory is not None else []
