@@ -223,6 +223,28 @@ def test_padded_vocab_never_counts():
     assert model.embedding.word_embeddings.weight.grad[VOCAB:].abs().max() == 0
 
 
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_padded_size_does_not_change_the_model(variant):
+    """The padded vocabulary grows with TP (--make-vocab-size-divisible-by x TP: 123 rows pad to 130 at
+    TP1 and 140 at TP2 with 10): a model padded to more rows has the same real rows at init, the same
+    loss and the same gradients (the TP tests compare at one padded size, so this closes the gap)."""
+    models = {}
+    for padded in (104, 160):
+        model = build_gpt(make_config(variant, padded_vocab_size=padded), ParallelState(), seed=3)
+        tokens, labels = make_batch(4)
+        loss = model(tokens, labels=labels)
+        loss.mean().backward()
+        models[padded] = (model, loss.detach())
+    (small, loss_small), (big, loss_big) = models[104], models[160]
+    _close(loss_big, loss_small, "loss at another padded vocabulary size")
+    big_params = dict(big.named_parameters())
+    for name, p in small.named_parameters():
+        q = big_params[name]
+        rows = p.shape[0] if p.shape == q.shape else VOCAB  # a vocabulary table: its real rows
+        torch.testing.assert_close(q.detach()[:rows], p.detach()[:rows], rtol=0, atol=0, msg=f"initial {name}")
+        _close(q.grad[:rows], p.grad[:rows], f"grad {name}", atol=1e-7)
+
+
 def test_eval_mode_disables_dropout_and_param_count():
     cfg = make_config("A", dropout=0.5)
     model = build_gpt(cfg, ParallelState()).eval()
