@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron_lite.parallel.tensor import VocabParallelEmbedding
 from tests.harness import run_ranks
 
 FLAGS = [
@@ -67,6 +68,33 @@ def test_parallel_layouts_log_the_single_process_figures(single, layout):
         assert [s["num_zeros"] for s in stats] == [s["num_zeros"] for s in ref]
         for got, want in zip(stats, ref, strict=True):
             assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-5)
+
+
+def _stats_and_padding(argv, real_rows):
+    """Inside a rank: (this run's figures per step, the sum of squares of the padding rows of the word
+    embedding this rank holds, and their count)."""
+    result = pretrain_gpt.main(argv)
+    table = next(m for c in result.chunks for m in c.modules() if isinstance(m, VocabParallelEmbedding))
+    tail = table.weight.detach()[max(real_rows - table.vocab_start, 0):]
+    return result.stats, float(tail.double().pow(2).sum()), tail.shape[0]
+
+
+def test_padding_rows_count_where_the_layout_pads_more():
+    """The padding rows are parameters, as in Megatron-LM: with --make-vocab-size-divisible-by 10, 124
+    rows (123 ids and the EOD) pad to 130 in one process and to 140 at TP2, and TP2 logs exactly 10 rows more of zero
+    gradients and those rows' weights in the norm (the figures equal one process' only at the same
+    padded size, as every other test of this file has)."""
+    i = FLAGS.index("--make-vocab-size-divisible-by")
+    flags = FLAGS[:i + 1] + ["10"] + FLAGS[i + 2:]
+    ref, ref_tail, ref_rows = _stats_and_padding(flags, 124)  # 123 ids and the mock tokenizer's EOD
+    ranks = run_ranks(2, _stats_and_padding, flags + ["--tensor-model-parallel-size", "2"], 124)
+    assert (ref_rows, [r[2] for r in ranks]) == (6, [0, 16])
+    hidden = int(FLAGS[FLAGS.index("--hidden-size") + 1])
+    extra = sum(r[1] for r in ranks) - ref_tail  # the 10 rows TP2 pads more, at the last step (~0.14)
+    assert extra > 0.05
+    for stats, _, _ in ranks:
+        assert [s["num_zeros"] - w["num_zeros"] for s, w in zip(stats, ref, strict=True)] == [10 * hidden] * 3
+        assert stats[-1]["params_norm"] ** 2 - ref[-1]["params_norm"] ** 2 == pytest.approx(extra, abs=2e-3)  # fp32 norm
 
 
 def test_a_skipped_fp16_step_counts_no_zeros(capsys):
