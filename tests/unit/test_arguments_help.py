@@ -133,3 +133,41 @@ def test_swiglu_default_of_zero_is_refused(capsys):
                      "ffn-hidden-size 0", "set --ffn-hidden-size")
     config = parse_args(BASE + ["--swiglu", "--hidden-size", "24", "--num-attention-heads", "4"], world_size=1)
     assert config.model.ffn_hidden_size == 64
+
+
+def _deliberate_default_rows():
+    """(flags, values) of the rows of training.md's table of deliberate differences whose first cell
+    names only flags and whose "here" cell gives one value (a number or a `word`) per flag: the defaults
+    we chose."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        lines = f.read().split("| flag or behaviour | here | Megatron-LM | why |", 1)[1].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        first, here = [c.strip() for c in line.strip().strip("|").split("|")][:2]
+        flags = re.findall(r"(--[a-z][\w-]*)", first)
+        values = [v.strip() for v in here.split(",")]
+        if (flags and re.fullmatch(r"(`?--[a-z][\w-]*`?[ ,]*)+", first) and len(flags) == len(values)
+                and all(re.fullmatch(r"`?[\w.+-]+`?", v) for v in values)):  # a number or a `word` each
+            rows.append((flags, [v.strip("`") for v in values]))
+    return rows
+
+
+def test_the_deliberate_default_differences_table_gives_our_defaults():
+    """training.md's "complete list" of defaults that differ from Megatron-LM's states the value a bare
+    command runs with (--train-iters 20 is what an unset --train-iters becomes)."""
+    rows = _deliberate_default_rows()
+    named = [flag for flags, _ in rows for flag in flags]
+    assert {"--num-layers", "--seq-length", "--train-iters", "--lr", "--eval-iters", "--num-workers",
+            "--ckpt-format", "--transformer-impl"} <= set(named), named
+    config = parse_args(BASE, world_size=1)
+    sections = [getattr(config, name) for name in ("model", "parallel", "training", "optim", "precision", "data",
+                                                   "checkpoint", "logging", "moe", "fusion")]
+    for flags, values in rows:
+        for flag, value in zip(flags, values):
+            field = flag[2:].replace("-", "_")
+            got = next(getattr(s, field) for s in sections if hasattr(s, field))
+            assert str(got) == value or (isinstance(got, float) and got == float(value)), (flag, value, got)
