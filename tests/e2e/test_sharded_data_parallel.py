@@ -4,7 +4,10 @@ Every run must reproduce the single-process trajectory (fp32: losses and gradien
 weights as in test_pretrain_gpt.py), and the model-state bytes each rank holds, measured from the
 tensors' storages, must equal the formula exactly, device and CPU parts apart. The model (MODEL_B:
 no biases, hidden 32) has only even-sized parameters, so no gradient bucket needs padding at a
-shard size of 2 and the per-rank formula is exact.
+shard size of 2 and the per-rank formula is exact. Its gradient norms are about 0.76-0.98, so
+--clip-grad 0.78 (MODEL_C) clips most steps, in the device and the host half of an offloaded
+optimizer; at MODEL_B's --clip-grad 1.0 no step clipped, and a host half stepping unclipped
+gradients (tried) passed every test here.
 """
 
 from fractions import Fraction
@@ -19,6 +22,8 @@ from tests.harness import run_ranks
 from tests.trajectory import Trajectory, assert_same_trajectory
 
 ITERS = 8
+CLIP = 0.78
+MODEL_C = MODEL_B + ["--clip-grad", str(CLIP)]  # the model every run of this file trains
 DISTOPT = ["--use-distributed-optimizer"]
 OFFLOAD_HALF = DISTOPT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
                           "--overlap-cpu-optimizer-d2h-h2d"]
@@ -31,9 +36,9 @@ def run_and_measure(argv):
     return Trajectory.of(result), n, measured_model_state_bytes(result.chunks, result.optimizer)
 
 
-def _run(tmp_path, name, world, extra, iters=ITERS):
+def _run(tmp_path, name, world, extra, iters=ITERS, model=MODEL_C):
     save = str(tmp_path / name)
-    argv = _argv(save, iters, MODEL_B + list(extra))
+    argv = _argv(save, iters, model + list(extra))
     results = run_ranks(world, run_and_measure, argv) if world > 1 else [run_and_measure(argv)]
     for other in results[1:]:
         assert other[0] == results[0][0]  # every rank reports the same DP-averaged losses and global norms
@@ -52,9 +57,11 @@ def _bytes_match_formula(results, dtype, d, instances=1, fraction=0.0, strategy=
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_ref")
     out = {}
-    for dtype, extra in (("fp32", []), ("bf16", ["--bf16"])):
-        results, save = _run(tmp, f"single_{dtype}", 1, extra)
-        out[dtype] = results[0][0], save
+    results, save = _run(tmp, "single_fp32", 1, [])
+    out["fp32"] = results[0][0], save
+    assert sum(norm > CLIP for norm in out["fp32"][0].grad_norms) >= ITERS // 2  # clipping is active
+    results, save = _run(tmp, "single_bf16", 1, ["--bf16"], model=MODEL_B)  # unclipped: see test_cpu_offload_in_bf16
+    out["bf16"] = results[0][0], save
     return out
 
 
@@ -101,15 +108,17 @@ def test_cpu_offload_half_at_dp2_and_resume_is_exact(tmp_path, reference):
     assert _bytes_match_formula(results, torch.float32, 2, fraction=0.5) == (8 + 3, 4)
     # stop at 4, resume from the checkpoint: the continuation is bit-identical
     resumed = str(tmp_path / "offload_resumed")
-    first = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_B + OFFLOAD_HALF + ["--exit-interval", "4"]))
-    second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_B + OFFLOAD_HALF + ["--load", resumed]))
+    first = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + OFFLOAD_HALF + ["--exit-interval", "4"]))
+    second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + OFFLOAD_HALF + ["--load", resumed]))
     assert_same_trajectory(first[0][0] + second[0][0], straight, rtol=0)  # bit-identical
 
 
 def test_cpu_offload_in_bf16(tmp_path, reference):
     # bf16 params: the host half steps the same fp32 masters, so only the DP2 summation order differs
     # from the single process; losses and gradient norms agree within a relative 1e-4 (measured: 1e-7).
-    results, _ = _run(tmp_path, "offload_bf16", 2, OFFLOAD_HALF + ["--bf16"])
+    # Not clipped (MODEL_B): a clip factor from a norm summed in another order moves bf16 roundings, and
+    # then the runs drift apart by 1e-4 within 5 steps (the distributed optimizer without offload too).
+    results, _ = _run(tmp_path, "offload_bf16", 2, OFFLOAD_HALF + ["--bf16"], model=MODEL_B)
     assert_same_trajectory(results[0][0], reference["bf16"][0], rtol=1e-4, steps=ITERS)
     assert _bytes_match_formula(results, torch.bfloat16, 2, fraction=0.5) == (6 + 3, 4)
 
@@ -164,7 +173,7 @@ def test_offloaded_checkpoint_resumes_without_offload(tmp_path, reference, strat
     """The checkpoint format does not change: stop an offloaded run (ZeRO-1 or ZeRO-3), go on with
     ZeRO-1 without offload."""
     save = str(tmp_path / "fmt")
-    first = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--data-parallel-sharding-strategy", strategy,
+    first = pretrain_gpt.main(_argv(save, ITERS, MODEL_C + DISTOPT + ["--data-parallel-sharding-strategy", strategy,
                                                                       "--optimizer-cpu-offload", "--exit-interval", "3"]))
-    second = pretrain_gpt.main(_argv(save, ITERS, MODEL_B + DISTOPT + ["--load", save]))
+    second = pretrain_gpt.main(_argv(save, ITERS, MODEL_C + DISTOPT + ["--load", save]))
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference["fp32"][0], steps=ITERS)

@@ -45,7 +45,7 @@ def reference(tmp_path_factory):
     "name, world, variant, extra",
     [
         ("zero1_overlap_dp2", 2, "A", ["--use-distributed-optimizer", "--ddp-bucket-size", "3000"] + OVERLAP),
-        ("zero2_dp2", 2, "B", ZERO2 + ["--ddp-bucket-size", "3000"] + OVERLAP),
+        ("zero2_dp2", 2, "A", ZERO2 + ["--ddp-bucket-size", "3000"] + OVERLAP),  # A: clips steps 1-2
         ("zero3_dp2_recompute", 2, "B", ZERO3 + ["--recompute-granularity", "full", "--recompute-method", "block",
                                                  "--recompute-num-layers", "2"]),
         ("zero3_dp4_overlap", 4, "A", ZERO3 + OVERLAP),
