@@ -97,8 +97,8 @@ def test_what_cannot_work_at_all_comes_before_what_needs_another_launch(capsys):
     assert "--overlap-param-gather needs --overlap-grad-reduce" in capsys.readouterr().err
 
 
-def _nan_at_iteration(target):
-    """A forward_step whose loss becomes NaN from the ``target``-th micro-batch on."""
+def _nan_at_iteration(target, bad=float("nan")):
+    """A forward_step whose loss becomes NaN (or ``bad``: inf) from the ``target``-th micro-batch on."""
     real, calls = pretrain_gpt.forward_step, {"n": 0}
 
     def forward_step(data_iterator, model):
@@ -108,21 +108,23 @@ def _nan_at_iteration(target):
             return output, loss_func
 
         def nan_loss(output_tensor):
-            loss, reported = loss_func(output_tensor * float("nan"))
-            return loss, {k: v * float("nan") for k, v in reported.items()}
+            loss, reported = loss_func(output_tensor * bad)
+            return loss, {k: v * bad for k, v in reported.items()}
         return output, nan_loss
     return forward_step
 
 
-def test_nan_loss_stops_the_run_naming_iteration_and_rank(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(target=5))  # 2 micro-batches a step
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_nan_loss_stops_the_run_naming_iteration_and_rank(tmp_path, capsys, monkeypatch, bad):
+    """NaN or inf (troubleshooting.md): an infinite loss stops the run like a NaN one."""
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _nan_at_iteration(5, float(bad)))  # 2 micro-batches a step
     save = tmp_path / "ckpt"
     with pytest.raises(SystemExit) as err:
         pretrain_gpt.main(TINY + ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
                                   "--save", str(save), "--save-interval", "1"])
     assert err.value.code == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "iteration 3, rank 0: loss nan and gradient norm nan" in lines[0], lines
+    assert len(lines) == 1 and f"iteration 3, rank 0: loss {bad} and gradient norm nan" in lines[0], lines
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # the NaN step is not saved
 
 
