@@ -178,7 +178,7 @@ def test_long_conversations_in_preprocessed_files(data, tmp_path):
     limit = int(np.sort(lengths)[-3])
     longer = int((lengths > limit).sum())
     assert longer >= 1
-    with pytest.raises(Exception, match=r"chats.bin conversation \d+: conversation is \d+ tokens"):
+    with pytest.raises(DataConfigError, match=r"chats.bin conversation \d+: conversation is \d+ tokens"):
         read_conversations(prefix, tok, limit)
     kept = read_conversations(prefix, tok, limit, skip_bad=True)
     assert len(kept) == 40 - longer and kept.skipped["longer than the sequence"] == longer
