@@ -52,9 +52,14 @@ def test_timeout_must_be_positive(capsys, on_cpu, minutes):
 
 
 def test_deterministic_mode_on_cuda_needs_a_fixed_nccl_algorithm(capsys, monkeypatch, on_cuda):
+    """Unset, or set to an algorithm outside Megatron-LM's list (NVLS, NCCL's own choice), is refused."""
     _refused(capsys, ["--deterministic-mode"], "--deterministic-mode on CUDA needs NCCL_ALGO set to one of")
-    monkeypatch.setenv("NCCL_ALGO", "Ring")
-    parse_args(BASE + ["--deterministic-mode"])
+    for algo in ("NVLS", "Auto", "ring"):
+        monkeypatch.setenv("NCCL_ALGO", algo)
+        _refused(capsys, ["--deterministic-mode"], f"got {algo}; e.g. NCCL_ALGO=Ring")
+    for algo in ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS"):
+        monkeypatch.setenv("NCCL_ALGO", algo)
+        assert parse_args(BASE + ["--deterministic-mode"]).training.deterministic_mode
 
 
 def test_backend_and_timeout_reach_the_default_group_and_the_subgroups(monkeypatch, on_cpu):
