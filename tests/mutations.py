@@ -232,6 +232,32 @@ MUTATIONS = [
     Mutation("prefix_answer_unnamed", "prefix caching: the blocks a row's generated tokens fill are never named",
              "megatron_lite/inference/paged_cache.py", "self.written[r].extend(self._fed[i])", "pass",
              ("tests/unit/test_prefix_caching.py", "-k", "chat")),
+    # the README/docs promise audit (feat/hunt-promises): each passed every test before its test was added
+    Mutation("vocab_init_order", "TP init: a master weight drawn column-major (the real vocabulary rows then "
+             "depend on the padded size, which grows with TP)", "megatron_lite/parallel/tensor.py",
+             "    master = torch.empty(full_shape, dtype=torch.float32)\n    init_method(master)\n",
+             "    master = torch.empty(tuple(reversed(full_shape)), dtype=torch.float32)\n    init_method(master)\n"
+             "    master = master.t() if master.dim() == 2 else master\n",
+             ("tests/unit/test_gpt_model.py", "-k", "padded_size")),
+    Mutation("offload_host_unclipped", "optimizer CPU offload: the host half steps unclipped gradients",
+             "megatron_lite/optim/distrib_optimizer.py", "        self._step_clipped(grad_norm, grads)\n",
+             "        self._step_clipped(grad_norm, [g for p, g in zip(self.pieces, grads) if not p.offloaded])\n",
+             ("tests/e2e/test_sharded_data_parallel.py", "-k", "offload_half_at_dp2")),
+    Mutation("nonfinite_nan_only", "--check-for-nan-in-loss-and-grad: an infinite loss not caught as such",
+             "megatron_lite/training/nonfinite.py", "if loss is not None and not math.isfinite(loss):",
+             "if loss is not None and math.isnan(loss):", ("tests/e2e/test_user_errors.py", "-k", "nan_loss")),
+    Mutation("recompute_uniform_ignores_n", "full uniform recomputation: groups of one layer whatever n",
+             "megatron_lite/models/transformer.py",
+             "range(0, n, self.recompute_num_layers):\n                end = min(start + self.recompute_num_layers, n)",
+             "range(0, n, 1):\n                end = min(start + 1, n)",
+             ("tests/unit/test_gpt_model.py", "-k", "method_names or recompute_equals")),
+    Mutation("recompute_block_one_more", "full block recomputation: n + 1 layers checkpointed",
+             "megatron_lite/models/transformer.py", "if full and i < self.recompute_num_layers:",
+             "if full and i <= self.recompute_num_layers:",
+             ("tests/unit/test_gpt_model.py", "-k", "method_names or recompute_equals")),
+    Mutation("nccl_algo_any", "--deterministic-mode on CUDA: any NCCL_ALGO accepted, not only Megatron-LM's list",
+             "megatron_lite/distributed_flags.py", "algo not in DETERMINISTIC_NCCL_ALGOS", "not algo",
+             ("tests/unit/test_distributed_flags.py", "-k", "deterministic")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
