@@ -258,6 +258,11 @@ MUTATIONS = [
     Mutation("nccl_algo_any", "--deterministic-mode on CUDA: any NCCL_ALGO accepted, not only Megatron-LM's list",
              "megatron_lite/distributed_flags.py", "algo not in DETERMINISTIC_NCCL_ALGOS", "not algo",
              ("tests/unit/test_distributed_flags.py", "-k", "deterministic")),
+    Mutation("tokens_per_s_not_per_device", "the log line's tokens per second per device: the whole run's",
+             "megatron_lite/training/logging.py", "/ max(self._time, 1e-12) / self.world_size",
+             "/ max(self._time, 1e-12)", ("tests/unit/test_logging.py",)),
+    Mutation("tflops_not_per_gpu", "the log line's throughput per GPU: the whole run's",
+             "megatron_lite/training/logging.py", "/ 1e12 / self.world_size", "/ 1e12", ("tests/unit/test_logging.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

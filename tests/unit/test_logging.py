@@ -92,6 +92,19 @@ def _fake_state(last, tp, dp):
     return SimpleNamespace(is_last_stage=lambda: last, tp_rank=tp, dp_rank=dp, cp_rank=0, world_size=8)
 
 
+def test_per_device_figures_divide_by_the_world_size():
+    """"tokens per second per device" and "throughput per GPU" divide the global batch's tokens and
+    FLOPs by every process of the run (8 here; the line's test above runs 1, where dividing or not
+    is the same)."""
+    log = TrainLogger(_config(interval=1), _fake_state(True, 0, 0), flops_per_iteration=2e12)
+    line = log.log_iteration(1, {"lm loss": 2.0}, grad_norm=1.0, skipped=False, iter_time_s=0.25, lr=3e-4,
+                             loss_scale=1.0, nan=False, batch_size=4)
+    m = LINE.match(line)
+    assert m, line
+    assert float(m["tps"]) == pytest.approx(4 * 128 / 0.25 / 8)  # 256.0
+    assert float(m["tflops"]) == pytest.approx(2e12 / 0.25 / 1e12 / 8)  # 1.0
+
+
 def test_only_last_stage_tp0_dp0_prints(capsys):
     assert is_logging_rank(_fake_state(True, 0, 0))
     for state in (_fake_state(False, 0, 0), _fake_state(True, 1, 0), _fake_state(True, 0, 1)):
