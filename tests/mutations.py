@@ -263,6 +263,9 @@ MUTATIONS = [
              "/ max(self._time, 1e-12)", ("tests/unit/test_logging.py",)),
     Mutation("tflops_not_per_gpu", "the log line's throughput per GPU: the whole run's",
              "megatron_lite/training/logging.py", "/ 1e12 / self.world_size", "/ 1e12", ("tests/unit/test_logging.py",)),
+    Mutation("progress_job_not_per_gpu", "--log-progress: the job throughput is the whole run's, not per GPU",
+             "megatron_lite/training/progress.py", "/ max(time.time() - self.start_time, 1e-9) / 1e12 / self.world_size",
+             "/ max(time.time() - self.start_time, 1e-9) / 1e12", ("tests/unit/test_progress_log.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

@@ -53,3 +53,25 @@ def test_cumulative_throughput_counts_from_the_first_start_of_this_world_size(tm
     (tmp_path / "progress.txt").write_text("\n".join(lines) + "\n")
     log = ProgressLog(parse_args(TINY + ["--save", str(tmp_path)]), 1e9, 0)
     assert log._first_start() == (datetime(2026, 1, 1, 3), pytest.approx(3e15))
+
+
+def test_the_job_throughput_is_per_gpu_of_the_world_size(tmp_path, monkeypatch):
+    """'# GPUs' is the world size and 'Job throughput' this job's FLOPs per second and GPU: 4 processes
+    of which rank 0 writes, 2 s after the start, 4 samples of 4e12 FLOPs: 16e12 / 2 s / 4 = 2.0 (the run
+    above has one process, where a missing division by the world size does not show)."""
+    from types import SimpleNamespace
+
+    from megatron_lite.training import progress
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(progress, "dist", SimpleNamespace(is_initialized=lambda: True, get_rank=lambda: 0,
+                                                          get_world_size=lambda: 4))
+    monkeypatch.setattr(progress, "time", SimpleNamespace(time=lambda: clock["now"]))
+    config = parse_args(TINY + ["--save", str(tmp_path), "--global-batch-size", "8"], world_size=4)
+    log = ProgressLog(config, 32e12, 0)  # 4e12 a sample
+    clock["now"] += 2.0
+    log.saved(2, 4)
+    start, saved = _lines(tmp_path)
+    assert start[2:] == ["# GPUs: 4", "Starting job"]
+    assert saved[2] == "# GPUs: 4" and saved[5] == "Job throughput: 2.0 TFLOP/s/GPU", saved
+    assert saved[7] == "Floating-point operations: 1.60e+13"
