@@ -266,6 +266,11 @@ MUTATIONS = [
     Mutation("progress_job_not_per_gpu", "--log-progress: the job throughput is the whole run's, not per GPU",
              "megatron_lite/training/progress.py", "/ max(time.time() - self.start_time, 1e-9) / 1e12 / self.world_size",
              "/ max(time.time() - self.start_time, 1e-9) / 1e12", ("tests/unit/test_progress_log.py",)),
+    Mutation("warmup_fraction_ignored", "--lr-warmup-fraction: no warmup (the fraction ignored in both modes)",
+             "megatron_lite/optim/lr_scheduler.py",
+             "self.warmup_steps = fraction * self.decay_steps if fraction is not None else int(warmup)",
+             "self.warmup_steps = 0 if fraction is not None else int(warmup)",
+             ("tests/unit/test_lr_scheduler.py", "tests/unit/test_train_samples.py")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

@@ -52,6 +52,19 @@ def test_schedule_matches_formula_at_every_step(style, wsd_style):
         assert all(g["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15) for g in opt.param_groups)
 
 
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_warmup_fraction_is_that_fraction_of_the_decay(style):
+    """--lr-warmup-fraction F warms up over F x --lr-decay-iters: 0.1 of 100 is the formula's 10 steps.
+    (test_train_samples compares the fraction in iterations with the fraction in samples, which a
+    fraction ignored in both modes would pass.)"""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
+    cfg = OptimizerConfig(lr=LR, min_lr=MIN_LR, lr_decay_style=style, lr_warmup_fraction=W / D, lr_decay_iters=D)
+    sched = OptimizerParamScheduler(opt, cfg, train_iters=1000)
+    for n in range(1, 110):
+        sched.step()
+        assert sched.get_lr() == pytest.approx(_expected(style, n), rel=1e-12, abs=1e-15), n
+
+
 def test_key_points():
     _, cos = _sched("cosine")
     cos.step(W)
