@@ -271,6 +271,10 @@ MUTATIONS = [
              "self.warmup_steps = fraction * self.decay_steps if fraction is not None else int(warmup)",
              "self.warmup_steps = 0 if fraction is not None else int(warmup)",
              ("tests/unit/test_lr_scheduler.py", "tests/unit/test_train_samples.py")),
+    Mutation("exit_not_agreed", "--exit-signal-handler: each rank exits on its own signal (no agreement; the "
+             "others hang: run with MEGATRON_LITE_TEST_TIMEOUT=40)", "megatron_lite/training/loop.py",
+             "    if not dist.is_initialized():\n        return list(flags)\n",
+             "    if True:\n        return list(flags)\n", ("tests/e2e/test_exit_agreement.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

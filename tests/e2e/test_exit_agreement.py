@@ -1,0 +1,49 @@
+"""--exit-signal-handler under several ranks: a SIGTERM that reaches one rank only (a scheduler, or a
+user, signalling one worker) stops every rank after the same step, with the checkpoint saved
+(troubleshooting.md). The ranks agree through one small all-reduce per step; without it the signalled
+rank would leave and the others would wait for it in their next collective."""
+
+import os
+import signal
+
+import pytest
+
+import pretrain_gpt
+from tests.harness import run_ranks
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--log-interval", "1", "--eval-iters", "0", "--train-iters", "50", "--exit-signal-handler"]
+
+
+def _signal_one_rank(signalled_rank, at_call, argv):
+    """Inside a rank: train, sending this process SIGTERM in its ``at_call``-th forward step if it is
+    ``signalled_rank``; (exit reason, iteration). The pool worker's SIGTERM handler is given back."""
+    import torch.distributed as dist
+
+    previous, real, calls = signal.getsignal(signal.SIGTERM), pretrain_gpt.forward_step, {"n": 0}
+
+    def forward_step(data_iterator, model):
+        calls["n"] += 1
+        if dist.get_rank() == signalled_rank and calls["n"] == at_call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(data_iterator, model)
+
+    pretrain_gpt.forward_step = forward_step
+    try:
+        result = pretrain_gpt.main(argv)
+        return result.exit_reason, result.iteration
+    finally:
+        pretrain_gpt.forward_step = real
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("layout, signalled_rank, at_call", [
+    ([], 1, 3),  # DP 2: one micro-batch a step on each rank, so the 3rd call is step 3's
+    (["--pipeline-model-parallel-size", "2"], 0, 5),  # PP 2: two micro-batches a step; the first stage, 3rd step
+])
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, layout, signalled_rank, at_call):
+    save = tmp_path / "ckpt"
+    results = run_ranks(2, _signal_one_rank, signalled_rank, at_call, TINY + layout + ["--save", str(save)])
+    assert results == [("signal", 3)] * 2
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
