@@ -169,6 +169,20 @@ def test_tensorboard_defaults_are_megatrons(tmp_path):
     assert tags["lm loss validation"] == [4]
 
 
+@pytest.mark.parametrize("size", [None, 7])
+def test_tensorboard_queue_size_reaches_the_writer(tmp_path, size):
+    """--tensorboard-queue-size (Megatron-LM's default 1000) is the writer's queue of pending events."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.training.writers import build_writer
+
+    flags = ["--mock-data", "--vocab-size", "64", "--tensorboard-dir", str(tmp_path / "tb")]
+    writer = build_writer(parse_args(flags + (["--tensorboard-queue-size", str(size)] if size else [])))
+    try:
+        assert writer.max_queue == (size or 1000)
+    finally:
+        writer.close()
+
+
 def test_tensorboard_flags_and_interval(tmp_path):
     tags = _tensorboard_tags(tmp_path, tensorboard_log_interval=2, log_learning_rate_to_tensorboard=False,
                              log_loss_scale_to_tensorboard=False, log_batch_size_to_tensorboard=True,
