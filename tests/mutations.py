@@ -275,6 +275,9 @@ MUTATIONS = [
              "others hang: run with MEGATRON_LITE_TEST_TIMEOUT=40)", "megatron_lite/training/loop.py",
              "    if not dist.is_initialized():\n        return list(flags)\n",
              "    if True:\n        return list(flags)\n", ("tests/e2e/test_exit_agreement.py",)),
+    Mutation("sigterm_handler_kept", "pretrain(): its SIGTERM handler left installed after the run",
+             "megatron_lite/training/loop.py", "    with contextlib.closing(exit_signal):",
+             "    with contextlib.nullcontext():", ("tests/e2e/test_exit_agreement.py", "-k", "given_back")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

@@ -80,12 +80,16 @@ class _ExitSignal:
     """Remembers a SIGTERM so the loop can save a checkpoint and exit cleanly at the step boundary."""
 
     def __init__(self, enabled: bool):
-        self.received = False
-        if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
+        self.received, self.enabled = False, enabled
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
 
     def _handle(self, signum, frame):
         self.received = True
+
+    def close(self) -> None:
+        """Give the process its own SIGTERM handler back: after the run a SIGTERM does what it did before."""
+        if self.enabled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
 
 
 def _any_rank(*flags: bool) -> list[bool]:
@@ -372,12 +376,14 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
     """
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
-    check_output_locations(config)  # before any step, not at the first save
-    check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
-    with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
-        state, device = setup(config)
-        built = _build(config, state, device, model_provider)
-        t = config.training  # validation resumes where an uninterrupted run's would be
-        consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval, t.eval_iters)
-        train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
-        return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()
+    with contextlib.closing(exit_signal):  # the process's own SIGTERM handler is given back at return
+        check_output_locations(config)  # before any step, not at the first save
+        check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
+        with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
+            state, device = setup(config)
+            built = _build(config, state, device, model_provider)
+            t = config.training  # validation resumes where an uninterrupted run's would be
+            consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval,
+                                                    t.eval_iters)
+            train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
+            return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()

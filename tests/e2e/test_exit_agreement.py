@@ -47,3 +47,31 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, lay
     results = run_ranks(2, _signal_one_rank, signalled_rank, at_call, TINY + layout + ["--save", str(save)])
     assert results == [("signal", 3)] * 2
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_the_sigterm_handler_is_given_back_when_the_run_returns(tmp_path, monkeypatch, signalled):
+    """pretrain() installs its SIGTERM handler first thing; it left it installed when it returned, so a
+    process that went on (a notebook, a test worker, a script training twice) ignored every later
+    SIGTERM. Now the process's own handler is back, whether the run ended on a signal or not."""
+    real, calls = pretrain_gpt.forward_step, {"n": 0}
+
+    def forward_step(data_iterator, model):
+        calls["n"] += 1
+        if signalled and calls["n"] == 3:  # two micro-batches a step: step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(data_iterator, model)
+
+    def mine(signum, frame):
+        pass
+
+    monkeypatch.setattr(pretrain_gpt, "forward_step", forward_step)
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        result = pretrain_gpt.main(TINY[:-3] + ["--train-iters", "3", "--exit-signal-handler",
+                                                "--save", str(tmp_path / "ckpt")])
+        assert (result.exit_reason, result.iteration) == (("signal", 2) if signalled else ("done", 3))
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
