@@ -6,7 +6,8 @@ async checkpoint`` with ``--async-save``) followed by ``Iteration: N``, ``Job th
 TFLOP/s/GPU`` (this job's model FLOPs since it started, per second and device), ``Cumulative
 throughput: X TFLOP/s/GPU`` (since the first ``Starting job`` of the current run of lines with this
 world size, counting from the FLOPs of the checkpoint saved before it), ``Floating-point
-operations: X`` (so far, from the consumed samples) and ``Tokens (in billions): X``. Only global
+operations: X`` (so far, from the consumed samples) and ``Tokens (in billions): X``. Throughputs
+below 1 TFLOP/s/GPU get three significant figures instead of Megatron's one decimal. Only global
 rank 0 writes; each append rewrites the file through a temporary name.
 """
 
@@ -21,6 +22,12 @@ import torch.distributed as dist
 from ..checkpoint.format import atomic_write_text
 
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def _tflops(value: float) -> str:
+    """A throughput as Megatron-LM writes it (one decimal) from 1 TFLOP/s on; below that three
+    significant figures (a small model on CPU would read 0.0)."""
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3g}"
 
 
 class ProgressLog:
@@ -53,8 +60,8 @@ class ProgressLog:
         since, since_flops = self._first_start()
         cumulative = (flops - since_flops) / max((datetime.now() - since).total_seconds(), 1e-9) / 1e12 / self.world_size
         prefix = "Saving async checkpoint" if self.async_save else "Saved checkpoint"
-        self.append(f"{prefix}\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
-                    f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\t"
+        self.append(f"{prefix}\tIteration: {iteration}\tJob throughput: {_tflops(job)} TFLOP/s/GPU\t"
+                    f"Cumulative throughput: {_tflops(cumulative)} TFLOP/s/GPU\tFloating-point operations: {flops:.2e}\t"
                     f"Tokens (in billions): {consumed_samples * self.seq_length / 1e9:.2f}")
 
     def _first_start(self) -> tuple[datetime, float]:

@@ -75,3 +75,23 @@ def test_the_job_throughput_is_per_gpu_of_the_world_size(tmp_path, monkeypatch):
     assert start[2:] == ["# GPUs: 4", "Starting job"]
     assert saved[2] == "# GPUs: 4" and saved[5] == "Job throughput: 2.0 TFLOP/s/GPU", saved
     assert saved[7] == "Floating-point operations: 1.60e+13"
+
+
+def test_a_small_throughput_keeps_three_significant_figures(tmp_path, monkeypatch):
+    """A tiny model on CPU used to read 'Job throughput: 0.0 TFLOP/s/GPU' (Megatron's one decimal):
+    below 1 TFLOP/s the figures are three significant ones; from 1 on the line is Megatron's (above)."""
+    from types import SimpleNamespace
+
+    from megatron_lite.training import progress
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(progress, "time", SimpleNamespace(time=lambda: clock["now"]))
+    config = parse_args(TINY + ["--save", str(tmp_path), "--global-batch-size", "8"])
+    log = ProgressLog(config, 8e9, 0)  # 1e9 a sample
+    clock["now"] += 3.0
+    log.saved(2, 4)  # 4e9 / 3 s / 1e12
+    saved = _lines(tmp_path)[1]
+    assert saved[5] == "Job throughput: 0.00133 TFLOP/s/GPU", saved
+    cumulative = saved[6].removeprefix("Cumulative throughput: ").removesuffix(" TFLOP/s/GPU")
+    assert float(cumulative) > 0, saved
+    assert [progress._tflops(x) for x in (151.34, 1.0, 0.96, 0.0)] == ["151.3", "1.0", "0.96", "0"]
