@@ -104,7 +104,8 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
     their CRC-32s in ``checksums/rank_XXXXX.pt`` (verified by every read, see dist_read.load_keys).
 
     A rank that cannot write its checksums file (a full disk, no permission) must not leave the others
-    waiting in DCP's collectives: the ranks agree on it first, and all raise the same CheckpointError."""
+    waiting in DCP's collectives: the ranks agree on it first, and all raise the same CheckpointError.
+    An agreement that fails (a peer rank stopped) is a CheckpointError too: :func:`peer_stopped`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -117,7 +118,10 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
         atomic_save({CHECKSUMS_KEY: crcs}, os.path.join(folder, DIST_CHECKSUMS_DIR, f"rank_{rank:05d}.pt"))
     except Exception as err:
         error = write_failed(folder, err, rank)
-    error = agree(error, group)
+    try:
+        error = agree(error, group)
+    except Exception as err:  # a peer rank gone (its connection closed) or the collective timed out
+        raise CheckpointError(error or peer_stopped(folder, _cause(err, rank)[1])) from None
     if error is not None:
         raise CheckpointError(error)
     try:

@@ -348,7 +348,8 @@ def on_every_rank(step):
     any rank, raise the same error (the lowest failing rank's message) on every rank.
 
     So a checkpoint one rank refuses stops every rank cleanly with one message, instead of the other
-    ranks dying in their next collective.
+    ranks dying in their next collective. Where that agreement itself fails (a peer rank stopped), a
+    rank with an error of its own raises it, unagreed: its message, not the collective's traceback.
     """
     error, result = None, None
     try:
@@ -357,7 +358,12 @@ def on_every_rank(step):
         error = str(err)
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        try:
+            dist.all_gather_object(errors, error)
+        except Exception:  # a peer rank gone: this rank's own error, if it has one, is its message
+            if error is None:
+                raise
+            raise CheckpointError(error) from None
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise raised_on_every_rank(CheckpointError(error))

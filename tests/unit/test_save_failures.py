@@ -126,3 +126,46 @@ def test_an_async_save_whose_peer_stopped_says_so(tmp_path, monkeypatch, capsys,
                        f"{tmp_path / 'ckpt' / '.tmp_iter_0000002'} (RuntimeError: {closed}); the previous "
                        "checkpoint stays the latest")
     _only_iteration_1(tmp_path, cfg, state)
+
+
+def test_a_synchronous_save_whose_peer_stopped_says_so_in_one_line(tmp_path, monkeypatch):
+    """Without --async-save the agreement inside write_pieces failing because a peer rank died escaped
+    as gloo's raw RuntimeError (a traceback); it is the async path's one-line CheckpointError now."""
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                          "[127.0.0.1]:29500")
+
+    def gone(*args, **kwargs):
+        raise closed
+
+    monkeypatch.setattr(dist_save, "agree", gone)
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(2, [model], None, sched, 8, cfg, state)
+    assert str(err.value) == ("a peer rank stopped (the connection to it closed), so the ranks could not agree on "
+                              f"torch_dist checkpoint {tmp_path / 'ckpt' / '.tmp_iter_0000002'} (RuntimeError: "
+                              f"{closed}); the previous checkpoint stays the latest")
+    _only_iteration_1(tmp_path, cfg, state)
+
+
+def test_a_failed_agreement_raises_this_ranks_own_error(monkeypatch):
+    """on_every_rank (the synchronous save's steps) after a rank's CheckpointError: its all-gather
+    failing (a peer gone) used to replace the message with the collective's RuntimeError. The rank's
+    own message stands now, unagreed; with no error of its own the collective's failure propagates."""
+    from types import SimpleNamespace
+
+    from megatron_lite.checkpoint import format as ckpt_format
+
+    def gather(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(ckpt_format, "dist", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                                             get_world_size=lambda: 2, all_gather_object=gather))
+
+    def refuse():
+        raise CheckpointError("rank 1 could not write X; the previous checkpoint stays the latest")
+
+    with pytest.raises(CheckpointError, match="^rank 1 could not write X;") as err:
+        ckpt_format.on_every_rank(refuse)
+    assert not getattr(err.value, "on_every_rank", False)  # this rank alone: the loop exits it as rank-local
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        ckpt_format.on_every_rank(lambda: None)
