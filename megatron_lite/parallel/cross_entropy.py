@@ -16,7 +16,9 @@ No rank ever holds the full logits, and the vocabulary is swept as few times as 
   (``- (1 - eps) x grad``) set exactly. Label smoothing (``eps``) adds one pass each way.
 
 With ``fused`` (``--cross-entropy-loss-fusion``, or ``--torch-compile``, which compiles the loss) the
-per-token pieces are ``jit_fuser`` functions: one kernel each when compiled.
+per-token pieces are ``jit_fuser`` functions: one kernel each when compiled. Where they would run
+eagerly (the default on a CPU) the backward's scaling is the unfused :func:`scale_rows` (in place), not
+the compiled expression's eager form (a new tensor; on a CPU an fp32 one first for 16-bit logits).
 
 Padded vocabulary entries (ids >= ``vocab_size``) are excluded from the softmax, so they never
 change the loss or receive a gradient: they are set to -inf in a copy of the logits, or with
@@ -122,7 +124,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(local_target.numel(), device=softmax.device)
         t, hit = local_target.reshape(-1), in_range.reshape(-1)
         target_grad = softmax.view(-1, softmax.shape[-1])[rows, t] * coef.reshape(-1) - (1.0 - eps + eps / ctx.vocab_size) * g.reshape(-1)
-        grad = (fused_scale_rows if ctx.fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax is reused in place
+        fused = ctx.fused and (torch.compiler.is_compiling() or fused_scale_rows.compiles_for(softmax, coef))
+        grad = (fused_scale_rows if fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax is reused in place
         if eps > 0:
             grad[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1).to(grad.dtype)
         flat = grad.view(-1, grad.shape[-1])

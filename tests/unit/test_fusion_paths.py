@@ -21,13 +21,17 @@ def test_rope_and_bias_dropout_fusions_take_the_fused_path(monkeypatch, attentio
     with a bias per layer), for multi-latent attention as for plain attention; off, neither happens.
     The fused model computes what the unfused one computes."""
     calls = []
-    call = jit._FusedFunction.__call__
 
-    def spy(self, *args, **kwargs):
-        calls.append((self.fn.__name__, args[1] is not None if "bias" in self.fn.__name__ else None))
-        return call(self, *args, **kwargs)
+    def spy(method):  # a fused function is called, or asked whether it compiles (its caller's eager route)
+        real = getattr(jit._FusedFunction, method)
 
-    monkeypatch.setattr(jit._FusedFunction, "__call__", spy)
+        def counted(self, *args, **kwargs):
+            calls.append((self.fn.__name__, args[1] is not None if "bias" in self.fn.__name__ else None))
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(jit._FusedFunction, method, counted)
+
+    spy("__call__")
+    spy("compiles_for")
     extra = {**FUSION_MODEL, **(MLA if attention == "mla" else {"position_embedding_type": "rope"}),
              "openai_gelu": True}
     unfused = TransformerConfig(**extra)

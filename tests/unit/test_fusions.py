@@ -32,9 +32,14 @@ def megatron_gelu_grad(x):
     return 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
 
 
-@pytest.fixture(params=["eager", "compiled"])
-def jit_mode(request):
-    """Run the fused functions eagerly, and through torch.compile (aot_eager backend)."""
+@pytest.fixture(params=["eager", "eager_blocks", "compiled"])
+def jit_mode(request, monkeypatch):
+    """Run the fused functions eagerly (as a small CPU call runs: PyTorch's own kernels under autograd;
+    ``eager_blocks``: through the autograd Functions and their CPU blocks, several, the last one short, as
+    a large call runs), and through torch.compile (aot_eager backend)."""
+    if request.param == "eager_blocks":
+        monkeypatch.setattr(activations, "NATIVE_BELOW", 0)
+        monkeypatch.setattr(activations, "CPU_CHUNK", 300)
     if request.param == "compiled":
         torch._dynamo.reset()
         set_jit_fuser("compile", "aot_eager")
@@ -79,6 +84,7 @@ def test_cpu_tanh_gelu_in_chunks(monkeypatch, dtype):
     # The eager CPU forward (x sigmoid(2 v), in chunks): 7 entries per chunk, so 720 entries make 103
     # chunks, the last one short; every chunk, the tail included, must equal PyTorch's tanh GeLU.
     monkeypatch.setattr(activations, "CPU_CHUNK", 7)
+    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)  # a small call would take PyTorch's own GeLU
     y, b = torch.randn(6, 3, 40) * 3, torch.randn(40)
     out = bias_gelu_impl(y.to(dtype), b.to(dtype))
     ref = F.gelu((y.to(dtype) + b.to(dtype)).float(), approximate="tanh")  # bf16: from the bf16 sum, rounded once
@@ -93,6 +99,7 @@ def test_cpu_16_bit_gelu_saves_its_derivative(monkeypatch, dtype):
     # (rounded as y + bias is); the backward is then one multiply. 100-entry blocks of 40-wide rows
     # are 2 rows each, so 17 rows make 9 blocks, the last one short.
     monkeypatch.setattr(activations, "CPU_CHUNK", 100)
+    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)  # a small call would take PyTorch's own GeLU
     y, b = torch.randn(17, 40) * 3, torch.randn(40)
     x = (y.to(dtype) + b.to(dtype)).float()
     out, derivative = activations.cpu_bias_tanh_gelu_with_grad(y.to(dtype), b.to(dtype))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import megatron_lite.fusions.activations as activations
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
 from megatron_lite.models import TransformerConfig
@@ -63,11 +64,15 @@ FUSED = dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_f
              gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True)
 
 
+@pytest.mark.parametrize("route", ["native", "function"])
 @pytest.mark.parametrize("variant", ["gelu", "swiglu_rope"])
-def test_fused_gpt_equals_unfused_gpt(variant):
+def test_fused_gpt_equals_unfused_gpt(monkeypatch, variant, route):
     """Every fusion on (run through DDP, so gradient accumulation is fused too, the tied output
     layer's included) against the unfused model with the same math (the tanh GeLU): loss and every
-    gradient within fp32 rounding."""
+    gradient within fp32 rounding. ``route``: the model's small activations run PyTorch's own kernels
+    eagerly on a CPU; ``function``: through the fused autograd Functions, as large ones do."""
+    if route == "function":
+        monkeypatch.setattr(activations, "NATIVE_BELOW", 0)
     extra = dict(swiglu=True, position_embedding_type="rope", add_bias_linear=False) if variant != "gelu" else {}
     unfused = TransformerConfig(**FUSION_MODEL, **extra, openai_gelu=True)
     fused = dataclasses.replace(unfused, openai_gelu=False, masked_softmax_fusion=False, **FUSED)

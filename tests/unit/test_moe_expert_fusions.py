@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+import megatron_lite.fusions.activations as activations
 import megatron_lite.moe.experts as experts_mod
 import megatron_lite.moe.shared_experts as shared_mod
 from megatron_lite.arguments import parse_args
@@ -51,10 +52,15 @@ def _close(actual, expected, dtype):
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-6, atol=2**-6 * scale)
 
 
+@pytest.mark.parametrize("route", ["native", "function"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("cls", [SequentialExperts, GroupedExperts, SharedExperts])
-def test_fused_experts_equal_unfused_experts(monkeypatch, cls, kind, dtype):
+def test_fused_experts_equal_unfused_experts(monkeypatch, cls, kind, dtype, route):
+    """``route``: these small calls run PyTorch's own kernels eagerly on a CPU; ``function``: through the
+    fused autograd Functions, as large ones do (empty experts included)."""
+    if route == "function":
+        monkeypatch.setattr(activations, "NATIVE_BELOW", 0)
     shared = cls is SharedExperts
     fused = moe_config(num_experts=8, params_dtype=dtype, bias_activation_fusion=True,
                        moe_shared_expert_intermediate_size=16, **KINDS[kind])
