@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .jit import jit_fuser
+from .jit import jit_fuser, jit_fuser_mode
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 CPU_CHUNK = 1 << 20  # entries per chunk on a CPU (4 MiB in fp32): the chunk's buffers stay in the cache
@@ -149,8 +149,11 @@ class _BiasGeLU(torch.autograd.Function):
 
 def _runs_eagerly(fused, *args) -> bool:
     """Whether ``fused`` (a ``jit_fuser`` function) would run eagerly on these CPU tensors: not inside a
-    compiled region, and not compiled by ``--jit-fuser`` (the default ``auto`` on a CPU)."""
-    return args[0].device.type == "cpu" and not torch.compiler.is_compiling() and not fused.compiles_for(*args)
+    compiled region, and not compiled by ``--jit-fuser`` (``auto`` and ``eager`` never compile on a CPU,
+    so only ``compile`` asks the function)."""
+    if not args[0].is_cpu or torch.compiler.is_compiling():
+        return False
+    return jit_fuser_mode() != "compile" or not fused.compiles_for(*args)
 
 
 def bias_gelu_impl(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ The attention output projection and fc2 leave their bias out (``skip_bias_add``)
 computes ``residual + dropout(x + bias)`` in one ``jit_fuser`` function: one kernel when compiled,
 instead of a bias add, a dropout and a residual add. Eager, it is the same three operations as the
 unfused layer, so the two give identical results; the residual is added in place into the new tensor
-the bias add (or dropout) made, which saves one allocation of the activation's size. Dropout (:func:`~.dropout.dropout`)
+the bias add (or dropout) made (from ``IN_PLACE_FROM`` entries), which saves one allocation of the
+activation's size. Dropout (:func:`~.dropout.dropout`)
 draws from the default generator (or the tensor-parallel one the caller forks into under sequence parallelism).
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from .dropout import dropout
-from .jit import jit_fuser
+from .jit import jit_fuser, jit_fuser_mode
+
+IN_PLACE_FROM = 1 << 16  # entries: from here the eager form adds the residual in place
 
 
 @jit_fuser
@@ -34,12 +37,13 @@ def _bias_add_residual(x: torch.Tensor, bias: torch.Tensor | None, residual: tor
 def _eager_bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
                             drop: bool) -> torch.Tensor:
     """The eager form: the residual is added in place into the new tensor ``x + bias`` (or dropout's
-    output) when that holds the sum's dtype and shape; neither ``add`` nor dropout saves its output for
-    backward, and ``a + b`` is ``b + a`` to the bit."""
+    output) when that has the residual's dtype and shape and ``IN_PLACE_FROM`` entries or more (an
+    in-place add costs autograd a little more than the allocation it saves on a small tensor); neither
+    ``add`` nor dropout saves its output for backward, and ``a + b`` is ``b + a`` to the bit."""
     out = x if bias is None else x + bias
     if drop:
         out = dropout(out, prob)
-    if out is x or out.dtype != torch.result_type(out, residual) or out.shape != residual.shape:
+    if out is x or out.numel() < IN_PLACE_FROM or out.dtype != residual.dtype or out.shape != residual.shape:
         return residual + out
     return out.add_(residual)
 
@@ -48,6 +52,8 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
                      training: bool) -> torch.Tensor:
     """``residual + dropout(x + bias, prob)`` (no dropout when not ``training`` or ``prob`` is 0)."""
     drop = training and prob > 0
+    if x.is_cpu and jit_fuser_mode() != "compile" and not torch.compiler.is_compiling():  # eager (auto: on a CPU)
+        return _eager_bias_dropout_add(x, bias, residual, prob, drop)
     fused = _bias_dropout_add_train if drop else _bias_add_residual
     args = (x, bias, residual, prob) if drop else (x, bias, residual)
     if torch.compiler.is_compiling() or fused.compiles_for(*args):

@@ -4,7 +4,7 @@ where it runs the same operations; bf16 within its resolution), and keeps the me
 
 * bias + GeLU / SwiGLU below ``NATIVE_BELOW`` entries: PyTorch's own kernels under autograd (the GeLU
   saving only ``x = y + bias``); above, the autograd Functions (SwiGLU over blocks of rows, saving ``y``);
-* bias + dropout + residual: the residual added in place into the new tensor (the same bits);
+* bias + dropout + residual: the residual added in place into the new tensor when large (the same bits);
 * the fused cross-entropy's backward: the unfused in-place scaling (the same bits).
 """
 
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_lite.fusions.activations as activations
+import megatron_lite.fusions.residual as residual
 from megatron_lite.fusions import bias_dropout_add, bias_gelu_impl, bias_swiglu_impl
 from megatron_lite.fusions.dropout import dropout
 from megatron_lite.parallel import cross_entropy
@@ -109,14 +110,18 @@ def test_eager_swiglu_with_an_empty_input_and_no_grad():
 @pytest.mark.parametrize("dtype, residual_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("training, prob", [(True, 0.3), (False, 0.3)])
-def test_eager_bias_dropout_add_is_the_unfused_sum_to_the_bit(dtype, residual_dtype, training, prob):
-    """The residual added in place into the new tensor gives the unfused layer's bits, forward and
-    backward; a residual of a wider dtype (fp32 residual, bf16 branch) is added out of place, in fp32."""
+@pytest.mark.parametrize("large", [True, False])
+def test_eager_bias_dropout_add_is_the_unfused_sum_to_the_bit(monkeypatch, large, dtype, residual_dtype, training, prob):
+    """The residual added in place into the new tensor (``large``: the threshold lowered to the shape)
+    gives the unfused layer's bits, forward and backward; a residual of a wider dtype (fp32 residual,
+    bf16 branch) is added out of place, in fp32."""
+    monkeypatch.setattr(residual, "IN_PLACE_FROM", 0 if large else 10**9)
     x, b, r = torch.randn(8, 2, 16, dtype=dtype), torch.randn(16, dtype=dtype), torch.randn(8, 2, 16, dtype=residual_dtype)
     torch.manual_seed(3)
     out, grads, _, _ = _run(lambda x, b, r: bias_dropout_add(x, b, r, prob, training), x, b, r)
     torch.manual_seed(3)
     ref, ref_grads, _, _ = _run(lambda x, b, r: r + dropout(x + b, prob, training), x, b, r)
+    assert (out._version > 0) == (large and dtype == residual_dtype)  # added in place, or not
     assert out.dtype == ref.dtype == residual_dtype and torch.equal(out, ref)
     for g, e in zip(grads, ref_grads):
         assert torch.equal(g, e)

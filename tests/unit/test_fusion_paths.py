@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import megatron_lite.fusions.jit as jit
+import megatron_lite.models.transformer as transformer
+from megatron_lite.fusions import bias_dropout_add
 from megatron_lite.models import TransformerConfig
 from tests.model_helpers import FUSION_MODEL, loss_and_grads
 
@@ -21,17 +23,18 @@ def test_rope_and_bias_dropout_fusions_take_the_fused_path(monkeypatch, attentio
     with a bias per layer), for multi-latent attention as for plain attention; off, neither happens.
     The fused model computes what the unfused one computes."""
     calls = []
+    call = jit._FusedFunction.__call__
 
-    def spy(method):  # a fused function is called, or asked whether it compiles (its caller's eager route)
-        real = getattr(jit._FusedFunction, method)
+    def spy(self, *args, **kwargs):
+        calls.append((self.fn.__name__, None))
+        return call(self, *args, **kwargs)
 
-        def counted(self, *args, **kwargs):
-            calls.append((self.fn.__name__, args[1] is not None if "bias" in self.fn.__name__ else None))
-            return real(self, *args, **kwargs)
-        monkeypatch.setattr(jit._FusedFunction, method, counted)
+    def fused_residual(x, bias, *args):  # eagerly on a CPU it calls no jit_fuser function (its own eager route)
+        calls.append(("bias_dropout_add", bias is not None))
+        return bias_dropout_add(x, bias, *args)
 
-    spy("__call__")
-    spy("compiles_for")
+    monkeypatch.setattr(jit._FusedFunction, "__call__", spy)
+    monkeypatch.setattr(transformer, "bias_dropout_add", fused_residual)
     extra = {**FUSION_MODEL, **(MLA if attention == "mla" else {"position_embedding_type": "rope"}),
              "openai_gelu": True}
     unfused = TransformerConfig(**extra)
@@ -41,7 +44,7 @@ def test_rope_and_bias_dropout_fusions_take_the_fused_path(monkeypatch, attentio
     fused_loss, fused_grads = loss_and_grads(fused, wrap=False)
     rotary = "apply_mla_rotary" if attention == "mla" else "apply_rotary"
     assert sum(name == rotary for name, _ in calls) == 2 * FUSION_MODEL["num_layers"]  # queries and keys, every layer
-    assert sum(name == "_bias_add_residual" and bias for name, bias in calls) == 2 * FUSION_MODEL["num_layers"]
+    assert sum(name == "bias_dropout_add" and bias for name, bias in calls) == 2 * FUSION_MODEL["num_layers"]
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(fused_grads[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
