@@ -24,7 +24,10 @@ large enough that kernel launches do not dominate the step.
 Each step's process CPU time is reported next to its wall time: on a loaded machine the wall time
 mostly measures waiting for a core, and the CPU-time ratio is the steadier figure (the lead reruns on
 a quiet machine). ``--profile`` adds torch.profiler's breakdown of one step of each run by category (GEMM, attention,
-elementwise, optimizer, copies, communication). Needs ``pip install transformers``.
+elementwise, optimizer, copies, communication). ``--unfused`` adds ours with the ``jit_fuser`` fusions off
+and the same math (``--no-bias-gelu-fusion --openai-gelu --no-bias-swiglu-fusion --no-bias-dropout-fusion
+--no-rope-fusion``), compared round by round with ours fused; ``--swiglu`` gives ours a SwiGLU MLP
+(Hugging Face's GPT-2 keeps its GeLU: compare with ``--no-hf``). Needs ``pip install transformers``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ SHAPES = {
     "overhead": dict(layers=6, hidden=64, heads=4, seq=32, vocab=512, batch=1),
 }
 FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
+UNFUSED = ["--no-bias-gelu-fusion", "--openai-gelu", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+           "--no-rope-fusion"]  # the jit_fuser fusions off, the same math (the tanh GeLU)
 
 
 def ours_argv(shape: dict, dropout: float, extra=()) -> list[str]:
@@ -145,11 +150,14 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
     """(name, dtype, builder) of every run, in the order of the first round. An FP8 run is ours with
     FP8 linears (bf16 elsewhere); it is compared with our bf16 step and its MFU is against the bf16 peak."""
     dtypes = args.dtypes or (["fp32", "bf16"] if peaks["bf16"] > peaks["fp32"] else ["fp32"])
-    host = ["--no-retain-host-memory"] if args.no_retain_host_memory else []
+    host = (["--no-retain-host-memory"] if args.no_retain_host_memory else []) + (["--swiglu"] if args.swiglu else [])
     runs = []
     for dtype in dtypes:
         bf16 = dtype != "fp32"
         runs.append((f"ours {dtype}", dtype, lambda f=FLAGS[dtype] + host: build_ours(shape, args.dropout, f)[0]))
+        if args.unfused:
+            runs.append((f"ours {dtype} unfused", dtype,
+                         lambda f=FLAGS[dtype] + host + UNFUSED: build_ours(shape, args.dropout, f)[0]))
         if not args.no_hf and dtype != "fp8":
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
                          lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw, args.device)))
@@ -203,6 +211,10 @@ def paired_ratios(times: dict, dtypes: dict) -> list[str]:
     range; a speed-up over Hugging Face, and for FP8 its step time over our bf16 step's (the target's form)."""
     lines = []
     for name, t in times.items():
+        if name.endswith(" unfused") and name[:-len(" unfused")] in times:  # ours fused vs ours unfused
+            ratios = [u / f for u, f in zip(t, times[name[:-len(" unfused")]], strict=True)]
+            lines.append(f"{name[:-len(' unfused')]} vs {name}, paired by round: {statistics.median(ratios):.2f}x "
+                         f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)")
         base = _baseline_name(times, dtypes, dtypes[name])
         if name.startswith("HF") or base is None or base == name:
             continue
@@ -274,6 +286,9 @@ def parse(argv=None):
     p.add_argument("--hf-fused-adamw", action="store_true",
                    help="HF with torch.optim.AdamW(fused=True) (default: AdamW's defaults, a per-tensor loop on CPU)")
     p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
+    p.add_argument("--unfused", action="store_true",
+                   help="also ours with the jit_fuser fusions off (the same math), compared with ours fused")
+    p.add_argument("--swiglu", action="store_true", help="ours with a SwiGLU MLP (HF keeps GeLU: use --no-hf)")
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "
                    "without it, our set-up makes glibc keep freed memory for every run in this process")

@@ -255,3 +255,8 @@ def test_a_ratio_below_one_is_printed_the_other_way_round():
     assert times_less(3.27, 1.56, "shorter", "longer") == "2.10x shorter"
     assert times_less(1.35, 2.49, "shorter", "longer") == "1.84x longer"  # before: '0.54x shorter'
     assert times_less(32, 32, "fewer", "more") == "1.00x fewer"
+
+
+def test_the_fusion_benchmark_refuses_a_bad_shape_in_one_line(monkeypatch, capsys):
+    refused_line(capsys, run_main(monkeypatch, "bench_fusions", "--shapes", "32x100"), "--shapes", "multiple of 128")
+    refused_line(capsys, run_main(monkeypatch, "bench_fusions", "--shapes", "big"), "--shapes", "ROWSxCOLS")
