@@ -134,7 +134,9 @@ class _FusedFunction:
     def _wants_compile(self, args) -> str | None:
         """The device type to compile for, or None to run eagerly."""
         mode = _settings["mode"]
-        if mode == "eager" or torch.compiler.is_compiling():
+        if mode == "eager" or (mode == "auto" and args and isinstance(args[0], torch.Tensor) and args[0].is_cpu):
+            return None  # (the CPU default first, decided without a generator or a device object: a call's cost)
+        if torch.compiler.is_compiling():
             return None
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
         device = tensor.device.type if tensor is not None else "cpu"
