@@ -19,7 +19,8 @@ k = sqrt(2 / pi), computed in fp32 over cache-sized chunks (:func:`cpu_tanh_gelu
 is about 3x slower than its sigmoid, so this forward runs 1.5-1.8x faster. In fp32 the backward keeps
 PyTorch's kernel, which is accurate to 1e-6 where the sigmoid form's derivative is not; for 16-bit
 tensors (rounded to 2^-8 anyway) the forward also computes the derivative from the same sigmoid and
-saves it, and the backward is one multiply (:func:`cpu_bias_tanh_gelu_with_grad`). SwiGLU splits x into
+saves it, and the backward is one multiply (:func:`cpu_bias_tanh_gelu_with_grad`; a call of one
+block's size or less runs :func:`bias_gelu_with_grad`'s body whole, the same numbers with fewer operations). SwiGLU splits x into
 halves x1, x2 along the last dimension: swiglu = silu(x1) x2, with
 d/dx1 = sigmoid(x1)(1 + x1 (1 - sigmoid(x1))) x2 and d/dx2 = silu(x1). Eagerly on a CPU it runs over
 cache-sized blocks of rows (:func:`cpu_swiglu`, :func:`cpu_swiglu_back`: the same PyTorch operations
@@ -131,7 +132,10 @@ class _BiasGeLU(torch.autograd.Function):
         ctx.saved_derivative = y.device.type == "cpu" and y.dtype in (torch.bfloat16, torch.float16) and bias.dtype == y.dtype
         if ctx.saved_derivative:  # eagerly in blocks; compiled (a region, --jit-fuser compile) in one piece
             compiled = torch.compiler.is_compiling() or bias_gelu_with_grad.compiles_for(y, bias)
-            out, derivative = (bias_gelu_with_grad if compiled else cpu_bias_tanh_gelu_with_grad)(y, bias)
+            if compiled or y.numel() <= CPU_CHUNK:  # one block: the whole, without the blocks' bookkeeping
+                out, derivative = bias_gelu_with_grad(y, bias) if compiled else bias_gelu_with_grad.fn(y, bias)
+            else:
+                out, derivative = cpu_bias_tanh_gelu_with_grad(y, bias)
             ctx.save_for_backward(derivative)
             return out
         if y.device.type == "cpu" and not torch.compiler.is_compiling() and not bias_gelu.compiles_for(y, bias):
