@@ -26,7 +26,9 @@ mostly measures waiting for a core, and the CPU-time ratio is the steadier figur
 a quiet machine). ``--profile`` adds torch.profiler's breakdown of one step of each run by category (GEMM, attention,
 elementwise, optimizer, copies, communication). ``--unfused`` adds ours with the ``jit_fuser`` fusions off
 and the same math (``--no-bias-gelu-fusion --openai-gelu --no-bias-swiglu-fusion --no-bias-dropout-fusion
---no-rope-fusion``), compared round by round with ours fused; ``--swiglu`` gives ours a SwiGLU MLP
+--no-rope-fusion``), compared round by round with ours fused; ``--unfused-softmax`` likewise adds ours with
+``--no-masked-softmax-fusion`` (the explicit scale/mask/softmax attention; the fused one is SDPA, or with
+attention dropout on a CPU ``cpu_dropout_attention``: ``--dropout 0`` compares SDPA); ``--swiglu`` gives ours a SwiGLU MLP
 (Hugging Face's GPT-2 keeps its GeLU: compare with ``--no-hf``). Needs ``pip install transformers``.
 """
 
@@ -60,6 +62,7 @@ SHAPES = {
 FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
 UNFUSED = ["--no-bias-gelu-fusion", "--openai-gelu", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
            "--no-rope-fusion"]  # the jit_fuser fusions off, the same math (the tanh GeLU)
+UNFUSED_SUFFIXES = (" unfused", " unfused-softmax")  # runs compared round by round with "ours <dtype>"
 
 
 def ours_argv(shape: dict, dropout: float, extra=()) -> list[str]:
@@ -158,6 +161,9 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
         if args.unfused:
             runs.append((f"ours {dtype} unfused", dtype,
                          lambda f=FLAGS[dtype] + host + UNFUSED: build_ours(shape, args.dropout, f)[0]))
+        if args.unfused_softmax:
+            explicit = FLAGS[dtype] + host + ["--no-masked-softmax-fusion"]
+            runs.append((f"ours {dtype} unfused-softmax", dtype, lambda f=explicit: build_ours(shape, args.dropout, f)[0]))
         if not args.no_hf and dtype != "fp8":
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
                          lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw, args.device)))
@@ -211,9 +217,10 @@ def paired_ratios(times: dict, dtypes: dict) -> list[str]:
     range; a speed-up over Hugging Face, and for FP8 its step time over our bf16 step's (the target's form)."""
     lines = []
     for name, t in times.items():
-        if name.endswith(" unfused") and name[:-len(" unfused")] in times:  # ours fused vs ours unfused
-            ratios = [u / f for u, f in zip(t, times[name[:-len(" unfused")]], strict=True)]
-            lines.append(f"{name[:-len(' unfused')]} vs {name}, paired by round: {statistics.median(ratios):.2f}x "
+        fused = next((name[:-len(s)] for s in UNFUSED_SUFFIXES if name.endswith(s)), None)
+        if fused in times:  # ours fused vs ours unfused (or with the explicit softmax)
+            ratios = [u / f for u, f in zip(t, times[fused], strict=True)]
+            lines.append(f"{fused} vs {name}, paired by round: {statistics.median(ratios):.2f}x "
                          f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)")
         base = _baseline_name(times, dtypes, dtypes[name])
         if name.startswith("HF") or base is None or base == name:
@@ -288,6 +295,9 @@ def parse(argv=None):
     p.add_argument("--profile", action="store_true", help="per-category breakdown of one step of each run")
     p.add_argument("--unfused", action="store_true",
                    help="also ours with the jit_fuser fusions off (the same math), compared with ours fused")
+    p.add_argument("--unfused-softmax", action="store_true",
+                   help="also ours with --no-masked-softmax-fusion (the explicit scale/mask/softmax attention), "
+                   "compared with ours fused")
     p.add_argument("--swiglu", action="store_true", help="ours with a SwiGLU MLP (HF keeps GeLU: use --no-hf)")
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "

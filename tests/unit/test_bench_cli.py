@@ -260,3 +260,21 @@ def test_a_ratio_below_one_is_printed_the_other_way_round():
 def test_the_fusion_benchmark_refuses_a_bad_shape_in_one_line(monkeypatch, capsys):
     refused_line(capsys, run_main(monkeypatch, "bench_fusions", "--shapes", "32x100"), "--shapes", "multiple of 128")
     refused_line(capsys, run_main(monkeypatch, "bench_fusions", "--shapes", "big"), "--shapes", "ROWSxCOLS")
+
+
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_bench_attention_runs_at_a_tiny_size_and_the_explicit_path_saves_more(capsys, dropout):
+    from benchmarks import bench_attention
+
+    threads = torch.get_num_threads()
+    try:
+        bench_attention.main(["--seqs", "32", "--tokens", "64", "--heads", "2", "--rounds", "1", "--threads", "1",
+                              "--dtypes", "fp32", "--dropout", dropout])
+    finally:
+        torch.set_num_threads(threads)
+    fused = "SDPA" if dropout == "0" else "cpu_dropout_attention"
+    assert f"| 32 x 2 | fp32 | {fused} |" in capsys.readouterr().out
+    # the explicit path keeps its seq x seq probabilities (and scores) for the backward; SDPA does not
+    q, k, v = bench_attention.inputs(1, 2, 256, torch.float32)
+    runs = bench_attention.paths(0.0, 0.125)
+    assert bench_attention.saved_bytes(runs["explicit"], q, k, v) > bench_attention.saved_bytes(runs["SDPA"], q, k, v)

@@ -28,3 +28,24 @@ def test_the_peaks_are_read_again_after_every_round():
     times, cpu = time_runs(steps, rounds=3, warmup=1, after_round=lambda: calls.append("peak"))
     assert calls == ["a", "b", "a", "b", "peak", "b", "a", "peak", "a", "b", "peak"]
     assert [len(times[n]) for n in "ab"] == [3, 3] and [len(cpu[n]) for n in "ab"] == [3, 3]
+
+
+def test_the_explicit_softmax_run_is_compared_with_ours_fused():
+    # --unfused-softmax: ours with --no-masked-softmax-fusion, paired round by round as --unfused is
+    times = {"ours bf16": [1.0, 2.0, 2.0], "ours bf16 unfused-softmax": [0.9, 1.8, 2.2]}
+    dtypes = dict.fromkeys(times, "bf16")
+    assert paired_ratios(times, dtypes) == [
+        "ours bf16 vs ours bf16 unfused-softmax, paired by round: 0.90x (rounds 0.90-1.10x)"]
+
+
+def test_the_explicit_softmax_run_is_planned_with_its_flag(monkeypatch):
+    from benchmarks import bench_step
+
+    built = []
+    monkeypatch.setattr(bench_step, "build_ours", lambda shape, dropout, flags: built.append(flags) or (None, None))
+    args = bench_step.parse(["--no-hf", "--unfused-softmax", "--dtypes", "bf16"])
+    runs = bench_step.plan_runs(args, bench_step.SHAPES["quick"], {"fp32": 1.0, "bf16": 2.0})
+    assert [name for name, _, _ in runs] == ["ours bf16", "ours bf16 unfused-softmax"]
+    for _, _, build in runs:
+        build()
+    assert built == [["--bf16"], ["--bf16", "--no-masked-softmax-fusion"]]
