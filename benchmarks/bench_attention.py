@@ -4,7 +4,7 @@ The fused path is what ``--masked-softmax-fusion`` (the default) runs on a CPU: 
 ``scaled_dot_product_attention`` without attention dropout, ``cpu_dropout_attention`` with it; the
 explicit path is ``--no-masked-softmax-fusion``'s ``unfused_attention`` (scores, mask, softmax,
 dropout, product: one operation each, its ``seq x seq`` probabilities kept for the backward).
-Causal, ``heads`` heads of 64 channels, ``tokens / seq`` sequences per batch (the same tokens at each
+Causal, ``heads`` heads of 64 channels in the layer's layout (views of ``[s, b, heads, d]``), ``tokens / seq`` sequences per batch (the same tokens at each
 length). The two alternate round by round in one process; the figure is the median of the per-round
 ratios explicit / fused (above 1: the fused path is faster). "Saved" is what autograd keeps for the
 backward (the distinct storages its saved tensors use), read with ``saved_tensors_hooks``.
@@ -60,8 +60,11 @@ def saved_bytes(fn, q, k, v) -> int:
 
 
 def inputs(batch: int, heads: int, seq: int, dtype: torch.dtype):
+    """q, k, v ``[b, heads, s, 64]`` in the layer's layout: views of ``[s, b, heads, 64]`` tensors (the
+    QKV projection's output), as core attention receives them."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(batch, heads, seq, 64, generator=gen).to(dtype).requires_grad_() for _ in range(3)]
+    return [torch.randn(seq, batch, heads, 64, generator=gen).to(dtype).requires_grad_().permute(1, 2, 0, 3)
+            for _ in range(3)]
 
 
 def fwd_bwd(fn, q, k, v, grad) -> float:
