@@ -2,8 +2,8 @@
 compiled ones for speed: each equals its unfused reference, forward and backward (fp32 1e-6 or to the bit
 where it runs the same operations; bf16 within its resolution), and keeps the memory the fusion promises.
 
-* bias + GeLU (fp32) / SwiGLU below ``NATIVE_BELOW`` entries: PyTorch's own kernels under autograd (the
-  GeLU saving only ``x = y + bias``); above, the autograd Functions (SwiGLU over blocks of rows, saving ``y``);
+* bias + SwiGLU below ``NATIVE_BELOW`` entries: PyTorch's own kernels under autograd; above, the autograd
+  Function over blocks of rows, saving ``y``; bias + GeLU: its Function at every size;
 * bias + dropout + residual: the residual added in place into the new tensor when large (the same bits);
 * the fused cross-entropy's backward: the unfused in-place scaling (the same bits).
 """
@@ -54,20 +54,18 @@ def _swiglu_ref(y, b=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_eager_bias_gelu_equals_the_reference(monkeypatch, size, dtype):
-    """Small fp32: PyTorch's GeLU under autograd (no Function), saving x alone; large (the threshold
-    lowered to the shape), and 16-bit at any size (its saved derivative is the compiled route's
-    numbers): the Function, saving one tensor of x's size too. All equal F.gelu(y + b, tanh)."""
+    """At every size and dtype the Function (no native F.gelu route: one for small fp32 calls made a
+    ZB-H1 + ZeRO-2 run drift from 1F1B), saving one tensor of x's size; equal to F.gelu(y + b, tanh)."""
     y, b = torch.randn(24, 40, dtype=dtype) * 2, torch.randn(40, dtype=dtype)
     if size == "large":
         monkeypatch.setattr(activations, "NATIVE_BELOW", y.numel())
     out, grads, node, saved = _run(bias_gelu_impl, y, b)
     ref, ref_grads, _, _ = _run(lambda y, b: F.gelu(y + b, approximate="tanh"), y, b)
-    native = size == "small" and dtype == torch.float32
-    assert (node == "GeluBackward0") == native
+    assert node != "GeluBackward0"
     assert saved == y.numel() * y.element_size()  # x = y + b (or, 16-bit, gelu'(x)): one tensor
-    _close(out, ref, dtype, exact=native)
+    _close(out, ref, dtype)
     for g, r in zip(grads, ref_grads):
-        _close(g, r, dtype, exact=native)
+        _close(g, r, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

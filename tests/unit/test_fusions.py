@@ -84,7 +84,7 @@ def test_cpu_tanh_gelu_in_chunks(monkeypatch, dtype):
     # The eager CPU forward (x sigmoid(2 v), in chunks): 7 entries per chunk, so 720 entries make 103
     # chunks, the last one short; every chunk, the tail included, must equal PyTorch's tanh GeLU.
     monkeypatch.setattr(activations, "CPU_CHUNK", 7)
-    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)  # a small call would take PyTorch's own GeLU
+    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)
     y, b = torch.randn(6, 3, 40) * 3, torch.randn(40)
     out = bias_gelu_impl(y.to(dtype), b.to(dtype))
     ref = F.gelu((y.to(dtype) + b.to(dtype)).float(), approximate="tanh")  # bf16: from the bf16 sum, rounded once
@@ -99,7 +99,7 @@ def test_cpu_16_bit_gelu_saves_its_derivative(monkeypatch, dtype):
     # (rounded as y + bias is); the backward is then one multiply. 100-entry blocks of 40-wide rows
     # are 2 rows each, so 17 rows make 9 blocks, the last one short.
     monkeypatch.setattr(activations, "CPU_CHUNK", 100)
-    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)  # a small call would take PyTorch's own GeLU
+    monkeypatch.setattr(activations, "NATIVE_BELOW", 0)
     y, b = torch.randn(17, 40) * 3, torch.randn(40)
     x = (y.to(dtype) + b.to(dtype)).float()
     out, derivative = activations.cpu_bias_tanh_gelu_with_grad(y.to(dtype), b.to(dtype))
