@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .jit import jit_fuser, jit_fuser_mode
+from .jit import jit_fuser
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 CPU_CHUNK = 1 << 20  # entries per chunk on a CPU (4 MiB in fp32): the chunk's buffers stay in the cache
@@ -130,14 +130,14 @@ class _BiasGeLU(torch.autograd.Function):
     def forward(ctx, y, bias):
         ctx.saved_derivative = y.device.type == "cpu" and y.dtype in (torch.bfloat16, torch.float16) and bias.dtype == y.dtype
         if ctx.saved_derivative:  # eagerly in blocks; compiled (a region, --jit-fuser compile) in one piece
-            compiled = torch.compiler.is_compiling() or bias_gelu_with_grad.compiles_for(y, bias)
+            compiled = bias_gelu_with_grad.compiles_for(y, bias)
             if compiled or y.numel() <= CPU_CHUNK:  # one block: the whole, without the blocks' bookkeeping
                 out, derivative = bias_gelu_with_grad(y, bias) if compiled else bias_gelu_with_grad.fn(y, bias)
             else:
                 out, derivative = cpu_bias_tanh_gelu_with_grad(y, bias)
             ctx.save_for_backward(derivative)
             return out
-        if y.device.type == "cpu" and not torch.compiler.is_compiling() and not bias_gelu.compiles_for(y, bias):
+        if y.device.type == "cpu" and not bias_gelu.compiles_for(y, bias):
             x = y + bias
             out = cpu_tanh_gelu(x)
         else:
@@ -154,11 +154,8 @@ class _BiasGeLU(torch.autograd.Function):
 
 def _runs_eagerly(fused, *args) -> bool:
     """Whether ``fused`` (a ``jit_fuser`` function) would run eagerly on these CPU tensors: not inside a
-    compiled region, and not compiled by ``--jit-fuser`` (``auto`` and ``eager`` never compile on a CPU,
-    so only ``compile`` asks the function)."""
-    if not args[0].is_cpu or torch.compiler.is_compiling():
-        return False
-    return jit_fuser_mode() != "compile" or not fused.compiles_for(*args)
+    compiled region, and not compiled by ``--jit-fuser``."""
+    return args[0].is_cpu and not fused.compiles_for(*args)
 
 
 def bias_gelu_impl(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -151,9 +151,10 @@ class _FusedFunction:
         return device
 
     def compiles_for(self, *args) -> bool:
-        """Whether a call with these arguments would run compiled (for a caller that has a better
-        eager route of its own)."""
-        return self._wants_compile(args) is not None
+        """Whether a call with these arguments would run compiled: inside a region being compiled
+        (Dynamo inlines it), or compiled by ``--jit-fuser`` (for a caller that has a better eager
+        route of its own)."""
+        return torch.compiler.is_compiling() or self._wants_compile(args) is not None
 
     def __call__(self, *args, **kwargs):
         device = self._wants_compile(args)

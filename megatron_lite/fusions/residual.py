@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .dropout import dropout
-from .jit import jit_fuser, jit_fuser_mode
+from .jit import jit_fuser
 
 IN_PLACE_FROM = 1 << 16  # entries: from here the eager form adds the residual in place
 
@@ -52,10 +52,8 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
                      training: bool) -> torch.Tensor:
     """``residual + dropout(x + bias, prob)`` (no dropout when not ``training`` or ``prob`` is 0)."""
     drop = training and prob > 0
-    if x.is_cpu and jit_fuser_mode() != "compile" and not torch.compiler.is_compiling():  # eager (auto: on a CPU)
-        return _eager_bias_dropout_add(x, bias, residual, prob, drop)
     fused = _bias_dropout_add_train if drop else _bias_add_residual
     args = (x, bias, residual, prob) if drop else (x, bias, residual)
-    if torch.compiler.is_compiling() or fused.compiles_for(*args):
+    if fused.compiles_for(*args):
         return fused(*args)
     return _eager_bias_dropout_add(x, bias, residual, prob, drop)

@@ -124,7 +124,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(local_target.numel(), device=softmax.device)
         t, hit = local_target.reshape(-1), in_range.reshape(-1)
         target_grad = softmax.view(-1, softmax.shape[-1])[rows, t] * coef.reshape(-1) - (1.0 - eps + eps / ctx.vocab_size) * g.reshape(-1)
-        fused = ctx.fused and (torch.compiler.is_compiling() or fused_scale_rows.compiles_for(softmax, coef))
+        fused = ctx.fused and fused_scale_rows.compiles_for(softmax, coef)
         grad = (fused_scale_rows if fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax is reused in place
         if eps > 0:
             grad[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1).to(grad.dtype)
