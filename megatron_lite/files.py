@@ -15,7 +15,7 @@ from contextlib import contextmanager
 def replaced_whole(path: str):
     """``with replaced_whole(path) as tmp:`` write ``tmp``; on leaving the block it replaces
     ``path``, or, if the block raised, it is removed and the exception goes on."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp.{os.getpid()}"
     try:
         yield tmp
         os.replace(tmp, path)

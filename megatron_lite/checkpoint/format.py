@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..config import ARCHITECTURE_FLAGS
 from ..errors import raised_on_every_rank
+from ..files import replaced_whole
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -182,33 +183,20 @@ def iteration_folders(root: str) -> list[str]:
 def atomic_save(obj, path: str) -> None:
     """``torch.save`` under a temporary name, then rename: the file is complete or absent."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
+    with replaced_whole(path) as tmp:
         try:
             torch.save(obj, tmp)
         except RuntimeError as err:  # torch.save reports a failed write (a full disk) as a RuntimeError
             reason = str(err).strip().splitlines()[0][:120] if str(err).strip() else "RuntimeError"
             raise OSError(errno.EIO, f"write failed ({reason}); is the disk full?", path) from None
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` (flushed to disk) under a temporary name, then rename."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with replaced_whole(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_file(path: str, what: str = "checkpoint file", keys: tuple[str, ...] = ()) -> dict:

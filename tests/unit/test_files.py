@@ -70,7 +70,7 @@ def _peft_adapter(path, monkeypatch=None):
                                           (_peft_adapter, "adapter/adapter_model.safetensors")])
 def test_a_writer_failing_half_way_leaves_the_previous_file_and_no_temporary_one(tmp_path, monkeypatch, writer, name):
     """Each wrote a temporary file and renamed it, but a failure (an unprintable token, a value JSON
-    cannot hold, a full disk) left ``<file>.tmp<pid>`` (``.tmp``) behind; now it is removed."""
+    cannot hold, a full disk) left ``<file>.tmp<pid>`` (now ``.tmp.<pid>``, as the checkpoint files) behind; now it is removed."""
     pytest.importorskip("safetensors")
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
