@@ -209,6 +209,13 @@ def discard_temp(root: str, iteration) -> None:
     shutil.rmtree(temp_dir(root, iteration), ignore_errors=True)
 
 
+def discard_failed_save(err: BaseException, root: str, iteration, rank: int) -> None:
+    """After a failed save (either format): rank 0 removes its temporary folder when every rank agreed
+    on the failure (every rank is then done with the folder); otherwise the next save sweeps it."""
+    if rank == 0 and getattr(err, "on_every_rank", False):
+        discard_temp(root, iteration)
+
+
 class _Pending:
     """One background write: its thread and, when it failed, why (the same on every rank)."""
 
@@ -338,8 +345,7 @@ def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, 
         steps(lambda: write_pieces(pieces, tmp))
         steps(lambda: finalize_save(root, iteration) if rank == 0 else None)
     except CheckpointError as err:
-        if rank == 0 and getattr(err, "on_every_rank", False):  # agreed: every rank is done with the folder
-            discard_temp(root, iteration)
+        discard_failed_save(err, root, iteration, rank)
         raise
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)

@@ -32,7 +32,7 @@ from .arch import check_architecture
 from .compat import check_compatible, check_sizes, layer_range
 from .dist import is_fresh_layout, layout_of, load_dist
 from .dist_read import checkpoint_format, read_common
-from .dist_save import discard_temp, finalize_save, save_dist, sweep_temps, temp_dir
+from .dist_save import discard_failed_save, finalize_save, save_dist, sweep_temps, temp_dir
 from .expert_files import expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
@@ -168,9 +168,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
         with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
             on_every_rank(_writing(write_files, root, iteration))
         on_every_rank(_writing(update_tracker, root, iteration))
-    except CheckpointError:  # agreed: every rank is done with the temporary folder
-        if rank == 0:
-            discard_temp(root, iteration)
+    except CheckpointError as err:
+        discard_failed_save(err, root, iteration, rank)
         raise
     say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
