@@ -277,3 +277,8 @@ def bias_swiglu_impl(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
             return F.silu(gate) * up
         return _CpuSwiGLU.apply(y, bias)
     return _SwiGLU.apply(y) if bias is None else _BiasSwiGLU.apply(y, bias)
+
+
+def bias_activation_impl(y: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    """The fused bias + activation of an MLP (dense, shared or routed experts): SwiGLU or tanh GeLU."""
+    return bias_swiglu_impl(y, bias) if swiglu else bias_gelu_impl(y, bias)

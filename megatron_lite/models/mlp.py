@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..activations import MLPActivation
-from ..fusions.activations import bias_gelu_impl, bias_swiglu_impl
+from ..fusions.activations import bias_activation_impl
 from .common import column_linear, row_linear
 
 
@@ -43,6 +43,6 @@ class MLP(nn.Module):
     def forward(self, hidden):
         if self.fused_activation:
             x, bias = self.linear_fc1(hidden)
-            x = bias_swiglu_impl(x, bias) if self.swiglu else bias_gelu_impl(x, bias)
+            x = bias_activation_impl(x, bias, self.swiglu)
             return self.linear_fc2(x)
         return self.linear_fc2(self.activation(self.linear_fc1(hidden)))

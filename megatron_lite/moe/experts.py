@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..activations import MLPActivation, is_gated
-from ..fusions.activations import bias_gelu_impl, bias_swiglu_impl
+from ..fusions.activations import bias_activation_impl
 from ..parallel import comm
 from ..parallel.recompute import recompute_modules, run_discarding
 from ..parallel.tensor import shard
@@ -54,6 +54,13 @@ def gelu_approximation(config) -> str:
     form), else the exact erf form."""
     tanh = getattr(config, "openai_gelu", False) or getattr(config, "bias_activation_fusion", False)
     return "tanh" if tanh else "none"
+
+
+def fused_activation_applies(config, act: MLPActivation, bias: bool) -> bool:
+    """Whether experts (routed or shared) take their fc1 bias + activation through the fused functions:
+    the dense MLP's rule (models/mlp.py), a plain GeLU or SwiGLU under the fusion flag; the fused GeLU
+    needs its bias (TransformerConfig refuses the dense GeLU fusion without one)."""
+    return bool(getattr(config, "bias_activation_fusion", False)) and act.plain and (config.swiglu or bias)
 
 
 def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -159,9 +166,7 @@ class _ExpertsBase(nn.Module):
         self.gelu_approximate = gelu_approximation(config)
         self.act = MLPActivation(config, self.gelu_approximate)
         self.bias = bool(config.add_bias_linear)
-        # the dense MLP's rule (models/mlp.py); the fused GeLU needs its bias (TransformerConfig refuses it without)
-        self.fused_activation = bool(getattr(config, "bias_activation_fusion", False)) and self.act.plain and (
-            self.swiglu or self.bias)
+        self.fused_activation = fused_activation_applies(config, self.act, self.bias)
         self.num_local_experts = config.num_experts // state.ep_size
         self.first_expert = state.ep_rank * self.num_local_experts
         self.etp_group = expert_tp_group(config, state)
@@ -201,7 +206,7 @@ class _ExpertsBase(nn.Module):
             act = self.act(h)
         else:
             row_bias = bias[0][bias[1]] if len(bias) == 2 else (bias[0] if bias else None)
-            act = bias_swiglu_impl(h, row_bias) if self.swiglu else bias_gelu_impl(h, row_bias)
+            act = bias_activation_impl(h, row_bias, self.swiglu)
         return (act * probs.unsqueeze(-1)).to(h.dtype)
 
     def _fc2_of_weighted(self, h: torch.Tensor, probs: torch.Tensor, fc2, *bias: torch.Tensor) -> torch.Tensor:

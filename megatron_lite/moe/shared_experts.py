@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..activations import MLPActivation, is_gated
-from ..fusions.activations import bias_gelu_impl, bias_swiglu_impl
+from ..fusions.activations import bias_activation_impl
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from .experts import gelu_approximation
+from .experts import fused_activation_applies, gelu_approximation
 from .router import init_replicated
 
 
@@ -28,8 +28,7 @@ class SharedExperts(nn.Module):
         self.swiglu, self.gelu_approximate = config.swiglu, gelu_approximation(config)
         self.act, gated = MLPActivation(config, self.gelu_approximate), is_gated(config)
         sp, bias, dtype = bool(config.sequence_parallel), bool(config.add_bias_linear), config.params_dtype
-        self.fused_activation = bool(getattr(config, "bias_activation_fusion", False)) and self.act.plain and (
-            self.swiglu or bias)  # the dense MLP's rule (models/mlp.py)
+        self.fused_activation = fused_activation_applies(config, self.act, bias)
         self.linear_fc1 = ColumnParallelLinear(
             h, 2 * ffn if gated else ffn, state.tp_group, bias=bias,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc1.weight"),
@@ -48,7 +47,7 @@ class SharedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_activation:
             x, bias = self.linear_fc1(hidden)
-            x = bias_swiglu_impl(x, bias) if self.swiglu else bias_gelu_impl(x, bias)
+            x = bias_activation_impl(x, bias, self.swiglu)
         else:
             x = self.act(self.linear_fc1(hidden))
         out = self.linear_fc2(x)
