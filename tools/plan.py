@@ -4,7 +4,8 @@
 Every TP x PP x VPP x DP x CP x EP (x expert TP) split, ZeRO sharding strategy, recomputation and micro-batch size
 that can run the model is estimated from closed forms (model state bytes per parameter, Korthikanti
 et al.'s activation bytes, Narayanan et al.'s FLOPs at a fixed matmul efficiency, ring
-communication volumes over NVLink / network bandwidth, the (p-1)/(v m) pipeline bubble); the
+communication volumes over NVLink / network bandwidth, the (p-1)/(v m) pipeline bubble of 1F1B or
+ZB-H1's (p-1)/(3m)); the
 layouts that fit in GPU memory are printed fastest first, with the best one broken down.
 
     python tools/plan.py --preset gpt3-175b --cluster a100 --gpus 1024 --global-batch-size 1536
@@ -91,6 +92,7 @@ LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
     "--data-parallel-sharding-strategy": ("zero", str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
     "--recompute-granularity": ("recompute", str, ["none", "selective", "full"]),
     "--num-distributed-optimizer-instances": ("instances", POSITIVE, None),
+    "--pipeline-schedule": ("schedule", str, ["1f1b", "zb-h1"]),
 }
 
 
@@ -184,7 +186,7 @@ def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     comm = " + ".join(f"{k} {v:.3g}" for k, v in best.comm_s.items() if v)
     etp = f", ETP {lay.expert_tp}" if spec.is_moe else ""
     return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}{etp}, "
-            f"ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
+            f"{'ZB-H1, ' if lay.schedule == 'zb-h1' else ''}ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
             f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
             f"{figure(best.model_state_gb)}, activations {figure(best.activation_gb)}, reserved "
@@ -203,7 +205,7 @@ def draw(estimates, path: str, memory_gb: float) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"t{e.layout.tp} p{e.layout.pp}v{e.layout.vpp} d{e.layout.dp} c{e.layout.cp} e{e.layout.ep}"
+    labels = [f"t{e.layout.tp} p{e.layout.pp}{'zb' if e.layout.schedule == 'zb-h1' else 'v'}{e.layout.vpp} d{e.layout.dp} c{e.layout.cp} e{e.layout.ep}"
               f"x{e.layout.expert_tp}\n"
               f"{e.layout.zero} {e.layout.recompute} b{e.layout.micro_batch}" for e in estimates]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(labels)), 7), sharex=True)

@@ -14,7 +14,9 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
   sequence parallelism on whenever TP > 1, the sequence split over CP) times the layers of a stage
   times the micro-batches in flight on stage i (:func:`in_flight_microbatches`, the schedule's
   warmup plus one: ``min(p - i, m)`` under 1F1B; interleaved with m > p, ``p + (p - 2i - 1)/v``
-  stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last). Full
+  stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last; ZB-H1
+  ``min(p, m)`` on every stage: a micro-batch stays until its deferred weight gradients, counted as
+  its whole activations). Full
   recomputation adds one layer's un-recomputed activations (the layer being recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
   ``4 b (s/cp) V / t`` for the model and each MTP depth. The MLP is counted as a 4h GeLU MLP;
   other shapes (SwiGLU, experts) are approximated by it;
@@ -25,7 +27,8 @@ with the recomputed forward under full recomputation, the recomputed Q·Kᵀ and
 under selective recomputation) over the GPUs at :data:`MATMUL_EFFICIENCY`
 of peak; plus the tensor-, context-, expert-, expert-tensor- and pipeline-parallel traffic of one
 GPU (:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
-order TP, CP, DP, PP; the experts' ETP, EP, expert-DP); that sum stretched by the pipeline bubble ``(p-1)/(v m)``; plus the
+order TP, CP, DP, PP; the experts' ETP, EP, expert-DP); that sum stretched by the pipeline bubble
+(:func:`pipeline_bubble`: ``(p-1)/(v m)`` under 1F1B, ``(p-1)/(3m)`` under ZB-H1 with m >= p); plus the
 data-parallel gradient and weight traffic. No communication is assumed hidden behind compute.
 """
 
@@ -38,7 +41,8 @@ import torch
 
 from ...errors import ConfigError
 from ...parallel.expert_grid import expert_dp_size, folding_problem
-from ...parallel.pipeline.order import warmup_1f1b, warmup_interleaved
+from ...parallel.pipeline.order import order_zb_h1, warmup_1f1b, warmup_interleaved
+from ...parallel.pipeline.trace import bubble_fraction, simulate
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
@@ -53,6 +57,7 @@ RESERVED_BYTES = 4 * 2**30
 """Memory per GPU not available to model state and activations."""
 
 RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "zb-h1")
 GB = 2**30
 
 
@@ -69,6 +74,7 @@ class Layout:
     micro_batch: int = 1
     instances: int = 1  # --num-distributed-optimizer-instances: hybrid sharding (HSDP with ZeRO-2/3)
     etp: int | None = None  # --expert-tensor-parallel-size; None: TP
+    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved when vpp > 1) or zb-h1
 
     @property
     def gpus(self) -> int:
@@ -129,6 +135,9 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
     if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
         raise ConfigError(f"VPP {lay.vpp} needs PP > 1 and the micro-batches per step divisible by PP {lay.pp}")
+    if lay.schedule not in SCHEDULES or (lay.schedule == "zb-h1" and lay.vpp > 1):
+        raise ConfigError(f"--pipeline-schedule {lay.schedule}: one of {', '.join(SCHEDULES)}, and zb-h1 runs one "
+                          f"model chunk per rank (VPP 1, not {lay.vpp})")
     _check_experts(spec, lay)
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
@@ -179,12 +188,16 @@ def layer_bytes(spec: ModelSpec, lay: Layout, recompute: str | None) -> float:
     return korthikanti_layer_bytes(s, lay.micro_batch, spec.hidden_size, spec.num_attention_heads, t, t > 1, recompute)
 
 
-def in_flight_microbatches(p: int, i: int, m: int, v: int = 1) -> float:
+def in_flight_microbatches(p: int, i: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
     """Micro-batches whose activations stage ``i`` of ``p`` holds at its peak under the schedule's
     order (:mod:`~megatron_lite.parallel.pipeline.order`): its warmup forwards plus the first steady
-    one (all of them when there is no steady phase), over all ``v`` chunks, in whole-stage units."""
+    one (all of them when there is no steady phase), over all ``v`` chunks, in whole-stage units.
+    ZB-H1: ``min(p, m)`` on every stage (a micro-batch is held until its deferred W, whose stashed
+    GEMM inputs and output gradients are counted as its whole activations)."""
     if p == 1:
         return 1.0
+    if schedule == "zb-h1":
+        return float(min(p, m))
     total = m * v
     warm = warmup_interleaved(p, i, m, v) if v > 1 else warmup_1f1b(p, i, m)
     return min(warm + 1, total) / v
@@ -203,7 +216,7 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     stages = []
     for i, layers in enumerate(counts):
         dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp)
-        in_flight = in_flight_microbatches(p, i, m, v)
+        in_flight = in_flight_microbatches(p, i, m, v, lay.schedule)
         acts = layers * per_layer * in_flight + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
             acts += spec.mtp_num_layers * per_layer + (1 + spec.mtp_num_layers) * logits
@@ -251,6 +264,22 @@ def step_flops(spec: ModelSpec, tp: int, global_batch: int, recompute: str) -> t
     return hardware, num_floating_point_operations(padded, global_batch, False, moe_config=moe)
 
 
+@lru_cache(maxsize=256)
+def pipeline_bubble(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
+    """Idle over busy time of the pipeline (Narayanan's bubble fraction). 1F1B: ``(p-1)/(v m)``.
+    ZB-H1, with a micro-batch's forward, input-gradient (B) and weight-gradient (W) passes taking
+    equal time (a backward twice a forward): its order simulated (:func:`simulate`), which is
+    ``(p-1)/(3m)`` once ``m >= p`` (W fills two thirds of 1F1B's idle time); with fewer
+    micro-batches the cooldown has too few W passes to fill it."""
+    if p == 1:
+        return 0.0
+    if schedule != "zb-h1":
+        return (p - 1) / (v * m)
+    if m >= p:
+        return (p - 1) / (3 * m)
+    return bubble_fraction(simulate({r: order_zb_h1(p, r, m) for r in range(p)}, p, 1, 1.0, 1.0, 1.0))
+
+
 def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layout) -> Estimate:
     """Memory and step time of ``lay`` (checked first by :func:`check_layout`)."""
     check_layout(spec, cluster, global_batch, lay)
@@ -259,7 +288,7 @@ def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layo
     peak = cluster.peak_tflops * 1e12
     compute = hardware / cluster.gpus / (peak * MATMUL_EFFICIENCY)
     comm = comm_seconds(spec, cluster, lay, m)
-    bubble = (lay.pp - 1) / (lay.vpp * m)
+    bubble = pipeline_bubble(lay.pp, m, lay.vpp, lay.schedule)
     step = (compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["etp"] + comm["pp"]) * (1 + bubble) + comm["dp"]
     states, activations = memory_bytes(spec, lay, m)
     total = states + activations + RESERVED_BYTES

@@ -7,7 +7,7 @@ from itertools import product
 from ...errors import ConfigError
 from ..model_state import SHARDING_STRATEGIES
 from ..numbers import figure
-from .estimate import RECOMPUTE, Estimate, Layout, check_layout, estimate
+from .estimate import RECOMPUTE, SCHEDULES, Estimate, Layout, check_layout, estimate
 from .model import ClusterSpec, ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -30,7 +30,8 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                       refusals: list | None = None):
     """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
     divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
-    EP a divisor of the experts, the experts' ETP the TP size or (at TP > 1) 1, hybrid-sharding
+    EP a divisor of the experts, the experts' ETP the TP size or (at TP > 1) 1, the pipeline
+    schedule 1F1B or (at PP > 1 with VPP 1) ZB-H1, hybrid-sharding
     instances 1 or one per node (:func:`_instance_choices`, sharded strategies only), the rest from
     the choices above.
     ``fixed`` (``{field: value}``, e.g. ``{"tp": 8}``) replaces a field's choices by that one value
@@ -51,15 +52,21 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                                                   instances, etps):
             if n > 1 and zero == "no_shard" and not {"instances", "zero"} <= fixed.keys():
                 continue  # refused unless asked for both: else a fixed N's own refusal would hide behind it
-            lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b, instances=n,
-                         etp=etp)
-            try:
-                check_layout(spec, cluster, global_batch, lay)
-            except ConfigError as err:
-                if refusals is not None:
-                    refusals.append(str(err))
-                continue
-            yield lay
+            for schedule in [fixed["schedule"]] if "schedule" in fixed else _schedule_choices(p, v):
+                lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b,
+                             instances=n, etp=etp, schedule=schedule)
+                try:
+                    check_layout(spec, cluster, global_batch, lay)
+                except ConfigError as err:
+                    if refusals is not None:
+                        refusals.append(str(err))
+                    continue
+                yield lay
+
+
+def _schedule_choices(p: int, v: int) -> tuple[str, ...]:
+    """ZB-H1 beside 1F1B where it differs from it: a pipeline (PP > 1) of one chunk per rank."""
+    return SCHEDULES if p > 1 and v == 1 else ("1f1b",)
 
 
 def _instance_choices(cluster: ClusterSpec, t: int, cp: int, dp: int) -> list[int]:
@@ -89,19 +96,23 @@ _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel
           "vpp": "--virtual-pipeline-model-parallel-size", "cp": "--context-parallel-size",
           "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "micro_batch": "--micro-batch-size",
           "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity",
-          "instances": "--num-distributed-optimizer-instances"}
+          "instances": "--num-distributed-optimizer-instances", "schedule": "--pipeline-schedule"}
 
 
 _PLAIN = "{}".format
 COLUMNS = (("TP", "tp", _PLAIN), ("PP", "pp", _PLAIN), ("VPP", "vpp", _PLAIN), ("DP", "dp", _PLAIN), ("CP", "cp", _PLAIN),
-           ("EP", "ep", _PLAIN), ("ETP", "etp", _PLAIN), ("ZeRO", "zero", _PLAIN), ("inst", "instances", _PLAIN), ("recompute", "recompute", _PLAIN),
+           ("EP", "ep", _PLAIN), ("ETP", "etp", _PLAIN), ("sched", "schedule", _PLAIN),
+           ("ZeRO", "zero", _PLAIN), ("inst", "instances", _PLAIN), ("recompute", "recompute", _PLAIN),
            ("mbs", "micro_batch", _PLAIN), ("mem GB", "mem_gb", figure), ("step s", "step_s", "{:.3g}".format),
            ("TFLOP/s/GPU", "tflops", figure), ("MFU", "mfu", lambda x: f"{figure(100 * x)}%"))
 
 
 def format_table(estimates: list[Estimate]) -> str:
-    """A fixed-width text table, one row per estimate (the ETP column only where some layout sets it)."""
-    columns = [c for c in COLUMNS if c[1] != "etp" or any(e.layout.etp is not None for e in estimates)]
+    """A fixed-width text table, one row per estimate (the ETP and schedule columns only where some layout
+    sets ETP or runs ZB-H1)."""
+    shown = {"etp": any(e.layout.etp is not None for e in estimates),
+             "schedule": any(e.layout.schedule != "1f1b" for e in estimates)}
+    columns = [c for c in COLUMNS if shown.get(c[1], True)]
     rows = [[fmt(e.row()[key]) for _, key, fmt in columns] for e in estimates]
     widths = [max([len(name)] + [len(r[i]) for r in rows]) for i, (name, _, _) in enumerate(columns)]
     lines = ["  ".join(name.rjust(w) for (name, _, _), w in zip(columns, widths))]
