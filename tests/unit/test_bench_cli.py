@@ -278,3 +278,18 @@ def test_bench_attention_runs_at_a_tiny_size_and_the_explicit_path_saves_more(ca
     q, k, v = bench_attention.inputs(1, 2, 256, torch.float32)
     runs = bench_attention.paths(0.0, 0.125)
     assert bench_attention.saved_bytes(runs["explicit"], q, k, v) > bench_attention.saved_bytes(runs["SDPA"], q, k, v)
+
+
+def test_bench_fp8_measures_every_recipe_given_side_by_side(monkeypatch, capsys):
+    from benchmarks import bench_fp8
+
+    monkeypatch.setattr(bench_fp8, "SMALL", dict(layers=1, hidden=128, heads=2, seq=128, batch=1, vocab=256))
+    bench_fp8.main(["--steps", "1", "--fp8-recipe", "delayed", "blockwise", "mxfp8", "delayed"])
+    out = capsys.readouterr().out
+    gemm_header = next(line for line in out.splitlines() if line.startswith("gemm "))
+    assert gemm_header.split()[-3:] == ["delayed", "blockwise", "mxfp8"]  # a repeated recipe runs once
+    summary = out.split("summary:")[1]
+    for name in ("delayed", "blockwise", "mxfp8"):
+        assert f"fp8 {name} (bf16 params)" in out
+        assert re.search(rf"{name} \d+\.\d\dx \(vs fp32 \d+\.\d\dx\)", summary), name
+    assert out.count("> FP8 hybrid") == 3
