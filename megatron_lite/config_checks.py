@@ -8,8 +8,9 @@ the sections' own checks beside their dataclasses (fusions, logging, LoRA).
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, Config
+from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, SECTIONS, Config
 from .distributed_flags import check_distributed_flags
 from .errors import ConfigError
 from .fusions.config import check_fusion_flags
@@ -36,6 +37,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     # What no launch can run comes first (a feature not built, a shape that does not split), then
     # what needs another number of processes: one process must not be told to launch more for a
     # combination that would be refused anyway.
+    _check_finite(config)
     _check_precision(config.precision)
     check_fusion_flags(config.fusion, config.model.disable_bias_linear)
     _check_model(config)
@@ -59,6 +61,25 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     check_distributed_flags(config)  # --distributed-backend, --distributed-timeout-minutes, --deterministic-mode
     check_logging_flags(config.logging, config.checkpoint.save)
     return config
+
+
+INF_MEANS_NO_LIMIT = ("clip_grad", "exit_duration_in_mins", "activation_func_clamp_value")
+"""The number flags for which ``inf`` is a meaning (no clipping, no time limit, no clamp)."""
+
+
+def _check_finite(config: Config) -> None:
+    """No number flag takes ``nan`` (argparse's float() reads it, and every comparison with it is
+    False, so range checks let it through), nor ``inf`` except where that means "no limit"."""
+    for section in SECTIONS + tuple(config.extra_sections):
+        for f in dataclasses.fields(getattr(config, section)):
+            value = getattr(getattr(config, section), f.name)
+            for number in (value if isinstance(value, list) else [value]):
+                if not isinstance(number, float) or math.isfinite(number):
+                    continue
+                if math.isinf(number) and f.name in INF_MEANS_NO_LIMIT:
+                    continue
+                flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+                raise ConfigError(f"{flag} must be a finite number, got {number}")
 
 
 def _check_model_values(config: Config) -> None:
@@ -270,14 +291,17 @@ def _check_lr_span(config: Config) -> None:
 
 def _check_optimizer_values(o) -> None:
     """The optimizer's hyper-parameters, refused here rather than by torch's traceback (or, for a
-    negative --weight-decay, not at all: torch checks only its default, not a param group's)."""
+    negative --weight-decay or --clip-grad, not at all: torch checks only its default, not a param
+    group's, and the clipping step treated every --clip-grad <= 0 as "off")."""
     _require(o.weight_decay >= 0, f"--weight-decay must be at least 0, got {o.weight_decay}")
+    _require(o.clip_grad >= 0, f"--clip-grad must be at least 0 (0 disables clipping), got {o.clip_grad}")
     check_weight_decay_schedule(o)
     check_decoupled_lr(o)
     if o.optimizer == "adam":
         for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
             _require(0 <= beta < 1, f"{flag} must be in [0, 1), got {beta}")
-        _require(o.adam_eps >= 0, f"--adam-eps must be at least 0, got {o.adam_eps}")
+        _require(o.adam_eps > 0, f"--adam-eps must be positive (with 0 an element whose gradient is 0 is "
+                 f"updated by 0 / 0 = NaN), got {o.adam_eps}")
 
 
 def _check_sgd_momentum(config: Config) -> None:

@@ -209,7 +209,7 @@ def test_corrupt_data_file_is_one_line_exit_2(tmp_path, sample_dataset, capsys):
          ["--min-loss-scale 16.0 is larger than --initial-loss-scale 8.0"]),
         (["--adam-beta1", "1.5"], 1, ["--adam-beta1 must be in [0, 1)"]),
         (["--adam-beta2", "1"], 1, ["--adam-beta2 must be in [0, 1)"]),
-        (["--adam-eps=-1e-8"], 1, ["--adam-eps must be at least 0"]),
+        (["--adam-eps=-1e-8"], 1, ["--adam-eps must be positive"]),
         (["--weight-decay", "-0.1"], 1, ["--weight-decay must be at least 0"]),
         (["--optimizer", "sgd", "--weight-decay", "-0.1"], 1, ["--weight-decay must be at least 0"]),
         (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size"]),
