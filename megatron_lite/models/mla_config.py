@@ -140,6 +140,12 @@ def check_mla_fields(config) -> None:
         check_mla_shape(config)
     if config.mtp_num_layers is not None:
         _require(config.mtp_num_layers >= 1, f"--mtp-num-layers {config.mtp_num_layers} must be at least 1")
+        # depth k predicts the token k + 1 ahead of each position: from k = --seq-length on, no position of
+        # the sequence has one, and that depth's loss was 0 (averaged into the MTP loss) at every step
+        _require(config.mtp_num_layers < config.seq_length,
+                 f"--mtp-num-layers {config.mtp_num_layers} must be less than --seq-length {config.seq_length} "
+                 "(MTP depth k predicts the token k + 1 positions ahead: depths k >= --seq-length have no "
+                 "position to predict from); use fewer MTP layers or a longer --seq-length")
         check_mtp_positions(config)
         _require(config.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must not be negative")
 

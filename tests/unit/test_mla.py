@@ -254,6 +254,9 @@ def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
     (dict(num_query_groups=2), "does not take --group-query-attention"),
     (dict(qk_pos_emb_head_dim=5), "--qk-pos-emb-head-dim 5 must be even"),
     (dict(mtp_num_layers=0), "--mtp-num-layers 0 must be at least 1"),
+    # depth S has no position with a token S + 1 ahead: its loss was 0 (mean of nothing) at every step
+    (dict(mtp_num_layers=S), f"--mtp-num-layers {S} must be less than --seq-length {S}"),
+    (dict(mtp_num_layers=S + 3), f"--mtp-num-layers {S + 3} must be less than --seq-length {S}"),
     # YaRN's correction range divides by beta and ln(base): a ZeroDivisionError / math domain error traceback
     (dict(beta_fast=0.0, beta_slow=0.0), "--beta-fast 0.0 and --beta-slow 0.0 must be positive"),
     (dict(beta_slow=0.0), "--beta-slow 0.0 must be positive"),
@@ -264,3 +267,11 @@ def test_flash_path_pads_to_one_head_size_and_equals_sdpa(dv, documents):
 def test_combinations_that_are_not_built_are_refused(over, words):
     with pytest.raises(ConfigError, match=words.replace("-", r"\-")):
         make_config("dsv3", **over)
+
+
+def test_the_deepest_accepted_mtp_depth_keeps_a_position():
+    """--mtp-num-layers S - 1 is accepted: its last depth still predicts from the first position."""
+    assert make_config("dsv3", mtp_num_layers=S - 1).mtp_num_layers == S - 1
+    masks = mtp_targets(torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long), torch.ones(B, S),
+                        S - 1)["mtp_loss_mask"]
+    assert masks.sum(dim=-1)[:, 0].tolist() == list(range(S - 1, 0, -1))  # depth k: S - k positions

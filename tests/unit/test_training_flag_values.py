@@ -36,6 +36,9 @@ BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size
     (["--weight-decay", "inf"], ["--weight-decay must be a finite number"]),
     (["--hidden-dropout", "nan"], ["--hidden-dropout must be a finite number"]),
     (["--num-experts", "2", "--moe-aux-loss-coeff", "0.1", "nan"], ["--moe-aux-loss-coeff must be a finite number"]),
+    # multi-token prediction depth k needs a token k + 1 ahead: at --seq-length 16, depth 16 had none (loss 0)
+    (["--position-embedding-type", "rope", "--mtp-num-layers", "16"],
+     ["--mtp-num-layers 16 must be less than --seq-length 16", "use fewer MTP layers or a longer --seq-length"]),
 ])
 def test_nonsense_values_are_refused_in_one_line(capsys, flags, words):
     parse_refused(capsys, BASE + flags, *words, world_size=1)
