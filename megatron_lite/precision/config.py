@@ -48,7 +48,7 @@ class PrecisionConfig:
     transformer_impl: str = "local"
     """Linear layers: local (native FP8 GEMMs) or transformer_engine (needs Transformer Engine and a GPU)."""
     accumulate_allreduce_grads_in_fp32: bool = False
-    """Accepted for Megatron scripts: gradients are always accumulated and reduced in fp32 (the main_grad buffer)."""
+    """Accepted for Megatron scripts: it changes nothing, gradients are always accumulated over micro-batches and reduced over data-parallel ranks in fp32 (an fp32 main_grad buffer under --bf16, --fp16 and fp32, for every sharding strategy)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
