@@ -39,13 +39,8 @@ import torch  # noqa: E402
 from benchmarks.common import OneLineParser, describe_machine, positive_int  # noqa: E402
 from megatron_lite.models import GPTModel, TransformerConfig  # noqa: E402
 from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from megatron_lite.precision.fp8 import (  # noqa: E402
-    FP8_RECIPES,
-    Fp8Gemm,
-    Fp8Recipe,
-    describe_fp8_path,
-    update_fp8_scales,
-)
+from megatron_lite.precision.fp8 import FP8_RECIPES, Fp8Gemm, Fp8Recipe, update_fp8_scales  # noqa: E402
+from megatron_lite.precision.fp8_describe import describe_fp8_path  # noqa: E402
 from megatron_lite.precision.fp8_ops import (  # noqa: E402,E501
     DEQUANTISED,
     E4M3,

@@ -42,7 +42,6 @@ from torch import nn
 from ..errors import ConfigError
 from .fp8_block import BLOCK_RECIPES, BlockFp8LinearFunction, describe_block_recipe
 from .fp8_ops import (
-    BF16_MARGIN,
     E4M3,
     E5M2,
     FP8_MAX,
@@ -52,9 +51,6 @@ from .fp8_ops import (
     amax_from_history,
     column_major,
     cpu_compute_dtype,
-    cpu_gemm_dtype,
-    cpu_gemm_probe,
-    cpu_native_widening,
     current_scale,
     delayed_scale,
     fp8_gemm_path,
@@ -62,7 +58,6 @@ from .fp8_ops import (
     pad_rows,
     quantize,
     roll_amax_history,
-    scaled_mm_blocker,
     widen,
 )
 
@@ -372,30 +367,3 @@ def _all_reduce_max_rows(table: torch.Tensor, rows: list[int], group) -> None:
 def is_fp8_state_key(name: str) -> bool:
     """True for a state-dict entry that is FP8 bookkeeping (amax history, scale), not a weight."""
     return name.endswith((".gemm.amax_history", ".gemm.scale"))
-
-
-def describe_fp8_path(recipe: Fp8Recipe, device: torch.device) -> str:
-    """One line for the startup log: the recipe and which GEMM kernel runs it on ``device`` (and why)."""
-    if fp8_gemm_path(device) == SCALED_MM and recipe.recipe in BLOCK_RECIPES:
-        return f"FP8 {recipe.describe()}; GEMMs as dequantised matmuls on {device.type} (no block-scaled kernel used)"
-    if fp8_gemm_path(device) == SCALED_MM:
-        probe = torch.zeros(16, 16, dtype=E4M3, device=device)
-        reason = scaled_mm_blocker(probe, probe.t())
-        kernel = "torch._scaled_mm" if reason is None else f"dequantised matmuls ({reason})"
-        return f"FP8 {recipe.describe()}; GEMMs via {kernel} on {device.type}"
-    gflops = cpu_gemm_probe()
-    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[cpu_gemm_dtype()]
-    return (f"FP8 {recipe.describe()}; GEMMs on cpu (decided by device: torch._scaled_mm is emulated there) "
-            f"as exact {dtype} dequantised GEMMs with fp32 accumulation ({dtype} chosen by a one-time probe: "
-            f"fp32 {gflops[torch.float32]:.1f} GFLOP/s, bf16 {gflops[torch.bfloat16]:.1f} GFLOP/s"
-            f"{'' if dtype == 'bf16' else '; bf16 is used only when ' + str(BF16_MARGIN) + 'x faster'}); "
-            f"FP8 widened to it by {_widening(torch.bfloat16 if dtype == 'bf16' else torch.float32)}")
-
-
-def _widening(dtype: torch.dtype) -> str:
-    """How this CPU widens each FP8 format to ``dtype`` (one-time probes)."""
-    how = {fmt: "PyTorch's conversion" if cpu_native_widening(fmt, dtype) else "fp16 bit placement"
-           for fmt in (E4M3, E5M2)}
-    if how[E4M3] == how[E5M2]:
-        return f"{how[E4M3]} (one-time probe)"
-    return f"{how[E4M3]} (E4M3), {how[E5M2]} (E5M2) (one-time probes)"

@@ -15,7 +15,7 @@ from ..parallel.pipeline import num_chunks
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.host_memory import retain_freed_host_memory
-from ..precision.fp8 import describe_fp8_path
+from ..precision.fp8_describe import describe_fp8_path
 
 
 def half_precision_warning(config: Config, device: torch.device) -> str | None:

@@ -212,7 +212,7 @@ def test_an_expert_without_tokens_gets_empty_outputs_and_a_zero_weight_gradient(
 
 
 def test_startup_line_names_the_block_recipe_and_its_gemms(monkeypatch):
-    from megatron_lite.precision import fp8 as fp8_module
+    from megatron_lite.precision import fp8_describe as fp8_module
     line = fp8_module.describe_fp8_path(Fp8Recipe(format="e4m3", recipe="mxfp8"), torch.device("cpu"))
     assert "e4m3 (E4M3 forward, E4M3 gradients), mxfp8 scaling (1x32 blocks" in line
     monkeypatch.setattr(fp8_module, "fp8_gemm_path", lambda device: fp8_module.SCALED_MM)  # as on a GPU

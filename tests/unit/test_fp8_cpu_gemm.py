@@ -14,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.precision import fp8, fp8_ops
-from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, describe_fp8_path, update_fp8_scales
+from megatron_lite.precision.fp8 import Fp8Gemm, Fp8Recipe, update_fp8_scales
+from megatron_lite.precision.fp8_describe import describe_fp8_path
 from megatron_lite.precision.fp8_ops import E4M3, E5M2, quantize
 
 
