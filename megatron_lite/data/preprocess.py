@@ -9,7 +9,7 @@ How it stays fast and safe:
   * Lines are read as bytes, in chunks (up to ``CHUNK_LINES`` lines / ``CHUNK_BYTES`` bytes), and a
     worker pool turns each chunk into flat token arrays; ``Pool.imap`` keeps chunks in input order,
     so 1 worker and N workers write byte-identical files.
-  * At most ``4 * workers`` chunks are in flight (a semaphore throttles the feeder), so memory stays
+  * At most ``4 * workers`` chunks are in flight (``worker_pool.ChunkGate`` throttles the feeder), so memory stays
     bounded however large the input is: the file is streamed, never loaded.
   * Outputs are written under temporary names and renamed only when everything succeeded; an
     error or Ctrl-C leaves no partial ``.bin/.idx``.
@@ -33,7 +33,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuil
 from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.worker_pool import ChunkGate, stop_pool
 
 CHUNK_LINES = 256
 CHUNK_BYTES = 1 << 20
@@ -264,48 +264,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-class ChunkGate:
-    """Iterate ``chunks`` with at most ``limit`` handed out and not yet consumed (bounded memory).
-
-    ``Pool.imap`` pulls its input from a feeder thread as fast as it can; this iterator blocks that
-    thread until the main loop has consumed enough results.
-    """
-
-    def __init__(self, chunks, limit: int):
-        self.chunks, self.slots, self.stopped = iter(chunks), threading.Semaphore(limit), False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.slots.acquire()
-        if self.stopped:
-            raise StopIteration
-        return next(self.chunks)
-
-    def done_one(self) -> None:
-        self.slots.release()
-
-    def stop(self) -> None:
-        self.stopped = True
-        self.slots.release()
-
-
-POOL_STOP_SECONDS = 10.0
-
-
-def stop_pool(pool) -> None:
-    """``pool.terminate()`` and ``join()``, waiting at most ``POOL_STOP_SECONDS``: CPython's ``terminate`` stops
-    the workers reading their task pipe, then waits for the pool's task-feeding thread, forever when
-    that thread is part-way through writing a task larger than the pipe's buffer (seen after an error
-    or Ctrl-C with ``--workers 2``). The workers are already terminated then; we leave that thread."""
-    closer = threading.Thread(target=pool.terminate, daemon=True, name="preprocess-pool-terminate")
-    closer.start()
-    closer.join(POOL_STOP_SECONDS)
-    if not closer.is_alive():
-        pool.join()
 
 
 def _run_pass(cfg, pool, chunks, prefixes, dtype, result, progress, in_flight: int) -> None:

@@ -21,9 +21,9 @@ import numpy as np
 
 from megatron_lite.data.chat_template import ConversationError
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from megatron_lite.data.preprocess import ChunkGate, stop_pool
 from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.worker_pool import ChunkGate, stop_pool
 from megatron_lite.errors import ConfigError
 
 CHUNK_LINES = 256

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import megatron_lite.data.preprocess as pp
+import megatron_lite.data.worker_pool as worker_pool
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tests.preprocess_helpers import make_tok_files, run
 from tests.tools import load_tool
@@ -182,7 +183,7 @@ def test_a_pool_terminate_that_never_returns_does_not_hang_the_run(tmp_path, tok
     """CPython's Pool.terminate can wait forever for its task-feeding thread (a large task half
     written into a pipe no worker reads any more): the run still ends with its error, its workers
     terminated, nothing left on disk."""
-    monkeypatch.setattr(pp, "POOL_STOP_SECONDS", 0.5)
+    monkeypatch.setattr(worker_pool, "POOL_STOP_SECONDS", 0.5)
     real_terminate, stuck = multiprocessing.pool.Pool.terminate, []
 
     def terminate_then_hang(self):

@@ -241,17 +241,17 @@ def test_corrupt_gzip_input_is_a_data_file_error_naming_it(data, tmp_path, damag
 
 def test_a_pool_terminate_that_never_returns_does_not_hang_preprocess_sft(data, tmp_path, monkeypatch):
     """CPython's Pool.terminate can wait forever for its task-feeding thread (a large task half written
-    into a pipe no worker reads any more; see megatron_lite.data.preprocess.stop_pool): with 2 workers a
+    into a pipe no worker reads any more; see megatron_lite.data.worker_pool.stop_pool): with 2 workers a
     bad line still ends preprocess_sft with its error while terminate is stuck, and nothing is written."""
     import multiprocessing.pool
     import threading
 
-    import megatron_lite.data.preprocess as pp
+    import megatron_lite.data.worker_pool as worker_pool
 
     jsonl, tok = data
     bad = tmp_path / "bad.jsonl"
     bad.write_text(open(jsonl).read() + "{not json\n")
-    monkeypatch.setattr(pp, "POOL_STOP_SECONDS", 0.5)
+    monkeypatch.setattr(worker_pool, "POOL_STOP_SECONDS", 0.5)
     real_terminate, release, returned = multiprocessing.pool.Pool.terminate, threading.Event(), []
 
     def terminate_then_hang(self):
