@@ -22,7 +22,6 @@ from .fusions.config import FUSION_CHOICES
 from .megatron_flags import megatron_value_message, unknown_flag_message
 from .models.mla_config import ROPE_TYPES
 from .models.transformer_config import (
-    CP_COMM_TYPES,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_GRANULARITIES,
@@ -31,6 +30,7 @@ from .models.transformer_config import (
 from .moe.config import MOE_CHOICES
 from .optim.wd_schedule import WD_INCR_STYLES
 from .parallel.attention_sink import SOFTMAX_TYPES
+from .parallel.context import CP_COMM_TYPES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 

@@ -31,6 +31,7 @@ from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from ..precision.te import TeGemm
 from .common import param_generator
+from .cp_config import check_context_parallel_fields
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
 from .rope_config import RopeConfig, check_rope_fields
 from .window_config import check_window_fields, layer_window
@@ -40,35 +41,11 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # the last: hierarchical (needs the sizes below)
 
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
-
-
-def check_hierarchical_cp(cfg, types: list[str]) -> None:
-    """--hierarchical-context-parallel-sizes A B: two positive sizes whose product is the CP size
-    (Megatron-LM's rule); a2a+p2p needs them, and the (TP-local) query heads and key/value groups
-    divisible by A (the all-to-all splits heads over A ranks). Given without a2a+p2p they would
-    change nothing (Megatron-LM ignores them): refused."""
-    sizes, cp, tp = cfg.hierarchical_context_parallel_sizes, cfg.context_parallel_size, cfg.tensor_model_parallel_size
-    _require(sizes is not None or "a2a+p2p" not in types,
-             f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
-             f"--context-parallel-size {cp}")
-    if sizes is None:
-        return
-    _require("a2a+p2p" in types,
-             f"--hierarchical-context-parallel-sizes only applies with --cp-comm-type a2a+p2p (this run's "
-             f"{' '.join(types)} does not use it); add a2a+p2p, or drop --hierarchical-context-parallel-sizes")
-    _require(len(sizes) == 2 and all(n >= 1 for n in sizes) and sizes[0] * sizes[1] == cp,
-             f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two positive sizes "
-             f"A B (all-to-all, ring) with A x B = --context-parallel-size {cp}")
-    for flag, value in (("num-attention-heads", cfg.num_attention_heads), ("num-query-groups", cfg.num_query_groups)):
-        _require(value % (tp * sizes[0]) == 0,
-                 f"--cp-comm-type a2a+p2p needs {flag} {value} divisible by tensor-model-parallel-size {tp} x "
-                 f"the all-to-all size {sizes[0]} (--hierarchical-context-parallel-sizes); change A or the heads")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -156,7 +133,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         self._check_shape()
         self._derive()
         self._check_parallel()
-        self._check_context_parallel()
+        check_context_parallel_fields(self)  # models/cp_config.py
         self._check_recompute()
         self._check_fp8()
         _require(not self.bias_activation_fusion or self.swiglu or self.add_bias_linear,
@@ -233,30 +210,6 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
                      f"tensor-model-parallel-size {tp}")
             _require(self.vocab_size is None or self.vocab_size <= self.padded_vocab_size,
                      f"vocab size {self.vocab_size} is larger than the padded vocab size {self.padded_vocab_size}")
-
-    def _check_context_parallel(self) -> None:
-        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
-        _require(cp >= 1, "--context-parallel-size must be at least 1")
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
-        _require(len(types) in (1, self.num_layers),
-                 f"--cp-comm-type takes one value or one per layer ({self.num_layers}), got {len(types)}")
-        for kind in types:
-            _require(kind in CP_COMM_TYPES, f"--cp-comm-type {kind!r} is not supported; use one of "
-                     f"{', '.join(CP_COMM_TYPES)}")
-        check_hierarchical_cp(self, types)
-        if cp == 1:
-            return
-        _require(self.seq_length % (2 * cp) == 0,
-                 f"--context-parallel-size {cp} needs seq-length {self.seq_length} divisible by 2 x cp = {2 * cp}")
-        _require(not self.sequence_parallel or self.seq_length // cp % tp == 0,  # a rank's tokens, cut over TP
-                 f"--sequence-parallel with --context-parallel-size {cp} needs seq-length {self.seq_length} / cp = "
-                 f"{self.seq_length // cp} divisible by tensor-model-parallel-size {tp}")
-        if "a2a" in types:
-            for flag, value in (("num-attention-heads", self.num_attention_heads),
-                                ("num-query-groups", self.num_query_groups)):
-                _require(value % (tp * cp) == 0,
-                         f"--cp-comm-type a2a needs {flag} {value} divisible by tensor-model-parallel-size {tp} "
-                         f"x context-parallel-size {cp}; use p2p or allgather")
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel core attention of global layer ``layer_number`` (1-based)."""
