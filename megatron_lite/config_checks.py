@@ -305,9 +305,12 @@ def _check_optimizer_values(o) -> None:
 
 
 def _check_sgd_momentum(config: Config) -> None:
-    """--sgd-momentum (torch's traceback otherwise)."""
+    """--sgd-momentum: a negative one is torch's traceback; one of 1 or more never lets a gradient decay
+    from the momentum buffer, which then grows with every step (torch accepts it)."""
     o = config.optim
     _require(o.optimizer != "sgd" or o.sgd_momentum >= 0, f"--sgd-momentum must be at least 0, got {o.sgd_momentum}")
+    _require(o.optimizer != "sgd" or o.sgd_momentum < 1, f"--sgd-momentum must be less than 1 (each step keeps that "
+             f"fraction of the momentum buffer: 1 or more never lets a gradient decay), got {o.sgd_momentum}")
 
 
 def _check_profile(config: Config) -> None:

@@ -29,6 +29,8 @@ BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size
     (["--attention-dropout", "-0.1"], ["--attention-dropout must be in [0, 1)"]),
     (["--attention-dropout", "1.0"], ["--attention-dropout must be in [0, 1)"]),
     (["--sgd-momentum", "-0.5", "--optimizer", "sgd"], ["--sgd-momentum must be at least 0"]),
+    (["--sgd-momentum", "1", "--optimizer", "sgd"], ["--sgd-momentum must be less than 1", "got 1.0"]),
+    (["--sgd-momentum", "1.5", "--optimizer", "sgd"], ["--sgd-momentum must be less than 1"]),
     # nan passes every range check (its comparisons are all False); inf only where it means "no limit"
     (["--clip-grad", "nan"], ["--clip-grad must be a finite number", "nan"]),
     (["--lr", "nan"], ["--lr must be a finite number"]),
@@ -53,6 +55,8 @@ def test_nonsense_values_are_refused_in_one_line(capsys, flags, words):
     (["--lr-warmup-fraction", "0"], "lr_warmup_fraction", 0.0),
     (["--lr", "0.1", "--min-lr", "0.1"], "min_lr", 0.1),
     (["--optimizer", "sgd", "--adam-eps", "0"], "adam_eps", 0.0),  # SGD has no epsilon
+    (["--optimizer", "sgd", "--sgd-momentum", "0.99"], "sgd_momentum", 0.99),
+    (["--sgd-momentum", "1.5"], "sgd_momentum", 1.5),  # Adam does not use it
 ])
 def test_the_limits_are_accepted(flags, name, value):
     assert getattr(parse_args(BASE + flags, world_size=1).optim, name) == value
