@@ -50,6 +50,7 @@ from .format import (
     tensor_crc,
     with_checksums,
 )
+from .save_lost import PEER_STOPPED, SaveProgress
 
 
 def _distributed() -> bool:
@@ -77,15 +78,11 @@ def _cause(err: BaseException, rank: int) -> tuple[int, str]:
     return rank, f"{type(err).__name__}{': ' + text[-1][:200] if text else ''}"
 
 
-# what gloo says on a rank whose peer stopped (killed, crashed): its connection closed
-_PEER_STOPPED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
-
-
 def write_failed(folder: str, err: BaseException, rank: int) -> str:
     """The one-line reason a rank's write of ``folder`` failed (a collective failing because a peer
     rank stopped is no write error of this rank's: :func:`peer_stopped`)."""
     rank, cause = _cause(err, rank)
-    if _PEER_STOPPED.search(cause):
+    if PEER_STOPPED.search(cause):
         return peer_stopped(folder, cause)
     return f"rank {rank} could not write torch_dist checkpoint {folder}: {cause}; the previous checkpoint stays the latest"
 
@@ -93,7 +90,7 @@ def write_failed(folder: str, err: BaseException, rank: int) -> str:
 def peer_stopped(folder: str, cause: str) -> str:
     """The one-line reason a save failed when the ranks could not agree on it: a peer rank stopped
     (its connection closed) or their collectives timed out."""
-    why = "a peer rank stopped (the connection to it closed)" if _PEER_STOPPED.search(cause) else \
+    why = "a peer rank stopped (the connection to it closed)" if PEER_STOPPED.search(cause) else \
         "the ranks' collectives failed"
     return (f"{why}, so the ranks could not agree on torch_dist checkpoint {folder} ({cause}); "
             "the previous checkpoint stays the latest")
@@ -320,10 +317,12 @@ def _raise(error: str | None) -> None:
         raise CheckpointError(error)
 
 
-def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, saves, steps) -> str:
+def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, saves, steps,
+              progress: SaveProgress | None = None) -> str:
     """Write checkpoint ``iteration`` in the torch_dist format (collective). ``rng``: this rank's
     RNG states; ``saves``: an :class:`AsyncSaves` for ``--async-save``, else None; ``steps(fn)``
-    runs a local step on every rank and raises its CheckpointError everywhere."""
+    runs a local step on every rank and raises its CheckpointError everywhere; ``progress`` records
+    the final step (:mod:`.save_lost`)."""
     root = config.checkpoint.save
     rank = dist.get_rank() if _distributed() else 0
     say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
@@ -343,7 +342,8 @@ def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, 
             saves.start(root, iteration, pieces, say)
             return iteration_dir(root, iteration)
         steps(lambda: write_pieces(pieces, tmp))
-        steps(lambda: finalize_save(root, iteration) if rank == 0 else None)
+        final = (progress or SaveProgress()).final_step((lambda: finalize_save(root, iteration)) if rank == 0 else None)
+        steps(final)
     except CheckpointError as err:
         discard_failed_save(err, root, iteration, rank)
         raise

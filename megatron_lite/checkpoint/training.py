@@ -68,6 +68,7 @@ from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
+from .save_lost import SaveProgress, peer_lost_as_error
 from .saved_parts import missing_rng_error, parts_to_save, require_dist_rng, save_rng
 
 
@@ -108,15 +109,26 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     root = config.checkpoint.save
     if root is None:
         raise CheckpointError("save_checkpoint needs --save (a folder to write checkpoints to)")
-    rank = _global_rank()
     # printed by the rank that prints the iteration lines, so it comes after this iteration's line
     say = print if is_logging_rank(state) else (lambda message, **kwargs: None)
     say(f"saving checkpoint at iteration {iteration:7d} to {root}" + (" (async)" if async_saves else ""), flush=True)
     optimizer, scheduler, rng = parts_to_save(optimizer, scheduler, config, state)  # --no-save-optim/-rng
-    if config.checkpoint.ckpt_format == "torch_dist":
-        with full_params(chunks):  # ZeRO-3 / --overlap-param-gather: full weights to cut pieces from
-            return save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, async_saves,
-                             lambda step: on_every_rank(_writing(step, root, iteration)))
+    progress = SaveProgress()
+    # a peer rank lost in any of the save's collectives: one line (what is on disk), not gloo's traceback
+    with peer_lost_as_error(root, iteration, progress):
+        if config.checkpoint.ckpt_format == "torch_dist":
+            with full_params(chunks):  # ZeRO-3 / --overlap-param-gather: full weights to cut pieces from
+                folder = save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng,
+                                   async_saves, lambda step: on_every_rank(_writing(step, root, iteration)), progress)
+        else:
+            folder = _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, progress)
+            say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+    return folder
+
+
+def _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, progress) -> str:
+    """:func:`save_checkpoint` in the ``torch`` format (collective)."""
+    root, rank = config.checkpoint.save, _global_rank()
     base = base_of(chunks)  # frozen (LoRA base) weights are not saved: where they come from is
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
@@ -157,21 +169,18 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
             }
             atomic_save(with_checksums(payload), staged(model_file_for(root, iteration, state)))
 
-    def update_tracker():
-        if rank == 0:
-            finalize_save(root, iteration)  # the folder takes its name, then the tracker names it
-
     # every rank's files are complete before anything points at them; a failed write (disk full,
     # permissions) stops every rank with one line and leaves the previous checkpoint the latest
     on_every_rank(_writing(clear, root, iteration))
     try:
         with full_params(chunks):  # ZeRO-3: the full weights, gathered on every rank (a collective)
             on_every_rank(_writing(write_files, root, iteration))
+        # rank 0: the folder takes its name, then the tracker names it
+        update_tracker = progress.final_step((lambda: finalize_save(root, iteration)) if rank == 0 else None)
         on_every_rank(_writing(update_tracker, root, iteration))
     except CheckpointError as err:
         discard_failed_save(err, root, iteration, rank)
         raise
-    say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return iteration_dir(root, iteration)
 
 

@@ -9,6 +9,11 @@ MOMENT is ``step`` (iteration ITERATION's gradients are computed, the optimizer 
 ``tracker`` (the tracker file already names ITERATION, the save has not returned), or ``async``
 (the ``--async-save`` of ITERATION has written every file and is about to be finalized). Every rank
 that reaches the moment kills itself, as a power cut would.
+
+MOMENT ``peer:N`` kills the last rank only, as a node failing would: in the synchronous save of
+ITERATION, once its own part of the save's N-th step is done, just before the ranks agree on that step
+(1: sweeping old temporary folders, 2: writing the files, 3: the rename and the tracker; torch_dist:
+3 writes the pieces, 4 renames). The other ranks see a peer vanish in the middle of the save.
 """
 
 import os
@@ -26,6 +31,29 @@ import pretrain_gpt  # noqa: E402
 def _die():
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_peer_at_agreement(step: int, target: int) -> None:
+    """The last rank dies before the ``step``-th agreement of the save of ``target`` (see the docstring)."""
+    if int(os.environ.get("RANK", "0")) != int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        return
+    save, agree = loop.save_checkpoint, ckpt_training.on_every_rank
+    seen = {"iteration": None, "n": 0}
+
+    def saving(iteration, *args, **kwargs):
+        seen["iteration"], seen["n"] = iteration, 0
+        return save(iteration, *args, **kwargs)
+
+    def dying(local_step):
+        if seen["iteration"] != target:
+            return agree(local_step)
+        seen["n"] += 1
+        if seen["n"] == step:
+            local_step()
+            _die()
+        return agree(local_step)
+
+    loop.save_checkpoint, ckpt_training.on_every_rank = saving, dying
 
 
 def main(args=None):
@@ -73,6 +101,8 @@ def main(args=None):
             finalize(root, iteration)
 
         dist_save.finalize_save = die_before_finalize
+    elif moment.startswith("peer:"):
+        _kill_peer_at_agreement(int(moment[len("peer:"):]), target)
     else:
         raise SystemExit(f"unknown moment {moment}")
     pretrain_gpt.main(argv)

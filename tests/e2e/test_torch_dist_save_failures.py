@@ -38,6 +38,21 @@ def _torchrun_failing(faults: str, argv: list[str]):
     return code, text, {int(i): float(loss) for i, loss in LOSS.findall(out.stdout)}
 
 
+def _torchrun_killing(moment: str, iteration: int, argv: list[str]):
+    """``pretrain_gpt.py argv`` on 2 ranks, rank 1 killed (SIGKILL) at ``moment`` of the save of
+    ``iteration`` (tests/e2e/kill_at.py); (rank 0's exit code, stdout + stderr, {iteration: loss}).
+    torchrun checks its workers every 5 s here, not every 0.1 s: the survivor must meet the loss in
+    its collectives before its agent stops it, as ranks on other nodes do."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "5", "tests/e2e/kill_at.py", moment, str(iteration)] + argv
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT, MEGATRON_LITE_DEVICE="cpu")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    text = out.stdout + out.stderr
+    assert re.search(r"\brank\s+: 1 \(local_rank.*?exitcode\s*: -9 ", text, re.S), text[-4000:]  # the peer was killed
+    code = int(re.search(r"\brank\s+: 0 \(local_rank.*?exitcode\s*: (-?\d+)", text, re.S).group(1))
+    return code, text, {int(i): float(loss) for i, loss in LOSS.findall(out.stdout)}
+
+
 def _errors(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
@@ -64,6 +79,22 @@ def test_a_save_failing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     assert ".tmp_iter_0000004" in line and "No space left on device" in line and "rank 1" in line, line
     assert "[rank" not in text and "Exception in thread" not in text, text[-4000:]  # no rank's traceback
     assert read_tracker(save) == 2 and sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    _resumes_at_2(tmp_path, save, 6, logged)
+
+
+def test_a_peer_killed_before_the_rename_stops_the_survivor_with_one_line(tmp_path):
+    """Rank 1 is killed once its pieces are written, before the ranks agree to rename the folder: rank 0,
+    with no error of its own, ended on gloo's RuntimeError traceback ("Connection reset by peer") from
+    the agreement. It exits 2 with one line now; nothing is renamed into place, the previous checkpoint
+    stays the latest and resumes on the run's trajectory."""
+    save = str(tmp_path / "killed")
+    code, text, logged = _torchrun_killing("peer:3", 4, _argv(save, 6, MODEL + DIST))
+    assert code == 2, text[-4000:]
+    [line] = _errors(text)
+    assert line.startswith("error: a peer rank stopped (") and "the save of checkpoint iteration 4 into" in line, line
+    assert "the previous checkpoint stays the latest" in line, line
+    assert "[rank0]" not in text, text[-4000:]  # no traceback of the survivor's
+    assert read_tracker(save) == 2 and not os.path.exists(os.path.join(save, "iter_0000004"))
     _resumes_at_2(tmp_path, save, 6, logged)
 
 

@@ -1,0 +1,86 @@
+"""A peer rank lost in the middle of a synchronous save (killed, its node gone): one line, not a traceback.
+
+The ranks of a save agree after each of its steps (:func:`~.format.on_every_rank`) and run collectives
+in between (the distributed optimizer's gather, ZeRO-3's full weights). When a peer rank stops, those
+collectives fail on the others with gloo's RuntimeError ("Connection reset by peer"); a rank with no
+error of its own had only that traceback to show. :func:`peer_lost_as_error` makes it one
+CheckpointError naming the save and what is on disk. Nothing is renamed into place before every rank
+has agreed that its files are complete, so until the final step (rename and tracker) the previous
+checkpoint stays the latest; in that step rank 0 knows whether it renamed the folder, the others do not.
+
+The error is this rank's alone (the ranks could not agree on it): the training loop ends the rank at
+once (:func:`~megatron_lite.errors.exit_with_message`, rank-local). The temporary folder is left to the
+next save's sweep: a surviving peer may still be writing into it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from .format import TRACKER_FILENAME, CheckpointError, iteration_dir, temp_dir
+
+# what gloo says on a rank whose peer stopped (killed, crashed): its connection closed
+PEER_STOPPED = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+
+
+class SaveProgress:
+    """How far one synchronous save got, for the message of a save whose peer was lost."""
+
+    def __init__(self):
+        self.renaming = False  # the final step (rename and tracker) has begun
+        self.renamed = False  # this rank (rank 0) renamed the folder into place and wrote the tracker
+
+    def final_step(self, finalize):
+        """The save's final step: ``finalize()`` (rank 0's rename and tracker; None on the other ranks)."""
+        self.renaming = True
+
+        def step():
+            if finalize is not None:
+                finalize()
+                self.renamed = True
+        return step
+
+
+def lost_peer_message(err: BaseException, root: str, iteration, progress: SaveProgress, rank: int) -> str | None:
+    """The one line for ``err``, a collective failing during the save of ``iteration`` because a peer
+    rank stopped (or the collectives timed out); None for any other exception (not a lost peer)."""
+    text = str(err).strip()
+    stopped = PEER_STOPPED.search(text)
+    if stopped:
+        what = f"a peer rank stopped ({stopped.group(0)})"
+    elif isinstance(err, dist.DistError) or _TIMED_OUT.search(text):
+        first = text.splitlines()[0][:200] if text else ""
+        what = f"the ranks' collectives failed ({type(err).__name__}{': ' + first if first else ''})"
+    else:
+        return None
+    tmp = temp_dir(root, iteration)
+    if progress.renamed:
+        after = f"{iteration_dir(root, iteration)} was complete and renamed into place first: it is the latest checkpoint"
+    elif progress.renaming and rank != 0:
+        after = (f"{os.path.join(root, TRACKER_FILENAME)} names the latest complete checkpoint (this one only if "
+                 "rank 0 renamed it into place first)")
+    else:
+        after = "nothing was renamed into place, the previous checkpoint stays the latest" + (
+            f" (the next save removes {tmp})" if os.path.isdir(tmp) else "")
+    return f"{what} during the save of checkpoint iteration {iteration} into {tmp}; {after}"
+
+
+@contextmanager
+def peer_lost_as_error(root: str, iteration, progress: SaveProgress):
+    """Inside, a collective failing because a peer rank stopped is a CheckpointError of this rank's
+    (marked rank-local: not agreed) saying so in one line; other exceptions pass unchanged."""
+    try:
+        yield
+    except RuntimeError as err:  # gloo's failed collective (a CheckpointError is no RuntimeError)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        message = lost_peer_message(err, root, iteration, progress, rank)
+        if message is None:
+            raise
+        error = CheckpointError(message)
+        error.rank_local = True
+        raise error from None
