@@ -30,6 +30,7 @@ from ..errors import raised_on_every_rank
 from ..files import replaced_whole
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+PROGRESS_FILENAME = "progress.txt"  # --log-progress, in the --save folder (training/progress.py)
 MODEL_FILENAME = "model_optim_rng.pt"
 DIST_COMMON_FILENAME = "common.pt"  # a torch_dist iteration folder's rank-0 file (see checkpoint/dist_read.py)
 FORMAT_VERSION = 1

@@ -19,7 +19,7 @@ from datetime import datetime
 
 import torch.distributed as dist
 
-from ..checkpoint.format import atomic_write_text
+from ..checkpoint.format import PROGRESS_FILENAME, atomic_write_text
 
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -35,7 +35,7 @@ class ProgressLog:
 
     def __init__(self, config, flops_per_iteration: float, consumed_samples: int):
         on = config.logging.log_progress and (not dist.is_initialized() or dist.get_rank() == 0)
-        self.path = os.path.join(config.checkpoint.save, "progress.txt") if on else None
+        self.path = os.path.join(config.checkpoint.save, PROGRESS_FILENAME) if on else None
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.flops_per_sample = flops_per_iteration / config.training.global_batch_size
         self.seq_length, self.async_save = config.model.seq_length, config.checkpoint.async_save

@@ -169,3 +169,43 @@ def test_a_failed_agreement_raises_this_ranks_own_error(monkeypatch):
     assert not getattr(err.value, "on_every_rank", False)  # this rank alone: the loop exits it as rank-local
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         ckpt_format.on_every_rank(lambda: None)
+
+
+def _tracker_write_killed_before_its_rename(root: str) -> None:
+    """A process writing the tracker through files.replaced_whole, killed (SIGKILL) before the rename."""
+    import signal
+
+    from megatron_lite.files import replaced_whole
+
+    with replaced_whole(os.path.join(root, "latest_checkpointed_iteration.txt")) as tmp:
+        with open(tmp, "w") as f:
+            f.write("7\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_the_next_save_sweeps_temporary_tracker_files_of_killed_writers_only(tmp_path, fmt):
+    """A writer killed between the tracker's write and its rename left
+    latest_checkpointed_iteration.txt.tmp.<pid> in the save folder, never removed. The next save
+    removes it (and progress.txt's, and this process's own); never one whose writer still lives."""
+    from tests.harness import run_in_new_process
+
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = fmt
+    opt = None if fmt == "torch_dist" else opt
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+    root = str(tmp_path / "ckpt")
+    code, _, stderr = run_in_new_process(_tracker_write_killed_before_its_rename, root)
+    assert code == -9, stderr[-2000:]
+    [killed] = [name for name in os.listdir(root) if ".tmp." in name]
+    alive = os.getppid()  # a live process: maybe a writer still at work (another run, the converter)
+    leftovers = {f"latest_checkpointed_iteration.txt.tmp.{os.getpid()}", f"progress.txt.tmp.{killed.split('.')[-1]}"}
+    kept = {f"latest_checkpointed_iteration.txt.tmp.{alive}", "notes.txt.tmp.1", "latest_checkpointed_iteration.txt.tmp.x"}
+    for name in leftovers | kept:
+        with open(os.path.join(root, name), "w") as f:
+            f.write("2\n")
+    assert read_tracker(root) == 1
+    save_checkpoint(2, [model], opt, sched, 8, cfg, state)
+    assert sorted(os.listdir(root)) == sorted(["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt",
+                                               *kept])
+    assert read_tracker(root) == 2
