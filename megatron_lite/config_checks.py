@@ -223,7 +223,8 @@ def _check_schedule(config: Config) -> None:
     for name in ("log_interval", "eval_interval"):
         value = getattr(config.logging if name == "log_interval" else t, name)
         _require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    for flag, value, low in (("--train-iters", t.train_iters, 1), ("--eval-iters", t.eval_iters, 0),
+    check_train_iters(config)
+    for flag, value, low in (("--eval-iters", t.eval_iters, 0),
                              ("--seed", t.seed, 0), ("--lr-warmup-iters", o.lr_warmup_iters, 0),
                              ("--lr", o.lr, 0), ("--min-lr", o.min_lr, 0)):
         _require(value >= low, f"{flag} must be at least {low}, got {value}")
@@ -232,6 +233,17 @@ def _check_schedule(config: Config) -> None:
     _require(not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other; pick one")
     _check_lr_span(config)
+
+
+def check_train_iters(config: Config) -> None:
+    """A run trains at least one iteration: the command line's check, and pretrain()'s for a Config
+    made or changed in code. Megatron-LM's --train-iters 0 is an evaluation-only run (no step, no
+    save); there is none here (--skip-train is refused too), so 0 is refused rather than a run that
+    does nothing and exits 0, or (as pretrain() did) saves the untrained weights as iteration 0."""
+    t = config.training
+    hint = (" (there is no evaluation-only run, Megatron-LM's --train-iters 0: tools/evaluate.py evaluates a "
+            "checkpoint)") if t.train_iters == 0 else ""
+    _require(t.train_iters is not None and t.train_iters >= 1, f"--train-iters must be at least 1, got {t.train_iters}{hint}")
 
 
 def _check_train_length(config: Config) -> None:

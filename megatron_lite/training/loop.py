@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
+from ..config_checks import check_train_iters
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
 from ..device import empty_unused_memory, get_device
@@ -375,6 +376,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
     """
+    check_train_iters(config)  # the command line's refusal, for a Config made or changed in code
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     with contextlib.closing(exit_signal):  # the process's own SIGTERM handler is given back at return
         check_output_locations(config)  # before any step, not at the first save

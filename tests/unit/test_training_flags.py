@@ -12,7 +12,8 @@ BASE = ["--mock-data", "--vocab-size", "64"]
 @pytest.mark.parametrize("flags, words", [
     (["--global-batch-size", "0"], "--global-batch-size must be positive, got 0"),
     (["--global-batch-size", "-4"], "--global-batch-size must be positive, got -4"),
-    (["--train-iters", "0", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got 0"),
+    (["--train-iters", "0", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got 0 (there is no "
+     "evaluation-only run, Megatron-LM's --train-iters 0: tools/evaluate.py evaluates a checkpoint)"),
     (["--train-iters", "-3", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got -3"),
     (["--eval-iters", "-1"], "--eval-iters must be at least 0, got -1"),
     (["--seed", "-1"], "--seed must be at least 0, got -1"),
@@ -71,3 +72,24 @@ def test_save_interval_0_saves_only_at_the_end(tmp_path):
                               "--lr-decay-style", "constant", "--train-iters", "3", "--save", str(save),
                               "--save-interval", "0"])
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+
+
+def test_pretrain_refuses_train_iters_0_as_the_command_line_does(tmp_path):
+    """pretrain() called with a Config whose --train-iters is 0 (made or changed in code) trained
+    nothing and saved the untrained weights as iteration 0, while the command line refuses
+    --train-iters 0. It refuses it with the command line's message now, before writing anything."""
+    import pretrain_gpt
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.training.loop import pretrain
+
+    save = tmp_path / "ckpt"
+    config = parse_args(BASE + ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                                "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1",
+                                "--eval-iters", "0", "--save", str(save)], world_size=1)
+    config.training.train_iters = 0
+    tokenizer = pretrain_gpt.build_tokenizer_for(config)
+    pretrain_gpt.set_vocab(config, tokenizer)
+    with pytest.raises(ConfigError, match=r"^--train-iters must be at least 1, got 0 \(there is no evaluation-only run"):
+        pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                 pretrain_gpt.make_datasets_provider(tokenizer))
+    assert not save.exists()
