@@ -129,9 +129,11 @@ def _layer_ranges(chunks) -> list:
     return out
 
 
-def _own_file(folder: str, chunks, state) -> dict | None:
-    """This rank's model file when the checkpoint was saved at this run's layout, else None (a folded
-    expert grid: the merged route, whose cut follows the experts' own ETP rank)."""
+def _own_file(folder: str, chunks, config, state) -> dict | None:
+    """This rank's model file when the checkpoint was saved at this run's layout and vocabulary padding,
+    else None: a folded expert grid (the merged route, whose cut follows the experts' own ETP rank), or
+    another padded vocabulary (another --make-vocab-size-divisible-by or vocabulary: the merged route
+    re-pads it, where this rank's rows of the saved padding would be the wrong rows at TP > 1)."""
     if getattr(state, "folded", False):
         return None
     mine = model_file("", 0, state.tp_rank, state.pp_rank, state.ep_rank if state.ep_size > 1 else None)
@@ -142,6 +144,8 @@ def _own_file(folder: str, chunks, state) -> dict | None:
     saved = [None if r is None else list(r) for r in payload.get("layer_ranges", [])]
     same = (payload["tp_size"], payload["pp_size"], payload.get("ep_size", 1)) == (state.tp_size, state.pp_size,
                                                                                   state.ep_size)
+    padded = payload["config"].get("padded_vocab_size")  # None: saved before it was recorded
+    same = same and padded in (None, config.model.padded_vocab_size)
     return payload if same and saved == _layer_ranges(chunks) else None
 
 
@@ -187,7 +191,7 @@ def load_model_weights_here(chunks, optimizer, path: str, config, state, flag: s
             saved = read_common(folder)["config"]
             check(saved)
             _load_dist_weights(folder, chunks, state, missing_ok, saved.get("vocab_size"))
-        elif (payload := _own_file(folder, chunks, state)) is not None:
+        elif (payload := _own_file(folder, chunks, config, state)) is not None:
             _load_own_file(folder, payload, chunks, missing_ok, check)
         else:
             _load_merged(folder, chunks, config, state, missing_ok, check)

@@ -84,6 +84,22 @@ def test_weights_are_loaded_exactly_and_the_run_starts_at_iteration_0(tmp_path, 
         assert torch.equal(mine, theirs), key
 
 
+def test_weights_load_at_the_same_layout_with_another_vocabulary_padding(tmp_path, sft_files, bases):  # noqa: F811
+    """A torch base at this run's layout but another --make-vocab-size-divisible-by (48 padded rows,
+    64 here) was refused ("embedding.word_embeddings.weight is (48, 32) in the checkpoint, (64, 32)
+    here"), though the same base loads at another TP size and from torch_dist re-padded. It loads
+    re-padded now: lr 0, the 38 real rows and every other weight as saved, bit for bit."""
+    save = str(tmp_path / "ft")
+    result = pretrain_gpt.main(sft_argv(sft_files, save=save, iters=1, extra=[
+        "--pretrained-checkpoint", bases["torch"], "--lr", "0", "--make-vocab-size-divisible-by", "64"]))
+    assert result.iteration == 1
+    got, base = merge_checkpoint(save)[0], merge_checkpoint(bases["torch"])[0]
+    assert got["embedding.word_embeddings.weight"].shape[0] == 64 and base["embedding.word_embeddings.weight"].shape[0] == 48
+    for key in base:
+        mine, theirs = (got[key][:38], base[key][:38]) if key.startswith("embedding.word") else (got[key], base[key])
+        assert torch.equal(mine, theirs), key
+
+
 def test_finetune_flag_is_the_same_start_and_differs_from_a_resume(sft_files, bases, reference):  # noqa: F811
     finetune = run_script("pretrain_gpt", sft_argv(sft_files, extra=["--load", bases["torch_dist"], "--finetune"]))
     assert_same_trajectory(finetune, reference, what="--finetune --load")
