@@ -27,19 +27,34 @@ from .format import (
 SHAPE_OF = {"softmax_type": lambda value: value == "learnable"}
 
 
+NULL_TOKENIZERS = (None, "NullTokenizer")  # --tokenizer-type values whose vocabulary is --vocab-size (+ 1: EOD)
+
+
+def _as_flag(key: str, flat: dict):
+    """``flat[key]`` as its flag gives it: NullTokenizer's vocabulary counts the end-of-document id
+    that --vocab-size does not."""
+    value = flat[key]
+    if key == "vocab_size" and value is not None and flat.get("tokenizer_type") in NULL_TOKENIZERS:
+        return value - 1
+    return value
+
+
 def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool = False) -> list[str]:
     """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's
     (a derived flag saved unset is compared through the flags it is derived from; ``shapes_only``: the
     flags of :data:`SHAPE_OF` through the shapes their values give)."""
     ours = config.flat()
-    return [f"{key.replace('_', '-')} {saved_config[key]} (this run {ours[key]})"
+    return [f"{key.replace('_', '-')} {_as_flag(key, saved_config)} (this run {_as_flag(key, ours)})"
             for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
             and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)
             and not (shapes_only and key in SHAPE_OF and SHAPE_OF[key](saved_config[key]) == SHAPE_OF[key](ours[key]))]
 
 
 def _changes_function(key: str, saved: dict, ours: dict) -> bool:
-    """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases)."""
+    """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases);
+    --make-vocab-size-divisible-by only where it changes the padded vocabulary."""
+    if key == "make_vocab_size_divisible_by":
+        return saved.get("padded_vocab_size") != ours.get("padded_vocab_size")
     return key != "bias_gelu_fusion" or tanh_gelu(saved) != tanh_gelu(ours)
 
 
@@ -87,8 +102,25 @@ def apply_checkpoint_args(config) -> list[str]:
             if key in saved and hasattr(values, key) and getattr(values, key) != saved[key]:
                 changed.append(f"{key.replace('_', '-')} {saved[key]} (was {getattr(values, key)})")
                 setattr(values, key, saved[key])
+    changed += _take_vocabulary(config, saved)
     m = config.model  # grouped key/value heads need --group-query-attention, which is no architecture flag
     if m.num_query_groups not in (None, m.num_attention_heads) and not m.group_query_attention:
         m.group_query_attention = True
         changed.append("group-query-attention True (was False)")
+    return changed
+
+
+def _take_vocabulary(config, saved: dict) -> list[str]:
+    """--use-checkpoint-args: the vocabulary's flags from the checkpoint, as ``"vocab-size 123 (was None)"``:
+    its --make-vocab-size-divisible-by (the padded rows are part of the saved tensors), and its
+    --vocab-size where both runs use NullTokenizer (elsewhere the tokenizer's files decide it)."""
+    m, changed = config.model, []
+    takes = [("make_vocab_size_divisible_by", saved.get("make_vocab_size_divisible_by"))]
+    if saved.get("vocab_size") is not None and config.data.tokenizer_type in NULL_TOKENIZERS and \
+            saved.get("tokenizer_type") in NULL_TOKENIZERS:
+        takes.append(("vocab_size", _as_flag("vocab_size", saved)))
+    for key, value in takes:
+        if value is not None and getattr(m, key) != value:
+            changed.append(f"{key.replace('_', '-')} {value} (was {getattr(m, key)})")
+            setattr(m, key, value)
     return changed

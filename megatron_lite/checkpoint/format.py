@@ -37,7 +37,7 @@ FORMAT_VERSION = 1
 
 # Config fields that describe the model a checkpoint holds (the vocabulary besides the flags):
 # named in the message when shapes or names differ.
-ARCH_FIELDS = ARCHITECTURE_FLAGS + ("padded_vocab_size", "vocab_size")
+ARCH_FIELDS = ARCHITECTURE_FLAGS + ("make_vocab_size_divisible_by", "padded_vocab_size", "vocab_size")
 
 # Tensors whose rows are the (padded) vocabulary: the padding depends on the TP size, so a checkpoint
 # read at another TP size is re-padded (real rows kept, padded rows zero; they never reach the loss).

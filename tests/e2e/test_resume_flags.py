@@ -60,6 +60,23 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved, tm
         assert said in out, out
 
 
+def test_use_checkpoint_args_takes_the_vocabulary_flags(saved, tmp_path, capsys):
+    """--use-checkpoint-args --mock-data without --vocab-size stopped at "--mock-data needs
+    --vocab-size", and another --vocab-size was refused with the advice to pass --use-checkpoint-args,
+    which did not take it (the message also said 124, NullTokenizer's count, for --vocab-size 123). It
+    takes the checkpoint's --vocab-size (both runs NullTokenizer) and --make-vocab-size-divisible-by
+    now: the same run as resuming with the saved flags."""
+    src, fmt, same = saved
+    argv = _argv(str(tmp_path / "taken"), 4, fmt + ["--load", src, "--use-checkpoint-args"])
+    bare = [a for i, a in enumerate(argv) if not {a, argv[i - 1]} & {"--vocab-size", "--make-vocab-size-divisible-by"}]
+    assert "--vocab-size" not in bare and len(bare) == len(argv) - 4
+    capsys.readouterr()
+    taken = pretrain_gpt.main(bare)
+    assert_same_trajectory(Trajectory.of(taken), same, steps=2)
+    out = capsys.readouterr().out
+    assert "make-vocab-size-divisible-by 8 (was 128), vocab-size 123 (was None)" in out, out
+
+
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path, capsys):
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 4, MODEL + ["--use-checkpoint-args"]), "needs --load")
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 4, MODEL + ["--use-checkpoint-args", "--load",
@@ -121,11 +138,28 @@ def test_the_vocabulary_is_compared_on_resume_only():
     config = Config()
     config.model.vocab_size, config.model.padded_vocab_size = 124, 128
     saved = dict(config.flat(), vocab_size=123, padded_vocab_size=256)
-    with pytest.raises(CheckpointError, match=r"vocab-size 123 \(this run 124\)"):
+    with pytest.raises(CheckpointError, match=r"vocab-size 122 \(this run 123\)"):  # NullTokenizer's: the flags' values
         check_architecture("ckpt", saved, config)
+    config.data.tokenizer_type = "GPT2BPETokenizer"  # a tokenizer's vocabulary is its own
+    with pytest.raises(CheckpointError, match=r"vocab-size 123 \(this run 124\)"):
+        check_architecture("ckpt", dict(saved, tokenizer_type="GPT2BPETokenizer"), config)
     check_architecture("ckpt", saved, config, "release")
     check_architecture("ckpt", saved, config, "weights")
     check_architecture("ckpt", dict(saved, vocab_size=124), config)
+
+
+def test_a_torch_resume_at_another_padding_names_make_vocab_size_divisible_by():
+    """A torch checkpoint's padded vocabulary must be this run's; the refusal named padded-vocab-size
+    128 (this run 124), which is no flag. It names --make-vocab-size-divisible-by when that is why."""
+    from megatron_lite.checkpoint.arch import arch_differences
+
+    config = Config()
+    config.model.vocab_size, config.model.padded_vocab_size, config.model.make_vocab_size_divisible_by = 124, 124, 1
+    saved = dict(config.flat(), padded_vocab_size=128, make_vocab_size_divisible_by=8)
+    assert arch_differences(saved, config) == ["make-vocab-size-divisible-by 8 (this run 1)",
+                                               "padded-vocab-size 128 (this run 124)"]
+    config.model.padded_vocab_size = 128  # another divisor, the same padding: nothing to say
+    assert arch_differences(dict(saved, make_vocab_size_divisible_by=64), config) == []
 
 
 # ---------------------------------------------------------------------------------------------
