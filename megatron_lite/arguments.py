@@ -184,7 +184,7 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
         if world_size is None:
             world_size = _env_world_size()
         if config.checkpoint.use_checkpoint_args:
-            _take_checkpoint_args(config)
+            _take_checkpoint_args(config, sys.argv[1:] if argv is None else list(argv))
         if checks is not None:  # first: the script's refusals (GPT-only flags) name its fix, not the generic one
             checks(config)
         finalize(config, world_size)
@@ -206,13 +206,14 @@ def _env_world_size() -> int:
                           "(e.g. WORLD_SIZE=8) or leave it to the launcher") from None
 
 
-def _take_checkpoint_args(config: Config) -> None:
-    """--use-checkpoint-args: the architecture flags from the checkpoint at --load (said on rank 0)."""
+def _take_checkpoint_args(config: Config, argv: list[str]) -> None:
+    """--use-checkpoint-args: the architecture flags from the checkpoint at --load (said on rank 0);
+    ``argv``: the command line, for the flags taken only when left out."""
     from .checkpoint.arch import apply_checkpoint_args
     from .checkpoint.format import CheckpointError
 
     try:
-        changed = apply_checkpoint_args(config)
+        changed = apply_checkpoint_args(config, tuple(argv))
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
     if changed and int(os.environ.get("RANK", "0")) == 0:

@@ -350,7 +350,7 @@ class CheckpointConfig:
     async_save: bool = False
     """Write torch_dist checkpoints in the background while training goes on."""
     use_checkpoint_args: bool = False
-    """Take the model flags (architecture, see ARCHITECTURE_FLAGS) from the checkpoint at --load."""
+    """Take the model flags (architecture, see ARCHITECTURE_FLAGS; --make-vocab-size-divisible-by, NullTokenizer's --vocab-size, and --seq-length when left out) from the checkpoint at --load."""
     no_save_optim: bool = field(default=False, metadata={"aliases": ("--disable-save-optim",)})  # newer Megatron-LM's spelling
     """Do not save the optimizer state (nor its loss scaler and learning-rate schedule); resuming from such a checkpoint needs --no-load-optim or --finetune."""
     no_save_rng: bool = field(default=False, metadata={"aliases": ("--disable-save-rng",)})  # newer Megatron-LM's spelling

@@ -89,9 +89,11 @@ def saved_config(root: str) -> tuple[str, dict]:
     return folder, dict(read_common(folder)["config"] if is_dist_folder(folder) else checkpoint_config(folder))
 
 
-def apply_checkpoint_args(config) -> list[str]:
+def apply_checkpoint_args(config, given: tuple[str, ...] = ()) -> list[str]:
     """Set every architecture flag of ``config`` (before it is finalized) to the value the checkpoint
-    at ``--load`` was saved with; returns what changed, as ``"hidden-size 32 (was 64)"``."""
+    at ``--load`` was saved with; returns what changed, as ``"hidden-size 32 (was 64)"``. ``given``:
+    the command line (its words): --seq-length, which may change on a resume, is taken only when it is
+    not there (Megatron-LM's rule for a flag left out)."""
     if config.checkpoint.load is None:
         raise CheckpointError("--use-checkpoint-args needs --load (the checkpoint to take the model flags from)")
     _, saved = saved_config(config.checkpoint.load)
@@ -103,7 +105,11 @@ def apply_checkpoint_args(config) -> list[str]:
                 changed.append(f"{key.replace('_', '-')} {saved[key]} (was {getattr(values, key)})")
                 setattr(values, key, saved[key])
     changed += _take_vocabulary(config, saved)
-    m = config.model  # grouped key/value heads need --group-query-attention, which is no architecture flag
+    m = config.model
+    if saved.get("seq_length") not in (None, m.seq_length) and not any(w.split("=")[0] == "--seq-length" for w in given):
+        changed.append(f"seq-length {saved['seq_length']} (was {m.seq_length})")
+        m.seq_length = saved["seq_length"]
+    # grouped key/value heads need --group-query-attention, which is no architecture flag
     if m.num_query_groups not in (None, m.num_attention_heads) and not m.group_query_attention:
         m.group_query_attention = True
         changed.append("group-query-attention True (was False)")

@@ -60,21 +60,27 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved, tm
         assert said in out, out
 
 
-def test_use_checkpoint_args_takes_the_vocabulary_flags(saved, tmp_path, capsys):
+def test_use_checkpoint_args_takes_the_vocabulary_flags_and_a_left_out_seq_length(saved, tmp_path, capsys):
     """--use-checkpoint-args --mock-data without --vocab-size stopped at "--mock-data needs
     --vocab-size", and another --vocab-size was refused with the advice to pass --use-checkpoint-args,
-    which did not take it (the message also said 124, NullTokenizer's count, for --vocab-size 123). It
-    takes the checkpoint's --vocab-size (both runs NullTokenizer) and --make-vocab-size-divisible-by
-    now: the same run as resuming with the saved flags."""
+    which did not take it (the message also said 124, NullTokenizer's count, for --vocab-size 123);
+    without --seq-length it ran at the default 128 (with rope, silently another run than the saved one;
+    with learned positions it stopped at "max-position-embeddings 16 is smaller than seq-length 128"). It
+    takes the checkpoint's --vocab-size (both runs NullTokenizer), --make-vocab-size-divisible-by and,
+    when left out, --seq-length now: the same run as resuming with the saved flags."""
+    from megatron_lite.arguments import parse_args
+
     src, fmt, same = saved
     argv = _argv(str(tmp_path / "taken"), 4, fmt + ["--load", src, "--use-checkpoint-args"])
-    bare = [a for i, a in enumerate(argv) if not {a, argv[i - 1]} & {"--vocab-size", "--make-vocab-size-divisible-by"}]
-    assert "--vocab-size" not in bare and len(bare) == len(argv) - 4
+    left_out = {"--vocab-size", "--make-vocab-size-divisible-by", "--seq-length"}
+    bare = [a for i, a in enumerate(argv) if not {a, argv[i - 1]} & left_out]
+    assert len(bare) == len(argv) - 6
     capsys.readouterr()
     taken = pretrain_gpt.main(bare)
     assert_same_trajectory(Trajectory.of(taken), same, steps=2)
     out = capsys.readouterr().out
-    assert "make-vocab-size-divisible-by 8 (was 128), vocab-size 123 (was None)" in out, out
+    assert "make-vocab-size-divisible-by 8 (was 128), vocab-size 123 (was None), seq-length 16 (was 128)" in out, out
+    assert parse_args(bare + ["--seq-length", "8"], world_size=1).model.seq_length == 8  # given: kept
 
 
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path, capsys):
