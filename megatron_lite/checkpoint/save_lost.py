@@ -10,7 +10,8 @@ checkpoint stays the latest; in that step rank 0 knows whether it renamed the fo
 
 The error is this rank's alone (the ranks could not agree on it): the training loop ends the rank at
 once (:func:`~megatron_lite.errors.exit_with_message`, rank-local). The temporary folder is left to the
-next save's sweep: a surviving peer may still be writing into it.
+next save's sweep: a surviving peer may still be writing into it. A peer lost while the ranks load a
+checkpoint (:func:`peer_lost_loading`) is one line the same way.
 """
 
 from __future__ import annotations
@@ -46,17 +47,24 @@ class SaveProgress:
         return step
 
 
-def lost_peer_message(err: BaseException, root: str, iteration, progress: SaveProgress, rank: int) -> str | None:
-    """The one line for ``err``, a collective failing during the save of ``iteration`` because a peer
-    rank stopped (or the collectives timed out); None for any other exception (not a lost peer)."""
+def lost_peer(err: BaseException) -> str | None:
+    """What ``err`` says happened, when it is a collective failing because a peer rank stopped ("a
+    peer rank stopped (Connection reset by peer)") or the collectives timed out; else None."""
     text = str(err).strip()
     stopped = PEER_STOPPED.search(text)
     if stopped:
-        what = f"a peer rank stopped ({stopped.group(0)})"
-    elif isinstance(err, dist.DistError) or _TIMED_OUT.search(text):
+        return f"a peer rank stopped ({stopped.group(0)})"
+    if isinstance(err, dist.DistError) or _TIMED_OUT.search(text):
         first = text.splitlines()[0][:200] if text else ""
-        what = f"the ranks' collectives failed ({type(err).__name__}{': ' + first if first else ''})"
-    else:
+        return f"the ranks' collectives failed ({type(err).__name__}{': ' + first if first else ''})"
+    return None
+
+
+def lost_peer_message(err: BaseException, root: str, iteration, progress: SaveProgress, rank: int) -> str | None:
+    """The one line for ``err``, a collective failing during the save of ``iteration`` because a peer
+    rank stopped (or the collectives timed out); None for any other exception (not a lost peer)."""
+    what = lost_peer(err)
+    if what is None:
         return None
     tmp = temp_dir(root, iteration)
     if progress.renamed:
@@ -71,16 +79,31 @@ def lost_peer_message(err: BaseException, root: str, iteration, progress: SavePr
 
 
 @contextmanager
-def peer_lost_as_error(root: str, iteration, progress: SaveProgress):
-    """Inside, a collective failing because a peer rank stopped is a CheckpointError of this rank's
-    (marked rank-local: not agreed) saying so in one line; other exceptions pass unchanged."""
+def lost_peer_as_error(message):
+    """Inside, a collective failing because a peer rank stopped (or timing out) is a CheckpointError of
+    this rank's, ``message(err)`` (marked rank-local: not agreed; the loop and the scripts end the rank
+    at once); other exceptions, and a None message, pass unchanged."""
     try:
         yield
     except RuntimeError as err:  # gloo's failed collective (a CheckpointError is no RuntimeError)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        message = lost_peer_message(err, root, iteration, progress, rank)
-        if message is None:
+        text = message(err)
+        if text is None:
             raise
-        error = CheckpointError(message)
+        error = CheckpointError(text)
         error.rank_local = True
         raise error from None
+
+
+def peer_lost_as_error(root: str, iteration, progress: SaveProgress):
+    """:func:`lost_peer_as_error` for a synchronous save (its message: :func:`lost_peer_message`)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return lost_peer_as_error(lambda err: lost_peer_message(err, root, iteration, progress, rank))
+
+
+def peer_lost_loading(root: str | None):
+    """:func:`lost_peer_as_error` for a load: nothing on disk changes, the run stops before training."""
+    def message(err):
+        what = lost_peer(err)
+        return None if what is None else (f"{what} while loading checkpoint {root}; the run stops before "
+                                          "training, nothing on disk was changed")
+    return lost_peer_as_error(message)

@@ -68,7 +68,7 @@ from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
-from .save_lost import SaveProgress, peer_lost_as_error
+from .save_lost import SaveProgress, peer_lost_as_error, peer_lost_loading
 from .saved_parts import missing_rng_error, parts_to_save, require_dist_rng, save_rng
 
 
@@ -377,6 +377,7 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     """
     if config.checkpoint.load is None and config.checkpoint.pretrained_checkpoint is None:
         return 0, 0
-    loaded = on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
+    with peer_lost_loading(config.checkpoint.load or config.checkpoint.pretrained_checkpoint):  # one line
+        loaded = on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
     require_base(chunks, config.checkpoint.load)  # frozen (LoRA) weights came from a base checkpoint
     return loaded

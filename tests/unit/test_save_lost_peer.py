@@ -79,3 +79,21 @@ def test_a_lost_peer_in_the_final_step_leaves_other_ranks_unsure():
 def test_other_runtime_errors_pass_unchanged():
     with pytest.raises(RuntimeError, match="^a bug$"), peer_lost_as_error("/ck", 5, SaveProgress()):
         raise RuntimeError("a bug")
+
+
+def test_a_peer_lost_while_loading_is_one_line(tmp_path, monkeypatch):
+    """The ranks agree on a load too (format.on_every_rank): a peer killed meanwhile ended the others
+    on gloo's traceback at start-up; one line now, rank-local."""
+    cfg, state, model, opt, sched = _setup(tmp_path)
+    save_checkpoint(1, [model], opt, sched, 4, cfg, state)
+
+    def gone(step):
+        step()
+        raise GLOO
+
+    monkeypatch.setattr(ckpt_training, "on_every_rank", gone)
+    with pytest.raises(CheckpointError) as err:
+        ckpt_training.load_checkpoint([model], opt, sched, cfg, state)
+    assert str(err.value) == (f"a peer rank stopped (Connection reset by peer) while loading checkpoint {tmp_path / 'ckpt'}; "
+                              "the run stops before training, nothing on disk was changed")
+    assert err.value.rank_local
