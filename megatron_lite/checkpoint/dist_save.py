@@ -22,7 +22,6 @@ and the failure of the run's last save stops the run at :meth:`AsyncSaves.wait`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from ..console import is_logging_rank
 from ..device import process_group_timeout
+from ..files import remove_stale_temps
 from .dist import common_payload, rank_pieces
 from .dist_read import DIST_CHECKSUMS_DIR, DIST_COMMON_FILENAME, PIECE_CHECKSUMS_MARK
 from .format import (
@@ -159,41 +159,17 @@ def _leftover_name(name: str, prefix: str) -> bool:
     return name.startswith(prefix) and (kept == "release" or re.fullmatch(r"iter_\d{7,}", kept) is not None)
 
 
-def _writer_gone(pid: int) -> bool:
-    """Whether the process that named a temporary file ``*.tmp.<pid>`` is no longer writing it: this
-    process (which is not writing one while it sweeps) or no live process of that id here."""
-    if pid == os.getpid() or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (another user's: no permission to signal it)
-        return False
-    return False
-
-
-def _stale_file_temp(name: str) -> bool:
-    """``name`` is ``<tracker or progress.txt>.tmp.<pid>`` (files.replaced_whole's name) of a writer
-    killed between its write and its rename."""
-    base, dot_tmp, pid = name.rpartition(".tmp.")
-    return bool(dot_tmp) and base in (TRACKER_FILENAME, PROGRESS_FILENAME) and pid.isdigit() and _writer_gone(int(pid))
-
-
 def sweep_temps(root: str, iteration, keep: str | None = None) -> None:
     """Rank 0, at the start of a save, every rank past any earlier one: remove every ``.tmp_iter_N``
     (``.tmp_release``) under ``root``, what saves killed mid-write (SIGKILL, power loss) left, a
     checkpoint's worth of disk each, whatever their iteration. This save's own (``iteration``) must go:
     an OSError there fails the save; the others are removed best effort. ``keep``: the temporary folder
-    of an ``--async-save`` still in flight, never touched. So are the tracker's (and progress.txt's)
-    temporary files of writers killed between write and rename; never one a live process may still be
-    writing (another run's or the converter's: its process id is in the name)."""
+    of an ``--async-save`` still in flight, never touched. It also removes the tracker's (and
+    progress.txt's) temporary files of writers killed between their write and rename, never one a
+    live process may still be writing (files.remove_stale_temps: the process id is in the name)."""
+    remove_stale_temps(root, (TRACKER_FILENAME, PROGRESS_FILENAME))
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name)
-        if _stale_file_temp(name) and os.path.isfile(path) and not os.path.islink(path):
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            continue
         if not _leftover_name(name, TEMP_PREFIX) or (keep is not None and os.path.abspath(path) == os.path.abspath(keep)):
             continue
         if path == temp_dir(root, iteration):

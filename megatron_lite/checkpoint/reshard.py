@@ -47,6 +47,7 @@ import torch
 
 from ..console import print_rank_0
 from ..errors import ConfigError
+from ..files import remove_stale_temps
 from ..parallel.expert_grid import is_folded
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.tensor import padded_vocab_size, shard
@@ -352,6 +353,7 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     final, tmp = iteration_dir(save_dir, iteration), temp_dir(save_dir, iteration)
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)
+    remove_stale_temps(save_dir, (TRACKER_FILENAME,))  # the tracker's, of a conversion killed before its rename
     tokenizer = os.path.join(save_dir, TOKENIZER_DIR)
     placed = not os.path.lexists(tokenizer) and write_tokenizer is not None  # ours to remove on a failure
     try:

@@ -5,6 +5,7 @@ checkpoint a training save set aside) is a checkpoint like the others: refused."
 
 import errno
 import os
+import subprocess
 
 import pytest
 
@@ -48,12 +49,19 @@ def test_a_conversion_failing_half_way_leaves_nothing_half_written(source, tmp_p
 
 
 def test_leftover_temporary_folders_do_not_confuse_the_conversion_or_a_later_load(source, tmp_path):
+    """... and the tracker's temporary file of a conversion killed before its rename is removed (it
+    stayed for good), not one a live process may be writing."""
     out = tmp_path / "out"
     for name in (".tmp_iter_0000001", ".tmp_iter_0000009"):  # conversions / saves killed half-way
         (out / name / "mp_rank_07_000").mkdir(parents=True)
         (out / name / "mp_rank_07_000" / "model_optim_rng.pt").write_bytes(b"stale")
+    live = f"latest_checkpointed_iteration.txt.tmp.{os.getppid()}"
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    for pid in (ended.pid, os.getppid()):  # a writer gone (as if killed) and a live process
+        (out / f"latest_checkpointed_iteration.txt.tmp.{pid}").write_text("1\n")
     assert convert("GPT", "--load-dir", source, "--save-dir", out, *TP2) == 0
-    assert sorted(os.listdir(out)) == [".tmp_iter_0000009", "iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(out)) == [".tmp_iter_0000009", "iter_0000001", "latest_checkpointed_iteration.txt", live]
     assert sorted(os.listdir(out / "iter_0000001")) == ["mp_rank_00_000", "mp_rank_01_000"]
     assert load_gpt_checkpoint(str(out))[1]["tensor_model_parallel_size"] == 2
     merged = merge_checkpoint(str(out))[0]
