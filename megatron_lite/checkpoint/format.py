@@ -338,7 +338,9 @@ def on_every_rank(step):
 
     So a checkpoint one rank refuses stops every rank cleanly with one message, instead of the other
     ranks dying in their next collective. Where that agreement itself fails (a peer rank stopped), a
-    rank with an error of its own raises it, unagreed: its message, not the collective's traceback.
+    rank with an error of its own raises it, unagreed (marked rank-local, so that every such rank prints
+    and exits at once, also outside the training loop and when rank 0 is the one gone): its message,
+    not the collective's traceback.
     """
     error, result = None, None
     try:
@@ -352,7 +354,9 @@ def on_every_rank(step):
         except Exception:  # a peer rank gone: this rank's own error, if it has one, is its message
             if error is None:
                 raise
-            raise CheckpointError(error) from None
+            unagreed = CheckpointError(error)
+            unagreed.rank_local = True  # this rank's alone: it exits at once, printing it (errors.py)
+            raise unagreed from None
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise raised_on_every_rank(CheckpointError(error))
