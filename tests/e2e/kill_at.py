@@ -12,8 +12,9 @@ that reaches the moment kills itself, as a power cut would.
 
 MOMENT ``peer:N`` kills the last rank only, as a node failing would: in the synchronous save of
 ITERATION, once its own part of the save's N-th step is done, just before the ranks agree on that step
-(1: sweeping old temporary folders, 2: writing the files, 3: the rename and the tracker; torch_dist:
-3 writes the pieces, 4 renames). The other ranks see a peer vanish in the middle of the save.
+(1: sweeping old temporary folders; torch: 2 the files, 3 the rename and the tracker; torch_dist: 2 the
+RNG files and common.pt, 3 the pieces, 4 the rename and the tracker). The other ranks see a peer
+vanish in the middle of the save.
 """
 
 import os
