@@ -52,7 +52,7 @@ from .format import (
     tensor_crc,
     with_checksums,
 )
-from .save_lost import PEER_STOPPED, SaveProgress
+from .save_lost import PEER_STOPPED, SaveProgress, lost_peer, lost_peer_as_error
 
 
 def _distributed() -> bool:
@@ -296,11 +296,12 @@ class AsyncSaves:
         it. ``final`` (the end of the run, collective): a failed write is a CheckpointError on every rank,
         as a failed save is without ``--async-save``; before that a failure is a warning, and the next
         save may succeed."""
-        error = None
-        if self.pending is not None:
+        error, pending = None, self.pending
+        if pending is not None:
             error = self._finish(final)
-        if final:
-            on_every_rank(lambda: _raise(error))
+        if final:  # a peer lost meanwhile (its writer failed with it): one line, not gloo's traceback
+            with lost_peer_as_error(lambda err: _lost_at_the_end(err, pending)):
+                on_every_rank(lambda: _raise(error))
 
     def _finish(self, final: bool = False) -> str | None:
         """The write just done (finalized or discarded by its thread): returns why it failed (and,
@@ -315,6 +316,15 @@ class AsyncSaves:
         pending.say(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
                     "(async)", flush=True)
         return None
+
+
+def _lost_at_the_end(err: BaseException, pending: _Pending | None) -> str | None:
+    """The line for a peer rank lost while the ranks agree on the run's last async save (:meth:`AsyncSaves.wait`)."""
+    what = lost_peer(err)
+    if what is None or pending is None:
+        return None if what is None else f"{what} at the end of the run"
+    return (f"{what} at the end of the run, while the ranks agreed on the --async-save of iteration "
+            f"{pending.iteration}; {os.path.join(pending.root, TRACKER_FILENAME)} names the latest complete checkpoint")
 
 
 def _raise(error: str | None) -> None:

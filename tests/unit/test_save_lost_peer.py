@@ -97,3 +97,27 @@ def test_a_peer_lost_while_loading_is_one_line(tmp_path, monkeypatch):
     assert str(err.value) == (f"a peer rank stopped (Connection reset by peer) while loading checkpoint {tmp_path / 'ckpt'}; "
                               "the run stops before training, nothing on disk was changed")
     assert err.value.rank_local
+
+
+def test_a_peer_lost_at_the_last_async_save_is_one_line(tmp_path, monkeypatch):
+    """The ranks agree on the run's last --async-save at its end (AsyncSaves.wait(final=True)); a peer
+    killed meanwhile ended a rank whose own write had succeeded on gloo's traceback. One line now."""
+    from megatron_lite.checkpoint import dist_save
+
+    cfg, state, model, _, sched = _setup(tmp_path)
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    saves = dist_save.AsyncSaves()
+    save_checkpoint(1, [model], None, sched, 4, cfg, state, async_saves=saves)
+
+    def gone(step):
+        step()
+        raise GLOO
+
+    monkeypatch.setattr(dist_save, "on_every_rank", gone)
+    with pytest.raises(CheckpointError) as err:
+        saves.wait(final=True)
+    root = tmp_path / "ckpt"
+    assert str(err.value) == ("a peer rank stopped (Connection reset by peer) at the end of the run, while the ranks "
+                              f"agreed on the --async-save of iteration 1; {root / 'latest_checkpointed_iteration.txt'} "
+                              "names the latest complete checkpoint")
+    assert err.value.rank_local and read_tracker(str(root)) == 1
