@@ -88,6 +88,17 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
     return text, ""
 
 
+def _after_mark(text: str) -> str:
+    """The help text after its "Accepted for Megatron ... :" lead, split at the first ": " outside
+    parentheses (a lead such as "... scripts (--use-custom-fsdp: its older name):" holds one inside)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and text.startswith(": ", i):
+            return text[i + 2:]
+    raise ValueError(f"an accepted flag's help text has no ': ' after its lead: {text!r}")
+
+
 def render() -> str:
     import pretrain_bert
 
@@ -113,8 +124,8 @@ def render() -> str:
 def _megatron_section(parser) -> str:
     """The Megatron-LM flags accepted as equivalents (their help says so) and those refused (the
     table in megatron_lite/megatron_flags.py, one row per shared reason)."""
-    accepted = [f"- `{a.option_strings[0]}`: {_cell(a.help).split(': ', 1)[1]}" for a in parser._actions
-                if (a.help or "").startswith(ACCEPTED_MARK)]
+    accepted = [f"- {' / '.join(f'`{s}`' for s in a.option_strings)}: {_after_mark(_cell(a.help))}"
+                for a in parser._actions if (a.help or "").startswith(ACCEPTED_MARK)]
     rows = ["| Megatron-LM flags | why they are absent | instead |", "|---|---|---|"]
     for flags, why, fix in ENTRIES:
         rows.append(f"| {' '.join(f'`{f}`' for f in flags.split())} | {_cell(why)} | {_cell(fix)} |")

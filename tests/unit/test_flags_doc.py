@@ -44,3 +44,17 @@ def test_angle_brackets_in_help_text_survive_markdown():
     rows = [line for line in text.splitlines() if line.startswith("| `--")]
     assert any("&lt;save>/wandb" in row for row in rows)
     assert not [row for row in rows if "<" in row.split(" | ", 3)[-1]]  # no raw '<' in a help cell
+
+
+def test_no_help_text_is_cut_inside_parentheses():
+    """The accepted Megatron flags' list takes each help text after its "Accepted for Megatron ...:" lead;
+    --use-megatron-fsdp's lead holds "(--use-custom-fsdp: its older name)", whose ": " cut it to
+    "its older name): ...". Every line and table cell keeps its parentheses balanced, and the list
+    names both spellings."""
+    text = TOOL["render"]()
+    pieces = [cell for line in text.splitlines() if line.startswith("| `--") for cell in line.split(" | ")]
+    pieces += [line for line in text.splitlines() if line.startswith("- `--")]
+    unbalanced = [p for p in pieces if p.count("(") != p.count(")")]
+    assert not unbalanced, unbalanced
+    assert "- `--use-megatron-fsdp` / `--use-custom-fsdp`: the sharding strategies" in text
+    assert TOOL["_after_mark"]("Accepted for X (a: b): c (d: e).") == "c (d: e)."
