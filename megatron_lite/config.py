@@ -160,6 +160,8 @@ class ParallelConfig:
     """What is sharded over data parallel: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3)."""
     use_megatron_fsdp: bool = field(default=False, metadata={"aliases": ("--use-custom-fsdp",)})
     """Accepted for Megatron-FSDP scripts (--use-custom-fsdp: its older name): the sharding strategies above are built in."""
+    use_contiguous_buffers_in_local_ddp: bool = False
+    """Accepted for Megatron scripts: it changes nothing, gradients always live in one contiguous fp32 buffer."""
     ddp_bucket_size: int | None = None
     """Gradient bucket size in elements (default max(40M, 1M x dp))."""
     distributed_backend: str | None = None
@@ -307,6 +309,10 @@ class DataConfig:
     """BPE merges file."""
     tokenizer_model: str | None = None
     """SentencePiece .model or tokenizer.json."""
+    tokenizer_hf_use_fast: bool = False
+    """Accepted for Megatron scripts: it changes nothing, HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer)."""
+    tokenizer_hf_include_special_tokens: bool = False
+    """Accepted for Megatron scripts: it changes nothing, HuggingFaceTokenizer always encodes with what its post-processor adds (a BOS)."""
     eod_mask_loss: bool = False
     """Do not train on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -355,6 +361,12 @@ class CheckpointConfig:
     """Do not save the optimizer state (nor its loss scaler and learning-rate schedule); resuming from such a checkpoint needs --no-load-optim or --finetune."""
     no_save_rng: bool = field(default=False, metadata={"aliases": ("--disable-save-rng",)})  # newer Megatron-LM's spelling
     """Do not save the RNG states; resuming from such a checkpoint needs --no-load-rng or --finetune."""
+    no_ckpt_fully_parallel_save: bool = False
+    """Accepted for Megatron scripts: it changes nothing, torch_dist weights are always written by data-parallel rank 0 (distributed-optimizer shards by every rank)."""
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Accepted for Megatron scripts: it changes nothing, torch_dist optimizer state always reshards over TP, PP and DP."""
+    disable_msc: bool = False
+    """Accepted for Megatron scripts: it changes nothing, the Multi-Storage Client is never used."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ class LoggingConfig:
     """Weights & Biases run name."""
     wandb_save_dir: str = ""
     """Folder for W&B's local files (default: <save>/wandb, else ./wandb)."""
+    no_one_logger: bool = False
+    """Accepted for Megatron scripts: it changes nothing, NVIDIA's one-logger is never used."""
     timing_log_level: int = 0
     """Per-phase timers in the log: 0 none, 1 forward-backward/data/grad sync/optimizer, 2 also finer phases."""
     log_timers_to_tensorboard: bool = False

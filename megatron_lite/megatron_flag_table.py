@@ -52,7 +52,7 @@ ENTRIES = (
     ("--num-virtual-stages-per-pipeline-rank", "virtual stages are given by layers per stage here",
      "use --num-layers-per-virtual-pipeline-stage"),
     ("--use-dist-ckpt --dist-ckpt-format", "Megatron-LM's deprecated switch", "use --ckpt-format torch_dist"),
-    ("--DDP-impl --use-contiguous-buffers-in-local-ddp --no-contiguous-buffers-in-local-ddp",
+    ("--DDP-impl --no-contiguous-buffers-in-local-ddp",
      "Megatron-LM's removed DDP switches; gradients always live in one contiguous fp32 buffer", DROP),
     # -- regularisation and optimizer -------------------------------------------------------------
     ("--muon-momentum --muon-no-split-qkv --muon-use-nesterov --muon-scale-mode --muon-fp32-matmul-prec "
@@ -63,7 +63,7 @@ ENTRIES = (
     ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
     ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
-     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype --no-store-param-remainders "
+     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype "
      "--no-preserve-fp32-weights --disable-preserve-fp32-weights",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
@@ -139,9 +139,8 @@ ENTRIES = (
     ("--ddp-pad-buckets-for-high-nccl-busbw --no-gradient-reduce-div-fusion --ddp-average-in-collective "
      "--pad-buckets-for-high-nccl-busbw --disable-gradient-reduce-div-fusion --average-in-collective",
      "bucket padding and gradient averaging are fixed", DROP),
-    ("--ddp-reduce-scatter-with-fp32-accumulation --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype "
-     "--grad-reduce-in-fp32 --reduce-scatter-with-fp32-accumulation",
-     "gradients are always reduced in fp32", DROP),
+    ("--grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype",
+     "gradients are always reduced in fp32 (--grad-reduce-in-fp32 is accepted)", DROP),
     ("--local-rank --lazy-mpu-init", "ranks come from the launcher's environment (RANK, LOCAL_RANK, "
      "WORLD_SIZE)", "drop it and launch with torchrun"),
     ("--use-nccl-ub --nccl-ub --fsdp-manual-registration --disable-symmetric-registration --use-sharp --sharp-enabled-group "
@@ -208,15 +207,14 @@ ENTRIES = (
      "--async-ckpt-use-cpu-shm", "--async-save writes from a background thread of its own", DROP),
     ("--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format",
      "checkpoints are converted by a tool", "use tools/checkpoint/convert.py"),
-    ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save --ckpt-fully-parallel-save-process-group "
+    ("--ckpt-fully-parallel-save --ckpt-fully-parallel-save-process-group "
      "--ckpt-fully-parallel-save-replicate-local", "torch_dist weights are written by "
      "data-parallel rank 0 (optimizer shards by every rank with --use-distributed-optimizer), not spread over "
      "the data-parallel ranks", DROP),
     ("--ckpt-fully-parallel-load --ckpt-fully-parallel-load-exchange-algo --ckpt-fully-parallel-load-process-group "
      "--ckpt-fully-parallel-load-replicate-local", "every rank reads the pieces it needs itself; reads are not spread over "
      "the data-parallel ranks and exchanged", DROP),
-    ("--ckpt-assume-constant-structure --dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable "
-     "--distrib-optim-fully-reshardable-mem-efficient",
+    ("--ckpt-assume-constant-structure --dist-ckpt-save-pre-mcore-014 --distrib-optim-fully-reshardable-mem-efficient",
      "the torch_dist layout is fixed (and always reshardable over TP, PP and DP)", DROP),
     # -- data and tokenizer -----------------------------------------------------------------------
     ("--train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path",
@@ -232,9 +230,8 @@ ENTRIES = (
      "TikTokenizer and the new tokenizer system are not supported",
      "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
     ("--trust-remote-code", "Hugging Face tokenizers with custom code are not loaded", DROP),
-    ("--tokenizer-hf-use-fast --tokenizer-hf-no-use-fast --tokenizer-hf-include-special-tokens",
-     "HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer) and "
-     "encodes with what its post-processor adds (a BOS)", DROP),
+    ("--tokenizer-hf-no-use-fast",
+     "HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer)", DROP),
     ("--sft-tokenizer-prompt-format --tokenizer-prompt-format", "--sft applies the tokenizer's own chat template", DROP),
     # -- logging ----------------------------------------------------------------------------------
     ("--log-energy --no-barrier-with-level-1-timing --timing-log-option --logging-level "
@@ -246,7 +243,7 @@ ENTRIES = (
     ("--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port --straggler-minmax-count",
      "the straggler detector is not implemented", DROP),
     ("--run-workload-inspector-server", "the workload inspector is not implemented", DROP),
-    ("--no-one-logger --one-logger-project --one-logger-run-name --one-logger-async --app-tag-run-name "
+    ("--one-logger-project --one-logger-run-name --one-logger-async --app-tag-run-name "
      "--app-tag-run-version", "NVIDIA's one-logger is not used", DROP),
     ("--enable-ft-package --calc-ft-timeouts", "NVIDIA's fault-tolerance package is not used", DROP),
     ("--inprocess-restart --inprocess-max-iterations --inprocess-monitor-thread-interval "
@@ -256,7 +253,6 @@ ENTRIES = (
      "--inprocess-granularity --inprocess-active-world-size --inprocess-empty-cuda-cache",
      "in-process restart is not implemented", "drop it (resume from --save with --load)"),
     ("--config-logger-dir --save-config-filepath", "the run's configuration is stored in every checkpoint", DROP),
-    ("--disable-msc", "the Multi-Storage Client is not used", DROP),
     ("--pytorch-profiler-collect-shapes --pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra "
      "--record-shapes --nvtx-ranges", "the profilers' recording options are fixed",
      "drop it (--profile and --use-pytorch-profiler stay)"),

@@ -6,7 +6,7 @@ the rules that tie them together are in :mod:`megatron_lite.precision.flags`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,13 @@ class PrecisionConfig:
     """Linear layers: local (native FP8 GEMMs) or transformer_engine (needs Transformer Engine and a GPU)."""
     accumulate_allreduce_grads_in_fp32: bool = False
     """Accepted for Megatron scripts: it changes nothing, gradients are always accumulated over micro-batches and reduced over data-parallel ranks in fp32 (an fp32 main_grad buffer under --bf16, --fp16 and fp32, for every sharding strategy)."""
+    grad_reduce_in_fp32: bool = False
+    """Accepted for Megatron scripts: it changes nothing, gradients are always reduced over data-parallel ranks in fp32 (the fp32 main_grad buffer, for every sharding strategy)."""
+    reduce_scatter_with_fp32_accumulation: bool = field(default=False, metadata={
+        "aliases": ("--ddp-reduce-scatter-with-fp32-accumulation",)})
+    """Accepted for Megatron scripts: it changes nothing, the sharded strategies' reduce-scatters always sum fp32 gradients (the fp32 main_grad buffer)."""
+    no_store_param_remainders: bool = False
+    """Accepted for Megatron scripts: it changes nothing, the optimizer always keeps whole fp32 master weights (never a 16-bit weight plus its remainder)."""
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -18,7 +18,19 @@ from tests.doc_blocks import REPO, training_parser
 BASE = ["--mock-data", "--vocab-size", "64"]
 ACCEPTED = {"--use-mcore-models": ("training", "use_mcore_models"),
             "--use-cpu-initialization": ("training", "use_cpu_initialization"),
-            "--accumulate-allreduce-grads-in-fp32": ("precision", "accumulate_allreduce_grads_in_fp32")}
+            "--accumulate-allreduce-grads-in-fp32": ("precision", "accumulate_allreduce_grads_in_fp32"),
+            # asking for what megatron_lite always does: accepted as inert, not refused (see test below)
+            "--grad-reduce-in-fp32": ("precision", "grad_reduce_in_fp32"),
+            "--reduce-scatter-with-fp32-accumulation": ("precision", "reduce_scatter_with_fp32_accumulation"),
+            "--ddp-reduce-scatter-with-fp32-accumulation": ("precision", "reduce_scatter_with_fp32_accumulation"),
+            "--no-store-param-remainders": ("precision", "no_store_param_remainders"),
+            "--use-contiguous-buffers-in-local-ddp": ("parallel", "use_contiguous_buffers_in_local_ddp"),
+            "--tokenizer-hf-use-fast": ("data", "tokenizer_hf_use_fast"),
+            "--tokenizer-hf-include-special-tokens": ("data", "tokenizer_hf_include_special_tokens"),
+            "--no-ckpt-fully-parallel-save": ("checkpoint", "no_ckpt_fully_parallel_save"),
+            "--dist-ckpt-optim-fully-reshardable": ("checkpoint", "dist_ckpt_optim_fully_reshardable"),
+            "--disable-msc": ("checkpoint", "disable_msc"),
+            "--no-one-logger": ("logging", "no_one_logger")}
 
 
 def _refusal(parser, argv) -> tuple[int, list[str]]:
@@ -306,15 +318,29 @@ def test_moe_layer_recompute_is_selective_recomputation_of_the_moe_layers(capsys
                   "--moe-layer-recompute", "full")
     parse_refused(capsys, BASE + ["--moe-layer-recompute"], "--moe-layer-recompute", "--num-experts")
 
-@pytest.mark.parametrize("flag", ["--tokenizer-hf-use-fast", "--tokenizer-hf-no-use-fast",
-                                  "--tokenizer-hf-include-special-tokens"])
-def test_megatron_hf_tokenizer_flags_are_explained(flag):
+def test_megatron_hf_tokenizer_flags_are_explained():
     """Megatron-LM's HuggingFaceTokenizer switches (in its Qwen3 / Llama recipes) were 'unrecognized
-    arguments'; now the refusal says what megatron_lite's HuggingFaceTokenizer does instead."""
+    arguments'; the one asking for the slow tokenizer is refused with what megatron_lite's
+    HuggingFaceTokenizer does instead; the two asking for what it always does are accepted."""
     parser = training_parser("pretrain_gpt.py")
-    code, lines = _refusal(parser, BASE + ["--tokenizer-type", "HuggingFaceTokenizer", flag])
-    assert code == 2 and len(lines) == 1 and f"{flag} is a Megatron-LM flag" in lines[0], lines
+    code, lines = _refusal(parser, BASE + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-hf-no-use-fast"])
+    assert code == 2 and len(lines) == 1 and "--tokenizer-hf-no-use-fast is a Megatron-LM flag" in lines[0], lines
     assert "tokenizers package (the fast tokenizer)" in lines[0]
+    parser.parse_args(BASE + ["--tokenizer-hf-use-fast", "--tokenizer-hf-include-special-tokens"])
+
+
+def test_flags_asking_for_what_we_always_do_are_accepted_and_say_so():
+    """A Megatron-LM flag whose requested behaviour megatron_lite always has (--grad-reduce-in-fp32,
+    --reduce-scatter-with-fp32-accumulation: gradients are reduced in fp32) is accepted as inert, like
+    --accumulate-allreduce-grads-in-fp32, with a help text saying so (and listed in docs/flags.md);
+    the ones asking for something else (--grad-reduce-in-bf16) stay refused."""
+    parser = build_parser()
+    for flag in ACCEPTED:
+        assert parser._option_string_actions[flag].help.startswith("Accepted for Megatron"), flag
+    assert "--grad-reduce-in-bf16" in REFUSED and "--megatron-fsdp-grad-comm-dtype" in REFUSED
+    flags_md = open(os.path.join(REPO, "docs", "flags.md"), encoding="utf-8").read()
+    accepted_list = flags_md.split("Accepted because they name what megatron_lite always does")[1].split("Refused")[0]
+    assert all(f"`{flag}`" in accepted_list for flag in ACCEPTED), accepted_list
 
 
 MEGATRON_FLAGS = os.path.join(REPO, "tests", "fixtures", "megatron_flags.txt")
