@@ -9,9 +9,16 @@ ties it to the activation, and its backward gives the loss the gradient ``aux_lo
 which the training loop sets every step on every module that has that attribute (the factor it
 applies to the main loss: loss scale / micro-batches, times the context-parallel size), exactly as
 for the MoE routers' load-balancing loss. So the gradient is the one of ``lm loss + aux`` under
-every schedule, micro-batch count and loss scale. Under tensor parallelism each rank holds a slice
-of the hidden units (``[s, b, ffn / tp]``, the whole sequence): its partial mean, divided by the
-TP size, only depends on its slice, and the partials sum to the mean over all units.
+every schedule, micro-batch count and loss scale. Each rank holds a slice of the hidden units
+(``[s / cp, b, ffn / tp]``: its heads' share of fc1 under tensor parallelism, its part of the
+sequence under context parallelism): its partial mean, divided by TP x CP, only depends on its
+slice, and the partials of the TP x CP ranks sum to the mean over all units (as the routers' losses,
+whose partials sum over the same group). With ``--calculate-per-token-loss`` the main loss is a sum
+over tokens and the loop divides every gradient by the batch's token count, so the penalty is
+first multiplied by the micro-batch's tokens, as the routers do (``config.calculate_per_token_loss``).
+
+Unlike the routers' losses, the penalty is not on the console line nor in TensorBoard: the module
+keeps this rank's partial of the latest micro-batch in ``last_aux_loss``.
 """
 
 from __future__ import annotations
@@ -36,15 +43,18 @@ class L1PenaltyMLP(nn.Module):
         self.linear_fc1 = column_linear(config, state, layer_number, ffn, "mlp.linear_fc1")
         self.linear_fc2 = row_linear(config, state, layer_number, ffn, "mlp.linear_fc2",
                                      skip_bias_add=config.bias_dropout_fusion)
-        self.coeff, self.tp_size = coeff, state.tp_size
+        self.coeff, self.tp_size, self.cp_size = coeff, state.tp_size, state.cp_size
+        self.per_token = config.calculate_per_token_loss
         self.aux_loss_backward_scale = 1.0  # set by the training loop before every step
         self.last_aux_loss = None  # this rank's partial of the latest micro-batch (detached, for inspection)
 
     def forward(self, hidden: torch.Tensor):
-        units = F.gelu(self.linear_fc1(hidden), approximate="tanh")  # [s, b, ffn / tp]
+        units = F.gelu(self.linear_fc1(hidden), approximate="tanh")  # [s / cp, b, ffn / tp]
         if self.training and self.coeff and torch.is_grad_enabled():
-            loss = self.coeff * units.abs().mean() / self.tp_size
+            loss = self.coeff * units.abs().mean() / (self.tp_size * self.cp_size)  # this rank's partial
             self.last_aux_loss = loss.detach()
+            if self.per_token:  # the main loss sums its tokens: weigh the penalty by the micro-batch's tokens
+                loss = loss * (units.shape[0] * units.shape[1] * self.cp_size)
             units = attach_loss(units, loss, self.aux_loss_backward_scale)
         return self.linear_fc2(units)
 

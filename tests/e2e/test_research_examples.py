@@ -12,7 +12,13 @@ import torch.nn.functional as F
 import pretrain_gpt
 from megatron_lite.models import TransformerConfig
 from megatron_lite.parallel.state import ParallelState
-from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories, run_script
+from tests.trajectory import (
+    Trajectory,
+    assert_same_trajectory,
+    ranks_trajectories,
+    ranks_trajectory,
+    run_script,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESEARCH = os.path.join(ROOT, "examples", "research")
@@ -82,6 +88,27 @@ def test_aux_loss_reaches_the_gradient_with_the_loops_scale(runs, tmp_path):
     assert abs(two.losses[0] - plain.losses[0]) <= 1e-5 * abs(plain.losses[0])
     assert abs(two.grad_norms[0] - plain.grad_norms[0]) > 1e-3 * plain.grad_norms[0]  # float noise: ~1e-7
     assert_same_trajectory(one, two, what="aux loss, 1 vs 2 micro-batches")
+
+
+def test_aux_loss_keeps_its_weight_at_cp2_and_with_per_token_loss(runs, tmp_path):
+    """The penalty's partials are divided over TP x CP (a CP rank holds part of the sequence: divided by
+    TP alone, CP2 doubled the penalty), and with --calculate-per-token-loss multiplied by the micro-batch's
+    tokens, as the routers' losses are (the loop then divides every gradient by the batch's token count:
+    unweighted, the penalty all but vanished). A copy at CP2 (with the context-parallel core attention
+    --spec asks for) follows one process, with and without per-token loss."""
+    text = open(os.path.join(RESEARCH, "aux_loss.py")).read()
+    assert "spec = LayerSpec(mlp=L1PenaltyMLP)" in text
+    copy = tmp_path / "aux_cp.py"
+    copy.write_text(text.replace("COEFF = 1e-2", "COEFF = 10.0").replace(
+        "spec = LayerSpec(mlp=L1PenaltyMLP)", "from megatron_lite.parallel.context import ContextParallelAttention\n"
+        "spec = LayerSpec(mlp=L1PenaltyMLP, core_attention=ContextParallelAttention)"))
+    argv = ARGV[:-1] + ["3", "--spec", str(copy), "spec"]
+    one = run_script("pretrain_gpt", argv)
+    assert abs(one.grad_norms[0] - runs[0]["plain"].grad_norms[0]) > 0.1 * one.grad_norms[0]  # the penalty shows
+    per_token = run_script("pretrain_gpt", argv + ["--calculate-per-token-loss"])
+    assert_same_trajectory(per_token, one, what="aux loss, --calculate-per-token-loss")
+    cp2 = ranks_trajectory(2, "pretrain_gpt", argv + ["--context-parallel-size", "2", "--calculate-per-token-loss"])
+    assert_same_trajectory(cp2, one, what="aux loss, CP2 with --calculate-per-token-loss")
 
 
 def _config(**kw):
