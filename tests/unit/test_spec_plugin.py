@@ -297,3 +297,38 @@ def test_a_spec_agreeing_with_moe_layer_freq_trains_as_without_it(tmp_path):
     path.write_text(MOE_SPECS)
     flags = TINY + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"]
     assert pretrain_gpt.main(flags + ["--spec", str(path), "first_dense"]).losses == pretrain_gpt.main(flags).losses
+
+
+RECORDING = '''
+from megatron_lite.models.attention import DotProductAttention
+from megatron_lite.models.spec import LayerSpec
+
+SEEN = []
+
+
+class Recording(DotProductAttention):
+    def forward(self, q, k, v, attention_mask=None, causal=True):
+        SEEN.append(None if attention_mask is None else (attention_mask.dtype, tuple(attention_mask.shape)))
+        return super().forward(q, k, v, attention_mask, causal)
+
+
+spec = LayerSpec(core_attention=Recording)
+'''
+
+
+def test_the_readme_names_the_masks_a_core_attention_of_your_own_gets(tmp_path):
+    """README's recipe for a core attention gave q, k, v and the result but not attention_mask: one
+    written from it failed with a shape error under --reset-attention-mask, which passes int document
+    ids [b, s]. Each form it gets through pretrain_gpt.py is named in the recipe."""
+    path = tmp_path / "recording.py"
+    path.write_text(RECORDING)
+    seen = sys.modules[load_spec(str(path), "spec").core_attention.__module__].SEEN
+    pretrain_gpt.main(TINY + ["--spec", str(path), "spec"])
+    assert set(seen) == {None}
+    seen.clear()
+    pretrain_gpt.main(TINY + ["--spec", str(path), "spec", "--reset-attention-mask"])
+    assert set(seen) == {(torch.int64, (2, 16))}
+    readme = open(os.path.join(os.path.dirname(pretrain_gpt.__file__), "README.md"), encoding="utf-8").read()
+    recipe = " ".join(readme.split("**A new attention variant**")[1].split("- **A new MLP")[0].split())
+    assert "document ids `[b, s]` with `--reset-attention-mask`" in recipe
+    assert "bool `[b, 1, sq, sk]` with True = masked out" in recipe
