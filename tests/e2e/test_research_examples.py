@@ -111,6 +111,63 @@ def test_aux_loss_keeps_its_weight_at_cp2_and_with_per_token_loss(runs, tmp_path
     assert_same_trajectory(cp2, one, what="aux loss, CP2 with --calculate-per-token-loss")
 
 
+TWO_EXPERTS = '''
+"""A mixture of experts of one's own, written from README's recipe: two dense experts, top-1 routing
+and a Switch-style load-balancing loss (partials over TP x CP, counts summed, as moe/router.py)."""
+import torch
+from torch import nn
+
+from megatron_lite.models.mlp import MLP
+from megatron_lite.models.spec import LayerSpec
+from megatron_lite.moe.aux_loss import attach_loss, switch_loss
+from megatron_lite.parallel import comm
+
+MARK = True
+
+
+class TwoExperts(nn.Module):
+    def __init__(self, config, state, layer_number):
+        super().__init__()
+        self.experts = nn.ModuleList(MLP(config, state, layer_number) for _ in range(2))
+        self.router = nn.Linear(config.hidden_size, 2, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(layer_number)))
+        if MARK:  # it sees this rank's tokens only under --sequence-parallel
+            self.router.weight.sequence_parallel = config.sequence_parallel
+        self.group, self.aux_loss_backward_scale = state.group("tp_cp"), 1.0
+
+    def forward(self, hidden):
+        probs = self.router(hidden).softmax(-1)  # [s / tp, b, 2]
+        top = probs.argmax(-1, keepdim=True)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                counts = comm.reduce_from_tp(nn.functional.one_hot(top.flatten(), 2).sum(0).float(), self.group)
+            total = top.numel() * comm.group_size(self.group)
+            loss = switch_loss(probs.reshape(-1, 2), counts, total, topk=1, num_experts=2, coeff=0.5)
+            probs = attach_loss(probs, loss, self.aux_loss_backward_scale)
+        outs = [(lambda o: o[0] + o[1] if isinstance(o, tuple) else o)(expert(hidden)) for expert in self.experts]
+        return torch.where(top == 0, outs[0], outs[1]) * probs.gather(-1, top)
+
+
+spec = LayerSpec(mlp=TwoExperts)
+'''
+
+
+def test_a_mixture_of_experts_of_your_own_trains_at_tp2_sp_as_in_one_process(runs, tmp_path):
+    """README's recipe for an MLP of one's own: under --sequence-parallel a replicated parameter working on
+    the hidden states (the router) sees only this rank's tokens and must be marked sequence_parallel
+    (unmarked: step-1 gradient norms 1.559 vs 1.560, and the TP replicas drift apart); with it and a
+    load-balancing loss following aux_loss.py's rules, TP2 + SP follows one process."""
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    assert "mark it `param.sequence_parallel = config.sequence_parallel`" in readme
+    path = tmp_path / "two_experts.py"
+    path.write_text(TWO_EXPERTS)
+    argv = ARGV[:-1] + ["3", "--spec", str(path), "spec"]
+    one = run_script("pretrain_gpt", argv)
+    assert abs(one.losses[0] - runs[0]["plain"].losses[0]) > 1e-4  # the experts' mixture is another model
+    assert_same_trajectory(ranks_trajectory(2, "pretrain_gpt", argv + TP2), one, what="two experts, TP2+SP")
+
+
 def _config(**kw):
     return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                              attention_dropout=0.0, hidden_dropout=0.0, vocab_size=64, **kw)
