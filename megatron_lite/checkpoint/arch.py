@@ -52,9 +52,15 @@ def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only
 
 def _changes_function(key: str, saved: dict, ours: dict) -> bool:
     """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases);
-    --make-vocab-size-divisible-by only where it changes the padded vocabulary."""
+    --make-vocab-size-divisible-by only where it changes the padded vocabulary; --spec only where it
+    names another file or object (a .py path relative to another folder, or absolute, names the same
+    file: checkpoints saved before paths were stored absolute hold relative ones)."""
     if key == "make_vocab_size_divisible_by":
         return saved.get("padded_vocab_size") != ours.get("padded_vocab_size")
+    if key == "spec":
+        from ..models.spec import resolved
+
+        return resolved(saved[key]) != resolved(ours[key])
     return key != "bias_gelu_fusion" or tanh_gelu(saved) != tanh_gelu(ours)
 
 

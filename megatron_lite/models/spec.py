@@ -86,9 +86,23 @@ def spec_flag(module: str, name: str) -> str:
     return f"--spec {module} {name}"
 
 
+def is_path(module: str) -> bool:
+    """``MODULE`` names a .py file (imported from that path), not a dotted module name."""
+    return module.endswith(".py") or os.sep in module
+
+
+def resolved(spec):
+    """``(MODULE, NAME)`` with a file path made absolute (relative to the working directory) and its
+    links resolved: the same file named two ways is the same spec (anything else: itself)."""
+    if not (isinstance(spec, (list, tuple)) and len(spec) == 2):
+        return spec
+    module, name = spec
+    return (os.path.realpath(module) if is_path(module) else module), name
+
+
 def _import(module: str, name: str):
     """The module ``module`` names: a .py file path, or a dotted name on sys.path."""
-    if module.endswith(".py") or os.sep in module:
+    if is_path(module):
         if not os.path.isfile(module):
             raise ConfigError(f"{spec_flag(module, name)}: no such file {module}")
         stem = os.path.splitext(os.path.basename(module))[0]

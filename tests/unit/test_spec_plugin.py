@@ -218,6 +218,30 @@ def test_a_checkpoint_trained_with_a_spec_loads_with_it(specs, tmp_path):
     assert not os.path.exists(hf)
 
 
+def test_a_spec_path_is_saved_absolute_and_compared_as_a_file(specs, tmp_path, monkeypatch):
+    """A .py spec given relative to the working directory was saved as written: tools/generate.py run
+    from another folder failed with "no such file", and a resume naming the same file by another path
+    was refused as another model. It is saved absolute; a resume compares the files."""
+    from megatron_lite.checkpoint import load_gpt_checkpoint
+    from megatron_lite.checkpoint.arch import arch_differences
+
+    monkeypatch.chdir(tmp_path)
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(TINY + ["--spec", "my_specs.py", "every_other", "--save", save])
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    model, saved = load_gpt_checkpoint(save)
+    assert saved["spec"] == [specs[0], "every_other"]
+    assert sum(p.numel() for p in model.decoder.layers[1].mlp.parameters()) == 0  # the spec's layer 2
+    for spelling in ("../my_specs.py", specs[0]):
+        assert arch_differences(saved, parse_args(TINY + ["--spec", spelling, "every_other"]), ("spec",)) == []
+    monkeypatch.chdir(tmp_path)  # a checkpoint saved with a relative path, resumed from its folder
+    assert arch_differences({"spec": ["my_specs.py", "every_other"]},
+                            parse_args(TINY + ["--spec", specs[0], "every_other"]), ("spec",)) == []
+    assert arch_differences(saved, parse_args(TINY + ["--spec", specs[0], "default"]), ("spec",))
+
+
 WRAPPED = '''
 import functools
 from megatron_lite.models.attention import DotProductAttention
