@@ -11,8 +11,8 @@ a module that cannot be imported, a missing name, an object that is neither, a f
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 plain core attention, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
 or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
-MLA, ``--qk-layernorm`` without either attention block that norms queries and keys, ``--qk-l2-norm`` or
-``--add-qkv-bias`` without SelfAttention, ``--window-size``
+MLA, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
+keys, ``--qk-l2-norm`` or ``--add-qkv-bias`` with a layer whose block is not SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
 MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer).
 A factory counts as the class it builds when it is a ``functools.partial`` of it or sets
@@ -112,6 +112,12 @@ def _check_moe_layers(moe, specs: list[LayerSpec], flag: str) -> None:
                           f"selects {selected}; pass --moe-layer-freq \"{match}\" to match the spec, or change the spec")
 
 
+def _first_other(specs: list[LayerSpec], cls) -> int | None:
+    """The first layer (1-based) whose self_attention is not ``cls`` (a flag only ``cls`` applies would be
+    dropped there, even if other layers apply it), else None."""
+    return next((i for i, s in enumerate(specs, 1) if not _is(s.self_attention, cls)), None)
+
+
 def check_spec(config) -> None:
     """Refuse (ConfigError) a ``--spec`` that cannot be loaded or would silently drop one of the flags
     the default spec honours. ``config`` is the run's Config."""
@@ -130,14 +136,14 @@ def check_spec(config) -> None:
     if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
         raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "
                           "megatron_lite.models.mla.MLASelfAttention; use it in the spec or drop the flag")
-    if config.model.qk_layernorm and not any(_is(s.self_attention, (SelfAttention, MLASelfAttention)) for s in specs):
-        raise ConfigError(f"{flag}: --qk-layernorm is set but no layer's self_attention is megatron_lite.models."
+    if config.model.qk_layernorm and (layer := _first_other(specs, (SelfAttention, MLASelfAttention))):
+        raise ConfigError(f"{flag}: --qk-layernorm is set but layer {layer}'s self_attention is not megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
                           "one in the spec or drop the flag")
     for field, name in (("qk_l2_norm", "--qk-l2-norm"), ("add_qkv_bias", "--add-qkv-bias")):  # SelfAttention's alone
-        if getattr(config.model, field, False) and not any(_is(s.self_attention, SelfAttention) for s in specs):
-            raise ConfigError(f"{flag}: {name} is set but no layer's self_attention is megatron_lite.models.attention."
-                              "SelfAttention (the block that applies it); use it in the spec or drop the flag")
+        if getattr(config.model, field, False) and (layer := _first_other(specs, SelfAttention)):
+            raise ConfigError(f"{flag}: {name} is set but layer {layer}'s self_attention is not megatron_lite.models."
+                              "attention.SelfAttention (the block that applies it); use it in the spec or drop the flag")
     _check_mlp_flags(config.model, specs, flag)
     window = config.model.window_size
     plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,

@@ -101,8 +101,13 @@ def test_a_spec_without_a_query_key_norming_block_is_refused(tmp_path, capsys):
         "from torch import nn\nfrom megatron_lite.models.spec import LayerSpec\n"
         "class Mine(nn.Module):\n    def __init__(self, config, state, layer_number, core_attention=None):\n"
         "        super().__init__()\n"
-        "SPEC = LayerSpec(self_attention=Mine)\n")
+        "SPEC = LayerSpec(self_attention=Mine)\n"
+        "def MIXED(layer):\n    return SPEC if layer == 2 else LayerSpec()\n")
     module = str(tmp_path / "plain_attention.py")
     parse_refused(capsys, BASE + ["--qk-layernorm", "--spec", module, "SPEC"], "--qk-layernorm", "--spec",
                   "SelfAttention", world_size=1)
     assert parse_args(BASE + ["--spec", module, "SPEC"], world_size=1).model.spec  # without the flag: accepted
+    # one layer of the stock block was enough to accept the flag, which layer 2 then dropped
+    for flag in ("--qk-layernorm", "--qk-l2-norm", "--add-qkv-bias"):
+        parse_refused(capsys, BASE + [flag, "--spec", module, "MIXED"], flag, "layer 2's self_attention",
+                      world_size=1)
