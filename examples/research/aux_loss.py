@@ -17,8 +17,10 @@ whose partials sum over the same group). With ``--calculate-per-token-loss`` the
 over tokens and the loop divides every gradient by the batch's token count, so the penalty is
 first multiplied by the micro-batch's tokens, as the routers do (``config.calculate_per_token_loss``).
 
-Unlike the routers' losses, the penalty is not on the console line nor in TensorBoard: the module
-keeps this rank's partial of the latest micro-batch in ``last_aux_loss``.
+The penalty is logged like the routers' losses: the module adds this rank's partial of each
+micro-batch to ``aux_losses["l1_penalty"]``, and the loop (``plugin_loss_values`` in
+megatron_lite/moe/metrics.py) puts its mean over the micro-batches and the layers, summed over the
+TP x CP partials, on the console line and in TensorBoard after ``lm loss``.
 """
 
 from __future__ import annotations
@@ -46,13 +48,13 @@ class L1PenaltyMLP(nn.Module):
         self.coeff, self.tp_size, self.cp_size = coeff, state.tp_size, state.cp_size
         self.per_token = config.calculate_per_token_loss
         self.aux_loss_backward_scale = 1.0  # set by the training loop before every step
-        self.last_aux_loss = None  # this rank's partial of the latest micro-batch (detached, for inspection)
+        self.aux_losses = {}  # name -> this rank's partials summed over the step's micro-batches (the loop logs them)
 
     def forward(self, hidden: torch.Tensor):
         units = F.gelu(self.linear_fc1(hidden), approximate="tanh")  # [s / cp, b, ffn / tp]
         if self.training and self.coeff and torch.is_grad_enabled():
             loss = self.coeff * units.abs().mean() / (self.tp_size * self.cp_size)  # this rank's partial
-            self.last_aux_loss = loss.detach()
+            self.aux_losses["l1_penalty"] = self.aux_losses.get("l1_penalty", 0.0) + loss.detach()
             if self.per_token:  # the main loss sums its tokens: weigh the penalty by the micro-batch's tokens
                 loss = loss * (units.shape[0] * units.shape[1] * self.cp_size)
             units = attach_loss(units, loss, self.aux_loss_backward_scale)

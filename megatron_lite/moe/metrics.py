@@ -9,11 +9,14 @@ summed over the ranks holding partial losses of one micro-batch (tensor x contex
 the global loss also data parallel), averaged over data x context parallel, divided by the number
 of micro-batches. The console value is the mean over the MoE layers. Multi-token prediction's
 layers (global numbers ``num_layers + k``) count as layers of the last layer's kind, as in Megatron-LM.
+The auxiliary losses that modules of a ``--spec`` log (an ``aux_losses`` dict) are reduced the same
+way (:func:`plugin_loss_values`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..device import get_device
 from ..parallel import comm
@@ -104,6 +107,35 @@ def moe_step_values(chunks, state, config, num_microbatches: int) -> tuple[dict[
     if moe.moe_expert_capacity_factor is not None:
         scalars["moe/dropped_tokens"] = float(dropped_tokens(chunks, state))
     return moe_log_values(per_layer, sum(pattern)), scalars
+
+
+def plugin_loss_values(chunks, state, num_microbatches: int) -> dict[str, float]:
+    """The console values of the auxiliary losses that modules of a ``--spec`` log (collective, every
+    rank, every iteration of a run with --spec): a module other than a router that holds an
+    ``aux_losses`` dict (name -> this rank's partial, summed over the step's micro-batches; the
+    partials of the TP x CP ranks of a micro-batch sum to its loss) is reduced as the routers' losses
+    are: summed over pipeline stages and TP x CP, averaged over DP x CP, divided by the micro-batches,
+    averaged over the modules that log the name. Resets the dicts."""
+    found = [m for chunk in chunks for m in chunk.modules()
+             if isinstance(getattr(m, "aux_losses", None), dict) and not isinstance(m, TopKRouter)]
+    names = sorted({name for m in found for name in m.aux_losses})
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a stage without such modules learns the names
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        names = sorted(set().union(*every))
+    device, out = get_device(), {}
+    for name in names:
+        held = [m.aux_losses[name] for m in found if name in m.aux_losses]
+        value = torch.stack([v.detach().float().reshape(()).to(device) for v in held]).sum() if held \
+            else torch.zeros((), dtype=torch.float32, device=device)
+        count = torch.tensor(float(len(held)), device=device)
+        with torch.no_grad():
+            value = _sum(_sum(value, state.pp_group, state.group("tp_cp")), state.dp_cp_group)
+            count = _sum(count, state.pp_group)
+        out[name] = float(value) / comm.group_size(state.dp_cp_group) / num_microbatches / max(float(count), 1.0)
+    for module in found:
+        module.aux_losses = {}
+    return out
 
 
 def finish_moe_step(chunks) -> None:

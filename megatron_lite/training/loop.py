@@ -32,7 +32,7 @@ from ..distributed_flags import deterministic_mode
 from ..errors import rank_local_errors
 from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
-from ..moe.metrics import finish_moe_step, moe_step_values, set_aux_loss_backward_scale
+from ..moe.metrics import finish_moe_step, moe_step_values, plugin_loss_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..parallel.data_parallel import finalize_model_grads
 from ..parallel.fsdp import wrap_for_data_parallel
@@ -287,6 +287,9 @@ class _Training:
         moe_losses, moe_scalars = {}, {}
         if self.config.moe.num_experts:  # collective: the routers' losses of this step
             moe_losses, moe_scalars = moe_step_values(self.chunks, self.state, self.config, micro)
+        if self.config.model.spec:  # collective: the auxiliary losses a spec's modules log (moe/metrics.py)
+            plugin = plugin_loss_values(self.chunks, self.state, micro)
+            losses = {**losses, **plugin} if losses else losses
         is_nan = bool(losses) and not math.isfinite(loss_value)
         result.skipped_iterations += 0 if ok else 1
         if losses:

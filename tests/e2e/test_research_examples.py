@@ -63,6 +63,24 @@ def test_example_trains_at_tp2_sp_as_in_one_process(runs, name):
     assert_same_trajectory(tp2[name], single[name], grad_rtol=grad_rtol, what=f"{name} TP2+SP")
 
 
+def test_a_spec_modules_aux_loss_is_logged_like_the_routers(runs):
+    """The penalty is reported after lm loss (the TP2 + SP comparison above checks it equals one
+    process's), as the mean over micro-batches and layers of COEFF * mean |units|; a run without it
+    reports lm loss alone. The loop's reduction: plugin_loss_values over modules of their own."""
+    from megatron_lite.moe.metrics import plugin_loss_values
+
+    single, _ = runs
+    assert [list(step) for step in single["aux_loss"].reported] == [["lm loss", "l1_penalty"]] * 6
+    assert all(0 < step["l1_penalty"] < 1e-2 for step in single["aux_loss"].reported)
+    assert [list(step) for step in single["squared_relu"].reported] == [["lm loss"]] * 6
+    modules = [torch.nn.Module() for _ in range(3)]
+    modules[0].aux_losses, modules[1].aux_losses = {"x": torch.tensor(2.0), "y": torch.tensor(1.0)}, {"x": torch.tensor(4.0)}
+    chunk = torch.nn.ModuleList(modules)
+    # 2 micro-batches: x over its 2 modules (2 + 4) / 2 / 2, y over its one; the dicts are reset
+    assert plugin_loss_values([chunk], ParallelState(), 2) == {"x": 1.5, "y": 0.5}
+    assert modules[0].aux_losses == {} and not hasattr(modules[2], "aux_losses")
+
+
 def test_each_example_changes_the_model(runs):
     single, _ = runs
     plain: Trajectory = single["plain"]
@@ -134,7 +152,7 @@ class TwoExperts(nn.Module):
             self.router.weight.copy_(torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(layer_number)))
         if MARK:  # it sees this rank's tokens only under --sequence-parallel
             self.router.weight.sequence_parallel = config.sequence_parallel
-        self.group, self.aux_loss_backward_scale = state.group("tp_cp"), 1.0
+        self.group, self.aux_loss_backward_scale, self.aux_losses = state.group("tp_cp"), 1.0, {}
 
     def forward(self, hidden):
         probs = self.router(hidden).softmax(-1)  # [s / tp, b, 2]
@@ -145,6 +163,7 @@ class TwoExperts(nn.Module):
             total = top.numel() * comm.group_size(self.group)
             loss = switch_loss(probs.reshape(-1, 2), counts, total, topk=1, num_experts=2, coeff=0.5)
             probs = attach_loss(probs, loss, self.aux_loss_backward_scale)
+            self.aux_losses["balance"] = self.aux_losses.get("balance", 0.0) + loss.detach() / 0.5  # logged
         outs = [(lambda o: o[0] + o[1] if isinstance(o, tuple) else o)(expert(hidden)) for expert in self.experts]
         return torch.where(top == 0, outs[0], outs[1]) * probs.gather(-1, top)
 
@@ -165,6 +184,7 @@ def test_a_mixture_of_experts_of_your_own_trains_at_tp2_sp_as_in_one_process(run
     argv = ARGV[:-1] + ["3", "--spec", str(path), "spec"]
     one = run_script("pretrain_gpt", argv)
     assert abs(one.losses[0] - runs[0]["plain"].losses[0]) > 1e-4  # the experts' mixture is another model
+    assert all(1.0 <= step["balance"] <= 2.0 for step in one.reported)  # logged (1: balanced, 2: all on one)
     assert_same_trajectory(ranks_trajectory(2, "pretrain_gpt", argv + TP2), one, what="two experts, TP2+SP")
 
 
@@ -254,7 +274,7 @@ def test_aux_loss_gradient_is_that_of_lm_loss_plus_the_penalty():
     main = ((units @ mlp.linear_fc2.weight.T + mlp.linear_fc2.bias) * g).sum()
     (2.5 * (main + 0.3 * units.abs().mean())).backward()
     torch.testing.assert_close(got, mlp.linear_fc1.weight.grad, rtol=1e-5, atol=1e-7)
-    assert float(mlp.last_aux_loss) == pytest.approx(0.3 * float(units.detach().abs().mean()), rel=1e-6)
+    assert float(mlp.aux_losses["l1_penalty"]) == pytest.approx(0.3 * float(units.detach().abs().mean()), rel=1e-6)
 
 
 def test_the_examples_use_only_public_seams():
