@@ -9,7 +9,7 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 (:class:`~megatron_lite.errors.ConfigError`, exit code 2), before a process group or model exists:
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
-plain core attention, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
+a core attention that is neither ContextParallelAttention nor a class setting ``context_parallel = True``, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
 or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
 MLA, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
 keys, ``--qk-l2-norm`` or ``--add-qkv-bias`` with a layer whose block is not SelfAttention, ``--window-size``
@@ -112,6 +112,12 @@ def _check_moe_layers(moe, specs: list[LayerSpec], flag: str) -> None:
                           f"selects {selected}; pass --moe-layer-freq \"{match}\" to match the spec, or change the spec")
 
 
+def _context_parallel(factory) -> bool:
+    """A core attention that attends across the context-parallel ranks: the stock one, or a module of
+    one's own whose class says so (``context_parallel = True``)."""
+    return _is(factory, ContextParallelAttention) or getattr(_unwrap(factory), "context_parallel", False) is True
+
+
 def _first_other(specs: list[LayerSpec], cls) -> int | None:
     """The first layer (1-based) whose self_attention is not ``cls`` (a flag only ``cls`` applies would be
     dropped there, even if other layers apply it), else None."""
@@ -128,10 +134,13 @@ def check_spec(config) -> None:
     module, name = config.model.spec
     specs = layer_specs(module, name, config.model.num_layers)
     flag = spec_flag(module, name)
-    if config.parallel.context_parallel_size > 1 and any(_is(s.core_attention, DotProductAttention) for s in specs):
-        raise ConfigError(f"{flag}: core_attention is DotProductAttention (or a subclass), which sees only this rank's part of the "
-                          "sequence; with --context-parallel-size > 1 use megatron_lite.parallel.context."
-                          "ContextParallelAttention (or a context-parallel module of your own)")
+    local = [s.core_attention for s in specs if not _context_parallel(s.core_attention)]
+    if config.parallel.context_parallel_size > 1 and local:
+        what = "DotProductAttention (or a subclass)" if _is(local[0], DotProductAttention) else \
+            getattr(_unwrap(local[0]), "__name__", local[0])
+        raise ConfigError(f"{flag}: core_attention is {what}, which sees only this rank's part of the sequence; with "
+                          "--context-parallel-size > 1 use megatron_lite.parallel.context.ContextParallelAttention (or a "
+                          "module of your own that attends across the context-parallel ranks and sets context_parallel = True)")
     _check_moe_layers(config.moe, specs, flag)
     if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
         raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "

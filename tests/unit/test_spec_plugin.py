@@ -356,3 +356,22 @@ def test_the_readme_names_the_masks_a_core_attention_of_your_own_gets(tmp_path):
     recipe = " ".join(readme.split("**A new attention variant**")[1].split("- **A new MLP")[0].split())
     assert "document ids `[b, s]` with `--reset-attention-mask`" in recipe
     assert "bool `[b, 1, sq, sk]` with True = masked out" in recipe
+
+
+def test_a_core_attention_of_your_own_must_say_it_is_context_parallel(tmp_path, capsys):
+    """Only a DotProductAttention was refused under --context-parallel-size 2: a core attention of one's
+    own, written from README's recipe, trained with each rank attending within its part of the sequence
+    (step-1 loss 6.26304 vs 6.26492 in one process). It is refused unless its class sets
+    context_parallel = True (it attends across the context-parallel ranks)."""
+    from tests.cli_errors import parse_refused
+
+    path = tmp_path / "own_attention.py"
+    path.write_text("from torch import nn\nfrom megatron_lite.models.spec import LayerSpec\n\n\n"
+                    "class Local(nn.Module):\n    def __init__(self, config, state, layer_number):\n"
+                    "        super().__init__()\n\n\nclass Ring(Local):\n    context_parallel = True\n\n\n"
+                    "local = LayerSpec(core_attention=Local)\nring = LayerSpec(core_attention=Ring)\n")
+    cp2 = TINY + ["--context-parallel-size", "2", "--spec", str(path)]
+    parse_refused(capsys, cp2 + ["local"], "--spec", "core_attention is Local", "context_parallel = True",
+                  world_size=2)
+    assert parse_args(cp2 + ["ring"], world_size=2).model.spec
+    assert parse_args(TINY + ["--spec", str(path), "local"], world_size=1).model.spec
