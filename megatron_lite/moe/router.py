@@ -104,6 +104,8 @@ class TopKRouter(nn.Module):
             logits = self._attach(logits, loss)
             self._track("z_loss", loss / c.moe_z_loss_coeff)
         probs, routing_map = self.route(logits)
+        if grad and self.expert_bias is not None:  # the router's choice, before the capacity limit
+            self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
         if c.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(logits.shape[0], self.num_experts, self.topk, c.moe_expert_capacity_factor)
             probs, routing_map, dropped = drop_to_capacity(
@@ -113,8 +115,6 @@ class TopKRouter(nn.Module):
                 self.num_dropped_tokens += dropped
         if grad:
             probs = self._attach_balancing_losses(logits, probs, hidden.shape[0])
-            if self.expert_bias is not None:
-                self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
         return probs, routing_map
 
     # ------------------------------------------------------------------------------------------
@@ -172,7 +172,10 @@ class TopKRouter(nn.Module):
     @torch.no_grad()
     def finish_step(self) -> None:
         """After an optimizer step: update the expert bias from the step's token counts (summed over
-        TP x DP x CP: ``bias += rate * sign(mean count - count)``) and reset the per-step counters."""
+        TP x DP x CP: ``bias += rate * sign(mean count - count)``) and reset the per-step counters.
+        The counts are the router's selection before the capacity limit: after it, dropping caps every
+        busy expert at the capacity and padding gives every expert exactly the capacity, hiding the
+        imbalance the bias corrects (Megatron-LM counts after it, so its bias never moves with padding)."""
         if self.expert_bias is not None:
             counts = _sum_over(self.local_tokens_per_expert.clone(), self.state.tp_group, self.state.dp_cp_group)
             rate = self.config.moe_router_bias_update_rate

@@ -191,6 +191,22 @@ def test_expert_bias_update():
     assert router.local_tokens_per_expert.abs().sum() == 0
 
 
+@pytest.mark.parametrize("pad", [False, True])
+def test_expert_bias_counts_the_routers_choice_before_the_capacity_limit(pad):
+    """Capacity 1 (factor 0.5) caps the counts [3, 2, 2, 1] at [1, 1, 1, 1] (dropping) and padding fills
+    every expert to exactly 1: counted after the limit, no bias would move. The bias balances the
+    router's own selection, so it counts that: expert 0 goes down, expert 3 up."""
+    router = _router(hidden_size=4, moe_router_topk=1, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.1,
+                     moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=pad)
+    logits = torch.tensor([[3.0, 0, 0, 0]] * 3 + [[0, 3.0, 0, 0]] * 2 + [[0, 0, 3.0, 0]] * 2 + [[0, 0, 0, 3.0]])
+    _, rmap = router(_with_logits(router, logits))
+    assert rmap.sum(0).tolist() == [1, 1, 1, 1]  # what the experts receive
+    assert router.local_tokens_per_expert.tolist() == [3, 2, 2, 1]
+    router.finish_step()
+    _close(router.expert_bias, [-0.1, 0, 0, 0.1])
+
+
 def test_capacity_dropping_by_probs_and_position():
     probs = torch.tensor([[0.6, 0.4, 0, 0], [0.7, 0, 0.3, 0], [0.9, 0, 0, 0.1], [0, 0.5, 0.5, 0]])
     rmap = probs > 0
