@@ -47,7 +47,8 @@ the ``topk_group`` best of ``n_group`` groups (a group scores its top 2), weight
 scores normalised (``norm_topk_prob``) times ``routed_scaling_factor``. Ours equals it with
 ``--moe-router-score-function sigmoid --moe-router-enable-expert-bias`` and, with groups,
 ``--moe-router-topk`` / ``--moe-router-group-topk`` = 2 (our group score sums the top topk/group_topk);
-our sigmoid weights are normalised exactly when top-k > 1. The router runs in fp32 (``--moe-router-dtype
+our sigmoid weights are normalised exactly when top-k > 1. A field config.json leaves out is read
+as transformers reads it, with DeepseekV3Config's default (:data:`HF_DEFAULTS`). The router runs in fp32 (``--moe-router-dtype
 fp32`` on import). What either side cannot express is refused with one line naming the option.
 ``--hidden-dropout``, ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` act in training only and have no
 DeepSeek-V3 field: the export leaves them out with a warning (``--attention-dropout`` is ``attention_dropout``).
@@ -83,6 +84,16 @@ SWIGLU = (("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp."),
           ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts."))
 MTP_RENAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
                ("final_layernorm.weight", "shared_head.norm.weight"))
+# What transformers' DeepseekV3Config reads for a field config.json leaves out (DeepSeek-V3's own values):
+# the import reads the same (num_nextn_predict_layers aside: absent, no MTP is imported)
+HF_DEFAULTS = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
+    max_position_embeddings=4096, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+)
 log = logging.getLogger(__name__)
 
 
@@ -326,6 +337,7 @@ def _layer_from_hf(sd: dict, t: dict, src: str, dst: str, moe: bool, cfg: dict) 
 def from_deepseek(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a DeepSeek-V3 config and tensors; the
     experts in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
+    hf = {**HF_DEFAULTS, **hf}
     t = strip_prefix(hf_sd, "model.")
     mtp = _mtp_present(hf, t)
     cfg, first_dense = _deepseek_config(hf, mtp)
