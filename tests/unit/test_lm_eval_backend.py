@@ -68,12 +68,17 @@ def test_a_batch_size_below_one_is_refused():
 def test_a_batch_size_in_model_args_wins_over_the_one_lm_eval_always_passes(gpt2_ckpt):
     """lm-eval's command line always passes its --batch_size (default 1) and --device (default cuda:0)
     beside --model_args: batch_size=3 in --model_args (as the docs show) was 'got multiple values for
-    keyword argument' (a traceback); it now wins, and --batch_size alone still applies."""
+    keyword argument' (a traceback); it now wins, and --batch_size alone still applies; auto is 16."""
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
 
     cli = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
     assert MegatronLiteLM.create_from_arg_string(f"load={gpt2_ckpt},batch_size=3", dict(cli)).batch_size == 3
     assert MegatronLiteLM.create_from_arg_obj({"load": gpt2_ckpt}, dict(cli, batch_size="5")).batch_size == 5
+    lm = MegatronLiteLM.create_from_arg_obj({"load": gpt2_ckpt}, dict(cli))
+    assert (lm.batch_size, lm.max_gen_toks) == (1, 256)  # lm-eval's default --batch_size; docs/inference.md's 256
+    for auto in ("auto", "auto:4"):  # docs/inference.md: auto is 16, in --model_args or lm-eval's --batch_size
+        assert MegatronLiteLM.create_from_arg_string(f"load={gpt2_ckpt},batch_size={auto}", dict(cli)).batch_size == 16
+        assert MegatronLiteLM.create_from_arg_obj({"load": gpt2_ckpt}, dict(cli, batch_size=auto)).batch_size == 16
 
 
 @pytest.mark.parametrize("model_args, message", [

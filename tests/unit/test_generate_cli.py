@@ -1,0 +1,60 @@
+"""tools/generate.py's sampling flags as docs/inference.md promises them: `--temperature 0` and
+`--top-k 1` take the most likely token as `--greedy` does; `--top-k` with `--top-p` is refused in one
+line (exit 2); `--log-probs` prints every token after the first, prompt tokens included, with
+`log p(token | everything before it)`."""
+
+import pytest
+
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model
+from megatron_lite.inference.sampling import SamplingParams
+from tests.inference_helpers import MAX_LEN, VOCAB, prompts, save_model
+from tests.tools import load_tool
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("generate") / "gpt")
+    save_model("gpt", root)
+    return root, load_model(root)[0]  # as loaded (its config's fusions on), the model generate.py runs
+
+
+def _run(gen, capsys, root, prompt, *flags):
+    argv = ["--load", root, "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", str(NEW), *flags]
+    assert gen.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(ckpt, capsys):
+    root, model = ckpt
+    gen, prompt = load_tool("generate"), prompts(1)[0]
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    want = engine.generate([prompt], SamplingParams(tokens_to_generate=NEW, top_k=1))[0].tokens
+    greedy = _run(gen, capsys, root, prompt, "--greedy")
+    assert [int(t) for t in greedy.split()] == want
+    sampled = {_run(gen, capsys, root, prompt, "--seed", str(seed)) for seed in (1, 2, 3)}
+    assert sampled - {greedy}, "temperature 1 must draw other texts than greedy here, or the test proves nothing"
+    assert _run(gen, capsys, root, prompt, "--temperature", "0", "--seed", "1") == greedy
+    assert _run(gen, capsys, root, prompt, "--top-k", "1", "--seed", "1") == greedy
+
+
+def test_top_k_with_top_p_is_one_line_exit_2(ckpt, capsys):
+    argv = ["--load", ckpt[0], "--prompt", "1 2 3", "--top-k", "5", "--top-p", "0.9"]
+    assert load_tool("generate").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "error: cannot set both top_k and top_p; use one of them\n"
+
+
+def test_log_probs_print_every_token_after_the_first_prompt_included(ckpt, capsys):
+    root, model = ckpt
+    prompt = prompts(1)[0]
+    out = _run(load_tool("generate"), capsys, root, prompt, "--greedy", "--log-probs").splitlines()
+    tokens = [int(t) for t in out[0].split()]
+    scored = [(int(line.split()[0]), float(line.split()[1])) for line in out[1:]]
+    assert [t for t, _ in scored] == tokens[1:] and len(tokens) == len(prompt) + NEW
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    want = engine.generate([prompt], SamplingParams(tokens_to_generate=NEW, top_k=1))[0]
+    assert len(want.log_probs) == len(tokens) - 1
+    assert all(abs(a - b) <= 6e-5 for (_, a), b in zip(scored, want.log_probs))
