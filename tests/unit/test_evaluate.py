@@ -193,3 +193,24 @@ def test_jsonl_word_count_skips_empty_documents_and_tokens_count_every_end_of_do
     eod = tokenizer.eod
     assert tokens == [1, 2, 3, eod, eod, eod, 4, 5, eod] and words == 5
     assert word_count(" a b  c \n") == 4 and word_count("") == 0  # Megatron's single-space split otherwise
+
+
+def test_ppl_and_adjusted_ppl_are_capped_at_exp_20():
+    """docs/inference.md: ``ppl = exp(min(20, avg loss))`` and ``adjusted ppl = exp(min(20, sum(NLL) / (W - 1)))``
+    (Megatron's cap), on a text whose every target costs 25 nats; below the cap they are the plain exponentials."""
+    from types import SimpleNamespace
+
+    from megatron_lite.inference.evaluation import perplexity
+
+    class Engine:
+        def __init__(self, nll):
+            self.nll = nll
+
+        def score(self, windows):
+            return [SimpleNamespace(log_probs=[-self.nll] * (len(w) - 1)) for w in windows]
+
+    high = perplexity(Engine(25.0), list(range(9)), seq_length=4, stride=2, num_words=5, progress=False)
+    assert high.loss == pytest.approx(25.0) and high.ppl == pytest.approx(math.exp(20))
+    assert high.adjusted_ppl == pytest.approx(math.exp(20))
+    low = perplexity(Engine(2.0), list(range(9)), seq_length=4, stride=2, num_words=5, progress=False)
+    assert low.ppl == pytest.approx(math.exp(2.0)) and low.adjusted_ppl == pytest.approx(math.exp(2.0 * 8 / 4))
