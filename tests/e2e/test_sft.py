@@ -178,6 +178,14 @@ def test_bad_conversations_are_skipped_and_counted_under_the_flag(tmp_path, caps
     (["--sft", "--mock-data", "--vocab-size", "64"], ["--sft", "not --mock-data"]),
     (["--sft", "--reset-attention-mask", "--data-path", "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
      ["drop --reset-attention-mask"]),
+    # docs/fine-tuning.md: --sft refuses NullTokenizer, --eod-mask-loss, --reset-position-ids too
+    (["--sft-skip-bad-conversations"], ["--sft-skip-bad-conversations needs --sft"]),
+    (["--sft", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--data-path", "x.jsonl"],
+     ["needs a text tokenizer", "not --mock-data or NullTokenizer"]),
+    (["--sft", "--eod-mask-loss", "--data-path", "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
+     ["drop --eod-mask-loss ("]),
+    (["--sft", "--reset-position-ids", "--data-path", "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
+     ["drop --reset-position-ids ("]),
 ])
 def test_sft_flag_errors(capsys, flags, words):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]

@@ -184,3 +184,19 @@ def test_resume_compares_the_target_layers_the_model_has():
     resume(DEFAULT_TARGETS, ["linear_proj", "linear_fc1", "linear_fc2"], mla=True)
     with pytest.raises(CheckpointError, match="--lora-target-modules linear_qkv linear_q_proj"):
         resume(["linear_qkv", "linear_q_proj"], ["linear_qkv", "linear_fc1"])
+
+
+def test_adapters_start_with_a_xavier_normal_and_b_zero_and_alpha_defaults_to_32():
+    """docs/fine-tuning.md: A is Xavier-normal (std sqrt(2 / (r + in))), B zero, and --lora-alpha is 32."""
+    lora = LoRAConfig(lora_rank=16)
+    assert lora.lora_alpha == 32
+    _, adapted = _models("llama", lora)
+    checked = 0
+    for name, p in adapted.named_parameters():
+        if "linear_in" in name:
+            want = (2.0 / (p.shape[0] + p.shape[1])) ** 0.5
+            assert abs(float(p.std()) / want - 1) < 0.1 and abs(float(p.mean())) < 0.1 * want, name
+            checked += 1
+        elif "linear_out" in name:
+            assert not p.any(), name
+    assert checked == 8  # 2 layers x 4 targets

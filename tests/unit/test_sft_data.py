@@ -63,6 +63,16 @@ def test_hf_template_learns_assistant_text_and_end_of_turn(tokenizers):
     assert out.ids[:len(prompt.ids)] == prompt.ids
 
 
+def test_a_template_ending_with_eod_gets_no_second_one(tmp_path):
+    """docs/fine-tuning.md: after the last turn comes the EOD, learned; a template that already ends
+    with it gets none added (its own is learned, as the assistant turn's end)."""
+    eod_turns = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %} <|endoftext|>{% endif %} {% endfor %}"
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(tmp_path, eod_turns))
+    learned, out = _learned(tok, CHAT)
+    assert learned == ["sun", "moon", "<|endoftext|>", "no", "<|endoftext|>"]
+    assert out.ids[-1] == tok.eod and out.ids[-2] != tok.eod
+
+
 def test_prefix_unstable_template_is_refused(tmp_path):
     drop_history = ("{% for m in messages %}{% if loop.last or m['role'] != 'assistant' %}{{ m['content'] }} "
                     "{% endif %}{% endfor %}")
