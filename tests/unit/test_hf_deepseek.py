@@ -349,6 +349,7 @@ EXPORT_REFUSALS = [
     (dict(normalization="LayerNorm"), "--normalization LayerNorm cannot be expressed in the deepseek_v3 format"),
     (dict(swiglu=False), "no --swiglu"),
     (dict(qk_layernorm=False), "no --qk-layernorm"),
+    (dict(disable_bias_linear=False), "biases (no --disable-bias-linear) cannot be expressed in the deepseek_v3 format"),
     (dict(norm_epsilon=1e-5), "--norm-epsilon 1e-05 cannot be expressed in the deepseek_v3 format (transformers' "
      "latent norms always use 1e-6"),
     (dict(moe_layer_freq="([0]+[1]+[0])"), "--moe-layer-freq '([0]+[1]+[0])' cannot be expressed"),
