@@ -111,6 +111,18 @@ def test_blend_through_builder(tmp_path):
     assert item["tokens"].shape == (8,) and int(item["dataset_id"]) in (0, 1)
 
 
+def test_prefixes_without_weights_are_weighted_by_their_token_counts(tmp_path):
+    """docs/data-and-tokenizers.md: several prefixes without weights are weighted by their token counts."""
+    from megatron_lite.data.indexed_dataset import IndexedDataset
+
+    a, b = write(tmp_path / "a", 100, seed=1), write(tmp_path / "b", 300, seed=2)
+    tokens = [int(IndexedDataset(p).sequence_lengths.sum()) for p in (a, b)]
+    cfg = GPTDatasetConfig(seq_length=8, data_path=[a, b], split="100,0,0", data_cache_path=str(tmp_path / "c"))
+    train = build_train_valid_test_datasets(cfg, [1000, 0, 0])[0]
+    share = np.bincount(np.asarray(train.dataset_index), minlength=2) / 1000
+    assert abs(share[0] - tokens[0] / sum(tokens)) < 0.01 and abs(share[0] - 0.5) > 0.2, (share, tokens)
+
+
 def test_mock_and_errors(tmp_path):
     cfg = GPTDatasetConfig(seq_length=8, mock=True)
     train, valid, test = build_train_valid_test_datasets(cfg, [10, 4, 0])
