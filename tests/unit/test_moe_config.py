@@ -101,6 +101,8 @@ def test_normalize_defaults():
     (dict(num_experts=4, moe_enable_deepep=True), "--moe-enable-deepep"),
     (dict(num_experts=4, expert_tensor_parallel_size=3, tp=4, sp=True), "--expert-tensor-parallel-size 3"),  # ffn 8 % 3
     (dict(num_experts=4, ep=2, fp16=True), "--fp16"),
+    (dict(num_experts=4, expert_tensor_parallel_size=2, fp16=True),  # docs: fp16 with a folded ETP
+     "--expert-tensor-parallel-size other than 1 or --tensor-model-parallel-size does not support --fp16"),
     (dict(num_experts=4, moe_layer_freq="[1]*3"), "--moe-layer-freq"),
     (dict(ep=2), "--num-experts"),
     (dict(num_experts=4, moe_router_load_balancing_type=["aux_loss", "z_loss"], moe_aux_loss_coeff=[0.1, 0.2, 0.3]),
@@ -109,3 +111,15 @@ def test_normalize_defaults():
 def test_bad_combinations_are_one_line_naming_the_flag(kwargs, flag):
     message = _problem(**kwargs)
     assert message is not None and flag in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("flags", [
+    ["--moe-router-fusion"], ["--moe-permute-fusion"], ["--moe-token-dispatcher-type", "flex"],
+    ["--moe-enable-deepep"], ["--moe-apply-probs-on-input"], ["--moe-shared-expert-overlap"],
+    ["--overlap-moe-expert-parallel-comm"], ["--moe-extended-tp"],
+])
+def test_the_gpu_only_and_unbuilt_flags_docs_list_are_refused_in_one_line(capsys, flags):
+    """docs/mixture-of-experts.md names these as refused (exit 2, one line naming the flag), never ignored."""
+    from tests.cli_errors import parse_refused
+
+    parse_refused(capsys, ["--mock-data", "--vocab-size", "64", "--num-experts", "4", *flags], flags[0], world_size=1)
