@@ -261,6 +261,8 @@ def test_mixtral_refuses_what_it_cannot_express(sources, tmp_path, capsys):
         (dict(moe_router_load_balancing_type=["sinkhorn"]), "sinkhorn"),
         (dict(moe_layer_freq="([1,0]*2)"), "--moe-layer-freq"),
         (dict(disable_bias_linear=False), "--disable-bias-linear"),
+        (dict(normalization="LayerNorm"), "--normalization LayerNorm cannot be expressed in the mixtral format"),
+        (dict(position_embedding_type="learned_absolute"), "--position-embedding-type learned_absolute cannot be"),
     ]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
             check_mixtral({**base, **change})
