@@ -116,6 +116,8 @@ def _hf_refused(tmp_path, capsys, model=None, **config_over):
     ({"quantization_config": {"quant_method": "mxfp4"}}, "Mxfp4Config(dequantize=True)"),
     ({"rope_parameters": {**YARN, "rope_type": "longrope"}}, "rope_type 'longrope' cannot be expressed"),
     ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"rope_parameters": {**YARN, "partial_rotary_factor": 0.5}},  # its own reason, not MLA's
+     "partial_rotary_factor cannot be expressed (gpt-oss rotates every channel"),
 ])
 def test_import_refuses_what_it_cannot_express(over, words, tmp_path, capsys):
     assert words in _hf_refused(tmp_path, capsys, **over)
