@@ -58,3 +58,14 @@ def test_log_probs_print_every_token_after_the_first_prompt_included(ckpt, capsy
     want = engine.generate([prompt], SamplingParams(tokens_to_generate=NEW, top_k=1))[0]
     assert len(want.log_probs) == len(tokens) - 1
     assert all(abs(a - b) <= 6e-5 for (_, a), b in zip(scored, want.log_probs))
+
+
+def test_the_context_is_max_position_embeddings_with_learned_positions_else_seq_length():
+    """docs/inference.md: the longest prompt + generation is --max-position-embeddings (learned
+    positions) or --seq-length (rotary); the test models set both equal, where a swap could not show."""
+    from megatron_lite.inference.loading import context_limit
+
+    saved = {"max_position_embeddings": 128, "seq_length": 64}
+    assert context_limit({**saved, "position_embedding_type": "learned_absolute"}) == 128
+    assert context_limit(saved) == 128  # learned positions are the default
+    assert context_limit({**saved, "position_embedding_type": "rope"}) == 64

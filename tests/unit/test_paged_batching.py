@@ -146,6 +146,9 @@ def test_the_paged_cache_flags(tmp_path, capsys):
     args = tool.parse_args(["--load", "x"])
     assert (args.inference_dynamic_batching_block_size, args.inference_kv_cache_blocks,
             args.max_num_batched_tokens) == (16, None, 512)
+    # docs/inference.md: prefix caching on by default (vLLM's), off with --no-enable-prefix-caching; 127.0.0.1
+    assert args.enable_prefix_caching is True and args.host == "127.0.0.1"
+    assert tool.parse_args(["--load", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     for flags, message in (
             (["--inference-dynamic-batching-block-size", "0"], "--inference-dynamic-batching-block-size 0 must be "
                                                                "at least 1"),
