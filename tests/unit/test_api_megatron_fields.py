@@ -17,3 +17,16 @@ def test_a_beam_width_that_is_not_an_integer_is_a_bad_request(value):
 def test_a_beam_width_runs_beam_search():
     job = parse_api({"prompts": ["1 2"], "beam_width": 3, "tokens_to_generate": 4}, NullTokenizer(99))
     assert job.beam and job.params.beam_width == 3
+
+
+def test_the_documented_defaults_of_a_bare_request():
+    """docs/inference.md's PUT /api table: tokens_to_generate 64, temperature 1.0, top_k 0, top_p 0.0,
+    logprobs false, add_BOS false, random_seed -1 (unseeded), no beam search, length_penalty 1.0,
+    stop at the end-of-document token."""
+    tok = NullTokenizer(99)
+    job = parse_api({"prompts": ["1 2"]}, tok)
+    p = job.params
+    assert (p.tokens_to_generate, p.temperature, p.top_k, p.top_p) == (64, 1.0, 0, 0.0)
+    assert (job.logprobs, job.prompts, p.random_seed, job.beam, p.beam_width) == (False, [[1, 2]], None, False, 0)
+    assert (p.length_penalty, p.top_p_decay, p.top_p_bound, p.stop_on_eod, p.stop_token_ids) == (1.0, 0.0, 0.0, True, ())
+    assert parse_api({"prompts": ["1 2"], "add_BOS": True}, tok).prompts == [[tok.eod, 1, 2]]  # no BOS: the EOD

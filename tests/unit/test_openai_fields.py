@@ -77,3 +77,14 @@ def test_only_streamed_logprobs_ask_the_engine_for_each_steps(tokenizer):
     assert chat.params.step_log_probs and chat.logprobs == 0
     best = parse_completion({"prompt": ["1", "2 3"], "n": 2, "best_of": 3}, tokenizer)
     assert (best.n, best.best_of, best.prompts) == (2, 3, [[1]] * 3 + [[2, 3]] * 3)
+
+
+def test_the_documented_defaults_of_a_bare_completion(tokenizer):
+    """docs/inference.md's table: max_tokens 16, temperature 1.0, top_p 1.0 (no filtering), top_k 0, n 1,
+    best_of n, no penalties, echo false, logprobs null, stream false."""
+    job = parse_completion({"prompt": "1 2 3"}, tokenizer)
+    p = job.params
+    assert (p.tokens_to_generate, p.temperature, p.top_k, p.top_p) == (16, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.0, 0.0, ())
+    assert (job.n, job.best_of, job.echo, job.logprobs, job.stream, job.stops) == (1, 1, False, None, False, [])
+    assert parse_completion({"prompt": "1 2 3", "n": 3}, tokenizer).best_of == 3  # best_of defaults to n
