@@ -222,6 +222,17 @@ def test_a_lone_surrogate_escape_is_read_as_pretraining_text_is(tmp_path, tokeni
     assert read_conversations(str(tmp_path / "p"), tok).get(1)[0].tolist() == conv.get(1)[0].tolist()
 
 
+def test_several_files_without_weights_blend_by_their_conversation_counts(tmp_path, tokenizers):
+    """docs/fine-tuning.md: --data-path with several files weights them by their number of conversations."""
+    tok = tokenizers["chatml"]
+    a = write_conversations(tmp_path / "a.jsonl", 10, seed=1, max_turns=1, max_words=3)
+    b = write_conversations(tmp_path / "b.jsonl", 30, seed=2, max_turns=1, max_words=3)
+    cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[a, b], split="100,0,0", eod=tok.eod, pad=tok.pad, seed=3)
+    train = build_sft_datasets(cfg, [400, 0, 0], tok)[0]
+    share = np.bincount(np.asarray(train.dataset_index), minlength=2) / len(train.dataset_index)
+    assert abs(share[0] - 0.25) < 0.01, share
+
+
 def test_each_sample_of_one_split_and_sizes(data):
     jsonl, tok = data
     cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[jsonl], split="90,10,0", eod=tok.eod, pad=tok.pad)
