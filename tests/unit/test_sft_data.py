@@ -233,6 +233,22 @@ def test_several_files_without_weights_blend_by_their_conversation_counts(tmp_pa
     assert abs(share[0] - 0.25) < 0.01, share
 
 
+def test_padding_is_the_tokenizers_pad_token_else_eod(tokenizers):
+    """docs/fine-tuning.md: a padded sample is filled with the tokenizer's pad token, or the EOD without one."""
+    from types import SimpleNamespace
+
+    from megatron_lite.data.sft_dataset import sft_config_from
+
+    config = SimpleNamespace(model=SimpleNamespace(seq_length=SEQ), training=SimpleNamespace(seed=1),
+                             data=SimpleNamespace(data_path=["x.jsonl"], split="100,0,0", sft_pack_sequences=False,
+                                                  sft_skip_bad_conversations=False, mmap_bin_files=True))
+    tok = tokenizers["chatml"]
+    assert tok.pad is not None and tok.pad != tok.eod
+    assert (sft_config_from(config, tok).pad, sft_config_from(config, tok).eod) == (tok.pad, tok.eod)
+    no_pad = SimpleNamespace(eod=tok.eod, pad=None)
+    assert sft_config_from(config, no_pad).pad == tok.eod
+
+
 def test_each_sample_of_one_split_and_sizes(data):
     jsonl, tok = data
     cfg = SFTDatasetConfig(seq_length=SEQ, data_path=[jsonl], split="90,10,0", eod=tok.eod, pad=tok.pad)
