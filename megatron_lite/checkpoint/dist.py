@@ -37,7 +37,7 @@ from ..optim.distrib_optimizer import DistributedOptimizer
 from ..precision.fp8 import is_fp8_state_key
 from .boxes import canonical_shape, extent, flat_boxes, shard_offset
 from .dist_read import fill, key_of, read_index
-from .format import VOCAB_TENSORS, CheckpointError, check_optimizer_name, restore_scheduler
+from .format import VOCAB_TENSORS, CheckpointError, check_optimizer_name, restore_scheduler, saved_config
 from .frozen import base_of, is_frozen, other_history_length, unwrap
 from .layout import expert_place
 from .router_bias import is_router_bias, refuse_optimizer, say_filled
@@ -197,7 +197,7 @@ def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, st
     """The contents of ``common.pt`` (collective: the partition table and the step are agreed)."""
     return {
         "format": "torch_dist", "iteration": int(iteration), "consumed_samples": int(consumed),
-        "config": config.flat(), "layout": layout_of(state), "partition": _partition_table(chunks, state),
+        "config": saved_config(config), "layout": layout_of(state), "partition": _partition_table(chunks, state),
         "optimizer": optimizer_common(optimizer, config), "frozen_base": base_of(chunks),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
     }

@@ -48,6 +48,21 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or does not fit this run; the message says which and why."""
 
 
+# The flags naming tokenizer files: a checkpoint records them as absolute paths (saved_config).
+TOKENIZER_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+def saved_config(config) -> dict:
+    """The flat config a checkpoint records: the run's flags, with each tokenizer file that exists
+    named by its absolute path, so that tools/generate.py, the server, lm-eval and the converter find
+    it from any folder (a run given ``--tokenizer-model data/spm.model`` named it relative to where it started)."""
+    flat = config.flat()
+    for key in TOKENIZER_FILE_FLAGS:
+        if isinstance(flat.get(key), str) and os.path.exists(flat[key]):
+            flat[key] = os.path.abspath(flat[key])
+    return flat
+
+
 def check_optimizer_name(where: str, saved: str | None, used: str) -> None:
     """Optimizer state of another ``--optimizer`` (``saved``; None: unknown) does not fit this run's: refused."""
     if saved not in (None, used):

@@ -52,6 +52,7 @@ from .format import (
     read_tracker,
     restore_scheduler,
     rng_file,
+    saved_config,
     with_checksums,
 )
 from .frozen import (
@@ -150,7 +151,7 @@ def _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, confi
             payload = {
                 "iteration": int(iteration),
                 "consumed_samples": int(consumed_samples),
-                "config": config.flat(),
+                "config": saved_config(config),
                 "tp_size": state.tp_size,
                 "pp_size": state.pp_size,
                 "ep_size": state.ep_size,

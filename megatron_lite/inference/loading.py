@@ -14,9 +14,11 @@ At TP > 1 a mixture-of-experts layer splits the tokens over the TP ranks itself
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..checkpoint.format import CheckpointError, param_meta
+from ..checkpoint.format import TOKENIZER_FILE_FLAGS, CheckpointError, param_meta
 from ..checkpoint.hf_tokenizer import checkpoint_tokenizer
 from ..checkpoint.layout import global_name
 from ..checkpoint.merge import merge_checkpoint, model_config_from_saved, refuse_lora
@@ -123,6 +125,17 @@ def load_model(path: str, state=None, params_dtype=torch.float32, device=None) -
         raise CheckpointError(f"{path}: the saved model config is not usable here ({err})") from None
 
 
+def _check_saved_files(pick: dict, overrides: dict) -> None:
+    """ConfigError naming a tokenizer file the checkpoint names that is not there: checkpoints record
+    absolute paths (format.saved_config), older ones the run's flag as given, relative to its folder."""
+    for key in TOKENIZER_FILE_FLAGS:
+        if overrides.get(key) is None and isinstance(pick[key], str) and not os.path.exists(pick[key]):
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{pick[key]}: the tokenizer file the checkpoint names (its run's {flag}) is not found "
+                              f"from {os.getcwd()}; a relative path is relative to the folder that run started in: "
+                              f"run from there, or pass {flag} PATH (lm-eval: {key}=PATH in --model_args)")
+
+
 def load_tokenizer(saved: dict, path: str | None = None, **overrides):
     """The tokenizer the checkpoint was trained with; each of ``overrides`` (tokenizer_type,
     vocab_file, merge_file, tokenizer_model, vocab_size: NullTokenizer's ``--vocab-size``) that is
@@ -136,6 +149,8 @@ def load_tokenizer(saved: dict, path: str | None = None, **overrides):
     if pick["tokenizer_type"] is None:
         raise ConfigError("the checkpoint names no tokenizer and holds no tokenizer folder; pass --tokenizer-type "
                           "and its files")
+    if overrides.get("tokenizer_type") is None:
+        _check_saved_files(pick, overrides)
     tokenizer = build_tokenizer(pick.pop("tokenizer_type"), **pick)
     padded = saved.get("padded_vocab_size") or 0
     if tokenizer.vocab_size > padded:
