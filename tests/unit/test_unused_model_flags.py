@@ -24,6 +24,8 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
     (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
+    (["--qk-head-dim", "64"], "--qk-head-dim 64 has no effect without --multi-latent-attention"),  # docs/deepseek-v3.md
+    (["--qk-pos-emb-head-dim", "32"], "--qk-pos-emb-head-dim 32 has no effect without --multi-latent-attention"),
     (["--multi-latent-attention", "--kv-channels", "8"], "--kv-channels 8 has no effect with --multi-latent-attention"),
     (["--mtp-loss-scaling-factor", "0.5"], "--mtp-loss-scaling-factor 0.5 has no effect without --mtp-num-layers"),
     # YaRN's flags where the rotary tables are plain RoPE (MLA's --rope-type rope, or a standard attention's default)
