@@ -359,6 +359,9 @@ MUTATIONS = [
              "megatron_lite/models/mla_config.py",
              'MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")',
              'MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "v_head_dim")', ("tests/unit/test_unused_model_flags.py",)),
+    Mutation("generate_bf16_as_fp16", "the inference tools' --bf16 loads the model in float16",
+             "megatron_lite/inference/cli.py", "return torch.bfloat16 if args.bf16 else", "return torch.float16 if args.bf16 else",
+             ("tests/unit/test_generate_cli.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

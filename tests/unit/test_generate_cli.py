@@ -69,3 +69,22 @@ def test_the_context_is_max_position_embeddings_with_learned_positions_else_seq_
     assert context_limit({**saved, "position_embedding_type": "learned_absolute"}) == 128
     assert context_limit(saved) == 128  # learned positions are the default
     assert context_limit({**saved, "position_embedding_type": "rope"}) == 64
+
+
+@pytest.mark.parametrize("flag, dtype", [([], "float32"), (["--bf16"], "bfloat16"), (["--fp16"], "float16")])
+def test_bf16_and_fp16_run_the_model_in_half_precision(ckpt, capsys, flag, dtype):
+    """docs/inference.md: --bf16 / --fp16 run in half precision (default fp32); both at once is one line."""
+    import torch
+
+    from megatron_lite.inference.cli import build_session
+
+    gen = load_tool("generate")
+    session = build_session(gen.parse_args(["--load", ckpt[0], *flag]))
+    assert {p.dtype for p in session.engine.model.parameters()} == {getattr(torch, dtype)}
+    assert gen.main(["--load", ckpt[0], "--prompt", "1 2 3", "--max-new-tokens", "3", "--greedy", *flag]) == 0
+    assert len(capsys.readouterr().out.split()) == 6
+
+
+def test_bf16_with_fp16_is_one_line_exit_2(ckpt, capsys):
+    assert load_tool("generate").main(["--load", ckpt[0], "--prompt", "1", "--bf16", "--fp16"]) == 2
+    assert capsys.readouterr().err == "error: --bf16 and --fp16 are exclusive; pick one\n"
