@@ -177,6 +177,12 @@ def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, st
     try:
         tok = _ours(config, files)
     except (ConfigError, OSError, ValueError, KeyError, ImportError) as err:  # DataFileError is an OSError
+        missing = [config[k] for k in ("vocab_file", "merge_file", "tokenizer_model")
+                   if isinstance(config.get(k), str) and not os.path.exists(config[k])]
+        if missing:  # an older checkpoint names them as its run was given them (now: absolute paths)
+            return {}, (f"tokenizer: {kind} not written ({missing[0]}, the file the checkpoint names, is not found "
+                        f"from {os.getcwd()}: a relative path is relative to the folder the training run started in; "
+                        "convert from there)")
         return {}, f"tokenizer: {kind} not written (its files do not load: {err})"
     if config.get("vocab_size") and tok.vocab_size != config["vocab_size"]:
         return {}, (f"tokenizer: {kind} not written: its files give {tok.vocab_size} tokens, the model has "

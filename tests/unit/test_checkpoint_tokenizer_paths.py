@@ -62,3 +62,14 @@ def test_an_older_checkpoints_relative_tokenizer_path_is_one_line_naming_it(tmp_
     assert "\n" not in message
     with pytest.raises(DataFileError, match="given as --tokenizer-model"):  # a file given here: as before
         load_tokenizer(saved, tokenizer_model="other/spm.model")
+
+
+def test_an_export_of_an_older_checkpoint_says_which_tokenizer_file_it_cannot_find(tmp_path, monkeypatch):
+    """The converter's hf saver said '... needs --tokenizer-model' for a relative path it could not find."""
+    from megatron_lite.checkpoint.hf_tokenizer import export_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    config = {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": "data/spm.model"}
+    special, note = export_tokenizer(config, {}, str(tmp_path))
+    assert special == {} and note.startswith("tokenizer: GPTSentencePieceTokenizer not written (data/spm.model, the "
+                                             f"file the checkpoint names, is not found from {tmp_path}")
