@@ -362,6 +362,12 @@ MUTATIONS = [
     Mutation("generate_bf16_as_fp16", "the inference tools' --bf16 loads the model in float16",
              "megatron_lite/inference/cli.py", "return torch.bfloat16 if args.bf16 else", "return torch.float16 if args.bf16 else",
              ("tests/unit/test_generate_cli.py",)),
+    Mutation("openai_five_stops", "OpenAI routes: five stop strings taken (OpenAI's limit is 4)",
+             "megatron_lite/inference/api_openai.py", "or len(stops) > 4:", "or len(stops) > 5:",
+             ("tests/unit/test_openai_fields.py", "-k", "documented_limits")),
+    Mutation("openai_logprobs_21", "/v1/completions: logprobs 21 taken (OpenAI's limit is 20)",
+             "megatron_lite/inference/api_openai.py", 'get_int(body, "logprobs", None, low=0, high=20)',
+             'get_int(body, "logprobs", None, low=0, high=21)', ("tests/unit/test_openai_fields.py", "-k", "documented_limits")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

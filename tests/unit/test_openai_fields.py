@@ -88,3 +88,26 @@ def test_the_documented_defaults_of_a_bare_completion(tokenizer):
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.0, 0.0, ())
     assert (job.n, job.best_of, job.echo, job.logprobs, job.stream, job.stops) == (1, 1, False, None, False, [])
     assert parse_completion({"prompt": "1 2 3", "n": 3}, tokenizer).best_of == 3  # best_of defaults to n
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("completions", {"prompt": "1", "stop": ["a", "b", "c", "d", "e"]}, "stop must be a non-empty string or a list of up to 4"),
+    ("completions", {"prompt": "1", "stop": ["a", "b", "c", "d"]}, None),  # 4 is the limit
+    ("completions", {"prompt": "1", "logprobs": 21}, "logprobs must be at most 20"),
+    ("completions", {"prompt": "1", "logprobs": 20}, None),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be at most 20"),
+    ("chat", {"logprobs": True, "top_logprobs": 20}, None),
+])
+def test_the_documented_limits_of_stop_and_logprobs(tokenizer, route, body, message):
+    """docs/inference.md: `stop` is a string or up to 4; `logprobs` (completions) and `top_logprobs` (chat) in [0, 20]."""
+    def parse():
+        if route == "chat":
+            return parse_chat({"messages": [{"role": "user", "content": "1"}], **body}, tokenizer, TEMPLATE)
+        return parse_completion(body, tokenizer)
+
+    if message is None:
+        parse()
+        return
+    with pytest.raises(RequestError) as err:
+        parse()
+    assert str(err.value).startswith(message), err.value
