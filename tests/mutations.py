@@ -368,6 +368,12 @@ MUTATIONS = [
     Mutation("openai_logprobs_21", "/v1/completions: logprobs 21 taken (OpenAI's limit is 20)",
              "megatron_lite/inference/api_openai.py", 'get_int(body, "logprobs", None, low=0, high=20)',
              'get_int(body, "logprobs", None, low=0, high=21)', ("tests/unit/test_openai_fields.py", "-k", "documented_limits")),
+    Mutation("api_256_prompts", "PUT /api: up to 256 prompts taken (the documented limit is 128)",
+             "megatron_lite/inference/api_megatron.py", "MAX_PROMPTS = 128", "MAX_PROMPTS = 256",
+             ("tests/unit/test_api_megatron_fields.py", "-k", "documented_limits")),
+    Mutation("api_256_beams", "PUT /api: beam widths up to 256 taken (the documented limit is 128)",
+             "megatron_lite/inference/api_megatron.py", "MAX_BEAMS = 128", "MAX_BEAMS = 256",
+             ("tests/unit/test_api_megatron_fields.py", "-k", "documented_limits")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

@@ -30,3 +30,24 @@ def test_the_documented_defaults_of_a_bare_request():
     assert (job.logprobs, job.prompts, p.random_seed, job.beam, p.beam_width) == (False, [[1, 2]], None, False, 0)
     assert (p.length_penalty, p.top_p_decay, p.top_p_bound, p.stop_on_eod, p.stop_token_ids) == (1.0, 0.0, 0.0, True, ())
     assert parse_api({"prompts": ["1 2"], "add_BOS": True}, tok).prompts == [[tok.eod, 1, 2]]  # no BOS: the EOD
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompts": ["1"] * 129}, "at most 128 prompts per request, got 129"),
+    ({"prompts": ["1"] * 128, "tokens_to_generate": 1}, None),
+    ({"prompts": ["1"], "temperature": 100.5}, "temperature must be at most 100"),
+    ({"prompts": ["1"], "temperature": 100}, None),
+    ({"prompts": ["1"], "top_p": 1.5}, "top_p must be at most 1"),
+    ({"prompts": ["1"], "beam_width": 129}, "beam_width must be at most 128"),  # a vocabulary of 1001 ids
+    ({"prompts": ["1"], "beam_width": 128}, None),
+])
+def test_the_documented_limits_of_a_request(body, message):
+    """docs/inference.md's PUT /api table: 1 to 128 prompts, temperature in (0, 100], top_p in [0, 1],
+    beam_width 1 to 128 (at most the vocabulary less one: tests/e2e/test_text_generation_server.py)."""
+    tok = NullTokenizer(1000)
+    if message is None:
+        parse_api(body, tok)
+        return
+    with pytest.raises(RequestError) as err:
+        parse_api(body, tok)
+    assert str(err.value).startswith(message), err.value
