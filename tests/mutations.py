@@ -374,6 +374,9 @@ MUTATIONS = [
     Mutation("api_256_beams", "PUT /api: beam widths up to 256 taken (the documented limit is 128)",
              "megatron_lite/inference/api_megatron.py", "MAX_BEAMS = 128", "MAX_BEAMS = 256",
              ("tests/unit/test_api_megatron_fields.py", "-k", "documented_limits")),
+    Mutation("lm_eval_bfloat16_as_float16", "lm-eval backend: dtype=bfloat16 loads the model in float16",
+             "megatron_lite/inference/lm_eval_backend.py", '"bfloat16": (True, False)', '"bfloat16": (False, True)',
+             ("tests/unit/test_lm_eval_backend.py", "-k", "dtype_model_arg")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

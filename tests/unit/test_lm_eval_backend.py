@@ -57,6 +57,17 @@ def test_a_continuation_longer_than_the_context_is_refused_not_scored_in_part(lm
         lm._loglikelihood_tokens([(None, [2], fits + [1])], disable_tqdm=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_dtype_model_arg_loads_the_model_in_that_dtype(gpt2_ckpt, dtype):
+    """docs/inference.md: --model_args dtype (float32, bfloat16, float16)."""
+    import torch
+
+    from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
+
+    lm = MegatronLiteLM(load=gpt2_ckpt, dtype=dtype)
+    assert {p.dtype for p in lm.engine.model.parameters()} == {getattr(torch, dtype)}
+
+
 def test_a_batch_size_below_one_is_refused():
     from megatron_lite.errors import ConfigError
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
