@@ -377,6 +377,12 @@ MUTATIONS = [
     Mutation("lm_eval_bfloat16_as_float16", "lm-eval backend: dtype=bfloat16 loads the model in float16",
              "megatron_lite/inference/lm_eval_backend.py", '"bfloat16": (True, False)', '"bfloat16": (False, True)',
              ("tests/unit/test_lm_eval_backend.py", "-k", "dtype_model_arg")),
+    Mutation("lm_eval_context_cut_right", "lm-eval loglikelihood: a long context cut on the right (the continuation lost)",
+             "megatron_lite/inference/lm_eval_backend.py", "[((ctx + cont)[-(self.max_length + 1):], len(cont))",
+             "[((ctx + cont)[:self.max_length + 1], len(cont))", ("tests/unit/test_lm_eval_backend.py", "-k", "cut_on_the_left")),
+    Mutation("lm_eval_generation_context_uncut", "lm-eval generate_until: the context kept to max_length, not max_length - max_gen_toks",
+             "megatron_lite/inference/lm_eval_backend.py", "keep = max(1, self.max_length - params.tokens_to_generate)",
+             "keep = max(1, self.max_length)", ("tests/unit/test_lm_eval_backend.py", "-k", "cut_on_the_left")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

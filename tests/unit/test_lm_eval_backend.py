@@ -68,6 +68,26 @@ def test_the_dtype_model_arg_loads_the_model_in_that_dtype(gpt2_ckpt, dtype):
     assert {p.dtype for p in lm.engine.model.parameters()} == {getattr(torch, dtype)}
 
 
+def test_a_long_context_is_cut_on_the_left_for_scoring_and_generation(lm):
+    """docs/inference.md: a loglikelihood context longer than the model's context is cut on the left (as
+    hf): it scores as its last tokens alone; generate_until keeps the last max_length - max_gen_toks."""
+    from types import SimpleNamespace
+
+    ctx, cont = [(7 * i) % 5000 + 10 for i in range(150)], [11, 12, 13]
+    keep = lm.max_length + 1 - len(cont)
+    (long, _), (short, _) = lm._loglikelihood_tokens([(None, ctx, cont), (None, ctx[-keep:], cont)])
+    assert long == short
+    (cut, _), = lm._loglikelihood_tokens([(None, ctx[-keep + 1:], cont)])
+    assert cut != long  # one token less of context changes the score: the test could see a wrong cut
+    text = lm.tok_decode(ctx)
+    ids = lm.tok_encode(text)
+    assert len(ids) > lm.max_length
+    got = lm.generate_until([SimpleNamespace(args=(text, {"until": [], "max_gen_toks": 5}))], disable_tqdm=True)[0]
+    params, _ = lm._params({"until": [], "max_gen_toks": 5})
+    want = lm.engine.generate([ids[-(lm.max_length - 5):]], params)[0].generated
+    assert got == lm._decode_generated(want)
+
+
 def test_a_batch_size_below_one_is_refused():
     from megatron_lite.errors import ConfigError
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM
