@@ -383,6 +383,12 @@ MUTATIONS = [
     Mutation("lm_eval_generation_context_uncut", "lm-eval generate_until: the context kept to max_length, not max_length - max_gen_toks",
              "megatron_lite/inference/lm_eval_backend.py", "keep = max(1, self.max_length - params.tokens_to_generate)",
              "keep = max(1, self.max_length)", ("tests/unit/test_lm_eval_backend.py", "-k", "cut_on_the_left")),
+    Mutation("lambada_strict_last_token_only", "--strict-lambada: an example counts when the last token alone is right",
+             "megatron_lite/inference/evaluation.py", "            correct += all(result.greedy[-n:])",
+             "            correct += result.greedy[-1]", ("tests/unit/test_evaluate.py", "-k", "lambada")),
+    Mutation("lambada_long_text_cut_right", "LAMBADA: a text longer than the window loses its end (the target)",
+             "megatron_lite/inference/evaluation.py", "examples.append((tokens[-(seq_length + 1):], n))",
+             "examples.append((tokens[:seq_length + 1], n))", ("tests/unit/test_evaluate.py", "-k", "lambada")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

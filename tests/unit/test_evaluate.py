@@ -111,6 +111,37 @@ def test_strict_lambada_targets_the_whole_last_word():
     assert n == 1 and tokens == tok.tokenize(text)
 
 
+def test_strict_lambada_needs_every_target_token_and_a_long_text_keeps_its_end():
+    """docs/inference.md: with --strict-lambada an example counts only when every token of the last word
+    is the top choice (the NullTokenizer's words are one token each, where that could not show); a text
+    longer than the window is scored on its last --seq-length + 1 tokens, the target among them."""
+    from types import SimpleNamespace
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.evaluation import lambada_accuracy
+
+    class TargetTokenWrong:  # every position the top choice but the one ``back`` tokens before the end
+        def __init__(self, back):
+            self.back, self.seen = back, []
+
+        def score(self, batch):
+            self.seen.extend(batch)
+            return [SimpleNamespace(greedy=[i != len(t) - 1 - self.back for i in range(len(t) - 1)]) for t in batch]
+
+    tok = build_tokenizer(**GPT2_TOKENIZER)
+    text = "They sat down and ate the watermelonade"
+    _, n = lambada_example(tok, text, strict=True)
+    assert n > 1
+    first_of_word_wrong = TargetTokenWrong(back=n)
+    assert lambada_accuracy(first_of_word_wrong, tok, [text], seq_length=64, strict=True, progress=False) == (0, 1)
+    assert lambada_accuracy(first_of_word_wrong, tok, [text], seq_length=64, progress=False) == (1, 1)  # last token
+    assert lambada_accuracy(TargetTokenWrong(back=1), tok, [text], seq_length=64, progress=False) == (0, 1)
+    long_text = "so " * 60 + text
+    engine = TargetTokenWrong(back=1)
+    lambada_accuracy(engine, tok, [long_text], seq_length=16, progress=False)
+    assert engine.seen == [tok.tokenize(long_text)[-17:]]
+
+
 def test_evaluate_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
     tool = load_tool("evaluate")
     assert tool.main(["--task", "WIKITEXT103", "--load", checkpoint, "--valid-data", str(tmp_path / "none.jsonl")]) == 2
