@@ -389,6 +389,9 @@ MUTATIONS = [
     Mutation("lambada_long_text_cut_right", "LAMBADA: a text longer than the window loses its end (the target)",
              "megatron_lite/inference/evaluation.py", "examples.append((tokens[-(seq_length + 1):], n))",
              "examples.append((tokens[:seq_length + 1], n))", ("tests/unit/test_evaluate.py", "-k", "lambada")),
+    Mutation("dsv3_declared_mtp_missing", "deepseek_v3 import: a config counting MTP layers the weights lack is not "
+             "imported without MTP", "megatron_lite/checkpoint/hf_deepseek.py", "    if declared and not any(present):",
+             "    if False:", ("tests/unit/test_hf_deepseek.py", "-k", "does_not_hold")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

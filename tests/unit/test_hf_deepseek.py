@@ -337,6 +337,25 @@ IMPORT_REFUSALS = [
 ]
 
 
+def test_a_folder_counting_mtp_layers_it_does_not_hold_imports_without_mtp(hf_models, tmp_path, caplog):
+    """docs/deepseek-v3.md: what save_pretrained writes for a model built in transformers (its config counts
+    MTP layers, its weights hold none) imports without MTP, with a warning, and gives transformers' logits."""
+    folder, model, _ = hf_models["v3"]
+
+    def drop_mtp(t):
+        for name in [n for n in t if n.startswith(f"model.layers.{LAYERS}.")]:
+            del t[name]
+
+    bare = _changed_folder(folder, str(tmp_path / "bare"), tensors=drop_mtp)
+    with caplog.at_level("WARNING"):
+        ours, saved = _import(bare, tmp_path / "mega")
+    assert not saved["mtp_num_layers"]
+    assert any("hold no multi-token prediction layer: importing the model without MTP" in r.getMessage()
+               for r in caplog.records)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS)[..., :VOCAB], model(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("config, tensors, words", IMPORT_REFUSALS, ids=[w[:30] for _, _, w in IMPORT_REFUSALS])
 def test_import_refuses_what_our_model_cannot_express(hf_models, tmp_path, capsys, config, tensors, words):
     folder = _changed_folder(hf_models["v3"][0], str(tmp_path / "hf"), config, tensors)
