@@ -392,6 +392,9 @@ MUTATIONS = [
     Mutation("dsv3_declared_mtp_missing", "deepseek_v3 import: a config counting MTP layers the weights lack is not "
              "imported without MTP", "megatron_lite/checkpoint/hf_deepseek.py", "    if declared and not any(present):",
              "    if False:", ("tests/unit/test_hf_deepseek.py", "-k", "does_not_hold")),
+    Mutation("hf_auto_qwen2_with_biases", "--hf-style auto: qwen2 for a rope model with biases everywhere (llama holds them)",
+             "megatron_lite/checkpoint/hf.py", 'if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"):',
+             'if cfg.get("add_qkv_bias"):', ("tests/unit/test_hf_style_auto.py",)),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}
