@@ -331,7 +331,7 @@ MUTATIONS = [
     Mutation("rope_type_default_rope", "--rope-type defaults to rope with multi-latent attention too (not yarn)",
              "megatron_lite/models/mla_config.py",
              'config.rope_type = "yarn" if config.multi_latent_attention else "rope"', 'config.rope_type = "rope"',
-             ("tests/unit/test_mla.py", "-k", "rope_type_defaults")),
+             ("tests/unit/test_rope_type_default.py",)),
     Mutation("dsv3_export_biases", "deepseek_v3 export: a model with biases exported (the biases dropped)",
              "megatron_lite/checkpoint/hf_deepseek.py", '(cfg.get("disable_bias_linear"), "biases (no --disable-bias-linear)"',
              '(True, "biases (no --disable-bias-linear)"', ("tests/unit/test_hf_deepseek.py", "-k", "export_refuses")),

@@ -275,14 +275,3 @@ def test_the_deepest_accepted_mtp_depth_keeps_a_position():
     masks = mtp_targets(torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long), torch.ones(B, S),
                         S - 1)["mtp_loss_mask"]
     assert masks.sum(dim=-1)[:, 0].tolist() == list(range(S - 1, 0, -1))  # depth k: S - k positions
-
-
-def test_rope_type_defaults_to_yarn_with_mla_and_rope_without():
-    """docs/deepseek-v3.md: --rope-type's default is yarn with --multi-latent-attention, else rope."""
-    from megatron_lite.arguments import parse_args
-
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"]
-    for extra, want in (([], "rope"), (["--multi-latent-attention"], "yarn"),
-                        (["--multi-latent-attention", "--rope-type", "rope"], "rope")):
-        assert TransformerConfig.from_config(parse_args(base + extra, world_size=1)).rope_type == want, extra
