@@ -36,6 +36,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
+from .hf_defaults import with_hf_defaults
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
 
@@ -354,6 +355,7 @@ def from_hf(hf: dict, hf_sd: dict, family: str | None = None) -> tuple[dict, dic
     """(flat config, single-process unpadded state dict) of a Hugging Face config and its tensors;
     ``family``: the format a refusal names (qwen2 and qwen3 are read as llama)."""
     kind = hf.get("model_type")
+    hf = with_hf_defaults(hf, kind)
     _require(kind in ("gpt2", "llama"), f"model_type {kind!r} cannot be imported; supported: gpt2, llama, qwen2, "
              "qwen3, qwen3_moe, mistral, mixtral, gpt_oss, megatron-bert, deepseek_v3")
     cfg = _gpt2_config(hf) if kind == "gpt2" else _llama_config(hf)

@@ -46,6 +46,7 @@ from .hf import (
     warn_unwritten,
 )
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
+from .hf_defaults import with_hf_defaults
 from .hf_mistral import hf_window, window_from_hf
 from .hf_mixtral import ROUTER, SEQ, _aux_coeff, check_mixtral
 from .hf_rope import interpolation_factor
@@ -230,6 +231,7 @@ def _layer_state(t, cfg: dict, i: int, grouped: bool) -> dict:
 def from_gptoss(hf: dict, hf_sd, grouped: bool = False) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a gpt-oss config and tensors; the experts
     one MLP each, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
+    hf = with_hf_defaults(hf, "gpt_oss")
     cfg = _gptoss_config(hf)
     cfg["moe_grouped_gemm"] = grouped
     t = strip_prefix(hf_sd, "model.")

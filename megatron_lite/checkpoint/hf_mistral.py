@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from ..models.window_config import parse_skip_freq
 from .hf import from_hf, to_hf
+from .hf_defaults import with_hf_defaults
 
 
 def _require(cond, message: str) -> None:
@@ -89,6 +90,7 @@ def to_mistral(cfg: dict, sd: dict) -> tuple[dict, dict]:
 
 def from_mistral(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Mistral config and its tensors."""
+    hf = with_hf_defaults(hf, "mistral")
     cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd)
     cfg.update(window_from_hf(hf.get("sliding_window"), [True] * cfg["num_layers"]))
     return cfg, sd

@@ -35,6 +35,7 @@ from .hf import (
     separate_to_qkv,
     warn_unwritten,
 )
+from .hf_defaults import with_hf_defaults
 from .hf_mistral import hf_window, window_from_hf
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
@@ -182,6 +183,7 @@ def _mixtral_config(hf: dict) -> dict:
 def from_mixtral(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Mixtral config and tensors; the experts
     in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
+    hf = with_hf_defaults(hf, "mixtral")
     cfg = _mixtral_config(hf)
     cfg["moe_grouped_gemm"] = grouped
     layers, _, heads, groups, d = _dims(cfg)

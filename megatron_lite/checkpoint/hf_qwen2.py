@@ -22,6 +22,7 @@ from .hf import (
     separate_to_qkv,
     to_hf,
 )
+from .hf_defaults import with_hf_defaults
 from .hf_mistral import has_window, hf_window, qwen2_windowed_layers, window_from_hf, window_home
 
 
@@ -56,6 +57,7 @@ def to_qwen2(cfg: dict, sd: dict) -> tuple[dict, dict]:
 
 def from_qwen2(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen2 config and its tensors."""
+    hf = with_hf_defaults(hf, "qwen2")
     cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd, "qwen2")
     cfg["add_qkv_bias"] = True
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # transformers ignores it otherwise

@@ -45,6 +45,7 @@ from .hf import (
     to_hf,
     warn_unwritten,
 )
+from .hf_defaults import with_hf_defaults
 from .hf_mixtral import ROUTER, SEQ, _aux_coeff, check_mixtral, expert_matrices, stack_experts
 from .hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from .hf_unused import strip_prefix
@@ -105,6 +106,7 @@ def _check_theirs(hf: dict) -> None:
 
 def from_qwen3(hf: dict, hf_sd) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen3 config and its tensors."""
+    hf = with_hf_defaults(hf, "qwen3")
     _check_theirs(hf)
     cfg, sd = from_hf({**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}, hf_sd, "qwen3")
     cfg["qk_layernorm"] = True
@@ -230,6 +232,7 @@ def _moe_layer_state(t, sd: dict, cfg: dict, i: int, moe: bool) -> None:
 def from_qwen3_moe(hf: dict, hf_sd, grouped: bool = False) -> tuple[dict, dict]:
     """(flat config, single-process unpadded state dict) of a Qwen3-MoE config and tensors; the experts
     in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
+    hf = with_hf_defaults(hf, "qwen3_moe")
     cfg = _qwen3_moe_config(hf)
     cfg["moe_grouped_gemm"] = grouped
     layers = cfg["num_layers"]

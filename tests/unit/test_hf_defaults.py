@@ -1,0 +1,93 @@
+"""A config.json may leave out any field of its transformers config class: transformers then reads the
+class's default, and so must the HF import (``megatron_lite.checkpoint.hf_defaults``). Each case saves a tiny
+model whose config.json writes the field at that default, removes it, and imports the folder: the same
+config and tensors as with the field written. The imports used to read their own fallbacks: no window
+for Mistral (4096), every head its own key/value head (8 for Mistral, Mixtral and gpt-oss, 32 for Qwen2 /
+Qwen3, 4 for Qwen3-MoE), hidden / heads for Qwen3's and gpt-oss's head size (128, 64), an aux-loss
+coefficient 0 (0.001), plain RoPE for gpt-oss (yarn), Qwen2's window from layer 0 (28)... A size the
+weights give is refused with one line naming the field."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_lite.checkpoint.convert import load_hf
+from megatron_lite.checkpoint.format import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+CASES = {  # id: (config class, model class, config kwargs, the fields config.json leaves out)
+    "llama-max_position_embeddings": ("Llama", TINY, dict(max_position_embeddings=2048), ()),
+    "mistral-sliding_window": ("Mistral", TINY, dict(sliding_window=4096), ()),
+    "mistral-num_key_value_heads": ("Mistral", TINY, dict(num_attention_heads=16, num_key_value_heads=8, head_dim=4), ()),
+    "mistral-max_position_embeddings": ("Mistral", TINY, dict(max_position_embeddings=131072), ()),
+    "mixtral-num_key_value_heads": ("Mixtral", TINY, dict(MOE, num_attention_heads=16, num_key_value_heads=8), ()),
+    "mixtral-router_aux_loss_coef": ("Mixtral", TINY, dict(MOE, router_aux_loss_coef=0.001), ()),
+    "mixtral-max_position_embeddings": ("Mixtral", TINY, dict(MOE, max_position_embeddings=131072), ()),
+    "qwen2-num_key_value_heads": ("Qwen2", TINY, dict(hidden_size=64, num_attention_heads=64, num_key_value_heads=32), ()),
+    "qwen2-max_position_embeddings": ("Qwen2", TINY, dict(max_position_embeddings=32768), ()),
+    "qwen2-max_window_layers": ("Qwen2", TINY, dict(use_sliding_window=True, sliding_window=8, max_window_layers=28),
+                                ("layer_types",)),  # written by transformers 5 (computed from it); not by 4
+    "qwen3-num_key_value_heads": ("Qwen3", TINY, dict(num_attention_heads=64, num_key_value_heads=32, head_dim=4), ()),
+    "qwen3-head_dim": ("Qwen3", TINY, dict(head_dim=128), ()),
+    "qwen3-max_position_embeddings": ("Qwen3", TINY, dict(head_dim=8, max_position_embeddings=32768), ()),
+    "qwen3_moe-num_key_value_heads": ("Qwen3Moe", TINY, dict(moe_intermediate_size=8, num_experts=4,
+                                                             num_experts_per_tok=2, num_attention_heads=8,
+                                                             num_key_value_heads=4), ()),
+    "qwen3_moe-router_aux_loss_coef": ("Qwen3Moe", TINY, dict(moe_intermediate_size=8, num_experts=4,
+                                                              num_experts_per_tok=2, router_aux_loss_coef=0.001), ()),
+    "qwen3_moe-num_local_experts": ("Qwen3Moe", TINY, dict(moe_intermediate_size=4, num_experts=128), ()),
+    "gpt_oss-num_key_value_heads": ("GptOss", TINY, dict(MOE, num_attention_heads=16, num_key_value_heads=8,
+                                                         head_dim=4), ()),
+    "gpt_oss-head_dim": ("GptOss", TINY, dict(MOE, head_dim=64), ()),
+    "gpt_oss-sliding_window": ("GptOss", TINY, dict(MOE, head_dim=8, sliding_window=128), ()),
+    "gpt_oss-router_aux_loss_coef": ("GptOss", TINY, dict(MOE, head_dim=8, router_aux_loss_coef=0.001), ()),
+    "gpt_oss-rope_parameters": ("GptOss", TINY, dict(MOE, head_dim=8), ()),  # the default: yarn, factor 32
+}
+MODELS = {"Llama": "LlamaForCausalLM", "Mistral": "MistralForCausalLM", "Mixtral": "MixtralForCausalLM",
+          "Qwen2": "Qwen2ForCausalLM", "Qwen3": "Qwen3ForCausalLM", "Qwen3Moe": "Qwen3MoeForCausalLM",
+          "GptOss": "GptOssForCausalLM"}
+
+
+def _save(tmp_path, family: str, kwargs: dict) -> str:
+    torch.manual_seed(0)
+    config = getattr(transformers, family + "Config")(**kwargs)
+    getattr(transformers, MODELS[family])(config).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _rewrite(folder: str, drop) -> dict:
+    with open(f"{folder}/config.json") as f:
+        full = json.load(f)
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump({k: v for k, v in full.items() if k not in drop}, f)
+    return full
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_field_config_json_leaves_out_imports_as_transformers_reads_it(tmp_path, case):
+    family, base, fields, also = CASES[case]
+    field = case.split("-")[1]
+    folder = _save(tmp_path, family, {**base, **fields})
+    written = load_hf(folder)
+    full = _rewrite(folder, (field, *also))
+    assert field in full  # written by transformers, at its default (the field is not in the rewritten file)
+    if field in fields:
+        assert transformers.AutoConfig.from_pretrained(folder).to_dict()[field] == fields[field]
+    left_out = load_hf(folder)
+    assert left_out.config == written.config
+    assert left_out.state_dict.keys() == written.state_dict.keys()
+    assert all(torch.equal(left_out.state_dict[k], v) for k, v in written.state_dict.items())
+
+
+def test_a_size_config_json_leaves_out_is_refused_naming_it(tmp_path):
+    """The weights give the sizes: a config.json without one is refused naming it (transformers would
+    read a reference model's size that the weights do not have)."""
+    folder = _save(tmp_path, "Llama", TINY)
+    _rewrite(folder, ("hidden_size",))
+    with pytest.raises(CheckpointError, match="config.json has no 'hidden_size'"):
+        load_hf(folder)
