@@ -175,3 +175,21 @@ def test_the_paged_cache_flags_where_nothing_batches_are_refused(tmp_path, capsy
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} sets continuous batching's") and off[0] in lines[0]
     assert tool.parse_args(["--load", "x", *off]).max_num_batched_tokens == 512  # the defaults alone are fine
+
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_mla_rows_of_different_lengths_in_the_paged_cache_equal_each_row_alone(engines, budget):
+    """MLA's latent cache in paged blocks of 4, rows of 3, 10 and 17 tokens (one block, crossing two,
+    five) prefilled in one step or in chunks of at most 6 tokens: as one request (its rows teacher-forced
+    in step) and as three requests (one joining at step 2, so rows sit at different positions and the
+    shorter ones' keys are masked), each row gets the tokens and log-probs (1e-5) it gets generated alone."""
+    engine = engines["mla_mtp"]
+    rows = prompts(3, seed=7, lengths=(3, 10, 17))
+    params = SamplingParams(tokens_to_generate=6, top_k=1, top_n_logprobs=2, step_log_probs=True, stop_on_eod=False)
+    alone = [engine.generate([row], params)[0] for row in rows]
+    for requests, joins in (([(rows, params)], [0]), ([([row], params) for row in rows], [0, 0, 2])):
+        scheduler = Scheduler(engine, 4, block_size=4, num_blocks=18, max_batched_tokens=budget)
+        results, _, _ = run(scheduler, requests, joins)
+        assert_same(alone, [r for i in range(len(requests)) for r in results[i]])
+        assert all_blocks_back(scheduler.cache)
