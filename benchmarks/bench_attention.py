@@ -1,13 +1,15 @@
-"""Core attention alone, forward + backward: the fused path against the explicit math, time and saved memory.
+"""Core attention alone, forward + backward: the CPU paths side by side, time and saved memory.
 
-The fused path is what ``--masked-softmax-fusion`` (the default) runs on a CPU: PyTorch's
-``scaled_dot_product_attention`` without attention dropout, ``cpu_dropout_attention`` with it; the
-explicit path is ``--no-masked-softmax-fusion``'s ``unfused_attention`` (scores, mask, softmax,
-dropout, product: one operation each, its ``seq x seq`` probabilities kept for the backward).
-Causal, ``heads`` heads of 64 channels in the layer's layout (views of ``[s, b, heads, d]``), ``tokens / seq`` sequences per batch (the same tokens at each
-length). The two alternate round by round in one process; the figure is the median of the per-round
-ratios explicit / fused (above 1: the fused path is faster). "Saved" is what autograd keeps for the
-backward (the distinct storages its saved tensors use), read with ``saved_tensors_hooks``.
+The paths: PyTorch's ``scaled_dot_product_attention`` (SDPA; without attention dropout),
+``cpu_core_attention`` (the blocked CPU attention; with dropout always, without it where
+``beats_cpu_sdpa`` says it is faster: the "layer runs" column), and ``--no-masked-softmax-fusion``'s
+explicit math ``unfused_attention`` (scores, mask, softmax, dropout, product: one operation each,
+its ``seq x seq`` probabilities kept for the backward). Causal, ``heads`` heads of 64 channels in
+the layer's layout (views of ``[s, b, heads, d]``), ``tokens / seq`` sequences per batch (the same
+tokens at each length). The paths alternate round by round in one process; each path's figure
+against the first (SDPA without dropout, cpu_core_attention with it) is the median of the
+per-round ratios path / first (above 1: the path is slower). "Saved" is what autograd keeps for
+the backward (the distinct storages its saved tensors use), read with ``saved_tensors_hooks``.
 
     python benchmarks/bench_attention.py [--seqs 512 2048] [--dtypes bf16 fp32] [--threads 2] [--dropout 0.1]
 """
@@ -26,23 +28,23 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import OneLineParser, describe_machine, positive_int, probability  # noqa: E402
 from megatron_lite.models.attention import unfused_attention  # noqa: E402
-from megatron_lite.models.cpu_attention import cpu_dropout_attention  # noqa: E402
+from megatron_lite.models.cpu_attention import beats_cpu_sdpa, cpu_core_attention  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def paths(dropout: float, scale: float) -> dict:
-    """name -> f(q, k, v) of both paths, each returning ``[b, heads, s, d]``."""
-    if dropout > 0:
-        fused = ("cpu_dropout_attention", lambda q, k, v: cpu_dropout_attention(q, k, v, None, True, dropout, scale))
-    else:
-        fused = ("SDPA", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
+    """name -> f(q, k, v) of each path, each returning ``[b, heads, s, d]``; the first is the baseline."""
+    runs = {} if dropout > 0 else {
+        "SDPA": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)}
+    runs["cpu_core_attention"] = lambda q, k, v: cpu_core_attention(q, k, v, None, True, dropout, scale)
 
     def explicit(q, k, v):
         b, h, s, d = q.shape
         return unfused_attention(q, k, v, None, True, dropout, scale).reshape(s, b, h, d).permute(1, 2, 0, 3)
 
-    return {fused[0]: fused[1], "explicit": explicit}
+    runs["explicit"] = explicit
+    return runs
 
 
 def saved_bytes(fn, q, k, v) -> int:
@@ -84,9 +86,10 @@ def measure(seq: int, dtype: torch.dtype, args) -> dict:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else reversed(names):
             times[name].append(fwd_bwd(runs[name], q, k, v, grad))
-    fused = names[0]
-    ratios = [e / f for e, f in zip(times["explicit"], times[fused], strict=True)]
-    return {"batch": batch, "fused": fused, "times": times, "ratios": ratios,
+    first = names[0]
+    layer = "SDPA" if args.dropout == 0 and not beats_cpu_sdpa(q, k, None, True) else "cpu_core_attention"
+    return {"batch": batch, "layer": layer, "times": times,
+            "ratios": {name: [t / f for t, f in zip(times[name], times[first], strict=True)] for name in names},
             "saved": {name: saved_bytes(fn, q, k, v) for name, fn in runs.items()}}
 
 
@@ -99,7 +102,7 @@ def parse(argv=None):
     p.add_argument("--rounds", type=positive_int, default=7)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--dropout", type=probability, default=0.0,
-                   help="attention dropout (0: the fused path is SDPA; above 0: cpu_dropout_attention)")
+                   help="attention dropout (0: SDPA is measured too; above 0 it has no CPU kernel)")
     return p.parse_args(argv)
 
 
@@ -108,17 +111,17 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     print(describe_machine(args.threads))
     print(f"causal, {args.heads} heads x 64, {args.tokens} tokens per batch, dropout {args.dropout}, "
-          f"{args.rounds} rounds; ratio = explicit / fused (above 1: fused faster)")
-    print("\n| seq x batch | dtype | fused | fused fwd+bwd | explicit fwd+bwd | explicit / fused (rounds) | "
-          "saved: fused | saved: explicit |\n|---|---|---|---|---|---|---|---|")
+          f"{args.rounds} rounds; ratio = path / first path (above 1: slower)")
+    print("\n| seq x batch | dtype | path | layer runs | fwd+bwd | vs first (rounds) | saved |\n"
+          "|---|---|---|---|---|---|---|")
     for seq in args.seqs:
         for name in args.dtypes:
             m = measure(seq, DTYPES[name], args)
-            fused, t, r = m["fused"], m["times"], m["ratios"]
-            print(f"| {seq} x {m['batch']} | {name} | {fused} | {statistics.median(t[fused]) * 1e3:.0f} ms | "
-                  f"{statistics.median(t['explicit']) * 1e3:.0f} ms | {statistics.median(r):.2f}x "
-                  f"({min(r):.2f}-{max(r):.2f}) | {m['saved'][fused] / 2**20:.0f} MiB | "
-                  f"{m['saved']['explicit'] / 2**20:.0f} MiB |", flush=True)
+            for path, times in m["times"].items():
+                r = m["ratios"][path]
+                print(f"| {seq} x {m['batch']} | {name} | {path} | {'yes' if path == m['layer'] else ''} | "
+                      f"{statistics.median(times) * 1e3:.0f} ms | {statistics.median(r):.2f}x "
+                      f"({min(r):.2f}-{max(r):.2f}) | {m['saved'][path] / 2**20:.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ elementwise, optimizer, copies, communication). ``--unfused`` adds ours with the
 and the same math (``--no-bias-gelu-fusion --openai-gelu --no-bias-swiglu-fusion --no-bias-dropout-fusion
 --no-rope-fusion``), compared round by round with ours fused; ``--unfused-softmax`` likewise adds ours with
 ``--no-masked-softmax-fusion`` (the explicit scale/mask/softmax attention; the fused one is SDPA, or with
-attention dropout on a CPU ``cpu_dropout_attention``: ``--dropout 0`` compares SDPA); ``--swiglu`` gives ours a SwiGLU MLP
+attention dropout on a CPU ``cpu_core_attention``: ``--dropout 0`` compares SDPA); ``--sdpa`` likewise adds ours with attention without dropout left to
+SDPA where ``cpu_core_attention`` would take it (short causal 16-bit attention on some CPUs); ``--swiglu`` gives ours a SwiGLU MLP
 (Hugging Face's GPT-2 keeps its GeLU: compare with ``--no-hf``). Needs ``pip install transformers``.
 """
 
@@ -62,7 +63,7 @@ SHAPES = {
 FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}
 UNFUSED = ["--no-bias-gelu-fusion", "--openai-gelu", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
            "--no-rope-fusion"]  # the jit_fuser fusions off, the same math (the tanh GeLU)
-UNFUSED_SUFFIXES = (" unfused", " unfused-softmax")  # runs compared round by round with "ours <dtype>"
+UNFUSED_SUFFIXES = (" unfused", " unfused-softmax", " sdpa")  # runs compared round by round with "ours <dtype>"
 
 
 def ours_argv(shape: dict, dropout: float, extra=()) -> list[str]:
@@ -96,6 +97,20 @@ def build_ours(shape: dict, dropout: float, extra=()):
         train_step(config, comm, built.chunks, built.optimizer, built.scheduler, pretrain_gpt.forward_step, train_iter)
 
     return step, config
+
+
+def sdpa_only(step):
+    """``step`` with attention without dropout left to SDPA on a CPU (``beats_cpu_sdpa`` off while it runs)."""
+    from megatron_lite.models import attention
+
+    def run():
+        rule, attention.beats_cpu_sdpa = attention.beats_cpu_sdpa, lambda *args: False
+        try:
+            step()
+        finally:
+            attention.beats_cpu_sdpa = rule
+
+    return run
 
 
 def build_hf(shape: dict, dropout: float, bf16: bool, fused_adamw: bool = False, device: str = "cpu"):
@@ -164,6 +179,9 @@ def plan_runs(args, shape, peaks) -> list[tuple[str, str, object]]:
         if args.unfused_softmax:
             explicit = FLAGS[dtype] + host + ["--no-masked-softmax-fusion"]
             runs.append((f"ours {dtype} unfused-softmax", dtype, lambda f=explicit: build_ours(shape, args.dropout, f)[0]))
+        if args.sdpa:
+            runs.append((f"ours {dtype} sdpa", dtype,
+                         lambda f=FLAGS[dtype] + host: sdpa_only(build_ours(shape, args.dropout, f)[0])))
         if not args.no_hf and dtype != "fp8":
             runs.append((f"HF {dtype}" + (" autocast" if bf16 else ""), dtype,
                          lambda b=bf16: build_hf(shape, args.dropout, b, args.hf_fused_adamw, args.device)))
@@ -298,6 +316,9 @@ def parse(argv=None):
     p.add_argument("--unfused-softmax", action="store_true",
                    help="also ours with --no-masked-softmax-fusion (the explicit scale/mask/softmax attention), "
                    "compared with ours fused")
+    p.add_argument("--sdpa", action="store_true",
+                   help="also ours with attention left to SDPA where cpu_core_attention would take it without "
+                   "dropout (beats_cpu_sdpa), compared with ours")
     p.add_argument("--swiglu", action="store_true", help="ours with a SwiGLU MLP (HF keeps GeLU: use --no-hf)")
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="run ours with --no-retain-host-memory: the whole process (HF too) keeps glibc's defaults; "

@@ -8,6 +8,7 @@ in the startup log; none is ever required.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import importlib.util
 import os
@@ -166,7 +167,7 @@ def describe_backends() -> str:
     return (
         f"device {device}, backend {backend_for(device) if world > 1 else 'none (1 process)'}, "
         f"world size {world}, attention {'flash-attn' if 'flash_attn' in found else 'torch SDPA'}"
-        f"{' (with dropout: cpu_dropout_attention)' if device.type == 'cpu' else ''}, "
+        f"{' (cpu_core_attention with dropout or where it beats SDPA)' if device.type == 'cpu' else ''}, "
         f"optional accelerators: {', '.join(found) if found else 'none (pure PyTorch)'}"
     )
 
@@ -176,9 +177,19 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     it does not, 16-bit matmuls are emulated and run several times slower than fp32. Read from the
     Linux CPU flags; False where they cannot be read."""
     wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}.get(dtype, ())
+    return any(w in cpu_flags() for w in wanted)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX matrix units (Linux CPU flags; False where they cannot be read)."""
+    return any(f.startswith("amx") for f in cpu_flags())
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` line of ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return any(w in flags for w in wanted)
+        return frozenset()

@@ -16,8 +16,10 @@ dtype is 16-bit. Packed documents (integer document ids as the mask,
 ``cu_seqlens`` of ``flash_attn_varlen_func`` on the flash path. Attention dropout runs inside the TP region (each rank owns different heads) under
 the tracker's tensor-parallel generator, so TP ranks draw distinct, reproducible masks.
 
-With attention dropout on the CPU, where SDPA's flash kernel does not apply, the core attention is
-:func:`~megatron_lite.models.cpu_attention.cpu_dropout_attention` (fewer passes than SDPA's math path).
+On the CPU the core attention is :func:`~megatron_lite.models.cpu_attention.cpu_core_attention` with
+attention dropout (SDPA's flash kernel has none; ours takes fewer passes than its math path), and
+without dropout where :func:`~megatron_lite.models.cpu_attention.beats_cpu_sdpa` says it is the faster
+(short causal sequences in a 16-bit dtype the CPU computes in hardware).
 
 Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusion``, on by default);
 ``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
@@ -51,7 +53,7 @@ from ..parallel.recompute import recompute_modules
 from ..parallel.ring_attention import local_attention
 from ..parallel.sliding_window import cache_window_mask, confine_to_window
 from .common import Norm, apply_rotary, column_linear, row_linear
-from .cpu_attention import cpu_dropout_attention
+from .cpu_attention import beats_cpu_sdpa, cpu_core_attention
 from .window_config import layer_window
 
 fused_apply_rotary = jit_fuser(apply_rotary)
@@ -142,9 +144,9 @@ class DotProductAttention(nn.Module):
         sink = sink_logits(self.softmax_type, self.softmax_offset, nq, q.device)
         if not self.fused_softmax:
             return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale, sink)
-        if dropout_p > 0 and q.device.type == "cpu":  # SDPA's CPU flash kernel has no dropout: ours beats its math path
-            out = cpu_dropout_attention(q, k, v, None if mask is None else ~mask, causal and mask is None, dropout_p,
-                                        self.scale, sink)
+        if q.device.type == "cpu" and (dropout_p > 0 or beats_cpu_sdpa(q, k, mask, causal)):
+            out = cpu_core_attention(q, k, v, None if mask is None else ~mask, causal and mask is None, dropout_p,
+                                     self.scale, sink)
         elif sink is not None:  # SDPA has no sink: kernels that report each row's log-sum-exp (ring_attention.py)
             seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) if dropout_p > 0 else 0  # the tracker's
             out = local_attention(q, k, v, causal and mask is None, self.scale, dropout_p, seed, mask, sink)

@@ -1,14 +1,20 @@
-"""Core attention with dropout on the CPU, as one autograd function.
+"""Core attention on the CPU, as one autograd function, with or without attention dropout.
 
 With attention dropout, PyTorch's CPU ``scaled_dot_product_attention`` cannot use its flash kernel
 and runs its composite math path: the scores, a float mask for causality, a "safe" softmax that
 also checks every row for being fully masked, a Bernoulli draw in the scores' dtype, and autograd
 of each piece (about 300 ms forward + backward for 4 x 12 heads of 512 causal tokens on a 2-core
-machine). :func:`cpu_dropout_attention` computes the same function in fewer passes over the scores
-(about 190 ms there):
+machine). :func:`cpu_core_attention` computes the same function in fewer passes over the scores
+(about 190 ms there). Without dropout, SDPA's flash kernel applies, but in bf16 on a CPU with
+AVX512-BF16 and no AMX it is slower than this function for causal attention over up to
+``MAX_KEYS`` keys (forward + backward of 4 x 12 heads of 512 tokens, 2 cores: 35 ms against SDPA's
+83 ms; at 2048 keys SDPA wins, 376 ms against 452), so :func:`beats_cpu_sdpa` sends those calls
+here too (with AMX, not measured, SDPA stays). The cost: this function keeps each block's
+probabilities for the backward (about ``5/8 s^2`` 16-bit values per head and sequence in 4
+blocks), where the flash kernel keeps one log-sum-exp per row.
 
 * forward: ``scores = q k^T scale``, the causal or given mask written into the scores in place, one
-  softmax, the one-byte 0/1 keep mask (a quarter of a float mask's bytes) drawn by
+  softmax, with dropout the one-byte 0/1 keep mask (a quarter of a float mask's bytes) drawn by
   ``fusions.dropout.keep_mask`` from the current generator (i.e. the tracker's tensor-parallel one),
   ``out = (probs * keep) v / (1 - p)``;
 * backward: the saved probabilities and keep mask give ``d(probs) = (dout v^T) / (1 - p) * keep``,
@@ -35,11 +41,12 @@ import functools
 
 import torch
 
-from ..device import cpu_has_native
+from ..device import cpu_has_amx, cpu_has_native
 from ..fusions.dropout import keep_mask
 from ..inference.kv_cache import causal_mask_with_offset
 
 BLOCK_ROWS = 128  # causal attention: queries per block at least this (query_blocks)
+MAX_KEYS = 1024  # without dropout, beats_cpu_sdpa: keys per query at most this
 
 
 @functools.cache
@@ -48,8 +55,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype == torch.float32 or cpu_has_native(dtype) else torch.float32
 
 
+def beats_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, allowed, causal: bool) -> bool:
+    """Whether attention without dropout is faster here than through SDPA's CPU kernel (module docstring):
+    causal with no explicit mask (``allowed`` None), at most ``MAX_KEYS`` keys (``k [b, nkv, sk, d]``),
+    in a 16-bit dtype this CPU computes in hardware with AVX-512 but no AMX (measured there; with AMX,
+    SDPA's kernel has matrix units too and stays). fp32 stays with SDPA (about as fast, less memory)."""
+    return (causal and allowed is None and q.dtype != torch.float32 and compute_dtype(q.dtype) == q.dtype
+            and not cpu_has_amx() and k.shape[2] <= MAX_KEYS)
+
+
 @torch.compiler.disable  # inside a compiled layer it runs as it is (Dynamo would split it into many graphs)
-def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float, sink=None) -> torch.Tensor:
+def cpu_core_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float, sink=None) -> torch.Tensor:
     """``softmax(q k^T scale + mask)`` with dropout ``dropout_p``, times ``v``.
 
     ``q [b, nq, sq, d]``, ``k [b, nkv, sk, d]``, ``v [b, nkv, sk, dv]`` (``nq % nkv == 0``); ``masked``
@@ -57,7 +73,7 @@ def cpu_dropout_attention(q, k, v, masked, causal: bool, dropout_p: float, scale
     full); ``causal`` (used when ``masked`` is None) is bottom-right aligned when ``sk > sq``.
     Returns ``[b, nq, sq, dv]`` in ``q``'s dtype, computed in :func:`compute_dtype` of it. ``sink``
     (fp32 ``[nq]`` or None): each head's sink logit, in the softmax's denominator only."""
-    return _DropoutAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype), sink)
+    return _CoreAttention.apply(q, k, v, masked, causal, dropout_p, scale, compute_dtype(q.dtype), sink)
 
 
 def _grouped(t: torch.Tensor, nkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +124,12 @@ def _put_rows(t3: torch.Tensor, part: torch.Tensor, group: int, sq: int, lo: int
     t3.view(bh, group, sq, x)[:, :, lo:hi] = part.view(bh, group, hi - lo, x)
 
 
-class _DropoutAttention(torch.autograd.Function):
+def _dropped(probs: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The probabilities with the dropped entries zeroed (unscaled), or themselves without dropout."""
+    return probs if keep is None else probs * keep
+
+
+class _CoreAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, masked, causal, p, scale, dtype, sink):
         b, nq, sq, d = q.shape
@@ -141,8 +162,8 @@ class _DropoutAttention(torch.autograd.Function):
             del scores, scores5
             if empty_rows is not None:  # softmax of a fully masked row is NaN; SDPA gives zeros
                 probs.view(b, nkv, group, sq, sk).masked_fill_(empty_rows, 0.0)
-            keep = keep_mask(probs.shape, p)
-            _put_rows(out, _scaled_bmm(probs * keep, v3[:, :kend], 1.0 / (1.0 - p)), group, sq, lo, hi)
+            keep = keep_mask(probs.shape, p) if p > 0 else None
+            _put_rows(out, _scaled_bmm(_dropped(probs, keep), v3[:, :kend], 1.0 / (1.0 - p)), group, sq, lo, hi)
             saved += [probs, keep, lse]
         ctx.save_for_backward(q3, k3, v3, sink, *saved)
         ctx.blocks = blocks
@@ -159,8 +180,10 @@ class _DropoutAttention(torch.autograd.Function):
         dsink = None if sink is None else torch.zeros(nkv, group, device=q3.device)
         for (lo, hi, kend), probs, keep, lse in zip(ctx.blocks, saved[0::3], saved[1::3], saved[2::3]):
             do_rows = _rows(do3, group, sq, lo, hi)
-            dv3[:, :kend].baddbmm_((probs * keep).transpose(1, 2), do_rows, alpha=keep_scale)
-            dprobs = _scaled_bmm(do_rows, v3[:, :kend].transpose(1, 2), keep_scale).mul_(keep)
+            dv3[:, :kend].baddbmm_(_dropped(probs, keep).transpose(1, 2), do_rows, alpha=keep_scale)
+            dprobs = _scaled_bmm(do_rows, v3[:, :kend].transpose(1, 2), keep_scale)
+            if keep is not None:
+                dprobs.mul_(keep)
             dscores = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)  # exact with the sink too
             if dsink is not None:  # d sink = -exp(sink - L) * sum_j p_j dp_j, summed over the rows
                 row = (probs * dprobs).sum(-1).view(b, nkv, group, hi - lo).float()

@@ -4,7 +4,7 @@ stated and checked exactly:
 
 - ``norm stats``: each LayerNorm keeps its mean and reciprocal std (2 values per token, bf16),
   which the formula leaves out: +2 norms x 2 x sb x 2 bytes.
-- ``core attention`` (no recomputation): CPU attention with dropout (``cpu_dropout_attention``) on a
+- ``core attention`` (no recomputation): CPU attention with dropout (``cpu_core_attention``) on a
   CPU without bf16 units computes in fp32 and keeps Q, K, V at 4 bytes (12 sbh instead of 6); of
   the scores it keeps the fp32 softmax output and a boolean keep mask, 4 + 1 bytes: the formula's
   5 as^2 b (2 + 1 + 2). With bf16 units it computes in bf16: Q, K, V as in the formula, the scores

@@ -272,8 +272,10 @@ def test_bench_attention_runs_at_a_tiny_size_and_the_explicit_path_saves_more(ca
                               "--dtypes", "fp32", "--dropout", dropout])
     finally:
         torch.set_num_threads(threads)
-    fused = "SDPA" if dropout == "0" else "cpu_dropout_attention"
-    assert f"| 32 x 2 | fp32 | {fused} |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    layer = "SDPA" if dropout == "0" else "cpu_core_attention"  # fp32 without dropout: the layer keeps SDPA
+    assert f"| 32 x 2 | fp32 | {layer} | yes |" in out
+    assert ("| SDPA |" in out) == (dropout == "0") and "| explicit |  |" in out
     # the explicit path keeps its seq x seq probabilities (and scores) for the backward; SDPA does not
     q, k, v = bench_attention.inputs(1, 2, 256, torch.float32)
     runs = bench_attention.paths(0.0, 0.125)

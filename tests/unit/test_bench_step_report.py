@@ -49,3 +49,20 @@ def test_the_explicit_softmax_run_is_planned_with_its_flag(monkeypatch):
     for _, _, build in runs:
         build()
     assert built == [["--bf16"], ["--bf16", "--no-masked-softmax-fusion"]]
+
+
+def test_the_sdpa_run_leaves_attention_to_sdpa_while_it_steps(monkeypatch):
+    from benchmarks import bench_step
+    from megatron_lite.models import attention
+
+    rule, seen = attention.beats_cpu_sdpa, []
+    step = bench_step.sdpa_only(lambda: seen.append(attention.beats_cpu_sdpa(None, None, None, True)))
+    step()
+    assert seen == [False] and attention.beats_cpu_sdpa is rule  # restored after the step
+    monkeypatch.setattr(bench_step, "build_ours", lambda shape, dropout, flags: (lambda: None, None))
+    args = bench_step.parse(["--no-hf", "--sdpa", "--dtypes", "bf16"])
+    runs = bench_step.plan_runs(args, bench_step.SHAPES["quick"], {"fp32": 1.0, "bf16": 2.0})
+    assert [name for name, _, _ in runs] == ["ours bf16", "ours bf16 sdpa"]
+    times = {"ours bf16": [1.0, 1.0], "ours bf16 sdpa": [1.2, 1.4]}
+    assert paired_ratios(times, dict.fromkeys(times, "bf16")) == [
+        "ours bf16 vs ours bf16 sdpa, paired by round: 1.30x (rounds 1.20-1.40x)"]

@@ -1,4 +1,4 @@
-"""cpu_dropout_attention (the CPU core attention with dropout) against references, forward and backward:
+"""cpu_core_attention (the CPU core attention with dropout) against references, forward and backward:
 
 - without dropout it equals PyTorch's scaled_dot_product_attention (causal, causal with a longer
   key/value sequence, grouped-query, a boolean mask with fully masked rows, MLA's value head size);
@@ -20,9 +20,9 @@ from megatron_lite.device import cpu_has_native
 from megatron_lite.fusions.dropout import keep_mask
 from megatron_lite.models import cpu_attention
 from megatron_lite.models.cpu_attention import (
-    _DropoutAttention,
+    _CoreAttention,
     compute_dtype,
-    cpu_dropout_attention,
+    cpu_core_attention,
     query_blocks,
 )
 
@@ -101,14 +101,14 @@ def test_query_blocks_cover_the_causal_triangle(monkeypatch):
 def test_without_dropout_equals_sdpa(case, blocks):
     shape, masked, causal = CASES[case]
     q, k, v = _inputs(**shape)
-    ours = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, masked, causal, 0.0, SCALE), q, k, v)
+    ours = _run(lambda q, k, v: cpu_core_attention(q, k, v, masked, causal, 0.0, SCALE), q, k, v)
     _assert_close(ours, _run(_sdpa(masked, causal), q, k, v), 1e-6)
     if masked is not None:
         assert torch.isfinite(ours[0]).all()
 
 
 def _formula(masked, causal, p):
-    """The explicit formula; the keep mask is drawn as cpu_dropout_attention draws it (same shape, order)."""
+    """The explicit formula; the keep mask is drawn as cpu_core_attention draws it (same shape, order)."""
     def fn(q, k, v):
         b, nq, sq, _ = q.shape
         nkv, sk = k.shape[1], k.shape[2]
@@ -132,9 +132,9 @@ def _formula(masked, causal, p):
 def test_with_dropout_equals_the_formula_with_the_same_draw(case, blocks):
     shape, masked, causal = CASES[case]
     q, k, v = _inputs(**shape)
-    ours = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, masked, causal, 0.25, SCALE), q, k, v)
+    ours = _run(lambda q, k, v: cpu_core_attention(q, k, v, masked, causal, 0.25, SCALE), q, k, v)
     _assert_close(ours, _run(_formula(masked, causal, 0.25), q, k, v), 1e-5)
-    no_dropout = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, masked, causal, 0.0, SCALE), q, k, v)
+    no_dropout = _run(lambda q, k, v: cpu_core_attention(q, k, v, masked, causal, 0.0, SCALE), q, k, v)
     assert not torch.allclose(ours[0], no_dropout[0])  # something was dropped
 
 
@@ -145,7 +145,7 @@ def test_drops_the_asked_fraction():
     k = torch.zeros(1, 1, n, 4)
     v = torch.ones(1, 1, n, 1)
     torch.manual_seed(0)
-    out = cpu_dropout_attention(q, k, v, None, False, p, 1.0)
+    out = cpu_core_attention(q, k, v, None, False, p, 1.0)
     kept = (out * (1 - p)).mean().item()
     assert abs(kept - (1 - p)) < 3e-3  # 262144 draws: the standard error is 6e-4
 
@@ -156,9 +156,9 @@ def test_16_bit_inputs(dtype, inner):
     """Computed in fp32 (a CPU without 16-bit units) or in the inputs' dtype (one with them: forced here)."""
     compute = torch.float32 if inner == "fp32" else dtype
     q, k, v = _inputs(nq=4, nkv=2)
-    full = _run(lambda q, k, v: cpu_dropout_attention(q, k, v, None, True, 0.2, SCALE), q, k, v)
+    full = _run(lambda q, k, v: cpu_core_attention(q, k, v, None, True, 0.2, SCALE), q, k, v)
     low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    half = _run(lambda q, k, v: _DropoutAttention.apply(q, k, v, None, True, 0.2, SCALE, compute, None), *low)
+    half = _run(lambda q, k, v: _CoreAttention.apply(q, k, v, None, True, 0.2, SCALE, compute, None), *low)
     assert half[0].dtype == dtype and all(g.dtype == dtype for g in half[1])
     tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype] * (1 if inner == "fp32" else 2)
     _assert_close((half[0].float(), [g.float() for g in half[1]]), full, tol)
@@ -179,9 +179,9 @@ def _layer_grads(recompute, monkeypatch, calls):
 
     def counted(*args):
         calls.append(1)
-        return cpu_dropout_attention(*args)
+        return cpu_core_attention(*args)
 
-    monkeypatch.setattr(attention, "cpu_dropout_attention", counted)
+    monkeypatch.setattr(attention, "cpu_core_attention", counted)
     state = ParallelState()
     model_parallel_seed(3, state)
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, max_position_embeddings=8,
@@ -200,3 +200,52 @@ def test_training_layers_use_it_and_selective_recompute_replays_the_mask(monkeyp
     assert len(plain_calls) == 2 and len(recompute_calls) == 4  # recompute: each layer's attention runs twice
     for a, b in zip(plain, replayed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("bf16 causal", True), ("fp32", False), ("amx", False), ("no bf16 units", False),
+    ("explicit mask", False), ("not causal", False), ("too many keys", False), ("max keys", True)])
+def test_beats_cpu_sdpa_only_where_measured(case, expected, monkeypatch):
+    """Without dropout, only short causal attention in a 16-bit dtype the CPU computes natively
+    without AMX leaves SDPA (where this function was measured faster)."""
+    monkeypatch.setattr(cpu_attention, "cpu_has_amx", lambda: case == "amx")
+    monkeypatch.setattr(cpu_attention, "compute_dtype",
+                        lambda dtype: torch.float32 if case == "no bf16 units" else dtype)
+    keys = {"too many keys": cpu_attention.MAX_KEYS + 1, "max keys": cpu_attention.MAX_KEYS}.get(case, 16)
+    q = torch.zeros(1, 2, 16, 4, dtype=torch.float32 if case == "fp32" else torch.bfloat16)
+    k = torch.zeros(1, 2, keys, 4, dtype=q.dtype)
+    allowed = torch.ones(16, keys, dtype=torch.bool) if case == "explicit mask" else None
+    assert cpu_attention.beats_cpu_sdpa(q, k, allowed, case != "not causal") is expected
+
+
+@pytest.mark.parametrize("beats", [True, False])
+def test_training_layers_without_dropout_follow_the_rule(beats, monkeypatch):
+    """A bf16 layer without attention dropout runs here when beats_cpu_sdpa says so, else SDPA; both
+    give the fp32 layer's output and gradients within bf16 tolerance."""
+    from megatron_lite.models import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "beats_cpu_sdpa", lambda *args: beats)
+    monkeypatch.setattr(attention, "cpu_core_attention", lambda *a: calls.append(1) or cpu_core_attention(*a))
+    results = {dtype: _dropout_free_layer(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    assert len(calls) == (2 if beats else 0)  # one per layer (the patched rule says yes to fp32 too)
+    for ref, low in zip(results[torch.float32], results[torch.bfloat16]):
+        torch.testing.assert_close(low.float(), ref, rtol=5e-2, atol=5e-2)
+
+
+def _dropout_free_layer(dtype):
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.parallel.random import model_parallel_seed
+    from megatron_lite.parallel.state import ParallelState
+    from tests.model_helpers import build_gpt
+
+    state = ParallelState()
+    model_parallel_seed(3, state)
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=8, max_position_embeddings=8,
+                      vocab_size=32, attention_dropout=0.0, hidden_dropout=0.0)
+    layer = build_gpt(cfg, state, seed=1).decoder.layers[0].to(dtype)
+    x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().square().sum().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
