@@ -87,6 +87,13 @@ def check_bert_config(config: Config) -> None:
         raise ConfigError("--context-parallel-size > 1 is GPT-only (BERT's bidirectional padding mask is not split "
                           "over context-parallel ranks); use 1, and --tensor-model-parallel-size with "
                           "--sequence-parallel to split long sequences")
+    d = config.data  # GPT's end-of-document options: a BERT sample has no EOD token to act on
+    eod_flags = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
+                                 ("--reset-attention-mask", d.reset_attention_mask),
+                                 ("--eod-mask-loss", d.eod_mask_loss)) if on]
+    if eod_flags:
+        raise ConfigError(f"{' '.join(eod_flags)}: GPT-only (they act on end-of-document tokens; a BERT sample is "
+                          "[CLS] A [SEP] B [SEP] of one document, with padding masked already); drop the flag")
     if config.data.mock_data or not config.data.data_path:  # before the shared 'give --data-path (or --mock-data)'
         raise ConfigError("pretrain_bert.py needs a sentence-split --data-path (--mock-data is GPT-only)")
     if config.model.mtp_num_layers:

@@ -47,6 +47,9 @@ def test_the_smallest_usable_values_are_accepted(flags):
      "nothing to train"),
     # BERT's batch is not split over CP: it was an IndexError traceback in the position embedding
     ("pretrain_bert", ["--context-parallel-size", "2"], "--context-parallel-size > 1 is GPT-only"),
+    # GPT's end-of-document options were accepted and did nothing (a BERT sample has no EOD token)
+    ("pretrain_bert", ["--reset-position-ids"], "--reset-position-ids: GPT-only"),
+    ("pretrain_bert", ["--reset-attention-mask", "--eod-mask-loss"], "--reset-attention-mask --eod-mask-loss: GPT-only"),
     ("pretrain_gpt", ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--reset-attention-mask"],
      "--mtp-num-layers with --reset-attention-mask"),
 ])
