@@ -73,9 +73,27 @@ def _changes_function(key: str, saved: dict, ours: dict) -> bool:
 CHECKED = {"resume": ARCHITECTURE_FLAGS + ("vocab_size",), "release": ARCHITECTURE_FLAGS, "weights": SHAPE_FLAGS}
 
 
+def _family(flat: dict) -> str:
+    """"BERT" for a config of pretrain_bert.py (its flags hold the "bert" section), else "GPT"."""
+    return "BERT" if "bert_no_binary_head" in flat else "GPT"
+
+
+def check_family(where: str, saved_config: dict, config) -> None:
+    """Refuse (CheckpointError, one line) a BERT checkpoint in a GPT run or the reverse: the models share
+    no tensor name (``encoder`` / ``decoder``), which was a long list of missing tensors, not the cause."""
+    if not saved_config:  # a file without its flags: the tensor check says what differs
+        return
+    saved, ours = _family(saved_config), _family(config.flat())
+    if saved != ours:
+        script = {"BERT": "pretrain_bert.py", "GPT": "pretrain_gpt.py"}
+        raise CheckpointError(f"checkpoint {where} holds a {saved} model ({script[saved]}), this run trains a {ours} "
+                              f"({script[ours]}); load it with {script[saved]}, or give a {ours} checkpoint")
+
+
 def check_architecture(where: str, saved_config: dict, config, load: str = "resume") -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose model flags differ from this run's:
-    those of ``CHECKED[load]``, each named with both values."""
+    those of ``CHECKED[load]``, each named with both values (a checkpoint of the other model family first)."""
+    check_family(where, saved_config, config)
     arch = arch_differences(saved_config, config, CHECKED[load], shapes_only=load == "weights")
     if arch:
         fix = ("match the model flags" if load == "weights" else "match the model flags, pass --use-checkpoint-args "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .arch import arch_differences
+from .arch import arch_differences, check_family
 from .expert_files import check_expert_grid
 from .format import CheckpointError
 from .frozen import saved_state_dict
@@ -34,6 +34,7 @@ def check_sizes(path: str, ckpt: dict, state) -> None:
 
 def check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
     """Raise one CheckpointError naming what differs between the checkpoint and this run."""
+    check_family(path, ckpt.get("config", {}), config)
     check_sizes(path, ckpt, state)
     saved_chunks = ckpt.get("num_chunks", len(ckpt["model"]))
     if saved_chunks != len(modules) or ckpt.get("vpp_size") != state.vpp_size:
