@@ -65,8 +65,8 @@ def check_bert_config(config: Config) -> None:
     if b.bert_load is not None:
         raise ConfigError("--bert-load feeds retrieval models (ICT/REALM), which are not implemented; "
                           "to continue BERT pretraining use --load")
-    if not 0.0 <= b.mask_prob < 1.0:
-        raise ConfigError(f"--mask-prob must be in [0, 1), got {b.mask_prob}")
+    if not 0.0 <= b.mask_prob <= 1.0:  # a fraction; Megatron-LM takes 1 too
+        raise ConfigError(f"--mask-prob must be in [0, 1], got {b.mask_prob}")
     if not 0.0 <= b.short_seq_prob <= 1.0:
         raise ConfigError(f"--short-seq-prob must be in [0, 1], got {b.short_seq_prob}")
     if seq < MIN_SEQ_LENGTH:

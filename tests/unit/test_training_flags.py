@@ -37,7 +37,7 @@ def test_the_smallest_usable_values_are_accepted(flags):
 
 
 @pytest.mark.parametrize("script, flags, words", [
-    ("pretrain_bert", ["--mask-prob", "2"], "--mask-prob must be in [0, 1)"),
+    ("pretrain_bert", ["--mask-prob", "2"], "--mask-prob must be in [0, 1], got 2.0"),
     ("pretrain_bert", ["--seq-length", "4"], "--seq-length 4 is too short for BERT"),
     # int(0.15 x (8 - 3)) = 0 predictions per sample: it trained with lm loss 0 at every step
     ("pretrain_bert", ["--seq-length", "8"], "--seq-length 8 with --mask-prob 0.15 predicts no token"),
@@ -64,6 +64,20 @@ def test_check_args_mode_applies_the_scripts_own_rules(capsys, monkeypatch, scri
     lines = capsys.readouterr()
     assert err.value.code == 2, lines.out
     assert len(lines.err.strip().splitlines()) == 1 and words in lines.err, lines.err
+
+
+def test_pretrain_bert_takes_mask_prob_1_as_megatron_does(capsys, monkeypatch):
+    """--mask-prob 1 (predict every token a sample's masking reaches) is a probability Megatron-LM
+    takes; it was refused ('must be in [0, 1)') with no reason given."""
+    import pretrain_bert
+
+    monkeypatch.setenv("MEGATRON_LITE_CHECK_ARGS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--data-path", "x", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v", "--mask-prob", "1"]
+    with pytest.raises(SystemExit) as err:
+        pretrain_bert.main(argv)
+    assert err.value.code == 0, capsys.readouterr().err
+    assert "arguments valid" in capsys.readouterr().out
 
 
 def test_save_interval_0_saves_only_at_the_end(tmp_path):
