@@ -105,7 +105,8 @@ def check_tokenizer(config: Config, tokenizer) -> None:
     missing = [name for name in ("cls", "sep", "mask", "pad") if getattr(tokenizer, name, None) is None]
     if missing:
         raise ConfigError(f"--tokenizer-type {config.data.tokenizer_type} has no {'/'.join(missing)} token; "
-                          "BERT needs --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file")
+                          "BERT needs --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file, "
+                          "or SentencePieceTokenizer --tokenizer-model (it appends them)")
 
 
 def check_sentence_level(data_path) -> None:

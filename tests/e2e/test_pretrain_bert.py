@@ -199,7 +199,7 @@ def _smaller_vocab(data):
         ("other_vocab", ["token id", "outside the tokenizer's vocabulary of 40", "another tokenizer"]),
         ("seq", ["--seq-length 4", "at least 5"]),
         ("bert_load", ["--bert-load", "--load"]),
-        ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase"]),
+        ("gpt_tokenizer", ["NullTokenizer", "BertWordPieceLowerCase", "or SentencePieceTokenizer --tokenizer-model"]),
         ("mtp", ["--mtp-num-layers", "GPT-only"]),
         # were 'give --data-path (or --mock-data for random tokens)', then '--mock-data ... need --vocab-size'
         ("no_data", ["needs a sentence-split --data-path", "--mock-data is GPT-only"]),
