@@ -118,9 +118,10 @@ def check_sentence_level(data_path) -> None:
         except DataFileError as err:
             raise DataFileError(f"--data-path: {err}") from None
         if ds.num_documents() > 0 and (np.diff(np.asarray(ds.document_indices)) <= 1).all():
-            raise DataConfigError(f"--data-path {prefix} is document-level (one sequence per document); the binary "
-                                  "head needs sentence pairs: preprocess with tools/preprocess_data.py "
-                                  "--split-sentences, or train with --bert-no-binary-head")
+            raise DataConfigError(f"--data-path {prefix} has no document of two or more sequences (document-level "
+                                  "data, or every document one sentence or empty); the binary head needs sentence "
+                                  "pairs: preprocess with tools/preprocess_data.py --split-sentences (documents of "
+                                  "several sentences), or train with --bert-no-binary-head")
 
 
 def binary_head(config: Config) -> bool:

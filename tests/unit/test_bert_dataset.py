@@ -265,3 +265,24 @@ def test_long_one_sentence_document_is_kept_and_truncated_without_binary_head(tm
     assert int(long_sample["padding_mask"].sum()) == 61 + 2 and int(long_sample["truncated"]) == 1
     with pytest.raises(ValueError, match="none of its 3 documents"):  # with the head: no pair anywhere
         build_bert_mapping(ds.sequence_lengths, ds.document_indices, np.arange(3), None, 64, 0.0, 1)
+
+
+def test_sentence_split_data_of_one_sentence_documents_is_not_called_document_level(tmp_path):
+    """pretrain_bert.py's check for the binary head: data preprocessed with --split-sentences whose
+    documents are each one sentence (or empty) gives no pair either. The line said only 'is
+    document-level' and told the user to pass --split-sentences, which they had."""
+    import pretrain_bert
+    from megatron_lite.data.builder import DataConfigError
+
+    _one_sentence_documents(tmp_path / "one", [5, 7, 3])
+    with pytest.raises(DataConfigError) as err:
+        pretrain_bert.check_sentence_level([str(tmp_path / "one")])
+    for words in ("has no document of two or more sequences", "every document one sentence or empty",
+                  "--split-sentences", "--bert-no-binary-head"):
+        assert words in str(err.value), err.value
+    b = IndexedDatasetBuilder(str(tmp_path / "two"), dtype=np.int32)
+    for _ in range(2):
+        b.add_item(np.arange(FIRST_WORD_ID, FIRST_WORD_ID + 6, 2, dtype=np.int32))
+    b.end_document()
+    b.finalize()
+    pretrain_bert.check_sentence_level([str(tmp_path / "two")])  # one document of two sentences: pairs exist
