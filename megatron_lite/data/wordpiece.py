@@ -124,8 +124,9 @@ class WordPieceTokenizer:
         return [self.vocab[t] for t in self.tokens(text)]
 
     def decode(self, ids) -> str:
-        """Tokens joined by spaces, with ``##`` continuations glued back onto their word."""
-        text = " ".join(self.inv_vocab[int(i)] for i in ids)
+        """Tokens joined by spaces, with ``##`` continuations glued back onto their word. An id without
+        a token (the first line of a token listed twice) reads as [UNK]."""
+        text = " ".join(self.inv_vocab.get(int(i), "[UNK]") for i in ids)
         return text.replace(" ##", "").strip()
 
 
