@@ -6,12 +6,12 @@ also checks every row for being fully masked, a Bernoulli draw in the scores' dt
 of each piece (about 300 ms forward + backward for 4 x 12 heads of 512 causal tokens on a 2-core
 machine). :func:`cpu_core_attention` computes the same function in fewer passes over the scores
 (about 190 ms there). Without dropout, SDPA's flash kernel applies, but in bf16 on a CPU with
-AVX512-BF16 and no AMX it is slower than this function for causal attention over up to
-``MAX_KEYS`` keys (forward + backward of 4 x 12 heads of 512 tokens, 2 cores: 35 ms against SDPA's
-83 ms; at 2048 keys SDPA wins, 376 ms against 452), so :func:`beats_cpu_sdpa` sends those calls
-here too (with AMX, not measured, SDPA stays). The cost: this function keeps each block's
-probabilities for the backward (about ``5/8 s^2`` 16-bit values per head and sequence in 4
-blocks), where the flash kernel keeps one log-sum-exp per row.
+AVX512-BF16 and no AMX it is slower than this function for causal attention (forward + backward of
+12 heads, 2048 tokens a batch, 2 cores: 30 / 40 / 62 ms against SDPA's 54 / 89 / 100 ms at 256 /
+512 / 1024 tokens; at 2048, 149 against 161 ms for 6x SDPA's saved memory), so up to ``MAX_KEYS``
+keys :func:`beats_cpu_sdpa` sends those calls here too (with AMX, not measured, SDPA stays). The
+cost: this function keeps each block's probabilities for the backward (about ``5/8 s^2`` 16-bit
+values per head and sequence in 4 blocks), where the flash kernel keeps one log-sum-exp per row.
 
 * forward: ``scores = q k^T scale``, the causal or given mask written into the scores in place, one
   softmax, with dropout the one-byte 0/1 keep mask (a quarter of a float mask's bytes) drawn by
