@@ -18,6 +18,19 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+CHAT = [{"role": "system", "content": "red"}, {"role": "user", "content": "why ?"},
+        {"role": "assistant", "content": "sun moon"}, {"role": "user", "content": "how"},
+        {"role": "assistant", "content": "no"}]
+
+
+def hf_tokenizers(root) -> dict:
+    """The tests' two Hugging Face tokenizers in ``root``: the default template's and ChatML's."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+
+    return {name: build_tokenizer("HuggingFaceTokenizer", tokenizer_model=write_tokenizer(root / name, template))
+            for name, template in (("default", None), ("chatml", CHATML))}
+
+
 def write_tokenizer(folder, chat_template: str | None = None) -> str:
     """A word-level ``tokenizer.json`` in ``folder`` (and a ``tokenizer_config.json`` holding
     ``chat_template`` when given); returns the folder."""
