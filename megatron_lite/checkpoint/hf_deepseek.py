@@ -48,7 +48,8 @@ scores normalised (``norm_topk_prob``) times ``routed_scaling_factor``. Ours equ
 ``--moe-router-score-function sigmoid --moe-router-enable-expert-bias`` and, with groups,
 ``--moe-router-topk`` / ``--moe-router-group-topk`` = 2 (our group score sums the top topk/group_topk);
 our sigmoid weights are normalised exactly when top-k > 1. A field config.json leaves out is read
-as transformers reads it, with DeepseekV3Config's default (:data:`HF_DEFAULTS`). The router runs in fp32 (``--moe-router-dtype
+as transformers reads it, with DeepseekV3Config's default (:data:`HF_DEFAULTS`), except the sizes the weights
+give (:data:`SIZES`, :data:`MOE_SIZES`), refused naming the field as in every HF import. The router runs in fp32 (``--moe-router-dtype
 fp32`` on import). What either side cannot express is refused with one line naming the option.
 ``--hidden-dropout``, ``--moe-input-jitter-eps`` and ``--moe-z-loss-coeff`` act in training only and have no
 DeepSeek-V3 field: the export leaves them out with a warning (``--attention-dropout`` is ``attention_dropout``).
@@ -85,15 +86,16 @@ SWIGLU = (("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp."),
 MTP_RENAMES = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
                ("final_layernorm.weight", "shared_head.norm.weight"))
 # What transformers' DeepseekV3Config reads for a field config.json leaves out (DeepSeek-V3's own values):
-# the import reads the same (num_nextn_predict_layers aside: absent, no MTP is imported)
+# the import reads the same (num_nextn_predict_layers aside: absent, no MTP is imported). The sizes the
+# weights give (SIZES) are not filled, as in every HF import: a config.json without one is refused naming it.
 HF_DEFAULTS = dict(
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-    num_attention_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
-    max_position_embeddings=4096, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+    routed_scaling_factor=2.5, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+    norm_topk_prob=True, hidden_act="silu", max_position_embeddings=4096, initializer_range=0.02, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, rope_interleave=True, attention_bias=False, attention_dropout=0.0,
 )
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+         "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # the MoE ones: MOE_SIZES
+MOE_SIZES = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts")  # when a layer is MoE
 log = logging.getLogger(__name__)
 
 
@@ -249,11 +251,19 @@ def _routing_from_hf(hf: dict) -> dict:
     _require(not grouped or topk // kept == 2, f"num_experts_per_tok {topk} / topk_group {kept} != 2 cannot be "
              "expressed (a group scores the sum of its top 2 there, of its top topk / group-topk here)")
     scale = float(hf.get("routed_scaling_factor", 1.0))
+    _need(hf, MOE_SIZES)
     return dict(num_experts=hf["n_routed_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
                 moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_num_groups=groups if grouped else None, moe_router_group_topk=kept if grouped else None,
                 moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_router_dtype="fp32",
-                moe_shared_expert_intermediate_size=hf.get("n_shared_experts", 1) * hf["moe_intermediate_size"] or None)
+                moe_shared_expert_intermediate_size=(hf["n_shared_experts"] or 0) * hf["moe_intermediate_size"] or None)
+
+
+def _need(hf: dict, fields: tuple) -> None:
+    """A KeyError (``load_hf``: one line naming the field) for the first of ``fields`` config.json leaves out."""
+    missing = [field for field in fields if field not in hf]  # q_lora_rank may be null (no query compression)
+    if missing:
+        raise KeyError(missing[0])
 
 
 def _deepseek_config(hf: dict, mtp: int) -> tuple[dict, int]:
@@ -284,7 +294,7 @@ def _deepseek_config(hf: dict, mtp: int) -> tuple[dict, int]:
         disable_bias_linear=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02), vocab_size=hf["vocab_size"],
-        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        multi_latent_attention=True, q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
         qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
         qk_layernorm=True, mtp_num_layers=mtp or None, **rope_from_hf(hf), **moe,
     )
@@ -338,6 +348,7 @@ def from_deepseek(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, d
     """(flat config, single-process unpadded state dict) of a DeepSeek-V3 config and tensors; the
     experts in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
     hf = {**HF_DEFAULTS, **hf}
+    _need(hf, SIZES)
     t = strip_prefix(hf_sd, "model.")
     mtp = _mtp_present(hf, t)
     cfg, first_dense = _deepseek_config(hf, mtp)

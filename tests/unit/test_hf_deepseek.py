@@ -125,14 +125,14 @@ def test_a_config_json_leaving_fields_out_imports_transformers_defaults():
     """config.json may leave out any DeepseekV3Config field: transformers then reads its default
     (DeepSeek-V3's 8 groups / top-4 groups, top-8, scaling 2.5, the first 3 layers dense, ...), and so
     does the import: the same model as from the config with every field written."""
-    from megatron_lite.checkpoint.hf_deepseek import from_deepseek
+    from megatron_lite.checkpoint.hf_deepseek import MOE_SIZES, SIZES, from_deepseek
 
     config = transformers.DeepseekV3Config(**dict(BASE, num_hidden_layers=4, n_routed_experts=16, q_lora_rank=16,
                                                   num_nextn_predict_layers=0))
     weights = transformers.DeepseekV3ForCausalLM(config).state_dict()
     full = config.to_dict()
     written = {k: v for k, v in full.items() if k not in transformers.DeepseekV3Config().to_dict()
-               or v != transformers.DeepseekV3Config().to_dict()[k]}
+               or v != transformers.DeepseekV3Config().to_dict()[k] or k in SIZES + MOE_SIZES}  # sizes: never filled
     assert not {"n_group", "topk_group", "num_experts_per_tok", "routed_scaling_factor", "first_k_dense_replace"} & set(written)
     assert from_deepseek(written, weights)[0] == from_deepseek(full, weights)[0]
 

@@ -91,3 +91,31 @@ def test_a_size_config_json_leaves_out_is_refused_naming_it(tmp_path):
     _rewrite(folder, ("hidden_size",))
     with pytest.raises(CheckpointError, match="config.json has no 'hidden_size'"):
         load_hf(folder)
+
+
+DEEPSEEK = dict(TINY, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=8, qk_rope_head_dim=4,
+                qk_nope_head_dim=8, v_head_dim=6, n_routed_experts=4, q_lora_rank=16, n_group=2, topk_group=1,
+                num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek")
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                                   "moe_intermediate_size", "n_routed_experts", "n_shared_experts"])
+def test_a_deepseek_size_config_json_leaves_out_is_refused_naming_it(deepseek_folder, tmp_path, field):
+    """DeepSeek-V3 follows the rule of every import: the sizes are not filled with DeepSeek-V3's own
+    (hidden 7168, 256 experts, ...), which the weights do not have; they used to be."""
+    import shutil
+
+    folder = shutil.copytree(deepseek_folder, tmp_path / "m")
+    load_hf(str(folder))  # complete: imports
+    _rewrite(str(folder), (field,))
+    with pytest.raises(CheckpointError, match=f"config.json has no '{field}', which a 'deepseek_v3' config needs"):
+        load_hf(str(folder))
