@@ -49,7 +49,7 @@ from .hf_mixtral import from_mixtral, to_mixtral
 from .hf_qwen2 import from_qwen2, to_qwen2
 from .hf_qwen3 import from_qwen3, from_qwen3_moe, to_qwen3, to_qwen3_moe
 from .hf_tokenizer import add_bert_vocab_txt, export_tokenizer, tokenizer_flags, tokenizer_in_folder
-from .hf_unused import LAYER, TensorReads, refuse_unused
+from .hf_unused import LAYER, TensorReads, refuse_unused, refuse_vocab_mismatch
 from .layout import check_expert_size, check_model_type
 from .norm_1p import plain_norms, zero_centred_norms
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
@@ -209,6 +209,7 @@ def _from_hf_folder(load_dir: str, hf_config: dict, moe_grouped_gemm: bool) -> t
         raise ConfigError(f"--moe-grouped-gemm applies to a mixtral, qwen3_moe, gpt_oss or deepseek_v3 model only; "
                           f"{load_dir} holds {kind!r}: drop it")
     tensors = TensorReads(read_safetensors(load_dir))
+    refuse_vocab_mismatch(tensors, hf_config, os.path.join(load_dir, "config.json"))
     try:
         out = _convert_hf_tensors(kind, hf_config, tensors, moe_grouped_gemm)
     except RuntimeError as err:  # a reshape or split of a tensor whose shape config.json does not give

@@ -99,3 +99,15 @@ def refuse_unused(tensors: TensorReads, hf: dict, folder: str) -> None:
         shown = ", ".join(unused[:3]) + (f" (and {len(unused) - 3} more)" if len(unused) > 3 else "")
         raise CheckpointError(f"{folder}: {len(unused)} tensor(s) would be dropped by the import: {shown}; "
                               f"{_cause(unused, hf)}")
+
+
+def refuse_vocab_mismatch(tensors: dict, hf: dict, path: str) -> None:
+    """One CheckpointError when config.json's ``vocab_size`` is not the row count of the word embedding
+    or ``lm_head``: transformers refuses such a folder too (its embeddings have exactly ``vocab_size``
+    rows; a padded vocabulary is padded in both), and the import would build another vocabulary."""
+    vocab = hf.get("vocab_size")
+    for name in (*EMBEDDINGS, "lm_head.weight", "cls.predictions.decoder.weight"):
+        rows = dict.__getitem__(tensors, name).shape[0] if name in tensors else None
+        if vocab is not None and rows is not None and rows != vocab:
+            raise CheckpointError(f"{path}: vocab_size is {vocab} but {name} has {rows} rows (transformers refuses "
+                                  f"this folder too); set vocab_size to {rows} there or download the model again")

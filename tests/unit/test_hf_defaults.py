@@ -119,3 +119,20 @@ def test_a_deepseek_size_config_json_leaves_out_is_refused_naming_it(deepseek_fo
     _rewrite(str(folder), (field,))
     with pytest.raises(CheckpointError, match=f"config.json has no '{field}', which a 'deepseek_v3' config needs"):
         load_hf(str(folder))
+
+
+@pytest.mark.parametrize("family", ["Llama", "DeepseekV3"])
+@pytest.mark.parametrize("vocab", [60, 70])
+def test_a_vocab_size_other_than_the_embedding_rows_is_refused(tmp_path, family, vocab):
+    """transformers refuses a folder whose vocab_size is not the embedding's row count (fewer or more:
+    a padded vocabulary is padded in both); the import took config.json's and built another model."""
+    kwargs = DEEPSEEK if family == "DeepseekV3" else TINY
+    torch.manual_seed(0)
+    getattr(transformers, family + "ForCausalLM")(getattr(transformers, family + "Config")(**kwargs)).save_pretrained(
+        tmp_path)
+    full = _rewrite(str(tmp_path), ())
+    assert full["vocab_size"] == 64
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**full, "vocab_size": vocab}, f)
+    with pytest.raises(CheckpointError, match=f"vocab_size is {vocab} but model.embed_tokens.weight has 64 rows"):
+        load_hf(str(tmp_path))
