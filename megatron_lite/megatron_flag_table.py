@@ -62,7 +62,7 @@ ENTRIES = (
      "the CPU-offloaded optimizer has one implementation", "drop it (--optimizer-cpu-offload stays)"),
     ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
-    ("--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
+    ("--use-precision-aware-optimizer "
      "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype "
      "--no-preserve-fp32-weights --disable-preserve-fp32-weights",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
@@ -139,7 +139,7 @@ ENTRIES = (
     ("--ddp-pad-buckets-for-high-nccl-busbw --no-gradient-reduce-div-fusion --ddp-average-in-collective "
      "--pad-buckets-for-high-nccl-busbw --disable-gradient-reduce-div-fusion --average-in-collective",
      "bucket padding and gradient averaging are fixed", DROP),
-    ("--grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype",
+    ("--grad-reduce-in-bf16",
      "gradients are always reduced in fp32 (--grad-reduce-in-fp32 is accepted)", DROP),
     ("--local-rank --lazy-mpu-init", "ranks come from the launcher's environment (RANK, LOCAL_RANK, "
      "WORLD_SIZE)", "drop it and launch with torchrun"),

@@ -53,6 +53,13 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
                                 "use --fp8-recipe delayed, tensorwise, blockwise or mxfp8")},
     "--dataloader-type": {"external": ("an outside data loader cannot be plugged in",
                                        "use --dataloader-type single or cyclic")},
+    **{flag: {v: (f"{what} always fp32 (there is no precision-aware optimizer)", f"use {flag} fp32 or drop it")
+              for v in ("bf16", "fp16", "fp8")}
+       for flag, what in (("--main-grads-dtype", "main gradients are"), ("--main-params-dtype", "master weights are"),
+                          ("--exp-avg-dtype", "Adam's first moment is"), ("--exp-avg-sq-dtype", "Adam's second moment is"))},
+    "--megatron-fsdp-grad-comm-dtype": {v: ("gradients are always reduced in fp32",
+                                            "use --megatron-fsdp-grad-comm-dtype fp32 or drop it")
+                                        for v in ("bf16", "fp16", "auto")},
 }
 """Values of flags we have that Megatron-LM takes and megatron_lite does not: flag -> value -> (why, fix)."""
 

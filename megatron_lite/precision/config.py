@@ -56,6 +56,16 @@ class PrecisionConfig:
     """Accepted for Megatron scripts: it changes nothing, the sharded strategies' reduce-scatters always sum fp32 gradients (the fp32 main_grad buffer)."""
     no_store_param_remainders: bool = False
     """Accepted for Megatron scripts: it changes nothing, the optimizer always keeps whole fp32 master weights (never a 16-bit weight plus its remainder)."""
+    main_grads_dtype: str = "fp32"
+    """Accepted for Megatron scripts: it changes nothing, main gradients are always fp32 (the only value taken)."""
+    main_params_dtype: str = "fp32"
+    """Accepted for Megatron scripts: it changes nothing, master weights are always fp32 (the only value taken)."""
+    exp_avg_dtype: str = "fp32"
+    """Accepted for Megatron scripts: it changes nothing, Adam's first moment is always fp32 (the only value taken)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Accepted for Megatron scripts: it changes nothing, Adam's second moment is always fp32 (the only value taken)."""
+    megatron_fsdp_grad_comm_dtype: str | None = None
+    """Accepted for Megatron scripts: it changes nothing, gradients are always reduced over data-parallel ranks in fp32, for every sharding strategy (fp32 is the only value taken)."""
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -337,10 +337,36 @@ def test_flags_asking_for_what_we_always_do_are_accepted_and_say_so():
     parser = build_parser()
     for flag in ACCEPTED:
         assert parser._option_string_actions[flag].help.startswith("Accepted for Megatron"), flag
-    assert "--grad-reduce-in-bf16" in REFUSED and "--megatron-fsdp-grad-comm-dtype" in REFUSED
+    assert "--grad-reduce-in-bf16" in REFUSED and not set(FP32_VALUE_FLAGS) & set(REFUSED)
     flags_md = open(os.path.join(REPO, "docs", "flags.md"), encoding="utf-8").read()
     accepted_list = flags_md.split("Accepted because they name what megatron_lite always does")[1].split("Refused")[0]
-    assert all(f"`{flag}`" in accepted_list for flag in ACCEPTED), accepted_list
+    assert all(f"`{flag}`" in accepted_list for flag in [*ACCEPTED, *FP32_VALUE_FLAGS]), accepted_list
+
+
+FP32_VALUE_FLAGS = {"--main-grads-dtype": "main_grads_dtype", "--main-params-dtype": "main_params_dtype",
+                    "--exp-avg-dtype": "exp_avg_dtype", "--exp-avg-sq-dtype": "exp_avg_sq_dtype",
+                    "--megatron-fsdp-grad-comm-dtype": "megatron_fsdp_grad_comm_dtype"}
+
+
+@pytest.mark.parametrize("flag", sorted(FP32_VALUE_FLAGS))
+def test_value_flags_asking_for_fp32_are_inert_and_other_values_are_refused_by_name(flag):
+    """Megatron-LM's precision-aware optimizer dtypes and Megatron-FSDP's gradient communication dtype
+    were refused outright, fp32 (what always happens here) too; fp32 is now accepted and changes nothing,
+    another value is refused naming the flag, the value and why."""
+    parser = training_parser("pretrain_gpt.py")
+    assert parser._option_string_actions[flag].help.startswith("Accepted for Megatron scripts: it changes nothing")
+    plain = parse_args(BASE)
+    config = parse_args(BASE + ["--bf16", flag, "fp32"])
+    assert getattr(config.precision, FP32_VALUE_FLAGS[flag]) == "fp32"
+    assert {k: v for k, v in config.flat().items() if k != FP32_VALUE_FLAGS[flag]} == \
+        {k: v for k, v in parse_args(BASE + ["--bf16"]).flat().items() if k != FP32_VALUE_FLAGS[flag]}
+    assert plain.precision.main_grads_dtype == "fp32"  # Megatron-LM's default
+    for value in ("bf16", "fp16"):
+        code, lines = _refusal(parser, BASE + [f"{flag}={value}"])
+        assert code == 2 and lines == [f"{parser.prog}: error: {flag} {value} is a Megatron-LM choice that "
+                                       f"megatron_lite does not support: {REFUSED_VALUES[flag][value][0]}; use "
+                                       f"{flag} fp32 or drop it"], lines
+        assert "fp32" in REFUSED_VALUES[flag][value][0]
 
 
 MEGATRON_FLAGS = os.path.join(REPO, "tests", "fixtures", "megatron_flags.txt")
