@@ -33,6 +33,7 @@ TASKS = ("WIKITEXT103", "PERPLEXITY", "LAMBADA")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.set_defaults(purpose="evaluation")  # what a BERT checkpoint's refusal names (build_session)
     p.add_argument("--task", required=True, choices=TASKS,
                    help="WIKITEXT103 (= PERPLEXITY): perplexity of a text; LAMBADA: last-word accuracy")
     p.add_argument("--valid-data", required=True, nargs="+",

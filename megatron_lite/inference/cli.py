@@ -118,7 +118,7 @@ def build_session(args) -> Session:
     world = int(os.environ.get("WORLD_SIZE", 1))
     tp, pp = _layout(args, world)
     state = ParallelState(tp=tp, pp=pp)
-    model, saved = load_model(args.load, state, _dtype(args), device)
+    model, saved = load_model(args.load, state, _dtype(args), device, getattr(args, "purpose", "text generation"))
     tokenizer = load_tokenizer(saved, args.load, **{k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
                                                                        "tokenizer_model", "vocab_size")})
     limit = args.max_sequence_length or context_limit(saved)

@@ -108,7 +108,7 @@ class MegatronLiteLM(TemplateLM):
             load=load, tensor_model_parallel_size=_int("tensor_model_parallel_size", tensor_model_parallel_size, None),
             pipeline_model_parallel_size=_int("pipeline_model_parallel_size", pipeline_model_parallel_size, None),
             bf16=bf16, fp16=fp16, seed=_int("seed", seed, 1234, minimum=0),
-            max_sequence_length=_int("max_length", max_length, None), max_length_flag="--model_args max_length",
+            max_sequence_length=_int("max_length", max_length, None), max_length_flag="--model_args max_length", purpose="evaluation",
             no_kv_cache=False,
             tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
             tokenizer_model=tokenizer_model, vocab_size=_int("vocab_size", vocab_size, None))

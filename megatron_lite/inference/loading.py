@@ -107,13 +107,15 @@ def build_chunk(merged: dict, saved: dict, state, params_dtype=torch.float32, de
     return model.eval()
 
 
-def load_model(path: str, state=None, params_dtype=torch.float32, device=None) -> tuple[GPTModel, dict]:
+def load_model(path: str, state=None, params_dtype=torch.float32, device=None,
+               purpose: str = "text generation") -> tuple[GPTModel, dict]:
     """This rank's chunk of the GPT checkpoint at ``path`` (a save folder or an ``iter_*`` folder)
-    for the layout of ``state`` (default: one process), and the checkpoint's flat config."""
+    for the layout of ``state`` (default: one process), and the checkpoint's flat config; ``purpose``:
+    what a BERT checkpoint's refusal says needs a GPT one."""
     state = state if state is not None else ParallelState(world_size=1, rank=0)
     merged, saved = merge_checkpoint(path)
     if "bert_no_binary_head" in saved:
-        raise CheckpointError(f"{path} holds a BERT checkpoint; text generation needs a GPT checkpoint")
+        raise CheckpointError(f"{path} holds a BERT checkpoint; {purpose} needs a GPT checkpoint")
     refuse_lora(path, saved)
     check_layout(state, saved)
     merged = {k: v for k, v in merged.items() if not is_fp8_state_key(k)}

@@ -245,3 +245,29 @@ def test_ppl_and_adjusted_ppl_are_capped_at_exp_20():
     assert high.adjusted_ppl == pytest.approx(math.exp(20))
     low = perplexity(Engine(2.0), list(range(9)), seq_length=4, stride=2, num_words=5, progress=False)
     assert low.ppl == pytest.approx(math.exp(2.0)) and low.adjusted_ppl == pytest.approx(math.exp(2.0 * 8 / 4))
+
+
+def test_a_bert_checkpoint_is_refused_naming_evaluation(tmp_path, capsys):
+    """tools/evaluate.py given a BERT checkpoint said "text generation needs a GPT checkpoint"
+    (generate.py's words); it names evaluation. tools/generate.py keeps its own."""
+    from megatron_lite.checkpoint import CheckpointError, save_checkpoint
+    from megatron_lite.config import Config, ModelConfig
+    from megatron_lite.models import BertModel, TransformerConfig
+    from megatron_lite.parallel.state import ParallelState
+    from pretrain_bert import BertConfig
+
+    model = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=32,
+                        max_position_embeddings=32, vocab_size=64, make_vocab_size_divisible_by=8)
+    model.padded_vocab_size = 64
+    run = Config(model=model, extra_sections=("bert",))
+    run.bert, run.data.tokenizer_type, run.checkpoint.save = BertConfig(), "NullTokenizer", str(tmp_path / "bert")
+    state = ParallelState()
+    save_checkpoint(1, [BertModel(TransformerConfig.from_model(model), state)], None, None, 1, run, state)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "1 2 3 4"}\n')
+    assert load_tool("evaluate").main(["--task", "WIKITEXT103", "--load", run.checkpoint.save,
+                                       "--valid-data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a BERT checkpoint; evaluation needs a GPT checkpoint" in err and err.count("\n") == 1, err
+    with pytest.raises(CheckpointError, match="holds a BERT checkpoint; text generation needs a GPT checkpoint"):
+        load_model(run.checkpoint.save)
