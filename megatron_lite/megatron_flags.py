@@ -64,6 +64,10 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
 """Values of flags we have that Megatron-LM takes and megatron_lite does not: flag -> value -> (why, fix)."""
 
 
+BERT_ONLY = ("--bert-no-binary-head", "--mask-prob", "--short-seq-prob", "--bert-load")
+"""pretrain_bert.py's own flags (its BertConfig section): another script names the script that takes them."""
+
+
 COMMA_PAIRS = ("--window-size",)
 """Flags Megatron-LM parses as one "A,B" argument (its tuple type) that take two values here."""
 
@@ -93,23 +97,30 @@ def megatron_flag_message(flag: str) -> str | None:
     return f"{flag} is a Megatron-LM flag that megatron_lite does not support: {why}; {fix}"
 
 
+def bert_flag_message(flag: str) -> str | None:
+    """The one-line refusal of pretrain_bert.py's flag ``flag`` by another script, or None."""
+    if flag not in BERT_ONLY:
+        return None
+    return f"{flag} is pretrain_bert.py's flag (BERT pretraining), not this script's: drop it, or train BERT with pretrain_bert.py"
+
+
 def unknown_flag_message(extras: list[str], known: list[str]) -> tuple[str, bool]:
     """argparse's error for unrecognised arguments ``extras`` (``--flag=value`` or ``--flag value``), and
-    whether it is a Megatron-LM flag's refusal: that refusal if one of them is such a flag, else the first
-    unknown flag with the closest of ``known``. The other unrecognised flags are named after it, so one
+    whether it is a refusal that names its fix: a Megatron-LM flag's if one of them is such a flag, else a
+    flag of pretrain_bert.py's (:data:`BERT_ONLY`), else the first unknown flag with the closest of ``known``. The other unrecognised flags are named after it, so one
     line covers a pasted script."""
     flags = [a.split("=", 1)[0] for a in extras if a.startswith("--")]
     if not flags:
         return f"unrecognized arguments: {' '.join(extras)}", False
-    first = next((f for f in flags if f in REFUSED), flags[0])
-    message = megatron_flag_message(first)
+    first = next((f for f in flags if f in REFUSED), None) or next((f for f in flags if f in BERT_ONLY), flags[0])
+    message = megatron_flag_message(first) or bert_flag_message(first)
     if message is None:
         close = difflib.get_close_matches(first, known, n=1, cutoff=0.8)
         message = f"unrecognized arguments: {first}" + (f" (did you mean {close[0]}?)" if close else "")
     others = [f for f in dict.fromkeys(flags) if f != first]
     if others:
         message += f" [also not recognized: {' '.join(others)}]"
-    return message, first in REFUSED
+    return message, first in REFUSED or first in BERT_ONLY
 
 
 class RefusedFlag(argparse.Action):

@@ -110,3 +110,23 @@ def test_pretrain_refuses_train_iters_0_as_the_command_line_does(tmp_path):
         pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                  pretrain_gpt.make_datasets_provider(tokenizer))
     assert not save.exists()
+
+
+@pytest.mark.parametrize("flags, first", [(["--mask-prob", "0.15"], "--mask-prob"),
+                                          (["--short-seq-prob=0.2"], "--short-seq-prob"),
+                                          (["--bert-no-binary-head"], "--bert-no-binary-head"),
+                                          (["--num-layer", "2", "--bert-load", "x"], "--bert-load")])
+def test_pretrain_gpt_names_pretrain_berts_flags(capsys, flags, first):
+    """pretrain_gpt.py --mask-prob got argparse's bare "unrecognized arguments"; it says whose flag it is."""
+    import pretrain_gpt
+    from megatron_lite.megatron_flags import BERT_ONLY
+    from tests.doc_blocks import training_parser
+
+    ours = set(training_parser("pretrain_bert.py")._option_string_actions)
+    assert set(BERT_ONLY) == ours - set(training_parser("pretrain_gpt.py")._option_string_actions)
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(BASE + flags)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert err.value.code == 2 and len(lines) == 1, lines
+    assert f": error: {first} is pretrain_bert.py's flag (BERT pretraining), not this script's: drop it, or train " \
+        "BERT with pretrain_bert.py" in lines[0], lines
