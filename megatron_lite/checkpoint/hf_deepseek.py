@@ -46,7 +46,8 @@ Routing (transformers' ``DeepseekV3TopkRouter``): sigmoid scores, selection on s
 the ``topk_group`` best of ``n_group`` groups (a group scores its top 2), weights the selected
 scores normalised (``norm_topk_prob``) times ``routed_scaling_factor``. Ours equals it with
 ``--moe-router-score-function sigmoid --moe-router-enable-expert-bias`` and, with groups,
-``--moe-router-topk`` / ``--moe-router-group-topk`` = 2 (our group score sums the top topk/group_topk);
+``--moe-router-topk`` / ``--moe-router-group-topk`` = 2 (our group score sums the top topk/group_topk; a
+group-topk equal to the group count keeps every group and is exported as ungrouped routing);
 our sigmoid weights are normalised exactly when top-k > 1. A field config.json leaves out is read
 as transformers reads it, with DeepseekV3Config's default (:data:`HF_DEFAULTS`), except the sizes the weights
 give (:data:`SIZES`, :data:`MOE_SIZES`), refused naming the field as in every HF import. The router runs in fp32 (``--moe-router-dtype
@@ -123,6 +124,14 @@ def _layer_pattern(cfg: dict) -> tuple[list[bool], int]:
     return pattern, k
 
 
+def grouped_routing(cfg: dict) -> bool:
+    """Whether the router limits each token to some of its expert groups: ``--moe-router-num-groups``
+    with a ``--moe-router-group-topk`` below it (keeping every group limits nothing, and is exported
+    as ungrouped routing)."""
+    groups = cfg.get("moe_router_num_groups")
+    return bool(groups) and (cfg.get("moe_router_group_topk") or groups) < groups
+
+
 def check_deepseek(cfg: dict) -> None:
     """Raise one ConfigError naming the first option the deepseek_v3 format cannot express."""
     _require(cfg.get("multi_latent_attention"), "a model without --multi-latent-attention cannot be expressed in the "
@@ -148,8 +157,8 @@ def check_deepseek(cfg: dict) -> None:
                  "deepseek_v3 format")
     _require("sinkhorn" not in (cfg.get("moe_router_load_balancing_type") or []),
              "--moe-router-load-balancing-type sinkhorn cannot be expressed in the deepseek_v3 format")
-    topk, groups = cfg["moe_router_topk"], cfg.get("moe_router_num_groups")
-    _require(not groups or topk // cfg["moe_router_group_topk"] == 2, f"--moe-router-topk {topk} / "
+    topk = cfg["moe_router_topk"]
+    _require(not grouped_routing(cfg) or topk // cfg["moe_router_group_topk"] == 2, f"--moe-router-topk {topk} / "
              f"--moe-router-group-topk {cfg.get('moe_router_group_topk')} != 2 cannot be expressed in the deepseek_v3 "
              "format (a group scores the sum of its top 2 experts there)")
     shared, ffn = cfg.get("moe_shared_expert_intermediate_size"), cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
@@ -184,7 +193,7 @@ def _hf_config(cfg: dict, first_dense: int, embedding: torch.Tensor) -> dict:
     layers, heads, experts = cfg["num_layers"], cfg["num_attention_heads"], int(cfg.get("num_experts") or 0)
     ffn = cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"]
     moe_ffn = cfg.get("moe_ffn_hidden_size") or ffn
-    topk, groups = int(cfg.get("moe_router_topk", 2)), cfg.get("moe_router_num_groups")
+    topk, groups = int(cfg.get("moe_router_topk", 2)), cfg.get("moe_router_num_groups") if grouped_routing(cfg) else None
     rope_parameters, rope_scaling = rope_to_hf(cfg)
     dtype = str(embedding.dtype).replace("torch.", "")
     return {

@@ -376,7 +376,7 @@ EXPORT_REFUSALS = [
     (dict(moe_shared_expert_gate=True), "--moe-shared-expert-gate cannot be expressed"),
     (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor (capacity dropping) cannot be expressed"),
     (dict(moe_router_load_balancing_type=["sinkhorn"]), "sinkhorn cannot be expressed"),
-    (dict(moe_router_group_topk=2), "--moe-router-topk 2 / --moe-router-group-topk 2 != 2 cannot be expressed"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=2), "--moe-router-topk 2 / --moe-router-group-topk 2 != 2 cannot be expressed"),
     (dict(moe_shared_expert_intermediate_size=24), "--moe-shared-expert-intermediate-size 24 cannot be expressed"),
     (dict(rope_type="rope", rotary_scaling_factor=4.0, mscale_all_dim=1.0), "--rope-type rope with "
      "--rotary-scaling-factor and --mscale-all-dim"),
