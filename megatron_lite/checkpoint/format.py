@@ -53,13 +53,17 @@ TOKENIZER_FILE_FLAGS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def saved_config(config) -> dict:
-    """The flat config a checkpoint records: the run's flags, with each tokenizer file that exists
-    named by its absolute path, so that tools/generate.py, the server, lm-eval and the converter find
-    it from any folder (a run given ``--tokenizer-model data/spm.model`` named it relative to where it started)."""
+    """The flat config a checkpoint records: the run's flags, with each file they name that exists (a
+    tokenizer file, a ``--spec`` .py file) by its absolute path, so that tools/generate.py, the server,
+    lm-eval and the converter find it from any folder (a run given ``--tokenizer-model data/spm.model``
+    or ``--spec my_specs.py NAME`` named it relative to where it started)."""
     flat = config.flat()
     for key in TOKENIZER_FILE_FLAGS:
         if isinstance(flat.get(key), str) and os.path.exists(flat[key]):
             flat[key] = os.path.abspath(flat[key])
+    spec = flat.get("spec")
+    if isinstance(spec, (list, tuple)) and len(spec) == 2 and os.path.isfile(spec[0]):
+        flat["spec"] = [os.path.abspath(spec[0]), spec[1]]
     return flat
 
 

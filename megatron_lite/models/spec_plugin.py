@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 from ..errors import ConfigError
 from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .mlp import MLP
-from .spec import LayerSpec, is_path, load_spec, resolve_spec, spec_flag
+from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
 
 def _unwrap(factory):
@@ -164,5 +163,3 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: --softmax-type {config.model.softmax_type} is set but core_attention "
                           f"{getattr(plain[0], '__name__', plain[0])} has no sink; subclass DotProductAttention in the "
                           "spec or drop --softmax-type")
-    if is_path(module):  # saved with checkpoints: absolute, so a tool run from another folder finds the file
-        config.model.spec = [os.path.abspath(module), config.model.spec[1]]
