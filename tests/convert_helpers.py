@@ -85,3 +85,24 @@ def same_optimizer(got: dict, want: dict, shard_rows: int, real_rows: int) -> No
     for a, b in pairs:
         rows = real_rows if a.dim() > 0 and a.shape[0] == shard_rows else None
         assert a.shape == b.shape and (torch.equal(a[:rows], b[:rows]) if a.dim() else torch.equal(a, b))
+
+
+def save_ours(folder, model: dict, moe: dict) -> str:
+    """A random model of ours of these ``ModelConfig`` and ``MoEConfig`` fields (a padded vocabulary of 104),
+    saved as iteration 5 under ``folder`` (a path); returns the checkpoint folder."""
+    from megatron_lite.checkpoint import save_checkpoint
+    from megatron_lite.config import Config, ModelConfig
+    from megatron_lite.models import GPTModel, TransformerConfig
+    from megatron_lite.moe.config import MoEConfig, moe_fields
+    from megatron_lite.parallel.state import ParallelState
+
+    model_cfg = ModelConfig(**model)
+    model_cfg.padded_vocab_size = 104
+    config = Config(model=model_cfg, moe=MoEConfig(**moe))
+    state = ParallelState()
+    tc = TransformerConfig.from_model(config.model, tensor_model_parallel_size=1, **moe_fields(config.moe))
+    net = GPTModel(tc, state).eval()
+    randomize(net, state)
+    config.checkpoint.save = str(folder / "ckpt")
+    save_checkpoint(5, [net], None, None, 40, config, state)
+    return config.checkpoint.save

@@ -27,14 +27,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, save_checkpoint
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint
 from megatron_lite.errors import ConfigError
-from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.models import TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
-from megatron_lite.moe.config import MoEConfig, moe_fields
-from megatron_lite.parallel.state import ParallelState
-from tests.convert_helpers import assert_same_weights, convert, randomize
+from tests.convert_helpers import assert_same_weights, convert, save_ours
 
 transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("safetensors.torch")
@@ -227,16 +224,7 @@ OURS_MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, moe_la
 
 @pytest.fixture(scope="module")
 def ours_checkpoint(tmp_path_factory):
-    model_cfg = ModelConfig(**OURS)
-    model_cfg.padded_vocab_size = 104
-    config = Config(model=model_cfg, moe=MoEConfig(**OURS_MOE))
-    state = ParallelState()
-    tc = TransformerConfig.from_model(config.model, tensor_model_parallel_size=1, **moe_fields(config.moe))
-    model = GPTModel(tc, state).eval()
-    randomize(model, state)
-    config.checkpoint.save = str(tmp_path_factory.mktemp("ours") / "ckpt")
-    save_checkpoint(5, [model], None, None, 40, config, state)
-    return config.checkpoint.save
+    return save_ours(tmp_path_factory.mktemp("ours"), OURS, OURS_MOE)
 
 
 def test_export_gives_the_same_logits_in_transformers(ours_checkpoint, tmp_path):

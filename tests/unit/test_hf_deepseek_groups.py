@@ -8,15 +8,11 @@ import json
 import pytest
 import torch
 
-from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint, save_checkpoint
+from megatron_lite.checkpoint import load_gpt_checkpoint, merge_checkpoint
 from megatron_lite.checkpoint.hf_deepseek import check_deepseek
-from megatron_lite.config import Config, ModelConfig
 from megatron_lite.errors import ConfigError
-from megatron_lite.models import GPTModel, TransformerConfig
-from megatron_lite.moe.config import MoEConfig, moe_fields
-from megatron_lite.parallel.state import ParallelState
-from tests.convert_helpers import convert, randomize
-from tests.unit.test_hf_deepseek import OURS, OURS_MOE, TOKENS, VOCAB
+from tests.convert_helpers import convert
+from tests.unit.test_hf_deepseek import OURS, OURS_MOE, TOKENS, VOCAB, save_ours
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -25,16 +21,7 @@ EVERY_GROUP = {**OURS_MOE, "moe_router_topk": 3, "moe_router_num_groups": 2, "mo
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model_cfg = ModelConfig(**{**OURS, "mtp_num_layers": None})
-    model_cfg.padded_vocab_size = 104
-    config = Config(model=model_cfg, moe=MoEConfig(**EVERY_GROUP))
-    state = ParallelState()
-    tc = TransformerConfig.from_model(config.model, tensor_model_parallel_size=1, **moe_fields(config.moe))
-    model = GPTModel(tc, state).eval()
-    randomize(model, state)
-    config.checkpoint.save = str(tmp_path_factory.mktemp("ours") / "ckpt")
-    save_checkpoint(5, [model], None, None, 40, config, state)
-    return config.checkpoint.save
+    return save_ours(tmp_path_factory.mktemp("ours"), {**OURS, "mtp_num_layers": None}, EVERY_GROUP)
 
 
 def test_every_group_kept_exports_as_ungrouped_routing_with_the_same_logits(checkpoint, tmp_path):
