@@ -180,8 +180,10 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     return any(w in cpu_flags() for w in wanted)
 
 
+@functools.cache
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX matrix units (Linux CPU flags; False where they cannot be read)."""
+    """Whether this CPU has AMX matrix units (Linux CPU flags; False where they cannot be read). Cached:
+    the core attention asks on every call (models/cpu_attention.beats_cpu_sdpa)."""
     return any(f.startswith("amx") for f in cpu_flags())
 
 
