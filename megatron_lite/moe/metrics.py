@@ -15,6 +15,8 @@ way (:func:`plugin_loss_values`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -109,30 +111,62 @@ def moe_step_values(chunks, state, config, num_microbatches: int) -> tuple[dict[
     return moe_log_values(per_layer, sum(pattern)), scalars
 
 
+# The auxiliary-loss names a --spec's modules log, per model (keyed by the first chunk; the same on
+# every rank): learned by one exchange of names, and again only when a rank logs a name outside them.
+_PLUGIN_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _all_names(local: set[str]) -> list[str]:
+    """Every rank's names (collective over the world; only when some rank logs a name not yet known)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(local))
+        local = set().union(*every)
+    return sorted(local)
+
+
+def _reduce_plugin_losses(found, state, names: list[str], new_here: bool):
+    """Per name: (the loss summed over pp and TP x CP, then over DP x CP; the number of modules on
+    this pipeline column that log it; whether any rank logs it), and whether any rank logs a name
+    outside ``names``. Tensor collectives only: three all-reduces of one vector, whatever the names."""
+    device = get_device()
+    values, counts = [], []
+    for name in names:
+        held = [m.aux_losses[name] for m in found if name in m.aux_losses]
+        values.append(torch.stack([v.detach().float().reshape(()).to(device) for v in held]).sum() if held
+                      else torch.zeros((), dtype=torch.float32, device=device))
+        counts.append(float(len(held)))
+    k = len(names)
+    counts = torch.tensor(counts + [1.0 if new_here else 0.0], dtype=torch.float32, device=device)
+    with torch.no_grad():  # layout: values[k], counts[k] (summed over pp only), held anywhere[k], new name[1]
+        vector = _sum(torch.cat([torch.stack(values) if values else counts[:0], counts[:k], counts]), state.pp_group)
+        rest = torch.cat([vector[:k], vector[2 * k:]])
+        rest = _sum(rest, state.group("tp_cp"), state.dp_cp_group)
+    out = torch.cat([rest[:k], vector[k:2 * k], rest[k:]]).tolist()  # one copy to the host
+    return out[:k], out[k:2 * k], [x > 0 for x in out[2 * k:3 * k]], out[-1] > 0
+
+
 def plugin_loss_values(chunks, state, num_microbatches: int) -> dict[str, float]:
     """The console values of the auxiliary losses that modules of a ``--spec`` log (collective, every
     rank, every iteration of a run with --spec): a module other than a router that holds an
     ``aux_losses`` dict (name -> this rank's partial, summed over the step's micro-batches; the
     partials of the TP x CP ranks of a micro-batch sum to its loss) is reduced as the routers' losses
     are: summed over pipeline stages and TP x CP, averaged over DP x CP, divided by the micro-batches,
-    averaged over the modules that log the name. Resets the dicts."""
+    averaged over the modules that log the name. A name is reported on the steps some rank logs it.
+    Resets the dicts. The names are exchanged (``all_gather_object``) only on a step where some rank
+    logs one not seen before in this model (the first step of a run whose spec logs any); the values
+    travel in one tensor with a flag that tells every rank when that happens."""
     found = [m for chunk in chunks for m in chunk.modules()
              if isinstance(getattr(m, "aux_losses", None), dict) and not isinstance(m, TopKRouter)]
-    names = sorted({name for m in found for name in m.aux_losses})
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a stage without such modules learns the names
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, names)
-        names = sorted(set().union(*every))
-    device, out = get_device(), {}
-    for name in names:
-        held = [m.aux_losses[name] for m in found if name in m.aux_losses]
-        value = torch.stack([v.detach().float().reshape(()).to(device) for v in held]).sum() if held \
-            else torch.zeros((), dtype=torch.float32, device=device)
-        count = torch.tensor(float(len(held)), device=device)
-        with torch.no_grad():
-            value = _sum(_sum(value, state.pp_group, state.group("tp_cp")), state.dp_cp_group)
-            count = _sum(count, state.pp_group)
-        out[name] = float(value) / comm.group_size(state.dp_cp_group) / num_microbatches / max(float(count), 1.0)
+    local = {name for m in found for name in m.aux_losses}
+    names = _PLUGIN_NAMES.get(chunks[0], [])
+    values, counts, logged, new_somewhere = _reduce_plugin_losses(found, state, names, bool(local - set(names)))
+    if new_somewhere:  # every rank sees the flag: learn the names, then reduce again with them
+        names = _PLUGIN_NAMES[chunks[0]] = _all_names(local | set(names))
+        values, counts, logged, _ = _reduce_plugin_losses(found, state, names, False)
+    size = comm.group_size(state.dp_cp_group)
+    out = {name: value / size / num_microbatches / max(count, 1.0)
+           for name, value, count, here in zip(names, values, counts, logged) if here}
     for module in found:
         module.aux_losses = {}
     return out
