@@ -10,8 +10,8 @@ checkpoints save, so a tool rebuilding the model from a checkpoint builds the sa
 a module that cannot be imported, a missing name, an object that is neither, a function that does not
 return a LayerSpec, and a spec that would silently drop a flag (``--context-parallel-size`` > 1 with
 a core attention that is neither ContextParallelAttention nor a class setting ``context_parallel = True``, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
-or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` without
-MLA, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
+or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` with a
+layer whose self_attention is not MLASelfAttention, or MLASelfAttention without the flag, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
 keys, ``--qk-l2-norm`` or ``--add-qkv-bias`` with a layer whose block is not SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
 MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer).
@@ -123,6 +123,27 @@ def _first_other(specs: list[LayerSpec], cls) -> int | None:
     return next((i for i, s in enumerate(specs, 1) if not _is(s.self_attention, cls)), None)
 
 
+def _check_mla_layers(model, specs: list[LayerSpec], flag: str) -> None:
+    """``--multi-latent-attention`` describes every layer: it sizes the rotary tables (the
+    --qk-pos-emb-head-dim channels MLA rotates, else the head's), sets the softmax scale (MLA's, from
+    --qk-head-dim + --qk-pos-emb-head-dim) and makes --kv-lora-rank and the other MLA sizes apply. A
+    layer whose self_attention disagrees with it (stock attention under the flag, MLASelfAttention
+    without it) would get the other kind's tables and scale: refused, naming the first such layer."""
+    from .mla import MLASelfAttention
+
+    is_mla = [_is(s.self_attention, MLASelfAttention) for s in specs]
+    if model.multi_latent_attention and not all(is_mla):
+        layer = is_mla.index(False) + 1
+        raise ConfigError(f"{flag}: --multi-latent-attention is set but layer {layer}'s self_attention is not "
+                          "megatron_lite.models.mla.MLASelfAttention (the flag sets every layer's rotary tables and "
+                          "softmax scale for MLA); use MLASelfAttention (or a subclass) in every layer or drop the flag")
+    if not model.multi_latent_attention and any(is_mla):
+        layer = is_mla.index(True) + 1
+        raise ConfigError(f"{flag}: layer {layer}'s self_attention is megatron_lite.models.mla.MLASelfAttention but "
+                          "--multi-latent-attention is not set (the flag sets MLA's rotary tables, softmax scale and "
+                          "--kv-lora-rank / head sizes); add --multi-latent-attention or use another self_attention")
+
+
 def check_spec(config) -> None:
     """Refuse (ConfigError) a ``--spec`` that cannot be loaded or would silently drop one of the flags
     the default spec honours. ``config`` is the run's Config."""
@@ -141,9 +162,6 @@ def check_spec(config) -> None:
                           "--context-parallel-size > 1 use megatron_lite.parallel.context.ContextParallelAttention (or a "
                           "module of your own that attends across the context-parallel ranks and sets context_parallel = True)")
     _check_moe_layers(config.moe, specs, flag)
-    if config.model.multi_latent_attention and not any(_is(s.self_attention, MLASelfAttention) for s in specs):
-        raise ConfigError(f"{flag}: --multi-latent-attention is set but no layer's self_attention is "
-                          "megatron_lite.models.mla.MLASelfAttention; use it in the spec or drop the flag")
     if config.model.qk_layernorm and (layer := _first_other(specs, (SelfAttention, MLASelfAttention))):
         raise ConfigError(f"{flag}: --qk-layernorm is set but layer {layer}'s self_attention is not megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
@@ -152,6 +170,7 @@ def check_spec(config) -> None:
         if getattr(config.model, field, False) and (layer := _first_other(specs, SelfAttention)):
             raise ConfigError(f"{flag}: {name} is set but layer {layer}'s self_attention is not megatron_lite.models."
                               "attention.SelfAttention (the block that applies it); use it in the spec or drop the flag")
+    _check_mla_layers(config.model, specs, flag)
     _check_mlp_flags(config.model, specs, flag)
     window = config.model.window_size
     plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,

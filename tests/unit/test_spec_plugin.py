@@ -160,6 +160,34 @@ def test_a_spec_that_would_drop_a_flag_is_refused(specs, capsys, flags, world, w
         assert w in line, line
 
 
+MLA_SPECS = CUSTOM_ATTENTION + '''
+
+def mixed(layer_number):
+    return mla if layer_number == 1 else LayerSpec()
+'''
+
+
+@pytest.mark.parametrize("flags, name, words", [
+    ([], "mla", ["layer 1's self_attention is", "MLASelfAttention", "--multi-latent-attention is not set"]),
+    (["--multi-latent-attention"], "mixed", ["--multi-latent-attention is set", "layer 2's", "MLASelfAttention"]),
+])
+def test_multi_latent_attention_must_agree_with_every_spec_layer(tmp_path, capsys, flags, name, words):
+    """The flag sizes every layer's rotary tables and softmax scale for MLA: a spec that used
+    MLASelfAttention without it, or stock attention next to MLA with it, crashed in the first forward
+    with a tensor size mismatch (or, with a head of --qk-pos-emb-head-dim channels, trained with the
+    other kind's scale). Refused in one line; a spec with MLA in every layer takes the flag."""
+    path = tmp_path / "mla_specs.py"
+    path.write_text(MLA_SPECS)
+    rope = ["--position-embedding-type", "rope"]
+    parse_args(TINY + rope + ["--multi-latent-attention", "--spec", str(path), "mla"])
+    with pytest.raises(SystemExit) as err:
+        parse_args(TINY + rope + flags + ["--spec", str(path), name])
+    assert err.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    for w in ["--spec"] + words:
+        assert w in line, line
+
+
 def _mlp_params(result_model) -> dict[int, int]:
     return {layer.layer_number: sum(p.numel() for p in layer.mlp.parameters()) for layer in result_model.decoder.layers}
 
