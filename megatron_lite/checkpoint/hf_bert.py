@@ -21,6 +21,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..fusions.config import tanh_gelu
 from .hf import _dims, _require, qkv_to_separate, separate_to_qkv
+from .hf_defaults import require_sizes
 
 ATTN, QKV, PROJ = "self_attention.", "self_attention.linear_qkv.", "self_attention.linear_proj."
 # ours (per layer) <-> Hugging Face (per layer), weights and biases alike
@@ -87,6 +88,7 @@ def to_bert(cfg: dict, sd: dict) -> tuple[dict, dict]:
 def from_bert(hf: dict, hf_sd: dict) -> tuple[dict, dict]:
     """(flat config, single-process unpadded BERT state dict) of a megatron-bert config and tensors
     (the binary head when the weights have ``cls.seq_relationship``)."""
+    require_sizes(hf, "megatron-bert")
     _require(hf.get("hidden_act", "gelu") == "gelu", f"hidden_act {hf.get('hidden_act')!r} cannot be expressed "
              "(BERT's GeLU is exact: 'gelu')")
     _require(not hf.get("is_decoder") and not hf.get("add_cross_attention"), "is_decoder / add_cross_attention (a "

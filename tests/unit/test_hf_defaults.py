@@ -2,10 +2,10 @@
 class's default, and so must the HF import (``megatron_lite.checkpoint.hf_defaults``). Each case saves a tiny
 model whose config.json writes the field at that default, removes it, and imports the folder: the same
 config and tensors as with the field written. The imports used to read their own fallbacks: no window
-for Mistral (4096), every head its own key/value head (8 for Mistral, Mixtral and gpt-oss, 32 for Qwen2 /
-Qwen3, 4 for Qwen3-MoE), hidden / heads for Qwen3's and gpt-oss's head size (128, 64), an aux-loss
-coefficient 0 (0.001), plain RoPE for gpt-oss (yarn), Qwen2's window from layer 0 (28)... A size the
-weights give is refused with one line naming the field."""
+for Mistral (4096), an aux-loss coefficient 0 (0.001), plain RoPE for gpt-oss (yarn), Qwen2's window
+from layer 0 (28)... A size the weights give (key/value heads and head size included, where the config
+class has a number of its own for them, and the expert count) is refused with one line naming the field,
+in every family: it is not filled with a reference model's."""
 
 import json
 
@@ -23,34 +23,22 @@ MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 CASES = {  # id: (config class, model class, config kwargs, the fields config.json leaves out)
     "llama-max_position_embeddings": ("Llama", TINY, dict(max_position_embeddings=2048), ()),
     "mistral-sliding_window": ("Mistral", TINY, dict(sliding_window=4096), ()),
-    "mistral-num_key_value_heads": ("Mistral", TINY, dict(num_attention_heads=16, num_key_value_heads=8, head_dim=4), ()),
     "mistral-max_position_embeddings": ("Mistral", TINY, dict(max_position_embeddings=131072), ()),
-    "mixtral-num_key_value_heads": ("Mixtral", TINY, dict(MOE, num_attention_heads=16, num_key_value_heads=8), ()),
     "mixtral-router_aux_loss_coef": ("Mixtral", TINY, dict(MOE, router_aux_loss_coef=0.001), ()),
     "mixtral-max_position_embeddings": ("Mixtral", TINY, dict(MOE, max_position_embeddings=131072), ()),
-    "qwen2-num_key_value_heads": ("Qwen2", TINY, dict(hidden_size=64, num_attention_heads=64, num_key_value_heads=32), ()),
     "qwen2-max_position_embeddings": ("Qwen2", TINY, dict(max_position_embeddings=32768), ()),
     "qwen2-max_window_layers": ("Qwen2", TINY, dict(use_sliding_window=True, sliding_window=8, max_window_layers=28),
                                 ("layer_types",)),  # written by transformers 5 (computed from it); not by 4
-    "qwen3-num_key_value_heads": ("Qwen3", TINY, dict(num_attention_heads=64, num_key_value_heads=32, head_dim=4), ()),
-    "qwen3-head_dim": ("Qwen3", TINY, dict(head_dim=128), ()),
     "qwen3-max_position_embeddings": ("Qwen3", TINY, dict(head_dim=8, max_position_embeddings=32768), ()),
-    "qwen3_moe-num_key_value_heads": ("Qwen3Moe", TINY, dict(moe_intermediate_size=8, num_experts=4,
-                                                             num_experts_per_tok=2, num_attention_heads=8,
-                                                             num_key_value_heads=4), ()),
     "qwen3_moe-router_aux_loss_coef": ("Qwen3Moe", TINY, dict(moe_intermediate_size=8, num_experts=4,
                                                               num_experts_per_tok=2, router_aux_loss_coef=0.001), ()),
-    "qwen3_moe-num_local_experts": ("Qwen3Moe", TINY, dict(moe_intermediate_size=4, num_experts=128), ()),
-    "gpt_oss-num_key_value_heads": ("GptOss", TINY, dict(MOE, num_attention_heads=16, num_key_value_heads=8,
-                                                         head_dim=4), ()),
-    "gpt_oss-head_dim": ("GptOss", TINY, dict(MOE, head_dim=64), ()),
     "gpt_oss-sliding_window": ("GptOss", TINY, dict(MOE, head_dim=8, sliding_window=128), ()),
     "gpt_oss-router_aux_loss_coef": ("GptOss", TINY, dict(MOE, head_dim=8, router_aux_loss_coef=0.001), ()),
     "gpt_oss-rope_parameters": ("GptOss", TINY, dict(MOE, head_dim=8), ()),  # the default: yarn, factor 32
 }
 MODELS = {"Llama": "LlamaForCausalLM", "Mistral": "MistralForCausalLM", "Mixtral": "MixtralForCausalLM",
           "Qwen2": "Qwen2ForCausalLM", "Qwen3": "Qwen3ForCausalLM", "Qwen3Moe": "Qwen3MoeForCausalLM",
-          "GptOss": "GptOssForCausalLM"}
+          "GptOss": "GptOssForCausalLM", "MegatronBert": "MegatronBertForPreTraining"}
 
 
 def _save(tmp_path, family: str, kwargs: dict) -> str:
@@ -84,13 +72,42 @@ def test_a_field_config_json_leaves_out_imports_as_transformers_reads_it(tmp_pat
     assert all(torch.equal(left_out.state_dict[k], v) for k, v in written.state_dict.items())
 
 
-def test_a_size_config_json_leaves_out_is_refused_naming_it(tmp_path):
-    """The weights give the sizes: a config.json without one is refused naming it (transformers would
-    read a reference model's size that the weights do not have)."""
-    folder = _save(tmp_path, "Llama", TINY)
-    _rewrite(folder, ("hidden_size",))
-    with pytest.raises(CheckpointError, match="config.json has no 'hidden_size'"):
-        load_hf(folder)
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+QWEN3_MOE = dict(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+SIZE_CASES = {  # family: (config kwargs, the sizes config.json must give, also dropped with the first of them)
+    "Llama": (TINY, SIZES, {}),
+    "Mistral": (dict(TINY, head_dim=8), SIZES + ("num_key_value_heads",), {}),
+    "Mixtral": (dict(TINY, **MOE), SIZES + ("num_key_value_heads", "num_local_experts"), {}),
+    "Qwen2": (TINY, SIZES + ("num_key_value_heads",), {}),
+    "Qwen3": (dict(TINY, head_dim=8), SIZES + ("num_key_value_heads", "head_dim"), {}),
+    "Qwen3Moe": (dict(TINY, **QWEN3_MOE), SIZES + ("num_key_value_heads", "moe_intermediate_size", "num_experts"),
+                 {"num_experts": ("num_local_experts",)}),  # either name (transformers 5 writes the second)
+    "GptOss": (dict(TINY, **MOE, head_dim=8), SIZES + ("num_key_value_heads", "head_dim", "num_local_experts"), {}),
+    "MegatronBert": (dict(TINY, num_key_value_heads=None), SIZES + ("max_position_embeddings", "type_vocab_size"), {}),
+}
+
+
+@pytest.mark.parametrize("family", list(SIZE_CASES))
+def test_a_size_config_json_leaves_out_is_refused_naming_it(tmp_path, family):
+    """The weights give the sizes: a config.json without one is refused naming it, as DeepSeek-V3's
+    import does (transformers would read a reference model's size, which the weights need not have).
+    Key/value heads, Qwen3's and gpt-oss's head size and Qwen3-MoE's expert count used to be filled
+    with transformers' numbers (8, 32, 4 heads; 128, 64; 128 experts); a missing one now fails here."""
+    kwargs, sizes, also = SIZE_CASES[family]
+    folder = _save(tmp_path, family, {k: v for k, v in kwargs.items() if v is not None})
+    full = _rewrite(folder, ())
+    load_hf(folder)  # complete: imports
+    kind = full["model_type"]
+    for field in sizes:
+        assert field in full or set(also.get(field, ())) & set(full), field
+        _rewrite_from(folder, full, (field, *also.get(field, ())))
+        with pytest.raises(CheckpointError, match=f"config.json has no '{field}', which a '{kind}' config needs"):
+            load_hf(folder)
+
+
+def _rewrite_from(folder: str, full: dict, drop) -> None:
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump({k: v for k, v in full.items() if k not in drop}, f)
 
 
 DEEPSEEK = dict(TINY, num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=8, qk_rope_head_dim=4,
