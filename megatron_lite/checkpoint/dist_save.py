@@ -52,7 +52,7 @@ from .format import (
     tensor_crc,
     with_checksums,
 )
-from .save_lost import PEER_STOPPED, SaveProgress, lost_peer, lost_peer_as_error
+from .save_lost import PeerLost, SaveProgress, lost_during_save, lost_peer, lost_peer_as_error
 
 
 def _distributed() -> bool:
@@ -68,34 +68,35 @@ def agree(error: str | None, group=None) -> str | None:
     return next((e for e in errors if e is not None), None)
 
 
-def _cause(err: BaseException, rank: int) -> tuple[int, str]:
-    """(the failing rank, one line: the exception's type and last line); for DCP's CheckpointException,
-    which every rank raises, the first rank that failed inside it and its own exception."""
+def _inner(err: BaseException, rank: int) -> tuple[int, BaseException]:
+    """(the failing rank, its exception): for DCP's CheckpointException, which every rank raises, the
+    first rank that failed inside it and its own exception; else (``rank``, ``err``)."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         rank = min(failures)
         inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
         err = inner if isinstance(inner, BaseException) else err
+    return rank, err
+
+
+def _cause(err: BaseException, rank: int) -> tuple[int, str]:
+    """(the failing rank, one line: the exception's type and last line), as :func:`_inner` finds it."""
+    rank, err = _inner(err, rank)
     text = str(err).strip().splitlines()
     return rank, f"{type(err).__name__}{': ' + text[-1][:200] if text else ''}"
 
 
 def write_failed(folder: str, err: BaseException, rank: int) -> str:
     """The one-line reason a rank's write of ``folder`` failed (a collective failing because a peer
-    rank stopped is no write error of this rank's: :func:`peer_stopped`)."""
+    rank was lost is no write error of this rank's: :class:`~.save_lost.PeerLost`)."""
     rank, cause = _cause(err, rank)
-    if PEER_STOPPED.search(cause):
-        return peer_stopped(folder, cause)
     return f"rank {rank} could not write torch_dist checkpoint {folder}: {cause}; the previous checkpoint stays the latest"
 
 
-def peer_stopped(folder: str, cause: str) -> str:
-    """The one-line reason a save failed when the ranks could not agree on it: a peer rank stopped
-    (its connection closed) or their collectives timed out."""
-    why = "a peer rank stopped (the connection to it closed)" if PEER_STOPPED.search(cause) else \
-        "the ranks' collectives failed"
-    return (f"{why}, so the ranks could not agree on torch_dist checkpoint {folder} ({cause}); "
-            "the previous checkpoint stays the latest")
+def agreement_lost(err: BaseException, rank: int) -> PeerLost:
+    """The ranks' agreement (or DCP's collectives) failed: a peer rank stopped, the collectives timed out,
+    or they failed otherwise. Worded by :func:`~.save_lost.lost_during_save`, as any lost peer of a save."""
+    return PeerLost(lost_peer(_inner(err, rank)[1]) or f"the ranks' collectives failed ({_cause(err, rank)[1]})")
 
 
 def write_pieces(pieces: dict, folder: str, group=None) -> None:
@@ -104,7 +105,8 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
 
     A rank that cannot write its checksums file (a full disk, no permission) must not leave the others
     waiting in DCP's collectives: the ranks agree on it first, and all raise the same CheckpointError.
-    An agreement that fails (a peer rank stopped) is a CheckpointError too: :func:`peer_stopped`."""
+    An agreement that fails, or DCP's collectives failing because a peer rank was lost, raises
+    :class:`~.save_lost.PeerLost` (a rank with an error of its own raises that instead)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -120,7 +122,7 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
     try:
         error = agree(error, group)
     except Exception as err:  # a peer rank gone (its connection closed) or the collective timed out
-        raise CheckpointError(error or peer_stopped(folder, _cause(err, rank)[1])) from None
+        raise (CheckpointError(error) if error else agreement_lost(err, rank)) from None
     if error is not None:
         raise CheckpointError(error)
     try:
@@ -128,6 +130,8 @@ def write_pieces(pieces: dict, folder: str, group=None) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(pieces, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not _distributed())
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        if lost_peer(_inner(err, rank)[1]):  # its collectives failed with a peer rank gone: no write error
+            raise agreement_lost(err, rank) from None
         raise CheckpointError(write_failed(folder, err, rank)) from None
 
 
@@ -224,6 +228,7 @@ class _Pending:
     def __init__(self, root, iteration, pieces, group, say):
         self.root, self.iteration, self.say = root, iteration, say
         self.error = "the writer thread stopped before it finished"  # until it says otherwise
+        self.progress = SaveProgress()  # how far it got, for the line of a peer lost meanwhile
         self.thread = threading.Thread(target=self._run, args=(pieces, group), daemon=True,
                                        name=f"async-save-{iteration}")
         self.thread.start()
@@ -234,28 +239,35 @@ class _Pending:
         failed one. A peer that died fails the group's collectives at once (gloo: its connections close),
         one that hangs after --distributed-timeout-minutes; rank 0 then removes the temporary folder."""
         rank = dist.get_rank() if _distributed() else 0
-        tmp, error = temp_dir(self.root, self.iteration), None
+        tmp, error, lost = temp_dir(self.root, self.iteration), None, None
         try:
             write_pieces(pieces, tmp, group)
         except CheckpointError as err:
             error = str(err)
+        except PeerLost as err:  # the write's agreement or DCP's collectives: the ranks cannot agree any more
+            lost = err
         except BaseException as err:  # whatever stops the write, it fails on every rank
             error = write_failed(tmp, err, rank)
         try:
+            if lost is not None:
+                raise lost
             error = agree(error, group)
+            self.progress.renaming = error is None
             if rank == 0:
                 error = self._finalize_or_discard(error)
             self.error = agree(error, group)
         except BaseException as err:  # a peer gone (its connection closed) or the collectives timed out
-            self.error = error or peer_stopped(tmp, _cause(err, rank)[1])
-            if rank == 0:  # not finalized (or already renamed: nothing left to remove)
+            if rank == 0 and not self.progress.renamed:  # not finalized: remove the folder
                 discard_temp(self.root, self.iteration)
+            self.error = error or lost_during_save(agreement_lost(err, rank).what, self.root, self.iteration,
+                                                   self.progress, rank)
 
     def _finalize_or_discard(self, error: str | None) -> str | None:
         """Rank 0, every rank's write done: rename the folder into place, or remove it after a failure."""
         if error is None:
             try:
                 finalize_save(self.root, self.iteration)
+                self.progress.renamed = True
                 return None
             except OSError as err:
                 error = (f"could not rename {temp_dir(self.root, self.iteration)} into place: {err.strerror or err} "

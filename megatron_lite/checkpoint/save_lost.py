@@ -12,6 +12,11 @@ The error is this rank's alone (the ranks could not agree on it): the training l
 once (:func:`~megatron_lite.errors.exit_with_message`, rank-local). The temporary folder is left to the
 next save's sweep: a surviving peer may still be writing into it. A peer lost while the ranks load a
 checkpoint (:func:`peer_lost_loading`) is one line the same way.
+
+:func:`lost_during_save` is the one wording of a peer lost during a save, in either format and with
+``--async-save``: torch_dist's writes (:mod:`.dist_save`: the agreement before DCP's save, DCP's own
+collectives) raise :class:`PeerLost` where they meet it, and it is worded where the save's iteration and
+progress are known (here for a synchronous save, in the async writer's thread).
 """
 
 from __future__ import annotations
@@ -47,9 +52,21 @@ class SaveProgress:
         return step
 
 
+class PeerLost(RuntimeError):
+    """A save's collective failed because a peer rank was lost (``what``: :func:`lost_peer`'s words, or
+    "the ranks' collectives failed (...)" for an agreement failing otherwise); worded by
+    :func:`lost_during_save` where the save's iteration and progress are known."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
 def lost_peer(err: BaseException) -> str | None:
     """What ``err`` says happened, when it is a collective failing because a peer rank stopped ("a
     peer rank stopped (Connection reset by peer)") or the collectives timed out; else None."""
+    if isinstance(err, PeerLost):
+        return err.what
     text = str(err).strip()
     stopped = PEER_STOPPED.search(text)
     if stopped:
@@ -64,8 +81,13 @@ def lost_peer_message(err: BaseException, root: str, iteration, progress: SavePr
     """The one line for ``err``, a collective failing during the save of ``iteration`` because a peer
     rank stopped (or the collectives timed out); None for any other exception (not a lost peer)."""
     what = lost_peer(err)
-    if what is None:
-        return None
+    return None if what is None else lost_during_save(what, root, iteration, progress, rank)
+
+
+def lost_during_save(what: str, root: str, iteration, progress: SaveProgress, rank: int) -> str:
+    """The one line for a save of ``iteration`` under ``root`` whose ranks lost a peer: ``what`` happened
+    (:func:`lost_peer`), and what is on disk as far as this rank knows (``progress``: whether the final
+    step began, and whether this rank, rank 0, renamed the folder into place)."""
     tmp = temp_dir(root, iteration)
     if progress.renamed:
         after = f"{iteration_dir(root, iteration)} was complete and renamed into place first: it is the latest checkpoint"

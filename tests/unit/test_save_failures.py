@@ -97,9 +97,34 @@ def test_an_async_save_whose_ranks_cannot_agree_removes_its_temporary_folder(tmp
     save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
     saves.wait()
     tmp = tmp_path / "ckpt" / ".tmp_iter_0000002"
-    assert (f"failed: a peer rank stopped (the connection to it closed), so the ranks could not agree on torch_dist "
-            f"checkpoint {tmp} (RuntimeError: Connection closed by peer)") in capsys.readouterr().out
+    assert (f"failed: a peer rank stopped (Connection closed by peer) during the save of checkpoint iteration 2 into "
+            f"{tmp}; nothing was renamed into place, the previous checkpoint stays the latest\n") in capsys.readouterr().out
     _only_iteration_1(tmp_path, cfg, state)
+
+
+def test_an_async_save_whose_peer_is_lost_after_the_rename_says_it_landed(tmp_path, monkeypatch, capsys):
+    """The writers' last agreement (after rank 0 renamed the folder and wrote the tracker) failing: the
+    warning said "the previous checkpoint stays the latest" while the tracker named the new one. Its
+    words are those of every save that lost a peer now (save_lost.lost_during_save): the new one is the
+    latest."""
+    cfg, state, model, sched = _torch_dist(tmp_path)
+    real, calls = dist_save.agree, []
+
+    def peer_gone(error, group=None):
+        calls.append(error)
+        if len(calls) == 3:  # in write_pieces, after every rank's write, after the finalize
+            raise RuntimeError("Connection closed by peer")
+        return real(error, group)
+
+    monkeypatch.setattr(dist_save, "agree", peer_gone)
+    saves = dist_save.AsyncSaves()
+    save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
+    saves.wait()
+    root = tmp_path / "ckpt"
+    assert (f"failed: a peer rank stopped (Connection closed by peer) during the save of checkpoint iteration 2 into "
+            f"{root / '.tmp_iter_0000002'}; {root / 'iter_0000002'} was complete and renamed into place first: it is "
+            "the latest checkpoint\n") in capsys.readouterr().out
+    assert read_tracker(str(root)) == 2
 
 
 @pytest.mark.parametrize("where", ["write_pieces", "dcp"])
@@ -122,8 +147,8 @@ def test_an_async_save_whose_peer_stopped_says_so(tmp_path, monkeypatch, capsys,
     saves.wait()
     [warning] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING")]
     assert warning == (f"WARNING: async save of iteration 2 to --save {tmp_path / 'ckpt'} failed: a peer rank stopped "
-                       "(the connection to it closed), so the ranks could not agree on torch_dist checkpoint "
-                       f"{tmp_path / 'ckpt' / '.tmp_iter_0000002'} (RuntimeError: {closed}); the previous "
+                       "(Connection closed by peer) during the save of checkpoint iteration 2 into "
+                       f"{tmp_path / 'ckpt' / '.tmp_iter_0000002'}; nothing was renamed into place, the previous "
                        "checkpoint stays the latest")
     _only_iteration_1(tmp_path, cfg, state)
 
@@ -141,10 +166,15 @@ def test_a_synchronous_save_whose_peer_stopped_says_so_in_one_line(tmp_path, mon
     monkeypatch.setattr(dist_save, "agree", gone)
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(2, [model], None, sched, 8, cfg, state)
-    assert str(err.value) == ("a peer rank stopped (the connection to it closed), so the ranks could not agree on "
-                              f"torch_dist checkpoint {tmp_path / 'ckpt' / '.tmp_iter_0000002'} (RuntimeError: "
-                              f"{closed}); the previous checkpoint stays the latest")
-    _only_iteration_1(tmp_path, cfg, state)
+    tmp = tmp_path / "ckpt" / ".tmp_iter_0000002"  # a peer may still write into it: the next save removes it
+    assert str(err.value) == ("a peer rank stopped (Connection closed by peer) during the save of checkpoint iteration "
+                              f"2 into {tmp}; nothing was renamed into place, the previous checkpoint stays the latest "
+                              f"(the next save removes {tmp})")
+    assert err.value.rank_local  # this rank's alone: the folder is not removed while a peer may write into it
+    assert read_tracker(str(tmp_path / "ckpt")) == 1 and not (tmp_path / "ckpt" / "iter_0000002").exists()
+    monkeypatch.undo()
+    save_checkpoint(2, [model], None, sched, 8, cfg, state)  # the next save: the folder is swept, then written
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 def test_a_failed_agreement_raises_this_ranks_own_error(monkeypatch):
