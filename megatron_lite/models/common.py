@@ -38,7 +38,7 @@ def column_linear(config, state, layer_number: int, output_size: int, name: str,
         input_size or config.hidden_size, output_size, state.tp_group,
         bias=config.add_bias_linear if bias is None else bias,
         init_method=config.init_method(layer_number, f"{name}.weight"), sequence_parallel=config.sequence_parallel,
-        stride=stride, gemm=config.make_gemm(layer_number, state.tp_group), dtype=config.params_dtype,
+        stride=stride, gemm=config.make_gemm(layer_number, state.group("tp_cp")), dtype=config.params_dtype,
         skip_bias_add=skip_bias_add, gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )
 
@@ -48,7 +48,7 @@ def row_linear(config, state, layer_number: int, input_size: int, name: str, ski
     return RowParallelLinear(
         input_size, config.hidden_size, state.tp_group, bias=config.add_bias_linear, input_is_parallel=True,
         init_method=config.init_method(layer_number, f"{name}.weight", scaled=True),
-        sequence_parallel=config.sequence_parallel, gemm=config.make_gemm(layer_number, state.tp_group),
+        sequence_parallel=config.sequence_parallel, gemm=config.make_gemm(layer_number, state.group("tp_cp")),
         dtype=config.params_dtype, skip_bias_add=skip_bias_add,
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
     )

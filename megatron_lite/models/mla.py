@@ -86,7 +86,7 @@ class DuplicatedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
         init_replicated(self.weight, config.init_method(layer_number, f"{name}.weight"))
         self.weight.sequence_parallel = config.sequence_parallel
-        self.gemm = config.make_gemm(layer_number, state.tp_group) or linear_gemm
+        self.gemm = config.make_gemm(layer_number, state.group("tp_cp")) or linear_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, None)

@@ -268,24 +268,28 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
             return scaled_normal_init(self.init_method_std, self.num_layers, gen)
         return normal_init(self.init_method_std, gen)
 
-    def make_gemm(self, layer_number: int, tp_group=None, expert: bool = False):
+    def make_gemm(self, layer_number: int, amax_group=None, expert: bool = False):
         """The GEMM of one linear layer of global layer ``layer_number`` (None: the plain
         ``F.linear`` of :func:`~megatron_lite.parallel.tensor.linear_gemm`). ``0`` is the embedding and
         the output layer, ``num_layers + k`` multi-token prediction depth k. Called once per linear layer, so a precision recipe can return a fresh
-        stateful object here; ``tp_group`` is the group a shard's scaling statistics are reduced over.
+        stateful object here; ``amax_group`` is the group a shard's scaling statistics are reduced over:
+        the ranks that together hold the whole tensor one process would cast. For the dense layers that
+        is tensor x context parallelism (``state.group("tp_cp")``): TP shards the weights (and, under
+        sequence parallelism, the norms' tokens; the GEMMs see the all-gathered sequence), CP the tokens
+        every GEMM sees. For the experts it is ``state.group("expert_amax")``.
 
         With FP8 on, the linears of FP8 layers (QKV, attention projection, fc1, fc2; MTP's eh_proj) get their own
-        :class:`~megatron_lite.precision.fp8.Fp8Gemm` whose amaxes are MAX-reduced over ``tp_group``;
+        :class:`~megatron_lite.precision.fp8.Fp8Gemm` whose amaxes are MAX-reduced over ``amax_group``;
         the embedding (layer 0) and the output layer stay in ``params_dtype``. ``expert=True`` for an
         MoE expert's fc1/fc2 (one gemm each): its amaxes are reduced over the expert-data-parallel
         group in the per-step update. With ``transformer_impl == "transformer_engine"`` every
         transformer-layer GEMM is a :class:`~megatron_lite.precision.te.TeGemm` instead (FP8 or not)."""
         if self.transformer_impl == "transformer_engine" and 1 <= layer_number <= self.num_layers + (self.mtp_num_layers or 0):
             recipe = self.fp8_scaling_recipe() if self.is_fp8_layer(layer_number) else None
-            return TeGemm(recipe, amax_group=tp_group)
+            return TeGemm(recipe, amax_group=amax_group)
         if not self.is_fp8_layer(layer_number):
             return None
-        return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=tp_group, expert=expert)
+        return Fp8Gemm(self.fp8_scaling_recipe(), amax_group=amax_group, expert=expert)
 
     def is_fp8_layer(self, layer_number: int) -> bool:
         """Whether transformer layer ``layer_number`` (global, 1-based; ``num_layers + k``: multi-token

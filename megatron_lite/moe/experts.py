@@ -20,12 +20,14 @@ single-process weights. With expert tensor parallelism the output is this rank's
 the dispatcher reduces it (fc2's bias is added on expert-tensor rank 0 only).
 
 FP8 (and any other GEMM recipe): every expert's fc1 and fc2 get their own gemm from
-``config.make_gemm(layer_number, tp_group, expert=True)`` (None: plain ``F.linear``), so each
-expert's weight, input and gradient has its own scale. The grouped experts then run one GEMM per
+``config.make_gemm(layer_number, state.group("expert_amax"), expert=True)`` (None: plain ``F.linear``), so
+each expert's weight, input and gradient has its own scale. The grouped experts then run one GEMM per
 expert (``torch._scaled_grouped_mm`` has no CPU kernel), on views of the stacked weights. The
-amaxes are reduced over the tensor-parallel group (the experts are sharded over it, or replicated
-with each rank feeding its own tokens) and, once per step, over the expert-data-parallel group;
-never over expert parallelism, which holds different experts. An expert that gets no token still
+amaxes are reduced over ``expert_amax``: the copies of the same experts whose tokens together are
+those of the same micro-batches (unfolded: tensor x context parallelism, the experts sharded over TP
+or replicated with each rank feeding its own tokens, each CP rank its own sequence chunks; folded:
+the ETP shards and the replicas fed other chunks of the same micro-batches) and, once per step,
+over the expert-data-parallel group; never over expert parallelism, which holds different experts. An expert that gets no token still
 runs its (empty) GEMM, so collective calls match across ranks; its amax of 0 keeps the old scale.
 
 Expert parameters carry ``is_expert = True`` and ``allreduce = False`` when expert parallelism is
@@ -227,9 +229,8 @@ class _ExpertsBase(nn.Module):
         """``linear_fc1`` and ``linear_fc2`` of one expert, each holding its gemm (None: F.linear)."""
         expert = nn.Module()
         expert.linear_fc1, expert.linear_fc2 = nn.Module(), nn.Module()
-        group = expert_tp_group(config, state) if getattr(state, "folded", False) else state.tp_group
-        for fc in (expert.linear_fc1, expert.linear_fc2):
-            fc.gemm = config.make_gemm(layer_number, group, expert=True)
+        for fc in (expert.linear_fc1, expert.linear_fc2):  # amaxes over the copies fed the same micro-batches
+            fc.gemm = config.make_gemm(layer_number, state.group("expert_amax"), expert=True)
         return expert
 
 

@@ -33,11 +33,11 @@ class SharedExperts(nn.Module):
             h, 2 * ffn if gated else ffn, state.tp_group, bias=bias,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc1.weight"),
             sequence_parallel=sp, stride=2 if gated else 1, dtype=dtype, skip_bias_add=self.fused_activation,
-            gemm=config.make_gemm(layer_number, state.tp_group))
+            gemm=config.make_gemm(layer_number, state.group("tp_cp")))
         self.linear_fc2 = RowParallelLinear(
             ffn, h, state.tp_group, bias=bias, input_is_parallel=True,
             init_method=config.init_method(layer_number, "mlp.shared_experts.linear_fc2.weight", scaled=True),
-            sequence_parallel=sp, dtype=dtype, gemm=config.make_gemm(layer_number, state.tp_group))
+            sequence_parallel=sp, dtype=dtype, gemm=config.make_gemm(layer_number, state.group("tp_cp")))
         self.gate_weight = None
         if getattr(config, "moe_shared_expert_gate", False):
             self.gate_weight = nn.Parameter(torch.empty(1, h, dtype=dtype))

@@ -61,3 +61,20 @@ def expert_groups(name: str, world: int, pp: int, etp: int, ep: int) -> list[lis
     grid = np.arange(world).reshape(pp, edp, ep, etp)
     rows = np.moveaxis(grid, EXPERT_GROUP_AXES[name], -1)
     return [sorted(row) for row in rows.reshape(-1, rows.shape[-1]).tolist()]
+
+
+def expert_amax_groups(world: int, pp: int, tp: int, cp: int, etp: int, ep: int) -> list[list[int]]:
+    """Every rank list of the folded grid's ``expert_amax`` group: the ranks whose copies of the same
+    experts (same EP rank, every ETP shard) take their tokens from the same micro-batches, i.e. from
+    the same data-parallel ranks of the dense grid (``local // (tp x cp)`` in a stage). Their tokens
+    together are what those experts see in a run without context parallelism, so an FP8 expert's
+    current-scaling amax is MAX-reduced over them; replicas fed other micro-batches stay apart."""
+    stage, block = world // pp, etp * ep
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        local = rank % stage
+        first = local // block * block  # the EP x ETP block this rank's tokens come from
+        sources = frozenset(r // (tp * cp) for r in range(first, first + block))
+        key = (rank // stage, expert_coords(rank, stage, etp, ep)["ep"], sources)
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values())

@@ -29,7 +29,9 @@ position of every ``cp_a2a`` group (Megatron-LM's first level is the consecutive
 Expert tensor parallelism (``etp``, --expert-tensor-parallel-size) is the TP group or none (whole
 experts) in this layout. Other sizes, or an EP that does not divide DP, re-cut each pipeline stage
 for the experts (:mod:`megatron_lite.parallel.expert_grid`, ``RankGrid.folded``): the ``ep``, ``etp``
-and ``expert_dp`` groups then come from that grid and the dense dimensions ignore EP.
+and ``expert_dp`` groups then come from that grid and the dense dimensions ignore EP. ``expert_amax``
+(the FP8 experts' amax group: copies of the same experts fed tokens of the same micro-batches) is
+``tp_cp`` unfolded and :func:`~megatron_lite.parallel.expert_grid.expert_amax_groups` folded.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ..device import call_at_shutdown, process_group_timeout
+from . import expert_grid
 from .expert_grid import EXPERT_GROUP_AXES, expert_coords, expert_groups, folding_problem, is_folded
 from .random import RNGStatesTracker
 
@@ -208,6 +211,9 @@ class RankGrid:
             return self._hybrid_groups(name)
         if self.folded and name in EXPERT_GROUP_AXES:
             return expert_groups(name, self.world_size, self.pp, self.expert_tp, self.ep)
+        if name == "expert_amax":  # unfolded: the experts' tokens are split like the dense layers'
+            return expert_grid.expert_amax_groups(self.world_size, self.pp, self.tp, self.cp, self.expert_tp, self.ep) \
+                if self.folded else self.groups("tp_cp")
         if name == "etp":  # unfolded: the TP group, or whole experts on every rank
             return self.groups("tp") if self.expert_tp == self.tp else [[r] for r in range(self.world_size)]
         varying = GROUP_DIMS[name]
@@ -287,7 +293,7 @@ class ParallelState:
             raise RuntimeError("a ParallelState over several ranks needs torch.distributed initialised first")
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, dist.ProcessGroup | None] = {}
-        names = list(GROUP_DIMS) + ["etp", "embedding"] + list(HYBRID_GROUPS)
+        names = list(GROUP_DIMS) + ["etp", "expert_amax", "embedding"] + list(HYBRID_GROUPS)
         for name in names:
             if name.endswith("_shard") and dist_opt_instances == 1:
                 self._ranks[name] = self._ranks[HYBRID_GROUPS[name]]

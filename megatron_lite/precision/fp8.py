@@ -25,8 +25,14 @@ Recipes:
 * ``blockwise`` and ``mxfp8``: one scale per block of values (:mod:`~megatron_lite.precision.fp8_block`),
   from that block alone: no history, no reduction.
 
-With ``amax_group`` set to the tensor-parallel group, every shard of a tensor gets the same scale,
-so the sharded GEMMs compute exactly what the unsharded FP8 GEMM would (up to summation order).
+``amax_group`` is the group whose ranks together hold the tensor one process would cast: the
+tensor x context parallel group (``tp_cp``) for the dense layers, whose weights are sharded over TP
+and whose GEMMs see only their CP rank's chunks of the sequence (sequence parallelism all-gathers
+the sequence before a GEMM, so TP covers it), and ``expert_amax`` for the experts. Then every shard
+of a tensor gets the same scale, so the sharded GEMMs compute exactly what the unsharded FP8 GEMM
+would (up to summation order); over TP only, tensorwise scaling would cast each CP rank's half of
+the sequence with its own scale. Delayed scaling's update reduces over ``amax_group`` and then over
+the data-parallel x CP replicas.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ With an FP8 recipe the call runs under ``fp8_autocast`` with a TE recipe built f
   amax_compute_algo)``; ``--no-fp8-wgrad`` adds ``override_linear_precision=(False, False, True)``;
 * ``--fp8-recipe tensorwise`` -> ``Float8CurrentScaling(fp8_format)``, ``blockwise`` ->
   ``Float8BlockScaling(fp8_format)``, ``mxfp8`` -> ``MXFP8BlockScaling(fp8_format)`` (as Megatron);
-* amaxes are reduced by TE over ``fp8_group`` = the gemm's tensor-parallel group;
+* amaxes are reduced by TE over ``fp8_group`` = the gemm's amax group (tensor x context parallel for
+  the dense layers, ``expert_amax`` for the experts: as :class:`~megatron_lite.precision.fp8.Fp8Gemm`);
 * the input is flattened to 2-D and, under FP8, padded with zero rows to a multiple of 16 rows (an
   MoE expert receives any number of tokens; TE's FP8 GEMMs need aligned dimensions).
 
@@ -74,7 +75,7 @@ class TeGemm(nn.Module):
     """One linear layer's GEMM through Transformer Engine: ``gemm(x, weight, bias=None)``.
 
     ``recipe``: our FP8 recipe, or None for an unscaled (bf16) TE GEMM. ``amax_group``: the group TE
-    reduces amaxes over (the tensor-parallel group). TE must be importable and a GPU visible.
+    reduces amaxes over (tensor x context parallel). TE must be importable and a GPU visible.
     """
 
     def __init__(self, recipe=None, amax_group=None):

@@ -179,3 +179,33 @@ def test_size_mismatch_of_a_folded_torch_checkpoint_advises_the_converter():
     unfolded = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2), 0)), tp_size=1, pp_size=1)
     with pytest.raises(CheckpointError, match="convert it or match --expert-model-parallel-size"):
         check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
+
+
+@pytest.mark.parametrize("sizes, groups", [
+    (dict(tp=2, cp=2, ep=2, etp=1), [[0, 2], [1, 3]]),  # folded: each whole expert's copies on the 2 CP ranks
+    (dict(tp=2, cp=2, ep=2, etp=2), [[0, 1], [2, 3]]),  # folded, EP over CP: each expert sees whole sequences
+    (dict(cp=2, etp=2), [[0, 1], [2, 3]]),  # folded TP1 x CP2 x DP2 at ETP2: never across micro-batches
+    (dict(tp=2, cp=2), [[0, 1, 2, 3]]),  # unfolded: tensor x context parallelism, as the dense layers
+    (dict(cp=2, ep=2), [[0, 1], [2, 3]]),  # unfolded CP2 x DP2 x EP2: the CP group
+])
+def test_expert_amax_groups_worked_examples(sizes, groups):
+    assert RankGrid(4, **sizes).groups("expert_amax") == groups
+
+
+def test_every_folded_expert_amax_group_holds_the_copies_fed_the_same_micro_batches():
+    """The FP8 experts' amax group: ranks holding the same experts (pipeline stage and EP rank) whose
+    ETP x EP blocks take tokens from the same data-parallel ranks; every such rank is in it, no other."""
+    for world, tp, pp, cp, ep, etp in _shapes():
+        grid = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+        if not grid.folded:
+            continue
+        coords = [grid.coords(r) for r in range(world)]
+        sources = [frozenset(coords[o]["dp"] for o in range(world)
+                             if (coords[o]["pp"], coords[o]["edp"]) == (c["pp"], c["edp"])) for c in coords]
+        key = [(c["pp"], c["ep"], sources[r]) for r, c in enumerate(coords)]
+        groups = grid.groups("expert_amax")
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        for g in groups:
+            assert all(key[r] == key[g[0]] for r in g)
+            assert sorted(g) == [r for r in range(world) if key[r] == key[g[0]]], (world, tp, pp, cp, ep, etp, g)
+            assert set(grid.group_of("etp", g[0])) <= set(g)
