@@ -4,6 +4,17 @@ Both are current scaling with one scale per block of values instead of one per t
 outlier only coarsens the values of its own block. Every scale comes from the block being cast
 right now: no amax history, no reduction over any group (a block's scale is local to it).
 
+No parallel layout needs one. Tensor parallelism shards weights into whole blocks when the shard
+sizes are multiples of the block (a boundary inside a block gives two blocks, close, not the same);
+sequence parallelism all-gathers the sequence before every GEMM. Context parallelism (and an MoE
+expert's share of tokens) changes which tokens form wgrad's token blocks, the only blocks that run
+along tokens: the forward's and dgrad's blocks hold one token's values each. But the scales are powers
+of two, which shift exponents without changing FP8's relative rounding, so a value is cast the same
+under any block's scale unless it falls into that block's subnormal range or saturates (it cannot
+saturate: the scale keeps the block's amax in range). CP2 runs therefore equal one process to 1e-5
+(tests/distributed/test_fp8_context_parallel.py), unlike tensorwise scaling, whose fp32 scale of a
+different amax rounds every value differently and so is MAX-reduced over TP x CP.
+
 * ``blockwise`` (Transformer Engine's ``Float8BlockScaling``): activations and output gradients in
   1 x 128 blocks along the GEMM's reduction dimension, weights in 128 x 128 blocks; each block's
   scale is ``fp8_max / amax`` rounded *down* to a power of two (TE's default), kept as fp32; an

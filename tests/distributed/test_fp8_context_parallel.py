@@ -9,6 +9,13 @@ Delayed scaling's per-step update reduces over TP and then over DP x CP (as the 
 it). The experts' amaxes go over ``expert_amax``: the copies of the same experts fed chunks of the same
 micro-batches (unfolded: TP x CP; folded: see megatron_lite/parallel/expert_grid.py).
 
+Sequence parallelism needs no more than TP: the GEMMs see the sequence all-gathered over TP (TP2 +
+SP tensorwise equals one process at model level too). The block-scaled recipes reduce nothing: the
+forward's and dgrad's blocks run along features (one token's values, the same on any layout); wgrad's
+run along tokens, so CP (here 8 tokens per chunk, blocks of 32 or 128) cuts them differently from one
+process, but their scales are powers of two, which leave every normal FP8 value's rounding unchanged:
+mxfp8 and blockwise at CP2 equal one process to 1e-5 with partial token blocks.
+
 Every rank builds the one-process model and the CP (x TP + SP) model from the same seed, in fp32, so
 with the same scales only summation order differs: per-token losses of this rank's chunks and every
 gradient (summed over CP; TP shards gathered) within 1e-5 of the reference's largest value, over two
@@ -87,6 +94,8 @@ def check_cp_fp8_gpt(cp, tp, recipe, seq, reduce_over_cp=True):
 
 @pytest.mark.parametrize("cp, tp, recipe", [
     (2, 1, "tensorwise"), (2, 1, "delayed"), (2, 2, "tensorwise"),
+    (2, 1, "mxfp8"), (2, 1, "blockwise"),  # wgrad's token blocks cut by CP chunks: power-of-two scales, same casts
+    (1, 2, "tensorwise"),  # sequence parallelism: the GEMMs see the sequence all-gathered over TP
 ])
 def test_fp8_gpt_equals_one_process(cp, tp, recipe):
     worst = max(run_ranks(cp * tp, check_cp_fp8_gpt, cp, tp, recipe, 16))
