@@ -62,6 +62,10 @@ def check_precision_flags(pr) -> None:
     if pr.fp8_format is not None:
         _require(pr.bf16, f"--fp8-format {pr.fp8_format} needs --bf16 (the FP8 GEMMs take and return bf16 "
                           "tensors and the rest of the model runs in bf16); add --bf16")
+        # TE's current-scaling and block recipes have no high-precision wgrad switch (te.te_recipe says the same)
+        _require(not (pr.transformer_impl == "transformer_engine" and pr.no_fp8_wgrad and pr.fp8_recipe != "delayed"),
+                 f"--no-fp8-wgrad with --fp8-recipe {pr.fp8_recipe} is not available through Transformer Engine; "
+                 "use --fp8-recipe delayed or --transformer-impl local")
 
 
 # (flag, field, default): flags that only shape FP8 training; set without --fp8-format they would change nothing

@@ -6,11 +6,13 @@ Linear call with the active ``fp8_autocast`` settings, computes in fp32). They p
 * our FP8 flags map onto TE's recipe fields (format, margin, history length, amax algorithm,
   ``--no-fp8-wgrad``; tensorwise -> current scaling, blockwise/mxfp8 -> TE's block-scaled recipes);
 * every GEMM of every transformer layer (QKV, attention projection, fc1, fc2, and each expert's fc1
-  and fc2) goes through TE, under an autocast enabled exactly for the FP8 layers, with the TP group
-  as TE's amax group; the embedding and output layer do not;
+  and fc2) goes through TE, under an autocast enabled exactly for the FP8 layers, with the gemm's
+  amax group (TP x CP; one process: none) as TE's; the embedding and output layer do not;
 * TE runs on our weights: the fp32 model through the fake equals the local model (the fake's own
   weights are NaN), also where an expert's token count was padded to 16 rows for FP8;
-* without TE (or without a GPU) the request is one ConfigError line naming what is missing and the fix.
+* without TE (or without a GPU) the request is one ConfigError line naming what is missing and the fix;
+  ``--no-fp8-wgrad`` with a current-scaling recipe, which TE's recipes cannot express, is refused while
+  the flags are parsed (one line, exit 2, nothing on disk), not when the first layer is built.
 
 They do not show that the real Transformer Engine accepts these calls: that path has not run on TE.
 """
@@ -24,6 +26,7 @@ from megatron_lite.parallel.state import ParallelState
 from megatron_lite.precision.fp8 import Fp8Recipe
 from megatron_lite.precision.te import TeGemm, te_recipe
 from tests import fake_transformer_engine as fake
+from tests.cli_errors import parse_refused
 
 SHAPE = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
              attention_dropout=0.0, hidden_dropout=0.0, seed=5)
@@ -52,6 +55,26 @@ def test_no_fp8_wgrad_with_a_current_scaling_recipe_is_refused_through_te(monkey
     import transformer_engine.common.recipe as recipe_module
     with pytest.raises(ConfigError, match=f"--no-fp8-wgrad with --fp8-recipe {recipe} is not available"):
         te_recipe(Fp8Recipe(recipe=recipe, wgrad=False), recipe_module)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_no_fp8_wgrad_through_te_is_refused_before_any_work(monkeypatch, capsys, tmp_path, recipe):
+    """It was refused only when TeGemm was built: after the startup log and after the save and
+    TensorBoard folders were made (left empty). Now the flags' check refuses it."""
+    import pretrain_gpt
+
+    fake.install(monkeypatch)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "64", "--micro-batch-size", "2", "--mock-data", "--bf16", "--fp8-format", "hybrid",
+            "--fp8-recipe", recipe, "--transformer-impl", "transformer_engine", "--no-fp8-wgrad"]
+    words = ("--no-fp8-wgrad", f"--fp8-recipe {recipe}", "--transformer-impl local")
+    parse_refused(capsys, argv, *words, world_size=1)
+    save = tmp_path / "save"
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv + ["--train-iters", "2", "--lr-warmup-iters", "0", "--save", str(save),
+                                  "--tensorboard-dir", str(tmp_path / "tb")])
+    assert err.value.code == 2 and not save.exists() and not (tmp_path / "tb").exists()
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def _model(impl, moe, **fields):
