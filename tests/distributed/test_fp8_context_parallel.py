@@ -23,7 +23,8 @@ steps of growing input scale (the second with learned delayed scales). The contr
 over TP only (the old wiring), misses that tolerance under tensorwise scaling. The MoE layers the
 same way: each rank feeds its CP chunks (and TP shard) of its DP rank's micro-batch, the reference
 all DP ranks' micro-batches at once; outputs, input gradients and the expert weights' gradients
-(summed over the expert-DP copies) within 1e-5, on an unfolded and two folded-or-EP layouts.
+(summed over the expert-DP copies) within 1e-5, on unfolded and folded layouts, one of them without
+CP (TP4 + SP, whole experts over EP2: the same fault without context parallelism).
 """
 
 import pytest
@@ -112,16 +113,16 @@ def test_cp2_tensorwise_without_cp_amax_reduction_differs():
 S_MOE, H_MOE = 8, 32
 
 
-def check_cp_fp8_experts(tp, ep, etp, recipe, reduce_amax=True):
-    state = cached_state(cp=2, tp=tp, ep=ep, etp=etp)
+def check_cp_fp8_experts(cp, tp, ep, etp, recipe, reduce_amax=True):
+    state = cached_state(cp=cp, tp=tp, ep=ep, etp=etp)
     ref = MoELayer(_moe_config(recipe), ParallelState(world_size=1, rank=0), 1)
-    layer = MoELayer(_moe_config(recipe, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=2,
+    layer = MoELayer(_moe_config(recipe, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp), state, 1)
     if not reduce_amax:  # the old wiring: the experts' tensor-parallel group only
         for g in fp8_gemms(layer):
             g.amax_group = state.etp_group if state.folded else state.tp_group
     first, local, worst = layer.experts.first_expert, layer.experts.num_local_experts, 0.0
-    mine = lambda t: split_for_cp(t, 0, state.cp_rank, 2).chunk(tp, dim=0)[state.tp_rank]  # noqa: E731
+    mine = lambda t: split_for_cp(t, 0, state.cp_rank, cp).chunk(tp, dim=0)[state.tp_rank]  # noqa: E731
     for step in range(2):
         gens = [torch.Generator().manual_seed(100 * step + d) for d in range(state.dp_size)]
         data = [(torch.randn(S_MOE, B, H_MOE, generator=g) * (1 + step), torch.randn(S_MOE, B, H_MOE, generator=g))
@@ -145,8 +146,8 @@ def check_cp_fp8_experts(tp, ep, etp, recipe, reduce_amax=True):
 
 
 def _moe_config(recipe, **parallel):
-    return moe_config(hidden_size=H_MOE, moe_ffn_hidden_size=32, num_experts=4, swiglu=True, init_method_std=0.05,
-                      fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=2, fp8_amax_compute_algo="max",
+    return moe_config(hidden_size=H_MOE, num_attention_heads=4, moe_ffn_hidden_size=32, num_experts=4, swiglu=True,
+                      init_method_std=0.05, fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=2, fp8_amax_compute_algo="max",
                       moe_grouped_gemm=True, **parallel)
 
 
@@ -160,17 +161,19 @@ def _run(layer, x, dy):
 
 # CP2 x TP2 + SP with experts split over TP (the unfolded grid: expert_amax = tp_cp); CP2 x TP2 + SP
 # with whole experts over EP2 (folded: each expert's copies on the two CP ranks); CP2 x DP2 x EP2 (each
-# expert fed both micro-batches' chunks on each CP rank)
-LAYOUTS = [(2, 1, None), (2, 2, 1), (1, 2, None)]
+# expert fed both micro-batches' chunks on each CP rank); and without CP, TP4 + SP with whole experts
+# over EP2 (folded: each expert's two copies are fed two TP ranks' sequence shards each, and had their
+# own scales before: the ETP group was the amax group)
+LAYOUTS = [(2, 2, 1, None), (2, 2, 2, 1), (2, 1, 2, None), (1, 4, 2, 1)]
 
 
-@pytest.mark.parametrize("tp, ep, etp", LAYOUTS)
+@pytest.mark.parametrize("cp, tp, ep, etp", LAYOUTS)
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_cp2_fp8_experts_equal_one_process(tp, ep, etp, recipe):
-    worst = max(run_ranks(4, check_cp_fp8_experts, tp, ep, etp, recipe))
-    assert worst < 1e-5, f"CP2 FP8 {recipe} experts (TP{tp} EP{ep} ETP{etp}) differ from one process by {worst:.3g}"
+def test_cp2_fp8_experts_equal_one_process(cp, tp, ep, etp, recipe):
+    worst = max(run_ranks(4, check_cp_fp8_experts, cp, tp, ep, etp, recipe))
+    assert worst < 1e-5, f"CP{cp} FP8 {recipe} experts (TP{tp} EP{ep} ETP{etp}) differ from one process by {worst:.3g}"
 
 
-@pytest.mark.parametrize("tp, ep, etp", LAYOUTS)
-def test_cp2_tensorwise_experts_without_cp_amax_reduction_differ(tp, ep, etp):
-    assert max(run_ranks(4, check_cp_fp8_experts, tp, ep, etp, "tensorwise", False)) > 1e-3
+@pytest.mark.parametrize("cp, tp, ep, etp", LAYOUTS)
+def test_cp2_tensorwise_experts_without_cp_amax_reduction_differ(cp, tp, ep, etp):
+    assert max(run_ranks(4, check_cp_fp8_experts, cp, tp, ep, etp, "tensorwise", False)) > 1e-3
