@@ -169,11 +169,11 @@ LAYOUTS = [(2, 2, 1, None), (2, 2, 2, 1), (2, 1, 2, None), (1, 4, 2, 1)]
 
 @pytest.mark.parametrize("cp, tp, ep, etp", LAYOUTS)
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_cp2_fp8_experts_equal_one_process(cp, tp, ep, etp, recipe):
+def test_fp8_experts_equal_one_process(cp, tp, ep, etp, recipe):
     worst = max(run_ranks(4, check_cp_fp8_experts, cp, tp, ep, etp, recipe))
     assert worst < 1e-5, f"CP{cp} FP8 {recipe} experts (TP{tp} EP{ep} ETP{etp}) differ from one process by {worst:.3g}"
 
 
 @pytest.mark.parametrize("cp, tp, ep, etp", LAYOUTS)
-def test_cp2_tensorwise_experts_without_cp_amax_reduction_differ(cp, tp, ep, etp):
+def test_tensorwise_experts_without_the_copies_amax_reduction_differ(cp, tp, ep, etp):
     assert max(run_ranks(4, check_cp_fp8_experts, cp, tp, ep, etp, "tensorwise", False)) > 1e-3
