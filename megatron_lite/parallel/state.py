@@ -302,8 +302,8 @@ class ParallelState:
             # middle pipeline stages are in no embedding group: a group of one
             self._ranks[name] = next((r for r in all_lists if rank in r), [rank])
             self._groups[name] = None
-            if len(all_lists[0]) == 1 and name != "embedding":
-                continue  # groups of one: no communicator needed
+            if name != "embedding" and all(len(ranks) == 1 for ranks in all_lists):
+                continue  # groups of one: no communicator needed (sizes may differ: expert_amax folded)
             for ranks in all_lists:  # collective: every rank creates every group, in order
                 if len(ranks) == 1:
                     continue
