@@ -166,8 +166,8 @@ def main(argv=None):
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--fp8-format", default="hybrid", choices=["e4m3", "hybrid"])
     p.add_argument("--fp8-recipe", nargs="+", default=["delayed"], choices=FP8_RECIPES,
-                   help="one or more recipes, measured side by side (blockwise and mxfp8 need dimensions that are "
-                   "multiples of their blocks: 128 and 32)")
+                   help="one or more recipes, measured side by side (blockwise and mxfp8 scale blocks of 128 and 32 "
+                   "values; a dimension that is not a multiple ends in a partial block)")
     args = p.parse_args(argv)
     c = ISSUE if args.issue_config else SMALL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
