@@ -19,6 +19,7 @@ from megatron_lite.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     index_file_path,
 )
+from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
@@ -69,7 +70,11 @@ def main(argv=None) -> int:
         out = os.path.abspath(args.output_prefix)
         if out in (os.path.abspath(p) for p in prefixes):
             raise DataFileError(f"{args.output_prefix}: the output would overwrite one of the inputs")
-        merged = merge_datasets(prefixes, args.output_prefix)
+        with terminate_as_interrupt():  # kill / SIGTERM cleans up like Ctrl-C: no temporary files left
+            merged = merge_datasets(prefixes, args.output_prefix)
+    except KeyboardInterrupt as err:
+        print("interrupted: no output written", file=sys.stderr)
+        return interrupted_exit_code(err)
     except DataFileError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
+from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
@@ -59,13 +60,14 @@ def main(argv=None) -> int:
         log_interval=args.log_interval, progress=False if args.no_progress else None,
     )
     try:
-        result = preprocess(cfg)
+        with terminate_as_interrupt():  # kill / SIGTERM cleans up like Ctrl-C: no temporary files left
+            result = preprocess(cfg)
     except (DataFileError, ValueError, ImportError, OSError, EOFError) as e:  # OSError: unreadable/bad .gz input
         print(f"error: {e}" if not isinstance(e, DataFileError) else str(e), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("interrupted: no output written", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(err)
     mb = result.bytes / 2**20
     print(f"Done: {result.documents} documents, {result.tokens} tokens, {mb:.1f} MB in {result.seconds:.1f} s "
           f"({result.documents / max(result.seconds, 1e-9):,.0f} docs/s, "

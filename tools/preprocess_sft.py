@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.builder import DataConfigError  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
+from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
 from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
@@ -38,16 +39,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        result = preprocess_sft(
-            args.input, args.output_prefix, tokenizer_kwargs(args), workers=args.workers,
-            max_tokens=None if args.seq_length is None else args.seq_length + 1,
-            skip_bad=args.sft_skip_bad_conversations, progress=False if args.no_progress else None)
+        with terminate_as_interrupt():  # kill / SIGTERM cleans up like Ctrl-C: no temporary files left
+            result = preprocess_sft(
+                args.input, args.output_prefix, tokenizer_kwargs(args), workers=args.workers,
+                max_tokens=None if args.seq_length is None else args.seq_length + 1,
+                skip_bad=args.sft_skip_bad_conversations, progress=False if args.no_progress else None)
     except (DataFileError, DataConfigError, ConfigError, ImportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("interrupted: no output written", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(err)
     print(f"Done: {result.conversations} conversations, {result.tokens} tokens "
           f"({result.trained_tokens} learned)")
     if result.skipped:

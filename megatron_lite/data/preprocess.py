@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.interrupt import default_sigterm_in_worker
 from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
 from megatron_lite.data.tokenizers import build_tokenizer
@@ -103,8 +104,10 @@ def init_worker(cfg: PreprocessConfig) -> None:
 
 
 def init_pool_worker(cfg: PreprocessConfig) -> None:
-    """Pool workers ignore Ctrl-C: the main process handles it (removes temp files, stops the pool)."""
+    """Pool workers ignore Ctrl-C: the main process handles it (removes temp files, stops the pool).
+    SIGTERM (``Pool.terminate``) ends a worker quietly, whatever handler the forked main process had."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    default_sigterm_in_worker()
     init_worker(cfg)
 
 
