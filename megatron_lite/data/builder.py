@@ -12,6 +12,7 @@ left without documents) raise ``DataConfigError`` / ``DataFileError`` with one l
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 
@@ -29,11 +30,25 @@ class DataConfigError(ValueError):
     """A data flag (--data-path, --split, ...) is malformed or does not fit the data."""
 
 
+def _split_weight(field: str) -> float | None:
+    try:
+        value = float(field)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def parse_split(split: str) -> list[float]:
-    """'949,50,1' (or '949/50/1', or fewer numbers, padded with 0) -> 3 weights summing to 1."""
-    values = [float(v) for v in re.findall(r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?", str(split))]
-    if not values or len(values) > 3 or sum(values) <= 0 or "-" in str(split).replace("e-", ""):
-        raise DataConfigError(f"--split {split!r}: expected up to 3 non-negative weights like 949,50,1")
+    """'949,50,1' (or '949/50/1', or fewer numbers, padded with 0) -> 3 weights summing to 1.
+
+    Every field must be a number: '98,2,x' or '1,,2' is refused, not read as 98,2,0 or 1,2,0 (picking
+    the numbers out of the string, as Megatron-LM does, gives a test split the user did not ask for)."""
+    text = str(split).strip()
+    fields = [f.strip() for f in re.split(r"[,/]", text)] if text else []
+    values = [_split_weight(f) for f in fields]
+    if not values or len(values) > 3 or None in values or sum(values) <= 0:
+        raise DataConfigError(f"--split {split!r}: expected up to 3 non-negative weights separated by commas, "
+                              f"like 949,50,1")
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
 

@@ -29,7 +29,9 @@ def test_split_ranges_follow_megatron_rounding():
     for n in range(1, 200, 7):  # contiguous, ordered, covering [0, n)
         r = split_ranges(n, parse_split("90,7,3"))
         assert r[0][0] == 0 and r[-1][1] == n and all(a[1] == b[0] for a, b in zip(r, r[1:]))
-    for bad in ("", "0,0,0", "1,2,3,4", "-1,2"):
+    assert parse_split(" 98, 2 ") == parse_split("98,2,0") and parse_split("1e2/0") == parse_split("5") == [1.0, 0, 0]
+    # a field that is not a number is refused, not skipped ("1,,2" was read as 1,2,0: a valid split instead of a test one)
+    for bad in ("", "0,0,0", "1,2,3,4", "-1,2", "98,2,x", "1,,2", "98:2:0", "nan,1", "inf,1", "98,2,"):
         with pytest.raises(DataConfigError, match="--split"):
             parse_split(bad)
 
