@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import gzip
 import json
 import multiprocessing
@@ -185,9 +186,21 @@ def encode_chunk(chunk):
 
 
 # -- main side ---------------------------------------------------------------------------------------
+def not_an_input_file(path: str) -> DataFileError:
+    """Why ``path`` (not a file, not Parquet) cannot be --input, and what to give instead."""
+    one_file = ("--input takes one JSONL file (or a folder of .parquet files): concatenate the shards "
+                "(cat a.jsonl b.jsonl > all.jsonl) or preprocess each and join them with tools/merge_datasets.py")
+    if os.path.isdir(path):
+        return DataFileError(f"{path}: a folder without .parquet files; {one_file}")
+    matches = glob.glob(path) if glob.has_magic(path) else []
+    if matches:
+        return DataFileError(f"{path}: a pattern ({len(matches)} matches; patterns are not expanded); {one_file}")
+    return DataFileError(f"{path}: input file not found (--input)")
+
+
 def _open(path: str):
     if not os.path.isfile(path):
-        raise DataFileError(f"{path}: input file not found (--input)")
+        raise not_an_input_file(path)
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb", buffering=1 << 20)
 
 
@@ -305,7 +318,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
         raise ValueError("--workers and --partitions must be at least 1")
     parquet = is_parquet_input(cfg.input)
     if not (parquet or os.path.isfile(cfg.input)):
-        raise DataFileError(f"{cfg.input}: input file not found (--input)")
+        raise not_an_input_file(cfg.input)
     init_worker(cfg)  # in this process too: validates the tokenizer files before any work
     if cfg.append_eod and _worker["tokenizer"].eod is None:
         raise ValueError(f"--append-eod: tokenizer {cfg.tokenizer['tokenizer_type']} has no EOD token")

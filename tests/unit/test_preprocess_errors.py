@@ -12,7 +12,7 @@ import pytest
 
 import megatron_lite.data.preprocess as pp
 import megatron_lite.data.worker_pool as worker_pool
-from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset, IndexedDatasetBuilder
 from tests.preprocess_helpers import make_tok_files, run
 from tests.tools import load_tool
 
@@ -254,3 +254,22 @@ def test_vocab_extra_ids_is_refused_as_training_refuses_it(tmp_path, tok_files, 
     assert exit_.value.code == 2 and len(err) == 1, err
     assert megatron_flag_message("--vocab-extra-ids") in err[0], err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_a_folder_or_a_pattern_as_input_says_what_input_takes(tmp_path):
+    """A folder of JSONL shards or a quoted glob (Megatron-LM expands one with --partitions) was reported as
+    'input file not found', though it exists; now one line says --input takes one file and how to join shards."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (shards / name).write_text(json.dumps({"text": "1 2"}) + "\n")
+    spec = dict(tokenizer_type="NullTokenizer", vocab_size=10)
+    out = tmp_path / "out"
+    for given, words in ((shards, ("a folder without .parquet files",)),
+                         (shards / "*.jsonl", ("a pattern (2 matches", "not expanded"))):
+        with pytest.raises(DataFileError, match="--input takes one JSONL file") as err:
+            run(out, spec, input=str(given))
+        assert all(w in str(err.value) for w in words) and "merge_datasets" in str(err.value)
+    with pytest.raises(DataFileError, match="input file not found"):
+        run(out, spec, input=str(tmp_path / "none*.jsonl"))
+    assert not out.exists()
