@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,6 +76,16 @@ def _raw_texts_of(f, path, json_keys, jsonl):
             else:
                 raise ValueError(f"{path}:{lineno}: value of {key!r} is {type(text).__name__}, not a string or a "
                                  "list of strings")
+
+
+def _read_all(path: str, json_keys) -> list:
+    """Every text of ``path``; a .gz that is cut short, corrupt or not gzip at all (or an unreadable file)
+    is a ValueError naming the file, not a traceback."""
+    try:
+        return list(read_texts(path, json_keys))
+    except (OSError, EOFError, zlib.error) as e:
+        what = "compressed input is damaged or not gzip" if path.endswith(".gz") else "cannot be read"
+        raise ValueError(f"{path}: {what} ({e}); re-create or re-download it (--input)") from None
 
 
 def train_sentencepiece(texts, output_prefix: str, vocab_size: int = 4096, model_type: str = "bpe",
@@ -198,10 +209,15 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.input):
         print(f"{args.input}: input file not found (--input)", file=sys.stderr)
         return 2
+    try:  # before the (long) reading and training: a file standing where the folder should be is the user's to fix
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    except OSError as e:
+        print(f"--output-prefix {args.output_prefix}: cannot write the tokenizer there ({e})", file=sys.stderr)
+        return 2
     try:
         # read everything first (SentencePiece holds its input in memory anyway), so a malformed
         # line is reported as file:line here rather than wrapped in SentencePiece's own error
-        texts = list(read_texts(args.input, args.json_keys))
+        texts = _read_all(args.input, args.json_keys)
         if not any(t.strip() for t in texts):
             raise ValueError(f"{args.input}: no text to train on (--json-keys {' '.join(args.json_keys)})")
         if args.model_type == "byte-level-bpe":

@@ -114,3 +114,25 @@ def test_byte_level_bpe_below_257_is_refused_and_a_short_vocabulary_is_said(tmp_
     assert not list(tmp_path.glob("m*"))
     code, out, _ = _train_cli(tmp_path, capsys, "--vocab-size", "100000", "--model-type", "byte-level-bpe")
     assert code == 0 and "not --vocab-size 100000: no further pair occurs --min-frequency times" in out
+
+
+def test_damaged_gzip_input_or_an_unwritable_output_is_one_line(tmp_path, capsys):
+    """A .gz cut short (EOFError), a file named .gz that is not gzip (BadGzipFile) and an --output-prefix under
+    a file (FileExistsError) were tracebacks (exit 1); now one line naming the file or flag, exit 2."""
+    import gzip
+
+    data = "".join(json.dumps({"text": f"word{i} and more text"}) + "\n" for i in range(3000)).encode()
+    packed = gzip.compress(data)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    (tmp_path / "plain.jsonl.gz").write_bytes(data)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "ok.jsonl").write_bytes(data)
+    train = load_tool("train_tokenizer")
+    for source, prefix, words in (("cut.jsonl.gz", "m", ("cut.jsonl.gz", "damaged")),
+                                  ("plain.jsonl.gz", "m", ("plain.jsonl.gz", "not gzip")),
+                                  ("ok.jsonl", "afile/m", ("--output-prefix", "afile/m"))):
+        argv = ["--input", str(tmp_path / source), "--output-prefix", str(tmp_path / prefix), "--vocab-size", "300"]
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), err
+    assert not list(tmp_path.glob("m*"))
