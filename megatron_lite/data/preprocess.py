@@ -214,6 +214,24 @@ def _input_errors(path: str):
         raise DataFileError(f"{path}: compressed input is {what} ({e}); re-create or re-download it") from None
 
 
+def not_jsonl_hint(path: str) -> str:
+    """When line 1 is bad because the file is one JSON document (an array of objects, or an object printed
+    over several lines) rather than JSONL: what the file is and the command that converts it."""
+    if is_parquet_input(path):
+        return ""
+    with _input_errors(path), _open(path) as f:
+        first = f.readline(1 << 16).lstrip(b"\xef\xbb\xbf").strip()
+    if first.startswith(b"["):
+        what, jq = "a JSON array", "'.[]'"
+    elif first.startswith(b"{") and not first.endswith(b"}"):
+        what, jq = "a JSON object printed over several lines", "."
+    else:
+        return ""
+    source = f"gzip -dc {path} | jq -c {jq}" if path.endswith(".gz") else f"jq -c {jq} {path}"
+    return (f"; the file is {what}, but --input is JSONL (one object per line): convert it with "
+            f"{source} > {path.removesuffix('.gz').rsplit('.', 1)[0]}_lines.jsonl")
+
+
 def count_lines(path: str, keys=("text",)) -> int:
     if is_parquet_input(path):
         return count_rows(path, keys)
@@ -297,7 +315,8 @@ def _run_pass(cfg, pool, chunks, prefixes, dtype, result, progress, in_flight: i
                 gate.done_one()
             for lineno, reason in errors:
                 if not cfg.skip_malformed:
-                    raise MalformedLineError(f"{cfg.input}:{lineno}: {reason}")
+                    hint = not_jsonl_hint(cfg.input) if lineno == 1 else ""
+                    raise MalformedLineError(f"{cfg.input}:{lineno}: {reason}{hint}")
                 result.skipped += 1
             for builder, (tokens, lens, per_doc) in zip(builders, out):
                 builder.add_documents(tokens, lens, per_doc)

@@ -273,3 +273,19 @@ def test_a_folder_or_a_pattern_as_input_says_what_input_takes(tmp_path):
     with pytest.raises(DataFileError, match="input file not found"):
         run(out, spec, input=str(tmp_path / "none*.jsonl"))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text,what", [('[{"text": "1 2"}, {"text": "3"}]\n', "a JSON array"),
+                                       ('[\n  {"text": "1 2"},\n  {"text": "3"}\n]\n', "a JSON array"),
+                                       ('{\n  "text": "1 2"\n}\n', "a JSON object printed over several lines")])
+def test_a_json_file_that_is_not_jsonl_says_how_to_convert_it(tmp_path, text, what):
+    """A .json export (an array of objects, or pretty-printed) failed on line 1 with 'expected a JSON object,
+    got list' or a JSON syntax error, which does not say the file must be JSONL; now the line also says what
+    the file is and gives the jq command that converts it."""
+    src = tmp_path / "export.json"
+    src.write_text(text)
+    with pytest.raises(DataFileError, match=f"export.json:1: .*; the file is {what}, but --input is JSONL") as err:
+        run(tmp_path / "out", dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(src))
+    assert f"jq -c {'.' if 'object' in what else chr(39) + '.[]' + chr(39)} {src} > {tmp_path / 'export_lines.jsonl'}" \
+        in str(err.value)
+    assert list((tmp_path / "out").iterdir()) == []  # the output folder is made before the work, and left empty
