@@ -72,6 +72,29 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int | None, seq_length
     return max(1, -(-need // tokens_per_epoch))
 
 
+INDEX_BYTES_PER_ENTRY = 14  # per document_index entry while building: int32 id + uint16 length + int64 stream end
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_index_fits(num_documents: int, num_epochs: int, tokens_per_epoch: int, num_samples: int,
+                     seq_length: int) -> None:
+    """Refuse, before allocating, a document index larger than this machine's memory: a toy split asked for a
+    long run's samples (4 tokens for 10^12 was a 977 GiB numpy MemoryError traceback, or the OOM killer)."""
+    entries = num_documents * num_epochs
+    memory = physical_memory_bytes()
+    if memory is not None and entries * INDEX_BYTES_PER_ENTRY > memory:
+        raise ValueError(f"{num_samples:,} samples of {seq_length} tokens need {num_epochs:,} epochs of this split's "
+                         f"{tokens_per_epoch:,} tokens: a document index of {entries:,} entries "
+                         f"(~{entries * INDEX_BYTES_PER_ENTRY / 2**30:,.0f} GiB to build), more than this machine's "
+                         f"{memory / 2**30:,.0f} GiB; give more data, or fewer --train-iters / --train-samples")
+
+
 def separate_last_epoch(tokens_per_epoch: int, num_epochs: int, num_samples: int | None,
                         seq_length: int) -> bool:
     """Megatron's rule: shuffle the last epoch on its own if it supplies < 80% of an epoch's samples."""
@@ -150,6 +173,8 @@ def build_gpt_indices(sizes: np.ndarray, document_ids: np.ndarray, num_samples: 
     document_ids = np.asarray(document_ids)
     tokens_per_epoch = int(np.asarray(sizes)[document_ids].sum(dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
+    if num_samples is not None:
+        check_index_fits(len(document_ids), num_epochs, tokens_per_epoch, num_samples, seq_length)
     separate = separate_last_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length)
     rng = np.random.RandomState(seed)
     document_index = build_document_index(document_ids, num_epochs, rng, separate)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from megatron_lite.data import gpt_dataset
 from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.builder import (
     DataConfigError,
@@ -176,3 +177,20 @@ def test_config_from_args_and_sample_counts(tmp_path):
     assert batch["tokens"].shape == (2, 16) and batch["labels"].shape == (2, 16)
     assert (batch["loss_mask"] == (batch["tokens"] != 500).float()).all()
     assert next(it_valid)["tokens"].shape == (2, 16) and next(it_test)["tokens"].shape == (2, 16)
+
+
+def test_a_toy_split_asked_for_a_long_runs_samples_is_refused_before_allocating(tmp_path, monkeypatch):
+    """4 tokens asked for 10^9 samples of 2048 tokens need 5 * 10^11 epochs: building that document index was a
+    numpy MemoryError traceback (977 GiB) or, where memory is overcommitted, the OOM killer. Now one line naming
+    the data, the split and what to change, before anything is allocated."""
+    prefix = str(tmp_path / "toy")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_document([1, 2, 3, 0], [4])
+    cfg = GPTDatasetConfig(seq_length=2048, split="100,0,0", data_path=[prefix], data_cache_path=str(tmp_path / "c"))
+    with pytest.raises(DataConfigError, match=r"toy, train split .*need 512,000,000,001 epochs of this split's 4 tokens"
+                                              r".*fewer --train-iters"):
+        build_train_valid_test_datasets(cfg, [10**9, 0, 0])
+    # the bound is this machine's memory: where it does not hold even a small index, that is refused too
+    monkeypatch.setattr(gpt_dataset, "physical_memory_bytes", lambda: 1000)
+    with pytest.raises(DataConfigError, match="more than this machine's"):
+        build_train_valid_test_datasets(cfg, [100, 0, 0])
