@@ -32,7 +32,9 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.builder import (
     DataConfigError,
     build_train_valid_test_datasets,
+    data_flags,
     dataset_config_from_args,
+    given_data_paths,
     parse_data_path,
     train_valid_test_num_samples,
 )
@@ -94,7 +96,7 @@ def check_bert_config(config: Config) -> None:
     if eod_flags:
         raise ConfigError(f"{' '.join(eod_flags)}: GPT-only (they act on end-of-document tokens; a BERT sample is "
                           "[CLS] A [SEP] B [SEP] of one document, with padding masked already); drop the flag")
-    if config.data.mock_data or not config.data.data_path:  # before the shared 'give --data-path (or --mock-data)'
+    if config.data.mock_data or not (config.data.data_path or config.data.train_data_path):  # before the shared check
         raise ConfigError("pretrain_bert.py needs a sentence-split --data-path (--mock-data is GPT-only)")
     if config.model.mtp_num_layers:
         raise ConfigError("--mtp-num-layers is GPT-only (multi-token prediction of a causal model); drop it")
@@ -109,16 +111,16 @@ def check_tokenizer(config: Config, tokenizer) -> None:
                           "or SentencePieceTokenizer --tokenizer-model (it appends them)")
 
 
-def check_sentence_level(data_path) -> None:
+def check_sentence_level(data_path, flag: str = "--data-path") -> None:
     """Refuse document-level data (every document a single sequence) for the binary head's sentence pairs."""
-    prefixes, _ = parse_data_path(data_path)
+    prefixes, _ = parse_data_path(data_path, flag)
     for prefix in prefixes:
         try:
             ds = IndexedDataset(prefix)
         except DataFileError as err:
-            raise DataFileError(f"--data-path: {err}") from None
+            raise DataFileError(f"{flag}: {err}") from None
         if ds.num_documents() > 0 and (np.diff(np.asarray(ds.document_indices)) <= 1).all():
-            raise DataConfigError(f"--data-path {prefix} has no document of two or more sequences (document-level "
+            raise DataConfigError(f"{flag} {prefix} has no document of two or more sequences (document-level "
                                   "data, or every document one sentence or empty); the binary head needs sentence "
                                   "pairs: preprocess with tools/preprocess_data.py --split-sentences (documents of "
                                   "several sentences), or train with --bert-no-binary-head")
@@ -177,7 +179,7 @@ def make_datasets_provider(tokenizer):
 
         return chunk_data_iterators(
             config, state, train_ds, valid_ds, consumed_train, consumed_valid, len(my_layer_ranges(config, state)),
-            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, config.data.data_path, ids_of=bert_token_ids),
+            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, data_flags(config.flat()), ids_of=bert_token_ids),
         )
 
     return provider
@@ -190,7 +192,8 @@ def main(argv=None):
         tokenizer = build_tokenizer_for(config)
         check_tokenizer(config, tokenizer)
         if binary_head(config):  # without it a document is one segment (Megatron: one sentence is enough)
-            check_sentence_level(config.data.data_path)
+            for flag, paths in given_data_paths(config.flat()):  # --data-path, or the per-split paths
+                check_sentence_level(paths, flag)
         set_vocab(config, tokenizer)
         return pretrain(config, model_provider, partial(forward_step, binary_head(config)),
                         make_datasets_provider(tokenizer))

@@ -22,6 +22,7 @@ from megatron_lite.console import print_rank_0
 from megatron_lite.data.builder import (
     DataConfigError,
     build_train_valid_test_datasets,
+    data_flags,
     dataset_config_from_args,
     train_valid_test_num_samples,
 )
@@ -149,21 +150,22 @@ def token_ids_of(batch) -> tuple:
     return batch["tokens"], batch["labels"]
 
 
-def checked_token_ids(batches, vocab_size: int, data_path, ids_of=token_ids_of):
+def checked_token_ids(batches, vocab_size: int, data: str, ids_of=token_ids_of):
     """Pass batches through, refusing token ids the tokenizer cannot have produced (checked on the
-    CPU before the batch moves to the device, so it costs no device synchronisation). ``ids_of(batch)``
-    gives the batch's token-id tensors (pretrain_bert.py passes its own)."""
+    CPU before the batch moves to the device, so it costs no device synchronisation). ``data``: the
+    run's data flags as errors name them (builder.data_flags); ``ids_of(batch)`` gives the batch's
+    token-id tensors (pretrain_bert.py passes its own)."""
     for batch in batches:
         ids = ids_of(batch)
         top, low = max(int(t.max()) for t in ids), min(int(t.min()) for t in ids)
         if low < 0:
             raise DataConfigError(
-                f"--data-path {' '.join(data_path or [])}: negative token id {low}; the data is corrupt or was "
+                f"{data}: negative token id {low}; the data is corrupt or was "
                 f"written with a signed dtype by another tool"
             )
         if top >= vocab_size:
             raise DataConfigError(
-                f"--data-path {' '.join(data_path or [])}: token id {top} is outside the tokenizer's vocabulary "
+                f"{data}: token id {top} is outside the tokenizer's vocabulary "
                 f"of {vocab_size}; the data was preprocessed with another tokenizer (check --tokenizer-type "
                 f"and its files)"
             )
@@ -187,7 +189,7 @@ def make_datasets_provider(tokenizer):
 
         return chunk_data_iterators(
             config, state, train_ds, valid_ds, consumed_train, consumed_valid, num_chunks,
-            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, config.data.data_path),
+            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, data_flags(config.flat())),
         )
 
     return provider

@@ -295,6 +295,12 @@ class OptimizerConfig:
 class DataConfig:
     data_path: list[str] | None = None
     """Dataset prefix, or weight prefix pairs: w1 p1 w2 p2 ..."""
+    train_data_path: list[str] | None = None
+    """Instead of --data-path and --split: the training set's own prefix or blend (w1 p1 w2 p2 ...), every document of it."""
+    valid_data_path: list[str] | None = None
+    """With --train-data-path: the validation set's own prefix or blend (none: no validation)."""
+    test_data_path: list[str] | None = None
+    """With --train-data-path: the test set's own prefix or blend."""
     split: str = "969,30,1"
     """Train/valid/test split weights."""
     data_cache_path: str | None = None

@@ -341,9 +341,17 @@ def _check_data_and_checkpoint(config: Config) -> None:
     elif d.mock_data:  # with a tokenizer's files the mock tokens come from its vocabulary
         _require(d.tokenizer_type is not None or config.model.vocab_size is not None,
                  "--mock-data needs --vocab-size (or --tokenizer-type and its files: the tokens come from its vocabulary)")
+    per_split = [f"--{name}-data-path" for name in ("train", "valid", "test") if getattr(d, f"{name}_data_path")]
+    if per_split:
+        _require(d.data_path is None, f"--data-path and {'/'.join(per_split)} are two ways to give the data: use "
+                 "--data-path (one blend split by --split) or the per-split paths (each set whole), not both")
+        _require(d.train_data_path is not None, f"{'/'.join(per_split)} need --train-data-path (the training set)")
+        _require(not d.sft, f"{'/'.join(per_split)}: --sft reads its conversations from --data-path (split by "
+                 "--split); give them there")
     if not d.mock_data:
-        _require(d.data_path is not None, "give --data-path (or --mock-data for random tokens)")
-        _require(d.tokenizer_type is not None, "--data-path needs --tokenizer-type (and its vocab/model files)")
+        _require(d.data_path is not None or per_split, "give --data-path (or --mock-data for random tokens)")
+        _require(d.tokenizer_type is not None, f"{(per_split or ['--data-path'])[0]} needs --tokenizer-type (and its "
+                 "vocab/model files)")
     _require(d.num_workers >= 0, f"--num-workers must be at least 0, got {d.num_workers} (0: load in the main process)")
     _require(not cp.save_interval or cp.save is not None, "--save-interval needs --save")
     _require(not cp.finetune or cp.load is not None or cp.pretrained_checkpoint is not None,

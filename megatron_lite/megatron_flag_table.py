@@ -217,8 +217,8 @@ ENTRIES = (
     ("--ckpt-assume-constant-structure --dist-ckpt-save-pre-mcore-014 --distrib-optim-fully-reshardable-mem-efficient",
      "the torch_dist layout is fixed (and always reshardable over TP, PP and DP)", DROP),
     # -- data and tokenizer -----------------------------------------------------------------------
-    ("--train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path",
-     "one --data-path blend is split into train/valid/test", "use --data-path and --split"),
+    ("--data-args-path --per-split-data-args-path", "the blends are read from the command line only",
+     "use --data-path (or --train-data-path, --valid-data-path, --test-data-path) with the blend itself"),
     ("--no-create-attention-mask-in-dataloader", "the loaders make only the masks a model needs (none for "
      "GPT's causal attention)", DROP),
     ("--num-dataset-builder-threads --object-storage-cache-path --mid-level-dataset-surplus "

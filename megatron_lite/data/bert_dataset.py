@@ -51,6 +51,9 @@ class BertDatasetConfig:
     """--split: train,valid,test weights over documents (normalised)."""
     data_path: list[str] = field(default_factory=list)
     """--data-path: one prefix, or 'w1 prefix1 w2 prefix2 ...' for a weighted blend."""
+    per_split_data_paths: list | None = None
+    """--train-data-path / --valid-data-path / --test-data-path: each split's own blend, all of its
+    documents (a split without one: None); instead of --data-path and --split."""
     data_cache_path: str | None = None
     """--data-cache-path: folder for index caches (default: <data dir>/cache)."""
     mmap_bin_files: bool = True

@@ -4,8 +4,10 @@
 
 ``config`` is a ``GPTDatasetConfig`` (or ``BertDatasetConfig``).  ``--data-path`` is one prefix or a
 weighted blend ``w1 p1 w2 p2 ...``; ``--split 949,50,1`` cuts each dataset's documents into three
-contiguous ranges (Megatron's rounding); ``--mock-data`` needs no files.  A split whose weight is 0
-(or whose requested sample count is 0) gives None.  User errors (missing file, bad weights, a split
+contiguous ranges (Megatron's rounding).  ``--train-data-path`` / ``--valid-data-path`` /
+``--test-data-path`` (``per_split_data_paths``) give each split a blend of its own instead, every
+document of it.  ``--mock-data`` needs no files.  A split whose weight is 0, whose path is not given,
+or whose requested sample count is 0 gives None.  User errors (missing file, bad weights, a split
 left without documents) raise ``DataConfigError`` / ``DataFileError`` with one line naming the flag.
 """
 
@@ -15,6 +17,7 @@ import logging
 import math
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,15 +71,15 @@ def _names_data(item: str) -> bool:
     return os.path.isfile(item + ".idx") or os.path.isfile(item)
 
 
-def parse_data_path(data_path) -> tuple[list[str], list[float] | None]:
+def parse_data_path(data_path, flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
     """``prefix`` | ``w1 p1 w2 p2 ...`` | ``p1 p2 ...`` -> (prefixes, normalised weights or None).
 
     An entry holding spaces is split into words (``"0.3 web 0.7 books"`` from a config file), unless
-    it names an existing dataset as it is (a path with a space in it)."""
+    it names an existing dataset as it is (a path with a space in it). ``flag`` is named in errors."""
     entries = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
     items = [w for x in entries for w in ([x] if x.strip() and _names_data(x) else x.split())]
     if not items:
-        raise DataConfigError("--data-path is empty: give a dataset prefix, 'w1 prefix1 w2 prefix2 ...', "
+        raise DataConfigError(f"{flag} is empty: give a dataset prefix, 'w1 prefix1 w2 prefix2 ...', "
                               "or use --mock-data")
     if len(items) == 1:
         return items, None
@@ -90,13 +93,13 @@ def parse_data_path(data_path) -> tuple[list[str], list[float] | None]:
     firsts = [number(s) for s in items[0::2]]
     if len(items) % 2 == 1 or any(v is None for v in firsts):
         if any(number(s) is not None for s in items):
-            raise DataConfigError(f"--data-path {' '.join(items)!r}: expected 'w1 prefix1 w2 prefix2 ...' "
+            raise DataConfigError(f"{flag} {' '.join(items)!r}: expected 'w1 prefix1 w2 prefix2 ...' "
                                   f"(a weight before every prefix) or prefixes only")
         return items, None
     try:
         weights = normalize_weights(firsts)
     except ValueError as err:
-        raise DataConfigError(f"--data-path: {err}") from None
+        raise DataConfigError(f"{flag}: {err}") from None
     return items[1::2], [float(w) for w in weights]
 
 
@@ -119,32 +122,81 @@ def _is_bert(config) -> bool:
     return type(config).__name__ == "BertDatasetConfig"
 
 
-def _open(prefix: str, mmap_bin: bool = True) -> IndexedDataset:
+def _open(prefix: str, mmap_bin: bool = True, flag: str = "--data-path") -> IndexedDataset:
     try:
         dataset = IndexedDataset(prefix, mmap_bin)
     except DataFileError as err:
-        raise DataFileError(f"--data-path: {err}") from None
+        raise DataFileError(f"{flag}: {err}") from None
     if dataset.dtype.kind == "f":  # Megatron's format allows floats (not token ids): the samples would truncate them
-        raise DataFileError(f"--data-path: {prefix}.idx: its dtype is {dataset.dtype.name}, which holds no token ids; "
+        raise DataFileError(f"{flag}: {prefix}.idx: its dtype is {dataset.dtype.name}, which holds no token ids; "
                             f"give a dataset written by tools/preprocess_data.py (integer tokens)")
     return dataset
+
+
+def _num_units(config, indexed) -> int:
+    """What --split divides: documents for BERT, sequences for GPT."""
+    return indexed.num_documents() if _is_bert(config) else len(indexed)
 
 
 def _split_document_ids(config, indexed) -> list[np.ndarray | None]:
     """Per split, the ids of its documents (sequences for GPT, documents for BERT); None if weight 0."""
     weights = parse_split(config.split)
-    n = indexed.num_documents() if _is_bert(config) else len(indexed)
+    n = _num_units(config, indexed)
     return [None if w == 0 else np.arange(lo, hi) for w, (lo, hi) in zip(weights, split_ranges(n, weights))]
 
 
-def _check_not_empty(config, ids: np.ndarray, indexed, prefix: str, name: str) -> None:
+class _Source(NamedTuple):
+    """One split's data: the flag that gave it, its datasets, their blend weights (None: one dataset),
+    and the document ids each dataset gives the split."""
+
+    flag: str
+    prefixes: list[str]
+    weights: list[float] | None
+    indexed: list
+    ids: list[np.ndarray]
+
+    def where(self, prefix: str, name: str, config) -> str:
+        """How an error names split ``name`` of this data: the flag, the prefix and, for --data-path, the --split."""
+        return f"{self.flag} {prefix}, {name} split" + (f" (--split {config.split})" if self.flag == "--data-path" else "")
+
+
+def _open_blend(config, data_path, flag: str) -> tuple[list[str], list[float] | None, list]:
+    """(prefixes, weights, opened datasets) of a --data-path-style blend."""
+    prefixes, weights = parse_data_path(data_path, flag)
+    indexed = [_open(p, config.mmap_bin_files, flag) for p in prefixes]
+    if weights is None and len(prefixes) > 1:  # prefixes only: weight by token count (Megatron-LM concatenates each once instead)
+        weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
+        weights = [float(w) for w in normalize_weights(weights)]
+    return prefixes, weights, indexed
+
+
+def _sources(config) -> list[_Source | None]:
+    """Per split (train, valid, test) its data, or None for a split that has none (weight 0 in --split,
+    or its per-split path not given)."""
+    per_split = getattr(config, "per_split_data_paths", None)
+    if per_split:
+        out = []
+        for name, paths in zip(SPLIT_NAMES, per_split):
+            flag = f"--{name}-data-path"
+            blend = _open_blend(config, paths, flag) if paths else None
+            out.append(None if blend is None else _Source(flag, *blend, [np.arange(_num_units(config, d))
+                                                                        for d in blend[2]]))
+        return out
+    prefixes, weights, indexed = _open_blend(config, config.data_path, "--data-path")
+    ids = [_split_document_ids(config, d) for d in indexed]
+    return [None if ids[0][s] is None else _Source("--data-path", prefixes, weights, indexed, [i[s] for i in ids])
+            for s in range(len(SPLIT_NAMES))]
+
+
+def _check_not_empty(config, ids: np.ndarray, indexed, prefix: str, name: str, source: _Source) -> None:
     if ids.size == 0:
-        n = indexed.num_documents() if _is_bert(config) else len(indexed)
-        raise DataConfigError(f"--split {config.split}: the {name} split of {prefix} gets none of its {n} "
-                              f"documents; use more data or change --split")
+        if source.flag != "--data-path":
+            raise DataConfigError(f"{source.flag} {prefix} has no documents; give a dataset with some")
+        raise DataConfigError(f"--split {config.split}: the {name} split of {prefix} gets none of its "
+                              f"{_num_units(config, indexed)} documents; use more data or change --split")
 
 
-def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_dir):
+def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_dir, source: _Source):
     """The split's dataset; what its documents cannot give (BERT: no document with 2 sentences, a too
     short --seq-length) is a DataConfigError naming the data and the split, not a traceback."""
     try:
@@ -156,9 +208,7 @@ def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_di
     except (DataFileError, DataConfigError):
         raise
     except ValueError as err:
-        prefix = getattr(indexed, "path_prefix", "?")
-        raise DataConfigError(f"--data-path {prefix}, {split_name} split (--split {config.split}): "
-                              f"{err}") from None
+        raise DataConfigError(f"{source.where(getattr(indexed, 'path_prefix', '?'), split_name, config)}: {err}") from None
 
 
 def _with_tokenizer(config, tokenizer):
@@ -171,9 +221,25 @@ def _with_tokenizer(config, tokenizer):
     return config
 
 
+def _build_split(config, source: _Source, name: str, n, tokenizer):
+    """One split's dataset: one dataset's samples, or a blend of its datasets' (exactly ``n`` samples)."""
+    for d, ids, p in zip(source.indexed, source.ids, source.prefixes):
+        _check_not_empty(config, ids, d, p, name, source)
+    prefixes, weights = source.prefixes, source.weights
+    if len(prefixes) == 1:
+        return _make(config, source.indexed[0], source.ids[0], n, name, tokenizer,
+                     default_cache_dir(config, prefixes[0]), source)
+    sizes = samples_per_dataset(weights, n) if n is not None else [None] * len(prefixes)
+    parts = [_make(config, d, ids, k, name, tokenizer, default_cache_dir(config, p), source)
+             for d, ids, k, p in zip(source.indexed, source.ids, sizes, prefixes)]
+    if n is None:  # one epoch of each: as many samples as the blend can draw without running out
+        n = int(min(len(p) / w for p, w in zip(parts, weights) if w > 0))
+    return BlendedDataset(parts, weights, n, default_cache_dir(config, prefixes[0]), name)
+
+
 def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_num_samples,
                                     tokenizer=None) -> tuple:
-    """(train, valid, test) datasets; None for a split with weight 0 or 0 requested samples.
+    """(train, valid, test) datasets; None for a split with weight 0, no path, or 0 requested samples.
 
     ``train_valid_test_num_samples``: samples each split must provide (None = one epoch of a
     single dataset).  Blended splits are exactly that size; each part is built for
@@ -191,32 +257,14 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
         if _is_bert(config):
             raise DataConfigError("--mock-data is only supported for GPT; give BERT a --data-path")
         return tuple(None if not n else MockGPTDataset(n, config, name) for n, name in zip(nums, SPLIT_NAMES))
-    prefixes, weights = parse_data_path(config.data_path)
-    indexed = [_open(p, config.mmap_bin_files) for p in prefixes]
-    if weights is None and len(prefixes) > 1:  # prefixes only: weight by token count (Megatron-LM concatenates each once instead)
-        weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
-        weights = [float(w) for w in normalize_weights(weights)]
-    split_ids = [_split_document_ids(config, d) for d in indexed]
-    out = []
-    if split_ids[0][0] is None and nums[0]:  # training needs train samples: refuse, not a None iterator later
+    sources = _sources(config)
+    if sources[0] is None and nums[0]:  # training needs train samples: refuse, not a None iterator later
+        if getattr(config, "per_split_data_paths", None):
+            raise DataConfigError(f"training needs {nums[0]} train samples; give --train-data-path")
         raise DataConfigError(f"--split {config.split} gives the train split weight 0, but training needs "
                               f"{nums[0]} train samples; give it a weight (e.g. --split 98,2,0)")
-    for s, (name, n) in enumerate(zip(SPLIT_NAMES, nums)):
-        if split_ids[0][s] is None or n == 0:
-            out.append(None)
-            continue
-        for d, ids, p in zip(indexed, split_ids, prefixes):
-            _check_not_empty(config, ids[s], d, p, name)
-        if len(prefixes) == 1:
-            cache = default_cache_dir(config, prefixes[0])
-            out.append(_make(config, indexed[0], split_ids[0][s], n, name, tokenizer, cache))
-            continue
-        sizes = samples_per_dataset(weights, n) if n is not None else [None] * len(prefixes)
-        parts = [_make(config, d, ids[s], k, name, tokenizer, default_cache_dir(config, p))
-                 for d, ids, k, p in zip(indexed, split_ids, sizes, prefixes)]
-        if n is None:  # one epoch of each: as many samples as the blend can draw without running out
-            n = int(min(len(p) / w for p, w in zip(parts, weights) if w > 0))
-        out.append(BlendedDataset(parts, weights, n, default_cache_dir(config, prefixes[0]), name))
+    out = [None if source is None or n == 0 else _build_split(config, source, name, n, tokenizer)
+           for name, n, source in zip(SPLIT_NAMES, nums, sources)]
     for name, ds in zip(SPLIT_NAMES, out):
         if ds is not None:
             log.info("%s dataset: %d samples (%s)", name, len(ds), type(ds).__name__)
@@ -240,11 +288,30 @@ def consumed_valid_samples(iteration: int, global_batch_size: int, eval_interval
     return (iteration // eval_interval) * eval_iters * global_batch_size
 
 
+def per_split_data_paths(values: dict) -> list | None:
+    """[--train-data-path, --valid-data-path, --test-data-path] (a missing one None), or None when none is given."""
+    paths = [list(values[f"{name}_data_path"]) if values.get(f"{name}_data_path") else None for name in SPLIT_NAMES]
+    return paths if any(paths) else None
+
+
+def given_data_paths(values: dict) -> list[tuple[str, list[str]]]:
+    """(flag, its values) of each data path a run gives: --data-path, or the per-split paths given."""
+    if values.get("data_path"):
+        return [("--data-path", list(values["data_path"]))]
+    return [(f"--{name}-data-path", list(values[f"{name}_data_path"])) for name in SPLIT_NAMES
+            if values.get(f"{name}_data_path")]
+
+
+def data_flags(values: dict) -> str:
+    """The data flags of a run as a user typed them, for messages: '--data-path ...' or the per-split paths."""
+    return " ".join(f"{flag} {' '.join(paths)}" for flag, paths in given_data_paths(values)) or "--data-path"
+
+
 def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
     """GPTDatasetConfig (or BertDatasetConfig) from flag values with Megatron's names: an argparse
     namespace or a flat dict such as ``Config.flat()``.
 
-    Reads seq_length, seed, split, data_path, data_cache_path, mock_data, eod_mask_loss,
+    Reads seq_length, seed, split, data_path, train/valid/test_data_path, data_cache_path, mock_data, eod_mask_loss,
     reset_position_ids, reset_attention_mask (GPT) or mask_prob, short_seq_prob,
     bert_no_binary_head (BERT); missing ones keep the dataclass defaults.
     """
@@ -256,7 +323,8 @@ def dataset_config_from_args(args, tokenizer=None, bert: bool = False):
 
     common = dict(seq_length=int(values["seq_length"]), seed=int(get("seed", 1234)), split=str(get("split", "969,30,1")),
                   data_path=list(get("data_path", [])), data_cache_path=get("data_cache_path"),
-                  mock=bool(get("mock_data", False)), mmap_bin_files=bool(get("mmap_bin_files", True)))
+                  mock=bool(get("mock_data", False)), mmap_bin_files=bool(get("mmap_bin_files", True)),
+                  per_split_data_paths=per_split_data_paths(values))
     if bert:
         from megatron_lite.data.bert_dataset import BertDatasetConfig
 

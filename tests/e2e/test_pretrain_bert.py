@@ -195,6 +195,7 @@ def _smaller_vocab(data):
     "case, words",
     [
         ("document", ["document-level", "--split-sentences", "--bert-no-binary-head"]),
+        ("valid_document", ["--valid-data-path", "document-level"]),  # every split's path is checked
         ("vocab", ["[CLS]"]),
         ("other_vocab", ["token id", "outside the tokenizer's vocabulary of 40", "another tokenizer"]),
         ("seq", ["--seq-length 4", "at least 5"]),
@@ -220,10 +221,11 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
         argv += ["--bert-load", str(tmp_path)]
     elif case == "mtp":
         argv += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
-    elif case in ("no_data", "mock"):
+    elif case in ("no_data", "mock", "valid_document"):
         i = argv.index("--data-path")
         del argv[i : i + 2]
-        argv += ["--mock-data"] if case == "mock" else []
+        argv += {"mock": ["--mock-data"], "no_data": [],
+                 "valid_document": ["--train-data-path", data["sentence"], "--valid-data-path", data["document"]]}[case]
     else:
         argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
     with pytest.raises(SystemExit) as err:
