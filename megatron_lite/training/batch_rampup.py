@@ -19,6 +19,9 @@ Megatron-LM counts them) plus ``(train-samples - samples the ramp took) // G``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 from ..console import print_rank_0
 from ..errors import ConfigError
 
@@ -33,6 +36,27 @@ def validation_batch(config) -> int:
     """Samples one validation iteration reads: :func:`num_microbatches` micro-batches on every
     data-parallel rank, so ``--global-batch-size`` rounded down with ``--decrease-batch-size-if-needed``."""
     return num_microbatches(config) * config.training.micro_batch_size * config.data_parallel_size
+
+
+def data_config_for_resume(config, iteration: int, consumed: int):
+    """The config the datasets are built from for a run resumed at ``iteration`` after ``consumed``
+    samples: ``config`` itself, or, where the rest of the run reads past the ``--train-iters`` x
+    ``--global-batch-size`` samples the training set is built for (a checkpoint saved with a larger
+    global batch: its consumed samples run ahead of this run's iteration count), a copy whose
+    ``train_samples`` (the training set's size) covers them, so the data does not run out mid-run.
+    With ``--train-samples`` (and the ramp, which needs it) the run ends with the samples and nothing changes."""
+    t = config.training
+    if t.train_samples is not None:
+        return config
+    needed = consumed + max(0, t.train_iters - iteration) * t.global_batch_size
+    if needed <= t.train_iters * t.global_batch_size:
+        return config
+    print_rank_0(f"> the checkpoint consumed {consumed} samples in {iteration} iterations: the training data is "
+                 f"built for {needed} samples (consumed + the {t.train_iters - iteration} iterations left x "
+                 f"--global-batch-size {t.global_batch_size}), not --train-iters x --global-batch-size")
+    resumed = copy.copy(config)
+    resumed.training = dataclasses.replace(t, train_samples=needed)
+    return resumed
 
 
 class BatchSchedule:

@@ -43,7 +43,7 @@ from ..perf.flops import num_floating_point_operations
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..precision.fp8 import update_fp8_scales
-from .batch_rampup import StepBatches, num_microbatches, validation_batch
+from .batch_rampup import StepBatches, data_config_for_resume, num_microbatches, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
@@ -390,5 +390,6 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
             t = config.training  # validation resumes where an uninterrupted run's would be
             consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval,
                                                     t.eval_iters)
-            train_iter, valid_iter = datasets_provider(config, state, built.consumed_samples, consumed_valid)
+            data_config = data_config_for_resume(config, built.iteration, built.consumed_samples)
+            train_iter, valid_iter = datasets_provider(data_config, state, built.consumed_samples, consumed_valid)
             return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()

@@ -72,3 +72,18 @@ def test_consumed_validation_samples():
     assert consumed_valid_samples(7, global_batch_size=4, eval_interval=2, eval_iters=3) == 3 * 3 * 4
     assert consumed_valid_samples(1, 4, 2, 3) == 0  # no evaluation yet
     assert consumed_valid_samples(8, 4, 2, 0) == 0  # --eval-iters 0: evaluation off
+
+
+@pytest.mark.parametrize("data", ["mock", "blend"], indirect=True)
+def test_a_resume_with_a_smaller_global_batch_has_data_for_every_step(tmp_path, data, capsys):
+    """A checkpoint saved at a global batch of 8 (3 iterations: 24 samples consumed), resumed at 4
+    to iteration 6: the 3 steps left read samples 24-35. The training set was built for --train-iters
+    x --global-batch-size = 24 samples (mock data and blends are sized exactly), so the first resumed
+    step stopped with a StopIteration traceback from forward_step; it is built for the 36 now."""
+    part, schedule = str(tmp_path / "part"), ["--lr-decay-iters", "6"]
+    first = pretrain_gpt.main(_flags(data, part, 3, *schedule, "--micro-batch-size", "4", "--global-batch-size", "8"))
+    assert first.consumed_samples == 24
+    capsys.readouterr()
+    resumed = pretrain_gpt.main(_flags(data, part, 6, *schedule, "--load", part))
+    assert resumed.iteration == 6 and resumed.consumed_samples == 36 and len(resumed.losses) == 3
+    assert "the training data is built for 36 samples" in capsys.readouterr().out
