@@ -37,6 +37,7 @@ PEER_EXIT_GRACE_S = 5.0
 _STORE_KEY = "megatron_lite/rank_error"  # "<exit code> <message>" of the first rank that stopped alone
 _SEEN_KEY = "megatron_lite/rank_error_seen"  # how many ranks have ended on it
 STORE_HOST_WAIT_S = 30.0
+INTERRUPTED_EXIT_CODE = 130  # a shell's code for a process stopped by SIGINT (128 + 2)
 
 
 def exit_with_message(message: str, code: int, rank_local: bool = False) -> None:
@@ -101,6 +102,8 @@ def run_script(main) -> None:
 
     Only a finished run or an exit every rank takes together (``SystemExit``) is ended this way; an
     unexpected exception propagates as is (its peers may be stuck in a collective, nothing to join).
+    Ctrl-C (``KeyboardInterrupt``, which Ctrl-C raises on every rank of the terminal's torchrun) is
+    one line on rank 0, with the training loop's ``where`` (what was saved), and exit code 130.
     """
     from .device import shutdown_distributed
 
@@ -109,6 +112,11 @@ def run_script(main) -> None:
         main()
     except SystemExit as exc:
         code = exc.code or 0
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback per rank
+        code = INTERRUPTED_EXIT_CODE
+        if int(os.environ.get("RANK", "0")) == 0:
+            where = getattr(exc, "where", None)
+            print(f"interrupted (Ctrl-C){': ' + where if where else ''}", file=sys.stderr, flush=True)
     # after the except block: the run's objects (and its groups) are unreferenced. The barrier only
     # after success: an error exit may be one rank's (its peers must not wait for it there)
     shutdown_distributed(wait_for_peers=code == 0)

@@ -47,7 +47,7 @@ from .batch_rampup import StepBatches, data_config_for_resume, num_microbatches,
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
-from .outputs import check_output_locations
+from .outputs import check_output_locations, interrupted_note
 from .per_token_loss import aux_loss_scale, evaluation_losses, reduce_reported, scale_grads_by_tokens
 from .profiler import StepProfiler
 from .progress import ProgressLog
@@ -341,6 +341,10 @@ class _Training:
             # rank whose collective failed (a peer gone) finds its writer done or failing at once
             if self.async_saves is not None:
                 self.async_saves.wait()
+            raise
+        except KeyboardInterrupt as err:  # Ctrl-C: errors.run_script prints what was saved in one line
+            err.where = interrupted_note(self.config.checkpoint.save, self.saved_at, self.iteration,
+                                         self.async_saves is not None)
             raise
         if self.async_saves is not None:  # the last save's failure stops the run, as a failed save does
             self.async_saves.wait(final=True)

@@ -98,3 +98,17 @@ def check_output_locations(config: Config) -> None:
     save = config.checkpoint.save
     if save and os.path.isdir(os.path.join(save, TRACKER_FILENAME)):
         raise ConfigError(f"--save {save}: {TRACKER_FILENAME} there is a folder; remove it")
+
+
+def interrupted_note(save: str | None, saved_at: int | None, iteration: int, async_save: bool) -> str:
+    """Where a Ctrl-C stopped a run after ``iteration`` steps, and the checkpoint to resume from
+    (``saved_at``: the iteration --save holds, when known; an --async-save may still have been writing it)."""
+    if not save:
+        kept = "nothing is saved (no --save)"
+    elif saved_at is None:
+        kept = f"no checkpoint in {save} from this run"
+    elif async_save:
+        kept = f"resume with --load {save} (its tracker names the last complete checkpoint)"
+    else:
+        kept = f"the last checkpoint is iteration {saved_at} in {save} (resume with --load {save})"
+    return f"stopped in iteration {iteration + 1}; {kept}"

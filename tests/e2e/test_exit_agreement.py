@@ -75,3 +75,30 @@ def test_the_sigterm_handler_is_given_back_when_the_run_returns(tmp_path, monkey
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint_to_resume(tmp_path, monkeypatch, capsys, save):
+    """Ctrl-C (KeyboardInterrupt) in a step printed a 30-line traceback on every rank and exited 1;
+    now rank 0 prints one line saying where the run stopped and what --save holds, and the exit code
+    is 130 (a shell's for SIGINT)."""
+    from megatron_lite.errors import run_script
+
+    real, calls = pretrain_gpt.forward_step, {"n": 0}
+
+    def forward_step(data_iterator, model):
+        calls["n"] += 1
+        if calls["n"] == 4:  # two micro-batches a step on one rank: step 2's second
+            raise KeyboardInterrupt
+        return real(data_iterator, model)
+
+    monkeypatch.setattr(pretrain_gpt, "forward_step", forward_step)
+    ckpt = str(tmp_path / "ckpt")
+    argv = [a for a in TINY if a != "--exit-signal-handler"] + (["--save", ckpt, "--save-interval", "1"] if save else [])
+    with pytest.raises(SystemExit) as exit_:
+        run_script(lambda: pretrain_gpt.main(argv))
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    kept = (f"the last checkpoint is iteration 1 in {ckpt} (resume with --load {ckpt})" if save
+            else "nothing is saved (no --save)")
+    assert err == [f"interrupted (Ctrl-C): stopped in iteration 2; {kept}"]
