@@ -3,8 +3,8 @@
     python tools/text_generation_cli.py localhost:5000
 
 Asks for a prompt and a number of tokens, sends ``PUT /api`` and prints the text (or the server's
-message for a bad request). Ctrl-D or an empty prompt line followed by Ctrl-D quits. Standard
-library only.
+message for a bad request). Ctrl-D or an empty prompt line followed by Ctrl-D quits (Ctrl-C too,
+exit code 130). Standard library only.
 """
 
 from __future__ import annotations
@@ -63,9 +63,21 @@ def api_url(address: str) -> str:
 
 def main(argv=None, read=input) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: text_generation_cli.py HOST:PORT\n\n{__doc__.strip()}")
+        return 0
     if len(argv) != 1 or argv[0].startswith("-"):
         _refuse(f"takes one argument, the server's HOST:PORT (got {' '.join(argv) or 'none'})")
     url = api_url(argv[0])
+    try:
+        return _talk(url, read)
+    except KeyboardInterrupt:  # Ctrl-C at a prompt or while waiting for the answer: quit, no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def _talk(url: str, read) -> int:
+    """Prompt, send, print, until end of input (0) or a server that cannot be reached (2)."""
     while True:
         try:
             prompt = read("Enter prompt: ")

@@ -77,3 +77,19 @@ def test_a_server_that_hangs_up_is_one_line(server, capsys):
     assert load_tool("text_generation_cli").main([url], read=lambda _prompt: next(typed)) == 2
     err = capsys.readouterr().err
     assert err == f"error: cannot reach {url}api (Remote end closed connection without response)\n"
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage(flag, capsys):
+    """--help was refused as an address ('takes one argument, the server's HOST:PORT (got --help)', exit 2)."""
+    assert load_tool("text_generation_cli").main([flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: text_generation_cli.py HOST:PORT\n") and "PUT /api" in out
+
+
+def test_ctrl_c_at_the_prompt_quits_without_a_traceback(capsys):
+    def read(_prompt):
+        raise KeyboardInterrupt
+
+    assert load_tool("text_generation_cli").main(["localhost:5000"], read=read) == 130
+    assert capsys.readouterr().err == "\n"
