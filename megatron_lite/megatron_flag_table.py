@@ -13,9 +13,6 @@ ENTRIES = (
     # -- network size and architecture ------------------------------------------------------------
     ("--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length",
      "encoder-decoder (T5) models are not built here", "use --num-layers and --seq-length"),
-    ("--attention-backend", "the attention kernel is picked per call (flash-attn when installed and the inputs "
-     "allow it, else PyTorch SDPA)", "drop it (for Megatron's unfused attention, --attention-backend unfused, use "
-     "--no-masked-softmax-fusion)"),
     ("--use-flash-attn", "flash-attn is used whenever it is installed and the inputs allow it", DROP),
     ("--relative-attention-num-buckets --relative-attention-max-distance",
      "relative position embeddings (T5) are not implemented", "use --position-embedding-type rope"),

@@ -53,6 +53,12 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
                                 "use --fp8-recipe delayed, tensorwise, blockwise or mxfp8")},
     "--dataloader-type": {"external": ("an outside data loader cannot be plugged in",
                                        "use --dataloader-type single or cyclic")},
+    "--attention-backend": {
+        **{v: ("the attention kernel is picked per call (flash-attn when installed and the inputs allow it, else "
+               "PyTorch SDPA)", "use --attention-backend auto or drop it") for v in ("flash", "fused", "local")},
+        "unfused": ("the attention kernel is picked per call; the explicit softmax math is --no-masked-softmax-fusion",
+                    "use --no-masked-softmax-fusion"),
+    },
     **{flag: {v: (f"{what} always fp32 (there is no precision-aware optimizer)", f"use {flag} fp32 or drop it")
               for v in ("bf16", "fp16", "fp8")}
        for flag, what in (("--main-grads-dtype", "main gradients are"), ("--main-params-dtype", "master weights are"),

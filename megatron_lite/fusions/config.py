@@ -30,6 +30,8 @@ class FusionConfig:
     """Fuse bias add, dropout and residual add after attention and MLP."""
     masked_softmax_fusion: bool = True
     """Scale, mask and softmax of attention in one fused kernel (SDPA); off: the explicit math."""
+    attention_backend: str = "auto"
+    """Accepted for Megatron scripts: it changes nothing, the attention kernel is always picked per call (flash-attn when installed and the inputs allow it, else PyTorch SDPA; auto is the only value taken)."""
     rope_fusion: bool = True
     """Apply rotary embeddings with one fused function (--position-embedding-type rope)."""
     no_persist_layer_norm: bool = False
@@ -51,7 +53,8 @@ class FusionConfig:
 
 
 FUSION_CHOICES = {"jit_fuser": list(JIT_FUSER_MODES), "cross_entropy_fusion_impl": list(CROSS_ENTROPY_FUSION_IMPLS),
-                  "torch_compile_backend": list(COMPILE_BACKENDS)}
+                  "torch_compile_backend": list(COMPILE_BACKENDS),
+                  "attention_backend": ["auto"]}  # inert: what always happens (Megatron's others refused by value)
 
 
 def check_fusion_flags(fusion: FusionConfig, disable_bias_linear: bool) -> None:

@@ -12,7 +12,12 @@ import pytest
 
 import megatron_lite.arguments as arguments
 from megatron_lite.arguments import build_parser, parse_args
-from megatron_lite.megatron_flags import ENTRIES, REFUSED, REFUSED_VALUES, megatron_flag_message
+from megatron_lite.megatron_flags import (
+    ENTRIES,
+    REFUSED,
+    REFUSED_VALUES,
+    megatron_value_message,
+)
 from tests.doc_blocks import REPO, training_parser
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -133,7 +138,8 @@ def test_pretrain_gpt_refuses_a_pasted_megatron_flag_in_one_line():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {megatron_flag_message('--attention-backend')}"]
+    refusal = megatron_value_message(["--attention-backend", "fused"])
+    assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {refusal}"]
     assert proc.stdout == ""
 
 
@@ -301,6 +307,20 @@ def test_value_flags_asking_for_fp32_are_inert_and_other_values_are_refused_by_n
         assert "fp32" in REFUSED_VALUES[flag][value][0]
 
 
+def test_attention_backend_auto_of_megatron_lms_gpt3_example_is_inert():
+    """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh passes --attention-backend auto (its
+    default): the flag was refused outright, so the example's command line stopped at it although auto is
+    what always happens here. auto is accepted and changes nothing; flash, fused and local are refused
+    by value, unfused pointing to --no-masked-softmax-fusion."""
+    parser = training_parser("pretrain_gpt.py")
+    assert parser._option_string_actions["--attention-backend"].help.startswith("Accepted for Megatron scripts")
+    config = parse_args(BASE + ["--attention-backend", "auto"])
+    assert config.fusion.attention_backend == "auto" and config.flat() == parse_args(BASE).flat()
+    for value in ("flash", "fused", "local", "unfused"):
+        code, lines = _refusal(parser, BASE + ["--attention-backend", value])
+        assert code == 2 and lines == [f"{parser.prog}: error: {megatron_value_message(['--attention-backend', value])}"]
+
+
 MEGATRON_FLAGS = os.path.join(REPO, "tests", "fixtures", "megatron_flags.txt")
 
 
@@ -335,7 +355,7 @@ MEGATRON_CHOICES = {
     "--fp8-amax-compute-algo": "most_recent max", "--transformer-impl": "local transformer_engine",
     "--cross-entropy-fusion-impl": "native te", "--moe-token-dispatcher-type": "allgather alltoall flex",
     "--moe-router-load-balancing-type": "aux_loss seq_aux_loss global_aux_loss sinkhorn none",
-    "--moe-router-dtype": "fp32 fp64", "--moe-router-score-function": "softmax sigmoid",
+    "--moe-router-dtype": "fp32 fp64", "--attention-backend": "flash fused unfused local auto", "--moe-router-score-function": "softmax sigmoid",
     "--moe-token-drop-policy": "probs position", "--recompute-granularity": "full selective",
     "--recompute-method": "uniform block", "--normalization": "LayerNorm RMSNorm",
     "--softmax-type": "learnable vanilla off-by-one", "--rope-type": "rope yarn", "--distributed-backend": "nccl gloo",
