@@ -12,6 +12,7 @@ import os
 import tempfile
 
 from ..config import Config, ConfigError
+from ..console import print_rank_0
 from ..files import replaced_whole
 
 DEFAULT_PROFILE_DIR = "profile"  # --profile --use-pytorch-profiler's trace folder without --tensorboard-dir
@@ -98,6 +99,28 @@ def check_output_locations(config: Config) -> None:
     save = config.checkpoint.save
     if save and os.path.isdir(os.path.join(save, TRACKER_FILENAME)):
         raise ConfigError(f"--save {save}: {TRACKER_FILENAME} there is a folder; remove it")
+    warning = save_taken_over_warning(save, config.checkpoint.load)
+    if warning:
+        print_rank_0(warning)
+
+
+def save_taken_over_warning(save: str | None, load: str | None) -> str | None:
+    """A start-up warning when --save holds another run's checkpoints and this run does not resume them
+    (no --load of that folder): its saves take the folder's tracker over, or None."""
+    tracker = os.path.join(save, TRACKER_FILENAME) if save else None
+    if tracker is None or not os.path.isfile(tracker):
+        return None
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        return None
+    try:
+        with open(tracker, "rb") as f:
+            latest = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        latest = "?"
+    resumed = f"--load {load}" if load else "no --load"
+    return (f"WARNING: --save {save} already holds checkpoints (latest: {latest}) that this run does not resume "
+            f"({resumed}): its saves will replace that tracker; pass --load {save} to continue them, or pick "
+            "another --save")
 
 
 def interrupted_note(save: str | None, saved_at: int | None, iteration: int, async_save: bool) -> str:

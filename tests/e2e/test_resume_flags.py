@@ -216,3 +216,21 @@ def test_a_derived_flag_saved_unset_is_compared_through_the_flags_it_comes_from(
     check_architecture("ckpt", dict(config.flat(), rope_type=None, ffn_hidden_size=None), config, "release")
     with pytest.raises(CheckpointError, match="rope-type yarn"):
         check_architecture("ckpt", dict(config.flat(), rope_type="yarn"), config, "release")
+
+
+def test_a_fresh_run_into_a_save_folder_holding_checkpoints_warns(tmp_path, capsys):
+    """A second run with the first one's --save and no --load trained from scratch and silently took the
+    folder's tracker over (the first run's latest iteration no longer the one --load finds). It still
+    trains (Megatron-LM's behaviour), after one start-up warning naming the folder and --load; a run that
+    resumes the folder, or a first run, gets none."""
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(_argv(save, 3, MODEL))
+    assert "WARNING: --save" not in capsys.readouterr().out
+    again = pretrain_gpt.main(_argv(save, 4, MODEL))
+    assert again.iteration == 4 and len(again.losses) == 4
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("WARNING: --save")]
+    assert warnings == [f"WARNING: --save {save} already holds checkpoints (latest: 3) that this run does not resume "
+                        f"(no --load): its saves will replace that tracker; pass --load {save} to continue them, "
+                        "or pick another --save"]
+    pretrain_gpt.main(_argv(save, 5, MODEL + ["--load", save, "--override-opt_param-scheduler"]))
+    assert "WARNING: --save" not in capsys.readouterr().out
