@@ -20,6 +20,15 @@ from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
+def dataset_impl(value: str) -> str:
+    """Older Megatron-LM's --dataset-impl: mmap, the format always written, is taken (and changes nothing)."""
+    if value != "mmap":
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is an older Megatron-LM format that is not written here (the output is always the mmap "
+            "format, MMIDIDX); use --dataset-impl mmap or drop it")
+    return value
+
+
 def parse_args(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
@@ -36,6 +45,9 @@ def parse_args(argv=None):
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="outputs: PREFIX_{key}_{document|sentence}.bin/.idx")
     group.add_argument("--append-eod", action="store_true", help="append EOD to the end of each document")
+    group.add_argument("--dataset-impl", type=dataset_impl, default="mmap",
+                       help="accepted for older Megatron-LM scripts: it changes nothing, the output is always the "
+                            "mmap format (MMIDIDX); lazy and cached are refused")
     group.add_argument("--lang", default="english", help="language for nltk punkt sentence splitting (--sentence-splitter nltk)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")

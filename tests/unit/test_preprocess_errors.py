@@ -289,3 +289,26 @@ def test_a_json_file_that_is_not_jsonl_says_how_to_convert_it(tmp_path, text, wh
     assert f"jq -c {'.' if 'object' in what else chr(39) + '.[]' + chr(39)} {src} > {tmp_path / 'export_lines.jsonl'}" \
         in str(err.value)
     assert list((tmp_path / "out").iterdir()) == []  # the output folder is made before the work, and left empty
+
+
+def test_older_megatron_dataset_impl_mmap_is_accepted_and_other_formats_refused(tmp_path, capsys):
+    """Older Megatron-LM preprocess commands (its README before 2023, Megatron-DeepSpeed) pass
+    --dataset-impl mmap: that was argparse's 'unrecognized arguments', so the copied command did not
+    run although mmap is the one format written. mmap is accepted and changes nothing (the same bytes);
+    lazy and cached are refused in one line naming the flag, exit 2, nothing written."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "1 2"}\n{"text": "3"}\n')
+    cli = load_tool("preprocess_data")
+    base = ["--input", str(path), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "plain")]) == 0
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "mmap"), "--dataset-impl", "mmap"]) == 0
+    for ext in (".bin", ".idx"):
+        plain, mmap = (tmp_path / f"{p}_text_document{ext}" for p in ("plain", "mmap"))
+        assert plain.read_bytes() == mmap.read_bytes()
+    capsys.readouterr()
+    for value in ("lazy", "cached"):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(base + ["--output-prefix", str(tmp_path / value), "--dataset-impl", value])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and f"--dataset-impl: '{value}' is an older" in err
+        assert not list(tmp_path.glob(f"{value}*"))
