@@ -38,15 +38,27 @@ def validation_batch(config) -> int:
     return num_microbatches(config) * config.training.micro_batch_size * config.data_parallel_size
 
 
+def end_at_train_samples(config, iteration: int, consumed: int) -> None:
+    """--train-samples without a ramp: a run resumed at ``iteration`` after ``consumed`` samples ends once
+    the samples are trained (``train_iters`` = the iterations left at this --global-batch-size, which
+    differs from --train-samples / --global-batch-size when the checkpoint was saved at another batch)."""
+    t = config.training
+    if t.train_samples is None or t.rampup_batch_size is not None or not iteration:
+        return
+    t.train_iters = iteration + max(0, t.train_samples - consumed) // t.global_batch_size
+
+
 def data_config_for_resume(config, iteration: int, consumed: int):
     """The config the datasets are built from for a run resumed at ``iteration`` after ``consumed``
     samples: ``config`` itself, or, where the rest of the run reads past the ``--train-iters`` x
     ``--global-batch-size`` samples the training set is built for (a checkpoint saved with a larger
     global batch: its consumed samples run ahead of this run's iteration count), a copy whose
     ``train_samples`` (the training set's size) covers them, so the data does not run out mid-run.
-    With ``--train-samples`` (and the ramp, which needs it) the run ends with the samples and nothing changes."""
+    With ``--train-samples`` the run ends with the samples instead (:func:`end_at_train_samples` sets its
+    iterations; with the ramp, which needs it, nothing changes) and ``config`` is returned."""
     t = config.training
     if t.train_samples is not None:
+        end_at_train_samples(config, iteration, consumed)
         return config
     needed = consumed + max(0, t.train_iters - iteration) * t.global_batch_size
     if needed <= t.train_iters * t.global_batch_size:

@@ -87,3 +87,18 @@ def test_a_resume_with_a_smaller_global_batch_has_data_for_every_step(tmp_path, 
     resumed = pretrain_gpt.main(_flags(data, part, 6, *schedule, "--load", part))
     assert resumed.iteration == 6 and resumed.consumed_samples == 36 and len(resumed.losses) == 3
     assert "the training data is built for 36 samples" in capsys.readouterr().out
+
+
+def test_a_train_samples_run_resumed_with_a_smaller_global_batch_ends_at_its_samples(tmp_path):
+    """--train-samples 40 stopped after 4 iterations of 8 (32 consumed), resumed at a global batch of 2:
+    the run counted --train-samples / 2 = 20 iterations from the start, so 16 more steps read up to
+    sample 64 of a training set of 40 and the data ran out (StopIteration). It ends at its 40 samples
+    now: 4 more steps."""
+    at = MODEL.index("--lr-warmup-iters")
+    flags = MODEL[:at] + MODEL[at + 2:] + ["--lr-warmup-samples", "8", "--train-samples", "40",
+                                           "--save", str(tmp_path / "ckpt")]
+    first = pretrain_gpt.main(flags + ["--micro-batch-size", "4", "--global-batch-size", "8", "--exit-interval", "4"])
+    assert (first.iteration, first.consumed_samples) == (4, 32)
+    resumed = pretrain_gpt.main(flags + ["--micro-batch-size", "2", "--global-batch-size", "2",
+                                         "--load", str(tmp_path / "ckpt"), "--override-opt_param-scheduler"])
+    assert (resumed.iteration, resumed.consumed_samples, len(resumed.losses)) == (8, 40, 4)
