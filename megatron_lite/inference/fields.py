@@ -3,6 +3,8 @@ message names the field (the server answers it with HTTP 400)."""
 
 from __future__ import annotations
 
+import math
+
 
 class RequestError(ValueError):
     """A bad request; its message is the whole answer."""
@@ -41,6 +43,8 @@ def get_number(body: dict, name: str, default: float, low=None, high=None, low_o
     value = body.get(name, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise RequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):  # JSON's NaN / Infinity (Python's json reads them): no range holds NaN
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
     if low_open and value <= low:
         raise RequestError(f"{name} must be greater than {low}, got {value!r}")
     _check_range(name, value, None if low_open else low, high)

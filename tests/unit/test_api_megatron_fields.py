@@ -51,3 +51,13 @@ def test_the_documented_limits_of_a_request(body, message):
     with pytest.raises(RequestError) as err:
         parse_api(body, tok)
     assert str(err.value).startswith(message), err.value
+
+
+@pytest.mark.parametrize("name, extra", [("top_p_bound", {"top_p": 0.5}), ("top_p_decay", {"top_p": 0.5}),
+                                         ("temperature", {}), ("top_p", {}), ("length_penalty", {"beam_width": 2})])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinity_are_a_bad_request_naming_the_field(name, extra, value):
+    """Python's json reads JSON's NaN / Infinity (what a Python client's ``json=`` sends for a float
+    nan): a NaN top_p_bound passed every range check and was served (HTTP 200)."""
+    with pytest.raises(RequestError, match=rf"^{name} must be a finite number, got -?(nan|inf)$"):
+        parse_api({"prompts": ["1"], **extra, name: value}, NullTokenizer(99))

@@ -111,3 +111,12 @@ def test_the_documented_limits_of_stop_and_logprobs(tokenizer, route, body, mess
     with pytest.raises(RequestError) as err:
         parse()
     assert str(err.value).startswith(message), err.value
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "length_penalty"])
+def test_nan_is_a_bad_request_naming_the_field(tokenizer, name):
+    """OpenAI's temperature takes 0: a NaN one was refused as outside "(0, 100]" by the engine."""
+    with pytest.raises(RequestError, match=rf"^{name} must be a finite number, got nan$"):
+        parse_completion({"prompt": "1 2", name: float("nan")}, tokenizer)
+    with pytest.raises(RequestError, match=r"^logit_bias\[3\] must be a finite number, got nan$"):
+        parse_completion({"prompt": "1 2", "logit_bias": {"3": float("nan")}}, tokenizer)
