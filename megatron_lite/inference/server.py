@@ -89,6 +89,18 @@ class Runner:
         raise RuntimeError(f"unknown server message {message[0]!r}")
 
 
+def read_json(request):
+    """The request's JSON body (whatever its Content-Type, as Megatron-LM's and vLLM's clients send
+    it); RequestError where it is not JSON, or nests deeper than Python's parser recurses."""
+    try:
+        body = request.get_json(force=True, silent=True)
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to be read as JSON") from None
+    if body is None:
+        raise RequestError("the request body must be JSON")
+    return body
+
+
 def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, model_name: str = "megatron_lite"):
     """The Flask app; ``runner.run(prompts, params)`` generates; ``chat_template``: ``--chat-template``'s text."""
     try:
@@ -111,9 +123,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     def answer(parse, respond):
         try:
-            body = request.get_json(force=True, silent=True)
-            if body is None:
-                raise RequestError("the request body must be JSON")
+            body = read_json(request)
             job = parse(body)
             if getattr(job, "stream", False):
                 steps = runner.stream(job.prompts, job.params)
