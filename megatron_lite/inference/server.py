@@ -34,6 +34,10 @@ from .api_stream import stream_events
 from .fields import RequestError
 
 HEARTBEAT_S = 60.0
+CLIENT_TIMEOUT_S = 10.0
+"""A connection whose client sends nothing (its request line, headers or body) or reads nothing (a
+streamed answer) for this long is closed: a stalled client held the one-at-a-time server, and the
+in-flight count that keeps SIGTERM waiting, forever."""
 _GENERATE, _HEARTBEAT, _STOP = "generate", "heartbeat", "stop"
 
 
@@ -193,13 +197,17 @@ def make_server(app, host: str, port: int, threaded: bool = False):
     (one line) where it cannot listen (the port in use);
     ``threaded``: one thread per request (continuous batching: :mod:`.batch_runner`), counted in
     ``server.in_flight`` (:class:`InFlight`)."""
+    from werkzeug.serving import WSGIRequestHandler
     from werkzeug.serving import make_server as werkzeug_server
+
+    class Handler(WSGIRequestHandler):
+        timeout = CLIENT_TIMEOUT_S  # socketserver sets it on every accepted connection
 
     in_flight = InFlight(app) if threaded else None
     said = io.StringIO()  # werkzeug prints why it cannot listen (two lines) and exits 1: one line, raised
     try:
         with contextlib.redirect_stderr(said):
-            server = werkzeug_server(host, port, in_flight or app, threaded=threaded)
+            server = werkzeug_server(host, port, in_flight or app, threaded=threaded, request_handler=Handler)
     except SystemExit:
         reason = said.getvalue().strip().splitlines()[0] if said.getvalue().strip() else "cannot listen"
         raise OSError(f"--host {host} --port {port}: {reason}; pick another --port (0: any free port) or --host") from None

@@ -24,3 +24,47 @@ def test_json_nested_past_the_parsers_recursion_is_a_400(client, path, method):
         assert answer.get_json() == {"message": "the request body nests too deeply to be read as JSON"}
     ok = client.post("/v1/completions", json={"prompt": "1 2", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_stalled_client_neither_blocks_others_nor_keeps_the_server_from_stopping(monkeypatch, batched):
+    """A client that connects and sends nothing, or sends its headers and part of its body, then
+    waits: the one-at-a-time server (one thread) waited on it forever, so no other request was
+    answered and SIGTERM never took effect; the batching server's in-flight count kept it from
+    stopping. Each connection now times out after CLIENT_TIMEOUT_S without bytes."""
+    import json
+    import socket
+    import threading
+    import urllib.request
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference import server as server_module
+    from megatron_lite.inference.batch_runner import BatchRunner
+    from megatron_lite.inference.server import Runner, StopFlag, create_app, make_server, serve
+    from tests.inference_helpers import VOCAB
+
+    monkeypatch.setattr(server_module, "CLIENT_TIMEOUT_S", 0.5)
+    engine = served_gpt()[1]
+    runner = BatchRunner(engine, 4) if batched else Runner(engine)
+    http = make_server(create_app(runner, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)), "127.0.0.1", 0,
+                       threaded=batched)
+    stop = StopFlag()
+    thread = threading.Thread(target=serve, args=(http, runner, stop), daemon=True)
+    thread.start()
+    idle = socket.create_connection(("127.0.0.1", http.server_port))
+    partial = socket.create_connection(("127.0.0.1", http.server_port))
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{http.server_port}/v1/completions",
+                                         data=json.dumps({"prompt": "1 2", "max_tokens": 2}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 200
+        stop.request()
+        thread.join(timeout=10)
+        assert not thread.is_alive()  # stopped while both stalled clients still hold their sockets
+    finally:
+        stop.request()
+        idle.close()
+        partial.close()
