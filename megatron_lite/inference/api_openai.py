@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from .api_beam import BEAM_FIELDS, beam_job, beam_params, best_beams
 from .api_logprobs import covered, logprobs_object, prefix
-from .api_megatron import continuation_text
 from .api_stream import cut_at_stop
 from .chat import chat_prompt
+from .detokenize import answer_text
 from .fields import RequestError, check_fields, get_bool, get_int, get_number
 from .sampling import MAX_SEED, SamplingParams
 
@@ -221,9 +221,9 @@ def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
     before it (the earliest of those it completes). The engine may have generated on past that point
     (without a tokenizer: :mod:`.stop_strings`), and a longer stop string that began earlier may
     complete in that later text; it does not count."""
-    text, stopped = cut_at_stop(continuation_text(tokenizer, result), stops)
+    text, stopped = cut_at_stop(answer_text(tokenizer, result), stops)
     for end in range(result.prompt_length + 1, len(result.tokens) + 1) if stopped else ():
-        part, found = cut_at_stop(continuation_text(tokenizer, prefix(result, end)), stops)
+        part, found = cut_at_stop(answer_text(tokenizer, prefix(result, end)), stops)
         if found:
             return part, True
     return text, stopped

@@ -76,7 +76,7 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
         choice |= {"logprobs": logprobs, "finish_reason": reason}
         return sse(head | {"choices": [choice]} | extra)
 
-    streams = [TextStream(tokenizer, p, job.stops) for p in job.prompts]
+    streams = [TextStream(tokenizer, p, job.stops, quiet_end=True) for p in job.prompts]
     scores = [ChunkLogprobs(tokenizer, p, chat, job.echo) for p in job.prompts] if job.logprobs is not None else None
     ended = [False] * len(streams)
     echo = [job.echo and not chat] * len(streams)  # the prompt's chunk is still to come (completions' echo)

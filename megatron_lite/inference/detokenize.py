@@ -4,7 +4,24 @@ streamed answer (:mod:`.api_stream`) and for ending a sequence at a stop string 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .api_megatron import continuation_text
+
+
+def without_end(result, eod: int | None):
+    """``result`` (a :class:`~megatron_lite.inference.engine.Generation`) less the end-of-document token
+    that ended it: OpenAI's answers, as vLLM's and OpenAI's, show no text for the token that stops a
+    sequence (GPT-2's ``<|endoftext|>``, a Hugging Face tokenizer's ``</s>`` or ``<|im_end|>``);
+    its log-prob is still returned and counted in the usage, as vLLM does."""
+    ends = (eod is not None and result.finish_reason == "stop" and len(result.tokens) > result.prompt_length
+            and result.tokens[-1] == eod)
+    return replace(result, tokens=result.tokens[:-1], log_probs=result.log_probs[:-1]) if ends else result
+
+
+def answer_text(tokenizer, result) -> str:
+    """The generated text of an OpenAI answer: :func:`continuation_text` without the end-of-document token's."""
+    return continuation_text(tokenizer, without_end(result, getattr(tokenizer, "eod", None)))
 
 
 def safe_end(text: str, stops: list[str]) -> int:
@@ -39,8 +56,11 @@ class TextStream:
     until the character is whole. A step costs two decodes of a few tokens, not of the whole text.
     """
 
-    def __init__(self, tokenizer, prompt: list[int], stops: list[str]):
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str], quiet_end: bool = False):
+        """``quiet_end``: the end-of-document token, which ends the sequence, adds no text (OpenAI's
+        answers: :func:`answer_text`)."""
         self.tokenizer, self.stops = tokenizer, stops
+        self.quiet_end = getattr(tokenizer, "eod", None) if quiet_end else None
         self.tokens = list(prompt)
         self.start, self.read = max(len(prompt) - CONTEXT, 0), len(prompt)
         self.text = ""  # the generated text of tokens[:read]
@@ -54,6 +74,9 @@ class TextStream:
     def push(self, token: int) -> str:
         """The new text ``token`` lets us send (often ""); nothing once a stop string was met."""
         if self.stopped:
+            return ""
+        if token == self.quiet_end and self.quiet_end is not None:
+            self.ends.append(len(self.text))
             return ""
         self.tokens.append(token)
         before = self.tokenizer.detokenize(self.tokens[self.start:self.read])
@@ -82,7 +105,8 @@ class TextStream:
     def finish(self, result) -> str:
         """The rest of the text, as the non-streamed answer has it (``result``: the engine's
         :class:`~megatron_lite.inference.engine.Generation`)."""
-        text, stopped = cut_at_stop(continuation_text(self.tokenizer, result), self.stops)
+        whole = continuation_text(self.tokenizer, without_end(result, self.quiet_end))
+        text, stopped = cut_at_stop(whole, self.stops)
         self.stopped = self.stopped or stopped
         return self._send(text, len(text))
 
