@@ -1,5 +1,5 @@
 """The text-generation server: a Flask app over the engine (Megatron's ``PUT /api``, the
-OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``, ``GET /health``).
+OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``GET /v1/models``, ``GET /health``).
 
 Here requests are served one at a time, in the main thread (generation is one batch on every
 rank): ``--inference-max-requests 1``, or ``--no-kv-cache``. Otherwise the server batches
@@ -161,6 +161,15 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
     @app.route("/health", methods=["GET"])
     def health():
         return jsonify(status="ok")
+
+    created = int(time.time())
+
+    @app.route("/v1/models", methods=["GET"])
+    def models():
+        """OpenAI's model list (what clients read to find the model's name), vLLM's one entry."""
+        return jsonify(object="list", data=[{"id": model_name, "object": "model", "created": created,
+                                             "owned_by": "megatron_lite",
+                                             "max_model_len": runner.engine.max_sequence_length}])
 
     return app
 

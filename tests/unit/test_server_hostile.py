@@ -68,3 +68,21 @@ def test_a_stalled_client_neither_blocks_others_nor_keeps_the_server_from_stoppi
         stop.request()
         idle.close()
         partial.close()
+
+
+def test_the_model_list_names_the_served_model(client):
+    """GET /v1/models (the openai client's ``models.list()``, what many OpenAI-compatible tools call
+    first to find the model's name) was a 404; it lists the one model, as vLLM does."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.server import Runner, create_app
+    from tests.inference_helpers import MAX_LEN, VOCAB
+
+    answer = client.get("/v1/models")
+    assert answer.status_code == 200
+    body = answer.get_json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["megatron_lite"]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == MAX_LEN
+    named = create_app(Runner(served_gpt()[1]), build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1),
+                       model_name="tiny").test_client()
+    assert named.get("/v1/models").get_json()["data"][0]["id"] == "tiny"
+    assert named.post("/v1/completions", json={"prompt": "1", "max_tokens": 1}).get_json()["model"] == "tiny"
