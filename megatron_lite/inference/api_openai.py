@@ -177,6 +177,9 @@ def _fields(body, known: set[str]) -> dict:
     if isinstance(body, dict):
         body = {k: v for k, v in body.items() if v is not None or (k not in known and k not in UNSUPPORTED)}
     check_fields(body, known, UNSUPPORTED)
+    for name in ("model", "user"):  # accepted, not used: still strings, as OpenAI's and vLLM's schemas say
+        if name in body and not isinstance(body[name], str):
+            raise RequestError(f"{name} must be a string, got {body[name]!r}")
     return body
 
 

@@ -120,3 +120,14 @@ def test_nan_is_a_bad_request_naming_the_field(tokenizer, name):
         parse_completion({"prompt": "1 2", name: float("nan")}, tokenizer)
     with pytest.raises(RequestError, match=r"^logit_bias\[3\] must be a finite number, got nan$"):
         parse_completion({"prompt": "1 2", "logit_bias": {"3": float("nan")}}, tokenizer)
+
+
+@pytest.mark.parametrize("name", ["model", "user"])
+@pytest.mark.parametrize("value", [5, ["x"], {"id": "x"}, True])
+def test_model_and_user_that_are_not_strings_are_a_bad_request(tokenizer, name, value):
+    """Accepted and not used, they were accepted whatever their type (vLLM's schema refuses it: 400)."""
+    with pytest.raises(RequestError, match=rf"^{name} must be a string, got "):
+        parse_completion({"prompt": "1 2", name: value}, tokenizer)
+    with pytest.raises(RequestError, match=rf"^{name} must be a string, got "):
+        parse_chat({"messages": [{"role": "user", "content": "1"}], name: value}, tokenizer, TEMPLATE)
+    assert parse_completion({"prompt": "1 2", name: "x"}, tokenizer).params.tokens_to_generate == 16
