@@ -218,7 +218,7 @@ ENTRIES = (
      "use --data-path (or --train-data-path, --valid-data-path, --test-data-path) with the blend itself"),
     ("--no-create-attention-mask-in-dataloader", "the loaders make only the masks a model needs (none for "
      "GPT's causal attention)", DROP),
-    ("--num-dataset-builder-threads --object-storage-cache-path --mid-level-dataset-surplus "
+    ("--num-dataset-builder-threads --object-storage-cache-path --s3-cache-path --mid-level-dataset-surplus "
      "--allow-ambiguous-pad-tokens --sample-rate", "the dataset builder's options are fixed", DROP),
     ("--vocab-extra-ids", "extra sentinel tokens (T5) are not added", DROP),
     ("--tokenizer-metadata --tiktoken-pattern --tiktoken-num-special-tokens --tiktoken-special-tokens "
