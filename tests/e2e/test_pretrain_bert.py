@@ -135,11 +135,12 @@ def test_lora_fine_tunes_bert_and_tp2_sp_reproduces_one_process(tmp_path, data, 
     assert saved and all(is_adapter_name(name) for name in saved), sorted(saved)[:5]
 
 
-def test_fill_mask_reads_the_checkpoint(data, reference):
-    out = subprocess.run([sys.executable, "tools/fill_mask.py", "--load", reference[1], "--text",
-                          "the quick [MASK] fox", "--top-k", "3"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
+def test_fill_mask_reads_the_checkpoint(data, reference, capsys):
+    capsys.readouterr()
+    code = load_tool("fill_mask").main(["--load", reference[1], "--text", "the quick [MASK] fox", "--top-k", "3"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.strip().splitlines()
     assert len(lines) == 2 and re.fullmatch(r"\[MASK\] at \d+: \S+ [01]\.\d{3}( \| \S+ [01]\.\d{3}){2}", lines[0]), lines
     assert lines[1].startswith("the quick ") and lines[1].endswith(" fox")
 
