@@ -9,9 +9,6 @@ fail, so no parameter is ever read ungathered; after forward and after backward 
 freed again.
 """
 
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -24,8 +21,7 @@ from megatron_lite.optim import build_optimizer
 from megatron_lite.parallel.data_parallel import finalize_model_grads
 from megatron_lite.parallel.fsdp import FullyShardedDataParallel, wrap_for_data_parallel
 from megatron_lite.perf.model_state import measured_model_state_bytes, model_state_bytes_per_param
-from tests.e2e.conftest import ROOT
-from tests.harness import cached_state, run_ranks
+from tests.harness import cached_state, run_in_new_process, run_ranks
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -118,31 +114,30 @@ def test_units_are_freed_between_uses_and_a_missing_gather_fails():
         model(torch.randn(2, 8))
 
 
-_PRINT_FREED = """
-import torch
-from megatron_lite.parallel.fsdp import ShardedParameter, full_params
-from megatron_lite.parallel.state import ParallelState
-from tests.distributed.test_fsdp import _build, _freed
-model, _ = _build(ParallelState(), torch.float32, "optim_grads_params")
-model(torch.randn(2, 8)).sum().backward()
-assert _freed(model) and all(isinstance(p, ShardedParameter) for p in model.parameters())
-print(model)
-print(list(model.parameters()))
-for name, p in model.named_parameters():
-    print(name, p, f"{p}", str(p))
-with full_params([model]):
-    print("GATHERED", next(model.parameters()))
-"""
+def print_freed_model() -> None:
+    """In a process of its own: print a ZeRO-3 model whose units are freed, its parameters, then one
+    gathered."""
+    from megatron_lite.parallel.fsdp import ShardedParameter, full_params
+    from megatron_lite.parallel.state import ParallelState
+
+    model, _ = _build(ParallelState(), torch.float32, "optim_grads_params")
+    model(torch.randn(2, 8)).sum().backward()
+    assert _freed(model) and all(isinstance(p, ShardedParameter) for p in model.parameters())
+    print(model)
+    print(list(model.parameters()))
+    for name, p in model.named_parameters():
+        print(name, p, f"{p}", str(p))
+    with full_params([model]):
+        print("GATHERED", next(model.parameters()))
 
 
 def test_printing_a_freed_zero3_model_and_its_parameters_never_crashes():
-    # a fresh process: PyTorch's printer reading freed memory segfaulted (that must fail this test,
-    # not kill the test runner)
-    out = subprocess.run([sys.executable, "-c", _PRINT_FREED], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "FullyShardedDataParallel" in out.stdout
-    freed, gathered = out.stdout.split("GATHERED", 1)
+    # a new process: PyTorch's printer reading freed memory segfaulted (that must fail this test,
+    # not kill the test runner); forked with torch already imported (tests/harness.py)
+    code, stdout, stderr = run_in_new_process(print_freed_model)
+    assert code == 0, stderr[-3000:]
+    assert "FullyShardedDataParallel" in stdout
+    freed, gathered = stdout.split("GATHERED", 1)
     assert freed.count("not gathered now") == 4 * 6  # the list, and each of the 6 parameters three times
     assert "tensor([" not in freed
     assert "Parameter containing" in gathered and "tensor([" in gathered  # the values while gathered
