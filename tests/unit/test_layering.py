@@ -7,6 +7,7 @@ imports first load in a fresh interpreter (no import cycle through them).
 """
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ def _parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+@functools.cache  # parsed once per session (~1 s); the tests only read it
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     return {name: _imports(path, set(files)) for name, path in files.items()}
