@@ -1,5 +1,5 @@
-"""``torchrun --nproc-per-node 2 contbatch_ranks.py OUT ROOT...``: continuous batching at TP2
-(``CONTBATCH_LAYOUT=1,2``: PP2), with the paged cache and chunked prefill of ``PAGED`` (blocks of 4
+"""``run_ranks(2, contbatch_ranks.batched_answers, roots, tp, pp, fail)`` (tests/harness.py's process pool):
+continuous batching at TP2 (``tp, pp = 1, 2``: PP2), with the paged cache and chunked prefill of ``PAGED`` (blocks of 4
 tokens, too few for every request at once, at most 6 tokens per step), through the server's runner without HTTP (rank 0 hands the requests over at fixed steps, decides
 each step's admissions and broadcasts them; rank 1 follows), over each checkpoint ROOT: the
 requests of ``batching_requests()``, then ``STOPPING`` (joining at step 1; a stop string ends one of
@@ -7,25 +7,20 @@ its sequences, which the sampling rank decides and broadcasts: the engines hold 
 ``prefix_requests()`` (joining from step 8; prefix caching is on, so they start after the prompt blocks
 the earlier ones computed), then ``chat_turn()`` (the first prefix request's sequence and more, sent
 when it has answered: it reuses that answer's full blocks too). Rank 0
-writes every request's results to OUT (JSON: root -> requests -> sequences), then the prompt tokens the prefix cache saved. ``CONTBATCH_FAIL=1``
+returns every request's results (JSON-shaped: root -> requests -> sequences), then the prompt tokens the prefix cache saved;
+rank 1 returns None. ``fail``
 adds a request (seed 13, joining at step 3) whose sampling raises on the sampling rank: its entry is
 ``{"error": message}`` as rank 0 got it."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-
-from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
-from megatron_lite.device import init_distributed  # noqa: E402
-from megatron_lite.inference import scheduler  # noqa: E402
-from megatron_lite.inference.batch_runner import BatchRunner  # noqa: E402
-from megatron_lite.inference.engine import InferenceEngine  # noqa: E402
-from megatron_lite.inference.loading import load_model  # noqa: E402
-from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
-from megatron_lite.parallel.state import ParallelState  # noqa: E402
-from tests.batching_helpers import (  # noqa: E402
+from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.inference import scheduler
+from megatron_lite.inference.batch_runner import BatchRunner
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.loading import load_model
+from megatron_lite.inference.sampling import SamplingParams
+from tests.batching_helpers import (
     JOINS,
     PAGED,
     PREFIX_JOINS,
@@ -34,13 +29,15 @@ from tests.batching_helpers import (  # noqa: E402
     chat_turn,
     prefix_requests,
 )
-from tests.inference_helpers import MAX_LEN, VOCAB  # noqa: E402
+from tests.harness import cached_state
+from tests.inference_helpers import MAX_LEN, VOCAB
 
 FAILING = ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=6, top_k=3, random_seed=13))
 
 
-def fail_seed_13() -> None:
-    """Make the sampling of every request seeded 13 raise (a per-request failure inside a step)."""
+def fail_seed_13():
+    """Make the sampling of every request seeded 13 raise (a per-request failure inside a step); returns
+    the healthy method, to put back (the pool's workers serve other tests after this one)."""
     healthy = scheduler.BatchRequest.sample
 
     def sample(self, logits):
@@ -49,6 +46,7 @@ def fail_seed_13() -> None:
         return healthy(self, logits)
 
     scheduler.BatchRequest.sample = sample
+    return healthy
 
 
 def answer(ticket) -> list | dict:
@@ -59,10 +57,10 @@ def answer(ticket) -> list | dict:
         return {"error": str(err)}
 
 
-def serve_requests(runner: BatchRunner) -> list:
+def serve_requests(runner: BatchRunner, fail: bool) -> list:
     requests, tickets, step = batching_requests() + [STOPPING] + prefix_requests(), {}, 0
     joins = list(JOINS) + [1] + [8 + at for at in PREFIX_JOINS]
-    if os.environ.get("CONTBATCH_FAIL"):
+    if fail:
         requests, joins = requests + [FAILING], joins + [3]
     while step <= max(joins) or runner.busy:
         for i, at in enumerate(joins):
@@ -78,29 +76,24 @@ def serve_requests(runner: BatchRunner) -> list:
     return answers + [answer(turn)]
 
 
-def main(out: str, roots: list[str]) -> None:
-    device = init_distributed()
-    tp, pp = (int(x) for x in os.environ.get("CONTBATCH_LAYOUT", "2,1").split(","))  # TP,PP (2 ranks)
-    state = ParallelState(tp=tp, pp=pp)
-    if os.environ.get("CONTBATCH_FAIL"):
-        fail_seed_13()
-    answers = {}
-    for root in roots:
-        model, _ = load_model(root, state, device=device)
-        engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
-                                 tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))
-        runner = BatchRunner(engine, 6, **PAGED, prefix_caching=True)
-        if state.rank == 0:
-            answers[root] = serve_requests(runner) + [runner.batch.cache.reused_tokens]
-            cache = runner.batch.cache
-            assert sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)), "blocks lost"
-        else:
-            runner.follow()
-    if state.rank == 0:
-        with open(out + ".tmp", "w") as f:
-            json.dump(answers, f)
-        os.replace(out + ".tmp", out)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+def batched_answers(roots: list[str], tp: int, pp: int, fail: bool = False) -> dict | None:
+    """On each of 2 ranks of a pool: see the module docstring."""
+    state = cached_state(tp=tp, pp=pp)
+    healthy = fail_seed_13() if fail else None
+    try:
+        out = {}
+        for root in roots:
+            model, _ = load_model(root, state)
+            engine = InferenceEngine(model, state, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1,
+                                     tokenizer=build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1))
+            runner = BatchRunner(engine, 6, **PAGED, prefix_caching=True)
+            if state.rank == 0:
+                out[root] = serve_requests(runner, fail) + [runner.batch.cache.reused_tokens]
+                cache = runner.batch.cache
+                assert sorted(cache.free_blocks) == list(range(1, cache.num_blocks + 1)), "blocks lost"
+            else:
+                runner.follow()
+    finally:
+        if healthy is not None:
+            scheduler.BatchRequest.sample = healthy
+    return json.loads(json.dumps(out)) if state.rank == 0 else None  # as plain as a JSON file would give them

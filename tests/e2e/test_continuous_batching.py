@@ -1,6 +1,6 @@
 """Continuous batching end to end.
 
-TP2 under torchrun (tests/e2e/contbatch_ranks.py: the server's runner without HTTP, rank 1 following
+TP2 on two ranks (tests/e2e/contbatch_ranks.py on tests/harness.py's pool: the server's runner without HTTP, rank 1 following
 rank 0's broadcast admissions; a paged cache of blocks of 4 tokens, too few for every request at once,
 and chunked prefill at 6 tokens per step): requests joining, waiting for blocks and leaving mid-way give,
 for GPT and MLA, the tokens the one-process engine gives each request alone (greedy and seeded),
@@ -12,9 +12,6 @@ alone between the steps); a bad PUT /api among them gets its 400 alone.
 """
 
 import json
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -34,8 +31,8 @@ from tests.batching_helpers import (
     chat_turn,
     prefix_requests,
 )
-from tests.e2e.conftest import ROOT
-from tests.harness import free_port
+from tests.e2e import contbatch_ranks
+from tests.harness import run_ranks
 from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, assert_json_close, save_model
 
 
@@ -67,14 +64,7 @@ def test_tp2_batch_with_requests_joining_and_leaving_equals_each_alone(tmp_path)
     roots = [str(tmp_path / v) for v in ("gpt", "mla_mtp")]
     for variant, root in zip(("gpt", "mla_mtp"), roots):
         save_model(variant, root)
-    out = str(tmp_path / "answers.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "tests/e2e/contbatch_ranks.py", out, *roots]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        answers = json.load(f)
+    answers = run_ranks(2, contbatch_ranks.batched_answers, roots, 2, 1)[0]
     for root in roots:
         assert len(answers[root]) == len(REQUESTS_RUN) + 2 and answers[root].pop() == PREFIX_REUSED + CHAT_CACHED
         assert_each_alone(engine_for(root), answers[root], root)
@@ -87,15 +77,7 @@ def test_pp2_one_request_failing_in_a_step_fails_alone(tmp_path):
     with that message, the other requests keep the tokens they get alone, every block comes back."""
     root = str(tmp_path / "gpt")
     save_model("gpt", root)
-    out = str(tmp_path / "answers.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "tests/e2e/contbatch_ranks.py", out, root]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_LITE_DEVICE="cpu", PYTHONPATH=ROOT, CONTBATCH_LAYOUT="1,2",
-               CONTBATCH_FAIL="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        answers = json.load(f)[root]
+    answers = run_ranks(2, contbatch_ranks.batched_answers, [root], 1, 2, True)[0][root]
     assert answers.pop() == PREFIX_REUSED + CHAT_CACHED and len(answers) == len(REQUESTS_RUN) + 2
     assert answers.pop(-2) == {"error": "RuntimeError: logits processor failed"}
     assert_each_alone(engine_for(root), answers)
