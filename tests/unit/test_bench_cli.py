@@ -6,12 +6,12 @@ import importlib
 import os
 import re
 import sys
-import time
 
 import pytest
 import torch
 
 from tests.cli_errors import refused_line
+from tests.crash_child import crashing_rank
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH_DIR, "bench_*.py")))
@@ -120,13 +120,6 @@ def test_bench_ckpt_removes_its_temporary_checkpoints_and_refuses_nothing_to_run
     bench_ckpt.main(["--layers", "1", "--out", str(tmp_path)])
     assert folders[0][1] and not os.path.exists(folders[0][0])
     assert folders[1] == (str(tmp_path), True) and tmp_path.is_dir()  # --out is the user's: kept
-
-
-def crashing_rank(rank, world, port, argv, fmt, folder, results):
-    """A bench_ckpt child: rank 1 dies without reporting, rank 0 waits (as for it, in a collective)."""
-    if rank == 1:
-        os._exit(7)
-    time.sleep(300)
 
 
 def test_bench_ckpt_stops_with_one_line_when_a_child_dies(monkeypatch, capsys, tmp_path):
