@@ -4,15 +4,12 @@ and values that TensorBoard receives; without the optional package the flag is r
 import glob
 import importlib.util
 import math
-import os
 import struct
-import subprocess
-import sys
 
 import pytest
 
 import pretrain_gpt
-from tests.e2e.conftest import ROOT
+from tests.harness import run_in_new_process
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -70,15 +67,14 @@ def _tensorboard_scalars(tb_dir):
 
 
 def test_wandb_offline_gets_the_tensorboard_scalars(tmp_path):
-    """Run as users run it, in its own process (W&B starts a service process of its own)."""
+    """In a process of its own (W&B starts a service process of its own and keeps global state),
+    forked with torch already imported (tests/harness.py)."""
     pytest.importorskip("wandb")
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     argv = TINY + ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megatron-lite-test",
                    "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb")]
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, _, stderr = run_in_new_process(pretrain_gpt.main, argv, env=env)
+    assert code == 0, stderr[-3000:]
     tb, wb = _tensorboard_scalars(tmp_path / "tb"), _wandb_scalars(tmp_path / "wb")
     assert {("lm loss", 4), ("learning-rate", 1), ("lm loss validation", 2), ("iteration-time", 4)} <= set(tb)
     assert set(wb) == set(tb)
