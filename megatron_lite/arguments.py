@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -81,8 +82,9 @@ def _help(doc: str, default, kind) -> str:
     return f"{doc} (default: {shown})".replace("%", "%%")
 
 
+@functools.cache  # the sources do not change while a process runs; parsing them was most of a parser's build
 def _field_docs(cls) -> dict[str, str]:
-    """The string literal under each field is its help text (fields of base dataclasses included)."""
+    """The string literal under each field is its help text (fields of base dataclasses included); read-only."""
     docs = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         body = ast.parse(inspect.getsource(klass)).body[0].body

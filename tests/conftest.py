@@ -7,10 +7,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.harness import memoise_field_docs  # noqa: E402 - the repository root is on the path now
-
-memoise_field_docs()
-
 
 @pytest.fixture(autouse=True)
 def _seed():

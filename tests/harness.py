@@ -49,7 +49,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from megatron_lite.device import init_distributed
 
     try:
-        memoise_field_docs()
         init_distributed(timeout_minutes=TIMEOUT_S / 60)
     except Exception:
         results.put((rank, False, traceback.format_exc()))
@@ -70,20 +69,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
-
-
-def memoise_field_docs() -> None:
-    """megatron_lite.arguments._field_docs reads and parses each config class's source again for every
-    parser built (~80% of a build_parser, ~0.04-0.09 s): thousands of parses in the test process (every
-    pretrain_*.main, every flag refusal) and in the pools' workers (every rank of every run). The
-    source does not change during a session, so its result per class is kept (the function itself
-    runs as in production, once per class and process)."""
-    import functools
-
-    from megatron_lite import arguments
-
-    if not hasattr(arguments._field_docs, "cache_info"):
-        arguments._field_docs = functools.cache(arguments._field_docs)
 
 
 def _context():
