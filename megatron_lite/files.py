@@ -1,4 +1,4 @@
-"""Writing a file whole: under a temporary name next to it, renamed over it once complete.
+"""Writing a file (or a folder) whole: under a temporary name next to it, renamed over it once complete.
 
 A write that fails (a full disk, an error in the data being written) or is interrupted removes the
 temporary file and leaves the target as it was: nothing half-written is ever left on disk, under
@@ -8,7 +8,9 @@ temporary file: :func:`remove_stale_temps` removes those whose writer is gone.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from contextlib import contextmanager
 
 
@@ -55,3 +57,45 @@ def remove_stale_temps(folder: str, names: tuple[str, ...]) -> None:
                 os.remove(path)
             except OSError:
                 pass
+
+
+@contextmanager
+def replaced_folder(path: str, last: tuple[str, ...] = ()):
+    """``with replaced_folder(path) as tmp:`` write a folder's files into ``tmp`` (a new folder next to
+    ``path``, ``<path>.tmp.<pid>``); on leaving the block ``tmp`` becomes ``path`` (renamed when ``path``
+    is absent, else its entries are moved in, the names in ``last`` after the others). If the block
+    raised (a full disk, Ctrl-C), ``tmp`` is removed and the exception goes on: ``path`` is left as it
+    was (not created). A temporary folder of an earlier writer that is gone (SIGKILL) is removed first."""
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    parent, base = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    for entry in os.listdir(parent):
+        stem, dot_tmp, pid = entry.rpartition(".tmp.")
+        stale = os.path.join(parent, entry)
+        if dot_tmp and stem == base and pid.isdigit() and _writer_gone(int(pid)) and os.path.isdir(stale) \
+                and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        _move_into(tmp, path, last)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into(src: str, dst: str, last: tuple[str, ...]) -> None:
+    """Rename folder ``src`` to ``dst``, or, ``dst`` existing, move its entries into it (renames)."""
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+        return
+    for name in sorted(os.listdir(src), key=lambda n: (n in last, n)):
+        inner, target = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.isdir(inner) and os.path.isdir(target) and not os.path.islink(target):
+            _move_into(inner, target, ())
+        else:
+            os.replace(inner, target)
+    os.rmdir(src)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 from ..activations import check_hf_exportable
 from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError, OneLineParser
+from ..files import replaced_folder
 from ..fusions.config import tanh_gelu
 from ..moe.config import MoEConfig
 from .format import CheckpointError
@@ -260,10 +261,11 @@ def _hf_saver_args(parser) -> None:
 
 
 def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_size: str | int = "5GB",
-            progress=_no_progress) -> str:
+            progress=_no_progress, also=None) -> str:
     """Write ``bundle`` as a Hugging Face folder (config.json with the special-token ids, safetensors,
     generation_config.json, the tokenizer AutoTokenizer reads back to our ids); returns the folder
-    and, on a second line, what was written as the tokenizer (or why none)."""
+    and, on a second line, what was written as the tokenizer (or why none). ``also(folder)`` writes
+    more files (a PEFT adapter) staged with the model's."""
     if bundle.config.get("spec"):
         module, name = bundle.config["spec"]
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
@@ -293,20 +295,25 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         hf_config, tensors = to_mistral(bundle.config, bundle.state_dict)
     else:
         hf_config, tensors = to_hf(bundle.config, bundle.state_dict, style)
-    os.makedirs(save_dir, exist_ok=True)
-    special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, save_dir)
-    hf_config.update(special)
-    write_safetensors(tensors, save_dir, limit)
-    if style != "bert" and special and not os.path.isfile(os.path.join(save_dir, "generation_config.json")):
-        write_json(os.path.join(save_dir, "generation_config.json"), {**special, "_from_model_config": True})
-    write_json(os.path.join(save_dir, "config.json"), hf_config)  # last: the folder is complete
+    # written into <save_dir>.tmp.<pid> and moved into place once complete: a failed or interrupted
+    # export leaves no half-written --save-dir (nor the temporary folder) behind
+    with replaced_folder(save_dir, last=("config.json",)) as folder:
+        special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, folder)
+        hf_config.update(special)
+        write_safetensors(tensors, folder, limit)
+        if style != "bert" and special and not any(os.path.isfile(os.path.join(d, "generation_config.json"))
+                                                   for d in (folder, save_dir)):
+            write_json(os.path.join(folder, "generation_config.json"), {**special, "_from_model_config": True})
+        write_json(os.path.join(folder, "config.json"), hf_config)  # last: the folder is complete
+        if also is not None:
+            also(folder)
     return f"{save_dir}\n{note}"
 
 
 def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
     """A Hugging Face folder; a LoRA source gives its base plus a PEFT adapter (or, --merge-lora, the merged model)."""
     from ..lora.convert import merged_bundle  # (the lora package imports this one)
-    from ..lora.peft_export import peft_adapter, save_peft_adapter
+    from ..lora.peft_export import ADAPTER_DIR, peft_adapter, save_peft_adapter
 
     if args.merge_lora and bundle.adapters is None:
         raise ConfigError(f"--merge-lora: {args.load_dir} is not a LoRA checkpoint; drop it")
@@ -315,11 +322,15 @@ def _save_hf(bundle: ModelBundle, args, progress=_no_progress) -> str:
     style = pick_style(bundle.config, args.hf_style or "auto")
     if bundle.adapters is not None:  # refused before anything is written when the adapter cannot be exported
         peft_adapter(bundle.config, bundle.adapters, style, args.save_dir)
-    out = save_hf(bundle, args.save_dir, style, args.max_shard_size or "5GB", progress)
+    def adapter(folder):  # written with the base: both in place, or neither
+        save_peft_adapter(bundle.config, bundle.adapters, style, args.save_dir, folder)
+
+    out = save_hf(bundle, args.save_dir, style, args.max_shard_size or "5GB", progress,
+                  None if bundle.adapters is None else adapter)
     if bundle.adapters is None:
         return out
-    adapter = save_peft_adapter(bundle.config, bundle.adapters, style, args.save_dir)
-    return out.replace(args.save_dir, f"{args.save_dir} (the base) and its PEFT adapter {adapter}", 1)
+    where = os.path.join(args.save_dir, ADAPTER_DIR)
+    return out.replace(args.save_dir, f"{args.save_dir} (the base) and its PEFT adapter {where}", 1)
 
 
 def _save_megatron_with_tokenizer(bundle: ModelBundle, args, progress=_no_progress) -> str:

@@ -101,12 +101,13 @@ def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple
     return config, tensors
 
 
-def save_peft_adapter(cfg: dict, adapters: dict, style: str, base_dir: str) -> str:
-    """Write the PEFT adapter into ``<base_dir>/adapter``; returns that folder."""
+def save_peft_adapter(cfg: dict, adapters: dict, style: str, base_dir: str, folder: str | None = None) -> str:
+    """Write the PEFT adapter of the base in ``base_dir`` into ``<folder>/adapter`` (``folder``: where
+    the base is being written, by default ``base_dir``); returns that folder."""
     from safetensors.torch import save_file
 
     config, tensors = peft_adapter(cfg, adapters, style, base_dir)
-    out = os.path.join(base_dir, ADAPTER_DIR)
+    out = os.path.join(base_dir if folder is None else folder, ADAPTER_DIR)
     os.makedirs(out, exist_ok=True)
     with replaced_whole(os.path.join(out, "adapter_model.safetensors")) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
