@@ -86,6 +86,10 @@ class IndexedDataset:
     def __init__(self, path_prefix: str, mmap_bin: bool = True):
         self.path_prefix, self.mmap_bin = path_prefix, mmap_bin
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
+        if os.path.isdir(path_prefix):  # "data/" for "data/corpus_text_document": say so, and list the pairs
+            from .input_paths import folder_not_prefix  # (it imports this module)
+
+            raise folder_not_prefix(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 stem, suffix = os.path.splitext(path_prefix)

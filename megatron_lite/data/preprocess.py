@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
 import gzip
 import json
 import multiprocessing
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.input_paths import not_an_input_file
 from megatron_lite.data.interrupt import default_sigterm_in_worker
 from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
@@ -186,18 +186,6 @@ def encode_chunk(chunk):
 
 
 # -- main side ---------------------------------------------------------------------------------------
-def not_an_input_file(path: str) -> DataFileError:
-    """Why ``path`` (not a file, not Parquet) cannot be --input, and what to give instead."""
-    one_file = ("--input takes one JSONL file (or a folder of .parquet files): concatenate the shards "
-                "(cat a.jsonl b.jsonl > all.jsonl) or preprocess each and join them with tools/merge_datasets.py")
-    if os.path.isdir(path):
-        return DataFileError(f"{path}: a folder without .parquet files; {one_file}")
-    matches = glob.glob(path) if glob.has_magic(path) else []
-    if matches:
-        return DataFileError(f"{path}: a pattern ({len(matches)} matches; patterns are not expanded); {one_file}")
-    return DataFileError(f"{path}: input file not found (--input)")
-
-
 def _open(path: str):
     if not os.path.isfile(path):
         raise not_an_input_file(path)

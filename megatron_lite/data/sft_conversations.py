@@ -27,6 +27,7 @@ import numpy as np
 from megatron_lite.data.builder import DataConfigError
 from megatron_lite.data.chat_template import ConversationError, chat_tokens
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset, index_file_path
+from megatron_lite.data.input_paths import PAIR, folder_not_prefix, not_an_input_file
 
 LOSS_MASK_SUFFIX = "_loss_mask"
 SKIP_FLAG = "--sft-skip-bad-conversations"
@@ -81,6 +82,10 @@ def encode_line(raw: bytes | str, tokenizer, max_tokens: int | None = None):
 def open_jsonl(path: str, flag: str = "--data-path"):
     """``path`` opened for reading bytes (``.gz`` decompressed)."""
     if not os.path.isfile(path):
+        if flag == "--input":  # tools/preprocess_sft.py: a folder of shards, a quoted glob
+            raise not_an_input_file(path, flag, parquet=False)
+        if os.path.isdir(path):
+            raise folder_not_prefix(path, f"a JSONL file nor {PAIR}")
         raise DataFileError(f"{path}: file not found ({flag})")
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 

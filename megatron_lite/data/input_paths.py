@@ -1,0 +1,45 @@
+"""What a data tool says when a path it reads is a folder or an unexpanded pattern, not the file (or
+the ``.bin``/``.idx`` prefix) it takes: one line naming the path, what it is, and what to give instead.
+Shared by tools/preprocess_data.py, tools/preprocess_sft.py and ``--data-path``."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from megatron_lite.data.indexed_dataset import DataFileError
+
+SHOWN = 3  # prefixes listed when a folder of datasets is given
+
+
+def not_an_input_file(path: str, flag: str = "--input", parquet: bool = True) -> DataFileError:
+    """Why ``path`` (not a file) cannot be ``flag``, which takes one JSONL file (``parquet``: or a
+    folder of .parquet files), and how to join shards instead."""
+    one_file = (f"{flag} takes one JSONL file{' (or a folder of .parquet files)' if parquet else ''}: concatenate "
+                "the shards (cat a.jsonl b.jsonl > all.jsonl) or preprocess each and join them with "
+                "tools/merge_datasets.py")
+    if os.path.isdir(path):
+        return DataFileError(f"{path}: a folder{' without .parquet files' if parquet else ''}; {one_file}")
+    matches = glob.glob(path) if glob.has_magic(path) else []
+    if matches:
+        return DataFileError(f"{path}: a pattern ({len(matches)} matches; patterns are not expanded); {one_file}")
+    return DataFileError(f"{path}: input file not found ({flag})")
+
+
+def prefixes_in(folder: str) -> list[str]:
+    """The prefixes of the complete .bin/.idx pairs directly in ``folder``, sorted."""
+    names = set(os.listdir(folder))
+    return sorted(os.path.join(folder, n[:-4]) for n in names
+                  if n.endswith(".idx") and not n.startswith(".") and n[:-4] + ".bin" in names)
+
+
+PAIR = "the prefix of a .bin/.idx pair (PREFIX for PREFIX.bin and PREFIX.idx)"
+
+
+def folder_not_prefix(folder: str, takes: str = PAIR) -> DataFileError:
+    """``folder`` given where a dataset prefix is read (``--data-path``): it is a folder, the path
+    ``takes`` is wanted, and the prefixes of the pairs inside (a few)."""
+    found = prefixes_in(folder)
+    more = f" (and {len(found) - SHOWN} more)" if len(found) > SHOWN else ""
+    inside = f"the pairs inside: {' '.join(found[:SHOWN])}{more}" if found else "it holds no .bin/.idx pair"
+    return DataFileError(f"{folder}: a folder, not {takes}; {inside}")
