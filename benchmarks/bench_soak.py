@@ -25,11 +25,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tqdm import tqdm
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.common import OneLineParser, describe_machine, positive_float, positive_int  # noqa: E402
+from megatron_lite.progress import progress  # noqa: E402
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--mock-data", "--vocab-size", "100", "--micro-batch-size", "2", "--log-interval", "1", "--eval-iters", "0",
@@ -119,7 +118,7 @@ def main() -> None:
     jobs = [name for _ in range(args.launches) for name in args.configs]  # interleaved: the same load for each
     with tempfile.TemporaryDirectory() as workdir, ThreadPoolExecutor(args.parallel) as pool:
         results = pool.map(lambda name: (name, launch(name, workdir, args.timeout)), jobs)
-        for name, sig in tqdm(results, total=len(jobs), desc="launches"):
+        for name, sig in progress(results, total=len(jobs), desc="launches"):
             counts[name][sig] += 1
     print(f"\n{len(jobs)} launches in {(time.time() - start) / 60:.1f} min, {args.parallel} at a time; "
           f"load average now {os.getloadavg()[0]:.1f}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversat
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.data.worker_pool import ChunkGate, stop_pool
 from megatron_lite.errors import ConfigError
+from megatron_lite.progress import progress as progress_bar
 
 CHUNK_LINES = 256
 _worker = {}
@@ -76,8 +76,6 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
 
     A bad line raises DataConfigError naming ``file:line`` (nothing is written) unless ``skip_bad``;
     ``max_tokens`` (--seq-length + 1) also refuses conversations longer than that."""
-    from tqdm import tqdm
-
     if tokenizer_kwargs.get("tokenizer_type") == "NullTokenizer":  # as --sft refuses it (sft_dataset.check_sft_flags)
         raise ConfigError("--tokenizer-type NullTokenizer reads token ids, not chat text; use the text tokenizer "
                           "the fine-tune will use")
@@ -87,8 +85,8 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
     result = SFTPreprocessResult()
     dtype = best_dtype(_worker["tokenizer"].vocab_size)
     plain = os.path.isfile(input_path) and not input_path.endswith(".gz")
-    bar = tqdm(total=os.path.getsize(input_path) if plain else None, unit="B", unit_scale=True, desc="conversations",
-               disable=not (sys.stderr.isatty() if progress is None else progress))
+    bar = progress_bar(total=os.path.getsize(input_path) if plain else None, unit="B", unit_scale=True,
+                       desc="conversations", enabled=progress is not False)  # a bar, or log lines (no terminal)
     pool = multiprocessing.get_context("spawn").Pool(workers, _init, (tokenizer_kwargs, max_tokens)) if workers > 1 else None
     gate = ChunkGate(_chunks(input_path), 4 * workers)  # at most this many chunks in flight: bounded memory
     try:

@@ -28,9 +28,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from ..data.chat_template import encode
+from ..progress import progress as progress_bar
 
 
 @dataclass
@@ -73,7 +72,7 @@ def perplexity(engine, tokens: list[int], seq_length: int, stride: int, num_word
         raise ValueError(f"the text has {len(tokens)} token(s); perplexity needs at least 2")
     spans = windows(len(tokens), seq_length, stride)
     nll, scored = 0.0, 0
-    for i in tqdm(range(0, len(spans), batch_size), disable=not progress, desc="windows", unit="batch"):
+    for i in progress_bar(range(0, len(spans), batch_size), enabled=progress, desc="windows", unit="batch"):
         batch = spans[i:i + batch_size]
         results = engine.score([tokens[start:start + seq_length + 1] for start, _ in batch])
         for (_, first), result in zip(batch, results):
@@ -115,7 +114,7 @@ def lambada_accuracy(engine, tokenizer, texts: list[str], seq_length: int, stric
             raise ValueError(f"a LAMBADA text has no context before its last word: {text[:60]!r}")
         examples.append((tokens[-(seq_length + 1):], n))
     correct = 0
-    for i in tqdm(range(0, len(examples), batch_size), disable=not progress, desc="examples", unit="batch"):
+    for i in progress_bar(range(0, len(examples), batch_size), enabled=progress, desc="examples", unit="batch"):
         batch = examples[i:i + batch_size]
         for (_, n), result in zip(batch, engine.score([tokens for tokens, _ in batch])):
             correct += all(result.greedy[-n:])

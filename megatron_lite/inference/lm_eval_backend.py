@@ -54,10 +54,10 @@ try:
     from lm_eval.api.registry import register_model
 except ImportError as err:  # pragma: no cover - the optional extra
     raise ImportError("the lm-eval backend needs lm-evaluation-harness: pip install megatron_lite[eval]") from err
-from tqdm import tqdm
 
 from ..data.chat_template import ConversationError, encode, hf_chat_template, render_prompt
 from ..errors import ConfigError
+from ..progress import progress as progress_bar
 from .cli import build_session
 from .sampling import SamplingParams
 
@@ -201,7 +201,7 @@ class MegatronLiteLM(TemplateLM):
         items = [((ctx + cont)[-(self.max_length + 1):], len(cont)) for _, ctx, cont in requests]
         order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))  # similar lengths together
         out: list = [None] * len(items)
-        bar = tqdm(total=len(items), disable=disable_tqdm, desc="Scoring")
+        bar = progress_bar(total=len(items), enabled=not disable_tqdm, desc="Scoring")
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
             scored = self.engine.score([items[i][0] for i in batch])
@@ -272,7 +272,7 @@ class MegatronLiteLM(TemplateLM):
         groups: dict = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="Generating")
+        bar = progress_bar(total=len(requests), enabled=not disable_tqdm, desc="Generating")
         for members in groups.values():
             params, until = self._params(requests[members[0]].args[1])
             keep = max(1, self.max_length - params.tokens_to_generate)

@@ -32,14 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_lite.checkpoint.convert import build_parser, convert  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.progress import progress  # noqa: E402
 
 
 def _progress(iterable, **kw):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, **kw)
+    return progress(iterable, **kw)  # a bar on a terminal, plain lines in a log file
 
 
 def _os_error(err: OSError, args) -> str:
