@@ -3,7 +3,8 @@
     python tools/merge_datasets.py --input data/shards --output-prefix data/merged_text_document
 
 The .bin files are streamed in 16 MiB blocks (memory stays bounded whatever their size); only the
-indexes are held in memory.  All inputs must share one token dtype.  The output is written under
+indexes are held in memory.  All inputs must share one token dtype, and either all or none carry
+Megatron's multimodal sequence modes (kept in the output's .idx).  The output is written under
 temporary names and renamed at the end, so a failed merge leaves nothing behind.
 """
 

@@ -4,7 +4,7 @@ The byte layout is Megatron-LM's "MMIDIDX" version 1, so datasets move both ways
 
     .idx  magic b"MMIDIDX\\x00\\x00" | uint64 version=1 | uint8 dtype code | uint64 S | uint64 D
           | int32[S] sequence lengths | int64[S] byte pointers into .bin | int64[D] document indices
-          | (optional int8[S] sequence modes, written by multimodal builders; ignored here)
+          | (optional int8[S] sequence modes, written by multimodal builders: ``sequence_modes``)
     .bin  the token arrays of every sequence, concatenated, no header.
 
 All integers are little-endian.  ``document_indices`` are sequence-index boundaries: document ``d``
@@ -138,7 +138,7 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         num_seq, num_doc_idx = struct.unpack("<QQ", header[18:34])
         expected = HEADER_SIZE + num_seq * 4 + num_seq * 8 + num_doc_idx * 8
-        # Multimodal builders append one int8 mode per sequence; accept (and ignore) those.
+        # Multimodal builders append one int8 mode per sequence (sequence_modes; None without them)
         if idx_size not in (expected, expected + num_seq):
             raise DataFileError(f"{idx_path}: size {idx_size} bytes does not match its header "
                                 f"({num_seq} sequences, {num_doc_idx} document indices need {expected} "
@@ -152,6 +152,9 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._idx, dtype="<i8", count=num_seq, offset=off)
         off += num_seq * 8
         self.document_indices = np.frombuffer(self._idx, dtype="<i8", count=num_doc_idx, offset=off)
+        has_modes = num_seq > 0 and idx_size == expected + num_seq
+        self.sequence_modes = np.frombuffer(self._idx, dtype="i1", count=num_seq,
+                                            offset=off + num_doc_idx * 8) if has_modes else None
         docs = self.document_indices
         if docs[0] != 0 or np.any(np.diff(docs) < 0) or docs[-1] > num_seq:
             raise DataFileError(f"{idx_path}: document indices must rise from 0 to at most the "
@@ -264,6 +267,7 @@ class IndexedDatasetBuilder:
         self._tmp_idx = None
         self.sequence_lengths = array("q")
         self.document_indices = array("q", [0])
+        self.sequence_modes = None  # array("b") once a dataset with multimodal modes is added (add_index)
         self._done = False
 
     # -- writing ---------------------------------------------------------------------------------
@@ -308,6 +312,7 @@ class IndexedDatasetBuilder:
             raise DataFileError(f"{index_file_path(other_prefix)}: dtype {other.dtype} differs from "
                                 f"{self.dtype} of the dataset being written to {self.path_prefix}")
         offset = len(self.sequence_lengths)
+        self._add_modes(other, other_prefix)
         self.sequence_lengths.extend(other.sequence_lengths.astype(np.int64).tolist())
         self.document_indices.extend((other.document_indices[1:] + offset).tolist())
         start = 0  # an open dataset's sequences are packed from byte 0 to the end of its .bin
@@ -321,6 +326,18 @@ class IndexedDatasetBuilder:
                     raise DataFileError(f"{data_file_path(other_prefix)}: shorter than its index says")
                 self._bin.write(chunk)
                 remaining -= len(chunk)
+
+    def _add_modes(self, other: IndexedDataset, other_prefix: str) -> None:
+        """Carry ``other``'s multimodal sequence modes; mixing datasets with and without them is refused."""
+        if other.sequence_modes is not None and self.sequence_modes is None and not len(self.sequence_lengths):
+            self.sequence_modes = array("b")  # the first dataset added has modes: the output has them
+        has = other.sequence_modes is not None
+        if len(other.sequence_lengths) and has != (self.sequence_modes is not None):
+            raise DataFileError(f"{index_file_path(other_prefix)}: {'has' if has else 'has no'} multimodal sequence modes "
+                                f"(the optional int8 per sequence of the .idx); the datasets before it "
+                                f"{'have none' if has else 'have them'}: merge only datasets of one kind")
+        if other.sequence_modes is not None:
+            self.sequence_modes.extend(other.sequence_modes.tolist())
 
     def finalize(self) -> None:
         """Write the .idx and rename both temporary files to ``prefix.bin`` / ``prefix.idx``."""
@@ -353,6 +370,11 @@ class IndexedDatasetBuilder:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.tobytes())
             f.write(np.frombuffer(self.document_indices, dtype=np.int64).astype("<i8").tobytes())
+            if self.sequence_modes is not None:  # Megatron's multimodal modes, one int8 per sequence
+                if len(self.sequence_modes) != lengths.size:
+                    raise DataFileError(f"{self.path_prefix}: {lengths.size - len(self.sequence_modes)} sequences "
+                                        "were added without a multimodal mode beside datasets that have them")
+                f.write(np.frombuffer(self.sequence_modes, dtype=np.int8).tobytes())
         # mkstemp creates files readable only by the owner; give them normal permissions.
         umask = os.umask(0)
         os.umask(umask)
