@@ -61,23 +61,24 @@ def remove_stale_temps(folder: str, names: tuple[str, ...]) -> None:
 
 @contextmanager
 def replaced_folder(path: str, last: tuple[str, ...] = ()):
-    """``with replaced_folder(path) as tmp:`` write a folder's files into ``tmp`` (a new folder next to
-    ``path``, ``<path>.tmp.<pid>``); on leaving the block ``tmp`` becomes ``path`` (renamed when ``path``
-    is absent, else its entries are moved in, the names in ``last`` after the others). If the block
-    raised (a full disk, Ctrl-C), ``tmp`` is removed and the exception goes on: ``path`` is left as it
-    was (not created). A temporary folder of an earlier writer that is gone (SIGKILL) is removed first."""
+    """``with replaced_folder(path) as tmp:`` write a folder's files into ``tmp``; on leaving the block
+    they become ``path``'s. ``path`` absent: ``tmp`` is ``<path>.tmp.<pid>`` beside it, renamed to
+    ``path``; ``path`` an existing folder (perhaps a mount point, on another disk than its parent):
+    ``tmp`` is ``<path>/.staged.tmp.<pid>`` and its entries are renamed into ``path``, the names in
+    ``last`` after the others. If the block raised (a full disk, Ctrl-C), ``tmp`` is removed and the
+    exception goes on: ``path`` is left as it was (not created). The temporary folder of an earlier
+    writer that is gone (SIGKILL) is removed first."""
     path = os.path.abspath(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
     parent, base = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
-    for entry in os.listdir(parent):
-        stem, dot_tmp, pid = entry.rpartition(".tmp.")
-        stale = os.path.join(parent, entry)
-        if dot_tmp and stem == base and pid.isdigit() and _writer_gone(int(pid)) and os.path.isdir(stale) \
-                and not os.path.islink(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    _remove_stale_folders(parent, base)
+    if os.path.isdir(path):
+        _remove_stale_folders(path, STAGED)
+        tmp = os.path.join(path, f"{STAGED}.tmp.{os.getpid()}")
+    else:
+        tmp = f"{path}.tmp.{os.getpid()}"
     os.mkdir(tmp)
     try:
         yield tmp
@@ -85,6 +86,19 @@ def replaced_folder(path: str, last: tuple[str, ...] = ()):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+STAGED = ".staged"  # replaced_folder's temporary folder inside an existing target
+
+
+def _remove_stale_folders(folder: str, stem: str) -> None:
+    """Remove the ``<stem>.tmp.<pid>`` folders in ``folder`` whose writer is gone (best effort)."""
+    for entry in os.listdir(folder):
+        name, dot_tmp, pid = entry.rpartition(".tmp.")
+        stale = os.path.join(folder, entry)
+        if dot_tmp and name == stem and pid.isdigit() and _writer_gone(int(pid)) and os.path.isdir(stale) \
+                and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _move_into(src: str, dst: str, last: tuple[str, ...]) -> None:

@@ -66,14 +66,19 @@ def test_an_export_failing_half_way_leaves_nothing_and_a_rerun_succeeds(source, 
 
 
 def test_replaced_folder_removes_a_killed_writers_folder_and_keeps_files_already_there(tmp_path):
+    """An existing --save-dir (empty, or holding files that are not a model's) is written into, its
+    files kept; the staging folder is made inside it, so a mount point (another disk than its parent)
+    never needs a rename across disks."""
     target, ended = tmp_path / "out", 2**22 + 12345  # no such process
     (tmp_path / f"out.tmp.{ended}").mkdir()
     (tmp_path / f"out.tmp.{ended}" / "model.safetensors").write_bytes(b"stale")
     target.mkdir()
+    (target / f".staged.tmp.{ended}").mkdir()  # the same, inside an existing target
     (target / "README.md").write_text("mine")
     (target / "adapter").mkdir()
     (target / "adapter" / "notes.txt").write_text("mine")
     with replaced_folder(str(target), last=("config.json",)) as tmp:
+        assert os.path.dirname(tmp) == str(target)  # an existing target may be a mount point: staged inside it
         for name in ("config.json", "a.safetensors"):
             (tmp_path / tmp / name).write_text(name)
         os.mkdir(os.path.join(tmp, "adapter"))
