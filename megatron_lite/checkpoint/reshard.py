@@ -38,6 +38,7 @@ do not carry over to another layout). A source without optimizer state gives mod
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -351,6 +352,7 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
     # written into .tmp_iter_N (what a conversion killed earlier left there is removed first) and
     # renamed to iter_N once every file is complete: a failure leaves no half-written iter_N
     final, tmp = iteration_dir(save_dir, iteration), temp_dir(save_dir, iteration)
+    created = not os.path.lexists(save_dir)  # removed again (once empty) if the conversion fails
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)
     remove_stale_temps(save_dir, (TRACKER_FILENAME,))  # the tracker's, of a conversion killed before its rename
@@ -366,6 +368,9 @@ def save_megatron(bundle: ModelBundle, save_dir: str, layout: TargetLayout, prog
         shutil.rmtree(tmp, ignore_errors=True)
         if placed:
             shutil.rmtree(tokenizer, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(save_dir)
         raise
     atomic_write_text(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     find_model_files(save_dir)  # reads back the folder listing: every rank's file is in place
