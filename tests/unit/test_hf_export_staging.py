@@ -1,7 +1,8 @@
 """A Hugging Face export (``tools/checkpoint/convert.py --saver hf``, with a LoRA checkpoint's PEFT
 adapter) is written under ``<save-dir>.tmp.<pid>`` and moved into place once complete: an export that
-fails half-way (a full disk) or is interrupted (Ctrl-C) leaves neither --save-dir nor the temporary
-folder behind, and a rerun into the same --save-dir succeeds."""
+fails half-way (a full disk) or is interrupted (Ctrl-C: exit 130; SIGTERM, which the tool turns into
+an interrupt: 143) leaves neither --save-dir nor the temporary folder behind, and a rerun into the
+same --save-dir succeeds."""
 
 import errno
 import os
@@ -9,6 +10,7 @@ import os
 import pytest
 
 from megatron_lite.checkpoint import hf_io
+from megatron_lite.data.interrupt import Terminated
 from megatron_lite.files import replaced_folder
 from tests.convert_helpers import convert
 from tests.inference_helpers import save_model
@@ -37,7 +39,8 @@ def _fail_after_the_first_file(monkeypatch, error):
 
 
 @pytest.mark.parametrize("error", [lambda p: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p),
-                                   lambda p: KeyboardInterrupt()], ids=["disk full", "ctrl-c"])
+                                   lambda p: KeyboardInterrupt(), lambda p: Terminated()],
+                         ids=["disk full", "ctrl-c", "sigterm"])
 @pytest.mark.parametrize("exists", [False, True], ids=["new", "empty"])
 def test_an_export_failing_half_way_leaves_nothing_and_a_rerun_succeeds(source, tmp_path, monkeypatch, capsys,
                                                                         error, exists):
@@ -49,8 +52,9 @@ def test_an_export_failing_half_way_leaves_nothing_and_a_rerun_succeeds(source, 
     argv = ["--saver", "hf", "--load-dir", source, "--save-dir", out, "--max-shard-size", "2KB"]
     save = _fail_after_the_first_file(monkeypatch, error)
     if isinstance(error(""), KeyboardInterrupt):
-        with pytest.raises(KeyboardInterrupt):
-            convert("GPT", *argv)
+        assert convert("GPT", *argv) == (143 if isinstance(error(""), Terminated) else 130)
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line == f"interrupted: nothing half-written is left in --save-dir {out}", line
     else:
         assert convert("GPT", *argv) == 2
         [line] = capsys.readouterr().err.strip().splitlines()

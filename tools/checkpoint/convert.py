@@ -19,7 +19,8 @@ Megatron-LM's interface; the loader and saver plugins live in :mod:`megatron_lit
         --save-dir ckpt/dsv3 --target-tensor-parallel-size 2 --target-pipeline-parallel-size 4 \
         --target-expert-parallel-size 8 --moe-grouped-gemm
 
-Exit code 2 with one line on stderr for a bad option or a checkpoint that cannot be converted.
+Exit code 2 with one line on stderr for a bad option or a checkpoint that cannot be converted; Ctrl-C
+(130) or SIGTERM (143) leave nothing half-written.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_lite.checkpoint.convert import build_parser, convert  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
+from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
 from megatron_lite.progress import progress  # noqa: E402
 
@@ -55,7 +57,11 @@ def _os_error(err: OSError, args) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        out = convert(args, progress=_progress)
+        with terminate_as_interrupt():  # kill / a scheduler's SIGTERM cleans up like Ctrl-C
+            out = convert(args, progress=_progress)
+    except KeyboardInterrupt as err:  # the savers stage their files: nothing half-written is left
+        print(f"interrupted: nothing half-written is left in --save-dir {args.save_dir}", file=sys.stderr)
+        return interrupted_exit_code(err)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
