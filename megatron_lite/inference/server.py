@@ -13,7 +13,9 @@ request in hand, stops serving and tells the followers to exit: every rank exits
 Errors: a bad request gets HTTP 400 ``{"message": ...}``; any other error raised while serving a
 request (e.g. :class:`~megatron_lite.inference.sampling.NonFiniteLogitsError`, which every rank
 raises together) gets HTTP 500 ``{"message": ...}`` (its traceback goes to rank 0's log), and the
-server goes on serving; the followers survive the same errors and wait for the next job.
+server goes on serving; the followers survive the same errors and wait for the next job. A
+request no route takes gets the same JSON shape (404 naming the routes, 405 naming the methods:
+:mod:`.http_errors`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .api_megatron import api_response, parse_api
 from .api_openai import openai_response, parse_chat, parse_completion
 from .api_stream import stream_events
 from .fields import RequestError
+from .http_errors import install_json_errors
 
 HEARTBEAT_S = 60.0
 CLIENT_TIMEOUT_S = 10.0
@@ -114,14 +117,12 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     app = Flask("megatron_lite")
 
+    install_json_errors(app)  # 404, 405, ...: JSON too
+
     @app.errorhandler(Exception)
     def server_error(err):
-        """Any error raised while serving a request: HTTP 500 with a JSON message, not Flask's HTML
-        page (an HTTP error such as 404 or 405 keeps its own answer)."""
-        from werkzeug.exceptions import HTTPException
-
-        if isinstance(err, HTTPException):
-            return err
+        """Any other error raised while serving a request: HTTP 500 with a JSON message, not Flask's
+        HTML page."""
         app.logger.exception("request failed")
         return jsonify(message=f"{type(err).__name__}: {err}"), 500
 

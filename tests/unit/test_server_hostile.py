@@ -86,3 +86,23 @@ def test_the_model_list_names_the_served_model(client):
                        model_name="tiny").test_client()
     assert named.get("/v1/models").get_json()["data"][0]["id"] == "tiny"
     assert named.post("/v1/completions", json={"prompt": "1", "max_tokens": 1}).get_json()["model"] == "tiny"
+
+
+ROUTES = ("PUT /api, GET /health, POST /v1/chat/completions, POST /v1/completions, GET /v1/models")
+
+
+@pytest.mark.parametrize("method, path", [("post", "/v1/complete"), ("get", "/"), ("post", "/v1/engines/x/completions")])
+def test_an_unknown_route_is_a_json_404_naming_the_routes(client, method, path):
+    """Flask answered an unknown route with its HTML page, which OpenAI-compatible clients cannot read."""
+    answer = getattr(client, method)(path, json={"prompt": "1"})
+    assert answer.status_code == 404 and answer.is_json
+    assert answer.get_json() == {"message": f"no route {method.upper()} {path}; the routes are {ROUTES}"}
+
+
+@pytest.mark.parametrize("method, path, takes", [("get", "/v1/completions", "POST"), ("post", "/api", "PUT"),
+                                                 ("delete", "/v1/models", "GET")])
+def test_a_wrong_method_is_a_json_405_naming_the_methods(client, method, path, takes):
+    answer = getattr(client, method)(path)
+    assert answer.status_code == 405 and answer.is_json
+    assert answer.get_json() == {"message": f"{path} does not take {method.upper()}; it takes {takes}"}
+    assert takes in answer.headers["Allow"]
