@@ -8,7 +8,8 @@ log-probs), ``stop`` (a string or a list of up to 4: the text ends before the fi
 ``stream`` (false; server-sent events, see :mod:`.api_stream`) with ``stream_options``, and
 ``n`` (1: completions per prompt, sampled independently in one batch; greedy gives n equal
 ones), ``best_of`` (n: samples per prompt, at least n, of which the n with the highest cumulative
-log-prob are returned; not with ``stream``), and ``model``, ``user`` accepted; a field set to
+log-prob are returned; not with ``stream``), ``model`` (the served ``--model-name``; another is
+HTTP 404: :func:`check_model`) and ``user`` accepted; a field set to
 ``null`` takes its default, as in OpenAI's API. vLLM's ``use_beam_search`` (with ``length_penalty``)
 runs beam search instead of sampling, on either route (:mod:`.api_beam`). Chat completions
 take ``messages`` (through the chat template, see :mod:`.chat`) instead of ``prompt``, and
@@ -32,7 +33,7 @@ from .api_logprobs import covered, logprobs_object, prefix
 from .api_stream import cut_at_stop
 from .chat import chat_prompt
 from .detokenize import answer_text
-from .fields import RequestError, check_fields, get_bool, get_int, get_number
+from .fields import RequestError, UnknownModel, check_fields, get_bool, get_int, get_number
 from .sampling import MAX_SEED, SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
@@ -177,10 +178,18 @@ def _fields(body, known: set[str]) -> dict:
     if isinstance(body, dict):
         body = {k: v for k, v in body.items() if v is not None or (k not in known and k not in UNSUPPORTED)}
     check_fields(body, known, UNSUPPORTED)
-    for name in ("model", "user"):  # accepted, not used: still strings, as OpenAI's and vLLM's schemas say
+    for name in ("model", "user"):  # accepted (model: see check_model): still strings, as OpenAI's and vLLM's schemas say
         if name in body and not isinstance(body[name], str):
             raise RequestError(f"{name} must be a string, got {body[name]!r}")
     return body
+
+
+def check_model(body, served: str) -> None:
+    """UnknownModel (HTTP 404, vLLM's answer) where ``body`` names a ``model`` other than ``served``
+    (``--model-name``); a request without one (absent, null or "") is for the served model."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model and model != served:
+        raise UnknownModel(f"The model `{model}` does not exist; this server serves `{served}` (--model-name)")
 
 
 def parse_completion(body, tokenizer) -> OpenAIJob:

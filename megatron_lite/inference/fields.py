@@ -7,7 +7,15 @@ import math
 
 
 class RequestError(ValueError):
-    """A bad request; its message is the whole answer."""
+    """A bad request; its message is the whole answer, with HTTP ``status``."""
+
+    status = 400
+
+
+class UnknownModel(RequestError):
+    """A request naming a model this server does not serve (vLLM's answer: 404)."""
+
+    status = 404
 
 
 def check_fields(body, known: set[str], unsupported: dict[str, str] | None = None) -> None:

@@ -10,7 +10,7 @@ engine on it together. While idle, rank 0 broadcasts a heartbeat every ``HEARTBE
 followers' wait never reaches the process-group timeout, and on SIGTERM or SIGINT it finishes the
 request in hand, stops serving and tells the followers to exit: every rank exits with code 0.
 
-Errors: a bad request gets HTTP 400 ``{"message": ...}``; any other error raised while serving a
+Errors: a bad request gets HTTP 400 ``{"message": ...}`` (a ``model`` other than ``--model-name``: 404); any other error raised while serving a
 request (e.g. :class:`~megatron_lite.inference.sampling.NonFiniteLogitsError`, which every rank
 raises together) gets HTTP 500 ``{"message": ...}`` (its traceback goes to rank 0's log), and the
 server goes on serving; the followers survive the same errors and wait for the next job. A
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .api_beam import run_beams
 from .api_megatron import api_response, parse_api
-from .api_openai import openai_response, parse_chat, parse_completion
+from .api_openai import check_model, openai_response, parse_chat, parse_completion
 from .api_stream import stream_events
 from .fields import RequestError
 from .http_errors import install_json_errors
@@ -137,7 +137,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             else:
                 results = runner.run(job.prompts, job.params)
         except (RequestError, ValueError) as err:
-            return jsonify(message=str(err)), 400
+            return jsonify(message=str(err)), getattr(err, "status", 400)  # UnknownModel: 404
         if getattr(job, "stream", False):
             usage = lambda res: openai_response(job, res, tokenizer, model_name)["usage"]  # noqa: E731
             return Response(stream_events(job, steps, tokenizer, model_name, usage), mimetype="text/event-stream",
@@ -149,7 +149,10 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer))
 
     def openai(parse):
-        return answer(parse, lambda job, res: openai_response(job, res, tokenizer, model_name))
+        def checked(body):
+            check_model(body, model_name)
+            return parse(body)
+        return answer(checked, lambda job, res: openai_response(job, res, tokenizer, model_name))
 
     @app.route("/v1/completions", methods=["POST"])
     def completions():

@@ -106,3 +106,18 @@ def test_a_wrong_method_is_a_json_405_naming_the_methods(client, method, path, t
     assert answer.status_code == 405 and answer.is_json
     assert answer.get_json() == {"message": f"{path} does not take {method.upper()}; it takes {takes}"}
     assert takes in answer.headers["Allow"]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "1 2", "max_tokens": 1}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}],
+                                                                  "max_tokens": 1})])
+def test_a_model_other_than_the_served_one_is_a_404_naming_it(client, path, body):
+    """A request naming another model was served by this one; vLLM answers 404, and so do we. A
+    request without a model (absent, null, "") or naming the served one is answered."""
+    answer = client.post(path, json=dict(body, model="gpt-4"))
+    assert answer.status_code == 404
+    assert answer.get_json() == {"message": "The model `gpt-4` does not exist; "
+                                            "this server serves `megatron_lite` (--model-name)"}
+    for model in ({}, {"model": None}, {"model": ""}, {"model": "megatron_lite"}):
+        assert client.post(path, json=dict(body, **model)).status_code == 200, model
+    assert client.post(path, json=dict(body, model=3)).status_code == 400  # not a string: a bad request
