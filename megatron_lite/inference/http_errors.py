@@ -5,6 +5,7 @@ OpenAI-compatible clients cannot read.
 - 404: a path no route serves; the message names the method and path and lists the routes.
 - 405: a route asked with a method it does not take; the message names the methods it takes (also
   in the ``Allow`` header).
+- 413: a request body over the server's limit (Flask's ``MAX_CONTENT_LENGTH``); the message names it.
 - Any other HTTP error Flask or Werkzeug raises keeps its status with its description as the message.
 """
 
@@ -19,7 +20,7 @@ def routes(app) -> list[str]:
 
 def http_error_message(app, request, err) -> str:
     """The one line answering the HTTP error ``err`` raised for ``request``."""
-    from werkzeug.exceptions import MethodNotAllowed, NotFound
+    from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
 
     asked = f"{request.method} {request.path}"
     if isinstance(err, NotFound):
@@ -27,6 +28,11 @@ def http_error_message(app, request, err) -> str:
     if isinstance(err, MethodNotAllowed):
         takes = sorted(set(err.valid_methods or ()) - {"HEAD", "OPTIONS"})
         return f"{request.path} does not take {request.method}; it takes {', '.join(takes)}"
+    if isinstance(err, RequestEntityTooLarge) and request.max_content_length is not None:
+        limit = request.max_content_length
+        size = f" ({request.content_length} bytes)" if request.content_length is not None else ""
+        return (f"the request body{size} is larger than the server's limit of {limit} bytes "
+                f"({limit / 2**20:g} MiB); send fewer or shorter prompts per request")
     return f"{asked}: {err.name}: {err.description}"
 
 

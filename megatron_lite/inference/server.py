@@ -15,7 +15,7 @@ request (e.g. :class:`~megatron_lite.inference.sampling.NonFiniteLogitsError`, w
 raises together) gets HTTP 500 ``{"message": ...}`` (its traceback goes to rank 0's log), and the
 server goes on serving; the followers survive the same errors and wait for the next job. A
 request no route takes gets the same JSON shape (404 naming the routes, 405 naming the methods:
-:mod:`.http_errors`).
+:mod:`.http_errors`), and so does a body over ``MAX_BODY_BYTES`` (413).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ CLIENT_TIMEOUT_S = 10.0
 """A connection whose client sends nothing (its request line, headers or body) or reads nothing (a
 streamed answer) for this long is closed: a stalled client held the one-at-a-time server, and the
 in-flight count that keeps SIGTERM waiting, forever."""
+MAX_BODY_BYTES = 32 * 2**20
+"""The largest request body read (Flask's MAX_CONTENT_LENGTH); a larger one gets HTTP 413 naming it.
+32 MiB holds about 4 million token ids in JSON: 128 prompts (a request's most) of 32k tokens each."""
 _GENERATE, _HEARTBEAT, _STOP = "generate", "heartbeat", "stop"
 
 
@@ -116,6 +119,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         raise ImportError("the server needs Flask: pip install megatron_lite[serve]") from None
 
     app = Flask("megatron_lite")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES  # unbounded, a client could fill the memory
 
     install_json_errors(app)  # 404, 405, ...: JSON too
 

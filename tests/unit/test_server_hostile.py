@@ -121,3 +121,18 @@ def test_a_model_other_than_the_served_one_is_a_404_naming_it(client, path, body
     for model in ({}, {"model": None}, {"model": ""}, {"model": "megatron_lite"}):
         assert client.post(path, json=dict(body, **model)).status_code == 200, model
     assert client.post(path, json=dict(body, model=3)).status_code == 400  # not a string: a bad request
+
+
+def test_a_body_over_the_limit_is_a_json_413_naming_it(client):
+    """No bound on the body: a client could make the server read any amount into memory. Bodies
+    over MAX_BODY_BYTES (32 MiB) get 413 naming the limit; one just under it is read."""
+    limit = 32 * 2**20  # server.MAX_BODY_BYTES, as docs/inference.md gives it
+    big = '{"prompt": "1", "max_tokens": 1, "user": "' + "x" * limit + '"}'
+    for path, method in (("/v1/completions", "post"), ("/api", "put")):
+        answer = getattr(client, method)(path, data=big, content_type="application/json")
+        assert answer.status_code == 413
+        assert answer.get_json() == {"message": f"the request body ({len(big)} bytes) is larger than the server's "
+                                                f"limit of {limit} bytes (32 MiB); send fewer or shorter "
+                                                "prompts per request"}
+    under = '{"prompt": "1", "max_tokens": 1, "user": "' + "x" * (limit - 100) + '"}'
+    assert client.post("/v1/completions", data=under, content_type="application/json").status_code == 200
