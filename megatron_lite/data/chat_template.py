@@ -70,6 +70,12 @@ class ChatTokens:
         return len(self.ids)
 
 
+def shown(value, limit: int = 60) -> str:
+    """``value`` as an error message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_messages(messages, generation: bool = False) -> None:
     """Raise :class:`ConversationError` naming the first problem of ``messages``. ``generation``:
     a prompt for the next assistant turn (it ends with a user turn and needs no assistant turn)."""
@@ -77,20 +83,21 @@ def check_messages(messages, generation: bool = False) -> None:
         raise ConversationError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ConversationError(f"message {i} is not {{\"role\": ..., \"content\": <string>}}")
+            raise ConversationError(f"messages[{i}] must be an object {{\"role\": \"system\" | \"user\" | \"assistant\", "
+                                    f"\"content\": <string or list of text parts>}}, got {shown(m)}")
         text = content_text(m.get("content"), i)
         role = m.get("role")
         if role not in ROLES:
-            raise ConversationError(f"message {i} has unknown role {role!r} (expected system, user or assistant)",
+            raise ConversationError(f"messages[{i}] has unknown role {role!r} (expected system, user or assistant)",
                                     "unknown role")
         if role == "system" and i > 0:
-            raise ConversationError(f"message {i}: a system message may only come first", "system message not first")
+            raise ConversationError(f"messages[{i}]: a system message may only come first", "system message not first")
         if role == "assistant":
             if i == 0 or messages[i - 1]["role"] != "user":
-                raise ConversationError(f"message {i}: an assistant turn must follow a user turn",
+                raise ConversationError(f"messages[{i}]: an assistant turn must follow a user turn",
                                         "assistant turn not after a user turn")
             if not text.strip():
-                raise ConversationError(f"message {i}: empty assistant turn (nothing to learn)", "empty assistant turn")
+                raise ConversationError(f"messages[{i}]: empty assistant turn (nothing to learn)", "empty assistant turn")
     if generation:
         if messages[-1]["role"] != "user":
             raise ConversationError("a generation prompt must end with a user turn")
@@ -104,13 +111,15 @@ def content_text(content, index: int) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ConversationError(f"message {index} is not {{\"role\": ..., \"content\": <string or list of text parts>}}")
+        raise ConversationError(f"messages[{index}].content must be a string or a list of text parts "
+                                f"({{\"type\": \"text\", \"text\": <string>}}), got {shown(content)}")
     texts = []
     for j, part in enumerate(content):
-        where = f"message {index}, content part {j}"
+        where = f"messages[{index}].content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if not isinstance(kind, str):
-            raise ConversationError(f"{where} is not {{\"type\": \"text\", \"text\": <string>}}", "malformed content part")
+            raise ConversationError(f"{where} must be an object {{\"type\": \"text\", \"text\": <string>}}, got {shown(part)}",
+                                    "malformed content part")
         if kind != "text":
             raise ConversationError(f"{where} has type {kind!r}: only text parts are supported (the model reads text)",
                                     "non-text content part")

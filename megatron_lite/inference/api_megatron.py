@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .fields import RequestError, check_fields, get_bool, get_int, get_number
+from .fields import RequestError, check_fields, get_bool, get_int, get_number, tokenize_field
 from .sampling import MAX_SEED, SamplingParams
 
 MAX_PROMPTS = 128
@@ -132,7 +132,8 @@ def parse_api(body, tokenizer) -> ApiJob:
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
     if add_bos and bos is None:
         raise RequestError("add_BOS: the tokenizer has no beginning- or end-of-document token")
-    prompts = [([bos] if add_bos else []) + (tokenizer.tokenize(t) if t else []) for t in texts]
+    prompts = [([bos] if add_bos else []) + (tokenize_field(tokenizer, t, f"prompts[{i}]") if t else [])
+               for i, t in enumerate(texts)]
     params = SamplingParams(tokens_to_generate=n, temperature=temperature, top_k=top_k, top_p=top_p,
                             random_seed=None if seed < 0 else seed, prompt_log_probs=logprobs, **_stops(body, tokenizer, stop_on_eol),
                             **_top_p_schedule(body, top_p), **_beam(body, len(texts), n, tokenizer))

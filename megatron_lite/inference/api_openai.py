@@ -33,7 +33,7 @@ from .api_logprobs import covered, logprobs_object, prefix
 from .api_stream import cut_at_stop
 from .chat import chat_prompt
 from .detokenize import answer_text
-from .fields import RequestError, UnknownModel, check_fields, get_bool, get_int, get_number
+from .fields import RequestError, UnknownModel, check_fields, get_bool, get_int, get_number, tokenize_field
 from .sampling import MAX_SEED, SamplingParams
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "best_of", "stream", "user",
@@ -163,7 +163,8 @@ def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of those")
     if len(items) > MAX_BATCH:
         raise RequestError(f"at most {MAX_BATCH} prompts per request, got {len(items)}")
-    ids = [tokenizer.tokenize(p) if isinstance(p, str) else list(p) for p in items]
+    names = ["prompt"] if items is not prompt else [f"prompt[{i}]" for i in range(len(items))]
+    ids = [tokenize_field(tokenizer, p, name) if isinstance(p, str) else list(p) for p, name in zip(items, names)]
     if any(not i for i in ids):
         raise RequestError("a prompt is empty (it needs at least one token)")
     if any(t < 0 or t >= tokenizer.vocab_size for i in ids for t in i):

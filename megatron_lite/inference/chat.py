@@ -45,6 +45,8 @@ def chat_prompt(tokenizer, messages, template: str | None = None) -> list[int]:
         raise RequestError(str(err)) from None
     except TemplateError as err:
         raise RequestError(f"the chat template failed on these messages: {err}") from None
+    except ValueError as err:  # the tokenizer's: NullTokenizer reads only space-separated token ids
+        raise RequestError(f"messages: the prompt the chat template renders cannot be tokenized: {err}") from None
     if not ids:
         raise RequestError("the chat template rendered the messages as an empty prompt")
     return ids

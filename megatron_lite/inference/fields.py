@@ -30,6 +30,16 @@ def check_fields(body, known: set[str], unsupported: dict[str, str] | None = Non
             raise RequestError(f"unknown field {name!r}; the fields are {', '.join(sorted(known))}")
 
 
+def tokenize_field(tokenizer, text: str, name: str) -> list[int]:
+    """``tokenizer.tokenize(text)``; a text the tokenizer cannot take (NullTokenizer reads only
+    space-separated token ids) is a RequestError naming the field ``name`` and what it holds."""
+    try:
+        return tokenizer.tokenize(text)
+    except ValueError as err:
+        shown = repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+        raise RequestError(f"{name}: {err}, got {shown}") from None
+
+
 def get_bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):

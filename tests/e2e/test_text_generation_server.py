@@ -245,9 +245,9 @@ def test_chat_without_max_tokens_fills_what_the_context_leaves(server):
     ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]},
      "a generation prompt must end with a user turn"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, "message 0 has unknown role 'robot'"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "1"}]}, "messages[0] has unknown role 'robot'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "message 0, content part 0 has type 'image_url': only text parts are supported"),
+     "messages[0].content[0] has type 'image_url': only text parts are supported"),
 ])
 def test_bad_openai_requests_get_400(server, path, body, message):
     r = httpx.post(f"{server[0]}{path}", json=body)

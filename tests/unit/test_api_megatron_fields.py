@@ -61,3 +61,10 @@ def test_nan_and_infinity_are_a_bad_request_naming_the_field(name, extra, value)
     nan): a NaN top_p_bound passed every range check and was served (HTTP 200)."""
     with pytest.raises(RequestError, match=rf"^{name} must be a finite number, got -?(nan|inf)$"):
         parse_api({"prompts": ["1"], **extra, name: value}, NullTokenizer(99))
+
+
+def test_a_prompt_the_tokenizer_cannot_read_names_it():
+    """NullTokenizer's ValueError reached the client without naming the prompt."""
+    with pytest.raises(RequestError) as err:
+        parse_api({"prompts": ["1 2", "hello"]}, NullTokenizer(99))
+    assert str(err.value) == "prompts[1]: NullTokenizer expects space-separated integers, got 'hello'"

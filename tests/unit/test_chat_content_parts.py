@@ -80,14 +80,16 @@ def test_a_template_reading_parts_gets_the_list_as_hugging_face_passes_it(tokeni
 
 @pytest.mark.parametrize("content, message", [
     ([{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}],
-     "message 1, content part 0 has type 'image_url': only text parts are supported"),
+     "messages[1].content[0] has type 'image_url': only text parts are supported"),
     (text("why") + [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
-     "message 1, content part 1 has type 'input_audio': only text parts are supported"),
-    ([{"type": "text"}], 'message 1, content part 0: a text part needs "text": <string>'),
-    ([{"type": "text", "text": 3}], 'message 1, content part 0: a text part needs "text": <string>'),
-    (["why"], 'message 1, content part 0 is not {"type": "text", "text": <string>}'),
-    ([{"text": "why"}], 'message 1, content part 0 is not {"type": "text", "text": <string>}'),
-    ({"type": "text", "text": "why"}, 'message 1 is not {"role": ..., "content": <string or list of text parts>}'),
+     "messages[1].content[1] has type 'input_audio': only text parts are supported"),
+    ([{"type": "text"}], 'messages[1].content[0]: a text part needs "text": <string>'),
+    ([{"type": "text", "text": 3}], 'messages[1].content[0]: a text part needs "text": <string>'),
+    (["why"], 'messages[1].content[0] must be an object {"type": "text", "text": <string>}, got \'why\''),
+    ([{"text": "why"}], 'messages[1].content[0] must be an object {"type": "text", "text": <string>}, got '
+                        "{'text': 'why'}"),
+    ({"type": "text", "text": "why"}, 'messages[1].content must be a string or a list of text parts '
+                                      '({"type": "text", "text": <string>}), got {\'type\': \'text\', \'text\': \'why\'}'),
 ])
 @pytest.mark.parametrize("name", ["default", "parts"])
 def test_other_and_malformed_parts_are_refused_naming_the_part(tokenizers, name, content, message):

@@ -131,3 +131,31 @@ def test_model_and_user_that_are_not_strings_are_a_bad_request(tokenizer, name, 
     with pytest.raises(RequestError, match=rf"^{name} must be a string, got "):
         parse_chat({"messages": [{"role": "user", "content": "1"}], name: value}, tokenizer, TEMPLATE)
     assert parse_completion({"prompt": "1 2", name: "x"}, tokenizer).params.tokens_to_generate == 16
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "hello"}, "prompt: NullTokenizer expects space-separated integers, got 'hello'"),
+    ({"prompt": ["1 2", "hi"]}, "prompt[1]: NullTokenizer expects space-separated integers, got 'hi'"),
+    ({"prompt": "1 99"}, "prompt: NullTokenizer: a token id is outside [0, 99) (--vocab-size 99), got '1 99'"),
+])
+def test_a_prompt_the_tokenizer_cannot_read_names_the_prompt(tokenizer, body, message):
+    """NullTokenizer's ValueError reached the client as it was: which field, which prompt, was not said."""
+    with pytest.raises(RequestError) as err:
+        parse_completion(body, tokenizer)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("messages, message", [
+    (["hi"], 'messages[0] must be an object {"role": "system" | "user" | "assistant", "content": <string or list '
+             "of text parts>}, got 'hi'"),
+    ([{"role": "user", "content": "1"}, 7], 'messages[1] must be an object {"role": "system" | "user" | '
+                                            '"assistant", "content": <string or list of text parts>}, got 7'),
+    ([{"role": "user", "content": "hi"}], "messages: the prompt the chat template renders cannot be tokenized: "
+                                          "NullTokenizer expects space-separated integers"),
+])
+def test_a_chat_message_that_cannot_be_read_names_it(tokenizer, messages, message):
+    """A message that is not an object said 'message 0 is not {"role": ..., "content": <string>}'
+    (neither the field nor what came); text NullTokenizer cannot read did not name messages."""
+    with pytest.raises(RequestError) as err:
+        parse_chat({"messages": messages}, tokenizer, TEMPLATE)
+    assert str(err.value) == message
