@@ -137,8 +137,19 @@ def main(argv=None) -> int:
     except ConfigError as err:  # the write failed after the check (a full disk): nothing left behind
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output} ({', '.join(f'{label}: {len(t)} points' for label, t, _ in runs)})")
+    print(f"wrote {args.output} ({'; '.join(summary(label, t, v, args.tag) for label, t, v in runs)})")
     return 0
+
+
+def summary(label: str, train: list, valid: list, tag: str) -> str:
+    """One run in a line: its points, the loss from the first to the last one (did it go down?), the last
+    validation value."""
+    text = f"{label}: {len(train)} points"
+    if train:
+        text += f", {tag} {train[0][1]:.3f} at {train[0][0]} -> {train[-1][1]:.3f} at {train[-1][0]}"
+    if valid:
+        text += f", validation {valid[-1][1]:.3f} at {valid[-1][0]}"
+    return text
 
 
 if __name__ == "__main__":

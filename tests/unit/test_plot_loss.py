@@ -43,6 +43,10 @@ def test_writes_png_and_rejects_empty_input(tmp_path, capsys):
     assert plot_loss.main([str(tmp_path / "run.log"), str(tmp_path / "tb"), "-o", str(out),
                            "--labels", "log", "tb"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the line says whether the loss went down (the README's quickstart ends with it)
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} (log: 3 points, lm loss 8.500 at 2 -> 4.500 at 6, validation 5.500 at 4; "
+        "tb: 6 points, lm loss 9.000 at 1 -> 4.000 at 6, validation 5.500 at 4)")
     (tmp_path / "empty.log").write_text("nothing here\n")
     assert plot_loss.main([str(tmp_path / "empty.log"), "-o", str(tmp_path / "x.png")]) == 2
     assert "no 'lm loss' values" in capsys.readouterr().err
