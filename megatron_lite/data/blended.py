@@ -5,7 +5,10 @@ so far tracks its weight at every point of training, not just on average: sample
 the dataset whose count lags its target the most, i.e. the d maximising
 ``weights[d] * max(i, 1) - count[d]`` (ties to the lower index).  That is Megatron's
 ``build_blending_indices`` rule, bit for bit (same double arithmetic), so a blend picks the same
-datasets in the same order as Megatron does.  With this rule every dataset's count stays within a
+datasets in the same order as Megatron does.  One exception: a dataset of weight 0 is never drawn
+(Megatron's rule draws it on an exact tie of all the errors at 0, e.g. ``--data-path 0 a 1 b 3 c``
+reads a at sample 4), so a blend with weight-0 members draws exactly what the blend without them
+draws, in the same order.  With this rule every dataset's count stays within a
 couple of samples of ``weight * i`` (tests check it at every prefix).
 
 The rule is sequential (each choice depends on all earlier ones), so it runs as a tight pure
@@ -32,7 +35,8 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16 [size], dataset_sample_index int64 [size]) for normalised ``weights``.
 
     dataset_index[i] is the dataset of blended sample i; dataset_sample_index[i] how many samples
-    of that dataset came before it (so each dataset is read in its own order 0, 1, 2, ...).
+    of that dataset came before it (so each dataset is read in its own order 0, 1, 2, ...).  A
+    dataset of weight 0 is never chosen.
     """
     w = [float(x) for x in weights]
     k = len(w)
@@ -42,11 +46,11 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     if k > 1:
         counts = [0] * k
         choice_list = bytearray(size) if k < 256 else [0] * size
-        others = range(1, k)
-        w0 = w[0]
+        first, *others = [d for d in range(k) if w[d] > 0]  # weight 0: never drawn
+        w0 = w[first]
         for i in range(size):
             t = float(i) if i > 1 else 1.0
-            best, best_error = 0, w0 * t - counts[0]
+            best, best_error = first, w0 * t - counts[first]
             for d in others:
                 error = w[d] * t - counts[d]
                 if error > best_error:

@@ -122,12 +122,13 @@ def _is_bert(config) -> bool:
     return type(config).__name__ == "BertDatasetConfig"
 
 
-def _open(prefix: str, mmap_bin: bool = True, flag: str = "--data-path") -> IndexedDataset:
+def _open(prefix: str, mmap_bin: bool = True, flag: str = "--data-path", used: bool = True) -> IndexedDataset:
+    """The dataset at ``prefix``; one that is ``used`` (weight above 0) must hold integer tokens."""
     try:
         dataset = IndexedDataset(prefix, mmap_bin)
     except DataFileError as err:
         raise DataFileError(f"{flag}: {err}") from None
-    if dataset.dtype.kind == "f":  # Megatron's format allows floats (not token ids): the samples would truncate them
+    if used and dataset.dtype.kind == "f":  # Megatron's format allows floats (not token ids): the samples would truncate them
         raise DataFileError(f"{flag}: {prefix}.idx: its dtype is {dataset.dtype.name}, which holds no token ids; "
                             f"give a dataset written by tools/preprocess_data.py (integer tokens)")
     return dataset
@@ -163,7 +164,8 @@ class _Source(NamedTuple):
 def _open_blend(config, data_path, flag: str) -> tuple[list[str], list[float] | None, list]:
     """(prefixes, weights, opened datasets) of a --data-path-style blend."""
     prefixes, weights = parse_data_path(data_path, flag)
-    indexed = [_open(p, config.mmap_bin_files, flag) for p in prefixes]
+    indexed = [_open(p, config.mmap_bin_files, flag, used=weights is None or w > 0)
+               for p, w in zip(prefixes, weights or [None] * len(prefixes))]
     if weights is None and len(prefixes) > 1:  # prefixes only: weight by token count (Megatron-LM concatenates each once instead)
         weights = [float(np.sum(d.sequence_lengths, dtype=np.int64)) for d in indexed]
         weights = [float(w) for w in normalize_weights(weights)]
@@ -211,6 +213,19 @@ def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_di
         raise DataConfigError(f"{source.where(getattr(indexed, 'path_prefix', '?'), split_name, config)}: {err}") from None
 
 
+class _Unused:
+    """The place of a weight-0 member in a blend (which never draws from it): no samples, nothing built."""
+
+    def __init__(self, prefix: str, split_name: str):
+        self.description = {"class": "Unused", "path_prefix": prefix, "split": split_name}
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, idx):
+        raise IndexError(f"{self.description['path_prefix']} has weight 0 in the blend: it gives no samples")
+
+
 def _with_tokenizer(config, tokenizer):
     """Fill the EOD id / vocab size from the tokenizer when the config leaves them unset."""
     if tokenizer is not None and not _is_bert(config):
@@ -222,16 +237,20 @@ def _with_tokenizer(config, tokenizer):
 
 
 def _build_split(config, source: _Source, name: str, n, tokenizer):
-    """One split's dataset: one dataset's samples, or a blend of its datasets' (exactly ``n`` samples)."""
-    for d, ids, p in zip(source.indexed, source.ids, source.prefixes):
-        _check_not_empty(config, ids, d, p, name, source)
+    """One split's dataset: one dataset's samples, or a blend of its datasets' (exactly ``n`` samples).
+    A member of weight 0 gives no samples (the blend never draws it), so its split is neither checked
+    nor built: a tiny or unusual dataset switched off by weight 0 cannot refuse the run."""
     prefixes, weights = source.prefixes, source.weights
+    used = [True] * len(prefixes) if weights is None else [w > 0 for w in weights]
+    for d, ids, p, on in zip(source.indexed, source.ids, prefixes, used):
+        if on:
+            _check_not_empty(config, ids, d, p, name, source)
     if len(prefixes) == 1:
         return _make(config, source.indexed[0], source.ids[0], n, name, tokenizer,
                      default_cache_dir(config, prefixes[0]), source)
     sizes = samples_per_dataset(weights, n) if n is not None else [None] * len(prefixes)
-    parts = [_make(config, d, ids, k, name, tokenizer, default_cache_dir(config, p), source)
-             for d, ids, k, p in zip(source.indexed, source.ids, sizes, prefixes)]
+    parts = [_make(config, d, ids, k, name, tokenizer, default_cache_dir(config, p), source) if on
+             else _Unused(p, name) for d, ids, k, p, on in zip(source.indexed, source.ids, sizes, prefixes, used)]
     if n is None:  # one epoch of each: as many samples as the blend can draw without running out
         n = int(min(len(p) / w for p, w in zip(parts, weights) if w > 0))
     return BlendedDataset(parts, weights, n, default_cache_dir(config, prefixes[0]), name)

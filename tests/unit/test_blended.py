@@ -88,3 +88,14 @@ def test_bad_weights_are_rejected():
     for bad in ([-1, 2], [0, 0], [float("nan"), 1]):
         with pytest.raises(ValueError, match="non-negative"):
             normalize_weights(bad)
+
+
+@pytest.mark.parametrize("weights", [[0, 1, 3], [0, 0.5, 0.5], [1, 0, 1, 2], [0, 1, 0, 1, 2], [2, 1, 0]])
+def test_a_weight_0_dataset_is_never_drawn_and_the_others_keep_their_order(weights):
+    """Megatron's rule draws a weight-0 dataset on an exact tie of every error at 0 ([0, 1, 3]: dataset 0
+    at sample 4); here it is never drawn, and the others come in the order of the blend without it."""
+    which, rank = build_blending_indices(normalize_weights(weights), 2000)
+    live = [d for d, w in enumerate(weights) if w > 0]
+    ref_which, ref_rank = build_blending_indices(normalize_weights([weights[d] for d in live]), 2000)
+    np.testing.assert_array_equal(which, np.asarray(live)[ref_which])
+    np.testing.assert_array_equal(rank, ref_rank)

@@ -114,6 +114,44 @@ def test_blend_through_builder(tmp_path):
     assert item["tokens"].shape == (8,) and int(item["dataset_id"]) in (0, 1)
 
 
+def _tokens(ds) -> list:
+    return [(int(ds[i]["dataset_id"]), ds[i]["tokens"].tolist()) for i in range(len(ds))]
+
+
+def test_a_weight_0_member_is_not_checked_or_built_and_changes_no_sample(tmp_path):
+    """--data-path 0 tiny 1 b 3 c: tiny's valid split gets none of its 2 documents (a refusal if it were
+    used) and it holds floats (refused if used); it contributes nothing, so the run builds and every
+    sample is --data-path 1 b 3 c's (dataset ids one up). Megatron's order would read tiny at sample 4."""
+    b, c, tiny = write(tmp_path / "b", 100, seed=2), write(tmp_path / "c", 100, seed=3), str(tmp_path / "tiny")
+    with IndexedDatasetBuilder(tiny, np.float32) as builder:
+        for _ in range(2):
+            builder.add_document([1.5, 2.5, 3.5], [3])
+
+    def build(data_path):
+        cfg = GPTDatasetConfig(seq_length=8, data_path=data_path, split="90,8,2", data_cache_path=str(tmp_path / "c"))
+        return build_train_valid_test_datasets(cfg, [200, 20, 4])
+
+    for zero in (["0", tiny, "1", b, "3", c], ["1", b, "0", tiny, "3", c]):
+        pos = zero.index(tiny) // 2
+        for got, want in zip(build(zero), build(["1", b, "3", c])):
+            assert len(got.datasets[pos]) == 0 and len(got) == len(want)
+            assert _tokens(got) == [(d + (d >= pos), t) for d, t in _tokens(want)]
+    with pytest.raises(DataFileError, match="^--data-path: .*missing.idx"):  # a missing file is still named
+        build(["1", b, "0", str(tmp_path / "missing")])
+
+
+def test_a_weight_0_member_of_a_per_split_path_is_not_checked(tmp_path):
+    a, empty = write(tmp_path / "a", 50, seed=1), str(tmp_path / "empty")
+    IndexedDatasetBuilder(empty, dtype=np.uint16).finalize()
+    cfg = GPTDatasetConfig(seq_length=8, data_cache_path=str(tmp_path / "c"),
+                           per_split_data_paths=[["1", a, "0", empty], ["0", empty, "2", a], None])
+    train, valid, _ = build_train_valid_test_datasets(cfg, [40, 8, 0])
+    alone = GPTDatasetConfig(seq_length=8, data_cache_path=str(tmp_path / "c"), per_split_data_paths=[[a], [a], None])
+    train_a, valid_a, _ = build_train_valid_test_datasets(alone, [40, 8, 0])
+    assert [t for _, t in _tokens(train)] == [train_a[i]["tokens"].tolist() for i in range(40)]
+    assert {d for d, _ in _tokens(valid)} == {1} and len(valid) == 8
+
+
 def test_prefixes_without_weights_are_weighted_by_their_token_counts(tmp_path):
     """docs/data-and-tokenizers.md: several prefixes without weights are weighted by their token counts."""
     from megatron_lite.data.indexed_dataset import IndexedDataset
