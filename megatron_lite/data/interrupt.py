@@ -46,3 +46,20 @@ def interrupted_exit_code(err: KeyboardInterrupt) -> int:
 def default_sigterm_in_worker() -> None:
     """For a forked pool worker: SIGTERM (how ``Pool.terminate`` stops it) ends it quietly, as by default."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def workers_ignore_ctrl_c():
+    """Worker processes started inside ignore SIGINT from their first instruction, the main process
+    handling Ctrl-C (cleanup, one line) alone: a terminal sends SIGINT to every process of the group,
+    and a spawned worker still importing (or waiting for work) printed a KeyboardInterrupt traceback.
+    An ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler.
+    Outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

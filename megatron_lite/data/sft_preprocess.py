@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from megatron_lite.data.chat_template import ConversationError
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.interrupt import workers_ignore_ctrl_c
 from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.data.worker_pool import ChunkGate, stop_pool
@@ -41,6 +43,12 @@ class SFTPreprocessResult:
 def _init(tokenizer_kwargs: dict, max_tokens: int | None) -> None:
     _worker["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
     _worker["max_tokens"] = max_tokens
+
+
+def _init_worker(tokenizer_kwargs: dict, max_tokens: int | None) -> None:
+    """A pool worker: ignores Ctrl-C (also if the pool starts it later, outside ``workers_ignore_ctrl_c``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init(tokenizer_kwargs, max_tokens)
 
 
 def _encode_chunk(chunk):
@@ -87,7 +95,10 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
     plain = os.path.isfile(input_path) and not input_path.endswith(".gz")
     bar = progress_bar(total=os.path.getsize(input_path) if plain else None, unit="B", unit_scale=True,
                        desc="conversations", enabled=progress is not False)  # a bar, or log lines (no terminal)
-    pool = multiprocessing.get_context("spawn").Pool(workers, _init, (tokenizer_kwargs, max_tokens)) if workers > 1 else None
+    pool = None
+    if workers > 1:
+        with workers_ignore_ctrl_c():  # Ctrl-C: the main process cleans up and says so in one line; workers stay quiet
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_kwargs, max_tokens))
     gate = ChunkGate(_chunks(input_path), 4 * workers)  # at most this many chunks in flight: bounded memory
     try:
         with IndexedDatasetBuilder(output_prefix, dtype) as tokens, \
