@@ -39,13 +39,26 @@ def validation_batch(config) -> int:
 
 
 def end_at_train_samples(config, iteration: int, consumed: int) -> None:
-    """--train-samples without a ramp: a run resumed at ``iteration`` after ``consumed`` samples ends once
-    the samples are trained (``train_iters`` = the iterations left at this --global-batch-size, which
-    differs from --train-samples / --global-batch-size when the checkpoint was saved at another batch)."""
+    """--train-samples: a run resumed at ``iteration`` after ``consumed`` samples ends once the samples are
+    trained (``train_iters`` = the iterations left at this --global-batch-size, which differs from
+    --train-samples / --global-batch-size when the checkpoint was saved at another batch). With
+    --rampup-batch-size, a checkpoint that consumed what this run's ramp consumes in ``iteration`` steps
+    keeps the ramp's own count; one saved with other batch flags (another --global-batch-size or ramp)
+    gets the steps this ramp takes from ``consumed`` on: counted from the start, they read past the
+    training set (built for --train-samples: a StopIteration traceback) or stop short of it."""
     t = config.training
-    if t.train_samples is None or t.rampup_batch_size is not None or not iteration:
+    if t.train_samples is None or not iteration:
         return
-    t.train_iters = iteration + max(0, t.train_samples - consumed) // t.global_batch_size
+    if t.rampup_batch_size is None:
+        t.train_iters = iteration + max(0, t.train_samples - consumed) // t.global_batch_size
+        return
+    schedule = BatchSchedule.from_config(config)
+    if schedule.consumed_after(iteration) == consumed:
+        return
+    t.train_iters = iteration + schedule.train_iters(t.train_samples, consumed)
+    print_rank_0(f"> the checkpoint consumed {consumed} samples in {iteration} iterations, not the "
+                 f"{schedule.consumed_after(iteration)} of this run's batch ramp: the run ends at iteration "
+                 f"{t.train_iters}, once --train-samples {t.train_samples} are trained")
 
 
 def data_config_for_resume(config, iteration: int, consumed: int):
@@ -54,8 +67,8 @@ def data_config_for_resume(config, iteration: int, consumed: int):
     ``--global-batch-size`` samples the training set is built for (a checkpoint saved with a larger
     global batch: its consumed samples run ahead of this run's iteration count), a copy whose
     ``train_samples`` (the training set's size) covers them, so the data does not run out mid-run.
-    With ``--train-samples`` the run ends with the samples instead (:func:`end_at_train_samples` sets its
-    iterations; with the ramp, which needs it, nothing changes) and ``config`` is returned."""
+    With ``--train-samples`` (which the ramp needs) the run ends with the samples instead
+    (:func:`end_at_train_samples` sets its iterations) and ``config`` is returned."""
     t = config.training
     if t.train_samples is not None:
         end_at_train_samples(config, iteration, consumed)
@@ -106,16 +119,25 @@ class BatchSchedule:
         """Every global batch of the ramp, START to --global-batch-size."""
         return [self.start + k * self.increment for k in range(self.increments + 1)]
 
-    def train_iters(self, train_samples: int) -> int:
-        """Iterations for ``--train-samples``: the ramp's steps, then full batches (a last partial batch
-        is dropped). A step is counted only when its (nominal) batch fits in what is left."""
-        consumed = iters = 0
+    def train_iters(self, train_samples: int, consumed: int = 0) -> int:
+        """Iterations for ``--train-samples`` from ``consumed`` samples on: the ramp's steps, then full
+        batches (a last partial batch is dropped). A step is counted only when its (nominal) batch fits
+        in what is left."""
+        iters = 0
         while consumed <= self.samples and self.increments:
             size = self.nominal(consumed)
             if consumed + size > train_samples:
                 return iters
             consumed, iters = consumed + size, iters + 1
-        return iters + (train_samples - consumed) // self.global_batch_size
+        return iters + max(0, train_samples - consumed) // self.global_batch_size
+
+    def consumed_after(self, steps: int) -> int:
+        """Samples the training loop has consumed after ``steps`` steps of this schedule from the start
+        (each step :meth:`batch` samples)."""
+        consumed = 0
+        while steps and consumed <= self.samples and self.increments:
+            consumed, steps = consumed + self.batch(consumed), steps - 1
+        return consumed + steps * self.batch(consumed)
 
 
 def check_batch_rampup(config) -> None:

@@ -102,3 +102,19 @@ def test_a_train_samples_run_resumed_with_a_smaller_global_batch_ends_at_its_sam
     resumed = pretrain_gpt.main(flags + ["--micro-batch-size", "2", "--global-batch-size", "2",
                                          "--load", str(tmp_path / "ckpt"), "--override-opt_param-scheduler"])
     assert (resumed.iteration, resumed.consumed_samples, len(resumed.losses)) == (8, 40, 4)
+
+
+def test_a_ramp_up_run_resumed_with_a_smaller_global_batch_ends_at_its_samples(tmp_path, capsys):
+    """--rampup-batch-size 2 2 8 to 8 stopped after 4 steps (2 + 2 + 4 + 8 = 16 consumed), resumed with
+    --global-batch-size 4: its ramp counted 12 iterations from the start, so 8 more steps of 4 read up to
+    sample 48 of a training set of 40 (StopIteration). It ends at its 40 samples now: 6 more steps."""
+    at = MODEL.index("--lr-warmup-iters")
+    flags = MODEL[:at] + MODEL[at + 2:] + ["--lr-warmup-samples", "8", "--train-samples", "40", "--micro-batch-size",
+                                           "2", "--rampup-batch-size", "2", "2", "8", "--save", str(tmp_path / "ckpt")]
+    first = pretrain_gpt.main(flags + ["--global-batch-size", "8", "--exit-interval", "4"])
+    assert (first.iteration, first.consumed_samples) == (4, 16)
+    capsys.readouterr()
+    resumed = pretrain_gpt.main(flags + ["--global-batch-size", "4", "--load", str(tmp_path / "ckpt"),
+                                         "--override-opt_param-scheduler"])
+    assert (resumed.iteration, resumed.consumed_samples, len(resumed.losses)) == (10, 40, 6)
+    assert "the run ends at iteration 10, once --train-samples 40 are trained" in capsys.readouterr().out

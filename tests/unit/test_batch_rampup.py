@@ -7,7 +7,7 @@ import pytest
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import Config
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training.batch_rampup import BatchSchedule
+from megatron_lite.training.batch_rampup import BatchSchedule, end_at_train_samples
 from megatron_lite.training.logging import TrainLogger
 from tests.cli_errors import parse_refused
 
@@ -50,6 +50,38 @@ def test_train_samples_gives_the_ramps_steps_then_full_batches(train_samples, it
                         world_size=1)
     assert config.training.train_iters == iters
     assert config.optim.lr_decay_samples == train_samples  # the schedule still counts --train-samples
+
+
+@pytest.mark.parametrize("gbs, iters", [
+    (8, 7),  # this run's own ramp (2 + 2 + 4 + 6 = 14 in 4 steps): its own count, 4 + (40 - 14) // 8 = 7
+    (4, 4 + 6),  # from the checkpoint's 14 samples: 6 batches of 4 (counted from the start: 12 iterations, to sample 46)
+    (16, 4 + 1),  # one batch of 16 (counted from the start: 4 iterations, no step left, 26 samples untrained)
+])
+def test_a_ramp_resumed_with_other_batch_flags_ends_at_its_samples(gbs, iters):
+    """Checkpoint: 4 steps of the ramp 2 2 10 to 8 (14 samples). Resumed with another --global-batch-size,
+    the iterations counted from the start read past the 40 samples (4: a StopIteration traceback) or
+    stop short of them (16); the run now ends once --train-samples are trained."""
+    argv = BASE[:-1] + [str(gbs), "--train-samples", "40", "--rampup-batch-size", "2", "2", "10"]
+    config = parse_args(argv, world_size=1)
+    end_at_train_samples(config, 4, 14)
+    assert config.training.train_iters == iters
+    schedule, consumed = BatchSchedule.from_config(config), 14
+    for _ in range(iters - 4):
+        consumed += schedule.batch(consumed)
+    assert consumed <= 40 and 40 - consumed < gbs
+
+
+def test_a_ramp_resumed_with_its_own_flags_keeps_its_count():
+    """With --decrease-batch-size-if-needed the loop consumes the rounded batches (6, 6, 12 ...) and
+    the count is the nominal one's: recounting from the checkpoint would end the run elsewhere."""
+    argv = ["--global-batch-size", "12", "--train-samples", "120", "--rampup-batch-size", "6", "2", "12",
+            "--decrease-batch-size-if-needed"]
+    config = parse_args(BASE + argv, world_size=3)
+    whole, schedule = config.training.train_iters, BatchSchedule.from_config(config)
+    assert [schedule.consumed_after(k) for k in (0, 1, 2, 3, 5)] == [0, 6, 12, 24, 48]
+    for k in range(1, whole):
+        end_at_train_samples(config, k, schedule.consumed_after(k))
+        assert config.training.train_iters == whole
 
 
 def test_start_equal_to_the_global_batch_is_a_constant_batch():
