@@ -213,7 +213,7 @@ def _make(config, indexed, doc_ids, num_samples, split_name, tokenizer, cache_di
         raise DataConfigError(f"{source.where(getattr(indexed, 'path_prefix', '?'), split_name, config)}: {err}") from None
 
 
-class _Unused:
+class ZeroWeightMember:
     """The place of a weight-0 member in a blend (which never draws from it): no samples, nothing built."""
 
     def __init__(self, prefix: str, split_name: str):
@@ -250,7 +250,7 @@ def _build_split(config, source: _Source, name: str, n, tokenizer):
                      default_cache_dir(config, prefixes[0]), source)
     sizes = samples_per_dataset(weights, n) if n is not None else [None] * len(prefixes)
     parts = [_make(config, d, ids, k, name, tokenizer, default_cache_dir(config, p), source) if on
-             else _Unused(p, name) for d, ids, k, p, on in zip(source.indexed, source.ids, sizes, prefixes, used)]
+             else ZeroWeightMember(p, name) for d, ids, k, p, on in zip(source.indexed, source.ids, sizes, prefixes, used)]
     if n is None:  # one epoch of each: as many samples as the blend can draw without running out
         n = int(min(len(p) / w for p, w in zip(parts, weights) if w > 0))
     return BlendedDataset(parts, weights, n, default_cache_dir(config, prefixes[0]), name)

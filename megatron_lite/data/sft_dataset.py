@@ -25,6 +25,7 @@ fresh permutation from ``--seed``, and epochs are added until the run's samples 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +34,13 @@ from megatron_lite.data.blended import BlendedDataset, normalize_weights, sample
 from megatron_lite.data.builder import (
     SPLIT_NAMES,
     DataConfigError,
+    ZeroWeightMember,
     parse_data_path,
     parse_split,
     split_ranges,
 )
-from megatron_lite.data.sft_conversations import SKIP_FLAG, Conversations, read_conversations
+from megatron_lite.data.indexed_dataset import DataFileError
+from megatron_lite.data.sft_conversations import SKIP_FLAG, Conversations, is_indexed, read_conversations
 from megatron_lite.errors import ConfigError
 
 
@@ -194,9 +197,13 @@ def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, t
     """(train, valid, test) SFT datasets; None for a split with weight 0 or 0 requested samples.
     ``say`` prints the skipped-conversation counts (once per file)."""
     paths, weights = parse_data_path(config.data_path)
-    sets = [read_conversations(p, tokenizer, config.seq_length + 1, config.skip_bad, config.mmap_bin_files)
-            for p in paths]
-    for conversations in sets:
+    used = [True] * len(paths) if weights is None else [w > 0 for w in weights]  # weight 0: never drawn, not read
+    for p, on in zip(paths, used):
+        if not (on or os.path.isfile(p) or is_indexed(p)):
+            raise DataFileError(f"{p}: file not found (--data-path)")
+    sets = [read_conversations(p, tokenizer, config.seq_length + 1, config.skip_bad, config.mmap_bin_files) if on
+            else None for p, on in zip(paths, used)]
+    for conversations in (c for c in sets if c is not None):
         if len(conversations) == 0:
             raise DataConfigError(f"--data-path {conversations.source}: no conversations"
                                   + (" left after skipping bad ones" if conversations.skipped else ""))
@@ -206,14 +213,15 @@ def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, t
     if weights is None and len(sets) > 1:  # several files without weights: by conversation count
         weights = [float(w) for w in normalize_weights([len(c) for c in sets])]
     split = parse_split(config.split)
-    ranges = [split_ranges(len(c), split) for c in sets]
+    ranges = [split_ranges(len(c), split) if c is not None else None for c in sets]
     out = []
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, list(train_valid_test_num_samples) + [None] * 3)):
         if split[s] == 0 or n == 0:
             out.append(None)
             continue
         counts = samples_per_dataset(weights, n) if len(sets) > 1 and n is not None else [n] * len(sets)
-        parts = [SFTDataset(c, np.arange(*r[s]), k, config, name) for c, r, k in zip(sets, ranges, counts)]
+        parts = [SFTDataset(c, np.arange(*r[s]), k, config, name) if c is not None else ZeroWeightMember(p, name)
+                 for c, r, k, p in zip(sets, ranges, counts, paths)]
         if len(parts) == 1:
             out.append(parts[0])
             continue

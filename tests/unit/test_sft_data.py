@@ -228,6 +228,29 @@ def test_several_files_without_weights_blend_by_their_conversation_counts(tmp_pa
     assert abs(share[0] - 0.25) < 0.01, share
 
 
+def test_a_weight_0_file_is_not_read_and_changes_no_sample(tmp_path, tokenizers):
+    """--sft --data-path 0 tiny 1 a 3 b: tiny (2 conversations, the valid split gets none; one bad line)
+    refused the run; it gives no samples, so it is not read and the samples are --data-path 1 a 3 b's."""
+    tok = tokenizers["chatml"]
+    a = write_conversations(tmp_path / "a.jsonl", 30, seed=1, max_turns=1, max_words=3)
+    b = write_conversations(tmp_path / "b.jsonl", 30, seed=2, max_turns=1, max_words=3)
+    tiny = write_conversations(tmp_path / "tiny.jsonl", 2, seed=3, max_turns=1, max_words=3)
+    with open(tiny, "a") as f:
+        f.write("not json\n")
+
+    def build(data_path):
+        cfg = SFTDatasetConfig(seq_length=SEQ, data_path=data_path, split="90,10,0", eod=tok.eod, pad=tok.pad, seed=3)
+        return build_sft_datasets(cfg, [40, 8, 0], tok)[:2]
+
+    for got, want in zip(build(["0", tiny, "1", a, "3", b]), build(["1", a, "3", b])):
+        assert len(got) == len(want) and len(got.datasets[0]) == 0
+        for i in range(len(want)):
+            assert int(got[i]["dataset_id"]) == int(want[i]["dataset_id"]) + 1
+            np.testing.assert_array_equal(got[i]["tokens"], want[i]["tokens"])
+    with pytest.raises(DataFileError, match="missing.jsonl: file not found"):
+        build(["1", a, "0", str(tmp_path / "missing.jsonl")])
+
+
 def test_padding_is_the_tokenizers_pad_token_else_eod(tokenizers):
     """docs/fine-tuning.md: a padded sample is filled with the tokenizer's pad token, or the EOD without one."""
     from types import SimpleNamespace
