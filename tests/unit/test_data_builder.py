@@ -128,7 +128,7 @@ def test_a_weight_0_member_is_not_checked_or_built_and_changes_no_sample(tmp_pat
             builder.add_document([1.5, 2.5, 3.5], [3])
 
     def build(data_path):
-        cfg = GPTDatasetConfig(seq_length=8, data_path=data_path, split="90,8,2", data_cache_path=str(tmp_path / "c"))
+        cfg = GPTDatasetConfig(seq_length=8, data_path=data_path, split="90,8,2", data_cache_path=str(tmp_path / "cache"))
         return build_train_valid_test_datasets(cfg, [200, 20, 4])
 
     for zero in (["0", tiny, "1", b, "3", c], ["1", b, "0", tiny, "3", c]):
@@ -143,7 +143,7 @@ def test_a_weight_0_member_is_not_checked_or_built_and_changes_no_sample(tmp_pat
 def test_a_weight_0_member_of_a_per_split_path_is_not_checked(tmp_path):
     a, empty = write(tmp_path / "a", 50, seed=1), str(tmp_path / "empty")
     IndexedDatasetBuilder(empty, dtype=np.uint16).finalize()
-    cfg = GPTDatasetConfig(seq_length=8, data_cache_path=str(tmp_path / "c"),
+    cfg = GPTDatasetConfig(seq_length=8, data_cache_path=str(tmp_path / "cache"),
                            per_split_data_paths=[["1", a, "0", empty], ["0", empty, "2", a], None])
     train, valid, _ = build_train_valid_test_datasets(cfg, [40, 8, 0])
     alone = GPTDatasetConfig(seq_length=8, data_cache_path=str(tmp_path / "c"), per_split_data_paths=[[a], [a], None])
