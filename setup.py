@@ -12,7 +12,8 @@ setup(
         # lm-eval[hf] (~240 MB with its dependencies: datasets, pandas, scikit-learn, accelerate ...) lets
         # CI compare our lm-eval backend with lm-eval's own hf backend.
         "test": ["pytest", "ruff==0.17.6", "tokenizers", "tiktoken", "pyarrow", "wandb", "transformers", "safetensors",
-                 "peft", "flask", "httpx", "lm-eval[hf]"],
+                 "peft", "flask", "httpx", "lm-eval[hf]",
+                 "openai"],  # the server's answers read by OpenAI's own client (tests/unit/test_openai_errors.py)
         # Hugging Face tokenizers, and checkpoint export/import (tools/checkpoint/convert.py --loader/--saver hf)
         "hf": ["tokenizers", "safetensors", "transformers"],
         # Compiled GPT-2 BPE for GPT-2's own vocabulary (megatron_lite/data/gpt2_fast.py); the

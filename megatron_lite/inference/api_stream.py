@@ -25,7 +25,8 @@ Every rank runs every decode step (the engine's steps are collectives), so the e
 runs the engine to its end whatever happens to the client: when the client disconnects, the
 server's write fails, the generator is closed, and its ``finally`` runs the remaining steps without
 sending them (a request of the continuous batch is cancelled instead: :func:`drain`). An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
-sent as one ``data: {"error": {...}}`` event, after which the stream ends.
+sent as one ``data: {"error": {...}}`` event (OpenAI's error shape, ``"type": "server_error"``,
+``"code": 500``: :func:`~.http_errors.error_body`), after which the stream ends.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import uuid
 
 from .api_logprobs import ChunkLogprobs
 from .detokenize import CONTEXT, TextStream, cut_at_stop, safe_end  # noqa: F401 - also imported from here
+from .http_errors import error_body
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,6 @@ def stream_events(job, steps, tokenizer, model_name: str, usage):
         yield sse("[DONE]")
     except Exception as err:  # noqa: BLE001 - the status (200) is sent: the error goes in the stream
         log.exception("request failed mid-stream")
-        yield sse({"error": {"message": f"{type(err).__name__}: {err}", "type": type(err).__name__}})
+        yield sse(error_body("/v1/", f"{type(err).__name__}: {err}", 500))
     finally:
         drain(steps)

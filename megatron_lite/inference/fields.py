@@ -10,12 +10,15 @@ class RequestError(ValueError):
     """A bad request; its message is the whole answer, with HTTP ``status``."""
 
     status = 400
+    param: str | None = None
+    """The field at fault (OpenAI's ``error.param``), where the message's first word is not it."""
 
 
 class UnknownModel(RequestError):
     """A request naming a model this server does not serve (vLLM's answer: 404)."""
 
     status = 404
+    param = "model"
 
 
 def check_fields(body, known: set[str], unsupported: dict[str, str] | None = None) -> None:

@@ -1,6 +1,9 @@
-"""The server's answers to requests no route handles: every error is JSON ``{"message": ...}``, the
-shape of the server's 400s and 500s (see :mod:`.server`), never Flask's HTML page, which
-OpenAI-compatible clients cannot read.
+"""The server's error answers, always JSON, never Flask's HTML page, which OpenAI-compatible clients
+cannot read (:func:`error_body`): on the OpenAI routes (paths under ``/v1/``) OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``, which OpenAI's and vLLM's clients read the message
+from; elsewhere (Megatron's ``PUT /api``, ``/health``, an unknown path) ``{"message": ...}``.
+
+The requests no route handles:
 
 - 404: a path no route serves; the message names the method and path and lists the routes.
 - 405: a route asked with a method it does not take; the message names the methods it takes (also
@@ -10,6 +13,34 @@ OpenAI-compatible clients cannot read.
 """
 
 from __future__ import annotations
+
+import re
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error"}
+"""OpenAI's ``error.type`` by HTTP status; any other 4xx (405, 413) is an ``invalid_request_error``."""
+_FIELD = re.compile(r"(?:unknown field '([A-Za-z_][\w]*)'|'?([A-Za-z_]\w*(?:\[[^\]]*\])*(?:\.\w+(?:\[[^\]]*\])*)*))")
+
+
+def error_param(message: str, fields) -> str | None:
+    """The request field ``message`` names, as OpenAI's ``error.param``: its first word (quoted or
+    not) where that is one of ``fields`` (with its indices: ``prompt[1]``, ``messages[0].content[2]``),
+    or the field an "unknown field 'x'" message names; None where it names none."""
+    match = _FIELD.match(message)
+    if match is None:
+        return None
+    if match.group(1):
+        return match.group(1)
+    word = match.group(2)
+    return word if re.match(r"\w+", word).group() in fields else None
+
+
+def error_body(path: str, message: str, status: int, param: str | None = None) -> dict:
+    """The JSON answering an error with ``status`` on ``path``: OpenAI's shape on the ``/v1/`` routes
+    (``code``: the HTTP status, as vLLM sends it), else ``{"message": ...}``."""
+    if not (path + "/").startswith("/v1/"):
+        return {"message": message}
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def routes(app) -> list[str]:
@@ -37,13 +68,13 @@ def http_error_message(app, request, err) -> str:
 
 
 def install_json_errors(app) -> None:
-    """Answer every HTTP error of ``app`` (404, 405, ...) with JSON ``{"message": ...}`` and its status."""
+    """Answer every HTTP error of ``app`` (404, 405, ...) with JSON (:func:`error_body`) and its status."""
     from flask import jsonify, request
     from werkzeug.exceptions import HTTPException
 
     @app.errorhandler(HTTPException)
     def http_error(err):
-        response = jsonify(message=http_error_message(app, request, err))
+        response = jsonify(error_body(request.path, http_error_message(app, request, err), err.code))
         response.status_code = err.code
         for name, value in err.get_headers():
             if name.lower() != "content-type":  # the Allow header of a 405

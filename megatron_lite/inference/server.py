@@ -10,12 +10,15 @@ engine on it together. While idle, rank 0 broadcasts a heartbeat every ``HEARTBE
 followers' wait never reaches the process-group timeout, and on SIGTERM or SIGINT it finishes the
 request in hand, stops serving and tells the followers to exit: every rank exits with code 0.
 
-Errors: a bad request gets HTTP 400 ``{"message": ...}`` (a ``model`` other than ``--model-name``: 404); any other error raised while serving a
+Errors: a bad request gets HTTP 400 (a ``model`` other than ``--model-name``: 404); any other error raised while serving a
 request (e.g. :class:`~megatron_lite.inference.sampling.NonFiniteLogitsError`, which every rank
-raises together) gets HTTP 500 ``{"message": ...}`` (its traceback goes to rank 0's log), and the
+raises together) gets HTTP 500 (its traceback goes to rank 0's log), and the
 server goes on serving; the followers survive the same errors and wait for the next job. A
-request no route takes gets the same JSON shape (404 naming the routes, 405 naming the methods:
-:mod:`.http_errors`), and so does a body over ``MAX_BODY_BYTES`` (413).
+request no route takes gets the same JSON (404 naming the routes, 405 naming the methods:
+:mod:`.http_errors`), and so does a body over ``MAX_BODY_BYTES`` (413). On the ``/v1/`` routes every
+error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (``param``: the field the
+message names), which OpenAI's client raises as ``BadRequestError``, ``NotFoundError``, ...; elsewhere
+(``PUT /api``) ``{"message": ...}`` (:func:`.http_errors.error_body`).
 """
 
 from __future__ import annotations
@@ -31,10 +34,18 @@ import torch.distributed as dist
 
 from .api_beam import run_beams
 from .api_megatron import api_response, parse_api
-from .api_openai import check_model, openai_response, parse_chat, parse_completion
+from .api_openai import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    UNSUPPORTED,
+    check_model,
+    openai_response,
+    parse_chat,
+    parse_completion,
+)
 from .api_stream import stream_events
 from .fields import RequestError
-from .http_errors import install_json_errors
+from .http_errors import error_body, error_param, install_json_errors
 
 HEARTBEAT_S = 60.0
 CLIENT_TIMEOUT_S = 10.0
@@ -128,9 +139,16 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
         """Any other error raised while serving a request: HTTP 500 with a JSON message, not Flask's
         HTML page."""
         app.logger.exception("request failed")
-        return jsonify(message=f"{type(err).__name__}: {err}"), 500
+        return jsonify(error_body(request.path, f"{type(err).__name__}: {err}", 500)), 500
 
-    def answer(parse, respond):
+    def refuse(err: ValueError, fields):
+        """A bad request's answer: its status (UnknownModel: 404), with OpenAI's ``param`` naming the
+        one of the route's ``fields`` the message names."""
+        message, status = str(err), getattr(err, "status", 400)
+        param = getattr(err, "param", None) or error_param(message, fields)
+        return jsonify(error_body(request.path, message, status, param)), status
+
+    def answer(parse, respond, fields=frozenset()):
         try:
             body = read_json(request)
             job = parse(body)
@@ -141,7 +159,7 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
             else:
                 results = runner.run(job.prompts, job.params)
         except (RequestError, ValueError) as err:
-            return jsonify(message=str(err)), getattr(err, "status", 400)  # UnknownModel: 404
+            return refuse(err, fields)
         if getattr(job, "stream", False):
             usage = lambda res: openai_response(job, res, tokenizer, model_name)["usage"]  # noqa: E731
             return Response(stream_events(job, steps, tokenizer, model_name, usage), mimetype="text/event-stream",
@@ -152,19 +170,20 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
     def megatron_api():
         return answer(lambda body: parse_api(body, tokenizer), lambda job, res: api_response(job, res, tokenizer))
 
-    def openai(parse):
+    def openai(parse, fields):
         def checked(body):
             check_model(body, model_name)
             return parse(body)
-        return answer(checked, lambda job, res: openai_response(job, res, tokenizer, model_name))
+        return answer(checked, lambda job, res: openai_response(job, res, tokenizer, model_name), fields | set(UNSUPPORTED))
 
     @app.route("/v1/completions", methods=["POST"])
     def completions():
-        return openai(lambda body: parse_completion(body, tokenizer))
+        return openai(lambda body: parse_completion(body, tokenizer), COMPLETION_FIELDS)
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions():
-        return openai(lambda body: parse_chat(body, tokenizer, chat_template, runner.engine.max_sequence_length))
+        return openai(lambda body: parse_chat(body, tokenizer, chat_template, runner.engine.max_sequence_length),
+                      CHAT_FIELDS)
 
     @app.route("/health", methods=["GET"])
     def health():

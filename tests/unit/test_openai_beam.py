@@ -124,7 +124,7 @@ def test_combinations_beam_search_cannot_honour_are_refused(served, extra, messa
     client, _ = served
     if extra.get("length_penalty") != float("inf"):
         answer = client.post("/v1/completions", json=body)
-        assert answer.status_code == 400 and answer.get_json()["message"].startswith(message)
+        assert answer.status_code == 400 and answer.get_json()["error"]["message"].startswith(message)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -116,4 +116,4 @@ def test_best_of_ranks_the_text_returned_before_a_stop_string(served):
 ])
 def test_bad_n_gets_one_json_400(served, body, message):
     r = served[0].post("/v1/completions", json=body)
-    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
+    assert r.status_code == 400 and r.get_json()["error"]["message"].startswith(message)

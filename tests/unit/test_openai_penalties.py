@@ -93,6 +93,6 @@ def test_the_fields_reach_the_sampler(client):
 ])
 def test_bad_penalty_fields_get_one_json_400(client, body, message):
     r = client.post("/v1/completions", json={"prompt": "1 2", **body})
-    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
+    assert r.status_code == 400 and r.get_json()["error"]["message"].startswith(message)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1"}], **body})
-    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
+    assert r.status_code == 400 and r.get_json()["error"]["message"].startswith(message)

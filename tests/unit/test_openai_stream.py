@@ -371,4 +371,4 @@ def test_an_engine_error_mid_stream_is_an_error_event(app, monkeypatch):
 ])
 def test_bad_stream_requests_get_one_json_400(app, body, message):
     r = app.test_client().post("/v1/completions", json=body)
-    assert r.status_code == 400 and r.get_json()["message"].startswith(message)
+    assert r.status_code == 400 and r.get_json()["error"]["message"].startswith(message)

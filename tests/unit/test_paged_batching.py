@@ -115,7 +115,7 @@ def test_a_request_too_big_for_the_blocks_is_an_http_400(engines):
         runner.submit([[1, 2, 3]], SamplingParams(tokens_to_generate=20))
     client = create_app(runner, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)).test_client()
     answer = client.post("/v1/completions", json={"prompt": "1 2 3", "max_tokens": 20})
-    assert answer.status_code == 400 and "--inference-kv-cache-blocks" in answer.get_json()["message"]
+    assert answer.status_code == 400 and "--inference-kv-cache-blocks" in answer.get_json()["error"]["message"]
     assert not runner.busy
 
 

@@ -4,6 +4,7 @@ real socket where the connection itself misbehaves): each gets a 400 naming the 
 
 import pytest
 
+from megatron_lite.inference.http_errors import error_body
 from tests.inference_helpers import served_gpt
 
 pytest.importorskip("flask")
@@ -21,7 +22,7 @@ def test_json_nested_past_the_parsers_recursion_is_a_400(client, path, method):
     for body in ("[" * 100000 + "]" * 100000, '{"prompt": ' + "[" * 100000 + "]" * 100000 + "}"):
         answer = getattr(client, method)(path, data=body, content_type="application/json")
         assert answer.status_code == 400
-        assert answer.get_json() == {"message": "the request body nests too deeply to be read as JSON"}
+        assert answer.get_json() == error_body(path, "the request body nests too deeply to be read as JSON", 400)
     ok = client.post("/v1/completions", json={"prompt": "1 2", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200
 
@@ -96,7 +97,7 @@ def test_an_unknown_route_is_a_json_404_naming_the_routes(client, method, path):
     """Flask answered an unknown route with its HTML page, which OpenAI-compatible clients cannot read."""
     answer = getattr(client, method)(path, json={"prompt": "1"})
     assert answer.status_code == 404 and answer.is_json
-    assert answer.get_json() == {"message": f"no route {method.upper()} {path}; the routes are {ROUTES}"}
+    assert answer.get_json() == error_body(path, f"no route {method.upper()} {path}; the routes are {ROUTES}", 404)
 
 
 @pytest.mark.parametrize("method, path, takes", [("get", "/v1/completions", "POST"), ("post", "/api", "PUT"),
@@ -104,7 +105,7 @@ def test_an_unknown_route_is_a_json_404_naming_the_routes(client, method, path):
 def test_a_wrong_method_is_a_json_405_naming_the_methods(client, method, path, takes):
     answer = getattr(client, method)(path)
     assert answer.status_code == 405 and answer.is_json
-    assert answer.get_json() == {"message": f"{path} does not take {method.upper()}; it takes {takes}"}
+    assert answer.get_json() == error_body(path, f"{path} does not take {method.upper()}; it takes {takes}", 405)
     assert takes in answer.headers["Allow"]
 
 
@@ -116,8 +117,8 @@ def test_a_model_other_than_the_served_one_is_a_404_naming_it(client, path, body
     request without a model (absent, null, "") or naming the served one is answered."""
     answer = client.post(path, json=dict(body, model="gpt-4"))
     assert answer.status_code == 404
-    assert answer.get_json() == {"message": "The model `gpt-4` does not exist; "
-                                            "this server serves `megatron_lite` (--model-name)"}
+    assert answer.get_json() == error_body(path, "The model `gpt-4` does not exist; "
+                                                 "this server serves `megatron_lite` (--model-name)", 404, "model")
     for model in ({}, {"model": None}, {"model": ""}, {"model": "megatron_lite"}):
         assert client.post(path, json=dict(body, **model)).status_code == 200, model
     assert client.post(path, json=dict(body, model=3)).status_code == 400  # not a string: a bad request
@@ -131,8 +132,8 @@ def test_a_body_over_the_limit_is_a_json_413_naming_it(client):
     for path, method in (("/v1/completions", "post"), ("/api", "put")):
         answer = getattr(client, method)(path, data=big, content_type="application/json")
         assert answer.status_code == 413
-        assert answer.get_json() == {"message": f"the request body ({len(big)} bytes) is larger than the server's "
-                                                f"limit of {limit} bytes (32 MiB); send fewer or shorter "
-                                                "prompts per request"}
+        assert answer.get_json() == error_body(path, f"the request body ({len(big)} bytes) is larger than the "
+                                                     f"server's limit of {limit} bytes (32 MiB); send fewer or "
+                                                     "shorter prompts per request", 413)
     under = '{"prompt": "1", "max_tokens": 1, "user": "' + "x" * (limit - 100) + '"}'
     assert client.post("/v1/completions", data=under, content_type="application/json").status_code == 200
