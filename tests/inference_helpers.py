@@ -154,6 +154,20 @@ def served_gpt():
     return create_app(Runner(engine), tokenizer, chat_template=CHAT_TEMPLATE).test_client(), engine
 
 
+def openai_client(app):
+    """OpenAI's own Python client (skips without it) talking to the Flask ``app`` in-process, and
+    the ``openai`` module."""
+    import importlib
+
+    import pytest
+
+    openai = pytest.importorskip("openai")
+    # the HTTP library this client version is built on (httpx, or its fork httpx2), for its WSGI transport
+    httpx = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
+    return openai, openai.OpenAI(base_url="http://server/v1", api_key="none", max_retries=0,
+                                 http_client=httpx.Client(transport=httpx.WSGITransport(app=app)))
+
+
 def assert_json_close(got, want, where=""):
     """Equal JSON, floats within 1e-5 (fp32 log-probs whose attention sums ran in another order)."""
     if isinstance(want, float):

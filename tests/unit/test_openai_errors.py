@@ -4,6 +4,7 @@ no ``type`` or ``param`` in the error. Megatron's ``PUT /api`` keeps ``{"message
 
 import pytest
 
+from tests.inference_helpers import openai_client as openai_client_of
 from tests.inference_helpers import served_gpt
 
 pytest.importorskip("flask")
@@ -75,13 +76,7 @@ def test_megatrons_route_and_the_rest_keep_the_message_shape(client):
 
 @pytest.fixture
 def openai_client(client):
-    import importlib
-
-    openai = pytest.importorskip("openai")
-    # the HTTP library this client version is built on (httpx, or its fork httpx2), for its WSGI transport
-    httpx = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
-    return openai, openai.OpenAI(base_url="http://server/v1", api_key="none", max_retries=0,
-                                 http_client=httpx.Client(transport=httpx.WSGITransport(app=client.application)))
+    return openai_client_of(client.application)
 
 
 def test_openais_client_raises_our_message_and_field(openai_client):
