@@ -7,7 +7,7 @@ import pytest
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import Config
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training.batch_rampup import BatchSchedule, end_at_train_samples
+from megatron_lite.training.batch_rampup import BatchSchedule, data_config_for_resume, end_at_train_samples
 from megatron_lite.training.logging import TrainLogger
 from tests.cli_errors import parse_refused
 
@@ -82,6 +82,34 @@ def test_a_ramp_resumed_with_its_own_flags_keeps_its_count():
     for k in range(1, whole):
         end_at_train_samples(config, k, schedule.consumed_after(k))
         assert config.training.train_iters == whole
+
+
+def test_a_resume_at_a_smaller_batch_builds_the_training_set_for_the_samples_it_reads():
+    # saved after 4 iterations of 8 samples (32 consumed), resumed at --global-batch-size 4 for --train-iters 8:
+    # the 4 iterations left read samples 32..47, past the 8 x 4 = 32 --train-iters x --global-batch-size gives
+    config = parse_args(BASE + ["--train-iters", "8", "--global-batch-size", "4"], world_size=1)
+    data = data_config_for_resume(config, 4, 32)
+    assert data.training.train_samples == 32 + 4 * 4 and data.training.train_iters == 8
+    assert config.training.train_samples is None  # the run's own config is unchanged
+    assert data_config_for_resume(config, 4, 16) is config  # saved at this batch: nothing to change
+    assert data_config_for_resume(config, 0, 0) is config
+
+
+@pytest.mark.parametrize("iteration, consumed, iters", [
+    (4, 32, 4 + 8 // 2),  # saved at batch 8: the 8 samples left take 4 iterations of 2
+    (10, 20, 20),  # saved at this batch: --train-samples / --global-batch-size, as without a resume
+    (4, 40, 4),  # every sample trained: the run ends where it is
+    (0, 0, 20),  # a fresh run
+])
+def test_a_train_samples_run_resumed_at_another_batch_ends_with_its_samples(iteration, consumed, iters):
+    config = parse_args(BASE + ["--train-samples", "40", "--global-batch-size", "2"], world_size=1)
+    assert config.training.train_iters == 20
+    assert data_config_for_resume(config, iteration, consumed) is config
+    assert config.training.train_iters == iters
+    ramped = parse_args(BASE + ["--train-samples", "40", "--rampup-batch-size", "2", "2", "10"], world_size=1)
+    data_config_for_resume(ramped, 4, 32)
+    # 32 samples in 4 steps is not this run's ramp (14): it ends once the 8 samples left are trained at batch 8
+    assert ramped.training.train_iters == 4 + (40 - 32) // 8
 
 
 def test_start_equal_to_the_global_batch_is_a_constant_batch():

@@ -1,0 +1,60 @@
+"""More mutations for ``tests/mutations.py`` (``tests/mutation_list.py`` holds the format and the
+earlier ones): the most likely one-line bug in each behaviour added on 2026-11-29 (per-split data
+paths, --split strictness, resume data sizing, the aux-loss names exchange, --spec / MLA agreement,
+HF importers' sizes, the lost-peer save wording, HF export staging, the server's hostile inputs,
+merge_datasets' multimodal modes), each with the fastest tests that catch it."""
+
+from __future__ import annotations
+
+from mutation_list import Mutation  # tests/, the script's folder
+
+MUTATIONS = [
+    Mutation("per_split_valid_reads_train", "--valid-data-path / --test-data-path: every split reads --train-data-path",
+             "megatron_lite/data/builder.py", "for name, paths in zip(SPLIT_NAMES, per_split):",
+             "for name, paths in zip(SPLIT_NAMES, [per_split[0]] * 3):",
+             ("tests/unit/test_per_split_data_paths.py", "-k", "own_dataset or weighted_blend")),
+    Mutation("split_field_as_zero", "--split '98,2,x': a field that is not a number read as 0",
+             "megatron_lite/data/builder.py", "    except ValueError:\n        return None\n",
+             "    except ValueError:\n        return 0.0\n", ("tests/unit/test_data_builder.py", "-k", "split")),
+    Mutation("resume_data_not_resized", "resume at a smaller --global-batch-size: the training set not built for "
+             "the samples the rest of the run reads", "megatron_lite/training/batch_rampup.py",
+             "    if needed <= t.train_iters * t.global_batch_size:\n", "    if True:\n",
+             ("tests/unit/test_batch_rampup.py", "-k", "resume")),
+    Mutation("train_samples_end_from_start", "--train-samples resumed at another batch: iterations counted from "
+             "the start (reads past the samples)", "megatron_lite/training/batch_rampup.py",
+             "t.train_iters = iteration + max(0, t.train_samples - consumed) // t.global_batch_size",
+             "t.train_iters = t.train_samples // t.global_batch_size",
+             ("tests/unit/test_batch_rampup.py", "-k", "resume")),
+    Mutation("plugin_names_not_kept", "--spec aux losses: the exchanged names not kept (all_gather_object every step)",
+             "megatron_lite/moe/metrics.py", "names = _PLUGIN_NAMES[chunks[0]] = _all_names(local | set(names))",
+             "names = _all_names(local | set(names))", ("tests/unit/test_plugin_loss_values.py",)),
+    Mutation("spec_mla_flag_stock_layer", "--multi-latent-attention with a --spec layer of stock attention: taken",
+             "megatron_lite/models/spec_plugin.py", "    if model.multi_latent_attention and not all(is_mla):\n",
+             "    if False:\n", ("tests/unit/test_spec_plugin.py", "-k", "mla or latent")),
+    Mutation("hf_size_not_required", "HF import: a config.json without a size (heads, head_dim, experts) imported",
+             "megatron_lite/checkpoint/hf_defaults.py", "            raise KeyError(field)\n", "            pass\n",
+             ("tests/unit/test_hf_defaults.py", "-k", "size_config_json_leaves_out")),
+    Mutation("save_lost_renaming_as_renamed", "peer lost in a save's final step: rank 0 says the checkpoint is the "
+             "latest before it renamed it", "megatron_lite/checkpoint/save_lost.py", "    if progress.renamed:\n",
+             "    if progress.renaming:\n", ("tests/unit/test_save_lost_peer.py",)),
+    Mutation("hf_export_staged_beside", "HF export into an existing --save-dir: staged beside it (another disk "
+             "than a mount point), not inside", "megatron_lite/files.py",
+             'tmp = os.path.join(path, f"{STAGED}.tmp.{os.getpid()}")', 'tmp = f"{path}.tmp.{os.getpid()}"',
+             ("tests/unit/test_hf_export_staging.py",)),
+    Mutation("server_no_client_timeout", "server: a client that sends nothing holds the connection for ever",
+             "megatron_lite/inference/server.py", "        timeout = CLIENT_TIMEOUT_S", "        timeout = None",
+             ("tests/unit/test_server_hostile.py", "-k", "stalled")),
+    Mutation("request_nan_taken", "request number fields: NaN / Infinity pass the range checks",
+             "megatron_lite/inference/fields.py", "    if not math.isfinite(value):  # JSON's", "    if False:  # JSON's",
+             ("tests/unit/test_openai_fields.py", "tests/unit/test_api_megatron_fields.py", "-k", "nan or finite")),
+    Mutation("openai_eod_text_shown", "OpenAI answers (not streamed): the end-of-document token's text shown",
+             "megatron_lite/inference/detokenize.py",
+             'return continuation_text(tokenizer, without_end(result, getattr(tokenizer, "eod", None)))',
+             "return continuation_text(tokenizer, result)", ("tests/unit/test_openai_end_of_document.py",)),
+    Mutation("openai_stream_eod_text_shown", "OpenAI answers streamed: the end-of-document token's text sent",
+             "megatron_lite/inference/api_stream.py", "TextStream(tokenizer, p, job.stops, quiet_end=True)",
+             "TextStream(tokenizer, p, job.stops, quiet_end=False)", ("tests/unit/test_openai_end_of_document.py",)),
+    Mutation("merge_modes_dropped", "merge_datasets: the inputs' multimodal sequence modes not carried",
+             "megatron_lite/data/indexed_dataset.py", "            self.sequence_modes.extend(other.sequence_modes.tolist())\n",
+             "            pass\n", ("tests/unit/test_merge_datasets.py", "-k", "modes")),
+]
