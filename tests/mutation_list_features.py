@@ -37,10 +37,20 @@ MUTATIONS = [
     Mutation("save_lost_renaming_as_renamed", "peer lost in a save's final step: rank 0 says the checkpoint is the "
              "latest before it renamed it", "megatron_lite/checkpoint/save_lost.py", "    if progress.renamed:\n",
              "    if progress.renaming:\n", ("tests/unit/test_save_lost_peer.py",)),
+    # missed at first (test added with the entry):
+    Mutation("save_lost_rank0_unsure", "peer lost in the final step before rank 0's rename: rank 0 unsure "
+             "whether it renamed", "megatron_lite/checkpoint/save_lost.py", "    elif progress.renaming and rank != 0:\n",
+             "    elif progress.renaming:\n", ("tests/unit/test_save_lost_peer.py", "-k", "rank_0")),
+    Mutation("save_lost_tmp_note_always", "lost-peer line: '(the next save removes <tmp>)' for a folder not there",
+             "megatron_lite/checkpoint/save_lost.py", ' if os.path.isdir(tmp) else "")', ")",
+             ("tests/unit/test_save_lost_peer.py", "-k", "rank_0")),
     Mutation("hf_export_staged_beside", "HF export into an existing --save-dir: staged beside it (another disk "
              "than a mount point), not inside", "megatron_lite/files.py",
              'tmp = os.path.join(path, f"{STAGED}.tmp.{os.getpid()}")', 'tmp = f"{path}.tmp.{os.getpid()}"',
              ("tests/unit/test_hf_export_staging.py",)),
+    Mutation("hf_export_config_first", "HF export into an existing --save-dir: config.json moved in before the "
+             "weights (missed at first)", "megatron_lite/files.py", "key=lambda n: (n in last, n)",
+             "key=lambda n: (n not in last, n)", ("tests/unit/test_hf_export_staging.py", "-k", "replaced_folder")),
     Mutation("server_no_client_timeout", "server: a client that sends nothing holds the connection for ever",
              "megatron_lite/inference/server.py", "        timeout = CLIENT_TIMEOUT_S", "        timeout = None",
              ("tests/unit/test_server_hostile.py", "-k", "stalled")),

@@ -69,10 +69,13 @@ def test_an_export_failing_half_way_leaves_nothing_and_a_rerun_succeeds(source, 
     assert sum(n.endswith(".safetensors") for n in names) > 1
 
 
-def test_replaced_folder_removes_a_killed_writers_folder_and_keeps_files_already_there(tmp_path):
+def test_replaced_folder_removes_a_killed_writers_folder_and_keeps_files_already_there(tmp_path, monkeypatch):
     """An existing --save-dir (empty, or holding files that are not a model's) is written into, its
     files kept; the staging folder is made inside it, so a mount point (another disk than its parent)
-    never needs a rename across disks."""
+    never needs a rename across disks. config.json (``last``) is moved in after the weights: a reader
+    that finds it finds the whole model."""
+    replace, moved = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (moved.append(os.path.basename(dst)), replace(src, dst)))
     target, ended = tmp_path / "out", 2**22 + 12345  # no such process
     (tmp_path / f"out.tmp.{ended}").mkdir()
     (tmp_path / f"out.tmp.{ended}" / "model.safetensors").write_bytes(b"stale")
@@ -90,3 +93,4 @@ def test_replaced_folder_removes_a_killed_writers_folder_and_keeps_files_already
     assert sorted(os.listdir(tmp_path)) == ["out"]
     assert sorted(os.listdir(target)) == ["README.md", "a.safetensors", "adapter", "config.json"]
     assert sorted(os.listdir(target / "adapter")) == ["adapter_config.json", "notes.txt"]
+    assert moved == ["a.safetensors", "adapter_config.json", "config.json"]

@@ -76,6 +76,22 @@ def test_a_lost_peer_in_the_final_step_leaves_other_ranks_unsure():
         f"the ranks' collectives failed (RuntimeError: {timeout}) during the save of checkpoint iteration 5")
 
 
+def test_rank_0_knows_it_did_not_rename(tmp_path):
+    """Rank 0 lost a peer in the final step before its rename: it knows nothing was renamed (not unsure as
+    the other ranks), and names the temporary folder the next save removes only while it exists."""
+    def rename():
+        raise GLOO
+    progress = SaveProgress()
+    with pytest.raises(RuntimeError):
+        progress.final_step(rename)()
+    root, tmp = tmp_path / "ck", tmp_path / "ck" / ".tmp_iter_0000005"
+    head = f"a peer rank stopped (Connection reset by peer) during the save of checkpoint iteration 5 into {tmp}; "
+    stays = "nothing was renamed into place, the previous checkpoint stays the latest"
+    assert lost_peer_message(GLOO, str(root), 5, progress, rank=0) == head + stays
+    tmp.mkdir(parents=True)
+    assert lost_peer_message(GLOO, str(root), 5, progress, rank=0) == head + stays + f" (the next save removes {tmp})"
+
+
 def test_other_runtime_errors_pass_unchanged():
     with pytest.raises(RuntimeError, match="^a bug$"), peer_lost_as_error("/ck", 5, SaveProgress()):
         raise RuntimeError("a bug")
