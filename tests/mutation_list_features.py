@@ -13,6 +13,10 @@ MUTATIONS = [
              "megatron_lite/data/builder.py", "for name, paths in zip(SPLIT_NAMES, per_split):",
              "for name, paths in zip(SPLIT_NAMES, [per_split[0]] * 3):",
              ("tests/unit/test_per_split_data_paths.py", "-k", "own_dataset or weighted_blend")),
+    Mutation("per_split_tokenizer_names_data_path", "--train-data-path without --tokenizer-type: the line names "
+             "--data-path (missed at first)", "megatron_lite/config_checks.py",
+             "f\"{(per_split or ['--data-path'])[0]} needs --tokenizer-type", "f\"{'--data-path'} needs --tokenizer-type",
+             ("tests/unit/test_per_split_data_paths.py", "-k", "missing_tokenizer")),
     Mutation("split_field_as_zero", "--split '98,2,x': a field that is not a number read as 0",
              "megatron_lite/data/builder.py", "    except ValueError:\n        return None\n",
              "    except ValueError:\n        return 0.0\n", ("tests/unit/test_data_builder.py", "-k", "split")),

@@ -87,6 +87,11 @@ def test_bad_combinations_are_refused_in_one_line(capsys, argv, words):
     parse_refused(capsys, BASE + argv, *words)
 
 
+def test_a_missing_tokenizer_names_the_per_split_flag(capsys):
+    without = [a for a in BASE if a not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "500")]
+    parse_refused(capsys, without + ["--train-data-path", "b"], "--train-data-path needs --tokenizer-type")
+
+
 def test_pretrain_gpt_trains_on_the_train_path_and_validates_on_the_valid_path(tmp_path):
     """The training losses are --data-path A --split 100,0,0's; the validation loss is the valid set's:
     B's differs from A's (the same model at the same step, other data)."""
