@@ -10,7 +10,8 @@ variant is a different spec, not a change to the layer:
 * a new MLP or a mixture of experts: ``mlp`` - gets and returns ``[s(/tp), b, h]``;
 * a different attention block altogether (cross-attention, latent attention): ``self_attention``,
   called as ``factory(config, state, layer_number, core_attention=spec.core_attention)``;
-* norms: ``input_norm`` / ``pre_mlp_norm``.
+* norms: ``input_norm`` / ``pre_mlp_norm``; ``final_norm``, the norm after the last layer, is taken
+  from the last layer's spec (``factory(config, state, num_layers)``).
 
 A model passes either one spec for every layer or a function ``layer_number -> LayerSpec`` (for
 example a mixture of experts in every other layer). GEMM precision is not part of the spec: every
@@ -48,6 +49,7 @@ class LayerSpec:
     core_attention: Factory = DotProductAttention
     pre_mlp_norm: Factory = Norm.from_config
     mlp: Factory = MLP
+    final_norm: Factory = Norm.from_config  # read from the last layer's spec only
 
 
 def resolve_spec(spec, layer_number: int) -> LayerSpec:

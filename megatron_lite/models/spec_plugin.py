@@ -14,7 +14,8 @@ or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-
 layer whose self_attention is not MLASelfAttention, or MLASelfAttention without the flag, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
 keys, ``--qk-l2-norm`` or ``--add-qkv-bias`` with a layer whose block is not SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
-MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer).
+MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer,
+``--normalization RMSNorm`` or ``--apply-layernorm-1p`` with a norm of one's own).
 A factory counts as the class it builds when it is a ``functools.partial`` of it or sets
 ``__wrapped__`` to it (``functools.wraps``), as ``examples/research/int8_gemm.py`` does.
 """
@@ -27,6 +28,7 @@ import inspect
 from ..errors import ConfigError
 from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
+from .common import Norm
 from .mlp import MLP
 from .spec import LayerSpec, load_spec, resolve_spec, spec_flag
 
@@ -84,6 +86,25 @@ def _check_mlp_flags(model, specs: list[LayerSpec], flag: str) -> None:
         raise ConfigError(f"{flag}: {given[0]} is set but mlp {getattr(custom[0], '__name__', custom[0])} has its own "
                           "activation and does not apply it; subclass megatron_lite.models.mlp.MLP in the spec or drop "
                           f"{given[0]}")
+
+
+def _stock_norm(factory) -> bool:
+    """``factory`` builds the stock norm: ``Norm.from_config`` (the default), Norm or a subclass (or its from_config)."""
+    owner = getattr(_unwrap(factory), "__self__", None)  # a classmethod's class
+    return _is(factory, Norm) or (isinstance(owner, type) and issubclass(owner, Norm))
+
+
+def _check_norm_flags(model, specs: list[LayerSpec], flag: str) -> None:
+    """Refuse a norm flag when a norm of the spec (a layer's two, or the final one of the last layer's
+    spec) is one of the user's own: it would not read the flag."""
+    norms = [f for s in specs for f in (s.input_norm, s.pre_mlp_norm)] + [specs[-1].final_norm]
+    custom = [f for f in norms if not _stock_norm(f)]
+    given = [name for name, on in (("--normalization RMSNorm", model.normalization != "LayerNorm"),
+                                   ("--apply-layernorm-1p", model.apply_layernorm_1p)) if on]
+    if custom and given:
+        raise ConfigError(f"{flag}: {given[0]} is set but norm {getattr(_unwrap(custom[0]), '__name__', custom[0])} is "
+                          f"one of its own and does not apply it; subclass megatron_lite.models.common.Norm in the spec "
+                          f"or drop {given[0].split()[0]}")
 
 
 def _check_moe_layers(moe, specs: list[LayerSpec], flag: str) -> None:
@@ -172,6 +193,7 @@ def check_spec(config) -> None:
                               "attention.SelfAttention (the block that applies it); use it in the spec or drop the flag")
     _check_mla_layers(config.model, specs, flag)
     _check_mlp_flags(config.model, specs, flag)
+    _check_norm_flags(config.model, specs, flag)
     window = config.model.window_size
     plain = [s.core_attention for s in specs if not any(_is(s.core_attention, c) for c in (DotProductAttention,
                                                                                         ContextParallelAttention))]

@@ -27,7 +27,6 @@ from ..fusions.residual import bias_dropout_add
 from ..moe.layer import MoELayer
 from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules, run_discarding
-from .common import Norm
 from .spec import resolve_spec
 
 ATTN_MASK_TYPES = ("causal", "padding")
@@ -135,7 +134,9 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, state, i + 1, resolve_spec(spec, i + 1)) for i in range(layer_start, layer_end)
         )
-        self.final_norm = Norm.from_config(config) if post_process else None
+        # the norm after the last layer: the last layer's spec says which (a spec replacing the norms replaces it too)
+        last = config.num_layers
+        self.final_norm = resolve_spec(spec, last).final_norm(config, state, last) if post_process else None
 
     def _run(self, start: int, end: int, inference_context=None):
         """A function running local layers [start, end), for checkpoint (tensors as arguments)."""

@@ -285,6 +285,25 @@ def test_bidirectional_block_for_bert():
     assert outs["causal"] == 0 and outs["padding"] > 1e-4
 
 
+def test_final_norm_comes_from_the_last_layers_spec():
+    """A spec replacing the norms replaces the one after the last layer too: LayerSpec.final_norm of the
+    last layer's spec, called with the last layer's number (the other layers' final_norm is not read)."""
+    from megatron_lite.models import LayerSpec, TransformerBlock
+
+    cfg = transformer_config(make_config("A"), ParallelState(), seed=1)
+    calls = []
+
+    def scaled(config, state, layer_number):
+        calls.append(layer_number)
+        return torch.nn.Identity()
+
+    per_layer = lambda n: LayerSpec(final_norm=scaled) if n == cfg.num_layers else LayerSpec(final_norm=None)  # noqa: E731
+    block = TransformerBlock(cfg, ParallelState(), per_layer)
+    assert isinstance(block.final_norm, torch.nn.Identity) and calls == [cfg.num_layers]
+    assert TransformerBlock(cfg, ParallelState(), per_layer, post_process=False).final_norm is None
+    assert type(TransformerBlock(cfg, ParallelState(), LayerSpec()).final_norm).__name__ == "Norm"
+
+
 def test_bf16_close_to_fp32():
     cfg = make_config("B")
     tokens, labels = make_batch(6)

@@ -310,6 +310,47 @@ def test_an_activation_flag_with_a_custom_mlp_is_refused(capsys, flags):
     parse_args(TINY + flags + ["--spec", squared.replace("squared_relu", "sliding_window"), "spec"])
 
 
+OWN_NORM = '''
+import torch
+from megatron_lite.models.common import Norm
+from megatron_lite.models.spec import LayerSpec
+
+
+class Tanh(torch.nn.Module):
+    def __init__(self, config, state=None, layer_number=None):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class Scaled(Norm):
+    pass
+
+
+every = LayerSpec(input_norm=Tanh, pre_mlp_norm=Tanh, final_norm=Tanh)
+final_only = LayerSpec(final_norm=Tanh)
+subclass = LayerSpec(input_norm=Scaled.from_config, pre_mlp_norm=Scaled.from_config, final_norm=Scaled.from_config)
+'''
+
+
+@pytest.mark.parametrize("flags", [["--normalization", "RMSNorm"], ["--apply-layernorm-1p"]])
+def test_a_norm_flag_with_a_norm_of_ones_own_is_refused(capsys, tmp_path, flags):
+    """A norm of one's own (in a layer, or only the final one) does not read --normalization or
+    --apply-layernorm-1p: refused, not silently dropped; the stock Norm and its subclasses take them."""
+    path = tmp_path / "own_norm.py"
+    path.write_text(OWN_NORM)
+    for name in ("every", "final_only"):
+        with pytest.raises(SystemExit) as err:
+            parse_args(TINY + flags + ["--spec", str(path), name])
+        assert err.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        for w in ["--spec", flags[0], "Tanh", "megatron_lite.models.common.Norm"]:
+            assert w in line, line
+    parse_args(TINY + flags + ["--spec", str(path), "subclass"])
+    parse_args(TINY + ["--spec", str(path), "every"])  # the default --normalization LayerNorm: nothing dropped
+
+
 MOE_SPECS = '''
 from megatron_lite.models.spec import LayerSpec
 from megatron_lite.moe.layer import MoELayer
