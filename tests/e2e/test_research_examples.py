@@ -22,7 +22,7 @@ from tests.trajectory import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESEARCH = os.path.join(ROOT, "examples", "research")
-EXAMPLES = {"sliding_window": "spec", "squared_relu": "spec", "int8_gemm": "spec", "aux_loss": "spec"}
+EXAMPLES = {"sliding_window": "spec", "squared_relu": "spec", "int8_gemm": "spec", "aux_loss": "spec", "dyt": "spec"}
 ARGV = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--vocab-size", "123", "--make-vocab-size-divisible-by", "8", "--mock-data", "--attention-dropout", "0",
@@ -84,7 +84,7 @@ def test_a_spec_modules_aux_loss_is_logged_like_the_routers(runs):
 def test_each_example_changes_the_model(runs):
     single, _ = runs
     plain: Trajectory = single["plain"]
-    for name in ("sliding_window", "squared_relu"):
+    for name in ("sliding_window", "squared_relu", "dyt"):
         assert abs(single[name].losses[0] - plain.losses[0]) > 1e-4, name
     # int8: the same model within quantisation error at step 1, but not the same numbers
     int8, first = single["int8_gemm"].losses[0], plain.losses[0]
@@ -221,6 +221,27 @@ def test_squared_relu_is_the_formula():
     w1, b1, w2, b2 = mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias
     expected = torch.relu(x @ w1.T + b1) ** 2 @ w2.T + b2
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dyt_is_the_formula_and_replaces_every_norm():
+    """DyT fills both norms of every layer and, through the last layer's spec's final_norm, the norm
+    after the last layer; each computes weight * tanh(alpha * x) + bias with its parameters marked
+    sequence_parallel under --sequence-parallel (the TP2 + SP run above checks the gradients)."""
+    from megatron_lite.models import GPTModel
+    from megatron_lite.models.common import Norm
+
+    mod = example("dyt")
+    model = GPTModel(_config(), ParallelState(), spec=mod.spec)
+    assert not any(isinstance(m, Norm) for m in model.modules())
+    assert isinstance(model.decoder.final_norm, mod.DyT)
+    assert sum(isinstance(m, mod.DyT) for m in model.modules()) == 2 * 2 + 1
+    norm = model.decoder.final_norm
+    with torch.no_grad():
+        norm.alpha.fill_(0.7), norm.weight.uniform_(0.5, 1.5), norm.bias.uniform_(-0.1, 0.1)
+    x = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(norm(x), norm.weight * torch.tanh(0.7 * x) + norm.bias)
+    sp = mod.DyT(_config(sequence_parallel=True, tensor_model_parallel_size=2))
+    assert all(p.sequence_parallel for p in sp.parameters()) and not any(p.sequence_parallel for p in norm.parameters())
 
 
 def _int8_reference(x, w, block):
