@@ -238,13 +238,13 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
     lr_decay_style: str = "linear"
-    """Decay: constant, linear, cosine or WSD."""
+    """Decay: constant, linear, cosine, inverse-square-root (lr x sqrt(warmup / step) after warmup, not below min-lr) or WSD."""
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
     lr_decay_iters: int | None = None
     """Steps over which to decay (default train-iters)."""
     lr_wsd_decay_style: str = "exponential"
-    """WSD final decay shape: exponential, linear or cosine."""
+    """WSD final decay shape: exponential, linear, cosine or minus_sqrt (1 - sqrt of the decay's fraction)."""
     lr_wsd_decay_iters: int | None = None
     """Steps of the WSD final decay."""
     lr_warmup_samples: int = 0

@@ -291,7 +291,7 @@ def _check_lr_span(config: Config) -> None:
     warmup_flag, warmup = f"--lr-warmup-{unit}", getattr(o, f"lr_warmup_{unit}")
     if o.lr_warmup_fraction is not None:
         warmup_flag, warmup = "--lr-warmup-fraction x --lr-decay-" + unit, o.lr_warmup_fraction * decay
-    _require(o.lr_decay_style == "constant" or decay > warmup,
+    _require(o.lr_decay_style in ("constant", "inverse-square-root") or decay > warmup,
              f"--lr-decay-{unit} {decay} (default --train-{unit}) must exceed {warmup_flag} "
              f"{warmup} for --lr-decay-style {o.lr_decay_style}")
     if o.lr_decay_style == "WSD":

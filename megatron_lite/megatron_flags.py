@@ -42,10 +42,6 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
         "relative": ("relative position embeddings (T5) are not implemented", _SORTS),
         "none": ("a model without position embeddings is not built", _SORTS),
     },
-    "--lr-decay-style": {"inverse-square-root": ("this decay is not implemented",
-                                                 "use --lr-decay-style linear, cosine, constant or WSD")},
-    "--lr-wsd-decay-style": {"minus_sqrt": ("this WSD decay is not implemented",
-                                            "use --lr-wsd-decay-style exponential, linear or cosine")},
     "--ckpt-format": {v: ("only Megatron-LM's torch and torch_dist layouts are written", "use --ckpt-format "
                           "torch_dist (sharded, loads at any layout) or torch") for v in ("zarr", "torch_dcp",
                                                                                            "fsdp_dtensor")},

@@ -8,9 +8,11 @@ With ``n`` the number of steps taken, ``W`` ``--lr-warmup-iters``, ``D`` ``--lr-
 * past the decay (``n > D``): ``min_lr``;
 * ``linear``: ``min_lr + (lr - min_lr) * (1 - r)`` with ``r = (n - W) / (D - W)``;
 * ``cosine``: ``min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * r))``;
+* ``inverse-square-root``: ``max(min_lr, lr * sqrt(max(W, 1) / n))`` after warmup (``D`` not used);
 * ``WSD`` (warmup-stable-decay): ``lr`` until ``D - Dw`` (``Dw`` = ``--lr-wsd-decay-iters``),
   then with ``q = (n - (D - Dw)) / Dw`` the factor ``1 - q`` (linear),
-  ``0.5 * (1 + cos(pi * q))`` (cosine) or ``2 * 0.5**q - 1`` (exponential) between min_lr and lr.
+  ``0.5 * (1 + cos(pi * q))`` (cosine), ``2 * 0.5**q - 1`` (exponential) or ``1 - sqrt(q)``
+  (minus_sqrt) between min_lr and lr.
 
 With ``--train-samples`` the same formulas count samples: ``n`` grows by the global batch size per
 step and ``W``, ``D``, ``Dw`` are ``--lr-warmup-samples``, ``--lr-decay-samples`` (default
@@ -61,11 +63,11 @@ class OptimizerParamScheduler:
         self.warmup_steps = fraction * self.decay_steps if fraction is not None else int(warmup)
         self.wsd_style = config.lr_wsd_decay_style
         self.wsd_decay_steps = getattr(config, f"lr_wsd_decay_{unit}")
-        if self.style not in ("constant", "linear", "cosine", "WSD"):
-            raise ValueError(f"--lr-decay-style {self.style!r}: expected constant, linear, cosine or WSD")
+        if self.style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
+            raise ValueError(f"--lr-decay-style {self.style!r}: expected constant, linear, cosine, inverse-square-root or WSD")
         if self.min_lr > self.max_lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}")
-        if self.style != "constant" and self.decay_steps <= self.warmup_steps:
+        if self.style not in ("constant", "inverse-square-root") and self.decay_steps <= self.warmup_steps:
             raise ValueError(
                 f"--lr-decay-{unit} {self.decay_steps} must exceed --lr-warmup-{unit} {self.warmup_steps} "
                 f"for --lr-decay-style {self.style}"
@@ -76,8 +78,8 @@ class OptimizerParamScheduler:
                     f"--lr-decay-style WSD needs 0 < --lr-wsd-decay-{unit} <= --lr-decay-{unit} {self.decay_steps}, "
                     f"got {self.wsd_decay_steps}"
                 )
-            if self.wsd_style not in ("exponential", "linear", "cosine"):
-                raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear or cosine")
+            if self.wsd_style not in ("exponential", "linear", "cosine", "minus_sqrt"):
+                raise ValueError(f"--lr-wsd-decay-style {self.wsd_style!r}: expected exponential, linear, cosine or minus_sqrt")
         self.decoupled_lr = getattr(config, "decoupled_lr", None)
         self.decoupled_min_lr = None if self.decoupled_lr is None else float(
             config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr)
@@ -102,6 +104,8 @@ class OptimizerParamScheduler:
             return max_lr * n / self.warmup_steps
         if self.style == "constant":
             return max_lr
+        if self.style == "inverse-square-root":  # from the peak at the end of warmup, as 1 / sqrt(steps)
+            return max(min_lr, max_lr * math.sqrt(max(self.warmup_steps, 1) / max(n, 1)))
         if n > self.decay_steps:
             return min_lr
         if self.style == "WSD":
@@ -114,6 +118,8 @@ class OptimizerParamScheduler:
                     coeff = 1.0 - q
                 elif self.wsd_style == "cosine":
                     coeff = 0.5 * (math.cos(math.pi * q) + 1.0)
+                elif self.wsd_style == "minus_sqrt":
+                    coeff = 1.0 - math.sqrt(q)
                 else:
                     coeff = 2.0 * 0.5**q - 1.0
         else:

@@ -24,6 +24,8 @@ def _expected(style, n, wsd_style="exponential"):
         return LR * n / W
     if style == "constant":
         return LR
+    if style == "inverse-square-root":  # D plays no part: past it the decay goes on
+        return max(MIN_LR, LR * math.sqrt(W / n))
     if n > D:
         return MIN_LR
     if style == "WSD":
@@ -31,7 +33,8 @@ def _expected(style, n, wsd_style="exponential"):
         if n <= start:
             return LR
         q = (n - start) / DW
-        coeff = {"linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q)), "exponential": 2 * 0.5**q - 1}[wsd_style]
+        coeff = {"linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q)), "exponential": 2 * 0.5**q - 1,
+                 "minus_sqrt": 1 - math.sqrt(q)}[wsd_style]
         return MIN_LR + coeff * (LR - MIN_LR)
     r = (n - W) / (D - W)
     coeff = 1 - r if style == "linear" else 0.5 * (1 + math.cos(math.pi * r))
@@ -40,7 +43,8 @@ def _expected(style, n, wsd_style="exponential"):
 
 @pytest.mark.parametrize(
     "style, wsd_style",
-    [("constant", None), ("linear", None), ("cosine", None), ("WSD", "exponential"), ("WSD", "linear"), ("WSD", "cosine")],
+    [("constant", None), ("linear", None), ("cosine", None), ("WSD", "exponential"), ("WSD", "linear"), ("WSD", "cosine"),
+     ("WSD", "minus_sqrt"), ("inverse-square-root", None)],
 )
 def test_schedule_matches_formula_at_every_step(style, wsd_style):
     opt, sched = _sched(style, **({"lr_wsd_decay_style": wsd_style} if wsd_style else {}))
@@ -160,3 +164,31 @@ def test_the_last_warmup_step_is_the_peak_even_when_the_wsd_anneal_started_earli
     assert sched.get_lr() == pytest.approx(LR, rel=1e-12)
     sched.step()
     assert sched.get_lr() == pytest.approx(MIN_LR + (1 - 6 / 15) * (LR - MIN_LR), rel=1e-12)
+
+
+def test_inverse_square_root_megatron_choices():
+    """Megatron-LM's --lr-decay-style inverse-square-root and --lr-wsd-decay-style minus_sqrt were refused
+    as not built: the peak at the end of warmup, 1/sqrt(steps) after it (lr/2 at 4 W, min-lr as a floor,
+    no warmup counts as 1 step); WSD's minus_sqrt is 1 - sqrt(q) over its decay. The flags parse, and an
+    inverse-square-root run needs no --lr-decay-iters above the warmup."""
+    from megatron_lite.arguments import parse_args
+
+    _, inv = _sched("inverse-square-root")
+    inv.step(4 * W)
+    assert inv.get_lr() == pytest.approx(LR / 2)
+    inv.step(10**6)
+    assert inv.get_lr() == MIN_LR
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cfg = OptimizerConfig(lr=LR, min_lr=0.0, lr_decay_style="inverse-square-root", lr_warmup_iters=0, lr_decay_iters=0)
+    sched = OptimizerParamScheduler(opt, cfg, train_iters=1000)
+    assert sched.get_lr() == LR and sched.step(8) == pytest.approx(LR / math.sqrt(8))
+    _, wsd = _sched("WSD", lr_wsd_decay_style="minus_sqrt")
+    wsd.step(D - DW + DW // 4)
+    assert wsd.get_lr() == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR))
+    tiny = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "10"]
+    config = parse_args(tiny + ["--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "10"], world_size=1)
+    assert config.optim.lr_decay_style == "inverse-square-root"
+    config = parse_args(tiny + ["--lr-decay-style", "WSD", "--lr-wsd-decay-style", "minus_sqrt", "--lr-wsd-decay-iters", "5"],
+                        world_size=1)
+    assert config.optim.lr_wsd_decay_style == "minus_sqrt"
