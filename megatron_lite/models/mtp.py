@@ -16,7 +16,9 @@ roll, the last ``k`` positions of depth ``k`` hold token 0 and loss-mask 0.
 
 ``transformer_layer`` is built from the last decoder layer's spec (MLA / MoE / dense alike) with
 global layer number ``num_layers + k`` (it seeds its weights; an MoE router logs its losses under
-that layer). Parameters (Megatron's names: ``mtp.layers.{k-1}.{enorm,hnorm,eh_proj,transformer_layer,
+that layer). The norms follow the same spec: ``enorm`` and ``hnorm`` are its ``input_norm``,
+``final_layernorm`` its ``final_norm`` (each ``factory(config, state, num_layers + k)``), so a spec
+replacing the norms (``examples/research/dyt.py``) replaces MTP's too. Parameters (Megatron's names: ``mtp.layers.{k-1}.{enorm,hnorm,eh_proj,transformer_layer,
 final_layernorm}``): ``enorm`` / ``hnorm`` / ``final_layernorm`` replicated over TP (summed over TP
 under sequence parallelism), ``eh_proj.weight [h, 2h]`` column-parallel (rows split over TP, no
 bias); its output is all-gathered over TP (and scattered back to the sequence shard under SP).
@@ -33,7 +35,7 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.random import checkpoint
-from .common import Norm, column_linear
+from .common import column_linear
 from .spec import resolve_spec
 from .transformer import TransformerLayer
 
@@ -62,12 +64,13 @@ class MultiTokenPredictionLayer(nn.Module):
         super().__init__()
         layer_number = config.num_layers + depth
         self.tp_group, self.sequence_parallel = state.tp_group, config.sequence_parallel
-        self.enorm = Norm.from_config(config)
-        self.hnorm = Norm.from_config(config)
+        # the norms follow the spec: enorm / hnorm are input norms, final_layernorm the norm before the output
+        self.enorm = spec.input_norm(config, state, layer_number)
+        self.hnorm = spec.input_norm(config, state, layer_number)
         self.eh_proj = column_linear(config, state, layer_number, config.hidden_size, "mtp.eh_proj",
                                      input_size=2 * config.hidden_size, bias=False)
         self.transformer_layer = TransformerLayer(config, state, layer_number, spec)
-        self.final_layernorm = Norm.from_config(config)
+        self.final_layernorm = spec.final_norm(config, state, layer_number)
         self.recompute = config.recompute_granularity == "full"
         self.tracker = state.rng_tracker
 

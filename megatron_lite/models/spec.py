@@ -11,7 +11,8 @@ variant is a different spec, not a change to the layer:
 * a different attention block altogether (cross-attention, latent attention): ``self_attention``,
   called as ``factory(config, state, layer_number, core_attention=spec.core_attention)``;
 * norms: ``input_norm`` / ``pre_mlp_norm``; ``final_norm``, the norm after the last layer, is taken
-  from the last layer's spec (``factory(config, state, num_layers)``).
+  from the last layer's spec (``factory(config, state, num_layers)``); so are the multi-token prediction
+  depths' norms (``enorm`` / ``hnorm``: ``input_norm``, ``final_layernorm``: ``final_norm``).
 
 A model passes either one spec for every layer or a function ``layer_number -> LayerSpec`` (for
 example a mixture of experts in every other layer). GEMM precision is not part of the spec: every

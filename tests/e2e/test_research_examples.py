@@ -244,6 +244,20 @@ def test_dyt_is_the_formula_and_replaces_every_norm():
     assert all(p.sequence_parallel for p in sp.parameters()) and not any(p.sequence_parallel for p in norm.parameters())
 
 
+def test_dyt_replaces_the_multi_token_prediction_norms_too():
+    """With --mtp-num-layers the MTP depth's enorm, hnorm and final_layernorm follow the spec too (they
+    were a hard-coded LayerNorm): no stock Norm is left anywhere in the model."""
+    from megatron_lite.models import GPTModel
+    from megatron_lite.models.common import Norm
+
+    mod = example("dyt")
+    model = GPTModel(_config(mtp_num_layers=1, position_embedding_type="rope"), ParallelState(), spec=mod.spec)
+    assert [type(m).__name__ for m in model.modules() if isinstance(m, Norm)] == []
+    depth = model.mtp.layers[0]
+    assert all(isinstance(n, mod.DyT) for n in (depth.enorm, depth.hnorm, depth.final_layernorm))
+    assert sum(isinstance(m, mod.DyT) for m in model.modules()) == 2 * 2 + 1 + 2 + 3  # layers, final, MTP's layer + 3
+
+
 def _int8_reference(x, w, block):
     """An int8 round trip with real int8 tensors: per-block integer products, scaled back."""
     def quant(t):

@@ -304,6 +304,31 @@ def test_final_norm_comes_from_the_last_layers_spec():
     assert type(TransformerBlock(cfg, ParallelState(), LayerSpec()).final_norm).__name__ == "Norm"
 
 
+def test_mtp_norms_come_from_the_spec():
+    """The multi-token prediction depths' norms follow the last layer's spec like the decoder's: enorm and
+    hnorm are its input_norm, final_layernorm its final_norm, each built with the depth's layer number
+    num_layers + k (they were Norm.from_config whatever the spec). The default spec keeps the stock Norm."""
+    from megatron_lite.models import LayerSpec
+
+    cfg = transformer_config(make_config("A", position_embedding_type="rope", mtp_num_layers=2), ParallelState(), seed=1)
+    calls = []
+
+    def tagged(kind):
+        def factory(config, state, layer_number):
+            calls.append((kind, layer_number))
+            return torch.nn.Identity()
+        return factory
+
+    spec = LayerSpec(input_norm=tagged("input"), pre_mlp_norm=tagged("pre_mlp"), final_norm=tagged("final"))
+    model = GPTModel(cfg, ParallelState(), spec=spec)
+    for k, depth in enumerate(model.mtp.layers, start=1):
+        assert all(isinstance(n, torch.nn.Identity) for n in (depth.enorm, depth.hnorm, depth.final_layernorm))
+        n = cfg.num_layers + k
+        assert [c for c in calls if c[1] == n] == [("input", n), ("input", n), ("input", n), ("pre_mlp", n), ("final", n)]
+    stock = GPTModel(cfg, ParallelState()).mtp.layers[0]
+    assert {type(m).__name__ for m in (stock.enorm, stock.hnorm, stock.final_layernorm)} == {"Norm"}
+
+
 def test_bf16_close_to_fp32():
     cfg = make_config("B")
     tokens, labels = make_batch(6)
