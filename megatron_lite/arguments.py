@@ -177,10 +177,12 @@ def config_from_namespace(ns: argparse.Namespace, cls=Config, extra_sections: di
 
 
 def parse_args(argv=None, description: str = "", world_size: int | None = None, extra_sections=None,
-               checks=None) -> Config:
+               checks=None, data_from_script: bool = False) -> Config:
     """Parse and validate flags for ``world_size`` processes (default: torchrun's WORLD_SIZE, else 1);
     on a user error print one line and exit with code 2. ``checks(config)`` (optional): the script's
-    own flag rules, raising ConfigError; run here so that MEGATRON_LITE_CHECK_ARGS=1 applies them too."""
+    own flag rules, raising ConfigError; run here so that MEGATRON_LITE_CHECK_ARGS=1 applies them too.
+    ``data_from_script``: the script's own datasets provider brings the data, so neither ``--data-path``
+    nor ``--mock-data`` is asked for (the vocabulary still comes from ``--vocab-size`` or a tokenizer)."""
     parser = build_parser(description, extra_sections)
     ns = parser.parse_args(argv)
     config = config_from_namespace(ns, extra_sections=extra_sections)
@@ -191,7 +193,7 @@ def parse_args(argv=None, description: str = "", world_size: int | None = None, 
             _take_checkpoint_args(config, sys.argv[1:] if argv is None else list(argv))
         if checks is not None:  # first: the script's refusals (GPT-only flags) name its fix, not the generic one
             checks(config)
-        finalize(config, world_size)
+        finalize(config, world_size, data_from_script=data_from_script)
     except ConfigError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if os.environ.get(CHECK_ARGS_ENV, "0") not in ("", "0"):

@@ -27,9 +27,10 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def finalize(config: Config, world_size: int = 1) -> Config:
+def finalize(config: Config, world_size: int = 1, data_from_script: bool = False) -> Config:
     """Fill derived values and check the combination for ``world_size`` processes; raises
-    ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``."""
+    ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``.
+    ``data_from_script``: a script's own datasets provider brings the data (no data flag is asked for)."""
     from .moe.config import expert_grid_tp
     from .parallel.state import ParallelConfigError, RankGrid
 
@@ -57,7 +58,7 @@ def finalize(config: Config, world_size: int = 1) -> Config:
     _check_sgd_momentum(config)
     _check_schedule(config)
     _check_profile(config)
-    _check_data_and_checkpoint(config)
+    _check_data_and_checkpoint(config, data_from_script)
     check_distributed_flags(config)  # --distributed-backend, --distributed-timeout-minutes, --deterministic-mode
     check_logging_flags(config.logging, config.checkpoint.save)
     return config
@@ -334,7 +335,7 @@ def _check_profile(config: Config) -> None:
     check_profile_flags(config.logging, config.world_size, gpu_visible(), t.train_iters, length)
 
 
-def _check_data_and_checkpoint(config: Config) -> None:
+def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -> None:
     d, t, cp = config.data, config.training, config.checkpoint
     if d.tokenizer_type == "NullTokenizer":
         _require(config.model.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
@@ -348,7 +349,11 @@ def _check_data_and_checkpoint(config: Config) -> None:
         _require(d.train_data_path is not None, f"{'/'.join(per_split)} need --train-data-path (the training set)")
         _require(not d.sft, f"{'/'.join(per_split)}: --sft reads its conversations from --data-path (split by "
                  "--split); give them there")
-    if not d.mock_data:
+    if data_from_script and not d.mock_data:  # the script's provider reads (or makes) the data itself
+        _require(d.tokenizer_type is not None or config.model.vocab_size is not None,
+                 "this script's datasets provider brings the data; give --vocab-size (or --tokenizer-type and its "
+                 "files) for the model's vocabulary")
+    elif not d.mock_data:
         _require(d.data_path is not None or per_split, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, f"{(per_split or ['--data-path'])[0]} needs --tokenizer-type (and its "
                  "vocab/model files)")

@@ -329,3 +329,29 @@ def test_int8_gemm_refuses_a_precision_recipe_in_one_line(capsys):
     assert err.value.code == 2
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if "int8" in line]
     assert len(lines) == 1 and "--fp8-format" in lines[0] and "Traceback" not in lines[0], lines
+
+
+def test_a_script_with_its_own_dataset_needs_no_data_flag(capsys):
+    """examples/research/own_dataset.py parses its flags with data_from_script=True: it trains without
+    --data-path or --mock-data, from its own dataset (the counting pattern, checked item by item), while
+    pretrain_gpt.py still refuses a missing --data-path, and the script still asks for a vocabulary."""
+    from megatron_lite.arguments import parse_args
+
+    mod = example("own_dataset")
+    argv = [a for a in ARGV if a != "--mock-data"]
+    run = Trajectory.of(mod.main(argv))
+    assert len(run) == 6 and all(torch.isfinite(torch.tensor(run.losses)))
+    item = mod.CountingDataset(3, 16, 123, seed=7)[2]
+    assert (item["tokens"] == (item["tokens"][0] + torch.arange(16).numpy()) % 123).all()
+    assert (item["labels"][:-1] == item["tokens"][1:]).all() and item["loss_mask"].sum() == 16
+    assert parse_args(argv, data_from_script=True).data.data_path is None
+    at = argv.index("--vocab-size")
+    no_vocab = argv[:at] + argv[at + 2:]
+    for call, message in ((lambda: pretrain_gpt.main(argv), "give --data-path (or --mock-data for random tokens)"),
+                          (lambda: mod.main(no_vocab), "this script's datasets provider brings the data; give "
+                           "--vocab-size (or --tokenizer-type")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as err:
+            call()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert err.value.code == 2 and len(lines) == 1 and message in lines[0], lines
