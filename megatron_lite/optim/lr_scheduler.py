@@ -192,3 +192,10 @@ class OptimizerParamScheduler:
                 setattr(self, attr, sd[attr])
         self.num_steps = int(sd["num_steps"])
         self.step(0)
+
+
+def build_scheduler(config, optimizer) -> OptimizerParamScheduler:
+    """The flags' schedule for the whole ``Config``: ``pretrain``'s default ``scheduler_provider``
+    (a script passes its own to train with a schedule that is not a flag)."""
+    t = config.training
+    return OptimizerParamScheduler(optimizer, config.optim, t.train_iters, t.train_samples, t.global_batch_size)

@@ -34,6 +34,7 @@ from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
 from ..moe.metrics import finish_moe_step, moe_step_values, plugin_loss_values, set_aux_loss_backward_scale
 from ..optim import OptimizerParamScheduler, build_optimizer
+from ..optim.lr_scheduler import build_scheduler
 from ..parallel.data_parallel import finalize_model_grads
 from ..parallel.fsdp import wrap_for_data_parallel
 from ..parallel.pipeline import PipeComm, get_forward_backward_func
@@ -187,10 +188,10 @@ class _Built(NamedTuple):
     consumed_samples: int
 
 
-def _build(config: Config, state: ParallelState, device, model_provider) -> _Built:
+def _build(config: Config, state: ParallelState, device, model_provider, scheduler_provider=build_scheduler) -> _Built:
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
-    t, ck = config.training, config.checkpoint
+    ck = config.checkpoint
     chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
     if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
         compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
@@ -198,7 +199,7 @@ def _build(config: Config, state: ParallelState, device, model_provider) -> _Bui
                      "one compiled forward; the loss's pieces compile too")
     chunks = [wrap_for_data_parallel(chunk, state, config.parallel) for chunk in chunks]
     optimizer = build_optimizer(config, chunks, state)
-    scheduler = OptimizerParamScheduler(optimizer, config.optim, t.train_iters, t.train_samples, t.global_batch_size)
+    scheduler = scheduler_provider(config, optimizer)
     iteration, consumed = 0, 0
     if ck.load or ck.pretrained_checkpoint:
         iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
@@ -377,11 +378,16 @@ class _Training:
                 self.validate(record=False)
 
 
-def pretrain(config: Config, model_provider, forward_step_func, datasets_provider) -> TrainResult:
+def pretrain(config: Config, model_provider, forward_step_func, datasets_provider,
+             scheduler_provider=build_scheduler) -> TrainResult:
     """Train ``model_provider(config, state)`` (a list of model chunks) as the flags say.
 
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
+    ``scheduler_provider(config, optimizer)`` returns the learning-rate schedule (default: the flags',
+    :func:`build_scheduler`): an object with ``step(increment)``, ``get_lr()``, ``state_dict()`` and
+    ``load_state_dict(sd)``, saved and restored with checkpoints like the default one; a subclass of
+    ``OptimizerParamScheduler`` overriding ``get_lr`` is the simplest.
     """
     check_train_iters(config)  # the command line's refusal, for a Config made or changed in code
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
@@ -390,7 +396,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
         check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
         with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
             state, device = setup(config)
-            built = _build(config, state, device, model_provider)
+            built = _build(config, state, device, model_provider, scheduler_provider)
             t = config.training  # validation resumes where an uninterrupted run's would be
             consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval,
                                                     t.eval_iters)
