@@ -34,7 +34,7 @@ MUTATIONS = [
              "names = _all_names(local | set(names))", ("tests/unit/test_plugin_loss_values.py",)),
     Mutation("spec_mla_flag_stock_layer", "--multi-latent-attention with a --spec layer of stock attention: taken",
              "megatron_lite/models/spec_plugin.py", "    if model.multi_latent_attention and not all(is_mla):\n",
-             "    if False:\n", ("tests/unit/test_spec_plugin.py", "-k", "mla or latent")),
+             "    if False:\n", ("tests/unit/test_spec_flag_agreement.py", "-k", "latent")),
     Mutation("hf_size_not_required", "HF import: a config.json without a size (heads, head_dim, experts) imported",
              "megatron_lite/checkpoint/hf_defaults.py", "            raise KeyError(field)\n", "            pass\n",
              ("tests/unit/test_hf_defaults.py", "-k", "size_config_json_leaves_out")),
