@@ -217,15 +217,33 @@ class InFlight:
             self.count -= 1
 
     def __call__(self, environ, start_response):
-        from werkzeug.wsgi import ClosingIterator
-
         with self._lock:
             self.count += 1
         try:
-            return ClosingIterator(self.app(environ, start_response), self._done)
+            return _Counted(self.app(environ, start_response), self._done)
         except BaseException:
             self._done()
             raise
+
+
+class _Counted:
+    """A response iterable whose ``close`` always calls ``done``, even when the app's own close raises
+    (werkzeug's ClosingIterator skips the callbacks after one that raises: a request whose teardown
+    failed, e.g. on a client's timed-out socket, stayed counted and the server never stopped)."""
+
+    def __init__(self, iterable, done):
+        self.iterable, self.done = iterable, done
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.iterable, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.done()
 
 
 def make_server(app, host: str, port: int, threaded: bool = False):

@@ -64,7 +64,8 @@ def test_a_stalled_client_neither_blocks_others_nor_keeps_the_server_from_stoppi
             assert answer.status == 200
         stop.request()
         thread.join(timeout=10)
-        assert not thread.is_alive()  # stopped while both stalled clients still hold their sockets
+        assert not thread.is_alive(), (  # stopped while both stalled clients still hold their sockets
+            f"in flight {getattr(http.in_flight, 'count', None)}, busy {getattr(runner, 'busy', None)}")
     finally:
         stop.request()
         idle.close()
@@ -137,3 +138,21 @@ def test_a_body_over_the_limit_is_a_json_413_naming_it(client):
                                                      "shorter prompts per request", 413)
     under = '{"prompt": "1", "max_tokens": 1, "user": "' + "x" * (limit - 100) + '"}'
     assert client.post("/v1/completions", data=under, content_type="application/json").status_code == 200
+
+
+def test_a_response_whose_close_raises_is_still_counted_out():
+    """The batching server does not stop while InFlight counts a request. werkzeug's ClosingIterator
+    skipped the count's callback when the app's own close raised first (a teardown failing on a client's
+    timed-out socket), so that request stayed counted and SIGTERM never took effect."""
+    from megatron_lite.inference.server import InFlight
+
+    class Failing(list):
+        def close(self):
+            raise TimeoutError("timed out")
+
+    counted = InFlight(lambda environ, start_response: Failing([b"x"]))
+    answer = counted({}, None)
+    assert counted.count == 1 and list(answer) == [b"x"]
+    with pytest.raises(TimeoutError):
+        answer.close()
+    assert counted.count == 0
