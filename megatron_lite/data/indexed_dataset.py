@@ -29,6 +29,8 @@ from array import array
 
 import numpy as np
 
+from .input_paths import folder_not_prefix
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 sequence count + 8 document count
@@ -87,9 +89,7 @@ class IndexedDataset:
         self.path_prefix, self.mmap_bin = path_prefix, mmap_bin
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         if os.path.isdir(path_prefix):  # "data/" for "data/corpus_text_document": say so, and list the pairs
-            from .input_paths import folder_not_prefix  # (it imports this module)
-
-            raise folder_not_prefix(path_prefix)
+            raise DataFileError(folder_not_prefix(path_prefix))
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 stem, suffix = os.path.splitext(path_prefix)

@@ -1,29 +1,28 @@
 """What a data tool says when a path it reads is a folder or an unexpanded pattern, not the file (or
 the ``.bin``/``.idx`` prefix) it takes: one line naming the path, what it is, and what to give instead.
-Shared by tools/preprocess_data.py, tools/preprocess_sft.py and ``--data-path``."""
+Shared by tools/preprocess_data.py, tools/preprocess_sft.py and ``--data-path``; the callers raise the
+line as their DataFileError (this module imports no dataset code)."""
 
 from __future__ import annotations
 
 import glob
 import os
 
-from megatron_lite.data.indexed_dataset import DataFileError
-
 SHOWN = 3  # prefixes listed when a folder of datasets is given
 
 
-def not_an_input_file(path: str, flag: str = "--input", parquet: bool = True) -> DataFileError:
+def not_an_input_file(path: str, flag: str = "--input", parquet: bool = True) -> str:
     """Why ``path`` (not a file) cannot be ``flag``, which takes one JSONL file (``parquet``: or a
     folder of .parquet files), and how to join shards instead."""
     one_file = (f"{flag} takes one JSONL file{' (or a folder of .parquet files)' if parquet else ''}: concatenate "
                 "the shards (cat a.jsonl b.jsonl > all.jsonl) or preprocess each and join them with "
                 "tools/merge_datasets.py")
     if os.path.isdir(path):
-        return DataFileError(f"{path}: a folder{' without .parquet files' if parquet else ''}; {one_file}")
+        return f"{path}: a folder{' without .parquet files' if parquet else ''}; {one_file}"
     matches = glob.glob(path) if glob.has_magic(path) else []
     if matches:
-        return DataFileError(f"{path}: a pattern ({len(matches)} matches; patterns are not expanded); {one_file}")
-    return DataFileError(f"{path}: input file not found ({flag})")
+        return f"{path}: a pattern ({len(matches)} matches; patterns are not expanded); {one_file}"
+    return f"{path}: input file not found ({flag})"
 
 
 def prefixes_in(folder: str) -> list[str]:
@@ -36,10 +35,10 @@ def prefixes_in(folder: str) -> list[str]:
 PAIR = "the prefix of a .bin/.idx pair (PREFIX for PREFIX.bin and PREFIX.idx)"
 
 
-def folder_not_prefix(folder: str, takes: str = PAIR) -> DataFileError:
+def folder_not_prefix(folder: str, takes: str = PAIR) -> str:
     """``folder`` given where a dataset prefix is read (``--data-path``): it is a folder, the path
     ``takes`` is wanted, and the prefixes of the pairs inside (a few)."""
     found = prefixes_in(folder)
     more = f" (and {len(found) - SHOWN} more)" if len(found) > SHOWN else ""
     inside = f"the pairs inside: {' '.join(found[:SHOWN])}{more}" if found else "it holds no .bin/.idx pair"
-    return DataFileError(f"{folder}: a folder, not {takes}; {inside}")
+    return f"{folder}: a folder, not {takes}; {inside}"

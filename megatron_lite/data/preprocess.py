@@ -188,7 +188,7 @@ def encode_chunk(chunk):
 # -- main side ---------------------------------------------------------------------------------------
 def _open(path: str):
     if not os.path.isfile(path):
-        raise not_an_input_file(path)
+        raise DataFileError(not_an_input_file(path))
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb", buffering=1 << 20)
 
 
@@ -325,7 +325,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
         raise ValueError("--workers and --partitions must be at least 1")
     parquet = is_parquet_input(cfg.input)
     if not (parquet or os.path.isfile(cfg.input)):
-        raise not_an_input_file(cfg.input)
+        raise DataFileError(not_an_input_file(cfg.input))
     init_worker(cfg)  # in this process too: validates the tokenizer files before any work
     if cfg.append_eod and _worker["tokenizer"].eod is None:
         raise ValueError(f"--append-eod: tokenizer {cfg.tokenizer['tokenizer_type']} has no EOD token")

@@ -83,9 +83,9 @@ def open_jsonl(path: str, flag: str = "--data-path"):
     """``path`` opened for reading bytes (``.gz`` decompressed)."""
     if not os.path.isfile(path):
         if flag == "--input":  # tools/preprocess_sft.py: a folder of shards, a quoted glob
-            raise not_an_input_file(path, flag, parquet=False)
+            raise DataFileError(not_an_input_file(path, flag, parquet=False))
         if os.path.isdir(path):
-            raise folder_not_prefix(path, f"a JSONL file nor {PAIR}")
+            raise DataFileError(folder_not_prefix(path, f"a JSONL file nor {PAIR}"))
         raise DataFileError(f"{path}: file not found ({flag})")
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
