@@ -37,6 +37,7 @@ from megatron_lite.parallel.context import split_for_cp
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.parallel.tensor import all_reduce_sequence_parallel_grads, shard
 from megatron_lite.precision.fp8 import fp8_gemms, update_fp8_scales
+from tests.distributed.test_fp8_folded_experts import _run
 from tests.distributed.test_gpt_model import _full
 from tests.harness import cached_state, run_ranks
 from tests.model_helpers import transformer_config
@@ -149,14 +150,6 @@ def _moe_config(recipe, **parallel):
     return moe_config(hidden_size=H_MOE, num_attention_heads=4, moe_ffn_hidden_size=32, num_experts=4, swiglu=True,
                       init_method_std=0.05, fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=2, fp8_amax_compute_algo="max",
                       moe_grouped_gemm=True, **parallel)
-
-
-def _run(layer, x, dy):
-    layer.zero_grad()
-    x = x.clone().requires_grad_()
-    out = layer(x)
-    out.backward(dy)
-    return out.detach(), x.grad
 
 
 # CP2 x TP2 + SP with experts split over TP (the unfolded grid: expert_amax = tp_cp); CP2 x TP2 + SP
