@@ -79,20 +79,25 @@ def test_the_async_writer_reports_any_exception_once_and_never_finalizes(tmp_pat
     _only_iteration_1(tmp_path, cfg, state)
 
 
+def _peer_gone_at_agreement(monkeypatch, n: int) -> None:
+    """dist_save.agree fails as a lost peer's collective does on its ``n``-th call of the save."""
+    real, calls = dist_save.agree, []
+
+    def peer_gone(error, group=None):
+        calls.append(error)
+        if len(calls) == n:
+            raise RuntimeError("Connection closed by peer")
+        return real(error, group)
+
+    monkeypatch.setattr(dist_save, "agree", peer_gone)
+
+
 def test_an_async_save_whose_ranks_cannot_agree_removes_its_temporary_folder(tmp_path, monkeypatch, capsys):
     """A peer killed (SIGKILL) while the writers agree: the agreement fails at once (its connection
     closed) and nothing will ever rename the folder; rank 0 kept it until a later save of that
     iteration. Now it removes it (after a finalize there is nothing left to remove)."""
     cfg, state, model, sched = _torch_dist(tmp_path)
-    real, calls = dist_save.agree, []
-
-    def peer_gone(error, group=None):
-        calls.append(error)
-        if len(calls) == 2:  # the agreement after every rank's write (the first is in write_pieces)
-            raise RuntimeError("Connection closed by peer")
-        return real(error, group)
-
-    monkeypatch.setattr(dist_save, "agree", peer_gone)
+    _peer_gone_at_agreement(monkeypatch, 2)  # the agreement after every rank's write (the first is in write_pieces)
     saves = dist_save.AsyncSaves()
     save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
     saves.wait()
@@ -108,15 +113,7 @@ def test_an_async_save_whose_peer_is_lost_after_the_rename_says_it_landed(tmp_pa
     words are those of every save that lost a peer now (save_lost.lost_during_save): the new one is the
     latest."""
     cfg, state, model, sched = _torch_dist(tmp_path)
-    real, calls = dist_save.agree, []
-
-    def peer_gone(error, group=None):
-        calls.append(error)
-        if len(calls) == 3:  # in write_pieces, after every rank's write, after the finalize
-            raise RuntimeError("Connection closed by peer")
-        return real(error, group)
-
-    monkeypatch.setattr(dist_save, "agree", peer_gone)
+    _peer_gone_at_agreement(monkeypatch, 3)  # in write_pieces, after every rank's write, after the finalize
     saves = dist_save.AsyncSaves()
     save_checkpoint(2, [model], None, sched, 8, cfg, state, async_saves=saves)
     saves.wait()
