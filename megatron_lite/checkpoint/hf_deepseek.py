@@ -66,6 +66,7 @@ from ..errors import ConfigError
 from ..moe.config import parse_moe_layer_freq
 from .hf import _base_config, _require, pick_style, warn_unwritten
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
+from .hf_defaults import require_fields
 from .hf_mixtral import SEQ, expert_matrices, stack_experts
 from .hf_unused import strip_prefix
 
@@ -260,19 +261,12 @@ def _routing_from_hf(hf: dict) -> dict:
     _require(not grouped or topk // kept == 2, f"num_experts_per_tok {topk} / topk_group {kept} != 2 cannot be "
              "expressed (a group scores the sum of its top 2 there, of its top topk / group-topk here)")
     scale = float(hf.get("routed_scaling_factor", 1.0))
-    _need(hf, MOE_SIZES)
+    require_fields(hf, MOE_SIZES)
     return dict(num_experts=hf["n_routed_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
                 moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_num_groups=groups if grouped else None, moe_router_group_topk=kept if grouped else None,
                 moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_router_dtype="fp32",
                 moe_shared_expert_intermediate_size=(hf["n_shared_experts"] or 0) * hf["moe_intermediate_size"] or None)
-
-
-def _need(hf: dict, fields: tuple) -> None:
-    """A KeyError (``load_hf``: one line naming the field) for the first of ``fields`` config.json leaves out."""
-    missing = [field for field in fields if field not in hf]  # q_lora_rank may be null (no query compression)
-    if missing:
-        raise KeyError(missing[0])
 
 
 def _deepseek_config(hf: dict, mtp: int) -> tuple[dict, int]:
@@ -357,7 +351,7 @@ def from_deepseek(hf: dict, hf_sd: dict, grouped: bool = False) -> tuple[dict, d
     """(flat config, single-process unpadded state dict) of a DeepSeek-V3 config and tensors; the
     experts in the sequential layout, or stacked for ``--moe-grouped-gemm`` when ``grouped``."""
     hf = {**HF_DEFAULTS, **hf}
-    _need(hf, SIZES)
+    require_fields(hf, SIZES)
     t = strip_prefix(hf_sd, "model.")
     mtp = _mtp_present(hf, t)
     cfg, first_dense = _deepseek_config(hf, mtp)

@@ -40,11 +40,17 @@ HF_SIZES = {  # per model_type: the fields a config.json must hold (the weights'
 ALIASES = {("qwen3_moe", "num_experts"): "num_local_experts"}  # the Hub's name; transformers 5 writes the other
 
 
-def require_sizes(hf: dict, kind: str) -> None:
-    """A KeyError naming the first size of the ``kind`` (model_type) table that ``hf`` leaves out."""
-    for field in HF_SIZES.get(kind, ()):
+def require_fields(hf: dict, fields, kind: str | None = None) -> None:
+    """A KeyError (``load_hf``: one line naming the field) for the first of ``fields`` that ``hf`` leaves
+    out (a field present with the value null counts as given: DeepSeek's q_lora_rank)."""
+    for field in fields:
         if field not in hf and ALIASES.get((kind, field)) not in hf:
             raise KeyError(field)
+
+
+def require_sizes(hf: dict, kind: str) -> None:
+    """A KeyError naming the first size of the ``kind`` (model_type) table that ``hf`` leaves out."""
+    require_fields(hf, HF_SIZES.get(kind, ()), kind)
 
 
 def with_hf_defaults(hf: dict, kind: str) -> dict:
