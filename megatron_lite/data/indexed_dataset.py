@@ -1,20 +1,10 @@
 """Megatron's memory-mapped token files: ``<prefix>.bin`` (tokens) + ``<prefix>.idx`` (index).
 
-The byte layout is Megatron-LM's "MMIDIDX" version 1, so datasets move both ways:
-
-    .idx  magic b"MMIDIDX\\x00\\x00" | uint64 version=1 | uint8 dtype code | uint64 S | uint64 D
-          | int32[S] sequence lengths | int64[S] byte pointers into .bin | int64[D] document indices
-          | (optional int8[S] sequence modes, written by multimodal builders: ``sequence_modes``)
-    .bin  the token arrays of every sequence, concatenated, no header.
-
-All integers are little-endian.  ``document_indices`` are sequence-index boundaries: document ``d``
-owns sequences ``document_indices[d] : document_indices[d + 1]``; they start with 0 and (for a
-finished dataset) end with S.
+The byte layout is Megatron-LM's "MMIDIDX" version 1 (``idx_format.py``), so datasets move both ways.
 
 ``IndexedDataset`` reads a pair without loading it (np.memmap; with ``mmap_bin=False``,
 ``--no-mmap-bin-files``, the .bin by seek and read per sequence instead), after checking every header field
-and that the fields agree (each pointer is the previous one plus that sequence's length times the
-token size, the last sequence ends exactly at the end of the .bin), so a truncated, foreign or
+and that the fields agree (``idx_format.read_index`` and ``check_pointers``), so a truncated, foreign or
 byte-flipped file is one clear ``DataFileError`` instead of misaligned tokens later.  ``IndexedDatasetBuilder`` writes a pair under
 temporary names and renames both into place only in ``finalize()``: an interrupted write never
 leaves a half-written dataset behind.
@@ -23,34 +13,15 @@ leaves a half-written dataset behind.
 from __future__ import annotations
 
 import os
-import struct
 import tempfile
 from array import array
 
 import numpy as np
 
+from .idx_format import DataFileError, check_pointers, dtype_code, read_index, write_index
 from .input_paths import folder_not_prefix
 
-MAGIC = b"MMIDIDX\x00\x00"
-VERSION = 1
-HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype code + 8 sequence count + 8 document count
-
-DTYPE_CODES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
-
 _COPY_CHUNK = 16 * 1024 * 1024  # bytes per read when appending another dataset's .bin
-
-
-class DataFileError(ValueError):
-    """A data file is missing, truncated or not what it claims to be (a user error, not a bug)."""
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -58,16 +29,6 @@ def best_dtype(vocab_size: int) -> np.dtype:
     if vocab_size is not None and vocab_size < 65500:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
-
-
-def dtype_code(dtype) -> int:
-    """The .idx code of a numpy dtype; DataFileError if Megatron's format has no code for it."""
-    dtype = np.dtype(dtype)
-    for code, candidate in DTYPE_CODES.items():
-        if np.dtype(candidate) == dtype:
-            return code
-    raise DataFileError(f"dtype {dtype} cannot be stored in a .bin/.idx dataset "
-                        f"(supported: {', '.join(np.dtype(t).name for t in DTYPE_CODES.values())})")
 
 
 def data_file_path(prefix: str) -> str:
@@ -98,7 +59,10 @@ class IndexedDataset:
                                         f"the prefix without {suffix}: {stem!r}")
                 raise DataFileError(f"{path}: file not found (expected a Megatron .bin/.idx pair "
                                     f"with prefix {path_prefix!r})")
-        self._read_index(idx_path, bin_path)
+        index = read_index(idx_path)
+        self.dtype, self._idx = index.dtype, index.mapping
+        self.sequence_lengths, self.sequence_pointers = index.sequence_lengths, index.sequence_pointers
+        self.document_indices, self.sequence_modes = index.document_indices, index.sequence_modes
         bin_size = os.path.getsize(bin_path)
         # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
         # --no-mmap-bin-files: no mapping; each read seeks and reads its bytes (see get)
@@ -107,7 +71,7 @@ class IndexedDataset:
         else:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")
         self._bin_path = bin_path
-        self._check_pointers(bin_path, bin_size)
+        check_pointers(idx_path, bin_path, bin_size, index)
 
     def __getstate__(self):
         # Pickle by path (e.g. to DataLoader workers under "spawn"): the receiver maps the files again.
@@ -115,96 +79,6 @@ class IndexedDataset:
 
     def __setstate__(self, state):
         self.__init__(state["path_prefix"], state.get("mmap_bin", True))
-
-    # -- index parsing and validation ------------------------------------------------------------
-    def _read_index(self, idx_path: str, bin_path: str) -> None:
-        idx_size = os.path.getsize(idx_path)
-        with open(idx_path, "rb") as f:
-            header = f.read(HEADER_SIZE)
-        if len(header) < 9 and MAGIC.startswith(header):
-            raise DataFileError(f"{idx_path}: truncated header ({idx_size} bytes, need {HEADER_SIZE})")
-        if header[:9] != MAGIC:
-            raise DataFileError(f"{idx_path}: not a Megatron MMIDIDX index (bad magic bytes "
-                                f"{header[:9]!r}; expected {MAGIC!r})")
-        if len(header) < HEADER_SIZE:
-            raise DataFileError(f"{idx_path}: truncated header ({idx_size} bytes, need {HEADER_SIZE})")
-        (version,) = struct.unpack("<Q", header[9:17])
-        if version != VERSION:
-            raise DataFileError(f"{idx_path}: unsupported index version {version} (only version 1)")
-        code = header[17]
-        if code not in DTYPE_CODES:
-            raise DataFileError(f"{idx_path}: unknown dtype code {code} (valid codes: "
-                                f"{sorted(DTYPE_CODES)})")
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        num_seq, num_doc_idx = struct.unpack("<QQ", header[18:34])
-        expected = HEADER_SIZE + num_seq * 4 + num_seq * 8 + num_doc_idx * 8
-        # Multimodal builders append one int8 mode per sequence (sequence_modes; None without them)
-        if idx_size not in (expected, expected + num_seq):
-            raise DataFileError(f"{idx_path}: size {idx_size} bytes does not match its header "
-                                f"({num_seq} sequences, {num_doc_idx} document indices need {expected} "
-                                f"bytes); the file is truncated or corrupt")
-        if num_doc_idx < 1:
-            raise DataFileError(f"{idx_path}: document index is empty (must start with 0)")
-        self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_size else None
-        off = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(self._idx, dtype="<i4", count=num_seq, offset=off)
-        off += num_seq * 4
-        self.sequence_pointers = np.frombuffer(self._idx, dtype="<i8", count=num_seq, offset=off)
-        off += num_seq * 8
-        self.document_indices = np.frombuffer(self._idx, dtype="<i8", count=num_doc_idx, offset=off)
-        has_modes = num_seq > 0 and idx_size == expected + num_seq
-        self.sequence_modes = np.frombuffer(self._idx, dtype="i1", count=num_seq,
-                                            offset=off + num_doc_idx * 8) if has_modes else None
-        docs = self.document_indices
-        if docs[0] != 0 or np.any(np.diff(docs) < 0) or docs[-1] > num_seq:
-            raise DataFileError(f"{idx_path}: document indices must rise from 0 to at most the "
-                                f"{num_seq} sequences; the index is corrupt")
-
-    def _check_pointers(self, bin_path: str, bin_size: int) -> None:
-        """The index's fields must agree with each other and with the .bin, checked vectorised at open:
-        sequences are packed back to back from byte 0 (each pointer is the previous one plus that
-        sequence's length times the token size: one cumulative sum), they fit in the .bin, the .bin
-        size fits the dtype code, and not every sequence is empty. A byte flip in any field of the
-        index fails one of these, instead of training on misaligned tokens."""
-        idx_path = index_file_path(self.path_prefix)
-        lengths = self.sequence_lengths
-        if len(lengths) == 0:
-            if bin_size:
-                raise DataFileError(f"{bin_path}: {bin_size} bytes, but its index {idx_path} describes no sequence; "
-                                    f"the .bin belongs to another .idx or the index is truncated")
-            return
-        pointers = self.sequence_pointers
-        if lengths.min() < 0 or pointers.min() < 0:
-            raise DataFileError(f"{idx_path}: negative sequence length or pointer; the index is corrupt")
-        sizes = lengths.astype(np.int64) * self.dtype.itemsize
-        ends = np.cumsum(sizes)
-        starts = ends - sizes
-        wrong = np.flatnonzero(pointers != starts)
-        if wrong.size:
-            lengths64 = lengths.astype(np.int64)
-            for size in sorted({np.dtype(t).itemsize for t in DTYPE_CODES.values()} - {self.dtype.itemsize}):
-                if np.array_equal(np.cumsum(lengths64 * size) - lengths64 * size, pointers):
-                    raise DataFileError(f"{idx_path}: dtype code says {self.dtype.name} ({self.dtype.itemsize} "
-                                        f"bytes per token), but the pointers step by {size} bytes per token; "
-                                        f"the index is corrupt")
-            bad = int(wrong[0])
-            raise DataFileError(f"{idx_path}: sequence {bad} starts at byte {int(pointers[bad])}, but the sequence "
-                                f"lengths put it at byte {int(starts[bad])}; the index is corrupt")
-        end = int(ends[-1])
-        if end == 0:
-            raise DataFileError(f"{idx_path}: all {len(lengths)} sequences have length 0; the index is corrupt")
-        if bin_size < end:
-            bad = int(np.argmax(ends > bin_size))
-            raise DataFileError(f"{bin_path}: {bin_size} bytes, but sequence {bad} of the index ends at "
-                                f"byte {int(ends[bad])}; the .bin is truncated or belongs to another .idx")
-        if bin_size > end:
-            tokens = end // self.dtype.itemsize
-            if any(tokens * np.dtype(t).itemsize == bin_size for t in DTYPE_CODES.values()):
-                raise DataFileError(f"{idx_path}: dtype code says {self.dtype.name}, but the .bin size "
-                                    f"{bin_size} fits {tokens} tokens of {bin_size // tokens} bytes; the index "
-                                    f"is corrupt")
-            raise DataFileError(f"{bin_path}: {bin_size} bytes, but the index describes {end}; the .bin "
-                                f"belongs to another .idx or the index's lengths are damaged")
 
     # -- access ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -258,7 +132,7 @@ class IndexedDatasetBuilder:
     def __init__(self, path_prefix: str, dtype=np.int32):
         self.path_prefix = path_prefix
         self.dtype = np.dtype(dtype)
-        self._code = dtype_code(self.dtype)
+        dtype_code(self.dtype)  # a dtype the format has no code for is refused before anything is written
         directory = os.path.dirname(os.path.abspath(path_prefix))
         os.makedirs(directory, exist_ok=True)
         base = os.path.basename(path_prefix)
@@ -355,26 +229,14 @@ class IndexedDatasetBuilder:
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise DataFileError(f"{self.path_prefix}: a sequence longer than 2^31-1 tokens cannot be "
                                 f"stored in the .idx format")
-        pointers = np.zeros(lengths.size, dtype="<i8")
-        if lengths.size > 1:
-            np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        if self.sequence_modes is not None and len(self.sequence_modes) != lengths.size:
+            raise DataFileError(f"{self.path_prefix}: {lengths.size - len(self.sequence_modes)} sequences "
+                                "were added without a multimodal mode beside datasets that have them")
         directory = os.path.dirname(os.path.abspath(self.path_prefix))
         fd, self._tmp_idx = tempfile.mkstemp(prefix=f".{os.path.basename(self.path_prefix)}.",
                                              suffix=".idx.tmp", dir=directory)
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", self._code))
-            f.write(struct.pack("<Q", lengths.size))
-            f.write(struct.pack("<Q", len(self.document_indices)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.frombuffer(self.document_indices, dtype=np.int64).astype("<i8").tobytes())
-            if self.sequence_modes is not None:  # Megatron's multimodal modes, one int8 per sequence
-                if len(self.sequence_modes) != lengths.size:
-                    raise DataFileError(f"{self.path_prefix}: {lengths.size - len(self.sequence_modes)} sequences "
-                                        "were added without a multimodal mode beside datasets that have them")
-                f.write(np.frombuffer(self.sequence_modes, dtype=np.int8).tobytes())
+            write_index(f, self.dtype, lengths, self.document_indices, self.sequence_modes)
         # mkstemp creates files readable only by the owner; give them normal permissions.
         umask = os.umask(0)
         os.umask(umask)
