@@ -82,7 +82,8 @@ def build_ours(shape: dict, dropout: float, extra=()):
     import pretrain_gpt
     from megatron_lite.arguments import parse_args
     from megatron_lite.fusions.compile import configure_compilation
-    from megatron_lite.training.loop import _build, pipe_comm, setup, train_step
+    from megatron_lite.training.loop import _build, setup
+    from megatron_lite.training.step import pipe_comm, train_step
 
     config = parse_args(ours_argv(shape, dropout, extra), world_size=1)
     tokenizer = pretrain_gpt.build_tokenizer_for(config)

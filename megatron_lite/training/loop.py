@@ -3,7 +3,7 @@
 ``pretrain(config, model_provider, forward_step_func, datasets_provider)`` does, in order:
 initialise distributed and the parallel state, seed the RNGs, build the model chunks (wrapped for
 data parallelism), the optimizer and the learning-rate schedule, load a checkpoint, build the data
-iterators at the consumed-samples position, then train: one ``train_step`` per iteration (all
+iterators at the consumed-samples position, then train: one ``train_step`` (``step.py``) per iteration (all
 micro-batches through the pipeline schedule, gradient finalisation, one optimizer step), logging,
 evaluation, checkpointing and the exit conditions (SIGTERM, duration, interval).
 """
@@ -27,32 +27,29 @@ from ..config import Config
 from ..config_checks import check_train_iters
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
-from ..device import empty_unused_memory, get_device
+from ..device import get_device
 from ..distributed_flags import deterministic_mode
 from ..errors import rank_local_errors
 from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
-from ..moe.metrics import finish_moe_step, moe_step_values, plugin_loss_values, set_aux_loss_backward_scale
+from ..moe.metrics import moe_step_values, plugin_loss_values
 from ..optim import OptimizerParamScheduler, build_optimizer
 from ..optim.lr_scheduler import build_scheduler
-from ..parallel.data_parallel import finalize_model_grads
 from ..parallel.fsdp import wrap_for_data_parallel
-from ..parallel.pipeline import PipeComm, get_forward_backward_func
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
-from ..precision.fp8 import update_fp8_scales
-from .batch_rampup import StepBatches, data_config_for_resume, num_microbatches, validation_batch
+from .batch_rampup import StepBatches, data_config_for_resume, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
 from .outputs import check_output_locations, interrupted_note
-from .per_token_loss import aux_loss_scale, evaluation_losses, reduce_reported, scale_grads_by_tokens
 from .profiler import StepProfiler
 from .progress import ProgressLog
 from .startup import setup
+from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
 from .timers import Timers
 from .writers import check_wandb_available
@@ -101,83 +98,6 @@ def _any_rank(*flags: bool) -> list[bool]:
     t = torch.tensor([1.0 if f else 0.0 for f in flags], device=get_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
-
-
-def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
-    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype,
-    ``s`` being the tokens of a sample held by one rank (the sequence split over context parallelism).
-
-    Built once per run; every schedule call (training and evaluation) takes it.
-    """
-    local_seq_length = config.model.seq_length // config.parallel.context_parallel_size
-    return PipeComm.for_activations(
-        state, seq_length=local_seq_length, micro_batch_size=config.training.micro_batch_size,
-        hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
-        sequence_parallel=config.parallel.sequence_parallel,
-    )
-
-
-def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
-               microbatches=None):
-    """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
-
-    ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
-    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
-    """
-    state, m = comm.state, microbatches or num_microbatches(config)
-    timers = timers or Timers(0, get_device())
-    optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
-    moe = bool(config.moe.num_experts)
-    # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
-    set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
-    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-    with timers.phase("forward-backward"):
-        reported = forward_backward(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=chunks,
-            num_microbatches=m,
-            comm=comm,
-            forward_only=False,
-            grad_scale_func=optimizer.scale_loss,
-            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-        )
-    empty_unused_memory(config.training.empty_unused_memory_level, 1)
-    if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
-        update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
-                          expert_data_parallel_group=state.expert_dp_group)
-    with timers.phase("all-grads-sync"):
-        finalize_model_grads(chunks, state)
-        scale_grads_by_tokens(config, chunks, state, getattr(reported, "num_tokens", 0))  # --calculate-per-token-loss
-    if moe:
-        finish_moe_step(chunks)  # expert-bias update from this step's token counts
-    with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
-        ok, grad_norm = optimizer.step()
-    empty_unused_memory(config.training.empty_unused_memory_level, 2)
-    with timers.phase("lr-scheduler"):
-        if ok:
-            scheduler.step(1)
-    timers.iterations += 1
-    return reduce_reported(reported, state), ok, grad_norm
-
-
-def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str, float]:
-    """Forward-only passes over ``eval_iters`` global batches; mean reported losses."""
-    state = comm.state
-    for chunk in chunks:
-        chunk.eval()
-    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-    per_iteration = []  # each iteration's reported losses
-    with torch.no_grad():
-        for _ in range(config.training.eval_iters):
-            per_iteration.append(forward_backward(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
-                num_microbatches=num_microbatches(config), comm=comm, forward_only=True,
-            ))
-            empty_unused_memory(config.training.empty_unused_memory_level, 1)
-    for chunk in chunks:
-        chunk.train()
-    return evaluation_losses(per_iteration, state)
 
 
 class _Built(NamedTuple):

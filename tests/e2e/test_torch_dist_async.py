@@ -7,7 +7,7 @@ import os
 import threading
 
 import megatron_lite.checkpoint.dist_save as dist_save
-import megatron_lite.training.loop as loop
+import megatron_lite.training.step as step
 import pretrain_gpt
 from megatron_lite.checkpoint import merge_checkpoint, read_tracker
 from megatron_lite.checkpoint.dist_read import merge_dist_optimizer, read_index
@@ -23,7 +23,7 @@ def test_async_save_overlaps_training_and_writes_what_a_sync_save_writes(tmp_pat
     run = MODEL + ["--save-interval", "2"] + DIST
     pretrain_gpt.main(_argv(sync, 4, run + ["--exit-interval", "2"]))
     steps, trackers = {"n": 0}, []
-    finalize_grads, write = loop.finalize_model_grads, dist_save.write_pieces
+    finalize_grads, write = step.finalize_model_grads, dist_save.write_pieces
     released = threading.Event()
 
     def counting(*args, **kwargs):
@@ -37,7 +37,7 @@ def test_async_save_overlaps_training_and_writes_what_a_sync_save_writes(tmp_pat
         assert released.wait(60)  # iterations 3 and 4 run while the save of iteration 2 is in flight
         write(pieces, folder, group)
 
-    monkeypatch.setattr(loop, "finalize_model_grads", counting)
+    monkeypatch.setattr(step, "finalize_model_grads", counting)
     monkeypatch.setattr(dist_save, "write_pieces", late_write)
     pretrain_gpt.main(_argv(asyn, 4, run + ["--async-save"]))
     assert trackers[2:4] == [None, None]  # not finalized while being written

@@ -10,8 +10,8 @@ import torch
 
 import pretrain_gpt
 from megatron_lite.arguments import parse_args
-from megatron_lite.training.loop import evaluate
 from megatron_lite.training.per_token_loss import aux_loss_scale, reduce_reported
+from megatron_lite.training.step import evaluate
 from tests.cli_errors import refused_line
 
 STATE = SimpleNamespace(pp_size=1, pp_rank=0, vpp_size=None, dp_group=None, dp_cp_group=None, dp_size=1, cp_size=1)
