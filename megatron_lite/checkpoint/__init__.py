@@ -1,10 +1,9 @@
 """Checkpoints: the on-disk format (format.py), training save/resume (training.py), merging any
 TP x PP x EP layout into one single-process model for tools (merge.py), writing any layout
 (reshard.py, reshard_optim.py, layout.py), Hugging Face formats (hf.py, hf_mixtral.py, hf_bert.py,
-hf_io.py), the converter's loader/saver plugins (convert.py), and the sharded ``torch_dist`` format
+hf_io.py; a whole Hugging Face folder read or written: hf_folder.py), the converter's loader/saver plugins (convert.py), and the sharded ``torch_dist`` format
 that loads at any layout (boxes.py, dist.py, dist_read.py, dist_save.py)."""
 
-from .convert import load_hf, save_hf
 from .format import (
     FORMAT_VERSION,
     MODEL_FILENAME,
@@ -19,6 +18,7 @@ from .format import (
     read_tracker,
     rng_file,
 )
+from .hf_folder import load_hf, save_hf
 from .merge import load_bert_checkpoint, load_gpt_checkpoint, merge_checkpoint, model_config_from_saved
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron
 from .rng import get_rng_states

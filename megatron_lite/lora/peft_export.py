@@ -1,6 +1,6 @@
 """Export LoRA adapters as a Hugging Face PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-The adapter belongs next to the Hugging Face export of its base (:func:`~megatron_lite.checkpoint.convert.save_hf`):
+The adapter belongs next to the Hugging Face export of its base (:func:`~megatron_lite.checkpoint.hf_folder.save_hf`):
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)`` then computes what
 the LoRA model computed. PEFT's scale is ``lora_alpha / r`` like ours, so the weights need no rescaling.
 Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lora_B.weight``

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from megatron_lite.checkpoint.convert import load_hf
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_folder import load_hf
 
 transformers = pytest.importorskip("transformers")
 

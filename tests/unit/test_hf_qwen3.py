@@ -178,8 +178,8 @@ def test_training_only_moe_options_without_a_field_are_named_in_a_warning(tmp_pa
 def test_hidden_dropout_of_the_dense_llama_formats_is_named_in_a_warning(tmp_path, caplog):
     """--hidden-dropout has no field in the llama family's formats: one warning, naming the format asked for
     (qwen3 is written through the llama export); --attention-dropout is attention_dropout; none at 0."""
-    from megatron_lite.checkpoint.convert import load_hf
     from megatron_lite.checkpoint.hf import to_hf
+    from megatron_lite.checkpoint.hf_folder import load_hf
 
     qwen3().save_pretrained(str(tmp_path / "hf"))
     bundle = load_hf(str(tmp_path / "hf"))
@@ -200,7 +200,7 @@ def test_hidden_dropout_of_the_dense_llama_formats_is_named_in_a_warning(tmp_pat
 
 def _qwen3_moe_import(tmp_path, capsys):
     """(flat config, single-process unpadded state dict) of a 3-layer qwen3_moe import (layer 1 dense)."""
-    from megatron_lite.checkpoint.convert import load_hf
+    from megatron_lite.checkpoint.hf_folder import load_hf
 
     qwen3_moe().save_pretrained(str(tmp_path / "hf"))
     bundle = load_hf(str(tmp_path / "hf"))

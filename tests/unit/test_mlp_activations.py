@@ -215,7 +215,7 @@ def test_flags_parse_into_the_model_section():
                                          ("softmax_type", "learnable"), ("softmax_type", "off-by-one")])
 def test_hugging_face_export_is_refused(flag, value, tmp_path):
     """No family the converter writes computes these; the export stops before writing anything."""
-    from megatron_lite.checkpoint.convert import save_hf
+    from megatron_lite.checkpoint.hf_folder import save_hf
     from megatron_lite.checkpoint.reshard import ModelBundle
     from megatron_lite.config import ModelConfig
     from megatron_lite.errors import ConfigError
@@ -231,7 +231,7 @@ def test_hugging_face_export_is_refused(flag, value, tmp_path):
 def test_yarn_export_is_refused_where_the_format_would_drop_it(style, tmp_path):
     """--rope-type yarn on standard attention: the llama-style writers know only llama3 / linear scaling and
     wrote plain RoPE (transformers' log-probs then differed); only gpt_oss and deepseek_v3 write YaRN."""
-    from megatron_lite.checkpoint.convert import save_hf
+    from megatron_lite.checkpoint.hf_folder import save_hf
     from megatron_lite.checkpoint.reshard import ModelBundle
     from megatron_lite.config import ModelConfig
     from megatron_lite.errors import ConfigError
