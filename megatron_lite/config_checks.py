@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import DEFAULT_TRAIN_ITERS, DERIVED_FLAGS, SECTIONS, Config
+from .arch_flags import DERIVED_FLAGS
+from .config import DEFAULT_TRAIN_ITERS, SECTIONS, Config
 from .distributed_flags import check_distributed_flags
 from .errors import ConfigError
 from .fusions.config import check_fusion_flags

@@ -1,17 +1,18 @@
 """The model flags a checkpoint was saved with: resuming refuses other values, and
 ``--use-checkpoint-args`` takes them from the checkpoint.
 
-The flags are listed once, in :data:`megatron_lite.config.ARCHITECTURE_FLAGS`. Those that decide
+The flags are listed once, in :data:`megatron_lite.arch_flags.ARCHITECTURE_FLAGS`. Those that decide
 parameter shapes would fail the load anyway (the message names them); the others (``--openai-gelu``,
 ``--rotary-base``, ``--norm-epsilon``, the router's top-k, ...) keep every shape, so without this
 check a resumed run would silently go on as another model. A weights-only load (``--finetune``,
-``--pretrained-checkpoint``) checks only :data:`~megatron_lite.config.SHAPE_FLAGS`: there a change
+``--pretrained-checkpoint``) checks only :data:`~megatron_lite.arch_flags.SHAPE_FLAGS`: there a change
 of the others can be deliberate.
 """
 
 from __future__ import annotations
 
-from ..config import ARCHITECTURE_FLAGS, DERIVED_FLAGS, SECTIONS, SHAPE_FLAGS
+from ..arch_flags import ARCHITECTURE_FLAGS, DERIVED_FLAGS, SHAPE_FLAGS
+from ..config import SECTIONS
 from ..fusions.config import tanh_gelu
 from .format import (
     ARCH_FIELDS,

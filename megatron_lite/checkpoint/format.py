@@ -25,7 +25,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..config import ARCHITECTURE_FLAGS
+from ..arch_flags import ARCHITECTURE_FLAGS
 from ..errors import raised_on_every_rank
 from ..files import replaced_whole
 

@@ -17,7 +17,7 @@ master weights are refreshed from the loaded weights).
   checkpoint once; for large models prefer ``torch_dist``.
 
 The vocabulary padding may differ (it depends on the TP size): the rows of the real vocabulary are
-kept. The model flags that decide shapes must match the checkpoint's (config.SHAPE_FLAGS; the others
+kept. The model flags that decide shapes must match the checkpoint's (arch_flags.SHAPE_FLAGS; the others
 may change on purpose); a missing tensor, an extra one or a wrong shape is one :class:`CheckpointError`. ``missing_ok(name)`` lets a model
 hold tensors the checkpoint has not (e.g. adapters added for fine-tuning keep their own init).
 A Hugging Face model is imported first with ``tools/checkpoint/convert.py``.

@@ -1,5 +1,5 @@
 """Resuming refuses what would silently change the run: another value of a model flag that keeps
-every shape (--openai-gelu, --rotary-base, --norm-epsilon, ...; all of config.ARCHITECTURE_FLAGS)
+every shape (--openai-gelu, --rotary-base, --norm-epsilon, ...; all of arch_flags.ARCHITECTURE_FLAGS)
 unless --finetune, with --use-checkpoint-args taking them from the checkpoint; and another
 learning-rate schedule (a larger --train-iters) unless --override-opt_param-scheduler or
 --use-checkpoint-opt_param-scheduler says which to follow (Megatron-LM's rules)."""
@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 
 import pretrain_gpt
+from megatron_lite.arch_flags import ARCHITECTURE_FLAGS, SHAPE_FLAGS
 from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.checkpoint.arch import SHAPE_OF, check_architecture
-from megatron_lite.config import ARCHITECTURE_FLAGS, SECTIONS, SHAPE_FLAGS, Config
+from megatron_lite.config import SECTIONS, Config
 from tests.e2e.test_pretrain_gpt import MODEL, _argv, _one_line_exit_2
 from tests.trajectory import Trajectory, assert_same_trajectory
 
