@@ -33,7 +33,7 @@ def finalize(config: Config, world_size: int = 1, data_from_script: bool = False
     ConfigError naming the flag. The model's shape rules live in ``TransformerConfig``.
     ``data_from_script``: a script's own datasets provider brings the data (no data flag is asked for)."""
     from .moe.config import expert_grid_tp
-    from .parallel.state import ParallelConfigError, RankGrid
+    from .parallel.rank_grid import ParallelConfigError, RankGrid
 
     p = config.parallel
     # What no launch can run comes first (a feature not built, a shape that does not split), then

@@ -11,7 +11,7 @@ import pytest
 from megatron_lite.arguments import parse_args
 from megatron_lite.checkpoint.expert_files import check_expert_grid, model_file_for, writes_model_file
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.parallel.state import ParallelConfigError, RankGrid
+from megatron_lite.parallel.rank_grid import ParallelConfigError, RankGrid
 from tests.cli_errors import parse_refused
 
 

@@ -5,7 +5,7 @@ expert-DP x CP groups are cut the same way (expert_dp_shard, expert_dp_replicate
 
 import pytest
 
-from megatron_lite.parallel.state import ParallelConfigError, RankGrid
+from megatron_lite.parallel.rank_grid import ParallelConfigError, RankGrid
 
 
 def test_dp4_two_instances():

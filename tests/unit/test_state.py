@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_lite.parallel.state import ParallelConfigError, ParallelState, RankGrid
+from megatron_lite.parallel.rank_grid import ParallelConfigError, RankGrid
+from megatron_lite.parallel.state import ParallelState
 
 
 def _divisors(n):
