@@ -208,6 +208,6 @@ class StepBatches:
             training.save()
         self.nominal, self.microbatches = nominal, microbatches
         batch = self.schedule.batch(consumed)
-        if training.scheduler.unit == "samples":
-            training.scheduler.step_size = batch
+        if getattr(training.scheduler, "unit", None) == "samples":  # the flags' schedule under --train-samples;
+            training.scheduler.step_size = batch  # one of a script's own is stepped once per optimizer step
         return microbatches, batch

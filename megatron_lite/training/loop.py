@@ -29,7 +29,7 @@ from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
 from ..device import get_device
 from ..distributed_flags import deterministic_mode
-from ..errors import rank_local_errors
+from ..errors import ConfigError, rank_local_errors
 from ..lora.apply import lora_chunks
 from ..models.transformer import compile_layers
 from ..moe.metrics import moe_step_values, plugin_loss_values
@@ -108,6 +108,18 @@ class _Built(NamedTuple):
     consumed_samples: int
 
 
+SCHEDULER_METHODS = ("step", "get_lr", "state_dict", "load_state_dict")  # what the loop and checkpoints call
+
+
+def check_scheduler(scheduler) -> None:
+    """A ``scheduler_provider``'s schedule lacking a method the loop calls: one line naming them, before any step."""
+    missing = [name for name in SCHEDULER_METHODS if not callable(getattr(scheduler, name, None))]
+    if missing:
+        raise ConfigError(f"scheduler_provider returned a {type(scheduler).__name__} without {', '.join(missing)}: "
+                          f"pretrain's schedule needs {', '.join(SCHEDULER_METHODS)} (or subclass "
+                          "megatron_lite.optim.OptimizerParamScheduler)")
+
+
 def _build(config: Config, state: ParallelState, device, model_provider, scheduler_provider=build_scheduler) -> _Built:
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
@@ -120,6 +132,7 @@ def _build(config: Config, state: ParallelState, device, model_provider, schedul
     chunks = [wrap_for_data_parallel(chunk, state, config.parallel) for chunk in chunks]
     optimizer = build_optimizer(config, chunks, state)
     scheduler = scheduler_provider(config, optimizer)
+    check_scheduler(scheduler)
     iteration, consumed = 0, 0
     if ck.load or ck.pretrained_checkpoint:
         iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
@@ -305,9 +318,10 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
     ``scheduler_provider(config, optimizer)`` returns the learning-rate schedule (default: the flags',
-    :func:`build_scheduler`): an object with ``step(increment)``, ``get_lr()``, ``state_dict()`` and
-    ``load_state_dict(sd)``, saved and restored with checkpoints like the default one; a subclass of
-    ``OptimizerParamScheduler`` overriding ``get_lr`` is the simplest.
+    :func:`build_scheduler`): an object with ``step(increment)`` (called once per optimizer step; it
+    sets the optimizer's lr), ``get_lr()``, ``state_dict()`` and ``load_state_dict(sd)``, saved and
+    restored with checkpoints like the default one (one without them is refused before any step); a
+    subclass of ``OptimizerParamScheduler`` overriding ``get_lr`` is the simplest.
     """
     check_train_iters(config)  # the command line's refusal, for a Config made or changed in code
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
