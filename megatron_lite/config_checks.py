@@ -350,14 +350,17 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
         _require(d.train_data_path is not None, f"{'/'.join(per_split)} need --train-data-path (the training set)")
         _require(not d.sft, f"{'/'.join(per_split)}: --sft reads its conversations from --data-path (split by "
                  "--split); give them there")
-    if data_from_script and not d.mock_data:  # the script's provider reads (or makes) the data itself
+    given = per_split or (["--data-path"] if d.data_path is not None else [])
+    if data_from_script and not d.mock_data and not given:  # the script's provider reads (or makes) the data itself
         _require(d.tokenizer_type is not None or config.model.vocab_size is not None,
                  "this script's datasets provider brings the data; give --vocab-size (or --tokenizer-type and its "
                  "files) for the model's vocabulary")
-    elif not d.mock_data:
+    elif not d.mock_data:  # also for a script's provider given --data-path: the tokenizer says its EOD and vocabulary
         _require(d.data_path is not None or per_split, "give --data-path (or --mock-data for random tokens)")
         _require(d.tokenizer_type is not None, f"{(per_split or ['--data-path'])[0]} needs --tokenizer-type (and its "
-                 "vocab/model files)")
+                 "vocab/model files)" + (", also with this script's own datasets provider: the data's end-of-document "
+                                         "id and vocabulary come from it (NullTokenizer with --vocab-size N: the ids "
+                                         "as stored, EOD N)" if data_from_script else ""))
     _require(d.num_workers >= 0, f"--num-workers must be at least 0, got {d.num_workers} (0: load in the main process)")
     _require(not cp.save_interval or cp.save is not None, "--save-interval needs --save")
     _require(not cp.finetune or cp.load is not None or cp.pretrained_checkpoint is not None,

@@ -61,6 +61,11 @@ def main(argv=None):
     config = parse_args(argv, description=__doc__.split("\n\n")[0], checks=pretrain_gpt.check_gpt_flags,
                         data_from_script=True)
     try:
+        d = config.data  # this provider reads no data flag: one given is refused, not ignored
+        given = [flag for flag, value in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                                          ("--mock-data", d.mock_data)) if value]
+        if given:
+            raise ConfigError(f"{given[0]}: this script trains on its own dataset (CountingDataset); drop it")
         pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
         return pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step, datasets_provider)
     except (ConfigError, DataConfigError) as err:

@@ -349,7 +349,9 @@ def test_a_script_with_its_own_dataset_needs_no_data_flag(capsys):
     no_vocab = argv[:at] + argv[at + 2:]
     for call, message in ((lambda: pretrain_gpt.main(argv), "give --data-path (or --mock-data for random tokens)"),
                           (lambda: mod.main(no_vocab), "this script's datasets provider brings the data; give "
-                           "--vocab-size (or --tokenizer-type")):
+                           "--vocab-size (or --tokenizer-type"),
+                          (lambda: mod.main(argv + ["--data-path", "d", "--tokenizer-type", "NullTokenizer"]),
+                           "--data-path: this script trains on its own dataset (CountingDataset); drop it")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as err:
             call()

@@ -119,3 +119,19 @@ def test_a_vocab_size_the_tokenizer_overrides_is_refused(capsys):
     config = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"], world_size=1)
     pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
     assert config.model.vocab_size == 100
+
+
+@pytest.mark.parametrize("paths", [["--data-path", "corpus"], ["--train-data-path", "corpus"]])
+def test_a_scripts_own_provider_given_data_paths_needs_a_tokenizer(capsys, paths):
+    """parse_args(data_from_script=True) skipped the tokenizer check for a --data-path too: a provider
+    reading it (pretrain_gpt's, say) then took NullTokenizer's EOD (--vocab-size) for the data's,
+    silently. The data flags now need --tokenizer-type as in pretrain_gpt.py; without them a
+    --vocab-size is enough, and NullTokenizer is the explicit way to take the ids as stored."""
+    own = ["--vocab-size", "64"]
+    refused_line(capsys, lambda: parse_args(own + paths, world_size=1, data_from_script=True),
+                 f"{paths[0]} needs --tokenizer-type", "own datasets provider", "NullTokenizer with --vocab-size")
+    assert parse_args(own, world_size=1, data_from_script=True).data.data_path is None
+    null = parse_args(own + paths + ["--tokenizer-type", "NullTokenizer"], world_size=1, data_from_script=True)
+    assert null.data.tokenizer_type == "NullTokenizer"
+    refused_line(capsys, lambda: parse_args(own + paths, world_size=1), f"{paths[0]} needs --tokenizer-type (and its "
+                 "vocab/model files)")  # the training scripts' line, unchanged
