@@ -1,8 +1,10 @@
 """OpenAI's ``logprobs`` objects, for a whole answer and for the chunks of a streamed one.
 
 Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` over the returned
-tokens (with ``echo`` the prompt's first, whose first token has no log-prob: null); chat:
-``{"content": [{"token", "logprob", "top_logprobs"}, ...]}``. A streamed choice hands out the same
+tokens (with ``echo`` the prompt's first, whose first token has no log-prob: null), ``top_logprobs``
+a dict per token keyed by text (two ids of one text: the more likely one's); chat:
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}``,
+every one of the best ids listed (``bytes``: the text's UTF-8, null for part of a character). A streamed choice hands out the same
 entries chunk by chunk (:class:`ChunkLogprobs`): each chunk carries the tokens whose text it
 completes, and the entries of all its chunks, joined, are the non-streamed answer's.
 """
@@ -19,19 +21,36 @@ def logprobs_object(result: Generation, tokenizer, first: int, end: int, chat: b
     tokens = result.tokens[first:end]
     strings = [tokenizer.detokenize([t]) for t in tokens]
     values = [None if i == 0 else result.log_probs[i - 1] for i in range(first, end)]
-    tops = None
+    tops = None  # per token: its position's best (text, log-prob) pairs, best first (several may share a text)
     if result.top_log_probs is not None:
-        tops = [None if i == 0 else {tokenizer.detokenize([t]): v for t, v in result.top_log_probs[i - 1]}
+        tops = [None if i == 0 else [(tokenizer.detokenize([t]), v) for t, v in result.top_log_probs[i - 1]]
                 for i in range(first, end)]
-    if chat:
-        return {"content": [{"token": s, "logprob": v, "top_logprobs": [
-            {"token": k, "logprob": p} for k, p in (tops[j] or {}).items()] if tops else []}
+    if chat:  # OpenAI's list of {token, logprob, bytes}: every entry, also two ids of one text
+        return {"content": [{"token": s, "logprob": v, "bytes": _utf8(s), "top_logprobs": [
+            {"token": k, "logprob": p, "bytes": _utf8(k)} for k, p in (tops[j] or [])] if tops else []}
             for j, (s, v) in enumerate(zip(strings, values))]}
+    if tops is not None:  # OpenAI's dict keyed by text
+        tops = [None if top is None else _by_text(top) for top in tops]
     offsets, pos = [], start_offset
     for s in strings:
         offsets.append(pos)
         pos += len(s)
     return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Best-first (text, log-prob) pairs as a dict keyed by text: of two ids with one text, the more
+    likely one's log-prob (not the later, less likely one's)."""
+    out = {}
+    for text, value in top:
+        out.setdefault(text, value)
+    return out
+
+
+def _utf8(text: str) -> list[int] | None:
+    """OpenAI's ``bytes`` of a token: its text's UTF-8; None for a part of a character (decoded as
+    U+FFFD), whose own bytes the text does not hold."""
+    return None if "\ufffd" in text else list(text.encode("utf-8"))
 
 
 def covered(tokenizer, result: Generation, start: int, length: int) -> int:
