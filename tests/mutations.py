@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Mutation probe: break one line of the library at a time and check that the suite notices.
 
-Each mutation (listed in ``tests/mutation_list.py`` and ``tests/mutation_list_features.py``) is a bug the suite once missed or caught only
+Each mutation (listed in ``tests/mutation_list.py``, ``tests/mutation_list_features.py`` and
+``tests/mutation_list_inference_finetune.py``) is a bug the suite once missed or caught only
 late (issue 26, and the sweep of the parallel core, MoE routing, LR schedule, resume, MLA/MTP and SFT
 masks that followed), or a guard of a reduction the parallel core depends on. For each one this script copies the repository
 to a scratch folder, applies the one edit there (the text to replace must occur exactly ``count``
@@ -31,8 +32,9 @@ import time
 from mutation_list import COMBINED, Mutation  # tests/, this script's folder (run as a script)
 from mutation_list import MUTATIONS as CORE
 from mutation_list_features import MUTATIONS as FEATURES
+from mutation_list_inference_finetune import MUTATIONS as DECODE_TUNE
 
-MUTATIONS = CORE + FEATURES
+MUTATIONS = CORE + FEATURES + DECODE_TUNE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY = ["megatron_lite", "tests", "tools", "pretrain_gpt.py", "pretrain_bert.py", "pyproject.toml"]

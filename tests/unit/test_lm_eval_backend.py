@@ -89,6 +89,25 @@ def test_a_long_context_is_cut_on_the_left_for_scoring_and_generation(lm):
     assert got == lm._decode_generated(want)
 
 
+def test_a_long_text_is_scored_in_rolling_windows_whose_sums_add_up(lm):
+    """loglikelihood_rolling: a text of more than max_length tokens is scored in lm-eval's disjoint windows
+    (its get_rolling_token_windows), each with its own context, and the text's total is the sum of every
+    window's (a short text batched with it keeps its own, one-window total)."""
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.instance import Instance
+
+    long_text = lm.tok_decode([(7 * i) % 5000 + 10 for i in range(2 * lm.max_length + 30)])
+    ids = lm.tok_encode(long_text)
+    windows = list(map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+        token_list=ids, prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length, context_len=1)))
+    assert len(windows) == 3 and sum(len(target) for _, target in windows) == len(ids)
+    want = sum(lm._loglikelihood_tokens([(None, context, target)])[0][0] for context, target in windows)
+    short = Instance("loglikelihood_rolling", {}, ("one two three",), 1)
+    (alone,) = lm.loglikelihood_rolling([short], disable_tqdm=True)
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (long_text,), 0), short], disable_tqdm=True)
+    assert got == pytest.approx([want, alone], rel=1e-5, abs=1e-5)
+
+
 def test_a_batch_size_below_one_is_refused():
     from megatron_lite.errors import ConfigError
     from megatron_lite.inference.lm_eval_backend import MegatronLiteLM

@@ -200,3 +200,17 @@ def test_adapters_start_with_a_xavier_normal_and_b_zero_and_alpha_defaults_to_32
         elif "linear_out" in name:
             assert not p.any(), name
     assert checked == 8  # 2 layers x 4 targets
+
+
+def test_lora_dropout_runs_in_training_only():
+    """--lora-dropout drops the adapters' input while training; in eval mode (evaluation, generation) the
+    adapted model is deterministic and equals the same adapters without dropout."""
+    base, adapted = _models("gpt2", LoRAConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.5))
+    _, plain = _models("gpt2")
+    _randomise_b(adapted)
+    plain.load_state_dict(adapted.state_dict())
+    with torch.no_grad():
+        want = plain(TOKENS)
+        assert not torch.allclose(want, base(TOKENS), atol=1e-3)  # the adapters change the logits
+        torch.testing.assert_close(adapted.eval()(TOKENS), want, rtol=0, atol=0)
+        assert not torch.allclose(adapted.train()(TOKENS), want, atol=1e-3)  # dropout really runs in training

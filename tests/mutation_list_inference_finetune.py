@@ -1,0 +1,67 @@
+"""More mutations for ``tests/mutations.py`` (``tests/mutation_list.py`` holds the format and the
+earlier ones): the most likely one-line bug in inference decoding (sampling, seeds, beam search,
+the key/value cache and MLA's cached path, prefix caching, lm-eval's rolling loglikelihood), in
+fine-tuning (SFT conversations, LoRA dropout / scaling / merge, MTP loss scaling) and in the
+profiler and memory-report flags, each with the fastest tests that catch it. "missed at first":
+the suite passed with the bug; the test named was added (or strengthened) with the entry."""
+
+from __future__ import annotations
+
+from mutation_list import Mutation  # tests/, the script's folder
+
+MUTATIONS = [
+    Mutation("top_p_drops_crossing_token", "top-p: the token whose probability crosses top_p dropped (a top_p "
+             "below the best token's probability leaves nothing but it, always)", "megatron_lite/inference/sampling.py",
+             "    drop[:, 1:] = drop[:, :-1].clone()  # shift right", "    pass  # shift right",
+             ("tests/unit/test_inference_engine.py", "-k", "sampling_rules")),
+    Mutation("temperature_ignored", "sampling: the logits not divided by the temperature",
+             "megatron_lite/inference/sampling.py", ".values) / params.temperature  # max 0", ".values) / 1.0  # max 0",
+             ("tests/unit/test_inference_engine.py", "-k", "temperature or sampling_rules")),
+    Mutation("random_seed_ignored", "random_seed: the sampling generator not reseeded (the engine's stream goes on)",
+             "megatron_lite/inference/engine.py", "            self.generator.manual_seed(params.random_seed)\n",
+             "            pass\n", ("tests/unit/test_inference_engine.py", "-k", "seeded")),
+    Mutation("beam_length_penalty_ignored", "beam search: a hypothesis scores its sum, not sum / length ** penalty",
+             "megatron_lite/inference/beam.py", "        score = total / length ** self.length_penalty\n",
+             "        score = total\n", ("tests/unit/test_beam_search.py", "-k", "exhaustive or hypotheses")),
+    Mutation("kv_reorder_last_token_kept", "beam search: the cache reorder leaves each row's last cached token "
+             "in place (the new beam attends to another beam's last key)", "megatron_lite/inference/kv_cache.py",
+             "cache[:self.sequence_offset, :len(rows)] = cache[:self.sequence_offset, rows]",
+             "cache[:self.sequence_offset - 1, :len(rows)] = cache[:self.sequence_offset - 1, rows]",
+             ("tests/unit/test_beam_search.py", "-k", "reorder or cached")),
+    Mutation("mla_cached_row_mask_dropped", "MLA decode: the cached path drops the paged cache's per-row mask "
+             "(a row sees keys past its own length)", "megatron_lite/models/mla.py",
+             "mask if attention_mask is None else mask | attention_mask, False", "mask, False",
+             ("tests/unit/test_continuous_batching.py", "-k", "mla_mtp")),
+    Mutation("prefix_reuse_whole_prompt", "prefix caching: a prompt found cached whole reused to its last token "
+             "(nothing left to compute the first logits from)", "megatron_lite/inference/scheduler.py",
+             "else min(len(p) for p in a.prompts) - 1", "else min(len(p) for p in a.prompts)",
+             ("tests/unit/test_prefix_caching.py",)),
+    Mutation("lm_eval_rolling_last_window", "lm-eval loglikelihood_rolling: a long text scores its last window only",
+             "megatron_lite/inference/lm_eval_backend.py", "            totals[owner] += logprob\n",
+             "            totals[owner] = logprob\n", ("tests/unit/test_lm_eval_backend.py", "-k", "rolling")),
+    Mutation("sft_prompt_form_system_dropped", "SFT prompt/response lines: the \"system\" field dropped",
+             "megatron_lite/data/sft_conversations.py",
+             'system = [{"role": "system", "content": record["system"]}] if "system" in record else []',
+             "system = []", ("tests/unit/test_sft_data.py", "-k", "prompt_response")),
+    Mutation("lora_dropout_at_eval", "LoRA: the adapters' dropout applied in eval mode (evaluation, inference)",
+             "megatron_lite/lora/adapters.py", "        if self.dropout_p == 0 or not self.training:\n",
+             "        if self.dropout_p == 0:\n", ("tests/unit/test_lora.py", "-k", "dropout")),
+    Mutation("lora_merge_scale_alpha", "LoRA merge: B A added times alpha, not alpha / r",
+             "megatron_lite/lora/merge.py", "    scale = alpha / rank\n", "    scale = alpha\n",
+             ("tests/unit/test_lora.py", "-k", "merge")),
+    Mutation("mtp_scaling_factor_not_passed", "MTP: the training step's loss uses loss_func's default 0.1, not "
+             "--mtp-loss-scaling-factor", "pretrain_gpt.py",
+             "                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,\n", "",
+             ("tests/unit/test_pretrain_gpt_batch.py",)),
+    Mutation("profile_ranks_ignored", "--profile-ranks: every rank profiles (each writes a trace and tables)",
+             "megatron_lite/training/profiler.py",
+             "self.enabled = logging.profile and rank in (logging.profile_ranks or [0])",
+             "self.enabled = logging.profile", ("tests/e2e/test_profiler.py", "-k", "ranks")),
+    Mutation("profile_window_one_more", "--profile-step-end: one iteration past the window recorded",
+             "megatron_lite/training/profiler.py", "        if iteration >= self.end:\n",
+             "        if iteration > self.end:\n", ("tests/e2e/test_profiler.py", "-k", "writes_a_trace")),
+    Mutation("memory_report_collectives_temporaries", "--memory-report: a collective's buffers counted as "
+             "temporaries, not communication", "megatron_lite/perf/memory_tracker.py",
+             '        if func.namespace == "c10d":  # the buffers', '        if False:  # the buffers',
+             ("tests/distributed/test_memory_tracker.py", "-k", "collective")),
+]
