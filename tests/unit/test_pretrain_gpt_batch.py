@@ -66,3 +66,17 @@ def test_mtp_objective_is_lm_loss_plus_the_factor_over_depth_times_the_summed_de
     for k in range(1, 4):
         torch.testing.assert_close(reported[f"mtp_{k} loss"], means[k], rtol=1e-6, atol=0)
     torch.testing.assert_close(reported["lm loss"], means[0], rtol=1e-6, atol=0)
+
+
+def test_the_training_step_weighs_the_mtp_depths_by_the_flags_factor():
+    """--mtp-loss-scaling-factor reaches the training step's loss (not loss_func's default 0.1)."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, ffn_hidden_size=64,
+                      kv_channels=8, max_position_embeddings=12, num_query_groups=4, vocab_size=50,
+                      padded_vocab_size=56, attention_dropout=0.0, hidden_dropout=0.0, mtp_num_layers=2,
+                      position_embedding_type="rope",
+                      mtp_loss_scaling_factor=0.5)
+    model = build_gpt(cfg, ParallelState(), seed=3).train()
+    out, loss_func = pretrain_gpt.forward_step(iter([_batch(list(range(1, 14)), reset=False)]), model)
+    loss, reported = loss_func(out)
+    want = reported["lm loss"] + 0.5 / 2 * (reported["mtp_1 loss"] + reported["mtp_2 loss"])
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
