@@ -56,7 +56,7 @@ MUTATIONS = [
     Mutation("profile_ranks_ignored", "--profile-ranks: every rank profiles (each writes a trace and tables)",
              "megatron_lite/training/profiler.py",
              "self.enabled = logging.profile and rank in (logging.profile_ranks or [0])",
-             "self.enabled = logging.profile", ("tests/e2e/test_profiler.py", "-k", "ranks")),
+             "self.enabled = logging.profile", ("tests/e2e/test_profiler.py", "-k", "profile_ranks")),
     Mutation("profile_window_one_more", "--profile-step-end: one iteration past the window recorded",
              "megatron_lite/training/profiler.py", "        if iteration >= self.end:\n",
              "        if iteration > self.end:\n", ("tests/e2e/test_profiler.py", "-k", "writes_a_trace")),

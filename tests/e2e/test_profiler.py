@@ -124,3 +124,18 @@ def test_the_trace_named_is_this_ranks_when_another_rank_writes_beside_it(tmp_pa
     profiler.close()
     assert os.path.basename(profiler.trace_path).startswith("rank0."), profiler.trace_path
     assert "trace " + profiler.trace_path in capsys.readouterr().out
+
+
+def test_only_the_profile_ranks_profile():
+    """--profile-ranks (default 0): the ranks listed start the profiler at --profile-step-start, the others never."""
+    from megatron_lite.config import Config
+    from megatron_lite.training.profiler import StepProfiler
+
+    cfg = Config().logging
+    cfg.profile, cfg.use_pytorch_profiler = True, True
+    assert [StepProfiler(cfg, r, torch.device("cpu")).enabled for r in range(3)] == [True, False, False]
+    cfg.profile_ranks = [1, 2]
+    assert [StepProfiler(cfg, r, torch.device("cpu")).enabled for r in range(3)] == [False, True, True]
+    quiet = StepProfiler(cfg, 0, torch.device("cpu"))
+    quiet.before(cfg.profile_step_start)
+    assert quiet._prof is None
