@@ -214,3 +214,31 @@ def test_lora_dropout_runs_in_training_only():
         assert not torch.allclose(want, base(TOKENS), atol=1e-3)  # the adapters change the logits
         torch.testing.assert_close(adapted.eval()(TOKENS), want, rtol=0, atol=0)
         assert not torch.allclose(adapted.train()(TOKENS), want, atol=1e-3)  # dropout really runs in training
+
+
+@pytest.mark.parametrize("variant", ["moe_sequential", "moe_grouped"])
+def test_target_modules_pick_the_expert_fcs_too(variant):
+    """--lora-target-modules linear_qkv linear_fc1: the experts get fc1 adapters, no fc2 ones."""
+    _, adapted = _models(variant, LoRAConfig(lora_rank=4, lora_target_modules=["linear_qkv", "linear_fc1"]))
+    names = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert any("experts" in n and "linear_fc1" in n for n in names)
+    assert names and all("linear_qkv" in n or "linear_fc1" in n for n in names), names
+
+
+def test_merge_keeps_the_base_weights_dtype():
+    """A bf16 base merges in fp32 and is stored back in bf16 (a dense and a grouped experts' adapter)."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    state = {"l.weight": rand(6, 5), "l.adapter.linear_in.weight": rand(2, 5), "l.adapter.linear_out.weight": rand(6, 2),
+             "mlp.experts.weight1": rand(3, 5, 4), "mlp.experts.linear_fc1_adapter.linear_in.weight": rand(3, 5, 2),
+             "mlp.experts.linear_fc1_adapter.linear_out.weight": rand(3, 2, 4)}
+    merged = merge_lora(state, alpha=4.0, rank=2)
+    assert sorted(merged) == ["l.weight", "mlp.experts.weight1"]
+    dense = state["l.weight"].float() + 2.0 * state["l.adapter.linear_out.weight"].float() @ state[
+        "l.adapter.linear_in.weight"].float()
+    grouped = state["mlp.experts.weight1"].float() + 2.0 * torch.bmm(
+        state["mlp.experts.linear_fc1_adapter.linear_in.weight"].float(),
+        state["mlp.experts.linear_fc1_adapter.linear_out.weight"].float())
+    for name, want in (("l.weight", dense), ("mlp.experts.weight1", grouped)):
+        assert merged[name].dtype == torch.bfloat16, name
+        assert torch.equal(merged[name], want.bfloat16()), name
