@@ -82,4 +82,15 @@ MUTATIONS = [
              'add(DEFAULT_HEADERS["assistant"], False)\n            add(content_text',
              'add(DEFAULT_HEADERS["assistant"], True)\n            add(content_text',
              ("tests/unit/test_sft_data.py", "-k", "default_template")),
+    Mutation("contbatch_seeded_shares_generator", "continuous batching: a seeded request reseeds and draws from "
+             "the shared generator (its samples depend on the batch)", "megatron_lite/inference/batch_request.py",
+             "self.generator = torch.Generator(device=device).manual_seed(p.random_seed)",
+             "self.generator = engine.generator.manual_seed(p.random_seed)",
+             ("tests/unit/test_continuous_batching.py", "-k", "alone")),
+    Mutation("sft_packed_positions_run_on", "SFT packing: position ids run on across conversations (not reset)",
+             "megatron_lite/data/sft_dataset.py", "        position[at:at + m] = np.arange(m)\n",
+             "        position[at:at + m] = np.arange(at, at + m)\n", ("tests/unit/test_sft_data.py", "-k", "pack")),
+    Mutation("sft_next_fit_leaves_room", "SFT packing: a conversation that exactly fills the sample starts the next one",
+             "megatron_lite/data/sft_dataset.py", "        if n and used + length > capacity:\n",
+             "        if n and used + length >= capacity:\n", ("tests/unit/test_sft_data.py", "-k", "pack")),
 ]

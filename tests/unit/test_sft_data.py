@@ -17,7 +17,14 @@ from megatron_lite.data.chat_template import ConversationError, chat_tokens
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import collate
 from megatron_lite.data.sft_conversations import read_conversations
-from megatron_lite.data.sft_dataset import SFTDataset, SFTDatasetConfig, build_sft_datasets, make_sample
+from megatron_lite.data.sft_dataset import (
+    SFTDataset,
+    SFTDatasetConfig,
+    _next_fit,
+    build_sample_index,
+    build_sft_datasets,
+    make_sample,
+)
 from megatron_lite.data.sft_preprocess import preprocess_sft
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.parallel.state import ParallelState
@@ -117,6 +124,13 @@ def test_packing_fills_samples_and_keeps_every_conversation(data):
     for i in range(len(packed)):
         sample = packed[i]
         assert sample["loss_mask"].sum() > 0 and sample["document_ids"].max() >= 1
+
+
+def test_packing_puts_a_conversation_that_fills_the_sample_exactly_in_it():
+    """Next-fit into seq_length + 1 tokens: conversations adding up to exactly the capacity share one sample."""
+    assert _next_fit(np.array([3, 5, 8, 2, 6, 7]), 8) == [2, 1, 2, 1]
+    order, bounds = build_sample_index([3, 5], [0, 1], None, 8, True, 0)
+    assert sorted(order.tolist()) == [0, 1] and bounds.tolist() == [0, 2]
 
 
 def test_packed_loss_equals_the_sum_of_its_conversations_one_by_one(data):
