@@ -93,4 +93,13 @@ MUTATIONS = [
     Mutation("sft_next_fit_leaves_room", "SFT packing: a conversation that exactly fills the sample starts the next one",
              "megatron_lite/data/sft_dataset.py", "        if n and used + length > capacity:\n",
              "        if n and used + length >= capacity:\n", ("tests/unit/test_sft_data.py", "-k", "pack")),
+    Mutation("cached_positions_from_zero", "decoding with a cache: the new tokens' positions counted from 0 (not "
+             "after the cached ones; rotary and learned positions alike)", "megatron_lite/models/language_model.py",
+             "        start = inference_context.sequence_offset\n", "        start = 0\n",
+             ("tests/unit/test_inference_engine.py", "-k", "cached_decoding")),
+    Mutation("lm_eval_continuation_one_early", "lm-eval loglikelihood: the sum taken one token early (the context's "
+             "last token in, the continuation's last out)", "megatron_lite/inference/lm_eval_backend.py",
+             "(float(sum(result.log_probs[-n:])), all(result.greedy[-n:]))",
+             "(float(sum(result.log_probs[-n - 1:-1])), all(result.greedy[-n - 1:-1]))",
+             ("tests/unit/test_lm_eval_backend.py", "-k", "bos_adding or cut_on_the_left")),
 ]
