@@ -28,6 +28,8 @@ from .format import (
 SHAPE_OF = {"softmax_type": lambda value: value == "learnable"}
 
 
+LEARNED = "learned_absolute"  # --position-embedding-type of a model with a table of max-position-embeddings rows
+
 NULL_TOKENIZERS = (None, "NullTokenizer")  # --tokenizer-type values whose vocabulary is --vocab-size (+ 1: EOD)
 
 
@@ -55,7 +57,11 @@ def _changes_function(key: str, saved: dict, ours: dict) -> bool:
     """--bias-gelu-fusion changes the model only where it picks the tanh GeLU (a GeLU MLP with biases);
     --make-vocab-size-divisible-by only where it changes the padded vocabulary; --spec only where it
     names another file or object (a .py path relative to another folder, or absolute, names the same
-    file: checkpoints saved before paths were stored absolute hold relative ones)."""
+    file: checkpoints saved before paths were stored absolute hold relative ones); --max-position-embeddings
+    only with learned positions (rotary ones have no table, so a run may change --seq-length, which it
+    defaults to; Megatron-LM compares it only with learned positions too)."""
+    if key == "max_position_embeddings":
+        return LEARNED in (saved.get("position_embedding_type", LEARNED), ours.get("position_embedding_type", LEARNED))
     if key == "make_vocab_size_divisible_by":
         return saved.get("padded_vocab_size") != ours.get("padded_vocab_size")
     if key == "spec":
