@@ -198,7 +198,7 @@ def unused_moe_flag(moe: MoEConfig) -> str | None:
         if not moe.moe_router_enable_expert_bias and rate != _default(MoEConfig, "moe_router_bias_update_rate"):
             return (f"--moe-router-bias-update-rate {rate} has no effect without --moe-router-enable-expert-bias; "
                     "add it (with --moe-router-score-function sigmoid) or drop the rate")
-        return None
+        return _coefficient_of_none(moe)
     for f in dataclasses.fields(MoEConfig):
         if f.name in _OWN_DENSE_RULE or f.name in REFUSED:
             continue
@@ -210,6 +210,20 @@ def unused_moe_flag(moe: MoEConfig) -> str | None:
             flag = f"--{f.name.replace('_', '-')}"
             return (f"{flag} {shown}".rstrip() + " has no effect without --num-experts (this model has no "
                     f"experts); add --num-experts or drop {flag}")
+    return None
+
+
+def _coefficient_of_none(moe: MoEConfig) -> str | None:
+    """A non-zero --moe-aux-loss-coeff for --moe-router-load-balancing-type none (no loss to scale)."""
+    types, coeffs = moe.moe_router_load_balancing_type, moe.moe_aux_loss_coeff
+    types = [types] if isinstance(types, str) else list(types)
+    coeffs = [coeffs] * len(types) if isinstance(coeffs, (int, float)) else list(coeffs)
+    if len(coeffs) == 1:
+        coeffs = coeffs * len(types)
+    if any(t == "none" and c for t, c in zip(types, coeffs)):
+        return (f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))} has no effect with --moe-router-load-balancing-type "
+                f"{' '.join(types)} (no load-balancing loss to scale); give the none type a coefficient of 0, "
+                "or pick aux_loss, seq_aux_loss or global_aux_loss")
     return None
 
 

@@ -21,6 +21,13 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
     # with experts: the rate of an expert bias that is off
     (["--num-experts", "4", "--moe-router-bias-update-rate", "0.01"],
      "--moe-router-bias-update-rate 0.01 has no effect without --moe-router-enable-expert-bias"),
+    # an auxiliary-loss coefficient with no load-balancing loss to scale (it trained with none, exit 0)
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "1e-2"],
+     "--moe-aux-loss-coeff 0.01 has no effect with --moe-router-load-balancing-type none"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss", "none",
+      "--moe-aux-loss-coeff", "1e-4", "1e-2"], "--moe-aux-loss-coeff 0.0001 0.01 has no effect"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss", "none",
+      "--moe-aux-loss-coeff", "1e-4"], "with --moe-router-load-balancing-type seq_aux_loss none"),
     (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
@@ -53,6 +60,9 @@ def test_defaults_and_used_flags_are_accepted():
     config = parse_args(BASE + ["--num-experts", "4", "--moe-router-score-function", "sigmoid",
                                 "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"], world_size=1)
     assert config.moe.moe_router_bias_update_rate == 0.01
+    for types, coeffs in ((["none"], ["0"]), (["seq_aux_loss", "none"], ["1e-4", "0"]), (["none"], [])):
+        parse_args(BASE + ["--num-experts", "4", "--moe-router-load-balancing-type", *types]
+                   + (["--moe-aux-loss-coeff", *coeffs] if coeffs else []), world_size=1)
     # MLA's softmax scale reads the YaRN factor and --mscale-all-dim whatever --rope-type is
     parse_args(BASE + ["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "40",
                        "--mscale-all-dim", "1"], world_size=1)
