@@ -14,16 +14,29 @@ from __future__ import annotations
 from .api_megatron import continuation_text
 from .engine import Generation
 
+TOKEN_CONTEXT = 4  # tokens decoded before a token to find its own text (vLLM's incremental detokenization)
+
+
+def token_text(tokenizer, tokens: list[int], i: int, token: int | None = None) -> str:
+    """The text token ``i`` of ``tokens`` (or ``token`` in its place) adds after the tokens before it,
+    decoded with a few of them as context: a SentencePiece word start keeps its space (" list", not
+    "list", which decoding the piece alone gives), so the tokens join to the text and ``text_offset``
+    points into it. Alone where the context does not decode as a prefix (a character split over tokens)."""
+    token = tokens[i] if token is None else token
+    before = tokens[max(0, i - TOKEN_CONTEXT):i]
+    head = tokenizer.detokenize(before) if before else ""
+    whole = tokenizer.detokenize(before + [token])
+    return whole[len(head):] if before and whole.startswith(head) else tokenizer.detokenize([token])
+
 
 def logprobs_object(result: Generation, tokenizer, first: int, end: int, chat: bool, start_offset: int = 0) -> dict:
     """The logprobs object of ``result``'s tokens ``[first, end)``; ``start_offset``: the text offset of
     token ``first`` (completions' ``text_offset`` counts each token's own text from the choice's start)."""
-    tokens = result.tokens[first:end]
-    strings = [tokenizer.detokenize([t]) for t in tokens]
+    strings = [token_text(tokenizer, result.tokens, i) for i in range(first, end)]
     values = [None if i == 0 else result.log_probs[i - 1] for i in range(first, end)]
     tops = None  # per token: its position's best (text, log-prob) pairs, best first (several may share a text)
     if result.top_log_probs is not None:
-        tops = [None if i == 0 else [(tokenizer.detokenize([t]), v) for t, v in result.top_log_probs[i - 1]]
+        tops = [None if i == 0 else [(token_text(tokenizer, result.tokens, i, t), v) for t, v in result.top_log_probs[i - 1]]
                 for i in range(first, end)]
     if chat:  # OpenAI's list of {token, logprob, bytes}: every entry, also two ids of one text
         return {"content": [{"token": s, "logprob": v, "bytes": _utf8(s), "top_logprobs": [
@@ -115,6 +128,6 @@ class ChunkLogprobs:
         """The entries of the tokens from the last one handed out to ``end`` (exclusive)."""
         end = max(end, self.given)
         out = logprobs_object(self.result, self.tokenizer, self.given, end, self.chat, self.offset)
-        self.offset += sum(len(self.tokenizer.detokenize([t])) for t in self.result.tokens[self.given:end])
+        self.offset += sum(len(token_text(self.tokenizer, self.result.tokens, i)) for i in range(self.given, end))
         self.given = end
         return out

@@ -35,7 +35,7 @@ def test_completions_end_without_the_end_of_document_text(client):
     assert choice["usage"]["completion_tokens"] == 7
     choice = choice["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (" 58 50 50 50 83 83", "stop")
-    assert choice["logprobs"]["tokens"][-1] == "99" and len(choice["logprobs"]["token_logprobs"]) == 7
+    assert choice["logprobs"]["tokens"][-1] == " 99" and len(choice["logprobs"]["token_logprobs"]) == 7
     text, chunks = streamed(client, "/v1/completions", body)
     assert text == choice["text"] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
     entries = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])]
@@ -51,6 +51,6 @@ def test_chat_ends_without_the_end_of_document_text(client):
     answer = client.post("/v1/chat/completions", json=body).get_json()
     choice = answer["choices"][0]
     assert (choice["message"]["content"], choice["finish_reason"]) == (" 83 12 50 50 50 33", "stop")
-    assert [e["token"] for e in choice["logprobs"]["content"]][-1] == "99"
+    assert [e["token"] for e in choice["logprobs"]["content"]][-1] == " 99"  # its text after the others
     assert answer["usage"]["completion_tokens"] == 7
     assert streamed(client, "/v1/chat/completions", body)[0] == choice["message"]["content"]
