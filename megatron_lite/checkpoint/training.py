@@ -67,6 +67,7 @@ from .frozen import (
 )
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
+from .resume_notes import layout_change_note, torch_file_layout, transformer_engine_note
 from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
 from .save_lost import SaveProgress, peer_lost_as_error, peer_lost_loading
@@ -305,8 +306,16 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _refresh_masters(optimizer)
     if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
+    _note_layout(torch_file_layout(ckpt), state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+
+
+def _note_layout(saved: dict, state) -> None:
+    """Rank 0: the note of a resume at another layout than the checkpoint's (:mod:`.resume_notes`)."""
+    note = layout_change_note(saved, layout_of(state))
+    if note:
+        print_rank_0(note)
 
 
 def note_train_length(saved: dict, config) -> None:
@@ -361,6 +370,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
         path = require_dist_rng(folder, os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt"))
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
+    _note_layout(common["layout"], state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
 
@@ -381,4 +391,7 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     with peer_lost_loading(config.checkpoint.load or config.checkpoint.pretrained_checkpoint):  # one line
         loaded = on_every_rank(lambda: _load_here(chunks, optimizer, scheduler, config, state))
     require_base(chunks, config.checkpoint.load)  # frozen (LoRA) weights came from a base checkpoint
+    note = transformer_engine_note(config.precision) if loaded[0] else None  # a resume, not weights only
+    if note:
+        print_rank_0(note)
     return loaded

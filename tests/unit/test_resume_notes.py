@@ -1,0 +1,48 @@
+"""The start-up note of a resume at another parallel layout (megatron_lite/checkpoint/resume_notes.py):
+none at the checkpoint's own layout, one line naming both layouts otherwise."""
+
+from megatron_lite.checkpoint.resume_notes import layout_change_note, torch_file_layout
+
+ONE = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "vpp": None, "world_size": 1}
+
+
+def test_no_note_at_the_saved_layout():
+    assert layout_change_note(dict(ONE), dict(ONE)) is None
+    tp2 = dict(ONE, tp=2, world_size=2)
+    assert layout_change_note(tp2, dict(tp2)) is None
+    assert layout_change_note(dict(ONE, vpp=1), dict(ONE)) is None  # no interleaving either way
+
+
+def test_a_note_names_both_layouts():
+    note = layout_change_note(dict(ONE, tp=2, ep=2, world_size=4), dict(ONE, pp=2, world_size=2))
+    assert note.startswith("> note: the checkpoint was saved at TP2 x EP2 (4 ranks), this run is TP1 x PP2 (2 ranks): "
+                           "it continues the saved run within floating-point rounding, not bit for bit"), note
+    assert "\n" not in note
+
+
+def test_a_torch_file_compares_what_it_records():
+    """A torch model file records no CP size (its world size differs instead) and an unfolded grid's
+    expert TP is its TP, which layout_of leaves out: TP2 saved and resumed unfolded gets no note."""
+    saved = {"tp_size": 2, "pp_size": 1, "ep_size": 1, "etp_size": 2, "expert_grid_folded": False, "dp_size": 1,
+             "vpp_size": None, "world_size": 4}
+    assert layout_change_note(torch_file_layout(saved), dict(ONE, tp=2, cp=2, world_size=4)) is None
+    note = layout_change_note(torch_file_layout(saved), dict(ONE, tp=2, world_size=2))
+    assert note and "TP2 (4 ranks), this run is TP2 (2 ranks)" in note, note
+    folded = dict(saved, etp_size=1, expert_grid_folded=True, ep_size=2)
+    assert layout_change_note(torch_file_layout(folded), dict(ONE, tp=2, ep=2, etp=1, cp=2, world_size=4)) is None
+
+
+def test_transformer_engine_note_only_for_its_delayed_scaling():
+    from types import SimpleNamespace
+
+    from megatron_lite.checkpoint.resume_notes import transformer_engine_note
+
+    def precision(impl="transformer_engine", fmt="hybrid", recipe="delayed"):
+        return SimpleNamespace(transformer_impl=impl, fp8_format=fmt, fp8_recipe=recipe)
+
+    note = transformer_engine_note(precision())
+    assert note.startswith("> note: --transformer-impl transformer_engine keeps the delayed-scaling FP8 amax "
+                           "histories and scales inside Transformer Engine, not in checkpoints") and "\n" not in note
+    assert transformer_engine_note(precision(impl="local")) is None  # ours are saved: bit for bit
+    assert transformer_engine_note(precision(fmt=None)) is None  # no FP8: no scaling state
+    assert transformer_engine_note(precision(recipe="tensorwise")) is None  # current scaling keeps none
