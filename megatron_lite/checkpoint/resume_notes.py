@@ -1,6 +1,6 @@
 """The start-up notes of a resume that cannot continue the run bit for bit, by design: one line each.
 
-At another parallel layout:
+At another parallel layout, or another ``--micro-batch-size`` (the same global batch in other pieces):
 
 A checkpoint resumed at its own layout continues bit for bit. Resumed at another one (a ``torch_dist``
 checkpoint at any TP x PP x DP x CP x EP, a ``torch`` one at another DP or CP size) it continues the
@@ -34,18 +34,20 @@ def torch_file_layout(ckpt: dict) -> dict:
 
 def _describe(layout: dict) -> str:
     sizes = " x ".join(f"{name}{layout[key]}" for key, _, name in _SIZES if (layout.get(key) or 1) != 1 or key == "tp")
-    return f"{sizes} ({layout['world_size']} ranks)" if "world_size" in layout else sizes
+    ranks = f" ({layout['world_size']} ranks)" if "world_size" in layout else ""
+    micro = f", micro-batch size {layout['micro_batch_size']}" if "micro_batch_size" in layout else ""
+    return sizes + ranks + micro
 
 
 def layout_change_note(saved: dict, now: dict) -> str | None:
     """The note for a checkpoint saved at layout ``saved`` resumed at ``now`` (both as
-    :func:`~megatron_lite.checkpoint.dist.layout_of` gives them; only the sizes ``saved`` records
-    are compared), or None at the same layout."""
+    :func:`~megatron_lite.checkpoint.dist.layout_of` gives them, with ``micro_batch_size`` where known;
+    only the sizes ``saved`` records are compared), or None at the same layout and micro-batch size."""
     if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):
         return None
     return (f"> note: the checkpoint was saved at {_describe(saved)}, this run is {_describe(now)}: it continues the "
             "saved run within floating-point rounding, not bit for bit (sums in another order; with dropout, other "
-            "masks: RNG states do not carry over to another layout)")
+            "masks)")
 
 
 def transformer_engine_note(precision) -> str | None:

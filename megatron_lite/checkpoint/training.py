@@ -306,14 +306,16 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _refresh_masters(optimizer)
     if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
-    _note_layout(torch_file_layout(ckpt), state)
+    _note_layout(torch_file_layout(ckpt), ckpt.get("config", {}), config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
 
 
-def _note_layout(saved: dict, state) -> None:
-    """Rank 0: the note of a resume at another layout than the checkpoint's (:mod:`.resume_notes`)."""
-    note = layout_change_note(saved, layout_of(state))
+def _note_layout(saved: dict, saved_flags: dict, config, state) -> None:
+    """Rank 0: the note of a resume at another layout or micro-batch size than the checkpoint's (:mod:`.resume_notes`)."""
+    micro = saved_flags.get("micro_batch_size")
+    saved = saved if micro is None else {**saved, "micro_batch_size": micro}
+    note = layout_change_note(saved, {**layout_of(state), "micro_batch_size": config.training.micro_batch_size})
     if note:
         print_rank_0(note)
 
@@ -370,7 +372,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
         path = require_dist_rng(folder, os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt"))
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
-    _note_layout(common["layout"], state)
+    _note_layout(common["layout"], common["config"], config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
 

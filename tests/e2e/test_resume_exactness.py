@@ -31,6 +31,7 @@ def _stop_and_resume(tmp_path, argv_of, stop=("--exit-interval", str(STOP))):
     full = pretrain_gpt.main(argv_of(str(tmp_path / "full")))
     part = str(tmp_path / "part")
     first = pretrain_gpt.main(argv_of(part) + list(stop))
+    shutil.copytree(part, part + "_stop")  # the checkpoint at the stop, before the resume saves its last step
     second = pretrain_gpt.main(argv_of(part) + ["--load", part])
     return full, first, second
 
@@ -97,10 +98,23 @@ def test_two_rank_layouts(tmp_path, capsys, name):
         one = pretrain_gpt.main(_argv(str(tmp_path / "tp1"), ITERS, VARIANTS["noq"] + [
             "--ckpt-format", "torch_dist", "--load", part + "_stop", "--no-load-rng"]))
         notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> note: the checkpoint")]
-        assert notes == ["> note: the checkpoint was saved at TP2 (2 ranks), this run is TP1 (1 ranks): it continues "
-                         "the saved run within floating-point rounding, not bit for bit (sums in another order; with "
-                         "dropout, other masks: RNG states do not carry over to another layout)"]
+        assert notes == ["> note: the checkpoint was saved at TP2 (2 ranks), micro-batch size 2, this run is TP1 "
+                         "(1 ranks), micro-batch size 2: it continues the saved run within floating-point rounding, "
+                         "not bit for bit (sums in another order; with dropout, other masks)"]
         assert_same_trajectory(first + Trajectory.of(one), whole, what="TP2 -> TP1")
+
+
+def test_another_micro_batch_size_follows_within_rounding_and_says_so(tmp_path, capsys):
+    """The same global batch of 8 in micro-batches of 4 instead of 2 (e.g. after an out-of-memory): the
+    gradient is summed in other pieces, so the resume follows within rounding, and says so once."""
+    full, first, _ = _stop_and_resume(tmp_path, lambda save: _argv(save, ITERS, []))
+    assert "> note: the checkpoint was saved" not in capsys.readouterr().out  # the same layout: bit for bit
+    argv = _argv(str(tmp_path / "part"), ITERS, ["--load", str(tmp_path / "part_stop")])
+    argv[argv.index("--micro-batch-size") + 1] = "4"
+    other = pretrain_gpt.main(argv)
+    assert capsys.readouterr().out.count("micro-batch size 2, this run is TP1 (1 ranks), micro-batch size 4: it "
+                                         "continues the saved run within floating-point rounding") == 1
+    assert_same_trajectory(Trajectory.of(first) + Trajectory.of(other), Trajectory.of(full))
 
 
 def test_lora_with_adapter_dropout(tmp_path):

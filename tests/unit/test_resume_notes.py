@@ -20,6 +20,16 @@ def test_a_note_names_both_layouts():
     assert "\n" not in note
 
 
+def test_another_micro_batch_size_is_noted_too():
+    """The same global batch in other micro-batches: sums in another order (the saved size is compared
+    only when the checkpoint records it)."""
+    saved = dict(ONE, micro_batch_size=2)
+    assert layout_change_note(saved, dict(ONE, micro_batch_size=2)) is None
+    assert layout_change_note(dict(ONE), dict(ONE, micro_batch_size=4)) is None
+    note = layout_change_note(saved, dict(ONE, micro_batch_size=4))
+    assert "saved at TP1 (1 ranks), micro-batch size 2, this run is TP1 (1 ranks), micro-batch size 4: " in note, note
+
+
 def test_a_torch_file_compares_what_it_records():
     """A torch model file records no CP size (its world size differs instead) and an unfolded grid's
     expert TP is its TP, which layout_of leaves out: TP2 saved and resumed unfolded gets no note."""
