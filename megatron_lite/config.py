@@ -162,7 +162,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM save a checkpoint and exit 0."""
     exit_duration_in_mins: float | None = None
-    """Save and exit after this many minutes of training (0: no limit)."""
+    """Save and exit after the first step that ends this many minutes after the run started (start-up and checkpoint load included, as a scheduler's time limit counts them; 0: no limit)."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
     check_for_nan_in_loss_and_grad: bool = True

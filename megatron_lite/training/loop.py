@@ -155,7 +155,7 @@ class _Training:
     check)."""
 
     def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
-                 exit_signal: _ExitSignal | None = None):
+                 exit_signal: _ExitSignal | None = None, started: float | None = None):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
         self.timers = Timers(config.logging.timing_log_level, get_device())
@@ -169,7 +169,7 @@ class _Training:
         self.progress = ProgressLog(config, flops, self.consumed)  # --log-progress: <save>/progress.txt
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
-        self.start = time.time()
+        self.start = time.time() if started is None else started  # --exit-duration-in-mins counts the start-up too
         self.saved_at = self.iteration if _in_save(config.checkpoint, self.iteration) else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
         self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
@@ -323,6 +323,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     restored with checkpoints like the default one (one without them is refused before any step); a
     subclass of ``OptimizerParamScheduler`` overriding ``get_lr`` is the simplest.
     """
+    started = time.time()  # --exit-duration-in-mins counts from here: start-up and checkpoint load included
     check_train_iters(config)  # the command line's refusal, for a Config made or changed in code
     exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     with contextlib.closing(exit_signal):  # the process's own SIGTERM handler is given back at return
@@ -336,4 +337,5 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
                                                     t.eval_iters)
             data_config = data_config_for_resume(config, built.iteration, built.consumed_samples)
             train_iter, valid_iter = datasets_provider(data_config, state, built.consumed_samples, consumed_valid)
-            return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal).run()
+            return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal,
+                             started).run()

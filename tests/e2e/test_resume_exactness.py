@@ -11,6 +11,7 @@ layout (here MLA's TP2 checkpoint in one process, which follows within rounding)
 --transformer-impl transformer_engine with delayed FP8 scaling (TE's scaling state is not saved)."""
 
 import shutil
+import time
 
 import pytest
 
@@ -71,6 +72,32 @@ def test_a_stop_by_exit_duration(tmp_path):
                                            stop=("--exit-duration-in-mins", "1e-9"))
     assert (first.exit_reason, first.iteration) == ("duration", 1)
     _assert_continues(full, first, second)
+
+
+def test_exit_duration_counts_the_start_up_and_checkpoint_load(tmp_path, monkeypatch):
+    """--exit-duration-in-mins is the signal-free way to save before a scheduler's time limit, which
+    counts from the job's start (Megatron-LM counts from its start too). The minutes were counted from
+    the first step, so a resume whose checkpoint load took 10 minutes ran 10 minutes past the limit (and
+    was killed before saving). Here the load "takes" 10 minutes of a 5-minute limit: the run saves and
+    stops after its first step."""
+    from types import SimpleNamespace
+
+    from megatron_lite.training import loop
+
+    save = str(tmp_path / "ckpt")
+    pretrain_gpt.main(_argv(save, ITERS, ["--exit-interval", "1"]))
+    skipped = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + skipped[0]))
+    real_build = loop._build
+
+    def slow_build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        skipped[0] += 600.0  # ten minutes of start-up: the model built and the checkpoint loaded
+        return built
+
+    monkeypatch.setattr(loop, "_build", slow_build)
+    run = pretrain_gpt.main(_argv(save, ITERS, ["--load", save, "--exit-duration-in-mins", "5"]))
+    assert (run.exit_reason, run.iteration) == ("duration", 2)
 
 
 TWO_RANKS = {  # name: the flags of a 2-rank run
