@@ -5,10 +5,11 @@ users resume most that no other test resumes: per-split data paths (--train-data
 learning-rate schedules (the stop inside the decay), a stop by --exit-duration-in-mins, multi-token
 prediction with tied embeddings at PP2 (the last stage's embedding copy feeds the MTP depths), MLA
 at TP2 from torch_dist, delayed-scaling FP8 at TP2 + SP from torch_dist (the amax histories resume)
-and LoRA with adapter dropout (its random stream resumes). Two resumes cannot be bit for bit, by
+and LoRA with adapter dropout (its random stream resumes). Some resumes cannot be bit for bit, by
 design, and say so in one start-up line (megatron_lite/checkpoint/resume_notes.py): at another
-layout (here MLA's TP2 checkpoint in one process, which follows within rounding) and under
---transformer-impl transformer_engine with delayed FP8 scaling (TE's scaling state is not saved)."""
+layout (here MLA's TP2 checkpoint in one process) or another --micro-batch-size, which follow within
+rounding (rel 1e-5), and under --transformer-impl transformer_engine with delayed FP8 scaling (TE's
+scaling state is not saved). --exit-duration-in-mins counts the start-up and checkpoint load."""
 
 import shutil
 import time
