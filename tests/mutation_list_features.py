@@ -2,7 +2,8 @@
 earlier ones): the most likely one-line bug in each behaviour added on 2026-11-29 (per-split data
 paths, --split strictness, resume data sizing, the aux-loss names exchange, --spec / MLA agreement,
 HF importers' sizes, the lost-peer save wording, HF export staging, the server's hostile inputs,
-merge_datasets' multimodal modes), each with the fastest tests that catch it."""
+merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock), each with the
+fastest tests that catch it."""
 
 from __future__ import annotations
 
@@ -71,4 +72,12 @@ MUTATIONS = [
     Mutation("merge_modes_dropped", "merge_datasets: the inputs' multimodal sequence modes not carried",
              "megatron_lite/data/indexed_dataset.py", "            self.sequence_modes.extend(other.sequence_modes.tolist())\n",
              "            pass\n", ("tests/unit/test_merge_datasets.py", "-k", "modes")),
+    Mutation("exit_duration_from_first_step", "--exit-duration-in-mins counted from the first step (start-up and "
+             "checkpoint load left out)", "megatron_lite/training/loop.py",
+             "self.start = time.time() if started is None else started", "self.start = time.time()",
+             ("tests/e2e/test_resume_exactness.py", "-k", "start_up")),
+    Mutation("resume_layout_note_silent", "a resume at another layout or micro-batch size: no note that it is not "
+             "bit for bit", "megatron_lite/checkpoint/resume_notes.py",
+             "    if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):\n", "    if True:\n",
+             ("tests/unit/test_resume_notes.py",)),
 ]
