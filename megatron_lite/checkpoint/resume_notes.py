@@ -9,12 +9,20 @@ order, so the steps follow the uninterrupted run within floating-point rounding;
 per rank, do not carry over (``--no-load-rng``), so with dropout on the masks are others. The
 resume says so once, as a note.
 
+With another ``--seed`` or ``--split``: the data are drawn or split otherwise (mock data, the sample
+shuffle, the cyclic order), so the resumed steps train on other samples than the uninterrupted run's.
+With another ``--train-iters`` (``--train-samples``): the datasets are built for the run's length, so
+the sample order may differ.
+
 Under ``--transformer-impl transformer_engine`` with ``--fp8-recipe delayed``: Transformer Engine keeps
 the amax histories and scales inside its modules, and they are not in our checkpoints, so a resumed
 run starts them over (the first steps cast with fresh scales).
 """
 
 from __future__ import annotations
+
+from ..console import print_rank_0
+from .dist import layout_of
 
 # (key of a torch_dist checkpoint's "layout" and of dist.layout_of, key of a torch model file, its name)
 _SIZES = (("tp", "tp_size", "TP"), ("pp", "pp_size", "PP"), ("dp", "dp_size", "DP"), ("cp", "cp_size", "CP"),
@@ -60,3 +68,47 @@ def transformer_engine_note(precision) -> str | None:
     return ("> note: --transformer-impl transformer_engine keeps the delayed-scaling FP8 amax histories and scales "
             "inside Transformer Engine, not in checkpoints: they start over here, so this resumed run is not bit for "
             "bit the uninterrupted one")
+
+
+# Flags that decide which samples a step reads, compared with the checkpoint's run: (config key, flag).
+DATA_ORDER_FLAGS = (("seed", "--seed"), ("split", "--split"))
+
+
+def data_order_note(saved: dict, config) -> str | None:
+    """The note of a resume whose --seed or --split differs from the checkpoint's run's (``saved``: its
+    flat config), or None."""
+    flat = config.flat()
+    split_used = not flat.get("mock_data") and not flat.get("train_data_path")  # --split cuts --data-path only
+    differ = [f"{flag} {flat.get(key)} (the checkpoint's run: {saved[key]})" for key, flag in DATA_ORDER_FLAGS
+              if saved.get(key) is not None and saved[key] != flat.get(key) and (key != "split" or split_used)]
+    if not differ:
+        return None
+    return (f"> note: {', '.join(differ)}: the data are drawn or split otherwise, so the resumed steps read other "
+            "samples than an uninterrupted run would")
+
+
+def train_length_note(saved: dict, config) -> str | None:
+    """The note of a resume whose --train-iters (--train-samples) differs from the checkpoint's run's:
+    the datasets are built for the run's length, so the sample order may not be the one an
+    uninterrupted run of this length reads; or None."""
+    t = config.training
+    flag, now, unit = (("--train-samples", t.train_samples, "samples") if t.train_samples is not None
+                       else ("--train-iters", t.train_iters, "iterations"))
+    saved_length = saved.get(flag[2:].replace("-", "_"))
+    if saved_length is None or saved_length == now:
+        return None
+    return (f"> note: {flag} {now} differs from the checkpoint's run ({saved_length}): the sample order may "
+            f"differ from that of an uninterrupted run of {now} {unit} (see \"A finished run resumed with a "
+            "larger --train-iters\" in docs/checkpoints.md)")
+
+
+def print_resume_notes(saved_layout: dict, saved_flags: dict, config, state) -> None:
+    """Rank 0: each note of a resume from a checkpoint saved at ``saved_layout`` with the flat flags
+    ``saved_flags`` (its train length, data order, layout and micro-batch size)."""
+    micro = saved_flags.get("micro_batch_size")
+    saved_layout = saved_layout if micro is None else {**saved_layout, "micro_batch_size": micro}
+    now = {**layout_of(state), "micro_batch_size": config.training.micro_batch_size}
+    for note in (train_length_note(saved_flags, config), data_order_note(saved_flags, config),
+                 layout_change_note(saved_layout, now)):
+        if note:
+            print_rank_0(note)

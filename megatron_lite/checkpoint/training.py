@@ -67,7 +67,7 @@ from .frozen import (
 )
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
-from .resume_notes import layout_change_note, torch_file_layout, transformer_engine_note
+from .resume_notes import print_resume_notes, torch_file_layout, transformer_engine_note
 from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
 from .save_lost import SaveProgress, peer_lost_as_error, peer_lost_loading
@@ -286,7 +286,6 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     with full_params(chunks, load=True):  # ZeRO-3: full-size storage to load into, then re-sharded
         check_compatible(path, ckpt, modules, config, state)
         check_architecture(path, ckpt.get("config", {}), config)
-        note_train_length(ckpt.get("config", {}), config)
         for module, saved in zip(modules, ckpt["model"]):
             load_saved_state(module, saved)
 
@@ -306,32 +305,9 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _refresh_masters(optimizer)
     if not ck.no_load_rng:
         _restore_rng(root, iteration, ckpt, state)
-    _note_layout(torch_file_layout(ckpt), ckpt.get("config", {}), config, state)
+    print_resume_notes(torch_file_layout(ckpt), ckpt.get("config", {}), config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
-
-
-def _note_layout(saved: dict, saved_flags: dict, config, state) -> None:
-    """Rank 0: the note of a resume at another layout or micro-batch size than the checkpoint's (:mod:`.resume_notes`)."""
-    micro = saved_flags.get("micro_batch_size")
-    saved = saved if micro is None else {**saved, "micro_batch_size": micro}
-    note = layout_change_note(saved, {**layout_of(state), "micro_batch_size": config.training.micro_batch_size})
-    if note:
-        print_rank_0(note)
-
-
-def note_train_length(saved: dict, config) -> None:
-    """Rank 0: one note when this run's --train-iters (--train-samples) differs from the checkpoint's
-    run's: the datasets are built for the run's length, so the sample order may not be the one an
-    uninterrupted run of this length reads."""
-    t = config.training
-    flag, now, unit = (("--train-samples", t.train_samples, "samples") if t.train_samples is not None
-                       else ("--train-iters", t.train_iters, "iterations"))
-    saved_length = saved.get(flag[2:].replace("-", "_"))
-    if saved_length is not None and saved_length != now:
-        print_rank_0(f"> note: {flag} {now} differs from the checkpoint's run ({saved_length}): the sample order may "
-                     f"differ from that of an uninterrupted run of {now} {unit} (see \"A finished run resumed with a "
-                     "larger --train-iters\" in docs/checkpoints.md)")
 
 
 def _refresh_masters(optimizer) -> None:
@@ -364,7 +340,6 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     ck, folder = config.checkpoint, iteration_dir(root, iteration)
     common = read_common(folder)
     check_architecture(folder, common["config"], config)
-    note_train_length(common["config"], config)
     load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
     if not ck.no_load_rng:
         if is_fresh_layout(common, state):
@@ -372,7 +347,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
                                   f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
         path = require_dist_rng(folder, os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt"))
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
-    _note_layout(common["layout"], common["config"], config, state)
+    print_resume_notes(common["layout"], common["config"], config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     return int(common["iteration"]), int(common["consumed_samples"])
 

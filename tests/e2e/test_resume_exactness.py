@@ -143,6 +143,11 @@ def test_another_micro_batch_size_follows_within_rounding_and_says_so(tmp_path, 
     assert capsys.readouterr().out.count("micro-batch size 2, this run is TP1 (1 ranks), micro-batch size 4: it "
                                          "continues the saved run within floating-point rounding") == 1
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(other), Trajectory.of(full))
+    # another --seed: other mock samples (another run, not a rounding difference), said in one line
+    pretrain_gpt.main(_argv(str(tmp_path / "seed"), ITERS, ["--load", str(tmp_path / "part_stop"), "--seed", "99"]))
+    out = capsys.readouterr().out
+    assert out.count("> note: --seed 99 (the checkpoint's run: 7): the data are drawn or split otherwise") == 1, out
+    assert "> note: the checkpoint was saved" not in out
 
 
 def test_lora_with_adapter_dropout(tmp_path):

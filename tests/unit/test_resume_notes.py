@@ -56,3 +56,23 @@ def test_transformer_engine_note_only_for_its_delayed_scaling():
     assert transformer_engine_note(precision(impl="local")) is None  # ours are saved: bit for bit
     assert transformer_engine_note(precision(fmt=None)) is None  # no FP8: no scaling state
     assert transformer_engine_note(precision(recipe="tensorwise")) is None  # current scaling keeps none
+
+
+def test_another_seed_or_split_is_noted():
+    """--seed draws mock data and shuffles samples; --split cuts --data-path (not mock data, not per-split paths)."""
+    from megatron_lite.checkpoint.resume_notes import data_order_note
+    from megatron_lite.config import Config
+
+    config = Config()
+    saved = config.flat()
+    assert data_order_note(saved, config) is None
+    assert data_order_note({}, config) is None  # a checkpoint that records neither
+    config.training.seed = 99
+    assert data_order_note(saved, config) == (
+        "> note: --seed 99 (the checkpoint's run: 1234): the data are drawn or split otherwise, so the resumed steps "
+        "read other samples than an uninterrupted run would")
+    config.training.seed = 1234
+    config.data.split = "90,10,0"
+    assert "--split 90,10,0 (the checkpoint's run: 969,30,1)" in data_order_note(saved, config)
+    config.data.mock_data = True  # mock data has no split
+    assert data_order_note(saved, config) is None
