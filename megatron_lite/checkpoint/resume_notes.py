@@ -1,13 +1,11 @@
 """The start-up notes of a resume that cannot continue the run bit for bit, by design: one line each.
 
-At another parallel layout, or another ``--micro-batch-size`` (the same global batch in other pieces):
-
-A checkpoint resumed at its own layout continues bit for bit. Resumed at another one (a ``torch_dist``
-checkpoint at any TP x PP x DP x CP x EP, a ``torch`` one at another DP or CP size) it continues the
-same run, but not bit for bit: gradients, norms and losses are summed over other groups in another
-order, so the steps follow the uninterrupted run within floating-point rounding; and the RNG states,
-per rank, do not carry over (``--no-load-rng``), so with dropout on the masks are others. The
-resume says so once, as a note.
+A checkpoint resumed at its own layout and micro-batch size continues bit for bit. Resumed at another
+layout (a ``torch_dist`` checkpoint at any TP x PP x DP x CP x EP, a ``torch`` one at another DP or CP
+size) or another ``--micro-batch-size`` (the same global batch in other pieces) it continues the same
+run, but not bit for bit: gradients, norms and losses are summed in another order, so the steps follow
+the uninterrupted run within floating-point rounding; and at another layout the RNG states, per rank,
+do not carry over (``--no-load-rng``), so with dropout on the masks are others.
 
 With another ``--seed`` or ``--split``: the data are drawn or split otherwise (mock data, the sample
 shuffle, the cyclic order), so the resumed steps train on other samples than the uninterrupted run's.
