@@ -89,8 +89,9 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
             progress=_no_progress, also=None) -> str:
     """Write ``bundle`` as a Hugging Face folder (config.json with the special-token ids, safetensors,
     generation_config.json, the tokenizer AutoTokenizer reads back to our ids); returns the folder
-    and, on a second line, what was written as the tokenizer (or why none). ``also(folder)`` writes
-    more files (a PEFT adapter) staged with the model's."""
+    and, on a second line, what was written as the tokenizer (or why none). ``progress(iterable, desc=,
+    unit=)`` reports the safetensors files as they are written; ``also(folder)`` writes more files (a
+    PEFT adapter) staged with the model's."""
     if bundle.config.get("spec"):
         module, name = bundle.config["spec"]
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
@@ -125,7 +126,7 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
     with replaced_folder(save_dir, last=("config.json",)) as folder:
         special, note = export_tokenizer(bundle.config, bundle.tokenizer_files, folder)
         hf_config.update(special)
-        write_safetensors(tensors, folder, limit)
+        write_safetensors(tensors, folder, limit, progress)
         if style != "bert" and special and not any(os.path.isfile(os.path.join(d, "generation_config.json"))
                                                    for d in (folder, save_dir)):
             write_json(os.path.join(folder, "generation_config.json"), {**special, "_from_model_config": True})

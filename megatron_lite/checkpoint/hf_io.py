@@ -90,9 +90,10 @@ def _save_file(st, tensors: dict, path: str) -> None:
         raise OSError(errno.EIO, f"write failed ({str(err).strip().splitlines()[0][:120]})", path) from None
 
 
-def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[str]:
+def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int, progress=None) -> list[str]:
     """Write ``tensors`` as ``model.safetensors``, or as shards plus the index when larger than
-    ``max_shard_bytes``; returns the file names written."""
+    ``max_shard_bytes``; returns the file names written. ``progress(iterable, desc=, unit=)`` (a
+    tqdm-like wrapper) reports each safetensors file as it is written."""
     st = _safetensors()
     os.makedirs(folder, exist_ok=True)
     shards, current, size = [], {}, 0
@@ -104,14 +105,15 @@ def write_safetensors(tensors: dict, folder: str, max_shard_bytes: int) -> list[
         current[name] = tensor.detach().contiguous().clone()  # own storage: safetensors refuses shared views
         size += nbytes
     shards.append(current)
-    if len(shards) == 1:
-        _save_file(st, shards[0], os.path.join(folder, SINGLE_FILE))
-        return [SINGLE_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = list(zip(names, shards, strict=True))
     weight_map = {}
-    for name, shard in zip(names, shards):
+    for name, shard in (files if progress is None else progress(files, desc="safetensors files", unit="file")):
         _save_file(st, shard, os.path.join(folder, name))
         weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) == 1:
+        return [SINGLE_FILE]
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_json(os.path.join(folder, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names + [INDEX_FILE]

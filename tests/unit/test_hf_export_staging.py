@@ -14,6 +14,7 @@ from megatron_lite.data.interrupt import Terminated
 from megatron_lite.files import replaced_folder
 from tests.convert_helpers import convert
 from tests.inference_helpers import save_model
+from tests.tools import load_tool
 
 pytest.importorskip("safetensors")
 
@@ -94,3 +95,25 @@ def test_replaced_folder_removes_a_killed_writers_folder_and_keeps_files_already
     assert sorted(os.listdir(target)) == ["README.md", "a.safetensors", "adapter", "config.json"]
     assert sorted(os.listdir(target / "adapter")) == ["adapter_config.json", "notes.txt"]
     assert moved == ["a.safetensors", "adapter_config.json", "config.json"]
+
+
+@pytest.mark.parametrize("shard_size", ["2KB", "5GB"], ids=["shards", "one file"])
+def test_the_export_reports_each_safetensors_file_written(source, tmp_path, monkeypatch, shard_size):
+    """save_hf took a ``progress`` argument it never used: the tool's progress (a bar on a terminal,
+    plain lines in a log) showed the pipeline stages of a Megatron save but nothing of an HF export."""
+    from megatron_lite.progress import progress
+
+    tool, reported = load_tool("checkpoint/convert"), []
+
+    def recording(iterable, **kw):
+        for item in progress(iterable, enabled=False, **kw):
+            reported.append((kw.get("desc"), item[0]))
+            yield item
+
+    monkeypatch.setattr(tool, "progress", recording)
+    out = tmp_path / "hf"
+    assert tool.main(["--model-type", "GPT", "--saver", "hf", "--load-dir", str(source), "--save-dir", str(out),
+                      "--max-shard-size", shard_size]) == 0
+    written = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert sorted(name for desc, name in reported if desc == "safetensors files") == written
+    assert len(written) > 1 if shard_size == "2KB" else written == ["model.safetensors"]
