@@ -38,7 +38,9 @@ def torch_file_layout(ckpt: dict) -> dict:
     return out
 
 
-def _describe(layout: dict) -> str:
+def describe_layout(layout: dict) -> str:
+    """``layout`` (:func:`~megatron_lite.checkpoint.dist.layout_of`'s keys) in words: ``TP2 x DP2 (4 ranks)``,
+    the sizes of 1 left out but TP's, with the micro-batch size where it is given."""
     sizes = " x ".join(f"{name}{layout[key]}" for key, _, name in _SIZES if (layout.get(key) or 1) != 1 or key == "tp")
     ranks = f" ({layout['world_size']} ranks)" if "world_size" in layout else ""
     micro = f", micro-batch size {layout['micro_batch_size']}" if "micro_batch_size" in layout else ""
@@ -51,7 +53,7 @@ def layout_change_note(saved: dict, now: dict) -> str | None:
     only the sizes ``saved`` records are compared), or None at the same layout and micro-batch size."""
     if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):
         return None
-    return (f"> note: the checkpoint was saved at {_describe(saved)}, this run is {_describe(now)}: it continues the "
+    return (f"> note: the checkpoint was saved at {describe_layout(saved)}, this run is {describe_layout(now)}: it continues the "
             "saved run within floating-point rounding, not bit for bit (sums in another order; with dropout, other "
             "masks)")
 

@@ -67,7 +67,7 @@ from .frozen import (
 )
 from .hf_io import model_files_in
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
-from .resume_notes import print_resume_notes, torch_file_layout, transformer_engine_note
+from .resume_notes import describe_layout, print_resume_notes, torch_file_layout, transformer_engine_note
 from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
 from .save_lost import SaveProgress, peer_lost_as_error, peer_lost_loading
@@ -343,8 +343,9 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
     load_dist(folder, common, chunks, optimizer, scheduler, state, not ck.no_load_optim)  # re-pads the vocabulary
     if not ck.no_load_rng:
         if is_fresh_layout(common, state):
-            raise CheckpointError(f"checkpoint {folder} was saved at layout {common['layout']}, this run has "
-                                  f"{layout_of(state)}; RNG states are per rank and do not carry over: pass --no-load-rng")
+            saved, now = describe_layout(common["layout"]), describe_layout(layout_of(state))
+            raise CheckpointError(f"checkpoint {folder} was saved at {saved}, this run is {now}: its RNG states are "
+                                  f"per rank and do not carry over to another layout; pass --no-load-rng (or resume at {saved})")
         path = require_dist_rng(folder, os.path.join(folder, "rng", f"rank_{_global_rank():05d}.pt"))
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
     print_resume_notes(common["layout"], common["config"], config, state)

@@ -76,3 +76,27 @@ def test_another_seed_or_split_is_noted():
     assert "--split 90,10,0 (the checkpoint's run: 969,30,1)" in data_order_note(saved, config)
     config.data.mock_data = True  # mock data has no split
     assert data_order_note(saved, config) is None
+
+
+def test_rng_states_at_another_layout_are_refused_in_one_readable_line(tmp_path, monkeypatch):
+    """A torch_dist checkpoint resumed at another layout without --no-load-rng: the error printed the two
+    layouts as raw dicts ({'tp': 2, 'pp': 1, ...}); it names them as the resume notes do, and the fix."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from megatron_lite.checkpoint import training
+    from megatron_lite.checkpoint.format import CheckpointError
+
+    saved = dict(ONE, tp=2, dp=2, world_size=4)
+    monkeypatch.setattr(training, "read_common", lambda folder: {"config": {}, "layout": saved})
+    monkeypatch.setattr(training, "check_architecture", lambda *a: None)
+    monkeypatch.setattr(training, "load_dist", lambda *a: None)
+    state = SimpleNamespace(tp_size=1, pp_size=2, dp_size=1, cp_size=1, ep_size=1, vpp_size=None, world_size=2)
+    config = SimpleNamespace(checkpoint=SimpleNamespace(no_load_rng=False, no_load_optim=False))
+    with pytest.raises(CheckpointError) as err:
+        training._load_dist_here(str(tmp_path), 3, [], None, None, config, state)
+    folder = tmp_path / "iter_0000003"
+    assert str(err.value) == (f"checkpoint {folder} was saved at TP2 x DP2 (4 ranks), this run is TP1 x PP2 (2 ranks): "
+                              "its RNG states are per rank and do not carry over to another layout; pass --no-load-rng "
+                              "(or resume at TP2 x DP2 (4 ranks))")
