@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shlex
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from .hf import STYLES, pick_style
 from .hf_folder import load_hf, save_hf
 from .hf_io import TOKENIZER_DIR, copy_tokenizer_files
 from .hf_tokenizer import add_bert_vocab_txt, tokenizer_flags, tokenizer_in_folder
-from .layout import check_expert_size, check_model_type
+from .layout import check_expert_size, check_model_type, num_experts
 from .reshard import ModelBundle, TargetLayout, load_megatron, save_megatron, target_config
 
 
@@ -142,7 +143,29 @@ def _save_megatron(bundle: ModelBundle, args, progress=_no_progress, write_token
     out = save_megatron(bundle, args.save_dir, layout, progress, write_tokenizer)
     config = target_config(bundle, layout)
     flags = pretrain_flags(config, bundle.iteration == "release", bundle.optimizer is not None)
-    return f"{out}\nload it with: {shell_words(['--load', args.save_dir, *flags])} (and the tokenizer flags)"
+    if num_experts(config) and layout.ep > 1 and layout.etp is None and layout.tp > 1:
+        # --expert-tensor-parallel-size defaults to TP: said, as the experts' grid sets the ranks needed
+        at = flags.index("--expert-model-parallel-size") + 2
+        flags[at:at] = ["--expert-tensor-parallel-size", str(layout.tp)]
+    words = shell_words(["--load", args.save_dir, *flags])
+    return f"{out}\n{ranks_needed(layout, bool(num_experts(config)))}\nload it with: {words} (and the tokenizer flags)"
+
+
+def ranks_needed(layout: TargetLayout, experts: bool) -> str:
+    """The line saying how many ranks run the written layout: TP x PP x the smallest data-parallel size
+    its experts' grid fits (EP inside DP; a folded grid's ETP x EP dividing TP x DP)."""
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.etp_size
+    if layout.dp is not None:
+        dp = layout.dp
+    elif experts and layout.folded:
+        dp = etp * ep // math.gcd(tp, etp * ep)
+    else:
+        dp = ep if experts else 1
+    world = tp * pp * dp
+    if dp == 1:
+        return f"run it on a multiple of {world} rank{'s' * (world > 1)} (TP{tp} x PP{pp}, times the data- or context-parallel size)"
+    return (f"run it on a multiple of {world} ranks (TP{tp} x PP{pp} x DP{dp}: the experts' grid EP{ep} x ETP{etp} "
+            f"needs a data-parallel size that is a multiple of {dp})")
 
 
 def shell_words(words: list[str]) -> str:

@@ -375,3 +375,30 @@ def test_a_damaged_qwen3_folder_names_its_format_and_the_tensor_as_in_the_file(t
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the qwen3 weights have no tensor model.layers.1.self_attn.q_proj.weight" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target, world", [((2, 2, None), 4), ((1, 2, 2), 4), ((2, 1, None), 2)],
+                         ids=["tp2 ep2", "folded etp2 ep2", "tp2 ep1"])
+def test_printed_flags_and_ranks_fit_the_written_layout(tmp_path, capsys, target, world):
+    """An import at TP2 x EP2 printed flags without --expert-tensor-parallel-size, which defaults to TP:
+    the experts' ETP2 x EP2 grid needs a data-parallel size of 2, so the flags fail on 2 ranks, and the
+    output did not say so. The line before the flags says how many ranks; the flags parse there, and
+    not on fewer."""
+    tp, ep, etp = target
+    qwen3_moe().save_pretrained(str(tmp_path / "hf"))
+    extra = [] if etp is None else ["--target-expert-tensor-parallel-size", etp]
+    assert convert("GPT", "--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out",
+                   "--make-vocab-size-divisible-by", 8, "--target-tensor-parallel-size", tp,
+                   "--target-expert-parallel-size", ep, *extra) == 0
+    out = capsys.readouterr().out
+    ranks = out.split("\nload it with: ")[0].splitlines()[-1]
+    assert ranks.startswith(f"run it on a multiple of {world} ranks (TP{tp} x PP1"), ranks
+    flags = shlex.split(out.split("load it with: ")[1].split(" (and the tokenizer flags)")[0])[2:]
+    if ep > 1 and tp > 1:
+        assert flags[flags.index("--expert-tensor-parallel-size") + 1] == str(tp)
+    config = parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=world)
+    assert config.flat()["expert_model_parallel_size"] == ep
+    if world > tp:
+        with pytest.raises(SystemExit) as err:
+            parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=world // 2)
+        assert err.value.code == 2
