@@ -170,7 +170,7 @@ def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
         train_samples, valid_samples, _ = train_valid_test_num_samples(
-            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples
         )
         # config.flat() holds the "bert" section too: --mask-prob, --short-seq-prob, --bert-no-binary-head
         data_config = dataset_config_from_args(config.flat(), tokenizer, bert=True)

@@ -176,7 +176,7 @@ def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
         train_samples, valid_samples, _ = train_valid_test_num_samples(
-            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples
         )
         samples = [train_samples, valid_samples, 0]  # the loop does not run a test pass: build no test split
         if config.data.sft:  # chat conversations, padded or packed (megatron_lite/data/sft_dataset.py)

@@ -153,6 +153,8 @@ class TrainingConfig:
     """Evaluate on the validation split every this many steps."""
     eval_iters: int = 10
     """Validation steps (global batches) per evaluation (0 disables evaluation)."""
+    valid_samples: int | None = field(default=None, metadata={"cli": False})
+    """Derived: validation samples to build the datasets for, set on a resume whose saved validation position (another --eval-interval / --eval-iters) runs past what the flags give (None: from the flags)."""
     recompute_granularity: str | None = None
     """Activation recomputation: full or selective (core attention)."""
     recompute_method: str | None = None

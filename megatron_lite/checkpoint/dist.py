@@ -193,10 +193,11 @@ def layout_of(state) -> dict:
             "ep": state.ep_size, "vpp": state.vpp_size, "world_size": state.world_size, **folded}
 
 
-def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state) -> dict:
+def common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state, consumed_valid=None) -> dict:
     """The contents of ``common.pt`` (collective: the partition table and the step are agreed)."""
     return {
         "format": "torch_dist", "iteration": int(iteration), "consumed_samples": int(consumed),
+        "consumed_valid_samples": consumed_valid,
         "config": saved_config(config), "layout": layout_of(state), "partition": _partition_table(chunks, state),
         "optimizer": optimizer_common(optimizer, config), "frozen_base": base_of(chunks),
         "scheduler": None if scheduler is None else scheduler.state_dict(),

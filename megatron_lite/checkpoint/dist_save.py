@@ -345,7 +345,7 @@ def _raise(error: str | None) -> None:
 
 
 def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, saves, steps,
-              progress: SaveProgress | None = None) -> str:
+              progress: SaveProgress | None = None, consumed_valid: int | None = None) -> str:
     """Write checkpoint ``iteration`` in the torch_dist format (collective). ``rng``: this rank's
     RNG states; ``saves``: an :class:`AsyncSaves` for ``--async-save``, else None; ``steps(fn)``
     runs a local step on every rank and raises its CheckpointError everywhere; ``progress`` records
@@ -362,7 +362,7 @@ def save_dist(iteration, chunks, optimizer, scheduler, consumed, config, state, 
             sweep_temps(root, iteration, keep=saves.in_flight() if saves is not None else None)
     steps(clear)
     try:
-        common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state)
+        common = common_payload(iteration, consumed, chunks, optimizer, scheduler, config, state, consumed_valid)
         steps(lambda: write_small_files(root, iteration, common, rng, rank, f"rank_{rank:05d}.pt"))
         pieces = rank_pieces(chunks, optimizer, state)
         if saves is not None:

@@ -100,11 +100,13 @@ def _writing(write, root, iteration):
     return step
 
 
-def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, async_saves=None) -> str:
+def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, async_saves=None,
+                    consumed_valid_samples=None) -> str:
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
     ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
-    and ``scheduler`` may be None. ``--ckpt-format torch_dist`` writes the sharded format
+    and ``scheduler`` may be None. ``consumed_valid_samples``: the validation samples the run has read
+    (recorded, so a resume with other --eval-interval / --eval-iters continues validation there). ``--ckpt-format torch_dist`` writes the sharded format
     (:mod:`~megatron_lite.checkpoint.dist_save`); ``async_saves`` (an AsyncSaves, with
     ``--async-save``) writes it in the background. Returns the iteration folder.
     """
@@ -121,16 +123,19 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
         if config.checkpoint.ckpt_format == "torch_dist":
             with full_params(chunks):  # ZeRO-3 / --overlap-param-gather: full weights to cut pieces from
                 folder = save_dist(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng,
-                                   async_saves, lambda step: on_every_rank(_writing(step, root, iteration)), progress)
+                                   async_saves, lambda step: on_every_rank(_writing(step, root, iteration)), progress,
+                                   consumed_valid_samples)
         else:
-            folder = _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, progress)
+            folder = _save_torch(iteration, chunks, optimizer, scheduler, (consumed_samples, consumed_valid_samples),
+                                 config, state, rng, progress)
             say(f"  successfully saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
     return folder
 
 
-def _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, rng, progress) -> str:
-    """:func:`save_checkpoint` in the ``torch`` format (collective)."""
+def _save_torch(iteration, chunks, optimizer, scheduler, consumed, config, state, rng, progress) -> str:
+    """:func:`save_checkpoint` in the ``torch`` format (collective); ``consumed``: (train, validation) samples."""
     root, rank = config.checkpoint.save, _global_rank()
+    consumed_samples, consumed_valid_samples = consumed
     base = base_of(chunks)  # frozen (LoRA base) weights are not saved: where they come from is
     # every rank: the distributed optimizer's state_dict is a collective (a gather over data parallel)
     optim_state = None if optimizer is None else optimizer.state_dict()
@@ -152,6 +157,7 @@ def _save_torch(iteration, chunks, optimizer, scheduler, consumed_samples, confi
             payload = {
                 "iteration": int(iteration),
                 "consumed_samples": int(consumed_samples),
+                "consumed_valid_samples": consumed_valid_samples,
                 "config": saved_config(config),
                 "tp_size": state.tp_size,
                 "pp_size": state.pp_size,
@@ -234,6 +240,17 @@ def _no_tracker(root: str, quiet: bool = False, finetune: bool = False) -> None:
         print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
 
+class Resumed(tuple):
+    """``(iteration, consumed_samples)`` of a resumed checkpoint, as :func:`load_checkpoint` returns them;
+    ``consumed_valid_samples``: the validation samples its run had read (None: not recorded, a
+    checkpoint saved before it was, or by the converter)."""
+
+    def __new__(cls, iteration: int, consumed_samples: int, consumed_valid_samples=None):
+        out = super().__new__(cls, (iteration, consumed_samples))
+        out.consumed_valid_samples = None if consumed_valid_samples is None else int(consumed_valid_samples)
+        return out
+
+
 def _restore_rng(root, iteration, ckpt, state) -> None:
     rank = _global_rank()
     rng_path = rng_file(root, iteration, rank)
@@ -307,7 +324,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _restore_rng(root, iteration, ckpt, state)
     print_resume_notes(torch_file_layout(ckpt), ckpt.get("config", {}), config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
-    return int(ckpt["iteration"]), int(ckpt["consumed_samples"])
+    return Resumed(int(ckpt["iteration"]), int(ckpt["consumed_samples"]), ckpt.get("consumed_valid_samples"))
 
 
 def _refresh_masters(optimizer) -> None:
@@ -350,7 +367,7 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
     print_resume_notes(common["layout"], common["config"], config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
-    return int(common["iteration"]), int(common["consumed_samples"])
+    return Resumed(int(common["iteration"]), int(common["consumed_samples"]), common.get("consumed_valid_samples"))
 
 
 def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
@@ -359,7 +376,8 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     Without ``--load``, or when it names an absent or empty folder, nothing is loaded and (0, 0) is
     returned - or, with ``--pretrained-checkpoint``, only its weights (:mod:`.pretrained`), from
     iteration 0. A folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
-    ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
+    The pair of a resumed checkpoint is a :class:`Resumed`, which also carries the validation samples
+    its run had read. ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
     the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
     :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
     rank alike when any rank finds a problem.

@@ -84,6 +84,23 @@ def data_config_for_resume(config, iteration: int, consumed: int):
     return resumed
 
 
+def valid_config_for_resume(config, iteration: int, consumed_valid: int):
+    """``config``, or a copy whose ``valid_samples`` (the validation set's size) covers a resumed run's
+    validation: from ``consumed_valid`` (the checkpoint's position, recorded under other --eval-interval /
+    --eval-iters) through the passes left, which the flags' count would not hold (it would wrap to the
+    first samples)."""
+    t = config.training
+    if t.eval_iters <= 0 or not t.eval_interval:
+        return config
+    passes_left = t.train_iters // t.eval_interval - iteration // t.eval_interval + 1  # and the final one
+    needed = consumed_valid + max(passes_left, 1) * t.eval_iters * t.global_batch_size
+    if needed <= (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size:
+        return config
+    resumed = copy.copy(config)
+    resumed.training = dataclasses.replace(t, valid_samples=needed)
+    return resumed
+
+
 class BatchSchedule:
     """The global batch and micro-batch count of the step that starts after ``consumed`` samples."""
 

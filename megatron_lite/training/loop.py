@@ -41,7 +41,7 @@ from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
-from .batch_rampup import StepBatches, data_config_for_resume, validation_batch
+from .batch_rampup import StepBatches, data_config_for_resume, valid_config_for_resume, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
@@ -106,6 +106,7 @@ class _Built(NamedTuple):
     scheduler: OptimizerParamScheduler
     iteration: int
     consumed_samples: int
+    consumed_valid_samples: int | None = None  # as the checkpoint recorded it (None: not recorded)
 
 
 SCHEDULER_METHODS = ("step", "get_lr", "state_dict", "load_state_dict")  # what the loop and checkpoints call
@@ -133,10 +134,10 @@ def _build(config: Config, state: ParallelState, device, model_provider, schedul
     optimizer = build_optimizer(config, chunks, state)
     scheduler = scheduler_provider(config, optimizer)
     check_scheduler(scheduler)
-    iteration, consumed = 0, 0
+    loaded = (0, 0)
     if ck.load or ck.pretrained_checkpoint:
-        iteration, consumed = load_checkpoint(chunks, optimizer, scheduler, config, state)
-    return _Built(chunks, optimizer, scheduler, iteration, consumed)
+        loaded = load_checkpoint(chunks, optimizer, scheduler, config, state)
+    return _Built(chunks, optimizer, scheduler, *loaded, getattr(loaded, "consumed_valid_samples", None))
 
 
 def _in_save(ck, iteration: int) -> bool:
@@ -155,9 +156,10 @@ class _Training:
     check)."""
 
     def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
-                 exit_signal: _ExitSignal | None = None, started: float | None = None):
+                 exit_signal: _ExitSignal | None = None, started: float | None = None, consumed_valid: int = 0):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
-        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built
+        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built[:5]
+        self.consumed_valid = consumed_valid  # validation samples read so far (saved with the checkpoints)
         self.timers = Timers(config.logging.timing_log_level, get_device())
         self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
                            else self.timers.timed_iterator(train_iter))
@@ -185,7 +187,7 @@ class _Training:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
         if self.config.checkpoint.save and self.saved_at != self.iteration:
             save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
-                            self.config, self.state, self.async_saves)
+                            self.config, self.state, self.async_saves, self.consumed_valid)
             self.saved_at = self.iteration
             self.progress.saved(self.iteration, self.consumed)
 
@@ -245,6 +247,7 @@ class _Training:
         """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""
         with self.gc.evaluation():
             val = evaluate(self.config, self.comm, self.chunks, self.forward_step_func, self.valid_iter)
+        self.consumed_valid += self.config.training.eval_iters * validation_batch(self.config)
         self.logger.log_validation(self.iteration, val)
         if record and val:
             self.result.validation.append((self.iteration, next(iter(val.values()))))
@@ -332,10 +335,19 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
         with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
             state, device = setup(config)
             built = _build(config, state, device, model_provider, scheduler_provider)
-            t = config.training  # validation resumes where an uninterrupted run's would be
-            consumed_valid = consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval,
-                                                    t.eval_iters)
+            consumed_valid = resumed_validation(config, built)
             data_config = data_config_for_resume(config, built.iteration, built.consumed_samples)
+            data_config = valid_config_for_resume(data_config, built.iteration, consumed_valid)
             train_iter, valid_iter = datasets_provider(data_config, state, built.consumed_samples, consumed_valid)
             return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal,
-                             started).run()
+                             started, consumed_valid).run()
+
+
+def resumed_validation(config: Config, built: _Built) -> int:
+    """Where a resumed run's validation continues: the samples the checkpoint's run had read, as it
+    recorded them (so another --eval-interval or --eval-iters continues from there, as in Megatron-LM),
+    or, for a checkpoint without the record, what this run's flags would have read by its iteration."""
+    if built.consumed_valid_samples is not None:
+        return built.consumed_valid_samples
+    t = config.training
+    return consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval, t.eval_iters)

@@ -5,6 +5,7 @@ conversations. A finished run resumed with a larger --train-iters (the same sche
 the longer run would have where its datasets, built for more samples, keep their order."""
 
 import pytest
+import torch
 
 import pretrain_gpt
 from tests.e2e.test_pretrain_gpt import MODEL, _real_data
@@ -118,3 +119,70 @@ def test_a_ramp_up_run_resumed_with_a_smaller_global_batch_ends_at_its_samples(t
                                          "--override-opt_param-scheduler"])
     assert (resumed.iteration, resumed.consumed_samples, len(resumed.losses)) == (10, 40, 6)
     assert "the run ends at iteration 10, once --train-samples 40 are trained" in capsys.readouterr().out
+
+
+def _recording_validation(monkeypatch):
+    """Every validation pass's micro-batches (their tokens), in order, as a list of passes."""
+    from megatron_lite.training import loop
+
+    evaluate, passes = loop.evaluate, []
+
+    def recorded(config, comm, chunks, forward_step_func, data_iterator):
+        read = []
+        passes.append(read)
+
+        def batches():
+            for batch in data_iterator:
+                read.append(batch["tokens"].clone())
+                yield batch
+        return evaluate(config, comm, chunks, forward_step_func, batches())
+
+    monkeypatch.setattr(loop, "evaluate", recorded)
+    return passes
+
+
+@pytest.mark.parametrize("change, ckpt_format", [(["--eval-iters", "3"], "torch"), (["--eval-iters", "1"], "torch_dist"),
+                                                 (["--eval-interval", "3"], "torch")],
+                         ids=["more eval iters", "fewer eval iters torch_dist", "another eval interval"])
+def test_a_resume_with_other_eval_flags_continues_validation_where_it_was(tmp_path, monkeypatch, change, ckpt_format):
+    """The validation position of a resume was recomputed from the resumed run's --eval-interval and
+    --eval-iters: stopped at 4 after two passes of 2 batches (16 samples), resumed with --eval-iters 3
+    it started at (4 // 2) x 3 batches = 24 samples, skipping 8 the run had never read (with
+    --eval-interval 3: at 8, reading 8 samples again). The checkpoint records the samples read, as
+    Megatron-LM's does: the resumed validation reads the batches the uninterrupted run reads next (the
+    validation set is built to hold them: with fewer --eval-iters the flags' count would wrap to its start)."""
+    flags = list(MODEL) + ["--eval-iters", "2", "--eval-interval", "2", "--micro-batch-size", "2",
+                           "--global-batch-size", "4", "--ckpt-format", ckpt_format]
+    passes = _recording_validation(monkeypatch)
+    pretrain_gpt.main(_flags(flags, str(tmp_path / "full"), 8))
+    full = [batch for one in passes for batch in one]  # 4 passes of 2 x 2 micro-batches
+    part = str(tmp_path / "part")
+    pretrain_gpt.main(_flags(flags, part, 8, "--exit-interval", "4"))
+    passes.clear()
+    resumed = pretrain_gpt.main(_flags(flags, part, 8, "--load", part, *change))
+    read = [batch for one in passes for batch in one]
+    assert resumed.iteration == 8 and read
+    want = full[8:8 + len(read)]  # the uninterrupted run's micro-batches after the 8 read by iteration 4
+    assert len(want) == min(len(read), len(full) - 8)
+    for got, expected in zip(read, want):
+        assert torch.equal(got, expected)
+
+
+def test_a_checkpoint_without_the_record_continues_by_the_flags(tmp_path, monkeypatch):
+    """A checkpoint saved before the validation position was recorded: the position is what the
+    resumed run's flags would have read by its iteration (Megatron-LM's rule for older checkpoints)."""
+    from megatron_lite.training import loop
+
+    flags = list(MODEL) + ["--eval-iters", "2", "--eval-interval", "2", "--micro-batch-size", "2",
+                           "--global-batch-size", "4"]
+    passes = _recording_validation(monkeypatch)
+    pretrain_gpt.main(_flags(flags, str(tmp_path / "full"), 6, "--eval-iters", "1"))
+    full = [batch for one in passes for batch in one]  # 3 passes of 1 x 2 micro-batches
+    part = str(tmp_path / "part")
+    save = loop.save_checkpoint
+    monkeypatch.setattr(loop, "save_checkpoint", lambda *a: save(*a[:8]))  # as before: no position saved
+    pretrain_gpt.main(_flags(flags, part, 6, "--exit-interval", "4"))
+    passes.clear()
+    pretrain_gpt.main(_flags(flags, part, 6, "--load", part, "--eval-iters", "1"))
+    read = [batch for one in passes for batch in one]
+    assert len(read) == 2 and all(torch.equal(g, w) for g, w in zip(read, full[4:6]))  # (4 // 2) x 1 batch of 4
