@@ -50,7 +50,7 @@ def datasets_provider(config, state, consumed_train: int, consumed_valid: int):
     """(train, valid) iterators: the samples the run needs, from this script's dataset."""
     t, m = config.training, config.model
     train, valid, _ = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval,
-                                                   t.eval_iters, t.train_samples)
+                                                   t.eval_iters, t.train_samples, t.valid_samples)
     train_ds = CountingDataset(train, m.seq_length, m.vocab_size, t.seed)
     valid_ds = CountingDataset(valid, m.seq_length, m.vocab_size, t.seed + 1) if valid else None
     return chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train, consumed_valid,
