@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import megatron_lite.checkpoint.dist_save as dist_save  # noqa: E402
 import megatron_lite.checkpoint.training as ckpt_training  # noqa: E402
 import megatron_lite.training.loop as loop  # noqa: E402
+import megatron_lite.training.step as training_step  # noqa: E402
 import pretrain_gpt  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def main(args=None):
     moment, target, argv = args[0], int(args[1]), args[2:]
     calls = {"n": 0}
     if moment == "step":
-        finalize = loop.finalize_model_grads
+        finalize = training_step.finalize_model_grads  # (called by train_step, training/step.py)
 
         def finalize_then_die(*args, **kwargs):
             calls["n"] += 1
@@ -71,7 +72,7 @@ def main(args=None):
             if calls["n"] == target:
                 _die()
 
-        loop.finalize_model_grads = finalize_then_die
+        training_step.finalize_model_grads = finalize_then_die
     elif moment == "save":
         save = ckpt_training.atomic_save
 
