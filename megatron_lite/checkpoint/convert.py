@@ -162,8 +162,10 @@ def ranks_needed(layout: TargetLayout, experts: bool) -> str:
     else:
         dp = ep if experts else 1
     world = tp * pp * dp
+    if world == 1:
+        return "run it on any number of ranks (TP1 x PP1: data- or context-parallel)"
     if dp == 1:
-        return f"run it on a multiple of {world} rank{'s' * (world > 1)} (TP{tp} x PP{pp}, times the data- or context-parallel size)"
+        return f"run it on a multiple of {world} ranks (TP{tp} x PP{pp}, times the data- or context-parallel size)"
     return (f"run it on a multiple of {world} ranks (TP{tp} x PP{pp} x DP{dp}: the experts' grid EP{ep} x ETP{etp} "
             f"needs a data-parallel size that is a multiple of {dp})")
 

@@ -402,3 +402,14 @@ def test_printed_flags_and_ranks_fit_the_written_layout(tmp_path, capsys, target
         with pytest.raises(SystemExit) as err:
             parse_args(flags + ["--mock-data", "--vocab-size", str(VOCAB)], world_size=world // 2)
         assert err.value.code == 2
+
+
+def test_the_ranks_line_of_each_layout():
+    from megatron_lite.checkpoint.convert import ranks_needed
+    from megatron_lite.checkpoint.reshard import TargetLayout
+
+    assert ranks_needed(TargetLayout(), False) == "run it on any number of ranks (TP1 x PP1: data- or context-parallel)"
+    assert ranks_needed(TargetLayout(2, 2), False).startswith("run it on a multiple of 4 ranks (TP2 x PP2, times")
+    assert ranks_needed(TargetLayout(2, ep=2, etp=1), True).startswith("run it on a multiple of 4 ranks (TP2 x PP1 x DP2")
+    assert ranks_needed(TargetLayout(2, ep=4, etp=4), True).startswith("run it on a multiple of 16 ranks (TP2 x PP1 x DP8")
+    assert ranks_needed(TargetLayout(2, ep=2, etp=1, dp=1), True).startswith("run it on a multiple of 2 ranks")
