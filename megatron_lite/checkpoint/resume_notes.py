@@ -53,9 +53,9 @@ def layout_change_note(saved: dict, now: dict) -> str | None:
     only the sizes ``saved`` records are compared), or None at the same layout and micro-batch size."""
     if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):
         return None
-    return (f"> note: the checkpoint was saved at {describe_layout(saved)}, this run is {describe_layout(now)}: it continues the "
-            "saved run within floating-point rounding, not bit for bit (sums in another order; with dropout, other "
-            "masks)")
+    return (f"> note: the checkpoint was saved at {describe_layout(saved)}, this run is {describe_layout(now)}: it "
+            "continues the saved run within floating-point rounding, not bit for bit (sums in another order; with "
+            "dropout, other masks)")
 
 
 def transformer_engine_note(precision) -> str | None:

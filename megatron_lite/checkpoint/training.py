@@ -105,10 +105,11 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
     ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
-    and ``scheduler`` may be None. ``consumed_valid_samples``: the validation samples the run has read
-    (recorded, so a resume with other --eval-interval / --eval-iters continues validation there). ``--ckpt-format torch_dist`` writes the sharded format
+    and ``scheduler`` may be None. ``--ckpt-format torch_dist`` writes the sharded format
     (:mod:`~megatron_lite.checkpoint.dist_save`); ``async_saves`` (an AsyncSaves, with
-    ``--async-save``) writes it in the background. Returns the iteration folder.
+    ``--async-save``) writes it in the background. ``consumed_valid_samples``: the validation samples
+    the run has read, recorded so that a resume with other --eval-interval / --eval-iters continues
+    validation there. Returns the iteration folder.
     """
     root = config.checkpoint.save
     if root is None:
@@ -377,8 +378,8 @@ def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, i
     returned - or, with ``--pretrained-checkpoint``, only its weights (:mod:`.pretrained`), from
     iteration 0. A folder holding ``iter_*`` checkpoints but no readable tracker file is refused.
     The pair of a resumed checkpoint is a :class:`Resumed`, which also carries the validation samples
-    its run had read. ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler; ``--no-load-rng``
-    the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
+    its run had read. ``--no-load-optim`` skips the optimizer (with its loss scaler) and scheduler;
+    ``--no-load-rng`` the RNG states; ``--finetune`` loads only the weights and returns (0, 0). Raises
     :class:`CheckpointError` for a missing/corrupt file or a checkpoint that does not fit, on every
     rank alike when any rank finds a problem.
     """
