@@ -3,7 +3,7 @@ bit-identical, checkpoints hold the adapters plus a base reference and resume ex
 
 Each base model (dense GPT; MoE with sequential or grouped experts) is pretrained for 2 steps and
 saved once; every LoRA run starts from it with --pretrained-checkpoint. The single-process LoRA run
-of each model is the reference (module fixtures); TP2 + SP, PP2 (1F1B, ZB-H1), CP2 with full
+of each model is the reference (module fixtures); TP2 + SP, TP2 x PP2 + SP, PP2 (1F1B, ZB-H1), CP2 with full
 recompute, DP2 with the distributed optimizer and DP2 ZeRO-3 (dense), EP2 and TP2 + SP with the
 experts split over TP or whole on every TP rank (experts with adapters) must give its losses and
 gradient norms within rel 1e-5.
@@ -89,6 +89,14 @@ def references(bases):
 def test_parallel_lora_reproduces_one_process(bases, references, name, model, extra):
     got = ranks_trajectory(2, "pretrain_gpt", lora_argv(bases, model, extra))
     assert_same_trajectory(got, references[model], what=name)
+
+
+def test_lora_tp2_pp2_sp_reproduces_one_process(bases, references):
+    """TP and PP together (4 ranks): each stage's adapters split over its TP ranks, the frozen base
+    cut from the one-process checkpoint for both stages."""
+    extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]
+    got = ranks_trajectory(4, "pretrain_gpt", lora_argv(bases, "dense", extra))
+    assert_same_trajectory(got, references["dense"], what="tp2_pp2_sp")
 
 
 def test_first_step_is_the_base_model_and_the_adapters_then_change_it(bases, references):

@@ -52,6 +52,8 @@ LAYOUTS = [
     ("tp2_sp", 2, "dsv3", TP2_SP),
     ("pp2", 2, "dsv3", PP2),
     ("pp2_interleaved", 2, "dsv3", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    # zero bubble: MLA's and the MTP layer's linears defer their weight gradients to W, the experts' do not
+    ("pp2_zb_h1", 2, "dsv3", PP2 + ["--pipeline-schedule", "zb-h1"]),
     ("cp2_ring", 2, "dsv3", CP2),
     ("cp2_a2a", 2, "dsv3", CP2 + ["--cp-comm-type", "a2a"]),
     ("ep2", 2, "dsv3", EP2),
@@ -61,6 +63,7 @@ LAYOUTS = [
     ("noq_tp2", 2, "noq", ["--tensor-model-parallel-size", "2"]),  # no SP: the rotary key's copy_to_tp
     ("noq_pp2_cp2", 4, "noq", PP2 + CP2),
     ("ep2_tp2_sp", 4, "dsv3", EP2 + TP2_SP),
+    ("cp2_tp2_sp", 4, "dsv3", CP2 + TP2_SP),  # the router's token counts and MLA's rotary key over TP x CP
 ]
 RECOMPUTE = [  # one process
     ("full_recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform"]),

@@ -53,6 +53,9 @@ def reference(sft_files):
     ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
     ("cp2", 2, ["--context-parallel-size", "2"]),
     ("dp2", 2, []),
+    # the packed documents' ids split over CP and their tokens over TP + SP
+    ("cp2_tp2_sp", 4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("pp2_interleaved", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
 ])
 def test_sft_parallel_runs_reproduce_single_process(sft_files, reference, name, world, extra):
     got = ranks_trajectory(world, "pretrain_gpt", sft_argv(sft_files, extra=extra))
@@ -186,6 +189,10 @@ def test_bad_conversations_are_skipped_and_counted_under_the_flag(tmp_path, caps
      ["drop --eod-mask-loss ("]),
     (["--sft", "--reset-position-ids", "--data-path", "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
      ["drop --reset-position-ids ("]),
+    # multi-token prediction shifts whole samples: its targets would cross the packed conversations
+    (["--sft", "--sft-pack-sequences", "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--data-path",
+      "x.jsonl", "--tokenizer-type", "GPT2BPETokenizer"],
+     ["--mtp-num-layers with --sft-pack-sequences is not built", "drop one of them"]),
 ])
 def test_sft_flag_errors(capsys, flags, words):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
