@@ -15,6 +15,8 @@ import pretrain_gpt
 from megatron_lite.data.samplers import collate
 from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
 from tests.e2e.test_pretrain_gpt import _one_line_exit_2
+from tests.e2e.test_pretrain_gpt_cp import run_cli_validation
+from tests.harness import run_ranks
 from tests.sft_helpers import CHATML, write_conversations, write_tokenizer
 from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
@@ -37,10 +39,12 @@ def sft_run_argv(files, data=None, iters=ITERS, pack=True):
         "--split", "100,0,0", "--lr", "1e-2", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "7"]
 
 
-def sft_argv(files, save=None, extra=(), data=None, iters=ITERS, pack=True):
-    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--make-vocab-size-divisible-by",
+SFT_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--make-vocab-size-divisible-by",
              "16"]
-    return model + sft_run_argv(files, data, iters, pack) + (["--save", save] if save else []) + list(extra)
+
+
+def sft_argv(files, save=None, extra=(), data=None, iters=ITERS, pack=True):
+    return SFT_MODEL + sft_run_argv(files, data, iters, pack) + (["--save", save] if save else []) + list(extra)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,21 @@ def test_sft_parallel_runs_reproduce_single_process(sft_files, reference, name, 
     got = ranks_trajectory(world, "pretrain_gpt", sft_argv(sft_files, extra=extra))
     assert_same_trajectory(got, reference, what=name)
     assert reference.losses[-1] < reference.losses[0]  # it trained
+
+
+def test_lora_on_packed_conversations_reproduces_one_process(tmp_path, sft_files):
+    """LoRA fine-tuning on packed chat data (the usual adapter run): TP2 + SP and CP2 give the
+    one-process trajectory; the base is pretrained on mock tokens over the tokenizer's 38 ids."""
+    base = str(tmp_path / "base")
+    pretrain_gpt.main(SFT_MODEL + ["--mock-data", "--vocab-size", "38", "--seq-length", "32", "--micro-batch-size", "2",
+                                   "--global-batch-size", "8", "--train-iters", "2", "--eval-iters", "0", "--save", base])
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", base]
+    reference = run_script("pretrain_gpt", sft_argv(sft_files, extra=lora))
+    for name, layout in (("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                         ("cp2", ["--context-parallel-size", "2"])):
+        got = ranks_trajectory(2, "pretrain_gpt", sft_argv(sft_files, extra=lora + layout))
+        assert_same_trajectory(got, reference, what=f"LoRA SFT {name}")
+    assert reference.losses[-1] < reference.losses[0]
 
 
 def test_per_token_loss_under_fp16_loss_scaling_follows_fp32(sft_files):
@@ -94,6 +113,22 @@ def test_per_token_loss_parallel_runs_reproduce_single_process(sft_files, per_to
     got = ranks_trajectory(2, "pretrain_gpt", sft_argv(sft_files, extra=extra + PER_TOKEN))
     assert_same_trajectory(got, per_token_reference, what=name)
     assert per_token_reference.losses[0] != pytest.approx(reference.losses[0], rel=1e-5)  # the flag changes the loss
+
+
+def test_per_token_validation_losses_at_pp2_and_cp2_tp2_sp_equal_one_process(sft_files):
+    """Validation under --calculate-per-token-loss divides all its token losses by all its tokens:
+    summed over the pipeline's micro-batches, DP and CP ranks alike, so each layout logs the
+    one-process value at every evaluation."""
+    evaluation = PER_TOKEN + ["--eval-interval", "2", "--eval-iters", "2", "--split", "80,20,0"]
+    single = pretrain_gpt.main(sft_argv(sft_files, extra=evaluation, iters=4)).validation
+    assert [it for it, _ in single] == [2, 4]
+    for world, layout in ((2, ["--pipeline-model-parallel-size", "2"]),
+                          (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        records = [r for r in run_ranks(world, run_cli_validation, sft_argv(sft_files, extra=evaluation + layout, iters=4))
+                   if r]
+        assert records and all(r == records[0] for r in records), records
+        for (it, value), (it_ref, ref) in zip(records[0], single, strict=True):
+            assert it == it_ref and abs(value - ref) <= 1e-5 * abs(ref), (layout, it, value, ref)
 
 
 def test_logged_loss_is_the_mean_of_the_micro_batch_means(sft_files):
