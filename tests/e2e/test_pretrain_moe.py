@@ -99,6 +99,22 @@ def test_moe_runs_reproduce_single_process(tmp_path, moe_reference, name, world,
     _same_weights(save, ref_save)  # experts of every EP rank merged back into one process
 
 
+def test_global_aux_loss_at_tp2_sp_cp2_and_interleaved_pp2_reproduces_one_process(tmp_path):
+    """The global load-balancing loss counts the step's micro-batches so far over TP x CP x DP: TP + SP
+    and CP split each micro-batch's tokens (their counts summed back), PP routes whole micro-batches in
+    the same order, interleaved or not, so each reproduces one process (DP does not: the running
+    count then holds both ranks' micro-batches; docs/mixture-of-experts.md)."""
+    flags = MOE + ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "1e-1"]
+    ref, _ = _single(tmp_path, "single", ITERS, flags)
+    layouts = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "cp2": CP2,
+               "pp2_vpp": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]}
+    runs = ranks_trajectories(2, "pretrain_gpt", [_argv(str(tmp_path / n), ITERS, flags + f) for n, f in layouts.items()])
+    for name, got in zip(layouts, runs):
+        assert_same_trajectory(got, ref, what=name)
+    dp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "dp2"), ITERS, flags))
+    assert dp2.grad_norms[0] != pytest.approx(ref.grad_norms[0], rel=1e-5)  # DP changes the running count
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--num-experts", "3", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
      ("--num-experts 3", "--moe-router-num-groups")),
