@@ -2,9 +2,10 @@
 
 Each parameter counts once, whatever the layout: the single-process run's figures equal torch's
 norm of its trained parameters and count of its zero gradient entries, and TP2 (sharded matrices,
-replicated layer-norm weights and biases), PP2 (the tied embedding on both stages) and a DP2
-distributed optimizer (each rank holding half of the masters and reduced gradients) log the
-same figures as the single process. The zeros counted are exact ones (the embedding rows no
+replicated layer-norm weights and biases), PP2 (the tied embedding on both stages), CP2, a DP2
+distributed optimizer (each rank holding half of the masters and reduced gradients), ZeRO-3 and
+MoE at EP2 x TP2 + SP and on a folded ETP2 x EP2 grid (each expert once) log the same figures as
+the single process. The zeros counted are exact ones (the embedding rows no
 token reaches); --disable-bias-linear leaves out the key bias, whose gradient is zero in theory and
 so at the rounding's mercy.
 """
@@ -61,10 +62,33 @@ def test_logged_on_the_line_and_absent_without_the_flags(capsys):
     ["--pipeline-model-parallel-size", "2"],
     ["--use-distributed-optimizer"],
     ["--data-parallel-sharding-strategy", "optim_grads_params"],
-], ids=["tp2", "pp2", "dp2_distopt", "dp2_zero3"])
+    ["--context-parallel-size", "2"],
+], ids=["tp2", "pp2", "dp2_distopt", "dp2_zero3", "cp2"])
 def test_parallel_layouts_log_the_single_process_figures(single, layout):
     ref = single[0]
     for stats in run_ranks(2, _stats, FLAGS + layout):  # every rank computes them (collective)
+        assert [s["num_zeros"] for s in stats] == [s["num_zeros"] for s in ref]
+        for got, want in zip(stats, ref, strict=True):
+            assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-5)
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def single_moe():
+    return pretrain_gpt.main(FLAGS + MOE).stats
+
+
+@pytest.mark.parametrize("layout", [
+    ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],  # folded: experts over all 4 ranks
+], ids=["ep2_tp2_sp", "etp2_ep2_folded"])
+def test_moe_layouts_count_each_expert_once(single_moe, layout):
+    """Each expert lives on one EP rank (split over ETP): the figures sum it once, like the dense
+    parameters replicated over the expert-data-parallel ranks."""
+    ref = single_moe
+    for stats in run_ranks(4, _stats, FLAGS + MOE + layout):
         assert [s["num_zeros"] for s in stats] == [s["num_zeros"] for s in ref]
         for got, want in zip(stats, ref, strict=True):
             assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-5)
