@@ -15,8 +15,9 @@ and expert-parallel collective of :mod:`megatron_lite.parallel.comm` (they are a
 around ``torch.distributed`` calls), the context-parallel core attention (ring p2p), the CPU core
 attention with dropout (``models/cpu_attention.py``: traced, it fell apart into a dozen small graphs
 and made the compiled fp32 step ~15% slower than eager at 6 layers, hidden 768, seq 512), the MoE
-layer (data-dependent token counts) and any GEMM of a precision recipe (the FP8 / Transformer Engine
-GEMM seam: scaling state updated in Python). With tensor parallelism 1 a dense layer is one graph.
+layer (data-dependent token counts), any GEMM of a precision recipe (the FP8 / Transformer Engine
+GEMM seam: scaling state updated in Python) and, under ZB-H1, the GEMMs whose weight gradients W
+defers (:mod:`megatron_lite.parallel.pipeline.wgrad`: the backward decides at run time). With tensor parallelism 1 a dense layer is one graph.
 Gradient-accumulation fusion is off inside compiled layers: its backward calls the data-parallel
 wrapper's bookkeeping, which Dynamo cannot put in a graph, so those weights' gradients reach
 ``main_grad`` through the wrapper's hook as without the fusion.

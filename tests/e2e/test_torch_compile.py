@@ -70,6 +70,38 @@ def test_parallel_compiled_runs_reproduce_eager(eager, name, model, extra):
         assert [b for _, _, b in results] == [0, 0]
 
 
+def deferred_rank(argv):
+    """Inside a rank: (eager trajectory, compiled trajectory, GEMMs deferred to W eagerly, compiled)."""
+    from megatron_lite.parallel.pipeline import wgrad
+
+    counts, original = [0], wgrad.WeightGradStore.defer
+
+    def counting(store, fn):
+        counts[0] += 1
+        original(store, fn)
+
+    wgrad.WeightGradStore.defer = counting
+    try:
+        eager_run = run_script("pretrain_gpt", argv)
+        eager_count, counts[0] = counts[0], 0
+        compiled, _, _ = compiled_rank(argv + COMPILE + ["aot_eager"])
+        return eager_run, compiled, eager_count, counts[0]
+    finally:
+        wgrad.WeightGradStore.defer = original
+
+
+def test_zero_bubble_defers_the_compiled_layers_weight_gradients():
+    """ZB-H1 with compiled layers: the layers' GEMMs run eagerly (graph breaks), so their weight
+    gradients are still deferred to W, as many as in the eager ZB-H1 run (traced, the backward computed
+    them at once: the schedule ran as 1F1B with only the output layer deferred), on its trajectory."""
+    argv = MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--train-iters", "3"]
+    for eager_run, compiled, eager_count, compiled_count in run_ranks(2, deferred_rank, argv):
+        assert eager_count >= 3 * 2 * 8  # steps x micro-batches x (4 GEMMs x 2 layers), + the output layer's
+        assert compiled_count == eager_count
+        if compiled.losses:
+            assert_same_trajectory(compiled, eager_run, what="zb-h1 compiled")
+
+
 def test_recompute_with_compiled_layers(eager):
     """Full recomputation runs the compiled forward without grad (forward) and with it (recomputed
     in backward): one graph each, and the same trajectory."""

@@ -3,9 +3,10 @@
 What is deferred, exactly: the weight gradient (and, for a GEMM that adds its bias itself, the bias
 gradient) of every :class:`~megatron_lite.parallel.tensor.ColumnParallelLinear` and
 :class:`~megatron_lite.parallel.tensor.RowParallelLinear` whose GEMM is the default
-:func:`~megatron_lite.parallel.tensor.linear_gemm` and whose weight is a leaf parameter. These are
-the QKV, attention-output, both MLP projections and the output layer: nearly all the weight-gradient
-FLOPs of a transformer. Everything else computes its weight gradients during B, as autograd
+:func:`~megatron_lite.parallel.tensor.linear_gemm` and whose weight is a leaf parameter. These are the QKV,
+attention-output, both MLP projections and the output layer: nearly all the weight-gradient FLOPs
+of a transformer (under ``--torch-compile`` they run eagerly between the compiled pieces of a
+layer, so that their backward can still defer). Everything else computes its weight gradients during B, as autograd
 always does: norms, embeddings, the row-parallel bias (added after the reduction), layers whose GEMM
 is a precision recipe's (it owns its backward) and weights that are not leaves.
 
@@ -66,6 +67,9 @@ class _DeferrableLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+_apply_eagerly = torch.compiler.disable(lambda x, weight, bias, store: _DeferrableLinear.apply(x, weight, bias, store))
+
+
 def weight_grads(x, dy, want_w: bool, want_b: bool):
     """``(dW, db)`` of ``y = x W^T + b``: ``dW = dY^T X`` and ``db = sum(dY)`` over all tokens."""
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -88,9 +92,14 @@ class WeightGradStore:
 
     def gemm(self, x, weight, bias=None):
         """Drop-in for ``linear_gemm``: same result, deferrable weight gradient (leaf parameters only:
-        a computed weight's graph would be gone by the time W runs)."""
+        a computed weight's graph would be gone by the time W runs). Inside a compiled layer
+        (``--torch-compile``) it runs eagerly, a graph break: traced, its backward's choice between
+        deferring and computing at once was fixed when the graph was built (compute at once), so
+        ZB-H1 deferred nothing."""
         if weight.grad_fn is not None or (bias is not None and bias.grad_fn is not None):
             return linear_gemm(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return _apply_eagerly(x, weight, bias, self)
         return _DeferrableLinear.apply(x, weight, bias, self)
 
     def defer(self, fn) -> None:
