@@ -6,9 +6,10 @@ gradient) of every :class:`~megatron_lite.parallel.tensor.ColumnParallelLinear` 
 :func:`~megatron_lite.parallel.tensor.linear_gemm` and whose weight is a leaf parameter. These are the QKV,
 attention-output, both MLP projections and the output layer: nearly all the weight-gradient FLOPs
 of a transformer (under ``--torch-compile`` they run eagerly between the compiled pieces of a
-layer, so that their backward can still defer). Everything else computes its weight gradients during B, as autograd
-always does: norms, embeddings, the row-parallel bias (added after the reduction), layers whose GEMM
-is a precision recipe's (it owns its backward) and weights that are not leaves.
+layer, so that their backward can still defer). Everything else computes its weight gradients
+during B, as autograd always does: norms, embeddings, the row-parallel bias (added after the
+reduction), MLA's replicated down projections, the MoE router and experts, layers whose GEMM is a
+precision recipe's (it owns its backward) and weights that are not leaves.
 
 How: :meth:`WeightGradStore.installed` swaps those layers' ``gemm`` for :meth:`WeightGradStore.gemm`
 (the seam the layers already have), an autograd function whose backward returns only the input
