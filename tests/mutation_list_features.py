@@ -33,6 +33,10 @@ MUTATIONS = [
     Mutation("plugin_names_not_kept", "--spec aux losses: the exchanged names not kept (all_gather_object every step)",
              "megatron_lite/moe/metrics.py", "names = _PLUGIN_NAMES[chunks[0]] = _all_names(local | set(names))",
              "names = _all_names(local | set(names))", ("tests/unit/test_plugin_loss_values.py",)),
+    Mutation("zb_h1_compiled_gemms_traced", "--torch-compile with --pipeline-schedule zb-h1: the deferrable GEMMs "
+             "traced into the layer graph (their backward fixed to compute dW at once: nothing deferred to W)",
+             "megatron_lite/parallel/pipeline/wgrad.py", "        if torch.compiler.is_compiling():\n",
+             "        if False:\n", ("tests/e2e/test_torch_compile.py", "-k", "zero_bubble")),
     Mutation("spec_mla_flag_stock_layer", "--multi-latent-attention with a --spec layer of stock attention: taken",
              "megatron_lite/models/spec_plugin.py", "    if model.multi_latent_attention and not all(is_mla):\n",
              "    if False:\n", ("tests/unit/test_spec_flag_agreement.py", "-k", "latent")),
@@ -80,8 +84,4 @@ MUTATIONS = [
              "bit for bit", "megatron_lite/checkpoint/resume_notes.py",
              "    if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):\n", "    if True:\n",
              ("tests/unit/test_resume_notes.py",)),
-    Mutation("zb_h1_compiled_gemms_traced", "--torch-compile with --pipeline-schedule zb-h1: the deferrable GEMMs "
-             "traced into the layer graph (their backward fixed to compute dW at once: nothing deferred to W)",
-             "megatron_lite/parallel/pipeline/wgrad.py", "        if torch.compiler.is_compiling():\n",
-             "        if False:\n", ("tests/e2e/test_torch_compile.py", "-k", "zero_bubble")),
 ]
