@@ -124,10 +124,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(local_target.numel(), device=softmax.device)
         t, hit = local_target.reshape(-1), in_range.reshape(-1)
         target_grad = softmax.view(-1, softmax.shape[-1])[rows, t] * coef.reshape(-1) - (1.0 - eps + eps / ctx.vocab_size) * g.reshape(-1)
-        fused = ctx.fused and fused_scale_rows.compiles_for(softmax, coef)
-        grad = (fused_scale_rows if fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax is reused in place
-        if eps > 0:
-            grad[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1).to(grad.dtype)
+        if eps > 0:  # the smoothing term taken off in fp32: one rounding to the logits' dtype, not two
+            softmax.mul_(coef.unsqueeze(-1))[..., : ctx.n_real] -= (eps / ctx.vocab_size * g).unsqueeze(-1)
+            grad = softmax.to(ctx.dtype)
+        else:
+            fused = ctx.fused and fused_scale_rows.compiles_for(softmax, coef)
+            grad = (fused_scale_rows if fused else scale_rows)(softmax, coef, ctx.dtype)  # softmax reused in place
         flat = grad.view(-1, grad.shape[-1])
         flat[rows, t] = torch.where(hit, target_grad.to(grad.dtype), flat[rows, t])
         return grad, None, None, None, None, None, None

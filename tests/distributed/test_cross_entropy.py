@@ -4,7 +4,7 @@ Loss and logit gradients must match within rtol 1e-5 (fp32). The padded tail of 
 is filled with large values to prove it never reaches the loss, and its gradient must be zero.
 With ``in_place`` (the language model's call) the padded entries are overwritten with -inf in the
 caller's logits and the results are the same, in fp32 and bf16; without it the logits are left intact.
-A bf16 gradient is the fp32 gradient rounded once.
+A bf16 gradient is the fp32 gradient of the same logits rounded once, at every TP size.
 """
 
 import pytest
@@ -20,16 +20,16 @@ from tests.harness import cached_state, run_ranks
 S, B = 6, 3
 
 
-def check_cross_entropy(tp, vocab, smoothing, count_collectives=False):
+def check_cross_entropy(tp, vocab, smoothing, count_collectives=False, dtype=torch.float32):
     state = cached_state(tp=tp) if tp > 1 else ParallelState()
     padded = padded_vocab_size(vocab, 4, tp)
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(S, B, padded, generator=gen) * 3
+    logits = (torch.randn(S, B, padded, generator=gen) * 3).to(dtype)
     logits[..., vocab:] = 50.0  # padding: would dominate the softmax if it were not excluded
     target = torch.randint(0, vocab, (S, B), generator=gen)
     dloss = torch.rand(S, B, generator=gen)
 
-    ref_logits = logits[..., :vocab].clone().requires_grad_()
+    ref_logits = logits[..., :vocab].float().requires_grad_()
     ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=smoothing)
     ref.backward(dloss.reshape(-1))
 
@@ -45,27 +45,35 @@ def check_cross_entropy(tp, vocab, smoothing, count_collectives=False):
     loss.backward(dloss)
     torch.testing.assert_close(loss.reshape(-1), ref.detach(), rtol=1e-5, atol=1e-6)
     full_grad = torch.cat([ref_logits.grad, torch.zeros(S, B, padded - vocab)], dim=-1)
-    torch.testing.assert_close(part.grad, full_grad.chunk(tp, dim=-1)[state.tp_rank], rtol=1e-5, atol=1e-6)
+    assert part.grad.dtype == dtype
+    torch.testing.assert_close(part.grad.float(), full_grad.chunk(tp, dim=-1)[state.tp_rank],
+                               rtol=1e-5 if dtype == torch.float32 else 2**-8, atol=1e-6)
     return len(calls)
+
+
+def check_both_dtypes(tp, vocab, smoothing, count_collectives=False):
+    """fp32 and bf16 logits (the loss in fp32 either way): the collectives counted in each."""
+    return [check_cross_entropy(tp, vocab, smoothing, count_collectives, dtype)
+            for dtype in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("vocab", [32, 37])  # 37: not divisible by TP, padded to a multiple of 4 x TP
 def test_single_process(vocab, smoothing):
-    check_cross_entropy(1, vocab, smoothing)
+    check_both_dtypes(1, vocab, smoothing)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel(tp):
     for vocab in (32, 37, 5):  # 5 with TP 4 -> 16 padded: whole shards are padding
         for smoothing in (0.0, 0.1):
-            run_ranks(tp, check_cross_entropy, tp, vocab, smoothing)
+            run_ranks(tp, check_both_dtypes, tp, vocab, smoothing)
 
 
 def test_one_max_and_one_fused_sum():
-    # The max and the stacked sums: exactly two all-reduces per call, with or without smoothing.
-    assert run_ranks(2, check_cross_entropy, 2, 37, 0.1, True) == [2, 2]
-    assert run_ranks(2, check_cross_entropy, 2, 37, 0.0, True) == [2, 2]
+    # The max and the stacked sums: exactly two all-reduces per call, with or without smoothing, fp32 or bf16.
+    assert run_ranks(2, check_both_dtypes, 2, 37, 0.1, True) == [[2, 2], [2, 2]]
+    assert run_ranks(2, check_both_dtypes, 2, 37, 0.0, True) == [[2, 2], [2, 2]]
 
 
 def test_non_contiguous_target():
