@@ -52,6 +52,21 @@ GPT2_TOKENIZER = dict(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.join
 GPT2_VOCAB = 50257
 
 
+
+def tiny_sentencepiece(folder: str, texts: list[str]):
+    """A SentencePiece BPE tokenizer (vocabulary 600) trained on the tiny GPT-2 fixture corpus and ``texts``
+    (each twice), saved under ``folder``: word starts joined in context, byte fallback for what it lacks."""
+    import json
+
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from tests.tools import load_tool
+
+    with open(os.path.join(os.path.dirname(GPT2_FILES), "tiny_corpus.jsonl"), encoding="utf-8") as f:
+        corpus = [json.loads(line)["text"] for line in f]
+    model = load_tool("train_tokenizer").train_sentencepiece(corpus * 2 + list(texts) * 2, os.path.join(folder, "tiny"),
+                                                             vocab_size=600, model_type="bpe")
+    return build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model)
+
 def model_config(variant: str, vocab: int = VOCAB) -> ModelConfig:
     cfg = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
                       max_position_embeddings=MAX_LEN, vocab_size=vocab, make_vocab_size_divisible_by=8,

@@ -5,29 +5,20 @@ token used to be decoded alone: a SentencePiece word start lost its space (" lis
 one per word (``"A list IPwn"``: offsets 0, 1, 5, 7 instead of 0, 1, 6, 9). Byte-level BPE (GPT-2),
 which keeps its spaces, is unchanged."""
 
-import json
-import os
-
 import pytest
 
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.inference.api_logprobs import ChunkLogprobs, logprobs_object
 from megatron_lite.inference.engine import Generation
-from tests.inference_helpers import GPT2_FILES, GPT2_TOKENIZER
-from tests.tools import load_tool
+from tests.inference_helpers import GPT2_TOKENIZER, tiny_sentencepiece
 
 TEXT = "A list is a mutable sequence, and the for statement iterates over it. Der naive Bar am Ende, cafe."
 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
-    with open(os.path.join(os.path.dirname(GPT2_FILES), "tiny_corpus.jsonl"), encoding="utf-8") as f:
-        corpus = [json.loads(line)["text"] for line in f]
-    prefix = str(tmp_path_factory.mktemp("spm") / "tiny")
-    sp = load_tool("train_tokenizer").train_sentencepiece(corpus * 2 + [TEXT] * 2, prefix, vocab_size=600,
-                                                          model_type="bpe")
     return {"gpt2": build_tokenizer(**GPT2_TOKENIZER),
-            "sentencepiece": build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp)}
+            "sentencepiece": tiny_sentencepiece(str(tmp_path_factory.mktemp("spm")), [TEXT])}
 
 
 def _result(tokens, prompt_length):

@@ -4,7 +4,6 @@ seeded request, and so are their ``logprobs`` entries; no part of a stop string 
 leaves mid-stream does not leave the engine half-way (every rank must run every step)."""
 
 import json
-import os
 
 import pytest
 
@@ -15,8 +14,13 @@ from megatron_lite.inference.api_stream import CONTEXT, TextStream, safe_end, st
 from megatron_lite.inference.engine import Generation, InferenceEngine, Step
 from megatron_lite.inference.sampling import SamplingParams
 from megatron_lite.inference.server import Runner, create_app
-from tests.inference_helpers import GPT2_FILES, GPT2_TOKENIZER, MAX_LEN, VOCAB, build_model
-from tests.tools import load_tool
+from tests.inference_helpers import (
+    GPT2_TOKENIZER,
+    MAX_LEN,
+    VOCAB,
+    build_model,
+    tiny_sentencepiece,
+)
 
 pytest.importorskip("flask")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
@@ -229,13 +233,8 @@ def test_a_character_split_over_tokens_is_sent_whole():
 def tokenizers(tmp_path_factory):
     """Byte-level BPE (GPT-2's: characters split over tokens), SentencePiece (word starts joined in
     context; byte fallback for what its tiny vocabulary lacks) and the NullTokenizer (ids)."""
-    with open(os.path.join(os.path.dirname(GPT2_FILES), "tiny_corpus.jsonl"), encoding="utf-8") as f:
-        corpus = [json.loads(line)["text"] for line in f]
-    prefix = str(tmp_path_factory.mktemp("spm") / "tiny")
-    sp = load_tool("train_tokenizer").train_sentencepiece(corpus * 2 + [STREAMED] * 2, prefix, vocab_size=600,
-                                                          model_type="bpe")
     return {"gpt2": build_tokenizer(**GPT2_TOKENIZER),
-            "sentencepiece": build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp),
+            "sentencepiece": tiny_sentencepiece(str(tmp_path_factory.mktemp("spm")), [STREAMED]),
             "null": build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)}
 
 
