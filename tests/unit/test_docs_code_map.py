@@ -1,0 +1,247 @@
+"""The docs' map of the code stays true when files are split and functions move.
+
+Every ``path/to/file.py`` named in backticks in README.md, docs/*.md and examples/**/README.md exists
+(a path with a folder: from the repository root, from ``megatron_lite/`` or from the page's folder; a
+bare ``name.py``: somewhere in the repository). Every function, class or attribute the README's code
+map tables ("Where things are", "Where to change what") name in backticks is defined in a file its
+row names (a named folder stands for its files; ``Class.member`` may also be a class defined
+elsewhere in the package). Every dotted ``megatron_lite.module.name`` in the pages' backticks and every
+``from megatron_lite.module import name`` line of their code blocks names a module that exists and a
+name it defines or imports. Definitions are read with ``ast``: nothing is imported, no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import os
+import re
+
+import pytest
+
+from tests.doc_blocks import ROOT, doc_files
+
+PACKAGE = "megatron_lite"
+CODE_MAP_HEADINGS = ("## Where things are", "## Where to change what")
+NOT_CODE = {"torch_dist"}  # backticked words of the code map that are no Python name (a --ckpt-format value)
+SPAN = re.compile(r"`([^`\n]+)`")
+LINK_TARGET = re.compile(r"\]\(([^)\s#]+\.py)\)")
+PY_WORD = re.compile(r"[\w./*-]*[\w*]\.py\b")
+DOTTED = re.compile(rf"\b{PACKAGE}(?:\.\w+)+")
+FROM_IMPORT = re.compile(rf"^\s*from ({PACKAGE}[\w.]*) import ([\w, ]+)$", flags=re.M)
+NAME = re.compile(r"(self\.)?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
+
+
+def _prose(root: str, path: str) -> str:
+    text = open(os.path.join(root, path), encoding="utf-8").read()
+    return re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
+
+
+@functools.cache
+def _basenames(root: str) -> frozenset[str]:
+    return frozenset(os.path.basename(p) for p in glob.glob("**/*.py", root_dir=root, recursive=True))
+
+
+def _matches(base: str, word: str) -> list[str]:
+    """The files ``word`` (a path, or a ``*`` pattern) names under ``base``."""
+    full = os.path.join(base, word)
+    if "*" in word:
+        return sorted(glob.glob(full))
+    return [full] if os.path.exists(full) else []
+
+
+def missing_files(path: str, root: str = ROOT) -> list[str]:
+    """The ``*.py`` paths in the backticks of a page that name no file."""
+    bases = [root, os.path.join(root, PACKAGE), os.path.join(root, os.path.dirname(path))]
+    missing = []
+    for span in SPAN.findall(_prose(root, path)):
+        for word in PY_WORD.findall(span):
+            word = word.removeprefix("./")
+            if "/" in word:
+                found = any(_matches(b, word) for b in bases)
+            else:
+                found = "*" in word or word in _basenames(root) or any(_matches(b, word) for b in bases)
+            if not found:
+                missing.append(f"`{word}` names no file")
+    return sorted(set(missing))
+
+
+@functools.cache
+def definitions(file: str) -> frozenset[str]:
+    """Functions, classes, assigned names and ``self.`` attributes of a file, bare and as ``Class.member``."""
+    tree = ast.parse(open(file, encoding="utf-8").read(), filename=file)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for inner in ast.walk(node):
+                member = _member(inner)
+                if member:
+                    names.update({member, f"{node.name}.{member}"})
+    for node in tree.body:
+        for target in _targets(node):
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    return frozenset(names)
+
+
+def _targets(node) -> list:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, ast.AnnAssign) else []
+
+
+def _member(node) -> str | None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    for target in _targets(node):
+        if isinstance(target, ast.Name):
+            return target.id
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            return target.attr
+    return None
+
+
+def _module_names(file: str) -> set[str]:
+    tree = ast.parse(open(file, encoding="utf-8").read(), filename=file)
+    imported = {a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                for a in node.names}
+    return set(definitions(file)) | imported
+
+
+def _module_file(parts: list[str], root: str) -> str | None:
+    base = os.path.join(root, *parts)
+    return next((f for f in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(f)), None)
+
+
+def dotted_problems(path: str, root: str = ROOT) -> list[str]:
+    """The ``megatron_lite.x.y`` names of a page's prose and its code blocks' imports that do not resolve."""
+    refs = [(ref, []) for span in SPAN.findall(_prose(root, path)) for ref in DOTTED.findall(span)]
+    text = open(os.path.join(root, path), encoding="utf-8").read()
+    refs += [(mod, [n.strip() for n in names.split(",") if n.strip()]) for mod, names in FROM_IMPORT.findall(text)]
+    problems = []
+    for ref, names in refs:
+        parts = ref.split(".")
+        k = next((k for k in range(len(parts), 0, -1) if _module_file(parts[:k], root)), 0)
+        if not k or (names and k < len(parts)):
+            problems.append(f"`{ref}`: no such module")
+            continue
+        file, rest = _module_file(parts[:k], root), parts[k:]
+        defined = _module_names(file)
+        wanted = names or rest[:1] + ([".".join(rest[:2])] if len(rest) > 1 and rest[0] in definitions(file) and
+                                      rest[0][:1].isupper() else [])
+        problems += [f"`{ref}`: {os.path.relpath(file, root)} has no `{n}`" for n in wanted if n not in defined]
+    return sorted(set(problems))
+
+
+def code_map_rows(root: str = ROOT) -> list[list[str]]:
+    """The rows (cells) of the README's code map tables, header and rule left out."""
+    rows, inside = [], False
+    for line in open(os.path.join(root, "README.md"), encoding="utf-8"):
+        if line.startswith("#"):
+            inside = line.strip() in CODE_MAP_HEADINGS
+        elif inside and line.startswith("|"):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return [r for r in rows if not set("".join(r)) <= set("-: ") and r[1] not in ("where", "the code")]
+
+
+def _row_files(cells: list[str], root: str) -> tuple[list[str], list[str]]:
+    """The files a row names (folders: their files; bare names: beside an earlier one), and the unresolved."""
+    text = " | ".join(cells)
+    bases, files, unresolved = [root, os.path.join(root, PACKAGE)], [], []
+    words = [w for span in SPAN.findall(text) for w in span.split()] + LINK_TARGET.findall(text)
+    for word in (w.strip(",;()") for w in words):
+        if word.endswith("/") and os.path.isdir(os.path.join(root, word)):
+            bases.append(os.path.join(root, word))
+            files += glob.glob(os.path.join(root, word, "**", "*.py"), recursive=True)
+        elif PY_WORD.fullmatch(word):
+            found = next((m for b in reversed(bases) for m in [_matches(b, word)] if m), None)
+            if found is None:
+                unresolved.append(word)
+                continue
+            files += found
+            bases.append(os.path.dirname(found[0]))
+    return files, unresolved
+
+
+@functools.cache
+def _package_classes(root: str) -> dict[str, list[str]]:
+    classes: dict[str, list[str]] = {}
+    for file in glob.glob(os.path.join(root, PACKAGE, "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(file, encoding="utf-8").read())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(file)
+    return classes
+
+
+def code_map_problems(root: str = ROOT) -> list[str]:
+    """Each code-map name that no file of its row defines, and each file of a row that does not exist."""
+    problems = []
+    for cells in code_map_rows(root):
+        files, unresolved = _row_files(cells, root)
+        problems += [f"row '{cells[0]}': `{w}` names no file" for w in unresolved]
+        defined = set().union(*(definitions(f) for f in files)) if files else set()
+        for span in SPAN.findall(" | ".join(cells[1:])):
+            name = NAME.fullmatch(span)
+            if not name or span in NOT_CODE or PY_WORD.fullmatch(span):
+                continue
+            name = name.group(2)
+            owner = name.split(".")[0]
+            elsewhere = "." in name and any(name in definitions(f) for f in _package_classes(root).get(owner, []))
+            if name not in defined and not elsewhere:
+                where = ", ".join(sorted(os.path.relpath(f, root) for f in files)) or "no file"
+                problems.append(f"row '{cells[0]}': `{name}` is not defined in {where}")
+    return problems
+
+
+def test_code_map_tables_are_parsed():
+    rows = code_map_rows()
+    assert len(rows) >= 25, f"the README's code map tables gave {len(rows)} rows: did a heading change?"
+    assert all(len(r) == 3 for r in rows), [r for r in rows if len(r) != 3]
+
+
+def test_code_map_names_live_where_the_readme_says():
+    problems = code_map_problems()
+    assert not problems, "README.md code map: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("path", doc_files())
+def test_named_python_files_exist(path):
+    problems = missing_files(path)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("path", doc_files())
+def test_named_modules_and_imports_resolve(path):
+    problems = dotted_problems(path)
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_the_checks_catch_a_moved_function_and_a_removed_file(tmp_path):
+    pkg = tmp_path / PACKAGE / "training"
+    pkg.mkdir(parents=True)
+    (pkg / "loop.py").write_text("def pretrain():\n    pass\n")
+    (pkg / "step.py").write_text("class Step:\n    def __init__(self):\n        self.gemm = None\n"
+                                 "def train_step():\n    pass\n")
+    (tmp_path / "README.md").write_text(
+        "## Where things are\n\n| piece | where | what it does |\n|---|---|---|\n"
+        "| loop | `megatron_lite/training/loop.py`, `step.py` | `pretrain`, `train_step`, `Step.gemm`, `gone` |\n"
+        "| old | `megatron_lite/training/old.py` | `x` |\n\n## Elsewhere\n\n| a | b | c |\n|---|---|---|\n"
+        "| not | the | `map` |\n\nSee `training/step.py`, `loop.py`, `megatron_lite/data/idx.py`, `nowhere.py`.\n"
+        "`megatron_lite.training.step.train_step`, `megatron_lite.training.loop.train_step`, "
+        "`megatron_lite.training.stepp`, `megatron_lite.training.step.Step.gemm`, `megatron_lite.training.step.Step.x`."
+        "\n```python\nfrom megatron_lite.training.loop import pretrain, evaluate\n```\n")
+    assert code_map_problems(str(tmp_path)) == [
+        "row 'loop': `gone` is not defined in megatron_lite/training/loop.py, megatron_lite/training/step.py",
+        "row 'old': `megatron_lite/training/old.py` names no file",
+        "row 'old': `x` is not defined in no file"]
+    assert missing_files("README.md", str(tmp_path)) == ["`megatron_lite/data/idx.py` names no file",
+                                                         "`megatron_lite/training/old.py` names no file",
+                                                         "`nowhere.py` names no file"]
+    assert dotted_problems("README.md", str(tmp_path)) == [
+        "`megatron_lite.training.loop.train_step`: megatron_lite/training/loop.py has no `train_step`",
+        "`megatron_lite.training.loop`: megatron_lite/training/loop.py has no `evaluate`",
+        "`megatron_lite.training.step.Step.x`: megatron_lite/training/step.py has no `Step.x`",
+        "`megatron_lite.training.stepp`: no such module"]
