@@ -167,13 +167,14 @@ def _row_files(cells: list[str], root: str) -> tuple[list[str], list[str]]:
 
 
 @functools.cache
-def _package_classes(root: str) -> dict[str, list[str]]:
-    classes: dict[str, list[str]] = {}
-    for file in glob.glob(os.path.join(root, PACKAGE, "**", "*.py"), recursive=True):
-        for node in ast.walk(ast.parse(open(file, encoding="utf-8").read())):
-            if isinstance(node, ast.ClassDef):
-                classes.setdefault(node.name, []).append(file)
-    return classes
+def _package_texts(root: str) -> dict[str, str]:
+    return {f: open(f, encoding="utf-8").read() for f in glob.glob(os.path.join(root, PACKAGE, "**", "*.py"), recursive=True)}
+
+
+def _class_files(owner: str, root: str) -> list[str]:
+    """The package's files with a ``class owner`` line (text search: only those are then parsed)."""
+    line = re.compile(rf"^\s*class {re.escape(owner)}\b", flags=re.M)
+    return [f for f, text in _package_texts(root).items() if line.search(text)]
 
 
 def code_map_problems(root: str = ROOT) -> list[str]:
@@ -182,15 +183,15 @@ def code_map_problems(root: str = ROOT) -> list[str]:
     for cells in code_map_rows(root):
         files, unresolved = _row_files(cells, root)
         problems += [f"row '{cells[0]}': `{w}` names no file" for w in unresolved]
-        defined = set().union(*(definitions(f) for f in files)) if files else set()
         for span in SPAN.findall(" | ".join(cells[1:])):
             name = NAME.fullmatch(span)
             if not name or span in NOT_CODE or PY_WORD.fullmatch(span):
                 continue
             name = name.group(2)
-            owner = name.split(".")[0]
-            elsewhere = "." in name and any(name in definitions(f) for f in _package_classes(root).get(owner, []))
-            if name not in defined and not elsewhere:
+            if any(name in definitions(f) for f in files):  # parses only as far as needed
+                continue
+            owner_files = _class_files(name.split(".")[0], root) if "." in name else []
+            if not any(name in definitions(f) for f in owner_files):
                 where = ", ".join(sorted(os.path.relpath(f, root) for f in files)) or "no file"
                 problems.append(f"row '{cells[0]}': `{name}` is not defined in {where}")
     return problems
@@ -223,11 +224,12 @@ def test_the_checks_catch_a_moved_function_and_a_removed_file(tmp_path):
     pkg = tmp_path / PACKAGE / "training"
     pkg.mkdir(parents=True)
     (pkg / "loop.py").write_text("def pretrain():\n    pass\n")
+    (pkg / "cfg.py").write_text("class Cfg:\n    def make(self):\n        pass\n")
     (pkg / "step.py").write_text("class Step:\n    def __init__(self):\n        self.gemm = None\n"
                                  "def train_step():\n    pass\n")
     (tmp_path / "README.md").write_text(
         "## Where things are\n\n| piece | where | what it does |\n|---|---|---|\n"
-        "| loop | `megatron_lite/training/loop.py`, `step.py` | `pretrain`, `train_step`, `Step.gemm`, `gone` |\n"
+        "| loop | `megatron_lite/training/loop.py`, `step.py` | `pretrain`, `train_step`, `Step.gemm`, `gone`, `Cfg.make`, `Cfg.gone` |\n"
         "| old | `megatron_lite/training/old.py` | `x` |\n\n## Elsewhere\n\n| a | b | c |\n|---|---|---|\n"
         "| not | the | `map` |\n\nSee `training/step.py`, `loop.py`, `megatron_lite/data/idx.py`, `nowhere.py`.\n"
         "`megatron_lite.training.step.train_step`, `megatron_lite.training.loop.train_step`, "
@@ -235,6 +237,7 @@ def test_the_checks_catch_a_moved_function_and_a_removed_file(tmp_path):
         "\n```python\nfrom megatron_lite.training.loop import pretrain, evaluate\n```\n")
     assert code_map_problems(str(tmp_path)) == [
         "row 'loop': `gone` is not defined in megatron_lite/training/loop.py, megatron_lite/training/step.py",
+        "row 'loop': `Cfg.gone` is not defined in megatron_lite/training/loop.py, megatron_lite/training/step.py",
         "row 'old': `megatron_lite/training/old.py` names no file",
         "row 'old': `x` is not defined in no file"]
     assert missing_files("README.md", str(tmp_path)) == ["`megatron_lite/data/idx.py` names no file",
