@@ -25,7 +25,7 @@ from tests.doc_blocks import ROOT, doc_files
 PACKAGE = "megatron_lite"
 CODE_MAP_HEADINGS = ("## Where things are", "## Where to change what")
 NOT_CODE = {"torch_dist"}  # backticked words of the code map that are no Python name (a --ckpt-format value)
-SPAN = re.compile(r"`([^`\n]+)`")
+SPAN = re.compile(r"`([^`\n]+(?:\n[^`\n]+)?)`")  # inline code, which may wrap onto a second line
 LINK_TARGET = re.compile(r"\]\(([^)\s#]+\.py)\)")
 PY_WORD = re.compile(r"[\w./*-]*[\w*]\.py\b")
 DOTTED = re.compile(rf"\b{PACKAGE}(?:\.\w+)+")
