@@ -163,11 +163,11 @@ def _check_parallel(config: Config) -> None:
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0, f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per}")
         _require(m.num_layers % (per * pp) == 0,
-                 f"num-layers {m.num_layers} is not divisible by num-layers-per-virtual-pipeline-stage {per} "
-                 f"x pipeline-model-parallel-size {pp}")
+                 f"--num-layers {m.num_layers} is not divisible by --num-layers-per-virtual-pipeline-stage {per} "
+                 f"x --pipeline-model-parallel-size {pp}")
     elif p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
         _require(m.num_layers % pp == 0,
-                 f"num-layers {m.num_layers} is not divisible by pipeline-model-parallel-size {pp}; "
+                 f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                  "change one or set --decoder-first/last-pipeline-num-layers")
     from .parallel.pipeline.partition import layer_ranges
 
@@ -199,10 +199,10 @@ def _check_batch(config: Config) -> None:
         t.global_batch_size = t.micro_batch_size * dp
     _require(t.global_batch_size > 0, f"--global-batch-size must be positive, got {t.global_batch_size}")
     _require(t.decrease_batch_size_if_needed or t.global_batch_size % (t.micro_batch_size * dp) == 0,
-             f"global-batch-size {t.global_batch_size} is not divisible by micro-batch-size {t.micro_batch_size} "
+             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size {t.micro_batch_size} "
              f"x data-parallel size {dp}")
     _require(not t.decrease_batch_size_if_needed or t.global_batch_size >= t.micro_batch_size * dp,
-             f"--decrease-batch-size-if-needed: global-batch-size {t.global_batch_size} is less than micro-batch-size "
+             f"--decrease-batch-size-if-needed: --global-batch-size {t.global_batch_size} is less than --micro-batch-size "
              f"{t.micro_batch_size} x data-parallel size {dp}, nothing is left after rounding down")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         try:

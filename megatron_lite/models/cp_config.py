@@ -33,7 +33,7 @@ def check_hierarchical_cp(cfg, types: list[str]) -> None:
              f"A B (all-to-all, ring) with A x B = --context-parallel-size {cp}")
     for flag, value in (("num-attention-heads", cfg.num_attention_heads), ("num-query-groups", cfg.num_query_groups)):
         _require(value % (tp * sizes[0]) == 0,
-                 f"--cp-comm-type a2a+p2p needs {flag} {value} divisible by tensor-model-parallel-size {tp} x "
+                 f"--cp-comm-type a2a+p2p needs --{flag} {value} divisible by --tensor-model-parallel-size {tp} x "
                  f"the all-to-all size {sizes[0]} (--hierarchical-context-parallel-sizes); change A or the heads")
 
 
@@ -52,13 +52,13 @@ def check_context_parallel_fields(cfg) -> None:
     if cp == 1:
         return
     _require(cfg.seq_length % (2 * cp) == 0,
-             f"--context-parallel-size {cp} needs seq-length {cfg.seq_length} divisible by 2 x cp = {2 * cp}")
+             f"--context-parallel-size {cp} needs --seq-length {cfg.seq_length} divisible by 2 x cp = {2 * cp}")
     _require(not cfg.sequence_parallel or cfg.seq_length // cp % tp == 0,  # a rank's tokens, cut over TP
-             f"--sequence-parallel with --context-parallel-size {cp} needs seq-length {cfg.seq_length} / cp = "
-             f"{cfg.seq_length // cp} divisible by tensor-model-parallel-size {tp}")
+             f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length {cfg.seq_length} / cp = "
+             f"{cfg.seq_length // cp} divisible by --tensor-model-parallel-size {tp}")
     if "a2a" in types:
         for flag, value in (("num-attention-heads", cfg.num_attention_heads),
                             ("num-query-groups", cfg.num_query_groups)):
             _require(value % (tp * cp) == 0,
-                     f"--cp-comm-type a2a needs {flag} {value} divisible by tensor-model-parallel-size {tp} "
-                     f"x context-parallel-size {cp}; use p2p or allgather")
+                     f"--cp-comm-type a2a needs --{flag} {value} divisible by --tensor-model-parallel-size {tp} "
+                     f"x --context-parallel-size {cp}; use p2p or allgather")

@@ -56,7 +56,7 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
         return 4 * hidden_size
     ffn = int((4 * hidden_size * 2 / 3) / 64) * 64
     if ffn < 1:
-        raise ConfigError(f"--swiglu with hidden-size {hidden_size} gives ffn-hidden-size 0 by Megatron-LM's rule "
+        raise ConfigError(f"--swiglu with --hidden-size {hidden_size} gives --ffn-hidden-size 0 by Megatron-LM's rule "
                           "int(4 x hidden-size x 2/3 / 64) x 64; set --ffn-hidden-size")
     return ffn
 
@@ -162,11 +162,11 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         _require(self.normalization in NORMALIZATIONS,
                  f"--normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
         _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
-                 f"hidden-size {self.hidden_size} is not divisible by num-attention-heads "
+                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                  f"{self.num_attention_heads}; set --kv-channels")
         groups = self.num_query_groups or self.num_attention_heads
         _require(groups > 0 and self.num_attention_heads % groups == 0,
-                 f"num-attention-heads {self.num_attention_heads} is not divisible by num-query-groups {groups}")
+                 f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups {groups}")
         for name in ("attention_dropout", "hidden_dropout"):
             _require(0.0 <= getattr(self, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
         _require(self.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be at least 1")
@@ -192,22 +192,22 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
     def _check_parallel(self) -> None:
         tp = self.tensor_model_parallel_size
         _require(self.position_embedding_type != "learned_absolute" or self.max_position_embeddings >= self.seq_length,
-                 f"max-position-embeddings {self.max_position_embeddings} is smaller than seq-length {self.seq_length}")
+                 f"--max-position-embeddings {self.max_position_embeddings} is smaller than --seq-length {self.seq_length}")
         _require(self.position_embedding_type != "rope" or self.multi_latent_attention or self.rotary_percent < 1
                  or self.kv_channels % 2 == 0,
                  f"rope needs an even head dimension, got {self.kv_channels} (--kv-channels)")
         for flag, value in (("num-attention-heads", self.num_attention_heads), ("ffn-hidden-size", self.ffn_hidden_size),
                             ("num-query-groups", self.num_query_groups)):
-            _require(value % tp == 0, f"{flag} {value} is not divisible by tensor-model-parallel-size {tp}"
+            _require(value % tp == 0, f"--{flag} {value} is not divisible by --tensor-model-parallel-size {tp}"
                      + ("; every rank must hold whole key/value groups" if flag == "num-query-groups" else ""))
         if self.sequence_parallel:
             _require(self.seq_length % tp == 0,
-                     f"--sequence-parallel needs seq-length {self.seq_length} divisible by "
-                     f"tensor-model-parallel-size {tp}")
+                     f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
+                     f"--tensor-model-parallel-size {tp}")
         if self.padded_vocab_size is not None:
             _require(self.padded_vocab_size % tp == 0,
                      f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
-                     f"tensor-model-parallel-size {tp}")
+                     f"--tensor-model-parallel-size {tp}")
             _require(self.vocab_size is None or self.vocab_size <= self.padded_vocab_size,
                      f"vocab size {self.vocab_size} is larger than the padded vocab size {self.padded_vocab_size}")
 
@@ -246,7 +246,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
                      "--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be at least 0")
             _require(start + end <= self.num_layers,
                      f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} exceed "
-                     f"num-layers {self.num_layers}; lower them")
+                     f"--num-layers {self.num_layers}; lower them")
 
         # -- what layers ask for ---------------------------------------------------------------------
     @property

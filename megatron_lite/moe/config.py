@@ -342,7 +342,7 @@ def _parallel_problem(moe: MoEConfig, *, num_layers, tp, ep, sequence_parallel, 
         return f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} is not divisible by {flag} {etp or tp}"
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None and (shared < 1 or shared % tp):
-        return f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by TP {tp}"
+        return f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by --tensor-model-parallel-size {tp}"
     if fp16 and ep > 1:
         return "--expert-model-parallel-size > 1 does not support --fp16; use --bf16"
     if fp16 and etp not in (None, 1, tp):

@@ -61,15 +61,15 @@ class RankGrid:
         if self.dp is None:
             if self.world_size % model:
                 raise ParallelConfigError(
-                    f"world size {self.world_size} is not divisible by tensor-model-parallel-size {self.tp} "
-                    f"x pipeline-model-parallel-size {self.pp} x context-parallel-size {self.cp} = {model}; "
+                    f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {self.tp} "
+                    f"x --pipeline-model-parallel-size {self.pp} x --context-parallel-size {self.cp} = {model}; "
                     "launch a multiple of that many processes or change the sizes"
                 )
             object.__setattr__(self, "dp", self.world_size // model)
         elif self.dp * model != self.world_size:
             raise ParallelConfigError(
-                f"tensor-model-parallel-size {self.tp} x pipeline-model-parallel-size {self.pp} x "
-                f"context-parallel-size {self.cp} x data-parallel-size {self.dp} = {self.dp * model} "
+                f"--tensor-model-parallel-size {self.tp} x --pipeline-model-parallel-size {self.pp} x "
+                f"--context-parallel-size {self.cp} x data-parallel-size {self.dp} = {self.dp * model} "
                 f"does not equal the world size {self.world_size}"
             )
         if self.folded:
@@ -93,7 +93,7 @@ class RankGrid:
             )
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ParallelConfigError(
-                "virtual pipeline stages need pipeline-model-parallel-size > 1; "
+                "virtual pipeline stages need --pipeline-model-parallel-size > 1; "
                 "drop --num-layers-per-virtual-pipeline-stage or raise the pipeline size"
             )
 
@@ -178,7 +178,7 @@ class RankGrid:
         ranks at one position of every all-to-all group, ``outer`` of them)."""
         if inner < 1 or self.cp % inner:
             raise ParallelConfigError(f"--hierarchical-context-parallel-sizes: all-to-all size {inner} does not "
-                                      f"divide context-parallel-size {self.cp}")
+                                      f"divide --context-parallel-size {self.cp}")
         a2a, ring = [], []
         for ranks in self.groups("cp"):
             a2a += [ranks[i : i + inner] for i in range(0, self.cp, inner)]
@@ -198,10 +198,10 @@ class RankGrid:
 
 def _flag(name: str) -> str:
     return {
-        "tp": "tensor-model-parallel-size",
-        "pp": "pipeline-model-parallel-size",
-        "cp": "context-parallel-size",
-        "ep": "expert-model-parallel-size",
-        "etp": "expert-tensor-parallel-size",
+        "tp": "--tensor-model-parallel-size",
+        "pp": "--pipeline-model-parallel-size",
+        "cp": "--context-parallel-size",
+        "ep": "--expert-model-parallel-size",
+        "etp": "--expert-tensor-parallel-size",
         "world_size": "world size",
     }[name]

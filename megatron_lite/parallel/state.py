@@ -122,7 +122,7 @@ class ParallelState:
         if self.hcp_sizes:
             if len(self.hcp_sizes) != 2 or math.prod(self.hcp_sizes) != cp:
                 raise ParallelConfigError(f"--hierarchical-context-parallel-sizes {hcp} must be two sizes whose "
-                                          f"product is context-parallel-size {cp}")
+                                          f"product is --context-parallel-size {cp}")
             self._build_hierarchical_cp(self.hcp_sizes[0])
         coords = self.grid.coords(rank)
         self.tp_rank, self.cp_rank, self.pp_rank = coords["tp"], coords["cp"], coords["pp"]

@@ -179,11 +179,11 @@ def check_batch_rampup(config) -> None:
     if t.decrease_batch_size_if_needed:
         if start < unit:
             raise ConfigError(f"{flag}: the start batch {start} is less than one micro-batch per data-parallel "
-                              f"rank (micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {unit})")
+                              f"rank (--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {unit})")
     else:
         bad = next((size for size in schedule.sizes() if size % unit), None)
         if bad is not None:
-            raise ConfigError(f"{flag}: the ramp's global batch {bad} is not divisible by micro-batch-size "
+            raise ConfigError(f"{flag}: the ramp's global batch {bad} is not divisible by --micro-batch-size "
                               f"{t.micro_batch_size} x data-parallel size {dp}; make the start batch and the "
                               f"increment multiples of {unit}, or add --decrease-batch-size-if-needed")
     if config.parallel.num_layers_per_virtual_pipeline_stage is not None:  # every step's count, not only G's

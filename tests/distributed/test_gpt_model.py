@@ -176,8 +176,8 @@ def check_bad_tp_shapes(tp):
 
 def test_bad_tensor_parallel_shapes_are_clear_errors():
     assert run_ranks(4, check_bad_tp_shapes, 4)[0] == [
-        "num-query-groups 2 is not divisible by tensor-model-parallel-size 4; every rank must hold whole key/value groups",
-        "padded vocabulary size 130 is not divisible by tensor-model-parallel-size 4",
+        "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4; every rank must hold whole key/value groups",
+        "padded vocabulary size 130 is not divisible by --tensor-model-parallel-size 4",
         "sequence parallelism needs the sequence length 6 divisible by tensor-model-parallel-size 4",
     ]
 

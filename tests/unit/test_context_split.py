@@ -164,16 +164,16 @@ def test_transformer_config_checks_context_parallel():
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16)
     TransformerConfig(**base, context_parallel_size=4)  # 16 = 2 x 4 chunks of 2
-    with pytest.raises(ConfigError, match="seq-length 12 divisible by 2 x cp = 8"):
+    with pytest.raises(ConfigError, match="--seq-length 12 divisible by 2 x cp = 8"):
         TransformerConfig(**dict(base, seq_length=12), context_parallel_size=4)
     # sequence parallelism cuts a rank's seq / cp tokens over TP: 12 / 2 = 6 over TP 2 runs (Megatron-LM's rule)
     TransformerConfig(**dict(base, seq_length=12), context_parallel_size=2, tensor_model_parallel_size=2,
                       sequence_parallel=True)
-    with pytest.raises(ConfigError, match="seq-length 20 / cp = 10 divisible by tensor-model-parallel-size 4"):
+    with pytest.raises(ConfigError, match="--seq-length 20 / cp = 10 divisible by --tensor-model-parallel-size 4"):
         TransformerConfig(**dict(base, seq_length=20, num_query_groups=4), context_parallel_size=2,
                           tensor_model_parallel_size=4, sequence_parallel=True)
-    with pytest.raises(ConfigError, match="a2a needs num-query-groups 2 divisible by tensor-model-parallel-size 1 "
-                                          "x context-parallel-size 4"):
+    with pytest.raises(ConfigError, match="a2a needs --num-query-groups 2 divisible by --tensor-model-parallel-size 1 "
+                                          "x --context-parallel-size 4"):
         TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a")
     with pytest.raises(ConfigError, match="'ring' is not supported"):
         TransformerConfig(**base, cp_comm_type=["ring"])
@@ -186,7 +186,7 @@ def test_transformer_config_checks_context_parallel():
         with pytest.raises(ConfigError, match="--hierarchical-context-parallel-sizes .*: give two positive sizes"):
             TransformerConfig(**base, context_parallel_size=4, cp_comm_type="a2a+p2p",
                               hierarchical_context_parallel_sizes=sizes)
-    with pytest.raises(ConfigError, match="a2a\\+p2p needs num-query-groups 2 divisible by tensor-model-parallel-size 2 "
+    with pytest.raises(ConfigError, match="a2a\\+p2p needs --num-query-groups 2 divisible by --tensor-model-parallel-size 2 "
                                           "x the all-to-all size 2"):
         TransformerConfig(**base, context_parallel_size=4, tensor_model_parallel_size=2, cp_comm_type="a2a+p2p",
                           hierarchical_context_parallel_sizes=[2, 2])

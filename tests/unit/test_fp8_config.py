@@ -74,7 +74,7 @@ def test_make_gemm_gives_a_fresh_gemm_with_the_configured_recipe():
     # 2^18 exceeds E4M3's range: every value quantised to 0 or saturated; from ~80 on the outputs were NaN
     (dict(fp8="hybrid", fp8_margin=18), "--fp8-margin 18 must be between -17 and 17"),
     (dict(fp8="hybrid", fp8_margin=-18), "--fp8-margin -18 must be between -17 and 17"),
-    (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=4), "exceed num-layers 4"),
+    (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=4), "exceed --num-layers 4"),
     (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=-1), "at least 0"),
 ])
 def test_bad_fp8_fields_are_one_line_errors(fields, words):

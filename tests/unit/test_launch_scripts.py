@@ -182,7 +182,7 @@ def test_check_mode_refuses_a_layout_that_does_not_fit(tmp_path, monkeypatch, ca
     assert handed[0] == 24
     code, _, err = _run_entry(monkeypatch, capsys, *handed)
     assert code == 2
-    assert "world size 24 is not divisible by tensor-model-parallel-size 8" in err
+    assert "world size 24 is not divisible by --tensor-model-parallel-size 8" in err
 
 
 def _fake_slurm(tmp_path, srun_rc=0):

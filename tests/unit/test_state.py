@@ -141,7 +141,7 @@ def test_hierarchical_cp_groups_megatron_example():
     a2a, ring = RankGrid(16, cp=16).hierarchical_cp_groups(2)
     assert a2a == [[2 * i, 2 * i + 1] for i in range(8)]
     assert ring == [list(range(0, 16, 2)), list(range(1, 16, 2))]
-    with pytest.raises(ParallelConfigError, match="all-to-all size 3 does not divide context-parallel-size 16"):
+    with pytest.raises(ParallelConfigError, match="all-to-all size 3 does not divide --context-parallel-size 16"):
         RankGrid(16, cp=16).hierarchical_cp_groups(3)
 
 
@@ -154,5 +154,5 @@ def test_single_process_hierarchical_state_has_groups_of_one():
 
 @pytest.mark.parametrize("hcp", [(2, 1), (1, 1, 1)])
 def test_hierarchical_sizes_must_multiply_to_cp(hcp):
-    with pytest.raises(ParallelConfigError, match="product is context-parallel-size 1"):
+    with pytest.raises(ParallelConfigError, match="product is --context-parallel-size 1"):
         ParallelState(world_size=1, rank=0, hcp=hcp)
