@@ -112,7 +112,7 @@ def test_cp2_resume_continues_exactly(tmp_path):
          ["--hierarchical-context-parallel-sizes only applies with --cp-comm-type a2a+p2p"]),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2",
           "--group-query-attention", "--num-query-groups", "1"], 4,
-         ["--cp-comm-type a2a+p2p needs num-query-groups 1", "all-to-all size 2"]),
+         ["--cp-comm-type a2a+p2p needs --num-query-groups 1", "all-to-all size 2"]),
     ],
 )
 def test_bad_context_parallel_flags_exit_2_with_one_line(capsys, monkeypatch, flags, world, words):
