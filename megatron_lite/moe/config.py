@@ -102,7 +102,7 @@ class MoEConfig:
     moe_shared_expert_gate: bool = field(default=False, metadata={"cli": False})
     """Scale the shared experts' output per token by a learned sigmoid gate (set in code)."""
     moe_per_layer_logging: bool = False
-    """Write the router losses of every MoE layer to TensorBoard."""
+    """Write the router losses of every MoE layer to TensorBoard (needs --moe-aux-loss-coeff or --moe-z-loss-coeff)."""
     expert_tensor_parallel_size: int | None = None
     """Tensor-parallel size of the experts (default --tensor-model-parallel-size; 1: whole experts). Another size, or an --expert-model-parallel-size that does not divide the data-parallel size, re-cuts each pipeline stage's ranks (TP x CP x DP) for the experts as ETP x EP x expert-DP (parallel folding; EP may span CP ranks). Needs --num-experts."""
     overlap_moe_expert_parallel_comm: bool = False
@@ -198,7 +198,7 @@ def unused_moe_flag(moe: MoEConfig) -> str | None:
         if not moe.moe_router_enable_expert_bias and rate != _default(MoEConfig, "moe_router_bias_update_rate"):
             return (f"--moe-router-bias-update-rate {rate} has no effect without --moe-router-enable-expert-bias; "
                     "add it (with --moe-router-score-function sigmoid) or drop the rate")
-        return _coefficient_of_none(moe)
+        return _coefficient_of_none(moe) or _nothing_to_log_per_layer(moe)
     for f in dataclasses.fields(MoEConfig):
         if f.name in _OWN_DENSE_RULE or f.name in REFUSED:
             continue
@@ -225,6 +225,17 @@ def _coefficient_of_none(moe: MoEConfig) -> str | None:
                 f"{' '.join(types)} (no load-balancing loss to scale); give the none type a coefficient of 0, "
                 "or pick aux_loss, seq_aux_loss or global_aux_loss")
     return None
+
+
+def _nothing_to_log_per_layer(moe: MoEConfig) -> str | None:
+    """--moe-per-layer-logging writes each MoE layer's router losses; with every --moe-aux-loss-coeff 0
+    (the default) and no --moe-z-loss-coeff there are none, and it wrote nothing."""
+    coeffs = moe.moe_aux_loss_coeff
+    coeffs = [coeffs] if isinstance(coeffs, (int, float)) else list(coeffs)
+    if not moe.moe_per_layer_logging or moe.moe_z_loss_coeff or any(coeffs):
+        return None
+    return ("--moe-per-layer-logging writes each MoE layer's router losses and this run has none "
+            "(--moe-aux-loss-coeff 0, no --moe-z-loss-coeff); give a coefficient or drop --moe-per-layer-logging")
 
 
 def _default(cls, name: str):

@@ -1,6 +1,7 @@
 """MoE, MLA and MTP flags on a model without experts / MLA / MTP: they trained a plain dense model
 and exited 0 (a forgotten --num-experts went unnoticed); so did --moe-router-bias-update-rate
-without the expert bias, and --kv-channels with multi-latent attention. Each is now one line naming the flag and
+without the expert bias, --moe-per-layer-logging with no router loss to log, and --kv-channels with
+multi-latent attention. Each is now one line naming the flag and
 the missing one, exit 2; the defaults, and the flags with the feature on, are accepted."""
 
 import pytest
@@ -28,6 +29,10 @@ BASE = ["--mock-data", "--vocab-size", "64", "--position-embedding-type", "rope"
       "--moe-aux-loss-coeff", "1e-4", "1e-2"], "--moe-aux-loss-coeff 0.0001 0.01 has no effect"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss", "none",
       "--moe-aux-loss-coeff", "1e-4"], "with --moe-router-load-balancing-type seq_aux_loss none"),
+    # per-layer logging of router losses when there are none (aux coefficient 0, the default; no z-loss): it wrote nothing
+    (["--num-experts", "4", "--moe-per-layer-logging"], "--moe-per-layer-logging writes each MoE layer's router losses"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn", "--moe-per-layer-logging"],
+     "(--moe-aux-loss-coeff 0, no --moe-z-loss-coeff)"),
     (["--q-lora-rank", "16"], "--q-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--kv-lora-rank", "16"], "--kv-lora-rank 16 has no effect without --multi-latent-attention"),
     (["--v-head-dim", "8"], "--v-head-dim 8 has no effect without --multi-latent-attention"),
@@ -63,6 +68,9 @@ def test_defaults_and_used_flags_are_accepted():
     for types, coeffs in ((["none"], ["0"]), (["seq_aux_loss", "none"], ["1e-4", "0"]), (["none"], [])):
         parse_args(BASE + ["--num-experts", "4", "--moe-router-load-balancing-type", *types]
                    + (["--moe-aux-loss-coeff", *coeffs] if coeffs else []), world_size=1)
+    for losses in (["--moe-aux-loss-coeff", "1e-2"], ["--moe-router-load-balancing-type", "none", "--moe-z-loss-coeff",
+                                                      "1e-3"]):  # z-loss is independent of the balancing type
+        parse_args(BASE + ["--num-experts", "4", "--moe-per-layer-logging", *losses], world_size=1)
     # MLA's softmax scale reads the YaRN factor and --mscale-all-dim whatever --rope-type is
     parse_args(BASE + ["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "40",
                        "--mscale-all-dim", "1"], world_size=1)
