@@ -63,7 +63,7 @@ import logging
 import torch
 
 from ..errors import ConfigError
-from ..moe.config import parse_moe_layer_freq
+from ..moe.layer_pattern import parse_moe_layer_freq
 from .hf import _base_config, _require, pick_style, warn_unwritten
 from .hf_deepseek_rope import rope_from_hf, rope_to_hf
 from .hf_defaults import require_fields

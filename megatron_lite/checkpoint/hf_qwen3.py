@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..moe.config import parse_moe_layer_freq
+from ..moe.layer_pattern import parse_moe_layer_freq
 from .hf import (
     FC1,
     FC2,

@@ -111,8 +111,8 @@ def _check_moe_layers(moe, specs: list[LayerSpec], flag: str) -> None:
     """Refuse a spec whose MoELayer layers are not the ones ``--moe-layer-freq`` selects (its default 1
     is every layer): the FLOPs count, the per-layer router logging and the recompute checks read the
     flag, and MoELayer needs ``--num-experts``."""
-    from ..moe.config import parse_moe_layer_freq
     from ..moe.layer import MoELayer
+    from ..moe.layer_pattern import parse_moe_layer_freq
 
     in_spec = [_is(s.mlp, MoELayer) for s in specs]
     if not moe.num_experts:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 
 from ..errors import ConfigError
-from ..moe.config import _eval_list
+from ..moe.layer_pattern import eval_int_list
 
 
 def _require(cond: bool, message: str) -> None:
@@ -37,7 +37,7 @@ def parse_skip_freq(value, num_layers: int) -> list[bool]:
             raise ValueError("must be a positive integer or a list expression of 0/1 per layer")
         return [(i + 1) % n != 0 for i in range(num_layers)]
     try:
-        pattern = _eval_list(ast.parse(text, mode="eval").body)
+        pattern = eval_int_list(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError):
         pattern = None
     if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):

@@ -8,13 +8,13 @@ defaults and raises ConfigError with one line naming the flag and the fix;
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from .layer_pattern import parse_moe_layer_freq
 
 LOAD_BALANCING_TYPES = ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
 MOE_CHOICES = {
@@ -111,41 +111,6 @@ class MoEConfig:
     """Megatron-LM's deprecated spelling of --recompute-granularity selective --recompute-modules moe (moe is added to the modules, by default core_attn)."""
     moe_extended_tp: bool = False
     """Deprecated (refused)."""
-
-
-def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
-    """Which layers (0-based) are MoE: ``N`` -> every layer with ``i % N == 0``; a list expression of
-    0/1 of length num_layers (``"([0]+[1]*3)"``). Raises ValueError with the reason."""
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
-        n = int(value)
-        if n < 1:
-            raise ValueError(f"--moe-layer-freq {value} must be a positive integer or a list expression")
-        return [i % n == 0 for i in range(num_layers)]
-    pattern = _eval_list(ast.parse(str(value).strip(), mode="eval").body)
-    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ValueError(f"--moe-layer-freq {value!r} must be a list of {num_layers} zeros and ones (one per layer)")
-    return [bool(v) for v in pattern]
-
-
-_MAX_PATTERN = 1_000_000
-
-
-def _eval_list(node):
-    """Evaluate a list expression made only of int lists, ``+`` and ``*`` (no names, no calls)."""
-    if isinstance(node, ast.List):
-        return [_eval_list(e) for e in node.elts]
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _eval_list(node.left), _eval_list(node.right)
-        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-            return left + right
-        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
-            items, times = (left, right) if isinstance(left, list) else (right, left)
-            if len(items) * times > _MAX_PATTERN:  # (a typo like [1]*10000000000 would fill the memory)
-                raise ValueError(f"--moe-layer-freq: a list of {len(items) * times} entries is longer than any model")
-            return items * times
-    raise ValueError("--moe-layer-freq: only int lists, + and * are allowed, e.g. \"([0]+[1]*3)\"")
 
 
 def normalize(moe: MoEConfig, ffn_hidden_size: int) -> None:

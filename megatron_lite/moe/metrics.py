@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..device import get_device
 from ..parallel import comm
 from .aux_loss import LOSS_NAMES
-from .config import parse_moe_layer_freq
+from .layer_pattern import parse_moe_layer_freq
 from .router import TopKRouter, balancing_types
 
 

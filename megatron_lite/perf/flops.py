@@ -47,7 +47,7 @@ MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
 from __future__ import annotations
 
 from ..models.window_config import layer_window
-from ..moe.config import parse_moe_layer_freq
+from ..moe.layer_pattern import parse_moe_layer_freq
 
 
 def _get(config, name, default=None):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_lite.moe.config import MoEConfig, moe_config_problem, normalize, parse_moe_layer_freq
+from megatron_lite.moe.config import MoEConfig, moe_config_problem, normalize
+from megatron_lite.moe.layer_pattern import parse_moe_layer_freq
 
 
 def _problem(tp=1, ep=1, sp=False, fp16=False, num_layers=4, **fields):

@@ -31,7 +31,7 @@ from ...errors import ConfigError
 from ...models.mla_config import check_mla_shape, check_mtp_positions
 from ...models.transformer_config import default_ffn_hidden_size
 from ...models.window_config import check_causal_window, check_window_fields
-from ...moe.config import parse_moe_layer_freq
+from ...moe.layer_pattern import parse_moe_layer_freq
 from ...parallel.pipeline.partition import layer_ranges
 
 

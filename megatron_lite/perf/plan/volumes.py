@@ -34,7 +34,7 @@ layers counted on the last stage, and the most MoE layers).
 
 from __future__ import annotations
 
-from ...moe.config import parse_moe_layer_freq
+from ...moe.layer_pattern import parse_moe_layer_freq
 from ..comm_volume import ring_bytes
 from .model import stage_layers
 
