@@ -17,6 +17,8 @@ Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lor
   layers' MLPs (``mlp.gate_proj`` / ``up_proj`` / ``down_proj``). Experts' adapters are not exported
   (transformers holds a layer's experts as one stacked parameter): train with ``--lora-target-modules
   linear_qkv linear_proj`` for an adapter these formats take, or merge them instead (``--merge-lora``).
+* ``deepseek_v3`` style: multi-latent attention's projections, the dense and shared-expert MLPs and the
+  routed experts (PEFT ``target_parameters`` on transformers' stacked experts): :mod:`.peft_deepseek`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from ..checkpoint.format import CheckpointError
 from ..checkpoint.hf import _dims, qkv_to_separate
 from ..checkpoint.hf_io import write_json
 from ..files import replaced_whole
+from .peft_deepseek import deepseek_modules
 
 ADAPTER_DIR = "adapter"
-STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")  # the --hf-style values exported
+STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3")  # the --hf-style values exported
 OURS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
         "fc2": "mlp.linear_fc2"}
 
@@ -70,11 +73,8 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
     return out
 
 
-def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple[dict, dict]:
-    """(adapter_config.json dict, safetensors tensors) of single-process ``adapters`` for a ``style`` base."""
-    if style not in STYLES:
-        raise CheckpointError(f"PEFT export of LoRA adapters supports the {', '.join(STYLES)} styles, not {style}; "
-                              "pass --merge-lora to export the merged model instead")
+def _modules(cfg: dict, adapters: dict, style: str) -> dict:
+    """{HF module name: (A, B)} of the gpt2 / llama-like styles; refuses adapters these styles do not hold."""
     if any(".experts." in k for k in adapters):
         raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora (or train with "
                               "--lora-target-modules linear_qkv linear_proj)")
@@ -85,17 +85,32 @@ def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple
                 for part in OURS.values() for w in ("in", "out")}
     if set(adapters) - exported:
         raise CheckpointError(f"adapter {sorted(set(adapters) - exported)[0]} has no PEFT export here; pass --merge-lora")
+    return modules
+
+
+def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple[dict, dict]:
+    """(adapter_config.json dict, safetensors tensors) of single-process ``adapters`` for a ``style`` base."""
+    if style not in STYLES:
+        raise CheckpointError(f"PEFT export of LoRA adapters supports the {', '.join(STYLES)} styles, not {style}; "
+                              "pass --merge-lora to export the merged model instead")
+    targets, params = [], []
+    if style == "deepseek_v3":
+        modules, targets, params = deepseek_modules(cfg, adapters)
+    else:
+        modules = _modules(cfg, adapters, style)
+        # module names as PEFT matches them (a suffix of the full name): leaf names, or attn./mlp. for GPT-2's two c_proj
+        targets = sorted({n.split(".", 3)[-1] if style == "gpt2" else n.rsplit(".", 1)[-1] for n in modules})
     tensors = {}
     for name, (a, b) in modules.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.clone()  # own storage: safetensors refuses shared
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.clone()
-    # module names as PEFT matches them (a suffix of the full name): leaf names, or attn./mlp. for GPT-2's two c_proj
-    targets = sorted({n.split(".", 3)[-1] if style == "gpt2" else n.rsplit(".", 1)[-1] for n in modules})
     config = {
         "peft_type": "LORA", "auto_mapping": None, "base_model_name_or_path": os.path.abspath(base_path),
         "bias": "none", "fan_in_fan_out": style == "gpt2", "inference_mode": True, "init_lora_weights": True,
-        "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg.get("lora_dropout", 0.0), "modules_to_save": None,
+        "lora_alpha": cfg["lora_alpha"], "lora_dropout": 0.0 if params else cfg.get("lora_dropout", 0.0),
+        "modules_to_save": None,
         "r": cfg["lora_rank"], "rank_pattern": {}, "alpha_pattern": {}, "target_modules": targets,
+        "target_parameters": params or None,
         "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
     }
     return config, tensors

@@ -28,6 +28,19 @@ STYLES = {"gpt2": [], "llama": LLAMA, "qwen2": LLAMA + ["--add-qkv-bias"],  # qw
           "qwen3": LLAMA + ["--qk-layernorm"],  # its q/k norms frozen with the base (Qwen3ForCausalLM)
           "qwen3_moe": LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
                                 "--moe-layer-freq", "[1,0]"]}  # Qwen3MoeForCausalLM; adapters on the attention
+MLA_MOE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--kv-lora-rank", "8",
+           "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm",
+           "--norm-epsilon", "1e-6", "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1]",
+           "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-shared-expert-intermediate-size", "16"]
+# DeepseekV3ForCausalLM, a dense layer then a MoE one: q compression and every MLA target, sequential experts;
+# no q compression, its q_proj adapted, grouped experts
+STYLES["deepseek_v3"] = MLA_MOE + ["--q-lora-rank", "16"]
+STYLES["deepseek_v3_lite"] = MLA_MOE + ["--moe-grouped-gemm"]
+MLA_TARGETS = {"deepseek_v3": ["--lora-target-modules", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj",
+                               "linear_fc1", "linear_fc2"],
+               "deepseek_v3_lite": ["--lora-target-modules", "linear_q_proj", "linear_proj", "linear_fc1", "linear_fc2"]}
 ATTENTION_ONLY = ["--lora-target-modules", "linear_qkv", "linear_proj"]  # experts' adapters have no PEFT export
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
 VOCAB = 65  # --vocab-size 64 plus the mock tokenizer's end-of-document token
@@ -44,6 +57,7 @@ def runs(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("lora_export"), {}
     plan = {"gpt2": (STYLES["gpt2"], 1, []), "llama": (LLAMA, 1, []), "qwen2": (STYLES["qwen2"], 1, []),
             "qwen3": (STYLES["qwen3"], 1, []), "qwen3_moe": (STYLES["qwen3_moe"], 1, ATTENTION_ONLY),
+            **{name: (STYLES[name], 1, targets) for name, targets in MLA_TARGETS.items()},
             "tp2": (STYLES["gpt2"], 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             "ep2": (MODELS["moe_grouped"], 2, ["--expert-model-parallel-size", "2"])}
     for name, (model, world, layout) in plan.items():
