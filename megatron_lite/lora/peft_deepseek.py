@@ -105,6 +105,8 @@ def deepseek_modules(cfg: dict, adapters: dict) -> tuple[dict, list, list]:
             _swiglu(out, params, taken, src + "mlp.", dst + "mlp.")
     left = sorted(set(adapters) - taken.used)
     if left:
-        raise CheckpointError(f"adapter {left[0]} has no counterpart in the deepseek_v3 PEFT export (transformers' "
-                              "DeepseekV3ForCausalLM has no such module); pass --merge-lora")
+        why = ("transformers' DeepseekV3ForCausalLM does not run the multi-token prediction layers" if
+               left[0].startswith("mtp.") else "transformers' DeepseekV3ForCausalLM has no such module")
+        raise CheckpointError(f"adapter {left[0]} has no counterpart in the deepseek_v3 PEFT export ({why}); "
+                              "pass --merge-lora")
     return out, sorted(modules), sorted(params)

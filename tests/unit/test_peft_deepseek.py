@@ -52,5 +52,6 @@ def test_experts_are_stacked_as_peft_reads_them():
 def test_an_adapter_without_counterpart_is_refused_naming_it():
     adapters = {**_adapters(), **_pair("mtp.layers.0.transformer_layer.self_attention.linear_proj.", H, 12)}
     with pytest.raises(CheckpointError, match=r"^adapter mtp\.layers\.0\.transformer_layer\.self_attention\."
-                                              r"linear_proj\.adapter\.linear_in\.weight has no counterpart .*--merge-lora$"):
+                                              r"linear_proj\.adapter\.linear_in\.weight has no counterpart .*does not run the "
+                                              r"multi-token prediction layers\); pass --merge-lora$"):
         peft_adapter(CFG, adapters, "deepseek_v3", "/base")
