@@ -6,7 +6,9 @@ the base plus the trained adapters in one process). Its logits must equal, withi
 the merged checkpoint's (written at TP1 and PP2 from a TP2 + SP run; experts merged from an EP2 run)
 and ``peft.PeftModel`` on the exported ``transformers`` model, for a GPT-2-, a Llama-, a Qwen2-style base
 (--add-qkv-bias: its PEFT export was refused, the qwen2 style being new), a Qwen3-style one (--qk-layernorm)
-and a Qwen3-MoE one (adapters on the attention; its export was refused).
+a Qwen3-MoE one (adapters on the attention; its export was refused) and two DeepSeek-V3 ones (a dense
+and a MoE layer with a shared expert, adapters on the MLA projections, MLPs and routed experts; their
+export was refused).
 """
 
 import json
