@@ -101,11 +101,14 @@ def test_exit_duration_counts_the_start_up_and_checkpoint_load(tmp_path, monkeyp
     assert (run.exit_reason, run.iteration) == ("duration", 2)
 
 
+# 4 steps stopped at 2 (the 2 warm-up steps, then 2 resumed); FP8's amax history of 2 is full at the stop,
+# so the resumed steps roll the restored history
+TWO_ITERS, TWO_STOP = 4, 2
 TWO_RANKS = {  # name: the flags of a 2-rank run
     "mtp_tied_embeddings_pp2": VARIANTS["noq"] + ["--pipeline-model-parallel-size", "2"],
     "mla_tp2_torch_dist": VARIANTS["noq"] + ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
     "fp8_delayed_tp2_sp_torch_dist": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
-                                      "--fp8-amax-history-len", "4", "--tensor-model-parallel-size", "2",
+                                      "--fp8-amax-history-len", "2", "--tensor-model-parallel-size", "2",
                                       "--sequence-parallel", "--ckpt-format", "torch_dist"],
 }
 
@@ -116,14 +119,14 @@ def test_two_rank_layouts(tmp_path, capsys, name):
     also resumes in one process: not bit for bit, by design (:mod:`megatron_lite.checkpoint.resume_notes`)."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     flags = TWO_RANKS[name]
-    whole, first = ranks_trajectories(2, "pretrain_gpt", [_argv(full, ITERS, flags),
-                                                          _argv(part, ITERS, flags + ["--exit-interval", str(STOP)])])
-    shutil.copytree(part, part + "_stop")  # the checkpoint at STOP, before the resume saves the last step
-    [second] = ranks_trajectories(2, "pretrain_gpt", [_argv(part, ITERS, flags + ["--load", part])])
-    assert len(first) == STOP and first + second == whole
+    whole, first = ranks_trajectories(2, "pretrain_gpt", [_argv(full, TWO_ITERS, flags),
+                                                          _argv(part, TWO_ITERS, flags + ["--exit-interval", str(TWO_STOP)])])
+    shutil.copytree(part, part + "_stop")  # the checkpoint at TWO_STOP, before the resume saves the last step
+    [second] = ranks_trajectories(2, "pretrain_gpt", [_argv(part, TWO_ITERS, flags + ["--load", part])])
+    assert len(first) == TWO_STOP and first + second == whole
     if name == "mla_tp2_torch_dist":  # at another layout: the same run within rounding, and one line says so
         capsys.readouterr()
-        one = pretrain_gpt.main(_argv(str(tmp_path / "tp1"), ITERS, VARIANTS["noq"] + [
+        one = pretrain_gpt.main(_argv(str(tmp_path / "tp1"), TWO_ITERS, VARIANTS["noq"] + [
             "--ckpt-format", "torch_dist", "--load", part + "_stop", "--no-load-rng"]))
         notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> note: the checkpoint")]
         assert notes == ["> note: the checkpoint was saved at TP2 (2 ranks), micro-batch size 2, this run is TP1 "
