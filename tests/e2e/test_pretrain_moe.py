@@ -23,7 +23,7 @@ from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajector
 
 MOE = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-    "--ffn-hidden-size", "128",  # 4h, the experts' width too: Megatron's SwiGLU default (64) learns too little in 6 steps
+    "--ffn-hidden-size", "128",  # 4h, the experts' width too: Megatron's SwiGLU default (64) learns too little in ITERS steps
     "--group-query-attention", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
 ]
