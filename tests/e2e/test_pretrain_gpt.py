@@ -101,7 +101,7 @@ def _same_weights(save_a, save_b):
     assert_same_weights(a, b, saved)
 
 
-ITERS = 8
+ITERS = 5  # past the 2 warm-up steps; both references' 5th loss is below their first (A 4.7912 < 4.8303, B 4.8044 < 4.8374)
 
 
 @pytest.fixture(scope="module")
