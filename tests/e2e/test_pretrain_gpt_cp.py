@@ -25,7 +25,7 @@ from tests.e2e.test_pretrain_gpt import (
 from tests.harness import run_ranks
 from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
-ITERS = 6
+ITERS = 5  # past the 2 warm-up steps (test_pretrain_gpt: both references' 5th loss is below their first)
 
 
 @pytest.fixture(scope="module")
