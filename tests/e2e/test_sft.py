@@ -20,7 +20,7 @@ from tests.harness import run_ranks
 from tests.sft_helpers import CHATML, write_conversations, write_tokenizer
 from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_script
 
-ITERS = 6
+ITERS = 5  # past the 2 warm-up steps (was 6: one step fewer in every run of the file)
 
 
 @pytest.fixture(scope="module")
