@@ -17,7 +17,7 @@ from tests.trajectory import assert_same_trajectory, ranks_trajectory, run_scrip
 
 pytest.importorskip("transformers")
 
-ITERS = 6
+ITERS = 5  # past the 2 warm-up steps (was 6); the reference's 5th loss is below its first
 RUN = ["--mock-data", "--vocab-size", "99",  # NullTokenizer: 99 + EOD = 100
        "--seq-length", "16", "--micro-batch-size", "2",
        "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-2", "--lr-warmup-iters", "2",

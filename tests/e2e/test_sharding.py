@@ -31,7 +31,7 @@ ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 # Hybrid sharding: 2 instances of 2 shards at DP 4; micro-batch 1 gives each rank 2 micro-batches a step.
 HYBRID = ["--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1"]
-ITERS = 6
+ITERS = 5  # past the 2 warm-up steps (was 6); the reference's 5th loss is below its first
 BF16_GRAD_RTOL = 5e-3  # about bf16's own rounding (2^-8 = 3.9e-3); seen 1.4e-3 by step 3 (fp32 runs check 1e-5)
 
 
