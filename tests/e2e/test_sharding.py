@@ -81,8 +81,8 @@ def test_zero3_bf16_tp2_dp2_follows_single_process(tmp_path):
     (4, ZERO3 + HYBRID + OVERLAP, [ZERO3, ["--use-distributed-optimizer"]]),
 ], ids=["zero1_to_zero3", "zero3_to_no_shard", "hsdp_zero3_to_zero3_and_zero1"])
 def test_checkpoint_resumes_under_another_strategy(tmp_path, reference, world, first, seconds):
-    """Stop after 3 of 6 steps with one strategy, resume with another on the same ranks: the
-    6 losses are the uninterrupted single-process run's."""
+    """Stop after 3 of ITERS (5) steps with one strategy, resume with another on the same ranks: the
+    5 losses are the uninterrupted single-process run's."""
     save = str(tmp_path / "ckpt")
     a = ranks_trajectory(world, "pretrain_gpt", _argv(save, ITERS, first + ["--exit-interval", "3"]))
     argvs = [_argv(str(tmp_path / f"next{i}"), ITERS, second + ["--load", save]) for i, second in enumerate(seconds)]
