@@ -37,6 +37,11 @@ MUTATIONS = [
              "traced into the layer graph (their backward fixed to compute dW at once: nothing deferred to W)",
              "megatron_lite/parallel/pipeline/wgrad.py", "        if torch.compiler.is_compiling():\n",
              "        if False:\n", ("tests/e2e/test_torch_compile.py", "-k", "zero_bubble")),
+    Mutation("fp8_history_not_restored", "a torch_dist resume starts every FP8 amax history afresh (missed while the "
+             "resume test used most_recent, which reads only the latest row)", "megatron_lite/checkpoint/dist.py",
+             "    fresh = {t.name for t in tensors if (fresh_fp8 and is_fp8_state_key(t.name))",
+             "    fresh = {t.name for t in tensors if (t.name.endswith('amax_history'))",
+             ("tests/e2e/test_resume_exactness.py", "-k", "fp8_delayed")),
     Mutation("spec_mla_flag_stock_layer", "--multi-latent-attention with a --spec layer of stock attention: taken",
              "megatron_lite/models/spec_plugin.py", "    if model.multi_latent_attention and not all(is_mla):\n",
              "    if False:\n", ("tests/unit/test_spec_flag_agreement.py", "-k", "latent")),

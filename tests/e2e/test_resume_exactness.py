@@ -102,13 +102,15 @@ def test_exit_duration_counts_the_start_up_and_checkpoint_load(tmp_path, monkeyp
 
 
 # 4 steps stopped at 2 (the 2 warm-up steps, then 2 resumed); FP8's amax history of 2 is full at the stop,
-# so the resumed steps roll the restored history
+# so the resumed steps roll the restored history, and with ``max`` its older row sets the scales (with
+# ``most_recent``, the default, only the latest row does: a history not restored would go unnoticed)
 TWO_ITERS, TWO_STOP = 4, 2
 TWO_RANKS = {  # name: the flags of a 2-rank run
     "mtp_tied_embeddings_pp2": VARIANTS["noq"] + ["--pipeline-model-parallel-size", "2"],
     "mla_tp2_torch_dist": VARIANTS["noq"] + ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
     "fp8_delayed_tp2_sp_torch_dist": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
-                                      "--fp8-amax-history-len", "2", "--tensor-model-parallel-size", "2",
+                                      "--fp8-amax-history-len", "2", "--fp8-amax-compute-algo", "max",
+                                      "--tensor-model-parallel-size", "2",
                                       "--sequence-parallel", "--ckpt-format", "torch_dist"],
 }
 
