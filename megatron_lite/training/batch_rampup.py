@@ -23,6 +23,7 @@ import copy
 import dataclasses
 
 from ..console import print_rank_0
+from ..data.builder import train_valid_test_num_samples
 from ..errors import ConfigError
 
 
@@ -53,11 +54,12 @@ def end_at_train_samples(config, iteration: int, consumed: int) -> None:
         t.train_iters = iteration + max(0, t.train_samples - consumed) // t.global_batch_size
         return
     schedule = BatchSchedule.from_config(config)
-    if schedule.consumed_after(iteration) == consumed:
+    ramp_consumed = schedule.consumed_after(iteration)
+    if ramp_consumed == consumed:
         return
     t.train_iters = iteration + schedule.train_iters(t.train_samples, consumed)
     print_rank_0(f"> the checkpoint consumed {consumed} samples in {iteration} iterations, not the "
-                 f"{schedule.consumed_after(iteration)} of this run's batch ramp: the run ends at iteration "
+                 f"{ramp_consumed} of this run's batch ramp: the run ends at iteration "
                  f"{t.train_iters}, once --train-samples {t.train_samples} are trained")
 
 
@@ -94,7 +96,8 @@ def valid_config_for_resume(config, iteration: int, consumed_valid: int):
         return config
     passes_left = t.train_iters // t.eval_interval - iteration // t.eval_interval + 1  # and the final one
     needed = consumed_valid + max(passes_left, 1) * t.eval_iters * t.global_batch_size
-    if needed <= (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size:
+    _, built_for, _ = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+    if needed <= built_for:
         return config
     resumed = copy.copy(config)
     resumed.training = dataclasses.replace(t, valid_samples=needed)

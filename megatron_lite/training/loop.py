@@ -158,7 +158,7 @@ class _Training:
     def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
                  exit_signal: _ExitSignal | None = None, started: float | None = None, consumed_valid: int = 0):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
-        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built[:5]
+        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed, _ = built  # _: see consumed_valid
         self.consumed_valid = consumed_valid  # validation samples read so far (saved with the checkpoints)
         self.timers = Timers(config.logging.timing_log_level, get_device())
         self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
