@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/quickstart}
 ITERS=${ITERS:-300}
+WARMUP=$(( ITERS / 15 ))  # 20 of the default 300; any ITERS >= 1 runs
 mkdir -p "$OUT"
 
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
@@ -30,7 +31,7 @@ OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node
     --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" \
-    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 \
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0 \
     --data-path "$OUT/sample_text_document" --split 98,2,0 \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$OUT/spm.model" \
     --eval-interval 100 --eval-iters 4 --log-interval 10 \

@@ -12,7 +12,7 @@ from tests.unit.test_launch_scripts import EXAMPLES
 
 # The shell variables each script uses, as its defaults give them (the others as a user would set them).
 BY_HAND = {
-    "quickstart_cpu.sh": {"OUT": "outputs/quickstart", "ITERS": "300"},  # the README's main command
+    "quickstart_cpu.sh": {"OUT": "outputs/quickstart", "ITERS": "300", "WARMUP": "20"},  # the README's main command
     "mixtral_gpu.sh": {"GPUS": "8", "DATA": "data/corpus_text_document", "TOKENIZER": "data/spm.model",
                        "SHAPE[@]": "--num-layers 8 --hidden-size 2048 --moe-ffn-hidden-size 5632 --ffn-hidden-size 5632 "
                                    "--num-attention-heads 16 --num-query-groups 4 --seq-length 2048"},
