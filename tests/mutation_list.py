@@ -374,10 +374,14 @@ MUTATIONS = [
     Mutation("dsv3_declared_mtp_missing", "deepseek_v3 import: a config counting MTP layers the weights lack is not "
              "imported without MTP", "megatron_lite/checkpoint/hf_deepseek.py", "    if declared and not any(present):",
              "    if False:", ("tests/unit/test_hf_deepseek.py", "-k", "does_not_hold")),
-    Mutation("peft_dsv3_expert_columns", "deepseek_v3 PEFT export: the experts' lora_B columns expert-major, not "
-             "rank-major as PEFT's ParamWrapper reads them", "megatron_lite/lora/peft_deepseek.py",
+    Mutation("peft_dsv3_expert_columns", "deepseek_v3 / mixtral / qwen3_moe PEFT export: the experts' lora_B columns "
+             "expert-major, not rank-major as PEFT's ParamWrapper reads them", "megatron_lite/lora/peft_experts.py",
              "b = torch.stack([b for _, b in pairs], dim=-1)", "b = torch.stack([b for _, b in pairs], dim=1)",
-             ("tests/unit/test_peft_deepseek.py",)),
+             ("tests/unit/test_peft_deepseek.py", "tests/unit/test_peft_experts.py")),
+    Mutation("peft_partial_experts_dropped", "MoE PEFT export: a layer whose experts lack some adapters drops the "
+             "others silently instead of refusing", "megatron_lite/lora/peft_experts.py",
+             "if pairs is None and all(p + w in taken.adapters for p in seq for w in (IN, OUT)):",
+             "if pairs is None and all([taken.pair(p) for p in seq]):", ("tests/unit/test_peft_experts.py",)),
     Mutation("hf_auto_qwen2_with_biases", "--hf-style auto: qwen2 for a rope model with biases everywhere (llama holds them)",
              "megatron_lite/checkpoint/hf.py", 'if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"):',
              'if cfg.get("add_qkv_bias"):', ("tests/unit/test_hf_style_auto.py",)),

@@ -13,12 +13,11 @@ Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lor
 * ``gpt2`` style: ``c_attn`` stays fused, its B rows reordered to HF's ``[Q; K; V]``; HF's Conv1D
   modules need ``fan_in_fan_out`` (PEFT then keeps ``lora_A``/``lora_B`` in the Linear layout above).
 
-* ``mixtral`` and ``qwen3_moe`` styles: the attention as in the llama style, and (Qwen3-MoE) the dense
-  layers' MLPs (``mlp.gate_proj`` / ``up_proj`` / ``down_proj``). Experts' adapters are not exported
-  (transformers holds a layer's experts as one stacked parameter): train with ``--lora-target-modules
-  linear_qkv linear_proj`` for an adapter these formats take, or merge them instead (``--merge-lora``).
+* ``mixtral`` and ``qwen3_moe`` styles: the attention as in the llama style, the routed experts (PEFT
+  ``target_parameters`` on transformers' stacked experts) and (Qwen3-MoE) the dense layers' MLPs (by
+  parameter too): :mod:`.peft_experts`.
 * ``deepseek_v3`` style: multi-latent attention's projections, the dense and shared-expert MLPs and the
-  routed experts (PEFT ``target_parameters`` on transformers' stacked experts): :mod:`.peft_deepseek`.
+  routed experts, the same way: :mod:`.peft_deepseek`.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from ..checkpoint.hf import _dims, qkv_to_separate
 from ..checkpoint.hf_io import write_json
 from ..files import replaced_whole
 from .peft_deepseek import deepseek_modules
+from .peft_experts import moe_modules
 
 ADAPTER_DIR = "adapter"
 STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3")  # the --hf-style values exported
@@ -74,10 +74,10 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
 
 
 def _modules(cfg: dict, adapters: dict, style: str) -> dict:
-    """{HF module name: (A, B)} of the gpt2 / llama-like styles; refuses adapters these styles do not hold."""
+    """{HF module name: (A, B)} of the gpt2 / llama-like (dense) styles; refuses adapters these styles do not hold."""
     if any(".experts." in k for k in adapters):
-        raise CheckpointError("the experts' LoRA adapters have no PEFT export here; pass --merge-lora (or train with "
-                              "--lora-target-modules linear_qkv linear_proj)")
+        moe = "qwen3_moe" if cfg.get("qk_layernorm") else "mixtral"  # a MoE model's formats (hf.check_exportable)
+        raise CheckpointError(f"the {style} format has no experts for the experts' LoRA adapters; use --hf-style {moe}")
     modules = {}
     for i in range(cfg["num_layers"]):
         modules.update((_gpt2_modules if style == "gpt2" else _llama_modules)(cfg, adapters, i))
@@ -96,6 +96,8 @@ def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple
     targets, params = [], []
     if style == "deepseek_v3":
         modules, targets, params = deepseek_modules(cfg, adapters)
+    elif style in ("mixtral", "qwen3_moe"):
+        modules, targets, params = moe_modules(cfg, adapters, style)
     else:
         modules = _modules(cfg, adapters, style)
         # module names as PEFT matches them (a suffix of the full name): leaf names, or attn./mlp. for GPT-2's two c_proj

@@ -6,9 +6,10 @@ the base plus the trained adapters in one process). Its logits must equal, withi
 the merged checkpoint's (written at TP1 and PP2 from a TP2 + SP run; experts merged from an EP2 run)
 and ``peft.PeftModel`` on the exported ``transformers`` model, for a GPT-2-, a Llama-, a Qwen2-style base
 (--add-qkv-bias: its PEFT export was refused, the qwen2 style being new), a Qwen3-style one (--qk-layernorm)
-a Qwen3-MoE one (adapters on the attention; its export was refused) and two DeepSeek-V3 ones (a dense
-and a MoE layer with a shared expert, adapters on the MLA projections, MLPs and routed experts; their
-export was refused).
+a Qwen3-MoE one (a MoE layer of sequential experts and a dense one) and a Mixtral one (grouped experts),
+adapters on the attention, MLPs and routed experts (the experts' export was refused), and two DeepSeek-V3
+ones (a dense and a MoE layer with a shared expert, adapters on the MLA projections, MLPs and routed
+experts; their export was refused).
 """
 
 import json
@@ -28,8 +29,10 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
 STYLES = {"gpt2": [], "llama": LLAMA, "qwen2": LLAMA + ["--add-qkv-bias"],  # qwen2: exported as Qwen2ForCausalLM
           "qwen3": LLAMA + ["--qk-layernorm"],  # its q/k norms frozen with the base (Qwen3ForCausalLM)
+          # Qwen3MoeForCausalLM, a MoE layer (sequential experts) then a dense one; MixtralForCausalLM, grouped experts
           "qwen3_moe": LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
-                                "--moe-layer-freq", "[1,0]"]}  # Qwen3MoeForCausalLM; adapters on the attention
+                                "--moe-layer-freq", "[1,0]"],
+          "mixtral": LLAMA + ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm"]}
 MLA_MOE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--kv-lora-rank", "8",
            "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm",
@@ -43,7 +46,6 @@ STYLES["deepseek_v3_lite"] = MLA_MOE + ["--moe-grouped-gemm"]
 MLA_TARGETS = {"deepseek_v3": ["--lora-target-modules", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj",
                                "linear_fc1", "linear_fc2"],
                "deepseek_v3_lite": ["--lora-target-modules", "linear_q_proj", "linear_proj", "linear_fc1", "linear_fc2"]}
-ATTENTION_ONLY = ["--lora-target-modules", "linear_qkv", "linear_proj"]  # experts' adapters have no PEFT export
 TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
 VOCAB = 65  # --vocab-size 64 plus the mock tokenizer's end-of-document token
 
@@ -58,7 +60,8 @@ def runs(tmp_path_factory):
     (grouped experts) at EP2; each from a base pretrained for 2 steps, LoRA-trained for 3."""
     root, out = tmp_path_factory.mktemp("lora_export"), {}
     plan = {"gpt2": (STYLES["gpt2"], 1, []), "llama": (LLAMA, 1, []), "qwen2": (STYLES["qwen2"], 1, []),
-            "qwen3": (STYLES["qwen3"], 1, []), "qwen3_moe": (STYLES["qwen3_moe"], 1, ATTENTION_ONLY),
+            "qwen3": (STYLES["qwen3"], 1, []), "qwen3_moe": (STYLES["qwen3_moe"], 1, []),
+            "mixtral": (STYLES["mixtral"], 1, []),
             **{name: (STYLES[name], 1, targets) for name, targets in MLA_TARGETS.items()},
             "tp2": (STYLES["gpt2"], 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             "ep2": (MODELS["moe_grouped"], 2, ["--expert-model-parallel-size", "2"])}
@@ -110,6 +113,11 @@ def test_peft_adapter_on_the_exported_base_gives_the_adapted_logits(tmp_path, ru
     _convert("--saver", "hf", "--load-dir", runs[style], "--save-dir", out)
     config = json.load(open(os.path.join(out, "adapter", "adapter_config.json")))
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    if style in ("qwen3_moe", "mixtral") or style.startswith("deepseek"):  # the routed experts' adapters, trained (B != 0)
+        assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
+        from safetensors.torch import load_file
+        tensors = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+        assert all(t.abs().max() > 0 for k, t in tensors.items() if ".experts." in k and "lora_B" in k)
     base = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter")).eval()
     with torch.no_grad():
@@ -128,12 +136,12 @@ def test_bad_lora_conversions_are_one_line(tmp_path, capsys, runs):
     base = os.path.join(os.path.dirname(runs["gpt2"]), "gpt2_base")
     assert tool(["--model-type", "GPT", "--saver", "hf", "--merge-lora", "--load-dir", base,
                  "--save-dir", str(tmp_path / "a")]) == 2
-    assert tool(["--model-type", "GPT", "--saver", "hf", "--hf-style", "mixtral", "--load-dir", runs["ep2"],
+    assert tool(["--model-type", "GPT", "--saver", "hf", "--hf-style", "gpt_oss", "--load-dir", runs["ep2"],
                  "--save-dir", str(tmp_path / "b")]) == 2
     assert tool(["--model-type", "GPT", "--merge-lora", "--load-dir", runs["gpt2"],
                  "--save-dir", str(tmp_path / "c")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0] and "--merge-lora" in lines[1], lines
+    assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0] and "not gpt_oss; pass --merge-lora" in lines[1], lines
     assert "--merge-lora applies to --saver hf only" in lines[2]
     assert not os.path.exists(str(tmp_path / "b"))  # refused before anything was written
 
