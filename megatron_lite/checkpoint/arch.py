@@ -42,15 +42,92 @@ def _as_flag(key: str, flat: dict):
     return value
 
 
-def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool = False) -> list[str]:
-    """``"hidden-size 32 (this run 64)"`` for each of ``fields`` whose saved value differs from the run's
-    (a derived flag saved unset is compared through the flags it is derived from; ``shapes_only``: the
-    flags of :data:`SHAPE_OF` through the shapes their values give)."""
+def _flag_default(key: str):
+    """The default of the config field ``key`` (any section; None for one of no section, e.g. BERT's)."""
+    import dataclasses
+    import typing
+
+    from ..config import Config
+
+    hints = typing.get_type_hints(Config)
+    for section in SECTIONS:
+        for f in dataclasses.fields(hints[section]):
+            if f.name == key:
+                return f.default if f.default is not dataclasses.MISSING else None
+    return None
+
+
+def flag_setting(key: str, flat: dict) -> tuple[str, str]:
+    """(how ``flat[key]`` reads, the words that give it) as flags on the command line: ``("--hidden-size 32",
+    "--hidden-size 32")``, ``("--swiglu", "--swiglu")``, ``("no --swiglu", "")`` (the words to drop: ``fix``
+    empty), ``("--no-bias-gelu-fusion", ...)``. The vocabulary is a flag only with NullTokenizer; the padded
+    vocabulary is none (the vocabulary, --make-vocab-size-divisible-by and the TP size give it)."""
+    value, flag = _as_flag(key, flat), "--" + key.replace("_", "-")
+    if key == "padded_vocab_size":
+        return f"a vocabulary padded to {value} rows", ""
+    if key == "vocab_size" and flat.get("tokenizer_type") not in NULL_TOKENIZERS:
+        return f"a vocabulary of {value} tokens from --tokenizer-type {flat.get('tokenizer_type')}", ""
+    if isinstance(value, bool):
+        if _flag_default(key) is True:  # on by default: --no-<flag> turns it off
+            return (flag, flag) if value else (f"--no-{flag[2:]}", f"--no-{flag[2:]}")
+        return (flag, flag) if value else (f"no {flag}", "")
+    if value is None:
+        return f"no {flag}", ""
+    words = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    return f"{flag} {words}", f"{flag} {words}"
+
+
+def _differing(saved_config: dict, config, fields, shapes_only: bool) -> list[str]:
+    """The keys of ``fields`` whose saved value differs from the run's (see :func:`arch_differences`)."""
     ours = config.flat()
-    return [f"{key.replace('_', '-')} {_as_flag(key, saved_config)} (this run {_as_flag(key, ours)})"
-            for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
+    return [key for key in fields if key in saved_config and key in ours and saved_config[key] != ours[key]
             and not (key in DERIVED_FLAGS and saved_config[key] is None) and _changes_function(key, saved_config, ours)
             and not (shapes_only and key in SHAPE_OF and SHAPE_OF[key](saved_config[key]) == SHAPE_OF[key](ours[key]))]
+
+
+def arch_differences(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool = False) -> list[str]:
+    """``"--hidden-size 32 (this run 64)"``, ``"--swiglu (this run: no --swiglu)"`` for each of ``fields``
+    whose saved value differs from the run's, named as on the command line (a derived flag saved unset is
+    compared through the flags it is derived from; ``shapes_only``: the flags of :data:`SHAPE_OF` through
+    the shapes their values give)."""
+    ours, said = config.flat(), []
+    for key in _differing(saved_config, config, fields, shapes_only):
+        (saved, _), (now, _) = flag_setting(key, saved_config), flag_setting(key, ours)
+        flag = "--" + key.replace("_", "-") + " "
+        if saved.startswith(flag) and now.startswith(flag):
+            said.append(f"{saved} (this run {now[len(flag):]})")
+        elif not saved.startswith(("-", "no -")):  # the vocabulary (padded, or a tokenizer's): no flag of its own
+            said.append(f"{saved} (this run {_as_flag(key, ours)})")
+        else:
+            said.append(f"{saved} (this run: {now})")
+    return said
+
+
+def arch_fix(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool = False) -> str:
+    """What to pass for the model of ``saved_config`` where :func:`arch_differences` names a difference:
+    ``"load it with --hidden-size 32 --swiglu and without --num-experts"``; the vocabulary through its
+    tokenizer, the padded vocabulary through the flags that decide it."""
+    ours, give, drop, other = config.flat(), [], [], []
+    keys = _differing(saved_config, config, fields, shapes_only)
+    for key in keys:
+        if key == "padded_vocab_size":
+            if "make_vocab_size_divisible_by" in keys:  # that flag's saved value is the fix
+                continue
+            other.append(f"pad the vocabulary to {saved_config[key]} rows (--make-vocab-size-divisible-by and "
+                         f"--tensor-model-parallel-size decide the padding of the vocabulary)")
+        elif key == "vocab_size" and saved_config.get("tokenizer_type") not in NULL_TOKENIZERS:
+            other.append(f"use the checkpoint's tokenizer (--tokenizer-type {saved_config.get('tokenizer_type')} "
+                         "and its files)")
+        else:
+            words = flag_setting(key, saved_config)[1]
+            if words:
+                give.append(words)
+            else:
+                drop.append(flag_setting(key, ours)[1] or "--" + key.replace("_", "-"))
+    without = f"without {' '.join(drop)}" if drop else ""
+    load = f"load it with {' '.join(give)}" + (f" and {without}" if without else "") if give else \
+        (f"load it {without}" if without else "")
+    return "; ".join(([load] if load else []) + other)
 
 
 def _changes_function(key: str, saved: dict, ours: dict) -> bool:
@@ -99,13 +176,31 @@ def check_family(where: str, saved_config: dict, config) -> None:
 
 def check_architecture(where: str, saved_config: dict, config, load: str = "resume") -> None:
     """Refuse (CheckpointError, one line) a checkpoint whose model flags differ from this run's:
-    those of ``CHECKED[load]``, each named with both values (a checkpoint of the other model family first)."""
+    those of ``CHECKED[load]``, each named as a flag with both values, and the fix: the saved values,
+    --use-checkpoint-args where it takes them all, --finetune where no shape differs (a weights-only
+    load compares the shapes); a checkpoint of the other model family first."""
     check_family(where, saved_config, config)
-    arch = arch_differences(saved_config, config, CHECKED[load], shapes_only=load == "weights")
+    shapes_only = load == "weights"
+    arch = arch_differences(saved_config, config, CHECKED[load], shapes_only)
     if arch:
-        fix = ("match the model flags" if load == "weights" else "match the model flags, pass --use-checkpoint-args "
-               "to take them from the checkpoint, or --finetune to change them on purpose")
-        raise CheckpointError(f"checkpoint {where} was saved with {', '.join(arch)}; {fix}")
+        raise CheckpointError(f"checkpoint {where} was saved with {', '.join(arch)}; "
+                              f"{load_fix(saved_config, config, load, CHECKED[load])}")
+
+
+def load_fix(saved_config: dict, config, load: str = "resume", fields=ARCH_FIELDS) -> str:
+    """The fixes for the differences of ``fields``, joined: :func:`arch_fix`, then (not for a weights-only
+    ``load``) --use-checkpoint-args where it takes every differing value, --finetune where no shape differs."""
+    shapes_only = load == "weights"
+    fixes = [arch_fix(saved_config, config, fields, shapes_only)]
+    if load != "weights":
+        keys = _differing(saved_config, config, fields, shapes_only)
+        null = saved_config.get("tokenizer_type") in NULL_TOKENIZERS and config.flat().get("tokenizer_type") in NULL_TOKENIZERS
+        taken = ARCHITECTURE_FLAGS + ("make_vocab_size_divisible_by", "padded_vocab_size") + (("vocab_size",) if null else ())
+        if all(k in taken for k in keys):
+            fixes.append("pass --use-checkpoint-args to take the model flags from the checkpoint")
+        if not _differing(saved_config, config, SHAPE_FLAGS, shapes_only=True):
+            fixes.append("pass --finetune to change them on purpose")
+    return ", or ".join(fixes)
 
 
 def saved_config(root: str) -> tuple[str, dict]:
@@ -153,7 +248,7 @@ def _take_vocabulary(config, saved: dict) -> list[str]:
     --vocab-size where both runs use NullTokenizer (elsewhere the tokenizer's files decide it)."""
     m, changed = config.model, []
     takes = [("make_vocab_size_divisible_by", saved.get("make_vocab_size_divisible_by"))]
-    if saved.get("vocab_size") is not None and config.data.tokenizer_type in NULL_TOKENIZERS and \
+    if saved.get("vocab_size") is not None and config.flat().get("tokenizer_type") in NULL_TOKENIZERS and \
             saved.get("tokenizer_type") in NULL_TOKENIZERS:
         takes.append(("vocab_size", _as_flag("vocab_size", saved)))
     for key, value in takes:

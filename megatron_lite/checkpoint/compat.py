@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .arch import arch_differences, check_family
+from .arch import arch_differences, check_family, flag_setting, load_fix
 from .expert_files import check_expert_grid
 from .format import CheckpointError
 from .frozen import saved_state_dict
@@ -19,8 +19,35 @@ def layer_range(module):
     return None if start is None else (int(start), None if end is None else int(end))
 
 
-def _flag_mismatch(path, what, saved, ours, flag) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} was saved with {what} {saved}, this run uses {ours}; convert it or match {flag}")
+CONVERTER = "tools/checkpoint/convert.py"
+SPLIT_FLAGS = ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+"""The flags that split the layers over pipeline stages and model chunks (recorded in every checkpoint's config)."""
+
+
+def _size_mismatch(path, flag, saved, ours) -> CheckpointError:
+    """A parallel size the torch format cannot change on load: the saved value, or the converter."""
+    target = "--target-" + flag[2:].replace("-model-", "-")  # --tensor-model-parallel-size: --target-tensor-parallel-size
+    return CheckpointError(f"checkpoint {path} was saved with {flag} {saved}, this run has {flag} {ours}: pass {flag} "
+                           f"{saved}, or convert it with {CONVERTER} {target} {ours}")
+
+
+def _split_mismatch(path, what, saved_cfg: dict, config, state) -> CheckpointError:
+    """The model chunks or layer ranges differ (``what``: both, as words): the --num-layers-per-virtual-pipeline-stage /
+    --decoder-first/last-pipeline-num-layers the checkpoint was saved with, or the converter to this run's."""
+    ours = config.flat()
+    differ = [key for key in SPLIT_FLAGS if key in saved_cfg and saved_cfg.get(key) != ours.get(key)]
+    if not differ:  # a checkpoint without them (or --num-layers differs): name the flags that decide the split
+        return CheckpointError(f"checkpoint {path} was saved with {what}; match --num-layers, "
+                               "--num-layers-per-virtual-pipeline-stage and --decoder-first/last-pipeline-num-layers "
+                               f"to the run that saved it, or convert it with {CONVERTER}")
+    saved_words = [flag_setting(key, saved_cfg) for key in differ]
+    give = " ".join(words for _, words in saved_words if words)
+    drop = " ".join(flag_setting(key, ours)[1] for key, (_, words) in zip(differ, saved_words) if not words)
+    fix = " and ".join(([f"pass {give}"] if give else []) + ([f"drop {drop}"] if drop else []))
+    target = " ".join(f"--target-{key.replace('_', '-')} {ours[key]}" for key in differ if ours.get(key) is not None)
+    return CheckpointError(f"checkpoint {path} was saved with {what} ({', '.join(said for said, _ in saved_words)}): "
+                           f"{fix}, or convert it with {CONVERTER} --target-pipeline-parallel-size {state.pp_size}"
+                           + (f" {target}" if target else ""))
 
 
 def check_sizes(path: str, ckpt: dict, state) -> None:
@@ -29,7 +56,7 @@ def check_sizes(path: str, ckpt: dict, state) -> None:
                             ("pp_size", "pipeline-model-parallel-size", state.pp_size),
                             ("ep_size", "expert-model-parallel-size", state.ep_size)):
         if ckpt.get(key, 1) != ours:  # files from before expert parallelism have no ep_size
-            raise _flag_mismatch(path, name, ckpt.get(key, 1), ours, f"--{name}")
+            raise _size_mismatch(path, f"--{name}", ckpt.get(key, 1), ours)
 
 
 def check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
@@ -38,14 +65,13 @@ def check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
     check_sizes(path, ckpt, state)
     saved_chunks = ckpt.get("num_chunks", len(ckpt["model"]))
     if saved_chunks != len(modules) or ckpt.get("vpp_size") != state.vpp_size:
-        raise _flag_mismatch(path, "virtual pipeline size", f"{ckpt.get('vpp_size')} ({saved_chunks} model chunks per rank)",
-                             f"{state.vpp_size} ({len(modules)} model chunks per rank)",
-                             "--num-layers-per-virtual-pipeline-stage")
+        raise _split_mismatch(path, f"{saved_chunks} model chunks per rank, this run has {len(modules)}",
+                              ckpt.get("config", {}), config, state)
     ours_ranges = [layer_range(m) for m in modules]
     saved_ranges = [tuple(r) if r is not None else None for r in ckpt.get("layer_ranges", ours_ranges)]
     if saved_ranges != ours_ranges:
-        raise _flag_mismatch(path, "layer ranges", saved_ranges, ours_ranges,
-                             "--num-layers and --decoder-first/last-pipeline-num-layers")
+        raise _split_mismatch(path, f"layer ranges {saved_ranges} on this rank, this run has {ours_ranges}",
+                              ckpt.get("config", {}), config, state)
     problems, differing = [], 0  # lines of the message; tensors that differ
     for i, (module, saved) in enumerate(zip(modules, ckpt["model"])):
         where = f"chunk {i} " if len(modules) > 1 else ""
@@ -69,4 +95,5 @@ def check_compatible(path: str, ckpt: dict, modules, config, state) -> None:
                     f"e.g. {problems[0]}")
         else:
             what = "; ".join(problems[:5] + ([f"and {len(problems) - 5} more"] if len(problems) > 5 else []))
-        raise CheckpointError(f"checkpoint {path} does not match the model: {what}; match the model flags")
+        fix = load_fix(ckpt.get("config", {}), config) if arch else "match the model flags of the run that saved it"
+        raise CheckpointError(f"checkpoint {path} does not match the model: {what}; {fix}")

@@ -134,6 +134,10 @@ def test_tp_size_mismatch_is_refused(tmp_path):
     results = run_ranks(2, refuse_other_tp_size, root)
     for msg, reverse in results:
         assert msg == (f"checkpoint {root}/iter_0000005/mp_rank_00_000/model_optim_rng.pt was saved with "
-                       "tensor-model-parallel-size 2, this run uses 1; convert it or match --tensor-model-parallel-size")
+                       "--tensor-model-parallel-size 2, this run has --tensor-model-parallel-size 1: pass "
+                       "--tensor-model-parallel-size 2, or convert it with tools/checkpoint/convert.py "
+                       "--target-tensor-parallel-size 1")
         assert reverse == (f"checkpoint {root}_tp1/iter_0000006/mp_rank_00_000/model_optim_rng.pt was saved with "
-                           "tensor-model-parallel-size 1, this run uses 2; convert it or match --tensor-model-parallel-size")
+                           "--tensor-model-parallel-size 1, this run has --tensor-model-parallel-size 2: pass "
+                           "--tensor-model-parallel-size 1, or convert it with tools/checkpoint/convert.py "
+                           "--target-tensor-parallel-size 2")

@@ -148,7 +148,7 @@ def test_sft_from_an_imported_hugging_face_model(tmp_path, capsys, sft_files):  
 @pytest.mark.parametrize("which, words", [
     ("missing", ["--pretrained-checkpoint", "it does not exist", "convert.py"]),
     ("empty", ["--pretrained-checkpoint", "it holds no checkpoint"]),
-    ("mismatch", ["was saved with hidden-size 32 (this run 64)", "match the model flags"]),
+    ("mismatch", ["was saved with --hidden-size 32 (this run 64)", "; load it with --hidden-size 32 "]),
 ])
 def test_bad_pretrained_checkpoint_is_one_line(tmp_path, capsys, sft_files, bases, which, words):  # noqa: F811
     path = {"missing": str(tmp_path / "nothing"), "empty": str(tmp_path), "mismatch": bases["torch"]}[which]

@@ -244,4 +244,5 @@ def test_loading_with_the_other_head_setting_names_the_flag(tmp_path, data, refe
         pretrain_bert.main(argv)
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "bert-no-binary-head False (this run True)" in lines[0], lines
+    assert len(lines) == 1 and "no --bert-no-binary-head (this run: --bert-no-binary-head)" in lines[0], lines
+    assert "; load it without --bert-no-binary-head" in lines[0], lines

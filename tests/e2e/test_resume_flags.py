@@ -20,11 +20,11 @@ from tests.trajectory import Trajectory, assert_same_trajectory
 SAVED = ["--position-embedding-type", "rope", "--rotary-base", "5000", "--openai-gelu", "--norm-epsilon", "1e-6"]
 CHANGES = {  # one flag changed at a time; the shapes stay the same
     "openai-gelu": (["--position-embedding-type", "rope", "--rotary-base", "5000", "--norm-epsilon", "1e-6"],
-                    "openai-gelu True (this run False)"),
+                    "--openai-gelu (this run: no --openai-gelu); load it with --openai-gelu"),
     "rotary-base": (["--position-embedding-type", "rope", "--rotary-base", "10000", "--openai-gelu",
-                     "--norm-epsilon", "1e-6"], "rotary-base 5000 (this run 10000)"),
+                     "--norm-epsilon", "1e-6"], "--rotary-base 5000 (this run 10000); load it with --rotary-base 5000"),
     "norm-epsilon": (["--position-embedding-type", "rope", "--rotary-base", "5000", "--openai-gelu"],
-                     "norm-epsilon 1e-06 (this run 1e-05)"),
+                     "--norm-epsilon 1e-06 (this run 1e-05); load it with --norm-epsilon 1e-06"),
 }
 
 
@@ -106,17 +106,20 @@ def _other(value):
 @pytest.mark.parametrize("key", [k for k in ARCHITECTURE_FLAGS if k != "bert_no_binary_head"])
 def test_every_architecture_flag_is_checked(key):
     """Data-driven: any flag in ARCHITECTURE_FLAGS (those added later too) is refused on resume when
-    it differs, named with both values; a weights-only load (--finetune, --pretrained-checkpoint)
-    refuses only the flags of SHAPE_FLAGS (the others can change on purpose)."""
+    it differs, named as a flag with dashes and both values, with the saved value as the fix; a
+    weights-only load (--finetune, --pretrained-checkpoint) refuses only the flags of SHAPE_FLAGS (the
+    others can change on purpose), so the resume's refusal advises --finetune only for those others."""
     config = Config()
     values = _field_values()
     assert key in values, f"{key} is in ARCHITECTURE_FLAGS but is no config field"
     saved = dict(config.flat(), **{key: _other(values[key])})
-    said = f"{key.replace('_', '-')} {_other(values[key])} " + rf"\(this run {values[key]}\)"
+    said = rf"(no )?--(no-)?{key.replace('_', '-')}\b[^,;]*\(this run[^;]*; load it with"
+    shape = key in SHAPE_FLAGS and key not in SHAPE_OF  # those compared by shape: below
     for load in ("resume", "release"):  # a release checkpoint (converted) loaded by --load without --finetune
-        with pytest.raises(CheckpointError, match=said + ".*--use-checkpoint-args"):
+        with pytest.raises(CheckpointError, match=said + ".*--use-checkpoint-args") as err:
             check_architecture("ckpt", saved, config, load)
-    if key in SHAPE_FLAGS and key not in SHAPE_OF:  # those compared by shape: below
+        assert ("--finetune" in str(err.value)) is not shape, err.value
+    if shape:
         with pytest.raises(CheckpointError, match=said):
             check_architecture("ckpt", saved, config, "weights")
     else:
@@ -130,12 +133,12 @@ def test_a_weights_only_load_compares_the_softmax_type_by_its_sinks():
     for saved_type, run_type in (("vanilla", "off-by-one"), ("off-by-one", "vanilla")):
         config.model.softmax_type = run_type
         saved = dict(config.flat(), softmax_type=saved_type)
-        with pytest.raises(CheckpointError, match=f"softmax-type {saved_type} .*--finetune to change them"):
+        with pytest.raises(CheckpointError, match=f"--softmax-type {saved_type} .*--finetune to change them"):
             check_architecture("ckpt", saved, config)
         check_architecture("ckpt", saved, config, "weights")
     for saved_type, run_type in (("vanilla", "learnable"), ("learnable", "off-by-one")):
         config.model.softmax_type = run_type
-        with pytest.raises(CheckpointError, match=rf"softmax-type {saved_type} \(this run {run_type}\); match"):
+        with pytest.raises(CheckpointError, match=rf"--softmax-type {saved_type} \(this run {run_type}\); load it with --softmax-type {saved_type}$"):
             check_architecture("ckpt", dict(config.flat(), softmax_type=saved_type), config, "weights")
 
 
@@ -145,10 +148,10 @@ def test_the_vocabulary_is_compared_on_resume_only():
     config = Config()
     config.model.vocab_size, config.model.padded_vocab_size = 124, 128
     saved = dict(config.flat(), vocab_size=123, padded_vocab_size=256)
-    with pytest.raises(CheckpointError, match=r"vocab-size 122 \(this run 123\)"):  # NullTokenizer's: the flags' values
+    with pytest.raises(CheckpointError, match=r"--vocab-size 122 \(this run 123\); load it with --vocab-size 122, or pass --use-checkpoint-args"):  # NullTokenizer's: the flags' values
         check_architecture("ckpt", saved, config)
     config.data.tokenizer_type = "GPT2BPETokenizer"  # a tokenizer's vocabulary is its own
-    with pytest.raises(CheckpointError, match=r"vocab-size 123 \(this run 124\)"):
+    with pytest.raises(CheckpointError, match=r"a vocabulary of 123 tokens from --tokenizer-type GPT2BPETokenizer \(this run 124\); use the checkpoint's tokenizer \(--tokenizer-type GPT2BPETokenizer and its files\), or pass --finetune to change them on purpose$"):
         check_architecture("ckpt", dict(saved, tokenizer_type="GPT2BPETokenizer"), config)
     check_architecture("ckpt", saved, config, "release")
     check_architecture("ckpt", saved, config, "weights")
@@ -163,8 +166,8 @@ def test_a_torch_resume_at_another_padding_names_make_vocab_size_divisible_by():
     config = Config()
     config.model.vocab_size, config.model.padded_vocab_size, config.model.make_vocab_size_divisible_by = 124, 124, 1
     saved = dict(config.flat(), padded_vocab_size=128, make_vocab_size_divisible_by=8)
-    assert arch_differences(saved, config) == ["make-vocab-size-divisible-by 8 (this run 1)",
-                                               "padded-vocab-size 128 (this run 124)"]
+    assert arch_differences(saved, config) == ["--make-vocab-size-divisible-by 8 (this run 1)",
+                                               "a vocabulary padded to 128 rows (this run 124)"]
     config.model.padded_vocab_size = 128  # another divisor, the same padding: nothing to say
     assert arch_differences(dict(saved, make_vocab_size_divisible_by=64), config) == []
 
@@ -204,7 +207,7 @@ def test_bias_gelu_fusion_counts_only_where_it_picks_the_tanh_gelu():
     """--no-bias-gelu-fusion changes a GeLU MLP with biases (exact GeLU instead of tanh), not a SwiGLU one."""
     config = Config()
     saved = dict(config.flat(), bias_gelu_fusion=False)
-    with pytest.raises(CheckpointError, match=r"bias-gelu-fusion False \(this run True\)"):
+    with pytest.raises(CheckpointError, match=r"--no-bias-gelu-fusion \(this run: --bias-gelu-fusion\); load it with --no-bias-gelu-fusion"):
         check_architecture("ckpt", saved, config)
     config.model.swiglu = True
     check_architecture("ckpt", dict(config.flat(), bias_gelu_fusion=False), config)

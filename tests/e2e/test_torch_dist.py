@@ -215,7 +215,7 @@ def test_damaged_or_foreign_torch_dist_checkpoints_are_one_line_errors(tmp_path,
     folder = os.path.join(save, "iter_0000002")
     load = _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save])
     _one_line_exit_2(capsys, _argv(str(tmp_path / "x"), 6, MODEL + DIST + ["--load", save, "--hidden-size", "64"]),
-                     "hidden-size 32", "match the model flags")
+                     "--hidden-size 32 (this run 64)", "load it with --hidden-size 32")
     key = "weight/embedding.word_embeddings.weight/0_0_0"
     data = _flip(folder, key, where=0)  # the record's header: DCP cannot read it
     _one_line_exit_2(capsys, load, data, "could not be read", "corrupt")

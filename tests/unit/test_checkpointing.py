@@ -153,7 +153,7 @@ def test_shape_mismatch_is_refused_naming_the_parameter(tmp_path):
     msg = str(err.value)
     assert "does not match the model" in msg and "model_optim_rng.pt" in msg
     assert "fc1.weight has shape (16, 8) in the checkpoint, (16, 12) in this model" in msg
-    assert "hidden-size 64 (this run 12)" in msg  # what the config said at save time
+    assert "--hidden-size 64 (this run 12)" in msg and "; load it with --hidden-size 64, or pass --use-checkpoint-args" in msg  # what the config said at save time
 
 
 def test_renamed_parameter_is_refused(tmp_path):
@@ -173,7 +173,7 @@ def test_the_count_of_differing_tensors_is_of_tensors(tmp_path):
     save_checkpoint(1, [model], opt, sched, 4, cfg, state)
     model.fc1.sink, model.fc2.sink = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     cfg.model.softmax_type = "learnable"
-    with pytest.raises(CheckpointError, match=r"softmax-type vanilla \(this run learnable\); 2 tensor\(s\) differ, "
+    with pytest.raises(CheckpointError, match=r"--softmax-type vanilla \(this run learnable\); 2 tensor\(s\) differ, "
                                               r"e.g. missing in checkpoint: fc1.sink, fc2.sink"):
         load_checkpoint([model], None, None, cfg, state)
 

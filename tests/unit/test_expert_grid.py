@@ -177,7 +177,7 @@ def test_size_mismatch_of_a_folded_torch_checkpoint_advises_the_converter():
     assert "--expert-model-parallel-size" in str(err.value) and "torch_dist" in str(err.value)
     assert "tools/checkpoint/convert.py" in str(err.value)
     unfolded = SimpleNamespace(**vars(_rank_state(RankGrid(4, ep=2), 0)), tp_size=1, pp_size=1)
-    with pytest.raises(CheckpointError, match="convert it or match --expert-model-parallel-size"):
+    with pytest.raises(CheckpointError, match="pass --expert-model-parallel-size 1, or convert it with tools/checkpoint/convert.py --target-expert-parallel-size 2"):
         check_sizes("ckpt", {"tp_size": 1, "pp_size": 1, "ep_size": 1}, unfolded)
 
 

@@ -239,11 +239,11 @@ def test_printed_flags_load_the_qwen3_checkpoint_through_pretrained_checkpoint(t
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     capsys.readouterr()
     plain = [f for f in flags if f != "--qk-layernorm"]
-    refused_line(capsys, lambda: _pretrain(plain + ["--pretrained-checkpoint", out]), "qk-layernorm True (this run False)")
+    refused_line(capsys, lambda: _pretrain(plain + ["--pretrained-checkpoint", out]), "--qk-layernorm (this run: no --qk-layernorm); load it with --qk-layernorm")
     _pretrain(plain + ["--save", str(tmp_path / "plain")])  # a model without q/k norms, from scratch
     capsys.readouterr()
     refused_line(capsys, lambda: _pretrain(flags + ["--pretrained-checkpoint", str(tmp_path / "plain")]),
-                 "qk-layernorm False (this run True)")
+                 "no --qk-layernorm (this run: --qk-layernorm); load it without --qk-layernorm")
 
 
 def test_refusals(tmp_path, capsys):
