@@ -52,7 +52,8 @@ class LanguageModel(nn.Module):
         """``embedding``: build the embedding (default: on the first stage)."""
         super().__init__()
         if config.padded_vocab_size is None:
-            raise ValueError("the model config has no vocabulary size: set vocab_size (or padded_vocab_size)")
+            raise ValueError("the model config has no vocabulary size: pass --vocab-size or a --tokenizer-type "
+                             "(from Python: TransformerConfig.vocab_size, or padded_vocab_size)")
         self.config, self.state = config, state
         self.tp_group = state.tp_group
         self.pre_process, self.post_process = pre_process, post_process
@@ -128,8 +129,10 @@ class LanguageModel(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         if self.sequence_parallel and tokens.shape[1] % tp:
-            raise ValueError(f"sequence parallelism needs the sequence length {tokens.shape[1]} "
-                             f"divisible by tensor-model-parallel-size {tp}")
+            raise ValueError(f"--sequence-parallel (TransformerConfig.sequence_parallel) needs the sequence length "
+                             f"{tokens.shape[1]} of this context-parallel rank divisible by --tensor-model-parallel-size "
+                             f"{tp}: give tokens of --seq-length, a multiple of --tensor-model-parallel-size x "
+                             "--context-parallel-size")
         if position_ids is None and self.state.cp_size > 1:  # this CP rank's chunks sit at global positions
             position_ids = self._cp_position_ids(tokens.shape[0], tokens.shape[1], tokens.device)
         return self.embedding(tokens, None if self.use_rope else position_ids, tokentype_ids)

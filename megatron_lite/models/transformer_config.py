@@ -206,10 +206,12 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
                      f"--tensor-model-parallel-size {tp}")
         if self.padded_vocab_size is not None:
             _require(self.padded_vocab_size % tp == 0,
-                     f"padded vocabulary size {self.padded_vocab_size} is not divisible by "
-                     f"--tensor-model-parallel-size {tp}")
+                     f"padded vocabulary size {self.padded_vocab_size} (TransformerConfig.padded_vocab_size) is not "
+                     f"divisible by --tensor-model-parallel-size {tp}; leave it None to pad the vocabulary to a "
+                     "multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size")
             _require(self.vocab_size is None or self.vocab_size <= self.padded_vocab_size,
-                     f"vocab size {self.vocab_size} is larger than the padded vocab size {self.padded_vocab_size}")
+                     f"vocabulary size {self.vocab_size} (--vocab-size, TransformerConfig.vocab_size) is larger than "
+                     f"padded_vocab_size {self.padded_vocab_size}; leave padded_vocab_size None to derive it")
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel core attention of global layer ``layer_number`` (1-based)."""

@@ -57,7 +57,8 @@ CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Global positions of the tokens CP rank ``cp_rank`` holds, in its local order (LongTensor)."""
     if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context-parallel-size {cp_size}")
+        raise ValueError(f"the sequence length {seq_len} (--seq-length) is not divisible by 2 x --context-parallel-size "
+                         f"{cp_size} (ParallelState's cp): use a multiple of {2 * cp_size}")
     chunk = seq_len // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
     return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
@@ -181,8 +182,9 @@ def ulysses_attention(q, k, v, group, causal: bool, scale: float, dropout_p: flo
     cp = comm.group_size(group)
     for name, t in (("query heads", q), ("key/value groups", k)):
         if t.shape[2] % cp:
-            raise ValueError(f"a2a context parallelism needs the {t.shape[2]} local {name} divisible by "
-                             f"context-parallel-size {cp}")
+            raise ValueError(f"--cp-comm-type a2a needs this tensor-parallel rank's {t.shape[2]} {name} divisible by "
+                             f"--context-parallel-size {cp}: use --cp-comm-type p2p, or --num-attention-heads and "
+                             "--num-query-groups divisible by --tensor-model-parallel-size x --context-parallel-size")
     mask = None
     if document_ids is not None:  # the whole sequence's ids, in global order
         order = torch.argsort(_gathered_positions(q.shape[0], cp, q.device))
@@ -224,8 +226,10 @@ def hierarchical_attention(q, k, v, a2a_group, ring_group, causal: bool, scale: 
     ring, ring_rank = comm.group_size(ring_group), comm.group_rank(ring_group)
     for name, t in (("query heads", q), ("key/value groups", k)):
         if t.shape[2] % a2a:
-            raise ValueError(f"a2a+p2p context parallelism needs the {t.shape[2]} local {name} divisible by "
-                             f"the all-to-all size {a2a}")
+            raise ValueError(f"--cp-comm-type a2a+p2p needs this tensor-parallel rank's {t.shape[2]} {name} divisible "
+                             f"by the all-to-all size {a2a} (the first of --hierarchical-context-parallel-sizes): use "
+                             "--cp-comm-type p2p, or --num-attention-heads and --num-query-groups divisible by "
+                             "--tensor-model-parallel-size x that size")
     ids = None
     if document_ids is not None:
         order = torch.argsort(_gathered_positions(q.shape[0], a2a, q.device, ring_rank, ring))
@@ -263,7 +267,8 @@ class ContextParallelAttention(nn.Module):
         else:
             self.comm_type = getattr(config, "cp_comm_type", None) or "p2p"
         if self.comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"--cp-comm-type {self.comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
+            raise ValueError(f"--cp-comm-type {self.comm_type!r} (TransformerConfig.cp_comm_type) is not one of "
+                             f"{', '.join(CP_COMM_TYPES)}")
         self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank
         self.dropout_p = config.attention_dropout
         self.scale = getattr(config, "softmax_scale", None)
@@ -275,8 +280,10 @@ class ContextParallelAttention(nn.Module):
         heads = config.num_attention_heads
         groups = getattr(config, "num_query_groups", None) or heads
         if self.comm_type == "a2a" and (heads % (tp * cp) or groups % (tp * cp)):
-            raise ValueError(f"--cp-comm-type a2a needs num-attention-heads {heads} and num-query-groups {groups} "
-                             f"divisible by tensor-model-parallel-size {tp} x context-parallel-size {cp}")
+            raise ValueError(f"--cp-comm-type a2a needs --num-attention-heads {heads} and --num-query-groups {groups} "
+                             f"(TransformerConfig.num_attention_heads, .num_query_groups) divisible by "
+                             f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} (ParallelState's tp x cp); "
+                             "use --cp-comm-type p2p or allgather, or heads and groups that divide")
         if self.comm_type == "a2a+p2p":
             self._init_hierarchical(state, heads, groups)
 
@@ -284,11 +291,13 @@ class ContextParallelAttention(nn.Module):
         sizes = getattr(state, "hcp_sizes", None)
         if sizes is None:
             raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B "
-                             f"(A x B = context-parallel-size {state.cp_size})")
+                             f"(A x B = --context-parallel-size {state.cp_size}; ParallelState(hcp=(A, B)) from Python)")
         a2a, tp = sizes[0], state.tp_size
         if heads % (tp * a2a) or groups % (tp * a2a):
-            raise ValueError(f"--cp-comm-type a2a+p2p needs num-attention-heads {heads} and num-query-groups "
-                             f"{groups} divisible by tensor-model-parallel-size {tp} x the all-to-all size {a2a}")
+            raise ValueError(f"--cp-comm-type a2a+p2p needs --num-attention-heads {heads} and --num-query-groups "
+                             f"{groups} (TransformerConfig.num_attention_heads, .num_query_groups) divisible by "
+                             f"--tensor-model-parallel-size {tp} x the all-to-all size {a2a} (the first of "
+                             "--hierarchical-context-parallel-sizes); use a smaller all-to-all size or --cp-comm-type p2p")
         self.a2a_group, self.ring_group = state.group("cp_a2a"), state.group("cp_ring")
 
     def _rng(self):

@@ -100,7 +100,8 @@ def _init_shard(param: nn.Parameter, full_shape, init_method, dim, rank, size, s
 
 def _divide(total: int, size: int, what: str) -> int:
     if total % size:
-        raise ValueError(f"{what} {total} is not divisible by tensor-model-parallel-size {size}")
+        raise ValueError(f"{what} {total} is not divisible by --tensor-model-parallel-size {size} (the size of this "
+                         f"layer's tensor-parallel group)")
     return total // size
 
 
@@ -142,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         size, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = _divide(output_size, size, "output size")
+        self.output_size_per_partition = _divide(output_size, size, "ColumnParallelLinear's output size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and size > 1
         if gather_output and sequence_parallel:
@@ -213,7 +214,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         size, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = _divide(input_size, size, "input size")
+        self.input_size_per_partition = _divide(input_size, size, "RowParallelLinear's input size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel and size > 1
         if sequence_parallel and not input_is_parallel:

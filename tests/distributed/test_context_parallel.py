@@ -140,7 +140,7 @@ def test_hierarchical_cp4_equals_ring_cp4():
 def check_a2a_refuses_uneven_heads(cp, nq, nkv):
     state = cached_state(cp=cp)
     config = SimpleNamespace(cp_comm_type="a2a", attention_dropout=0.0, num_attention_heads=nq, num_query_groups=nkv)
-    with pytest.raises(ValueError, match="a2a needs num-attention-heads .* divisible by"):
+    with pytest.raises(ValueError, match="a2a needs --num-attention-heads .* divisible by --tensor-model-parallel-size"):
         ContextParallelAttention(config, state, layer_number=1)
     return True
 

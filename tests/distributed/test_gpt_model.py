@@ -177,8 +177,12 @@ def check_bad_tp_shapes(tp):
 def test_bad_tensor_parallel_shapes_are_clear_errors():
     assert run_ranks(4, check_bad_tp_shapes, 4)[0] == [
         "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4; every rank must hold whole key/value groups",
-        "padded vocabulary size 130 is not divisible by --tensor-model-parallel-size 4",
-        "sequence parallelism needs the sequence length 6 divisible by tensor-model-parallel-size 4",
+        "padded vocabulary size 130 (TransformerConfig.padded_vocab_size) is not divisible by "
+        "--tensor-model-parallel-size 4; leave it None to pad the vocabulary to a multiple of "
+        "--make-vocab-size-divisible-by x --tensor-model-parallel-size",
+        "--sequence-parallel (TransformerConfig.sequence_parallel) needs the sequence length 6 of this "
+        "context-parallel rank divisible by --tensor-model-parallel-size 4: give tokens of --seq-length, a "
+        "multiple of --tensor-model-parallel-size x --context-parallel-size",
     ]
 
 

@@ -205,7 +205,10 @@ def check_indivisible(tp):
 def test_indivisible_sizes_are_clear_errors():
     messages = run_ranks(4, check_indivisible, 4)[0]
     assert messages == [
-        "output size 10 is not divisible by tensor-model-parallel-size 4",
-        "input size 10 is not divisible by tensor-model-parallel-size 4",
-        "padded vocabulary size 10 is not divisible by tensor-model-parallel-size 4",
+        "ColumnParallelLinear's output size 10 is not divisible by --tensor-model-parallel-size 4 (the size of this "
+        "layer's tensor-parallel group)",
+        "RowParallelLinear's input size 10 is not divisible by --tensor-model-parallel-size 4 (the size of this "
+        "layer's tensor-parallel group)",
+        "padded vocabulary size 10 is not divisible by --tensor-model-parallel-size 4 (the size of this "
+        "layer's tensor-parallel group)",
     ]

@@ -25,7 +25,7 @@ def test_positions_follow_the_load_balanced_chunks():
     assert cp_positions(24, 1, 3).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
     assert cp_positions(24, 2, 3).tolist() == list(range(8, 16))
     assert cp_positions(8, 0, 1).tolist() == list(range(8))
-    with pytest.raises(ValueError, match="not divisible by 2 x context-parallel-size 2"):
+    with pytest.raises(ValueError, match="not divisible by 2 x --context-parallel-size 2 .*use a multiple of 4"):
         cp_positions(6, 0, 2)
 
 
@@ -131,7 +131,7 @@ def _state(cp, tp=1):
 
 def test_module_refuses_bad_settings():
     cfg = SimpleNamespace(cp_comm_type="a2a", attention_dropout=0.0, num_attention_heads=6, num_query_groups=2)
-    with pytest.raises(ValueError, match="a2a needs num-attention-heads 6 and num-query-groups 2 divisible"):
+    with pytest.raises(ValueError, match="a2a needs --num-attention-heads 6 and --num-query-groups 2 .* divisible by --tensor-model-parallel-size 2 x --context-parallel-size 2 .*use --cp-comm-type p2p"):
         ContextParallelAttention(cfg, _state(cp=2, tp=2), 1)
     cfg.cp_comm_type = "a2a+ring"
     with pytest.raises(ValueError, match="is not one of p2p, a2a, allgather, a2a\\+p2p"):
@@ -139,8 +139,9 @@ def test_module_refuses_bad_settings():
     cfg.cp_comm_type = "a2a+p2p"  # a state built without the sub-groups
     with pytest.raises(ValueError, match="a2a\\+p2p needs --hierarchical-context-parallel-sizes A B"):
         ContextParallelAttention(cfg, _state(cp=2), 1)
-    with pytest.raises(ValueError, match="a2a\\+p2p needs num-attention-heads 6 and num-query-groups 2 divisible by "
-                                         "tensor-model-parallel-size 1 x the all-to-all size 4"):
+    with pytest.raises(ValueError, match="a2a\\+p2p needs --num-attention-heads 6 and --num-query-groups 2 .* divisible by "
+                                         "--tensor-model-parallel-size 1 x the all-to-all size 4 "
+                                         "\\(the first of --hierarchical-context-parallel-sizes\\)"):
         ContextParallelAttention(cfg, SimpleNamespace(**vars(_state(cp=8)), hcp_sizes=(4, 2)), 1)
     cfg.cp_comm_type = "p2p"
     attn = ContextParallelAttention(cfg, _state(cp=1), 1)

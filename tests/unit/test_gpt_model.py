@@ -228,7 +228,7 @@ def test_eval_mode_disables_dropout_and_param_count():
 
 @pytest.mark.parametrize("over, message", [
     (dict(num_attention_heads=8, num_query_groups=3), "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
-    (dict(vocab_size=None, padded_vocab_size=None), "the model config has no vocabulary size"),
+    (dict(vocab_size=None, padded_vocab_size=None), "the model config has no vocabulary size: pass --vocab-size"),
     (dict(position_embedding_type="alibi"), "--position-embedding-type 'alibi'"),
     (dict(normalization="BatchNorm"), "--normalization 'BatchNorm'"),
     (dict(num_attention_heads=5), "--hidden-size 32 is not divisible by --num-attention-heads 5"),
