@@ -315,7 +315,9 @@ def _check_prompts(prompts, max_length: int, new_tokens: int = 0, vocab_size: in
         if len(p) + new_tokens > max_length:
             extra = f" + {new_tokens} tokens to generate" if new_tokens else ""
             raise ValueError(f"prompt {i} has {len(p)} tokens{extra}, more than the model's {max_length} "
-                             "(its max-position-embeddings / seq-length)")
+                             "(--max-sequence-length, or lm-eval's max_length, where given; else the checkpoint's "
+                             "--max-position-embeddings with learned positions or its --seq-length with rotary ones): "
+                             "shorten it or generate fewer tokens")
         bad = [t for t in p if not 0 <= t < vocab_size] if vocab_size is not None else []
         if bad:
             raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size}) "

@@ -114,7 +114,8 @@ class DistributedDataParallel(nn.Module):
         self.overlap_param_gather, self.deferred = overlap_param_gather, deferred
         self.bucket_size = bucket_size if bucket_size is not None else default_bucket_size(state.dp_size)
         if self.bucket_size < 1:
-            raise ValueError(f"ddp-bucket-size must be positive, got {self.bucket_size}")
+            raise ValueError(f"--ddp-bucket-size (DistributedDataParallel's bucket_size) must be positive, "
+                             f"got {self.bucket_size}")
         self._sync_enabled = True
         self._flush_queued = False
         self._stale: set[int] = set()  # ids of params whose main_grad still holds the last iteration's gradient

@@ -137,7 +137,7 @@ def logits_flops(model_config, batch_size: int) -> float:
     """Forward FLOPs of the output layer (hidden -> vocabulary)."""
     vocab = _get(model_config, "padded_vocab_size", _get(model_config, "vocab_size"))
     if vocab is None:
-        raise ValueError("the model config has neither padded_vocab_size nor vocab_size; set --vocab-size")
+        raise ValueError("the model config has neither padded_vocab_size nor vocab_size; pass --vocab-size or a --tokenizer-type")
     return float(2 * batch_size * model_config.seq_length * model_config.hidden_size * vocab)
 
 

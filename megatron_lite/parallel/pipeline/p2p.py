@@ -117,7 +117,8 @@ class PipeComm:
         if tuple(x.shape) != self.shape:
             raise ValueError(
                 f"pipeline {what} has shape {tuple(x.shape)} but the stages exchange {self.shape} "
-                "([seq_length(/tp with --sequence-parallel), micro_batch_size, hidden_size])"
+                "([--seq-length (over --tensor-model-parallel-size with --sequence-parallel), --micro-batch-size, "
+                "--hidden-size])"
             )
         if x.dtype != self.dtype:
             raise ValueError(f"pipeline {what} has dtype {x.dtype} but the stages exchange {self.dtype}")
