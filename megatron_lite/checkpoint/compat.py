@@ -36,7 +36,10 @@ def _split_mismatch(path, what, saved_cfg: dict, config, state) -> CheckpointErr
     --decoder-first/last-pipeline-num-layers the checkpoint was saved with, or the converter to this run's."""
     ours = config.flat()
     differ = [key for key in SPLIT_FLAGS if key in saved_cfg and saved_cfg.get(key) != ours.get(key)]
-    if not differ:  # a checkpoint without them (or --num-layers differs): name the flags that decide the split
+    arch = arch_differences(saved_cfg, config)
+    if not differ and arch:  # another model (--num-layers): the converter cannot change it
+        return CheckpointError(f"checkpoint {path} was saved with {', '.join(arch)}; {load_fix(saved_cfg, config)}")
+    if not differ:  # a checkpoint without them: name the flags that decide the split
         return CheckpointError(f"checkpoint {path} was saved with {what}; match --num-layers, "
                                "--num-layers-per-virtual-pipeline-stage and --decoder-first/last-pipeline-num-layers "
                                f"to the run that saved it, or convert it with {CONVERTER}")

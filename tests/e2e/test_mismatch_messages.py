@@ -1,7 +1,8 @@
 """A checkpoint that does not fit the run names each differing setting as the flag a user types (with
 dashes, both values) and the fix that loads it: the saved value, --use-checkpoint-args, and --finetune
 only where no shape differs (a weights-only load still compares the shapes, so advising it for
---hidden-size sent the user to a second refusal). Exit code 2, one line (tests/cli_errors.py)."""
+--hidden-size sent the user to a second refusal); another --num-layers is no layout the converter changes
+(the layer-range refusal advised it). Exit code 2, one line (tests/cli_errors.py)."""
 
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("change, words, finetune", [
     (["--hidden-size", "64"], ["was saved with --hidden-size 32 (this run 64)", "load it with --hidden-size 32 ",
                                "--use-checkpoint-args"], False),
+    (["--num-layers", "2"], ["--num-layers 4 (this run 2)", "load it with --num-layers 4,"], False),  # not convert.py
     (["--swiglu"], ["no --swiglu (this run: --swiglu)", " without --swiglu"], False),
     (["--openai-gelu"], ["no --openai-gelu (this run: --openai-gelu)", "load it without --openai-gelu"], True),
     (["--vocab-size", "124"], ["--vocab-size 123 (this run 124)", "load it with --vocab-size 123,"], True),
@@ -43,7 +45,7 @@ def test_a_resume_at_other_model_flags_names_them_with_dashes_and_the_fix(saved,
     else:  # a shape differs: --finetune is refused too (the refusal used to advise it)
         refused_line(capsys, lambda: pretrain_gpt.main(_argv(str(tmp_path / "ft"), 3, ["--load", saved, "--finetune"]
                                                              + change)), words[0].split(" (")[0])
-    assert "padded-vocab-size" not in line and " hidden-size" not in line, line
+    assert "padded-vocab-size" not in line and " hidden-size" not in line and "convert" not in line, line
 
 
 def test_another_layer_split_names_the_saved_flag_and_the_converter():
