@@ -248,7 +248,7 @@ def _take_vocabulary(config, saved: dict) -> list[str]:
     --vocab-size where both runs use NullTokenizer (elsewhere the tokenizer's files decide it)."""
     m, changed = config.model, []
     takes = [("make_vocab_size_divisible_by", saved.get("make_vocab_size_divisible_by"))]
-    if saved.get("vocab_size") is not None and config.flat().get("tokenizer_type") in NULL_TOKENIZERS and \
+    if saved.get("vocab_size") is not None and config.data.tokenizer_type in NULL_TOKENIZERS and \
             saved.get("tokenizer_type") in NULL_TOKENIZERS:
         takes.append(("vocab_size", _as_flag("vocab_size", saved)))
     for key, value in takes:
