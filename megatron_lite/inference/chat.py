@@ -5,7 +5,8 @@ The conversion is SFT's (:func:`~megatron_lite.data.chat_template.chat_tokens` w
 the chat template of a Hugging Face tokenizer's folder (``chat_template.jinja`` or
 ``tokenizer_config.json``), else the documented default (``User: ...`` / ``Assistant: ``). A
 server's ``--chat-template FILE`` replaces either. Jinja2 comes with Flask (the ``serve`` extra).
-A message's content is a string or OpenAI's list of text parts (other part types are a 400).
+A message's content is a string or OpenAI's list of text parts (other part types are a 400); a
+message holds only role and content (``name``, ``tool_calls``, ... are a 400).
 """
 
 from __future__ import annotations
@@ -32,9 +33,33 @@ def read_chat_template(path: str | None) -> str | None:
     return template
 
 
+MESSAGE_FIELDS = ("role", "content")
+"""What a message may hold: the chat template reads these only."""
+
+
+def _message_fields(messages) -> list:
+    """``messages`` with their null fields dropped (null: absent, as for the request's fields); a
+    message field other than role and content (OpenAI's ``name``, ``tool_calls``, ``tool_call_id``,
+    ...) is a :class:`RequestError` naming it: the template would not read it, so it is never
+    silently ignored."""
+    if not isinstance(messages, list):
+        return messages
+    kept = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            m = {k: v for k, v in m.items() if v is not None or k in MESSAGE_FIELDS}
+            for key in m:
+                if key not in MESSAGE_FIELDS:
+                    raise RequestError(f"messages[{i}].{key} is not supported (a message holds only role and "
+                                       f"content: the chat template reads nothing else); drop it")
+        kept.append(m)
+    return kept
+
+
 def chat_prompt(tokenizer, messages, template: str | None = None) -> list[int]:
     """The prompt ids for the assistant's next turn after ``messages``; a conversation the template
     cannot take is a :class:`RequestError` (HTTP 400) naming the problem."""
+    messages = _message_fields(messages)
     try:
         from jinja2 import TemplateError  # a template failing on these messages
     except ImportError:  # only the default template renders without Jinja2

@@ -159,3 +159,24 @@ def test_a_chat_message_that_cannot_be_read_names_it(tokenizer, messages, messag
     with pytest.raises(RequestError) as err:
         parse_chat({"messages": messages}, tokenizer, TEMPLATE)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"role": "user", "content": "1 2", "name": "bob"}, "name"),
+    ({"role": "user", "content": "1 2", "tool_call_id": "call_1"}, "tool_call_id"),
+    ({"role": "assistant", "content": "3", "tool_calls": [{"id": "call_1"}]}, "tool_calls"),
+    ({"role": "assistant", "content": "3", "function_call": {"name": "f"}}, "function_call"),
+])
+def test_a_message_field_other_than_role_and_content_is_refused(tokenizer, message, field):
+    """OpenAI's message fields beyond role and content (a participant's name, tool calls) reached the
+    chat template, which reads role and content only: "name": "bob" and "name": "alice" got the same
+    prompt, silently. Refused naming the message and field; null is taken as absent."""
+    chat = [{"role": "user", "content": "1"}, message] if message["role"] == "assistant" else [message]
+    chat += [{"role": "user", "content": "4"}] if message["role"] == "assistant" else []
+    where = f"messages[{1 if message['role'] == 'assistant' else 0}].{field}"
+    with pytest.raises(RequestError) as err:
+        parse_chat({"messages": chat}, tokenizer, TEMPLATE)
+    assert str(err.value).startswith(f"{where} is not supported")
+    nulled = [{**m, field: None} if field in m else m for m in chat]
+    plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in chat]
+    assert parse_chat({"messages": nulled}, tokenizer, TEMPLATE) == parse_chat({"messages": plain}, tokenizer, TEMPLATE)
