@@ -148,7 +148,8 @@ def _stops(body) -> list[str]:
     return stops
 
 
-def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
+def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]], list[str]]:
+    """The prompts' texts, token ids and names in the request (``prompt``, or ``prompt[i]`` in a list)."""
     if "prompt" not in body:
         raise RequestError("prompt is required")
     prompt = body["prompt"]
@@ -169,7 +170,21 @@ def _prompt(body, tokenizer) -> tuple[list[str], list[list[int]]]:
         raise RequestError("a prompt is empty (it needs at least one token)")
     if any(t < 0 or t >= tokenizer.vocab_size for i in ids for t in i):
         raise RequestError(f"a prompt token id is outside the vocabulary [0, {tokenizer.vocab_size})")
-    return [p if isinstance(p, str) else tokenizer.detokenize(p) for p in items], ids
+    return [p if isinstance(p, str) else tokenizer.detokenize(p) for p in items], ids, names
+
+
+def _check_context(names: list[str], prompts: list[list[int]], max_tokens: int, limit: str,
+                   max_length: int | None) -> None:
+    """A RequestError naming the request's own field (``prompt``, ``prompt[i]``, ``messages``) where
+    its tokens and ``max_tokens`` (named ``limit``) overrun the model's context: the engine checks
+    again, but over the prompts as copied for ``n`` / ``best_of``, whose numbers are not the request's."""
+    for name, ids in zip(names, prompts) if max_length is not None else ():
+        if len(ids) + max_tokens > max_length:
+            has = "have" if name == "messages" else "has"
+            how = " (through the chat template)" if name == "messages" else ""
+            asked = f" + {limit} {max_tokens}" if max_tokens else ""
+            raise RequestError(f"{name} {has} {len(ids)} tokens{how}{asked}, more than the model's context of "
+                               f"{max_length} tokens; shorten it{f' or lower {limit}' if max_tokens else ''}")
 
 
 def _fields(body, known: set[str]) -> dict:
@@ -193,10 +208,12 @@ def check_model(body, served: str) -> None:
         raise UnknownModel(f"The model `{model}` does not exist; this server serves `{served}` (--model-name)")
 
 
-def parse_completion(body, tokenizer) -> OpenAIJob:
+def parse_completion(body, tokenizer, max_length: int | None = None) -> OpenAIJob:
+    """``max_length``: the model's context (None: not checked here)."""
     body = _fields(body, COMPLETION_FIELDS)
-    texts, prompts = _prompt(body, tokenizer)
+    texts, prompts, names = _prompt(body, tokenizer)
     max_tokens = get_int(body, "max_tokens", 16, low=0)
+    _check_context(names, prompts, max_tokens, "max_tokens", max_length)
     logprobs = get_int(body, "logprobs", None, low=0, high=20)
     echo = get_bool(body, "echo", False)
     if max_tokens == 0 and not echo:
@@ -217,6 +234,7 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
     limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     room = max_length - len(prompt) if max_length is not None else DEFAULT_CHAT_TOKENS
     max_tokens = get_int(body, limit, min(DEFAULT_CHAT_TOKENS, max(room, 1)), low=1)
+    _check_context(["messages"], [prompt], max_tokens, limit, max_length)
     top = get_int(body, "top_logprobs", 0, low=0, high=20)
     logprobs = get_bool(body, "logprobs", False)
     if top and not logprobs:

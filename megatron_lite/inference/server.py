@@ -178,7 +178,8 @@ def create_app(runner: Runner, tokenizer, *, chat_template: str | None = None, m
 
     @app.route("/v1/completions", methods=["POST"])
     def completions():
-        return openai(lambda body: parse_completion(body, tokenizer), COMPLETION_FIELDS)
+        return openai(lambda body: parse_completion(body, tokenizer, runner.engine.max_sequence_length),
+                      COMPLETION_FIELDS)
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions():

@@ -63,8 +63,10 @@ def test_chat_default_max_tokens_fits_the_context(tokenizer):
     assert parse_chat({"messages": messages}, tokenizer, TEMPLATE, max_length=96).params.tokens_to_generate == 92
     assert parse_chat({"messages": messages}, tokenizer, TEMPLATE, max_length=4096).params.tokens_to_generate == 256
     assert len(prompt) == 4
-    asked = parse_chat({"messages": messages, "max_tokens": 200}, tokenizer, TEMPLATE, max_length=96)
-    assert asked.params.tokens_to_generate == 200  # what the client asks for stays (the engine refuses it: 400)
+    asked = parse_chat({"messages": messages, "max_tokens": 92}, tokenizer, TEMPLATE, max_length=96)
+    assert asked.params.tokens_to_generate == 92  # what the client asks for stays; beyond the context it is a 400:
+    with pytest.raises(RequestError, match="messages have 4 tokens .* \\+ max_tokens 93, more than the model's"):
+        parse_chat({"messages": messages, "max_tokens": 93}, tokenizer, TEMPLATE, max_length=96)
 
 
 def test_only_streamed_logprobs_ask_the_engine_for_each_steps(tokenizer):
@@ -180,3 +182,33 @@ def test_a_message_field_other_than_role_and_content_is_refused(tokenizer, messa
     nulled = [{**m, field: None} if field in m else m for m in chat]
     plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in chat]
     assert parse_chat({"messages": nulled}, tokenizer, TEMPLATE) == parse_chat({"messages": plain}, tokenizer, TEMPLATE)
+
+
+def test_a_request_past_the_context_names_its_own_prompt_and_limit(tokenizer):
+    """The length check ran in the engine over the prompts as copied for ``n`` / ``best_of``: with two
+    prompts and n=2 the second was "prompt 2", a chat's conversation "prompt 0" (a chat request has no
+    prompt). It now names the request's field (``prompt[1]``, ``prompt``, ``messages``) and its limit."""
+    ten = " ".join(["1"] * 10)
+    cases = [(parse_completion, {"prompt": ["1", ten], "n": 2, "max_tokens": 90}, "prompt[1] has 10 tokens + max_tokens 90"),
+             (parse_completion, {"prompt": ten, "best_of": 3, "max_tokens": 87}, "prompt has 10 tokens + max_tokens 87"),
+             (parse_completion, {"prompt": [1] * 97, "max_tokens": 0, "echo": True}, "prompt has 97 tokens"),
+             (parse_completion, {"prompt": [[1], [1] * 96], "max_tokens": 1}, "prompt[1] has 96 tokens + max_tokens 1"),
+             (parse_chat, {"messages": [{"role": "user", "content": ten}], "max_completion_tokens": 90},
+              "messages have 11 tokens (through the chat template) + max_completion_tokens 90")]
+    for parse, body, start in cases:
+        args = (TEMPLATE,) if parse is parse_chat else ()
+        with pytest.raises(RequestError) as err:
+            parse(body, tokenizer, *args, max_length=96)
+        assert str(err.value).startswith(start + ", more than the model's context of 96 tokens"), str(err.value)
+    assert parse_completion({"prompt": ten, "n": 2, "max_tokens": 86}, tokenizer, max_length=96).params.tokens_to_generate == 86
+
+
+def test_the_server_answers_a_request_past_the_context_naming_its_field():
+    from tests.inference_helpers import served_gpt
+
+    client = served_gpt()[0]
+    answer = client.post("/v1/completions", json={"prompt": ["1", " ".join(["2"] * 10)], "n": 2, "max_tokens": 90})
+    assert answer.status_code == 400
+    assert answer.get_json()["error"]["param"] == "prompt[1]"
+    answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1"}], "max_tokens": 95})
+    assert answer.status_code == 400 and answer.get_json()["error"]["param"] == "messages"

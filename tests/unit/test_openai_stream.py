@@ -367,7 +367,7 @@ def test_an_engine_error_mid_stream_is_an_error_event(app, monkeypatch):
     ({"prompt": "1", "stream_options": {"include_usage": True}}, "stream_options needs stream=true"),
     ({"prompt": "1", "stream": True, "stream_options": {"usage": True}}, "stream_options must be an object"),
     ({"prompt": "1", "stream": "yes"}, "stream must be a boolean"),
-    ({"prompt": " ".join(["1"] * 95), "stream": True, "max_tokens": 4}, "prompt 0 has 95 tokens"),
+    ({"prompt": " ".join(["1"] * 95), "stream": True, "max_tokens": 4}, "prompt has 95 tokens + max_tokens 4, more than the model's context of 96"),
 ])
 def test_bad_stream_requests_get_one_json_400(app, body, message):
     r = app.test_client().post("/v1/completions", json=body)
