@@ -232,6 +232,9 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
     prompt = chat_prompt(tokenizer, body.get("messages"), template)
     text = tokenizer.detokenize(prompt)
     limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if "max_tokens" in body and limit != "max_tokens" and body["max_tokens"] != body[limit]:
+        raise RequestError(f"max_tokens {body['max_tokens']!r} and max_completion_tokens {body[limit]!r} differ; "
+                           "send one of them (max_completion_tokens is max_tokens' newer name)")
     room = max_length - len(prompt) if max_length is not None else DEFAULT_CHAT_TOKENS
     max_tokens = get_int(body, limit, min(DEFAULT_CHAT_TOKENS, max(room, 1)), low=1)
     _check_context(["messages"], [prompt], max_tokens, limit, max_length)

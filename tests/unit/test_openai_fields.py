@@ -212,3 +212,13 @@ def test_the_server_answers_a_request_past_the_context_naming_its_field():
     assert answer.get_json()["error"]["param"] == "prompt[1]"
     answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1"}], "max_tokens": 95})
     assert answer.status_code == 400 and answer.get_json()["error"]["param"] == "messages"
+
+
+def test_chat_max_tokens_and_max_completion_tokens_that_differ_are_refused(tokenizer):
+    """With both, max_completion_tokens won and max_tokens was silently ignored; equal values (what a
+    client filling both sends) are one limit."""
+    messages = [{"role": "user", "content": "1 2"}]
+    with pytest.raises(RequestError, match="max_tokens 5 and max_completion_tokens 2 differ; send one of them"):
+        parse_chat({"messages": messages, "max_tokens": 5, "max_completion_tokens": 2}, tokenizer, TEMPLATE)
+    both = parse_chat({"messages": messages, "max_tokens": 3, "max_completion_tokens": 3}, tokenizer, TEMPLATE)
+    assert both.params.tokens_to_generate == 3
