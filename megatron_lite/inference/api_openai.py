@@ -252,12 +252,15 @@ def parse_chat(body, tokenizer, template: str | None = None, max_length: int | N
 def _stop_text(tokenizer, result, stops: list[str]) -> tuple[str, bool]:
     """The generated text and whether a stop string ended it, as generation meets the stop strings
     (and the stream cuts them): the first generated token whose text completes one ends the text
-    before it (the earliest of those it completes). The engine may have generated on past that point
+    before it (the earliest of those it completes; a trailing character still incomplete, U+FFFD until
+    its last byte comes, is not yet text). The engine may have generated on past that point
     (without a tokenizer: :mod:`.stop_strings`), and a longer stop string that began earlier may
     complete in that later text; it does not count."""
     text, stopped = cut_at_stop(answer_text(tokenizer, result), stops)
-    for end in range(result.prompt_length + 1, len(result.tokens) + 1) if stopped else ():
-        part, found = cut_at_stop(answer_text(tokenizer, prefix(result, end)), stops)
+    for end in range(result.prompt_length + 1, len(result.tokens)) if stopped else ():
+        # a prefix's trailing U+FFFD may be a character whose last bytes are still to come: left out,
+        # as the stream and the engine wait for it (a stop string holding U+FFFD must not meet it)
+        part, found = cut_at_stop(answer_text(tokenizer, prefix(result, end)).rstrip("\ufffd"), stops)
         if found:
             return part, True
     return text, stopped

@@ -372,3 +372,22 @@ def test_an_engine_error_mid_stream_is_an_error_event(app, monkeypatch):
 def test_bad_stream_requests_get_one_json_400(app, body, message):
     r = app.test_client().post("/v1/completions", json=body)
     assert r.status_code == 400 and r.get_json()["error"]["message"].startswith(message)
+
+
+@pytest.mark.parametrize("stops", [["\ufffd"], ["\ufffd", "x"], ["a\ufffd"]])
+def test_a_stop_string_of_replacement_characters_is_not_met_by_a_character_still_incomplete(stops):
+    """The non-streamed answer, whose whole text held a stop, looked for the first prefix of the answer
+    whose text holds it, where a character split over two tokens decodes as U+FFFD until its last byte
+    comes: a stop string holding U+FFFD met that and cut the text there ("é"), while the stream,
+    which waits for the whole character, sent "é🙂 a" up to the U+FFFD that stays (a lone second
+    half of 🙂 at the end). The prefixes now leave an incomplete trailing character out, as the
+    stream does, so both answer "é🙂 a" (or "é🙂 " for "a\ufffd")."""
+    tokenizer = build_tokenizer(**GPT2_TOKENIZER)
+    prompt, answer = tokenizer.tokenize("x"), tokenizer.tokenize("é🙂 a")  # 🙂's bytes span two tokens
+    assert tokenizer.detokenize(answer[:2]) == "é\ufffd"
+    generated = answer + answer[2:3]  # then 🙂's second half alone: U+FFFDs that stay
+    result = Generation(prompt + generated, len(prompt), [0.0] * (len(prompt) + len(generated) - 1))
+    stream = TextStream(tokenizer, prompt, stops)
+    streamed = "".join(stream.push(t) for t in generated) + stream.finish(result)
+    assert streamed == ("é🙂 " if stops == ["a\ufffd"] else "é🙂 a") and stream.stopped
+    assert _stop_text(tokenizer, result, stops) == (streamed, True)
