@@ -4,7 +4,7 @@ A GPT sample is ``seq_length + 1`` consecutive tokens of the shuffled token stre
 ``tokens = x[:-1]`` and ``labels = x[1:]``.  Three index arrays, identical to Megatron-LM's for the
 same data, seed and flags, say where every sample lives:
 
-* ``document_index`` (int32 [E*D]): the split's document ids tiled over E epochs and shuffled
+* ``document_index`` (int32 [E*D], int64 past 2^31 sequences): the split's document ids tiled over E epochs and shuffled
   with ``numpy.random.RandomState(seed)``.  If the last epoch would supply fewer than 80% of an
   epoch's samples, the first E-1 epochs are shuffled together and the last epoch separately, then
   appended, so the partial last epoch is still a uniform draw over documents.
@@ -116,7 +116,10 @@ def build_document_index(document_ids: np.ndarray, num_epochs: int, rng: np.rand
         first = build_document_index(document_ids, num_epochs - 1, rng, False)
         last = build_document_index(document_ids, 1, rng, False)
         return np.concatenate((first, last))
-    index = np.tile(np.asarray(document_ids, dtype=np.int32), num_epochs)
+    ids = np.asarray(document_ids)
+    # int32 as Megatron (the same cached arrays), int64 when a split has ids past it (over 2^31 sequences)
+    dtype = np.int32 if ids.size == 0 or int(ids.max()) < 2**31 else np.int64
+    index = np.tile(ids.astype(dtype), num_epochs)
     rng.shuffle(index)
     return index
 

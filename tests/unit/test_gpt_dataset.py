@@ -10,6 +10,7 @@ from megatron_lite.data.gpt_dataset import (
     GPTDataset,
     GPTDatasetConfig,
     MockGPTDataset,
+    build_document_index,
     build_gpt_indices,
     build_sample_index,
 )
@@ -75,6 +76,18 @@ def test_vectorised_sample_index_equals_loop_on_random_sizes():
         seq = int(rng.integers(1, 50))
         np.testing.assert_array_equal(build_sample_index(sizes, doc_index, seq),
                                       reference_sample_index(sizes, doc_index, seq))
+
+
+def test_document_ids_past_int32_keep_their_value():
+    """A split of more than 2^31 sequences (a --split-sentences corpus of billions of sentences: the .idx
+    holds them, its counts and pointers are 64-bit) had its document ids cast to int32 in document_index:
+    ids from 2^31 on wrapped to negative numbers, which numpy's take then read from the end of the sizes
+    array, so samples came silently from the wrong sentences. Small ids keep Megatron's int32 (same cache)."""
+    big = np.array([2**31 + 7, 3, 2**32 + 1], dtype=np.int64)
+    index = build_document_index(big, 2, np.random.RandomState(0), separate_last=True)
+    assert sorted(index.tolist()) == sorted(big.tolist() * 2)
+    small = build_document_index(np.arange(5), 2, np.random.RandomState(0), separate_last=False)
+    assert small.dtype == np.int32 and sorted(small.tolist()) == sorted(list(range(5)) * 2)
 
 
 def test_all_indices_equal_reference_including_last_epoch_rule():
