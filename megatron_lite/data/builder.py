@@ -191,6 +191,11 @@ def _sources(config) -> list[_Source | None]:
 
 
 def _check_not_empty(config, ids: np.ndarray, indexed, prefix: str, name: str, source: _Source) -> None:
+    if ids.size == 0 and _num_units(config, indexed) == 0:  # no --split could help: the data itself is empty
+        docs = indexed.num_documents()
+        what = f"holds no tokens: its {docs} documents are all empty" if docs else "has no documents"
+        raise DataConfigError(f"{source.flag} {prefix} {what}; give a dataset with some text (empty texts, or a "
+                              "tools/preprocess_data.py --json-keys naming an empty field, write none)")
     if ids.size == 0:
         if source.flag != "--data-path":
             raise DataConfigError(f"{source.flag} {prefix} has no documents; give a dataset with some")

@@ -232,3 +232,26 @@ def test_a_toy_split_asked_for_a_long_runs_samples_is_refused_before_allocating(
     monkeypatch.setattr(gpt_dataset, "physical_memory_bytes", lambda: 1000)
     with pytest.raises(DataConfigError, match="more than this machine's"):
         build_train_valid_test_datasets(cfg, [100, 0, 0])
+
+
+def test_a_dataset_of_only_empty_documents_says_so(tmp_path):
+    """A corpus whose texts are all empty (or a wrong --json-keys picking an empty field) preprocesses to
+    documents with no sequences. Training on it said 'the train split gets none of its 0 documents; use
+    more data or change --split' (and '--valid-data-path X has no documents'), counting sequences as
+    documents and advising a --split that cannot help; now one line says its documents are empty."""
+    empty, good = str(tmp_path / "empty"), write(tmp_path / "good", 40)
+    with IndexedDatasetBuilder(empty, np.uint16) as builder:
+        builder.end_document()
+        builder.end_document()
+    nothing = str(tmp_path / "nothing")
+    IndexedDatasetBuilder(nothing, np.uint16).finalize()
+    cases = [(GPTDatasetConfig(seq_length=8, data_path=[empty], split="90,8,2"), f"^--data-path {empty} "),
+             (GPTDatasetConfig(seq_length=8, data_path=["1", good, "1", empty], split="90,8,2"), f"^--data-path {empty} "),
+             (GPTDatasetConfig(seq_length=8, per_split_data_paths=[[good], [empty], None]), f"^--valid-data-path {empty} ")]
+    for cfg, where in cases:
+        with pytest.raises(DataConfigError, match=where + "holds no tokens: its 2 documents are all empty") as err:
+            build_train_valid_test_datasets(cfg, [4, 4, 0])
+        assert "--split" not in str(err.value) and "--json-keys" in str(err.value)
+    with pytest.raises(DataConfigError, match=f"^--data-path {nothing} has no documents") as err:
+        build_train_valid_test_datasets(GPTDatasetConfig(seq_length=8, data_path=[nothing], split="90,8,2"), [4, 4, 0])
+    assert "--split" not in str(err.value)
