@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
+from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
@@ -88,6 +88,10 @@ def main(argv=None) -> int:
         print(f"Skipped {result.skipped} malformed lines")
     for prefix in result.outputs:
         print(f"Wrote {prefix}.bin and {prefix}.idx")
+    for key, prefix in zip(args.json_keys, result.outputs):
+        if IndexedDataset(prefix).num_tokens == 0:  # written as Megatron-LM does, but training refuses it
+            print(f"warning: no tokens written to {prefix}: every {key!r} text of {args.input} is empty or absent; "
+                  "check --json-keys", file=sys.stderr)
     return 0
 
 

@@ -202,11 +202,33 @@ def _input_errors(path: str):
         raise DataFileError(f"{path}: compressed input is {what} ({e}); re-create or re-download it") from None
 
 
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gzip -dc"), b"BZh": ("bzip2", "bzip2 -dc"), b"\xfd7zXZ\x00": ("xz", "xz -dc"),
+              b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc")}
+
+
+def compressed_hint(path: str) -> str:
+    """When line 1 is bad because the file is compressed data other than a .gz (only .gz is decompressed):
+    the compression and the fix."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    for magic, (what, command) in COMPRESSED.items():
+        if head.startswith(magic):
+            base = path.rsplit(".", 1)[0] if path.rsplit(".", 1)[-1] in ("bz2", "xz", "zst") else path
+            out = base if base != path and base.endswith(".jsonl") else base.removesuffix(".jsonl") + "_plain.jsonl"
+            fix = ("rename it so its name ends in .gz (only .gz is decompressed)" if what == "gzip" else
+                   f"only .gz is decompressed: decompress it ({command} {path} > {out}) or re-compress it with gzip")
+            return f"; the file is {what}-compressed: {fix}"
+    return ""
+
+
 def not_jsonl_hint(path: str) -> str:
     """When line 1 is bad because the file is one JSON document (an array of objects, or an object printed
-    over several lines) rather than JSONL: what the file is and the command that converts it."""
+    over several lines) rather than JSONL: what the file is and the command that converts it; or because it
+    is compressed in a way that is not read (compressed_hint)."""
     if is_parquet_input(path):
         return ""
+    if not path.endswith(".gz") and (hint := compressed_hint(path)):
+        return hint
     with _input_errors(path), _open(path) as f:
         first = f.readline(1 << 16).lstrip(b"\xef\xbb\xbf").strip()
     if first.startswith(b"["):

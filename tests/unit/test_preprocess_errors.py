@@ -312,3 +312,35 @@ def test_older_megatron_dataset_impl_mmap_is_accepted_and_other_formats_refused(
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.count("\n") == 1 and f"--dataset-impl: '{value}' is an older" in err
         assert not list(tmp_path.glob(f"{value}*"))
+
+
+@pytest.mark.parametrize("name,head,what", [("in.jsonl.bz2", b"BZh91AY&SY\x90", "bzip2"),
+                                            ("in.jsonl.zst", b"\x28\xb5\x2f\xfd\x00\x58", "zstd"),
+                                            ("in.jsonl.xz", b"\xfd7zXZ\x00\x00", "xz"),
+                                            ("in.jsonl", gzip.compress(b'{"text": "1"}\n'), "gzip")])
+def test_compressed_input_other_than_gz_names_the_compression(tmp_path, name, head, what):
+    """Only .gz is decompressed: a .bz2/.zst/.xz file, or gzip data in a file not named .gz, failed on line 1
+    with 'invalid JSON (utf-8 codec can't decode byte 0x90...)', which does not say why; now the line
+    names the compression and the fix (decompress it, or name a gzip file .gz)."""
+    src = tmp_path / name
+    src.write_bytes(head + b"\x00" * 16)
+    with pytest.raises(DataFileError, match=f"{name}:1: .*; the file is {what}-compressed") as err:
+        run(tmp_path / "out", dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(src))
+    assert ("ends in .gz" if what == "gzip" else "decompress it") in str(err.value)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_corpus_of_only_empty_texts_warns_that_no_tokens_were_written(tmp_path, capsys):
+    """Every text empty (or --json-keys naming a field that is empty) wrote a dataset of no tokens with
+    'Done: 2 documents, 0 tokens' and exit 0, found out only when training refuses it; the tool still
+    writes it (as Megatron-LM does) but says so on stderr, naming --json-keys."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "", "title": "1 2"}\n{"text": "", "title": "3"}\n')
+    cli = load_tool("preprocess_data")
+    base = ["--input", str(path), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: no tokens written" in err and "--json-keys" in err
+    assert IndexedDataset(str(tmp_path / "a_text_document")).num_documents() == 2
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "b"), "--json-keys", "title"]) == 0
+    assert "warning" not in capsys.readouterr().err
