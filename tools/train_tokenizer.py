@@ -29,6 +29,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.data.input_paths import compressed_hint  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
@@ -42,8 +43,9 @@ def read_texts(path: str, json_keys=("text",), jsonl=None):
         try:
             yield from _texts_of(f, path, json_keys, jsonl)
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); "
-                             "convert it to UTF-8") from None
+            hint = "" if path.endswith(".gz") else compressed_hint(path)  # a .bz2, .zst, .xz: not a text encoding
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block)"
+                             + (hint or "; convert it to UTF-8")) from None
 
 
 def _texts_of(f, path, json_keys, jsonl):

@@ -1,7 +1,8 @@
 """What a data tool says when a path it reads is a folder or an unexpanded pattern, not the file (or
 the ``.bin``/``.idx`` prefix) it takes: one line naming the path, what it is, and what to give instead.
 Shared by tools/preprocess_data.py, tools/preprocess_sft.py and ``--data-path``; the callers raise the
-line as their DataFileError (this module imports no dataset code)."""
+line as their DataFileError (this module imports no dataset code). ``compressed_hint``: what to add when a
+file fails to read as text because it is compressed other than as a .gz (preprocess_data, train_tokenizer)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,22 @@ def folder_not_prefix(folder: str, takes: str = PAIR) -> str:
     more = f" (and {len(found) - SHOWN} more)" if len(found) > SHOWN else ""
     inside = f"the pairs inside: {' '.join(found[:SHOWN])}{more}" if found else "it holds no .bin/.idx pair"
     return f"{folder}: a folder, not {takes}; {inside}"
+
+
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gzip -dc"), b"BZh": ("bzip2", "bzip2 -dc"), b"\xfd7zXZ\x00": ("xz", "xz -dc"),
+              b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc")}
+
+
+def compressed_hint(path: str) -> str:
+    """When a file does not read as text because it is compressed data other than a .gz (only .gz is
+    decompressed): '; the file is X-compressed: ' and the fix; '' for any other file."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    for magic, (what, command) in COMPRESSED.items():
+        if head.startswith(magic):
+            root, ext = os.path.splitext(path)
+            out = root if ext in (".bz2", ".xz", ".zst") else f"{root}_plain{ext}"
+            fix = ("rename it so its name ends in .gz (only .gz is decompressed)" if what == "gzip" else
+                   f"only .gz is decompressed: decompress it ({command} {path} > {out}) or re-compress it with gzip")
+            return f"; the file is {what}-compressed: {fix}"
+    return ""

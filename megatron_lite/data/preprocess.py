@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
-from megatron_lite.data.input_paths import not_an_input_file
+from megatron_lite.data.input_paths import compressed_hint, not_an_input_file
 from megatron_lite.data.interrupt import default_sigterm_in_worker
 from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
 from megatron_lite.data.sentence_split import build_splitter
@@ -200,25 +200,6 @@ def _input_errors(path: str):
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         what = "truncated" if isinstance(e, EOFError) else "corrupt"
         raise DataFileError(f"{path}: compressed input is {what} ({e}); re-create or re-download it") from None
-
-
-COMPRESSED = {b"\x1f\x8b": ("gzip", "gzip -dc"), b"BZh": ("bzip2", "bzip2 -dc"), b"\xfd7zXZ\x00": ("xz", "xz -dc"),
-              b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc")}
-
-
-def compressed_hint(path: str) -> str:
-    """When line 1 is bad because the file is compressed data other than a .gz (only .gz is decompressed):
-    the compression and the fix."""
-    with open(path, "rb") as f:
-        head = f.read(6)
-    for magic, (what, command) in COMPRESSED.items():
-        if head.startswith(magic):
-            base = path.rsplit(".", 1)[0] if path.rsplit(".", 1)[-1] in ("bz2", "xz", "zst") else path
-            out = base if base != path and base.endswith(".jsonl") else base.removesuffix(".jsonl") + "_plain.jsonl"
-            fix = ("rename it so its name ends in .gz (only .gz is decompressed)" if what == "gzip" else
-                   f"only .gz is decompressed: decompress it ({command} {path} > {out}) or re-compress it with gzip")
-            return f"; the file is {what}-compressed: {fix}"
-    return ""
 
 
 def not_jsonl_hint(path: str) -> str:

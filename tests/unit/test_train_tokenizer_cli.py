@@ -136,3 +136,24 @@ def test_damaged_gzip_input_or_an_unwritable_output_is_one_line(tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), err
     assert not list(tmp_path.glob("m*"))
+
+
+def test_a_bz2_or_misnamed_gzip_corpus_is_named_as_compressed(tmp_path, capsys):
+    """Only .gz is decompressed: a corpus.jsonl.bz2 (read as plain text by its name) or gzip data in a file
+    named .jsonl said 'not UTF-8 text ...; convert it to UTF-8', the wrong fix; the line now names the
+    compression and the command that decompresses it (or the rename to .gz)."""
+    import bz2
+    import gzip
+
+    data = "".join(json.dumps({"text": f"word{i} and more text"}) + "\n" for i in range(300)).encode()
+    (tmp_path / "corpus.jsonl.bz2").write_bytes(bz2.compress(data))
+    (tmp_path / "packed.jsonl").write_bytes(gzip.compress(data))
+    train = load_tool("train_tokenizer")
+    for source, words in (("corpus.jsonl.bz2", ("bzip2-compressed", f"bzip2 -dc {tmp_path}/corpus.jsonl.bz2 > "
+                                                                     f"{tmp_path}/corpus.jsonl")),
+                          ("packed.jsonl", ("gzip-compressed", "ends in .gz"))):
+        argv = ["--input", str(tmp_path / source), "--output-prefix", str(tmp_path / "m"), "--vocab-size", "300"]
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words) and "convert it to UTF-8" not in err[0], err
+    assert not list(tmp_path.glob("m*"))
