@@ -12,6 +12,7 @@ leaves a half-written dataset behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from array import array
@@ -215,15 +216,10 @@ class IndexedDatasetBuilder:
 
     def finalize(self) -> None:
         """Write the .idx and rename both temporary files to ``prefix.bin`` / ``prefix.idx``."""
-        if self._done:
-            return
-        try:
-            self._write_index_and_rename()
-        except BaseException:
-            self.abort()
-            raise
+        finalize_together([self])
 
-    def _write_index_and_rename(self) -> None:
+    def _write_index(self) -> None:
+        """Close the .bin and write the .idx, both still under temporary names."""
         self._bin.close()
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
@@ -242,6 +238,8 @@ class IndexedDatasetBuilder:
         os.umask(umask)
         for path in (self._tmp_bin, self._tmp_idx):
             os.chmod(path, 0o666 & ~umask)
+
+    def _rename(self) -> None:
         # .idx last: a present .idx means its .bin is complete.
         os.replace(self._tmp_bin, data_file_path(self.path_prefix))
         os.replace(self._tmp_idx, index_file_path(self.path_prefix))
@@ -273,3 +271,35 @@ class IndexedDatasetBuilder:
                 self.abort()
         except Exception:
             pass
+
+
+def finalize_together(builders) -> None:
+    """Finalize several builders as one output (the json keys of one preprocessing run, an SFT dataset's
+    tokens and loss mask): every .idx is written before any file is renamed into place, so an error or an
+    interrupt while finalizing leaves none of them, rather than some new and the others missing or old."""
+    builders = [b for b in builders if not b._done]
+    try:
+        for builder in builders:
+            builder._write_index()
+        for builder in builders:
+            builder._rename()
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+
+
+@contextlib.contextmanager
+def building_together(specs):
+    """``with building_together([(prefix, dtype), ...]) as builders:``: one IndexedDatasetBuilder per
+    spec, finalized together (finalize_together) on a clean exit, all aborted on an exception."""
+    builders = []
+    try:
+        for prefix, dtype in specs:
+            builders.append(IndexedDatasetBuilder(prefix, dtype))
+        yield builders
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+    finalize_together(builders)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_lite.data.indexed_dataset import DataFileError, IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.indexed_dataset import DataFileError, best_dtype, building_together
 from megatron_lite.data.input_paths import compressed_hint, not_an_input_file
 from megatron_lite.data.interrupt import default_sigterm_in_worker
 from megatron_lite.data.parquet_input import NOT_JSON, count_rows, is_parquet_input, read_parquet_chunks
@@ -294,7 +294,7 @@ class _Progress:
 def _run_pass(cfg, pool, chunks, prefixes, dtype, result, progress, in_flight: int) -> None:
     """Tokenize ``chunks`` (in order) into one builder per json key at ``prefixes``."""
     with contextlib.ExitStack() as stack:
-        builders = [stack.enter_context(IndexedDatasetBuilder(p, dtype)) for p in prefixes]
+        builders = stack.enter_context(building_together([(p, dtype) for p in prefixes]))  # all outputs or none
         if pool is None:
             results = map(encode_chunk, chunks)
         else:
@@ -361,8 +361,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                     _run_pass(cfg, pool, read_chunks(cfg.input, *line_range, keys=cfg.json_keys), names, dtype, result,
                               progress, in_flight)
                     part_prefixes.append(names)
-                with contextlib.ExitStack() as stack:
-                    merged = [stack.enter_context(IndexedDatasetBuilder(x, dtype)) for x in prefixes]
+                with building_together([(x, dtype) for x in prefixes]) as merged:
                     for names in part_prefixes:
                         for builder, name in zip(merged, names):
                             builder.add_index(name)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_lite.data.chat_template import ConversationError
-from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.indexed_dataset import best_dtype, building_together
 from megatron_lite.data.interrupt import workers_ignore_ctrl_c
 from megatron_lite.data.sft_conversations import LOSS_MASK_SUFFIX, bad_conversation, encode_line, jsonl_lines
 from megatron_lite.data.tokenizers import build_tokenizer
@@ -101,8 +101,8 @@ def preprocess_sft(input_path: str, output_prefix: str, tokenizer_kwargs: dict, 
             pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_kwargs, max_tokens))
     gate = ChunkGate(_chunks(input_path), 4 * workers)  # at most this many chunks in flight: bounded memory
     try:
-        with IndexedDatasetBuilder(output_prefix, dtype) as tokens, \
-                IndexedDatasetBuilder(output_prefix + LOSS_MASK_SUFFIX, np.uint8) as masks:
+        # both or neither: a loss mask beside tokens of another run would train on the wrong positions
+        with building_together([(output_prefix, dtype), (output_prefix + LOSS_MASK_SUFFIX, np.uint8)]) as (tokens, masks):
             for encoded, nbytes in (pool.imap(_encode_chunk, gate) if pool else map(_encode_chunk, gate)):
                 gate.done_one()
                 for lineno, *rest in encoded:

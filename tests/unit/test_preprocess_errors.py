@@ -344,3 +344,38 @@ def test_a_corpus_of_only_empty_texts_warns_that_no_tokens_were_written(tmp_path
     assert IndexedDataset(str(tmp_path / "a_text_document")).num_documents() == 2
     assert cli.main(base + ["--output-prefix", str(tmp_path / "b"), "--json-keys", "title"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_run_with_several_outputs_commits_all_or_none(tmp_path, monkeypatch):
+    """Each output (a --json-keys field; an SFT dataset's tokens and loss mask) was finalized on its own, one
+    after another: an error or an interrupt while writing a later .idx (disk full, Ctrl-C) left the earlier
+    outputs renamed into place, so a re-run over an existing prefix left new titles beside old texts, or a
+    new loss mask beside old tokens. Now every .idx is written before any rename: all outputs or none."""
+    import megatron_lite.data.indexed_dataset as indexed
+    from megatron_lite.data.sft_preprocess import preprocess_sft
+    from tests.sft_helpers import write_conversations, write_tokenizer
+
+    real, calls = indexed.write_index, []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2", "title": "3"}\n{"text": "4", "title": "5 6"}\n')
+    run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(src), json_keys=["text", "title"])
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out_*")}
+    src.write_text('{"text": "7", "title": "8 9"}\n')
+    monkeypatch.setattr(indexed, "write_index", fail_second)
+    with pytest.raises(OSError, match="No space"):
+        run(tmp_path, dict(tokenizer_type="NullTokenizer", vocab_size=10), input=str(src), json_keys=["text", "title"])
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out_*")} == before and len(before) == 4
+    assert not list(tmp_path.glob(".*"))
+    pytest.importorskip("tokenizers")
+    jsonl, prefix, calls[:] = write_conversations(tmp_path / "chat.jsonl", 4), str(tmp_path / "sft" / "chat"), []
+    with pytest.raises(OSError, match="No space"):
+        preprocess_sft(jsonl, prefix, dict(tokenizer_type="HuggingFaceTokenizer",
+                                           tokenizer_model=write_tokenizer(tmp_path / "tok")), progress=False)
+    assert os.listdir(tmp_path / "sft") == []
