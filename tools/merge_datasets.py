@@ -20,6 +20,7 @@ from megatron_lite.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     index_file_path,
 )
+from megatron_lite.data.input_paths import output_prefix  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
@@ -64,7 +65,7 @@ def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
 def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="directory holding the .bin/.idx pairs to merge")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--output-prefix", required=True, type=output_prefix, help="writes PREFIX.bin and PREFIX.idx")
     args = parser.parse_args(argv)
     try:
         prefixes = find_datasets(args.input)

@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset  # noqa: E402
+from megatron_lite.data.input_paths import output_prefix  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
@@ -43,7 +44,7 @@ def parse_args(argv=None):
                             "(needs nltk and its punkt data installed)")
     add_tokenizer_args(parser)
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True, help="outputs: PREFIX_{key}_{document|sentence}.bin/.idx")
+    group.add_argument("--output-prefix", required=True, type=output_prefix, help="outputs: PREFIX_{key}_{document|sentence}.bin/.idx")
     group.add_argument("--append-eod", action="store_true", help="append EOD to the end of each document")
     group.add_argument("--dataset-impl", type=dataset_impl, default="mmap",
                        help="accepted for older Megatron-LM scripts: it changes nothing, the output is always the "

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.builder import DataConfigError  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
+from megatron_lite.data.input_paths import output_prefix  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
@@ -25,7 +26,7 @@ from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
 def parse_args(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL file of conversations (optionally .gz)")
-    parser.add_argument("--output-prefix", required=True, help="outputs: PREFIX.bin/.idx and PREFIX_loss_mask.bin/.idx")
+    parser.add_argument("--output-prefix", required=True, type=output_prefix, help="outputs: PREFIX.bin/.idx and PREFIX_loss_mask.bin/.idx")
     add_tokenizer_args(parser)
     parser.add_argument("--seq-length", type=int, default=None,
                         help="refuse conversations longer than this + 1 tokens now (else when training)")

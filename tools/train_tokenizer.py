@@ -29,7 +29,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.data.input_paths import compressed_hint  # noqa: E402
+from megatron_lite.data.input_paths import compressed_hint, output_prefix  # noqa: E402
 from megatron_lite.errors import OneLineParser  # noqa: E402
 
 
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (optionally .gz) or plain text file")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to train on")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model/.vocab (SentencePiece) "
+    parser.add_argument("--output-prefix", required=True, type=output_prefix, help="writes PREFIX.model/.vocab (SentencePiece) "
                         "PREFIX-vocab.json/-merges.txt (byte-level-bpe) or PREFIX-vocab.txt (wordpiece)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model-type", choices=["bpe", "unigram", "byte-level-bpe", "wordpiece"], default="bpe",

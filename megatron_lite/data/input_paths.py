@@ -6,6 +6,7 @@ file fails to read as text because it is compressed other than as a .gz (preproc
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 
@@ -62,3 +63,13 @@ def compressed_hint(path: str) -> str:
                    f"only .gz is decompressed: decompress it ({command} {path} > {out}) or re-compress it with gzip")
             return f"; the file is {what}-compressed: {fix}"
     return ""
+
+
+def output_prefix(value: str) -> str:
+    """argparse type of the data tools' --output-prefix: a file-name prefix, not a folder ("out/" wrote
+    out/_text_document.bin, or the hidden out/.bin)."""
+    if not value or value.endswith(("/", os.sep)):
+        folder = value.rstrip("/" + os.sep) or "."
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file-name prefix inside it, e.g. "
+                                         f"{os.path.join(folder, 'corpus')}")
+    return value

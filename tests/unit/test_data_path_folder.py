@@ -4,6 +4,7 @@
 the flag takes, and the prefixes of the .bin/.idx pairs inside (a few)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -62,3 +63,21 @@ def test_preprocess_sft_input_a_folder_or_a_pattern_says_what_input_takes(tmp_pa
         assert word in lines[0], lines[0]
     assert "parquet" not in lines[0]
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("tool", ["preprocess_data", "preprocess_sft", "merge_datasets", "train_tokenizer"])
+def test_an_output_prefix_that_is_a_folder_is_refused(tmp_path, capsys, tool):
+    """--output-prefix out/ (a folder, as a user naming where the files go writes it) was taken as a prefix:
+    preprocess_data wrote out/_text_document.bin/.idx, preprocess_sft and merge_datasets the hidden
+    out/.bin and out/.idx, train_tokenizer out/.model. Now one line naming the flag and a prefix inside the
+    folder, exit 2, before anything is read or written."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2"}\n')
+    out = str(tmp_path / "out") + "/"
+    with pytest.raises(SystemExit) as stop:
+        load_tool(tool).main(["--input", str(src), "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", "10"][: 4 if tool in ("merge_datasets", "train_tokenizer") else None])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert f"--output-prefix: {out!r} is a folder" in err[0] and os.path.join(str(tmp_path / "out"), "corpus") in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
