@@ -350,6 +350,9 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
         _require(d.train_data_path is not None, f"{'/'.join(per_split)} need --train-data-path (the training set)")
         _require(not d.sft, f"{'/'.join(per_split)}: --sft reads its conversations from --data-path (split by "
                  "--split); give them there")
+        _require(d.split == type(d).__dataclass_fields__["split"].default,  # Megatron-LM refuses it too
+                 f"--split {d.split}: {'/'.join(per_split)} give each split its own data, whole, so --split does not "
+                 "apply; drop --split (or give --data-path, which --split cuts)")
     given = per_split or (["--data-path"] if d.data_path is not None else [])
     if data_from_script and not d.mock_data and not given:  # the script's provider reads (or makes) the data itself
         _require(d.tokenizer_type is not None or config.model.vocab_size is not None,

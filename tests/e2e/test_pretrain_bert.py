@@ -223,8 +223,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, data, capsys, case, words):
     elif case == "mtp":
         argv += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
     elif case in ("no_data", "mock", "valid_document"):
-        i = argv.index("--data-path")
-        del argv[i : i + 2]
+        for flag in ("--data-path", "--split") if case == "valid_document" else ("--data-path",):
+            i = argv.index(flag)  # --split does not apply to (and is refused with) per-split paths
+            del argv[i : i + 2]
         argv += {"mock": ["--mock-data"], "no_data": [],
                  "valid_document": ["--train-data-path", data["sentence"], "--valid-data-path", data["document"]]}[case]
     else:

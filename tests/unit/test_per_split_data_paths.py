@@ -82,6 +82,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--valid-data-path", "b", "--test-data-path", "c"], ["--valid-data-path/--test-data-path need --train-data-path"]),
     (["--train-data-path", "b", "--sft"], ["--train-data-path: --sft reads its conversations from --data-path"]),
     (["--data-args-path", "blend.txt"], ["--data-args-path is a Megatron-LM flag", "--train-data-path"]),
+    # --split with per-split paths was silently ignored (Megatron-LM refuses it: split and blend_per_split are incompatible)
+    (["--train-data-path", "b", "--valid-data-path", "c", "--split", "90,10,0"],
+     ["--split 90,10,0: --train-data-path/--valid-data-path give each split its own data", "drop --split"]),
 ])
 def test_bad_combinations_are_refused_in_one_line(capsys, argv, words):
     parse_refused(capsys, BASE + argv, *words)
