@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         print(f"Wrote {prefix}.bin and {prefix}.idx")
     for key, prefix in zip(args.json_keys, result.outputs):
         if IndexedDataset(prefix).num_tokens == 0:  # written as Megatron-LM does, but training refuses it
-            print(f"warning: no tokens written to {prefix}: every {key!r} text of {args.input} is empty or absent; "
+            print(f"warning: no tokens written to {prefix}: the {key!r} field of every document in {args.input} is empty; "
                   "check --json-keys", file=sys.stderr)
     return 0
 
