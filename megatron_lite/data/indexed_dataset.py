@@ -20,7 +20,7 @@ from array import array
 import numpy as np
 
 from .idx_format import DataFileError, check_pointers, dtype_code, read_index, write_index
-from .input_paths import folder_not_prefix
+from .input_paths import file_not_prefix, folder_not_prefix
 
 _COPY_CHUNK = 16 * 1024 * 1024  # bytes per read when appending another dataset's .bin
 
@@ -58,6 +58,8 @@ class IndexedDataset:
                 if suffix in (".bin", ".idx") and os.path.isfile(index_file_path(stem)):
                     raise DataFileError(f"{path}: file not found; {path_prefix!r} names a file of the pair: give "
                                         f"the prefix without {suffix}: {stem!r}")
+                if os.path.isfile(path_prefix):  # the raw corpus (data/corpus.jsonl), not its tokens
+                    raise DataFileError(file_not_prefix(path_prefix))
                 raise DataFileError(f"{path}: file not found (expected a Megatron .bin/.idx pair "
                                     f"with prefix {path_prefix!r})")
         index = read_index(idx_path)

@@ -73,3 +73,14 @@ def output_prefix(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file-name prefix inside it, e.g. "
                                          f"{os.path.join(folder, 'corpus')}")
     return value
+
+
+def file_not_prefix(path: str) -> str:
+    """``path``, a file, given where the prefix of a .bin/.idx pair is read (``--data-path data/corpus.jsonl``):
+    it is the text, not its tokens; the command that writes them and the prefix to give then."""
+    base = path.removesuffix(".gz")
+    root, ext = os.path.splitext(base)
+    stem = root if ext in (".jsonl", ".json", ".parquet", ".txt") else base
+    return (f"{path}: a file, not the prefix of a .bin/.idx pair (PREFIX for PREFIX.bin and PREFIX.idx); "
+            f"tokenize text first: python tools/preprocess_data.py --input {path} --output-prefix {stem} "
+            f"--tokenizer-type ... then --data-path {stem}_text_document (chat conversations: --sft reads JSONL)")

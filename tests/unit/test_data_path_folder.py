@@ -81,3 +81,19 @@ def test_an_output_prefix_that_is_a_folder_is_refused(tmp_path, capsys, tool):
     assert stop.value.code == 2 and len(err) == 1, err
     assert f"--output-prefix: {out!r} is a folder" in err[0] and os.path.join(str(tmp_path / "out"), "corpus") in err[0]
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("name", ["corpus.jsonl", "corpus.jsonl.gz", "corpus.parquet"])
+def test_a_text_file_as_data_path_says_to_preprocess_it(tmp_path, name):
+    """--data-path data/corpus.jsonl (the raw corpus, not its tokens) said 'data/corpus.jsonl.idx: file not
+    found (expected a Megatron .bin/.idx pair ...)', which does not say the text must be preprocessed first;
+    now the line says it is a file, not a prefix, and gives the tools/preprocess_data.py command and the
+    prefix it writes (and --sft for conversations)."""
+    path = tmp_path / name
+    path.write_text('{"text": "1 2"}\n')
+    with pytest.raises(DataFileError) as err:
+        _open(str(path))
+    stem = str(tmp_path / "corpus")
+    assert f"{path}: a file, not the prefix of a .bin/.idx pair" in str(err.value)
+    assert f"tools/preprocess_data.py --input {path} --output-prefix {stem}" in str(err.value)
+    assert f"--data-path {stem}_text_document" in str(err.value) and "--sft" in str(err.value)
