@@ -206,3 +206,13 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A Megatron-LM value of one of this tool's flags that we do not take (--tokenizer-type TikTokenizer):
+        # the line training gives (why, and what to use), not argparse's bare "invalid choice" list
+        from megatron_lite.megatron_flags import megatron_value_message
+
+        message = megatron_value_message(list(sys.argv[1:] if args is None else args))
+        if message is not None and message.split(" ", 1)[0] in self._option_string_actions:
+            self.error(message)
+        return super().parse_known_args(args, namespace)

@@ -1,6 +1,8 @@
 """Smaller user-facing messages: WSD without its decay length, a non-UTF-8 tokenizer corpus, the
 16-bit-on-CPU warning."""
 
+import os
+
 import pytest
 import torch
 
@@ -135,3 +137,22 @@ def test_a_scripts_own_provider_given_data_paths_needs_a_tokenizer(capsys, paths
     assert null.data.tokenizer_type == "NullTokenizer"
     refused_line(capsys, lambda: parse_args(own + paths, world_size=1), f"{paths[0]} needs --tokenizer-type (and its "
                  "vocab/model files)")  # the training scripts' line, unchanged
+
+
+@pytest.mark.parametrize("tool", ["preprocess_data", "preprocess_sft"])
+@pytest.mark.parametrize("kind", ["TikTokenizer", "Llama2Tokenizer"])
+def test_the_data_tools_refuse_megatron_tokenizer_types_as_training_does(tmp_path, capsys, tool, kind):
+    """--tokenizer-type TikTokenizer / Llama2Tokenizer (Megatron-LM choices) got pretrain_gpt.py's line naming
+    why and what to use, but the data tools gave argparse's bare 'invalid choice' list; now the same line."""
+    from megatron_lite.megatron_flags import megatron_value_message
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a"}\n')
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", kind,
+            "--tokenizer-model", str(tmp_path / "tok.model")]
+    with pytest.raises(SystemExit) as stop:
+        load_tool(tool).main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert megatron_value_message(["--tokenizer-type", kind]) in err[0] and "invalid choice" not in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
