@@ -354,6 +354,8 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
                  f"--split {d.split}: {'/'.join(per_split)} give each split its own data, whole, so --split does not "
                  "apply; drop --split (or give --data-path, which --split cuts)")
     given = per_split or (["--data-path"] if d.data_path is not None else [])
+    _require(not (d.mock_data and given), f"--mock-data and {'/'.join(given)} are two data sources (random tokens, or "
+             "the files; the files would go unread): drop one")  # Megatron-LM: a single data source
     if data_from_script and not d.mock_data and not given:  # the script's provider reads (or makes) the data itself
         _require(d.tokenizer_type is not None or config.model.vocab_size is not None,
                  "this script's datasets provider brings the data; give --vocab-size (or --tokenizer-type and its "

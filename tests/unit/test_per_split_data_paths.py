@@ -82,6 +82,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--valid-data-path", "b", "--test-data-path", "c"], ["--valid-data-path/--test-data-path need --train-data-path"]),
     (["--train-data-path", "b", "--sft"], ["--train-data-path: --sft reads its conversations from --data-path"]),
     (["--data-args-path", "blend.txt"], ["--data-args-path is a Megatron-LM flag", "--train-data-path"]),
+    # --mock-data beside real data trained on random tokens, the data silently unread (Megatron-LM: one source only)
+    (["--mock-data", "--data-path", "a"], ["--mock-data and --data-path are two data sources", "drop one"]),
+    (["--mock-data", "--train-data-path", "a"], ["--mock-data and --train-data-path are two data sources"]),
     # --split with per-split paths was silently ignored (Megatron-LM refuses it: split and blend_per_split are incompatible)
     (["--train-data-path", "b", "--valid-data-path", "c", "--split", "90,10,0"],
      ["--split 90,10,0: --train-data-path/--valid-data-path give each split its own data", "drop --split"]),
