@@ -17,6 +17,7 @@ from .errors import ConfigError
 from .fusions.config import check_fusion_flags
 from .logging_config import check_logging_flags, check_profile_flags
 from .lora.config import check_lora_flags
+from .moe.upcycling import check_upcycling_flags
 from .optim.param_groups import check_decoupled_lr
 from .optim.wd_schedule import check_weight_decay_schedule
 from .precision.config import PrecisionConfig
@@ -383,3 +384,4 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
 
     check_sft_flags(config)
     check_lora_flags(config)
+    check_upcycling_flags(config)  # --moe-use-upcycling, --moe-upcycling-granularity

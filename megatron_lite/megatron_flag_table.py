@@ -260,8 +260,6 @@ ENTRIES = (
      "NCCL's flight recorder is not configured by flags", "drop it, or set PyTorch's TORCH_NCCL_* and TORCH_FR_* "
      "environment variables"),
     # -- mixture of experts -----------------------------------------------------------------------
-    ("--moe-use-upcycling --moe-upcycling-granularity", "upcycling a dense checkpoint into experts is not "
-     "implemented", DROP),
     ("--moe-deepep-num-sms", "DeepEP is not used", DROP),
     ("--ep-overlap-early-attn-memory-release", "expert-parallel communication is not overlapped with other "
      "micro-batches' compute", DROP),

@@ -98,9 +98,18 @@ def _load_merged(folder: str, chunks, config, state, missing_ok, check) -> None:
     tensors, _ = rank_tensors(chunks, state)
     whole_model = set(chunk_model(config.flat()).state_dict())  # every rank's tensors, at TP 1 and EP 1
     extra = sorted(k for k in merged if k not in whole_model and not is_fp8_state_key(k))
+    problems = cut_merged(merged, tensors, missing_ok, [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not fit the model: {'; '.join(problems[:3])}; "
+                              "match the model flags")
+
+
+def cut_merged(merged, tensors, missing_ok, extra=()) -> list[str]:
+    """Copy each of this rank's ``tensors`` (:func:`~megatron_lite.checkpoint.dist.rank_tensors`) out of
+    ``merged``, single-process tensors by global name (any mapping with ``in`` and ``[]``); the padded
+    vocabulary is re-padded. Returns the problems (a tensor missing, ``extra``, a wrong shape) as short phrases."""
     missing = sorted({t.name for t in tensors if t.name not in merged and not _optional(t.name, missing_ok)})
-    problems = ([f"missing in the checkpoint: {', '.join(missing[:3])}"] if missing else []) + (
-        [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
+    problems = ([f"missing in the checkpoint: {', '.join(missing[:3])}"] if missing else []) + list(extra)
     with torch.no_grad():
         for t in tensors:
             if t.name not in merged:
@@ -114,9 +123,7 @@ def _load_merged(folder: str, chunks, config, state, missing_ok, check) -> None:
                 continue
             piece = region(full.reshape(t.global_shape), (0,) * len(t.global_shape), t.offset, t.local)
             t.value.detach().view(t.local).copy_(piece)
-    if problems:
-        raise CheckpointError(f"checkpoint {folder} does not fit the model: {'; '.join(problems[:3])}; "
-                              "match the model flags")
+    return problems
 
 
 def _layer_ranges(chunks) -> list:

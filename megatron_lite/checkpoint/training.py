@@ -72,6 +72,7 @@ from .rng import set_rng_states
 from .router_bias import fill_state_dict, refuse_optimizer, say_filled
 from .save_lost import SaveProgress, peer_lost_as_error, peer_lost_loading
 from .saved_parts import missing_rng_error, parts_to_save, require_dist_rng, save_rng
+from .upcycle import upcycle_here, upcycles
 
 
 def _barrier() -> None:
@@ -271,6 +272,9 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     ck = config.checkpoint
     root = ck.load
     iteration = read_tracker(root) if root else None
+    if upcycles(config, root, iteration):  # --moe-use-upcycling, a dense checkpoint: experts made of its MLPs
+        upcycle_here(chunks, optimizer, root, config, state)
+        return 0, 0
     if iteration is None:
         if ck.pretrained_checkpoint:  # --load has nothing yet: start from the pretrained weights
             if root:

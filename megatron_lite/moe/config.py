@@ -111,7 +111,10 @@ class MoEConfig:
     """Megatron-LM's deprecated spelling of --recompute-granularity selective --recompute-modules moe (moe is added to the modules, by default core_attn)."""
     moe_extended_tp: bool = False
     """Deprecated (refused)."""
-
+    moe_use_upcycling: bool = False
+    """Start the MoE model from the dense checkpoint at --load (one with experts is loaded as is): each MoE layer's experts are copies of its dense MLP, routers fresh, iteration 0, a fresh optimizer."""
+    moe_upcycling_granularity: int = 1
+    """Upcycling: cut each dense MLP into this many experts along its FFN dimension (--moe-ffn-hidden-size: the dense width / this; --num-experts and --moe-router-topk: multiples of it)."""
 
 def normalize(moe: MoEConfig, ffn_hidden_size: int) -> None:
     """Megatron's normalisations: 0 experts is dense, a negative capacity factor means none, the
