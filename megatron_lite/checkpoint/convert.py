@@ -107,6 +107,10 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     return TargetLayout(tp, pp, *split, ep=ep, etp=etp, dp=args.target_data_parallel_size)
 
 
+# flat config fields that are no model option: the vocabulary (from the tokenizer flags), how the run began
+NOT_MODEL = ("vocab_size", "moe_use_upcycling", "moe_upcycling_granularity")
+
+
 def _default(f):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
@@ -118,7 +122,7 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
     for cls in (ModelConfig, ParallelConfig, MoEConfig):
         for f in dataclasses.fields(cls):
             value = config.get(f.name)
-            if not f.metadata.get("cli", True) or f.name == "vocab_size" or value is None or value == _default(f):
+            if not f.metadata.get("cli", True) or f.name in NOT_MODEL or value is None or value == _default(f):
                 continue
             if cls is ParallelConfig and not (f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers"))
                                               or f.name == "sequence_parallel"):

@@ -72,3 +72,13 @@ UP = ["--num-experts", "4", "--moe-use-upcycling", "--load", "dense"]
 ])
 def test_refused_upcycling_flags(capsys, extra, words):
     parse_refused(capsys, BASE + extra, *words)
+
+
+def test_converters_flags_of_an_upcycled_checkpoint_leave_upcycling_out():
+    """An upcycled run's checkpoint records --moe-use-upcycling (how the run began); the converter's
+    printed flags to load it are the model's, without it."""
+    from megatron_lite.checkpoint.convert import pretrain_flags
+
+    flat = {"num_experts": 4, "moe_use_upcycling": True, "moe_upcycling_granularity": 2, "moe_ffn_hidden_size": 64}
+    flags = pretrain_flags(flat, release=True)
+    assert "--num-experts" in flags and not any("upcycling" in f for f in flags)
