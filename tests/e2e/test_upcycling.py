@@ -10,8 +10,8 @@ and upcycled in one process: the upcycled model's first loss is the dense model'
   top-4, grouped GEMM, every other layer dense (``--moe-layer-freq``), and a
   ``--moe-router-topk-scaling-factor`` of 2.5, which the experts' scale divides out.
 
-A's upcycled run then trains 6 steps (saving at 3): EP2 from the same dense checkpoint gives the same
-losses and gradient norms (relative 1e-5); a resume from its step-3 checkpoint with the flag still given
+A's upcycled run then trains 6 steps (saving at 3): EP2 with ZeRO-3 from the same dense checkpoint gives
+the same losses and gradient norms (relative 1e-5); a resume from its step-3 checkpoint with the flag still given
 loads the MoE checkpoint as is and continues bit for bit; and the trained MoE model's loss on the first
 batch is below the upcycled model's.
 """
@@ -71,9 +71,11 @@ def test_upcycled_run_trains_resumes_and_matches_ep2(dense, tmp_path):
     whole = run_script("pretrain_gpt", _upcycle_argv(folder, DENSE_A, MOE_A, up_dir, 6, ["--save-interval", "3"]))
     assert whole.losses[0] == pytest.approx(dense_loss, rel=FIRST_LOSS_RTOL, abs=0)
 
-    # EP2 (and the alltoall dispatcher across ranks) from the same TP2 dense checkpoint
+    # EP2 (the alltoall dispatcher across ranks) with ZeRO-3 (the routers kept while the loaded weights are
+    # sharded) from the same TP2 dense checkpoint
     ep2 = ranks_trajectory(2, "pretrain_gpt", _upcycle_argv(folder, DENSE_A, MOE_A, str(tmp_path / "ep2"), 6,
-                                                            ["--save-interval", "3", "--expert-model-parallel-size", "2"]))
+                                                            ["--save-interval", "3", "--expert-model-parallel-size", "2",
+                                                             "--data-parallel-sharding-strategy", "optim_grads_params"]))
     assert_same_trajectory(ep2, whole, what="upcycled EP2 vs one process")
 
     # resume at step 3 with the flag still given: the checkpoint has experts, so it is loaded as is
