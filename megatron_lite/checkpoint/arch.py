@@ -189,7 +189,8 @@ def check_architecture(where: str, saved_config: dict, config, load: str = "resu
 
 def load_fix(saved_config: dict, config, load: str = "resume", fields=ARCH_FIELDS) -> str:
     """The fixes for the differences of ``fields``, joined: :func:`arch_fix`, then (not for a weights-only
-    ``load``) --use-checkpoint-args where it takes every differing value, --finetune where no shape differs."""
+    ``load``) --use-checkpoint-args where it takes every differing value, --finetune where no shape differs;
+    --moe-use-upcycling for a dense checkpoint in an MoE run."""
     shapes_only = load == "weights"
     fixes = [arch_fix(saved_config, config, fields, shapes_only)]
     if load != "weights":
@@ -200,6 +201,8 @@ def load_fix(saved_config: dict, config, load: str = "resume", fields=ARCH_FIELD
             fixes.append("pass --use-checkpoint-args to take the model flags from the checkpoint")
         if not _differing(saved_config, config, SHAPE_FLAGS, shapes_only=True):
             fixes.append("pass --finetune to change them on purpose")
+    if saved_config and not saved_config.get("num_experts") and config.flat().get("num_experts"):
+        fixes.append("pass --moe-use-upcycling to make the experts from its dense MLPs")
     return ", or ".join(fixes)
 
 

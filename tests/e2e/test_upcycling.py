@@ -112,3 +112,10 @@ def test_dense_checkpoint_that_does_not_fit_is_refused(dense, tmp_path, capsys, 
 def test_save_holding_a_checkpoint_is_refused(dense, capsys):
     folder, _ = dense["A"]
     _one_line_exit_2(capsys, _upcycle_argv(folder, DENSE_A, MOE_A, folder, 3), f"--save {folder} already holds")
+
+
+def test_dense_checkpoint_without_the_flag_points_at_it(dense, tmp_path, capsys):
+    """An MoE run given a dense --load without --moe-use-upcycling is refused as before, naming the flag."""
+    folder, _ = dense["A"]
+    argv = _argv(DENSE_A + MOE_A + ["--load", folder, "--finetune"], 3)
+    _one_line_exit_2(capsys, argv, "num-experts None (this run 4)", "--moe-use-upcycling")
