@@ -116,6 +116,7 @@ class MoEConfig:
     moe_upcycling_granularity: int = 1
     """Upcycling: cut each dense MLP into this many experts along its FFN dimension (--moe-ffn-hidden-size: the dense width / this; --num-experts and --moe-router-topk: multiples of it)."""
 
+
 def normalize(moe: MoEConfig, ffn_hidden_size: int) -> None:
     """Megatron's normalisations: 0 experts is dense, a negative capacity factor means none, the
     expert FFN width defaults to the dense one, a coefficient list of one applies to every type."""

@@ -118,4 +118,4 @@ def test_dense_checkpoint_without_the_flag_points_at_it(dense, tmp_path, capsys)
     """An MoE run given a dense --load without --moe-use-upcycling is refused as before, naming the flag."""
     folder, _ = dense["A"]
     argv = _argv(DENSE_A + MOE_A + ["--load", folder, "--finetune"], 3)
-    _one_line_exit_2(capsys, argv, "num-experts None (this run 4)", "--moe-use-upcycling")
+    _one_line_exit_2(capsys, argv, "no --num-experts (this run: --num-experts 4)", "pass --moe-use-upcycling")
