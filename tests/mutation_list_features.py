@@ -89,4 +89,14 @@ MUTATIONS = [
              "bit for bit", "megatron_lite/checkpoint/resume_notes.py",
              "    if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):\n", "    if True:\n",
              ("tests/unit/test_resume_notes.py",)),
+    Mutation("upcycle_fc2_unscaled", "--moe-use-upcycling: the experts' fc2 weights not scaled by G / m",
+             "megatron_lite/moe/upcycling.py", 'dense["fc2.weight"][:, rows] * (g / mass)', 'dense["fc2.weight"][:, rows]',
+             ("tests/unit/test_upcycling.py", "-k", "weighted_experts")),
+    Mutation("upcycle_fc2_bias_unscaled", "--moe-use-upcycling: the experts' fc2 bias not scaled by 1 / m",
+             "megatron_lite/moe/upcycling.py", 'out["fc2.bias"] = dense["fc2.bias"] / mass',
+             'out["fc2.bias"] = dense["fc2.bias"]', ("tests/unit/test_upcycling.py", "-k", "weighted_experts")),
+    Mutation("upcycle_router_rows_not_shared", "--moe-upcycling-granularity > 1: the experts of one dense copy keep "
+             "their own router rows (top-k no longer picks whole copies)", "megatron_lite/moe/upcycling.py",
+             "    if granularity == 1:\n        return\n", "    if True:\n        return\n",
+             ("tests/unit/test_upcycling.py", "-k", "router_rows")),
 ]
