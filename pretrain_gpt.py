@@ -36,7 +36,7 @@ from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.models.window_config import check_causal_window
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
-from megatron_lite.parallel.pipeline import layer_ranges
+from megatron_lite.parallel.pipeline import pipeline_ranges
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
 
@@ -63,11 +63,7 @@ def set_vocab(config: Config, tokenizer) -> None:
 
 def my_layer_ranges(config: Config, state) -> list[tuple[int, int]]:
     """(first, last + 1) global layer of each model chunk of this pipeline rank."""
-    p = config.parallel
-    return layer_ranges(
-        config.model.num_layers, state.pp_size, p.num_layers_per_virtual_pipeline_stage,
-        p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
-    )[state.pp_rank]
+    return pipeline_ranges(config.flat())[state.pp_rank]
 
 
 def model_provider(config: Config, state) -> list[torch.nn.Module]:

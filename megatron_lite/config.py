@@ -105,6 +105,12 @@ class ParallelConfig:
     """Layers on the first pipeline stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: int | None = None
     """Layers on the last pipeline stage (the rest split evenly)."""
+    pipeline_model_parallel_layout: str | None = None
+    """What each (virtual) pipeline stage holds, e.g. "Et|(tt|)*2,tL": E embedding, t transformer layer, m multi-token prediction layer, L loss; '|' between stages in virtual-stage order (pp x vp stages: the count sets the virtual stages), X*N and (...)*N repeat. E first, L (after the m layers) last; every other stage holds a t."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """The even pipeline split counts the embedding as one layer of the first stage."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The even pipeline split counts the loss (the output layer) as one layer of the last stage."""
     sequence_parallel: bool = False
     """Split norms and dropout along the sequence over the tensor-parallel group."""
     context_parallel_size: int = 1

@@ -163,21 +163,35 @@ def _check_parallel(config: Config) -> None:
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0, f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per}")
-        _require(m.num_layers % (per * pp) == 0,
+        _require(m.num_layers % (per * pp) == 0 or p.account_for_embedding_in_pipeline_split
+                 or p.account_for_loss_in_pipeline_split,
                  f"--num-layers {m.num_layers} is not divisible by --num-layers-per-virtual-pipeline-stage {per} "
                  f"x --pipeline-model-parallel-size {pp}")
-    elif p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+    elif (p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None
+          and p.pipeline_model_parallel_layout is None and not p.account_for_embedding_in_pipeline_split
+          and not p.account_for_loss_in_pipeline_split):
         _require(m.num_layers % pp == 0,
                  f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                  "change one or set --decoder-first/last-pipeline-num-layers")
-    from .parallel.pipeline.partition import layer_ranges
+    from .parallel.pipeline.partition import pipeline_ranges
 
-    try:  # the partition itself names the flags when uneven first/last stages do not work out
-        ranges = layer_ranges(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
-                              p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    try:  # the partition itself names the flags when a split does not work out
+        ranges = pipeline_ranges(config.flat())
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(len(ranges[0]) == 1 or p.pipeline_schedule != "zb-h1",
+             f"--pipeline-schedule zb-h1 runs one model chunk per rank; --pipeline-model-parallel-layout gives "
+             f"{len(ranges[0])} per rank (virtual stages): give one stage per rank or use --pipeline-schedule 1f1b")
     _check_recompute_num_layers(config, max(end - start for stage in ranges for start, end in stage))
+
+
+def interleaved(config: Config) -> bool:
+    """Whether the run's pipeline ranks hold several model chunks (virtual stages): the flag, or a layout's."""
+    from .parallel.pipeline.partition import pipeline_ranges
+
+    p = config.parallel
+    return p.num_layers_per_virtual_pipeline_stage is not None or (
+        p.pipeline_model_parallel_layout is not None and len(pipeline_ranges(config.flat())[0]) > 1)
 
 
 def _check_recompute_num_layers(config: Config, most: int) -> None:
@@ -205,7 +219,7 @@ def _check_batch(config: Config) -> None:
     _require(not t.decrease_batch_size_if_needed or t.global_batch_size >= t.micro_batch_size * dp,
              f"--decrease-batch-size-if-needed: --global-batch-size {t.global_batch_size} is less than --micro-batch-size "
              f"{t.micro_batch_size} x data-parallel size {dp}, nothing is left after rounding down")
-    if p.num_layers_per_virtual_pipeline_stage is not None:
+    if interleaved(config):
         try:
             from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),

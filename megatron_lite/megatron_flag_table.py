@@ -117,9 +117,6 @@ ENTRIES = (
      "which are not used", DROP),
     ("--no-async-tensor-model-parallel-allreduce", "Megatron-LM ignores it too", DROP),
     # -- distributed ------------------------------------------------------------------------------
-    ("--pipeline-model-parallel-layout --account-for-embedding-in-pipeline-split "
-     "--account-for-loss-in-pipeline-split", "pipeline stages are split by transformer layers only",
-     "use --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"),
     ("--microbatch-group-size-per-virtual-pipeline-stage --no-overlap-p2p-communication "
      "--overlap-p2p-communication-warmup-flush --no-scatter-gather-tensors-in-pipeline --use-ring-exchange-p2p "
      "--pipeline-model-parallel-comm-backend", "the pipeline schedule's communication is fixed", DROP),

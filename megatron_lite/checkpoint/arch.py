@@ -11,6 +11,8 @@ of the others can be deliberate.
 
 from __future__ import annotations
 
+import shlex
+
 from ..arch_flags import ARCHITECTURE_FLAGS, DERIVED_FLAGS, SHAPE_FLAGS
 from ..config import SECTIONS
 from ..fusions.config import tanh_gelu
@@ -73,8 +75,8 @@ def flag_setting(key: str, flat: dict) -> tuple[str, str]:
         return (flag, flag) if value else (f"no {flag}", "")
     if value is None:
         return f"no {flag}", ""
-    words = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
-    return f"{flag} {words}", f"{flag} {words}"
+    words = " ".join(shlex.quote(str(v)) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return f"{flag} {words}", f"{flag} {words}"  # quoted as typed in a shell: --pipeline-model-parallel-layout 'Et|tL'
 
 
 def _differing(saved_config: dict, config, fields, shapes_only: bool) -> list[str]:

@@ -4,6 +4,8 @@ each chunk's layer range, and every tensor's name and shape; one CheckpointError
 
 from __future__ import annotations
 
+import shlex
+
 import torch
 
 from .arch import arch_differences, check_family, flag_setting, load_fix
@@ -20,7 +22,9 @@ def layer_range(module):
 
 
 CONVERTER = "tools/checkpoint/convert.py"
-SPLIT_FLAGS = ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+SPLIT_FLAGS = ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+               "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 """The flags that split the layers over pipeline stages and model chunks (recorded in every checkpoint's config)."""
 
 
@@ -41,13 +45,15 @@ def _split_mismatch(path, what, saved_cfg: dict, config, state) -> CheckpointErr
         return CheckpointError(f"checkpoint {path} was saved with {', '.join(arch)}; {load_fix(saved_cfg, config)}")
     if not differ:  # a checkpoint without them: name the flags that decide the split
         return CheckpointError(f"checkpoint {path} was saved with {what}; match --num-layers, "
-                               "--num-layers-per-virtual-pipeline-stage and --decoder-first/last-pipeline-num-layers "
+                               "--num-layers-per-virtual-pipeline-stage, --decoder-first/last-pipeline-num-layers, "
+                               "--pipeline-model-parallel-layout and --account-for-embedding/loss-in-pipeline-split "
                                f"to the run that saved it, or convert it with {CONVERTER}")
     saved_words = [flag_setting(key, saved_cfg) for key in differ]
     give = " ".join(words for _, words in saved_words if words)
     drop = " ".join(flag_setting(key, ours)[1] for key, (_, words) in zip(differ, saved_words) if not words)
     fix = " and ".join(([f"pass {give}"] if give else []) + ([f"drop {drop}"] if drop else []))
-    target = " ".join(f"--target-{key.replace('_', '-')} {ours[key]}" for key in differ if ours.get(key) is not None)
+    target = " ".join(f"--target-{key.replace('_', '-')}" + ("" if ours[key] is True else f" {shlex.quote(str(ours[key]))}")
+                      for key in differ if ours.get(key) not in (None, False))
     return CheckpointError(f"checkpoint {path} was saved with {what} ({', '.join(said for said, _ in saved_words)}): "
                            f"{fix}, or convert it with {CONVERTER} --target-pipeline-parallel-size {state.pp_size}"
                            + (f" {target}" if target else ""))

@@ -28,6 +28,7 @@ from ..config import ModelConfig, ParallelConfig
 from ..errors import ConfigError, OneLineParser
 from ..fusions.config import tanh_gelu
 from ..moe.config import MoEConfig
+from .compat import SPLIT_FLAGS
 from .hf import STYLES, pick_style
 from .hf_folder import load_hf, save_hf
 from .hf_io import TOKENIZER_DIR, copy_tokenizer_files
@@ -80,6 +81,12 @@ def _megatron_saver_args(parser) -> None:
                        help="Layers on the first pipeline stage (as --decoder-first-pipeline-num-layers).")
     group.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
                        help="Layers on the last pipeline stage (as --decoder-last-pipeline-num-layers).")
+    group.add_argument("--target-pipeline-model-parallel-layout", default=None,
+                       help="What each (virtual) pipeline stage holds (as --pipeline-model-parallel-layout).")
+    group.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true", default=None,
+                       help="The even split counts the embedding as a layer (as --account-for-embedding-in-pipeline-split).")
+    group.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true", default=None,
+                       help="The even split counts the loss as a layer (as --account-for-loss-in-pipeline-split).")
 
 
 def target_layout(bundle: ModelBundle, args) -> TargetLayout:
@@ -95,10 +102,11 @@ def target_layout(bundle: ModelBundle, args) -> TargetLayout:
     pp = args.target_pipeline_parallel_size or src.get("pipeline_model_parallel_size") or 1
     same_pp = args.target_pipeline_parallel_size is None
     split = (args.target_num_layers_per_virtual_pipeline_stage, args.target_decoder_first_pipeline_num_layers,
-             args.target_decoder_last_pipeline_num_layers)
-    if same_pp and split == (None, None, None):
-        split = (src.get("num_layers_per_virtual_pipeline_stage"), src.get("decoder_first_pipeline_num_layers"),
-                 src.get("decoder_last_pipeline_num_layers"))
+             args.target_decoder_last_pipeline_num_layers, args.target_pipeline_model_parallel_layout,
+             args.target_account_for_embedding_in_pipeline_split, args.target_account_for_loss_in_pipeline_split)
+    if same_pp and split == (None,) * len(SPLIT_FLAGS):
+        split = tuple(src.get(k) for k in SPLIT_FLAGS)
+    split = split[:4] + tuple(bool(v) for v in split[4:])
     check_expert_size(src, ep)
     etp = args.target_expert_tensor_parallel_size
     if etp is None:  # the source's experts: split like its dense layers, whole, or on their own grid
@@ -124,8 +132,9 @@ def pretrain_flags(config: dict, release: bool, optimizer: bool = False) -> list
             value = config.get(f.name)
             if not f.metadata.get("cli", True) or f.name in NOT_MODEL or value is None or value == _default(f):
                 continue
-            if cls is ParallelConfig and not (f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers"))
-                                              or f.name == "sequence_parallel"):
+            if cls is ParallelConfig and not (f.name.endswith(("_parallel_size", "pipeline_stage", "_num_layers",
+                                                               "_in_pipeline_split"))
+                                              or f.name in ("sequence_parallel", "pipeline_model_parallel_layout")):
                 continue  # the layout only, not how this run was optimised
             flag = "--" + f.name.replace("_", "-")
             values = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]  # quoted when printed
@@ -292,7 +301,9 @@ PLUGIN_OPTIONS = {
     ("saver", "megatron"): ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
                             "target_expert_tensor_parallel_size", "target_data_parallel_size",
                             "target_num_layers_per_virtual_pipeline_stage", "target_decoder_first_pipeline_num_layers",
-                            "target_decoder_last_pipeline_num_layers"),
+                            "target_decoder_last_pipeline_num_layers", "target_pipeline_model_parallel_layout",
+                            "target_account_for_embedding_in_pipeline_split",
+                            "target_account_for_loss_in_pipeline_split"),
     ("saver", "hf"): ("hf_style", "max_shard_size", "merge_lora"),
     ("loader", "hf"): ("make_vocab_size_divisible_by", "moe_grouped_gemm", "apply_layernorm_1p"),
 }

@@ -50,7 +50,7 @@ from ..console import print_rank_0
 from ..errors import ConfigError
 from ..files import remove_stale_temps
 from ..parallel.expert_grid import is_folded
-from ..parallel.pipeline.partition import layer_ranges
+from ..parallel.pipeline.partition import pipeline_ranges
 from ..parallel.tensor import padded_vocab_size, shard
 from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist_optimizer, resolve_folder
@@ -192,6 +192,9 @@ class TargetLayout:
     vpp_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage
     first: int | None = None  # --decoder-first-pipeline-num-layers
     last: int | None = None  # --decoder-last-pipeline-num-layers
+    layout: str | None = None  # --pipeline-model-parallel-layout
+    account_embedding: bool = False  # --account-for-embedding-in-pipeline-split
+    account_loss: bool = False  # --account-for-loss-in-pipeline-split
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: TP)
     dp: int | None = None  # data-parallel size of the run that loads it (None: one EP divides)
@@ -221,18 +224,22 @@ def target_config(bundle: ModelBundle, layout: TargetLayout) -> dict:
     padded = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
     check_expert_size(cfg, layout.ep)
     check_expert_tensor_size(cfg, layout.tp, layout.ep, layout.etp, layout.dp)
+    split = dict(  # the pipeline split flags the target records; its ranges come from them
+        pipeline_model_parallel_size=layout.pp, num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
+        decoder_first_pipeline_num_layers=layout.first, decoder_last_pipeline_num_layers=layout.last,
+        pipeline_model_parallel_layout=layout.layout, account_for_embedding_in_pipeline_split=layout.account_embedding,
+        account_for_loss_in_pipeline_split=layout.account_loss,
+    )
     try:  # the model's own shape rules, at the target TP and EP sizes
         transformer_config({**cfg, "padded_vocab_size": padded}, layout.tp, layout.ep)
-        ranges = layer_ranges(model.num_layers, layout.pp, layout.vpp_layers, layout.first, layout.last)
+        ranges = pipeline_ranges({**cfg, **split, "num_layers": model.num_layers})
     except (ConfigError, ValueError) as err:
         etp = "" if layout.etp is None else f" x etp {layout.etp}"
         raise ConfigError(f"target layout tp {layout.tp} x pp {layout.pp} x ep {layout.ep}{etp}: {err}") from None
     sp = (bool(cfg.get("sequence_parallel")) or bool(num_experts(cfg))) and layout.tp > 1
     cfg.update(
-        padded_vocab_size=padded, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        num_layers_per_virtual_pipeline_stage=layout.vpp_layers, decoder_first_pipeline_num_layers=layout.first,
-        decoder_last_pipeline_num_layers=layout.last, sequence_parallel=sp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        padded_vocab_size=padded, tensor_model_parallel_size=layout.tp, sequence_parallel=sp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **split,
     )
     cfg["_ranges"] = ranges
     return cfg

@@ -102,6 +102,32 @@ def train_length_note(saved: dict, config) -> str | None:
             "larger --train-iters\" in docs/checkpoints.md)")
 
 
+def split_change_note(saved: dict, config) -> str | None:
+    """The note of a resume at the checkpoint's pipeline size whose pipeline split (the layers each
+    stage holds: --pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers, ...)
+    differs from the checkpoint's run's; or None. (Another pipeline size is the layout note's.)"""
+    from ..parallel.pipeline.partition import pipeline_ranges
+
+    now = config.flat()
+    if "num_layers" not in saved or (saved.get("pipeline_model_parallel_size") or 1) != (
+            now["pipeline_model_parallel_size"] or 1):
+        return None
+    try:
+        before = pipeline_ranges(saved)
+    except ValueError:
+        return None
+    after = pipeline_ranges(now)
+    if before == after:
+        return None
+    return (f"> note: the checkpoint's pipeline stages held layers {_stages(before)}, this run's hold {_stages(after)}: "
+            "it continues the saved run within floating-point rounding, not bit for bit (sums in another order; "
+            "with dropout, other masks)")
+
+
+def _stages(ranges) -> str:
+    return " | ".join(", ".join(f"{lo}-{hi - 1}" if hi > lo else "none" for lo, hi in chunks) for chunks in ranges)
+
+
 def print_resume_notes(saved_layout: dict, saved_flags: dict, config, state) -> None:
     """Rank 0: each note of a resume from a checkpoint saved at ``saved_layout`` with the flat flags
     ``saved_flags`` (its train length, data order, layout and micro-batch size)."""
@@ -109,6 +135,6 @@ def print_resume_notes(saved_layout: dict, saved_flags: dict, config, state) -> 
     saved_layout = saved_layout if micro is None else {**saved_layout, "micro_batch_size": micro}
     now = {**layout_of(state), "micro_batch_size": config.training.micro_batch_size}
     for note in (train_length_note(saved_flags, config), data_order_note(saved_flags, config),
-                 layout_change_note(saved_layout, now)):
+                 layout_change_note(saved_layout, now), split_change_note(saved_flags, config)):
         if note:
             print_rank_0(note)

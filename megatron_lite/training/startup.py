@@ -11,7 +11,7 @@ from ..device import cpu_has_native, describe_backends, init_distributed
 from ..fusions.compile import configure_compilation
 from ..models.transformer_config import TransformerConfig
 from ..moe.config import expert_grid_tp
-from ..parallel.pipeline import num_chunks
+from ..parallel.pipeline import pipeline_ranges
 from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.host_memory import retain_freed_host_memory
@@ -34,7 +34,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
     if device.type == "cpu" and config.fusion.retain_host_memory and retain_freed_host_memory():
         print_rank_0("> host memory: freed blocks kept for reuse (--no-retain-host-memory gives them back)")
     p = config.parallel
-    chunks = num_chunks(config.model.num_layers, p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage)
+    chunks = len(pipeline_ranges(config.flat())[0])
     vpp = chunks if chunks > 1 else None
     state = ParallelState(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,

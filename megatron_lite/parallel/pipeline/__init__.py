@@ -2,7 +2,7 @@
 ZB-H1 zero bubble) and their traces."""
 
 from .p2p import PipeComm
-from .partition import layer_ranges, num_chunks
+from .partition import layer_ranges, num_chunks, pipeline_ranges
 from .schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
@@ -16,6 +16,6 @@ from .wgrad import WeightGradStore
 __all__ = [
     "Event", "PipeComm", "Trace", "WeightGradStore", "bubble_fraction", "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving",
-    "forward_backward_pipelining_zero_bubble", "get_forward_backward_func", "layer_ranges", "num_chunks",
+    "forward_backward_pipelining_zero_bubble", "get_forward_backward_func", "layer_ranges", "num_chunks", "pipeline_ranges",
     "render_grid", "simulate", "simulated_orders",
 ]
