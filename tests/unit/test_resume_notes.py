@@ -100,3 +100,22 @@ def test_rng_states_at_another_layout_are_refused_in_one_readable_line(tmp_path,
     assert str(err.value) == (f"checkpoint {folder} was saved at TP2 x DP2 (4 ranks), this run is TP1 x PP2 (2 ranks): "
                               "its RNG states are per rank and do not carry over to another layout; pass --no-load-rng "
                               "(or resume at TP2 x DP2 (4 ranks))")
+
+
+def test_another_pipeline_split_at_the_same_size_is_noted():
+    """A torch_dist checkpoint resumed at its PP size with other stage layers (a layout, or the account
+    flags) sums in another order: a note, as for another layout; none for the same split."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.checkpoint.resume_notes import split_change_note
+
+    base = ["--mock-data", "--vocab-size", "64", "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads",
+            "4", "--seq-length", "16", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2"]
+    even = parse_args(base, world_size=2)
+    layout = parse_args(base + ["--pipeline-model-parallel-layout", "Ett|ttttL"], world_size=2)
+    assert split_change_note(even.flat(), even) is None
+    assert split_change_note(layout.flat(), layout) is None
+    note = split_change_note(even.flat(), layout)
+    assert note == ("> note: the checkpoint's pipeline stages held layers 0-2 | 3-5, this run's hold 0-1 | 2-5: it "
+                    "continues the saved run within floating-point rounding, not bit for bit (sums in another order; "
+                    "with dropout, other masks)"), note
+    assert split_change_note({**even.flat(), "pipeline_model_parallel_size": 1}, layout) is None  # the layout note's

@@ -117,7 +117,8 @@ def check_interleaved_microbatches(m: int, p: int, schedule: str = "1f1b") -> No
             f"the interleaved pipeline schedule needs the number of micro-batches per step "
             f"(--global-batch-size / (--micro-batch-size x data-parallel size)) = {m} to be a positive "
             f"multiple of --pipeline-model-parallel-size {p}; change --global-batch-size or "
-            f"--micro-batch-size, or drop --num-layers-per-virtual-pipeline-stage"
+            f"--micro-batch-size, or drop --num-layers-per-virtual-pipeline-stage (or the virtual stages of "
+            f"--pipeline-model-parallel-layout)"
         )
 
 
