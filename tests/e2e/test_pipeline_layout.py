@@ -51,6 +51,10 @@ def test_interleaved_layout_equals_one_process_resumes_and_converts(tmp_path, re
     assert_same_trajectory(runs[0], ref, steps=ITERS, what="PP2 Et|t|tt|L")
     assert_same_weights(straight, ref_save)
     assert_same_trajectory(runs[1] + runs[2], runs[0], rtol=0, what="resumed")  # bit for bit
+    for rank, ranges in (("000", [(0, 1), (2, 4)]), ("001", [(1, 2), (4, 4)])):  # the layout's chunks were built
+        saved = torch.load(os.path.join(half, "iter_0000003", f"mp_rank_00_{rank}", "model_optim_rng.pt"),
+                           weights_only=False)
+        assert [tuple(r) for r in saved["layer_ranges"]] == ranges and saved["vpp_size"] == 2
 
     # the converter writes the step-3 checkpoint at one process and at PP4 with another layout ...
     convert = load_tool("checkpoint/convert").main
