@@ -29,6 +29,8 @@ def _account(layers, pp, embedding=True, loss=True, vpp=None):
     ("Et*3|(tt|)*29,m|L", ["Ettt"] + ["tt"] * 29 + ["m", "L"]),  # DeepSeek-V3's, from Megatron-LM's docs
     ("E|*2tL", ["E", "", "tL"]),  # '|' repeats like a symbol
     ("(Et|)*1,t*0tL", ["Et", "tL"]),  # counts of one and zero
+    ("E|(t*2|)*2,tL", ["E", "tt", "tt", "tL"]),  # a repetition inside a group
+    ("E|t*10|L", ["E", "t" * 10, "L"]),
 ])
 def test_grammar_expands_repetitions_and_drops_commas(text, stages):
     assert parse_layout(text) == stages
@@ -39,6 +41,7 @@ def test_grammar_expands_repetitions_and_drops_commas(text, stages):
     ("Et|tt|tL", 4, 3, None, [[(0, 1)], [(1, 3)], [(3, 4)]]),
     ("E|(tt|)*2,tL", 5, 4, None, [[(0, 0)], [(0, 2)], [(2, 4)], [(4, 5)]]),  # an embedding-only first stage
     ("Ett|tt|L", 4, 3, None, [[(0, 2)], [(2, 4)], [(4, 4)]]),  # a loss-only last stage
+    ("E|t*4|L", 4, 3, None, [[(0, 0)], [(0, 4)], [(4, 4)]]),  # both
     ("Et|tmL", 2, 2, 1, [[(0, 1)], [(1, 2)]]),
     # virtual stages in order: stage s is chunk s // pp of rank s % pp
     ("Et|t|tt|L", 4, 2, None, [[(0, 1), (2, 4)], [(1, 2), (4, 4)]]),
@@ -53,6 +56,9 @@ def test_valid_layouts_give_their_ranges(text, layers, pp, mtp, ranges):
     ("Et|tx|L", 2, 3, None, ["unknown character 'x'", "E (embedding)"]),
     ("E t|tL", 2, 2, None, ["unknown character ' '"]),
     ("E((t|)*2)*2L", 4, 2, None, ["cannot nest"]),
+    ("E|()*2|tL", 1, 3, None, ["an empty group"]),
+    ("E|(t*|)*2,tL", 3, 4, None, ["needs a repeat count"]),
+    ("E|(t*100000|)*100000,tL", 3, 4, None, ["more than 1000000 symbols"]),
     ("Et|tt)L", 3, 2, None, ["a ')' without its '('"]),
     ("E(tt)|tL", 3, 2, None, ["a group must be repeated"]),
     ("Et*|tL", 2, 2, None, ["needs a repeat count"]),

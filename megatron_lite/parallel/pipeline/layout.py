@@ -17,37 +17,42 @@ from __future__ import annotations
 
 FLAG = "--pipeline-model-parallel-layout"
 SYMBOLS = "EtmL"
+MAX_SYMBOLS = 1_000_000  # far beyond any model; a typo's huge count is refused before it is written out
 
 
-def _expand(text: str) -> str:
-    """``text`` with its ``X*N`` and ``(...)*N`` repetitions written out and its commas dropped."""
-    out, i = [], 0
+def _expand(text: str, whole: str | None = None) -> str:
+    """``text`` with its ``X*N`` and ``(...)*N`` repetitions written out and its commas dropped
+    (``whole``: the layout ``text`` is part of, for the messages)."""
+    out, i, whole = [], 0, whole or text
     text = text.replace(",", "")
     while i < len(text):
         ch = text[i]
         if ch == "(":
             close = text.find(")", i)
             if close < 0 or "(" in text[i + 1:close]:
-                raise ValueError(f"{FLAG} {text!r}: a '(' without its ')' (groups cannot nest); write e.g. (tt|)*2")
-            unit, i = text[i + 1:close], close + 1
-            if not unit:
-                raise ValueError(f"{FLAG} {text!r}: an empty group '()'")
+                raise ValueError(f"{FLAG} {whole!r}: a '(' without its ')' (groups cannot nest); write e.g. (tt|)*2")
+            if close == i + 1:
+                raise ValueError(f"{FLAG} {whole!r}: an empty group '()'")
+            unit, i = _expand(text[i + 1:close], whole), close + 1  # its own X*N first, as in Megatron-LM
         elif ch == ")":
-            raise ValueError(f"{FLAG} {text!r}: a ')' without its '('")
+            raise ValueError(f"{FLAG} {whole!r}: a ')' without its '('")
         elif ch in SYMBOLS or ch == "|":
             unit, i = ch, i + 1
         elif ch == "*":
-            raise ValueError(f"{FLAG} {text!r}: '*' must follow a layer symbol, '|' or a ')' group")
+            raise ValueError(f"{FLAG} {whole!r}: '*' must follow a layer symbol, '|' or a ')' group")
         else:
-            raise ValueError(f"{FLAG} {text!r}: unknown character {ch!r}; use E (embedding), t (transformer layer), "
+            raise ValueError(f"{FLAG} {whole!r}: unknown character {ch!r}; use E (embedding), t (transformer layer), "
                              "m (multi-token prediction layer), L (loss), '|' between stages, X*N and (...)*N")
         if i < len(text) and text[i] == "*":
             digits = len(text) - i - 1 - len(text[i + 1:].lstrip("0123456789"))
             if digits == 0:
-                raise ValueError(f"{FLAG} {text!r}: '*' needs a repeat count after it, e.g. t*3")
-            unit, i = unit * int(text[i + 1:i + 1 + digits]), i + 1 + digits
+                raise ValueError(f"{FLAG} {whole!r}: '*' needs a repeat count after it, e.g. t*3")
+            count = int(text[i + 1:i + 1 + digits])
+            if len(unit) * count > MAX_SYMBOLS:
+                raise ValueError(f"{FLAG} {whole!r}: a repetition gives more than {MAX_SYMBOLS} symbols")
+            unit, i = unit * count, i + 1 + digits
         elif ch == "(":
-            raise ValueError(f"{FLAG} {text!r}: a group must be repeated, e.g. (tt|)*2")
+            raise ValueError(f"{FLAG} {whole!r}: a group must be repeated, e.g. (tt|)*2")
         out.append(unit)
     return "".join(out)
 
