@@ -76,3 +76,17 @@ def test_interleaved_layout_equals_one_process_resumes_and_converts(tmp_path, re
     resumed = pretrain_gpt.main(_argv(str(tmp_path / "b"), ITERS, MODEL_B + ["--load", pp1, "--no-load-rng"]))
     assert resumed.iteration == ITERS
     assert_same_trajectory(Trajectory.of(resumed), runs[0][3:], steps=ITERS - 3, what="converted to PP1")
+
+
+def test_torch_dist_checkpoint_resumes_at_another_split(tmp_path, reference):
+    """A torch_dist checkpoint saved with the even PP2 split resumes with a layout (3 + 1 layers) and
+    follows the single-process run (within rounding: the docs' note says not bit for bit)."""
+    ref, _ = reference
+    save = str(tmp_path / "even")
+    dist = ["--ckpt-format", "torch_dist", "--pipeline-model-parallel-size", "2"]
+    runs = ranks_trajectories(2, "pretrain_gpt", [
+        _argv(save, ITERS, MODEL_B + dist + ["--exit-interval", "3"]),
+        _argv(str(tmp_path / "layout"), ITERS, MODEL_B + dist + ["--load", save,
+                                                                 "--pipeline-model-parallel-layout", "Ettt|tL"]),
+    ])
+    assert_same_trajectory(runs[0] + runs[1], ref, steps=ITERS, what="torch_dist, even then Ettt|tL")
