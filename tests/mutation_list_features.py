@@ -99,4 +99,12 @@ MUTATIONS = [
              "their own router rows (top-k no longer picks whole copies)", "megatron_lite/moe/upcycling.py",
              "    if granularity == 1:\n        return\n", "    if True:\n        return\n",
              ("tests/unit/test_upcycling.py", "-k", "router_rows")),
+    Mutation("layout_stages_contiguous", "--pipeline-model-parallel-layout: a rank given consecutive stages instead of "
+             "every pp-th (virtual stage s on rank s // vp, not s % pp)", "megatron_lite/parallel/pipeline/layout.py",
+             "        out[s % pp].append((start, start + count))\n", "        out[s // vp].append((start, start + count))\n",
+             ("tests/unit/test_pipeline_layout.py", "-k", "valid_layouts")),
+    Mutation("account_embedding_slot_ignored", "--account-for-embedding-in-pipeline-split: the embedding's slot not "
+             "taken from the first stage's layers", "megatron_lite/parallel/pipeline/partition.py",
+             "min(max(slot - embedding, 0), num_layers)", "min(max(slot, 0), num_layers)",
+             ("tests/unit/test_pipeline_layout.py", "-k", "account")),
 ]
