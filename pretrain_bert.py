@@ -44,6 +44,7 @@ from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
+from megatron_lite.training.validation import split_samples, test_set
 from pretrain_gpt import build_tokenizer_for, checked_token_ids, my_layer_ranges, set_vocab
 
 MIN_SEQ_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in each segment
@@ -64,6 +65,10 @@ class BertConfig:
 def check_bert_config(config: Config) -> None:
     """BERT's own flag rules (one ConfigError line naming the flag)."""
     b, seq = config.bert, config.model.seq_length
+    for flag, on in (("--full-validation", config.training.full_validation),
+                     ("--multiple-validation-sets", config.training.multiple_validation_sets)):
+        if on:  # as in Megatron-LM, GPT data only
+            raise ConfigError(f"{flag} is built for pretrain_gpt.py's data only (as in Megatron-LM); drop it")
     if b.bert_load is not None:
         raise ConfigError("--bert-load feeds retrieval models (ICT/REALM), which are not implemented; "
                           "to continue BERT pretraining use --load")
@@ -174,13 +179,17 @@ def make_datasets_provider(tokenizer):
         )
         # config.flat() holds the "bert" section too: --mask-prob, --short-seq-prob, --bert-no-binary-head
         data_config = dataset_config_from_args(config.flat(), tokenizer, bert=True)
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, [train_samples, valid_samples, 0],
-                                                                tokenizer)
-
-        return chunk_data_iterators(
-            config, state, train_ds, valid_ds, consumed_train, consumed_valid, len(my_layer_ranges(config, state)),
-            wrap=lambda it: checked_token_ids(it, tokenizer.vocab_size, data_flags(config.flat()), ids_of=bert_token_ids),
-        )
+        samples = split_samples(config, train_samples, valid_samples, 0)  # --skip-train: no training set
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
+        num_chunks = len(my_layer_ranges(config, state))
+        wrap = lambda it: checked_token_ids(it, tokenizer.vocab_size, data_flags(config.flat()),  # noqa: E731
+                                            ids_of=bert_token_ids)
+        train, valid = chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train, consumed_valid,
+                                            num_chunks, wrap=wrap)
+        if not t.skip_train:
+            return train, valid
+        return train, valid, test_set(config, state, lambda n: build_train_valid_test_datasets(
+            data_config, [0, 0, n], tokenizer)[2], num_chunks, wrap)
 
     return provider
 

@@ -159,6 +159,14 @@ class TrainingConfig:
     """Evaluate on the validation split every this many steps."""
     eval_iters: int = 10
     """Validation steps (global batches) per evaluation (0 disables evaluation)."""
+    full_validation: bool = False
+    """Each validation pass covers the whole validation dataset(s) once (as many full global batches as it holds; the samples past the last full one are not evaluated) instead of --eval-iters batches (GPT data only)."""
+    multiple_validation_sets: bool = False
+    """Evaluate each dataset of the validation split (--valid-data-path, or --data-path with --split; prefixes only, no weights) on its own, with a loss line and TensorBoard / W&B scalars per dataset (GPT data only)."""
+    validation_set_names: list[str] | None = None
+    """With --multiple-validation-sets: a name per validation dataset, in their order, used in the loss lines and scalars instead of the index (0, 1, ...)."""
+    skip_train: bool = False
+    """Train no step: evaluate on the validation and test splits at the loaded iteration (--load) and exit; no checkpoint is written."""
     valid_samples: int | None = field(default=None, metadata={"cli": False})
     """Derived: validation samples to build the datasets for, set on a resume whose saved validation position (another --eval-interval / --eval-iters) runs past what the flags give (None: from the flags)."""
     recompute_granularity: str | None = None

@@ -22,6 +22,7 @@ from .optim.param_groups import check_decoupled_lr
 from .optim.wd_schedule import check_weight_decay_schedule
 from .precision.config import PrecisionConfig
 from .training.batch_rampup import check_batch_rampup
+from .training.validation import check_validation_flags
 
 
 def _require(cond: bool, message: str) -> None:
@@ -255,11 +256,11 @@ def _check_schedule(config: Config) -> None:
 def check_train_iters(config: Config) -> None:
     """A run trains at least one iteration: the command line's check, and pretrain()'s for a Config
     made or changed in code. Megatron-LM's --train-iters 0 is an evaluation-only run (no step, no
-    save); there is none here (--skip-train is refused too), so 0 is refused rather than a run that
-    does nothing and exits 0, or (as pretrain() did) saves the untrained weights as iteration 0."""
+    save); here that is --skip-train, so 0 is refused rather than a run that does nothing and exits 0,
+    or (as pretrain() did) saves the untrained weights as iteration 0."""
     t = config.training
-    hint = (" (there is no evaluation-only run, Megatron-LM's --train-iters 0: tools/evaluate.py evaluates a "
-            "checkpoint)") if t.train_iters == 0 else ""
+    hint = (" (Megatron-LM's --train-iters 0 evaluation-only run is --skip-train here, with --load; "
+            "tools/evaluate.py evaluates a checkpoint too)") if t.train_iters == 0 else ""
     _require(t.train_iters is not None and t.train_iters >= 1, f"--train-iters must be at least 1, got {t.train_iters}{hint}")
 
 
@@ -399,3 +400,4 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
     check_sft_flags(config)
     check_lora_flags(config)
     check_upcycling_flags(config)  # --moe-use-upcycling, --moe-upcycling-granularity
+    check_validation_flags(config)  # --full-validation, --multiple-validation-sets, --skip-train

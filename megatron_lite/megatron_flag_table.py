@@ -96,13 +96,7 @@ ENTRIES = (
     ("--train-sync-interval", "the CPU waits for the device at the step's own synchronisation points", DROP),
     ("--check-weight-hash-across-dp-replicas-interval", "weights are not hashed across data-parallel replicas",
      DROP),
-    ("--skip-train", "there is no evaluation-only switch: without it the run trains up to --train-iters",
-     "use tools/evaluate.py (a checkpoint's perplexity on a dataset), or resume with --train-iters at the "
-     "checkpoint's iteration, --use-checkpoint-opt_param-scheduler and an --eval-interval that does not divide "
-     "it (one validation pass, no step)"),
     ("--test-mode", "Megatron-LM's in-run test hooks are not implemented", DROP),
-    ("--full-validation --multiple-validation-sets --validation-set-names", "validation runs --eval-iters batches of the one "
-     "validation split", "use --eval-iters"),
     ("--adlr-autoresume --adlr-autoresume-interval", "ADLR cluster autoresume is not supported",
      "use --exit-signal-handler or --exit-duration-in-mins"),
     ("--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size", "validation runs every "

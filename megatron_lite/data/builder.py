@@ -295,6 +295,18 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, train_valid_test_n
     return tuple(out)
 
 
+def build_validation_sets(config: GPTDatasetConfig, num_samples: int | None, tokenizer=None) -> list:
+    """--multiple-validation-sets: the validation split's datasets, each built on its own (``num_samples``
+    each; None: one epoch of each), in the order --valid-data-path (or --data-path) lists them."""
+    config = _with_tokenizer(config, tokenizer)
+    source = _sources(config)[1]
+    if source is None:
+        raise DataConfigError("--multiple-validation-sets: the validation split has no data; give --valid-data-path "
+                              "or a --split whose validation weight is above 0")
+    return [_build_split(config, _Source(source.flag, [p], None, [d], [ids]), "valid", num_samples, tokenizer)
+            for p, d, ids in zip(source.prefixes, source.indexed, source.ids)]
+
+
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
                                  eval_iters: int, train_samples: int | None = None,
                                  valid_samples: int | None = None) -> list[int]:

@@ -179,7 +179,7 @@ def chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train_sampl
     and ParallelState: one pair, or with interleaved pipelining (``num_chunks > 1``) a list per
     split with one iterator per model chunk. ``wrap(iterator)`` (optional) filters each batch stream."""
 
-    if train_ds is None and config.training.train_iters:
+    if train_ds is None and config.training.train_iters and not config.training.skip_train:
         raise DataConfigError(f"--split {config.data.split}: the train split has weight 0, so --train-iters "
                               f"{config.training.train_iters} has nothing to train on; give it a weight "
                               "(e.g. --split 99,1,0)")

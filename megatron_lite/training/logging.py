@@ -213,18 +213,23 @@ class TrainLogger:
         return line
 
     # -----------------------------------------------------------------------------------------
-    def log_validation(self, iteration: int, losses: dict, prefix: str | None = None) -> str | None:
-        """Print Megatron's validation block (loss and perplexity per loss name) and log to TensorBoard."""
+    def log_validation(self, iteration: int, losses: dict, prefix: str | None = None, name: str | None = None,
+                       scalars: bool = True) -> str | None:
+        """Print Megatron's validation block (loss and perplexity per loss name) and log to TensorBoard;
+        ``name``: one of --multiple-validation-sets (scalars ``<loss> validation <name>``); ``scalars``
+        False (the test split's pass) prints only."""
         losses = {k: float(v) for k, v in losses.items()}
-        if self.writer is not None and self.enabled:
+        suffix = "" if name is None else f" {name}"
+        if self.writer is not None and self.enabled and scalars:
             for key, value in losses.items():
-                self.writer.add_scalar(f"{key} validation", value, iteration)
+                self.writer.add_scalar(f"{key} validation{suffix}", value, iteration)
                 if self.config.logging.log_validation_ppl_to_tensorboard:
-                    self.writer.add_scalar(f"{key} validation ppl", math.exp(min(20.0, value)), iteration)
+                    self.writer.add_scalar(f"{key} validation{suffix} ppl", math.exp(min(20.0, value)), iteration)
             self.writer.flush()
         if not self.enabled:
             return None
         where = prefix if prefix is not None else f"iteration {iteration}"
+        where += "" if name is None else f" on validation set {name}"
         line = f" validation loss at {where} |"
         for key, value in losses.items():
             line += f" {key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E} |"

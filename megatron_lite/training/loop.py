@@ -52,6 +52,7 @@ from .startup import setup
 from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
 from .timers import Timers
+from .validation import ValidationSets
 from .writers import check_wandb_available
 
 
@@ -66,6 +67,8 @@ class TrainResult:
     grad_norms: list[float | None] = field(default_factory=list)
     skipped_iterations: int = 0
     validation: list[tuple[int, float]] = field(default_factory=list)
+    evaluations: list[tuple[int, str, dict]] = field(default_factory=list)  # every pass: (iteration, "validation"
+    # / "validation NAME" (--multiple-validation-sets) / "test", its losses), the final passes included
     exit_reason: str = "done"
     chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
     comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
@@ -244,13 +247,47 @@ class _Training:
         self.gc.after_step(self.iteration)
 
     def validate(self, record: bool = True) -> None:
-        """Evaluate on the validation iterator and log it; ``record`` also keeps it in the result."""
+        """Evaluate on the validation iterator (or each of the :class:`ValidationSets`) and log it;
+        ``record`` also keeps the (first set's) loss in the result's ``validation``."""
+        sets = self.valid_iter
         with self.gc.evaluation():
-            val = evaluate(self.config, self.comm, self.chunks, self.forward_step_func, self.valid_iter)
-        self.consumed_valid += self.config.training.eval_iters * validation_batch(self.config)
-        self.logger.log_validation(self.iteration, val)
-        if record and val:
-            self.result.validation.append((self.iteration, next(iter(val.values()))))
+            if isinstance(sets, ValidationSets):
+                results = [(s.name, evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
+                                             s.pass_iterator(), s.batches)) for s in sets]
+            else:
+                results = [(None, evaluate(self.config, self.comm, self.chunks, self.forward_step_func, sets))]
+        if not getattr(sets, "full", False):  # a --full-validation pass leaves the --eval-iters position alone
+            self.consumed_valid += self.config.training.eval_iters * validation_batch(self.config)
+        for name, val in results:
+            self.logger.log_validation(self.iteration, val, name=name)
+            if val:
+                self.result.evaluations.append((self.iteration, "validation" + ("" if name is None else f" {name}"), val))
+        first = results[0][1]
+        if record and first:
+            self.result.validation.append((self.iteration, next(iter(first.values()))))
+
+    def evaluate_only(self, test_iter) -> TrainResult:
+        """--skip-train: validation, then the test split (where it has data), at the loaded iteration; no step, no save."""
+        print_rank_0(f"> --skip-train: no training step; evaluating the iteration-{self.iteration} model"
+                     + (" (no checkpoint is written)" if self.config.checkpoint.save else ""))
+        if self.valid_iter is None and test_iter is None:
+            raise ConfigError("--skip-train: the data gives neither a validation nor a test split to evaluate; give "
+                              "--split with a validation weight (or --valid-data-path)")
+        if self.valid_iter is not None:
+            self.validate()
+        if test_iter is not None:  # a ValidationSet (the scripts'), or a plain iterator of a provider's own
+            with self.gc.evaluation():
+                test = evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
+                                getattr(test_iter, "iterator", test_iter), getattr(test_iter, "batches", None))
+            self.logger.log_validation(self.iteration, test, prefix=f"iteration {self.iteration} on test set",
+                                       scalars=False)
+            if test:
+                self.result.evaluations.append((self.iteration, "test", test))
+        self.logger.close()
+        self.gc.close()
+        self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
+        self.result.exit_reason = "skip-train"
+        return self.result
 
     def exit_reason(self) -> str | None:
         """Why the run stops after this iteration ("signal", "duration", "interval"), or None."""
@@ -319,7 +356,9 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     """Train ``model_provider(config, state)`` (a list of model chunks) as the flags say.
 
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
-    ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk.
+    ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk, and
+    the validation one a :class:`~megatron_lite.training.validation.ValidationSets`. A third item, a
+    test iterator, is evaluated (``--eval-iters`` batches) by a ``--skip-train`` run.
     ``scheduler_provider(config, optimizer)`` returns the learning-rate schedule (default: the flags',
     :func:`build_scheduler`): an object with ``step(increment)`` (called once per optimizer step; it
     sets the optimizer's lr), ``get_lr()``, ``state_dict()`` and ``load_state_dict(sd)``, saved and
@@ -338,9 +377,12 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
             consumed_valid = resumed_validation(config, built)
             data_config = data_config_for_resume(config, built.iteration, built.consumed_samples)
             data_config = valid_config_for_resume(data_config, built.iteration, consumed_valid)
-            train_iter, valid_iter = datasets_provider(data_config, state, built.consumed_samples, consumed_valid)
-            return _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal,
-                             started, consumed_valid).run()
+            train_iter, valid_iter, *test = datasets_provider(data_config, state, built.consumed_samples, consumed_valid)
+            training = _Training(config, state, built, forward_step_func, train_iter, valid_iter, exit_signal,
+                                 started, consumed_valid)
+            if config.training.skip_train:
+                return training.evaluate_only(test[0] if test else None)
+            return training.run()
 
 
 def resumed_validation(config: Config, built: _Built) -> int:

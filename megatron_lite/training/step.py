@@ -79,15 +79,15 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     return reduce_reported(reported, state), ok, grad_norm
 
 
-def evaluate(config, comm, chunks, forward_step_func, data_iterator) -> dict[str, float]:
-    """Forward-only passes over ``eval_iters`` global batches; mean reported losses."""
+def evaluate(config, comm, chunks, forward_step_func, data_iterator, iterations: int | None = None) -> dict[str, float]:
+    """Forward-only passes over ``iterations`` (default ``eval_iters``) global batches; mean reported losses."""
     state = comm.state
     for chunk in chunks:
         chunk.eval()
     forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
     per_iteration = []  # each iteration's reported losses
     with torch.no_grad():
-        for _ in range(config.training.eval_iters):
+        for _ in range(config.training.eval_iters if iterations is None else iterations):
             per_iteration.append(forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
                 num_microbatches=num_microbatches(config), comm=comm, forward_only=True,

@@ -20,6 +20,7 @@ import pretrain_bert
 from megatron_lite.checkpoint import load_bert_checkpoint, merge_checkpoint
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.lora.apply import is_adapter_name
+from tests.cli_errors import refused_line
 from tests.e2e.test_pretrain_gpt import assert_same_weights
 from tests.tools import load_tool
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
@@ -247,3 +248,19 @@ def test_loading_with_the_other_head_setting_names_the_flag(tmp_path, data, refe
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no --bert-no-binary-head (this run: --bert-no-binary-head)" in lines[0], lines
     assert "; load it without --bert-no-binary-head" in lines[0], lines
+
+
+def test_skip_train_evaluates_the_checkpoint_on_validation_and_test(tmp_path, data, reference, capsys):
+    """--skip-train at the reference's checkpoint: one validation and one test pass (lm and sop losses),
+    no step, nothing saved; --full-validation / --multiple-validation-sets are GPT-only (refused)."""
+    _, save = reference
+    before = sorted(os.listdir(save))
+    argv = _argv(data, save, extra=["--load", save, "--skip-train"])
+    argv[argv.index("--split") + 1], argv[argv.index("--eval-iters") + 1] = "60,30,10", "1"
+    result = pretrain_bert.main(argv)
+    assert result.losses == [] and result.iteration == ITERS and sorted(os.listdir(save)) == before
+    assert [(it, name, sorted(v)) for it, name, v in result.evaluations] == [
+        (ITERS, "validation", ["lm loss", "sop loss"]), (ITERS, "test", ["lm loss", "sop loss"])]
+    capsys.readouterr()
+    refused_line(capsys, lambda: pretrain_bert.main(argv + ["--full-validation"]), "--full-validation",
+                 "pretrain_gpt.py")

@@ -207,27 +207,6 @@ def test_megatron_second_spellings_set_the_same_field(alias, field_name, value):
     assert [v for k, v in vars(ns).items() if k.endswith("." + field_name)] == [value]
 
 
-def test_skip_train_refusal_says_how_to_only_evaluate_and_following_it_trains_no_step(tmp_path, capsys):
-    """--skip-train (Megatron-LM's evaluation-only run) was refused with 'a run always trains ...; drop it',
-    and dropping it from a script whose --train-iters is past the checkpoint's iteration trains on. The
-    refusal now says what evaluates only: tools/evaluate.py, or --train-iters at the checkpoint's iteration
-    (with its learning-rate schedule and an --eval-interval that does not divide it): no step, one validation."""
-    import pretrain_gpt
-
-    why, fix = REFUSED["--skip-train"]
-    assert "tools/evaluate.py" in fix and "drop it" not in fix and "trains" in why
-    assert "--train-iters" in fix and "--use-checkpoint-opt_param-scheduler" in fix and "--eval-interval" in fix
-    model = BASE + ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                    "--micro-batch-size", "1", "--global-batch-size", "2"]
-    save = str(tmp_path / "ckpt")
-    pretrain_gpt.main(model + ["--train-iters", "4", "--exit-interval", "2", "--save", save, "--eval-iters", "0"])
-    capsys.readouterr()
-    result = pretrain_gpt.main(model + ["--train-iters", "2", "--load", save, "--use-checkpoint-opt_param-scheduler",
-                                        "--eval-iters", "2", "--eval-interval", "3"])
-    assert result.iteration == 2 and result.losses == []  # no step trained
-    assert "validation loss at iteration 2 | lm loss value:" in capsys.readouterr().out  # the validation pass ran
-
-
 def test_recompute_activations_is_selective_recomputation_and_conflicts_with_full(capsys):
     """Megatron-LM's shorthand: the model gets selective recomputation; with full it is refused."""
     from megatron_lite.models.transformer_config import TransformerConfig

@@ -12,8 +12,9 @@ BASE = ["--mock-data", "--vocab-size", "64"]
 @pytest.mark.parametrize("flags, words", [
     (["--global-batch-size", "0"], "--global-batch-size must be positive, got 0"),
     (["--global-batch-size", "-4"], "--global-batch-size must be positive, got -4"),
-    (["--train-iters", "0", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got 0 (there is no "
-     "evaluation-only run, Megatron-LM's --train-iters 0: tools/evaluate.py evaluates a checkpoint)"),
+    (["--train-iters", "0", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got 0 (Megatron-LM's "
+     "--train-iters 0 evaluation-only run is --skip-train here, with --load; tools/evaluate.py evaluates a "
+     "checkpoint too)"),
     (["--train-iters", "-3", "--lr-decay-style", "constant"], "--train-iters must be at least 1, got -3"),
     (["--eval-iters", "-1"], "--eval-iters must be at least 0, got -1"),
     (["--seed", "-1"], "--seed must be at least 0, got -1"),
@@ -106,7 +107,7 @@ def test_pretrain_refuses_train_iters_0_as_the_command_line_does(tmp_path):
     config.training.train_iters = 0
     tokenizer = pretrain_gpt.build_tokenizer_for(config)
     pretrain_gpt.set_vocab(config, tokenizer)
-    with pytest.raises(ConfigError, match=r"^--train-iters must be at least 1, got 0 \(there is no evaluation-only run"):
+    with pytest.raises(ConfigError, match=r"^--train-iters must be at least 1, got 0 \(Megatron-LM's --train-iters 0 evaluation-only run is --skip-train"):
         pretrain(config, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                  pretrain_gpt.make_datasets_provider(tokenizer))
     assert not save.exists()
