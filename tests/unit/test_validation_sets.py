@@ -185,3 +185,16 @@ def test_full_validation_on_a_set_smaller_than_a_global_batch_is_refused(data, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--full-validation: the validation split holds" in err[0] and "global batch" in err[0]
+
+
+def test_a_resumed_run_validates_each_set_where_the_uninterrupted_run_does(data, tmp_path):
+    """--eval-iters passes over two sets, stopped at 2 and resumed: the sets' passes at 4 read on from the
+    checkpoint's position, as the uninterrupted run's do."""
+    (paths, cache) = data
+    run = BASE + cache + ["--train-data-path", paths["a"], "--valid-data-path", paths["b"], paths["c"],
+                          "--multiple-validation-sets"]
+    whole = pretrain_gpt.main(run)
+    part = str(tmp_path / "part")
+    first = pretrain_gpt.main(run + ["--save", part, "--exit-interval", "2"])
+    resumed = pretrain_gpt.main(run + ["--save", part, "--load", part])
+    assert first.evaluations + resumed.evaluations == whole.evaluations and len(whole.evaluations) == 4
