@@ -11,6 +11,10 @@ in its ``tokenizer`` folder). See docs/inference.md.
     python tools/generate.py --load checkpoints/gpt --prompt "The quick brown" --max-new-tokens 40 --greedy
     python tools/generate.py --load checkpoints/gpt --prompt "Once upon" --prompt "In 1900" --top-k 40 --seed 7
     torchrun --nproc-per-node 4 tools/generate.py --load checkpoints/gpt_tp2_pp2 --prompt "Hello" --log-probs
+    python tools/generate.py --load checkpoints/mtp --prompt "Hello" --greedy --num-speculative-tokens 2
+
+``--num-speculative-tokens N`` drafts N tokens per step with a model's multi-token prediction heads
+(:mod:`megatron_lite.inference.speculative`) and prints the acceptance on stderr.
 """
 
 from __future__ import annotations
@@ -36,12 +40,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all; 1: greedy)")
     p.add_argument("--top-p", type=float, default=0.0, help="sample among the most likely tokens adding up to p")
     p.add_argument("--log-probs", action="store_true", help="also print every token with its log-prob")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
+                        "multi-token prediction heads (at most its --mtp-num-layers) and verify them in one "
+                        "forward pass; the same distribution (greedy: the same tokens); one --prompt, one process")
     add_inference_args(p)
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error("--max-new-tokens must be >= 0")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        p.error(f"--num-speculative-tokens {args.num_speculative_tokens} must be at least 1 (or left out)")
     return args
 
 
@@ -81,7 +91,19 @@ def main(argv=None) -> int:
         if args.log_probs:
             for token, logp in zip(result.tokens[1:], result.log_probs):
                 print(f"  {token:>8d} {logp:10.4f}  {tok.detokenize([token])!r}")
+    if args.num_speculative_tokens:
+        print(acceptance_line(session.engine.timings, args.num_speculative_tokens), file=sys.stderr)
     return 0
+
+
+def acceptance_line(timings: dict, num_tokens: int) -> str:
+    """The speculative decoder's acceptance: tokens per verify step and drafts kept."""
+    steps, drafted = timings.get("verify_steps", 0), timings.get("drafted", 0)
+    per_step = timings.get("tokens", 0) / steps if steps else 0.0
+    kept = f"{timings.get('accepted', 0)} of {drafted} drafts accepted" + (
+        f" ({100 * timings.get('accepted', 0) / drafted:.0f}%)" if drafted else "")
+    return (f"speculative decoding ({num_tokens} token(s) per draft): {per_step:.2f} tokens per verify step over "
+            f"{steps} verify step(s), {kept}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from ..data.tokenizers import TOKENIZER_TYPES
 from ..errors import ConfigError
 from .engine import InferenceEngine
 from .loading import context_limit, load_model, load_tokenizer
+from .speculative import SpeculativeEngine
 
 # The errors a tool reports as one line with exit code 2.
 USER_ERRORS = (CheckpointError, ConfigError, DataFileError, ImportError, ValueError)
@@ -127,7 +128,11 @@ def build_session(args) -> Session:
         flag = getattr(args, "max_length_flag", "--max-sequence-length")
         raise ConfigError(f"{flag} {limit}: the model has learned positions for {context_limit(saved)} tokens only; "
                           f"pass at most {context_limit(saved)} (or leave it out)")
-    engine = InferenceEngine(model, state, vocab_size=saved.get("vocab_size") or tokenizer.vocab_size,
-                             max_sequence_length=limit, eod=tokenizer.eod, seed=args.seed,
-                             use_cache=not args.no_kv_cache, tokenizer=tokenizer)
+    kwargs = dict(vocab_size=saved.get("vocab_size") or tokenizer.vocab_size, max_sequence_length=limit,
+                  eod=tokenizer.eod, seed=args.seed, use_cache=not args.no_kv_cache, tokenizer=tokenizer)
+    speculative = getattr(args, "num_speculative_tokens", None)  # tools/generate.py's
+    if speculative:
+        engine = SpeculativeEngine(model, state, num_speculative_tokens=speculative, **kwargs)
+    else:
+        engine = InferenceEngine(model, state, **kwargs)
     return Session(engine, tokenizer, saved, state)

@@ -11,7 +11,8 @@ tensor's own trailing shape and dtype.
 
 ``sequence_offset`` is the number of tokens already cached, i.e. the position of the first new
 token; the engine advances it after every forward pass (:meth:`advance`), once for all layers.
-Beam search copies rows between sequences with :meth:`reorder`, every cached tensor alike.
+Beam search copies rows between sequences with :meth:`reorder`, every cached tensor alike;
+speculative decoding forgets rejected drafts with :meth:`truncate` (their entries are overwritten).
 With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
 positions ``< sequence_offset`` and new positions ``<= i``. A sliding-window layer (``--window-size``)
 asks :meth:`KVCache.query_positions` for the new tokens' positions and masks the keys before its
@@ -66,6 +67,13 @@ class KVCache:
     def advance(self, num_tokens: int) -> None:
         """Count ``num_tokens`` new tokens as cached (after a forward pass over them)."""
         self.sequence_offset += num_tokens
+
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from position ``length`` on (speculative decoding's rejected drafts): the
+        next :meth:`append` writes over them, and attention never reads past what it appended."""
+        if not 0 <= length <= self.sequence_offset:
+            raise ValueError(f"cannot truncate a key/value cache of {self.sequence_offset} tokens to {length}")
+        self.sequence_offset = length
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Make cached sequence ``i`` a copy of sequence ``rows[i]``, in every layer's every tensor

@@ -220,16 +220,28 @@ def sample_or_mark(logits: torch.Tensor, params: SamplingParams, generator: torc
     engine broadcasts the mark, so every rank raises together). ``counts``: see :func:`adjust_logits`;
     ``unprintable [V]``: ids never chosen (:func:`unprintable_ids`)."""
     bad = ~torch.isfinite(logits).all(dim=-1, keepdim=True)
-    logits = adjust_logits(logits.float().masked_fill(bad, 0.0), params, counts)
-    if unprintable is not None:
-        logits = logits.masked_fill(unprintable, float("-inf"))
+    logits = sampling_logits(logits.masked_fill(bad, 0.0), params, counts, unprintable)
     if params.top_k == 1:
         chosen = logits.argmax(dim=-1)
     else:
-        logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature  # max 0: no overflow
-        if params.top_k > 1:
-            logits = filter_top_k(logits, params.top_k)
-        elif 0.0 < params.top_p < 1.0:
-            logits = filter_top_p(logits, params.top_p)
         chosen = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
     return chosen.masked_fill(bad.squeeze(1), -1)
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None,
+                    unprintable: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [b, V]`` (finite) as the sampler draws from them: fp32, penalised and biased, the
+    ``unprintable`` ids at -inf; unless greedy (``top_k == 1``: the argmax is taken of these) also
+    divided by the temperature and top-k / top-p filtered, so their softmax is the distribution
+    sampled (speculative decoding compares the draft's with the main model's)."""
+    logits = adjust_logits(logits.float(), params, counts)
+    if unprintable is not None:
+        logits = logits.masked_fill(unprintable, float("-inf"))
+    if params.top_k == 1:
+        return logits
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature  # max 0: no overflow
+    if params.top_k > 1:
+        return filter_top_k(logits, params.top_k)
+    if 0.0 < params.top_p < 1.0:
+        return filter_top_p(logits, params.top_p)
+    return logits

@@ -40,7 +40,7 @@ class GPTModel(LanguageModel):
         self._mark_shared_weight()
 
     def forward(self, tokens, position_ids=None, attention_mask=None, labels=None, inference_context=None, *,
-                mtp_tokens=None, mtp_labels=None):
+                mtp_tokens=None, mtp_labels=None, return_hidden: bool = False):
         """See the module docstring; shapes: tokens/position_ids/labels ``[b, s]``, mask bool
         ``[b, 1, s, s]`` or int document ids ``[b, s]``.
 
@@ -56,7 +56,9 @@ class GPTModel(LanguageModel):
         ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`): ``tokens`` are the next
         tokens after the ``inference_context.sequence_offset`` cached ones; missing ``position_ids``
         continue from there. The caller advances the cache after the forward pass. Generation runs
-        the main head only (multi-token prediction needs labels).
+        the main head only (multi-token prediction needs labels); ``return_hidden`` (last stage, no
+        labels) returns ``(logits, hidden)``, ``hidden [s, b, h]`` the decoder's normed output that
+        :meth:`mtp_decode`'s first depth reads.
         """
         if inference_context is not None and position_ids is None:
             position_ids = self._cached_positions(tokens, inference_context)
@@ -66,6 +68,8 @@ class GPTModel(LanguageModel):
         if not self.post_process:
             return hidden
         loss = self._lm_output(self._logits(hidden), labels)
+        if return_hidden:
+            return loss, hidden
         if self.mtp is None or labels is None or mtp_labels is None:
             return loss
         outputs = self.mtp(hidden, mtp_tokens, self._embed_for_mtp, attention_mask, rotary, self.decoder.causal)
@@ -76,3 +80,18 @@ class GPTModel(LanguageModel):
     def _embed_for_mtp(self, tokens):
         """The (shared) word embedding of ``tokens [b, s]``, ``[s(/tp), b, h]``."""
         return self.embedding(tokens)
+
+    def mtp_decode(self, depth: int, hidden, tokens, inference_context):
+        """Speculative decoding's draft step: multi-token prediction depth ``depth`` (1-based) over new
+        positions ``[p, p + s)`` after the ``p = inference_context.sequence_offset`` ones cached in that
+        depth's own cache. ``hidden [s, b, h]``: the previous depth's outputs at those positions (depth
+        1: the decoder's, from ``forward(..., return_hidden=True)``); ``tokens [b, s]``: the tokens
+        ``depth`` places ahead of each position (``t(i + depth)`` at position ``i``). Returns ``(logits
+        [b, s, padded_vocab/tp], this depth's outputs [s, b, h])``; position ``i``'s logits predict
+        ``t(i + depth + 1)``. The caller advances the cache."""
+        position_ids = self._cached_positions(tokens, inference_context)
+        embedded = self.embedding(tokens, None if self.use_rope else position_ids)
+        rotary = self._rotary(hidden, position_ids)
+        out = self.mtp.layers[depth - 1](hidden, embedded, None, rotary, self.decoder.causal,
+                                         inference_context=inference_context)
+        return self._lm_output(self._logits(out), None), out

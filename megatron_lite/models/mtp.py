@@ -25,7 +25,9 @@ bias); its output is all-gathered over TP (and scattered back to the sequence sh
 
 Under pipeline parallelism MTP lives on the last stage, which holds a copy of the word embedding
 shared with the first stage (:class:`~megatron_lite.models.language_model.LanguageModel`). Without
-labels (generation) or in evaluation MTP does not run.
+labels (generation) or in evaluation MTP does not run, except as speculative decoding's drafter
+(:mod:`megatron_lite.inference.speculative`, through :meth:`~megatron_lite.models.gpt.GPTModel.mtp_decode`):
+each depth then runs with a key/value cache of its own.
 """
 
 from __future__ import annotations
@@ -74,13 +76,16 @@ class MultiTokenPredictionLayer(nn.Module):
         self.recompute = config.recompute_granularity == "full"
         self.tracker = state.rng_tracker
 
-    def forward(self, hidden, embedded, attention_mask=None, rotary=None, causal: bool = True):
-        """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this depth's normed output ``[s(/tp), b, h]``."""
+    def forward(self, hidden, embedded, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
+        """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this depth's normed output ``[s(/tp), b, h]``;
+        ``inference_context``: this depth's own key/value cache (speculative decoding), or None."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h/tp]
         x = comm.gather_from_tp(x, self.tp_group)
         if self.sequence_parallel:
             x = comm.scatter_to_sp(x, self.tp_group)
-        if self.recompute and torch.is_grad_enabled():  # full recompute: the layer, like the decoder's
+        if inference_context is not None:
+            x = self.transformer_layer(x, attention_mask, rotary, causal, inference_context=inference_context)
+        elif self.recompute and torch.is_grad_enabled():  # full recompute: the layer, like the decoder's
             cos, sin = rotary if rotary is not None else (None, None)
             x = checkpoint(self._layer, x, attention_mask, cos, sin, causal, tracker=self.tracker)
         else:

@@ -1,0 +1,232 @@
+"""Speculative decoding with the model's own multi-token prediction heads (DeepSeek-V3's
+self-speculation; vLLM's ``num_speculative_tokens``).
+
+A model trained with ``--mtp-num-layers D`` holds D extra depths: depth ``k`` at position ``i``
+predicts token ``t(i + k + 1)`` (:mod:`megatron_lite.models.mtp`). With ``N <= D`` speculative
+tokens, each decode *round*, the tokens known up to ``t(n)`` (the main model's latest, which it has
+not read yet):
+
+1. **draft**: depth 1 at position ``n - 1`` reads the main model's output there and ``t(n)`` and
+   proposes ``d1`` for ``t(n + 1)``; depth ``k`` reads depth ``k - 1``'s output and ``d(k-1)`` and
+   proposes ``dk`` for ``t(n + k)``;
+2. **verify**: the main model reads ``[t(n), d1, .., dN]`` at positions ``n .. n + N`` in one forward
+   pass (its key/value cache extended by ``N + 1`` entries): row ``i`` gives the distribution of
+   ``t(n + i + 1)`` given the drafts before it;
+3. **accept**: greedy (``top_k == 1``), the longest prefix of drafts equal to the main model's argmax,
+   then the main model's own token after it, so a round emits 1 to ``N + 1`` tokens and the output is
+   greedy decoding's, token for token. Sampling: standard speculative sampling (Leviathan et al.,
+   Chen et al., 2023): draft ``dk``, drawn from its depth's distribution ``q``, is kept with
+   probability ``min(1, p(dk) / q(dk))``; the first one refused is replaced by a draw from ``max(0, p
+   - q)`` renormalised; when all are kept, one more token is drawn from ``p``. Each token is then
+   distributed as the main model's sampling distribution ``p`` (the temperature, top-k and top-p
+   applied to both ``p`` and ``q``, :func:`~.sampling.sampling_logits`), though the draws differ from
+   the non-speculative engine's for the same seed.
+
+Caches. After a round that kept ``a`` drafts the main cache is truncated to ``n + a + 1`` entries
+(:meth:`~.kv_cache.KVCache.truncate`; the refused drafts' entries are written over next round). Each
+depth has a cache of its own, since its attention sees its earlier positions as in training: depth
+``k``'s entry ``j`` reads ``t(j + k)`` and depth ``k - 1``'s output at ``j``, so it is final once
+``t(j + k)`` is an accepted token. Each round depth ``k`` runs over positions ``[f_k, n)``, ``f_k``
+the first of its entries not yet final (at most ``k - 1`` positions behind the main model's), and
+keeps its outputs by position, so the next depth reads them from ``f_(k+1) <= f_k`` on.
+
+One prompt at a time, in one process (no TP / PP), with the key/value cache; beam search, stop
+strings, the penalties, ``logit_bias``, ``top_p_decay``, the ban/double-stop fields and per-step
+log-probs are refused (:func:`check_speculative_request`). ``timings`` reports the acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .engine import InferenceEngine, Step, _position_stats, _result
+from .kv_cache import KVCache
+from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
+
+UNSUPPORTED = {  # SamplingParams field -> what it is called in the message
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
+    "top_p_decay": "top_p_decay", "double_stop_ids": "stop_on_double_eol", "ban_after_ids":
+    "prevent_newline_after_colon", "stop_strings": "stop strings", "step_log_probs": "streamed log-probs",
+}
+
+
+def check_speculative_model(model, state, num_tokens: int, use_cache: bool = True) -> None:
+    """ValueError (one line naming ``--num-speculative-tokens``) unless ``model`` can draft
+    ``num_tokens`` tokens here: it has that many multi-token prediction depths, one process runs it
+    and the key/value cache is on."""
+    depths = len(model.mtp.layers) if getattr(model, "mtp", None) is not None else 0
+    if num_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens {num_tokens} must be at least 1 (or left out: no speculation)")
+    if depths == 0:
+        raise ValueError(f"--num-speculative-tokens {num_tokens}: the model has no multi-token prediction heads to "
+                         "draft with (it was not trained with --mtp-num-layers); leave the flag out")
+    if num_tokens > depths:
+        raise ValueError(f"--num-speculative-tokens {num_tokens}: the model has {depths} multi-token prediction "
+                         f"head(s) (--mtp-num-layers {depths}); pass at most {depths}")
+    if state.world_size > 1:
+        raise ValueError("--num-speculative-tokens runs in one process (no tensor or pipeline parallelism); "
+                         "run tools/generate.py without torchrun")
+    if not use_cache:
+        raise ValueError("--num-speculative-tokens needs the key/value cache; leave out --no-kv-cache")
+
+
+def check_speculative_request(prompts: list[list[int]], params: SamplingParams) -> None:
+    """ValueError (one line) for what speculative decoding does not support."""
+    if len(prompts) > 1:
+        raise ValueError(f"speculative decoding (--num-speculative-tokens) runs one prompt at a time, got "
+                         f"{len(prompts)}; pass one --prompt")
+    if params.beam_width:
+        raise ValueError("beam search does not run with speculative decoding (--num-speculative-tokens)")
+    default = SamplingParams()
+    for name, what in UNSUPPORTED.items():
+        if getattr(params, name) != getattr(default, name):
+            raise ValueError(f"{what} is not supported with speculative decoding (--num-speculative-tokens)")
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
+                       generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling: ``(kept, token)``, how many of ``drafts`` are kept and the token after them.
+    ``p [len(drafts) + 1, V]``: the target's probabilities at each draft and after the last; ``q
+    [len(drafts), V]``: the distributions the drafts were drawn from (rows need not be normalised)."""
+    if drafts:
+        rows = torch.arange(len(drafts), device=p.device)
+        d = torch.tensor(drafts, device=p.device)
+        u = torch.rand(len(drafts), generator=generator, device=p.device)
+        kept = (u * q[rows, d] < p[rows, d]).tolist()  # u < p / q: kept with probability min(1, p / q)
+        for i, keep in enumerate(kept):
+            if not keep:
+                residual = (p[i] - q[i]).clamp(min=0)
+                if not bool(residual.sum() > 0):  # p == q in floating point: no refusal is possible then
+                    residual = p[i]
+                return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+class MTPDrafter:
+    """The draft step: the model's multi-token prediction depths, each with its own key/value cache
+    and the outputs it computed kept by position (see the module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, depths: int, length: int, params: SamplingParams):
+        self.model, self.params, self.engine = engine.model, params, engine
+        self.caches = [KVCache(1, length) for _ in range(depths)]
+        h = engine.hidden_size
+        self.outputs = [torch.zeros(length, 1, h, dtype=engine.dtype, device=engine.device) for _ in range(depths + 1)]
+        self.frontiers: list[int] = []
+
+    def record_main(self, start: int, hidden: torch.Tensor) -> None:
+        """The main model's outputs ``[s, 1, h]`` at positions ``[start, start + s)``."""
+        self.outputs[0][start:start + hidden.shape[0]] = hidden
+
+    def draft(self, tokens: list[int], count: int) -> tuple[list[int], torch.Tensor | None]:
+        """``count`` drafts after ``tokens`` (``t(0) .. t(n)``) and their distributions ``[count, V]``
+        (None when greedy)."""
+        n, context, probs = len(tokens) - 1, list(tokens), []
+        self.frontiers = [cache.sequence_offset for cache in self.caches[:count]]
+        for depth in range(1, count + 1):
+            cache, f = self.caches[depth - 1], self.frontiers[depth - 1]
+            ids = torch.tensor([context[f + depth:n + depth]], device=self.engine.device)
+            logits, out = self.model.mtp_decode(depth, self.outputs[depth - 1][f:n], ids, cache)
+            cache.advance(n - f)
+            self.outputs[depth][f:n] = out
+            token, q = self.pick(logits[0, -1:, :self.engine.vocab_size].float(), depth, context)
+            context.append(token)
+            probs.append(q)
+        return context[n + 1:], (torch.cat(probs) if probs and probs[0] is not None else None)
+
+    def pick(self, logits: torch.Tensor, depth: int, context: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Depth ``depth``'s draft from its ``logits [1, V]`` (``context``: the tokens it follows):
+        the argmax when greedy, else a draw from its sampling distribution ``q [1, V]``, returned with it."""
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogitsError()
+        target = sampling_logits(logits, self.params, None, self.engine.unprintable)
+        if self.params.top_k == 1:
+            return int(target.argmax()), None
+        q = target.softmax(dim=-1)
+        return int(torch.multinomial(q, 1, generator=self.engine.generator)), q
+
+    def commit(self, n: int, kept: int) -> None:
+        """After the round at ``n`` kept ``kept`` drafts: depth ``k``'s entries up to position ``n + kept
+        - k`` read accepted tokens only; forget the rest."""
+        for k, f in enumerate(self.frontiers, start=1):
+            self.caches[k - 1].truncate(max(f, min(n, n + kept - k + 1)))
+
+
+class SpeculativeEngine(InferenceEngine):
+    """:class:`~.engine.InferenceEngine` whose greedy and sampled generation drafts
+    ``num_speculative_tokens`` tokens per step with the model's multi-token prediction heads (scoring
+    is unchanged). ``timings`` gains ``verify_steps``, ``drafted``, ``accepted`` and ``tokens`` (those the
+    verify steps emitted; ``tokens / verify_steps`` is the tokens per verify step)."""
+
+    def __init__(self, model, state=None, *, num_speculative_tokens: int, **kwargs):
+        super().__init__(model, state, **kwargs)
+        check_speculative_model(self.model, self.state, num_speculative_tokens, self.use_cache)
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams | None = None):
+        params = params if params is not None else SamplingParams()
+        check_speculative_request(prompts, params)
+        return super().stream(prompts, params)
+
+    def _main(self, tokens: list[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model over ``tokens`` after the cached ones: fp32 logits ``[s, vocab_size]``, outputs ``[s, 1, h]``."""
+        ids = torch.tensor([tokens], device=self.device)
+        with torch.no_grad():
+            logits, hidden = self.model(ids, inference_context=cache, return_hidden=True)
+        cache.advance(len(tokens))
+        return logits[0, :, :self.vocab_size].float(), hidden
+
+    def _accept(self, logits: torch.Tensor, drafts: list[int], q, params: SamplingParams) -> tuple[int, int]:
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogitsError()
+        target = sampling_logits(logits, params, None, self.unprintable)
+        if params.top_k != 1:
+            return speculative_accept(target.softmax(dim=-1), q, drafts, self.generator)
+        best = target.argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == best[kept]:
+            kept += 1
+        return kept, best[kept]
+
+    @torch.no_grad()
+    def _steps(self, prompts: list[list[int]], params: SamplingParams):
+        if params.random_seed is not None:
+            self.generator.manual_seed(params.random_seed)
+        prompt, top_n = prompts[0], params.top_n_logprobs
+        length = len(prompt) + params.tokens_to_generate
+        stops = set(params.stop_token_ids) | ({self.eod} if params.stop_on_eod and self.eod is not None else set())
+        main, drafter = KVCache(1, length), MTPDrafter(self, self.num_speculative_tokens, length, params)
+        values = torch.zeros(length - 1, 2 + 2 * top_n, device=self.device)
+        counts = dict(verify_steps=0, drafted=0, accepted=0, tokens=0)
+        t0 = time.perf_counter()
+        logits, hidden = self._main(prompt, main)  # the prefill
+        tokens, start, drafts, q, finish = list(prompt), 0, [], None, None
+        while True:
+            kept, token = self._accept(logits[-len(drafts) - 1:], drafts, q, params)
+            new = drafts[:kept] + [token]
+            if start:  # a verify step: forget the refused drafts
+                main.truncate(start + kept + 1)
+                drafter.commit(start, kept)
+                for name, add in (("verify_steps", 1), ("drafted", len(drafts)), ("accepted", kept), ("tokens", kept + 1)):
+                    counts[name] += add
+            drafter.record_main(start, hidden[:len(tokens) - start + kept])
+            targets = tokens[start + 1:] + new
+            values[start:start + len(targets)] = _position_stats(
+                logits[None, :len(targets)], torch.tensor([targets], device=self.device), top_n, self.unprintable)[0]
+            for token in new:
+                tokens.append(token)
+                yield Step([token])
+                if token in stops or len(tokens) == length:
+                    finish = "stop" if token in stops else "length"
+                    break
+            if start == 0:
+                self.timings["prefill_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+            if finish:
+                break
+            start = len(tokens) - 1
+            drafts, q = drafter.draft(tokens, min(self.num_speculative_tokens, length - len(tokens) - 1))
+            logits, hidden = self._main([tokens[start]] + drafts, main)
+        self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=counts["verify_steps"], **counts)
+        values = values.cpu()
+        return [_result(tokens, len(prompt), values[:len(tokens) - 1], top_n, finish)]

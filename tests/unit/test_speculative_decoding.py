@@ -1,0 +1,190 @@
+"""Speculative decoding with the model's multi-token prediction heads (megatron_lite/inference/speculative.py).
+
+- Greedy: the tokens (and log-probs, within 1e-5 of the largest logit) of plain greedy decoding, for a
+  GPT with 3 MTP depths (rotary, GQA) and for MLA + 2 MTP depths, at every number of drafts.
+- With drafts forced to the right token or a wrong one in a fixed pattern (so rounds keep none, some or
+  all of them, and the main cache - MLA's compressed latent included - is truncated after each), the
+  output is still plain greedy decoding's, and every depth's logits at every round equal those of one
+  uncached forward pass of the training path over the same tokens: each depth's own key/value cache
+  holds what its attention saw in training.
+- Sampling: :func:`speculative_accept` emits tokens distributed as the target ``p`` (Pearson's chi-square
+  at p = 1e-6 over many draws with a fixed seed, as tests/unit/test_sampling_distribution.py does, with a
+  check that a wrong rule would be rejected), and the engine hands it the main model's sampling
+  distribution at each draft (that of one forward pass over the same tokens).
+- What is not supported is refused in one line.
+"""
+
+import pytest
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.inference.engine import InferenceEngine
+from megatron_lite.inference.sampling import SamplingParams, sampling_logits
+from megatron_lite.inference.speculative import MTPDrafter, SpeculativeEngine, speculative_accept
+from megatron_lite.models import GPTModel, TransformerConfig
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.tensor import padded_vocab_size
+from tests.inference_helpers import MAX_LEN, VARIANTS, VOCAB, assert_close, build_model, prompts, randomize
+
+NEW = 24
+CRITICAL = {3: 30.66, 5: 35.89, 7: 40.52}  # chi-square at p = 1e-6 by degrees of freedom
+
+
+def mtp_model(variant: str, depths: int, seed: int = 5) -> GPTModel:
+    """A 2-layer model of ``variant`` (tests/inference_helpers.py) with ``depths`` MTP depths, random weights."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
+                      max_position_embeddings=MAX_LEN, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
+                      attention_dropout=0.0, hidden_dropout=0.0, **dict(VARIANTS[variant], mtp_num_layers=depths))
+    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, 1)
+    model = GPTModel(TransformerConfig.from_model(cfg), ParallelState(world_size=1, rank=0))
+    randomize(model, seed)
+    return model.eval()
+
+
+MODELS = {"gpt_mtp3": ("rope_gqa", 3), "mla_mtp2": ("mla_mtp", 2)}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: mtp_model(*spec) for name, spec in MODELS.items()}
+
+
+def engines(model, num_tokens):
+    kw = dict(vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    return InferenceEngine(model, **kw), SpeculativeEngine(model, num_speculative_tokens=num_tokens, **kw)
+
+
+GREEDY = SamplingParams(tokens_to_generate=NEW, top_k=1, stop_on_eod=False, top_n_logprobs=2)
+
+
+@pytest.mark.parametrize("name, num_tokens", [("gpt_mtp3", 1), ("gpt_mtp3", 3), ("mla_mtp2", 2)])
+def test_greedy_with_drafts_is_greedy_token_for_token(models, name, num_tokens):
+    plain, spec = engines(models[name], num_tokens)
+    for prompt in prompts(2, seed=3, lengths=(6, 11)):
+        want, got = plain.generate([prompt], GREEDY)[0], spec.generate([prompt], GREEDY)[0]
+        assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+        assert_close(torch.tensor(got.log_probs), torch.tensor(want.log_probs))
+        assert [[t for t, _ in row] for row in got.top_log_probs] == [[t for t, _ in row] for row in want.top_log_probs]
+    t = spec.timings
+    assert t["tokens"] == NEW - 1 and t["drafted"] >= t["verify_steps"] - num_tokens  # every step drafted
+
+
+def full_mtp_logits(model, tokens: list[int], n: int, depth: int) -> torch.Tensor:
+    """Depth ``depth``'s logits ``[V]`` at position ``n - 1`` by the training path, uncached: the
+    decoder over ``tokens[:n]``, depth ``k`` reading ``tokens[i + k]`` at position ``i``."""
+    with torch.no_grad():
+        ids = torch.tensor([tokens[:n]])
+        x = model._input_hidden(ids)
+        rotary = model._rotary(x)
+        h = model.decoder(x, None, rotary)
+        for k in range(1, depth + 1):
+            h = model.mtp.layers[k - 1](h, model._embed_for_mtp(torch.tensor([tokens[k:n + k]])), None, rotary, True)
+        return model._logits(h)[-1, 0, :VOCAB]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forced_drafts_roll_back_the_caches_and_each_depth_sees_its_training_context(models, name, monkeypatch):
+    model = models[name]
+    depths = len(model.mtp.layers)
+    plain, spec = engines(model, depths)
+    prompt = prompts(1, seed=4, lengths=(7,))[0]
+    want = plain.generate([prompt], GREEDY)[0].tokens
+    checked = []
+
+    def pick(self, logits, depth, context):
+        n = len(context) - depth  # the round's position: context is t(0..n) and the depth - 1 drafts before
+        assert_close(logits[0], full_mtp_logits(model, context, n, depth), what=f"depth {depth} at {n}")
+        checked.append(depth)
+        right = want[n + depth]
+        return (right if (n + 2 * depth) % 5 else (right + 1) % (VOCAB - 1)), None  # a wrong one now and then
+
+    monkeypatch.setattr(MTPDrafter, "pick", pick)
+    got = spec.generate([prompt], GREEDY)[0]
+    assert got.tokens == want
+    t = spec.timings
+    assert 0 < t["accepted"] < t["drafted"] and t["tokens"] / t["verify_steps"] > 1.5, t
+    assert set(checked) == set(range(1, depths + 1))
+
+
+def _draws(p, q, count, seed=7):
+    """First and second emitted tokens of ``count`` rounds of two drafts drawn from ``q``, target ``p``."""
+    g = torch.Generator().manual_seed(seed)
+    first, second = [], []
+    for _ in range(count):
+        drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        kept, token = speculative_accept(p, q, drafts, g)
+        out = drafts[:kept] + [token]
+        first.append(out[0])
+        if len(out) > 1:
+            second.append(out[1])
+    return torch.bincount(torch.tensor(first), minlength=8), torch.bincount(torch.tensor(second), minlength=8)
+
+
+def _chi_square(counts, probs):
+    total = int(counts.sum())
+    cells = [(int(c), total * float(p)) for c, p in zip(counts, probs) if p > 0]
+    assert all(c == 0 for c, p in zip(counts.tolist(), probs.tolist()) if p == 0)
+    return sum((c - e) ** 2 / e for c, e in cells), len(cells) - 1
+
+
+def test_speculative_sampling_draws_from_the_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(3, 8, generator=g).mul(1.5).softmax(-1).double()
+    p[1, 5] = 0.0  # a token the target never takes (top-k / top-p filtered) but the draft may
+    p[1] /= p[1].sum()
+    q = torch.randn(2, 8, generator=g).mul(1.5).softmax(-1).double()
+    q[0, 2] = 0.0  # and one the draft never proposes
+    q[0] /= q[0].sum()
+    first, second = _draws(p, q, 12_000)
+    for counts, target, draft in ((first, p[0], q[0]), (second, p[1], q[1])):
+        stat, df = _chi_square(counts, target)
+        assert stat < CRITICAL.get(df, 40.52), (stat, df, counts)
+        wrong = 0.5 * (target + draft)  # a rule keeping too many drafts drifts towards q
+        assert _chi_square(counts, wrong)[0] > 5 * CRITICAL.get(df, 40.52)
+
+
+def test_sampling_compares_the_drafts_with_the_main_models_sampling_distribution(models, monkeypatch):
+    model = models["gpt_mtp3"]
+    _, spec = engines(model, 2)
+    params = SamplingParams(tokens_to_generate=16, temperature=1.5, top_k=5, stop_on_eod=False, random_seed=3)
+    seen = []
+
+    def accept(p, q, drafts, generator):
+        kept, token = speculative_accept(p, q, drafts, generator)
+        seen.append((p, q, list(drafts), kept))
+        return kept, token
+
+    monkeypatch.setattr("megatron_lite.inference.speculative.speculative_accept", accept)
+    prompt = prompts(1, lengths=(5,))[0]
+    tokens = spec.generate([prompt], params)[0].tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0, :, :VOCAB].float()
+    want = sampling_logits(logits, params).softmax(-1)  # the distribution plain sampling draws each token from
+    position = len(prompt) - 1  # the prefill's last row, then each verify step's rows from its first token on
+    for p, q, drafts, kept in seen:
+        assert_close(p[:kept + 1], want[position:position + kept + 1], what=f"at {position}")
+        if drafts:  # the drafts' distributions: normalised, top-k filtered like the target's
+            assert q.shape[0] == len(drafts) and torch.allclose(q.sum(-1), torch.ones(len(drafts)))
+            assert all(int((row > 0).sum()) <= 5 for row in q)
+        position += kept + 1
+    assert position == len(tokens) - 1 and sum(len(d) for _, _, d, _ in seen) > 8
+
+
+def test_unsupported_requests_and_models_are_refused_in_one_line(models):
+    model = models["mla_mtp2"]
+    kw = dict(vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    with pytest.raises(ValueError, match="has 2 multi-token prediction head.*pass at most 2"):
+        SpeculativeEngine(model, num_speculative_tokens=3, **kw)
+    with pytest.raises(ValueError, match="no multi-token prediction heads"):
+        SpeculativeEngine(build_model("rope_gqa"), num_speculative_tokens=1, **kw)
+    with pytest.raises(ValueError, match="needs the key/value cache"):
+        SpeculativeEngine(model, num_speculative_tokens=1, use_cache=False, **kw)
+    spec = SpeculativeEngine(model, num_speculative_tokens=1, **kw)
+    two = prompts(2)
+    for call, words in [(lambda: spec.generate(two, GREEDY), "one prompt at a time"),
+                        (lambda: spec.generate(two[:1], SamplingParams(beam_width=2)), "beam search"),
+                        (lambda: spec.generate(two[:1], SamplingParams(presence_penalty=0.5)), "presence_penalty"),
+                        (lambda: spec.generate(two[:1], SamplingParams(logit_bias=((1, 2.0),))), "logit_bias"),
+                        (lambda: spec.generate(two[:1], SamplingParams(stop_strings=("a",))), "stop strings")]:
+        with pytest.raises(ValueError, match=words):
+            call()
