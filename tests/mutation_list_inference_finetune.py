@@ -102,4 +102,19 @@ MUTATIONS = [
              "(float(sum(result.log_probs[-n:])), all(result.greedy[-n:]))",
              "(float(sum(result.log_probs[-n - 1:-1])), all(result.greedy[-n - 1:-1]))",
              ("tests/unit/test_lm_eval_backend.py", "-k", "bos_adding or cut_on_the_left")),
+    Mutation("specdec_mtp_cache_kept_too_far", "speculative decoding: each MTP depth keeps one cache entry more "
+             "than its accepted tokens allow (an entry that read a refused draft)", "megatron_lite/inference/speculative.py",
+             "truncate(max(f, min(n, n + kept - k + 1)))", "truncate(max(f, min(n, n + kept - k + 2)))",
+             ("tests/unit/test_speculative_decoding.py", "-k", "forced_drafts")),
+    Mutation("specdec_main_cache_kept_refused", "speculative decoding: the main model's cache keeps the first refused "
+             "draft", "megatron_lite/inference/speculative.py", "                main.truncate(start + kept + 1)\n",
+             "                main.truncate(min(start + kept + 2, main.sequence_offset))\n",
+             ("tests/unit/test_speculative_decoding.py", "-k", "greedy_with_drafts or forced_drafts")),
+    Mutation("specdec_accepts_too_often", "speculative sampling: a draft kept with probability min(1, 2p / q)",
+             "megatron_lite/inference/speculative.py", "(u * q[rows, d] < p[rows, d])", "(u * q[rows, d] < 2 * p[rows, d])",
+             ("tests/unit/test_speculative_decoding.py", "-k", "target_distribution")),
+    Mutation("specdec_resample_from_p", "speculative sampling: a refused draft replaced by a draw from p, not from "
+             "max(0, p - q)", "megatron_lite/inference/speculative.py",
+             "                residual = (p[i] - q[i]).clamp(min=0)\n", "                residual = p[i]\n",
+             ("tests/unit/test_speculative_decoding.py", "-k", "target_distribution")),
 ]

@@ -87,11 +87,11 @@ class GPTModel(LanguageModel):
         depth's own cache. ``hidden [s, b, h]``: the previous depth's outputs at those positions (depth
         1: the decoder's, from ``forward(..., return_hidden=True)``); ``tokens [b, s]``: the tokens
         ``depth`` places ahead of each position (``t(i + depth)`` at position ``i``). Returns ``(logits
-        [b, s, padded_vocab/tp], this depth's outputs [s, b, h])``; position ``i``'s logits predict
-        ``t(i + depth + 1)``. The caller advances the cache."""
+        [b, 1, padded_vocab/tp] of the last position, which predict the token depth + 1 after it, this
+        depth's outputs [s, b, h])``. The caller advances the cache."""
         position_ids = self._cached_positions(tokens, inference_context)
         embedded = self.embedding(tokens, None if self.use_rope else position_ids)
         rotary = self._rotary(hidden, position_ids)
         out = self.mtp.layers[depth - 1](hidden, embedded, None, rotary, self.decoder.causal,
                                          inference_context=inference_context)
-        return self._lm_output(self._logits(out), None), out
+        return self._lm_output(self._logits(out[-1:]), None), out

@@ -14,13 +14,20 @@
 - What is not supported is refused in one line.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.sampling import SamplingParams, sampling_logits
-from megatron_lite.inference.speculative import MTPDrafter, SpeculativeEngine, speculative_accept
+from megatron_lite.inference.speculative import (
+    MTPDrafter,
+    SpeculativeEngine,
+    check_speculative_model,
+    speculative_accept,
+)
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.parallel.tensor import padded_vocab_size
@@ -179,6 +186,8 @@ def test_unsupported_requests_and_models_are_refused_in_one_line(models):
         SpeculativeEngine(build_model("rope_gqa"), num_speculative_tokens=1, **kw)
     with pytest.raises(ValueError, match="needs the key/value cache"):
         SpeculativeEngine(model, num_speculative_tokens=1, use_cache=False, **kw)
+    with pytest.raises(ValueError, match="runs in one process.*without torchrun"):  # as every rank of a TP / PP run
+        check_speculative_model(model, SimpleNamespace(world_size=2), 1)
     spec = SpeculativeEngine(model, num_speculative_tokens=1, **kw)
     two = prompts(2)
     for call, words in [(lambda: spec.generate(two, GREEDY), "one prompt at a time"),
@@ -188,3 +197,56 @@ def test_unsupported_requests_and_models_are_refused_in_one_line(models):
                         (lambda: spec.generate(two[:1], SamplingParams(stop_strings=("a",))), "stop strings")]:
         with pytest.raises(ValueError, match=words):
             call()
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    from tests.inference_helpers import save_model
+
+    root = tmp_path_factory.mktemp("specdec")
+    save_model("mla_mtp", str(root / "mla_mtp"))  # one MTP depth
+    save_model("rope_gqa", str(root / "plain"))
+    return str(root)
+
+
+def test_generate_tool_speculates_greedily_and_prints_the_acceptance(mtp_checkpoint, capsys):
+    from tests.tools import load_tool
+
+    gen = load_tool("generate")
+    argv = ["--load", f"{mtp_checkpoint}/mla_mtp", "--prompt", "5 17 3 40", "--max-new-tokens", "12", "--greedy"]
+    assert gen.main(argv) == 0
+    plain = capsys.readouterr()
+    assert gen.main(argv + ["--num-speculative-tokens", "1"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and len(plain.out.split()) == 16
+    assert spec.err.startswith("speculative decoding (1 token(s) per draft): ") and "tokens per verify step" in spec.err
+
+
+@pytest.mark.parametrize("load, flags, words", [
+    ("mla_mtp", ["--num-speculative-tokens", "2"], "has 1 multi-token prediction head(s) (--mtp-num-layers 1); pass at most 1"),
+    ("plain", ["--num-speculative-tokens", "1"], "no multi-token prediction heads"),
+    ("mla_mtp", ["--num-speculative-tokens", "1", "--prompt", "4"], "one prompt at a time"),
+    ("mla_mtp", ["--num-speculative-tokens", "1", "--no-kv-cache"], "leave out --no-kv-cache"),
+    ("mla_mtp", ["--num-speculative-tokens", "0"], "must be at least 1"),
+])
+def test_generate_tool_refuses_what_cannot_speculate_in_one_line(mtp_checkpoint, capsys, load, flags, words):
+    from tests.cli_errors import refused_line
+    from tests.tools import load_tool
+
+    gen = load_tool("generate")
+    argv = ["--load", f"{mtp_checkpoint}/{load}", "--prompt", "1 2 3", *flags]
+
+    def call():
+        raise SystemExit(gen.main(argv))
+
+    refused_line(capsys, call, "--num-speculative-tokens" if "one prompt" not in words else "--prompt", words)
+
+
+def test_the_benchmark_runs_and_finds_greedy_unchanged(capsys):
+    from benchmarks import bench_specdec
+
+    argv = ["--steps", "2", "--layers", "1", "--hidden", "32", "--vocab", "64", "--new", "6", "--rounds", "1",
+            "--prompts", "1", "--threads", "1"]
+    assert bench_specdec.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "N=2, greedy" in out and "N=2, T=1" in out and "token for token: True" in out
