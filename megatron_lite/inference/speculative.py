@@ -27,8 +27,9 @@ Caches. After a round that kept ``a`` drafts the main cache is truncated to ``n 
 depth has a cache of its own, since its attention sees its earlier positions as in training: depth
 ``k``'s entry ``j`` reads ``t(j + k)`` and depth ``k - 1``'s output at ``j``, so it is final once
 ``t(j + k)`` is an accepted token. Each round depth ``k`` runs over positions ``[f_k, n)``, ``f_k``
-the first of its entries not yet final (at most ``k - 1`` positions behind the main model's), and
-keeps its outputs by position, so the next depth reads them from ``f_(k+1) <= f_k`` on.
+the first of its entries not yet final: the positions the last verify step added, and up to ``k - 1``
+before them that had read a draft. It keeps its outputs by position, so the next depth reads them
+from ``f_(k+1) <= f_k`` on.
 
 One prompt at a time, in one process (no TP / PP), with the key/value cache; beam search, stop
 strings, the penalties, ``logit_bias``, ``top_p_decay``, the ban/double-stop fields and per-step
@@ -89,7 +90,7 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int
                        generator: torch.Generator | None) -> tuple[int, int]:
     """Speculative sampling: ``(kept, token)``, how many of ``drafts`` are kept and the token after them.
     ``p [len(drafts) + 1, V]``: the target's probabilities at each draft and after the last; ``q
-    [len(drafts), V]``: the distributions the drafts were drawn from (rows need not be normalised)."""
+    [len(drafts), V]``: the distributions the drafts were drawn from (every row of both normalised)."""
     if drafts:
         rows = torch.arange(len(drafts), device=p.device)
         d = torch.tensor(drafts, device=p.device)
