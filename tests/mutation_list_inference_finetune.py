@@ -117,4 +117,9 @@ MUTATIONS = [
              "max(0, p - q)", "megatron_lite/inference/speculative.py",
              "                residual = (p[i] - q[i]).clamp(min=0)\n", "                residual = p[i]\n",
              ("tests/unit/test_speculative_decoding.py", "-k", "target_distribution")),
+    Mutation("specdec_emits_past_stop", "speculative decoding: the tokens a step kept after a stop token are "
+             "emitted too", "megatron_lite/inference/speculative.py",
+             "                    finish = \"stop\" if token in stops else \"length\"\n                    break\n",
+             "                    finish = finish or (\"stop\" if token in stops else \"length\")\n",
+             ("tests/unit/test_speculative_decoding.py", "-k", "stop_token")),
 ]

@@ -11,6 +11,7 @@
   at p = 1e-6 over 4000 rounds with a fixed seed, as tests/unit/test_sampling_distribution.py does, with a
   check that a wrong rule would be rejected), and the engine hands it the main model's sampling
   distribution at each draft (that of one forward pass over the same tokens).
+- A stop token among a step's kept drafts ends the text there, as without drafts.
 - What is not supported is refused in one line.
 """
 
@@ -111,6 +112,21 @@ def test_forced_drafts_roll_back_the_caches_and_each_depth_sees_its_training_con
     t = spec.timings
     assert 0 < t["accepted"] < t["drafted"] and t["tokens"] / t["verify_steps"] > 1.5, t
     assert set(checked) == set(range(1, depths + 1))
+
+
+def test_a_stop_token_among_kept_drafts_ends_the_text_there(models, monkeypatch):
+    model = models["gpt_mtp3"]
+    prompt = prompts(1, seed=4, lengths=(7,))[0]
+    free = engines(model, 3)[0].generate([prompt], GREEDY)[0].tokens
+    stop = free[len(prompt) + 6]  # the 7th new token (an earlier occurrence stops first, in both engines)
+    kw = dict(vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=stop)
+    params = SamplingParams(tokens_to_generate=NEW, top_k=1)
+    want = InferenceEngine(model, **kw).generate([prompt], params)[0]
+    monkeypatch.setattr(MTPDrafter, "pick", lambda self, logits, depth, context: (free[len(context)], None))
+    spec = SpeculativeEngine(model, num_speculative_tokens=3, **kw)
+    got = spec.generate([prompt], params)[0]
+    assert (got.tokens, got.finish_reason) == (want.tokens, "stop") and len(got.generated) < NEW
+    assert spec.timings["accepted"] > 0
 
 
 def _draws(p, q, count, seed=7):
