@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Generation, InferenceEngine, _pad, _position_stats, _result
+from .engine import Generation, InferenceEngine, generation_result, pad_prompts, position_stats
 from .sampling import SamplingParams, ban_after, decayed_top_p, sample_or_mark
 from .stop_strings import stop_checker
 
@@ -38,7 +38,7 @@ class BatchRequest:
         self.lengths = torch.tensor(self.prompt_lengths, device=device)
         n, b = p.tokens_to_generate, len(rows)
         self.total = max(self.prompt_lengths) + n
-        self.tokens = _pad(admission.prompts, self.total, device)
+        self.tokens = pad_prompts(admission.prompts, self.total, device)
         stop_ids = set(p.stop_token_ids) | ({engine.eod} if p.stop_on_eod and engine.eod is not None else set())
         self.stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         self.values = torch.zeros(b, self.total - 1, 2 + 2 * p.top_n_logprobs, device=device)
@@ -78,7 +78,7 @@ class BatchRequest:
         finished = cur >= self.ends
         self.tokens[:, cur] = torch.where(finished, self.tokens[:, cur], new)
         if logits is not None:
-            self.values[:, filled:cur] = _position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs,
+            self.values[:, filled:cur] = position_stats(logits, self.tokens[:, filled + 1:cur + 1], p.top_n_logprobs,
                                                              self.unprintable)
         double = torch.tensor(p.double_stop_ids, dtype=torch.long, device=new.device)
         double_stop = torch.isin(new, double) & torch.isin(self.tokens[:, cur - 1], double)
@@ -94,13 +94,13 @@ class BatchRequest:
         """A chunk of ``n`` prompt tokens (not the prefill's last) ran: keep its log-probs, sample nothing."""
         f = self.filled
         if logits is not None:
-            self.values[:, f:f + n] = _position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs,
+            self.values[:, f:f + n] = position_stats(logits, self.tokens[:, f + 1:f + n + 1], self.params.top_n_logprobs,
                                                      self.unprintable)
         self.filled += n
 
     def results(self, values: torch.Tensor) -> list[Generation]:
         tokens, ends, top_n = self.tokens.cpu(), self.ends.tolist(), self.params.top_n_logprobs
-        return [_result(tokens[i, :ends[i]].tolist(), self.prompt_lengths[i], values[i, :ends[i] - 1], top_n,
+        return [generation_result(tokens[i, :ends[i]].tolist(), self.prompt_lengths[i], values[i, :ends[i] - 1], top_n,
                         "stop" if self.stopped[i] else "length") for i in range(len(self.rows))]
 
 

@@ -161,13 +161,13 @@ class InferenceEngine:
         sequence may be one token longer than ``max_sequence_length``)."""
         _check_prompts(sequences, self.max_sequence_length + 1, vocab_size=self.vocab_size)
         b, total = len(sequences), max(len(t) for t in sequences)
-        tokens = _pad(sequences, total, self.device)
+        tokens = pad_prompts(sequences, total, self.device)
         values = torch.zeros(b, total - 1, 2 + 2 * top_n, device=self.device)
         logits = self.forward(tokens[:, :-1]) if total > 1 else None
         if logits is not None:
-            values = _position_stats(logits, tokens[:, 1:], top_n, self.unprintable)
+            values = position_stats(logits, tokens[:, 1:], top_n, self.unprintable)
         values = self._broadcast(values.contiguous()).cpu()
-        return [_result(seq, len(seq), values[i, :len(seq) - 1], top_n, "length", greedy=True)
+        return [generation_result(seq, len(seq), values[i, :len(seq) - 1], top_n, "length", greedy=True)
                 for i, seq in enumerate(sequences)]
 
     # -- generation ------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ class InferenceEngine:
         b = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         total = int(lengths.max()) + n
-        tokens = _pad(prompts, total, self.device)
+        tokens = pad_prompts(prompts, total, self.device)
         stop_ids = set(params.stop_token_ids) | ({self.eod} if params.stop_on_eod and self.eod is not None else set())
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         top_n = params.top_n_logprobs
@@ -239,7 +239,7 @@ class InferenceEngine:
             finished = cur >= ends
             tokens[:, cur] = torch.where(finished, tokens[:, cur], new)
             if logits is not None:
-                values[:, prev:cur] = _position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n,
+                values[:, prev:cur] = position_stats(logits[:, -(cur - prev):], tokens[:, prev + 1:cur + 1], top_n,
                                                       self.unprintable)
             stop_here = live & (torch.isin(new, stops) | _double_stop(new, tokens[:, cur - 1], params) | hit)
             stopped |= stop_here
@@ -264,7 +264,7 @@ class InferenceEngine:
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=cur - int(lengths.min()))
         values = self._broadcast(values.contiguous()).cpu()
         tokens, ends = tokens.cpu(), ends.tolist()
-        return [_result(tokens[i, :ends[i]].tolist(), len(prompts[i]), values[i, :ends[i] - 1], top_n,
+        return [generation_result(tokens[i, :ends[i]].tolist(), len(prompts[i]), values[i, :ends[i] - 1], top_n,
                         "stop" if stopped[i] else "length") for i in range(b)]
 
 
@@ -324,14 +324,14 @@ def _check_prompts(prompts, max_length: int, new_tokens: int = 0, vocab_size: in
                              "(a tokenizer with more tokens than the model was trained with?)")
 
 
-def _pad(sequences: list[list[int]], total: int, device) -> torch.Tensor:
+def pad_prompts(sequences: list[list[int]], total: int, device) -> torch.Tensor:
     tokens = torch.zeros(len(sequences), total, dtype=torch.long)
     for i, seq in enumerate(sequences):
         tokens[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
     return tokens.to(device)
 
 
-def _position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int,
+def position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int,
                     unprintable: torch.Tensor | None = None) -> torch.Tensor:
     """``[b, s, 2 + 2 top_n]``: the target's log-prob, whether it is the argmax, then the ``top_n``
     best log-probs and their token ids (as floats: one tensor to broadcast), ``unprintable`` ids left
@@ -346,7 +346,7 @@ def _position_stats(logits: torch.Tensor, targets: torch.Tensor, top_n: int,
     return torch.cat(parts, dim=-1)
 
 
-def _result(tokens, prompt_length, values, top_n, finish_reason, greedy=False) -> Generation:
+def generation_result(tokens, prompt_length, values, top_n, finish_reason, greedy=False) -> Generation:
     top = None
     if top_n:
         ids = values[:, 2 + top_n:].long().tolist()

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from .engine import InferenceEngine, Step, _position_stats, _result
+from .engine import InferenceEngine, Step, generation_result, position_stats
 from .kv_cache import KVCache
 from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
 
@@ -213,7 +213,7 @@ class SpeculativeEngine(InferenceEngine):
                     counts[name] += add
             drafter.record_main(start, hidden[:len(tokens) - start + kept])
             targets = tokens[start + 1:] + new
-            values[start:start + len(targets)] = _position_stats(
+            values[start:start + len(targets)] = position_stats(
                 logits[None, :len(targets)], torch.tensor([targets], device=self.device), top_n, self.unprintable)[0]
             for token in new:
                 tokens.append(token)
@@ -230,4 +230,4 @@ class SpeculativeEngine(InferenceEngine):
             logits, hidden = self._main([tokens[start]] + drafts, main)
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=counts["verify_steps"], **counts)
         values = values.cpu()
-        return [_result(tokens, len(prompt), values[:len(tokens) - 1], top_n, finish)]
+        return [generation_result(tokens, len(prompt), values[:len(tokens) - 1], top_n, finish)]
