@@ -27,11 +27,14 @@ import argparse
 import dataclasses
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
 from megatron_lite.models.mla_config import MLA_SIZES  # noqa: E402
+from megatron_lite.moe.config import MoEConfig  # noqa: E402
+from megatron_lite.moe.upcycling import upcycling_problem  # noqa: E402
 from megatron_lite.perf.numbers import count, figure  # noqa: E402
 from megatron_lite.perf.plan import (  # noqa: E402
     CLUSTER_PRESETS,
@@ -84,6 +87,9 @@ MODEL_FLAGS = {  # flag -> (ModelSpec field, type)
 }
 CLUSTER_FLAGS = {"--gpus-per-node": POSITIVE, "--gpu-memory-gb": _positive_float, "--peak-tflops": _positive_float,
                  "--intra-node-gbps": _positive_float, "--inter-node-gbps": _positive_float}
+SPLIT_ARGS = {"pipeline_layout": "pipeline_model_parallel_layout", "first": "decoder_first_pipeline_num_layers",
+              "last": "decoder_last_pipeline_num_layers", "account_embedding": "account_for_embedding_in_pipeline_split",
+              "account_loss": "account_for_loss_in_pipeline_split"}  # Layout field -> argparse name
 LAYOUT_FLAGS = {  # flag -> (Layout field, type, choices)
     "--tensor-model-parallel-size": ("tp", POSITIVE, None), "--pipeline-model-parallel-size": ("pp", POSITIVE, None),
     "--virtual-pipeline-model-parallel-size": ("vpp", POSITIVE, None), "--context-parallel-size": ("cp", POSITIVE, None),
@@ -119,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-batch-size", type=POSITIVE, required=True)
     for flag, (_, kind, choices) in LAYOUT_FLAGS.items():
         ap.add_argument(flag, type=kind, choices=choices)
+    ap.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
+                    help="what each (virtual) pipeline stage holds, as in training, e.g. 'Et|tt|tL'")
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    ap.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=None)
+    ap.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=None)
+    ap.add_argument("--moe-use-upcycling", action="store_true", default=None,
+                    help="accepted as in training (checked the same way); the upcycled model is planned as the MoE model")
+    ap.add_argument("--moe-upcycling-granularity", type=int)
     ap.add_argument("--top", type=POSITIVE, default=20, help="rows to print (default 20)")
     ap.add_argument("--png", help="draw memory and step time of the printed layouts to this PNG")
     return ap
@@ -138,12 +153,31 @@ def model_from_args(args) -> ModelSpec:
         given["learned_positions"] = args.position_embedding_type == "learned_absolute"
     _query_groups(args, given)
     if args.preset:
-        return _refuse_unused(dataclasses.replace(MODEL_PRESETS[args.preset], **given), given)
-    missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
-               if MODEL_FLAGS[f][0] not in given]
-    if missing:
-        raise ConfigError(f"give --preset or the model flags {' '.join(missing)}")
-    return _refuse_unused(ModelSpec(**given), given)
+        spec = _refuse_unused(dataclasses.replace(MODEL_PRESETS[args.preset], **given), given)
+    else:
+        missing = [f for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
+                   if MODEL_FLAGS[f][0] not in given]
+        if missing:
+            raise ConfigError(f"give --preset or the model flags {' '.join(missing)}")
+        spec = _refuse_unused(ModelSpec(**given), given)
+    _check_upcycling(args, spec)
+    return spec
+
+
+def _check_upcycling(args, spec: ModelSpec) -> None:
+    """--moe-use-upcycling / --moe-upcycling-granularity: training's checks (megatron_lite.moe.upcycling)
+    on the planned model, its dense checkpoint assumed given. Upcycling sets the experts' first values
+    only: the model built, its parameters, memory and FLOPs are the MoE model's, so nothing else changes."""
+    granularity = args.moe_upcycling_granularity
+    if not args.moe_use_upcycling and granularity is None:
+        return
+    moe = MoEConfig(num_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
+                    moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+                    moe_use_upcycling=bool(args.moe_use_upcycling), moe_upcycling_granularity=1 if granularity is None else granularity)
+    checkpoint = SimpleNamespace(load="(the dense checkpoint)", pretrained_checkpoint=None, use_checkpoint_args=False)
+    problem = upcycling_problem(SimpleNamespace(moe=moe, checkpoint=checkpoint, lora=None))
+    if problem:
+        raise ConfigError(problem)
 
 
 def _query_groups(args, given: dict) -> None:
@@ -185,14 +219,16 @@ def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     lay = best.layout
     comm = " + ".join(f"{k} {v:.3g}" for k, v in best.comm_s.items() if v)
     etp = f", ETP {lay.expert_tp}" if spec.is_moe else ""
-    return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}{etp}, "
+    split = f", split {best.split}" if best.split else ""
+    busiest = f", busiest stage {best.busiest:.3g}x the mean stage's FLOPs" if lay.pp > 1 else ""
+    return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}{split}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}{etp}, "
             f"{'ZB-H1, ' if lay.schedule == 'zb-h1' else ''}ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
             f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
             f"{figure(best.model_state_gb)}, activations {figure(best.activation_gb)}, reserved "
             f"{figure(best.memory_gb - best.model_state_gb - best.activation_gb)}\n"
             f"  step {best.step_s:.3g} s: compute {best.compute_s:.3g} s at {MATMUL_EFFICIENCY:.0%} of peak, "
-            f"communication {comm or 'none'} s, pipeline bubble {best.bubble:.1%}\n"
+            f"communication {comm or 'none'} s, pipeline bubble {best.bubble:.1%}{busiest}\n"
             f"  {figure(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {figure(100 * best.mfu)}%")
 
 
@@ -232,6 +268,7 @@ def main(argv=None) -> int:
             check_output_file("--png", args.png)
         spec, cluster = model_from_args(args), cluster_from_args(args)
         fixed = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in LAYOUT_FLAGS.items()}
+        fixed.update({field: getattr(args, name) for field, name in SPLIT_ARGS.items()})
         estimates = plan(spec, cluster, args.global_batch_size, {k: v for k, v in fixed.items() if v is not None})
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

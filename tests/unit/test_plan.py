@@ -118,8 +118,8 @@ def test_stage_activations_hold_the_micro_batches_the_schedule_keeps_in_flight(p
     """Every stage's activations are its layers x the peak of forwards done minus backwards done in
     the schedule's own op order (over v chunks): interleaved, the last stage holds p - (p-1)/v
     micro-batches, not one; the fullest stage (here the last: its output layer and logits) is reported."""
-    spec = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=64000,
-                     untie_embeddings_and_output_weights=True)
+    spec = ModelSpec(num_layers=16, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=64000,
+                     untie_embeddings_and_output_weights=True)  # 16 layers: every p x v here splits them
     lay = Layout(pp=p, vpp=v, recompute="selective")
     per_layer = korthikanti_layer_bytes(512, 1, 256, 4, recompute="selective")
     logits = 4 * 512 * spec.padded_vocab(1)
@@ -128,7 +128,7 @@ def test_stage_activations_hold_the_micro_batches_the_schedule_keeps_in_flight(p
         held = peak_in_flight(rank_order(p, i, m, v)) / v
         state = sum(stage_params(spec, 1, p, 1, i == 0, i == p - 1, i)) * model_state_bytes_per_param(torch.bfloat16,
                                                                                                         "no_shard", 1)
-        stages.append((state, 8 // p * per_layer * held + (logits if i == p - 1 else 0)))
+        stages.append((state, 16 // p * per_layer * held + (logits if i == p - 1 else 0)))
     assert memory_bytes(spec, lay, m) == pytest.approx(max(stages, key=sum))
 
 

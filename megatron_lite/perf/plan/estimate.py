@@ -47,7 +47,8 @@ from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
 from ..model_state import SHARDING_STRATEGIES, model_state_bytes_per_param
 from . import volumes
-from .model import ClusterSpec, ModelSpec, stage_layers, stage_params
+from .model import ClusterSpec, ModelSpec, stage_params
+from .split import busiest_share, rank_layers, rank_ranges, split_label
 
 MATMUL_EFFICIENCY = 0.55
 """Fraction of the peak matmul FLOP/s that a transformer layer's GEMMs reach on a large model (one
@@ -75,6 +76,12 @@ class Layout:
     instances: int = 1  # --num-distributed-optimizer-instances: hybrid sharding (HSDP with ZeRO-2/3)
     etp: int | None = None  # --expert-tensor-parallel-size; None: TP
     schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved when vpp > 1) or zb-h1
+    # the split of the layers over the stages (training's flags; none named: even, or smaller first and last)
+    pipeline_layout: str | None = None  # --pipeline-model-parallel-layout (its stage count / PP is the VPP)
+    first: int | None = None  # --decoder-first-pipeline-num-layers
+    last: int | None = None  # --decoder-last-pipeline-num-layers
+    account_embedding: bool = False  # --account-for-embedding-in-pipeline-split
+    account_loss: bool = False  # --account-for-loss-in-pipeline-split
 
     @property
     def gpus(self) -> int:
@@ -101,13 +108,15 @@ class Estimate:
     compute_s: float
     comm_s: dict  # per group kind: tp, cp, ep, etp, pp, dp
     bubble: float
+    busiest: float  # the busiest pipeline rank's FLOPs over the mean rank's (1: balanced)
     step_s: float
     tflops_per_gpu: float  # hardware FLOP/s per GPU (recomputation counted), as Narayanan et al. report it
     mfu: float  # model FLOPs (no recomputation) over the peak
+    split: str = ""  # how the layers are split when not evenly (:func:`~.split.split_label`)
 
     def row(self) -> dict:
         out = asdict(self.layout)
-        out.update(etp=self.layout.expert_tp, mem_gb=self.memory_gb, step_s=self.step_s, tflops=self.tflops_per_gpu, mfu=self.mfu)
+        out.update(etp=self.layout.expert_tp, split=self.split, mem_gb=self.memory_gb, step_s=self.step_s, tflops=self.tflops_per_gpu, mfu=self.mfu)
         return out
 
 
@@ -122,9 +131,7 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
                         ("--ffn-hidden-size", spec.ffn_hidden_size), ("--moe-shared-expert-intermediate-size", shared)):
         if value is not None and value % lay.tp:
             raise ConfigError(f"TP {lay.tp} must divide {flag} {value}")
-    if lay.vpp > 1 and spec.num_layers % (lay.pp * lay.vpp):
-        raise ConfigError(f"PP {lay.pp} x VPP {lay.vpp} must divide --num-layers {spec.num_layers}")
-    stage_layers(spec, lay.pp)  # an even split, or smaller first and last stages
+    rank_ranges(spec, lay)  # training's split of the layers (pipeline_ranges), or its one-line refusal
     # CP's 2 x cp chunks, then sequence parallelism (on with TP > 1) cuts a rank's seq / cp tokens over TP
     if lay.cp > 1 and spec.seq_length % (2 * lay.cp):
         raise ConfigError(f"--seq-length {spec.seq_length} must be divisible by 2 x CP {lay.cp}")
@@ -205,6 +212,11 @@ def in_flight_microbatches(p: int, i: int, m: int, v: int = 1, schedule: str = "
 
 def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     """``(model state, activations)`` bytes on the fullest pipeline stage (module docstring)."""
+    return max(stage_memory(spec, lay, m), key=sum)
+
+
+def stage_memory(spec: ModelSpec, lay: Layout, m: int) -> list[tuple[float, float]]:
+    """``(model state, activations)`` bytes of every pipeline rank, from the layers the split gives it."""
     t, p, v = lay.tp, lay.pp, lay.vpp
     recompute = None if lay.recompute == "none" else lay.recompute
     per_layer = layer_bytes(spec, lay, recompute)
@@ -212,23 +224,24 @@ def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     logits = 4 * lay.micro_batch * (spec.seq_length // lay.cp) * spec.padded_vocab(t) / t
     dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp, instances=lay.instances))
     expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.expert_dp, instances=lay.instances))
-    counts = stage_layers(spec, p)
+    ranges = rank_ranges(spec, lay)
     stages = []
-    for i, layers in enumerate(counts):
-        dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp)
+    for i, layers in enumerate(rank_layers(spec, lay)):
+        dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp, ranges[i])
         in_flight = in_flight_microbatches(p, i, m, v, lay.schedule)
         acts = layers * per_layer * in_flight + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
             acts += spec.mtp_num_layers * per_layer + (1 + spec.mtp_num_layers) * logits
         stages.append((dense * dense_bpp + expert * expert_bpp, acts))
-    return max(stages, key=sum)
+    return stages
 
 
 def comm_seconds(spec: ModelSpec, cluster: ClusterSpec, lay: Layout, m: int) -> dict:
     """Seconds per step one GPU spends sending, per group kind (:mod:`.volumes` over the group's bandwidth)."""
     t, cp, dp = lay.tp, lay.cp, lay.dp
-    p = lay.pp
-    dense, expert = max((stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp) for i in range(p)), key=sum)
+    p, ranges = lay.pp, rank_ranges(spec, lay)
+    dense, expert = max((stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp, ranges[i]) for i in range(p)),
+                        key=sum)
     return {
         "tp": volumes.tp_bytes(spec, lay, m) / _bandwidth(cluster, 1, t),
         "cp": volumes.cp_bytes(spec, lay, m) / _bandwidth(cluster, t, cp),
@@ -286,7 +299,8 @@ def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layo
     m = global_batch // (lay.dp * lay.micro_batch)
     hardware, model = step_flops(spec, lay.tp, global_batch, lay.recompute)
     peak = cluster.peak_tflops * 1e12
-    compute = hardware / cluster.gpus / (peak * MATMUL_EFFICIENCY)
+    busiest = busiest_share(spec, lay)
+    compute = hardware / cluster.gpus / (peak * MATMUL_EFFICIENCY) * busiest  # the busiest rank paces the pipeline
     comm = comm_seconds(spec, cluster, lay, m)
     bubble = pipeline_bubble(lay.pp, m, lay.vpp, lay.schedule)
     step = (compute + comm["tp"] + comm["cp"] + comm["ep"] + comm["etp"] + comm["pp"]) * (1 + bubble) + comm["dp"]
@@ -295,6 +309,6 @@ def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layo
     return Estimate(
         layout=lay, num_microbatches=m, model_state_gb=states / GB, activation_gb=activations / GB,
         memory_gb=total / GB, fits=total <= cluster.gpu_memory_gb * GB, compute_s=compute, comm_s=comm,
-        bubble=bubble, step_s=step, tflops_per_gpu=hardware / cluster.gpus / step / 1e12,
-        mfu=model / cluster.gpus / step / peak,
+        bubble=bubble, busiest=busiest, step_s=step, tflops_per_gpu=hardware / cluster.gpus / step / 1e12,
+        mfu=model / cluster.gpus / step / peak, split=split_label(spec, lay),
     )

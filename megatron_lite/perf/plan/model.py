@@ -14,9 +14,10 @@ Parameters held per GPU (:func:`stage_params`), as the built model holds them:
 * MLP: split over TP; an MoE layer holds its router (replicated, with a bias when the linears have
   one), ``E / EP`` experts (split over the expert-tensor-parallel size ETP, by default TP; each
   expert's fc2 bias whole on every ETP rank) and its shared experts (split over TP);
-* pipeline stages hold the layers of Megatron's partition (:func:`stage_layers`: an even split, or
-  for a layer count PP does not divide, the middle stages ``ceil(L / PP)`` layers each and the rest
-  shared by the first and last stages, as ``--decoder-first/last-pipeline-num-layers`` would);
+* pipeline stages hold the layers of training's split (:mod:`.split`: the layout's pipeline flags
+  through :func:`~megatron_lite.parallel.pipeline.partition.pipeline_ranges`; naming none, an even
+  split, or for a layer count PP does not divide, the middle stages ``ceil(L / PP)`` layers each and
+  the rest shared by the first and last stages, as ``--decoder-first/last-pipeline-num-layers`` would);
 * the last stage also holds the multi-token prediction layers (per depth two norms, the ``2h x h``
   projection split over TP, a layer of the last layer's kind and a final norm) and, without the
   first stage, a copy of the word embedding they share.
@@ -32,7 +33,7 @@ from ...models.mla_config import check_mla_shape, check_mtp_positions
 from ...models.transformer_config import default_ffn_hidden_size
 from ...models.window_config import check_causal_window, check_window_fields
 from ...moe.layer_pattern import parse_moe_layer_freq
-from ...parallel.pipeline.partition import layer_ranges
+from .split import split_ranges
 
 
 @dataclass(frozen=True)
@@ -221,18 +222,14 @@ def layer_params(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int | None =
 
 
 def stage_layers(spec: ModelSpec, pp: int) -> list[int]:
-    """Layers per pipeline stage: an even split, else ``ceil(L / pp)`` on every middle stage and the
-    rest on the first (the larger half) and last stages. One ConfigError when neither works."""
-    layers, first, last = spec.num_layers, None, None
-    if layers % pp:
-        per = -(-layers // pp)
-        rest = layers - (pp - 2) * per
-        first, last = -(-rest // 2), rest // 2
-    try:
-        return [hi - lo for [(lo, hi)] in layer_ranges(layers, pp, None, first, last)]
-    except ValueError:
-        raise ConfigError(f"PP {pp} cannot split --num-layers {layers} (evenly, or with smaller first and last "
-                          "stages)") from None
+    """Layers per pipeline stage of a layout naming no split: an even split, else the planner's
+    smaller first and last stages (:func:`~.split.default_first_last`). One ConfigError when neither works."""
+    return [sum(hi - lo for lo, hi in chunks) for chunks in default_ranges(spec, pp)]
+
+
+def default_ranges(spec: ModelSpec, pp: int) -> tuple:
+    """``[pp_rank][chunk] -> (layer_start, layer_end)`` of a PP ``pp`` layout naming no split."""
+    return split_ranges(spec.num_layers, spec.mtp_num_layers, pp, 1, (None,) * 3 + (False,) * 2)
 
 
 def _moe_pattern(spec: ModelSpec) -> list[bool]:
@@ -241,15 +238,16 @@ def _moe_pattern(spec: ModelSpec) -> list[bool]:
 
 @lru_cache(maxsize=4096)
 def stage_params(spec: ModelSpec, tp: int, pp: int, ep: int, first: bool, last: bool,
-                 stage: int | None = None, etp: int | None = None) -> tuple[float, float]:
-    """``(dense, expert)`` parameters one GPU of a pipeline stage holds: its layers
-    (:func:`stage_layers`), the embedding on the first stage, the final norm, the output layer (or
-    the tied embedding's copy) and the MTP layers on the last. ``stage``: a middle stage's index."""
-    counts = stage_layers(spec, pp)
-    index = stage if stage is not None else 0 if first else pp - 1
-    start = sum(counts[:index])
+                 stage: int | None = None, etp: int | None = None, ranges: tuple | None = None) -> tuple[float, float]:
+    """``(dense, expert)`` parameters one GPU of a pipeline stage holds: its layers, the embedding on
+    the first stage, the final norm, the output layer (or the tied embedding's copy) and the MTP
+    layers on the last. ``stage``: a middle stage's index; ``ranges``: the stage's chunks,
+    ``((layer_start, layer_end), ...)`` (:func:`~.split.rank_ranges`), by default those of a split
+    naming no flags (:func:`default_ranges`)."""
+    if ranges is None:
+        ranges = default_ranges(spec, pp)[stage if stage is not None else 0 if first else pp - 1]
     pattern = _moe_pattern(spec)
-    stage_pattern = pattern[start:start + counts[index]]
+    stage_pattern = [pattern[i] for lo, hi in ranges for i in range(lo, hi)]
     h = spec.hidden_size
     if last:
         stage_pattern += pattern[-1:] * spec.mtp_num_layers

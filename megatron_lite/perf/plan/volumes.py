@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from ...moe.layer_pattern import parse_moe_layer_freq
 from ..comm_volume import ring_bytes
-from .model import stage_layers
+from .model import default_ranges
+from .split import rank_ranges
 
 ACT_BYTES = 2
 GRAD_BYTES = 4  # the ring attention's dK/dV partial sums (fp32 accumulators)
@@ -47,16 +48,21 @@ def _passes(lay) -> int:
     return 3 if lay.recompute == "full" else 2
 
 
-def stage_layer_counts(spec, pp: int) -> tuple[int, int]:
-    """(layers, MoE layers) of the busiest pipeline stage, each maximised over the stages."""
-    counts = stage_layers(spec, pp)
+def stage_layer_counts(spec, pp: int, ranges: tuple | None = None) -> tuple[int, int]:
+    """(layers, MoE layers) of the busiest pipeline stage, each maximised over the stages (``ranges``:
+    every rank's chunks, :func:`~.split.rank_ranges`; by default the split naming no flags)."""
+    ranges = default_ranges(spec, pp) if ranges is None else ranges
     pattern = parse_moe_layer_freq(spec.moe_layer_freq, spec.num_layers) if spec.is_moe else [False] * spec.num_layers
     mtp = spec.mtp_num_layers
-    layers, moe, start = 0, 0, 0
-    for i, n in enumerate(counts):
-        kinds = pattern[start:start + n] + (pattern[-1:] * mtp if i == pp - 1 else [])
-        layers, moe, start = max(layers, len(kinds)), max(moe, sum(kinds)), start + n
+    layers, moe = 0, 0
+    for i, chunks in enumerate(ranges):
+        kinds = [pattern[j] for lo, hi in chunks for j in range(lo, hi)] + (pattern[-1:] * mtp if i == pp - 1 else [])
+        layers, moe = max(layers, len(kinds)), max(moe, sum(kinds))
     return layers, moe
+
+
+def _busiest(spec, lay) -> tuple[int, int]:
+    return stage_layer_counts(spec, lay.pp, rank_ranges(spec, lay))
 
 
 def _attention_input(spec) -> int:
@@ -74,7 +80,7 @@ def tp_bytes(spec, lay, m: int) -> float:
     hidden = ring_bytes("all_reduce", tokens * spec.hidden_size, lay.tp)
     attention_in = ring_bytes("all_reduce", tokens * _attention_input(spec), lay.tp)
     attention, mlp = (_passes(lay) - 1) * hidden + attention_in, _passes(lay) * hidden
-    layers, moe = stage_layer_counts(spec, lay.pp)
+    layers, moe = _busiest(spec, lay)
     mlps = layers if spec.moe_shared_expert_intermediate_size else layers - moe  # the experts: etp_bytes
     ends = 2 if lay.pp == 1 else 1  # the embedding's output and the output layer's input (a stage holds one)
     return float((attention * layers + mlp * mlps + ends * hidden) * m)
@@ -91,14 +97,14 @@ def cp_bytes(spec, lay, m: int) -> float:
     kv = lay.micro_batch * (spec.seq_length // c) * per_token
     hops = (c - 1) * (_passes(lay) - 1) + (c - 1)  # the 16-bit K/V; then c hops of its fp32 gradient
     per_layer = hops * ring_bytes("send", kv * ACT_BYTES, c) + c * ring_bytes("send", kv * GRAD_BYTES, c)
-    return float(per_layer * stage_layer_counts(spec, lay.pp)[0] * m)
+    return float(per_layer * _busiest(spec, lay)[0] * m)
 
 
 def ep_bytes(spec, lay, m: int) -> float:
     e = lay.ep
     if e == 1 or not spec.is_moe:
         return 0.0
-    moe_layers = stage_layer_counts(spec, lay.pp)[1]
+    moe_layers = _busiest(spec, lay)[1]
     slots = spec.moe_router_topk * lay.micro_batch * spec.seq_length // (lay.cp * lay.tp)
     one_way = ring_bytes("all_to_all", slots * spec.hidden_size * ACT_BYTES, e) * (e - 1) / e
     return float(2 * _passes(lay) * one_way * moe_layers * m)
@@ -110,7 +116,7 @@ def etp_bytes(spec, lay, m: int) -> float:
         return 0.0
     slots = spec.moe_router_topk * lay.micro_batch * spec.seq_length // (lay.cp * lay.tp)
     gather = ring_bytes("all_gather", e * slots * spec.hidden_size * ACT_BYTES, e)  # = the reduce-scatter
-    return float(2 * _passes(lay) * gather * stage_layer_counts(spec, lay.pp)[1] * m)
+    return float(2 * _passes(lay) * gather * _busiest(spec, lay)[1] * m)
 
 
 def pp_bytes(spec, lay, m: int) -> float:
