@@ -1,7 +1,7 @@
 """Memory per GPU and step time of one parallel layout, from the formulas of :mod:`megatron_lite.perf`.
 
-Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
-:func:`~.model.stage_layers`):
+Memory (bytes, the fullest pipeline stage; stage i of p holds the layers training's split gives
+pipeline rank i, over its chunks: :func:`~.split.rank_ranges`, from the layout's split flags):
 
 * model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
   of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
@@ -12,7 +12,7 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
   (:func:`~megatron_lite.perf.activation_memory.korthikanti_layer_bytes`, or
   :func:`~megatron_lite.perf.activation_memory.mla_layer_bytes` for multi-latent attention;
   sequence parallelism on whenever TP > 1, the sequence split over CP) times the layers of a stage
-  times the micro-batches in flight on stage i (:func:`in_flight_microbatches`, the schedule's
+  (all its chunks) times the micro-batches in flight on stage i (:func:`in_flight_microbatches`, the schedule's
   warmup plus one: ``min(p - i, m)`` under 1F1B; interleaved with m > p, ``p + (p - 2i - 1)/v``
   stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last; ZB-H1
   ``min(p, m)`` on every stage: a micro-batch stays until its deferred weight gradients, counted as
@@ -25,7 +25,9 @@ Memory (bytes, the fullest pipeline stage; stage i of p holds the layers of
 Step time: the hardware FLOPs of the step (:func:`~megatron_lite.perf.flops.num_floating_point_operations`,
 with the recomputed forward under full recomputation, the recomputed Q·Kᵀ and probabilities·V
 under selective recomputation) over the GPUs at :data:`MATMUL_EFFICIENCY`
-of peak; plus the tensor-, context-, expert-, expert-tensor- and pipeline-parallel traffic of one
+of peak, times the busiest pipeline rank's share (:func:`~.split.busiest_share`: its FLOPs, layers
+and on the last rank the output layer and MTP, over the mean rank's; 1 when balanced: the busiest
+rank paces the pipeline); plus the tensor-, context-, expert-, expert-tensor- and pipeline-parallel traffic of one
 GPU (:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
 order TP, CP, DP, PP; the experts' ETP, EP, expert-DP); that sum stretched by the pipeline bubble
 (:func:`pipeline_bubble`: ``(p-1)/(v m)`` under 1F1B, ``(p-1)/(3m)`` under ZB-H1 with m >= p); plus the
