@@ -161,6 +161,7 @@ def test_tool_takes_the_split_flags(capsys, flags, label):
     ["--pipeline-model-parallel-layout", "Ett|tt|ttL", "--pipeline-model-parallel-size", "2"],  # 3 stages over PP 2
     ["--pipeline-model-parallel-layout", "Ett|tt|ttL", "--account-for-loss-in-pipeline-split"],
     ["--account-for-embedding-in-pipeline-split", "--decoder-first-pipeline-num-layers", "2"],
+    ["--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers", "0"],  # 0 is a value
 ])
 def test_tool_refuses_a_bad_split_in_trainings_words(capsys, flags):
     """One line, exit 2, the message pipeline_ranges gives training for the same flags."""

@@ -33,7 +33,7 @@ from ...models.mla_config import check_mla_shape, check_mtp_positions
 from ...models.transformer_config import default_ffn_hidden_size
 from ...models.window_config import check_causal_window, check_window_fields
 from ...moe.layer_pattern import parse_moe_layer_freq
-from .split import split_ranges
+from .split import SPLIT_DEFAULTS, split_ranges
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def stage_layers(spec: ModelSpec, pp: int) -> list[int]:
 
 def default_ranges(spec: ModelSpec, pp: int) -> tuple:
     """``[pp_rank][chunk] -> (layer_start, layer_end)`` of a PP ``pp`` layout naming no split."""
-    return split_ranges(spec.num_layers, spec.mtp_num_layers, pp, 1, (None,) * 3 + (False,) * 2)
+    return split_ranges(spec.num_layers, spec.mtp_num_layers, pp, 1, tuple(SPLIT_DEFAULTS.values()))
 
 
 def _moe_pattern(spec: ModelSpec) -> list[bool]:

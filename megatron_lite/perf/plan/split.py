@@ -22,8 +22,10 @@ from ...parallel.pipeline.layout import parse_layout
 from ...parallel.pipeline.partition import pipeline_ranges
 from ..flops import forward_flops_per_layer, layer_windows, logits_flops
 
-SPLIT_FIELDS = ("pipeline_layout", "first", "last", "account_embedding", "account_loss")
-"""The :class:`~.estimate.Layout` fields that choose the split (training's flags below)."""
+SPLIT_DEFAULTS = {"pipeline_layout": None, "first": None, "last": None, "account_embedding": False,
+                  "account_loss": False}
+"""The :class:`~.estimate.Layout` fields that choose the split (training's flags below), unset."""
+SPLIT_FIELDS = tuple(SPLIT_DEFAULTS)
 SPLIT_FLAGS = {"pipeline_layout": "--pipeline-model-parallel-layout",
                "first": "--decoder-first-pipeline-num-layers", "last": "--decoder-last-pipeline-num-layers",
                "account_embedding": "--account-for-embedding-in-pipeline-split",
@@ -105,7 +107,7 @@ def check_split(spec, fixed: dict) -> None:
     """One ConfigError, training's words, for split flags no layout can take: a malformed
     ``pipeline_layout`` or one that does not fit the model (checked at the fixed PP, else at one stage
     per rank), or flags training refuses together. Other splits are checked per layout."""
-    split = {f: fixed.get(f) or (None if f in ("pipeline_layout", "first", "last") else False) for f in SPLIT_FIELDS}
+    split = {f: default if fixed.get(f) is None else fixed[f] for f, default in SPLIT_DEFAULTS.items()}
     text = split["pipeline_layout"]
     together = (split["account_embedding"] or split["account_loss"]) and (split["first"], split["last"]) != (None, None)
     if text is None and not together:
