@@ -16,7 +16,7 @@ from megatron_lite.parallel.pipeline.partition import pipeline_ranges
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.perf.flops import num_floating_point_operations
 from megatron_lite.perf.plan import ClusterSpec, Layout, ModelSpec, estimate, plan, stage_params
-from megatron_lite.perf.plan.estimate import stage_memory
+from megatron_lite.perf.plan.estimate import held_layers, in_flight_microbatches, layer_bytes, stage_memory
 from megatron_lite.perf.plan.split import rank_ranges, rank_work, split_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -200,3 +200,19 @@ def test_tool_takes_upcycling_and_plans_the_moe_model_unchanged(capsys):
 def test_tool_refuses_upcycling_as_training_does(capsys, flags, words):
     code, out, err = _tool(capsys, *flags)
     assert code == 2 and out == "" and err.count("\n") == 1 and words in err
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (2, 2, 2)])
+def test_interleaved_chunks_of_unequal_size_hold_the_layers_their_order_keeps(p, m, v):
+    """Equal chunks: the layers held are the chunk size x the whole-stage in-flight count (the formula
+    every other layout uses); unequal ones (a layout's, or the account flags' first and last chunks):
+    the order's own peak, so the chunk run first (held longest) weighs more."""
+    for i in range(p):
+        assert held_layers(p, i, m, (3,) * v) == pytest.approx(3 * v * in_flight_microbatches(p, i, m, v))
+    assert held_layers(p, 0, m, (3,) + (1,) * (v - 1)) >= held_layers(p, 0, m, (1,) * (v - 1) + (3,))
+    assert held_layers(2, 0, 4, (3, 1)) > held_layers(2, 0, 4, (1, 3))  # with steady-state micro-batches
+    lay = Layout(pp=2, vpp=2, pipeline_layout="Ettt|ttt|t|tL", recompute="selective")  # rank 0: 3 + 1
+    per_layer = layer_bytes(BIG, lay, "selective")
+    acts = [a for _, a in stage_memory(BIG, lay, 4)]
+    assert acts[0] == pytest.approx(held_layers(2, 0, 4, (3, 1)) * per_layer)
+    assert acts[0] != pytest.approx(4 * per_layer * in_flight_microbatches(2, 0, 4, 2))

@@ -16,7 +16,8 @@ pipeline rank i, over its chunks: :func:`~.split.rank_ranges`, from the layout's
   warmup plus one: ``min(p - i, m)`` under 1F1B; interleaved with m > p, ``p + (p - 2i - 1)/v``
   stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last; ZB-H1
   ``min(p, m)`` on every stage: a micro-batch stays until its deferred weight gradients, counted as
-  its whole activations). Full
+  its whole activations; a rank whose chunks differ in size: the most layers its order holds at
+  once, :func:`held_layers`). Full
   recomputation adds one layer's un-recomputed activations (the layer being recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
   ``4 b (s/cp) V / t`` for the model and each MTP depth. The MLP is counted as a 4h GeLU MLP;
   other shapes (SwiGLU, experts) are approximated by it;
@@ -43,7 +44,7 @@ import torch
 
 from ...errors import ConfigError
 from ...parallel.expert_grid import expert_dp_size, folding_problem
-from ...parallel.pipeline.order import order_zb_h1, warmup_1f1b, warmup_interleaved
+from ...parallel.pipeline.order import order_zb_h1, rank_order, warmup_1f1b, warmup_interleaved
 from ...parallel.pipeline.trace import bubble_fraction, simulate
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
@@ -212,6 +213,17 @@ def in_flight_microbatches(p: int, i: int, m: int, v: int = 1, schedule: str = "
     return min(warm + 1, total) / v
 
 
+@lru_cache(maxsize=1024)
+def held_layers(p: int, i: int, m: int, sizes: tuple) -> int:
+    """Most layers' activations rank ``i`` holds at once under the interleaved order, its chunks
+    ``sizes`` layers each: a forward of chunk c adds its layers, that micro-batch's backward frees them."""
+    live = peak = 0
+    for kind, _, chunk in rank_order(p, i, m, len(sizes)):
+        live += sizes[chunk] if kind == "F" else -sizes[chunk] if kind == "B" else 0
+        peak = max(peak, live)
+    return peak
+
+
 def memory_bytes(spec: ModelSpec, lay: Layout, m: int) -> tuple[float, float]:
     """``(model state, activations)`` bytes on the fullest pipeline stage (module docstring)."""
     return max(stage_memory(spec, lay, m), key=sum)
@@ -230,8 +242,11 @@ def stage_memory(spec: ModelSpec, lay: Layout, m: int) -> list[tuple[float, floa
     stages = []
     for i, layers in enumerate(rank_layers(spec, lay)):
         dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp, ranges[i])
-        in_flight = in_flight_microbatches(p, i, m, v, lay.schedule)
-        acts = layers * per_layer * in_flight + work
+        sizes = tuple(hi - lo for lo, hi in ranges[i])
+        if len(set(sizes)) > 1 and lay.schedule == "1f1b":  # chunks of unequal size: their layers in flight
+            acts = held_layers(p, i, m, sizes) * per_layer + work
+        else:
+            acts = layers * per_layer * in_flight_microbatches(p, i, m, v, lay.schedule) + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
             acts += spec.mtp_num_layers * per_layer + (1 + spec.mtp_num_layers) * logits
         stages.append((dense * dense_bpp + expert * expert_bpp, acts))
