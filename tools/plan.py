@@ -18,6 +18,10 @@ layouts that fit in GPU memory are printed fastest first, with the best one brok
 Model flags (Megatron names) override a preset's values; cluster flags override --cluster's.
 Layout flags (--tensor-model-parallel-size, ...) keep only the layouts with that value (any value; one no
 layout can take is refused, naming the flag and the reason).
+The split of the layers over the pipeline stages takes training's flags (--pipeline-model-parallel-layout,
+--account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers) and training's
+ranges (pipeline_ranges); --moe-use-upcycling / --moe-upcycling-granularity are checked as in training and
+change nothing in the plan.
 Exit code 2 with one line on stderr for a bad option.
 """
 
