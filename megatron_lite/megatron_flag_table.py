@@ -150,10 +150,6 @@ ENTRIES = (
      "implemented", DROP),
     # -- mixed precision --------------------------------------------------------------------------
     ("--fp32-residual-connection", "the residual stream stays in the model's dtype", DROP),
-    ("--apply-query-key-layer-scaling", "query-key layer scaling is not implemented", DROP),
-    ("--attention-softmax-in-fp32", "the fused attention kernels (SDPA, flash-attn, the default) compute the "
-     "softmax in fp32, but --no-masked-softmax-fusion scales and softmaxes 16-bit scores, so this is not "
-     "guaranteed", "drop it and keep --masked-softmax-fusion on"),
     ("--fp16-lm-cross-entropy", "the cross-entropy is always computed in fp32", DROP),
     ("--disable-bf16-reduced-precision-matmul", "PyTorch's matmul precision settings are left as they are",
      DROP),

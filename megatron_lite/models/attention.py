@@ -102,6 +102,9 @@ class DotProductAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.flash = _flash_attn_funcs()  # decided once per layer, at construction
         self.fused_softmax = config.masked_softmax_fusion
+        # the unfused path's numerics (Megatron's flags; the fused kernels always soft-max in fp32)
+        self.softmax_in_fp32 = getattr(config, "attention_softmax_in_fp32", False)
+        self.layer_scaling = layer_number if getattr(config, "apply_query_key_layer_scaling", False) else 1
         self.sliding_window = layer_window(config, layer_number)  # (left, right), or None: the whole context
         self.flash_window = {"window_size": self.sliding_window} if self.sliding_window else {}  # flash-attn's
         self.softmax_type = getattr(config, "softmax_type", "vanilla")  # --softmax-type: parallel/attention_sink.py
@@ -143,7 +146,9 @@ class DotProductAttention(nn.Module):
             mask = confine_to_window(mask, window, causal, s, k.shape[2], q.device)
         sink = sink_logits(self.softmax_type, self.softmax_offset, nq, q.device)
         if not self.fused_softmax:
-            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale, sink)
+            coeff = self.layer_scaling if q.dtype == torch.float16 else 1  # Megatron scales fp16 only
+            return unfused_attention(q, k, v, None if mask is None else ~mask, causal, dropout_p, self.scale, sink,
+                                     softmax_in_fp32=self.softmax_in_fp32, coeff=coeff)
         if q.device.type == "cpu" and (dropout_p > 0 or beats_cpu_sdpa(q, k, mask, causal)):
             out = cpu_core_attention(q, k, v, None if mask is None else ~mask, causal and mask is None, dropout_p,
                                      self.scale, sink)
@@ -170,16 +175,30 @@ class DotProductAttention(nn.Module):
 
 
 def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, scale: float,
-                      sink=None) -> torch.Tensor:
+                      sink=None, *, softmax_in_fp32: bool = False, coeff: float = 1) -> torch.Tensor:
     """``--no-masked-softmax-fusion``: softmax(q k^T scale + mask) v with one operation per step.
     ``q [b, nq, s, d]``, ``k [b, nkv, s, d]``, ``v [b, nkv, s, dv]``; returns ``[s, b, nq * dv]``.
     ``sink`` (``[nq]`` or None): one more logit per row, in the softmax's denominator only. A query whose
     every key is masked attends to nothing (zeros out, no gradient), as SDPA's kernels and the fused path do,
-    not ``softmax`` of a row of -inf (NaN, which ``probs @ v`` then spreads)."""
+    not ``softmax`` of a row of -inf (NaN, which ``probs @ v`` then spreads).
+
+    The scale multiplies the product's accumulator (``baddbmm``'s alpha), so 16-bit scores are rounded
+    once and overflow only where the scaled score does. ``softmax_in_fp32`` (``--attention-softmax-in-fp32``):
+    the scores are cast to fp32 before the mask and the softmax, the probabilities rounded to the input's
+    dtype once after it; otherwise both run in the input's dtype. ``coeff`` (``--apply-query-key-layer-scaling``
+    under fp16: the layer number) divides the scale, keeping fp16 scores ``coeff`` times further from
+    overflow, and multiplies the fp32 scores back before the softmax (it needs ``softmax_in_fp32``)."""
     b, nq, s, dv = *q.shape[:3], v.shape[-1]
+    if coeff != 1 and not softmax_in_fp32:
+        raise ValueError("query-key layer scaling (coeff != 1) undoes its scale in an fp32 softmax: "
+                         "pass softmax_in_fp32=True")
     if k.shape[1] != nq:  # grouped-query attention: each key/value head serves nq / nkv query heads
         k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    sk, d = k.shape[2], q.shape[-1]
+    scores = torch.baddbmm(q.new_zeros(()), q.reshape(b * nq, s, d), k.reshape(b * nq, sk, d).transpose(1, 2),
+                           beta=0, alpha=scale / coeff).view(b, nq, s, sk)
+    if softmax_in_fp32:
+        scores = scores.float() if coeff == 1 else scores.float() * coeff
     if attention_mask is not None:
         scores = scores.masked_fill(attention_mask, float("-inf"))
     elif causal:
@@ -192,6 +211,7 @@ def unfused_attention(q, k, v, attention_mask, causal: bool, dropout_p: float, s
         probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
     if attention_mask is not None:  # a row of -inf: softmax's NaN becomes 0 (the gradient's masked_fill zeroes it)
         probs = probs.masked_fill(attention_mask.all(-1, keepdim=True), 0.0)
+    probs = probs.to(v.dtype)  # softmax_in_fp32: the one rounding of the probabilities
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, nq * dv)
 

@@ -119,6 +119,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
     bias_activation_fusion: bool = False  # bias + GeLU (tanh approximation) / bias + SwiGLU in one function
     bias_dropout_fusion: bool = False  # residual + dropout(x + bias) in one function
     masked_softmax_fusion: bool = True  # False: attention's explicit scale/mask/softmax math instead of SDPA
+    attention_softmax_in_fp32: bool = False  # the unfused softmax (and its mask) in fp32 (the fused kernels always are)
+    apply_query_key_layer_scaling: bool = False  # fp16: scores scaled by 1/layer_number, undone in the fp32 softmax
     apply_rope_fusion: bool = False  # rotary embedding through a jit_fuser function
     gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
     cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
@@ -359,4 +361,7 @@ def _fp8_fields(pr) -> dict:
                 fp8_amax_history_len=pr.fp8_amax_history_len, fp8_amax_compute_algo=pr.fp8_amax_compute_algo,
                 fp8_wgrad=not pr.no_fp8_wgrad, first_last_layers_bf16=pr.first_last_layers_bf16,
                 num_layers_at_start_in_bf16=pr.num_layers_at_start_in_bf16,
-                num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16, transformer_impl=pr.transformer_impl)
+                num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16, transformer_impl=pr.transformer_impl,
+                # Megatron: query-key layer scaling turns the fp32 softmax on
+                attention_softmax_in_fp32=pr.attention_softmax_in_fp32 or pr.apply_query_key_layer_scaling,
+                apply_query_key_layer_scaling=pr.apply_query_key_layer_scaling)

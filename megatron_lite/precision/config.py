@@ -27,6 +27,10 @@ class PrecisionConfig:
     """Clean steps before the dynamic loss scale doubles."""
     hysteresis: int = 2
     """Overflowing steps tolerated before the loss scale halves."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale Q * K^T by 1 / layer-number (undone inside the fp32 softmax) for fp16 overflow safety; sets --attention-softmax-in-fp32. Active under --fp16 (Megatron's rule); with --masked-softmax-fusion (SDPA, flash-attn, the CPU kernel, all accumulating the scores in fp32) it changes nothing but is accepted."""
+    attention_softmax_in_fp32: bool = False
+    """Run attention masking and softmax in fp32 with --no-masked-softmax-fusion (the fused kernels always do)."""
     fp8_format: str | None = None
     """FP8 format: e4m3 or hybrid."""
     fp8_recipe: str = "delayed"
