@@ -149,7 +149,6 @@ ENTRIES = (
     ("--replication --replication-jump --replication-factor", "local checkpoint replication is not "
      "implemented", DROP),
     # -- mixed precision --------------------------------------------------------------------------
-    ("--fp32-residual-connection", "the residual stream stays in the model's dtype", DROP),
     ("--fp16-lm-cross-entropy", "the cross-entropy is always computed in fp32", DROP),
     ("--disable-bf16-reduced-precision-matmul", "PyTorch's matmul precision settings are left as they are",
      DROP),

@@ -71,6 +71,9 @@ class Norm(nn.Module):
     Replicated over tensor-parallel ranks. Under sequence parallelism each rank normalises only
     its sequence shard, so its weight gradient is partial: the parameters carry
     ``sequence_parallel = True`` and the training code sums their gradients over TP.
+
+    An fp32 input to 16-bit weights (``--fp32-residual-connection``'s stream) is normalised in fp32 and
+    returned in the weights' dtype, the layers' compute dtype.
     """
 
     def __init__(self, hidden_size: int, kind: str = "LayerNorm", eps: float = 1e-5, *,
@@ -95,10 +98,15 @@ class Norm(nn.Module):
                    zero_centered=config.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
+        weight, bias = (self.weight + 1 if self.zero_centered else self.weight), self.bias
+        mixed = x.dtype == torch.float32 and weight.dtype != torch.float32
+        if mixed:  # --fp32-residual-connection: the fp32 stream normalised in fp32, returned in the weights' dtype
+            weight, bias = weight.float(), None if bias is None else bias.float()
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
-        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+            out = F.layer_norm(x, (self.hidden_size,), weight, bias, self.eps)
+        else:
+            out = F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+        return out.to(self.weight.dtype) if mixed else out
 
 
 # ---------------------------------------------------------------------------------------------

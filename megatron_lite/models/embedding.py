@@ -32,6 +32,7 @@ class Embedding(nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.dropout_p = config.hidden_dropout
         self.tracker = state.rng_tracker
+        self.fp32_residual = getattr(config, "fp32_residual_connection", False)  # the stream starts in fp32 here
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, self.tp_group, init_method=config.init_method(0, WORD_EMBEDDING),
             sequence_parallel=self.sequence_parallel, dtype=config.params_dtype,
@@ -75,6 +76,8 @@ class Embedding(nn.Module):
             if tokentype_ids is None:
                 raise ValueError("this model has token-type embeddings; pass tokentype_ids [b, s]")
             hidden = hidden + self.tokentype_embeddings(self._my_shard(tokentype_ids.t()))
+        if self.fp32_residual:  # --fp32-residual-connection (Megatron casts here too, before dropout)
+            hidden = hidden.float()
         if self.dropout_p > 0 and self.training:
             if self.sequence_parallel:  # every rank holds a different chunk: draw distinct masks per TP rank
                 with self.tracker.fork():

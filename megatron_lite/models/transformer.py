@@ -4,7 +4,9 @@ A layer is ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, its part
 :class:`~megatron_lite.models.spec.LayerSpec`. Activations between layers are ``[s, b, h]``, or the
 sequence shard ``[s/tp, b, h]`` under sequence parallelism: the norms, dropout and residual adds
 then run on the shard; the QKV / fc1 ColumnParallelLinear all-gathers the sequence and the
-proj / fc2 RowParallelLinear reduce-scatters it back.
+proj / fc2 RowParallelLinear reduce-scatters it back. With ``--fp32-residual-connection`` the stream
+between layers (from the embedding on) is fp32 and each residual add is computed in fp32, while a
+norm returns the model's 16-bit dtype, in which the attention and MLP compute.
 
 ``TransformerBlock`` holds the global layers ``[layer_start, layer_end)`` of one pipeline chunk,
 the final norm when it is the last chunk, and activation recomputation (``config.recompute_*``):
@@ -63,6 +65,7 @@ class TransformerLayer(nn.Module):
         self.recompute_norms = "layernorm" in modules
         self.recompute_mlp = ("moe" if moe else "mlp") in modules
         self.tracker = state.rng_tracker
+        self.compute_dtype = config.params_dtype  # a norm's output: what the layer's GEMMs take
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         if self.compiled_forward is not None and inference_context is None:  # --torch-compile: one compiled
@@ -90,8 +93,11 @@ class TransformerLayer(nn.Module):
         """``(norm(hidden), holder)``: holder is the :class:`~megatron_lite.parallel.recompute.DiscardedOutput`
         to discard after the consumer's forward under ``--recompute-modules layernorm``, else None."""
         if self.recompute_norms and self.training:
-            return run_discarding(norm, hidden)
-        return norm(hidden), None
+            x, holder = run_discarding(norm, hidden)
+        else:
+            x, holder = norm(hidden), None
+        # --fp32-residual-connection: a spec's own norm may return the fp32 stream's dtype (Norm does not)
+        return (x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)), holder
 
     def _mlp_views(self, x):
         """The MLP's output; a bias it leaves to the fused residual is returned as a view (an autograd

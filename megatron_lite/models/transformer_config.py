@@ -121,6 +121,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
     masked_softmax_fusion: bool = True  # False: attention's explicit scale/mask/softmax math instead of SDPA
     attention_softmax_in_fp32: bool = False  # the unfused softmax (and its mask) in fp32 (the fused kernels always are)
     apply_query_key_layer_scaling: bool = False  # fp16: scores scaled by 1/layer_number, undone in the fp32 softmax
+    fp32_residual_connection: bool = False  # the residual stream (embedding output, layer outputs) in fp32
     apply_rope_fusion: bool = False  # rotary embedding through a jit_fuser function
     gradient_accumulation_fusion: bool = False  # weight-gradient GEMMs accumulate into main_grad
     cross_entropy_loss_fusion: bool = False  # the cross-entropy's per-token pieces through jit_fuser
@@ -364,4 +365,5 @@ def _fp8_fields(pr) -> dict:
                 num_layers_at_end_in_bf16=pr.num_layers_at_end_in_bf16, transformer_impl=pr.transformer_impl,
                 # Megatron: query-key layer scaling turns the fp32 softmax on
                 attention_softmax_in_fp32=pr.attention_softmax_in_fp32 or pr.apply_query_key_layer_scaling,
-                apply_query_key_layer_scaling=pr.apply_query_key_layer_scaling)
+                apply_query_key_layer_scaling=pr.apply_query_key_layer_scaling,
+                fp32_residual_connection=pr.fp32_residual_connection)

@@ -27,6 +27,8 @@ class PrecisionConfig:
     """Clean steps before the dynamic loss scale doubles."""
     hysteresis: int = 2
     """Overflowing steps tolerated before the loss scale halves."""
+    fp32_residual_connection: bool = False
+    """Move residual connections to fp32: the embedding's output, the hidden states between layers (and between pipeline stages) and every residual add are fp32 while the layers compute in --bf16/--fp16 (each norm takes the fp32 stream and returns the model's dtype). No effect in fp32."""
     apply_query_key_layer_scaling: bool = False
     """Scale Q * K^T by 1 / layer-number (undone inside the fp32 softmax) for fp16 overflow safety; sets --attention-softmax-in-fp32. Active under --fp16 (Megatron's rule); with --masked-softmax-fusion (SDPA, flash-attn, the CPU kernel, all accumulating the scores in fp32) it changes nothing but is accepted."""
     attention_softmax_in_fp32: bool = False
@@ -75,3 +77,8 @@ class PrecisionConfig:
     def params_dtype(self) -> torch.dtype:
         """The dtype of the model's weights and activations."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states between layers and pipeline stages: fp32 with --fp32-residual-connection."""
+        return torch.float32 if self.fp32_residual_connection else self.params_dtype

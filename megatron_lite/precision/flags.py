@@ -59,6 +59,7 @@ def check_precision_flags(pr) -> None:
         _require(not missing, f"--transformer-impl transformer_engine: {' and '.join(missing)}; "
                               "use --transformer-impl local (native FP8 GEMMs)")
     _check_fp8_only_flags(pr)
+    _check_16_bit_only_flags(pr)
     if pr.fp8_format is not None:
         _require(pr.bf16, f"--fp8-format {pr.fp8_format} needs --bf16 (the FP8 GEMMs take and return bf16 "
                           "tensors and the rest of the model runs in bf16); add --bf16")
@@ -75,6 +76,19 @@ FP8_ONLY_FLAGS = (("--fp8-recipe", "fp8_recipe", "delayed"), ("--fp8-margin", "f
                   ("--no-fp8-wgrad", "no_fp8_wgrad", False), ("--first-last-layers-bf16", "first_last_layers_bf16", False))
 BF16_LAYER_COUNTS = (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", 1),
                      ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", 1))
+
+
+SIXTEEN_BIT_ONLY_FLAGS = (("--fp32-residual-connection", "fp32_residual_connection", False),
+                          ("--attention-softmax-in-fp32", "attention_softmax_in_fp32", False),
+                          ("--apply-query-key-layer-scaling", "apply_query_key_layer_scaling", False))
+
+
+def _check_16_bit_only_flags(pr) -> None:
+    """The 16-bit numerics flags keep parts of a --bf16/--fp16 model in fp32; an fp32 run already is."""
+    flag = _set_flag(pr, SIXTEEN_BIT_ONLY_FLAGS)
+    _require(pr.bf16 or pr.fp16 or flag is None,
+             f"{flag} has no effect in fp32 training (everything already computes in fp32); add --bf16 or --fp16, "
+             "or drop it")
 
 
 def _set_flag(pr, table) -> str | None:

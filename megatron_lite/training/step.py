@@ -22,7 +22,8 @@ from .timers import Timers
 
 
 def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
-    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype,
+    """The run's stage-to-stage communicator: hidden states ``[s(/tp), b, h]`` in the model's dtype (fp32
+    with --fp32-residual-connection: the residual stream crosses stages as it is),
     ``s`` being the tokens of a sample held by one rank (the sequence split over context parallelism).
 
     Built once per run; every schedule call (training and evaluation) takes it.
@@ -30,7 +31,7 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     local_seq_length = config.model.seq_length // config.parallel.context_parallel_size
     return PipeComm.for_activations(
         state, seq_length=local_seq_length, micro_batch_size=config.training.micro_batch_size,
-        hidden_size=config.model.hidden_size, dtype=config.precision.params_dtype,
+        hidden_size=config.model.hidden_size, dtype=config.precision.residual_dtype,
         sequence_parallel=config.parallel.sequence_parallel,
     )
 
