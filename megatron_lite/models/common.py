@@ -62,6 +62,12 @@ def init_replicated(param: nn.Parameter, init_method) -> None:
         param.copy_(master)
 
 
+def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is): a spec's own norm given ``--fp32-residual-connection``'s
+    fp32 stream may return fp32, which the 16-bit layers after it cannot take."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight only) over the last dim.
 

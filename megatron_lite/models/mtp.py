@@ -37,7 +37,7 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.random import checkpoint
-from .common import column_linear
+from .common import column_linear, in_dtype
 from .spec import resolve_spec
 from .transformer import TransformerLayer
 
@@ -75,11 +75,14 @@ class MultiTokenPredictionLayer(nn.Module):
         self.final_layernorm = spec.final_norm(config, state, layer_number)
         self.recompute = config.recompute_granularity == "full"
         self.tracker = state.rng_tracker
+        self.compute_dtype = config.params_dtype
 
     def forward(self, hidden, embedded, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this depth's normed output ``[s(/tp), b, h]``;
         ``inference_context``: this depth's own key/value cache (speculative decoding), or None."""
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h/tp]
+        dtype = self.compute_dtype  # a spec's norms of --fp32-residual-connection's fp32 inputs: cast
+        x = self.eh_proj(torch.cat([in_dtype(self.enorm(embedded), dtype), in_dtype(self.hnorm(hidden), dtype)],
+                                   dim=-1))  # [s, b, h/tp]
         x = comm.gather_from_tp(x, self.tp_group)
         if self.sequence_parallel:
             x = comm.scatter_to_sp(x, self.tp_group)

@@ -29,6 +29,7 @@ from ..fusions.residual import bias_dropout_add
 from ..moe.layer import MoELayer
 from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules, run_discarding
+from .common import in_dtype
 from .spec import resolve_spec
 
 ATTN_MASK_TYPES = ("causal", "padding")
@@ -97,7 +98,7 @@ class TransformerLayer(nn.Module):
         else:
             x, holder = norm(hidden), None
         # --fp32-residual-connection: a spec's own norm may return the fp32 stream's dtype (Norm does not)
-        return (x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)), holder
+        return in_dtype(x, self.compute_dtype), holder
 
     def _mlp_views(self, x):
         """The MLP's output; a bias it leaves to the fused residual is returned as a view (an autograd
@@ -137,6 +138,7 @@ class TransformerBlock(nn.Module):
         self.full_recompute = config.recompute_granularity == "full"
         self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
         self.tracker = state.rng_tracker
+        self.compute_dtype = config.params_dtype  # the final norm's output (a spec's norm cast to it)
         self.layers = nn.ModuleList(
             TransformerLayer(config, state, i + 1, resolve_spec(spec, i + 1)) for i in range(layer_start, layer_end)
         )
@@ -160,7 +162,7 @@ class TransformerBlock(nn.Module):
         layer's attention), or None."""
         if inference_context is not None:
             hidden = self._run(0, len(self.layers), inference_context)(hidden, attention_mask, *(rotary or (None, None)))
-            return hidden if self.final_norm is None else self.final_norm(hidden)
+            return hidden if self.final_norm is None else in_dtype(self.final_norm(hidden), self.compute_dtype)
         cos, sin = rotary if rotary is not None else (None, None)
         n = len(self.layers)
         full = self.full_recompute and torch.is_grad_enabled()
@@ -176,7 +178,7 @@ class TransformerBlock(nn.Module):
                 else:
                     hidden = run(hidden, attention_mask, cos, sin)
         if self.final_norm is not None:
-            hidden = self.final_norm(hidden)
+            hidden = in_dtype(self.final_norm(hidden), self.compute_dtype)
         return hidden
 
 

@@ -117,3 +117,23 @@ def test_16_bit_numerics_flags_refused_in_fp32(capsys, flag):
     base = ["--mock-data", "--vocab-size", "64"]
     parse_refused(capsys, base + [flag], flag, "no effect in fp32", "--bf16")
     parse_args(base + [flag, "--bf16"], world_size=1)  # accepted with 16-bit training
+
+
+def test_a_spec_norm_of_the_fp32_stream_is_cast_to_the_model_dtype():
+    """examples/research/dyt.py's norm returns fp32 for the fp32 stream; the layer, the final norm and the
+    multi-token prediction layer (its enorm / hnorm before eh_proj) cast its output to bf16, so the GEMMs
+    after it still take bf16 (without the casts the output layer and eh_proj refuse the fp32 input)."""
+    from megatron_lite.models.spec_plugin import layer_specs
+
+    spec = layer_specs("examples/research/dyt.py", "spec", 2)[0]
+    config = TransformerConfig(**{**FUSION_MODEL, "params_dtype": torch.bfloat16, "fp32_residual_connection": True,
+                                  "position_embedding_type": "rope", "mtp_num_layers": 1})
+    torch.manual_seed(0)
+    model = GPTModel(config, ParallelState(), spec=spec)
+    seen = {}
+    model.decoder.final_norm.register_forward_hook(lambda m, a, out: seen.update({"final norm": out.dtype}))
+    losses = model(TOKENS, labels=TOKENS, mtp_tokens=[TOKENS.roll(-1, 1)], mtp_labels=[TOKENS.roll(-2, 1)])
+    assert losses.shape[0] == 2  # the main head and the MTP layer's
+    losses.float().mean().backward()
+    assert seen["final norm"] == torch.float32  # the spec's norm itself
+    assert model.embedding.word_embeddings.weight.grad is not None
