@@ -107,4 +107,17 @@ MUTATIONS = [
              "taken from the first stage's layers", "megatron_lite/parallel/pipeline/partition.py",
              "min(max(slot - embedding, 0), num_layers)", "min(max(slot, 0), num_layers)",
              ("tests/unit/test_pipeline_layout.py", "-k", "account")),
+    Mutation("softmax_fp32_ignored", "--attention-softmax-in-fp32: the unfused scores left 16-bit for the softmax",
+             "megatron_lite/models/attention.py", "        scores = scores.float() if coeff == 1 else scores.float() * coeff\n",
+             "        scores = scores if coeff == 1 else scores.float() * coeff\n",
+             ("tests/unit/test_attention_numerics.py", "-k", "dtype_follows")),
+    Mutation("qk_layer_scaling_not_undone", "--apply-query-key-layer-scaling: the scores divided by the layer number "
+             "and not multiplied back in the fp32 softmax", "megatron_lite/models/attention.py",
+             "scores.float() * coeff\n", "scores.float()\n", ("tests/unit/test_attention_numerics.py", "-k", "layer_scaling")),
+    Mutation("fp32_residual_embedding_not_cast", "--fp32-residual-connection: the embedding's output left in the "
+             "model's dtype (the stream stays 16-bit)", "megatron_lite/models/embedding.py",
+             "            hidden = hidden.float()\n", "            pass\n", ("tests/unit/test_fp32_residual.py",)),
+    Mutation("fp32_residual_p2p_dtype", "--fp32-residual-connection: the pipeline's p2p buffers in the model's dtype",
+             "megatron_lite/training/step.py", "dtype=config.precision.residual_dtype,",
+             "dtype=config.precision.params_dtype,", ("tests/unit/test_fp32_residual.py", "-k", "pipeline")),
 ]
