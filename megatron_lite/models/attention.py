@@ -23,7 +23,10 @@ without dropout where :func:`~megatron_lite.models.cpu_attention.beats_cpu_sdpa`
 
 Fusion flags: SDPA is the fused scale + mask + softmax (``--masked-softmax-fusion``, on by default);
 ``--no-masked-softmax-fusion`` runs the explicit math instead (scores, mask, softmax, dropout,
-product: one operation each). The rotary embedding goes through a ``jit_fuser`` function with
+product: one operation each), in the inputs' dtype unless ``--attention-softmax-in-fp32`` casts the
+scores to fp32 for the mask and softmax; ``--apply-query-key-layer-scaling`` (fp16 inputs only, as
+Megatron's Transformer Engine attention) divides the scores by the layer number in the product and
+multiplies them back in that fp32 softmax. The rotary embedding goes through a ``jit_fuser`` function with
 ``--rope-fusion``. With bias + dropout fusion the output projection returns ``(output, bias)``.
 
 ``--qk-layernorm`` (Qwen3, Gemma-3; not OLMo-2, whose norm spans all heads): queries and keys are
