@@ -24,7 +24,6 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
 from ..config import Config
-from ..config_checks import check_train_iters
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
 from ..device import get_device
@@ -41,6 +40,7 @@ from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
 from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
+from ..schedule_checks import check_train_iters
 from .batch_rampup import StepBatches, data_config_for_resume, valid_config_for_resume, validation_batch
 from .logging import TrainLogger
 from .manual_gc import ManualGC
