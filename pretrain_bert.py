@@ -186,7 +186,7 @@ def make_datasets_provider(tokenizer):
                                             ids_of=bert_token_ids)
         train, valid = chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train, consumed_valid,
                                             num_chunks, wrap=wrap)
-        if not t.skip_train:
+        if t.eval_iters == 0:  # no test pass (at the end of the run, or of --skip-train)
             return train, valid
         return train, valid, test_set(config, state, lambda n: build_train_valid_test_datasets(
             data_config, [0, 0, n], tokenizer)[2], num_chunks, wrap)

@@ -40,7 +40,7 @@ from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import pipeline_ranges
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
-from megatron_lite.training.validation import special, split_samples, test_set, validation_sets
+from megatron_lite.training.validation import split_samples, test_set, validation_sets
 
 
 def build_tokenizer_for(config: Config):
@@ -176,8 +176,7 @@ def make_datasets_provider(tokenizer):
         train_samples, valid_samples, _ = train_valid_test_num_samples(
             t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples
         )
-        samples = [train_samples, valid_samples, 0]  # the loop does not run a test pass: build no test split
-        samples = split_samples(config, *samples) if special(config) else samples  # --skip-train: test apart
+        samples = split_samples(config, train_samples, valid_samples, 0)  # the test split is built apart (below)
         data_config = None
         if config.data.sft:  # chat conversations, padded or packed (megatron_lite/data/sft_dataset.py)
             sft = sft_config_from(config, tokenizer)
@@ -190,15 +189,13 @@ def make_datasets_provider(tokenizer):
         plain = not (t.full_validation or t.multiple_validation_sets)
         train, valid = chunk_data_iterators(config, state, train_ds, valid_ds if plain else None, consumed_train,
                                             consumed_valid, num_chunks, wrap=wrap)
-        if not special(config):
-            return train, valid
         if t.multiple_validation_sets:  # each dataset of the validation split on its own
             valid_ds = build_validation_sets(data_config, None if t.full_validation else valid_samples, tokenizer)
         if not plain:
             datasets = valid_ds if t.multiple_validation_sets else [] if valid_ds is None else [valid_ds]
             valid = validation_sets(config, state, datasets, consumed_valid, num_chunks, wrap) if datasets else None
-        test = None
-        if t.skip_train and data_config is not None:
+        test = None  # the test pass at the end of the run (and of --skip-train), where the data gives a test split
+        if t.eval_iters > 0 and data_config is not None:
             test = test_set(config, state, lambda n: build_train_valid_test_datasets(data_config, [0, 0, n],
                                                                                      tokenizer)[2], num_chunks, wrap)
         return train, valid, test

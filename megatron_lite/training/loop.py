@@ -266,6 +266,15 @@ class _Training:
         if record and first:
             self.result.validation.append((self.iteration, next(iter(first.values()))))
 
+    def test(self, test_iter) -> None:
+        """The test split's pass (Megatron's do_test), printed only: a ValidationSet or a provider's own iterator."""
+        with self.gc.evaluation():
+            test = evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
+                            getattr(test_iter, "iterator", test_iter), getattr(test_iter, "batches", None))
+        self.logger.log_validation(self.iteration, test, prefix=f"iteration {self.iteration} on test set", scalars=False)
+        if test:
+            self.result.evaluations.append((self.iteration, "test", test))
+
     def evaluate_only(self, test_iter) -> TrainResult:
         """--skip-train: validation, then the test split (where it has data), at the loaded iteration; no step, no save."""
         print_rank_0(f"> --skip-train: no training step; evaluating the iteration-{self.iteration} model"
@@ -275,14 +284,8 @@ class _Training:
                               "--split with a validation weight (or --valid-data-path)")
         if self.valid_iter is not None:
             self.validate()
-        if test_iter is not None:  # a ValidationSet (the scripts'), or a plain iterator of a provider's own
-            with self.gc.evaluation():
-                test = evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
-                                getattr(test_iter, "iterator", test_iter), getattr(test_iter, "batches", None))
-            self.logger.log_validation(self.iteration, test, prefix=f"iteration {self.iteration} on test set",
-                                       scalars=False)
-            if test:
-                self.result.evaluations.append((self.iteration, "test", test))
+        if test_iter is not None:
+            self.test(test_iter)
         self.logger.close()
         self.gc.close()
         self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
@@ -302,11 +305,11 @@ class _Training:
         interval = reason is None and t.exit_interval and self.iteration % t.exit_interval == 0
         return "interval" if interval else reason
 
-    def run(self) -> TrainResult:
-        """Iterate until ``--train-iters`` or an exit condition; save and evaluate at the end."""
+    def run(self, test_iter=None) -> TrainResult:
+        """Iterate until ``--train-iters`` or an exit condition; save, validate and test at the end."""
         try:
             with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
-                self._iterate()
+                self._iterate(test_iter)
         except Exception:
             # the save in flight is finished (or discarded) first, as a synchronous one would be, not left
             # half-written by the exit: for a stop every rank takes together (a NaN loss) and for an error
@@ -330,7 +333,7 @@ class _Training:
         self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
         return self.result
 
-    def _iterate(self) -> None:
+    def _iterate(self, test_iter) -> None:
         t, ck = self.config.training, self.config.checkpoint
         evaluating = t.eval_iters > 0 and self.valid_iter is not None
         while self.iteration < t.train_iters:
@@ -349,6 +352,8 @@ class _Training:
             self.save()
             if evaluating and self.iteration % t.eval_interval != 0:
                 self.validate(record=False)
+            if t.eval_iters > 0 and test_iter is not None:  # a run stopped early (signal, duration) does not test
+                self.test(test_iter)
 
 
 def pretrain(config: Config, model_provider, forward_step_func, datasets_provider,
@@ -358,7 +363,8 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     ``datasets_provider(config, state, consumed_train_samples, consumed_valid_samples)`` returns
     ``(train_iterator, valid_iterator)``; each may be a list with one iterator per model chunk, and
     the validation one a :class:`~megatron_lite.training.validation.ValidationSets`. A third item, a
-    test iterator, is evaluated (``--eval-iters`` batches) by a ``--skip-train`` run.
+    test iterator, is evaluated (``--eval-iters`` batches) once, at the end of a run that trained to
+    ``--train-iters`` and by a ``--skip-train`` run (Megatron-LM's test pass).
     ``scheduler_provider(config, optimizer)`` returns the learning-rate schedule (default: the flags',
     :func:`build_scheduler`): an object with ``step(increment)`` (called once per optimizer step; it
     sets the optimizer's lr), ``get_lr()``, ``state_dict()`` and ``load_state_dict(sd)``, saved and
@@ -382,7 +388,7 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
                                  started, consumed_valid)
             if config.training.skip_train:
                 return training.evaluate_only(test[0] if test else None)
-            return training.run()
+            return training.run(test[0] if test else None)
 
 
 def resumed_validation(config: Config, built: _Built) -> int:

@@ -10,7 +10,7 @@
   dataset smaller than one global batch is refused. Such a pass leaves the ``--eval-iters``
   position (``consumed_valid_samples``, saved with checkpoints) where it was.
 * ``--skip-train``: no step; validation and (where the split has data) test at the loaded iteration,
-  then the run returns; no checkpoint is written.
+  then the run returns; no checkpoint is written. A run that trains to --train-iters tests at its end too.
 
 The GPT script hands ``pretrain`` a :class:`ValidationSets` instead of a validation iterator when one
 of the first two flags is given (:func:`validation_sets`); the loop runs it with :func:`run_passes`.
@@ -150,12 +150,6 @@ def _one_epoch(config, state, dataset, wrap):
     return iter(loader) if wrap is None else wrap(iter(loader))
 
 
-def special(config) -> bool:
-    """Whether a validation flag changes what the script's datasets provider returns."""
-    t = config.training
-    return t.full_validation or t.multiple_validation_sets or t.skip_train
-
-
 def split_samples(config, train: int, valid: int, test: int) -> list:
     """[train, valid, test] samples to build: --skip-train builds no training set; --full-validation one
     epoch of the validation split (None); --multiple-validation-sets builds its datasets apart (0 here);
@@ -166,7 +160,7 @@ def split_samples(config, train: int, valid: int, test: int) -> list:
 
 
 def test_set(config, state, build_test, num_chunks: int, wrap=None) -> ValidationSet | None:
-    """--skip-train's test pass: --eval-iters global batches of the test split from its first sample, or
+    """The test pass (at the end of training, and of --skip-train): --eval-iters global batches of the test split from its first sample, or
     None when the data gives no test split (``build_test(samples)`` returns the dataset or None; a split
     too small to build is said in one line and skipped, as a run that never tests would not notice it)."""
     from ..console import print_rank_0
@@ -175,7 +169,7 @@ def test_set(config, state, build_test, num_chunks: int, wrap=None) -> Validatio
     try:
         dataset = build_test(t.eval_iters * t.global_batch_size)
     except DataConfigError as err:
-        print_rank_0(f"> --skip-train: no test pass ({err})")
+        print_rank_0(f"> no test pass at the end: {err}")
         return None
     if dataset is None:
         return None

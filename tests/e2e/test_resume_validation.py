@@ -138,6 +138,7 @@ def _recording_validation(monkeypatch):
         return evaluate(config, comm, chunks, forward_step_func, batches())
 
     monkeypatch.setattr(loop, "evaluate", recorded)
+    monkeypatch.setattr(loop._Training, "test", lambda self, test_iter: None)  # the test pass at the end: left out
     return passes
 
 

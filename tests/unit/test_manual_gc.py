@@ -43,17 +43,18 @@ def test_collections_at_start_interval_and_around_evaluation(monkeypatch):
     events = _events(monkeypatch, ["--manual-gc", "--manual-gc-interval", "2"])
     t, e = "train-gc-off", "eval-gc-off"
     assert events == ["collect2", t, t, "collect2", t, "collect2", e, "collect0", t, "collect2", t,
-                      "collect2", e, "collect0"]  # iterations 1-5, evaluation after 3 and at the end
+                      "collect2", e, "collect0", "collect2", e, "collect0"]  # iterations 1-5, validation after 3 and at the
+    # end, then the test pass (the mock data's test split) as one more evaluation
 
 
 def test_no_manual_gc_eval_and_interval_zero_leave_only_the_first_collection(monkeypatch):
     events = _events(monkeypatch, ["--manual-gc", "--no-manual-gc-eval"])
-    assert events == ["collect2"] + ["train-gc-off"] * 3 + ["eval-gc-off"] + ["train-gc-off"] * 2 + ["eval-gc-off"]
+    assert events == ["collect2"] + ["train-gc-off"] * 3 + ["eval-gc-off"] + ["train-gc-off"] * 2 + ["eval-gc-off"] * 2
 
 
 def test_without_the_flag_the_collector_stays_automatic(monkeypatch):
     events = _events(monkeypatch, ["--manual-gc-interval", "2"])
-    assert events == ["train"] * 3 + ["eval"] + ["train"] * 2 + ["eval"]
+    assert events == ["train"] * 3 + ["eval"] + ["train"] * 2 + ["eval"] * 2
 
 
 def test_negative_interval_is_one_line_exit_2(capsys):

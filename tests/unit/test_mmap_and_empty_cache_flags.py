@@ -63,10 +63,10 @@ TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size
         "--eval-interval", "2", "--eval-iters", "1"]
 
 
-@pytest.mark.parametrize("level, calls", [("0", 0), ("1", 3), ("2", 5)])
+@pytest.mark.parametrize("level, calls", [("0", 0), ("1", 4), ("2", 6)])
 def test_empty_cache_points(monkeypatch, level, calls):
-    """Two steps and one evaluation: level 1 after each forward-backward (2 training, 1 evaluation),
-    level 2 also after each optimizer step. The device is made to read as CUDA for the check only."""
+    """Two steps, one validation and the test pass at the end: level 1 after each forward-backward (2
+    training, 2 evaluation), level 2 also after each optimizer step. The device is made to read as CUDA for the check only."""
     seen = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append(1))
     monkeypatch.setattr(device, "get_device", lambda: torch.device("cuda"))  # what empty_unused_memory asks
