@@ -29,12 +29,12 @@ def _run(tmp_path, capsys):
 
 def test_reads_console_log_and_tensorboard(tmp_path, capsys):
     _run(tmp_path, capsys)
-    train, valid = plot_loss.read_run(str(tmp_path / "run.log"))
+    train, valid, test = plot_loss.read_run(str(tmp_path / "run.log"))
     assert train == [(2, 8.5), (4, 6.5), (6, 4.5)]  # interval means of 9,8 / 7,6 / 5,4
-    assert valid == [(4, 5.5)]
-    train, valid = plot_loss.read_run(str(tmp_path / "tb"))
+    assert valid == {None: [(4, 5.5)]} and test == []
+    train, valid, test = plot_loss.read_run(str(tmp_path / "tb"))
     assert train == [(i, 10.0 - i) for i in range(1, 7)]
-    assert valid == [(4, 5.5)]
+    assert valid == {None: [(4, 5.5)]} and test == []
 
 
 def test_writes_png_and_rejects_empty_input(tmp_path, capsys):
@@ -68,9 +68,54 @@ def test_a_resumed_run_appended_to_the_log_takes_the_later_values(tmp_path, caps
     resumed = first.replace("lm loss: 6.5", "lm loss: 6.25").replace("lm loss value: 5.5", "lm loss value: 5.25")
     resumed = resumed[resumed.index("iteration        4/") - 23:]  # from the resumed run's first line on
     (tmp_path / "run.log").write_text(first + resumed)
-    train, valid = plot_loss.read_run(str(tmp_path / "run.log"))
+    train, valid, _ = plot_loss.read_run(str(tmp_path / "run.log"))
     assert train == [(2, 8.5), (4, 6.25), (6, 4.5)]
-    assert valid == [(4, 5.25)]
+    assert valid == {None: [(4, 5.25)]}
+
+
+def _sets_run(tmp_path, capsys, names, ppl=False):
+    """A --multiple-validation-sets run (sets ``names``, validated at 2 and 4) ending with its test pass."""
+    cfg = Config()
+    cfg.logging.log_interval = 1
+    cfg.logging.tensorboard_dir = str(tmp_path / "tb")
+    cfg.logging.log_validation_ppl_to_tensorboard = ppl
+    log = TrainLogger(cfg, ParallelState(), 1e9)
+    for it in range(1, 5):
+        log.log_iteration(it, {"lm loss": 10.0 - it}, 1e-3, 1.0, 1.0, False, False, 0.1, 2)
+        if it % 2 == 0:
+            for i, name in enumerate(names):
+                log.log_validation(it, {"lm loss": it + i / 4}, name=name)  # exact in float32
+    log.log_validation(4, {"lm loss": 3.25}, prefix="iteration 4 on test set", scalars=False)
+    log.close()
+    (tmp_path / "run.log").write_text(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("ppl", [False, True])
+def test_each_validation_set_is_a_series_and_the_test_pass_a_point(tmp_path, capsys, ppl):
+    """--multiple-validation-sets lines (" validation loss at iteration N on validation set NAME |") and the
+    test line were skipped: each set is its own series (from the log and from the ``lm loss validation NAME``
+    scalars, without their ``... ppl`` ones; a set named ``ppl`` or with a space in its name is a set), and
+    the test pass a point (log only: it has no scalar)."""
+    names = ["web", "ppl", "two words"]
+    _sets_run(tmp_path, capsys, names, ppl)
+    want = {name: [(2, 2 + i / 4), (4, 4 + i / 4)] for i, name in enumerate(names)}
+    log = plot_loss.read_run(str(tmp_path / "run.log"))
+    assert log.valid == want and log.test == [(4, 3.25)] and len(log.train) == 4
+    tb = plot_loss.read_run(str(tmp_path / "tb"))
+    assert tb.valid == want and tb.test == [] and len(tb.train) == 4
+    out = tmp_path / "loss.png"
+    assert plot_loss.main([str(tmp_path / "run.log"), "-o", str(out), "--labels", "log"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out} (log: 4 points, lm loss 9.000 at 1 -> 6.000 at 4, validation ppl 4.250 at 4, "
+        "validation two words 4.500 at 4, validation web 4.000 at 4, test 3.250 at 4)")
+
+
+def test_the_plain_validation_ppl_scalar_is_not_a_set(tmp_path, capsys):
+    """--log-validation-ppl-to-tensorboard without --multiple-validation-sets writes ``lm loss validation ppl``:
+    the perplexity of the one validation split, not a set named ``ppl``."""
+    _sets_run(tmp_path, capsys, [None], ppl=True)
+    assert plot_loss.read_run(str(tmp_path / "tb")).valid == {None: [(2, 2.0), (4, 4.0)]}
 
 
 @pytest.mark.parametrize("tool", ["plot_loss", "plot_schedule", "plan"])
