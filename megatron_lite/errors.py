@@ -123,6 +123,25 @@ def run_script(main) -> None:
     sys.exit(code)
 
 
+SIGPIPE_EXIT_CODE = 141  # 128 + SIGPIPE: what a shell reports for a program whose reader went away
+
+
+def run_tool(main) -> int:
+    """A tool's ``__main__``: ``main()``'s exit code, or, when the reader of its output went away
+    (``tool ... | head -1``), a quiet exit instead of a BrokenPipeError traceback. SIGPIPE is not given
+    back its default action (that would also kill a server whose client hung up): the error is caught,
+    and stdout pointed at /dev/null so the interpreter's last flush has nowhere to fail."""
+    try:
+        code = main()
+        sys.stdout.flush()  # the output still buffered fails here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return SIGPIPE_EXIT_CODE
+
+
 def _store():
     """The job's key-value store when more than one process runs and the run made the process group
     (a test's process pool owns its group, and its workers must not end at once), else None."""

@@ -27,7 +27,7 @@ from megatron_lite.checkpoint import CheckpointError, load_bert_checkpoint  # no
 from megatron_lite.checkpoint.hf_tokenizer import checkpoint_tokenizer  # noqa: E402
 from megatron_lite.data.indexed_dataset import DataFileError  # noqa: E402
 from megatron_lite.data.tokenizers import build_tokenizer  # noqa: E402
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import OneLineParser, run_tool  # noqa: E402
 
 MASK = "[MASK]"
 # the tokenizers pretrain_bert.py trains with: those with [CLS]/[SEP]/[MASK]/[PAD] (Megatron's SentencePiece appends them)
@@ -130,4 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

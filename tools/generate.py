@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import OneLineParser, run_tool  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.sampling import SamplingParams  # noqa: E402
 
@@ -107,4 +107,4 @@ def acceptance_line(timings: dict, num_tokens: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

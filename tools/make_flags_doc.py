@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_lite.arguments import build_parser  # noqa: E402
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import OneLineParser, run_tool  # noqa: E402
 from megatron_lite.files import replaced_whole  # noqa: E402
 from megatron_lite.megatron_flags import ENTRIES, REFUSED_VALUES  # noqa: E402
 
@@ -157,4 +157,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -22,7 +22,7 @@ from megatron_lite.data.indexed_dataset import (  # noqa: E402
 )
 from megatron_lite.data.input_paths import output_prefix  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import OneLineParser, run_tool  # noqa: E402
 
 
 def find_datasets(directory: str) -> list[str]:
@@ -89,4 +89,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

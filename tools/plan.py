@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser, run_tool  # noqa: E402
 from megatron_lite.models.mla_config import MLA_SIZES  # noqa: E402
 from megatron_lite.moe.config import MoEConfig  # noqa: E402
 from megatron_lite.moe.upcycling import upcycling_problem  # noqa: E402
@@ -300,4 +300,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

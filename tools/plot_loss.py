@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser, run_tool  # noqa: E402
 from megatron_lite.training.outputs import check_output_file, save_figure  # noqa: E402
 
 _TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|")
@@ -197,4 +197,4 @@ def summary(label: str, curves: Curves, tag: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser, run_tool  # noqa: E402
 from megatron_lite.parallel.pipeline.order import check_interleaved_microbatches  # noqa: E402
 from megatron_lite.parallel.pipeline.trace import (  # noqa: E402
     bubble_fraction,
@@ -138,4 +138,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

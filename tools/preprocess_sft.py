@@ -20,7 +20,7 @@ from megatron_lite.data.input_paths import output_prefix  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
 from megatron_lite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megatron_lite.data.tokenizers import add_tokenizer_args, tokenizer_kwargs  # noqa: E402
-from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser, run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,4 +61,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

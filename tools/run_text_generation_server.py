@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.errors import ConfigError, OneLineParser  # noqa: E402
+from megatron_lite.errors import ConfigError, OneLineParser, run_tool  # noqa: E402
 from megatron_lite.inference.batch_runner import make_runner  # noqa: E402
 from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
@@ -120,4 +120,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

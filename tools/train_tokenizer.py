@@ -30,7 +30,7 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.input_paths import compressed_hint, output_prefix  # noqa: E402
-from megatron_lite.errors import OneLineParser  # noqa: E402
+from megatron_lite.errors import OneLineParser, run_tool  # noqa: E402
 
 
 def read_texts(path: str, json_keys=("text",), jsonl=None):
@@ -241,4 +241,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

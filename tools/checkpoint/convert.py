@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_lite.checkpoint.convert import build_parser, convert  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
 from megatron_lite.data.interrupt import interrupted_exit_code, terminate_as_interrupt  # noqa: E402
-from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError, run_tool  # noqa: E402
 from megatron_lite.progress import progress  # noqa: E402
 
 
@@ -73,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))
