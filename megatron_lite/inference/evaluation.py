@@ -49,7 +49,7 @@ class Perplexity:
         return None if ratio is None else math.exp(min(20.0, self.loss * ratio))
 
     def line(self, task: str = "WIKITEXT103") -> str:
-        words = (f" | adjusted ppl: {self.adjusted_ppl:.4E} | token ratio: {self.token_ratio} |"
+        words = (f" | adjusted ppl: {self.adjusted_ppl:.4E} | token ratio: {self.token_ratio:.4E} |"
                  if self.num_words else " | adjusted ppl: n/a (no word count: token input) |")
         return f"validation results on {task} | avg loss: {self.loss:.4E} | ppl: {self.ppl:.4E}{words}"
 

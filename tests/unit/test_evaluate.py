@@ -271,3 +271,12 @@ def test_a_bert_checkpoint_is_refused_naming_evaluation(tmp_path, capsys):
     assert "holds a BERT checkpoint; evaluation needs a GPT checkpoint" in err and err.count("\n") == 1, err
     with pytest.raises(CheckpointError, match="holds a BERT checkpoint; text generation needs a GPT checkpoint"):
         load_model(run.checkpoint.save)
+
+
+def test_the_token_ratio_is_printed_as_the_other_figures():
+    """The JSONL line printed the ratio unformatted (``token ratio: 1.7026558891454966 |``); now in the
+    other figures' format (4 decimals, exponent)."""
+    from megatron_lite.inference.evaluation import Perplexity
+
+    line = Perplexity(loss=2.0, ppl=math.exp(2.0), num_tokens=738, num_words=434).line()
+    assert line.endswith("| adjusted ppl: 3.0089E+01 | token ratio: 1.7021E+00 |"), line
