@@ -103,7 +103,8 @@ def _load_payloads(path: str) -> tuple[dict, int, int, int]:
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     if set(payloads) != want:
         missing = sorted(key[: 3 if ep > 1 else 2] for key in want - set(payloads))
-        layout, ranks = (f"tp {tp} x pp {pp} x ep {ep}", "(tp, pp, ep)") if ep > 1 else (f"tp {tp} x pp {pp}", "(tp, pp)")
+        layout = f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+        layout, ranks = (f"{layout} --expert-model-parallel-size {ep}", "(tp, pp, ep)") if ep > 1 else (layout, "(tp, pp)")
         raise CheckpointError(f"{path}: saved with {layout} but mp_rank files for {ranks} {missing} are missing; "
                               "the checkpoint is incomplete")
     return payloads, tp, pp, ep

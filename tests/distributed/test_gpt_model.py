@@ -291,3 +291,5 @@ def test_generate_refuses_missing_or_incomplete_checkpoints(tmp_path, capsys):
     assert gen.main(["--load", str(root), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]) == 2
     err = capsys.readouterr().err
     assert "(1, 1)" in err and "incomplete" in err and err.count("\n") == 1
+    # the layout in the flags' names (was "tp 2 x pp 2"), as the other checkpoint messages give it
+    assert "saved with --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 but" in err, err
