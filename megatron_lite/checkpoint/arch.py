@@ -222,7 +222,7 @@ def saved_config(root: str) -> tuple[str, dict]:
 
 def apply_checkpoint_args(config, given: tuple[str, ...] = ()) -> list[str]:
     """Set every architecture flag of ``config`` (before it is finalized) to the value the checkpoint
-    at ``--load`` was saved with; returns what changed, as ``"hidden-size 32 (was 64)"``. ``given``:
+    at ``--load`` was saved with; returns what changed, as ``"--hidden-size 32 (was 64)"``. ``given``:
     the command line (its words): --seq-length, which may change on a resume, is taken only when it is
     not there (Megatron-LM's rule for a flag left out)."""
     if config.checkpoint.load is None:
@@ -233,22 +233,22 @@ def apply_checkpoint_args(config, given: tuple[str, ...] = ()) -> list[str]:
         values = getattr(config, section)
         for key in ARCHITECTURE_FLAGS:
             if key in saved and hasattr(values, key) and getattr(values, key) != saved[key]:
-                changed.append(f"{key.replace('_', '-')} {saved[key]} (was {getattr(values, key)})")
+                changed.append(_taken(key, saved[key], getattr(values, key)))
                 setattr(values, key, saved[key])
     changed += _take_vocabulary(config, saved)
     m = config.model
     if saved.get("seq_length") not in (None, m.seq_length) and not any(w.split("=")[0] == "--seq-length" for w in given):
-        changed.append(f"seq-length {saved['seq_length']} (was {m.seq_length})")
+        changed.append(_taken("seq_length", saved["seq_length"], m.seq_length))
         m.seq_length = saved["seq_length"]
     # grouped key/value heads need --group-query-attention, which is no architecture flag
     if m.num_query_groups not in (None, m.num_attention_heads) and not m.group_query_attention:
         m.group_query_attention = True
-        changed.append("group-query-attention True (was False)")
+        changed.append(_taken("group_query_attention", True, False))
     return changed
 
 
 def _take_vocabulary(config, saved: dict) -> list[str]:
-    """--use-checkpoint-args: the vocabulary's flags from the checkpoint, as ``"vocab-size 123 (was None)"``:
+    """--use-checkpoint-args: the vocabulary's flags from the checkpoint, as ``"--vocab-size 123 (was no --vocab-size)"``:
     its --make-vocab-size-divisible-by (the padded rows are part of the saved tensors), and its
     --vocab-size where both runs use NullTokenizer (elsewhere the tokenizer's files decide it)."""
     m, changed = config.model, []
@@ -258,6 +258,18 @@ def _take_vocabulary(config, saved: dict) -> list[str]:
         takes.append(("vocab_size", _as_flag("vocab_size", saved)))
     for key, value in takes:
         if value is not None and getattr(m, key) != value:
-            changed.append(f"{key.replace('_', '-')} {value} (was {getattr(m, key)})")
+            changed.append(_taken(key, value, getattr(m, key)))
             setattr(m, key, value)
     return changed
+
+
+def _taken(key: str, value, was) -> str:
+    """A flag --use-checkpoint-args took, as on the command line (:func:`flag_setting`): ``"--hidden-size 32
+    (was 64)"``, ``"--swiglu (was no --swiglu)"``; ``value`` and ``was`` are flag values (a NullTokenizer
+    --vocab-size as typed)."""
+    flag = "--" + key.replace("_", "-")
+    if key == "vocab_size":  # flag_setting reads a saved (config) vocabulary; these are the flag's values
+        now, before = (f"{flag} {v}" if v is not None else f"no {flag}" for v in (value, was))
+    else:
+        now, before = (flag_setting(key, {key: v})[0] for v in (value, was))
+    return f"{now} (was {before[len(flag) + 1:] if before.startswith(flag + ' ') else before})"

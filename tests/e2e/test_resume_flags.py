@@ -56,8 +56,9 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(saved, tm
     taken = pretrain_gpt.main(_argv(str(tmp_path / "taken"), 4, MODEL + fmt + ["--load", src, "--use-checkpoint-args"]))
     assert_same_trajectory(Trajectory.of(taken), same, steps=2)
     out = capsys.readouterr().out
-    for said in ("openai-gelu True (was False)", "rotary-base 5000 (was 10000)", "norm-epsilon 1e-06 (was 1e-05)",
-                 "position-embedding-type rope (was learned_absolute)"):
+    # named as on the command line (the line gave bare names: "openai-gelu True (was False)")
+    for said in ("--openai-gelu (was no --openai-gelu)", "--rotary-base 5000 (was 10000)",
+                 "--norm-epsilon 1e-06 (was 1e-05)", "--position-embedding-type rope (was learned_absolute)"):
         assert said in out, out
 
 
@@ -80,7 +81,8 @@ def test_use_checkpoint_args_takes_the_vocabulary_flags_and_a_left_out_seq_lengt
     taken = pretrain_gpt.main(bare)
     assert_same_trajectory(Trajectory.of(taken), same, steps=2)
     out = capsys.readouterr().out
-    assert "make-vocab-size-divisible-by 8 (was 128), vocab-size 123 (was None), seq-length 16 (was 128)" in out, out
+    assert ("--make-vocab-size-divisible-by 8 (was 128), --vocab-size 123 (was no --vocab-size), --seq-length 16 "
+            "(was 128)") in out, out
     assert parse_args(bare + ["--seq-length", "8"], world_size=1).model.seq_length == 8  # given: kept
 
 

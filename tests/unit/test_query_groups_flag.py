@@ -43,7 +43,7 @@ def test_use_checkpoint_args_of_a_gqa_checkpoint_turns_group_query_attention_on(
     monkeypatch.setattr(arch, "saved_config", lambda root: (root, saved))
     config = parse_args(BASE + ["--load", "ckpt", "--use-checkpoint-args"], world_size=1)
     assert config.model.group_query_attention and config.model.num_query_groups == 2
-    assert "group-query-attention True (was False)" in capsys.readouterr().out
+    assert "--group-query-attention (was no --group-query-attention)" in capsys.readouterr().out
 
 
 def test_the_converters_flags_of_a_gqa_model_load():
