@@ -115,6 +115,18 @@ def build_model(variant: str, seed: int = 11, tokenizer: dict | None = None, voc
     return model.eval()
 
 
+def mtp_model(variant: str, depths: int, seed: int = 5) -> GPTModel:
+    """A 2-layer model of ``variant`` with ``depths`` multi-token prediction depths, random weights
+    (speculative decoding's drafts)."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
+                      max_position_embeddings=MAX_LEN, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
+                      attention_dropout=0.0, hidden_dropout=0.0, **dict(VARIANTS[variant], mtp_num_layers=depths))
+    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, 1)
+    model = GPTModel(TransformerConfig.from_model(cfg), ParallelState(world_size=1, rank=0))
+    randomize(model, seed)
+    return model.eval()
+
+
 def save_model(variant: str, root: str, ckpt_format: str = "torch", seed: int = 11,
                tokenizer: dict | None = None, vocab: int | None = None, adjust=None) -> GPTModel:
     """Save :func:`build_model` (``adjust(model)`` applied to it first) as a one-process checkpoint

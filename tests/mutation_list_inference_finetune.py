@@ -122,4 +122,15 @@ MUTATIONS = [
              "                    finish = \"stop\" if token in stops else \"length\"\n                    break\n",
              "                    finish = finish or (\"stop\" if token in stops else \"length\")\n",
              ("tests/unit/test_speculative_decoding.py", "-k", "stop_token")),
+    Mutation("specserve_speculation_batched", "the server with --num-speculative-tokens and continuous batching: "
+             "requests speculation serves join the batch (no drafts) instead of running alone with them",
+             "megatron_lite/inference/batch_runner.py",
+             "if not (speculates and speculates(prompts, params)) and self.batch.covers(prompts, params):",
+             "if self.batch.covers(prompts, params):",
+             ("tests/unit/test_speculative_server.py", "-k", "greedy")),
+    Mutation("specserve_no_fall_back", "the server with --num-speculative-tokens: a request of two prompts runs the "
+             "speculative steps (the first prompt only) instead of falling back to the plain engine",
+             "megatron_lite/inference/speculative.py", "        if self.speculates(prompts, params):\n"
+             "            return self._speculative_steps", "        if True:\n            return self._speculative_steps",
+             ("tests/unit/test_speculative_server.py", "-k", "falls_back")),
 ]

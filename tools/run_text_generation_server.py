@@ -7,7 +7,8 @@ POST /v1/completions and /v1/chat/completions, GET /health. See docs/inference.m
         -d '{"prompts": ["Hello world"], "tokens_to_generate": 16, "top_k": 1}'
 
 Concurrent OpenAI requests decode together (continuous batching, up to --inference-max-requests
-sequences). Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
+sequences); --num-speculative-tokens N drafts with a model's multi-token prediction heads (one process).
+Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
 the serving process (its pid is printed) finishes the request in hand and stops every rank (exit 0).
 Needs Flask (pip install megatron_lite[serve]).
 """
@@ -25,6 +26,7 @@ from megatron_lite.inference.batch_runner import make_runner  # noqa: E402
 from megatron_lite.inference.chat import read_chat_template  # noqa: E402
 from megatron_lite.inference.cli import USER_ERRORS, add_inference_args, build_session, fail  # noqa: E402
 from megatron_lite.inference.server import StopFlag, create_app, make_server, serve  # noqa: E402
+from megatron_lite.inference.speculative import served_line  # noqa: E402
 
 # the paged cache's and chunked prefill's flags: (flag, dest, default)
 BATCHING_DEFAULTS = [("--inference-dynamic-batching-block-size", "inference_dynamic_batching_block_size", 16),
@@ -59,10 +61,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "by their tokens, so a prompt starting with the same blocks reuses them instead of computing "
                         "them again "
                         "(default: on, as vLLM's; --no-enable-prefix-caching turns it off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
+                        "multi-token prediction heads (at most its --mtp-num-layers); a request it serves (one "
+                        "prompt, no penalties, logit_bias, stop strings or streamed logprobs) runs alone with "
+                        "drafts, the others as without the flag (docs/inference.md); one process")
     add_inference_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} must be in [0, 65535] (0: any free port)")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        p.error(f"--num-speculative-tokens {args.num_speculative_tokens} must be at least 1 (or left out)")
+    args.speculative_fall_back = True  # what speculation does not serve runs without it
     args.batching_flags = [flag for flag, dest, _ in BATCHING_DEFAULTS if getattr(args, dest) not in (None, False)]
     for _, dest, default in BATCHING_DEFAULTS:  # set only where given: refused when nothing batches
         if getattr(args, dest) is None:
@@ -115,6 +125,8 @@ def main(argv=None) -> int:
     print(f"serving {args.load} on http://{args.host}:{server.server_port} (pid {os.getpid()}, "
           f"{session.state.world_size} rank(s))", flush=True)
     serve(server, runner, stop)
+    if args.num_speculative_tokens:
+        print(served_line(session.engine.served, args.num_speculative_tokens), flush=True)
     print("server stopped", flush=True)
     return 0
 

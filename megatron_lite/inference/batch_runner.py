@@ -19,7 +19,9 @@ key/value-cache blocks to free up, in arrival order; one whose blocks exceed the
 ``--max-num-batched-tokens`` per step. What the batch does not cover runs alone as before, between
 two steps of the batch (which waits meanwhile): beam search, scoring (``max_tokens`` 0,
 ``tokens_to_generate`` 0), a request of more sequences than the bound, and every request under
-``--no-kv-cache``.
+``--no-kv-cache``. With ``--num-speculative-tokens`` (the engine a
+:class:`~.speculative.SpeculativeEngine`) every request speculation serves runs alone too, drafts
+and all; the others (several prompts, ``n`` > 1, stop strings, penalties, ...) batch as before.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
 step's broadcast names it, so every rank drops it) and frees its rows and blocks.
@@ -120,7 +122,8 @@ class BatchRunner(Runner):
         """Hand a request to the engine's thread; a request the batch runs is checked here (ValueError)."""
         ticket = Ticket()
         with self.cond:
-            if self.batch.covers(prompts, params):
+            speculates = getattr(self.engine, "speculates", None)  # a SpeculativeEngine's requests run alone
+            if not (speculates and speculates(prompts, params)) and self.batch.covers(prompts, params):
                 ticket.rid = self.batch.add(prompts, params)
                 self.tickets[ticket.rid] = ticket
                 ticket.put("started")

@@ -130,9 +130,10 @@ def build_session(args) -> Session:
                           f"pass at most {context_limit(saved)} (or leave it out)")
     kwargs = dict(vocab_size=saved.get("vocab_size") or tokenizer.vocab_size, max_sequence_length=limit,
                   eod=tokenizer.eod, seed=args.seed, use_cache=not args.no_kv_cache, tokenizer=tokenizer)
-    speculative = getattr(args, "num_speculative_tokens", None)  # tools/generate.py's
+    speculative = getattr(args, "num_speculative_tokens", None)  # tools/generate.py's and the server's
     if speculative:
-        engine = SpeculativeEngine(model, state, num_speculative_tokens=speculative, **kwargs)
+        engine = SpeculativeEngine(model, state, num_speculative_tokens=speculative,
+                                   fall_back=getattr(args, "speculative_fall_back", False), **kwargs)
     else:
         engine = InferenceEngine(model, state, **kwargs)
     return Session(engine, tokenizer, saved, state)

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lite.config import ModelConfig
 from megatron_lite.inference.engine import InferenceEngine
 from megatron_lite.inference.sampling import SamplingParams, sampling_logits
 from megatron_lite.inference.speculative import (
@@ -29,24 +28,10 @@ from megatron_lite.inference.speculative import (
     check_speculative_model,
     speculative_accept,
 )
-from megatron_lite.models import GPTModel, TransformerConfig
-from megatron_lite.parallel.state import ParallelState
-from megatron_lite.parallel.tensor import padded_vocab_size
-from tests.inference_helpers import MAX_LEN, VARIANTS, VOCAB, assert_close, build_model, prompts, randomize
+from tests.inference_helpers import MAX_LEN, VOCAB, assert_close, build_model, mtp_model, prompts
 
 NEW = 24
 CRITICAL = {5: 35.89, 6: 38.26, 7: 40.52}  # chi-square at p = 1e-6 by degrees of freedom
-
-
-def mtp_model(variant: str, depths: int, seed: int = 5) -> GPTModel:
-    """A 2-layer model of ``variant`` (tests/inference_helpers.py) with ``depths`` MTP depths, random weights."""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, seq_length=MAX_LEN,
-                      max_position_embeddings=MAX_LEN, vocab_size=VOCAB, make_vocab_size_divisible_by=8,
-                      attention_dropout=0.0, hidden_dropout=0.0, **dict(VARIANTS[variant], mtp_num_layers=depths))
-    cfg.padded_vocab_size = padded_vocab_size(VOCAB, 8, 1)
-    model = GPTModel(TransformerConfig.from_model(cfg), ParallelState(world_size=1, rank=0))
-    randomize(model, seed)
-    return model.eval()
 
 
 MODELS = {"gpt_mtp3": ("rope_gqa", 3), "mla_mtp2": ("mla_mtp", 2)}
