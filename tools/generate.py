@@ -14,7 +14,8 @@ in its ``tokenizer`` folder). See docs/inference.md.
     python tools/generate.py --load checkpoints/mtp --prompt "Hello" --greedy --num-speculative-tokens 2
 
 ``--num-speculative-tokens N`` drafts N tokens per step with a model's multi-token prediction heads
-(:mod:`megatron_lite.inference.speculative`) and prints the acceptance on stderr.
+(:mod:`megatron_lite.inference.speculative`), one prompt after the other (each its own caches: the
+sequences of a batch would keep different numbers of drafts), and prints the acceptance on stderr.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
                         "multi-token prediction heads (at most its --mtp-num-layers) and verify them in one "
-                        "forward pass; the same distribution (greedy: the same tokens); one --prompt, one process")
+                        "forward pass; the same distribution (greedy: the same tokens); several --prompt run one "
+                        "after the other")
     add_inference_args(p)
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
         session = build_session(args)
         tok = session.tokenizer
         texts = args.prompt or [""]
-        results = session.engine.generate([prompt_ids(tok, t) for t in texts], params)
+        results = generate_all(session.engine, [prompt_ids(tok, t) for t in texts], params)
     except USER_ERRORS as err:
         return fail(err)
     if not session.is_rank0:
@@ -92,8 +94,16 @@ def main(argv=None) -> int:
             for token, logp in zip(result.tokens[1:], result.log_probs):
                 print(f"  {token:>8d} {logp:10.4f}  {tok.detokenize([token])!r}")
     if args.num_speculative_tokens:
-        print(acceptance_line(session.engine.timings, args.num_speculative_tokens), file=sys.stderr)
+        print(acceptance_line(session.engine.served, args.num_speculative_tokens), file=sys.stderr)
     return 0
+
+
+def generate_all(engine, prompts: list[list[int]], params: SamplingParams):
+    """Every prompt's result: one batch, or with speculative decoding one prompt after the other (a
+    round keeps as many drafts as the sequence's own agree with, so each sequence has caches of its own)."""
+    if not getattr(engine, "num_speculative_tokens", None):
+        return engine.generate(prompts, params)
+    return [result for prompt in prompts for result in engine.generate([prompt], params)]
 
 
 def acceptance_line(timings: dict, num_tokens: int) -> str:

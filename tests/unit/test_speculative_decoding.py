@@ -15,6 +15,7 @@
 - What is not supported is refused in one line.
 """
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -223,10 +224,40 @@ def test_generate_tool_speculates_greedily_and_prints_the_acceptance(mtp_checkpo
     assert spec.err.startswith("speculative decoding (1 token(s) per draft): ") and "tokens per verify step" in spec.err
 
 
+def _printed(out: str):
+    """(texts, [(token, log-prob)]) of generate.py's output with --log-probs."""
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    return [line for line in out.splitlines() if line and not line.startswith("  ")], [(int(r[0]), float(r[1])) for r in rows]
+
+
+def test_generate_tool_speculates_several_prompts_one_after_the_other(mtp_checkpoint, capsys, monkeypatch):
+    """Three prompts of different lengths: the batch's greedy text and log-probs (printed with 4
+    decimals), each prompt run alone, the acceptance summed over the three."""
+    from megatron_lite.inference.speculative import SpeculativeEngine
+    from tests.tools import load_tool
+
+    gen = load_tool("generate")
+    argv = ["--load", f"{mtp_checkpoint}/mla_mtp", "--max-new-tokens", "10", "--greedy", "--log-probs"]
+    for prompt in ("5 17 3 40", "8", "1 2 3 4 5 6 7"):
+        argv += ["--prompt", prompt]
+    assert gen.main(argv) == 0
+    plain = capsys.readouterr().out
+    calls = []
+    generate = SpeculativeEngine.generate
+    monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, p, params: calls.append(p) or generate(self, p, params))
+    assert gen.main(argv + ["--num-speculative-tokens", "1"]) == 0
+    spec = capsys.readouterr()
+    text, scored = _printed(spec.out), _printed(plain)
+    assert text[0] == scored[0] and [t for t, _ in text[1]] == [t for t, _ in scored[1]] and len(calls) == 3
+    assert all(abs(a - b) <= 2e-4 for (_, a), (_, b) in zip(text[1], scored[1])) and all(len(c) == 1 for c in calls)
+    found = re.search(r"over (\d+) verify step\(s\), (\d+) of", spec.err)  # the three prompts' totals
+    steps, accepted = int(found[1]), int(found[2])
+    assert steps + accepted == 3 * 9, spec.err  # 10 new tokens each: the prefill's, then 9 from verify steps
+
+
 @pytest.mark.parametrize("load, flags, words", [
     ("mla_mtp", ["--num-speculative-tokens", "2"], "has 1 multi-token prediction head(s) (--mtp-num-layers 1); pass at most 1"),
     ("plain", ["--num-speculative-tokens", "1"], "no multi-token prediction heads"),
-    ("mla_mtp", ["--num-speculative-tokens", "1", "--prompt", "4"], "one prompt at a time"),
     ("mla_mtp", ["--num-speculative-tokens", "1", "--no-kv-cache"], "leave out --no-kv-cache"),
     ("mla_mtp", ["--num-speculative-tokens", "0"], "must be at least 1"),
 ])
@@ -240,7 +271,7 @@ def test_generate_tool_refuses_what_cannot_speculate_in_one_line(mtp_checkpoint,
     def call():
         raise SystemExit(gen.main(argv))
 
-    refused_line(capsys, call, "--num-speculative-tokens" if "one prompt" not in words else "--prompt", words)
+    refused_line(capsys, call, "--num-speculative-tokens", words)
 
 
 def test_the_benchmark_runs_and_finds_greedy_unchanged(capsys):
