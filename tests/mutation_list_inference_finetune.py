@@ -133,4 +133,9 @@ MUTATIONS = [
              "megatron_lite/inference/speculative.py", "        if self.speculates(prompts, params):\n"
              "            return self._speculative_steps", "        if True:\n            return self._speculative_steps",
              ("tests/unit/test_speculative_server.py", "-k", "falls_back")),
+    Mutation("specdec_tp_draft_shard", "speculative decoding at TP2: each rank drafts from the logits of its own "
+             "vocabulary shard (not all-gathered), so the ranks verify different drafts",
+             "megatron_lite/inference/speculative.py",
+             "            logits = _all_gather(logits, -1, self.engine.state.tp_group)  # every rank drafts alike\n", "",
+             ("tests/e2e/test_generate_torchrun.py", "-k", "speculative")),
 ]

@@ -15,7 +15,8 @@ in its ``tokenizer`` folder). See docs/inference.md.
 
 ``--num-speculative-tokens N`` drafts N tokens per step with a model's multi-token prediction heads
 (:mod:`megatron_lite.inference.speculative`), one prompt after the other (each its own caches: the
-sequences of a batch would keep different numbers of drafts), and prints the acceptance on stderr.
+sequences of a batch would keep different numbers of drafts), in one process or under torchrun with
+tensor parallelism (no pipeline parallelism), and prints the acceptance on stderr.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ POST /v1/completions and /v1/chat/completions, GET /health. See docs/inference.m
         -d '{"prompts": ["Hello world"], "tokens_to_generate": 16, "top_k": 1}'
 
 Concurrent OpenAI requests decode together (continuous batching, up to --inference-max-requests
-sequences); --num-speculative-tokens N drafts with a model's multi-token prediction heads (one process).
+sequences); --num-speculative-tokens N drafts with a model's multi-token prediction heads (TP, no PP).
 Under torchrun, global rank 0 serves and the other ranks follow its requests. SIGTERM or Ctrl-C to
 the serving process (its pid is printed) finishes the request in hand and stops every rank (exit 0).
 Needs Flask (pip install megatron_lite[serve]).
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
                         "multi-token prediction heads (at most its --mtp-num-layers); a request it serves (one "
                         "prompt, no penalties, logit_bias, stop strings or streamed logprobs) runs alone with "
-                        "drafts, the others as without the flag (docs/inference.md); one process")
+                        "drafts, the others as without the flag (docs/inference.md); no pipeline parallelism")
     add_inference_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:

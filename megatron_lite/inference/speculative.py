@@ -31,7 +31,12 @@ the first of its entries not yet final: the positions the last verify step added
 before them that had read a draft. It keeps its outputs by position, so the next depth reads them
 from ``f_(k+1) <= f_k`` on.
 
-One prompt at a time, in one process (no TP / PP), with the key/value cache; beam search, stop
+Tensor parallelism: each rank runs its heads and all-gathers the logits of the vocabulary it holds,
+so every rank drafts, verifies and accepts alike (the same logits; greedy needs nothing more, and
+sampling draws from each rank's generator, seeded alike and drawn from in the same order); no
+pipeline parallelism (the drafts need the last stage's outputs and the first stage's embedding).
+
+One prompt at a time, with the key/value cache; beam search, stop
 strings, the penalties, ``logit_bias``, ``top_p_decay``, the ban/double-stop fields and per-step
 log-probs are refused (:func:`check_speculative_request`), or with ``fall_back`` set (the server's
 ``--num-speculative-tokens``) run by the plain engine instead. ``timings`` reports the last
@@ -44,6 +49,7 @@ import time
 
 import torch
 
+from ..parallel.comm import _all_gather
 from .engine import InferenceEngine, Step, generation_result, position_stats
 from .kv_cache import KVCache
 from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
@@ -57,7 +63,7 @@ UNSUPPORTED = {  # SamplingParams field -> what it is called in the message
 
 def check_speculative_model(model, state, num_tokens: int, use_cache: bool = True) -> None:
     """ValueError (one line naming ``--num-speculative-tokens``) unless ``model`` can draft
-    ``num_tokens`` tokens here: it has that many multi-token prediction depths, one process runs it
+    ``num_tokens`` tokens here: it has that many multi-token prediction depths, no pipeline parallelism splits it
     and the key/value cache is on."""
     depths = len(model.mtp.layers) if getattr(model, "mtp", None) is not None else 0
     if num_tokens < 1:
@@ -68,9 +74,9 @@ def check_speculative_model(model, state, num_tokens: int, use_cache: bool = Tru
     if num_tokens > depths:
         raise ValueError(f"--num-speculative-tokens {num_tokens}: the model has {depths} multi-token prediction "
                          f"head(s) (--mtp-num-layers {depths}); pass at most {depths}")
-    if state.world_size > 1:
-        raise ValueError("--num-speculative-tokens runs in one process (no tensor or pipeline parallelism); "
-                         "run without torchrun")
+    if state.world_size > getattr(state, "tp_size", 1):
+        raise ValueError("--num-speculative-tokens runs in one process or with tensor parallelism only (no "
+                         "pipeline parallelism): run at --pipeline-model-parallel-size 1")
     if not use_cache:
         raise ValueError("--num-speculative-tokens needs the key/value cache; leave out --no-kv-cache")
 
@@ -139,6 +145,7 @@ class MTPDrafter:
             cache, f = self.caches[depth - 1], self.frontiers[depth - 1]
             ids = torch.tensor([context[f + depth:n + depth]], device=self.engine.device)
             logits, out = self.model.mtp_decode(depth, self.outputs[depth - 1][f:n], ids, cache)
+            logits = _all_gather(logits, -1, self.engine.state.tp_group)  # every rank drafts alike
             cache.advance(n - f)
             self.outputs[depth][f:n] = out
             token, q = self.pick(logits[0, -1:, :self.engine.vocab_size].float(), depth, context)
@@ -202,6 +209,7 @@ class SpeculativeEngine(InferenceEngine):
         ids = torch.tensor([tokens], device=self.device)
         with torch.no_grad():
             logits, hidden = self.model(ids, inference_context=cache, return_hidden=True)
+            logits = _all_gather(logits, -1, self.state.tp_group)  # [1, s, padded vocab] on every rank
         cache.advance(len(tokens))
         return logits[0, :, :self.vocab_size].float(), hidden
 

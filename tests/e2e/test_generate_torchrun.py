@@ -39,3 +39,33 @@ def test_generate_under_torchrun_at_the_saved_layout_equals_one_process(tmp_path
     assert got[0] == want[0] and len(want[0]) == 2
     assert [t for t, _ in got[1]] == [t for t, _ in want[1]]
     assert all(abs(a - b) <= 2e-4 for (_, a), (_, b) in zip(got[1], want[1]))
+
+
+def test_speculative_decoding_at_tp2_equals_one_process_and_every_rank_decides_alike(tmp_path):
+    """tests/e2e/specdec_ranks.py (MLA + 1 MTP depth, an oracle drafter wrong every third draft): at TP2,
+    through the server's batching runner, the greedy requests (with drafts, and the two-prompt one that
+    falls back to the batch) give the one-process engine's tokens and log-probs (within 1e-5), and both
+    ranks ran the same rounds and drew the same seeded sample (the same results, the same acceptance)."""
+    import torch
+
+    from megatron_lite.inference.engine import InferenceEngine
+    from megatron_lite.inference.loading import load_model
+    from tests.e2e import specdec_ranks
+    from tests.harness import run_ranks
+    from tests.inference_helpers import MAX_LEN, VOCAB, assert_close
+
+    root = str(tmp_path / "mla_mtp")
+    save_model("mla_mtp", root)
+    ranks = run_ranks(2, specdec_ranks.speculative_answers, root)
+    model, _ = load_model(root)
+    plain = InferenceEngine(model, vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=VOCAB - 1)
+    answers = ranks[0]["answers"]
+    for i in specdec_ranks.GREEDY:
+        want = plain.generate(*specdec_ranks.REQUESTS[i])
+        assert [a["tokens"] for a in answers[i]] == [w.tokens for w in want], i
+        for a, w in zip(answers[i], want):
+            assert_close(torch.tensor(a["log_probs"]), torch.tensor(w.log_probs), what=f"request {i}")
+    assert ranks[0]["drafted"] == ranks[1]["drafted"] and ranks[0]["served"] == ranks[1]["served"]
+    assert [d["tokens"] for d in ranks[0]["drafted"]] == [answers[i][0]["tokens"] for i in range(3)]
+    served = ranks[0]["served"]
+    assert served["requests"] == 3 and 0 < served["accepted"] < served["drafted"], served

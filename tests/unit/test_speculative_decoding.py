@@ -188,8 +188,9 @@ def test_unsupported_requests_and_models_are_refused_in_one_line(models):
         SpeculativeEngine(build_model("rope_gqa"), num_speculative_tokens=1, **kw)
     with pytest.raises(ValueError, match="needs the key/value cache"):
         SpeculativeEngine(model, num_speculative_tokens=1, use_cache=False, **kw)
-    with pytest.raises(ValueError, match="runs in one process.*without torchrun"):  # as every rank of a TP / PP run
-        check_speculative_model(model, SimpleNamespace(world_size=2), 1)
+    with pytest.raises(ValueError, match="tensor parallelism only.*--pipeline-model-parallel-size 1"):  # PP2
+        check_speculative_model(model, SimpleNamespace(world_size=2, tp_size=1), 1)
+    check_speculative_model(model, SimpleNamespace(world_size=2, tp_size=2), 1)  # TP2: tests/e2e/specdec_ranks.py
     spec = SpeculativeEngine(model, num_speculative_tokens=1, **kw)
     two = prompts(2)
     for call, words in [(lambda: spec.generate(two, GREEDY), "one prompt at a time"),
