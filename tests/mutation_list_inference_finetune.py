@@ -125,8 +125,8 @@ MUTATIONS = [
     Mutation("specserve_speculation_batched", "the server with --num-speculative-tokens and continuous batching: "
              "requests speculation serves join the batch (no drafts) instead of running alone with them",
              "megatron_lite/inference/batch_runner.py",
-             "if not (speculates and speculates(prompts, params)) and self.batch.covers(prompts, params):",
-             "if self.batch.covers(prompts, params):",
+             "            if not drafts and self.batch.covers(prompts, params):",
+             "            if self.batch.covers(prompts, params):",
              ("tests/unit/test_speculative_server.py", "-k", "greedy")),
     Mutation("specserve_no_fall_back", "the server with --num-speculative-tokens: a request of two prompts runs the "
              "speculative steps (the first prompt only) instead of falling back to the plain engine",

@@ -123,7 +123,10 @@ class BatchRunner(Runner):
         ticket = Ticket()
         with self.cond:
             speculates = getattr(self.engine, "speculates", None)  # a SpeculativeEngine's requests run alone
-            if not (speculates and speculates(prompts, params)) and self.batch.covers(prompts, params):
+            drafts = speculates is not None and speculates(prompts, params)
+            if not drafts and self.batch.covers(prompts, params):
+                if speculates is not None:  # served without drafts: the engine counts it
+                    self.engine.served["fell_back"] += 1
                 ticket.rid = self.batch.add(prompts, params)
                 self.tickets[ticket.rid] = ticket
                 ticket.put("started")

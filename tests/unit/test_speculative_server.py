@@ -150,11 +150,9 @@ def test_what_speculation_does_not_serve_falls_back_to_the_answer_without_it(mod
             assert_json_close(plain(server.ask(*request)), want, f"{request[1]} {request[2]}")
     finally:
         server.close()
-    assert engine.served["requests"] == 0 and not oracle
+    assert engine.served["requests"] == 0 and engine.served["fell_back"] == len(FALLBACK) and not oracle
     if batched:  # the batch ran them, not the engine's plain steps
-        assert engine.served["fell_back"] == 0 and server.runner.batch.next_rid == len(FALLBACK)
-    else:
-        assert engine.served["fell_back"] == len(FALLBACK)
+        assert server.runner.batch.next_rid == len(FALLBACK)
 
 
 def test_concurrent_requests_with_and_without_drafts_each_get_their_answer(model, oracle, wanted):
@@ -214,3 +212,43 @@ def test_the_server_tool_refuses_what_cannot_speculate_in_one_line(checkpoints, 
         raise SystemExit(server.main(argv))
 
     refused_line(capsys, call, "--num-speculative-tokens", words)
+
+
+def test_the_server_tool_speculates_falls_back_and_prints_the_totals_when_it_stops(checkpoints, capsys, monkeypatch):
+    """tools/run_text_generation_server.py --num-speculative-tokens 1 (continuous batching, in a thread):
+    a one-prompt request runs with drafts, an ``n`` 2 one falls back to the batch, and the line printed
+    when the server stops counts them."""
+    from megatron_lite.inference.server import StopFlag
+    from tests.tools import load_tool
+
+    httpx = pytest.importorskip("httpx")
+    tool = load_tool("run_text_generation_server")
+    made, stops, code = [], [], {}
+    real = tool.make_server
+    monkeypatch.setattr(tool, "make_server", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+
+    class Stop(StopFlag):  # no signal handlers off the main thread
+        def __init__(self, signals=False):
+            super().__init__(False)
+            stops.append(self)
+
+    monkeypatch.setattr(tool, "StopFlag", Stop)
+    argv = ["--load", f"{checkpoints}/mla_mtp", "--port", "0", "--num-speculative-tokens", "1"]
+    thread = threading.Thread(target=lambda: code.update(rc=tool.main(argv)), daemon=True)
+    thread.start()
+    for _ in range(600):
+        if stops or not thread.is_alive():
+            break
+        time.sleep(0.05)
+    try:
+        url = f"http://127.0.0.1:{made[0].server_port}/v1/completions"
+        for body in ({"prompt": "5 17 42", "max_tokens": 6, "temperature": 0}, {"prompt": "3 1", "max_tokens": 4, "n": 2}):
+            assert httpx.post(url, json=body, timeout=60).status_code == 200
+    finally:
+        if stops:
+            stops[0].request()
+        thread.join(timeout=60)
+    assert code == {"rc": 0}
+    out = capsys.readouterr().out
+    assert "speculative decoding (1 token(s) per draft): 1 request(s) with drafts" in out, out
+    assert "; 1 without (fields it does not support)" in out and out.rstrip().endswith("server stopped")
