@@ -68,15 +68,16 @@ def check_speculative_model(model, state, num_tokens: int, use_cache: bool = Tru
     depths = len(model.mtp.layers) if getattr(model, "mtp", None) is not None else 0
     if num_tokens < 1:
         raise ValueError(f"--num-speculative-tokens {num_tokens} must be at least 1 (or left out: no speculation)")
+    if state.world_size > getattr(state, "tp_size", 1):
+        raise ValueError("--num-speculative-tokens runs in one process or with tensor parallelism only (no "
+                         "pipeline parallelism): pass --pipeline-model-parallel-size 1 and --tensor-model-parallel-size "
+                         f"{state.world_size}")
     if depths == 0:
         raise ValueError(f"--num-speculative-tokens {num_tokens}: the model has no multi-token prediction heads to "
                          "draft with (it was not trained with --mtp-num-layers); leave the flag out")
     if num_tokens > depths:
         raise ValueError(f"--num-speculative-tokens {num_tokens}: the model has {depths} multi-token prediction "
                          f"head(s) (--mtp-num-layers {depths}); pass at most {depths}")
-    if state.world_size > getattr(state, "tp_size", 1):
-        raise ValueError("--num-speculative-tokens runs in one process or with tensor parallelism only (no "
-                         "pipeline parallelism): run at --pipeline-model-parallel-size 1")
     if not use_cache:
         raise ValueError("--num-speculative-tokens needs the key/value cache; leave out --no-kv-cache")
 

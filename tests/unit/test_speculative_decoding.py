@@ -188,8 +188,10 @@ def test_unsupported_requests_and_models_are_refused_in_one_line(models):
         SpeculativeEngine(build_model("rope_gqa"), num_speculative_tokens=1, **kw)
     with pytest.raises(ValueError, match="needs the key/value cache"):
         SpeculativeEngine(model, num_speculative_tokens=1, use_cache=False, **kw)
-    with pytest.raises(ValueError, match="tensor parallelism only.*--pipeline-model-parallel-size 1"):  # PP2
-        check_speculative_model(model, SimpleNamespace(world_size=2, tp_size=1), 1)
+    for stage in (model, build_model("rope_gqa")):  # PP2: the last stage holds the MTP heads, the first none
+        with pytest.raises(ValueError, match="tensor parallelism only.*--pipeline-model-parallel-size 1 and "
+                                             "--tensor-model-parallel-size 2"):
+            check_speculative_model(stage, SimpleNamespace(world_size=2, tp_size=1), 1)
     check_speculative_model(model, SimpleNamespace(world_size=2, tp_size=2), 1)  # TP2: tests/e2e/specdec_ranks.py
     spec = SpeculativeEngine(model, num_speculative_tokens=1, **kw)
     two = prompts(2)
