@@ -65,7 +65,8 @@ def test_speculative_decoding_at_tp2_equals_one_process_and_every_rank_decides_a
         assert [a["tokens"] for a in answers[i]] == [w.tokens for w in want], i
         for a, w in zip(answers[i], want):
             assert_close(torch.tensor(a["log_probs"]), torch.tensor(w.log_probs), what=f"request {i}")
-    assert ranks[0]["drafted"] == ranks[1]["drafted"] and ranks[0]["served"] == ranks[1]["served"]
+    rounds = [{k: v for k, v in rank["served"].items() if k != "fell_back"} for rank in ranks]
+    assert ranks[0]["drafted"] == ranks[1]["drafted"] and rounds[0] == rounds[1]
     assert [d["tokens"] for d in ranks[0]["drafted"]] == [answers[i][0]["tokens"] for i in range(3)]
-    served = ranks[0]["served"]
-    assert served["requests"] == 3 and 0 < served["accepted"] < served["drafted"], served
+    served = ranks[0]["served"]  # rank 0's runner sent the two-prompt request to the batch
+    assert served["requests"] == 3 and served["fell_back"] == 1 and 0 < served["accepted"] < served["drafted"], served
