@@ -382,6 +382,9 @@ MUTATIONS = [
              "others silently instead of refusing", "megatron_lite/lora/peft_experts.py",
              "if pairs is None and all(p + w in taken.adapters for p in seq for w in (IN, OUT)):",
              "if pairs is None and all([taken.pair(p) for p in seq]):", ("tests/unit/test_peft_experts.py",)),
+    Mutation("peft_gptoss_gate_up_whole", "gpt_oss PEFT export: the experts' fc1 B rows copied [gate; up] as for "
+             "Mixtral, not interleaved like GptOssExperts' gate_up_proj columns", "megatron_lite/lora/peft_experts.py",
+             'interleaved=style == "gpt_oss")', "interleaved=False)", ("tests/unit/test_peft_experts.py", "-k", "gpt_oss")),
     Mutation("hf_auto_qwen2_with_biases", "--hf-style auto: qwen2 for a rope model with biases everywhere (llama holds them)",
              "megatron_lite/checkpoint/hf.py", 'if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"):',
              'if cfg.get("add_qkv_bias"):', ("tests/unit/test_hf_style_auto.py",)),

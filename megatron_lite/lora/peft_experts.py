@@ -1,5 +1,5 @@
 """PEFT adapters of MoE models exported for transformers 5's stacked experts: the parts the
-``deepseek_v3`` export (:mod:`.peft_deepseek`) shares with the ``mixtral`` and ``qwen3_moe`` ones (here).
+``deepseek_v3`` export (:mod:`.peft_deepseek`) shares with the ``mixtral``, ``qwen3_moe`` and ``gpt_oss`` ones (here).
 
 transformers 5 holds a MoE layer's routed experts as two stacked parameters, ``mlp.experts.gate_up_proj``
 ``[E, 2 ffn, h]`` and ``mlp.experts.down_proj`` ``[E, h, ffn]`` (``MixtralExperts``, ``Qwen3MoeExperts``,
@@ -10,6 +10,13 @@ copies whole. Both parameters live on one module; PEFT wraps ``gate_up_proj`` (d
 so its adapter is saved under ``experts.base_layer`` and ``down_proj``'s under ``experts`` (with one of
 the two adapted, under ``experts``).
 
+gpt-oss (``GptOssExperts``) stores them transposed, ``gate_up_proj`` ``[E, h, 2 ffn]`` and ``down_proj``
+``[E, ffn, h]`` (``x @ W``, marked ``is_transposed``: PEFT then reads ``[E, in, out]`` and adds
+``(B_e A_e)^T``, the same ``lora_A`` / ``lora_B`` layout), with gate and up in alternating outputs
+(gate even, up odd): fc1's B rows ``[gate; up]`` are interleaved the same way (a row permutation of B,
+so the adapter stays exact). Its biases, the router and the attention sinks have no adapters. PEFT has
+no weight conversion for ``gpt_oss`` (transformers has none), so its module targets are read as given.
+
 Dense SwiGLU MLPs (Qwen3-MoE's dense layers, DeepSeek-V3's dense layers and shared experts) are
 targeted by parameter too (``mlp.gate_proj.weight`` ...): PEFT with transformers 5 rewrites the module
 targets ``gate_proj`` / ``up_proj`` / ``down_proj`` of these models (its ``qwen2_moe`` conversion) into
@@ -17,7 +24,7 @@ the experts' parameters and would drop the dense MLPs' adapters. A parameter-tar
 have dropout in PEFT, so the config says ``lora_dropout`` 0 when it has MLP adapters (dropout acts in
 training only; the adapted model is the same).
 
-``mixtral`` / ``qwen3_moe`` attention is the llama export's: the fused QKV adapter's A copied to
+``mixtral`` / ``qwen3_moe`` / ``gpt_oss`` attention is the llama export's: the fused QKV adapter's A copied to
 ``q_proj``, ``k_proj`` and ``v_proj`` and its B split into their rows; ``linear_proj`` -> ``o_proj``.
 """
 
@@ -27,6 +34,7 @@ import torch
 
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.hf import _dims, qkv_to_separate
+from ..checkpoint.hf_gptoss import check_gptoss, interleave
 from ..moe.layer_pattern import parse_moe_layer_freq
 
 IN, OUT = "adapter.linear_in.weight", "adapter.linear_out.weight"
@@ -79,8 +87,10 @@ def stacked(pairs: list) -> tuple[torch.Tensor, torch.Tensor]:
     return a.contiguous(), b.reshape(b.shape[0], -1).contiguous()
 
 
-def experts(out: dict, params: set, taken: Taken, src: str, dst: str, num_experts: int) -> None:
-    """Adapters of layer ``src``'s routed experts (sequential or grouped) on HF's stacked experts at ``dst``."""
+def experts(out: dict, params: set, taken: Taken, src: str, dst: str, num_experts: int,
+            interleaved: bool = False) -> None:
+    """Adapters of layer ``src``'s routed experts (sequential or grouped) on HF's stacked experts at ``dst``;
+    ``interleaved``: gpt-oss's ``gate_up_proj`` (gate and up in alternating outputs)."""
     found = {}
     for fc, name in ((1, "gate_up_proj"), (2, "down_proj")):
         pairs = taken.grouped(src + "mlp.experts.", fc)
@@ -88,6 +98,8 @@ def experts(out: dict, params: set, taken: Taken, src: str, dst: str, num_expert
         if pairs is None and all(p + w in taken.adapters for p in seq for w in (IN, OUT)):  # else left, and refused
             pairs = [taken.pair(p) for p in seq]
         if pairs is not None:
+            if fc == 1 and interleaved:
+                pairs = [(a, interleave(*b.t().chunk(2, dim=-1)).t()) for a, b in pairs]  # B rows gate, up, gate...
             found[name] = stacked(pairs)
             params.add(f"mlp.experts.{name}")
     if len(found) == 2:  # PEFT nests the wrappers: gate_up_proj (declared first) innermost
@@ -96,9 +108,14 @@ def experts(out: dict, params: set, taken: Taken, src: str, dst: str, num_expert
         out[dst + "mlp.experts"] = next(iter(found.values()))
 
 
+HF_CLASS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+
+
 def moe_modules(cfg: dict, adapters: dict, style: str) -> tuple[dict, list, list]:
     """({HF module name: (lora_A, lora_B)}, target_modules, target_parameters) of single-process
-    ``adapters`` for a ``mixtral`` or ``qwen3_moe`` base (Qwen3-MoE may have dense layers)."""
+    ``adapters`` for a ``mixtral``, ``qwen3_moe`` or ``gpt_oss`` base (Qwen3-MoE may have dense layers)."""
+    if style == "gpt_oss":  # the base's refusals first (a dense layer, SwiGLU experts...): one line, nothing written
+        check_gptoss(cfg)
     layers, _, heads, groups, d = _dims(cfg)
     moe_layers = parse_moe_layer_freq(cfg.get("moe_layer_freq", 1), layers)
     num_experts, taken = int(cfg.get("num_experts") or 0), Taken(adapters)
@@ -113,9 +130,8 @@ def moe_modules(cfg: dict, adapters: dict, style: str) -> tuple[dict, list, list
             out[dst + "self_attn.o_proj"] = proj
             modules.add("o_proj")
         if moe_layers[i]:
-            experts(out, params, taken, src, dst, num_experts)
+            experts(out, params, taken, src, dst, num_experts, interleaved=style == "gpt_oss")
         else:
             swiglu(out, params, taken, src + "mlp.", dst + "mlp.")
-    taken.refuse_left(style, f"transformers' {'MixtralForCausalLM' if style == 'mixtral' else 'Qwen3MoeForCausalLM'} "
-                             "has no such module")
+    taken.refuse_left(style, f"transformers' {HF_CLASS[style]} has no such module")
     return out, sorted(modules), sorted(params)

@@ -13,9 +13,10 @@ Keys are ``base_model.model.<HF module>.lora_A.weight`` (``[r, in]``) and ``.lor
 * ``gpt2`` style: ``c_attn`` stays fused, its B rows reordered to HF's ``[Q; K; V]``; HF's Conv1D
   modules need ``fan_in_fan_out`` (PEFT then keeps ``lora_A``/``lora_B`` in the Linear layout above).
 
-* ``mixtral`` and ``qwen3_moe`` styles: the attention as in the llama style, the routed experts (PEFT
-  ``target_parameters`` on transformers' stacked experts) and (Qwen3-MoE) the dense layers' MLPs (by
-  parameter too): :mod:`.peft_experts`.
+* ``mixtral``, ``qwen3_moe`` and ``gpt_oss`` styles: the attention as in the llama style (gpt-oss's q/k/v/o
+  biases and sinks stay in the base), the routed experts (PEFT ``target_parameters`` on transformers'
+  stacked experts; gpt-oss's fc1 B rows interleaved like its ``gate_up_proj``) and (Qwen3-MoE) the dense
+  layers' MLPs (by parameter too): :mod:`.peft_experts`.
 * ``deepseek_v3`` style: multi-latent attention's projections, the dense and shared-expert MLPs and the
   routed experts, the same way: :mod:`.peft_deepseek`.
 """
@@ -27,14 +28,14 @@ import os
 import torch
 
 from ..checkpoint.format import CheckpointError
-from ..checkpoint.hf import _dims, qkv_to_separate
+from ..checkpoint.hf import _dims, pick_style, qkv_to_separate
 from ..checkpoint.hf_io import write_json
 from ..files import replaced_whole
 from .peft_deepseek import deepseek_modules
 from .peft_experts import moe_modules
 
 ADAPTER_DIR = "adapter"
-STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "deepseek_v3")  # the --hf-style values exported
+STYLES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")  # the --hf-style values exported
 OURS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
         "fc2": "mlp.linear_fc2"}
 
@@ -76,7 +77,7 @@ def _gpt2_modules(cfg: dict, adapters: dict, i: int) -> dict:
 def _modules(cfg: dict, adapters: dict, style: str) -> dict:
     """{HF module name: (A, B)} of the gpt2 / llama-like (dense) styles; refuses adapters these styles do not hold."""
     if any(".experts." in k for k in adapters):
-        moe = "qwen3_moe" if cfg.get("qk_layernorm") else "mixtral"  # a MoE model's formats (hf.check_exportable)
+        moe = pick_style(cfg)  # the MoE format auto picks: mixtral, qwen3_moe or gpt_oss
         raise CheckpointError(f"the {style} format has no experts for the experts' LoRA adapters; use --hf-style {moe}")
     modules = {}
     for i in range(cfg["num_layers"]):
@@ -96,7 +97,7 @@ def peft_adapter(cfg: dict, adapters: dict, style: str, base_path: str) -> tuple
     targets, params = [], []
     if style == "deepseek_v3":
         modules, targets, params = deepseek_modules(cfg, adapters)
-    elif style in ("mixtral", "qwen3_moe"):
+    elif style in ("mixtral", "qwen3_moe", "gpt_oss"):
         modules, targets, params = moe_modules(cfg, adapters, style)
     else:
         modules = _modules(cfg, adapters, style)

@@ -6,7 +6,8 @@ the base plus the trained adapters in one process). Its logits must equal, withi
 the merged checkpoint's (written at TP1 and PP2 from a TP2 + SP run; experts merged from an EP2 run)
 and ``peft.PeftModel`` on the exported ``transformers`` model, for a GPT-2-, a Llama-, a Qwen2-style base
 (--add-qkv-bias: its PEFT export was refused, the qwen2 style being new), a Qwen3-style one (--qk-layernorm)
-a Qwen3-MoE one (a MoE layer of sequential experts and a dense one) and a Mixtral one (grouped experts),
+a Qwen3-MoE one (a MoE layer of sequential experts and a dense one), a Mixtral one (grouped experts) and a
+gpt-oss one (biases, sinks, clamped gated experts; its export was refused),
 adapters on the attention, MLPs and routed experts (the experts' export was refused), and two DeepSeek-V3
 ones (a dense and a MoE layer with a shared expert, adapters on the MLA projections, MLPs and routed
 experts; their export was refused).
@@ -32,7 +33,12 @@ STYLES = {"gpt2": [], "llama": LLAMA, "qwen2": LLAMA + ["--add-qkv-bias"],  # qw
           # Qwen3MoeForCausalLM, a MoE layer (sequential experts) then a dense one; MixtralForCausalLM, grouped experts
           "qwen3_moe": LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
                                 "--moe-layer-freq", "[1,0]"],
-          "mixtral": LLAMA + ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm"]}
+          "mixtral": LLAMA + ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm"],
+          # GptOssForCausalLM: biases everywhere, attention sinks, clamped gated experts (sequential) on
+          # transformers' transposed, gate/up-interleaved gate_up_proj
+          "gpt_oss": [f for f in LLAMA if f not in ("--swiglu", "--disable-bias-linear")] + [
+              "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7",
+              "--softmax-type", "learnable", "--num-experts", "4", "--moe-ffn-hidden-size", "32"]}
 MLA_MOE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--kv-lora-rank", "8",
            "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm",
@@ -61,7 +67,7 @@ def runs(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("lora_export"), {}
     plan = {"gpt2": (STYLES["gpt2"], 1, []), "llama": (LLAMA, 1, []), "qwen2": (STYLES["qwen2"], 1, []),
             "qwen3": (STYLES["qwen3"], 1, []), "qwen3_moe": (STYLES["qwen3_moe"], 1, []),
-            "mixtral": (STYLES["mixtral"], 1, []),
+            "mixtral": (STYLES["mixtral"], 1, []), "gpt_oss": (STYLES["gpt_oss"], 1, []),
             **{name: (STYLES[name], 1, targets) for name, targets in MLA_TARGETS.items()},
             "tp2": (STYLES["gpt2"], 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             "ep2": (MODELS["moe_grouped"], 2, ["--expert-model-parallel-size", "2"])}
@@ -113,7 +119,7 @@ def test_peft_adapter_on_the_exported_base_gives_the_adapted_logits(tmp_path, ru
     _convert("--saver", "hf", "--load-dir", runs[style], "--save-dir", out)
     config = json.load(open(os.path.join(out, "adapter", "adapter_config.json")))
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
-    if style in ("qwen3_moe", "mixtral") or style.startswith("deepseek"):  # the routed experts' adapters, trained (B != 0)
+    if style in ("qwen3_moe", "mixtral", "gpt_oss") or style.startswith("deepseek"):  # the routed experts' adapters, trained (B != 0)
         assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
         from safetensors.torch import load_file
         tensors = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
@@ -141,7 +147,8 @@ def test_bad_lora_conversions_are_one_line(tmp_path, capsys, runs):
     assert tool(["--model-type", "GPT", "--merge-lora", "--load-dir", runs["gpt2"],
                  "--save-dir", str(tmp_path / "c")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0] and "not gpt_oss; pass --merge-lora" in lines[1], lines
+    assert len(lines) == 3 and "not a LoRA checkpoint" in lines[0], lines
+    assert "cannot be expressed in the gpt_oss format" in lines[1], lines  # the base's refusal (a plain GPT MoE)
     assert "--merge-lora applies to --saver hf only" in lines[2]
     assert not os.path.exists(str(tmp_path / "b"))  # refused before anything was written
 

@@ -1,14 +1,17 @@
-"""The mixtral and qwen3_moe PEFT exports' layouts without a training run (the logits against
+"""The mixtral, qwen3_moe and gpt_oss PEFT exports' layouts without a training run (the logits against
 transformers + peft are tests/e2e/test_lora_export.py): the fused QKV adapter split into q/k/v,
-routed experts' adapters (sequential and grouped) stacked as PEFT's ParamWrapper reads them,
-Qwen3-MoE's dense layers targeted by parameter; what has no export refused in one line naming the fix
-(both were refused: 'the experts' LoRA adapters have no PEFT export here')."""
+routed experts' adapters (sequential and grouped) stacked as PEFT's ParamWrapper reads them (gpt-oss's
+transposed, gate/up-interleaved gate_up_proj too), Qwen3-MoE's dense layers targeted by parameter; what
+has no export refused in one line naming the fix (all were refused: 'the experts' LoRA adapters have no
+PEFT export here', gpt_oss 'supports the ... styles, not gpt_oss')."""
 
 import pytest
 import torch
 
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf import qkv_to_separate
+from megatron_lite.checkpoint.hf_gptoss import deinterleave
+from megatron_lite.errors import ConfigError
 from megatron_lite.lora.peft_export import peft_adapter
 
 R, H, FFN, E, HEADS, GROUPS = 2, 8, 6, 3, 4, 2
@@ -16,6 +19,9 @@ QKV_ROWS = H + 2 * GROUPS * (H // HEADS)
 CFG = dict(num_layers=2, hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS, num_experts=E,
            lora_rank=R, lora_alpha=4, lora_dropout=0.1)
 GEN = torch.Generator().manual_seed(0)
+# a model the gpt_oss format expresses (hf_gptoss.check_gptoss)
+GPT_OSS = dict(CFG, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, softmax_type="learnable",
+               position_embedding_type="rope", normalization="RMSNorm")
 
 
 def _pair(prefix, rows, cols):
@@ -102,6 +108,40 @@ def test_what_has_no_export_is_refused_naming_the_fix():
     with pytest.raises(CheckpointError, match=r"^the llama format has no experts for the experts' LoRA adapters; use "
                                               r"--hf-style mixtral$"):
         peft_adapter(CFG, _sequential(0), "llama", "/base")
-    with pytest.raises(CheckpointError, match=r"^PEFT export of LoRA adapters supports the .* styles, not gpt_oss; "
+    with pytest.raises(CheckpointError, match=r"^PEFT export of LoRA adapters supports the .* styles, not bert; "
                                               r"pass --merge-lora to export the merged model instead$"):
-        peft_adapter(CFG, _sequential(0), "gpt_oss", "/base")
+        peft_adapter(CFG, _sequential(0), "bert", "/base")
+
+
+def test_gpt_oss_experts_transposed_with_gate_and_up_interleaved():
+    """GptOssExperts: gate_up_proj [E, h, 2 ffn] with gate/up in alternating columns, down_proj [E, ffn, h],
+    marked is_transposed, so PEFT adds (B_e A_e)^T; fc1's B rows must be interleaved like the columns
+    (copied whole as for Mixtral, gate and up of every expert were mixed: 0.19 off in the e2e logits)."""
+    seq, grouped = _grouped(0)
+    adapters = {**_attention(0), **seq}
+    config, tensors = peft_adapter({**GPT_OSS, "num_layers": 1}, adapters, "gpt_oss", "/base")
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    stem = "base_model.model.model.layers.0.mlp.experts."
+    for module, fc in (("base_layer.", 1), ("", 2)):
+        a, b = tensors[f"{stem}{module}lora_A.weight"], tensors[f"{stem}{module}lora_B.weight"]
+        # PEFT's ParamWrapper.get_delta_weight for is_transposed [E, in, out] parameters
+        delta = torch.einsum("ore,eri->eio", b.reshape(b.shape[0], R, E), a.reshape(E, R, -1))
+        for j in range(E):
+            p = f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{fc}.adapter.linear_"
+            want = (seq[p + "out.weight"] @ seq[p + "in.weight"]).t()  # x @ W: [in, out]
+            torch.testing.assert_close(deinterleave(delta[j]) if fc == 1 else delta[j], want)
+    _, from_grouped = peft_adapter({**GPT_OSS, "num_layers": 1}, grouped, "gpt_oss", "/base")
+    assert all(torch.equal(from_grouped[k], tensors[k]) for k in from_grouped) and len(from_grouped) == 4
+
+
+def test_gpt_oss_refusals_name_the_base_format_and_the_style():
+    with pytest.raises(ConfigError, match=r"^the gpt_oss format cannot express this model: its experts' MLP is "
+                                          r"--quick-geglu"):
+        peft_adapter({**GPT_OSS, "quick_geglu": False, "swiglu": True}, _sequential(0), "gpt_oss", "/base")
+    with pytest.raises(ConfigError, match=r"^--moe-layer-freq '\[1,0\]' \(dense layers\) cannot be expressed in the "
+                                          r"gpt_oss format"):
+        peft_adapter({**GPT_OSS, "moe_layer_freq": "[1,0]"}, _sequential(0), "gpt_oss", "/base")
+    with pytest.raises(CheckpointError, match=r"^the llama format has no experts for the experts' LoRA adapters; use "
+                                              r"--hf-style gpt_oss$"):
+        peft_adapter(GPT_OSS, _sequential(0), "llama", "/base")
