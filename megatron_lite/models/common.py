@@ -62,10 +62,16 @@ def init_replicated(param: nn.Parameter, init_method) -> None:
         param.copy_(master)
 
 
-def in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``dtype`` (itself when it already is): a spec's own norm given ``--fp32-residual-connection``'s
-    fp32 stream may return fp32, which the 16-bit layers after it cannot take."""
-    return x if x.dtype == dtype else x.to(dtype)
+def in_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is, or when ``dtype`` is None): a spec's own norm given
+    ``--fp32-residual-connection``'s fp32 stream may return fp32, which the 16-bit layers after it cannot take."""
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
+
+
+def residual_compute_dtype(config) -> torch.dtype | None:
+    """The dtype a norm's output is cast to under ``--fp32-residual-connection`` (the model's), else None:
+    nothing is cast, so a model built in fp32 and moved with ``.to(torch.bfloat16)`` runs in bf16."""
+    return config.params_dtype if config.fp32_residual_connection else None
 
 
 class Norm(nn.Module):

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.random import checkpoint
-from .common import column_linear, in_dtype
+from .common import column_linear, in_dtype, residual_compute_dtype
 from .spec import resolve_spec
 from .transformer import TransformerLayer
 
@@ -75,7 +75,7 @@ class MultiTokenPredictionLayer(nn.Module):
         self.final_layernorm = spec.final_norm(config, state, layer_number)
         self.recompute = config.recompute_granularity == "full"
         self.tracker = state.rng_tracker
-        self.compute_dtype = config.params_dtype
+        self.compute_dtype = residual_compute_dtype(config)
 
     def forward(self, hidden, embedded, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``hidden``, ``embedded`` ``[s(/tp), b, h]`` -> this depth's normed output ``[s(/tp), b, h]``;

@@ -29,7 +29,7 @@ from ..fusions.residual import bias_dropout_add
 from ..moe.layer import MoELayer
 from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules, run_discarding
-from .common import in_dtype
+from .common import in_dtype, residual_compute_dtype
 from .spec import resolve_spec
 
 ATTN_MASK_TYPES = ("causal", "padding")
@@ -66,7 +66,7 @@ class TransformerLayer(nn.Module):
         self.recompute_norms = "layernorm" in modules
         self.recompute_mlp = ("moe" if moe else "mlp") in modules
         self.tracker = state.rng_tracker
-        self.compute_dtype = config.params_dtype  # a norm's output: what the layer's GEMMs take
+        self.compute_dtype = residual_compute_dtype(config)  # a norm's output: what the layer's GEMMs take
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         if self.compiled_forward is not None and inference_context is None:  # --torch-compile: one compiled
@@ -138,7 +138,7 @@ class TransformerBlock(nn.Module):
         self.full_recompute = config.recompute_granularity == "full"
         self.recompute_method, self.recompute_num_layers = config.recompute_method, config.recompute_num_layers
         self.tracker = state.rng_tracker
-        self.compute_dtype = config.params_dtype  # the final norm's output (a spec's norm cast to it)
+        self.compute_dtype = residual_compute_dtype(config)  # the final norm's output (a spec's norm cast to it)
         self.layers = nn.ModuleList(
             TransformerLayer(config, state, i + 1, resolve_spec(spec, i + 1)) for i in range(layer_start, layer_end)
         )
