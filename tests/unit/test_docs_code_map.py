@@ -8,6 +8,11 @@ row names (a named folder stands for its files; ``Class.member`` may also be a c
 elsewhere in the package). Every dotted ``megatron_lite.module.name`` in the pages' backticks and every
 ``from megatron_lite.module import name`` line of their code blocks names a module that exists and a
 name it defines or imports. Definitions are read with ``ast``: nothing is imported, no torch.
+
+The map is complete too: every subpackage of ``megatron_lite/`` (a folder with an ``__init__.py``, at any
+depth) is named by a row of "Where things are" (the folder itself, or a file directly in it: a folder
+above it does not count, nor does every module need a row), and every script under ``tools/`` is named
+by its path in README.md or a docs page the README links to.
 """
 
 from __future__ import annotations
@@ -136,25 +141,28 @@ def dotted_problems(path: str, root: str = ROOT) -> list[str]:
     return sorted(set(problems))
 
 
-def code_map_rows(root: str = ROOT) -> list[list[str]]:
+def code_map_rows(root: str = ROOT, headings: tuple[str, ...] = CODE_MAP_HEADINGS) -> list[list[str]]:
     """The rows (cells) of the README's code map tables, header and rule left out."""
     rows, inside = [], False
     for line in open(os.path.join(root, "README.md"), encoding="utf-8"):
         if line.startswith("#"):
-            inside = line.strip() in CODE_MAP_HEADINGS
+            inside = line.strip() in headings
         elif inside and line.startswith("|"):
             rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
     return [r for r in rows if not set("".join(r)) <= set("-: ") and r[1] not in ("where", "the code")]
 
 
-def _row_files(cells: list[str], root: str) -> tuple[list[str], list[str]]:
-    """The files a row names (folders: their files; bare names: beside an earlier one), and the unresolved."""
+def _row_files(cells: list[str], root: str, folders: set[str] | None = None) -> tuple[list[str], list[str]]:
+    """The files a row names (folders: their files; bare names: beside an earlier one), and the unresolved.
+    ``folders`` collects the folders the row names itself: each folder given, each given file's folder."""
     text = " | ".join(cells)
     bases, files, unresolved = [root, os.path.join(root, PACKAGE)], [], []
+    folders = set() if folders is None else folders
     words = [w for span in SPAN.findall(text) for w in span.split()] + LINK_TARGET.findall(text)
     for word in (w.strip(",;()") for w in words):
         if word.endswith("/") and os.path.isdir(os.path.join(root, word)):
             bases.append(os.path.join(root, word))
+            folders.add(os.path.normpath(os.path.join(root, word)))
             files += glob.glob(os.path.join(root, word, "**", "*.py"), recursive=True)
         elif PY_WORD.fullmatch(word):
             found = next((m for b in reversed(bases) for m in [_matches(b, word)] if m), None)
@@ -162,6 +170,7 @@ def _row_files(cells: list[str], root: str) -> tuple[list[str], list[str]]:
                 unresolved.append(word)
                 continue
             files += found
+            folders.update(os.path.normpath(os.path.dirname(f)) for f in found)
             bases.append(os.path.dirname(found[0]))
     return files, unresolved
 
@@ -195,6 +204,31 @@ def code_map_problems(root: str = ROOT) -> list[str]:
                 where = ", ".join(sorted(os.path.relpath(f, root) for f in files)) or "no file"
                 problems.append(f"row '{cells[0]}': `{name}` is not defined in {where}")
     return problems
+
+
+def unmapped_subpackages(root: str = ROOT) -> list[str]:
+    """The subpackages of the package that no row of "Where things are" names (itself or a file in it)."""
+    named: set[str] = set()
+    for cells in code_map_rows(root, headings=(CODE_MAP_HEADINGS[0],)):
+        _row_files(cells, root, named)
+    inits = glob.glob(os.path.join(root, PACKAGE, "*", "**", "__init__.py"), recursive=True)
+    packages = sorted(os.path.normpath(os.path.dirname(f)) for f in inits)
+    return [os.path.relpath(p, root) + "/" for p in packages if p not in named]
+
+
+def linked_pages(root: str = ROOT) -> list[str]:
+    """README.md and the docs pages it links to."""
+    text = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    links = re.findall(r"\]\((docs/[\w.-]+\.md)(?:#[^)]*)?\)", text)
+    return ["README.md"] + sorted({m for m in links if os.path.isfile(os.path.join(root, m))})
+
+
+def unnamed_tools(root: str = ROOT) -> list[str]:
+    """The scripts under ``tools/`` whose path (``tools/x.py``) neither README.md nor a page it links to names."""
+    text = "\n".join(open(os.path.join(root, page), encoding="utf-8").read() for page in linked_pages(root))
+    tools = sorted(glob.glob("tools/**/*.py", root_dir=root, recursive=True))
+    return [t for t in tools if not os.path.basename(t).startswith("_")
+            and not re.search(rf"(?<![\w/.]){re.escape(t)}\b", text)]
 
 
 def test_code_map_tables_are_parsed():
@@ -248,3 +282,36 @@ def test_the_checks_catch_a_moved_function_and_a_removed_file(tmp_path):
         "`megatron_lite.training.loop`: megatron_lite/training/loop.py has no `evaluate`",
         "`megatron_lite.training.step.Step.x`: megatron_lite/training/step.py has no `Step.x`",
         "`megatron_lite.training.stepp`: no such module"]
+
+
+def test_every_subpackage_has_a_row_in_the_code_map():
+    missing = unmapped_subpackages()
+    assert not missing, ("README.md's \"Where things are\" names no file of " + ", ".join(missing) +
+                         ": add a row (piece | where | what it does), naming the folder and its key functions")
+
+
+def test_every_tool_is_named_in_the_docs():
+    missing = unnamed_tools()
+    assert not missing, ("no page of the docs (README.md and the docs/*.md it links to) names " + ", ".join(missing) +
+                         ": say what it does where a user looks for it, by its path")
+
+
+def test_the_completeness_checks_catch_an_unmapped_subpackage_and_an_unnamed_tool(tmp_path):
+    for folder in ("a", "b", "b/sub", "c", "c/deep", "not_a_package"):
+        (tmp_path / PACKAGE / folder).mkdir(parents=True)
+    for init in ("a", "b", "b/sub", "c", "c/deep"):
+        (tmp_path / PACKAGE / init / "__init__.py").write_text("")
+    (tmp_path / PACKAGE / "c" / "deep" / "x.py").write_text("def f():\n    pass\n")
+    (tmp_path / "tools" / "sub").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    for tool in ("named.py", "linked.py", "orphan.py", "in_unlinked_page.py", "_helper.py", "sub/nested.py"):
+        (tmp_path / "tools" / tool).write_text("")
+    (tmp_path / "docs" / "page.md").write_text("Run `python tools/linked.py` (not `othertools/orphan.py`).\n")
+    (tmp_path / "docs" / "unlinked.md").write_text("`tools/in_unlinked_page.py`\n")
+    (tmp_path / "README.md").write_text(
+        "## Where things are\n\n| piece | where | what it does |\n|---|---|---|\n"
+        "| a | `megatron_lite/a/` | all of a |\n| b | `megatron_lite/b/` | b, and b/sub through its parent only |\n"
+        "| deep | `megatron_lite/c/deep/x.py` | `f` |\n\n## Where to change what\n\n| a | b | c |\n|---|---|---|\n"
+        "| not the map | `megatron_lite/c/` | `x` |\n\n`tools/named.py`, `tools/sub/nested.py`, [page](docs/page.md).\n")
+    assert unmapped_subpackages(str(tmp_path)) == ["megatron_lite/b/sub/", "megatron_lite/c/"]
+    assert unnamed_tools(str(tmp_path)) == ["tools/in_unlinked_page.py", "tools/orphan.py"]
