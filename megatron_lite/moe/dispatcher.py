@@ -24,8 +24,6 @@ from ..parallel import comm
 from .experts import expert_tp_group
 from .routing import pad_routing_map
 
-DISPATCHER_TYPES = ("allgather", "alltoall")
-
 
 def all_gather_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
     """Concatenate every rank's ``x`` (rank r has ``sizes[r]`` rows) along dim 0, under autograd.

@@ -13,7 +13,7 @@
   then the run returns; no checkpoint is written. A run that trains to --train-iters tests at its end too.
 
 The GPT script hands ``pretrain`` a :class:`ValidationSets` instead of a validation iterator when one
-of the first two flags is given (:func:`validation_sets`); the loop runs it with :func:`run_passes`.
+of the first two flags is given (:func:`validation_sets`); the loop evaluates each set in ``_Training.validate`` (training/loop.py).
 """
 
 from __future__ import annotations
