@@ -115,6 +115,8 @@ class InferenceEngine:
         if self.unprintable is not None:
             self.unprintable = self.unprintable.to(self.device)
         self.dtype = next(model.parameters()).dtype
+        # what pipeline stages exchange: the residual stream, fp32 under --fp32-residual-connection
+        self.stream_dtype = torch.float32 if getattr(model.config, "fp32_residual_connection", False) else self.dtype
         self.hidden_size = model.config.hidden_size
         s = self.state
         self.src = s.grid.rank_of(pp=s.pp_size - 1, tp=0)  # samples and broadcasts
@@ -138,7 +140,7 @@ class InferenceEngine:
         ``inputs``: the model's ``position_ids`` and ``attention_mask`` (continuous batching's rows)."""
         s, b = tokens.shape[1], tokens.shape[0]
         state = self.state
-        comm = PipeComm(state, (s, b, self.hidden_size), self.dtype) if state.pp_size > 1 else None
+        comm = PipeComm(state, (s, b, self.hidden_size), self.stream_dtype) if state.pp_size > 1 else None
         if not state.is_first_stage():
             self.model.set_input_tensor(comm.recv_forward())
         out = self.model(tokens, inference_context=cache, **inputs)

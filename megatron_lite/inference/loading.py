@@ -56,7 +56,16 @@ def inference_config(saved: dict, tp: int, params_dtype=torch.float32) -> Transf
     fusions.pop("gradient_accumulation_fusion", None)  # training only
     return TransformerConfig.from_model(model, tensor_model_parallel_size=tp, sequence_parallel=False,
                                         moe_split_tokens_over_tp=True, params_dtype=params_dtype,
-                                        **moe_fields(moe), **fusions)
+                                        **moe_fields(moe), **fusions, **numerics_fields(saved))
+
+
+def numerics_fields(saved: dict) -> dict:
+    """The 16-bit numerics flags the checkpoint was trained with (as training's TransformerConfig
+    sets them): served in a 16-bit dtype, the model computes as it did in training (no effect in fp32)."""
+    scaling = bool(saved.get("apply_query_key_layer_scaling"))
+    return dict(attention_softmax_in_fp32=bool(saved.get("attention_softmax_in_fp32")) or scaling,
+                apply_query_key_layer_scaling=scaling,
+                fp32_residual_connection=bool(saved.get("fp32_residual_connection")))
 
 
 def check_layout(state, saved: dict) -> None:
