@@ -34,6 +34,7 @@ from .parallel.attention_sink import SOFTMAX_TYPES
 from .parallel.context import CP_COMM_TYPES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from .training.rerun import ERROR_INJECTION_TYPES, RERUN_MODES
 
 CHOICES = {
     **MOE_CHOICES,
@@ -48,6 +49,8 @@ CHOICES = {
     "recompute_method": list(RECOMPUTE_METHODS),
     "cp_comm_type": list(CP_COMM_TYPES),
     "optimizer": ["adam", "sgd"],
+    "rerun_mode": list(RERUN_MODES),
+    "error_injection_type": list(ERROR_INJECTION_TYPES),
     "ckpt_format": ["torch", "torch_dist"],
     "pipeline_schedule": ["1f1b", "zb-h1"],
     "timing_log_level": [0, 1, 2],

@@ -183,6 +183,18 @@ class TrainingConfig:
     """Save and exit when the iteration is a multiple of this."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 a step whose gradients overflow is skipped by the loss scaler instead; a NaN/inf loss still stops it)."""
+    rerun_mode: str = "validate_results"
+    """What a failed result check does (Megatron-LM's rerun state machine): validate_results reruns the step's forward and backward on the same micro-batches and generator states before the optimizer step; a result the rerun does not reproduce is a transient fault (a NaN/inf: exit 17, nothing saved), a reproduced NaN/inf stops the run as --check-for-nan-in-loss-and-grad says, a spiky loss or large gradients are trained on; disabled checks without rerunning (report_stats is not built)."""
+    check_for_spiky_loss: bool = False
+    """Check each micro-batch's loss against 10x the largest of the first 100 checked (from the run's second step); a spiky one reruns the step (--rerun-mode validate_results), then training goes on."""
+    check_for_large_grads: bool = False
+    """Check this rank's gradient norm against 10x the largest of the first 100 checked steps; large gradients rerun the step (--rerun-mode validate_results), then training goes on."""
+    error_injection_rate: int = 0
+    """Fail a result check on purpose about once every N checked steps on each rank, to test --rerun-mode validate_results (0: never)."""
+    error_injection_type: str = "transient_error"
+    """What the rerun of an injected failure shows: transient_error (it differs: a transient fault), persistent_error (it reproduces a wrong result: the run stops as on a NaN) or correct_result (it reproduces a right one: training goes on)."""
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Iterations whose step is skipped, counted from 0 (N: the step logged as iteration N + 1): its global batch is read and not trained on, and the learning rate does not move."""
     rampup_batch_size: list[int] | None = field(default=None, metadata={
         "nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
     """Ramp the global batch up from START by INCREMENT to --global-batch-size over the first SAMPLES consumed samples (needs --train-samples)."""

@@ -21,6 +21,7 @@ from .moe.upcycling import check_upcycling_flags
 from .precision.config import PrecisionConfig
 from .schedule_checks import check_schedule, check_sgd_momentum, check_train_length
 from .training.batch_rampup import check_batch_rampup
+from .training.rerun import check_rerun_flags
 from .training.validation import check_validation_flags
 
 
@@ -58,6 +59,7 @@ def finalize(config: Config, world_size: int = 1, data_from_script: bool = False
     _require(config.training.manual_gc_interval >= 0,
              f"--manual-gc-interval must be at least 0, got {config.training.manual_gc_interval}")
     check_sgd_momentum(config)
+    check_rerun_flags(config)  # --rerun-mode, --check-for-spiky-loss, --error-injection-*, --iterations-to-skip
     check_schedule(config)
     _check_profile(config)
     _check_data_and_checkpoint(config, data_from_script)

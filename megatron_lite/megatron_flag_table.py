@@ -68,10 +68,9 @@ ENTRIES = (
     ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
      "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
-    ("--check-for-spiky-loss --check-for-large-grads --error-injection-rate --error-injection-type --rerun-mode "
-     "--iterations-to-skip --result-rejected-tracker-filename --check-for-nan-in-grad",
-     "Megatron-LM's rerun state machine is not implemented",
-     "drop it (--check-for-nan-in-loss-and-grad, on by default, stops a run on NaN)"),
+    ("--result-rejected-tracker-filename --check-for-nan-in-grad",
+     "the rerun state machine's tracker file (and the iterations to skip derived from it) is not written",
+     "drop it (--rerun-mode validate_results reruns a failed check; --iterations-to-skip skips steps)"),
     ("--variable-seq-lengths", "every micro-batch is --seq-length tokens", DROP),
     ("--enable-autocast", "the forward runs in the weights' dtype (--bf16 / --fp16), not under torch.autocast",
      DROP),

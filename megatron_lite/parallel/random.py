@@ -104,6 +104,16 @@ def model_parallel_seed(seed: int, state) -> None:
 # Activation checkpointing.
 
 
+def rng_states(tracker: RNGStatesTracker):
+    """Every generator state a step draws from (CPU, the accelerator's, the tracker's), to replay it."""
+    return _capture(tracker)
+
+
+def set_rng_states(saved, tracker: RNGStatesTracker) -> None:
+    """Put back what :func:`rng_states` returned."""
+    _restore(saved, tracker)
+
+
 def _capture(tracker: RNGStatesTracker):
     device = get_device()
     return torch.get_rng_state(), (_get_rng_state(device) if device.type == "cuda" else None), tracker.get_states()

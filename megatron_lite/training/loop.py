@@ -48,6 +48,7 @@ from .nonfinite import check_finite
 from .outputs import check_output_locations, interrupted_note
 from .profiler import StepProfiler
 from .progress import ProgressLog
+from .rerun import ResultValidator, skip_step_data
 from .startup import setup
 from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
@@ -185,6 +186,7 @@ class _Training:
                                      self.iteration)
         self.gc = ManualGC(t)  # --manual-gc: the collector off, run at fixed points
         self.state_reported = False  # the model-state bytes line, printed after the first update
+        self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
 
     def save(self) -> None:
         """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
@@ -198,6 +200,10 @@ class _Training:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
         result = self.result
         micro, batch = self.batches.before_step(self)  # may save first: the batch size changes now
+        if self.iteration in self.config.training.iterations_to_skip:  # read its batch, train nothing
+            skip_step_data(self.train_iter, micro, self.iteration)
+            self.iteration, self.consumed = self.iteration + 1, self.consumed + batch
+            return
         step_start = time.time()
         self.profiler.before(self.iteration)
         with contextlib.ExitStack() as tracking:
@@ -205,8 +211,9 @@ class _Training:
                 tracking.enter_context(self.volume.counting())
             if self.memory is not None:
                 tracking.enter_context(self.memory.tracking())
+            data = self.validator.begin_step(self.train_iter, self.iteration)  # replayable while the step runs
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                               self.forward_step_func, self.train_iter, self.timers, micro)
+                                               self.forward_step_func, data, self.timers, micro, self.validator)
         self.iteration += 1
         self.profiler.after(self.iteration)
         if self.memory is not None:

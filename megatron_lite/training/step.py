@@ -37,38 +37,47 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
 
 
 def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
-               microbatches=None):
+               microbatches=None, validator=None):
     """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
 
     ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
-    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases.
+    :class:`~megatron_lite.training.timers.Timers`, optional) times the phases. ``validator`` (a
+    :class:`~megatron_lite.training.rerun.ResultValidator`, optional) checks the result before the
+    optimizer step and may rerun the forward-backward (``data_iterator`` then is the one its
+    ``begin_step`` returned).
     """
     state, m = comm.state, microbatches or num_microbatches(config)
     timers = timers or Timers(0, get_device())
-    optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
-    moe = bool(config.moe.num_experts)
-    # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
-    set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
-    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-    with timers.phase("forward-backward"):
-        reported = forward_backward(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=chunks,
-            num_microbatches=m,
-            comm=comm,
-            forward_only=False,
-            grad_scale_func=optimizer.scale_loss,
-            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-        )
-    empty_unused_memory(config.training.empty_unused_memory_level, 1)
+
+    def forward_backward_and_grads():
+        optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
+        # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
+        set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
+        forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
+        with timers.phase("forward-backward"):
+            reported = forward_backward(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=chunks,
+                num_microbatches=m,
+                comm=comm,
+                forward_only=False,
+                grad_scale_func=optimizer.scale_loss,
+                no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+            )
+        empty_unused_memory(config.training.empty_unused_memory_level, 1)
+        with timers.phase("all-grads-sync"):
+            finalize_model_grads(chunks, state)
+        return reported
+
+    reported = forward_backward_and_grads()
+    if validator is not None:  # --rerun-mode validate_results: may run the forward-backward again
+        reported = validator.validate(reported, chunks, forward_backward_and_grads)
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
         update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
                           expert_data_parallel_group=state.expert_dp_group)
-    with timers.phase("all-grads-sync"):
-        finalize_model_grads(chunks, state)
-        scale_grads_by_tokens(config, chunks, state, getattr(reported, "num_tokens", 0))  # --calculate-per-token-loss
-    if moe:
+    scale_grads_by_tokens(config, chunks, state, getattr(reported, "num_tokens", 0))  # --calculate-per-token-loss
+    if config.moe.num_experts:
         finish_moe_step(chunks)  # expert-bias update from this step's token counts
     with timers.phase("optimizer"), torch.profiler.record_function("optimizer_step"):
         ok, grad_norm = optimizer.step()

@@ -1,0 +1,289 @@
+"""Result validation by rerunning a step (``--rerun-mode validate_results``): the core of Megatron-LM's
+rerun state machine, which tells a transient hardware fault (silent data corruption) from a result
+the data or the model really gives.
+
+Each step's result is checked before the optimizer step, on every rank:
+
+* fatal checks (``--check-for-nan-in-loss-and-grad``, on by default): a NaN or inf in a micro-batch's
+  loss (last pipeline stage) or in this rank's gradient norm (not under ``--fp16``, whose loss scaler
+  owns overflowing gradients);
+* non-fatal checks: ``--check-for-spiky-loss``, a micro-batch loss of at least 10 times the largest of
+  the first 100 seen; ``--check-for-large-grads``, this rank's gradient norm at least 10 times the
+  largest of the first 100 steps' (Megatron-LM's factors and sample counts; NaN/inf values are left
+  to the fatal checks).
+
+As in Megatron-LM, nothing is checked in a run's first step (its references start at the second).
+When a check fails on any rank (one all-reduce per step decides for every rank), every rank runs the
+step's forward and backward again on the same micro-batches (the data iterator's items are kept by
+reference while the step runs: no tensor is copied unless a rerun happens) from the same generator
+states, and compares: each loss exactly, the gradient norm within 0.1% (Megatron-LM's tolerances).
+
+* The rerun differs somewhere: a transient fault. A fatal check stops every rank with
+  :data:`EXIT_CODE_FAILED_ON_RESULT_VALIDATION` (17, Megatron-LM's code for a failed validation) in
+  one line, saving nothing of this step (restart from the last checkpoint, on other hardware if it
+  recurs); a non-fatal check goes on with the rerun's result.
+* The rerun reproduces it: the result is the data's or the model's. A NaN/inf stops the run as
+  ``--check-for-nan-in-loss-and-grad`` does without reruns; a spiky loss or large gradients are trained
+  on (Megatron-LM's non-fatal checks go on).
+
+Megatron-LM goes one stage further with a reproduced fatal result: it saves a checkpoint and exits 16
+to rerun the step on another GPU. That stage is not built here: a reproduced result is taken as the
+data's. ``--error-injection-rate N`` injects a failed check about once every N checked steps per rank
+(``--error-injection-type``: the rerun then differs, ``transient_error``; reproduces a wrong result,
+``persistent_error``, handled like a NaN; or reproduces a right one, ``correct_result``, trained on).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+
+from ..console import print_rank_0
+from ..device import get_device
+from ..optim.clip_grads import grad_of
+from ..parallel.random import rng_states, set_rng_states
+from .nonfinite import NonFiniteError
+
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's "rerun on another GPU" exit (that stage is not built)
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17  # Megatron-LM's exit after a result failed validation
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+LARGE_FACTOR = 10.0  # a spiky loss / large gradient norm: at least this times the reference
+REFERENCE_SAMPLES = 100  # values whose largest is the reference
+GRAD_TOLERANCE = 1e-3  # relative difference of a rerun's gradient norm still counted as the same
+
+
+class TransientFaultError(RuntimeError):
+    """A rejected result the rerun did not reproduce; every rank raises it together."""
+
+    on_every_rank = True
+    exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+
+
+class ReplayIterator:
+    """Passes a data iterator's items through, keeping references to this step's (no copy) so that
+    :meth:`rewind` replays them."""
+
+    def __init__(self, iterator):
+        self.iterator, self.items, self.pos = iterator, [], None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos is not None and self.pos < len(self.items):
+            self.pos += 1
+            return self.items[self.pos - 1]
+        item = next(self.iterator)
+        self.items.append(item)
+        return item
+
+    def rewind(self) -> None:
+        self.pos = 0
+
+
+class LargeValues:
+    """Megatron-LM's reference for "unexpectedly large": the largest of the first ``samples`` finite
+    values; after them a value at least ``factor`` times it is rejected."""
+
+    def __init__(self, factor: float = LARGE_FACTOR, samples: int | None = None):
+        self.factor, self.count, self.largest = factor, 0, 0.0
+        self.samples = REFERENCE_SAMPLES if samples is None else samples
+
+    def rejects(self, value: float) -> bool:
+        value = abs(value)
+        if not math.isfinite(value):
+            return False
+        if self.count < self.samples:
+            self.count += 1
+            self.largest = max(self.largest, value)
+            return False
+        return value >= self.largest * self.factor
+
+
+def _loss_values(reported) -> list[float]:
+    """Each micro-batch's first reported loss (a per-token ``[sum, count]`` pair as sum / count), read
+    in one transfer."""
+    if not reported:
+        return []
+    values = torch.stack([next(iter(r.values())).detach().double().reshape(-1) for r in reported])
+    if values.shape[1] == 2:
+        return (values[:, 0] / values[:, 1].clamp(min=1)).tolist()
+    return values[:, 0].tolist()
+
+
+def local_grad_norm(chunks) -> float:
+    """L2 norm of the gradients this rank holds (its shard under sharded gradients)."""
+    grads = []
+    for chunk in chunks:
+        shards = getattr(chunk, "grad_shards", None)
+        if getattr(chunk, "shard_grads", False) and shards is not None:
+            grads.append(shards)
+            continue
+        grads.extend(g for g in map(grad_of, chunk.parameters()) if g is not None)
+    if not grads:
+        return 0.0
+    return float(torch.sqrt(sum(g.detach().float().pow(2).sum() for g in grads)))
+
+
+def _same(a: float, b: float, tolerance: float) -> bool:
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return True
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def _any_rank(flags: list[bool]) -> list[bool]:
+    if not dist.is_initialized():
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=get_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+class ResultValidator:
+    """One run's result checks and reruns (see the module docstring). ``begin_step`` before the
+    step's forward-backward, ``validate`` after its gradients are final and before the optimizer step."""
+
+    def __init__(self, config, state):
+        t = config.training
+        self.state, self.iteration = state, 0
+        self.fatal = t.check_for_nan_in_loss_and_grad
+        self.grads_fatal = self.fatal and not config.precision.fp16
+        self.spiky = LargeValues() if t.check_for_spiky_loss else None
+        self.large = LargeValues() if t.check_for_large_grads else None
+        self.enabled = t.rerun_mode == "validate_results" and (self.fatal or self.spiky or self.large)
+        self.injection_rate, self.injection_type = t.error_injection_rate, t.error_injection_type
+        self.draws = random.Random(t.seed)  # its own stream: the training's generators are not touched
+        self.first_step = True
+        self.replays: list[ReplayIterator] = []
+        self.saved_rng = None
+        self.reruns = 0
+
+    def begin_step(self, data_iterator, iteration: int):
+        """The step's data iterator(s), wrapped to be replayed; the generator states are kept."""
+        self.iteration = iteration
+        if not self.enabled:
+            return data_iterator
+        self.saved_rng = rng_states(self.state.rng_tracker)
+        many = isinstance(data_iterator, list)
+        self.replays = [None if it is None else ReplayIterator(it) for it in (data_iterator if many else [data_iterator])]
+        return self.replays if many else self.replays[0]
+
+    def _inject(self) -> bool:
+        """Megatron-LM's draw: one in ``rate`` on average, shifted by the rank."""
+        if self.injection_rate <= 0:
+            return False
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return (self.draws.randint(0, self.injection_rate - 1) + rank) % self.injection_rate == 0
+
+    def _checks(self, reported, chunks) -> tuple[bool, bool, list[float]]:
+        """(a fatal check failed here, a non-fatal one did, the values a rerun is compared on)."""
+        losses = _loss_values(reported)
+        norm = local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0
+        fatal = self.fatal and (any(not math.isfinite(v) for v in losses)
+                                or (self.grads_fatal and not math.isfinite(norm)))
+        spiky = self.spiky is not None and any([self.spiky.rejects(v) for v in losses])
+        large = self.large is not None and self.large.rejects(norm)
+        return fatal, spiky or large, [*losses, norm]
+
+    def validate(self, reported, chunks, rerun):
+        """Check the step's result; on a failed check anywhere ``rerun()`` (forward, backward and
+        gradient finalisation again; returns the new reported losses) on every rank, then decide.
+        Returns the reported losses to log (the rerun's when it ran)."""
+        if not self.enabled:
+            return reported
+        try:
+            return self._validate(reported, chunks, rerun)
+        finally:
+            self.replays, self.saved_rng = [], None  # this step's batches and generator states let go
+
+    def _validate(self, reported, chunks, rerun):
+        if self.first_step:  # as in Megatron-LM: the run's first step is not checked
+            self.first_step = False
+            return reported
+        fatal, nonfatal, values = self._checks(reported, chunks)
+        injected = None
+        if not (fatal or nonfatal) and self._inject():
+            injected = self.injection_type
+            fatal, nonfatal = (True, False) if self.fatal else (False, True)
+        any_fatal, any_nonfatal, any_injected = _any_rank([fatal, nonfatal, injected is not None])
+        if not (any_fatal or any_nonfatal):
+            return reported
+        reported, differs = self._rerun(rerun, values, injected, chunks)
+        return self._decide(reported, any_fatal, differs, self.injection_type if any_injected else None)
+
+    def _rerun(self, rerun, values, injected, chunks):
+        for replay in self.replays:
+            if replay is not None:
+                replay.rewind()
+        set_rng_states(self.saved_rng, self.state.rng_tracker)
+        self.reruns += 1
+        reported = rerun()
+        again = [*_loss_values(reported), local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0]
+        tolerances = [0.0] * (len(values) - 1) + [GRAD_TOLERANCE]
+        differs = len(again) != len(values) or not all(_same(a, b, tol) for a, b, tol in zip(values, again, tolerances))
+        if injected is not None:  # the injected verdict replaces the comparison, as in Megatron-LM
+            differs = injected == "transient_error"
+        return reported, _any_rank([differs])[0]
+
+    def _decide(self, reported, fatal: bool, differs: bool, injected):
+        where = f"iteration {self.iteration + 1}"
+        what = "a NaN/inf loss or gradient" if fatal else "a spiky loss or large gradients"
+        if injected is not None:
+            what = f"an injected {injected}"
+        if differs and fatal:
+            raise TransientFaultError(
+                f"{where}: the rerun of the step did not reproduce {what} (a transient fault, e.g. silent data "
+                f"corruption): stopping without saving this iteration, exit code {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}; "
+                "restart from the last checkpoint (on other hardware if it recurs)")
+        if fatal and injected == "persistent_error":
+            raise NonFiniteError(f"{where}: the rerun of the step reproduced {what}: stopping without saving this "
+                                 "iteration (--rerun-mode disabled does not rerun)")
+        verdict = "did not reproduce it (transient); training goes on with the rerun's result" if differs else \
+            "reproduced it; training goes on"
+        if not fatal or injected == "correct_result":
+            print_rank_0(f"> {where}: result check failed ({what}); the rerun of the step {verdict}")
+        return reported  # a reproduced NaN/inf: the step goes on to the non-finite check, which stops the run
+
+
+
+def skip_step_data(train_iter, microbatches: int, iteration: int) -> None:
+    """``--iterations-to-skip``: read and drop the step's micro-batches from every model chunk's iterator
+    (as Megatron-LM does: the step's samples count as consumed, no update, no learning-rate step)."""
+    for it in train_iter if isinstance(train_iter, list) else [train_iter]:
+        for _ in range(microbatches if it is not None else 0):
+            next(it)
+    print_rank_0(f"> iteration {iteration + 1} skipped (--iterations-to-skip {iteration}): its global batch is "
+                 "read and not trained on")
+
+
+def check_rerun_flags(config) -> None:
+    """The result-validation flags' refusals (one ConfigError line naming the flag)."""
+    from ..errors import ConfigError
+
+    t = config.training
+    if t.rerun_mode == "report_stats":
+        raise ConfigError("--rerun-mode report_stats (Megatron-LM's statistics of the variability of rerun "
+                          "results) is not built; use --rerun-mode validate_results (the default) or disabled")
+    if t.error_injection_rate < 0:
+        raise ConfigError(f"--error-injection-rate must be at least 0 (0: no injection), got {t.error_injection_rate}")
+    if any(i < 0 for i in t.iterations_to_skip):
+        raise ConfigError(f"--iterations-to-skip counts iterations from 0; got {t.iterations_to_skip}")
+    asked = [flag for flag, on in (("--check-for-spiky-loss", t.check_for_spiky_loss),
+                                   ("--check-for-large-grads", t.check_for_large_grads),
+                                   ("--error-injection-rate", t.error_injection_rate > 0)) if on]
+    if asked and t.rerun_mode != "validate_results":
+        raise ConfigError(f"{asked[0]} needs --rerun-mode validate_results (the default); with --rerun-mode "
+                          f"{t.rerun_mode} results are not rerun")
+    checks = t.check_for_nan_in_loss_and_grad or t.check_for_spiky_loss or t.check_for_large_grads
+    if t.error_injection_rate > 0 and not checks:
+        raise ConfigError("--error-injection-rate fails a result check on purpose, and no check is on: keep "
+                          "--check-for-nan-in-loss-and-grad (the default) or add --check-for-spiky-loss")
+    if asked and config.moe.num_experts:
+        raise ConfigError(f"{asked[0]} with --num-experts is not built (a rerun step that is trained on would "
+                          "count the routers' token statistics twice); drop it")

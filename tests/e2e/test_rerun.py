@@ -1,0 +1,132 @@
+"""--rerun-mode validate_results through pretrain_gpt.py: a failed result check reruns the step on the
+same micro-batches and generator states; a fault the rerun does not reproduce exits 17 with nothing of
+that step saved, a reproduced NaN stops the run as before, spiky losses / large gradients train on.
+Fault injection (--error-injection-rate / --error-injection-type) drives each path; --iterations-to-skip."""
+
+import pytest
+
+import pretrain_gpt
+from megatron_lite.training import rerun
+from tests.e2e.test_user_errors import TINY, exit_code_and_stderr
+from tests.harness import run_ranks
+
+RUN = TINY + ["--train-iters", "5", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # 2 micro-batches a step
+
+
+def _scaled_at(calls_to_scale, factor):
+    """A forward_step whose loss (and so its gradients) is ``factor`` times the real one at the given
+    forward calls (counted from 1 over the run, reruns included)."""
+    real, calls = pretrain_gpt.forward_step, {"n": 0}
+
+    def forward_step(data_iterator, model):
+        output, loss_func = real(data_iterator, model)
+        calls["n"] += 1
+        if calls["n"] not in calls_to_scale:
+            return output, loss_func
+
+        def scaled(output_tensor):
+            loss, reported = loss_func(output_tensor * factor)
+            return loss, {k: v * factor for k, v in reported.items()}
+        return output, scaled
+    return forward_step
+
+
+def _run(argv, capsys=None):
+    result = pretrain_gpt.main(argv)
+    out = capsys.readouterr().out if capsys is not None else ""
+    return result, [line for line in out.splitlines() if "result check failed" in line]
+
+
+def _exit(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return err.value.code, lines[0]
+
+
+@pytest.fixture(scope="module")
+def clean():
+    return pretrain_gpt.main(RUN)
+
+
+def test_injected_transient_error_exits_17_saving_nothing_of_that_step(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    code, line = _exit(RUN + ["--error-injection-rate", "1", "--save", str(save), "--save-interval", "1"], capsys)
+    assert code == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION == 17
+    assert "iteration 2: the rerun of the step did not reproduce an injected transient_error" in line, line
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"  # the first step is not checked
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000001"]
+
+
+def test_a_real_transient_nan_exits_17_and_disabled_stops_on_it(tmp_path, capsys, monkeypatch):
+    """A NaN loss at one forward call only (the 5th micro-batch: step 3): the rerun's loss is finite."""
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({5}, float("nan")))
+    code, line = _exit(RUN, capsys)
+    assert code == 17 and "iteration 3: the rerun of the step did not reproduce a NaN/inf loss" in line, line
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({5}, float("nan")))
+    code, line = _exit(RUN + ["--rerun-mode", "disabled"], capsys)  # no rerun: today's stop
+    assert code == 1 and "iteration 3, rank 0: loss nan" in line, line
+
+
+def test_injected_persistent_error_stops_like_a_nan(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    code, line = _exit(RUN + ["--error-injection-rate", "1", "--error-injection-type", "persistent_error",
+                              "--save", str(save), "--save-interval", "1"], capsys)
+    assert code == 1 and "iteration 2: the rerun of the step reproduced an injected persistent_error" in line, line
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_injected_correct_result_trains_on_the_same_trajectory(clean, capsys):
+    """Every checked step (2..5) is rerun with dropout on: the same batches and masks give the run
+    without injection bit for bit."""
+    result, lines = _run(RUN + ["--error-injection-rate", "1", "--error-injection-type", "correct_result"], capsys)
+    assert len(lines) == 4 and "iteration 2:" in lines[0] and "reproduced it" in lines[0], lines
+    assert result.losses == clean.losses and result.grad_norms == clean.grad_norms
+
+
+def test_a_transient_spiky_loss_trains_on_the_reruns_result(clean, capsys, monkeypatch):
+    monkeypatch.setattr(rerun, "REFERENCE_SAMPLES", 2)  # the reference: steps 2's two micro-batches
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({9}, 1000.0))  # step 5's first micro-batch
+    result, lines = _run(RUN + ["--check-for-spiky-loss"], capsys)
+    assert len(lines) == 1 and "iteration 5:" in lines[0] and "did not reproduce it (transient)" in lines[0], lines
+    assert result.losses == clean.losses and result.grad_norms == clean.grad_norms
+
+
+def test_reproduced_large_gradients_are_trained_on(clean, capsys, monkeypatch):
+    monkeypatch.setattr(rerun, "REFERENCE_SAMPLES", 2)  # steps 2 and 3
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({7, 9}, 1000.0))  # step 4 and its rerun
+    result, lines = _run(RUN + ["--check-for-large-grads", "--no-check-for-nan-in-loss-and-grad"], capsys)
+    assert len(lines) == 1 and "iteration 4:" in lines[0] and "reproduced it" in lines[0], lines
+    assert result.losses[:3] == clean.losses[:3] and result.losses[3] > 100 * clean.losses[3]
+
+
+def test_iterations_to_skip_read_the_batch_and_train_nothing(clean, capsys):
+    result = pretrain_gpt.main(RUN + ["--iterations-to-skip", "1", "3"])
+    assert "iteration 2 skipped (--iterations-to-skip 1)" in capsys.readouterr().out
+    assert result.iteration == 5 and result.consumed_samples == 20 and len(result.losses) == 3
+    assert result.losses[0] == clean.losses[0] and result.losses[1] != clean.losses[1]
+
+
+def test_every_rank_takes_the_rerun_decision_at_dp2():
+    """Rate 2: at each checked step one of the two ranks injects; both rerun and both exit 17."""
+    argv = RUN + ["--error-injection-rate", "2"]
+    results = run_ranks(2, exit_code_and_stderr, argv)
+    assert [code for code, _ in results] == [17, 17], results
+    assert "did not reproduce an injected transient_error" in results[0][1] and results[1][1] == "", results
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--rerun-mode", "report_stats"], "--rerun-mode report_stats"),
+    (["--rerun-mode", "disabled", "--check-for-spiky-loss"], "--check-for-spiky-loss needs --rerun-mode"),
+    (["--error-injection-rate", "1", "--no-check-for-nan-in-loss-and-grad"], "no check is on"),
+    (["--error-injection-rate", "-1"], "--error-injection-rate must be at least 0"),
+    (["--iterations-to-skip", "-2"], "--iterations-to-skip counts iterations from 0"),
+    (["--check-for-large-grads", "--num-experts", "2"], "--check-for-large-grads with --num-experts"),
+    (["--result-rejected-tracker-filename", "t.txt"], "--result-rejected-tracker-filename"),
+])
+def test_refused_combinations_are_one_line(capsys, flags, words):
+    with pytest.raises(SystemExit) as err:
+        pretrain_gpt.main(RUN + flags)
+    assert err.value.code == 2
+    assert words in capsys.readouterr().err

@@ -1,0 +1,33 @@
+"""The pieces of --rerun-mode validate_results: the replayable data iterator keeps references (no
+copy) and replays exactly the step's items; Megatron-LM's "unexpectedly large" reference."""
+
+import math
+
+import torch
+
+from megatron_lite.training.rerun import LargeValues, ReplayIterator, _same
+
+
+def test_replay_keeps_references_and_replays_the_step():
+    batches = [{"tokens": torch.arange(4) + i} for i in range(5)]
+    replay = ReplayIterator(iter(batches))
+    first = [next(replay), next(replay)]
+    assert all(a is b for a, b in zip(first, batches[:2]))  # the same objects: nothing copied
+    replay.rewind()
+    again = [next(replay), next(replay)]
+    assert all(a is b for a, b in zip(again, batches[:2]))
+    assert next(replay) is batches[2]  # past the replayed items: the stream goes on
+
+
+def test_large_values_reference_is_the_largest_of_the_first_samples():
+    ref = LargeValues(factor=10, samples=3)
+    assert not any(ref.rejects(v) for v in (1.0, -2.0, 0.5))  # the samples: never rejected
+    assert not ref.rejects(19.9) and ref.rejects(20.0) and ref.rejects(-25.0)
+    assert not ref.rejects(math.nan) and not ref.rejects(math.inf)  # left to the NaN/inf check
+    assert ref.count == 3 and ref.largest == 2.0  # values after the samples do not move it
+
+
+def test_rerun_comparison_tolerances():
+    assert _same(math.nan, math.nan, 0.0) and _same(1.0, 1.0, 0.0) and not _same(1.0, 1.0 + 1e-12, 0.0)
+    assert _same(100.0, 100.05, 1e-3) and not _same(100.0, 100.2, 1e-3)
+    assert not _same(math.inf, 1.0, 1e-3) and not _same(math.nan, 1.0, 1e-3)
