@@ -34,7 +34,7 @@ from .parallel.attention_sink import SOFTMAX_TYPES
 from .parallel.context import CP_COMM_TYPES
 from .precision.flags import TRANSFORMER_IMPLS
 from .precision.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
-from .training.rerun import ERROR_INJECTION_TYPES, RERUN_MODES
+from .training.rerun_flags import ERROR_INJECTION_TYPES, RERUN_MODES
 
 CHOICES = {
     **MOE_CHOICES,

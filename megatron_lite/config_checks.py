@@ -21,7 +21,7 @@ from .moe.upcycling import check_upcycling_flags
 from .precision.config import PrecisionConfig
 from .schedule_checks import check_schedule, check_sgd_momentum, check_train_length
 from .training.batch_rampup import check_batch_rampup
-from .training.rerun import check_rerun_flags
+from .training.rerun_flags import check_rerun_flags
 from .training.validation import check_validation_flags
 
 

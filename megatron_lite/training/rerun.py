@@ -49,8 +49,6 @@ from .nonfinite import NonFiniteError
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's "rerun on another GPU" exit (that stage is not built)
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17  # Megatron-LM's exit after a result failed validation
-RERUN_MODES = ("disabled", "validate_results", "report_stats")
-ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 LARGE_FACTOR = 10.0  # a spiky loss / large gradient norm: at least this times the reference
 REFERENCE_SAMPLES = 100  # values whose largest is the reference
 GRAD_TOLERANCE = 1e-3  # relative difference of a rerun's gradient norm still counted as the same
@@ -151,7 +149,7 @@ class ResultValidator:
 
     def __init__(self, config, state):
         t = config.training
-        self.state, self.iteration = state, 0
+        self.rng_tracker, self.iteration = state.rng_tracker, 0  # not the state: its groups must go with the run
         self.fatal = t.check_for_nan_in_loss_and_grad
         self.grads_fatal = self.fatal and not config.precision.fp16
         self.spiky = LargeValues() if t.check_for_spiky_loss else None
@@ -169,7 +167,7 @@ class ResultValidator:
         self.iteration = iteration
         if not self.enabled:
             return data_iterator
-        self.saved_rng = rng_states(self.state.rng_tracker)
+        self.saved_rng = rng_states(self.rng_tracker)
         many = isinstance(data_iterator, list)
         self.replays = [None if it is None else ReplayIterator(it) for it in (data_iterator if many else [data_iterator])]
         return self.replays if many else self.replays[0]
@@ -221,7 +219,7 @@ class ResultValidator:
         for replay in self.replays:
             if replay is not None:
                 replay.rewind()
-        set_rng_states(self.saved_rng, self.state.rng_tracker)
+        set_rng_states(self.saved_rng, self.rng_tracker)
         self.reruns += 1
         reported = rerun()
         again = [*_loss_values(reported), local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0]
@@ -261,29 +259,3 @@ def skip_step_data(train_iter, microbatches: int, iteration: int) -> None:
     print_rank_0(f"> iteration {iteration + 1} skipped (--iterations-to-skip {iteration}): its global batch is "
                  "read and not trained on")
 
-
-def check_rerun_flags(config) -> None:
-    """The result-validation flags' refusals (one ConfigError line naming the flag)."""
-    from ..errors import ConfigError
-
-    t = config.training
-    if t.rerun_mode == "report_stats":
-        raise ConfigError("--rerun-mode report_stats (Megatron-LM's statistics of the variability of rerun "
-                          "results) is not built; use --rerun-mode validate_results (the default) or disabled")
-    if t.error_injection_rate < 0:
-        raise ConfigError(f"--error-injection-rate must be at least 0 (0: no injection), got {t.error_injection_rate}")
-    if any(i < 0 for i in t.iterations_to_skip):
-        raise ConfigError(f"--iterations-to-skip counts iterations from 0; got {t.iterations_to_skip}")
-    asked = [flag for flag, on in (("--check-for-spiky-loss", t.check_for_spiky_loss),
-                                   ("--check-for-large-grads", t.check_for_large_grads),
-                                   ("--error-injection-rate", t.error_injection_rate > 0)) if on]
-    if asked and t.rerun_mode != "validate_results":
-        raise ConfigError(f"{asked[0]} needs --rerun-mode validate_results (the default); with --rerun-mode "
-                          f"{t.rerun_mode} results are not rerun")
-    checks = t.check_for_nan_in_loss_and_grad or t.check_for_spiky_loss or t.check_for_large_grads
-    if t.error_injection_rate > 0 and not checks:
-        raise ConfigError("--error-injection-rate fails a result check on purpose, and no check is on: keep "
-                          "--check-for-nan-in-loss-and-grad (the default) or add --check-for-spiky-loss")
-    if asked and config.moe.num_experts:
-        raise ConfigError(f"{asked[0]} with --num-experts is not built (a rerun step that is trained on would "
-                          "count the routers' token statistics twice); drop it")

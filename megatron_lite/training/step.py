@@ -7,6 +7,8 @@ optimizer and scheduler step; ``evaluate`` runs forward-only passes and returns 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..config import Config
@@ -36,6 +38,30 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     )
 
 
+def _forward_backward_and_grads(config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m):
+    """Every micro-batch's forward and backward, then the gradients finalised; the reported losses."""
+    state = comm.state
+    optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
+    # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
+    set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
+    forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
+    with timers.phase("forward-backward"):
+        reported = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=chunks,
+            num_microbatches=m,
+            comm=comm,
+            forward_only=False,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+        )
+    empty_unused_memory(config.training.empty_unused_memory_level, 1)
+    with timers.phase("all-grads-sync"):
+        finalize_model_grads(chunks, state)
+    return reported
+
+
 def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
                microbatches=None, validator=None):
     """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
@@ -48,31 +74,12 @@ def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, da
     """
     state, m = comm.state, microbatches or num_microbatches(config)
     timers = timers or Timers(0, get_device())
-
-    def forward_backward_and_grads():
-        optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
-        # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
-        set_aux_loss_backward_scale(chunks, aux_loss_scale(config, state, optimizer.get_loss_scale(), m))
-        forward_backward = get_forward_backward_func(state, config.parallel.pipeline_schedule)
-        with timers.phase("forward-backward"):
-            reported = forward_backward(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=chunks,
-                num_microbatches=m,
-                comm=comm,
-                forward_only=False,
-                grad_scale_func=optimizer.scale_loss,
-                no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
-            )
-        empty_unused_memory(config.training.empty_unused_memory_level, 1)
-        with timers.phase("all-grads-sync"):
-            finalize_model_grads(chunks, state)
-        return reported
-
-    reported = forward_backward_and_grads()
+    # a module-level function, not a closure: an error's traceback keeps each frame's function, and a
+    # closure's cells would keep the model (and its process groups) alive after the frames are cleared
+    args = (config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m)
+    reported = _forward_backward_and_grads(*args)
     if validator is not None:  # --rerun-mode validate_results: may run the forward-backward again
-        reported = validator.validate(reported, chunks, forward_backward_and_grads)
+        reported = validator.validate(reported, chunks, partial(_forward_backward_and_grads, *args))
     if config.precision.fp8_format is not None:  # delayed FP8 scaling: the once-per-step scale update
         update_fp8_scales(chunks, data_parallel_group=state.dp_cp_group,
                           expert_data_parallel_group=state.expert_dp_group)
