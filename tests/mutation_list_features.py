@@ -120,4 +120,10 @@ MUTATIONS = [
     Mutation("fp32_residual_p2p_dtype", "--fp32-residual-connection: the pipeline's p2p buffers in the model's dtype",
              "megatron_lite/training/step.py", "dtype=config.precision.residual_dtype,",
              "dtype=config.precision.params_dtype,", ("tests/unit/test_fp32_residual.py", "-k", "pipeline")),
+    Mutation("rerun_data_not_replayed", "--rerun-mode validate_results: the rerun reads the next micro-batches "
+             "instead of the step's", "megatron_lite/training/rerun.py", "    def rewind(self) -> None:\n        self.pos = 0\n",
+             "    def rewind(self) -> None:\n        self.pos = None\n", ("tests/e2e/test_rerun.py", "-k", "correct_result")),
+    Mutation("rerun_rng_not_restored", "--rerun-mode validate_results: the rerun draws new dropout masks",
+             "megatron_lite/training/rerun.py", "        set_rng_states(self.saved_rng, self.rng_tracker)\n",
+             "        pass\n", ("tests/e2e/test_rerun.py", "-k", "correct_result")),
 ]
