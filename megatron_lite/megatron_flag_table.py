@@ -68,9 +68,11 @@ ENTRIES = (
     ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
      "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
-    ("--result-rejected-tracker-filename --check-for-nan-in-grad",
+    ("--result-rejected-tracker-filename",
      "the rerun state machine's tracker file (and the iterations to skip derived from it) is not written",
      "drop it (--rerun-mode validate_results reruns a failed check; --iterations-to-skip skips steps)"),
+    ("--check-for-nan-in-grad", "the gradients' NaN/inf check is part of --check-for-nan-in-loss-and-grad",
+     "drop it (--check-for-nan-in-loss-and-grad, on by default, checks the loss and the gradients)"),
     ("--variable-seq-lengths", "every micro-batch is --seq-length tokens", DROP),
     ("--enable-autocast", "the forward runs in the weights' dtype (--bf16 / --fp16), not under torch.autocast",
      DROP),
