@@ -130,3 +130,11 @@ def test_refused_combinations_are_one_line(capsys, flags, words):
         pretrain_gpt.main(RUN + flags)
     assert err.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_rerun_logs_a_specs_auxiliary_loss_once():
+    """A --spec module's logged loss (examples/research/aux_loss.py) is the rerun's alone, not both passes'."""
+    spec = RUN + ["--spec", "examples/research/aux_loss.py", "spec"]
+    clean = pretrain_gpt.main(spec)
+    result = pretrain_gpt.main(spec + ["--error-injection-rate", "1", "--error-injection-type", "correct_result"])
+    assert len(clean.reported[0]) == 2 and result.reported == clean.reported, (clean.reported, result.reported)
