@@ -114,17 +114,18 @@ def _loss_values(reported) -> list[float]:
 
 
 def local_grad_norm(chunks) -> float:
-    """L2 norm of the gradients this rank holds (its shard under sharded gradients)."""
-    grads = []
+    """L2 norm of the gradients this rank holds (its shard under sharded gradients): one pass over each
+    chunk's flat fp32 gradient buffer where it has one (its padding stays zero), else over the parameters."""
+    norms = []
     for chunk in chunks:
-        shards = getattr(chunk, "grad_shards", None)
-        if getattr(chunk, "shard_grads", False) and shards is not None:
-            grads.append(shards)
+        flat = getattr(chunk, "grad_shards" if getattr(chunk, "shard_grads", False) else "grad_buffer", None)
+        if flat is not None:
+            norms.append(torch.linalg.vector_norm(flat.detach()))
             continue
-        grads.extend(g for g in map(grad_of, chunk.parameters()) if g is not None)
-    if not grads:
+        norms.extend(g.detach().float().norm() for g in map(grad_of, chunk.parameters()) if g is not None)
+    if not norms:
         return 0.0
-    return float(torch.sqrt(sum(g.detach().float().pow(2).sum() for g in grads)))
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
 def _same(a: float, b: float, tolerance: float) -> bool:
