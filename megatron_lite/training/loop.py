@@ -15,7 +15,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -49,34 +48,13 @@ from .outputs import check_output_locations, interrupted_note
 from .profiler import StepProfiler
 from .progress import ProgressLog
 from .rerun import ResultValidator, skip_step_data
+from .result import TrainResult
 from .startup import setup
 from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
 from .timers import Timers
 from .validation import ValidationSets
 from .writers import check_wandb_available
-
-
-@dataclass
-class TrainResult:
-    """What ``pretrain`` returns: handy for tests and notebooks (losses only on the last stage)."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    losses: list[float] = field(default_factory=list)
-    reported: list[dict[str, float]] = field(default_factory=list)  # every reported loss per step (e.g. lm + sop)
-    grad_norms: list[float | None] = field(default_factory=list)
-    skipped_iterations: int = 0
-    validation: list[tuple[int, float]] = field(default_factory=list)
-    evaluations: list[tuple[int, str, dict]] = field(default_factory=list)  # every pass: (iteration, "validation"
-    # / "validation NAME" (--multiple-validation-sets) / "test", its losses), the final passes included
-    exit_reason: str = "done"
-    chunks: list = field(default_factory=list, repr=False)  # the trained model chunks (DDP-wrapped)
-    comm_volume: list = field(default_factory=list, repr=False)  # --log-comm-volume: per step {(kind, op): bytes sent}
-    memory: list = field(default_factory=list, repr=False)  # --memory-report: this rank's MemoryReport.steps_seen
-    stats: list = field(default_factory=list, repr=False)  # per step: the {params_norm, num_zeros} logged
-    state: ParallelState | None = field(default=None, repr=False)
-    optimizer: object = field(default=None, repr=False)
 
 
 class _ExitSignal:
