@@ -187,15 +187,6 @@ def _check_parallel(config: Config) -> None:
     _check_recompute_num_layers(config, max(end - start for stage in ranges for start, end in stage))
 
 
-def interleaved(config: Config) -> bool:
-    """Whether the run's pipeline ranks hold several model chunks (virtual stages): the flag, or a layout's."""
-    from .parallel.pipeline.partition import pipeline_ranges
-
-    p = config.parallel
-    return p.num_layers_per_virtual_pipeline_stage is not None or (
-        p.pipeline_model_parallel_layout is not None and len(pipeline_ranges(config.flat())[0]) > 1)
-
-
 def _check_recompute_num_layers(config: Config, most: int) -> None:
     """--recompute-num-layers counts layers of one model chunk (a pipeline stage, or a virtual stage
     with --num-layers-per-virtual-pipeline-stage), as in Megatron-LM (1 to the layers per chunk):
@@ -221,7 +212,9 @@ def _check_batch(config: Config) -> None:
     _require(not t.decrease_batch_size_if_needed or t.global_batch_size >= t.micro_batch_size * dp,
              f"--decrease-batch-size-if-needed: --global-batch-size {t.global_batch_size} is less than --micro-batch-size "
              f"{t.micro_batch_size} x data-parallel size {dp}, nothing is left after rounding down")
-    if interleaved(config):
+    from .parallel.pipeline.partition import interleaved
+
+    if interleaved(config.flat()):
         try:
             from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),

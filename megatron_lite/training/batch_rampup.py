@@ -189,9 +189,9 @@ def check_batch_rampup(config) -> None:
             raise ConfigError(f"{flag}: the ramp's global batch {bad} is not divisible by --micro-batch-size "
                               f"{t.micro_batch_size} x data-parallel size {dp}; make the start batch and the "
                               f"increment multiples of {unit}, or add --decrease-batch-size-if-needed")
-    from ..config_checks import interleaved  # (imported here: config_checks imports this module)
+    from ..parallel.pipeline.partition import interleaved
 
-    if interleaved(config):  # every step's count, not only G's
+    if interleaved(config.flat()):  # every step's count, not only G's
         from ..parallel.pipeline.order import check_interleaved_microbatches
 
         for size in schedule.sizes():

@@ -147,3 +147,10 @@ def pipeline_ranges(flags: Mapping) -> list[list[tuple[int, int]]]:
                              "with --decoder-first/last-pipeline-num-layers; use one or the other")
         return accounted_ranges(num_layers, pp, vpp, embedding, loss)
     return layer_ranges(num_layers, pp, vpp, first, last)
+
+
+def interleaved(flags: Mapping) -> bool:
+    """Whether a flat config's pipeline ranks hold several model chunks (virtual stages): the flag, or a layout's."""
+    if flags.get("num_layers_per_virtual_pipeline_stage") is not None:
+        return True
+    return flags.get("pipeline_model_parallel_layout") is not None and len(pipeline_ranges(flags)[0]) > 1
