@@ -8,8 +8,12 @@ import torch
 
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.lora.peft_export import peft_adapter
+from tests.unit.test_peft_experts import E as EXPERTS_E
+from tests.unit.test_peft_experts import R as EXPERTS_R
+from tests.unit.test_peft_experts import check_experts
 
 R, H, FFN, E = 2, 8, 6, 3
+assert (R, E) == (EXPERTS_R, EXPERTS_E)  # check_experts reads test_peft_experts.py's rank and expert count
 CFG = dict(num_layers=2, num_experts=E, moe_layer_freq="[0,1]", lora_rank=R, lora_alpha=4, lora_dropout=0.1)
 GEN = torch.Generator().manual_seed(0)
 
@@ -37,14 +41,7 @@ def test_experts_are_stacked_as_peft_reads_them():
     assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate_proj.weight",
                                            "mlp.shared_experts.down_proj.weight", "mlp.up_proj.weight"]
     assert config["lora_dropout"] == 0.0  # PEFT's parameter adapters take no dropout
-    stem = "base_model.model.model.layers.1.mlp.experts."
-    for module, fc in (("base_layer.", 1), ("", 2)):  # gate_up_proj wrapped first: the inner module
-        a, b = tensors[f"{stem}{module}lora_A.weight"], tensors[f"{stem}{module}lora_B.weight"]
-        # PEFT's ParamWrapper.get_delta_weight for [E, out, in] parameters
-        delta = torch.einsum("ore,eri->eoi", b.reshape(b.shape[0], R, E), a.reshape(E, R, -1))
-        for j in range(E):
-            p = f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc{fc}.adapter.linear_"
-            torch.testing.assert_close(delta[j], adapters[p + "out.weight"] @ adapters[p + "in.weight"])
+    check_experts(tensors, adapters, 1)  # PEFT's stacked-expert layout (the same R and E)
     gate = tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"]
     assert torch.equal(gate, adapters["decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"][:FFN])
 

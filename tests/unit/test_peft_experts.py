@@ -53,7 +53,7 @@ def _attention(layer):
             **_pair(f"decoder.layers.{layer}.self_attention.linear_proj.", H, H)}
 
 
-def _check_experts(tensors, seq, layer):
+def check_experts(tensors, seq, layer):
     stem = f"base_model.model.model.layers.{layer}.mlp.experts."
     for module, fc in (("base_layer.", 1), ("", 2)):  # gate_up_proj wrapped first: the inner module
         a, b = tensors[f"{stem}{module}lora_A.weight"], tensors[f"{stem}{module}lora_B.weight"]
@@ -72,7 +72,7 @@ def test_qwen3_moe_experts_stacked_and_dense_layer_by_parameter():
     assert config["target_parameters"] == ["mlp.down_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj",
                                            "mlp.gate_proj.weight", "mlp.up_proj.weight"]
     assert config["lora_dropout"] == 0.0  # PEFT's parameter adapters take no dropout
-    _check_experts(tensors, adapters, 0)
+    check_experts(tensors, adapters, 0)
     qkv_b = adapters["decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight"]
     for name, want in zip(("q_proj", "k_proj", "v_proj"), qkv_to_separate(qkv_b, HEADS, GROUPS, H // HEADS)):
         assert torch.equal(tensors[f"base_model.model.model.layers.0.self_attn.{name}.lora_B.weight"], want)
@@ -87,7 +87,7 @@ def test_mixtral_grouped_experts_as_the_sequential_ones():
     _, want = peft_adapter(CFG, {**seq, **seq1}, "mixtral", "/base")
     assert tensors.keys() == want.keys()
     assert all(torch.equal(tensors[k], want[k]) for k in want)
-    _check_experts(tensors, seq1, 1)
+    check_experts(tensors, seq1, 1)
 
 
 def test_one_expert_fc_alone_sits_on_the_experts_module():
