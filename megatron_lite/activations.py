@@ -154,7 +154,8 @@ class L2Norm(torch.nn.Module):
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-UNEXPORTABLE = ("squared_relu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm")
+UNEXPORTABLE = ("squared_relu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",
+                "rotary_interleaved", "softmax_scale", "attention_output_gate", "no_rope_freq")  # models/attention_config.py
 
 
 GPT_OSS_EXPORTABLE = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type")

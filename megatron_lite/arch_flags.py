@@ -17,6 +17,7 @@ SHAPE_FLAGS = (
     "apply_layernorm_1p",  # not a shape, but what the stored norm weights mean: a weights-only load must match it
     "quick_geglu",  # fc1 holds [gate; linear]
     "softmax_type",  # learnable: core_attention.softmax_offset
+    "attention_output_gate",  # linear_qkv holds the gate heads
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 
@@ -28,6 +29,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "rotary_percent", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
     "window_size", "window_attn_skip_freq",
     "squared_relu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",
+    "rotary_interleaved", "softmax_scale", "no_rope_freq",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

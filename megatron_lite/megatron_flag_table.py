@@ -20,11 +20,7 @@ ENTRIES = (
      "use --position-embedding-type rope"),
     ("--no-position-embedding", "Megatron-LM's deprecated switch; a rope model has no learned position table "
      "anyway", "use --position-embedding-type rope"),
-    ("--rotary-interleaved", "only the rotate-half rotary layout is implemented", DROP),
-    ("--attention-output-gate", "a gate on the attention output is not implemented", DROP),
-    ("--softmax-scale", "the attention scale is 1/sqrt(head dim) (with MLA, the scale its YaRN settings give), not settable", DROP),
     ("--qk-clip", "QK-clip (shrinking query/key weights after large attention logits) is not implemented", DROP),
-    ("--no-rope-freq", "rotary embeddings apply in every layer (skipping layers is not implemented)", DROP),
     ("--mrope-section", "multimodal rotary embeddings are not implemented", DROP),
     ("--apply-residual-connection-post-layernorm", "only the pre-norm residual order is built", DROP),
     ("--onnx-safe", "ONNX export is not supported", DROP),

@@ -42,6 +42,8 @@ VARIANTS["norm_1p"] = dict(VARIANTS["rope_gqa"], apply_layernorm_1p=True)  # nor
 VARIANTS["qk_norm"] = dict(VARIANTS["rope_gqa"], qk_layernorm=True)  # Qwen3's per-head q/k norms (before RoPE)
 VARIANTS["rope_scaled"] = dict(VARIANTS["rope_gqa"], rotary_base=500000, use_rope_scaling=True,
                                rotary_seq_len_interpolation_factor=2)  # Llama 3.1 scaling, positions / 2
+VARIANTS["attn_flags"] = dict(VARIANTS["rope_gqa"], rotary_interleaved=True, softmax_scale=0.2, attention_output_gate=True,
+                              no_rope_freq="2")  # models/attention_config.py: layers 2 and 4 without rotary
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",
            moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference
 

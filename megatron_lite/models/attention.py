@@ -35,6 +35,10 @@ every head) after the QKV projection and before the rotary embedding. The weight
 TP while each rank normalises only its own heads, so they are marked ``sequence_parallel`` (the
 training code sums their gradients over TP) whenever TP > 1, with or without sequence parallelism.
 ``--qk-l2-norm`` (Llama 4) puts a weightless norm in the same place: each head scaled to unit mean square.
+
+``--rotary-interleaved``, ``--softmax-scale``, ``--attention-output-gate`` and ``--no-rope-freq``:
+:mod:`~megatron_lite.models.attention_config` (the gate's heads sit in the fused QKV weight after each
+group's query heads: ``[q heads | gate heads | k | v]`` per group).
 """
 
 from __future__ import annotations
@@ -55,11 +59,21 @@ from ..parallel.random import checkpoint
 from ..parallel.recompute import recompute_modules
 from ..parallel.ring_attention import local_attention
 from ..parallel.sliding_window import cache_window_mask, confine_to_window
-from .common import Norm, apply_rotary, column_linear, row_linear
+from .attention_config import layer_skips_rope
+from .common import Norm, apply_rotary, apply_rotary_interleaved, column_linear, row_linear
 from .cpu_attention import beats_cpu_sdpa, cpu_core_attention
 from .window_config import layer_window
 
 fused_apply_rotary = jit_fuser(apply_rotary)
+fused_apply_rotary_interleaved = jit_fuser(apply_rotary_interleaved)
+
+
+def rotary_function(config):
+    """The rotation of the queries and keys: rotate-half or, with --rotary-interleaved, adjacent pairs;
+    through a ``jit_fuser`` function with --rope-fusion."""
+    if getattr(config, "rotary_interleaved", False):
+        return fused_apply_rotary_interleaved if config.apply_rope_fusion else apply_rotary_interleaved
+    return fused_apply_rotary if config.apply_rope_fusion else apply_rotary
 
 
 def _flash_attn_funcs():
@@ -81,8 +95,10 @@ def _one_head_size(q, k, v):
 
 
 def softmax_scale(config) -> float:
-    """The scale of the attention logits: the config's (MLA's differs), else 1 / sqrt(head size)."""
-    scale = getattr(config, "softmax_scale", None)
+    """The scale of the attention logits: a TransformerConfig's ``attention_scale`` (--softmax-scale, or MLA's), or
+    another config's ``softmax_scale``, else 1 / sqrt(head size)."""
+    scale = getattr(config, "attention_scale", None)
+    scale = getattr(config, "softmax_scale", None) if scale is None else scale
     return scale if scale is not None else 1.0 / math.sqrt(config.head_dim)
 
 
@@ -93,7 +109,7 @@ class DotProductAttention(nn.Module):
     with ``nq % nkv == 0`` (each key/value head serves ``nq / nkv`` consecutive query heads) and a
     value head size that may differ from the query/key one (MLA: 192 vs 128); ``attention_mask``
     None, bool ``[b, 1, sq, sk]`` (True = masked out) or int document ids ``[b, s]``. ``scale`` is
-    ``1 / sqrt(dk)``, or the config's ``softmax_scale`` (MLA's YaRN-corrected one). Keys and values
+    ``1 / sqrt(dk)``, or the config's ``attention_scale`` (--softmax-scale, or MLA's YaRN-corrected one). Keys and values
     may be longer than the queries (decoding with a key/value cache): causal attention is then
     bottom-right aligned, the queries being the last ``s`` positions.
     """
@@ -251,13 +267,15 @@ class SelfAttention(nn.Module):
         self.selective_recompute = "core_attn" in recompute_modules(config)
         self.tracker = state.rng_tracker
         self.layer_number = layer_number
-        qkv_size = (heads + 2 * groups) * self.head_dim
+        self.gated = bool(getattr(config, "attention_output_gate", False))  # per group: [q | gate | k | v] heads
+        qkv_size = (heads * (2 if self.gated else 1) + 2 * groups) * self.head_dim
         self.linear_qkv = column_linear(config, state, layer_number, qkv_size, "self_attention.linear_qkv",
                                         bias=config.add_bias_linear or config.add_qkv_bias)
         self.core_attention = core_attention(config, state, layer_number)
         self.linear_proj = row_linear(config, state, layer_number, heads * self.head_dim, "self_attention.linear_proj",
                                       skip_bias_add=config.bias_dropout_fusion)
-        self.rotate = fused_apply_rotary if config.apply_rope_fusion else apply_rotary
+        self.rotate = rotary_function(config)
+        self.skips_rope = layer_skips_rope(config, layer_number)  # --no-rope-freq: a NoPE layer
         self.q_layernorm, self.k_layernorm = (head_norm(config, state) for _ in range(2)) if config.qk_layernorm \
             else (None, None)
         if getattr(config, "qk_l2_norm", False):  # no weights (megatron_lite/activations.py)
@@ -270,15 +288,17 @@ class SelfAttention(nn.Module):
         With ``inference_context`` (a :class:`~megatron_lite.inference.KVCache`) the new tokens' keys
         and values (this rank's key/value heads only) are appended to the cache and the queries
         attend over everything cached."""
-        qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * d]
+        qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg (x 2 gated) + 2) * d]
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
-        q = q.reshape(s, b, self.local_groups * self.heads_per_group, self.head_dim)
+        hpg = self.heads_per_group
+        gates = hpg if self.gated else 0
+        qkv = qkv.view(s, b, self.local_groups, hpg + gates + 2, self.head_dim)
+        q, gate, k, v = qkv.split([hpg, gates, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_groups * hpg, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:  # per head, before the rotary embedding (Qwen3's order)
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
+        if rotary is not None and not self.skips_rope:
             cos, sin = (t.to(q.dtype) for t in rotary)
             q, k = rotate_part(self.rotate, q, cos, sin), rotate_part(self.rotate, k, cos, sin)
         if inference_context is not None:
@@ -289,5 +309,7 @@ class SelfAttention(nn.Module):
             context = checkpoint(self.core_attention, q, k, v, attention_mask, causal, tracker=self.tracker)
         else:
             context = self.core_attention(q, k, v, attention_mask, causal)
+        if self.gated:  # --attention-output-gate: sigmoid in fp32, the product rounded once
+            context = (context * torch.sigmoid(gate.reshape(context.shape).float())).to(context.dtype)
         return self.linear_proj(context)
 

@@ -123,7 +123,8 @@ class Norm(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Rotary position embeddings (RoPE), in the "rotate half" layout: the head dim is split into two
-# halves that rotate together, with frequencies base^(-2i/d).
+# halves that rotate together, with frequencies base^(-2i/d); or, with --rotary-interleaved, adjacent
+# channel pairs (the same tables, read one entry per pair).
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float = 10000.0, dtype=torch.float32, *,
@@ -144,3 +145,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``--rotary-interleaved``: rotate the adjacent pairs ``(x[2i], x[2i+1])`` of ``x [s, b, heads, dim]`` by
+    angle ``i`` of the (rotate-half) tables ``[s, b, 1, dim]``, whose first half holds one angle per pair."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)

@@ -12,7 +12,7 @@ return a LayerSpec, and a spec that would silently drop a flag (``--context-para
 a core attention that is neither ContextParallelAttention nor a class setting ``context_parallel = True``, MoELayer in other layers than ``--moe-layer-freq`` (default 1: every layer) selects
 or without ``--num-experts``, ``--num-experts`` without an MoE layer, ``--multi-latent-attention`` with a
 layer whose self_attention is not MLASelfAttention, or MLASelfAttention without the flag, ``--qk-layernorm`` with a layer whose attention block is neither of the two that norm queries and
-keys, ``--qk-l2-norm`` or ``--add-qkv-bias`` with a layer whose block is not SelfAttention, ``--window-size``
+keys, ``--qk-l2-norm``, ``--add-qkv-bias``, ``--rotary-interleaved``, ``--attention-output-gate`` or ``--no-rope-freq`` with a layer whose block is not SelfAttention, ``--window-size``
 or ``--softmax-type`` other than vanilla with a core attention that is not built on the stock one, an
 MLP activation flag such as ``--swiglu`` with an mlp that is neither the stock MLP nor MoELayer,
 ``--normalization RMSNorm`` or ``--apply-layernorm-1p`` with a norm of one's own).
@@ -187,7 +187,9 @@ def check_spec(config) -> None:
         raise ConfigError(f"{flag}: --qk-layernorm is set but layer {layer}'s self_attention is not megatron_lite.models."
                           "attention.SelfAttention or MLASelfAttention (the blocks that norm queries and keys); use "
                           "one in the spec or drop the flag")
-    for field, name in (("qk_l2_norm", "--qk-l2-norm"), ("add_qkv_bias", "--add-qkv-bias")):  # SelfAttention's alone
+    for field, name in (("qk_l2_norm", "--qk-l2-norm"), ("add_qkv_bias", "--add-qkv-bias"),  # SelfAttention's alone
+                        ("rotary_interleaved", "--rotary-interleaved"), ("attention_output_gate", "--attention-output-gate"),
+                        ("no_rope_freq", "--no-rope-freq")):
         if getattr(config.model, field, False) and (layer := _first_other(specs, SelfAttention)):
             raise ConfigError(f"{flag}: {name} is set but layer {layer}'s self_attention is not megatron_lite.models."
                               "attention.SelfAttention (the block that applies it); use it in the spec or drop the flag")

@@ -30,6 +30,7 @@ from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
 from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from ..precision.te import TeGemm
+from .attention_config import AttentionConfig, check_attention_fields
 from .common import param_generator
 from .cp_config import check_context_parallel_fields
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
@@ -62,7 +63,7 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
 
 
 @dataclass
-class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationConfig):  # fields from the mixins
+class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionConfig, ActivationConfig):  # fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -145,6 +146,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         check_moe_fields(self)
         check_mla_fields(self)
         check_rope_fields(self)
+        check_attention_fields(self)
         check_recompute_modules(self)
         check_window_fields(self)
         check_softmax_type(self)
@@ -259,8 +261,10 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, ActivationC
         return self.kv_channels
 
     @property
-    def softmax_scale(self) -> float:
-        """The attention logits' scale: 1 / sqrt(head size), or MLA's (with YaRN's mscale)."""
+    def attention_scale(self) -> float:
+        """The attention logits' scale: --softmax-scale, else 1 / sqrt(head size), or MLA's (with YaRN's mscale)."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         return mla_softmax_scale(self) if self.multi_latent_attention else 1.0 / math.sqrt(self.kv_channels)
 
     def init_method(self, layer_number: int, name: str, scaled: bool = False):

@@ -248,7 +248,7 @@ class ContextParallelAttention(nn.Module):
     """Core attention over a CP-split sequence: ``forward(q, k [s, b, n, dk], v [s, b, nkv, dv],
     attention_mask, causal) -> [s, b, nq * dv]`` with ``s`` = this rank's share of the sequence (the
     value head size may differ from the query/key one, as in MLA). The logits' scale is the
-    config's ``softmax_scale`` when it has one (MLA's), else ``1 / sqrt(dk)``.
+    config's ``attention_scale`` when it has one (--softmax-scale, MLA's), else ``1 / sqrt(dk)``.
 
     ``config.cp_comm_type`` picks p2p (ring, default), a2a (Ulysses), allgather or a2a+p2p (Ulysses
     inside the state's ``cp_a2a`` groups, the ring across them over ``cp_ring``). The mask is the
@@ -271,7 +271,7 @@ class ContextParallelAttention(nn.Module):
                              f"{', '.join(CP_COMM_TYPES)}")
         self.group, self.cp_size, self.cp_rank = state.cp_group, state.cp_size, state.cp_rank
         self.dropout_p = config.attention_dropout
-        self.scale = getattr(config, "softmax_scale", None)
+        self.scale = getattr(config, "attention_scale", getattr(config, "softmax_scale", None))
         self.tracker = state.rng_tracker
         self.sliding_window = config.window_of(layer_number) if hasattr(config, "window_of") else None  # or (l, r)
         self.softmax_type = getattr(config, "softmax_type", "vanilla")  # --softmax-type: attention_sink.py

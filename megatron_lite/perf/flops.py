@@ -21,6 +21,7 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
 * attention with ``a`` heads of ``d`` channels (``kv_channels``) and ``g`` key/value groups (GQA/MQA):
   Q projection 2·B·s·h·a·d, K and V projections 2·2·B·s·h·g·d, scores and values 2·2·B·s²·a·d,
   output projection 2·B·s·a·d·h. The causal mask is not discounted (as in the paper and Megatron);
+  ``--attention-output-gate`` doubles the Q projection (its gate heads; the elementwise gate is not counted);
 * sliding-window attention (``--window-size LEFT RIGHT``, per layer as ``--window-attn-skip-freq``
   chooses): a windowed layer's queries each count the ``w = LEFT + 1 + RIGHT`` keys their window
   spans (at most s; a side of -1 is unbounded), so its scores and values are 2·2·B·s·w·a·d where a
@@ -122,7 +123,7 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None, wind
         attention = _mla_projection_flops(model_config, tokens) + core_attention_flops(model_config, batch_size, window)
     else:
         attention = (
-            2 * tokens * h * heads * d  # Q projection
+            2 * tokens * h * heads * d * (2 if _get(model_config, "attention_output_gate", False) else 1)  # Q (+ gate)
             + 2 * 2 * tokens * h * groups * d  # K and V projections
             + core_attention_flops(model_config, batch_size, window)  # Q·Kᵀ and probabilities·V
             + 2 * tokens * heads * d * h  # output projection

@@ -324,7 +324,7 @@ def test_every_megatron_lm_flag_is_ours_or_refused_with_a_reason():
     assert not unexplained, f"add to megatron_lite/megatron_flags.py: {unexplained}"
 
 
-@pytest.mark.parametrize("flag", ["--attention-output-gate", "--qk-clip", "--hybrid-context-parallel",
+@pytest.mark.parametrize("flag", ["--onnx-safe", "--qk-clip", "--hybrid-context-parallel",
                                   "--megatron-fsdp-main-params-dtype", "--outer-dp-sharding-strategy"])
 def test_a_later_megatron_flag_is_refused_in_one_line(flag):
     code, lines = _refusal(training_parser("pretrain_gpt.py"), BASE + [flag])

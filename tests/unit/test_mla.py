@@ -148,7 +148,7 @@ def test_yarn_against_its_closed_form_with_deepseek_v3_numbers():
     cfg = make_config("dsv3", qk_head_dim=128, qk_pos_emb_head_dim=64, rotary_scaling_factor=40.0, mscale=1.0,
                       mscale_all_dim=1.0, original_max_position_embeddings=4096, kv_channels=8)
     assert get_mscale(40, 1.0) == pytest.approx(0.1 * math.log(40) + 1) == pytest.approx(1.368888, abs=1e-6)
-    assert mla_softmax_scale(cfg) == cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)
+    assert mla_softmax_scale(cfg) == cfg.attention_scale == pytest.approx(0.135234, abs=1e-6)
     inv_freq = yarn_inv_freq(64, 10000, 40, 4096, 32, 1)
     extra = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     torch.testing.assert_close(inv_freq[:11].double(), extra[:11], rtol=1e-6, atol=0)  # kept (ramp 0)
@@ -162,7 +162,7 @@ def test_yarn_against_its_closed_form_with_deepseek_v3_numbers():
     torch.testing.assert_close(cos.pow(2) + sin.pow(2), torch.full_like(cos, factor ** 2), rtol=1e-6, atol=0)
     # factor 1 is plain RoPE, and a non-MLA model's scale is 1/sqrt(head size)
     assert yarn_inv_freq(64, 10000, 1.0, 4096, 32, 1).tolist() == pytest.approx(extra.tolist(), rel=1e-6)
-    assert TransformerConfig(hidden_size=H, num_attention_heads=4).softmax_scale == 1 / math.sqrt(8)
+    assert TransformerConfig(hidden_size=H, num_attention_heads=4).attention_scale == 1 / math.sqrt(8)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

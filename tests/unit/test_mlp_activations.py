@@ -212,7 +212,9 @@ def test_flags_parse_into_the_model_section():
 
 @pytest.mark.parametrize("flag, value", [("squared_relu", True), ("quick_geglu", True), ("glu_linear_offset", 1.0),
                                          ("activation_func_clamp_value", 7.0), ("qk_l2_norm", True),
-                                         ("softmax_type", "learnable"), ("softmax_type", "off-by-one")])
+                                         ("softmax_type", "learnable"), ("softmax_type", "off-by-one"),
+                                         ("rotary_interleaved", True), ("softmax_scale", 0.2),  # attention_config.py
+                                         ("attention_output_gate", True), ("no_rope_freq", "2")])
 def test_hugging_face_export_is_refused(flag, value, tmp_path):
     """No family the converter writes computes these; the export stops before writing anything."""
     from megatron_lite.checkpoint.hf_folder import save_hf
