@@ -149,3 +149,10 @@ def test_flags_parse_into_the_model_section():
                            "--no-rope-freq", "([0]*3+[1])"], world_size=1).model
     assert (m.rotary_interleaved, m.softmax_scale, m.attention_output_gate, m.no_rope_freq) == \
         (True, 0.25, True, "([0]*3+[1])")
+
+
+def test_the_gate_heads_count_in_the_flops():
+    from megatron_lite.perf.flops import forward_flops_per_layer
+
+    gated, plain = (forward_flops_per_layer(_config(attention_output_gate=g, seq_length=16), 2) for g in (True, False))
+    assert gated - plain == 2 * (2 * 16) * 32 * 4 * 8  # 2 x tokens x hidden x heads x head size

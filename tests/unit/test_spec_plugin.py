@@ -131,17 +131,19 @@ mla = LayerSpec(self_attention=MLASelfAttention)
 '''
 
 
-@pytest.mark.parametrize("flag", ["--qk-l2-norm", "--add-qkv-bias"])
+@pytest.mark.parametrize("flag", ["--qk-l2-norm", "--add-qkv-bias", "--rotary-interleaved", "--attention-output-gate",
+                                  "--no-rope-freq 1"])
 def test_a_query_key_flag_without_self_attention_is_refused(tmp_path, capsys, flag):
-    """--qk-l2-norm and --add-qkv-bias are applied by SelfAttention alone: a spec whose layers use
-    another attention block (here MLASelfAttention, without --multi-latent-attention) dropped them."""
+    """--qk-l2-norm, --add-qkv-bias and the attention flags of models/attention_config.py are applied by
+    SelfAttention alone: a spec whose layers use another attention block (here MLASelfAttention, without
+    --multi-latent-attention) dropped them."""
     path = tmp_path / "custom_attention.py"
     path.write_text(CUSTOM_ATTENTION)
     with pytest.raises(SystemExit) as err:
-        parse_args(TINY + ["--position-embedding-type", "rope", flag, "--spec", str(path), "mla"])
+        parse_args(TINY + ["--position-embedding-type", "rope", *flag.split(), "--spec", str(path), "mla"])
     assert err.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--spec" in line and flag in line and "SelfAttention" in line, line
+    assert "--spec" in line and flag.split()[0] in line and "SelfAttention" in line, line
 
 
 @pytest.mark.parametrize("flags, world, words", [
