@@ -126,4 +126,14 @@ MUTATIONS = [
     Mutation("rerun_rng_not_restored", "--rerun-mode validate_results: the rerun draws new dropout masks",
              "megatron_lite/training/rerun.py", "        set_rng_states(self.saved_rng, self.rng_tracker)\n",
              "        pass\n", ("tests/e2e/test_rerun.py", "-k", "correct_result")),
+    Mutation("rotary_interleaved_as_halves", "--rotary-interleaved: the pairs rotated the other way (sin's sign on "
+             "the wrong half)", "megatron_lite/models/common.py",
+             "[even * cos - odd * sin, odd * cos + even * sin]", "[even * cos + odd * sin, odd * cos - even * sin]",
+             ("tests/unit/test_attention_flags.py", "-k", "interleaved")),
+    Mutation("output_gate_no_sigmoid", "--attention-output-gate: the gate heads multiplied in without the sigmoid",
+             "megatron_lite/models/attention.py", "torch.sigmoid(gate.reshape(context.shape).float())",
+             "gate.reshape(context.shape).float()", ("tests/unit/test_attention_flags.py", "-k", "output_gate")),
+    Mutation("no_rope_freq_ignored", "--no-rope-freq: a NoPE layer still rotates its queries and keys",
+             "megatron_lite/models/attention.py", "if rotary is not None and not self.skips_rope:",
+             "if rotary is not None:", ("tests/unit/test_attention_flags.py", "-k", "no_rope")),
 ]
