@@ -30,7 +30,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
-from megatron_lite.data.tokenizers import build_tokenizer
+from megatron_lite.data.tokenizers import build_tokenizer, tiktoken_kwargs
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import GPTModel, TransformerConfig
@@ -49,7 +49,7 @@ def build_tokenizer_for(config: Config):
     kind = d.tokenizer_type or "NullTokenizer"
     return build_tokenizer(
         kind, vocab_file=d.vocab_file, merge_file=d.merge_file, tokenizer_model=d.tokenizer_model,
-        vocab_size=config.model.vocab_size,
+        vocab_size=config.model.vocab_size, **tiktoken_kwargs(d),
     )
 
 
@@ -59,7 +59,8 @@ def set_vocab(config: Config, tokenizer) -> None:
     m, kind = config.model, config.data.tokenizer_type
     if kind not in (None, "NullTokenizer") and m.vocab_size not in (None, tokenizer.vocab_size):
         raise ConfigError(f"--vocab-size {m.vocab_size} with --tokenizer-type {kind}: the vocabulary is the tokenizer's "
-                          f"({tokenizer.vocab_size} tokens; --vocab-size sizes NullTokenizer's only); drop --vocab-size")
+                          f"({tokenizer.vocab_size} tokens; --vocab-size sizes NullTokenizer's and TikTokenizer's only); drop "
+                          "--vocab-size")
     m.vocab_size, m.padded_vocab_size = tokenizer.vocab_size, None
     m.padded_vocab_size = TransformerConfig.from_config(config).padded_vocab_size
 

@@ -19,6 +19,8 @@ setup(
         # Compiled GPT-2 BPE for GPT-2's own vocabulary (megatron_lite/data/gpt2_fast.py); the
         # pure-Python encoder is used without it.
         "fast": ["tiktoken"],
+        # --tokenizer-type TikTokenizer (megatron_lite/data/tiktoken_tokenizer.py), imported only by it.
+        "tiktoken": ["tiktoken"],
         # Parquet corpora as preprocessing input (megatron_lite/data/parquet_input.py).
         "parquet": ["pyarrow"],
         # --wandb-project (megatron_lite/training/writers.py); WANDB_MODE=offline needs no network.

@@ -66,9 +66,10 @@ CHOICES = {
     **dict.fromkeys(("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
                      "megatron_fsdp_grad_comm_dtype"), ["fp32"]),  # inert: what always happens (other values refused)
     "tokenizer_type": [
-        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
-        "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+        "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
     ],
+    "tiktoken_pattern": ["v1", "v2"],
 }
 
 

@@ -75,7 +75,7 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig, AttentionConfig, ActivationC
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     vocab_size: int | None = None
-    """Vocabulary size for --mock-data / NullTokenizer (otherwise from the tokenizer)."""
+    """Vocabulary size for --mock-data / NullTokenizer, and TikTokenizer's (default 131072); otherwise from the tokenizer."""
     spec: list[str] | None = field(default=None, metadata={"nargs": 2, "metavar": ("MODULE", "NAME")})
     """Layer spec of your own: NAME (a LayerSpec, or a function layer_number -> LayerSpec) in MODULE (on PYTHONPATH, or a .py file path)."""
     padded_vocab_size: int | None = field(default=None, metadata={"cli": False})
@@ -302,13 +302,19 @@ class DataConfig:
     mock_data: bool = False
     """Train on deterministic random tokens (needs --vocab-size)."""
     tokenizer_type: str | None = None
-    """GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase."""
+    """GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (SentencePiece, a BOS before every text), TikTokenizer (a tiktoken vocabulary .json, needs the tiktoken package), HuggingFaceTokenizer, NullTokenizer, BertWordPieceLowerCase, BertWordPieceCase."""
     vocab_file: str | None = None
     """Tokenizer vocabulary file."""
     merge_file: str | None = None
     """BPE merges file."""
     tokenizer_model: str | None = None
-    """SentencePiece .model or tokenizer.json."""
+    """SentencePiece .model, tokenizer.json (HuggingFaceTokenizer), or the vocabulary .json of TikTokenizer (a list of {rank, token_bytes, token_str})."""
+    tiktoken_pattern: str | None = None
+    """TikTokenizer: the regex that splits text before BPE, v1 or v2 (required with TikTokenizer)."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: the ids 0..N-1 reserved for special tokens (the list of --tiktoken-special-tokens, then <SPECIAL_k> fillers); the vocabulary file's ranks start at id N."""
+    tiktoken_special_tokens: list[str] | None = None
+    """TikTokenizer: the special tokens from id 0 (default <unk> <s> </s>; must include those three: unk, bos, eos = end of document)."""
     tokenizer_hf_use_fast: bool = False
     """Accepted for Megatron scripts: it changes nothing, HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer)."""
     tokenizer_hf_include_special_tokens: bool = False

@@ -204,11 +204,12 @@ ENTRIES = (
     ("--num-dataset-builder-threads --object-storage-cache-path --s3-cache-path --mid-level-dataset-surplus "
      "--allow-ambiguous-pad-tokens --sample-rate", "the dataset builder's options are fixed", DROP),
     ("--vocab-extra-ids", "extra sentinel tokens (T5) are not added", DROP),
-    ("--tokenizer-metadata --tiktoken-pattern --tiktoken-num-special-tokens --tiktoken-special-tokens "
-     "--legacy-tokenizer --special-tokens --tokenizer-special-tokens --tokenizer-sentencepiece-legacy "
-     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces --disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
-     "TikTokenizer and the new tokenizer system are not supported",
-     "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
+    ("--tokenizer-metadata --legacy-tokenizer --special-tokens --tokenizer-special-tokens "
+     "--tokenizer-sentencepiece-legacy --no-tokenizer-sentencepiece-ignore-extra-whitespaces "
+     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",
+     "Megatron-LM's new tokenizer system (megatron.core.tokenizers) is not supported",
+     "use the --tokenizer-type tokenizers (TikTokenizer: --tiktoken-special-tokens; HuggingFaceTokenizer: the "
+     "tokenizer.json's own special tokens)"),
     ("--trust-remote-code", "Hugging Face tokenizers with custom code are not loaded", DROP),
     ("--tokenizer-hf-no-use-fast",
      "HuggingFaceTokenizer always reads tokenizer.json with the tokenizers package (the fast tokenizer)", DROP),

@@ -26,11 +26,6 @@ REFUSED: dict[str, tuple[str, str]] = {flag: (why, fix) for flags, why, fix in E
 _SORTS = "use --position-embedding-type rope or learned_absolute"
 REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
     "--tokenizer-type": {
-        "Llama2Tokenizer": ("Megatron-LM's Llama-2 SentencePiece wrapper is not built",
-                            "use --tokenizer-type HuggingFaceTokenizer or GPTSentencePieceTokenizer with "
-                            "--tokenizer-model"),
-        "TikTokenizer": ("tiktoken files are not read", "use --tokenizer-type HuggingFaceTokenizer with "
-                         "--tokenizer-model"),
         "MultimodalTokenizer": ("multimodal models are not implemented", "use --tokenizer-type HuggingFaceTokenizer"),
         "NullMultimodalTokenizer": ("multimodal models are not implemented", "use --tokenizer-type NullTokenizer"),
         "SFTTokenizer": ("--sft applies the tokenizer's own chat template", "use --sft with --tokenizer-type "

@@ -42,3 +42,22 @@ def make_tok_files(tmp_path_factory):
 def run(tmp_path, tokenizer, name="out", input=CORPUS, **kw):
     cfg = pp.PreprocessConfig(input=input, output_prefix=str(tmp_path / name), tokenizer=tokenizer, **kw)
     return pp.preprocess(cfg)
+
+
+def write_tiktoken_vocab(path, words=(), corpus=(), limit=200):
+    """A TikTokenizer vocabulary file (a JSON list of {rank, token_bytes, token_str}): the 256 bytes, then
+    every prefix (2 bytes and up) of ``words`` and of the ``limit`` commonest words of ``corpus`` (each
+    with its leading space), so tiktoken's merges reach each whole word. Returns the number of tokens."""
+    import base64
+    from collections import Counter
+
+    common = Counter(" " + w for text in corpus for w in text.split())
+    tokens = {bytes([i]): None for i in range(256)}
+    for word in [*words, *(w for w, _ in common.most_common(limit))]:
+        raw = word.encode("utf-8")
+        tokens.update({raw[:k]: None for k in range(2, len(raw) + 1)})
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode("ascii"),
+                "token_str": t.decode("utf-8", errors="replace")} for i, t in enumerate(tokens)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+    return len(entries)

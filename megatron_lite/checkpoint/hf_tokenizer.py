@@ -12,7 +12,8 @@ Per ``--tokenizer-type`` the training run used (saved in its config):
   that lays out ``<CLS> A <SEP> B <SEP>`` with token types 0 then 1, as our BERT samples are;
 * ``HuggingFaceTokenizer``: its ``tokenizer.json`` as it is;
 * ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: ``vocab.txt``, read as ``BertTokenizer``
-  (``[CLS] ... [SEP]`` added, as our BERT samples have them).
+  (``[CLS] ... [SEP]`` added, as our BERT samples have them);
+* ``TikTokenizer``, ``Llama2Tokenizer``: nothing (one line says so; the weights are still written).
 
 Before anything is written the files are read back with ``transformers.AutoTokenizer`` and must
 give our ids on a set of test texts; a tokenizer Hugging Face would read differently is not
@@ -37,6 +38,7 @@ SAMPLE_TEXTS = (
     "numbers 0 12 123456 3.14159 -42 1e10 2,000", "Contractions: I'm you're can't Y'ALL'RE", "a",
 )
 BERT_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
+NOT_EXPORTED = ("TikTokenizer", "Llama2Tokenizer")
 
 
 def _ours(config: dict, files: dict):
@@ -174,6 +176,9 @@ def export_tokenizer(config: dict, files: dict, save_dir: str) -> tuple[dict, st
             copy_tokenizer_files(files, save_dir)
             return {}, f"tokenizer: the source's files ({', '.join(sorted(files))})"
         return special_token_ids(config, None), "tokenizer: none (the run read token ids as text: --mock-data)"
+    if kind in NOT_EXPORTED:
+        return {}, (f"tokenizer: {kind} not written (no Hugging Face tokenizer is made from it); give your tools "
+                    f"the training tokenizer file ({config.get('tokenizer_model')}) yourself")
     try:
         tok = _ours(config, files)
     except (ConfigError, OSError, ValueError, KeyError, ImportError) as err:  # DataFileError is an OSError

@@ -152,8 +152,8 @@ def load_megatron(load_dir: str, progress=_no_progress) -> ModelBundle:
     model = config.get("tokenizer_model")
     if model and os.path.isdir(model):  # HuggingFaceTokenizer takes the folder that holds tokenizer.json
         model = os.path.join(model, "tokenizer.json")
-    if model and os.path.isfile(model):
-        files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model
+    if model and os.path.isfile(model) and config.get("tokenizer_type") != "TikTokenizer":  # (not a tokenizer.json:
+        files["tokenizer.json" if model.endswith(".json") else "tokenizer.model"] = model  # the config names it)
     from ..lora.convert import is_lora_config, read_lora_checkpoint  # (lora/convert.py imports this package)
 
     if is_lora_config(config):  # adapters only: the base's weights come from the checkpoint it records

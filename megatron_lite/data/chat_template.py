@@ -173,6 +173,8 @@ def encode(tokenizer, text: str) -> list[int]:
     hf = getattr(tokenizer, "hf", None)
     if hf is not None:
         return hf.encode(text, add_special_tokens=False).ids
+    if type(tokenizer).__name__ == "Llama2Tokenizer":  # its BOS (tokenize's keyword, as Megatron-LM's)
+        return list(tokenizer.tokenize(text, bos=False))
     return list(tokenizer.tokenize(text))
 
 

@@ -10,6 +10,10 @@ Types and their files (Megatron's flag names):
   SentencePieceTokenizer      --tokenizer-model x.model; adds <CLS> <SEP> <EOD> <MASK> (and pad/
                               bos/eos pieces the model lacks) after the model's pieces, as Megatron does
   GPTSentencePieceTokenizer   --tokenizer-model x.model; the model's pieces only, eod = </s> (eos)
+  Llama2Tokenizer             --tokenizer-model x.model; as GPTSentencePieceTokenizer, but every text
+                              tokenized starts with the model's BOS (Megatron's Llama-2 wrapper)
+  TikTokenizer                --tokenizer-model vocab.json --tiktoken-pattern v1|v2; needs the optional
+                              ``tiktoken`` package (data/tiktoken_tokenizer.py)
   HuggingFaceTokenizer        --tokenizer-model tokenizer.json (or a directory holding one); needs the
                               optional ``tokenizers`` package
   BertWordPieceLowerCase/Case --vocab-file vocab.txt
@@ -29,6 +33,8 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
     "HuggingFaceTokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
@@ -131,6 +137,22 @@ class GPTSentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self.sp.decode_ids([int(i) for i in ids])
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's Llama-2 wrapper: the model's pieces, eod = eos = its EOS; ``tokenize`` puts the
+    model's BOS first (as Llama-2 was trained: one per document, one per sentence with
+    ``--split-sentences``), ``detokenize`` drops BOS/EOS (SentencePiece's control pieces)."""
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        if self.bos is None:
+            raise DataFileError(f"{model_file}: the SentencePiece model has no BOS piece (bos_id -1), which "
+                                "Llama2Tokenizer puts before every text; use --tokenizer-type GPTSentencePieceTokenizer")
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = super().tokenize(text)
+        return [self.bos] * bos + ids + [self.eos] * (eos and self.eos is not None)
 
 
 class SentencePieceTokenizer(GPTSentencePieceTokenizer):
@@ -297,9 +319,22 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None,
-                    vocab_size=None) -> Tokenizer:
+                    vocab_size=None, tiktoken_pattern=None, tiktoken_num_special_tokens=None,
+                    tiktoken_special_tokens=None) -> Tokenizer:
     """Build the tokenizer Megatron's ``--tokenizer-type`` names, from local files only."""
     t = tokenizer_type
+    given = [f"--{k.replace('_', '-')}" for k, v in (("tiktoken_pattern", tiktoken_pattern),
+             ("tiktoken_special_tokens", tiktoken_special_tokens)) if v is not None]
+    given += ["--tiktoken-num-special-tokens"] * (tiktoken_num_special_tokens not in (None, 1000))
+    if t != "TikTokenizer" and given:  # refused, not ignored
+        raise ConfigError(f"{given[0]} applies to --tokenizer-type TikTokenizer only (not {t}); drop it")
+    if t == "TikTokenizer":
+        from megatron_lite.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(_need(tokenizer_model, "--tokenizer-model", t), tiktoken_pattern, vocab_size,
+                            tiktoken_num_special_tokens, tiktoken_special_tokens)
+    if t == "Llama2Tokenizer":
+        return Llama2Tokenizer(_need(tokenizer_model, "--tokenizer-model", t))
     if t == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_need(vocab_file, "--vocab-file", t), _need(merge_file, "--merge-file", t))
     if t == "SentencePieceTokenizer":
@@ -324,8 +359,16 @@ def add_tokenizer_args(parser) -> None:
     group.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2 BPE) or vocab.txt (WordPiece)")
     group.add_argument("--merge-file", default=None, help="merges.txt (GPT-2 BPE)")
     group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model, or tokenizer.json for HuggingFaceTokenizer")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+                       help="SentencePiece .model, tokenizer.json for HuggingFaceTokenizer, the vocabulary .json "
+                            "for TikTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer vocabulary size; TikTokenizer's (default 131072)")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                       help="TikTokenizer: the regex that splits text before BPE")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids reserved for special tokens at the start of the vocabulary")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer: the special tokens, from id 0 (must include <unk> <s> </s>; the default)")
     # Megatron-LM's preprocess_data.py takes it (T5's sentinel tokens); training here refuses it, so a
     # dataset tokenized with sentinels no run could read is refused with training's line
     group.add_argument("--vocab-extra-ids", action=RefusedFlag)
@@ -335,4 +378,13 @@ def tokenizer_kwargs(args) -> dict:
     """The build_tokenizer keyword arguments held in parsed CLI args (picklable, for workers)."""
     return dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                 merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                vocab_size=args.vocab_size)
+                vocab_size=args.vocab_size, **tiktoken_kwargs(args))
+
+
+TIKTOKEN_FIELDS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
+
+
+def tiktoken_kwargs(args) -> dict:
+    """TikTokenizer's build_tokenizer keyword arguments held in ``args`` (parsed flags, a Config's data
+    section or a checkpoint's saved config as a namespace); None where ``args`` lacks one."""
+    return {k: getattr(args, k, None) for k in TIKTOKEN_FIELDS}

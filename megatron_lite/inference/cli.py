@@ -19,7 +19,7 @@ from ..data.indexed_dataset import DataFileError
 from ..data.tokenizers import TOKENIZER_TYPES
 from ..errors import ConfigError
 from .engine import InferenceEngine
-from .loading import context_limit, load_model, load_tokenizer
+from .loading import TOKENIZER_FIELDS, context_limit, load_model, load_tokenizer
 from .speculative import SpeculativeEngine
 
 # The errors a tool reports as one line with exit code 2.
@@ -120,8 +120,7 @@ def build_session(args) -> Session:
     tp, pp = _layout(args, world)
     state = ParallelState(tp=tp, pp=pp)
     model, saved = load_model(args.load, state, _dtype(args), device, getattr(args, "purpose", "text generation"))
-    tokenizer = load_tokenizer(saved, args.load, **{k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file",
-                                                                       "tokenizer_model", "vocab_size")})
+    tokenizer = load_tokenizer(saved, args.load, **{k: getattr(args, k, None) for k in TOKENIZER_FIELDS})
     limit = args.max_sequence_length or context_limit(saved)
     learned = saved.get("position_embedding_type", "learned_absolute") == "learned_absolute"
     if learned and limit > context_limit(saved):  # learned positions end there

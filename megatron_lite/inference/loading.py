@@ -23,7 +23,7 @@ from ..checkpoint.hf_tokenizer import checkpoint_tokenizer
 from ..checkpoint.layout import global_name
 from ..checkpoint.merge import merge_checkpoint, model_config_from_saved, refuse_lora
 from ..checkpoint.reshard import VOCAB_TENSORS, pad_vocab
-from ..data.tokenizers import build_tokenizer
+from ..data.tokenizers import TIKTOKEN_FIELDS, build_tokenizer
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..models import GPTModel, TransformerConfig
@@ -33,7 +33,7 @@ from ..parallel.state import ParallelState
 from ..parallel.tensor import padded_vocab_size, shard
 from ..precision.fp8 import is_fp8_state_key
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", *TIKTOKEN_FIELDS)
 
 
 def context_limit(saved: dict) -> int:
@@ -149,8 +149,8 @@ def _check_saved_files(pick: dict, overrides: dict) -> None:
 
 def load_tokenizer(saved: dict, path: str | None = None, **overrides):
     """The tokenizer the checkpoint was trained with; each of ``overrides`` (tokenizer_type,
-    vocab_file, merge_file, tokenizer_model, vocab_size: NullTokenizer's ``--vocab-size``) that is
-    not None replaces the saved one. A checkpoint converted from Hugging Face names no tokenizer:
+    vocab_file, merge_file, tokenizer_model, vocab_size: NullTokenizer's ``--vocab-size``, the
+    ``tiktoken_*`` fields) that is not None replaces the saved one. A checkpoint converted from Hugging Face names no tokenizer:
     the files convert.py kept in its ``tokenizer`` folder (under ``path``, the checkpoint) are used."""
     if overrides.get("tokenizer_type") is None and saved.get("tokenizer_type") is None and path is not None:
         saved = {**saved, **(checkpoint_tokenizer(path) or {})}

@@ -140,9 +140,9 @@ def test_a_scripts_own_provider_given_data_paths_needs_a_tokenizer(capsys, paths
 
 
 @pytest.mark.parametrize("tool", ["preprocess_data", "preprocess_sft"])
-@pytest.mark.parametrize("kind", ["TikTokenizer", "Llama2Tokenizer"])
+@pytest.mark.parametrize("kind", ["MultimodalTokenizer", "NullMultimodalTokenizer"])
 def test_the_data_tools_refuse_megatron_tokenizer_types_as_training_does(tmp_path, capsys, tool, kind):
-    """--tokenizer-type TikTokenizer / Llama2Tokenizer (Megatron-LM choices) got pretrain_gpt.py's line naming
+    """--tokenizer-type MultimodalTokenizer (Megatron-LM choices we lack) got pretrain_gpt.py's line naming
     why and what to use, but the data tools gave argparse's bare 'invalid choice' list; now the same line."""
     from megatron_lite.megatron_flags import megatron_value_message
 
