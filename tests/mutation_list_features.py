@@ -2,7 +2,8 @@
 earlier ones): the most likely one-line bug in each behaviour added on 2026-11-29 (per-split data
 paths, --split strictness, resume data sizing, the aux-loss names exchange, --spec / MLA agreement,
 HF importers' sizes, the lost-peer save wording, HF export staging, the server's hostile inputs,
-merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock), each with the
+merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock; TikTokenizer's id
+offset and Llama2Tokenizer's BOS), each with the
 fastest tests that catch it."""
 
 from __future__ import annotations
@@ -136,4 +137,11 @@ MUTATIONS = [
     Mutation("no_rope_freq_ignored", "--no-rope-freq: a NoPE layer still rotates its queries and keys",
              "megatron_lite/models/attention.py", "if rotary is not None and not self.skips_rope:",
              "if rotary is not None:", ("tests/unit/test_attention_flags.py", "-k", "no_rope")),
+    Mutation("tiktoken_ranks_not_offset", "TikTokenizer: the file's ranks not moved past the special tokens (rank 0 "
+             "on <unk>'s id)", "megatron_lite/data/tiktoken_tokenizer.py",
+             "ranks = {t: r + num for t, r in", "ranks = {t: r for t, r in",
+             ("tests/unit/test_tiktoken_tokenizer.py", "-k", "offset")),
+    Mutation("llama2_no_bos", "Llama2Tokenizer: no BOS before the text (GPTSentencePieceTokenizer's ids)",
+             "megatron_lite/data/tokenizers.py", "return [self.bos] * bos + ids + [self.eos] * (eos and",
+             "return [] + ids + [self.eos] * (eos and", ("tests/unit/test_tiktoken_tokenizer.py", "-k", "llama2")),
 ]

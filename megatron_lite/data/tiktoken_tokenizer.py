@@ -19,7 +19,8 @@ The ids are laid out as Megatron-LM lays them out:
 a special token's text (``</s>``) in the input is ordinary text there, as in Megatron-LM; ``detokenize``
 joins the ids' bytes (a special id gives its text) and decodes UTF-8, invalid bytes as U+FFFD.
 
-tiktoken is an optional extra (``pip install megatron_lite[tiktoken]``), imported only here.
+tiktoken is an optional extra (``pip install megatron_lite[tiktoken]``), imported only here; without it
+building this tokenizer is one ConfigError line naming the extra.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ class TikTokenizer:
             raise ConfigError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 (got {pattern})")
         try:
             import tiktoken
-        except ImportError:
-            raise ImportError("TikTokenizer needs the optional 'tiktoken' package: pip install tiktoken "
-                              "(or pip install megatron_lite[tiktoken])") from None
+        except ImportError:  # a ConfigError: one line (exit 2) from the tools and the training scripts alike
+            raise ConfigError("--tokenizer-type TikTokenizer needs the optional 'tiktoken' package: pip install "
+                              "tiktoken (or pip install megatron_lite[tiktoken])") from None
         self.vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else int(vocab_size)
         num = DEFAULT_NUM_SPECIAL_TOKENS if num_special_tokens is None else int(num_special_tokens)
         specials = {t: i for i, t in enumerate(special_token_list(special_tokens, num, self.vocab_size))}

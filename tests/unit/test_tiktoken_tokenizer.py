@@ -13,6 +13,7 @@ from megatron_lite.data.indexed_dataset import DataFileError, IndexedDataset
 from megatron_lite.data.tiktoken_tokenizer import PATTERN_V2
 from megatron_lite.data.tokenizers import build_tokenizer
 from megatron_lite.errors import ConfigError
+from tests.cli_errors import refused_line
 from tests.preprocess_helpers import make_tok_files, run, texts, write_tiktoken_vocab
 from tests.tools import load_tool
 
@@ -126,8 +127,22 @@ def test_tiktoken_flags_with_another_type_are_refused_and_a_missing_package_name
     with pytest.raises(ConfigError, match="--tiktoken-pattern applies to --tokenizer-type TikTokenizer only"):
         build_tokenizer("NullTokenizer", vocab_size=10, tiktoken_pattern="v1")
     monkeypatch.setitem(sys.modules, "tiktoken", None)
-    with pytest.raises(ImportError, match=r"pip install megatron_lite\[tiktoken\]"):
+    with pytest.raises(ConfigError, match=r"pip install megatron_lite\[tiktoken\]"):
         tik(vocab[0], 1000 + vocab[1])
+
+
+def test_training_without_the_package_or_with_a_corrupt_file_is_one_line(vocab, tmp_path, capsys, monkeypatch):
+    import pretrain_gpt
+
+    path, n = vocab
+    argv = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--mock-data",
+            "--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v1", "--vocab-size", str(1000 + n)]
+    (tmp_path / "cut.json").write_text(open(path).read()[:-20])
+    refused_line(capsys, lambda: pretrain_gpt.main(argv + ["--tokenizer-model", str(tmp_path / "cut.json")]),
+                 "cut.json: not a readable TikTokenizer vocabulary")
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    refused_line(capsys, lambda: pretrain_gpt.main(argv + ["--tokenizer-model", path]), "megatron_lite[tiktoken]")
 
 
 @pytest.fixture(scope="module")
