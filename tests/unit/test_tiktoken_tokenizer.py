@@ -190,3 +190,12 @@ def test_preprocess_tool_takes_the_flags_and_refuses_a_corrupt_vocabulary_in_one
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "broken.json" in err[0], err
     assert not list(tmp_path.glob("bad*"))
+
+
+@pytest.mark.parametrize("kind", ["TikTokenizer", "Llama2Tokenizer"])
+def test_hugging_face_export_says_it_writes_no_tokenizer_for_these_types(tmp_path, kind):
+    from megatron_lite.checkpoint.hf_tokenizer import export_tokenizer
+
+    special, line = export_tokenizer({"tokenizer_type": kind, "tokenizer_model": "/x/tok"}, {}, str(tmp_path))
+    assert special == {} and line.startswith(f"tokenizer: {kind} not written") and "/x/tok" in line
+    assert list(tmp_path.iterdir()) == []
