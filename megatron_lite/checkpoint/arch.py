@@ -118,8 +118,9 @@ def arch_fix(saved_config: dict, config, fields=ARCH_FIELDS, shapes_only: bool =
             other.append(f"pad the vocabulary to {saved_config[key]} rows (--make-vocab-size-divisible-by and "
                          f"--tensor-model-parallel-size decide the padding of the vocabulary)")
         elif key == "vocab_size" and saved_config.get("tokenizer_type") not in NULL_TOKENIZERS:
-            other.append(f"use the checkpoint's tokenizer (--tokenizer-type {saved_config.get('tokenizer_type')} "
-                         "and its files)")
+            sized = f" --vocab-size {saved_config[key]}" if saved_config.get("tokenizer_type") == "TikTokenizer" else ""
+            other.append(f"use the checkpoint's tokenizer (--tokenizer-type {saved_config.get('tokenizer_type')}"
+                         f"{sized} and its files)")
         else:
             words = flag_setting(key, saved_config)[1]
             if words:

@@ -155,6 +155,10 @@ def test_the_vocabulary_is_compared_on_resume_only():
     config.data.tokenizer_type = "GPT2BPETokenizer"  # a tokenizer's vocabulary is its own
     with pytest.raises(CheckpointError, match=r"a vocabulary of 123 tokens from --tokenizer-type GPT2BPETokenizer \(this run 124\); use the checkpoint's tokenizer \(--tokenizer-type GPT2BPETokenizer and its files\), or pass --finetune to change them on purpose$"):
         check_architecture("ckpt", dict(saved, tokenizer_type="GPT2BPETokenizer"), config)
+    config.data.tokenizer_type = "TikTokenizer"  # whose vocabulary --vocab-size sets: the fix names it
+    with pytest.raises(CheckpointError, match=r"use the checkpoint's tokenizer \(--tokenizer-type TikTokenizer --vocab-size 123 and its files\)"):
+        check_architecture("ckpt", dict(saved, tokenizer_type="TikTokenizer"), config)
+    config.data.tokenizer_type = "GPT2BPETokenizer"
     check_architecture("ckpt", saved, config, "release")
     check_architecture("ckpt", saved, config, "weights")
     check_architecture("ckpt", dict(saved, vocab_size=124), config)
