@@ -52,6 +52,7 @@ CHOICES = {
     "rerun_mode": list(RERUN_MODES),
     "error_injection_type": list(ERROR_INJECTION_TYPES),
     "ckpt_format": ["torch", "torch_dist"],
+    "non_persistent_ckpt_type": ["global", "local", "in_memory"],  # local / in_memory: refused in one line
     "pipeline_schedule": ["1f1b", "zb-h1"],
     "timing_log_level": [0, 1, 2],
     "dataloader_type": ["single", "cyclic"],

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .activations import ActivationConfig
+from .checkpoint_config import CheckpointConfig
 from .errors import ConfigError
 from .fusions.config import FusionConfig
 from .logging_config import LoggingConfig
@@ -337,42 +338,6 @@ class DataConfig:
     """With --sft: skip (and count) bad conversations instead of stopping at the first one."""
     mmap_bin_files: bool = True
     """Memory-map the .bin data files (--no-mmap-bin-files: read each sample's tokens with file reads instead, e.g. on file systems where mmap is slow)."""
-
-
-@dataclass
-class CheckpointConfig:
-    save: str | None = None
-    """Folder to save checkpoints to."""
-    load: str | None = None
-    """Folder to load a checkpoint from."""
-    save_interval: int | None = field(default=None, metadata={"aliases": ("--persistent-save-interval",)})
-    """Save every this many steps (0: no periodic save, only the final one)."""
-    no_load_optim: bool = field(default=False, metadata={"aliases": ("--disable-load-optim",)})  # newer Megatron-LM's spelling
-    """Do not load optimizer state."""
-    no_load_rng: bool = field(default=False, metadata={"aliases": ("--disable-load-rng",)})  # newer Megatron-LM's spelling
-    """Do not load RNG states."""
-    finetune: bool = False
-    """Load only the model weights and start at iteration 0."""
-    pretrained_checkpoint: str | None = None
-    """While --load has no checkpoint: load the model weights from here (any format and layout) and start at iteration 0."""
-    ckpt_format: str = "torch"
-    """Format to save in: torch (one file per TP x PP rank) or torch_dist (sharded, loads at any layout)."""
-    auto_detect_ckpt_format: bool = False
-    """Load the checkpoint at --load in whichever format it is."""
-    async_save: bool = False
-    """Write torch_dist checkpoints in the background while training goes on."""
-    use_checkpoint_args: bool = False
-    """Take the model flags (architecture, see ARCHITECTURE_FLAGS; --make-vocab-size-divisible-by, NullTokenizer's --vocab-size, and --seq-length when left out) from the checkpoint at --load."""
-    no_save_optim: bool = field(default=False, metadata={"aliases": ("--disable-save-optim",)})  # newer Megatron-LM's spelling
-    """Do not save the optimizer state (nor its loss scaler and learning-rate schedule); resuming from such a checkpoint needs --no-load-optim or --finetune."""
-    no_save_rng: bool = field(default=False, metadata={"aliases": ("--disable-save-rng",)})  # newer Megatron-LM's spelling
-    """Do not save the RNG states; resuming from such a checkpoint needs --no-load-rng or --finetune."""
-    no_ckpt_fully_parallel_save: bool = False
-    """Accepted for Megatron scripts: it changes nothing, torch_dist weights are always written by data-parallel rank 0 (distributed-optimizer shards by every rank)."""
-    dist_ckpt_optim_fully_reshardable: bool = False
-    """Accepted for Megatron scripts: it changes nothing, torch_dist optimizer state always reshards over TP, PP and DP."""
-    disable_msc: bool = False
-    """Accepted for Megatron scripts: it changes nothing, the Multi-Storage Client is never used."""
 
 
 @dataclass

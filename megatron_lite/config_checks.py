@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from .arch_flags import DERIVED_FLAGS
+from .checkpoint_config import check_checkpoint_management
 from .config import SECTIONS, Config
 from .distributed_flags import check_distributed_flags
 from .errors import ConfigError
@@ -281,6 +282,7 @@ def _check_data_and_checkpoint(config: Config, data_from_script: bool = False) -
              f"negative, got {t.exit_duration_in_mins} (it would exit after the first iteration); 0 or unset: no limit")
     _require(not t.exit_signal_handler or cp.save is not None, "--exit-signal-handler needs --save")
     _require(not cp.async_save or cp.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+    check_checkpoint_management(cp)  # --save-retain-interval, non-persistent checkpoints, --ckpt-step
     from .data.sft_dataset import check_sft_flags
 
     check_sft_flags(config)

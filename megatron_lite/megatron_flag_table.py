@@ -164,9 +164,11 @@ ENTRIES = (
      "Transformer Engine's RNG tracker and activation kernels are not used", DROP),
     ("--kitchen-config-file --kitchen-recipe-number", "NVIDIA Kitchen quantization is not supported", DROP),
     # -- checkpointing ----------------------------------------------------------------------------
-    ("--save-retain-interval --non-persistent-save-interval --non-persistent-ckpt-type "
-     "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo --most-recent-k",
-     "every checkpoint is a persistent one and none is deleted", "use --save-interval"),
+    ("--most-recent-k", "keeping only the k most recent checkpoints is not implemented",
+     "use --save-retain-interval (or --non-persistent-save-interval)"),
+    ("--non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo",
+     "local non-persistent checkpoints (node-local storage through NVIDIA's resiliency package) are not written",
+     "use --non-persistent-ckpt-type global with --non-persistent-save-interval"),
     ("--save-params-interval --save-activations-interval --save-tokens-per-expert-interval --save-wgrads-interval "
      "--save-dgrads-interval", "debugging dumps of tensors are not written", DROP),
     ("--no-save-tokenizer-assets --disable-save-tokenizer-assets --verify-integrity", "what a checkpoint holds "
@@ -175,14 +177,9 @@ ENTRIES = (
     ("--no-strict-fsdp-dtensor-load --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness "
      "--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity", "a checkpoint's tensors must match the model's "
      "exactly", DROP),
-    ("--ckpt-step", "--load resumes the iteration named in the tracker file", "point --load at a folder whose "
-     "tracker names that iteration"),
-    ("--no-initialization", "the model is initialised before a checkpoint is loaded", DROP),
     ("--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
      "--disable-use-tokenizer-model-from-checkpoint-args",
      "--use-checkpoint-args takes the model flags only", DROP),
-    ("--exit-on-missing-checkpoint", "--load without a checkpoint starts from scratch; --pretrained-checkpoint "
-     "names the weights to start from", DROP),
     ("--use-persistent-ckpt-worker --async-strategy --async-ckpt-cpu-priority --async-ckpt-io-priority "
      "--async-ckpt-use-cpu-shm", "--async-save writes from a background thread of its own", DROP),
     ("--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format",

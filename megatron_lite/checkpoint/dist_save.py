@@ -282,9 +282,10 @@ class _Pending:
 class AsyncSaves:
     """The ``--async-save`` writes of one run (at most one in flight); owned by the training loop."""
 
-    def __init__(self):
+    def __init__(self, on_saved=None):
         self.pending: _Pending | None = None
         self.group = None  # a gloo group for the writer threads' collectives, made at the first save
+        self.on_saved = on_saved  # on_saved(root, iteration): after a write landed (retention.after_save)
 
     def start(self, root, iteration, pieces, say) -> None:
         """Write ``pieces`` (CPU copies) in the background; it is reported in :meth:`poll` / :meth:`wait`."""
@@ -327,6 +328,8 @@ class AsyncSaves:
             return error
         pending.say(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {pending.root} "
                     "(async)", flush=True)
+        if self.on_saved is not None:  # no write in flight now: older checkpoints may go
+            self.on_saved(pending.root, pending.iteration)
         return None
 
 

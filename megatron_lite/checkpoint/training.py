@@ -21,6 +21,7 @@ by every rank, because dropout streams differ per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch.distributed as dist
@@ -49,7 +50,6 @@ from .format import (
     on_every_rank,
     param_meta,
     read_model_file,
-    read_tracker,
     restore_scheduler,
     rng_file,
     saved_config,
@@ -66,6 +66,7 @@ from .frozen import (
     unwrap,
 )
 from .hf_io import model_files_in
+from .load_source import load_source
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .resume_notes import describe_layout, print_resume_notes, torch_file_layout, transformer_engine_note
 from .rng import set_rng_states
@@ -102,7 +103,7 @@ def _writing(write, root, iteration):
 
 
 def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, config, state, async_saves=None,
-                    consumed_valid_samples=None) -> str:
+                    consumed_valid_samples=None, root: str | None = None) -> str:
     """Write checkpoint ``iteration`` under ``config.checkpoint.save``; collective over all ranks.
 
     ``chunks`` are the model chunks (DistributedDataParallel wrappers are unwrapped). ``optimizer``
@@ -110,8 +111,11 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, consumed_samples, c
     (:mod:`~megatron_lite.checkpoint.dist_save`); ``async_saves`` (an AsyncSaves, with
     ``--async-save``) writes it in the background. ``consumed_valid_samples``: the validation samples
     the run has read, recorded so that a resume with other --eval-interval / --eval-iters continues
-    validation there. Returns the iteration folder.
+    validation there. ``root``: another folder than --save to write to (the non-persistent checkpoints').
+    Returns the iteration folder; deleting older ones is the caller's (:mod:`.retention`).
     """
+    if root is not None and root != config.checkpoint.save:
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, save=root))
     root = config.checkpoint.save
     if root is None:
         raise CheckpointError("save_checkpoint needs --save (a folder to write checkpoints to)")
@@ -208,10 +212,10 @@ def _explain_missing(path: str, folder: str, state) -> None:
     check_sizes(other, read_model_file(other), state)
 
 
-def _no_tracker(root: str, quiet: bool = False, finetune: bool = False) -> None:
+def _no_tracker(root: str, quiet: bool = False, finetune: bool = False, exit_on_missing: bool = False) -> None:
     """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
-    --load and --save the same folder, unless ``finetune``: --finetune asks for weights), refused when
-    it does - never silently restart over them.
+    --load and --save the same folder, unless ``finetune``: --finetune asks for weights, or
+    ``exit_on_missing``: --exit-on-missing-checkpoint), refused when it does - never silently restart over them.
     A file, or one checkpoint's iteration folder, is refused too: neither is a save folder."""
     if os.path.isfile(root):
         raise CheckpointError(f"--load {root} is a file; point --load at the folder given to --save (the one "
@@ -238,6 +242,9 @@ def _no_tracker(root: str, quiet: bool = False, finetune: bool = False) -> None:
     if finetune:
         raise CheckpointError(f"--finetune --load {root}: {reason}, so there are no weights to start from; point "
                               "--load at the checkpoint to fine-tune (the folder given to its --save)")
+    if exit_on_missing:  # Megatron-LM exits (code 0) after a log line; a stop is an error here: exit code 2
+        raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint at --load {root} ({reason}); point --load "
+                              "at the folder given to --save of the run to resume, or drop the flag to train from scratch")
     if not quiet:
         print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
 
@@ -247,9 +254,10 @@ class Resumed(tuple):
     ``consumed_valid_samples``: the validation samples its run had read (None: not recorded, a
     checkpoint saved before it was, or by the converter)."""
 
-    def __new__(cls, iteration: int, consumed_samples: int, consumed_valid_samples=None):
+    def __new__(cls, iteration: int, consumed_samples: int, consumed_valid_samples=None, source=None):
         out = super().__new__(cls, (iteration, consumed_samples))
         out.consumed_valid_samples = None if consumed_valid_samples is None else int(consumed_valid_samples)
+        out.source = source  # the folder it came from: --load, or the non-persistent one
         return out
 
 
@@ -270,8 +278,7 @@ def _restore_rng(root, iteration, ckpt, state) -> None:
 def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     """This rank's part of :func:`load_checkpoint`: reads, checks and restores, no collectives."""
     ck = config.checkpoint
-    root = ck.load
-    iteration = read_tracker(root) if root else None
+    root, iteration = load_source(ck) if ck.load else (None, None)  # --ckpt-step; a newer non-persistent one
     if upcycles(config, root, iteration):  # --moe-use-upcycling, a dense checkpoint: experts made of its MLPs
         upcycle_here(chunks, optimizer, root, config, state)
         return 0, 0
@@ -282,11 +289,12 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
             print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
             _load_base(chunks, optimizer, ck.pretrained_checkpoint, config, state)
         else:
-            _no_tracker(root, finetune=ck.finetune)
+            _no_tracker(root, finetune=ck.finetune, exit_on_missing=ck.exit_on_missing_checkpoint)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if ck.finetune or iteration == "release":  # weights only, from any format and layout
-        _load_base(chunks, optimizer, root, config, state, flag="--load", every_flag=not ck.finetune)
+        source = root if ck.ckpt_step is None else iteration_dir(root, iteration)  # not the tracker's iteration
+        _load_base(chunks, optimizer, source, config, state, flag="--load", every_flag=not ck.finetune)
         return 0, 0
     if checkpoint_format(root, iteration, ck) == "torch_dist":
         folder = iteration_dir(root, iteration)  # a frozen (LoRA) base first, outside full_params
@@ -329,7 +337,7 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
         _restore_rng(root, iteration, ckpt, state)
     print_resume_notes(torch_file_layout(ckpt), ckpt.get("config", {}), config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
-    return Resumed(int(ckpt["iteration"]), int(ckpt["consumed_samples"]), ckpt.get("consumed_valid_samples"))
+    return Resumed(int(ckpt["iteration"]), int(ckpt["consumed_samples"]), ckpt.get("consumed_valid_samples"), root)
 
 
 def _refresh_masters(optimizer) -> None:
@@ -372,7 +380,8 @@ def _load_dist_here(root, iteration, chunks, optimizer, scheduler, config, state
         set_rng_states(load_file(path, "RNG state file", keys=RNG_KEYS), state.rng_tracker)
     print_resume_notes(common["layout"], common["config"], config, state)
     print_rank_0(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
-    return Resumed(int(common["iteration"]), int(common["consumed_samples"]), common.get("consumed_valid_samples"))
+    return Resumed(int(common["iteration"]), int(common["consumed_samples"]), common.get("consumed_valid_samples"),
+                   root)
 
 
 def load_checkpoint(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:

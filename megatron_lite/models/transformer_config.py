@@ -95,6 +95,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
     context_parallel_size: int = 1  # ranks splitting every sequence (load-balanced chunks)
     cp_comm_type: str | list[str] = "p2p"  # core attention under CP: one type, or one per layer
     seed: int = 1234
+    perform_initialization: bool = True  # False (--no-initialization): weights left as allocated, a checkpoint fills them
     params_dtype: torch.dtype = torch.float32
     recompute_granularity: str | None = None  # None, full (whole layers) or selective (core attention)
     recompute_method: str | None = None  # with full: uniform or block
@@ -272,6 +273,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
         (seed, global layer number, name). N(0, std^2), or std / sqrt(2 x num_layers) when ``scaled``
         (Megatron's init of the attention and MLP output projections). Layer 0 is the embedding,
         1..num_layers the transformer layers, num_layers + 1 the output layer."""
+        if not self.perform_initialization:
+            return _no_init
         gen = param_generator(self.seed, layer_number, name)
         if scaled:
             return scaled_normal_init(self.init_method_std, self.num_layers, gen)
@@ -350,6 +353,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
         return cls.from_model(
             config.model, tensor_model_parallel_size=p.tensor_model_parallel_size,
             sequence_parallel=p.sequence_parallel, seed=t.seed, params_dtype=config.precision.params_dtype,
+            perform_initialization=not config.checkpoint.no_initialization,
             context_parallel_size=p.context_parallel_size, cp_comm_type=list(p.cp_comm_type or ["p2p"]),
             hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes,
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
@@ -358,6 +362,10 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
             expert_model_parallel_size=p.expert_model_parallel_size, **moe_fields(config.moe),
             **_fp8_fields(config.precision), **fusion_fields(config.fusion, config.model.swiglu),
         )
+
+
+def _no_init(tensor: torch.Tensor) -> None:
+    """--no-initialization's ``init_method``: the weights are left as allocated (a checkpoint overwrites them)."""
 
 
 def _fp8_fields(pr) -> dict:

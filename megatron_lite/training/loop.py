@@ -22,6 +22,9 @@ import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
+from ..checkpoint.load_source import check_no_initialization
+from ..checkpoint.retention import after_save
+from ..checkpoint_config import non_persistent_dir
 from ..config import Config
 from ..console import print_rank_0
 from ..data.builder import consumed_valid_samples
@@ -89,6 +92,7 @@ class _Built(NamedTuple):
     iteration: int
     consumed_samples: int
     consumed_valid_samples: int | None = None  # as the checkpoint recorded it (None: not recorded)
+    loaded_from: str | None = None  # the folder of the checkpoint resumed: --load, or the non-persistent one
 
 
 SCHEDULER_METHODS = ("step", "get_lr", "state_dict", "load_state_dict")  # what the loop and checkpoints call
@@ -107,6 +111,7 @@ def _build(config: Config, state: ParallelState, device, model_provider, schedul
     """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
     restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
     ck = config.checkpoint
+    check_no_initialization(config)  # a checkpoint must overwrite the weights it leaves as allocated
     chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
     if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
         compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
@@ -119,15 +124,19 @@ def _build(config: Config, state: ParallelState, device, model_provider, schedul
     loaded = (0, 0)
     if ck.load or ck.pretrained_checkpoint:
         loaded = load_checkpoint(chunks, optimizer, scheduler, config, state)
-    return _Built(chunks, optimizer, scheduler, *loaded, getattr(loaded, "consumed_valid_samples", None))
+    return _Built(chunks, optimizer, scheduler, *loaded, getattr(loaded, "consumed_valid_samples", None),
+                  getattr(loaded, "source", None))
 
 
-def _in_save(ck, iteration: int) -> bool:
+def _in_save(ck, iteration: int, loaded_from: str | None = None) -> bool:
     """Whether ``--save`` holds ``iteration`` as the run starts: the checkpoint just loaded from that
     folder (or iteration 0 of a --load). One loaded from another folder is not there: a run with
     nothing left to train writes it to --save at the end (Megatron-LM's final save writes it too
-    unless --save-interval divides it, when it assumes the iteration was saved there already)."""
+    unless --save-interval divides it, when it assumes the iteration was saved there already). One
+    resumed from the non-persistent folder is not a persistent checkpoint: the final save writes it."""
     if not ck.load:
+        return False
+    if loaded_from is not None and iteration and os.path.realpath(loaded_from) != os.path.realpath(ck.load):
         return False
     return iteration == 0 or not ck.save or os.path.realpath(ck.load) == os.path.realpath(ck.save)
 
@@ -140,7 +149,7 @@ class _Training:
     def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
                  exit_signal: _ExitSignal | None = None, started: float | None = None, consumed_valid: int = 0):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
-        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed, _ = built  # _: see consumed_valid
+        self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built[:5]  # see consumed_valid
         self.consumed_valid = consumed_valid  # validation samples read so far (saved with the checkpoints)
         self.timers = Timers(config.logging.timing_log_level, get_device())
         self.train_iter = ([self.timers.timed_iterator(it) for it in train_iter] if isinstance(train_iter, list)
@@ -154,11 +163,12 @@ class _Training:
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
         self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
         self.start = time.time() if started is None else started  # --exit-duration-in-mins counts the start-up too
-        self.saved_at = self.iteration if _in_save(config.checkpoint, self.iteration) else None
+        self.saved_at = self.iteration if _in_save(config.checkpoint, self.iteration, built.loaded_from) else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
         self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
         self.result.memory = self.memory.steps_seen if self.memory is not None else []
-        self.async_saves = AsyncSaves() if config.checkpoint.async_save else None
+        self.async_saves = (AsyncSaves(lambda root, iteration: after_save(config, root, iteration))
+                            if config.checkpoint.async_save else None)
         self.batches = StepBatches(config, self.consumed)  # --rampup-batch-size: each step's global batch
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device(),
                                      self.iteration)
@@ -166,11 +176,19 @@ class _Training:
         self.state_reported = False  # the model-state bytes line, printed after the first update
         self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
 
-    def save(self) -> None:
-        """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded)."""
-        if self.config.checkpoint.save and self.saved_at != self.iteration:
-            save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
-                            self.config, self.state, self.async_saves, self.consumed_valid)
+    def save(self, non_persistent: bool = False) -> None:
+        """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded);
+        ``non_persistent``: into the non-persistent folder instead (--non-persistent-save-interval).
+        Then the older checkpoints the flags do not keep go (after an --async-save's write has landed)."""
+        ck = self.config.checkpoint
+        if not ck.save or self.saved_at == self.iteration:
+            return
+        root = non_persistent_dir(ck, ck.save) if non_persistent else ck.save
+        save_checkpoint(self.iteration, self.chunks, self.optimizer, self.scheduler, self.consumed,
+                        self.config, self.state, self.async_saves, self.consumed_valid, root=root)
+        if self.async_saves is None:
+            after_save(self.config, root, self.iteration)
+        if not non_persistent:
             self.saved_at = self.iteration
             self.progress.saved(self.iteration, self.consumed)
 
@@ -327,6 +345,8 @@ class _Training:
                 self.validate()
             if ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()
+            elif ck.non_persistent_save_interval and self.iteration % ck.non_persistent_save_interval == 0:
+                self.save(non_persistent=True)
             reason = self.exit_reason()
             if reason:
                 print_rank_0(f"> exit on {reason}")

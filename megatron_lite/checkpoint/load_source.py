@@ -1,0 +1,78 @@
+"""Which checkpoint ``--load`` resumes: the tracker's iteration, ``--ckpt-step``'s, or the newer
+non-persistent one (``--non-persistent-ckpt-type global``).
+
+- ``--ckpt-step N``: iteration N of ``--load``, whatever its tracker names (the tracker is not
+  changed; the run's next save writes it). A missing iteration is one line naming the folder and the
+  iterations it holds. Non-persistent checkpoints are not looked at: the step names a persistent one.
+- ``--non-persistent-ckpt-type global``: the non-persistent folder (``--non-persistent-global-ckpt-dir``,
+  default ``<load>/non_persistent``) is read too, and its checkpoint resumes when its iteration is at
+  least the persistent one's (Megatron-LM's rule), else the persistent one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..checkpoint_config import non_persistent_dir
+from ..console import print_rank_0
+from .format import (
+    CheckpointError,
+    is_iteration_folder,
+    iteration_dir,
+    iteration_folders,
+    read_tracker,
+    restore_aside,
+)
+
+
+def _held(root: str) -> str:
+    names = [n for n in iteration_folders(root) if n.startswith("iter_")]
+    return ", ".join(str(int(n[len("iter_"):])) for n in names) or "none"
+
+
+def step_folder(root: str, step: int) -> int:
+    """``--ckpt-step``: ``step`` when ``root`` holds that checkpoint, else one CheckpointError."""
+    restore_aside(root, step)  # a save repeating that iteration that died between its renames
+    if not is_iteration_folder(iteration_dir(root, step)):
+        raise CheckpointError(f"--ckpt-step {step}: --load {root} has no checkpoint {iteration_dir(root, step)} "
+                              f"(iterations held: {_held(root)}); pick one of them or drop --ckpt-step")
+    return step
+
+
+def load_source(ck, quiet: bool = False) -> tuple[str, int | str | None]:
+    """(folder, iteration) of the checkpoint this run resumes (iteration None: there is none);
+    ``quiet``: without the line saying which of persistent / non-persistent it is."""
+    say = (lambda line: None) if quiet else print_rank_0
+    root = ck.load
+    if ck.ckpt_step is not None:
+        return root, step_folder(root, ck.ckpt_step)
+    iteration = read_tracker(root)
+    if ck.non_persistent_ckpt_type != "global":
+        return root, iteration
+    np_root = non_persistent_dir(ck, root)
+    np_iteration = read_tracker(np_root) if os.path.isdir(np_root) else None
+    if np_iteration is None or np_iteration == "release":
+        return root, iteration
+    if iteration is None or iteration == "release" or np_iteration >= iteration:
+        say(f"> loading the non-persistent checkpoint of iteration {np_iteration} from {np_root} (the "
+                     f"persistent one at --load: {'none' if iteration is None else iteration})")
+        return np_root, np_iteration
+    say(f"> the non-persistent checkpoint in {np_root} (iteration {np_iteration}) is older than the "
+                 f"persistent one (iteration {iteration}): loading that")
+    return root, iteration
+
+
+def check_no_initialization(config) -> None:
+    """--no-initialization leaves the weights as allocated: refused (one CheckpointError) unless a
+    checkpoint will overwrite every one of them (--load holds one, or --pretrained-checkpoint)."""
+    ck = config.checkpoint
+    if not ck.no_initialization:
+        return
+    if config.moe.moe_use_upcycling:
+        raise CheckpointError("--no-initialization with --moe-use-upcycling: the dense checkpoint has no router "
+                              "weights to fill the uninitialised ones; drop --no-initialization")
+    if ck.pretrained_checkpoint or (ck.load and load_source(ck, quiet=True)[1] is not None):
+        return
+    where = f"--load {ck.load} holds no checkpoint" if ck.load else "there is no --load"
+    raise CheckpointError(f"--no-initialization skips drawing the initial weights, but {where} (nor "
+                          "--pretrained-checkpoint) to load them from; drop --no-initialization")
