@@ -11,6 +11,7 @@ layout (here MLA's TP2 checkpoint in one process) or another --micro-batch-size,
 rounding (rel 1e-5), and under --transformer-impl transformer_engine with delayed FP8 scaling (TE's
 scaling state is not saved). --exit-duration-in-mins counts the start-up and checkpoint load."""
 
+import os
 import shutil
 import time
 
@@ -21,7 +22,7 @@ from tests import fake_transformer_engine as fake_te
 from tests.e2e.test_lora import COMMON as LORA_COMMON
 from tests.e2e.test_lora import LORA
 from tests.e2e.test_pretrain_deepseek import VARIANTS
-from tests.e2e.test_pretrain_gpt import _argv
+from tests.e2e.test_pretrain_gpt import _argv, _one_line_exit_2
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories
 from tests.unit.test_data_builder import write
 
@@ -99,6 +100,34 @@ def test_exit_duration_counts_the_start_up_and_checkpoint_load(tmp_path, monkeyp
     monkeypatch.setattr(loop, "_build", slow_build)
     run = pretrain_gpt.main(_argv(save, ITERS, ["--load", save, "--exit-duration-in-mins", "5"]))
     assert (run.exit_reason, run.iteration) == ("duration", 2)
+
+
+NON_PERSISTENT = ["--ckpt-format", "torch_dist", "--async-save", "--save-interval", "2",
+                  "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"]
+
+
+def test_a_non_persistent_checkpoint_newer_than_the_persistent_one_resumes_exactly(tmp_path, capsys):
+    """A run killed after the non-persistent save of step 3 (its persistent checkpoint: step 2) resumes
+    from <save>/non_persistent, bit for bit (torch_dist, --async-save). Only the latest non-persistent
+    checkpoint is kept, and, resumed with --save-retain-interval 4, of the persistent ones the multiples
+    of 4 and the latest. A missing --ckpt-step and --exit-on-missing-checkpoint exit 2 in one line."""
+    full = pretrain_gpt.main(_argv(str(tmp_path / "full"), ITERS, NON_PERSISTENT))
+    part = str(tmp_path / "part")
+    first = pretrain_gpt.main(_argv(part, ITERS, NON_PERSISTENT + ["--exit-interval", str(STOP)]))
+    shutil.rmtree(f"{part}/iter_0000003")  # as if killed after step 3: no persistent save of it
+    with open(f"{part}/latest_checkpointed_iteration.txt", "w") as f:
+        f.write("2\n")
+    assert sorted(os.listdir(f"{part}/non_persistent")) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    second = pretrain_gpt.main(_argv(part, ITERS, NON_PERSISTENT + ["--load", part, "--save-retain-interval", "4"]))
+    _assert_continues(full, first, second)
+    assert sorted(os.listdir(part)) == ["iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt",
+                                        "non_persistent"]
+    assert sorted(os.listdir(f"{part}/non_persistent")) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    capsys.readouterr()
+    _one_line_exit_2(capsys, _argv(part, ITERS, ["--load", part, "--ckpt-step", "3"]),
+                     f"--ckpt-step 3: --load {part} has no checkpoint", "(iterations held: 4, 6)")
+    _one_line_exit_2(capsys, _argv(part, ITERS, ["--load", str(tmp_path / "none"), "--exit-on-missing-checkpoint"]),
+                     "--exit-on-missing-checkpoint: no checkpoint at --load")
 
 
 # 4 steps stopped at 2 (the 2 warm-up steps, then 2 resumed); FP8's amax history of 2 is full at the stop,
