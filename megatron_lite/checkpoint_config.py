@@ -102,6 +102,12 @@ def check_checkpoint_management(cp) -> None:
                               "the folder above <save>/non_persistent)")
     if cp.non_persistent_global_ckpt_dir and cp.non_persistent_ckpt_type != "global":
         raise ConfigError("--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global")
+    for flag, folder in (("--save", cp.save), ("--load", cp.load)):  # only its latest is kept: never theirs
+        if cp.non_persistent_global_ckpt_dir and folder and os.path.realpath(folder) == os.path.realpath(
+                cp.non_persistent_global_ckpt_dir):
+            raise ConfigError(f"--non-persistent-global-ckpt-dir {cp.non_persistent_global_ckpt_dir} is the {flag} "
+                              "folder, whose older checkpoints its pruning would delete; give it a folder of its own "
+                              "(default: <save>/non_persistent)")
     if cp.ckpt_step is not None:
         if cp.load is None:
             raise ConfigError(f"--ckpt-step {cp.ckpt_step} picks an iteration of --load: add --load DIR")

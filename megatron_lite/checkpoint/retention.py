@@ -38,11 +38,11 @@ def keep_every(config, root: str) -> int | None:
     """The pruning rule of the checkpoints under ``root``: None (keep all), 0 (keep only the latest:
     the non-persistent folder) or R (--save-retain-interval: multiples of R and the latest)."""
     ck = config.checkpoint
-    np_root = non_persistent_dir(ck, ck.save) if ck.non_persistent_save_interval else None
-    if np_root is not None and os.path.abspath(root) == os.path.abspath(np_root):
-        return 0
-    if ck.save is not None and os.path.abspath(root) == os.path.abspath(ck.save):
+    if ck.save is not None and os.path.realpath(root) == os.path.realpath(ck.save):  # first: never "only the latest"
         return ck.save_retain_interval
+    np_root = non_persistent_dir(ck, ck.save) if ck.non_persistent_save_interval else None
+    if np_root is not None and os.path.realpath(root) == os.path.realpath(np_root):
+        return 0
     return None
 
 

@@ -142,6 +142,8 @@ def test_no_initialization_leaves_the_weights_as_allocated():
     (["--non-persistent-ckpt-type", "local"], ["--non-persistent-ckpt-type local", "nvidia-resiliency-ext",
                                                "use --non-persistent-ckpt-type global"]),
     (["--non-persistent-global-ckpt-dir", "d"], ["needs --non-persistent-ckpt-type global"]),
+    (["--save", "s", "--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", "./s"],
+     ["--non-persistent-global-ckpt-dir ./s is the --save folder", "a folder of its own"]),
     (["--ckpt-step", "4"], ["--ckpt-step 4 picks an iteration of --load: add --load DIR"]),
     (["--exit-on-missing-checkpoint"], ["--exit-on-missing-checkpoint needs --load"]),
     (["--non-persistent-local-ckpt-dir", "d"], ["--non-persistent-local-ckpt-dir", "resiliency"]),
