@@ -58,17 +58,22 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
 def test_a_finished_run_with_work_in_flight_exits_0_with_no_thread_left(tmp_path):
     """Every source of work still running at the end of a run at once: expert parallelism with a
     shared expert, ZeRO-3 with overlapped gradient reduction and parameter all-gathers, and an
-    asynchronous torch_dist save of the last iteration."""
+    asynchronous torch_dist save of the last iteration. With non-persistent saves in between and
+    --save-retain-interval 4, rank 0 deletes iteration 2 once 4 landed and keeps the latest
+    non-persistent checkpoint (3) only."""
     argv = TINY + ["--global-batch-size", "4", "--train-iters", "4", "--expert-model-parallel-size", "2",
                    "--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "32",
                    "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
                    "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
                    "--overlap-param-gather", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                   "--ckpt-format", "torch_dist", "--async-save"]
+                   "--ckpt-format", "torch_dist", "--async-save", "--save-retain-interval", "4",
+                   "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"]
     out, threads = _torchrun_counting_threads(tmp_path, 2, "pretrain_gpt.py", argv)
     assert out.returncode == 0, out.stderr[-3000:]
     assert threads == [threads[0], threads[0]] and len(threads[0]) == 1, threads
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt", "non_persistent"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "non_persistent")) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
 
 
 def test_collectives_left_in_flight_end_cleanly(tmp_path):
