@@ -110,7 +110,8 @@ def test_a_non_persistent_checkpoint_newer_than_the_persistent_one_resumes_exact
     """A run killed after the non-persistent save of step 3 (its persistent checkpoint: step 2) resumes
     from <save>/non_persistent, bit for bit (torch_dist, --async-save). Only the latest non-persistent
     checkpoint is kept, and, resumed with --save-retain-interval 4, of the persistent ones the multiples
-    of 4 and the latest. A missing --ckpt-step and --exit-on-missing-checkpoint exit 2 in one line."""
+    of 4 and the latest; the resume skips the weights' initialisation (--no-initialization). A missing
+    --ckpt-step, --exit-on-missing-checkpoint and --no-initialization without a checkpoint exit 2 in one line."""
     full = pretrain_gpt.main(_argv(str(tmp_path / "full"), ITERS, NON_PERSISTENT))
     part = str(tmp_path / "part")
     first = pretrain_gpt.main(_argv(part, ITERS, NON_PERSISTENT + ["--exit-interval", str(STOP)]))
@@ -118,7 +119,8 @@ def test_a_non_persistent_checkpoint_newer_than_the_persistent_one_resumes_exact
     with open(f"{part}/latest_checkpointed_iteration.txt", "w") as f:
         f.write("2\n")
     assert sorted(os.listdir(f"{part}/non_persistent")) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
-    second = pretrain_gpt.main(_argv(part, ITERS, NON_PERSISTENT + ["--load", part, "--save-retain-interval", "4"]))
+    second = pretrain_gpt.main(_argv(part, ITERS, NON_PERSISTENT + ["--load", part, "--save-retain-interval", "4",
+                                                                    "--no-initialization"]))
     _assert_continues(full, first, second)
     assert sorted(os.listdir(part)) == ["iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt",
                                         "non_persistent"]
@@ -128,6 +130,8 @@ def test_a_non_persistent_checkpoint_newer_than_the_persistent_one_resumes_exact
                      f"--ckpt-step 3: --load {part} has no checkpoint", "(iterations held: 4, 6)")
     _one_line_exit_2(capsys, _argv(part, ITERS, ["--load", str(tmp_path / "none"), "--exit-on-missing-checkpoint"]),
                      "--exit-on-missing-checkpoint: no checkpoint at --load")
+    _one_line_exit_2(capsys, _argv(part, ITERS, ["--load", str(tmp_path / "none"), "--no-initialization"]),
+                     "--no-initialization skips drawing the initial weights, but --load")
 
 
 # 4 steps stopped at 2 (the 2 warm-up steps, then 2 resumed); FP8's amax history of 2 is full at the stop,
