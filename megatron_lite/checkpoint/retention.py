@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..checkpoint_config import non_persistent_dir
 from ..console import print_rank_0
-from .format import TRACKER_FILENAME
+from .format import ASIDE_PREFIX, TRACKER_FILENAME
 
 DELETE_PREFIX = ".del_"  # + iter_XXXXXXX: a checkpoint being deleted (renamed first, then removed)
 _ITERATION = re.compile(r"iter_(\d{7,})")
@@ -85,6 +85,9 @@ def prune(root: str, latest: int, keep: int) -> list[str]:
     _sweep_deleted(root)
     gone = []
     for name in doomed(root, latest, keep):
+        stale = os.path.join(root, ASIDE_PREFIX + name)  # a stale copy a repeated save set aside: first, or it
+        if os.path.isdir(stale) and not os.path.islink(stale):  # would be renamed back once iter_N is gone
+            shutil.rmtree(stale)
         aside = os.path.join(root, DELETE_PREFIX + name)
         os.rename(os.path.join(root, name), aside)  # from here on it is no checkpoint: whole or gone
         shutil.rmtree(aside)

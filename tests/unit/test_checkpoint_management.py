@@ -57,6 +57,7 @@ def test_a_deletion_killed_half_way_leaves_every_checkpoint_whole(tmp_path):
     os.rename(tmp_path / "iter_0000002", tmp_path / ".del_iter_0000002")  # killed between rename and removal
     assert iteration_folders(root) == ["iter_0000004"]
     _fake(root, 6, tracker=6)
+    os.makedirs(tmp_path / ".old_iter_0000004")  # a stale copy (a repeated save): never renamed back later
     prune(root, 6, 0)
     assert sorted(os.listdir(root)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
 
