@@ -11,6 +11,7 @@ evaluation, checkpointing and the exit conditions (SIGTERM, duration, interval).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -167,8 +168,7 @@ class _Training:
         self.volume = CommVolume() if config.logging.log_comm_volume else None
         self.memory = MemoryReport(self.chunks, self.optimizer) if config.logging.memory_report else None
         self.result.memory = self.memory.steps_seen if self.memory is not None else []
-        self.async_saves = (AsyncSaves(lambda root, iteration: after_save(config, root, iteration))
-                            if config.checkpoint.async_save else None)
+        self.async_saves = AsyncSaves(functools.partial(after_save, config)) if config.checkpoint.async_save else None
         self.batches = StepBatches(config, self.consumed)  # --rampup-batch-size: each step's global batch
         self.profiler = StepProfiler(config.logging, dist.get_rank() if dist.is_initialized() else 0, get_device(),
                                      self.iteration)
@@ -177,9 +177,8 @@ class _Training:
         self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
 
     def save(self, non_persistent: bool = False) -> None:
-        """Save a checkpoint with ``--save``, unless this iteration's is already saved (or loaded);
-        ``non_persistent``: into the non-persistent folder instead (--non-persistent-save-interval).
-        Then the older checkpoints the flags do not keep go (after an --async-save's write has landed)."""
+        """Save a checkpoint with ``--save`` (``non_persistent``: into the non-persistent folder), unless this
+        iteration's is already saved (or loaded); then delete the older ones the flags do not keep."""
         ck = self.config.checkpoint
         if not ck.save or self.saved_at == self.iteration:
             return
