@@ -90,6 +90,18 @@ MUTATIONS = [
              "bit for bit", "megatron_lite/checkpoint/resume_notes.py",
              "    if all((now.get(key) or 1) == (value or 1) for key, value in saved.items()):\n", "    if True:\n",
              ("tests/unit/test_resume_notes.py",)),
+    # checkpoint management (feat/ckptmgmt)
+    Mutation("retention_deletes_tracked", "--save-retain-interval / non-persistent: the tracker's iteration deleted "
+             "when older than the save", "megatron_lite/checkpoint/retention.py",
+             "if iteration >= latest or iteration == tracked or", "if iteration >= latest or",
+             ("tests/unit/test_checkpoint_management.py", "-k", "own_layout")),
+    Mutation("retention_follows_links", "retention: a symbolic link named iter_N deleted",
+             "megatron_lite/checkpoint/retention.py", "if match is None or os.path.islink(path) or",
+             "if match is None or", ("tests/unit/test_checkpoint_management.py", "-k", "own_layout")),
+    Mutation("non_persistent_never_loaded", "--non-persistent-ckpt-type global: --load ignores a newer non-persistent "
+             "checkpoint", "megatron_lite/checkpoint/load_source.py",
+             "    if np_iteration is None or np_iteration == \"release\":",
+             "    if True:", ("tests/unit/test_checkpoint_management.py", "-k", "newer")),
     Mutation("upcycle_fc2_unscaled", "--moe-use-upcycling: the experts' fc2 weights not scaled by G / m",
              "megatron_lite/moe/upcycling.py", 'dense["fc2.weight"][:, rows] * (g / mass)', 'dense["fc2.weight"][:, rows]',
              ("tests/unit/test_upcycling.py", "-k", "weighted_experts")),
@@ -144,16 +156,4 @@ MUTATIONS = [
     Mutation("llama2_no_bos", "Llama2Tokenizer: no BOS before the text (GPTSentencePieceTokenizer's ids)",
              "megatron_lite/data/tokenizers.py", "return [self.bos] * bos + ids + [self.eos] * (eos and",
              "return [] + ids + [self.eos] * (eos and", ("tests/unit/test_tiktoken_tokenizer.py", "-k", "llama2")),
-    # checkpoint management (feat/ckptmgmt)
-    Mutation("retention_deletes_tracked", "--save-retain-interval / non-persistent: the tracker's iteration deleted "
-             "when older than the save", "megatron_lite/checkpoint/retention.py",
-             "if iteration >= latest or iteration == tracked or", "if iteration >= latest or",
-             ("tests/unit/test_checkpoint_management.py", "-k", "own_layout")),
-    Mutation("retention_follows_links", "retention: a symbolic link named iter_N deleted",
-             "megatron_lite/checkpoint/retention.py", "if match is None or os.path.islink(path) or",
-             "if match is None or", ("tests/unit/test_checkpoint_management.py", "-k", "own_layout")),
-    Mutation("non_persistent_never_loaded", "--non-persistent-ckpt-type global: --load ignores a newer non-persistent "
-             "checkpoint", "megatron_lite/checkpoint/load_source.py",
-             "    if np_iteration is None or np_iteration == \"release\":",
-             "    if True:", ("tests/unit/test_checkpoint_management.py", "-k", "newer")),
 ]
