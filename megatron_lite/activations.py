@@ -155,7 +155,8 @@ class L2Norm(torch.nn.Module):
 
 
 UNEXPORTABLE = ("squared_relu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",
-                "rotary_interleaved", "softmax_scale", "attention_output_gate", "no_rope_freq")  # models/attention_config.py
+                "rotary_interleaved", "softmax_scale", "attention_output_gate", "no_rope_freq",  # models/attention_config.py
+                "apply_residual_connection_post_layernorm")  # no family takes the residual from the norm's output
 
 
 GPT_OSS_EXPORTABLE = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type")

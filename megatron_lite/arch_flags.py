@@ -30,6 +30,7 @@ ARCHITECTURE_FLAGS = SHAPE_FLAGS + (  # + the flags that keep the shapes but cha
     "window_size", "window_attn_skip_freq",
     "squared_relu", "glu_linear_offset", "activation_func_clamp_value", "qk_l2_norm",
     "rotary_interleaved", "softmax_scale", "no_rope_freq",
+    "apply_residual_connection_post_layernorm",
 )
 """The flags (config field names, any section) that define the model a checkpoint holds. A resume
 refuses a checkpoint saved with another value of any of them, naming the flag and both values;

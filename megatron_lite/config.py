@@ -85,6 +85,8 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig, AttentionConfig, ActivationC
     """Bias on the QKV projection even with --disable-bias-linear (Qwen2's attention)."""
     apply_layernorm_1p: bool = False
     """Norm weights stored zero-centred: LayerNorm/RMSNorm scale by 1 + weight, the weight starting at 0."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Each residual add takes the norm's output instead of its input (Megatron-LM's original BERT order): y = n + attn(n) with n = norm(x), then y + mlp(norm(y)) likewise; the final norm stays."""
     window_size: list[int] | None = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
     """Sliding-window attention: a query at position i sees keys i - LEFT ... i + RIGHT (-1: unbounded; GPT: RIGHT 0). Megatron-LM's "LEFT,RIGHT" is written "LEFT RIGHT" here. Default: full attention."""
     window_attn_skip_freq: str | None = field(default=None, metadata={"metavar": "N"})

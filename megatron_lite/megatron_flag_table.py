@@ -22,7 +22,6 @@ ENTRIES = (
      "anyway", "use --position-embedding-type rope"),
     ("--qk-clip", "QK-clip (shrinking query/key weights after large attention logits) is not implemented", DROP),
     ("--mrope-section", "multimodal rotary embeddings are not implemented", DROP),
-    ("--apply-residual-connection-post-layernorm", "only the pre-norm residual order is built", DROP),
     ("--onnx-safe", "ONNX export is not supported", DROP),
     ("--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json",
      "models whose layers differ in shape are not supported", DROP),

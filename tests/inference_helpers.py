@@ -6,7 +6,8 @@ Variants: ``gpt`` (learned positions, LayerNorm, GeLU, biases, tied, multi-head)
 with q compression, latent norms and YaRN, plus one multi-token prediction layer that generation
 leaves unused: it decodes from the main head), ``qwen2`` (``rope_gqa`` with --add-qkv-bias), ``partial_rope`` (``rope_gqa`` with --rotary-percent 0.5),
 ``norm_1p`` (``rope_gqa`` with --apply-layernorm-1p), ``qk_norm`` (``rope_gqa`` with --qk-layernorm),
-``rope_scaled`` (``rope_gqa`` with --use-rope-scaling and --rotary-seq-len-interpolation-factor 2).
+``rope_scaled`` (``rope_gqa`` with --use-rope-scaling and --rotary-seq-len-interpolation-factor 2),
+``post_ln`` (``gpt`` with --apply-residual-connection-post-layernorm).
 Every parameter, norms and biases included, is random
 (:func:`randomize`), so a misplaced tensor changes the logits.
 """
@@ -44,6 +45,7 @@ VARIANTS["rope_scaled"] = dict(VARIANTS["rope_gqa"], rotary_base=500000, use_rop
                                rotary_seq_len_interpolation_factor=2)  # Llama 3.1 scaling, positions / 2
 VARIANTS["attn_flags"] = dict(VARIANTS["rope_gqa"], rotary_interleaved=True, softmax_scale=0.2, attention_output_gate=True,
                               no_rope_freq="2")  # models/attention_config.py: layers 2 and 4 without rotary
+VARIANTS["post_ln"] = dict(VARIANTS["gpt"], apply_residual_connection_post_layernorm=True)  # residuals from the norms
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="alltoall",
            moe_expert_capacity_factor=1.0)  # the capacity must not drop tokens at inference
 

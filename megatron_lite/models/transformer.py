@@ -1,7 +1,9 @@
 """Pre-norm transformer layer and the stack of layers (shared by GPT and BERT).
 
 A layer is ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, its parts built from a
-:class:`~megatron_lite.models.spec.LayerSpec`. Activations between layers are ``[s, b, h]``, or the
+:class:`~megatron_lite.models.spec.LayerSpec`. With ``--apply-residual-connection-post-layernorm``
+(Megatron-LM's original BERT order) each add takes the norm's output instead: ``n + drop(attn(n))``
+with ``n = norm(x)``, then the same around the MLP; the final norm stays. Activations between layers are ``[s, b, h]``, or the
 sequence shard ``[s/tp, b, h]`` under sequence parallelism: the norms, dropout and residual adds
 then run on the shard; the QKV / fc1 ColumnParallelLinear all-gathers the sequence and the
 proj / fc2 RowParallelLinear reduce-scatters it back. With ``--fp32-residual-connection`` the stream
@@ -61,6 +63,7 @@ class TransformerLayer(nn.Module):
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
         self.bias_dropout_fusion = config.bias_dropout_fusion
+        self.residual_post_norm = config.apply_residual_connection_post_layernorm
         self.compiled_forward = None  # set by compile_layers
         modules, moe = recompute_modules(config), isinstance(self.mlp, MoELayer)
         self.recompute_norms = "layernorm" in modules
@@ -78,17 +81,25 @@ class TransformerLayer(nn.Module):
         lengths change every step)."""
         x, norm = self._norm(self.input_norm, hidden)
         attn = self.self_attention(x, attention_mask, rotary, causal, inference_context=inference_context)
-        if norm is not None:  # --recompute-modules layernorm: the norm's output is computed again in backward
-            norm.discard(attn[0] if isinstance(attn, tuple) else attn)
-        hidden = self._residual(attn, hidden)
+        hidden = self._add(attn, hidden, x, norm)
         x, norm = self._norm(self.pre_mlp_norm, hidden)
         if self.recompute_mlp and torch.is_grad_enabled():  # --recompute-modules mlp (dense) / moe
             out = checkpoint(self._mlp_views, x, tracker=self.tracker)
         else:
             out = self.mlp(x)
+        return self._add(out, hidden, x, norm)
+
+    def _add(self, out, hidden, normed, norm):
+        """The residual add after a sub-module: ``hidden + dropout(out)``, or with
+        ``--apply-residual-connection-post-layernorm`` ``normed + dropout(out)``, ``normed`` being the norm's
+        output the sub-module took (in the stream's dtype: fp32 under ``--fp32-residual-connection``).
+        ``norm``: the holder of that output under ``--recompute-modules layernorm``, which frees it once
+        ``out`` is computed (after the add that reads it) and computes it again in backward."""
+        if self.residual_post_norm:
+            hidden = self._residual(out, in_dtype(normed, hidden.dtype))
         if norm is not None:
             norm.discard(out[0] if isinstance(out, tuple) else out)
-        return self._residual(out, hidden)
+        return hidden if self.residual_post_norm else self._residual(out, hidden)
 
     def _norm(self, norm, hidden):
         """``(norm(hidden), holder)``: holder is the :class:`~megatron_lite.parallel.recompute.DiscardedOutput`

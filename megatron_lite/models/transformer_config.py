@@ -82,6 +82,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the QKV projection whatever add_bias_linear says
     apply_layernorm_1p: bool = False  # norms scale by 1 + weight (stored zero-centred, initialised to 0)
+    apply_residual_connection_post_layernorm: bool = False  # a residual add takes the norm's output, not its input
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1

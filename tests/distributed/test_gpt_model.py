@@ -86,11 +86,12 @@ def test_tensor_parallel_equals_single_process(tp, sp, variant):
         assert marked == sorted(expect)
 
 
-@pytest.mark.parametrize("variant", ["Q", "P", "N"])
+@pytest.mark.parametrize("variant", ["Q", "P", "N", "R"])
 def test_family_options_under_tensor_sequence_parallel(variant):
     """--add-qkv-bias (variant Q: the QKV bias splits with its weight, whole key/value groups per rank),
-    --rotary-percent 0.5 (variant P) and --apply-layernorm-1p (variant N: the zero-centred norm weights'
-    sequence-parallel gradients)."""
+    --rotary-percent 0.5 (variant P), --apply-layernorm-1p (variant N: the zero-centred norm weights'
+    sequence-parallel gradients) and --apply-residual-connection-post-layernorm (variant R: the residuals
+    are the norms' sequence shards)."""
     run_ranks(2, check_tp_equals_serial, 2, True, variant)
 
 
@@ -109,6 +110,7 @@ def test_tensor_sequence_parallel_with_full_recompute():
     run_ranks(2, check_tp_equals_serial, 2, True, "B", ("full", "uniform", 1))
     run_ranks(2, check_tp_equals_serial, 2, True, "K", ("full", "uniform", 1))  # --qk-layernorm
     run_ranks(2, check_tp_equals_serial, 2, True, "A", ("selective", None, None))
+    run_ranks(2, check_tp_equals_serial, 2, True, "R", ("full", "block", 1))  # residuals from the norms
 
 
 def check_recompute_with_dropout(tp, recompute):

@@ -94,7 +94,8 @@ def test_parallel_runs_reproduce_single_process(tmp_path, data, reference, name,
 
 
 def test_interleaved_pipeline_with_recompute_reproduces_single_process(tmp_path, data):
-    four = ["--num-layers", "4"]
+    """Also in Megatron-LM's original BERT residual order (--apply-residual-connection-post-layernorm)."""
+    four = ["--num-layers", "4", "--apply-residual-connection-post-layernorm"]
     ref = run_script("pretrain_bert", _argv(data, str(tmp_path / "single4"), extra=four))
     extra = four + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                     "--recompute-granularity", "full", "--recompute-method", "uniform"]

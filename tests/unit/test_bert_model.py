@@ -60,17 +60,20 @@ def _attention(y, sd, p, padding):
     return F.linear(a, sd[p + "self_attention.linear_proj.weight"], sd[p + "self_attention.linear_proj.bias"])
 
 
-def reference(sd, tokens, types, padding, binary_head=True):
-    """(logits [b, s, padded_vocab], binary logits [b, 2] or None) of a plain pre-LN BERT."""
+def reference(sd, tokens, types, padding, binary_head=True, post_ln=False):
+    """(logits [b, s, padded_vocab], binary logits [b, 2] or None) of a plain pre-LN BERT; ``post_ln``:
+    each residual add takes the norm's output (--apply-residual-connection-post-layernorm)."""
     x = sd["embedding.word_embeddings.weight"][tokens] + sd["embedding.position_embeddings.weight"][: tokens.shape[1]]
     if binary_head:
         x = x + sd["embedding.tokentype_embeddings.weight"][types]
     for i in range(LAYERS):
         p = f"encoder.layers.{i}."
-        x = x + _attention(_ln(x, sd, p + "input_norm"), sd, p, padding)
-        h = F.linear(_ln(x, sd, p + "pre_mlp_norm"), sd[p + "mlp.linear_fc1.weight"], sd[p + "mlp.linear_fc1.bias"])
+        y = _ln(x, sd, p + "input_norm")
+        x = (y if post_ln else x) + _attention(y, sd, p, padding)
+        y = _ln(x, sd, p + "pre_mlp_norm")
+        h = F.linear(y, sd[p + "mlp.linear_fc1.weight"], sd[p + "mlp.linear_fc1.bias"])
         h = 0.5 * h * (1.0 + torch.erf(h / 2**0.5))
-        x = x + F.linear(h, sd[p + "mlp.linear_fc2.weight"], sd[p + "mlp.linear_fc2.bias"])
+        x = (y if post_ln else x) + F.linear(h, sd[p + "mlp.linear_fc2.weight"], sd[p + "mlp.linear_fc2.bias"])
     x = _ln(x, sd, "encoder.final_norm")
     t = F.linear(x, sd["lm_head.dense.weight"], sd["lm_head.dense.bias"])
     t = _ln(0.5 * t * (1.0 + torch.erf(t / 2**0.5)), sd, "lm_head.layer_norm")
@@ -98,14 +101,14 @@ def _perturb(model):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("binary_head", [True, False])
-def test_logits_and_every_gradient_match_reference(binary_head):
-    model = BertModel(make_config(), ParallelState(), num_tokentypes=2 if binary_head else 0,
-                      add_binary_head=binary_head)
+@pytest.mark.parametrize("binary_head, post_ln", [(True, False), (False, False), (True, True)])
+def test_logits_and_every_gradient_match_reference(binary_head, post_ln):
+    model = BertModel(make_config(apply_residual_connection_post_layernorm=post_ln), ParallelState(),
+                      num_tokentypes=2 if binary_head else 0, add_binary_head=binary_head)
     _perturb(model)
     tokens, types, padding, labels = make_batch()
     sd = {k: v.detach().clone().requires_grad_() for k, v in model.state_dict().items()}
-    ref_logits, ref_binary = reference(sd, tokens, types, padding, binary_head)
+    ref_logits, ref_binary = reference(sd, tokens, types, padding, binary_head, post_ln)
 
     logits, binary = model(tokens, padding, types)
     assert logits.shape == (B, S, 128)

@@ -31,6 +31,7 @@ VARIANTS["P"] = dict(VARIANTS["B"], rotary_percent=0.5)  # B rotating the first 
 VARIANTS["N"] = dict(VARIANTS["A"], apply_layernorm_1p=True)  # A with zero-centred LayerNorm weights (1 + w)
 VARIANTS["K"] = dict(VARIANTS["B"], qk_layernorm=True)  # B with Qwen3's per-head RMSNorm of queries and keys
 VARIANTS["L"] = dict(VARIANTS["A"], qk_layernorm=True)  # A with per-head LayerNorm (weight + bias) of q and k
+VARIANTS["R"] = dict(VARIANTS["A"], apply_residual_connection_post_layernorm=True)  # A, residuals from the norms
 VARIANTS["S"] = dict(VARIANTS["P"], rotary_base=500000, use_rope_scaling=True,  # P with Llama 3.1 scaling and
                      rotary_seq_len_interpolation_factor=2)  # positions / 2 (global positions under CP)
 
@@ -82,6 +83,8 @@ def reference_logits(sd, cfg, tokens):
     for i in range(cfg.num_layers):
         p = lambda name, i=i: sd.get(f"decoder.layers.{i}.{name}")  # noqa: E731
         y = _ref_norm(x, p("input_norm.weight"), p("input_norm.bias"), cfg)
+        post = cfg.apply_residual_connection_post_layernorm  # Megatron: the residual is the norm's output
+        x = y if post else x
         qkv = F.linear(y, p("self_attention.linear_qkv.weight"), p("self_attention.linear_qkv.bias"))
         qkv = qkv.view(b, s, ng, hpg + 2, d)
         q = qkv[:, :, :, :hpg].reshape(b, s, nh, d).transpose(1, 2)
@@ -97,6 +100,7 @@ def reference_logits(sd, cfg, tokens):
         a = a.transpose(1, 2).reshape(b, s, nh * d)
         x = x + F.linear(a, p("self_attention.linear_proj.weight"), p("self_attention.linear_proj.bias"))
         y = _ref_norm(x, p("pre_mlp_norm.weight"), p("pre_mlp_norm.bias"), cfg)
+        x = y if post else x
         h = F.linear(y, p("mlp.linear_fc1.weight"), p("mlp.linear_fc1.bias"))
         if cfg.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -116,7 +120,7 @@ def _close(a, b, what, rtol=1e-5, atol=1e-6):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant, groups", [("A", None), ("B", None), ("B", 1), ("A", 2)])
+@pytest.mark.parametrize("variant, groups", [("A", None), ("B", None), ("B", 1), ("A", 2), ("R", None)])
 def test_matches_independent_reference(variant, groups):
     over = {} if groups is None else dict(num_query_groups=groups)
     cfg = make_config(variant, **over)
@@ -146,7 +150,7 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("variant", ["A", "B", "K"])
+@pytest.mark.parametrize("variant", ["A", "B", "K", "R"])
 def test_pipeline_split_equals_full_model(variant):
     cfg = make_config(variant)
     tokens, labels = make_batch(1)
@@ -168,7 +172,7 @@ def test_pipeline_split_equals_full_model(variant):
     got.update({n.replace("decoder.layers.0.", "decoder.layers.1."): g for n, g in _grads(last).items()
                 if n.startswith("decoder.layers.")})
     got["decoder.final_norm.weight"] = last.decoder.final_norm.weight.grad
-    if variant == "A":  # tied: the last stage owns an identical copy; the training code sums the two grads
+    if variant in ("A", "R"):  # tied: the last stage owns an identical copy; the training code sums the two grads
         assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
         assert last.shared_embedding_or_output_weight().shared_embedding
         got["embedding.word_embeddings.weight"] = got["embedding.word_embeddings.weight"] + last.output_layer.weight.grad

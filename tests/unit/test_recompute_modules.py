@@ -58,6 +58,10 @@ CASES = [
     ("moe", MOE, ["core_attn", "mlp", "moe_act", "shared_experts", "layernorm"]),
     ("moe_grouped", dict(MOE, moe_grouped_gemm=True), ["moe_act", "layernorm"]),
     ("mla", MLA, ["mla_up_proj"]), ("mla", MLA, ["mla_up_proj", "core_attn", "layernorm"]),
+    # --apply-residual-connection-post-layernorm: the freed norm outputs are the residuals too
+    ("post_ln", dict(DENSE, apply_residual_connection_post_layernorm=True), ["core_attn", "mlp", "layernorm"]),
+    ("post_ln_fused", dict(DENSE, apply_residual_connection_post_layernorm=True, bias_dropout_fusion=True),
+     ["layernorm"]),
 ]
 
 
