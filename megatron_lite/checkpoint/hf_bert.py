@@ -43,7 +43,8 @@ def check_bert(cfg: dict) -> None:
         (not cfg.get("swiglu"), "--swiglu"), (not cfg.get("disable_bias_linear"), "--disable-bias-linear"),
         (groups == heads, f"--num-query-groups {groups}"), (head_dim * heads == hidden, f"--kv-channels {head_dim}"),
         (not cfg.get("openai_gelu"), "--openai-gelu"), (not cfg.get("num_experts"), "--num-experts"),
-        (not tanh_gelu(cfg), "--bias-gelu-fusion (its GeLU is the tanh approximation; train with --no-bias-gelu-fusion)"),
+        (not tanh_gelu(cfg), "--bias-gelu-fusion (the MLP's fused GeLU is the tanh approximation, the LM head's is "
+         "exact, and megatron-bert has one hidden_act for both; train with --no-bias-gelu-fusion)"),
     ):
         _require(ok, f"{words} cannot be expressed in the megatron-bert format")
 
