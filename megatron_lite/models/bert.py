@@ -1,7 +1,8 @@
 """BERT: embedding -> pre-norm bidirectional transformer layers -> final norm -> LM head + sentence-order head.
 
 Megatron's BERT, which differs from the original post-LayerNorm BERT: every layer normalises its
-input (``x + attn(norm(x))``, ``x + mlp(norm(x))``) and the encoder ends with a final norm. One
+input (``x + attn(norm(x))``, ``x + mlp(norm(x))``; ``--apply-residual-connection-post-layernorm`` adds to
+``norm(x)`` instead, see :mod:`~megatron_lite.models.transformer`) and the encoder ends with a final norm. One
 ``BertModel`` is one pipeline chunk (see :class:`~megatron_lite.models.language_model.LanguageModel`
 for the embedding, the vocab-parallel output layer, weight tying over pipeline stages and the
 pipeline hooks, all shared with GPT):

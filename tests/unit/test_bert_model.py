@@ -1,4 +1,5 @@
-"""BertModel in one process, against an independent plain-PyTorch pre-LayerNorm BERT written here.
+"""BertModel in one process, against an independent plain-PyTorch pre-LayerNorm BERT written here (also in
+the --apply-residual-connection-post-layernorm order: each residual add takes the norm's output).
 
 The reference reads the model's state dict and uses only F.linear / F.layer_norm / softmax with an
 explicit additive key mask, so a passing test means the model computes Megatron's BERT (pre-LN
