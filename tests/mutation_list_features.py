@@ -156,4 +156,12 @@ MUTATIONS = [
     Mutation("llama2_no_bos", "Llama2Tokenizer: no BOS before the text (GPTSentencePieceTokenizer's ids)",
              "megatron_lite/data/tokenizers.py", "return [self.bos] * bos + ids + [self.eos] * (eos and",
              "return [] + ids + [self.eos] * (eos and", ("tests/unit/test_tiktoken_tokenizer.py", "-k", "llama2")),
+    Mutation("post_ln_residual_ignored", "--apply-residual-connection-post-layernorm: the residual still the norm's "
+             "input", "megatron_lite/models/transformer.py",
+             "self.residual_post_norm = config.apply_residual_connection_post_layernorm", "self.residual_post_norm = False",
+             ("tests/unit/test_residual_post_layernorm.py", "-k", "adds_the_norms_output")),
+    Mutation("post_ln_residual_not_fp32", "--apply-residual-connection-post-layernorm with --fp32-residual-connection: "
+             "the norm's 16-bit output added as it is (the stream drops to 16 bits)", "megatron_lite/models/transformer.py",
+             "self._residual(out, in_dtype(normed, hidden.dtype))", "self._residual(out, normed)",
+             ("tests/unit/test_residual_post_layernorm.py", "-k", "fp32")),
 ]
