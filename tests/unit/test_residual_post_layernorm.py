@@ -4,10 +4,11 @@ the norm's output instead of the norm's input.
 Here: one layer against the formula written out with the layer's own parts (dropout 0; the plain and
 the fused bias-dropout-add paths), the fused path against the plain one with dropout on (same masks,
 same gradients), the fp32 stream of --fp32-residual-connection, the flag from the command line to the
-layers, a checkpoint served with it, and the one-line refusal of a Hugging Face export. The whole GPT
-and BERT against the independent references: tests/unit/test_gpt_model.py (variant R) and
-tests/unit/test_bert_model.py; recomputation: tests/unit/test_recompute_modules.py; TP2 + SP:
-tests/distributed/test_gpt_model.py; cached decoding: tests/unit/test_inference_engine.py (post_ln).
+layers, a checkpoint served with it, and the one-line refusal of a Hugging Face export (exit 2, nothing
+written). The whole GPT and BERT against the independent references: tests/unit/test_gpt_model.py
+(variant R) and tests/unit/test_bert_model.py; recomputation: tests/unit/test_recompute_modules.py;
+TP2 + SP: tests/distributed/test_gpt_model.py; cached decoding: tests/unit/test_inference_engine.py
+(post_ln); BERT at PP2 interleaved with full recomputation through the CLI: tests/e2e/test_pretrain_bert.py.
 """
 
 import pytest
@@ -19,6 +20,7 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.inference.loading import load_model
 from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.parallel.state import ParallelState
+from tests.convert_helpers import convert
 from tests.inference_helpers import VOCAB, build_model, run_config, save_model
 from tests.model_helpers import FUSION_MODEL
 
@@ -93,9 +95,9 @@ def test_flag_reaches_the_layers_from_the_command_line():
     assert not TransformerConfig.from_config(parse_args(base, world_size=1)).apply_residual_connection_post_layernorm
 
 
-def test_a_checkpoint_is_served_with_the_flag(tmp_path):
-    trained = save_model("post_ln", str(tmp_path))
-    served, saved = load_model(str(tmp_path))
+def test_a_checkpoint_is_served_with_the_flag_and_not_exported(tmp_path, capsys):
+    trained = save_model("post_ln", str(tmp_path / "mega"))
+    served, saved = load_model(str(tmp_path / "mega"))
     assert saved[FLAG] and all(layer.residual_post_norm for layer in served.decoder.layers)
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     # served with the saved flags' fused (tanh) bias + GeLU; build_model's MLP has the exact GeLU
@@ -106,6 +108,11 @@ def test_a_checkpoint_is_served_with_the_flag(tmp_path):
         want = fused(tokens)[..., :VOCAB]
         assert torch.equal(served(tokens)[..., :VOCAB], want)
         assert (build_model("gpt")(tokens)[..., :VOCAB] - trained(tokens)[..., :VOCAB]).abs().max() > 0.1  # pre-norm
+    capsys.readouterr()
+    assert convert("GPT", "--saver", "hf", "--load-dir", tmp_path / "mega", "--save-dir", tmp_path / "hf") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--apply-residual-connection-post-layernorm" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama", "bert", "mixtral"])
