@@ -3,10 +3,10 @@
 A layer is ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``, its parts built from a
 :class:`~megatron_lite.models.spec.LayerSpec`. With ``--apply-residual-connection-post-layernorm``
 (Megatron-LM's original BERT order) each add takes the norm's output instead: ``n + drop(attn(n))``
-with ``n = norm(x)``, then the same around the MLP; the final norm stays. Activations between layers are ``[s, b, h]``, or the
-sequence shard ``[s/tp, b, h]`` under sequence parallelism: the norms, dropout and residual adds
-then run on the shard; the QKV / fc1 ColumnParallelLinear all-gathers the sequence and the
-proj / fc2 RowParallelLinear reduce-scatters it back. With ``--fp32-residual-connection`` the stream
+with ``n = norm(x)``, then the same around the MLP; the final norm stays. Activations between layers
+are ``[s, b, h]``, or the sequence shard ``[s/tp, b, h]`` under sequence parallelism: the norms,
+dropout and residual adds then run on the shard; the QKV / fc1 ColumnParallelLinear all-gathers the
+sequence and the proj / fc2 RowParallelLinear reduce-scatters it back. With ``--fp32-residual-connection`` the stream
 between layers (from the embedding on) is fp32 and each residual add is computed in fp32, while a
 norm returns the model's 16-bit dtype, in which the attention and MLP compute.
 
