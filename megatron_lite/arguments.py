@@ -29,6 +29,7 @@ from .models.transformer_config import (
     RECOMPUTE_METHODS,
 )
 from .moe.config import MOE_CHOICES
+from .optim.muon_config import MUON_CHOICES
 from .optim.wd_schedule import WD_INCR_STYLES
 from .parallel.attention_sink import SOFTMAX_TYPES
 from .parallel.context import CP_COMM_TYPES
@@ -39,6 +40,7 @@ from .training.rerun_flags import ERROR_INJECTION_TYPES, RERUN_MODES
 CHOICES = {
     **MOE_CHOICES,
     **FUSION_CHOICES,
+    **MUON_CHOICES,
     "position_embedding_type": list(POSITION_EMBEDDING_TYPES),
     "softmax_type": list(SOFTMAX_TYPES),
     "distributed_backend": ["nccl", "gloo"],
@@ -48,7 +50,7 @@ CHOICES = {
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS),
     "cp_comm_type": list(CP_COMM_TYPES),
-    "optimizer": ["adam", "sgd"],
+    "optimizer": ["adam", "sgd", "muon"],
     "rerun_mode": list(RERUN_MODES),
     "error_injection_type": list(ERROR_INJECTION_TYPES),
     "ckpt_format": ["torch", "torch_dist"],

@@ -21,6 +21,7 @@ from .models.attention_config import AttentionConfig
 from .models.mla_config import MLAConfig, MTPConfig
 from .models.rope_config import RopeConfig
 from .moe.config import MoEConfig
+from .optim.muon_config import MuonConfig
 from .precision.config import PrecisionConfig
 
 __all__ = ["Config", "ConfigError"]
@@ -227,9 +228,9 @@ class TrainingConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(MuonConfig):  # the --muon-* flags: optim/muon_config.py
     optimizer: str = "adam"
-    """Optimizer: adam (AdamW) or sgd."""
+    """Optimizer: adam (AdamW), sgd, or muon (Muon for the linear layers' matrices, AdamW for the rest)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 0.0

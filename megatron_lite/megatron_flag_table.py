@@ -47,9 +47,6 @@ ENTRIES = (
     ("--DDP-impl --no-contiguous-buffers-in-local-ddp",
      "Megatron-LM's removed DDP switches; gradients always live in one contiguous fp32 buffer", DROP),
     # -- regularisation and optimizer -------------------------------------------------------------
-    ("--muon-momentum --muon-no-split-qkv --muon-use-nesterov --muon-scale-mode --muon-fp32-matmul-prec "
-     "--muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor",
-     "the Muon optimizer is not implemented (--optimizer takes adam or sgd)", "use --optimizer adam"),
     ("--use-torch-optimizer-for-cpu-offload --no-pin-cpu-grads --no-pin-cpu-params",
      "the CPU-offloaded optimizer has one implementation", "drop it (--optimizer-cpu-offload stays)"),
     ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "

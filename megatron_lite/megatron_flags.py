@@ -4,7 +4,7 @@ A Megatron-LM launch script pasted here meets this table at the command line: a 
 refused in one line (exit 2) that says it is a Megatron-LM flag, why it is absent and the fix (our
 flag, or "drop it"). A flag that is neither ours nor Megatron-LM's gets argparse's message plus the
 closest flag of ours, if one is close (:func:`unknown_flag_message`). A Megatron-LM value of a flag we
-have that we do not take (``--optimizer muon``) is refused the same way (:data:`REFUSED_VALUES`).
+have that we do not take (``--optimizer dist_muon``) is refused the same way (:data:`REFUSED_VALUES`).
 
 The table (megatron_flag_table.py) holds the names from Megatron-LM's ``megatron/training/arguments.py``
 and newer versions' config dataclasses (and a few older aliases its example scripts used). Megatron-LM
@@ -31,7 +31,8 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
         "SFTTokenizer": ("--sft applies the tokenizer's own chat template", "use --sft with --tokenizer-type "
                          "HuggingFaceTokenizer"),
     },
-    "--optimizer": {v: ("the Muon optimizer is not implemented", "use --optimizer adam") for v in ("muon", "dist_muon")},
+    "--optimizer": {"dist_muon": ("the layer-wise distributed Muon (each data-parallel rank stepping whole matrices) "
+                                  "is not built", "use --optimizer muon (without --use-distributed-optimizer)")},
     "--position-embedding-type": {
         "mrope": ("multimodal rotary embeddings are not implemented", _SORTS),
         "relative": ("relative position embeddings (T5) are not implemented", _SORTS),

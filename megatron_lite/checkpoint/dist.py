@@ -42,7 +42,8 @@ from .frozen import base_of, is_frozen, other_history_length, unwrap
 from .layout import expert_place
 from .router_bias import is_router_bias, refuse_optimizer, say_filled
 
-STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+              "muon": ("exp_avg", "exp_avg_sq", "momentum_buffer")}  # Muon: AdamW's for the non-matrices
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
@@ -114,6 +115,12 @@ def _slot_boxes(tensor: RankTensor, lo: int, hi: int):
     """(global offset, sizes, start) of the flat range ``[lo, hi)`` of ``tensor``'s shard."""
     return [(tuple(o + b for o, b in zip(off, tensor.offset)), size, start)
             for off, size, start in flat_boxes(tensor.local, lo, hi)]
+
+
+def _state_keys_of(optimizer, master) -> tuple:
+    """The per-element state keys of one slot (Muon's: Adam's or the momentum buffer, per tensor)."""
+    keys_of = getattr(optimizer.optimizer, "state_keys_of", None)
+    return keys_of(master) if keys_of is not None else STATE_KEYS[optimizer.config.optimizer]
 
 
 def _slot_sources(optimizer, param, master) -> dict:
@@ -229,9 +236,10 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
     slots = optimizer.shard_slots()
     with torch.no_grad():
         for _param, master, _, _ in slots:
-            if keys:
-                entry = {k: torch.zeros_like(master) for k in keys}
-                if opt["name"] == "adam":
+            mine = [k for k in keys if k in _state_keys_of(optimizer, master)]
+            if mine:
+                entry = {k: torch.zeros_like(master) for k in mine}
+                if "exp_avg" in entry:  # Adam's (also Muon's AdamW part)
                     entry["step"] = torch.tensor(float(opt["step"]))
                 optimizer.optimizer.state[master] = entry
             else:
@@ -241,6 +249,8 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
         for param, master, lo, hi in slots:
             if kind == "master" and master is param:
                 continue  # fp32 weights stepped in place: already loaded
+            if kind != "master" and kind not in optimizer.optimizer.state.get(master, {}):
+                continue  # Muon: a matrix has no Adam moments, the rest no momentum buffer
             t = by_param[id(param)]
             flat = (master if kind == "master" else optimizer.optimizer.state[master][kind]).view(-1)
             source = kind if kind != "master" or "master" in kinds else "weight"

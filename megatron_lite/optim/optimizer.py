@@ -30,6 +30,7 @@ from ..device import get_device
 from ..parallel import comm
 from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import get_grad_norm, grad_of
+from .muon import MuonAdamW, muon_matrices
 from .param_groups import build_groups, decays, from_saved_layout, to_saved_layout
 
 
@@ -55,6 +56,8 @@ def saved_optimizer_name(torch_sd: dict) -> str | None:
     """Which ``--optimizer`` wrote ``torch_sd`` (a torch optimizer state dict): adam or sgd, from its
     param groups' hyper-parameters (Adam's ``betas``, SGD's ``momentum``); None when neither shows."""
     group = (torch_sd.get("param_groups") or [{}])[0]
+    if "muon_momentum" in group:
+        return "muon"
     return "adam" if "betas" in group else "sgd" if "momentum" in group else None
 
 
@@ -62,7 +65,9 @@ def hyper_changes(saved: dict, run: dict) -> list[str]:
     """The optimizer flags whose value in this run (param group ``run``) differs from the checkpoint's
     (its saved param group ``saved``), as ``--adam-beta2 0.95 (checkpoint 0.999)``."""
     pairs = list(zip(("--adam-beta1", "--adam-beta2"), saved.get("betas", ()), run.get("betas", ())))
-    pairs += [(flag, saved[key], run[key]) for key, flag in (("eps", "--adam-eps"), ("momentum", "--sgd-momentum"))
+    pairs += [(flag, saved[key], run[key]) for key, flag in (("eps", "--adam-eps"), ("momentum", "--sgd-momentum"),
+                                                             ("muon_momentum", "--muon-momentum"),
+                                                             ("muon_nesterov", "--muon-use-nesterov"))
               if key in saved and key in run]
     return [f"{flag} {mine} (checkpoint {theirs})" for flag, theirs, mine in pairs if float(theirs) != float(mine)]
 
@@ -92,6 +97,7 @@ class MegatronOptimizer:
         self.num_skipped_steps = 0
         pairs = self._make_masters()
         self.masters = [m for _, m in pairs]
+        self.muon = muon_matrices(self.chunks, pairs, state) if optim_config.optimizer == "muon" else {}
         self.optimizer = self._make_torch_optimizer(self._groups(pairs))
 
     def _make_masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -129,7 +135,9 @@ class MegatronOptimizer:
                                      fused=can_fuse(groups))
         if oc.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=oc.lr, momentum=oc.sgd_momentum)
-        raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam or sgd")
+        if oc.optimizer == "muon":  # Muon for the linear layers' matrices, AdamW (fused) for the rest
+            return MuonAdamW(groups, self.muon, oc, fused=can_fuse(groups))
+        raise ValueError(f"--optimizer {oc.optimizer!r}: expected adam, sgd or muon")
 
     @property
     def param_groups(self):

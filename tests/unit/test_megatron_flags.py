@@ -78,7 +78,7 @@ def test_every_megatron_value_is_refused_with_its_own_line_and_none_is_ours():
                 code, lines = _refusal(parser, BASE + argv + ["--num-layers", "2"])
                 assert code == 2 and lines == [f"{parser.prog}: error: {flag} {value} {expected}"], lines
     assert _refusal(parser, BASE + ["--optimizer", "bogus"])[1][0].endswith(
-        "invalid choice: 'bogus' (choose from 'adam', 'sgd') (--help lists the flags)")
+        "invalid choice: 'bogus' (choose from 'adam', 'sgd', 'muon') (--help lists the flags)")
 
 
 def test_entries_are_well_formed():
@@ -352,6 +352,8 @@ MEGATRON_CHOICES = {
     "--lr-decay-style": "constant linear cosine inverse-square-root WSD",
     "--lr-wsd-decay-style": "exponential linear cosine minus_sqrt", "--optimizer": "adam sgd muon dist_muon",
     "--dataloader-type": "single cyclic external",
+    "--muon-scale-mode": "spectral unit_rms_norm shape_scaling", "--muon-tp-mode": "blockwise duplicated distributed",
+    "--muon-fp32-matmul-prec": "low medium high",
 }
 
 
