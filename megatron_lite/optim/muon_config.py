@@ -55,9 +55,10 @@ def check_muon_flags(config) -> None:
     if o.adam_eps <= 0:
         raise ConfigError(f"--adam-eps must be positive, got {o.adam_eps}")
     if p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard":
-        flag = "--use-distributed-optimizer" if p.use_distributed_optimizer else "--data-parallel-sharding-strategy"
-        raise ConfigError(f"--optimizer muon with {flag}: Muon needs whole matrices on the rank that steps them and "
-                          "the sharded optimizer cuts them into flat ranges (as in Megatron-LM); drop " + flag)
+        raise ConfigError(f"--optimizer muon with a sharded optimizer (--use-distributed-optimizer, "
+                          f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy}): Muon needs whole "
+                          "matrices on the rank that steps them and the sharded optimizer cuts them into flat ranges "
+                          "(as in Megatron-LM); drop both flags")
     if o.optimizer_cpu_offload:
         raise ConfigError("--optimizer muon with --optimizer-cpu-offload: the CPU-offloaded step is AdamW's only; "
                           "drop --optimizer-cpu-offload")
