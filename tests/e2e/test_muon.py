@@ -4,7 +4,8 @@
   learning-rate schedule, steps 3-4 are the uninterrupted run's bit for bit (Muon's momentum and
   AdamW's moments resumed).
 * At TP2 + SP with ``--muon-tp-mode duplicated`` the steps equal one process (rel 1e-5), and its
-  torch_dist checkpoint resumes in one process (the state resharded) on the one-process trajectory.
+  torch_dist checkpoint resumes in one process (the state resharded) on the one-process trajectory;
+  so do a model's grouped experts split over TP (each expert's stacked matrices gathered).
 * Refusals: one line, exit 2 (the sharded optimizers, dist_muon, bad values, another optimizer's state).
 """
 
@@ -12,8 +13,7 @@ import pytest
 
 import pretrain_gpt
 from tests.cli_errors import parse_refused, refused_line
-from tests.harness import run_ranks
-from tests.trajectory import Trajectory, assert_same_trajectory, run_script
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
          "--num-query-groups", "2", "--swiglu", "--seq-length", "16", "--vocab-size", "123",
@@ -22,6 +22,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--lr-decay-iters", "4", "--clip-grad", "0.5", "--optimizer", "muon", "--muon-use-nesterov",
          "--muon-fp32-matmul-prec", "high", "--attention-dropout", "0", "--hidden-dropout", "0"]
 DUPLICATED = ["--muon-tp-mode", "duplicated"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+MOE = ["--num-experts", "4", "--moe-grouped-gemm", "--moe-router-topk", "2"]  # experts split over TP (ETP 2)
 
 
 def test_resume_is_exact_and_tp2_equals_one_process(tmp_path):
@@ -32,10 +34,11 @@ def test_resume_is_exact_and_tp2_equals_one_process(tmp_path):
     assert Trajectory.of(first) + Trajectory.of(second) == Trajectory.of(full)
 
     single = Trajectory.of(pretrain_gpt.main(MODEL + DUPLICATED))
+    moe_single = Trajectory.of(pretrain_gpt.main(MODEL + DUPLICATED + MOE))
     tp2_dir = str(tmp_path / "tp2")
-    tp2 = [t for t in run_ranks(2, run_script, "pretrain_gpt", MODEL + DUPLICATED + [
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format", "torch_dist",
-        "--save", tp2_dir, "--exit-interval", "2"]) if t.losses][0]
+    tp2, moe_tp2 = ranks_trajectories(2, "pretrain_gpt", [MODEL + DUPLICATED + TP2 + [
+        "--ckpt-format", "torch_dist", "--save", tp2_dir, "--exit-interval", "2"], MODEL + DUPLICATED + MOE + TP2])
+    assert_same_trajectory(moe_tp2, moe_single, rtol=1e-5)
     resumed = Trajectory.of(pretrain_gpt.main(MODEL + DUPLICATED + ["--load", tp2_dir, "--ckpt-format", "torch_dist",
                                                                           "--no-load-rng"]))
     assert_same_trajectory(tp2 + resumed, single, rtol=1e-5)
