@@ -316,7 +316,7 @@ def merge_dist_optimizer(path: str) -> dict | None:
     kinds = {k for k, _ in index}
     partition = common["partition"]
     state = {key: merge_kind(folder, index, key, partition) for key in opt["state_keys"] if key in kinds}
-    scalars = {"step": torch.tensor(float(opt["step"]))} if opt["name"] == "adam" and state else {}
+    scalars = {"step": torch.tensor(float(opt["step"]))} if opt["name"] in ("adam", "muon") and state else {}
     masters = merge_kind(folder, index, "master", partition) if "master" in kinds else None
     return {"state": state, "scalars": scalars, "masters": masters, "group": opt["hyper"],
             "extra": {"loss_scaler": opt["loss_scaler"], "num_skipped_steps": opt["num_skipped_steps"]},

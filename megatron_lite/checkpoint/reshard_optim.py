@@ -159,11 +159,15 @@ def split_optimizer(optim: dict, chunks: list, tp_rank: int, tp: int, full_of, *
         rank, size = etp if etp is not None and is_expert_tensor(name) else (tp_rank, tp)
         return (full if m is None else shard(full, m["partition_dim"], rank, size, m["partition_stride"])).clone()
 
+    def holds(name, table):  # Muon's state: a matrix has only its momentum buffer, the rest only Adam's moments
+        return name in table or (name == "output_layer.weight" and "embedding.word_embeddings.weight" in table)
+
     torch_state = {}
     for index, name in enumerate(indexed):
         if optim["state"]:
-            entry = {key: part(name, table) for key, table in optim["state"].items()}
-            entry.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in optim["scalars"].items()})
+            entry = {key: part(name, table) for key, table in optim["state"].items() if holds(name, table)}
+            if "momentum_buffer" not in entry:  # Adam's step count (SGD and Muon's matrices have none)
+                entry.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in optim["scalars"].items()})
             torch_state[index] = entry
     groups = [dict(optim["group"], weight_decay=wd, params=ids)
               for wd, ids in ((optim["weight_decay"], list(range(matrices))), (0.0, list(range(matrices, len(indexed)))))

@@ -6,6 +6,8 @@
 * At TP2 + SP with ``--muon-tp-mode duplicated`` the steps equal one process (rel 1e-5), and its
   torch_dist checkpoint resumes in one process (the state resharded) on the one-process trajectory;
   so do a model's grouped experts split over TP (each expert's stacked matrices gathered).
+  tools/checkpoint/convert.py turns that checkpoint into a TP1 torch one (Muon's matrices hold only a
+  momentum buffer, the rest only Adam's moments and step) that resumes on the same trajectory.
 * Refusals: one line, exit 2 (the sharded optimizers, dist_muon, bad values, another optimizer's state).
 """
 
@@ -13,6 +15,7 @@ import pytest
 
 import pretrain_gpt
 from tests.cli_errors import parse_refused, refused_line
+from tests.tools import load_tool
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectories
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
@@ -42,6 +45,12 @@ def test_resume_is_exact_and_tp2_equals_one_process(tmp_path):
     resumed = Trajectory.of(pretrain_gpt.main(MODEL + DUPLICATED + ["--load", tp2_dir, "--ckpt-format", "torch_dist",
                                                                           "--no-load-rng"]))
     assert_same_trajectory(tp2 + resumed, single, rtol=1e-5)
+    converted_dir = str(tmp_path / "tp1")  # the converter reshards it into the torch format (Muon's partial state)
+    assert load_tool("checkpoint/convert").main([
+        "--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", tp2_dir,
+        "--save-dir", converted_dir, "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"]) == 0
+    converted = Trajectory.of(pretrain_gpt.main(MODEL + DUPLICATED + ["--load", converted_dir, "--no-load-rng"]))
+    assert_same_trajectory(converted, single[2:], rtol=1e-5)
 
 
 @pytest.mark.parametrize("flags, words", [
