@@ -193,12 +193,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def muon_matrices(chunks, pairs, state) -> dict:
     """``{tensor to step: MuonMatrix}`` of the (model param, tensor to step) ``pairs`` that Muon steps."""
-    from ..moe.experts import _ExpertsBase
-
     qkv, expert_group = {}, {}
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, _ExpertsBase):
+            if hasattr(module, "etp_group") and hasattr(module, "num_local_experts"):  # experts: their own TP group
                 expert_group.update({id(p): module.etp_group for p in module.parameters()})
             if hasattr(module, "linear_qkv") and hasattr(module, "heads_per_group") and \
                     getattr(module.linear_qkv, "weight", None) is not None:
