@@ -164,4 +164,13 @@ MUTATIONS = [
              "the norm's 16-bit output added as it is (the stream drops to 16 bits)", "megatron_lite/models/transformer.py",
              "self._residual(out, in_dtype(normed, hidden.dtype))", "self._residual(out, normed)",
              ("tests/unit/test_residual_post_layernorm.py", "-k", "fp32")),
+    Mutation("muon_nesterov_ignored", "--muon-use-nesterov: the update is the momentum buffer, not G + m (M - G)",
+             "megatron_lite/optim/muon.py", 'u = grad.lerp(buf, m) if group["muon_nesterov"] else buf', "u = buf",
+             ("tests/unit/test_muon.py", "-k", "by_hand")),
+    Mutation("muon_gram_not_reduced", "--muon-tp-mode distributed: X X^T left per rank (not all-reduced over TP)",
+             "megatron_lite/optim/muon.py", "            dist.all_reduce(A, group=group)\n", "            pass\n",
+             ("tests/distributed/test_muon.py",)),
+    Mutation("muon_qkv_not_split", "Muon: the fused QKV weight orthogonalised whole (as --muon-no-split-qkv)",
+             "megatron_lite/optim/muon.py", "        if info.qkv is None:\n", "        if True:\n",
+             ("tests/unit/test_muon.py", "-k", "qkv")),
 ]

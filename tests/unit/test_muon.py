@@ -78,27 +78,29 @@ def _grads(model, seed):
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_one_step_equals_the_update_by_hand(nesterov):
+def test_two_steps_equal_the_update_by_hand(nesterov):
     model, ref = Tiny(), Tiny()
     opt = MegatronOptimizer([model], ParallelState(), _config(muon_use_nesterov=nesterov, muon_momentum=0.8,
                                                                muon_extra_scale_factor=0.3))
     assert set(opt.muon) == {model.fc.weight}
     adam = torch.optim.AdamW([{"params": [ref.embedding.weight], "weight_decay": 0.5},
                               {"params": [ref.fc.bias, ref.norm.weight, ref.norm.bias], "weight_decay": 0.0}], lr=0.1)
-    _grads(model, 1)
-    _grads(ref, 1)
-    opt.step()
-    for p in ref.parameters():
-        p.grad = p.main_grad
-    w, g = ref.fc.weight.detach(), ref.fc.weight.main_grad
-    m = 0.2 * g  # the buffer, from zero: 0.8 x 0 + 0.2 x g
-    u = g + 0.8 * (m - g) if nesterov else m
-    expected = w * (1 - 0.1 * 0.5) - 0.1 * 0.3 * 8 ** 0.5 * _reference_ns(u, 5)
-    with torch.no_grad():
-        ref.fc.weight.copy_(expected)
-    adam.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
+    buf = torch.zeros_like(ref.fc.weight)
+    for seed in (1, 2):  # two steps: from the second on, the buffer is no longer a multiple of the gradient
+        _grads(model, seed)
+        _grads(ref, seed)
+        opt.step()
+        for p in ref.parameters():
+            p.grad = p.main_grad
+        w, g = ref.fc.weight.detach(), ref.fc.weight.main_grad
+        buf = 0.8 * buf + 0.2 * g
+        u = g + 0.8 * (buf - g) if nesterov else buf
+        expected = w * (1 - 0.1 * 0.5) - 0.1 * 0.3 * 8 ** 0.5 * _reference_ns(u, 5)
+        with torch.no_grad():
+            ref.fc.weight.copy_(expected)
+        adam.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
     assert opt.state_dict()["optimizer"]["param_groups"][0]["muon_momentum"] == 0.8
 
 
