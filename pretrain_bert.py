@@ -45,7 +45,7 @@ from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_r
 from megatron_lite.models import BertModel, TransformerConfig
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
-from megatron_lite.training.rerun import TransientFaultError
+from megatron_lite.training.rerun import StopEveryRank
 from megatron_lite.training.validation import split_samples, test_set
 from pretrain_gpt import build_tokenizer_for, checked_token_ids, my_layer_ranges, set_vocab
 
@@ -212,7 +212,7 @@ def main(argv=None):
         exit_with_message(f"error: {err}", 2, rank_local=is_rank_local(err))
     except NonFiniteError as err:
         exit_with_message(f"error: {err}", 1)
-    except TransientFaultError as err:  # --rerun-mode validate_results: a failed check the rerun did not reproduce
+    except StopEveryRank as err:  # result validation (exit 16/17), the DP weight-hash check (exit 1)
         exit_with_message(f"error: {err}", err.exit_code)
     except RuntimeError:  # a failed collective: did another rank stop on its own error? then exit as it did
         exit_if_a_peer_stopped()

@@ -40,7 +40,7 @@ from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import pipeline_ranges
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
-from megatron_lite.training.rerun import TransientFaultError
+from megatron_lite.training.rerun import StopEveryRank
 from megatron_lite.training.validation import split_samples, test_set, validation_sets
 
 
@@ -231,7 +231,7 @@ def main(argv=None):
         exit_with_message(f"error: {err}", 2, rank_local=is_rank_local(err))
     except NonFiniteError as err:
         exit_with_message(f"error: {err}", 1)
-    except TransientFaultError as err:  # --rerun-mode validate_results: a failed check the rerun did not reproduce
+    except StopEveryRank as err:  # result validation (exit 16/17), the DP weight-hash check (exit 1)
         exit_with_message(f"error: {err}", err.exit_code)
     except RuntimeError:  # a failed collective: did another rank stop on its own error? then exit as it did
         exit_if_a_peer_stopped()

@@ -200,6 +200,8 @@ class TrainingConfig:
     """What the rerun of an injected failure shows: transient_error (it differs: a transient fault), persistent_error (it reproduces a wrong result: the run stops as on a NaN) or correct_result (it reproduces a right one: training goes on)."""
     iterations_to_skip: list[int] = field(default_factory=list)
     """Iterations whose step is skipped, counted from 0 (N: the step logged as iteration N + 1): its global batch is read and not trained on, and the learning rate does not move."""
+    check_weight_hash_across_dp_replicas_interval: int | None = None
+    """Before the first step and every N iterations, hash every parameter on each data-parallel replica and stop (exit 1) when they differ (not with ZeRO-3, whose ranks hold different shards)."""
     rampup_batch_size: list[int] | None = field(default=None, metadata={
         "nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
     """Ramp the global batch up from START by INCREMENT to --global-batch-size over the first SAMPLES consumed samples (needs --train-samples)."""

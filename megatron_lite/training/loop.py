@@ -58,6 +58,7 @@ from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
 from .timers import Timers
 from .validation import ValidationSets
+from .weight_hash import check_weight_hashes
 from .writers import check_wandb_available
 
 
@@ -338,8 +339,13 @@ class _Training:
     def _iterate(self, test_iter) -> None:
         t, ck = self.config.training, self.config.checkpoint
         evaluating = t.eval_iters > 0 and self.valid_iter is not None
+        hash_every = t.check_weight_hash_across_dp_replicas_interval  # the replicas' weights compared, first now
+        if hash_every:
+            check_weight_hashes(self.chunks, self.state, self.iteration)
         while self.iteration < t.train_iters:
             self.train_iteration()
+            if hash_every and self.iteration % hash_every == 0:
+                check_weight_hashes(self.chunks, self.state, self.iteration)
             if evaluating and self.iteration % t.eval_interval == 0:
                 self.validate()
             if ck.save_interval and self.iteration % ck.save_interval == 0:

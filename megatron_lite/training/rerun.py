@@ -54,10 +54,17 @@ REFERENCE_SAMPLES = 100  # values whose largest is the reference
 GRAD_TOLERANCE = 1e-3  # relative difference of a rerun's gradient norm still counted as the same
 
 
-class TransientFaultError(RuntimeError):
-    """A rejected result the rerun did not reproduce; every rank raises it together."""
+class StopEveryRank(RuntimeError):
+    """A stop every rank raises together, with its own exit code (the training scripts print the
+    message once and exit with ``exit_code``)."""
 
     on_every_rank = True
+    exit_code = 1
+
+
+class TransientFaultError(StopEveryRank):
+    """A rejected result the rerun did not reproduce; every rank raises it together."""
+
     exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 
 

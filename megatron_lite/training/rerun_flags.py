@@ -1,5 +1,5 @@
 """The result-validation flags (``--rerun-mode``, ``--check-for-spiky-loss``, ``--check-for-large-grads``,
-``--error-injection-*``, ``--iterations-to-skip``): their choices and refusals, without importing the
+``--error-injection-*``, ``--iterations-to-skip``, ``--check-weight-hash-across-dp-replicas-interval``): their choices and refusals, without importing the
 training code (the argument parser imports this). What they do: :mod:`megatron_lite.training.rerun`."""
 
 from __future__ import annotations
@@ -30,6 +30,20 @@ def check_rerun_flags(config) -> None:
     if t.error_injection_rate > 0 and not checks:
         raise ConfigError("--error-injection-rate fails a result check on purpose, and no check is on: keep "
                           "--check-for-nan-in-loss-and-grad (the default) or add --check-for-spiky-loss")
+    _check_weight_hash_flag(config)
     if asked and config.moe.num_experts:
         raise ConfigError(f"{asked[0]} with --num-experts is not built (a rerun step that is trained on would "
                           "count the routers' token statistics twice); drop it")
+
+
+def _check_weight_hash_flag(config) -> None:
+    interval = config.training.check_weight_hash_across_dp_replicas_interval
+    if interval is None:
+        return
+    if interval <= 0:
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be at least 1 (iterations between "
+                          f"checks), got {interval}")
+    if config.parallel.data_parallel_sharding_strategy == "optim_grads_params":
+        raise ConfigError("--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy "
+                          "optim_grads_params (ZeRO-3): each data-parallel rank holds another shard of the weights, there "
+                          "is no replica to compare; drop it or use optim_grads (ZeRO-2), whose weights are replicated")

@@ -3,10 +3,16 @@ same micro-batches and generator states; a fault the rerun does not reproduce ex
 that step saved, a reproduced NaN stops the run as before, spiky losses / large gradients train on.
 Fault injection (--error-injection-rate / --error-injection-type) drives each path; --iterations-to-skip."""
 
+import contextlib
+import io
+import os
+from unittest import mock
+
 import pytest
+import torch
 
 import pretrain_gpt
-from megatron_lite.training import rerun
+from megatron_lite.training import loop, rerun
 from tests.e2e.test_user_errors import TINY, exit_code_and_stderr
 from tests.harness import run_ranks
 
@@ -109,11 +115,44 @@ def test_iterations_to_skip_read_the_batch_and_train_nothing(clean, capsys):
 
 
 def test_every_rank_takes_the_rerun_decision_at_dp2():
-    """Rate 2: at each checked step one of the two ranks injects; both rerun and both exit 17."""
-    argv = RUN + ["--error-injection-rate", "2"]
-    results = run_ranks(2, exit_code_and_stderr, argv)
-    assert [code for code, _ in results] == [17, 17], results
+    """Rate 2: at each checked step one of the two ranks injects; both rerun and both exit 17. The
+    weight hashes, checked before the first step and after it, match (a line each)."""
+    argv = RUN + ["--error-injection-rate", "2", "--check-weight-hash-across-dp-replicas-interval", "1"]
+    results = run_ranks(2, _code_err_out, argv)
+    assert [code for code, _, _ in results] == [17, 17], results
     assert "did not reproduce an injected transient_error" in results[0][1] and results[1][1] == "", results
+    assert results[0][2].count("weight hashes match across data-parallel replicas") == 2, results[0][2]
+
+
+def _code_err_out(argv, perturb_rank=None):
+    """Inside a rank: (exit code, stderr, stdout) of pretrain_gpt.main; on ``perturb_rank`` one weight
+    is nudged after the second step (a fault on that replica only)."""
+    real = loop.train_step
+
+    def train_step(config, comm, chunks, *args, **kwargs):
+        out = real(config, comm, chunks, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2 and int(os.environ["RANK"]) == perturb_rank:
+            with torch.no_grad():
+                next(p for n, p in chunks[0].named_parameters() if "mlp" in n).view(-1)[3] += 1e-3
+        return out
+    calls = []
+    with mock.patch.object(loop, "train_step", train_step), contextlib.redirect_stdout(io.StringIO()) as out:
+        code, err = exit_code_and_stderr(argv)
+    return code, err, out.getvalue()
+
+
+def test_weight_hash_names_the_replica_that_differs_with_the_distributed_optimizer():
+    """A weight nudged on rank 1 after step 2 (ZeRO-1: the replicated weights are compared, not the
+    sharded masters): both ranks stop after iteration 2, exit 1, one line naming rank 1 and the weight."""
+    argv = RUN + ["--check-weight-hash-across-dp-replicas-interval", "1", "--use-distributed-optimizer",
+                  "--rerun-mode", "disabled"]
+    results = run_ranks(2, _code_err_out, argv, 1)
+    assert [code for code, _, _ in results] == [1, 1], results
+    line = results[0][1].strip()
+    assert "\n" not in line and results[1][1] == "", results
+    assert "after iteration 2 the data-parallel replicas' weights differ (rank 1 differs from rank 0, first in " in line
+    assert "mlp" in line and results[0][2].count("weight hashes match") == 2, results
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -123,7 +162,9 @@ def test_every_rank_takes_the_rerun_decision_at_dp2():
     (["--error-injection-rate", "-1"], "--error-injection-rate must be at least 0"),
     (["--iterations-to-skip", "-2"], "--iterations-to-skip counts iterations from 0"),
     (["--check-for-large-grads", "--num-experts", "2"], "--check-for-large-grads with --num-experts"),
-    (["--result-rejected-tracker-filename", "t.txt"], "--result-rejected-tracker-filename"),
+    (["--check-weight-hash-across-dp-replicas-interval", "0"], "must be at least 1"),
+    (["--check-weight-hash-across-dp-replicas-interval", "5", "--data-parallel-sharding-strategy",
+      "optim_grads_params"], "no replica to compare"),
 ])
 def test_refused_combinations_are_one_line(capsys, flags, words):
     with pytest.raises(SystemExit) as err:

@@ -31,3 +31,16 @@ def test_rerun_comparison_tolerances():
     assert _same(math.nan, math.nan, 0.0) and _same(1.0, 1.0, 0.0) and not _same(1.0, 1.0 + 1e-12, 0.0)
     assert _same(100.0, 100.05, 1e-3) and not _same(100.0, 100.2, 1e-3)
     assert not _same(math.inf, 1.0, 1e-3) and not _same(math.nan, 1.0, 1e-3)
+
+
+def test_weight_hash_is_bit_exact_and_reads_every_slice(monkeypatch):
+    from megatron_lite.training import weight_hash
+    monkeypatch.setattr(weight_hash, "SLICE", 3)  # several slices of a 10-element tensor
+    t = torch.linspace(-1, 1, 10, dtype=torch.bfloat16)
+    same = weight_hash.tensor_hash(t.clone())
+    assert torch.equal(weight_hash.tensor_hash(t), same)
+    for i in (0, 9):  # the first and the last slice
+        u = t.clone()
+        u.view(torch.int16)[i] += 1  # the last bit of one element
+        assert not torch.equal(weight_hash.tensor_hash(u), same), i
+    assert not torch.equal(weight_hash.tensor_hash(torch.tensor([0.0])), weight_hash.tensor_hash(torch.tensor([-0.0])))
