@@ -189,7 +189,7 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     """Stop the run when the loss or gradient norm is NaN/inf (with --fp16 a step whose gradients overflow is skipped by the loss scaler instead; a NaN/inf loss still stops it)."""
     rerun_mode: str = "validate_results"
-    """What a failed result check does (Megatron-LM's rerun state machine): validate_results reruns the step's forward and backward on the same micro-batches and generator states before the optimizer step; a result the rerun does not reproduce is a transient fault (a NaN/inf: exit 17, nothing saved), a reproduced NaN/inf stops the run as --check-for-nan-in-loss-and-grad says, a spiky loss or large gradients are trained on; disabled checks without rerunning (report_stats is not built)."""
+    """What a failed result check does (Megatron-LM's rerun state machine): validate_results reruns the step's forward and backward on the same micro-batches and generator states before the optimizer step; a result the rerun does not reproduce is a transient fault (a NaN/inf: exit 17, nothing saved); a reproduced NaN/inf saves the checkpoint before the step and exits 16 to rerun it on other hardware after the restart (exit 17 with the verdict; without --save it stops the run as --check-for-nan-in-loss-and-grad says); a spiky loss or large gradients are trained on; disabled checks without rerunning (report_stats is not built)."""
     check_for_spiky_loss: bool = False
     """Check each micro-batch's loss against 10x the largest of the first 100 checked (from the run's second step); a spiky one reruns the step (--rerun-mode validate_results), then training goes on."""
     check_for_large_grads: bool = False
@@ -197,9 +197,11 @@ class TrainingConfig:
     error_injection_rate: int = 0
     """Fail a result check on purpose about once every N checked steps on each rank, to test --rerun-mode validate_results (0: never)."""
     error_injection_type: str = "transient_error"
-    """What the rerun of an injected failure shows: transient_error (it differs: a transient fault), persistent_error (it reproduces a wrong result: the run stops as on a NaN) or correct_result (it reproduces a right one: training goes on)."""
+    """What the reruns of an injected failure show: transient_error (it differs: a transient fault), persistent_error (reproduced on the same hardware, not on other hardware) or correct_result (reproduced on both); with --save both of these exit 16, then 17 after the restart; without, a persistent error stops as on a NaN and a correct result is trained on."""
     iterations_to_skip: list[int] = field(default_factory=list)
     """Iterations whose step is skipped, counted from 0 (N: the step logged as iteration N + 1): its global batch is read and not trained on, and the learning rate does not move."""
+    result_rejected_tracker_filename: str | None = None
+    """A file listing every rejected result (a failed check, its reruns' verdicts: one line each, rewritten whole under a temporary name); read at start-up: an iteration rejected and reproduced twice on the same rank (and on no other rank of a job) is skipped as --iterations-to-skip does."""
     check_weight_hash_across_dp_replicas_interval: int | None = None
     """Before the first step and every N iterations, hash every parameter on each data-parallel replica and stop (exit 1) when they differ (not with ZeRO-3, whose ranks hold different shards)."""
     rampup_batch_size: list[int] | None = field(default=None, metadata={

@@ -60,9 +60,6 @@ ENTRIES = (
     ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
      "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
-    ("--result-rejected-tracker-filename",
-     "the rerun state machine's tracker file (and the iterations to skip derived from it) is not written",
-     "drop it (--rerun-mode validate_results reruns a failed check; --iterations-to-skip skips steps)"),
     ("--check-for-nan-in-grad", "Megatron-LM's data-parallel wrapper option (each rank's gradients checked for "
      "NaN/inf, which Megatron-LM's training sets from --check-for-nan-in-loss-and-grad) is not a flag of its own here",
      "drop it (--check-for-nan-in-loss-and-grad, on by default, checks each rank's loss and gradient norm)"),

@@ -52,6 +52,7 @@ from .outputs import check_output_locations, interrupted_note
 from .profiler import StepProfiler
 from .progress import ProgressLog
 from .rerun import ResultValidator, skip_step_data
+from .rerun_resume import attach_second_stage
 from .result import TrainResult
 from .startup import setup
 from .step import evaluate, pipe_comm, train_step
@@ -176,6 +177,7 @@ class _Training:
         self.gc = ManualGC(t)  # --manual-gc: the collector off, run at fixed points
         self.state_reported = False  # the model-state bytes line, printed after the first update
         self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
+        attach_second_stage(self)  # exit 16's save, and the rerun on other hardware after it
 
     def save(self, non_persistent: bool = False) -> None:
         """Save a checkpoint with ``--save`` (``non_persistent``: into the non-persistent folder), unless this
@@ -196,7 +198,7 @@ class _Training:
         """One ``train_step`` and its bookkeeping: counters, the result's lists, the log line."""
         result = self.result
         micro, batch = self.batches.before_step(self)  # may save first: the batch size changes now
-        if self.iteration in self.config.training.iterations_to_skip:  # read its batch, train nothing
+        if self.iteration in self.validator.skips:  # --iterations-to-skip, the tracker file's: read, train nothing
             skip_step_data(self.train_iter, micro, self.iteration)
             self.iteration, self.consumed = self.iteration + 1, self.consumed + batch
             return

@@ -96,6 +96,8 @@ def check_output_locations(config: Config) -> None:
     """Every output folder of the run is writable (and --save's tracker is not a folder)."""
     for flag, path in output_locations(config):
         check_writable(flag, path)
+    if config.training.result_rejected_tracker_filename:  # rewritten whole by rank 0 after a rejected result
+        check_output_file("--result-rejected-tracker-filename", config.training.result_rejected_tracker_filename)
     save = config.checkpoint.save
     if save and os.path.isdir(os.path.join(save, TRACKER_FILENAME)):
         raise ConfigError(f"--save {save}: {TRACKER_FILENAME} there is a folder; remove it")

@@ -22,20 +22,26 @@ states, and compares: each loss exactly, the gradient norm within 0.1% (Megatron
   :data:`EXIT_CODE_FAILED_ON_RESULT_VALIDATION` (17, Megatron-LM's code for a failed validation) in
   one line, saving nothing of this step (restart from the last checkpoint, on other hardware if it
   recurs); a non-fatal check goes on with the rerun's result.
-* The rerun reproduces it: the result is the data's or the model's. A NaN/inf stops the run as
-  ``--check-for-nan-in-loss-and-grad`` does without reruns; a spiky loss or large gradients are trained
-  on (Megatron-LM's non-fatal checks go on).
+* The rerun reproduces it: a spiky loss or large gradients are trained on (Megatron-LM's non-fatal
+  checks go on). A NaN/inf goes to Megatron-LM's second stage (:mod:`.rerun_resume`): with ``--save``
+  the checkpoint before the step is saved with the step to rerun and every rank exits 16
+  (:data:`EXIT_CODE_RESUME_TO_DISAMBIGUATE`), so that the restarted job reruns it on other hardware and
+  exits 17 with the verdict; without ``--save`` it stops the run as ``--check-for-nan-in-loss-and-grad``
+  does without reruns (exit 1).
 
-Megatron-LM goes one stage further with a reproduced fatal result: it saves a checkpoint and exits 16
-to rerun the step on another GPU. That stage is not built here: a reproduced result is taken as the
-data's. ``--error-injection-rate N`` injects a failed check about once every N checked steps per rank
-(``--error-injection-type``: the rerun then differs, ``transient_error``; reproduces a wrong result,
-``persistent_error``, handled like a NaN; or reproduces a right one, ``correct_result``, trained on).
+``--result-rejected-tracker-filename`` lists every rejected result and its reruns' verdicts
+(:mod:`.rerun_tracker`); the iterations it says to skip join ``--iterations-to-skip``.
+``--error-injection-rate N`` injects a failed check about once every N checked steps per rank
+(``--error-injection-type``: the rerun then differs, ``transient_error``; reproduces a wrong result
+that other hardware does not, ``persistent_error``; or reproduces a right one, ``correct_result``:
+both fatal ones go to the second stage, and without ``--save`` a persistent error stops as on a NaN
+and a correct result is trained on).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import torch
@@ -43,11 +49,13 @@ import torch.distributed as dist
 
 from ..console import print_rank_0
 from ..device import get_device
+from ..errors import ConfigError
 from ..optim.clip_grads import grad_of
 from ..parallel.random import rng_states, set_rng_states
 from .nonfinite import NonFiniteError
+from .rerun_tracker import append_lines, tracker_line, tracker_skips
 
-EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's "rerun on another GPU" exit (that stage is not built)
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's "restart to rerun the step on other hardware" exit
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17  # Megatron-LM's exit after a result failed validation
 LARGE_FACTOR = 10.0  # a spiky loss / large gradient norm: at least this times the reference
 REFERENCE_SAMPLES = 100  # values whose largest is the reference
@@ -66,6 +74,18 @@ class TransientFaultError(StopEveryRank):
     """A rejected result the rerun did not reproduce; every rank raises it together."""
 
     exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+
+
+class ResultRejectedError(StopEveryRank):
+    """The rerun on other hardware (after exit 16) gave its verdict on a rejected result."""
+
+    exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+
+
+class ResumeToDisambiguateError(StopEveryRank):
+    """A rejected result reproduced on the same hardware: saved, to be rerun on other hardware."""
+
+    exit_code = EXIT_CODE_RESUME_TO_DISAMBIGUATE
 
 
 class ReplayIterator:
@@ -169,6 +189,9 @@ class ResultValidator:
         self.replays: list[ReplayIterator] = []
         self.saved_rng = None
         self.reruns = 0
+        self.tracker = t.result_rejected_tracker_filename
+        self.skips = set(t.iterations_to_skip) | set(shared_tracker_skips(self.tracker))
+        self.stage2 = None  # rerun_resume.SecondStage: the save for exit 16 and the rerun after it
 
     def begin_step(self, data_iterator, iteration: int):
         """The step's data iterator(s), wrapped to be replayed; the generator states are kept."""
@@ -187,10 +210,13 @@ class ResultValidator:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return (self.draws.randint(0, self.injection_rate - 1) + rank) % self.injection_rate == 0
 
+    def values(self, reported, chunks) -> list[float]:
+        """What a rerun is compared on: each micro-batch's loss, this rank's gradient norm."""
+        return [*_loss_values(reported), local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0]
+
     def _checks(self, reported, chunks) -> tuple[bool, bool, list[float]]:
         """(a fatal check failed here, a non-fatal one did, the values a rerun is compared on)."""
-        losses = _loss_values(reported)
-        norm = local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0
+        *losses, norm = self.values(reported, chunks)
         fatal = self.fatal and (any(not math.isfinite(v) for v in losses)
                                 or (self.grads_fatal and not math.isfinite(norm)))
         spiky = self.spiky is not None and any([self.spiky.rejects(v) for v in losses])
@@ -209,6 +235,8 @@ class ResultValidator:
             self.replays, self.saved_rng = [], None  # this step's batches and generator states let go
 
     def _validate(self, reported, chunks, rerun):
+        if self.stage2 is not None and self.stage2.pending is not None:  # resumed after exit 16: the verdict
+            self.stage2.second_rerun(self, self.values(reported, chunks))
         if self.first_step:  # as in Megatron-LM: the run's first step is not checked
             self.first_step = False
             return reported
@@ -220,10 +248,14 @@ class ResultValidator:
         any_fatal, any_nonfatal, any_injected = _any_rank([fatal, nonfatal, injected is not None])
         if not (any_fatal or any_nonfatal):
             return reported
-        reported, differs = self._rerun(rerun, values, injected, chunks)
-        return self._decide(reported, any_fatal, differs, self.injection_type if any_injected else None)
+        failed = fatal or nonfatal or injected is not None  # this rank's check
+        reported, differs = self._rerun(rerun, values, injected, chunks, failed, any_fatal)
+        any_injected = self.injection_type if any_injected else None
+        if any_fatal and not differs and self.stage2 is not None and self.stage2.can_save:
+            self.stage2.save_and_exit(self, failed, values, self._what(any_fatal, any_injected), any_injected)
+        return self._decide(reported, any_fatal, differs, any_injected)
 
-    def _rerun(self, rerun, values, injected, chunks):
+    def _rerun(self, rerun, values, injected, chunks, failed, fatal):
         for replay in self.replays:
             if replay is not None:
                 replay.rewind()
@@ -233,18 +265,33 @@ class ResultValidator:
                 module.aux_losses = {}
         self.reruns += 1
         reported = rerun()
-        again = [*_loss_values(reported), local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0]
-        tolerances = [0.0] * (len(values) - 1) + [GRAD_TOLERANCE]
-        differs = len(again) != len(values) or not all(_same(a, b, tol) for a, b, tol in zip(values, again, tolerances))
+        differs = not same_values(values, self.values(reported, chunks))
         if injected is not None:  # the injected verdict replaces the comparison, as in Megatron-LM
             differs = injected == "transient_error"
+        what = self._what(fatal, injected)
+        self.track(failed, [("initial_run", values), ("first_rerun_" + ("not_" if differs else "") + "reproducible",
+                                                       values)], what)
         return reported, _any_rank([differs])[0]
+
+    def track(self, failed: bool, events, what: str) -> None:
+        """``--result-rejected-tracker-filename``: this rank's lines (when its check failed), every rank's
+        written by rank 0 (collective)."""
+        if self.tracker:
+            where = host_and_device()
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            loss = values_text(events[0][1])
+            append_lines(self.tracker, [tracker_line(where, rank, self.iteration, status, loss, what)
+                                        for status, _ in events] if failed else [])
+
+    @staticmethod
+    def _what(fatal: bool, injected) -> str:
+        if injected is not None:
+            return f"an injected {injected}"
+        return "a NaN/inf loss or gradient" if fatal else "a spiky loss or large gradients"
 
     def _decide(self, reported, fatal: bool, differs: bool, injected):
         where = f"iteration {self.iteration + 1}"
-        what = "a NaN/inf loss or gradient" if fatal else "a spiky loss or large gradients"
-        if injected is not None:
-            what = f"an injected {injected}"
+        what = self._what(fatal, injected)
         if differs and fatal:
             raise TransientFaultError(
                 f"{where}: the rerun of the step did not reproduce {what} (a transient fault, e.g. silent data "
@@ -259,6 +306,41 @@ class ResultValidator:
             print_rank_0(f"> {where}: result check failed ({what}); the rerun of the step {verdict}")
         return reported  # a reproduced NaN/inf: the step goes on to the non-finite check, which stops the run
 
+
+
+def same_values(values: list[float], again: list[float]) -> bool:
+    """A rerun's values are the same: the losses exactly, the gradient norm (last) within GRAD_TOLERANCE."""
+    tolerances = [0.0] * (len(values) - 1) + [GRAD_TOLERANCE]
+    return len(again) == len(values) and all(_same(a, b, tol) for a, b, tol in zip(values, again, tolerances))
+
+
+def values_text(values: list[float]) -> str:
+    return "[" + ",".join(f"{v:.6g}" for v in values) + "]"
+
+
+def host_and_device() -> tuple[str, str]:
+    """(node, device) this rank runs on: what the rerun after exit 16 must not run on again."""
+    device = get_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    return os.uname()[1], str(device)
+
+
+def shared_tracker_skips(path: str | None) -> list[int]:
+    """The tracker file's iterations to skip, read by rank 0 and given to every rank (one file need not be
+    visible to every node); its error is every rank's."""
+    if not path or not dist.is_initialized():
+        return tracker_skips(path)
+    answer = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [tracker_skips(path)]
+        except ConfigError as err:
+            answer = [str(err)]
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise ConfigError(answer[0])
+    return answer[0]
 
 
 def skip_step_data(train_iter, microbatches: int, iteration: int) -> None:

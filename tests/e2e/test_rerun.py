@@ -1,10 +1,14 @@
 """--rerun-mode validate_results through pretrain_gpt.py: a failed result check reruns the step on the
 same micro-batches and generator states; a fault the rerun does not reproduce exits 17 with nothing of
-that step saved, a reproduced NaN stops the run as before, spiky losses / large gradients train on.
-Fault injection (--error-injection-rate / --error-injection-type) drives each path; --iterations-to-skip."""
+that step saved, a reproduced NaN saves the checkpoint before the step and exits 16 (with --save; without,
+it stops as before), the restarted job reruns it on other hardware and exits 17 with the verdict; spiky
+losses / large gradients train on. Fault injection (--error-injection-rate / --error-injection-type)
+drives each path; --iterations-to-skip, --result-rejected-tracker-filename and
+--check-weight-hash-across-dp-replicas-interval (DP2 runs)."""
 
 import contextlib
 import io
+import json
 import os
 from unittest import mock
 
@@ -12,7 +16,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron_lite.training import loop, rerun
+from megatron_lite.training import loop, rerun, rerun_resume
 from tests.e2e.test_user_errors import TINY, exit_code_and_stderr
 from tests.harness import run_ranks
 
@@ -75,12 +79,59 @@ def test_a_real_transient_nan_exits_17_and_disabled_stops_on_it(tmp_path, capsys
     assert code == 1 and "iteration 3, rank 0: loss nan" in line, line
 
 
-def test_injected_persistent_error_stops_like_a_nan(tmp_path, capsys):
+def test_injected_persistent_error_exits_16_then_17_on_other_hardware(tmp_path, capsys, monkeypatch):
+    """Reproduced on the same hardware: checkpoint 1 saved with the step to rerun, exit 16. Restarted on
+    the same node and device: exit 16 again, nothing saved; on another: the injected persistent error
+    differs there, exit 17; resumed with --rerun-mode disabled the pending rerun is ignored."""
     save = tmp_path / "ckpt"
-    code, line = _exit(RUN + ["--error-injection-rate", "1", "--error-injection-type", "persistent_error",
-                              "--save", str(save), "--save-interval", "1"], capsys)
-    assert code == 1 and "iteration 2: the rerun of the step reproduced an injected persistent_error" in line, line
+    argv = RUN + ["--save", str(save), "--save-interval", "1", "--load", str(save)]
+    inject = ["--error-injection-rate", "1", "--error-injection-type", "persistent_error"]
+    code, line = _exit(argv + inject, capsys)
+    assert code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE == 16, line
+    assert "iteration 2: the rerun of the step reproduced an injected persistent_error on the same hardware: " \
+           f"saved checkpoint 1 in {save}" in line, line
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000001"]
+    state = json.loads((save / "iter_0000001" / "rerun_state" / "rank_00000.json").read_text())
+    assert state["iteration"] == 1 and state["failed"] and state["injected"] == "persistent_error", state
+    code, line = _exit(argv + inject, capsys)
+    assert code == 16 and "iteration 2: restarted on the hardware that computed" in line, line
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    monkeypatch.setattr(rerun_resume, "host_and_device", lambda: ("another-node", "cpu"))
+    code, line = _exit(argv + inject, capsys)
+    assert code == 17 and "did not reproduce an injected persistent_error: the first hardware computed a wrong " \
+                          "result twice" in line, line
+    result = pretrain_gpt.main(argv + ["--rerun-mode", "disabled"])
+    assert "the pending rerun of iteration 2 (exit 16) is ignored" in capsys.readouterr().out
+    assert result.iteration == 5 and len(result.losses) == 4
+
+
+def test_a_reproduced_nan_is_rerun_elsewhere_and_the_tracker_skips_it(tmp_path, capsys, monkeypatch):
+    """A NaN loss in step 3 and its rerun: exit 16; on other hardware step 3 gives it again: exit 17 (the
+    data's); the tracker file then holds two reproductions of iteration 2 on rank 0: the next start skips it."""
+    save, tracker = tmp_path / "ckpt", tmp_path / "rejected.txt"
+    argv = RUN + ["--save", str(save), "--save-interval", "1", "--load", str(save), "--ckpt-format", "torch_dist",
+                  "--result-rejected-tracker-filename", str(tracker)]
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({5, 7}, float("nan")))
+    code, line = _exit(argv, capsys)
+    assert code == 16 and "iteration 3: the rerun of the step reproduced a NaN/inf loss or gradient" in line, line
+    lines = tracker.read_text().splitlines()
+    assert [x.split(" status=")[1].split()[0] for x in lines] == ["initial_run", "first_rerun_reproducible"], lines
+    assert all(" rank=0 iteration=2 " in x and "result=[nan," in x for x in lines), lines
+    monkeypatch.setattr(rerun_resume, "host_and_device", lambda: ("another-node", "cpu"))
+    monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({1}, float("nan")))
+    code, line = _exit(argv, capsys)
+    assert code == 17 and "reproduced a NaN/inf loss or gradient: the result is the data's" in line, line
+    assert "status=second_rerun_reproducible" in tracker.read_text().splitlines()[-1]
+    monkeypatch.undo()
+    result = pretrain_gpt.main(argv)
+    out = capsys.readouterr().out
+    assert "skipping iterations [2]" in out and "pending rerun of iteration 3 (exit 16) is dropped" in out, out
+    assert result.iteration == 5 and len(result.losses) == 2 and result.consumed_samples == 20
+
+
+def test_without_save_a_reproduced_error_stops_like_a_nan(capsys):
+    code, line = _exit(RUN + ["--error-injection-rate", "1", "--error-injection-type", "persistent_error"], capsys)
+    assert code == 1 and "iteration 2: the rerun of the step reproduced an injected persistent_error" in line, line
 
 
 def test_injected_correct_result_trains_on_the_same_trajectory(clean, capsys):
@@ -163,6 +214,7 @@ def test_weight_hash_names_the_replica_that_differs_with_the_distributed_optimiz
     (["--iterations-to-skip", "-2"], "--iterations-to-skip counts iterations from 0"),
     (["--check-for-large-grads", "--num-experts", "2"], "--check-for-large-grads with --num-experts"),
     (["--check-weight-hash-across-dp-replicas-interval", "0"], "must be at least 1"),
+    (["--result-rejected-tracker-filename", "/"], "--result-rejected-tracker-filename / is a folder; name a file"),
     (["--check-weight-hash-across-dp-replicas-interval", "5", "--data-parallel-sharding-strategy",
       "optim_grads_params"], "no replica to compare"),
 ])

@@ -44,3 +44,36 @@ def test_weight_hash_is_bit_exact_and_reads_every_slice(monkeypatch):
         u.view(torch.int16)[i] += 1  # the last bit of one element
         assert not torch.equal(weight_hash.tensor_hash(u), same), i
     assert not torch.equal(weight_hash.tensor_hash(torch.tensor([0.0])), weight_hash.tensor_hash(torch.tensor([-0.0])))
+
+
+def _line(rank, iteration, status, job="7"):
+    return (f"ts=2026-11-29 10:00:00 node=n1 device=cuda:0 jobID={job} rank={rank} iteration={iteration} "
+            f"status={status} result=nan message='a NaN/inf loss or gradient'")
+
+
+def test_tracker_skips_an_iteration_reproduced_twice_on_one_rank_only(tmp_path):
+    from megatron_lite.training.rerun_tracker import iterations_to_skip, read_tracker
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join([
+        _line(0, 5, "initial_run"), _line(0, 5, "first_rerun_reproducible"),
+        _line(0, 5, "second_rerun_reproducible", job="8"),  # twice on rank 0: skipped
+        _line(1, 9, "first_rerun_reproducible"), _line(1, 9, "RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE"),
+        _line(2, 9, "first_rerun_reproducible"),  # iteration 9 on two ranks of job 7: kept
+        _line(3, 11, "first_rerun_not_reproducible"), _line(3, 11, "second_rerun_not_reproducible"),  # a fault
+        "",
+    ]))
+    assert iterations_to_skip(read_tracker(str(path))) == ([5], [9])
+    assert read_tracker(str(tmp_path / "absent.txt")) == []
+
+
+def test_tracker_line_of_another_shape_is_one_error_naming_it(tmp_path):
+    import pytest
+
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.training.rerun_tracker import append_lines, read_tracker, tracker_line
+    path = tmp_path / "t.txt"
+    append_lines(str(path), [tracker_line(("n", "cpu"), 0, 3, "initial_run", "[nan]", "x")])
+    append_lines(str(path), ["iteration 4 went wrong"])  # rewritten whole: the first line kept
+    with pytest.raises(ConfigError, match=r"t.txt:2 is not a result-rejected tracker line"):
+        read_tracker(str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]  # no temporary file left
