@@ -106,14 +106,17 @@ def test_injected_persistent_error_exits_16_then_17_on_other_hardware(tmp_path, 
 
 
 def test_a_reproduced_nan_is_rerun_elsewhere_and_the_tracker_skips_it(tmp_path, capsys, monkeypatch):
-    """A NaN loss in step 3 and its rerun: exit 16; on other hardware step 3 gives it again: exit 17 (the
-    data's); the tracker file then holds two reproductions of iteration 2 on rank 0: the next start skips it."""
+    """A NaN loss in step 3 and its rerun: checkpoint 2 saved then (with the step's starting RNG states),
+    exit 16; on other hardware step 3 gives the NaN again and its other micro-batch's loss bit for bit
+    (dropout on: the same data and masks), exit 17 (the data's); the tracker file then holds two
+    reproductions of iteration 2 on rank 0: the next start skips it."""
     save, tracker = tmp_path / "ckpt", tmp_path / "rejected.txt"
-    argv = RUN + ["--save", str(save), "--save-interval", "1", "--load", str(save), "--ckpt-format", "torch_dist",
+    argv = RUN + ["--save", str(save), "--load", str(save), "--ckpt-format", "torch_dist",  # saved at exit 16 only
                   "--result-rejected-tracker-filename", str(tracker)]
     monkeypatch.setattr(pretrain_gpt, "forward_step", _scaled_at({5, 7}, float("nan")))
     code, line = _exit(argv, capsys)
     assert code == 16 and "iteration 3: the rerun of the step reproduced a NaN/inf loss or gradient" in line, line
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     lines = tracker.read_text().splitlines()
     assert [x.split(" status=")[1].split()[0] for x in lines] == ["initial_run", "first_rerun_reproducible"], lines
     assert all(" rank=0 iteration=2 " in x and "result=[nan," in x for x in lines), lines
