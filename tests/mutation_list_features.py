@@ -177,4 +177,8 @@ MUTATIONS = [
              "step's: the restarted job's rerun draws other dropout masks", "megatron_lite/training/rerun_resume.py",
              "        set_rng_states(validator.saved_rng, validator.rng_tracker)", "        pass",
              ("tests/e2e/test_rerun.py", "-k", "tracker_skips")),
+    Mutation("rerun_source_rank_not_attributed", "a NaN loss on one DP rank counts every replica (whose reduced "
+             "gradients it reaches) as failed: all must move for the rerun after exit 16, and the tracker never skips",
+             "megatron_lite/training/rerun.py", "failed = (loss_bad if any_loss_bad else fatal) or", "failed = fatal or",
+             ("tests/e2e/test_rerun.py", "-k", "dp2_only")),
 ]

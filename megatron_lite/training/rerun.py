@@ -214,14 +214,14 @@ class ResultValidator:
         """What a rerun is compared on: each micro-batch's loss, this rank's gradient norm."""
         return [*_loss_values(reported), local_grad_norm(chunks) if (self.grads_fatal or self.large) else 0.0]
 
-    def _checks(self, reported, chunks) -> tuple[bool, bool, list[float]]:
-        """(a fatal check failed here, a non-fatal one did, the values a rerun is compared on)."""
+    def _checks(self, reported, chunks) -> tuple[bool, bool, bool, list[float]]:
+        """(a fatal check failed here, on a loss, a non-fatal one failed, the values a rerun is compared on)."""
         *losses, norm = self.values(reported, chunks)
-        fatal = self.fatal and (any(not math.isfinite(v) for v in losses)
-                                or (self.grads_fatal and not math.isfinite(norm)))
+        loss_bad = self.fatal and any(not math.isfinite(v) for v in losses)
+        fatal = loss_bad or (self.grads_fatal and not math.isfinite(norm))
         spiky = self.spiky is not None and any([self.spiky.rejects(v) for v in losses])
         large = self.large is not None and self.large.rejects(norm)
-        return fatal, spiky or large, [*losses, norm]
+        return fatal, loss_bad, spiky or large, [*losses, norm]
 
     def validate(self, reported, chunks, rerun):
         """Check the step's result; on a failed check anywhere ``rerun()`` (forward, backward and
@@ -240,15 +240,17 @@ class ResultValidator:
         if self.first_step:  # as in Megatron-LM: the run's first step is not checked
             self.first_step = False
             return reported
-        fatal, nonfatal, values = self._checks(reported, chunks)
+        fatal, loss_bad, nonfatal, values = self._checks(reported, chunks)
         injected = None
         if not (fatal or nonfatal) and self._inject():
             injected = self.injection_type
             fatal, nonfatal = (True, False) if self.fatal else (False, True)
-        any_fatal, any_nonfatal, any_injected = _any_rank([fatal, nonfatal, injected is not None])
+        any_fatal, any_loss_bad, any_nonfatal, any_injected = _any_rank([fatal, loss_bad, nonfatal, injected is not None])
         if not (any_fatal or any_nonfatal):
             return reported
-        failed = fatal or nonfatal or injected is not None  # this rank's check
+        # this rank's check failed at the source: a NaN/inf loss reaches every data-parallel replica's
+        # gradients through the reduction, so only the ranks whose loss failed count then
+        failed = (loss_bad if any_loss_bad else fatal) or nonfatal or injected is not None
         reported, differs = self._rerun(rerun, values, injected, chunks, failed, any_fatal)
         any_injected = self.injection_type if any_injected else None
         if any_fatal and not differs and self.stage2 is not None and self.stage2.can_save:

@@ -157,6 +157,10 @@ def attach_second_stage(training) -> None:
         print_rank_0(f"> --load {ck.load}: the pending rerun of iteration {pending['iteration'] + 1} (exit 16) is "
                      "dropped: that iteration is skipped")
         pending = None
+    if pending is not None and ck.no_load_rng:
+        raise ConfigError(f"--no-load-rng: checkpoint {training.iteration} in {ck.load} holds a result-validation rerun "
+                          "(exit 16), which needs the step's saved random states; drop --no-load-rng, or pass "
+                          "--rerun-mode disabled to train on without the rerun")
     if pending is not None:
         print_rank_0(f"> --load {ck.load}: rerunning iteration {pending['iteration'] + 1} on this hardware to tell a "
                      f"hardware fault from the data's result ({pending['what']} was reproduced on the first)")

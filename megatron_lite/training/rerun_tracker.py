@@ -6,7 +6,7 @@ One line per event and rank, in Megatron-LM's fields::
     ts=2026-11-29 22:50:01.5 node=gpu7 device=cuda:0 jobID=1234 rank=3 iteration=41 status=first_rerun_reproducible result=nan message='a NaN/inf loss or gradient'
 
 ``iteration`` counts from 0 as ``--iterations-to-skip`` does (41: the step logged as iteration 42);
-``status`` is what happened: ``initial_run`` (the check failed), ``first_rerun_not_reproducible`` /
+``status`` is what happened: ``initial_run`` (the check failed on that rank: for a NaN/inf loss, the ranks whose loss it is), ``first_rerun_not_reproducible`` /
 ``first_rerun_reproducible`` (the rerun on the same hardware), ``second_rerun_not_reproducible`` /
 ``second_rerun_reproducible`` (the rerun on other hardware, after exit 16). Rank 0 rewrites the file
 whole (under a temporary name, then renamed) with every rank's lines of a decision.

@@ -132,6 +132,28 @@ def test_a_reproduced_nan_is_rerun_elsewhere_and_the_tracker_skips_it(tmp_path, 
     assert result.iteration == 5 and len(result.losses) == 2 and result.consumed_samples == 20
 
 
+def _nan_loss_on_rank_1(argv):
+    """Inside a rank: rank 1's loss is NaN in step 2 and its rerun (one micro-batch per rank and step)."""
+    if int(os.environ["RANK"]) == 1:
+        with mock.patch.object(pretrain_gpt, "forward_step", _scaled_at({2, 3}, float("nan"))):
+            return exit_code_and_stderr(argv)
+    return exit_code_and_stderr(argv)
+
+
+def test_at_dp2_only_the_rank_whose_loss_failed_is_the_one_to_move(tmp_path):
+    """Rank 1's NaN loss reaches rank 0's gradients through the reduction, but only rank 1 failed at
+    the source: its record alone says so (so only its node and device must change for the rerun) and
+    the tracker file has its lines alone (so the skip rule can count them)."""
+    save, tracker = tmp_path / "ckpt", tmp_path / "rejected.txt"
+    argv = RUN + ["--save", str(save), "--result-rejected-tracker-filename", str(tracker)]
+    results = run_ranks(2, _nan_loss_on_rank_1, argv)
+    assert [code for code, _ in results] == [16, 16], results
+    states = [json.loads((save / "iter_0000001" / "rerun_state" / f"rank_{r:05d}.json").read_text()) for r in (0, 1)]
+    assert [s["failed"] for s in states] == [False, True], states
+    lines = tracker.read_text().splitlines()
+    assert len(lines) == 2 and all(" rank=1 iteration=1 " in x for x in lines), lines
+
+
 def test_without_save_a_reproduced_error_stops_like_a_nan(capsys):
     code, line = _exit(RUN + ["--error-injection-rate", "1", "--error-injection-type", "persistent_error"], capsys)
     assert code == 1 and "iteration 2: the rerun of the step reproduced an injected persistent_error" in line, line
