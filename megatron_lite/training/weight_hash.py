@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..console import print_rank_0
 from ..device import get_device
+from ..parallel.comm import group_size
 from .rerun import StopEveryRank
 
 SLICE = 1 << 24  # elements hashed at a time: the int64 copy stays small for a large embedding
@@ -53,7 +54,7 @@ def _named_params(chunks) -> list[tuple[str, torch.Tensor, bool]]:
 
 def _mismatch(hashes: torch.Tensor, names: list[str], group) -> str | None:
     """Over one group: which ranks differ from the majority, and in which parameter first; or None."""
-    size = dist.get_world_size(group)
+    size = group_size(group)  # None: a group of one rank (not the world)
     if size == 1 or not names:
         return None
     parts = [torch.empty_like(hashes) for _ in range(size)]

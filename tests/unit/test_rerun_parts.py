@@ -77,3 +77,10 @@ def test_tracker_line_of_another_shape_is_one_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"t.txt:2 is not a result-rejected tracker line"):
         read_tracker(str(path))
     assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]  # no temporary file left
+
+
+def test_weight_hash_group_of_one_rank_compares_nothing():
+    """A group of one rank is None in ParallelState (EP2 at DP2: expert-DP of 1; TP2 at 2 ranks: DP of 1):
+    it used to be read as the whole world, comparing different experts or TP shards (a false mismatch)."""
+    from megatron_lite.training.weight_hash import _mismatch
+    assert _mismatch(torch.zeros(3, 2, dtype=torch.int64), ["a", "b", "c"], None) is None
