@@ -244,7 +244,7 @@ class _Training:
         self.logger.log_iteration(
             self.iteration, {**losses, **moe_losses} if losses else losses, lr=self.scheduler.get_lr(), grad_norm=grad_norm,
             loss_scale=self.optimizer.get_loss_scale(), skipped=not ok, nan=is_nan,
-            iter_time_s=time.time() - step_start, batch_size=batch, extra_scalars=moe_scalars,
+            iter_time_s=time.time() - step_start, batch_size=batch, consumed_samples=self.consumed, extra_scalars=moe_scalars,
             **result.stats[-1])  # --log-params-norm, --log-num-zeros-in-grad
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import re
 from unittest import mock
 
 import pytest
@@ -185,7 +186,9 @@ def test_reproduced_large_gradients_are_trained_on(clean, capsys, monkeypatch):
 
 def test_iterations_to_skip_read_the_batch_and_train_nothing(clean, capsys):
     result = pretrain_gpt.main(RUN + ["--iterations-to-skip", "1", "3"])
-    assert "iteration 2 skipped (--iterations-to-skip 1)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "iteration 2 skipped (--iterations-to-skip 1)" in out
+    assert re.search(r"iteration +3/ +5 \| consumed samples: +12 \|", out), out  # the skipped batch counts
     assert result.iteration == 5 and result.consumed_samples == 20 and len(result.losses) == 3
     assert result.losses[0] == clean.losses[0] and result.losses[1] != clean.losses[1]
 
