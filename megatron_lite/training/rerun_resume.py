@@ -11,7 +11,8 @@ the rerun on the same hardware reproduced is rerun on *other* hardware.
 * The restarted job finds the state in the checkpoint it loads and reruns the step (its first, checked
   although a run's first step is not otherwise). A rank whose check failed and that runs on the same
   node and device again: exit 16 again, nothing saved (restart once more, elsewhere). Otherwise each
-  such rank compares: a different result means the first hardware computed a wrong one twice (a
+  such rank compares the rejected values (each NaN/inf must come out the same; the other losses may
+  differ in their last bits on other hardware): a different result means the first hardware computed a wrong one twice (a
   persistent fault: take it out of service); the same result means the result is the data's or the
   model's. Both are exit 17 as in Megatron-LM (a fatal result does not train on); the message says how
   to go on (skip the step with ``--iterations-to-skip``, which the tracker file does by itself on the
@@ -25,6 +26,7 @@ its iteration is skipped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 
@@ -40,6 +42,7 @@ from .rerun import (
     ResultRejectedError,
     ResumeToDisambiguateError,
     _any_rank,
+    _same,
     host_and_device,
     same_values,
 )
@@ -89,6 +92,16 @@ def read_state(root: str, iteration: int) -> dict | None:
     return record
 
 
+def _same_rejected(first: list[float], again: list[float]) -> bool:
+    """Other hardware reproduced the result: each value that was NaN/inf is again, and the same (Megatron-LM
+    compares the rejected result alone: the other losses may differ in their last bits on other hardware);
+    with none, every value as the rerun on the same hardware compares them."""
+    rejected = [i for i, v in enumerate(first) if not math.isfinite(v)]
+    if not rejected:
+        return same_values(first, again)
+    return len(again) == len(first) and all(_same(first[i], again[i], 0.0) for i in rejected)
+
+
 class SecondStage:
     """One run's part of the second stage: the exit-16 save (``can_save``) and, in a job restarted from
     such a checkpoint, the ``pending`` record whose step the validator reruns first."""
@@ -126,7 +139,7 @@ class SecondStage:
                 f"{step}: restarted on the hardware that computed {p['what']} (node {where[0]}, {where[1]}); "
                 f"nothing saved, exit code {EXIT_CODE_RESUME_TO_DISAMBIGUATE}: restart again from the same checkpoint "
                 "on other nodes or GPUs")
-        differs = failed and not same_values(p["values"], values)
+        differs = failed and not _same_rejected(p["values"], values)
         if p["injected"] in ("persistent_error", "correct_result"):  # the injected verdict, as in Megatron-LM
             differs = failed and p["injected"] == "persistent_error"
         status = "second_rerun_" + ("not_" if differs else "") + "reproducible"

@@ -84,3 +84,12 @@ def test_weight_hash_group_of_one_rank_compares_nothing():
     it used to be read as the whole world, comparing different experts or TP shards (a false mismatch)."""
     from megatron_lite.training.weight_hash import _mismatch
     assert _mismatch(torch.zeros(3, 2, dtype=torch.int64), ["a", "b", "c"], None) is None
+
+
+def test_other_hardware_compares_the_rejected_values_only():
+    """A finite loss differing in its last bit on other hardware is no verdict; the NaN/inf must recur."""
+    from megatron_lite.training.rerun_resume import _same_rejected
+    first = [math.nan, 2.5, math.nan]
+    assert _same_rejected(first, [math.nan, 2.5000001, math.nan])
+    assert not _same_rejected(first, [1.0, 2.5, math.nan]) and not _same_rejected(first, [math.inf, 2.5, math.nan])
+    assert _same_rejected([1.0, 2.0], [1.0, 2.0]) and not _same_rejected([1.0, 2.0], [1.5, 2.0])  # injected: all
