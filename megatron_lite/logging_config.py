@@ -62,6 +62,14 @@ class LoggingConfig:
     """Write memory scalars every TensorBoard interval: on a GPU mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; on the CPU mem-rss-bytes and mem-max-rss-bytes."""
     log_validation_ppl_to_tensorboard: bool = False
     """Write "<loss> validation ppl" (the perplexity) next to each validation loss."""
+    log_straggler: bool = False
+    """Straggler detector: time each rank's forward/backward compute; every --log-interval rank 0 prints the slowest and fastest ranks (time per iteration, TFLOP/s) and the max/min ratio."""
+    disable_straggler_on_startup: bool = False
+    """With --log-straggler: start with the detector off (switch it on through --straggler-ctrlr-port)."""
+    straggler_ctrlr_port: int = 65535
+    """With --log-straggler: rank 0 serves HTTP on this port; any GET (curl <rank 0 host>:<port>) switches the detector on or off from the next report."""
+    straggler_minmax_count: int = 1
+    """With --log-straggler: how many of the slowest and of the fastest ranks each report names."""
     log_progress: bool = False
     """Append progress lines (iteration, job and cumulative TFLOP/s/GPU, floating-point operations, tokens so far) to <save>/progress.txt at start-up and each checkpoint save."""
 
@@ -75,6 +83,22 @@ def check_logging_flags(logging, save: str | None) -> None:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if logging.log_progress and not save:
         raise ConfigError("--log-progress writes <save>/progress.txt: add --save DIR or drop --log-progress")
+    check_straggler_flags(logging)
+
+
+def check_straggler_flags(logging) -> None:
+    """The straggler detector's flags: a count of at least 1, a TCP port, none of them without --log-straggler."""
+    if logging.straggler_minmax_count < 1:
+        raise ConfigError(f"--straggler-minmax-count must be at least 1, got {logging.straggler_minmax_count}")
+    if not 1 <= logging.straggler_ctrlr_port <= 65535:
+        raise ConfigError(f"--straggler-ctrlr-port must be a TCP port (1-65535), got {logging.straggler_ctrlr_port}")
+    if not logging.log_straggler:
+        given = [flag for flag, on in (("--disable-straggler-on-startup", logging.disable_straggler_on_startup),
+                                       ("--straggler-ctrlr-port", logging.straggler_ctrlr_port != 65535),
+                                       ("--straggler-minmax-count", logging.straggler_minmax_count != 1)) if on]
+        if given:
+            raise ConfigError(f"{given[0]} configures the straggler detector, which is off: add --log-straggler "
+                              f"or drop {given[0]}")
 
 
 def check_profile_flags(logging, world_size: int, gpu: bool, train_iters: int | None = None,

@@ -210,8 +210,6 @@ ENTRIES = (
      "--no-filter-warnings --disable-filter-warnings --modules-to-filter --set-level-for-all-loggers",
      "these logging options are fixed", "drop it (--timing-log-level stays)"),
     ("--wandb-entity", "Weights & Biases runs go to the default entity", "drop it, or set WANDB_ENTITY"),
-    ("--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port --straggler-minmax-count",
-     "the straggler detector is not implemented", DROP),
     ("--run-workload-inspector-server", "the workload inspector is not implemented", DROP),
     ("--one-logger-project --one-logger-run-name --one-logger-async --app-tag-run-name "
      "--app-tag-run-version", "NVIDIA's one-logger is not used", DROP),

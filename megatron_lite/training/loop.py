@@ -57,6 +57,7 @@ from .result import TrainResult
 from .startup import setup
 from .step import evaluate, pipe_comm, train_step
 from .step_stats import step_stats
+from .straggler import StragglerDetector
 from .timers import Timers
 from .validation import ValidationSets
 from .weight_hash import check_weight_hashes
@@ -178,6 +179,8 @@ class _Training:
         self.state_reported = False  # the model-state bytes line, printed after the first update
         self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
         attach_second_stage(self)  # exit 16's save, and the rerun on other hardware after it
+        # --log-straggler: last, as it may start rank 0's control server (closed by run / evaluate_only)
+        self.straggler = StragglerDetector(config.logging, state, flops, t.global_batch_size)
 
     def save(self, non_persistent: bool = False) -> None:
         """Save a checkpoint with ``--save`` (``non_persistent``: into the non-persistent folder), unless this
@@ -211,8 +214,10 @@ class _Training:
                 tracking.enter_context(self.memory.tracking())
             data = self.validator.begin_step(self.train_iter, self.iteration)  # replayable while the step runs
             losses, ok, grad_norm = train_step(self.config, self.comm, self.chunks, self.optimizer, self.scheduler,
-                                               self.forward_step_func, data, self.timers, micro, self.validator)
+                                               self.forward_step_func, data, self.timers, micro, self.validator,
+                                               trace=self.straggler.step_trace())
         self.iteration += 1
+        self.straggler.after_step(batch)
         self.profiler.after(self.iteration)
         if self.memory is not None:
             for line in self.memory.after_step(self.iteration):
@@ -248,6 +253,8 @@ class _Training:
             **result.stats[-1])  # --log-params-norm, --log-num-zeros-in-grad
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())
+        if self.iteration % self.config.logging.log_interval == 0:
+            self.straggler.report(self.iteration)  # collective with --log-straggler only
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
         self.gc.after_step(self.iteration)
 
@@ -293,6 +300,7 @@ class _Training:
             self.test(test_iter)
         self.logger.close()
         self.gc.close()
+        self.straggler.close()
         self.result.chunks, self.result.state, self.result.optimizer = self.chunks, self.state, self.optimizer
         self.result.exit_reason = "skip-train"
         return self.result
@@ -313,8 +321,8 @@ class _Training:
     def run(self, test_iter=None) -> TrainResult:
         """Iterate until ``--train-iters`` or an exit condition; save, validate and test at the end."""
         try:
-            with rank_local_errors(), contextlib.closing(self.gc):  # rank_local_errors: e.g. a bad batch read by one rank
-                self._iterate(test_iter)
+            with rank_local_errors(), contextlib.closing(self.gc), contextlib.closing(self.straggler):
+                self._iterate(test_iter)  # rank_local_errors: e.g. a bad batch read by one rank
         except Exception:
             # the save in flight is finished (or discarded) first, as a synchronous one would be, not left
             # half-written by the exit: for a stop every rank takes together (a NaN loss) and for an error

@@ -38,8 +38,11 @@ def pipe_comm(config: Config, state: ParallelState) -> PipeComm:
     )
 
 
-def _forward_backward_and_grads(config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m):
-    """Every micro-batch's forward and backward, then the gradients finalised; the reported losses."""
+def _forward_backward_and_grads(config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m,
+                                trace=None):
+    """Every micro-batch's forward and backward, then the gradients finalised; the reported losses.
+    ``trace`` (a list, or a :class:`~megatron_lite.parallel.pipeline.trace.Trace` timing each op) gets the
+    schedule's forward/backward ops (the straggler detector's compute time)."""
     state = comm.state
     optimizer.zero_grad()  # also zeroes every chunk's gradient buffer
     # auxiliary losses (routers', a spec module's) get the main loss's backward factor: loss scale / micro-batches (x CP)
@@ -55,6 +58,7 @@ def _forward_backward_and_grads(config, comm, chunks, optimizer, forward_step_fu
             forward_only=False,
             grad_scale_func=optimizer.scale_loss,
             no_sync_func=[chunk.no_sync for chunk in chunks],  # per chunk: each syncs on its last backward
+            trace=trace,
         )
     empty_unused_memory(config.training.empty_unused_memory_level, 1)
     with timers.phase("all-grads-sync"):
@@ -63,20 +67,20 @@ def _forward_backward_and_grads(config, comm, chunks, optimizer, forward_step_fu
 
 
 def train_step(config, comm, chunks, optimizer, scheduler, forward_step_func, data_iterator, timers=None,
-               microbatches=None, validator=None):
+               microbatches=None, validator=None, trace=None):
     """One optimizer step over ``microbatches`` (default: a full global batch's). Returns (losses, ok, grad_norm).
 
     ``comm`` is the run's :func:`pipe_comm`; ``comm.state`` is the ParallelState; ``timers`` (a
     :class:`~megatron_lite.training.timers.Timers`, optional) times the phases. ``validator`` (a
     :class:`~megatron_lite.training.rerun.ResultValidator`, optional) checks the result before the
     optimizer step and may rerun the forward-backward (``data_iterator`` then is the one its
-    ``begin_step`` returned).
+    ``begin_step`` returned). ``trace`` (optional) records the schedule's ops (``--log-straggler``).
     """
     state, m = comm.state, microbatches or num_microbatches(config)
     timers = timers or Timers(0, get_device())
     # a module-level function, not a closure: an error's traceback keeps each frame's function, and a
     # closure's cells would keep the model (and its process groups) alive after the frames are cleared
-    args = (config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m)
+    args = (config, comm, chunks, optimizer, forward_step_func, data_iterator, timers, m, trace)
     reported = _forward_backward_and_grads(*args)
     if validator is not None:  # --rerun-mode validate_results: may run the forward-backward again
         reported = validator.validate(reported, chunks, partial(_forward_backward_and_grads, *args))
