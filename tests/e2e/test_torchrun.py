@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from tests.e2e.conftest import ROOT
+from tests.harness import free_port
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -60,16 +61,23 @@ def test_a_finished_run_with_work_in_flight_exits_0_with_no_thread_left(tmp_path
     shared expert, ZeRO-3 with overlapped gradient reduction and parameter all-gathers, and an
     asynchronous torch_dist save of the last iteration. With non-persistent saves in between and
     --save-retain-interval 4, rank 0 deletes iteration 2 once 4 landed and keeps the latest
-    non-persistent checkpoint (3) only."""
+    non-persistent checkpoint (3) only. The straggler detector is on (its HTTP switch served by rank 0's
+    thread, closed at the end): every log line is followed by rank 0's report naming both ranks."""
     argv = TINY + ["--global-batch-size", "4", "--train-iters", "4", "--expert-model-parallel-size", "2",
                    "--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "32",
                    "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
                    "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
                    "--overlap-param-gather", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                    "--ckpt-format", "torch_dist", "--async-save", "--save-retain-interval", "4",
-                   "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global"]
+                   "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "global",
+                   "--log-straggler", "--straggler-ctrlr-port", str(free_port()), "--straggler-minmax-count", "2"]
     out, threads = _torchrun_counting_threads(tmp_path, 2, "pretrain_gpt.py", argv)
     assert out.returncode == 0, out.stderr[-3000:]
+    reports = [line for line in out.stdout.splitlines() if line.startswith(" straggler | iteration ")]
+    assert [line.split(" | ")[1] for line in reports] == [f"iteration {i}" for i in range(1, 5)], out.stdout[-3000:]
+    for line in reports:  # --straggler-minmax-count 2 of 2 ranks: both, each way
+        for part in line.split(" | ")[3:5]:
+            assert "rank 0 (tp 0 pp 0 dp 0)" in part and "rank 1 (tp 0 pp 0 dp 1)" in part, line
     assert threads == [threads[0], threads[0]] and len(threads[0]) == 1, threads
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt", "non_persistent"]
