@@ -179,8 +179,7 @@ class _Training:
         self.state_reported = False  # the model-state bytes line, printed after the first update
         self.validator = ResultValidator(config, state)  # --rerun-mode validate_results: checks, reruns
         attach_second_stage(self)  # exit 16's save, and the rerun on other hardware after it
-        # --log-straggler: last, as it may start rank 0's control server (closed by run / evaluate_only)
-        self.straggler = StragglerDetector(config.logging, state, flops, t.global_batch_size)
+        self.straggler = StragglerDetector(config.logging, state, flops, t.global_batch_size)  # last: rank 0's server
 
     def save(self, non_persistent: bool = False) -> None:
         """Save a checkpoint with ``--save`` (``non_persistent``: into the non-persistent folder), unless this
@@ -217,7 +216,6 @@ class _Training:
                                                self.forward_step_func, data, self.timers, micro, self.validator,
                                                trace=self.straggler.step_trace())
         self.iteration += 1
-        self.straggler.after_step(batch)
         self.profiler.after(self.iteration)
         if self.memory is not None:
             for line in self.memory.after_step(self.iteration):
@@ -253,8 +251,7 @@ class _Training:
             **result.stats[-1])  # --log-params-norm, --log-num-zeros-in-grad
         if self.timers.level > 0 and self.iteration % self.config.logging.log_interval == 0:
             self.logger.log_timers(self.iteration, self.timers.take())
-        if self.iteration % self.config.logging.log_interval == 0:
-            self.straggler.report(self.iteration)  # collective with --log-straggler only
+        self.straggler.after_step(batch, self.iteration)  # --log-straggler: a collective every log interval
         check_finite(self.config, self.state, self.iteration, loss_value if losses else None, grad_norm)
         self.gc.after_step(self.iteration)
 

@@ -124,7 +124,7 @@ class StragglerDetector:
     def __init__(self, logging, state, flops_per_iteration: float, global_batch_size: int, clock=None):
         self.active = bool(logging.log_straggler)
         self.enabled = self.active and not logging.disable_straggler_on_startup
-        self.count = logging.straggler_minmax_count
+        self.count, self.log_interval = logging.straggler_minmax_count, logging.log_interval
         self.state = state
         self.flops_per_sample = float(flops_per_iteration) / max(1, global_batch_size) / max(1, state.world_size)
         self.trace = Trace(clock=clock or device_clock(get_device()))
@@ -138,15 +138,18 @@ class StragglerDetector:
         """The trace for this step's schedule (None while the detector is off: nothing timed)."""
         return self.trace if self.enabled else None
 
-    def after_step(self, batch_size: int) -> None:
-        """Add the step's op times and its FLOPs (``batch_size`` samples) to the interval's."""
-        if not self.enabled:
-            return
-        self.compute_s += sum(end - start for start, end in self.trace.times)
-        self.trace.clear()
-        self.trace.times.clear()
-        self.iterations += 1
-        self.flops += self.flops_per_sample * batch_size
+    def after_step(self, batch_size: int, iteration: int | None = None) -> str | None:
+        """Add the step's op times and its FLOPs (``batch_size`` samples) to the interval's; at a
+        multiple of ``--log-interval`` (``iteration`` given), :meth:`report` (a collective)."""
+        if self.enabled:
+            self.compute_s += sum(end - start for start, end in self.trace.times)
+            self.trace.clear()
+            self.trace.times.clear()
+            self.iterations += 1
+            self.flops += self.flops_per_sample * batch_size
+        if iteration is not None and iteration % self.log_interval == 0:
+            return self.report(iteration)
+        return None
 
     def _switch(self) -> bool:
         return self.server.wanted if self.server is not None else self.enabled
