@@ -32,6 +32,7 @@ starts it off. A port already in use stops the run before the first step (one li
 from __future__ import annotations
 
 import http.server
+import socketserver
 import threading
 import time
 
@@ -73,12 +74,19 @@ class _Toggle(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.HTTPServer):
+    def server_bind(self):
+        """Bind without HTTPServer's host-name lookup (``socket.getfqdn``, slow where DNS is)."""
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "rank0", self.server_address[1]
+
+
 class ControlServer:
     """Rank 0's switch: an HTTP server on ``port`` (all interfaces) in a daemon thread; ``wanted`` is
     the state asked for (starts as ``enabled``), flipped by every GET. Raises OSError when the port is taken."""
 
     def __init__(self, port: int, enabled: bool, host: str = ""):
-        self.httpd = http.server.HTTPServer((host, port), _Toggle)
+        self.httpd = _Server((host, port), _Toggle)
         self.httpd.wanted = enabled
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="straggler-ctrlr", daemon=True)
