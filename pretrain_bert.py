@@ -43,6 +43,7 @@ from megatron_lite.data.samplers import chunk_data_iterators
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
 from megatron_lite.models import BertModel, TransformerConfig
+from megatron_lite.training.eval_batch import eval_config
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
 from megatron_lite.training.rerun import StopEveryRank
@@ -177,7 +178,8 @@ def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
         train_samples, valid_samples, _ = train_valid_test_num_samples(
-            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples,
+            eval_global_batch_size=t.eval_global_batch_size,
         )
         # config.flat() holds the "bert" section too: --mask-prob, --short-seq-prob, --bert-no-binary-head
         data_config = dataset_config_from_args(config.flat(), tokenizer, bert=True)
@@ -190,7 +192,7 @@ def make_datasets_provider(tokenizer):
                                             num_chunks, wrap=wrap)
         if t.eval_iters == 0:  # no test pass (at the end of the run, or of --skip-train)
             return train, valid
-        return train, valid, test_set(config, state, lambda n: build_train_valid_test_datasets(
+        return train, valid, test_set(eval_config(config), state, lambda n: build_train_valid_test_datasets(
             data_config, [0, 0, n], tokenizer)[2], num_chunks, wrap)
 
     return provider

@@ -38,6 +38,7 @@ from megatron_lite.models.mtp import mtp_targets
 from megatron_lite.models.window_config import check_causal_window
 from megatron_lite.parallel.context import get_batch_on_this_cp_rank
 from megatron_lite.parallel.pipeline import pipeline_ranges
+from megatron_lite.training.eval_batch import eval_config
 from megatron_lite.training.loop import pretrain
 from megatron_lite.training.nonfinite import NonFiniteError
 from megatron_lite.training.rerun import StopEveryRank
@@ -176,7 +177,8 @@ def make_datasets_provider(tokenizer):
     def provider(config: Config, state, consumed_train, consumed_valid):
         t = config.training
         train_samples, valid_samples, _ = train_valid_test_num_samples(
-            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples
+            t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters, t.train_samples, t.valid_samples,
+            eval_global_batch_size=t.eval_global_batch_size,
         )
         samples = split_samples(config, train_samples, valid_samples, 0)  # the test split is built apart (below)
         data_config = None
@@ -195,10 +197,10 @@ def make_datasets_provider(tokenizer):
             valid_ds = build_validation_sets(data_config, None if t.full_validation else valid_samples, tokenizer)
         if not plain:
             datasets = valid_ds if t.multiple_validation_sets else [] if valid_ds is None else [valid_ds]
-            valid = validation_sets(config, state, datasets, consumed_valid, num_chunks, wrap) if datasets else None
+            valid = validation_sets(eval_config(config), state, datasets, consumed_valid, num_chunks, wrap) if datasets else None
         test = None  # the test pass at the end of the run (and of --skip-train), where the data gives a test split
         if t.eval_iters > 0 and data_config is not None:
-            test = test_set(config, state, lambda n: build_train_valid_test_datasets(data_config, [0, 0, n],
+            test = test_set(eval_config(config), state, lambda n: build_train_valid_test_datasets(data_config, [0, 0, n],
                                                                                      tokenizer)[2], num_chunks, wrap)
         return train, valid, test
 

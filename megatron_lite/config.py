@@ -164,6 +164,12 @@ class TrainingConfig:
     """Evaluate on the validation split every this many steps."""
     eval_iters: int = 10
     """Validation steps (global batches) per evaluation (0 disables evaluation)."""
+    start_eval_at_iter: int | None = None
+    """No validation before this iteration: the --eval-interval passes start at the first multiple at or after it (the end-of-training pass and --skip-train are not held back)."""
+    eval_global_batch_size: int | None = None
+    """Samples of one validation (and test) iteration over all ranks (default --global-batch-size); a multiple of --eval-micro-batch-size x data-parallel size."""
+    eval_micro_batch_size: int | None = None
+    """Samples per validation (and test) micro-batch per data-parallel rank (default --micro-batch-size)."""
     full_validation: bool = False
     """Each validation pass covers the whole validation dataset(s) once (as many full global batches as it holds; the samples past the last full one are not evaluated) instead of --eval-iters batches (GPT data only)."""
     multiple_validation_sets: bool = False
@@ -243,6 +249,8 @@ class OptimizerConfig(MuonConfig):  # the --muon-* flags: optim/muon_config.py
     """Decay: constant, linear, cosine, inverse-square-root (lr x sqrt(warmup / step) after warmup, not below min-lr) or WSD."""
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
+    lr_warmup_init: float = 0.0
+    """Learning rate the linear warmup starts from (it rises from this to --lr over the warmup)."""
     lr_decay_iters: int | None = None
     """Steps over which to decay (default train-iters)."""
     lr_wsd_decay_style: str = "exponential"

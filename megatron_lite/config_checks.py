@@ -23,6 +23,7 @@ from .optim.muon_config import check_muon_flags
 from .precision.config import PrecisionConfig
 from .schedule_checks import check_schedule, check_sgd_momentum, check_train_length
 from .training.batch_rampup import check_batch_rampup
+from .training.eval_batch import check_eval_batch_flags
 from .training.rerun_flags import check_rerun_flags
 from .training.validation import check_validation_flags
 
@@ -56,6 +57,7 @@ def finalize(config: Config, world_size: int = 1, data_from_script: bool = False
         raise ConfigError(str(err)) from None
     config.world_size, config.data_parallel_size = world_size, grid.dp
     _check_batch(config)
+    check_eval_batch_flags(config)  # --eval-global-batch-size, --eval-micro-batch-size, --start-eval-at-iter
     check_train_length(config)
     check_batch_rampup(config)  # --rampup-batch-size: its rules, and the iterations of --train-samples
     _require(config.training.manual_gc_interval >= 0,

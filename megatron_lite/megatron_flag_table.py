@@ -56,7 +56,6 @@ ENTRIES = (
      "--no-preserve-fp32-weights --disable-preserve-fp32-weights",
      "main gradients, master weights and Adam's moments are always fp32", DROP),
     # -- learning rate ----------------------------------------------------------------------------
-    ("--lr-warmup-init", "warmup always starts from 0", DROP),
     ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
      "use --rampup-batch-size"),
     # -- training loop ----------------------------------------------------------------------------
@@ -88,8 +87,6 @@ ENTRIES = (
     ("--test-mode", "Megatron-LM's in-run test hooks are not implemented", DROP),
     ("--adlr-autoresume --adlr-autoresume-interval", "ADLR cluster autoresume is not supported",
      "use --exit-signal-handler or --exit-duration-in-mins"),
-    ("--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size", "validation runs every "
-     "--eval-interval iterations with the training batch sizes", "use --eval-interval and --eval-iters"),
     ("--yaml-cfg --enable-experimental", "flags come from the command line only", DROP),
     # -- tensor-parallel communication overlap (Transformer Engine userbuffers) ----------------------
     ("--tp-comm-overlap --tp-comm-overlap-cfg --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "

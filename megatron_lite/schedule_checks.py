@@ -25,7 +25,7 @@ def check_schedule(config: Config) -> None:
     check_train_iters(config)
     for flag, value, low in (("--eval-iters", t.eval_iters, 0),
                              ("--seed", t.seed, 0), ("--lr-warmup-iters", o.lr_warmup_iters, 0),
-                             ("--lr", o.lr, 0), ("--min-lr", o.min_lr, 0)):
+                             ("--lr", o.lr, 0), ("--min-lr", o.min_lr, 0), ("--lr-warmup-init", o.lr_warmup_init, 0)):
         _require(value >= low, f"{flag} must be at least {low}, got {value}")
     _require(o.min_lr <= o.lr, f"--min-lr {o.min_lr} is larger than --lr {o.lr}")
     _check_optimizer_values(o)

@@ -309,15 +309,17 @@ def build_validation_sets(config: GPTDatasetConfig, num_samples: int | None, tok
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
                                  eval_iters: int, train_samples: int | None = None,
-                                 valid_samples: int | None = None) -> list[int]:
+                                 valid_samples: int | None = None, eval_global_batch_size: int | None = None) -> list[int]:
     """Samples each split must provide, as Megatron computes them: validation runs eval_iters
-    iterations every eval_interval iterations and once at the end; test runs eval_iters once.
+    iterations (of ``eval_global_batch_size`` samples, default ``global_batch_size``) every eval_interval
+    iterations and once at the end; test runs eval_iters once.
     ``valid_samples`` (a resumed run's need: :func:`~megatron_lite.training.batch_rampup.valid_config_for_resume`)
     replaces the validation count."""
     train = train_samples if train_samples is not None else train_iters * global_batch_size
     evals = (train_iters // eval_interval + 1) * eval_iters if eval_interval else 0
-    valid = evals * global_batch_size if valid_samples is None else valid_samples
-    return [train, valid, eval_iters * global_batch_size]
+    eval_batch = global_batch_size if eval_global_batch_size is None else eval_global_batch_size
+    valid = evals * eval_batch if valid_samples is None else valid_samples
+    return [train, valid, eval_iters * eval_batch]
 
 
 def consumed_valid_samples(iteration: int, global_batch_size: int, eval_interval: int, eval_iters: int) -> int:

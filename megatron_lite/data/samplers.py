@@ -151,17 +151,20 @@ def cyclic_batches(dataset, consumed_samples: int, micro_batch_size: int, data_p
 def build_data_iterators(train_ds, valid_ds, test_ds, consumed_train_samples: int,
                          consumed_valid_samples: int, micro_batch_size: int, data_parallel_rank: int,
                          data_parallel_size: int, dataloader_type: str = "single", num_workers: int = 0,
-                         seed: int = 1234) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
+                         seed: int = 1234, eval_micro_batch_size: int | None = None,
+                         ) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
     """(train, valid, test) iterators of collated micro-batches; None where a dataset is None.
 
     Train resumes at ``consumed_train_samples`` and ends with the dataset ("single") or cycles
     through seeded epochs ("cyclic"); valid resumes at ``consumed_valid_samples`` (wrapped to the
-    dataset) and, like test, cycles forever so evaluation never runs dry.
+    dataset) and, like test, cycles forever so evaluation never runs dry; both read micro-batches of
+    ``eval_micro_batch_size`` (default ``micro_batch_size``: --eval-micro-batch-size).
     """
     train = build_pretraining_data_loader(train_ds, consumed_train_samples, micro_batch_size,
                                           data_parallel_rank, data_parallel_size, dataloader_type,
                                           num_workers, seed)
     iterators = [iter(train) if train is not None else None]
+    micro_batch_size = micro_batch_size if eval_micro_batch_size is None else eval_micro_batch_size
     step = micro_batch_size * data_parallel_size
     for ds, consumed in ((valid_ds, consumed_valid_samples), (test_ds, 0)):
         if ds is None:
@@ -189,7 +192,7 @@ def chunk_data_iterators(config, state, train_ds, valid_ds, consumed_train_sampl
         train, valid, _ = build_data_iterators(
             train_ds, valid_ds, None, consumed_train_samples, consumed_valid_samples, t.micro_batch_size,
             state.dp_rank, state.dp_size, dataloader_type=config.data.dataloader_type,
-            num_workers=config.data.num_workers, seed=t.seed,
+            num_workers=config.data.num_workers, seed=t.seed, eval_micro_batch_size=t.eval_micro_batch_size,
         )
         return tuple(it if it is None or wrap is None else wrap(it) for it in (train, valid))
 

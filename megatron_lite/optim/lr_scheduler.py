@@ -3,7 +3,8 @@
 With ``n`` the number of steps taken, ``W`` ``--lr-warmup-iters``, ``D`` ``--lr-decay-iters``
 (default ``--train-iters``), peak ``lr`` and floor ``min_lr`` (Megatron's formulas):
 
-* warmup (``W > 0`` and ``n <= W``): ``lr * n / W`` (starts from 0);
+* warmup (``W > 0`` and ``n <= W``): ``init + (lr - init) * n / W``, ``init`` being ``--lr-warmup-init``
+  (default 0: from 0; the decoupled group warms up from it to ``--decoupled-lr`` the same way);
 * ``constant``: ``lr`` after warmup;
 * past the decay (``n > D``): ``min_lr``;
 * ``linear``: ``min_lr + (lr - min_lr) * (1 - r)`` with ``r = (n - W) / (D - W)``;
@@ -32,7 +33,7 @@ from .wd_schedule import weight_decay_at, weight_decay_ends
 
 # What a checkpoint's schedule is compared on when resuming: (attribute, the flag that sets it).
 SCHEDULE_FLAGS = (
-    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("style", "--lr-decay-style"), ("warmup_steps", "--lr-warmup-iters"),
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("warmup_init", "--lr-warmup-init"), ("style", "--lr-decay-style"), ("warmup_steps", "--lr-warmup-iters"),
     ("decay_steps", "--lr-decay-iters (default --train-iters)"), ("wsd_style", "--lr-wsd-decay-style"),
     ("wsd_decay_steps", "--lr-wsd-decay-iters"), ("decoupled_lr", "--decoupled-lr"),
     ("decoupled_min_lr", "--decoupled-min-lr"),
@@ -61,6 +62,7 @@ class OptimizerParamScheduler:
         fraction = getattr(config, "lr_warmup_fraction", None)
         warmup = getattr(config, f"lr_warmup_{unit}")
         self.warmup_steps = fraction * self.decay_steps if fraction is not None else int(warmup)
+        self.warmup_init = float(getattr(config, "lr_warmup_init", 0.0))
         self.wsd_style = config.lr_wsd_decay_style
         self.wsd_decay_steps = getattr(config, f"lr_wsd_decay_{unit}")
         if self.style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
@@ -101,7 +103,7 @@ class OptimizerParamScheduler:
         max_lr, min_lr = (self.decoupled_lr, self.decoupled_min_lr) if decoupled else (self.max_lr, self.min_lr)
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return max_lr * n / self.warmup_steps
+            return self.warmup_init + (max_lr - self.warmup_init) * n / self.warmup_steps
         if self.style == "constant":
             return max_lr
         if self.style == "inverse-square-root":  # from the peak at the end of warmup, as 1 / sqrt(steps)
@@ -152,7 +154,7 @@ class OptimizerParamScheduler:
     def state_dict(self) -> dict:
         return {
             "num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style,
-            "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+            "warmup_steps": self.warmup_steps, "warmup_init": self.warmup_init, "decay_steps": self.decay_steps,
             "wsd_style": self.wsd_style, "wsd_decay_steps": self.wsd_decay_steps, "unit": self.unit,
             "start_wd": self.start_wd, "end_wd": self.end_wd, "wd_incr_steps": self.wd_incr_steps,
             "wd_incr_style": self.wd_incr_style, "decoupled_lr": self.decoupled_lr,

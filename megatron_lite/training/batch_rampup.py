@@ -95,8 +95,10 @@ def valid_config_for_resume(config, iteration: int, consumed_valid: int):
     if t.eval_iters <= 0 or not t.eval_interval:
         return config
     passes_left = t.train_iters // t.eval_interval - iteration // t.eval_interval + 1  # and the final one
-    needed = consumed_valid + max(passes_left, 1) * t.eval_iters * t.global_batch_size
-    _, built_for, _ = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+    eval_batch = t.global_batch_size if t.eval_global_batch_size is None else t.eval_global_batch_size
+    needed = consumed_valid + max(passes_left, 1) * t.eval_iters * eval_batch
+    _, built_for, _ = train_valid_test_num_samples(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters,
+                                                   eval_global_batch_size=eval_batch)
     if needed <= built_for:
         return config
     resumed = copy.copy(config)

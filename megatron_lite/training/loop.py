@@ -45,6 +45,7 @@ from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..schedule_checks import check_train_iters
 from .batch_rampup import StepBatches, data_config_for_resume, valid_config_for_resume, validation_batch
+from .eval_batch import eval_config, evaluates_at
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
@@ -160,7 +161,9 @@ class _Training:
                            else self.timers.timed_iterator(train_iter))
         self.valid_iter = valid_iter
         t = config.training
-        self.comm = pipe_comm(config, state)  # one communicator for every schedule call of the run
+        self.comm = pipe_comm(config, state)  # one communicator for every training schedule call of the run
+        self.eval_config = eval_config(config)  # --eval-global-batch-size / --eval-micro-batch-size
+        self.eval_comm = self.comm if self.eval_config is config else pipe_comm(self.eval_config, state)
         flops = num_floating_point_operations(config.model, t.global_batch_size, moe_config=config.moe)  # no recompute
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.progress = ProgressLog(config, flops, self.consumed)  # --log-progress: <save>/progress.txt
@@ -261,12 +264,12 @@ class _Training:
         sets = self.valid_iter
         with self.gc.evaluation():
             if isinstance(sets, ValidationSets):
-                results = [(s.name, evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
+                results = [(s.name, evaluate(self.eval_config, self.eval_comm, self.chunks, self.forward_step_func,
                                              s.pass_iterator(), s.batches)) for s in sets]
             else:
-                results = [(None, evaluate(self.config, self.comm, self.chunks, self.forward_step_func, sets))]
+                results = [(None, evaluate(self.eval_config, self.eval_comm, self.chunks, self.forward_step_func, sets))]
         if not getattr(sets, "full", False):  # a --full-validation pass leaves the --eval-iters position alone
-            self.consumed_valid += self.config.training.eval_iters * validation_batch(self.config)
+            self.consumed_valid += self.config.training.eval_iters * validation_batch(self.eval_config)
         for name, val in results:
             self.logger.log_validation(self.iteration, val, name=name)
             if val:
@@ -278,7 +281,7 @@ class _Training:
     def test(self, test_iter) -> None:
         """The test split's pass (Megatron's do_test), printed only: a ValidationSet or a provider's own iterator."""
         with self.gc.evaluation():
-            test = evaluate(self.config, self.comm, self.chunks, self.forward_step_func,
+            test = evaluate(self.eval_config, self.eval_comm, self.chunks, self.forward_step_func,
                             getattr(test_iter, "iterator", test_iter), getattr(test_iter, "batches", None))
         self.logger.log_validation(self.iteration, test, prefix=f"iteration {self.iteration} on test set", scalars=False)
         if test:
@@ -353,7 +356,7 @@ class _Training:
             self.train_iteration()
             if hash_every and self.iteration % hash_every == 0:
                 check_weight_hashes(self.chunks, self.state, self.iteration)
-            if evaluating and self.iteration % t.eval_interval == 0:
+            if evaluating and evaluates_at(self.config, self.iteration):
                 self.validate()
             if ck.save_interval and self.iteration % ck.save_interval == 0:
                 self.save()
@@ -367,7 +370,7 @@ class _Training:
                 break
         if self.result.exit_reason == "done":
             self.save()
-            if evaluating and self.iteration % t.eval_interval != 0:
+            if evaluating and not evaluates_at(self.config, self.iteration):  # not just validated
                 self.validate(record=False)
             if t.eval_iters > 0 and test_iter is not None:  # a run stopped early (signal, duration) does not test
                 self.test(test_iter)
@@ -415,4 +418,4 @@ def resumed_validation(config: Config, built: _Built) -> int:
     if built.consumed_valid_samples is not None:
         return built.consumed_valid_samples
     t = config.training
-    return consumed_valid_samples(built.iteration, validation_batch(config), t.eval_interval, t.eval_iters)
+    return consumed_valid_samples(built.iteration, validation_batch(eval_config(config)), t.eval_interval, t.eval_iters)

@@ -192,3 +192,31 @@ def test_inverse_square_root_megatron_choices():
     config = parse_args(tiny + ["--lr-decay-style", "WSD", "--lr-wsd-decay-style", "minus_sqrt", "--lr-wsd-decay-iters", "5"],
                         world_size=1)
     assert config.optim.lr_wsd_decay_style == "minus_sqrt"
+
+
+def test_lr_warmup_init_is_where_the_warmup_starts():
+    """--lr-warmup-init I: warmup lr = I + (lr - I) * n / W (Megatron-LM's formula), the decay after it
+    unchanged; the decoupled group warms up from I too; a checkpoint keeps I, and one saved with another
+    I is refused on resume as the other schedule flags are."""
+    from megatron_lite.errors import ConfigError
+
+    init = 2e-4
+    opt, s = _sched("cosine", lr_warmup_init=init)
+    for n in (0, 1, 3, W):
+        s.num_steps = n
+        assert s.get_lr() == pytest.approx(init + (LR - init) * n / W, rel=1e-12, abs=0)
+    for n in (W + 1, 50, D + 5):
+        s.num_steps = n
+        assert s.get_lr() == pytest.approx(_expected("cosine", n), rel=1e-12, abs=1e-15)
+    s.num_steps = 0
+    s.decoupled_lr, s.decoupled_min_lr = 5e-3, 0.0
+    s.num_steps = 4
+    assert s.get_lr(decoupled=True) == pytest.approx(init + (5e-3 - init) * 4 / W)
+    _, a = _sched("cosine", lr_warmup_init=init)
+    a.step(3)
+    opt, b = _sched("cosine", lr_warmup_init=init)
+    b.load_state_dict(a.state_dict())
+    assert b.get_lr() == a.get_lr() == opt.param_groups[0]["lr"] == pytest.approx(init + (LR - init) * 3 / W)
+    _, c = _sched("cosine")
+    with pytest.raises(ConfigError, match="--lr-warmup-init 0.0 in this run, 0.0002 in the checkpoint"):
+        c.load_state_dict(a.state_dict())
