@@ -74,6 +74,10 @@ class ModelConfig(MTPConfig, MLAConfig, RopeConfig, AttentionConfig, ActivationC
     """Dropout on the attention and MLP outputs."""
     init_method_std: float = 0.02
     """Standard deviation of the weight initialisation."""
+    init_method_xavier_uniform: bool = False
+    """Draw every linear layer's weight (QKV, fc1, the output projections and fc2 too: no depth scaling; the router, the untied output layer) and, unless --embedding-init-method-std gives another std, the embeddings from Xavier's uniform distribution, U(-a, a) with a = sqrt(6 / (fan_in + fan_out)) of the whole (unsharded) matrix."""
+    embedding_init_method_std: float | None = None
+    """Standard deviation of the embeddings' initialisation (word, position and token-type tables; not the untied output layer); default --init-method-std."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
     vocab_size: int | None = None

@@ -97,6 +97,8 @@ def _check_model_values(config: Config) -> None:
     m, jitter = config.model, config.moe.moe_input_jitter_eps
     _require(m.vocab_size is None or m.vocab_size >= 1, f"--vocab-size must be at least 1, got {m.vocab_size}")
     _require(m.init_method_std >= 0, f"--init-method-std must be at least 0, got {m.init_method_std}")
+    _require(m.embedding_init_method_std is None or m.embedding_init_method_std >= 0,
+             f"--embedding-init-method-std must be at least 0, got {m.embedding_init_method_std}")
     _require(m.position_embedding_type != "rope" or m.rotary_base > 0,  # base ** (-2i/d): inf, then NaN losses
              f"--rotary-base must be positive with --position-embedding-type rope, got {m.rotary_base}")
     _require(m.norm_epsilon >= 0, f"--norm-epsilon must be at least 0, got {m.norm_epsilon}")

@@ -29,8 +29,6 @@ ENTRIES = (
     ("--padded-vocab-size --no-pad-vocab-size --disable-pad-vocab-size", "the padded vocabulary is derived from the tokenizer and "
      "--make-vocab-size-divisible-by", "use --vocab-size or --make-vocab-size-divisible-by"),
     # -- initialisation ---------------------------------------------------------------------------
-    ("--embedding-init-method-std --init-method-xavier-uniform",
-     "every weight is drawn from N(0, std^2) with one std", "use --init-method-std"),
     ("--data-parallel-random-init", "every data-parallel rank starts from the same weights", DROP),
     # -- old names --------------------------------------------------------------------------------
     ("--model-parallel-size", "Megatron-LM's old name", "use --tensor-model-parallel-size"),

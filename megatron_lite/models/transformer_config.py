@@ -26,7 +26,7 @@ from ..fusions.config import fusion_fields
 from ..moe.config import MoEConfig, check_moe_fields, moe_fields
 from ..parallel.attention_sink import check_softmax_type
 from ..parallel.recompute import check_recompute_modules
-from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init
+from ..parallel.tensor import normal_init, padded_vocab_size, scaled_normal_init, xavier_uniform_init
 from ..precision.flags import TRANSFORMER_IMPLS
 from ..precision.fp8 import Fp8Gemm, Fp8Recipe
 from ..precision.te import TeGemm
@@ -87,6 +87,8 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
+    init_method_xavier_uniform: bool = False  # Xavier-uniform linear weights (and embeddings, see init_method)
+    embedding_init_method_std: float | None = None  # the embeddings' std (default init_method_std)
     vocab_size: int | None = None  # the tokenizer's; the loss never counts padded rows
     padded_vocab_size: int | None = None  # default: vocab_size rounded up to make_vocab_size_divisible_by x TP
     make_vocab_size_divisible_by: int = 128
@@ -273,10 +275,21 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
         """``init_method`` of one parameter: fills its full master weight from a generator seeded by
         (seed, global layer number, name). N(0, std^2), or std / sqrt(2 x num_layers) when ``scaled``
         (Megatron's init of the attention and MLP output projections). Layer 0 is the embedding,
-        1..num_layers the transformer layers, num_layers + 1 the output layer."""
+        1..num_layers the transformer layers, num_layers + 1 the output layer.
+
+        Megatron-LM's two init flags: the embeddings (layer 0) draw N(0, embedding_init_method_std^2)
+        (default init_method_std); init_method_xavier_uniform draws every other weight (``scaled`` ones
+        too) from Xavier's uniform distribution over the whole matrix, and the embeddings as well unless
+        embedding_init_method_std gives another std."""
         if not self.perform_initialization:
             return _no_init
         gen = param_generator(self.seed, layer_number, name)
+        if layer_number == 0:
+            std = self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std
+            if not (self.init_method_xavier_uniform and std == self.init_method_std):
+                return normal_init(std, gen)
+        if self.init_method_xavier_uniform:
+            return xavier_uniform_init(gen)
         if scaled:
             return scaled_normal_init(self.init_method_std, self.num_layers, gen)
         return normal_init(self.init_method_std, gen)

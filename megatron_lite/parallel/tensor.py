@@ -64,6 +64,17 @@ def normal_init(std: float, generator: torch.Generator | None = None) -> InitMet
 DEFAULT_INIT = normal_init(0.02)
 
 
+def xavier_uniform_init(generator: torch.Generator | None = None) -> InitMethod:
+    """``init_method`` drawing Xavier's U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the tensor it fills
+    (the whole master weight, so the same at any TP size)."""
+
+    def init(tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            torch.nn.init.xavier_uniform_(tensor, generator=generator)
+
+    return init
+
+
 def scaled_normal_init(std: float, num_layers: int, generator: torch.Generator | None = None) -> InitMethod:
     """Megatron's output-layer init: std / sqrt(2 * num_layers)."""
     return normal_init(std / math.sqrt(2.0 * num_layers), generator)

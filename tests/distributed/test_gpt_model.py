@@ -86,6 +86,22 @@ def test_tensor_parallel_equals_single_process(tp, sp, variant):
         assert marked == sorted(expect)
 
 
+def check_init_equals_serial(tp, variant):
+    """Every TP shard of the initial weights is the slice of the one-process weight, exactly."""
+    state = cached_state(tp=tp)
+    serial = dict(build_gpt(make_config(variant), ParallelState(world_size=1, rank=0), seed=9).named_parameters())
+    model = build_gpt(make_config(variant), state, seed=9, sequence_parallel=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_full(p, p.detach(), state.tp_group, tp), serial[name].detach(), rtol=0, atol=0,
+                                   msg=lambda m, name=name: f"initial weight {name}: {m}")
+
+
+def test_init_flags_are_the_same_weights_at_tp2():
+    """--init-method-xavier-uniform with --embedding-init-method-std (variant X): the bounds come from the
+    whole matrix, so TP2's shards are the one-process weights' slices."""
+    run_ranks(2, check_init_equals_serial, 2, "X")
+
+
 @pytest.mark.parametrize("variant", ["Q", "P", "N", "R"])
 def test_family_options_under_tensor_sequence_parallel(variant):
     """--add-qkv-bias (variant Q: the QKV bias splits with its weight, whole key/value groups per rank),

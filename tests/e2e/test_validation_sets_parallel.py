@@ -1,7 +1,9 @@
 """--multiple-validation-sets with --full-validation at TP2 x PP2 x DP2 (8 ranks): every set's loss at
 every pass equals the one-process run's (rtol 1e-5), on a set whose size is no multiple of the global
 batch (every data-parallel rank evaluates the same number of batches, so no rank waits for another);
-so does the test pass at the end of training (--test-data-path)."""
+so does the test pass at the end of training (--test-data-path). The parallel run reads validation in
+micro-batches of 1 (--eval-micro-batch-size; the one-process run in the training ones, 2): the same
+global batches, 4 eval micro-batches per rank through the pipeline schedule."""
 
 import pretrain_gpt
 from tests.harness import run_ranks
@@ -22,7 +24,8 @@ def test_sets_and_full_validation_at_tp2_pp2_dp2_equal_one_process(tmp_path):
     reference = pretrain_gpt.main(argv).evaluations
     assert [(it, name) for it, name, _ in reference] == [(2, "validation b"), (2, "validation c"),
                                                          (4, "validation b"), (4, "validation c"), (4, "test")]
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--eval-global-batch-size", "8", "--eval-micro-batch-size", "1"]
     per_rank = run_ranks(8, evaluations, argv + layout)
     last = [r for r in per_rank if r]
     assert len(last) == 4  # the last stage's ranks: TP2 x DP2

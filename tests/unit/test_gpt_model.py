@@ -34,6 +34,8 @@ VARIANTS["L"] = dict(VARIANTS["A"], qk_layernorm=True)  # A with per-head LayerN
 VARIANTS["R"] = dict(VARIANTS["A"], apply_residual_connection_post_layernorm=True)  # A, residuals from the norms
 VARIANTS["S"] = dict(VARIANTS["P"], rotary_base=500000, use_rope_scaling=True,  # P with Llama 3.1 scaling and
                      rotary_seq_len_interpolation_factor=2)  # positions / 2 (global positions under CP)
+VARIANTS["X"] = dict(VARIANTS["A"], swiglu=True, untie_embeddings_and_output_weights=True,  # A with Xavier-uniform
+                     init_method_xavier_uniform=True, embedding_init_method_std=0.05)  # linears, embeddings' own std
 
 
 def make_config(variant="A", tp=1, dropout=0.0, **over) -> ModelConfig:
