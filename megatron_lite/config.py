@@ -164,6 +164,8 @@ class TrainingConfig:
     """Samples to train for instead of --train-iters (iterations: this // global-batch-size); the learning-rate schedule then counts samples (--lr-*-samples)."""
     seed: int = 1234
     """Random seed."""
+    data_parallel_random_init: bool = False
+    """Seed each data-parallel rank's random streams with its own offset (seed + 10 x data-parallel rank: different dropout masks per replica), then broadcast the first replica's weights to the others before training."""
     eval_interval: int = 1000
     """Evaluate on the validation split every this many steps."""
     eval_iters: int = 10

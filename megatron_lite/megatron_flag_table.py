@@ -28,8 +28,6 @@ ENTRIES = (
     ("--use-legacy-models", "there is one model implementation (Megatron-Core's layout)", DROP),
     ("--padded-vocab-size --no-pad-vocab-size --disable-pad-vocab-size", "the padded vocabulary is derived from the tokenizer and "
      "--make-vocab-size-divisible-by", "use --vocab-size or --make-vocab-size-divisible-by"),
-    # -- initialisation ---------------------------------------------------------------------------
-    ("--data-parallel-random-init", "every data-parallel rank starts from the same weights", DROP),
     # -- old names --------------------------------------------------------------------------------
     ("--model-parallel-size", "Megatron-LM's old name", "use --tensor-model-parallel-size"),
     ("--batch-size", "Megatron-LM's old name", "use --micro-batch-size"),

@@ -45,6 +45,7 @@ from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..schedule_checks import check_train_iters
 from .batch_rampup import StepBatches, data_config_for_resume, valid_config_for_resume, validation_batch
+from .dp_random_init import broadcast_from_first_replica
 from .eval_batch import eval_config, evaluates_at
 from .logging import TrainLogger
 from .manual_gc import ManualGC
@@ -118,6 +119,8 @@ def _build(config: Config, state: ParallelState, device, model_provider, schedul
     ck = config.checkpoint
     check_no_initialization(config)  # a checkpoint must overwrite the weights it leaves as allocated
     chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
+    if config.training.data_parallel_random_init:  # the replicas drew with their own seeds: start from the first's
+        broadcast_from_first_replica(chunks, state)
     if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
         compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
         print_rank_0(f"> torch.compile ({config.fusion.torch_compile_backend}): {compiled} transformer layers share "

@@ -16,6 +16,7 @@ from ..parallel.random import model_parallel_seed
 from ..parallel.state import ParallelState
 from ..perf.host_memory import retain_freed_host_memory
 from ..precision.fp8_describe import describe_fp8_path
+from .dp_random_init import seed_offset
 
 
 def half_precision_warning(config: Config, device: torch.device) -> str | None:
@@ -41,7 +42,7 @@ def setup(config: Config) -> tuple[ParallelState, torch.device]:
         ep=p.expert_model_parallel_size, vpp=vpp, dist_opt_instances=p.num_distributed_optimizer_instances,
         hcp=p.hierarchical_context_parallel_sizes, etp=expert_grid_tp(config),
     )
-    model_parallel_seed(config.training.seed, state)
+    model_parallel_seed(config.training.seed + seed_offset(config, state), state)  # --data-parallel-random-init
     configure_compilation(config.fusion, device.type)
     print_rank_0(f"> {describe_backends()}")
     print_rank_0(f"> parallel layout: {state.describe()}")
