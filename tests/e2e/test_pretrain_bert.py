@@ -262,6 +262,11 @@ def test_skip_train_evaluates_the_checkpoint_on_validation_and_test(tmp_path, da
     assert result.losses == [] and result.iteration == ITERS and sorted(os.listdir(save)) == before
     assert [(it, name, sorted(v)) for it, name, v in result.evaluations] == [
         (ITERS, "validation", ["lm loss", "sop loss"]), (ITERS, "test", ["lm loss", "sop loss"])]
+    # the same 8 samples in the same micro-batches of 2, read as 2 eval iterations of 4: the same passes
+    halves = pretrain_bert.main(argv[:argv.index("--eval-iters")] + argv[argv.index("--eval-iters") + 2:]
+                                + ["--eval-iters", "2", "--eval-global-batch-size", "4"])
+    for (_, _, got), (_, _, expected) in zip(halves.evaluations, result.evaluations, strict=True):
+        assert got == pytest.approx(expected, rel=1e-6)
     capsys.readouterr()
     refused_line(capsys, lambda: pretrain_bert.main(argv + ["--full-validation"]), "--full-validation",
                  "pretrain_gpt.py")
