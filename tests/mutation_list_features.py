@@ -4,6 +4,8 @@ paths, --split strictness, resume data sizing, the aux-loss names exchange, --sp
 HF importers' sizes, the lost-peer save wording, HF export staging, the server's hostile inputs,
 merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock; TikTokenizer's id
 offset and Llama2Tokenizer's BOS), each with the
+merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock; the init,
+warmup-init and eval-batch flags), each with the
 fastest tests that catch it."""
 
 from __future__ import annotations
@@ -181,4 +183,28 @@ MUTATIONS = [
              "gradients it reaches) as failed: all must move for the rerun after exit 16, and the tracker never skips",
              "megatron_lite/training/rerun.py", "failed = (loss_bad if any_loss_bad else fatal) or", "failed = fatal or",
              ("tests/e2e/test_rerun.py", "-k", "dp2_only")),
+    Mutation("warmup_init_ignored", "--lr-warmup-init: the warmup still starts from 0",
+             "megatron_lite/optim/lr_scheduler.py",
+             "return self.warmup_init + (max_lr - self.warmup_init) * n / self.warmup_steps",
+             "return max_lr * n / self.warmup_steps", ("tests/unit/test_lr_scheduler.py", "-k", "warmup_init")),
+    Mutation("eval_micro_batches_of_training", "--eval-global-batch-size: validation still runs the training "
+             "global batch's micro-batch count", "megatron_lite/training/loop.py",
+             "evaluate(self.eval_config, self.eval_comm, self.chunks, self.forward_step_func, sets)",
+             "evaluate(self.config, self.comm, self.chunks, self.forward_step_func, sets)",
+             ("tests/unit/test_eval_batch.py", "-k", "same_samples")),
+    Mutation("start_eval_ignored", "--start-eval-at-iter: validation passes before it",
+             "megatron_lite/training/eval_batch.py", "(start is None or iteration >= start)", "True",
+             ("tests/unit/test_eval_batch.py", "-k", "start_eval")),
+    Mutation("xavier_scaled_outputs_normal", "--init-method-xavier-uniform: the output projections keep the "
+             "depth-scaled normal init", "megatron_lite/models/transformer_config.py",
+             "        if self.init_method_xavier_uniform:\n            return xavier_uniform_init(gen)\n",
+             "        if self.init_method_xavier_uniform and not scaled:\n            return xavier_uniform_init(gen)\n",
+             ("tests/unit/test_init_flags.py", "-k", "xavier")),
+    Mutation("embedding_std_ignored", "--embedding-init-method-std: the embeddings keep --init-method-std",
+             "megatron_lite/models/transformer_config.py",
+             "std = self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std",
+             "std = self.init_method_std", ("tests/unit/test_init_flags.py", "-k", "embedding_std")),
+    Mutation("dp_random_init_no_broadcast", "--data-parallel-random-init: the first replica's weights not broadcast",
+             "megatron_lite/training/dp_random_init.py", "                if dist.get_world_size(group) > 1:\n",
+             "                if False:\n", ("tests/e2e/test_dp_random_init.py", "-k", "first_ones")),
 ]
