@@ -67,3 +67,10 @@ def test_eval_global_batch_not_divisible_by_data_parallel_is_refused(capsys):
                                   "--eval-micro-batch-size", "1"],
                   "--eval-global-batch-size: the eval global batch 6 is not divisible by the eval micro-batch 1 x "
                   "data-parallel size 4", world_size=4)
+
+
+def test_interleaved_eval_micro_batches_not_a_multiple_of_pp_are_refused(capsys):
+    parse_refused(capsys, BASE + ["--mock-data", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "1", "--eval-global-batch-size", "6"],
+                  "--eval-global-batch-size 6: the interleaved pipeline schedule needs the eval micro-batches",
+                  "= 3) to be a multiple of --pipeline-model-parallel-size 2", world_size=2)
