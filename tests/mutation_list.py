@@ -254,7 +254,7 @@ MUTATIONS = [
              "self.warmup_steps = 0 if fraction is not None else int(warmup)",
              ("tests/unit/test_lr_scheduler.py", "tests/unit/test_train_samples.py")),
     Mutation("exit_not_agreed", "--exit-signal-handler: each rank exits on its own signal (no agreement; the "
-             "others hang: run with MEGATRON_LITE_TEST_TIMEOUT=40)", "megatron_lite/training/loop.py",
+             "others hang: run with MEGATRON_LITE_TEST_TIMEOUT=40)", "megatron_lite/training/exit_signal.py",
              "    if not dist.is_initialized():\n        return list(flags)\n",
              "    if True:\n        return list(flags)\n", ("tests/e2e/test_exit_agreement.py",)),
     Mutation("sigterm_handler_kept", "pretrain(): its SIGTERM handler left installed after the run",

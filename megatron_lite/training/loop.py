@@ -14,30 +14,21 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import time
-from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import save_checkpoint
 from ..checkpoint.dist_save import AsyncSaves
-from ..checkpoint.load_source import check_no_initialization
 from ..checkpoint.retention import after_save
 from ..checkpoint_config import non_persistent_dir
 from ..config import Config
 from ..console import print_rank_0
-from ..data.builder import consumed_valid_samples
 from ..device import get_device
 from ..distributed_flags import deterministic_mode
 from ..errors import ConfigError, rank_local_errors
-from ..lora.apply import lora_chunks
-from ..models.transformer import compile_layers
 from ..moe.metrics import moe_step_values, plugin_loss_values
-from ..optim import OptimizerParamScheduler, build_optimizer
 from ..optim.lr_scheduler import build_scheduler
-from ..parallel.fsdp import wrap_for_data_parallel
 from ..parallel.state import ParallelState
 from ..perf.comm_volume import CommVolume
 from ..perf.flops import num_floating_point_operations
@@ -45,8 +36,9 @@ from ..perf.memory_tracker import MemoryReport
 from ..perf.model_state import model_state_report
 from ..schedule_checks import check_train_iters
 from .batch_rampup import StepBatches, data_config_for_resume, valid_config_for_resume, validation_batch
-from .dp_random_init import broadcast_from_first_replica
+from .build import Built, build_run, resumed_validation
 from .eval_batch import eval_config, evaluates_at
+from .exit_signal import ExitSignal, any_rank
 from .logging import TrainLogger
 from .manual_gc import ManualGC
 from .nonfinite import check_finite
@@ -64,76 +56,6 @@ from .timers import Timers
 from .validation import ValidationSets
 from .weight_hash import check_weight_hashes
 from .writers import check_wandb_available
-
-
-class _ExitSignal:
-    """Remembers a SIGTERM so the loop can save a checkpoint and exit cleanly at the step boundary."""
-
-    def __init__(self, enabled: bool):
-        self.received, self.enabled = False, enabled
-        self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def close(self) -> None:
-        """Give the process its own SIGTERM handler back: after the run a SIGTERM does what it did before."""
-        if self.enabled:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
-
-
-def _any_rank(*flags: bool) -> list[bool]:
-    """Each flag, true when it is true on any rank (so every rank takes the same exit)."""
-    if not dist.is_initialized():
-        return list(flags)
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=get_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
-class _Built(NamedTuple):
-    chunks: list
-    optimizer: object
-    scheduler: OptimizerParamScheduler
-    iteration: int
-    consumed_samples: int
-    consumed_valid_samples: int | None = None  # as the checkpoint recorded it (None: not recorded)
-    loaded_from: str | None = None  # the folder of the checkpoint resumed: --load, or the non-persistent one
-
-
-SCHEDULER_METHODS = ("step", "get_lr", "state_dict", "load_state_dict")  # what the loop and checkpoints call
-
-
-def check_scheduler(scheduler) -> None:
-    """A ``scheduler_provider``'s schedule lacking a method the loop calls: one line naming them, before any step."""
-    missing = [name for name in SCHEDULER_METHODS if not callable(getattr(scheduler, name, None))]
-    if missing:
-        raise ConfigError(f"scheduler_provider returned a {type(scheduler).__name__} without {', '.join(missing)}: "
-                          f"pretrain's schedule needs {', '.join(SCHEDULER_METHODS)} (or subclass "
-                          "megatron_lite.optim.OptimizerParamScheduler)")
-
-
-def _build(config: Config, state: ParallelState, device, model_provider, scheduler_provider=build_scheduler) -> _Built:
-    """The model chunks (wrapped for data parallelism), the optimizer and the learning-rate schedule,
-    restored from ``--load`` when given, with the iteration and consumed samples to resume from."""
-    ck = config.checkpoint
-    check_no_initialization(config)  # a checkpoint must overwrite the weights it leaves as allocated
-    chunks = [chunk.to(device) for chunk in lora_chunks(model_provider(config, state), config, state)]  # --lora-rank
-    if config.training.data_parallel_random_init:  # the replicas drew with their own seeds: start from the first's
-        broadcast_from_first_replica(chunks, state)
-    if config.fusion.torch_compile:  # regional compile of the layers, before the data-parallel wrapper
-        compiled = sum(compile_layers(chunk, config.fusion.torch_compile_backend) for chunk in chunks)
-        print_rank_0(f"> torch.compile ({config.fusion.torch_compile_backend}): {compiled} transformer layers share "
-                     "one compiled forward; the loss's pieces compile too")
-    chunks = [wrap_for_data_parallel(chunk, state, config.parallel) for chunk in chunks]
-    optimizer = build_optimizer(config, chunks, state)
-    scheduler = scheduler_provider(config, optimizer)
-    check_scheduler(scheduler)
-    loaded = (0, 0)
-    if ck.load or ck.pretrained_checkpoint:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, config, state)
-    return _Built(chunks, optimizer, scheduler, *loaded, getattr(loaded, "consumed_valid_samples", None),
-                  getattr(loaded, "source", None))
 
 
 def _in_save(ck, iteration: int, loaded_from: str | None = None) -> bool:
@@ -154,8 +76,8 @@ class _Training:
     logger, the result being filled in, and the steps of one iteration (train, validate, save, exit
     check)."""
 
-    def __init__(self, config: Config, state: ParallelState, built: _Built, forward_step_func, train_iter, valid_iter,
-                 exit_signal: _ExitSignal | None = None, started: float | None = None, consumed_valid: int = 0):
+    def __init__(self, config: Config, state: ParallelState, built: Built, forward_step_func, train_iter, valid_iter,
+                 exit_signal: ExitSignal | None = None, started: float | None = None, consumed_valid: int = 0):
         self.config, self.state, self.forward_step_func = config, state, forward_step_func
         self.chunks, self.optimizer, self.scheduler, self.iteration, self.consumed = built[:5]  # see consumed_valid
         self.consumed_valid = consumed_valid  # validation samples read so far (saved with the checkpoints)
@@ -171,7 +93,7 @@ class _Training:
         self.logger = TrainLogger(config, state, flops, start_consumed_samples=self.consumed)
         self.progress = ProgressLog(config, flops, self.consumed)  # --log-progress: <save>/progress.txt
         self.result = TrainResult(iteration=self.iteration, consumed_samples=self.consumed)
-        self.exit_signal = exit_signal or _ExitSignal(t.exit_signal_handler)
+        self.exit_signal = exit_signal or ExitSignal(t.exit_signal_handler)
         self.start = time.time() if started is None else started  # --exit-duration-in-mins counts the start-up too
         self.saved_at = self.iteration if _in_save(config.checkpoint, self.iteration, built.loaded_from) else None
         self.volume = CommVolume() if config.logging.log_comm_volume else None
@@ -313,10 +235,10 @@ class _Training:
         t = self.config.training
         reason = None
         if t.exit_signal_handler or t.exit_duration_in_mins:  # one small all-reduce, only when asked (0: no limit)
-            signalled, out_of_time = _any_rank(
+            signalled, out_of_time = any_rank([
                 self.exit_signal.received,
                 bool(t.exit_duration_in_mins) and (time.time() - self.start) / 60 > t.exit_duration_in_mins,
-            )
+            ])
             reason = "signal" if signalled else "duration" if out_of_time else None
         interval = reason is None and t.exit_interval and self.iteration % t.exit_interval == 0
         return "interval" if interval else reason
@@ -396,13 +318,13 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
     """
     started = time.time()  # --exit-duration-in-mins counts from here: start-up and checkpoint load included
     check_train_iters(config)  # the command line's refusal, for a Config made or changed in code
-    exit_signal = _ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
+    exit_signal = ExitSignal(config.training.exit_signal_handler)  # first: a SIGTERM during start-up counts
     with contextlib.closing(exit_signal):  # the process's own SIGTERM handler is given back at return
         check_output_locations(config)  # before any step, not at the first save
         check_wandb_available(config)  # before the model is built: the package and a login (or offline mode)
         with deterministic_mode(config.training.deterministic_mode):  # undone when the run returns
             state, device = setup(config)
-            built = _build(config, state, device, model_provider, scheduler_provider)
+            built = build_run(config, state, device, model_provider, scheduler_provider)
             consumed_valid = resumed_validation(config, built)
             data_config = data_config_for_resume(config, built.iteration, built.consumed_samples)
             data_config = valid_config_for_resume(data_config, built.iteration, consumed_valid)
@@ -412,13 +334,3 @@ def pretrain(config: Config, model_provider, forward_step_func, datasets_provide
             if config.training.skip_train:
                 return training.evaluate_only(test[0] if test else None)
             return training.run(test[0] if test else None)
-
-
-def resumed_validation(config: Config, built: _Built) -> int:
-    """Where a resumed run's validation continues: the samples the checkpoint's run had read, as it
-    recorded them (so another --eval-interval or --eval-iters continues from there, as in Megatron-LM),
-    or, for a checkpoint without the record, what this run's flags would have read by its iteration."""
-    if built.consumed_valid_samples is not None:
-        return built.consumed_valid_samples
-    t = config.training
-    return consumed_valid_samples(built.iteration, validation_batch(eval_config(config)), t.eval_interval, t.eval_iters)

@@ -52,6 +52,7 @@ from ..device import get_device
 from ..errors import ConfigError
 from ..optim.clip_grads import grad_of
 from ..parallel.random import rng_states, set_rng_states
+from .exit_signal import any_rank
 from .nonfinite import NonFiniteError
 from .rerun_tracker import append_lines, tracker_line, tracker_skips
 
@@ -163,14 +164,6 @@ def _same(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
-def _any_rank(flags: list[bool]) -> list[bool]:
-    if not dist.is_initialized():
-        return flags
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=get_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
 class ResultValidator:
     """One run's result checks and reruns (see the module docstring). ``begin_step`` before the
     step's forward-backward, ``validate`` after its gradients are final and before the optimizer step."""
@@ -245,7 +238,7 @@ class ResultValidator:
         if not (fatal or nonfatal) and self._inject():
             injected = self.injection_type
             fatal, nonfatal = (True, False) if self.fatal else (False, True)
-        any_fatal, any_loss_bad, any_nonfatal, any_injected = _any_rank([fatal, loss_bad, nonfatal, injected is not None])
+        any_fatal, any_loss_bad, any_nonfatal, any_injected = any_rank([fatal, loss_bad, nonfatal, injected is not None])
         if not (any_fatal or any_nonfatal):
             return reported
         # this rank's check failed at the source: a NaN/inf loss reaches every data-parallel replica's
@@ -273,7 +266,7 @@ class ResultValidator:
         what = self._what(fatal, injected)
         self.track(failed, [("initial_run", values), ("first_rerun_" + ("not_" if differs else "") + "reproducible",
                                                        values)], what)
-        return reported, _any_rank([differs])[0]
+        return reported, any_rank([differs])[0]
 
     def track(self, failed: bool, events, what: str) -> None:
         """``--result-rejected-tracker-filename``: this rank's lines (when its check failed), every rank's

@@ -37,11 +37,11 @@ from ..console import print_rank_0
 from ..errors import ConfigError
 from ..files import replaced_whole
 from ..parallel.random import set_rng_states
+from .exit_signal import any_rank
 from .rerun import (
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     ResultRejectedError,
     ResumeToDisambiguateError,
-    _any_rank,
     _same,
     host_and_device,
     same_values,
@@ -134,7 +134,7 @@ class SecondStage:
         p, self.pending = self.pending, None
         failed, where = p["failed"], tuple(p["where"])
         step = f"iteration {p['iteration'] + 1}"
-        if _any_rank([failed and where == host_and_device()])[0]:
+        if any_rank([failed and where == host_and_device()])[0]:
             raise ResumeToDisambiguateError(
                 f"{step}: restarted on the hardware that computed {p['what']} (node {where[0]}, {where[1]}); "
                 f"nothing saved, exit code {EXIT_CODE_RESUME_TO_DISAMBIGUATE}: restart again from the same checkpoint "
@@ -144,7 +144,7 @@ class SecondStage:
             differs = failed and p["injected"] == "persistent_error"
         status = "second_rerun_" + ("not_" if differs else "") + "reproducible"
         validator.track(failed, [(status, values)], p["what"])
-        if _any_rank([differs])[0]:
+        if any_rank([differs])[0]:
             raise ResultRejectedError(
                 f"{step}: the rerun on other hardware did not reproduce {p['what']}: the first hardware computed a "
                 f"wrong result twice (a persistent fault: take it out of service), exit code 17; to go on, resume "
