@@ -207,4 +207,7 @@ MUTATIONS = [
     Mutation("dp_random_init_no_broadcast", "--data-parallel-random-init: the first replica's weights not broadcast",
              "megatron_lite/training/dp_random_init.py", "                if dist.get_world_size(group) > 1:\n",
              "                if False:\n", ("tests/e2e/test_dp_random_init.py", "-k", "first_ones")),
+    Mutation("straggler_rank_order", "--log-straggler: ranks ordered by rank number, not by compute time per iteration",
+             "megatron_lite/training/straggler.py", "key=lambda r: (per_iter[r], r))", "key=lambda r: r)",
+             ("tests/unit/test_straggler.py", "-k", "slow_rank or count_ranks")),
 ]
