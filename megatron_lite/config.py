@@ -109,7 +109,7 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per virtual stage for the interleaved 1F1B schedule."""
     pipeline_schedule: str = "1f1b"
-    """Pipeline schedule: 1f1b (interleaved with virtual stages) or zb-h1 (zero bubble, 1F1B's memory)."""
+    """Pipeline schedule: 1f1b (interleaved with virtual stages) or zb-h1 (zero bubble at 1F1B's memory, interleaved with virtual stages)."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: int | None = None

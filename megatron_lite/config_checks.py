@@ -167,8 +167,6 @@ def _check_parallel(config: Config) -> None:
     pp = p.pipeline_model_parallel_size
     _require(pp >= 1, f"--pipeline-model-parallel-size must be at least 1, got {pp}")
     if p.num_layers_per_virtual_pipeline_stage is not None:
-        _require(p.pipeline_schedule != "zb-h1", "--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
-                 "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         _require(pp >= 2, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         per = p.num_layers_per_virtual_pipeline_stage
         _require(per > 0, f"--num-layers-per-virtual-pipeline-stage must be at least 1, got {per}")
@@ -188,9 +186,6 @@ def _check_parallel(config: Config) -> None:
         ranges = pipeline_ranges(config.flat())
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _require(len(ranges[0]) == 1 or p.pipeline_schedule != "zb-h1",
-             f"--pipeline-schedule zb-h1 runs one model chunk per rank; --pipeline-model-parallel-layout gives "
-             f"{len(ranges[0])} per rank (virtual stages): give one stage per rank or use --pipeline-schedule 1f1b")
     _check_recompute_num_layers(config, max(end - start for stage in ranges for start, end in stage))
 
 
@@ -225,7 +220,7 @@ def _check_batch(config: Config) -> None:
         try:
             from .parallel.pipeline.order import check_interleaved_microbatches
             check_interleaved_microbatches(t.global_batch_size // (t.micro_batch_size * dp),
-                                           p.pipeline_model_parallel_size, p.pipeline_schedule)
+                                           p.pipeline_model_parallel_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 

@@ -5,7 +5,7 @@ Every TP x PP x VPP x DP x CP x EP (x expert TP) split, ZeRO sharding strategy, 
 that can run the model is estimated from closed forms (model state bytes per parameter, Korthikanti
 et al.'s activation bytes, Narayanan et al.'s FLOPs at a fixed matmul efficiency, ring
 communication volumes over NVLink / network bandwidth, the (p-1)/(v m) pipeline bubble of 1F1B or
-ZB-H1's (p-1)/(3m)); the
+ZB-H1's (p-1)/(3m), interleaved zero bubble's (p-1)/(3vm)); the
 layouts that fit in GPU memory are printed fastest first, with the best one broken down.
 
     python tools/plan.py --preset gpt3-175b --cluster a100 --gpus 1024 --global-batch-size 1536
@@ -226,7 +226,7 @@ def describe(best, spec: ModelSpec, cluster: ClusterSpec) -> str:
     split = f", split {best.split}" if best.split else ""
     busiest = f", busiest stage {best.busiest:.3g}x the mean stage's FLOPs" if lay.pp > 1 else ""
     return (f"best: TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}{split}, DP {lay.dp}, CP {lay.cp}, EP {lay.ep}{etp}, "
-            f"{'ZB-H1, ' if lay.schedule == 'zb-h1' else ''}ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
+            f"{('ZB-H1, ' if lay.vpp == 1 else 'zero bubble interleaved, ') if lay.schedule == 'zb-h1' else ''}ZeRO {lay.zero}{f' in {lay.instances} instances (hybrid)' if lay.instances > 1 else ''}, recompute {lay.recompute}, micro-batch {lay.micro_batch} "
             f"({best.num_microbatches} micro-batches per step)\n"
             f"  memory per GPU {figure(best.memory_gb)} of {cluster.gpu_memory_gb:g} GB: model state "
             f"{figure(best.model_state_gb)}, activations {figure(best.activation_gb)}, reserved "

@@ -8,10 +8,13 @@ With ``--schedule zb-h1`` the backward is split into B (input gradient, hatched)
 gradients, dotted), --weight-cost of the backward's units going to W. The title gives the measured
 bubble fraction (idle / busy time over all ranks) beside the formula: (p-1)/m, (p-1)/(v*m) with
 interleaving, (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) for ZB-H1 ((p-1)/(3m) at equal costs).
+``--schedule zb-h1 -v 2`` draws interleaved zero bubble, whose formula is ZB-H1's over v; its W
+passes are placed for equal F, B and W costs, where it reaches that formula once m >= 2p.
 
     python tools/plot_schedule.py -p 4 -m 8 --out 1f1b.png
     python tools/plot_schedule.py -p 4 -m 8 -v 2 --compare --out interleaved.png
     python tools/plot_schedule.py -p 4 -m 8 --schedule zb-h1 --compare --out zb.png
+    python tools/plot_schedule.py -p 4 -m 8 -v 2 --schedule zb-h1 --compare --out zbv.png
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ def schedule(p: int, m: int, v: int, backward_cost: float, kind: str = "1f1b", w
     """(timeline, bubble fraction, formula, name) of one schedule under equal costs."""
     if kind == "zb-h1" and p > 1:
         t_b, t_w = backward_cost - weight_cost, weight_cost
-        timeline = simulate(simulated_orders(p, m, 1, kind), p, 1, 1.0, t_b, t_w)
-        formula = (p - 1) * (1.0 + t_b - t_w) / (m * (1.0 + t_b + t_w))
-        return timeline, bubble_fraction(timeline), formula, "ZB-H1"
+        timeline = simulate(simulated_orders(p, m, v, kind), p, v, 1.0 / v, t_b / v, t_w / v)
+        formula = (p - 1) * (1.0 + t_b - t_w) / (v * m * (1.0 + t_b + t_w))
+        return timeline, bubble_fraction(timeline), formula, f"zero bubble interleaved (v={v})" if v > 1 else "ZB-H1"
     timeline = simulate(simulated_orders(p, m, v), p, v, 1.0 / v, backward_cost / v)
     name = "no pipelining" if p == 1 else (f"interleaved 1F1B (v={v})" if v > 1 else "1F1B")
     return timeline, bubble_fraction(timeline), (p - 1) / (v * m), name
@@ -80,17 +83,15 @@ def main(argv=None) -> int:
                     help="model chunks per rank (num-layers / (pp x num-layers-per-virtual-pipeline-stage))")
     ap.add_argument("--backward-cost", type=float, default=2.0, help="backward time / forward time (default 2)")
     ap.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b",
-                    help="1f1b (interleaved with -v > 1) or zb-h1 (backward split into B and W)")
+                    help="1f1b or zb-h1 (backward split into B and W); both interleaved with -v > 1")
     ap.add_argument("--weight-cost", type=float, default=None,
                     help="zb-h1: the part of --backward-cost spent in W (default half of it)")
     ap.add_argument("--compare", action="store_true",
-                    help="also draw plain 1F1B above the interleaved or zb-h1 schedule")
+                    help="also draw 1F1B (interleaved with -v > 1, for zb-h1) above the schedule")
     ap.add_argument("--out", default="schedule.png", help="PNG to write")
     args = ap.parse_args(argv)
     if args.p < 1 or args.m < 1 or args.v < 1:
         ap.error("-p, -m and -v must be positive")
-    if args.schedule == "zb-h1" and args.v > 1:
-        ap.error("--schedule zb-h1 runs one model chunk per rank; drop -v")
     weight_cost = args.backward_cost / 2 if args.weight_cost is None else args.weight_cost
     if not 0 <= weight_cost <= args.backward_cost:
         ap.error("--weight-cost must lie between 0 and --backward-cost")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
 
     variants = [(args.v, args.schedule)]
     if args.compare and (args.v > 1 or args.schedule == "zb-h1"):
-        variants.insert(0, (1, "1f1b"))
+        variants.insert(0, (args.v if args.schedule == "zb-h1" else 1, "1f1b"))
     drawn = [(schedule(args.p, args.m, v, args.backward_cost, kind, weight_cost), v) for v, kind in variants]
     span = max(e for (timeline, *_), _ in drawn for ops in timeline.values() for _, _, e in ops)
     # 0.45 inch per micro-batch and stage, capped so that the image stays one PIL opens (<= 9600 x 6000 pixels)

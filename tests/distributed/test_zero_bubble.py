@@ -14,6 +14,7 @@ control) everything changes during B.
 
 import pytest
 
+from megatron_lite.parallel.pipeline.order import zb_interleaved_bound
 from megatron_lite.parallel.pipeline.trace import peak_in_flight
 from tests.distributed.test_pipeline import check_against_reference, check_trace, run_pipeline
 from tests.harness import run_ranks
@@ -73,3 +74,39 @@ def test_zb_h1_forward_only_is_plain_forwards():
     results = run_ranks(2, run_pipeline, 4, 4, 1, 2, None, False, True, "zb-h1")
     check_against_reference(results, 4, 4, 2, forward_only=True)
     check_trace(results, 4, 2, forward_only=True)
+
+
+# Interleaved zero bubble (--pipeline-schedule zb-h1 with virtual stages): the same checks, the
+# trace equal to :func:`order.order_zb_interleaved` and in flight never more than interleaved 1F1B's
+# first rank holds.
+
+
+def _check_interleaved_in_flight(results, pp, m, v):
+    bound = zb_interleaved_bound(pp, m, v)
+    for res in results:
+        ops = [(e.kind, e.microbatch, e.chunk) for e in res["trace"]]
+        assert sorted(op for op in ops if op[0] == "W") == sorted(("W", mb, c) for mb in range(m) for c in range(v))
+        assert peak_in_flight(ops) <= bound
+
+
+def test_interleaved_zero_bubble_matches_single_process():
+    pp, m, layers = 4, 8, 8  # v = 2 chunks per rank
+    results = run_ranks(pp, run_pipeline, layers, m, 1, pp, 1, False, False, "zb-h1")
+    check_against_reference(results, layers, m, pp)
+    check_trace(results, m, pp)
+    _check_interleaved_in_flight(results, pp, m, layers // pp)
+
+
+def test_interleaved_zero_bubble_with_tensor_parallel_and_deferred_weights():
+    """TP2 + SP x PP2 x VP2, m = p (no steady phase): equal to one process, and every GEMM weight's
+    gradient changes during W of micro-batch 0, 1, ... of its chunk, never during a B (the row bias
+    during each B)."""
+    m = 2
+    results = run_ranks(4, run_pipeline, 4, m, 2, 2, 1, True, False, "zb-h1", grad_arrivals=True)
+    check_against_reference(results, 4, m, 2)
+    check_trace(results, m, 2)
+    _check_interleaved_in_flight(results, 2, m, 2)
+    for res in results:
+        for name, seen in _ops_per_param(res).items():
+            expected = [("B" if name.endswith("row.bias") else "W", i) for i in range(m)]
+            assert seen == expected, f"rank {res['pp_rank']}: {name} changed during {seen}, expected {expected}"

@@ -7,7 +7,9 @@ tensor and sequence parallelism (sharded GEMM inputs and weights), data parallel
 gradient reduction overlapped in small buckets (the grad-ready hooks must fire after the W passes)
 the distributed optimizer (reduce-scatter of the same buckets) and activation recomputation (the
 recomputed forward runs inside B, so its GEMMs' weight gradients are deferred too), at pipeline
-sizes 2 and 4.
+sizes 2 and 4; with virtual stages (interleaved zero bubble, two chunks per rank) under TP2 +
+sequence parallelism with tied embeddings, and at DP2 with ZeRO-2 (sharded gradients: the W passes
+reduce-scatter their own buckets, chunk by chunk).
 
 With sharded data parallelism (ZeRO-2 ``optim_grads``, ZeRO-3 ``optim_grads_params``) at PP2 x DP2,
 tied embeddings, ZB-H1 is compared with 1F1B under the same flags (it changes only the order of
@@ -21,10 +23,8 @@ to the same weights.
 import pytest
 
 from tests.e2e.test_pretrain_gpt import (
-    MODEL,
     MODEL_B,
     _argv,
-    _one_line_exit_2,
     _parallel,
     _same_weights,
     _single,
@@ -55,6 +55,12 @@ def reference(tmp_path_factory):
                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
         ("pp2_recompute_selective", 2, "B", ["--pipeline-model-parallel-size", "2",
                                              "--recompute-granularity", "selective"]),
+        # interleaved zero bubble: two chunks per rank (tied embeddings on chunk 0 of rank 0 and chunk 1 of rank 1)
+        ("tp2_pp2_vpp2_sp", 4, "A", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"]),
+        ("pp2_vpp2_dp2_zero2", 4, "B", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                        "1", "--data-parallel-sharding-strategy", "optim_grads",
+                                        "--no-gradient-accumulation-fusion", "--ddp-bucket-size", "3000"]),
     ],
 )
 def test_zb_h1_reproduces_single_process(tmp_path, reference, name, world, variant, extra):
@@ -62,13 +68,6 @@ def test_zb_h1_reproduces_single_process(tmp_path, reference, name, world, varia
     got, save = _parallel(tmp_path, name, world, 6, (MODEL_B if variant == "B" else []) + ZB + extra)
     assert_same_trajectory(got, ref, steps=6)
     _same_weights(save, ref_save)
-
-
-def test_zb_h1_with_virtual_stages_is_refused(capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    _one_line_exit_2(capsys, MODEL + ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2",
-                                      "--num-layers-per-virtual-pipeline-stage", "1"] + ZB,
-                     "--pipeline-schedule zb-h1", "--num-layers-per-virtual-pipeline-stage")
 
 
 @pytest.mark.parametrize("name, flags, resume", [

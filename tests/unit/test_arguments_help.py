@@ -100,8 +100,6 @@ def test_every_tool_says_a_bad_flag_in_one_line(capsys, tool):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--pipeline-model-parallel-size", "2", "--num-layers", "4"], ["zb-h1 runs one model chunk per rank"]),
     (["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], ["a2a+p2p needs --hierarchical-context-parallel"]),
     (["--moe-router-fusion", "--num-experts", "2", "--expert-model-parallel-size", "2"], ["--moe-router-fusion"]),
 ])

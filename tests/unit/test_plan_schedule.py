@@ -1,6 +1,6 @@
 """The planner's ZB-H1 pipeline schedule: its bubble is its order's simulated bubble, its activations
-are its order's peak in flight, it is searched beside 1F1B where it differs, and tools/plan.py takes
---pipeline-schedule and refuses zb-h1 with virtual stages as training does."""
+are its order's peak in flight, it is searched beside 1F1B where it differs (interleaved zero bubble,
+with virtual stages, when asked for), and tools/plan.py takes --pipeline-schedule."""
 
 import os
 import sys
@@ -57,21 +57,31 @@ def test_zb_h1_estimate_same_memory_as_1f1b_rank_0_and_a_third_of_the_bubble():
     assert b.activation_gb >= a.activation_gb  # the last stages hold more than under 1F1B
 
 
-def test_zb_h1_with_virtual_stages_is_refused():
-    with pytest.raises(ConfigError, match="--pipeline-schedule zb-h1: .*one model chunk per rank"):
-        check_layout(SPEC, CLUSTER, 64, Layout(pp=2, dp=8, vpp=2, schedule="zb-h1"))
+def test_interleaved_zero_bubble_estimate():
+    """With virtual stages: a third of interleaved 1F1B's bubble, every stage holding what interleaved
+    1F1B's first stage holds (its peak), and an unknown schedule refused."""
+    one, zb = (Layout(pp=2, dp=8, vpp=2, schedule=s) for s in ("1f1b", "zb-h1"))
+    a, b = estimate(SPEC, CLUSTER, 64, one), estimate(SPEC, CLUSTER, 64, zb)
+    assert b.bubble == pytest.approx(a.bubble / 3) and b.step_s < a.step_s
+    m = a.num_microbatches
+    assert [in_flight_microbatches(2, i, m, 2, "zb-h1") for i in range(2)] == [in_flight_microbatches(2, 0, m, 2)] * 2
+    assert b.activation_gb >= a.activation_gb
+    with pytest.raises(ConfigError, match="--pipeline-schedule gpipe: one of 1f1b, zb-h1"):
+        check_layout(SPEC, CLUSTER, 64, Layout(pp=2, dp=8, vpp=2, schedule="gpipe"))
 
 
 def test_the_search_offers_zb_h1_where_it_differs_from_1f1b():
     layouts = [e.layout for e in plan(SPEC, CLUSTER, 64, {"tp": 2})]
     zb = [lay for lay in layouts if lay.schedule == "zb-h1"]
     assert zb and all(lay.pp > 1 and lay.vpp == 1 for lay in zb)
+    fixed = [e.layout for e in plan(SPEC, CLUSTER, 64, {"tp": 2, "schedule": "zb-h1"})]  # asked for: any VPP
+    assert {lay.schedule for lay in fixed} == {"zb-h1"} and {lay.vpp for lay in fixed} > {1}
     one_f_one_b = {(lay.pp, lay.vpp) for lay in layouts if lay.schedule == "1f1b"}
     assert (1, 1) in one_f_one_b and any(v > 1 for _, v in one_f_one_b)
     assert {e.layout.schedule for e in plan(SPEC, CLUSTER, 64, {"tp": 2, "schedule": "1f1b"})} == {"1f1b"}
 
 
-def test_tool_takes_the_schedule_and_refuses_it_with_virtual_stages(capsys):
+def test_tool_takes_the_schedule_with_and_without_virtual_stages(capsys):
     argv = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
             "--vocab-size", "32000", "--gpus", "16", "--global-batch-size", "64", "--top", "3",
             "--pipeline-model-parallel-size", "4"]
@@ -80,6 +90,5 @@ def test_tool_takes_the_schedule_and_refuses_it_with_virtual_stages(capsys):
     assert " sched " in out and ", ZB-H1, ZeRO" in out.split("best:")[1] and " 1f1b " not in out
     assert plan_tool.main(argv + ["--pipeline-schedule", "1f1b"]) == 0
     assert " sched " not in capsys.readouterr().out  # the column only where some row runs ZB-H1
-    assert plan_tool.main(argv + ["--pipeline-schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--pipeline-schedule zb-h1" in err[0] and "one model chunk per rank" in err[0]
+    assert plan_tool.main(argv + ["--pipeline-schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2"]) == 0
+    assert "VPP 2, DP 4, CP 1, EP 1, zero bubble interleaved, ZeRO" in capsys.readouterr().out.split("best:")[1]

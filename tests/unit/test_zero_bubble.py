@@ -14,7 +14,10 @@ import torch
 
 from megatron_lite.parallel.pipeline import get_forward_backward_func
 from megatron_lite.parallel.pipeline.order import order_1f1b, order_zb_h1, rank_order
-from megatron_lite.parallel.pipeline.schedules import forward_backward_pipelining_zero_bubble
+from megatron_lite.parallel.pipeline.schedules import (
+    forward_backward_pipelining_zero_bubble,
+    forward_backward_pipelining_zero_bubble_interleaved,
+)
 from megatron_lite.parallel.pipeline.trace import (
     bubble_fraction,
     peak_in_flight,
@@ -71,12 +74,11 @@ def _state(p, vpp=None):
 
 def test_schedule_choice_and_refusals():
     assert get_forward_backward_func(_state(2), "zb-h1") is forward_backward_pipelining_zero_bubble
-    with pytest.raises(ValueError, match="zb-h1.*one model chunk per rank"):
-        get_forward_backward_func(_state(2, 2), "zb-h1")
+    assert get_forward_backward_func(_state(2, 2), "zb-h1") is forward_backward_pipelining_zero_bubble_interleaved
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         get_forward_backward_func(_state(2), "gpipe")
-    with pytest.raises(ValueError, match="one model chunk"):
-        rank_order(2, 0, 4, 2, "zb-h1")
+    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size 2"):
+        rank_order(2, 0, 3, 2, "zb-h1")
 
 
 def _layers():
@@ -144,5 +146,9 @@ def test_plot_schedule_draws_zb_h1_with_w_ops(tmp_path, capsys):
     assert "1F1B: p=4, m=8; bubble 0.3750 (formula 0.3750)" in text
     assert "ZB-H1: p=4, m=8; bubble 0.1250 (formula 0.1250)" in text
     assert "B7  W7" in text
-    with pytest.raises(SystemExit):
-        tool.main(["-p", "4", "-m", "8", "-v", "2", "--schedule", "zb-h1", "--out", str(out)])
+    # with -v: interleaved zero bubble beside interleaved 1F1B
+    assert tool.main(["-p", "2", "-m", "4", "-v", "2", "--schedule", "zb-h1", "--compare", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "interleaved 1F1B (v=2): p=2, m=4; bubble 0.1250 (formula 0.1250)" in text
+    assert "zero bubble interleaved (v=2): p=2, m=4; bubble 0.0417 (formula 0.0417)" in text
+    assert "B3a W3b W2a W3a" in text

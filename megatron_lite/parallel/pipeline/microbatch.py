@@ -118,12 +118,17 @@ class _Run:
         grads are finalised).
         """
         while self.store.num_pending > keep:
-            microbatch = self.w_done
-            if microbatch == self.m - 1:
-                self.enable_sync(0)
-            with self.rec.op("W", microbatch, 0):
-                self.store.flush()
+            self.weight_op(self.w_done, 0)
             self.w_done += 1
+
+    def weight_op(self, microbatch: int, chunk: int) -> None:
+        """One W pass: the oldest deferred weight gradients, those of ``microbatch`` on ``chunk``. The
+        last micro-batch's W of a chunk (per-chunk sync factories) or of chunk 0 (one factory) switches
+        that data-parallel reduction on first: nothing of that chunk (of the rank) produces gradients after it."""
+        if microbatch == self.m - 1 and (self.per_chunk or chunk == 0):
+            self.enable_sync(chunk if self.per_chunk else 0)
+        with self.rec.op("W", microbatch, chunk):
+            self.store.flush()
 
 
 def _iterators(data_iterator, num_chunks):

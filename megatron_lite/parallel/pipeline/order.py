@@ -3,7 +3,7 @@
 The real schedules in :mod:`schedules` and the process-free simulator in :mod:`trace` both take
 their op order from here, so a drawn schedule is the schedule that runs. An op is a tuple
 ``(kind, microbatch, chunk)`` with kind ``"F"`` (forward), ``"B"`` (backward; with the zero-bubble
-schedule only the input-gradient half) or ``"W"`` (the deferred weight-gradient half, zero-bubble
+schedules only the input-gradient half) or ``"W"`` (the deferred weight-gradient half, zero-bubble
 only); ``chunk`` is the model chunk (virtual pipeline stage) on this rank, always 0 without
 interleaving.
 
@@ -12,6 +12,9 @@ Micro-batch ``mb`` on chunk ``c`` of rank ``r`` is virtual stage ``c * p + r`` o
 """
 
 from __future__ import annotations
+
+from collections import deque
+from functools import lru_cache
 
 Op = tuple[str, int, int]
 
@@ -102,16 +105,13 @@ def interleaved_backward_op(k: int, p: int, v: int) -> tuple[int, int]:
     return mb, v - 1 - chunk
 
 
-def check_interleaved_microbatches(m: int, p: int, schedule: str = "1f1b") -> None:
-    """The interleaved schedule needs m to be a multiple of p (Megatron's original constraint),
-    and is a 1F1B schedule (``schedule`` is --pipeline-schedule; zb-h1 runs one chunk per rank).
+def check_interleaved_microbatches(m: int, p: int) -> None:
+    """The interleaved schedules (1F1B and zero bubble) need m to be a multiple of p (Megatron's
+    original constraint).
 
     Forwards go through the chunks in groups of p micro-batches, so a partial group would leave
     the ranks' send/receive sequences out of step.
     """
-    if schedule == "zb-h1":
-        raise ValueError("--pipeline-schedule zb-h1 runs one model chunk per rank; drop "
-                         "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
     if m < 1 or m % p:
         raise ValueError(
             f"the interleaved pipeline schedule needs the number of micro-batches per step "
@@ -146,8 +146,83 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
     return ops
 
 
+# ---------------------------------------------------------------------------------------------
+# Interleaved zero bubble: ZB-H1's B/W split on interleaved 1F1B (--pipeline-schedule zb-h1 with
+# virtual stages; the idea of Qi et al.'s interleaved zero-bubble schedules, built here as follows).
+#
+# The F/B order of every rank is exactly order_interleaved's (so are the sends and receives); only W
+# ops are added, first in first out (a W runs the oldest pending micro-batch-chunk's weight
+# gradients, as WeightGradStore.flush does). Where each W goes is decided by laying all ranks on a
+# timeline of unit slots (F = B = W = one slot, communication free), slot by slot:
+#   - before an F that would put more micro-batch-chunks in flight (forward done, W not yet) than
+#     interleaved 1F1B's largest count -- its first rank's: (v+1)p - 1 when m > p, v*p when m == p --
+#     the oldest W runs instead (so every rank stays within that bound: interleaved 1F1B's peak);
+#   - otherwise the next F/B runs when its input (or output gradient) is there;
+#   - when it is not, a pending W runs in the slot the rank would otherwise wait (the warmup's and
+#     cooldown's bubbles, and any wait of the steady phase);
+#   - after the last B the remaining W passes run.
+# A W never delays an F/B whose input is there, so F and B run no later than in interleaved 1F1B with
+# its backward as one op; at equal F, B and W costs the simulated bubble is a third of interleaved
+# 1F1B's, (p-1)/(3vm), once m >= 2p (tests/unit/test_zero_bubble_interleaved.py).
+
+
+def _stage_dependency(kind: str, mb: int, stage: int, stages: int):
+    """The (kind, micro-batch, virtual stage) an F or B op waits for (as trace.simulate's)."""
+    if kind == "F":
+        return ("F", mb, stage - 1) if stage > 0 else None
+    return ("B", mb, stage + 1) if stage < stages - 1 else ("F", mb, stage)
+
+
+def zb_interleaved_bound(p: int, m: int, v: int) -> int:
+    """Most micro-batch-chunks in flight on any rank under interleaved zero bubble: interleaved 1F1B's
+    largest count (its first rank's warmup forwards plus one, or all m*v when m == p)."""
+    return min(warmup_interleaved(p, 0, m, v) + 1, m * v)
+
+
+@lru_cache(maxsize=64)
+def _zb_interleaved_orders(p: int, m: int, v: int) -> tuple[tuple[Op, ...], ...]:
+    """The op order of every rank (see the section comment), from a unit-slot timeline of all ranks."""
+    skeleton = [order_interleaved(p, r, m, v) for r in range(p)]
+    bound, stages = zb_interleaved_bound(p, m, v), p * v
+    done: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, virtual stage) -> slot it ended
+    orders: list[list[Op]] = [[] for _ in range(p)]
+    nxt, live = [0] * p, [0] * p  # next F/B op; micro-batch-chunks in flight (F done, W not yet)
+    pending: list[deque] = [deque() for _ in range(p)]  # (micro-batch, chunk) whose B ran, W not yet
+    slot = 0
+    while any(nxt[r] < len(skeleton[r]) or pending[r] for r in range(p)):
+        ran = []
+        for r in range(p):
+            op = None
+            if nxt[r] < len(skeleton[r]):
+                kind, mb, chunk = skeleton[r][nxt[r]]
+                dep = _stage_dependency(kind, mb, chunk * p + r, stages)
+                ready = dep is None or done.get(dep, slot + 1) <= slot
+                if not (kind == "F" and live[r] >= bound and pending[r]) and ready:
+                    op, nxt[r] = skeleton[r][nxt[r]], nxt[r] + 1
+                    live[r] += kind == "F"
+                    if kind == "B":
+                        pending[r].append((mb, chunk))
+            if op is None and pending[r]:
+                op = ("W", *pending[r].popleft())
+                live[r] -= 1
+            if op is not None:
+                orders[r].append(op)
+                ran.append((op, r))
+        for (kind, mb, chunk), r in ran:
+            done[(kind, mb, chunk * p + r)] = slot + 1
+        slot += 1
+    return tuple(tuple(o) for o in orders)
+
+
+def order_zb_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+    """Rank ``r``'s interleaved zero-bubble order: interleaved 1F1B's F/B order with W ops added."""
+    check_interleaved_microbatches(m, p)
+    return list(_zb_interleaved_orders(p, m, v)[r])
+
+
 SCHEDULES = ("1f1b", "zb-h1")
-"""Values of --pipeline-schedule: "1f1b" (1F1B, interleaved with virtual stages) or "zb-h1"."""
+"""Values of --pipeline-schedule: "1f1b" (1F1B, interleaved with virtual stages) or "zb-h1" (zero
+bubble: ZB-H1, interleaved zero bubble with virtual stages)."""
 
 
 def rank_order(p: int, r: int, m: int, v: int = 1, schedule: str = "1f1b") -> list[Op]:
@@ -157,7 +232,5 @@ def rank_order(p: int, r: int, m: int, v: int = 1, schedule: str = "1f1b") -> li
     if p == 1:
         return order_no_pipelining(m)
     if schedule == "zb-h1":
-        if v > 1:
-            raise ValueError("the zb-h1 pipeline schedule runs one model chunk per rank (no virtual stages)")
-        return order_zb_h1(p, r, m)
+        return order_zb_interleaved(p, r, m, v) if v > 1 else order_zb_h1(p, r, m)
     return order_interleaved(p, r, m, v) if v > 1 else order_1f1b(p, r, m)

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from .microbatch import _Run, _setup, backward_from, set_input
 from .order import (
     SCHEDULES,
     check_interleaved_microbatches,
     interleaved_backward_op,
     interleaved_forward_op,
+    order_zb_interleaved,
     warmup_1f1b,
     warmup_interleaved,
     zb_h1_deferred,
@@ -45,21 +48,21 @@ from .wgrad import WeightGradStore
 __all__ = [
     "backward_from", "forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "forward_backward_pipelining_zero_bubble",
-    "get_forward_backward_func", "set_input",
+    "forward_backward_pipelining_zero_bubble_interleaved", "get_forward_backward_func", "set_input",
 ]
 
 
 def get_forward_backward_func(state, schedule: str = "1f1b"):
     """No pipelining for one stage; interleaved 1F1B when ``state.vpp_size`` (model chunks per
-    rank) is above 1; plain 1F1B otherwise, or ZB-H1 with ``schedule="zb-h1"`` (one chunk per rank)."""
+    rank) is above 1; plain 1F1B otherwise. With ``schedule="zb-h1"``: ZB-H1 (one chunk per rank) or
+    interleaved zero bubble (several)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if state.pp_size == 1:
         return forward_backward_no_pipelining
     if (state.vpp_size or 1) > 1:
         if schedule == "zb-h1":
-            raise ValueError("the zb-h1 pipeline schedule runs one model chunk per rank; drop "
-                             "--num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
+            return forward_backward_pipelining_zero_bubble_interleaved
         return forward_backward_pipelining_with_interleaving
     if schedule == "zb-h1":
         return forward_backward_pipelining_zero_bubble
@@ -208,6 +211,35 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
     return run.finish()
 
 
+def forward_backward_pipelining_zero_bubble_interleaved(*, forward_step_func, data_iterator, model,
+                                                        num_microbatches, comm: PipeComm, forward_only=False,
+                                                        grad_scale_func=None, no_sync_func=None, trace=None):
+    """Interleaved zero bubble (:func:`order.order_zb_interleaved`): interleaved 1F1B's forwards,
+    backwards, sends and receives, each backward split into B (input gradient, sent on at once) and
+    a W (weight gradients, :mod:`wgrad`) run where the order puts it: while the step's exchange is in
+    flight (the bubbles of warmup and cooldown), and never so late that a rank holds more
+    micro-batch-chunks in flight than interleaved 1F1B's first rank.
+    """
+    if forward_only:  # nothing to split
+        return forward_backward_pipelining_with_interleaving(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, comm=comm, forward_only=True, grad_scale_func=grad_scale_func,
+            no_sync_func=no_sync_func, trace=trace)
+    state = comm.state
+    check_interleaved_microbatches(num_microbatches, state.pp_size)
+    iters = _setup(model, data_iterator, num_microbatches)
+    run = _Run(forward_step_func, num_microbatches, grad_scale_func, False, trace, state, no_sync_func, len(model))
+    run.store = WeightGradStore()
+    steps = _Interleaved(model, iters, comm, run)
+    steps.plan_weights(order_zb_interleaved(state.pp_size, state.pp_rank, num_microbatches, len(model)))
+    with run.store.installed(torch.nn.ModuleList(model)):
+        steps.warmup()
+        steps.steady()
+        steps.cooldown()
+        steps.weights()  # the W passes after the last B
+    return run.finish()
+
+
 class _Interleaved:
     """One rank's interleaved schedule: forward step s and backward step b (0 .. m*v - 1) map to a
     (micro-batch, chunk) pair, and the three phases run them with their exchanges."""
@@ -223,6 +255,28 @@ class _Interleaved:
         self.act_in: deque = deque()   # received inputs, in forward order
         self.grad_in: deque = deque()  # received output gradients, in backward order
         self.held = [deque() for _ in range(self.v)]  # per chunk: (input, output) awaiting backward
+        self.done = 0  # F and B ops run so far
+        self.w_due: dict[int, list] = {}  # zero bubble: F/B ops done -> the W ops (mb, chunk) that follow them
+
+    def plan_weights(self, order) -> None:
+        """Zero bubble: run the W ops of ``order`` (this rank's op order) where it puts them."""
+        count = 0
+        for kind, mb, chunk in order:
+            if kind == "W":
+                self.w_due.setdefault(count, []).append((mb, chunk))
+            else:
+                count += 1
+
+    def weights(self) -> None:
+        """The W passes due after the F/B ops run so far (none without zero bubble)."""
+        for mb, chunk in self.w_due.pop(self.done, ()):
+            self.run.weight_op(mb, chunk)
+
+    def exchange(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """One batch of sends and receives; the W passes due now run while it is in flight."""
+        finish = self.comm.communicate(send_next, send_prev, recv_prev, recv_next, wait=False)
+        self.weights()
+        return finish()
 
     def fwd(self, s):
         return interleaved_forward_op(s, self.p, self.v)
@@ -243,6 +297,8 @@ class _Interleaved:
             queue.append(t)
 
     def forward(self, s):
+        self.weights()
+        self.done += 1
         mb, c = self.fwd(s)
         x = None if (self.first and c == 0) else self.act_in.popleft()
         is_loss = self.last and c == self.v - 1
@@ -252,6 +308,8 @@ class _Interleaved:
         return None if is_loss else y  # what goes to the next virtual stage
 
     def backward(self, b):
+        self.weights()
+        self.done += 1
         mb, c = self.bwd(b)
         x, y = self.held[c].popleft()
         dy = None if (self.last and c == self.v - 1) else self.grad_in.popleft()
@@ -261,16 +319,14 @@ class _Interleaved:
     def warmup(self):
         """Forwards only. Each step sends its output on and receives the next forward's input;
         the last warmup step also receives the gradient the first backward will need."""
-        comm = self.comm
-        self.push(self.act_in, comm.recv_forward(recv=not self.first))
+        self.push(self.act_in, self.exchange(recv_prev=not self.first)[0])
         for s in range(self.warm):
             out = self.forward(s)
             if s == self.warm - 1 and not self.all_warmup:
-                x_next, dy = comm.send_forward_backward_recv_forward_backward(
-                    out, None, recv_prev=self.act_coming(s), recv_next=self.grad_coming(-1))
+                x_next, dy = self.exchange(out, None, recv_prev=self.act_coming(s), recv_next=self.grad_coming(-1))
                 self.push(self.grad_in, dy)
             else:
-                x_next = comm.send_forward_recv_forward(out, recv_prev=self.act_coming(s))
+                x_next = self.exchange(out, recv_prev=self.act_coming(s))[0]
             self.push(self.act_in, x_next)
             release_output(out)
 
@@ -280,8 +336,7 @@ class _Interleaved:
             s = self.warm + k
             out = self.forward(s)
             dx = self.backward(k)
-            x_next, dy = self.comm.send_forward_backward_recv_forward_backward(
-                out, dx, recv_prev=self.act_coming(s), recv_next=self.grad_coming(k))
+            x_next, dy = self.exchange(out, dx, recv_prev=self.act_coming(s), recv_next=self.grad_coming(k))
             release_output(out)
             self.push(self.act_in, x_next)
             self.push(self.grad_in, dy)
@@ -289,7 +344,7 @@ class _Interleaved:
     def cooldown(self):
         """The remaining backwards, each receiving the gradient for the next one."""
         if self.all_warmup:
-            self.push(self.grad_in, self.comm.recv_backward(recv=self.grad_coming(-1)))
+            self.push(self.grad_in, self.exchange(recv_next=self.grad_coming(-1))[1])
         for b in range(self.total - self.warm, self.total):
             dx = self.backward(b)
-            self.push(self.grad_in, self.comm.send_backward_recv_backward(dx, recv_next=self.grad_coming(b)))
+            self.push(self.grad_in, self.exchange(send_prev=dx, recv_next=self.grad_coming(b))[1])

@@ -16,7 +16,8 @@ pipeline rank i, over its chunks: :func:`~.split.rank_ranges`, from the layout's
   warmup plus one: ``min(p - i, m)`` under 1F1B; interleaved with m > p, ``p + (p - 2i - 1)/v``
   stages' worth, ``p (1 + (p-1)/(p v))`` on the first stage and ``p - (p-1)/v`` on the last; ZB-H1
   ``min(p, m)`` on every stage: a micro-batch stays until its deferred weight gradients, counted as
-  its whole activations; a rank whose chunks differ in size: the most layers its order holds at
+  its whole activations; interleaved zero bubble the interleaved first stage's on every stage (the
+  bound its order keeps); a rank whose chunks differ in size: the most layers its order holds at
   once, :func:`held_layers`). Full
   recomputation adds one layer's un-recomputed activations (the layer being recomputed). The last stage adds its MTP layers (one micro-batch) and fp32 logits,
   ``4 b (s/cp) V / t`` for the model and each MTP depth. The MLP is counted as a 4h GeLU MLP;
@@ -31,7 +32,8 @@ and on the last rank the output layer and MTP, over the mean rank's; 1 when bala
 rank paces the pipeline); plus the tensor-, context-, expert-, expert-tensor- and pipeline-parallel traffic of one
 GPU (:mod:`.volumes`) over the bandwidth of its group (inside a node or across nodes, from the rank
 order TP, CP, DP, PP; the experts' ETP, EP, expert-DP); that sum stretched by the pipeline bubble
-(:func:`pipeline_bubble`: ``(p-1)/(v m)`` under 1F1B, ``(p-1)/(3m)`` under ZB-H1 with m >= p); plus the
+(:func:`pipeline_bubble`: ``(p-1)/(v m)`` under 1F1B, ``(p-1)/(3m)`` under ZB-H1 with m >= p,
+``(p-1)/(3vm)`` interleaved with m >= 2p); plus the
 data-parallel gradient and weight traffic. No communication is assumed hidden behind compute.
 """
 
@@ -44,7 +46,7 @@ import torch
 
 from ...errors import ConfigError
 from ...parallel.expert_grid import expert_dp_size, folding_problem
-from ...parallel.pipeline.order import order_zb_h1, rank_order, warmup_1f1b, warmup_interleaved
+from ...parallel.pipeline.order import rank_order, warmup_1f1b, warmup_interleaved, zb_interleaved_bound
 from ...parallel.pipeline.trace import bubble_fraction, simulate
 from ..activation_memory import korthikanti_layer_bytes, mla_layer_bytes
 from ..flops import core_attention_flops, layer_windows, num_floating_point_operations
@@ -145,9 +147,8 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
         raise ConfigError(f"--global-batch-size {global_batch} must be divisible by DP {lay.dp} x micro-batch {lay.micro_batch}")
     if lay.vpp > 1 and (lay.pp == 1 or global_batch // (lay.dp * lay.micro_batch) % lay.pp):
         raise ConfigError(f"VPP {lay.vpp} needs PP > 1 and the micro-batches per step divisible by PP {lay.pp}")
-    if lay.schedule not in SCHEDULES or (lay.schedule == "zb-h1" and lay.vpp > 1):
-        raise ConfigError(f"--pipeline-schedule {lay.schedule}: one of {', '.join(SCHEDULES)}, and zb-h1 runs one "
-                          f"model chunk per rank (VPP 1, not {lay.vpp})")
+    if lay.schedule not in SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {lay.schedule}: one of {', '.join(SCHEDULES)}")
     _check_experts(spec, lay)
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
@@ -198,28 +199,32 @@ def layer_bytes(spec: ModelSpec, lay: Layout, recompute: str | None) -> float:
     return korthikanti_layer_bytes(s, lay.micro_batch, spec.hidden_size, spec.num_attention_heads, t, t > 1, recompute)
 
 
+@lru_cache(maxsize=1024)
 def in_flight_microbatches(p: int, i: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
     """Micro-batches whose activations stage ``i`` of ``p`` holds at its peak under the schedule's
     order (:mod:`~megatron_lite.parallel.pipeline.order`): its warmup forwards plus the first steady
     one (all of them when there is no steady phase), over all ``v`` chunks, in whole-stage units.
     ZB-H1: ``min(p, m)`` on every stage (a micro-batch is held until its deferred W, whose stashed
-    GEMM inputs and output gradients are counted as its whole activations)."""
+    GEMM inputs and output gradients are counted as its whole activations); interleaved zero bubble:
+    the bound its order keeps on every stage, interleaved 1F1B's first stage's (which its orders reach)."""
     if p == 1:
         return 1.0
     if schedule == "zb-h1":
-        return float(min(p, m))
+        return float(min(p, m)) if v == 1 else zb_interleaved_bound(p, m, v) / v
     total = m * v
     warm = warmup_interleaved(p, i, m, v) if v > 1 else warmup_1f1b(p, i, m)
     return min(warm + 1, total) / v
 
 
 @lru_cache(maxsize=1024)
-def held_layers(p: int, i: int, m: int, sizes: tuple) -> int:
+def held_layers(p: int, i: int, m: int, sizes: tuple, schedule: str = "1f1b") -> int:
     """Most layers' activations rank ``i`` holds at once under the interleaved order, its chunks
-    ``sizes`` layers each: a forward of chunk c adds its layers, that micro-batch's backward frees them."""
+    ``sizes`` layers each: a forward of chunk c adds its layers, that micro-batch's backward frees them
+    (its W under zero bubble)."""
     live = peak = 0
-    for kind, _, chunk in rank_order(p, i, m, len(sizes)):
-        live += sizes[chunk] if kind == "F" else -sizes[chunk] if kind == "B" else 0
+    frees = "W" if schedule == "zb-h1" else "B"
+    for kind, _, chunk in rank_order(p, i, m, len(sizes), schedule):
+        live += sizes[chunk] if kind == "F" else -sizes[chunk] if kind == frees else 0
         peak = max(peak, live)
     return peak
 
@@ -243,8 +248,8 @@ def stage_memory(spec: ModelSpec, lay: Layout, m: int) -> list[tuple[float, floa
     for i, layers in enumerate(rank_layers(spec, lay)):
         dense, expert = stage_params(spec, t, p, lay.ep, i == 0, i == p - 1, i, lay.etp, ranges[i])
         sizes = tuple(hi - lo for lo, hi in ranges[i])
-        if len(set(sizes)) > 1 and lay.schedule == "1f1b":  # chunks of unequal size: their layers in flight
-            acts = held_layers(p, i, m, sizes) * per_layer + work
+        if len(set(sizes)) > 1:  # chunks of unequal size: their layers in flight
+            acts = held_layers(p, i, m, sizes, lay.schedule) * per_layer + work
         else:
             acts = layers * per_layer * in_flight_microbatches(p, i, m, v, lay.schedule) + work
         if i == p - 1:  # the MTP layers and every depth's logits, one micro-batch in flight
@@ -300,14 +305,15 @@ def pipeline_bubble(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float
     ZB-H1, with a micro-batch's forward, input-gradient (B) and weight-gradient (W) passes taking
     equal time (a backward twice a forward): its order simulated (:func:`simulate`), which is
     ``(p-1)/(3m)`` once ``m >= p`` (W fills two thirds of 1F1B's idle time); with fewer
-    micro-batches the cooldown has too few W passes to fill it."""
+    micro-batches the cooldown has too few W passes to fill it. Interleaved zero bubble (``v > 1``):
+    likewise ``(p-1)/(3vm)`` once ``m >= 2p``, its order simulated at ``m = p``."""
     if p == 1:
         return 0.0
     if schedule != "zb-h1":
         return (p - 1) / (v * m)
-    if m >= p:
-        return (p - 1) / (3 * m)
-    return bubble_fraction(simulate({r: order_zb_h1(p, r, m) for r in range(p)}, p, 1, 1.0, 1.0, 1.0))
+    if m >= (p if v == 1 else 2 * p):
+        return (p - 1) / (3 * v * m)
+    return bubble_fraction(simulate({r: rank_order(p, r, m, v, schedule) for r in range(p)}, p, v, 1.0, 1.0, 1.0))
 
 
 def estimate(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: Layout) -> Estimate:

@@ -32,7 +32,7 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
     """Every :class:`Layout` that passes :func:`check_layout`: TP a divisor of the node size, PP a
     divisor of the layer count or a power of two (uneven first and last stages), CP a power of two,
     EP a divisor of the experts, the experts' ETP the TP size or (at TP > 1) 1, the pipeline
-    schedule 1F1B or (at PP > 1 with VPP 1) ZB-H1, hybrid-sharding
+    schedule 1F1B or (at PP > 1 with VPP 1) ZB-H1 (any VPP when fixed), hybrid-sharding
     instances 1 or one per node (:func:`_instance_choices`, sharded strategies only), the split of
     the layers from :func:`_split_choices`, the rest from the choices above. A fixed
     ``pipeline_layout`` (with any other split field it is refused, as in training) makes PP a divisor
@@ -94,7 +94,9 @@ def _split_choices(spec: ModelSpec, p: int, v: int) -> list[dict]:
 
 
 def _schedule_choices(p: int, v: int) -> tuple[str, ...]:
-    """ZB-H1 beside 1F1B where it differs from it: a pipeline (PP > 1) of one chunk per rank."""
+    """ZB-H1 beside 1F1B where it differs from it: a pipeline (PP > 1) of one chunk per rank. Interleaved
+    zero bubble (VPP > 1) is planned when asked for (``fixed["schedule"]``, --pipeline-schedule zb-h1),
+    not searched by default (it would add a third to the search's layouts)."""
     return SCHEDULES if p > 1 and v == 1 else ("1f1b",)
 
 
