@@ -77,6 +77,8 @@ def moe_reference(tmp_path_factory):
         # zero bubble: the dense linears' weight gradients deferred to W, the grouped experts' computed in B
         ("ep2_pp2_zb_h1", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                    "--pipeline-schedule", "zb-h1"]),
+        ("ep2_pp2_vpp_zb", 4, "B", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                    "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "zb-h1"]),
         # CP: each CP rank routes its half of every sequence, so the load-balancing loss's token counts
         # and the z-loss's normaliser span TP x CP; expert gradients are averaged over expert-DP x CP.
         # Variant A: no capacity (under CP each rank would drop within its own half)

@@ -1,4 +1,5 @@
-"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B, ZB-H1.
+"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B, ZB-H1,
+interleaved zero bubble.
 
 ``get_forward_backward_func(state, schedule)`` picks one; all share one keyword-only signature
 ``(forward_step_func, data_iterator, model, num_microbatches, comm, forward_only=False,
