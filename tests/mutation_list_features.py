@@ -5,7 +5,7 @@ HF importers' sizes, the lost-peer save wording, HF export staging, the server's
 merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock; TikTokenizer's id
 offset and Llama2Tokenizer's BOS), each with the
 merge_datasets' multimodal modes, the resume notes and the --exit-duration-in-mins clock; the init,
-warmup-init and eval-batch flags), each with the
+warmup-init and eval-batch flags; interleaved zero bubble's memory bound and sync switch), each with the
 fastest tests that catch it."""
 
 from __future__ import annotations
@@ -210,4 +210,13 @@ MUTATIONS = [
     Mutation("straggler_rank_order", "--log-straggler: ranks ordered by rank number, not by compute time per iteration",
              "megatron_lite/training/straggler.py", "key=lambda r: (per_iter[r], r))", "key=lambda r: r)",
              ("tests/unit/test_straggler.py", "-k", "slow_rank or count_ranks")),
+    Mutation("zb_interleaved_no_memory_bound", "interleaved zero bubble: W passes held back past interleaved 1F1B's "
+             "first-rank peak (no W forced before an F at the bound)", "megatron_lite/parallel/pipeline/order.py",
+             'if not (kind == "F" and live[r] >= bound and pending[r]) and ready:', "if ready:",
+             ("tests/unit/test_zero_bubble_interleaved.py", "-k", "memory_bound")),
+    Mutation("zb_interleaved_sync_on_early", "interleaved zero bubble, one no_sync factory: the reduction switched on "
+             "at chunk 1's last W, before chunk 0's", "megatron_lite/parallel/pipeline/microbatch.py",
+             "        if microbatch == self.m - 1 and (self.per_chunk or chunk == 0):\n            self.enable_sync(chunk if",
+             "        if microbatch == self.m - 1:\n            self.enable_sync(chunk if",
+             ("tests/distributed/test_zero_bubble.py", "-k", "interleaved_zero_bubble_matches")),
 ]

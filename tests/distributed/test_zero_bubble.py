@@ -110,3 +110,9 @@ def test_interleaved_zero_bubble_with_tensor_parallel_and_deferred_weights():
         for name, seen in _ops_per_param(res).items():
             expected = [("B" if name.endswith("row.bias") else "W", i) for i in range(m)]
             assert seen == expected, f"rank {res['pp_rank']}: {name} changed during {seen}, expected {expected}"
+
+
+def test_interleaved_zero_bubble_forward_only_is_interleaved_forwards():
+    results = run_ranks(4, run_pipeline, 8, 8, 1, 4, 1, False, True, "zb-h1")
+    check_against_reference(results, 8, 8, 4, forward_only=True)
+    check_trace(results, 8, 4, forward_only=True)
