@@ -277,11 +277,12 @@ def fill(folder: str, index: dict, requests, loose_axes: dict | None = None) -> 
             dest.copy_(region(whole.reshape(global_shape), (0,) * len(global_shape), offset, dest.shape))
 
 
-def merge_kind(folder: str, index: dict, kind: str, partition: dict) -> dict:
-    """``{name: full tensor}`` of one kind (``partition[name]``: the partition dim, or absent)."""
+def merge_kind(folder: str, index: dict, kind: str, partition: dict, keep=None) -> dict:
+    """``{name: full tensor}`` of one kind (``partition[name]``: the partition dim, or absent); with
+    ``keep`` (a predicate on names), only the tensors it accepts are read."""
     out = {}
     for (k, name), saved in sorted(index.items()):
-        if k != kind:
+        if k != kind or (keep is not None and not keep(name)):
             continue
         shape = extent((o, s) for o, s, _, _ in saved)
         full = torch.zeros(shape, dtype=saved[0][2])
@@ -290,16 +291,17 @@ def merge_kind(folder: str, index: dict, kind: str, partition: dict) -> dict:
     return out
 
 
-def merge_dist(path: str, filled: list | None = None) -> tuple[dict, dict]:
+def merge_dist(path: str, filled: list | None = None, keep=None) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config with ``iteration`` and ``consumed_samples``) of a
-    torch_dist checkpoint: what :func:`~megatron_lite.checkpoint.merge.merge_checkpoint` gives for torch."""
+    torch_dist checkpoint: what :func:`~megatron_lite.checkpoint.merge.merge_checkpoint` gives for torch
+    (``keep``: only the tensors it accepts)."""
     folder = resolve_folder(path)
     common = read_common(folder)
     index = read_index(folder)
     config = dict(common["config"])
     config.setdefault("iteration", common["iteration"])
     config.setdefault("consumed_samples", common["consumed_samples"])
-    merged = merge_kind(folder, index, "weight", common["partition"])
+    merged = merge_kind(folder, index, "weight", common["partition"], keep)
     (filled if filled is not None else []).extend(fill_merged(merged, config, path))
     return merged, config
 

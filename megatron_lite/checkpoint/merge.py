@@ -25,6 +25,7 @@ vocabulary size (padding depends on the TP size the checkpoint was trained with)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import torch
@@ -38,7 +39,7 @@ from ..parallel.tensor import unshard
 from ..precision.fp8 import is_fp8_state_key
 from .dist_read import is_dist_folder, merge_dist, resolve_folder
 from .expert_files import merge_folded_chunk
-from .format import CheckpointError, find_model_files, read_model_file
+from .format import MODEL_KEYS, CheckpointError, find_model_files, read_model_file
 from .router_bias import fill_merged
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
@@ -58,12 +59,15 @@ def _strip(sd: dict) -> dict:
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in sd.items()}
 
 
-def _merge_tp(shards: list[dict], c: int) -> dict:
-    """Chunk ``c`` of one (pipeline, expert) rank with its TP shards glued together."""
+def _merge_tp(shards: list[dict], c: int, keep=None) -> dict:
+    """Chunk ``c`` of one (pipeline, expert) rank with its TP shards glued together (``keep``: a
+    predicate on the chunk's names; the others are left out)."""
     sds = [_strip(s["model"][c]) for s in shards]
     meta = _strip(shards[0]["param_meta"][c])
     chunk = {}
     for name, tensor in sds[0].items():
+        if keep is not None and not keep(name):
+            continue
         if name in meta:
             parts = [sd[name] for sd in sds]
             chunk[name] = unshard(parts, meta[name]["partition_dim"], meta[name]["partition_stride"])
@@ -90,63 +94,116 @@ def _merge_ep(chunks: list[dict]) -> dict:
     return merged
 
 
-def _load_payloads(path: str) -> tuple[dict, int, int, int]:
-    """{(tp, pp, ep): payload} of a checkpoint, checked complete, and its tp, pp, ep sizes."""
+def _peek(file: str) -> dict:
+    """The payload of one model file with its tensors memory-mapped, not read: its sizes, config and
+    each chunk's names and layer range cost only the file's index. A file that cannot be mapped (an
+    old-style file, a damaged one) is read whole, which gives the one-line error of a bad file."""
+    try:
+        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return read_model_file(file)
+    if not isinstance(payload, dict) or any(k not in payload for k in MODEL_KEYS) or not isinstance(payload["model"], list):
+        return read_model_file(file)
+    return payload
+
+
+def _stage_files(path: str) -> tuple[dict, dict, int, int, int]:
+    """({pp rank: {(tp, pp, ep[, etp]): file}}, the first file's payload (peeked), tp, pp, ep sizes) of a
+    checkpoint, checked complete."""
     files = find_model_files(path)
-    if len(next(iter(files))) == 4:  # a folded expert grid's files (expert_files.py)
-        payloads = {key: read_model_file(file) for key, file in files.items()}
-        first = payloads[min(payloads)]
-        return payloads, first["tp_size"], first["pp_size"], first.get("ep_size", 1)
-    payloads = {(key + (0,))[:3]: read_model_file(file) for key, file in files.items()}
-    first = payloads[min(payloads)]
+    folded = len(next(iter(files))) == 4  # a folded expert grid's files (expert_files.py)
+    if not folded:
+        files = {(key + (0,))[:3]: file for key, file in files.items()}
+    first = _peek(files[min(files)])
     tp, pp, ep = first["tp_size"], first["pp_size"], first.get("ep_size", 1)
     want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
-    if set(payloads) != want:
-        missing = sorted(key[: 3 if ep > 1 else 2] for key in want - set(payloads))
+    if not folded and set(files) != want:
+        missing = sorted(key[: 3 if ep > 1 else 2] for key in want - set(files))
         layout = f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
         layout, ranks = (f"{layout} --expert-model-parallel-size {ep}", "(tp, pp, ep)") if ep > 1 else (layout, "(tp, pp)")
         raise CheckpointError(f"{path}: saved with {layout} but mp_rank files for {ranks} {missing} are missing; "
                               "the checkpoint is incomplete")
-    return payloads, tp, pp, ep
+    stages: dict = {}
+    for key, file in sorted(files.items()):
+        stages.setdefault(key[1], {})[key] = file
+    return stages, first, tp, pp, ep
 
 
-def merge_checkpoint(path: str, filled: list | None = None) -> tuple[dict, dict]:
+def _final_name(name: str, start: int, tied: bool) -> str | None:
+    """The single-process name of chunk tensor ``name`` (EP-merged) of the chunk starting at layer
+    ``start``, or None for a copy of the embedding that the first chunk's stands for."""
+    m = _LAYER.match(name)
+    if m:
+        return f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
+    if name == "output_layer.weight" and tied:
+        return None  # the last stage's copy of the tied embedding
+    if name.startswith("embedding.") and start > 0:
+        return None  # a multi-token-prediction stage's copy of the embedding
+    return name
+
+
+def _chunk_keep(keep, start: int, tied: bool, ep: int, per_rank: int):
+    """``keep`` on a chunk's local names (before the EP merge): a local expert is kept when it is kept
+    as the expert of any EP rank, so every EP rank's chunk keeps the same names."""
+    def local(name: str) -> bool:
+        final = _final_name(name, start, tied)
+        if final is None:
+            return False
+        m = _LOCAL_EXPERT.match(final)
+        if m is None or ep == 1:
+            return keep(final)
+        j = int(m.group(2))
+        return any(keep(f"{m.group(1)}{e * per_rank + j}{m.group(3)}") for e in range(ep))
+    return local
+
+
+def merge_checkpoint(path: str, filled: list | None = None, keep=None) -> tuple[dict, dict]:
     """(single-process state dict, saved flat config) from a save folder, ``iter_*`` folder.
     An MoE router bias the checkpoint lacks is zero (:mod:`.router_bias`); ``filled`` gets their names.
 
     The config dict also holds the checkpoint's ``iteration`` and ``consumed_samples``. A torch_dist
-    checkpoint (:mod:`~megatron_lite.checkpoint.dist_read`) is merged from its saved boxes."""
+    checkpoint (:mod:`~megatron_lite.checkpoint.dist_read`) is merged from its saved boxes.
+
+    ``keep`` (a predicate on single-process names; None: every tensor) merges only the tensors it
+    accepts: the model files of a pipeline stage are read only when one of its tensors is kept (the
+    others' names and layer ranges are read from their index, not their data), and a torch_dist
+    checkpoint reads only the kept tensors' boxes."""
     if is_dist_folder(resolve_folder(path)):
-        return merge_dist(path, filled)
-    payloads, tp, pp, ep = _load_payloads(path)
-    first = payloads[min(payloads)]
+        return merge_dist(path, filled, keep)
+    stages, first, tp, pp, ep = _stage_files(path)
     saved_config = dict(first["config"])
     for key in ("iteration", "consumed_samples"):
         saved_config.setdefault(key, first.get(key))
     tied = not saved_config.get("untie_embeddings_and_output_weights", False)
-
-    merged: dict = {}
-    chunks = []  # (layer_start, merged chunk state dict), in global layer order
+    per_rank = int(saved_config.get("num_experts") or 0) // ep
     folded = first.get("expert_grid_folded", False)
+
+    chunks = []  # (layer_start, merged chunk state dict), in global layer order
     for p in range(pp):
-        ranges = next(v for k, v in sorted(payloads.items()) if k[1] == p)["layer_ranges"]
-        for c, (start, _end) in enumerate(ranges):
+        index = first if p == 0 else _peek(stages[p][min(stages[p])])
+        picked = []
+        for c, (start, _end) in enumerate(index["layer_ranges"]):
+            local = None if keep is None else _chunk_keep(keep, start, tied, ep, per_rank)
+            if local is None or any(local(name) for name in _strip(index["model"][c])):
+                picked.append((c, start, local))
+        if not picked:
+            continue  # no tensor of this stage is wanted: its files are not read
+        payloads = {key: read_model_file(file) for key, file in stages[p].items()}
+        for c, start, local in picked:
+            merge_tp = functools.partial(_merge_tp, keep=local)
             if folded:
-                chunks.append((start, merge_folded_chunk(path, payloads, p, c, _merge_tp, _merge_ep)))
+                chunks.append((start, merge_folded_chunk(path, payloads, p, c, merge_tp, _merge_ep)))
                 continue
-            per_ep = [_merge_tp([payloads[(t, p, e)] for t in range(tp)], c) for e in range(ep)]
+            per_ep = [merge_tp([payloads[(t, p, e)] for t in range(tp)], c) for e in range(ep)]
             chunks.append((start, _merge_ep(per_ep)))
+        del payloads
     chunks.sort(key=lambda item: item[0])
+    merged: dict = {}
     for start, chunk in chunks:
         for name, tensor in chunk.items():
-            m = _LAYER.match(name)
-            if m:
-                name = f"{m.group(1)}.layers.{start + int(m.group(2))}.{m.group(3)}"
-            elif name == "output_layer.weight" and tied:
-                continue  # the last stage's copy of the tied embedding
-            elif name.startswith("embedding.") and start > 0:
-                continue  # a multi-token-prediction stage's copy of the embedding
-            merged[name] = tensor
+            name = _final_name(name, start, tied)
+            if name is not None and (keep is None or keep(name)):
+                merged[name] = tensor
     (filled if filled is not None else []).extend(fill_merged(merged, saved_config, path))
     return merged, saved_config
 

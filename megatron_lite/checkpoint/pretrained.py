@@ -10,11 +10,12 @@ master weights are refreshed from the loaded weights).
   (:func:`~megatron_lite.checkpoint.dist.load_weights`).
 * ``torch`` at this run's layout (same TP, PP, EP sizes and layer ranges): each rank reads its own
   ``mp_rank_*`` file, as a resume does.
-* ``torch`` at another layout: the checkpoint is merged into single-process tensors
-  (:func:`~megatron_lite.checkpoint.merge.merge_checkpoint`) and each rank cuts its shards out of
-  them with the same placement (:func:`~megatron_lite.checkpoint.dist.rank_tensors`: tensor-parallel
-  offsets, global layer and expert numbers) the sharded format uses. Every rank reads the whole
-  checkpoint once; for large models prefer ``torch_dist``.
+* ``torch`` at another layout: each rank merges into single-process tensors only the tensors it holds
+  (:func:`merge_for_rank`: the model files of the pipeline stages holding its layers, its
+  embedding or output layer, read whole; the other stages' files are not read) and cuts its shards
+  out of them with the same placement (:func:`~megatron_lite.checkpoint.dist.rank_tensors`:
+  tensor-parallel offsets, global layer and expert numbers) the sharded format uses. ``torch_dist``
+  reads less still (only the saved boxes overlapping its shards).
 
 The vocabulary padding may differ (it depends on the TP size): the rows of the real vocabulary are
 kept. The model flags that decide shapes must match the checkpoint's (arch_flags.SHAPE_FLAGS; the others
@@ -90,13 +91,27 @@ def _load_dist_weights(folder: str, chunks, state, missing_ok, vocab_size: int) 
     load_weights(folder, index, tensors, vocab_size)
 
 
+def merge_for_rank(folder: str, tensors, keep_extra, required) -> tuple[dict, dict]:
+    """:func:`~megatron_lite.checkpoint.merge.merge_checkpoint` of only what this rank needs: the
+    single-process tensors of ``tensors`` (:func:`~megatron_lite.checkpoint.dist.rank_tensors`' names, or
+    what ``tensors`` is, a set of names), and those ``keep_extra(name)`` accepts (tensors of no place in
+    the model, to report). When a ``required`` name is not found that way, the whole checkpoint is
+    merged, for the same report as before."""
+    names = {getattr(t, "name", t) for t in tensors}
+    merged, saved = merge_checkpoint(folder, keep=lambda name: name in names or keep_extra(name))
+    if any(name not in merged for name in required):
+        merged, saved = merge_checkpoint(folder)
+    return merged, saved
+
+
 def _load_merged(folder: str, chunks, config, state, missing_ok, check) -> None:
     """Cut this rank's tensors out of the merged (single-process) torch-format checkpoint (``check``:
-    the saved config's check)."""
-    merged, saved = merge_checkpoint(folder)
-    check(saved)
+    the saved config's check); only the model files and tensors of this rank's layers are read."""
     tensors, _ = rank_tensors(chunks, state)
     whole_model = set(chunk_model(config.flat()).state_dict())  # every rank's tensors, at TP 1 and EP 1
+    required = [t.name for t in tensors if not _optional(t.name, missing_ok)]
+    merged, saved = merge_for_rank(folder, tensors, lambda k: k not in whole_model and not is_fp8_state_key(k), required)
+    check(saved)
     extra = sorted(k for k in merged if k not in whole_model and not is_fp8_state_key(k))
     problems = cut_merged(merged, tensors, missing_ok, [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
     if problems:

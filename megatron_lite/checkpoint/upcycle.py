@@ -19,6 +19,7 @@ checkpoint, whose iterations the upcycled run's saves would mix with.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -33,8 +34,7 @@ from .arch import arch_differences, check_family, saved_config
 from .dist import rank_tensors
 from .format import TRACKER_FILENAME, CheckpointError, read_tracker
 from .layout import chunk_model
-from .merge import merge_checkpoint
-from .pretrained import checkpoint_folder, cut_merged
+from .pretrained import checkpoint_folder, cut_merged, merge_for_rank
 
 # the flags an upcycled model may set apart from its dense checkpoint (the experts' shapes)
 MOE_SHAPE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
@@ -92,8 +92,11 @@ class _Upcycled:
         self.folder, self.merged, self.moe = folder, merged, moe
         self.mass, self.exact = routing_mass(moe)
         self.slices: dict = {}  # (layer prefix, slice) -> that slice's expert tensors
+        self.rows: dict = {}  # stacked expert tensor -> (first expert, count) this rank holds (default: all)
 
-    def _dense_name(self, name: str) -> str | None:
+    @staticmethod
+    def dense_name(name: str) -> str | None:
+        """The dense MLP tensor an expert tensor is made from (None for any other tensor)."""
         m = _EXPERT.match(name)
         if m is None:
             return None
@@ -101,7 +104,7 @@ class _Upcycled:
         return f"{prefix}mlp.linear_{part}"
 
     def __contains__(self, name: str) -> bool:
-        dense = self._dense_name(name)
+        dense = self.dense_name(name)
         return (dense or name) in self.merged
 
     def _expert(self, prefix: str, expert: int) -> dict:
@@ -127,15 +130,28 @@ class _Upcycled:
         if m.group(2) is not None:
             return self._expert(prefix, int(m.group(2)))[m.group(3)]
         part = _STACKED[m.group(4)]
-        pieces = [self._expert(prefix, e)[part] for e in range(self.moe.num_experts)]
+        first, count = self.rows.get(name, (0, self.moe.num_experts))
+        pieces = [self._expert(prefix, e)[part] for e in range(first, first + count)]
         return torch.stack([p.t() if part.endswith("weight") else p for p in pieces])  # [E, in, out] / [E, n]
 
     def extra(self, whole_model: set) -> list[str]:
         """Dense tensors this model has no place for (an MoE layer's dense MLP is its experts' source)."""
-        def used(k):
-            m = _DENSE_MLP.match(k)
-            return k in whole_model or is_fp8_state_key(k) or (m is not None and f"{m.group(1)}mlp.router.weight" in whole_model)
-        return sorted(k for k in self.merged if not used(k))
+        return sorted(k for k in self.merged if not _used(k, whole_model))
+
+    def own_rows(self, t):
+        """``t`` (a rank tensor) placed among this rank's experts only when it is a stacked expert tensor
+        (whose experts this source then builds alone), else ``t``."""
+        m = _EXPERT.match(t.name)
+        if m is None or m.group(4) is None:
+            return t
+        self.rows[t.name] = (t.offset[0], t.local[0])
+        return dataclasses.replace(t, offset=(0,) + tuple(t.offset[1:]), global_shape=(t.local[0],) + tuple(t.global_shape[1:]))
+
+
+def _used(name: str, whole_model: set) -> bool:
+    """Whether the MoE model (``whole_model``: its names at TP 1, EP 1) has a use for dense tensor ``name``."""
+    m = _DENSE_MLP.match(name)
+    return name in whole_model or is_fp8_state_key(name) or (m is not None and f"{m.group(1)}mlp.router.weight" in whole_model)
 
 
 def _fresh(name: str) -> bool:
@@ -144,14 +160,20 @@ def _fresh(name: str) -> bool:
 
 
 def upcycle_here(chunks, optimizer, root: str, config, state) -> None:
-    """This rank's part of the upcycling load (local: no collectives; the caller runs it on every rank)."""
+    """This rank's part of the upcycling load (local: no collectives; the caller runs it on every rank).
+    Only the dense tensors of this rank's layers are read and merged, only its experts derived."""
     folder, iteration = checkpoint_folder(root, "--load")
-    merged, saved = merge_checkpoint(folder)
-    _check_dense(folder, saved, config)
-    source, g = _Upcycled(folder, merged, config.moe), config.moe.moe_upcycling_granularity
+    g = config.moe.moe_upcycling_granularity
     with full_params(chunks, load=True, partial=True):  # ZeRO-3: full storage, the routers' init kept
         tensors, _ = rank_tensors(chunks, state)
-        extra = source.extra(set(chunk_model(config.flat()).state_dict()))
+        whole_model = set(chunk_model(config.flat()).state_dict())
+        dense = {t.name: _Upcycled.dense_name(t.name) or t.name for t in tensors}  # the dense tensor each is made of
+        required = [dense[t.name] for t in tensors if not _fresh(t.name)]
+        merged, saved = merge_for_rank(folder, set(dense.values()), lambda k: not _used(k, whole_model), required)
+        _check_dense(folder, saved, config)
+        source = _Upcycled(folder, merged, config.moe)
+        tensors = [source.own_rows(t) for t in tensors]  # grouped experts: only this rank's are built
+        extra = source.extra(whole_model)
         problems = cut_merged(source, tensors, _fresh, [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
         if problems:
             raise CheckpointError(f"--moe-use-upcycling: checkpoint {folder} does not fit the model: "
