@@ -76,17 +76,18 @@ def _merge_tp(shards: list[dict], c: int, keep=None) -> dict:
     return chunk
 
 
-def _merge_ep(chunks: list[dict]) -> dict:
-    """One chunk from its EP ranks' chunks: experts renumbered / concatenated, the rest from rank 0."""
+def _merge_ep(chunks: list[dict], per_rank: int | None = None) -> dict:
+    """One chunk from its EP ranks' chunks: experts renumbered / concatenated, the rest from rank 0
+    (``per_rank``: the experts of each EP rank, when the chunks hold only some of them)."""
     if len(chunks) == 1:
         return chunks[0]
     merged = {}
     for name, tensor in chunks[0].items():
         m = _LOCAL_EXPERT.match(name)
         if m:
-            local = {int(_LOCAL_EXPERT.match(n).group(2)) for n in chunks[0] if n.startswith(m.group(1))}
+            local = per_rank or len({int(_LOCAL_EXPERT.match(n).group(2)) for n in chunks[0] if n.startswith(m.group(1))})
             for e, chunk in enumerate(chunks):
-                merged[f"{m.group(1)}{e * len(local) + int(m.group(2))}{m.group(3)}"] = chunk[name]
+                merged[f"{m.group(1)}{e * local + int(m.group(2))}{m.group(3)}"] = chunk[name]
         elif ".mlp.experts." in name:  # grouped GEMM: [local experts, ...] stacked
             merged[name] = torch.cat([chunk[name] for chunk in chunks])
         else:
@@ -191,11 +192,12 @@ def merge_checkpoint(path: str, filled: list | None = None, keep=None) -> tuple[
         payloads = {key: read_model_file(file) for key, file in stages[p].items()}
         for c, start, local in picked:
             merge_tp = functools.partial(_merge_tp, keep=local)
+            merge_ep = functools.partial(_merge_ep, per_rank=None if keep is None else per_rank)
             if folded:
-                chunks.append((start, merge_folded_chunk(path, payloads, p, c, merge_tp, _merge_ep)))
+                chunks.append((start, merge_folded_chunk(path, payloads, p, c, merge_tp, merge_ep)))
                 continue
             per_ep = [merge_tp([payloads[(t, p, e)] for t in range(tp)], c) for e in range(ep)]
-            chunks.append((start, _merge_ep(per_ep)))
+            chunks.append((start, merge_ep(per_ep)))
         del payloads
     chunks.sort(key=lambda item: item[0])
     merged: dict = {}

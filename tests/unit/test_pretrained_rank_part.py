@@ -144,3 +144,16 @@ def test_upcycling_merges_only_the_stage_and_builds_only_its_experts(monkeypatch
     placed = source.own_rows(mine)
     assert placed.offset == (0, 0, 0) and placed.global_shape == (2, 32, 96)
     assert torch.equal(source[name], dense["decoder.layers.2.mlp.linear_fc1.weight"].t().expand(2, 32, 96))
+
+
+@pytest.mark.parametrize("experts", [(1,), (2, 3), (0, 3)])
+def test_kept_experts_of_an_ep2_checkpoint_are_the_whole_merges(tmp_path, experts):
+    """merge_checkpoint(keep=) of an EP2 checkpoint: each kept expert is the one of that number in the
+    whole merge (local experts renumbered by the saved experts per rank, not by the ones kept)."""
+    save_model("moe", str(tmp_path / "one"))
+    assert convert("GPT", "--load-dir", tmp_path / "one", "--save-dir", tmp_path / "ep2",
+                   "--target-expert-parallel-size", "2") == 0
+    whole, _ = merge_module.merge_checkpoint(str(tmp_path / "ep2"))
+    wanted = {k for k in whole if re.search(rf"layers\.1\.mlp\.experts\.local_experts\.({'|'.join(map(str, experts))})\.", k)}
+    part, _ = merge_module.merge_checkpoint(str(tmp_path / "ep2"), keep=wanted.__contains__)
+    assert set(part) == wanted and all(torch.equal(part[k], whole[k]) for k in wanted)
