@@ -31,7 +31,8 @@ from ..moe.upcycling import expert_from_dense, routing_mass, share_router_rows
 from ..parallel.fsdp import full_params
 from ..precision.fp8 import is_fp8_state_key
 from .arch import arch_differences, check_family, saved_config
-from .dist import rank_tensors
+from .dist import load_weights, rank_tensors
+from .dist_read import is_dist_folder, read_common, read_index
 from .format import TRACKER_FILENAME, CheckpointError, read_tracker
 from .layout import chunk_model
 from .pretrained import checkpoint_folder, cut_merged, merge_for_rank
@@ -159,6 +160,27 @@ def _fresh(name: str) -> bool:
     return name.endswith(_FRESH)
 
 
+def _refuse(folder: str, problems: list) -> None:
+    if problems:
+        raise CheckpointError(f"--moe-use-upcycling: checkpoint {folder} does not fit the model: "
+                              f"{'; '.join(problems[:3])}; match its model flags")
+
+
+def _load_dist_kept(folder: str, tensors, whole_model: set, config) -> list:
+    """torch_dist: this rank's tensors loaded as they are (all but the experts and routers) read from
+    the saved boxes overlapping them; returns the others."""
+    saved = read_common(folder)["config"]
+    _check_dense(folder, saved, config)
+    index = read_index(folder)
+    kept = [t for t in tensors if not _Upcycled.dense_name(t.name) and not _fresh(t.name)]
+    missing = sorted({t.name for t in kept if ("weight", t.name) not in index and not is_fp8_state_key(t.name)})
+    extra = sorted(name for kind, name in index if kind == "weight" and not _used(name, whole_model))
+    _refuse(folder, ([f"missing in the checkpoint: {', '.join(missing[:3])}"] if missing else [])
+            + ([f"not in this model: {', '.join(extra[:3])}"] if extra else []))
+    load_weights(folder, index, [t for t in kept if ("weight", t.name) in index], saved.get("vocab_size"))
+    return [t for t in tensors if _Upcycled.dense_name(t.name) or _fresh(t.name)]
+
+
 def upcycle_here(chunks, optimizer, root: str, config, state) -> None:
     """This rank's part of the upcycling load (local: no collectives; the caller runs it on every rank).
     Only the dense tensors of this rank's layers are read and merged, only its experts derived."""
@@ -167,6 +189,8 @@ def upcycle_here(chunks, optimizer, root: str, config, state) -> None:
     with full_params(chunks, load=True, partial=True):  # ZeRO-3: full storage, the routers' init kept
         tensors, _ = rank_tensors(chunks, state)
         whole_model = set(chunk_model(config.flat()).state_dict())
+        if is_dist_folder(folder):  # only the boxes of what is kept as it is; the experts' dense MLPs whole
+            tensors = _load_dist_kept(folder, tensors, whole_model, config)
         dense = {t.name: _Upcycled.dense_name(t.name) or t.name for t in tensors}  # the dense tensor each is made of
         required = [dense[t.name] for t in tensors if not _fresh(t.name)]
         merged, saved = merge_for_rank(folder, set(dense.values()), lambda k: not _used(k, whole_model), required)
@@ -174,10 +198,7 @@ def upcycle_here(chunks, optimizer, root: str, config, state) -> None:
         source = _Upcycled(folder, merged, config.moe)
         tensors = [source.own_rows(t) for t in tensors]  # grouped experts: only this rank's are built
         extra = source.extra(whole_model)
-        problems = cut_merged(source, tensors, _fresh, [f"not in this model: {', '.join(extra[:3])}"] if extra else [])
-        if problems:
-            raise CheckpointError(f"--moe-use-upcycling: checkpoint {folder} does not fit the model: "
-                                  f"{'; '.join(problems[:3])}; match its model flags")
+        _refuse(folder, cut_merged(source, tensors, _fresh, [f"not in this model: {', '.join(extra[:3])}"] if extra else []))
         for t in tensors:
             if t.name.endswith((".mlp.router.weight", ".mlp.router.bias")):
                 share_router_rows(t.value, g)

@@ -130,9 +130,19 @@ def test_upcycling_merges_only_the_stage_and_builds_only_its_experts(monkeypatch
     monkeypatch.setattr(merge_module, "read_model_file", lambda path: files.append(path) or read(path))
     monkeypatch.setattr(upcycle, "merge_for_rank", spy)
     upcycle.upcycle_here([chunk], None, str(folder), config, state)
-    assert _layers(names) == {2, 3} and "embedding.word_embeddings.weight" in names  # tied: the output layer
+    mlps = {f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for i in (2, 3) for j in (1, 2)}
+    # torch_dist: the rest is read from the boxes it needs, only the experts' dense MLPs are merged
+    assert names == (mlps if fmt == "torch_dist" else mlps | {n for n in names if ".mlp." not in n})
+    assert _layers(names) == {2, 3} and (fmt == "torch_dist" or "embedding.word_embeddings.weight" in names)
     assert {f.split("/")[-2] for f in files} == ({"mp_rank_00_000", "mp_rank_00_001"} if fmt == "torch" else set())
     dense = build_model("dense").state_dict()
+    for key, value in chunk.state_dict().items():
+        if ".mlp." in key:
+            continue  # the experts, below; the routers keep their fresh initialisation
+        m = _LAYER.match(key)
+        want = dense["embedding.word_embeddings.weight" if key == "output_layer.weight" else
+                     f"decoder.layers.{2 + int(m.group(1))}.{key[m.end():]}" if m else key]
+        assert torch.equal(value[:VOCAB - 1], want[:VOCAB - 1]), key
     weight1 = chunk.state_dict()["decoder.layers.0.mlp.experts.weight1"]
     assert torch.equal(weight1[3], dense["decoder.layers.2.mlp.linear_fc1.weight"].t())
 
