@@ -18,6 +18,11 @@ parameter) and the chunk's global ``layer_ranges``. Merging is three steps:
    last-stage copy of the embedding (``output_layer.weight``), and the copy a multi-token-prediction
    stage holds (``embedding.word_embeddings.weight``), are dropped: the first chunk's is the weight.
 
+``keep`` (a predicate on the single-process names) merges only part of the checkpoint: a pipeline
+stage's files are read only when it holds a kept tensor (each stage's names and layer ranges come
+from one file's index, memory-mapped, without reading its tensors), one stage at a time; ``--pretrained-checkpoint``
+and upcycling merge so only the tensors of a rank (:func:`~megatron_lite.checkpoint.pretrained.merge_for_rank`).
+
 The model is rebuilt from the ``config`` dict saved in the checkpoint, with the saved padded
 vocabulary size (padding depends on the TP size the checkpoint was trained with).
 """

@@ -2,9 +2,11 @@
 
 :func:`upcycles` decides, on the ``--load`` checkpoint's saved flags: a checkpoint without experts is
 upcycled; one with experts (the upcycled run's own saves) is loaded as is, by the ordinary resume.
-:func:`upcycle_here` merges the dense checkpoint into single-process tensors (either format, any TP x
-PP layout: :func:`~megatron_lite.checkpoint.merge.merge_checkpoint`), derives each expert's full tensors
-from its layer's dense MLP on demand, and cuts this rank's pieces out of them with the placement
+:func:`upcycle_here` merges the dense tensors of this rank's layers into single-process tensors (either
+format, any TP x PP layout: :func:`~megatron_lite.checkpoint.pretrained.merge_for_rank`; with
+``torch_dist`` only the experts' dense MLPs, the rest read from the boxes of this rank's shards),
+derives each expert's full tensors from its layer's dense MLP on demand (grouped experts: only the
+rank's rows), and cuts this rank's pieces out of them with the placement
 ``--pretrained-checkpoint`` uses (:func:`~megatron_lite.checkpoint.pretrained.cut_merged`): any TP, EP,
 ETP and PP layout, sequential or grouped experts. Everything else (attention, norms, embeddings, the
 dense layers of ``--moe-layer-freq``) is loaded as it is. The routers keep their fresh initialisation
