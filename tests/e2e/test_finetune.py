@@ -3,7 +3,7 @@
 A base model is pretrained (mock tokens over the SFT tokenizer's 38 ids) and saved twice with
 bit-identical weights, in the torch and the torch_dist format. Fine-tuning it with --sft must:
 load exactly those weights at another layout and format (TP2 cut from the merged torch files,
-PP2 from the torch_dist boxes), start at iteration 0 with a fresh optimizer and schedule (the same
+PP2 from the torch_dist boxes and from each stage's own torch files), start at iteration 0 with a fresh optimizer and schedule (the same
 trajectory as --finetune --load, unlike a resume), resume from --load once that holds a
 checkpoint, and refuse a missing, empty or mismatched checkpoint in one line (exit 2).
 """
@@ -55,6 +55,8 @@ def test_bases_are_the_same_weights_in_two_formats(bases):
 @pytest.mark.parametrize("name, world, fmt, extra", [
     ("tp2_sp_from_torch", 2, "torch", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2_from_torch_dist", 2, "torch_dist", ["--pipeline-model-parallel-size", "2"]),
+    # each stage reads and merges only its own layers' files (tests/unit/test_pretrained_rank_part.py)
+    ("pp2_from_torch", 2, "torch", ["--pipeline-model-parallel-size", "2"]),
     ("dp2_distopt_from_torch_dist", 2, "torch_dist", ["--use-distributed-optimizer"]),
     ("dp2_zero3_from_torch", 2, "torch", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
 ])
