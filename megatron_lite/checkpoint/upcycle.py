@@ -179,7 +179,8 @@ def _load_dist_kept(folder: str, tensors, whole_model: set, config) -> list:
     extra = sorted(name for kind, name in index if kind == "weight" and not _used(name, whole_model))
     _refuse(folder, ([f"missing in the checkpoint: {', '.join(missing[:3])}"] if missing else [])
             + ([f"not in this model: {', '.join(extra[:3])}"] if extra else []))
-    load_weights(folder, index, [t for t in kept if ("weight", t.name) in index], saved.get("vocab_size"))
+    # the padded vocabulary cut or zero-padded to this run's, saved padding rows kept (as cut_merged does)
+    load_weights(folder, index, [t for t in kept if ("weight", t.name) in index], None)
     return [t for t in tensors if _Upcycled.dense_name(t.name) or _fresh(t.name)]
 
 
