@@ -156,14 +156,25 @@ def test_upcycling_merges_only_the_stage_and_builds_only_its_experts(monkeypatch
     assert torch.equal(source[name], dense["decoder.layers.2.mlp.linear_fc1.weight"].t().expand(2, 32, 96))
 
 
-@pytest.mark.parametrize("experts", [(1,), (2, 3), (0, 3)])
-def test_kept_experts_of_an_ep2_checkpoint_are_the_whole_merges(tmp_path, experts):
+@pytest.mark.parametrize("layout", [
+    ["--target-expert-parallel-size", "2"],
+    ["--target-expert-parallel-size", "2", "--target-expert-tensor-parallel-size", "2"],  # a folded expert grid
+    ["--target-expert-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+     "--target-num-layers-per-virtual-pipeline-stage", "1"],  # stage 1 holds layers 1 and 3
+], ids=["ep2", "folded", "pp2_vpp_ep2"])
+def test_kept_experts_are_the_whole_merges(monkeypatch, tmp_path, layout):
     """merge_checkpoint(keep=) of an EP2 checkpoint: each kept expert is the one of that number in the
-    whole merge (local experts renumbered by the saved experts per rank, not by the ones kept)."""
+    whole merge (local experts renumbered by the saved experts per rank, not by the ones kept), and only
+    the files of the stage holding them are read."""
     save_model("moe", str(tmp_path / "one"))
-    assert convert("GPT", "--load-dir", tmp_path / "one", "--save-dir", tmp_path / "ep2",
-                   "--target-expert-parallel-size", "2") == 0
-    whole, _ = merge_module.merge_checkpoint(str(tmp_path / "ep2"))
-    wanted = {k for k in whole if re.search(rf"layers\.1\.mlp\.experts\.local_experts\.({'|'.join(map(str, experts))})\.", k)}
-    part, _ = merge_module.merge_checkpoint(str(tmp_path / "ep2"), keep=wanted.__contains__)
-    assert set(part) == wanted and all(torch.equal(part[k], whole[k]) for k in wanted)
+    assert convert("GPT", "--load-dir", tmp_path / "one", "--save-dir", tmp_path / "out", *layout) == 0
+    whole, _ = merge_module.merge_checkpoint(str(tmp_path / "out"))
+    files = []
+    read = merge_module.read_model_file
+    monkeypatch.setattr(merge_module, "read_model_file", lambda path: files.append(path) or read(path))
+    for experts in ((1,), (2, 3), (0, 3)):
+        wanted = {k for k in whole if re.search(rf"layers\.1\.mlp\.experts\.local_experts\.({'|'.join(map(str, experts))})\.", k)}
+        part, _ = merge_module.merge_checkpoint(str(tmp_path / "out"), keep=wanted.__contains__)
+        assert set(part) == wanted and all(torch.equal(part[k], whole[k]) for k in wanted)
+    stages = {f.split("/")[-2].split("_")[3] for f in files}
+    assert stages == ({"001"} if "--target-pipeline-parallel-size" in layout else {"000"})
