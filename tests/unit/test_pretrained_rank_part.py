@@ -21,7 +21,7 @@ from megatron_lite.models import GPTModel, TransformerConfig
 from megatron_lite.moe.config import MoEConfig, moe_fields
 from megatron_lite.parallel.state import ParallelState
 from tests.convert_helpers import VOCAB_TENSORS, convert
-from tests.inference_helpers import VARIANTS, VOCAB, build_model, run_config, save_model
+from tests.inference_helpers import MOE, VARIANTS, VOCAB, build_model, run_config, save_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -166,13 +166,14 @@ def test_kept_experts_are_the_whole_merges(monkeypatch, tmp_path, layout):
     """merge_checkpoint(keep=) of an EP2 checkpoint: each kept expert is the one of that number in the
     whole merge (local experts renumbered by the saved experts per rank, not by the ones kept), and only
     the files of the stage holding them are read."""
+    monkeypatch.setitem(MOE, "num_experts", 8)  # 4 per EP rank: some kept sets hold 3 local numbers of 4
     save_model("moe", str(tmp_path / "one"))
     assert convert("GPT", "--load-dir", tmp_path / "one", "--save-dir", tmp_path / "out", *layout) == 0
     whole, _ = merge_module.merge_checkpoint(str(tmp_path / "out"))
     files = []
     read = merge_module.read_model_file
     monkeypatch.setattr(merge_module, "read_model_file", lambda path: files.append(path) or read(path))
-    for experts in ((1,), (2, 3), (0, 3)):
+    for experts in ((1,), (4, 5, 6, 7), (1, 3, 6)):
         wanted = {k for k in whole if re.search(rf"layers\.1\.mlp\.experts\.local_experts\.({'|'.join(map(str, experts))})\.", k)}
         part, _ = merge_module.merge_checkpoint(str(tmp_path / "out"), keep=wanted.__contains__)
         assert set(part) == wanted and all(torch.equal(part[k], whole[k]) for k in wanted)
