@@ -219,4 +219,12 @@ MUTATIONS = [
              "        if microbatch == self.m - 1 and (self.per_chunk or chunk == 0):\n            self.enable_sync(chunk if",
              "        if microbatch == self.m - 1:\n            self.enable_sync(chunk if",
              ("tests/distributed/test_zero_bubble.py", "-k", "interleaved_zero_bubble_matches")),
+    Mutation("merge_reads_every_stage", "--pretrained-checkpoint / upcycling: every pipeline stage's files read, "
+             "not only the stages holding a wanted tensor", "megatron_lite/checkpoint/merge.py",
+             "        if not picked:\n            continue", "        if False:\n            continue",
+             ("tests/unit/test_pretrained_rank_part.py", "-k", "only_its_stage")),
+    Mutation("merge_experts_renumbered_by_kept", "a filtered merge: local experts numbered by the kept ones, not the "
+             "saved experts per EP rank", "megatron_lite/checkpoint/merge.py",
+             "per_rank=None if keep is None else per_rank)", "per_rank=None)",
+             ("tests/unit/test_pretrained_rank_part.py", "-k", "kept_experts")),
 ]
