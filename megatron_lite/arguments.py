@@ -66,8 +66,9 @@ CHOICES = {
     "fp8_recipe": list(FP8_RECIPES),
     "fp8_amax_compute_algo": list(AMAX_COMPUTE_ALGOS),
     "transformer_impl": list(TRANSFORMER_IMPLS),
-    **dict.fromkeys(("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
+    **dict.fromkeys(("main_grads_dtype", "main_params_dtype",
                      "megatron_fsdp_grad_comm_dtype"), ["fp32"]),  # inert: what always happens (other values refused)
+    **dict.fromkeys(("exp_avg_dtype", "exp_avg_sq_dtype"), ["fp32", "bf16"]),  # fp16 and fp8 refused
     "tokenizer_type": [
         "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",
         "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",

@@ -20,6 +20,7 @@ from .logging_config import check_logging_flags, check_profile_flags
 from .lora.config import check_lora_flags
 from .moe.upcycling import check_upcycling_flags
 from .optim.muon_config import check_muon_flags
+from .optim.precision_adam import check_precision_aware_flags
 from .precision.config import PrecisionConfig
 from .schedule_checks import check_schedule, check_sgd_momentum, check_train_length
 from .training.batch_rampup import check_batch_rampup
@@ -64,6 +65,7 @@ def finalize(config: Config, world_size: int = 1, data_from_script: bool = False
              f"--manual-gc-interval must be at least 0, got {config.training.manual_gc_interval}")
     check_sgd_momentum(config)
     check_muon_flags(config)  # --optimizer muon: its values; not with a sharded optimizer
+    check_precision_aware_flags(config)  # --use-precision-aware-optimizer: Adam, distributed optimizer
     check_rerun_flags(config)  # --rerun-mode, --check-for-spiky-loss, --error-injection-*, --iterations-to-skip
     check_schedule(config)
     _check_profile(config)

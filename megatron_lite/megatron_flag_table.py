@@ -47,10 +47,9 @@ ENTRIES = (
      "the CPU-offloaded optimizer has one implementation", "drop it (--optimizer-cpu-offload stays)"),
     ("--dump-param-to-param-group-map --no-weight-decay-cond-type", "parameter groups are fixed (decay for matrices, none for biases "
      "and norms)", DROP),
-    ("--use-precision-aware-optimizer "
-     "--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype "
+    ("--megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype "
      "--no-preserve-fp32-weights --disable-preserve-fp32-weights",
-     "main gradients, master weights and Adam's moments are always fp32", DROP),
+     "main gradients and master weights are always fp32 (Megatron-FSDP is not built)", DROP),
     # -- learning rate ----------------------------------------------------------------------------
     ("--step-batch-size-schedule", "the global batch changes only by --rampup-batch-size's linear ramp",
      "use --rampup-batch-size"),

@@ -238,7 +238,8 @@ def load_optimizer(folder, index, common, optimizer, tensors, by_param) -> None:
         for _param, master, _, _ in slots:
             mine = [k for k in keys if k in _state_keys_of(optimizer, master)]
             if mine:
-                entry = {k: torch.zeros_like(master) for k in mine}
+                entry = {k: torch.zeros_like(master, dtype=getattr(optimizer, "moment_dtypes", {}).get(k, master.dtype))
+                         for k in mine}  # the run's moment dtype: a saved fp32 / bf16 moment is cast on read
                 if "exp_avg" in entry:  # Adam's (also Muon's AdamW part)
                     entry["step"] = torch.tensor(float(opt["step"]))
                 optimizer.optimizer.state[master] = entry

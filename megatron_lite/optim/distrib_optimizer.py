@@ -249,11 +249,11 @@ class DistributedOptimizer(MegatronOptimizer):
         ps = self.model_params
         return [p for p in ps if decays(p)] + [p for p in ps if not decays(p)]
 
-    def _gather_full(self, value_of) -> dict[int, torch.Tensor]:
-        """{id(param): full fp32 tensor} from each rank's pieces (``value_of(piece)`` gives a piece's values)."""
+    def _gather_full(self, value_of, dtype=torch.float32) -> dict[int, torch.Tensor]:
+        """{id(param): full tensor in ``dtype``} from each rank's pieces (``value_of(piece)`` gives a piece's values)."""
         out = {}
         for bucket in self.buckets:
-            full = self._all_gather_bucket(bucket, torch.float32, value_of)
+            full = self._all_gather_bucket(bucket, dtype, value_of)
             for p in bucket.params:
                 a, e = bucket.offsets[id(p)]
                 out[id(p)] = full[a:e].view(p.shape).clone()
@@ -271,7 +271,8 @@ class DistributedOptimizer(MegatronOptimizer):
         torch_state = {}
         if has_state.item():
             keys = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}[self.config.optimizer]
-            full_state = {k: self._gather_full(lambda piece, k=k: self._state_of(piece, k)) for k in keys}
+            full_state = {k: self._gather_full(lambda piece, k=k: self._state_of(piece, k),  # in its stored dtype
+                                               self.moment_dtypes.get(k, torch.float32)) for k in keys}
             for index, p in enumerate(order):
                 entry = {k: full_state[k][id(p)] for k in keys}
                 if self.config.optimizer == "adam":
@@ -291,7 +292,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _state_of(self, piece, key) -> torch.Tensor:
         value = self.optimizer.state.get(piece.master, {}).get(key)
-        return torch.zeros_like(piece.master) if value is None else value
+        dtype = self.moment_dtypes.get(key, piece.master.dtype)
+        return torch.zeros_like(piece.master, dtype=dtype) if value is None else value
 
     def _step_count(self) -> int:
         """Adam's step counter (the same on every piece and rank); agreed with a MAX over DP."""
@@ -325,7 +327,8 @@ class DistributedOptimizer(MegatronOptimizer):
             new = {}
             for k, v in entry.items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master).clone()
+                    dtype = self.moment_dtypes.get(k, piece.master.dtype)  # cast: fp32 <-> bf16 moments
+                    new[k] = v.reshape(-1)[piece.lo : piece.hi].to(piece.master.device, dtype, copy=True)
                 elif torch.is_tensor(v):  # Adam's step: fused kernels want it beside the param, in fp32
                     new[k] = v.to(piece.master.device, torch.float32, copy=True) if fused else v.clone()
                 else:

@@ -5,7 +5,8 @@
 * **Param groups.** Matrices get ``--weight-decay``; biases and norm weights get 0 (:func:`decays`).
 * **fp32 master weights.** For bf16/fp16 params the torch optimizer steps an fp32 copy ("master")
   with the fp32 ``main_grad`` as its gradient, then the master is rounded back into the model
-  param. fp32 params are stepped directly with ``grad = main_grad``. Adam's moments are fp32.
+  param. fp32 params are stepped directly with ``grad = main_grad``. Adam's moments are fp32 (bf16
+  between steps with ``--use-precision-aware-optimizer``: optim/precision_adam.py).
 * **fp16 loss scaling.** :meth:`scale_loss` multiplies the loss before backward; :meth:`step`
   divides the gradients by the scale, checks them for inf/NaN and agrees on the answer with a
   MAX all-reduce over the model-parallel group (every TP/PP rank must skip together, or the
@@ -32,6 +33,7 @@ from ..precision.loss_scaler import build_loss_scaler
 from .clip_grads import get_grad_norm, grad_of
 from .muon import MuonAdamW, muon_matrices
 from .param_groups import build_groups, decays, from_saved_layout, to_saved_layout
+from .precision_adam import PrecisionAwareAdamW, moment_dtypes
 
 
 def regroup_saved_state(torch_sd: dict, params) -> dict:
@@ -95,6 +97,7 @@ class MegatronOptimizer:
         self.model_params = _unique_params(self.chunks)
         self.scaler = build_loss_scaler(precision_config) if precision_config is not None else None
         self.num_skipped_steps = 0
+        self.moment_dtypes = moment_dtypes(precision_config)  # --use-precision-aware-optimizer: bf16 moments
         pairs = self._make_masters()
         self.masters = [m for _, m in pairs]
         self.muon = muon_matrices(self.chunks, pairs, state) if optim_config.optimizer == "muon" else {}
@@ -130,6 +133,9 @@ class MegatronOptimizer:
 
     def _make_torch_optimizer(self, groups):
         oc = self.config
+        if oc.optimizer == "adam" and self.moment_dtypes:  # moments stored in bf16, updated in fp32
+            return PrecisionAwareAdamW(groups, moment_dtypes=self.moment_dtypes, lr=oc.lr,
+                                       betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps, fused=can_fuse(groups))
         if oc.optimizer == "adam":  # fused: one pass over each tensor (PyTorch's CPU and CUDA kernels)
             return torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps,
                                      fused=can_fuse(groups))

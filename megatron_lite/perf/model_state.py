@@ -34,6 +34,9 @@ instances``) shards over d/N ranks only (every sharded row: with ZeRO-2/3 that i
 ZeRO-3 ``20N/d``), and CPU offload of a fraction f of the shard
 (``--optimizer-cpu-offload``) moves ``f x 12`` of its optimizer bytes to the host and adds a 4-byte
 host gradient copy per offloaded element: bf16 ``optim`` device ``6 + (1-f) 12N/d``, host ``16fN/d``.
+With ``--use-precision-aware-optimizer`` and bf16 moments (``--exp-avg-dtype bf16 --exp-avg-sq-dtype
+bf16``) Adam's moments take 4 bytes instead of 8: the 12 of every sharded row becomes 8 (``optim``
+bf16: ``6 + 8/d``).
 Expert parameters (MoE) shard over the expert-data-parallel ranks instead: d/EP (and d/(EP x N)
 with hybrid sharding, which cuts that group into the same N instances); TP x d / (ETP x EP) when the
 experts have their own grid (parallel folding).
@@ -49,19 +52,22 @@ from fractions import Fraction
 import torch
 
 from ..moe.config import expert_grid_tp
+from ..optim.precision_adam import moment_bytes
 from ..parallel.data_parallel import SHARDING_STRATEGIES
 from ..parallel.expert_grid import expert_dp_size
 
 
-def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool) -> tuple[int, int, int]:
-    """``(weight, gradient, optimizer)`` bytes per parameter before any sharding."""
+def _state_parts(params_dtype: torch.dtype, sharded_optimizer: bool, moments: int = 8) -> tuple[int, int, int]:
+    """``(weight, gradient, optimizer)`` bytes per parameter before any sharding (``moments``: Adam's
+    two moments together, 8 in fp32, 4 in bf16 with --use-precision-aware-optimizer)."""
     param = torch.empty((), dtype=params_dtype).element_size()
     separate_master = sharded_optimizer or params_dtype != torch.float32
-    return param, 4, 8 + (4 if separate_master else 0)  # moments (+ fp32 master)
+    return param, 4, moments + (4 if separate_master else 0)  # moments (+ fp32 master)
 
 
 def model_state_bytes_split(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
-                            instances: int = 1, offload_fraction: float = 0.0) -> tuple[Fraction, Fraction]:
+                            instances: int = 1, offload_fraction: float = 0.0,
+                            moments: int = 8) -> tuple[Fraction, Fraction]:
     """(device, host) bytes per parameter on one rank for ``strategy`` (module docstring).
 
     ``dp`` is the size of the group the sharded strategies shard over without hybrid sharding
@@ -71,7 +77,7 @@ def model_state_bytes_split(params_dtype: torch.dtype, strategy: str = "no_shard
     """
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding strategy {strategy!r}: expected one of {SHARDING_STRATEGIES}")
-    param, grad, optimizer = _state_parts(params_dtype, strategy != "no_shard")
+    param, grad, optimizer = _state_parts(params_dtype, strategy != "no_shard", moments)
     if strategy == "no_shard":
         return Fraction(param + grad + optimizer), Fraction(0)
     shard = Fraction(dp, instances)
@@ -82,20 +88,20 @@ def model_state_bytes_split(params_dtype: torch.dtype, strategy: str = "no_shard
 
 
 def model_state_bytes_per_param(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
-                                instances: int = 1, offload_fraction: float = 0.0) -> Fraction:
+                                instances: int = 1, offload_fraction: float = 0.0, moments: int = 8) -> Fraction:
     """Bytes per parameter on one rank, device and host together (module docstring)."""
     device, host = model_state_bytes_split(params_dtype, strategy, dp, instances=instances,
-                                           offload_fraction=offload_fraction)
+                                           offload_fraction=offload_fraction, moments=moments)
     return device + host
 
 
 def model_state_bytes_with_frozen(params_dtype: torch.dtype, strategy: str = "no_shard", dp: int = 1, *,
                                   frozen: int, trainable: int, instances: int = 1,
-                                  offload_fraction: float = 0.0) -> tuple[Fraction, Fraction]:
+                                  offload_fraction: float = 0.0, moments: int = 8) -> tuple[Fraction, Fraction]:
     """(device, host) bytes on one rank of a model with ``frozen`` parameters (weights only, never
     sharded) and ``trainable`` ones (the strategy's bytes each, :func:`model_state_bytes_split`)."""
     device, host = model_state_bytes_split(params_dtype, strategy, dp, instances=instances,
-                                           offload_fraction=offload_fraction)
+                                           offload_fraction=offload_fraction, moments=moments)
     weight = torch.empty((), dtype=params_dtype).element_size()
     return frozen * weight + trainable * device, trainable * host
 
@@ -167,7 +173,8 @@ def formula_model_state_bytes(config, chunks, dp_cp: int) -> tuple[Fraction, Fra
     p, o = config.parallel, config.optim
     strategy, dtype = p.data_parallel_sharding_strategy, config.precision.params_dtype
     kw = dict(instances=p.num_distributed_optimizer_instances,
-              offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0)
+              offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0,
+              moments=moment_bytes(config.precision) if o.optimizer == "adam" else 8)
     params = [q for c in chunks for q in c.parameters()]
     frozen = sum(q.numel() for q in params if not q.requires_grad)
     expert = sum(q.numel() for q in params if q.requires_grad and not getattr(q, "allreduce", True))

@@ -62,14 +62,16 @@ class PrecisionConfig:
     """Accepted for Megatron scripts: it changes nothing, the sharded strategies' reduce-scatters always sum fp32 gradients (the fp32 main_grad buffer)."""
     no_store_param_remainders: bool = False
     """Accepted for Megatron scripts: it changes nothing, the optimizer always keeps whole fp32 master weights (never a 16-bit weight plus its remainder)."""
+    use_precision_aware_optimizer: bool = False
+    """Keep Adam's moments in the dtypes of --exp-avg-dtype / --exp-avg-sq-dtype between steps (the update itself is computed in fp32); needs --optimizer adam and the distributed optimizer (as in Megatron-LM)."""
     main_grads_dtype: str = "fp32"
-    """Accepted for Megatron scripts: it changes nothing, main gradients are always fp32 (the only value taken)."""
+    """Accepted for Megatron scripts: it changes nothing, main gradients are always fp32 (the only value taken; --use-precision-aware-optimizer keeps only Adam's moments in bf16)."""
     main_params_dtype: str = "fp32"
-    """Accepted for Megatron scripts: it changes nothing, master weights are always fp32 (the only value taken)."""
+    """Accepted for Megatron scripts: it changes nothing, master weights are always fp32 (the only value taken; --use-precision-aware-optimizer keeps only Adam's moments in bf16)."""
     exp_avg_dtype: str = "fp32"
-    """Accepted for Megatron scripts: it changes nothing, Adam's first moment is always fp32 (the only value taken)."""
+    """dtype Adam's first moment is stored in between steps: fp32 or bf16 (bf16 needs --use-precision-aware-optimizer)."""
     exp_avg_sq_dtype: str = "fp32"
-    """Accepted for Megatron scripts: it changes nothing, Adam's second moment is always fp32 (the only value taken)."""
+    """dtype Adam's second moment is stored in between steps: fp32 or bf16 (bf16 needs --use-precision-aware-optimizer)."""
     megatron_fsdp_grad_comm_dtype: str | None = None
     """Accepted for Megatron scripts: it changes nothing, gradients are always reduced over data-parallel ranks in fp32, for every sharding strategy (fp32 is the only value taken)."""
 

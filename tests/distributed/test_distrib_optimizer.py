@@ -160,3 +160,72 @@ def check_overflow_on_one_rank_skips_the_step_everywhere():
 
 def test_an_overflow_seen_by_one_data_parallel_rank_skips_the_step_on_all():
     run_ranks(4, check_overflow_on_one_rank_skips_the_step_everywhere)
+
+
+def _aware(cfg):
+    """``cfg`` with --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16."""
+    cfg.precision.use_precision_aware_optimizer = True
+    cfg.precision.exp_avg_dtype = cfg.precision.exp_avg_sq_dtype = "bf16"
+    return cfg
+
+
+def _build_aware(state, aware=True, offload=0.0):
+    model = DistributedDataParallel(TPMLP(state.tp_group, torch.float32), state, bucket_size=7)
+    cfg = _cfg(torch.float32, True)
+    cfg.optim.optimizer_cpu_offload, cfg.optim.optimizer_offload_fraction = offload > 0, offload
+    return model, build_optimizer(_aware(cfg) if aware else cfg, [model], state)
+
+
+def _moment_bytes(opt) -> int:
+    return sum(v.nbytes for s in opt.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg"))
+
+
+def check_precision_aware_dp2():
+    """DP2 with bf16 moments (and half of them offloaded to the CPU) follows one process with bf16
+    moments; the moments' live bytes are half of fp32 Adam's; a checkpoint resumes bit for bit, and
+    fp32 and bf16 moment checkpoints load into each other's runs (cast)."""
+    from megatron_lite.perf.model_state import measured_model_state_bytes
+
+    state = cached_state(tp=1)
+    model, opt = _build_aware(state)
+    offload_model, offload_opt = _build_aware(state, offload=0.5)
+    fp32_model, fp32_opt = _build_aware(state, aware=False)
+    single = _SingleProcess(torch.float32, state.dp_size)
+    single.model, single.opt = _build_aware(single.state)
+    for step in range(4):
+        (ok, norm), (_, norm_o), (_, norm_s) = (_step(model, opt, state, step),
+                                                _step(offload_model, offload_opt, state, step), single.step(step))
+        _step(fp32_model, fp32_opt, state, step)
+        assert ok and norm == pytest.approx(norm_s, rel=1e-5) and norm_o == pytest.approx(norm, rel=1e-6)
+        _close_to_single(model, single, state, torch.float32)
+        _close_params(model, offload_model, torch.float32)
+    assert {v.dtype for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.bfloat16}
+    assert 2 * _moment_bytes(opt) == _moment_bytes(fp32_opt) > 0
+    measured, measured_fp32 = (measured_model_state_bytes([m], o)["optimizer"] for m, o in ((model, opt), (fp32_model, fp32_opt)))
+    assert measured_fp32 - measured == _moment_bytes(opt)  # the masters unchanged, the moments halved
+
+    sd = opt.state_dict()  # torch format: the moments saved in bf16
+    assert {v.dtype for e in sd["optimizer"]["state"].values() for k, v in e.items() if k != "step"} == {torch.bfloat16}
+    resumed_model, resumed = _build_aware(state)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed.load_state_dict(sd)
+    cast_model, cast = _build_aware(state)  # an fp32-moment checkpoint into a bf16-moment run
+    cast_model.load_state_dict(fp32_model.state_dict())
+    cast.load_state_dict(fp32_opt.state_dict())
+    back_model, back = _build_aware(state, aware=False)  # and the reverse
+    back_model.load_state_dict(model.state_dict())
+    back.load_state_dict(sd)
+    for (_, o), (_, of) in (((cast_model, cast), (fp32_model, fp32_opt)), ((back_model, back), (model, opt))):
+        for piece, theirs in zip(o.pieces, of.pieces):
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine, saved = o.optimizer.state[piece.master][key], of.optimizer.state[theirs.master][key]
+                assert torch.equal(mine, saved.to(mine.dtype))
+    for step in range(4, 6):
+        _step(model, opt, state, step)
+        _step(resumed_model, resumed, state, step)
+        for p, q in zip(model.parameters(), resumed_model.parameters()):
+            assert torch.equal(p, q), f"resumed step {step + 1}"
+
+
+def test_precision_aware_optimizer_dp2_equals_one_process():
+    run_ranks(2, check_precision_aware_dp2)

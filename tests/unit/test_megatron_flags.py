@@ -17,6 +17,7 @@ from megatron_lite.megatron_flags import (
     REFUSED_VALUES,
     megatron_value_message,
 )
+from tests.cli_errors import parse_refused
 from tests.doc_blocks import REPO, training_parser
 
 BASE = ["--mock-data", "--vocab-size", "64"]
@@ -265,7 +266,6 @@ def test_flags_asking_for_what_we_always_do_are_accepted_and_say_so():
 
 
 FP32_VALUE_FLAGS = {"--main-grads-dtype": "main_grads_dtype", "--main-params-dtype": "main_params_dtype",
-                    "--exp-avg-dtype": "exp_avg_dtype", "--exp-avg-sq-dtype": "exp_avg_sq_dtype",
                     "--megatron-fsdp-grad-comm-dtype": "megatron_fsdp_grad_comm_dtype"}
 
 
@@ -288,6 +288,24 @@ def test_value_flags_asking_for_fp32_are_inert_and_other_values_are_refused_by_n
                                        f"megatron_lite does not support: {REFUSED_VALUES[flag][value][0]}; use "
                                        f"{flag} fp32 or drop it"], lines
         assert "fp32" in REFUSED_VALUES[flag][value][0]
+
+
+@pytest.mark.parametrize("flag", ["--exp-avg-dtype", "--exp-avg-sq-dtype"])
+def test_adam_moment_dtypes_take_bf16_with_the_precision_aware_optimizer_and_refuse_fp16_and_fp8(flag, capsys):
+    """--use-precision-aware-optimizer was refused and the moment dtypes took fp32 only: bf16 is now taken
+    (with the precision-aware optimizer and the distributed optimizer, as in Megatron-LM: one line
+    otherwise), fp16 and fp8 (Megatron-LM's scaled moments) are refused by value, naming the fix."""
+    parser = training_parser("pretrain_gpt.py")
+    aware = ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
+    config = parse_args(BASE + ["--bf16", *aware, flag, "bf16"])
+    assert config.precision.use_precision_aware_optimizer and getattr(config.precision, flag[2:].replace("-", "_")) == "bf16"
+    parse_refused(capsys, BASE + ["--bf16", flag, "bf16"], f"{flag} bf16 needs --use-precision-aware-optimizer (as "
+                  f"in Megatron-LM); add it or use {flag} fp32")
+    parse_refused(capsys, BASE + ["--use-precision-aware-optimizer", flag, "bf16"], "needs the distributed optimizer")
+    for value in ("fp16", "fp8"):
+        code, lines = _refusal(parser, BASE + [*aware, f"{flag}={value}"])
+        assert code == 2 and len(lines) == 1 and f"{flag} {value} is a Megatron-LM choice" in lines[0], lines
+        assert "per-tensor scale" in lines[0] and f"use {flag} bf16" in lines[0], lines
 
 
 def test_attention_backend_auto_of_megatron_lms_gpt3_example_is_inert():
