@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-use-upcycling", action="store_true", default=None,
                     help="accepted as in training (checked the same way); the upcycled model is planned as the MoE model")
     ap.add_argument("--moe-upcycling-granularity", type=int)
+    ap.add_argument("--use-precision-aware-optimizer", action="store_true",
+                    help="as in training: Adam's moments in the dtypes below (sharded strategies only)")
+    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        ap.add_argument(flag, choices=["fp32", "bf16"], default="fp32", help="as in training (default fp32)")
     ap.add_argument("--top", type=POSITIVE, default=20, help="rows to print (default 20)")
     ap.add_argument("--png", help="draw memory and step time of the printed layouts to this PNG")
     return ap
@@ -209,6 +213,14 @@ def _refuse_unused(spec: ModelSpec, given: dict) -> ModelSpec:
     return spec
 
 
+def moment_bytes_of(args) -> int | None:
+    """Adam's moment bytes per element for --use-precision-aware-optimizer (None: fp32 Adam, 8); training's rules."""
+    low = [flag for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype") if getattr(args, flag[2:].replace("-", "_")) != "fp32"]
+    if low and not args.use_precision_aware_optimizer:
+        raise ConfigError(f"{low[0]} bf16 needs --use-precision-aware-optimizer (as in training); add it or drop {low[0]}")
+    return 8 - 2 * len(low) if low else None
+
+
 def cluster_from_args(args) -> ClusterSpec:
     values = dict(CLUSTER_PRESETS[args.cluster])
     for flag in CLUSTER_FLAGS:
@@ -273,6 +285,7 @@ def main(argv=None) -> int:
         spec, cluster = model_from_args(args), cluster_from_args(args)
         fixed = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in LAYOUT_FLAGS.items()}
         fixed.update({field: getattr(args, name) for field, name in SPLIT_ARGS.items()})
+        fixed["moment_bytes"] = moment_bytes_of(args)
         estimates = plan(spec, cluster, args.global_batch_size, {k: v for k, v in fixed.items() if v is not None})
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

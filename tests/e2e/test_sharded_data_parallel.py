@@ -177,3 +177,26 @@ def test_offloaded_checkpoint_resumes_without_offload(tmp_path, reference, strat
                                                                       "--optimizer-cpu-offload", "--exit-interval", "3"]))
     second = pretrain_gpt.main(_argv(save, ITERS, MODEL_C + DISTOPT + ["--load", save]))
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), reference["fp32"][0], steps=ITERS)
+
+
+AWARE = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
+def test_bf16_moments_with_zero3_and_offload_resume_bit_for_bit_from_torch_dist(tmp_path, reference):
+    """--use-precision-aware-optimizer with bf16 moments at DP2 under ZeRO-3 with half of the shard on the
+    host: stopped at step 4 and resumed from its torch_dist checkpoint (moments saved in bf16) it is bit for bit
+    the straight run, which follows fp32 Adam's single-process trajectory within bf16 moment rounding; the
+    model state holds 4 bytes of moments per element (the formula's ``moments=4``: device and CPU exactly)."""
+    extra = OFFLOAD_HALF + AWARE + ["--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
+                                    "torch_dist"]
+    results, _ = _run(tmp_path, "aware_straight", 2, extra)
+    straight = results[0][0]
+    resumed = str(tmp_path / "aware_resumed")
+    first = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + extra + ["--exit-interval", "4"]))
+    second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + extra + ["--load", resumed]))
+    assert_same_trajectory(first[0][0] + second[0][0], straight, rtol=0)  # bit-identical
+    assert_same_trajectory(straight, reference["fp32"][0], rtol=1e-3, steps=ITERS)
+    device, cpu = model_state_bytes_split(torch.float32, "optim_grads_params", 2, offload_fraction=0.5, moments=4)
+    for _, n, got in results:
+        assert (got["params"] + got["grads"] + got["optimizer"], got["optimizer_cpu"]) == (device * n, cpu * n), got
+    assert (device, cpu) == (6, 3)  # (4 + 4) / 2 + (4 + 4) x 0.5 / 2 and (8 + 4) x 0.5 / 2; fp32 moments: 7 and 4

@@ -346,3 +346,20 @@ def test_tool_says_why_no_layout_runs_when_nothing_is_pinned(capsys):
     assert captured.out == "" and len(lines) == 1, captured
     assert "no layout can run this model on this cluster: --global-batch-size 64 must be divisible by DP 7" in lines[0]
     assert plan_tool.main(["--preset", "llama3-8b", "--gpus", "7", "--global-batch-size", "63", "--top", "1"]) == 0
+
+
+def test_bf16_moments_shrink_the_sharded_optimizer_state(capsys):
+    """--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: 4 bytes of moments per
+    parameter, not 8, over the DP shard (ZeRO-1 at DP 16, bf16 params: 6 + 8/16 bytes per parameter, not 6 + 12/16);
+    refused without a sharded strategy and without --use-precision-aware-optimizer, as in training."""
+    params = sum(stage_params(SPEC, 1, 1, 1, True, True))
+    fp32, bf16 = (estimate(SPEC, CLUSTER, 64, Layout(dp=16, zero="optim", moment_bytes=m)).model_state_gb * GB
+                  for m in (8, 4))
+    assert fp32 == pytest.approx((6 + Fraction(12, 16)) * params) and bf16 == pytest.approx((6 + Fraction(8, 16)) * params)
+    with pytest.raises(ConfigError, match="needs the distributed optimizer"):
+        check_layout(SPEC, CLUSTER, 64, Layout(dp=16, moment_bytes=4))
+    argv = ["--preset", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--exp-avg-dtype", "bf16"]
+    assert plan_tool.main(argv) == 2
+    assert "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer" in capsys.readouterr().err
+    assert plan_tool.main(argv + ["--use-precision-aware-optimizer", "--top", "1"]) == 0
+    assert "ZeRO no_shard" not in capsys.readouterr().out

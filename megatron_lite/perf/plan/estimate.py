@@ -5,7 +5,8 @@ pipeline rank i, over its chunks: :func:`~.split.rank_ranges`, from the layout's
 
 * model state: the stage's parameters (:func:`~.model.stage_params`) times the bytes per parameter
   of the sharding strategy (:func:`~megatron_lite.perf.model_state.model_state_bytes_per_param`,
-  bf16 weights, fp32 gradients and Adam state), dense weights sharded over DP x CP, expert
+  bf16 weights, fp32 gradients and Adam state, its moments in bf16 with ``--use-precision-aware-optimizer``
+  ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``: sharded strategies only), dense weights sharded over DP x CP, expert
   weights (``E / EP`` experts split over ETP) over the expert-data-parallel ranks, DP x CP / EP, or
   TP x CP x DP / (ETP x EP) on a folded expert grid (:mod:`megatron_lite.parallel.expert_grid`);
 * activations: Korthikanti et al.'s bytes per layer
@@ -87,6 +88,7 @@ class Layout:
     last: int | None = None  # --decoder-last-pipeline-num-layers
     account_embedding: bool = False  # --account-for-embedding-in-pipeline-split
     account_loss: bool = False  # --account-for-loss-in-pipeline-split
+    moment_bytes: int = 8  # Adam's two moments per element: 4 in bf16 (--use-precision-aware-optimizer)
 
     @property
     def gpus(self) -> int:
@@ -150,6 +152,9 @@ def check_layout(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, lay: 
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule {lay.schedule}: one of {', '.join(SCHEDULES)}")
     _check_experts(spec, lay)
+    if lay.moment_bytes != 8 and lay.zero == "no_shard":
+        raise ConfigError("--use-precision-aware-optimizer needs the distributed optimizer: a sharded "
+                          "--data-parallel-sharding-strategy")
     if lay.zero not in SHARDING_STRATEGIES or lay.recompute not in RECOMPUTE:
         raise ConfigError(f"ZeRO strategy {lay.zero!r} / recompute {lay.recompute!r} not one of "
                           f"{', '.join(SHARDING_STRATEGIES)} / {', '.join(RECOMPUTE)}")
@@ -241,8 +246,9 @@ def stage_memory(spec: ModelSpec, lay: Layout, m: int) -> list[tuple[float, floa
     per_layer = layer_bytes(spec, lay, recompute)
     work = layer_bytes(spec, lay, None) if recompute == "full" else 0.0
     logits = 4 * lay.micro_batch * (spec.seq_length // lay.cp) * spec.padded_vocab(t) / t
-    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp, instances=lay.instances))
-    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.expert_dp, instances=lay.instances))
+    kw = dict(instances=lay.instances, moments=lay.moment_bytes)
+    dense_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.dp * lay.cp, **kw))
+    expert_bpp = float(model_state_bytes_per_param(torch.bfloat16, lay.zero, lay.expert_dp, **kw))
     ranges = rank_ranges(spec, lay)
     stages = []
     for i, layers in enumerate(rank_layers(spec, lay)):

@@ -45,6 +45,7 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
                    cp=CP_CHOICES, vpp=VPP_CHOICES, ep=_divisors(spec.num_experts) if spec.is_moe else [1],
                    micro_batch=MICRO_BATCHES, zero=SHARDING_STRATEGIES, recompute=RECOMPUTE)
     split = {k: fixed.pop(k) for k in SPLIT_FIELDS if k in fixed}
+    moments = {"moment_bytes": fixed.pop("moment_bytes")} if "moment_bytes" in fixed else {}
     stages = layout_stages(split["pipeline_layout"]) if "pipeline_layout" in split else None
     if stages is not None:  # the layout's stage count is PP x VPP
         choices["pp"] = _divisors(stages)
@@ -63,7 +64,7 @@ def candidate_layouts(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, 
             for schedule, how in product([fixed["schedule"]] if "schedule" in fixed else _schedule_choices(p, v),
                                          [split] if split else _split_choices(spec, p, v)):
                 lay = Layout(tp=t, pp=p, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, recompute=rc, micro_batch=b,
-                             instances=n, etp=etp, schedule=schedule, **how)
+                             instances=n, etp=etp, schedule=schedule, **how, **moments)
                 try:
                     check_layout(spec, cluster, global_batch, lay)
                 except ConfigError as err:
@@ -128,7 +129,8 @@ _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel
           "vpp": "--virtual-pipeline-model-parallel-size", "cp": "--context-parallel-size",
           "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "micro_batch": "--micro-batch-size",
           "zero": "--data-parallel-sharding-strategy", "recompute": "--recompute-granularity",
-          "instances": "--num-distributed-optimizer-instances", "schedule": "--pipeline-schedule", **SPLIT_FLAGS}
+          "instances": "--num-distributed-optimizer-instances", "schedule": "--pipeline-schedule",
+          "moment_bytes": "bf16 moments (--use-precision-aware-optimizer), moment bytes", **SPLIT_FLAGS}
 
 
 _PLAIN = "{}".format
