@@ -36,10 +36,12 @@ CHUNK_NUMEL = 1 << 24
 
 
 def moment_dtypes(precision) -> dict[str, torch.dtype]:
-    """``{"exp_avg": dtype, "exp_avg_sq": dtype}`` the run stores Adam's moments in (empty: fp32 Adam)."""
+    """``{"exp_avg": dtype, "exp_avg_sq": dtype}`` the run stores Adam's moments in (empty: fp32 Adam, also
+    with --use-precision-aware-optimizer and both moments fp32)."""
     if precision is None or not getattr(precision, "use_precision_aware_optimizer", False):
         return {}
-    return {"exp_avg": MOMENT_DTYPES[precision.exp_avg_dtype], "exp_avg_sq": MOMENT_DTYPES[precision.exp_avg_sq_dtype]}
+    dtypes = {"exp_avg": MOMENT_DTYPES[precision.exp_avg_dtype], "exp_avg_sq": MOMENT_DTYPES[precision.exp_avg_sq_dtype]}
+    return dtypes if set(dtypes.values()) != {torch.float32} else {}
 
 
 def moment_bytes(precision) -> int:
