@@ -219,6 +219,7 @@ def check_precision_aware_dp2():
         for piece, theirs in zip(o.pieces, of.pieces):
             for key in ("exp_avg", "exp_avg_sq"):
                 mine, saved = o.optimizer.state[piece.master][key], of.optimizer.state[theirs.master][key]
+                assert mine.dtype == (torch.float32 if o is back else torch.bfloat16), mine.dtype  # cast on load
                 assert torch.equal(mine, saved.to(mine.dtype))
     for step in range(4, 6):
         _step(model, opt, state, step)

@@ -200,10 +200,12 @@ def test_bf16_moments_with_zero3_and_offload_resume_bit_for_bit_from_torch_dist(
     cast = run_ranks(2, run_and_measure, _argv(str(tmp_path / "cast"), ITERS, MODEL_C + fp32_moments + [
         "--load", resumed]))[0][0]
     assert cast.losses[0] == straight.losses[4] and cast.losses[1] == pytest.approx(straight.losses[5], rel=1e-5)
+    loaded = run_ranks(2, run_and_measure, _argv(str(tmp_path / "loaded"), 4, MODEL_C + extra + [
+        "--load", resumed, "--override-opt_param-scheduler"]))  # loads iteration 4 and stops: no step
     second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + extra + ["--load", resumed]))
     assert_same_trajectory(first[0][0] + second[0][0], straight, rtol=0)  # bit-identical
     assert_same_trajectory(straight, reference["fp32"][0], rtol=1e-3, steps=ITERS)
     device, cpu = model_state_bytes_split(torch.float32, "optim_grads_params", 2, offload_fraction=0.5, moments=4)
-    for _, n, got in results:
+    for _, n, got in results + loaded:  # after training, and right after the load (no step: the loaded dtype)
         assert (got["params"] + got["grads"] + got["optimizer"], got["optimizer_cpu"]) == (device * n, cpu * n), got
     assert (device, cpu) == (6, 3)  # (4 + 4) / 2 + (4 + 4) x 0.5 / 2 and (8 + 4) x 0.5 / 2; fp32 moments: 7 and 4
