@@ -185,8 +185,8 @@ AWARE = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-av
 def test_bf16_moments_with_zero3_and_offload_resume_bit_for_bit_from_torch_dist(tmp_path, reference):
     """--use-precision-aware-optimizer with bf16 moments at DP2 under ZeRO-3 with half of the shard on the
     host: stopped at step 4 and resumed from its torch_dist checkpoint (moments saved in bf16) it is bit for bit
-    the straight run, which follows fp32 Adam's single-process trajectory within bf16 moment rounding (and the
-    checkpoint resumes an fp32-moment run, the moments cast); the
+    the straight run, which follows fp32 Adam's single-process trajectory within bf16 moment rounding; the
+    checkpoint resumes an fp32-moment run and that run's checkpoint a bf16-moment one (the moments cast); the
     model state holds 4 bytes of moments per element (the formula's ``moments=4``: device and CPU exactly)."""
     extra = OFFLOAD_HALF + AWARE + ["--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
                                     "torch_dist"]
@@ -196,16 +196,19 @@ def test_bf16_moments_with_zero3_and_offload_resume_bit_for_bit_from_torch_dist(
     first = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + extra + ["--exit-interval", "4"]))
     # the bf16 moments loaded into an fp32-moment run (widened, exact): step 5 as the straight run's, bit for
     # bit; step 6 within the one rounding of step 5's moments that the fp32 run no longer makes
-    fp32_moments = [a for a in extra if a not in AWARE[1:]]
+    fp32_moments = [a for a in extra if a not in AWARE]  # fp32 Adam
     cast = run_ranks(2, run_and_measure, _argv(str(tmp_path / "cast"), ITERS, MODEL_C + fp32_moments + [
         "--load", resumed]))[0][0]
     assert cast.losses[0] == straight.losses[4] and cast.losses[1] == pytest.approx(straight.losses[5], rel=1e-5)
-    loaded = run_ranks(2, run_and_measure, _argv(str(tmp_path / "loaded"), 4, MODEL_C + extra + [
-        "--load", resumed, "--override-opt_param-scheduler"]))  # loads iteration 4 and stops: no step
+    # and back: that run's fp32 moments (iteration 6) into a bf16-moment run that loads and stops (no step):
+    # its model state is already the formula's, the moments rounded to bf16 on load
+    loaded = run_ranks(2, run_and_measure, _argv(str(tmp_path / "loaded"), ITERS, MODEL_C + extra + [
+        "--load", str(tmp_path / "cast")]))
     second = run_ranks(2, run_and_measure, _argv(resumed, ITERS, MODEL_C + extra + ["--load", resumed]))
     assert_same_trajectory(first[0][0] + second[0][0], straight, rtol=0)  # bit-identical
     assert_same_trajectory(straight, reference["fp32"][0], rtol=1e-3, steps=ITERS)
     device, cpu = model_state_bytes_split(torch.float32, "optim_grads_params", 2, offload_fraction=0.5, moments=4)
     for _, n, got in results + loaded:  # after training, and right after the load (no step: the loaded dtype)
+        assert got["optimizer"] + got["optimizer_cpu"] > 0
         assert (got["params"] + got["grads"] + got["optimizer"], got["optimizer_cpu"]) == (device * n, cpu * n), got
     assert (device, cpu) == (6, 3)  # (4 + 4) / 2 + (4 + 4) x 0.5 / 2 and (8 + 4) x 0.5 / 2; fp32 moments: 7 and 4
