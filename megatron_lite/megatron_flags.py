@@ -51,9 +51,10 @@ REFUSED_VALUES: dict[str, dict[str, tuple[str, str]]] = {
         "unfused": ("the attention kernel is picked per call; the explicit softmax math is --no-masked-softmax-fusion",
                     "use --no-masked-softmax-fusion"),
     },
-    **{flag: {v: (f"{what} always fp32 (the precision-aware optimizer keeps only Adam's moments in bf16)",
-                  f"use {flag} fp32 or drop it") for v in ("bf16", "fp16", "fp8")}
-       for flag, what in (("--main-grads-dtype", "main gradients are"), ("--main-params-dtype", "master weights are"))},
+    **{flag: {v: (f"{what} always fp32 here ({v} {kind} not built; --use-precision-aware-optimizer keeps only "
+                  "Adam's moments in bf16)", f"use {flag} fp32 or drop it") for v in ("bf16", "fp16", "fp8")}
+       for flag, what, kind in (("--main-grads-dtype", "main gradients are", "gradient accumulation and reduction is"),
+                                ("--main-params-dtype", "master weights are", "master weights are"))},
     **{flag: {"fp16": ("fp16 moments need a per-tensor scale (Megatron-LM's Transformer Engine Adam keeps one) that "
                        "is not built", f"use {flag} bf16 with --use-precision-aware-optimizer"),
               "fp8": ("fp8 moments need a per-tensor scale (Megatron-LM's Transformer Engine Adam keeps one) that "
