@@ -388,24 +388,6 @@ MUTATIONS = [
     Mutation("hf_auto_qwen2_with_biases", "--hf-style auto: qwen2 for a rope model with biases everywhere (llama holds them)",
              "megatron_lite/checkpoint/hf.py", 'if cfg.get("add_qkv_bias") and cfg.get("disable_bias_linear"):',
              'if cfg.get("add_qkv_bias"):', ("tests/unit/test_hf_style_auto.py",)),
-    Mutation("precision_adam_no_rounding", "--use-precision-aware-optimizer: the moments kept in fp32 after the step "
-             "(never rounded to bf16)", "megatron_lite/optim/precision_adam.py",
-             "                    if key not in state or state[key].dtype == dtype:",
-             "                    if True:", ("tests/unit/test_precision_aware_optimizer.py",)),
-    Mutation("precision_adam_chunk_groups", "--use-precision-aware-optimizer: a chunk steps with the first group's "
-             "hyper-parameters (weight decay on the biases)", "megatron_lite/optim/precision_adam.py",
-             "                    chunk.append(dict(group, params=params))\n                yield chunk",
-             "                    chunk.append(dict(groups[0], params=params))\n                yield chunk",
-             ("tests/unit/test_precision_aware_optimizer.py",)),
-    Mutation("precision_adam_load_fp32", "--use-precision-aware-optimizer: the distributed optimizer loads the "
-             "moments in fp32 (as the masters), not in their dtype", "megatron_lite/optim/distrib_optimizer.py",
-             "                    dtype = self.moment_dtypes.get(k, piece.master.dtype)  # cast: fp32 <-> bf16 moments",
-             "                    dtype = piece.master.dtype",
-             ("tests/distributed/test_distrib_optimizer.py", "-k", "precision_aware")),
-    Mutation("precision_adam_dist_load_fp32", "--use-precision-aware-optimizer: torch_dist loads the moments into "
-             "fp32 tensors", "megatron_lite/checkpoint/dist.py",
-             'dtype=getattr(optimizer, "moment_dtypes", {}).get(k, master.dtype))', "dtype=master.dtype)",
-             ("tests/e2e/test_sharded_data_parallel.py", "-k", "bf16_moments")),
 ]
 # mutations applied together with the one before them (one bug spread over two places)
 COMBINED = {"hf_gate_up": ["hf_gate_up_import"]}

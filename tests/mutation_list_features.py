@@ -227,4 +227,22 @@ MUTATIONS = [
              "saved experts per EP rank", "megatron_lite/checkpoint/merge.py",
              "per_rank=None if keep is None else per_rank)", "per_rank=None)",
              ("tests/unit/test_pretrained_rank_part.py", "-k", "kept_experts")),
+    Mutation("precision_adam_no_rounding", "--use-precision-aware-optimizer: the moments kept in fp32 after the step "
+             "(never rounded to bf16)", "megatron_lite/optim/precision_adam.py",
+             "                    if key not in state or state[key].dtype == dtype:",
+             "                    if True:", ("tests/unit/test_precision_aware_optimizer.py",)),
+    Mutation("precision_adam_chunk_groups", "--use-precision-aware-optimizer: a chunk steps with the first group's "
+             "hyper-parameters (weight decay on the biases)", "megatron_lite/optim/precision_adam.py",
+             "                    chunk.append(dict(group, params=params))\n                yield chunk",
+             "                    chunk.append(dict(groups[0], params=params))\n                yield chunk",
+             ("tests/unit/test_precision_aware_optimizer.py",)),
+    Mutation("precision_adam_load_fp32", "--use-precision-aware-optimizer: the distributed optimizer loads the "
+             "moments in fp32 (as the masters), not in their dtype", "megatron_lite/optim/distrib_optimizer.py",
+             "                    dtype = self.moment_dtypes.get(k, piece.master.dtype)  # cast: fp32 <-> bf16 moments",
+             "                    dtype = piece.master.dtype",
+             ("tests/distributed/test_distrib_optimizer.py", "-k", "precision_aware")),
+    Mutation("precision_adam_dist_load_fp32", "--use-precision-aware-optimizer: torch_dist loads the moments into "
+             "fp32 tensors", "megatron_lite/checkpoint/dist.py",
+             'dtype=getattr(optimizer, "moment_dtypes", {}).get(k, master.dtype))', "dtype=master.dtype)",
+             ("tests/e2e/test_sharded_data_parallel.py", "-k", "bf16_moments")),
 ]
