@@ -30,9 +30,12 @@ Small SwiGLU calls eagerly on a CPU (fewer than ``NATIVE_BELOW`` = 2^16 entries 
 autograd Function: ``silu(x1) * x2`` under autograd costs one kernel per operation, where the Function's
 fixed cost (its Python, and the blocks' extra operations) made the fused call 1.5x slower than the
 unfused one at ``[32, 128]``; it also saves ``silu(x1)`` (half of ``x`` more, below 256 KiB in fp32 per
-call). The GeLU keeps its Function at every size: a native ``F.gelu`` route for small fp32 calls made a
-zero-bubble pipeline run (ZB-H1 with ZeRO-2) drift from the 1F1B run's weights, not yet explained, for
-a few microseconds per call.
+call). The GeLU keeps its Function at every size: a native ``F.gelu`` route for small fp32 calls would save a
+few microseconds per call but changes the gradients' last bits, and the tests that hold a zero-bubble
+run (ZB-H1 with ZeRO-2) to the 1F1B run's weights bit for bit rely on rounding the two schedules share:
+ZB-H1 buckets the deferred weights apart, so its optimizer shards differ from 1F1B's and the gradient
+norm (fp32 sums over the shards) can round differently in its last bit (the gradients themselves are
+equal; with the norm summed in fp64 the two runs agree to the bit, but fp64 norms cost ~25x on a CPU).
 """
 
 from __future__ import annotations
