@@ -29,7 +29,7 @@ from megatron_lite.data.builder import (
 )
 from megatron_lite.data.indexed_dataset import DataFileError
 from megatron_lite.data.samplers import chunk_data_iterators
-from megatron_lite.data.sft_dataset import build_sft_datasets, sft_config_from
+from megatron_lite.data.sft_dataset import build_sft_datasets, read_sft_data, sft_config_from
 from megatron_lite.data.tokenizers import build_tokenizer, tiktoken_kwargs
 from megatron_lite.device import get_device
 from megatron_lite.errors import exit_if_a_peer_stopped, exit_with_message, is_rank_local, run_script
@@ -184,10 +184,13 @@ def make_datasets_provider(tokenizer):
         data_config = None
         if config.data.sft:  # chat conversations, padded or packed (megatron_lite/data/sft_dataset.py)
             sft = sft_config_from(config, tokenizer)
-            train_ds, valid_ds, _ = build_sft_datasets(sft, samples, tokenizer, say=print_rank_0)
+            conversations = read_sft_data(sft, tokenizer, say=print_rank_0)  # read once, for the test split too
+            train_ds, valid_ds, _ = build_sft_datasets(sft, samples, tokenizer, data=conversations)
+            build_test = lambda n: build_sft_datasets(sft, [0, 0, n], tokenizer, data=conversations)[2]  # noqa: E731
         else:
             data_config = dataset_config_from_args(config.flat(), tokenizer)
             train_ds, valid_ds, _ = build_train_valid_test_datasets(data_config, samples, tokenizer)
+            build_test = lambda n: build_train_valid_test_datasets(data_config, [0, 0, n], tokenizer)[2]  # noqa: E731
         num_chunks = len(my_layer_ranges(config, state))
         wrap = lambda it: checked_token_ids(it, tokenizer.vocab_size, data_flags(config.flat()))  # noqa: E731
         plain = not (t.full_validation or t.multiple_validation_sets)
@@ -199,9 +202,8 @@ def make_datasets_provider(tokenizer):
             datasets = valid_ds if t.multiple_validation_sets else [] if valid_ds is None else [valid_ds]
             valid = validation_sets(eval_config(config), state, datasets, consumed_valid, num_chunks, wrap) if datasets else None
         test = None  # the test pass at the end of the run (and of --skip-train), where the data gives a test split
-        if t.eval_iters > 0 and data_config is not None:
-            test = test_set(eval_config(config), state, lambda n: build_train_valid_test_datasets(data_config, [0, 0, n],
-                                                                                     tokenizer)[2], num_chunks, wrap)
+        if t.eval_iters > 0:
+            test = test_set(eval_config(config), state, build_test, num_chunks, wrap)  # split by --split, as valid
         return train, valid, test
 
     return provider

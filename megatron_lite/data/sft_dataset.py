@@ -193,9 +193,9 @@ def _skip_report(conversations: Conversations) -> str | None:
             f"{conversations.source} ({reasons})")
 
 
-def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, tokenizer, say=print) -> tuple:
-    """(train, valid, test) SFT datasets; None for a split with weight 0 or 0 requested samples.
-    ``say`` prints the skipped-conversation counts (once per file)."""
+def read_sft_data(config: SFTDatasetConfig, tokenizer, say=print) -> tuple:
+    """(paths, weights, conversations of each path) of --data-path, read and tokenized once (None for a
+    weight-0 path, never read); ``say`` prints the skipped-conversation counts (once per file)."""
     paths, weights = parse_data_path(config.data_path)
     used = [True] * len(paths) if weights is None else [w > 0 for w in weights]  # weight 0: never drawn, not read
     for p, on in zip(paths, used):
@@ -212,6 +212,15 @@ def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, t
             say(report)
     if weights is None and len(sets) > 1:  # several files without weights: by conversation count
         weights = [float(w) for w in normalize_weights([len(c) for c in sets])]
+    return paths, weights, sets
+
+
+def build_sft_datasets(config: SFTDatasetConfig, train_valid_test_num_samples, tokenizer, say=print,
+                       data: tuple | None = None) -> tuple:
+    """(train, valid, test) SFT datasets; None for a split with weight 0 or 0 requested samples.
+    ``data``: :func:`read_sft_data`'s result (read here when None, ``say`` printing its skip counts), so a
+    run building its test split apart from the others reads the files once."""
+    paths, weights, sets = read_sft_data(config, tokenizer, say) if data is None else data
     split = parse_split(config.split)
     ranges = [split_ranges(len(c), split) if c is not None else None for c in sets]
     out = []

@@ -288,3 +288,26 @@ def test_json_array_file_says_jsonl_is_expected_and_how_to_convert(tmp_path, cap
         subprocess.run(argv, stdin=src, stdout=dst, check=True)
     assert [json.loads(line) for line in open(out)] == GOOD * 4
     assert len(pretrain_gpt.main(sft_argv(sft_files, data=out, iters=1, extra=["--global-batch-size", "2"])).losses) == 1
+
+
+def test_sft_run_ends_with_the_test_split_pass_equal_to_an_independent_evaluation(sft_files, capsys):
+    """--sft with a test weight in --split: the run that trains to --train-iters ends with the test
+    pass (it was skipped: the provider built no SFT test split), and its loss is the mean of the
+    micro-batch means of the test split's first global batch, evaluated here by hand on the final model."""
+    argv = sft_argv(sft_files, extra=["--split", "60,20,20", "--eval-iters", "1"], iters=2, pack=False)
+    result = pretrain_gpt.main(argv)
+    assert "validation loss at iteration 2 on test set | lm loss value:" in capsys.readouterr().out
+    (got,) = [value["lm loss"] for it, name, value in result.evaluations if name == "test"]
+    config = pretrain_gpt.parse_args(argv)
+    tokenizer = pretrain_gpt.build_tokenizer_for(config)
+    _, _, test = build_sft_datasets(sft_config_from(config, tokenizer), [0, 0, 8], tokenizer)
+    _, valid, _ = build_sft_datasets(sft_config_from(config, tokenizer), [0, 8, 0], tokenizer)
+    model = result.chunks[0].eval()
+    with torch.no_grad():
+        def loss_of(batch):
+            out, _ = pretrain_gpt.forward_step(iter([batch]), model)
+            return float((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+        means = [loss_of(collate([test[i], test[i + 1]])) for i in range(0, 8, 2)]
+        other = loss_of(collate([valid[0], valid[1]]))
+    assert got == pytest.approx(sum(means) / 4, rel=1e-6)
+    assert other != pytest.approx(means[0], rel=1e-3)  # the test split is its own conversations, not the validation's
