@@ -310,6 +310,10 @@ MUTATIONS = [
     Mutation("sft_no_test_split", "--sft: no test split built, so the run's end-of-training test pass is skipped",
              "pretrain_gpt.py", "build_sft_datasets(sft, [0, 0, n], tokenizer, data=conversations)[2]", "None",
              ("tests/e2e/test_sft.py", "-k", "test_split_pass")),
+    Mutation("lora_compile_first_layer_twice", "--torch-compile with LoRA: the frozen embedding's output enters the "
+             "first compiled layer without requires_grad, so Dynamo compiles that layer a second time",
+             "megatron_lite/models/transformer.py", "if torch.is_grad_enabled() and not hidden.requires_grad:",
+             "if False:", ("tests/unit/test_lora.py", "-k", "compiled_layers")),
     Mutation("lora_init_std_half", "LoRA: A drawn with half Xavier-normal's variance",
              "megatron_lite/lora/adapters.py", "std = math.sqrt(2.0 / (rows + cols))", "std = math.sqrt(1.0 / (rows + cols))",
              ("tests/unit/test_lora.py", "-k", "xavier")),

@@ -73,7 +73,9 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         if self.compiled_forward is not None and inference_context is None:  # --torch-compile: one compiled
-            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)  # function for every layer
+            if torch.is_grad_enabled() and not hidden.requires_grad:  # function for every layer: Dynamo guards on
+                hidden = hidden.detach().requires_grad_()  # requires_grad, False after a frozen embedding (LoRA)
+            return self.compiled_forward(self, hidden, attention_mask, rotary, causal)
         return self._forward(hidden, attention_mask, rotary, causal, inference_context)
 
     def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):

@@ -242,3 +242,30 @@ def test_merge_keeps_the_base_weights_dtype():
     for name, want in (("l.weight", dense), ("mlp.experts.weight1", grouped)):
         assert merged[name].dtype == torch.bfloat16, name
         assert torch.equal(merged[name], want.bfloat16()), name
+
+
+def test_compiled_layers_with_adapters_share_one_graph_and_give_the_eager_gradients():
+    """--torch-compile with LoRA compiled the first layer twice: the frozen embedding's output enters it
+    without requires_grad and every later layer's input has it, a Dynamo guard; now each layer of the
+    one shape runs the one graph (cache entries counted as tests/e2e/test_torch_compile.py does), and
+    the adapters' gradients are the eager model's."""
+    from megatron_lite.fusions.compile import layer_cache_entries
+    from megatron_lite.models.transformer import TransformerLayer, compile_layers
+
+    config, state = _config("gpt2"), ParallelState(world_size=1, rank=0)
+    eager, compiled = (apply_lora(GPTModel(config, state), config, LoRAConfig(lora_rank=4, lora_alpha=8.0), state)
+                       for _ in range(2))
+    _randomise_b(eager)
+    _randomise_b(compiled)
+    torch._dynamo.reset()
+    assert compile_layers(compiled, "eager") == 2  # Dynamo alone: the guards are its own
+    for model in (eager, compiled):
+        model.train()
+        model(TOKENS, labels=TOKENS).mean().backward()
+    assert layer_cache_entries(TransformerLayer._forward) == 1
+    grads = {n: p.grad for n, p in eager.named_parameters() if p.requires_grad}
+    for name, p in compiled.named_parameters():
+        assert (p.grad is None) == (name not in grads), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
