@@ -11,7 +11,7 @@ completes, and the entries of all its chunks, joined, are the non-streamed answe
 
 from __future__ import annotations
 
-from .api_megatron import continuation_text
+from .detokenize import continuation_text
 from .engine import Generation
 
 TOKEN_CONTEXT = 4  # tokens decoded before a token to find its own text (vLLM's incremental detokenization)

@@ -26,7 +26,8 @@ beam_width             none       1-128: beam search over one prompt (:mod:`.bea
 length_penalty         1.0        beam search: score = sum of log-probs / length ** length_penalty
 =====================  =========  ============================================================
 
-Response: ``text`` (each prompt followed by its generated text), ``segments`` (each token's text),
+Response: ``text`` (each prompt followed by its generated text), ``segments`` (the text each token adds to
+the ones before it: :func:`~.detokenize.token_segments`),
 ``tokens`` (prompt and generated ids) and, with ``logprobs``, ``logprobs`` (``len(tokens) - 1``
 values per prompt). With ``beam_width``: ``text``, ``segments`` and ``scores`` of the
 ``beam_width`` best hypotheses, best first (Megatron's beam answer). A bad request gets HTTP 400
@@ -46,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .detokenize import continuation_text, token_segments
 from .fields import RequestError, check_fields, get_bool, get_int, get_number, tokenize_field
 from .sampling import MAX_SEED, SamplingParams
 
@@ -184,24 +186,16 @@ def _beam(body, prompts: int, n: int, tokenizer) -> dict:
     return dict(beam_width=width, length_penalty=penalty)
 
 
-def continuation_text(tokenizer, result) -> str:
-    """The text the generated tokens add after the prompt's: decoded in context, so a tokenizer that
-    puts spaces between tokens or marks word starts (SentencePiece) joins them as it would."""
-    prompt = tokenizer.detokenize(result.tokens[:result.prompt_length])
-    whole = tokenizer.detokenize(result.tokens)
-    return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.detokenize(result.generated)
-
-
 def api_response(job: ApiJob, results, tokenizer) -> dict:
     """Megatron's response: text, segments, tokens (and logprobs when asked); for beam search
     text, segments and scores of every hypothesis."""
     if job.beam:
         return {"text": [job.texts[0] + continuation_text(tokenizer, r) for r in results],
-                "segments": [[tokenizer.detokenize([t]) for t in r.tokens] for r in results],
+                "segments": [token_segments(tokenizer, r) for r in results],
                 "scores": [r.score for r in results]}
     out = {
         "text": [text + continuation_text(tokenizer, r) for text, r in zip(job.texts, results)],
-        "segments": [[tokenizer.detokenize([t]) for t in r.tokens] for r in results],
+        "segments": [token_segments(tokenizer, r) for r in results],
         "tokens": [r.tokens for r in results],
     }
     if job.logprobs:

@@ -1,12 +1,18 @@
 """Incremental detokenization: a sequence's generated text followed token by token, for the
-streamed answer (:mod:`.api_stream`) and for ending a sequence at a stop string while it decodes
-(:mod:`.stop_strings`). The window of :class:`TextStream` is described in :mod:`.api_stream`."""
+streamed answer (:mod:`.api_stream`), for ending a sequence at a stop string while it decodes
+(:mod:`.stop_strings`) and for the segments of ``PUT /api``'s answer (:func:`token_segments`). The window of :class:`TextStream` is described in :mod:`.api_stream`."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .api_megatron import continuation_text
+
+def continuation_text(tokenizer, result) -> str:
+    """The text the generated tokens add after the prompt's: decoded in context, so a tokenizer that
+    puts spaces between tokens or marks word starts (SentencePiece) joins them as it would."""
+    prompt = tokenizer.detokenize(result.tokens[:result.prompt_length])
+    whole = tokenizer.detokenize(result.tokens)
+    return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.detokenize(result.generated)
 
 
 def without_end(result, eod: int | None):
@@ -115,3 +121,26 @@ class TextStream:
             return ""
         piece, self.sent = text[len(self.sent):end], text[:end]
         return piece
+
+
+def _pieces(tokenizer, context: list[int], tokens: list[int], text: str) -> list[str]:
+    """What each of ``tokens`` adds after ``context`` (a :class:`TextStream`); what the stream still
+    holds at the end (a character the last token leaves incomplete) goes to the last piece, so the
+    pieces join to ``text``, the tokens' text decoded whole."""
+    stream = TextStream(tokenizer, context, [])
+    pieces = [stream.push(t) for t in tokens]
+    joined = "".join(pieces)
+    if pieces and text.startswith(joined):
+        pieces[-1] += text[len(joined):]
+    return pieces
+
+
+def token_segments(tokenizer, result) -> list[str]:
+    """``PUT /api``'s ``segments``: per token of ``result`` (prompt and generated), the text it adds to
+    the tokens before it, decoded in context: a token holding only the first bytes of a character
+    adds "" and the one completing it the whole character (never U+FFFD), a SentencePiece word start
+    its space. The prompt's segments join to its decoded text and the generated tokens' to
+    :func:`continuation_text` (the answer's generated text)."""
+    tokens, n = list(result.tokens), result.prompt_length
+    head = _pieces(tokenizer, [], tokens[:n], tokenizer.detokenize(tokens[:n]))
+    return head + _pieces(tokenizer, tokens[:n], tokens[n:], continuation_text(tokenizer, result))

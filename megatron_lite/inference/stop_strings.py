@@ -28,8 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .api_megatron import continuation_text
-from .detokenize import TextStream, cut_at_stop
+from .detokenize import TextStream, continuation_text, cut_at_stop
 
 
 class StopStrings:

@@ -34,7 +34,9 @@ def test_api_answers_a_batch_with_log_probs_like_the_engine(server):
     assert body["tokens"] == [g.tokens for g in want]
     for text, got_lp, segments, g, prompt in zip(body["text"], body["logprobs"], body["segments"], want, PROMPTS):
         assert_close(torch.tensor(got_lp), torch.tensor(g.log_probs))
-        assert len(got_lp) == len(g.tokens) - 1 and segments == [str(t) for t in g.tokens]
+        # each token's segment is the text it adds: NullTokenizer puts a space before every token but the first
+        assert len(got_lp) == len(g.tokens) - 1 and segments == [("" if i == 0 else " ") + str(t)
+                                                                  for i, t in enumerate(g.tokens)]
         assert text == prompt + "".join(f" {t}" for t in g.generated)
 
 
@@ -143,7 +145,8 @@ def test_beam_search_answers_megatrons_beam_shape(server):
     body = r.json()
     assert r.status_code == 200 and set(body) == {"text", "segments", "scores"}
     assert [ids(t) for t in body["text"]] == [w.tokens for w in want] and len(body["text"]) == 3
-    assert body["segments"] == [[tokenizer.detokenize([t]) for t in w.tokens] for w in want]
+    assert ["".join(s) for s in body["segments"]] == body["text"]  # the segments join to each hypothesis' text
+    assert [len(s) for s in body["segments"]] == [len(w.tokens) for w in want]
     assert body["scores"] == pytest.approx([w.score for w in want]) and body["scores"] == sorted(body["scores"])[::-1]
 
 

@@ -1,5 +1,5 @@
 """PUT /api's request checks (parse_api) that need no model: each bad body is one RequestError
-(HTTP 400) naming the field, never another exception (HTTP 500)."""
+(HTTP 400) naming the field, never another exception (HTTP 500); and its answer's segments."""
 
 import pytest
 
@@ -68,3 +68,29 @@ def test_a_prompt_the_tokenizer_cannot_read_names_it():
     with pytest.raises(RequestError) as err:
         parse_api({"prompts": ["1 2", "hello"]}, NullTokenizer(99))
     assert str(err.value) == "prompts[1]: NullTokenizer expects space-separated integers, got 'hello'"
+
+
+def test_segments_are_the_text_each_token_adds_and_join_to_the_generated_text():
+    """PUT /api's segments decoded each token alone: GPT-2's byte-level BPE splits an emoji's four bytes
+    over two tokens, each of which decoded to U+FFFD. Each segment is now the text its token adds to
+    the tokens before it (the first token of the split character adds "", the second the whole
+    character), so the generated tokens' segments join to the answer's generated text; also when the
+    sequence ends in the middle of a character (its segments join to what its text holds)."""
+    from megatron_lite.data.tokenizers import build_tokenizer
+    from megatron_lite.inference.api_megatron import ApiJob, api_response
+    from megatron_lite.inference.engine import Generation
+    from megatron_lite.inference.sampling import SamplingParams
+    from tests.inference_helpers import GPT2_TOKENIZER
+
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_TOKENIZER["vocab_file"],
+                          merge_file=GPT2_TOKENIZER["merge_file"])
+    prompt, generated = tok.tokenize("Smile:"), tok.tokenize(" 😀 naïve 😀")
+    assert generated[:2] == [30325, 222] and tok.detokenize([30325]) == " \ufffd"  # the emoji split over two tokens
+    for beam, tokens, text in ((False, prompt + generated, " 😀 naïve 😀"), (True, prompt + generated, " 😀 naïve 😀"),
+                               (False, prompt + generated[:-1], " 😀 naïve \ufffd")):
+        job = ApiJob(["Smile:"], [prompt], SamplingParams(), False, beam=beam)
+        body = api_response(job, [Generation(tokens, len(prompt), [0.0] * (len(tokens) - 1))], tok)
+        (segments,) = body["segments"]
+        assert body["text"] == ["Smile:" + text] and len(segments) == len(tokens)
+        assert segments[:len(prompt)] == ["Sm", "ile", ":"] and "".join(segments[len(prompt):]) == text
+        assert segments[len(prompt):len(prompt) + 2] == ["", " 😀"] and "\ufffd" not in "".join(segments[:-1])
