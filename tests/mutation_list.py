@@ -307,18 +307,6 @@ MUTATIONS = [
     Mutation("sft_pad_is_eod", "SFT: samples padded with the EOD although the tokenizer has a pad token",
              "megatron_lite/data/sft_dataset.py", "pad=int(eod if pad is None else pad)", "pad=int(eod)",
              ("tests/unit/test_sft_data.py", "-k", "padding_is")),
-    Mutation("sft_no_test_split", "--sft: no test split built, so the run's end-of-training test pass is skipped",
-             "pretrain_gpt.py", "build_sft_datasets(sft, [0, 0, n], tokenizer, data=conversations)[2]", "None",
-             ("tests/e2e/test_sft.py", "-k", "test_split_pass")),
-    Mutation("lora_compile_first_layer_twice", "--torch-compile with LoRA: the frozen embedding's output enters the "
-             "first compiled layer without requires_grad, so Dynamo compiles that layer a second time",
-             "megatron_lite/models/transformer.py", "if torch.is_grad_enabled() and not hidden.requires_grad:",
-             "if False:", ("tests/unit/test_lora.py", "-k", "compiled_layers")),
-    Mutation("api_segments_token_alone", "PUT /api: each segment decoded from its token alone (U+FFFD for a "
-             "character split over tokens)", "megatron_lite/inference/api_megatron.py",
-             '"segments": [token_segments(tokenizer, r) for r in results],',
-             '"segments": [[tokenizer.detokenize([t]) for t in r.tokens] for r in results],',
-             ("tests/unit/test_api_megatron_fields.py", "-k", "segments"), count=2),
     Mutation("lora_init_std_half", "LoRA: A drawn with half Xavier-normal's variance",
              "megatron_lite/lora/adapters.py", "std = math.sqrt(2.0 / (rows + cols))", "std = math.sqrt(1.0 / (rows + cols))",
              ("tests/unit/test_lora.py", "-k", "xavier")),

@@ -245,4 +245,16 @@ MUTATIONS = [
              "fp32 tensors", "megatron_lite/checkpoint/dist.py",
              'dtype=getattr(optimizer, "moment_dtypes", {}).get(k, master.dtype))', "dtype=master.dtype)",
              ("tests/e2e/test_sharded_data_parallel.py", "-k", "bf16_moments")),
+    Mutation("sft_no_test_split", "--sft: no test split built, so the run's end-of-training test pass is skipped",
+             "pretrain_gpt.py", "build_sft_datasets(sft, [0, 0, n], tokenizer, data=conversations)[2]", "None",
+             ("tests/e2e/test_sft.py", "-k", "test_split_pass")),
+    Mutation("lora_compile_first_layer_twice", "--torch-compile with LoRA: the frozen embedding's output enters the "
+             "first compiled layer without requires_grad, so Dynamo compiles that layer a second time",
+             "megatron_lite/models/transformer.py", "if torch.is_grad_enabled() and not hidden.requires_grad:",
+             "if False:", ("tests/unit/test_lora.py", "-k", "compiled_layers")),
+    Mutation("api_segments_token_alone", "PUT /api: each segment decoded from its token alone (U+FFFD for a "
+             "character split over tokens)", "megatron_lite/inference/api_megatron.py",
+             '"segments": [token_segments(tokenizer, r) for r in results],',
+             '"segments": [[tokenizer.detokenize([t]) for t in r.tokens] for r in results],',
+             ("tests/unit/test_api_megatron_fields.py", "-k", "segments"), count=2),
 ]
