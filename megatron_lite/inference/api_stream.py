@@ -24,7 +24,8 @@ come with the choice's first generated token (or at the end when nothing is gene
 Every rank runs every decode step (the engine's steps are collectives), so the events generator
 runs the engine to its end whatever happens to the client: when the client disconnects, the
 server's write fails, the generator is closed, and its ``finally`` runs the remaining steps without
-sending them (a request of the continuous batch is cancelled instead: :func:`drain`). An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
+sending them (a request of the continuous batch is cancelled instead, and a speculative one stops
+at its next verify step: :func:`drain`). An error raised by the engine mid-stream (the HTTP status, 200, is already sent) is
 sent as one ``data: {"error": {...}}`` event (OpenAI's error shape, ``"type": "server_error"``,
 ``"code": 500``: :func:`~.http_errors.error_body`), after which the stream ends.
 """
@@ -48,9 +49,10 @@ def sse(payload) -> str:
 
 
 def drain(steps) -> None:
-    """Run the engine's remaining steps (every rank takes part in each), sending nothing; a request
-    of the continuous batch (:class:`~.batch_runner.Steps`) is cancelled instead: it leaves the
-    batch at the next step."""
+    """Run the engine's remaining steps (every rank takes part in each), sending nothing; ``steps``
+    with a ``cancel`` are cancelled first: a request of the continuous batch
+    (:class:`~.batch_runner.Steps`) leaves the batch at the next step, a speculative one stops at
+    its next verify step."""
     if hasattr(steps, "cancel"):
         steps.cancel()
     try:

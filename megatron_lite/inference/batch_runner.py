@@ -24,7 +24,9 @@ two steps of the batch (which waits meanwhile): beam search, scoring (``max_toke
 and all; the others (several prompts, ``n`` > 1, stop strings, penalties, ...) batch as before.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
-step's broadcast names it, so every rank drops it) and frees its rows and blocks.
+step's broadcast names it, so every rank drops it) and frees its rows and blocks. A speculative
+request running alone stops at its next verify step (:meth:`.SpeculativeEngine.stream`'s
+``cancelled``); the other requests run alone run to their end (their answer is dropped).
 
 SIGTERM / Ctrl-C: the server stops accepting requests, finishes those it holds, then stops every
 rank (exit code 0).
@@ -40,7 +42,7 @@ import time
 import torch.distributed as dist
 
 from .scheduler import Scheduler
-from .server import _GENERATE, HEARTBEAT_S, Runner
+from .server import _GENERATE, HEARTBEAT_S, Runner, cancel_args
 
 _STEP = "step"
 
@@ -81,6 +83,7 @@ class Ticket:
     def __init__(self):
         self.items: queue.Queue = queue.Queue()
         self.rid: int | None = None  # its id in the batch (None: it runs alone)
+        self.cancelled = threading.Event()  # run alone: its streaming client left
 
     def put(self, kind: str, value=None) -> None:
         self.items.put((kind, value))
@@ -143,7 +146,7 @@ class BatchRunner(Runner):
     def stream(self, prompts, params):
         ticket = self.submit(prompts, params)
         ticket.wait_started()
-        return ticket.steps(on_cancel=None if ticket.rid is None else lambda: self.cancel(ticket.rid))
+        return ticket.steps(on_cancel=ticket.cancelled.set if ticket.rid is None else lambda: self.cancel(ticket.rid))
 
     def cancel(self, rid: int) -> None:
         """The client of request ``rid`` left: it leaves the batch (or the queue) at the next step."""
@@ -198,7 +201,7 @@ class BatchRunner(Runner):
     def _run_alone(self, prompts, params, ticket: Ticket) -> None:
         self._send((_GENERATE, prompts, params))
         try:
-            steps = self.engine.stream(prompts, params)
+            steps = self.engine.stream(prompts, params, **cancel_args(self.engine, ticket.cancelled))
         except Exception as err:  # noqa: BLE001 - a ValueError is the request's 400
             ticket.put("error", err)
             return

@@ -77,9 +77,13 @@ class Runner:
 
     def stream(self, prompts, params):
         """:meth:`run` one decode step at a time (the engine's :meth:`stream`): the followers run the
-        same job with ``generate``, so whoever iterates the steps must run them all."""
+        same job with ``generate``, so whoever iterates the steps must run them all (a speculative
+        engine's steps can be cut short: :class:`Cancellable`)."""
         self._send((_GENERATE, prompts, params))
-        return self.engine.stream(prompts, params)
+        if not getattr(self.engine, "cancellable", False):
+            return self.engine.stream(prompts, params)
+        flag = threading.Event()
+        return Cancellable(self.engine.stream(prompts, params, cancelled=flag.is_set), flag)
 
     def heartbeat(self) -> None:
         self._send((_HEARTBEAT,))
@@ -108,6 +112,29 @@ class Runner:
     def on_message(self, message) -> None:
         """A follower's other messages (continuous batching's steps, :mod:`.batch_runner`)."""
         raise RuntimeError(f"unknown server message {message[0]!r}")
+
+
+def cancel_args(engine, flag: threading.Event) -> dict:
+    """The engine's ``stream`` arguments that let ``flag`` (set: the streaming client left) end its
+    request early: a :class:`~.speculative.SpeculativeEngine` stops after the verify step in hand."""
+    return {"cancelled": flag.is_set} if getattr(engine, "cancellable", False) else {}
+
+
+class Cancellable:
+    """The engine's steps; :meth:`cancel` (the streaming client left, :func:`~.api_stream.drain`) sets
+    ``flag``, which a speculative request reads at its next verify step; the steps still run to their end."""
+
+    def __init__(self, steps, flag: threading.Event):
+        self.steps, self.flag = steps, flag
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.steps)
+
+    def cancel(self) -> None:
+        self.flag.set()
 
 
 def read_json(request):

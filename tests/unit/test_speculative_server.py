@@ -252,3 +252,38 @@ def test_the_server_tool_speculates_falls_back_and_prints_the_totals_when_it_sto
     out = capsys.readouterr().out
     assert "speculative decoding (1 token(s) per draft): 1 request(s) with drafts" in out, out
     assert "; 1 without (fields it does not support)" in out and out.rstrip().endswith("server stopped")
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one_at_a_time", "continuous_batching"])
+def test_a_speculative_stream_whose_client_left_stops_at_the_next_verify_step(model, wanted, monkeypatch, batched):
+    """The client reads 3 chunks of a 40-token stream, then leaves: the request ends at its next verify
+    step (counted, not timed: with the batch's engine thread the drafter waits until the client has
+    left), and the next request gets its answer."""
+    from megatron_lite.inference.batch_runner import Steps
+    from megatron_lite.inference.server import Cancellable
+
+    gate = threading.Event()
+
+    def pick(self, logits, depth, context):
+        if batched and depth == 1 and len(context) >= 4 + 6:  # the engine runs ahead of the reader (6 tokens
+            assert gate.wait(timeout=60)  # out): hold it until the client left
+        return int(logits.argmax()), None
+
+    monkeypatch.setattr(MTPDrafter, "pick", pick)
+    for kind in (Steps, Cancellable):
+        real = kind.cancel
+        monkeypatch.setattr(kind, "cancel", lambda self, real=real: (real(self), gate.set()))
+    engine = engine_of(model, True)
+    server = Served(engine, batched)
+    try:
+        body = {"prompt": "5 17 42 8", "max_tokens": 40, "temperature": 0, "stream": True}
+        response = server.app.test_client().post("/v1/completions", json=body, buffered=False)
+        chunks = iter(response.response)
+        read = [next(chunks) for _ in range(3)]
+        response.close()  # the client leaves: the server's generator is closed (drain)
+        assert gate.is_set() and all(b"data: " in c for c in read)
+        assert 3 <= engine.timings["tokens"] + 1 <= 6 + 4, engine.timings  # one verify step after it: not 40 tokens
+        assert_json_close(plain(server.ask(*GREEDY[0])), wanted[0], "the next request")
+    finally:
+        server.close()
+    assert engine.served["requests"] == 2 and not (batched and server.runner.busy)
