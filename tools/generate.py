@@ -14,9 +14,9 @@ in its ``tokenizer`` folder). See docs/inference.md.
     python tools/generate.py --load checkpoints/mtp --prompt "Hello" --greedy --num-speculative-tokens 2
 
 ``--num-speculative-tokens N`` drafts N tokens per step with a model's multi-token prediction heads
-(:mod:`megatron_lite.inference.speculative`), one prompt after the other (each its own caches: the
-sequences of a batch would keep different numbers of drafts), in one process or under torchrun with
-tensor parallelism (no pipeline parallelism), and prints the acceptance on stderr.
+(:mod:`megatron_lite.inference.speculative`), every prompt in one batch (each sequence keeps its own
+number of drafts per step), in one process or under torchrun with tensor parallelism (no pipeline
+parallelism), and prints the acceptance on stderr.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         session = build_session(args)
         tok = session.tokenizer
         texts = args.prompt or [""]
-        results = generate_all(session.engine, [prompt_ids(tok, t) for t in texts], params)
+        results = session.engine.generate([prompt_ids(tok, t) for t in texts], params)
     except USER_ERRORS as err:
         return fail(err)
     if not session.is_rank0:
@@ -97,14 +97,6 @@ def main(argv=None) -> int:
     if args.num_speculative_tokens:
         print(acceptance_line(session.engine.served, args.num_speculative_tokens), file=sys.stderr)
     return 0
-
-
-def generate_all(engine, prompts: list[list[int]], params: SamplingParams):
-    """Every prompt's result: one batch, or with speculative decoding one prompt after the other (a
-    round keeps as many drafts as the sequence's own agree with, so each sequence has caches of its own)."""
-    if not getattr(engine, "num_speculative_tokens", None):
-        return engine.generate(prompts, params)
-    return [result for prompt in prompts for result in engine.generate([prompt], params)]
 
 
 def acceptance_line(timings: dict, num_tokens: int) -> str:

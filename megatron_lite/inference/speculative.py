@@ -50,8 +50,8 @@ import time
 import torch
 
 from ..parallel.comm import _all_gather
-from .engine import InferenceEngine, Step, generation_result, position_stats
-from .kv_cache import KVCache
+from .engine import Generation, InferenceEngine, Step, generation_result, position_stats
+from .mtp_drafter import MTPDrafter, row_cache
 from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
 
 UNSUPPORTED = {  # SamplingParams field -> what it is called in the message
@@ -84,9 +84,6 @@ def check_speculative_model(model, state, num_tokens: int, use_cache: bool = Tru
 
 def speculation_refusal(prompts: list[list[int]], params: SamplingParams) -> str | None:
     """Why speculative decoding cannot run this request (one line), or None when it can."""
-    if len(prompts) > 1:
-        return (f"speculative decoding (--num-speculative-tokens) runs one prompt at a time, got {len(prompts)}; "
-                "pass one --prompt")
     if params.beam_width:
         return "beam search does not run with speculative decoding (--num-speculative-tokens)"
     default = SamplingParams()
@@ -120,56 +117,6 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int
                     residual = p[i]
                 return i, int(torch.multinomial(residual, 1, generator=generator))
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
-
-
-class MTPDrafter:
-    """The draft step: the model's multi-token prediction depths, each with its own key/value cache
-    and the outputs it computed kept by position (see the module docstring)."""
-
-    def __init__(self, engine: InferenceEngine, depths: int, length: int, params: SamplingParams):
-        self.model, self.params, self.engine = engine.model, params, engine
-        self.caches = [KVCache(1, length) for _ in range(depths)]
-        h = engine.hidden_size
-        self.outputs = [torch.zeros(length, 1, h, dtype=engine.dtype, device=engine.device) for _ in range(depths + 1)]
-        self.frontiers: list[int] = []
-
-    def record_main(self, start: int, hidden: torch.Tensor) -> None:
-        """The main model's outputs ``[s, 1, h]`` at positions ``[start, start + s)``."""
-        self.outputs[0][start:start + hidden.shape[0]] = hidden
-
-    def draft(self, tokens: list[int], count: int) -> tuple[list[int], torch.Tensor | None]:
-        """``count`` drafts after ``tokens`` (``t(0) .. t(n)``) and their distributions ``[count, V]``
-        (None when greedy)."""
-        n, context, probs = len(tokens) - 1, list(tokens), []
-        self.frontiers = [cache.sequence_offset for cache in self.caches[:count]]
-        for depth in range(1, count + 1):
-            cache, f = self.caches[depth - 1], self.frontiers[depth - 1]
-            ids = torch.tensor([context[f + depth:n + depth]], device=self.engine.device)
-            logits, out = self.model.mtp_decode(depth, self.outputs[depth - 1][f:n], ids, cache)
-            logits = _all_gather(logits, -1, self.engine.state.tp_group)  # every rank drafts alike
-            cache.advance(n - f)
-            self.outputs[depth][f:n] = out
-            token, q = self.pick(logits[0, -1:, :self.engine.vocab_size].float(), depth, context)
-            context.append(token)
-            probs.append(q)
-        return context[n + 1:], (torch.cat(probs) if probs and probs[0] is not None else None)
-
-    def pick(self, logits: torch.Tensor, depth: int, context: list[int]) -> tuple[int, torch.Tensor | None]:
-        """Depth ``depth``'s draft from its ``logits [1, V]`` (``context``: the tokens it follows):
-        the argmax when greedy, else a draw from its sampling distribution ``q [1, V]``, returned with it."""
-        if not bool(torch.isfinite(logits).all()):
-            raise NonFiniteLogitsError()
-        target = sampling_logits(logits, self.params, None, self.engine.unprintable)
-        if self.params.top_k == 1:
-            return int(target.argmax()), None
-        q = target.softmax(dim=-1)
-        return int(torch.multinomial(q, 1, generator=self.engine.generator)), q
-
-    def commit(self, n: int, kept: int) -> None:
-        """After the round at ``n`` kept ``kept`` drafts: depth ``k``'s entries up to position ``n + kept
-        - k`` read accepted tokens only; forget the rest."""
-        for k, f in enumerate(self.frontiers, start=1):
-            self.caches[k - 1].truncate(max(f, min(n, n + kept - k + 1)))
 
 
 class SpeculativeEngine(InferenceEngine):
@@ -214,14 +161,18 @@ class SpeculativeEngine(InferenceEngine):
             return self._speculative_steps(prompts, params, getattr(self, "_cancelled", None))
         return super()._steps(prompts, params)
 
-    def _main(self, tokens: list[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The main model over ``tokens`` after the cached ones: fp32 logits ``[s, vocab_size]``, outputs ``[s, 1, h]``."""
-        ids = torch.tensor([tokens], device=self.device)
+    def _main(self, cache, rows: list[int], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model over ``ids`` (as many per row) after each of ``rows``' cached tokens: fp32
+        logits ``[b, s, vocab_size]``, outputs ``[s, b, h]``."""
+        s = len(ids[0])
+        positions, mask = cache.begin(rows, s, self.device)
+        positions = positions.clamp(max=self.max_sequence_length - 1)  # a row's unused drafts past its end
         with torch.no_grad():
-            logits, hidden = self.model(ids, inference_context=cache, return_hidden=True)
-            logits = _all_gather(logits, -1, self.state.tp_group)  # [1, s, padded vocab] on every rank
-        cache.advance(len(tokens))
-        return logits[0, :, :self.vocab_size].float(), hidden
+            logits, hidden = self.model(torch.tensor(ids, device=self.device), positions, mask, inference_context=cache,
+                                        return_hidden=True)
+            logits = _all_gather(logits, -1, self.state.tp_group)  # [b, s, padded vocab] on every rank
+        cache.advance()
+        return logits[:, :, :self.vocab_size].float(), hidden
 
     def _accept(self, logits: torch.Tensor, drafts: list[int], q, params: SamplingParams) -> tuple[int, int]:
         if not bool(torch.isfinite(logits).all()):
@@ -246,48 +197,84 @@ class SpeculativeEngine(InferenceEngine):
     def _speculative_steps(self, prompts: list[list[int]], params: SamplingParams, cancelled=None):
         if params.random_seed is not None:
             self.generator.manual_seed(params.random_seed)
-        prompt, top_n = prompts[0], params.top_n_logprobs
-        length = len(prompt) + params.tokens_to_generate
+        depths, b = self.num_speculative_tokens, len(prompts)
         stops = set(params.stop_token_ids) | ({self.eod} if params.stop_on_eod and self.eod is not None else set())
-        main, drafter = KVCache(1, length), MTPDrafter(self, self.num_speculative_tokens, length, params)
-        values = torch.zeros(length - 1, 2 + 2 * top_n, device=self.device)
+        length = max(len(p) for p in prompts) + params.tokens_to_generate + depths  # unused drafts pass a row's end
+        main, drafter = row_cache(b, length), MTPDrafter(self, depths, length, params, b)
+        seqs = [_Sequence(p, params, self.device) for p in prompts]
         counts = dict(verify_steps=0, drafted=0, accepted=0, tokens=0)
         t0 = time.perf_counter()
-        logits, hidden = self._main(prompt, main)  # the prefill
-        tokens, start, drafts, q, finish = list(prompt), 0, [], None, None
+        for r, seq in enumerate(seqs):  # the prefills, one row at a time (their lengths differ)
+            logits, hidden = self._main(main, [r], [seq.tokens])
+            seq.read(logits[0], hidden[:, 0])
+        live, first = list(range(b)), True
         while True:
-            kept, token = self._accept(logits[-len(drafts) - 1:], drafts, q, params)
-            new = drafts[:kept] + [token]
-            if start:  # a verify step: forget the refused drafts
-                main.truncate(start + kept + 1)
-                drafter.commit(start, kept)
-                for name, add in (("verify_steps", 1), ("drafted", len(drafts)), ("accepted", kept), ("tokens", kept + 1)):
-                    counts[name] += add
-            drafter.record_main(start, hidden[:len(tokens) - start + kept])
-            targets = tokens[start + 1:] + new
-            values[start:start + len(targets)] = position_stats(
-                logits[None, :len(targets)], torch.tensor([targets], device=self.device), top_n, self.unprintable)[0]
-            for token in new:
-                tokens.append(token)
-                yield Step([token])
-                if token in stops or len(tokens) == length:
-                    finish = "stop" if token in stops else "length"
-                    break
-            if start == 0:
-                self.timings["prefill_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-            if finish:
+            news = {r: self._round(seqs[r], r, params, main, drafter, counts, stops) for r in live}
+            for j in range(max(len(new) for new in news.values())):  # one Step per token, None where none
+                yield Step(news[r][j] if r in news and j < len(news[r]) else None for r in range(b))
+            if first:
+                self.timings["prefill_s"], t0, first = time.perf_counter() - t0, time.perf_counter(), False
+            live = [r for r in live if seqs[r].finish is None]
+            if not live or self._stop_asked(cancelled):  # every sequence ended, or the client left
                 break
-            if self._stop_asked(cancelled):  # the client left: no more verify steps
-                finish = "length"
-                break
-            start = len(tokens) - 1
-            drafts, q = drafter.draft(tokens, min(self.num_speculative_tokens, length - len(tokens) - 1))
-            logits, hidden = self._main([tokens[start]] + drafts, main)
+            count = min(depths, max(seqs[r].end - len(seqs[r].tokens) - 1 for r in live))
+            drafts = drafter.draft({r: seqs[r].tokens for r in live}, count)
+            logits, hidden = self._main(main, live, [[seqs[r].tokens[-1]] + drafts[r][0] for r in live])
+            for j, r in enumerate(live):
+                seqs[r].read(logits[j], hidden[:, j], *drafts[r])
         self.timings.update(decode_s=time.perf_counter() - t0, decode_steps=counts["verify_steps"], **counts)
         for name, add in dict(counts, requests=1).items():
             self.served[name] += add
-        values = values.cpu()
-        return [generation_result(tokens, len(prompt), values[:len(tokens) - 1], top_n, finish)]
+        return [seq.result(params.top_n_logprobs) for seq in seqs]
+
+    def _round(self, seq: _Sequence, r: int, params, main, drafter, counts, stops) -> list[int]:
+        """Accept row ``r``'s drafts after its last forward pass (the prefill: none); record the tokens
+        it emits (up to a stop token or its end) and return them."""
+        start = len(seq.tokens) - 1 if seq.drafts is not None else 0
+        usable = min(len(seq.drafts or []), seq.end - len(seq.tokens) - 1)  # drafts within its end
+        drafts, q = (seq.drafts or [])[:usable], None if seq.q is None else seq.q[:usable]
+        kept, token = self._accept(seq.logits[:usable + 1] if start else seq.logits[-1:], drafts, q, params)
+        new = drafts[:kept] + [token]
+        if start:  # a verify step: forget the refused drafts
+            main.lengths[r] = start + kept + 1
+            drafter.commit(r, start, kept)
+            for name, add in (("verify_steps", 1), ("drafted", usable), ("accepted", kept), ("tokens", kept + 1)):
+                counts[name] += add
+        drafter.record_main(r, start, seq.hidden[:len(seq.tokens) - start + kept])
+        targets = seq.tokens[start + 1:] + new
+        seq.values[start:start + len(targets)] = position_stats(
+            seq.logits[None, :len(targets)], torch.tensor([targets], device=self.device), params.top_n_logprobs,
+            self.unprintable)[0]
+        return seq.emit(new, stops)
+
+
+class _Sequence:
+    """One sequence of a speculative batch: its tokens, log-probs, last forward pass and drafts."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, device):
+        self.prompt_length, self.tokens = len(prompt), list(prompt)
+        self.end = len(prompt) + params.tokens_to_generate
+        self.values = torch.zeros(self.end - 1, 2 + 2 * params.top_n_logprobs, device=device)
+        self.finish: str | None = None
+        self.drafts: list[int] | None = None  # None: its last pass was the prefill
+
+    def read(self, logits, hidden, drafts=None, q=None) -> None:
+        """Its last forward pass: logits ``[s, V]`` and outputs ``[s, h]``, over the drafts ``drafts``."""
+        self.logits, self.hidden, self.drafts, self.q = logits, hidden, drafts, q
+
+    def emit(self, new: list[int], stops: set) -> list[int]:
+        """Append ``new`` up to a stop token or the end; the tokens appended."""
+        for i, token in enumerate(new):
+            self.tokens.append(token)
+            if token in stops or len(self.tokens) == self.end:
+                self.finish = "stop" if token in stops else "length"
+                return new[:i + 1]
+        return new
+
+    def result(self, top_n: int) -> Generation:
+        values = self.values.cpu()
+        return generation_result(self.tokens, self.prompt_length, values[:len(self.tokens) - 1], top_n,
+                                 self.finish or "length")
 
 
 def served_line(served: dict, num_tokens: int) -> str:

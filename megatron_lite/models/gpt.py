@@ -81,17 +81,19 @@ class GPTModel(LanguageModel):
         """The (shared) word embedding of ``tokens [b, s]``, ``[s(/tp), b, h]``."""
         return self.embedding(tokens)
 
-    def mtp_decode(self, depth: int, hidden, tokens, inference_context):
+    def mtp_decode(self, depth: int, hidden, tokens, inference_context, position_ids=None, attention_mask=None):
         """Speculative decoding's draft step: multi-token prediction depth ``depth`` (1-based) over new
         positions ``[p, p + s)`` after the ``p = inference_context.sequence_offset`` ones cached in that
         depth's own cache. ``hidden [s, b, h]``: the previous depth's outputs at those positions (depth
         1: the decoder's, from ``forward(..., return_hidden=True)``); ``tokens [b, s]``: the tokens
         ``depth`` places ahead of each position (``t(i + depth)`` at position ``i``). Returns ``(logits
         [b, 1, padded_vocab/tp] of the last position, which predict the token depth + 1 after it, this
-        depth's outputs [s, b, h])``. The caller advances the cache."""
-        position_ids = self._cached_positions(tokens, inference_context)
+        depth's outputs [s, b, h])``. The caller advances the cache. ``position_ids``, ``attention_mask``:
+        a batch whose rows stand at different lengths (a paged cache's, as :meth:`forward` takes them)."""
+        if position_ids is None:
+            position_ids = self._cached_positions(tokens, inference_context)
         embedded = self.embedding(tokens, None if self.use_rope else position_ids)
         rotary = self._rotary(hidden, position_ids)
-        out = self.mtp.layers[depth - 1](hidden, embedded, None, rotary, self.decoder.causal,
+        out = self.mtp.layers[depth - 1](hidden, embedded, attention_mask, rotary, self.decoder.causal,
                                          inference_context=inference_context)
         return self._lm_output(self._logits(out[-1:]), None), out

@@ -2,7 +2,8 @@
 decoding at TP2 through the server's runner without HTTP. Rank 0 hands ``REQUESTS`` to a
 :class:`~megatron_lite.inference.batch_runner.BatchRunner` over a ``SpeculativeEngine`` with
 ``fall_back`` (the server's ``--num-speculative-tokens 1``): the one-prompt requests run alone with
-drafts on both ranks (rank 1 follows the broadcast job), the two-prompt one in the batch. The drafter
+drafts on both ranks (rank 1 follows the broadcast job), and so does the two-prompt one, as one
+speculative batch (its sequences keep their own drafts). The drafter
 of the greedy requests is an oracle: the main model's greedy token after its context (one forward
 pass of the engine, a collective both ranks run alike), but a wrong one every third draft, so rounds
 keep their draft or refuse it; the sampled request draws its drafts on each rank. Every rank returns the results of the requests it ran with drafts and the engine's
@@ -23,7 +24,7 @@ REQUESTS = [
     ([[5, 17, 42, 8]], SamplingParams(tokens_to_generate=12, top_k=1, top_n_logprobs=2)),
     ([[3, 1, 4, 1, 5, 9]], SamplingParams(tokens_to_generate=10, top_k=1, stop_on_eod=False)),
     ([[5, 6, 7, 8, 9]], SamplingParams(tokens_to_generate=8, temperature=1.2, top_k=4, random_seed=3)),  # sampled
-    ([[2, 7], [1, 8, 2, 8]], SamplingParams(tokens_to_generate=6, top_k=1)),  # two prompts: the batch runs it
+    ([[2, 7], [1, 8, 2, 8]], SamplingParams(tokens_to_generate=6, top_k=1)),  # two prompts: one speculative batch
 ]
 GREEDY = [0, 1, 3]  # the requests whose tokens one process gives too
 
@@ -56,9 +57,10 @@ def speculative_answers(root: str) -> dict:
     drafted = []  # the results of what ran with drafts (on rank 1: the jobs it followed)
     speculative = engine._speculative_steps
 
-    def recording(prompts, params):
-        drafted.append((yield from speculative(prompts, params))[0])
-        return drafted[-1:]
+    def recording(prompts, params, cancelled=None):
+        results = yield from speculative(prompts, params, cancelled)
+        drafted.extend(results)
+        return results
 
     engine._speculative_steps = recording
     try:

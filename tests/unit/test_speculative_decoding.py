@@ -100,6 +100,37 @@ def test_forced_drafts_roll_back_the_caches_and_each_depth_sees_its_training_con
     assert set(checked) == set(range(1, depths + 1))
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_batch_of_prompts_is_greedy_token_for_token_each_sequence_keeping_its_own_drafts(models, name, monkeypatch):
+    """Four prompts of different lengths in one batch, drafts forced right or wrong in a pattern that
+    differs per sequence (so each keeps its own number per verify step and the caches, MLA's latent
+    included, are cut back to different lengths), one sequence ending early at a stop token: each is
+    plain greedy decoding of its prompt alone, tokens and log-probs."""
+    model = models[name]
+    depths = len(model.mtp.layers)
+    batch = prompts(4, seed=6, lengths=(3, 10, 1, 7))
+    free = [engines(model, depths)[0].generate([p], GREEDY)[0].tokens for p in batch]
+    stop = free[1][len(batch[1]) + 5]  # sequence 1 stops at its 6th new token (or at an earlier occurrence)
+    kw = dict(vocab_size=VOCAB, max_sequence_length=MAX_LEN, eod=stop)
+    params = SamplingParams(tokens_to_generate=NEW, top_k=1, top_n_logprobs=2)
+    plain, spec = InferenceEngine(model, **kw), SpeculativeEngine(model, num_speculative_tokens=depths, **kw)
+    want = [plain.generate([p], params)[0] for p in batch]
+
+    def pick(self, logits, depth, context):
+        i = next(i for i, w in enumerate(want) if w.tokens[:len(context) - depth + 1] == context[:len(context) - depth + 1])
+        right = free[i][len(context)] if len(context) < len(free[i]) else 0
+        return (right if (len(context) * (i + 2)) % 5 else (right + 1) % (VOCAB - 1)), None
+
+    monkeypatch.setattr(MTPDrafter, "pick", pick)
+    got = spec.generate(batch, params)
+    for g, w in zip(got, want):
+        assert (g.tokens, g.finish_reason) == (w.tokens, w.finish_reason)
+        assert_close(torch.tensor(g.log_probs), torch.tensor(w.log_probs))
+    assert [g.finish_reason for g in got].count("stop") >= 1 and len(got[1].generated) < NEW
+    t = spec.timings
+    assert 0 < t["accepted"] < t["drafted"] and t["tokens"] > t["verify_steps"], t
+
+
 def test_a_stop_token_among_kept_drafts_ends_the_text_there(models, monkeypatch):
     model = models["gpt_mtp3"]
     prompt = prompts(1, seed=4, lengths=(7,))[0]
@@ -164,19 +195,21 @@ def test_sampling_compares_the_drafts_with_the_main_models_sampling_distribution
         return kept, token
 
     monkeypatch.setattr("megatron_lite.inference.speculative.speculative_accept", accept)
-    prompt = prompts(1, lengths=(5,))[0]
-    tokens = spec.generate([prompt], params)[0].tokens
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens]))[0, :, :VOCAB].float()
-    want = sampling_logits(logits, params).softmax(-1)  # the distribution plain sampling draws each token from
-    position = len(prompt) - 1  # the prefill's last row, then each verify step's rows from its first token on
+    batch = prompts(2, lengths=(5, 8))  # a batch: each sequence's rounds, in turn
+    results = spec.generate(batch, params)
+    wants, positions = [], [len(p) - 1 for p in batch]  # the prefill's last row, then each verify step's rows
+    for g in results:
+        with torch.no_grad():
+            logits = model(torch.tensor([g.tokens]))[0, :, :VOCAB].float()
+        wants.append(sampling_logits(logits, params).softmax(-1))  # what plain sampling draws each token from
     for p, q, drafts, kept in seen:
-        assert_close(p[:kept + 1], want[position:position + kept + 1], what=f"at {position}")
+        i = next(i for i, w in enumerate(wants) if positions[i] + kept + 1 <= len(w)
+                 and torch.allclose(p[:kept + 1], w[positions[i]:positions[i] + kept + 1], rtol=1e-4, atol=1e-6))
         if drafts:  # the drafts' distributions: normalised, top-k filtered like the target's
             assert q.shape[0] == len(drafts) and torch.allclose(q.sum(-1), torch.ones(len(drafts)))
             assert all(int((row > 0).sum()) <= 5 for row in q)
-        position += kept + 1
-    assert position == len(tokens) - 1 and sum(len(d) for _, _, d, _ in seen) > 8
+        positions[i] += kept + 1
+    assert positions == [len(g.tokens) - 1 for g in results] and sum(len(d) for _, _, d, _ in seen) > 8
 
 
 def test_unsupported_requests_and_models_are_refused_in_one_line(models):
@@ -195,8 +228,7 @@ def test_unsupported_requests_and_models_are_refused_in_one_line(models):
     check_speculative_model(model, SimpleNamespace(world_size=2, tp_size=2), 1)  # TP2: tests/e2e/specdec_ranks.py
     spec = SpeculativeEngine(model, num_speculative_tokens=1, **kw)
     two = prompts(2)
-    for call, words in [(lambda: spec.generate(two, GREEDY), "one prompt at a time"),
-                        (lambda: spec.generate(two[:1], SamplingParams(beam_width=2)), "beam search"),
+    for call, words in [(lambda: spec.generate(two[:1], SamplingParams(beam_width=2)), "beam search"),
                         (lambda: spec.generate(two[:1], SamplingParams(presence_penalty=0.5)), "presence_penalty"),
                         (lambda: spec.generate(two[:1], SamplingParams(logit_bias=((1, 2.0),))), "logit_bias"),
                         (lambda: spec.generate(two[:1], SamplingParams(stop_strings=("a",))), "stop strings")]:
@@ -233,9 +265,9 @@ def _printed(out: str):
     return [line for line in out.splitlines() if line and not line.startswith("  ")], [(int(r[0]), float(r[1])) for r in rows]
 
 
-def test_generate_tool_speculates_several_prompts_one_after_the_other(mtp_checkpoint, capsys, monkeypatch):
-    """Three prompts of different lengths: the batch's greedy text and log-probs (printed with 4
-    decimals), each prompt run alone, the acceptance summed over the three."""
+def test_generate_tool_speculates_several_prompts_in_one_batch(mtp_checkpoint, capsys, monkeypatch):
+    """Three prompts of different lengths: the plain batch's greedy text and log-probs (printed with 4
+    decimals), from one speculative batch, the acceptance summed over the three."""
     from megatron_lite.inference.speculative import SpeculativeEngine
     from tests.tools import load_tool
 
@@ -251,8 +283,8 @@ def test_generate_tool_speculates_several_prompts_one_after_the_other(mtp_checkp
     assert gen.main(argv + ["--num-speculative-tokens", "1"]) == 0
     spec = capsys.readouterr()
     text, scored = _printed(spec.out), _printed(plain)
-    assert text[0] == scored[0] and [t for t, _ in text[1]] == [t for t, _ in scored[1]] and len(calls) == 3
-    assert all(abs(a - b) <= 2e-4 for (_, a), (_, b) in zip(text[1], scored[1])) and all(len(c) == 1 for c in calls)
+    assert text[0] == scored[0] and [t for t, _ in text[1]] == [t for t, _ in scored[1]] and len(calls) == 1
+    assert all(abs(a - b) <= 2e-4 for (_, a), (_, b) in zip(text[1], scored[1])) and len(calls[0]) == 3
     found = re.search(r"over (\d+) verify step\(s\), (\d+) of", spec.err)  # the three prompts' totals
     steps, accepted = int(found[1]), int(found[2])
     assert steps + accepted == 3 * 9, spec.err  # 10 new tokens each: the prefill's, then 9 from verify steps

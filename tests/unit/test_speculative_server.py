@@ -6,8 +6,8 @@ megatron_lite/inference/speculative.py and batch_runner.py), Flask's test client
   with requests one at a time and with continuous batching; the drafter is an oracle that is wrong
   every third draft, so rounds keep all, some or none of their drafts, and every one of these
   requests ran with drafts (``served``).
-- A request speculation does not serve (two prompts, ``n`` 2, stop strings, a penalty, streamed
-  logprobs) falls back: it gets the answer it gets without the flag (with continuous batching it runs
+- Several prompts (``PUT /api``) and ``n`` 2 run as one speculative batch.
+- A request speculation does not serve (stop strings, a penalty, streamed logprobs) falls back: it gets the answer it gets without the flag (with continuous batching it runs
   in the batch), counted as ``fell_back``.
 - Concurrent requests, some speculative and some batched, each get their own answer.
 - The tool: the flag's refusals in one line, and the totals line it prints when it stops.
@@ -36,10 +36,10 @@ GREEDY = [  # (method, route, body): every one speculation serves
     ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "6 6"}], "max_tokens": 9,
                                       "temperature": 0, "stream": True}),
     ("put", "/api", {"prompts": ["4 4 8 15"], "tokens_to_generate": 11, "top_k": 1, "logprobs": True}),
+    ("put", "/api", {"prompts": ["4 4 8", "1 2", "9 9 9 9 9 3"], "tokens_to_generate": 6, "top_k": 1, "logprobs": True}),
+    ("post", "/v1/completions", {"prompt": "5 17", "max_tokens": 7, "temperature": 0, "n": 2}),
 ]
 FALLBACK = [  # what speculation does not serve: the plain engine runs it
-    ("put", "/api", {"prompts": ["4 4 8", "1 2"], "tokens_to_generate": 6, "top_k": 1}),
-    ("post", "/v1/completions", {"prompt": "5 17", "max_tokens": 7, "temperature": 0, "n": 2}),
     ("post", "/v1/completions", {"prompt": "5 17 42", "max_tokens": 12, "temperature": 0, "stop": ["7"]}),
     ("post", "/v1/completions", {"prompt": "3 3", "max_tokens": 6, "temperature": 0, "presence_penalty": 0.5}),
     ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "2 7"}], "max_tokens": 6,
@@ -216,7 +216,7 @@ def test_the_server_tool_refuses_what_cannot_speculate_in_one_line(checkpoints, 
 
 def test_the_server_tool_speculates_falls_back_and_prints_the_totals_when_it_stops(checkpoints, capsys, monkeypatch):
     """tools/run_text_generation_server.py --num-speculative-tokens 1 (continuous batching, in a thread):
-    a one-prompt request runs with drafts, an ``n`` 2 one falls back to the batch, and the line printed
+    a one-prompt request runs with drafts, one with a stop string falls back to the batch, and the line printed
     when the server stops counts them."""
     from megatron_lite.inference.server import StopFlag
     from tests.tools import load_tool
@@ -242,7 +242,7 @@ def test_the_server_tool_speculates_falls_back_and_prints_the_totals_when_it_sto
         time.sleep(0.05)
     try:
         url = f"http://127.0.0.1:{made[0].server_port}/v1/completions"
-        for body in ({"prompt": "5 17 42", "max_tokens": 6, "temperature": 0}, {"prompt": "3 1", "max_tokens": 4, "n": 2}):
+        for body in ({"prompt": "5 17 42", "max_tokens": 6, "temperature": 0}, {"prompt": "3 1", "max_tokens": 4, "stop": ["7"]}):
             assert httpx.post(url, json=body, timeout=60).status_code == 200
     finally:
         if stops:
