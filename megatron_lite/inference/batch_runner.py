@@ -21,7 +21,8 @@ two steps of the batch (which waits meanwhile): beam search, scoring (``max_toke
 ``tokens_to_generate`` 0), a request of more sequences than the bound, and every request under
 ``--no-kv-cache``. With ``--num-speculative-tokens`` (the engine a
 :class:`~.speculative.SpeculativeEngine`) every request speculation serves runs alone too, drafts
-and all; the others (several prompts, ``n`` > 1, stop strings, penalties, ...) batch as before.
+and all (several prompts, or ``n`` > 1, as one speculative batch); the others (stop strings,
+penalties, ...) batch as before.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
 step's broadcast names it, so every rank drops it) and frees its rows and blocks. A speculative

@@ -22,8 +22,14 @@ not read yet):
    applied to both ``p`` and ``q``, :func:`~.sampling.sampling_logits`), though the draws differ from
    the non-speculative engine's for the same seed.
 
-Caches. After a round that kept ``a`` drafts the main cache is truncated to ``n + a + 1`` entries
-(:meth:`~.kv_cache.KVCache.truncate`; the refused drafts' entries are written over next round). Each
+Batches. Several prompts decode together: each sequence is a row of the caches (a
+:class:`~.paged_cache.PagedCache`, whose rows have their own lengths, positions and attention masks),
+each round drafts for every sequence still running, verifies them all in one forward pass of the
+main model (``N + 1`` tokens per row; a sequence near its end uses only the drafts within it) and
+accepts per sequence, each keeping its own number of drafts.
+
+Caches. After a round in which a sequence kept ``a`` drafts its row of the main cache is cut back to
+``n + a + 1`` entries (the refused drafts' entries are written over next round). Each
 depth has a cache of its own, since its attention sees its earlier positions as in training: depth
 ``k``'s entry ``j`` reads ``t(j + k)`` and depth ``k - 1``'s output at ``j``, so it is final once
 ``t(j + k)`` is an accepted token. Each round depth ``k`` runs over positions ``[f_k, n)``, ``f_k``
@@ -36,10 +42,11 @@ so every rank drafts, verifies and accepts alike (the same logits; greedy needs 
 sampling draws from each rank's generator, seeded alike and drawn from in the same order); no
 pipeline parallelism (the drafts need the last stage's outputs and the first stage's embedding).
 
-One prompt at a time, with the key/value cache; beam search, stop
+With the key/value cache; beam search, stop
 strings, the penalties, ``logit_bias``, ``top_p_decay``, the ban/double-stop fields and per-step
 log-probs are refused (:func:`check_speculative_request`), or with ``fall_back`` set (the server's
-``--num-speculative-tokens``) run by the plain engine instead. ``timings`` reports the last
+``--num-speculative-tokens``) run by the plain engine instead. ``stream``'s ``cancelled`` (the server's
+streaming client left) ends a request after the verify step in hand. ``timings`` reports the last
 request's acceptance, ``served`` the totals since the engine was built.
 """
 
