@@ -313,7 +313,7 @@ def test_the_benchmark_runs_and_finds_greedy_unchanged(capsys):
     from benchmarks import bench_specdec
 
     argv = ["--steps", "2", "--layers", "1", "--hidden", "32", "--vocab", "64", "--new", "6", "--rounds", "1",
-            "--prompts", "1", "--threads", "1"]
+            "--prompts", "1", "--batch", "2", "--threads", "1"]
     assert bench_specdec.main(argv) == 0
     out = capsys.readouterr().out
-    assert "N=2, greedy" in out and "N=2, T=1" in out and "token for token: True" in out
+    assert "N=2, greedy" in out and "N=2, T=1" in out and "token for token: True (batch of 2: True)" in out
