@@ -21,8 +21,8 @@ two steps of the batch (which waits meanwhile): beam search, scoring (``max_toke
 ``tokens_to_generate`` 0), a request of more sequences than the bound, and every request under
 ``--no-kv-cache``. With ``--num-speculative-tokens`` (the engine a
 :class:`~.speculative.SpeculativeEngine`) every request speculation serves runs alone too, drafts
-and all (several prompts, or ``n`` > 1, as one speculative batch); the others (stop strings,
-penalties, ...) batch as before.
+and all (several prompts, or ``n`` > 1, as one speculative batch; queued requests of equal
+parameters together: :func:`run_together`); the others (stop strings, penalties, ...) batch as before.
 
 A streaming client that leaves cancels its request: it leaves the batch at the next step (the
 step's broadcast names it, so every rank drops it) and frees its rows and blocks. A speculative
@@ -42,6 +42,7 @@ import time
 
 import torch.distributed as dist
 
+from .engine import Step
 from .scheduler import Scheduler
 from .server import _GENERATE, HEARTBEAT_S, Runner, cancel_args
 
@@ -164,8 +165,12 @@ class BatchRunner(Runner):
         """Run one request alone or one step of the batch; False when there was nothing to do."""
         with self.cond:
             job = self.alone.pop(0) if self.alone else None
+            group = self._joining(job) if job is not None else []
             leaving = self._leaving() if job is None else []  # first: a cancelled queued request is not admitted
             admitted = self.batch.admissions() if job is None else []
+        if group:
+            run_together(self, [job] + group)
+            return True
         if job is not None:
             self._run_alone(*job)
             return True
@@ -188,6 +193,20 @@ class BatchRunner(Runner):
                 self.tickets.pop(event.rid)
                 ticket.put(*(("error", event.error) if event.error is not None else ("done", event.results)))
         return True
+
+    def _joining(self, job) -> list[tuple]:
+        """The queued speculative requests that run in one batch with ``job`` (with the lock held): of
+        equal sampling parameters, within the batch's sequences (:meth:`.SpeculativeEngine.joinable`)."""
+        joinable = getattr(self.engine, "joinable", None)
+        if joinable is None or not joinable(job[0], job[1]):
+            return []
+        group, size = [], len(job[0])
+        for other in list(self.alone):
+            if other[1] == job[1] and size + len(other[0]) <= self.batch.cache.max_rows and joinable(*other[:2]):
+                self.alone.remove(other)
+                group.append(other)
+                size += len(other[0])
+        return group
 
     def _leaving(self) -> list[int]:
         """The cancelled requests in the batch (with the lock held); those still queued are dropped."""
@@ -260,6 +279,42 @@ class BatchRunner(Runner):
             if event.error is not None:
                 print(f"rank {dist.get_rank()}: request {event.rid} failed: {type(event.error).__name__}: "
                       f"{event.error}", file=sys.stderr, flush=True)
+
+
+def run_together(runner: BatchRunner, jobs: list[tuple]) -> None:
+    """Several speculative requests ``(prompts, params, ticket)`` of equal parameters as one batch:
+    each ticket gets its sequences' share of every step and its results; a ticket whose streaming
+    client left stops its sequences at the next verify step (the others go on)."""
+    prompts, params = [p for job in jobs for p in job[0]], jobs[0][1]
+    bounds = [0]
+    for job in jobs:
+        bounds.append(bounds[-1] + len(job[0]))
+    spans = list(zip(bounds, bounds[1:]))
+
+    def cancelled():
+        return {r for (a, b), job in zip(spans, jobs) if job[2].cancelled.is_set() for r in range(a, b)}
+
+    runner._send((_GENERATE, prompts, params))
+    try:
+        steps = runner.engine.stream(prompts, params, cancelled=cancelled)
+    except Exception as err:  # noqa: BLE001 - checked when queued: not expected
+        for job in jobs:
+            job[2].put("error", err)
+        return
+    runner.engine.served["requests"] += len(jobs) - 1  # the engine counts one
+    for job in jobs:
+        job[2].put("started")
+    try:
+        while True:
+            step = next(steps)
+            for (a, b), job in zip(spans, jobs):
+                job[2].put("step", Step(step[a:b]))
+    except StopIteration as end:
+        for (a, b), job in zip(spans, jobs):
+            job[2].put("done", end.value[a:b])
+    except Exception as err:  # noqa: BLE001 - every request's 500 (every rank raised it)
+        for job in jobs:
+            job[2].put("error", err)
 
 
 def make_runner(engine, max_requests: int, **cache) -> Runner:

@@ -57,7 +57,15 @@ import time
 import torch
 
 from ..parallel.comm import _all_gather
-from .engine import Generation, InferenceEngine, Step, generation_result, position_stats
+from .engine import (
+    Generation,
+    InferenceEngine,
+    Step,
+    _check_prompts,
+    check_vocabulary,
+    generation_result,
+    position_stats,
+)
 from .mtp_drafter import MTPDrafter, row_cache
 from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
 
@@ -147,10 +155,25 @@ class SpeculativeEngine(InferenceEngine):
         """Whether this request generates with drafts (else it is refused, or falls back)."""
         return speculation_refusal(prompts, params) is None
 
+    def joinable(self, prompts: list[list[int]], params: SamplingParams) -> bool:
+        """Whether this request may run in one speculative batch with others of equal ``params`` (the
+        server's concurrent requests): it speculates, it is valid (else it runs alone, for its 400) and
+        it draws no seeded sample (its seed gives the draws it gives alone)."""
+        if not self.speculates(prompts, params) or (params.random_seed is not None and params.top_k != 1):
+            return False
+        try:
+            params.check()
+            _check_prompts(prompts, self.max_sequence_length, params.tokens_to_generate, self.vocab_size)
+            check_vocabulary(params, self.vocab_size, self.printable_size)
+        except ValueError:
+            return False
+        return params.tokens_to_generate > 0
+
     def stream(self, prompts: list[list[int]], params: SamplingParams | None = None, cancelled=None):
         """:meth:`InferenceEngine.stream <.engine.InferenceEngine.stream>`; ``cancelled()`` (rank 0's; the
-        server's: the streaming client left) true ends a request with drafts after the verify step in
-        hand (every rank at the same step: rank 0's answer is broadcast) and frees its caches."""
+        server's: the streaming client left) True ends a request with drafts after the verify step in
+        hand, a set of sequence indices those sequences (every rank at the same step: rank 0's answer is
+        broadcast); the request's caches are freed when it ends."""
         params = params if params is not None else SamplingParams()
         if not self.fall_back:
             check_speculative_request(prompts, params)
@@ -193,12 +216,14 @@ class SpeculativeEngine(InferenceEngine):
             kept += 1
         return kept, best[kept]
 
-    def _stop_asked(self, cancelled) -> bool:
-        """Whether rank 0's ``cancelled()`` is true, on every rank (one broadcast under tensor parallelism)."""
-        asked = cancelled is not None and bool(cancelled())
+    def _stop_asked(self, cancelled, b: int) -> list[bool]:
+        """Per sequence, whether rank 0's ``cancelled()`` stops it (True: every one; else the indices of
+        those it stops), on every rank (one broadcast under tensor parallelism)."""
+        asked = cancelled() if cancelled is not None else False
+        flags = [asked is True or (asked not in (False, None) and r in asked) for r in range(b)]
         if self.state.world_size == 1:
-            return asked
-        return bool(self._broadcast(torch.tensor([int(asked)], device=self.device)).item())
+            return flags
+        return [bool(x) for x in self._broadcast(torch.tensor(flags, dtype=torch.long, device=self.device)).tolist()]
 
     @torch.no_grad()
     def _speculative_steps(self, prompts: list[list[int]], params: SamplingParams, cancelled=None):
@@ -221,8 +246,9 @@ class SpeculativeEngine(InferenceEngine):
                 yield Step(news[r][j] if r in news and j < len(news[r]) else None for r in range(b))
             if first:
                 self.timings["prefill_s"], t0, first = time.perf_counter() - t0, time.perf_counter(), False
-            live = [r for r in live if seqs[r].finish is None]
-            if not live or self._stop_asked(cancelled):  # every sequence ended, or the client left
+            gone = self._stop_asked(cancelled, b) if cancelled is not None or self.state.world_size > 1 else [False] * b
+            live = [r for r in live if seqs[r].finish is None and not gone[r]]  # ended, or its client left
+            if not live:
                 break
             count = min(depths, max(seqs[r].end - len(seqs[r].tokens) - 1 for r in live))
             drafts = drafter.draft({r: seqs[r].tokens for r in live}, count)

@@ -287,3 +287,30 @@ def test_a_speculative_stream_whose_client_left_stops_at_the_next_verify_step(mo
     finally:
         server.close()
     assert engine.served["requests"] == 2 and not (batched and server.runner.busy)
+
+
+def test_concurrent_speculative_requests_run_as_one_batch_and_a_client_leaving_stops_its_own(model, oracle):
+    """Three queued greedy requests of equal parameters run as one speculative batch (a fourth, other
+    parameters, after it); each gets plain greedy decoding of its prompt, except the one whose client
+    left, which stopped at the first verify step while the others went on."""
+    from megatron_lite.inference.batch_runner import BatchRunner
+    from megatron_lite.inference.sampling import SamplingParams
+    from tests.inference_helpers import prompts
+
+    engine, plain = engine_of(model, True), engine_of(model, False)
+    runner, calls = BatchRunner(engine, 4), []
+    stream = engine.stream
+    engine.stream = lambda p, params, **kw: calls.append(len(p)) or stream(p, params, **kw)
+    params = SamplingParams(tokens_to_generate=12, top_k=1, stop_on_eod=False)
+    batch = prompts(4, seed=2, lengths=(4, 7, 2, 5))
+    tickets = [runner.submit([p], params) for p in batch[:3]]
+    tickets.append(runner.submit(batch[3:], SamplingParams(tokens_to_generate=5, top_k=1)))
+    tickets[1].cancelled.set()  # what its Steps.cancel does when its streaming client leaves
+    while runner.work():
+        pass
+    results = [t.result() for t in tickets]
+    assert calls == [3, 1] and engine.served["requests"] == 4 and not runner.busy
+    for i in (0, 2):
+        assert results[i][0].tokens == plain.generate([batch[i]], params)[0].tokens
+    assert results[3][0].tokens == plain.generate(batch[3:], SamplingParams(tokens_to_generate=5, top_k=1))[0].tokens
+    assert len(results[1][0].generated) == 1  # the prefill's token, then no verify step
