@@ -103,12 +103,12 @@ MUTATIONS = [
              "(float(sum(result.log_probs[-n - 1:-1])), all(result.greedy[-n - 1:-1]))",
              ("tests/unit/test_lm_eval_backend.py", "-k", "bos_adding or cut_on_the_left")),
     Mutation("specdec_mtp_cache_kept_too_far", "speculative decoding: each MTP depth keeps one cache entry more "
-             "than its accepted tokens allow (an entry that read a refused draft)", "megatron_lite/inference/speculative.py",
-             "truncate(max(f, min(n, n + kept - k + 1)))", "truncate(max(f, min(n, n + kept - k + 2)))",
+             "than its accepted tokens allow (an entry that read a refused draft)", "megatron_lite/inference/mtp_drafter.py",
+             "max(frontiers[row], min(n, n + kept - k + 1))", "max(frontiers[row], min(n, n + kept - k + 2))",
              ("tests/unit/test_speculative_decoding.py", "-k", "forced_drafts")),
     Mutation("specdec_main_cache_kept_refused", "speculative decoding: the main model's cache keeps the first refused "
-             "draft", "megatron_lite/inference/speculative.py", "                main.truncate(start + kept + 1)\n",
-             "                main.truncate(min(start + kept + 2, main.sequence_offset))\n",
+             "draft", "megatron_lite/inference/speculative.py", "            main.lengths[r] = start + kept + 1\n",
+             "            main.lengths[r] = min(start + kept + 2, start + len(seq.drafts) + 1)\n",
              ("tests/unit/test_speculative_decoding.py", "-k", "greedy_with_drafts or forced_drafts")),
     Mutation("specdec_accepts_too_often", "speculative sampling: a draft kept with probability min(1, 2p / q)",
              "megatron_lite/inference/speculative.py", "(u * q[rows, d] < p[rows, d])", "(u * q[rows, d] < 2 * p[rows, d])",
@@ -119,9 +119,19 @@ MUTATIONS = [
              ("tests/unit/test_speculative_decoding.py", "-k", "target_distribution")),
     Mutation("specdec_emits_past_stop", "speculative decoding: the tokens a step kept after a stop token are "
              "emitted too", "megatron_lite/inference/speculative.py",
-             "                    finish = \"stop\" if token in stops else \"length\"\n                    break\n",
-             "                    finish = finish or (\"stop\" if token in stops else \"length\")\n",
+             "                self.finish = \"stop\" if token in stops else \"length\"\n                return new[:i + 1]\n",
+             "                self.finish = self.finish or (\"stop\" if token in stops else \"length\")\n",
              ("tests/unit/test_speculative_decoding.py", "-k", "stop_token")),
+    Mutation("specdec_client_left_ignored", "speculative decoding: a sequence whose streaming client left "
+             "decodes on to its end", "megatron_lite/inference/speculative.py",
+             "            live = [r for r in live if seqs[r].finish is None and not gone[r]]",
+             "            live = [r for r in live if seqs[r].finish is None]",
+             ("tests/unit/test_speculative_server.py", "-k", "client_left or client_leaving")),
+    Mutation("specdec_batch_one_cache_length", "speculative decoding of a batch: every sequence's main cache cut "
+             "back to the first sequence's kept length", "megatron_lite/inference/speculative.py",
+             "            main.lengths[r] = start + kept + 1\n",
+             "            main.lengths[:] = [start + kept + 1] * len(main.lengths)\n",
+             ("tests/unit/test_speculative_decoding.py", "-k", "batch_of_prompts")),
     Mutation("specserve_speculation_batched", "the server with --num-speculative-tokens and continuous batching: "
              "requests speculation serves join the batch (no drafts) instead of running alone with them",
              "megatron_lite/inference/batch_runner.py",

@@ -12,7 +12,8 @@ tensor's own trailing shape and dtype.
 ``sequence_offset`` is the number of tokens already cached, i.e. the position of the first new
 token; the engine advances it after every forward pass (:meth:`advance`), once for all layers.
 Beam search copies rows between sequences with :meth:`reorder`, every cached tensor alike;
-speculative decoding forgets rejected drafts with :meth:`truncate` (their entries are overwritten).
+:meth:`truncate` forgets the last entries (they are overwritten next; speculative decoding cuts
+each row of its paged cache back instead, :mod:`.speculative`).
 With a cache, core attention is causal *bottom-right aligned*: new query ``i`` sees cached
 positions ``< sequence_offset`` and new positions ``<= i``. A sliding-window layer (``--window-size``)
 asks :meth:`KVCache.query_positions` for the new tokens' positions and masks the keys before its
