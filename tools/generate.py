@@ -45,8 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
                         "multi-token prediction heads (at most its --mtp-num-layers) and verify them in one "
-                        "forward pass; the same distribution (greedy: the same tokens); several --prompt run one "
-                        "after the other")
+                        "forward pass; the same distribution (greedy: the same tokens); several --prompt run as "
+                        "one batch")
     add_inference_args(p)
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:

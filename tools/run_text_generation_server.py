@@ -63,9 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: on, as vLLM's; --no-enable-prefix-caching turns it off)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="speculative decoding (vLLM's name): draft this many tokens per step with the model's "
-                        "multi-token prediction heads (at most its --mtp-num-layers); a request it serves (one "
-                        "prompt, no penalties, logit_bias, stop strings or streamed logprobs) runs alone with "
-                        "drafts, the others as without the flag (docs/inference.md); no pipeline parallelism")
+                        "multi-token prediction heads (at most its --mtp-num-layers); a request it serves (no "
+                        "penalties, logit_bias, stop strings or streamed logprobs) runs apart from the batch with "
+                        "drafts (its prompts, and queued requests of equal parameters, as one batch), the others "
+                        "as without the flag (docs/inference.md); no pipeline parallelism")
     add_inference_args(p)
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
