@@ -2,8 +2,9 @@
 prediction depths, each with a key/value cache of its own, one row per sequence.
 
 The sequences of a batch stand at different lengths (each keeps its own number of drafts per verify
-step), so each depth's cache is a :class:`~.paged_cache.PagedCache`, whose rows have lengths of their
-own and whose forward passes take each row's positions and attention mask (MLA's latent cache alike).
+step), so each depth's cache (and the main model's) is a :class:`RowCache`, whose rows have lengths of
+their own and whose forward passes take each row's positions and attention mask (MLA's latent cache
+alike).
 Depth ``k`` of row ``r`` runs over positions ``[f, n)``: ``f`` its first entry not yet final, ``n`` the
 row's latest position. One forward pass per depth covers every row: a row with fewer positions to
 run than the longest starts earlier, computing again entries that were final (the same tokens and
@@ -15,15 +16,65 @@ from __future__ import annotations
 import torch
 
 from ..parallel.comm import _all_gather
-from .paged_cache import PagedCache
 from .sampling import NonFiniteLogitsError, SamplingParams, sampling_logits
 
 
-def row_cache(rows: int, length: int) -> PagedCache:
-    """A cache of ``rows`` rows of ``length`` tokens, every row in use (row ``i``: sequence ``i``)."""
-    cache = PagedCache(rows, length, block_size=16)
-    cache.allocate(rows, length)
-    return cache
+class RowCache:
+    """A key/value cache of ``rows`` rows of up to ``length`` tokens, each at its own length
+    (``lengths``): a forward pass over some rows (:meth:`begin`) writes each row's new tokens after its
+    own, and attention reads ``[0, longest + s_new)`` of those rows under a mask that shows each query
+    its row's keys up to its own position (what :class:`~.paged_cache.PagedCache` does for the
+    continuous batch, here in one dense slab per layer: no blocks to gather). The slab starts as
+    zeros, so the keys a row does not own (masked) are finite."""
+
+    first_key = 0  # every key is kept
+
+    def __init__(self, rows: int, length: int):
+        self.max_rows, self.max_sequence_length = rows, length
+        self.lengths = [0] * rows
+        self.memory: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._rows: list[int] | None = None
+
+    def begin(self, rows: list[int], s_new: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a pass of ``s_new`` tokens for each of ``rows``: their positions ``[b, s_new]`` and
+        the attention mask ``[b, 1, s_new, k_len]`` (True: masked)."""
+        starts = torch.tensor([self.lengths[r] for r in rows], dtype=torch.long)
+        k_len = int(starts.max()) + s_new
+        if k_len > self.max_sequence_length:
+            raise ValueError(f"the key/value cache holds {self.max_sequence_length} tokens a row; asked for {k_len}")
+        positions = starts[:, None] + torch.arange(s_new)[None, :]
+        self._positions = positions.to(device)
+        self._rows, self._new, self._k_len = list(rows), s_new, k_len
+        self._index = torch.tensor(rows, dtype=torch.long, device=device)
+        self._whole = rows == list(range(self.max_rows))  # every row, in order: the slab's views
+        mask = torch.arange(k_len)[None, None, :] > positions[:, :, None]
+        return self._positions, mask.unsqueeze(1).to(device)
+
+    def append(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Store the new tokens' ``tensors`` (each ``[s_new, b, ...]``, rows in :meth:`begin`'s order);
+        return ``[k_len, b, ...]`` of those rows."""
+        if layer_number not in self.memory:
+            self.memory[layer_number] = tuple(
+                torch.zeros(self.max_sequence_length, self.max_rows, *t.shape[2:], dtype=t.dtype, device=t.device)
+                for t in tensors)
+        out = []
+        for slab, new in zip(self.memory[layer_number], tensors):
+            slab[self._positions.t(), self._index[None, :]] = new
+            out.append(slab[:self._k_len] if self._whole else slab[:self._k_len].index_select(1, self._index))
+        return tuple(out)
+
+    def query_positions(self, s_new: int) -> torch.Tensor:
+        return self._positions
+
+    def advance(self) -> None:
+        for r in self._rows:
+            self.lengths[r] += self._new
+        self._rows = None
+
+
+def row_cache(rows: int, length: int) -> RowCache:
+    """A cache of ``rows`` rows of ``length`` tokens (row ``i``: sequence ``i``)."""
+    return RowCache(rows, length)
 
 
 class MTPDrafter:
@@ -65,7 +116,7 @@ class MTPDrafter:
         return {r: (context[r][ends[r] + 1:], torch.cat(probs[r]) if probs[r] and probs[r][0] is not None else None)
                 for r in rows}
 
-    def _depth_pass(self, depth: int, cache: PagedCache, rows: list[int], s: int, ends: dict, context: dict):
+    def _depth_pass(self, depth: int, cache: RowCache, rows: list[int], s: int, ends: dict, context: dict):
         """Depth ``depth`` over the last ``s`` positions of each of ``rows``: its logits ``[rows, V]`` at
         each row's last position (fp32, every rank's alike), its outputs kept."""
         engine = self.engine

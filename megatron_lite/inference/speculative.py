@@ -23,7 +23,7 @@ not read yet):
    the non-speculative engine's for the same seed.
 
 Batches. Several prompts decode together: each sequence is a row of the caches (a
-:class:`~.paged_cache.PagedCache`, whose rows have their own lengths, positions and attention masks),
+:class:`~.mtp_drafter.RowCache`, whose rows have their own lengths, positions and attention masks),
 each round drafts for every sequence still running, verifies them all in one forward pass of the
 main model (``N + 1`` tokens per row; a sequence near its end uses only the drafts within it) and
 accepts per sequence, each keeping its own number of drafts.
