@@ -145,7 +145,7 @@ MUTATIONS = [
              ("tests/unit/test_speculative_server.py", "-k", "falls_back")),
     Mutation("specdec_tp_draft_shard", "speculative decoding at TP2: each rank drafts from the logits of its own "
              "vocabulary shard (not all-gathered), so the ranks verify different drafts",
-             "megatron_lite/inference/speculative.py",
-             "            logits = _all_gather(logits, -1, self.engine.state.tp_group)  # every rank drafts alike\n", "",
+             "megatron_lite/inference/mtp_drafter.py",
+             "        logits = _all_gather(logits, -1, engine.state.tp_group)  # every rank drafts alike\n", "",
              ("tests/e2e/test_generate_torchrun.py", "-k", "speculative")),
 ]
