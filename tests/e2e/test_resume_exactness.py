@@ -90,14 +90,14 @@ def test_exit_duration_counts_the_start_up_and_checkpoint_load(tmp_path, monkeyp
     pretrain_gpt.main(_argv(save, ITERS, ["--exit-interval", "1"]))
     skipped = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + skipped[0]))
-    real_build = loop._build
+    real_build = loop.build_run
 
     def slow_build(*args, **kwargs):
         built = real_build(*args, **kwargs)
         skipped[0] += 600.0  # ten minutes of start-up: the model built and the checkpoint loaded
         return built
 
-    monkeypatch.setattr(loop, "_build", slow_build)
+    monkeypatch.setattr(loop, "build_run", slow_build)
     run = pretrain_gpt.main(_argv(save, ITERS, ["--load", save, "--exit-duration-in-mins", "5"]))
     assert (run.exit_reason, run.iteration) == ("duration", 2)
 

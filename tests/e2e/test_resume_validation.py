@@ -181,7 +181,7 @@ def test_a_checkpoint_without_the_record_continues_by_the_flags(tmp_path, monkey
     full = [batch for one in passes for batch in one]  # 3 passes of 1 x 2 micro-batches
     part = str(tmp_path / "part")
     save = loop.save_checkpoint
-    monkeypatch.setattr(loop, "save_checkpoint", lambda *a: save(*a[:8]))  # as before: no position saved
+    monkeypatch.setattr(loop, "save_checkpoint", lambda *a, **k: save(*a[:8], **k))  # as before: no position saved
     pretrain_gpt.main(_flags(flags, part, 6, "--exit-interval", "4"))
     passes.clear()
     pretrain_gpt.main(_flags(flags, part, 6, "--load", part, "--eval-iters", "1"))

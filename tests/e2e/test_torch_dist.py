@@ -45,7 +45,7 @@ def resave_then_continue(resave_argv, resave_dir, continue_argv):
     config = parse_args(resave_argv, world_size=dist.get_world_size())
     pretrain_gpt.set_vocab(config, pretrain_gpt.build_tokenizer_for(config))
     state, device = loop.setup(config)
-    built = loop._build(config, state, device, pretrain_gpt.model_provider)
+    built = loop.build_run(config, state, device, pretrain_gpt.model_provider)
     config.checkpoint.save = resave_dir
     save_checkpoint(built.iteration, built.chunks, built.optimizer, built.scheduler, built.consumed_samples, config, state)
     return Trajectory.of(pretrain_gpt.main(continue_argv))
