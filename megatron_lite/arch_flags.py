@@ -18,6 +18,8 @@ SHAPE_FLAGS = (
     "quick_geglu",  # fc1 holds [gate; linear]
     "softmax_type",  # learnable: core_attention.softmax_offset
     "attention_output_gate",  # linear_qkv holds the gate heads
+    "is_hybrid_model", "hybrid_attention_ratio", "hybrid_mlp_ratio", "hybrid_override_pattern",  # hybrid Mamba
+    "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
 )
 """The model flags that decide parameter shapes (a weights-only load checks these too)."""
 

@@ -18,6 +18,7 @@ from .fusions.config import FusionConfig
 from .logging_config import LoggingConfig
 from .lora.config import LoRAConfig
 from .models.attention_config import AttentionConfig
+from .models.mamba_config import MambaConfig
 from .models.mla_config import MLAConfig, MTPConfig
 from .models.rope_config import RopeConfig
 from .moe.config import MoEConfig
@@ -32,7 +33,7 @@ so that giving both can be refused; finalize fills it in)."""
 
 
 @dataclass
-class ModelConfig(MTPConfig, MLAConfig, RopeConfig, AttentionConfig, ActivationConfig):  # MLA / YaRN and MTP: models/mla_config.py; rope_config.py; attention_config.py; activations.py
+class ModelConfig(MambaConfig, MTPConfig, MLAConfig, RopeConfig, AttentionConfig, ActivationConfig):  # MLA / YaRN and MTP: models/mla_config.py; rope_config.py; attention_config.py; activations.py
     # a new model flag also goes in arch_flags.py (the flags a checkpoint must match)
     num_layers: int = 2
     """Number of transformer layers."""

@@ -136,8 +136,10 @@ def _check_model(config: Config) -> None:
     config.training.recompute_num_layers = model.recompute_num_layers
     for f in dataclasses.fields(config.moe):  # MoE defaults filled in (expert FFN size, coefficient list)
         setattr(config.moe, f.name, getattr(model, f.name))
+    from .models.mamba_config import check_hybrid_run
     from .models.spec_plugin import check_spec
 
+    check_hybrid_run(config)  # hybrid Mamba models: the run-level features not built for them
     check_spec(config)  # --spec: importable, a LayerSpec (or layer -> LayerSpec), honouring the flags above
 
 

@@ -247,7 +247,7 @@ ENTRIES = (
     ("--enable-cuda-graph --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl --cuda-graph-scope "
      "--decode-only-cuda-graphs", "CUDA graphs are not used", "drop it (--torch-compile compiles the layers)"),
     ("--output-bert-embeddings --bert-embedder-type", "BERT embedding export is not implemented", DROP),
-    # -- models that are not built: retrieval, vision, Mamba, RL ----------------------------------
+    # -- models that are not built: retrieval, vision, RL ----------------------------------
     ("--retro-project-dir --retro-add-retriever --retro-cyclic-train-iters --retro-encoder-layers "
      "--retro-encoder-hidden-dropout --retro-encoder-attention-dropout --retro-num-neighbors "
      "--retro-num-retrieved-chunks --retro-attention-gate --retro-no-verify-neighbor-count",
@@ -263,9 +263,6 @@ ENTRIES = (
      "--dino-local-crops-number --dino-head-hidden-size --dino-bottleneck-size --dino-freeze-last-layer "
      "--dino-norm-last-layer --dino-warmup-teacher-temp --dino-teacher-temp --dino-warmup-teacher-temp-epochs",
      "vision models are not implemented", DROP),
-    ("--hybrid-attention-ratio --hybrid-mlp-ratio --hybrid-override-pattern --mamba-state-dim --mamba-head-dim "
-     "--mamba-num-groups --mamba-num-heads --is-hybrid-model --disable-mamba-mem-eff-path",
-     "Mamba and hybrid models are not implemented", DROP),
     ("--perform-rl-step --rl-prompts-per-eval --grpo-prompts-per-step --grpo-group-size --grpo-iterations "
      "--grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-kl-beta --grpo-entropy-term-weight "
      "--grpo-filter-groups-with-same-reward --grpo-default-temperature --grpo-default-top-p "

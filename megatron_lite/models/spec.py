@@ -37,6 +37,8 @@ from ..moe.layer import MoELayer
 from ..parallel.context import ContextParallelAttention
 from .attention import DotProductAttention, SelfAttention
 from .common import Norm
+from .mamba import MambaMixer
+from .mamba_config import ATTENTION, MAMBA, hybrid_layers, is_hybrid
 from .mla import MLASelfAttention
 from .mlp import MLP
 
@@ -68,6 +70,8 @@ def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     the other flags by :mod:`~megatron_lite.models.spec_plugin`)."""
     if getattr(config, "spec", None):
         return load_spec(*config.spec)
+    if is_hybrid(config):
+        return hybrid_layer_spec(config)
     attention = {"core_attention": ContextParallelAttention} if getattr(config, "context_parallel_size", 1) > 1 else {}
     if getattr(config, "multi_latent_attention", False):
         attention["self_attention"] = MLASelfAttention
@@ -76,6 +80,15 @@ def gpt_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:
     pattern = moe_layer_pattern(config)
     dense, moe = LayerSpec(**attention), LayerSpec(mlp=MoELayer, **attention)
     return lambda layer_number: moe if pattern[layer_number - 1] else dense
+
+
+def hybrid_layer_spec(config) -> Callable[[int], LayerSpec]:
+    """A hybrid Mamba model's layers (:mod:`~megatron_lite.models.mamba_config`): one part each, ``M`` the
+    Mamba-2 mixer in the attention slot, ``*`` self-attention, ``-`` the MLP (a part set to None is skipped)."""
+    specs = {MAMBA: LayerSpec(self_attention=MambaMixer, pre_mlp_norm=None, mlp=None),
+             ATTENTION: LayerSpec(pre_mlp_norm=None, mlp=None), "-": LayerSpec(input_norm=None, self_attention=None)}
+    kinds = hybrid_layers(config)
+    return lambda layer_number: specs[kinds[layer_number - 1]]
 
 
 def bert_layer_spec(config) -> LayerSpec | Callable[[int], LayerSpec]:

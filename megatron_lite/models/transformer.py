@@ -56,10 +56,13 @@ class TransformerLayer(nn.Module):
         """``layer_number`` is global and 1-based (it seeds the weights and scales nothing else)."""
         super().__init__()
         self.layer_number = layer_number
-        self.input_norm = spec.input_norm(config, state, layer_number)
-        self.self_attention = spec.self_attention(config, state, layer_number, core_attention=spec.core_attention)
-        self.pre_mlp_norm = spec.pre_mlp_norm(config, state, layer_number)
-        self.mlp = spec.mlp(config, state, layer_number)
+        # a part whose spec is None is left out (a hybrid model's layers: attention / Mamba only, or MLP only)
+        attention, mlp = spec.self_attention is not None, spec.mlp is not None
+        self.input_norm = spec.input_norm(config, state, layer_number) if attention else None
+        self.self_attention = (spec.self_attention(config, state, layer_number, core_attention=spec.core_attention)
+                               if attention else None)
+        self.pre_mlp_norm = spec.pre_mlp_norm(config, state, layer_number) if mlp else None
+        self.mlp = spec.mlp(config, state, layer_number) if mlp else None
         self.dropout_p = config.hidden_dropout
         self.dropout_tracker = state.rng_tracker if config.sequence_parallel else None
         self.bias_dropout_fusion = config.bias_dropout_fusion
@@ -81,9 +84,12 @@ class TransformerLayer(nn.Module):
     def _forward(self, hidden, attention_mask=None, rotary=None, causal: bool = True, inference_context=None):
         """``inference_context``: the key/value cache of decoding, for attention (runs eagerly: its
         lengths change every step)."""
-        x, norm = self._norm(self.input_norm, hidden)
-        attn = self.self_attention(x, attention_mask, rotary, causal, inference_context=inference_context)
-        hidden = self._add(attn, hidden, x, norm)
+        if self.self_attention is not None:
+            x, norm = self._norm(self.input_norm, hidden)
+            attn = self.self_attention(x, attention_mask, rotary, causal, inference_context=inference_context)
+            hidden = self._add(attn, hidden, x, norm)
+        if self.mlp is None:
+            return hidden
         x, norm = self._norm(self.pre_mlp_norm, hidden)
         if self.recompute_mlp and torch.is_grad_enabled():  # --recompute-modules mlp (dense) / moe
             out = checkpoint(self._mlp_views, x, tracker=self.tracker)

@@ -33,6 +33,7 @@ from ..precision.te import TeGemm
 from .attention_config import AttentionConfig, check_attention_fields
 from .common import param_generator
 from .cp_config import check_context_parallel_fields
+from .mamba_config import MambaConfig, check_mamba_fields
 from .mla_config import MLAConfig, MTPConfig, check_mla_fields, derive_rope_type
 from .rope_config import RopeConfig, check_rope_fields
 from .window_config import check_window_fields, layer_window
@@ -63,7 +64,7 @@ def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
 
 
 @dataclass
-class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionConfig, ActivationConfig):  # fields from the mixins
+class TransformerConfig(MambaConfig, MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionConfig, ActivationConfig):  # fields from the mixins
     # shape ------------------------------------------------------------------------------------
     num_layers: int = 2
     hidden_size: int = 64
@@ -149,6 +150,7 @@ class TransformerConfig(MoEConfig, MLAConfig, MTPConfig, RopeConfig, AttentionCo
                  "--no-bias-gelu-fusion")
         check_moe_fields(self)
         check_mla_fields(self)
+        check_mamba_fields(self)  # models/mamba_config.py: hybrid Mamba models
         check_rope_fields(self)
         check_attention_fields(self)
         check_recompute_modules(self)
