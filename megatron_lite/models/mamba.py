@@ -63,6 +63,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int = MAMBA_CHUNK_SIZE):
     ``dt = 0`` steps change nothing, and later steps never reach earlier outputs)."""
     b, l, h, p = x.shape
     B, C = _heads(B, h), _heads(C, h)
+    chunk_size = min(chunk_size, l)  # a short sequence is one chunk (no padding)
     pad = (-l) % chunk_size
     if pad:
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -87,6 +88,11 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int = MAMBA_CHUNK_SIZE):
     carried = torch.stack(carried, dim=1)  # [b, c, h, p, n]: the state entering each chunk
     y = y + torch.einsum("bcihn,bchpn,bhci->bcihp", C, carried, torch.exp(logd))
     return y.reshape(b, c * T, h, p)[:, :l]
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 when it is 16-bit, else itself."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def _sharded(master: torch.Tensor, state) -> nn.Parameter:
@@ -148,13 +154,14 @@ class MambaMixer(nn.Module):
         z, xbc, dt = torch.split(proj, [width, width + 2 * n, self.per_group], dim=-1)
         xbc = self._conv(xbc.reshape(b, s, -1)).reshape(b, s, self.groups, -1)
         x, B, C = torch.split(xbc, [width, n, n], dim=-1)
-        x = x.reshape(b, s, self.heads, self.head_dim).float()
-        dt = F.softplus(dt.reshape(b, s, self.heads).float() + self.dt_bias.float())
-        A = -torch.exp(self.A_log.float())
-        y = ssd_scan(x, dt, A, B.float(), C.float()) + x * self.D.float()[:, None]
-        gated = y.reshape(b, s, self.groups, width) * F.silu(z.float())
+        up = _up  # the scan and the norm in fp32 (float64 stays float64)
+        x = up(x.reshape(b, s, self.heads, self.head_dim))
+        dt = F.softplus(up(dt.reshape(b, s, self.heads)) + up(self.dt_bias))
+        A = -torch.exp(up(self.A_log))
+        y = ssd_scan(x, dt, A, up(B), up(C)) + x * up(self.D)[:, None]
+        gated = y.reshape(b, s, self.groups, width) * F.silu(up(z))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = normed.reshape(b, s, -1) * self.norm_weight.float()
+        out = normed.reshape(b, s, -1) * up(self.norm_weight)
         return self.out_proj(out.to(self.D.dtype).transpose(0, 1))
 
     def _conv(self, xbc):
