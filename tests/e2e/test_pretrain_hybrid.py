@@ -1,0 +1,43 @@
+"""Hybrid Mamba-2 models through pretrain_gpt.py's command line (pattern M*M-: Mamba, attention, Mamba, MLP).
+
+* TP 2 with sequence parallelism follows the one-process run step by step (losses and gradient norms,
+  rtol 1e-5), and its torch_dist checkpoint, saved by two ranks, resumes in one process exactly where
+  the one-process run goes on (the group-major in_proj rows slice the same for every TP size).
+* A one-process run stopped after 2 of 4 steps and resumed gives the same losses bit for bit; the
+  checkpoint records the pattern and the Mamba sizes, and a resume with another pattern is refused in
+  one line naming --hybrid-override-pattern.
+"""
+
+import pytest
+
+import pretrain_gpt
+from tests.e2e.test_pretrain_gpt import _argv, _one_line_exit_2
+from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
+
+HYBRID = ["--hybrid-override-pattern", "M*M-", "--mamba-state-dim", "16", "--mamba-head-dim", "16",
+          "--mamba-num-groups", "2", "--normalization", "RMSNorm"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return run_script("pretrain_gpt", _argv(str(tmp_path_factory.mktemp("one") / "one"), 4, HYBRID))
+
+
+def test_tp2_sp_follows_one_process_and_its_checkpoint_resumes_in_one_process(tmp_path, straight):
+    save = str(tmp_path / "tp2")
+    got = ranks_trajectory(2, "pretrain_gpt", _argv(save, 4, HYBRID + TP2_SP + ["--exit-interval", "2",
+                                                                               "--ckpt-format", "torch_dist"]))
+    assert_same_trajectory(got, straight[:2], steps=2, what="TP2+SP")
+    rest = run_script("pretrain_gpt", _argv(str(tmp_path / "rest"), 4, HYBRID + ["--load", save, "--ckpt-format", "torch_dist",
+                                                                                "--no-load-rng"]))
+    assert_same_trajectory(rest, straight[2:], steps=2, what="TP2+SP checkpoint resumed in one process")
+
+
+def test_resume_continues_exactly_and_another_pattern_is_refused(tmp_path, capsys, straight):
+    save = str(tmp_path / "resumed")
+    first = pretrain_gpt.main(_argv(save, 4, HYBRID + ["--exit-interval", "2"]))
+    second = pretrain_gpt.main(_argv(save, 4, HYBRID + ["--load", save]))
+    assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), straight, rtol=0)  # bit-identical
+    other = [a if a != "M*M-" else "MM*-" for a in HYBRID]
+    _one_line_exit_2(capsys, _argv(str(tmp_path / "other"), 4, other + ["--load", save]), "--hybrid-override-pattern")
