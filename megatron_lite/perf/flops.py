@@ -40,13 +40,19 @@ Generalisation (each term computed from the actual shapes, so it reduces to the 
   2·B·s·a·dv·h (Megatron-LM's count, with the norms left out and the causal mask not discounted);
 * multi-token prediction (``mtp_num_layers`` D): D more layers of the last layer's kind, D
   projections 2·B·s·2h·h and D more logits (the layers recomputed with full recomputation, the
-  projections and logits not).
+  projections and logits not);
+* hybrid Mamba models (``--hybrid-override-pattern`` ...): each layer counts its one part, an
+  attention layer the attention above, an MLP layer the MLP, a Mamba layer (``d`` = heads x head dim,
+  ``G`` groups, ``N`` state, ``H`` heads) in_proj 2·B·s·h·(2d + 2GN + H), out_proj 2·B·s·d·h and the
+  scan's state update and read-out 2·2·B·s·d·N (the recurrence's multiply-adds; the chunked form's
+  extra intra-chunk products and the conv1d are not counted).
 
 MFU uses the model FLOPs (``recompute_full=False``) whatever the run recomputes.
 """
 
 from __future__ import annotations
 
+from ..models.mamba_config import ATTENTION, MAMBA, hybrid_layers, is_hybrid, mamba_sizes
 from ..models.window_config import layer_window
 from ..moe.layer_pattern import parse_moe_layer_freq
 
@@ -110,9 +116,8 @@ def _mla_projection_flops(model_config, tokens: int) -> float:
     return float(queries + latent + expansion + 2 * tokens * a * dv * h)
 
 
-def forward_flops_per_layer(model_config, batch_size: int, moe_config=None, window=None) -> float:
-    """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences (an MoE layer when
-    ``moe_config`` is given; ``window``: its sliding window, None for full attention)."""
+def attention_flops(model_config, batch_size: int, window=None) -> float:
+    """Forward matmul FLOPs of one layer's attention block (projections and core attention)."""
     h = model_config.hidden_size
     s = model_config.seq_length
     heads = model_config.num_attention_heads
@@ -128,10 +133,37 @@ def forward_flops_per_layer(model_config, batch_size: int, moe_config=None, wind
             + core_attention_flops(model_config, batch_size, window)  # Q·Kᵀ and probabilities·V
             + 2 * tokens * heads * d * h  # output projection
         )
-    if moe_config is not None:
-        return float(attention) + moe_mlp_flops(model_config, moe_config, batch_size)
+    return float(attention)
+
+
+def mamba_flops(model_config, batch_size: int) -> float:
+    """Forward FLOPs of one Mamba layer: in_proj, out_proj and the scan's recurrence (module docstring)."""
+    d, heads, _, groups, n = mamba_sizes(model_config)
+    tokens, h = batch_size * model_config.seq_length, model_config.hidden_size
+    return float(2 * tokens * h * (2 * d + 2 * groups * n + heads) + 2 * tokens * d * h + 2 * 2 * tokens * d * n)
+
+
+def dense_mlp_flops(model_config, batch_size: int) -> float:
+    """Forward FLOPs of one layer's dense MLP."""
+    h, tokens = model_config.hidden_size, batch_size * model_config.seq_length
     ffn = _get(model_config, "ffn_hidden_size", 4 * h)
-    return float(attention) + mlp_flops(tokens, h, ffn, _get(model_config, "swiglu", False) or _get(model_config, "quick_geglu", False))
+    return mlp_flops(tokens, h, ffn, _get(model_config, "swiglu", False) or _get(model_config, "quick_geglu", False))
+
+
+def forward_flops_per_layer(model_config, batch_size: int, moe_config=None, window=None) -> float:
+    """Forward matmul FLOPs of one transformer layer for ``batch_size`` sequences (an MoE layer when
+    ``moe_config`` is given; ``window``: its sliding window, None for full attention)."""
+    attention = attention_flops(model_config, batch_size, window)
+    if moe_config is not None:
+        return attention + moe_mlp_flops(model_config, moe_config, batch_size)
+    return attention + dense_mlp_flops(model_config, batch_size)
+
+
+def hybrid_layer_flops(model_config, batch_size: int) -> float:
+    """Forward FLOPs of a hybrid model's layers, each counted by its kind (M, * or -)."""
+    per_kind = {MAMBA: mamba_flops(model_config, batch_size), ATTENTION: attention_flops(model_config, batch_size),
+                "-": dense_mlp_flops(model_config, batch_size)}
+    return sum(per_kind[kind] for kind in hybrid_layers(model_config))
 
 
 def logits_flops(model_config, batch_size: int) -> float:
@@ -162,6 +194,8 @@ def num_floating_point_operations(model_config, batch_size: int, recompute_full:
     per_kind = {kind: forward_flops_per_layer(model_config, batch_size, moe_config if kind[0] else None, kind[1])
                 for kind in set(kinds)}
     layers = sum(per_kind[kind] for kind in kinds)
+    if is_hybrid(model_config):  # (no MoE, MTP or sliding windows in hybrid models)
+        layers = hybrid_layer_flops(model_config, batch_size)
     tokens, h = batch_size * model_config.seq_length, model_config.hidden_size
     mtp_projections = mtp * 2 * tokens * 2 * h * h
     return layer_passes * layers + 3 * (mtp_projections + (1 + mtp) * logits_flops(model_config, batch_size))

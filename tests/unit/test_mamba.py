@@ -126,3 +126,14 @@ def test_what_is_not_built_is_refused_in_one_line(capsys, extra, world, words):
 def test_mamba_sizes_without_a_hybrid_model_are_refused(capsys):
     parse_refused(capsys, ["--mock-data", "--vocab-size", "64", "--mamba-state-dim", "16"], "--mamba-state-dim",
                   "hybrid")
+
+
+def test_flops_count_each_layer_by_its_kind():
+    from megatron_lite.perf.flops import attention_flops, dense_mlp_flops, logits_flops, mamba_flops, \
+        num_floating_point_operations
+
+    cfg = _config(vocab_size=64)  # h 64: d_inner 128, 8 heads, 2 groups, state 16; s 32
+    in_proj, out_proj, scan = 2 * 32 * 64 * (256 + 64 + 8), 2 * 32 * 128 * 64, 2 * 2 * 32 * 128 * 16
+    assert mamba_flops(cfg, 1) == in_proj + out_proj + scan
+    layers = 2 * mamba_flops(cfg, 1) + attention_flops(cfg, 1) + dense_mlp_flops(cfg, 1)  # M*M-
+    assert num_floating_point_operations(cfg, 1) == 3 * layers + 3 * logits_flops(cfg, 1)
