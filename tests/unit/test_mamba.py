@@ -129,8 +129,13 @@ def test_mamba_sizes_without_a_hybrid_model_are_refused(capsys):
 
 
 def test_flops_count_each_layer_by_its_kind():
-    from megatron_lite.perf.flops import attention_flops, dense_mlp_flops, logits_flops, mamba_flops, \
-        num_floating_point_operations
+    from megatron_lite.perf.flops import (
+        attention_flops,
+        dense_mlp_flops,
+        logits_flops,
+        mamba_flops,
+        num_floating_point_operations,
+    )
 
     cfg = _config(vocab_size=64)  # h 64: d_inner 128, 8 heads, 2 groups, state 16; s 32
     in_proj, out_proj, scan = 2 * 32 * 64 * (256 + 64 + 8), 2 * 32 * 128 * 64, 2 * 2 * 32 * 128 * 16
