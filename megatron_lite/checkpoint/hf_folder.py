@@ -12,6 +12,7 @@ import os
 from ..activations import check_hf_exportable
 from ..errors import ConfigError
 from ..files import replaced_folder
+from ..models.mamba_config import saved_is_hybrid
 from .format import CheckpointError
 from .hf import from_hf, pick_style, to_hf
 from .hf_bert import from_bert, to_bert
@@ -96,6 +97,9 @@ def save_hf(bundle: ModelBundle, save_dir: str, style: str = "auto", max_shard_s
         module, name = bundle.config["spec"]
         raise ConfigError(f"the checkpoint was trained with --spec {module} {name} (layers of your own); a Hugging "
                           "Face export writes stock layers and would not compute your model: export is refused")
+    if saved_is_hybrid(bundle.config):
+        raise ConfigError("the checkpoint holds a hybrid Mamba model (--hybrid-override-pattern ...): a Hugging Face "
+                          "export of it is not built; export is refused")
     limit, held = parse_size(max_shard_size), model_files_in(save_dir)  # before the export's warnings
     if held:  # a reader would take a stale model.safetensors over the shards written now (or the reverse)
         raise CheckpointError(f"{save_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} (a model, "

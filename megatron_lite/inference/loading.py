@@ -27,6 +27,7 @@ from ..data.tokenizers import TIKTOKEN_FIELDS, build_tokenizer
 from ..errors import ConfigError
 from ..fusions.config import fusion_fields
 from ..models import GPTModel, TransformerConfig
+from ..models.mamba_config import saved_is_hybrid
 from ..moe.config import MoEConfig, moe_fields, saved_moe_fields
 from ..parallel.pipeline.partition import layer_ranges
 from ..parallel.state import ParallelState
@@ -126,6 +127,9 @@ def load_model(path: str, state=None, params_dtype=torch.float32, device=None,
     if "bert_no_binary_head" in saved:
         raise CheckpointError(f"{path} holds a BERT checkpoint; {purpose} needs a GPT checkpoint")
     refuse_lora(path, saved)
+    if saved_is_hybrid(saved):
+        raise CheckpointError(f"{path} holds a hybrid Mamba model: {purpose} of it is not built (no Mamba state "
+                              "cache); evaluate it with pretrain_gpt.py --skip-train")
     check_layout(state, saved)
     merged = {k: v for k, v in merged.items() if not is_fp8_state_key(k)}
     try:

@@ -64,6 +64,13 @@ def is_hybrid(config) -> bool:
                 or getattr(config, "hybrid_attention_ratio", 0) or getattr(config, "hybrid_mlp_ratio", 0))
 
 
+def saved_is_hybrid(saved: dict) -> bool:
+    """Whether a checkpoint's flat config (a dict) holds a hybrid Mamba model."""
+    return is_hybrid(type("Saved", (), {k: saved.get(k) for k in
+                                        ("is_hybrid_model", "hybrid_override_pattern", "hybrid_attention_ratio",
+                                         "hybrid_mlp_ratio")}))
+
+
 def _allocate_auto(n: int, attention_ratio: float, mlp_ratio: float) -> list[str]:
     """Megatron-LM's allocation: round(n x ratio) attention layers, evenly spaced so that the Mamba
     runs before, between and after them are as equal as possible; then round(n x mlp ratio) MLP layers

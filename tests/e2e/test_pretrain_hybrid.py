@@ -5,12 +5,16 @@
   the one-process run goes on (the group-major in_proj rows slice the same for every TP size).
 * A one-process run stopped after 2 of 4 steps and resumed gives the same losses bit for bit; the
   checkpoint records the pattern and the Mamba sizes, and a resume with another pattern is refused in
-  one line naming --hybrid-override-pattern.
+  one line naming --hybrid-override-pattern. Generation (no Mamba state cache) and a Hugging Face
+  export of the checkpoint are refused in one line (exit 2).
 """
 
 import pytest
 
 import pretrain_gpt
+from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.inference.loading import load_model
+from tests.convert_helpers import convert
 from tests.e2e.test_pretrain_gpt import _argv, _one_line_exit_2
 from tests.trajectory import Trajectory, assert_same_trajectory, ranks_trajectory, run_script
 
@@ -41,3 +45,9 @@ def test_resume_continues_exactly_and_another_pattern_is_refused(tmp_path, capsy
     assert_same_trajectory(Trajectory.of(first) + Trajectory.of(second), straight, rtol=0)  # bit-identical
     other = [a if a != "M*M-" else "MM*-" for a in HYBRID]
     _one_line_exit_2(capsys, _argv(str(tmp_path / "other"), 4, other + ["--load", save]), "--hybrid-override-pattern")
+    with pytest.raises(CheckpointError, match="hybrid Mamba model: text generation of it is not built"):
+        load_model(save)
+    capsys.readouterr()
+    assert convert("GPT", "--saver", "hf", "--load-dir", save, "--save-dir", str(tmp_path / "hf")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid Mamba" in err[0] and "export is refused" in err[0], err
