@@ -177,5 +177,3 @@ def check_hybrid_run(config) -> None:
     if not is_hybrid(config.model):
         return
     _require(not config.fusion.torch_compile, "--torch-compile is not built for hybrid Mamba models; drop it")
-    _require(config.parallel.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size > 1 is not built "
-             "for hybrid Mamba models; use --pipeline-model-parallel-size 1")

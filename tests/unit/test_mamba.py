@@ -114,7 +114,6 @@ BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size
 @pytest.mark.parametrize("extra, world, words", [
     (["--context-parallel-size", "2"], 2, ["--context-parallel-size"]),
     (["--tensor-model-parallel-size", "4"], 4, ["--mamba-num-groups", "--tensor-model-parallel-size"]),
-    (["--pipeline-model-parallel-size", "2"], 2, ["--pipeline-model-parallel-size"]),
     (["--torch-compile"], 1, ["--torch-compile"]),
     (["--num-experts", "2"], 1, ["--num-experts"]),
     (["--mamba-num-groups", "3"], 1, ["--mamba-num-groups", "divide"]),
