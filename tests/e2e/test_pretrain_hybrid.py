@@ -1,7 +1,8 @@
 """Hybrid Mamba-2 models through pretrain_gpt.py's command line (pattern M*M-: Mamba, attention, Mamba, MLP).
 
-* PP 2 (layers M* on the first stage, M- on the second) and TP 2 with sequence parallelism follow the one-process run step by step (losses and gradient norms,
-  rtol 1e-5), and its torch_dist checkpoint, saved by two ranks, resumes in one process exactly where
+* PP 2 (layers M* on the first stage, M- on the second), DP 2 with the distributed optimizer and TP 2
+  with sequence parallelism follow the one-process run step by step (losses and gradient norms,
+  rtol 1e-5), and the TP 2 run's torch_dist checkpoint, saved by two ranks, resumes in one process exactly where
   the one-process run goes on (the group-major in_proj rows slice the same for every TP size).
 * A one-process run stopped after 2 of 4 steps and resumed gives the same losses bit for bit; the
   checkpoint records the pattern and the Mamba sizes, and a resume with another pattern is refused in
@@ -28,7 +29,7 @@ def straight(tmp_path_factory):
     return run_script("pretrain_gpt", _argv(str(tmp_path_factory.mktemp("one") / "one"), 4, HYBRID))
 
 
-def test_tp2_sp_and_pp2_follow_one_process_and_its_checkpoint_resumes_in_one_process(tmp_path, straight):
+def test_tp2_sp_pp2_and_dp2_follow_one_process_and_its_checkpoint_resumes_in_one_process(tmp_path, straight):
     save = str(tmp_path / "tp2")
     got = ranks_trajectory(2, "pretrain_gpt", _argv(save, 4, HYBRID + TP2_SP + ["--exit-interval", "2",
                                                                                "--ckpt-format", "torch_dist"]))
@@ -36,6 +37,9 @@ def test_tp2_sp_and_pp2_follow_one_process_and_its_checkpoint_resumes_in_one_pro
     pp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "pp2"), 4, HYBRID + ["--pipeline-model-parallel-size", "2",
                                                                                      "--exit-interval", "2"]))
     assert_same_trajectory(pp2, straight[:2], steps=2, what="PP2")
+    dp2 = ranks_trajectory(2, "pretrain_gpt", _argv(str(tmp_path / "dp2"), 4, HYBRID + ["--use-distributed-optimizer",
+                                                                                     "--exit-interval", "2"]))
+    assert_same_trajectory(dp2, straight[:2], steps=2, what="DP2 with the distributed optimizer")
     rest = run_script("pretrain_gpt", _argv(str(tmp_path / "rest"), 4, HYBRID + ["--load", save, "--ckpt-format", "torch_dist",
                                                                                 "--no-load-rng"]))
     assert_same_trajectory(rest, straight[2:], steps=2, what="TP2+SP checkpoint resumed in one process")
