@@ -177,3 +177,7 @@ def check_hybrid_run(config) -> None:
     if not is_hybrid(config.model):
         return
     _require(not config.fusion.torch_compile, "--torch-compile is not built for hybrid Mamba models; drop it")
+    _require(config.lora.lora_rank is None, "--lora-rank with a hybrid Mamba model: adapters on the Mamba mixer "
+             "are not built; drop --lora-rank")
+    _require("bert" not in config.extra_sections, "pretrain_bert.py does not build hybrid Mamba models; use "
+             "pretrain_gpt.py")

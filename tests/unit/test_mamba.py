@@ -116,6 +116,10 @@ BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size
     (["--tensor-model-parallel-size", "4"], 4, ["--mamba-num-groups", "--tensor-model-parallel-size"]),
     (["--torch-compile"], 1, ["--torch-compile"]),
     (["--num-experts", "2"], 1, ["--num-experts"]),
+    (["--lora-rank", "4"], 1, ["--lora-rank"]),
+    (["--multi-latent-attention", "--position-embedding-type", "rope"], 1, ["--multi-latent-attention"]),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], 1, ["--mtp-num-layers"]),
+    (["--fp8-format", "hybrid"], 1, ["--fp8-format"]),
     (["--mamba-num-groups", "3"], 1, ["--mamba-num-groups", "divide"]),
 ])
 def test_what_is_not_built_is_refused_in_one_line(capsys, extra, world, words):
