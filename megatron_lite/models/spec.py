@@ -14,6 +14,9 @@ variant is a different spec, not a change to the layer:
   from the last layer's spec (``factory(config, state, num_layers)``); so are the multi-token prediction
   depths' norms (``enorm`` / ``hnorm``: ``input_norm``, ``final_layernorm``: ``final_norm``).
 
+A part whose factory is None is left out with its norm: ``self_attention=None`` (an MLP-only layer) or
+``mlp=None`` (an attention-only or Mamba layer), as :func:`hybrid_layer_spec` builds hybrid Mamba models.
+
 A model passes either one spec for every layer or a function ``layer_number -> LayerSpec`` (for
 example a mixture of experts in every other layer). GEMM precision is not part of the spec: every
 parallel linear asks ``config.make_gemm`` (see :class:`~megatron_lite.models.transformer_config.TransformerConfig`).
