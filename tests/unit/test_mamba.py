@@ -1,5 +1,7 @@
 """Hybrid Mamba-2 models (models/mamba.py, models/mamba_config.py).
 
+* The whole mixer equals its formula written out step by step in the test (in_proj's group-major
+  split, the causal conv1d, the recurrence per head, D, the gated RMSNorm per group; float64).
 * The chunked SSD scan equals the step-by-step recurrence (fp32, 1e-5 of the output's scale) for chunk
   sizes that divide the sequence, do not divide it, and exceed it; its backward passes gradcheck
   (float64, every input, several chunks), and so does the whole mixer's (input and parameters).
@@ -145,3 +147,37 @@ def test_flops_count_each_layer_by_its_kind():
     assert mamba_flops(cfg, 1) == in_proj + out_proj + scan
     layers = 2 * mamba_flops(cfg, 1) + attention_flops(cfg, 1) + dense_mlp_flops(cfg, 1)  # M*M-
     assert num_floating_point_operations(cfg, 1) == 3 * layers + 3 * logits_flops(cfg, 1)
+
+
+def _reference_mixer(mixer, hidden):
+    """The mixer written out step by step from its parameters: in_proj's group-major rows split into
+    z, x, B, C, dt per group; a causal conv over the last 4 steps; the recurrence per head; the gated
+    RMSNorm per group; out_proj."""
+    s, b, _ = hidden.shape
+    G, hpg, P, N = mixer.groups, mixer.per_group, mixer.head_dim, mixer.state_dim
+    proj = (hidden @ mixer.in_proj.weight.t()).reshape(s, b, G, mixer.block)
+    z, xbc, dt = proj.split([hpg * P, hpg * P + 2 * N, hpg], dim=-1)
+    w, bias = mixer.conv1d_weight.reshape(G, hpg * P + 2 * N, 4), mixer.conv1d_bias.reshape(G, -1)
+    conv = torch.stack([sum(w[..., 3 - k] * xbc[t - k] for k in range(4) if t - k >= 0) + bias for t in range(s)])
+    x, B, C = F.silu(conv).split([hpg * P, N, N], dim=-1)
+    x = x.reshape(s, b, G, hpg, P)
+    dt = F.softplus(dt + mixer.dt_bias.reshape(G, hpg))
+    A, D = -torch.exp(mixer.A_log).reshape(G, hpg), mixer.D.reshape(G, hpg)
+    state, ys = torch.zeros(b, G, hpg, P, N, dtype=hidden.dtype), []
+    for t in range(s):
+        update = (dt[t][..., None, None] * x[t][..., None]) * B[t][:, :, None, None, :]
+        state = torch.exp(dt[t] * A)[..., None, None] * state + update
+        ys.append((state * C[t][:, :, None, None, :]).sum(-1) + D[..., None] * x[t])
+    y = torch.stack(ys).reshape(s, b, G, hpg * P) * F.silu(z)
+    y = y / torch.sqrt((y * y).mean(-1, keepdim=True) + mixer.eps) * mixer.norm_weight.reshape(G, -1)
+    return y.reshape(s, b, -1) @ mixer.out_proj.weight.t()
+
+
+def test_mixer_equals_its_step_by_step_formula():
+    cfg = _config(num_layers=1, hybrid_override_pattern="M", params_dtype=torch.float64)
+    mixer = MambaMixer(cfg, ParallelState(world_size=1, rank=0), 1)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
+    hidden = torch.randn(32, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(mixer(hidden), _reference_mixer(mixer, hidden), rtol=1e-9, atol=1e-10)
