@@ -257,4 +257,21 @@ MUTATIONS = [
              '"segments": [token_segments(tokenizer, r) for r in results],',
              '"segments": [[tokenizer.detokenize([t]) for t in r.tokens] for r in results],',
              ("tests/unit/test_api_megatron_fields.py", "-k", "segments"), count=2),
+    # hybrid Mamba-2 models (models/mamba.py, models/mamba_config.py)
+    Mutation("mamba_scan_no_carried_state", "the chunked SSD scan drops the state carried in from earlier chunks",
+             "megatron_lite/models/mamba.py", "        prev = prev * chunk_decay[:, :, k, None, None] + states[:, k]\n",
+             "        prev = states[:, k]\n", ("tests/unit/test_mamba.py", "-k", "sequential_recurrence")),
+    Mutation("mamba_norm_not_per_group", "the gated RMSNorm normalised over all of a rank's channels, not per group",
+             "megatron_lite/models/mamba.py", "gated.pow(2).mean(-1, keepdim=True)",
+             "gated.pow(2).mean((-2, -1), keepdim=True)", ("tests/unit/test_mamba.py", "-k", "step_by_step")),
+    Mutation("mamba_conv_not_causal", "the conv1d padded on the right: each step sees 3 later ones",
+             "megatron_lite/models/mamba.py", "t = F.pad(xbc.transpose(1, 2), (k - 1, 0))",
+             "t = F.pad(xbc.transpose(1, 2), (0, k - 1))", ("tests/unit/test_mamba.py", "-k", "step_by_step")),
+    Mutation("mamba_tp_same_slice", "every TP rank holds the first rank's slice of the conv1d, A_log, D, dt_bias "
+             "and norm weights", "megatron_lite/models/mamba.py",
+             "shard(master, 0, comm.group_rank(tp), comm.group_size(tp))", "shard(master, 0, 0, comm.group_size(tp))",
+             ("tests/distributed/test_mamba_tp.py",)),
+    Mutation("hybrid_ratio_rounding", "--hybrid-attention-ratio: the attention layers counted with int() instead of round()",
+             "megatron_lite/models/mamba_config.py", "    attention = round(n * attention_ratio)\n",
+             "    attention = int(n * attention_ratio)\n", ("tests/unit/test_mamba.py", "-k", "allocation")),
 ]

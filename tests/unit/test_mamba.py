@@ -74,6 +74,7 @@ def test_mixer_backward_passes_gradcheck():
 def test_ratio_allocation_follows_megatron():
     assert "".join(allocate_layers(10, 0.2, 0.0)) == "MMM*MM*MMM"
     assert "".join(allocate_layers(8, 0.25, 0.25)) == "MM*-M*M-"
+    assert "".join(allocate_layers(9, 0.3, 0.0)) == "MM*M*MM*M"  # round(2.7) = 3 attention layers
     assert "".join(allocate_layers(4)) == "MMMM"
     assert allocate_layers(4, 0.25, 0.25, "M*M-") == list("M*M-")  # the ratios' counts: 1 attention, 1 MLP
 
