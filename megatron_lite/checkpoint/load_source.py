@@ -16,6 +16,7 @@ import os
 from ..checkpoint_config import non_persistent_dir
 from ..console import print_rank_0
 from .format import (
+    TRACKER_FILENAME,
     CheckpointError,
     is_iteration_folder,
     iteration_dir,
@@ -23,6 +24,7 @@ from .format import (
     read_tracker,
     restore_aside,
 )
+from .hf_io import model_files_in
 
 
 def _held(root: str) -> str:
@@ -76,3 +78,40 @@ def check_no_initialization(config) -> None:
     where = f"--load {ck.load} holds no checkpoint" if ck.load else "there is no --load"
     raise CheckpointError(f"--no-initialization skips drawing the initial weights, but {where} (nor "
                           "--pretrained-checkpoint) to load them from; drop --no-initialization")
+
+
+def no_tracker(root: str, quiet: bool = False, finetune: bool = False, exit_on_missing: bool = False) -> None:
+    """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
+    --load and --save the same folder, unless ``finetune``: --finetune asks for weights, or
+    ``exit_on_missing``: --exit-on-missing-checkpoint), refused when it does - never silently restart over them.
+    A file, or one checkpoint's iteration folder, is refused too: neither is a save folder."""
+    if os.path.isfile(root):
+        raise CheckpointError(f"--load {root} is a file; point --load at the folder given to --save (the one "
+                              f"holding {TRACKER_FILENAME})")
+    if is_iteration_folder(root):
+        raise CheckpointError(
+            f"--load {root} is one checkpoint's iteration folder; point --load at the folder above it, "
+            f"{os.path.dirname(os.path.normpath(root)) or '.'} (the save folder: its {TRACKER_FILENAME} names the "
+            "iteration to load), or pass this folder to --pretrained-checkpoint to start from its weights"
+        )
+    hf_files = model_files_in(root)
+    if "config.json" in hf_files and len(hf_files) > 1:  # config.json and its weights
+        raise CheckpointError(f"--load {root} is a Hugging Face model folder; import it first: "
+                              f"tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir {root} "
+                              "--save-dir OUT, then --load OUT (or --pretrained-checkpoint OUT)")
+    folders = iteration_folders(root)
+    if folders:
+        raise CheckpointError(
+            f"--load {root} holds {len(folders)} checkpoint folder(s) (newest {folders[-1]}) but no "
+            f"{TRACKER_FILENAME}; write the iteration to load into it (or delete the folders), or point --load "
+            "at an empty folder"
+        )
+    reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
+    if finetune:
+        raise CheckpointError(f"--finetune --load {root}: {reason}, so there are no weights to start from; point "
+                              "--load at the checkpoint to fine-tune (the folder given to its --save)")
+    if exit_on_missing:  # Megatron-LM exits (code 0) after a log line; a stop is an error here: exit code 2
+        raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint at --load {root} ({reason}); point --load "
+                              "at the folder given to --save of the run to resume, or drop the flag to train from scratch")
+    if not quiet:
+        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")

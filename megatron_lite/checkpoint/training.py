@@ -38,14 +38,11 @@ from .expert_files import expert_grid_fields, model_file_for, writes_model_file
 from .format import (
     FORMAT_VERSION,
     RNG_KEYS,
-    TRACKER_FILENAME,
     CheckpointError,
     atomic_save,
     check_optimizer_name,
     find_model_files,
-    is_iteration_folder,
     iteration_dir,
-    iteration_folders,
     load_file,
     on_every_rank,
     param_meta,
@@ -65,8 +62,7 @@ from .frozen import (
     set_base,
     unwrap,
 )
-from .hf_io import model_files_in
-from .load_source import load_source
+from .load_source import load_source, no_tracker
 from .pretrained import check_base, check_lora_resume, load_model_weights_here, trainable_may_be_missing
 from .resume_notes import describe_layout, print_resume_notes, torch_file_layout, transformer_engine_note
 from .rng import set_rng_states
@@ -212,43 +208,6 @@ def _explain_missing(path: str, folder: str, state) -> None:
     check_sizes(other, read_model_file(other), state)
 
 
-def _no_tracker(root: str, quiet: bool = False, finetune: bool = False, exit_on_missing: bool = False) -> None:
-    """--load names a folder without a tracker: fine when it holds no checkpoints (a first run with
-    --load and --save the same folder, unless ``finetune``: --finetune asks for weights, or
-    ``exit_on_missing``: --exit-on-missing-checkpoint), refused when it does - never silently restart over them.
-    A file, or one checkpoint's iteration folder, is refused too: neither is a save folder."""
-    if os.path.isfile(root):
-        raise CheckpointError(f"--load {root} is a file; point --load at the folder given to --save (the one "
-                              f"holding {TRACKER_FILENAME})")
-    if is_iteration_folder(root):
-        raise CheckpointError(
-            f"--load {root} is one checkpoint's iteration folder; point --load at the folder above it, "
-            f"{os.path.dirname(os.path.normpath(root)) or '.'} (the save folder: its {TRACKER_FILENAME} names the "
-            "iteration to load), or pass this folder to --pretrained-checkpoint to start from its weights"
-        )
-    hf_files = model_files_in(root)
-    if "config.json" in hf_files and len(hf_files) > 1:  # config.json and its weights
-        raise CheckpointError(f"--load {root} is a Hugging Face model folder; import it first: "
-                              f"tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron --load-dir {root} "
-                              "--save-dir OUT, then --load OUT (or --pretrained-checkpoint OUT)")
-    folders = iteration_folders(root)
-    if folders:
-        raise CheckpointError(
-            f"--load {root} holds {len(folders)} checkpoint folder(s) (newest {folders[-1]}) but no "
-            f"{TRACKER_FILENAME}; write the iteration to load into it (or delete the folders), or point --load "
-            "at an empty folder"
-        )
-    reason = "the folder does not exist" if not os.path.isdir(root) else "it holds no checkpoint"
-    if finetune:
-        raise CheckpointError(f"--finetune --load {root}: {reason}, so there are no weights to start from; point "
-                              "--load at the checkpoint to fine-tune (the folder given to its --save)")
-    if exit_on_missing:  # Megatron-LM exits (code 0) after a log line; a stop is an error here: exit code 2
-        raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint at --load {root} ({reason}); point --load "
-                              "at the folder given to --save of the run to resume, or drop the flag to train from scratch")
-    if not quiet:
-        print_rank_0(f"WARNING: no checkpoint found at --load {root} ({reason}); training from scratch")
-
-
 class Resumed(tuple):
     """``(iteration, consumed_samples)`` of a resumed checkpoint, as :func:`load_checkpoint` returns them;
     ``consumed_valid_samples``: the validation samples its run had read (None: not recorded, a
@@ -285,11 +244,11 @@ def _load_here(chunks, optimizer, scheduler, config, state) -> tuple[int, int]:
     if iteration is None:
         if ck.pretrained_checkpoint:  # --load has nothing yet: start from the pretrained weights
             if root:
-                _no_tracker(root, quiet=True)
+                no_tracker(root, quiet=True)
             print_rank_0(f"loading pretrained weights from {ck.pretrained_checkpoint}")
             _load_base(chunks, optimizer, ck.pretrained_checkpoint, config, state)
         else:
-            _no_tracker(root, finetune=ck.finetune, exit_on_missing=ck.exit_on_missing_checkpoint)
+            no_tracker(root, finetune=ck.finetune, exit_on_missing=ck.exit_on_missing_checkpoint)
         return 0, 0
     print_rank_0(f"loading checkpoint from {root} at iteration {iteration}")
     if ck.finetune or iteration == "release":  # weights only, from any format and layout
