@@ -27,6 +27,7 @@ A Hugging Face model is imported first with ``tools/checkpoint/convert.py``.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -62,7 +63,8 @@ def checkpoint_folder(path: str, flag: str) -> tuple[str, int | str]:
         iteration = read_tracker(path)
         return iteration_dir(path, iteration), iteration
     if os.path.isdir(path) and any(n.startswith("mp_rank_") or n == "common.pt" for n in os.listdir(path)):
-        return path, os.path.basename(os.path.normpath(path))
+        name = os.path.basename(os.path.normpath(path))  # iter_0000002 is iteration 2; release (or another name) as it is
+        return path, int(name[5:]) if re.fullmatch(r"iter_\d+", name) else name
     reason = "it does not exist" if not os.path.exists(path) else "it holds no checkpoint"
     raise CheckpointError(f"{flag} {path}: {reason}; point it at a checkpoint folder (a Hugging Face model is "
                           "imported with tools/checkpoint/convert.py --loader hf first)")

@@ -49,6 +49,7 @@ def upcycling_problem(config) -> str | None:
                 "(a token's experts are whole copies of the dense MLP, each G slices)")
     for flag, given in (("--pretrained-checkpoint", ck.pretrained_checkpoint is not None),
                         ("--use-checkpoint-args", ck.use_checkpoint_args),
+                        ("--ckpt-step", getattr(ck, "ckpt_step", None) is not None),
                         ("--lora-rank", getattr(getattr(config, "lora", None), "lora_rank", None) is not None),
                         ("--moe-shared-expert-intermediate-size", bool(moe.moe_shared_expert_intermediate_size)),
                         ("--moe-router-load-balancing-type sinkhorn", "sinkhorn" in moe.moe_router_load_balancing_type)):
@@ -67,6 +68,8 @@ def upcycling_problem(config) -> str | None:
 _WHY = {
     "--pretrained-checkpoint": "the dense checkpoint is read from --load",
     "--use-checkpoint-args": "the dense checkpoint has no MoE flags to take",
+    "--ckpt-step": "upcycling reads the dense checkpoint --load's tracker names (save the wanted iteration's "
+                   "weights to a folder of their own, or point the tracker at it)",
     "--lora-rank": "adapters are trained on a model that is already MoE (upcycle, then fine-tune its checkpoint)",
     "--moe-shared-expert-intermediate-size": "shared experts would start from scratch and change the dense function",
     "--moe-router-load-balancing-type sinkhorn": "its balanced selection can split the copies of the dense MLP",

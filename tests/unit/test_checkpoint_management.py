@@ -14,6 +14,7 @@ import torch
 from megatron_lite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_lite.checkpoint.format import iteration_folders
 from megatron_lite.checkpoint.load_source import check_no_initialization, load_source
+from megatron_lite.checkpoint.pretrained import checkpoint_folder
 from megatron_lite.checkpoint.retention import after_save, doomed, prune
 from megatron_lite.config import Config
 from megatron_lite.models.transformer_config import TransformerConfig
@@ -96,6 +97,17 @@ def test_ckpt_step_loads_that_iteration_and_a_missing_one_names_what_is_held(tmp
     assert str(err.value) == (f"--ckpt-step 3: --load {cfg.checkpoint.load} has no checkpoint "
                               f"{cfg.checkpoint.load}/iter_0000003 (iterations held: 2, 4); pick one of them or drop "
                               "--ckpt-step")
+
+
+def test_an_iteration_folder_names_its_iteration_as_a_number(tmp_path):
+    """--ckpt-step with --finetune (or --pretrained-checkpoint DIR/iter_N) loads the folder itself: its
+    line said 'iteration iter_0000002' instead of 'iteration 2'."""
+    root = str(tmp_path)
+    _fake(root, 2, 4, tracker=4)
+    assert checkpoint_folder(root, "--load") == (os.path.join(root, "iter_0000004"), 4)
+    assert checkpoint_folder(os.path.join(root, "iter_0000002"), "--load") == (os.path.join(root, "iter_0000002"), 2)
+    os.makedirs(tmp_path / "release" / "mp_rank_00")
+    assert checkpoint_folder(str(tmp_path / "release"), "--load")[1] == "release"
 
 
 def test_load_resumes_the_newer_of_persistent_and_non_persistent(tmp_path):

@@ -60,6 +60,7 @@ UP = ["--num-experts", "4", "--moe-use-upcycling", "--load", "dense"]
 @pytest.mark.parametrize("extra, words", [
     (["--moe-upcycling-granularity", "2", "--num-experts", "4"], ["--moe-upcycling-granularity 2", "--moe-use-upcycling"]),
     (["--num-experts", "4", "--moe-use-upcycling"], ["--moe-use-upcycling needs --load"]),
+    (UP + ["--ckpt-step", "2"], ["--moe-use-upcycling does not support --ckpt-step", "tracker"]),
     (UP + ["--moe-upcycling-granularity", "0"], ["--moe-upcycling-granularity 0", "positive"]),
     (UP + ["--moe-upcycling-granularity", "4"], ["--moe-upcycling-granularity 4", "--moe-router-topk 2"]),
     (UP + ["--moe-shared-expert-intermediate-size", "16"], ["--moe-shared-expert-intermediate-size"]),
