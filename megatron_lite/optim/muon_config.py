@@ -49,6 +49,9 @@ def check_muon_flags(config) -> None:
         raise ConfigError(f"--muon-momentum must be in [0, 1), got {o.muon_momentum}")
     if o.muon_num_ns_steps < 1:
         raise ConfigError(f"--muon-num-ns-steps must be at least 1, got {o.muon_num_ns_steps}")
+    if o.muon_extra_scale_factor < 0:  # 0 leaves the matrices as they are (only AdamW's tensors train)
+        raise ConfigError(f"--muon-extra-scale-factor must not be negative (it would step the matrices uphill), "
+                          f"got {o.muon_extra_scale_factor}; Moonlight's recipe is 0.2")
     for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
         if not 0 <= beta < 1:  # the AdamW part (embeddings, output layer, norms, biases)
             raise ConfigError(f"{flag} must be in [0, 1), got {beta}")

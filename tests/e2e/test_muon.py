@@ -58,6 +58,7 @@ def test_resume_is_exact_and_tp2_equals_one_process(tmp_path):
     (["--data-parallel-sharding-strategy", "optim_grads"], ["strategy optim_grads): Muon needs whole matrices"]),
     (["--muon-momentum", "1"], ["--muon-momentum must be in [0, 1)"]),
     (["--muon-num-ns-steps", "0"], ["--muon-num-ns-steps must be at least 1"]),
+    (["--muon-extra-scale-factor", "-0.2"], ["--muon-extra-scale-factor must not be negative", "uphill"]),
 ])
 def test_refusals(capsys, flags, words):
     parse_refused(capsys, MODEL + flags, *words, world_size=2)
