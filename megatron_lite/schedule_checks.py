@@ -90,6 +90,8 @@ def _check_lr_span(config: Config) -> None:
     warmup_flag, warmup = f"--lr-warmup-{unit}", getattr(o, f"lr_warmup_{unit}")
     if o.lr_warmup_fraction is not None:
         warmup_flag, warmup = "--lr-warmup-fraction x --lr-decay-" + unit, o.lr_warmup_fraction * decay
+    _require(o.lr_warmup_init == 0 or warmup > 0, f"--lr-warmup-init {o.lr_warmup_init} is where the warmup starts "
+             f"and this run has none: add --lr-warmup-{unit} (or --lr-warmup-fraction), or drop --lr-warmup-init")
     _require(o.lr_decay_style in ("constant", "inverse-square-root") or decay > warmup,
              f"--lr-decay-{unit} {decay} (default --train-{unit}) must exceed {warmup_flag} "
              f"{warmup} for --lr-decay-style {o.lr_decay_style}")

@@ -57,6 +57,8 @@ def test_no_validation_pass_before_start_eval_at_iter(data):  # noqa: F811
     (["--eval-global-batch-size", "-4"], ["--eval-global-batch-size must be positive, got -4"]),
     (["--start-eval-at-iter", "-1"], ["--start-eval-at-iter must be at least 0, got -1"]),
     (["--lr-warmup-init", "-0.1"], ["--lr-warmup-init must be at least 0, got -0.1"]),
+    (["--lr-warmup-init", "1e-5"], ["--lr-warmup-init 1e-05 is where the warmup starts and this run has none",
+                                    "add --lr-warmup-iters"]),
 ])
 def test_bad_values_are_refused_in_one_line(capsys, extra, words):
     parse_refused(capsys, BASE + ["--mock-data"] + extra, *words)
