@@ -52,7 +52,7 @@ class CheckpointConfig:
     save_retain_interval: int | None = None
     """Delete older persistent checkpoints after each save, except iterations that are multiples of this (a multiple of --save-interval) and the latest."""
     non_persistent_save_interval: int | None = None
-    """Also save every this many steps a non-persistent checkpoint (only the latest is kept), with --non-persistent-ckpt-type global."""
+    """Every N steps, also save a non-persistent checkpoint (only the latest is kept); needs --non-persistent-ckpt-type global."""
     non_persistent_ckpt_type: str | None = None
     """Kind of non-persistent checkpoint: global (a checkpoint in its own folder, see --non-persistent-global-ckpt-dir); --load resumes from it when it is newer than the persistent one."""
     non_persistent_global_ckpt_dir: str | None = None

@@ -257,7 +257,7 @@ class OptimizerConfig(MuonConfig):  # the --muon-* flags: optim/muon_config.py
     lr_warmup_iters: int = 0
     """Linear warmup steps."""
     lr_warmup_init: float = 0.0
-    """Learning rate the linear warmup starts from (it rises from this to --lr over the warmup)."""
+    """Learning rate the linear warmup starts from (it rises from this to --lr over the warmup); needs a warmup (--lr-warmup-iters, -samples or -fraction)."""
     lr_decay_iters: int | None = None
     """Steps over which to decay (default train-iters)."""
     lr_wsd_decay_style: str = "exponential"

@@ -37,7 +37,7 @@ class MuonConfig:
     muon_tp_mode: str = "blockwise"
     """With --optimizer muon: a tensor-parallel matrix is orthogonalised per rank's block (blockwise), whole after an all-gather (duplicated), or whole with an all-reduced Gram matrix (distributed)."""
     muon_extra_scale_factor: float = 1.0
-    """With --optimizer muon: one more factor on every Muon update (Moonlight uses 0.2 with the spectral scale)."""
+    """With --optimizer muon: one more factor on every Muon update, at least 0 (Moonlight uses 0.2 with the spectral scale)."""
 
 
 def check_muon_flags(config) -> None:
