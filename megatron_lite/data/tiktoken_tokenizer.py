@@ -112,7 +112,9 @@ class TikTokenizer:
     def __init__(self, path: str, pattern: str | None, vocab_size: int | None = None,
                  num_special_tokens: int | None = None, special_tokens=None):
         if pattern not in PATTERNS:
-            raise ConfigError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 (got {pattern})")
+            got = "it has no default" if pattern is None else f"got {pattern}"
+            raise ConfigError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 ({got}: Megatron-LM's two "
+                              "splitting regexes, v2 also splitting at a lower-to-upper case change); add one")
         try:
             import tiktoken
         except ImportError:  # a ConfigError: one line (exit 2) from the tools and the training scripts alike

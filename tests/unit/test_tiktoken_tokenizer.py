@@ -109,7 +109,7 @@ def test_a_bad_vocabulary_file_is_one_line_naming_it(tmp_path, content, words):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(tiktoken_pattern=None), "needs --tiktoken-pattern v1 or v2"),
+    (dict(tiktoken_pattern=None), "needs --tiktoken-pattern v1 or v2 (it has no default: "),
     (dict(tiktoken_special_tokens=["<unk>", "<s>"]), "must include <unk> <s> </s> (missing </s>)"),
     (dict(tiktoken_special_tokens=["<unk>", "<s>", "</s>", "<s>"]), "listed twice"),
     (dict(tiktoken_num_special_tokens=2), "--tiktoken-num-special-tokens 2 must be at least the 3"),
