@@ -70,7 +70,8 @@ def draw_lanes(state: np.ndarray, words: int, bits: int) -> np.ndarray:
     return gen.random_raw(words).view(np.int16 if bits == 16 else np.int32)
 
 
-@torch.compiler.disable  # Dynamo cannot trace the NumPy draw; in a compiled region this is one clean break
+@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call (not at start-up: ~1.2 s)
+# Dynamo cannot trace the NumPy draw; in a compiled region this is one clean break
 def keep_mask(shape, p: float) -> torch.Tensor:
     """A ``uint8`` CPU tensor of ``shape``: 0 (dropped) with probability ``p``, else 1, drawn in chunks
     of SFC64 lanes started at states from the current CPU generator (module docstring)."""

@@ -64,7 +64,8 @@ def beats_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, allowed, causal: bool) -> b
             and not cpu_has_amx() and k.shape[2] <= MAX_KEYS)
 
 
-@torch.compiler.disable  # inside a compiled layer it runs as it is (Dynamo would split it into many graphs)
+@torch._disable_dynamo  # torch.compiler.disable, Dynamo imported at the first call (not at start-up)
+# inside a compiled layer it runs as it is (Dynamo would split it into many graphs)
 def cpu_core_attention(q, k, v, masked, causal: bool, dropout_p: float, scale: float, sink=None) -> torch.Tensor:
     """``softmax(q k^T scale + mask)`` with dropout ``dropout_p``, times ``v``.
 

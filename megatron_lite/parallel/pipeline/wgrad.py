@@ -68,7 +68,7 @@ class _DeferrableLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
-_apply_eagerly = torch.compiler.disable(lambda x, weight, bias, store: _DeferrableLinear.apply(x, weight, bias, store))
+_apply_eagerly = torch._disable_dynamo(lambda x, weight, bias, store: _DeferrableLinear.apply(x, weight, bias, store))
 
 
 def weight_grads(x, dy, want_w: bool, want_b: bool):
