@@ -49,15 +49,12 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
 # (name, world, variant, layout flags); each group of one world size runs in one pool call
-LAYOUTS = [
-    ("tp2_sp", 2, "dsv3", TP2_SP),
+LAYOUTS = [  # TP2+SP, CP2 (ring) and EP2 alone: covered by ep2_tp2_sp and cp2_tp2_sp below
     ("pp2", 2, "dsv3", PP2),
     ("pp2_interleaved", 2, "dsv3", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
     # zero bubble: MLA's and the MTP layer's linears defer their weight gradients to W, the experts' do not
     ("pp2_zb_h1", 2, "dsv3", PP2 + ["--pipeline-schedule", "zb-h1"]),
-    ("cp2_ring", 2, "dsv3", CP2),
     ("cp2_a2a", 2, "dsv3", CP2 + ["--cp-comm-type", "a2a"]),
-    ("ep2", 2, "dsv3", EP2),
     ("dp2_distopt", 2, "dsv3", ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     ("dp2_zero3", 2, "dsv3", ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
                               "--overlap-param-gather"]),
