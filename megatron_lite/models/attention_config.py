@@ -25,11 +25,10 @@ checkpoints) and into :class:`~megatron_lite.models.transformer_config.Transform
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..moe.layer_pattern import eval_int_list
+from ..moe.layer_pattern import zero_one_list
 
 
 @dataclass
@@ -60,14 +59,11 @@ def no_rope_layers(value, num_layers: int) -> list[bool]:
             raise ValueError(f"must be a positive integer that divides --num-layers {num_layers}, or a list "
                              "expression of one 0/1 per layer")
         return [(i + 1) % n == 0 for i in range(num_layers)]
-    try:
-        pattern = eval_int_list(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError):
-        pattern = None
-    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+    pattern = zero_one_list(text, num_layers)
+    if pattern is None:
         raise ValueError(f"must be an integer N or a list of {num_layers} zeros and ones (1 = no rotary), "
                          "e.g. \"([0]*3+[1])*2\"")
-    return [bool(v) for v in pattern]
+    return pattern
 
 
 def layer_skips_rope(config, layer_number: int) -> bool:

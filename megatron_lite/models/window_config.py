@@ -15,10 +15,8 @@ The masks themselves are built from token positions by :mod:`megatron_lite.paral
 
 from __future__ import annotations
 
-import ast
-
 from ..errors import ConfigError
-from ..moe.layer_pattern import eval_int_list
+from ..moe.layer_pattern import zero_one_list
 
 
 def _require(cond: bool, message: str) -> None:
@@ -36,14 +34,11 @@ def parse_skip_freq(value, num_layers: int) -> list[bool]:
         if n < 1:
             raise ValueError("must be a positive integer or a list expression of 0/1 per layer")
         return [(i + 1) % n != 0 for i in range(num_layers)]
-    try:
-        pattern = eval_int_list(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError):
-        pattern = None
-    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+    pattern = zero_one_list(text, num_layers)
+    if pattern is None:
         raise ValueError(f"must be an integer N or a list of {num_layers} zeros and ones (1 = sliding window), "
                          "e.g. \"[1,1,1,0]\"")
-    return [bool(v) for v in pattern]
+    return pattern
 
 
 def check_window_fields(config) -> None:

@@ -20,6 +20,18 @@ def parse_moe_layer_freq(value, num_layers: int) -> list[bool]:
     return [bool(v) for v in pattern]
 
 
+def zero_one_list(text: str, num_layers: int) -> list[bool] | None:
+    """A list expression of one 0/1 per layer (``"([0]*3+[1])*2"``) as booleans; None when ``text`` is not one
+    (the per-layer patterns of --window-attn-skip-freq and --no-rope-freq, whose callers word the error)."""
+    try:
+        pattern = eval_int_list(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(pattern, list) or len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        return None
+    return [bool(v) for v in pattern]
+
+
 MAX_PATTERN = 1_000_000
 
 
